@@ -30,6 +30,7 @@ def atomic_path(path: Path | str) -> Iterator[Path]:
         yield tmp_path
         with open(tmp_path, "rb") as f:
             os.fsync(f.fileno())
+        os.chmod(tmp_path, 0o644)  # mkstemp makes 0600; artifacts are meant to be shared
         os.replace(tmp_path, path)
     except OSError as e:
         tmp_path.unlink(missing_ok=True)

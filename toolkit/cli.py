@@ -1,0 +1,116 @@
+"""The `specprefetch` command line: one verb per pipeline stage, nothing else lives here.
+
+    specprefetch info MODEL_DIR            geometry and expert bytes of a MoE checkpoint
+    specprefetch trace MODEL_DIR --data F  routing traces for adapter training and evaluation
+    specprefetch tiny FAMILY --out DIR     a tiny random checkpoint of a family, for trying things
+
+MODEL_DIR may be `embedded` for the embedded default model.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from toolkit import __version__
+from toolkit.errors import SpecPrefetchError
+
+
+def friendly_errors(fn):
+    """Turn toolkit errors and Ctrl-C into one clear line and a non-zero exit, no traceback."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except SpecPrefetchError as e:
+            click.echo(f"error: {e}", err=True)
+            sys.exit(2)
+        except KeyboardInterrupt:
+            click.echo("interrupted: nothing was written under the output name; partial work is "
+                       "kept beside it and the same command resumes it", err=True)
+            sys.exit(130)
+    return wrapper
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="specprefetch")
+def main() -> None:
+    """Predict and prefetch Mixture-of-Experts experts from flash into a bounded DRAM pool."""
+
+
+@main.command()
+@click.argument("model", default="embedded")
+@click.option("--json", "as_json", is_flag=True, help="print JSON instead of a summary")
+@friendly_errors
+def info(model: str, as_json: bool) -> None:
+    """Family, layers, experts, top-k and expert bytes (fp16/int8/int4) of MODEL.
+
+    MODEL is a Hugging Face checkpoint directory (config.json + safetensors) or `embedded`.
+    A directory with config.json alone is accepted: sizes then come from the config.
+    """
+    from toolkit.models.info import info as model_info, render
+
+    d = model_info(model)
+    click.echo(json.dumps(d, indent=1) if as_json else render(d))
+
+
+@main.command()
+@click.argument("model", default="embedded")
+@click.option("--data", "data", multiple=True, required=True, type=click.Path(path_type=Path),
+              help=".txt or .jsonl file ({\"text\": ..., \"image\": ...} per line); repeatable")
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="trace directory to write")
+@click.option("--prompt-tokens", default=256, show_default=True, help="tokens per prompt")
+@click.option("--decode-tokens", default=32, show_default=True, help="greedy decode steps per prompt")
+@click.option("--max-sequences", type=int, default=None, help="stop after this many prompts")
+@click.option("--probs-top-m", type=int, default=None,
+              help="keep only the top-m router probabilities (default: all up to 256 experts, else 64)")
+@click.option("--hidden-sample", default=1.0, show_default=True,
+              help="share of prefill tokens whose router input is stored (decode tokens: always)")
+@click.option("--heldout-frac", default=0.1, show_default=True, help="share of prompts held out")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--shard-tokens", default=16384, show_default=True, help="tokens per shard")
+@click.option("--device", default="cpu", show_default=True,
+              help="cpu, cuda, cuda:N, or auto (spread over all GPUs with accelerate)")
+@click.option("--dtype", default="float32", show_default=True, help="float32, bfloat16 or float16")
+@click.option("--overwrite", is_flag=True, help="replace an existing --out (only once the new trace is complete)")
+@friendly_errors
+def trace(model, data, out, prompt_tokens, decode_tokens, max_sequences, probs_top_m,
+          hidden_sample, heldout_frac, seed, shard_tokens, device, dtype, overwrite) -> None:
+    """Record routing traces of MODEL over text (and images) in prefill and greedy decode.
+
+    Per token and MoE layer: selected experts and weights, the router's probability vector and
+    its input hidden state. Interrupted runs resume when the same command is run again.
+    """
+    from toolkit.traces.capture import TraceSettings, run_trace
+    from toolkit.traces.format import TraceReader
+
+    s = TraceSettings(prompt_tokens=prompt_tokens, decode_tokens=decode_tokens,
+                      max_sequences=max_sequences, probs_top_m=probs_top_m,
+                      hidden_sample=hidden_sample, heldout_frac=heldout_frac, seed=seed,
+                      shard_tokens=shard_tokens, device=device, dtype=dtype)
+    path = run_trace(model, list(data), out, s, overwrite=overwrite)
+    m = TraceReader(path).manifest
+    t = m["tokens"]
+    click.echo(f"wrote {path}: {len(m['shards'])} shards; train {t['train']['total']} tokens "
+               f"({t['train']['decode']} decode), held-out {t['heldout']['total']} tokens "
+               f"({t['heldout']['decode']} decode)")
+
+
+@main.command()
+@click.argument("family")
+@click.option("--out", required=True, type=click.Path(path_type=Path))
+@click.option("--seed", default=0, show_default=True)
+@friendly_errors
+def tiny(family: str, out: Path, seed: int) -> None:
+    """Write a tiny random checkpoint of FAMILY (qwen3_moe, qwen3_vl_moe, deepseek_v2,
+    deepseek_v3, mixtral, olmoe, gpt_oss) to --out."""
+    from toolkit.models.tiny import build_tiny
+
+    click.echo(f"wrote {build_tiny(family, out, seed=seed)}")
+
+
+if __name__ == "__main__":
+    main()

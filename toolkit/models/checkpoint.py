@@ -1,0 +1,135 @@
+"""Read a checkpoint's safetensors directly: tensor shapes from headers, and one expert at a time.
+
+The expert store (and anything that must never hold all experts in memory) reads experts through
+`ExpertReader`, which slices exactly one expert out of per-expert or fused tensors using the
+family's `expert_sources` and returns canonical [out, in] matrices. Shapes come from the
+safetensors headers alone, so `info` works on a 30B checkpoint without loading it.
+"""
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from toolkit.errors import SpecPrefetchError
+from toolkit.models.families import ExpertSource
+from toolkit.models.loader import ModelSpec
+
+DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
+               "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
+
+
+def read_header(path: Path) -> dict:
+    """The JSON header of a safetensors file (name -> dtype, shape, offsets)."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) != 8:
+                raise SpecPrefetchError(f"{path}: truncated safetensors file (no header)")
+            (n,) = struct.unpack("<Q", raw)
+            if n > 100 * 1024 * 1024:
+                raise SpecPrefetchError(f"{path}: implausible safetensors header size {n}")
+            head = json.loads(f.read(n))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise SpecPrefetchError(f"{path}: corrupt safetensors header ({e})") from None
+    head.pop("__metadata__", None)
+    return head
+
+
+class TensorIndex:
+    """Every tensor of a checkpoint: name -> (file, dtype, shape), from headers only."""
+
+    def __init__(self, spec: ModelSpec):
+        self.entries: dict[str, tuple[Path, str, tuple[int, ...]]] = {}
+        for f in spec.weight_files:
+            for name, meta in read_header(f).items():
+                self.entries[name] = (f, meta["dtype"], tuple(meta["shape"]))
+
+    def nbytes(self, name: str) -> int:
+        _, dtype, shape = self.entries[name]
+        n = DTYPE_BYTES.get(dtype, 2)
+        for s in shape:
+            n *= s
+        return n
+
+
+def expert_keys(spec: ModelSpec, layer: int) -> set[str]:
+    """Every checkpoint key that holds (part of) a routed expert of this layer."""
+    keys = set()
+    for src in spec.family.expert_sources(spec.geometry):
+        if src.fused:
+            keys.add(src.key.format(layer=layer, expert=0))
+        else:
+            keys.update(src.key.format(layer=layer, expert=e)
+                        for e in range(spec.geometry.routing.num_experts))
+    return keys
+
+
+class ExpertReader:
+    """Slices one routed expert out of a checkpoint, in canonical orientation."""
+
+    def __init__(self, spec: ModelSpec):
+        self.spec = spec
+        self.geo = spec.geometry
+        self.sources: tuple[ExpertSource, ...] = spec.family.expert_sources(self.geo)
+        self.index = TensorIndex(spec)
+        self._canonical = {m.role: m.shape for m in spec.family.expert_matrices(self.geo) if len(m.shape) == 2}
+        self._handles: dict[Path, object] = {}
+        probe = self.key(self.sources[0], self.geo.moe_layers[0], 0) if self.geo.moe_layers else None
+        if probe is not None and probe not in self.index.entries:
+            quantized = [k for k in self.index.entries if k.endswith(("_blocks", "_scales"))]
+            hint = (" The experts are stored quantized (MXFP4 *_blocks/*_scales); dequantise the "
+                    "checkpoint to bf16 first." if quantized else "")
+            raise SpecPrefetchError(f"{spec.path}: expected expert tensor {probe!r} for family "
+                                    f"{spec.family.name} is not in the checkpoint.{hint}")
+
+    @staticmethod
+    def key(src: ExpertSource, layer: int, expert: int) -> str:
+        return src.key.format(layer=layer, expert=expert)
+
+    def _handle(self, path: Path):
+        if path not in self._handles:
+            self._handles[path] = safe_open(str(path), framework="pt")
+        return self._handles[path]
+
+    def _orient(self, name: str, t: torch.Tensor, src: ExpertSource) -> torch.Tensor:
+        """Return the stored matrix as canonical [out, in], whichever way the file holds it.
+
+        Converters disagree on orientation (transformers 5 may save fused Qwen3-VL experts either
+        way), so the shape decides; only a square matrix falls back to the family's declared layout.
+        """
+        out_dim, in_dim = self._canonical[src.role]
+        if src.rows is not None or src.stride2:
+            out_dim *= 2  # a fused gate_up tensor holds both halves
+        if out_dim == in_dim:
+            return t.t() if src.transpose else t
+        if tuple(t.shape) == (out_dim, in_dim):
+            return t
+        if tuple(t.shape) == (in_dim, out_dim):
+            return t.t()
+        raise SpecPrefetchError(f"{self.spec.path}: tensor {name} has shape {tuple(t.shape)}, expected "
+                                f"{(out_dim, in_dim)} or its transpose for a {src.role} matrix")
+
+    def read_expert(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
+        """{role: tensor} of one expert; only that expert's bytes are read from disk."""
+        if layer not in self.geo.moe_layers:
+            raise SpecPrefetchError(f"layer {layer} is not a MoE layer of {self.spec.path}")
+        if not 0 <= expert < self.geo.routing.num_experts:
+            raise SpecPrefetchError(f"expert {expert} out of range 0..{self.geo.routing.num_experts - 1}")
+        out = {}
+        for src in self.sources:
+            name = self.key(src, layer, expert)
+            path = self.index.entries[name][0]
+            sl = self._handle(path).get_slice(name)
+            t = sl[expert] if src.fused else sl[:]
+            if t.ndim == 2:
+                t = self._orient(name, t, src)
+            if src.stride2:
+                t = t[src.rows[0]::2]
+            elif src.rows is not None:
+                t = t[src.rows[0]:src.rows[1]]
+            out[src.role] = t.contiguous()
+        return out

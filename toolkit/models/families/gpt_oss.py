@@ -1,0 +1,47 @@
+"""GPT-OSS (gpt-oss-20b, gpt-oss-120b).
+
+Router: a Linear with bias; top-k on the raw logits, then softmax over the k values. The MoE
+block's router attribute is `router`. Experts carry biases and are fused per layer on disk:
+`mlp.experts.gate_up_proj` [E, H, 2I] with gate and up interleaved along the last axis (even
+columns gate, odd columns up), `gate_up_proj_bias` [E, 2I], `down_proj` [E, I, H] and
+`down_proj_bias` [E, H]. The released checkpoints store experts as MXFP4 `*_blocks`/`*_scales`;
+those must be dequantised (transformers does it on load) before the expert store can read them.
+"""
+import torch
+
+from toolkit.models.families.base import ExpertSource, Family, RoutingSpec
+
+
+class GptOss(Family):
+    name = "gpt_oss"
+    model_types = ("gpt_oss",)
+    description = "GPT-OSS 20B / 120B"
+    router_attr = "router"
+    expert_has_bias = True
+
+    def num_experts(self, tc):
+        return int(tc.num_local_experts)
+
+    def moe_intermediate_size(self, tc):
+        return int(tc.intermediate_size)
+
+    def routing(self, tc):
+        return RoutingSpec(num_experts=self.num_experts(tc), top_k=int(tc.num_experts_per_tok),
+                           topk_before_softmax=True)
+
+    def expert_forward(self, mats, x, tc):
+        """GPT-OSS's clamped, biased GLU: (up + 1) * gate * sigmoid(1.702 * gate)."""
+        limit = float(getattr(tc, "swiglu_limit", 7.0))
+        gate = (x @ mats["gate"].t() + mats["bias_gate"]).clamp(max=limit)
+        up = (x @ mats["up"].t() + mats["bias_up"]).clamp(-limit, limit)
+        glu = gate * torch.sigmoid(gate * 1.702)
+        return ((up + 1) * glu) @ mats["down"].t() + mats["bias_down"]
+
+    def expert_sources(self, geo):
+        p = self.layer_prefix + ".mlp.experts"
+        return (ExpertSource("gate", p + ".gate_up_proj", fused=True, transpose=True, rows=(0, 0), stride2=True),
+                ExpertSource("up", p + ".gate_up_proj", fused=True, transpose=True, rows=(1, 0), stride2=True),
+                ExpertSource("down", p + ".down_proj", fused=True, transpose=True),
+                ExpertSource("bias_gate", p + ".gate_up_proj_bias", fused=True, rows=(0, 0), stride2=True),
+                ExpertSource("bias_up", p + ".gate_up_proj_bias", fused=True, rows=(1, 0), stride2=True),
+                ExpertSource("bias_down", p + ".down_proj_bias", fused=True))

@@ -1,0 +1,28 @@
+"""Mixtral (8x7B, 8x22B).
+
+Router: softmax over E, top-k, renormalised. Every layer is MoE; the MoE block is the decoder
+layer's `mlp` in transformers 5 but `block_sparse_moe` in the checkpoint, with per-expert
+`w1` (gate), `w3` (up) and `w2` (down) Linears.
+"""
+from toolkit.models.families.base import ExpertSource, Family, RoutingSpec
+
+
+class Mixtral(Family):
+    name = "mixtral"
+    model_types = ("mixtral",)
+    description = "Mixtral 8x7B / 8x22B"
+
+    def num_experts(self, tc):
+        return int(tc.num_local_experts)
+
+    def moe_intermediate_size(self, tc):
+        return int(tc.intermediate_size)
+
+    def routing(self, tc):
+        return RoutingSpec(num_experts=self.num_experts(tc), top_k=int(tc.num_experts_per_tok),
+                           norm_topk_prob=True)
+
+    def expert_sources(self, geo):
+        p = self.layer_prefix + ".block_sparse_moe.experts.{expert}"
+        return (ExpertSource("gate", p + ".w1.weight"), ExpertSource("up", p + ".w3.weight"),
+                ExpertSource("down", p + ".w2.weight"))

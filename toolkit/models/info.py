@@ -1,0 +1,141 @@
+"""`specprefetch info`: a model's MoE geometry and what its experts cost in bytes.
+
+Sizes come from config.json and the safetensors headers; no weights are loaded, so this is instant
+on a 30B checkpoint. Quantised expert sizes follow the expert store's layouts (docs/expert-store.md):
+int8 with one fp16 scale per output row, int4 packed two per byte with one fp16 scale per group of
+32 weights along the input axis. Biases (GPT-OSS) stay fp16.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from toolkit.models.checkpoint import DTYPE_BYTES, TensorIndex, expert_keys
+from toolkit.models.families import ModelGeometry
+from toolkit.models.loader import ModelSpec, inspect_model_dir
+
+INT4_GROUP = 32
+PAGE = 4096
+
+
+def expert_bytes(geo: ModelGeometry, dtype: str) -> int:
+    """Bytes of one routed expert's weights (and scales) in `dtype`: fp16, bf16, int8 or int4."""
+    total = 0
+    for m in geo_matrices(geo):
+        if len(m) == 1:
+            total += m[0] * 2
+            continue
+        out_dim, in_dim = m
+        if dtype in ("fp16", "bf16"):
+            total += out_dim * in_dim * 2
+        elif dtype == "int8":
+            total += out_dim * in_dim + out_dim * 2
+        elif dtype == "int4":
+            groups = -(-in_dim // INT4_GROUP)
+            total += out_dim * (-(-in_dim // 2)) + out_dim * groups * 2
+        else:
+            raise ValueError(f"unknown expert dtype {dtype!r}")
+    return total
+
+
+def geo_matrices(geo: ModelGeometry) -> list[tuple[int, ...]]:
+    h, i = geo.hidden_size, geo.moe_intermediate_size
+    mats: list[tuple[int, ...]] = [(i, h), (i, h), (h, i)]
+    if geo.expert_has_bias:
+        mats += [(i,), (i,), (h,)]
+    return mats
+
+
+def aligned(n: int, page: int = PAGE) -> int:
+    return -(-n // page) * page
+
+
+def model_info(spec: ModelSpec) -> dict[str, Any]:
+    geo = spec.geometry
+    r = geo.routing
+    index = TensorIndex(spec)
+    total_params = 0
+    total_bytes = 0
+    for name, (_, dtype, shape) in index.entries.items():
+        n = 1
+        for s in shape:
+            n *= s
+        total_params += n
+        total_bytes += n * DTYPE_BYTES.get(dtype, 2)
+    n_moe = len(geo.moe_layers)
+    n_experts = n_moe * r.num_experts
+    expert_params = geo.expert_params() * n_experts
+    per_expert = {d: expert_bytes(geo, d) for d in ("fp16", "int8", "int4")}
+    non_expert_params = total_params - expert_params
+    return {
+        "path": str(spec.path),
+        "family": spec.family.name,
+        "model_type": geo.model_type,
+        "config_hash": spec.config_hash,
+        "vision_language": spec.family.is_vision_language,
+        "layers": geo.num_layers,
+        "moe_layers": list(geo.moe_layers),
+        "dense_layers": list(geo.dense_layers),
+        "hidden_size": geo.hidden_size,
+        "moe_intermediate_size": geo.moe_intermediate_size,
+        "experts_per_layer": r.num_experts,
+        "top_k": r.top_k,
+        "score_function": ("top-k logits then softmax" if r.topk_before_softmax else r.score_func)
+                          + (" + selection bias" if r.score_bias else ""),
+        "group_limited": (f"{r.topk_group} of {r.n_group} groups ({r.group_score})"
+                          if r.n_group and r.topk_group and r.n_group > 1 else None),
+        "norm_topk_prob": r.norm_topk_prob,
+        "routed_scaling_factor": r.routed_scaling_factor,
+        "shared_experts": geo.n_shared_experts,
+        "shared_intermediate_size": geo.shared_intermediate_size,
+        "routed_experts_total": n_experts,
+        "params_per_expert": geo.expert_params(),
+        "bytes_per_expert": per_expert,
+        "bytes_per_expert_4k_aligned": {d: aligned(b) for d, b in per_expert.items()},
+        "total_expert_bytes": {d: b * n_experts for d, b in per_expert.items()},
+        "total_params": total_params,
+        "expert_params": expert_params,
+        "non_expert_params": non_expert_params,
+        "non_expert_bytes": {"fp16": non_expert_params * 2, "checkpoint": total_bytes - _expert_ckpt_bytes(spec, index)},
+        "active_expert_bytes_per_token": {d: b * r.top_k * n_moe for d, b in per_expert.items()},
+        "checkpoint_bytes": total_bytes,
+    }
+
+
+def _expert_ckpt_bytes(spec: ModelSpec, index: TensorIndex) -> int:
+    keys = set().union(*(expert_keys(spec, layer) for layer in spec.geometry.moe_layers))
+    return sum(index.nbytes(k) for k in keys if k in index.entries)
+
+
+def info(model: str) -> dict[str, Any]:
+    return model_info(inspect_model_dir(model))
+
+
+def mib(n: int) -> str:
+    return f"{n / 2**20:,.2f} MiB"
+
+
+def render(d: dict[str, Any]) -> str:
+    """A human summary for the terminal."""
+    rows = [
+        ("model", d["path"]),
+        ("family", f"{d['family']} (config hash {d['config_hash']})"),
+        ("layers", f"{d['layers']} ({len(d['moe_layers'])} MoE, {len(d['dense_layers'])} dense"
+                   + (f": {d['dense_layers']}" if d["dense_layers"] else "") + ")"),
+        ("experts", f"{d['experts_per_layer']} per MoE layer, top-{d['top_k']}, "
+                    f"{d['routed_experts_total']} routed in all"),
+        ("router", d["score_function"] + (f", group-limited {d['group_limited']}" if d["group_limited"] else "")
+                   + (", renormalised" if d["norm_topk_prob"] else "")
+                   + (f", scaled x{d['routed_scaling_factor']}" if d["routed_scaling_factor"] != 1.0 else "")),
+        ("shared experts", str(d["shared_experts"])),
+        ("params", f"{d['total_params']:,} total, {d['expert_params']:,} in routed experts "
+                   f"({100 * d['expert_params'] / max(1, d['total_params']):.1f}%)"),
+    ]
+    for dt in ("fp16", "int8", "int4"):
+        rows.append((f"expert {dt}", f"{d['bytes_per_expert'][dt]:,} B each "
+                                     f"({d['bytes_per_expert_4k_aligned'][dt]:,} B 4K-aligned), "
+                                     f"{mib(d['total_expert_bytes'][dt])} all, "
+                                     f"{mib(d['active_expert_bytes_per_token'][dt])} active per token"))
+    rows.append(("non-expert", f"{mib(d['non_expert_bytes']['fp16'])} fp16 "
+                               f"({mib(d['non_expert_bytes']['checkpoint'])} as stored)"))
+    w = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)

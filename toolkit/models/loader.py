@@ -1,0 +1,197 @@
+"""Load a Hugging Face MoE checkpoint from a local directory, through transformers, never a hub.
+
+A model directory holds config.json, safetensors weights (one file or an index of shards) and a
+tokenizer; VL families also hold preprocessor_config.json. Pickle checkpoints (.bin/.pt/.pth) are
+refused: loading them runs arbitrary code. The embedded default model is such a directory, shipped
+inside the package (`embedded_model_dir()`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+# Nothing in the toolkit may reach a model hub at run time.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+import torch  # noqa: E402
+
+from toolkit.artifacts import config_hash  # noqa: E402
+from toolkit.errors import SpecPrefetchError  # noqa: E402
+from toolkit.models.families import Family, ModelGeometry, family_for  # noqa: E402
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+def embedded_model_dir() -> Path:
+    """The embedded default model shipped with the toolkit (see docs/embedded-model.md)."""
+    return Path(__file__).resolve().parent.parent / "embedded" / "model"
+
+
+def resolve_model_dir(model: str | Path) -> Path:
+    """`embedded` (or an empty value) names the embedded model; anything else is a directory."""
+    if str(model) in ("", "embedded", "default"):
+        return embedded_model_dir()
+    return Path(model)
+
+
+@dataclasses.dataclass
+class ModelSpec:
+    """What the toolkit knows about a model directory without loading any weights."""
+    path: Path
+    config: Any  # transformers PretrainedConfig
+    config_dict: dict
+    config_hash: str
+    family: Family
+    geometry: ModelGeometry
+    weight_files: tuple[Path, ...]
+
+    @property
+    def model_id(self) -> str:
+        return self.config_dict.get("_name_or_path") or self.path.name
+
+
+def _weight_files(path: Path) -> tuple[Path, ...]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError) as e:
+            raise SpecPrefetchError(f"{index}: not a valid safetensors index ({e})") from None
+        files = tuple(path / s for s in shards)
+        missing = [str(f) for f in files if not f.exists()]
+        if missing:
+            raise SpecPrefetchError(f"{index} lists shards that are missing: {', '.join(missing)}")
+        return files
+    files = tuple(sorted(path.glob("*.safetensors")))
+    if files:
+        return files
+    pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickles:
+        raise SpecPrefetchError(f"{path}: only pickle checkpoints found ({', '.join(pickles)}); they are "
+                                "refused because loading them can run arbitrary code. Convert the "
+                                "model to safetensors first.")
+    raise SpecPrefetchError(f"{path}: no *.safetensors weights found")
+
+
+def inspect_model_dir(model: str | Path, *, need_weights: bool = True) -> ModelSpec:
+    """Validate a model directory and read its config; loads no weights."""
+    path = resolve_model_dir(model)
+    if not path.exists():
+        raise SpecPrefetchError(f"model directory not found: {path}")
+    if not path.is_dir():
+        raise SpecPrefetchError(f"model path is not a directory: {path}")
+    cfg_path = path / "config.json"
+    if not cfg_path.exists():
+        raise SpecPrefetchError(f"{path}: no config.json (is this a Hugging Face model directory?)")
+    try:
+        cfg_dict = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise SpecPrefetchError(f"{cfg_path}: not valid JSON ({e})") from None
+    if not isinstance(cfg_dict, dict):
+        raise SpecPrefetchError(f"{cfg_path}: expected a JSON object")
+    family = family_for(cfg_dict.get("model_type"), where=str(cfg_path))
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # transformers raises many types for a bad config
+        raise SpecPrefetchError(f"{cfg_path}: transformers cannot read this config: {e}") from None
+    try:
+        geometry = family.geometry(config)
+    except (AttributeError, TypeError, ValueError) as e:
+        raise SpecPrefetchError(f"{cfg_path}: incomplete {family.name} config: {e}") from None
+    if geometry.routing.top_k > geometry.routing.num_experts or geometry.routing.top_k < 1:
+        raise SpecPrefetchError(f"{cfg_path}: top-k {geometry.routing.top_k} does not fit "
+                                f"{geometry.routing.num_experts} experts")
+    weights = _weight_files(path) if need_weights else ()
+    return ModelSpec(path=path, config=config, config_dict=cfg_dict, config_hash=config_hash(cfg_dict),
+                     family=family, geometry=geometry, weight_files=weights)
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    spec: ModelSpec
+    model: torch.nn.Module
+    tokenizer: Any
+    image_processor: Any = None
+
+    @property
+    def family(self) -> Family:
+        return self.spec.family
+
+    @property
+    def geometry(self) -> ModelGeometry:
+        return self.spec.geometry
+
+    @property
+    def input_device(self) -> torch.device:
+        return self.model.get_input_embeddings().weight.device
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    table = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+             "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+    if name not in table:
+        raise SpecPrefetchError(f"--dtype {name!r}: expected one of {', '.join(table)}")
+    return table[name]
+
+
+def load_model(model: str | Path, *, device: str = "cpu", dtype: str = "float32") -> LoadedModel:
+    """Load weights, tokenizer and (VL) image processor.
+
+    Args:
+        device: "cpu", "cuda", "cuda:N", or "auto" to spread layers over every visible GPU with
+            accelerate's device_map (how a 30B checkpoint is traced on a multi-GPU workstation).
+        dtype: float32, float16 or bfloat16.
+    """
+    spec = inspect_model_dir(model)
+    torch_dtype = parse_dtype(dtype)
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+
+    cls = AutoModelForImageTextToText if spec.family.is_vision_language else AutoModelForCausalLM
+    kwargs: dict[str, Any] = {"dtype": torch_dtype, "local_files_only": True, "use_safetensors": True}
+    if device == "auto":
+        if not torch.cuda.is_available():
+            raise SpecPrefetchError("--device auto needs CUDA GPUs; none are visible (use --device cpu)")
+        kwargs["device_map"] = "auto"
+    elif device.startswith("cuda") and not torch.cuda.is_available():
+        raise SpecPrefetchError(f"--device {device}: CUDA is not available on this machine")
+    try:
+        net = cls.from_pretrained(spec.path, **kwargs)
+    except SpecPrefetchError:
+        raise
+    except Exception as e:
+        raise SpecPrefetchError(f"{spec.path}: loading the weights failed: {e}") from None
+    if device != "auto":
+        net = net.to(device)
+    net.eval()
+    try:
+        tok = AutoTokenizer.from_pretrained(spec.path, local_files_only=True)
+    except Exception as e:
+        raise SpecPrefetchError(f"{spec.path}: no usable tokenizer ({e})") from None
+    image_processor = None
+    if spec.family.is_vision_language:
+        image_processor = load_image_processor(spec.path)
+    return LoadedModel(spec=spec, model=net, tokenizer=tok, image_processor=image_processor)
+
+
+def load_image_processor(path: Path) -> Any:
+    """The Qwen-VL image processor, PIL backend.
+
+    The full AutoProcessor of Qwen3-VL insists on a torchvision video processor, and PyPI's
+    torchvision cannot be installed beside the CPU torch this toolkit pins; images need only the
+    image processor, so we build the prompt's image placeholders ourselves (toolkit/traces/data.py).
+    """
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    if not (path / "preprocessor_config.json").exists():
+        raise SpecPrefetchError(f"{path}: a vision-language model needs preprocessor_config.json")
+    try:
+        return Qwen2VLImageProcessorPil.from_pretrained(path, local_files_only=True)
+    except Exception as e:
+        raise SpecPrefetchError(f"{path}/preprocessor_config.json: unusable ({e})") from None

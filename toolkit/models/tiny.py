@@ -1,0 +1,106 @@
+"""Tiny random checkpoints of every supported family, for tests and for trying the toolkit.
+
+Each is a real transformers model of that architecture (2-4 layers, hidden 64, 8 experts), saved as
+an ordinary model directory with the embedded model's tokenizer, so it goes through exactly the
+loading, tracing and export paths of a real checkpoint. `specprefetch tiny FAMILY --out DIR` writes one.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from toolkit.errors import SpecPrefetchError
+from toolkit.models.loader import embedded_model_dir
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+VOCAB = 4096
+EOS = 0
+
+
+def _configs() -> dict:
+    import transformers as T
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4,
+                  eos_token_id=EOS, bos_token_id=EOS, pad_token_id=EOS, max_position_embeddings=512)
+    return {
+        "qwen3_moe": lambda: T.Qwen3MoeConfig(
+            **common, intermediate_size=96, num_hidden_layers=4, num_key_value_heads=2, head_dim=16,
+            num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True,
+            mlp_only_layers=[0]),
+        "qwen3_vl_moe": lambda: T.Qwen3VLMoeConfig(
+            text_config=dict(**common, intermediate_size=96, num_hidden_layers=3,
+                             num_key_value_heads=2, head_dim=16, num_experts=8,
+                             num_experts_per_tok=2, moe_intermediate_size=48,
+                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                              "mrope_section": [2, 3, 3], "mrope_interleaved": True}),
+            vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
+                               out_hidden_size=64, patch_size=16, spatial_merge_size=2,
+                               temporal_patch_size=2, deepstack_visual_indexes=[1],
+                               num_position_embeddings=64),
+            image_token_id=5, video_token_id=6, vision_start_token_id=3, vision_end_token_id=4,
+            eos_token_id=EOS, pad_token_id=EOS),
+        "deepseek_v2": lambda: T.DeepseekV2Config(
+            **common, intermediate_size=96, num_hidden_layers=3, num_key_value_heads=4,
+            n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, n_shared_experts=1,
+            first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+            qk_nope_head_dim=8, v_head_dim=16, topk_method="group_limited_greedy", n_group=4,
+            topk_group=2, routed_scaling_factor=1.0),
+        "deepseek_v3": lambda: T.DeepseekV3Config(
+            **common, intermediate_size=96, num_hidden_layers=3, num_key_value_heads=4,
+            n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, n_shared_experts=1,
+            first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
+            qk_nope_head_dim=8, v_head_dim=16, n_group=4, topk_group=2, norm_topk_prob=True,
+            routed_scaling_factor=2.5),
+        "mixtral": lambda: T.MixtralConfig(
+            **common, intermediate_size=48, num_hidden_layers=2, num_key_value_heads=2,
+            num_local_experts=8, num_experts_per_tok=2),
+        "olmoe": lambda: T.OlmoeConfig(
+            **common, intermediate_size=48, num_hidden_layers=2, num_key_value_heads=4,
+            num_experts=8, num_experts_per_tok=2),
+        "gpt_oss": lambda: T.GptOssConfig(
+            **common, intermediate_size=48, num_hidden_layers=2, num_key_value_heads=2, head_dim=16,
+            num_local_experts=8, num_experts_per_tok=2,
+            layer_types=["sliding_attention", "full_attention"], sliding_window=64,
+            rope_parameters={"rope_type": "default", "rope_theta": 150000.0}),
+    }
+
+
+TINY_FAMILIES = ("qwen3_moe", "qwen3_vl_moe", "deepseek_v2", "deepseek_v3", "mixtral", "olmoe", "gpt_oss")
+
+
+def build_tiny(family: str, out: Path | str, *, seed: int = 0) -> Path:
+    """Write a tiny random checkpoint of `family` to `out` and return the path."""
+    import transformers as T
+
+    makers = _configs()
+    if family not in makers:
+        raise SpecPrefetchError(f"no tiny config for {family!r}; choose from {', '.join(TINY_FAMILIES)}")
+    out = Path(out)
+    config = makers[family]()
+    torch.manual_seed(seed)
+    if family == "qwen3_vl_moe":
+        model = T.Qwen3VLMoeForConditionalGeneration(config)
+    else:
+        model = T.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # untrained routers of zeros would route every token alike
+        for name, p in model.named_parameters():
+            if name.endswith((".gate.weight", ".router.weight")) and torch.count_nonzero(p) == 0:
+                p.normal_(0.0, 0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.uniform_(-0.05, 0.05)
+    model.eval()
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    for name in TOKENIZER_FILES:
+        shutil.copy(embedded_model_dir() / name, out / name)
+    if family == "qwen3_vl_moe":
+        pre = {"image_processor_type": "Qwen2VLImageProcessor", "patch_size": 16, "merge_size": 2,
+               "temporal_patch_size": 2, "min_pixels": 32 * 32, "max_pixels": 64 * 64,
+               "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+               "do_resize": True, "do_rescale": True, "do_normalize": True, "do_convert_rgb": True}
+        (out / "preprocessor_config.json").write_text(json.dumps(pre, indent=1))
+    return out
