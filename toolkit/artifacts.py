@@ -32,14 +32,12 @@ def atomic_path(path: Path | str) -> Iterator[Path]:
             os.fsync(f.fileno())
         os.chmod(tmp_path, 0o644)  # mkstemp makes 0600; artifacts are meant to be shared
         os.replace(tmp_path, path)
-    except OSError as e:
+    except BaseException as e:
         tmp_path.unlink(missing_ok=True)
-        if e.errno == errno.ENOSPC:
+        # writers in native code (safetensors) report ENOSPC in their own exception types
+        if getattr(e, "errno", None) == errno.ENOSPC or "No space left on device" in str(e):
             raise SpecPrefetchError(f"disk full while writing {path}; nothing was left under that "
                                     "name: free some space and run again") from e
-        raise
-    except BaseException:
-        tmp_path.unlink(missing_ok=True)
         raise
 
 

@@ -7,6 +7,7 @@ int8 with one fp16 scale per output row, int4 packed two per byte with one fp16 
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from toolkit.models.checkpoint import DTYPE_BYTES, TensorIndex, expert_keys
@@ -52,15 +53,16 @@ def aligned(n: int, page: int = PAGE) -> int:
 def model_info(spec: ModelSpec) -> dict[str, Any]:
     geo = spec.geometry
     r = geo.routing
-    index = TensorIndex(spec)
-    total_params = 0
-    total_bytes = 0
-    for name, (_, dtype, shape) in index.entries.items():
-        n = 1
-        for s in shape:
-            n *= s
-        total_params += n
-        total_bytes += n * DTYPE_BYTES.get(dtype, 2)
+    if spec.weight_files:
+        index = TensorIndex(spec)
+        total_params = total_bytes = 0
+        for name, (_, dtype, shape) in index.entries.items():
+            n = math.prod(shape)
+            total_params += n
+            total_bytes += n * DTYPE_BYTES.get(dtype, 2)
+        stored_non_expert: int | None = total_bytes - _expert_ckpt_bytes(spec, index)
+    else:
+        total_params, total_bytes, stored_non_expert = _meta_param_count(spec), None, None
     n_moe = len(geo.moe_layers)
     n_experts = n_moe * r.num_experts
     expert_params = geo.expert_params() * n_experts
@@ -95,10 +97,22 @@ def model_info(spec: ModelSpec) -> dict[str, Any]:
         "total_params": total_params,
         "expert_params": expert_params,
         "non_expert_params": non_expert_params,
-        "non_expert_bytes": {"fp16": non_expert_params * 2, "checkpoint": total_bytes - _expert_ckpt_bytes(spec, index)},
+        "non_expert_bytes": {"fp16": non_expert_params * 2, "checkpoint": stored_non_expert},
         "active_expert_bytes_per_token": {d: b * r.top_k * n_moe for d, b in per_expert.items()},
         "checkpoint_bytes": total_bytes,
     }
+
+
+def _meta_param_count(spec: ModelSpec) -> int:
+    """Parameters of the model built on the meta device: exact, allocates nothing."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    cls = AutoModelForImageTextToText if spec.family.is_vision_language else AutoModelForCausalLM
+    with torch.device("meta"):
+        net = cls.from_config(spec.config)
+    # parameters() counts tied embeddings once, as save_pretrained stores them
+    return sum(p.numel() for p in net.parameters())
 
 
 def _expert_ckpt_bytes(spec: ModelSpec, index: TensorIndex) -> int:
@@ -107,7 +121,7 @@ def _expert_ckpt_bytes(spec: ModelSpec, index: TensorIndex) -> int:
 
 
 def info(model: str) -> dict[str, Any]:
-    return model_info(inspect_model_dir(model))
+    return model_info(inspect_model_dir(model, config_only_ok=True))
 
 
 def mib(n: int) -> str:
@@ -135,7 +149,9 @@ def render(d: dict[str, Any]) -> str:
                                      f"({d['bytes_per_expert_4k_aligned'][dt]:,} B 4K-aligned), "
                                      f"{mib(d['total_expert_bytes'][dt])} all, "
                                      f"{mib(d['active_expert_bytes_per_token'][dt])} active per token"))
-    rows.append(("non-expert", f"{mib(d['non_expert_bytes']['fp16'])} fp16 "
-                               f"({mib(d['non_expert_bytes']['checkpoint'])} as stored)"))
+    stored = d["non_expert_bytes"]["checkpoint"]
+    rows.append(("non-expert", f"{mib(d['non_expert_bytes']['fp16'])} fp16"
+                               + (f" ({mib(stored)} as stored)" if stored is not None else
+                                  " (config only: no weights in the directory)")))
     w = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)

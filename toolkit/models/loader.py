@@ -55,7 +55,7 @@ class ModelSpec:
         return self.config_dict.get("_name_or_path") or self.path.name
 
 
-def _weight_files(path: Path) -> tuple[Path, ...]:
+def _weight_files(path: Path, allow_none: bool = False) -> tuple[Path, ...]:
     index = path / "model.safetensors.index.json"
     if index.exists():
         try:
@@ -75,11 +75,17 @@ def _weight_files(path: Path) -> tuple[Path, ...]:
         raise SpecPrefetchError(f"{path}: only pickle checkpoints found ({', '.join(pickles)}); they are "
                                 "refused because loading them can run arbitrary code. Convert the "
                                 "model to safetensors first.")
+    if allow_none:
+        return ()
     raise SpecPrefetchError(f"{path}: no *.safetensors weights found")
 
 
-def inspect_model_dir(model: str | Path, *, need_weights: bool = True) -> ModelSpec:
-    """Validate a model directory and read its config; loads no weights."""
+def inspect_model_dir(model: str | Path, *, config_only_ok: bool = False) -> ModelSpec:
+    """Validate a model directory and read its config; loads no weights.
+
+    With `config_only_ok`, a directory holding only config.json is accepted (weight_files empty):
+    enough to study the geometry of a checkpoint you do not have on disk.
+    """
     path = resolve_model_dir(model)
     if not path.exists():
         raise SpecPrefetchError(f"model directory not found: {path}")
@@ -108,7 +114,7 @@ def inspect_model_dir(model: str | Path, *, need_weights: bool = True) -> ModelS
     if geometry.routing.top_k > geometry.routing.num_experts or geometry.routing.top_k < 1:
         raise SpecPrefetchError(f"{cfg_path}: top-k {geometry.routing.top_k} does not fit "
                                 f"{geometry.routing.num_experts} experts")
-    weights = _weight_files(path) if need_weights else ()
+    weights = _weight_files(path, allow_none=config_only_ok)
     return ModelSpec(path=path, config=config, config_dict=cfg_dict, config_hash=config_hash(cfg_dict),
                      family=family, geometry=geometry, weight_files=weights)
 

@@ -1,0 +1,41 @@
+"""Shared fixtures: tiny real checkpoints of every family, built once per test session."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from toolkit.models.loader import embedded_model_dir
+from toolkit.models.tiny import TINY_FAMILIES, build_tiny
+
+REPO = Path(__file__).resolve().parent.parent
+HELDOUT = REPO / "toolkit" / "embedded" / "heldout.jsonl"
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {f: build_tiny(f, root / f, seed=1) for f in TINY_FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def embedded() -> Path:
+    return embedded_model_dir()
+
+
+@pytest.fixture(scope="session")
+def vl_data(tmp_path_factory) -> Path:
+    """A JSONL of image+text pairs with real PNG files."""
+    from PIL import Image
+
+    d = tmp_path_factory.mktemp("vl")
+    rng = np.random.default_rng(0)
+    for name, (h, w) in {"a.png": (64, 48), "b.png": (40, 64)}.items():
+        Image.fromarray((rng.random((h, w, 3)) * 255).astype("uint8")).save(d / name)
+    rows = [{"text": "A photo of a red kite over a hill.", "image": "a.png"},
+            {"text": "Describe the chart.", "image": "b.png"},
+            {"text": "Plain text without an image, about the kernel."}]
+    (d / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return d / "pairs.jsonl"
