@@ -1,0 +1,1 @@
+"""(placeholder package: filled by a later issue; see README.md)"""
