@@ -1,8 +1,9 @@
 """Every command answers --help; the CLI entry point is installed."""
 from __future__ import annotations
 
-import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -23,8 +24,8 @@ def test_help(cmd):
 
 
 def test_console_script():
-    exe = shutil.which("specprefetch")
-    assert exe, "specprefetch is not on PATH (pip install -e . installs it)"
+    exe = Path(sys.executable).parent / "specprefetch"  # beside the venv's python
+    assert exe.exists(), f"{exe} missing (pip install -e . installs it)"
     r = subprocess.run([exe, "--version"], capture_output=True, text=True)
     assert r.returncode == 0 and "specprefetch" in r.stdout
 

@@ -142,3 +142,18 @@ def test_truncated_weights_fail_clearly(tiny_models, tmp_path):
     w.write_bytes(w.read_bytes()[:5000])
     with pytest.raises(SpecPrefetchError, match="loading the weights failed"):
         load_model(d)
+
+
+@pytest.mark.parametrize("fam", TINY_FAMILIES)
+def test_router_bank_from_checkpoint_matches_model(tiny_models, fam):
+    from toolkit.models.routers import load_router_bank
+
+    lm = load_model(tiny_models[fam])
+    bank = load_router_bank(lm.spec)
+    torch.manual_seed(0)
+    for li, layer in enumerate(lm.geometry.moe_layers):
+        h = torch.randn(16, lm.geometry.hidden_size)
+        logits, _, ids = lm.family.router(lm.model, layer)(h)
+        assert torch.allclose(bank.logits(h, li), logits.float(), atol=1e-5)
+        top = bank.selection_scores(bank.logits(h, li), li).topk(2, -1).indices
+        assert torch.equal(top.sort(-1).values, ids.long().sort(-1).values)

@@ -177,6 +177,13 @@ class Family:
     # -- checkpoint layout ----------------------------------------------------------------
     layer_prefix: ClassVar[str] = "model.layers.{layer}"
 
+    def router_keys(self, layer: int) -> dict[str, str]:
+        """Checkpoint keys of a MoE layer's router: weight [E, H], optional bias [E] and
+        selection bias [E]; keys missing from a checkpoint are simply absent."""
+        p = self.layer_prefix.format(layer=layer) + f".{self.moe_block_attr}.{self.router_attr}"
+        return {"weight": p + ".weight", "bias": p + ".bias",
+                "score_bias": p + ".e_score_correction_bias"}
+
     def expert_sources(self, geo: ModelGeometry) -> tuple[ExpertSource, ...]:
         """The default: per-expert gate/up/down Linear weights (Qwen3-MoE, OLMoE, DeepSeek)."""
         p = self.layer_prefix + ".mlp.experts.{expert}"
@@ -209,18 +216,18 @@ def router_distribution(logits: torch.Tensor, spec: RoutingSpec) -> torch.Tensor
     return logits.softmax(-1)
 
 
-def select_experts(logits: torch.Tensor, spec: RoutingSpec,
-                   score_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Apply a family's top-k selection to router logits [T, E].
+def selection_scores(logits: torch.Tensor, spec: RoutingSpec,
+                     score_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Scores [T, E] whose descending order is the family's selection order.
 
-    Returns (weights [T, k] float32, ids [T, k] int64), ids sorted by descending selection score.
-    This reproduces the routers of transformers 5 for every supported family (tests check it), so
-    a predictor's corrected logits go through exactly the model's own selection rule.
+    The top-k of these scores is exactly the router's top-k (bias and group limits applied);
+    beyond k the order continues by the selection score, with experts of the selected groups first.
+    Predictors rank candidates with this, so every predictor and every budget uses the model's
+    own selection rule.
     """
     logits = logits.float()
     if spec.topk_before_softmax:
-        top_val, ids = torch.topk(logits, spec.top_k, dim=-1)
-        return top_val.softmax(-1), ids
+        return logits
     scores = logits.sigmoid() if spec.score_func == "sigmoid" else logits.softmax(-1)
     choice = scores + score_bias.float() if (spec.score_bias and score_bias is not None) else scores
     if spec.n_group and spec.topk_group and spec.n_group > 1:
@@ -231,11 +238,25 @@ def select_experts(logits: torch.Tensor, spec: RoutingSpec,
         else:
             gscore = grouped.max(-1).values
         gidx = torch.topk(gscore, spec.topk_group, dim=-1).indices
-        gmask = torch.zeros_like(gscore).scatter_(1, gidx, 1.0).bool()
+        gmask = torch.zeros_like(gscore).scatter_(1, gidx, 1.0)
         emask = gmask.unsqueeze(-1).expand_as(grouped).reshape(t, e)
-        fill = float("-inf") if spec.score_func == "sigmoid" else 0.0
-        choice = choice.masked_fill(~emask, fill)
-    _, ids = torch.topk(choice, spec.top_k, dim=-1)
+        choice = choice + emask * 1e4  # selected groups first; scores are O(1)
+    return choice
+
+
+def select_experts(logits: torch.Tensor, spec: RoutingSpec,
+                   score_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Apply a family's top-k selection to router logits [T, E].
+
+    Returns (weights [T, k] float32, ids [T, k] int64), ids sorted by descending selection score.
+    This reproduces the routers of transformers 5 for every supported family (tests check it), so
+    a predictor's corrected logits go through exactly the model's own selection rule.
+    """
+    logits = logits.float()
+    _, ids = torch.topk(selection_scores(logits, spec, score_bias), spec.top_k, dim=-1)
+    if spec.topk_before_softmax:
+        return logits.gather(-1, ids).softmax(-1), ids
+    scores = logits.sigmoid() if spec.score_func == "sigmoid" else logits.softmax(-1)
     weights = scores.gather(-1, ids)
     if spec.norm_topk_prob:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)

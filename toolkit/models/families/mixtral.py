@@ -22,6 +22,10 @@ class Mixtral(Family):
         return RoutingSpec(num_experts=self.num_experts(tc), top_k=int(tc.num_experts_per_tok),
                            norm_topk_prob=True)
 
+    def router_keys(self, layer):
+        p = self.layer_prefix.format(layer=layer) + ".block_sparse_moe.gate"
+        return {"weight": p + ".weight"}
+
     def expert_sources(self, geo):
         p = self.layer_prefix + ".block_sparse_moe.experts.{expert}"
         return (ExpertSource("gate", p + ".w1.weight"), ExpertSource("up", p + ".w3.weight"),

@@ -1,0 +1,48 @@
+"""The one definition of each metric the toolkit reports (eval, simulate, bench and runner alike).
+
+recall@k      |predicted top-k ∩ real top-k| / k                   (SpecPrefetch, ANCHORS.md)
+recall@M      |predicted top-M ∩ real top-k| / k  for a candidate budget M >= k
+precision@M   |predicted top-M ∩ real top-k| / M
+hit rate      pool hits / expert requests
+TPOT          (t_last - t_first) / (N - 1) over committed tokens; TTFT separately
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def overlap(pred_ids: torch.Tensor, real_ids: torch.Tensor) -> torch.Tensor:
+    """Per row, how many of `real_ids` [T, k] appear in `pred_ids` [T, m]."""
+    return (pred_ids.unsqueeze(-1) == real_ids.unsqueeze(-2)).any(-2).sum(-1)
+
+
+def topk_overlap(scores: torch.Tensor, real_ids: torch.Tensor, m: int) -> torch.Tensor:
+    """Overlap of the top-m of `scores` [T, E] with the real top-k ids [T, k]; per row."""
+    return overlap(torch.topk(scores, m, dim=-1).indices, real_ids.long())
+
+
+def recall_at_k(scores: torch.Tensor, real_ids: torch.Tensor) -> float:
+    k = real_ids.shape[-1]
+    return float(topk_overlap(scores, real_ids, k).float().mean() / k)
+
+
+def recall_within(scores: torch.Tensor, real_ids: torch.Tensor, budget: int) -> float:
+    k = real_ids.shape[-1]
+    return float(topk_overlap(scores, real_ids, budget).float().mean() / k)
+
+
+def precision_within(scores: torch.Tensor, real_ids: torch.Tensor, budget: int) -> float:
+    return float(topk_overlap(scores, real_ids, budget).float().mean() / budget)
+
+
+def hit_rate(hits: int, requests: int) -> float:
+    return hits / requests if requests else 0.0
+
+
+def tpot_ms(token_times_s: list[float] | np.ndarray) -> float:
+    """Time per output token: (last - first) / (N - 1), in milliseconds."""
+    t = np.asarray(token_times_s, dtype=np.float64)
+    if len(t) < 2:
+        return float("nan")
+    return float((t[-1] - t[0]) / (len(t) - 1) * 1e3)
