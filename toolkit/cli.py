@@ -99,6 +99,89 @@ def trace(model, data, out, prompt_tokens, decode_tokens, max_sequences, probs_t
                f"({t['heldout']['decode']} decode)")
 
 
+def _ints(text: str, option: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise SpecPrefetchError(f"{option} {text!r}: expected comma-separated integers") from None
+
+
+@main.command()
+@click.argument("traces", type=click.Path(path_type=Path))
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="adapter directory to write")
+@click.option("--model", default=None, help="model directory (default: the one the trace records)")
+@click.option("--rank", default=64, show_default=True)
+@click.option("--horizons", default="1,2", show_default=True, help="MoE layers ahead, 1..4")
+@click.option("--cross-token/--no-cross-token", default=True, show_default=True,
+              help="let the last layers predict the next token's first layers")
+@click.option("--horizon-weights", default=None,
+              help="loss weight per horizon, e.g. '1:2,2:1' (default 2 for h=1, 1 otherwise)")
+@click.option("--topk-weight", default=0.0, show_default=True, help="weight of the top-k ranking term")
+@click.option("--steps", default=3000, show_default=True)
+@click.option("--batch-size", default=512, show_default=True)
+@click.option("--lr", default=3e-3, show_default=True)
+@click.option("--val-every", default=100, show_default=True)
+@click.option("--patience", default=6, show_default=True, help="validations without improvement before stopping")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--device", default="cpu", show_default=True, help="cpu or cuda")
+@click.option("--max-memory-mb", default=512, show_default=True, help="trace shards held in memory at once")
+@friendly_errors
+def train(traces, out, model, rank, horizons, cross_token, horizon_weights, topk_weight, steps,
+          batch_size, lr, val_every, patience, seed, device, max_memory_mb) -> None:
+    """Train the prefetch adapter on TRACES (a `trace` directory): a rank-r correction of each
+    future layer's router, KL to the real routing, backbone frozen."""
+    from adapters.train import TrainConfig, train_adapter
+
+    hw = None
+    if horizon_weights:
+        try:
+            hw = {int(a): float(b) for a, b in (x.split(":") for x in horizon_weights.split(","))}
+        except ValueError:
+            raise SpecPrefetchError(f"--horizon-weights {horizon_weights!r}: expected H:W,H:W") from None
+    cfg = TrainConfig(rank=rank, horizons=_ints(horizons, "--horizons"), cross_token=cross_token,
+                      horizon_weights=hw, topk_weight=topk_weight, steps=steps, batch_size=batch_size,
+                      lr=lr, val_every=val_every, patience=patience, seed=seed, device=device,
+                      max_memory_mb=max_memory_mb)
+    try:
+        r = train_adapter(traces, out, cfg, model=model)
+    except ValueError as e:
+        raise SpecPrefetchError(f"train: {e}") from None
+    v = r["validation"]
+    click.echo(f"wrote {out}: {r['params']:,} parameters ({100 * r['share_of_model']:.2f}% of the model), "
+               f"best step {r['training']['best_step']}")
+    for h in v["adapter"]["recall_at_k"]:
+        click.echo(f"  validation recall@k h={h}: next-gate {v['next_gate']['recall_at_k'][h]:.3f} -> "
+                   f"adapter {v['adapter']['recall_at_k'][h]:.3f}")
+
+
+@main.command(name="eval")
+@click.argument("traces", type=click.Path(path_type=Path))
+@click.option("--adapter", type=click.Path(path_type=Path), default=None, help="adapter directory")
+@click.option("--predictors", default=None,
+              help="comma-separated: next-gate,fate,frequency,previous-token,adapter,draft,oracle "
+                   "(default: all; adapter only with --adapter)")
+@click.option("--model", default=None, help="model directory (default: the one the trace records)")
+@click.option("--horizons", default=None, help="default: the adapter's, else 1,2")
+@click.option("--budget", type=int, default=None, help="candidate budget M (default 2k)")
+@click.option("--draft-bits", default=4, show_default=True, help="bits of the draft's routed experts")
+@click.option("--json", "json_out", required=True, type=click.Path(path_type=Path),
+              help="JSON report; the Markdown table and PNG plot go beside it")
+@friendly_errors
+def eval_cmd(traces, adapter, predictors, model, horizons, budget, draft_bits, json_out) -> None:
+    """Recall@k, recall/precision within a budget, per-layer curves for each predictor on the
+    held-out decode tokens of TRACES."""
+    from toolkit.predictors.evaluate import ALL, evaluate, markdown, write_reports
+
+    names = [p.strip() for p in predictors.split(",")] if predictors else [
+        p for p in ALL if p != "adapter" or adapter is not None]
+    r = evaluate(traces, predictors=names, adapter=adapter, model=model,
+                 horizons=_ints(horizons, "--horizons") if horizons else None, budget=budget,
+                 draft_bits=draft_bits)
+    md, png = write_reports(r, json_out)
+    click.echo(markdown(r))
+    click.echo(f"wrote {json_out}, {md}, {png}")
+
+
 @main.command()
 @click.argument("family")
 @click.option("--out", required=True, type=click.Path(path_type=Path))

@@ -144,7 +144,9 @@ def build_inputs(lm: LoadedModel, p: Prompt) -> tuple[dict[str, Any], np.ndarray
         ids = vis + ids
         kinds = [PREFILL] + [IMAGE] * n_img + [PREFILL] + kinds
         extra = {"pixel_values": pix["pixel_values"].to(lm.input_device, lm.model.dtype),
-                 "image_grid_thw": grid.to(lm.input_device)}
+                 "image_grid_thw": grid.to(lm.input_device),
+                 # 1 marks image positions, so M-RoPE gives them 2-D positions
+                 "mm_token_type_ids": torch.tensor([[int(k == IMAGE) for k in kinds]], device=lm.input_device)}
     x = torch.tensor([ids], device=lm.input_device)
     return {"input_ids": x, "attention_mask": torch.ones_like(x), **extra}, np.asarray(kinds, np.uint8)
 

@@ -1,0 +1,203 @@
+"""Train the prefetch adapter on routing traces (`specprefetch train`).
+
+Loss: KL(real router distribution at step (i, h) || predicted), weighted per horizon (default 2 for
+h = 1, 1 otherwise), optionally plus a top-k ranking term (the negative log-probability the
+prediction gives the real top-k experts). Backbone, routers and experts stay frozen: only the
+adapter's A and B train. Batches stream from the trace's train split (ShardStream), so traces larger
+than memory train fine; 5% of the train sequences are set aside for validation, early stopping keeps
+the best validation state, and the held-out split stays untouched for `eval`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from adapters.checkpoint import save_adapter
+from adapters.lowrank import PrefetchAdapter
+from toolkit.errors import SpecPrefetchError
+from toolkit.metrics import topk_overlap
+from toolkit.models.families import router_distribution
+from toolkit.models.loader import ModelSpec, inspect_model_dir
+from toolkit.models.routers import RouterBank, load_router_bank
+from toolkit.predictors.batches import RoutingBatch, ShardStream, validation_batches
+from toolkit.traces.format import TraceReader
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    rank: int = 64
+    horizons: tuple[int, ...] = (1, 2)
+    cross_token: bool = True
+    horizon_weights: dict[int, float] | None = None  # default: 2.0 for h=1, 1.0 otherwise
+    topk_weight: float = 0.0
+    steps: int = 3000
+    batch_size: int = 512
+    lr: float = 3e-3
+    weight_decay: float = 0.0
+    warmup: int = 50
+    val_every: int = 100
+    patience: int = 6
+    seed: int = 0
+    device: str = "cpu"
+    max_memory_mb: int = 512
+
+    def weight(self, h: int) -> float:
+        if self.horizon_weights and h in self.horizon_weights:
+            return float(self.horizon_weights[h])
+        return 2.0 if h == 1 else 1.0
+
+
+def trace_model_spec(reader: TraceReader, model: str | Path | None) -> ModelSpec:
+    """The model a trace was made from; a different model is an error."""
+    spec = inspect_model_dir(model or reader.model["path"])
+    if spec.config_hash != reader.model["config_hash"]:
+        raise SpecPrefetchError(f"trace {reader.path} was recorded from model config "
+                                f"{reader.model['config_hash']}, but {spec.path} has {spec.config_hash}")
+    return spec
+
+
+def pair_targets(adapter: PrefetchAdapter, b: RoutingBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Targets of every pair: probs [B, P, E], ids [B, P, k], valid [B, P]."""
+    probs, ids, valid = [], [], []
+    for i, h in adapter.pairs:
+        probs.append(b.target_probs(i, h))
+        t_ids, ok = b.target_ids(i, h)
+        ids.append(t_ids)
+        valid.append(ok)
+    return torch.stack(probs, 1), torch.stack(ids, 1), torch.stack(valid, 1)
+
+
+def pair_loss(adapter: PrefetchAdapter, bank: RouterBank, b: RoutingBatch, cfg: TrainConfig,
+              weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weighted loss, per-pair mean KL [P]) of a batch."""
+    logits = adapter.all_logits(bank, b.hidden)                       # [B, P, E]
+    B, P, E = logits.shape
+    q = router_distribution(logits.reshape(-1, E), bank.spec).reshape(B, P, E)
+    logq = q.clamp_min(1e-12).log()
+    t, ids, valid = pair_targets(adapter, b)
+    t = t / t.sum(-1, keepdim=True).clamp_min(1e-12)
+    kl = (t * (t.clamp_min(1e-12).log() - logq)).sum(-1)               # [B, P]
+    v = valid.float()
+    per_pair = (kl * v).sum(0) / v.sum(0).clamp_min(1)
+    loss = (per_pair * weights).sum() / weights.sum()
+    if cfg.topk_weight > 0:
+        nll = -logq.gather(-1, ids).mean(-1)                          # [B, P]
+        loss = loss + cfg.topk_weight * ((nll * v).sum(0) / v.sum(0).clamp_min(1) * weights).sum() / weights.sum()
+    return loss, per_pair.detach()
+
+
+@torch.no_grad()
+def validate(adapter: PrefetchAdapter, bank: RouterBank, val: list[RoutingBatch], cfg: TrainConfig,
+             weights: torch.Tensor) -> dict[str, Any]:
+    k = bank.spec.top_k
+    loss_sum, n = 0.0, 0
+    hits = {h: [0.0, 0] for h in adapter.horizons}
+    for b in val:
+        b = _to(b, cfg.device)
+        loss, _ = pair_loss(adapter, bank, b, cfg, weights)
+        loss_sum += float(loss) * len(b)
+        n += len(b)
+        logits = adapter.all_logits(bank, b.hidden)
+        _, ids, valid = pair_targets(adapter, b)
+        for p, (i, h) in enumerate(adapter.pairs):
+            s = bank.selection_scores(logits[:, p], adapter.target_layer(i, h))
+            ok = valid[:, p]
+            if ok.any():
+                hits[h][0] += float(topk_overlap(s[ok], ids[ok, p], k).sum())
+                hits[h][1] += int(ok.sum()) * k
+    return {"loss": loss_sum / max(1, n),
+            "recall_at_k": {str(h): round(v[0] / max(1, v[1]), 4) for h, v in hits.items()}}
+
+
+def _to(b: RoutingBatch, device: str) -> RoutingBatch:
+    if device == "cpu":
+        return b
+    return RoutingBatch(**{f.name: (getattr(b, f.name).to(device) if getattr(b, f.name) is not None else None)
+                           for f in dataclasses.fields(b)})
+
+
+def train_adapter(trace: Path, out: Path, cfg: TrainConfig, *, model: str | Path | None = None,
+                  progress: bool = True) -> dict[str, Any]:
+    reader = TraceReader(trace)
+    spec = trace_model_spec(reader, model)
+    if cfg.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SpecPrefetchError(f"--device {cfg.device}: CUDA is not available")
+    if not reader.shards("train"):
+        raise SpecPrefetchError(f"trace {trace} has no train split to learn from")
+    if not any(s.get("hidden_tokens", 1) for s in reader.shards("train")):
+        raise SpecPrefetchError(f"trace {trace} stores no router inputs (hidden states)")
+    torch.manual_seed(cfg.seed)
+    bank = load_router_bank(spec)
+    bank.weight = bank.weight.to(cfg.device)
+    if bank.bias is not None:
+        bank.bias = bank.bias.to(cfg.device)
+    if bank.score_bias is not None:
+        bank.score_bias = bank.score_bias.to(cfg.device)
+    g = spec.geometry
+    adapter = PrefetchAdapter(num_layers=len(g.moe_layers), hidden_size=g.hidden_size,
+                              num_experts=g.routing.num_experts, horizons=cfg.horizons, rank=cfg.rank,
+                              cross_token=cfg.cross_token, seed=cfg.seed).to(cfg.device)
+    weights = torch.tensor([cfg.weight(h) for _, h in adapter.pairs], device=cfg.device)
+    val = validation_batches(reader)
+    if not val:
+        raise SpecPrefetchError(f"trace {trace}: no validation sequences (5% of the train sequences, "
+                                "at least one, are used); trace more sequences")
+    stream = ShardStream(reader, "train", batch_size=cfg.batch_size, seed=cfg.seed,
+                         max_bytes=cfg.max_memory_mb * 2**20)
+    opt = torch.optim.AdamW(adapter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    start = validate(adapter, bank, val, cfg, weights)  # B = 0: the next-gate baseline
+    best = {"step": 0, **start}
+    best_state = {k: v.detach().clone() for k, v in adapter.state_dict().items()}
+    curve = [{"step": 0, **start}]
+    bad = 0
+    t0 = time.time()
+    bar = tqdm(total=cfg.steps, desc="train adapter", unit="step", disable=not progress)
+    step = 0
+    for b in stream:
+        if step >= cfg.steps:
+            break
+        lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
+        for grp in opt.param_groups:
+            grp["lr"] = lr
+        loss, _ = pair_loss(adapter, bank, _to(b, cfg.device), cfg, weights)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        step += 1
+        bar.update(1)
+        if step % cfg.val_every == 0 or step == cfg.steps:
+            v = validate(adapter, bank, val, cfg, weights)
+            curve.append({"step": step, "train_loss": round(float(loss.detach()), 5), **v})
+            bar.set_postfix(val_loss=f"{v['loss']:.4f}", recall=v["recall_at_k"])
+            if v["loss"] < best["loss"] - 1e-5:
+                best = {"step": step, **v}
+                best_state = {k: t.detach().clone() for k, t in adapter.state_dict().items()}
+                bad = 0
+            else:
+                bad += 1
+                if bad >= cfg.patience:
+                    break
+    bar.close()
+    adapter.load_state_dict(best_state)
+    from toolkit.models.info import model_info
+
+    model_params = model_info(spec)["total_params"]
+    result = {
+        "training": {**{k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(cfg).items()},
+                     "steps_run": step, "best_step": best["step"], "seconds": round(time.time() - t0, 1),
+                     "stream_peak_bytes": stream.peak_bytes, "epochs": stream.epochs},
+        "trace": {"path": str(Path(trace).resolve()), "train_tokens": reader.manifest["tokens"]["train"]["total"]},
+        "validation": {"next_gate": start, "adapter": {k: best[k] for k in ("loss", "recall_at_k")},
+                       "curve": curve},
+        "model_params": model_params,
+        "share_of_model": adapter.params() / model_params,
+    }
+    adapter.to("cpu")
+    save_adapter(adapter, out, spec, result)
+    return {"params": adapter.params(), **result}

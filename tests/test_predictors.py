@@ -1,0 +1,196 @@
+"""Predictors, the adapter and evaluation: real traces of real (tiny and embedded) models."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from adapters.checkpoint import load_adapter, save_adapter
+from adapters.lowrank import PrefetchAdapter
+from adapters.train import TrainConfig, train_adapter
+from conftest import HELDOUT
+from toolkit.errors import SpecPrefetchError
+from toolkit.metrics import precision_within, recall_at_k, recall_within, tpot_ms
+from toolkit.models.loader import inspect_model_dir, load_model
+from toolkit.models.routers import load_router_bank
+from toolkit.models.tiny import TINY_FAMILIES
+from toolkit.predictors.base import AdapterPredictor, NextGate
+from toolkit.predictors.batches import ShardStream, batch_from_shard, iter_batches
+from toolkit.predictors.draft import fake_quant, make_draft, speculative_generate
+from toolkit.predictors.evaluate import ALL, evaluate, write_reports
+from toolkit.traces.capture import TraceSettings, run_trace
+from toolkit.traces.format import TraceReader
+
+
+@pytest.fixture(scope="module")
+def emb_trace(embedded, tmp_path_factory) -> Path:
+    s = TraceSettings(max_sequences=60, prompt_tokens=128, decode_tokens=16, heldout_frac=0.2,
+                      shard_tokens=1500, hidden_sample=0.5)
+    return run_trace(embedded, [HELDOUT], tmp_path_factory.mktemp("p") / "t", s, progress=False)
+
+
+@pytest.fixture(scope="module")
+def emb_adapter(emb_trace, tmp_path_factory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("a") / "adapter"
+    r = train_adapter(emb_trace, out, TrainConfig(steps=250, val_every=50, batch_size=256), progress=False)
+    return out, r
+
+
+def test_metrics_by_hand():
+    real = torch.tensor([[0, 1], [2, 3]])
+    scores = torch.tensor([[5.0, 1.0, 4.0, 0.0], [0.0, 1.0, 3.0, 2.0]])  # top-2: {0,2}, {2,3}
+    assert recall_at_k(scores, real) == pytest.approx((1 / 2 + 2 / 2) / 2)
+    assert recall_within(scores, real, 3) == pytest.approx((2 / 2 + 2 / 2) / 2)  # {0,2,1}, {2,3,1}
+    assert precision_within(scores, real, 3) == pytest.approx((2 / 3 + 2 / 3) / 2)
+    assert tpot_ms([0.0, 0.1, 0.3]) == pytest.approx(150.0)
+
+
+def test_cross_token_targets_come_from_the_next_token(emb_trace):
+    r = TraceReader(emb_trace)
+    a = next(r.iter_shards("train"))
+    b = batch_from_shard(a, r.num_experts)
+    rows = a["hidden_rows"]
+    ids, ok = b.target_ids(7, 2)  # layer 7 + 2 = layer 1 of the next token
+    j = np.nonzero(ok.numpy())[0][0]
+    assert torch.equal(ids[j], torch.from_numpy(a["expert_ids"][rows[j] + 1, 1].astype(np.int64)))
+    same, ok2 = b.target_ids(2, 1)
+    assert ok2.all() and torch.equal(same, b.ids[:, 3])
+    last = a["seq"][rows] != a["seq"][np.minimum(rows + 1, len(a["seq"]) - 1)]
+    assert not ok[torch.from_numpy(last)].any()  # a sequence's last token has no next token
+
+
+def test_untrained_adapter_is_next_gate(embedded, emb_trace):
+    spec = inspect_model_dir(embedded)
+    bank = load_router_bank(spec)
+    ad = PrefetchAdapter(num_layers=8, hidden_size=256, num_experts=32, rank=16)
+    b = next(iter_batches(TraceReader(emb_trace), "heldout"))
+    for i, h in [(0, 1), (3, 2), (7, 1), (6, 2)]:
+        assert torch.allclose(AdapterPredictor(ad, bank).scores(b, i, h), NextGate(bank).scores(b, i, h))
+    assert ad.params() == len(ad.pairs) * 16 * (256 + 32)
+    assert len(ad.pairs) == 16  # 8 layers x 2 horizons, crossing the token boundary
+
+
+def test_adapter_training_beats_next_gate(emb_adapter, emb_trace):
+    path, r = emb_adapter
+    v = r["validation"]
+    for h in ("1", "2"):
+        assert v["adapter"]["recall_at_k"][h] > v["next_gate"]["recall_at_k"][h] + 0.02
+    res = evaluate(emb_trace, predictors=["next-gate", "adapter", "oracle"], adapter=path, progress=False)
+    p = res["predictors"]
+    for h in ("1", "2"):
+        assert p["adapter"]["recall_at_k"][h] > p["next-gate"]["recall_at_k"][h]
+        assert p["oracle"]["recall_at_k"][h] == 1.0
+    assert p["adapter"]["params"] == 294_912 and p["next-gate"]["params"] == 0
+    assert 0.015 < r["share_of_model"] < 0.017
+
+
+def test_training_is_reproducible(emb_trace, tmp_path):
+    cfg = TrainConfig(steps=30, val_every=10, batch_size=128, seed=3, rank=8)
+    train_adapter(emb_trace, tmp_path / "a", cfg, progress=False)
+    train_adapter(emb_trace, tmp_path / "b", cfg, progress=False)
+    a = (tmp_path / "a" / "adapter.safetensors").read_bytes()
+    assert a == (tmp_path / "b" / "adapter.safetensors").read_bytes()
+
+
+def test_streaming_holds_less_than_the_trace(emb_trace, tmp_path):
+    """Training with a memory cap below the trace size: the stream never holds more than the cap."""
+    r = TraceReader(emb_trace)
+    total = sum(s["bytes"] for s in r.shards("train"))
+    cap_mb = 1
+    assert total > 3 * cap_mb * 2**20
+    out = train_adapter(emb_trace, tmp_path / "a", TrainConfig(steps=60, val_every=20, batch_size=64,
+                        rank=8, max_memory_mb=cap_mb), progress=False)
+    assert 0 < out["training"]["stream_peak_bytes"] <= cap_mb * 2**20 + 2 * max(s["bytes"] for s in r.shards("train"))
+    stream = ShardStream(r, "train", batch_size=64, seed=0, max_bytes=cap_mb * 2**20)
+    seen = set()
+    for n, b in zip(range(400), stream):
+        seen.update(b.seq.tolist())
+    assert stream.epochs >= 1  # went through every shard
+    from toolkit.predictors.batches import validation_seqs
+
+    val = validation_seqs(r)
+    assert val and seen == set(r.manifest["split"]["train"]) - val
+
+
+def test_adapter_checkpoint_validation(emb_adapter, tiny_models, tmp_path):
+    path, _ = emb_adapter
+    ad, meta = load_adapter(path, inspect_model_dir("embedded"))
+    assert meta["rank"] == 64 and meta["horizons"] == [1, 2] and ad.params() == meta["params"]
+    with pytest.raises(SpecPrefetchError, match="trained for model config .* not .*"):
+        load_adapter(path, inspect_model_dir(tiny_models["qwen3_moe"]))
+    bad = tmp_path / "bad"
+    shutil.copytree(path, bad)
+    w = bad / "adapter.safetensors"
+    data = bytearray(w.read_bytes())
+    data[-5] ^= 1
+    w.write_bytes(bytes(data))
+    with pytest.raises(SpecPrefetchError, match="adapter.safetensors: checksum mismatch"):
+        load_adapter(bad)
+    with pytest.raises(SpecPrefetchError, match="adapter directory not found"):
+        load_adapter(tmp_path / "none")
+    assert not list(path.parent.glob("*.partial"))
+
+
+def test_eval_report_files(emb_adapter, emb_trace, tmp_path):
+    path, _ = emb_adapter
+    res = evaluate(emb_trace, predictors=list(ALL), adapter=path, progress=False)
+    md, png = write_reports(res, tmp_path / "e.json")
+    j = json.loads((tmp_path / "e.json").read_text())
+    assert j["k"] == 4 and set(j["predictors"]) == set(ALL)
+    for name, p in j["predictors"].items():
+        assert set(p["recall_at_k"]) == {"1", "2"} and isinstance(p["params"], int)
+        assert all(0.0 <= x <= 1.0 for x in p["recall_at_k"].values())
+        assert len(p["per_layer_recall_at_k"]["1"]) == 8
+    assert j["predictors"]["draft"]["acceptance_rate"] > 0.5
+    assert "| adapter |" in md.read_text() and png.stat().st_size > 10_000
+
+
+def test_fake_quant_int4_levels():
+    w = torch.randn(4, 64)
+    q = fake_quant(w, 4)
+    for row in q.reshape(-1, 32):
+        assert len(torch.unique(row)) <= 16
+    assert (q - w).abs().max() < w.abs().max() / 7 + 1e-6
+
+
+def test_speculative_decoding_keeps_the_output(embedded):
+    lm = load_model(embedded)
+    draft = make_draft(lm)
+    x = lm.tokenizer("To open a file for reading, use", return_tensors="pt")["input_ids"]
+    ref = lm.model.generate(x, max_new_tokens=24, do_sample=False, pad_token_id=0)[0, x.shape[1]:].tolist()
+    for k in (1, 4, 8):
+        toks, st = speculative_generate(lm.model, draft, x, 24, k=k, eos_token_id=0)
+        assert toks == ref
+        assert 0.3 < st.acceptance <= 1.0
+
+
+@pytest.mark.parametrize("fam", TINY_FAMILIES)
+def test_all_predictors_on_every_family(tiny_models, vl_data, fam, tmp_path):
+    data = [vl_data] if fam == "qwen3_vl_moe" else [HELDOUT]
+    s = TraceSettings(max_sequences=12, prompt_tokens=24, decode_tokens=6, heldout_frac=0.5, shard_tokens=60)
+    trace = run_trace(tiny_models[fam], data, tmp_path / "t", s, progress=False)
+    train_adapter(trace, tmp_path / "a", TrainConfig(steps=20, val_every=10, batch_size=32, rank=4,
+                                                     horizons=(1, 2, 3)), progress=False)
+    res = evaluate(trace, predictors=list(ALL), adapter=tmp_path / "a", progress=False)
+    p = res["predictors"]
+    assert res["horizons"] == [1, 2, 3]
+    assert all(p["oracle"]["recall_at_k"][h] == 1.0 for h in ("1", "2", "3"))
+    for name in ALL:
+        assert all(0.0 <= v <= 1.0 for v in p[name]["recall_at_k"].values()), name
+    assert p["draft"]["acceptance_tokens"] > 0
+    # int4 experts of a random tiny model still mostly route like the target
+    assert p["draft"]["recall_at_k"]["1"] > p["frequency"]["recall_at_k"]["1"]
+
+
+@pytest.mark.parametrize("fam", [f for f in TINY_FAMILIES if f != "qwen3_vl_moe"])
+def test_speculative_decoding_every_text_family(tiny_models, fam):
+    lm = load_model(tiny_models[fam])
+    draft = make_draft(lm, dense_bits=8)
+    x = torch.tensor([[11, 200, 37, 905, 14]])
+    ref = lm.model.generate(x, max_new_tokens=12, do_sample=False, pad_token_id=0)[0, 5:].tolist()
+    toks, _ = speculative_generate(lm.model, draft, x, 12, k=4)
+    assert toks == ref[: len(toks)] and len(toks) == 12

@@ -1,0 +1,133 @@
+"""The predictor interface and the training-free predictors.
+
+A predictor looks at the state at MoE layer i of token t (a `RoutingBatch` row: router inputs up to
+layer i, this and earlier tokens' routing) and scores the experts of a future step: MoE layer i + h,
+which is layer i + h - L of the next token when i + h runs past the last layer. Higher score = more
+likely. `window(batch, i, W)` gives the scored sets of the next W steps, which is what the
+scheduler consumes. Rankings of router-based predictors go through the family's own selection rule
+(`RouterBank.selection_scores`), so bias and group limits apply.
+"""
+from __future__ import annotations
+
+import torch
+
+from toolkit.models.routers import RouterBank
+from toolkit.predictors.batches import RoutingBatch
+
+
+class Predictor:
+    name: str = "predictor"
+
+    def params(self) -> int:
+        """Parameters this predictor adds on top of the model (0 for training-free ones)."""
+        return 0
+
+    def scores(self, b: RoutingBatch, i: int, h: int) -> torch.Tensor:
+        """Scores [B, E] for the step h MoE layers after layer i."""
+        raise NotImplementedError
+
+    def window(self, b: RoutingBatch, i: int, w: int) -> list[tuple[int, int, torch.Tensor]]:
+        """[(token offset, MoE layer index, scores [B, E])] for the next w steps after layer i."""
+        L = b.num_layers
+        return [((i + h) // L, (i + h) % L, self.scores(b, i, h)) for h in range(1, w + 1)]
+
+
+class NextGate(Predictor):
+    """Layer i+h's router applied unchanged to layer i's router input (training-free baseline;
+    Mixtral-offloading, AdapMoE, on-phone Qwen3 runtimes)."""
+    name = "next-gate"
+
+    def __init__(self, bank: RouterBank):
+        self.bank = bank
+
+    def scores(self, b, i, h):
+        j = (i + h) % b.num_layers
+        return self.bank.selection_scores(self.bank.logits(b.hidden[:, i], j), j)
+
+
+class FateStyle(Predictor):
+    """FATE-style cross-layer gate: layer i+h's router applied to the *previous* layer's router
+    input (i - 1), a prediction available one layer earlier. At the first layer there is no
+    previous layer and it falls back to layer i's input."""
+    name = "fate"
+
+    def __init__(self, bank: RouterBank):
+        self.bank = bank
+
+    def scores(self, b, i, h):
+        j = (i + h) % b.num_layers
+        src = b.hidden[:, max(0, i - 1)]
+        return self.bank.selection_scores(self.bank.logits(src, j), j)
+
+
+class Frequency(Predictor):
+    """Per-layer expert frequency over the training split: the same ranking for every token."""
+    name = "frequency"
+
+    def __init__(self, counts: torch.Tensor):
+        self.freq = counts.float() / counts.sum(-1, keepdim=True).clamp_min(1)  # [L, E]
+
+    def params(self) -> int:
+        return self.freq.numel()
+
+    def scores(self, b, i, h):
+        j = (i + h) % b.num_layers
+        return self.freq[j].expand(len(b), -1)
+
+
+class PreviousToken(Predictor):
+    """Previous-token reuse: the experts the most recent token used at the target layer.
+
+    For a same-token target (layer j of token t) that is token t-1's layer j; for a next-token
+    target (layer j of token t+1) it is token t's own layer j, already known by then. Only the k
+    reused experts score; the rest tie at zero."""
+    name = "previous-token"
+
+    def __init__(self, num_experts: int):
+        self.num_experts = num_experts
+
+    def scores(self, b, i, h):
+        L = b.num_layers
+        j = i + h
+        if j < L:
+            ids, ok = b.prev_ids[:, j], b.has_prev
+        else:
+            ids, ok = b.ids[:, j - L], torch.ones(len(b), dtype=torch.bool)
+        s = torch.zeros(len(b), self.num_experts)
+        s.scatter_(1, ids, 1.0)
+        s[~ok] = 0.0
+        return s
+
+
+class Oracle(Predictor):
+    """The trace's real future: the upper bound of every predictor."""
+    name = "oracle"
+
+    def __init__(self, num_experts: int):
+        self.num_experts = num_experts
+
+    def scores(self, b, i, h):
+        ids, _ = b.target_ids(i, h)
+        s = torch.zeros(len(b), self.num_experts)
+        k = ids.shape[1]
+        # descending by rank so the oracle's order is the router's order
+        s.scatter_(1, ids, torch.arange(k, 0, -1, dtype=torch.float32).expand(len(b), -1))
+        return s
+
+
+class AdapterPredictor(Predictor):
+    """The trained low-rank prefetch adapter (adapters/)."""
+    name = "adapter"
+
+    def __init__(self, adapter, bank: RouterBank):
+        self.adapter, self.bank = adapter, bank
+
+    def params(self) -> int:
+        return self.adapter.params()
+
+    @torch.no_grad()
+    def scores(self, b, i, h):
+        if (i, h) not in self.adapter.pair_index:  # outside the trained horizons: next-gate
+            return NextGate(self.bank).scores(b, i, h)
+        j = self.adapter.target_layer(i, h)
+        return self.bank.selection_scores(self.adapter.logits(self.bank, b.hidden[:, i], i, h), j)

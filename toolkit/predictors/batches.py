@@ -1,0 +1,194 @@
+"""Routing batches from traces: what every predictor and the adapter trainer look at.
+
+A `RoutingBatch` holds the tokens of one shard whose router inputs were stored, with their own,
+previous and next tokens' routing, so a target "MoE layer i + h" that runs past the last layer
+becomes "layer i + h - L of the next token" (the token-boundary horizons). `ShardStream` feeds
+training with a bounded number of shards in memory at a time.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from toolkit.traces.format import DECODE, TraceReader
+
+
+@dataclasses.dataclass
+class RoutingBatch:
+    hidden: torch.Tensor        # [B, L, H] router inputs of this token
+    ids: torch.Tensor           # [B, L, k] this token's selected experts
+    next_ids: torch.Tensor      # [B, L, k] next token's (valid where has_next)
+    prev_ids: torch.Tensor      # [B, L, k] previous token's (valid where has_prev)
+    has_next: torch.Tensor      # [B] bool
+    has_prev: torch.Tensor      # [B] bool
+    probs: torch.Tensor | None       # [B, L, E] this token's router distribution
+    next_probs: torch.Tensor | None  # [B, L, E]
+    seq: torch.Tensor           # [B]
+    pos: torch.Tensor           # [B]
+    kind: torch.Tensor          # [B]
+
+    @property
+    def num_layers(self) -> int:
+        return self.ids.shape[1]
+
+    def __len__(self) -> int:
+        return self.ids.shape[0]
+
+    def target_ids(self, i: int, h: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Real ids of the step h MoE layers after layer i: ([B, k], valid [B])."""
+        j = i + h
+        L = self.num_layers
+        if j < L:
+            return self.ids[:, j], torch.ones(len(self), dtype=torch.bool)
+        return self.next_ids[:, j - L], self.has_next
+
+    def target_probs(self, i: int, h: int) -> torch.Tensor:
+        j = i + h
+        L = self.num_layers
+        return self.probs[:, j] if j < L else self.next_probs[:, j - L]
+
+    def select(self, mask: torch.Tensor) -> "RoutingBatch":
+        return RoutingBatch(**{f.name: (getattr(self, f.name)[mask] if getattr(self, f.name) is not None else None)
+                               for f in dataclasses.fields(self)})
+
+
+def _dense_probs(a: dict[str, np.ndarray], num_experts: int) -> np.ndarray | None:
+    if "router_probs" in a:
+        return a["router_probs"]
+    if "router_top_ids" in a:
+        out = np.zeros(a["router_top_ids"].shape[:2] + (num_experts,), np.float32)
+        np.put_along_axis(out, a["router_top_ids"].astype(np.int64), a["router_top_probs"].astype(np.float32), -1)
+        return out
+    return None
+
+
+def batch_from_shard(a: dict[str, np.ndarray], num_experts: int, *, decode_only: bool = False,
+                     with_probs: bool = True) -> RoutingBatch | None:
+    rows = a.get("hidden_rows")
+    if rows is None or len(rows) == 0:
+        return None
+    n = len(a["seq"])
+    seq = a["seq"]
+    nxt = np.minimum(rows + 1, n - 1)
+    prv = np.maximum(rows - 1, 0)
+    has_next = (rows + 1 < n) & (seq[nxt] == seq[rows])
+    has_prev = (rows >= 1) & (seq[prv] == seq[rows])
+    probs = _dense_probs(a, num_experts) if with_probs else None
+    t = lambda x: torch.from_numpy(np.ascontiguousarray(x))  # noqa: E731
+    b = RoutingBatch(
+        hidden=t(a["hidden"].astype(np.float32)),
+        ids=t(a["expert_ids"][rows].astype(np.int64)),
+        next_ids=t(a["expert_ids"][nxt].astype(np.int64)),
+        prev_ids=t(a["expert_ids"][prv].astype(np.int64)),
+        has_next=t(has_next), has_prev=t(has_prev),
+        probs=t(probs[rows].astype(np.float32)) if probs is not None else None,
+        next_probs=t(probs[nxt].astype(np.float32)) if probs is not None else None,
+        seq=t(seq[rows].astype(np.int64)), pos=t(a["pos"][rows].astype(np.int64)),
+        kind=t(a["kind"][rows].astype(np.int64)),
+    )
+    if decode_only:
+        b = b.select(b.kind == DECODE)
+    return b if len(b) else None
+
+
+def iter_batches(reader: TraceReader, split: str, *, decode_only: bool = False,
+                 with_probs: bool = True) -> Iterator[RoutingBatch]:
+    """One batch per shard, in trace order (evaluation)."""
+    for a in reader.iter_shards(split):
+        b = batch_from_shard(a, reader.num_experts, decode_only=decode_only, with_probs=with_probs)
+        if b is not None:
+            yield b
+
+
+def validation_seqs(reader: TraceReader, share: float = 0.05) -> set[int]:
+    """Train-split sequences set aside for early stopping (the held-out split stays untouched):
+    the `share` of them (at least one) with the smallest hash, so the choice is stable."""
+    train = reader.manifest["split"]["train"]
+    if len(train) < 2:
+        return set()
+    ranked = sorted(train, key=lambda q: (q * 2654435761) % 2**32)
+    return set(ranked[: max(1, int(len(train) * share))])
+
+
+def in_set(seq: torch.Tensor, seqs: set[int]) -> torch.Tensor:
+    return torch.tensor([int(q) in seqs for q in seq.tolist()], dtype=torch.bool)
+
+
+class ShardStream:
+    """Endless shuffled mini-batches over a split, never holding more than `max_bytes` of shards.
+
+    Shards are visited in a seeded random order; `buffer` shards at a time (as many as fit in
+    `max_bytes`, at least one) are pooled and shuffled, so memory stays bounded however large the
+    trace is. `peak_bytes` records the most ever held, for tests and logs.
+    """
+
+    def __init__(self, reader: TraceReader, split: str, *, batch_size: int, seed: int,
+                 max_bytes: int = 512 * 2**20, keep: str = "train"):
+        self.reader, self.split, self.batch_size = reader, split, batch_size
+        self.rng = np.random.default_rng(seed)
+        self.max_bytes, self.keep = max_bytes, keep
+        self.shards = reader.shards(split)
+        self.peak_bytes = 0
+        self.epochs = 0
+        self.val = validation_seqs(reader)
+
+    def _load(self, shard) -> RoutingBatch | None:
+        b = batch_from_shard(self.reader.read_shard(shard), self.reader.num_experts)
+        if b is None:
+            return None
+        val = in_set(b.seq, self.val)
+        return b.select(~val if self.keep == "train" else val)
+
+    @staticmethod
+    def nbytes(b: RoutingBatch) -> int:
+        return sum(getattr(b, f.name).numel() * getattr(b, f.name).element_size()
+                   for f in dataclasses.fields(b) if getattr(b, f.name) is not None)
+
+    def __iter__(self) -> Iterator[RoutingBatch]:
+        while True:
+            order = self.rng.permutation(len(self.shards))
+            i = 0
+            while i < len(order):
+                pool: list[RoutingBatch] = []
+                held = 0
+                while i < len(order):
+                    b = self._load(self.shards[order[i]])
+                    i += 1
+                    if b is None or len(b) == 0:
+                        continue
+                    pool.append(b)
+                    held += self.nbytes(b)
+                    if held >= self.max_bytes / 2:  # the concatenation below doubles it briefly
+                        break
+                if not pool:
+                    continue
+                merged = pool[0] if len(pool) == 1 else RoutingBatch(**{
+                    f.name: torch.cat([getattr(p, f.name) for p in pool]) if getattr(pool[0], f.name) is not None else None
+                    for f in dataclasses.fields(RoutingBatch)})
+                self.peak_bytes = max(self.peak_bytes, held * (2 if len(pool) > 1 else 1))
+                del pool
+                perm = torch.from_numpy(self.rng.permutation(len(merged)))
+                for s in range(0, len(merged) - self.batch_size + 1, self.batch_size):
+                    yield merged.select(perm[s:s + self.batch_size])
+                if len(merged) < self.batch_size:
+                    yield merged
+            self.epochs += 1
+
+
+def validation_batches(reader: TraceReader, max_rows: int = 50_000) -> list[RoutingBatch]:
+    """The validation sequences of the train split (at most `max_rows` tokens)."""
+    out, rows = [], 0
+    val = validation_seqs(reader)
+    for a in reader.iter_shards("train"):
+        b = batch_from_shard(a, reader.num_experts)
+        if b is not None:
+            b = b.select(in_set(b.seq, val))
+            if len(b):
+                out.append(b)
+                rows += len(b)
+                if rows >= max_rows:
+                    break
+    return out

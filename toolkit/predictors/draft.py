@@ -1,0 +1,181 @@
+"""The Specter-style draft predictor: a quantized copy of the model runs ahead, and the experts it
+routes to are the prefetch predictions for the target's verification pass.
+
+The draft shares the router, attention and shared weights with the target (optionally int8) and
+holds its routed experts in int4 (symmetric, one scale per group of 32 along the input axis), so
+it is much cheaper to keep resident while routing almost like the target. `speculative_generate`
+is greedy speculative decoding with it: the draft proposes K tokens, the target verifies them in one
+pass, and the output is exactly the target's greedy output. On a trace, `DraftPredictor` runs the
+draft teacher-forced over each held-out sequence: under greedy speculative decoding the accepted
+tokens are the target's, so the draft's routing at (position, layer) is its prediction for the
+target's routing there. It also reports the acceptance rate (draft's greedy next token == target's).
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import torch
+
+from toolkit.errors import SpecPrefetchError
+from toolkit.models.families import selection_scores
+from toolkit.models.loader import LoadedModel
+from toolkit.predictors.base import Predictor
+from toolkit.predictors.batches import RoutingBatch
+
+GROUP = 32
+
+
+def fake_quant(w: torch.Tensor, bits: int, group: int = GROUP) -> torch.Tensor:
+    """Symmetric per-group quantise-dequantise along the last axis (int4: [-8, 7], int8: [-128, 127])."""
+    qmax = 2 ** (bits - 1) - 1
+    shape = w.shape
+    n = shape[-1]
+    pad = (-n) % group
+    x = torch.nn.functional.pad(w.float(), (0, pad)).reshape(-1, group)
+    scale = x.abs().amax(-1, keepdim=True).clamp_min(1e-8) / qmax
+    q = torch.clamp(torch.round(x / scale), -qmax - 1, qmax) * scale
+    return q.reshape(*shape[:-1], n + pad)[..., :n].to(w.dtype)
+
+
+def make_draft(lm: LoadedModel, *, expert_bits: int = 4, dense_bits: int | None = None) -> torch.nn.Module:
+    """A copy of the model with routed experts quantized to `expert_bits` and, if `dense_bits`,
+    every other matrix (attention, shared experts, embeddings) too. Routers stay exact."""
+    draft = copy.deepcopy(lm.model)
+    routers = {id(lm.family.router(draft, layer)) for layer in lm.geometry.moe_layers}
+    experts = {id(lm.family.moe_block(draft, layer).experts) for layer in lm.geometry.moe_layers}
+    with torch.no_grad():
+        for mod in draft.modules():
+            if id(mod) in routers:
+                continue
+            bits = expert_bits if id(mod) in experts else dense_bits
+            if bits is None:
+                continue
+            for name, p in mod.named_parameters(recurse=False):
+                if p.ndim >= 2 and not name.endswith("bias"):
+                    p.copy_(fake_quant(p, bits))
+    draft.eval()
+    return draft
+
+
+@dataclasses.dataclass
+class SpecStats:
+    proposed: int = 0
+    accepted: int = 0
+    rounds: int = 0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+
+@torch.no_grad()
+def speculative_generate(target: torch.nn.Module, draft: torch.nn.Module, input_ids: torch.Tensor,
+                         max_new_tokens: int, k: int = 8, eos_token_id: int | None = None
+                         ) -> tuple[list[int], SpecStats]:
+    """Greedy speculative decoding (batch 1). Returns the new tokens (identical to the target's
+    greedy decode) and acceptance statistics. Reference implementation: each round re-runs both
+    models over the whole sequence, which keeps it exact for every family's cache type."""
+    seq = input_ids[0].tolist()
+    start = len(seq)
+    stats = SpecStats()
+    while len(seq) - start < max_new_tokens:
+        proposal: list[int] = []
+        ctx = list(seq)
+        for _ in range(min(k, max_new_tokens - (len(seq) - start))):
+            nxt = int(draft(input_ids=torch.tensor([ctx])).logits[0, -1].argmax())
+            proposal.append(nxt)
+            ctx.append(nxt)
+        logits = target(input_ids=torch.tensor([seq + proposal])).logits[0]
+        verify = logits[len(seq) - 1:].argmax(-1).tolist()   # target's choice after each prefix
+        n_ok = 0
+        while n_ok < len(proposal) and proposal[n_ok] == verify[n_ok]:
+            n_ok += 1
+        stats.proposed += len(proposal)
+        stats.accepted += n_ok
+        stats.rounds += 1
+        new = proposal[:n_ok] + [verify[n_ok]]
+        for t in new:
+            seq.append(t)
+            if (eos_token_id is not None and t == eos_token_id) or len(seq) - start >= max_new_tokens:
+                return seq[start:], stats
+    return seq[start:], stats
+
+
+class DraftPredictor(Predictor):
+    """Scores from the draft's own routing at the target step, computed teacher-forced."""
+    name = "draft"
+
+    def __init__(self, lm: LoadedModel, reader, *, expert_bits: int = 4, dense_bits: int | None = None):
+        from toolkit.traces.capture import RouterRecorder, build_inputs, make_prompts, TraceSettings
+        from toolkit.traces.data import read_records
+
+        self.lm = lm
+        self.draft = make_draft(lm, expert_bits=expert_bits, dense_bits=dense_bits)
+        self.expert_bits, self.dense_bits = expert_bits, dense_bits
+        self.bank_spec = lm.geometry.routing
+        self.moe_layers = list(lm.geometry.moe_layers)
+        settings = reader.manifest["settings"]
+        s = TraceSettings(**{f.name: settings[f.name] for f in dataclasses.fields(TraceSettings)})
+        prompts = None
+        if lm.family.is_vision_language:  # images must go through the vision tower again
+            recs = read_records([d["path"] for d in reader.manifest["data"]], allow_images=True)
+            prompts = {p.seq: p for p in make_prompts(recs, lm.tokenizer, s)}
+        self.scores_by_seq: dict[int, torch.Tensor] = {}  # seq -> [T, L, E] selection scores
+        self.accepted = self.proposed = 0
+        draft_lm = dataclasses.replace(lm, model=self.draft)
+        rec = RouterRecorder(draft_lm)
+        try:
+            for a in reader.iter_shards("heldout"):
+                for q in sorted(set(a["seq"].tolist())):
+                    rows = a["seq"] == q
+                    tokens = a["token_id"][rows].tolist()
+                    kind = a["kind"][rows]
+                    rec.reset()
+                    if prompts is not None:
+                        p = prompts[q]
+                        inputs, _ = build_inputs(draft_lm, p)
+                        n_prompt = inputs["input_ids"].shape[1]
+                        if inputs["input_ids"][0].tolist() != tokens[:n_prompt]:
+                            raise SpecPrefetchError(f"draft: sequence {q} does not match its data file")
+                        ids = torch.tensor([tokens], device=lm.input_device)
+                        mm = torch.zeros_like(ids)
+                        mm[0, :n_prompt] = inputs["mm_token_type_ids"][0]
+                        out = self.draft(**dict(inputs, input_ids=ids, attention_mask=torch.ones_like(ids),
+                                                mm_token_type_ids=mm))
+                    else:
+                        out = self.draft(input_ids=torch.tensor([tokens], device=lm.input_device))
+                    t = rec.stacked()
+                    sb = [lm.family.router_params(self.draft, layer)[2] for layer in self.moe_layers]
+                    sc = torch.stack([selection_scores(t["logits"][:, li], self.bank_spec,
+                                                       sb[li].detach().float().cpu() if sb[li] is not None else None)
+                                      for li in range(len(self.moe_layers))], 1)
+                    self.scores_by_seq[q] = sc
+                    pred = out.logits[0].argmax(-1).cpu()
+                    dec = torch.from_numpy(kind == 1)
+                    nxt = torch.tensor(tokens[1:] + [-1])
+                    m = dec.clone()
+                    m[-1] = False
+                    self.accepted += int((pred[m] == nxt[m]).sum())
+                    self.proposed += int(m.sum())
+        finally:
+            rec.close()
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    def params(self) -> int:
+        return 0  # shares the model's weights; its cost is bytes, reported separately
+
+    def scores(self, b: RoutingBatch, i: int, h: int) -> torch.Tensor:
+        L = b.num_layers
+        j = i + h
+        tok_off, layer = (0, j) if j < L else (1, j - L)
+        out = torch.zeros(len(b), self.bank_spec.num_experts)
+        for r in range(len(b)):
+            sc = self.scores_by_seq.get(int(b.seq[r]))
+            pos = int(b.pos[r]) + tok_off
+            if sc is not None and pos < sc.shape[0]:
+                out[r] = sc[pos, layer]
+        return out

@@ -1,0 +1,198 @@
+"""`specprefetch eval`: every predictor on the held-out decode tokens of a trace.
+
+Per predictor and horizon h: recall@k, recall and precision within a candidate budget M (default
+2k), per-layer recall@k curves, and the predictor's parameter count. Results go to JSON
+(`{"k": K, "budget": M, "predictors": {NAME: {"recall_at_k": {"1": x, ...}, "params": n, ...}}}`),
+a Markdown table and a PNG plot. Metric definitions: toolkit/metrics.py.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from toolkit.artifacts import atomic_write_text, write_json_atomic
+from toolkit.errors import SpecPrefetchError
+from toolkit.metrics import topk_overlap
+from toolkit.models.routers import load_router_bank
+from toolkit.predictors.base import (AdapterPredictor, FateStyle, Frequency, NextGate, Oracle,
+                                     Predictor, PreviousToken)
+from toolkit.predictors.batches import iter_batches
+from toolkit.traces.format import TraceReader
+
+ALL = ("next-gate", "fate", "frequency", "previous-token", "adapter", "draft", "oracle")
+
+
+def frequency_counts(reader: TraceReader) -> torch.Tensor:
+    from toolkit.traces.summary import expert_load
+
+    return torch.from_numpy(expert_load(reader, "train"))
+
+
+def build_predictors(names: list[str], reader: TraceReader, spec, adapter_path: Path | None,
+                     draft_bits: int = 4) -> tuple[dict[str, Predictor], dict[str, Any]]:
+    bank = load_router_bank(spec)
+    E = spec.geometry.routing.num_experts
+    out: dict[str, Predictor] = {}
+    notes: dict[str, Any] = {}
+    for n in names:
+        if n == "next-gate":
+            out[n] = NextGate(bank)
+        elif n == "fate":
+            out[n] = FateStyle(bank)
+        elif n == "frequency":
+            out[n] = Frequency(frequency_counts(reader))
+        elif n == "previous-token":
+            out[n] = PreviousToken(E)
+        elif n == "oracle":
+            out[n] = Oracle(E)
+        elif n == "adapter":
+            if adapter_path is None:
+                raise SpecPrefetchError("predictor 'adapter' needs --adapter DIR")
+            from adapters.checkpoint import load_adapter
+
+            adapter, meta = load_adapter(adapter_path, spec)
+            out[n] = AdapterPredictor(adapter, bank)
+            notes["adapter"] = {"path": str(adapter_path), "rank": meta["rank"],
+                                "horizons": meta["horizons"], "share_of_model": meta.get("share_of_model")}
+        elif n == "draft":
+            from toolkit.models.loader import load_model
+            from toolkit.predictors.draft import DraftPredictor
+
+            d = DraftPredictor(load_model(spec.path), reader, expert_bits=draft_bits)
+            out[n] = d
+            notes["draft"] = {"expert_bits": draft_bits, "acceptance_rate": round(d.acceptance, 4),
+                              "acceptance_tokens": d.proposed}
+        else:
+            raise SpecPrefetchError(f"--predictors: unknown predictor {n!r}; choose from {', '.join(ALL)}")
+    return out, notes
+
+
+def evaluate(trace: Path, *, predictors: list[str], adapter: Path | None = None,
+             model: str | Path | None = None, horizons: tuple[int, ...] | None = None,
+             budget: int | None = None, draft_bits: int = 4, progress: bool = True) -> dict[str, Any]:
+    from adapters.train import trace_model_spec
+
+    reader = TraceReader(trace)
+    spec = trace_model_spec(reader, model)
+    k = spec.geometry.routing.top_k
+    E = spec.geometry.routing.num_experts
+    M = budget or min(E, 2 * k)
+    if not k <= M <= E:
+        raise SpecPrefetchError(f"--budget {M}: must be between k={k} and E={E}")
+    if not reader.shards("heldout"):
+        raise SpecPrefetchError(f"trace {trace} has no held-out split (trace with --heldout-frac > 0)")
+    if horizons is None:
+        horizons = (1, 2)
+        if adapter is not None:
+            from toolkit.artifacts import read_json
+
+            horizons = tuple(read_json(Path(adapter) / "adapter.json", "adapter config")["horizons"])
+    preds, notes = build_predictors(predictors, reader, spec, adapter, draft_bits)
+    L = len(reader.moe_layers)
+    # acc[name][h] = arrays over source layer i: hits@k, hits@M, rows
+    acc = {n: {h: np.zeros((3, L)) for h in horizons} for n in preds}
+    batches = list(iter_batches(reader, "heldout", decode_only=True, with_probs=False))
+    if not batches:
+        raise SpecPrefetchError(f"trace {trace}: no held-out decode tokens (trace with --decode-tokens > 0)")
+    for b in tqdm(batches, desc="eval", unit="shard", disable=not progress):
+        for h in horizons:
+            for i in range(L):
+                if i + h >= 2 * L:
+                    continue
+                ids, ok = b.target_ids(i, h)
+                if not ok.any():
+                    continue
+                for n, p in preds.items():
+                    s = p.scores(b, i, h)[ok]
+                    acc[n][h][0, i] += float(topk_overlap(s, ids[ok], k).sum())
+                    acc[n][h][1, i] += float(topk_overlap(s, ids[ok], M).sum())
+                    acc[n][h][2, i] += int(ok.sum())
+    result: dict[str, Any] = {"k": k, "budget": M, "trace": str(Path(trace).resolve()),
+                              "model": {"family": spec.family.name, "config_hash": spec.config_hash,
+                                        "path": str(spec.path)},
+                              "decode_tokens": int(sum(len(b) for b in batches)),
+                              "horizons": list(horizons), "predictors": {}}
+    for n, p in preds.items():
+        r: dict[str, Any] = {"recall_at_k": {}, "recall_at_k_within_token": {}, "recall_at_budget": {},
+                             "precision_at_budget": {}, "per_layer_recall_at_k": {}, "params": p.params()}
+        for h in horizons:
+            hk, hm, rows = acc[n][h]
+            tot = rows.sum()
+            r["recall_at_k"][str(h)] = round(float(hk.sum() / max(1, tot * k)), 4)
+            r["recall_at_budget"][str(h)] = round(float(hm.sum() / max(1, tot * k)), 4)
+            r["precision_at_budget"][str(h)] = round(float(hm.sum() / max(1, tot * M)), 4)
+            same = slice(0, max(0, L - h))  # source layers whose target is in the same token
+            r["recall_at_k_within_token"][str(h)] = round(float(hk[same].sum() / max(1, rows[same].sum() * k)), 4)
+            r["per_layer_recall_at_k"][str(h)] = [round(float(a / max(1, c * k)), 4) for a, c in zip(hk, rows)]
+        r.update(notes.get(n, {}))
+        result["predictors"][n] = r
+    return result
+
+
+def markdown(result: dict[str, Any]) -> str:
+    hs = result["horizons"]
+    k, M = result["k"], result["budget"]
+    head = ("| predictor | params | " + " | ".join(f"recall@{k} h={h}" for h in hs) + " | "
+            + " | ".join(f"within-token recall@{k} h={h}" for h in hs) + " | "
+            + " | ".join(f"recall@{M} h={h}" for h in hs) + " | "
+            + " | ".join(f"precision@{M} h={h}" for h in hs) + " |")
+    lines = [f"Held-out decode tokens: {result['decode_tokens']} ({result['model']['family']}, "
+             f"top-{k}, budget M={M}).", "", head, "|" + "---|" * (2 + 4 * len(hs))]
+    for n, r in result["predictors"].items():
+        cells = [n, f"{r['params']:,}"]
+        cells += [f"{r['recall_at_k'][str(h)]:.3f}" for h in hs]
+        cells += [f"{r['recall_at_k_within_token'][str(h)]:.3f}" for h in hs]
+        cells += [f"{r['recall_at_budget'][str(h)]:.3f}" for h in hs]
+        cells += [f"{r['precision_at_budget'][str(h)]:.3f}" for h in hs]
+        lines.append("| " + " | ".join(cells) + " |")
+    if "draft" in result["predictors"]:
+        d = result["predictors"]["draft"]
+        lines += ["", f"Draft: int{d['expert_bits']} experts, acceptance rate {d['acceptance_rate']:.3f} "
+                      f"over {d['acceptance_tokens']} decode tokens."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    hs = result["horizons"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for n, r in result["predictors"].items():
+        axes[0].plot(hs, [r["recall_at_k"][str(h)] for h in hs], "o-", label=n)
+        axes[1].plot(range(len(r["per_layer_recall_at_k"][str(hs[0])])),
+                     r["per_layer_recall_at_k"][str(hs[0])], "o-", label=n)
+    axes[0].set_xlabel("horizon h (MoE layers ahead)")
+    axes[0].set_ylabel(f"recall@{result['k']}")
+    axes[0].set_xticks(hs)
+    axes[1].set_xlabel("source MoE layer i")
+    axes[1].set_ylabel(f"recall@{result['k']} at h={hs[0]}")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.set_ylim(0, 1.02)
+    axes[1].legend(fontsize=8)
+    fig.suptitle(f"prefetch predictors, held-out decode tokens ({result['model']['family']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_reports(result: dict[str, Any], json_path: Path) -> tuple[Path, Path]:
+    json_path = Path(json_path)
+    write_json_atomic(json_path, result)
+    md = json_path.with_suffix(".md")
+    atomic_write_text(md, markdown(result))
+    png = json_path.with_suffix(".png")
+    plot(result, png)
+    return md, png
+
+
+def load_result(path: Path) -> dict[str, Any]:
+    return json.loads(Path(path).read_text())
