@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
 RUNS    := runs/demo
 
-.PHONY: setup demo test test-all clean
+.PHONY: setup demo test test-all bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -21,8 +21,10 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/specprefetch info embedded
 	$(BIN)/specprefetch trace embedded --data toolkit/embedded/heldout.jsonl --out $(RUNS)/trace \
-	    --max-sequences 24 --prompt-tokens 128 --decode-tokens 32 --overwrite
-	$(BIN)/python -m toolkit.traces.summary $(RUNS)/trace
+	    --max-sequences 160 --prompt-tokens 128 --decode-tokens 32 --heldout-frac 0.2 --overwrite
+	$(BIN)/python -m toolkit.traces.summary $(RUNS)/trace --out $(RUNS)/routing
+	$(BIN)/specprefetch train $(RUNS)/trace --out $(RUNS)/adapter --steps 400
+	$(BIN)/specprefetch eval $(RUNS)/trace --adapter $(RUNS)/adapter --json $(RUNS)/eval.json
 
 ## test: the CI suite (what .ci/run calls)
 test: $(STAMP)
@@ -30,6 +32,14 @@ test: $(STAMP)
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+## bench: the figures in docs/ (predictors: docs/predictors.md), measured side by side
+BENCH := runs/bench
+bench: $(STAMP)
+	$(BIN)/specprefetch trace embedded --data toolkit/embedded/heldout.jsonl --out $(BENCH)/trace \
+	    --prompt-tokens 256 --decode-tokens 32 --heldout-frac 0.2 --hidden-sample 0.5 --overwrite
+	$(BIN)/specprefetch train $(BENCH)/trace --out $(BENCH)/adapter --steps 3000
+	$(BIN)/specprefetch eval $(BENCH)/trace --adapter $(BENCH)/adapter --json $(BENCH)/eval.json
 
 clean:
 	rm -rf runs build .pytest_cache
