@@ -20,7 +20,8 @@ def test_embedded_model_bytes(embedded):
     # int8: one byte a weight plus an fp16 scale per output row
     assert d["bytes_per_expert"]["int8"] == 3 * h * i + (i + i + h) * 2
     # int4: half a byte a weight plus an fp16 scale per 32 inputs per row
-    assert d["bytes_per_expert"]["int4"] == 3 * h * i // 2 + (2 * i * (h // 32) + h * (i // 32 + 1)) * 2
+    # (the down matrix's 80 inputs are padded to 96: three whole groups)
+    assert d["bytes_per_expert"]["int4"] == 2 * i * h // 2 + h * 96 // 2 + (2 * i * (h // 32) + h * 3) * 2
     assert d["bytes_per_expert_4k_aligned"]["fp16"] == 122_880
     assert d["total_expert_bytes"]["fp16"] == 256 * 122_880
     assert d["expert_params"] == 8 * 32 * 3 * h * i

@@ -3,7 +3,7 @@
 Sizes come from config.json and the safetensors headers; no weights are loaded, so this is instant
 on a 30B checkpoint. Quantised expert sizes follow the expert store's layouts (docs/expert-store.md):
 int8 with one fp16 scale per output row, int4 packed two per byte with one fp16 scale per group of
-32 weights along the input axis. Biases (GPT-OSS) stay fp16.
+32 weights along the input axis (rows zero-padded to whole groups). Biases (GPT-OSS) stay fp16.
 """
 from __future__ import annotations
 
@@ -31,8 +31,8 @@ def expert_bytes(geo: ModelGeometry, dtype: str) -> int:
         elif dtype == "int8":
             total += out_dim * in_dim + out_dim * 2
         elif dtype == "int4":
-            groups = -(-in_dim // INT4_GROUP)
-            total += out_dim * (-(-in_dim // 2)) + out_dim * groups * 2
+            groups = -(-in_dim // INT4_GROUP)  # rows padded to whole groups (expert store layout)
+            total += out_dim * groups * INT4_GROUP // 2 + out_dim * groups * 2
         else:
             raise ValueError(f"unknown expert dtype {dtype!r}")
     return total

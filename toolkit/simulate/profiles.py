@@ -1,0 +1,125 @@
+"""Device profiles: how fast flash reads and compute are on a device, for the simulator and for
+pacing real reads (`run --flash-profile`).
+
+Flash: a fixed per-request latency plus a transfer at a bandwidth that depends on the request size
+and the queue depth (interpolated in log-size from a small table). Compute at batch 1 is memory
+bound, so a layer's time is the bytes of weights it touches divided by an effective DRAM bandwidth,
+plus a fixed per-layer overhead; `this-machine` replaces those with measured times.
+
+Sources for `snapdragon-8-elite` (see docs/device-profiles.md): ANCHORS.md (UFS 4.0 ~2.3 GiB/s
+with 512 KiB direct reads, ~3.5 GB/s at 512 KiB random, ~0.45 GB/s at 4 KiB random; LPDDR5X-10667
+~85 GB/s peak).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from pathlib import Path
+
+from toolkit.artifacts import write_json_atomic
+from toolkit.errors import SpecPrefetchError
+
+MiB = 2**20
+
+
+@dataclasses.dataclass
+class DeviceProfile:
+    name: str
+    description: str
+    flash_latency_us: float
+    # bandwidth table: {queue depth: {request KiB: MiB/s}}
+    flash_bw: dict[int, dict[int, float]]
+    dram_effective_gbs: float
+    layer_overhead_us: float = 0.0
+    token_overhead_ms: float = 0.0
+    # measured compute (this-machine): when set, these replace the bandwidth model
+    dense_ms_per_layer: float | None = None
+    expert_ms: float | None = None
+    measured: dict | None = None
+    sources: list[str] = dataclasses.field(default_factory=list)
+
+    def bandwidth_mibs(self, size_bytes: int, qd: int) -> float:
+        qds = sorted(int(q) for q in self.flash_bw)
+        q = max([x for x in qds if x <= qd] or [qds[0]])
+        table = self.flash_bw[q]
+        sizes = sorted(table)
+        kib = size_bytes / 1024
+        if kib <= sizes[0]:
+            return table[sizes[0]]
+        if kib >= sizes[-1]:
+            return table[sizes[-1]]
+        for a, b in zip(sizes, sizes[1:]):
+            if a <= kib <= b:
+                t = (math.log(kib) - math.log(a)) / (math.log(b) - math.log(a))
+                return table[a] + t * (table[b] - table[a])
+        return table[sizes[-1]]
+
+    def transfer_s(self, size_bytes: int, qd: int) -> float:
+        return size_bytes / (self.bandwidth_mibs(size_bytes, qd) * MiB)
+
+    def read_s(self, size_bytes: int, qd: int = 1) -> float:
+        return self.flash_latency_us * 1e-6 + self.transfer_s(size_bytes, qd)
+
+    def dense_s(self, dense_bytes_per_layer: int) -> float:
+        if self.dense_ms_per_layer is not None:
+            return self.dense_ms_per_layer * 1e-3
+        return dense_bytes_per_layer / (self.dram_effective_gbs * 1e9) + self.layer_overhead_us * 1e-6
+
+    def expert_s(self, expert_bytes: int) -> float:
+        if self.expert_ms is not None:
+            return self.expert_ms * 1e-3
+        return expert_bytes / (self.dram_effective_gbs * 1e9)
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+SNAPDRAGON_8_ELITE = DeviceProfile(
+    name="snapdragon-8-elite",
+    description="Snapdragon 8 Elite (SM8750) phone: UFS 4.0 flash, LPDDR5X-10667 DRAM, CPU/NPU decode",
+    flash_latency_us=80.0,
+    flash_bw={1: {4: 110.0, 64: 700.0, 128: 1000.0, 512: 1800.0, 1024: 2000.0},
+              2: {4: 200.0, 64: 1200.0, 128: 1600.0, 512: 2355.0, 1024: 2600.0},
+              4: {4: 330.0, 64: 1900.0, 128: 2300.0, 512: 3340.0, 1024: 3500.0},
+              8: {4: 430.0, 64: 2400.0, 128: 2900.0, 512: 3340.0, 1024: 3700.0}},
+    dram_effective_gbs=40.0,
+    layer_overhead_us=60.0,
+    token_overhead_ms=2.0,
+    sources=["ANCHORS.md: UFS 4.0 ~4.2 GB/s rated sequential; ~2.3 GiB/s measured with 512 KiB direct "
+             "reads; ~3.5 GB/s at 512 KiB random; ~0.45 GB/s at 4 KiB random",
+             "ANCHORS.md: LPDDR5X-10667 ~85 GB/s peak; effective 40 GB/s assumed for batch-1 GEMV",
+             "per-request latency 80 us and per-layer dispatch 60 us: assumptions, see docs/device-profiles.md"],
+)
+
+BUILTIN = {SNAPDRAGON_8_ELITE.name: SNAPDRAGON_8_ELITE}
+
+
+def profile_dir() -> Path:
+    return Path(os.environ.get("SPECPREFETCH_PROFILES", Path.home() / ".cache" / "specprefetch" / "profiles"))
+
+
+def load_profile(name: str) -> DeviceProfile:
+    """A built-in profile, a profile saved by `calibrate` (this-machine), or a JSON file path."""
+    if name in BUILTIN:
+        return BUILTIN[name]
+    path = Path(name)
+    if not path.suffix:
+        path = profile_dir() / f"{name}.json"
+    if not path.exists():
+        hint = " (run `specprefetch calibrate` first)" if name == "this-machine" else ""
+        raise SpecPrefetchError(f"--profile {name!r}: no such profile{hint}; built in: "
+                                f"{', '.join(BUILTIN)}; saved: {path}")
+    try:
+        d = json.loads(path.read_text())
+        d["flash_bw"] = {int(q): {int(s): float(v) for s, v in t.items()} for q, t in d["flash_bw"].items()}
+        return DeviceProfile(**d)
+    except (json.JSONDecodeError, TypeError, KeyError) as e:
+        raise SpecPrefetchError(f"{path}: not a valid device profile ({e})") from None
+
+
+def save_profile(p: DeviceProfile, path: Path | None = None) -> Path:
+    path = path or profile_dir() / f"{p.name}.json"
+    write_json_atomic(path, p.to_json())
+    return path
