@@ -183,6 +183,141 @@ def eval_cmd(traces, adapter, predictors, model, horizons, budget, draft_bits, j
 
 
 @main.command()
+@click.argument("model", default="embedded")
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="expert store file to write")
+@click.option("--dtype", default="fp16", show_default=True, type=click.Choice(["fp16", "int8", "int4"]))
+@friendly_errors
+def store(model, out, dtype) -> None:
+    """Write MODEL's routed experts into one 4 KiB-aligned expert store file (docs/expert-store.md)."""
+    from toolkit.models.loader import inspect_model_dir
+    from toolkit.runtime.expert_store import ExpertStore, build_store
+
+    path = build_store(inspect_model_dir(model), out, dtype)
+    st = ExpertStore(path)
+    click.echo(f"wrote {path}: {len(st.entries)} experts of {st.blob_size:,} B ({dtype}), "
+               f"{path.stat().st_size / 2**20:.1f} MiB")
+
+
+def _policies(text: str):
+    from toolkit.simulate.replay import Policy
+
+    out = []
+    for item in text.split(","):
+        pred, _, ev = item.strip().partition("+")
+        out.append(Policy(pred, ev or "lru"))
+    return out
+
+
+@main.command()
+@click.argument("traces", type=click.Path(path_type=Path))
+@click.option("--policies", "--predictor", "policies",
+              default="on-demand+lru,next-gate+prediction,adapter+prediction,oracle+belady", show_default=True,
+              help="comma-separated PREDICTOR+EVICTION (eviction: lru, lfu, prediction, belady)")
+@click.option("--adapter", type=click.Path(path_type=Path), default=None)
+@click.option("--profile", default="snapdragon-8-elite", show_default=True,
+              help="snapdragon-8-elite, this-machine (after calibrate), or a profile JSON file")
+@click.option("--pool-mib", default="8", show_default=True, help="pool budget; comma list to sweep")
+@click.option("--window", default="2", show_default=True, help="steps ahead; comma list to sweep")
+@click.option("--queue-depth", default=4, show_default=True)
+@click.option("--dtype", default="fp16", show_default=True, type=click.Choice(["fp16", "int8", "int4"]))
+@click.option("--geometry", default=None, help="config.json directory whose sizes to use (routing stays the trace's)")
+@click.option("--split", default="heldout", show_default=True, type=click.Choice(["heldout", "train"]))
+@click.option("--max-sequences", type=int, default=None)
+@click.option("--json", "json_out", required=True, type=click.Path(path_type=Path))
+@friendly_errors
+def simulate(traces, policies, adapter, profile, pool_mib, window, queue_depth, dtype, geometry, split,
+             max_sequences, json_out) -> None:
+    """Replay TRACES through the pool and scheduler against a device profile: TPOT, stall, hit
+    rate, MiB read and wasted prefetch per policy; sweeps give a table and plots."""
+    from toolkit.simulate.profiles import load_profile
+    from toolkit.simulate.report import sweep, write_sweep
+
+    pools = [float(x) for x in pool_mib.split(",")]
+    windows = list(_ints(window, "--window"))
+    r = sweep(traces, policies=_policies(policies), profile=load_profile(profile), pools=pools,
+              windows=windows, queue_depth=queue_depth, dtype=dtype, geometry=geometry, adapter=adapter,
+              split=split, max_sequences=max_sequences)
+    md, png = write_sweep(r, json_out)
+    click.echo(md.read_text())
+    click.echo(f"wrote {json_out}, {md}, {png}")
+
+
+@main.command()
+@click.argument("model", default="embedded")
+@click.option("--store", "store_path", type=click.Path(path_type=Path), default=None,
+              help="expert store (default: built once into ~/.cache/specprefetch/stores)")
+@click.option("--reads", default=200, show_default=True, help="reads per measured point")
+@click.option("--out", type=click.Path(path_type=Path), default=None, help="profile JSON (default: the cache)")
+@friendly_errors
+def calibrate(model, store_path, reads, out) -> None:
+    """Measure this machine (O_DIRECT expert reads by queue depth, runtime compute per layer and
+    expert) into the `this-machine` device profile."""
+    from toolkit.simulate.calibrate import calibrate as run_calibrate
+
+    prof, path = run_calibrate(model, store=store_path, reads=reads, out=out)
+    click.echo(json.dumps(prof.to_json(), indent=1))
+    click.echo(f"wrote {path}")
+
+
+@main.command()
+@click.argument("model", default="embedded")
+@click.option("--policy", default="adapter+prediction", show_default=True, help="PREDICTOR+EVICTION")
+@click.option("--adapter", type=click.Path(path_type=Path), default=None)
+@click.option("--pool-mib", default=8.0, show_default=True)
+@click.option("--window", default=2, show_default=True)
+@click.option("--queue-depth", default=4, show_default=True)
+@click.option("--store", "store_path", type=click.Path(path_type=Path), default=None)
+@click.option("--dtype", default="fp16", show_default=True, type=click.Choice(["fp16", "int8", "int4"]))
+@click.option("--flash-profile", default=None, help="pace real reads to this device profile (emulated)")
+@click.option("--prompt", "prompts", multiple=True, required=True, help="repeatable")
+@click.option("--max-new-tokens", default=32, show_default=True)
+@click.option("--threads", default=1, show_default=True, help="torch compute threads (the rest serve I/O)")
+@click.option("--json", "json_out", required=True, type=click.Path(path_type=Path))
+@friendly_errors
+def run(model, policy, adapter, pool_mib, window, queue_depth, store_path, dtype, flash_profile, prompts,
+        max_new_tokens, threads, json_out) -> None:
+    """Run MODEL with experts streamed from the expert store through a bounded pool (real O_DIRECT
+    reads on background threads); checks the tokens against the unmodified model."""
+    from toolkit.artifacts import write_json_atomic
+    from toolkit.runtime.streaming import RunConfig, open_runtime, reference_generate
+
+    torch_threads(threads)
+    pred, _, ev = policy.partition("+")
+    cfg = RunConfig(predictor=pred, eviction=ev or "lru", pool_mib=pool_mib, window=window,
+                    queue_depth=queue_depth, flash_profile=flash_profile, adapter=adapter)
+    rt, ref = open_runtime(model, cfg, store=store_path, dtype=dtype)
+    runs = []
+    for p in prompts:
+        ids = ref.tokenizer(p, add_special_tokens=False)["input_ids"]
+        if not ids:
+            raise SpecPrefetchError(f"--prompt {p!r} is empty after tokenisation")
+        toks, routing = reference_generate(ref, ids, max_new_tokens)
+        rt.reference = routing
+        r = rt.generate(ids, max_new_tokens)
+        r["prompt"] = p
+        r["matches_unmodified_model"] = (r["tokens"] == toks) if dtype == "fp16" else None
+        if dtype == "fp16" and not r["matches_unmodified_model"]:
+            raise SpecPrefetchError(f"tokens differ from the unmodified model for prompt {p!r}: a bug")
+        runs.append(r)
+    out = runs[0] if len(runs) == 1 else {"policy": cfg.policy, "runs": runs}
+    write_json_atomic(json_out, out)
+    for r in runs:
+        click.echo(f"{cfg.policy}: TTFT {r['ttft_ms']:.1f} ms, TPOT {r['tpot_ms']:.2f} ms "
+                   f"(p95 {r['tpot_p95_ms']:.2f}), stall {r['stall_ms_per_token']:.2f} ms/token, "
+                   f"hit rate {r['hit_rate']:.3f}, {r['mib_read']:.1f} MiB read, peak pool "
+                   f"{r['peak_pool_bytes'] / 2**20:.2f} of {r['budget_bytes'] / 2**20:.2f} MiB"
+                   + (f" [flash emulated: {flash_profile}]" if flash_profile else ""))
+    click.echo(f"wrote {json_out}")
+
+
+def torch_threads(n: int) -> None:
+    import torch
+
+    torch.set_num_threads(max(1, n))
+    sys.setswitchinterval(0.0002)  # let I/O threads publish completions promptly
+
+
+@main.command()
 @click.argument("family")
 @click.option("--out", required=True, type=click.Path(path_type=Path))
 @click.option("--seed", default=0, show_default=True)

@@ -40,6 +40,11 @@ class NextGate(Predictor):
     def __init__(self, bank: RouterBank):
         self.bank = bank
 
+    def effective_router(self, i: int, h: int) -> tuple[torch.Tensor, int]:
+        """(matrix [E, H], source layer): logits = x_source @ matrix.T (+ bias). Linear predictors
+        expose this so the runtime can fold a whole window into one matmul."""
+        return self.bank.weight[(i + h) % self.bank.num_layers], i
+
     def scores(self, b, i, h):
         j = (i + h) % b.num_layers
         return self.bank.selection_scores(self.bank.logits(b.hidden[:, i], j), j)
@@ -53,6 +58,9 @@ class FateStyle(Predictor):
 
     def __init__(self, bank: RouterBank):
         self.bank = bank
+
+    def effective_router(self, i: int, h: int) -> tuple[torch.Tensor, int]:
+        return self.bank.weight[(i + h) % self.bank.num_layers], max(0, i - 1)
 
     def scores(self, b, i, h):
         j = (i + h) % b.num_layers
@@ -124,6 +132,14 @@ class AdapterPredictor(Predictor):
 
     def params(self) -> int:
         return self.adapter.params()
+
+    @torch.no_grad()
+    def effective_router(self, i: int, h: int) -> tuple[torch.Tensor, int]:
+        j = (i + h) % self.bank.num_layers
+        if (i, h) not in self.adapter.pair_index:
+            return self.bank.weight[j], i
+        p = self.adapter.pair_index[(i, h)]
+        return self.bank.weight[j] + self.adapter.B[p] @ self.adapter.A[p], i
 
     @torch.no_grad()
     def scores(self, b, i, h):

@@ -40,6 +40,7 @@ class SchedulerConfig:
     queue_depth: int = 4            # flash reads in flight at most
     step_budget_bytes: int | None = None  # prefetch bytes issued per step (None: unbounded)
     min_confidence: float = 0.02    # below this a request is dropped when flash is saturated
+    floor: float = 0.0              # below this a candidate is never queued at all
     prefetch: bool = True           # False: on-demand only
 
 
@@ -77,27 +78,39 @@ class WindowScheduler:
 
     def retire(self) -> None:
         """Mark finished reads ready in the pool."""
+        take = getattr(self.io, "take", None)
         for key in self.io.completed():
             self.loading.discard(key)
             slot = self.pool.get(key)
             if slot is not None:
                 slot.ready = True
+                if take is not None:
+                    slot.buffer = take(key)
 
     # -- predictions -> queue ------------------------------------------------------------
     def plan(self, step: int, window: list[tuple[int, torch.Tensor]]) -> None:
         """Queue reads for the predicted steps: window = [(target step, scores [E])]."""
+        if not window:
+            self.plan_probs(step, [], None)
+            return
+        s = torch.stack([sc for _, sc in window]).float()             # [W, E]
+        nonneg = (s >= 0).all(-1, keepdim=True) & (s.sum(-1, keepdim=True) > 0)
+        p = torch.where(nonneg, s / s.sum(-1, keepdim=True).clamp_min(1e-20), torch.softmax(s, -1))
+        self.plan_probs(step, [t for t, _ in window], p)
+
+    def plan_probs(self, step: int, targets: list[int], probs: torch.Tensor | None) -> None:
+        """Queue reads from predicted probabilities [W, E] of the steps `targets`."""
         self.step = step
         self.step_bytes = 0
-        if not self.cfg.prefetch:
+        if not self.cfg.prefetch or probs is None:
+            self.pump()
             return
         m = self.cfg.candidates or self.k
-        for target, scores in window:
-            s = scores.float()
-            p = s / s.sum() if bool((s >= 0).all()) and float(s.sum()) > 0 else torch.softmax(s, -1)
-            conf, ids = torch.topk(p, m)
+        conf, ids = torch.topk(probs, m, dim=-1)
+        for target, cs, es in zip(targets, conf.tolist(), ids.tolist()):
             layer = target % self.L
-            for c, e in zip(conf.tolist(), ids.tolist()):
-                if c <= 0:
+            for c, e in zip(cs, es):
+                if c <= 0 or c < self.cfg.floor:
                     continue
                 key = (layer, e)
                 prev = self.predicted_next.get(key)

@@ -194,7 +194,8 @@ def _trace_h(li: int, h: int, L: int, layer_map: list[int], Lt: int) -> int:
 def run_simulation(trace: Path, *, policies: list[Policy], profile: DeviceProfile, pool_mib: float,
                    window: int, queue_depth: int = 4, dtype: str = "fp16", geometry: str | None = None,
                    adapter: Path | None = None, model: str | None = None, min_confidence: float = 0.02,
-                   step_budget_kib: int | None = None, max_sequences: int | None = None) -> dict[str, Any]:
+                   step_budget_kib: int | None = None, max_sequences: int | None = None,
+                   split: str = "heldout") -> dict[str, Any]:
     from adapters.train import trace_model_spec
     from toolkit.predictors.evaluate import build_predictors
     from toolkit.traces.format import TraceReader
@@ -206,13 +207,13 @@ def run_simulation(trace: Path, *, policies: list[Policy], profile: DeviceProfil
     layer_map = [li * Lt // geo.num_layers for li in range(geo.num_layers)]
     if geo.top_k != spec.geometry.routing.top_k:
         geo = dataclasses.replace(geo, top_k=spec.geometry.routing.top_k)
-    batches = list(iter_batches(reader, "heldout", decode_only=True, with_probs=False))
+    batches = list(iter_batches(reader, split, decode_only=True, with_probs=False))
     if max_sequences:
         keep = set(sorted({int(q) for b in batches for q in b.seq.tolist()})[:max_sequences])
         batches = [b.select(torch.tensor([int(q) in keep for q in b.seq.tolist()])) for b in batches]
         batches = [b for b in batches if len(b)]
     if not batches:
-        raise SpecPrefetchError(f"trace {trace}: no held-out decode tokens to replay")
+        raise SpecPrefetchError(f"trace {trace}: no {split} decode tokens to replay")
     names = sorted({p.predictor for p in policies if p.predictor != "on-demand"})
     preds, notes = build_predictors(names, reader, spec, adapter)
     pool_bytes = int(pool_mib * 2**20)

@@ -1,0 +1,76 @@
+"""Sweeps of the simulator over pool size and window, as JSON, a Markdown table and plots."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from toolkit.artifacts import atomic_write_text, write_json_atomic
+from toolkit.simulate.profiles import DeviceProfile
+from toolkit.simulate.replay import Policy, run_simulation
+
+COLUMNS = ("tpot_ms", "tpot_p95_ms", "stall_ms_per_token", "hit_rate", "mib_read_per_token", "wasted_prefetch_mib")
+
+
+def sweep(trace: Path, *, policies: list[Policy], profile: DeviceProfile, pools: list[float],
+          windows: list[int], **kw: Any) -> dict[str, Any]:
+    points = []
+    for pool in pools:
+        for w in windows:
+            points.append(run_simulation(trace, policies=policies, profile=profile, pool_mib=pool, window=w, **kw))
+    first = points[0]
+    return {"profile": profile.name, "geometry": first["geometry"], "routing_from": first["routing_from"],
+            "store_dtype": first["store_dtype"], "queue_depth": first["queue_depth"], "points": points}
+
+
+def markdown(r: dict[str, Any]) -> str:
+    g = r["geometry"]
+    lines = [f"Profile `{r['profile']}`; expert slot {g['slot_bytes'] / 1024:.0f} KiB ({g['dtype']}), "
+             f"{g['num_layers']} MoE layers x {g['num_experts']} experts, top-{g['top_k']}."]
+    if r["routing_from"]["replayed_onto_other_geometry"]:
+        lines.append(f"Routing replayed from {r['routing_from']['model']} onto the geometry of {g['source']}.")
+    lines += ["", "| pool MiB | pool share | window | policy | TPOT ms | p95 ms | stall ms/token | hit rate | "
+                  "MiB read/token | wasted prefetch MiB | vs on-demand |", "|" + "---|" * 11]
+    for p in r["points"]:
+        base = next((x["tpot_ms"] for x in p["results"] if x["predictor"] == "on-demand"), None)
+        for x in p["results"]:
+            ratio = f"{base / x['tpot_ms']:.3f}x" if base else "-"
+            lines.append(f"| {p['pool_mib']:g} | {100 * p['pool_share_of_experts']:.0f}% | {p['window']} | "
+                         f"{x['policy']} | {x['tpot_ms']:.3f} | {x['tpot_p95_ms']:.3f} | "
+                         f"{x['stall_ms_per_token']:.3f} | {x['hit_rate']:.3f} | {x['mib_read_per_token']:.3f} | "
+                         f"{x['wasted_prefetch_mib']:.1f} | {ratio} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(r: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    windows = sorted({p["window"] for p in r["points"]})
+    fig, axes = plt.subplots(1, len(windows), figsize=(5.5 * len(windows), 4), squeeze=False)
+    for ax, w in zip(axes[0], windows):
+        pts = sorted((p for p in r["points"] if p["window"] == w), key=lambda p: p["pool_mib"])
+        for name in [x["policy"] for x in pts[0]["results"]]:
+            xs = [p["pool_mib"] for p in pts]
+            ys = [next(x["tpot_ms"] for x in p["results"] if x["policy"] == name) for p in pts]
+            ax.plot(xs, ys, "o-", label=name)
+        ax.set_xlabel("pool budget (MiB)")
+        ax.set_ylabel("simulated TPOT (ms)")
+        ax.set_title(f"window {w}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"TPOT vs pool size ({r['profile']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_sweep(r: dict[str, Any], json_path: Path) -> tuple[Path, Path]:
+    json_path = Path(json_path)
+    write_json_atomic(json_path, r)
+    md = json_path.with_suffix(".md")
+    atomic_write_text(md, markdown(r))
+    png = json_path.with_suffix(".png")
+    plot(r, png)
+    return md, png
