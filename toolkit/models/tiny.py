@@ -94,7 +94,7 @@ def build_tiny(family: str, out: Path | str, *, seed: int = 0) -> Path:
                 b.uniform_(-0.05, 0.05)
     model.eval()
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
+    model.to(torch.float16).save_pretrained(out)  # stored in half precision, like real checkpoints
     for name in TOKENIZER_FILES:
         shutil.copy(embedded_model_dir() / name, out / name)
     if family == "qwen3_vl_moe":

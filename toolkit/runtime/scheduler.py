@@ -193,8 +193,13 @@ class WindowScheduler:
                 if key in self.pending:
                     del self.pending[key]
                 slot = self.pool.reserve(key, step, prefetch=False, protect=need)
-                if slot is None:
-                    raise RuntimeError("pool has no evictable slot for a demand read; capacity < top-k?")
+                while slot is None:  # every slot is pinned or still loading: let a prefetch land
+                    busy = [k for k in self.loading if k not in need]
+                    if not busy:
+                        raise RuntimeError("pool has no evictable slot for a demand read; capacity < top-k?")
+                    self.io.wait(busy[0])
+                    self.retire()
+                    slot = self.pool.reserve(key, step, prefetch=False, protect=need)
                 self.loading.add(key)
                 self.io.submit(key, demand=True)
                 self.stats.bytes_read += self.pool.slot_bytes

@@ -207,14 +207,18 @@ class StreamingRuntime:
         self.hidden_buf[0, li] = hidden[-1].detach().float()
         self.ids_buf[0, li] = top_k_index[-1].long()
         self.cur_routing.append(top_k_index.detach().long().cpu())
-        if self.predictor is not None:
-            self._plan(li, step)
         final = torch.zeros_like(hidden)
         hit = sorted(torch.unique(top_k_index).tolist())
         keys = [(li, e) for e in hit]
         groups = [keys] if len(keys) <= self.pool.capacity else [[k] for k in keys]
+        planned = self.predictor is None
         for grp in groups:
-            waiting = self.sched.acquire(step, grp)
+            t0 = time.perf_counter()
+            waiting = self.sched.acquire(step, grp)  # demand reads go out first
+            self.stall_s += time.perf_counter() - t0
+            if not planned:  # then prefetch for the next steps; this layer's experts are pinned
+                self._plan(li, step)
+                planned = True
             t0 = time.perf_counter()
             for key in waiting:
                 self.sched.wait_ready(key)

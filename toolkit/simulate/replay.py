@@ -127,6 +127,10 @@ def simulate_policy(batches: list[RoutingBatch], predictor, policy: Policy, geo:
                 for li in range(L):
                     step = t * L + li
                     clock.now += profile.dense_s(geo.dense_bytes_per_layer)
+                    keys = [(li, e % geo.num_experts) for e in ids[t, layer_map[li]].tolist()]
+                    keys = list(dict.fromkeys(keys))
+                    before = clock.now
+                    waiting = sched.acquire(step, keys)  # demand reads go out first
                     if predictor is not None:
                         ti = layer_map[li]
                         window = []
@@ -143,10 +147,7 @@ def simulate_policy(batches: list[RoutingBatch], predictor, policy: Policy, geo:
                                 sc = torch.nn.functional.pad(sc, (0, geo.num_experts - sc.shape[0]))
                             window.append((tgt, sc))
                         sched.plan(step, window)
-                    keys = [(li, e % geo.num_experts) for e in ids[t, layer_map[li]].tolist()]
-                    keys = list(dict.fromkeys(keys))
-                    before = clock.now
-                    for key in sched.acquire(step, keys):
+                    for key in waiting:
                         sched.wait_ready(key)
                     stalls += clock.now - before
                     clock.now += profile.expert_s(geo.expert_bytes) * len(keys)

@@ -1,0 +1,330 @@
+"""Expert store, pool, scheduler, simulator and the streaming runtime, on real files and models."""
+from __future__ import annotations
+
+import itertools
+import json
+import random
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import HELDOUT
+from toolkit.errors import SpecPrefetchError
+from toolkit.models.checkpoint import ExpertReader
+from toolkit.models.loader import inspect_model_dir, load_model
+from toolkit.models.tiny import TINY_FAMILIES
+from toolkit.runtime.expert_store import ALIGN, ExpertStore, build_store
+from toolkit.runtime.pool import ExpertPool
+from toolkit.runtime.scheduler import SchedulerConfig, WindowScheduler
+from toolkit.runtime.streaming import RUN_PREDICTORS, RunConfig, open_runtime, reference_generate
+from toolkit.simulate.flash import SimClock, SimFlash
+from toolkit.simulate.profiles import SNAPDRAGON_8_ELITE, load_profile, save_profile
+
+
+@pytest.fixture(scope="module")
+def emb_store(embedded, tmp_path_factory) -> Path:
+    return build_store(inspect_model_dir(embedded), tmp_path_factory.mktemp("s") / "e.spx", "fp16", progress=False)
+
+
+# -- expert store -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype,tol", [("fp16", 0.0), ("int8", 0.01), ("int4", 0.15)])
+def test_store_round_trip(tiny_models, tmp_path, dtype, tol):
+    spec = inspect_model_dir(tiny_models["qwen3_moe"])
+    st = ExpertStore(build_store(spec, tmp_path / "s.spx", dtype, progress=False), spec)
+    ref = ExpertReader(spec)
+    assert st.dtype == dtype and len(st.entries) == 3 * 8
+    for (li, e), entry in st.entries.items():
+        assert entry.offset % ALIGN == 0
+        w = st.weights(li, e)
+        r = ref.read_expert(spec.geometry.moe_layers[li], e)
+        for role in ("gate", "up", "down"):
+            err = (w[role] - r[role].float()).abs().max() / r[role].float().abs().max()
+            assert err <= tol + 1e-7, (dtype, role, float(err))
+
+
+@pytest.mark.parametrize("fam", TINY_FAMILIES)
+def test_store_every_family(tiny_models, tmp_path, fam):
+    spec = inspect_model_dir(tiny_models[fam])
+    st = ExpertStore(build_store(spec, tmp_path / "s.spx", "fp16", progress=False), spec)
+    ref = ExpertReader(spec)
+    li = len(spec.geometry.moe_layers) - 1
+    w = st.weights(li, 5)
+    for role, t in ref.read_expert(spec.geometry.moe_layers[li], 5).items():
+        assert torch.equal(w[role], t.float()), role
+
+
+def test_store_rejects_damage(emb_store, tiny_models, tmp_path):
+    bad = tmp_path / "bad.spx"
+    shutil.copy(emb_store, bad)
+    st = ExpertStore(bad)
+    e = st.entry(2, 3)
+    with open(bad, "r+b") as f:
+        f.seek(e.offset + 100)
+        f.write(b"\xff\xfe")
+    with pytest.raises(SpecPrefetchError, match=r"expert \(2, 3\) failed its checksum"):
+        ExpertStore(bad).read(2, 3)
+    with pytest.raises(SpecPrefetchError, match="built from model config"):
+        ExpertStore(emb_store, inspect_model_dir(tiny_models["olmoe"]))
+    trunc = tmp_path / "t.spx"
+    trunc.write_bytes(emb_store.read_bytes()[: emb_store.stat().st_size // 2])
+    with pytest.raises(SpecPrefetchError, match=f"{trunc}: expert .* lies outside the file"):
+        ExpertStore(trunc)
+    magic = tmp_path / "m.spx"
+    magic.write_bytes(b"NOTASTORE" + emb_store.read_bytes()[9:4096])
+    with pytest.raises(SpecPrefetchError, match="bad magic"):
+        ExpertStore(magic)
+    ver = tmp_path / "v.spx"
+    raw = bytearray(emb_store.read_bytes()[:8192])
+    struct.pack_into("<I", raw, 8, 7)
+    ver.write_bytes(bytes(raw))
+    with pytest.raises(SpecPrefetchError, match="version 7"):
+        ExpertStore(ver)
+    idx = tmp_path / "i.spx"
+    raw = bytearray(emb_store.read_bytes())
+    raw[200] ^= 1
+    idx.write_bytes(bytes(raw))
+    with pytest.raises(SpecPrefetchError, match="index is corrupt"):
+        ExpertStore(idx)
+
+
+# -- pool -------------------------------------------------------------------------------------
+
+def test_pool_budget_and_capacity_error():
+    with pytest.raises(SpecPrefetchError, match="holds 3 expert slots .* one layer needs 4"):
+        ExpertPool(3 * 4096 + 100, 4096, min_slots=4)
+    pool = ExpertPool(10 * 4096 + 4095, 4096, policy="lfu", min_slots=4)
+    rng = random.Random(0)
+    for now in range(500):
+        key = (rng.randrange(4), rng.randrange(16))
+        s = pool.get(key)
+        if s is None:
+            s = pool.reserve(key, now, prefetch=rng.random() < 0.5)
+            s.ready = True
+        pool.touch(s, now)
+        assert pool.used_bytes <= pool.budget_bytes
+    assert pool.peak_bytes == 10 * 4096 and pool.capacity == 10
+
+
+def _fill(pool, keys, now0=0):
+    for n, k in enumerate(keys):
+        s = pool.reserve(k, now0 + n, prefetch=False)
+        s.ready = True
+        pool.touch(s, now0 + n)
+
+
+def test_eviction_policies_choose_the_right_victim():
+    lru = ExpertPool(3 * 10, 10, policy="lru")
+    _fill(lru, [(0, 0), (0, 1), (0, 2)])
+    lru.touch(lru.get((0, 0)), 5)
+    lru.reserve((0, 3), 6, prefetch=False)
+    assert set(lru.slots) == {(0, 0), (0, 2), (0, 3)}  # (0, 1) was least recent
+
+    lfu = ExpertPool(3 * 10, 10, policy="lfu")
+    _fill(lfu, [(0, 0), (0, 1), (0, 2)])
+    for t in (5, 6):
+        lfu.touch(lfu.get((0, 2)), t)
+        lfu.touch(lfu.get((0, 0)), t)
+    lfu.reserve((0, 3), 7, prefetch=False)
+    assert (0, 1) not in lfu.slots
+
+    future = {(0, 0): 100, (0, 1): 10, (0, 2): 50}
+    bel = ExpertPool(3 * 10, 10, policy="belady", next_use=lambda k, now: future.get(k, float("inf")))
+    _fill(bel, [(0, 0), (0, 1), (0, 2)])
+    bel.get((0, 1)).pins = 1  # pinned: never a victim even if farthest
+    future[(0, 1)] = 1000
+    bel.reserve((0, 3), 4, prefetch=False)
+    assert (0, 0) not in bel.slots and (0, 1) in bel.slots
+
+
+# -- scheduler on simulated flash ---------------------------------------------------------------
+
+def _drive(pattern, predict, pool_slots=6, window=2):
+    """Run a fixed expert-use pattern [(layer, [experts])...] through scheduler + SimFlash."""
+    clock = SimClock()
+    flash = SimFlash(SNAPDRAGON_8_ELITE, clock, 128 * 1024)
+    holder = {}
+    pool = ExpertPool(pool_slots * 128 * 1024, 128 * 1024, policy="prediction", min_slots=2,
+                      next_use=lambda k, now: holder["s"].next_predicted_use(k, now))
+    sched = WindowScheduler(pool, flash, SchedulerConfig(window=window, prefetch=predict), num_layers=4, top_k=2)
+    holder["s"] = sched
+    stall = 0.0
+    for step, (layer, experts) in enumerate(pattern):
+        clock.now += 0.0005
+        if predict:
+            win = []
+            for h in range(1, window + 1):
+                if step + h < len(pattern):
+                    sc = torch.zeros(8)
+                    sc[pattern[step + h][1]] = 1.0
+                    win.append((step + h, sc))
+            sched.plan(step, win)
+        keys = [(layer, e) for e in experts]
+        t0 = clock.now
+        for k in sched.acquire(step, keys):
+            sched.wait_ready(k)
+        stall += clock.now - t0
+        clock.now += 0.0003
+        sched.release(step, keys)
+        assert pool.used_bytes <= pool.budget_bytes
+    return sched.stats, stall
+
+
+def test_prefetch_with_perfect_predictions_hides_reads():
+    rng = random.Random(1)
+    pattern = [(s % 4, rng.sample(range(8), 2)) for s in range(200)]
+    demand, stall_d = _drive(pattern, predict=False)
+    pre, stall_p = _drive(pattern, predict=True)
+    assert demand.prefetch_issued == 0 and demand.misses + demand.hits == demand.requests == 400
+    assert pre.hits + pre.late > demand.hits
+    assert stall_p < 0.5 * stall_d
+
+
+# -- simulator ------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def sim_trace(embedded, tmp_path_factory) -> Path:
+    from toolkit.traces.capture import TraceSettings, run_trace
+
+    s = TraceSettings(max_sequences=24, prompt_tokens=64, decode_tokens=16, heldout_frac=0.35,
+                      shard_tokens=2000, hidden_sample=0.3)
+    return run_trace(embedded, [HELDOUT], tmp_path_factory.mktemp("st") / "t", s, progress=False)
+
+
+def test_simulator_orders_policies(sim_trace, tiny_models):
+    from toolkit.simulate.replay import Policy, run_simulation
+
+    pols = [Policy("on-demand", "lru"), Policy("next-gate", "prediction"), Policy("oracle", "belady")]
+    r = run_simulation(sim_trace, policies=pols, profile=SNAPDRAGON_8_ELITE, pool_mib=4, window=2)
+    res = {x["policy"]: x for x in r["results"]}
+    od, ng, orc = res["on-demand+lru"], res["next-gate+prediction"], res["oracle+belady"]
+    assert orc["tpot_ms"] < od["tpot_ms"] and orc["hit_rate"] > od["hit_rate"]
+    assert ng["hit_rate"] > od["hit_rate"]
+    assert od["wasted_prefetch_mib"] == 0 and od["counts"]["prefetch_issued"] == 0
+    assert od["counts"]["misses"] * 122880 == od["counts"]["bytes_read"]
+    assert r["routing_from"]["replayed_onto_other_geometry"] is False
+    # phone-scale geometry from another config, routing replayed from this trace
+    cfg_dir = Path(tiny_models["qwen3_moe"]).parent / "geo"
+    cfg_dir.mkdir(exist_ok=True)
+    cfg = json.loads((Path(tiny_models["qwen3_moe"]) / "config.json").read_text())
+    cfg.update(num_hidden_layers=16, mlp_only_layers=[], num_experts=64, num_experts_per_tok=4,
+               hidden_size=256, moe_intermediate_size=256, num_attention_heads=4, head_dim=64)
+    (cfg_dir / "config.json").write_text(json.dumps(cfg))
+    g = run_simulation(sim_trace, policies=pols[:1], profile=SNAPDRAGON_8_ELITE, pool_mib=8, window=2,
+                       geometry=str(cfg_dir))
+    assert g["routing_from"]["replayed_onto_other_geometry"] is True
+    assert g["geometry"]["num_layers"] == 16 and g["geometry"]["slot_bytes"] == 3 * 256 * 256 * 2
+
+
+def test_profiles_load_and_reject(tmp_path):
+    p = save_profile(SNAPDRAGON_8_ELITE, tmp_path / "x.json")
+    assert load_profile(str(p)).bandwidth_mibs(512 * 1024, 1) == pytest.approx(1800.0)
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(SpecPrefetchError, match="not a valid device profile"):
+        load_profile(str(tmp_path / "bad.json"))
+    with pytest.raises(SpecPrefetchError, match="no such profile"):
+        load_profile("no-such-device")
+
+
+# -- the streaming runtime -------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def emb_runtime(embedded, emb_store, tmp_path_factory):
+    from adapters.train import TrainConfig, train_adapter
+    from toolkit.traces.capture import TraceSettings, run_trace
+
+    t = run_trace(embedded, [HELDOUT], tmp_path_factory.mktemp("rt") / "t",
+                  TraceSettings(max_sequences=30, prompt_tokens=64, decode_tokens=8, heldout_frac=0.2,
+                                hidden_sample=0.5), progress=False)
+    ad = tmp_path_factory.mktemp("ad") / "a"
+    train_adapter(t, ad, TrainConfig(steps=60, val_every=20, batch_size=128, rank=16), progress=False)
+    rt, ref = open_runtime(embedded, RunConfig(adapter=ad), store=emb_store)
+    return rt, ref
+
+
+@pytest.mark.parametrize("predictor", RUN_PREDICTORS)
+def test_tokens_identical_for_every_predictor(emb_runtime, predictor):
+    rt, ref = emb_runtime
+    prompt = ref.tokenizer("The kernel's memory allocator", add_special_tokens=False)["input_ids"]
+    toks, routing = reference_generate(ref, prompt, 12)
+    rt.reference = routing
+    for eviction, pool in [("lru", 0.5), ("prediction", 3.0), ("belady", 1.0), ("lfu", 40.0)]:
+        rt.cfg.predictor, rt.cfg.eviction, rt.budget = predictor, eviction, int(pool * 2**20)
+        rt.predictor = rt._predictor()
+        r = rt.generate(prompt, 12)
+        assert r["tokens"] == toks, (predictor, eviction, pool)
+        assert 0 < r["peak_pool_bytes"] <= r["budget_bytes"] == int(pool * 2**20)
+        assert r["direct_io"] is True
+        assert 0.0 <= r["hit_rate"] <= 1.0 and r["mib_read"] > 0
+        if predictor == "on-demand":
+            assert r["counts"]["prefetch_issued"] == 0
+
+
+def test_runtime_never_holds_the_experts(emb_runtime):
+    rt, _ = emb_runtime
+    names = [n for n, _ in rt.lm.model.named_parameters()]
+    assert not [n for n in names if ".experts." in n]
+    assert sum(p.numel() for p in rt.lm.model.parameters()) < 3_000_000  # 18.4M with experts
+
+
+@pytest.mark.parametrize("fam", [f for f in TINY_FAMILIES if f != "qwen3_vl_moe"])
+def test_runtime_matches_every_text_family(tiny_models, tmp_path, fam):
+    spec = inspect_model_dir(tiny_models[fam])
+    store = build_store(spec, tmp_path / "s.spx", "fp16", progress=False)
+    rt, ref = open_runtime(tiny_models[fam], RunConfig(predictor="next-gate", eviction="lru", pool_mib=0.15),
+                           store=store)
+    prompt = [11, 200, 37, 905, 14, 77]
+    toks, _ = reference_generate(ref, prompt, 10)
+    assert rt.generate(prompt, 10)["tokens"] == toks
+
+
+def test_int4_store_is_policy_invariant(embedded, tmp_path):
+    store = build_store(inspect_model_dir(embedded), tmp_path / "q.spx", "int4", progress=False)
+    rt, ref = open_runtime(embedded, RunConfig(predictor="on-demand", pool_mib=64), store=store)
+    prompt = ref.tokenizer("To open a file", add_special_tokens=False)["input_ids"]
+    resident = rt.generate(prompt, 10)["tokens"]
+    for pred, pool in [("next-gate", 0.5), ("previous-token", 1.5)]:
+        rt.cfg.predictor, rt.budget = pred, int(pool * 2**20)
+        rt.predictor = rt._predictor()
+        assert rt.generate(prompt, 10)["tokens"] == resident
+
+
+def test_cli_run_and_simulate(emb_store, sim_trace, tmp_path):
+    from click.testing import CliRunner
+
+    from toolkit.cli import main
+
+    out = tmp_path / "r.json"
+    r = CliRunner().invoke(main, ["run", "embedded", "--store", str(emb_store), "--policy", "next-gate+lru",
+                                  "--pool-mib", "2", "--prompt", "The kernel", "--max-new-tokens", "8",
+                                  "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    d = json.loads(out.read_text())
+    for key in ("tokens", "ttft_ms", "tpot_ms", "tpot_p50_ms", "tpot_p95_ms", "stall_ms_per_token",
+                "hit_rate", "mib_read", "peak_pool_bytes", "budget_bytes", "policy"):
+        assert key in d
+    assert d["matches_unmodified_model"] is True and d["policy"] == "next-gate+lru"
+    r = CliRunner().invoke(main, ["simulate", str(sim_trace), "--policies", "on-demand+lru,oracle+belady",
+                                  "--pool-mib", "2,4", "--json", str(tmp_path / "s.json")])
+    assert r.exit_code == 0, r.output
+    s = json.loads((tmp_path / "s.json").read_text())
+    assert len(s["points"]) == 2 and (tmp_path / "s.png").stat().st_size > 5000
+    r = CliRunner().invoke(main, ["run", "embedded", "--store", str(emb_store), "--pool-mib", "0.2",
+                                  "--policy", "on-demand+lru", "--prompt", "x", "--json", str(tmp_path / "x.json")])
+    assert r.exit_code == 2 and "raise --pool-mib to at least" in r.output
+
+
+def test_calibrate_writes_a_profile(emb_store, tmp_path, sim_trace):
+    from toolkit.simulate.calibrate import calibrate
+    from toolkit.simulate.replay import Policy, run_simulation
+
+    prof, path = calibrate("embedded", store=emb_store, reads=16, tokens=6, out=tmp_path / "tm.json",
+                           progress=False)
+    p = load_profile(str(path))
+    assert p.name == "this-machine" and p.expert_ms > 0 and p.dense_ms_per_layer >= 0
+    assert set(p.flash_bw) == {1, 2, 4, 8} and all(v > 0 for t in p.flash_bw.values() for v in t.values())
+    r = run_simulation(sim_trace, policies=[Policy("on-demand", "lru")], profile=p, pool_mib=4, window=2)
+    assert r["results"][0]["tpot_ms"] > 0
