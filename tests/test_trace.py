@@ -209,8 +209,8 @@ def _cli(*args: str) -> list[str]:
 def test_ctrl_c_keeps_no_half_output_and_resumes(tiny_models, tmp_path):
     """SIGINT mid-trace: exit 130, no OUT, resumable OUT.partial; the resumed trace equals an
     uninterrupted one."""
-    args = ["trace", str(tiny_models["qwen3_moe"]), "--data", str(HELDOUT), "--max-sequences", "60",
-            "--prompt-tokens", "64", "--decode-tokens", "8", "--shard-tokens", "100"]
+    args = ["trace", str(tiny_models["qwen3_moe"]), "--data", str(HELDOUT), "--max-sequences", "240",
+            "--prompt-tokens", "32", "--decode-tokens", "4", "--shard-tokens", "100"]
     out = tmp_path / "t"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     p = subprocess.Popen(_cli(*args, "--out", str(out)), cwd=REPO, env=env,
@@ -226,13 +226,13 @@ def test_ctrl_c_keeps_no_half_output_and_resumes(tiny_models, tmp_path):
     assert "interrupted" in err
     assert not out.exists() and partial_dir(out).exists()
     done = json.loads(progress.read_text())["next_seq"]
-    assert 0 < done < 60
+    assert 0 < done < 240
     r = subprocess.run(_cli(*args, "--out", str(out)), cwd=REPO, env=env, capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert not partial_dir(out).exists()
     ref = run_trace(tiny_models["qwen3_moe"], [HELDOUT], tmp_path / "ref",
-                    TraceSettings(max_sequences=60, prompt_tokens=64, decode_tokens=8, shard_tokens=100),
+                    TraceSettings(max_sequences=240, prompt_tokens=32, decode_tokens=4, shard_tokens=100),
                     progress=False)
     for split in ("train", "heldout"):
         a = TraceReader(out).load(split, ("seq", "token_id", "expert_ids", "router_probs"))
