@@ -310,6 +310,36 @@ def run(model, policy, adapter, pool_mib, window, queue_depth, store_path, dtype
     click.echo(f"wrote {json_out}")
 
 
+@main.command()
+@click.argument("model", default="embedded")
+@click.option("--adapter", required=True, type=click.Path(path_type=Path))
+@click.option("--policies", default="on-demand+lru,next-gate+prediction,adapter+prediction,adapter+lru,oracle+belady",
+              show_default=True)
+@click.option("--pool-mib", default="4,8", show_default=True)
+@click.option("--prompts", default=4, show_default=True)
+@click.option("--new-tokens", default=48, show_default=True)
+@click.option("--rounds", default=3, show_default=True)
+@click.option("--window", default=2, show_default=True)
+@click.option("--flash-profile", default=None, help="pace reads to a device profile (emulated flash)")
+@click.option("--store", "store_path", type=click.Path(path_type=Path), default=None)
+@click.option("--no-simulate", is_flag=True, help="skip the simulator comparison")
+@click.option("--json", "json_out", required=True, type=click.Path(path_type=Path))
+@friendly_errors
+def bench(model, adapter, policies, pool_mib, prompts, new_tokens, rounds, window, flash_profile, store_path,
+          no_simulate, json_out) -> None:
+    """Measure the streaming runtime's policies side by side (interleaved rounds, medians, token
+    equality checked) and compare with the simulator under the calibrated this-machine profile."""
+    from toolkit.bench import run_bench, write
+
+    r = run_bench(model=model, adapter=adapter, policies=[p.strip() for p in policies.split(",")],
+                  pools=[float(x) for x in pool_mib.split(",")], prompts=prompts, new_tokens=new_tokens,
+                  rounds=rounds, flash_profile=flash_profile, window=window, store=store_path,
+                  simulate=not no_simulate)
+    md, png = write(r, json_out)
+    click.echo(md.read_text())
+    click.echo(f"wrote {json_out}, {md}, {png}")
+
+
 def torch_threads(n: int) -> None:
     import torch
 

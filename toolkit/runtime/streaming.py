@@ -215,14 +215,16 @@ class StreamingRuntime:
         for grp in groups:
             t0 = time.perf_counter()
             waiting = self.sched.acquire(step, grp)  # demand reads go out first
-            self.stall_s += time.perf_counter() - t0
+            stall = time.perf_counter() - t0
             if not planned:  # then prefetch for the next steps; this layer's experts are pinned
                 self._plan(li, step)
                 planned = True
             t0 = time.perf_counter()
             for key in waiting:
                 self.sched.wait_ready(key)
-            self.stall_s += time.perf_counter() - t0
+            stall += time.perf_counter() - t0
+            if self.tok > 0:  # decode tokens only: prefill's reads count in TTFT
+                self.stall_s += stall
             for key in grp:
                 self._compute(mod, key, hidden, top_k_index, top_k_weights, final)
             self.sched.release(step, grp)
@@ -292,7 +294,7 @@ class StreamingRuntime:
             "tpot_ms": round(tpot_ms(times), 3),
             "tpot_p50_ms": round(float(np.percentile(iv, 50)), 3),
             "tpot_p95_ms": round(float(np.percentile(iv, 95)), 3),
-            "stall_ms_per_token": round(self.stall_s / len(tokens) * 1e3, 3),
+            "stall_ms_per_token": round(self.stall_s / decode_tokens * 1e3, 3),
             "hit_rate": round(hit_rate(st.hits, st.requests), 4),
             "late_rate": round(hit_rate(st.late, st.requests), 4),
             "mib_read": round(st.bytes_read / 2**20, 3),

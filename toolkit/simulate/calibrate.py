@@ -124,11 +124,13 @@ def calibrate(model: str | Path = "embedded", *, store: Path | None = None, read
     misses = small["counts"]["misses"]
     miss_ms = small["stall_ms_per_token"] * len(small["tokens"]) / max(1, misses)
     latency_us = max(latency_us, miss_ms * 1e3 - xfer * 1e6)
+    # what a read costs the compute thread beyond the device time (thread hand-off, interrupts)
+    read_cpu_us = max(0.0, (miss_ms - lat1 * 1e3) * 1e3)
     prof = DeviceProfile(
         name="this-machine", description=f"measured on {os.uname().nodename} ({os.cpu_count()} CPUs) "
                                          f"with {st.path.name}",
         flash_latency_us=round(latency_us, 1), flash_bw=table, dram_effective_gbs=0.0,
-        dense_ms_per_layer=round(dense_ms, 4), expert_ms=round(expert_ms, 4),
+        dense_ms_per_layer=round(dense_ms, 4), expert_ms=round(expert_ms, 4), read_cpu_us=round(read_cpu_us, 1),
         measured={"tpot_all_resident_ms": r["tpot_ms"], "qd1_read_ms": round(lat1 * 1e3, 4),
                   "runtime_miss_ms": round(miss_ms, 4),
                   "slot_bytes": slot, "direct_io": r["direct_io"], "reads_per_point": reads,

@@ -122,6 +122,7 @@ def simulate_policy(batches: list[RoutingBatch], predictor, policy: Policy, geo:
             sched = WindowScheduler(pool, flash, scfg, num_layers=L, top_k=geo.top_k)
             sched_holder["s"] = sched
             times = []
+            reads_seen = 0
             for t in range(T):
                 clock.now += profile.token_overhead_ms * 1e-3
                 for li in range(L):
@@ -150,6 +151,9 @@ def simulate_policy(batches: list[RoutingBatch], predictor, policy: Policy, geo:
                     for key in waiting:
                         sched.wait_ready(key)
                     stalls += clock.now - before
+                    issued = sched.stats.bytes_read // geo.slot_bytes
+                    clock.now += (issued - reads_seen) * profile.read_cpu_us * 1e-6
+                    reads_seen = issued
                     clock.now += profile.expert_s(geo.expert_bytes) * len(keys)
                     sched.release(step, keys)
                 times.append(clock.now)

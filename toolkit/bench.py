@@ -1,0 +1,168 @@
+"""`specprefetch bench`: the streaming runtime's policies measured side by side, and the simulator
+checked against them, in one run (docs/benchmarks.md).
+
+For each pool size, every policy runs every prompt, in an order shuffled per round (A B C, C A B,
+...), after a warm-up; per policy the median over rounds and prompts of TPOT, stall, hit rate and
+MiB read is reported, with the ratios on-demand / policy and policy / oracle. Before any time is
+quoted, every run's tokens are checked against the unmodified model. The same prompts are traced
+and replayed through the simulator with the calibrated `this-machine` profile, so measured and
+simulated TPOT can be compared per policy.
+"""
+from __future__ import annotations
+
+import json
+import random
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from toolkit.artifacts import atomic_write_text, write_json_atomic
+from toolkit.errors import SpecPrefetchError
+
+
+def bench_prompts(n: int, tokens: int, tokenizer) -> list[str]:
+    """The first `tokens` tokens of the first n held-out documents of the embedded corpus."""
+    from toolkit.embedded.report import HELDOUT
+
+    out = []
+    for line in HELDOUT.read_text().splitlines()[:: max(1, 100 // n)]:
+        ids = tokenizer(json.loads(line)["text"], add_special_tokens=False)["input_ids"][:tokens]
+        out.append(tokenizer.decode(ids))
+        if len(out) == n:
+            break
+    return out
+
+
+def run_bench(*, model: str = "embedded", adapter: Path, policies: list[str], pools: list[float],
+              prompts: int = 4, prompt_tokens: int = 64, new_tokens: int = 48, rounds: int = 3,
+              flash_profile: str | None = None, window: int = 2, store: Path | None = None,
+              simulate: bool = True, threads: int = 1) -> dict[str, Any]:
+    from toolkit.runtime.streaming import RunConfig, open_runtime, reference_generate
+
+    torch.set_num_threads(threads)
+    sys.setswitchinterval(0.0002)
+    rt, ref = open_runtime(model, RunConfig(adapter=adapter, window=window, flash_profile=flash_profile),
+                           store=store)
+    texts = bench_prompts(prompts, prompt_tokens, ref.tokenizer)
+    ids = [ref.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    refs = [reference_generate(ref, p, new_tokens) for p in ids]
+    results: dict[str, Any] = {"model": str(rt.lm.spec.path), "flash_profile": flash_profile,
+                               "direct_io": None, "rounds": rounds, "prompts": texts,
+                               "new_tokens": new_tokens, "window": window, "threads": threads, "points": []}
+    for pool in pools:
+        samples: dict[str, list[dict]] = {p: [] for p in policies}
+        for rnd in range(rounds + 1):  # round 0 is the warm-up
+            order = policies[:]
+            random.Random(rnd).shuffle(order)
+            for pol in order:
+                pred, _, ev = pol.partition("+")
+                rt.cfg.predictor, rt.cfg.eviction, rt.budget = pred, ev or "lru", int(pool * 2**20)
+                rt.predictor = rt._predictor()
+                for p, (toks, routing) in zip(ids, refs):
+                    rt.reference = routing
+                    r = rt.generate(p, new_tokens)
+                    if r["tokens"] != toks:
+                        raise SpecPrefetchError(f"bench: {pol} changed the output for a prompt: a bug")
+                    if r["peak_pool_bytes"] > r["budget_bytes"]:
+                        raise SpecPrefetchError(f"bench: {pol} exceeded the pool budget: a bug")
+                    results["direct_io"] = r["direct_io"]
+                    if rnd > 0:
+                        samples[pol].append(r)
+        point: dict[str, Any] = {"pool_mib": pool, "policies": {}}
+        for pol, rs in samples.items():
+            point["policies"][pol] = {k: round(float(np.median([r[k] for r in rs])), 4) for k in
+                                      ("tpot_ms", "tpot_p95_ms", "ttft_ms", "stall_ms_per_token", "hit_rate",
+                                       "mib_read_per_token", "wasted_prefetch_mib")}
+            point["policies"][pol]["runs"] = len(rs)
+        results["points"].append(point)
+    if simulate:
+        results["simulated"] = simulate_same_prompts(model, texts, adapter, policies, pools, new_tokens, window,
+                                                     store)
+    return results
+
+
+def simulate_same_prompts(model, texts, adapter, policies, pools, new_tokens, window, store) -> dict[str, Any]:
+    """Trace the bench prompts and replay them under the calibrated this-machine profile."""
+    from toolkit.simulate.calibrate import calibrate
+    from toolkit.simulate.replay import Policy, run_simulation
+    from toolkit.traces.capture import TraceSettings, run_trace
+
+    with tempfile.TemporaryDirectory() as d:
+        data = Path(d) / "prompts.jsonl"
+        data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+        trace = run_trace(model, [data], Path(d) / "trace",
+                          TraceSettings(prompt_tokens=10_000, decode_tokens=new_tokens - 1, heldout_frac=0.0),
+                          progress=False)
+        prof, _ = calibrate(model, store=store, out=Path(d) / "this-machine.json", progress=False)
+        pols = [Policy(*(p.split("+") + ["lru"])[:2]) for p in policies]
+        out = {"profile": prof.to_json(), "points": []}
+        for pool in pools:
+            r = run_simulation(trace, policies=pols, profile=prof, pool_mib=pool, window=window, adapter=adapter,
+                               split="train", model=model)
+            out["points"].append({"pool_mib": pool, "policies": {x["policy"]: {
+                k: x[k] for k in ("tpot_ms", "stall_ms_per_token", "hit_rate", "mib_read_per_token")}
+                for x in r["results"]}})
+    return out
+
+
+def markdown(r: dict[str, Any]) -> str:
+    flash = f"emulated `{r['flash_profile']}` flash (paced real reads)" if r["flash_profile"] else \
+        "real O_DIRECT reads" if r["direct_io"] else "buffered reads (O_DIRECT unsupported here)"
+    lines = [f"{len(r['prompts'])} prompts x {r['new_tokens']} tokens, {r['rounds']} interleaved rounds after a "
+             f"warm-up, {flash}, window {r['window']}, {r['threads']} compute thread(s); medians.", "",
+             "| pool MiB | policy | TPOT ms | p95 ms | stall ms/token | hit rate | MiB read/token | "
+             "on-demand / policy | policy / oracle | simulated TPOT ms | sim / measured |",
+             "|" + "---|" * 11]
+    sims = {p["pool_mib"]: p["policies"] for p in r.get("simulated", {}).get("points", [])}
+    for p in r["points"]:
+        pol = p["policies"]
+        base = next((v["tpot_ms"] for k, v in pol.items() if k.startswith("on-demand")), None)
+        orc = next((v["tpot_ms"] for k, v in pol.items() if k.startswith("oracle")), None)
+        for name, v in pol.items():
+            s = sims.get(p["pool_mib"], {}).get(name)
+            lines.append(f"| {p['pool_mib']:g} | {name} | {v['tpot_ms']:.2f} | {v['tpot_p95_ms']:.2f} | "
+                         f"{v['stall_ms_per_token']:.2f} | {v['hit_rate']:.3f} | {v['mib_read_per_token']:.3f} | "
+                         + (f"{base / v['tpot_ms']:.3f}" if base else "-") + " | "
+                         + (f"{v['tpot_ms'] / orc:.3f}" if orc else "-") + " | "
+                         + (f"{s['tpot_ms']:.2f} | {s['tpot_ms'] / v['tpot_ms']:.2f}" if s else "- | -") + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(r: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pols = list(r["points"][0]["policies"])
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / (2 * len(r["points"]))
+    sims = {p["pool_mib"]: p["policies"] for p in r.get("simulated", {}).get("points", [])}
+    for n, p in enumerate(r["points"]):
+        xs = np.arange(len(pols)) + n * 2 * width
+        ax.bar(xs, [p["policies"][q]["tpot_ms"] for q in pols], width, label=f"measured, {p['pool_mib']:g} MiB")
+        if p["pool_mib"] in sims:
+            ax.bar(xs + width, [sims[p["pool_mib"]][q]["tpot_ms"] for q in pols], width, alpha=0.6,
+                   label=f"simulated, {p['pool_mib']:g} MiB")
+    ax.set_xticks(np.arange(len(pols)) + width * (len(r["points"]) - 0.5), pols, rotation=20, fontsize=8)
+    ax.set_ylabel("TPOT (ms)")
+    ax.set_title("streaming runtime: measured vs simulated TPOT")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write(r: dict[str, Any], json_path: Path) -> tuple[Path, Path]:
+    json_path = Path(json_path)
+    write_json_atomic(json_path, r)
+    md = json_path.with_suffix(".md")
+    atomic_write_text(md, markdown(r))
+    png = json_path.with_suffix(".png")
+    plot(r, png)
+    return md, png
