@@ -25,6 +25,12 @@ demo: $(STAMP)
 	$(BIN)/python -m toolkit.traces.summary $(RUNS)/trace --out $(RUNS)/routing
 	$(BIN)/specprefetch train $(RUNS)/trace --out $(RUNS)/adapter --steps 400
 	$(BIN)/specprefetch eval $(RUNS)/trace --adapter $(RUNS)/adapter --json $(RUNS)/eval.json
+	$(BIN)/specprefetch store embedded --dtype fp16 --out $(RUNS)/experts-fp16.spx
+	$(BIN)/specprefetch simulate $(RUNS)/trace --adapter $(RUNS)/adapter --profile snapdragon-8-elite \
+	    --pool-mib 4,8,16 --window 2 --json $(RUNS)/simulate.json
+	$(BIN)/specprefetch run embedded --store $(RUNS)/experts-fp16.spx --adapter $(RUNS)/adapter \
+	    --policy adapter+prediction --pool-mib 8 --prompt "The kernel's memory allocator" \
+	    --prompt "To open a file for reading, use" --json $(RUNS)/run.json
 
 ## test: the CI suite (what .ci/run calls)
 test: $(STAMP)
@@ -33,13 +39,19 @@ test: $(STAMP)
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q
 
-## bench: the figures in docs/ (predictors: docs/predictors.md), measured side by side
+## bench: the figures in docs/benchmarks.md and docs/predictors.md, measured side by side
 BENCH := runs/bench
 bench: $(STAMP)
 	$(BIN)/specprefetch trace embedded --data toolkit/embedded/heldout.jsonl --out $(BENCH)/trace \
 	    --prompt-tokens 256 --decode-tokens 32 --heldout-frac 0.2 --hidden-sample 0.5 --overwrite
 	$(BIN)/specprefetch train $(BENCH)/trace --out $(BENCH)/adapter --steps 3000
 	$(BIN)/specprefetch eval $(BENCH)/trace --adapter $(BENCH)/adapter --json $(BENCH)/eval.json
+	$(BIN)/specprefetch simulate $(BENCH)/trace --adapter $(BENCH)/adapter --profile snapdragon-8-elite \
+	    --policies on-demand+lru,next-gate+prediction,adapter+prediction,adapter+lru,oracle+belady \
+	    --pool-mib 4,8,16 --window 1,2,4 --max-sequences 60 --json $(BENCH)/simulate-phone.json
+	$(BIN)/specprefetch bench --adapter $(BENCH)/adapter --pool-mib 4,8 --json $(BENCH)/runtime.json
+	$(BIN)/specprefetch bench --adapter $(BENCH)/adapter --pool-mib 4,8 --flash-profile snapdragon-8-elite \
+	    --no-simulate --json $(BENCH)/runtime-emulated.json
 
 clean:
 	rm -rf runs build .pytest_cache

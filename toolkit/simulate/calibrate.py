@@ -7,7 +7,9 @@ expert (so nothing is read after warm-up), timed per token; one expert's compute
 and the rest of a token's time is spread over its layers as the dense part. The per-read latency
 is the larger of the raw device latency and a miss as the runtime experiences it (an on-demand run
 with a tiny pool: thread hand-off and Python included), so the simulator charges what a miss
-really costs this runtime. The profile is saved
+really costs this runtime. What a background read costs the compute thread (`read_cpu_us`) comes
+from a perfect-prefetch run (oracle + Belady, same tiny pool): its TPOT minus its stall minus the
+all-resident TPOT, per read. The profile is saved
 as JSON (default ~/.cache/specprefetch/profiles/this-machine.json) for `simulate --profile
 this-machine`.
 """
@@ -124,8 +126,17 @@ def calibrate(model: str | Path = "embedded", *, store: Path | None = None, read
     misses = small["counts"]["misses"]
     miss_ms = small["stall_ms_per_token"] * len(small["tokens"]) / max(1, misses)
     latency_us = max(latency_us, miss_ms * 1e3 - xfer * 1e6)
-    # what a read costs the compute thread beyond the device time (thread hand-off, interrupts)
-    read_cpu_us = max(0.0, (miss_ms - lat1 * 1e3) * 1e3)
+    # what a background read costs the compute thread (interrupts, GIL hand-offs): perfect
+    # prefetch (oracle + Belady) with the same tiny pool, against the all-resident time
+    from toolkit.runtime.streaming import reference_generate
+
+    _, routing = reference_generate(ref, prompt, tokens)
+    rt.reference = routing
+    rt.cfg.predictor, rt.cfg.eviction = "oracle", "belady"
+    rt.predictor = rt._predictor()
+    orc = rt.generate(prompt, tokens)
+    reads_per_token = orc["mib_read_per_token"] * MiB / st.slot_bytes
+    read_cpu_us = max(0.0, (orc["tpot_ms"] - orc["stall_ms_per_token"] - per_token) * 1e3 / max(1e-9, reads_per_token))
     prof = DeviceProfile(
         name="this-machine", description=f"measured on {os.uname().nodename} ({os.cpu_count()} CPUs) "
                                          f"with {st.path.name}",
@@ -133,6 +144,7 @@ def calibrate(model: str | Path = "embedded", *, store: Path | None = None, read
         dense_ms_per_layer=round(dense_ms, 4), expert_ms=round(expert_ms, 4), read_cpu_us=round(read_cpu_us, 1),
         measured={"tpot_all_resident_ms": r["tpot_ms"], "qd1_read_ms": round(lat1 * 1e3, 4),
                   "runtime_miss_ms": round(miss_ms, 4),
+                  "oracle_tpot_ms": orc["tpot_ms"], "oracle_reads_per_token": round(reads_per_token, 2),
                   "slot_bytes": slot, "direct_io": r["direct_io"], "reads_per_point": reads,
                   "torch_threads": torch.get_num_threads()},
         sources=["specprefetch calibrate"])

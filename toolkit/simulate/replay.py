@@ -200,7 +200,7 @@ def run_simulation(trace: Path, *, policies: list[Policy], profile: DeviceProfil
                    window: int, queue_depth: int = 4, dtype: str = "fp16", geometry: str | None = None,
                    adapter: Path | None = None, model: str | None = None, min_confidence: float = 0.02,
                    step_budget_kib: int | None = None, max_sequences: int | None = None,
-                   split: str = "heldout") -> dict[str, Any]:
+                   split: str = "heldout", floor: float = 0.0) -> dict[str, Any]:
     from adapters.train import trace_model_spec
     from toolkit.predictors.evaluate import build_predictors
     from toolkit.traces.format import TraceReader
@@ -222,7 +222,7 @@ def run_simulation(trace: Path, *, policies: list[Policy], profile: DeviceProfil
     names = sorted({p.predictor for p in policies if p.predictor != "on-demand"})
     preds, notes = build_predictors(names, reader, spec, adapter)
     pool_bytes = int(pool_mib * 2**20)
-    cfg = SchedulerConfig(window=window, queue_depth=queue_depth, min_confidence=min_confidence,
+    cfg = SchedulerConfig(window=window, queue_depth=queue_depth, min_confidence=min_confidence, floor=floor,
                           step_budget_bytes=step_budget_kib * 1024 if step_budget_kib else None)
     results = [simulate_policy(batches, preds.get(p.predictor), p, geo, profile, pool_bytes, cfg, layer_map)
                for p in policies]
