@@ -328,3 +328,23 @@ def test_calibrate_writes_a_profile(emb_store, tmp_path, sim_trace):
     assert set(p.flash_bw) == {1, 2, 4, 8} and all(v > 0 for t in p.flash_bw.values() for v in t.values())
     r = run_simulation(sim_trace, policies=[Policy("on-demand", "lru")], profile=p, pool_mib=4, window=2)
     assert r["results"][0]["tpot_ms"] > 0
+
+
+def test_runtime_rejects_a_corrupt_blob_and_both_readers_agree(embedded, emb_store, tmp_path):
+    bad = tmp_path / "bad.spx"
+    shutil.copy(emb_store, bad)
+    st = ExpertStore(bad)
+    rt, ref = open_runtime(embedded, RunConfig(predictor="on-demand", pool_mib=1.0), store=bad)
+    prompt = ref.tokenizer("The kernel", add_special_tokens=False)["input_ids"]
+    toks, _ = reference_generate(ref, prompt, 6)
+    for io in ("process", "threads"):
+        rt.cfg.io = io
+        assert rt.generate(prompt, 6)["tokens"] == toks
+    for (li, e), entry in st.entries.items():
+        with open(bad, "r+b") as f:
+            f.seek(entry.offset + 10)
+            f.write(b"\x00\x01\x02")
+    for io in ("process", "threads"):
+        rt.cfg.io = io
+        with pytest.raises(SpecPrefetchError, match=r"expert \(\d+, \d+\) failed its checksum"):
+            rt.generate(prompt, 6)

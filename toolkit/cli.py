@@ -272,10 +272,12 @@ def calibrate(model, store_path, reads, out) -> None:
 @click.option("--prompt", "prompts", multiple=True, required=True, help="repeatable")
 @click.option("--max-new-tokens", default=32, show_default=True)
 @click.option("--threads", default=1, show_default=True, help="torch compute threads (the rest serve I/O)")
+@click.option("--io", "io_mode", default="process", show_default=True, type=click.Choice(["process", "threads"]),
+              help="reads in a forked reader process, or in threads of this process")
 @click.option("--json", "json_out", required=True, type=click.Path(path_type=Path))
 @friendly_errors
 def run(model, policy, adapter, pool_mib, window, queue_depth, store_path, dtype, flash_profile, prompts,
-        max_new_tokens, threads, json_out) -> None:
+        max_new_tokens, threads, io_mode, json_out) -> None:
     """Run MODEL with experts streamed from the expert store through a bounded pool (real O_DIRECT
     reads on background threads); checks the tokens against the unmodified model."""
     from toolkit.artifacts import write_json_atomic
@@ -284,7 +286,7 @@ def run(model, policy, adapter, pool_mib, window, queue_depth, store_path, dtype
     torch_threads(threads)
     pred, _, ev = policy.partition("+")
     cfg = RunConfig(predictor=pred, eviction=ev or "lru", pool_mib=pool_mib, window=window,
-                    queue_depth=queue_depth, flash_profile=flash_profile, adapter=adapter)
+                    queue_depth=queue_depth, flash_profile=flash_profile, adapter=adapter, io=io_mode)
     rt, ref = open_runtime(model, cfg, store=store_path, dtype=dtype)
     runs = []
     for p in prompts:

@@ -63,6 +63,9 @@ class ExpertPool:
         self.peak_bytes = 0
         self.evictions = 0
         self.wasted_prefetches = 0  # prefetched slots evicted before any use
+        self.on_evict: Callable[[Key], None] | None = None  # e.g. free the reader's buffer
+        # for "prediction": the scheduler's key -> next predicted step table (faster than next_use)
+        self.predicted: dict[Key, int] | None = None
 
     @property
     def used_bytes(self) -> int:
@@ -85,6 +88,13 @@ class ExpertPool:
         if self.policy == "lfu":
             return min(cands, key=lambda s: (s.uses, s.last_use, s.key)).key
         # prediction / belady: farthest next use first; among never-used-again, least recent
+        if self.predicted is not None:  # the scheduler's own table: a dict lookup per slot
+            pred, inf = self.predicted, float("inf")
+
+            def nxt(s, _p=pred.get):
+                v = _p(s.key)
+                return (inf if v is None or v < now else v, -s.last_use, s.key)
+            return max(cands, key=nxt).key
         return max(cands, key=lambda s: (self.next_use(s.key, now), -s.last_use, s.key)).key
 
     def reserve(self, key: Key, now: int, *, prefetch: bool, protect: set[Key] = frozenset(),
@@ -116,6 +126,8 @@ class ExpertPool:
         self.evictions += 1
         if s.prefetched:
             self.wasted_prefetches += 1
+        if self.on_evict is not None:
+            self.on_evict(key)
 
     def cancel(self, key: Key) -> None:
         """Drop a loading slot whose read was abandoned."""

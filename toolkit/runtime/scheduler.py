@@ -70,6 +70,8 @@ class WindowScheduler:
         self.stats = SchedulerStats()
         self.step = 0
         self.step_bytes = 0
+        if pool.policy == "prediction":
+            pool.predicted = self.predicted_next
 
     # -- bookkeeping ---------------------------------------------------------------------
     def next_predicted_use(self, key: Key, now: int) -> float:

@@ -29,7 +29,7 @@ from toolkit.metrics import hit_rate, tpot_ms
 from toolkit.models.loader import LoadedModel, load_model
 from toolkit.predictors.batches import RoutingBatch
 from toolkit.runtime.expert_store import ExpertStore, build_store, dequantize
-from toolkit.runtime.io import DirectReader
+from toolkit.runtime.io import DirectReader, ProcessReader
 from toolkit.runtime.pool import ExpertPool
 from toolkit.runtime.scheduler import SchedulerConfig, WindowScheduler
 
@@ -49,6 +49,7 @@ class RunConfig:
     flash_profile: str | None = None
     adapter: Path | None = None
     verify: bool = True
+    io: str = "process"   # "process": reader process (default); "threads": reader threads in-process
 
     @property
     def policy(self) -> str:
@@ -121,9 +122,17 @@ class StreamingRuntime:
     # -- per generation state ------------------------------------------------------------
     def _start(self) -> None:
         cfg = self.cfg
-        self.io = DirectReader(self.store, workers=cfg.queue_depth, profile=self.profile, verify=cfg.verify)
         self.pool = ExpertPool(self.budget, self.store.slot_bytes, policy=cfg.eviction, min_slots=self.k,
                                next_use=self._next_use)
+        if cfg.io == "process":
+            slots = min(self.pool.capacity, self.L * self.E)  # never more slots than experts exist
+            self.io = ProcessReader(self.store, slots=slots, workers=cfg.queue_depth + 1,
+                                    profile=self.profile, verify=cfg.verify)
+            self.pool.on_evict = self.io.release
+        elif cfg.io == "threads":
+            self.io = DirectReader(self.store, workers=cfg.queue_depth, profile=self.profile, verify=cfg.verify)
+        else:
+            raise SpecPrefetchError(f"--io {cfg.io!r}: choose process or threads")
         scfg = SchedulerConfig(window=cfg.window, queue_depth=cfg.queue_depth, min_confidence=cfg.min_confidence,
                                floor=cfg.floor,
                                step_budget_bytes=cfg.step_budget_kib * 1024 if cfg.step_budget_kib else None,
