@@ -119,6 +119,17 @@ def calibrate(model: str | Path = "embedded", *, store: Path | None = None, read
     expert_ms = (time.perf_counter() - t0) / n * 1e3
     L, k = rt.L, rt.k
     dense_ms = max(0.0, (per_token - L * k * expert_ms) / L)
+    # planning a window costs the compute thread too: oracle prediction, every expert resident
+    from toolkit.runtime.streaming import reference_generate
+
+    _, routing = reference_generate(ref, prompt, tokens)
+    rt.reference = routing
+    rt.cfg.predictor, rt.cfg.eviction = "oracle", "lru"
+    rt.predictor = rt._predictor()
+    rt.generate(prompt, 4)
+    planned = rt.generate(prompt, tokens)
+    plan_ms = max(0.0, (planned["tpot_ms"] - planned["stall_ms_per_token"] - per_token) / rt.L)
+    rt.cfg.predictor, rt.predictor = "on-demand", None
     # a miss as the runtime sees it (thread hand-off included): on-demand with a tiny pool
     rt.budget = k * 2 * st.slot_bytes
     rt.pool = None
@@ -126,22 +137,20 @@ def calibrate(model: str | Path = "embedded", *, store: Path | None = None, read
     misses = small["counts"]["misses"]
     miss_ms = small["stall_ms_per_token"] * len(small["tokens"]) / max(1, misses)
     latency_us = max(latency_us, miss_ms * 1e3 - xfer * 1e6)
-    # what a background read costs the compute thread (interrupts, GIL hand-offs): perfect
-    # prefetch (oracle + Belady) with the same tiny pool, against the all-resident time
-    from toolkit.runtime.streaming import reference_generate
-
-    _, routing = reference_generate(ref, prompt, tokens)
-    rt.reference = routing
+    # what a background read costs the compute thread (interrupts, hand-offs): perfect prefetch
+    # (oracle + Belady) with the same tiny pool, against the all-resident time with planning
     rt.cfg.predictor, rt.cfg.eviction = "oracle", "belady"
     rt.predictor = rt._predictor()
     orc = rt.generate(prompt, tokens)
     reads_per_token = orc["mib_read_per_token"] * MiB / st.slot_bytes
-    read_cpu_us = max(0.0, (orc["tpot_ms"] - orc["stall_ms_per_token"] - per_token) * 1e3 / max(1e-9, reads_per_token))
+    read_cpu_us = max(0.0, (orc["tpot_ms"] - orc["stall_ms_per_token"] - per_token - plan_ms * rt.L) * 1e3
+                      / max(1e-9, reads_per_token))
     prof = DeviceProfile(
         name="this-machine", description=f"measured on {os.uname().nodename} ({os.cpu_count()} CPUs) "
                                          f"with {st.path.name}",
         flash_latency_us=round(latency_us, 1), flash_bw=table, dram_effective_gbs=0.0,
         dense_ms_per_layer=round(dense_ms, 4), expert_ms=round(expert_ms, 4), read_cpu_us=round(read_cpu_us, 1),
+        plan_ms_per_layer=round(plan_ms, 4),
         measured={"tpot_all_resident_ms": r["tpot_ms"], "qd1_read_ms": round(lat1 * 1e3, 4),
                   "runtime_miss_ms": round(miss_ms, 4),
                   "oracle_tpot_ms": orc["tpot_ms"], "oracle_reads_per_token": round(reads_per_token, 2),

@@ -36,6 +36,8 @@ class DeviceProfile:
     token_overhead_ms: float = 0.0
     # compute-thread time each read costs (completion hand-off, interrupts); ~0 with a DMA engine
     read_cpu_us: float = 0.0
+    # compute-thread time a predictor's planning costs per MoE layer (measured runtimes only)
+    plan_ms_per_layer: float = 0.0
     # measured compute (this-machine): when set, these replace the bandwidth model
     dense_ms_per_layer: float | None = None
     expert_ms: float | None = None

@@ -148,6 +148,7 @@ def simulate_policy(batches: list[RoutingBatch], predictor, policy: Policy, geo:
                                 sc = torch.nn.functional.pad(sc, (0, geo.num_experts - sc.shape[0]))
                             window.append((tgt, sc))
                         sched.plan(step, window)
+                        clock.now += profile.plan_ms_per_layer * 1e-3
                     for key in waiting:
                         sched.wait_ready(key)
                     stalls += clock.now - before
