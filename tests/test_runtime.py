@@ -241,7 +241,7 @@ def emb_runtime(embedded, emb_store, tmp_path_factory):
                                 hidden_sample=0.5), progress=False)
     ad = tmp_path_factory.mktemp("ad") / "a"
     train_adapter(t, ad, TrainConfig(steps=60, val_every=20, batch_size=128, rank=16), progress=False)
-    rt, ref = open_runtime(embedded, RunConfig(adapter=ad), store=emb_store)
+    rt, ref = open_runtime(embedded, RunConfig(adapter=ad, frequency_trace=t), store=emb_store)
     return rt, ref
 
 
@@ -250,7 +250,7 @@ def test_tokens_identical_for_every_predictor(emb_runtime, predictor):
     rt, ref = emb_runtime
     prompt = ref.tokenizer("The kernel's memory allocator", add_special_tokens=False)["input_ids"]
     toks, routing = reference_generate(ref, prompt, 12)
-    rt.reference = routing
+    rt.set_reference(toks, routing)
     for eviction, pool in [("lru", 0.5), ("prediction", 3.0), ("belady", 1.0), ("lfu", 40.0)]:
         rt.cfg.predictor, rt.cfg.eviction, rt.budget = predictor, eviction, int(pool * 2**20)
         rt.predictor = rt._predictor()

@@ -38,6 +38,7 @@ def bench_prompts(n: int, tokens: int, tokenizer) -> list[str]:
 
 
 def run_bench(*, model: str = "embedded", adapter: Path, policies: list[str], pools: list[float],
+              frequency_trace: Path | None = None,
               prompts: int = 4, prompt_tokens: int = 64, new_tokens: int = 48, rounds: int = 3,
               flash_profile: str | None = None, window: int = 2, store: Path | None = None,
               simulate: bool = True, threads: int = 1) -> dict[str, Any]:
@@ -45,8 +46,8 @@ def run_bench(*, model: str = "embedded", adapter: Path, policies: list[str], po
 
     torch.set_num_threads(threads)
     sys.setswitchinterval(0.0002)
-    rt, ref = open_runtime(model, RunConfig(adapter=adapter, window=window, flash_profile=flash_profile),
-                           store=store)
+    rt, ref = open_runtime(model, RunConfig(adapter=adapter, window=window, flash_profile=flash_profile,
+                                            frequency_trace=frequency_trace), store=store)
     texts = bench_prompts(prompts, prompt_tokens, ref.tokenizer)
     ids = [ref.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
     refs = [reference_generate(ref, p, new_tokens) for p in ids]
@@ -63,7 +64,7 @@ def run_bench(*, model: str = "embedded", adapter: Path, policies: list[str], po
                 rt.cfg.predictor, rt.cfg.eviction, rt.budget = pred, ev or "lru", int(pool * 2**20)
                 rt.predictor = rt._predictor()
                 for p, (toks, routing) in zip(ids, refs):
-                    rt.reference = routing
+                    rt.set_reference(toks, routing)
                     r = rt.generate(p, new_tokens)
                     if r["tokens"] != toks:
                         raise SpecPrefetchError(f"bench: {pol} changed the output for a prompt: a bug")

@@ -223,10 +223,13 @@ def _policies(text: str):
 @click.option("--geometry", default=None, help="config.json directory whose sizes to use (routing stays the trace's)")
 @click.option("--split", default="heldout", show_default=True, type=click.Choice(["heldout", "train"]))
 @click.option("--max-sequences", type=int, default=None)
+@click.option("--min-confidence", default=0.02, show_default=True,
+              help="when flash is saturated, drop queued prefetches below this predicted probability")
+@click.option("--step-budget-kib", type=int, default=None, help="prefetch bytes issued per step at most")
 @click.option("--json", "json_out", required=True, type=click.Path(path_type=Path))
 @friendly_errors
 def simulate(traces, policies, adapter, profile, pool_mib, window, queue_depth, dtype, geometry, split,
-             max_sequences, json_out) -> None:
+             max_sequences, min_confidence, step_budget_kib, json_out) -> None:
     """Replay TRACES through the pool and scheduler against a device profile: TPOT, stall, hit
     rate, MiB read and wasted prefetch per policy; sweeps give a table and plots."""
     from toolkit.simulate.profiles import load_profile
@@ -236,7 +239,8 @@ def simulate(traces, policies, adapter, profile, pool_mib, window, queue_depth, 
     windows = list(_ints(window, "--window"))
     r = sweep(traces, policies=_policies(policies), profile=load_profile(profile), pools=pools,
               windows=windows, queue_depth=queue_depth, dtype=dtype, geometry=geometry, adapter=adapter,
-              split=split, max_sequences=max_sequences)
+              split=split, max_sequences=max_sequences, min_confidence=min_confidence,
+              step_budget_kib=step_budget_kib)
     md, png = write_sweep(r, json_out)
     click.echo(md.read_text())
     click.echo(f"wrote {json_out}, {md}, {png}")
@@ -261,8 +265,12 @@ def calibrate(model, store_path, reads, out) -> None:
 
 @main.command()
 @click.argument("model", default="embedded")
-@click.option("--policy", default="adapter+prediction", show_default=True, help="PREDICTOR+EVICTION")
+@click.option("--policy", default="adapter+prediction", show_default=True,
+              help="PREDICTOR+EVICTION: on-demand, next-gate, fate, previous-token, frequency, adapter, draft "
+                   "or oracle; lru, lfu, prediction or belady")
 @click.option("--adapter", type=click.Path(path_type=Path), default=None)
+@click.option("--frequency-trace", type=click.Path(path_type=Path), default=None,
+              help="trace whose expert counts drive the frequency policy")
 @click.option("--pool-mib", default=8.0, show_default=True)
 @click.option("--window", default=2, show_default=True)
 @click.option("--queue-depth", default=4, show_default=True)
@@ -274,10 +282,13 @@ def calibrate(model, store_path, reads, out) -> None:
 @click.option("--threads", default=1, show_default=True, help="torch compute threads (the rest serve I/O)")
 @click.option("--io", "io_mode", default="process", show_default=True, type=click.Choice(["process", "threads"]),
               help="reads in a forked reader process, or in threads of this process")
+@click.option("--min-confidence", default=0.02, show_default=True,
+              help="when flash is saturated, drop queued prefetches below this predicted probability")
+@click.option("--step-budget-kib", type=int, default=None, help="prefetch bytes issued per step at most")
 @click.option("--json", "json_out", required=True, type=click.Path(path_type=Path))
 @friendly_errors
-def run(model, policy, adapter, pool_mib, window, queue_depth, store_path, dtype, flash_profile, prompts,
-        max_new_tokens, threads, io_mode, json_out) -> None:
+def run(model, policy, adapter, frequency_trace, pool_mib, window, queue_depth, store_path, dtype, flash_profile,
+        prompts, max_new_tokens, threads, io_mode, min_confidence, step_budget_kib, json_out) -> None:
     """Run MODEL with experts streamed from the expert store through a bounded pool (real O_DIRECT
     reads on background threads); checks the tokens against the unmodified model."""
     from toolkit.artifacts import write_json_atomic
@@ -286,7 +297,9 @@ def run(model, policy, adapter, pool_mib, window, queue_depth, store_path, dtype
     torch_threads(threads)
     pred, _, ev = policy.partition("+")
     cfg = RunConfig(predictor=pred, eviction=ev or "lru", pool_mib=pool_mib, window=window,
-                    queue_depth=queue_depth, flash_profile=flash_profile, adapter=adapter, io=io_mode)
+                    queue_depth=queue_depth, flash_profile=flash_profile, adapter=adapter, io=io_mode,
+                    frequency_trace=frequency_trace, min_confidence=min_confidence,
+                    step_budget_kib=step_budget_kib)
     rt, ref = open_runtime(model, cfg, store=store_path, dtype=dtype)
     runs = []
     for p in prompts:
@@ -294,7 +307,7 @@ def run(model, policy, adapter, pool_mib, window, queue_depth, store_path, dtype
         if not ids:
             raise SpecPrefetchError(f"--prompt {p!r} is empty after tokenisation")
         toks, routing = reference_generate(ref, ids, max_new_tokens)
-        rt.reference = routing
+        rt.set_reference(toks, routing)
         r = rt.generate(ids, max_new_tokens)
         r["prompt"] = p
         r["matches_unmodified_model"] = (r["tokens"] == toks) if dtype == "fp16" else None
@@ -325,10 +338,12 @@ def run(model, policy, adapter, pool_mib, window, queue_depth, store_path, dtype
 @click.option("--flash-profile", default=None, help="pace reads to a device profile (emulated flash)")
 @click.option("--store", "store_path", type=click.Path(path_type=Path), default=None)
 @click.option("--no-simulate", is_flag=True, help="skip the simulator comparison")
+@click.option("--frequency-trace", type=click.Path(path_type=Path), default=None,
+              help="trace whose counts drive the frequency policy, if benchmarked")
 @click.option("--json", "json_out", required=True, type=click.Path(path_type=Path))
 @friendly_errors
 def bench(model, adapter, policies, pool_mib, prompts, new_tokens, rounds, window, flash_profile, store_path,
-          no_simulate, json_out) -> None:
+          no_simulate, frequency_trace, json_out) -> None:
     """Measure the streaming runtime's policies side by side (interleaved rounds, medians, token
     equality checked) and compare with the simulator under the calibrated this-machine profile."""
     from toolkit.bench import run_bench, write
@@ -336,7 +351,7 @@ def bench(model, adapter, policies, pool_mib, prompts, new_tokens, rounds, windo
     r = run_bench(model=model, adapter=adapter, policies=[p.strip() for p in policies.split(",")],
                   pools=[float(x) for x in pool_mib.split(",")], prompts=prompts, new_tokens=new_tokens,
                   rounds=rounds, flash_profile=flash_profile, window=window, store=store_path,
-                  simulate=not no_simulate)
+                  simulate=not no_simulate, frequency_trace=frequency_trace)
     md, png = write(r, json_out)
     click.echo(md.read_text())
     click.echo(f"wrote {json_out}, {md}, {png}")

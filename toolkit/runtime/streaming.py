@@ -33,7 +33,51 @@ from toolkit.runtime.io import DirectReader, ProcessReader
 from toolkit.runtime.pool import ExpertPool
 from toolkit.runtime.scheduler import SchedulerConfig, WindowScheduler
 
-RUN_PREDICTORS = ("on-demand", "next-gate", "fate", "previous-token", "adapter", "oracle")
+RUN_PREDICTORS = ("on-demand", "next-gate", "fate", "previous-token", "frequency", "adapter", "draft", "oracle")
+
+
+class RuntimeDraft:
+    """The Specter-style draft in the runtime: an int4-expert copy of the model run teacher-forced
+    over the prompt and the reference tokens (under greedy speculative decoding the accepted
+    tokens are the target's), so its routing at each (token, layer) is known ahead, as it would be
+    K tokens ahead of verification. Its own compute is not charged to the run (the report says
+    so): this measures what its predictions are worth to the pool, not the cost of running it."""
+    name = "draft"
+
+    def __init__(self, lm: LoadedModel, L: int):
+        from toolkit.predictors.draft import make_draft
+
+        self.draft = make_draft(lm)
+        self.lm, self.L = lm, L
+        self.scores_by_tok: list[torch.Tensor] = []
+
+    def prepare(self, prompt_ids: list[int], ref_tokens: list[int]) -> None:
+        from toolkit.models.families import selection_scores
+        from toolkit.traces.capture import RouterRecorder
+
+        lm = dataclasses.replace(self.lm, model=self.draft)
+        rec = RouterRecorder(lm)
+        try:
+            with torch.no_grad():
+                self.draft(input_ids=torch.tensor([prompt_ids + ref_tokens]))
+            t = rec.stacked()
+        finally:
+            rec.close()
+        spec = self.lm.geometry.routing
+        sc = torch.stack([selection_scores(t["logits"][:, li], spec, self._bias(li)) for li in range(self.L)], 1)
+        p = len(prompt_ids)
+        # forward call 0 (prefill) ends at position p-1; decode call n consumes position p-1+n
+        self.scores_by_tok = [sc[p - 1 + n] for n in range(sc.shape[0] - p + 1)]
+
+    def _bias(self, li):
+        sb = self.lm.family.router_params(self.draft, self.lm.geometry.moe_layers[li])[2]
+        return sb.detach().float() if sb is not None else None
+
+    def scores(self, b, i, h):
+        tok = int(b.pos[0]) + (i + h) // self.L
+        if tok >= len(self.scores_by_tok):
+            return torch.zeros(1, self.lm.geometry.routing.num_experts)
+        return self.scores_by_tok[tok][(i + h) % self.L].unsqueeze(0)
 
 
 @dataclasses.dataclass
@@ -48,6 +92,7 @@ class RunConfig:
     step_budget_kib: int | None = None
     flash_profile: str | None = None
     adapter: Path | None = None
+    frequency_trace: Path | None = None   # the frequency predictor's counts come from this trace
     verify: bool = True
     io: str = "process"   # "process": reader process (default); "threads": reader threads in-process
 
@@ -92,6 +137,7 @@ class StreamingRuntime:
             g, u = self.fp16_sections[:2]
             assert g.offset + g.nbytes == u.offset, "fp16 gate and up sections must be adjacent"
         self.reference: list[torch.Tensor] | None = None  # per forward call: ids [T, L, k]
+        self.reference_tokens: list[int] | None = None
 
     def _predictor(self):
         from toolkit.models.routers import load_router_bank
@@ -111,6 +157,18 @@ class StreamingRuntime:
             return PreviousToken(self.E)
         if p == "oracle":
             return Oracle(self.E)
+        if p == "frequency":
+            from toolkit.predictors.base import Frequency
+            from toolkit.predictors.evaluate import frequency_counts
+            from toolkit.traces.format import TraceReader
+
+            if self.cfg.frequency_trace is None:
+                raise SpecPrefetchError("the frequency policy needs --frequency-trace TRACE (its counts)")
+            return Frequency(frequency_counts(TraceReader(self.cfg.frequency_trace)))
+        if p == "draft":  # built from an unmodified copy: this model's experts are streamed
+            if getattr(self, "_draft", None) is None:
+                self._draft = RuntimeDraft(load_model(self.lm.spec.path), self.L)
+            return self._draft
         from adapters.checkpoint import load_adapter
         from toolkit.predictors.base import AdapterPredictor
 
@@ -120,6 +178,11 @@ class StreamingRuntime:
         return AdapterPredictor(adapter, bank)
 
     # -- per generation state ------------------------------------------------------------
+    def set_reference(self, tokens: list[int], routing: list[torch.Tensor]) -> None:
+        """The unmodified model's greedy tokens and routing for the next prompt: the oracle's and
+        Belady's future, and the tokens the draft runs over."""
+        self.reference_tokens, self.reference = tokens, routing
+
     def _start(self) -> None:
         cfg = self.cfg
         self.pool = ExpertPool(self.budget, self.store.slot_bytes, policy=cfg.eviction, min_slots=self.k,
@@ -279,6 +342,10 @@ class StreamingRuntime:
         from transformers import DynamicCache
 
         self._start()
+        if isinstance(self.predictor, RuntimeDraft):
+            if self.reference_tokens is None:
+                raise SpecPrefetchError("the draft policy needs the reference pass (run it through `run`)")
+            self.predictor.prepare(prompt_ids, self.reference_tokens)
         eos = self.lm.tokenizer.eos_token_id
         try:
             cache = DynamicCache(config=self.lm.model.config)
@@ -312,6 +379,8 @@ class StreamingRuntime:
                 1 for s in self.pool.slots.values() if s.prefetched)) * self.pool.slot_bytes / 2**20, 3),
             "peak_pool_bytes": self.pool.peak_bytes, "budget_bytes": self.budget,
             "direct_io": self.io.direct, "emulated_flash": self.cfg.flash_profile,
+            **({"note": "draft routing precomputed teacher-forced; the draft's own compute is not charged"}
+               if isinstance(self.predictor, RuntimeDraft) else {}),
             "decode_tokens": decode_tokens,
             "counts": dataclasses.asdict(st),
         }

@@ -122,8 +122,8 @@ def calibrate(model: str | Path = "embedded", *, store: Path | None = None, read
     # planning a window costs the compute thread too: oracle prediction, every expert resident
     from toolkit.runtime.streaming import reference_generate
 
-    _, routing = reference_generate(ref, prompt, tokens)
-    rt.reference = routing
+    ref_toks, routing = reference_generate(ref, prompt, tokens)
+    rt.set_reference(ref_toks, routing)
     rt.cfg.predictor, rt.cfg.eviction = "oracle", "lru"
     rt.predictor = rt._predictor()
     rt.generate(prompt, 4)
