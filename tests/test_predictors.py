@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from adapters.checkpoint import load_adapter, save_adapter
+from adapters.checkpoint import load_adapter
 from adapters.lowrank import PrefetchAdapter
 from adapters.train import TrainConfig, train_adapter
 from conftest import HELDOUT

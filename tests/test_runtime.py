@@ -1,7 +1,6 @@
 """Expert store, pool, scheduler, simulator and the streaming runtime, on real files and models."""
 from __future__ import annotations
 
-import itertools
 import json
 import random
 import shutil
@@ -14,7 +13,7 @@ import torch
 from conftest import HELDOUT
 from toolkit.errors import SpecPrefetchError
 from toolkit.models.checkpoint import ExpertReader
-from toolkit.models.loader import inspect_model_dir, load_model
+from toolkit.models.loader import inspect_model_dir
 from toolkit.models.tiny import TINY_FAMILIES
 from toolkit.runtime.expert_store import ALIGN, ExpertStore, build_store
 from toolkit.runtime.pool import ExpertPool

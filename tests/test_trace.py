@@ -16,7 +16,7 @@ import torch
 
 from conftest import HELDOUT, REPO
 from toolkit.errors import SpecPrefetchError
-from toolkit.models.families import router_distribution, select_experts
+from toolkit.models.families import select_experts
 from toolkit.models.loader import load_model
 from toolkit.models.tiny import TINY_FAMILIES
 from toolkit.traces.capture import TraceSettings, make_prompts, run_trace

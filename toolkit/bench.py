@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from toolkit.artifacts import atomic_write_text, write_json_atomic
+from toolkit.reporting import save_figure, write_report
 from toolkit.errors import SpecPrefetchError
 
 
@@ -154,16 +154,8 @@ def plot(r: dict[str, Any], path: Path) -> None:
     ax.set_title("streaming runtime: measured vs simulated TPOT")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def write(r: dict[str, Any], json_path: Path) -> tuple[Path, Path]:
-    json_path = Path(json_path)
-    write_json_atomic(json_path, r)
-    md = json_path.with_suffix(".md")
-    atomic_write_text(md, markdown(r))
-    png = json_path.with_suffix(".png")
-    plot(r, png)
-    return md, png
+    return write_report(r, json_path, markdown, plot)

@@ -13,6 +13,8 @@ import math
 from pathlib import Path
 
 import numpy as np
+
+from toolkit.reporting import save_figure
 import torch
 
 from toolkit.models.loader import embedded_model_dir, load_model
@@ -82,9 +84,7 @@ def plot_training(train_log: Path, path: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     ax.set_title("embedded model training")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> None:

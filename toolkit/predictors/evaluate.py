@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from toolkit.artifacts import atomic_write_text, write_json_atomic
+from toolkit.reporting import save_figure, write_report
 from toolkit.errors import SpecPrefetchError
 from toolkit.metrics import topk_overlap
 from toolkit.models.routers import load_router_bank
@@ -179,19 +179,12 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.set_ylim(0, 1.02)
     axes[1].legend(fontsize=8)
     fig.suptitle(f"prefetch predictors, held-out decode tokens ({result['model']['family']})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def write_reports(result: dict[str, Any], json_path: Path) -> tuple[Path, Path]:
-    json_path = Path(json_path)
-    write_json_atomic(json_path, result)
-    md = json_path.with_suffix(".md")
-    atomic_write_text(md, markdown(result))
-    png = json_path.with_suffix(".png")
-    plot(result, png)
-    return md, png
+    return write_report(result, json_path, markdown, plot)
+
 
 
 def load_result(path: Path) -> dict[str, Any]:

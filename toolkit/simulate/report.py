@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from toolkit.artifacts import atomic_write_text, write_json_atomic
+from toolkit.reporting import save_figure, write_report
 from toolkit.simulate.profiles import DeviceProfile
 from toolkit.simulate.replay import Policy, run_simulation
 
@@ -61,16 +61,8 @@ def plot(r: dict[str, Any], path: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(f"TPOT vs pool size ({r['profile']})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def write_sweep(r: dict[str, Any], json_path: Path) -> tuple[Path, Path]:
-    json_path = Path(json_path)
-    write_json_atomic(json_path, r)
-    md = json_path.with_suffix(".md")
-    atomic_write_text(md, markdown(r))
-    png = json_path.with_suffix(".png")
-    plot(r, png)
-    return md, png
+    return write_report(r, json_path, markdown, plot)

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from toolkit.reporting import save_figure
+
 from toolkit.traces.format import DECODE, TraceReader
 
 
@@ -81,9 +83,7 @@ def plot_load(load: np.ndarray, layers: list[int], path: Path, title: str) -> No
     ax.set_ylabel("MoE layer")
     ax.set_title(title)
     fig.colorbar(im, ax=ax, label="load / uniform share")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> None:
