@@ -201,3 +201,51 @@ def load_image_processor(path: Path) -> Any:
         return Qwen2VLImageProcessorPil.from_pretrained(path, local_files_only=True)
     except Exception as e:
         raise SpecPrefetchError(f"{path}/preprocessor_config.json: unusable ({e})") from None
+
+
+def load_dense_model(spec: ModelSpec) -> torch.nn.Module:
+    """The model without its routed experts' weights: built on the meta device, then every
+    checkpoint tensor except the experts' is loaded (read one at a time from the safetensors
+    files), so a checkpoint larger than memory can run with its experts streamed. Experts stay on
+    the meta device until the caller replaces those modules. Buffers computed at construction
+    (rotary frequencies) are rebuilt on the CPU; a module that cannot be rebuilt is an error."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from toolkit.models.checkpoint import TensorIndex, expert_keys
+
+    cls = AutoModelForImageTextToText if spec.family.is_vision_language else AutoModelForCausalLM
+    with torch.device("meta"):
+        net = cls.from_config(spec.config)
+    skip = set().union(*(expert_keys(spec, layer) for layer in spec.geometry.moe_layers))
+    index = TensorIndex(spec)
+    state: dict[str, torch.Tensor] = {}
+    handles: dict = {}
+    for key, (path, _, _) in index.entries.items():
+        if key in skip:
+            continue
+        if path not in handles:
+            handles[path] = safe_open(str(path), framework="pt")
+        name = key
+        for a, b in spec.family.key_renames:
+            name = name.replace(a, b)
+        state[name] = handles[path].get_tensor(key).float()
+    missing, unexpected = net.load_state_dict(state, strict=False, assign=True)
+    if unexpected:
+        raise SpecPrefetchError(f"{spec.path}: checkpoint tensors the model does not know: {unexpected[:5]}")
+    net.tie_weights()
+    for name, mod in net.named_modules():
+        metas = [b for b, t in mod.named_buffers(recurse=False) if t.is_meta]
+        if not metas:
+            continue
+        try:
+            fresh = type(mod)(config=mod.config)
+        except Exception as e:  # noqa: BLE001 - any constructor failure means "cannot rebuild"
+            raise SpecPrefetchError(f"{spec.path}: cannot rebuild buffers {metas} of {name} ({e})") from None
+        for b in metas:
+            setattr(mod, b, getattr(fresh, b))
+    left = [n for n, p in net.named_parameters() if p.is_meta and ".experts." not in n]
+    if left:
+        raise SpecPrefetchError(f"{spec.path}: tensors missing from the checkpoint: {left[:5]}")
+    net.eval()
+    return net

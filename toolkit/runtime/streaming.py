@@ -26,7 +26,7 @@ from torch import nn
 
 from toolkit.errors import SpecPrefetchError
 from toolkit.metrics import hit_rate, tpot_ms
-from toolkit.models.loader import LoadedModel, load_model
+from toolkit.models.loader import LoadedModel, load_dense_model, load_model
 from toolkit.predictors.batches import RoutingBatch
 from toolkit.runtime.expert_store import ExpertStore, build_store, dequantize
 from toolkit.runtime.io import DirectReader, ProcessReader
@@ -418,5 +418,6 @@ def open_runtime(model: str | Path, cfg: RunConfig, *, store: Path | None = None
     if not Path(path).exists():
         build_store(ref.spec, Path(path), dtype, progress=progress)
     st = ExpertStore(path, ref.spec)
-    rt = StreamingRuntime(load_model(model), st, cfg)
+    dense = dataclasses.replace(ref, model=load_dense_model(ref.spec))  # experts never loaded
+    rt = StreamingRuntime(dense, st, cfg)
     return rt, ref

@@ -175,6 +175,8 @@ class Family:
         return (act(x @ mats["gate"].t()) * (x @ mats["up"].t())) @ mats["down"].t()
 
     # -- checkpoint layout ----------------------------------------------------------------
+    # (checkpoint substring, module substring) renames transformers applies when loading
+    key_renames: ClassVar[tuple[tuple[str, str], ...]] = ()
     layer_prefix: ClassVar[str] = "model.layers.{layer}"
 
     def router_keys(self, layer: int) -> dict[str, str]:

@@ -11,6 +11,7 @@ class Mixtral(Family):
     name = "mixtral"
     model_types = ("mixtral",)
     description = "Mixtral 8x7B / 8x22B"
+    key_renames = ((".block_sparse_moe.", ".mlp."),)
 
     def num_experts(self, tc):
         return int(tc.num_local_experts)
