@@ -347,3 +347,36 @@ def test_runtime_rejects_a_corrupt_blob_and_both_readers_agree(embedded, emb_sto
         rt.cfg.io = io
         with pytest.raises(SpecPrefetchError, match=r"expert \(\d+, \d+\) failed its checksum"):
             rt.generate(prompt, 6)
+
+
+def test_store_index_entries_are_validated(emb_store, tmp_path):
+    from toolkit.runtime.expert_store import ENTRY, HEADER
+
+    raw = bytearray(emb_store.read_bytes())
+    fields = list(ENTRY.unpack_from(raw, HEADER.size))
+    fields[3] += 4096  # a blob size that disagrees with the metadata
+    ENTRY.pack_into(raw, HEADER.size, *fields)
+    import zlib
+    head = list(HEADER.unpack_from(raw, 0))
+    L, E, meta_len = head[3], head[4], head[10]
+    body = bytes(raw[HEADER.size:HEADER.size + ENTRY.size * L * E + meta_len])
+    head[13] = zlib.crc32(body)  # a faulty writer, not random corruption: the CRC matches
+    HEADER.pack_into(raw, 0, *head)
+    bad = tmp_path / "b.spx"
+    bad.write_bytes(bytes(raw))
+    with pytest.raises(SpecPrefetchError, match="index entry 0 is invalid"):
+        ExpertStore(bad)
+
+
+def test_int8_keeps_tiny_rows():
+    from toolkit.runtime.expert_store import blob_sections, dequantize, quantize
+
+    w = torch.randn(4, 64) * torch.tensor([1.0, 1e-3, 5e-6, 0.0])[:, None]
+    secs, size = blob_sections([("gate", (4, 64))], "int8")
+    blob = bytearray(size)
+    for s, a in zip(secs, quantize(w, "int8")):
+        blob[s.offset:s.offset + s.nbytes] = a.tobytes()
+    got = dequantize(bytes(blob), secs)["gate"]
+    for row in range(3):
+        assert (got[row] - w[row]).abs().max() <= w[row].abs().max() / 127 + 6.2e-5
+    assert torch.equal(got[3], torch.zeros(64))

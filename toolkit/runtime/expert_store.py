@@ -31,6 +31,7 @@ VERSION = 1
 ALIGN = 4096
 SECTION_ALIGN = 64
 GROUP = 32
+FP16_MIN_NORMAL = 6.104e-5
 DTYPES = {"fp16": 0, "int8": 1, "int4": 2}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 HEADER = struct.Struct("<8sIIIIIIIIIIQQI60s")  # 128 bytes
@@ -88,14 +89,15 @@ def quantize(w: torch.Tensor, dtype: str) -> list[np.ndarray]:
     if dtype == "fp16":
         return [w.to(torch.float16).numpy()]
     if dtype == "int8":
-        scale = (w.abs().amax(1) / 127).clamp_min(1e-8)
+        # the scale is stored as fp16: quantise with exactly that value, never a subnormal or zero
+        scale = (w.abs().amax(1) / 127).clamp_min(FP16_MIN_NORMAL).to(torch.float16).float()
         q = torch.clamp(torch.round(w / scale[:, None]), -127, 127).to(torch.int8)
         return [q.numpy(), scale.to(torch.float16).numpy()]
     o, i = w.shape
     ip = _align(i, GROUP)
     w = torch.nn.functional.pad(w, (0, ip - i))
     g = w.reshape(o, ip // GROUP, GROUP)
-    scale = (g.abs().amax(-1) / 7).clamp_min(1e-8).to(torch.float16)
+    scale = (g.abs().amax(-1) / 7).clamp_min(FP16_MIN_NORMAL).to(torch.float16)
     q = torch.clamp(torch.round(g / scale.float()[..., None]), -8, 7).to(torch.int8).reshape(o, ip)
     u = (q.numpy().astype(np.int16) & 0xF).astype(np.uint8)
     packed = (u[:, 0::2] | (u[:, 1::2] << 4)).astype(np.uint8)
@@ -225,14 +227,23 @@ class ExpertStore:
             raise SpecPrefetchError(f"{self.path}: unknown dtype code {dt}")
         self.num_layers, self.num_experts, self.hidden_size, self.intermediate_size = L, E, H, I
         self.alignment, self.data_offset = align, data_offset
+        if align != ALIGN:
+            raise SpecPrefetchError(f"{self.path}: alignment {align}, this toolkit reads {ALIGN}")
+        try:
+            self.meta = json.loads(body[ENTRY.size * L * E:])
+            blob_size = int(self.meta["blob_size"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise SpecPrefetchError(f"{self.path}: expert store metadata unreadable ({e})") from None
         self.entries: dict[tuple[int, int], IndexEntry] = {}
         for n in range(L * E):
             layer, expert, off, sz, crc, _ = ENTRY.unpack_from(body, n * ENTRY.size)
-            if off % ALIGN or off + _align(sz, ALIGN) > size:
+            if layer >= L or expert >= E or (layer, expert) in self.entries or sz != blob_size:
+                raise SpecPrefetchError(f"{self.path}: index entry {n} is invalid (layer {layer}, expert "
+                                        f"{expert}, size {sz}; expected < {L}, < {E}, unique, {blob_size} B)")
+            if off % ALIGN or off < data_offset or off + _align(sz, ALIGN) > size:
                 raise SpecPrefetchError(f"{self.path}: expert ({layer}, {expert}) lies outside the file "
                                         f"(offset {off}, size {sz}, file {size} bytes): truncated?")
             self.entries[(layer, expert)] = IndexEntry(layer, expert, off, sz, crc)
-        self.meta = json.loads(body[ENTRY.size * L * E:])
         self.sections = [Section(**{**s, "shape": tuple(s["shape"])}) for s in self.meta["sections"]]
         self.shapes = {m["role"]: tuple(m["shape"]) for m in self.meta["matrices"]}
         self.blob_size = self.meta["blob_size"]

@@ -17,6 +17,7 @@ import heapq
 import itertools
 import mmap
 import os
+import select
 import struct
 import threading
 import time
@@ -55,6 +56,7 @@ class DirectReader:
         self.error: BaseException | None = None
         self.read_s = 0.0
         self.reads = 0
+        self.busy_until = 0.0
         self.stop = False
         self.threads = [threading.Thread(target=self._work, daemon=True, name=f"expert-io-{i}")
                         for i in range(workers)]
@@ -73,12 +75,12 @@ class DirectReader:
                 qd = self.running
             try:
                 buf = self._read(key, issued, qd)
-            except BaseException as e:  # surfaced on the compute thread
+            except BaseException as e:  # surfaced on the compute thread; this worker stays
                 with self.cond:
                     self.error = e
                     self.running -= 1
                     self.cond.notify_all()
-                return
+                continue
             with self.cond:
                 self.running -= 1
                 self.done[key] = buf
@@ -93,8 +95,11 @@ class DirectReader:
         n = os.preadv(self.fd, [buf], e.offset)
         if n < e.size:
             raise SpecPrefetchError(f"{self.store.path}: short read of expert {key} ({n} of {e.size} bytes)")
-        if self.profile is not None:  # pace to the emulated device
-            target = issued + self.profile.read_s(size, qd)
+        if self.profile is not None:  # pace to the emulated device, transfers one at a time
+            with self.cond:
+                start = max(issued, self.busy_until)
+                self.busy_until = start + self.profile.transfer_s(size, qd)
+                target = self.busy_until + self.profile.flash_latency_us * 1e-6
             delay = target - time.perf_counter()
             if delay > 0:
                 time.sleep(delay)
@@ -131,9 +136,8 @@ class DirectReader:
                 self.cond.wait(timeout=5.0)
 
     def _raise(self) -> None:
-        if self.error is not None:
-            err, self.error = self.error, None
-            raise err
+        if self.error is not None:  # stays set: a failed read leaves its key loading for good
+            raise self.error
 
     def close(self) -> None:
         with self.cond:
@@ -204,15 +208,17 @@ class ProcessReader:
         return len(self.pending)
 
     def _drain(self, block: bool) -> None:
-        os.set_blocking(self.done_r, block)
+        if block:  # wait for a record, checking now and then that the reader still lives
+            while not select.select([self.done_r], [], [], 2.0)[0]:
+                if os.waitpid(self.pid, os.WNOHANG)[0] != 0:
+                    self.pid = 0
+                    raise SpecPrefetchError("the expert reader process exited unexpectedly")
         try:
             data = os.read(self.done_r, DONE.size * 256)
         except BlockingIOError:
             data = b""
-        finally:
-            os.set_blocking(self.done_r, False)
         if block and not data:
-            raise SpecPrefetchError("expert reader process died")
+            raise SpecPrefetchError("the expert reader process closed its pipe unexpectedly")
         self.buf += data
         while len(self.buf) >= DONE.size:
             idx, layer, expert, status = DONE.unpack_from(self.buf)
@@ -249,9 +255,12 @@ class ProcessReader:
         try:
             for _ in range(self.workers):
                 os.write(self.req_w, REQ.pack(STOP, 0, 0))
+        except OSError:  # the reader is already gone: keep the error that brought us here
+            pass
         finally:
             os.close(self.req_w)
-            os.waitpid(self.pid, 0)
+            if self.pid:
+                os.waitpid(self.pid, 0)
             os.close(self.done_r)
 
 
@@ -260,6 +269,8 @@ def _reader_main(store, fd, arena, req_r, done_w, workers, profile, verify) -> N
 
     slot = store.slot_bytes
     lock = threading.Lock()
+    busy = [0.0]  # when the emulated device finishes its queued transfers
+    pace_lock = threading.Lock()  # not `lock`: a worker may sit in os.read holding that one
     entries = store.entries
 
     def work():
@@ -272,21 +283,25 @@ def _reader_main(store, fd, arena, req_r, done_w, workers, profile, verify) -> N
             idx, layer, expert = REQ.unpack(raw)
             if idx == STOP:
                 return
-            e = entries[(layer, expert)]
             t0 = time.perf_counter()
             status = OK
             try:
+                e = entries[(layer, expert)]
                 n = os.preadv(fd, [view[idx * slot:idx * slot + e.read_size]], e.offset)
                 if n < e.size:
                     status = SHORT
                 elif verify and zlib.crc32(view[idx * slot:idx * slot + e.size]) != e.crc32:
                     status = BADCRC
-            except OSError:
+                if profile is not None:  # pace to the emulated device, transfers one at a time
+                    with pace_lock:
+                        start = max(t0, busy[0])
+                        busy[0] = start + profile.transfer_s(e.read_size, 1)
+                        target = busy[0] + profile.flash_latency_us * 1e-6
+                    delay = target - time.perf_counter()
+                    if delay > 0:
+                        time.sleep(delay)
+            except BaseException:  # noqa: BLE001 - every failure must reach the parent as a record
                 status = OSERR
-            if profile is not None:
-                delay = t0 + profile.read_s(e.read_size, 1) - time.perf_counter()
-                if delay > 0:
-                    time.sleep(delay)
             os.write(done_w, DONE.pack(idx, layer, expert, status))
 
     threads = [threading.Thread(target=work) for _ in range(workers)]

@@ -128,7 +128,3 @@ class ExpertPool:
             self.wasted_prefetches += 1
         if self.on_evict is not None:
             self.on_evict(key)
-
-    def cancel(self, key: Key) -> None:
-        """Drop a loading slot whose read was abandoned."""
-        self.slots.pop(key, None)

@@ -187,15 +187,6 @@ class StreamingRuntime:
         cfg = self.cfg
         self.pool = ExpertPool(self.budget, self.store.slot_bytes, policy=cfg.eviction, min_slots=self.k,
                                next_use=self._next_use)
-        if cfg.io == "process":
-            slots = min(self.pool.capacity, self.L * self.E)  # never more slots than experts exist
-            self.io = ProcessReader(self.store, slots=slots, workers=cfg.queue_depth + 1,
-                                    profile=self.profile, verify=cfg.verify)
-            self.pool.on_evict = self.io.release
-        elif cfg.io == "threads":
-            self.io = DirectReader(self.store, workers=cfg.queue_depth, profile=self.profile, verify=cfg.verify)
-        else:
-            raise SpecPrefetchError(f"--io {cfg.io!r}: choose process or threads")
         scfg = SchedulerConfig(window=cfg.window, queue_depth=cfg.queue_depth, min_confidence=cfg.min_confidence,
                                floor=cfg.floor,
                                step_budget_bytes=cfg.step_budget_kib * 1024 if cfg.step_budget_kib else None,
@@ -215,6 +206,16 @@ class StreamingRuntime:
                 for li in range(self.L):
                     for e in torch.unique(ids[:, li]).tolist():
                         self.future.setdefault((li, e), []).append(tok * self.L + li)
+        if cfg.io == "process":
+            slots = min(self.pool.capacity, self.L * self.E)  # never more slots than experts exist
+            self.io = ProcessReader(self.store, slots=slots, workers=cfg.queue_depth + 1,
+                                    profile=self.profile, verify=cfg.verify)
+            self.pool.on_evict = self.io.release
+        elif cfg.io == "threads":
+            self.io = DirectReader(self.store, workers=cfg.queue_depth, profile=self.profile, verify=cfg.verify)
+        else:
+            raise SpecPrefetchError(f"--io {cfg.io!r}: choose process or threads")
+        self.sched.io = self.io  # the reader comes last, so nothing before it can leak a process
 
     def _next_use(self, key, now):
         if self.cfg.eviction == "belady":
@@ -341,27 +342,32 @@ class StreamingRuntime:
     def generate(self, prompt_ids: list[int], max_new_tokens: int) -> dict[str, Any]:
         from transformers import DynamicCache
 
-        self._start()
         if isinstance(self.predictor, RuntimeDraft):
             if self.reference_tokens is None:
                 raise SpecPrefetchError("the draft policy needs the reference pass (run it through `run`)")
             self.predictor.prepare(prompt_ids, self.reference_tokens)
         eos = self.lm.tokenizer.eos_token_id
+        self.io = None
         try:
+            self._start()
             cache = DynamicCache(config=self.lm.model.config)
             t0 = time.perf_counter()
             out = self.lm.model(input_ids=torch.tensor([prompt_ids]), past_key_values=cache, use_cache=True)
             nxt = int(out.logits[0, -1].argmax())
             times = [time.perf_counter()]
             tokens = [nxt]
+            prefill = dataclasses.replace(self.sched.stats)  # decode figures are deltas from here
             while len(tokens) < max_new_tokens and nxt != eos:
                 out = self.lm.model(input_ids=torch.tensor([[nxt]]), past_key_values=cache, use_cache=True)
                 nxt = int(out.logits[0, -1].argmax())
                 tokens.append(nxt)
                 times.append(time.perf_counter())
         finally:
-            self.io.close()
-        st = self.sched.stats
+            if self.io is not None:
+                self.io.close()
+        total = self.sched.stats
+        st = type(total)(**{f.name: getattr(total, f.name) - getattr(prefill, f.name)
+                            for f in dataclasses.fields(total)})
         decode_tokens = max(1, len(tokens) - 1)
         iv = np.diff(times) * 1e3 if len(times) > 1 else np.zeros(1)
         return {
@@ -373,8 +379,8 @@ class StreamingRuntime:
             "stall_ms_per_token": round(self.stall_s / decode_tokens * 1e3, 3),
             "hit_rate": round(hit_rate(st.hits, st.requests), 4),
             "late_rate": round(hit_rate(st.late, st.requests), 4),
-            "mib_read": round(st.bytes_read / 2**20, 3),
-            "mib_read_per_token": round(st.bytes_read / 2**20 / len(tokens), 4),
+            "mib_read": round(total.bytes_read / 2**20, 3),
+            "mib_read_per_token": round(st.bytes_read / 2**20 / decode_tokens, 4),
             "wasted_prefetch_mib": round((self.pool.wasted_prefetches + sum(
                 1 for s in self.pool.slots.values() if s.prefetched)) * self.pool.slot_bytes / 2**20, 3),
             "peak_pool_bytes": self.pool.peak_bytes, "budget_bytes": self.budget,
@@ -383,6 +389,7 @@ class StreamingRuntime:
                if isinstance(self.predictor, RuntimeDraft) else {}),
             "decode_tokens": decode_tokens,
             "counts": dataclasses.asdict(st),
+            "prefill_counts": dataclasses.asdict(prefill),
         }
 
 

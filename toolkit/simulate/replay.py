@@ -132,6 +132,7 @@ def simulate_policy(batches: list[RoutingBatch], predictor, policy: Policy, geo:
                     keys = list(dict.fromkeys(keys))
                     before = clock.now
                     waiting = sched.acquire(step, keys)  # demand reads go out first
+                    stall = clock.now - before
                     if predictor is not None:
                         ti = layer_map[li]
                         window = []
@@ -149,24 +150,28 @@ def simulate_policy(batches: list[RoutingBatch], predictor, policy: Policy, geo:
                             window.append((tgt, sc))
                         sched.plan(step, window)
                         clock.now += profile.plan_ms_per_layer * 1e-3
+                    before = clock.now
                     for key in waiting:
                         sched.wait_ready(key)
-                    stalls += clock.now - before
+                    if t >= 1:  # as the runtime: the first token warms the pool, TPOT starts after it
+                        stalls += stall + clock.now - before
                     issued = sched.stats.bytes_read // geo.slot_bytes
                     clock.now += (issued - reads_seen) * profile.read_cpu_us * 1e-6
                     reads_seen = issued
                     clock.now += profile.expert_s(geo.expert_bytes) * len(keys)
                     sched.release(step, keys)
                 times.append(clock.now)
+                if t == 0:
+                    first = dataclasses.replace(sched.stats)
             tpots.append(tpot_ms(times))
             intervals.extend(np.diff(times) * 1e3)
-            tokens += T
+            tokens += T - 1
             total_time += times[-1]
             flash_busy += flash.busy_s
             st = sched.stats
             for k in ("requests", "hits", "late", "misses", "bytes_read", "prefetch_issued",
                       "dropped_stale", "dropped_low_conf", "dropped_no_slot"):
-                agg[k] += getattr(st, k)
+                agg[k] += getattr(st, k) - getattr(first, k)
             agg["wasted"] += pool.wasted_prefetches + sum(1 for s in pool.slots.values() if s.prefetched)
             assert pool.peak_bytes <= pool_bytes
     if not tpots:

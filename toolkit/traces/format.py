@@ -154,11 +154,12 @@ class TraceWriter:
             "shards": self.shards,
             **extra,
         }
-        (self.work / "progress.json").unlink(missing_ok=True)
         write_json_atomic(manifest_path(self.work), manifest)
         if self.out.exists():
             shutil.rmtree(self.out)
         self.work.rename(self.out)
+        # only now: until the rename, progress.json lets a rerun finish instead of starting over
+        (self.out / "progress.json").unlink(missing_ok=True)
         return self.out
 
 
