@@ -7,7 +7,6 @@ a Markdown table and a PNG plot. Metric definitions: toolkit/metrics.py.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -186,6 +185,3 @@ def write_reports(result: dict[str, Any], json_path: Path) -> tuple[Path, Path]:
     return write_report(result, json_path, markdown, plot)
 
 
-
-def load_result(path: Path) -> dict[str, Any]:
-    return json.loads(Path(path).read_text())

@@ -198,8 +198,6 @@ class StreamingRuntime:
         self.hidden_buf = torch.zeros(1, self.L, self.lm.geometry.hidden_size)
         self.ids_buf = torch.zeros(1, self.L, self.k, dtype=torch.long)
         self.prev_ids = torch.zeros(1, self.L, self.k, dtype=torch.long)
-        self.routing: list[torch.Tensor] = []
-        self.cur_routing: list[torch.Tensor] = []
         if self.reference is not None:
             self.future: dict[tuple[int, int], list[int]] = {}
             for tok, ids in enumerate(self.reference):
@@ -279,7 +277,6 @@ class StreamingRuntime:
         step = self.tok * self.L + li
         self.hidden_buf[0, li] = hidden[-1].detach().float()
         self.ids_buf[0, li] = top_k_index[-1].long()
-        self.cur_routing.append(top_k_index.detach().long().cpu())
         final = torch.zeros_like(hidden)
         hit = sorted(torch.unique(top_k_index).tolist())
         keys = [(li, e) for e in hit]
@@ -302,8 +299,6 @@ class StreamingRuntime:
                 self._compute(mod, key, hidden, top_k_index, top_k_weights, final)
             self.sched.release(step, grp)
         if li == self.L - 1:
-            self.routing.append(torch.stack(self.cur_routing, 1))  # [T, L, k]
-            self.cur_routing = []
             self.prev_ids = self.ids_buf.clone()
             self.tok += 1
         return final

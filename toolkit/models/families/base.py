@@ -202,6 +202,17 @@ class Family:
         return tuple(mats)
 
 
+class LocalExpertsConfig:
+    """Mixin for configs that name E `num_local_experts` and the expert FFN `intermediate_size`
+    (Mixtral, GPT-OSS)."""
+
+    def num_experts(self, tc: Any) -> int:
+        return int(tc.num_local_experts)
+
+    def moe_intermediate_size(self, tc: Any) -> int:
+        return int(tc.intermediate_size)
+
+
 # -- routing maths, shared by tracing checks, predictors and adapters -------------------------
 
 def router_distribution(logits: torch.Tensor, spec: RoutingSpec) -> torch.Tensor:

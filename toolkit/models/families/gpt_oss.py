@@ -9,21 +9,15 @@ those must be dequantised (transformers does it on load) before the expert store
 """
 import torch
 
-from toolkit.models.families.base import ExpertSource, Family, RoutingSpec
+from toolkit.models.families.base import ExpertSource, Family, LocalExpertsConfig, RoutingSpec
 
 
-class GptOss(Family):
+class GptOss(LocalExpertsConfig, Family):
     name = "gpt_oss"
     model_types = ("gpt_oss",)
     description = "GPT-OSS 20B / 120B"
     router_attr = "router"
     expert_has_bias = True
-
-    def num_experts(self, tc):
-        return int(tc.num_local_experts)
-
-    def moe_intermediate_size(self, tc):
-        return int(tc.intermediate_size)
 
     def routing(self, tc):
         return RoutingSpec(num_experts=self.num_experts(tc), top_k=int(tc.num_experts_per_tok),

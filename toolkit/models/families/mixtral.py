@@ -4,20 +4,14 @@ Router: softmax over E, top-k, renormalised. Every layer is MoE; the MoE block i
 layer's `mlp` in transformers 5 but `block_sparse_moe` in the checkpoint, with per-expert
 `w1` (gate), `w3` (up) and `w2` (down) Linears.
 """
-from toolkit.models.families.base import ExpertSource, Family, RoutingSpec
+from toolkit.models.families.base import ExpertSource, Family, LocalExpertsConfig, RoutingSpec
 
 
-class Mixtral(Family):
+class Mixtral(LocalExpertsConfig, Family):
     name = "mixtral"
     model_types = ("mixtral",)
     description = "Mixtral 8x7B / 8x22B"
     key_renames = ((".block_sparse_moe.", ".mlp."),)
-
-    def num_experts(self, tc):
-        return int(tc.num_local_experts)
-
-    def moe_intermediate_size(self, tc):
-        return int(tc.intermediate_size)
 
     def routing(self, tc):
         return RoutingSpec(num_experts=self.num_experts(tc), top_k=int(tc.num_experts_per_tok),
