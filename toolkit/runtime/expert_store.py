@@ -15,7 +15,6 @@ import os
 import struct
 import zlib
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import torch
@@ -277,8 +276,3 @@ class ExpertStore:
 
     def weights(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
         return dequantize(self.read(layer, expert), self.sections, self.shapes)
-
-    def verify_all(self) -> Iterator[tuple[int, int]]:
-        for (layer, expert) in sorted(self.entries):
-            self.read(layer, expert, verify=True)
-            yield layer, expert

@@ -54,8 +54,6 @@ class DirectReader:
         self.fresh: list[Key] = []
         self.running = 0
         self.error: BaseException | None = None
-        self.read_s = 0.0
-        self.reads = 0
         self.busy_until = 0.0
         self.stop = False
         self.threads = [threading.Thread(target=self._work, daemon=True, name=f"expert-io-{i}")
@@ -91,7 +89,6 @@ class DirectReader:
         e = self.store.entry(*key)
         size = e.read_size
         buf = mmap.mmap(-1, size)
-        t0 = time.perf_counter()
         n = os.preadv(self.fd, [buf], e.offset)
         if n < e.size:
             raise SpecPrefetchError(f"{self.store.path}: short read of expert {key} ({n} of {e.size} bytes)")
@@ -103,8 +100,6 @@ class DirectReader:
             delay = target - time.perf_counter()
             if delay > 0:
                 time.sleep(delay)
-        self.read_s += time.perf_counter() - t0
-        self.reads += 1
         if self.verify:
             self.store.check(key[0], key[1], memoryview(buf)[: e.size])
         return buf
