@@ -1,0 +1,388 @@
+"""The model cut into the graphs a phone runs for one decode step, as plain PyTorch modules.
+
+A MoE model cannot ship as one graph: its experts are chosen per token and must stream from
+flash, so the phone runs a fixed sequence of small graphs and does the routing itself:
+
+    embed(token) -> h
+    for each decoder layer l:
+        dense layer: h = layer_l(h, pos)                                  (attention + MLP)
+        MoE layer:   h_res, x, logits, preds = layer_l(h, pos)            (attention, norm,
+                     ids, w = select(logits)     (host, family rule)       router, shared experts,
+                     h = h_res + sum_j w_j * expert(x, weights of ids_j)   adapter heads)
+    logits = head(h)
+
+`expert` takes the expert's weights as inputs, so one graph serves every expert of every layer and
+no expert weight is inside a compiled program: they come from the expert store through the pool.
+`preds` are the prefetch adapter's router predictions for the next steps (the window), folded into
+one matrix per (layer, horizon), so the scheduler's inputs come out of the same graph.
+
+The layer graphs wrap the model's own transformers modules (attention, norms, MLPs), so every
+family's attention variant (GQA, q/k norms, DeepSeek's MLA with its compressed cache, GPT-OSS sinks
+and sliding windows) is the model's code, not a copy. The KV cache comes in two forms:
+- "buffer" (ExecuTorch): the cache is a mutable buffer of the graph, written in place at `input_pos`
+  and attended over with a mask built from `input_pos`.
+- "io" (ONNX / QNN, where graphs hold no state): the past cache and the additive mask are inputs,
+  the current token's key/value are merged in by a one-hot mask (no scatter) and returned as
+  outputs, which the host writes into its cache.
+Rotary tables are precomputed for every position with the model's own rotary module and selected
+per step (index in "buffer" mode, a one-hot matmul in "io" mode), so no family's rotary code runs
+on the phone.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from toolkit.errors import SpecPrefetchError
+from toolkit.models.loader import ModelSpec
+
+KvMode = Literal["buffer", "io"]
+MASK_VALUE = -1e4  # additive mask for positions a query may not see (finite: safe for fp16 / QDQ)
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheSpec:
+    """One KV tensor pair of a layer: shapes [1, heads, max_seq, dim] of the two cached tensors."""
+    k_shape: tuple[int, ...]
+    v_shape: tuple[int, ...]
+
+
+def text_model(model: nn.Module) -> nn.Module:
+    """The language model inside a CausalLM / ImageTextToText model (has layers, norm, rotary)."""
+    inner = model.model
+    return getattr(inner, "language_model", inner)
+
+
+def _real_rope_deepseek_v2(xq, xk, freqs):
+    """DeepSeek-V2's complex rotary product in real arithmetic (exporters do not take complex
+    tensors). `freqs` [B, T, D/2, 2] holds (cos, sin) of the complex `freqs_cis`."""
+    def rot(x):
+        xs = x.float().reshape(*x.shape[:-1], -1, 2)
+        a, b = xs[..., 0], xs[..., 1]
+        c, s = freqs[..., 0].unsqueeze(1), freqs[..., 1].unsqueeze(1)
+        return torch.stack((a * c - b * s, a * s + b * c), -1).flatten(3).type_as(x)
+    return rot(xq), rot(xk)
+
+
+@contextlib.contextmanager
+def exportable_family(family: str):
+    """Swap a family's non-exportable helpers for exact real-valued equivalents while tracing or
+    running the step graphs (DeepSeek-V2's complex rotary)."""
+    if family != "deepseek_v2":
+        yield
+        return
+    from transformers.models.deepseek_v2 import modeling_deepseek_v2 as m
+
+    saved = m.apply_rotary_emb
+    m.apply_rotary_emb = _real_rope_deepseek_v2
+    try:
+        yield
+    finally:
+        m.apply_rotary_emb = saved
+
+
+class _StepCache:
+    """Stands in for transformers' Cache inside one layer's attention for one step."""
+
+    def __init__(self, owner: "LayerGraph", input_pos, onehot, k_past, v_past):
+        self.o, self.pos, self.onehot, self.k_past, self.v_past = owner, input_pos, onehot, k_past, v_past
+        self.new: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def update(self, k, v, layer_idx=None, *args, **kwargs):
+        if self.o.kv_mode == "buffer":
+            self.o.k_cache.index_copy_(2, self.pos, k)
+            self.o.v_cache.index_copy_(2, self.pos, v)
+            return self.o.k_cache, self.o.v_cache
+        self.new = (k, v)
+        oh = self.onehot.view(1, 1, -1, 1)
+        return self.k_past * (1 - oh) + k * oh, self.v_past * (1 - oh) + v * oh
+
+
+class LayerGraph(nn.Module):
+    """One decoder layer's dense work for one token.
+
+    buffer mode: forward(hidden [1,1,H], input_pos int64 [1])
+    io mode:     forward(hidden [1,1,H], pos_onehot [1,S], mask [1,1,1,S], k_past, v_past)
+    Outputs: dense layer -> (h,); MoE layer -> (h_res, x [1,H], router_logits [1,E][, preds [P,E]]);
+    io mode appends (k_new, v_new).
+    """
+
+    def __init__(self, steps: "StepModel", layer: int, kv_mode: KvMode):
+        super().__init__()
+        self.family, self.layer, self.kv_mode = steps.spec.family, layer, kv_mode
+        self.decoder = steps.layers[layer]
+        self.is_moe = layer in steps.spec.geometry.moe_layers
+        self.max_seq = steps.max_seq
+        self.window = steps.windows[layer]
+        for n, t in enumerate(steps.rope_tables):
+            self.register_buffer(f"rope_{n}", t.clone(), persistent=False)
+        self.n_rope = len(steps.rope_tables)
+        self.rope_is_pair = steps.rope_is_pair
+        cs = steps.cache_specs[layer]
+        self.cache_spec = cs
+        if kv_mode == "buffer":  # unique names: every layer's cache is its own mutable buffer
+            self.register_buffer(f"k_cache_{layer}", torch.zeros(cs.k_shape), persistent=False)
+            self.register_buffer(f"v_cache_{layer}", torch.zeros(cs.v_shape), persistent=False)
+            self.register_buffer("positions", torch.arange(self.max_seq), persistent=False)
+        if self.is_moe:
+            li = steps.spec.geometry.moe_layers.index(layer)
+            w, b, _ = steps.spec.family.router_params(steps.model, layer)
+            self.router_w = nn.Parameter(w.detach().float().clone(), requires_grad=False)
+            self.router_b = None if b is None else nn.Parameter(b.detach().float().clone(), requires_grad=False)
+            self.block = steps.spec.family.moe_block(steps.model, layer)
+            self.shared = getattr(self.block, "shared_experts", None)
+            heads = steps.adapter_heads.get(li)
+            self.pred_w = None if heads is None else nn.Parameter(heads[0], requires_grad=False)
+            self.pred_b = None if heads is None else nn.Parameter(heads[1], requires_grad=False)
+
+    @property
+    def k_cache(self):
+        return getattr(self, f"k_cache_{self.layer}")
+
+    @property
+    def v_cache(self):
+        return getattr(self, f"v_cache_{self.layer}")
+
+    def _rope(self, input_pos, onehot):
+        tabs = [getattr(self, f"rope_{n}") for n in range(self.n_rope)]
+        if self.kv_mode == "buffer":
+            rows = [t.index_select(1, input_pos) for t in tabs]
+        else:  # [1, S] @ [S, D] on the flattened table: a matmul, no gather
+            rows = [(onehot @ t.reshape(t.shape[1], -1)).reshape(1, 1, *t.shape[2:]) for t in tabs]
+        return tuple(rows) if self.rope_is_pair else rows[0]
+
+    def _mask(self, input_pos):
+        allowed = self.positions <= input_pos
+        if self.window:
+            allowed = allowed & (self.positions > input_pos - self.window)
+        zero = torch.zeros((), dtype=torch.float32)
+        return torch.where(allowed, zero, torch.full((), MASK_VALUE)).view(1, 1, 1, -1)
+
+    def forward(self, hidden, *args):
+        if self.kv_mode == "buffer":
+            (input_pos,) = args
+            onehot = k_past = v_past = None
+            mask = self._mask(input_pos)
+        else:
+            onehot, mask, k_past, v_past = args
+            input_pos = None
+        cache = _StepCache(self, input_pos, onehot, k_past, v_past)
+        dec = self.decoder
+        residual = hidden
+        a = dec.input_layernorm(hidden)
+        a, _ = dec.self_attn(hidden_states=a, position_embeddings=self._rope(input_pos, onehot),
+                             attention_mask=mask, past_key_values=cache)
+        h = residual + a
+        x = dec.post_attention_layernorm(h)
+        if not self.is_moe:
+            outs = (h + dec.mlp(x),)
+        else:
+            x2 = x.reshape(1, -1)
+            logits = nn.functional.linear(x2, self.router_w, self.router_b)
+            h_res = h + self.shared(x) if self.shared is not None else h
+            outs = (h_res, x2, logits)
+            if self.pred_w is not None:
+                outs += ((x2 @ self.pred_w.t() + self.pred_b).reshape(-1, logits.shape[-1]),)
+        if self.kv_mode == "io":
+            outs += cache.new
+        return outs
+
+
+class EmbedGraph(nn.Module):
+    """forward(token int64 [1, 1]) -> hidden [1, 1, H]."""
+
+    def __init__(self, steps: "StepModel"):
+        super().__init__()
+        self.embed = steps.model.get_input_embeddings()
+
+    def forward(self, token):
+        return self.embed(token)
+
+
+class HeadGraph(nn.Module):
+    """forward(hidden [1, 1, H]) -> logits [1, V] (final norm and LM head)."""
+
+    def __init__(self, steps: "StepModel"):
+        super().__init__()
+        self.norm = text_model(steps.model).norm
+        self.lm_head = steps.model.get_output_embeddings()
+
+    def forward(self, hidden):
+        return self.lm_head(self.norm(hidden)).reshape(1, -1)
+
+
+class ExpertGraph(nn.Module):
+    """forward(x [1, H], *matrices) -> the routed expert's output [1, H] (unweighted).
+
+    The matrices are inputs in the canonical store order (gate, up, down[, biases]), so the graph
+    holds no expert weights."""
+
+    def __init__(self, steps: "StepModel"):
+        super().__init__()
+        self.family = steps.spec.family
+        self.tc = steps.spec.family.text_config(steps.spec.config)
+        self.roles = [m.role for m in steps.spec.family.expert_matrices(steps.spec.geometry)]
+
+    def forward(self, x, *mats):
+        return self.family.expert_forward(dict(zip(self.roles, mats)), x, self.tc)
+
+
+class StepModel:
+    """The model's decode-step graphs (see the module doc). Built from the dense model: routed
+    experts are never loaded.
+
+    Args:
+        spec / model: the model directory and its dense transformers model (load_dense_model).
+        max_seq: KV cache length (prompt + generated tokens).
+        adapter_heads: MoE-layer index -> (matrix [P*E, H], bias [P*E]) of the predictions the
+            layer graph returns (see `adapter_heads`).
+    """
+
+    def __init__(self, spec: ModelSpec, model: nn.Module, *, max_seq: int,
+                 adapter_heads: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None):
+        self.spec, self.model, self.max_seq = spec, model, max_seq
+        self.adapter_heads = adapter_heads or {}
+        if hasattr(model, "set_attn_implementation"):
+            model.set_attn_implementation("eager")  # plain ops every exporter takes
+        tm = text_model(model)
+        self.layers = tm.layers
+        tc = spec.family.text_config(spec.config)
+        types = getattr(tc, "layer_types", None) or ["full_attention"] * len(self.layers)
+        sw = getattr(tc, "sliding_window", None)
+        # which layers see a sliding-window mask, as each family's model builds its masks
+        if spec.family.name == "gpt_oss":
+            self.windows = [int(sw) if t == "sliding_attention" else 0 for t in types]
+        elif spec.family.name in ("qwen3_moe", "mixtral") and sw:
+            self.windows = [int(sw)] * len(self.layers)
+        else:
+            self.windows = [0] * len(self.layers)
+        self.rope_tables, self.rope_is_pair = self._rope_tables(tm)
+        self.cache_specs = self._probe_caches()
+
+    def _rope_tables(self, tm) -> tuple[list[torch.Tensor], bool]:
+        pos = torch.arange(self.max_seq).view(1, -1)
+        if self.spec.family.name == "qwen3_vl_moe":  # text tokens: the three M-RoPE axes agree
+            pos = pos.expand(3, 1, -1)
+        dummy = torch.zeros(1, self.max_seq, 1)
+        with torch.no_grad():
+            out = tm.rotary_emb(dummy, pos)
+        if isinstance(out, tuple):
+            return [t.float().contiguous() for t in out], True
+        if out.is_complex():  # DeepSeek-V2 freqs_cis -> (cos, sin) pairs, see _real_rope_deepseek_v2
+            return [torch.view_as_real(out).float().contiguous()], False
+        return [out.float().contiguous()], False
+
+    def _probe_caches(self) -> list[CacheSpec]:
+        """Run each layer's attention once with a recording cache to learn its cached shapes
+        (K/V heads and widths differ: GQA, MLA latents)."""
+        specs = []
+        H = int(self.spec.family.text_config(self.spec.config).hidden_size)
+        for layer in range(len(self.layers)):
+            seen = {}
+
+            class Probe:
+                def update(self, k, v, *a, **kw):
+                    seen["k"], seen["v"] = k.shape, v.shape
+                    return k, v
+
+            attn = self.layers[layer].self_attn
+            rope = [t[:, :1] for t in self.rope_tables]
+            with torch.no_grad(), exportable_family(self.spec.family.name):
+                attn(hidden_states=torch.zeros(1, 1, H), position_embeddings=tuple(rope) if self.rope_is_pair else rope[0],
+                     attention_mask=torch.zeros(1, 1, 1, 1), past_key_values=Probe())
+            if "k" not in seen:
+                raise SpecPrefetchError(f"layer {layer}: attention never wrote its cache; cannot export it")
+            k, v = seen["k"], seen["v"]
+            specs.append(CacheSpec((1, k[1], self.max_seq, k[3]), (1, v[1], self.max_seq, v[3])))
+        return specs
+
+    # -- graphs -------------------------------------------------------------------------
+    def graphs(self, kv_mode: KvMode) -> dict[str, nn.Module]:
+        """Method name -> module: embed, layer_0..layer_{N-1}, expert, head."""
+        out: dict[str, nn.Module] = {"embed": EmbedGraph(self)}
+        for layer in range(len(self.layers)):
+            out[f"layer_{layer}"] = LayerGraph(self, layer, kv_mode)
+        out["expert"] = ExpertGraph(self)
+        out["head"] = HeadGraph(self)
+        for m in out.values():
+            m.eval()
+        return out
+
+    def example_inputs(self, name: str, kv_mode: KvMode) -> tuple[torch.Tensor, ...]:
+        g = self.spec.geometry
+        H = g.hidden_size
+        if name == "embed":
+            return (torch.zeros(1, 1, dtype=torch.long),)
+        if name == "head":
+            return (torch.randn(1, 1, H),)
+        if name == "expert":
+            return (torch.randn(1, H),) + tuple(torch.randn(m.shape) * 0.05
+                                                for m in self.spec.family.expert_matrices(g))
+        layer = int(name.split("_")[1])
+        if kv_mode == "buffer":
+            return (torch.randn(1, 1, H), torch.tensor([0], dtype=torch.long))
+        cs = self.cache_specs[layer]
+        S = self.max_seq
+        return (torch.randn(1, 1, H), nn.functional.one_hot(torch.tensor([0]), S).float(),
+                host_mask(0, S, self.windows[layer]), torch.zeros(cs.k_shape), torch.zeros(cs.v_shape))
+
+    def names(self) -> list[str]:
+        return ["embed"] + [f"layer_{i}" for i in range(len(self.layers))] + ["expert", "head"]
+
+
+def host_mask(pos: int, max_seq: int, window: int = 0) -> torch.Tensor:
+    """The additive attention mask [1, 1, 1, S] the host passes to an io-mode layer graph."""
+    j = torch.arange(max_seq)
+    allowed = j <= pos
+    if window:
+        allowed &= j > pos - window
+    return torch.where(allowed, 0.0, MASK_VALUE).float().view(1, 1, 1, -1)
+
+
+def adapter_heads(adapter, bank, horizons: tuple[int, ...]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Fold the prefetch adapter into one prediction matrix per MoE layer: rows (h, e) hold the
+    effective router W_{i+h} + B A of each horizon h (and the target router's bias), so the layer
+    graph's `preds` output is every window step's router logits in one matmul."""
+    out = {}
+    E = bank.weight.shape[1]
+    for i in range(bank.num_layers):
+        mats, biases = [], []
+        for h in horizons:
+            if (i, h) not in adapter.pair_index:
+                continue
+            p = adapter.pair_index[(i, h)]
+            j = adapter.target_layer(i, h)
+            mats.append(bank.weight[j] + adapter.B[p].detach() @ adapter.A[p].detach())
+            biases.append(bank.bias[j] if bank.bias is not None else torch.zeros(E))
+        if mats:
+            out[i] = (torch.cat(mats).float().contiguous(), torch.cat(biases).float().contiguous())
+    return out
+
+
+def describe(steps: StepModel, kv_mode: KvMode) -> dict[str, Any]:
+    """The signature of every graph: input and output names with shapes and dtypes."""
+    g = steps.spec.geometry
+    H, E = g.hidden_size, g.routing.num_experts
+    sig: dict[str, Any] = {}
+    for name in steps.names():
+        ins = steps.example_inputs(name, kv_mode)
+        sig[name] = {"inputs": [[list(t.shape), str(t.dtype).replace("torch.", "")] for t in ins]}
+    for layer in range(len(steps.layers)):
+        outs = [[1, 1, H]]
+        if layer in g.moe_layers:
+            outs += [[1, H], [1, E]]
+            heads = steps.adapter_heads.get(g.moe_layers.index(layer))
+            if heads is not None:
+                outs.append([heads[0].shape[0] // E, E])
+        if kv_mode == "io":
+            cs = steps.cache_specs[layer]
+            outs += [[*cs.k_shape[:2], 1, cs.k_shape[3]], [*cs.v_shape[:2], 1, cs.v_shape[3]]]
+        sig[f"layer_{layer}"]["outputs"] = [[o, "float32"] for o in outs]
+    sig["embed"]["outputs"] = [[[1, 1, H], "float32"]]
+    sig["expert"]["outputs"] = [[[1, H], "float32"]]
+    sig["head"]["outputs"] = [[[1, g.vocab_size], "float32"]]
+    return sig

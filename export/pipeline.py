@@ -1,0 +1,231 @@
+"""The phone's decode loop over the step graphs, for any backend, and the parity check.
+
+A backend runs the graphs of `export.graphs` (eager PyTorch, an ExecuTorch program, ONNX Runtime
+on CPU, or QNN context binaries on the HTP); `run_sequence` drives it exactly as the phone's
+runner does: embed, per layer the layer graph, the family's expert selection on the host, the
+expert graph on weights read from the expert store, the head. Parity runs the reference and the
+bundle teacher-forced over the same tokens, so one early difference cannot cascade, and compares
+logits, router top-k ids and greedy next tokens at every position.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from toolkit.errors import SpecPrefetchError
+from toolkit.models.families import RoutingSpec, select_experts
+
+
+class HostKV:
+    """The KV cache of io-mode graphs, held by the host: builds each layer's cache inputs and
+    writes the returned key/value of the current token at its position."""
+
+    def __init__(self, cache_specs, windows: Sequence[int], max_seq: int):
+        self.specs, self.windows, self.max_seq = cache_specs, list(windows), max_seq
+        self.reset()
+
+    def reset(self) -> None:
+        self.k = [torch.zeros(cs.k_shape) for cs in self.specs]
+        self.v = [torch.zeros(cs.v_shape) for cs in self.specs]
+
+    def inputs(self, layer: int, pos: int) -> tuple[torch.Tensor, ...]:
+        from export.graphs import host_mask
+
+        onehot = nn.functional.one_hot(torch.tensor([pos]), self.max_seq).float()
+        return onehot, host_mask(pos, self.max_seq, self.windows[layer]), self.k[layer], self.v[layer]
+
+    def write(self, layer: int, pos: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+        self.k[layer][:, :, pos] = k_new[:, :, 0]
+        self.v[layer][:, :, pos] = v_new[:, :, 0]
+
+
+class Backend:
+    """Runs named graphs. Subclasses implement `call(name, inputs) -> list of tensors` and
+    `reset()`; io-mode backends get a HostKV."""
+    kv_mode = "buffer"
+    label = "backend"
+
+    def __init__(self, steps_info: dict[str, Any]):
+        self.info = steps_info
+        self.kv = HostKV(steps_info["cache_specs"], steps_info["windows"], steps_info["max_seq"]) \
+            if self.kv_mode == "io" else None
+
+    def call(self, name: str, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def reset(self) -> None:
+        if self.kv is not None:
+            self.kv.reset()
+
+    def layer(self, layer: int, h: torch.Tensor, pos: int) -> list[torch.Tensor]:
+        if self.kv_mode == "buffer":
+            return self.call(f"layer_{layer}", [h, torch.tensor([pos], dtype=torch.long)])
+        outs = self.call(f"layer_{layer}", [h, *self.kv.inputs(layer, pos)])
+        self.kv.write(layer, pos, outs[-2], outs[-1])
+        return outs[:-2]
+
+
+class TorchBackend(Backend):
+    """The reference: the step graphs as eager PyTorch modules."""
+    label = "pytorch"
+
+    def __init__(self, steps, kv_mode: str = "buffer", graphs: dict[str, nn.Module] | None = None):
+        self.kv_mode = kv_mode
+        super().__init__(steps_info(steps))
+        from export.graphs import exportable_family
+
+        self.family_ctx = lambda: exportable_family(steps.spec.family.name)
+        self.graphs = graphs or steps.graphs(kv_mode)
+
+    def call(self, name, inputs):
+        with torch.no_grad(), self.family_ctx():
+            out = self.graphs[name](*inputs)
+        return list(out) if isinstance(out, (tuple, list)) else [out]
+
+    def reset(self):
+        super().reset()
+        for name, g in self.graphs.items():
+            for b, t in g.named_buffers():
+                if "_cache_" in b:
+                    t.zero_()
+
+
+def steps_info(steps) -> dict[str, Any]:
+    """What a backend needs to know of the model, without the model (also read from manifests)."""
+    return {"cache_specs": steps.cache_specs, "windows": steps.windows, "max_seq": steps.max_seq}
+
+
+@dataclasses.dataclass
+class ExpertWeights:
+    """Expert matrices read from the store (float32, in the expert graph's input order), cached."""
+    store: Any
+    roles: list[str]
+    moe_layers: tuple[int, ...]
+
+    def __post_init__(self):
+        self.cache: dict[tuple[int, int], list[torch.Tensor]] = {}
+
+    def get(self, li: int, e: int) -> list[torch.Tensor]:
+        key = (li, e)
+        if key not in self.cache:
+            w = self.store.weights(li, e)
+            self.cache[key] = [w[r].float().contiguous() for r in self.roles]
+        return self.cache[key]
+
+
+@dataclasses.dataclass
+class Record:
+    """Per position of one sequence: logits [T, V], router ids [T, L, k], next token [T]."""
+    logits: torch.Tensor
+    ids: torch.Tensor
+    next_tokens: torch.Tensor
+
+
+def run_sequence(backend: Backend, tokens: Sequence[int], *, moe_layers: Sequence[int], num_layers: int,
+                 routing: RoutingSpec, score_bias: torch.Tensor | None, experts: ExpertWeights) -> Record:
+    """Feed `tokens` one per step (teacher-forced) through the graphs, as the phone does."""
+    backend.reset()
+    logits_all, ids_all = [], []
+    moe_index = {layer: li for li, layer in enumerate(moe_layers)}
+    for pos, tok in enumerate(tokens):
+        h = backend.call("embed", [torch.tensor([[tok]], dtype=torch.long)])[0]
+        step_ids = []
+        for layer in range(num_layers):
+            outs = backend.layer(layer, h, pos)
+            if layer not in moe_index:
+                h = outs[0]
+                continue
+            li = moe_index[layer]
+            h_res, x, logits = outs[0], outs[1], outs[2]
+            sb = score_bias[li] if score_bias is not None else None
+            w, ids = select_experts(logits, routing, sb)
+            y = torch.zeros_like(x)
+            for j in range(ids.shape[1]):
+                e = int(ids[0, j])
+                y = y + w[0, j] * backend.call("expert", [x, *experts.get(li, e)])[0]
+            h = h_res + y.view_as(h_res)
+            step_ids.append(ids[0])
+        logits = backend.call("head", [h])[0].reshape(-1)
+        logits_all.append(logits.float())
+        ids_all.append(torch.stack(step_ids) if step_ids else torch.zeros(0, routing.top_k, dtype=torch.long))
+    lg = torch.stack(logits_all)
+    return Record(lg, torch.stack(ids_all), lg.argmax(-1))
+
+
+def greedy(backend: Backend, prompt: Sequence[int], new_tokens: int, eos: int | None, **kw) -> list[int]:
+    """Greedy continuation of `prompt` through the graphs (re-runs the sequence each step: this is
+    for checks, not speed)."""
+    seq = list(prompt)
+    for _ in range(new_tokens):
+        rec = run_sequence(backend, seq, **kw)
+        nxt = int(rec.next_tokens[-1])
+        seq.append(nxt)
+        if eos is not None and nxt == eos:
+            break
+    return seq[len(prompt):]
+
+
+@dataclasses.dataclass(frozen=True)
+class Tolerance:
+    """A bundle is refused when any figure is past its bound."""
+    max_abs_logit_diff: float
+    min_topk_agreement: float
+    min_next_token_agreement: float
+
+    @staticmethod
+    def for_quant(quant: str) -> "Tolerance":
+        table = {
+            "fp32": Tolerance(1e-3, 0.995, 1.0),
+            "fp16": Tolerance(0.25, 0.95, 0.97),
+        }
+        # quantized graphs are compared with the PyTorch model quantized the same way
+        return table.get(quant, Tolerance(0.5, 0.95, 0.95))
+
+    def with_overrides(self, overrides: dict[str, float]) -> "Tolerance":
+        bad = set(overrides) - {f.name for f in dataclasses.fields(self)}
+        if bad:
+            raise SpecPrefetchError(f"--tolerance: unknown key(s) {sorted(bad)}; known: "
+                                    f"{[f.name for f in dataclasses.fields(self)]}")
+        return dataclasses.replace(self, **overrides)
+
+
+def compare(ref: list[Record], got: list[Record]) -> dict[str, float]:
+    """Parity figures over every position of every sequence."""
+    diffs, agree_sets, overlap, agree_tok, n_pos = [], 0, 0.0, 0, 0
+    n_route = 0
+    for r, g in zip(ref, got):
+        diffs.append(float((r.logits - g.logits).abs().max()))
+        n_pos += r.logits.shape[0]
+        agree_tok += int((r.next_tokens == g.next_tokens).sum())
+        if r.ids.numel():
+            rs, gs = r.ids.sort(-1).values, g.ids.sort(-1).values
+            agree_sets += int((rs == gs).all(-1).sum())
+            n_route += rs.shape[0] * rs.shape[1]
+            k = rs.shape[-1]
+            hits = (r.ids.unsqueeze(-1) == g.ids.unsqueeze(-2)).any(-1).sum(-1).float() / k
+            overlap += float(hits.sum())
+    scale = max(float(r.logits.abs().max()) for r in ref)
+    return {
+        "positions": n_pos,
+        "max_abs_logit_diff": max(diffs),
+        "max_abs_logit_diff_rel": max(diffs) / max(scale, 1e-9),
+        "topk_agreement": agree_sets / max(n_route, 1),
+        "topk_overlap": overlap / max(n_route, 1),
+        "next_token_agreement": agree_tok / max(n_pos, 1),
+    }
+
+
+def check(figures: dict[str, float], tol: Tolerance) -> list[str]:
+    """The figures past tolerance, as messages (empty: parity holds)."""
+    bad = []
+    if not np.isfinite(figures["max_abs_logit_diff"]) or figures["max_abs_logit_diff"] > tol.max_abs_logit_diff:
+        bad.append(f"max |logit diff| {figures['max_abs_logit_diff']:.4g} > {tol.max_abs_logit_diff:g}")
+    if figures["topk_agreement"] < tol.min_topk_agreement:
+        bad.append(f"router top-k agreement {figures['topk_agreement']:.4f} < {tol.min_topk_agreement:g}")
+    if figures["next_token_agreement"] < tol.min_next_token_agreement:
+        bad.append(f"next-token agreement {figures['next_token_agreement']:.4f} < {tol.min_next_token_agreement:g}")
+    return bad
