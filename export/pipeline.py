@@ -10,7 +10,7 @@ logits, router top-k ids and greedy next tokens at every position.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -119,20 +119,26 @@ class ExpertWeights:
 
 @dataclasses.dataclass
 class Record:
-    """Per position of one sequence: logits [T, V], router ids [T, L, k], next token [T]."""
+    """Per position of one sequence: logits [T, V], router ids [T, L, k], greedy next token [T],
+    and the tokens fed."""
     logits: torch.Tensor
     ids: torch.Tensor
     next_tokens: torch.Tensor
+    tokens: list[int]
 
 
 def run_sequence(backend: Backend, tokens: Sequence[int], *, moe_layers: Sequence[int], num_layers: int,
-                 routing: RoutingSpec, score_bias: torch.Tensor | None, experts: ExpertWeights) -> Record:
-    """Feed `tokens` one per step (teacher-forced) through the graphs, as the phone does."""
+                 routing: RoutingSpec, score_bias: torch.Tensor | None, experts: ExpertWeights,
+                 extend: int = 0, eos: int | None = None) -> Record:
+    """Feed `tokens` one per step (teacher-forced) through the graphs, as the phone does; then,
+    with `extend`, keep going greedily for that many more positions (stopping after EOS)."""
     backend.reset()
     logits_all, ids_all = [], []
     moe_index = {layer: li for li, layer in enumerate(moe_layers)}
-    for pos, tok in enumerate(tokens):
-        h = backend.call("embed", [torch.tensor([[tok]], dtype=torch.long)])[0]
+    seq = list(tokens)
+    pos = 0
+    while pos < len(seq):
+        h = backend.call("embed", [torch.tensor([[seq[pos]]], dtype=torch.long)])[0]
         step_ids = []
         for layer in range(num_layers):
             outs = backend.layer(layer, h, pos)
@@ -149,24 +155,15 @@ def run_sequence(backend: Backend, tokens: Sequence[int], *, moe_layers: Sequenc
                 y = y + w[0, j] * backend.call("expert", [x, *experts.get(li, e)])[0]
             h = h_res + y.view_as(h_res)
             step_ids.append(ids[0])
-        logits = backend.call("head", [h])[0].reshape(-1)
-        logits_all.append(logits.float())
+        logits = backend.call("head", [h])[0].reshape(-1).float()
+        logits_all.append(logits)
         ids_all.append(torch.stack(step_ids) if step_ids else torch.zeros(0, routing.top_k, dtype=torch.long))
+        nxt = int(logits.argmax())
+        if pos == len(seq) - 1 and len(seq) < len(tokens) + extend and (eos is None or nxt != eos):
+            seq.append(nxt)
+        pos += 1
     lg = torch.stack(logits_all)
-    return Record(lg, torch.stack(ids_all), lg.argmax(-1))
-
-
-def greedy(backend: Backend, prompt: Sequence[int], new_tokens: int, eos: int | None, **kw) -> list[int]:
-    """Greedy continuation of `prompt` through the graphs (re-runs the sequence each step: this is
-    for checks, not speed)."""
-    seq = list(prompt)
-    for _ in range(new_tokens):
-        rec = run_sequence(backend, seq, **kw)
-        nxt = int(rec.next_tokens[-1])
-        seq.append(nxt)
-        if eos is not None and nxt == eos:
-            break
-    return seq[len(prompt):]
+    return Record(lg, torch.stack(ids_all), lg.argmax(-1), seq)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,3 +226,25 @@ def check(figures: dict[str, float], tol: Tolerance) -> list[str]:
     if figures["next_token_agreement"] < tol.min_next_token_agreement:
         bad.append(f"next-token agreement {figures['next_token_agreement']:.4f} < {tol.min_next_token_agreement:g}")
     return bad
+
+
+@dataclasses.dataclass
+class Built:
+    """What a target's build() returns: manifest entries, the reference and a bundle backend."""
+    graphs: dict[str, Any]
+    reference: Any
+    reference_label: str
+    backend_label: str
+    kv_mode: str
+    soc: str | None
+    expert_precision: str
+    make_backend: Callable[[], Any]
+    extra: Callable[[list, dict], dict] | None = None
+
+    def backend(self):
+        return self.make_backend()
+
+    def extra_parity(self, refs, run_kw):
+        return self.extra(refs, run_kw) if self.extra else {}
+
+

@@ -1,0 +1,384 @@
+"""`--target qnn`: the step graphs as QNN context binaries for a Snapdragon SoC's Hexagon HTP.
+
+Path (default, `--qnn-path ort`): each graph is exported to ONNX with static shapes (KV cache as
+inputs, see export.graphs), quantized to QDQ with onnxruntime's QNN quantization config (a16w8:
+uint16 activations, uint8 weights; a8w8) or left fp32 for the HTP to run in fp16 (`fp16`), then
+compiled offline by onnxruntime-qnn's QNN execution provider into an EPContext model
+(`NAME_ctx.onnx`) plus its context binary (`NAME_ctx_qnn.bin`) for the chosen SoC (SM8750 = Snapdragon
+8 Elite, HTP v79, by default). Every node must land on the HTP: CPU fallback is disabled, so an
+unsupported op is an error naming the graph. Parity runs the compiled binaries here, on the
+x86 HTP simulator that onnxruntime-qnn ships (libQnnHtp.so), against the PyTorch graphs.
+
+`--qnn-path executorch` lowers through ExecuTorch's Qualcomm partitioner instead; that needs a
+QAIRT SDK (QNN_SDK_ROOT) of the version the installed executorch was built against.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from toolkit.errors import SpecPrefetchError
+
+DEFAULT_QUANT = "fp16"
+QUANTS = ("fp16", "a16w8", "a8w8")
+NEEDS_CALIBRATION = {"a16w8": True, "a8w8": True}
+# SoC -> (marketing name, HTP arch, the SoC id QNN writes into ep_compatibility_info)
+SOCS = {"SM8750": ("Snapdragon 8 Elite", 79, 69), "SM8650": ("Snapdragon 8 Gen 3", 75, 57),
+        "SM8550": ("Snapdragon 8 Gen 2", 73, 43)}
+QAIRT_FOR_EXECUTORCH = "2.37"
+
+INPUT_NAMES = {"embed": ["token"], "head": ["hidden"],
+               "layer": ["hidden", "pos_onehot", "mask", "k_past", "v_past"]}
+
+
+def soc_info(soc: str) -> tuple[str, int, int]:
+    key = soc.upper()
+    if key not in SOCS:
+        raise SpecPrefetchError(f"--soc {soc!r}: choose from {', '.join(SOCS)} "
+                                f"({', '.join(f'{k} = {v[0]}' for k, v in SOCS.items())})")
+    return SOCS[key]
+
+
+def preflight(cfg, quant: str) -> None:
+    soc_info(cfg.soc)
+    if cfg.qnn_path == "executorch":
+        sdk = os.environ.get("QNN_SDK_ROOT")
+        if not sdk or not Path(sdk).is_dir():
+            raise SpecPrefetchError(
+                "--qnn-path executorch lowers with ExecuTorch's Qualcomm backend, which needs the Qualcomm "
+                f"AI Runtime (QAIRT) SDK {QAIRT_FOR_EXECUTORCH}: install it and set QNN_SDK_ROOT to its "
+                "directory (and LD_LIBRARY_PATH to $QNN_SDK_ROOT/lib/x86_64-linux-clang). "
+                "Or use --qnn-path ort (onnxruntime-qnn, no SDK needed).")
+        return
+    if cfg.qnn_path != "ort":
+        raise SpecPrefetchError(f"--qnn-path {cfg.qnn_path!r}: choose ort or executorch")
+    _ort_qnn()
+
+
+def _ort_qnn():
+    """Register onnxruntime-qnn's plugin execution provider once; returns (ort, its devices)."""
+    try:
+        import onnxruntime as ort
+        import onnxruntime_qnn as oq
+    except ImportError as e:
+        raise SpecPrefetchError(f"--target qnn needs onnxruntime-qnn ({e}); run `make setup`") from None
+    if not any(d.ep_name == oq.EP_NAME for d in ort.get_ep_devices()):
+        ort.register_execution_provider_library(oq.EP_NAME, oq.get_library_path())
+    devs = [d for d in ort.get_ep_devices() if d.ep_name == oq.EP_NAME]
+    if not devs:
+        raise SpecPrefetchError("onnxruntime-qnn registered no QNN device (HTP backend library missing?)")
+    return ort, devs
+
+
+def _session_options(provider: dict[str, Any], config: dict[str, Any] | None = None):
+    ort, devs = _ort_qnn()
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    for k, v in {"session.disable_cpu_ep_fallback": "1", **(config or {})}.items():
+        so.add_session_config_entry(k, str(v))
+    so.add_provider_for_devices(devs, {"backend_type": "htp", **{k: str(v) for k, v in provider.items()}})
+    return so
+
+
+def qnn_session(path: Path, provider: dict[str, Any] | None = None):
+    """A session running a compiled EPContext model on the HTP backend (the x86 simulator here)."""
+    ort, _ = _ort_qnn()
+    try:
+        return ort.InferenceSession(str(path), sess_options=_session_options(provider or {}))
+    except Exception as e:  # onnxruntime raises its own types; name the file
+        raise SpecPrefetchError(f"{path}: QNN could not load it ({str(e).strip()[:300]})") from None
+
+
+def graph_io_names(name: str, steps) -> tuple[list[str], list[str]]:
+    g = steps.spec.geometry
+    if name == "expert":
+        return ["x"] + [m.role for m in steps.spec.family.expert_matrices(g)], ["y"]
+    if name == "embed":
+        return INPUT_NAMES["embed"], ["hidden"]
+    if name == "head":
+        return INPUT_NAMES["head"], ["logits"]
+    layer = int(name.split("_")[1])
+    outs = ["h"]
+    if layer in g.moe_layers:
+        outs += ["x", "router_logits"]
+        if g.moe_layers.index(layer) in steps.adapter_heads:
+            outs.append("preds")
+    return INPUT_NAMES["layer"], outs + ["k_new", "v_new"]
+
+
+def export_onnx(steps, graphs: dict[str, torch.nn.Module], out_dir: Path, log: Callable[[str], None]) -> dict[str, Path]:
+    """Each graph to `out_dir/NAME.onnx` (static shapes, opset 17, TorchScript exporter)."""
+    import warnings
+
+    from export.graphs import exportable_family
+
+    paths = {}
+    for name, mod in graphs.items():
+        ins, outs = graph_io_names(name, steps)
+        p = out_dir / f"{name}.onnx"
+        try:
+            with torch.no_grad(), exportable_family(steps.spec.family.name), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                torch.onnx.export(mod, steps.example_inputs(name, "io"), str(p), input_names=ins,
+                                  output_names=outs, opset_version=17, dynamo=False)
+        except Exception as e:
+            raise SpecPrefetchError(f"graph {name}: ONNX export failed ({type(e).__name__}: {str(e)[:300]})") from None
+        paths[name] = fold_constants(p)
+    log(f"ONNX: {len(paths)} graphs")
+    return paths
+
+
+def fold_constants(path: Path) -> Path:
+    """onnxruntime's basic graph optimisations (constant folding of the exporter's shape
+    arithmetic), so every Reshape / Expand has a constant shape, as the HTP requires."""
+    import onnxruntime as ort
+
+    out = path.with_name(path.stem + "_folded.onnx")
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    so.optimized_model_filepath = str(out)
+    ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    return out
+
+
+class _Reader:
+    """onnxruntime CalibrationDataReader over recorded graph inputs."""
+
+    def __init__(self, names: list[str], samples: list[list[torch.Tensor]]):
+        self.it = iter([{n: t.numpy() for n, t in zip(names, s)} for s in samples])
+
+    def get_next(self):
+        return next(self.it, None)
+
+
+def quantize_qdq(paths: dict[str, Path], samples: dict[str, list[list[torch.Tensor]]], quant: str,
+                 steps, out_dir: Path) -> dict[str, Path]:
+    from onnxruntime.quantization import QuantType, quantize
+    from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config, qnn_preprocess_model
+
+    act = {"a16w8": QuantType.QUInt16, "a8w8": QuantType.QUInt8}[quant]
+    out = {}
+    for name, src in paths.items():
+        if not samples.get(name):
+            raise SpecPrefetchError(f"graph {name}: no calibration samples recorded")
+        pre = out_dir / f"{name}_pre.onnx"
+        if not qnn_preprocess_model(str(src), str(pre)):
+            pre = src
+        ins, _ = graph_io_names(name, steps)
+        cfg = get_qnn_qdq_config(str(pre), _Reader(ins, samples[name]), activation_type=act,
+                                 weight_type=QuantType.QUInt8)
+        dst = out_dir / f"{name}_{quant}.onnx"
+        quantize(str(pre), str(dst), cfg)
+        out[name] = dst
+    return out
+
+
+def compile_context(src: Path, dst: Path, soc: str, fp16: bool) -> None:
+    """Compile one ONNX graph into DST (_ctx.onnx) + DST_qnn.bin for `soc`, all nodes on the HTP."""
+    ort, _ = _ort_qnn()
+    provider = {"soc_model": soc.upper(), "enable_htp_prepare_only": 1}
+    if fp16:
+        provider["enable_htp_fp16_precision"] = 1
+    try:
+        mc = ort.ModelCompiler(_session_options(provider), str(src), embed_compiled_data_into_model=False,
+                               flags=ort.OrtCompileApiFlags.ERROR_IF_NO_NODES_COMPILED)
+        mc.compile_to_file(str(dst))
+    except Exception as e:
+        raise SpecPrefetchError(f"graph {src.stem}: QNN compile for {soc} failed ({str(e).strip()[:400]})") from None
+    if not context_bin(dst).exists():
+        raise SpecPrefetchError(f"graph {src.stem}: QNN compile wrote no context binary beside {dst}")
+
+
+def context_bin(ctx: Path) -> Path:
+    return ctx.with_name(ctx.name.replace(".onnx", "_qnn.bin"))
+
+
+class RecordingBackend:
+    """Wraps a backend and keeps every graph call's inputs (QDQ calibration samples)."""
+
+    def __init__(self, inner, limit_per_graph: int = 256):
+        self.inner, self.limit = inner, limit_per_graph
+        self.samples: dict[str, list[list[torch.Tensor]]] = {}
+        self.kv_mode, self.kv = inner.kv_mode, inner.kv
+
+    def call(self, name, inputs):
+        lst = self.samples.setdefault(name, [])
+        if len(lst) < self.limit:
+            lst.append([t.detach().clone() for t in inputs])
+        return self.inner.call(name, inputs)
+
+    def reset(self):
+        self.inner.reset()
+
+    def layer(self, layer, h, pos):
+        from export.pipeline import Backend
+        return Backend.layer(self, layer, h, pos)
+
+
+class QnnBackend:
+    """Runs a bundle's context binaries with onnxruntime-qnn (HTP; the simulator on x86)."""
+    label = "qnn-htp"
+    kv_mode = "io"
+
+    def __init__(self, files: dict[str, Path], info: dict[str, Any], provider: dict[str, Any] | None = None):
+        from export.pipeline import HostKV
+
+        self.sessions = {n: qnn_session(p, provider) for n, p in files.items()}
+        self.names = {n: [i.name for i in s.get_inputs()] for n, s in self.sessions.items()}
+        self.kv = HostKV(info["cache_specs"], info["windows"], info["max_seq"])
+
+    def call(self, name, inputs):
+        s = self.sessions[name]
+        feeds = {}
+        for n, t in zip(self.names[name], inputs):
+            a = t.detach().numpy() if isinstance(t, torch.Tensor) else np.asarray(t)
+            feeds[n] = a
+        return [torch.from_numpy(np.asarray(o)) for o in s.run(None, feeds)]
+
+    def reset(self):
+        self.kv.reset()
+
+    def layer(self, layer, h, pos):
+        from export.pipeline import Backend
+        return Backend.layer(self, layer, h, pos)
+
+
+class OrtCpuBackend(QnnBackend):
+    """The same (QDQ) ONNX graphs on onnxruntime's CPU provider: the same-quantization reference."""
+    label = "onnxruntime-cpu"
+
+    def __init__(self, files, info):
+        import onnxruntime as ort
+        from export.pipeline import HostKV
+
+        self.sessions = {n: ort.InferenceSession(str(p), providers=["CPUExecutionProvider"]) for n, p in files.items()}
+        self.names = {n: [i.name for i in s.get_inputs()] for n, s in self.sessions.items()}
+        self.kv = HostKV(info["cache_specs"], info["windows"], info["max_seq"])
+
+
+def build(steps, cfg, quant: str, out_dir: Path, *, calib: list[list[int]], run_kw: dict, log) -> Built:
+    from export.pipeline import Built, TorchBackend, compare, run_sequence, steps_info
+
+    if cfg.qnn_path == "executorch":
+        return _build_executorch_qnn(steps, cfg, quant, out_dir, log)
+    soc = cfg.soc.upper()
+    graphs = steps.graphs("io")
+    reference = TorchBackend(steps, "io", graphs=graphs)
+    scratch = Path(tempfile.mkdtemp(prefix="specprefetch-onnx-"))
+    t0 = time.perf_counter()
+    src = export_onnx(steps, graphs, scratch, log)
+    t_onnx = time.perf_counter() - t0
+    if quant in NEEDS_CALIBRATION:
+        rec = RecordingBackend(reference)
+        for p in calib:
+            run_sequence(rec, p, **run_kw)
+        t1 = time.perf_counter()
+        src = quantize_qdq(src, rec.samples, quant, steps, scratch)
+        log(f"QDQ {quant}: calibrated on {len(calib)} prompts in {time.perf_counter() - t1:.1f} s")
+    files = {}
+    t1 = time.perf_counter()
+    from rich.progress import track
+    for name, p in track(list(src.items()), description=f"QNN compile {soc}", disable=not cfg.progress):
+        dst = out_dir / f"{name}_ctx.onnx"
+        compile_context(p, dst, soc, fp16=(quant == "fp16"))
+        files[name] = dst
+    t_compile = time.perf_counter() - t1
+    info = steps_info(steps)
+
+    def extra(refs, kw):
+        out = {"vs_onnx_cpu": None}
+        if quant in NEEDS_CALIBRATION:  # the same QDQ graphs on the CPU: the same-quantization reference
+            cpu = OrtCpuBackend(src, info)
+            qnn = QnnBackend(files, info)
+            cpu_recs = [run_sequence(cpu, r.tokens, **kw) for r in refs]
+            qnn_recs = [run_sequence(qnn, r.tokens, **kw) for r in refs]
+            out["vs_onnx_cpu"] = {k: round(v, 5) for k, v in compare(cpu_recs, qnn_recs).items()}
+        shutil.rmtree(scratch, ignore_errors=True)
+        return out
+
+    rel = {n: str(p.relative_to(out_dir.parent)) for n, p in files.items()}
+    return Built(
+        graphs={"format": "qnn-context-binary", "path": "ort", "soc": soc, "htp_arch": soc_info(soc)[1],
+                "files": rel, "binaries": {n: str(context_bin(p).relative_to(out_dir.parent)) for n, p in files.items()},
+                "onnx_export_s": round(t_onnx, 2), "compile_s": round(t_compile, 2)},
+        reference=reference, reference_label="pytorch (fp32)", backend_label=f"qnn-htp-simulator {soc}",
+        kv_mode="io", soc=soc, expert_precision=quant,
+        make_backend=lambda: QnnBackend(files, info), extra=extra)
+
+
+def _build_executorch_qnn(steps, cfg, quant, out_dir, log) -> Built:
+    """ExecuTorch's Qualcomm partitioner (needs QAIRT at QNN_SDK_ROOT; checked in preflight)."""
+    try:
+        from executorch.backends.qualcomm.partition.qnn_partitioner import QnnPartitioner  # noqa: F401
+        from executorch.backends.qualcomm.utils.utils import (  # noqa: F401
+            generate_htp_compiler_spec, generate_qnn_executorch_compiler_spec)
+    except Exception as e:
+        raise SpecPrefetchError(f"--qnn-path executorch: ExecuTorch's Qualcomm backend is not usable here "
+                                f"({type(e).__name__}: {e}); it needs executorch built with QNN and QAIRT "
+                                f"{QAIRT_FOR_EXECUTORCH} at QNN_SDK_ROOT") from None
+    from export.executorch_target import lower_program
+    from executorch.backends.qualcomm.serialization.qc_schema import QcomChipset
+    from executorch.backends.qualcomm.utils.utils import generate_htp_compiler_spec, generate_qnn_executorch_compiler_spec
+    from executorch.backends.qualcomm.partition.qnn_partitioner import QnnPartitioner
+
+    chip = getattr(QcomChipset, cfg.soc.upper())
+    spec = generate_qnn_executorch_compiler_spec(soc_model=chip,
+                                                 backend_options=generate_htp_compiler_spec(use_fp16=quant == "fp16"))
+    return lower_program(steps, cfg, quant, out_dir, log, partitioner=QnnPartitioner(spec),
+                         label=f"executorch-qnn {cfg.soc.upper()}")
+
+
+# -- inspect ------------------------------------------------------------------------------
+
+def check_graphs(path: Path, m: dict) -> dict[str, Any]:
+    """Each compiled graph: an EPContext model whose binary exists, whose SoC is the manifest's,
+    and whose inputs and outputs match the manifest's signatures; then QNN loads it."""
+    import onnx
+
+    g = m["graphs"]
+    sigs = g["signatures"]
+    soc = m["soc"]
+    want_id = SOCS.get(soc, (None, None, None))[2]
+    out = {}
+    for name, rel in g["files"].items():
+        p = path / rel
+        try:
+            model = onnx.load(str(p), load_external_data=False)
+        except Exception as e:
+            raise SpecPrefetchError(f"{p}: not a readable ONNX model ({e})") from None
+        ctx = [n for n in model.graph.node if n.op_type == "EPContext"]
+        if not ctx:
+            raise SpecPrefetchError(f"{p}: no EPContext node (not a compiled QNN graph)")
+        meta = {q.key: q.value for q in model.metadata_props}
+        compat = meta.get("ep_compatibility_info.QNNExecutionProvider", "")
+        fields = compat.split(":")
+        if want_id is not None and len(fields) > 5 and fields[5] != str(want_id):
+            raise SpecPrefetchError(f"{p}: compiled for SoC id {fields[5]}, the manifest says {soc} (id {want_id})")
+        shapes_in = [[d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input]
+        shapes_out = [[d.dim_value for d in o.type.tensor_type.shape.dim] for o in model.graph.output]
+        sig = sigs.get(name)
+        if sig is None:
+            raise SpecPrefetchError(f"{p}: graph {name!r} has no signature in the manifest")
+        if shapes_in != [s for s, _ in sig["inputs"]] or shapes_out != [s for s, _ in sig["outputs"]]:
+            raise SpecPrefetchError(f"{p}: inputs {shapes_in} / outputs {shapes_out} do not match the manifest's "
+                                    f"signature {sig}")
+        qnn_session(p)  # QNN parses the context binary (the simulator here, the HTP on a phone)
+        out[name] = {"inputs": len(shapes_in), "outputs": len(shapes_out), "compat": compat,
+                     "bytes": p.stat().st_size + context_bin(p).stat().st_size}
+    return out
+
+
+def open_backend(path: Path, m: dict):
+    from export.graphs import CacheSpec
+
+    info = {"cache_specs": [CacheSpec(tuple(x["k"]), tuple(x["v"])) for x in m["kv"]["layers"]],
+            "windows": [x["window"] for x in m["kv"]["layers"]], "max_seq": m["kv"]["max_seq"]}
+    return QnnBackend({n: path / rel for n, rel in m["graphs"]["files"].items()}, info)
