@@ -68,21 +68,45 @@ def _real_rope_deepseek_v2(xq, xk, freqs):
     return rot(xq), rot(xk)
 
 
+def _gpt_oss_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """GPT-OSS eager attention with sinks, without the explicit max subtraction before the softmax
+    (softmax is shift-invariant and stabilises itself; XNNPACK rejects the 4-D amax)."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import repeat_kv
+
+    k = repeat_kv(key, module.num_key_value_groups)
+    v = repeat_kv(value, module.num_key_value_groups)
+    w = torch.matmul(query, k.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        w = w + attention_mask
+    sinks = module.sinks.reshape(1, -1, 1, 1).expand(query.shape[0], -1, query.shape[-2], -1)
+    probs = torch.softmax(torch.cat([w, sinks], dim=-1), dim=-1)[..., :-1].to(v.dtype)
+    return torch.matmul(probs, v).transpose(1, 2).contiguous(), probs
+
+
+# family -> (module path, attribute, exportable replacement)
+_SWAPS = {
+    "deepseek_v2": ("transformers.models.deepseek_v2.modeling_deepseek_v2", "apply_rotary_emb", _real_rope_deepseek_v2),
+    "gpt_oss": ("transformers.models.gpt_oss.modeling_gpt_oss", "eager_attention_forward", _gpt_oss_attention),
+}
+
+
 @contextlib.contextmanager
 def exportable_family(family: str):
-    """Swap a family's non-exportable helpers for exact real-valued equivalents while tracing or
-    running the step graphs (DeepSeek-V2's complex rotary)."""
-    if family != "deepseek_v2":
+    """Swap a family's non-exportable helpers for exact equivalents while tracing or running the
+    step graphs (DeepSeek-V2's complex rotary, GPT-OSS's 4-D amax)."""
+    if family not in _SWAPS:
         yield
         return
-    from transformers.models.deepseek_v2 import modeling_deepseek_v2 as m
+    import importlib
 
-    saved = m.apply_rotary_emb
-    m.apply_rotary_emb = _real_rope_deepseek_v2
+    mod_name, attr, repl = _SWAPS[family]
+    m = importlib.import_module(mod_name)
+    saved = getattr(m, attr)
+    setattr(m, attr, repl)
     try:
         yield
     finally:
-        m.apply_rotary_emb = saved
+        setattr(m, attr, saved)
 
 
 class _StepCache:
