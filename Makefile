@@ -31,6 +31,12 @@ demo: $(STAMP)
 	$(BIN)/specprefetch run embedded --store $(RUNS)/experts-fp16.spx --adapter $(RUNS)/adapter \
 	    --policy adapter+prediction --pool-mib 8 --prompt "The kernel's memory allocator" \
 	    --prompt "To open a file for reading, use" --json $(RUNS)/run.json
+	$(BIN)/specprefetch export embedded --adapter $(RUNS)/adapter --target executorch --quant 8da8w \
+	    --out $(RUNS)/bundle-executorch
+	$(BIN)/specprefetch inspect $(RUNS)/bundle-executorch
+	$(BIN)/specprefetch export embedded --adapter $(RUNS)/adapter --target qnn --soc SM8750 --quant fp16 \
+	    --out $(RUNS)/bundle-qnn-sm8750
+	$(BIN)/specprefetch inspect $(RUNS)/bundle-qnn-sm8750
 
 ## test: the CI suite (what .ci/run calls)
 test: $(STAMP)

@@ -168,19 +168,29 @@ def run_sequence(backend: Backend, tokens: Sequence[int], *, moe_layers: Sequenc
 
 @dataclasses.dataclass(frozen=True)
 class Tolerance:
-    """A bundle is refused when any figure is past its bound."""
-    max_abs_logit_diff: float
-    min_topk_agreement: float
-    min_next_token_agreement: float
+    """A bundle is refused when any figure is past its bound.
+
+    Logit differences are per position (max over the vocabulary). In reduced precision a router
+    near-tie can flip one expert, which moves that position's logits much more than rounding
+    does; such flips are bounded by the top-k agreement, so the logit bounds there are on the
+    median position and, relative to the logits' scale, on the worst one.
+    """
+    max_abs_logit_diff: float          # worst position, absolute
+    max_rel_logit_diff: float          # worst position, relative to the largest |reference logit|
+    max_median_logit_diff: float       # median position, absolute
+    min_topk_agreement: float          # share of (position, MoE layer) with the same expert set
+    min_next_token_agreement: float    # share of positions with the same greedy next token
 
     @staticmethod
     def for_quant(quant: str) -> "Tolerance":
-        table = {
-            "fp32": Tolerance(1e-3, 0.995, 1.0),
-            "fp16": Tolerance(0.25, 0.95, 0.97),
-        }
-        # quantized graphs are compared with the PyTorch model quantized the same way
-        return table.get(quant, Tolerance(0.5, 0.95, 0.95))
+        inf = float("inf")
+        if quant == "fp32":
+            return Tolerance(1e-3, 1e-4, 1e-4, 0.995, 1.0)
+        if quant == "fp16":
+            return Tolerance(inf, 0.2, 0.05, 0.95, 0.95)
+        # quantized graphs are compared with the PyTorch graphs quantized the same way (executorch),
+        # or with the fp32 graphs (qnn QDQ, whose same-quantization CPU run is reported beside)
+        return Tolerance(inf, 0.35, 0.5, 0.85, 0.9)
 
     def with_overrides(self, overrides: dict[str, float]) -> "Tolerance":
         bad = set(overrides) - {f.name for f in dataclasses.fields(self)}
@@ -192,10 +202,9 @@ class Tolerance:
 
 def compare(ref: list[Record], got: list[Record]) -> dict[str, float]:
     """Parity figures over every position of every sequence."""
-    diffs, agree_sets, overlap, agree_tok, n_pos = [], 0, 0.0, 0, 0
-    n_route = 0
+    per_pos, agree_sets, overlap, agree_tok, n_pos, n_route = [], 0, 0.0, 0, 0, 0
     for r, g in zip(ref, got):
-        diffs.append(float((r.logits - g.logits).abs().max()))
+        per_pos.append((r.logits - g.logits.float()).abs().amax(-1))
         n_pos += r.logits.shape[0]
         agree_tok += int((r.next_tokens == g.next_tokens).sum())
         if r.ids.numel():
@@ -205,11 +214,15 @@ def compare(ref: list[Record], got: list[Record]) -> dict[str, float]:
             k = rs.shape[-1]
             hits = (r.ids.unsqueeze(-1) == g.ids.unsqueeze(-2)).any(-1).sum(-1).float() / k
             overlap += float(hits.sum())
+    d = torch.cat(per_pos)
+    d = torch.where(torch.isfinite(d), d, torch.full_like(d, float("inf")))
     scale = max(float(r.logits.abs().max()) for r in ref)
     return {
         "positions": n_pos,
-        "max_abs_logit_diff": max(diffs),
-        "max_abs_logit_diff_rel": max(diffs) / max(scale, 1e-9),
+        "max_abs_logit_diff": float(d.max()),
+        "max_rel_logit_diff": float(d.max()) / max(scale, 1e-9),
+        "median_logit_diff": float(d.median()),
+        "p95_logit_diff": float(d.quantile(0.95)) if torch.isfinite(d).all() else float("inf"),
         "topk_agreement": agree_sets / max(n_route, 1),
         "topk_overlap": overlap / max(n_route, 1),
         "next_token_agreement": agree_tok / max(n_pos, 1),
@@ -219,8 +232,12 @@ def compare(ref: list[Record], got: list[Record]) -> dict[str, float]:
 def check(figures: dict[str, float], tol: Tolerance) -> list[str]:
     """The figures past tolerance, as messages (empty: parity holds)."""
     bad = []
-    if not np.isfinite(figures["max_abs_logit_diff"]) or figures["max_abs_logit_diff"] > tol.max_abs_logit_diff:
-        bad.append(f"max |logit diff| {figures['max_abs_logit_diff']:.4g} > {tol.max_abs_logit_diff:g}")
+    for fig, bound, label in (("max_abs_logit_diff", tol.max_abs_logit_diff, "max |logit diff|"),
+                              ("max_rel_logit_diff", tol.max_rel_logit_diff, "max |logit diff| / max |logit|"),
+                              ("median_logit_diff", tol.max_median_logit_diff, "median |logit diff|")):
+        v = figures[fig]
+        if not np.isfinite(v) or v > bound:
+            bad.append(f"{label} {v:.4g} > {bound:g}")
     if figures["topk_agreement"] < tol.min_topk_agreement:
         bad.append(f"router top-k agreement {figures['topk_agreement']:.4f} < {tol.min_topk_agreement:g}")
     if figures["next_token_agreement"] < tol.min_next_token_agreement:

@@ -2,6 +2,8 @@
 
     specprefetch info MODEL_DIR            geometry and expert bytes of a MoE checkpoint
     specprefetch trace MODEL_DIR --data F  routing traces for adapter training and evaluation
+    specprefetch export MODEL_DIR --out B  a phone-ready bundle (ExecuTorch / QNN / AI Hub), parity-checked
+    specprefetch inspect BUNDLE            validate a bundle and summarise it
     specprefetch tiny FAMILY --out DIR     a tiny random checkpoint of a family, for trying things
 
 MODEL_DIR may be `embedded` for the embedded default model.
@@ -355,6 +357,90 @@ def bench(model, adapter, policies, pool_mib, prompts, new_tokens, rounds, windo
     md, png = write(r, json_out)
     click.echo(md.read_text())
     click.echo(f"wrote {json_out}, {md}, {png}")
+
+
+def _tolerances(items: tuple[str, ...]) -> dict[str, float]:
+    out = {}
+    for it in items:
+        key, sep, val = it.partition("=")
+        try:
+            out[key.strip()] = float(val)
+        except ValueError:
+            sep = ""
+        if not sep:
+            raise SpecPrefetchError(f"--tolerance {it!r}: expected KEY=NUMBER, e.g. max_abs_logit_diff=0.5")
+    return out
+
+
+@main.command(name="export")
+@click.argument("model", default="embedded")
+@click.option("--adapter", type=click.Path(path_type=Path), default=None,
+              help="prefetch adapter directory (default: next-gate prediction heads)")
+@click.option("--target", type=click.Choice(["executorch", "qnn", "qai-hub"]), default="executorch", show_default=True)
+@click.option("--soc", default="SM8750", show_default=True, help="Snapdragon SoC for qnn / qai-hub (SM8750 = 8 Elite)")
+@click.option("--quant", default=None,
+              help="dense graphs: executorch fp32|8da8w|8da4w|w8|w4 (default fp32); qnn / qai-hub fp16|a16w8|a8w8 (default fp16)")
+@click.option("--experts", "experts_dtype", type=click.Choice(["fp16", "int8", "int4"]), default="fp16",
+              show_default=True, help="expert store precision")
+@click.option("--max-seq", default=256, show_default=True, help="KV cache length (prompt + generated tokens)")
+@click.option("--pool-mib", type=float, default=None, help="default DRAM pool budget (default: 1/4 of the experts)")
+@click.option("--window", default=2, show_default=True, help="prefetch window: MoE layers predicted ahead")
+@click.option("--calibration", type=click.Path(path_type=Path), default=None,
+              help="calibration / parity prompts (.jsonl or .txt; default: the embedded held-out text)")
+@click.option("--parity-prompts", default=3, show_default=True)
+@click.option("--prompt-tokens", default=12, show_default=True, help="parity prompt length")
+@click.option("--decode-tokens", default=8, show_default=True, help="greedy tokens per parity prompt")
+@click.option("--tolerance", multiple=True, help="override a parity bound, KEY=VALUE (repeatable)")
+@click.option("--qnn-path", type=click.Choice(["ort", "executorch"]), default="ort", show_default=True,
+              help="qnn: onnxruntime-qnn, or ExecuTorch's Qualcomm backend (needs QAIRT at QNN_SDK_ROOT)")
+@click.option("--hub-device", default="Snapdragon 8 Elite QRD", show_default=True, help="qai-hub device")
+@click.option("--hub-timeout", default=15.0, show_default=True, help="qai-hub: seconds before giving up on the service")
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="bundle directory to write")
+@friendly_errors
+def export_cmd(model, adapter, target, soc, quant, experts_dtype, max_seq, pool_mib, window, calibration,
+               parity_prompts, prompt_tokens, decode_tokens, tolerance, qnn_path, hub_device, hub_timeout, out) -> None:
+    """Export MODEL as a phone-ready bundle: dense step graphs for the target, the expert store,
+    the adapter, and a parity report. The bundle is refused if parity is past tolerance."""
+    from export.bundle import ExportConfig, export_bundle
+
+    cfg = ExportConfig(target=target, quant=quant, experts=experts_dtype, soc=soc, max_seq=max_seq,
+                       pool_mib=pool_mib, window=window, calibration=calibration, parity_prompts=parity_prompts,
+                       prompt_tokens=prompt_tokens, decode_tokens=decode_tokens,
+                       tolerance=_tolerances(tolerance), qnn_path=qnn_path, hub_device=hub_device,
+                       hub_timeout_s=hub_timeout)
+    m = export_bundle(model, out, cfg, adapter=adapter)
+    click.echo((out / "parity.md").read_text())
+    total = sum(f["size"] for f in m["files"].values())
+    click.echo(f"wrote {out}: {m['target']} ({m['quantization']['dense']}), {len(m['files'])} files, "
+               f"{total / 2**20:.1f} MiB, in {m['timings_s']['total_s']:.0f} s")
+
+
+@main.command(name="inspect")
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="print JSON instead of a summary")
+@friendly_errors
+def inspect_cmd(bundle: Path, as_json: bool) -> None:
+    """Validate a bundle (manifest, hashes, versions, graph signatures) and summarise it."""
+    from export.bundle import inspect_bundle
+
+    s = inspect_bundle(bundle)
+    if as_json:
+        click.echo(json.dumps(s, indent=1))
+        return
+    p = s["parity"] or {}
+    click.echo(f"{s['path']}: valid {s['target']} bundle" + (f" for {s['soc']}" if s["soc"] else ""))
+    click.echo(f"  model      {s['family']} (config {s['config_hash']}), KV cache {s['max_seq']} tokens")
+    q = s["quantization"]
+    click.echo(f"  precision  dense {q['dense']}, experts {q['experts']}, expert graph {q['expert_graph']}")
+    click.echo(f"  prefetch   {s['predictor']} heads, default pool {s['pool_mib']} MiB")
+    click.echo(f"  parity     {'passed' if p.get('passed') else 'NOT passed'}: max |logit diff| "
+               f"{p.get('max_abs_logit_diff', float('nan')):.3g}, top-k agreement {p.get('topk_agreement', 0):.4f}, "
+               f"next-token agreement {p.get('next_token_agreement', 0):.4f}")
+    click.echo(f"  files      {s['files']} files, {s['bytes'] / 2**20:.2f} MiB: "
+               + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in sorted(s["sizes"].items())))
+    click.echo(f"  graphs     {len(s['graphs'])} checked: " + ", ".join(sorted(s["graphs"])))
+    for n in s["notes"]:
+        click.echo(f"  note       {n}")
 
 
 def torch_threads(n: int) -> None:

@@ -1,0 +1,357 @@
+"""Export: step graphs, ExecuTorch and QNN bundles with parity, inspect, and the qai-hub boundary."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from export.bundle import ExportConfig, export_bundle, inspect_bundle
+from export.graphs import StepModel
+from export.pipeline import ExpertWeights, TorchBackend, run_sequence
+from toolkit.cli import main
+from toolkit.errors import SpecPrefetchError
+from toolkit.models.loader import inspect_model_dir, load_dense_model, load_model
+from toolkit.models.routers import load_router_bank
+from toolkit.models.tiny import TINY_FAMILIES
+from toolkit.runtime.expert_store import ExpertStore, build_store
+
+FAST = dict(max_seq=24, parity_prompts=2, prompt_tokens=10, decode_tokens=6, progress=False)
+
+
+def _cfg(**kw) -> ExportConfig:
+    return ExportConfig(**{**FAST, **kw})
+
+
+# -- the step graphs are the model --------------------------------------------------------
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+@pytest.mark.parametrize("kv_mode", ["buffer", "io"])
+def test_step_graphs_match_transformers(family, kv_mode, tiny_models, tmp_path):
+    """Embed / layer / expert / head graphs driven by the host loop give the model's logits and
+    routing at every position (both KV-cache forms), experts read from the store."""
+    spec = inspect_model_dir(tiny_models[family])
+    build_store(spec, tmp_path / "e.spx", "fp16", progress=False)
+    ref = load_model(spec.path)
+    toks = list(range(10, 80, 3))  # 24 tokens: past GPT-OSS's sliding window below
+    with torch.no_grad():
+        hf = ref.model(input_ids=torch.tensor([toks])).logits[0].float()
+    steps = StepModel(spec, load_dense_model(spec), max_seq=32)
+    if family == "gpt_oss":
+        steps.windows = [8 if w else 0 for w in steps.windows]  # exercise the sliding mask
+        ref.model.config.sliding_window = 8
+        for layer in ref.model.model.layers:
+            if layer.self_attn.sliding_window:
+                layer.self_attn.sliding_window = 8
+        with torch.no_grad():
+            hf = ref.model(input_ids=torch.tensor([toks])).logits[0].float()
+    g = spec.geometry
+    ew = ExpertWeights(ExpertStore(tmp_path / "e.spx", spec), [m.role for m in spec.family.expert_matrices(g)],
+                       g.moe_layers)
+    rec = run_sequence(TorchBackend(steps, kv_mode), toks, moe_layers=g.moe_layers, num_layers=g.num_layers,
+                       routing=g.routing, score_bias=load_router_bank(spec).score_bias, experts=ew)
+    assert (rec.logits - hf).abs().max() < 1e-4
+    assert torch.equal(rec.next_tokens, hf.argmax(-1))
+
+
+def test_rejects_short_max_seq(tiny_models, tmp_path):
+    with pytest.raises(SpecPrefetchError, match="--max-seq 8 is shorter"):
+        export_bundle(tiny_models["mixtral"], tmp_path / "b", _cfg(max_seq=8))
+
+
+def test_rejects_quant_of_other_target(tiny_models, tmp_path):
+    with pytest.raises(SpecPrefetchError, match="--quant 'a16w8' is not offered by --target executorch"):
+        export_bundle(tiny_models["mixtral"], tmp_path / "b", _cfg(quant="a16w8"))
+    assert not (tmp_path / "b").exists()
+
+
+# -- ExecuTorch ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_executorch_bundle_every_family(family, tiny_models, tmp_path):
+    out = tmp_path / "bundle"
+    m = export_bundle(tiny_models[family], out, _cfg(target="executorch"))
+    p = json.loads((out / "parity.json").read_text())
+    assert p["passed"] and p["max_abs_logit_diff"] < 1e-3 and p["topk_agreement"] == 1.0
+    assert p["next_token_agreement"] == 1.0 and p["positions"] == 2 * 16
+    assert set(m["graphs"]["methods"]) == {"embed", "head", "expert", "reset",
+                                           *(f"layer_{i}" for i in range(m["model"]["num_layers"]))}
+    s = inspect_bundle(out)
+    assert s["family"] == family and set(s["graphs"]) == set(m["graphs"]["signatures"])
+    assert not out.with_name("bundle.partial").exists()
+
+
+@pytest.mark.parametrize("quant", ["8da8w", "8da4w"])
+def test_executorch_quantized_bundle(quant, tiny_models, tmp_path):
+    m = export_bundle(tiny_models["qwen3_moe"], tmp_path / "b", _cfg(target="executorch", quant=quant))
+    assert m["quantization"]["dense"] == quant and m["parity"]["passed"]
+    fp32 = export_bundle(tiny_models["qwen3_moe"], tmp_path / "f", _cfg(target="executorch"))
+    assert m["files"]["graphs/model.pte"]["size"] < fp32["files"]["graphs/model.pte"]["size"]
+
+
+def test_weight_only_int8_is_refused_by_parity(tiny_models, tmp_path):
+    """torchao weight-only int8 lowered to XNNPACK computes garbage silently; parity must refuse."""
+    out = tmp_path / "b"
+    with pytest.raises(SpecPrefetchError, match="parity failed, bundle refused") as e:
+        export_bundle(tiny_models["qwen3_moe"], out, _cfg(target="executorch", quant="w8"))
+    assert not out.exists()
+    rejected = tmp_path / "b.rejected"
+    p = json.loads((rejected / "parity.json").read_text())
+    assert not p["passed"] and p["max_abs_logit_diff"] > 1.0
+    assert str(rejected) in str(e.value)
+
+
+def test_executorch_program_state_resets_between_sequences(tiny_models, tmp_path):
+    """The program's `reset` method zeroes every KV buffer: running a sequence twice on one loaded
+    program gives identical logits."""
+    from export.bundle import load_manifest_backend
+
+    out = tmp_path / "b"
+    export_bundle(tiny_models["qwen3_moe"], out, _cfg(target="executorch"))
+    m, be = load_manifest_backend(out)
+    spec = inspect_model_dir(tiny_models["qwen3_moe"])
+    g = spec.geometry
+    ew = ExpertWeights(ExpertStore(out / "experts.spx"), ["gate", "up", "down"], g.moe_layers)
+    kw = dict(moe_layers=g.moe_layers, num_layers=g.num_layers, routing=g.routing, score_bias=None, experts=ew)
+    a = run_sequence(be, [5, 9, 200, 31, 77], **kw)
+    run_sequence(be, [600, 601, 602, 603, 604, 605, 606], **kw)
+    b = run_sequence(be, [5, 9, 200, 31, 77], **kw)
+    assert torch.equal(a.logits, b.logits)
+
+
+# -- QNN ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_qnn_bundle_every_family(family, tiny_models, tmp_path):
+    """fp16 context binaries for SM8750, compiled offline and run on the x86 HTP simulator."""
+    out = tmp_path / "bundle"
+    m = export_bundle(tiny_models[family], out, _cfg(target="qnn"))
+    assert m["soc"] == "SM8750" and m["graphs"]["htp_arch"] == 79
+    p = json.loads((out / "parity.json").read_text())
+    assert p["passed"] and p["max_rel_logit_diff"] < 0.05 and p["topk_agreement"] >= 0.95
+    s = inspect_bundle(out)
+    assert all(g["compat"].split(":")[5] == "69" for g in s["graphs"].values())  # 69 = SM8750
+    for name, rel in m["graphs"]["binaries"].items():
+        assert (out / rel).stat().st_size > 1000, name
+
+
+def test_qnn_qdq_bundle_and_other_soc(tiny_models, tmp_path):
+    m = export_bundle(tiny_models["qwen3_moe"], tmp_path / "b",
+                      _cfg(target="qnn", quant="a16w8", soc="SM8650", calibration_prompts=3))
+    assert m["parity"]["passed"] and m["soc"] == "SM8650"
+    p = json.loads((tmp_path / "b" / "parity.json").read_text())
+    assert p["vs_onnx_cpu"]["topk_agreement"] >= 0.9  # HTP vs the same QDQ graphs on the CPU
+    s = inspect_bundle(tmp_path / "b")
+    assert all(g["compat"].split(":")[5] == "57" for g in s["graphs"].values())  # 57 = SM8650
+
+
+def test_qnn_unknown_soc_and_executorch_path_errors(tiny_models, tmp_path, monkeypatch):
+    with pytest.raises(SpecPrefetchError, match="--soc 'SM1234': choose from SM8750"):
+        export_bundle(tiny_models["mixtral"], tmp_path / "b", _cfg(target="qnn", soc="SM1234"))
+    monkeypatch.delenv("QNN_SDK_ROOT", raising=False)
+    with pytest.raises(SpecPrefetchError, match="QAIRT.*QNN_SDK_ROOT"):
+        export_bundle(tiny_models["mixtral"], tmp_path / "b", _cfg(target="qnn", qnn_path="executorch"))
+    assert not (tmp_path / "b").exists() and not (tmp_path / "b.partial").exists()
+
+
+# -- the embedded model, both targets, and inspect on real bundles -----------------------------
+
+@pytest.fixture(scope="module")
+def embedded_bundles(tmp_path_factory, embedded):
+    root = tmp_path_factory.mktemp("bundles")
+    out = {}
+    for target in ("executorch", "qnn"):
+        out[target] = root / target
+        export_bundle(embedded, out[target], ExportConfig(target=target, max_seq=64, progress=False))
+    return out
+
+
+@pytest.mark.parametrize("target", ["executorch", "qnn"])
+def test_embedded_bundle(target, embedded_bundles):
+    b = embedded_bundles[target]
+    m = json.loads((b / "manifest.json").read_text())
+    p = json.loads((b / "parity.json").read_text())
+    assert p["passed"] and p["positions"] == 3 * 20 and p["next_token_agreement"] >= 0.95
+    assert m["model"]["family"] == "qwen3_moe" and m["model"]["num_experts"] == 32
+    assert m["kv"]["max_seq"] == 64 and m["predictor"]["kind"] == "next-gate"
+    assert m["runtime"]["expert_bytes_total"] == 8 * 32 * ExpertStore(b / "experts.spx").slot_bytes
+    # experts are only in the store: no graph holds 8 x 32 experts' weights
+    graph_bytes = sum(f["size"] for k, f in m["files"].items() if k.startswith("graphs/"))
+    assert graph_bytes < m["runtime"]["expert_bytes_total"]
+    assert inspect_bundle(b)["parity"]["passed"]
+
+
+def _copy(b: Path, tmp_path: Path) -> Path:
+    c = tmp_path / b.name
+    shutil.copytree(b, c)
+    return c
+
+
+@pytest.mark.parametrize("target", ["executorch", "qnn"])
+def test_inspect_names_tampered_and_truncated_files(target, embedded_bundles, tmp_path):
+    b = embedded_bundles[target]
+    m = json.loads((b / "manifest.json").read_text())
+    graph = m["graphs"]["file"] if target == "executorch" else next(iter(m["graphs"]["binaries"].values()))
+    c = _copy(b, tmp_path / "flip")
+    data = bytearray((c / graph).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (c / graph).write_bytes(bytes(data))
+    with pytest.raises(SpecPrefetchError, match=f"{graph}: sha256 mismatch"):
+        inspect_bundle(c)
+    c = _copy(b, tmp_path / "trunc")
+    with open(c / "experts.spx", "r+b") as f:
+        f.truncate(4096)
+    with pytest.raises(SpecPrefetchError, match="experts.spx: 4096 bytes, the manifest says"):
+        inspect_bundle(c)
+    c = _copy(b, tmp_path / "extra")
+    (c / "graphs" / "evil.bin").write_bytes(b"x")
+    with pytest.raises(SpecPrefetchError, match="files not in the manifest: graphs/evil.bin"):
+        inspect_bundle(c)
+    c = _copy(b, tmp_path / "ver")
+    mm = json.loads((c / "manifest.json").read_text())
+    mm["version"] = 99
+    (c / "manifest.json").write_text(json.dumps(mm))
+    with pytest.raises(SpecPrefetchError, match="bundle version 99"):
+        inspect_bundle(c)
+
+
+def test_inspect_catches_signature_mismatch_behind_valid_hashes(embedded_bundles, tmp_path):
+    """A manifest whose hashes were recomputed but whose signature lies is still caught by loading
+    the program and comparing every method's inputs and outputs."""
+    from toolkit.artifacts import sha256_file
+
+    c = _copy(embedded_bundles["executorch"], tmp_path)
+    mm = json.loads((c / "manifest.json").read_text())
+    mm["graphs"]["signatures"]["head"]["outputs"] = [[[1, 999], "float32"]]
+    (c / "manifest.json").write_text(json.dumps(mm))
+    with pytest.raises(SpecPrefetchError, match="method head has inputs"):
+        inspect_bundle(c)
+    # and a program swapped for another model's program, with hashes fixed up, fails on methods
+    assert sha256_file(c / "graphs/model.pte")
+
+
+def test_cli_export_and_inspect(tiny_models, tmp_path):
+    r = CliRunner().invoke(main, ["export", str(tiny_models["olmoe"]), "--target", "qnn", "--max-seq", "24",
+                                  "--parity-prompts", "2", "--prompt-tokens", "8", "--decode-tokens", "4",
+                                  "--out", str(tmp_path / "b")])
+    assert r.exit_code == 0, r.output
+    assert "Parity: qnn-htp-simulator SM8750" in r.output and "**passed**" in r.output
+    r = CliRunner().invoke(main, ["inspect", str(tmp_path / "b")])
+    assert r.exit_code == 0 and "valid qnn bundle for SM8750" in r.output, r.output
+    r = CliRunner().invoke(main, ["inspect", str(tmp_path / "b"), "--json"])
+    assert json.loads(r.output)["family"] == "olmoe"
+    (tmp_path / "b" / "experts.spx").write_bytes(b"")
+    r = CliRunner().invoke(main, ["inspect", str(tmp_path / "b")])
+    assert r.exit_code == 2 and "experts.spx: 0 bytes" in r.output
+    r = CliRunner().invoke(main, ["export", str(tiny_models["olmoe"]), "--tolerance", "bogus=1", "--out", str(tmp_path / "c")])
+    assert r.exit_code == 2 and "unknown key(s) ['bogus']" in r.output
+
+
+# -- Qualcomm AI Hub: errors within seconds, and the job flow against a local double ---------------
+
+def _ini(path: Path, api_url: str) -> Path:
+    path.write_text(f"[api]\napi_token = not-a-real-token\napi_url = {api_url}\nweb_url = {api_url}\n")
+    return path
+
+
+def test_qaihub_without_token_fails_at_once(tiny_models, tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("QAIHUB_CLIENT_INI", raising=False)
+    t0 = time.monotonic()
+    with pytest.raises(SpecPrefetchError, match="no Qualcomm AI Hub API token .*client.ini not found.*qai-hub configure"):
+        export_bundle(tiny_models["mixtral"], tmp_path / "b", _cfg(target="qai-hub"))
+    assert time.monotonic() - t0 < 5
+
+
+def test_qaihub_without_network_fails_within_timeout(tiny_models, tmp_path, monkeypatch):
+    """A configured token but no reachable service: our own deadline, not the client's ~46 s."""
+    monkeypatch.setenv("QAIHUB_CLIENT_INI", str(_ini(tmp_path / "c.ini", "https://workbench.aihub.qualcomm.com")))
+    t0 = time.monotonic()
+    with pytest.raises(SpecPrefetchError, match="unreachable|did not answer"):
+        export_bundle(tiny_models["mixtral"], tmp_path / "b", _cfg(target="qai-hub", hub_timeout_s=3))
+    assert time.monotonic() - t0 < 10
+    # a host that accepts TCP but never speaks HTTP: the real client, bounded by our deadline
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(8)
+    port = srv.getsockname()[1]
+    monkeypatch.setenv("QAIHUB_CLIENT_INI", str(_ini(tmp_path / "d.ini", f"http://127.0.0.1:{port}")))
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(SpecPrefetchError, match="did not answer within 3 s|refused the request"):
+            export_bundle(tiny_models["mixtral"], tmp_path / "b", _cfg(target="qai-hub", hub_timeout_s=3))
+    finally:
+        srv.close()
+    assert time.monotonic() - t0 < 12
+
+
+class _LocalHub:
+    """Stands in for the qai_hub module behind the network: compile jobs compile locally with
+    onnxruntime-qnn into the precompiled_qnn_onnx layout AI Hub returns (a directory with the
+    EPContext model and its binary); profile jobs return an execution summary."""
+
+    def __init__(self, root: Path):
+        self.root, self.compiled, self.profiled = root, [], []
+
+    def get_devices(self, name=None):
+        return [f"device:{name}"] if name == "Snapdragon 8 Elite QRD" else []
+
+    def submit_compile_job(self, model, device, name, options, retry):
+        from export.qnn_target import compile_context
+
+        assert "--target_runtime precompiled_qnn_onnx" in options and retry is False
+        hub = self
+
+        class Job:
+            job_id = f"j{len(hub.compiled)}"
+
+            def wait(self):
+                return type("S", (), {"success": True, "message": ""})()
+
+            def download_target_model(self, dest):
+                d = Path(dest)
+                d.mkdir(parents=True)
+                compile_context(Path(model), d / "model.onnx", "SM8750", fp16=True)
+                return str(d)
+
+            def get_target_model(self):
+                return self.job_id
+        self.compiled.append(name)
+        return Job()
+
+    def submit_profile_job(self, model, device, name, retry):
+        self.profiled.append(model)
+        return type("P", (), {"job_id": "p" + model,
+                              "download_profile": lambda self: {"execution_summary": {
+                                  "estimated_inference_time": 123, "estimated_inference_peak_memory": 4096}}})()
+
+
+def test_qaihub_job_flow_with_local_service(tiny_models, tmp_path, monkeypatch):
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(8)
+    monkeypatch.setenv("QAIHUB_CLIENT_INI", str(_ini(tmp_path / "c.ini", f"http://127.0.0.1:{srv.getsockname()[1]}")))
+    hub = _LocalHub(tmp_path)
+    try:
+        m = export_bundle(tiny_models["mixtral"], tmp_path / "b", _cfg(target="qai-hub", hub_client=hub))
+    finally:
+        srv.close()
+    assert len(hub.compiled) == len(m["graphs"]["files"]) == len(hub.profiled)
+    assert m["target"] == "qai-hub" and m["parity"]["passed"]
+    prof = json.loads((tmp_path / "b" / "graphs" / "hub_profile.json").read_text())
+    assert prof["head"]["estimated_inference_time_us"] == 123
+    assert inspect_bundle(tmp_path / "b")["target"] == "qai-hub"
+
+
+def test_export_help_names_targets():
+    r = subprocess.run([sys.executable, "-m", "toolkit.cli", "export", "--help"], capture_output=True, text=True,
+                       env={**os.environ, "COLUMNS": "200"})
+    assert r.returncode == 0 and "executorch|qnn|qai-hub" in r.stdout
