@@ -58,6 +58,7 @@ bench: $(STAMP)
 	$(BIN)/specprefetch bench --adapter $(BENCH)/adapter --pool-mib 4,8 --json $(BENCH)/runtime.json
 	$(BIN)/specprefetch bench --adapter $(BENCH)/adapter --pool-mib 4,8 --flash-profile snapdragon-8-elite \
 	    --no-simulate --json $(BENCH)/runtime-emulated.json
+	$(BIN)/python -m export.report --model embedded --adapter $(BENCH)/adapter --json $(BENCH)/export.json
 
 clean:
 	rm -rf runs build .pytest_cache

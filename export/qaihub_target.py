@@ -228,7 +228,7 @@ def build(steps, cfg, quant: str, out_dir: Path, *, calib, run_kw, log, hub=None
         reference=reference, reference_label="pytorch (fp32)",
         backend_label=f"qai-hub {cfg.hub_device} binaries on the qnn-htp-simulator", kv_mode="io", soc=soc,
         expert_precision=quant, make_backend=lambda: qnn_target.QnnBackend(files, info),
-        extra=lambda refs, kw: {"vs_device_profile": profiles} if profiles else {})
+        extra=lambda refs, gots, kw: {"vs_device_profile": profiles} if profiles else {})
 
 
 check_graphs = qnn_target.check_graphs

@@ -146,7 +146,36 @@ def fold_constants(path: Path) -> Path:
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     so.optimized_model_filepath = str(out)
     ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    square_to_mul(out)
     return out
+
+
+def square_to_mul(path: Path) -> int:
+    """Rewrite Pow(x, 2) as Mul(x, x) in place; returns how many. The HTP's fp16 Pow is wrong for
+    some inputs (found on the simulator: one RMSNorm's x**2 off by 4 at |x| < 0.5, turning the
+    norm's output into 3e4), and every RMSNorm the exporter writes squares with Pow."""
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(str(path))
+    consts = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    for n in model.graph.node:
+        if n.op_type == "Constant":
+            for a in n.attribute:
+                if a.name == "value":
+                    consts[n.output[0]] = numpy_helper.to_array(a.t)
+    count = 0
+    for n in model.graph.node:
+        if n.op_type == "Pow" and n.input[1] in consts and consts[n.input[1]].size == 1 \
+                and float(consts[n.input[1]].reshape(())) == 2.0:
+            base = n.input[0]
+            n.op_type = "Mul"
+            del n.input[:]
+            n.input.extend([base, base])
+            count += 1
+    if count:
+        onnx.save(model, str(path))
+    return count
 
 
 class _Reader:
@@ -293,14 +322,12 @@ def build(steps, cfg, quant: str, out_dir: Path, *, calib: list[list[int]], run_
     t_compile = time.perf_counter() - t1
     info = steps_info(steps)
 
-    def extra(refs, kw):
+    def extra(refs, gots, kw):
         out = {"vs_onnx_cpu": None}
         if quant in NEEDS_CALIBRATION:  # the same QDQ graphs on the CPU: the same-quantization reference
             cpu = OrtCpuBackend(src, info)
-            qnn = QnnBackend(files, info)
             cpu_recs = [run_sequence(cpu, r.tokens, **kw) for r in refs]
-            qnn_recs = [run_sequence(qnn, r.tokens, **kw) for r in refs]
-            out["vs_onnx_cpu"] = {k: round(v, 5) for k, v in compare(cpu_recs, qnn_recs).items()}
+            out["vs_onnx_cpu"] = {k: round(v, 5) for k, v in compare(cpu_recs, gots).items()}
         shutil.rmtree(scratch, ignore_errors=True)
         return out
 

@@ -127,6 +127,38 @@ def test_executorch_program_state_resets_between_sequences(tiny_models, tmp_path
     assert torch.equal(a.logits, b.logits)
 
 
+def test_adapter_heads_in_the_graph(tiny_models, tmp_path):
+    """With --adapter, each MoE layer graph's `preds` output is the adapter's predicted router
+    logits for every horizon of the window, computed on the phone in the same graph."""
+    from adapters.checkpoint import save_adapter
+    from adapters.lowrank import PrefetchAdapter
+    from export.bundle import load_manifest_backend
+
+    spec = inspect_model_dir(tiny_models["qwen3_moe"])
+    g = spec.geometry
+    ad = PrefetchAdapter(num_layers=len(g.moe_layers), hidden_size=g.hidden_size,
+                         num_experts=g.routing.num_experts, horizons=(1, 2), rank=4, seed=3)
+    with torch.no_grad():
+        ad.B.normal_(0, 0.5)
+    save_adapter(ad, tmp_path / "ad", spec, {})
+    out = tmp_path / "b"
+    m = export_bundle(spec.path, out, _cfg(target="executorch"), adapter=tmp_path / "ad")
+    assert m["predictor"]["kind"] == "adapter" and (out / "adapter" / "adapter.safetensors").exists()
+    assert m["predictor"]["preds_rows"][str(g.moe_layers[-1])] == [1, 2]  # cross-token targets too
+    _, be = load_manifest_backend(out)
+    bank = load_router_bank(spec)
+    be.reset()
+    h = be.call("embed", [torch.tensor([[42]])])[0]
+    for layer in range(g.num_layers):
+        outs = be.layer(layer, h, 0)
+        h = outs[0]
+        if layer in g.moe_layers:
+            li = g.moe_layers.index(layer)
+            want = torch.cat([ad.logits(bank, outs[1], li, hz) for hz in (1, 2)])
+            assert (outs[3] - want).abs().max() < 1e-4
+    assert not torch.equal(want, torch.cat([bank.logits(outs[1], (li + hz) % len(g.moe_layers)) for hz in (1, 2)]))
+
+
 # -- QNN ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)
@@ -141,6 +173,26 @@ def test_qnn_bundle_every_family(family, tiny_models, tmp_path):
     assert all(g["compat"].split(":")[5] == "69" for g in s["graphs"].values())  # 69 = SM8750
     for name, rel in m["graphs"]["binaries"].items():
         assert (out / rel).stat().st_size > 1000, name
+
+
+def test_square_to_mul_rewrites_pow2(tmp_path):
+    """The HTP's fp16 Pow is wrong for some inputs; every x**2 goes to the HTP as x*x."""
+    import onnx
+    import onnxruntime as ort
+
+    from export.qnn_target import square_to_mul
+
+    class Norm(torch.nn.Module):
+        def forward(self, x):
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) + x.pow(3)
+
+    x = torch.randn(1, 8)
+    torch.onnx.export(Norm(), (x,), str(tmp_path / "n.onnx"), input_names=["x"], dynamo=False, opset_version=17)
+    assert square_to_mul(tmp_path / "n.onnx") == 1
+    ops = [n.op_type for n in onnx.load(str(tmp_path / "n.onnx")).graph.node]
+    assert ops.count("Pow") == 1  # the cube stays
+    got = ort.InferenceSession(str(tmp_path / "n.onnx"), providers=["CPUExecutionProvider"]).run(None, {"x": x.numpy()})[0]
+    assert abs(got - Norm()(x).numpy()).max() < 1e-5
 
 
 def test_qnn_qdq_bundle_and_other_soc(tiny_models, tmp_path):

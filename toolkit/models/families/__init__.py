@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from toolkit.errors import SpecPrefetchError
 from toolkit.models.families.base import (ExpertMatrix, ExpertSource, Family, ModelGeometry,
-                                          RoutingSpec, router_distribution, select_experts,
+                                          RoutingSpec, expert_weights, router_distribution, select_experts,
                                           selection_scores)
 from toolkit.models.families.deepseek import DeepSeekV2, DeepSeekV3
 from toolkit.models.families.gpt_oss import GptOss
@@ -38,5 +38,5 @@ def family_by_name(name: str) -> Family:
 
 
 __all__ = ["FAMILIES", "Family", "RoutingSpec", "ModelGeometry", "ExpertMatrix", "ExpertSource",
-           "family_for", "family_by_name", "supported", "router_distribution", "select_experts",
+           "family_for", "family_by_name", "supported", "router_distribution", "select_experts", "expert_weights",
            "selection_scores"]

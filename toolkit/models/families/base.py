@@ -267,10 +267,16 @@ def select_experts(logits: torch.Tensor, spec: RoutingSpec,
     """
     logits = logits.float()
     _, ids = torch.topk(selection_scores(logits, spec, score_bias), spec.top_k, dim=-1)
+    return expert_weights(logits, ids, spec), ids
+
+
+def expert_weights(logits: torch.Tensor, ids: torch.Tensor, spec: RoutingSpec) -> torch.Tensor:
+    """The family's combination weights [T, k] of the experts `ids` [T, k] given router logits."""
+    logits = logits.float()
     if spec.topk_before_softmax:
-        return logits.gather(-1, ids).softmax(-1), ids
+        return logits.gather(-1, ids).softmax(-1)
     scores = logits.sigmoid() if spec.score_func == "sigmoid" else logits.softmax(-1)
     weights = scores.gather(-1, ids)
     if spec.norm_topk_prob:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-    return weights * spec.routed_scaling_factor, ids
+    return weights * spec.routed_scaling_factor
