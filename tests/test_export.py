@@ -196,11 +196,17 @@ def test_square_to_mul_rewrites_pow2(tmp_path):
 
 
 def test_qnn_qdq_bundle_and_other_soc(tiny_models, tmp_path):
+    # a random tiny model's logits are near-uniform (scale ~0.7), so 8-bit weights flip greedy
+    # argmaxes on near-ties far more often than on a trained model (the embedded model keeps 0.98,
+    # docs/export.md): the token bounds are relaxed here, the numeric and routing bounds are not
+    tol = {"min_next_token_agreement": 0.7, "min_free_next_token_agreement": 0.6}
     m = export_bundle(tiny_models["qwen3_moe"], tmp_path / "b",
-                      _cfg(target="qnn", quant="a16w8", soc="SM8650", calibration_prompts=3))
+                      _cfg(target="qnn", quant="a16w8", soc="SM8650", calibration_prompts=3, tolerance=tol))
     assert m["parity"]["passed"] and m["soc"] == "SM8650"
     p = json.loads((tmp_path / "b" / "parity.json").read_text())
+    assert p["max_rel_logit_diff"] < 0.15 and p["topk_agreement"] >= 0.85
     assert p["vs_onnx_cpu"]["topk_agreement"] >= 0.9  # HTP vs the same QDQ graphs on the CPU
+    assert p["vs_onnx_cpu"]["max_rel_logit_diff"] < p["max_rel_logit_diff"]
     s = inspect_bundle(tmp_path / "b")
     assert all(g["compat"].split(":")[5] == "57" for g in s["graphs"].values())  # 57 = SM8650
 
