@@ -326,7 +326,7 @@ def build(steps, cfg, quant: str, out_dir: Path, *, calib: list[list[int]], run_
         out = {"vs_onnx_cpu": None}
         if quant in NEEDS_CALIBRATION:  # the same QDQ graphs on the CPU: the same-quantization reference
             cpu = OrtCpuBackend(src, info)
-            cpu_recs = [run_sequence(cpu, r.tokens, **kw) for r in refs]
+            cpu_recs = [run_sequence(cpu, r.tokens, force_ids=r.ids, **kw) for r in refs]  # as `gots`
             out["vs_onnx_cpu"] = {k: round(v, 5) for k, v in compare(cpu_recs, gots).items()}
         shutil.rmtree(scratch, ignore_errors=True)
         return out
