@@ -35,7 +35,8 @@ FORMAT = "specprefetch-bundle"
 VERSION = 1
 TARGETS = ("executorch", "qnn", "qai-hub")
 MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-               "special_tokens_map.json", "preprocessor_config.json")
+               "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja",
+               "chat_template.json", "preprocessor_config.json")
 
 
 @dataclasses.dataclass
@@ -55,10 +56,15 @@ class ExportConfig:
     tolerance: dict[str, float] = dataclasses.field(default_factory=dict)
     qnn_path: str = "ort"             # "ort" (onnxruntime-qnn) or "executorch" (needs QAIRT SDK)
     hub_device: str = "Snapdragon 8 Elite QRD"
-    hub_timeout_s: float = 15.0
+    hub_timeout_s: float = 15.0       # token / network / device checks and each job submission
+    hub_job_timeout_s: float = 3600.0 # waiting for one compile job
     hub_profile: bool = True
     hub_client: Any = None            # the qai_hub module, or a double standing in for the service
     progress: bool = True
+
+
+class ParityRefused(SpecPrefetchError):
+    """The bundle's graphs are past tolerance; its directory was kept as OUT.rejected."""
 
 
 def _versions() -> dict[str, str]:
@@ -110,12 +116,14 @@ def _log(cfg: ExportConfig, msg: str) -> None:
 
 
 def export_bundle(model: str | Path, out: Path, cfg: ExportConfig, adapter: Path | None = None) -> dict[str, Any]:
-    """Build, check and write a bundle; returns its manifest."""
-    from export.graphs import StepModel, adapter_heads, describe
-    from export.pipeline import ExpertWeights, Tolerance, check, compare, run_sequence
-    from toolkit.models.loader import inspect_model_dir, load_dense_model
-    from toolkit.models.routers import load_router_bank
-    from toolkit.runtime.expert_store import ExpertStore, build_store
+    """Build, check and write a bundle; returns its manifest.
+
+    Everything is assembled in OUT.partial (and a scratch directory, always removed); an existing
+    OUT is only replaced once the new bundle is complete. On any failure, Ctrl-C included, the
+    partial directory is removed, except after a parity refusal, which keeps it as OUT.rejected."""
+    import tempfile
+
+    from export.pipeline import Tolerance
 
     out = Path(out)
     tgt = _target(cfg.target)
@@ -123,11 +131,43 @@ def export_bundle(model: str | Path, out: Path, cfg: ExportConfig, adapter: Path
     if quant not in tgt.QUANTS:
         raise SpecPrefetchError(f"--quant {quant!r} is not offered by --target {cfg.target}: "
                                 f"choose from {', '.join(tgt.QUANTS)}")
+    if not 1 <= cfg.window <= 4:
+        raise SpecPrefetchError(f"--window {cfg.window}: the prefetch window is 1..4 MoE layers")
+    if cfg.prompt_tokens < 2 or cfg.decode_tokens < 1 or cfg.parity_prompts < 1:
+        raise SpecPrefetchError("--prompt-tokens must be >= 2, --decode-tokens and --parity-prompts >= 1")
     if cfg.max_seq < cfg.prompt_tokens + cfg.decode_tokens:
         raise SpecPrefetchError(f"--max-seq {cfg.max_seq} is shorter than the parity sequences "
                                 f"({cfg.prompt_tokens} + {cfg.decode_tokens} tokens)")
+    if out.exists() and not out.is_dir():
+        raise SpecPrefetchError(f"--out {out}: exists and is not a directory")
     tol = Tolerance.for_quant(quant).with_overrides(cfg.tolerance)
     tgt.preflight(cfg, quant)  # fail fast (missing SDK, token, network) before any heavy work
+    work = out.with_name(out.name + ".partial")
+    shutil.rmtree(work, ignore_errors=True)
+    try:
+        with tempfile.TemporaryDirectory(prefix="specprefetch-export-") as scratch:
+            manifest = _assemble(model, work, Path(scratch), cfg, tgt, quant, tol, adapter, out)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    # replace an existing bundle only now, and so that some complete bundle is always on disk
+    old = out.with_name(out.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if out.exists():
+        out.rename(old)
+    work.rename(out)
+    shutil.rmtree(old, ignore_errors=True)
+    shutil.rmtree(out.with_name(out.name + ".rejected"), ignore_errors=True)
+    return manifest
+
+
+def _assemble(model, work: Path, scratch: Path, cfg: ExportConfig, tgt, quant: str, tol, adapter, out: Path) -> dict[str, Any]:
+    from export.graphs import IO_MASK_VALUE, MASK_VALUE, StepModel, adapter_heads, describe
+    from export.pipeline import ExpertWeights, check, compare, free_running, run_sequence
+    from toolkit.models.loader import inspect_model_dir, load_dense_model
+    from toolkit.models.routers import load_router_bank
+    from toolkit.runtime.expert_store import ExpertStore, build_store
+
     spec = inspect_model_dir(model)
     if spec.family.is_vision_language:
         _log(cfg, "vision-language model: exporting its language model (text decode graphs)")
@@ -137,8 +177,6 @@ def export_bundle(model: str | Path, out: Path, cfg: ExportConfig, adapter: Path
     t_start = time.perf_counter()
     timings: dict[str, float] = {}
 
-    work = out.with_name(out.name + ".partial")
-    shutil.rmtree(work, ignore_errors=True)
     (work / "model").mkdir(parents=True)
     (work / "graphs").mkdir()
     for name in MODEL_FILES:
@@ -181,7 +219,8 @@ def export_bundle(model: str | Path, out: Path, cfg: ExportConfig, adapter: Path
 
     t0 = time.perf_counter()
     _log(cfg, f"graphs: {cfg.target}, {quant}")
-    built = tgt.build(steps, cfg, quant, work / "graphs", calib=calib_ids, run_kw=run_kw, log=lambda m: _log(cfg, m))
+    built = tgt.build(steps, cfg, quant, work / "graphs", calib=calib_ids, run_kw=run_kw,
+                      log=lambda m: _log(cfg, m), scratch=scratch)
     timings["graphs_s"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -192,9 +231,9 @@ def export_bundle(model: str | Path, out: Path, cfg: ExportConfig, adapter: Path
     bundle_backend = built.backend()
     gots = [run_sequence(bundle_backend, r.tokens, force_ids=r.ids, **run_kw) for r in refs]
     figures = compare(refs, gots)
-    free = compare(refs, [run_sequence(bundle_backend, r.tokens, **run_kw) for r in refs])
-    figures["free_running"] = {k: free[k] for k in ("max_abs_logit_diff", "median_logit_diff", "topk_agreement",
-                                                    "next_token_agreement")}
+    figures["free_running"] = free_running(
+        refs, [run_sequence(bundle_backend, p, extend=cfg.decode_tokens, eos=eos, **run_kw) for p in parity_ids],
+        [len(p) for p in parity_ids])
     failures = check(figures, tol)
     extra = built.extra_parity(refs, gots, run_kw)
     timings["parity_s"] = time.perf_counter() - t0
@@ -208,7 +247,7 @@ def export_bundle(model: str | Path, out: Path, cfg: ExportConfig, adapter: Path
         rejected = out.with_name(out.name + ".rejected")
         shutil.rmtree(rejected, ignore_errors=True)
         work.rename(rejected)
-        raise SpecPrefetchError(
+        raise ParityRefused(
             f"parity failed, bundle refused ({built.backend_label} vs {built.reference_label}, {quant}): "
             + "; ".join(failures) + f". Report and partial bundle kept in {rejected}")
 
@@ -229,8 +268,9 @@ def export_bundle(model: str | Path, out: Path, cfg: ExportConfig, adapter: Path
         "tokenizer": sorted(f"model/{p.name}" for p in (work / "model").iterdir() if p.name.startswith("tokenizer")),
         "eos_token_id": eos,
         "routing": {**dataclasses.asdict(g.routing),
-                    "score_bias": "host.safetensors" if bank.score_bias is not None else None},
-        "kv": {"mode": built.kv_mode, "max_seq": cfg.max_seq, "mask_value": -1e4,
+                    "score_bias_file": "host.safetensors" if bank.score_bias is not None else None},
+        "kv": {"mode": built.kv_mode, "max_seq": cfg.max_seq,
+               "mask_value": MASK_VALUE if built.kv_mode == "buffer" else IO_MASK_VALUE,
                "layers": [{"k": list(c.k_shape), "v": list(c.v_shape), "window": w}
                           for c, w in zip(steps.cache_specs, steps.windows)]},
         "predictor": {"kind": predictor, "horizons": list(horizons), "adapter": "adapter" if ad_meta else None,
@@ -241,17 +281,13 @@ def export_bundle(model: str | Path, out: Path, cfg: ExportConfig, adapter: Path
         "graphs": {**built.graphs, "signatures": describe(steps, built.kv_mode)},
         "parity": {**{k: parity[k] for k in ("passed", "max_abs_logit_diff", "median_logit_diff", "topk_agreement",
                                               "next_token_agreement")},
-                   "free_running_next_token_agreement": parity["free_running"]["next_token_agreement"]},
+                   "free_running_token_match": parity["free_running"]["token_match"]},
         "timings_s": {k: round(v, 2) for k, v in timings.items()},
         "versions": _versions(),
     }
     manifest["files"] = {str(p.relative_to(work)): {"size": p.stat().st_size, "sha256": sha256_file(p)}
                          for p in sorted(work.rglob("*")) if p.is_file()}
     write_json_atomic(work / "manifest.json", manifest)
-    if out.exists():
-        shutil.rmtree(out)
-    work.rename(out)
-    shutil.rmtree(out.with_name(out.name + ".rejected"), ignore_errors=True)
     return manifest
 
 
@@ -268,19 +304,18 @@ def parity_markdown(p: dict[str, Any]) -> str:
             ("router top-k agreement (same set)", f"{p['topk_agreement']:.4f}", bound("min_topk_agreement", ">=")),
             ("router top-k overlap", f"{p['topk_overlap']:.4f}", ""),
             ("greedy next-token agreement", f"{p['next_token_agreement']:.4f}", bound("min_next_token_agreement", ">=")),
-            ("free-running: max / median |logit diff|",
-             f"{p['free_running']['max_abs_logit_diff']:.3g} / {p['free_running']['median_logit_diff']:.3g}", ""),
-            ("free-running: router top-k agreement", f"{p['free_running']['topk_agreement']:.4f}", ""),
-            ("free-running: greedy next-token agreement", f"{p['free_running']['next_token_agreement']:.4f}",
-             bound("min_free_next_token_agreement", ">="))]
+            ("free-running greedy decode: share of tokens before the first difference",
+             f"{p['free_running']['token_match']:.4f}", bound("min_free_token_match", ">=")),
+            ("free-running greedy decode: identical continuations",
+             f"{p['free_running']['identical']} of {p['prompts']}", "")]
     for k, v in p.items():
         if k.startswith("vs_") and v:
             rows.append((k, json.dumps(v), ""))
     lines = [f"# Parity: {p['bundle']} vs {p['reference']} ({p['quant']})", "",
              f"{p['prompts']} prompts x ({p['prompt_tokens']} prompt + {p['decode_tokens']} greedy) tokens, "
-             f"{p['positions']} positions, teacher-forced on the reference's tokens. The gated figures force the "
-             "reference's expert choice (router flips are counted by the top-k agreement, not left to cascade); "
-             "the free-running rows let the bundle route by itself.", "",
+             f"{p['positions']} positions. The logit, top-k and next-token figures are teacher-forced on the "
+             "reference's tokens and expert choice (a router flip is counted by the top-k agreement, not left to "
+             "cascade); the free-running rows let the bundle decode greedily from each prompt on its own.", "",
              "| figure | value | bound |", "|---|---|---|"]
     lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
     lines += ["", "**passed**" if p["passed"] else "**FAILED**: " + "; ".join(p["failures"]), ""]
@@ -299,16 +334,39 @@ def inspect_bundle(path: Path | str, *, load_graphs: bool = True) -> dict[str, A
     if not mf.exists():
         raise SpecPrefetchError(f"{mf}: missing (not a specprefetch bundle)")
     m = read_json(mf, "bundle manifest")
+    try:
+        return _inspect(path, mf, m, load_graphs)
+    except (KeyError, TypeError, AttributeError, ValueError, IndexError) as e:
+        raise SpecPrefetchError(f"{mf}: malformed manifest ({type(e).__name__}: {e})") from None
+
+
+def bundle_file(path: Path, files: dict[str, Any], rel: Any, what: str) -> Path:
+    """A path the manifest names: relative, inside the bundle, and one of its hashed files."""
+    if not isinstance(rel, str) or not rel or Path(rel).is_absolute() or ".." in Path(rel).parts:
+        raise SpecPrefetchError(f"{path / 'manifest.json'}: {what} {rel!r} is not a path inside the bundle")
+    if rel not in files:
+        raise SpecPrefetchError(f"{path / 'manifest.json'}: {what} {rel!r} is not among the hashed files")
+    return path / rel
+
+
+def _inspect(path: Path, mf: Path, m: dict[str, Any], load_graphs: bool) -> dict[str, Any]:
+    if not isinstance(m, dict):
+        raise SpecPrefetchError(f"{mf}: not a JSON object")
     if m.get("format") != FORMAT:
         raise SpecPrefetchError(f"{mf}: format {m.get('format')!r}, expected {FORMAT!r}")
     if m.get("version") != VERSION:
         raise SpecPrefetchError(f"{mf}: bundle version {m.get('version')!r}; this toolkit reads version {VERSION}")
-    for key in ("target", "model", "graphs", "files", "kv", "routing", "runtime", "quantization"):
+    for key in ("target", "model", "graphs", "files", "kv", "routing", "runtime", "quantization", "predictor"):
         if key not in m:
             raise SpecPrefetchError(f"{mf}: missing field {key!r}")
     files = m["files"]
+    if not isinstance(files, dict) or not files:
+        raise SpecPrefetchError(f"{mf}: 'files' must map paths to sizes and hashes")
+    root = path.resolve()
     for rel, meta in files.items():
-        p = path / rel
+        p = bundle_file(path, files, rel, "file")
+        if not p.resolve().is_relative_to(root):
+            raise SpecPrefetchError(f"{mf}: file {rel!r} resolves outside the bundle")
         if not p.is_file():
             raise SpecPrefetchError(f"{p}: listed in the manifest but missing")
         size = p.stat().st_size
@@ -317,9 +375,36 @@ def inspect_bundle(path: Path | str, *, load_graphs: bool = True) -> dict[str, A
         if sha256_file(p) != meta["sha256"]:
             raise SpecPrefetchError(f"{p}: sha256 mismatch (tampered or corrupt)")
     extra = [str(p.relative_to(path)) for p in path.rglob("*")
-             if p.is_file() and p.name != "manifest.json" and str(p.relative_to(path)) not in files]
+             if p.is_file() and str(p.relative_to(path)) != "manifest.json" and str(p.relative_to(path)) not in files]
     if extra:
         raise SpecPrefetchError(f"{path}: files not in the manifest: {', '.join(sorted(extra)[:5])}")
+    # the manifest's own claims, checked against hashed content
+    from dataclasses import asdict
+
+    from toolkit.models.loader import inspect_model_dir
+    cfg_file = bundle_file(path, files, m["model"]["config"], "model config")
+    spec = inspect_model_dir(cfg_file.parent, config_only_ok=True)
+    if spec.config_hash != m["model"]["config_hash"]:
+        raise SpecPrefetchError(f"{mf}: model config hash {m['model']['config_hash']}, but {cfg_file} hashes to "
+                                f"{spec.config_hash}")
+    g = spec.geometry
+    want_model = {"family": g.family, "num_layers": g.num_layers, "moe_layers": list(g.moe_layers),
+                  "hidden_size": g.hidden_size, "vocab_size": g.vocab_size,
+                  "num_experts": g.routing.num_experts, "top_k": g.routing.top_k}
+    for k, v in want_model.items():
+        if m["model"][k] != v:
+            raise SpecPrefetchError(f"{mf}: model.{k} is {m['model'][k]!r}, {cfg_file} says {v!r}")
+    for k, v in asdict(g.routing).items():
+        if m["routing"][k] != v:
+            raise SpecPrefetchError(f"{mf}: routing.{k} is {m['routing'][k]!r}, {cfg_file} says {v!r}")
+    for rel in m["tokenizer"]:
+        bundle_file(path, files, rel, "tokenizer file")
+    parity_file = bundle_file(path, files, "parity.json", "parity report")
+    parity = read_json(parity_file, "parity report")
+    if not parity.get("passed") or any(m["parity"][k] != parity[k] for k in m["parity"] if k in parity):
+        raise SpecPrefetchError(f"{mf}: parity summary does not match {parity_file} (or parity did not pass)")
+    if len(m["kv"]["layers"]) != g.num_layers:
+        raise SpecPrefetchError(f"{mf}: kv.layers lists {len(m['kv']['layers'])} layers, the model has {g.num_layers}")
     notes = []
     installed = _versions()
     for pkg, want in m.get("versions", {}).items():
@@ -327,18 +412,17 @@ def inspect_bundle(path: Path | str, *, load_graphs: bool = True) -> dict[str, A
         if have is not None and have != want and pkg in ("executorch", "onnxruntime-qnn", "onnxruntime"):
             notes.append(f"built with {pkg} {want}, {have} installed here")
     from toolkit.runtime.expert_store import ExpertStore
-    store = ExpertStore(path / m["runtime"]["expert_store"])
-    if store.meta["config_hash"] != m["model"]["config_hash"]:
-        raise SpecPrefetchError(f"{path / m['runtime']['expert_store']}: built for model config "
-                                f"{store.meta['config_hash']}, the manifest says {m['model']['config_hash']}")
-    if (store.num_layers, store.num_experts) != (len(m["model"]["moe_layers"]), m["model"]["num_experts"]):
-        raise SpecPrefetchError(f"{path / m['runtime']['expert_store']}: {store.num_layers} layers x "
-                                f"{store.num_experts} experts, the manifest's model has "
-                                f"{len(m['model']['moe_layers'])} x {m['model']['num_experts']}")
+    store_path = bundle_file(path, files, m["runtime"]["expert_store"], "expert store")
+    store = ExpertStore(store_path, spec)
+    if (store.num_layers, store.num_experts) != (len(g.moe_layers), g.routing.num_experts):
+        raise SpecPrefetchError(f"{store_path}: {store.num_layers} layers x {store.num_experts} experts, the model "
+                                f"has {len(g.moe_layers)} x {g.routing.num_experts}")
     if m["predictor"].get("adapter"):
-        meta = read_json(path / "adapter" / "adapter.json", "adapter config")
+        ad = bundle_file(path, files, "adapter/adapter.json", "adapter config")
+        meta = read_json(ad, "adapter config")
         if meta["model"]["config_hash"] != m["model"]["config_hash"]:
-            raise SpecPrefetchError(f"{path / 'adapter/adapter.json'}: adapter for another model config")
+            raise SpecPrefetchError(f"{ad}: adapter for another model config")
+        bundle_file(path, files, "adapter/adapter.safetensors", "adapter weights")
     graphs = {}
     if load_graphs:
         graphs = _target(m["target"]).check_graphs(path, m)

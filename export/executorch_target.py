@@ -160,7 +160,7 @@ def lower_program(steps, cfg, quant: str, out_dir: Path, log, *, partitioner=Non
         make_backend=lambda: ExecuTorchBackend(path, info))
 
 
-def build(steps, cfg, quant: str, out_dir: Path, *, calib, run_kw, log):
+def build(steps, cfg, quant: str, out_dir: Path, *, calib, run_kw, log, scratch: Path | None = None):
     return lower_program(steps, cfg, quant, out_dir, log)
 
 
@@ -194,7 +194,7 @@ class ExecuTorchBackend:
     def call(self, name, inputs):
         try:
             return list(self._method(name).execute([t.contiguous() for t in inputs]))
-        except RuntimeError as e:
+        except (RuntimeError, ValueError, TypeError) as e:
             raise SpecPrefetchError(f"{self.path}: method {name} failed ({e})") from None
 
     def reset(self):
@@ -210,12 +210,17 @@ _DTYPES = {4: "int64", 6: "float32", 3: "int32", 5: "float16"}
 def check_graphs(path: Path, m: dict) -> dict[str, Any]:
     """The program loads, has exactly the manifest's methods, and each method's input/output
     shapes and dtypes are the manifest's signature."""
-    p = path / m["graphs"]["file"]
+    from export.bundle import bundle_file
+
+    p = bundle_file(path, m["files"], m["graphs"]["file"], "program")
     prog = load_program(p)
     have = set(prog.method_names)
     want = set(m["graphs"]["methods"])
     if have != want:
         raise SpecPrefetchError(f"{p}: methods {sorted(have)}, the manifest lists {sorted(want)}")
+    if set(m["graphs"]["signatures"]) | {"reset"} != want:
+        raise SpecPrefetchError(f"{path / 'manifest.json'}: signatures for {sorted(m['graphs']['signatures'])}, "
+                                f"methods {sorted(want)}")
     out = {}
     for name, sig in m["graphs"]["signatures"].items():
         meta = prog.metadata(name)

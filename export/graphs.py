@@ -41,7 +41,11 @@ from toolkit.errors import SpecPrefetchError
 from toolkit.models.loader import ModelSpec
 
 KvMode = Literal["buffer", "io"]
-MASK_VALUE = -1e4  # additive mask for positions a query may not see (finite: safe for fp16 / QDQ)
+MASK_VALUE = -1e4  # additive mask in buffer mode (ExecuTorch) for positions a query may not see
+# io mode (QNN): the mask is a graph input, and QDQ calibration sizes the score+mask range from it;
+# -1e4 would cost uint16 scores a 0.15 step. -100 still gives masked positions weight e^-100 (the
+# host zeroes the cache before each sequence, so masked keys are zeros, not stale keys).
+IO_MASK_VALUE = -100.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -358,13 +362,13 @@ class StepModel:
         return ["embed"] + [f"layer_{i}" for i in range(len(self.layers))] + ["expert", "head"]
 
 
-def host_mask(pos: int, max_seq: int, window: int = 0) -> torch.Tensor:
+def host_mask(pos: int, max_seq: int, window: int = 0, value: float = IO_MASK_VALUE) -> torch.Tensor:
     """The additive attention mask [1, 1, 1, S] the host passes to an io-mode layer graph."""
     j = torch.arange(max_seq)
     allowed = j <= pos
     if window:
         allowed &= j > pos - window
-    return torch.where(allowed, 0.0, MASK_VALUE).float().view(1, 1, 1, -1)
+    return torch.where(allowed, 0.0, value).float().view(1, 1, 1, -1)
 
 
 def adapter_heads(adapter, bank, horizons: tuple[int, ...]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:

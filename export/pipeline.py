@@ -183,25 +183,26 @@ class Tolerance:
     forced (see `run_sequence`): in reduced precision a router near-tie can flip one expert, which
     moves the logits of that and later positions far more than rounding does, so flips are counted
     on their own (top-k agreement) and the logit bounds measure the graphs' numerical error.
-    The free-running run (the bundle's own routing) bounds the greedy tokens a user would see.
+    The free-running run (the bundle decoding greedily from each prompt on its own) bounds how far
+    its greedy continuation follows the reference's before the first different token.
     """
     max_abs_logit_diff: float             # worst position, absolute
     max_rel_logit_diff: float             # worst position, relative to the largest |reference logit|
     max_median_logit_diff: float          # median position, absolute
     min_topk_agreement: float             # share of (position, MoE layer) choosing the same expert set
     min_next_token_agreement: float       # share of positions with the same greedy next token
-    min_free_next_token_agreement: float  # the same, with the bundle routing by itself
+    min_free_token_match: float           # free-running: share of decoded tokens before the first difference
 
     @staticmethod
     def for_quant(quant: str) -> "Tolerance":
         inf = float("inf")
         if quant == "fp32":
-            return Tolerance(1e-3, 1e-4, 1e-4, 0.995, 1.0, 0.98)
+            return Tolerance(1e-3, 1e-4, 1e-4, 0.995, 1.0, 0.9)
         if quant == "fp16":
-            return Tolerance(inf, 0.02, 0.1, 0.95, 0.95, 0.8)
+            return Tolerance(inf, 0.02, 0.1, 0.95, 0.95, 0.5)
         # quantized graphs are compared with the PyTorch graphs quantized the same way (executorch),
         # or with the fp32 graphs (qnn QDQ, whose same-quantization CPU run is reported beside)
-        return Tolerance(inf, 0.15, 0.5, 0.85, 0.85, 0.7)
+        return Tolerance(inf, 0.15, 0.5, 0.85, 0.85, 0.3)
 
     def with_overrides(self, overrides: dict[str, float]) -> "Tolerance":
         bad = set(overrides) - {f.name for f in dataclasses.fields(self)}
@@ -253,10 +254,26 @@ def check(figures: dict[str, float], tol: Tolerance) -> list[str]:
         bad.append(f"router top-k agreement {figures['topk_agreement']:.4f} < {tol.min_topk_agreement:g}")
     if figures["next_token_agreement"] < tol.min_next_token_agreement:
         bad.append(f"next-token agreement {figures['next_token_agreement']:.4f} < {tol.min_next_token_agreement:g}")
-    free = figures.get("free_running", {}).get("next_token_agreement")
-    if free is not None and free < tol.min_free_next_token_agreement:
-        bad.append(f"free-running next-token agreement {free:.4f} < {tol.min_free_next_token_agreement:g}")
+    free = figures.get("free_running", {}).get("token_match")
+    if free is not None and free < tol.min_free_token_match:
+        bad.append(f"free-running greedy token match {free:.4f} < {tol.min_free_token_match:g}")
     return bad
+
+
+def free_running(refs: list[Record], frees: list[Record], prompt_lens: list[int]) -> dict[str, Any]:
+    """How far each free-running greedy continuation follows the reference's: the mean share of
+    decoded tokens before the first different one, and how many continuations are identical."""
+    shares, identical = [], 0
+    for r, f, n in zip(refs, frees, prompt_lens):
+        a, b = r.tokens[n:], f.tokens[n:]
+        same = 0
+        for x, y in zip(a, b):
+            if x != y:
+                break
+            same += 1
+        shares.append(same / max(len(a), 1))
+        identical += int(a == b)
+    return {"token_match": sum(shares) / max(len(shares), 1), "identical": identical}
 
 
 @dataclasses.dataclass

@@ -154,27 +154,35 @@ def _unpack(downloaded: Path, dest: Path, name: str) -> Path:
             raise SpecPrefetchError(f"AI Hub job for {name}: the download is not a precompiled QNN ONNX model")
         dst = dest / f"{name}_ctx.onnx"
         binary = qnn_target.context_bin(dst)
+        rels = set()
         for node in ctx_nodes:
             attrs = {a.name: a for a in node.attribute}
             embed = attrs.get("embed_mode")
             if embed is not None and embed.i == 0:
-                rel = attrs["ep_cache_context"].s.decode()
-                shutil.copy2(onnx_files[0].parent / rel, binary)
+                rel = attrs["ep_cache_context"].s.decode(errors="replace")
+                if Path(rel).is_absolute() or ".." in Path(rel).parts:
+                    raise SpecPrefetchError(f"AI Hub job for {name}: the model points its context binary "
+                                            f"outside the download ({rel!r}); refused")
+                rels.add(rel)
                 attrs["ep_cache_context"].s = binary.name.encode()
+        if len(rels) > 1:
+            raise SpecPrefetchError(f"AI Hub job for {name}: {len(rels)} context binaries in one model; "
+                                    "this bundle format holds one per graph")
+        for rel in rels:
+            shutil.copy2(onnx_files[0].parent / rel, binary)
         onnx.save(model, str(dst))
         return dst
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def build(steps, cfg, quant: str, out_dir: Path, *, calib, run_kw, log, hub=None):
+def build(steps, cfg, quant: str, out_dir: Path, *, calib, run_kw, log, scratch: Path, hub=None):
     from export.pipeline import Built, TorchBackend, run_sequence, steps_info
 
     hub = hub or cfg.hub_client or _hub()
     device = preflight(cfg, quant, hub=hub)
     graphs = steps.graphs("io")
     reference = TorchBackend(steps, "io", graphs=graphs)
-    scratch = Path(tempfile.mkdtemp(prefix="specprefetch-hubsrc-"))
     src = qnn_target.export_onnx(steps, graphs, scratch, log)
     if quant in NEEDS_CALIBRATION:  # submit our QDQ models: AI Hub compiles the quantization as given
         rec = qnn_target.RecordingBackend(reference)
@@ -193,7 +201,7 @@ def build(steps, cfg, quant: str, out_dir: Path, *, calib, run_kw, log, hub=None
                 options=options, retry=False), cfg.hub_timeout_s, f"submitting the compile job for {name}")
             log(f"AI Hub compile job {name}: {getattr(jobs[name], 'job_id', '?')}")
         for name, job in jobs.items():
-            status = job.wait()
+            status = job.wait(timeout=cfg.hub_job_timeout_s)
             if not status.success:
                 raise SpecPrefetchError(f"AI Hub compile job for {name} failed: {status.message}")
             got = job.download_target_model(str(scratch / f"{name}_hub"))
@@ -203,19 +211,23 @@ def build(steps, cfg, quant: str, out_dir: Path, *, calib, run_kw, log, hub=None
             pjobs = {name: hub.submit_profile_job(model=jobs[name].get_target_model(), device=device,
                                                   name=f"specprefetch-profile-{name}", retry=False)
                      for name in jobs}
-            for name, pj in pjobs.items():
-                prof = pj.download_profile()
+            for name, pj in pjobs.items():  # a failed profile is reported, not fatal: the binaries are good
+                try:
+                    prof = pj.download_profile()
+                except Exception as e:  # noqa: BLE001 - any client error
+                    profiles[name] = {"job_id": getattr(pj, "job_id", None), "error": f"{type(e).__name__}: {e}"[:300]}
+                    continue
                 summ = prof.get("execution_summary", {}) if isinstance(prof, dict) else {}
                 profiles[name] = {"job_id": getattr(pj, "job_id", None),
                                   "estimated_inference_time_us": summ.get("estimated_inference_time"),
                                   "peak_memory_bytes": summ.get("estimated_inference_peak_memory")}
+                if not summ:
+                    profiles[name]["error"] = "the profile job returned no execution summary (failed?)"
             (out_dir / "hub_profile.json").write_text(json.dumps(profiles, indent=1))
     except SpecPrefetchError:
         raise
     except Exception as e:
         raise SpecPrefetchError(f"Qualcomm AI Hub: {type(e).__name__}: {str(e)[:300]}") from None
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
     info = steps_info(steps)
     soc = cfg.soc.upper()
     return Built(

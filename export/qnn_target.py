@@ -14,10 +14,7 @@ QAIRT SDK (QNN_SDK_ROOT) of the version the installed executorch was built again
 """
 from __future__ import annotations
 
-import dataclasses
 import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -231,16 +228,25 @@ def context_bin(ctx: Path) -> Path:
 
 
 class RecordingBackend:
-    """Wraps a backend and keeps every graph call's inputs (QDQ calibration samples)."""
+    """Wraps a backend and keeps graph call inputs as QDQ calibration samples: up to `limit` calls
+    per dense graph, and for the expert graph up to `per_expert` calls of every distinct expert
+    (weights are kept by reference: the store cache holds them anyway), so every expert's weight
+    range shapes the calibration, not just the first token's."""
 
-    def __init__(self, inner, limit_per_graph: int = 256):
-        self.inner, self.limit = inner, limit_per_graph
+    def __init__(self, inner, limit_per_graph: int = 256, per_expert: int = 2):
+        self.inner, self.limit, self.per_expert = inner, limit_per_graph, per_expert
         self.samples: dict[str, list[list[torch.Tensor]]] = {}
+        self.expert_seen: dict[int, int] = {}
         self.kv_mode, self.kv = inner.kv_mode, inner.kv
 
     def call(self, name, inputs):
         lst = self.samples.setdefault(name, [])
-        if len(lst) < self.limit:
+        if name == "expert":
+            key = id(inputs[1])
+            if self.expert_seen.get(key, 0) < self.per_expert:
+                self.expert_seen[key] = self.expert_seen.get(key, 0) + 1
+                lst.append([inputs[0].detach().clone(), *inputs[1:]])
+        elif len(lst) < self.limit:
             lst.append([t.detach().clone() for t in inputs])
         return self.inner.call(name, inputs)
 
@@ -270,7 +276,11 @@ class QnnBackend:
         for n, t in zip(self.names[name], inputs):
             a = t.detach().numpy() if isinstance(t, torch.Tensor) else np.asarray(t)
             feeds[n] = a
-        return [torch.from_numpy(np.asarray(o)) for o in s.run(None, feeds)]
+        try:
+            outs = s.run(None, feeds)
+        except Exception as e:  # onnxruntime's own exception types
+            raise SpecPrefetchError(f"graph {name}: {self.label} run failed ({str(e).strip()[:300]})") from None
+        return [torch.from_numpy(np.asarray(o)) for o in outs]
 
     def reset(self):
         self.kv.reset()
@@ -293,7 +303,8 @@ class OrtCpuBackend(QnnBackend):
         self.kv = HostKV(info["cache_specs"], info["windows"], info["max_seq"])
 
 
-def build(steps, cfg, quant: str, out_dir: Path, *, calib: list[list[int]], run_kw: dict, log) -> Built:
+def build(steps, cfg, quant: str, out_dir: Path, *, calib: list[list[int]], run_kw: dict, log,
+          scratch: Path):
     from export.pipeline import Built, TorchBackend, compare, run_sequence, steps_info
 
     if cfg.qnn_path == "executorch":
@@ -301,7 +312,6 @@ def build(steps, cfg, quant: str, out_dir: Path, *, calib: list[list[int]], run_
     soc = cfg.soc.upper()
     graphs = steps.graphs("io")
     reference = TorchBackend(steps, "io", graphs=graphs)
-    scratch = Path(tempfile.mkdtemp(prefix="specprefetch-onnx-"))
     t0 = time.perf_counter()
     src = export_onnx(steps, graphs, scratch, log)
     t_onnx = time.perf_counter() - t0
@@ -328,7 +338,6 @@ def build(steps, cfg, quant: str, out_dir: Path, *, calib: list[list[int]], run_
             cpu = OrtCpuBackend(src, info)
             cpu_recs = [run_sequence(cpu, r.tokens, force_ids=r.ids, **kw) for r in refs]  # as `gots`
             out["vs_onnx_cpu"] = {k: round(v, 5) for k, v in compare(cpu_recs, gots).items()}
-        shutil.rmtree(scratch, ignore_errors=True)
         return out
 
     rel = {n: str(p.relative_to(out_dir.parent)) for n, p in files.items()}
@@ -341,21 +350,22 @@ def build(steps, cfg, quant: str, out_dir: Path, *, calib: list[list[int]], run_
         make_backend=lambda: QnnBackend(files, info), extra=extra)
 
 
-def _build_executorch_qnn(steps, cfg, quant, out_dir, log) -> Built:
+def _build_executorch_qnn(steps, cfg, quant, out_dir, log):
     """ExecuTorch's Qualcomm partitioner (needs QAIRT at QNN_SDK_ROOT; checked in preflight)."""
     try:
-        from executorch.backends.qualcomm.partition.qnn_partitioner import QnnPartitioner  # noqa: F401
-        from executorch.backends.qualcomm.utils.utils import (  # noqa: F401
-            generate_htp_compiler_spec, generate_qnn_executorch_compiler_spec)
+        from executorch.backends.qualcomm.partition.qnn_partitioner import QnnPartitioner
+        from executorch.backends.qualcomm.serialization.qc_schema import QcomChipset
+        from executorch.backends.qualcomm.utils.utils import (generate_htp_compiler_spec,
+                                                              generate_qnn_executorch_compiler_spec)
     except Exception as e:
         raise SpecPrefetchError(f"--qnn-path executorch: ExecuTorch's Qualcomm backend is not usable here "
                                 f"({type(e).__name__}: {e}); it needs executorch built with QNN and QAIRT "
                                 f"{QAIRT_FOR_EXECUTORCH} at QNN_SDK_ROOT") from None
     from export.executorch_target import lower_program
-    from executorch.backends.qualcomm.serialization.qc_schema import QcomChipset
-    from executorch.backends.qualcomm.utils.utils import generate_htp_compiler_spec, generate_qnn_executorch_compiler_spec
-    from executorch.backends.qualcomm.partition.qnn_partitioner import QnnPartitioner
 
+    if quant != "fp16":
+        raise SpecPrefetchError(f"--qnn-path executorch --quant {quant}: this path offers fp16 only "
+                                "(QDQ quantization goes through --qnn-path ort)")
     chip = getattr(QcomChipset, cfg.soc.upper())
     spec = generate_qnn_executorch_compiler_spec(soc_model=chip,
                                                  backend_options=generate_htp_compiler_spec(use_fp16=quant == "fp16"))
@@ -370,13 +380,21 @@ def check_graphs(path: Path, m: dict) -> dict[str, Any]:
     and whose inputs and outputs match the manifest's signatures; then QNN loads it."""
     import onnx
 
+    from export.bundle import bundle_file
+
     g = m["graphs"]
     sigs = g["signatures"]
     soc = m["soc"]
     want_id = SOCS.get(soc, (None, None, None))[2]
+    if set(g["files"]) != set(sigs):
+        raise SpecPrefetchError(f"{path / 'manifest.json'}: graph files for {sorted(g['files'])}, "
+                                f"signatures for {sorted(sigs)}")
     out = {}
     for name, rel in g["files"].items():
-        p = path / rel
+        p = bundle_file(path, m["files"], rel, f"graph {name}")
+        bundle_file(path, m["files"], g["binaries"][name], f"context binary of {name}")
+        if context_bin(p) != path / g["binaries"][name]:
+            raise SpecPrefetchError(f"{path / 'manifest.json'}: graph {name}'s binary is not beside its model")
         try:
             model = onnx.load(str(p), load_external_data=False)
         except Exception as e:
@@ -387,8 +405,13 @@ def check_graphs(path: Path, m: dict) -> dict[str, Any]:
         meta = {q.key: q.value for q in model.metadata_props}
         compat = meta.get("ep_compatibility_info.QNNExecutionProvider", "")
         fields = compat.split(":")
-        if want_id is not None and len(fields) > 5 and fields[5] != str(want_id):
-            raise SpecPrefetchError(f"{p}: compiled for SoC id {fields[5]}, the manifest says {soc} (id {want_id})")
+        if want_id is not None and (len(fields) <= 5 or fields[5] != str(want_id)):
+            got = fields[5] if len(fields) > 5 else "unknown (no ep_compatibility_info)"
+            raise SpecPrefetchError(f"{p}: compiled for SoC id {got}, the manifest says {soc} (id {want_id})")
+        for node in ctx:
+            for a in node.attribute:
+                if a.name == "ep_cache_context" and a.s.decode(errors="replace") != context_bin(p).name:
+                    raise SpecPrefetchError(f"{p}: its EPContext node points at {a.s[:80]!r}, not {context_bin(p).name}")
         shapes_in = [[d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input]
         shapes_out = [[d.dim_value for d in o.type.tensor_type.shape.dim] for o in model.graph.output]
         sig = sigs.get(name)

@@ -109,14 +109,15 @@ def test_weight_only_int8_is_refused_by_parity(tiny_models, tmp_path):
     assert str(rejected) in str(e.value)
 
 
-def test_executorch_program_state_resets_between_sequences(tiny_models, tmp_path):
-    """The program's `reset` method zeroes every KV buffer: running a sequence twice on one loaded
-    program gives identical logits."""
+def test_executorch_program_state_does_not_leak_between_sequences(tiny_models, tmp_path):
+    """One loaded program serves sequence after sequence: `reset` runs, earlier KV state never
+    reaches a later sequence, and a rerun gives identical logits."""
     from export.bundle import load_manifest_backend
 
     out = tmp_path / "b"
     export_bundle(tiny_models["qwen3_moe"], out, _cfg(target="executorch"))
     m, be = load_manifest_backend(out)
+    assert "reset" in m["graphs"]["methods"]
     spec = inspect_model_dir(tiny_models["qwen3_moe"])
     g = spec.geometry
     ew = ExpertWeights(ExpertStore(out / "experts.spx"), ["gate", "up", "down"], g.moe_layers)
@@ -199,7 +200,7 @@ def test_qnn_qdq_bundle_and_other_soc(tiny_models, tmp_path):
     # a random tiny model's logits are near-uniform (scale ~0.7), so 8-bit weights flip greedy
     # argmaxes on near-ties far more often than on a trained model (the embedded model keeps 0.98,
     # docs/export.md): the token bounds are relaxed here, the numeric and routing bounds are not
-    tol = {"min_next_token_agreement": 0.7, "min_free_next_token_agreement": 0.6}
+    tol = {"min_next_token_agreement": 0.7, "min_free_token_match": 0.0}
     m = export_bundle(tiny_models["qwen3_moe"], tmp_path / "b",
                       _cfg(target="qnn", quant="a16w8", soc="SM8650", calibration_prompts=3, tolerance=tol))
     assert m["parity"]["passed"] and m["soc"] == "SM8650"
@@ -284,7 +285,6 @@ def test_inspect_names_tampered_and_truncated_files(target, embedded_bundles, tm
 def test_inspect_catches_signature_mismatch_behind_valid_hashes(embedded_bundles, tmp_path):
     """A manifest whose hashes were recomputed but whose signature lies is still caught by loading
     the program and comparing every method's inputs and outputs."""
-    from toolkit.artifacts import sha256_file
 
     c = _copy(embedded_bundles["executorch"], tmp_path)
     mm = json.loads((c / "manifest.json").read_text())
@@ -292,8 +292,57 @@ def test_inspect_catches_signature_mismatch_behind_valid_hashes(embedded_bundles
     (c / "manifest.json").write_text(json.dumps(mm))
     with pytest.raises(SpecPrefetchError, match="method head has inputs"):
         inspect_bundle(c)
-    # and a program swapped for another model's program, with hashes fixed up, fails on methods
-    assert sha256_file(c / "graphs/model.pte")
+
+
+def _rehash(c: Path, edit) -> None:
+    """Edit the manifest, then fix every file hash, as an attacker or a careless script would."""
+    from toolkit.artifacts import sha256_file
+
+    mm = json.loads((c / "manifest.json").read_text())
+    edit(mm)
+    for rel in mm.get("files", {}) if isinstance(mm.get("files"), dict) else {}:
+        if (c / rel).is_file():
+            mm["files"][rel] = {"size": (c / rel).stat().st_size, "sha256": sha256_file(c / rel)}
+    (c / "manifest.json").write_text(json.dumps(mm))
+
+
+def test_inspect_checks_the_manifest_itself(embedded_bundles, tmp_path):
+    b = embedded_bundles["executorch"]
+    outside = tmp_path / "outside.pte"
+    shutil.copy(b / "graphs" / "model.pte", outside)
+    cases = [
+        (lambda mm: mm["routing"].__setitem__("top_k", 2), "routing.top_k is 2, .*config.json says 4"),
+        (lambda mm: mm["model"].__setitem__("config_hash", "0" * 16), "model config hash 0000000000000000"),
+        (lambda mm: mm["graphs"].__setitem__("file", "../outside.pte"), "'../outside.pte' is not a path inside"),
+        (lambda mm: mm["graphs"].__setitem__("file", str(outside)), "is not a path inside the bundle"),
+        (lambda mm: mm["runtime"].__setitem__("expert_store", "model/config.json"), "model/config.json: not an expert store"),
+        (lambda mm: mm["parity"].__setitem__("next_token_agreement", 0.5), "parity summary does not match"),
+        (lambda mm: mm.__setitem__("files", ["x"]), "'files' must map paths"),
+        (lambda mm: mm.pop("predictor"), "missing field 'predictor'"),
+        (lambda mm: mm["kv"].__setitem__("layers", []), "kv.layers lists 0 layers"),
+    ]
+    for n, (edit, msg) in enumerate(cases):
+        c = _copy(b, tmp_path / f"c{n}")
+        _rehash(c, edit)
+        with pytest.raises(SpecPrefetchError, match=msg):
+            inspect_bundle(c)
+
+
+def test_failed_export_keeps_the_old_bundle_and_leaves_nothing(tiny_models, tmp_path):
+    out = tmp_path / "b"
+    export_bundle(tiny_models["mixtral"], out, _cfg(target="qnn"))
+    before = (out / "manifest.json").read_bytes()
+    bad = tmp_path / "short.jsonl"
+    bad.write_text('{"text": "too short"}\n')
+    with pytest.raises(SpecPrefetchError, match="short.jsonl: only 0 records"):
+        export_bundle(tiny_models["mixtral"], out, _cfg(target="qnn", calibration=bad))
+    assert (out / "manifest.json").read_bytes() == before and inspect_bundle(out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b", "short.jsonl"]
+    m = export_bundle(tiny_models["mixtral"], out, _cfg(target="executorch"))  # replaces it
+    assert m["target"] == "executorch" and inspect_bundle(out)["target"] == "executorch"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b", "short.jsonl"]
+    with pytest.raises(SpecPrefetchError, match="--window 0"):
+        export_bundle(tiny_models["mixtral"], out, _cfg(window=0))
 
 
 def test_cli_export_and_inspect(tiny_models, tmp_path):
@@ -371,7 +420,8 @@ class _LocalHub:
         class Job:
             job_id = f"j{len(hub.compiled)}"
 
-            def wait(self):
+            def wait(self, timeout=None):
+                assert timeout == 3600.0
                 return type("S", (), {"success": True, "message": ""})()
 
             def download_target_model(self, dest):

@@ -395,10 +395,13 @@ def _tolerances(items: tuple[str, ...]) -> dict[str, float]:
               help="qnn: onnxruntime-qnn, or ExecuTorch's Qualcomm backend (needs QAIRT at QNN_SDK_ROOT)")
 @click.option("--hub-device", default="Snapdragon 8 Elite QRD", show_default=True, help="qai-hub device")
 @click.option("--hub-timeout", default=15.0, show_default=True, help="qai-hub: seconds before giving up on the service")
+@click.option("--hub-profile/--no-hub-profile", default=True, show_default=True,
+              help="qai-hub: also profile every graph on the device")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="bundle directory to write")
 @friendly_errors
 def export_cmd(model, adapter, target, soc, quant, experts_dtype, max_seq, pool_mib, window, calibration,
-               parity_prompts, prompt_tokens, decode_tokens, tolerance, qnn_path, hub_device, hub_timeout, out) -> None:
+               parity_prompts, prompt_tokens, decode_tokens, tolerance, qnn_path, hub_device, hub_timeout, hub_profile,
+               out) -> None:
     """Export MODEL as a phone-ready bundle: dense step graphs for the target, the expert store,
     the adapter, and a parity report. The bundle is refused if parity is past tolerance."""
     from export.bundle import ExportConfig, export_bundle
@@ -407,8 +410,12 @@ def export_cmd(model, adapter, target, soc, quant, experts_dtype, max_seq, pool_
                        pool_mib=pool_mib, window=window, calibration=calibration, parity_prompts=parity_prompts,
                        prompt_tokens=prompt_tokens, decode_tokens=decode_tokens,
                        tolerance=_tolerances(tolerance), qnn_path=qnn_path, hub_device=hub_device,
-                       hub_timeout_s=hub_timeout)
-    m = export_bundle(model, out, cfg, adapter=adapter)
+                       hub_timeout_s=hub_timeout, hub_profile=hub_profile)
+    try:
+        m = export_bundle(model, out, cfg, adapter=adapter)
+    except KeyboardInterrupt:
+        click.echo(f"interrupted: the partial bundle was removed; {out} is as it was", err=True)
+        sys.exit(130)
     click.echo((out / "parity.md").read_text())
     total = sum(f["size"] for f in m["files"].values())
     click.echo(f"wrote {out}: {m['target']} ({m['quantization']['dense']}), {len(m['files'])} files, "
