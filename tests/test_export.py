@@ -463,3 +463,42 @@ def test_export_help_names_targets():
     r = subprocess.run([sys.executable, "-m", "toolkit.cli", "export", "--help"], capture_output=True, text=True,
                        env={**os.environ, "COLUMNS": "200"})
     assert r.returncode == 0 and "executorch|qnn|qai-hub" in r.stdout
+
+
+def test_qaihub_unpack_zip_and_refuse_escaping_binary(tmp_path):
+    """AI Hub downloads come as a directory or a zip; a model whose EPContext node points outside
+    the download is refused, never copied from the host."""
+    import zipfile
+
+    import onnx
+
+    from export.qaihub_target import _unpack
+    from export.qnn_target import compile_context, context_bin
+
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return x * 2 + 1
+
+    torch.onnx.export(M(), (torch.randn(1, 8),), str(tmp_path / "m.onnx"), input_names=["x"], dynamo=False,
+                      opset_version=17)
+    d = tmp_path / "dl"
+    d.mkdir()
+    compile_context(tmp_path / "m.onnx", d / "model.onnx", "SM8750", fp16=True)
+    z = tmp_path / "dl.zip"
+    with zipfile.ZipFile(z, "w") as f:
+        for p in d.iterdir():
+            f.write(p, f"job/{p.name}")
+    dest = tmp_path / "graphs"
+    dest.mkdir()
+    got = _unpack(z, dest, "head")
+    assert got == dest / "head_ctx.onnx" and context_bin(got).read_bytes() == context_bin(d / "model.onnx").read_bytes()
+    node = next(n for n in onnx.load(str(got)).graph.node if n.op_type == "EPContext")
+    assert next(a.s for a in node.attribute if a.name == "ep_cache_context") == b"head_ctx_qnn.bin"
+    evil = onnx.load(str(d / "model.onnx"))
+    for n in evil.graph.node:
+        for a in n.attribute:
+            if a.name == "ep_cache_context":
+                a.s = b"../../etc/passwd"
+    onnx.save(evil, str(d / "model.onnx"))
+    with pytest.raises(SpecPrefetchError, match="outside the download"):
+        _unpack(d, dest, "embed")
