@@ -25,7 +25,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
 
 from toolkit import __version__
 from toolkit.artifacts import read_json, sha256_file, write_json_atomic
@@ -79,21 +78,19 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def calibration_prompts(spec_tokenizer, path: Path | None, n: int, tokens: int, skip: int = 0) -> list[list[int]]:
-    """`n` prompts of `tokens` tokens from a .jsonl/.txt file (records after the first `skip`)."""
+def calibration_prompts(spec_tokenizer, path: Path | None, n: int, tokens: int) -> list[list[int]]:
+    """The first `n` prompts of `tokens` tokens from a .jsonl/.txt file (records long enough)."""
     from toolkit.traces.data import read_records
 
     path = Path(path) if path else Path(__file__).resolve().parent.parent / "toolkit" / "embedded" / "heldout.jsonl"
-    recs = read_records([path], allow_images=False)
     out = []
-    for r in recs[skip:]:
+    for r in read_records([path], allow_images=False):
         ids = spec_tokenizer(r.text, add_special_tokens=False)["input_ids"]
         if len(ids) >= tokens:
             out.append(ids[:tokens])
         if len(out) == n:
             return out
-    raise SpecPrefetchError(f"--calibration {path}: only {len(out)} records of >= {tokens} tokens after "
-                            f"the first {skip}; need {n}")
+    raise SpecPrefetchError(f"--calibration {path}: only {len(out)} records of >= {tokens} tokens; need {n}")
 
 
 def _target(name: str):
@@ -213,9 +210,10 @@ def _assemble(model, work: Path, scratch: Path, cfg: ExportConfig, tgt, quant: s
     experts = ExpertWeights(store, [m.role for m in spec.family.expert_matrices(g)], g.moe_layers)
     run_kw = dict(moe_layers=g.moe_layers, num_layers=g.num_layers, routing=g.routing,
                   score_bias=bank.score_bias, experts=experts)
-    parity_ids = calibration_prompts(tok, cfg.calibration, cfg.parity_prompts, cfg.prompt_tokens)
-    calib_ids = calibration_prompts(tok, cfg.calibration, cfg.calibration_prompts, cfg.prompt_tokens,
-                                    skip=cfg.parity_prompts) if tgt.NEEDS_CALIBRATION.get(quant) else []
+    # one read of the prompt file: parity prompts first, QDQ calibration prompts after them (disjoint)
+    n_calib = cfg.calibration_prompts if tgt.NEEDS_CALIBRATION.get(quant) else 0
+    prompts = calibration_prompts(tok, cfg.calibration, cfg.parity_prompts + n_calib, cfg.prompt_tokens)
+    parity_ids, calib_ids = prompts[:cfg.parity_prompts], prompts[cfg.parity_prompts:]
 
     t0 = time.perf_counter()
     _log(cfg, f"graphs: {cfg.target}, {quant}")
@@ -447,7 +445,3 @@ def load_manifest_backend(path: Path | str):
     path = Path(path)
     m = read_json(path / "manifest.json", "bundle manifest")
     return m, _target(m["target"]).open_backend(path, m)
-
-
-def torch_dtype_name(t: torch.Tensor) -> str:
-    return str(t.dtype).replace("torch.", "")

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from export.pipeline import Backend
 from toolkit.errors import SpecPrefetchError
 
 DEFAULT_QUANT = "fp32"
@@ -175,13 +176,13 @@ def load_program(path: Path):
         raise SpecPrefetchError(f"{path}: ExecuTorch could not load the program ({e}): truncated or corrupt?") from None
 
 
-class ExecuTorchBackend:
+class ExecuTorchBackend(Backend):
     """Runs the bundle's program with the ExecuTorch runtime (its Python bindings)."""
     label = "executorch"
     kv_mode = "buffer"
-    kv = None
 
     def __init__(self, path: Path, info: dict[str, Any]):
+        super().__init__(info)
         self.path = Path(path)
         self.program = load_program(self.path)
         self.methods: dict[str, Any] = {}
@@ -199,9 +200,6 @@ class ExecuTorchBackend:
 
     def reset(self):
         self.call("reset", [torch.zeros(1)])
-
-    def layer(self, layer, h, pos):
-        return self.call(f"layer_{layer}", [h, torch.tensor([pos], dtype=torch.long)])
 
 
 _DTYPES = {4: "int64", 6: "float32", 3: "int32", 5: "float16"}

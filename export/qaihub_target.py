@@ -177,18 +177,15 @@ def _unpack(downloaded: Path, dest: Path, name: str) -> Path:
 
 
 def build(steps, cfg, quant: str, out_dir: Path, *, calib, run_kw, log, scratch: Path, hub=None):
-    from export.pipeline import Built, TorchBackend, run_sequence, steps_info
+    from export.pipeline import Built, TorchBackend, steps_info
 
     hub = hub or cfg.hub_client or _hub()
     device = preflight(cfg, quant, hub=hub)
     graphs = steps.graphs("io")
     reference = TorchBackend(steps, "io", graphs=graphs)
-    src = qnn_target.export_onnx(steps, graphs, scratch, log)
-    if quant in NEEDS_CALIBRATION:  # submit our QDQ models: AI Hub compiles the quantization as given
-        rec = qnn_target.RecordingBackend(reference)
-        for p in calib:
-            run_sequence(rec, p, **run_kw)
-        src = qnn_target.quantize_qdq(src, rec.samples, quant, steps, scratch)
+    # QDQ models are submitted as they are: AI Hub compiles the quantization as given
+    src = qnn_target.onnx_sources(steps, graphs, quant, scratch, calib=calib, run_kw=run_kw,
+                                  reference=reference, log=log)
     options = "--target_runtime precompiled_qnn_onnx"
     if quant == "fp16":
         options += " --quantize_full_type float16"

@@ -22,6 +22,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from export.pipeline import Backend, run_sequence
 from toolkit.errors import SpecPrefetchError
 
 DEFAULT_QUANT = "fp16"
@@ -227,7 +228,7 @@ def context_bin(ctx: Path) -> Path:
     return ctx.with_name(ctx.name.replace(".onnx", "_qnn.bin"))
 
 
-class RecordingBackend:
+class RecordingBackend(Backend):
     """Wraps a backend and keeps graph call inputs as QDQ calibration samples: up to `limit` calls
     per dense graph, and for the expert graph up to `per_expert` calls of every distinct expert
     (weights are kept by reference: the store cache holds them anyway), so every expert's weight
@@ -237,7 +238,7 @@ class RecordingBackend:
         self.inner, self.limit, self.per_expert = inner, limit_per_graph, per_expert
         self.samples: dict[str, list[list[torch.Tensor]]] = {}
         self.expert_seen: dict[int, int] = {}
-        self.kv_mode, self.kv = inner.kv_mode, inner.kv
+        self.kv_mode, self.kv = inner.kv_mode, inner.kv  # the inner backend's cache
 
     def call(self, name, inputs):
         lst = self.samples.setdefault(name, [])
@@ -253,59 +254,55 @@ class RecordingBackend:
     def reset(self):
         self.inner.reset()
 
-    def layer(self, layer, h, pos):
-        from export.pipeline import Backend
-        return Backend.layer(self, layer, h, pos)
 
-
-class QnnBackend:
+class QnnBackend(Backend):
     """Runs a bundle's context binaries with onnxruntime-qnn (HTP; the simulator on x86)."""
     label = "qnn-htp"
     kv_mode = "io"
 
     def __init__(self, files: dict[str, Path], info: dict[str, Any], provider: dict[str, Any] | None = None):
-        from export.pipeline import HostKV
-
-        self.sessions = {n: qnn_session(p, provider) for n, p in files.items()}
+        super().__init__(info)
+        self.sessions = {n: self._session(p, provider) for n, p in files.items()}
         self.names = {n: [i.name for i in s.get_inputs()] for n, s in self.sessions.items()}
-        self.kv = HostKV(info["cache_specs"], info["windows"], info["max_seq"])
+
+    def _session(self, path, provider):
+        return qnn_session(path, provider)
 
     def call(self, name, inputs):
-        s = self.sessions[name]
-        feeds = {}
-        for n, t in zip(self.names[name], inputs):
-            a = t.detach().numpy() if isinstance(t, torch.Tensor) else np.asarray(t)
-            feeds[n] = a
+        feeds = {n: t.detach().numpy() for n, t in zip(self.names[name], inputs)}
         try:
-            outs = s.run(None, feeds)
+            outs = self.sessions[name].run(None, feeds)
         except Exception as e:  # onnxruntime's own exception types
             raise SpecPrefetchError(f"graph {name}: {self.label} run failed ({str(e).strip()[:300]})") from None
         return [torch.from_numpy(np.asarray(o)) for o in outs]
-
-    def reset(self):
-        self.kv.reset()
-
-    def layer(self, layer, h, pos):
-        from export.pipeline import Backend
-        return Backend.layer(self, layer, h, pos)
 
 
 class OrtCpuBackend(QnnBackend):
     """The same (QDQ) ONNX graphs on onnxruntime's CPU provider: the same-quantization reference."""
     label = "onnxruntime-cpu"
 
-    def __init__(self, files, info):
+    def _session(self, path, provider):
         import onnxruntime as ort
-        from export.pipeline import HostKV
+        return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
 
-        self.sessions = {n: ort.InferenceSession(str(p), providers=["CPUExecutionProvider"]) for n, p in files.items()}
-        self.names = {n: [i.name for i in s.get_inputs()] for n, s in self.sessions.items()}
-        self.kv = HostKV(info["cache_specs"], info["windows"], info["max_seq"])
+
+def onnx_sources(steps, graphs, quant: str, scratch: Path, *, calib, run_kw, reference, log) -> dict[str, Path]:
+    """The graphs as ONNX files ready to compile: exported and folded, then for QDQ precisions
+    quantized with calibration samples recorded from the reference run over `calib` prompts."""
+    src = export_onnx(steps, graphs, scratch, log)
+    if quant in NEEDS_CALIBRATION:
+        rec = RecordingBackend(reference)
+        for p in calib:
+            run_sequence(rec, p, **run_kw)
+        t0 = time.perf_counter()
+        src = quantize_qdq(src, rec.samples, quant, steps, scratch)
+        log(f"QDQ {quant}: calibrated on {len(calib)} prompts in {time.perf_counter() - t0:.1f} s")
+    return src
 
 
 def build(steps, cfg, quant: str, out_dir: Path, *, calib: list[list[int]], run_kw: dict, log,
           scratch: Path):
-    from export.pipeline import Built, TorchBackend, compare, run_sequence, steps_info
+    from export.pipeline import Built, TorchBackend, compare, steps_info
 
     if cfg.qnn_path == "executorch":
         return _build_executorch_qnn(steps, cfg, quant, out_dir, log)
@@ -313,15 +310,8 @@ def build(steps, cfg, quant: str, out_dir: Path, *, calib: list[list[int]], run_
     graphs = steps.graphs("io")
     reference = TorchBackend(steps, "io", graphs=graphs)
     t0 = time.perf_counter()
-    src = export_onnx(steps, graphs, scratch, log)
+    src = onnx_sources(steps, graphs, quant, scratch, calib=calib, run_kw=run_kw, reference=reference, log=log)
     t_onnx = time.perf_counter() - t0
-    if quant in NEEDS_CALIBRATION:
-        rec = RecordingBackend(reference)
-        for p in calib:
-            run_sequence(rec, p, **run_kw)
-        t1 = time.perf_counter()
-        src = quantize_qdq(src, rec.samples, quant, steps, scratch)
-        log(f"QDQ {quant}: calibrated on {len(calib)} prompts in {time.perf_counter() - t1:.1f} s")
     files = {}
     t1 = time.perf_counter()
     from rich.progress import track

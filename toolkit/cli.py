@@ -37,6 +37,13 @@ def friendly_errors(fn):
     return wrapper
 
 
+def scheduler_limits(fn):
+    """The scheduler's flash-saturation limits, shared by `simulate` and `run`."""
+    fn = click.option("--step-budget-kib", type=int, default=None, help="prefetch bytes issued per step at most")(fn)
+    return click.option("--min-confidence", default=0.02, show_default=True,
+                        help="when flash is saturated, drop queued prefetches below this predicted probability")(fn)
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="specprefetch")
 def main() -> None:
@@ -225,9 +232,7 @@ def _policies(text: str):
 @click.option("--geometry", default=None, help="config.json directory whose sizes to use (routing stays the trace's)")
 @click.option("--split", default="heldout", show_default=True, type=click.Choice(["heldout", "train"]))
 @click.option("--max-sequences", type=int, default=None)
-@click.option("--min-confidence", default=0.02, show_default=True,
-              help="when flash is saturated, drop queued prefetches below this predicted probability")
-@click.option("--step-budget-kib", type=int, default=None, help="prefetch bytes issued per step at most")
+@scheduler_limits
 @click.option("--json", "json_out", required=True, type=click.Path(path_type=Path))
 @friendly_errors
 def simulate(traces, policies, adapter, profile, pool_mib, window, queue_depth, dtype, geometry, split,
@@ -284,9 +289,7 @@ def calibrate(model, store_path, reads, out) -> None:
 @click.option("--threads", default=1, show_default=True, help="torch compute threads (the rest serve I/O)")
 @click.option("--io", "io_mode", default="process", show_default=True, type=click.Choice(["process", "threads"]),
               help="reads in a forked reader process, or in threads of this process")
-@click.option("--min-confidence", default=0.02, show_default=True,
-              help="when flash is saturated, drop queued prefetches below this predicted probability")
-@click.option("--step-budget-kib", type=int, default=None, help="prefetch bytes issued per step at most")
+@scheduler_limits
 @click.option("--json", "json_out", required=True, type=click.Path(path_type=Path))
 @friendly_errors
 def run(model, policy, adapter, frequency_trace, pool_mib, window, queue_depth, store_path, dtype, flash_profile,
