@@ -23,10 +23,9 @@ from adapters.lowrank import PrefetchAdapter
 from toolkit.errors import SpecPrefetchError
 from toolkit.metrics import topk_overlap
 from toolkit.models.families import router_distribution
-from toolkit.models.loader import ModelSpec, inspect_model_dir
 from toolkit.models.routers import RouterBank, load_router_bank
-from toolkit.predictors.batches import RoutingBatch, ShardStream, validation_batches
-from toolkit.traces.format import TraceReader
+from toolkit.traces.batches import RoutingBatch, ShardStream, validation_batches
+from toolkit.traces.format import TraceReader, trace_model_spec
 
 
 @dataclasses.dataclass
@@ -51,15 +50,6 @@ class TrainConfig:
         if self.horizon_weights and h in self.horizon_weights:
             return float(self.horizon_weights[h])
         return 2.0 if h == 1 else 1.0
-
-
-def trace_model_spec(reader: TraceReader, model: str | Path | None) -> ModelSpec:
-    """The model a trace was made from; a different model is an error."""
-    spec = inspect_model_dir(model or reader.model["path"])
-    if spec.config_hash != reader.model["config_hash"]:
-        raise SpecPrefetchError(f"trace {reader.path} was recorded from model config "
-                                f"{reader.model['config_hash']}, but {spec.path} has {spec.config_hash}")
-    return spec
 
 
 def pair_targets(adapter: PrefetchAdapter, b: RoutingBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

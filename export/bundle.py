@@ -159,7 +159,8 @@ def export_bundle(model: str | Path, out: Path, cfg: ExportConfig, adapter: Path
 
 
 def _assemble(model, work: Path, scratch: Path, cfg: ExportConfig, tgt, quant: str, tol, adapter, out: Path) -> dict[str, Any]:
-    from export.graphs import IO_MASK_VALUE, MASK_VALUE, StepModel, adapter_heads, describe
+    from export.graphs import MASK_VALUE, StepModel, adapter_heads, describe
+    from toolkit.runtime.backend import IO_MASK_VALUE
     from export.pipeline import ExpertWeights, check, compare, free_running, run_sequence
     from toolkit.models.loader import inspect_model_dir, load_dense_model
     from toolkit.models.routers import load_router_bank

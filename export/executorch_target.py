@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from export.pipeline import Backend
+from toolkit.runtime.backend import Backend
 from toolkit.errors import SpecPrefetchError
 
 DEFAULT_QUANT = "fp32"

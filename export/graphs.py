@@ -39,20 +39,10 @@ from torch import nn
 
 from toolkit.errors import SpecPrefetchError
 from toolkit.models.loader import ModelSpec
+from toolkit.runtime.backend import CacheSpec, host_mask
 
 KvMode = Literal["buffer", "io"]
 MASK_VALUE = -1e4  # additive mask in buffer mode (ExecuTorch) for positions a query may not see
-# io mode (QNN): the mask is a graph input, and QDQ calibration sizes the score+mask range from it;
-# -1e4 would cost uint16 scores a 0.15 step. -100 still gives masked positions weight e^-100 (the
-# host zeroes the cache before each sequence, so masked keys are zeros, not stale keys).
-IO_MASK_VALUE = -100.0
-
-
-@dataclasses.dataclass(frozen=True)
-class CacheSpec:
-    """One KV tensor pair of a layer: shapes [1, heads, max_seq, dim] of the two cached tensors."""
-    k_shape: tuple[int, ...]
-    v_shape: tuple[int, ...]
 
 
 def text_model(model: nn.Module) -> nn.Module:
@@ -360,15 +350,6 @@ class StepModel:
 
     def names(self) -> list[str]:
         return ["embed"] + [f"layer_{i}" for i in range(len(self.layers))] + ["expert", "head"]
-
-
-def host_mask(pos: int, max_seq: int, window: int = 0, value: float = IO_MASK_VALUE) -> torch.Tensor:
-    """The additive attention mask [1, 1, 1, S] the host passes to an io-mode layer graph."""
-    j = torch.arange(max_seq)
-    allowed = j <= pos
-    if window:
-        allowed &= j > pos - window
-    return torch.where(allowed, 0.0, value).float().view(1, 1, 1, -1)
 
 
 def adapter_heads(adapter, bank, horizons: tuple[int, ...]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:

@@ -18,55 +18,7 @@ from torch import nn
 
 from toolkit.errors import SpecPrefetchError
 from toolkit.models.families import RoutingSpec, expert_weights, select_experts
-
-
-class HostKV:
-    """The KV cache of io-mode graphs, held by the host: builds each layer's cache inputs and
-    writes the returned key/value of the current token at its position."""
-
-    def __init__(self, cache_specs, windows: Sequence[int], max_seq: int):
-        self.specs, self.windows, self.max_seq = cache_specs, list(windows), max_seq
-        self.reset()
-
-    def reset(self) -> None:
-        self.k = [torch.zeros(cs.k_shape) for cs in self.specs]
-        self.v = [torch.zeros(cs.v_shape) for cs in self.specs]
-
-    def inputs(self, layer: int, pos: int) -> tuple[torch.Tensor, ...]:
-        from export.graphs import host_mask
-
-        onehot = nn.functional.one_hot(torch.tensor([pos]), self.max_seq).float()
-        return onehot, host_mask(pos, self.max_seq, self.windows[layer]), self.k[layer], self.v[layer]
-
-    def write(self, layer: int, pos: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
-        self.k[layer][:, :, pos] = k_new[:, :, 0]
-        self.v[layer][:, :, pos] = v_new[:, :, 0]
-
-
-class Backend:
-    """Runs named graphs. Subclasses implement `call(name, inputs) -> list of tensors` and
-    `reset()`; io-mode backends get a HostKV."""
-    kv_mode = "buffer"
-    label = "backend"
-
-    def __init__(self, steps_info: dict[str, Any]):
-        self.info = steps_info
-        self.kv = HostKV(steps_info["cache_specs"], steps_info["windows"], steps_info["max_seq"]) \
-            if self.kv_mode == "io" else None
-
-    def call(self, name: str, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        raise NotImplementedError
-
-    def reset(self) -> None:
-        if self.kv is not None:
-            self.kv.reset()
-
-    def layer(self, layer: int, h: torch.Tensor, pos: int) -> list[torch.Tensor]:
-        if self.kv_mode == "buffer":
-            return self.call(f"layer_{layer}", [h, torch.tensor([pos], dtype=torch.long)])
-        outs = self.call(f"layer_{layer}", [h, *self.kv.inputs(layer, pos)])
-        self.kv.write(layer, pos, outs[-2], outs[-1])
-        return outs[:-2]
+from toolkit.runtime.backend import Backend
 
 
 class TorchBackend(Backend):

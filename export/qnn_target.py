@@ -22,7 +22,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from export.pipeline import Backend, run_sequence
+from export.pipeline import run_sequence
+from toolkit.runtime.backend import Backend
 from toolkit.errors import SpecPrefetchError
 
 DEFAULT_QUANT = "fp16"
@@ -417,7 +418,7 @@ def check_graphs(path: Path, m: dict) -> dict[str, Any]:
 
 
 def open_backend(path: Path, m: dict):
-    from export.graphs import CacheSpec
+    from toolkit.runtime.backend import CacheSpec
 
     info = {"cache_specs": [CacheSpec(tuple(x["k"]), tuple(x["v"])) for x in m["kv"]["layers"]],
             "windows": [x["window"] for x in m["kv"]["layers"]], "max_seq": m["kv"]["max_seq"]}

@@ -239,7 +239,7 @@ def simulate(traces, policies, adapter, profile, pool_mib, window, queue_depth, 
              max_sequences, min_confidence, step_budget_kib, json_out) -> None:
     """Replay TRACES through the pool and scheduler against a device profile: TPOT, stall, hit
     rate, MiB read and wasted prefetch per policy; sweeps give a table and plots."""
-    from toolkit.simulate.profiles import load_profile
+    from toolkit.runtime.profiles import load_profile
     from toolkit.simulate.report import sweep, write_sweep
 
     pools = [float(x) for x in pool_mib.split(",")]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from toolkit.models.routers import RouterBank
-from toolkit.predictors.batches import RoutingBatch
+from toolkit.traces.batches import RoutingBatch
 
 
 class Predictor:

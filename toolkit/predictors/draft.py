@@ -21,7 +21,7 @@ from toolkit.errors import SpecPrefetchError
 from toolkit.models.families import selection_scores
 from toolkit.models.loader import LoadedModel
 from toolkit.predictors.base import Predictor
-from toolkit.predictors.batches import RoutingBatch
+from toolkit.traces.batches import RoutingBatch
 
 GROUP = 32
 

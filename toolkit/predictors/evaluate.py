@@ -20,7 +20,7 @@ from toolkit.metrics import topk_overlap
 from toolkit.models.routers import load_router_bank
 from toolkit.predictors.base import (AdapterPredictor, FateStyle, Frequency, NextGate, Oracle,
                                      Predictor, PreviousToken)
-from toolkit.predictors.batches import iter_batches
+from toolkit.traces.batches import iter_batches
 from toolkit.traces.format import TraceReader
 
 ALL = ("next-gate", "fate", "frequency", "previous-token", "adapter", "draft", "oracle")
@@ -74,7 +74,7 @@ def build_predictors(names: list[str], reader: TraceReader, spec, adapter_path: 
 def evaluate(trace: Path, *, predictors: list[str], adapter: Path | None = None,
              model: str | Path | None = None, horizons: tuple[int, ...] | None = None,
              budget: int | None = None, draft_bits: int = 4, progress: bool = True) -> dict[str, Any]:
-    from adapters.train import trace_model_spec
+    from toolkit.traces.format import trace_model_spec
 
     reader = TraceReader(trace)
     spec = trace_model_spec(reader, model)

@@ -25,7 +25,7 @@ import time
 from toolkit.errors import SpecPrefetchError
 from toolkit.runtime.expert_store import ExpertStore
 from toolkit.runtime.pool import Key
-from toolkit.simulate.profiles import DeviceProfile
+from toolkit.runtime.profiles import DeviceProfile
 
 
 def open_direct(path) -> tuple[int, bool]:

@@ -27,7 +27,7 @@ from torch import nn
 from toolkit.errors import SpecPrefetchError
 from toolkit.metrics import hit_rate, tpot_ms
 from toolkit.models.loader import LoadedModel, load_dense_model, load_model
-from toolkit.predictors.batches import RoutingBatch
+from toolkit.traces.batches import RoutingBatch
 from toolkit.runtime.expert_store import ExpertStore, build_store, dequantize
 from toolkit.runtime.io import DirectReader, ProcessReader
 from toolkit.runtime.pool import ExpertPool
@@ -128,7 +128,7 @@ class StreamingRuntime:
         gc.collect()
         self.profile = None
         if cfg.flash_profile:
-            from toolkit.simulate.profiles import load_profile
+            from toolkit.runtime.profiles import load_profile
             self.profile = load_profile(cfg.flash_profile)
         self.predictor = self._predictor()
         secs = {s.role: s for s in store.sections}
@@ -389,7 +389,7 @@ class StreamingRuntime:
 
 
 def default_store_path(lm: LoadedModel, dtype: str) -> Path:
-    from toolkit.simulate.profiles import profile_dir
+    from toolkit.runtime.profiles import profile_dir
 
     return profile_dir().parent / "stores" / f"{lm.spec.config_hash}-{dtype}.spx"
 

@@ -27,7 +27,7 @@ import torch
 
 from toolkit.runtime.expert_store import ExpertStore
 from toolkit.runtime.io import open_direct
-from toolkit.simulate.profiles import DeviceProfile, save_profile
+from toolkit.runtime.profiles import DeviceProfile, save_profile
 
 MiB = 2**20
 
@@ -67,6 +67,14 @@ def measure_reads(path: Path, offsets: list[int], size: int, qd: int, n: int, se
     return n * size / total / MiB, float(np.mean(lat))
 
 
+def big_reads(data_offset: int, file_end: int, big: int = 1 << 20) -> tuple[int, list[int]]:
+    return big, [o for o in range(data_offset, file_end - big, big)] or [data_offset]
+
+
+def runtime_miss_ms(result: dict) -> float:
+    return result["stall_ms_per_token"] * len(result["tokens"]) / max(1, result["counts"]["misses"])
+
+
 def calibrate(model: str | Path = "embedded", *, store: Path | None = None, reads: int = 200,
               tokens: int = 32, out: Path | None = None, progress: bool = True) -> tuple[DeviceProfile, Path]:
     from toolkit.runtime.streaming import RunConfig, open_runtime
@@ -76,9 +84,7 @@ def calibrate(model: str | Path = "embedded", *, store: Path | None = None, read
     st: ExpertStore = rt.store
     offsets = [e.offset for e in st.entries.values()]
     slot = st.slot_bytes
-    big = 1 << 20
-    file_end = st.path.stat().st_size
-    big_offsets = [o for o in range(st.data_offset, file_end - big, big)] or offsets
+    big, big_offsets = big_reads(st.data_offset, st.path.stat().st_size)
     table: dict[int, dict[int, float]] = {}
     lat1 = None
     for qd in (1, 2, 4, 8):
@@ -134,8 +140,7 @@ def calibrate(model: str | Path = "embedded", *, store: Path | None = None, read
     rt.budget = k * 2 * st.slot_bytes
     rt.pool = None
     small = rt.generate(prompt, tokens)
-    misses = small["counts"]["misses"]
-    miss_ms = small["stall_ms_per_token"] * len(small["tokens"]) / max(1, misses)
+    miss_ms = runtime_miss_ms(small)
     latency_us = max(latency_us, miss_ms * 1e3 - xfer * 1e6)
     # what a background read costs the compute thread (interrupts, hand-offs): perfect prefetch
     # (oracle + Belady) with the same tiny pool, against the all-resident time with planning

@@ -8,7 +8,7 @@ prefetches already in the device queue: the cost that makes unbudgeted prefetch 
 from __future__ import annotations
 
 from toolkit.runtime.pool import Key
-from toolkit.simulate.profiles import DeviceProfile
+from toolkit.runtime.profiles import DeviceProfile
 
 
 class SimClock:

@@ -22,11 +22,11 @@ from toolkit.errors import SpecPrefetchError
 from toolkit.metrics import hit_rate, tpot_ms
 from toolkit.models.info import aligned, expert_bytes, model_info
 from toolkit.models.loader import inspect_model_dir
-from toolkit.predictors.batches import RoutingBatch, iter_batches
+from toolkit.traces.batches import RoutingBatch, iter_batches
 from toolkit.runtime.pool import ExpertPool
 from toolkit.runtime.scheduler import SchedulerConfig, WindowScheduler
 from toolkit.simulate.flash import SimClock, SimFlash
-from toolkit.simulate.profiles import DeviceProfile
+from toolkit.runtime.profiles import DeviceProfile
 
 BYTES_PER_PARAM = {"fp16": 2.0, "bf16": 2.0, "int8": 1.0, "int4": 0.5625}
 
@@ -207,7 +207,7 @@ def run_simulation(trace: Path, *, policies: list[Policy], profile: DeviceProfil
                    adapter: Path | None = None, model: str | None = None, min_confidence: float = 0.02,
                    step_budget_kib: int | None = None, max_sequences: int | None = None,
                    split: str = "heldout", floor: float = 0.0) -> dict[str, Any]:
-    from adapters.train import trace_model_spec
+    from toolkit.traces.format import trace_model_spec
     from toolkit.predictors.evaluate import build_predictors
     from toolkit.traces.format import TraceReader
 

@@ -20,6 +20,7 @@ from safetensors.numpy import load_file, save_file
 from toolkit import __version__
 from toolkit.artifacts import atomic_write_with, read_json, sha256_file, write_json_atomic
 from toolkit.errors import SpecPrefetchError
+from toolkit.models.loader import ModelSpec, inspect_model_dir
 
 FORMAT = "specprefetch-trace"
 VERSION = 1
@@ -266,3 +267,13 @@ class TraceReader:
             for f in fields:
                 parts[f].append(a[f])
         return {f: (np.concatenate(v) if v else np.zeros((0,), FIELDS[f])) for f, v in parts.items()}
+
+
+def trace_model_spec(reader: TraceReader, model: str | Path | None) -> ModelSpec:
+    """The model a trace was made from; a different model is an error."""
+
+    spec = inspect_model_dir(model or reader.model["path"])
+    if spec.config_hash != reader.model["config_hash"]:
+        raise SpecPrefetchError(f"trace {reader.path} was recorded from model config "
+                                f"{reader.model['config_hash']}, but {spec.path} has {spec.config_hash}")
+    return spec
