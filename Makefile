@@ -30,13 +30,17 @@ demo: $(STAMP)
 	    --pool-mib 4,8,16 --window 2 --json $(RUNS)/simulate.json
 	$(BIN)/specprefetch run embedded --store $(RUNS)/experts-fp16.spx --adapter $(RUNS)/adapter \
 	    --policy adapter+prediction --pool-mib 8 --prompt "The kernel's memory allocator" \
-	    --prompt "To open a file for reading, use" --json $(RUNS)/run.json
+	    --prompt "To open a file for reading, use" --json $(RUNS)/run.json --events $(RUNS)/events.log
 	$(BIN)/specprefetch export embedded --adapter $(RUNS)/adapter --target executorch --quant 8da8w \
 	    --out $(RUNS)/bundle-executorch
 	$(BIN)/specprefetch inspect $(RUNS)/bundle-executorch
 	$(BIN)/specprefetch export embedded --adapter $(RUNS)/adapter --target qnn --soc SM8750 --quant fp16 \
 	    --out $(RUNS)/bundle-qnn-sm8750
 	$(BIN)/specprefetch inspect $(RUNS)/bundle-qnn-sm8750
+	$(BIN)/specprefetch run $(RUNS)/bundle-executorch --policy adapter+prediction \
+	    --prompt "The kernel's memory allocator" --json $(RUNS)/run-executorch.json --events $(RUNS)/events-executorch.log
+	$(BIN)/specprefetch run $(RUNS)/bundle-qnn-sm8750 --policy adapter+prediction \
+	    --prompt "The kernel's memory allocator" --json $(RUNS)/run-qnn.json
 
 ## test: the CI suite (what .ci/run calls)
 test: $(STAMP)

@@ -5,16 +5,16 @@ error. The directory is written as ADAPTER.partial and renamed into place.
 """
 from __future__ import annotations
 
-import shutil
+import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from adapters.lowrank import PrefetchAdapter
 from toolkit import __version__
-from toolkit.artifacts import read_json, sha256_file, write_json_atomic
+from toolkit.artifacts import atomic_directory, read_json, sha256_file, write_json_atomic
 from toolkit.errors import SpecPrefetchError
 from toolkit.models.loader import ModelSpec
 
@@ -24,43 +24,81 @@ VERSION = 1
 
 def save_adapter(adapter: PrefetchAdapter, out: Path, spec: ModelSpec, extra: dict[str, Any]) -> Path:
     out = Path(out)
-    work = out.with_name(out.name + ".partial")
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    save_file({"A": adapter.A.detach().contiguous(), "B": adapter.B.detach().contiguous()},
-              str(work / "adapter.safetensors"))
-    g = spec.geometry
-    meta = {
-        "format": FORMAT, "version": VERSION, "toolkit_version": __version__,
-        "model": {"family": g.family, "config_hash": spec.config_hash, "path": str(spec.path),
-                  "moe_layers": list(g.moe_layers), "num_experts": g.routing.num_experts,
-                  "hidden_size": g.hidden_size},
-        "horizons": list(adapter.horizons), "rank": adapter.rank, "cross_token": adapter.cross_token,
-        "pairs": [list(p) for p in adapter.pairs],
-        "params": adapter.params(),
-        "weights_sha256": sha256_file(work / "adapter.safetensors"),
-        **extra,
-    }
-    write_json_atomic(work / "adapter.json", meta)
-    if out.exists():
-        shutil.rmtree(out)
-    work.rename(out)
+    with atomic_directory(out, overwrite=True) as work:  # ADAPTER.partial, renamed when complete
+        save_file({"A": adapter.A.detach().contiguous(), "B": adapter.B.detach().contiguous()},
+                  str(work / "adapter.safetensors"))
+        g = spec.geometry
+        meta = {
+            "format": FORMAT, "version": VERSION, "toolkit_version": __version__,
+            "model": {"family": g.family, "config_hash": spec.config_hash, "path": str(spec.path),
+                      "moe_layers": list(g.moe_layers), "num_experts": g.routing.num_experts,
+                      "hidden_size": g.hidden_size},
+            "horizons": list(adapter.horizons), "rank": adapter.rank, "cross_token": adapter.cross_token,
+            "pairs": [list(p) for p in adapter.pairs],
+            "params": adapter.params(),
+            "weights_sha256": sha256_file(work / "adapter.safetensors"),
+            **extra,
+        }
+        write_json_atomic(work / "adapter.json", meta)
     return out
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+# (dotted key, check, what it must be) for every field load_adapter reads
+_FIELDS: list[tuple[str, Callable[[Any], bool], str]] = [
+    ("model", lambda v: isinstance(v, dict), "an object"),
+    ("model.config_hash", lambda v: isinstance(v, str), "a string"),
+    ("model.moe_layers", lambda v: isinstance(v, list) and len(v) > 0 and all(_is_int(x) for x in v),
+     "a non-empty list of integers"),
+    ("model.num_experts", lambda v: _is_int(v) and v > 0, "a positive integer"),
+    ("model.hidden_size", lambda v: _is_int(v) and v > 0, "a positive integer"),
+    ("horizons", lambda v: isinstance(v, list) and len(v) > 0 and all(_is_int(x) and 1 <= x <= 4 for x in v),
+     "a non-empty list of integers in 1..4"),
+    ("rank", lambda v: _is_int(v) and v > 0, "a positive integer"),
+    ("cross_token", lambda v: isinstance(v, bool), "true or false"),
+    ("weights_sha256", lambda v: isinstance(v, str), "a string"),
+]
+
+
+def check_meta(meta: Any, file: Path) -> None:
+    """Refuse an adapter.json that is not what save_adapter writes, naming the file and the field."""
+    if not isinstance(meta, dict):
+        raise SpecPrefetchError(f"{file}: malformed adapter config: not a JSON object")
+    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        raise SpecPrefetchError(f"{file}: not a version-{VERSION} specprefetch adapter "
+                                f"(format {meta.get('format')!r}, version {meta.get('version')!r})")
+    for key, ok, what in _FIELDS:
+        parent, _, name = key.rpartition(".")
+        d = meta[parent] if parent else meta
+        if name not in d:
+            raise SpecPrefetchError(f"{file}: malformed adapter config: {key!r} is missing")
+        if not ok(d[name]):
+            raise SpecPrefetchError(f"{file}: malformed adapter config: {key!r} must be {what}, "
+                                    f"not {json.dumps(d[name])[:60]}")
+
+
+def read_adapter_meta(path: Path) -> dict[str, Any]:
+    """ADAPTER/adapter.json, validated: a missing, unparsable or malformed file is a
+    SpecPrefetchError naming it and what is wrong (use this, never read the JSON directly)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise SpecPrefetchError(f"adapter directory not found: {path}")
+    meta = read_json(path / "adapter.json", "adapter config")
+    check_meta(meta, path / "adapter.json")
+    return meta
 
 
 def load_adapter(path: Path, spec: ModelSpec | None = None) -> tuple[PrefetchAdapter, dict[str, Any]]:
     """Load and validate an adapter; with `spec`, refuse one trained for another model."""
     path = Path(path)
-    if not path.is_dir():
-        raise SpecPrefetchError(f"adapter directory not found: {path}")
-    meta = read_json(path / "adapter.json", "adapter config")
-    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
-        raise SpecPrefetchError(f"{path / 'adapter.json'}: not a version-{VERSION} specprefetch adapter "
-                                f"(format {meta.get('format')!r}, version {meta.get('version')!r})")
+    meta = read_adapter_meta(path)
     if spec is not None and meta["model"]["config_hash"] != spec.config_hash:
         raise SpecPrefetchError(
             f"{path}: adapter was trained for model config {meta['model']['config_hash']} "
-            f"({meta['model']['family']}), not {spec.config_hash} ({spec.path})")
+            f"({meta['model'].get('family')}), not {spec.config_hash} ({spec.path})")
     weights = path / "adapter.safetensors"
     if not weights.exists():
         raise SpecPrefetchError(f"{weights}: missing")
@@ -70,6 +108,8 @@ def load_adapter(path: Path, spec: ModelSpec | None = None) -> tuple[PrefetchAda
         t = load_file(str(weights))
     except (SafetensorError, OSError) as e:
         raise SpecPrefetchError(f"{weights}: unreadable ({e})") from None
+    if not {"A", "B"} <= set(t):
+        raise SpecPrefetchError(f"{weights}: expected tensors A and B, found {sorted(t)}")
     m = meta["model"]
     adapter = PrefetchAdapter(num_layers=len(m["moe_layers"]), hidden_size=m["hidden_size"],
                               num_experts=m["num_experts"], horizons=tuple(meta["horizons"]),

@@ -9,11 +9,15 @@
                            binaries (qnn, qai-hub)
       experts.spx          the expert store: experts stream from it, never inside a graph
       adapter/             the prefetch adapter checkpoint (its heads are also folded into graphs)
-      host.safetensors     host-side routing tensors (DeepSeek-V3 selection bias), if any
+      host.safetensors     host-side routing tensors: every MoE layer's router (`router_weight`
+                           [L, E, H], `router_bias` [L, E] where the family has one) for host
+                           predictors (next-gate, FATE), and the DeepSeek-V3 selection bias
       parity.json / .md    the parity report the bundle was accepted with
 
 The bundle is assembled in BUNDLE.partial and renamed into place only after parity holds; a bundle
-past tolerance is refused and its partial directory kept (renamed BUNDLE.rejected) for inspection.
+past tolerance is refused and its partial directory kept (renamed BUNDLE.rejected) for inspection
+(toolkit.artifacts.atomic_directory). The manifest's format, the registry of targets and the
+validation of a bundle live in export/manifest.py; each target implements export.target.Target.
 """
 from __future__ import annotations
 
@@ -26,13 +30,11 @@ from pathlib import Path
 from typing import Any
 
 
-from toolkit import __version__
-from toolkit.artifacts import read_json, sha256_file, write_json_atomic
+from export.manifest import (FORMAT, VERSION, get_target, malformed, sizes, validate_bundle,
+                             versions)
+from toolkit.artifacts import atomic_directory, rejected_dir, sha256_file, write_json_atomic
 from toolkit.errors import SpecPrefetchError
 
-FORMAT = "specprefetch-bundle"
-VERSION = 1
-TARGETS = ("executorch", "qnn", "qai-hub")
 MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja",
                "chat_template.json", "preprocessor_config.json")
@@ -66,18 +68,6 @@ class ParityRefused(SpecPrefetchError):
     """The bundle's graphs are past tolerance; its directory was kept as OUT.rejected."""
 
 
-def _versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {"specprefetch": __version__}
-    for pkg in ("torch", "transformers", "executorch", "torchao", "onnx", "onnxruntime", "onnxruntime-qnn", "qai-hub"):
-        try:
-            out[pkg] = version(pkg)
-        except PackageNotFoundError:
-            pass
-    return out
-
-
 def calibration_prompts(spec_tokenizer, path: Path | None, n: int, tokens: int) -> list[list[int]]:
     """The first `n` prompts of `tokens` tokens from a .jsonl/.txt file (records long enough)."""
     from toolkit.traces.data import read_records
@@ -91,19 +81,6 @@ def calibration_prompts(spec_tokenizer, path: Path | None, n: int, tokens: int) 
         if len(out) == n:
             return out
     raise SpecPrefetchError(f"--calibration {path}: only {len(out)} records of >= {tokens} tokens; need {n}")
-
-
-def _target(name: str):
-    if name == "executorch":
-        from export import executorch_target
-        return executorch_target
-    if name == "qnn":
-        from export import qnn_target
-        return qnn_target
-    if name == "qai-hub":
-        from export import qaihub_target
-        return qaihub_target
-    raise SpecPrefetchError(f"--target {name!r}: choose from {', '.join(TARGETS)}")
 
 
 def _log(cfg: ExportConfig, msg: str) -> None:
@@ -123,7 +100,7 @@ def export_bundle(model: str | Path, out: Path, cfg: ExportConfig, adapter: Path
     from export.pipeline import Tolerance
 
     out = Path(out)
-    tgt = _target(cfg.target)
+    tgt = get_target(cfg.target)
     quant = cfg.quant or tgt.DEFAULT_QUANT
     if quant not in tgt.QUANTS:
         raise SpecPrefetchError(f"--quant {quant!r} is not offered by --target {cfg.target}: "
@@ -139,22 +116,11 @@ def export_bundle(model: str | Path, out: Path, cfg: ExportConfig, adapter: Path
         raise SpecPrefetchError(f"--out {out}: exists and is not a directory")
     tol = Tolerance.for_quant(quant).with_overrides(cfg.tolerance)
     tgt.preflight(cfg, quant)  # fail fast (missing SDK, token, network) before any heavy work
-    work = out.with_name(out.name + ".partial")
-    shutil.rmtree(work, ignore_errors=True)
-    try:
-        with tempfile.TemporaryDirectory(prefix="specprefetch-export-") as scratch:
-            manifest = _assemble(model, work, Path(scratch), cfg, tgt, quant, tol, adapter, out)
-    except BaseException:
-        shutil.rmtree(work, ignore_errors=True)
-        raise
-    # replace an existing bundle only now, and so that some complete bundle is always on disk
-    old = out.with_name(out.name + ".old")
-    shutil.rmtree(old, ignore_errors=True)
-    if out.exists():
-        out.rename(old)
-    work.rename(out)
-    shutil.rmtree(old, ignore_errors=True)
-    shutil.rmtree(out.with_name(out.name + ".rejected"), ignore_errors=True)
+    # OUT.partial becomes OUT only when complete (an existing OUT is replaced only then); a parity
+    # refusal keeps it as OUT.rejected, any other failure removes it
+    with atomic_directory(out, overwrite=True, keep_on=(ParityRefused,)) as work, \
+            tempfile.TemporaryDirectory(prefix="specprefetch-export-") as scratch:
+        manifest = _assemble(model, work, Path(scratch), cfg, tgt, quant, tol, adapter, out)
     return manifest
 
 
@@ -197,9 +163,13 @@ def _assemble(model, work: Path, scratch: Path, cfg: ExportConfig, tgt, quant: s
     if not horizons:
         raise SpecPrefetchError(f"--window {cfg.window}: the adapter predicts horizons {list(ad.horizons)} only")
     heads = adapter_heads(ad, bank, horizons)
+    from safetensors.torch import save_file
+    host = {"router_weight": bank.weight.contiguous()}
+    if bank.bias is not None:
+        host["router_bias"] = bank.bias.contiguous()
     if bank.score_bias is not None:
-        from safetensors.torch import save_file
-        save_file({"score_bias": bank.score_bias.contiguous()}, str(work / "host.safetensors"))
+        host["score_bias"] = bank.score_bias.contiguous()
+    save_file(host, str(work / "host.safetensors"))
 
     t0 = time.perf_counter()
     _log(cfg, f"expert store ({cfg.experts})")
@@ -242,10 +212,8 @@ def _assemble(model, work: Path, scratch: Path, cfg: ExportConfig, tgt, quant: s
               "prompts": len(parity_ids), "prompt_tokens": cfg.prompt_tokens, "decode_tokens": cfg.decode_tokens}
     write_json_atomic(work / "parity.json", parity)
     (work / "parity.md").write_text(parity_markdown(parity))
-    if failures:
-        rejected = out.with_name(out.name + ".rejected")
-        shutil.rmtree(rejected, ignore_errors=True)
-        work.rename(rejected)
+    if failures:  # atomic_directory keeps the partial bundle as OUT.rejected
+        rejected = rejected_dir(out)
         raise ParityRefused(
             f"parity failed, bundle refused ({built.backend_label} vs {built.reference_label}, {quant}): "
             + "; ".join(failures) + f". Report and partial bundle kept in {rejected}")
@@ -268,6 +236,7 @@ def _assemble(model, work: Path, scratch: Path, cfg: ExportConfig, tgt, quant: s
         "eos_token_id": eos,
         "routing": {**dataclasses.asdict(g.routing),
                     "score_bias_file": "host.safetensors" if bank.score_bias is not None else None},
+        "host_file": "host.safetensors",
         "kv": {"mode": built.kv_mode, "max_seq": cfg.max_seq,
                "mask_value": MASK_VALUE if built.kv_mode == "buffer" else IO_MASK_VALUE,
                "layers": [{"k": list(c.k_shape), "v": list(c.v_shape), "window": w}
@@ -282,7 +251,7 @@ def _assemble(model, work: Path, scratch: Path, cfg: ExportConfig, tgt, quant: s
                                               "next_token_agreement")},
                    "free_running_token_match": parity["free_running"]["token_match"]},
         "timings_s": {k: round(v, 2) for k, v in timings.items()},
-        "versions": _versions(),
+        "versions": versions(),
     }
     manifest["files"] = {str(p.relative_to(work)): {"size": p.stat().st_size, "sha256": sha256_file(p)}
                          for p in sorted(work.rglob("*")) if p.is_file()}
@@ -324,125 +293,17 @@ def parity_markdown(p: dict[str, Any]) -> str:
 # -- inspect --------------------------------------------------------------------------------
 
 def inspect_bundle(path: Path | str, *, load_graphs: bool = True) -> dict[str, Any]:
-    """Validate a bundle (manifest, every file's size and sha256, versions, the expert store and
-    the graph signatures); returns a summary. Any problem is a SpecPrefetchError naming the file."""
+    """Validate a bundle (manifest, every file's size and sha256, versions, the expert store and,
+    through its target, the graphs and their signatures); returns a summary. Any problem is a
+    SpecPrefetchError naming the file."""
     path = Path(path)
-    if not path.is_dir():
-        raise SpecPrefetchError(f"{path}: not a bundle directory")
-    mf = path / "manifest.json"
-    if not mf.exists():
-        raise SpecPrefetchError(f"{mf}: missing (not a specprefetch bundle)")
-    m = read_json(mf, "bundle manifest")
-    try:
-        return _inspect(path, mf, m, load_graphs)
-    except (KeyError, TypeError, AttributeError, ValueError, IndexError) as e:
-        raise SpecPrefetchError(f"{mf}: malformed manifest ({type(e).__name__}: {e})") from None
-
-
-def bundle_file(path: Path, files: dict[str, Any], rel: Any, what: str) -> Path:
-    """A path the manifest names: relative, inside the bundle, and one of its hashed files."""
-    if not isinstance(rel, str) or not rel or Path(rel).is_absolute() or ".." in Path(rel).parts:
-        raise SpecPrefetchError(f"{path / 'manifest.json'}: {what} {rel!r} is not a path inside the bundle")
-    if rel not in files:
-        raise SpecPrefetchError(f"{path / 'manifest.json'}: {what} {rel!r} is not among the hashed files")
-    return path / rel
-
-
-def _inspect(path: Path, mf: Path, m: dict[str, Any], load_graphs: bool) -> dict[str, Any]:
-    if not isinstance(m, dict):
-        raise SpecPrefetchError(f"{mf}: not a JSON object")
-    if m.get("format") != FORMAT:
-        raise SpecPrefetchError(f"{mf}: format {m.get('format')!r}, expected {FORMAT!r}")
-    if m.get("version") != VERSION:
-        raise SpecPrefetchError(f"{mf}: bundle version {m.get('version')!r}; this toolkit reads version {VERSION}")
-    for key in ("target", "model", "graphs", "files", "kv", "routing", "runtime", "quantization", "predictor"):
-        if key not in m:
-            raise SpecPrefetchError(f"{mf}: missing field {key!r}")
-    files = m["files"]
-    if not isinstance(files, dict) or not files:
-        raise SpecPrefetchError(f"{mf}: 'files' must map paths to sizes and hashes")
-    root = path.resolve()
-    for rel, meta in files.items():
-        p = bundle_file(path, files, rel, "file")
-        if not p.resolve().is_relative_to(root):
-            raise SpecPrefetchError(f"{mf}: file {rel!r} resolves outside the bundle")
-        if not p.is_file():
-            raise SpecPrefetchError(f"{p}: listed in the manifest but missing")
-        size = p.stat().st_size
-        if size != meta["size"]:
-            raise SpecPrefetchError(f"{p}: {size} bytes, the manifest says {meta['size']} (truncated or modified)")
-        if sha256_file(p) != meta["sha256"]:
-            raise SpecPrefetchError(f"{p}: sha256 mismatch (tampered or corrupt)")
-    extra = [str(p.relative_to(path)) for p in path.rglob("*")
-             if p.is_file() and str(p.relative_to(path)) != "manifest.json" and str(p.relative_to(path)) not in files]
-    if extra:
-        raise SpecPrefetchError(f"{path}: files not in the manifest: {', '.join(sorted(extra)[:5])}")
-    # the manifest's own claims, checked against hashed content
-    from dataclasses import asdict
-
-    from toolkit.models.loader import inspect_model_dir
-    cfg_file = bundle_file(path, files, m["model"]["config"], "model config")
-    spec = inspect_model_dir(cfg_file.parent, config_only_ok=True)
-    if spec.config_hash != m["model"]["config_hash"]:
-        raise SpecPrefetchError(f"{mf}: model config hash {m['model']['config_hash']}, but {cfg_file} hashes to "
-                                f"{spec.config_hash}")
-    g = spec.geometry
-    want_model = {"family": g.family, "num_layers": g.num_layers, "moe_layers": list(g.moe_layers),
-                  "hidden_size": g.hidden_size, "vocab_size": g.vocab_size,
-                  "num_experts": g.routing.num_experts, "top_k": g.routing.top_k}
-    for k, v in want_model.items():
-        if m["model"][k] != v:
-            raise SpecPrefetchError(f"{mf}: model.{k} is {m['model'][k]!r}, {cfg_file} says {v!r}")
-    for k, v in asdict(g.routing).items():
-        if m["routing"][k] != v:
-            raise SpecPrefetchError(f"{mf}: routing.{k} is {m['routing'][k]!r}, {cfg_file} says {v!r}")
-    for rel in m["tokenizer"]:
-        bundle_file(path, files, rel, "tokenizer file")
-    parity_file = bundle_file(path, files, "parity.json", "parity report")
-    parity = read_json(parity_file, "parity report")
-    if not parity.get("passed") or any(m["parity"][k] != parity[k] for k in m["parity"] if k in parity):
-        raise SpecPrefetchError(f"{mf}: parity summary does not match {parity_file} (or parity did not pass)")
-    if len(m["kv"]["layers"]) != g.num_layers:
-        raise SpecPrefetchError(f"{mf}: kv.layers lists {len(m['kv']['layers'])} layers, the model has {g.num_layers}")
-    notes = []
-    installed = _versions()
-    for pkg, want in m.get("versions", {}).items():
-        have = installed.get(pkg)
-        if have is not None and have != want and pkg in ("executorch", "onnxruntime-qnn", "onnxruntime"):
-            notes.append(f"built with {pkg} {want}, {have} installed here")
-    from toolkit.runtime.expert_store import ExpertStore
-    store_path = bundle_file(path, files, m["runtime"]["expert_store"], "expert store")
-    store = ExpertStore(store_path, spec)
-    if (store.num_layers, store.num_experts) != (len(g.moe_layers), g.routing.num_experts):
-        raise SpecPrefetchError(f"{store_path}: {store.num_layers} layers x {store.num_experts} experts, the model "
-                                f"has {len(g.moe_layers)} x {g.routing.num_experts}")
-    if m["predictor"].get("adapter"):
-        ad = bundle_file(path, files, "adapter/adapter.json", "adapter config")
-        meta = read_json(ad, "adapter config")
-        if meta["model"]["config_hash"] != m["model"]["config_hash"]:
-            raise SpecPrefetchError(f"{ad}: adapter for another model config")
-        bundle_file(path, files, "adapter/adapter.safetensors", "adapter weights")
-    graphs = {}
-    if load_graphs:
-        graphs = _target(m["target"]).check_graphs(path, m)
-    return {"path": str(path), "target": m["target"], "soc": m.get("soc"), "family": m["model"]["family"],
-            "config_hash": m["model"]["config_hash"], "quantization": m["quantization"],
-            "max_seq": m["kv"]["max_seq"], "predictor": m["predictor"]["kind"],
-            "pool_mib": m["runtime"]["pool_mib"], "parity": m.get("parity"),
-            "files": len(files), "bytes": sum(f["size"] for f in files.values()),
-            "sizes": _sizes(files), "graphs": graphs, "notes": notes, "versions": m.get("versions", {})}
-
-
-def _sizes(files: dict[str, Any]) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for rel, meta in files.items():
-        part = rel.split("/")[0]
-        out[part] = out.get(part, 0) + meta["size"]
-    return out
-
-
-def load_manifest_backend(path: Path | str):
-    """(manifest, backend running the bundle's graphs, host pieces) for running a bundle."""
-    path = Path(path)
-    m = read_json(path / "manifest.json", "bundle manifest")
-    return m, _target(m["target"]).open_backend(path, m)
+    m, notes = validate_bundle(path)
+    with malformed(path / "manifest.json"):
+        graphs = get_target(m["target"]).check_graphs(path, m) if load_graphs else {}
+        files = m["files"]
+        return {"path": str(path), "target": m["target"], "soc": m.get("soc"), "family": m["model"]["family"],
+                "config_hash": m["model"]["config_hash"], "quantization": m["quantization"],
+                "max_seq": m["kv"]["max_seq"], "predictor": m["predictor"]["kind"],
+                "pool_mib": m["runtime"]["pool_mib"], "parity": m.get("parity"),
+                "files": len(files), "bytes": sum(f["size"] for f in files.values()),
+                "sizes": sizes(files), "graphs": graphs, "notes": notes, "versions": m.get("versions", {})}

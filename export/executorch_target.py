@@ -27,26 +27,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from toolkit.runtime.backend import Backend
+from export.target import Target, bundle_file
 from toolkit.errors import SpecPrefetchError
+from toolkit.runtime.backend import Backend
 
-DEFAULT_QUANT = "fp32"
-QUANTS = ("fp32", "8da8w", "8da4w", "w8", "w4")
-NEEDS_CALIBRATION: dict[str, bool] = {}
 PROGRAM = "model.pte"
-
-
-def preflight(cfg, quant: str) -> None:
-    try:
-        import executorch.exir  # noqa: F401
-        from executorch.runtime import Runtime  # noqa: F401
-    except ImportError as e:
-        raise SpecPrefetchError(f"--target executorch needs executorch ({e}); run `make setup`") from None
-    if quant != "fp32":
-        try:
-            import torchao  # noqa: F401
-        except ImportError as e:
-            raise SpecPrefetchError(f"--quant {quant} needs torchao ({e}); run `make setup`") from None
 
 
 class ResetGraph(nn.Module):
@@ -125,7 +110,7 @@ def lower_program(steps, cfg, quant: str, out_dir: Path, log, *, partitioner=Non
     examples["reset"] = (torch.zeros(1),)
     t0 = time.perf_counter()
     eps = {}
-    with torch.no_grad(), exportable_family(steps.spec.family.name), warnings.catch_warnings():
+    with torch.no_grad(), exportable_family(steps.spec.family), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for name, mod in modules.items():
             try:
@@ -159,10 +144,6 @@ def lower_program(steps, cfg, quant: str, out_dir: Path, log, *, partitioner=Non
         backend_label=label or "executorch-xnnpack", kv_mode="buffer", soc=None,
         expert_precision="fp32 (weights dequantized from the store)",
         make_backend=lambda: ExecuTorchBackend(path, info))
-
-
-def build(steps, cfg, quant: str, out_dir: Path, *, calib, run_kw, log, scratch: Path | None = None):
-    return lower_program(steps, cfg, quant, out_dir, log)
 
 
 def load_program(path: Path):
@@ -205,33 +186,52 @@ class ExecuTorchBackend(Backend):
 _DTYPES = {4: "int64", 6: "float32", 3: "int32", 5: "float16"}
 
 
-def check_graphs(path: Path, m: dict) -> dict[str, Any]:
-    """The program loads, has exactly the manifest's methods, and each method's input/output
-    shapes and dtypes are the manifest's signature."""
-    from export.bundle import bundle_file
+class ExecuTorchTarget(Target):
+    """`--target executorch`: one XNNPACK-lowered program, graphs/model.pte."""
+    NAME = "executorch"
+    DEFAULT_QUANT = "fp32"
+    QUANTS = ("fp32", "8da8w", "8da4w", "w8", "w4")
+    NEEDS_CALIBRATION: dict[str, bool] = {}
 
-    p = bundle_file(path, m["files"], m["graphs"]["file"], "program")
-    prog = load_program(p)
-    have = set(prog.method_names)
-    want = set(m["graphs"]["methods"])
-    if have != want:
-        raise SpecPrefetchError(f"{p}: methods {sorted(have)}, the manifest lists {sorted(want)}")
-    if set(m["graphs"]["signatures"]) | {"reset"} != want:
-        raise SpecPrefetchError(f"{path / 'manifest.json'}: signatures for {sorted(m['graphs']['signatures'])}, "
-                                f"methods {sorted(want)}")
-    out = {}
-    for name, sig in m["graphs"]["signatures"].items():
-        meta = prog.metadata(name)
-        ins = [[list(meta.input_tensor_meta(i).sizes()), _DTYPES.get(meta.input_tensor_meta(i).dtype(), "?")]
-               for i in range(meta.num_inputs())]
-        outs = [[list(meta.output_tensor_meta(i).sizes()), _DTYPES.get(meta.output_tensor_meta(i).dtype(), "?")]
-                for i in range(meta.num_outputs())]
-        if ins != sig["inputs"] or outs != sig["outputs"]:
-            raise SpecPrefetchError(f"{p}: method {name} has inputs {ins} / outputs {outs}; the manifest's "
-                                    f"signature is {sig['inputs']} / {sig['outputs']}")
-        out[name] = {"inputs": len(ins), "outputs": len(outs)}
-    return out
+    def preflight(self, cfg, quant: str) -> None:
+        try:
+            import executorch.exir  # noqa: F401
+            from executorch.runtime import Runtime  # noqa: F401
+        except ImportError as e:
+            raise SpecPrefetchError(f"--target executorch needs executorch ({e}); run `make setup`") from None
+        if quant != "fp32":
+            try:
+                import torchao  # noqa: F401
+            except ImportError as e:
+                raise SpecPrefetchError(f"--quant {quant} needs torchao ({e}); run `make setup`") from None
 
+    def build(self, steps, cfg, quant: str, out_dir: Path, *, calib, run_kw, log, scratch: Path | None = None):
+        return lower_program(steps, cfg, quant, out_dir, log)
 
-def open_backend(path: Path, m: dict):
-    return ExecuTorchBackend(path / m["graphs"]["file"], {})
+    def check_graphs(self, path: Path, m: dict) -> dict[str, Any]:
+        """The program loads, has exactly the manifest's methods, and each method's input/output
+        shapes and dtypes are the manifest's signature."""
+        p = bundle_file(path, m["files"], m["graphs"]["file"], "program")
+        prog = load_program(p)
+        have = set(prog.method_names)
+        want = set(m["graphs"]["methods"])
+        if have != want:
+            raise SpecPrefetchError(f"{p}: methods {sorted(have)}, the manifest lists {sorted(want)}")
+        if set(m["graphs"]["signatures"]) | {"reset"} != want:
+            raise SpecPrefetchError(f"{path / 'manifest.json'}: signatures for {sorted(m['graphs']['signatures'])}, "
+                                    f"methods {sorted(want)}")
+        out = {}
+        for name, sig in m["graphs"]["signatures"].items():
+            meta = prog.metadata(name)
+            ins = [[list(meta.input_tensor_meta(i).sizes()), _DTYPES.get(meta.input_tensor_meta(i).dtype(), "?")]
+                   for i in range(meta.num_inputs())]
+            outs = [[list(meta.output_tensor_meta(i).sizes()), _DTYPES.get(meta.output_tensor_meta(i).dtype(), "?")]
+                    for i in range(meta.num_outputs())]
+            if ins != sig["inputs"] or outs != sig["outputs"]:
+                raise SpecPrefetchError(f"{p}: method {name} has inputs {ins} / outputs {outs}; the manifest's "
+                                        f"signature is {sig['inputs']} / {sig['outputs']}")
+            out[name] = {"inputs": len(ins), "outputs": len(outs)}
+        return out
+
+    def open_backend(self, path: Path, m: dict) -> ExecuTorchBackend:
+        return ExecuTorchBackend(path / m["graphs"]["file"], {})

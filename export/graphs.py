@@ -31,14 +31,14 @@ on the phone.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from toolkit.errors import SpecPrefetchError
-from toolkit.models.loader import ModelSpec
+from toolkit.models.families import Family, family_by_name
+from toolkit.models.spec import ModelSpec
 from toolkit.runtime.backend import CacheSpec, host_mask
 
 KvMode = Literal["buffer", "io"]
@@ -51,56 +51,28 @@ def text_model(model: nn.Module) -> nn.Module:
     return getattr(inner, "language_model", inner)
 
 
-def _real_rope_deepseek_v2(xq, xk, freqs):
-    """DeepSeek-V2's complex rotary product in real arithmetic (exporters do not take complex
-    tensors). `freqs` [B, T, D/2, 2] holds (cos, sin) of the complex `freqs_cis`."""
-    def rot(x):
-        xs = x.float().reshape(*x.shape[:-1], -1, 2)
-        a, b = xs[..., 0], xs[..., 1]
-        c, s = freqs[..., 0].unsqueeze(1), freqs[..., 1].unsqueeze(1)
-        return torch.stack((a * c - b * s, a * s + b * c), -1).flatten(3).type_as(x)
-    return rot(xq), rot(xk)
-
-
-def _gpt_oss_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-    """GPT-OSS eager attention with sinks, without the explicit max subtraction before the softmax
-    (softmax is shift-invariant and stabilises itself; XNNPACK rejects the 4-D amax)."""
-    from transformers.models.gpt_oss.modeling_gpt_oss import repeat_kv
-
-    k = repeat_kv(key, module.num_key_value_groups)
-    v = repeat_kv(value, module.num_key_value_groups)
-    w = torch.matmul(query, k.transpose(2, 3)) * scaling
-    if attention_mask is not None:
-        w = w + attention_mask
-    sinks = module.sinks.reshape(1, -1, 1, 1).expand(query.shape[0], -1, query.shape[-2], -1)
-    probs = torch.softmax(torch.cat([w, sinks], dim=-1), dim=-1)[..., :-1].to(v.dtype)
-    return torch.matmul(probs, v).transpose(1, 2).contiguous(), probs
-
-
-# family -> (module path, attribute, exportable replacement)
-_SWAPS = {
-    "deepseek_v2": ("transformers.models.deepseek_v2.modeling_deepseek_v2", "apply_rotary_emb", _real_rope_deepseek_v2),
-    "gpt_oss": ("transformers.models.gpt_oss.modeling_gpt_oss", "eager_attention_forward", _gpt_oss_attention),
-}
-
-
 @contextlib.contextmanager
-def exportable_family(family: str):
+def exportable_family(family: Family | str):
     """Swap a family's non-exportable helpers for exact equivalents while tracing or running the
-    step graphs (DeepSeek-V2's complex rotary, GPT-OSS's 4-D amax)."""
-    if family not in _SWAPS:
+    step graphs (the family's `export_patches`: DeepSeek-V2's complex rotary, GPT-OSS's 4-D amax).
+    `family` is a Family or its name."""
+    fam = family_by_name(family) if isinstance(family, str) else family
+    patches = fam.export_patches()
+    if not patches:
         yield
         return
     import importlib
 
-    mod_name, attr, repl = _SWAPS[family]
-    m = importlib.import_module(mod_name)
-    saved = getattr(m, attr)
-    setattr(m, attr, repl)
+    saved = []
     try:
+        for mod_name, attr, repl in patches:
+            m = importlib.import_module(mod_name)
+            saved.append((m, attr, getattr(m, attr)))
+            setattr(m, attr, repl)
         yield
     finally:
-        setattr(m, attr, saved)
+        for m, attr, orig in reversed(saved):
+            setattr(m, attr, orig)
 
 
 class _StepCache:
@@ -268,29 +240,19 @@ class StepModel:
             model.set_attn_implementation("eager")  # plain ops every exporter takes
         tm = text_model(model)
         self.layers = tm.layers
-        tc = spec.family.text_config(spec.config)
-        types = getattr(tc, "layer_types", None) or ["full_attention"] * len(self.layers)
-        sw = getattr(tc, "sliding_window", None)
         # which layers see a sliding-window mask, as each family's model builds its masks
-        if spec.family.name == "gpt_oss":
-            self.windows = [int(sw) if t == "sliding_attention" else 0 for t in types]
-        elif spec.family.name in ("qwen3_moe", "mixtral") and sw:
-            self.windows = [int(sw)] * len(self.layers)
-        else:
-            self.windows = [0] * len(self.layers)
+        self.windows = spec.family.sliding_windows(spec.family.text_config(spec.config), len(self.layers))
         self.rope_tables, self.rope_is_pair = self._rope_tables(tm)
         self.cache_specs = self._probe_caches()
 
     def _rope_tables(self, tm) -> tuple[list[torch.Tensor], bool]:
-        pos = torch.arange(self.max_seq).view(1, -1)
-        if self.spec.family.name == "qwen3_vl_moe":  # text tokens: the three M-RoPE axes agree
-            pos = pos.expand(3, 1, -1)
+        pos = self.spec.family.rope_positions(torch.arange(self.max_seq).view(1, -1))
         dummy = torch.zeros(1, self.max_seq, 1)
         with torch.no_grad():
             out = tm.rotary_emb(dummy, pos)
         if isinstance(out, tuple):
             return [t.float().contiguous() for t in out], True
-        if out.is_complex():  # DeepSeek-V2 freqs_cis -> (cos, sin) pairs, see _real_rope_deepseek_v2
+        if out.is_complex():  # complex freqs_cis (DeepSeek-V2) -> (cos, sin) pairs for its export patch
             return [torch.view_as_real(out).float().contiguous()], False
         return [out.float().contiguous()], False
 
@@ -309,7 +271,7 @@ class StepModel:
 
             attn = self.layers[layer].self_attn
             rope = [t[:, :1] for t in self.rope_tables]
-            with torch.no_grad(), exportable_family(self.spec.family.name):
+            with torch.no_grad(), exportable_family(self.spec.family):
                 attn(hidden_states=torch.zeros(1, 1, H), position_embeddings=tuple(rope) if self.rope_is_pair else rope[0],
                      attention_mask=torch.zeros(1, 1, 1, 1), past_key_values=Probe())
             if "k" not in seen:

@@ -18,6 +18,7 @@ from torch import nn
 
 from toolkit.errors import SpecPrefetchError
 from toolkit.models.families import RoutingSpec, expert_weights, select_experts
+from export.graphs import exportable_family
 from toolkit.runtime.backend import Backend
 
 
@@ -28,9 +29,7 @@ class TorchBackend(Backend):
     def __init__(self, steps, kv_mode: str = "buffer", graphs: dict[str, nn.Module] | None = None):
         self.kv_mode = kv_mode
         super().__init__(steps_info(steps))
-        from export.graphs import exportable_family
-
-        self.family_ctx = lambda: exportable_family(steps.spec.family.name)
+        self.family_ctx = lambda: exportable_family(steps.spec.family)
         self.graphs = graphs or steps.graphs(kv_mode)
 
     def call(self, name, inputs):

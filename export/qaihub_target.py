@@ -28,13 +28,10 @@ from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import urlparse
 
+from export import qnn_target
+from export.target import Target
 from toolkit.errors import SpecPrefetchError
 
-from export import qnn_target
-
-DEFAULT_QUANT = "fp16"
-QUANTS = qnn_target.QUANTS
-NEEDS_CALIBRATION = qnn_target.NEEDS_CALIBRATION
 DEFAULT_API_URL = "https://workbench.aihub.qualcomm.com"
 TOKEN_HELP = ("get a token at https://workbench.aihub.qualcomm.com (Account -> Settings -> API token), then run "
               "`qai-hub configure --api_token TOKEN` (writes ~/.qai_hub/client.ini) or point "
@@ -98,41 +95,6 @@ def _hub():
     return hub
 
 
-def preflight(cfg, quant: str, hub=None) -> Any:
-    """Token, network and device, each checked within cfg.hub_timeout_s. Returns the device.
-    (`cfg.hub_client` replaces the qai_hub module: tests put a local double behind the network.)"""
-    qnn_target.soc_info(cfg.soc)
-    api = read_client_config()
-    url = urlparse(api["api_url"])
-    host = url.hostname or "workbench.aihub.qualcomm.com"
-    port = url.port or (80 if url.scheme == "http" else 443)
-    t = cfg.hub_timeout_s
-
-    def reach():
-        with socket.create_connection((host, port), timeout=t):
-            return True
-
-    try:
-        _deadline(reach, t, f"a connection to {host}:{port}")
-    except OSError as e:
-        raise SpecPrefetchError(f"Qualcomm AI Hub is unreachable ({host}:{port}: {e}); --target qai-hub needs "
-                                "network access (use --target qnn to compile locally)") from None
-    hub = hub or cfg.hub_client or _hub()
-
-    def devices():
-        return hub.get_devices(name=cfg.hub_device)
-
-    try:
-        found = _deadline(devices, t, "the device list")
-    except SpecPrefetchError:
-        raise
-    except Exception as e:  # hub.UserError (bad token), hub.InternalError (connection)
-        raise SpecPrefetchError(f"Qualcomm AI Hub refused the request ({type(e).__name__}: {str(e)[:300]})") from None
-    if not found:
-        raise SpecPrefetchError(f"--hub-device {cfg.hub_device!r}: no such device on Qualcomm AI Hub")
-    return found[0]
-
-
 def _unpack(downloaded: Path, dest: Path, name: str) -> Path:
     """A downloaded precompiled_qnn_onnx model (directory, zip or .onnx) -> dest/NAME_ctx.onnx and
     its context binary beside it, renamed the way the qnn target names them."""
@@ -176,69 +138,113 @@ def _unpack(downloaded: Path, dest: Path, name: str) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def build(steps, cfg, quant: str, out_dir: Path, *, calib, run_kw, log, scratch: Path, hub=None):
-    from export.pipeline import Built, TorchBackend, steps_info
+class QaiHubTarget(Target):
+    """`--target qai-hub`: the qnn target's ONNX graphs compiled (and profiled) by Qualcomm AI Hub.
+    Its bundles hold the same EPContext graphs as a qnn bundle, so they are checked and run the same way."""
+    NAME = "qai-hub"
+    DEFAULT_QUANT = "fp16"
+    QUANTS = qnn_target.QUANTS
+    NEEDS_CALIBRATION = qnn_target.NEEDS_CALIBRATION
 
-    hub = hub or cfg.hub_client or _hub()
-    device = preflight(cfg, quant, hub=hub)
-    graphs = steps.graphs("io")
-    reference = TorchBackend(steps, "io", graphs=graphs)
-    # QDQ models are submitted as they are: AI Hub compiles the quantization as given
-    src = qnn_target.onnx_sources(steps, graphs, quant, scratch, calib=calib, run_kw=run_kw,
-                                  reference=reference, log=log)
-    options = "--target_runtime precompiled_qnn_onnx"
-    if quant == "fp16":
-        options += " --quantize_full_type float16"
-    jobs, files, profiles = {}, {}, {}
-    t0 = time.perf_counter()
-    try:
-        for name, p in src.items():
-            jobs[name] = _deadline(lambda p=p, name=name: hub.submit_compile_job(
-                model=str(p), device=device, name=f"specprefetch-{steps.spec.geometry.family}-{name}",
-                options=options, retry=False), cfg.hub_timeout_s, f"submitting the compile job for {name}")
-            log(f"AI Hub compile job {name}: {getattr(jobs[name], 'job_id', '?')}")
-        for name, job in jobs.items():
-            status = job.wait(timeout=cfg.hub_job_timeout_s)
-            if not status.success:
-                raise SpecPrefetchError(f"AI Hub compile job for {name} failed: {status.message}")
-            got = job.download_target_model(str(scratch / f"{name}_hub"))
-            files[name] = _unpack(Path(got), out_dir, name)
-        t_compile = time.perf_counter() - t0
-        if cfg.hub_profile:
-            pjobs = {name: hub.submit_profile_job(model=jobs[name].get_target_model(), device=device,
-                                                  name=f"specprefetch-profile-{name}", retry=False)
-                     for name in jobs}
-            for name, pj in pjobs.items():  # a failed profile is reported, not fatal: the binaries are good
-                try:
-                    prof = pj.download_profile()
-                except Exception as e:  # noqa: BLE001 - any client error
-                    profiles[name] = {"job_id": getattr(pj, "job_id", None), "error": f"{type(e).__name__}: {e}"[:300]}
-                    continue
-                summ = prof.get("execution_summary", {}) if isinstance(prof, dict) else {}
-                profiles[name] = {"job_id": getattr(pj, "job_id", None),
-                                  "estimated_inference_time_us": summ.get("estimated_inference_time"),
-                                  "peak_memory_bytes": summ.get("estimated_inference_peak_memory")}
-                if not summ:
-                    profiles[name]["error"] = "the profile job returned no execution summary (failed?)"
-            (out_dir / "hub_profile.json").write_text(json.dumps(profiles, indent=1))
-    except SpecPrefetchError:
-        raise
-    except Exception as e:
-        raise SpecPrefetchError(f"Qualcomm AI Hub: {type(e).__name__}: {str(e)[:300]}") from None
-    info = steps_info(steps)
-    soc = cfg.soc.upper()
-    return Built(
-        graphs={"format": "qnn-context-binary", "path": "qai-hub", "soc": soc,
-                "htp_arch": qnn_target.soc_info(soc)[1], "device": cfg.hub_device,
-                "files": {n: str(p.relative_to(out_dir.parent)) for n, p in files.items()},
-                "binaries": {n: str(qnn_target.context_bin(p).relative_to(out_dir.parent)) for n, p in files.items()},
-                "jobs": {n: getattr(j, "job_id", None) for n, j in jobs.items()},
-                "compile_s": round(t_compile, 2)},
-        reference=reference, reference_label="pytorch (fp32)",
-        backend_label=f"qai-hub {cfg.hub_device} binaries on the qnn-htp-simulator", kv_mode="io", soc=soc,
-        expert_precision=quant, make_backend=lambda: qnn_target.QnnBackend(files, info),
-        extra=lambda refs, gots, kw: {"vs_device_profile": profiles} if profiles else {})
+    def preflight(self, cfg, quant: str, hub=None) -> Any:
+        """Token, network and device, each checked within cfg.hub_timeout_s. Returns the device.
+        (`cfg.hub_client` replaces the qai_hub module: tests put a local double behind the network.)"""
+        qnn_target.soc_info(cfg.soc)
+        api = read_client_config()
+        url = urlparse(api["api_url"])
+        host = url.hostname or "workbench.aihub.qualcomm.com"
+        port = url.port or (80 if url.scheme == "http" else 443)
+        t = cfg.hub_timeout_s
 
+        def reach():
+            with socket.create_connection((host, port), timeout=t):
+                return True
 
-check_graphs = qnn_target.check_graphs
-open_backend = qnn_target.open_backend
+        try:
+            _deadline(reach, t, f"a connection to {host}:{port}")
+        except OSError as e:
+            raise SpecPrefetchError(f"Qualcomm AI Hub is unreachable ({host}:{port}: {e}); --target qai-hub needs "
+                                    "network access (use --target qnn to compile locally)") from None
+        hub = hub or cfg.hub_client or _hub()
+
+        def devices():
+            return hub.get_devices(name=cfg.hub_device)
+
+        try:
+            found = _deadline(devices, t, "the device list")
+        except SpecPrefetchError:
+            raise
+        except Exception as e:  # hub.UserError (bad token), hub.InternalError (connection)
+            raise SpecPrefetchError(f"Qualcomm AI Hub refused the request ({type(e).__name__}: {str(e)[:300]})") from None
+        if not found:
+            raise SpecPrefetchError(f"--hub-device {cfg.hub_device!r}: no such device on Qualcomm AI Hub")
+        return found[0]
+
+    def build(self, steps, cfg, quant: str, out_dir: Path, *, calib, run_kw, log, scratch: Path, hub=None):
+        from export.pipeline import Built, TorchBackend, steps_info
+
+        hub = hub or cfg.hub_client or _hub()
+        device = self.preflight(cfg, quant, hub=hub)
+        graphs = steps.graphs("io")
+        reference = TorchBackend(steps, "io", graphs=graphs)
+        # QDQ models are submitted as they are: AI Hub compiles the quantization as given
+        src = qnn_target.onnx_sources(steps, graphs, quant, scratch, calib=calib, run_kw=run_kw,
+                                      reference=reference, log=log)
+        options = "--target_runtime precompiled_qnn_onnx"
+        if quant == "fp16":
+            options += " --quantize_full_type float16"
+        jobs, files, profiles = {}, {}, {}
+        t0 = time.perf_counter()
+        try:
+            for name, p in src.items():
+                jobs[name] = _deadline(lambda p=p, name=name: hub.submit_compile_job(
+                    model=str(p), device=device, name=f"specprefetch-{steps.spec.geometry.family}-{name}",
+                    options=options, retry=False), cfg.hub_timeout_s, f"submitting the compile job for {name}")
+                log(f"AI Hub compile job {name}: {getattr(jobs[name], 'job_id', '?')}")
+            for name, job in jobs.items():
+                status = job.wait(timeout=cfg.hub_job_timeout_s)
+                if not status.success:
+                    raise SpecPrefetchError(f"AI Hub compile job for {name} failed: {status.message}")
+                got = job.download_target_model(str(scratch / f"{name}_hub"))
+                files[name] = _unpack(Path(got), out_dir, name)
+            t_compile = time.perf_counter() - t0
+            if cfg.hub_profile:
+                pjobs = {name: hub.submit_profile_job(model=jobs[name].get_target_model(), device=device,
+                                                      name=f"specprefetch-profile-{name}", retry=False)
+                         for name in jobs}
+                for name, pj in pjobs.items():  # a failed profile is reported, not fatal: the binaries are good
+                    try:
+                        prof = pj.download_profile()
+                    except Exception as e:  # noqa: BLE001 - any client error
+                        profiles[name] = {"job_id": getattr(pj, "job_id", None), "error": f"{type(e).__name__}: {e}"[:300]}
+                        continue
+                    summ = prof.get("execution_summary", {}) if isinstance(prof, dict) else {}
+                    profiles[name] = {"job_id": getattr(pj, "job_id", None),
+                                      "estimated_inference_time_us": summ.get("estimated_inference_time"),
+                                      "peak_memory_bytes": summ.get("estimated_inference_peak_memory")}
+                    if not summ:
+                        profiles[name]["error"] = "the profile job returned no execution summary (failed?)"
+                (out_dir / "hub_profile.json").write_text(json.dumps(profiles, indent=1))
+        except SpecPrefetchError:
+            raise
+        except Exception as e:
+            raise SpecPrefetchError(f"Qualcomm AI Hub: {type(e).__name__}: {str(e)[:300]}") from None
+        info = steps_info(steps)
+        soc = cfg.soc.upper()
+        return Built(
+            graphs={"format": "qnn-context-binary", "path": "qai-hub", "soc": soc,
+                    "htp_arch": qnn_target.soc_info(soc)[1], "device": cfg.hub_device,
+                    "files": {n: str(p.relative_to(out_dir.parent)) for n, p in files.items()},
+                    "binaries": {n: str(qnn_target.context_bin(p).relative_to(out_dir.parent)) for n, p in files.items()},
+                    "jobs": {n: getattr(j, "job_id", None) for n, j in jobs.items()},
+                    "compile_s": round(t_compile, 2)},
+            reference=reference, reference_label="pytorch (fp32)",
+            backend_label=f"qai-hub {cfg.hub_device} binaries on the qnn-htp-simulator", kv_mode="io", soc=soc,
+            expert_precision=quant, make_backend=lambda: qnn_target.QnnBackend(files, info),
+            extra=lambda refs, gots, kw: {"vs_device_profile": profiles} if profiles else {})
+
+    def check_graphs(self, path: Path, m: dict) -> dict[str, Any]:
+        return qnn_target.QnnTarget().check_graphs(path, m)
+
+    def open_backend(self, path: Path, m: dict) -> qnn_target.QnnBackend:
+        return qnn_target.QnnTarget().open_backend(path, m)

@@ -23,10 +23,10 @@ import numpy as np
 import torch
 
 from export.pipeline import run_sequence
-from toolkit.runtime.backend import Backend
+from export.target import Target, bundle_file
 from toolkit.errors import SpecPrefetchError
+from toolkit.runtime.backend import Backend
 
-DEFAULT_QUANT = "fp16"
 QUANTS = ("fp16", "a16w8", "a8w8")
 NEEDS_CALIBRATION = {"a16w8": True, "a8w8": True}
 # SoC -> (marketing name, HTP arch, the SoC id QNN writes into ep_compatibility_info)
@@ -44,22 +44,6 @@ def soc_info(soc: str) -> tuple[str, int, int]:
         raise SpecPrefetchError(f"--soc {soc!r}: choose from {', '.join(SOCS)} "
                                 f"({', '.join(f'{k} = {v[0]}' for k, v in SOCS.items())})")
     return SOCS[key]
-
-
-def preflight(cfg, quant: str) -> None:
-    soc_info(cfg.soc)
-    if cfg.qnn_path == "executorch":
-        sdk = os.environ.get("QNN_SDK_ROOT")
-        if not sdk or not Path(sdk).is_dir():
-            raise SpecPrefetchError(
-                "--qnn-path executorch lowers with ExecuTorch's Qualcomm backend, which needs the Qualcomm "
-                f"AI Runtime (QAIRT) SDK {QAIRT_FOR_EXECUTORCH}: install it and set QNN_SDK_ROOT to its "
-                "directory (and LD_LIBRARY_PATH to $QNN_SDK_ROOT/lib/x86_64-linux-clang). "
-                "Or use --qnn-path ort (onnxruntime-qnn, no SDK needed).")
-        return
-    if cfg.qnn_path != "ort":
-        raise SpecPrefetchError(f"--qnn-path {cfg.qnn_path!r}: choose ort or executorch")
-    _ort_qnn()
 
 
 def _ort_qnn():
@@ -124,7 +108,7 @@ def export_onnx(steps, graphs: dict[str, torch.nn.Module], out_dir: Path, log: C
         ins, outs = graph_io_names(name, steps)
         p = out_dir / f"{name}.onnx"
         try:
-            with torch.no_grad(), exportable_family(steps.spec.family.name), warnings.catch_warnings():
+            with torch.no_grad(), exportable_family(steps.spec.family), warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 torch.onnx.export(mod, steps.example_inputs(name, "io"), str(p), input_names=ins,
                                   output_names=outs, opset_version=17, dynamo=False)
@@ -301,46 +285,6 @@ def onnx_sources(steps, graphs, quant: str, scratch: Path, *, calib, run_kw, ref
     return src
 
 
-def build(steps, cfg, quant: str, out_dir: Path, *, calib: list[list[int]], run_kw: dict, log,
-          scratch: Path):
-    from export.pipeline import Built, TorchBackend, compare, steps_info
-
-    if cfg.qnn_path == "executorch":
-        return _build_executorch_qnn(steps, cfg, quant, out_dir, log)
-    soc = cfg.soc.upper()
-    graphs = steps.graphs("io")
-    reference = TorchBackend(steps, "io", graphs=graphs)
-    t0 = time.perf_counter()
-    src = onnx_sources(steps, graphs, quant, scratch, calib=calib, run_kw=run_kw, reference=reference, log=log)
-    t_onnx = time.perf_counter() - t0
-    files = {}
-    t1 = time.perf_counter()
-    from rich.progress import track
-    for name, p in track(list(src.items()), description=f"QNN compile {soc}", disable=not cfg.progress):
-        dst = out_dir / f"{name}_ctx.onnx"
-        compile_context(p, dst, soc, fp16=(quant == "fp16"))
-        files[name] = dst
-    t_compile = time.perf_counter() - t1
-    info = steps_info(steps)
-
-    def extra(refs, gots, kw):
-        out = {"vs_onnx_cpu": None}
-        if quant in NEEDS_CALIBRATION:  # the same QDQ graphs on the CPU: the same-quantization reference
-            cpu = OrtCpuBackend(src, info)
-            cpu_recs = [run_sequence(cpu, r.tokens, force_ids=r.ids, **kw) for r in refs]  # as `gots`
-            out["vs_onnx_cpu"] = {k: round(v, 5) for k, v in compare(cpu_recs, gots).items()}
-        return out
-
-    rel = {n: str(p.relative_to(out_dir.parent)) for n, p in files.items()}
-    return Built(
-        graphs={"format": "qnn-context-binary", "path": "ort", "soc": soc, "htp_arch": soc_info(soc)[1],
-                "files": rel, "binaries": {n: str(context_bin(p).relative_to(out_dir.parent)) for n, p in files.items()},
-                "onnx_export_s": round(t_onnx, 2), "compile_s": round(t_compile, 2)},
-        reference=reference, reference_label="pytorch (fp32)", backend_label=f"qnn-htp-simulator {soc}",
-        kv_mode="io", soc=soc, expert_precision=quant,
-        make_backend=lambda: QnnBackend(files, info), extra=extra)
-
-
 def _build_executorch_qnn(steps, cfg, quant, out_dir, log):
     """ExecuTorch's Qualcomm partitioner (needs QAIRT at QNN_SDK_ROOT; checked in preflight)."""
     try:
@@ -364,62 +308,120 @@ def _build_executorch_qnn(steps, cfg, quant, out_dir, log):
                          label=f"executorch-qnn {cfg.soc.upper()}")
 
 
-# -- inspect ------------------------------------------------------------------------------
+class QnnTarget(Target):
+    """`--target qnn`: QNN context binaries for a Snapdragon SoC's HTP, compiled here."""
+    NAME = "qnn"
+    DEFAULT_QUANT = "fp16"
+    QUANTS = QUANTS                        # the module's constants (onnx_sources reads them too)
+    NEEDS_CALIBRATION = NEEDS_CALIBRATION
 
-def check_graphs(path: Path, m: dict) -> dict[str, Any]:
-    """Each compiled graph: an EPContext model whose binary exists, whose SoC is the manifest's,
-    and whose inputs and outputs match the manifest's signatures; then QNN loads it."""
-    import onnx
+    def preflight(self, cfg, quant: str) -> None:
+        soc_info(cfg.soc)
+        if cfg.qnn_path == "executorch":
+            sdk = os.environ.get("QNN_SDK_ROOT")
+            if not sdk or not Path(sdk).is_dir():
+                raise SpecPrefetchError(
+                    "--qnn-path executorch lowers with ExecuTorch's Qualcomm backend, which needs the Qualcomm "
+                    f"AI Runtime (QAIRT) SDK {QAIRT_FOR_EXECUTORCH}: install it and set QNN_SDK_ROOT to its "
+                    "directory (and LD_LIBRARY_PATH to $QNN_SDK_ROOT/lib/x86_64-linux-clang). "
+                    "Or use --qnn-path ort (onnxruntime-qnn, no SDK needed).")
+            return
+        if cfg.qnn_path != "ort":
+            raise SpecPrefetchError(f"--qnn-path {cfg.qnn_path!r}: choose ort or executorch")
+        _ort_qnn()
 
-    from export.bundle import bundle_file
+    def build(self, steps, cfg, quant: str, out_dir: Path, *, calib: list[list[int]], run_kw: dict, log,
+              scratch: Path):
+        from export.pipeline import Built, TorchBackend, compare, steps_info
 
-    g = m["graphs"]
-    sigs = g["signatures"]
-    soc = m["soc"]
-    want_id = SOCS.get(soc, (None, None, None))[2]
-    if set(g["files"]) != set(sigs):
-        raise SpecPrefetchError(f"{path / 'manifest.json'}: graph files for {sorted(g['files'])}, "
-                                f"signatures for {sorted(sigs)}")
-    out = {}
-    for name, rel in g["files"].items():
-        p = bundle_file(path, m["files"], rel, f"graph {name}")
-        bundle_file(path, m["files"], g["binaries"][name], f"context binary of {name}")
-        if context_bin(p) != path / g["binaries"][name]:
-            raise SpecPrefetchError(f"{path / 'manifest.json'}: graph {name}'s binary is not beside its model")
-        try:
-            model = onnx.load(str(p), load_external_data=False)
-        except Exception as e:
-            raise SpecPrefetchError(f"{p}: not a readable ONNX model ({e})") from None
-        ctx = [n for n in model.graph.node if n.op_type == "EPContext"]
-        if not ctx:
-            raise SpecPrefetchError(f"{p}: no EPContext node (not a compiled QNN graph)")
-        meta = {q.key: q.value for q in model.metadata_props}
-        compat = meta.get("ep_compatibility_info.QNNExecutionProvider", "")
-        fields = compat.split(":")
-        if want_id is not None and (len(fields) <= 5 or fields[5] != str(want_id)):
-            got = fields[5] if len(fields) > 5 else "unknown (no ep_compatibility_info)"
-            raise SpecPrefetchError(f"{p}: compiled for SoC id {got}, the manifest says {soc} (id {want_id})")
-        for node in ctx:
-            for a in node.attribute:
-                if a.name == "ep_cache_context" and a.s.decode(errors="replace") != context_bin(p).name:
-                    raise SpecPrefetchError(f"{p}: its EPContext node points at {a.s[:80]!r}, not {context_bin(p).name}")
-        shapes_in = [[d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input]
-        shapes_out = [[d.dim_value for d in o.type.tensor_type.shape.dim] for o in model.graph.output]
-        sig = sigs.get(name)
-        if sig is None:
-            raise SpecPrefetchError(f"{p}: graph {name!r} has no signature in the manifest")
-        if shapes_in != [s for s, _ in sig["inputs"]] or shapes_out != [s for s, _ in sig["outputs"]]:
-            raise SpecPrefetchError(f"{p}: inputs {shapes_in} / outputs {shapes_out} do not match the manifest's "
-                                    f"signature {sig}")
-        qnn_session(p)  # QNN parses the context binary (the simulator here, the HTP on a phone)
-        out[name] = {"inputs": len(shapes_in), "outputs": len(shapes_out), "compat": compat,
-                     "bytes": p.stat().st_size + context_bin(p).stat().st_size}
-    return out
+        if cfg.qnn_path == "executorch":
+            return _build_executorch_qnn(steps, cfg, quant, out_dir, log)
+        soc = cfg.soc.upper()
+        graphs = steps.graphs("io")
+        reference = TorchBackend(steps, "io", graphs=graphs)
+        t0 = time.perf_counter()
+        src = onnx_sources(steps, graphs, quant, scratch, calib=calib, run_kw=run_kw, reference=reference, log=log)
+        t_onnx = time.perf_counter() - t0
+        files = {}
+        t1 = time.perf_counter()
+        from rich.progress import track
+        for name, p in track(list(src.items()), description=f"QNN compile {soc}", disable=not cfg.progress):
+            dst = out_dir / f"{name}_ctx.onnx"
+            compile_context(p, dst, soc, fp16=(quant == "fp16"))
+            files[name] = dst
+        t_compile = time.perf_counter() - t1
+        info = steps_info(steps)
 
+        def extra(refs, gots, kw):
+            out = {"vs_onnx_cpu": None}
+            if quant in NEEDS_CALIBRATION:  # the same QDQ graphs on the CPU: the same-quantization reference
+                cpu = OrtCpuBackend(src, info)
+                cpu_recs = [run_sequence(cpu, r.tokens, force_ids=r.ids, **kw) for r in refs]  # as `gots`
+                out["vs_onnx_cpu"] = {k: round(v, 5) for k, v in compare(cpu_recs, gots).items()}
+            return out
 
-def open_backend(path: Path, m: dict):
-    from toolkit.runtime.backend import CacheSpec
+        rel = {n: str(p.relative_to(out_dir.parent)) for n, p in files.items()}
+        return Built(
+            graphs={"format": "qnn-context-binary", "path": "ort", "soc": soc, "htp_arch": soc_info(soc)[1],
+                    "files": rel, "binaries": {n: str(context_bin(p).relative_to(out_dir.parent)) for n, p in files.items()},
+                    "onnx_export_s": round(t_onnx, 2), "compile_s": round(t_compile, 2)},
+            reference=reference, reference_label="pytorch (fp32)", backend_label=f"qnn-htp-simulator {soc}",
+            kv_mode="io", soc=soc, expert_precision=quant,
+            make_backend=lambda: QnnBackend(files, info), extra=extra)
 
-    info = {"cache_specs": [CacheSpec(tuple(x["k"]), tuple(x["v"])) for x in m["kv"]["layers"]],
-            "windows": [x["window"] for x in m["kv"]["layers"]], "max_seq": m["kv"]["max_seq"]}
-    return QnnBackend({n: path / rel for n, rel in m["graphs"]["files"].items()}, info)
+    # -- inspect ---------------------------------------------------------------------------
+
+    def check_graphs(self, path: Path, m: dict) -> dict[str, Any]:
+        """Each compiled graph: an EPContext model whose binary exists, whose SoC is the manifest's,
+        and whose inputs and outputs match the manifest's signatures; then QNN loads it."""
+        import onnx
+
+        g = m["graphs"]
+        sigs = g["signatures"]
+        soc = m["soc"]
+        want_id = SOCS.get(soc, (None, None, None))[2]
+        if set(g["files"]) != set(sigs):
+            raise SpecPrefetchError(f"{path / 'manifest.json'}: graph files for {sorted(g['files'])}, "
+                                    f"signatures for {sorted(sigs)}")
+        out = {}
+        for name, rel in g["files"].items():
+            p = bundle_file(path, m["files"], rel, f"graph {name}")
+            bundle_file(path, m["files"], g["binaries"][name], f"context binary of {name}")
+            if context_bin(p) != path / g["binaries"][name]:
+                raise SpecPrefetchError(f"{path / 'manifest.json'}: graph {name}'s binary is not beside its model")
+            try:
+                model = onnx.load(str(p), load_external_data=False)
+            except Exception as e:
+                raise SpecPrefetchError(f"{p}: not a readable ONNX model ({e})") from None
+            ctx = [n for n in model.graph.node if n.op_type == "EPContext"]
+            if not ctx:
+                raise SpecPrefetchError(f"{p}: no EPContext node (not a compiled QNN graph)")
+            meta = {q.key: q.value for q in model.metadata_props}
+            compat = meta.get("ep_compatibility_info.QNNExecutionProvider", "")
+            fields = compat.split(":")
+            if want_id is not None and (len(fields) <= 5 or fields[5] != str(want_id)):
+                got = fields[5] if len(fields) > 5 else "unknown (no ep_compatibility_info)"
+                raise SpecPrefetchError(f"{p}: compiled for SoC id {got}, the manifest says {soc} (id {want_id})")
+            for node in ctx:
+                for a in node.attribute:
+                    if a.name == "ep_cache_context" and a.s.decode(errors="replace") != context_bin(p).name:
+                        raise SpecPrefetchError(f"{p}: its EPContext node points at {a.s[:80]!r}, not {context_bin(p).name}")
+            shapes_in = [[d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input]
+            shapes_out = [[d.dim_value for d in o.type.tensor_type.shape.dim] for o in model.graph.output]
+            sig = sigs.get(name)
+            if sig is None:
+                raise SpecPrefetchError(f"{p}: graph {name!r} has no signature in the manifest")
+            if shapes_in != [s for s, _ in sig["inputs"]] or shapes_out != [s for s, _ in sig["outputs"]]:
+                raise SpecPrefetchError(f"{p}: inputs {shapes_in} / outputs {shapes_out} do not match the manifest's "
+                                        f"signature {sig}")
+            qnn_session(p)  # QNN parses the context binary (the simulator here, the HTP on a phone)
+            out[name] = {"inputs": len(shapes_in), "outputs": len(shapes_out), "compat": compat,
+                         "bytes": p.stat().st_size + context_bin(p).stat().st_size}
+        return out
+
+    def open_backend(self, path: Path, m: dict) -> QnnBackend:
+        from toolkit.runtime.backend import CacheSpec
+
+        info = {"cache_specs": [CacheSpec(tuple(x["k"]), tuple(x["v"])) for x in m["kv"]["layers"]],
+                "windows": [x["window"] for x in m["kv"]["layers"]], "max_seq": m["kv"]["max_seq"]}
+        return QnnBackend({n: path / rel for n, rel in m["graphs"]["files"].items()}, info)

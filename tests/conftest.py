@@ -39,3 +39,17 @@ def vl_data(tmp_path_factory) -> Path:
             {"text": "Plain text without an image, about the kernel."}]
     (d / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return d / "pairs.jsonl"
+
+
+@pytest.fixture(scope="session")
+def embedded_bundles(tmp_path_factory, embedded) -> dict[str, Path]:
+    """The embedded model exported to an fp32 ExecuTorch bundle and an fp16 QNN bundle (SM8750,
+    HTP simulator), next-gate heads, 64-position KV cache: shared by the export and runner tests."""
+    from export.bundle import ExportConfig, export_bundle
+
+    root = tmp_path_factory.mktemp("bundles")
+    out = {}
+    for target in ("executorch", "qnn"):
+        out[target] = root / target
+        export_bundle(embedded, out[target], ExportConfig(target=target, max_seq=64, progress=False))
+    return out

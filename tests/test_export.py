@@ -112,11 +112,11 @@ def test_weight_only_int8_is_refused_by_parity(tiny_models, tmp_path):
 def test_executorch_program_state_does_not_leak_between_sequences(tiny_models, tmp_path):
     """One loaded program serves sequence after sequence: `reset` runs, earlier KV state never
     reaches a later sequence, and a rerun gives identical logits."""
-    from export.bundle import load_manifest_backend
+    from export.manifest import open_bundle
 
     out = tmp_path / "b"
     export_bundle(tiny_models["qwen3_moe"], out, _cfg(target="executorch"))
-    m, be = load_manifest_backend(out)
+    m, be = open_bundle(out)
     assert "reset" in m["graphs"]["methods"]
     spec = inspect_model_dir(tiny_models["qwen3_moe"])
     g = spec.geometry
@@ -133,7 +133,7 @@ def test_adapter_heads_in_the_graph(tiny_models, tmp_path):
     logits for every horizon of the window, computed on the phone in the same graph."""
     from adapters.checkpoint import save_adapter
     from adapters.lowrank import PrefetchAdapter
-    from export.bundle import load_manifest_backend
+    from export.manifest import open_bundle
 
     spec = inspect_model_dir(tiny_models["qwen3_moe"])
     g = spec.geometry
@@ -146,7 +146,7 @@ def test_adapter_heads_in_the_graph(tiny_models, tmp_path):
     m = export_bundle(spec.path, out, _cfg(target="executorch"), adapter=tmp_path / "ad")
     assert m["predictor"]["kind"] == "adapter" and (out / "adapter" / "adapter.safetensors").exists()
     assert m["predictor"]["preds_rows"][str(g.moe_layers[-1])] == [1, 2]  # cross-token targets too
-    _, be = load_manifest_backend(out)
+    _, be = open_bundle(out)
     bank = load_router_bank(spec)
     be.reset()
     h = be.call("embed", [torch.tensor([[42]])])[0]
@@ -222,16 +222,6 @@ def test_qnn_unknown_soc_and_executorch_path_errors(tiny_models, tmp_path, monke
 
 
 # -- the embedded model, both targets, and inspect on real bundles -----------------------------
-
-@pytest.fixture(scope="module")
-def embedded_bundles(tmp_path_factory, embedded):
-    root = tmp_path_factory.mktemp("bundles")
-    out = {}
-    for target in ("executorch", "qnn"):
-        out[target] = root / target
-        export_bundle(embedded, out[target], ExportConfig(target=target, max_seq=64, progress=False))
-    return out
-
 
 @pytest.mark.parametrize("target", ["executorch", "qnn"])
 def test_embedded_bundle(target, embedded_bundles):

@@ -10,6 +10,10 @@ from toolkit.cli import main
 from toolkit.models.info import expert_bytes, info
 
 
+def a64(n: int) -> int:
+    return -(-n // 64) * 64
+
+
 def test_embedded_model_bytes(embedded):
     d = info(str(embedded))
     h, i = 256, 80
@@ -17,8 +21,9 @@ def test_embedded_model_bytes(embedded):
     assert (d["layers"], d["experts_per_layer"], d["top_k"]) == (8, 32, 4)
     assert d["moe_layers"] == list(range(8)) and d["dense_layers"] == []
     assert d["bytes_per_expert"]["fp16"] == 3 * h * i * 2 == 122_880
-    # int8: one byte a weight plus an fp16 scale per output row
-    assert d["bytes_per_expert"]["int8"] == 3 * h * i + (i + i + h) * 2
+    # int8: one byte a weight plus an fp16 scale per output row; every section starts on 64 bytes
+    # (gate/up scales: 160 B padded to 192)
+    assert d["bytes_per_expert"]["int8"] == 3 * h * i + a64(i * 2) * 2 + a64(h * 2) == 62_336
     # int4: half a byte a weight plus an fp16 scale per 32 inputs per row
     # (the down matrix's 80 inputs are padded to 96: three whole groups)
     assert d["bytes_per_expert"]["int4"] == 2 * i * h // 2 + h * 96 // 2 + (2 * i * (h // 32) + h * 3) * 2
@@ -41,7 +46,8 @@ def test_gpt_oss_biases_count(tiny_models):
     d = info(str(tiny_models["gpt_oss"]))
     h, i = 64, 48
     assert d["params_per_expert"] == 3 * h * i + 2 * i + h
-    assert d["bytes_per_expert"]["fp16"] == (3 * h * i + 2 * i + h) * 2
+    # sections start on 64 bytes: the two 96-byte biases are padded to 128
+    assert d["bytes_per_expert"]["fp16"] == 3 * h * i * 2 + 2 * a64(i * 2) + a64(h * 2) == 18_816
 
 
 def test_config_only_directory(tiny_models, tmp_path):

@@ -1,6 +1,7 @@
 """Predictors, the adapter and evaluation: real traces of real (tiny and embedded) models."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -19,7 +20,7 @@ from toolkit.models.loader import inspect_model_dir, load_model
 from toolkit.models.routers import load_router_bank
 from toolkit.models.tiny import TINY_FAMILIES
 from toolkit.predictors.base import AdapterPredictor, NextGate
-from toolkit.predictors.batches import ShardStream, batch_from_shard, iter_batches
+from toolkit.traces.batches import ShardStream, batch_from_shard, iter_batches
 from toolkit.predictors.draft import fake_quant, make_draft, speculative_generate
 from toolkit.predictors.evaluate import ALL, evaluate, write_reports
 from toolkit.traces.capture import TraceSettings, run_trace
@@ -94,6 +95,9 @@ def test_training_is_reproducible(emb_trace, tmp_path):
     train_adapter(emb_trace, tmp_path / "b", cfg, progress=False)
     a = (tmp_path / "a" / "adapter.safetensors").read_bytes()
     assert a == (tmp_path / "b" / "adapter.safetensors").read_bytes()
+    # the seed is what fixes the run: another seed trains other weights
+    train_adapter(emb_trace, tmp_path / "c", dataclasses.replace(cfg, seed=4), progress=False)
+    assert a != (tmp_path / "c" / "adapter.safetensors").read_bytes()
 
 
 def test_streaming_holds_less_than_the_trace(emb_trace, tmp_path):
@@ -110,7 +114,7 @@ def test_streaming_holds_less_than_the_trace(emb_trace, tmp_path):
     for n, b in zip(range(400), stream):
         seen.update(b.seq.tolist())
     assert stream.epochs >= 1  # went through every shard
-    from toolkit.predictors.batches import validation_seqs
+    from toolkit.traces.batches import validation_seqs
 
     val = validation_seqs(r)
     assert val and seen == set(r.manifest["split"]["train"]) - val

@@ -97,13 +97,23 @@ def test_reader_streams_shard_by_shard(embedded_trace):
     assert dec[0]["hidden"].dtype == np.float16 and dec[0]["hidden"].shape[1:] == (8, 256)
 
 
-def test_split_is_deterministic(embedded):
+def test_split_follows_the_prompt_not_the_run(embedded, tmp_path):
+    """A prompt's split depends on its file name, line and chunk and the seed only: not on where the
+    data file lives, nor on the order or number of the other prompts; another seed splits otherwise."""
     lm = load_model(embedded)
-    recs = read_records([HELDOUT], allow_images=False)
-    a = make_prompts(recs, lm.tokenizer, TraceSettings(max_sequences=40, heldout_frac=0.2))
-    b = make_prompts(recs, lm.tokenizer, TraceSettings(max_sequences=40, heldout_frac=0.2))
-    assert [p.split for p in a] == [p.split for p in b]
-    assert 2 <= sum(p.split == "heldout" for p in a) <= 16
+    s = TraceSettings(heldout_frac=0.2)
+    a = {p.key: p.split for p in make_prompts(read_records([HELDOUT], allow_images=False), lm.tokenizer, s)}
+    copy = tmp_path / "elsewhere" / HELDOUT.name
+    copy.parent.mkdir()
+    shutil.copy(HELDOUT, copy)
+    recs = read_records([copy], allow_images=False)[::-1][:40]
+    b = {p.key: p.split for p in make_prompts(recs, lm.tokenizer, s)}
+    assert len(b) >= 40 and b == {k: a[k] for k in b}
+    c = {p.key: p.split for p in make_prompts(read_records([HELDOUT], allow_images=False), lm.tokenizer,
+                                              TraceSettings(heldout_frac=0.2, seed=1))}
+    assert c.keys() == a.keys() and c != a
+    share = sum(v == "heldout" for v in a.values()) / len(a)
+    assert 0.1 < share < 0.3
 
 
 @pytest.mark.parametrize("fam", [f for f in TINY_FAMILIES if f != "qwen3_vl_moe"])

@@ -1,4 +1,4 @@
-"""`specprefetch bench`: the streaming runtime's policies measured side by side, and the simulator
+"""`specprefetch bench`: the reference runner's policies measured side by side, and the simulator
 checked against them, in one run (docs/benchmarks.md).
 
 For each pool size, every policy runs every prompt, in an order shuffled per round (A B C, C A B,
@@ -20,8 +20,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from toolkit.reporting import save_figure, write_report
 from toolkit.errors import SpecPrefetchError
+from toolkit.reporting import save_figure, write_report
+from toolkit.runtime.policy import Policy
 
 
 def bench_prompts(n: int, tokens: int, tokenizer) -> list[str]:
@@ -37,59 +38,72 @@ def bench_prompts(n: int, tokens: int, tokenizer) -> list[str]:
     return out
 
 
-def run_bench(*, model: str = "embedded", adapter: Path, policies: list[str], pools: list[float],
+def run_bench(*, model: str = "embedded", adapter: Path | None, policies: list[Policy], pools: list[float],
               frequency_trace: Path | None = None,
               prompts: int = 4, prompt_tokens: int = 64, new_tokens: int = 48, rounds: int = 3,
               flash_profile: str | None = None, window: int = 2, store: Path | None = None,
-              simulate: bool = True, threads: int = 1) -> dict[str, Any]:
-    from toolkit.runtime.streaming import RunConfig, open_runtime, reference_generate
+              simulate: bool = True, threads: int = 1, progress: bool = True) -> dict[str, Any]:
+    """Every policy x pool over the same prompts through the reference runner, interleaved."""
+    from export.session import open_session, reference_tokens
+    from toolkit.runtime.profiles import load_profile
+    from toolkit.runtime.runner import RunConfig
 
     torch.set_num_threads(threads)
     sys.setswitchinterval(0.0002)
-    rt, ref = open_runtime(model, RunConfig(adapter=adapter, window=window, flash_profile=flash_profile,
-                                            frequency_trace=frequency_trace), store=store)
-    texts = bench_prompts(prompts, prompt_tokens, ref.tokenizer)
-    ids = [ref.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
-    refs = [reference_generate(ref, p, new_tokens) for p in ids]
-    results: dict[str, Any] = {"model": str(rt.lm.spec.path), "flash_profile": flash_profile,
-                               "direct_io": None, "rounds": rounds, "prompts": texts,
-                               "new_tokens": new_tokens, "window": window, "threads": threads, "points": []}
+    cfg = RunConfig(policy=policies[0], pool_mib=max(pools), window=window,
+                    flash_profile=load_profile(flash_profile) if flash_profile else None)
+    s = open_session(model, cfg, predictors=[p.predictor for p in policies], adapter=adapter, store=store,
+                     frequency_trace=frequency_trace, progress=progress)
+    texts = bench_prompts(prompts, prompt_tokens, s.tokenizer)
+    ids = [s.encode(t) for t in texts]
+    recorded = [s.runner.record(p, new_tokens) for p in ids]  # the future oracle and Belady read
+    checked = False
+    if s.source_model is not None and s.kind == "model" and s.runner.store.dtype == "fp16":
+        for p, rec in zip(ids, recorded):
+            if rec.tokens != reference_tokens(s.source_model, p, new_tokens):
+                raise SpecPrefetchError("bench: the runner's tokens differ from the unmodified model's: a bug")
+        checked = True
+    results: dict[str, Any] = {"model": s.label, "flash_profile": flash_profile, "direct_io": None,
+                               "rounds": rounds, "prompts": texts, "new_tokens": new_tokens, "window": window,
+                               "threads": threads, "checked_against_unmodified_model": checked,
+                               "store_dtype": s.runner.store.dtype, "points": []}
     for pool in pools:
-        samples: dict[str, list[dict]] = {p: [] for p in policies}
+        samples: dict[str, list[dict]] = {p.name: [] for p in policies}
         for rnd in range(rounds + 1):  # round 0 is the warm-up
             order = policies[:]
             random.Random(rnd).shuffle(order)
             for pol in order:
-                pred, _, ev = pol.partition("+")
-                rt.cfg.predictor, rt.cfg.eviction, rt.budget = pred, ev or "lru", int(pool * 2**20)
-                rt.predictor = rt._predictor()
-                for p, (toks, routing) in zip(ids, refs):
-                    rt.set_reference(toks, routing)
-                    r = rt.generate(p, new_tokens)
-                    if r["tokens"] != toks:
-                        raise SpecPrefetchError(f"bench: {pol} changed the output for a prompt: a bug")
-                    if r["peak_pool_bytes"] > r["budget_bytes"]:
-                        raise SpecPrefetchError(f"bench: {pol} exceeded the pool budget: a bug")
-                    results["direct_io"] = r["direct_io"]
+                s.runner.configure(policy=pol, pool_mib=pool)
+                for p, rec in zip(ids, recorded):
+                    g = s.runner.run(p, new_tokens, recorded=rec)
+                    if g.tokens != rec.tokens:
+                        raise SpecPrefetchError(f"bench: {pol.name} changed the output for a prompt: a bug")
+                    if g.stats.peak_pool_bytes > g.stats.budget_bytes:
+                        raise SpecPrefetchError(f"bench: {pol.name} exceeded the pool budget: a bug")
+                    results["direct_io"] = g.direct_io
                     if rnd > 0:
-                        samples[pol].append(r)
+                        samples[pol.name].append(g.stats.to_json())
         point: dict[str, Any] = {"pool_mib": pool, "policies": {}}
         for pol, rs in samples.items():
-            point["policies"][pol] = {k: round(float(np.median([r[k] for r in rs])), 4) for k in
-                                      ("tpot_ms", "tpot_p95_ms", "ttft_ms", "stall_ms_per_token", "hit_rate",
-                                       "mib_read_per_token", "wasted_prefetch_mib")}
+            point["policies"][pol] = {k: round(float(np.median([r[k] for r in rs])), 4) for k in MEDIAN_KEYS}
             point["policies"][pol]["runs"] = len(rs)
         results["points"].append(point)
-    if simulate:
-        results["simulated"] = simulate_same_prompts(model, texts, adapter, policies, pools, new_tokens, window,
-                                                     store)
+    if simulate and s.source_model is not None and s.kind == "model":
+        results["simulated"] = simulate_same_prompts(s.source_model, texts, adapter, policies, pools, new_tokens,
+                                                     window, store)
+    elif simulate:
+        results["simulated_skipped"] = "the simulator replays traces of a model directory; a bundle has none"
     return results
+
+
+MEDIAN_KEYS = ("tpot_ms", "tpot_p95_ms", "ttft_ms", "stall_ms_per_token", "hit_rate", "mib_read_per_token",
+               "prefetch_precision", "prefetch_recall", "wasted_prefetch_mib")
 
 
 def simulate_same_prompts(model, texts, adapter, policies, pools, new_tokens, window, store) -> dict[str, Any]:
     """Trace the bench prompts and replay them under the calibrated this-machine profile."""
     from toolkit.simulate.calibrate import calibrate
-    from toolkit.simulate.replay import Policy, run_simulation
+    from toolkit.simulate.replay import run_simulation
     from toolkit.traces.capture import TraceSettings, run_trace
 
     with tempfile.TemporaryDirectory() as d:
@@ -99,10 +113,9 @@ def simulate_same_prompts(model, texts, adapter, policies, pools, new_tokens, wi
                           TraceSettings(prompt_tokens=10_000, decode_tokens=new_tokens - 1, heldout_frac=0.0),
                           progress=False)
         prof, _ = calibrate(model, store=store, out=Path(d) / "this-machine.json", progress=False)
-        pols = [Policy(*(p.split("+") + ["lru"])[:2]) for p in policies]
         out = {"profile": prof.to_json(), "points": []}
         for pool in pools:
-            r = run_simulation(trace, policies=pols, profile=prof, pool_mib=pool, window=window, adapter=adapter,
+            r = run_simulation(trace, policies=policies, profile=prof, pool_mib=pool, window=window, adapter=adapter,
                                split="train", model=model)
             out["points"].append({"pool_mib": pool, "policies": {x["policy"]: {
                 k: x[k] for k in ("tpot_ms", "stall_ms_per_token", "hit_rate", "mib_read_per_token")}
@@ -151,7 +164,7 @@ def plot(r: dict[str, Any], path: Path) -> None:
                    label=f"simulated, {p['pool_mib']:g} MiB")
     ax.set_xticks(np.arange(len(pols)) + width * (len(r["points"]) - 0.5), pols, rotation=20, fontsize=8)
     ax.set_ylabel("TPOT (ms)")
-    ax.set_title("streaming runtime: measured vs simulated TPOT")
+    ax.set_title("reference runner: measured vs simulated TPOT")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, axis="y")
     save_figure(fig, path)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -37,10 +38,47 @@ def friendly_errors(fn):
     return wrapper
 
 
+class FiniteFloat(click.ParamType):
+    """A finite number above `low` (a one-line error for nan, inf, words or empty text)."""
+    name = "number"
+
+    def __init__(self, low: float = 0.0):
+        self.low = low
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            v = float(value)
+        else:
+            try:
+                v = float(str(value).strip())
+            except ValueError:
+                self.fail(f"{value!r} is not a number", param, ctx)
+        if not math.isfinite(v) or v <= self.low:
+            self.fail(f"{value!r}: must be a finite number above {self.low:g}", param, ctx)
+        return v
+
+
+class FloatList(click.ParamType):
+    """Comma-separated finite positive numbers, e.g. 4,8,16."""
+    name = "list"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, list):
+            return value
+        items = [x for x in str(value).split(",") if x.strip()]
+        if not items:
+            self.fail(f"{value!r}: expected comma-separated numbers", param, ctx)
+        return [FiniteFloat().convert(x, param, ctx) for x in items]
+
+
+POOL_MIB = FiniteFloat()
+
+
 def scheduler_limits(fn):
     """The scheduler's flash-saturation limits, shared by `simulate` and `run`."""
-    fn = click.option("--step-budget-kib", type=int, default=None, help="prefetch bytes issued per step at most")(fn)
-    return click.option("--min-confidence", default=0.02, show_default=True,
+    fn = click.option("--step-budget-kib", type=click.IntRange(min=1), default=None,
+                      help="prefetch bytes issued per step at most")(fn)
+    return click.option("--min-confidence", type=click.FloatRange(0, 1), default=0.02, show_default=True,
                         help="when flash is saturated, drop queued prefetches below this predicted probability")(fn)
 
 
@@ -207,16 +245,6 @@ def store(model, out, dtype) -> None:
                f"{path.stat().st_size / 2**20:.1f} MiB")
 
 
-def _policies(text: str):
-    from toolkit.simulate.replay import Policy
-
-    out = []
-    for item in text.split(","):
-        pred, _, ev = item.strip().partition("+")
-        out.append(Policy(pred, ev or "lru"))
-    return out
-
-
 @main.command()
 @click.argument("traces", type=click.Path(path_type=Path))
 @click.option("--policies", "--predictor", "policies",
@@ -225,13 +253,13 @@ def _policies(text: str):
 @click.option("--adapter", type=click.Path(path_type=Path), default=None)
 @click.option("--profile", default="snapdragon-8-elite", show_default=True,
               help="snapdragon-8-elite, this-machine (after calibrate), or a profile JSON file")
-@click.option("--pool-mib", default="8", show_default=True, help="pool budget; comma list to sweep")
+@click.option("--pool-mib", type=FloatList(), default="8", show_default=True, help="pool budget; comma list to sweep")
 @click.option("--window", default="2", show_default=True, help="steps ahead; comma list to sweep")
-@click.option("--queue-depth", default=4, show_default=True)
+@click.option("--queue-depth", type=click.IntRange(min=1), default=4, show_default=True)
 @click.option("--dtype", default="fp16", show_default=True, type=click.Choice(["fp16", "int8", "int4"]))
 @click.option("--geometry", default=None, help="config.json directory whose sizes to use (routing stays the trace's)")
 @click.option("--split", default="heldout", show_default=True, type=click.Choice(["heldout", "train"]))
-@click.option("--max-sequences", type=int, default=None)
+@click.option("--max-sequences", type=click.IntRange(min=1), default=None)
 @scheduler_limits
 @click.option("--json", "json_out", required=True, type=click.Path(path_type=Path))
 @friendly_errors
@@ -239,12 +267,14 @@ def simulate(traces, policies, adapter, profile, pool_mib, window, queue_depth, 
              max_sequences, min_confidence, step_budget_kib, json_out) -> None:
     """Replay TRACES through the pool and scheduler against a device profile: TPOT, stall, hit
     rate, MiB read and wasted prefetch per policy; sweeps give a table and plots."""
+    from toolkit.runtime.policy import parse_policies
     from toolkit.runtime.profiles import load_profile
     from toolkit.simulate.report import sweep, write_sweep
 
-    pools = [float(x) for x in pool_mib.split(",")]
     windows = list(_ints(window, "--window"))
-    r = sweep(traces, policies=_policies(policies), profile=load_profile(profile), pools=pools,
+    if not windows or min(windows) < 1:
+        raise SpecPrefetchError(f"--window {window!r}: steps ahead must be >= 1")
+    r = sweep(traces, policies=parse_policies(policies), profile=load_profile(profile), pools=pool_mib,
               windows=windows, queue_depth=queue_depth, dtype=dtype, geometry=geometry, adapter=adapter,
               split=split, max_sequences=max_sequences, min_confidence=min_confidence,
               step_budget_kib=step_budget_kib)
@@ -275,71 +305,112 @@ def calibrate(model, store_path, reads, out) -> None:
 @click.option("--policy", default="adapter+prediction", show_default=True,
               help="PREDICTOR+EVICTION: on-demand, next-gate, fate, previous-token, frequency, adapter, draft "
                    "or oracle; lru, lfu, prediction or belady")
-@click.option("--adapter", type=click.Path(path_type=Path), default=None)
+@click.option("--adapter", type=click.Path(path_type=Path), default=None,
+              help="prefetch adapter (model directories; a bundle carries its own heads)")
 @click.option("--frequency-trace", type=click.Path(path_type=Path), default=None,
               help="trace whose expert counts drive the frequency policy")
-@click.option("--pool-mib", default=8.0, show_default=True)
-@click.option("--window", default=2, show_default=True)
-@click.option("--queue-depth", default=4, show_default=True)
-@click.option("--store", "store_path", type=click.Path(path_type=Path), default=None)
-@click.option("--dtype", default="fp16", show_default=True, type=click.Choice(["fp16", "int8", "int4"]))
+@click.option("--pool-mib", type=POOL_MIB, default=None,
+              help="pool budget in MiB [default: a bundle's own default, else 8]")
+@click.option("--window", type=click.IntRange(min=1), default=2, show_default=True)
+@click.option("--queue-depth", type=click.IntRange(min=1), default=4, show_default=True)
+@click.option("--store", "store_path", type=click.Path(path_type=Path), default=None,
+              help="an existing expert store (model directories; default: built once into the cache)")
+@click.option("--dtype", default="fp16", show_default=True, type=click.Choice(["fp16", "int8", "int4"]),
+              help="precision of the store built for a model directory")
 @click.option("--flash-profile", default=None, help="pace real reads to this device profile (emulated)")
 @click.option("--prompt", "prompts", multiple=True, required=True, help="repeatable")
-@click.option("--max-new-tokens", default=32, show_default=True)
-@click.option("--threads", default=1, show_default=True, help="torch compute threads (the rest serve I/O)")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option("--max-seq", type=click.IntRange(min=2), default=512, show_default=True,
+              help="KV cache length of a model directory's graphs")
+@click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
+              help="torch compute threads (the rest serve I/O)")
 @click.option("--io", "io_mode", default="process", show_default=True, type=click.Choice(["process", "threads"]),
               help="reads in a forked reader process, or in threads of this process")
+@click.option("--check/--no-check", default=None,
+              help="compare the tokens with the unmodified model's own generate (loads all its weights) "
+                   "[default: on for the embedded model only]")
+@click.option("--events", "events_out", type=click.Path(path_type=Path), default=None,
+              help="write every scheduler and pool decision here (docs/runtime.md)")
 @scheduler_limits
 @click.option("--json", "json_out", required=True, type=click.Path(path_type=Path))
 @friendly_errors
 def run(model, policy, adapter, frequency_trace, pool_mib, window, queue_depth, store_path, dtype, flash_profile,
-        prompts, max_new_tokens, threads, io_mode, min_confidence, step_budget_kib, json_out) -> None:
-    """Run MODEL with experts streamed from the expert store through a bounded pool (real O_DIRECT
-    reads on background threads); checks the tokens against the unmodified model."""
+        prompts, max_new_tokens, max_seq, threads, io_mode, check, events_out, min_confidence, step_budget_kib,
+        json_out) -> None:
+    """Run MODEL (a model directory, `embedded`, or a bundle) with its experts streamed from the
+    expert store through a bounded pool (real O_DIRECT reads); with --check, compare the tokens
+    with the unmodified model."""
+    from export.session import open_session, reference_tokens
     from toolkit.artifacts import write_json_atomic
-    from toolkit.runtime.streaming import RunConfig, open_runtime, reference_generate
+    from toolkit.runtime.events import EventLog
+    from toolkit.runtime.policy import Policy
+    from toolkit.runtime.profiles import load_profile
+    from toolkit.runtime.runner import RunConfig, write_events
+    from toolkit.runtime.stats import peak_rss_bytes
 
     torch_threads(threads)
-    pred, _, ev = policy.partition("+")
-    cfg = RunConfig(predictor=pred, eviction=ev or "lru", pool_mib=pool_mib, window=window,
-                    queue_depth=queue_depth, flash_profile=flash_profile, adapter=adapter, io=io_mode,
-                    frequency_trace=frequency_trace, min_confidence=min_confidence,
-                    step_budget_kib=step_budget_kib)
-    rt, ref = open_runtime(model, cfg, store=store_path, dtype=dtype)
-    runs = []
+    pol = Policy.parse(policy)
+    cfg = RunConfig(policy=pol, pool_mib=pool_mib or 8.0, window=window, queue_depth=queue_depth,
+                    flash_profile=load_profile(flash_profile) if flash_profile else None, io=io_mode,
+                    min_confidence=min_confidence, step_budget_kib=step_budget_kib)
+    s = open_session(model, cfg, adapter=adapter, store=store_path, dtype=dtype, frequency_trace=frequency_trace,
+                     max_seq=max_seq)
+    if pool_mib is None and s.kind == "bundle":
+        s.runner.configure(pool_mib=s.default_pool_mib or 8.0)
+    if check is None:
+        check = s.is_embedded
+    if check and s.source_model is None:
+        raise SpecPrefetchError(f"--check: the unmodified model of {s.label} is not on this machine")
+    exact = s.kind == "model" and s.runner.store.dtype == "fp16"
+    runs, gens = [], []
     for p in prompts:
-        ids = ref.tokenizer(p, add_special_tokens=False)["input_ids"]
-        if not ids:
-            raise SpecPrefetchError(f"--prompt {p!r} is empty after tokenisation")
-        toks, routing = reference_generate(ref, ids, max_new_tokens)
-        rt.set_reference(toks, routing)
-        r = rt.generate(ids, max_new_tokens)
-        r["prompt"] = p
-        r["matches_unmodified_model"] = (r["tokens"] == toks) if dtype == "fp16" else None
-        if dtype == "fp16" and not r["matches_unmodified_model"]:
-            raise SpecPrefetchError(f"tokens differ from the unmodified model for prompt {p!r}: a bug")
+        ids = s.encode(p)
+        g = s.runner.run(ids, max_new_tokens, events=EventLog() if events_out else None)
+        gens.append(g)
+        r = {"prompt": p, "source": s.label, **g.to_json()}
+        if check:
+            ref = reference_tokens(s.source_model, ids, max_new_tokens)
+            r["matches_unmodified_model"] = g.tokens == ref
+            if exact and g.tokens != ref:
+                raise SpecPrefetchError(f"tokens differ from the unmodified model's generate for prompt {p!r}: a bug, "
+                                        "unless transformers departs from the model's config (docs/families.md)")
+            if g.tokens != ref:
+                click.echo(f"note: {s.label} ({s.runner.store.dtype} experts) decodes other tokens than the "
+                           f"unmodified model for prompt {p!r} (reduced precision)", err=True)
+        else:
+            r["matches_unmodified_model"] = None
+        if s.notes:
+            r["notes"] = s.notes
         runs.append(r)
-    out = runs[0] if len(runs) == 1 else {"policy": cfg.policy, "runs": runs}
+    out = runs[0] if len(runs) == 1 else {"policy": pol.name, "runs": runs}
+    out["peak_rss_bytes"] = peak_rss_bytes()
     write_json_atomic(json_out, out)
+    if events_out:
+        write_events(events_out, gens)
+    cfg = s.runner.cfg
     for r in runs:
-        click.echo(f"{cfg.policy}: TTFT {r['ttft_ms']:.1f} ms, TPOT {r['tpot_ms']:.2f} ms "
+        click.echo(f"{pol.name}: TTFT {r['ttft_ms']:.1f} ms, TPOT {r['tpot_ms']:.2f} ms "
                    f"(p95 {r['tpot_p95_ms']:.2f}), stall {r['stall_ms_per_token']:.2f} ms/token, "
                    f"hit rate {r['hit_rate']:.3f}, {r['mib_read']:.1f} MiB read, peak pool "
                    f"{r['peak_pool_bytes'] / 2**20:.2f} of {r['budget_bytes'] / 2**20:.2f} MiB"
+                   + (", tokens match the unmodified model" if r["matches_unmodified_model"] else "")
                    + (f" [flash emulated: {flash_profile}]" if flash_profile else ""))
-    click.echo(f"wrote {json_out}")
+    rss = out["peak_rss_bytes"]
+    click.echo(f"peak RSS {rss / 2**20:.0f} MiB" if rss else "peak RSS unknown")
+    click.echo(f"wrote {json_out}" + (f", {events_out}" if events_out else ""))
 
 
 @main.command()
 @click.argument("model", default="embedded")
-@click.option("--adapter", required=True, type=click.Path(path_type=Path))
+@click.option("--adapter", type=click.Path(path_type=Path), default=None,
+              help="prefetch adapter (model directories; needed by the adapter policies)")
 @click.option("--policies", default="on-demand+lru,next-gate+prediction,adapter+prediction,adapter+lru,oracle+belady",
-              show_default=True)
-@click.option("--pool-mib", default="4,8", show_default=True)
-@click.option("--prompts", default=4, show_default=True)
-@click.option("--new-tokens", default=48, show_default=True)
-@click.option("--rounds", default=3, show_default=True)
-@click.option("--window", default=2, show_default=True)
+              show_default=True, help="comma-separated PREDICTOR+EVICTION")
+@click.option("--pool-mib", type=FloatList(), default="4,8", show_default=True)
+@click.option("--prompts", type=click.IntRange(min=1), default=4, show_default=True)
+@click.option("--new-tokens", type=click.IntRange(min=2), default=48, show_default=True)
+@click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option("--window", type=click.IntRange(min=1), default=2, show_default=True)
 @click.option("--flash-profile", default=None, help="pace reads to a device profile (emulated flash)")
 @click.option("--store", "store_path", type=click.Path(path_type=Path), default=None)
 @click.option("--no-simulate", is_flag=True, help="skip the simulator comparison")
@@ -349,14 +420,14 @@ def run(model, policy, adapter, frequency_trace, pool_mib, window, queue_depth, 
 @friendly_errors
 def bench(model, adapter, policies, pool_mib, prompts, new_tokens, rounds, window, flash_profile, store_path,
           no_simulate, frequency_trace, json_out) -> None:
-    """Measure the streaming runtime's policies side by side (interleaved rounds, medians, token
-    equality checked) and compare with the simulator under the calibrated this-machine profile."""
+    """Measure the runner's policies side by side on MODEL (model directory, `embedded` or bundle):
+    interleaved rounds, medians, token equality checked; the simulator beside them."""
     from toolkit.bench import run_bench, write
+    from toolkit.runtime.policy import parse_policies
 
-    r = run_bench(model=model, adapter=adapter, policies=[p.strip() for p in policies.split(",")],
-                  pools=[float(x) for x in pool_mib.split(",")], prompts=prompts, new_tokens=new_tokens,
-                  rounds=rounds, flash_profile=flash_profile, window=window, store=store_path,
-                  simulate=not no_simulate, frequency_trace=frequency_trace)
+    r = run_bench(model=model, adapter=adapter, policies=parse_policies(policies), pools=pool_mib, prompts=prompts,
+                  new_tokens=new_tokens, rounds=rounds, flash_profile=flash_profile, window=window,
+                  store=store_path, simulate=not no_simulate, frequency_trace=frequency_trace)
     md, png = write(r, json_out)
     click.echo(md.read_text())
     click.echo(f"wrote {json_out}, {md}, {png}")

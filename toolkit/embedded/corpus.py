@@ -21,13 +21,12 @@ import gzip
 import hashlib
 import json
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 from typing import Iterator
 
-from toolkit.artifacts import atomic_write_text, write_json_atomic
+from toolkit.artifacts import atomic_directory, atomic_write_text, write_json_atomic
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,11 +71,8 @@ def unpack(debs: Path, root: Path) -> dict[str, str]:
             raise SystemExit(f"corpus: no {s.package}_*.deb in {debs}")
         target = root / s.package
         if not target.exists():
-            partial = target.with_name(target.name + ".partial")
-            shutil.rmtree(partial, ignore_errors=True)
-            partial.mkdir(parents=True)
-            subprocess.run(["dpkg-deb", "-x", str(matches[-1]), str(partial)], check=True)
-            partial.rename(target)
+            with atomic_directory(target, overwrite=False) as partial:
+                subprocess.run(["dpkg-deb", "-x", str(matches[-1]), str(partial)], check=True)
         found[s.package] = matches[-1].name
     return found
 

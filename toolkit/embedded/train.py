@@ -19,14 +19,14 @@ import dataclasses
 import json
 import lzma
 import math
-import os
-import shutil
 import time
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 import torch
+
+from toolkit.artifacts import AtomicDirectory
 
 EOS = "<|endoftext|>"
 # Special tokens a vision-language tiny model needs; reserved now so the vocabulary never shifts.
@@ -177,8 +177,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(r.seed)
     gen = np.random.default_rng(r.seed)
     out: Path = a.out
-    work = out.with_name(out.name + ".partial")
-    work.mkdir(parents=True, exist_ok=True)
+    staging = AtomicDirectory(out, overwrite=True)  # OUT.partial, renamed to OUT when complete
+    work = staging.work
 
     t0 = time.time()
     train_texts = list(read_jsonl_texts(corpus_file(a.corpus, "train")))
@@ -240,9 +240,7 @@ def main(argv: list[str] | None = None) -> None:
     model.to(torch.bfloat16 if use_bf16 else torch.float32).to("cpu").to(torch.float16)
     model.save_pretrained(work, max_shard_size=a.max_shard_size)
     (work / "train_log.json").write_text(json.dumps(log, indent=1) + "\n")
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(work, out)
+    staging.commit()
     print(f"saved {out} in {time.time() - t0:.0f}s", flush=True)
 
 

@@ -1,9 +1,11 @@
 """`specprefetch info`: a model's MoE geometry and what its experts cost in bytes.
 
 Sizes come from config.json and the safetensors headers; no weights are loaded, so this is instant
-on a 30B checkpoint. Quantised expert sizes follow the expert store's layouts (docs/expert-store.md):
-int8 with one fp16 scale per output row, int4 packed two per byte with one fp16 scale per group of
-32 weights along the input axis (rows zero-padded to whole groups). Biases (GPT-OSS) stay fp16.
+on a 30B checkpoint. Expert sizes are the expert store's blob sizes, computed by the store's own
+layout (toolkit/models/expert_layout.py, docs/expert-store.md): int8 with one fp16 scale per output
+row, int4 packed two per byte with one fp16 scale per group of 32 weights along the input axis (rows
+zero-padded to whole groups), biases (GPT-OSS) fp16, every section 64-byte aligned; the 4K-aligned
+size is the expert's slot on flash and in the pool.
 """
 from __future__ import annotations
 
@@ -11,43 +13,28 @@ import math
 from typing import Any
 
 from toolkit.models.checkpoint import DTYPE_BYTES, TensorIndex, expert_keys
+from toolkit.models.expert_layout import ALIGN, DTYPES, blob_bytes
+from toolkit.models.expert_layout import align as _align
 from toolkit.models.families import ModelGeometry
-from toolkit.models.loader import ModelSpec, inspect_model_dir
+from toolkit.models.loader import inspect_model_dir
+from toolkit.models.spec import ModelSpec
 
-INT4_GROUP = 32
-PAGE = 4096
+PAGE = ALIGN
 
 
 def expert_bytes(geo: ModelGeometry, dtype: str) -> int:
-    """Bytes of one routed expert's weights (and scales) in `dtype`: fp16, bf16, int8 or int4."""
-    total = 0
-    for m in geo_matrices(geo):
-        if len(m) == 1:
-            total += m[0] * 2
-            continue
-        out_dim, in_dim = m
-        if dtype in ("fp16", "bf16"):
-            total += out_dim * in_dim * 2
-        elif dtype == "int8":
-            total += out_dim * in_dim + out_dim * 2
-        elif dtype == "int4":
-            groups = -(-in_dim // INT4_GROUP)  # rows padded to whole groups (expert store layout)
-            total += out_dim * groups * INT4_GROUP // 2 + out_dim * groups * 2
-        else:
-            raise ValueError(f"unknown expert dtype {dtype!r}")
-    return total
-
-
-def geo_matrices(geo: ModelGeometry) -> list[tuple[int, ...]]:
-    h, i = geo.hidden_size, geo.moe_intermediate_size
-    mats: list[tuple[int, ...]] = [(i, h), (i, h), (h, i)]
-    if geo.expert_has_bias:
-        mats += [(i,), (i,), (h,)]
-    return mats
+    """Bytes of one routed expert's blob in the expert store in `dtype` (fp16, bf16 = fp16 sizes,
+    int8 or int4): weights, scales and biases with the store's section alignment."""
+    if dtype == "bf16":
+        dtype = "fp16"
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown expert dtype {dtype!r}")
+    return blob_bytes(geo, dtype)
 
 
 def aligned(n: int, page: int = PAGE) -> int:
-    return -(-n // page) * page
+    """n rounded up to whole pages: an expert's slot on flash and in the pool."""
+    return _align(n, page)
 
 
 def model_info(spec: ModelSpec) -> dict[str, Any]:

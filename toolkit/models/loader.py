@@ -22,7 +22,9 @@ import torch  # noqa: E402
 
 from toolkit.artifacts import config_hash  # noqa: E402
 from toolkit.errors import SpecPrefetchError  # noqa: E402
+from toolkit.models.checkpoint import TensorIndex, expert_keys  # noqa: E402
 from toolkit.models.families import Family, ModelGeometry, family_for  # noqa: E402
+from toolkit.models.spec import ModelSpec  # noqa: E402  (re-exported: callers import it from here)
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
@@ -37,22 +39,6 @@ def resolve_model_dir(model: str | Path) -> Path:
     if str(model) in ("", "embedded", "default"):
         return embedded_model_dir()
     return Path(model)
-
-
-@dataclasses.dataclass
-class ModelSpec:
-    """What the toolkit knows about a model directory without loading any weights."""
-    path: Path
-    config: Any  # transformers PretrainedConfig
-    config_dict: dict
-    config_hash: str
-    family: Family
-    geometry: ModelGeometry
-    weight_files: tuple[Path, ...]
-
-    @property
-    def model_id(self) -> str:
-        return self.config_dict.get("_name_or_path") or self.path.name
 
 
 def _weight_files(path: Path, allow_none: bool = False) -> tuple[Path, ...]:
@@ -211,8 +197,6 @@ def load_dense_model(spec: ModelSpec) -> torch.nn.Module:
     (rotary frequencies) are rebuilt on the CPU; a module that cannot be rebuilt is an error."""
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-
-    from toolkit.models.checkpoint import TensorIndex, expert_keys
 
     cls = AutoModelForImageTextToText if spec.family.is_vision_language else AutoModelForCausalLM
     with torch.device("meta"):

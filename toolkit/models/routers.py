@@ -13,7 +13,7 @@ from safetensors import safe_open
 from toolkit.errors import SpecPrefetchError
 from toolkit.models.checkpoint import TensorIndex
 from toolkit.models.families import RoutingSpec, selection_scores
-from toolkit.models.loader import ModelSpec
+from toolkit.models.spec import ModelSpec
 
 
 @dataclasses.dataclass

@@ -179,3 +179,44 @@ class DraftPredictor(Predictor):
             if sc is not None and pos < sc.shape[0]:
                 out[r] = sc[pos, layer]
         return out
+
+
+class SequenceDraft(Predictor):
+    """The draft predictor in the runner: the int4-expert draft run teacher-forced over one prompt
+    and its committed tokens (under greedy speculative decoding the accepted tokens are the
+    target's), so its routing at every (position, layer) is known ahead, as it is K tokens ahead of
+    verification. Its own compute is not charged to the run (the report says so): this measures
+    what its predictions are worth to the pool, not what running it costs (issue: the GPU tier)."""
+    name = "draft"
+    note = "draft routing precomputed teacher-forced; the draft's own compute is not charged"
+
+    def __init__(self, lm: LoadedModel, *, expert_bits: int = 4):
+        self.lm = lm
+        self.draft = make_draft(lm, expert_bits=expert_bits)
+        self.scores_by_pos: torch.Tensor | None = None  # [T, L, E]
+
+    def prepare(self, tokens: list[int]) -> None:
+        """Route the draft over the whole sequence (prompt + committed tokens)."""
+        from toolkit.traces.capture import RouterRecorder
+
+        lm = dataclasses.replace(self.lm, model=self.draft)
+        rec = RouterRecorder(lm)
+        try:
+            with torch.no_grad():
+                self.draft(input_ids=torch.tensor([tokens]))
+            t = rec.stacked()
+        finally:
+            rec.close()
+        spec = self.lm.geometry.routing
+        L = len(self.lm.geometry.moe_layers)
+        sb = [self.lm.family.router_params(self.draft, layer)[2] for layer in self.lm.geometry.moe_layers]
+        self.scores_by_pos = torch.stack([selection_scores(t["logits"][:, li], spec,
+                                                           sb[li].detach().float() if sb[li] is not None else None)
+                                          for li in range(L)], 1)
+
+    def scores(self, b: RoutingBatch, i: int, h: int) -> torch.Tensor:
+        L = b.num_layers
+        pos = int(b.pos[0]) + (i + h) // L
+        if self.scores_by_pos is None or pos >= self.scores_by_pos.shape[0]:
+            return torch.zeros(1, self.lm.geometry.routing.num_experts)
+        return self.scores_by_pos[pos, (i + h) % L].unsqueeze(0)

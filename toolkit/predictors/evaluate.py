@@ -18,12 +18,12 @@ from toolkit.reporting import save_figure, write_report
 from toolkit.errors import SpecPrefetchError
 from toolkit.metrics import topk_overlap
 from toolkit.models.routers import load_router_bank
-from toolkit.predictors.base import (AdapterPredictor, FateStyle, Frequency, NextGate, Oracle,
-                                     Predictor, PreviousToken)
+from toolkit.predictors.base import Predictor
+from toolkit.predictors.registry import EVAL_PREDICTORS, build_predictor
 from toolkit.traces.batches import iter_batches
 from toolkit.traces.format import TraceReader
 
-ALL = ("next-gate", "fate", "frequency", "previous-token", "adapter", "draft", "oracle")
+ALL = EVAL_PREDICTORS
 
 
 def frequency_counts(reader: TraceReader) -> torch.Tensor:
@@ -34,40 +34,37 @@ def frequency_counts(reader: TraceReader) -> torch.Tensor:
 
 def build_predictors(names: list[str], reader: TraceReader, spec, adapter_path: Path | None,
                      draft_bits: int = 4) -> tuple[dict[str, Predictor], dict[str, Any]]:
-    bank = load_router_bank(spec)
-    E = spec.geometry.routing.num_experts
-    out: dict[str, Predictor] = {}
+    """The named predictors (through the registry), and notes on the adapter and the draft."""
+    import functools
+
+    bank = functools.cache(lambda: load_router_bank(spec))
     notes: dict[str, Any] = {}
+
+    def adapter():
+        from adapters.checkpoint import load_adapter
+
+        ad, meta = load_adapter(adapter_path, spec)
+        notes["adapter"] = {"path": str(adapter_path), "rank": meta["rank"],
+                            "horizons": meta["horizons"], "share_of_model": meta.get("share_of_model")}
+        return ad
+
+    def draft():
+        from toolkit.models.loader import load_model
+        from toolkit.predictors.draft import DraftPredictor
+
+        d = DraftPredictor(load_model(spec.path), reader, expert_bits=draft_bits)
+        notes["draft"] = {"expert_bits": draft_bits, "acceptance_rate": round(d.acceptance, 4),
+                          "acceptance_tokens": d.proposed}
+        return d
+
+    out: dict[str, Predictor] = {}
     for n in names:
-        if n == "next-gate":
-            out[n] = NextGate(bank)
-        elif n == "fate":
-            out[n] = FateStyle(bank)
-        elif n == "frequency":
-            out[n] = Frequency(frequency_counts(reader))
-        elif n == "previous-token":
-            out[n] = PreviousToken(E)
-        elif n == "oracle":
-            out[n] = Oracle(E)
-        elif n == "adapter":
-            if adapter_path is None:
-                raise SpecPrefetchError("predictor 'adapter' needs --adapter DIR")
-            from adapters.checkpoint import load_adapter
-
-            adapter, meta = load_adapter(adapter_path, spec)
-            out[n] = AdapterPredictor(adapter, bank)
-            notes["adapter"] = {"path": str(adapter_path), "rank": meta["rank"],
-                                "horizons": meta["horizons"], "share_of_model": meta.get("share_of_model")}
-        elif n == "draft":
-            from toolkit.models.loader import load_model
-            from toolkit.predictors.draft import DraftPredictor
-
-            d = DraftPredictor(load_model(spec.path), reader, expert_bits=draft_bits)
-            out[n] = d
-            notes["draft"] = {"expert_bits": draft_bits, "acceptance_rate": round(d.acceptance, 4),
-                              "acceptance_tokens": d.proposed}
-        else:
-            raise SpecPrefetchError(f"--predictors: unknown predictor {n!r}; choose from {', '.join(ALL)}")
+        if n == "on-demand":
+            raise SpecPrefetchError("--predictors: on-demand predicts nothing; choose from "
+                                    + ", ".join(EVAL_PREDICTORS))
+        out[n] = build_predictor(n, num_experts=spec.geometry.routing.num_experts, bank=bank,
+                                 adapter=adapter if adapter_path is not None else None,
+                                 counts=lambda: frequency_counts(reader), draft=draft, option="--predictors")
     return out, notes
 
 
@@ -88,9 +85,9 @@ def evaluate(trace: Path, *, predictors: list[str], adapter: Path | None = None,
     if horizons is None:
         horizons = (1, 2)
         if adapter is not None:
-            from toolkit.artifacts import read_json
+            from adapters.checkpoint import read_adapter_meta
 
-            horizons = tuple(read_json(Path(adapter) / "adapter.json", "adapter config")["horizons"])
+            horizons = tuple(read_adapter_meta(Path(adapter))["horizons"])
     preds, notes = build_predictors(predictors, reader, spec, adapter, draft_bits)
     L = len(reader.moe_layers)
     # acc[name][h] = arrays over source layer i: hits@k, hits@M, rows

@@ -23,13 +23,12 @@ from tqdm import tqdm
 from toolkit.artifacts import atomic_path
 from toolkit.errors import SpecPrefetchError
 from toolkit.models.checkpoint import ExpertReader
+# the blob layout has one definition, shared with `info` (re-exported here for the store's readers)
+from toolkit.models.expert_layout import ALIGN, GROUP, SECTION_ALIGN, Section, align, blob_sections  # noqa: F401
 from toolkit.models.loader import ModelSpec
 
 MAGIC = b"SPXSTORE"
 VERSION = 1
-ALIGN = 4096
-SECTION_ALIGN = 64
-GROUP = 32
 FP16_MIN_NORMAL = 6.104e-5
 DTYPES = {"fp16": 0, "int8": 1, "int4": 2}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
@@ -39,47 +38,7 @@ assert HEADER.size == 128 and ENTRY.size == 32
 
 
 def _align(n: int, a: int) -> int:
-    return -(-n // a) * a
-
-
-@dataclasses.dataclass(frozen=True)
-class Section:
-    """One array inside an expert blob: role, kind (weight / scale / bias), dtype, shape, offset."""
-    role: str
-    kind: str
-    dtype: str       # "f16", "i8", "u8" (packed int4)
-    shape: tuple[int, ...]
-    offset: int
-    nbytes: int
-
-
-def blob_sections(matrices: list[tuple[str, tuple[int, ...]]], dtype: str) -> tuple[list[Section], int]:
-    """The byte layout of one expert blob: sections in order, each 64-byte aligned."""
-    out, off = [], 0
-
-    def add(role, kind, dt, shape, itemsize):
-        nonlocal off
-        n = int(np.prod(shape)) * itemsize
-        out.append(Section(role, kind, dt, tuple(shape), off, n))
-        off = _align(off + n, SECTION_ALIGN)
-
-    for role, shape in matrices:
-        if len(shape) == 1:
-            add(role, "bias", "f16", shape, 2)
-            continue
-        o, i = shape
-        if dtype == "fp16":
-            add(role, "weight", "f16", (o, i), 2)
-        elif dtype == "int8":
-            add(role, "weight", "i8", (o, i), 1)
-            add(role, "scale", "f16", (o,), 2)
-        elif dtype == "int4":  # rows padded with zeros to whole groups of 32
-            ip = _align(i, GROUP)
-            add(role, "weight", "u8", (o, ip // 2), 1)
-            add(role, "scale", "f16", (o, ip // GROUP), 2)
-        else:
-            raise SpecPrefetchError(f"unknown store dtype {dtype!r}; choose fp16, int8 or int4")
-    return out, off
+    return align(n, a)
 
 
 def quantize(w: torch.Tensor, dtype: str) -> list[np.ndarray]:

@@ -1,4 +1,4 @@
-"""Real flash reads for the streaming runtime: O_DIRECT preads on background threads.
+"""Real flash reads for the runner: O_DIRECT preads in a reader process (or threads).
 
 Each read lands in its own page-aligned anonymous buffer (`mmap`), at a 4 KiB-aligned offset and a
 4 KiB-multiple size, so O_DIRECT bypasses the page cache: experts come from the device, never from
@@ -8,7 +8,7 @@ modelled time for that request (an injected delay on top of the real I/O, as Spe
 authors emulated phone flash offline); reports mark such runs as emulated.
 
 Worker threads only read and record completions; the pool and scheduler are touched by the
-compute thread alone (it drains `completed()`), so they need no locks.
+compute thread alone (it asks `landed` / `wait` for the key it needs), so they need no locks.
 """
 from __future__ import annotations
 
@@ -51,7 +51,6 @@ class DirectReader:
         self.heap: list[tuple[int, int, Key, float]] = []
         self.seq = itertools.count()
         self.done: dict[Key, mmap.mmap] = {}
-        self.fresh: list[Key] = []
         self.running = 0
         self.error: BaseException | None = None
         self.busy_until = 0.0
@@ -82,7 +81,6 @@ class DirectReader:
             with self.cond:
                 self.running -= 1
                 self.done[key] = buf
-                self.fresh.append(key)
                 self.cond.notify_all()
 
     def _read(self, key: Key, issued: float, qd: int) -> mmap.mmap:
@@ -110,15 +108,10 @@ class DirectReader:
             heapq.heappush(self.heap, (0 if demand else 1, next(self.seq), key, time.perf_counter()))
             self.cond.notify()
 
-    def inflight(self) -> int:
-        with self.cond:
-            return len(self.heap) + self.running
-
-    def completed(self) -> list[Key]:
+    def landed(self, key: Key) -> bool:
         with self.cond:
             self._raise()
-            out, self.fresh = self.fresh, []
-            return out
+            return key in self.done
 
     def take(self, key: Key) -> mmap.mmap | None:
         with self.cond:
@@ -133,6 +126,10 @@ class DirectReader:
     def _raise(self) -> None:
         if self.error is not None:  # stays set: a failed read leaves its key loading for good
             raise self.error
+
+    def release(self, key: Key) -> None:
+        with self.cond:
+            self.done.pop(key, None)
 
     def close(self) -> None:
         with self.cond:
@@ -168,8 +165,6 @@ class ProcessReader:
         self.free = list(range(slots))
         self.index: dict[Key, int] = {}
         self.pending: set[Key] = set()
-        self.fresh: list[Key] = []
-        self.ready: set[Key] = set()
         req_r, self.req_w = os.pipe()
         self.done_r, done_w = os.pipe()
         fd, self.direct = open_direct(store.path)
@@ -199,9 +194,6 @@ class ProcessReader:
         self.pending.add(key)
         os.write(self.req_w, REQ.pack(idx, key[0], key[1]))
 
-    def inflight(self) -> int:
-        return len(self.pending)
-
     def _drain(self, block: bool) -> None:
         if block:  # wait for a record, checking now and then that the reader still lives
             while not select.select([self.done_r], [], [], 2.0)[0]:
@@ -223,13 +215,11 @@ class ProcessReader:
                 what = {SHORT: "short read", BADCRC: "failed its checksum (corrupt blob)"}.get(status, "I/O error")
                 raise SpecPrefetchError(f"{self.store.path}: expert {key} {what}")
             self.pending.discard(key)
-            self.ready.add(key)
-            self.fresh.append(key)
 
-    def completed(self) -> list[Key]:
-        self._drain(False)
-        out, self.fresh = self.fresh, []
-        return out
+    def landed(self, key: Key) -> bool:
+        if key in self.pending:
+            self._drain(False)
+        return key not in self.pending
 
     def take(self, key: Key) -> memoryview:
         idx = self.index[key]
@@ -242,7 +232,6 @@ class ProcessReader:
     def release(self, key: Key) -> None:
         """The pool evicted `key`: its arena slot is free again."""
         idx = self.index.pop(key, None)
-        self.ready.discard(key)
         if idx is not None:
             self.free.append(idx)
 

@@ -8,7 +8,7 @@ The budget is a hard limit: capacity = budget // slot bytes, checked at start ag
 working set a layer needs (top-k experts of one layer), and `peak_bytes` is tracked.
 
 The pool is plain bookkeeping with no clock and no I/O: the simulator drives it in virtual time and
-the streaming runtime under a lock from real threads, so both exercise the same code.
+the reference runner (toolkit/runtime/runner.py) with real reads, so both exercise the same code.
 """
 from __future__ import annotations
 
@@ -30,7 +30,8 @@ class Slot:
     last_use: int = -1
     uses: int = 0
     prefetched: bool = False   # filled by a prefetch and not yet used
-    buffer: object = None      # the blob (runtime) or None (simulator)
+    buffer: object = None      # the blob once its read has landed (runtime); None before / in the simulator
+    landed: bool = False       # the read's bytes are in memory (ready is the scheduler's logical state)
 
 
 class ExpertPool:
@@ -64,6 +65,7 @@ class ExpertPool:
         self.evictions = 0
         self.wasted_prefetches = 0  # prefetched slots evicted before any use
         self.on_evict: Callable[[Key], None] | None = None  # e.g. free the reader's buffer
+        self.events = None  # an EventLog (toolkit/runtime/events.py) records every eviction
         # for "prediction": the scheduler's key -> next predicted step table (faster than next_use)
         self.predicted: dict[Key, int] | None = None
 
@@ -112,19 +114,27 @@ class ExpertPool:
                 return None
             if keep is not None and keep(victim):
                 return None
-            self.evict(victim)
+            self.evict(victim, for_key=key)
+        if (len(self.slots) + 1) * self.slot_bytes > self.budget_bytes:  # a check, not an assert (python -O)
+            raise RuntimeError(f"pool over budget: {len(self.slots) + 1} slots of {self.slot_bytes} B "
+                               f"exceed {self.budget_bytes} B")
         slot = Slot(key, prefetched=prefetch)
         self.slots[key] = slot
         self.peak_bytes = max(self.peak_bytes, self.used_bytes)
-        assert self.used_bytes <= self.budget_bytes
         return slot
 
-    def evict(self, key: Key) -> None:
-        s = self.slots.pop(key)
+    def evict(self, key: Key, *, for_key: Key | None = None) -> None:
+        """Drop `key`'s slot (to make room for `for_key`, which the event log records)."""
+        s = self.slots.get(key)
+        if s is None:
+            raise RuntimeError(f"evicting expert {key}, which has no slot")
         if s.pins:
             raise RuntimeError(f"evicting pinned expert {key}")
+        if self.on_evict is not None:  # e.g. wait for its read to land, free the reader's buffer
+            self.on_evict(key)
+        del self.slots[key]
         self.evictions += 1
         if s.prefetched:
             self.wasted_prefetches += 1
-        if self.on_evict is not None:
-            self.on_evict(key)
+        if self.events is not None:
+            self.events.emit("evict", key, **{"for": for_key, "prefetched_unused": s.prefetched})

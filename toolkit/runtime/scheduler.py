@@ -1,25 +1,32 @@
 """The windowed prefetch scheduler: predictions in, a prioritised queue of flash reads out.
 
-Steps are (token, MoE layer) positions numbered s = token * L + layer. At step s the predictor's
+Steps are (position, MoE layer) pairs numbered s = position * L + layer. At step s the predictor's
 scored expert sets for steps s+1 .. s+W arrive; the scheduler turns each set's top candidates into
 read requests with a deadline (their step) and a confidence (their predicted probability), and
-keeps them in a queue ordered by deadline, then confidence. It issues reads while the flash queue
-has room (`queue_depth`) and the step's prefetch byte budget lasts; when flash is saturated it drops
+keeps them in a queue ordered by deadline, then confidence. It issues reads while the step's queue
+has room (`queue_depth`) and the step's prefetch byte budget lasts; when the queue is full it drops
 requests below `min_confidence`, and it always drops stale ones (deadline already reached). A
 prefetch gets a pool slot only by evicting something not needed sooner. A miss is read on demand
 at top priority. Unbudgeted prefetch has been seen to slow decode (ANCHORS.md): the budget and the
 confidence floor are what keep prefetch from starving the reads the model is waiting for.
 
-The scheduler talks to flash through an `IOBackend` (virtual-time model in toolkit/simulate, real
-O_DIRECT threads in toolkit/runtime/io.py) and to memory through `ExpertPool`: the same code runs
-in the simulator and in the streaming runtime.
+Decisions never depend on when a read happens to finish, so the same prompt, policy and budget
+give the same decisions on any machine, in the simulator and in the C++ runner (the event log,
+toolkit/runtime/events.py, is that contract). A prefetch issued at step s is *logically* complete
+from step s+1 on: it is then a hit, an eviction candidate, and no longer counts against the queue.
+Whether its bytes have physically landed matters only when they are used (or their slot is
+reused): then the scheduler waits for them, and that wait is the stall it reports.
+
+The scheduler talks to flash through an `IOBackend` (virtual time in toolkit/simulate/flash.py,
+real O_DIRECT reads in toolkit/runtime/io.py) and to memory through `ExpertPool`.
 """
 from __future__ import annotations
 
 import dataclasses
 import heapq
 import itertools
-from typing import Protocol
+import time
+from typing import Callable, Protocol
 
 import torch
 
@@ -28,43 +35,65 @@ from toolkit.runtime.pool import ExpertPool, Key
 
 class IOBackend(Protocol):
     def submit(self, key: Key, *, demand: bool) -> None: ...
-    def completed(self) -> list[Key]: ...
-    def inflight(self) -> int: ...
-    def wait(self, key: Key) -> None: ...
+    def landed(self, key: Key) -> bool: ...      # the read's bytes are in memory (never blocks)
+    def wait(self, key: Key) -> None: ...        # block (or advance virtual time) until they are
+    def take(self, key: Key) -> object: ...      # the bytes (None in the simulator)
+    def release(self, key: Key) -> None: ...     # the pool dropped the key: forget its buffer
 
 
 @dataclasses.dataclass
 class SchedulerConfig:
     window: int = 4                 # steps ahead the predictor is asked about
     candidates: int | None = None   # experts per predicted step (default: top-k)
-    queue_depth: int = 4            # flash reads in flight at most
+    queue_depth: int = 4            # prefetch reads issued per step at most (logically in flight)
     step_budget_bytes: int | None = None  # prefetch bytes issued per step (None: unbounded)
-    min_confidence: float = 0.02    # below this a request is dropped when flash is saturated
+    min_confidence: float = 0.02    # below this a request is dropped when the queue is full
     floor: float = 0.0              # below this a candidate is never queued at all
     prefetch: bool = True           # False: on-demand only
 
 
 @dataclasses.dataclass
 class SchedulerStats:
-    requests: int = 0        # expert uses asked of the pool
-    hits: int = 0            # ready when needed
-    late: int = 0            # prefetch in flight when needed (partial hide)
-    misses: int = 0          # read on demand
+    """Counts since the scheduler started (summable; RunStats turns them into rates)."""
+    requests: int = 0          # expert uses asked of the pool
+    hits: int = 0              # resident (logically) when needed
+    prefetch_hits: int = 0     # ... of which the first use of a prefetched slot
+    late: int = 0              # hits whose bytes had not yet landed (the use waited: timing)
+    misses: int = 0            # read on demand
     prefetch_issued: int = 0
     dropped_stale: int = 0
     dropped_low_conf: int = 0
     dropped_no_slot: int = 0
     bytes_read: int = 0
+    wait_s: float = 0.0        # time blocked on reads (real or virtual seconds)
+
+    def minus(self, other: "SchedulerStats") -> "SchedulerStats":
+        return SchedulerStats(**{f.name: getattr(self, f.name) - getattr(other, f.name)
+                                 for f in dataclasses.fields(self)})
+
+    def plus(self, other: "SchedulerStats") -> "SchedulerStats":
+        return SchedulerStats(**{f.name: getattr(self, f.name) + getattr(other, f.name)
+                                 for f in dataclasses.fields(self)})
 
 
 class WindowScheduler:
     def __init__(self, pool: ExpertPool, io: IOBackend, cfg: SchedulerConfig, *, num_layers: int,
-                 top_k: int):
+                 top_k: int, events=None, clock: Callable[[], float] = time.perf_counter):
+        """
+        Args:
+            pool: the bounded pool the reads go into.
+            io: where reads go (real or simulated flash).
+            cfg: window, queue depth and the drop rules.
+            num_layers / top_k: MoE layers per token and experts per layer.
+            events: an EventLog, or None.
+            clock: seconds now (virtual in the simulator), to time blocking waits.
+        """
         self.pool, self.io, self.cfg = pool, io, cfg
         self.L, self.k = num_layers, top_k
+        self.events, self.clock = events, clock
         self.queue: list[tuple[int, float, int, Key]] = []  # (deadline, -confidence, seq, key)
         self.pending: dict[Key, tuple[int, float]] = {}      # queued key -> (deadline, confidence)
-        self.loading: set[Key] = set()
+        self.loading: dict[Key, int] = {}                    # prefetch in flight -> step it was issued
         self.predicted_next: dict[Key, int] = {}             # latest predicted use of each key
         self.seq = itertools.count()
         self.stats = SchedulerStats()
@@ -72,26 +101,56 @@ class WindowScheduler:
         self.step_bytes = 0
         if pool.policy == "prediction":
             pool.predicted = self.predicted_next
+        pool.on_evict = self._evicting
+        pool.events = events
+
+    def _emit(self, kind: str, key: Key, **fields) -> None:
+        if self.events is not None:
+            self.events.emit(kind, key, **fields)
 
     # -- bookkeeping ---------------------------------------------------------------------
     def next_predicted_use(self, key: Key, now: int) -> float:
         s = self.predicted_next.get(key)
         return s if s is not None and s >= now else float("inf")
 
-    def retire(self) -> None:
-        """Mark finished reads ready in the pool."""
-        take = getattr(self.io, "take", None)
-        for key in self.io.completed():
-            self.loading.discard(key)
-            slot = self.pool.get(key)
-            if slot is not None:
-                slot.ready = True
-                if take is not None:
-                    slot.buffer = take(key)
+    def retire(self, step: int) -> None:
+        """Prefetches issued before `step` are logically complete (in issue order)."""
+        done = [k for k, s in self.loading.items() if s < step]
+        for key in done:
+            del self.loading[key]
+            self.pool.get(key).ready = True
+            self._emit("ready", key)
+
+    def _wait(self, key: Key) -> None:
+        t0 = self.clock()
+        self.io.wait(key)
+        self.stats.wait_s += self.clock() - t0
+
+    def _evicting(self, key: Key) -> None:
+        """The pool is about to drop `key`: bytes still in flight into its slot must land first."""
+        slot = self.pool.get(key)
+        if not slot.landed and not self.io.landed(key):
+            self._wait(key)
+        self.io.release(key)
+
+    def data(self, key: Key):
+        """The bytes of a resident expert, waiting for its read to land if it has not."""
+        slot = self.pool.get(key)
+        if not slot.landed:
+            if not self.io.landed(key):
+                if slot.uses or slot.prefetched:   # a hit whose read is still on its way
+                    self.stats.late += 1
+                self._wait(key)
+            slot.buffer = self.io.take(key)
+            slot.landed = True
+        return slot.buffer
 
     # -- predictions -> queue ------------------------------------------------------------
     def plan(self, step: int, window: list[tuple[int, torch.Tensor]]) -> None:
-        """Queue reads for the predicted steps: window = [(target step, scores [E])]."""
+        """Queue reads for the predicted steps: window = [(target step, scores [E])]. Scores that
+        are non-negative are normalised to sum 1; others go through a softmax. An all-zero row is
+        no prediction at all (e.g. previous-token at the first position) and queues nothing."""
+        window = [(t, sc) for t, sc in window if bool(sc.ne(0).any())]
         if not window:
             self.plan_probs(step, [], None)
             return
@@ -128,8 +187,7 @@ class WindowScheduler:
         self.pump()
 
     def pump(self, protect: set[Key] = frozenset()) -> None:
-        """Issue queued reads while flash has room; drop stale and (when saturated) weak ones."""
-        self.retire()
+        """Issue queued reads while this step's queue has room; drop stale and (when full) weak ones."""
         while self.queue:
             deadline, negc, _, key = self.queue[0]
             if self.pending.get(key) != (deadline, -negc):
@@ -139,10 +197,11 @@ class WindowScheduler:
                 heapq.heappop(self.queue)
                 del self.pending[key]
                 self.stats.dropped_stale += 1
+                self._emit("drop", key, reason="stale", target=deadline)
                 continue
             budget_left = (self.cfg.step_budget_bytes is None
                            or self.step_bytes + self.pool.slot_bytes <= self.cfg.step_budget_bytes)
-            if self.io.inflight() >= self.cfg.queue_depth or not budget_left:
+            if len(self.loading) >= self.cfg.queue_depth or not budget_left:
                 self._drop_weak()
                 return
             heapq.heappop(self.queue)
@@ -153,66 +212,60 @@ class WindowScheduler:
                                      keep=lambda v, d=deadline: self.next_predicted_use(v, self.step) <= d)
             if slot is None:
                 self.stats.dropped_no_slot += 1
+                self._emit("drop", key, reason="no_slot", target=deadline)
                 continue
-            self.loading.add(key)
+            self.loading[key] = self.step
             self.io.submit(key, demand=False)
             self.stats.prefetch_issued += 1
             self.stats.bytes_read += self.pool.slot_bytes
             self.step_bytes += self.pool.slot_bytes
+            self._emit("prefetch", key, target=deadline, conf=f"{-negc:.4f}")
 
     def _drop_weak(self) -> None:
         keep = []
-        for item in self.queue:
+        for item in sorted(self.queue):  # queue order, so drops are logged in a fixed order
             deadline, negc, _, key = item
             if self.pending.get(key) != (deadline, -negc):
                 continue
             if -negc < self.cfg.min_confidence:
                 del self.pending[key]
                 self.stats.dropped_low_conf += 1
+                self._emit("drop", key, reason="low_confidence", target=deadline)
             else:
                 keep.append(item)
         heapq.heapify(keep)
         self.queue = keep
 
     # -- the model asks for experts -------------------------------------------------------
-    def acquire(self, step: int, keys: list[Key]) -> list[Key]:
-        """Make `keys` resident and pinned for step `step`; returns the keys that were not ready
-        (the caller waits for them with `wait_ready`). Misses are read on demand, first in line."""
+    def acquire(self, step: int, keys: list[Key]) -> None:
+        """Make `keys` resident and pinned for step `step`. Misses are read on demand, first in
+        line; `data(key)` then waits for the bytes."""
         self.step = step
-        self.retire()
+        self.retire(step)
         need = set(keys)
-        not_ready = []
         for key in keys:
             self.stats.requests += 1
             slot = self.pool.get(key)
-            if slot is not None and slot.ready:
+            if slot is not None:
+                if not slot.ready:  # prefetched this very step (only when a plan ran before acquire)
+                    del self.loading[key]
+                    slot.ready = True
                 self.stats.hits += 1
-            elif slot is not None:
-                self.stats.late += 1
-                not_ready.append(key)
+                self.stats.prefetch_hits += int(slot.prefetched)
+                self._emit("hit", key, prefetched=slot.prefetched)
             else:
                 self.stats.misses += 1
                 if key in self.pending:
                     del self.pending[key]
                 slot = self.pool.reserve(key, step, prefetch=False, protect=need)
-                while slot is None:  # every slot is pinned or still loading: let a prefetch land
-                    busy = [k for k in self.loading if k not in need]
-                    if not busy:
-                        raise RuntimeError("pool has no evictable slot for a demand read; capacity < top-k?")
-                    self.io.wait(busy[0])
-                    self.retire()
-                    slot = self.pool.reserve(key, step, prefetch=False, protect=need)
-                self.loading.add(key)
+                if slot is None:
+                    raise RuntimeError(f"pool has no evictable slot for a demand read of {key}: "
+                                       "every slot is pinned (capacity < top-k?)")
+                slot.ready = True  # logically complete within this step: it is waited for before use
                 self.io.submit(key, demand=True)
                 self.stats.bytes_read += self.pool.slot_bytes
-                not_ready.append(key)
+                self._emit("miss", key)
             slot.pins += 1
-        return not_ready
-
-    def wait_ready(self, key: Key) -> None:
-        if key in self.loading:
-            self.io.wait(key)
-            self.retire()
 
     def release(self, step: int, keys: list[Key]) -> None:
         for key in keys:

@@ -2,7 +2,7 @@
 
 Flash: real O_DIRECT reads of random expert blobs from the model's expert store, at queue depths
 1, 2, 4 and 8 (threads), for the store's slot size and for 1 MiB reads; the page cache is bypassed,
-so these are device reads. Compute: the streaming runtime itself, with a pool that holds every
+so these are device reads. Compute: the reference runner itself, with a pool that holds every
 expert (so nothing is read after warm-up), timed per token; one expert's compute is timed alone,
 and the rest of a token's time is spread over its layers as the dense part. The per-read latency
 is the larger of the raw device latency and a miss as the runtime experiences it (an on-demand run
@@ -25,7 +25,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from toolkit.runtime.expert_store import ExpertStore
+from toolkit.errors import SpecPrefetchError
+from toolkit.runtime.expert_store import ALIGN, ExpertStore
 from toolkit.runtime.io import open_direct
 from toolkit.runtime.profiles import DeviceProfile, save_profile
 
@@ -33,54 +34,92 @@ MiB = 2**20
 
 
 def measure_reads(path: Path, offsets: list[int], size: int, qd: int, n: int, seed: int = 0) -> tuple[float, float]:
-    """(MiB/s, mean latency s) of n random O_DIRECT reads of `size` bytes at queue depth qd."""
-    fd, direct = open_direct(path)
-    if not direct:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    """(MiB/s, mean latency s) of n random O_DIRECT reads of up to `size` bytes at queue depth qd.
+
+    A read never asks past the end of the file (it is clamped there, to a whole 4 KiB block for
+    O_DIRECT), the bandwidth counts the bytes actually read, and an offset at or past the end is
+    refused. A failed read stops the measurement and is raised; the file is closed either way."""
+    path = Path(path)
+    if not offsets:
+        raise SpecPrefetchError(f"{path}: no offsets to read")
+    file_end = path.stat().st_size
+    past = [o for o in offsets if o >= file_end]
+    if past:
+        raise SpecPrefetchError(f"{path}: read at offset {past[0]} lies past the end of the file ({file_end} bytes)")
     rng = random.Random(seed)
     picks = [rng.choice(offsets) for _ in range(n)]
     lat: list[float] = []
+    done = [0]
+    errors: list[BaseException] = []
     lock = threading.Lock()
     it = iter(picks)
+    fd, direct = open_direct(path)
+    try:
+        if not direct:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
-    def work():
-        buf = mmap.mmap(-1, size)
-        while True:
-            with lock:
-                off = next(it, None)
-            if off is None:
-                return
-            t0 = time.perf_counter()
-            os.preadv(fd, [buf], off)
-            dt = time.perf_counter() - t0
-            with lock:
-                lat.append(dt)
+        def work():
+            buf = mmap.mmap(-1, size)
+            try:
+                while True:
+                    with lock:
+                        off = None if errors else next(it, None)
+                    if off is None:
+                        return
+                    want = min(size, -(-(file_end - off) // ALIGN) * ALIGN)
+                    t0 = time.perf_counter()
+                    try:
+                        got = os.preadv(fd, [memoryview(buf)[:want]], off)
+                    except OSError as e:
+                        raise SpecPrefetchError(f"{path}: read of {want} bytes at offset {off} failed ({e})") from e
+                    dt = time.perf_counter() - t0
+                    with lock:
+                        lat.append(dt)
+                        done[0] += got
+            except BaseException as e:  # raised on the calling thread once every worker stopped
+                with lock:
+                    errors.append(e)
 
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=work) for _ in range(qd)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    total = time.perf_counter() - t0
-    os.close(fd)
-    return n * size / total / MiB, float(np.mean(lat))
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=work) for _ in range(max(1, qd))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        total = time.perf_counter() - t0
+    finally:
+        os.close(fd)
+    if errors:
+        raise errors[0]
+    return done[0] / max(total, 1e-12) / MiB, float(np.mean(lat)) if lat else 0.0
 
 
 def big_reads(data_offset: int, file_end: int, big: int = 1 << 20) -> tuple[int, list[int]]:
-    return big, [o for o in range(data_offset, file_end - big, big)] or [data_offset]
+    """(size, offsets) of the large sequential reads: `big` bytes each, or the whole data region in
+    one read when the store is smaller; every read lies inside the file."""
+    size = min(big, (file_end - data_offset) // ALIGN * ALIGN)
+    if size <= 0:
+        raise SpecPrefetchError(f"expert store has no data to read (data at {data_offset}, file {file_end} bytes)")
+    return size, list(range(data_offset, file_end - size + 1, size))
 
 
 def runtime_miss_ms(result: dict) -> float:
-    return result["stall_ms_per_token"] * len(result["tokens"]) / max(1, result["counts"]["misses"])
+    """What one demand miss costs the runtime (ms): an on-demand run's decode stall over its decode
+    misses. `stall_ms_per_token` is per decode step (the tokens after the first, which prefill
+    produced) and `counts` are decode-only, so both sides count the same decode tokens."""
+    decode = result.get("decode_tokens") or max(1, len(result["tokens"]) - 1)
+    return result["stall_ms_per_token"] * decode / max(1, result["counts"]["misses"])
 
 
 def calibrate(model: str | Path = "embedded", *, store: Path | None = None, reads: int = 200,
               tokens: int = 32, out: Path | None = None, progress: bool = True) -> tuple[DeviceProfile, Path]:
-    from toolkit.runtime.streaming import RunConfig, open_runtime
+    from export.session import open_session
+    from toolkit.runtime.policy import Policy
+    from toolkit.runtime.runner import RunConfig
 
-    cfg = RunConfig(predictor="on-demand", eviction="lru", pool_mib=1e6)
-    rt, ref = open_runtime(model, cfg, store=store, progress=progress)
+    s = open_session(model, RunConfig(policy=Policy("on-demand", "lru"), pool_mib=1e6), predictors=["oracle"],
+                     store=store, progress=progress)
+    rt = s.runner
     st: ExpertStore = rt.store
     offsets = [e.offset for e in st.entries.values()]
     slot = st.slot_bytes
@@ -96,70 +135,57 @@ def calibrate(model: str | Path = "embedded", *, store: Path | None = None, read
     # latency: what a qd-1 read takes beyond its transfer at the qd-8 (throughput) rate
     xfer = slot / (table[8][slot // 1024] * MiB)
     latency_us = max(1.0, (lat1 - xfer) * 1e6)
-    # compute: all experts resident after the first token
-    prompt = ref.tokenizer("The kernel's memory allocator", add_special_tokens=False)["input_ids"]
-    rt.generate(prompt, 4)  # warm-up
-    r = rt.generate(prompt, tokens)
-    per_token = r["tpot_ms"] - r["stall_ms_per_token"]
-    # one expert for one token, from a resident blob, as the runtime computes it
+    L, k = rt.model.L, rt.model.routing.top_k
+    all_mib = st.slot_bytes * L * rt.model.routing.num_experts / MiB + 1
+    # compute: every expert resident after the first token
+    prompt = s.encode("The kernel's memory allocator")
+    rt.configure(pool_mib=all_mib)
+    rt.run(prompt, 4)  # warm-up
+    r = rt.run(prompt, tokens).stats
+    per_token = r.tpot_ms - r.stall_ms_per_token
+    # one expert for one token, from a resident blob, as the runner computes it
     key = next(iter(st.entries))
     buf = mmap.mmap(-1, st.slot_bytes)
     buf[: st.blob_size] = st.read(*key)
-    from toolkit.runtime.pool import Slot
-
-    s = Slot(key, ready=True, buffer=buf)
-    rt.pool = type("P", (), {"get": lambda self, k: s})()
-    h = torch.randn(1, ref.geometry.hidden_size)
-    idx = torch.tensor([[key[1]] + [0] * (rt.k - 1)])
-    wts = torch.ones(1, rt.k)
-    from toolkit.runtime.streaming import StreamingExperts
-
-    exp_mod = next(m for m in rt.lm.model.modules() if isinstance(m, StreamingExperts))
-    acc = torch.zeros_like(h)
+    x = torch.randn(1, rt.model.hidden_size)
     for _ in range(20):
-        rt._compute(exp_mod, key, h, idx, wts, acc)
+        rt.experts.expert(x, buf)
     t0 = time.perf_counter()
     n = 400
     for _ in range(n):
-        rt._compute(exp_mod, key, h, idx, wts, acc)
+        rt.experts.expert(x, buf)
     expert_ms = (time.perf_counter() - t0) / n * 1e3
-    L, k = rt.L, rt.k
     dense_ms = max(0.0, (per_token - L * k * expert_ms) / L)
     # planning a window costs the compute thread too: oracle prediction, every expert resident
-    from toolkit.runtime.streaming import reference_generate
-
-    ref_toks, routing = reference_generate(ref, prompt, tokens)
-    rt.set_reference(ref_toks, routing)
-    rt.cfg.predictor, rt.cfg.eviction = "oracle", "lru"
-    rt.predictor = rt._predictor()
-    rt.generate(prompt, 4)
-    planned = rt.generate(prompt, tokens)
-    plan_ms = max(0.0, (planned["tpot_ms"] - planned["stall_ms_per_token"] - per_token) / rt.L)
-    rt.cfg.predictor, rt.predictor = "on-demand", None
-    # a miss as the runtime sees it (thread hand-off included): on-demand with a tiny pool
-    rt.budget = k * 2 * st.slot_bytes
-    rt.pool = None
-    small = rt.generate(prompt, tokens)
-    miss_ms = runtime_miss_ms(small)
+    rt.configure(policy=Policy("oracle", "lru"))
+    rec = rt.record(prompt, tokens)
+    rt.run(prompt, 4)
+    planned = rt.run(prompt, tokens, recorded=rec).stats
+    plan_ms = max(0.0, (planned.tpot_ms - planned.stall_ms_per_token - per_token) / L)
+    # a miss as the runner sees it (reader hand-off included): on-demand with a tiny pool
+    tiny = k * 2 * st.slot_bytes / MiB
+    rt.configure(policy=Policy("on-demand", "lru"), pool_mib=tiny)
+    small = rt.run(prompt, tokens)
+    miss_ms = runtime_miss_ms(small.stats.to_json())
     latency_us = max(latency_us, miss_ms * 1e3 - xfer * 1e6)
     # what a background read costs the compute thread (interrupts, hand-offs): perfect prefetch
     # (oracle + Belady) with the same tiny pool, against the all-resident time with planning
-    rt.cfg.predictor, rt.cfg.eviction = "oracle", "belady"
-    rt.predictor = rt._predictor()
-    orc = rt.generate(prompt, tokens)
-    reads_per_token = orc["mib_read_per_token"] * MiB / st.slot_bytes
-    read_cpu_us = max(0.0, (orc["tpot_ms"] - orc["stall_ms_per_token"] - per_token - plan_ms * rt.L) * 1e3
+    rt.configure(policy=Policy("oracle", "belady"))
+    orc = rt.run(prompt, tokens, recorded=rec).stats
+    reads_per_token = orc.mib_read_per_token * MiB / st.slot_bytes
+    read_cpu_us = max(0.0, (orc.tpot_ms - orc.stall_ms_per_token - per_token - plan_ms * L) * 1e3
                       / max(1e-9, reads_per_token))
+    direct = small.direct_io
     prof = DeviceProfile(
         name="this-machine", description=f"measured on {os.uname().nodename} ({os.cpu_count()} CPUs) "
                                          f"with {st.path.name}",
         flash_latency_us=round(latency_us, 1), flash_bw=table, dram_effective_gbs=0.0,
         dense_ms_per_layer=round(dense_ms, 4), expert_ms=round(expert_ms, 4), read_cpu_us=round(read_cpu_us, 1),
         plan_ms_per_layer=round(plan_ms, 4),
-        measured={"tpot_all_resident_ms": r["tpot_ms"], "qd1_read_ms": round(lat1 * 1e3, 4),
+        measured={"tpot_all_resident_ms": r.tpot_ms, "qd1_read_ms": round(lat1 * 1e3, 4),
                   "runtime_miss_ms": round(miss_ms, 4),
-                  "oracle_tpot_ms": orc["tpot_ms"], "oracle_reads_per_token": round(reads_per_token, 2),
-                  "slot_bytes": slot, "direct_io": r["direct_io"], "reads_per_point": reads,
+                  "oracle_tpot_ms": orc.tpot_ms, "oracle_reads_per_token": round(reads_per_token, 2),
+                  "slot_bytes": slot, "direct_io": direct, "reads_per_point": reads,
                   "torch_threads": torch.get_num_threads()},
         sources=["specprefetch calibrate"])
     return prof, save_profile(prof, out)

@@ -35,13 +35,17 @@ class SimFlash:
         self.busy_s += transfer
         self.done_at[key] = self.busy_until + self.profile.flash_latency_us * 1e-6
 
-    def completed(self) -> list[Key]:
-        done = [k for k, t in self.done_at.items() if t <= self.clock.now]
-        for k in done:
-            del self.done_at[k]
-        return done
+    def landed(self, key: Key) -> bool:
+        t = self.done_at.get(key)
+        return t is None or t <= self.clock.now
 
     def wait(self, key: Key) -> None:
         t = self.done_at.get(key)
         if t is not None and t > self.clock.now:
             self.clock.now = t
+
+    def take(self, key: Key) -> None:
+        self.done_at.pop(key, None)
+
+    def release(self, key: Key) -> None:
+        self.done_at.pop(key, None)

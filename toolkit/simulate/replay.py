@@ -10,21 +10,21 @@ than the trace's: the routing is then replayed onto that geometry, and the repor
 """
 from __future__ import annotations
 
-import bisect
 import dataclasses
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from toolkit.errors import SpecPrefetchError
-from toolkit.metrics import hit_rate, tpot_ms
 from toolkit.models.info import aligned, expert_bytes, model_info
 from toolkit.models.loader import inspect_model_dir
 from toolkit.traces.batches import RoutingBatch, iter_batches
+from toolkit.runtime.policy import Policy
 from toolkit.runtime.pool import ExpertPool
-from toolkit.runtime.scheduler import SchedulerConfig, WindowScheduler
+from toolkit.runtime.runner import belady_next_use
+from toolkit.runtime.scheduler import SchedulerConfig, SchedulerStats, WindowScheduler
+from toolkit.runtime.stats import RunStats, tpot_and_intervals
 from toolkit.simulate.flash import SimClock, SimFlash
 from toolkit.runtime.profiles import DeviceProfile
 
@@ -55,16 +55,6 @@ class Geometry:
                         aligned(eb), eb, int(dense_params * BYTES_PER_PARAM[dtype]), dtype)
 
 
-@dataclasses.dataclass
-class Policy:
-    predictor: str          # a predictor name, or "on-demand"
-    eviction: str = "lru"
-
-    @property
-    def name(self) -> str:
-        return f"{self.predictor}+{self.eviction}"
-
-
 def sequences(b: RoutingBatch) -> list[torch.Tensor]:
     """Row indices of each sequence, in position order."""
     out = []
@@ -77,14 +67,14 @@ def sequences(b: RoutingBatch) -> list[torch.Tensor]:
 def simulate_policy(batches: list[RoutingBatch], predictor, policy: Policy, geo: Geometry,
                     profile: DeviceProfile, pool_bytes: int, cfg: SchedulerConfig,
                     layer_map: list[int]) -> dict[str, Any]:
-    """Run every held-out sequence's decode tokens through a fresh pool; aggregate."""
+    """Run every held-out sequence's decode tokens through a fresh pool; aggregate into RunStats."""
     L = geo.num_layers
     W = cfg.window
-    tpots, intervals, stalls, tokens = [], [], 0.0, 0
-    agg = {"requests": 0, "hits": 0, "late": 0, "misses": 0, "bytes_read": 0, "wasted": 0,
-           "prefetch_issued": 0, "dropped_stale": 0, "dropped_low_conf": 0, "dropped_no_slot": 0}
-    flash_busy = 0.0
-    total_time = 0.0
+    tpots, intervals, tokens = [], [], 0
+    decode = SchedulerStats()
+    wasted = evictions = peak = 0
+    flash_busy = total_time = 0.0
+    total_bytes = 0
     for b in batches:
         # predictions of every row: scores[h][i] -> [B, E] for trace layer i (mapped below)
         Lt = b.num_layers
@@ -99,28 +89,16 @@ def simulate_policy(batches: list[RoutingBatch], predictor, policy: Policy, geo:
             T = len(rows)
             if T < 2:
                 continue
-            # real future uses for Belady: key -> sorted steps
-            future: dict[tuple[int, int], list[int]] = {}
-            for t in range(T):
-                for li in range(L):
-                    for e in ids[t, layer_map[li]].tolist():
-                        future.setdefault((li, e % geo.num_experts), []).append(t * L + li)
+            future = [torch.stack([ids[t, layer_map[li]] % geo.num_experts for li in range(L)]) for t in range(T)]
             clock = SimClock()
             flash = SimFlash(profile, clock, geo.slot_bytes)
-            sched_holder: dict[str, WindowScheduler] = {}
-
-            def next_use(key, now, _f=future):
-                if policy.eviction == "belady":
-                    steps = _f.get(key, [])
-                    j = bisect.bisect_right(steps, now)
-                    return steps[j] if j < len(steps) else float("inf")
-                return sched_holder["s"].next_predicted_use(key, now)
-
+            never = lambda key, now: float("inf")  # noqa: E731 - the scheduler's table replaces it below
             pool = ExpertPool(pool_bytes, geo.slot_bytes, policy=policy.eviction, min_slots=geo.top_k,
-                              next_use=next_use)
+                              next_use=belady_next_use(future, L) if policy.eviction == "belady" else never)
             scfg = dataclasses.replace(cfg, prefetch=predictor is not None)
-            sched = WindowScheduler(pool, flash, scfg, num_layers=L, top_k=geo.top_k)
-            sched_holder["s"] = sched
+            sched = WindowScheduler(pool, flash, scfg, num_layers=L, top_k=geo.top_k, clock=lambda: clock.now)
+            if policy.eviction == "prediction":
+                pool.next_use = sched.next_predicted_use
             times = []
             reads_seen = 0
             for t in range(T):
@@ -128,11 +106,8 @@ def simulate_policy(batches: list[RoutingBatch], predictor, policy: Policy, geo:
                 for li in range(L):
                     step = t * L + li
                     clock.now += profile.dense_s(geo.dense_bytes_per_layer)
-                    keys = [(li, e % geo.num_experts) for e in ids[t, layer_map[li]].tolist()]
-                    keys = list(dict.fromkeys(keys))
-                    before = clock.now
-                    waiting = sched.acquire(step, keys)  # demand reads go out first
-                    stall = clock.now - before
+                    keys = list(dict.fromkeys((li, int(e)) for e in future[t][li].tolist()))
+                    sched.acquire(step, keys)  # demand reads go out first
                     if predictor is not None:
                         ti = layer_map[li]
                         window = []
@@ -141,56 +116,48 @@ def simulate_policy(batches: list[RoutingBatch], predictor, policy: Policy, geo:
                             if tgt // L >= T:
                                 break
                             # trace horizon that lands on the same (token offset, trace layer)
-                            s = preds.get((ti, _trace_h(li, h, L, layer_map, Lt)))
-                            if s is None:
+                            sc = preds.get((ti, _trace_h(li, h, L, layer_map, Lt)))
+                            if sc is None:
                                 continue
-                            sc = s[rows[t]]
+                            sc = sc[rows[t]]
                             if geo.num_experts > sc.shape[0]:
                                 sc = torch.nn.functional.pad(sc, (0, geo.num_experts - sc.shape[0]))
                             window.append((tgt, sc))
                         sched.plan(step, window)
                         clock.now += profile.plan_ms_per_layer * 1e-3
-                    before = clock.now
-                    for key in waiting:
-                        sched.wait_ready(key)
-                    if t >= 1:  # as the runtime: the first token warms the pool, TPOT starts after it
-                        stalls += stall + clock.now - before
+                    for key in keys:
+                        sched.data(key)  # waits (virtual time) for bytes still in flight
                     issued = sched.stats.bytes_read // geo.slot_bytes
                     clock.now += (issued - reads_seen) * profile.read_cpu_us * 1e-6
                     reads_seen = issued
                     clock.now += profile.expert_s(geo.expert_bytes) * len(keys)
                     sched.release(step, keys)
                 times.append(clock.now)
-                if t == 0:
+                if t == 0:  # as the runner: the first token warms the pool, TPOT starts after it
                     first = dataclasses.replace(sched.stats)
-            tpots.append(tpot_ms(times))
-            intervals.extend(np.diff(times) * 1e3)
+                    first_wasted = pool.wasted_prefetches
+            tpot, iv = tpot_and_intervals(times)
+            tpots.append(tpot)
+            intervals.extend(iv)
             tokens += T - 1
             total_time += times[-1]
             flash_busy += flash.busy_s
-            st = sched.stats
-            for k in ("requests", "hits", "late", "misses", "bytes_read", "prefetch_issued",
-                      "dropped_stale", "dropped_low_conf", "dropped_no_slot"):
-                agg[k] += getattr(st, k) - getattr(first, k)
-            agg["wasted"] += pool.wasted_prefetches + sum(1 for s in pool.slots.values() if s.prefetched)
-            assert pool.peak_bytes <= pool_bytes
+            decode = decode.plus(sched.stats.minus(first))
+            total_bytes += sched.stats.bytes_read
+            wasted += pool.wasted_prefetches - first_wasted + sum(1 for s in pool.slots.values() if s.prefetched)
+            evictions += pool.evictions
+            peak = max(peak, pool.peak_bytes)
+            if pool.peak_bytes > pool_bytes:
+                raise RuntimeError(f"simulated pool exceeded its budget ({pool.peak_bytes} > {pool_bytes}): a bug")
     if not tpots:
         raise SpecPrefetchError("no held-out sequence has two or more decode tokens to time")
-    iv = np.asarray(intervals)
-    return {
-        "policy": policy.name, "predictor": policy.predictor, "eviction": policy.eviction,
-        "tokens": tokens, "sequences": len(tpots),
-        "tpot_ms": round(float(np.mean(tpots)), 4),
-        "tpot_p50_ms": round(float(np.percentile(iv, 50)), 4),
-        "tpot_p95_ms": round(float(np.percentile(iv, 95)), 4),
-        "stall_ms_per_token": round(stalls / tokens * 1e3, 4),
-        "hit_rate": round(hit_rate(agg["hits"], agg["requests"]), 4),
-        "late_rate": round(hit_rate(agg["late"], agg["requests"]), 4),
-        "mib_read_per_token": round(agg["bytes_read"] / tokens / 2**20, 4),
-        "wasted_prefetch_mib": round(agg["wasted"] * geo.slot_bytes / 2**20, 3),
-        "flash_utilisation": round(flash_busy / max(total_time, 1e-12), 4),
-        "counts": agg,
-    }
+    st = RunStats.from_counts(policy=policy.name, decode=decode, total_bytes_read=total_bytes, ttft_s=0.0,
+                              tpots_ms=tpots, intervals_ms=intervals, decode_tokens=tokens,
+                              wasted_prefetches=wasted, evictions=evictions, slot_bytes=geo.slot_bytes,
+                              peak_pool_bytes=peak, budget_bytes=pool_bytes).to_json()
+    del st["ttft_ms"]  # replay starts from recorded routing: there is no prefill to time
+    return {**st, "predictor": policy.predictor, "eviction": policy.eviction, "tokens": tokens,
+            "sequences": len(tpots), "flash_utilisation": round(flash_busy / max(total_time, 1e-12), 4)}
 
 
 def _trace_h(li: int, h: int, L: int, layer_map: list[int], Lt: int) -> int:

@@ -6,7 +6,8 @@ from typing import Any
 
 from toolkit.reporting import save_figure, write_report
 from toolkit.runtime.profiles import DeviceProfile
-from toolkit.simulate.replay import Policy, run_simulation
+from toolkit.runtime.policy import Policy
+from toolkit.simulate.replay import run_simulation
 
 COLUMNS = ("tpot_ms", "tpot_p95_ms", "stall_ms_per_token", "hit_rate", "mib_read_per_token", "wasted_prefetch_mib")
 

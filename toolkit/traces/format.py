@@ -8,7 +8,6 @@ streams one shard at a time and checks each shard's checksum and shapes before h
 from __future__ import annotations
 
 import dataclasses
-import shutil
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -18,7 +17,8 @@ from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
 from toolkit import __version__
-from toolkit.artifacts import atomic_write_with, read_json, sha256_file, write_json_atomic
+from toolkit.artifacts import (AtomicDirectory, atomic_write_with, partial_dir, read_json, sha256_file,
+                               write_json_atomic)
 from toolkit.errors import SpecPrefetchError
 from toolkit.models.loader import ModelSpec, inspect_model_dir
 
@@ -50,10 +50,6 @@ def manifest_path(d: Path) -> Path:
     return d / "manifest.json"
 
 
-def partial_dir(out: Path) -> Path:
-    return out.with_name(out.name + ".partial")
-
-
 @dataclasses.dataclass
 class ShardBuffer:
     """Rows accumulated in memory until the next shard flush."""
@@ -77,14 +73,13 @@ class TraceWriter:
         self.out = Path(out)
         self.work = partial_dir(self.out)
         self.header = header
-        if self.out.exists():
-            if not overwrite:
-                raise SpecPrefetchError(f"--out {self.out} already exists; pass --overwrite to replace it")
         progress = self.work / "progress.json"
+        # OUT.partial, kept when it holds an interrupted run's progress (resumed), else made afresh
+        self.dir = AtomicDirectory(self.out, overwrite=overwrite, resume=resume and progress.exists())
         self.shards: list[dict[str, Any]] = []
         self.next_seq = 0
         self.seq_split: dict[int, str] = {}
-        if self.work.exists() and progress.exists() and resume:
+        if self.dir.resumed:
             state = read_json(progress, "trace progress file")
             if state.get("header") != header:
                 raise SpecPrefetchError(
@@ -98,8 +93,6 @@ class TraceWriter:
             self.next_seq = int(state["next_seq"])
             self.seq_split = {int(k): v for k, v in state["seq_split"].items()}
         else:
-            if self.work.exists():
-                shutil.rmtree(self.work)
             (self.work / "shards").mkdir(parents=True)
         self.buffers = {s: ShardBuffer() for s in SPLITS}
         self.resumed = self.next_seq > 0
@@ -156,9 +149,7 @@ class TraceWriter:
             **extra,
         }
         write_json_atomic(manifest_path(self.work), manifest)
-        if self.out.exists():
-            shutil.rmtree(self.out)
-        self.work.rename(self.out)
+        self.dir.commit()
         # only now: until the rename, progress.json lets a rerun finish instead of starting over
         (self.out / "progress.json").unlink(missing_ok=True)
         return self.out

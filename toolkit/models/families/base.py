@@ -9,7 +9,7 @@ model only through this interface.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar, Literal
+from typing import Any, Callable, ClassVar, Literal
 
 import torch
 from torch import nn
@@ -173,6 +173,22 @@ class Family:
 
         act = ACT2FN[getattr(tc, "hidden_act", "silu")]
         return (act(x @ mats["gate"].t()) * (x @ mats["up"].t())) @ mats["down"].t()
+
+    # -- step graphs (export) -------------------------------------------------------------
+    def sliding_windows(self, tc: Any, num_layers: int) -> list[int]:
+        """Per decoder layer, the sliding-window length of its attention mask (0: full causal),
+        as the family's transformers model builds its masks. The default: full attention."""
+        return [0] * num_layers
+
+    def rope_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """The position ids the rotary module takes for text tokens at `positions` [1, S]."""
+        return positions
+
+    def export_patches(self) -> tuple[tuple[str, str, Callable[..., Any]], ...]:
+        """(module, attribute, replacement) of helpers in the family's transformers code that
+        exporters cannot trace, each swapped for an exact equivalent while the step graphs are
+        traced or run (export.graphs.exportable_family). The default: none."""
+        return ()
 
     # -- checkpoint layout ----------------------------------------------------------------
     # (checkpoint substring, module substring) renames transformers applies when loading

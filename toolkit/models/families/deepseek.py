@@ -7,6 +7,8 @@ bias (`e_score_correction_bias`), groups scored by the sum of their top-2, selec
 renormalised (`norm_topk_prob`) and scaled. Both: `n_shared_experts` always-on shared experts and
 the first `first_k_dense_replace` layers dense. Experts on disk: per-expert gate/up/down Linears.
 """
+import torch
+
 from toolkit.models.families.base import Family, RoutingSpec
 
 
@@ -37,6 +39,9 @@ class DeepSeekV2(_DeepSeekBase):
                            n_group=int(tc.n_group) if grouped else None,
                            topk_group=int(tc.topk_group) if grouped else None, group_score="max")
 
+    def export_patches(self):
+        return (("transformers.models.deepseek_v2.modeling_deepseek_v2", "apply_rotary_emb", real_rotary_emb),)
+
 
 class DeepSeekV3(_DeepSeekBase):
     name = "deepseek_v3"
@@ -49,3 +54,15 @@ class DeepSeekV3(_DeepSeekBase):
                            routed_scaling_factor=float(tc.routed_scaling_factor),
                            n_group=int(tc.n_group or 1), topk_group=int(tc.topk_group or 1),
                            group_score="top2sum", score_bias=True)
+
+
+def real_rotary_emb(xq, xk, freqs):
+    """DeepSeek-V2's complex rotary product in real arithmetic (exporters do not take complex
+    tensors). `freqs` [B, T, D/2, 2] holds (cos, sin) of the complex `freqs_cis` (the step graphs
+    precompute its rotary table with torch.view_as_real)."""
+    def rot(x):
+        xs = x.float().reshape(*x.shape[:-1], -1, 2)
+        a, b = xs[..., 0], xs[..., 1]
+        c, s = freqs[..., 0].unsqueeze(1), freqs[..., 1].unsqueeze(1)
+        return torch.stack((a * c - b * s, a * s + b * c), -1).flatten(3).type_as(x)
+    return rot(xq), rot(xk)

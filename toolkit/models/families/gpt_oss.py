@@ -31,6 +31,15 @@ class GptOss(LocalExpertsConfig, Family):
         glu = gate * torch.sigmoid(gate * 1.702)
         return ((up + 1) * glu) @ mats["down"].t() + mats["bias_down"]
 
+    def sliding_windows(self, tc, num_layers):
+        """Layers of type "sliding_attention" see the last `sliding_window` positions."""
+        types = getattr(tc, "layer_types", None) or ["full_attention"] * num_layers
+        sw = getattr(tc, "sliding_window", None)
+        return [int(sw) if t == "sliding_attention" else 0 for t in types]
+
+    def export_patches(self):
+        return (("transformers.models.gpt_oss.modeling_gpt_oss", "eager_attention_forward", exportable_attention),)
+
     def expert_sources(self, geo):
         p = self.layer_prefix + ".mlp.experts"
         return (ExpertSource("gate", p + ".gate_up_proj", fused=True, transpose=True, rows=(0, 0), stride2=True),
@@ -39,3 +48,18 @@ class GptOss(LocalExpertsConfig, Family):
                 ExpertSource("bias_gate", p + ".gate_up_proj_bias", fused=True, rows=(0, 0), stride2=True),
                 ExpertSource("bias_up", p + ".gate_up_proj_bias", fused=True, rows=(1, 0), stride2=True),
                 ExpertSource("bias_down", p + ".down_proj_bias", fused=True))
+
+
+def exportable_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """GPT-OSS eager attention with sinks, without the explicit max subtraction before the softmax
+    (softmax is shift-invariant and stabilises itself; XNNPACK rejects the 4-D amax)."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import repeat_kv
+
+    k = repeat_kv(key, module.num_key_value_groups)
+    v = repeat_kv(value, module.num_key_value_groups)
+    w = torch.matmul(query, k.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        w = w + attention_mask
+    sinks = module.sinks.reshape(1, -1, 1, 1).expand(query.shape[0], -1, query.shape[-2], -1)
+    probs = torch.softmax(torch.cat([w, sinks], dim=-1), dim=-1)[..., :-1].to(v.dtype)
+    return torch.matmul(probs, v).transpose(1, 2).contiguous(), probs

@@ -17,6 +17,11 @@ class Mixtral(LocalExpertsConfig, Family):
         return RoutingSpec(num_experts=self.num_experts(tc), top_k=int(tc.num_experts_per_tok),
                            norm_topk_prob=True)
 
+    def sliding_windows(self, tc, num_layers):
+        """Every layer sees the last `sliding_window` positions when the config sets one."""
+        sw = getattr(tc, "sliding_window", None)
+        return [int(sw)] * num_layers if sw else [0] * num_layers
+
     def router_keys(self, layer):
         p = self.layer_prefix.format(layer=layer) + ".block_sparse_moe.gate"
         return {"weight": p + ".weight"}

@@ -18,6 +18,11 @@ class Qwen3Moe(Family):
         return tuple(i for i in range(tc.num_hidden_layers)
                      if i not in dense and self.num_experts(tc) > 0 and (i + 1) % step == 0)
 
+    def sliding_windows(self, tc, num_layers):
+        """Every layer sees the last `sliding_window` positions when the config sets one."""
+        sw = getattr(tc, "sliding_window", None)
+        return [int(sw)] * num_layers if sw else [0] * num_layers
+
     def routing(self, tc):
         return RoutingSpec(num_experts=self.num_experts(tc), top_k=int(tc.num_experts_per_tok),
                            norm_topk_prob=bool(tc.norm_topk_prob))

@@ -23,6 +23,14 @@ class Qwen3VLMoe(Qwen3Moe):
     def decoder_layers(self, model):
         return model.model.language_model.layers
 
+    def sliding_windows(self, tc, num_layers):
+        """Full attention: its text model builds causal masks only, whatever `sliding_window` says."""
+        return [0] * num_layers
+
+    def rope_positions(self, positions):
+        """M-RoPE takes three position axes (time, height, width); for text tokens they agree."""
+        return positions.expand(3, *positions.shape)
+
     def routing(self, tc):
         return RoutingSpec(num_experts=self.num_experts(tc), top_k=int(tc.num_experts_per_tok),
                            norm_topk_prob=True)

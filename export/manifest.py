@@ -1,0 +1,182 @@
+"""A bundle's manifest: its format, the registry of targets, and validating and opening a bundle.
+
+`validate_bundle` checks everything a manifest claims except the graphs (every file's size and
+sha256, no extra files, the model config and geometry, routing, parity summary, KV layers, the
+expert store, the adapter); `open_bundle` validates a bundle and opens its graphs through its
+target's backend. `export.bundle.inspect_bundle` adds the target's graph checks and a summary.
+
+Targets (export/*_target.py) implement export.target.Target; this module sits above them (it
+dispatches to them), and they import nothing from here or from export.bundle.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from pathlib import Path
+from typing import Any, Iterator
+
+from export.executorch_target import ExecuTorchTarget
+from export.qaihub_target import QaiHubTarget
+from export.qnn_target import QnnTarget
+from export.target import Target, bundle_file
+from toolkit import __version__
+from toolkit.artifacts import read_json, sha256_file
+from toolkit.errors import SpecPrefetchError
+from toolkit.models.loader import inspect_model_dir
+from toolkit.runtime.expert_store import ExpertStore
+
+FORMAT = "specprefetch-bundle"
+VERSION = 1
+# every target, by its --target name (in the order `--target` lists them)
+TARGETS: dict[str, Target] = {t.NAME: t for t in (ExecuTorchTarget(), QnnTarget(), QaiHubTarget())}
+REQUIRED = ("target", "model", "graphs", "files", "kv", "routing", "runtime", "quantization", "predictor")
+VERSIONED = ("torch", "transformers", "executorch", "torchao", "onnx", "onnxruntime", "onnxruntime-qnn", "qai-hub")
+
+__all__ = ["FORMAT", "VERSION", "TARGETS", "Target", "get_target", "bundle_file", "versions", "sizes",
+           "read_manifest", "validate_bundle", "open_bundle", "malformed"]
+
+
+def get_target(name: str) -> Target:
+    """The target called `name` (a `--target` value, or a manifest's `target`)."""
+    tgt = TARGETS.get(name) if isinstance(name, str) else None
+    if tgt is None:
+        raise SpecPrefetchError(f"--target {name!r}: choose from {', '.join(TARGETS)}")
+    return tgt
+
+
+def versions() -> dict[str, str]:
+    """The installed versions of the packages a bundle's files depend on."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"specprefetch": __version__}
+    for pkg in VERSIONED:
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            pass
+    return out
+
+
+def sizes(files: dict[str, Any]) -> dict[str, int]:
+    """Bytes per top-level part of the bundle (graphs, model, experts.spx, ...)."""
+    out: dict[str, int] = {}
+    for rel, meta in files.items():
+        part = rel.split("/")[0]
+        out[part] = out.get(part, 0) + meta["size"]
+    return out
+
+
+def read_manifest(path: Path | str) -> tuple[Path, dict[str, Any]]:
+    """(manifest.json's path, its content) of the bundle directory `path`; not validated."""
+    path = Path(path)
+    if not path.is_dir():
+        raise SpecPrefetchError(f"{path}: not a bundle directory")
+    mf = path / "manifest.json"
+    if not mf.exists():
+        raise SpecPrefetchError(f"{mf}: missing (not a specprefetch bundle)")
+    return mf, read_json(mf, "bundle manifest")
+
+
+@contextlib.contextmanager
+def malformed(mf: Path) -> Iterator[None]:
+    """A manifest missing a field or holding one of the wrong type is an error naming it."""
+    try:
+        yield
+    except (KeyError, TypeError, AttributeError, ValueError, IndexError) as e:
+        raise SpecPrefetchError(f"{mf}: malformed manifest ({type(e).__name__}: {e})") from None
+
+
+def validate_bundle(path: Path | str) -> tuple[dict[str, Any], list[str]]:
+    """Validate a bundle, all but its graphs (the target's `check_graphs` does those).
+
+    Returns (manifest, notes); notes name version differences that are not errors. Any problem is
+    a SpecPrefetchError naming the file."""
+    path = Path(path)
+    mf, m = read_manifest(path)
+    with malformed(mf):
+        return m, _validate(path, mf, m)
+
+
+def _validate(path: Path, mf: Path, m: Any) -> list[str]:
+    if not isinstance(m, dict):
+        raise SpecPrefetchError(f"{mf}: not a JSON object")
+    if m.get("format") != FORMAT:
+        raise SpecPrefetchError(f"{mf}: format {m.get('format')!r}, expected {FORMAT!r}")
+    if m.get("version") != VERSION:
+        raise SpecPrefetchError(f"{mf}: bundle version {m.get('version')!r}; this toolkit reads version {VERSION}")
+    for key in REQUIRED:
+        if key not in m:
+            raise SpecPrefetchError(f"{mf}: missing field {key!r}")
+    files = m["files"]
+    if not isinstance(files, dict) or not files:
+        raise SpecPrefetchError(f"{mf}: 'files' must map paths to sizes and hashes")
+    root = path.resolve()
+    for rel, meta in files.items():
+        p = bundle_file(path, files, rel, "file")
+        if not p.resolve().is_relative_to(root):
+            raise SpecPrefetchError(f"{mf}: file {rel!r} resolves outside the bundle")
+        if not p.is_file():
+            raise SpecPrefetchError(f"{p}: listed in the manifest but missing")
+        size = p.stat().st_size
+        if size != meta["size"]:
+            raise SpecPrefetchError(f"{p}: {size} bytes, the manifest says {meta['size']} (truncated or modified)")
+        if sha256_file(p) != meta["sha256"]:
+            raise SpecPrefetchError(f"{p}: sha256 mismatch (tampered or corrupt)")
+    extra = [str(p.relative_to(path)) for p in path.rglob("*")
+             if p.is_file() and str(p.relative_to(path)) != "manifest.json" and str(p.relative_to(path)) not in files]
+    if extra:
+        raise SpecPrefetchError(f"{path}: files not in the manifest: {', '.join(sorted(extra)[:5])}")
+    # the manifest's own claims, checked against hashed content
+    cfg_file = bundle_file(path, files, m["model"]["config"], "model config")
+    spec = inspect_model_dir(cfg_file.parent, config_only_ok=True)
+    if spec.config_hash != m["model"]["config_hash"]:
+        raise SpecPrefetchError(f"{mf}: model config hash {m['model']['config_hash']}, but {cfg_file} hashes to "
+                                f"{spec.config_hash}")
+    g = spec.geometry
+    want_model = {"family": g.family, "num_layers": g.num_layers, "moe_layers": list(g.moe_layers),
+                  "hidden_size": g.hidden_size, "vocab_size": g.vocab_size,
+                  "num_experts": g.routing.num_experts, "top_k": g.routing.top_k}
+    for k, v in want_model.items():
+        if m["model"][k] != v:
+            raise SpecPrefetchError(f"{mf}: model.{k} is {m['model'][k]!r}, {cfg_file} says {v!r}")
+    for k, v in dataclasses.asdict(g.routing).items():
+        if m["routing"][k] != v:
+            raise SpecPrefetchError(f"{mf}: routing.{k} is {m['routing'][k]!r}, {cfg_file} says {v!r}")
+    for rel in m["tokenizer"]:
+        bundle_file(path, files, rel, "tokenizer file")
+    parity_file = bundle_file(path, files, "parity.json", "parity report")
+    parity = read_json(parity_file, "parity report")
+    if not parity.get("passed") or any(m["parity"][k] != parity[k] for k in m["parity"] if k in parity):
+        raise SpecPrefetchError(f"{mf}: parity summary does not match {parity_file} (or parity did not pass)")
+    if len(m["kv"]["layers"]) != g.num_layers:
+        raise SpecPrefetchError(f"{mf}: kv.layers lists {len(m['kv']['layers'])} layers, the model has {g.num_layers}")
+    notes = []
+    installed = versions()
+    for pkg, want in m.get("versions", {}).items():
+        have = installed.get(pkg)
+        if have is not None and have != want and pkg in ("executorch", "onnxruntime-qnn", "onnxruntime"):
+            notes.append(f"built with {pkg} {want}, {have} installed here")
+    store_path = bundle_file(path, files, m["runtime"]["expert_store"], "expert store")
+    store = ExpertStore(store_path, spec)
+    if (store.num_layers, store.num_experts) != (len(g.moe_layers), g.routing.num_experts):
+        raise SpecPrefetchError(f"{store_path}: {store.num_layers} layers x {store.num_experts} experts, the model "
+                                f"has {len(g.moe_layers)} x {g.routing.num_experts}")
+    if m["predictor"].get("adapter"):
+        ad = bundle_file(path, files, "adapter/adapter.json", "adapter config")
+        meta = read_json(ad, "adapter config")
+        if meta["model"]["config_hash"] != m["model"]["config_hash"]:
+            raise SpecPrefetchError(f"{ad}: adapter for another model config")
+        bundle_file(path, files, "adapter/adapter.safetensors", "adapter weights")
+    return notes
+
+
+def open_bundle(path: Path | str) -> tuple[dict[str, Any], Any]:
+    """(manifest, backend running the bundle's graphs) of a validated bundle.
+
+    The manifest and every file are checked as `validate_bundle` does (the graphs are not
+    re-checked against their signatures: opening them through the target's backend loads them);
+    then the bundle's target opens its backend."""
+    path = Path(path)
+    m, _ = validate_bundle(path)
+    with malformed(path / "manifest.json"):
+        return m, get_target(m["target"]).open_backend(path, m)

@@ -1,0 +1,239 @@
+"""Open something runnable (a model directory, `embedded`, or a bundle) as a reference `Runner`.
+
+    model directory  eager PyTorch step graphs (export/graphs.py) built from the dense model only
+                     (experts are never loaded), the prefetch adapter folded into the layer graphs'
+                     preds rows, an expert store (built once into the cache, or --store)
+    bundle           its own graphs (ExecuTorch program, or QNN context binaries on the HTP
+                     simulator here), its expert store, its preds heads, its host routing tensors
+
+Either way the experts stream from the store through the bounded pool (toolkit/runtime/runner.py).
+This module composes the runtime with the export's graphs and backends; the runtime itself imports
+neither.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from toolkit.errors import SpecPrefetchError
+from toolkit.models.loader import ModelSpec, embedded_model_dir, inspect_model_dir, load_dense_model
+from toolkit.predictors.registry import PREDICTORS, build_predictor
+from toolkit.runtime.expert_store import ExpertStore, build_store
+from toolkit.runtime.planner import GRAPH
+from toolkit.runtime.profiles import profile_dir
+from toolkit.runtime.runner import ModelInfo, RunConfig, Runner
+
+
+class StreamedExperts(torch.nn.Module):
+    """Stands where a MoE block's routed experts were: they stream from the store through the
+    pool, so the step graphs never call this."""
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("routed experts are computed by the runner from the expert store, not in the graph")
+
+
+@dataclasses.dataclass
+class Session:
+    """A runner over one model or bundle, with what a caller needs around it."""
+    runner: Runner
+    tokenizer: Any
+    spec: ModelSpec                 # the model's config (weights only for model directories)
+    kind: str                       # "model" or "bundle"
+    label: str                      # what was opened, for reports
+    source_model: Path | None       # the checkpoint the unmodified-model check can load, if on disk
+    notes: list[str] = dataclasses.field(default_factory=list)
+    default_pool_mib: float | None = None   # a bundle's own default budget
+
+    @property
+    def is_embedded(self) -> bool:
+        return self.source_model is not None and self.source_model.resolve() == embedded_model_dir().resolve()
+
+    def encode(self, text: str) -> list[int]:
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if not ids:
+            raise SpecPrefetchError(f"--prompt {text!r} is empty after tokenisation")
+        return ids
+
+
+def is_bundle(path: str | Path) -> bool:
+    return Path(path).is_dir() and (Path(path) / "manifest.json").is_file()
+
+
+def default_store_path(spec: ModelSpec, dtype: str) -> Path:
+    return profile_dir().parent / "stores" / f"{spec.config_hash}-{dtype}.spx"
+
+
+def _frequency(trace: Path | None):
+    if trace is None:
+        return None
+
+    def counts():
+        from toolkit.predictors.evaluate import frequency_counts
+        from toolkit.traces.format import TraceReader
+
+        return frequency_counts(TraceReader(trace))
+    return counts
+
+
+def _predictors(names: list[str], *, E: int, graph: str | None, bank, adapter, counts, draft) -> dict[str, Any]:
+    """name -> predictor for each requested name that this model can serve (GRAPH: the preds rows)."""
+    out: dict[str, Any] = {}
+    for n in names:
+        if n == "on-demand":
+            continue
+        if n == graph:
+            out[n] = GRAPH
+            continue
+        if n == "adapter" and graph != "adapter":
+            raise SpecPrefetchError("the adapter policy needs the adapter's heads: --adapter DIR for a model "
+                                    "directory, or a bundle exported with --adapter")
+        out[n] = build_predictor(n, num_experts=E, bank=bank, adapter=adapter, counts=counts, draft=draft)
+    return out
+
+
+def open_session(source: str | Path, cfg: RunConfig, *, predictors: list[str] | None = None,
+                 adapter: Path | None = None, store: Path | None = None, dtype: str = "fp16",
+                 frequency_trace: Path | None = None, max_seq: int = 512, progress: bool = True) -> Session:
+    """A Runner over `source` (model directory, `embedded`, or bundle directory).
+
+    Args:
+        cfg: the run's policy, budget and scheduler settings.
+        predictors: predictor names to make available (default: the policy's).
+        adapter: the prefetch adapter (model directories; a bundle carries its own).
+        store: an existing expert store (model directories; default: built once into the cache).
+        dtype: the store's precision when it is built.
+        frequency_trace: the trace whose expert counts drive the frequency predictor.
+        max_seq: KV cache length of the eager graphs (model directories).
+    """
+    names = list(dict.fromkeys(predictors or [cfg.policy.predictor]))
+    for n in names:
+        if n not in PREDICTORS:
+            raise SpecPrefetchError(f"--policy: unknown predictor {n!r}; choose from {', '.join(PREDICTORS)}")
+    if is_bundle(source):
+        if adapter is not None or store is not None:
+            raise SpecPrefetchError(f"{source}: a bundle carries its own adapter heads and expert store; "
+                                    "drop --adapter / --store")
+        return _open_bundle(Path(source), cfg, names, frequency_trace)
+    return _open_model(source, cfg, names, adapter, store, dtype, frequency_trace, max_seq, progress)
+
+
+def _open_model(model, cfg, names, adapter, store, dtype, frequency_trace, max_seq, progress) -> Session:
+    from transformers import AutoTokenizer
+
+    from export.graphs import StepModel, adapter_heads
+    from export.pipeline import TorchBackend
+    from toolkit.models.routers import load_router_bank
+
+    spec = inspect_model_dir(model)
+    g = spec.geometry
+    if store is not None:
+        if not Path(store).is_file():
+            raise SpecPrefetchError(f"--store {store}: no such expert store (build one with `specprefetch store`)")
+        path = Path(store)
+    else:
+        path = default_store_path(spec, dtype)
+        if not path.exists():
+            build_store(spec, path, dtype, progress=progress)
+    st = ExpertStore(path, spec)
+    bank = functools.cache(lambda: load_router_bank(spec))
+    heads, horizons, graph = None, {}, None
+    ad = None
+    if adapter is not None:
+        from adapters.checkpoint import load_adapter
+
+        ad, _ = load_adapter(adapter, spec)
+        hs = tuple(ad.horizons)
+        heads = adapter_heads(ad, bank(), hs)
+        horizons = {i: tuple(h for h in hs if (i, h) in ad.pair_index) for i in range(len(g.moe_layers))}
+        graph = "adapter"
+    tok = AutoTokenizer.from_pretrained(spec.path, local_files_only=True)
+    dense = load_dense_model(spec)
+    for layer in g.moe_layers:  # the routed experts stay in the store: nothing here may hold them
+        spec.family.moe_block(dense, layer).experts = StreamedExperts()
+    steps = StepModel(spec, dense, max_seq=max_seq, adapter_heads=heads)
+    backend = TorchBackend(steps, "buffer")
+
+    def draft():
+        from toolkit.models.loader import load_model
+        from toolkit.predictors.draft import SequenceDraft
+
+        return SequenceDraft(load_model(spec.path))
+
+    preds = _predictors(names, E=g.routing.num_experts, graph=graph, bank=bank,
+                        adapter=(lambda: ad) if ad is not None else None, counts=_frequency(frequency_trace),
+                        draft=draft)
+    info = ModelInfo(num_layers=g.num_layers, moe_layers=tuple(g.moe_layers), routing=g.routing,
+                     hidden_size=g.hidden_size, expert_roles=tuple(m.role for m in spec.family.expert_matrices(g)),
+                     eos_token_id=tok.eos_token_id, score_bias=bank().score_bias, preds_horizons=horizons,
+                     max_seq=max_seq, label=str(spec.path))
+    notes = ["draft routing precomputed teacher-forced; the draft's own compute is not charged"] \
+        if "draft" in names else []
+    return Session(Runner(backend, st, info, cfg, preds), tok, spec, "model", str(spec.path), spec.path, notes)
+
+
+def _open_bundle(path: Path, cfg: RunConfig, names: list[str], frequency_trace) -> Session:
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    from export.manifest import open_bundle
+    from export.target import bundle_file
+    from toolkit.models.families import RoutingSpec
+    from toolkit.models.routers import RouterBank
+
+    m, backend = open_bundle(path)
+    files = m["files"]
+    spec = inspect_model_dir(bundle_file(path, files, m["model"]["config"], "model config").parent,
+                             config_only_ok=True)
+    g = spec.geometry
+    st = ExpertStore(bundle_file(path, files, m["runtime"]["expert_store"], "expert store"), spec)
+    routing = RoutingSpec(**{k: v for k, v in m["routing"].items() if k in
+                             {f.name for f in dataclasses.fields(RoutingSpec)}})
+    host = {}
+    if m["routing"].get("score_bias_file") or m.get("host_file"):
+        host = load_file(str(bundle_file(path, files, m.get("host_file") or m["routing"]["score_bias_file"],
+                                         "host tensors")))
+    score_bias = host.get("score_bias")
+    moe = list(g.moe_layers)
+    horizons = {moe.index(int(layer)): tuple(hs) for layer, hs in m["predictor"]["preds_rows"].items()}
+    bank = None
+    if "router_weight" in host:  # host routers: next-gate and FATE on a bundle
+        bank = lambda: RouterBank(host["router_weight"], host.get("router_bias"), score_bias, routing,  # noqa: E731
+                                  tuple(moe))
+    preds = _predictors(names, E=routing.num_experts, graph=m["predictor"]["kind"], bank=bank,
+                        adapter=None, counts=_frequency(frequency_trace), draft=None)
+    info = ModelInfo(num_layers=g.num_layers, moe_layers=tuple(moe), routing=routing, hidden_size=g.hidden_size,
+                     expert_roles=tuple(x.role for x in spec.family.expert_matrices(g)),
+                     eos_token_id=m.get("eos_token_id"), score_bias=score_bias, preds_horizons=horizons,
+                     max_seq=m["kv"]["max_seq"], label=str(path))
+    tok = AutoTokenizer.from_pretrained(spec.path, local_files_only=True)
+    src = Path(m["model"].get("source", ""))
+    source_model = src if src.is_dir() and (src / "config.json").is_file() else None
+    if source_model is not None:
+        try:
+            if inspect_model_dir(source_model).config_hash != m["model"]["config_hash"]:
+                source_model = None
+        except SpecPrefetchError:
+            source_model = None
+    return Session(Runner(backend, st, info, cfg, preds), tok, spec, "bundle", str(path), source_model,
+                   default_pool_mib=m["runtime"].get("pool_mib"))
+
+
+@functools.lru_cache(maxsize=1)
+def _unmodified(model: str):
+    from toolkit.models.loader import load_model
+
+    return load_model(model)
+
+
+def reference_tokens(model: Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """The unmodified model's greedy tokens (transformers' own `generate`): `run --check`."""
+    lm = _unmodified(str(Path(model).resolve()))
+    eos = lm.tokenizer.eos_token_id
+    with torch.no_grad():
+        out = lm.model.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=max_new_tokens,
+                                pad_token_id=eos if eos is not None else 0)
+    return out[0, len(prompt_ids):].tolist()

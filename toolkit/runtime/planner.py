@@ -1,0 +1,136 @@
+"""The prefetch planner: a MoE layer's predictions turned into the scheduler's window.
+
+At MoE layer i of position p (step s = p * L + i) the planner scores the experts of the next W
+steps and hands them to the scheduler with their target steps. Scores come either from the layer
+graph's own `preds` output (the prefetch adapter's heads, or next-gate heads, folded into the graph
+at export: what the phone runs), or from a host predictor of the registry, which looks at the
+routing state in a `RoutingBatch` of one row. Every score goes through the family's selection rule,
+so bias and group limits apply as they do to the router.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from toolkit.models.families import RoutingSpec, selection_scores
+from toolkit.predictors.base import Predictor
+from toolkit.runtime.scheduler import WindowScheduler
+from toolkit.traces.batches import RoutingBatch
+
+GRAPH = "graph"  # the predictor source: the layer graph's preds rows
+
+
+class RoutingState:
+    """What host predictors may see at a step: this position's router inputs and choices so far,
+    the previous position's choices, and (for the oracle only) the recorded future."""
+
+    def __init__(self, num_layers: int, hidden_size: int, top_k: int):
+        self.hidden = torch.zeros(1, num_layers, hidden_size)
+        self.ids = torch.zeros(1, num_layers, top_k, dtype=torch.long)
+        self.prev_ids = torch.zeros(1, num_layers, top_k, dtype=torch.long)
+        self.pos = 0
+        self.future: list[torch.Tensor] | None = None  # per position [L, k]
+
+    def record(self, li: int, x: torch.Tensor, ids: torch.Tensor) -> None:
+        self.hidden[0, li] = x.reshape(-1).float()
+        self.ids[0, li] = ids.reshape(-1)
+
+    def next_position(self) -> None:
+        self.prev_ids = self.ids.clone()
+        self.pos += 1
+
+    def batch(self, oracle: bool) -> RoutingBatch:
+        ids, next_ids, has_next = self.ids, torch.zeros_like(self.ids), torch.tensor([False])
+        if oracle and self.future is not None:  # only the oracle may see the future
+            p = self.pos
+            ids = self.future[p].unsqueeze(0) if p < len(self.future) else ids
+            if p + 1 < len(self.future):
+                next_ids, has_next = self.future[p + 1].unsqueeze(0), torch.tensor([True])
+        return RoutingBatch(hidden=self.hidden, ids=ids, next_ids=next_ids, prev_ids=self.prev_ids,
+                            has_next=has_next, has_prev=torch.tensor([self.pos > 0]), probs=None,
+                            next_probs=None, seq=torch.tensor([0]), pos=torch.tensor([self.pos]),
+                            kind=torch.tensor([1]))
+
+
+class PrefetchPlanner:
+    def __init__(self, source: Predictor | str | None, *, num_layers: int, window: int, routing: RoutingSpec,
+                 score_bias: torch.Tensor | None, preds_horizons: dict[int, Sequence[int]] | None = None):
+        """
+        Args:
+            source: a registry Predictor, GRAPH (the layer graphs' preds rows), or None (on-demand).
+            num_layers: MoE layers per position (L).
+            window: steps ahead (W).
+            routing / score_bias: the family's selection rule and its bias [L, E].
+            preds_horizons: MoE layer -> the horizons of its preds rows, in row order (GRAPH only).
+        """
+        self.source, self.L, self.W = source, num_layers, window
+        self.routing, self.score_bias = routing, score_bias
+        self.rows = {li: list(hs) for li, hs in (preds_horizons or {}).items()}
+        self.oracle = getattr(source, "name", None) == "oracle"
+        # a plain softmax router (no selection bias, groups or top-k-first): the window's
+        # probabilities are one softmax of its logits, and linear host predictors fold into one
+        # [W*E, H] matrix per layer (a whole window in one matmul)
+        self.plain = (score_bias is None and (routing.n_group or 0) <= 1 and not routing.topk_before_softmax
+                      and routing.score_func == "softmax")
+        self.folded = self._fold() if self.plain and hasattr(source, "effective_router") else None
+        self.graph_rows = {li: [rows.index(h) for h in range(1, window + 1) if h in rows]
+                           for li, rows in self.rows.items()}
+
+    def _fold(self) -> list[tuple[torch.Tensor, int, torch.Tensor, list[int]]]:
+        bank = self.source.bank
+        E = bank.weight.shape[1]
+        out = []
+        for i in range(self.L):
+            mats, srcs, biases = [], [], []
+            for h in range(1, self.W + 1):
+                m, src = self.source.effective_router(i, h)
+                mats.append(m)
+                srcs.append(src)
+                biases.append(bank.bias[(i + h) % self.L] if bank.bias is not None else torch.zeros(E))
+            if len(set(srcs)) != 1:
+                return None
+            out.append((torch.cat(mats).float().contiguous(), srcs[0], torch.cat(biases).float(),
+                        list(range(1, self.W + 1))))
+        return out
+
+    @property
+    def active(self) -> bool:
+        return self.source is not None
+
+    def _graph_window(self, li: int, step: int, preds: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+        out = []
+        rows = self.rows.get(li, [])
+        for h in range(1, self.W + 1):
+            if h not in rows:
+                continue
+            j = (li + h) % self.L
+            sb = self.score_bias[j] if self.score_bias is not None else None
+            logits = preds.reshape(len(rows), -1)[rows.index(h)].float().unsqueeze(0)
+            out.append((step + h, selection_scores(logits, self.routing, sb)[0]))
+        return out
+
+    def plan(self, sched: WindowScheduler, li: int, step: int, state: RoutingState,
+             preds: torch.Tensor | None) -> None:
+        """Queue the window's reads after MoE layer li's graph ran (its experts are pinned)."""
+        if self.source is None:
+            sched.plan_probs(step, [], None)
+            return
+        if self.source == GRAPH:
+            if preds is None:
+                raise RuntimeError(f"MoE layer {li}: the layer graph returned no preds rows")
+            if self.plain:
+                rows = self.graph_rows.get(li, [])
+                hs = [self.rows[li][r] for r in rows]
+                logits = preds.reshape(len(self.rows.get(li, [])) or 1, -1)[rows].float()
+                sched.plan_probs(step, [step + h for h in hs], logits.softmax(-1) if rows else None)
+                return
+            sched.plan(step, self._graph_window(li, step, preds))
+            return
+        if self.folded is not None:
+            mat, src, bias, hs = self.folded[li]
+            logits = (mat @ state.hidden[0, src] + bias).view(len(hs), -1)
+            sched.plan_probs(step, [step + h for h in hs], logits.softmax(-1))
+            return
+        b = state.batch(self.oracle)
+        sched.plan(step, [(step + h, self.source.scores(b, li, h)[0]) for h in range(1, self.W + 1)])

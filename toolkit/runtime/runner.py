@@ -1,0 +1,320 @@
+"""The reference runner: one decode loop over a model's step graphs, experts through the pool.
+
+This is the loop the phone runs and the C++ runner ports (android_runner/), in the style of
+gpt-fast's `generate.py` and ExecuTorch's `TextTokenGenerator`. Per position (the prompt is fed one
+token at a time through the same graphs; its last step gives the first token):
+
+    h = embed(token)
+    for each decoder layer:
+        dense layer:  h = layer(h, pos)
+        MoE layer i:  h_res, x, logits[, preds] = layer(h, pos)      step s = pos * L + i
+                      w, ids = select(logits)            the family's rule, on the host
+                      acquire(s, ids)                    hits pinned; misses read on demand, first
+                      plan(s + 1 .. s + W)               prefetches from preds / a host predictor
+                      y = sum_j w_j * expert(x, slot(ids_j))  waiting for bytes still in flight
+                      release(s, ids); h = h_res + y
+    token = argmax(head(h))
+
+The backend (toolkit/runtime/backend.py) may be eager PyTorch, an ExecuTorch program, ONNX Runtime
+or QNN context binaries; the experts always come from the expert store through the bounded pool and
+the windowed scheduler, and nothing else holds an expert. Output is the same for every policy and
+budget by construction: the policy decides only what is read when, never what is computed.
+"""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from toolkit.errors import SpecPrefetchError
+from toolkit.models.families import RoutingSpec, select_experts
+from toolkit.predictors.base import Predictor
+from toolkit.runtime.backend import Backend
+from toolkit.runtime.events import EventLog
+from toolkit.runtime.expert_store import ExpertStore
+from toolkit.runtime.experts import ExpertExecutor
+from toolkit.runtime.io import DirectReader, ProcessReader
+from toolkit.runtime.planner import PrefetchPlanner, RoutingState
+from toolkit.runtime.policy import Policy
+from toolkit.runtime.pool import ExpertPool
+from toolkit.runtime.profiles import DeviceProfile
+from toolkit.runtime.scheduler import SchedulerConfig, SchedulerStats, WindowScheduler
+from toolkit.runtime.stats import RunStats, tpot_and_intervals
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelInfo:
+    """What the loop needs to know of a model (from a checkpoint or a bundle's manifest)."""
+    num_layers: int                      # decoder layers
+    moe_layers: tuple[int, ...]          # which of them are MoE layers
+    routing: RoutingSpec
+    hidden_size: int
+    expert_roles: tuple[str, ...]        # the expert graph's matrix order
+    eos_token_id: int | None = None
+    score_bias: torch.Tensor | None = None            # [L, E] DeepSeek-V3 selection bias
+    preds_horizons: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # MoE layer -> rows
+    max_seq: int | None = None           # KV cache length of the graphs
+    label: str = ""                      # the model directory or bundle, for reports
+
+    @property
+    def L(self) -> int:
+        return len(self.moe_layers)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """How a run streams its experts. Change it through `Runner.configure`, not by mutation."""
+    policy: Policy = Policy("adapter", "prediction")
+    pool_mib: float = 8.0
+    window: int = 2
+    queue_depth: int = 4
+    min_confidence: float = 0.02
+    floor: float = 0.0
+    step_budget_kib: int | None = None
+    flash_profile: DeviceProfile | None = None   # pace real reads to this device (emulated flash)
+    io: str = "process"                          # reader process (default) or reader threads
+    verify: bool = True                          # CRC every blob read
+
+    def __post_init__(self):
+        if not (self.pool_mib > 0 and self.pool_mib < float("inf")):
+            raise SpecPrefetchError(f"--pool-mib {self.pool_mib}: must be a positive number")
+        if self.window < 1:
+            raise SpecPrefetchError(f"--window {self.window}: must be >= 1")
+        if self.queue_depth < 1:
+            raise SpecPrefetchError(f"--queue-depth {self.queue_depth}: must be >= 1")
+        if self.io not in ("process", "threads"):
+            raise SpecPrefetchError(f"--io {self.io!r}: choose process or threads")
+
+    @property
+    def budget_bytes(self) -> int:
+        return int(self.pool_mib * 2**20)
+
+
+@dataclasses.dataclass
+class Generation:
+    """One prompt's result: the committed tokens, the routing of every position ([L, k] each),
+    and the run's figures."""
+    tokens: list[int]
+    routing: list[torch.Tensor]
+    stats: RunStats
+    direct_io: bool
+    events: EventLog | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"tokens": self.tokens, **self.stats.to_json(), "direct_io": self.direct_io}
+
+
+class Runner:
+    def __init__(self, backend: Backend, store: ExpertStore, model: ModelInfo, cfg: RunConfig,
+                 predictors: dict[str, Predictor | str] | None = None):
+        """
+        Args:
+            backend: runs the model's step graphs.
+            store: the expert store (must match the model's MoE layers and experts).
+            model: the model's shape and routing rule.
+            cfg: policy, budget and scheduler settings.
+            predictors: predictor name -> a registry Predictor or GRAPH (the layer graphs' preds
+                rows); the policy's predictor must be here unless it is on-demand.
+        """
+        if (store.num_layers, store.num_experts) != (model.L, model.routing.num_experts):
+            raise SpecPrefetchError(f"{store.path}: {store.num_layers} layers x {store.num_experts} experts, the "
+                                    f"model has {model.L} x {model.routing.num_experts}")
+        self.backend, self.store, self.model = backend, store, model
+        self.predictors = dict(predictors or {})
+        self.experts = ExpertExecutor(backend, store, model.expert_roles)
+        self.cfg = cfg
+        self.configure()
+
+    def configure(self, **changes) -> None:
+        """Change the policy, pool budget or scheduler settings (RunConfig's fields) for later runs."""
+        cfg = dataclasses.replace(self.cfg, **changes)
+        p = cfg.policy.predictor
+        if p != "on-demand" and p not in self.predictors:
+            have = ", ".join(["on-demand", *self.predictors]) or "on-demand"
+            raise SpecPrefetchError(f"--policy {cfg.policy.name}: predictor {p!r} is not available for "
+                                    f"{self.model.label or 'this model'} (available: {have})")
+        capacity = cfg.budget_bytes // self.store.slot_bytes
+        if capacity < self.model.routing.top_k:
+            k = self.model.routing.top_k
+            raise SpecPrefetchError(
+                f"--pool-mib {cfg.pool_mib:g}: holds {capacity} expert slots of {self.store.slot_bytes / 2**10:.0f} KiB, "
+                f"but one layer needs {k} at once; use at least {k * self.store.slot_bytes / 2**20:.2f}")
+        self.cfg = cfg
+
+    # -- one prompt --------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, *,
+                 recorded: "Generation | None" = None, events: EventLog | None = None) -> Generation:
+        """Greedy decoding of up to `max_new_tokens` tokens (stopping after EOS).
+
+        Args:
+            recorded: an earlier run of this prompt (`record`): its routing is the future the oracle
+                and Belady read, its tokens what the draft routes over (output does not depend on
+                the policy, so they are this run's own).
+            events: an EventLog to record every decision into.
+        """
+        m, cfg = self.model, self.cfg
+        if not prompt_ids:
+            raise SpecPrefetchError("the prompt is empty")
+        if max_new_tokens < 1:
+            raise SpecPrefetchError(f"--max-new-tokens {max_new_tokens}: must be >= 1")
+        if m.max_seq is not None and len(prompt_ids) + max_new_tokens > m.max_seq:
+            raise SpecPrefetchError(f"prompt ({len(prompt_ids)} tokens) + --max-new-tokens {max_new_tokens} exceeds "
+                                    f"the graphs' KV cache of {m.max_seq} positions")
+        L, k = m.L, m.routing.top_k
+        source = self.predictors.get(cfg.policy.predictor)
+        if (cfg.policy.needs_future or hasattr(source, "prepare")) and recorded is None:
+            raise SpecPrefetchError(f"--policy {cfg.policy.name}: needs a recorded first pass (Runner.run does it)")
+        if hasattr(source, "prepare"):  # the draft routes over the whole sequence ahead of time
+            source.prepare(list(prompt_ids) + recorded.tokens)
+        planner = PrefetchPlanner(source, num_layers=L, window=cfg.window, routing=m.routing,
+                                  score_bias=m.score_bias, preds_horizons=m.preds_horizons)
+        state = RoutingState(L, m.hidden_size, k)
+        state.future = recorded.routing if recorded is not None else None
+        never = lambda key, now: float("inf")  # noqa: E731 - replaced by the scheduler's table below
+        pool = ExpertPool(cfg.budget_bytes, self.store.slot_bytes, policy=cfg.policy.eviction, min_slots=k,
+                          next_use=belady_next_use(state.future, L) if cfg.policy.eviction == "belady" else never)
+        scfg = SchedulerConfig(window=cfg.window, queue_depth=cfg.queue_depth, min_confidence=cfg.min_confidence,
+                               floor=cfg.floor, prefetch=planner.active,
+                               step_budget_bytes=cfg.step_budget_kib * 1024 if cfg.step_budget_kib else None)
+        if events is not None:
+            events.header(policy=cfg.policy.name, budget_bytes=cfg.budget_bytes, slot_bytes=self.store.slot_bytes,
+                          capacity=pool.capacity, window=cfg.window, queue_depth=cfg.queue_depth,
+                          min_confidence=cfg.min_confidence, layers=L, top_k=k)
+            events.sequence(0, prompt_tokens=len(prompt_ids))
+        io = self._open_io(pool.capacity)
+        sched = WindowScheduler(pool, io, scfg, num_layers=L, top_k=k, events=events)
+        if cfg.policy.eviction == "prediction":
+            pool.next_use = sched.next_predicted_use
+        try:
+            return self._loop(list(prompt_ids), max_new_tokens, sched, pool, planner, state, events, io)
+        finally:
+            io.close()
+
+    def _open_io(self, capacity: int):
+        cfg = self.cfg
+        slots = min(capacity, self.model.L * self.model.routing.num_experts)
+        if cfg.io == "process":
+            return ProcessReader(self.store, slots=slots, workers=cfg.queue_depth + 1, profile=cfg.flash_profile,
+                                 verify=cfg.verify)
+        return DirectReader(self.store, workers=cfg.queue_depth, profile=cfg.flash_profile, verify=cfg.verify)
+
+    def _loop(self, seq: list[int], max_new: int, sched: WindowScheduler, pool: ExpertPool,
+              planner: PrefetchPlanner, state: RoutingState, events: EventLog | None, io) -> Generation:
+        m, backend = self.model, self.backend
+        L = m.L
+        moe_index = {layer: li for li, layer in enumerate(m.moe_layers)}
+        n_prompt = len(seq)
+        backend.reset()
+        routing: list[torch.Tensor] = []
+        tokens: list[int] = []
+        times: list[float] = []
+        first = SchedulerStats()
+        first_wasted = 0
+        t0 = time.perf_counter()
+        pos = 0
+        while True:
+            h = backend.call("embed", [torch.tensor([[seq[pos]]], dtype=torch.long)])[0]
+            for layer in range(m.num_layers):
+                outs = backend.layer(layer, h, pos)
+                if layer not in moe_index:
+                    h = outs[0]
+                    continue
+                li = moe_index[layer]
+                step = pos * L + li
+                h_res, x, logits = outs[0], outs[1], outs[2]
+                preds = outs[3] if len(outs) > 3 else None
+                sb = m.score_bias[li] if m.score_bias is not None else None
+                w, ids = select_experts(logits.reshape(1, -1), m.routing, sb)
+                state.record(li, x, ids[0])
+                keys = [(li, int(e)) for e in ids[0]]
+                if events is not None:
+                    events.at(step, pos, li)
+                sched.acquire(step, keys)          # demand reads go out first
+                planner.plan(sched, li, step, state, preds)
+                y = torch.zeros_like(x)
+                for j, key in enumerate(keys):
+                    y = y + w[0, j] * self.experts.expert(x, sched.data(key))
+                sched.release(step, keys)
+                h = h_res + y.view_as(h_res)
+            routing.append(state.ids[0].clone())
+            state.next_position()
+            if pos < n_prompt - 1:  # still the prompt: its next token is given
+                pos += 1
+                continue
+            nxt = int(backend.call("head", [h])[0].reshape(-1).argmax())
+            tokens.append(nxt)
+            times.append(time.perf_counter())
+            if events is not None:
+                events.token(len(tokens) - 1, pos + 1, nxt, (times[-1] - t0) * 1e3)
+            if len(tokens) == 1:  # decode figures are counted from here
+                first = dataclasses.replace(sched.stats)
+                first_wasted = pool.wasted_prefetches
+            if len(tokens) >= max_new or nxt == m.eos_token_id:
+                break
+            seq.append(nxt)
+            pos += 1
+        decode = sched.stats.minus(first)
+        unused = sum(1 for s in pool.slots.values() if s.prefetched)
+        tpot, intervals = tpot_and_intervals(times)
+        stats = RunStats.from_counts(
+            policy=self.cfg.policy.name, decode=decode, total_bytes_read=sched.stats.bytes_read,
+            ttft_s=times[0] - t0, tpots_ms=[tpot] if len(times) > 1 else [], intervals_ms=intervals,
+            decode_tokens=len(tokens) - 1, wasted_prefetches=pool.wasted_prefetches - first_wasted + unused,
+            evictions=pool.evictions, slot_bytes=pool.slot_bytes, peak_pool_bytes=pool.peak_bytes,
+            budget_bytes=pool.budget_bytes)
+        if events is not None:
+            events.end(tokens=len(tokens), t_ms=(time.perf_counter() - t0) * 1e3)
+        return Generation(tokens, routing, stats, direct_io=bool(getattr(io, "direct", False)), events=events)
+
+    # -- the recorded future -------------------------------------------------------------
+    def record(self, prompt_ids: Sequence[int], max_new_tokens: int) -> Generation:
+        """A first, on-demand pass whose routing is the future the oracle and Belady read (and whose
+        tokens the draft routes over): output does not depend on the policy, so this is exact."""
+        cfg = self.cfg
+        self.configure(policy=Policy("on-demand", "lru"))
+        try:
+            return self.generate(prompt_ids, max_new_tokens)
+        finally:
+            self.cfg = cfg
+
+    def run(self, prompt_ids: Sequence[int], max_new_tokens: int, *, events: EventLog | None = None,
+            recorded: Generation | None = None) -> Generation:
+        """`generate` with whatever the policy needs recorded first (oracle, Belady, draft)."""
+        source = self.predictors.get(self.cfg.policy.predictor)
+        if self.cfg.policy.needs_future or hasattr(source, "prepare"):
+            rec = recorded or self.record(prompt_ids, max_new_tokens)
+            return self.generate(prompt_ids, max_new_tokens, recorded=rec, events=events)
+        return self.generate(prompt_ids, max_new_tokens, events=events)
+
+
+def belady_next_use(future: list[torch.Tensor], L: int):
+    """next_use(key, now) -> the step of the key's next real use (inf if none): Belady's rule.
+    `future` holds every position's routing [L, k]."""
+    uses: dict[tuple[int, int], list[int]] = {}
+    for pos, ids in enumerate(future):
+        for li in range(L):
+            for e in ids[li].tolist():
+                uses.setdefault((li, e), []).append(pos * L + li)
+
+    def next_use(key, now):
+        steps = uses.get(key, [])
+        j = bisect.bisect_right(steps, now)
+        return steps[j] if j < len(steps) else float("inf")
+    return next_use
+
+
+def write_events(path: Path, gens: list[Generation]) -> None:
+    """All prompts' event logs into one file, atomically."""
+    from toolkit.artifacts import atomic_path
+
+    with atomic_path(Path(path)) as tmp:
+        with open(tmp, "w") as fh:
+            for n, g in enumerate(gens):
+                lines = g.events.lines if g.events is not None else []
+                fh.write("\n".join(ln.replace("seq 0 ", f"seq {n} ", 1) if ln.startswith("seq 0 ") else ln
+                                   for ln in lines) + "\n")
