@@ -62,6 +62,9 @@ bench: $(STAMP)
 	$(BIN)/specprefetch bench --adapter $(BENCH)/adapter --pool-mib 4,8 --json $(BENCH)/runtime.json
 	$(BIN)/specprefetch bench --adapter $(BENCH)/adapter --pool-mib 4,8 --flash-profile snapdragon-8-elite \
 	    --no-simulate --json $(BENCH)/runtime-emulated.json
+	$(BIN)/specprefetch export embedded --adapter $(BENCH)/adapter --target executorch --quant fp32 --max-seq 128 \
+	    --out $(BENCH)/bundle-executorch
+	$(BIN)/specprefetch bench $(BENCH)/bundle-executorch --pool-mib 4,8 --no-simulate --json $(BENCH)/runtime-bundle.json
 	$(BIN)/python -m export.report --model embedded --adapter $(BENCH)/adapter --json $(BENCH)/export.json
 
 clean:

@@ -127,7 +127,7 @@ def export_bundle(model: str | Path, out: Path, cfg: ExportConfig, adapter: Path
 def _assemble(model, work: Path, scratch: Path, cfg: ExportConfig, tgt, quant: str, tol, adapter, out: Path) -> dict[str, Any]:
     from export.graphs import MASK_VALUE, StepModel, adapter_heads, describe
     from toolkit.runtime.backend import IO_MASK_VALUE
-    from export.pipeline import ExpertWeights, check, compare, free_running, run_sequence
+    from export.pipeline import check, compare, free_running, run_model, run_sequence
     from toolkit.models.loader import inspect_model_dir, load_dense_model
     from toolkit.models.routers import load_router_bank
     from toolkit.runtime.expert_store import ExpertStore, build_store
@@ -178,9 +178,7 @@ def _assemble(model, work: Path, scratch: Path, cfg: ExportConfig, tgt, quant: s
     timings["expert_store_s"] = time.perf_counter() - t0
 
     steps = StepModel(spec, load_dense_model(spec), max_seq=cfg.max_seq, adapter_heads=heads)
-    experts = ExpertWeights(store, [m.role for m in spec.family.expert_matrices(g)], g.moe_layers)
-    run_kw = dict(moe_layers=g.moe_layers, num_layers=g.num_layers, routing=g.routing,
-                  score_bias=bank.score_bias, experts=experts)
+    run_kw = dict(model=run_model(spec, store, bank.score_bias), store=store)  # the reference runner's view
     # one read of the prompt file: parity prompts first, QDQ calibration prompts after them (disjoint)
     n_calib = cfg.calibration_prompts if tgt.NEEDS_CALIBRATION.get(quant) else 0
     prompts = calibration_prompts(tok, cfg.calibration, cfg.parity_prompts + n_calib, cfg.prompt_tokens)

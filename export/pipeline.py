@@ -1,11 +1,10 @@
-"""The phone's decode loop over the step graphs, for any backend, and the parity check.
+"""The eager backend and the export's parity check.
 
-A backend runs the graphs of `export.graphs` (eager PyTorch, an ExecuTorch program, ONNX Runtime
-on CPU, or QNN context binaries on the HTP); `run_sequence` drives it exactly as the phone's
-runner does: embed, per layer the layer graph, the family's expert selection on the host, the
-expert graph on weights read from the expert store, the head. Parity runs the reference and the
-bundle teacher-forced over the same tokens, so one early difference cannot cascade, and compares
-logits, router top-k ids and greedy next tokens at every position.
+`TorchBackend` runs the graphs of `export.graphs` as eager PyTorch modules (the reference, and what
+`run MODEL_DIR` uses). `run_sequence` drives any backend through the reference runner
+(toolkit/runtime/runner.py), the one decode loop, teacher-forced and recording every position's
+logits. Parity runs the reference and the bundle over the same tokens, so one early difference
+cannot cascade, and compares logits, router top-k ids and greedy next tokens at every position.
 """
 from __future__ import annotations
 
@@ -17,9 +16,10 @@ import torch
 from torch import nn
 
 from toolkit.errors import SpecPrefetchError
-from toolkit.models.families import RoutingSpec, expert_weights, select_experts
 from export.graphs import exportable_family
 from toolkit.runtime.backend import Backend
+from toolkit.runtime.policy import Policy
+from toolkit.runtime.runner import ModelInfo, RunConfig, Runner
 
 
 class TorchBackend(Backend):
@@ -51,24 +51,6 @@ def steps_info(steps) -> dict[str, Any]:
 
 
 @dataclasses.dataclass
-class ExpertWeights:
-    """Expert matrices read from the store (float32, in the expert graph's input order), cached."""
-    store: Any
-    roles: list[str]
-    moe_layers: tuple[int, ...]
-
-    def __post_init__(self):
-        self.cache: dict[tuple[int, int], list[torch.Tensor]] = {}
-
-    def get(self, li: int, e: int) -> list[torch.Tensor]:
-        key = (li, e)
-        if key not in self.cache:
-            w = self.store.weights(li, e)
-            self.cache[key] = [w[r].float().contiguous() for r in self.roles]
-        return self.cache[key]
-
-
-@dataclasses.dataclass
 class Record:
     """Per position of one sequence: logits [T, V], router ids [T, L, k], greedy next token [T],
     and the tokens fed."""
@@ -78,52 +60,37 @@ class Record:
     tokens: list[int]
 
 
-def run_sequence(backend: Backend, tokens: Sequence[int], *, moe_layers: Sequence[int], num_layers: int,
-                 routing: RoutingSpec, score_bias: torch.Tensor | None, experts: ExpertWeights,
-                 extend: int = 0, eos: int | None = None, force_ids: torch.Tensor | None = None) -> Record:
-    """Feed `tokens` one per step (teacher-forced) through the graphs, as the phone does; then,
-    with `extend`, keep going greedily for that many more positions (stopping after EOS).
+def run_model(spec, store, score_bias: torch.Tensor | None = None, eos: int | None = None,
+              max_seq: int | None = None) -> ModelInfo:
+    """The runner's view of a model being exported (for `run_sequence`)."""
+    g = spec.geometry
+    return ModelInfo(num_layers=g.num_layers, moe_layers=tuple(g.moe_layers), routing=g.routing,
+                     hidden_size=g.hidden_size, expert_roles=tuple(m.role for m in spec.family.expert_matrices(g)),
+                     eos_token_ids=(eos,) if eos is not None else (), score_bias=score_bias, max_seq=max_seq,
+                     label=str(spec.path))
+
+
+PARITY_POOL_MIB = 2048.0  # parity's pool: every expert of a small model, a bounded share of a large one
+
+
+def run_sequence(backend: Backend, tokens: Sequence[int], *, model: ModelInfo, store, extend: int = 0,
+                 eos: int | None = None, force_ids: torch.Tensor | None = None) -> Record:
+    """Feed `tokens` one per step (teacher-forced) through the graphs with the reference runner
+    (toolkit/runtime/runner.py: experts from the store through the pool, on demand), recording
+    every position's logits; then, with `extend`, keep going greedily for that many more positions
+    (stopping after EOS).
 
     `force_ids` [T, L, k] (a reference's routing) makes every MoE layer compute with those experts
     (weighted by this backend's own router logits) while the record keeps the experts this
     backend's router chose: numerical error is then measured without the cascade of a router
     near-tie flipping, and the flips themselves are counted by comparing the chosen ids."""
-    backend.reset()
-    logits_all, ids_all = [], []
-    moe_index = {layer: li for li, layer in enumerate(moe_layers)}
-    seq = list(tokens)
-    pos = 0
-    while pos < len(seq):
-        h = backend.call("embed", [torch.tensor([[seq[pos]]], dtype=torch.long)])[0]
-        step_ids = []
-        for layer in range(num_layers):
-            outs = backend.layer(layer, h, pos)
-            if layer not in moe_index:
-                h = outs[0]
-                continue
-            li = moe_index[layer]
-            h_res, x, logits = outs[0], outs[1], outs[2]
-            sb = score_bias[li] if score_bias is not None else None
-            w, ids = select_experts(logits, routing, sb)
-            use = ids
-            if force_ids is not None:
-                use = force_ids[pos, li].view(1, -1)
-                w = expert_weights(logits, use, routing)
-            y = torch.zeros_like(x)
-            for j in range(use.shape[1]):
-                e = int(use[0, j])
-                y = y + w[0, j] * backend.call("expert", [x, *experts.get(li, e)])[0]
-            h = h_res + y.view_as(h_res)
-            step_ids.append(ids[0])
-        logits = backend.call("head", [h])[0].reshape(-1).float()
-        logits_all.append(logits)
-        ids_all.append(torch.stack(step_ids) if step_ids else torch.zeros(0, routing.top_k, dtype=torch.long))
-        nxt = int(logits.argmax())
-        if pos == len(seq) - 1 and len(seq) < len(tokens) + extend and (eos is None or nxt != eos):
-            seq.append(nxt)
-        pos += 1
-    lg = torch.stack(logits_all)
-    return Record(lg, torch.stack(ids_all), lg.argmax(-1), seq)
+    all_bytes = store.slot_bytes * model.L * model.routing.num_experts
+    pool_mib = max(min(all_bytes, PARITY_POOL_MIB * 2**20), model.routing.top_k * store.slot_bytes) / 2**20
+    m = dataclasses.replace(model, eos_token_ids=(eos,) if eos is not None else (), max_seq=None)
+    runner = Runner(backend, store, m, RunConfig(policy=Policy("on-demand", "lru"), pool_mib=pool_mib))
+    gen = runner.generate(list(tokens), extend + 1, force_ids=force_ids, keep_logits=True)
+    lg = gen.logits
+    return Record(lg, torch.stack(gen.routing), lg.argmax(-1), gen.fed)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -216,22 +216,23 @@ def context_bin(ctx: Path) -> Path:
 class RecordingBackend(Backend):
     """Wraps a backend and keeps graph call inputs as QDQ calibration samples: up to `limit` calls
     per dense graph, and for the expert graph up to `per_expert` calls of every distinct expert
-    (weights are kept by reference: the store cache holds them anyway), so every expert's weight
-    range shapes the calibration, not just the first token's."""
+    (told apart by a fingerprint of their weights: the runner decodes them afresh from the pool on
+    every call), so every expert's weight range shapes the calibration, not just the first token's."""
 
     def __init__(self, inner, limit_per_graph: int = 256, per_expert: int = 2):
         self.inner, self.limit, self.per_expert = inner, limit_per_graph, per_expert
         self.samples: dict[str, list[list[torch.Tensor]]] = {}
-        self.expert_seen: dict[int, int] = {}
+        self.expert_seen: dict[tuple, int] = {}
         self.kv_mode, self.kv = inner.kv_mode, inner.kv  # the inner backend's cache
 
     def call(self, name, inputs):
         lst = self.samples.setdefault(name, [])
         if name == "expert":
-            key = id(inputs[1])
+            w = inputs[1].reshape(-1)
+            key = (tuple(inputs[1].shape), float(w[:64].double().sum()), float(w[-64:].double().sum()))
             if self.expert_seen.get(key, 0) < self.per_expert:
                 self.expert_seen[key] = self.expert_seen.get(key, 0) + 1
-                lst.append([inputs[0].detach().clone(), *inputs[1:]])
+                lst.append([t.detach().clone() for t in inputs])
         elif len(lst) < self.limit:
             lst.append([t.detach().clone() for t in inputs])
         return self.inner.call(name, inputs)

@@ -97,7 +97,8 @@ def _predictors(names: list[str], *, E: int, graph: str | None, bank, adapter, c
 
 def open_session(source: str | Path, cfg: RunConfig, *, predictors: list[str] | None = None,
                  adapter: Path | None = None, store: Path | None = None, dtype: str = "fp16",
-                 frequency_trace: Path | None = None, max_seq: int = 512, progress: bool = True) -> Session:
+                 frequency_trace: Path | None = None, max_seq: int = 512, progress: bool = True,
+                 pool_default: bool = False) -> Session:
     """A Runner over `source` (model directory, `embedded`, or bundle directory).
 
     Args:
@@ -108,6 +109,7 @@ def open_session(source: str | Path, cfg: RunConfig, *, predictors: list[str] | 
         dtype: the store's precision when it is built.
         frequency_trace: the trace whose expert counts drive the frequency predictor.
         max_seq: KV cache length of the eager graphs (model directories).
+        pool_default: a bundle's own default pool budget replaces cfg.pool_mib.
     """
     names = list(dict.fromkeys(predictors or [cfg.policy.predictor]))
     for n in names:
@@ -117,7 +119,7 @@ def open_session(source: str | Path, cfg: RunConfig, *, predictors: list[str] | 
         if adapter is not None or store is not None:
             raise SpecPrefetchError(f"{source}: a bundle carries its own adapter heads and expert store; "
                                     "drop --adapter / --store")
-        return _open_bundle(Path(source), cfg, names, frequency_trace)
+        return _open_bundle(Path(source), cfg, names, frequency_trace, pool_default)
     return _open_model(source, cfg, names, adapter, store, dtype, frequency_trace, max_seq, progress)
 
 
@@ -127,6 +129,7 @@ def _open_model(model, cfg, names, adapter, store, dtype, frequency_trace, max_s
     from export.graphs import StepModel, adapter_heads
     from export.pipeline import TorchBackend
     from toolkit.models.routers import load_router_bank
+    from toolkit.predictors.draft import SequenceDraft
 
     spec = inspect_model_dir(model)
     g = spec.geometry
@@ -159,7 +162,6 @@ def _open_model(model, cfg, names, adapter, store, dtype, frequency_trace, max_s
 
     def draft():
         from toolkit.models.loader import load_model
-        from toolkit.predictors.draft import SequenceDraft
 
         return SequenceDraft(load_model(spec.path))
 
@@ -168,23 +170,48 @@ def _open_model(model, cfg, names, adapter, store, dtype, frequency_trace, max_s
                         draft=draft)
     info = ModelInfo(num_layers=g.num_layers, moe_layers=tuple(g.moe_layers), routing=g.routing,
                      hidden_size=g.hidden_size, expert_roles=tuple(m.role for m in spec.family.expert_matrices(g)),
-                     eos_token_id=tok.eos_token_id, score_bias=bank().score_bias, preds_horizons=horizons,
+                     eos_token_ids=_eos_ids(spec, tok), score_bias=bank().score_bias, preds_horizons=horizons,
                      max_seq=max_seq, label=str(spec.path))
-    notes = ["draft routing precomputed teacher-forced; the draft's own compute is not charged"] \
+    notes = [SequenceDraft.note, "the draft is built from the full model: its weights are in memory"] \
         if "draft" in names else []
     return Session(Runner(backend, st, info, cfg, preds), tok, spec, "model", str(spec.path), spec.path, notes)
 
 
-def _open_bundle(path: Path, cfg: RunConfig, names: list[str], frequency_trace) -> Session:
+def _eos_ids(spec: ModelSpec, tok) -> tuple[int, ...]:
+    """Every id generation stops at: the generation config's (an int or a list, as transformers'
+    `generate` reads it), else the tokenizer's."""
+    import json
+
+    ids = None
+    gc = spec.path / "generation_config.json"
+    if gc.is_file():
+        try:
+            ids = json.loads(gc.read_text()).get("eos_token_id")
+        except (ValueError, AttributeError):
+            raise SpecPrefetchError(f"{gc}: not a JSON object") from None
+    if ids is None:
+        ids = tok.eos_token_id
+    ids = ids if isinstance(ids, list) else [ids]
+    return tuple(int(i) for i in ids if i is not None)
+
+
+def _open_bundle(path: Path, cfg: RunConfig, names: list[str], frequency_trace, pool_default: bool) -> Session:
+    from export.manifest import malformed, open_bundle
+
+    m, backend = open_bundle(path)
+    with malformed(path / "manifest.json"):
+        return _bundle_session(path, m, backend, cfg, names, frequency_trace, pool_default)
+
+
+def _bundle_session(path: Path, m: dict, backend, cfg: RunConfig, names: list[str], frequency_trace,
+                    pool_default: bool) -> Session:
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
-    from export.manifest import open_bundle
     from export.target import bundle_file
     from toolkit.models.families import RoutingSpec
     from toolkit.models.routers import RouterBank
 
-    m, backend = open_bundle(path)
     files = m["files"]
     spec = inspect_model_dir(bundle_file(path, files, m["model"]["config"], "model config").parent,
                              config_only_ok=True)
@@ -207,7 +234,8 @@ def _open_bundle(path: Path, cfg: RunConfig, names: list[str], frequency_trace) 
                         adapter=None, counts=_frequency(frequency_trace), draft=None)
     info = ModelInfo(num_layers=g.num_layers, moe_layers=tuple(moe), routing=routing, hidden_size=g.hidden_size,
                      expert_roles=tuple(x.role for x in spec.family.expert_matrices(g)),
-                     eos_token_id=m.get("eos_token_id"), score_bias=score_bias, preds_horizons=horizons,
+                     eos_token_ids=tuple(i for i in [m.get("eos_token_id")] if i is not None),
+                     score_bias=score_bias, preds_horizons=horizons,
                      max_seq=m["kv"]["max_seq"], label=str(path))
     tok = AutoTokenizer.from_pretrained(spec.path, local_files_only=True)
     src = Path(m["model"].get("source", ""))
@@ -218,6 +246,8 @@ def _open_bundle(path: Path, cfg: RunConfig, names: list[str], frequency_trace) 
                 source_model = None
         except SpecPrefetchError:
             source_model = None
+    if pool_default:  # no --pool-mib: the bundle's own budget
+        cfg = dataclasses.replace(cfg, pool_mib=float(m["runtime"]["pool_mib"]))
     return Session(Runner(backend, st, info, cfg, preds), tok, spec, "bundle", str(path), source_model,
                    default_pool_mib=m["runtime"].get("pool_mib"))
 

@@ -16,7 +16,7 @@ from click.testing import CliRunner
 
 from export.bundle import ExportConfig, export_bundle, inspect_bundle
 from export.graphs import StepModel
-from export.pipeline import ExpertWeights, TorchBackend, run_sequence
+from export.pipeline import TorchBackend, run_model, run_sequence
 from toolkit.cli import main
 from toolkit.errors import SpecPrefetchError
 from toolkit.models.loader import inspect_model_dir, load_dense_model, load_model
@@ -53,11 +53,9 @@ def test_step_graphs_match_transformers(family, kv_mode, tiny_models, tmp_path):
                 layer.self_attn.sliding_window = 8
         with torch.no_grad():
             hf = ref.model(input_ids=torch.tensor([toks])).logits[0].float()
-    g = spec.geometry
-    ew = ExpertWeights(ExpertStore(tmp_path / "e.spx", spec), [m.role for m in spec.family.expert_matrices(g)],
-                       g.moe_layers)
-    rec = run_sequence(TorchBackend(steps, kv_mode), toks, moe_layers=g.moe_layers, num_layers=g.num_layers,
-                       routing=g.routing, score_bias=load_router_bank(spec).score_bias, experts=ew)
+    store = ExpertStore(tmp_path / "e.spx", spec)
+    rec = run_sequence(TorchBackend(steps, kv_mode), toks, store=store,
+                       model=run_model(spec, store, load_router_bank(spec).score_bias))
     assert (rec.logits - hf).abs().max() < 1e-4
     assert torch.equal(rec.next_tokens, hf.argmax(-1))
 
@@ -75,7 +73,10 @@ def test_rejects_quant_of_other_target(tiny_models, tmp_path):
 
 # -- ExecuTorch ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("family", TINY_FAMILIES)
+# make test keeps one family here (GPT-OSS: sinks, biases, sliding windows); the embedded model's
+# fp32 bundle (conftest) is the Qwen3-MoE one; the rest run in make test-all
+@pytest.mark.parametrize("family", [f if f == "gpt_oss" else pytest.param(f, marks=pytest.mark.slow)
+                                    for f in TINY_FAMILIES])
 def test_executorch_bundle_every_family(family, tiny_models, tmp_path):
     out = tmp_path / "bundle"
     m = export_bundle(tiny_models[family], out, _cfg(target="executorch"))
@@ -89,6 +90,7 @@ def test_executorch_bundle_every_family(family, tiny_models, tmp_path):
     assert not out.with_name("bundle.partial").exists()
 
 
+@pytest.mark.slow  # make demo exports the embedded model with 8da8w
 @pytest.mark.parametrize("quant", ["8da8w", "8da4w"])
 def test_executorch_quantized_bundle(quant, tiny_models, tmp_path):
     m = export_bundle(tiny_models["qwen3_moe"], tmp_path / "b", _cfg(target="executorch", quant=quant))
@@ -97,6 +99,7 @@ def test_executorch_quantized_bundle(quant, tiny_models, tmp_path):
     assert m["files"]["graphs/model.pte"]["size"] < fp32["files"]["graphs/model.pte"]["size"]
 
 
+@pytest.mark.slow
 def test_weight_only_int8_is_refused_by_parity(tiny_models, tmp_path):
     """torchao weight-only int8 lowered to XNNPACK computes garbage silently; parity must refuse."""
     out = tmp_path / "b"
@@ -109,6 +112,7 @@ def test_weight_only_int8_is_refused_by_parity(tiny_models, tmp_path):
     assert str(rejected) in str(e.value)
 
 
+@pytest.mark.slow  # make test: the runner's bundle runs reset the program between sequences too
 def test_executorch_program_state_does_not_leak_between_sequences(tiny_models, tmp_path):
     """One loaded program serves sequence after sequence: `reset` runs, earlier KV state never
     reaches a later sequence, and a rerun gives identical logits."""
@@ -119,9 +123,8 @@ def test_executorch_program_state_does_not_leak_between_sequences(tiny_models, t
     m, be = open_bundle(out)
     assert "reset" in m["graphs"]["methods"]
     spec = inspect_model_dir(tiny_models["qwen3_moe"])
-    g = spec.geometry
-    ew = ExpertWeights(ExpertStore(out / "experts.spx"), ["gate", "up", "down"], g.moe_layers)
-    kw = dict(moe_layers=g.moe_layers, num_layers=g.num_layers, routing=g.routing, score_bias=None, experts=ew)
+    store = ExpertStore(out / "experts.spx")
+    kw = dict(model=run_model(spec, store), store=store)
     a = run_sequence(be, [5, 9, 200, 31, 77], **kw)
     run_sequence(be, [600, 601, 602, 603, 604, 605, 606], **kw)
     b = run_sequence(be, [5, 9, 200, 31, 77], **kw)

@@ -76,7 +76,7 @@ def _check_policies(session, ids: list[int], ref: list[int], matrix, new_tokens:
         assert 0.0 <= st.hit_rate <= 1.0 and 0.0 <= st.prefetch_recall <= 1.0 and st.mib_read > 0
         if pred == "on-demand":
             assert st.counts["prefetch_issued"] == 0 and st.prefetch_recall == 0.0
-        if pred == "oracle" and ev == "belady":
+        if pred == "oracle" and ev == "belady" and pool >= 2.0:  # 0.5 MiB holds just one layer's top-4
             assert st.hit_rate >= 0.9
 
 
@@ -116,15 +116,22 @@ def test_the_oracle_bounds_the_baseline(emb_session):
 
 
 def test_event_logs_are_deterministic_and_tell_policies_apart(emb_session):
+    """Decisions never depend on read timing: the reader process, reader threads, and reads paced
+    to a phone's flash all give the same log (timings aside)."""
+    from toolkit.runtime.profiles import SNAPDRAGON_8_ELITE
+
     ids = emb_session.encode(PROMPT)
     logs = {}
-    for pol in ("adapter+prediction", "adapter+prediction", "next-gate+lru"):
-        emb_session.runner.configure(policy=Policy.parse(pol), pool_mib=0.75)
+    for pol, io, flash in (("adapter+prediction", "process", None), ("adapter+prediction", "threads", None),
+                           ("adapter+prediction", "process", SNAPDRAGON_8_ELITE), ("next-gate+lru", "process", None)):
+        emb_session.runner.configure(policy=Policy.parse(pol), pool_mib=0.75, io=io, flash_profile=flash)
         ev = EventLog()
         emb_session.runner.run(ids, 8, events=ev)
         logs.setdefault(pol, []).append(ev.lines)
-    a, b = logs["adapter+prediction"]
-    assert decisions(a) == decisions(b)
+    emb_session.runner.configure(io="process", flash_profile=None)
+    a, b, c = logs["adapter+prediction"]
+    assert decisions(a) == decisions(b) == decisions(c)
+    assert a != c  # the timings did differ
     assert decisions(a) != decisions(logs["next-gate+lru"][0])
     kinds = {ln.split()[1] for ln in a if ln[0].isdigit()}
     assert {"hit", "miss", "prefetch", "ready", "evict"} <= kinds
@@ -132,7 +139,7 @@ def test_event_logs_are_deterministic_and_tell_policies_apart(emb_session):
     # every eviction names its victim and the expert that needed the slot
     ev_lines = [ln for ln in a if " evict " in ln]
     assert ev_lines and all(" for=" in ln for ln in ev_lines)
-    # a miss is never also a hit at the same step, and tokens are logged in order
+    # tokens are logged in order
     toks = [ln for ln in a if ln.startswith("token ")]
     assert [int(t.split()[1]) for t in toks] == list(range(len(toks))) and len(toks) == 8
 
@@ -248,7 +255,7 @@ def test_cli_run_model_with_events_and_rss(emb_store, emb_trace_adapter, tmp_pat
             assert key in run, key
         assert run["matches_unmodified_model"] is True  # --check is on by default for the embedded model
         assert run["peak_pool_bytes"] <= run["budget_bytes"] == 2**20
-    assert d["peak_rss_bytes"] > d["runs"][0]["peak_pool_bytes"]
+    assert d["peak_rss_bytes"] > 50 * 2**20  # VmHWM of a process holding torch (measured before --check)
     lines = ev.read_text().splitlines()
     assert [ln.split()[1] for ln in lines if ln.startswith("seq ")] == ["0", "1"]
     # the same command again: the same decisions
@@ -289,8 +296,10 @@ def test_bundle_runs_give_the_unmodified_models_tokens(target, embedded_bundles,
     assert s.runner.predictors["next-gate"] == "graph"  # the layer graphs' preds rows, as on the phone
     ids = s.encode(PROMPT)
     ref = reference_tokens(embedded, ids, 10)
+    every = 2 if target == "executorch" else 5  # the HTP simulator is slow: fewer runs in make test
     matrix = [(p, ev, (0.5, 2.0)[n % 2]) for n, (p, ev) in
-              enumerate((p, ev) for p in BUNDLE_PREDICTORS for ev in EVICTION_POLICIES) if n % 2 == 0 or p == "oracle"]
+              enumerate((p, ev) for p in BUNDLE_PREDICTORS for ev in EVICTION_POLICIES) if n % every == 0]
+    matrix.append(("oracle", "belady", 2.0))
     _check_policies(s, ids, ref, matrix, 10)
     with pytest.raises(SpecPrefetchError, match="drop --adapter / --store"):
         open_session(embedded_bundles[target], RunConfig(), store=Path("x.spx"))
@@ -300,11 +309,12 @@ def test_bundle_runs_give_the_unmodified_models_tokens(target, embedded_bundles,
 
 def test_bundle_and_model_directory_make_the_same_decisions(embedded_bundles, embedded, emb_store):
     """The event log is the contract: the eager graphs and the ExecuTorch program, same policy and
-    budget, decide the same reads (host next-gate on both, so the predictions are the same math)."""
+    budget, decide the same reads. Next-gate comes from the program's own preds rows on the bundle
+    and from the host's folded router matrices on the model directory: the same math, two paths."""
     logs = []
     for src, kw in ((embedded_bundles["executorch"], {}), (embedded, {"store": emb_store, "max_seq": 64})):
-        s = open_session(src, RunConfig(policy=Policy("previous-token", "lru"), pool_mib=0.75),
-                         predictors=["previous-token"], progress=False, **kw)
+        s = open_session(src, RunConfig(policy=Policy("next-gate", "prediction"), pool_mib=0.75),
+                         predictors=["next-gate"], progress=False, **kw)
         ev = EventLog()
         s.runner.run(s.encode(PROMPT), 8, events=ev)
         logs.append(decisions(ev.lines))
@@ -343,3 +353,25 @@ def test_bundle_with_adapter_every_policy_at_two_pools(target, embedded, emb_tra
     ref = reference_tokens(embedded, ids, 16)
     _check_policies(s, ids, ref, [(p, ev, pool) for p, ev, pool in _matrix((0.5, 2.0), full=True) if p != "draft"],
                     16)
+
+
+def test_cli_bench_side_by_side(emb_store, emb_trace_adapter, tmp_path):
+    _, ad = emb_trace_adapter
+    out = tmp_path / "b.json"
+    r = CliRunner().invoke(main, ["bench", "embedded", "--adapter", str(ad), "--store", str(emb_store),
+                                  "--policies", "on-demand+lru,adapter+prediction,oracle+belady", "--pool-mib", "1",
+                                  "--prompts", "1", "--new-tokens", "5", "--rounds", "1", "--no-simulate",
+                                  "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    d = json.loads(out.read_text())
+    assert d["checked_against_unmodified_model"] is True and d["direct_io"] is True
+    pols = d["points"][0]["policies"]
+    assert set(pols) == {"on-demand+lru", "adapter+prediction", "oracle+belady"}
+    assert all(v["runs"] == 1 and v["tpot_ms"] > 0 for v in pols.values())
+    assert pols["oracle+belady"]["hit_rate"] > pols["on-demand+lru"]["hit_rate"]
+    assert pols["on-demand+lru"]["prefetch_recall"] == 0.0
+    md = out.with_suffix(".md").read_text()
+    assert "| 1 | adapter+prediction |" in md and out.with_suffix(".png").stat().st_size > 5000
+    for bad, msg in (("1,x", "'x' is not a number"), ("nan", "'nan': must be a finite number")):
+        r = CliRunner().invoke(main, ["bench", "--pool-mib", bad, "--json", str(tmp_path / "x.json")])
+        assert r.exit_code == 2 and msg in r.output and "Traceback" not in r.output

@@ -216,6 +216,7 @@ def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "toolkit.cli", *args]
 
 
+@pytest.mark.slow
 def test_ctrl_c_keeps_no_half_output_and_resumes(tiny_models, tmp_path):
     """SIGINT mid-trace: exit 130, no OUT, resumable OUT.partial; the resumed trace equals an
     uninterrupted one."""

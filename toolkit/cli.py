@@ -72,6 +72,12 @@ class FloatList(click.ParamType):
 
 
 POOL_MIB = FiniteFloat()
+OUT_FILE = click.Path(dir_okay=False, path_type=Path)  # an output file: a directory there is a one-line error
+
+
+def fmt(v, spec: str = ".2f") -> str:
+    """A figure for a summary line; undefined (None, e.g. TPOT of a single token) prints as '-'."""
+    return "-" if v is None else format(v, spec)
 
 
 def scheduler_limits(fn):
@@ -211,7 +217,7 @@ def train(traces, out, model, rank, horizons, cross_token, horizon_weights, topk
 @click.option("--horizons", default=None, help="default: the adapter's, else 1,2")
 @click.option("--budget", type=int, default=None, help="candidate budget M (default 2k)")
 @click.option("--draft-bits", default=4, show_default=True, help="bits of the draft's routed experts")
-@click.option("--json", "json_out", required=True, type=click.Path(path_type=Path),
+@click.option("--json", "json_out", required=True, type=OUT_FILE,
               help="JSON report; the Markdown table and PNG plot go beside it")
 @friendly_errors
 def eval_cmd(traces, adapter, predictors, model, horizons, budget, draft_bits, json_out) -> None:
@@ -231,7 +237,7 @@ def eval_cmd(traces, adapter, predictors, model, horizons, budget, draft_bits, j
 
 @main.command()
 @click.argument("model", default="embedded")
-@click.option("--out", required=True, type=click.Path(path_type=Path), help="expert store file to write")
+@click.option("--out", required=True, type=OUT_FILE, help="expert store file to write")
 @click.option("--dtype", default="fp16", show_default=True, type=click.Choice(["fp16", "int8", "int4"]))
 @friendly_errors
 def store(model, out, dtype) -> None:
@@ -261,7 +267,7 @@ def store(model, out, dtype) -> None:
 @click.option("--split", default="heldout", show_default=True, type=click.Choice(["heldout", "train"]))
 @click.option("--max-sequences", type=click.IntRange(min=1), default=None)
 @scheduler_limits
-@click.option("--json", "json_out", required=True, type=click.Path(path_type=Path))
+@click.option("--json", "json_out", required=True, type=OUT_FILE)
 @friendly_errors
 def simulate(traces, policies, adapter, profile, pool_mib, window, queue_depth, dtype, geometry, split,
              max_sequences, min_confidence, step_budget_kib, json_out) -> None:
@@ -329,10 +335,10 @@ def calibrate(model, store_path, reads, out) -> None:
 @click.option("--check/--no-check", default=None,
               help="compare the tokens with the unmodified model's own generate (loads all its weights) "
                    "[default: on for the embedded model only]")
-@click.option("--events", "events_out", type=click.Path(path_type=Path), default=None,
+@click.option("--events", "events_out", type=OUT_FILE, default=None,
               help="write every scheduler and pool decision here (docs/runtime.md)")
 @scheduler_limits
-@click.option("--json", "json_out", required=True, type=click.Path(path_type=Path))
+@click.option("--json", "json_out", required=True, type=OUT_FILE)
 @friendly_errors
 def run(model, policy, adapter, frequency_trace, pool_mib, window, queue_depth, store_path, dtype, flash_profile,
         prompts, max_new_tokens, max_seq, threads, io_mode, check, events_out, min_confidence, step_budget_kib,
@@ -351,52 +357,48 @@ def run(model, policy, adapter, frequency_trace, pool_mib, window, queue_depth, 
     torch_threads(threads)
     pol = Policy.parse(policy)
     cfg = RunConfig(policy=pol, pool_mib=pool_mib or 8.0, window=window, queue_depth=queue_depth,
-                    flash_profile=load_profile(flash_profile) if flash_profile else None, io=io_mode,
-                    min_confidence=min_confidence, step_budget_kib=step_budget_kib)
+                    flash_profile=load_profile(flash_profile, "--flash-profile") if flash_profile else None,
+                    io=io_mode, min_confidence=min_confidence, step_budget_kib=step_budget_kib)
     s = open_session(model, cfg, adapter=adapter, store=store_path, dtype=dtype, frequency_trace=frequency_trace,
-                     max_seq=max_seq)
-    if pool_mib is None and s.kind == "bundle":
-        s.runner.configure(pool_mib=s.default_pool_mib or 8.0)
+                     max_seq=max_seq, pool_default=pool_mib is None)
     if check is None:
         check = s.is_embedded
     if check and s.source_model is None:
         raise SpecPrefetchError(f"--check: the unmodified model of {s.label} is not on this machine")
     exact = s.kind == "model" and s.runner.store.dtype == "fp16"
-    runs, gens = [], []
+    runs, gens, encoded = [], [], []
     for p in prompts:
         ids = s.encode(p)
         g = s.runner.run(ids, max_new_tokens, events=EventLog() if events_out else None)
         gens.append(g)
-        r = {"prompt": p, "source": s.label, **g.to_json()}
-        if check:
+        encoded.append(ids)
+        runs.append({"prompt": p, "source": s.label, **g.to_json(), "matches_unmodified_model": None,
+                     **({"notes": s.notes} if s.notes else {})})
+    rss = peak_rss_bytes()  # before --check loads the unmodified model: what the run itself needed
+    if check:
+        for r, ids in zip(runs, encoded):
             ref = reference_tokens(s.source_model, ids, max_new_tokens)
-            r["matches_unmodified_model"] = g.tokens == ref
-            if exact and g.tokens != ref:
-                raise SpecPrefetchError(f"tokens differ from the unmodified model's generate for prompt {p!r}: a bug, "
-                                        "unless transformers departs from the model's config (docs/families.md)")
-            if g.tokens != ref:
+            r["matches_unmodified_model"] = r["tokens"] == ref
+            if exact and r["tokens"] != ref:
+                raise SpecPrefetchError(f"tokens differ from the unmodified model's generate for prompt {r['prompt']!r}: "
+                                        "a bug, unless transformers departs from the model's config (docs/families.md)")
+            if r["tokens"] != ref:
                 click.echo(f"note: {s.label} ({s.runner.store.dtype} experts) decodes other tokens than the "
-                           f"unmodified model for prompt {p!r} (reduced precision)", err=True)
-        else:
-            r["matches_unmodified_model"] = None
-        if s.notes:
-            r["notes"] = s.notes
-        runs.append(r)
+                           f"unmodified model for prompt {r['prompt']!r} (reduced precision)", err=True)
     out = runs[0] if len(runs) == 1 else {"policy": pol.name, "runs": runs}
-    out["peak_rss_bytes"] = peak_rss_bytes()
+    out["peak_rss_bytes"] = rss
     write_json_atomic(json_out, out)
     if events_out:
         write_events(events_out, gens)
-    cfg = s.runner.cfg
     for r in runs:
-        click.echo(f"{pol.name}: TTFT {r['ttft_ms']:.1f} ms, TPOT {r['tpot_ms']:.2f} ms "
-                   f"(p95 {r['tpot_p95_ms']:.2f}), stall {r['stall_ms_per_token']:.2f} ms/token, "
-                   f"hit rate {r['hit_rate']:.3f}, {r['mib_read']:.1f} MiB read, peak pool "
+        click.echo(f"{pol.name}: TTFT {fmt(r['ttft_ms'], '.1f')} ms, TPOT {fmt(r['tpot_ms'])} ms "
+                   f"(p95 {fmt(r['tpot_p95_ms'])}), stall {fmt(r['stall_ms_per_token'])} ms/token, "
+                   f"hit rate {fmt(r['hit_rate'], '.3f')}, {r['mib_read']:.1f} MiB read, peak pool "
                    f"{r['peak_pool_bytes'] / 2**20:.2f} of {r['budget_bytes'] / 2**20:.2f} MiB"
                    + (", tokens match the unmodified model" if r["matches_unmodified_model"] else "")
                    + (f" [flash emulated: {flash_profile}]" if flash_profile else ""))
     rss = out["peak_rss_bytes"]
-    click.echo(f"peak RSS {rss / 2**20:.0f} MiB" if rss else "peak RSS unknown")
+    click.echo(f"peak RSS {rss / 2**20:.0f} MiB (before --check)" if rss else "peak RSS unknown")
     click.echo(f"wrote {json_out}" + (f", {events_out}" if events_out else ""))
 
 
@@ -416,7 +418,7 @@ def run(model, policy, adapter, frequency_trace, pool_mib, window, queue_depth, 
 @click.option("--no-simulate", is_flag=True, help="skip the simulator comparison")
 @click.option("--frequency-trace", type=click.Path(path_type=Path), default=None,
               help="trace whose counts drive the frequency policy, if benchmarked")
-@click.option("--json", "json_out", required=True, type=click.Path(path_type=Path))
+@click.option("--json", "json_out", required=True, type=OUT_FILE)
 @friendly_errors
 def bench(model, adapter, policies, pool_mib, prompts, new_tokens, rounds, window, flash_profile, store_path,
           no_simulate, frequency_trace, json_out) -> None:

@@ -2,7 +2,8 @@
 
 This is the contract between the Python reference runner and any other implementation (the C++
 runner): for the same bundle, prompt, policy and budget, two runs write the same lines, apart from
-the fields named `t_ms` (timings), which `decisions()` strips before comparing. docs/runtime.md
+the fields named `t_ms` (timings) and `conf` (probabilities, whose last printed digit another
+backend may round differently), which `decisions()` strips before comparing. docs/runtime.md
 documents every line; in short:
 
     # specprefetch-events 1 policy=adapter+prediction budget_bytes=... slot_bytes=... ...
@@ -22,9 +23,6 @@ Keys print as layer:expert (MoE layer position, expert id). Booleans print as 0/
 from __future__ import annotations
 
 import re
-from pathlib import Path
-from typing import IO
-
 from toolkit.runtime.pool import Key
 
 VERSION = 1
@@ -43,10 +41,9 @@ def _fmt(v) -> str:
 class EventLog:
     """Collects decision lines; `step` is set by the runner before each MoE layer's decisions."""
 
-    def __init__(self, out: Path | None = None):
+    def __init__(self):
         self.lines: list[str] = []
         self.step = 0
-        self.out = Path(out) if out is not None else None
 
     def _add(self, line: str) -> None:
         self.lines.append(line)
@@ -71,13 +68,12 @@ class EventLog:
     def end(self, **fields) -> None:
         self._add("end " + " ".join(f"{k}={_fmt(v)}" for k, v in fields.items()))
 
-    def write(self, fh: IO[str]) -> None:
-        fh.write("\n".join(self.lines) + "\n")
 
-
-_TIMING = re.compile(r" t_ms=[^ ]*")
+_NOT_COMPARED = re.compile(r" (t_ms|conf)=[^ ]*")
 
 
 def decisions(lines: list[str]) -> list[str]:
-    """The lines without their timing fields: what two runs must agree on."""
-    return [_TIMING.sub("", ln) for ln in lines]
+    """The lines without their timing and confidence fields: what two runs must agree on. (A
+    confidence is a probability printed for reading; another backend or implementation may round
+    its last digit differently. The decision it led to is on the same line and is compared.)"""
+    return [_NOT_COMPARED.sub("", ln) for ln in lines]

@@ -152,10 +152,10 @@ class ProcessReader:
     Reads done by threads of the compute process cost it ~0.26 ms of CPU each on a 2-vCPU machine
     (GIL hand-offs after every pread), about twice the latency they hide; the same reads from
     another process cost it ~0.02 ms (measured: docs/benchmarks.md). So the reader lives in its own
-    process: requests and completions are fixed-size records on two pipes (atomic below PIPE_BUF),
+    process: requests and completions are fixed-size records on pipes (atomic below PIPE_BUF),
     and data lands in an anonymous shared mapping sized to the pool's slots, so nothing is copied.
-    `workers` threads in the reader keep up to that many reads in flight; one more than the
-    scheduler's queue depth keeps a worker free for a demand read.
+    `workers` threads in the reader keep up to that many reads in flight; demand reads go down a
+    pipe of their own that a free worker always serves before any queued prefetch.
     """
 
     def __init__(self, store: ExpertStore, *, slots: int, workers: int = 5, profile: DeviceProfile | None = None,
@@ -166,19 +166,22 @@ class ProcessReader:
         self.index: dict[Key, int] = {}
         self.pending: set[Key] = set()
         req_r, self.req_w = os.pipe()
+        dem_r, self.dem_w = os.pipe()  # demand reads: a pipe of their own, which workers serve first
         self.done_r, done_w = os.pipe()
         fd, self.direct = open_direct(store.path)
         self.pid = os.fork()
         if self.pid == 0:  # the reader process: threads, preadv, CRC, completion records
             os.close(self.req_w)
+            os.close(self.dem_w)
             os.close(self.done_r)
             code = 0
             try:
-                _reader_main(store, fd, self.arena, req_r, done_w, workers, profile, verify)
+                _reader_main(store, fd, self.arena, req_r, dem_r, done_w, workers, profile, verify)
             except BaseException:
                 code = 1
             os._exit(code)
         os.close(req_r)
+        os.close(dem_r)
         os.close(done_w)
         os.close(fd)
         os.set_blocking(self.done_r, False)
@@ -192,7 +195,7 @@ class ProcessReader:
         idx = self.free.pop()
         self.index[key] = idx
         self.pending.add(key)
-        os.write(self.req_w, REQ.pack(idx, key[0], key[1]))
+        os.write(self.dem_w if demand else self.req_w, REQ.pack(idx, key[0], key[1]))
 
     def _drain(self, block: bool) -> None:
         if block:  # wait for a record, checking now and then that the reader still lives
@@ -243,12 +246,13 @@ class ProcessReader:
             pass
         finally:
             os.close(self.req_w)
+            os.close(self.dem_w)
             if self.pid:
                 os.waitpid(self.pid, 0)
             os.close(self.done_r)
 
 
-def _reader_main(store, fd, arena, req_r, done_w, workers, profile, verify) -> None:
+def _reader_main(store, fd, arena, req_r, dem_r, done_w, workers, profile, verify) -> None:
     import zlib
 
     slot = store.slot_bytes
@@ -261,7 +265,8 @@ def _reader_main(store, fd, arena, req_r, done_w, workers, profile, verify) -> N
         view = memoryview(arena)
         while True:
             with lock:
-                raw = os.read(req_r, REQ.size)
+                ready = select.select([dem_r, req_r], [], [])[0]  # demand reads first
+                raw = os.read(dem_r if dem_r in ready else req_r, REQ.size)
             if len(raw) < REQ.size:
                 return
             idx, layer, expert = REQ.unpack(raw)

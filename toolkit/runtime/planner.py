@@ -111,26 +111,31 @@ class PrefetchPlanner:
         return out
 
     def plan(self, sched: WindowScheduler, li: int, step: int, state: RoutingState,
-             preds: torch.Tensor | None) -> None:
-        """Queue the window's reads after MoE layer li's graph ran (its experts are pinned)."""
-        if self.source is None:
+             preds: torch.Tensor | None, end: int | None = None) -> None:
+        """Queue the window's reads after MoE layer li's graph ran (its experts are pinned).
+        Targets at or past step `end` (positions the run will not reach) are not planned."""
+        W = self.W if end is None else min(self.W, end - 1 - step)
+        if self.source is None or W < 1:
             sched.plan_probs(step, [], None)
             return
         if self.source == GRAPH:
+            if not self.rows.get(li):  # the adapter has no heads for this layer: nothing to plan
+                sched.plan_probs(step, [], None)
+                return
             if preds is None:
                 raise RuntimeError(f"MoE layer {li}: the layer graph returned no preds rows")
             if self.plain:
-                rows = self.graph_rows.get(li, [])
+                rows = [r for r in self.graph_rows[li] if self.rows[li][r] <= W]
                 hs = [self.rows[li][r] for r in rows]
-                logits = preds.reshape(len(self.rows.get(li, [])) or 1, -1)[rows].float()
+                logits = preds.reshape(len(self.rows[li]), -1)[rows].float()
                 sched.plan_probs(step, [step + h for h in hs], logits.softmax(-1) if rows else None)
                 return
-            sched.plan(step, self._graph_window(li, step, preds))
+            sched.plan(step, [(t, sc) for t, sc in self._graph_window(li, step, preds) if t - step <= W])
             return
         if self.folded is not None:
             mat, src, bias, hs = self.folded[li]
-            logits = (mat @ state.hidden[0, src] + bias).view(len(hs), -1)
-            sched.plan_probs(step, [step + h for h in hs], logits.softmax(-1))
+            logits = (mat @ state.hidden[0, src] + bias).view(len(hs), -1)[:W]
+            sched.plan_probs(step, [step + h for h in hs[:W]], logits.softmax(-1))
             return
         b = state.batch(self.oracle)
-        sched.plan(step, [(step + h, self.source.scores(b, li, h)[0]) for h in range(1, self.W + 1)])
+        sched.plan(step, [(step + h, self.source.scores(b, li, h)[0]) for h in range(1, W + 1)])

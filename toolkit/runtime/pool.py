@@ -123,6 +123,12 @@ class ExpertPool:
         self.peak_bytes = max(self.peak_bytes, self.used_bytes)
         return slot
 
+    def settle(self) -> None:
+        """Forget which resident slots came from a prefetch not yet used (the decode-token figures
+        start here: prefill's prefetches count as neither used nor wasted)."""
+        for s in self.slots.values():
+            s.prefetched = False
+
     def evict(self, key: Key, *, for_key: Key | None = None) -> None:
         """Drop `key`'s slot (to make room for `for_key`, which the event log records)."""
         s = self.slots.get(key)

@@ -104,7 +104,7 @@ def profile_dir() -> Path:
     return Path(os.environ.get("SPECPREFETCH_PROFILES", Path.home() / ".cache" / "specprefetch" / "profiles"))
 
 
-def load_profile(name: str) -> DeviceProfile:
+def load_profile(name: str, option: str = "--profile") -> DeviceProfile:
     """A built-in profile, a profile saved by `calibrate` (this-machine), or a JSON file path."""
     if name in BUILTIN:
         return BUILTIN[name]
@@ -113,7 +113,7 @@ def load_profile(name: str) -> DeviceProfile:
         path = profile_dir() / f"{name}.json"
     if not path.exists():
         hint = " (run `specprefetch calibrate` first)" if name == "this-machine" else ""
-        raise SpecPrefetchError(f"--profile {name!r}: no such profile{hint}; built in: "
+        raise SpecPrefetchError(f"{option} {name!r}: no such profile{hint}; built in: "
                                 f"{', '.join(BUILTIN)}; saved: {path}")
     try:
         d = json.loads(path.read_text())

@@ -31,7 +31,7 @@ from typing import Any, Sequence
 import torch
 
 from toolkit.errors import SpecPrefetchError
-from toolkit.models.families import RoutingSpec, select_experts
+from toolkit.models.families import RoutingSpec, expert_weights, select_experts
 from toolkit.predictors.base import Predictor
 from toolkit.runtime.backend import Backend
 from toolkit.runtime.events import EventLog
@@ -42,8 +42,8 @@ from toolkit.runtime.planner import PrefetchPlanner, RoutingState
 from toolkit.runtime.policy import Policy
 from toolkit.runtime.pool import ExpertPool
 from toolkit.runtime.profiles import DeviceProfile
-from toolkit.runtime.scheduler import SchedulerConfig, SchedulerStats, WindowScheduler
-from toolkit.runtime.stats import RunStats, tpot_and_intervals
+from toolkit.runtime.scheduler import SchedulerConfig, WindowScheduler
+from toolkit.runtime.stats import DecodeAccount, RunStats
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +54,7 @@ class ModelInfo:
     routing: RoutingSpec
     hidden_size: int
     expert_roles: tuple[str, ...]        # the expert graph's matrix order
-    eos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()  # decoding stops after any of these
     score_bias: torch.Tensor | None = None            # [L, E] DeepSeek-V3 selection bias
     preds_horizons: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # MoE layer -> rows
     max_seq: int | None = None           # KV cache length of the graphs
@@ -103,6 +103,8 @@ class Generation:
     stats: RunStats
     direct_io: bool
     events: EventLog | None = None
+    logits: torch.Tensor | None = None   # [positions, V] with keep_logits
+    fed: list[int] | None = None         # every token fed (prompt + committed, but the last)
 
     def to_json(self) -> dict[str, Any]:
         return {"tokens": self.tokens, **self.stats.to_json(), "direct_io": self.direct_io}
@@ -143,12 +145,16 @@ class Runner:
             raise SpecPrefetchError(
                 f"--pool-mib {cfg.pool_mib:g}: holds {capacity} expert slots of {self.store.slot_bytes / 2**10:.0f} KiB, "
                 f"but one layer needs {k} at once; use at least {k * self.store.slot_bytes / 2**20:.2f}")
+        if cfg.step_budget_kib is not None and cfg.step_budget_kib * 1024 < self.store.slot_bytes:
+            raise SpecPrefetchError(f"--step-budget-kib {cfg.step_budget_kib}: below one expert slot "
+                                    f"({self.store.slot_bytes / 2**10:.0f} KiB), so nothing could ever be prefetched")
         self.cfg = cfg
 
     # -- one prompt --------------------------------------------------------------------
     @torch.no_grad()
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, *,
-                 recorded: "Generation | None" = None, events: EventLog | None = None) -> Generation:
+                 recorded: "Generation | None" = None, events: EventLog | None = None,
+                 force_ids: torch.Tensor | None = None, keep_logits: bool = False) -> Generation:
         """Greedy decoding of up to `max_new_tokens` tokens (stopping after EOS).
 
         Args:
@@ -156,13 +162,17 @@ class Runner:
                 and Belady read, its tokens what the draft routes over (output does not depend on
                 the policy, so they are this run's own).
             events: an EventLog to record every decision into.
+            force_ids: [positions, L, k] expert ids every MoE layer computes with (weighted by this
+                model's own router logits) instead of its own choice, which is still recorded: the
+                export's parity check measures numerical error without router near-tie cascades.
+            keep_logits: keep every position's logits (prompt positions included).
         """
         m, cfg = self.model, self.cfg
         if not prompt_ids:
             raise SpecPrefetchError("the prompt is empty")
         if max_new_tokens < 1:
             raise SpecPrefetchError(f"--max-new-tokens {max_new_tokens}: must be >= 1")
-        if m.max_seq is not None and len(prompt_ids) + max_new_tokens > m.max_seq:
+        if m.max_seq is not None and len(prompt_ids) + max_new_tokens - 1 > m.max_seq:
             raise SpecPrefetchError(f"prompt ({len(prompt_ids)} tokens) + --max-new-tokens {max_new_tokens} exceeds "
                                     f"the graphs' KV cache of {m.max_seq} positions")
         L, k = m.L, m.routing.top_k
@@ -175,46 +185,42 @@ class Runner:
                                   score_bias=m.score_bias, preds_horizons=m.preds_horizons)
         state = RoutingState(L, m.hidden_size, k)
         state.future = recorded.routing if recorded is not None else None
-        never = lambda key, now: float("inf")  # noqa: E731 - replaced by the scheduler's table below
-        pool = ExpertPool(cfg.budget_bytes, self.store.slot_bytes, policy=cfg.policy.eviction, min_slots=k,
-                          next_use=belady_next_use(state.future, L) if cfg.policy.eviction == "belady" else never)
-        scfg = SchedulerConfig(window=cfg.window, queue_depth=cfg.queue_depth, min_confidence=cfg.min_confidence,
-                               floor=cfg.floor, prefetch=planner.active,
-                               step_budget_bytes=cfg.step_budget_kib * 1024 if cfg.step_budget_kib else None)
-        if events is not None:
-            events.header(policy=cfg.policy.name, budget_bytes=cfg.budget_bytes, slot_bytes=self.store.slot_bytes,
-                          capacity=pool.capacity, window=cfg.window, queue_depth=cfg.queue_depth,
-                          min_confidence=cfg.min_confidence, layers=L, top_k=k)
-            events.sequence(0, prompt_tokens=len(prompt_ids))
-        io = self._open_io(pool.capacity)
-        sched = WindowScheduler(pool, io, scfg, num_layers=L, top_k=k, events=events)
-        if cfg.policy.eviction == "prediction":
-            pool.next_use = sched.next_predicted_use
+        io = self._open_io()
         try:
-            return self._loop(list(prompt_ids), max_new_tokens, sched, pool, planner, state, events, io)
+            pool, sched = open_pool_and_scheduler(cfg, slot_bytes=self.store.slot_bytes, num_layers=L, top_k=k,
+                                                  io=io, future=state.future, prefetch=planner.active, events=events)
+            if events is not None:
+                events.header(policy=cfg.policy.name, budget_bytes=cfg.budget_bytes, slot_bytes=self.store.slot_bytes,
+                              capacity=pool.capacity, window=cfg.window, queue_depth=cfg.queue_depth,
+                              min_confidence=cfg.min_confidence, layers=L, top_k=k)
+                events.sequence(0, prompt_tokens=len(prompt_ids))
+            return self._loop(list(prompt_ids), max_new_tokens, sched, pool, planner, state, events, io,
+                              force_ids, keep_logits)
         finally:
             io.close()
 
-    def _open_io(self, capacity: int):
+    def _open_io(self):
         cfg = self.cfg
-        slots = min(capacity, self.model.L * self.model.routing.num_experts)
+        slots = min(cfg.budget_bytes // self.store.slot_bytes, self.model.L * self.model.routing.num_experts)
         if cfg.io == "process":
             return ProcessReader(self.store, slots=slots, workers=cfg.queue_depth + 1, profile=cfg.flash_profile,
                                  verify=cfg.verify)
         return DirectReader(self.store, workers=cfg.queue_depth, profile=cfg.flash_profile, verify=cfg.verify)
 
     def _loop(self, seq: list[int], max_new: int, sched: WindowScheduler, pool: ExpertPool,
-              planner: PrefetchPlanner, state: RoutingState, events: EventLog | None, io) -> Generation:
+              planner: PrefetchPlanner, state: RoutingState, events: EventLog | None, io,
+              force_ids: torch.Tensor | None, keep_logits: bool) -> Generation:
         m, backend = self.model, self.backend
         L = m.L
         moe_index = {layer: li for li, layer in enumerate(m.moe_layers)}
         n_prompt = len(seq)
+        end = (n_prompt + max_new - 1) * L  # the first step the run never reaches
         backend.reset()
         routing: list[torch.Tensor] = []
+        logits_all: list[torch.Tensor] = []
         tokens: list[int] = []
         times: list[float] = []
-        first = SchedulerStats()
-        first_wasted = 0
+        account = DecodeAccount()
         t0 = time.perf_counter()
         pos = 0
         while True:
@@ -231,11 +237,14 @@ class Runner:
                 sb = m.score_bias[li] if m.score_bias is not None else None
                 w, ids = select_experts(logits.reshape(1, -1), m.routing, sb)
                 state.record(li, x, ids[0])
+                if force_ids is not None:
+                    ids = force_ids[pos, li].view(1, -1).long()
+                    w = expert_weights(logits.reshape(1, -1), ids, m.routing)
                 keys = [(li, int(e)) for e in ids[0]]
                 if events is not None:
                     events.at(step, pos, li)
                 sched.acquire(step, keys)          # demand reads go out first
-                planner.plan(sched, li, step, state, preds)
+                planner.plan(sched, li, step, state, preds, end)
                 y = torch.zeros_like(x)
                 for j, key in enumerate(keys):
                     y = y + w[0, j] * self.experts.expert(x, sched.data(key))
@@ -243,33 +252,29 @@ class Runner:
                 h = h_res + y.view_as(h_res)
             routing.append(state.ids[0].clone())
             state.next_position()
+            if keep_logits or pos >= n_prompt - 1:
+                out = backend.call("head", [h])[0].reshape(-1).float()
+                if keep_logits:
+                    logits_all.append(out)
             if pos < n_prompt - 1:  # still the prompt: its next token is given
                 pos += 1
                 continue
-            nxt = int(backend.call("head", [h])[0].reshape(-1).argmax())
+            nxt = int(out.argmax())
             tokens.append(nxt)
             times.append(time.perf_counter())
             if events is not None:
                 events.token(len(tokens) - 1, pos + 1, nxt, (times[-1] - t0) * 1e3)
             if len(tokens) == 1:  # decode figures are counted from here
-                first = dataclasses.replace(sched.stats)
-                first_wasted = pool.wasted_prefetches
-            if len(tokens) >= max_new or nxt == m.eos_token_id:
+                account.start(sched, pool)
+            if len(tokens) >= max_new or nxt in m.eos_token_ids:
                 break
             seq.append(nxt)
             pos += 1
-        decode = sched.stats.minus(first)
-        unused = sum(1 for s in pool.slots.values() if s.prefetched)
-        tpot, intervals = tpot_and_intervals(times)
-        stats = RunStats.from_counts(
-            policy=self.cfg.policy.name, decode=decode, total_bytes_read=sched.stats.bytes_read,
-            ttft_s=times[0] - t0, tpots_ms=[tpot] if len(times) > 1 else [], intervals_ms=intervals,
-            decode_tokens=len(tokens) - 1, wasted_prefetches=pool.wasted_prefetches - first_wasted + unused,
-            evictions=pool.evictions, slot_bytes=pool.slot_bytes, peak_pool_bytes=pool.peak_bytes,
-            budget_bytes=pool.budget_bytes)
+        stats = account.finish(self.cfg.policy.name, sched, pool, token_times=times, ttft_s=times[0] - t0)
         if events is not None:
             events.end(tokens=len(tokens), t_ms=(time.perf_counter() - t0) * 1e3)
-        return Generation(tokens, routing, stats, direct_io=bool(getattr(io, "direct", False)), events=events)
+        return Generation(tokens, routing, stats, direct_io=bool(getattr(io, "direct", False)), events=events,
+                          logits=torch.stack(logits_all) if keep_logits else None, fed=seq)
 
     # -- the recorded future -------------------------------------------------------------
     def record(self, prompt_ids: Sequence[int], max_new_tokens: int) -> Generation:
@@ -290,6 +295,25 @@ class Runner:
             rec = recorded or self.record(prompt_ids, max_new_tokens)
             return self.generate(prompt_ids, max_new_tokens, recorded=rec, events=events)
         return self.generate(prompt_ids, max_new_tokens, events=events)
+
+
+def open_pool_and_scheduler(cfg: RunConfig, *, slot_bytes: int, num_layers: int, top_k: int, io,
+                            future: list[torch.Tensor] | None, prefetch: bool, events: EventLog | None = None,
+                            clock=time.perf_counter) -> tuple[ExpertPool, WindowScheduler]:
+    """A fresh pool and scheduler for one sequence, the same for the runner and the simulator."""
+    ev = cfg.policy.eviction
+    if ev == "belady" and future is None:
+        raise SpecPrefetchError("belady eviction needs the run's recorded routing (its future)")
+    never = lambda key, now: float("inf")  # noqa: E731 - "prediction" reads the scheduler's table instead
+    pool = ExpertPool(cfg.budget_bytes, slot_bytes, policy=ev, min_slots=top_k,
+                      next_use=belady_next_use(future, num_layers) if ev == "belady" else never)
+    scfg = SchedulerConfig(queue_depth=cfg.queue_depth, min_confidence=cfg.min_confidence, floor=cfg.floor,
+                           prefetch=prefetch,
+                           step_budget_bytes=cfg.step_budget_kib * 1024 if cfg.step_budget_kib else None)
+    sched = WindowScheduler(pool, io, scfg, num_layers=num_layers, top_k=top_k, events=events, clock=clock)
+    if ev == "prediction":
+        pool.next_use = sched.next_predicted_use
+    return pool, sched
 
 
 def belady_next_use(future: list[torch.Tensor], L: int):

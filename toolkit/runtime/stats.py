@@ -56,7 +56,7 @@ class RunStats:
     prefetch_precision: float
     prefetch_recall: float
     wasted_prefetch_mib: float
-    evictions: int
+    evictions: int                   # decode tokens only
     peak_pool_bytes: int
     budget_bytes: int
     counts: dict[str, Any]           # decode-token scheduler counts (SchedulerStats)
@@ -81,7 +81,7 @@ class RunStats:
             late_rate=round(hit_rate(decode.late, decode.requests), 4),
             mib_read=round(total_bytes_read / MiB, 4),
             mib_read_per_token=round(decode.bytes_read / MiB / n, 4),
-            prefetch_precision=round(min(1.0, _ratio(decode.prefetch_hits, decode.prefetch_issued)), 4),
+            prefetch_precision=round(_ratio(decode.prefetch_hits, decode.prefetch_issued), 4),
             prefetch_recall=round(_ratio(decode.prefetch_hits, loads), 4),
             wasted_prefetch_mib=round(wasted_prefetches * slot_bytes / MiB, 4),
             evictions=evictions, peak_pool_bytes=peak_pool_bytes, budget_bytes=budget_bytes,
@@ -97,3 +97,34 @@ def tpot_and_intervals(token_times_s: list[float]) -> tuple[float, list[float]]:
     """(TPOT ms, per-token intervals ms) of one sequence's commit times."""
     t = np.asarray(token_times_s, dtype=np.float64)
     return tpot_ms(t), (np.diff(t) * 1e3).tolist()
+
+
+class DecodeAccount:
+    """Decode-token figures of one sequence: counts from the first committed token on. There the
+    prefetched slots prefill left unused are settled (neither used nor wasted), so precision,
+    recall and waste count the decode's own prefetches, and every count has the same span."""
+
+    def __init__(self):
+        self.first: SchedulerStats | None = None
+        self.wasted0 = self.evictions0 = 0
+
+    def start(self, sched, pool) -> None:
+        pool.settle()
+        self.first = dataclasses.replace(sched.stats)
+        self.wasted0, self.evictions0 = pool.wasted_prefetches, pool.evictions
+
+    def counts(self, sched, pool) -> tuple[SchedulerStats, int, int]:
+        """(decode counts, wasted prefetches, evictions) since `start`."""
+        first = self.first or SchedulerStats()
+        unused = sum(1 for s in pool.slots.values() if s.prefetched)
+        return (sched.stats.minus(first), pool.wasted_prefetches - self.wasted0 + unused,
+                pool.evictions - self.evictions0)
+
+    def finish(self, policy: str, sched, pool, *, token_times: list[float], ttft_s: float) -> RunStats:
+        decode, wasted, evictions = self.counts(sched, pool)
+        tpot, intervals = tpot_and_intervals(token_times)
+        return RunStats.from_counts(
+            policy=policy, decode=decode, total_bytes_read=sched.stats.bytes_read, ttft_s=ttft_s,
+            tpots_ms=[tpot] if len(token_times) > 1 else [], intervals_ms=intervals,
+            decode_tokens=len(token_times) - 1, wasted_prefetches=wasted, evictions=evictions,
+            slot_bytes=pool.slot_bytes, peak_pool_bytes=pool.peak_bytes, budget_bytes=pool.budget_bytes)

@@ -21,10 +21,9 @@ from toolkit.models.info import aligned, expert_bytes, model_info
 from toolkit.models.loader import inspect_model_dir
 from toolkit.traces.batches import RoutingBatch, iter_batches
 from toolkit.runtime.policy import Policy
-from toolkit.runtime.pool import ExpertPool
-from toolkit.runtime.runner import belady_next_use
-from toolkit.runtime.scheduler import SchedulerConfig, SchedulerStats, WindowScheduler
-from toolkit.runtime.stats import RunStats, tpot_and_intervals
+from toolkit.runtime.runner import RunConfig, open_pool_and_scheduler
+from toolkit.runtime.scheduler import SchedulerStats
+from toolkit.runtime.stats import DecodeAccount, RunStats, tpot_and_intervals
 from toolkit.simulate.flash import SimClock, SimFlash
 from toolkit.runtime.profiles import DeviceProfile
 
@@ -64,12 +63,13 @@ def sequences(b: RoutingBatch) -> list[torch.Tensor]:
     return out
 
 
-def simulate_policy(batches: list[RoutingBatch], predictor, policy: Policy, geo: Geometry,
-                    profile: DeviceProfile, pool_bytes: int, cfg: SchedulerConfig,
-                    layer_map: list[int]) -> dict[str, Any]:
+def simulate_policy(batches: list[RoutingBatch], predictor, geo: Geometry, profile: DeviceProfile,
+                    cfg: RunConfig, layer_map: list[int]) -> dict[str, Any]:
     """Run every held-out sequence's decode tokens through a fresh pool; aggregate into RunStats."""
     L = geo.num_layers
     W = cfg.window
+    policy = cfg.policy
+    pool_bytes = cfg.budget_bytes
     tpots, intervals, tokens = [], [], 0
     decode = SchedulerStats()
     wasted = evictions = peak = 0
@@ -92,13 +92,10 @@ def simulate_policy(batches: list[RoutingBatch], predictor, policy: Policy, geo:
             future = [torch.stack([ids[t, layer_map[li]] % geo.num_experts for li in range(L)]) for t in range(T)]
             clock = SimClock()
             flash = SimFlash(profile, clock, geo.slot_bytes)
-            never = lambda key, now: float("inf")  # noqa: E731 - the scheduler's table replaces it below
-            pool = ExpertPool(pool_bytes, geo.slot_bytes, policy=policy.eviction, min_slots=geo.top_k,
-                              next_use=belady_next_use(future, L) if policy.eviction == "belady" else never)
-            scfg = dataclasses.replace(cfg, prefetch=predictor is not None)
-            sched = WindowScheduler(pool, flash, scfg, num_layers=L, top_k=geo.top_k, clock=lambda: clock.now)
-            if policy.eviction == "prediction":
-                pool.next_use = sched.next_predicted_use
+            pool, sched = open_pool_and_scheduler(cfg, slot_bytes=geo.slot_bytes, num_layers=L, top_k=geo.top_k,
+                                                  io=flash, future=future, prefetch=predictor is not None,
+                                                  clock=lambda: clock.now)
+            account = DecodeAccount()
             times = []
             reads_seen = 0
             for t in range(T):
@@ -133,19 +130,19 @@ def simulate_policy(batches: list[RoutingBatch], predictor, policy: Policy, geo:
                     clock.now += profile.expert_s(geo.expert_bytes) * len(keys)
                     sched.release(step, keys)
                 times.append(clock.now)
-                if t == 0:  # as the runner: the first token warms the pool, TPOT starts after it
-                    first = dataclasses.replace(sched.stats)
-                    first_wasted = pool.wasted_prefetches
+                if t == 0:  # the first row warms the pool; figures count from its token on, as the runner's
+                    account.start(sched, pool)
             tpot, iv = tpot_and_intervals(times)
             tpots.append(tpot)
             intervals.extend(iv)
             tokens += T - 1
             total_time += times[-1]
             flash_busy += flash.busy_s
-            decode = decode.plus(sched.stats.minus(first))
+            d, w, ev = account.counts(sched, pool)
+            decode = decode.plus(d)
             total_bytes += sched.stats.bytes_read
-            wasted += pool.wasted_prefetches - first_wasted + sum(1 for s in pool.slots.values() if s.prefetched)
-            evictions += pool.evictions
+            wasted += w
+            evictions += ev
             peak = max(peak, pool.peak_bytes)
             if pool.peak_bytes > pool_bytes:
                 raise RuntimeError(f"simulated pool exceeded its budget ({pool.peak_bytes} > {pool_bytes}): a bug")
@@ -195,9 +192,14 @@ def run_simulation(trace: Path, *, policies: list[Policy], profile: DeviceProfil
     names = sorted({p.predictor for p in policies if p.predictor != "on-demand"})
     preds, notes = build_predictors(names, reader, spec, adapter)
     pool_bytes = int(pool_mib * 2**20)
-    cfg = SchedulerConfig(window=window, queue_depth=queue_depth, min_confidence=min_confidence, floor=floor,
-                          step_budget_bytes=step_budget_kib * 1024 if step_budget_kib else None)
-    results = [simulate_policy(batches, preds.get(p.predictor), p, geo, profile, pool_bytes, cfg, layer_map)
+    if pool_bytes // geo.slot_bytes < geo.top_k:
+        raise SpecPrefetchError(f"--pool-mib {pool_mib:g}: holds {pool_bytes // geo.slot_bytes} expert slots of "
+                                f"{geo.slot_bytes / 2**10:.0f} KiB, but one layer needs {geo.top_k}; use at least "
+                                f"{geo.top_k * geo.slot_bytes / 2**20:.2f}")
+    results = [simulate_policy(batches, preds.get(p.predictor), geo, profile,
+                               RunConfig(policy=p, pool_mib=pool_mib, window=window, queue_depth=queue_depth,
+                                         min_confidence=min_confidence, floor=floor, step_budget_kib=step_budget_kib),
+                               layer_map)
                for p in policies]
     total = geo.slot_bytes * geo.num_layers * geo.num_experts
     return {
