@@ -303,3 +303,33 @@ def test_int8_keeps_tiny_rows():
     for row in range(3):
         assert (got[row] - w[row]).abs().max() <= w[row].abs().max() / 127 + 6.2e-5
     assert torch.equal(got[3], torch.zeros(64))
+
+
+def test_planner_graph_heads_missing_for_a_layer_plan_nothing():
+    """An adapter trained without cross-token pairs has no heads for the last layer: its layer graph
+    returns no preds, and the planner plans nothing there instead of failing."""
+    from toolkit.models.families import RoutingSpec
+    from toolkit.runtime.planner import GRAPH, PrefetchPlanner, RoutingState
+
+    clock = SimClock()
+    flash = SimFlash(SNAPDRAGON_8_ELITE, clock, 4096)
+    pool = ExpertPool(16 * 4096, 4096, policy="lru", min_slots=2)
+    sched = WindowScheduler(pool, flash, SchedulerConfig(), num_layers=2, top_k=2, clock=lambda: clock.now)
+    routing = RoutingSpec(num_experts=8, top_k=2)
+    planner = PrefetchPlanner(GRAPH, num_layers=2, window=2, routing=routing, score_bias=None,
+                              preds_horizons={0: (1,)})  # layer 1 has no heads
+    state = RoutingState(2, 4, 2)
+    preds = torch.full((1, 8), -5.0)
+    preds[0, 3] = 5.0
+    planner.plan(sched, 0, 0, state, preds)
+    assert sched.stats.prefetch_issued >= 1 and (1, 3) in pool.slots  # layer 0 predicts layer 1's expert 3
+    issued = sched.stats.prefetch_issued
+    planner.plan(sched, 1, 1, state, None)  # no preds rows for layer 1: nothing planned, no error
+    assert sched.stats.prefetch_issued == issued
+    # and nothing is planned past the last step the run reaches
+    other = torch.full((1, 8), -5.0)
+    other[0, 5] = 5.0
+    planner.plan(sched, 0, 2, state, other, end=3)
+    assert sched.stats.prefetch_issued == issued and (1, 5) not in pool.slots
+    planner.plan(sched, 0, 2, state, other)
+    assert (1, 5) in pool.slots
