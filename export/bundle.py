@@ -128,7 +128,7 @@ def _assemble(model, work: Path, scratch: Path, cfg: ExportConfig, tgt, quant: s
     from export.graphs import MASK_VALUE, StepModel, adapter_heads, describe
     from toolkit.runtime.backend import IO_MASK_VALUE
     from export.pipeline import check, compare, free_running, run_model, run_sequence
-    from toolkit.models.loader import inspect_model_dir, load_dense_model
+    from toolkit.models.loader import eos_token_ids, inspect_model_dir, load_dense_model
     from toolkit.models.routers import load_router_bank
     from toolkit.runtime.expert_store import ExpertStore, build_store
 
@@ -192,7 +192,7 @@ def _assemble(model, work: Path, scratch: Path, cfg: ExportConfig, tgt, quant: s
 
     t0 = time.perf_counter()
     _log(cfg, f"parity: {len(parity_ids)} prompts x ({cfg.prompt_tokens} + {cfg.decode_tokens}) tokens")
-    eos = tok.eos_token_id
+    eos = eos_token_ids(spec, tok)  # every id generation stops at (generation config, else tokenizer)
     ref_backend = built.reference
     refs = [run_sequence(ref_backend, p, extend=cfg.decode_tokens, eos=eos, **run_kw) for p in parity_ids]
     bundle_backend = built.backend()
@@ -231,7 +231,8 @@ def _assemble(model, work: Path, scratch: Path, cfg: ExportConfig, tgt, quant: s
                   "num_layers": g.num_layers, "moe_layers": list(g.moe_layers), "hidden_size": g.hidden_size,
                   "vocab_size": g.vocab_size, "num_experts": g.routing.num_experts, "top_k": g.routing.top_k},
         "tokenizer": sorted(f"model/{p.name}" for p in (work / "model").iterdir() if p.name.startswith("tokenizer")),
-        "eos_token_id": eos,
+        "eos_token_id": eos[0] if eos else None,
+        "eos_token_ids": list(eos),
         "routing": {**dataclasses.asdict(g.routing),
                     "score_bias_file": "host.safetensors" if bank.score_bias is not None else None},
         "host_file": "host.safetensors",

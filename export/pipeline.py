@@ -74,7 +74,7 @@ PARITY_POOL_MIB = 2048.0  # parity's pool: every expert of a small model, a boun
 
 
 def run_sequence(backend: Backend, tokens: Sequence[int], *, model: ModelInfo, store, extend: int = 0,
-                 eos: int | None = None, force_ids: torch.Tensor | None = None) -> Record:
+                 eos: int | Sequence[int] | None = None, force_ids: torch.Tensor | None = None) -> Record:
     """Feed `tokens` one per step (teacher-forced) through the graphs with the reference runner
     (toolkit/runtime/runner.py: experts from the store through the pool, on demand), recording
     every position's logits; then, with `extend`, keep going greedily for that many more positions
@@ -86,8 +86,10 @@ def run_sequence(backend: Backend, tokens: Sequence[int], *, model: ModelInfo, s
     near-tie flipping, and the flips themselves are counted by comparing the chosen ids."""
     all_bytes = store.slot_bytes * model.L * model.routing.num_experts
     pool_mib = max(min(all_bytes, PARITY_POOL_MIB * 2**20), model.routing.top_k * store.slot_bytes) / 2**20
-    m = dataclasses.replace(model, eos_token_ids=(eos,) if eos is not None else (), max_seq=None)
-    runner = Runner(backend, store, m, RunConfig(policy=Policy("on-demand", "lru"), pool_mib=pool_mib))
+    eos_ids = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
+    m = dataclasses.replace(model, eos_token_ids=eos_ids, max_seq=None)
+    # reader threads: no fork from a process that holds ONNX Runtime / ExecuTorch / QNN threads
+    runner = Runner(backend, store, m, RunConfig(policy=Policy("on-demand", "lru"), pool_mib=pool_mib, io="threads"))
     gen = runner.generate(list(tokens), extend + 1, force_ids=force_ids, keep_logits=True)
     lg = gen.logits
     return Record(lg, torch.stack(gen.routing), lg.argmax(-1), gen.fed)

@@ -223,6 +223,7 @@ class RecordingBackend(Backend):
         self.inner, self.limit, self.per_expert = inner, limit_per_graph, per_expert
         self.samples: dict[str, list[list[torch.Tensor]]] = {}
         self.expert_seen: dict[tuple, int] = {}
+        self.expert_weights: dict[tuple, list[torch.Tensor]] = {}
         self.kv_mode, self.kv = inner.kv_mode, inner.kv  # the inner backend's cache
 
     def call(self, name, inputs):
@@ -232,7 +233,9 @@ class RecordingBackend(Backend):
             key = (tuple(inputs[1].shape), float(w[:64].double().sum()), float(w[-64:].double().sum()))
             if self.expert_seen.get(key, 0) < self.per_expert:
                 self.expert_seen[key] = self.expert_seen.get(key, 0) + 1
-                lst.append([t.detach().clone() for t in inputs])
+                # weights kept once per expert, by reference (the runner decodes fresh tensors per call)
+                mats = self.expert_weights.setdefault(key, list(inputs[1:]))
+                lst.append([inputs[0].detach().clone(), *mats])
         elif len(lst) < self.limit:
             lst.append([t.detach().clone() for t in inputs])
         return self.inner.call(name, inputs)

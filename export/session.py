@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from toolkit.errors import SpecPrefetchError
-from toolkit.models.loader import ModelSpec, embedded_model_dir, inspect_model_dir, load_dense_model
+from toolkit.models.loader import ModelSpec, embedded_model_dir, eos_token_ids, inspect_model_dir, load_dense_model
 from toolkit.predictors.registry import PREDICTORS, build_predictor
 from toolkit.runtime.expert_store import ExpertStore, build_store
 from toolkit.runtime.planner import GRAPH
@@ -170,29 +170,11 @@ def _open_model(model, cfg, names, adapter, store, dtype, frequency_trace, max_s
                         draft=draft)
     info = ModelInfo(num_layers=g.num_layers, moe_layers=tuple(g.moe_layers), routing=g.routing,
                      hidden_size=g.hidden_size, expert_roles=tuple(m.role for m in spec.family.expert_matrices(g)),
-                     eos_token_ids=_eos_ids(spec, tok), score_bias=bank().score_bias, preds_horizons=horizons,
+                     eos_token_ids=eos_token_ids(spec, tok), score_bias=bank().score_bias, preds_horizons=horizons,
                      max_seq=max_seq, label=str(spec.path))
     notes = [SequenceDraft.note, "the draft is built from the full model: its weights are in memory"] \
         if "draft" in names else []
     return Session(Runner(backend, st, info, cfg, preds), tok, spec, "model", str(spec.path), spec.path, notes)
-
-
-def _eos_ids(spec: ModelSpec, tok) -> tuple[int, ...]:
-    """Every id generation stops at: the generation config's (an int or a list, as transformers'
-    `generate` reads it), else the tokenizer's."""
-    import json
-
-    ids = None
-    gc = spec.path / "generation_config.json"
-    if gc.is_file():
-        try:
-            ids = json.loads(gc.read_text()).get("eos_token_id")
-        except (ValueError, AttributeError):
-            raise SpecPrefetchError(f"{gc}: not a JSON object") from None
-    if ids is None:
-        ids = tok.eos_token_id
-    ids = ids if isinstance(ids, list) else [ids]
-    return tuple(int(i) for i in ids if i is not None)
 
 
 def _open_bundle(path: Path, cfg: RunConfig, names: list[str], frequency_trace, pool_default: bool) -> Session:
@@ -234,7 +216,8 @@ def _bundle_session(path: Path, m: dict, backend, cfg: RunConfig, names: list[st
                         adapter=None, counts=_frequency(frequency_trace), draft=None)
     info = ModelInfo(num_layers=g.num_layers, moe_layers=tuple(moe), routing=routing, hidden_size=g.hidden_size,
                      expert_roles=tuple(x.role for x in spec.family.expert_matrices(g)),
-                     eos_token_ids=tuple(i for i in [m.get("eos_token_id")] if i is not None),
+                     eos_token_ids=tuple(int(i) for i in (m.get("eos_token_ids") or [m.get("eos_token_id")])
+                                         if i is not None),
                      score_bias=score_bias, preds_horizons=horizons,
                      max_seq=m["kv"]["max_seq"], label=str(path))
     tok = AutoTokenizer.from_pretrained(spec.path, local_files_only=True)

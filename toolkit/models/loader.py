@@ -233,3 +233,19 @@ def load_dense_model(spec: ModelSpec) -> torch.nn.Module:
         raise SpecPrefetchError(f"{spec.path}: tensors missing from the checkpoint: {left[:5]}")
     net.eval()
     return net
+
+
+def eos_token_ids(spec: ModelSpec, tokenizer) -> tuple[int, ...]:
+    """Every id generation stops at: the generation config's (an int or a list, as transformers'
+    `generate` reads it), else the tokenizer's."""
+    ids = None
+    gc = spec.path / "generation_config.json"
+    if gc.is_file():
+        try:
+            ids = json.loads(gc.read_text()).get("eos_token_id")
+        except (ValueError, AttributeError):
+            raise SpecPrefetchError(f"{gc}: not a JSON object") from None
+    if ids is None:
+        ids = tokenizer.eos_token_id
+    ids = ids if isinstance(ids, list) else [ids]
+    return tuple(int(i) for i in ids if i is not None)

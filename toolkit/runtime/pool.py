@@ -32,6 +32,7 @@ class Slot:
     prefetched: bool = False   # filled by a prefetch and not yet used
     buffer: object = None      # the blob once its read has landed (runtime); None before / in the simulator
     landed: bool = False       # the read's bytes are in memory (ready is the scheduler's logical state)
+    demand: bool = False       # read on demand (its wait is a miss's, not a late hit's)
 
 
 class ExpertPool:

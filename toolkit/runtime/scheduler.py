@@ -138,7 +138,7 @@ class WindowScheduler:
         slot = self.pool.get(key)
         if not slot.landed:
             if not self.io.landed(key):
-                if slot.uses or slot.prefetched:   # a hit whose read is still on its way
+                if not slot.demand:   # a hit whose read is still on its way
                     self.stats.late += 1
                 self._wait(key)
             slot.buffer = self.io.take(key)
@@ -262,6 +262,7 @@ class WindowScheduler:
                     raise RuntimeError(f"pool has no evictable slot for a demand read of {key}: "
                                        "every slot is pinned (capacity < top-k?)")
                 slot.ready = True  # logically complete within this step: it is waited for before use
+                slot.demand = True
                 self.io.submit(key, demand=True)
                 self.stats.bytes_read += self.pool.slot_bytes
                 self._emit("miss", key)
