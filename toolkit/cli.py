@@ -366,11 +366,11 @@ def run(model, policy, adapter, frequency_trace, pool_mib, window, queue_depth, 
     if check and s.source_model is None:
         raise SpecPrefetchError(f"--check: the unmodified model of {s.label} is not on this machine")
     exact = s.kind == "model" and s.runner.store.dtype == "fp16"
-    runs, gens, encoded = [], [], []
+    runs, encoded = [], []
+    log = EventLog() if events_out else None  # one log: each prompt is its own `seq N`
     for p in prompts:
         ids = s.encode(p)
-        g = s.runner.run(ids, max_new_tokens, events=EventLog() if events_out else None)
-        gens.append(g)
+        g = s.runner.run(ids, max_new_tokens, events=log)
         encoded.append(ids)
         runs.append({"prompt": p, "source": s.label, **g.to_json(), "matches_unmodified_model": None,
                      **({"notes": s.notes} if s.notes else {})})
@@ -389,7 +389,7 @@ def run(model, policy, adapter, frequency_trace, pool_mib, window, queue_depth, 
     out["peak_rss_bytes"] = rss
     write_json_atomic(json_out, out)
     if events_out:
-        write_events(events_out, gens)
+        write_events(events_out, log)
     for r in runs:
         click.echo(f"{pol.name}: TTFT {fmt(r['ttft_ms'], '.1f')} ms, TPOT {fmt(r['tpot_ms'])} ms "
                    f"(p95 {fmt(r['tpot_p95_ms'])}), stall {fmt(r['stall_ms_per_token'])} ms/token, "

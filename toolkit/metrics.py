@@ -4,6 +4,8 @@ recall@k      |predicted top-k ∩ real top-k| / k                   (SpecPrefet
 recall@M      |predicted top-M ∩ real top-k| / k  for a candidate budget M >= k
 precision@M   |predicted top-M ∩ real top-k| / M
 hit rate      pool hits / expert requests
+prefetch precision   prefetched slots used / prefetches issued
+prefetch recall      loads a prefetch supplied / all loads (prefetch hits + demand misses)
 TPOT          (t_last - t_first) / (N - 1) over committed tokens; TTFT separately
 """
 from __future__ import annotations
@@ -38,6 +40,15 @@ def precision_within(scores: torch.Tensor, real_ids: torch.Tensor, budget: int) 
 
 def hit_rate(hits: int, requests: int) -> float:
     return hits / requests if requests else 0.0
+
+
+def prefetch_precision(prefetch_hits: int, issued: int) -> float:
+    return prefetch_hits / issued if issued else 0.0
+
+
+def prefetch_recall(prefetch_hits: int, misses: int) -> float:
+    loads = prefetch_hits + misses
+    return prefetch_hits / loads if loads else 0.0
 
 
 def tpot_ms(token_times_s: list[float] | np.ndarray) -> float:

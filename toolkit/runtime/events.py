@@ -44,6 +44,7 @@ class EventLog:
     def __init__(self):
         self.lines: list[str] = []
         self.step = 0
+        self.sequences = 0  # prompts logged so far: each gets the next `seq N`
 
     def _add(self, line: str) -> None:
         self.lines.append(line)
@@ -51,8 +52,9 @@ class EventLog:
     def header(self, **fields) -> None:
         self._add(f"# specprefetch-events {VERSION} " + " ".join(f"{k}={_fmt(v)}" for k, v in fields.items()))
 
-    def sequence(self, n: int, **fields) -> None:
-        self._add(f"seq {n} " + " ".join(f"{k}={_fmt(v)}" for k, v in fields.items()))
+    def sequence(self, **fields) -> None:
+        self._add(f"seq {self.sequences} " + " ".join(f"{k}={_fmt(v)}" for k, v in fields.items()))
+        self.sequences += 1
 
     def at(self, step: int, pos: int, layer: int) -> None:
         self.step = step

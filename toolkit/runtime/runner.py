@@ -193,7 +193,7 @@ class Runner:
                 events.header(policy=cfg.policy.name, budget_bytes=cfg.budget_bytes, slot_bytes=self.store.slot_bytes,
                               capacity=pool.capacity, window=cfg.window, queue_depth=cfg.queue_depth,
                               min_confidence=cfg.min_confidence, layers=L, top_k=k)
-                events.sequence(0, prompt_tokens=len(prompt_ids))
+                events.sequence(prompt_tokens=len(prompt_ids))
             return self._loop(list(prompt_ids), max_new_tokens, sched, pool, planner, state, events, io,
                               force_ids, keep_logits)
         finally:
@@ -332,13 +332,8 @@ def belady_next_use(future: list[torch.Tensor], L: int):
     return next_use
 
 
-def write_events(path: Path, gens: list[Generation]) -> None:
-    """All prompts' event logs into one file, atomically."""
-    from toolkit.artifacts import atomic_path
+def write_events(path: Path, log: EventLog) -> None:
+    """A run's event log (every prompt's lines) into one file, atomically."""
+    from toolkit.artifacts import atomic_write_text
 
-    with atomic_path(Path(path)) as tmp:
-        with open(tmp, "w") as fh:
-            for n, g in enumerate(gens):
-                lines = g.events.lines if g.events is not None else []
-                fh.write("\n".join(ln.replace("seq 0 ", f"seq {n} ", 1) if ln.startswith("seq 0 ") else ln
-                                   for ln in lines) + "\n")
+    atomic_write_text(path, "\n".join(log.lines) + "\n")

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from toolkit.metrics import hit_rate, tpot_ms
+from toolkit.metrics import hit_rate, prefetch_precision, prefetch_recall, tpot_ms
 from toolkit.runtime.scheduler import SchedulerStats
 
 MiB = 2**20
@@ -34,10 +34,6 @@ def peak_rss_bytes() -> int | None:
     except OSError:
         pass
     return None
-
-
-def _ratio(a: float, b: float) -> float:
-    return a / b if b else 0.0
 
 
 @dataclasses.dataclass
@@ -69,7 +65,6 @@ class RunStats:
         `intervals_ms` every per-token interval (for the percentiles)."""
         n = max(decode_tokens, 1)
         iv = np.asarray(intervals_ms if len(intervals_ms) else [float("nan")], dtype=np.float64)
-        loads = decode.prefetch_hits + decode.misses
         return RunStats(
             policy=policy, decode_tokens=decode_tokens,
             ttft_ms=round(ttft_s * 1e3, 3),
@@ -81,8 +76,8 @@ class RunStats:
             late_rate=round(hit_rate(decode.late, decode.requests), 4),
             mib_read=round(total_bytes_read / MiB, 4),
             mib_read_per_token=round(decode.bytes_read / MiB / n, 4),
-            prefetch_precision=round(_ratio(decode.prefetch_hits, decode.prefetch_issued), 4),
-            prefetch_recall=round(_ratio(decode.prefetch_hits, loads), 4),
+            prefetch_precision=round(prefetch_precision(decode.prefetch_hits, decode.prefetch_issued), 4),
+            prefetch_recall=round(prefetch_recall(decode.prefetch_hits, decode.misses), 4),
             wasted_prefetch_mib=round(wasted_prefetches * slot_bytes / MiB, 4),
             evictions=evictions, peak_pool_bytes=peak_pool_bytes, budget_bytes=budget_bytes,
             counts=dataclasses.asdict(decode))
