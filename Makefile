@@ -7,7 +7,16 @@ RUNS    := runs/demo
 
 .PHONY: setup demo test test-all bench clean
 
-$(STAMP): pyproject.toml
+# Debian packages the native runner's builds and tests need (docs/runner.md), where missing
+DEBS    := g++ g++-aarch64-linux-gnu qemu-user nlohmann-json3-dev clang
+DEB_STAMP := $(VENV)/.debs-$(shell echo $(DEBS) | sha256sum | cut -c1-8)
+
+$(DEB_STAMP):
+	@missing=$$(for p in $(DEBS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing; fi
+	mkdir -p $(VENV) && touch $@
+
+$(STAMP): pyproject.toml $(DEB_STAMP)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# torch 2.13.0 first, alone, so pip takes the CPU build (see docs/setup.md)

@@ -1,1 +1,2 @@
-"""(placeholder package: filled by a later issue; see README.md)"""
+"""The native runner: C++17 sources (src/), their CMake project, and the Python driver that
+generates, builds and runs it per bundle (build.py; docs/runner.md)."""

@@ -338,14 +338,28 @@ def calibrate(model, store_path, reads, out) -> None:
 @click.option("--events", "events_out", type=OUT_FILE, default=None,
               help="write every scheduler and pool decision here (docs/runtime.md)")
 @scheduler_limits
+@click.option("--engine", default="python", show_default=True, type=click.Choice(["python", "native"]),
+              help="the Python reference runner, or the native C++ runner (ExecuTorch bundles; docs/runner.md)")
+@click.option("--abi", default="host", show_default=True, type=click.Choice(["host", "arm64"]),
+              help="--engine native: this machine's build, or the arm64 build (under qemu-aarch64 on x86-64)")
 @click.option("--json", "json_out", required=True, type=OUT_FILE)
 @friendly_errors
 def run(model, policy, adapter, frequency_trace, pool_mib, window, queue_depth, store_path, dtype, flash_profile,
         prompts, max_new_tokens, max_seq, threads, io_mode, check, events_out, min_confidence, step_budget_kib,
-        json_out) -> None:
+        engine, abi, json_out) -> None:
     """Run MODEL (a model directory, `embedded`, or a bundle) with its experts streamed from the
     expert store through a bounded pool (real O_DIRECT reads); with --check, compare the tokens
     with the unmodified model."""
+    if engine == "native":
+        if adapter or store_path or frequency_trace or flash_profile:
+            raise SpecPrefetchError("--engine native runs a bundle as exported: drop --adapter, --store, "
+                                    "--frequency-trace and --flash-profile")
+        _run_native(model, abi=abi, policy=policy, pool_mib=pool_mib, window=window, queue_depth=queue_depth,
+                    prompts=prompts, max_new_tokens=max_new_tokens, check=check, events_out=events_out,
+                    min_confidence=min_confidence, step_budget_kib=step_budget_kib, json_out=json_out)
+        return
+    if abi != "host":
+        raise SpecPrefetchError("--abi: only with --engine native")
     from export.session import open_session, reference_tokens
     from toolkit.artifacts import write_json_atomic
     from toolkit.runtime.events import EventLog
@@ -400,6 +414,74 @@ def run(model, policy, adapter, frequency_trace, pool_mib, window, queue_depth, 
     rss = out["peak_rss_bytes"]
     click.echo(f"peak RSS {rss / 2**20:.0f} MiB (before --check)" if rss else "peak RSS unknown")
     click.echo(f"wrote {json_out}" + (f", {events_out}" if events_out else ""))
+
+
+def _run_native(model, *, abi, policy, pool_mib, window, queue_depth, prompts, max_new_tokens, check, events_out,
+                min_confidence, step_budget_kib, json_out) -> None:
+    """`run --engine native`: the C++ runner on an ExecuTorch bundle, the same JSON as the Python engine."""
+    from transformers import AutoTokenizer
+
+    from android_runner.build import run_native
+    from export.manifest import validate_bundle
+    from export.session import is_bundle, reference_tokens
+    from toolkit.artifacts import write_json_atomic
+
+    if not is_bundle(model):
+        raise SpecPrefetchError(f"{model}: --engine native runs an exported bundle (specprefetch export "
+                                "--target executorch); this is not a bundle directory")
+    m, _ = validate_bundle(model, hash_store=False)
+    tok = AutoTokenizer.from_pretrained(str(Path(model) / Path(m["model"]["config"]).parent), local_files_only=True)
+    encoded = [tok(p)["input_ids"] for p in prompts]
+    res = run_native(model, encoded, abi=abi, max_new_tokens=max_new_tokens, policy=policy, pool_mib=pool_mib,
+                     window=window, queue_depth=queue_depth, min_confidence=min_confidence,
+                     step_budget_kib=step_budget_kib, events=events_out)
+    src = Path(m["model"].get("source", ""))
+    source_model = src if (src / "config.json").is_file() else None
+    if check and source_model is None:
+        raise SpecPrefetchError(f"--check: the unmodified model of {model} is not on this machine")
+    runs = []
+    for p, ids, r in zip(prompts, encoded, res["runs"]):
+        r = {"prompt": p, **{k: v for k, v in r.items() if k != "routing"}, "matches_unmodified_model": None,
+             "engine": f"native-{abi}"}
+        if check:
+            r["matches_unmodified_model"] = r["tokens"] == reference_tokens(source_model, ids, max_new_tokens)
+        runs.append(r)
+    out = runs[0] if len(runs) == 1 else {"policy": res["policy"], "runs": runs}
+    for k in ("peak_rss_bytes", "load_ms", "kernel_isa", "direct_io", "io_note"):
+        out[k] = res[k]
+    write_json_atomic(json_out, out)
+    for r in runs:
+        click.echo(f"{res['policy']} (native {abi}, {res['kernel_isa']} kernels): TTFT {fmt(r['ttft_ms'], '.1f')} ms, "
+                   f"TPOT {fmt(r['tpot_ms'])} ms (p95 {fmt(r['tpot_p95_ms'])}), stall {fmt(r['stall_ms_per_token'])} "
+                   f"ms/token, hit rate {fmt(r['hit_rate'], '.3f')}, {r['mib_read']:.1f} MiB read, peak pool "
+                   f"{r['peak_pool_bytes'] / 2**20:.2f} of {r['budget_bytes'] / 2**20:.2f} MiB"
+                   + (", tokens match the unmodified model" if r["matches_unmodified_model"] else ""))
+    click.echo(f"peak RSS {res['peak_rss_bytes'] / 2**20:.0f} MiB; reads: {res['io_note'] or 'O_DIRECT'}")
+    click.echo(f"wrote {json_out}" + (f", {events_out}" if events_out else ""))
+
+
+@main.group()
+def runner() -> None:
+    """The native C++ runner (docs/runner.md)."""
+
+
+@runner.command(name="build")
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--abi", default="host", show_default=True, type=click.Choice(["host", "arm64", "android"]),
+              help="this machine; arm64 Linux (cross-built, starts from adb shell); Android with the NDK")
+@click.option("--out", type=click.Path(path_type=Path), default=None,
+              help="output directory [default: the runner cache, ~/.cache/specprefetch/runners]")
+@click.option("--force", is_flag=True, help="rebuild even if an up-to-date build is there")
+@friendly_errors
+def runner_build(bundle, abi, out, force) -> None:
+    """Generate the native runner's CMake project for BUNDLE and build it (CMake + Ninja)."""
+    from android_runner.build import build, command
+
+    d = build(bundle, abi, out, force=force)
+    click.echo(f"runner: {d / 'bin' / 'specprefetch-runner'}")
+    if abi == "arm64":
+        click.echo(f"on a phone: adb push {d} /data/local/tmp/specprefetch-runner, then run.sh BUNDLE ... there; "
+                   f"here: {' '.join(command(d, abi))} BUNDLE ...")
 
 
 @main.command()

@@ -1,0 +1,38 @@
+// Shared types of the native runner: the error every part throws, expert keys, blob sections.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace spx {
+
+// Every refusal is an Error whose message is one line naming the file or option at fault; main()
+// prints "specprefetch-runner: error: <message>" and exits non-zero.
+struct Error : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// (MoE layer position 0..L-1, expert id): the unit the store, pool and scheduler deal in.
+using Key = std::pair<int, int>;
+
+// One array inside an expert blob (docs/expert-store.md, toolkit/models/expert_layout.py).
+struct Section {
+  std::string role;   // gate, up, down, bias_gate, bias_up, bias_down
+  std::string kind;   // weight, scale, bias
+  std::string dtype;  // f16, i8, u8 (int4 packed two per byte, low nibble first)
+  std::vector<int64_t> shape;
+  size_t offset = 0;  // bytes from the blob's start (a multiple of 64)
+  size_t nbytes = 0;
+};
+
+// One expert matrix in the family's canonical order: [out, in] for weights, [out] for biases.
+struct Matrix {
+  std::string role;
+  std::vector<int64_t> shape;
+};
+
+}  // namespace spx

@@ -1,0 +1,92 @@
+#include "executor.h"
+
+#include <executorch/extension/module/module.h>
+#include <executorch/extension/tensor/tensor.h>
+
+#include <chrono>
+#include <cstring>
+
+#include "common.h"
+
+namespace spx {
+
+using executorch::aten::ScalarType;
+using executorch::extension::from_blob;
+using executorch::extension::Module;
+using EtError = executorch::runtime::Error;
+using executorch::runtime::EValue;
+
+namespace {
+
+std::string err_name(EtError e) { return "ExecuTorch error " + std::to_string(static_cast<int>(e)); }
+
+void copy_out(const EValue& v, std::vector<float>& dst, const std::string& what) {
+  if (!v.isTensor()) throw spx::Error(what + ": output is not a tensor");
+  const auto& t = v.toTensor();
+  if (t.scalar_type() != ScalarType::Float) throw spx::Error(what + ": output is not float32");
+  dst.assign(t.const_data_ptr<float>(), t.const_data_ptr<float>() + t.numel());
+}
+
+}  // namespace
+
+Executor::Executor(const std::string& program, const std::vector<std::string>& methods, int hidden, int vocab)
+    : path_(program), hidden_(hidden), vocab_(vocab) {
+  auto t0 = std::chrono::steady_clock::now();
+  // shared arenas: the layer methods and `reset` address the same mutable KV buffers
+  module_ = std::make_unique<Module>(program, Module::LoadMode::Mmap, nullptr, nullptr, nullptr, true);
+  EtError e = module_->load();
+  if (e != EtError::Ok) throw spx::Error(program + ": not a loadable ExecuTorch program (" + err_name(e) + ")");
+  for (const auto& m : methods) {
+    e = module_->load_method(m);
+    if (e != EtError::Ok) throw spx::Error(program + ": method '" + m + "' does not load (" + err_name(e) + ")");
+  }
+  load_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+Executor::~Executor() = default;
+
+void Executor::reset() {
+  float zero = 0.0f;
+  auto t = from_blob(&zero, {1}, ScalarType::Float);
+  auto r = module_->execute("reset", {EValue(t)});
+  if (!r.ok()) throw spx::Error(path_ + ": method 'reset' failed (" + err_name(r.error()) + ")");
+}
+
+void Executor::embed(int64_t token, std::vector<float>& h) {
+  int64_t tok = token;
+  auto t = from_blob(&tok, {1, 1}, ScalarType::Long);
+  auto r = module_->execute("embed", {EValue(t)});
+  if (!r.ok()) throw spx::Error(path_ + ": method 'embed' failed (" + err_name(r.error()) + ")");
+  copy_out(r.get()[0], h, path_ + ": embed");
+  if (static_cast<int>(h.size()) != hidden_) throw spx::Error(path_ + ": embed returned the wrong width");
+}
+
+void Executor::layer(int index, const std::vector<float>& h, int64_t pos, bool moe, LayerOut& out) {
+  const std::string name = "layer_" + std::to_string(index);
+  int64_t p = pos;
+  auto th = from_blob(const_cast<float*>(h.data()), {1, 1, hidden_}, ScalarType::Float);
+  auto tp = from_blob(&p, {1}, ScalarType::Long);
+  auto r = module_->execute(name, {EValue(th), EValue(tp)});
+  if (!r.ok()) throw spx::Error(path_ + ": method '" + name + "' failed (" + err_name(r.error()) + ")");
+  const auto& outs = r.get();
+  const size_t want = moe ? 3 : 1;
+  if (outs.size() < want) throw spx::Error(path_ + ": method '" + name + "' returned too few outputs");
+  copy_out(outs[0], out.h, path_ + ": " + name);
+  if (!moe) return;
+  copy_out(outs[1], out.x, path_ + ": " + name);
+  copy_out(outs[2], out.logits, path_ + ": " + name);
+  if (outs.size() > 3)
+    copy_out(outs[3], out.preds, path_ + ": " + name);
+  else
+    out.preds.clear();
+}
+
+void Executor::head(const std::vector<float>& h, std::vector<float>& logits) {
+  auto th = from_blob(const_cast<float*>(h.data()), {1, 1, hidden_}, ScalarType::Float);
+  auto r = module_->execute("head", {EValue(th)});
+  if (!r.ok()) throw spx::Error(path_ + ": method 'head' failed (" + err_name(r.error()) + ")");
+  copy_out(r.get()[0], logits, path_ + ": head");
+  if (static_cast<int>(logits.size()) != vocab_) throw spx::Error(path_ + ": head returned the wrong width");
+}
+
+}  // namespace spx

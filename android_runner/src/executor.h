@@ -1,0 +1,46 @@
+// The bundle's ExecuTorch program through extension/module's Module: every method loaded once at
+// start, KV caches as the program's own mutable buffers (shared arenas, zeroed by `reset`). The
+// program holds the dense work (embed, per-layer attention + router + adapter heads, head); the
+// routed experts are never in it: they are computed by the runner's kernels from pool slots.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace executorch::extension {
+inline namespace module {
+class Module;
+}
+}  // namespace executorch::extension
+
+namespace spx {
+
+struct LayerOut {
+  std::vector<float> h;       // dense layer: the new hidden; MoE layer: the residual (h_res)
+  std::vector<float> x;       // MoE: the router input [H]
+  std::vector<float> logits;  // MoE: router logits [E]
+  std::vector<float> preds;   // MoE: predicted-router rows [P * E] (empty when the graph has none)
+};
+
+class Executor {
+ public:
+  // Loads the program and every method in `methods`; errors name the program file.
+  Executor(const std::string& program, const std::vector<std::string>& methods, int hidden, int vocab);
+  ~Executor();
+
+  void reset();                                        // zero every layer's KV cache
+  void embed(int64_t token, std::vector<float>& h);   // [H]
+  void layer(int index, const std::vector<float>& h, int64_t pos, bool moe, LayerOut& out);
+  void head(const std::vector<float>& h, std::vector<float>& logits);  // [V]
+
+  double load_ms = 0;  // program load + every method's load
+
+ private:
+  std::vector<float> call1(const std::string& method, std::vector<float>* outs_extra);
+  std::string path_;
+  int hidden_, vocab_;
+  std::unique_ptr<executorch::extension::Module> module_;
+};
+
+}  // namespace spx

@@ -1,0 +1,313 @@
+// specprefetch-runner: the native runner's command line (docs/runner.md).
+//
+//   specprefetch-runner BUNDLE --prompt-ids 1,2,3 [--prompt-ids ...] [--max-new-tokens N]
+//       [--policy PREDICTOR+EVICTION] [--pool-mib F] [--window N] [--queue-depth N]
+//       [--min-confidence F] [--floor F] [--step-budget-kib N] [--lanes N] [--routing FILE]
+//       [--json OUT] [--events OUT] [--no-verify] [--no-verify-hashes] [--cold] [--isa NAME]
+//
+// Refusals print one line "specprefetch-runner: error: ..." naming the file or option, exit 1.
+#include <unistd.h>
+
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <iostream>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "bundle.h"
+#include "events.h"
+#include "executor.h"
+#include "expert_store.h"
+#include "fileio.h"
+#include "kernels.h"
+#include "runner.h"
+#include "safetensors.h"
+#include "spx_config.h"
+#include "stats.h"
+
+namespace spx {
+namespace {
+
+using json = nlohmann::ordered_json;
+
+const char* kUsage =
+    "usage: specprefetch-runner BUNDLE --prompt-ids IDS [--prompt-ids IDS ...] [--max-new-tokens N]\n"
+    "  [--policy PREDICTOR+EVICTION] [--pool-mib F] [--window N] [--queue-depth N] [--min-confidence F]\n"
+    "  [--floor F] [--step-budget-kib N] [--lanes N] [--routing FILE] [--json OUT] [--events OUT]\n"
+    "  [--no-verify] [--no-verify-hashes] [--cold] [--isa portable|avx2|neon]\n";
+
+struct Args {
+  std::string bundle;
+  std::vector<std::vector<int>> prompts;
+  int max_new = 32;
+  std::string policy;
+  double pool_mib = NAN;
+  int window = -1, queue_depth = -1, lanes = 0;
+  double min_confidence = NAN, floor = NAN;
+  int64_t step_budget_kib = -2;
+  std::string routing, json_out, events_out, isa;
+  bool verify = true, verify_hashes = true, cold = false;
+};
+
+double to_double(const std::string& opt, const std::string& v) {
+  char* end = nullptr;
+  double d = std::strtod(v.c_str(), &end);
+  if (v.empty() || *end != '\0' || !std::isfinite(d)) throw Error(opt + " '" + v + "': not a finite number");
+  return d;
+}
+
+int64_t to_int(const std::string& opt, const std::string& v, int64_t lo) {
+  char* end = nullptr;
+  long long d = std::strtoll(v.c_str(), &end, 10);
+  if (v.empty() || *end != '\0') throw Error(opt + " '" + v + "': not an integer");
+  if (d < lo) throw Error(opt + " " + v + ": must be >= " + std::to_string(lo));
+  return d;
+}
+
+std::vector<int> to_ids(const std::string& v) {
+  std::vector<int> out;
+  std::stringstream ss(v);
+  std::string item;
+  while (std::getline(ss, item, ',')) out.push_back(static_cast<int>(to_int("--prompt-ids", item, 0)));
+  if (out.empty()) throw Error("--prompt-ids: empty");
+  return out;
+}
+
+Args parse(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i < argc; ++i) {
+    std::string o = argv[i];
+    auto val = [&]() -> std::string {
+      if (i + 1 >= argc) throw Error(o + ": needs a value");
+      return argv[++i];
+    };
+    if (o == "--prompt-ids") a.prompts.push_back(to_ids(val()));
+    else if (o == "--max-new-tokens") a.max_new = static_cast<int>(to_int(o, val(), 1));
+    else if (o == "--policy") a.policy = val();
+    else if (o == "--pool-mib") a.pool_mib = to_double(o, val());
+    else if (o == "--window") a.window = static_cast<int>(to_int(o, val(), 1));
+    else if (o == "--queue-depth") a.queue_depth = static_cast<int>(to_int(o, val(), 1));
+    else if (o == "--lanes") a.lanes = static_cast<int>(to_int(o, val(), 1));
+    else if (o == "--min-confidence") a.min_confidence = to_double(o, val());
+    else if (o == "--floor") a.floor = to_double(o, val());
+    else if (o == "--step-budget-kib") a.step_budget_kib = to_int(o, val(), 1);
+    else if (o == "--routing") a.routing = val();
+    else if (o == "--json") a.json_out = val();
+    else if (o == "--events") a.events_out = val();
+    else if (o == "--isa") a.isa = val();
+    else if (o == "--no-verify") a.verify = false;
+    else if (o == "--no-verify-hashes") a.verify_hashes = false;
+    else if (o == "--cold") a.cold = true;
+    else if (o == "-h" || o == "--help") {
+      std::cout << kUsage;
+      std::exit(0);
+    } else if (!o.empty() && o[0] == '-') throw Error("unknown option " + o);
+    else if (a.bundle.empty()) a.bundle = o;
+    else throw Error("unexpected argument " + o);
+  }
+  if (a.bundle.empty()) throw Error("no BUNDLE given\n" + std::string(kUsage));
+  if (a.prompts.empty()) throw Error("no prompt: give --prompt-ids 1,2,3");
+  if (!(std::isnan(a.pool_mib) || a.pool_mib > 0)) throw Error("--pool-mib: must be a positive number");
+  return a;
+}
+
+// The runner is generated for one bundle (spx_config.h): refuse another.
+void check_build(const Bundle& b, const ExpertStore& st) {
+  std::string why;
+  if (b.family != SPX_FAMILY) why = "family " + b.family;
+  else if (b.config_hash != SPX_CONFIG_HASH) why = "model config " + b.config_hash;
+  else if (b.hidden_size != SPX_HIDDEN || b.num_experts != SPX_NUM_EXPERTS || b.top_k != SPX_TOP_K ||
+           static_cast<int>(b.moe_layers.size()) != SPX_MOE_LAYERS || b.num_layers != SPX_NUM_LAYERS)
+    why = "geometry";
+  else if (st.dtype != SPX_EXPERT_DTYPE) why = "expert dtype " + st.dtype;
+  if (!why.empty())
+    throw Error(b.manifest_path + ": this runner was generated for another bundle (" SPX_FAMILY ", config " +
+                std::string(SPX_CONFIG_HASH) + ", " SPX_EXPERT_DTYPE " experts; this one differs in " + why +
+                "): build one for it with `specprefetch runner build`");
+}
+
+std::vector<std::vector<std::vector<int>>> read_routing(const std::string& path, size_t prompts, int L, int k, int E) {
+  json j;
+  try {
+    j = json::parse(read_file(path));
+  } catch (const json::exception& e) {
+    throw Error(path + ": not valid JSON (" + std::string(e.what()) + ")");
+  }
+  std::vector<std::vector<std::vector<int>>> out;
+  try {
+    const auto& runs = j.at("routing");
+    if (!runs.is_array() || runs.size() != prompts)
+      throw Error(path + ": 'routing' must hold one entry per prompt (" + std::to_string(prompts) + ")");
+    for (const auto& r : runs) {
+      std::vector<std::vector<int>> per;
+      for (const auto& p : r) {
+        std::vector<int> flat;
+        if (!p.is_array() || static_cast<int>(p.size()) != L) throw Error(path + ": each position needs " + std::to_string(L) + " layers");
+        for (const auto& layer : p) {
+          if (!layer.is_array() || static_cast<int>(layer.size()) != k) throw Error(path + ": each layer needs " + std::to_string(k) + " experts");
+          for (const auto& e : layer) {
+            int v = e.get<int>();
+            if (v < 0 || v >= E) throw Error(path + ": expert id " + std::to_string(v) + " out of range");
+            flat.push_back(v);
+          }
+        }
+        per.push_back(std::move(flat));
+      }
+      out.push_back(std::move(per));
+    }
+  } catch (const json::exception& e) {
+    throw Error(path + ": malformed routing (" + std::string(e.what()) + ")");
+  }
+  return out;
+}
+
+RoutingRule rule_of(const Routing& r) {
+  RoutingRule o;
+  o.num_experts = r.num_experts;
+  o.top_k = r.top_k;
+  o.score_func = r.score_func;
+  o.topk_before_softmax = r.topk_before_softmax;
+  o.norm_topk_prob = r.norm_topk_prob;
+  o.routed_scaling_factor = static_cast<float>(r.routed_scaling_factor);
+  o.n_group = r.n_group;
+  o.topk_group = r.topk_group;
+  o.group_score = r.group_score;
+  o.score_bias = r.score_bias;
+  return o;
+}
+
+HostRouters load_host(const Bundle& b) {
+  HostRouters h;
+  if (b.host_path.empty()) return h;
+  auto t = read_safetensors(b.host_path);
+  const size_t L = b.moe_layers.size(), E = b.num_experts, H = b.hidden_size;
+  auto take = [&](const char* name, size_t n, std::vector<float>& dst) {
+    auto it = t.find(name);
+    if (it == t.end()) return;
+    if (it->second.data.size() != n)
+      throw Error(b.host_path + ": " + name + " holds " + std::to_string(it->second.data.size()) + " values, expected " +
+                  std::to_string(n));
+    dst = std::move(it->second.data);
+  };
+  take("router_weight", L * E * H, h.weight);
+  take("router_bias", L * E, h.bias);
+  take("score_bias", L * E, h.score_bias);
+  if (b.routing.score_bias && h.score_bias.empty())
+    throw Error(b.host_path + ": the routing uses a selection bias but score_bias is missing");
+  return h;
+}
+
+int main_(int argc, char** argv) {
+  const auto t_start = std::chrono::steady_clock::now();
+  Args a = parse(argc, argv);
+  Bundle b = Bundle::open(a.bundle, a.verify_hashes);
+  auto store = ExpertStore::open(b.store_path);
+  check_build(b, *store);
+  if (a.cold) store->drop_cache();
+  HostRouters host = load_host(b);
+  Isa isa = a.isa.empty() ? best_isa() : isa_from_name(a.isa);
+  ExpertKernel kernel(store->sections, store->matrices, b.family, b.hidden_act, static_cast<float>(b.swiglu_limit), isa);
+  if (kernel.hidden() != b.hidden_size) throw Error(b.store_path + ": experts of width " + std::to_string(kernel.hidden()) + ", the model's is " + std::to_string(b.hidden_size));
+  std::vector<std::string> methods;
+  for (const auto& m : b.methods)
+    if (m != "expert") methods.push_back(m);  // experts run on the runner's own kernels
+  Executor exec(b.program_path, methods, b.hidden_size, b.vocab_size);
+
+  ModelInfo m;
+  m.num_layers = b.num_layers;
+  m.moe_layers = b.moe_layers;
+  m.routing = rule_of(b.routing);
+  m.hidden = b.hidden_size;
+  m.vocab = b.vocab_size;
+  m.eos_token_ids = b.eos_token_ids;
+  m.preds_rows = b.preds_rows;
+  m.graph_predictor = b.predictor_kind;
+  m.max_seq = b.max_seq;
+  Runner runner(m, exec, *store, kernel, host.weight.empty() ? nullptr : &host);
+
+  RunConfig cfg;
+  if (!a.policy.empty()) {
+    auto plus = a.policy.find('+');
+    cfg.predictor = a.policy.substr(0, plus);
+    cfg.eviction = plus == std::string::npos ? "lru" : a.policy.substr(plus + 1);
+  }
+  cfg.pool_mib = std::isnan(a.pool_mib) ? b.pool_mib : a.pool_mib;
+  cfg.window = a.window > 0 ? a.window : b.scheduler.window;
+  cfg.queue_depth = a.queue_depth > 0 ? a.queue_depth : b.scheduler.queue_depth;
+  cfg.min_confidence = std::isnan(a.min_confidence) ? b.scheduler.min_confidence : a.min_confidence;
+  cfg.floor = std::isnan(a.floor) ? b.scheduler.floor : a.floor;
+  cfg.step_budget_kib = a.step_budget_kib > 0 ? a.step_budget_kib
+                        : b.scheduler.step_budget_bytes > 0 ? b.scheduler.step_budget_bytes / 1024 : -1;
+  cfg.lanes = a.lanes;
+  cfg.verify = a.verify;
+  if (cfg.eviction != "lru" && cfg.eviction != "lfu" && cfg.eviction != "prediction" && cfg.eviction != "belady")
+    throw Error("--policy " + a.policy + ": unknown eviction '" + cfg.eviction + "'; choose from lru, lfu, prediction, belady");
+  runner.configure(cfg);
+
+  std::vector<std::vector<std::vector<int>>> recorded;
+  if (!a.routing.empty())
+    recorded = read_routing(a.routing, a.prompts.size(), m.L(), m.routing.top_k, m.routing.num_experts);
+  const double setup_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t_start).count();
+
+  EventLog log;
+  json runs = json::array();
+  for (size_t p = 0; p < a.prompts.size(); ++p) {
+    Generation g = runner.run(a.prompts[p], a.max_new, a.events_out.empty() ? nullptr : &log,
+                              recorded.empty() ? nullptr : &recorded[p]);
+    json r;
+    r["prompt_ids"] = a.prompts[p];
+    r["source"] = a.bundle;
+    r["tokens"] = g.tokens;
+    for (auto& [key, v] : g.stats.items()) r[key] = v;
+    r["direct_io"] = store->direct();
+    r["prefill_ms"] = g.prefill_ms;
+    r["first_token_ms"] = g.first_token_ms;
+    r["stall_ms"] = g.stall_ms;
+    r["bytes_read"] = g.bytes_read;
+    r["routing"] = g.routing;
+    runs.push_back(r);
+    std::fprintf(stderr, "%s: TTFT %.1f ms, TPOT %s ms, stall %s ms/token, hit rate %.3f, %.1f MiB read\n",
+                 cfg.name().c_str(), r["ttft_ms"].get<double>(),
+                 r["tpot_ms"].is_null() ? "n/a" : std::to_string(r["tpot_ms"].get<double>()).c_str(),
+                 r["stall_ms_per_token"].get<double>() >= 0 ? std::to_string(r["stall_ms_per_token"].get<double>()).c_str() : "n/a",
+                 r["hit_rate"].get<double>(), r["mib_read"].get<double>());
+  }
+  json out;
+  out["engine"] = "native";
+  out["policy"] = cfg.name();
+  out["runs"] = runs;
+  out["peak_rss_bytes"] = peak_rss_bytes();
+  out["load_ms"] = exec.load_ms;
+  out["setup_ms"] = setup_ms;
+  out["kernel_isa"] = isa_name(kernel.isa());
+  out["direct_io"] = store->direct();
+  out["io_note"] = store->io_note();
+  out["pool_mib"] = cfg.pool_mib;
+  out["arena_bytes"] = static_cast<int64_t>(cfg.budget_bytes() / static_cast<int64_t>(store->slot_bytes)) *
+                       static_cast<int64_t>(store->slot_bytes);
+  if (!a.json_out.empty()) write_file_atomic(a.json_out, out.dump(1) + "\n");
+  else std::cout << out.dump(1) << "\n";
+  if (!a.events_out.empty()) log.write(a.events_out);
+  return 0;
+}
+
+}  // namespace
+}  // namespace spx
+
+int main(int argc, char** argv) {
+  try {
+    return spx::main_(argc, argv);
+  } catch (const spx::Error& e) {
+    std::fprintf(stderr, "specprefetch-runner: error: %s\n", e.what());
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "specprefetch-runner: internal error: %s\n", e.what());
+    return 3;
+  }
+}

@@ -1,0 +1,114 @@
+#include "planner.h"
+
+#include <algorithm>
+
+#include "common.h"
+#include "scheduler.h"
+
+namespace spx {
+
+void RoutingState::record(int li, const float* x, const std::vector<int>& chosen) {
+  std::copy(x, x + H, hidden.begin() + static_cast<size_t>(li) * H);
+  std::copy(chosen.begin(), chosen.end(), ids.begin() + static_cast<size_t>(li) * k);
+}
+
+Planner::Planner(Source source, int num_layers, int window, const RoutingRule& routing, const HostRouters* host,
+                 const std::map<int, std::vector<int>>& preds_rows, int hidden)
+    : source_(source), L_(num_layers), W_(window), H_(hidden), E_(routing.num_experts), routing_(routing),
+      host_(host), rows_(preds_rows) {
+  if ((source == Source::next_gate || source == Source::fate) && (host == nullptr || host->weight.empty()))
+    throw Error("host next-gate / fate prediction needs the bundle's router weights (host.safetensors)");
+}
+
+const float* Planner::score_bias(int j) const {
+  if (host_ == nullptr || host_->score_bias.empty()) return nullptr;
+  return host_->score_bias.data() + static_cast<size_t>(j) * E_;
+}
+
+std::vector<float> Planner::host_logits(int src, int j, const RoutingState& state) const {
+  std::vector<float> out(E_);
+  const float* x = state.hidden.data() + static_cast<size_t>(src) * H_;
+  const float* w = host_->weight.data() + static_cast<size_t>(j) * E_ * H_;
+  for (int e = 0; e < E_; ++e) {
+    const float* row = w + static_cast<size_t>(e) * H_;
+    float acc = 0.0f;
+    for (int i = 0; i < H_; ++i) acc += row[i] * x[i];
+    out[e] = acc + (host_->bias.empty() ? 0.0f : host_->bias[static_cast<size_t>(j) * E_ + e]);
+  }
+  return out;
+}
+
+void Planner::plan(WindowScheduler& sched, int li, int64_t step, const RoutingState& state,
+                   const std::vector<float>& preds, int64_t end) const {
+  const int W = static_cast<int>(std::min<int64_t>(W_, end - 1 - step));
+  if (source_ == Source::none || W < 1) {
+    sched.plan_probs(step, {}, {});
+    return;
+  }
+  std::vector<int64_t> targets;
+  std::vector<std::vector<float>> rows;
+  if (source_ == Source::graph) {
+    auto it = rows_.find(li);
+    if (it == rows_.end() || it->second.empty()) {  // no heads for this layer: nothing to plan
+      sched.plan_probs(step, {}, {});
+      return;
+    }
+    const auto& hs = it->second;
+    if (preds.size() != hs.size() * static_cast<size_t>(E_))
+      throw Error("MoE layer " + std::to_string(li) + ": the layer graph returned " + std::to_string(preds.size()) +
+                  " prediction values, expected " + std::to_string(hs.size() * E_));
+    for (int h = 1; h <= W; ++h) {
+      auto r = std::find(hs.begin(), hs.end(), h);
+      if (r == hs.end()) continue;
+      const float* logits = preds.data() + static_cast<size_t>(r - hs.begin()) * E_;
+      targets.push_back(step + h);
+      if (routing_.plain()) {
+        rows.emplace_back(logits, logits + E_);
+        softmax(rows.back().data(), E_);
+      } else {
+        rows.push_back(selection_scores(logits, routing_, score_bias((li + h) % L_)));
+      }
+    }
+    if (routing_.plain())
+      sched.plan_probs(step, targets, rows);
+    else
+      sched.plan(step, targets, rows);
+    return;
+  }
+  if (source_ == Source::next_gate || source_ == Source::fate) {
+    const int src = source_ == Source::fate ? std::max(0, li - 1) : li;
+    for (int h = 1; h <= W; ++h) {
+      const int j = (li + h) % L_;
+      auto logits = host_logits(src, j, state);
+      targets.push_back(step + h);
+      if (routing_.plain()) {
+        softmax(logits.data(), E_);
+        rows.push_back(std::move(logits));
+      } else {
+        rows.push_back(selection_scores(logits.data(), routing_, score_bias(j)));
+      }
+    }
+    if (routing_.plain())
+      sched.plan_probs(step, targets, rows);
+    else
+      sched.plan(step, targets, rows);
+    return;
+  }
+  // oracle: the recorded routing of this position and the next; rank k..1 in the router's order
+  const auto* fut = state.future;
+  const int k = state.k;
+  std::vector<int> cur = state.ids, next(static_cast<size_t>(L_) * k, 0);
+  if (fut != nullptr && state.pos < static_cast<int>(fut->size())) cur = (*fut)[state.pos];
+  if (fut != nullptr && state.pos + 1 < static_cast<int>(fut->size())) next = (*fut)[state.pos + 1];
+  for (int h = 1; h <= W; ++h) {
+    const int j = li + h;
+    const int* ids = j < L_ ? cur.data() + static_cast<size_t>(j) * k : next.data() + static_cast<size_t>(j - L_) * k;
+    std::vector<float> s(E_, 0.0f);
+    for (int r = 0; r < k; ++r) s[ids[r]] = static_cast<float>(k - r);
+    targets.push_back(step + h);
+    rows.push_back(std::move(s));
+  }
+  sched.plan(step, targets, rows);
+}
+
+}  // namespace spx

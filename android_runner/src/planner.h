@@ -1,0 +1,64 @@
+// The prefetch planner (toolkit/runtime/planner.py): a MoE layer's predictions turned into the
+// scheduler's window of target steps. Sources: the layer graph's preds rows (the adapter's heads
+// or next-gate heads exported into the program: what the phone runs), host next-gate / FATE
+// (the routers of host.safetensors applied to a router input), the oracle (recorded routing), or
+// none (on-demand). Every score goes through the family's selection rule.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "routing.h"
+
+namespace spx {
+
+class WindowScheduler;
+
+// What host predictors may see: this position's router inputs and choices, the previous
+// position's choices, and (the oracle only) the recorded future.
+struct RoutingState {
+  RoutingState(int num_layers, int hidden, int top_k)
+      : L(num_layers), H(hidden), k(top_k), hidden(static_cast<size_t>(num_layers) * hidden),
+        ids(static_cast<size_t>(num_layers) * top_k) {}
+  void record(int li, const float* x, const std::vector<int>& chosen);
+  void next_position() { ++pos; }
+  int L, H, k;
+  std::vector<float> hidden;  // [L, H]
+  std::vector<int> ids;       // [L, k]
+  int pos = 0;
+  const std::vector<std::vector<int>>* future = nullptr;  // per position [L * k]
+};
+
+enum class Source { none, graph, next_gate, fate, oracle };
+
+struct HostRouters {      // from host.safetensors
+  std::vector<float> weight;      // [L, E, H]
+  std::vector<float> bias;        // [L, E] logit bias, or empty
+  std::vector<float> score_bias;  // [L, E] selection bias, or empty
+};
+
+class Planner {
+ public:
+  // preds_rows: MoE layer position -> the horizons of its preds rows, in row order.
+  Planner(Source source, int num_layers, int window, const RoutingRule& routing, const HostRouters* host,
+          const std::map<int, std::vector<int>>& preds_rows, int hidden);
+
+  // Queue the window's reads after MoE layer li's graph ran; targets at or past `end` are not planned.
+  void plan(WindowScheduler& sched, int li, int64_t step, const RoutingState& state, const std::vector<float>& preds,
+            int64_t end) const;
+  bool active() const { return source_ != Source::none; }
+
+ private:
+  std::vector<float> host_logits(int src_layer, int j, const RoutingState& state) const;
+  const float* score_bias(int j) const;
+
+  Source source_;
+  int L_, W_, H_, E_;
+  RoutingRule routing_;
+  const HostRouters* host_;
+  std::map<int, std::vector<int>> rows_;
+};
+
+}  // namespace spx

@@ -1,0 +1,85 @@
+// The bounded DRAM pool (toolkit/runtime/pool.py): one 4 KiB-aligned arena of fixed-size expert
+// slots inside a hard byte budget, with the reference's eviction policies (lru, lfu, prediction,
+// belady) and the same tie-breaking, so both runners evict the same experts.
+//
+// A slot is free, loading (a read is in flight into it; `landed` false), or ready; it is pinned
+// (pins > 0) while the layer computing with it runs. Pinned and not-yet-ready slots are never
+// evicted. `ready` is the scheduler's logical state (decisions); `landed` is physical (waits).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <limits>
+#include <map>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "common.h"
+
+namespace spx {
+
+class EventLog;
+
+struct Slot {
+  Key key;
+  int index = -1;           // slot number in the arena
+  bool ready = false;
+  int pins = 0;
+  int64_t last_use = -1;
+  int64_t uses = 0;
+  bool prefetched = false;  // filled by a prefetch and not yet used
+  bool landed = false;      // the read's bytes are in the slot
+  bool demand = false;      // read on demand (its wait is a miss's, not a late hit's)
+};
+
+class ExpertPool {
+ public:
+  static constexpr double kNever = std::numeric_limits<double>::infinity();
+  using NextUse = std::function<double(Key, int64_t)>;
+
+  // capacity = budget / slot_bytes, capped at `max_slots` (every expert of the model) for the
+  // arena's size; fewer than min_slots (one layer's top-k) is an error naming --pool-mib.
+  ExpertPool(int64_t budget_bytes, int64_t slot_bytes, const std::string& policy, int min_slots, int max_slots,
+             NextUse next_use = nullptr);
+  ~ExpertPool();
+  ExpertPool(const ExpertPool&) = delete;
+  ExpertPool& operator=(const ExpertPool&) = delete;
+
+  int64_t capacity() const { return capacity_; }
+  int64_t budget_bytes() const { return budget_bytes_; }
+  int64_t slot_bytes() const { return slot_bytes_; }
+  int64_t used_bytes() const { return static_cast<int64_t>(slots_.size()) * slot_bytes_; }
+  int64_t arena_bytes() const { return arena_slots_ * slot_bytes_; }
+  const std::string& policy() const { return policy_; }
+
+  Slot* get(Key key);
+  void touch(Slot& s, int64_t now);
+  // A new loading slot for `key`, evicting if needed; nullptr if nothing may be evicted, or if
+  // keep(victim) vetoes the eviction.
+  Slot* reserve(Key key, int64_t now, bool prefetch, const std::set<Key>& protect,
+                const std::function<bool(Key)>& keep = nullptr);
+  void settle();  // forget which slots came from a prefetch not yet used (decode figures start)
+  void evict(Key key, const Key* for_key);
+  uint8_t* data(const Slot& s) const { return arena_ + static_cast<size_t>(s.index) * slot_bytes_; }
+  const std::map<Key, Slot>& slots() const { return slots_; }
+
+  int64_t peak_bytes = 0;
+  int64_t evictions = 0;
+  int64_t wasted_prefetches = 0;
+  std::function<void(Key)> on_evict;          // e.g. wait for the slot's read to land
+  EventLog* events = nullptr;
+  const std::map<Key, int64_t>* predicted = nullptr;  // "prediction": the scheduler's next-use table
+  NextUse next_use;
+
+ private:
+  bool victim(int64_t now, const std::set<Key>& protect, Key& out) const;
+
+  int64_t budget_bytes_, slot_bytes_, capacity_, arena_slots_;
+  std::string policy_;
+  std::map<Key, Slot> slots_;
+  std::vector<int> free_;
+  uint8_t* arena_ = nullptr;
+};
+
+}  // namespace spx

@@ -1,0 +1,101 @@
+// The token generator: one decode loop over the program's step graphs, experts through the pool
+// (a port of toolkit/runtime/runner.py, in the style of ExecuTorch's TextTokenGenerator: it uses,
+// and does not own, the executor, the store and the kernels). Per position:
+//
+//   h = embed(token)
+//   for each decoder layer:
+//     dense layer:  h = layer(h, pos)
+//     MoE layer i:  h_res, x, logits[, preds] = layer(h, pos)      step s = pos * L + i
+//                   w, ids = select(logits)            the family's rule
+//                   acquire(s, ids)                    hits pinned; misses read on demand, first
+//                   plan(s + 1 .. s + W)               prefetches from preds / a host predictor
+//                   y = sum_j w_j * expert(x, slot(ids_j))   waiting for bytes still in flight
+//                   release(s, ids); h = h_res + y
+//   token = argmax(head(h))
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "planner.h"
+#include "routing.h"
+
+namespace spx {
+
+class EventLog;
+class Executor;
+class ExpertKernel;
+class ExpertStore;
+
+struct ModelInfo {
+  int num_layers = 0;
+  std::vector<int> moe_layers;
+  RoutingRule routing;
+  int hidden = 0;
+  int vocab = 0;
+  std::vector<int> eos_token_ids;
+  std::map<int, std::vector<int>> preds_rows;  // MoE layer position -> horizons, row order
+  std::string graph_predictor;                 // which predictor the preds rows are (adapter / next-gate)
+  int max_seq = 0;
+  int L() const { return static_cast<int>(moe_layers.size()); }
+};
+
+struct RunConfig {
+  std::string predictor = "adapter";
+  std::string eviction = "prediction";
+  double pool_mib = 8.0;
+  int window = 2;
+  int queue_depth = 4;
+  double min_confidence = 0.02;
+  double floor = 0.0;
+  int64_t step_budget_kib = -1;
+  int lanes = 0;       // read threads (0: queue_depth + 1)
+  bool verify = true;  // CRC every blob read
+  std::string name() const { return predictor + "+" + eviction; }
+  bool needs_future() const { return predictor == "oracle" || eviction == "belady"; }
+  int64_t budget_bytes() const { return static_cast<int64_t>(pool_mib * 1048576.0); }
+};
+
+struct Generation {
+  std::vector<int> tokens;
+  std::vector<std::vector<int>> routing;  // per position [L * k]
+  nlohmann::ordered_json stats;          // the keys of `specprefetch run`
+  std::vector<double> stall_ms;           // per decode token
+  std::vector<int64_t> bytes_read;        // per decode token
+  double prefill_ms = 0;                  // the prompt's positions before the last one's head
+  double first_token_ms = 0;              // = TTFT
+};
+
+class Runner {
+ public:
+  Runner(const ModelInfo& model, Executor& exec, const ExpertStore& store, const ExpertKernel& kernel,
+         const HostRouters* host);
+
+  void configure(const RunConfig& cfg);  // checked: a bad configuration throws and changes nothing
+  const RunConfig& config() const { return cfg_; }
+  std::vector<std::string> predictors() const;
+
+  // Greedy decoding of up to max_new tokens (stopping after EOS). `future`: a recorded run's
+  // routing (oracle / Belady); `events`: a log to append every decision to.
+  Generation generate(const std::vector<int>& prompt, int max_new, const std::vector<std::vector<int>>* future,
+                      EventLog* events);
+  // `generate` with the recorded first pass the policy needs (oracle, Belady), unless given.
+  Generation run(const std::vector<int>& prompt, int max_new, EventLog* events,
+                 const std::vector<std::vector<int>>* recorded = nullptr);
+
+ private:
+  Source source_of(const std::string& predictor) const;
+
+  ModelInfo m_;
+  Executor& exec_;
+  const ExpertStore& store_;
+  const ExpertKernel& kernel_;
+  const HostRouters* host_;
+  RunConfig cfg_;
+};
+
+}  // namespace spx

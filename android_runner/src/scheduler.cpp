@@ -1,0 +1,260 @@
+#include "scheduler.h"
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+
+#include "events.h"
+#include "routing.h"
+
+namespace spx {
+
+using Clock = std::chrono::steady_clock;
+
+SchedulerStats SchedulerStats::minus(const SchedulerStats& o) const {
+  SchedulerStats r;
+  r.requests = requests - o.requests;
+  r.hits = hits - o.hits;
+  r.prefetch_hits = prefetch_hits - o.prefetch_hits;
+  r.late = late - o.late;
+  r.misses = misses - o.misses;
+  r.prefetch_issued = prefetch_issued - o.prefetch_issued;
+  r.dropped_stale = dropped_stale - o.dropped_stale;
+  r.dropped_low_conf = dropped_low_conf - o.dropped_low_conf;
+  r.dropped_no_slot = dropped_no_slot - o.dropped_no_slot;
+  r.bytes_read = bytes_read - o.bytes_read;
+  r.wait_s = wait_s - o.wait_s;
+  return r;
+}
+
+WindowScheduler::WindowScheduler(ExpertPool& pool, IOBackend& io, const SchedulerConfig& cfg, int num_layers,
+                                 int top_k, EventLog* events)
+    : pool_(pool), io_(io), cfg_(cfg), L_(num_layers), k_(top_k), events_(events) {
+  if (pool.policy() == "prediction") pool.predicted = &predicted_next_;
+  pool.on_evict = [this](Key key) { evicting(key); };
+  pool.events = events;
+}
+
+void WindowScheduler::emit(const char* kind, Key key, const std::string& extra) {
+  if (events_ != nullptr) events_->emit(kind, key, extra);
+}
+
+bool WindowScheduler::loading_has(Key key) const {
+  for (const auto& kv : loading_)
+    if (kv.first == key) return true;
+  return false;
+}
+
+void WindowScheduler::loading_erase(Key key) {
+  for (auto it = loading_.begin(); it != loading_.end(); ++it)
+    if (it->first == key) {
+      loading_.erase(it);
+      return;
+    }
+}
+
+double WindowScheduler::next_predicted_use(Key key, int64_t now) const {
+  auto it = predicted_next_.find(key);
+  return (it != predicted_next_.end() && it->second >= now) ? static_cast<double>(it->second)
+                                                             : ExpertPool::kNever;
+}
+
+void WindowScheduler::retire(int64_t step) {
+  std::vector<std::pair<Key, int64_t>> keep;
+  for (const auto& kv : loading_) {
+    if (kv.second < step) {
+      pool_.get(kv.first)->ready = true;
+      emit("ready", kv.first);
+    } else {
+      keep.push_back(kv);
+    }
+  }
+  loading_.swap(keep);
+}
+
+void WindowScheduler::wait(Key key) {
+  auto t0 = Clock::now();
+  io_.wait(key);
+  stats.wait_s += std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+void WindowScheduler::evicting(Key key) {
+  Slot* s = pool_.get(key);
+  if (!s->landed && !io_.landed(key)) wait(key);
+  io_.release(key);
+}
+
+const uint8_t* WindowScheduler::data(Key key) {
+  Slot* s = pool_.get(key);
+  if (!s->landed) {
+    if (!io_.landed(key)) {
+      if (!s->demand) stats.late += 1;  // a hit whose read is still on its way
+      wait(key);
+    }
+    s->landed = true;
+  }
+  return pool_.data(*s);
+}
+
+void WindowScheduler::plan(int64_t step, const std::vector<int64_t>& targets,
+                           std::vector<std::vector<float>> scores) {
+  std::vector<int64_t> ts;
+  std::vector<std::vector<float>> probs;
+  for (size_t w = 0; w < scores.size(); ++w) {
+    auto& s = scores[w];
+    bool any = false, nonneg = true;
+    float sum = 0.0f;
+    for (float v : s) {
+      any = any || v != 0.0f;
+      nonneg = nonneg && v >= 0.0f;
+      sum += v;
+    }
+    if (!any) continue;
+    if (nonneg && sum > 0.0f) {
+      float d = std::max(sum, 1e-20f);
+      for (auto& v : s) v = v / d;
+    } else {
+      softmax(s.data(), static_cast<int>(s.size()));
+    }
+    ts.push_back(targets[w]);
+    probs.push_back(std::move(s));
+  }
+  plan_probs(step, ts, probs);
+}
+
+void WindowScheduler::plan_probs(int64_t step, const std::vector<int64_t>& targets,
+                                 const std::vector<std::vector<float>>& probs) {
+  step_ = step;
+  step_bytes_ = 0;
+  if (!cfg_.prefetch || probs.empty()) {
+    pump();
+    return;
+  }
+  const int m = cfg_.candidates > 0 ? cfg_.candidates : k_;
+  for (size_t w = 0; w < targets.size(); ++w) {
+    const int64_t target = targets[w];
+    const int layer = static_cast<int>(target % L_);
+    for (int e : topk(probs[w], m)) {
+      const double c = probs[w][e];
+      if (c <= 0 || c < cfg_.floor) continue;
+      const Key key{layer, e};
+      auto pn = predicted_next_.find(key);
+      if (pn == predicted_next_.end() || pn->second < step || target < pn->second) predicted_next_[key] = target;
+      if (loading_has(key) || pool_.get(key) != nullptr) continue;
+      auto old = pending_.find(key);
+      if (old != pending_.end() &&
+          std::make_pair(old->second.first, -old->second.second) <= std::make_pair(target, -c))
+        continue;
+      pending_[key] = {target, c};
+      queue_.emplace_back(target, -c, seq_++, key);
+      std::push_heap(queue_.begin(), queue_.end(), std::greater<Item>());
+    }
+  }
+  pump();
+}
+
+void WindowScheduler::pump(const std::set<Key>& protect) {
+  while (!queue_.empty()) {
+    const auto [deadline, negc, sq, key] = queue_.front();
+    auto pend = pending_.find(key);
+    if (pend == pending_.end() || pend->second != std::make_pair(deadline, -negc)) {
+      std::pop_heap(queue_.begin(), queue_.end(), std::greater<Item>());
+      queue_.pop_back();  // superseded entry
+      continue;
+    }
+    if (deadline <= step_) {
+      std::pop_heap(queue_.begin(), queue_.end(), std::greater<Item>());
+      queue_.pop_back();
+      pending_.erase(key);
+      stats.dropped_stale += 1;
+      emit("drop", key, " reason=stale target=" + std::to_string(deadline));
+      continue;
+    }
+    const bool budget_left = cfg_.step_budget_bytes < 0 || step_bytes_ + pool_.slot_bytes() <= cfg_.step_budget_bytes;
+    if (static_cast<int>(loading_.size()) >= cfg_.queue_depth || !budget_left) {
+      drop_weak();
+      return;
+    }
+    std::pop_heap(queue_.begin(), queue_.end(), std::greater<Item>());
+    queue_.pop_back();
+    pending_.erase(key);
+    if (loading_has(key) || pool_.get(key) != nullptr) continue;
+    const int64_t now = step_;
+    const int64_t dl = deadline;
+    Slot* slot = pool_.reserve(key, now, true, protect,
+                               [this, now, dl](Key v) { return next_predicted_use(v, now) <= dl; });
+    if (slot == nullptr) {
+      stats.dropped_no_slot += 1;
+      emit("drop", key, " reason=no_slot target=" + std::to_string(deadline));
+      continue;
+    }
+    loading_.emplace_back(key, step_);
+    io_.submit(key, pool_.data(*slot), false);
+    stats.prefetch_issued += 1;
+    stats.bytes_read += pool_.slot_bytes();
+    step_bytes_ += pool_.slot_bytes();
+    emit("prefetch", key, " target=" + std::to_string(deadline) + " conf=" + EventLog::fixed(-negc, 4));
+  }
+}
+
+void WindowScheduler::drop_weak() {
+  std::vector<Item> items = queue_;
+  std::sort(items.begin(), items.end());
+  std::vector<Item> keep;
+  for (const auto& item : items) {
+    const auto& [deadline, negc, sq, key] = item;
+    auto pend = pending_.find(key);
+    if (pend == pending_.end() || pend->second != std::make_pair(deadline, -negc)) continue;
+    if (-negc < cfg_.min_confidence) {
+      pending_.erase(pend);
+      stats.dropped_low_conf += 1;
+      emit("drop", key, " reason=low_confidence target=" + std::to_string(deadline));
+    } else {
+      keep.push_back(item);
+    }
+  }
+  std::make_heap(keep.begin(), keep.end(), std::greater<Item>());
+  queue_.swap(keep);
+}
+
+void WindowScheduler::acquire(int64_t step, const std::vector<Key>& keys) {
+  step_ = step;
+  retire(step);
+  const std::set<Key> need(keys.begin(), keys.end());
+  for (const Key& key : keys) {
+    stats.requests += 1;
+    Slot* slot = pool_.get(key);
+    if (slot != nullptr) {
+      if (!slot->ready) {  // prefetched this very step
+        loading_erase(key);
+        slot->ready = true;
+      }
+      stats.hits += 1;
+      stats.prefetch_hits += slot->prefetched ? 1 : 0;
+      emit("hit", key, std::string(" prefetched=") + (slot->prefetched ? "1" : "0"));
+    } else {
+      stats.misses += 1;
+      pending_.erase(key);
+      slot = pool_.reserve(key, step, false, need);
+      if (slot == nullptr)
+        throw std::logic_error("pool has no evictable slot for a demand read (every slot pinned)");
+      slot->ready = true;
+      slot->demand = true;
+      io_.submit(key, pool_.data(*slot), true);
+      stats.bytes_read += pool_.slot_bytes();
+      emit("miss", key);
+    }
+    slot->pins += 1;
+  }
+}
+
+void WindowScheduler::release(int64_t step, const std::vector<Key>& keys) {
+  for (const Key& key : keys) {
+    Slot* s = pool_.get(key);
+    s->pins -= 1;
+    pool_.touch(*s, step);
+  }
+  pump();
+}
+
+}  // namespace spx

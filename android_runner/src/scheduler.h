@@ -1,0 +1,101 @@
+// The windowed prefetch scheduler, a port of toolkit/runtime/scheduler.py with the same decisions.
+//
+// Steps are (position, MoE layer) pairs s = position * L + layer. At step s the planner hands in
+// scored expert sets for steps s+1 .. s+W; their top candidates become read requests with a
+// deadline (their step) and a confidence, queued by (deadline, -confidence, arrival). Reads are
+// issued while the step's queue has room (queue_depth) and its byte budget lasts; a full queue
+// drops requests below min_confidence; stale requests (deadline reached) are always dropped. A
+// prefetch gets a slot only by evicting an expert not predicted to be needed sooner. A miss is
+// read on demand, ahead of every prefetch.
+//
+// Decisions never depend on read timing: a prefetch issued at step s is logically complete from
+// step s+1 (a hit, an eviction candidate, out of the queue's count). Physical completion only
+// decides how long `data()` waits, and that wait is the stall reported.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <set>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "common.h"
+#include "pool.h"
+
+namespace spx {
+
+class EventLog;
+
+// Where reads go (the Reader's pread lanes, or a test's fake).
+class IOBackend {
+ public:
+  virtual ~IOBackend() = default;
+  virtual void submit(Key key, void* dst, bool demand) = 0;
+  virtual bool landed(Key key) = 0;  // never blocks
+  virtual void wait(Key key) = 0;    // blocks until the bytes are in dst
+  virtual void release(Key key) = 0; // the pool dropped the key
+};
+
+struct SchedulerConfig {
+  int candidates = 0;               // experts per predicted step (0: top-k)
+  int queue_depth = 4;
+  int64_t step_budget_bytes = -1;   // prefetch bytes issued per step (-1: unbounded)
+  double min_confidence = 0.02;
+  double floor = 0.0;
+  bool prefetch = true;
+};
+
+struct SchedulerStats {
+  int64_t requests = 0, hits = 0, prefetch_hits = 0, late = 0, misses = 0, prefetch_issued = 0;
+  int64_t dropped_stale = 0, dropped_low_conf = 0, dropped_no_slot = 0, bytes_read = 0;
+  double wait_s = 0.0;
+  SchedulerStats minus(const SchedulerStats& o) const;
+};
+
+class WindowScheduler {
+ public:
+  WindowScheduler(ExpertPool& pool, IOBackend& io, const SchedulerConfig& cfg, int num_layers, int top_k,
+                  EventLog* events);
+
+  // Make `keys` resident and pinned for `step`; misses are read on demand, first in line.
+  void acquire(int64_t step, const std::vector<Key>& keys);
+  void release(int64_t step, const std::vector<Key>& keys);
+  // The slot's bytes, waiting for its read to land if it has not.
+  const uint8_t* data(Key key);
+  // Queue reads from probabilities: probs[w] has E values for the step targets[w].
+  void plan_probs(int64_t step, const std::vector<int64_t>& targets, const std::vector<std::vector<float>>& probs);
+  // Scores (non-negative ones normalised to sum 1, others softmaxed; all-zero rows skipped).
+  void plan(int64_t step, const std::vector<int64_t>& targets, std::vector<std::vector<float>> scores);
+
+  double next_predicted_use(Key key, int64_t now) const;
+  SchedulerStats stats;
+
+ private:
+  using Item = std::tuple<int64_t, double, int64_t, Key>;  // (deadline, -confidence, seq, key)
+  void retire(int64_t step);
+  void pump(const std::set<Key>& protect = {});
+  void drop_weak();
+  void wait(Key key);
+  void evicting(Key key);
+  void emit(const char* kind, Key key, const std::string& extra = "");
+  bool loading_has(Key key) const;
+  void loading_erase(Key key);
+
+  ExpertPool& pool_;
+  IOBackend& io_;
+  SchedulerConfig cfg_;
+  int L_, k_;
+  EventLog* events_;
+  std::vector<Item> queue_;                             // a min-heap
+  std::map<Key, std::pair<int64_t, double>> pending_;   // queued key -> (deadline, confidence)
+  std::vector<std::pair<Key, int64_t>> loading_;        // prefetch in flight -> issue step, in issue order
+  std::map<Key, int64_t> predicted_next_;
+  int64_t seq_ = 0;
+  int64_t step_ = 0;
+  int64_t step_bytes_ = 0;
+};
+
+}  // namespace spx

@@ -1,0 +1,92 @@
+#include "stats.h"
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <sstream>
+
+namespace spx {
+
+using json = nlohmann::ordered_json;
+static constexpr double MiB = 1048576.0;
+
+static json num(double v, int digits) {  // round like Python's round(v, digits); non-finite -> null
+  if (!std::isfinite(v)) return nullptr;
+  const double p = std::pow(10.0, digits);
+  return std::nearbyint(v * p) / p;
+}
+
+double percentile(std::vector<double> v, double q) {
+  if (v.empty()) return NAN;
+  std::sort(v.begin(), v.end());
+  const double idx = q / 100.0 * static_cast<double>(v.size() - 1);
+  const size_t lo = static_cast<size_t>(std::floor(idx)), hi = static_cast<size_t>(std::ceil(idx));
+  return v[lo] + (v[hi] - v[lo]) * (idx - static_cast<double>(lo));
+}
+
+int64_t peak_rss_bytes() {
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.rfind("VmHWM:", 0) == 0) {
+      std::istringstream ss(line.substr(6));
+      int64_t kb = -1;
+      ss >> kb;
+      return kb * 1024;
+    }
+  }
+  return -1;
+}
+
+json counts_json(const SchedulerStats& s) {
+  return json{{"requests", s.requests},         {"hits", s.hits},
+              {"prefetch_hits", s.prefetch_hits}, {"late", s.late},
+              {"misses", s.misses},             {"prefetch_issued", s.prefetch_issued},
+              {"dropped_stale", s.dropped_stale}, {"dropped_low_conf", s.dropped_low_conf},
+              {"dropped_no_slot", s.dropped_no_slot}, {"bytes_read", s.bytes_read},
+              {"wait_s", s.wait_s}};
+}
+
+void DecodeAccount::start(const WindowScheduler& sched, ExpertPool& pool) {
+  pool.settle();
+  first_ = sched.stats;
+  wasted0_ = pool.wasted_prefetches;
+  evictions0_ = pool.evictions;
+  started_ = true;
+}
+
+json DecodeAccount::finish(const std::string& policy, const WindowScheduler& sched, const ExpertPool& pool,
+                           const std::vector<double>& t, double ttft_s) const {
+  const SchedulerStats d = sched.stats.minus(started_ ? first_ : SchedulerStats{});
+  int64_t unused = 0;
+  for (const auto& kv : pool.slots()) unused += kv.second.prefetched ? 1 : 0;
+  const int64_t wasted = pool.wasted_prefetches - wasted0_ + unused;
+  const int64_t decode_tokens = static_cast<int64_t>(t.size()) - 1;
+  const double n = static_cast<double>(std::max<int64_t>(decode_tokens, 1));
+  std::vector<double> iv;
+  for (size_t i = 1; i < t.size(); ++i) iv.push_back((t[i] - t[i - 1]) * 1e3);
+  const double tpot = t.size() > 1 ? (t.back() - t.front()) / static_cast<double>(t.size() - 1) * 1e3 : NAN;
+  auto ratio = [](double a, double b) { return b != 0 ? a / b : 0.0; };
+  return json{
+      {"policy", policy},
+      {"decode_tokens", decode_tokens},
+      {"ttft_ms", num(ttft_s * 1e3, 3)},
+      {"tpot_ms", num(tpot, 4)},
+      {"tpot_p50_ms", num(percentile(iv, 50), 4)},
+      {"tpot_p95_ms", num(percentile(iv, 95), 4)},
+      {"stall_ms_per_token", num(d.wait_s / n * 1e3, 4)},
+      {"hit_rate", num(ratio(d.hits, d.requests), 4)},
+      {"late_rate", num(ratio(d.late, d.requests), 4)},
+      {"mib_read", num(sched.stats.bytes_read / MiB, 4)},
+      {"mib_read_per_token", num(d.bytes_read / MiB / n, 4)},
+      {"prefetch_precision", num(ratio(d.prefetch_hits, d.prefetch_issued), 4)},
+      {"prefetch_recall", num(ratio(d.prefetch_hits, d.prefetch_hits + d.misses), 4)},
+      {"wasted_prefetch_mib", num(wasted * pool.slot_bytes() / MiB, 4)},
+      {"evictions", pool.evictions - evictions0_},
+      {"peak_pool_bytes", pool.peak_bytes},
+      {"budget_bytes", pool.budget_bytes()},
+      {"counts", counts_json(d)},
+  };
+}
+
+}  // namespace spx
