@@ -232,6 +232,7 @@ int main_(int argc, char** argv) {
   Runner runner(m, exec, *store, kernel, host.weight.empty() ? nullptr : &host);
 
   RunConfig cfg;
+  cfg.predictor = b.preds_rows.empty() ? "on-demand" : b.predictor_kind;  // the bundle's own heads by default
   if (!a.policy.empty()) {
     auto plus = a.policy.find('+');
     cfg.predictor = a.policy.substr(0, plus);

@@ -55,6 +55,8 @@ ExpertPool::NextUse belady(const std::vector<std::vector<int>>& future, int L, i
 Runner::Runner(const ModelInfo& model, Executor& exec, const ExpertStore& store, const ExpertKernel& kernel,
                const HostRouters* host)
     : m_(model), exec_(exec), store_(store), kernel_(kernel), host_(host) {
+  cfg_.predictor = "on-demand";  // always available; the caller configures its policy
+  cfg_.eviction = "lru";
   if (store.num_layers != m_.L() || store.num_experts != m_.routing.num_experts)
     throw Error(store.path + ": " + std::to_string(store.num_layers) + " layers x " +
                 std::to_string(store.num_experts) + " experts, the model has " + std::to_string(m_.L()) + " x " +

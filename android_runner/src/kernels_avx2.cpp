@@ -1,0 +1,226 @@
+// AVX2 expert kernels (x86-64 with AVX2, FMA, F16C): 8-wide float32 FMA, weights dequantised in
+// registers (fp16 via F16C, int8 and int4 via integer -> float conversion), four output rows at a
+// time so every x load serves four rows and four independent accumulator chains hide FMA latency.
+// Compiled with function-level target attributes: this file builds with default flags, and the
+// kernels only run where isa_supported(Isa::avx2) found the instructions at run time.
+#include "kernels_impl.h"
+
+#if defined(__x86_64__)
+
+#include <immintrin.h>
+
+#define SPX_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+namespace spx {
+namespace detail {
+namespace {
+
+// [sum(a0), sum(a1), sum(a2), sum(a3)]
+SPX_AVX2 inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  __m256 s01 = _mm256_hadd_ps(a0, a1);
+  __m256 s23 = _mm256_hadd_ps(a2, a3);
+  __m256 s = _mm256_hadd_ps(s01, s23);
+  return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+
+SPX_AVX2 inline float hsum(__m256 a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+SPX_AVX2 inline __m256 ld_f16(const uint8_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+SPX_AVX2 inline __m256 ld_i8(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// 8 int4 values (4 bytes, low nibble first) -> 8 exact floats: broadcast the 32-bit word, shift
+// nibble k down to the bottom of lane k, keep it (n); n ^ 8 = q + 8 in 0..15 for the signed value q.
+// Or'ed into the mantissa of 2^23 (bits 0x4B000000) that is the float 2^23 + q + 8, so subtracting
+// 2^23 + 8 gives q exactly. This keeps the integer work off the FMA ports (and, xor) where a
+// shift-left / arithmetic-shift-right / convert sequence would load them with three operations.
+SPX_AVX2 inline __m256 ld_i4(const uint8_t* p, __m256i shifts) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  __m256i n = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(v), shifts), _mm256_set1_epi32(0xF));
+  __m256i f = _mm256_xor_si256(n, _mm256_set1_epi32(0x4B000008));
+  return _mm256_sub_ps(_mm256_castsi256_ps(f), _mm256_set1_ps(8388616.0f));
+}
+
+SPX_AVX2 void avx2_f16(const uint8_t* w, const uint8_t*, int64_t out, int64_t in, const float* x, float* y) {
+  const int64_t in8 = in & ~int64_t(7);
+  const size_t rb = static_cast<size_t>(in) * 2;  // row bytes
+  int64_t r = 0;
+  for (; r + 4 <= out; r += 4) {
+    const uint8_t* p0 = w + static_cast<size_t>(r) * rb;
+    const uint8_t* p1 = p0 + rb;
+    const uint8_t* p2 = p1 + rb;
+    const uint8_t* p3 = p2 + rb;
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps(), b2 = _mm256_setzero_ps(), b3 = _mm256_setzero_ps();
+    int64_t c = 0;
+    for (; c + 16 <= in8; c += 16) {
+      __m256 xv = _mm256_loadu_ps(x + c), xw = _mm256_loadu_ps(x + c + 8);
+      a0 = _mm256_fmadd_ps(ld_f16(p0 + 2 * c), xv, a0);
+      a1 = _mm256_fmadd_ps(ld_f16(p1 + 2 * c), xv, a1);
+      a2 = _mm256_fmadd_ps(ld_f16(p2 + 2 * c), xv, a2);
+      a3 = _mm256_fmadd_ps(ld_f16(p3 + 2 * c), xv, a3);
+      b0 = _mm256_fmadd_ps(ld_f16(p0 + 2 * (c + 8)), xw, b0);
+      b1 = _mm256_fmadd_ps(ld_f16(p1 + 2 * (c + 8)), xw, b1);
+      b2 = _mm256_fmadd_ps(ld_f16(p2 + 2 * (c + 8)), xw, b2);
+      b3 = _mm256_fmadd_ps(ld_f16(p3 + 2 * (c + 8)), xw, b3);
+    }
+    if (c < in8) {
+      __m256 xv = _mm256_loadu_ps(x + c);
+      a0 = _mm256_fmadd_ps(ld_f16(p0 + 2 * c), xv, a0);
+      a1 = _mm256_fmadd_ps(ld_f16(p1 + 2 * c), xv, a1);
+      a2 = _mm256_fmadd_ps(ld_f16(p2 + 2 * c), xv, a2);
+      a3 = _mm256_fmadd_ps(ld_f16(p3 + 2 * c), xv, a3);
+    }
+    alignas(16) float t[4];
+    _mm_store_ps(t, hsum4(_mm256_add_ps(a0, b0), _mm256_add_ps(a1, b1), _mm256_add_ps(a2, b2), _mm256_add_ps(a3, b3)));
+    for (int64_t c = in8; c < in; ++c) {
+      t[0] += f16_to_f32(load_u16(p0 + 2 * c)) * x[c];
+      t[1] += f16_to_f32(load_u16(p1 + 2 * c)) * x[c];
+      t[2] += f16_to_f32(load_u16(p2 + 2 * c)) * x[c];
+      t[3] += f16_to_f32(load_u16(p3 + 2 * c)) * x[c];
+    }
+    y[r] = t[0], y[r + 1] = t[1], y[r + 2] = t[2], y[r + 3] = t[3];
+  }
+  for (; r < out; ++r) {
+    const uint8_t* p = w + static_cast<size_t>(r) * rb;
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    int64_t c = 0;
+    for (; c + 16 <= in8; c += 16) {
+      a0 = _mm256_fmadd_ps(ld_f16(p + 2 * c), _mm256_loadu_ps(x + c), a0);
+      a1 = _mm256_fmadd_ps(ld_f16(p + 2 * c + 16), _mm256_loadu_ps(x + c + 8), a1);
+    }
+    for (; c < in8; c += 8) a0 = _mm256_fmadd_ps(ld_f16(p + 2 * c), _mm256_loadu_ps(x + c), a0);
+    float t = hsum(_mm256_add_ps(a0, a1));
+    for (; c < in; ++c) t += f16_to_f32(load_u16(p + 2 * c)) * x[c];
+    y[r] = t;
+  }
+}
+
+SPX_AVX2 void avx2_i8(const uint8_t* w, const uint8_t* s, int64_t out, int64_t in, const float* x, float* y) {
+  const int64_t in8 = in & ~int64_t(7);
+  const size_t rb = static_cast<size_t>(in);
+  int64_t r = 0;
+  for (; r + 4 <= out; r += 4) {
+    const uint8_t* p0 = w + static_cast<size_t>(r) * rb;
+    const uint8_t* p1 = p0 + rb;
+    const uint8_t* p2 = p1 + rb;
+    const uint8_t* p3 = p2 + rb;
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps(), b2 = _mm256_setzero_ps(), b3 = _mm256_setzero_ps();
+    int64_t c = 0;
+    for (; c + 16 <= in8; c += 16) {
+      __m256 xv = _mm256_loadu_ps(x + c), xw = _mm256_loadu_ps(x + c + 8);
+      a0 = _mm256_fmadd_ps(ld_i8(p0 + c), xv, a0);
+      a1 = _mm256_fmadd_ps(ld_i8(p1 + c), xv, a1);
+      a2 = _mm256_fmadd_ps(ld_i8(p2 + c), xv, a2);
+      a3 = _mm256_fmadd_ps(ld_i8(p3 + c), xv, a3);
+      b0 = _mm256_fmadd_ps(ld_i8(p0 + (c + 8)), xw, b0);
+      b1 = _mm256_fmadd_ps(ld_i8(p1 + (c + 8)), xw, b1);
+      b2 = _mm256_fmadd_ps(ld_i8(p2 + (c + 8)), xw, b2);
+      b3 = _mm256_fmadd_ps(ld_i8(p3 + (c + 8)), xw, b3);
+    }
+    if (c < in8) {
+      __m256 xv = _mm256_loadu_ps(x + c);
+      a0 = _mm256_fmadd_ps(ld_i8(p0 + c), xv, a0);
+      a1 = _mm256_fmadd_ps(ld_i8(p1 + c), xv, a1);
+      a2 = _mm256_fmadd_ps(ld_i8(p2 + c), xv, a2);
+      a3 = _mm256_fmadd_ps(ld_i8(p3 + c), xv, a3);
+    }
+    alignas(16) float t[4];
+    _mm_store_ps(t, hsum4(_mm256_add_ps(a0, b0), _mm256_add_ps(a1, b1), _mm256_add_ps(a2, b2), _mm256_add_ps(a3, b3)));
+    for (int64_t c = in8; c < in; ++c) {
+      t[0] += static_cast<float>(static_cast<int8_t>(p0[c])) * x[c];
+      t[1] += static_cast<float>(static_cast<int8_t>(p1[c])) * x[c];
+      t[2] += static_cast<float>(static_cast<int8_t>(p2[c])) * x[c];
+      t[3] += static_cast<float>(static_cast<int8_t>(p3[c])) * x[c];
+    }
+    for (int k = 0; k < 4; ++k) y[r + k] = t[k] * f16_to_f32(load_u16(s + 2 * (r + k)));
+  }
+  for (; r < out; ++r) {
+    const uint8_t* p = w + static_cast<size_t>(r) * rb;
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    int64_t c = 0;
+    for (; c + 16 <= in8; c += 16) {
+      a0 = _mm256_fmadd_ps(ld_i8(p + c), _mm256_loadu_ps(x + c), a0);
+      a1 = _mm256_fmadd_ps(ld_i8(p + c + 8), _mm256_loadu_ps(x + c + 8), a1);
+    }
+    for (; c < in8; c += 8) a0 = _mm256_fmadd_ps(ld_i8(p + c), _mm256_loadu_ps(x + c), a0);
+    float t = hsum(_mm256_add_ps(a0, a1));
+    for (; c < in; ++c) t += static_cast<float>(static_cast<int8_t>(p[c])) * x[c];
+    y[r] = t * f16_to_f32(load_u16(s + 2 * r));
+  }
+}
+
+// One group of 32 inputs of one row: the unscaled dot product as an 8-lane vector.
+SPX_AVX2 inline __m256 group_dot(const uint8_t* b, __m256 x0, __m256 x1, __m256 x2, __m256 x3, __m256i sh) {
+  __m256 t = _mm256_mul_ps(ld_i4(b, sh), x0);
+  t = _mm256_fmadd_ps(ld_i4(b + 4, sh), x1, t);
+  t = _mm256_fmadd_ps(ld_i4(b + 8, sh), x2, t);
+  return _mm256_fmadd_ps(ld_i4(b + 12, sh), x3, t);
+}
+
+SPX_AVX2 void avx2_i4(const uint8_t* w, const uint8_t* s, int64_t out, int64_t in, const float* x, float* y) {
+  const int64_t groups = ceil_group(in) / kGroup;
+  const size_t rb = static_cast<size_t>(groups) * (kGroup / 2);  // row bytes
+  const size_t sb = static_cast<size_t>(groups) * 2;             // scale bytes per row
+  const __m256i sh = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+  int64_t r = 0;
+  for (; r + 4 <= out; r += 4) {
+    const uint8_t* p0 = w + static_cast<size_t>(r) * rb;
+    const uint8_t* s0 = s + static_cast<size_t>(r) * sb;
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* xg = x + g * kGroup;
+      __m256 x0 = _mm256_loadu_ps(xg), x1 = _mm256_loadu_ps(xg + 8), x2 = _mm256_loadu_ps(xg + 16),
+             x3 = _mm256_loadu_ps(xg + 24);
+      const uint8_t* b = p0 + g * (kGroup / 2);
+      const uint8_t* sc = s0 + 2 * g;
+      a0 = _mm256_fmadd_ps(group_dot(b, x0, x1, x2, x3, sh), _mm256_set1_ps(_cvtsh_ss(load_u16(sc))), a0);
+      a1 = _mm256_fmadd_ps(group_dot(b + rb, x0, x1, x2, x3, sh), _mm256_set1_ps(_cvtsh_ss(load_u16(sc + sb))), a1);
+      a2 = _mm256_fmadd_ps(group_dot(b + 2 * rb, x0, x1, x2, x3, sh),
+                           _mm256_set1_ps(_cvtsh_ss(load_u16(sc + 2 * sb))), a2);
+      a3 = _mm256_fmadd_ps(group_dot(b + 3 * rb, x0, x1, x2, x3, sh),
+                           _mm256_set1_ps(_cvtsh_ss(load_u16(sc + 3 * sb))), a3);
+    }
+    _mm_storeu_ps(y + r, hsum4(a0, a1, a2, a3));
+  }
+  for (; r < out; ++r) {
+    const uint8_t* p = w + static_cast<size_t>(r) * rb;
+    const uint8_t* sc = s + static_cast<size_t>(r) * sb;
+    __m256 a = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* xg = x + g * kGroup;
+      __m256 t = group_dot(p + g * (kGroup / 2), _mm256_loadu_ps(xg), _mm256_loadu_ps(xg + 8),
+                           _mm256_loadu_ps(xg + 16), _mm256_loadu_ps(xg + 24), sh);
+      a = _mm256_fmadd_ps(t, _mm256_set1_ps(_cvtsh_ss(load_u16(sc + 2 * g))), a);
+    }
+    y[r] = hsum(a);
+  }
+}
+
+}  // namespace
+
+KernelSet avx2_kernels() { return {avx2_f16, avx2_i8, avx2_i4}; }
+
+}  // namespace detail
+}  // namespace spx
+
+#else  // not x86-64
+
+namespace spx {
+namespace detail {
+KernelSet avx2_kernels() { return {}; }
+}  // namespace detail
+}  // namespace spx
+
+#endif

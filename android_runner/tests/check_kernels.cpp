@@ -1,0 +1,238 @@
+// check_kernels: runs the native expert kernels on blobs written by the Python toolkit, for the
+// kernel tests (tests/test_native_kernels.py) and for timing them.
+//
+//   check_kernels ISA LAYOUT.json BLOB.bin X.bin Y_OUT.bin
+//       Runs ExpertKernel::forward for each of the layout's `count` blobs (BLOB.bin holds them
+//       back to back, `stride` bytes apart) on the matching float32 vector of X.bin ([count, H]),
+//       writing the float32 outputs ([count, H]) to Y_OUT.bin.
+//   check_kernels --bench [--iters N] ISA|all LAYOUT.json BLOB.bin X.bin
+//       Times forward per ISA (every supported one for "all"): "hot" repeats blob 0 (cache
+//       resident), "cycle" walks all `count` blobs. Prints nanoseconds per expert.
+//   check_kernels --f16-table OUT.bin
+//       Writes the portable half -> float conversion of all 65536 bit patterns (float32, in order).
+//
+// ISA: portable, avx2, neon or best. LAYOUT.json: {"sections": [{role, kind, dtype, shape, offset,
+// nbytes}], "matrices": [{role, shape}], "family", "hidden_act", "swiglu_limit", "count", "stride"}.
+// Exit status: 0 ok, 1 error (message on stderr), 2 the ISA is not available on this CPU/build,
+// 64 usage.
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <iostream>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "kernels.h"
+#include "kernels_impl.h"
+
+namespace {
+
+using spx::Error;
+using spx::Isa;
+
+struct Layout {
+  std::vector<spx::Section> sections;
+  std::vector<spx::Matrix> matrices;
+  std::string family, hidden_act;
+  float swiglu_limit = 7.0f;
+  size_t count = 1, stride = 0;
+};
+
+std::string read_file(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) throw Error("cannot open " + path);
+  std::ostringstream s;
+  s << f.rdbuf();
+  return s.str();
+}
+
+Layout parse_layout(const std::string& path) {
+  Layout l;
+  try {
+    auto j = nlohmann::json::parse(read_file(path));
+    for (const auto& s : j.at("sections")) {
+      spx::Section sec;
+      sec.role = s.at("role").get<std::string>();
+      sec.kind = s.at("kind").get<std::string>();
+      sec.dtype = s.at("dtype").get<std::string>();
+      sec.shape = s.at("shape").get<std::vector<int64_t>>();
+      sec.offset = s.at("offset").get<size_t>();
+      sec.nbytes = s.at("nbytes").get<size_t>();
+      l.sections.push_back(sec);
+    }
+    for (const auto& m : j.at("matrices")) l.matrices.push_back({m.at("role"), m.at("shape")});
+    l.family = j.value("family", std::string("qwen3_moe"));
+    l.hidden_act = j.value("hidden_act", std::string("silu"));
+    l.swiglu_limit = j.value("swiglu_limit", 7.0f);
+    l.count = j.value("count", size_t(1));
+    l.stride = j.value("stride", size_t(0));
+  } catch (const nlohmann::json::exception& e) {
+    throw Error(path + ": bad layout JSON (" + e.what() + ")");
+  }
+  return l;
+}
+
+// 64-byte aligned copy of a file's bytes (blobs are 4 KiB aligned in the pool).
+struct Aligned {
+  std::unique_ptr<uint8_t, void (*)(void*)> p{nullptr, std::free};
+  size_t n = 0;
+};
+
+Aligned read_aligned(const std::string& path) {
+  std::string raw = read_file(path);
+  Aligned a;
+  a.n = raw.size();
+  a.p.reset(static_cast<uint8_t*>(std::aligned_alloc(64, (raw.size() + 63) / 64 * 64 + 64)));
+  if (!a.p) throw Error("out of memory reading " + path);
+  std::memcpy(a.p.get(), raw.data(), raw.size());
+  return a;
+}
+
+struct Inputs {
+  Layout layout;
+  Aligned blobs;
+  std::vector<float> x;
+};
+
+Inputs load(const std::string& layout_path, const std::string& blob_path, const std::string& x_path, int64_t hidden,
+            size_t blob_bytes) {
+  Inputs in;
+  in.layout = parse_layout(layout_path);
+  Layout& l = in.layout;
+  if (l.stride == 0) l.stride = blob_bytes;
+  if (l.stride < blob_bytes) throw Error(layout_path + ": stride " + std::to_string(l.stride) + " < blob size " +
+                                         std::to_string(blob_bytes));
+  in.blobs = read_aligned(blob_path);
+  if (in.blobs.n < (l.count - 1) * l.stride + blob_bytes)
+    throw Error(blob_path + ": " + std::to_string(in.blobs.n) + " bytes, too short for " + std::to_string(l.count) +
+                " blobs of stride " + std::to_string(l.stride));
+  std::string xs = read_file(x_path);
+  if (xs.size() != l.count * static_cast<size_t>(hidden) * sizeof(float))
+    throw Error(x_path + ": " + std::to_string(xs.size()) + " bytes, expected " + std::to_string(l.count) + " x " +
+                std::to_string(hidden) + " float32");
+  in.x.resize(xs.size() / sizeof(float));
+  std::memcpy(in.x.data(), xs.data(), xs.size());
+  return in;
+}
+
+int usage() {
+  std::cerr << "usage: check_kernels ISA LAYOUT.json BLOB.bin X.bin Y_OUT.bin\n"
+               "       check_kernels --bench [--iters N] ISA|all LAYOUT.json BLOB.bin X.bin\n"
+               "ISA: portable, avx2, neon, best\n";
+  return 64;
+}
+
+Isa require_isa(const std::string& name) {
+  Isa isa = spx::isa_from_name(name);
+  if (!spx::isa_supported(isa)) {
+    std::cerr << "check_kernels: ISA '" << name << "' is not available on this CPU/build\n";
+    std::exit(2);
+  }
+  return isa;
+}
+
+std::string dtype_name(const Layout& l) {
+  for (const auto& s : l.sections)
+    if (s.role == "gate" && s.kind == "weight")
+      return s.dtype == "f16" ? "fp16" : s.dtype == "i8" ? "int8" : s.dtype == "u8" ? "int4" : s.dtype;
+  return "?";
+}
+
+int run_check(const std::vector<std::string>& a) {
+  if (a.size() != 5) return usage();
+  Isa isa = require_isa(a[0]);
+  Layout l = parse_layout(a[1]);
+  spx::ExpertKernel k(l.sections, l.matrices, l.family, l.hidden_act, l.swiglu_limit, isa);
+  Inputs in = load(a[1], a[2], a[3], k.hidden(), k.blob_bytes());
+  const size_t H = static_cast<size_t>(k.hidden());
+  std::vector<float> y(in.layout.count * H);
+  for (size_t i = 0; i < in.layout.count; ++i)
+    k.forward(in.blobs.p.get() + i * in.layout.stride, in.x.data() + i * H, y.data() + i * H);
+  std::ofstream f(a[4], std::ios::binary);
+  f.write(reinterpret_cast<const char*>(y.data()), static_cast<std::streamsize>(y.size() * sizeof(float)));
+  if (!f) throw Error("cannot write " + a[4]);
+  return 0;
+}
+
+int run_bench(std::vector<std::string> a) {
+  long iters = 0;  // 0: auto (about 0.3 s per measurement)
+  if (a.size() >= 2 && a[0] == "--iters") {
+    iters = std::atol(a[1].c_str());
+    a.erase(a.begin(), a.begin() + 2);
+  }
+  if (a.size() != 4) return usage();
+  std::vector<Isa> isas;
+  if (a[0] == "all") {
+    for (Isa i : {Isa::portable, Isa::avx2, Isa::neon})
+      if (spx::isa_supported(i)) isas.push_back(i);
+  } else {
+    isas.push_back(require_isa(a[0]));
+  }
+  Layout l = parse_layout(a[1]);
+  for (Isa isa : isas) {
+    spx::ExpertKernel k(l.sections, l.matrices, l.family, l.hidden_act, l.swiglu_limit, isa);
+    Inputs in = load(a[1], a[2], a[3], k.hidden(), k.blob_bytes());
+    const size_t H = static_cast<size_t>(k.hidden()), n = in.layout.count;
+    std::vector<float> y(H);
+    volatile float sink = 0;
+    auto time = [&](bool cycle) {
+      using clock = std::chrono::steady_clock;
+      auto once = [&](long reps) {
+        auto t0 = clock::now();
+        for (long r = 0; r < reps; ++r) {
+          size_t i = cycle ? static_cast<size_t>(r) % n : 0;
+          k.forward(in.blobs.p.get() + i * in.layout.stride, in.x.data() + i * H, y.data());
+          sink = sink + y[0];
+        }
+        return std::chrono::duration<double, std::nano>(clock::now() - t0).count();
+      };
+      long reps = iters;
+      if (reps <= 0) {  // calibrate: grow until a run takes 50 ms, then aim at 0.3 s
+        reps = 16;
+        double ns = once(reps);
+        while (ns < 5e7) {
+          reps *= 4;
+          ns = once(reps);
+        }
+        reps = static_cast<long>(reps * 3e8 / ns) + 1;
+      } else {
+        once(std::min(iters, 100L));  // warm up
+      }
+      double best = 1e300;
+      for (int rep = 0; rep < 3; ++rep) best = std::min(best, once(reps) / static_cast<double>(reps));
+      return best;
+    };
+    double hot = time(false), cyc = time(true);
+    std::printf("bench isa=%s dtype=%s family=%s H=%d I=%d blob_bytes=%zu hot_ns=%.0f cycle_ns=%.0f cycle_blobs=%zu\n",
+                spx::isa_name(isa), dtype_name(l).c_str(), l.family.c_str(), k.hidden(), k.intermediate(),
+                k.blob_bytes(), hot, cyc, n);
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<std::string> a(argv + 1, argv + argc);
+  try {
+    if (a.size() == 2 && a[0] == "--f16-table") {
+      std::vector<float> t(65536);
+      for (uint32_t h = 0; h < 65536; ++h) t[h] = spx::detail::f16_to_f32(static_cast<uint16_t>(h));
+      std::ofstream f(a[1], std::ios::binary);
+      f.write(reinterpret_cast<const char*>(t.data()), static_cast<std::streamsize>(t.size() * sizeof(float)));
+      if (!f) throw Error("cannot write " + a[1]);
+      return 0;
+    }
+    if (!a.empty() && a[0] == "--bench") return run_bench(std::vector<std::string>(a.begin() + 1, a.end()));
+    return run_check(a);
+  } catch (const std::exception& e) {
+    std::cerr << "check_kernels: error: " << e.what() << "\n";
+    return 1;
+  }
+}

@@ -1,0 +1,268 @@
+"""The native C++ runner (android_runner/) against the Python reference runner and transformers.
+
+One host build of the runner for the shared fp32 ExecuTorch bundle (next-gate heads in the layer
+graphs, routers in host.safetensors); every predictor the bundle serves x every eviction policy x
+two pools: the same tokens as the reference runner and as transformers' generate, the same event
+log line for line (timings and printed confidences aside), the same decode counts, and a peak pool
+within the budget. Then refusals (tampered bundle, corrupt store, bad options, a runner generated
+for another bundle): one line naming the file or option, exit 1, no crash. The arm64 build under
+qemu-aarch64 is in `make test-all`.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from android_runner.build import build, command, config_header
+from export.session import open_session, reference_tokens
+from toolkit.runtime.events import EventLog, decisions
+from toolkit.runtime.policy import Policy
+from toolkit.runtime.runner import RunConfig
+
+PROMPTS = [[591, 906, 531, 1274, 2295, 1062], [17, 402, 9, 1500]]
+NEW = 8
+PREDICTORS = ("on-demand", "next-gate", "fate", "oracle")
+EVICTIONS = ("lru", "lfu", "prediction", "belady")
+POOLS = (2.0, 3.5)  # 16 and 29 of the 256 expert slots: eviction every token
+
+
+@pytest.fixture(scope="module")
+def native(embedded_bundles, tmp_path_factory) -> tuple[Path, Path]:
+    """(bundle, runner build directory): the host runner generated for the fp32 bundle, built into
+    this module's own runner cache (where `run --engine native` finds it too)."""
+    bundle = embedded_bundles["executorch"]
+    mp = pytest.MonkeyPatch()
+    mp.setenv("SPECPREFETCH_PROFILES", str(tmp_path_factory.mktemp("cache") / "profiles"))
+    yield bundle, build(bundle, "host", log=lambda s: None)
+    mp.undo()
+
+
+def run_native(native, *args, check=True):
+    bundle, out = native
+    r = subprocess.run([*command(out, "host"), str(bundle), *map(str, args)], capture_output=True, text=True,
+                       timeout=300)
+    if check:
+        assert r.returncode == 0, r.stderr
+    return r
+
+
+@pytest.fixture(scope="module")
+def reference(embedded_bundles):
+    """The Python reference runner on the same bundle (reader threads, as the native lanes)."""
+    return open_session(embedded_bundles["executorch"], RunConfig(policy=Policy("on-demand", "lru"), io="threads"),
+                        predictors=list(PREDICTORS[1:]))
+
+
+def native_run(native, tmp_path, policy, pool, prompts=PROMPTS):
+    js, ev = tmp_path / f"{policy}-{pool}.json", tmp_path / f"{policy}-{pool}.log"
+    args = [a for ids in prompts for a in ("--prompt-ids", ",".join(map(str, ids)))]
+    run_native(native, *args, "--max-new-tokens", NEW, "--policy", policy, "--pool-mib", pool,
+               "--json", js, "--events", ev)
+    return json.loads(js.read_text()), ev.read_text().splitlines()
+
+
+def test_config_header_names_the_bundle(embedded_bundles):
+    m = json.loads((embedded_bundles["executorch"] / "manifest.json").read_text())
+    h = config_header(m)
+    assert f'#define SPX_CONFIG_HASH "{m["model"]["config_hash"]}"' in h
+    assert "#define SPX_NUM_EXPERTS 32" in h and "#define SPX_TOP_K 4" in h
+
+
+@pytest.mark.parametrize("pool", POOLS)
+def test_same_tokens_decisions_and_counts_as_the_reference(native, reference, embedded, tmp_path, pool):
+    refs = [reference_tokens(embedded, ids, NEW) for ids in PROMPTS]
+    budget = int(pool * 2**20)
+    for pred in PREDICTORS:
+        for ev in EVICTIONS:
+            policy = f"{pred}+{ev}"
+            out, lines = native_run(native, tmp_path, policy, pool)
+            reference.runner.configure(policy=Policy.parse(policy), pool_mib=pool)
+            log = EventLog()
+            gens = [reference.runner.run(ids, NEW, events=log) for ids in PROMPTS]
+            assert out["policy"] == policy
+            for g, r, ref in zip(gens, out["runs"], refs):
+                assert r["tokens"] == g.tokens == ref, policy
+                assert 0 < r["peak_pool_bytes"] <= budget == r["budget_bytes"], policy
+                py = g.to_json()
+                # every decision count agrees; `late` and `wait_s` are timing, not decisions
+                for k in ("requests", "hits", "prefetch_hits", "misses", "prefetch_issued", "dropped_stale",
+                          "dropped_low_conf", "dropped_no_slot", "bytes_read"):
+                    assert r["counts"][k] == py["counts"][k], (policy, k)
+                for k in ("hit_rate", "prefetch_precision", "prefetch_recall", "evictions", "mib_read",
+                          "decode_tokens", "wasted_prefetch_mib", "peak_pool_bytes"):
+                    assert r[k] == py[k], (policy, k)
+                assert set(py) <= set(r) | {"tokens"}  # the same keys as `specprefetch run`, and more
+                assert len(r["stall_ms"]) == len(r["bytes_read"]) == r["decode_tokens"]
+                assert sum(r["bytes_read"]) == r["counts"]["bytes_read"]
+            assert decisions(lines) == decisions(log.lines), policy
+            if pred == "on-demand":
+                assert all(r["counts"]["prefetch_issued"] == 0 for r in out["runs"])
+
+
+def test_policies_differ_and_the_oracle_bounds_them(native, tmp_path):
+    got = {p: native_run(native, tmp_path, p, POOLS[0])[0]["runs"][0]
+           for p in ("on-demand+lru", "next-gate+prediction", "oracle+belady")}
+    assert got["oracle+belady"]["counts"]["misses"] == 0
+    assert got["oracle+belady"]["counts"]["bytes_read"] < got["on-demand+lru"]["counts"]["bytes_read"]
+    assert got["next-gate+prediction"]["hit_rate"] > got["on-demand+lru"]["hit_rate"]
+
+
+def test_report_fields(native, tmp_path):
+    out, _ = native_run(native, tmp_path, "next-gate+prediction", POOLS[1], prompts=PROMPTS[:1])
+    assert out["engine"] == "native" and out["kernel_isa"] in ("avx2", "portable")
+    assert out["peak_rss_bytes"] > out["arena_bytes"] > 0
+    assert out["load_ms"] > 0 and isinstance(out["direct_io"], bool) and isinstance(out["io_note"], str)
+    r = out["runs"][0]
+    assert r["ttft_ms"] >= r["prefill_ms"] > 0 and r["first_token_ms"] == pytest.approx(r["ttft_ms"], abs=1e-2)
+    assert len(r["routing"]) == len(PROMPTS[0]) + NEW - 1 and len(r["routing"][0]) == 8 * 4
+
+
+def test_routing_file_drives_the_oracle(native, tmp_path):
+    """An oracle fed the recorded routing (--routing, what a device driver supplies) decides as the
+    oracle that records its own first pass."""
+    own, own_lines = native_run(native, tmp_path, "oracle+belady", POOLS[0], prompts=PROMPTS[:1])
+    routing = tmp_path / "routing.json"
+    routing.write_text(json.dumps({"routing": [[[r[i * 4:(i + 1) * 4] for i in range(8)]
+                                                for r in own["runs"][0]["routing"]]]}))
+    ev = tmp_path / "fed.log"
+    run_native(native, "--prompt-ids", ",".join(map(str, PROMPTS[0])), "--max-new-tokens", NEW, "--policy",
+               "oracle+belady", "--pool-mib", POOLS[0], "--routing", routing, "--events", ev,
+               "--json", tmp_path / "fed.json")
+    assert decisions(ev.read_text().splitlines()) == decisions(own_lines)
+
+
+def test_cli_run_engine_native(embedded_bundles, native, tmp_path):
+    js = tmp_path / "run.json"
+    r = subprocess.run(["specprefetch", "run", str(embedded_bundles["executorch"]), "--engine", "native",
+                        "--policy", "next-gate+prediction", "--pool-mib", "3", "--prompt", "The kernel's memory",
+                        "--max-new-tokens", "6", "--check", "--json", str(js)], capture_output=True, text=True,
+                       timeout=600, env=_env(native))
+    assert r.returncode == 0, r.stderr
+    out = json.loads(js.read_text())
+    assert out["matches_unmodified_model"] is True and out["engine"] == "native-host"
+    assert len(out["tokens"]) == 6 and "TPOT" in r.stdout
+
+
+def _env(native):
+    import os
+    import sys
+
+    # the CLI builds into the runner cache: this module's, where the fixture's build already is
+    return {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+
+
+def _corrupt(bundle: Path, tmp_path: Path, how: str) -> Path:
+    b = tmp_path / "b"
+    shutil.copytree(bundle, b)
+    if how == "manifest":
+        m = json.loads((b / "manifest.json").read_text())
+        m["runtime"]["pool_mib"] = 2.5
+        m["files"]["graphs/model.pte"]["sha256"] = "0" * 64
+        (b / "manifest.json").write_text(json.dumps(m))
+    elif how == "blob":
+        from toolkit.runtime.expert_store import ExpertStore
+
+        entries = ExpertStore(b / "experts.spx").entries.values()
+        with open(b / "experts.spx", "r+b") as f:  # one byte in every blob: whichever is read first
+            for e in entries:
+                f.seek(e.offset + 7)
+                byte = f.read(1)
+                f.seek(e.offset + 7)
+                f.write(bytes([byte[0] ^ 0xFF]))
+    elif how == "program":
+        p = b / "graphs" / "model.pte"
+        p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
+    return b
+
+
+@pytest.mark.parametrize("how, extra, message", [
+    ("manifest", [], "sha256"),
+    ("program", [], "model.pte"),
+    ("blob", ["--no-verify-hashes", "--policy", "on-demand+lru"], "checksum"),
+])
+def test_damaged_bundles_are_refused(native, tmp_path, how, extra, message):
+    b = _corrupt(native[0], tmp_path, how)
+    r = subprocess.run([*command(native[1], "host"), str(b), "--prompt-ids", "1,2,3", "--max-new-tokens", "4",
+                        "--pool-mib", "8", *extra], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1, (r.returncode, r.stderr)
+    err = [ln for ln in r.stderr.splitlines() if ln.startswith("specprefetch-runner: error:")]
+    assert len(err) == 1 and message in err[0] and str(b) in err[0], r.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--pool-mib", "0.1"], "--pool-mib"),
+    (["--pool-mib", "nan"], "--pool-mib"),
+    (["--policy", "adapter+lru"], "predictor 'adapter' is not available"),
+    (["--policy", "next-gate+mru"], "unknown eviction"),
+    (["--window", "0"], "--window"),
+    (["--max-new-tokens", "200"], "KV cache"),
+    (["--prompt-ids", "99999"], "outside the vocabulary"),
+    (["--routing", "/nonexistent.json", "--policy", "oracle+lru"], "/nonexistent.json"),
+    (["--bogus"], "unknown option --bogus"),
+])
+def test_bad_options_are_one_line_errors(native, args, message):
+    base = ["--prompt-ids", "1,2,3"] if "--prompt-ids" not in args else []
+    r = run_native(native, *base, *args, check=False)
+    assert r.returncode == 1, r.stderr
+    assert message in r.stderr and "terminate" not in r.stderr
+
+
+def test_a_runner_refuses_a_bundle_it_was_not_generated_for(native, tmp_path):
+    b = tmp_path / "other"
+    shutil.copytree(native[0], b)
+    m = json.loads((b / "manifest.json").read_text())
+    m["model"]["config_hash"] = "0123456789abcdef"
+    (b / "manifest.json").write_text(json.dumps(m))
+    r = subprocess.run([*command(native[1], "host"), str(b), "--prompt-ids", "1,2", "--no-verify-hashes"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "generated for another bundle" in r.stderr, r.stderr
+
+
+def test_a_qnn_bundle_is_refused_by_the_build(embedded_bundles, tmp_path):
+    from toolkit.errors import SpecPrefetchError
+
+    with pytest.raises(SpecPrefetchError, match="executorch"):
+        build(embedded_bundles["qnn"], "host", tmp_path / "q")
+
+
+def test_android_build_without_the_ndk_names_what_is_missing(native, monkeypatch, tmp_path):
+    from toolkit.errors import SpecPrefetchError
+
+    monkeypatch.delenv("ANDROID_NDK", raising=False)
+    monkeypatch.delenv("ANDROID_NDK_HOME", raising=False)
+    with pytest.raises(SpecPrefetchError, match="ANDROID_NDK"):
+        build(native[0], "android", tmp_path / "a")
+
+
+def test_a_build_is_reused_until_its_sources_change(native):
+    bundle, out = native
+    stamp = (out / ".stamp").read_text()
+    t = (out / "bin" / "specprefetch-runner").stat().st_mtime_ns
+    assert build(bundle, "host", out, log=lambda s: None) == out
+    assert (out / "bin" / "specprefetch-runner").stat().st_mtime_ns == t and (out / ".stamp").read_text() == stamp
+
+
+@pytest.mark.slow
+def test_arm64_build_under_qemu_gives_the_same_tokens_and_decisions(native, tmp_path):
+    """The cross-built arm64 runner, started as on a phone (its own loader and libraries beside it),
+    under qemu-aarch64: NEON kernels, the same tokens and decisions as the host build."""
+    if not shutil.which("qemu-aarch64") or not shutil.which("aarch64-linux-gnu-g++"):
+        pytest.skip("qemu-user / g++-aarch64-linux-gnu not installed (make setup installs them)")
+    bundle, host_out = native
+    out = build(bundle, "arm64", tmp_path / "arm64", log=lambda s: None)
+    assert (out / "run.sh").is_file() and (out / "lib" / "ld-linux-aarch64.so.1").is_file()
+    host, host_lines = native_run(native, tmp_path, "next-gate+prediction", POOLS[0], prompts=PROMPTS[:1])
+    js, ev = tmp_path / "arm.json", tmp_path / "arm.log"
+    r = subprocess.run([*command(out, "arm64"), str(bundle), "--prompt-ids", ",".join(map(str, PROMPTS[0])),
+                        "--max-new-tokens", str(NEW), "--policy", "next-gate+prediction", "--pool-mib",
+                        str(POOLS[0]), "--json", str(js), "--events", str(ev)], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr
+    arm = json.loads(js.read_text())
+    assert arm["kernel_isa"] == "neon"
+    assert arm["runs"][0]["tokens"] == host["runs"][0]["tokens"]
+    assert decisions(ev.read_text().splitlines()) == decisions(host_lines)
