@@ -1,0 +1,402 @@
+// Bundle: manifest.json parsed and validated, every listed file checked (see bundle.h).
+#include "bundle.h"
+
+#include <cerrno>
+#include <climits>
+#include <cstdlib>
+#include <cstring>
+#include <fcntl.h>
+#include <set>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "json_checked.h"
+#include "sha256.h"
+
+namespace spx {
+
+using jsonc::as_bool;
+using jsonc::as_int;
+using jsonc::as_int_list;
+using jsonc::as_list;
+using jsonc::as_num;
+using jsonc::as_str;
+using jsonc::as_u64;
+using jsonc::fail;
+using jsonc::field;
+using jsonc::json;
+using jsonc::optional;
+using jsonc::quote;
+
+namespace {
+
+constexpr const char* kFormat = "specprefetch-bundle";
+constexpr int64_t kVersion = 1;
+constexpr uint64_t kMaxManifestBytes = 64ull << 20;
+constexpr uint64_t kMaxConfigBytes = 16ull << 20;
+constexpr int kMaxHorizon = 1024;
+
+// A manifest path must name a file inside the bundle: relative, no "..", no NUL.
+void check_rel(const std::string& rel, const std::string& where, const std::string& what) {
+  bool ok = !rel.empty() && rel.size() <= 4096 && rel[0] != '/' && rel.find('\0') == std::string::npos;
+  size_t start = 0;
+  while (ok && start <= rel.size()) {
+    size_t end = rel.find('/', start);
+    if (end == std::string::npos) end = rel.size();
+    if (rel.compare(start, end - start, "..") == 0 && end - start == 2) ok = false;
+    start = end + 1;
+  }
+  if (!ok) fail(where, what + " " + quote(rel) + " is not a path inside the bundle");
+}
+
+std::string listed(const Bundle& b, const json& v, const std::string& where, const std::string& key) {
+  std::string rel = as_str(v, where, key);
+  check_rel(rel, where, key);
+  if (!b.files.count(rel)) fail(where, key + " " + quote(rel) + " is not among the hashed files");
+  return rel;
+}
+
+int to_int(int64_t v) { return static_cast<int>(v); }  // callers range-checked v
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+// "12" -> 12; anything but 1..9 decimal digits -> -1.
+int64_t parse_key(const std::string& s) {
+  if (s.empty() || s.size() > 9) return -1;
+  int64_t v = 0;
+  for (char c : s) {
+    if (c < '0' || c > '9') return -1;
+    v = v * 10 + (c - '0');
+  }
+  return v;
+}
+
+}  // namespace
+
+Bundle parse_manifest(const std::string& text, const std::string& where) {
+  Bundle b;
+  b.manifest_path = where;
+  json j = jsonc::parse(text, where, "manifest");
+  jsonc::need_object(j, where, "");
+
+  // format, version, target first: a foreign file or a bundle for another runner is named as such
+  auto fmt = j.find("format");
+  if (fmt == j.end() || !fmt->is_string() || fmt->get<std::string>() != kFormat)
+    fail(where, std::string("format ") + (fmt == j.end() ? "missing" : fmt->is_string() ? quote(fmt->get<std::string>()) : jsonc::type_of(*fmt)) +
+                    ", expected '" + kFormat + "' (not a specprefetch bundle)");
+  const json& ver = field(j, "version", where, "");
+  if (!(ver.is_number_integer() || ver.is_number_unsigned()) || !(ver.is_number_unsigned() ? ver.get<uint64_t>() == uint64_t(kVersion) : ver.get<int64_t>() == kVersion)) {
+    std::string got = (ver.is_number_integer() || ver.is_number_unsigned()) ? ver.dump() : jsonc::type_of(ver);
+    fail(where, "bundle version " + jsonc::one_line(got, 40) + "; this runner reads version " + std::to_string(kVersion));
+  }
+  b.target = as_str(field(j, "target", where, ""), where, "target");
+  if (b.target != "executorch")
+    fail(where, "target " + quote(b.target) + ": the native runner runs executorch bundles "
+                "(export with --target executorch; run other targets with `specprefetch run`)");
+
+  // files first: every other path must be among them
+  const json& files = field(j, "files", where, "");
+  if (!files.is_object() || files.empty()) fail(where, "'files' must map paths to sizes and hashes");
+  for (auto it = files.begin(); it != files.end(); ++it) {
+    const std::string& rel = it.key();
+    check_rel(rel, where, "files entry");
+    std::string key = "files[" + quote(rel) + "]";
+    FileEntry fe;
+    fe.size = as_u64(field(it.value(), "size", where, key), where, key + ".size");
+    std::string sha = as_str(field(it.value(), "sha256", where, key), where, key + ".sha256");
+    bool hex = sha.size() == 64;
+    for (char& c : sha) {
+      if (c >= 'A' && c <= 'F') c = char(c - 'A' + 'a');
+      if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'))) hex = false;
+    }
+    if (!hex) fail(where, key + ".sha256 is not 64 hex digits");
+    fe.sha256 = sha;
+    b.files[rel] = fe;
+  }
+
+  // model
+  const json& model = field(j, "model", where, "");
+  b.family = as_str(field(model, "family", where, "model"), where, "model.family");
+  if (const json* v = optional(model, "model_type", where, "model")) b.model_type = as_str(*v, where, "model.model_type");
+  else b.model_type = b.family;
+  if (const json* v = optional(model, "config_hash", where, "model")) b.config_hash = as_str(*v, where, "model.config_hash");
+  b.num_layers = to_int(as_int(field(model, "num_layers", where, "model"), where, "model.num_layers", 1, 1 << 16));
+  b.hidden_size = to_int(as_int(field(model, "hidden_size", where, "model"), where, "model.hidden_size", 1, 1 << 20));
+  b.vocab_size = to_int(as_int(field(model, "vocab_size", where, "model"), where, "model.vocab_size", 1, 1 << 26));
+  b.num_experts = to_int(as_int(field(model, "num_experts", where, "model"), where, "model.num_experts", 1, 1 << 16));
+  b.top_k = to_int(as_int(field(model, "top_k", where, "model"), where, "model.top_k", 1, b.num_experts));
+  for (int64_t l : as_int_list(field(model, "moe_layers", where, "model"), where, "model.moe_layers", 0, b.num_layers - 1)) {
+    if (!b.moe_layers.empty() && l <= b.moe_layers.back())
+      fail(where, "model.moe_layers must be increasing (" + std::to_string(l) + " after " + std::to_string(b.moe_layers.back()) + ")");
+    b.moe_layers.push_back(to_int(l));
+  }
+  if (b.moe_layers.empty()) fail(where, "model.moe_layers is empty (no MoE layer)");
+  b.config_file = listed(b, field(model, "config", where, "model"), where, "model.config");
+
+  // routing
+  const json& r = field(j, "routing", where, "");
+  Routing& R = b.routing;
+  R.num_experts = to_int(as_int(field(r, "num_experts", where, "routing"), where, "routing.num_experts", 1, 1 << 16));
+  R.top_k = to_int(as_int(field(r, "top_k", where, "routing"), where, "routing.top_k", 1, R.num_experts));
+  if (R.num_experts != b.num_experts || R.top_k != b.top_k)
+    fail(where, "routing.num_experts/top_k (" + std::to_string(R.num_experts) + ", " + std::to_string(R.top_k) +
+                    ") differ from model.num_experts/top_k (" + std::to_string(b.num_experts) + ", " + std::to_string(b.top_k) + ")");
+  if (const json* v = optional(r, "score_func", where, "routing")) R.score_func = as_str(*v, where, "routing.score_func");
+  if (R.score_func != "softmax" && R.score_func != "sigmoid")
+    fail(where, "routing.score_func " + quote(R.score_func) + ": expected 'softmax' or 'sigmoid'");
+  if (const json* v = optional(r, "topk_before_softmax", where, "routing")) R.topk_before_softmax = as_bool(*v, where, "routing.topk_before_softmax");
+  if (const json* v = optional(r, "norm_topk_prob", where, "routing")) R.norm_topk_prob = as_bool(*v, where, "routing.norm_topk_prob");
+  if (const json* v = optional(r, "routed_scaling_factor", where, "routing")) {
+    R.routed_scaling_factor = as_num(*v, where, "routing.routed_scaling_factor");
+    if (!(R.routed_scaling_factor > 0)) fail(where, "routing.routed_scaling_factor must be > 0");
+  }
+  if (const json* v = optional(r, "n_group", where, "routing")) R.n_group = to_int(as_int(*v, where, "routing.n_group", 0, R.num_experts));
+  if (const json* v = optional(r, "topk_group", where, "routing")) R.topk_group = to_int(as_int(*v, where, "routing.topk_group", 0, R.num_experts));
+  if (R.n_group > 1) {
+    if (R.num_experts % R.n_group != 0)
+      fail(where, "routing.n_group " + std::to_string(R.n_group) + " does not divide num_experts " + std::to_string(R.num_experts));
+    if (R.topk_group < 1 || R.topk_group > R.n_group)
+      fail(where, "routing.topk_group " + std::to_string(R.topk_group) + " must be in 1..n_group (" + std::to_string(R.n_group) + ")");
+    if (int64_t(R.topk_group) * (R.num_experts / R.n_group) < R.top_k)
+      fail(where, "routing.topk_group " + std::to_string(R.topk_group) + " groups hold fewer than top_k experts");
+  }
+  if (const json* v = optional(r, "group_score", where, "routing")) R.group_score = as_str(*v, where, "routing.group_score");
+  if (R.group_score != "max" && R.group_score != "top2sum")
+    fail(where, "routing.group_score " + quote(R.group_score) + ": expected 'max' or 'top2sum'");
+  if (const json* v = optional(r, "score_bias", where, "routing")) R.score_bias = as_bool(*v, where, "routing.score_bias");
+
+  // end of sequence
+  const json* eos = optional(j, "eos_token_ids", where, "");
+  std::string eos_key = "eos_token_ids";
+  if (!eos) { eos = optional(j, "eos_token_id", where, ""); eos_key = "eos_token_id"; }
+  if (eos) {
+    if (eos->is_array()) {
+      for (int64_t id : as_int_list(*eos, where, eos_key, 0, INT32_MAX)) b.eos_token_ids.push_back(to_int(id));
+    } else {
+      b.eos_token_ids.push_back(to_int(as_int(*eos, where, eos_key, 0, INT32_MAX)));
+    }
+  }
+
+  // kv
+  const json& kv = field(j, "kv", where, "");
+  b.kv_mode = as_str(field(kv, "mode", where, "kv"), where, "kv.mode");
+  b.max_seq = to_int(as_int(field(kv, "max_seq", where, "kv"), where, "kv.max_seq", 1, 1 << 24));
+  if (const json* v = optional(kv, "mask_value", where, "kv")) b.kv_mask_value = as_num(*v, where, "kv.mask_value");
+  if (const json* v = optional(kv, "layers", where, "kv")) {
+    as_list(*v, where, "kv.layers");
+    if (v->size() != size_t(b.num_layers))
+      fail(where, "kv.layers lists " + std::to_string(v->size()) + " layers, model.num_layers is " + std::to_string(b.num_layers));
+    for (size_t i = 0; i < v->size(); ++i) {
+      std::string key = "kv.layers[" + std::to_string(i) + "]";
+      KvLayer kl;
+      kl.k = as_int_list(field((*v)[i], "k", where, key), where, key + ".k", 0, 1 << 30);
+      kl.v = as_int_list(field((*v)[i], "v", where, key), where, key + ".v", 0, 1 << 30);
+      if (const json* w = optional((*v)[i], "window", where, key)) kl.window = to_int(as_int(*w, where, key + ".window", 0, INT32_MAX));
+      b.kv_layers.push_back(std::move(kl));
+    }
+  }
+
+  // predictor
+  const json& pred = field(j, "predictor", where, "");
+  b.predictor_kind = as_str(field(pred, "kind", where, "predictor"), where, "predictor.kind");
+  if (const json* v = optional(pred, "horizons", where, "predictor"))
+    for (int64_t h : as_int_list(*v, where, "predictor.horizons", 1, kMaxHorizon)) b.horizons.push_back(to_int(h));
+  if (const json* v = optional(pred, "preds_rows", where, "predictor")) {
+    jsonc::need_object(*v, where, "predictor.preds_rows");
+    for (auto it = v->begin(); it != v->end(); ++it) {
+      std::string key = "predictor.preds_rows[" + quote(it.key()) + "]";
+      int64_t layer = parse_key(it.key());
+      int pos = -1;
+      for (size_t i = 0; i < b.moe_layers.size(); ++i)
+        if (b.moe_layers[i] == layer) pos = int(i);
+      if (pos < 0) fail(where, key + ": not an MoE layer number (model.moe_layers)");
+      std::vector<int> hs;
+      for (int64_t h : as_int_list(it.value(), where, key, 1, kMaxHorizon)) {
+        for (int seen : hs)
+          if (seen == h) fail(where, key + " lists horizon " + std::to_string(h) + " twice");
+        hs.push_back(to_int(h));
+      }
+      b.preds_rows[pos] = std::move(hs);
+    }
+  }
+
+  // runtime
+  const json& rt = field(j, "runtime", where, "");
+  b.pool_mib = as_num(field(rt, "pool_mib", where, "runtime"), where, "runtime.pool_mib");
+  if (!(b.pool_mib > 0) || b.pool_mib > double(1 << 24))
+    fail(where, "runtime.pool_mib must be > 0 (and at most 16 TiB)");
+  b.store_file = listed(b, field(rt, "expert_store", where, "runtime"), where, "runtime.expert_store");
+  if (const json* s = optional(rt, "scheduler", where, "runtime")) {
+    jsonc::need_object(*s, where, "runtime.scheduler");
+    SchedulerDefaults& S = b.scheduler;
+    const std::string p = "runtime.scheduler";
+    if (const json* v = optional(*s, "window", where, p)) S.window = to_int(as_int(*v, where, p + ".window", 1, kMaxHorizon));
+    if (const json* v = optional(*s, "queue_depth", where, p)) S.queue_depth = to_int(as_int(*v, where, p + ".queue_depth", 1, 1 << 20));
+    if (const json* v = optional(*s, "min_confidence", where, p)) S.min_confidence = as_num(*v, where, p + ".min_confidence");
+    if (const json* v = optional(*s, "floor", where, p)) S.floor = as_num(*v, where, p + ".floor");
+    if (const json* v = optional(*s, "step_budget_bytes", where, p)) S.step_budget_bytes = as_int(*v, where, p + ".step_budget_bytes", 0, INT64_MAX);
+    if (const json* v = optional(*s, "candidates", where, p)) S.candidates = to_int(as_int(*v, where, p + ".candidates", 1, b.num_experts));
+    if (const json* v = optional(*s, "prefetch", where, p)) S.prefetch = as_bool(*v, where, p + ".prefetch");
+  }
+
+  // graphs
+  const json& g = field(j, "graphs", where, "");
+  if (const json* v = optional(g, "format", where, "graphs")) {
+    std::string f = as_str(*v, where, "graphs.format");
+    if (f != "executorch") fail(where, "graphs.format " + quote(f) + ": the native runner runs executorch programs");
+  }
+  b.program_file = listed(b, field(g, "file", where, "graphs"), where, "graphs.file");
+  const json& methods = as_list(field(g, "methods", where, "graphs"), where, "graphs.methods");
+  for (size_t i = 0; i < methods.size(); ++i) b.methods.push_back(as_str(methods[i], where, "graphs.methods[" + std::to_string(i) + "]"));
+  if (b.methods.empty()) fail(where, "graphs.methods is empty");
+
+  // host tensors, tokenizer, quantization
+  if (const json* v = optional(j, "host_file", where, "")) b.host_file = listed(b, *v, where, "host_file");
+  if (const json* v = optional(j, "tokenizer", where, "")) {
+    as_list(*v, where, "tokenizer");
+    for (size_t i = 0; i < v->size(); ++i) {
+      std::string rel = listed(b, (*v)[i], where, "tokenizer[" + std::to_string(i) + "]");
+      if (b.tokenizer_file.empty() && ends_with(rel, "tokenizer.json")) b.tokenizer_file = rel;
+    }
+  }
+  if (const json* q = optional(j, "quantization", where, ""))
+    if (const json* v = optional(*q, "experts", where, "quantization")) b.expert_dtype = as_str(*v, where, "quantization.experts");
+  return b;
+}
+
+void parse_model_config(Bundle& b, const std::string& text, const std::string& where) {
+  json j = jsonc::parse(text, where, "model config");
+  jsonc::need_object(j, where, "");
+  const json* tc = &j;
+  std::string mt;
+  if (const json* v = optional(j, "model_type", where, "")) mt = v->is_string() ? v->get<std::string>() : "";
+  if (b.family == "qwen3_vl_moe" || b.model_type == "qwen3_vl_moe" || mt == "qwen3_vl_moe") {
+    tc = &field(j, "text_config", where, "");
+    jsonc::need_object(*tc, where, "text_config");
+  }
+  std::string path = tc == &j ? "" : "text_config";
+  if (const json* v = optional(*tc, "hidden_act", where, path)) b.hidden_act = as_str(*v, where, jsonc::join(path, "hidden_act"));
+  if (const json* v = optional(*tc, "swiglu_limit", where, path)) {
+    b.swiglu_limit = as_num(*v, where, jsonc::join(path, "swiglu_limit"));
+    if (!(b.swiglu_limit > 0)) fail(where, jsonc::join(path, "swiglu_limit") + " must be > 0");
+  }
+}
+
+namespace {
+
+// Reads the regular file open on `fd` (at most max_bytes); closes fd; errors name `path`.
+std::string read_fd_text(int fd, const std::string& path, uint64_t max_bytes) {
+  std::string out;
+  try {
+    struct stat st;
+    if (::fstat(fd, &st) != 0) throw Error(jsonc::one_line(path + ": cannot stat (" + std::strerror(errno) + ")"));
+    if (!S_ISREG(st.st_mode)) throw Error(jsonc::one_line(path + ": not a regular file"));
+    if (uint64_t(st.st_size) > max_bytes)
+      throw Error(jsonc::one_line(path + ": " + std::to_string(st.st_size) + " bytes, more than the " +
+                                  std::to_string(max_bytes) + " read at most"));
+    char buf[65536];
+    for (;;) {
+      ssize_t r = ::read(fd, buf, sizeof buf);
+      if (r < 0) {
+        if (errno == EINTR) continue;
+        throw Error(jsonc::one_line(path + ": read failed (" + std::strerror(errno) + ")"));
+      }
+      if (r == 0) break;
+      if (out.size() + size_t(r) > max_bytes) throw Error(jsonc::one_line(path + ": grew while being read"));
+      out.append(buf, size_t(r));
+    }
+  } catch (...) {
+    ::close(fd);
+    throw;
+  }
+  ::close(fd);
+  return out;
+}
+
+}  // namespace
+
+std::string read_text_file(const std::string& path, uint64_t max_bytes) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (fd < 0) throw Error(jsonc::one_line(path + ": cannot open (" + std::strerror(errno) + ")"));
+  return read_fd_text(fd, path, max_bytes);
+}
+
+Bundle Bundle::open(const std::string& dir_in, bool verify_hashes) {
+  std::string dir = dir_in;
+  while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
+  if (dir.empty()) dir = ".";
+  const std::string where = dir + "/manifest.json";
+  auto sys = [&](const std::string& who, const std::string& what) {
+    throw Error(jsonc::one_line(who + ": " + what + " (" + std::strerror(errno) + ")"));
+  };
+
+  char buf[PATH_MAX];
+  if (!::realpath(dir.c_str(), buf)) sys(dir, "not a bundle directory");
+  const std::string root = buf;
+  struct stat st;
+  if (::stat(root.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) throw Error(jsonc::one_line(dir + ": not a bundle directory"));
+  if (::lstat(where.c_str(), &st) != 0) {
+    if (errno == ENOENT) throw Error(jsonc::one_line(where + ": missing (not a specprefetch bundle)"));
+    sys(where, "cannot stat");
+  }
+  if (S_ISLNK(st.st_mode)) throw Error(jsonc::one_line(where + ": is a symlink; a bundle's manifest must be a regular file"));
+  if (!S_ISREG(st.st_mode)) throw Error(jsonc::one_line(where + ": not a regular file"));
+  // O_NOFOLLOW: a symlink swapped in since the lstat is refused too (ELOOP)
+  int mfd = ::open(where.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+  if (mfd < 0) {
+    if (errno == ELOOP) throw Error(jsonc::one_line(where + ": is a symlink; a bundle's manifest must be a regular file"));
+    sys(where, "cannot open");
+  }
+  std::string text = read_fd_text(mfd, where, kMaxManifestBytes);
+  Bundle b = parse_manifest(text, where);
+  b.dir = root;
+
+  std::map<std::string, std::string> resolved;
+  for (const auto& [rel, fe] : b.files) {
+    std::string p = root + "/" + rel;
+    if (::lstat(p.c_str(), &st) != 0) {
+      if (errno == ENOENT || errno == ENOTDIR) fail(where, "lists " + quote(rel) + ", which is missing");
+      sys(p, "cannot stat");
+    }
+    if (!::realpath(p.c_str(), buf)) {
+      if (errno == ENOENT || errno == ENOTDIR) fail(where, "lists " + quote(rel) + ", which is missing (dangling symlink?)");
+      sys(p, "cannot resolve");
+    }
+    std::string real = buf;
+    const std::string prefix = root == "/" ? root : root + "/";
+    if (real.compare(0, prefix.size(), prefix) != 0 || real.size() <= prefix.size())
+      fail(where, "file " + quote(rel) + " resolves outside the bundle");
+    if (::stat(real.c_str(), &st) != 0) sys(real, "cannot stat");
+    if (!S_ISREG(st.st_mode)) fail(where, "file " + quote(rel) + " is not a regular file");
+    int fd = ::open(real.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+    if (fd < 0) sys(real, "cannot open");
+    try {
+      if (::fstat(fd, &st) != 0) sys(real, "cannot stat");
+      if (!S_ISREG(st.st_mode)) fail(where, "file " + quote(rel) + " is not a regular file");
+      if (uint64_t(st.st_size) != fe.size)
+        fail(where, quote(rel) + " is " + std::to_string(st.st_size) + " bytes, the manifest says " +
+                        std::to_string(fe.size) + " (truncated or modified?)");
+      if (verify_hashes) {
+        uint64_t n = 0;
+        std::string got = sha256_fd(fd, real, &n);
+        if (n != fe.size || got != fe.sha256) fail(where, "sha256 mismatch for " + quote(rel) + " (tampered or truncated?)");
+      }
+    } catch (...) {
+      ::close(fd);
+      throw;
+    }
+    ::close(fd);
+    resolved[rel] = real;
+  }
+  b.program_path = resolved.at(b.program_file);
+  b.store_path = resolved.at(b.store_file);
+  b.config_path = resolved.at(b.config_file);
+  if (!b.host_file.empty()) b.host_path = resolved.at(b.host_file);
+  if (!b.tokenizer_file.empty()) b.tokenizer_path = resolved.at(b.tokenizer_file);
+  parse_model_config(b, read_text_file(b.config_path, kMaxConfigBytes), b.config_path);
+  return b;
+}
+
+}  // namespace spx
