@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
 RUNS    := runs/demo
 
-.PHONY: setup demo test test-all bench clean
+.PHONY: setup demo test test-all bench fuzz clean
 
 # Debian packages the native runner's builds and tests need (docs/runner.md), where missing
 DEBS    := g++ g++-aarch64-linux-gnu qemu-user nlohmann-json3-dev clang
@@ -75,6 +75,28 @@ bench: $(STAMP)
 	    --out $(BENCH)/bundle-executorch
 	$(BIN)/specprefetch bench $(BENCH)/bundle-executorch --pool-mib 4,8 --no-simulate --json $(BENCH)/runtime-bundle.json
 	$(BIN)/python -m export.report --model embedded --adapter $(BENCH)/adapter --json $(BENCH)/export.json
+
+## fuzz: libFuzzer + ASan + UBSan on the native runner's readers of untrusted files (docs/runner.md)
+FUZZ      := runs/fuzz
+FUZZ_SECS ?= 600
+FUZZ_CXX  := clang++ -std=c++17 -g -O1 -fsanitize=fuzzer,address,undefined -I android_runner/src -I /usr/include
+fuzz: $(STAMP)
+	mkdir -p $(FUZZ)/corpus-manifest $(FUZZ)/corpus-store $(FUZZ)/corpus-safetensors
+	test -f $(FUZZ)/bundle/manifest.json || $(BIN)/specprefetch export embedded --target executorch --max-seq 32 \
+	    --out $(FUZZ)/bundle
+	cp $(FUZZ)/bundle/manifest.json $(FUZZ)/corpus-manifest/seed.json
+	$(BIN)/python -c "import struct,sys; d=open('$(FUZZ)/bundle/experts.spx','rb').read(); \
+	    o=struct.unpack_from('<Q',d,56)[0]; sys.stdout.buffer.write(struct.pack('<Q',len(d))+d[:o])" \
+	    > $(FUZZ)/corpus-store/seed.bin
+	head -c 4096 $(FUZZ)/bundle/host.safetensors > $(FUZZ)/corpus-safetensors/seed.bin
+	$(FUZZ_CXX) android_runner/fuzz/fuzz_manifest.cpp android_runner/src/bundle.cpp android_runner/src/sha256.cpp \
+	    -o $(FUZZ)/fuzz_manifest
+	$(FUZZ_CXX) android_runner/fuzz/fuzz_store_index.cpp android_runner/src/expert_store.cpp \
+	    android_runner/src/crc32.cpp -o $(FUZZ)/fuzz_store_index
+	$(FUZZ_CXX) android_runner/fuzz/fuzz_safetensors.cpp android_runner/src/safetensors.cpp -o $(FUZZ)/fuzz_safetensors
+	$(FUZZ)/fuzz_manifest -max_total_time=$(FUZZ_SECS) -max_len=16384 -print_final_stats=1 $(FUZZ)/corpus-manifest
+	$(FUZZ)/fuzz_store_index -max_total_time=$(FUZZ_SECS) -max_len=65536 -print_final_stats=1 $(FUZZ)/corpus-store
+	$(FUZZ)/fuzz_safetensors -max_total_time=$(FUZZ_SECS) -max_len=4096 -print_final_stats=1 $(FUZZ)/corpus-safetensors
 
 clean:
 	rm -rf runs build .pytest_cache

@@ -484,6 +484,27 @@ def runner_build(bundle, abi, out, force) -> None:
                    f"here: {' '.join(command(d, abi))} BUNDLE ...")
 
 
+@runner.command(name="bench")
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--prompts", type=click.IntRange(min=1), default=4, show_default=True)
+@click.option("--new-tokens", type=click.IntRange(min=2), default=32, show_default=True)
+@click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option("--pool-frac", "pool_fracs", type=FloatList(), default="0.13,0.27", show_default=True,
+              help="pools as fractions of all experts")
+@click.option("--json", "json_out", required=True, type=OUT_FILE)
+@friendly_errors
+def runner_bench(bundle, prompts, new_tokens, rounds, pool_fracs, json_out) -> None:
+    """Measure the native runner: all experts resident (vs the Python runner and the memory floor),
+    and streaming from a cold cache at a few pool sizes (interleaved rounds)."""
+    from android_runner.bench import run as run_native_bench, write
+
+    r = run_native_bench(bundle, prompts=prompts, new_tokens=new_tokens, rounds=rounds, pool_fracs=tuple(pool_fracs),
+                         log=lambda s: click.echo(s, err=True))
+    md, png = write(r, json_out)
+    click.echo(md.read_text())
+    click.echo(f"wrote {json_out}, {md}, {png}")
+
+
 @main.command()
 @click.argument("model", default="embedded")
 @click.option("--adapter", type=click.Path(path_type=Path), default=None,

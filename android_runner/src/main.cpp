@@ -40,7 +40,7 @@ const char* kUsage =
     "usage: specprefetch-runner BUNDLE --prompt-ids IDS [--prompt-ids IDS ...] [--max-new-tokens N]\n"
     "  [--policy PREDICTOR+EVICTION] [--pool-mib F] [--window N] [--queue-depth N] [--min-confidence F]\n"
     "  [--floor F] [--step-budget-kib N] [--lanes N] [--routing FILE] [--json OUT] [--events OUT]\n"
-    "  [--no-verify] [--no-verify-hashes] [--cold] [--isa portable|avx2|neon]\n";
+    "  [--no-verify] [--no-verify-hashes] [--cold] [--preload] [--isa portable|avx2|neon]\n";
 
 struct Args {
   std::string bundle;
@@ -52,7 +52,7 @@ struct Args {
   double min_confidence = NAN, floor = NAN;
   int64_t step_budget_kib = -2;
   std::string routing, json_out, events_out, isa;
-  bool verify = true, verify_hashes = true, cold = false;
+  bool verify = true, verify_hashes = true, cold = false, preload = false;
 };
 
 double to_double(const std::string& opt, const std::string& v) {
@@ -104,6 +104,7 @@ Args parse(int argc, char** argv) {
     else if (o == "--no-verify") a.verify = false;
     else if (o == "--no-verify-hashes") a.verify_hashes = false;
     else if (o == "--cold") a.cold = true;
+    else if (o == "--preload") a.preload = true;
     else if (o == "-h" || o == "--help") {
       std::cout << kUsage;
       std::exit(0);
@@ -247,6 +248,7 @@ int main_(int argc, char** argv) {
                         : b.scheduler.step_budget_bytes > 0 ? b.scheduler.step_budget_bytes / 1024 : -1;
   cfg.lanes = a.lanes;
   cfg.verify = a.verify;
+  cfg.preload = a.preload;
   if (cfg.eviction != "lru" && cfg.eviction != "lfu" && cfg.eviction != "prediction" && cfg.eviction != "belady")
     throw Error("--policy " + a.policy + ": unknown eviction '" + cfg.eviction + "'; choose from lru, lfu, prediction, belady");
   runner.configure(cfg);
@@ -269,6 +271,7 @@ int main_(int argc, char** argv) {
     r["direct_io"] = store->direct();
     r["prefill_ms"] = g.prefill_ms;
     r["first_token_ms"] = g.first_token_ms;
+    if (a.preload) r["preload_ms"] = g.preload_ms;
     r["stall_ms"] = g.stall_ms;
     r["bytes_read"] = g.bytes_read;
     r["routing"] = g.routing;

@@ -174,12 +174,30 @@ Generation Runner::generate(const std::vector<int>& prompt, int max_new,
     events->sequence(static_cast<int>(prompt.size()));
   }
 
+  Generation g;
+  if (cfg.preload) {  // every expert resident before the run: no read is left for the decode
+    if (pool.capacity() < total)
+      throw Error("--preload: the pool holds " + std::to_string(pool.capacity()) + " of the " + std::to_string(total) +
+                  " experts; give --pool-mib " + std::to_string(total * static_cast<double>(store_.slot_bytes) / 1048576.0));
+    const auto tp = Clock::now();
+    for (int li = 0; li < L; ++li)
+      for (int e = 0; e < m_.routing.num_experts; ++e) {
+        Slot* s = pool.reserve({li, e}, -1, false, {});
+        io.submit({li, e}, pool.data(*s), true);
+      }
+    for (int li = 0; li < L; ++li)
+      for (int e = 0; e < m_.routing.num_experts; ++e) {
+        Slot* s = pool.get({li, e});
+        io.wait({li, e});
+        s->ready = s->landed = true;
+      }
+    g.preload_ms = seconds_since(tp) * 1e3;
+  }
   std::vector<int> moe_index(m_.num_layers, -1);
   for (int li = 0; li < L; ++li) moe_index[m_.moe_layers[li]] = li;
   const int n_prompt = static_cast<int>(prompt.size());
   const int64_t end = static_cast<int64_t>(n_prompt + max_new - 1) * L;
   std::vector<int> seq = prompt;
-  Generation g;
   std::vector<double> times;
   DecodeAccount account;
   std::vector<float> h, y(H), e_out(H), logits;

@@ -55,6 +55,7 @@ struct RunConfig {
   int64_t step_budget_kib = -1;
   int lanes = 0;       // read threads (0: queue_depth + 1)
   bool verify = true;  // CRC every blob read
+  bool preload = false;  // read every expert into the pool before the first position (all resident; benchmarks)
   std::string name() const { return predictor + "+" + eviction; }
   bool needs_future() const { return predictor == "oracle" || eviction == "belady"; }
   int64_t budget_bytes() const { return static_cast<int64_t>(pool_mib * 1048576.0); }
@@ -68,6 +69,7 @@ struct Generation {
   std::vector<int64_t> bytes_read;        // per decode token
   double prefill_ms = 0;                  // the prompt's positions before the last one's head
   double first_token_ms = 0;              // = TTFT
+  double preload_ms = 0;                  // --preload: reading every expert before the run
 };
 
 class Runner {

@@ -1,0 +1,165 @@
+"""`specprefetch runner bench BUNDLE`: the native runner measured side by side (docs/benchmarks.md).
+
+Two parts, each in one run with interleaved rounds so that drift hits every configuration alike:
+
+1. All experts resident: the native runner with every expert read into the pool before the
+   run (--preload), the Python reference runner on the same bundle with a pool holding every
+   expert, and the floor: the bytes one decode token touches (the program's dense weights and the
+   top-k experts of every MoE layer) over this machine's memory read bandwidth, measured here.
+2. Streaming: real O_DIRECT reads from a cold page cache (the runner evicts its store's pages),
+   pools of a fraction of the experts, on-demand LRU / the bundle's predictor / the oracle.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from android_runner.build import run_native
+from toolkit.reporting import save_figure, write_report
+
+MiB = 2**20
+
+
+def memory_read_bandwidth(mib: int = 512, repeats: int = 5) -> float:
+    """Bytes per second this machine reads from DRAM (numpy sum over an array larger than caches; best of n)."""
+    a = np.ones(mib * MiB // 8, dtype=np.float64)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a.sum()
+        best = min(best, time.perf_counter() - t0)
+    return a.nbytes / best
+
+
+def _median(xs: list) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return round(float(np.median(xs)), 4) if xs else None
+
+
+def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: int = 32, rounds: int = 3,
+        pool_fracs: tuple[float, ...] = (0.13, 0.27), log: Callable[[str], None] = print) -> dict[str, Any]:
+    from transformers import AutoTokenizer
+
+    from export.manifest import validate_bundle
+    from export.session import open_session
+    from toolkit.bench import bench_prompts
+    from toolkit.runtime.expert_store import ExpertStore
+    from toolkit.runtime.policy import Policy
+    from toolkit.runtime.runner import RunConfig
+
+    m, _ = validate_bundle(bundle, hash_store=False)
+    tok = AutoTokenizer.from_pretrained(str(Path(bundle) / Path(m["model"]["config"]).parent), local_files_only=True)
+    texts = bench_prompts(prompts, prompt_tokens, tok)
+    ids = [tok(t)["input_ids"] for t in texts]
+    store = ExpertStore(Path(bundle) / m["runtime"]["expert_store"])
+    L, E, k = store.num_layers, store.num_experts, m["routing"]["top_k"]
+    all_mib = L * E * store.slot_bytes / MiB + 0.01
+    graph = m["predictor"]["kind"] if m["predictor"].get("preds_rows") else "next-gate"
+    out: dict[str, Any] = {"bundle": str(bundle), "prompts": texts, "new_tokens": new_tokens, "rounds": rounds,
+                           "experts": L * E, "slot_bytes": store.slot_bytes}
+
+    # 1. all experts resident
+    log("all experts resident: native (--preload) vs the Python reference runner, interleaved")
+    session = open_session(bundle, RunConfig(policy=Policy("on-demand", "lru"), pool_mib=all_mib, io="threads"))
+    native_t, python_t, rss = [], [], []
+    run_native(bundle, ids[:1], max_new_tokens=4, policy="on-demand+lru", pool_mib=all_mib, extra=["--preload"])
+    session.runner.run(ids[0], 4)  # warm-up
+    for r in range(rounds):
+        res = run_native(bundle, ids, max_new_tokens=new_tokens, policy="on-demand+lru", pool_mib=all_mib,
+                         extra=["--preload"])
+        native_t += [x["tpot_ms"] for x in res["runs"]]
+        rss.append(res["peak_rss_bytes"])
+        python_t += [session.runner.run(p, new_tokens).stats.tpot_ms for p in ids]
+        log(f"  round {r + 1}/{rounds}: native {_median(native_t)} ms, python {_median(python_t)} ms")
+    dense = (Path(bundle) / m["graphs"]["file"]).stat().st_size
+    touched = dense + L * k * store.blob_size
+    bw = memory_read_bandwidth()
+    floor_ms = touched / bw * 1e3
+    out["resident"] = {"native_tpot_ms": _median(native_t), "python_tpot_ms": _median(python_t),
+                       "python_over_native": round(_median(python_t) / _median(native_t), 2),
+                       "bytes_touched_per_token": touched, "dense_program_bytes": dense,
+                       "memory_read_gbps": round(bw / 1e9, 2), "floor_ms": round(floor_ms, 4),
+                       "native_over_floor": round(_median(native_t) / floor_ms, 2),
+                       "native_peak_rss_mib": round(max(rss) / MiB, 1), "pool_mib": round(all_mib, 2)}
+
+    # 2. streaming from flash, cold
+    policies = ["on-demand+lru", f"{graph}+prediction", "oracle+belady"]
+    out["points"] = []
+    for frac in pool_fracs:
+        slots = max(k, int(round(frac * L * E)))
+        pool = slots * store.slot_bytes / MiB
+        log(f"pool {pool:.2f} MiB ({slots} of {L * E} experts): {', '.join(policies)}, cold, interleaved")
+        got: dict[str, list] = {p: [] for p in policies}
+        order = policies
+        for r in range(rounds):
+            for p in order:
+                res = run_native(bundle, ids, max_new_tokens=new_tokens, policy=p, pool_mib=pool, cold=True)
+                got[p].append(res)
+            order = order[::-1]  # ABC, CBA, ...
+        point = {"pool_mib": round(pool, 3), "pool_frac": frac, "slots": slots, "policies": {}}
+        for p, results in got.items():
+            runs = [x for res in results for x in res["runs"]]
+            point["policies"][p] = {key: _median([x[key] for x in runs]) for key in
+                                    ("tpot_ms", "tpot_p95_ms", "ttft_ms", "stall_ms_per_token", "hit_rate",
+                                     "mib_read_per_token", "prefetch_precision", "prefetch_recall")}
+            point["policies"][p]["peak_rss_mib"] = round(max(res["peak_rss_bytes"] for res in results) / MiB, 1)
+            point["policies"][p]["direct_io"] = all(res["direct_io"] for res in results)
+        od, pr, orc = (point["policies"][p]["tpot_ms"] for p in policies)
+        point["on_demand_over_predictor"] = round(od / pr, 3)
+        point["predictor_over_oracle"] = round(pr / orc, 3)
+        out["points"].append(point)
+        log(f"  on-demand / {policies[1]}: {point['on_demand_over_predictor']}, "
+            f"{policies[1]} / oracle: {point['predictor_over_oracle']}")
+    return out
+
+
+def markdown(r: dict[str, Any]) -> str:
+    res = r["resident"]
+    lines = [f"{len(r['prompts'])} prompts x {r['new_tokens']} tokens, {r['rounds']} interleaved rounds; medians.", "",
+             "All experts resident:", "",
+             "| native TPOT ms | Python TPOT ms | Python / native | floor ms | native / floor | native peak RSS MiB |",
+             "|---|---|---|---|---|---|",
+             f"| {res['native_tpot_ms']:.3f} | {res['python_tpot_ms']:.3f} | {res['python_over_native']:.1f} | "
+             f"{res['floor_ms']:.3f} | {res['native_over_floor']:.1f} | {res['native_peak_rss_mib']} |", "",
+             f"Floor: {res['bytes_touched_per_token'] / MiB:.2f} MiB touched per token (program "
+             f"{res['dense_program_bytes'] / MiB:.2f} MiB + top-k experts) at {res['memory_read_gbps']} GB/s measured.",
+             "", "Streaming (O_DIRECT, cold page cache):", "",
+             "| pool MiB (experts) | policy | TPOT ms | p95 ms | stall ms/token | hit rate | MiB read/token | "
+             "peak RSS MiB |", "|---|---|---|---|---|---|---|---|"]
+    for p in r["points"]:
+        for name, v in p["policies"].items():
+            lines.append(f"| {p['pool_mib']:.2f} ({p['slots']}) | {name} | {v['tpot_ms']:.3f} | {v['tpot_p95_ms']:.3f} | "
+                         f"{v['stall_ms_per_token']:.3f} | {v['hit_rate']:.3f} | {v['mib_read_per_token']:.3f} | "
+                         f"{v['peak_rss_mib']} |")
+        lines.append(f"| | on-demand / predictor {p['on_demand_over_predictor']:.3f}, predictor / oracle "
+                     f"{p['predictor_over_oracle']:.3f} | | | | | | |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(r: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    pols = list(r["points"][0]["policies"])
+    width = 0.8 / len(r["points"])
+    for n, p in enumerate(r["points"]):
+        ax.bar(np.arange(len(pols)) + n * width, [p["policies"][q]["tpot_ms"] for q in pols], width,
+               label=f"{p['pool_mib']:.1f} MiB ({p['slots']} experts)")
+    ax.axhline(r["resident"]["native_tpot_ms"], color="k", ls="--", lw=1, label="all resident")
+    ax.axhline(r["resident"]["floor_ms"], color="gray", ls=":", lw=1, label="memory floor")
+    ax.set_xticks(np.arange(len(pols)) + width * (len(r["points"]) - 1) / 2, pols, fontsize=8)
+    ax.set_ylabel("TPOT (ms)")
+    ax.set_title("native runner: TPOT by policy and pool (O_DIRECT, cold)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, axis="y")
+    save_figure(fig, path)
+
+
+def write(r: dict[str, Any], json_path: Path) -> tuple[Path, Path]:
+    return write_report(r, json_path, markdown, plot)
