@@ -8,7 +8,7 @@ RUNS    := runs/demo
 .PHONY: setup demo test test-all bench fuzz clean
 
 # Debian packages the native runner's builds and tests need (docs/runner.md), where missing
-DEBS    := g++ g++-aarch64-linux-gnu qemu-user nlohmann-json3-dev clang
+DEBS    := g++ g++-aarch64-linux-gnu qemu-user nlohmann-json3-dev
 DEB_STAMP := $(VENV)/.debs-$(shell echo $(DEBS) | sha256sum | cut -c1-8)
 
 $(DEB_STAMP):
@@ -74,6 +74,7 @@ bench: $(STAMP)
 	$(BIN)/specprefetch export embedded --adapter $(BENCH)/adapter --target executorch --quant fp32 --max-seq 128 \
 	    --out $(BENCH)/bundle-executorch
 	$(BIN)/specprefetch bench $(BENCH)/bundle-executorch --pool-mib 4,8 --no-simulate --json $(BENCH)/runtime-bundle.json
+	$(BIN)/specprefetch runner bench $(BENCH)/bundle-executorch --json $(BENCH)/native.json
 	$(BIN)/python -m export.report --model embedded --adapter $(BENCH)/adapter --json $(BENCH)/export.json
 
 ## fuzz: libFuzzer + ASan + UBSan on the native runner's readers of untrusted files (docs/runner.md)
@@ -81,6 +82,7 @@ FUZZ      := runs/fuzz
 FUZZ_SECS ?= 600
 FUZZ_CXX  := clang++ -std=c++17 -g -O1 -fsanitize=fuzzer,address,undefined -I android_runner/src -I /usr/include
 fuzz: $(STAMP)
+	command -v clang++ >/dev/null || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q clang)
 	mkdir -p $(FUZZ)/corpus-manifest $(FUZZ)/corpus-store $(FUZZ)/corpus-safetensors
 	test -f $(FUZZ)/bundle/manifest.json || $(BIN)/specprefetch export embedded --target executorch --max-seq 32 \
 	    --out $(FUZZ)/bundle

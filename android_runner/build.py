@@ -239,7 +239,7 @@ def command(out: Path, abi: str) -> list[str]:
     if abi == "host":
         return [str(binary)]
     if abi == "android":
-        raise SpecPrefetchError("an --abi android runner runs on the phone (specprefetch device), not here")
+        raise SpecPrefetchError("an --abi android runner runs on the phone (adb push it; docs/runner.md), not here")
     loader = [str(out / "lib" / "ld-linux-aarch64.so.1"), "--library-path", str(out / "lib"), str(binary)]
     if platform.machine() in ("aarch64", "arm64"):
         return loader

@@ -131,6 +131,7 @@ def test_executorch_program_state_does_not_leak_between_sequences(tiny_models, t
     assert torch.equal(a.logits, b.logits)
 
 
+@pytest.mark.slow  # ~20 s; the native runner's tests run a bundle's graph heads in make test
 def test_adapter_heads_in_the_graph(tiny_models, tmp_path):
     """With --adapter, each MoE layer graph's `preds` output is the adapter's predicted router
     logits for every horizon of the window, computed on the phone in the same graph."""

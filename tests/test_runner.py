@@ -288,7 +288,8 @@ def test_cli_run_refuses_bad_options_in_one_line(args, message, tmp_path):
 BUNDLE_PREDICTORS = ("on-demand", "next-gate", "fate", "previous-token", "oracle")  # next-gate: the graphs' heads
 
 
-@pytest.mark.parametrize("target", ["executorch", "qnn"])
+# the QNN bundle on the HTP simulator (~30 s) is in make test-all; make demo runs it too
+@pytest.mark.parametrize("target", ["executorch", pytest.param("qnn", marks=pytest.mark.slow)])
 def test_bundle_runs_give_the_unmodified_models_tokens(target, embedded_bundles, embedded):
     s = open_session(embedded_bundles[target], RunConfig(policy=Policy("on-demand", "lru"), pool_mib=1.0),
                      predictors=list(BUNDLE_PREDICTORS), progress=False)

@@ -3,7 +3,7 @@
 //   specprefetch-runner BUNDLE --prompt-ids 1,2,3 [--prompt-ids ...] [--max-new-tokens N]
 //       [--policy PREDICTOR+EVICTION] [--pool-mib F] [--window N] [--queue-depth N]
 //       [--min-confidence F] [--floor F] [--step-budget-kib N] [--lanes N] [--routing FILE]
-//       [--json OUT] [--events OUT] [--no-verify] [--no-verify-hashes] [--cold] [--isa NAME]
+//       [--json OUT] [--events OUT] [--no-verify] [--no-verify-hashes] [--cold] [--preload] [--isa NAME]
 //
 // Refusals print one line "specprefetch-runner: error: ..." naming the file or option, exit 1.
 #include <unistd.h>
@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <algorithm>
 #include <iostream>
 #include <memory>
 #include <sstream>
@@ -93,7 +94,10 @@ Args parse(int argc, char** argv) {
     else if (o == "--pool-mib") a.pool_mib = to_double(o, val());
     else if (o == "--window") a.window = static_cast<int>(to_int(o, val(), 1));
     else if (o == "--queue-depth") a.queue_depth = static_cast<int>(to_int(o, val(), 1));
-    else if (o == "--lanes") a.lanes = static_cast<int>(to_int(o, val(), 1));
+    else if (o == "--lanes") {
+      a.lanes = static_cast<int>(to_int(o, val(), 1));
+      if (a.lanes > 64) throw Error("--lanes " + std::to_string(a.lanes) + ": at most 64");
+    }
     else if (o == "--min-confidence") a.min_confidence = to_double(o, val());
     else if (o == "--floor") a.floor = to_double(o, val());
     else if (o == "--step-budget-kib") a.step_budget_kib = to_int(o, val(), 1);
@@ -112,7 +116,7 @@ Args parse(int argc, char** argv) {
     else if (a.bundle.empty()) a.bundle = o;
     else throw Error("unexpected argument " + o);
   }
-  if (a.bundle.empty()) throw Error("no BUNDLE given\n" + std::string(kUsage));
+  if (a.bundle.empty()) throw Error("no BUNDLE given (--help shows the usage)");
   if (a.prompts.empty()) throw Error("no prompt: give --prompt-ids 1,2,3");
   if (!(std::isnan(a.pool_mib) || a.pool_mib > 0)) throw Error("--pool-mib: must be a positive number");
   return a;
@@ -127,10 +131,15 @@ void check_build(const Bundle& b, const ExpertStore& st) {
            static_cast<int>(b.moe_layers.size()) != SPX_MOE_LAYERS || b.num_layers != SPX_NUM_LAYERS)
     why = "geometry";
   else if (st.dtype != SPX_EXPERT_DTYPE) why = "expert dtype " + st.dtype;
+  else if (b.routing.score_func != SPX_SCORE_FUNC) why = "router score function " + b.routing.score_func;
   if (!why.empty())
     throw Error(b.manifest_path + ": this runner was generated for another bundle (" SPX_FAMILY ", config " +
                 std::string(SPX_CONFIG_HASH) + ", " SPX_EXPERT_DTYPE " experts; this one differs in " + why +
                 "): build one for it with `specprefetch runner build`");
+  // the store must be the one exported with this model (not another model's of the same shape)
+  if (st.config_hash != b.config_hash || st.family != b.family || st.moe_layers != b.moe_layers)
+    throw Error(b.store_path + ": expert store of model config " + st.config_hash + " (" + st.family +
+                "), but the bundle's model is " + b.config_hash + " (" + b.family + ")");
 }
 
 std::vector<std::vector<std::vector<int>>> read_routing(const std::string& path, size_t prompts, int L, int k, int E) {
@@ -148,11 +157,15 @@ std::vector<std::vector<std::vector<int>>> read_routing(const std::string& path,
     for (const auto& r : runs) {
       std::vector<std::vector<int>> per;
       for (const auto& p : r) {
+        // a position is [L][k] expert ids, or the L * k of them flat (the runner's own "routing" output)
         std::vector<int> flat;
-        if (!p.is_array() || static_cast<int>(p.size()) != L) throw Error(path + ": each position needs " + std::to_string(L) + " layers");
+        const bool nested = p.is_array() && !p.empty() && p[0].is_array();
+        if (!p.is_array() || static_cast<int>(p.size()) != (nested ? L : L * k))
+          throw Error(path + ": each position needs " + std::to_string(L) + " layers of " + std::to_string(k) + " experts");
         for (const auto& layer : p) {
-          if (!layer.is_array() || static_cast<int>(layer.size()) != k) throw Error(path + ": each layer needs " + std::to_string(k) + " experts");
-          for (const auto& e : layer) {
+          if (nested && (!layer.is_array() || static_cast<int>(layer.size()) != k))
+            throw Error(path + ": each layer needs " + std::to_string(k) + " experts");
+          for (const auto& e : nested ? layer : json::array({layer})) {
             int v = e.get<int>();
             if (v < 0 || v >= E) throw Error(path + ": expert id " + std::to_string(v) + " out of range");
             flat.push_back(v);
@@ -293,7 +306,8 @@ int main_(int argc, char** argv) {
   out["direct_io"] = store->direct();
   out["io_note"] = store->io_note();
   out["pool_mib"] = cfg.pool_mib;
-  out["arena_bytes"] = static_cast<int64_t>(cfg.budget_bytes() / static_cast<int64_t>(store->slot_bytes)) *
+  out["arena_bytes"] = std::min<int64_t>(cfg.budget_bytes() / static_cast<int64_t>(store->slot_bytes),
+                                         static_cast<int64_t>(m.L()) * m.routing.num_experts) *
                        static_cast<int64_t>(store->slot_bytes);
   if (!a.json_out.empty()) write_file_atomic(a.json_out, out.dump(1) + "\n");
   else std::cout << out.dump(1) << "\n";
