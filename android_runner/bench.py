@@ -53,7 +53,7 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
     m, _ = validate_bundle(bundle, hash_store=False)
     tok = AutoTokenizer.from_pretrained(str(Path(bundle) / Path(m["model"]["config"]).parent), local_files_only=True)
     texts = bench_prompts(prompts, prompt_tokens, tok)
-    ids = [tok(t)["input_ids"] for t in texts]
+    ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
     store = ExpertStore(Path(bundle) / m["runtime"]["expert_store"])
     L, E, k = store.num_layers, store.num_experts, m["routing"]["top_k"]
     all_mib = L * E * store.slot_bytes / MiB + 0.01

@@ -199,6 +199,8 @@ def test_damaged_bundles_are_refused(native, tmp_path, how, extra, message):
     (["--policy", "adapter+lru"], "predictor 'adapter' is not available"),
     (["--policy", "next-gate+mru"], "unknown eviction"),
     (["--window", "0"], "--window"),
+    (["--window", "9", "--policy", "oracle+lru"], "--window 9: must be 1..8"),
+    (["--max-new-tokens", "4294967297"], "too large"),
     (["--max-new-tokens", "200"], "KV cache"),
     (["--prompt-ids", "99999"], "outside the vocabulary"),
     (["--routing", "/nonexistent.json", "--policy", "oracle+lru"], "/nonexistent.json"),

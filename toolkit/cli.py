@@ -431,7 +431,7 @@ def _run_native(model, *, abi, policy, pool_mib, window, queue_depth, prompts, m
                                 "--target executorch); this is not a bundle directory")
     m, _ = validate_bundle(model, hash_store=False)
     tok = AutoTokenizer.from_pretrained(str(Path(model) / Path(m["model"]["config"]).parent), local_files_only=True)
-    encoded = [tok(p)["input_ids"] for p in prompts]
+    encoded = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
     res = run_native(model, encoded, abi=abi, max_new_tokens=max_new_tokens, policy=policy, pool_mib=pool_mib,
                      window=window, queue_depth=queue_depth, min_confidence=min_confidence,
                      step_budget_kib=step_budget_kib, events=events_out)

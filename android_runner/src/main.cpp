@@ -68,6 +68,7 @@ int64_t to_int(const std::string& opt, const std::string& v, int64_t lo) {
   long long d = std::strtoll(v.c_str(), &end, 10);
   if (v.empty() || *end != '\0') throw Error(opt + " '" + v + "': not an integer");
   if (d < lo) throw Error(opt + " " + v + ": must be >= " + std::to_string(lo));
+  if (d > 1000000000LL) throw Error(opt + " " + v + ": too large");
   return d;
 }
 

@@ -94,7 +94,9 @@ void Runner::configure(const RunConfig& cfg) {
   try {
     source_of(cfg.predictor);
     if (!(cfg.pool_mib > 0 && cfg.pool_mib < 1e12)) throw Error("--pool-mib: must be a positive number");
-    if (cfg.window < 1) throw Error("--window " + std::to_string(cfg.window) + ": must be >= 1");
+    if (cfg.window < 1 || cfg.window > m_.L())
+      throw Error("--window " + std::to_string(cfg.window) + ": must be 1.." + std::to_string(m_.L()) +
+                  " (the MoE layers of one token)");
     if (cfg.queue_depth < 1) throw Error("--queue-depth " + std::to_string(cfg.queue_depth) + ": must be >= 1");
     const int64_t capacity = cfg.budget_bytes() / static_cast<int64_t>(store_.slot_bytes);
     if (capacity < m_.routing.top_k) {

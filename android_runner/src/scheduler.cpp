@@ -90,6 +90,8 @@ const uint8_t* WindowScheduler::data(Key key) {
     if (!io_.landed(key)) {
       if (!s->demand) stats.late += 1;  // a hit whose read is still on its way
       wait(key);
+    } else {
+      io_.wait(key);  // returns at once; rethrows the read's error (I/O, checksum) if it failed
     }
     s->landed = true;
   }

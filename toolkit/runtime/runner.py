@@ -139,6 +139,8 @@ class Runner:
             have = ", ".join(["on-demand", *self.predictors]) or "on-demand"
             raise SpecPrefetchError(f"--policy {cfg.policy.name}: predictor {p!r} is not available for "
                                     f"{self.model.label or 'this model'} (available: {have})")
+        if cfg.window > self.model.L:
+            raise SpecPrefetchError(f"--window {cfg.window}: must be 1..{self.model.L} (the MoE layers of one token)")
         capacity = cfg.budget_bytes // self.store.slot_bytes
         if capacity < self.model.routing.top_k:
             k = self.model.routing.top_k
