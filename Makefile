@@ -13,10 +13,13 @@ DEB_STAMP := $(VENV)/.debs-$(shell echo $(DEBS) | sha256sum | cut -c1-8)
 
 $(DEB_STAMP):
 	@missing=$$(for p in $(DEBS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
-	if [ -n "$$missing" ]; then apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing; fi
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing; \
+	  else echo "missing Debian packages: $$missing (run: sudo apt-get install $$missing)"; exit 1; fi; fi
 	mkdir -p $(VENV) && touch $@
 
-$(STAMP): pyproject.toml $(DEB_STAMP)
+# order-only: the Debian packages must be there, but a change to their list reinstalls nothing of pip's
+$(STAMP): pyproject.toml | $(DEB_STAMP)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# torch 2.13.0 first, alone, so pip takes the CPU build (see docs/setup.md)

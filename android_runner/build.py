@@ -90,6 +90,12 @@ def _sources() -> list[Path]:
     return out
 
 
+def _package_version(pkg: Path) -> str:
+    """The ExecuTorch package's full version (its CMake version file), part of a build's stamp."""
+    f = pkg / "share" / "cmake" / "executorch-config-version.cmake"
+    return f.read_text() if f.is_file() else ""
+
+
 def executorch_host_package() -> Path:
     spec = importlib.util.find_spec("executorch")
     if spec is None or not spec.submodule_search_locations:
@@ -180,18 +186,24 @@ def build(bundle: Path | str, abi: str = "host", out: Path | str | None = None, 
         ndk, pkg = _android_settings()
         toolchain = [f"-DCMAKE_TOOLCHAIN_FILE={ndk / 'build' / 'cmake' / 'android.toolchain.cmake'}",
                      "-DANDROID_ABI=arm64-v8a", "-DANDROID_PLATFORM=android-29"]
-    stamp = _digest(_sources(), header + abi + str(pkg) + " ".join(toolchain))
+    compiler = "aarch64-linux-gnu-g++" if abi == "arm64" else "c++"
+    cc = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout.splitlines()[:1] \
+        if shutil.which(compiler) else []
+    stamp = _digest(_sources(), "|".join([header, abi, str(pkg), _package_version(pkg), *cc, *toolchain]))
     binary = out / "bin" / BINARY
     if not force and binary.is_file() and (out / ".stamp").is_file() and (out / ".stamp").read_text() == stamp:
         return out
     out.mkdir(parents=True, exist_ok=True)
+    # a new stamp configures from scratch: CMake caches the package it found and the toolchain
+    shutil.rmtree(out / "build", ignore_errors=True)
+    shutil.rmtree(out / "include", ignore_errors=True)
+    (out / ".stamp").unlink(missing_ok=True)
     (out / "spx_config.h").write_text(header)
     inc = out / "include"
-    if not (inc / "nlohmann" / "json.hpp").is_file():
-        src = Path("/usr/include/nlohmann")
-        if not (src / "json.hpp").is_file():
-            raise SpecPrefetchError("nlohmann/json.hpp not found: apt-get install nlohmann-json3-dev (make setup does)")
-        shutil.copytree(src, inc / "nlohmann", dirs_exist_ok=True)
+    src = Path("/usr/include/nlohmann")
+    if not (src / "json.hpp").is_file():
+        raise SpecPrefetchError("nlohmann/json.hpp not found: apt-get install nlohmann-json3-dev (make setup does)")
+    shutil.copytree(src, inc / "nlohmann")  # header-only: the same copy serves a cross build
     build_dir = out / "build"
     logf = out / "build.log"
     configure = [cmake, "-S", str(SRC), "-B", str(build_dir), "-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}",

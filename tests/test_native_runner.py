@@ -268,3 +268,10 @@ def test_arm64_build_under_qemu_gives_the_same_tokens_and_decisions(native, tmp_
     assert arm["kernel_isa"] == "neon"
     assert arm["runs"][0]["tokens"] == host["runs"][0]["tokens"]
     assert decisions(ev.read_text().splitlines()) == decisions(host_lines)
+
+
+def test_a_routing_file_of_another_run_is_refused(native, tmp_path):
+    f = tmp_path / "short.json"
+    f.write_text(json.dumps({"routing": [[[[0, 1, 2, 3]] * 8]]}))  # one position; the prompt alone feeds 3
+    r = run_native(native, "--prompt-ids", "1,2,3", "--policy", "oracle+lru", "--routing", f, check=False)
+    assert r.returncode == 1 and "has 1 positions of routing; a run of it feeds 3..34" in r.stderr, r.stderr

@@ -72,6 +72,8 @@ void Executor::layer(int index, const std::vector<float>& h, int64_t pos, bool m
   const size_t want = moe ? 3 : 1;
   if (outs.size() < want) throw spx::Error(path_ + ": method '" + name + "' returned too few outputs");
   copy_out(outs[0], out.h, path_ + ": " + name);
+  if (static_cast<int>(out.h.size()) != hidden_)
+    throw spx::Error(path_ + ": method '" + name + "' returned a hidden state of the wrong width");
   if (!moe) return;
   copy_out(outs[1], out.x, path_ + ": " + name);
   copy_out(outs[2], out.logits, path_ + ": " + name);

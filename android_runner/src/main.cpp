@@ -167,9 +167,10 @@ std::vector<std::vector<std::vector<int>>> read_routing(const std::string& path,
           if (nested && (!layer.is_array() || static_cast<int>(layer.size()) != k))
             throw Error(path + ": each layer needs " + std::to_string(k) + " experts");
           for (const auto& e : nested ? layer : json::array({layer})) {
-            int v = e.get<int>();
+            if (!e.is_number_integer()) throw Error(path + ": expert ids must be integers");
+            const int64_t v = e.get<int64_t>();
             if (v < 0 || v >= E) throw Error(path + ": expert id " + std::to_string(v) + " out of range");
-            flat.push_back(v);
+            flat.push_back(static_cast<int>(v));
           }
         }
         per.push_back(std::move(flat));
@@ -244,14 +245,15 @@ int main_(int argc, char** argv) {
   m.preds_rows = b.preds_rows;
   m.graph_predictor = b.predictor_kind;
   m.max_seq = b.max_seq;
-  Runner runner(m, exec, *store, kernel, host.weight.empty() ? nullptr : &host);
+  // host routers (next-gate, fate) and / or the selection bias: whichever host.safetensors holds
+  Runner runner(m, exec, *store, kernel, host.weight.empty() && host.score_bias.empty() ? nullptr : &host);
 
   RunConfig cfg;
   cfg.predictor = b.preds_rows.empty() ? "on-demand" : b.predictor_kind;  // the bundle's own heads by default
   if (!a.policy.empty()) {
     auto plus = a.policy.find('+');
     cfg.predictor = a.policy.substr(0, plus);
-    cfg.eviction = plus == std::string::npos ? "lru" : a.policy.substr(plus + 1);
+    cfg.eviction = plus == std::string::npos || plus + 1 == a.policy.size() ? "lru" : a.policy.substr(plus + 1);
   }
   cfg.pool_mib = std::isnan(a.pool_mib) ? b.pool_mib : a.pool_mib;
   cfg.window = a.window > 0 ? a.window : b.scheduler.window;
@@ -259,7 +261,7 @@ int main_(int argc, char** argv) {
   cfg.min_confidence = std::isnan(a.min_confidence) ? b.scheduler.min_confidence : a.min_confidence;
   cfg.floor = std::isnan(a.floor) ? b.scheduler.floor : a.floor;
   cfg.step_budget_kib = a.step_budget_kib > 0 ? a.step_budget_kib
-                        : b.scheduler.step_budget_bytes > 0 ? b.scheduler.step_budget_bytes / 1024 : -1;
+                        : b.scheduler.step_budget_bytes > 0 ? (b.scheduler.step_budget_bytes + 1023) / 1024 : -1;
   cfg.lanes = a.lanes;
   cfg.verify = a.verify;
   cfg.preload = a.preload;
@@ -268,8 +270,15 @@ int main_(int argc, char** argv) {
   runner.configure(cfg);
 
   std::vector<std::vector<std::vector<int>>> recorded;
-  if (!a.routing.empty())
+  if (!a.routing.empty()) {
     recorded = read_routing(a.routing, a.prompts.size(), m.L(), m.routing.top_k, m.routing.num_experts);
+    for (size_t p = 0; p < recorded.size(); ++p) {  // a recorded run of this prompt: every position it fed
+      const size_t lo = a.prompts[p].size(), hi = a.prompts[p].size() + a.max_new - 1;
+      if (recorded[p].size() < lo || recorded[p].size() > hi)
+        throw Error(a.routing + ": prompt " + std::to_string(p) + " has " + std::to_string(recorded[p].size()) +
+                    " positions of routing; a run of it feeds " + std::to_string(lo) + ".." + std::to_string(hi));
+    }
+  }
   const double setup_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t_start).count();
 
   EventLog log;

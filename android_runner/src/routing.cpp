@@ -57,8 +57,12 @@ std::vector<float> selection_scores(const float* logits, const RoutingRule& r, c
         gscore[g] = *std::max_element(grp.begin(), grp.end());
       }
     }
-    for (int g : topk(gscore, r.topk_group))
-      for (int e = g * per; e < (g + 1) * per; ++e) choice[e] = choice[e] + 1.0f * 1e4f;
+    // unselected groups after the selected ones, whose scores stay exact (see base.py)
+    std::vector<char> selected(r.n_group, 0);
+    for (int g : topk(gscore, r.topk_group)) selected[g] = 1;
+    for (int g = 0; g < r.n_group; ++g)
+      if (!selected[g])
+        for (int e = g * per; e < (g + 1) * per; ++e) choice[e] = choice[e] - 1e4f;
   }
   return choice;
 }

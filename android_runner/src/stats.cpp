@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <sstream>
 
@@ -12,8 +14,9 @@ static constexpr double MiB = 1048576.0;
 
 static json num(double v, int digits) {  // round like Python's round(v, digits); non-finite -> null
   if (!std::isfinite(v)) return nullptr;
-  const double p = std::pow(10.0, digits);
-  return std::nearbyint(v * p) / p;
+  char buf[64];  // correctly rounded decimal, as Python's round() (not v * 10^d, which rounds twice)
+  std::snprintf(buf, sizeof buf, "%.*f", digits, v);
+  return std::strtod(buf, nullptr);
 }
 
 double percentile(std::vector<double> v, double q) {

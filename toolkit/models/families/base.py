@@ -269,7 +269,9 @@ def selection_scores(logits: torch.Tensor, spec: RoutingSpec,
         gidx = torch.topk(gscore, spec.topk_group, dim=-1).indices
         gmask = torch.zeros_like(gscore).scatter_(1, gidx, 1.0)
         emask = gmask.unsqueeze(-1).expand_as(grouped).reshape(t, e)
-        choice = choice + emask * 1e4  # selected groups first; scores are O(1)
+        # selected groups first (scores are O(1)); the selected keep their exact scores, so their
+        # top-k is the router's (an offset added to them would round float32 scores into ties)
+        choice = choice - (1 - emask) * 1e4
     return choice
 
 
