@@ -322,6 +322,7 @@ def test_inspect_checks_the_manifest_itself(embedded_bundles, tmp_path):
             inspect_bundle(c)
 
 
+@pytest.mark.slow  # ~18 s: a whole export that fails at parity (make test-all)
 def test_failed_export_keeps_the_old_bundle_and_leaves_nothing(tiny_models, tmp_path):
     out = tmp_path / "b"
     export_bundle(tiny_models["mixtral"], out, _cfg(target="qnn"))
