@@ -8,9 +8,13 @@ Two parts, each in one run with interleaved rounds so that drift hits every conf
    top-k experts of every MoE layer) over this machine's memory read bandwidth, measured here.
 2. Streaming: real O_DIRECT reads from a cold page cache (the runner evicts its store's pages),
    pools of a fraction of the experts, on-demand LRU / the bundle's predictor / the oracle.
+3. The simulator recalibrated against the native runner (`calibrate_native`) replaying the same
+   prompts at the same pools: simulated / measured TPOT per policy.
 """
 from __future__ import annotations
 
+import json
+import os
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -32,6 +36,45 @@ def memory_read_bandwidth(mib: int = 512, repeats: int = 5) -> float:
         a.sum()
         best = min(best, time.perf_counter() - t0)
     return a.nbytes / best
+
+
+def calibrate_native(bundle: Path, ids: list[int], *, all_mib: float, tokens: int = 32, reads: int = 200):
+    """A device profile of this machine as the native runner sees it (the simulator's inputs): the
+    store's O_DIRECT read table, and the runner's own compute: dense time per layer, expert kernel
+    time, planning time, what a demand miss and a background read cost it."""
+    from toolkit.runtime.expert_store import ExpertStore
+    from toolkit.runtime.profiles import DeviceProfile
+    from toolkit.simulate.calibrate import measure_flash, runtime_miss_ms
+
+    m = json.loads((Path(bundle) / "manifest.json").read_text())
+    st = ExpertStore(Path(bundle) / m["runtime"]["expert_store"])
+    L, k = st.num_layers, m["routing"]["top_k"]
+    table, lat1, xfer = measure_flash(st, reads)
+
+    def one(policy: str, pool: float, *extra: str) -> dict:
+        return run_native(bundle, [ids], max_new_tokens=tokens, policy=policy, pool_mib=pool, extra=list(extra))["runs"][0]
+
+    one("on-demand+lru", all_mib, "--preload")  # warm-up
+    res = one("on-demand+lru", all_mib, "--preload")
+    per_token = res["tpot_ms"] - res["stall_ms_per_token"]
+    expert_ms = res["expert_ms_per_call"]
+    dense_ms = max(0.0, (per_token - L * k * expert_ms) / L)
+    plan_ms = one("oracle+lru", all_mib, "--preload")["plan_ms_per_layer"]
+    tiny = k * 2 * st.slot_bytes / MiB
+    miss_ms = runtime_miss_ms(one("on-demand+lru", tiny))
+    orc = one("oracle+belady", tiny)
+    reads_per_token = orc["mib_read_per_token"] * MiB / st.slot_bytes
+    read_cpu_us = max(0.0, (orc["tpot_ms"] - orc["stall_ms_per_token"] - per_token - plan_ms * L) * 1e3
+                      / max(1e-9, reads_per_token))
+    return DeviceProfile(
+        name="this-machine-native", description=f"the native runner on {os.uname().nodename} with {st.path.name}",
+        flash_latency_us=round(max(1.0, (lat1 - xfer) * 1e6, miss_ms * 1e3 - xfer * 1e6), 1), flash_bw=table,
+        dram_effective_gbs=0.0, dense_ms_per_layer=round(dense_ms, 4), expert_ms=round(expert_ms, 4),
+        read_cpu_us=round(read_cpu_us, 1), plan_ms_per_layer=round(plan_ms, 4),
+        measured={"tpot_all_resident_ms": res["tpot_ms"], "qd1_read_ms": round(lat1 * 1e3, 4),
+                  "runtime_miss_ms": round(miss_ms, 4), "oracle_tpot_ms": orc["tpot_ms"],
+                  "oracle_reads_per_token": round(reads_per_token, 2)},
+        sources=["specprefetch runner bench (android_runner/bench.py: calibrate_native)"])
 
 
 def _median(xs: list) -> float | None:
@@ -118,6 +161,25 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
         out["points"].append(point)
         log(f"  on-demand / {policies[1]}: {point['on_demand_over_predictor']}, "
             f"{policies[1]} / oracle: {point['predictor_over_oracle']}")
+    # 3. the simulator, recalibrated against the native runner, on the same prompts and pools
+    src = Path(m["model"].get("source", ""))
+    adapter = Path(bundle) / m["predictor"]["adapter"] if m["predictor"].get("adapter") else None
+    if (src / "config.json").is_file():
+        from toolkit.bench import simulate_same_prompts
+        from toolkit.runtime.policy import parse_policies
+
+        log("the simulator, recalibrated against the native runner (calibrate_native), on the same prompts")
+        prof = calibrate_native(bundle, ids[0], all_mib=all_mib, tokens=new_tokens)
+        sim = simulate_same_prompts(src, texts, adapter, parse_policies(",".join(policies)),
+                                    [p["pool_mib"] for p in out["points"]], new_tokens,
+                                    m["runtime"]["scheduler"]["window"], None, profile=prof)
+        out["simulated"] = sim
+        for p, sp in zip(out["points"], sim["points"]):
+            for name, v in p["policies"].items():
+                v["simulated_tpot_ms"] = sp["policies"][name]["tpot_ms"]
+                v["sim_over_measured"] = round(v["simulated_tpot_ms"] / v["tpot_ms"], 3)
+    else:
+        log(f"no simulator comparison: the bundle's source model {src} is not on this machine")
     return out
 
 
@@ -137,14 +199,21 @@ def markdown(r: dict[str, Any]) -> str:
              f"{res['dense_program_bytes'] / MiB:.2f} MiB + top-k experts) at {res['memory_read_gbps']} GB/s measured.",
              "", "Streaming (O_DIRECT, cold page cache):", "",
              "| pool MiB (experts) | policy | TPOT ms | p95 ms | stall ms/token | hit rate | MiB read/token | "
-             "peak RSS MiB |", "|---|---|---|---|---|---|---|---|"]
+             "peak RSS MiB | simulated TPOT ms | sim / measured |", "|---|---|---|---|---|---|---|---|---|---|"]
     for p in r["points"]:
         for name, v in p["policies"].items():
+            sim = (f"{v['simulated_tpot_ms']:.3f} | {v['sim_over_measured']:.2f}" if "simulated_tpot_ms" in v
+                   else "- | -")
             lines.append(f"| {p['pool_mib']:.2f} ({p['slots']}) | {name} | {v['tpot_ms']:.3f} | {v['tpot_p95_ms']:.3f} | "
                          f"{v['stall_ms_per_token']:.3f} | {v['hit_rate']:.3f} | {v['mib_read_per_token']:.3f} | "
-                         f"{v['peak_rss_mib']} |")
+                         f"{v['peak_rss_mib']} | {sim} |")
         lines.append(f"| | on-demand / predictor {p['on_demand_over_predictor']:.3f}, predictor / oracle "
-                     f"{p['predictor_over_oracle']:.3f} | | | | | | |")
+                     f"{p['predictor_over_oracle']:.3f} | | | | | | | | |")
+    if "simulated" in r:
+        pr = r["simulated"]["profile"]
+        lines += ["", f"Simulator profile (calibrate_native): dense {pr['dense_ms_per_layer']} ms/layer, expert "
+                      f"{pr['expert_ms']} ms, planning {pr['plan_ms_per_layer']} ms/layer, read CPU "
+                      f"{pr['read_cpu_us']} us, flash latency {pr['flash_latency_us']} us."]
     return "\n".join(lines) + "\n"
 
 

@@ -106,8 +106,10 @@ MEDIAN_KEYS = ("tpot_ms", "tpot_p95_ms", "ttft_ms", "stall_ms_per_token", "hit_r
                "prefetch_precision", "prefetch_recall", "wasted_prefetch_mib")
 
 
-def simulate_same_prompts(model, texts, adapter, policies, pools, new_tokens, window, store) -> dict[str, Any]:
-    """Trace the bench prompts and replay them under the calibrated this-machine profile."""
+def simulate_same_prompts(model, texts, adapter, policies, pools, new_tokens, window, store,
+                          profile=None) -> dict[str, Any]:
+    """Trace the bench prompts and replay them under a device profile: `profile`, or this machine's
+    calibrated for the reference runner."""
     from toolkit.simulate.calibrate import calibrate
     from toolkit.simulate.replay import run_simulation
     from toolkit.traces.capture import TraceSettings, run_trace
@@ -118,7 +120,7 @@ def simulate_same_prompts(model, texts, adapter, policies, pools, new_tokens, wi
         trace = run_trace(model, [data], Path(d) / "trace",
                           TraceSettings(prompt_tokens=10_000, decode_tokens=new_tokens - 1, heldout_frac=0.0),
                           progress=False)
-        prof, _ = calibrate(model, store=store, out=Path(d) / "this-machine.json", progress=False)
+        prof = profile or calibrate(model, store=store, out=Path(d) / "this-machine.json", progress=False)[0]
         out = {"profile": prof.to_json(), "points": []}
         for pool in pools:
             r = run_simulation(trace, policies=policies, profile=prof, pool_mib=pool, window=window, adapter=adapter,

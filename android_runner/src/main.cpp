@@ -295,6 +295,8 @@ int main_(int argc, char** argv) {
     r["prefill_ms"] = g.prefill_ms;
     r["first_token_ms"] = g.first_token_ms;
     if (a.preload) r["preload_ms"] = g.preload_ms;
+    r["expert_ms_per_call"] = g.expert_ms_per_call;
+    r["plan_ms_per_layer"] = g.plan_ms_per_layer;
     r["stall_ms"] = g.stall_ms;
     r["bytes_read"] = g.bytes_read;
     r["routing"] = g.routing;

@@ -210,6 +210,8 @@ Generation Runner::generate(const std::vector<int>& prompt, int max_new,
   double last_wait = 0;
   int64_t last_bytes = 0;
 
+  double plan_s = 0, expert_s = 0;
+  int64_t expert_calls = 0;
   exec_.reset();
   const auto t0 = Clock::now();
   int pos = 0;
@@ -234,10 +236,16 @@ Generation Runner::generate(const std::vector<int>& prompt, int max_new,
       for (int e : ids) keys.emplace_back(li, e);
       if (events != nullptr) events->at(step, pos, li);
       sched.acquire(step, keys);  // demand reads go out first
+      auto tp = Clock::now();
       planner.plan(sched, li, step, state, out.preds, end);
+      plan_s += seconds_since(tp);
       std::fill(y.begin(), y.end(), 0.0f);
       for (size_t j = 0; j < keys.size(); ++j) {
-        kernel_.forward(sched.data(keys[j]), out.x.data(), e_out.data());
+        const uint8_t* blob = sched.data(keys[j]);  // waits for the read (the stall), outside the kernel time
+        auto tk = Clock::now();
+        kernel_.forward(blob, out.x.data(), e_out.data());
+        expert_s += seconds_since(tk);
+        ++expert_calls;
         const float wj = w[j];
         for (int i = 0; i < H; ++i) y[i] = y[i] + wj * e_out[i];
       }
@@ -273,6 +281,8 @@ Generation Runner::generate(const std::vector<int>& prompt, int max_new,
     ++pos;
   }
   g.stats = account.finish(cfg.name(), sched, pool, times, times.front());
+  g.expert_ms_per_call = expert_calls ? expert_s / static_cast<double>(expert_calls) * 1e3 : 0.0;
+  g.plan_ms_per_layer = g.routing.empty() ? 0.0 : plan_s / static_cast<double>(g.routing.size() * L) * 1e3;
   if (events != nullptr) events->end(static_cast<int>(g.tokens.size()), seconds_since(t0) * 1e3);
   return g;
 }

@@ -70,6 +70,8 @@ struct Generation {
   double prefill_ms = 0;                  // the prompt's positions before the last one's head
   double first_token_ms = 0;              // = TTFT
   double preload_ms = 0;                  // --preload: reading every expert before the run
+  double expert_ms_per_call = 0;          // the expert kernels' time per expert computed
+  double plan_ms_per_layer = 0;           // the planner's time per MoE layer (predictions -> queue)
 };
 
 class Runner {

@@ -111,6 +111,24 @@ def runtime_miss_ms(result: dict) -> float:
     return result["stall_ms_per_token"] * decode / max(1, result["counts"]["misses"])
 
 
+def measure_flash(st: ExpertStore, reads: int) -> tuple[dict[int, dict[int, float]], float, float]:
+    """(bandwidth table {qd: {KiB: MiB/s}}, mean qd-1 slot read s, one slot's transfer s at qd 8)
+    of O_DIRECT reads of a store's expert slots and of 1 MiB requests."""
+    offsets = [e.offset for e in st.entries.values()]
+    slot = st.slot_bytes
+    big, big_offsets = big_reads(st.data_offset, st.path.stat().st_size)
+    table: dict[int, dict[int, float]] = {}
+    lat1 = 0.0
+    for qd in (1, 2, 4, 8):
+        bw_slot, lat = measure_reads(st.path, offsets, slot, qd, reads)
+        bw_big, _ = measure_reads(st.path, big_offsets, big, qd, max(16, reads // 8))
+        table[qd] = {slot // 1024: round(bw_slot, 1), big // 1024: round(bw_big, 1)}
+        if qd == 1:
+            lat1 = lat
+    # latency: what a qd-1 read takes beyond its transfer at the qd-8 (throughput) rate
+    return table, lat1, slot / (table[8][slot // 1024] * MiB)
+
+
 def calibrate(model: str | Path = "embedded", *, store: Path | None = None, reads: int = 200,
               tokens: int = 32, out: Path | None = None, progress: bool = True) -> tuple[DeviceProfile, Path]:
     from export.session import open_session
@@ -121,19 +139,8 @@ def calibrate(model: str | Path = "embedded", *, store: Path | None = None, read
                      store=store, progress=progress)
     rt = s.runner
     st: ExpertStore = rt.store
-    offsets = [e.offset for e in st.entries.values()]
     slot = st.slot_bytes
-    big, big_offsets = big_reads(st.data_offset, st.path.stat().st_size)
-    table: dict[int, dict[int, float]] = {}
-    lat1 = None
-    for qd in (1, 2, 4, 8):
-        bw_slot, lat = measure_reads(st.path, offsets, slot, qd, reads)
-        bw_big, _ = measure_reads(st.path, big_offsets, big, qd, max(16, reads // 8))
-        table[qd] = {slot // 1024: round(bw_slot, 1), big // 1024: round(bw_big, 1)}
-        if qd == 1:
-            lat1 = lat
-    # latency: what a qd-1 read takes beyond its transfer at the qd-8 (throughput) rate
-    xfer = slot / (table[8][slot // 1024] * MiB)
+    table, lat1, xfer = measure_flash(st, reads)
     latency_us = max(1.0, (lat1 - xfer) * 1e6)
     L, k = rt.model.L, rt.model.routing.top_k
     all_mib = st.slot_bytes * L * rt.model.routing.num_experts / MiB + 1
