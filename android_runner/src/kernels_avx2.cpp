@@ -51,9 +51,25 @@ SPX_AVX2 inline __m256 ld_i4(const uint8_t* p, __m256i shifts) {
   return _mm256_sub_ps(_mm256_castsi256_ps(f), _mm256_set1_ps(8388616.0f));
 }
 
-SPX_AVX2 void avx2_f16(const uint8_t* w, const uint8_t*, int64_t out, int64_t in, const float* x, float* y) {
+// Row-wise weight formats for dot_rows: bytes per weight, 8 weights as floats, one weight as a float.
+struct F16Weights {
+  static constexpr size_t kBytes = 2;
+  SPX_AVX2 static inline __m256 load8(const uint8_t* p) { return ld_f16(p); }
+  static inline float one(const uint8_t* p) { return f16_to_f32(load_u16(p)); }
+};
+struct I8Weights {
+  static constexpr size_t kBytes = 1;
+  SPX_AVX2 static inline __m256 load8(const uint8_t* p) { return ld_i8(p); }
+  static inline float one(const uint8_t* p) { return static_cast<float>(static_cast<int8_t>(*p)); }
+};
+
+// y[out] = W x (unscaled) for row-major weights of format T: four rows at a time, two accumulator
+// chains per row, the scalar tail (in % 8) added after the horizontal sum.
+template <class T>
+SPX_AVX2 void dot_rows(const uint8_t* w, int64_t out, int64_t in, const float* x, float* y) {
+  constexpr size_t B = T::kBytes;
   const int64_t in8 = in & ~int64_t(7);
-  const size_t rb = static_cast<size_t>(in) * 2;  // row bytes
+  const size_t rb = static_cast<size_t>(in) * B;  // row bytes
   int64_t r = 0;
   for (; r + 4 <= out; r += 4) {
     const uint8_t* p0 = w + static_cast<size_t>(r) * rb;
@@ -65,29 +81,29 @@ SPX_AVX2 void avx2_f16(const uint8_t* w, const uint8_t*, int64_t out, int64_t in
     int64_t c = 0;
     for (; c + 16 <= in8; c += 16) {
       __m256 xv = _mm256_loadu_ps(x + c), xw = _mm256_loadu_ps(x + c + 8);
-      a0 = _mm256_fmadd_ps(ld_f16(p0 + 2 * c), xv, a0);
-      a1 = _mm256_fmadd_ps(ld_f16(p1 + 2 * c), xv, a1);
-      a2 = _mm256_fmadd_ps(ld_f16(p2 + 2 * c), xv, a2);
-      a3 = _mm256_fmadd_ps(ld_f16(p3 + 2 * c), xv, a3);
-      b0 = _mm256_fmadd_ps(ld_f16(p0 + 2 * (c + 8)), xw, b0);
-      b1 = _mm256_fmadd_ps(ld_f16(p1 + 2 * (c + 8)), xw, b1);
-      b2 = _mm256_fmadd_ps(ld_f16(p2 + 2 * (c + 8)), xw, b2);
-      b3 = _mm256_fmadd_ps(ld_f16(p3 + 2 * (c + 8)), xw, b3);
+      a0 = _mm256_fmadd_ps(T::load8(p0 + B * c), xv, a0);
+      a1 = _mm256_fmadd_ps(T::load8(p1 + B * c), xv, a1);
+      a2 = _mm256_fmadd_ps(T::load8(p2 + B * c), xv, a2);
+      a3 = _mm256_fmadd_ps(T::load8(p3 + B * c), xv, a3);
+      b0 = _mm256_fmadd_ps(T::load8(p0 + B * (c + 8)), xw, b0);
+      b1 = _mm256_fmadd_ps(T::load8(p1 + B * (c + 8)), xw, b1);
+      b2 = _mm256_fmadd_ps(T::load8(p2 + B * (c + 8)), xw, b2);
+      b3 = _mm256_fmadd_ps(T::load8(p3 + B * (c + 8)), xw, b3);
     }
     if (c < in8) {
       __m256 xv = _mm256_loadu_ps(x + c);
-      a0 = _mm256_fmadd_ps(ld_f16(p0 + 2 * c), xv, a0);
-      a1 = _mm256_fmadd_ps(ld_f16(p1 + 2 * c), xv, a1);
-      a2 = _mm256_fmadd_ps(ld_f16(p2 + 2 * c), xv, a2);
-      a3 = _mm256_fmadd_ps(ld_f16(p3 + 2 * c), xv, a3);
+      a0 = _mm256_fmadd_ps(T::load8(p0 + B * c), xv, a0);
+      a1 = _mm256_fmadd_ps(T::load8(p1 + B * c), xv, a1);
+      a2 = _mm256_fmadd_ps(T::load8(p2 + B * c), xv, a2);
+      a3 = _mm256_fmadd_ps(T::load8(p3 + B * c), xv, a3);
     }
     alignas(16) float t[4];
     _mm_store_ps(t, hsum4(_mm256_add_ps(a0, b0), _mm256_add_ps(a1, b1), _mm256_add_ps(a2, b2), _mm256_add_ps(a3, b3)));
     for (int64_t c = in8; c < in; ++c) {
-      t[0] += f16_to_f32(load_u16(p0 + 2 * c)) * x[c];
-      t[1] += f16_to_f32(load_u16(p1 + 2 * c)) * x[c];
-      t[2] += f16_to_f32(load_u16(p2 + 2 * c)) * x[c];
-      t[3] += f16_to_f32(load_u16(p3 + 2 * c)) * x[c];
+      t[0] += T::one(p0 + B * c) * x[c];
+      t[1] += T::one(p1 + B * c) * x[c];
+      t[2] += T::one(p2 + B * c) * x[c];
+      t[3] += T::one(p3 + B * c) * x[c];
     }
     y[r] = t[0], y[r + 1] = t[1], y[r + 2] = t[2], y[r + 3] = t[3];
   }
@@ -96,69 +112,23 @@ SPX_AVX2 void avx2_f16(const uint8_t* w, const uint8_t*, int64_t out, int64_t in
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
     int64_t c = 0;
     for (; c + 16 <= in8; c += 16) {
-      a0 = _mm256_fmadd_ps(ld_f16(p + 2 * c), _mm256_loadu_ps(x + c), a0);
-      a1 = _mm256_fmadd_ps(ld_f16(p + 2 * c + 16), _mm256_loadu_ps(x + c + 8), a1);
+      a0 = _mm256_fmadd_ps(T::load8(p + B * c), _mm256_loadu_ps(x + c), a0);
+      a1 = _mm256_fmadd_ps(T::load8(p + B * (c + 8)), _mm256_loadu_ps(x + c + 8), a1);
     }
-    for (; c < in8; c += 8) a0 = _mm256_fmadd_ps(ld_f16(p + 2 * c), _mm256_loadu_ps(x + c), a0);
+    for (; c < in8; c += 8) a0 = _mm256_fmadd_ps(T::load8(p + B * c), _mm256_loadu_ps(x + c), a0);
     float t = hsum(_mm256_add_ps(a0, a1));
-    for (; c < in; ++c) t += f16_to_f32(load_u16(p + 2 * c)) * x[c];
+    for (; c < in; ++c) t += T::one(p + B * c) * x[c];
     y[r] = t;
   }
 }
 
+SPX_AVX2 void avx2_f16(const uint8_t* w, const uint8_t*, int64_t out, int64_t in, const float* x, float* y) {
+  dot_rows<F16Weights>(w, out, in, x, y);
+}
+
 SPX_AVX2 void avx2_i8(const uint8_t* w, const uint8_t* s, int64_t out, int64_t in, const float* x, float* y) {
-  const int64_t in8 = in & ~int64_t(7);
-  const size_t rb = static_cast<size_t>(in);
-  int64_t r = 0;
-  for (; r + 4 <= out; r += 4) {
-    const uint8_t* p0 = w + static_cast<size_t>(r) * rb;
-    const uint8_t* p1 = p0 + rb;
-    const uint8_t* p2 = p1 + rb;
-    const uint8_t* p3 = p2 + rb;
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-    __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps(), b2 = _mm256_setzero_ps(), b3 = _mm256_setzero_ps();
-    int64_t c = 0;
-    for (; c + 16 <= in8; c += 16) {
-      __m256 xv = _mm256_loadu_ps(x + c), xw = _mm256_loadu_ps(x + c + 8);
-      a0 = _mm256_fmadd_ps(ld_i8(p0 + c), xv, a0);
-      a1 = _mm256_fmadd_ps(ld_i8(p1 + c), xv, a1);
-      a2 = _mm256_fmadd_ps(ld_i8(p2 + c), xv, a2);
-      a3 = _mm256_fmadd_ps(ld_i8(p3 + c), xv, a3);
-      b0 = _mm256_fmadd_ps(ld_i8(p0 + (c + 8)), xw, b0);
-      b1 = _mm256_fmadd_ps(ld_i8(p1 + (c + 8)), xw, b1);
-      b2 = _mm256_fmadd_ps(ld_i8(p2 + (c + 8)), xw, b2);
-      b3 = _mm256_fmadd_ps(ld_i8(p3 + (c + 8)), xw, b3);
-    }
-    if (c < in8) {
-      __m256 xv = _mm256_loadu_ps(x + c);
-      a0 = _mm256_fmadd_ps(ld_i8(p0 + c), xv, a0);
-      a1 = _mm256_fmadd_ps(ld_i8(p1 + c), xv, a1);
-      a2 = _mm256_fmadd_ps(ld_i8(p2 + c), xv, a2);
-      a3 = _mm256_fmadd_ps(ld_i8(p3 + c), xv, a3);
-    }
-    alignas(16) float t[4];
-    _mm_store_ps(t, hsum4(_mm256_add_ps(a0, b0), _mm256_add_ps(a1, b1), _mm256_add_ps(a2, b2), _mm256_add_ps(a3, b3)));
-    for (int64_t c = in8; c < in; ++c) {
-      t[0] += static_cast<float>(static_cast<int8_t>(p0[c])) * x[c];
-      t[1] += static_cast<float>(static_cast<int8_t>(p1[c])) * x[c];
-      t[2] += static_cast<float>(static_cast<int8_t>(p2[c])) * x[c];
-      t[3] += static_cast<float>(static_cast<int8_t>(p3[c])) * x[c];
-    }
-    for (int k = 0; k < 4; ++k) y[r + k] = t[k] * f16_to_f32(load_u16(s + 2 * (r + k)));
-  }
-  for (; r < out; ++r) {
-    const uint8_t* p = w + static_cast<size_t>(r) * rb;
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-    int64_t c = 0;
-    for (; c + 16 <= in8; c += 16) {
-      a0 = _mm256_fmadd_ps(ld_i8(p + c), _mm256_loadu_ps(x + c), a0);
-      a1 = _mm256_fmadd_ps(ld_i8(p + c + 8), _mm256_loadu_ps(x + c + 8), a1);
-    }
-    for (; c < in8; c += 8) a0 = _mm256_fmadd_ps(ld_i8(p + c), _mm256_loadu_ps(x + c), a0);
-    float t = hsum(_mm256_add_ps(a0, a1));
-    for (; c < in; ++c) t += static_cast<float>(static_cast<int8_t>(p[c])) * x[c];
-    y[r] = t * f16_to_f32(load_u16(s + 2 * r));
-  }
+  dot_rows<I8Weights>(w, out, in, x, y);
+  for (int64_t r = 0; r < out; ++r) y[r] = y[r] * f16_to_f32(load_u16(s + 2 * r));  // one scale per row
 }
 
 // One group of 32 inputs of one row: the unscaled dot product as an 8-lane vector.
