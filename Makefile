@@ -15,7 +15,7 @@ $(DEB_STAMP):
 	@missing=$$(for p in $(DEBS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing; \
-	  else echo "missing Debian packages: $$missing (run: sudo apt-get install $$missing)"; exit 1; fi; fi
+	  else echo "note: missing Debian packages $$missing (sudo apt-get install $$missing): the native runner's builds need g++ and nlohmann-json3-dev, its arm64 tests the cross compiler and qemu-user"; fi; fi
 	mkdir -p $(VENV) && touch $@
 
 # order-only: the Debian packages must be there, but a change to their list reinstalls nothing of pip's
@@ -85,7 +85,8 @@ FUZZ      := runs/fuzz
 FUZZ_SECS ?= 600
 FUZZ_CXX  := clang++ -std=c++17 -g -O1 -fsanitize=fuzzer,address,undefined -I android_runner/src -I /usr/include
 fuzz: $(STAMP)
-	command -v clang++ >/dev/null || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q clang)
+	command -v clang++ >/dev/null || { [ "$$(id -u)" = 0 ] || { echo "make fuzz needs clang: sudo apt-get install clang"; exit 1; }; \
+	    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q clang; }
 	mkdir -p $(FUZZ)/corpus-manifest $(FUZZ)/corpus-store $(FUZZ)/corpus-safetensors
 	test -f $(FUZZ)/bundle/manifest.json || $(BIN)/specprefetch export embedded --target executorch --max-seq 32 \
 	    --out $(FUZZ)/bundle

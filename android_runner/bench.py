@@ -43,38 +43,28 @@ def calibrate_native(bundle: Path, ids: list[int], *, all_mib: float, tokens: in
     store's O_DIRECT read table, and the runner's own compute: dense time per layer, expert kernel
     time, planning time, what a demand miss and a background read cost it."""
     from toolkit.runtime.expert_store import ExpertStore
-    from toolkit.runtime.profiles import DeviceProfile
-    from toolkit.simulate.calibrate import measure_flash, runtime_miss_ms
+    from toolkit.simulate.calibrate import measure_flash, runtime_profile, tiny_pool_mib
 
     m = json.loads((Path(bundle) / "manifest.json").read_text())
     st = ExpertStore(Path(bundle) / m["runtime"]["expert_store"])
     L, k = st.num_layers, m["routing"]["top_k"]
-    table, lat1, xfer = measure_flash(st, reads)
+    flash = measure_flash(st, reads)
 
-    def one(policy: str, pool: float, *extra: str) -> dict:
-        return run_native(bundle, [ids], max_new_tokens=tokens, policy=policy, pool_mib=pool, extra=list(extra))["runs"][0]
+    def one(policy: str, pool: float, *extra: str, cold: bool = False) -> dict:
+        return run_native(bundle, [ids], max_new_tokens=tokens, policy=policy, pool_mib=pool, cold=cold,
+                          extra=list(extra))["runs"][0]
 
     one("on-demand+lru", all_mib, "--preload")  # warm-up
     res = one("on-demand+lru", all_mib, "--preload")
-    per_token = res["tpot_ms"] - res["stall_ms_per_token"]
-    expert_ms = res["expert_ms_per_call"]
-    dense_ms = max(0.0, (per_token - L * k * expert_ms) / L)
     plan_ms = one("oracle+lru", all_mib, "--preload")["plan_ms_per_layer"]
-    tiny = k * 2 * st.slot_bytes / MiB
-    miss_ms = runtime_miss_ms(one("on-demand+lru", tiny))
-    orc = one("oracle+belady", tiny)
-    reads_per_token = orc["mib_read_per_token"] * MiB / st.slot_bytes
-    read_cpu_us = max(0.0, (orc["tpot_ms"] - orc["stall_ms_per_token"] - per_token - plan_ms * L) * 1e3
-                      / max(1e-9, reads_per_token))
-    return DeviceProfile(
-        name="this-machine-native", description=f"the native runner on {os.uname().nodename} with {st.path.name}",
-        flash_latency_us=round(max(1.0, (lat1 - xfer) * 1e6, miss_ms * 1e3 - xfer * 1e6), 1), flash_bw=table,
-        dram_effective_gbs=0.0, dense_ms_per_layer=round(dense_ms, 4), expert_ms=round(expert_ms, 4),
-        read_cpu_us=round(read_cpu_us, 1), plan_ms_per_layer=round(plan_ms, 4),
-        measured={"tpot_all_resident_ms": res["tpot_ms"], "qd1_read_ms": round(lat1 * 1e3, 4),
-                  "runtime_miss_ms": round(miss_ms, 4), "oracle_tpot_ms": orc["tpot_ms"],
-                  "oracle_reads_per_token": round(reads_per_token, 2)},
-        sources=["specprefetch runner bench (android_runner/bench.py: calibrate_native)"])
+    tiny = tiny_pool_mib(k, st.slot_bytes)
+    prof = runtime_profile(
+        "this-machine-native", f"the native runner on {os.uname().nodename} with {st.path.name}", flash=flash,
+        L=L, k=k, slot_bytes=st.slot_bytes, all_resident=res, expert_ms=res["expert_ms_per_call"], plan_ms=plan_ms,
+        on_demand=one("on-demand+lru", tiny, cold=True), oracle=one("oracle+belady", tiny, cold=True),
+        measured={"direct_io": res["direct_io"], "reads_per_point": reads},
+        source="specprefetch runner bench (android_runner/bench.py: calibrate_native)")
+    return prof
 
 
 def _median(xs: list) -> float | None:
@@ -171,8 +161,8 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
         log("the simulator, recalibrated against the native runner (calibrate_native), on the same prompts")
         prof = calibrate_native(bundle, ids[0], all_mib=all_mib, tokens=new_tokens)
         sim = simulate_same_prompts(src, texts, adapter, parse_policies(",".join(policies)),
-                                    [p["pool_mib"] for p in out["points"]], new_tokens,
-                                    m["runtime"]["scheduler"]["window"], None, profile=prof)
+                                    [p["slots"] * store.slot_bytes / MiB for p in out["points"]], new_tokens,
+                                    m["runtime"]["scheduler"]["window"], None, profile=prof, dtype=store.dtype)
         out["simulated"] = sim
         for p, sp in zip(out["points"], sim["points"]):
             for name, v in p["policies"].items():
@@ -186,7 +176,7 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
 def markdown(r: dict[str, Any]) -> str:
     res = r["resident"]
     lines = [f"{len(r['prompts'])} prompts x {r['new_tokens']} tokens, {r['rounds']} interleaved rounds; medians.", "",
-             "All experts resident:", "",
+             "A pool of every expert:", "",
              "| native TPOT ms | Python TPOT ms | Python / native | native preloaded TPOT ms | floor ms | "
              "preloaded / floor | native peak RSS MiB |",
              "|---|---|---|---|---|---|---|",

@@ -92,8 +92,8 @@ def _sources() -> list[Path]:
 
 def _package_version(pkg: Path) -> str:
     """The ExecuTorch package's full version (its CMake version file), part of a build's stamp."""
-    f = pkg / "share" / "cmake" / "executorch-config-version.cmake"
-    return f.read_text() if f.is_file() else ""
+    found = sorted(pkg.rglob("executorch-config-version.cmake"))
+    return found[0].read_text() if found else ""
 
 
 def executorch_host_package() -> Path:
@@ -186,24 +186,28 @@ def build(bundle: Path | str, abi: str = "host", out: Path | str | None = None, 
         ndk, pkg = _android_settings()
         toolchain = [f"-DCMAKE_TOOLCHAIN_FILE={ndk / 'build' / 'cmake' / 'android.toolchain.cmake'}",
                      "-DANDROID_ABI=arm64-v8a", "-DANDROID_PLATFORM=android-29"]
-    compiler = "aarch64-linux-gnu-g++" if abi == "arm64" else "c++"
+    compiler = {"arm64": "aarch64-linux-gnu-g++", "host": os.environ.get("CXX", "c++")}.get(abi)
     cc = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout.splitlines()[:1] \
-        if shutil.which(compiler) else []
-    stamp = _digest(_sources(), "|".join([header, abi, str(pkg), _package_version(pkg), *cc, *toolchain]))
+        if compiler and shutil.which(compiler) else []
+    # what CMake caches at configure time (the package, its version, the compiler and toolchain)
+    configured = hashlib.sha256("|".join([header, abi, str(pkg), _package_version(pkg), *cc, *toolchain])
+                                .encode()).hexdigest()[:16]
+    stamp = configured + "-" + _digest(_sources(), "")
     binary = out / "bin" / BINARY
-    if not force and binary.is_file() and (out / ".stamp").is_file() and (out / ".stamp").read_text() == stamp:
+    old = (out / ".stamp").read_text() if (out / ".stamp").is_file() else ""
+    if not force and binary.is_file() and old == stamp:
         return out
     out.mkdir(parents=True, exist_ok=True)
-    # a new stamp configures from scratch: CMake caches the package it found and the toolchain
-    shutil.rmtree(out / "build", ignore_errors=True)
-    shutil.rmtree(out / "include", ignore_errors=True)
+    if force or not old.startswith(configured + "-"):  # a new configuration starts from scratch
+        shutil.rmtree(out / "build", ignore_errors=True)
+        shutil.rmtree(out / "include", ignore_errors=True)
     (out / ".stamp").unlink(missing_ok=True)
     (out / "spx_config.h").write_text(header)
     inc = out / "include"
     src = Path("/usr/include/nlohmann")
     if not (src / "json.hpp").is_file():
         raise SpecPrefetchError("nlohmann/json.hpp not found: apt-get install nlohmann-json3-dev (make setup does)")
-    shutil.copytree(src, inc / "nlohmann")  # header-only: the same copy serves a cross build
+    shutil.copytree(src, inc / "nlohmann", dirs_exist_ok=True)  # header-only: the same copy serves a cross build
     build_dir = out / "build"
     logf = out / "build.log"
     configure = [cmake, "-S", str(SRC), "-B", str(build_dir), "-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}",

@@ -138,6 +138,9 @@ def _assemble(model, work: Path, scratch: Path, cfg: ExportConfig, tgt, quant: s
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(spec.path, local_files_only=True)
     g = spec.geometry
+    if cfg.window > len(g.moe_layers):  # the runners plan at most one token's MoE layers ahead
+        raise SpecPrefetchError(f"--window {cfg.window}: this model has {len(g.moe_layers)} MoE layers; "
+                                f"the window is at most that")
     t_start = time.perf_counter()
     timings: dict[str, float] = {}
 

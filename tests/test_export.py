@@ -65,6 +65,13 @@ def test_rejects_short_max_seq(tiny_models, tmp_path):
         export_bundle(tiny_models["mixtral"], tmp_path / "b", _cfg(max_seq=8))
 
 
+def test_rejects_a_window_past_one_tokens_moe_layers(tiny_models, tmp_path):
+    """The tiny Mixtral has 2 MoE layers: a window of 3 would leave a bundle no runner can run."""
+    with pytest.raises(SpecPrefetchError, match="--window 3: this model has 2 MoE layers"):
+        export_bundle(tiny_models["mixtral"], tmp_path / "b", _cfg(window=3))
+    assert not (tmp_path / "b").exists()
+
+
 def test_rejects_quant_of_other_target(tiny_models, tmp_path):
     with pytest.raises(SpecPrefetchError, match="--quant 'a16w8' is not offered by --target executorch"):
         export_bundle(tiny_models["mixtral"], tmp_path / "b", _cfg(quant="a16w8"))

@@ -157,3 +157,28 @@ def test_router_bank_from_checkpoint_matches_model(tiny_models, fam):
         assert torch.allclose(bank.logits(h, li), logits.float(), atol=1e-5)
         top = bank.selection_scores(bank.logits(h, li), li).topk(2, -1).indices
         assert torch.equal(top.sort(-1).values, ids.long().sort(-1).values)
+
+
+def test_grouped_selection_matches_deepseek_v3_router_at_scale():
+    """DeepSeek-V3's router at its real width (256 experts, 8 groups, top-4 groups, top-8, a
+    selection bias): float32 rounding of the group step must not reorder the selected experts."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    from toolkit.models.families import RoutingSpec, select_experts
+
+    cfg = DeepseekV3Config(n_routed_experts=256, n_group=8, topk_group=4, num_experts_per_tok=8, hidden_size=32,
+                           routed_scaling_factor=2.5, norm_topk_prob=True)
+    router = DeepseekV3TopkRouter(cfg)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(256, 32, generator=g) * 0.3)
+        router.e_score_correction_bias.copy_(torch.randn(256, generator=g) * 0.05)
+        logits, w_ref, ids_ref = router(torch.randn(2000, 32, generator=g))
+    spec = RoutingSpec(num_experts=256, top_k=8, score_func="sigmoid", n_group=8, topk_group=4, group_score="top2sum",
+                       score_bias=True, routed_scaling_factor=2.5, norm_topk_prob=True)
+    w, ids = select_experts(logits, spec, router.e_score_correction_bias)
+    same = (ids.sort(-1).values == ids_ref.sort(-1).values).all(-1)
+    assert bool(same.all()), f"{int((~same).sum())} of 2000 tokens select other experts"
+    order = ids_ref.argsort(-1)
+    torch.testing.assert_close(w.gather(-1, ids.argsort(-1)), w_ref.gather(-1, order), rtol=1e-5, atol=1e-6)

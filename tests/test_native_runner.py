@@ -2,7 +2,8 @@
 
 One host build of the runner for the shared fp32 ExecuTorch bundle (next-gate heads in the layer
 graphs, routers in host.safetensors); every predictor the bundle serves x every eviction policy x
-two pools: the same tokens as the reference runner and as transformers' generate, the same event
+a pool (and in make test-all a second pool and prompt): the same tokens as the reference runner and
+as transformers' generate, the same event
 log line for line (timings and printed confidences aside), the same decode counts, and a peak pool
 within the budget. Then refusals (tampered bundle, corrupt store, bad options, a runner generated
 for another bundle): one line naming the file or option, exit 1, no crash. The arm64 build under
@@ -276,3 +277,28 @@ def test_a_routing_file_of_another_run_is_refused(native, tmp_path):
     f.write_text(json.dumps({"routing": [[[[0, 1, 2, 3]] * 8]]}))  # one position; the prompt alone feeds 3
     r = run_native(native, "--prompt-ids", "1,2,3", "--policy", "oracle+lru", "--routing", f, check=False)
     assert r.returncode == 1 and "has 1 positions of routing; a run of it feeds 3..34" in r.stderr, r.stderr
+
+
+def test_a_corrupt_prefetched_blob_is_refused(native, tmp_path):
+    """Only prefetched experts are corrupt (every MoE layer but the first; the oracle, fed a clean
+    run's routing, prefetches them before their use): the run stops with the checksum error instead
+    of computing with bad bytes, however early the read finished."""
+    from toolkit.runtime.expert_store import ExpertStore
+
+    clean, _ = native_run(native, tmp_path, "oracle+lru", POOLS[0], prompts=PROMPTS[:1])
+    routing = tmp_path / "routing.json"
+    routing.write_text(json.dumps({"routing": [clean["runs"][0]["routing"]]}))
+    b = tmp_path / "b"
+    shutil.copytree(native[0], b)
+    st = ExpertStore(b / "experts.spx")
+    with open(b / "experts.spx", "r+b") as f:
+        for (layer, _), e in st.entries.items():
+            if layer > 0:
+                f.seek(e.offset + 11)
+                byte = f.read(1)
+                f.seek(e.offset + 11)
+                f.write(bytes([byte[0] ^ 0xFF]))
+    r = subprocess.run([*command(native[1], "host"), str(b), "--prompt-ids", ",".join(map(str, PROMPTS[0])),
+                        "--max-new-tokens", str(NEW), "--policy", "oracle+lru", "--pool-mib", str(POOLS[0]),
+                        "--routing", str(routing), "--no-verify-hashes"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "failed its checksum" in r.stderr, r.stderr

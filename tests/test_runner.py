@@ -356,7 +356,7 @@ def test_bundle_with_adapter_every_policy_at_two_pools(target, embedded, emb_tra
                     16)
 
 
-@pytest.mark.slow  # ~11 s; `runner bench` and `make bench` run the same comparison
+@pytest.mark.slow  # ~11 s; `make bench` runs this command at full size
 def test_cli_bench_side_by_side(emb_store, emb_trace_adapter, tmp_path):
     _, ad = emb_trace_adapter
     out = tmp_path / "b.json"

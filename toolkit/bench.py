@@ -107,7 +107,7 @@ MEDIAN_KEYS = ("tpot_ms", "tpot_p95_ms", "ttft_ms", "stall_ms_per_token", "hit_r
 
 
 def simulate_same_prompts(model, texts, adapter, policies, pools, new_tokens, window, store,
-                          profile=None) -> dict[str, Any]:
+                          profile=None, dtype: str = "fp16") -> dict[str, Any]:
     """Trace the bench prompts and replay them under a device profile: `profile`, or this machine's
     calibrated for the reference runner."""
     from toolkit.simulate.calibrate import calibrate
@@ -124,7 +124,7 @@ def simulate_same_prompts(model, texts, adapter, policies, pools, new_tokens, wi
         out = {"profile": prof.to_json(), "points": []}
         for pool in pools:
             r = run_simulation(trace, policies=policies, profile=prof, pool_mib=pool, window=window, adapter=adapter,
-                               split="train", model=model)
+                               split="train", model=model, dtype=dtype)
             out["points"].append({"pool_mib": pool, "policies": {x["policy"]: {
                 k: x[k] for k in ("tpot_ms", "stall_ms_per_token", "hit_rate", "mib_read_per_token")}
                 for x in r["results"]}})

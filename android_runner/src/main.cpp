@@ -261,7 +261,7 @@ int main_(int argc, char** argv) {
   cfg.min_confidence = std::isnan(a.min_confidence) ? b.scheduler.min_confidence : a.min_confidence;
   cfg.floor = std::isnan(a.floor) ? b.scheduler.floor : a.floor;
   cfg.step_budget_kib = a.step_budget_kib > 0 ? a.step_budget_kib
-                        : b.scheduler.step_budget_bytes > 0 ? (b.scheduler.step_budget_bytes + 1023) / 1024 : -1;
+                        : b.scheduler.step_budget_bytes > 0 ? b.scheduler.step_budget_bytes / 1024 : -1;
   cfg.lanes = a.lanes;
   cfg.verify = a.verify;
   cfg.preload = a.preload;
@@ -286,6 +286,11 @@ int main_(int argc, char** argv) {
   for (size_t p = 0; p < a.prompts.size(); ++p) {
     Generation g = runner.run(a.prompts[p], a.max_new, a.events_out.empty() ? nullptr : &log,
                               recorded.empty() ? nullptr : &recorded[p]);
+    // greedy decoding is deterministic: a recording of this prompt fed exactly these positions
+    if (!recorded.empty() && runner.config().needs_future() && recorded[p] != g.routing)
+      throw Error(a.routing + ": prompt " + std::to_string(p) + "'s routing is not this run's (" +
+                  std::to_string(recorded[p].size()) + " positions recorded, " + std::to_string(g.routing.size()) +
+                  " run): record it with the same prompt and --max-new-tokens");
     json r;
     r["prompt_ids"] = a.prompts[p];
     r["source"] = a.bundle;

@@ -80,7 +80,12 @@ void WindowScheduler::wait(Key key) {
 
 void WindowScheduler::evicting(Key key) {
   Slot* s = pool_.get(key);
-  if (!s->landed && !io_.landed(key)) wait(key);
+  if (!s->landed) {  // its bytes must land before the slot is reused; a failed read fails the run
+    if (!io_.landed(key))
+      wait(key);
+    else
+      io_.wait(key);  // returns at once; rethrows the read's error, whenever it finished
+  }
   io_.release(key);
 }
 

@@ -129,6 +129,37 @@ def measure_flash(st: ExpertStore, reads: int) -> tuple[dict[int, dict[int, floa
     return table, lat1, slot / (table[8][slot // 1024] * MiB)
 
 
+def tiny_pool_mib(top_k: int, slot_bytes: int) -> float:
+    """The pool the miss and read-cost runs use: two layers' worth of slots (every use a miss)."""
+    return top_k * 2 * slot_bytes / MiB
+
+
+def runtime_profile(name: str, description: str, *, flash: tuple[dict, float, float], L: int, k: int,
+                    slot_bytes: int, all_resident: dict, expert_ms: float, plan_ms: float, on_demand: dict,
+                    oracle: dict, measured: dict, source: str) -> DeviceProfile:
+    """A runner's device profile from its measured runs (RunStats JSON of each): every expert
+    resident (the compute per token), on-demand with a tiny pool (what a miss costs it), oracle +
+    Belady with the same pool (what a background read costs its compute thread), and the store's
+    read table `flash` = measure_flash(...)."""
+    table, lat1, xfer = flash
+    per_token = all_resident["tpot_ms"] - all_resident["stall_ms_per_token"]
+    dense_ms = max(0.0, (per_token - L * k * expert_ms) / L)
+    miss_ms = runtime_miss_ms(on_demand)
+    # latency: what a qd-1 read takes beyond its transfer, or what a miss costs the runner, if more
+    latency_us = max(1.0, (lat1 - xfer) * 1e6, miss_ms * 1e3 - xfer * 1e6)
+    reads_per_token = oracle["mib_read_per_token"] * MiB / slot_bytes
+    read_cpu_us = max(0.0, (oracle["tpot_ms"] - oracle["stall_ms_per_token"] - per_token - plan_ms * L) * 1e3
+                      / max(1e-9, reads_per_token))
+    return DeviceProfile(
+        name=name, description=description, flash_latency_us=round(latency_us, 1), flash_bw=table,
+        dram_effective_gbs=0.0, dense_ms_per_layer=round(dense_ms, 4), expert_ms=round(expert_ms, 4),
+        read_cpu_us=round(read_cpu_us, 1), plan_ms_per_layer=round(plan_ms, 4),
+        measured={"tpot_all_resident_ms": all_resident["tpot_ms"], "qd1_read_ms": round(lat1 * 1e3, 4),
+                  "runtime_miss_ms": round(miss_ms, 4), "oracle_tpot_ms": oracle["tpot_ms"],
+                  "oracle_reads_per_token": round(reads_per_token, 2), "slot_bytes": slot_bytes, **measured},
+        sources=[source])
+
+
 def calibrate(model: str | Path = "embedded", *, store: Path | None = None, reads: int = 200,
               tokens: int = 32, out: Path | None = None, progress: bool = True) -> tuple[DeviceProfile, Path]:
     from export.session import open_session
@@ -141,7 +172,6 @@ def calibrate(model: str | Path = "embedded", *, store: Path | None = None, read
     st: ExpertStore = rt.store
     slot = st.slot_bytes
     table, lat1, xfer = measure_flash(st, reads)
-    latency_us = max(1.0, (lat1 - xfer) * 1e6)
     L, k = rt.model.L, rt.model.routing.top_k
     all_mib = st.slot_bytes * L * rt.model.routing.num_experts / MiB + 1
     # compute: every expert resident after the first token
@@ -162,7 +192,6 @@ def calibrate(model: str | Path = "embedded", *, store: Path | None = None, read
     for _ in range(n):
         rt.experts.expert(x, buf)
     expert_ms = (time.perf_counter() - t0) / n * 1e3
-    dense_ms = max(0.0, (per_token - L * k * expert_ms) / L)
     # planning a window costs the compute thread too: oracle prediction, every expert resident
     rt.configure(policy=Policy("oracle", "lru"))
     rec = rt.record(prompt, tokens)
@@ -170,29 +199,15 @@ def calibrate(model: str | Path = "embedded", *, store: Path | None = None, read
     planned = rt.run(prompt, tokens, recorded=rec).stats
     plan_ms = max(0.0, (planned.tpot_ms - planned.stall_ms_per_token - per_token) / L)
     # a miss as the runner sees it (reader hand-off included): on-demand with a tiny pool
-    tiny = k * 2 * st.slot_bytes / MiB
-    rt.configure(policy=Policy("on-demand", "lru"), pool_mib=tiny)
+    rt.configure(policy=Policy("on-demand", "lru"), pool_mib=tiny_pool_mib(k, st.slot_bytes))
     small = rt.run(prompt, tokens)
-    miss_ms = runtime_miss_ms(small.stats.to_json())
-    latency_us = max(latency_us, miss_ms * 1e3 - xfer * 1e6)
-    # what a background read costs the compute thread (interrupts, hand-offs): perfect prefetch
-    # (oracle + Belady) with the same tiny pool, against the all-resident time with planning
+    # what a background read costs the compute thread: perfect prefetch with the same tiny pool
     rt.configure(policy=Policy("oracle", "belady"))
     orc = rt.run(prompt, tokens, recorded=rec).stats
-    reads_per_token = orc.mib_read_per_token * MiB / st.slot_bytes
-    read_cpu_us = max(0.0, (orc.tpot_ms - orc.stall_ms_per_token - per_token - plan_ms * L) * 1e3
-                      / max(1e-9, reads_per_token))
-    direct = small.direct_io
-    prof = DeviceProfile(
-        name="this-machine", description=f"measured on {os.uname().nodename} ({os.cpu_count()} CPUs) "
-                                         f"with {st.path.name}",
-        flash_latency_us=round(latency_us, 1), flash_bw=table, dram_effective_gbs=0.0,
-        dense_ms_per_layer=round(dense_ms, 4), expert_ms=round(expert_ms, 4), read_cpu_us=round(read_cpu_us, 1),
-        plan_ms_per_layer=round(plan_ms, 4),
-        measured={"tpot_all_resident_ms": r.tpot_ms, "qd1_read_ms": round(lat1 * 1e3, 4),
-                  "runtime_miss_ms": round(miss_ms, 4),
-                  "oracle_tpot_ms": orc.tpot_ms, "oracle_reads_per_token": round(reads_per_token, 2),
-                  "slot_bytes": slot, "direct_io": direct, "reads_per_point": reads,
-                  "torch_threads": torch.get_num_threads()},
-        sources=["specprefetch calibrate"])
+    prof = runtime_profile(
+        "this-machine", f"measured on {os.uname().nodename} ({os.cpu_count()} CPUs) with {st.path.name}",
+        flash=(table, lat1, xfer), L=L, k=k, slot_bytes=slot, all_resident=r.to_json(), expert_ms=expert_ms,
+        plan_ms=plan_ms, on_demand=small.stats.to_json(), oracle=orc.to_json(),
+        measured={"direct_io": small.direct_io, "reads_per_point": reads, "torch_threads": torch.get_num_threads()},
+        source="specprefetch calibrate")
     return prof, save_profile(prof, out)
