@@ -75,34 +75,37 @@ def test_config_header_names_the_bundle(embedded_bundles):
 
 @pytest.mark.parametrize("pool", [POOLS[0], pytest.param(POOLS[1], marks=pytest.mark.slow)])
 def test_same_tokens_decisions_and_counts_as_the_reference(native, reference, embedded, tmp_path, pool):
-    prompts = PROMPTS if pool != POOLS[0] else PROMPTS[:1]  # make test: one prompt; make test-all: both
+    prompts = PROMPTS if pool != POOLS[0] else PROMPTS[:1]  # make test: one prompt; test-all's second pool: both
     refs = [reference_tokens(embedded, ids, NEW) for ids in prompts]
     budget = int(pool * 2**20)
-    for pred in PREDICTORS:
-        for ev in EVICTIONS:
-            policy = f"{pred}+{ev}"
-            out, lines = native_run(native, tmp_path, policy, pool, prompts)
-            reference.runner.configure(policy=Policy.parse(policy), pool_mib=pool)
-            log = EventLog()
-            gens = [reference.runner.run(ids, NEW, events=log) for ids in prompts]
-            assert out["policy"] == policy
-            for g, r, ref in zip(gens, out["runs"], refs):
-                assert r["tokens"] == g.tokens == ref, policy
-                assert 0 < r["peak_pool_bytes"] <= budget == r["budget_bytes"], policy
-                py = g.to_json()
-                # every decision count agrees; `late` and `wait_s` are timing, not decisions
-                for k in ("requests", "hits", "prefetch_hits", "misses", "prefetch_issued", "dropped_stale",
-                          "dropped_low_conf", "dropped_no_slot", "bytes_read"):
-                    assert r["counts"][k] == py["counts"][k], (policy, k)
-                for k in ("hit_rate", "prefetch_precision", "prefetch_recall", "evictions", "mib_read",
-                          "decode_tokens", "wasted_prefetch_mib", "peak_pool_bytes"):
-                    assert r[k] == py[k], (policy, k)
-                assert set(py) <= set(r) | {"tokens"}  # the same keys as `specprefetch run`, and more
-                assert len(r["stall_ms"]) == len(r["bytes_read"]) == r["decode_tokens"]
-                assert sum(r["bytes_read"]) == r["counts"]["bytes_read"]
-            assert decisions(lines) == decisions(log.lines), policy
-            if pred == "on-demand":
-                assert all(r["counts"]["prefetch_issued"] == 0 for r in out["runs"])
+    # make test: every predictor and every eviction policy at least once (7 pairs); test-all: all 16
+    pairs = [(p, e) for p in PREDICTORS for e in EVICTIONS]
+    if pool == POOLS[0]:
+        pairs = [(p, "prediction") for p in PREDICTORS] + [("next-gate", e) for e in EVICTIONS if e != "prediction"]
+    for pred, ev in pairs:
+        policy = f"{pred}+{ev}"
+        out, lines = native_run(native, tmp_path, policy, pool, prompts)
+        reference.runner.configure(policy=Policy.parse(policy), pool_mib=pool)
+        log = EventLog()
+        gens = [reference.runner.run(ids, NEW, events=log) for ids in prompts]
+        assert out["policy"] == policy
+        for g, r, ref in zip(gens, out["runs"], refs):
+            assert r["tokens"] == g.tokens == ref, policy
+            assert 0 < r["peak_pool_bytes"] <= budget == r["budget_bytes"], policy
+            py = g.to_json()
+            # every decision count agrees; `late` and `wait_s` are timing, not decisions
+            for k in ("requests", "hits", "prefetch_hits", "misses", "prefetch_issued", "dropped_stale",
+                      "dropped_low_conf", "dropped_no_slot", "bytes_read"):
+                assert r["counts"][k] == py["counts"][k], (policy, k)
+            for k in ("hit_rate", "prefetch_precision", "prefetch_recall", "evictions", "mib_read",
+                      "decode_tokens", "wasted_prefetch_mib", "peak_pool_bytes"):
+                assert r[k] == py[k], (policy, k)
+            assert set(py) <= set(r) | {"tokens"}  # the same keys as `specprefetch run`, and more
+            assert len(r["stall_ms"]) == len(r["bytes_read"]) == r["decode_tokens"]
+            assert sum(r["bytes_read"]) == r["counts"]["bytes_read"]
+        assert decisions(lines) == decisions(log.lines), policy
+        if pred == "on-demand":
+            assert all(r["counts"]["prefetch_issued"] == 0 for r in out["runs"])
 
 
 def test_policies_differ_and_the_oracle_bounds_them(native, tmp_path):
