@@ -161,14 +161,16 @@ def default_out(manifest: dict[str, Any], abi: str) -> Path:
 def build(bundle: Path | str, abi: str = "host", out: Path | str | None = None, *, force: bool = False,
           log: Callable[[str], None] = lambda s: print(s, file=sys.stderr)) -> Path:
     """Build (or reuse) the runner for `bundle`; returns its output directory (bin/, lib/, spx_config.h)."""
-    from export.manifest import validate_bundle
+    from export.manifest import read_manifest, validate_bundle
 
     if abi not in ABIS:
         raise SpecPrefetchError(f"--abi {abi!r}: choose from {', '.join(ABIS)}")
+    _, head = read_manifest(bundle)
+    if not isinstance(head, dict) or head.get("target") != "executorch":
+        target = head.get("target") if isinstance(head, dict) else None
+        raise SpecPrefetchError(f"{bundle}: a {target} bundle; the native runner runs executorch bundles "
+                                "(export with --target executorch)")
     manifest, _ = validate_bundle(bundle, hash_store=False)
-    if manifest.get("target") != "executorch":
-        raise SpecPrefetchError(f"{bundle}: a {manifest.get('target')} bundle; the native runner runs executorch "
-                                "bundles (export with --target executorch)")
     out = Path(out) if out is not None else default_out(manifest, abi)
     if out.exists() and not out.is_dir():
         raise SpecPrefetchError(f"--out {out}: exists and is not a directory")

@@ -48,8 +48,13 @@ def embedded_bundles(tmp_path_factory, embedded) -> dict[str, Path]:
     from export.bundle import ExportConfig, export_bundle
 
     root = tmp_path_factory.mktemp("bundles")
-    out = {}
-    for target in ("executorch", "qnn"):
-        out[target] = root / target
-        export_bundle(embedded, out[target], ExportConfig(target=target, max_seq=64, progress=False))
-    return out
+
+    class Bundles(dict):
+        """Each target exported on first use (the QNN one, ~1 minute, only by tests that need it)."""
+
+        def __missing__(self, target: str) -> Path:
+            export_bundle(embedded, root / target, ExportConfig(target=target, max_seq=64, progress=False))
+            self[target] = root / target
+            return self[target]
+
+    return Bundles()

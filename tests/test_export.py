@@ -234,7 +234,9 @@ def test_qnn_unknown_soc_and_executorch_path_errors(tiny_models, tmp_path, monke
 
 # -- the embedded model, both targets, and inspect on real bundles -----------------------------
 
-@pytest.mark.parametrize("target", ["executorch", "qnn"])
+# the embedded model's QNN bundle (~1 minute to export) is in make test-all; make test exports QNN
+# bundles of every tiny family (test_qnn_bundle_every_family)
+@pytest.mark.parametrize("target", ["executorch", pytest.param("qnn", marks=pytest.mark.slow)])
 def test_embedded_bundle(target, embedded_bundles):
     b = embedded_bundles[target]
     m = json.loads((b / "manifest.json").read_text())
@@ -255,7 +257,7 @@ def _copy(b: Path, tmp_path: Path) -> Path:
     return c
 
 
-@pytest.mark.parametrize("target", ["executorch", "qnn"])
+@pytest.mark.parametrize("target", ["executorch", pytest.param("qnn", marks=pytest.mark.slow)])
 def test_inspect_names_tampered_and_truncated_files(target, embedded_bundles, tmp_path):
     b = embedded_bundles[target]
     m = json.loads((b / "manifest.json").read_text())

@@ -229,11 +229,17 @@ def test_a_runner_refuses_a_bundle_it_was_not_generated_for(native, tmp_path):
     assert r.returncode == 1 and "generated for another bundle" in r.stderr, r.stderr
 
 
-def test_a_qnn_bundle_is_refused_by_the_build(embedded_bundles, tmp_path):
+def test_a_qnn_bundle_is_refused_by_the_build(native, tmp_path):
     from toolkit.errors import SpecPrefetchError
 
-    with pytest.raises(SpecPrefetchError, match="executorch"):
-        build(embedded_bundles["qnn"], "host", tmp_path / "q")
+    b = tmp_path / "qnn"  # the bundle's manifest says qnn (make test-all refuses a real QNN bundle too)
+    shutil.copytree(native[0], b)
+    m = json.loads((b / "manifest.json").read_text())
+    m["target"] = "qnn"
+    (b / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(SpecPrefetchError, match="a qnn bundle; the native runner runs executorch"):
+        build(b, "host", tmp_path / "q")
+    assert not (tmp_path / "q").exists()
 
 
 def test_android_build_without_the_ndk_names_what_is_missing(native, monkeypatch, tmp_path):

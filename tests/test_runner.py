@@ -322,18 +322,19 @@ def test_bundle_and_model_directory_make_the_same_decisions(embedded_bundles, em
     assert logs[0] == logs[1]
 
 
-def test_cli_run_bundle(embedded_bundles, tmp_path):
+@pytest.mark.parametrize("target", ["executorch", pytest.param("qnn", marks=pytest.mark.slow)])
+def test_cli_run_bundle(target, embedded_bundles, tmp_path):
     out, ev = tmp_path / "r.json", tmp_path / "e.log"
-    r = CliRunner().invoke(main, ["run", str(embedded_bundles["qnn"]), "--policy", "next-gate+prediction",
+    r = CliRunner().invoke(main, ["run", str(embedded_bundles[target]), "--policy", "next-gate+prediction",
                                   "--prompt", PROMPT, "--max-new-tokens", "6", "--json", str(out),
                                   "--events", str(ev)])
     assert r.exit_code == 0, r.output
     d = json.loads(out.read_text())
-    assert d["matches_unmodified_model"] is True and d["source"] == str(embedded_bundles["qnn"])
-    m = json.loads((embedded_bundles["qnn"] / "manifest.json").read_text())
+    assert d["matches_unmodified_model"] is True and d["source"] == str(embedded_bundles[target])
+    m = json.loads((embedded_bundles[target] / "manifest.json").read_text())
     assert d["budget_bytes"] == int(m["runtime"]["pool_mib"] * 2**20)  # the bundle's own default
     assert ev.read_text().startswith("# specprefetch-events 1 policy=next-gate+prediction")
-    r = CliRunner().invoke(main, ["run", str(embedded_bundles["qnn"]), "--policy", "draft+lru", "--prompt", "x",
+    r = CliRunner().invoke(main, ["run", str(embedded_bundles[target]), "--policy", "draft+lru", "--prompt", "x",
                                   "--json", str(tmp_path / "d.json")])
     assert r.exit_code == 2 and "draft predictor needs the model directory" in r.output
 
