@@ -13,6 +13,7 @@ Two parts, each in one run with interleaved rounds so that drift hits every conf
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -21,7 +22,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from android_runner.build import run_native
+from android_runner.build import run_native as _run_native
 from toolkit.reporting import save_figure, write_report
 
 MiB = 2**20
@@ -38,7 +39,8 @@ def memory_read_bandwidth(mib: int = 512, repeats: int = 5) -> float:
     return a.nbytes / best
 
 
-def calibrate_native(bundle: Path, ids: list[int], *, all_mib: float, tokens: int = 32, reads: int = 200):
+def calibrate_native(bundle: Path, ids: list[int], *, all_mib: float, tokens: int = 32, reads: int = 200,
+                     threads: int = 1):
     """A device profile of this machine as the native runner sees it (the simulator's inputs): the
     store's O_DIRECT read table, and the runner's own compute: dense time per layer, expert kernel
     time, planning time, what a demand miss and a background read cost it."""
@@ -51,8 +53,8 @@ def calibrate_native(bundle: Path, ids: list[int], *, all_mib: float, tokens: in
     flash = measure_flash(st, reads)
 
     def one(policy: str, pool: float, *extra: str, cold: bool = False) -> dict:
-        return run_native(bundle, [ids], max_new_tokens=tokens, policy=policy, pool_mib=pool, cold=cold,
-                          extra=list(extra))["runs"][0]
+        return _run_native(bundle, [ids], max_new_tokens=tokens, policy=policy, pool_mib=pool, cold=cold,
+                           threads=threads, extra=list(extra))["runs"][0]
 
     one("on-demand+lru", all_mib, "--preload")  # warm-up
     res = one("on-demand+lru", all_mib, "--preload")
@@ -73,9 +75,15 @@ def _median(xs: list) -> float | None:
 
 
 def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: int = 32, rounds: int = 3,
-        pool_fracs: tuple[float, ...] = (0.13, 0.27), log: Callable[[str], None] = print) -> dict[str, Any]:
+        pool_fracs: tuple[float, ...] = (0.13, 0.27), threads: int = 1,
+        log: Callable[[str], None] = print) -> dict[str, Any]:
+    """The native runner against the Python reference runner and the memory floor, then its policies
+    streaming from flash, then the simulator recalibrated against it. Both engines run the layer
+    graphs on an ExecuTorch thread pool of `threads` (one: a decode step's matrices are too small
+    to gain from more on this machine; docs/benchmarks.md)."""
     from transformers import AutoTokenizer
 
+    from export.executorch_target import set_threads
     from export.manifest import validate_bundle
     from export.session import open_session
     from toolkit.bench import bench_prompts
@@ -92,7 +100,9 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
     all_mib = L * E * store.slot_bytes / MiB + 0.01
     graph = m["predictor"]["kind"] if m["predictor"].get("preds_rows") else "next-gate"
     out: dict[str, Any] = {"bundle": str(bundle), "prompts": texts, "new_tokens": new_tokens, "rounds": rounds,
-                           "experts": L * E, "slot_bytes": store.slot_bytes}
+                           "experts": L * E, "slot_bytes": store.slot_bytes, "threads": threads}
+    set_threads(threads)  # the Python engine's ExecuTorch, before its program loads
+    run_native = functools.partial(_run_native, threads=threads)
 
     # 1. all experts resident
     log("a pool of every expert: native vs the Python reference runner (each reads an expert on its first "
@@ -159,7 +169,7 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
         from toolkit.runtime.policy import parse_policies
 
         log("the simulator, recalibrated against the native runner (calibrate_native), on the same prompts")
-        prof = calibrate_native(bundle, ids[0], all_mib=all_mib, tokens=new_tokens)
+        prof = calibrate_native(bundle, ids[0], all_mib=all_mib, tokens=new_tokens, threads=threads)
         sim = simulate_same_prompts(src, texts, adapter, parse_policies(",".join(policies)),
                                     [p["slots"] * store.slot_bytes / MiB for p in out["points"]], new_tokens,
                                     m["runtime"]["scheduler"]["window"], None, profile=prof, dtype=store.dtype)

@@ -11,6 +11,11 @@ runner checks at start) and builds it with CMake + Ninja, three ways:
     android  the Android NDK's toolchain (ANDROID_NDK) against an ExecuTorch built for arm64-v8a
              (EXECUTORCH_ANDROID_PREFIX), as ExecuTorch documents
 
+The runner reads text with the bundle's tokenizer.json through the Hugging Face tokenizer of
+ExecuTorch's LLM runners (meta-pytorch/tokenizers, from the pytorch-tokenizers sdist on PyPI,
+which vendors RE2, Abseil and PCRE2): built once per ABI (a few minutes) into the runners cache
+and linked in. `tokenizer=False` builds a runner that takes token ids only.
+
 A build is reused while its sources, config and toolchain are unchanged (a stamp in the output).
 """
 from __future__ import annotations
@@ -38,6 +43,13 @@ AARCH64_SYSROOT = Path("/usr/aarch64-linux-gnu")
 # what a glibc program needs on a phone that has none: the loader and the C/C++ runtime
 AARCH64_RUNTIME = ("ld-linux-aarch64.so.1", "libc.so.6", "libm.so.6", "libstdc++.so.6", "libgcc_s.so.1",
                    "libpthread.so.0", "libdl.so.2", "librt.so.1")
+
+
+# the C++ tokenizer's source: the pytorch-tokenizers sdist (the only release on PyPI with one)
+TOKENIZERS_VERSION = "1.0.1"
+TOKENIZERS_SDIST = ("https://files.pythonhosted.org/packages/0c/a7/d07ebde1011d704e4ab5c8fcb46fc71cb72fdf2c393f85"
+                    "202f7dfb8fd669/pytorch_tokenizers-1.0.1.tar.gz")
+TOKENIZERS_SHA256 = "19938c0efd5348fb0589610094c1c6bf6e055b20889f6250068d2b552a0b137b"
 
 
 def runners_dir() -> Path:
@@ -85,7 +97,7 @@ def _digest(paths: Sequence[Path], extra: str) -> str:
 
 def _sources() -> list[Path]:
     out = [SRC / "CMakeLists.txt"]
-    for sub in ("src", "tests", "cmake"):
+    for sub in ("src", "tests", "cmake", "tokenizers"):
         out += [p for p in (SRC / sub).rglob("*") if p.is_file() and p.suffix in (".cpp", ".h", ".cmake")]
     return out
 
@@ -152,6 +164,83 @@ def _android_settings() -> tuple[Path, Path]:
     return Path(ndk), Path(prefix)
 
 
+def tokenizers_source(log: Callable[[str], None]) -> Path:
+    """The unpacked pytorch-tokenizers sdist (downloaded once from PyPI and checked against its sha256)."""
+    import tarfile
+    import urllib.request
+
+    root = runners_dir() / f"pytorch-tokenizers-{TOKENIZERS_VERSION}"
+    src = root / f"pytorch_tokenizers-{TOKENIZERS_VERSION}"
+    if (src / "src" / "hf_tokenizer.cpp").is_file():
+        return src
+    log(f"downloading the pytorch-tokenizers {TOKENIZERS_VERSION} sdist from PyPI (the C++ tokenizer, once)")
+    runners_dir().mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=runners_dir()) as tmp:
+        sdist = Path(tmp) / "sdist.tar.gz"
+        try:
+            with urllib.request.urlopen(TOKENIZERS_SDIST, timeout=120) as r, open(sdist, "wb") as f:
+                shutil.copyfileobj(r, f)
+        except OSError as e:
+            raise SpecPrefetchError(f"download of the pytorch-tokenizers sdist failed ({e}): build with "
+                                    "tokenizer=False (`runner build --no-tokenizer`) to take token ids only") from None
+        digest = hashlib.sha256(sdist.read_bytes()).hexdigest()
+        if digest != TOKENIZERS_SHA256:
+            raise SpecPrefetchError(f"{TOKENIZERS_SDIST}: sha256 {digest}, expected {TOKENIZERS_SHA256}")
+        stage = Path(tmp) / "stage"
+        with tarfile.open(sdist) as t:
+            t.extractall(stage, filter="data")
+        if root.exists():
+            shutil.rmtree(root)
+        os.replace(stage, root)
+    return src
+
+
+def tokenizers_library(abi: str, toolchain: Sequence[str], compiler_id: Sequence[str],
+                       log: Callable[[str], None]) -> Path:
+    """Build (once per ABI and toolchain) the tokenizer library: lib/libspx_tokenizers.a, one archive
+    of HFTokenizer and everything it links (RE2, Abseil, PCRE2), plus include.txt and version.txt."""
+    src = tokenizers_source(log)
+    project = SRC / "tokenizers"
+    key = hashlib.sha256("|".join([abi, *toolchain, *compiler_id, TOKENIZERS_VERSION,
+                                   (project / "CMakeLists.txt").read_text()]).encode()).hexdigest()[:12]
+    out = runners_dir() / f"tokenizers-{TOKENIZERS_VERSION}-{abi}-{key}"
+    lib = out / "lib" / "libspx_tokenizers.a"
+    if lib.is_file() and (out / ".stamp").is_file():
+        return out
+    cmake = _tool("cmake", "pip install cmake (a project dependency: make setup)")
+    ninja = _tool("ninja", "pip install ninja (a project dependency: make setup)")
+    shutil.rmtree(out, ignore_errors=True)
+    (out / "lib").mkdir(parents=True)
+    build_dir, logf = out / "build", out / "build.log"
+    log(f"building the C++ tokenizer (pytorch-tokenizers {TOKENIZERS_VERSION}, {abi}; a few minutes, once)")
+    steps = [[cmake, "-S", str(project), "-B", str(build_dir), "-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}",
+              f"-DTOKENIZERS_SRC={src}", "-DCMAKE_BUILD_TYPE=Release", *toolchain],
+             [cmake, "--build", str(build_dir), "--target", "link_closure"]]
+    with open(logf, "w") as f:
+        for cmd in steps:
+            f.write("$ " + " ".join(cmd) + "\n")
+            f.flush()
+            if subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode != 0:
+                tail = logf.read_text().strip().splitlines()[-1:]
+                raise SpecPrefetchError(f"the C++ tokenizer build ({abi}) failed: {tail[0] if tail else ''} "
+                                        f"(full log: {logf})")
+    # every archive the link of link_closure needed was built (the rest of Abseil is excluded from
+    # all): merged into one, so the runner's link does not depend on their order
+    cache = (build_dir / "CMakeCache.txt").read_text()
+    ar = next((ln.split("=", 1)[1] for ln in cache.splitlines() if ln.startswith("CMAKE_AR:")), "ar")
+    archives = sorted(str(a) for a in build_dir.rglob("*.a"))
+    script = "\n".join([f"CREATE {lib}", *(f"ADDLIB {a}" for a in archives), "SAVE", "END"]) + "\n"
+    r = subprocess.run([ar, "-M"], input=script, capture_output=True, text=True)
+    if r.returncode != 0 or not lib.is_file():
+        raise SpecPrefetchError(f"merging the tokenizer archives with {ar} failed: {r.stderr.strip()[-200:]}")
+    (out / "include.txt").write_text("\n".join(str(src / d) for d in (
+        "include", "third-party/json/single_include", "third-party/re2", "third-party/abseil-cpp")) + "\n")
+    (out / "version.txt").write_text(TOKENIZERS_VERSION + "\n")
+    shutil.rmtree(build_dir)  # objects are in the archive; the build tree is ~100 MB
+    (out / ".stamp").write_text(key)
+    return out
+
+
 def default_out(manifest: dict[str, Any], abi: str) -> Path:
     mo = manifest["model"]
     experts = manifest.get("quantization", {}).get("experts", "fp16")
@@ -159,8 +248,12 @@ def default_out(manifest: dict[str, Any], abi: str) -> Path:
 
 
 def build(bundle: Path | str, abi: str = "host", out: Path | str | None = None, *, force: bool = False,
+          tokenizer: bool | None = None,
           log: Callable[[str], None] = lambda s: print(s, file=sys.stderr)) -> Path:
-    """Build (or reuse) the runner for `bundle`; returns its output directory (bin/, lib/, spx_config.h)."""
+    """Build (or reuse) the runner for `bundle`; returns its output directory (bin/, lib/, spx_config.h).
+
+    `tokenizer`: build the C++ tokenizer in (text in and out) or not (token ids only); None keeps
+    what the existing build has, else builds it in."""
     from export.manifest import read_manifest, validate_bundle
 
     if abi not in ABIS:
@@ -191,9 +284,16 @@ def build(bundle: Path | str, abi: str = "host", out: Path | str | None = None, 
     compiler = {"arm64": "aarch64-linux-gnu-g++", "host": os.environ.get("CXX", "c++")}.get(abi)
     cc = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout.splitlines()[:1] \
         if compiler and shutil.which(compiler) else []
+    info_path = out / "build.json"
+    if tokenizer is None:
+        try:
+            tokenizer = bool(json.loads(info_path.read_text())["tokenizer"])
+        except (OSError, ValueError, KeyError, TypeError):
+            tokenizer = True
+    tok_dir = tokenizers_library(abi, toolchain, cc, log) if tokenizer else None
     # what CMake caches at configure time (the package, its version, the compiler and toolchain)
-    configured = hashlib.sha256("|".join([header, abi, str(pkg), _package_version(pkg), *cc, *toolchain])
-                                .encode()).hexdigest()[:16]
+    configured = hashlib.sha256("|".join([header, abi, str(pkg), _package_version(pkg), *cc, *toolchain,
+                                          str(tok_dir)]).encode()).hexdigest()[:16]
     stamp = configured + "-" + _digest(_sources(), "")
     binary = out / "bin" / BINARY
     old = (out / ".stamp").read_text() if (out / ".stamp").is_file() else ""
@@ -214,7 +314,8 @@ def build(bundle: Path | str, abi: str = "host", out: Path | str | None = None, 
     logf = out / "build.log"
     configure = [cmake, "-S", str(SRC), "-B", str(build_dir), "-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}",
                  f"-DSPX_CONFIG_DIR={out}", f"-DSPX_JSON_INCLUDE={inc}", f"-DCMAKE_PREFIX_PATH={pkg}",
-                 f"-DCMAKE_INSTALL_PREFIX={out}", "-DCMAKE_BUILD_TYPE=Release", *toolchain]
+                 f"-DCMAKE_INSTALL_PREFIX={out}", "-DCMAKE_BUILD_TYPE=Release", f"-DSPX_TOKENIZERS_DIR={tok_dir or ''}",
+                 *toolchain]
     log(f"building the native runner ({abi}) for {bundle} in {out}")
     with open(logf, "w") as f:
         for cmd in (configure, [cmake, "--build", str(build_dir)], [cmake, "--install", str(build_dir)]):
@@ -227,6 +328,8 @@ def build(bundle: Path | str, abi: str = "host", out: Path | str | None = None, 
                                         f"(full log: {logf})")
     if abi == "arm64":
         _ship_arm64(pkg, out)
+    info_path.write_text(json.dumps({"abi": abi, "tokenizer": tok_dir is not None,
+                                     "tokenizers_version": TOKENIZERS_VERSION if tok_dir else None}) + "\n")
     (out / ".stamp").write_text(stamp)
     return out
 
@@ -264,21 +367,31 @@ def command(out: Path, abi: str) -> list[str]:
     return [_tool("qemu-aarch64", "apt-get install qemu-user (make setup installs it)"), *loader]
 
 
-def run_native(bundle: Path | str, prompts: list[list[int]], *, abi: str = "host", max_new_tokens: int = 32,
+def has_tokenizer(out: Path) -> bool:
+    """Whether the runner built in `out` reads text (its C++ tokenizer built in)."""
+    try:
+        return bool(json.loads((Path(out) / "build.json").read_text())["tokenizer"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def run_native(bundle: Path | str, prompts: Sequence[str | Sequence[int]], *, abi: str = "host",
+               max_new_tokens: int = 32,
                policy: str | None = None, pool_mib: float | None = None, window: int | None = None,
-               queue_depth: int | None = None, min_confidence: float | None = None,
+               queue_depth: int | None = None, min_confidence: float | None = None, threads: int | None = None,
                step_budget_kib: int | None = None, events: Path | None = None, routing: Path | None = None,
                cold: bool = False, isa: str | None = None, extra: Sequence[str] = (),
                log: Callable[[str], None] = lambda s: print(s, file=sys.stderr)) -> dict[str, Any]:
-    """Run the native runner on `bundle` and return its JSON (building the runner first if needed)."""
+    """Run the native runner on `bundle` and return its JSON (building the runner first if needed).
+    A prompt is text (the runner's tokenizer encodes it) or token ids."""
     out = build(bundle, abi, log=log)
     args = [str(bundle)]
-    for ids in prompts:
-        args += ["--prompt-ids", ",".join(str(int(i)) for i in ids)]
+    for p in prompts:
+        args += ["--prompt", p] if isinstance(p, str) else ["--prompt-ids", ",".join(str(int(i)) for i in p)]
     args += ["--max-new-tokens", str(max_new_tokens)]
     opts = {"--policy": policy, "--pool-mib": pool_mib, "--window": window, "--queue-depth": queue_depth,
             "--min-confidence": min_confidence, "--step-budget-kib": step_budget_kib, "--events": events,
-            "--routing": routing, "--isa": isa}
+            "--routing": routing, "--isa": isa, "--threads": threads}
     for k, v in opts.items():
         if v is not None:
             args += [k, repr(v) if isinstance(v, float) else str(v)]

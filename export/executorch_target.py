@@ -146,6 +146,15 @@ def lower_program(steps, cfg, quant: str, out_dir: Path, log, *, partitioner=Non
         make_backend=lambda: ExecuTorchBackend(path, info))
 
 
+def set_threads(n: int) -> None:
+    """ExecuTorch's thread pool size in this process (XNNPACK and the optimized kernels). Call it
+    before any program is loaded: a loaded method keeps the pool it was initialised with."""
+    from executorch.extension.pybindings import portable_lib
+
+    if portable_lib._threadpool_get_thread_count() != n:
+        portable_lib._unsafe_reset_threadpool(n)
+
+
 def load_program(path: Path):
     from executorch.runtime import Runtime
 

@@ -17,6 +17,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from tokenizers import Tokenizer
 
 from android_runner.build import build, command, config_header
 from export.session import open_session, reference_tokens
@@ -38,7 +39,7 @@ def native(embedded_bundles, tmp_path_factory) -> tuple[Path, Path]:
     bundle = embedded_bundles["executorch"]
     mp = pytest.MonkeyPatch()
     mp.setenv("SPECPREFETCH_PROFILES", str(tmp_path_factory.mktemp("cache") / "profiles"))
-    yield bundle, build(bundle, "host", log=lambda s: None)
+    yield bundle, build(bundle, "host", log=lambda s: None, tokenizer=False)
     mp.undo()
 
 
@@ -210,6 +211,8 @@ def test_damaged_bundles_are_refused(native, tmp_path, how, extra, message):
     (["--prompt-ids", "99999"], "outside the vocabulary"),
     (["--routing", "/nonexistent.json", "--policy", "oracle+lru"], "/nonexistent.json"),
     (["--bogus"], "unknown option --bogus"),
+    (["--threads", "-1"], "--threads -1: must be >= 0"),
+    (["--prompt", "some text"], "built without a tokenizer"),  # this module's runner takes ids only
 ])
 def test_bad_options_are_one_line_errors(native, args, message):
     base = ["--prompt-ids", "1,2,3"] if "--prompt-ids" not in args else []
@@ -266,17 +269,19 @@ def test_arm64_build_under_qemu_gives_the_same_tokens_and_decisions(native, tmp_
     if not shutil.which("qemu-aarch64") or not shutil.which("aarch64-linux-gnu-g++"):
         pytest.skip("qemu-user / g++-aarch64-linux-gnu not installed (make setup installs them)")
     bundle, host_out = native
-    out = build(bundle, "arm64", tmp_path / "arm64", log=lambda s: None)
+    out = build(bundle, "arm64", tmp_path / "arm64", log=lambda s: None)  # with its C++ tokenizer
     assert (out / "run.sh").is_file() and (out / "lib" / "ld-linux-aarch64.so.1").is_file()
-    host, host_lines = native_run(native, tmp_path, "next-gate+prediction", POOLS[0], prompts=PROMPTS[:1])
+    text = "The kernel's memory, in 2 words"
+    ids = Tokenizer.from_file(str(bundle / "model" / "tokenizer.json")).encode(text, add_special_tokens=False).ids
+    host, host_lines = native_run(native, tmp_path, "next-gate+prediction", POOLS[0], prompts=[ids])
     js, ev = tmp_path / "arm.json", tmp_path / "arm.log"
-    r = subprocess.run([*command(out, "arm64"), str(bundle), "--prompt-ids", ",".join(map(str, PROMPTS[0])),
+    r = subprocess.run([*command(out, "arm64"), str(bundle), "--prompt", text,
                         "--max-new-tokens", str(NEW), "--policy", "next-gate+prediction", "--pool-mib",
                         str(POOLS[0]), "--json", str(js), "--events", str(ev)], capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stderr
     arm = json.loads(js.read_text())
-    assert arm["kernel_isa"] == "neon"
+    assert arm["kernel_isa"] == "neon" and arm["runs"][0]["prompt_ids"] == ids
     assert arm["runs"][0]["tokens"] == host["runs"][0]["tokens"]
     assert decisions(ev.read_text().splitlines()) == decisions(host_lines)
 

@@ -329,7 +329,8 @@ def calibrate(model, store_path, reads, out) -> None:
 @click.option("--max-seq", type=click.IntRange(min=2), default=512, show_default=True,
               help="KV cache length of a model directory's graphs")
 @click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
-              help="torch compute threads (the rest serve I/O)")
+              help="compute threads: torch's, and ExecuTorch's thread pool for a bundle's graphs (the rest "
+                   "serve I/O)")
 @click.option("--io", "io_mode", default="process", show_default=True, type=click.Choice(["process", "threads"]),
               help="reads in a forked reader process, or in threads of this process")
 @click.option("--check/--no-check", default=None,
@@ -356,11 +357,13 @@ def run(model, policy, adapter, frequency_trace, pool_mib, window, queue_depth, 
                                     "--frequency-trace and --flash-profile")
         _run_native(model, abi=abi, policy=policy, pool_mib=pool_mib, window=window, queue_depth=queue_depth,
                     prompts=prompts, max_new_tokens=max_new_tokens, check=check, events_out=events_out,
-                    min_confidence=min_confidence, step_budget_kib=step_budget_kib, json_out=json_out)
+                    min_confidence=min_confidence, step_budget_kib=step_budget_kib, json_out=json_out,
+                    threads=threads)
         return
     if abi != "host":
         raise SpecPrefetchError("--abi: only with --engine native")
-    from export.session import open_session, reference_tokens
+    from export.manifest import read_manifest
+    from export.session import is_bundle, open_session, reference_tokens
     from toolkit.artifacts import write_json_atomic
     from toolkit.runtime.events import EventLog
     from toolkit.runtime.policy import Policy
@@ -369,6 +372,12 @@ def run(model, policy, adapter, frequency_trace, pool_mib, window, queue_depth, 
     from toolkit.runtime.stats import peak_rss_bytes
 
     torch_threads(threads)
+    if is_bundle(model):
+        head = read_manifest(model)[1]
+        if isinstance(head, dict) and head.get("target") == "executorch":
+            from export.executorch_target import set_threads
+
+            set_threads(threads)  # before the program loads
     pol = Policy.parse(policy)
     cfg = RunConfig(policy=pol, pool_mib=pool_mib or 8.0, window=window, queue_depth=queue_depth,
                     flash_profile=load_profile(flash_profile, "--flash-profile") if flash_profile else None,
@@ -417,11 +426,11 @@ def run(model, policy, adapter, frequency_trace, pool_mib, window, queue_depth, 
 
 
 def _run_native(model, *, abi, policy, pool_mib, window, queue_depth, prompts, max_new_tokens, check, events_out,
-                min_confidence, step_budget_kib, json_out) -> None:
+                min_confidence, step_budget_kib, json_out, threads) -> None:
     """`run --engine native`: the C++ runner on an ExecuTorch bundle, the same JSON as the Python engine."""
     from transformers import AutoTokenizer
 
-    from android_runner.build import run_native
+    from android_runner.build import build, has_tokenizer, run_native
     from export.manifest import validate_bundle
     from export.session import is_bundle, reference_tokens
     from toolkit.artifacts import write_json_atomic
@@ -432,9 +441,12 @@ def _run_native(model, *, abi, policy, pool_mib, window, queue_depth, prompts, m
     m, _ = validate_bundle(model, hash_store=False)
     tok = AutoTokenizer.from_pretrained(str(Path(model) / Path(m["model"]["config"]).parent), local_files_only=True)
     encoded = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
-    res = run_native(model, encoded, abi=abi, max_new_tokens=max_new_tokens, policy=policy, pool_mib=pool_mib,
+    # text in and out through the runner's own tokenizer where it has one (`runner build` builds it
+    # in); a runner built with --no-tokenizer gets transformers' ids
+    text_in = has_tokenizer(build(model, abi))
+    res = run_native(model, list(prompts) if text_in else encoded, abi=abi, max_new_tokens=max_new_tokens, policy=policy, pool_mib=pool_mib,
                      window=window, queue_depth=queue_depth, min_confidence=min_confidence,
-                     step_budget_kib=step_budget_kib, events=events_out)
+                     step_budget_kib=step_budget_kib, events=events_out, threads=threads)
     src = Path(m["model"].get("source", ""))
     source_model = src if (src / "config.json").is_file() else None
     if check and source_model is None:
@@ -443,11 +455,15 @@ def _run_native(model, *, abi, policy, pool_mib, window, queue_depth, prompts, m
     for p, ids, r in zip(prompts, encoded, res["runs"]):
         r = {"prompt": p, **{k: v for k, v in r.items() if k != "routing"}, "matches_unmodified_model": None,
              "engine": f"native-{abi}"}
+        if text_in and r["prompt_ids"] != ids:
+            click.echo(f"warning: the runner's tokenizer encodes {p!r} differently from transformers "
+                       f"({len(r['prompt_ids'])} vs {len(ids)} tokens); --check compares with transformers' ids",
+                       err=True)
         if check:
             r["matches_unmodified_model"] = r["tokens"] == reference_tokens(source_model, ids, max_new_tokens)
         runs.append(r)
     out = runs[0] if len(runs) == 1 else {"policy": res["policy"], "runs": runs}
-    for k in ("peak_rss_bytes", "load_ms", "kernel_isa", "direct_io", "io_note"):
+    for k in ("peak_rss_bytes", "load_ms", "kernel_isa", "direct_io", "io_note", "tokenizer", "threads"):
         out[k] = res[k]
     write_json_atomic(json_out, out)
     for r in runs:
@@ -472,13 +488,16 @@ def runner() -> None:
 @click.option("--out", type=click.Path(path_type=Path), default=None,
               help="output directory [default: the runner cache, ~/.cache/specprefetch/runners]")
 @click.option("--force", is_flag=True, help="rebuild even if an up-to-date build is there")
+@click.option("--no-tokenizer", is_flag=True,
+              help="leave the C++ tokenizer out: the runner then takes token ids only (--prompt-ids)")
 @friendly_errors
-def runner_build(bundle, abi, out, force) -> None:
+def runner_build(bundle, abi, out, force, no_tokenizer) -> None:
     """Generate the native runner's CMake project for BUNDLE and build it (CMake + Ninja)."""
-    from android_runner.build import build, command
+    from android_runner.build import build, command, has_tokenizer
 
-    d = build(bundle, abi, out, force=force)
-    click.echo(f"runner: {d / 'bin' / 'specprefetch-runner'}")
+    d = build(bundle, abi, out, force=force, tokenizer=not no_tokenizer)
+    click.echo(f"runner: {d / 'bin' / 'specprefetch-runner'} "
+               f"({'text in and out' if has_tokenizer(d) else 'token ids only'})")
     if abi == "arm64":
         click.echo(f"on a phone: adb push {d} /data/local/tmp/specprefetch-runner, then run.sh BUNDLE ... there; "
                    f"here: {' '.join(command(d, abi))} BUNDLE ...")
@@ -491,15 +510,17 @@ def runner_build(bundle, abi, out, force) -> None:
 @click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True)
 @click.option("--pool-frac", "pool_fracs", type=FloatList(), default="0.13,0.27", show_default=True,
               help="pools as fractions of all experts")
+@click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
+              help="ExecuTorch's thread pool for the layer graphs, in both engines")
 @click.option("--json", "json_out", required=True, type=OUT_FILE)
 @friendly_errors
-def runner_bench(bundle, prompts, new_tokens, rounds, pool_fracs, json_out) -> None:
+def runner_bench(bundle, prompts, new_tokens, rounds, pool_fracs, threads, json_out) -> None:
     """Measure the native runner: all experts resident (vs the Python runner and the memory floor),
     and streaming from a cold cache at a few pool sizes (interleaved rounds)."""
     from android_runner.bench import run as run_native_bench, write
 
     r = run_native_bench(bundle, prompts=prompts, new_tokens=new_tokens, rounds=rounds, pool_fracs=tuple(pool_fracs),
-                         log=lambda s: click.echo(s, err=True))
+                         threads=threads, log=lambda s: click.echo(s, err=True))
     md, png = write(r, json_out)
     click.echo(md.read_text())
     click.echo(f"wrote {json_out}, {md}, {png}")

@@ -8,6 +8,17 @@
 
 #include "common.h"
 
+// ExecuTorch's thread pool (extension/threadpool/threadpool.h, which the wheel does not ship): the
+// two members used here, declared as ExecuTorch 1.5 defines them in libexecutorch_threadpool.
+namespace executorch::extension::threadpool {
+class ThreadPool {
+ public:
+  size_t get_thread_count() const;
+  bool _unsafe_reset_threadpool(uint32_t num_threads);
+};
+ThreadPool* get_threadpool();
+}  // namespace executorch::extension::threadpool
+
 namespace spx {
 
 using executorch::aten::ScalarType;
@@ -29,9 +40,16 @@ void copy_out(const EValue& v, std::vector<float>& dst, const std::string& what)
 
 }  // namespace
 
-Executor::Executor(const std::string& program, const std::vector<std::string>& methods, int hidden, int vocab)
+Executor::Executor(const std::string& program, const std::vector<std::string>& methods, int hidden, int vocab,
+                   int threads)
     : path_(program), hidden_(hidden), vocab_(vocab) {
   auto t0 = std::chrono::steady_clock::now();
+  // before any method loads: XNNPACK keeps the pool it was given when a method is initialised
+  auto* pool = executorch::extension::threadpool::get_threadpool();
+  if (pool != nullptr) {
+    if (threads > 0) pool->_unsafe_reset_threadpool(static_cast<uint32_t>(threads));
+    this->threads = static_cast<int>(pool->get_thread_count());
+  }
   // shared arenas: the layer methods and `reset` address the same mutable KV buffers
   module_ = std::make_unique<Module>(program, Module::LoadMode::Mmap, nullptr, nullptr, nullptr, true);
   EtError e = module_->load();

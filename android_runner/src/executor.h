@@ -25,8 +25,11 @@ struct LayerOut {
 
 class Executor {
  public:
-  // Loads the program and every method in `methods`; errors name the program file.
-  Executor(const std::string& program, const std::vector<std::string>& methods, int hidden, int vocab);
+  // Loads the program and every method in `methods`; errors name the program file. `threads`:
+  // ExecuTorch's thread pool size for the layer graphs (XNNPACK, optimized kernels); 0 leaves
+  // ExecuTorch's default (one thread per core).
+  Executor(const std::string& program, const std::vector<std::string>& methods, int hidden, int vocab,
+           int threads = 0);
   ~Executor();
 
   void reset();                                        // zero every layer's KV cache
@@ -35,9 +38,9 @@ class Executor {
   void head(const std::vector<float>& h, std::vector<float>& logits);  // [V]
 
   double load_ms = 0;  // program load + every method's load
+  int threads = 0;     // the thread pool's size
 
  private:
-  std::vector<float> call1(const std::string& method, std::vector<float>* outs_extra);
   std::string path_;
   int hidden_, vocab_;
   std::unique_ptr<executorch::extension::Module> module_;

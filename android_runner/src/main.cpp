@@ -1,8 +1,8 @@
 // specprefetch-runner: the native runner's command line (docs/runner.md).
 //
-//   specprefetch-runner BUNDLE --prompt-ids 1,2,3 [--prompt-ids ...] [--max-new-tokens N]
+//   specprefetch-runner BUNDLE (--prompt TEXT | --prompt-ids 1,2,3) [...] [--max-new-tokens N]
 //       [--policy PREDICTOR+EVICTION] [--pool-mib F] [--window N] [--queue-depth N]
-//       [--min-confidence F] [--floor F] [--step-budget-kib N] [--lanes N] [--routing FILE]
+//       [--min-confidence F] [--floor F] [--step-budget-kib N] [--lanes N] [--threads N] [--routing FILE]
 //       [--json OUT] [--events OUT] [--no-verify] [--no-verify-hashes] [--cold] [--preload] [--isa NAME]
 //
 // Refusals print one line "specprefetch-runner: error: ..." naming the file or option, exit 1.
@@ -31,6 +31,7 @@
 #include "safetensors.h"
 #include "spx_config.h"
 #include "stats.h"
+#include "tokenizer.h"
 
 namespace spx {
 namespace {
@@ -38,18 +39,20 @@ namespace {
 using json = nlohmann::ordered_json;
 
 const char* kUsage =
-    "usage: specprefetch-runner BUNDLE --prompt-ids IDS [--prompt-ids IDS ...] [--max-new-tokens N]\n"
+    "usage: specprefetch-runner BUNDLE (--prompt TEXT | --prompt-ids IDS) [more prompts] [--max-new-tokens N]\n"
     "  [--policy PREDICTOR+EVICTION] [--pool-mib F] [--window N] [--queue-depth N] [--min-confidence F]\n"
-    "  [--floor F] [--step-budget-kib N] [--lanes N] [--routing FILE] [--json OUT] [--events OUT]\n"
+    "  [--floor F] [--step-budget-kib N] [--lanes N] [--threads N] [--routing FILE] [--json OUT] [--events OUT]\n"
     "  [--no-verify] [--no-verify-hashes] [--cold] [--preload] [--isa portable|avx2|neon]\n";
 
 struct Args {
   std::string bundle;
-  std::vector<std::vector<int>> prompts;
+  std::vector<std::vector<int>> prompts;  // ids; a --prompt's are filled in by the tokenizer
+  std::vector<std::string> texts;         // per prompt: its --prompt text, empty for --prompt-ids
+  std::vector<bool> is_text;
   int max_new = 32;
   std::string policy;
   double pool_mib = NAN;
-  int window = -1, queue_depth = -1, lanes = 0;
+  int window = -1, queue_depth = -1, lanes = 0, threads = 1;
   double min_confidence = NAN, floor = NAN;
   int64_t step_budget_kib = -2;
   std::string routing, json_out, events_out, isa;
@@ -89,7 +92,16 @@ Args parse(int argc, char** argv) {
       if (i + 1 >= argc) throw Error(o + ": needs a value");
       return argv[++i];
     };
-    if (o == "--prompt-ids") a.prompts.push_back(to_ids(val()));
+    if (o == "--prompt-ids") {
+      a.prompts.push_back(to_ids(val()));
+      a.texts.emplace_back();
+      a.is_text.push_back(false);
+    } else if (o == "--prompt") {
+      a.texts.push_back(val());
+      if (a.texts.back().empty()) throw Error("--prompt: empty text");
+      a.prompts.emplace_back();
+      a.is_text.push_back(true);
+    }
     else if (o == "--max-new-tokens") a.max_new = static_cast<int>(to_int(o, val(), 1));
     else if (o == "--policy") a.policy = val();
     else if (o == "--pool-mib") a.pool_mib = to_double(o, val());
@@ -98,6 +110,10 @@ Args parse(int argc, char** argv) {
     else if (o == "--lanes") {
       a.lanes = static_cast<int>(to_int(o, val(), 1));
       if (a.lanes > 64) throw Error("--lanes " + std::to_string(a.lanes) + ": at most 64");
+    }
+    else if (o == "--threads") {
+      a.threads = static_cast<int>(to_int(o, val(), 0));
+      if (a.threads > 256) throw Error("--threads " + std::to_string(a.threads) + ": at most 256");
     }
     else if (o == "--min-confidence") a.min_confidence = to_double(o, val());
     else if (o == "--floor") a.floor = to_double(o, val());
@@ -118,7 +134,7 @@ Args parse(int argc, char** argv) {
     else throw Error("unexpected argument " + o);
   }
   if (a.bundle.empty()) throw Error("no BUNDLE given (--help shows the usage)");
-  if (a.prompts.empty()) throw Error("no prompt: give --prompt-ids 1,2,3");
+  if (a.prompts.empty()) throw Error("no prompt: give --prompt TEXT or --prompt-ids 1,2,3");
   if (!(std::isnan(a.pool_mib) || a.pool_mib > 0)) throw Error("--pool-mib: must be a positive number");
   return a;
 }
@@ -225,6 +241,13 @@ int main_(int argc, char** argv) {
   Bundle b = Bundle::open(a.bundle, a.verify_hashes);
   auto store = ExpertStore::open(b.store_path);
   check_build(b, *store);
+  std::unique_ptr<Tokenizer> tokenizer;
+  if (Tokenizer::built_in() && !b.tokenizer_path.empty()) tokenizer = std::make_unique<Tokenizer>(b.tokenizer_path);
+  for (size_t p = 0; p < a.prompts.size(); ++p)
+    if (a.is_text[p]) {
+      if (!tokenizer) Tokenizer refuse(b.tokenizer_path);  // throws: why there is no tokenizer
+      a.prompts[p] = tokenizer->encode(a.texts[p]);
+    }
   if (a.cold) store->drop_cache();
   HostRouters host = load_host(b);
   Isa isa = a.isa.empty() ? best_isa() : isa_from_name(a.isa);
@@ -233,7 +256,7 @@ int main_(int argc, char** argv) {
   std::vector<std::string> methods;
   for (const auto& m : b.methods)
     if (m != "expert") methods.push_back(m);  // experts run on the runner's own kernels
-  Executor exec(b.program_path, methods, b.hidden_size, b.vocab_size);
+  Executor exec(b.program_path, methods, b.hidden_size, b.vocab_size, a.threads);
 
   ModelInfo m;
   m.num_layers = b.num_layers;
@@ -292,9 +315,11 @@ int main_(int argc, char** argv) {
                   std::to_string(recorded[p].size()) + " positions recorded, " + std::to_string(g.routing.size()) +
                   " run): record it with the same prompt and --max-new-tokens");
     json r;
+    if (a.is_text[p]) r["prompt"] = a.texts[p];
     r["prompt_ids"] = a.prompts[p];
     r["source"] = a.bundle;
     r["tokens"] = g.tokens;
+    if (tokenizer) r["text"] = tokenizer->decode(g.tokens);
     for (auto& [key, v] : g.stats.items()) r[key] = v;
     r["direct_io"] = store->direct();
     r["prefill_ms"] = g.prefill_ms;
@@ -320,14 +345,18 @@ int main_(int argc, char** argv) {
   out["load_ms"] = exec.load_ms;
   out["setup_ms"] = setup_ms;
   out["kernel_isa"] = isa_name(kernel.isa());
+  out["threads"] = exec.threads;
+  out["tokenizer"] = tokenizer ? json(Tokenizer::name()) : json(nullptr);
   out["direct_io"] = store->direct();
   out["io_note"] = store->io_note();
   out["pool_mib"] = cfg.pool_mib;
   out["arena_bytes"] = std::min<int64_t>(cfg.budget_bytes() / static_cast<int64_t>(store->slot_bytes),
                                          static_cast<int64_t>(m.L()) * m.routing.num_experts) *
                        static_cast<int64_t>(store->slot_bytes);
-  if (!a.json_out.empty()) write_file_atomic(a.json_out, out.dump(1) + "\n");
-  else std::cout << out.dump(1) << "\n";
+  // generated text can end inside a UTF-8 character: written with U+FFFD there, as transformers decodes it
+  const std::string text = out.dump(1, ' ', false, json::error_handler_t::replace) + "\n";
+  if (!a.json_out.empty()) write_file_atomic(a.json_out, text);
+  else std::cout << text;
   if (!a.events_out.empty()) log.write(a.events_out);
   return 0;
 }
