@@ -39,11 +39,29 @@ def memory_read_bandwidth(mib: int = 512, repeats: int = 5) -> float:
     return a.nbytes / best
 
 
-def calibrate_native(bundle: Path, ids: list[int], *, all_mib: float, tokens: int = 32, reads: int = 200,
-                     threads: int = 1):
+def _pooled(runs: list[dict]) -> dict:
+    """One RunStats-like dict over several runs: per-token figures weighted by decode tokens,
+    counts summed, per-call timings as medians (what runtime_profile reads)."""
+    dec = [max(1, r.get("decode_tokens") or len(r["tokens"]) - 1) for r in runs]
+    n = sum(dec)
+
+    def per_token(key: str) -> float:
+        return sum(r[key] * d for r, d in zip(runs, dec)) / n
+
+    return {"tpot_ms": per_token("tpot_ms"), "stall_ms_per_token": per_token("stall_ms_per_token"),
+            "mib_read_per_token": per_token("mib_read_per_token"), "decode_tokens": n,
+            "counts": {"misses": sum(r["counts"]["misses"] for r in runs)},
+            "expert_ms_per_call": float(np.median([r["expert_ms_per_call"] for r in runs])),
+            "plan_ms_per_layer": float(np.median([r["plan_ms_per_layer"] for r in runs])),
+            "direct_io": all(r["direct_io"] for r in runs)}
+
+
+def calibrate_native(bundle: Path, prompts: list[list[int]], *, all_mib: float, tokens: int = 32,
+                     reads: int = 200, repeats: int = 2, threads: int = 1):
     """A device profile of this machine as the native runner sees it (the simulator's inputs): the
     store's O_DIRECT read table, and the runner's own compute: dense time per layer, expert kernel
-    time, planning time, what a demand miss and a background read cost it."""
+    time, planning time, what a demand miss and a background read cost it. Each figure is pooled
+    over every prompt, `repeats` times (the configurations interleaved)."""
     from toolkit.runtime.expert_store import ExpertStore
     from toolkit.simulate.calibrate import measure_flash, runtime_profile, tiny_pool_mib
 
@@ -51,22 +69,27 @@ def calibrate_native(bundle: Path, ids: list[int], *, all_mib: float, tokens: in
     st = ExpertStore(Path(bundle) / m["runtime"]["expert_store"])
     L, k = st.num_layers, m["routing"]["top_k"]
     flash = measure_flash(st, reads)
-
-    def one(policy: str, pool: float, *extra: str, cold: bool = False) -> dict:
-        return _run_native(bundle, [ids], max_new_tokens=tokens, policy=policy, pool_mib=pool, cold=cold,
-                           threads=threads, extra=list(extra))["runs"][0]
-
-    one("on-demand+lru", all_mib, "--preload")  # warm-up
-    res = one("on-demand+lru", all_mib, "--preload")
-    plan_ms = one("oracle+lru", all_mib, "--preload")["plan_ms_per_layer"]
     tiny = tiny_pool_mib(k, st.slot_bytes)
-    prof = runtime_profile(
+    configs = {"resident": ("on-demand+lru", all_mib, ["--preload"], False),
+               "plan": ("oracle+lru", all_mib, ["--preload"], False),
+               "on_demand": ("on-demand+lru", tiny, [], True),
+               "oracle": ("oracle+belady", tiny, [], True)}
+    got: dict[str, list[dict]] = {c: [] for c in configs}
+    _run_native(bundle, prompts[:1], max_new_tokens=tokens, policy="on-demand+lru", pool_mib=all_mib,
+                threads=threads, extra=["--preload"])  # warm-up
+    for _ in range(repeats):
+        for c, (policy, pool, extra, cold) in configs.items():
+            got[c] += _run_native(bundle, prompts, max_new_tokens=tokens, policy=policy, pool_mib=pool, cold=cold,
+                                  threads=threads, extra=extra)["runs"]
+    res = {c: _pooled(runs) for c, runs in got.items()}
+    return runtime_profile(
         "this-machine-native", f"the native runner on {os.uname().nodename} with {st.path.name}", flash=flash,
-        L=L, k=k, slot_bytes=st.slot_bytes, all_resident=res, expert_ms=res["expert_ms_per_call"], plan_ms=plan_ms,
-        on_demand=one("on-demand+lru", tiny, cold=True), oracle=one("oracle+belady", tiny, cold=True),
-        measured={"direct_io": res["direct_io"], "reads_per_point": reads},
+        L=L, k=k, slot_bytes=st.slot_bytes, all_resident=res["resident"],
+        expert_ms=res["resident"]["expert_ms_per_call"], plan_ms=res["plan"]["plan_ms_per_layer"],
+        on_demand=res["on_demand"], oracle=res["oracle"],
+        measured={"direct_io": res["resident"]["direct_io"], "reads_per_point": reads, "prompts": len(prompts),
+                  "repeats": repeats},
         source="specprefetch runner bench (android_runner/bench.py: calibrate_native)")
-    return prof
 
 
 def _median(xs: list) -> float | None:
@@ -169,7 +192,7 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
         from toolkit.runtime.policy import parse_policies
 
         log("the simulator, recalibrated against the native runner (calibrate_native), on the same prompts")
-        prof = calibrate_native(bundle, ids[0], all_mib=all_mib, tokens=new_tokens, threads=threads)
+        prof = calibrate_native(bundle, ids, all_mib=all_mib, tokens=new_tokens, threads=threads)
         sim = simulate_same_prompts(src, texts, adapter, parse_policies(",".join(policies)),
                                     [p["slots"] * store.slot_bytes / MiB for p in out["points"]], new_tokens,
                                     m["runtime"]["scheduler"]["window"], None, profile=prof, dtype=store.dtype)

@@ -328,6 +328,8 @@ def build(bundle: Path | str, abi: str = "host", out: Path | str | None = None, 
                                         f"(full log: {logf})")
     if abi == "arm64":
         _ship_arm64(pkg, out)
+    else:  # the same entry point everywhere (device push and bench start run.sh)
+        _launcher(out, f'exec "$D/bin/{BINARY}" "$@"')
     info_path.write_text(json.dumps({"abi": abi, "tokenizer": tok_dir is not None,
                                      "tokenizers_version": TOKENIZERS_VERSION if tok_dir else None}) + "\n")
     (out / ".stamp").write_text(stamp)
@@ -347,10 +349,15 @@ def _ship_arm64(pkg: Path, out: Path) -> None:
         src = AARCH64_SYSROOT / "lib" / name
         if src.exists():
             shutil.copy2(src.resolve(), lib / name)
+    # SPX_EMULATOR: empty on a phone; `qemu-aarch64` where the device stand-in runs it on x86-64
+    _launcher(out, f'exec $SPX_EMULATOR "$D/lib/ld-linux-aarch64.so.1" --library-path "$D/lib" "$D/bin/{BINARY}" "$@"',
+              "start the runner with its own loader and libraries (docs/runner.md)")
+
+
+def _launcher(out: Path, line: str, what: str = "start the runner (docs/runner.md)") -> None:
+    """run.sh beside bin/: how `adb shell` (and device bench, as `sh run.sh ...`) starts the runner."""
     launcher = out / "run.sh"
-    launcher.write_text('#!/system/bin/sh\n# start the runner with its own loader and libraries (docs/runner.md)\n'
-                        'D=$(cd "$(dirname "$0")" && pwd)\n'
-                        f'exec "$D/lib/ld-linux-aarch64.so.1" --library-path "$D/lib" "$D/bin/{BINARY}" "$@"\n')
+    launcher.write_text(f'#!/system/bin/sh\n# {what}\nD=$(cd "$(dirname "$0")" && pwd)\n{line}\n')
     launcher.chmod(0o755)
 
 

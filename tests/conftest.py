@@ -58,3 +58,24 @@ def embedded_bundles(tmp_path_factory, embedded) -> dict[str, Path]:
             return self[target]
 
     return Bundles()
+
+
+@pytest.fixture(scope="session")
+def native_host(embedded_bundles, tmp_path_factory):
+    """(bundle, runner build directory): the host runner generated for the shared fp32 ExecuTorch
+    bundle, without the C++ tokenizer (a few minutes to build, in make test-all's tests only), built
+    once into this session's own runner cache, where `run --engine native` and `device push` find it."""
+    import os
+
+    from android_runner.build import build
+
+    bundle = embedded_bundles["executorch"]
+    old = os.environ.get("SPECPREFETCH_PROFILES")
+    os.environ["SPECPREFETCH_PROFILES"] = str(tmp_path_factory.mktemp("runner-cache") / "profiles")
+    try:
+        yield bundle, build(bundle, "host", log=lambda s: None, tokenizer=False)
+    finally:
+        if old is None:
+            os.environ.pop("SPECPREFETCH_PROFILES", None)
+        else:
+            os.environ["SPECPREFETCH_PROFILES"] = old

@@ -33,14 +33,9 @@ POOLS = (2.0, 3.5)  # 16 and 29 of the 256 expert slots: eviction every token
 
 
 @pytest.fixture(scope="module")
-def native(embedded_bundles, tmp_path_factory) -> tuple[Path, Path]:
-    """(bundle, runner build directory): the host runner generated for the fp32 bundle, built into
-    this module's own runner cache (where `run --engine native` finds it too)."""
-    bundle = embedded_bundles["executorch"]
-    mp = pytest.MonkeyPatch()
-    mp.setenv("SPECPREFETCH_PROFILES", str(tmp_path_factory.mktemp("cache") / "profiles"))
-    yield bundle, build(bundle, "host", log=lambda s: None, tokenizer=False)
-    mp.undo()
+def native(native_host) -> tuple[Path, Path]:
+    """(bundle, runner build directory): conftest's session-wide host runner for the fp32 bundle."""
+    return native_host
 
 
 def run_native(native, *args, check=True):

@@ -75,7 +75,8 @@ def test_text_in_and_out_through_the_runner_and_the_cli(native, tmp_path):
     # the CLI gives the runner text when it has a tokenizer, and checks against transformers
     cli = tmp_path / "cli.json"
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    r = subprocess.run(["specprefetch", "run", str(bundle), "--engine", "native", "--prompt", text,
+    r = subprocess.run(["specprefetch", "run", str(bundle), "--engine", "native", "--policy", "next-gate+prediction",
+                        "--prompt", text,
                         "--max-new-tokens", "6", "--check", "--json", str(cli)], capture_output=True, text=True,
                        timeout=600, env=env)
     assert r.returncode == 0, r.stderr

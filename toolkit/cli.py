@@ -526,6 +526,109 @@ def runner_bench(bundle, prompts, new_tokens, rounds, pool_fracs, threads, json_
     click.echo(f"wrote {json_out}, {md}, {png}")
 
 
+@main.group()
+def device() -> None:
+    """A phone over adb: list devices, push a bundle and its runner, benchmark on it (docs/device.md)."""
+
+
+@device.command(name="list")
+@click.option("--json", "json_out", type=OUT_FILE, default=None, help="also write the list as JSON")
+@friendly_errors
+def device_list(json_out) -> None:
+    """Every attached device: state, SoC, ABI, RAM, free space, CPU clusters, inlinecrypt."""
+    from toolkit.artifacts import write_json_atomic
+    from toolkit.device.phone import list_devices, states_table
+
+    rows = list_devices()
+    click.echo(states_table(rows))
+    if json_out:
+        write_json_atomic(json_out, {"devices": rows})
+
+
+@device.command(name="push")
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--serial", default=None, help="the device (adb devices); needed when several are attached")
+@friendly_errors
+def device_push(bundle, serial) -> None:
+    """Push BUNDLE and the runner built for the device to /data/local/tmp/specprefetch/<bundle hash>/
+    (only files whose sha256 differs), then check every file there."""
+    from toolkit.device.phone import push
+
+    r = push(bundle, serial, log=lambda s: click.echo(s, err=True))
+    click.echo(f"{r['serial']}: {r['remote']} ({r['sent']} of {r['files']} files sent, "
+               f"{r['bytes_sent'] / 2**20:.1f} MiB; runner {r['runner_abi']})")
+
+
+@device.command(name="standin")
+@click.option("--port", type=click.IntRange(min=0, max=65535), default=5555, show_default=True,
+              help="TCP port on 127.0.0.1 (0: any free one)")
+@click.option("--root", "root_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="the phone's files (/data/local/tmp, /sys, /proc views) [default: a temporary directory]")
+@click.option("--root-user", is_flag=True, help="the shell runs as root (drop_caches, governors writable)")
+@click.option("--abi", default="arm64-v8a", show_default=True, type=click.Choice(["arm64-v8a", "x86_64"]),
+              help="the ABI it reports: arm64-v8a gets the arm64 runner (run under qemu-aarch64 here), "
+                   "x86_64 this machine's build (fast)")
+@click.option("--fault", "faults", multiple=True,
+              help="disconnect-after=SECONDS[:SUBSTRING], full-disk, unauthorized, offline (repeatable)")
+@friendly_errors
+def device_standin(port, root_dir, root_user, abi, faults) -> None:
+    """A stand-in SM8750 phone on loopback that the real adb server reaches with `adb connect`:
+    try the whole device flow without a phone (docs/device.md)."""
+    from toolkit.device.standin import main as standin_main
+
+    spec: dict[str, object] = {}
+    for f in faults:
+        name, _, value = f.partition("=")
+        if name == "disconnect-after":
+            secs, _, match = value.partition(":")
+            try:
+                spec["disconnect_after_s"] = float(secs)
+            except ValueError:
+                raise SpecPrefetchError(f"--fault {f}: expected disconnect-after=SECONDS[:SUBSTRING]") from None
+            spec["disconnect_match"] = match
+        elif name in ("full-disk", "unauthorized", "offline") and not value:
+            spec[name.replace("-", "_")] = True
+        else:
+            raise SpecPrefetchError(f"--fault {f}: choose from disconnect-after=SECONDS[:SUBSTRING], full-disk, "
+                                    "unauthorized, offline")
+    standin_main(port, root_dir, spec, root_user, props={"ro.product.cpu.abi": abi})
+
+
+@device.command(name="bench")
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--serial", default=None, help="the device (adb devices); needed when several are attached")
+@click.option("--policies", default="on-demand+lru,adapter+prediction", show_default=True,
+              help="comma-separated PREDICTOR+EVICTION, run interleaved")
+@click.option("--pool-mib", type=POOL_MIB, required=True)
+@click.option("--prompt", "prompts", multiple=True, required=True, help="repeatable")
+@click.option("--max-new-tokens", type=click.IntRange(min=2), default=32, show_default=True)
+@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
+              help="ExecuTorch's thread pool on the phone")
+@click.option("--fixed-performance", is_flag=True,
+              help="also run every policy with the cpufreq governors at performance (root only)")
+@click.option("--cooldown-timeout", type=FiniteFloat(), default=120.0, show_default=True,
+              help="seconds to wait between runs for the thermal zones and MemAvailable to settle")
+@click.option("--max-temp-c", type=FiniteFloat(), default=None,
+              help="cool-down target for the hottest CPU zone [default: its temperature at start + 3]")
+@click.option("--json", "json_out", required=True, type=OUT_FILE)
+@friendly_errors
+def device_bench(bundle, serial, policies, pool_mib, prompts, max_new_tokens, repeats, threads, fixed_performance,
+                 cooldown_timeout, max_temp_c, json_out) -> None:
+    """Benchmark policies on the phone: cold cache, pinned to the big cores, interleaved, with a
+    cool-down between runs; pulls every run's JSON and writes a table, a PNG and the JSON."""
+    from toolkit.device.phone import bench
+    from toolkit.runtime.policy import parse_policies
+
+    names = [p.name for p in parse_policies(policies, "--policies")]
+    bench(bundle, serial=serial, policies=names, pool_mib=pool_mib, prompts=list(prompts),
+          max_new_tokens=max_new_tokens, repeats=repeats, json_out=json_out, fixed_performance=fixed_performance,
+          threads=threads, cooldown_timeout_s=cooldown_timeout, max_temp_c=max_temp_c,
+          log=lambda s: click.echo(s, err=True))
+    click.echo(json_out.with_suffix(".md").read_text())
+    click.echo(f"wrote {json_out}, {json_out.with_suffix('.md')}, {json_out.with_suffix('.png')}")
+
+
 @main.command()
 @click.argument("model", default="embedded")
 @click.option("--adapter", type=click.Path(path_type=Path), default=None,

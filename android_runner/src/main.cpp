@@ -241,13 +241,18 @@ int main_(int argc, char** argv) {
   Bundle b = Bundle::open(a.bundle, a.verify_hashes);
   auto store = ExpertStore::open(b.store_path);
   check_build(b, *store);
+  // text in needs the tokenizer; ids in use it only to decode, so one it cannot load is no error then
   std::unique_ptr<Tokenizer> tokenizer;
-  if (Tokenizer::built_in() && !b.tokenizer_path.empty()) tokenizer = std::make_unique<Tokenizer>(b.tokenizer_path);
-  for (size_t p = 0; p < a.prompts.size(); ++p)
-    if (a.is_text[p]) {
-      if (!tokenizer) Tokenizer refuse(b.tokenizer_path);  // throws: why there is no tokenizer
-      a.prompts[p] = tokenizer->encode(a.texts[p]);
+  const bool text_in = std::find(a.is_text.begin(), a.is_text.end(), true) != a.is_text.end();
+  if (text_in || (Tokenizer::built_in() && !b.tokenizer_path.empty())) {
+    try {
+      tokenizer = std::make_unique<Tokenizer>(b.tokenizer_path);
+    } catch (const Error&) {
+      if (text_in) throw;
     }
+  }
+  for (size_t p = 0; p < a.prompts.size(); ++p)
+    if (a.is_text[p]) a.prompts[p] = tokenizer->encode(a.texts[p]);
   if (a.cold) store->drop_cache();
   HostRouters host = load_host(b);
   Isa isa = a.isa.empty() ? best_isa() : isa_from_name(a.isa);

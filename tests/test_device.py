@@ -1,0 +1,182 @@
+"""`specprefetch device list -> push -> bench` end to end through the real adb client and a private
+adb server, against the stand-in phone (toolkit/device/standin.py), and every failure a user meets.
+
+In make test the stand-in reports ABI x86_64, so the device gets this machine's runner build (the
+session's, conftest.native_host) and runs fast; make test-all runs the same flow with an arm64-v8a
+stand-in, which gets the cross-built arm64 runner and runs it under qemu-aarch64."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from export.session import reference_tokens
+from toolkit.device.standin import StandIn, adb_server
+
+pytestmark = pytest.mark.skipif(shutil.which("adb") is None, reason="adb is not installed (apt-get install adb)")
+
+PROMPT = "The kernel's memory allocator"
+NEW = 5
+POLICIES = "on-demand+lru,next-gate+prediction"
+
+
+@pytest.fixture(scope="module")
+def server():
+    with adb_server() as s:
+        mp = pytest.MonkeyPatch()
+        mp.setenv("ANDROID_ADB_SERVER_PORT", str(s.port))  # the toolkit's adb calls reach this server
+        mp.delenv("ANDROID_SERIAL", raising=False)
+        yield s
+        mp.undo()
+
+
+@pytest.fixture
+def phones(server, tmp_path):
+    started: list[StandIn] = []
+
+    def make(abi: str = "x86_64", state: str | None = "device", **kw) -> StandIn:
+        p = StandIn(root=tmp_path / f"phone{len(started)}", props={"ro.product.cpu.abi": abi}, **kw)
+        p.start()
+        started.append(p)
+        if state is not None:
+            server.connect(p.serial, state=state)
+        return p
+
+    yield make
+    for p in started:
+        server.adb("disconnect", p.serial, check=False)
+        p.stop()
+
+
+def cli(*args, timeout=900):
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    return subprocess.run(["specprefetch", "device", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def one_line_error(r, text):
+    assert r.returncode != 0, r.stdout
+    assert "Traceback" not in r.stderr and text in r.stderr, r.stderr
+    assert len([ln for ln in r.stderr.splitlines() if ln.startswith("error")]) == 1, r.stderr
+
+
+def reference(bundle: Path) -> list[int]:
+    m = json.loads((bundle / "manifest.json").read_text())
+    tok = AutoTokenizer.from_pretrained(str(bundle / Path(m["model"]["config"]).parent), local_files_only=True)
+    ids = tok(PROMPT, add_special_tokens=False)["input_ids"]
+    return reference_tokens(Path(m["model"]["source"]), ids, NEW)
+
+
+def flow(bundle: Path, phone: StandIn, tmp_path: Path, repeats: int = 2) -> dict:
+    r = cli("list", "--json", tmp_path / "list.json")
+    assert r.returncode == 0, r.stderr
+    (d,) = [x for x in json.loads((tmp_path / "list.json").read_text())["devices"] if x["serial"] == phone.serial]
+    assert d["state"] == "device" and d["soc"] == "SM8750" and d["sm8750"] and d["inlinecrypt"] is True
+    assert [c["max_khz"] for c in d["clusters"]] == [3532800, 4320000] and d["ram_bytes"] > 10 * 2**30
+    assert d["free_bytes_data_local_tmp"] > 0 and phone.serial in r.stdout and "SM8750" in r.stdout
+
+    r = cli("push", bundle, "--serial", phone.serial)
+    assert r.returncode == 0, r.stderr
+    remote = r.stdout.split(": ", 1)[1].split(" (")[0]
+    host = phone.host_path(remote)
+    assert (host / "bundle" / "manifest.json").read_bytes() == (bundle / "manifest.json").read_bytes()
+    assert (host / "runner" / "run.sh").is_file() and (host / "runner" / "bin" / "specprefetch-runner").is_file()
+    # a second push sends nothing; a changed file on the device is sent again
+    r = cli("push", bundle, "--serial", phone.serial)
+    assert r.returncode == 0 and "(0 of" in r.stdout, r.stdout + r.stderr
+    (host / "bundle" / "manifest.json").write_text("{}")
+    r = cli("push", bundle, "--serial", phone.serial)
+    assert r.returncode == 0 and "(1 of" in r.stdout, r.stdout + r.stderr
+
+    out = tmp_path / "phone.json"
+    r = cli("bench", bundle, "--serial", phone.serial, "--policies", POLICIES, "--pool-mib", "2.0",
+            "--prompt", PROMPT, "--max-new-tokens", NEW, "--repeats", repeats, "--cooldown-timeout", "5",
+            "--json", out)
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(out.read_text())
+    assert rep["status"] == "complete" and rep["failures"] == []
+    assert rep["configs"] == POLICIES.split(",") and len(rep["runs"]) == 2 * repeats
+    assert [x["config"] for x in rep["runs"][:4]] == ["on-demand+lru", "next-gate+prediction",
+                                                      "next-gate+prediction", "on-demand+lru"][:2 * repeats]
+    ref = reference(bundle)
+    assert rep["tokens_identical"] is True and all(x["tokens"] == ref for x in rep["runs"])
+    assert rep["pinned_cpus"] == [6, 7] and rep["cache"].startswith("posix_fadvise")
+    for x in rep["runs"]:
+        assert x["tpot_ms"] > 0 and x["before"]["temps_c"] and x["after"]["meminfo"]["MemAvailable"] > 0
+        assert x["before"]["time_in_state"] and x["cooldown"]["timed_out"] is False
+    s = rep["summary"]
+    assert s["on-demand+lru"]["runs"] == repeats and s["next-gate+prediction"]["hit_rate"]["median"] > \
+        s["on-demand+lru"]["hit_rate"]["median"]
+    assert out.with_suffix(".md").is_file() and out.with_suffix(".png").stat().st_size > 1000
+    # every run's JSON was written on the device and pulled
+    assert len(list((host / "out").glob("*.json"))) == 2 * repeats + 1  # and the warm-up's
+    return rep
+
+
+def test_list_push_bench_on_the_standin(native_host, phones, tmp_path):
+    bundle, _ = native_host  # the x86_64 stand-in gets this build (the session's runner cache)
+    flow(bundle, phones(), tmp_path)
+
+
+def test_no_device_several_devices_and_unauthorized(native_host, phones, server, tmp_path):
+    bundle, _ = native_host
+    one_line_error(cli("push", bundle), "no device attached")
+    a, b = phones(), phones()
+    one_line_error(cli("push", bundle), "several devices attached")
+    one_line_error(cli("push", bundle, "--serial", "127.0.0.1:1"), "no such device")
+    server.adb("disconnect", a.serial, check=False)
+    server.adb("disconnect", b.serial, check=False)
+    c = phones(state="unauthorized", faults={"unauthorized": True})
+    one_line_error(cli("push", bundle, "--serial", c.serial), "unauthorized")
+    r = cli("list")
+    assert r.returncode == 0 and f"{c.serial}  unauthorized" in r.stdout
+
+
+def test_full_disk_is_one_line(native_host, phones):
+    bundle, _ = native_host
+    p = phones(faults={"full_disk": True})
+    r = cli("push", bundle, "--serial", p.serial)
+    one_line_error(r, "no space")
+
+
+def test_runner_failure_is_recorded_and_the_bench_goes_on(native_host, phones, tmp_path):
+    bundle, _ = native_host
+    p = phones()
+    out = tmp_path / "crash.json"
+    r = cli("bench", bundle, "--serial", p.serial, "--policies", "adapter+lru,on-demand+lru", "--pool-mib", "2.0",
+            "--prompt", PROMPT, "--max-new-tokens", 3, "--repeats", 1, "--cooldown-timeout", "2", "--json", out)
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(out.read_text())
+    (f,) = rep["failures"]
+    assert f["config"] == "adapter+lru" and f["exit_code"] == 1 and "not available" in f["stderr"]
+    assert [x["config"] for x in rep["runs"]] == ["on-demand+lru"]
+
+
+def test_device_lost_mid_bench_keeps_partial_results(native_host, phones, tmp_path):
+    bundle, _ = native_host
+    p = phones()
+    assert cli("push", bundle, "--serial", p.serial).returncode == 0
+    # the link drops as the second configuration's run starts; the first run's results are kept
+    out = tmp_path / "lost.json"
+    p.set_faults(disconnect_after_s=0.0, disconnect_match="--policy next-gate+prediction")
+    r = cli("bench", bundle, "--serial", p.serial, "--policies", POLICIES, "--pool-mib", "2.0", "--prompt", PROMPT,
+            "--max-new-tokens", 3, "--repeats", 1, "--cooldown-timeout", "2", "--json", out)
+    one_line_error(r, "lost")
+    assert "partial results (1 runs)" in r.stderr
+    rep = json.loads(out.read_text())
+    assert rep["status"] == "partial" and "lost" in rep["reason"] and len(rep["runs"]) == 1
+
+
+@pytest.mark.slow
+def test_list_push_bench_with_the_arm64_runner_under_qemu(native_host, phones, tmp_path):
+    if not shutil.which("qemu-aarch64") or not shutil.which("aarch64-linux-gnu-g++"):
+        pytest.skip("qemu-user / g++-aarch64-linux-gnu not installed (make setup installs them)")
+    bundle, _ = native_host
+    rep = flow(bundle, phones(abi="arm64-v8a"), tmp_path, repeats=1)
+    assert all(x["kernel_isa"] == "neon" for x in rep["runs"])

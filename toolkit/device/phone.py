@@ -1,0 +1,445 @@
+"""`specprefetch device list | push | bench`: a bundle and its native runner on a phone over adb
+(docs/device.md).
+
+    list    every attached device: serial, state, SoC, ABI, RAM, free space under
+            /data/local/tmp, CPU clusters, whether /data is mounted with inlinecrypt
+    push    the runner built for the device's ABI and the bundle to
+            /data/local/tmp/specprefetch/<bundle hash>/, sending only files whose sha256 differs,
+            then checking every file's sha256 on the device
+    bench   policies interleaved on the phone, cold cache, pinned to the big cores, with a
+            thermal and memory cool-down gate between runs; every run's JSON pulled back; a
+            report (table, PNG, JSON) in the shape of `bench` here
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from toolkit.device.adb import Adb, DeviceLost, choose, devices, q
+from toolkit.errors import SpecPrefetchError
+
+ROOT = "/data/local/tmp/specprefetch"
+# the device ABI -> the runner build that starts there (x86_64: an emulator, or the stand-in on
+# this machine, which runs the host build)
+RUNNER_ABI = {"arm64-v8a": "arm64", "x86_64": "host"}
+RUNNER_FILES = ("run.sh", "bin/specprefetch-runner", "bin/check_bundle")
+
+_FACTS = r"""
+echo @props; getprop ro.soc.model; getprop ro.soc.manufacturer; getprop ro.product.model; getprop ro.product.cpu.abi
+echo @meminfo; cat /proc/meminfo
+echo @df; df -k /data/local/tmp
+echo @mounts; cat /proc/mounts
+echo @cpus; for c in /sys/devices/system/cpu/cpu[0-9]*; do echo "${c##*/} $(cat $c/cpufreq/cpuinfo_max_freq 2>/dev/null) $(cat $c/cpufreq/related_cpus 2>/dev/null)"; done
+echo @id; id -u
+"""
+
+_SNAPSHOT = r"""
+echo @thermal; for z in /sys/class/thermal/thermal_zone*; do echo "$(cat $z/type 2>/dev/null) $(cat $z/temp 2>/dev/null)"; done
+echo @meminfo; cat /proc/meminfo
+echo @freq; for c in /sys/devices/system/cpu/cpu[0-9]*; do echo "@cpu ${c##*/}"; cat $c/cpufreq/stats/time_in_state 2>/dev/null; done
+"""
+
+
+def _sections(text: str) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    cur = None
+    for line in text.splitlines():
+        if line.startswith("@") and " " not in line.strip():
+            cur = line.strip()[1:]
+            out[cur] = []
+        elif cur is not None:
+            out[cur].append(line)
+    return out
+
+
+def _meminfo(lines: list[str]) -> dict[str, int]:
+    out = {}
+    for line in lines:
+        parts = line.split()
+        if len(parts) >= 2 and parts[0].endswith(":") and parts[1].isdigit():
+            out[parts[0][:-1]] = int(parts[1]) * 1024
+    return out
+
+
+def _cpu_list(text: str) -> list[int]:
+    cpus = []
+    for tok in text.replace(",", " ").split():
+        if "-" in tok:
+            a, b = tok.split("-", 1)
+            cpus += list(range(int(a), int(b) + 1))
+        elif tok.isdigit():
+            cpus.append(int(tok))
+    return cpus
+
+
+def facts(adb: Adb) -> dict[str, Any]:
+    """What `device list` shows of one ready device (one shell round trip)."""
+    s = _sections(adb.text(_FACTS))
+    props = (s.get("props", []) + [""] * 4)[:4]
+    mem = _meminfo(s.get("meminfo", []))
+    free = None
+    for line in s.get("df", [])[1:]:
+        parts = line.split()
+        if len(parts) >= 4 and parts[3].isdigit():
+            free = int(parts[3]) * 1024
+    data = [ln.split() for ln in s.get("mounts", []) if len(ln.split()) >= 4 and ln.split()[1] == "/data"]
+    clusters: dict[tuple[int, ...], int] = {}
+    for line in s.get("cpus", []):
+        parts = line.split()
+        if len(parts) >= 3 and parts[1].isdigit():
+            clusters[tuple(_cpu_list(" ".join(parts[2:])))] = int(parts[1])
+    return {"serial": adb.serial, "state": "device", "soc": props[0] or None, "soc_manufacturer": props[1] or None,
+            "model": props[2] or None, "abi": props[3] or None, "ram_bytes": mem.get("MemTotal"),
+            "mem_available_bytes": mem.get("MemAvailable"), "free_bytes_data_local_tmp": free,
+            "data_fs": data[0][2] if data else None,
+            "inlinecrypt": ("inlinecrypt" in data[0][3].split(",")) if data else None,
+            "clusters": [{"cpus": list(c), "max_khz": f} for c, f in sorted(clusters.items(), key=lambda x: x[1])],
+            "root": (s.get("id") or [""])[0].strip() == "0",
+            "sm8750": props[0] == "SM8750"}
+
+
+def list_devices() -> list[dict[str, Any]]:
+    out = []
+    for d in devices():
+        if d.state != "device":
+            out.append({"serial": d.serial, "state": d.state, **{k: d.attrs[k] for k in ("model",) if k in d.attrs}})
+            continue
+        try:
+            out.append(facts(Adb(d.serial)))
+        except DeviceLost as e:
+            out.append({"serial": d.serial, "state": "lost", "error": str(e)})
+    return out
+
+
+# ---------------------------------------------------------------------------------------- push
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def bundle_hash(bundle: Path) -> str:
+    """The bundle's identity on the device: its manifest (which lists every file's sha256)."""
+    return hashlib.sha256((Path(bundle) / "manifest.json").read_bytes()).hexdigest()[:16]
+
+
+def _local_files(bundle: Path, runner: Path) -> dict[str, Path]:
+    """remote path (relative to the bundle's device directory) -> local file."""
+    files = {f"bundle/{p.relative_to(bundle)}": p for p in sorted(Path(bundle).rglob("*")) if p.is_file()}
+    for rel in RUNNER_FILES:
+        files[f"runner/{rel}"] = runner / rel
+    for p in sorted((runner / "lib").glob("*")) if (runner / "lib").is_dir() else []:
+        files[f"runner/lib/{p.name}"] = p
+    return files
+
+
+def _remote_hashes(adb: Adb, base: str, rels: Sequence[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for i in range(0, len(rels), 64):  # keep each command line short
+        chunk = rels[i:i + 64]
+        r = adb.shell(f"cd {q(base)} 2>/dev/null && sha256sum {' '.join(q(x) for x in chunk)} 2>/dev/null",
+                      check=False)
+        for line in r.stdout.decode(errors="replace").splitlines():
+            parts = line.split(None, 1)
+            if len(parts) == 2 and len(parts[0]) == 64:
+                out[parts[1].strip().lstrip("*")] = parts[0]
+    return out
+
+
+def push(bundle: Path, serial: str | None = None, *, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """The bundle and its runner on the device, checked; returns where they are and what was sent."""
+    from android_runner.build import build
+    from export.manifest import validate_bundle
+
+    bundle = Path(bundle)
+    manifest, _ = validate_bundle(bundle, hash_store=False)
+    adb = choose(serial)
+    f = facts(adb)
+    abi = RUNNER_ABI.get(f["abi"] or "")
+    if abi is None:
+        raise SpecPrefetchError(f"device {adb.serial}: ABI {f['abi']}; the runner is built for arm64-v8a "
+                                "(and x86_64 for the stand-in)")
+    runner = build(bundle, abi, log=log)
+    base = f"{ROOT}/{bundle_hash(bundle)}"
+    files = _local_files(bundle, runner)
+    listed = {f"bundle/{k}": v["sha256"] for k, v in manifest.get("files", {}).items()
+              if isinstance(v, dict) and "sha256" in v}
+    log(f"hashing {len(files)} files here")
+    want = {rel: listed.get(rel) or _sha256(p) for rel, p in files.items()}
+    have = _remote_hashes(adb, base, list(files))
+    send = [rel for rel in files if have.get(rel) != want[rel]]
+    nbytes = sum(files[rel].stat().st_size for rel in send)
+    free = f["free_bytes_data_local_tmp"]
+    if free is not None and nbytes > free:
+        raise SpecPrefetchError(f"device {adb.serial}: {nbytes / 2**20:.1f} MiB to send, {free / 2**20:.1f} MiB free "
+                                f"under /data/local/tmp: no space left")
+    log(f"{adb.serial}: sending {len(send)} of {len(files)} files ({nbytes / 2**20:.1f} MiB) to {base}")
+    dirs = sorted({str(Path(base, rel).parent) for rel in send})
+    if dirs:
+        adb.shell("mkdir -p " + " ".join(q(d) for d in dirs))
+    for rel in send:
+        adb.push(files[rel], f"{base}/{rel}")
+    adb.shell(f"chmod 755 {q(base)}/runner/run.sh {q(base)}/runner/bin/* {q(base)}/runner/lib/* 2>/dev/null; true",
+              check=False)
+    got = _remote_hashes(adb, base, list(files))
+    bad = [rel for rel in files if got.get(rel) != want[rel]]
+    if bad:
+        raise SpecPrefetchError(f"device {adb.serial}: {len(bad)} files differ after the push (first: {bad[0]}); "
+                                "push again")
+    log(f"{adb.serial}: every file checked (sha256) at {base}")
+    return {"serial": adb.serial, "remote": base, "runner_abi": abi, "files": len(files), "sent": len(send),
+            "bytes_sent": nbytes, "device": f}
+
+
+# ---------------------------------------------------------------------------------------- bench
+
+def snapshot(adb: Adb) -> dict[str, Any]:
+    """Temperatures (°C, per thermal zone), meminfo (bytes) and cpufreq time_in_state (10 ms units)."""
+    s = _sections(adb.text(_SNAPSHOT, timeout=60))
+    temps = {}
+    for line in s.get("thermal", []):
+        parts = line.rsplit(None, 1)
+        if len(parts) == 2 and parts[1].lstrip("-").isdigit():
+            v = int(parts[1])
+            temps[parts[0]] = v / 1000 if abs(v) > 200 else float(v)  # millidegrees on most kernels
+    freq: dict[str, dict[str, int]] = {}
+    cur = None
+    for line in s.get("freq", []):
+        if line.startswith("@cpu "):
+            cur = line.split()[1]
+            freq[cur] = {}
+        elif cur is not None and len(line.split()) == 2:
+            k, v = line.split()
+            if k.isdigit() and v.isdigit():
+                freq[cur][k] = int(v)
+    return {"t": time.time(), "temps_c": temps, "meminfo": _meminfo(s.get("meminfo", [])), "time_in_state": freq}
+
+
+def _hot(temps: dict[str, float]) -> float | None:
+    cpu = [v for k, v in temps.items() if any(s in k.lower() for s in ("cpu", "soc", "skin", "tsens"))]
+    vals = cpu or list(temps.values())
+    return max(vals) if vals else None
+
+
+def cool_down(adb: Adb, *, max_temp_c: float, min_available: int, timeout_s: float,
+              poll_s: float = 2.0) -> dict[str, Any]:
+    """Wait until the hottest CPU/SoC zone is at most max_temp_c and MemAvailable is at least
+    min_available, or timeout_s passed (recorded, not an error)."""
+    t0 = time.monotonic()
+    while True:
+        s = snapshot(adb)
+        hot, avail = _hot(s["temps_c"]), s["meminfo"].get("MemAvailable")
+        ok = (hot is None or hot <= max_temp_c) and (avail is None or avail >= min_available)
+        waited = time.monotonic() - t0
+        if ok or waited >= timeout_s:
+            return {"waited_s": round(waited, 2), "timed_out": not ok, "temp_c": hot, "mem_available": avail}
+        time.sleep(poll_s)
+
+
+def _big_cores(f: dict[str, Any]) -> list[int]:
+    if not f["clusters"]:
+        return []
+    top = max(c["max_khz"] for c in f["clusters"])
+    return sorted(cpu for c in f["clusters"] if c["max_khz"] == top for cpu in c["cpus"])
+
+
+def _stats(xs: list[float]) -> dict[str, float | None]:
+    xs = sorted(x for x in xs if x is not None)
+    if not xs:
+        return {"median": None, "p5": None, "p95": None}
+    import numpy as np
+
+    return {"median": round(float(np.median(xs)), 4), "p5": round(float(np.percentile(xs, 5)), 4),
+            "p95": round(float(np.percentile(xs, 95)), 4)}
+
+
+def bench(bundle: Path, *, serial: str | None, policies: Sequence[str], pool_mib: float, prompts: Sequence[str],
+          max_new_tokens: int, repeats: int, json_out: Path, fixed_performance: bool = False, threads: int = 1,
+          cooldown_timeout_s: float = 120.0, max_temp_c: float | None = None,
+          log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Policies interleaved on the phone; returns the report (also written: JSON, .md, .png).
+    A device lost mid-run keeps what was measured (status "partial", the reason recorded) and is
+    then an error; a runner crash is recorded (exit code, stderr) and the bench goes on."""
+    from transformers import AutoTokenizer
+
+    from export.manifest import validate_bundle
+    from toolkit.artifacts import write_json_atomic
+
+    bundle = Path(bundle)
+    m, _ = validate_bundle(bundle, hash_store=False)
+    tok = AutoTokenizer.from_pretrained(str(bundle / Path(m["model"]["config"]).parent), local_files_only=True)
+    ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    pushed = push(bundle, serial, log=log)
+    adb, f, base = Adb(pushed["serial"]), pushed["device"], pushed["remote"]
+    big = _big_cores(f)
+    mask = format(sum(1 << c for c in big), "x") if big else None
+    configs = [{"name": p, "policy": p, "performance": False} for p in policies]
+    notes = []
+    if fixed_performance:
+        if f["root"]:
+            configs += [{"name": f"{p}@performance", "policy": p, "performance": True} for p in policies]
+        else:
+            notes.append("fixed-performance mode needs root (cpufreq governors): not run")
+    report: dict[str, Any] = {
+        "bundle": str(bundle), "remote": base, "device": f, "policies": list(policies), "pool_mib": pool_mib,
+        "prompts": list(prompts), "max_new_tokens": max_new_tokens, "repeats": repeats, "threads": threads,
+        "pinned_cpus": big, "cache": "drop_caches (root)" if f["root"] else "posix_fadvise(DONTNEED) by the runner",
+        "configs": [c["name"] for c in configs], "runs": [], "failures": [], "notes": notes, "status": "complete",
+        "reason": None}
+    start = snapshot(adb)
+    limit = max_temp_c if max_temp_c is not None else ((_hot(start["temps_c"]) or 40.0) + 3.0)
+    min_avail = int(0.9 * (start["meminfo"].get("MemAvailable") or 0))
+    report["cooldown"] = {"max_temp_c": limit, "min_mem_available": min_avail, "timeout_s": cooldown_timeout_s}
+
+    def one(cfg: dict, p: int, rep: int, warm: bool = False) -> None:
+        gate = cool_down(adb, max_temp_c=limit, min_available=min_avail, timeout_s=cooldown_timeout_s)
+        if f["root"]:
+            adb.shell("sync; echo 3 > /proc/sys/vm/drop_caches", check=False)
+        if cfg["performance"]:
+            adb.shell("for g in /sys/devices/system/cpu/cpufreq/policy*/scaling_governor; do echo performance > $g; "
+                      "done", check=False)
+        before = snapshot(adb)
+        remote_json = f"{base}/out/{cfg['name'].replace('+', '_').replace('@', '_')}-{p}-{rep}.json"
+        cmd = (f"mkdir -p {q(base)}/out && " + (f"taskset {mask} " if mask else "")
+               + f"sh {q(base)}/runner/run.sh {q(base)}/bundle --prompt-ids {','.join(map(str, ids[p]))} "
+               f"--max-new-tokens {max_new_tokens} --policy {q(cfg['policy'])} --pool-mib {pool_mib!r} "
+               f"--threads {threads} --json {q(remote_json)}" + ("" if f["root"] else " --cold"))
+        t0 = time.monotonic()
+        r = adb.shell(cmd, timeout=None, check=False)
+        wall = time.monotonic() - t0
+        after = snapshot(adb)
+        if cfg["performance"]:
+            adb.shell("for g in /sys/devices/system/cpu/cpufreq/policy*/scaling_governor; do echo schedutil > $g; "
+                      "done", check=False)
+        if warm:
+            return
+        if r.returncode != 0:
+            err = r.stderr.decode(errors="replace").strip().splitlines()
+            report["failures"].append({"config": cfg["name"], "prompt": p, "repeat": rep, "exit_code": r.returncode,
+                                       "stderr": "\n".join(err[-20:])})
+            log(f"  {cfg['name']} prompt {p}: runner exited {r.returncode}: {err[-1] if err else ''}")
+            return
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            adb.pull(remote_json, Path(tmp) / "run.json")
+            res = json.loads((Path(tmp) / "run.json").read_text())
+        for run in res["runs"]:
+            row = {"config": cfg["name"], "policy": res["policy"], "performance": cfg["performance"], "prompt": p,
+                   "repeat": rep, **{k: v for k, v in run.items() if k not in ("routing", "source")},
+                   **{k: res[k] for k in ("peak_rss_bytes", "load_ms", "kernel_isa", "direct_io", "io_note", "threads")
+                      if k in res},
+                   "wall_s": round(wall, 3), "cooldown": gate, "before": before, "after": after}
+            report["runs"].append(row)
+            log(f"  {cfg['name']} prompt {p} #{rep + 1}: TPOT {run['tpot_ms']} ms, stall "
+                f"{run['stall_ms_per_token']} ms/token, hit rate {run['hit_rate']:.3f}")
+
+    try:
+        log(f"warm-up on {adb.serial}" + (f", pinned to CPUs {big}" if big else ""))
+        one(configs[0], 0, -1, warm=True)
+        for rep in range(repeats):
+            order = configs if rep % 2 == 0 else configs[::-1]  # ABAB..., then in reverse
+            for p in range(len(ids)):
+                for cfg in order:
+                    one(cfg, p, rep)
+    except DeviceLost as e:
+        report["status"], report["reason"] = "partial", str(e)
+    except KeyboardInterrupt:
+        report["status"], report["reason"] = "partial", "interrupted"
+    finalize(report)
+    from toolkit.reporting import write_report
+
+    write_report(report, json_out, markdown, plot)
+    if report["status"] != "complete":
+        raise SpecPrefetchError(f"{report['reason']}: partial results ({len(report['runs'])} runs) in {json_out}")
+    return report
+
+
+def finalize(report: dict[str, Any]) -> None:
+    """Per-configuration summary (median, p5, p95) and whether greedy tokens agree everywhere."""
+    summary = {}
+    for name in report["configs"]:
+        rows = [r for r in report["runs"] if r["config"] == name]
+        summary[name] = {"runs": len(rows), "tpot_ms": _stats([r["tpot_ms"] for r in rows]),
+                         "ttft_ms": _stats([r["ttft_ms"] for r in rows]),
+                         "stall_ms_per_token": _stats([r["stall_ms_per_token"] for r in rows]),
+                         "hit_rate": _stats([r["hit_rate"] for r in rows]),
+                         "mib_read_per_token": _stats([r["mib_read_per_token"] for r in rows]),
+                         "peak_rss_bytes": max((r["peak_rss_bytes"] for r in rows), default=None)}
+    report["summary"] = summary
+    by_prompt: dict[int, set] = {}
+    for r in report["runs"]:
+        by_prompt.setdefault(r["prompt"], set()).add(tuple(r["tokens"]))
+    report["tokens_identical"] = all(len(v) == 1 for v in by_prompt.values()) if by_prompt else None
+    base = summary.get(report["configs"][0], {}).get("tpot_ms", {}).get("median") if report["configs"] else None
+    for name, s in summary.items():
+        med = s["tpot_ms"]["median"]
+        s["first_over_this"] = round(base / med, 3) if base and med else None
+
+
+def markdown(r: dict[str, Any]) -> str:
+    d = r["device"]
+    lines = [f"# device bench: {Path(r['bundle']).name} on {d.get('model')} ({d.get('soc')}, {d['serial']})", "",
+             f"pool {r['pool_mib']} MiB, {len(r['prompts'])} prompts x {r['repeats']} repeats, "
+             f"{r['max_new_tokens']} new tokens, pinned to CPUs {r['pinned_cpus']}, cache: {r['cache']}, "
+             f"status: {r['status']}" + (f" ({r['reason']})" if r["reason"] else ""), "",
+             "| configuration | runs | TPOT median ms | p5 | p95 | TTFT median ms | stall ms/token | hit rate | "
+             "MiB/token | peak RSS MiB | first / this |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, s in r["summary"].items():
+        rss = s["peak_rss_bytes"]
+        lines.append(f"| {name} | {s['runs']} | {s['tpot_ms']['median']} | {s['tpot_ms']['p5']} | "
+                     f"{s['tpot_ms']['p95']} | {s['ttft_ms']['median']} | {s['stall_ms_per_token']['median']} | "
+                     f"{s['hit_rate']['median']} | {s['mib_read_per_token']['median']} | "
+                     f"{round(rss / 2**20, 1) if rss else None} | {s['first_over_this']} |")
+    lines += ["", f"greedy tokens identical across configurations: {r['tokens_identical']}"]
+    for fl in r["failures"]:
+        lines.append(f"- runner failure: {fl['config']} prompt {fl['prompt']}: exit {fl['exit_code']}")
+    for n in r["notes"]:
+        lines.append(f"- {n}")
+    return "\n".join(lines) + "\n"
+
+
+def plot(r: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from toolkit.reporting import save_figure
+
+    names = [n for n in r["configs"] if r["summary"][n]["runs"]]
+    fig, ax = plt.subplots(figsize=(1.6 + 1.3 * max(1, len(names)), 3.6))
+    data = [[x["tpot_ms"] for x in r["runs"] if x["config"] == n and x["tpot_ms"] is not None] for n in names]
+    if data:
+        ax.boxplot(data, showfliers=True)
+        ax.set_xticks(range(1, len(names) + 1), names, rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel("TPOT (ms)")
+    ax.set_title(f"{r['device'].get('soc')}: pool {r['pool_mib']} MiB")
+    save_figure(fig, path)
+
+
+def states_table(rows: list[dict[str, Any]]) -> str:
+    """`device list` as text."""
+    if not rows:
+        return "no device attached (adb devices lists none)"
+    out = []
+    for d in rows:
+        if d["state"] != "device":
+            out.append(f"{d['serial']}  {d['state']}" + (f"  ({d['error']})" if d.get("error") else ""))
+            continue
+        cl = ", ".join(f"{len(c['cpus'])}x{c['max_khz'] / 1e6:.2f} GHz" for c in d["clusters"]) or "unknown"
+        ram = f"{d['ram_bytes'] / 2**30:.1f} GiB" if d["ram_bytes"] else "?"
+        free = f"{d['free_bytes_data_local_tmp'] / 2**30:.1f} GiB" if d["free_bytes_data_local_tmp"] else "?"
+        out.append(f"{d['serial']}  device  {d['model']}  SoC {d['soc']}{'' if d['sm8750'] else ' (not SM8750)'}  "
+                   f"{d['abi']}  RAM {ram}  free {free} under /data/local/tmp  CPUs {cl}  "
+                   f"/data {d['data_fs']} inlinecrypt={d['inlinecrypt']}" + ("  root" if d["root"] else ""))
+    return "\n".join(out)
+
+
+__all__ = ["bench", "facts", "list_devices", "push", "states_table"]

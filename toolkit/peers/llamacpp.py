@@ -1,0 +1,513 @@
+"""llama.cpp as the peer: the engine a user would otherwise pick to run the same MoE checkpoint.
+
+- `build(abi)`: llama.cpp as vendored by the llama-cpp-python sdist (pinned below), built with
+  CMake + Ninja into a cache dir; "host" (GGML_NATIVE=ON, the BENCHMARKING.md line) or "arm64"
+  (cross-built with Debian's aarch64-linux-gnu g++, -march=armv8.2-a+dotprod+fp16, statically
+  linked, checked under qemu-aarch64).
+- `convert(model_dir, out)`: the vendored convert_hf_to_gguf.py with the vendored gguf-py (the
+  converter puts vendor/llama.cpp/gguf-py first on sys.path itself), in a subprocess, with its
+  BPE pre-tokenizer check patched at run time for our custom tokenizers.
+- `run(...)`: llama-completion, greedy, exactly n_new tokens, through `memlimit.run_limited`
+  (same memory limit including page cache, cold cache, same I/O accounting as our runner).
+
+One patch is applied to the unpacked sources: common/log.cpp drains its asynchronous log at exit
+(`_patch_log_flush`); upstream can lose the end of stdout/stderr under CPU contention.
+
+Cache: ``$SPECPREFETCH_PROFILES/../peers`` (default ~/.cache/specprefetch/peers): sdist/, src/,
+build-host/, build-arm64/ and their logs.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import struct
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from toolkit.errors import SpecPrefetchError
+from toolkit.peers.memlimit import run_limited
+
+# llama-cpp-python 0.3.36 vendors ggml-org/llama.cpp@0c1e57098 (its CHANGELOG), which is llama.cpp
+# release b11312. The sdist has no git metadata (llama.cpp's CMake would report build 0, commit
+# "unknown"), so both are passed in and `--version` prints "version: 11312 (0c1e57098)".
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"
+LLAMA_CPP_COMMIT = "0c1e57098"
+LLAMA_CPP_BUILD = 11312
+CLI = "llama-completion"  # prompt in, text out (this llama.cpp's llama-cli is the chat client; tools/cli)
+BINARIES = ("llama-completion", "llama-bench", "llama-quantize")
+ARM64_ARCH = "armv8.2-a+dotprod+fp16"   # Snapdragon 8 Elite (Oryon, Armv8.7+) runs all of it
+QEMU = ("qemu-aarch64", "-L", "/usr/aarch64-linux-gnu")
+REPO = Path(__file__).resolve().parents[2]
+TOOLCHAIN = REPO / "android_runner" / "cmake" / "aarch64-linux-gnu.cmake"
+
+Log = Callable[[str], None]
+
+
+def peers_dir() -> Path:
+    prof = Path(os.environ.get("SPECPREFETCH_PROFILES",
+                               Path.home() / ".cache" / "specprefetch" / "profiles"))
+    return prof.parent / "peers"
+
+
+def _venv_tool(name: str) -> str:
+    p = Path(sys.executable).parent / name
+    if p.exists():
+        return str(p)
+    found = shutil.which(name)
+    if not found:
+        raise SpecPrefetchError(f"{name} not found (pip install {name} into the venv)")
+    return found
+
+
+def source_dir(*, log: Log = print) -> Path:
+    """vendor/llama.cpp of the pinned llama-cpp-python sdist (downloaded and unpacked once)."""
+    root = peers_dir()
+    sdist = root / "sdist"
+    name = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}"
+    tarball = sdist / f"{name}.tar.gz"
+    if not tarball.exists():
+        sdist.mkdir(parents=True, exist_ok=True)
+        log(f"llama.cpp: downloading the llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION} sdist")
+        with tempfile.TemporaryDirectory(dir=sdist) as tmp:
+            r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps",
+                                "--no-binary", ":all:", f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}",
+                                "-d", tmp], capture_output=True, text=True, check=False)
+            got = Path(tmp) / tarball.name
+            if r.returncode != 0 or not got.exists():
+                (sdist / "download.log").write_text(r.stdout + r.stderr)
+                raise SpecPrefetchError(f"pip download llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION} "
+                                        f"failed; log: {sdist / 'download.log'}")
+            got.rename(tarball)
+    src = root / "src" / name
+    llama = src / "vendor" / "llama.cpp"
+    if not (src / ".unpacked").exists():
+        log(f"llama.cpp: unpacking {tarball.name}")
+        (root / "src").mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=root / "src") as tmp:
+            with tarfile.open(tarball) as tf:
+                tf.extractall(tmp, filter="data")
+            if src.exists():
+                shutil.rmtree(src)
+            (Path(tmp) / name).rename(src)
+        (src / ".unpacked").touch()
+    if not (llama / "CMakeLists.txt").exists():
+        raise SpecPrefetchError(f"{llama} has no CMakeLists.txt (corrupt unpack? remove {src})")
+    _patch_log_flush(llama)
+    return llama
+
+
+_LOG_PATCH = "// specprefetch: drain the async log at exit (the generated text and perf lines)"
+_LOG_ANCHOR = "        log = new common_log;\n        // Set default to auto-detect colors\n" \
+              "        log->set_colors(tty_can_use_colors());\n"
+
+
+def _patch_log_flush(llama: Path) -> None:
+    """The one change to llama.cpp's sources (in the unpacked copy of the cache, idempotent):
+    common/log.cpp leaks its logger singleton on purpose and never drains the queue its worker
+    thread writes from, so when that thread lags (seen here on a busy 2-core machine) the process
+    exits with the tail of stdout/stderr lost: generated text cut short, perf lines missing.
+    An atexit handler pausing the logger (which drains the queue and joins the thread) fixes that;
+    nothing on the compute path changes."""
+    f = llama / "common" / "log.cpp"
+    text = f.read_text()
+    if _LOG_PATCH in text:
+        return
+    if _LOG_ANCHOR not in text:
+        raise SpecPrefetchError(f"{f}: the logger setup changed; update _patch_log_flush for this llama.cpp")
+    text = text.replace(_LOG_ANCHOR, _LOG_ANCHOR + f"        {_LOG_PATCH}\n"
+                        "        std::atexit([] { log->pause(); });\n", 1)
+    tmp = f.with_suffix(".cpp.tmp")
+    tmp.write_text(text)
+    tmp.replace(f)
+
+
+def _cmake_args(abi: str, llama: Path, build_dir: Path) -> list[str]:
+    args = ["-S", str(llama), "-B", str(build_dir), "-G", "Ninja",
+            f"-DCMAKE_MAKE_PROGRAM={_venv_tool('ninja')}", "-DCMAKE_BUILD_TYPE=Release",
+            "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+            "-DLLAMA_BUILD_SERVER=OFF", f"-DLLAMA_BUILD_COMMIT={LLAMA_CPP_COMMIT}",
+            f"-DLLAMA_BUILD_NUMBER={LLAMA_CPP_BUILD}"]
+    if abi == "host":
+        return args + ["-DGGML_NATIVE=ON"]
+    if abi == "arm64":
+        if not shutil.which("aarch64-linux-gnu-g++"):
+            raise SpecPrefetchError("aarch64-linux-gnu-g++ not found (apt-get install g++-aarch64-linux-gnu)")
+        # static: one file to push to a phone (runs on Android's kernel without glibc installed)
+        return args + [f"-DCMAKE_TOOLCHAIN_FILE={TOOLCHAIN}", "-DGGML_NATIVE=OFF",
+                       f"-DGGML_CPU_ARM_ARCH={ARM64_ARCH}", "-DBUILD_SHARED_LIBS=OFF",
+                       "-DGGML_STATIC=ON", "-DCMAKE_EXE_LINKER_FLAGS=-static", "-DGGML_OPENMP=ON"]
+    raise SpecPrefetchError(f"unknown abi {abi!r} (expected 'host' or 'arm64')")
+
+
+def build(abi: str = "host", *, log: Log = print, force: bool = False, jobs: int | None = None,
+          nice: int = 10) -> Path:
+    """Build llama-completion, llama-bench and llama-quantize for `abi`; returns the bin directory.
+
+    A finished build (stamp file matching version and flags) is reused unless `force`. The full
+    configure/build log goes to ``peers/build-<abi>.log``; a failure raises a one-line
+    SpecPrefetchError naming it. Builds run under `nice` (shared machines).
+    """
+    llama = source_dir(log=log)
+    root = peers_dir()
+    build_dir = root / f"build-{abi}"
+    bin_dir = build_dir / "bin"
+    args = _cmake_args(abi, llama, build_dir)
+    stamp = build_dir / ".specprefetch-stamp.json"
+    want = {"llama_cpp_python": LLAMA_CPP_PYTHON_VERSION, "commit": LLAMA_CPP_COMMIT,
+            "build": LLAMA_CPP_BUILD, "patches": [_LOG_PATCH], "abi": abi, "cmake_args": args,
+            "targets": list(BINARIES)}
+    if (not force and stamp.exists() and all((bin_dir / b).exists() for b in BINARIES)
+            and json.loads(stamp.read_text()).get("want") == want):
+        return bin_dir
+    if force and build_dir.exists():
+        shutil.rmtree(build_dir)
+    stamp.unlink(missing_ok=True)
+    build_dir.mkdir(parents=True, exist_ok=True)
+    logfile = root / f"build-{abi}.log"
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    prefix = ["nice", "-n", str(nice)] if nice and shutil.which("nice") else []
+    t0 = time.monotonic()
+    with open(logfile, "w") as lf:
+        for stage, cmd in (("configure", [_venv_tool("cmake"), *args]),
+                           ("build", [_venv_tool("cmake"), "--build", str(build_dir),
+                                      "-j", str(jobs or os.cpu_count() or 2),
+                                      "--target", *BINARIES])):
+            log(f"llama.cpp {abi}: {stage}" + (" (a few minutes)" if stage == "build" else ""))
+            lf.write(f"$ {' '.join(cmd)}\n")
+            lf.flush()
+            r = subprocess.run(prefix + cmd, stdout=lf, stderr=subprocess.STDOUT, env=env, check=False)
+            if r.returncode != 0:
+                raise SpecPrefetchError(f"llama.cpp {abi} {stage} failed (exit {r.returncode}); "
+                                        f"log: {logfile}")
+    missing = [b for b in BINARIES if not (bin_dir / b).exists()]
+    if missing:
+        raise SpecPrefetchError(f"llama.cpp {abi} build made no {', '.join(missing)} in {bin_dir}; "
+                                f"log: {logfile}")
+    if abi == "arm64":
+        log("llama.cpp arm64: checking it starts under qemu-aarch64")
+        check_arm64(bin_dir)
+    secs = time.monotonic() - t0
+    stamp.write_text(json.dumps({"want": want, "build_s": round(secs, 1)}, indent=1))
+    log(f"llama.cpp {abi}: built in {secs / 60:.1f} min -> {bin_dir}")
+    return bin_dir
+
+
+def check_arm64(bin_dir: Path) -> str:
+    """Run the arm64 llama-completion --version under qemu-aarch64; returns its version line."""
+    if not shutil.which(QEMU[0]):
+        raise SpecPrefetchError("qemu-aarch64 not found (apt-get install qemu-user) to check the arm64 build")
+    r = subprocess.run([*QEMU, str(Path(bin_dir) / CLI), "--version"], capture_output=True,
+                       text=True, timeout=120, check=False)
+    out = (r.stdout + r.stderr).strip()
+    if r.returncode != 0 or "version" not in out:
+        raise SpecPrefetchError(f"arm64 {CLI} did not start under qemu-aarch64 "
+                                f"(exit {r.returncode}): {out.splitlines()[-1] if out else 'no output'}")
+    return next(l for l in out.splitlines() if "version" in l)
+
+
+# ---------------------------------------------------------------------------------- conversion
+
+def _pre_tokenizer(model_dir: Path) -> str:
+    """The llama.cpp pre-tokenizer matching tokenizer.json's (for tokenizers the converter's hash
+    table does not know): ByteLevel with use_regex -> GPT-2's regex ("gpt-2"); the Qwen2 Split
+    regex -> "qwen2"."""
+    tj = Path(model_dir) / "tokenizer.json"
+    try:
+        pre = json.loads(tj.read_text()).get("pre_tokenizer") or {}
+    except (OSError, ValueError) as e:
+        raise SpecPrefetchError(f"{tj}: cannot read the tokenizer ({e})") from e
+    steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+    split = [s for s in steps if s.get("type") == "Split"]
+    byte_level = [s for s in steps if s.get("type") == "ByteLevel"]
+    if not split and byte_level and byte_level[0].get("use_regex", True) \
+            and not byte_level[0].get("add_prefix_space", False):
+        return "gpt-2"
+    if split and byte_level and not byte_level[0].get("use_regex", True):
+        rx = split[0].get("pattern", {}).get("Regex", "")
+        if rx.startswith("(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}|"):
+            return "qwen2"
+    raise SpecPrefetchError(f"{tj}: pre-tokenizer {json.dumps(pre)[:120]} matches no llama.cpp "
+                            "pre-tokenizer this wrapper knows (gpt-2, qwen2)")
+
+
+_CONVERT_WRAPPER = r'''
+import logging, runpy, sys
+llama, pre = sys.argv[1], sys.argv[2]
+sys.argv = [llama + "/convert_hf_to_gguf.py"] + sys.argv[3:]
+sys.path.insert(0, llama)
+sys.path.insert(1, llama + "/gguf-py")
+import conversion.base as base
+_orig = base.TextModel.get_vocab_base_pre
+def get_vocab_base_pre(self, tokenizer):
+    try:
+        return _orig(self, tokenizer)
+    except NotImplementedError:
+        logging.getLogger("specprefetch").warning("unknown BPE pre-tokenizer hash: using %r", pre)
+        return pre
+base.TextModel.get_vocab_base_pre = get_vocab_base_pre
+runpy.run_path(sys.argv[0], run_name="__main__")
+'''
+
+
+def convert(model_dir: Path, out: Path, outtype: str = "f16", *, log: Log = print) -> Path:
+    """Convert a transformers checkpoint to GGUF with the vendored convert_hf_to_gguf.py.
+
+    Runs in a subprocess of the venv's python with the vendored gguf-py; an unknown BPE
+    pre-tokenizer hash (our custom tokenizers) falls back to the one tokenizer.json describes
+    (`_pre_tokenizer`) through a wrapper that patches ``TextModel.get_vocab_base_pre`` in memory
+    (the vendored file is not edited). Writes ``out`` atomically (temp file, then rename).
+    """
+    model_dir, out = Path(model_dir), Path(out)
+    if not (model_dir / "config.json").exists():
+        raise SpecPrefetchError(f"{model_dir}: no config.json (not a transformers checkpoint)")
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)
+    if cfg.get("model_type") in ("qwen3_moe", "qwen2_moe") and (
+            cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1):
+        raise SpecPrefetchError(f"{model_dir}: llama.cpp's {cfg['model_type']} has MoE in every layer; this "
+                                f"checkpoint has dense layers (mlp_only_layers={cfg.get('mlp_only_layers')}, "
+                                f"decoder_sparse_step={cfg.get('decoder_sparse_step', 1)})")
+    llama = source_dir(log=log)
+    pre = _pre_tokenizer(model_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    logfile = out.with_name(f"{out.name}.convert.log")
+    log(f"llama.cpp: converting {model_dir} to {outtype} GGUF")
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as w:
+        w.write(_CONVERT_WRAPPER)
+    try:
+        r = subprocess.run([sys.executable, w.name, str(llama), pre, str(model_dir),
+                            "--outfile", str(tmp), "--outtype", outtype],
+                           capture_output=True, text=True, check=False,
+                           env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        logfile.write_text(r.stdout + r.stderr)
+        if r.returncode != 0 or not tmp.exists():
+            tail = (r.stderr.strip().splitlines() or ["no output"])[-1]
+            raise SpecPrefetchError(f"convert_hf_to_gguf failed on {model_dir}: {tail[:200]} "
+                                    f"(log: {logfile})")
+        tmp.replace(out)
+    finally:
+        os.unlink(w.name)
+        tmp.unlink(missing_ok=True)
+    return out
+
+
+# ------------------------------------------------------------------------------------ running
+
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+
+
+def gguf_metadata(path: Path, keys: Sequence[str]) -> dict:
+    """Read some metadata values from a GGUF file's header (strings, scalars, arrays of them)."""
+    want, found = set(keys), {}
+    with open(path, "rb") as f:
+        def rd(fmt: str):
+            fmt = "<" + fmt
+            return struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0]
+
+        def rstr() -> str:
+            return f.read(rd("Q")).decode("utf-8", "surrogateescape")
+
+        def value(t: int, keep: bool):
+            if t == 8:
+                return rstr()
+            if t == 9:
+                et, n = rd("I"), rd("Q")
+                if not keep and et in _GGUF_SCALARS:
+                    f.seek(n * struct.calcsize("<" + _GGUF_SCALARS[et]), 1)
+                    return None
+                return [value(et, keep) for _ in range(n)]
+            return rd(_GGUF_SCALARS[t])
+
+        if f.read(4) != b"GGUF":
+            raise SpecPrefetchError(f"{path}: not a GGUF file")
+        version, _n_tensors, n_kv = rd("I"), rd("Q"), rd("Q")
+        if version < 2:
+            raise SpecPrefetchError(f"{path}: GGUF version {version} is too old")
+        for _ in range(n_kv):
+            key, t = rstr(), rd("I")
+            v = value(t, key in want)
+            if key in want:
+                found[key] = v
+                if len(found) == len(want):
+                    break
+    return found
+
+
+def _byte_decoder() -> dict[str, int]:
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+def detokenize(gguf: Path, ids: Sequence[int]) -> bytes:
+    """Bytes of token ids from the GGUF's byte-level BPE vocab (control tokens as their text)."""
+    md = gguf_metadata(gguf, ["tokenizer.ggml.model", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type"])
+    if md.get("tokenizer.ggml.model") != "gpt2":
+        raise SpecPrefetchError(f"{gguf}: token-id prompts need a byte-level BPE (gpt2) vocab, "
+                                f"not {md.get('tokenizer.ggml.model')!r}")
+    toks, types, dec = md["tokenizer.ggml.tokens"], md["tokenizer.ggml.token_type"], _byte_decoder()
+    out = bytearray()
+    for i in ids:
+        if types[i] in (3, 4):  # CONTROL, USER_DEFINED: stored as plain text
+            out += toks[i].encode("utf-8", "surrogateescape")
+        else:
+            out += bytes(dec[c] for c in toks[i])
+    return bytes(out)
+
+
+_PERF = {
+    "load_ms": re.compile(r"load time =\s*([\d.]+) ms"),
+    "prompt_eval": re.compile(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens"),
+    "eval": re.compile(r"(?<!prompt )eval time =\s*([\d.]+) ms /\s*(\d+) runs"),
+    "sampling_ms": re.compile(r"sampling time =\s*([\d.]+) ms"),
+    "total_ms": re.compile(r"total time =\s*([\d.]+) ms"),
+}
+
+
+def parse_perf(stderr: str) -> dict:
+    """llama.cpp's common_perf_print lines (the last of each) as numbers; missing ones are None."""
+    got: dict = {}
+    for k, rx in _PERF.items():
+        m = rx.findall(stderr)
+        last = m[-1] if m else None
+        if k in ("prompt_eval", "eval"):
+            got[f"{k}_ms"] = float(last[0]) if last else None
+            got[f"{k}_n"] = int(last[1]) if last else None
+        else:
+            got[k] = float(last) if last else None
+    return got
+
+
+def _prompt_ids(stderr: str) -> list[int] | None:
+    """Prompt token ids from --verbose-prompt's "  id -> 'piece'" lines."""
+    m = re.search(r"number of tokens in prompt = (\d+)\n", stderr)
+    if not m:
+        return None
+    n, ids = int(m.group(1)), []
+    for line in stderr[m.end():].splitlines():
+        t = re.match(r"(?:\d+\.\d+\.\d+\.\d+ [A-Z] )?\s*(\d+) -> '", line)  # optional log prefix
+        if t:
+            ids.append(int(t.group(1)))
+            if len(ids) == n:
+                return ids
+    return ids
+
+
+def run(binary_dir: Path, gguf: Path, prompt: str | list[int], n_new: int, *,
+        limit_bytes: int | None = None, threads: int | None = None, abi: str = "host",
+        mmap: bool = True, load_mode: str | None = None, warmup: bool = False, cold: bool = True,
+        ctx_size: int | None = None, timeout: float | None = None) -> dict:
+    """Generate exactly `n_new` tokens greedily with llama-completion, measured by run_limited.
+
+    Greedy: ``--temp 0 --top-k 1 --seed 0``; ``--ignore-eos`` (EOG tokens get -inf logit bias, so
+    compare with a reference that suppresses EOS too); ``-no-cnv`` (no chat template); prompt
+    passed verbatim (``--no-escape``, via a file). A token-id prompt is turned into its bytes with
+    the GGUF vocab and must re-tokenize to the same ids (checked with ``--verbose-prompt``; a
+    mismatch raises). `mmap` picks ``--load-mode mmap`` (weights paged in from the file on demand,
+    page cache charged to the limit) or ``none`` (read into anonymous memory at load);
+    `load_mode` passes another of this llama.cpp's modes (e.g. "dio": direct I/O) instead.
+    ``--no-warmup`` by default: llama.cpp's warmup decode would touch (and,
+    with mmap, read) the weights before the timed prefill.
+
+    Times, from llama.cpp's own perf counters (llama_context, measured around llama_decode up to
+    the synchronize that makes its logits available):
+    - ``ttft_ms`` = "prompt eval time": the one decode of the whole prompt, i.e. from the start of
+      prefill to the first token's logits, page faults of an mmapped model included; model load,
+      tokenization and the (greedy, ~µs) sampling of the first token excluded. None for a 1-token
+      prompt (llama.cpp counts a 1-token batch as "eval").
+    - ``tpot_ms`` = "eval time" / "eval runs": the mean time of one single-token decode. There are
+      n_new - 1 of them (the last sampled token is never decoded), so it matches
+      (t_last - t_first) / (N - 1) of docs/BENCHMARKING.md except that per-token sampling
+      (``sampling_ms`` in total, reported) and console output are not included.
+    ``tokens`` is the generated text (stdout; llama-completion prints pieces, not ids).
+    ``mib_read``/``peak_rss_bytes`` come from memlimit (the whole process, model load included).
+    """
+    binary_dir, gguf = Path(binary_dir), Path(gguf)
+    exe = binary_dir / CLI
+    if not exe.exists():
+        raise SpecPrefetchError(f"{exe} not found (build it with toolkit.peers.llamacpp.build)")
+    if not gguf.exists():
+        raise SpecPrefetchError(f"{gguf} not found")
+    if n_new < 1:
+        raise SpecPrefetchError(f"n_new must be >= 1 (got {n_new})")
+    want_ids = list(prompt) if not isinstance(prompt, str) else None
+    data = detokenize(gguf, want_ids) if want_ids is not None else prompt.encode()
+    threads = threads or os.cpu_count() or 1
+    if ctx_size is None:  # byte-level BPE: tokens <= bytes (+1 for a BOS)
+        n_prompt_max = len(want_ids) if want_ids is not None else len(data)
+        ctx_size = -(-(n_prompt_max + 1 + n_new + 8) // 256) * 256
+    with tempfile.NamedTemporaryFile("wb", suffix=".txt", delete=False) as pf:
+        pf.write(data + b"\n")  # -f drops one trailing newline
+    argv = [str(exe), "-m", str(gguf), "-f", pf.name, "--no-escape", "-n", str(n_new),
+            "--ignore-eos", "-no-cnv", "--temp", "0", "--top-k", "1", "--seed", "0",
+            "-t", str(threads), "-tb", str(threads), "-c", str(ctx_size),
+            "-b", str(max(ctx_size, 512)), "--no-display-prompt", "--verbose-prompt"]
+    if not warmup:
+        argv.append("--no-warmup")
+    argv += ["--load-mode", load_mode or ("mmap" if mmap else "none")]
+    if abi == "arm64":
+        argv = [*QEMU, *argv]
+    elif abi != "host":
+        raise SpecPrefetchError(f"unknown abi {abi!r} (expected 'host' or 'arm64')")
+    try:
+        r = run_limited(argv, limit_bytes=limit_bytes, files=[gguf, exe], timeout=timeout, cold=cold)
+    finally:
+        os.unlink(pf.name)
+    perf = parse_perf(r.stderr)
+    got_ids = _prompt_ids(r.stderr)
+    if want_ids is not None and got_ids is not None and got_ids != want_ids:
+        at = next((i for i, (a, b) in enumerate(zip(got_ids, want_ids)) if a != b),
+                  min(len(got_ids), len(want_ids)))
+        raise SpecPrefetchError(f"llama.cpp tokenized the {len(want_ids)}-token prompt into {len(got_ids)} "
+                                f"tokens (first difference at {at}): not the same prompt; pass ids that "
+                                "are the tokenization of a text (a cut of a longer text's ids may not be)")
+    text = r.stdout.removesuffix("\n\n")  # llama-completion prints "\n\n" after the text
+    n_eval = perf["eval_n"]
+    tpot = perf["eval_ms"] / n_eval if perf["eval_ms"] is not None and n_eval and n_new > 1 else None
+    ttft = perf["prompt_eval_ms"] if perf["prompt_eval_n"] and perf["prompt_eval_n"] > 1 else None
+    return {
+        "tpot_ms": tpot,
+        "ttft_ms": ttft,
+        "prompt_tokens": len(got_ids) if got_ids is not None else perf["prompt_eval_n"],
+        "new_tokens": (1 if n_new == 1 else n_eval + 1) if n_eval is not None and r.returncode == 0 else None,
+        "tokens": text,
+        "prompt_ids": got_ids,
+        "mib_read": r.read_bytes / 2**20,
+        "peak_rss_bytes": r.peak_rss_bytes,
+        "cgroup_max_usage_bytes": r.cgroup_max_usage_bytes,
+        "limit_bytes": limit_bytes,
+        "cache_drop": r.cache_drop,
+        "oom_kills": r.oom_kills,
+        "timed_out": r.timed_out,
+        "wall_s": r.wall_s,
+        "returncode": r.returncode,
+        "load_ms": perf["load_ms"],
+        "sampling_ms": perf["sampling_ms"],
+        "eval_runs": n_eval,
+        "argv": argv,
+        "stderr_tail": "\n".join(r.stderr.strip().splitlines()[-25:]),
+    }
+
+
+def agreeing_prefix(reference_ids: Sequence[int], text: str, tokenizer) -> int:
+    """How many leading reference tokens (e.g. transformers' greedy ids) llama.cpp's generated
+    `text` reproduces: the largest k with decode(reference_ids[:k]) a prefix of `text`."""
+    k = 0
+    for k in range(len(reference_ids), -1, -1):
+        if text.startswith(tokenizer.decode(list(reference_ids[:k]), skip_special_tokens=False)):
+            return k
+    return k
