@@ -764,13 +764,25 @@ def torch_threads(n: int) -> None:
 @click.argument("family")
 @click.option("--out", required=True, type=click.Path(path_type=Path))
 @click.option("--seed", default=0, show_default=True)
+@click.option("--set", "sets", multiple=True,
+              help="KEY=VALUE: a config attribute (VALUE as JSON, e.g. hidden_size=768, mlp_only_layers=[]); "
+                   "repeatable, for a larger random model")
 @friendly_errors
-def tiny(family: str, out: Path, seed: int) -> None:
+def tiny(family: str, out: Path, seed: int, sets: tuple[str, ...]) -> None:
     """Write a tiny random checkpoint of FAMILY (qwen3_moe, qwen3_vl_moe, deepseek_v2,
     deepseek_v3, mixtral, olmoe, gpt_oss) to --out."""
     from toolkit.models.tiny import build_tiny
 
-    click.echo(f"wrote {build_tiny(family, out, seed=seed)}")
+    overrides = {}
+    for item in sets:
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise SpecPrefetchError(f"--set {item!r}: expected KEY=VALUE")
+        try:
+            overrides[key] = json.loads(value)
+        except ValueError:
+            raise SpecPrefetchError(f"--set {item!r}: VALUE must be JSON (a number, true/false, a list)") from None
+    click.echo(f"wrote {build_tiny(family, out, seed=seed, overrides=overrides)}")
 
 
 if __name__ == "__main__":

@@ -71,8 +71,9 @@ def _configs() -> dict:
 TINY_FAMILIES = ("qwen3_moe", "qwen3_vl_moe", "deepseek_v2", "deepseek_v3", "mixtral", "olmoe", "gpt_oss")
 
 
-def build_tiny(family: str, out: Path | str, *, seed: int = 0) -> Path:
-    """Write a tiny random checkpoint of `family` to `out` and return the path."""
+def build_tiny(family: str, out: Path | str, *, seed: int = 0, overrides: dict | None = None) -> Path:
+    """Write a tiny random checkpoint of `family` to `out` and return the path. `overrides` set
+    config attributes (e.g. a larger hidden_size, more experts, mlp_only_layers=[])."""
     import transformers as T
 
     makers = _configs()
@@ -80,6 +81,10 @@ def build_tiny(family: str, out: Path | str, *, seed: int = 0) -> Path:
         raise SpecPrefetchError(f"no tiny config for {family!r}; choose from {', '.join(TINY_FAMILIES)}")
     out = Path(out)
     config = makers[family]()
+    for key, value in (overrides or {}).items():
+        if not hasattr(config, key):
+            raise SpecPrefetchError(f"--set {key}: {type(config).__name__} has no such attribute")
+        setattr(config, key, value)
     torch.manual_seed(seed)
     if family == "qwen3_vl_moe":
         model = T.Qwen3VLMoeForConditionalGeneration(config)
