@@ -25,6 +25,10 @@ $(STAMP): pyproject.toml | $(DEB_STAMP)
 	# torch 2.13.0 first, alone, so pip takes the CPU build (see docs/setup.md)
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'
+	# what the native runner's arm64 and tokenizer builds download on first use, fetched now into the
+	# runner cache (docs/runner.md); a failure here only defers the download to the first build
+	$(BIN)/python -c "from android_runner.build import executorch_aarch64_package as a, tokenizers_source as t; a(print); t(print)" \
+	    || echo "note: the executorch aarch64 wheel / pytorch-tokenizers sdist will be downloaded on first use"
 	rm -f $(VENV)/.installed-* && touch $@
 
 setup: $(STAMP)

@@ -146,13 +146,22 @@ def lower_program(steps, cfg, quant: str, out_dir: Path, log, *, partitioner=Non
         make_backend=lambda: ExecuTorchBackend(path, info))
 
 
+_LOADED = False  # whether this process has loaded an ExecuTorch program
+
+
 def set_threads(n: int) -> None:
-    """ExecuTorch's thread pool size in this process (XNNPACK and the optimized kernels). Call it
-    before any program is loaded: a loaded method keeps the pool it was initialised with."""
+    """ExecuTorch's thread pool size in this process (XNNPACK and the optimized kernels). Only before
+    the first program loads: a loaded method keeps the pool it was initialised with, and replacing
+    that pool would leave it pointing at freed memory."""
     from executorch.extension.pybindings import portable_lib
 
-    if portable_lib._threadpool_get_thread_count() != n:
-        portable_lib._unsafe_reset_threadpool(n)
+    if portable_lib._threadpool_get_thread_count() == n:
+        return
+    if _LOADED:
+        raise SpecPrefetchError(f"--threads {n}: this process already runs ExecuTorch programs with "
+                                f"{portable_lib._threadpool_get_thread_count()} threads; the pool size can only "
+                                "be set before the first program loads")
+    portable_lib._unsafe_reset_threadpool(n)
 
 
 def load_program(path: Path):
@@ -160,6 +169,8 @@ def load_program(path: Path):
 
     if not Path(path).is_file():
         raise SpecPrefetchError(f"{path}: ExecuTorch program missing")
+    global _LOADED
+    _LOADED = True
     try:
         return Runtime.get().load_program(Path(path))
     except RuntimeError as e:

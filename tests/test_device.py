@@ -17,7 +17,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from export.session import reference_tokens
+from toolkit.device.phone import bench, list_devices, push
 from toolkit.device.standin import StandIn, adb_server
+from toolkit.errors import SpecPrefetchError
 
 pytestmark = pytest.mark.skipif(shutil.which("adb") is None, reason="adb is not installed (apt-get install adb)")
 
@@ -124,51 +126,52 @@ def test_list_push_bench_on_the_standin(native_host, phones, tmp_path):
     flow(bundle, phones(), tmp_path)
 
 
-def test_no_device_several_devices_and_unauthorized(native_host, phones, server, tmp_path):
+def test_no_device_several_devices_and_unauthorized(native_host, phones, server):
     bundle, _ = native_host
-    one_line_error(cli("push", bundle), "no device attached")
-    a, b = phones(), phones()
-    one_line_error(cli("push", bundle), "several devices attached")
-    one_line_error(cli("push", bundle, "--serial", "127.0.0.1:1"), "no such device")
+    one_line_error(cli("push", bundle), "no device attached")  # through the CLI: one line, no traceback
+    a, b = phones(), phones()  # the rest in-process (the same code under the CLI)
+    with pytest.raises(SpecPrefetchError, match="several devices attached"):
+        push(bundle, None, log=lambda s: None)
+    with pytest.raises(SpecPrefetchError, match="no such device"):
+        push(bundle, "127.0.0.1:1", log=lambda s: None)
     server.adb("disconnect", a.serial, check=False)
     server.adb("disconnect", b.serial, check=False)
     c = phones(state="unauthorized", faults={"unauthorized": True})
-    one_line_error(cli("push", bundle, "--serial", c.serial), "unauthorized")
-    r = cli("list")
-    assert r.returncode == 0 and f"{c.serial}  unauthorized" in r.stdout
+    with pytest.raises(SpecPrefetchError, match="unauthorized: unlock the phone"):
+        push(bundle, c.serial, log=lambda s: None)
+    assert {d["serial"]: d["state"] for d in list_devices()}[c.serial] == "unauthorized"
 
 
-def test_full_disk_is_one_line(native_host, phones):
+def test_full_disk_is_refused_before_sending(native_host, phones):
     bundle, _ = native_host
     p = phones(faults={"full_disk": True})
-    r = cli("push", bundle, "--serial", p.serial)
-    one_line_error(r, "no space")
+    with pytest.raises(SpecPrefetchError, match="no space left"):
+        push(bundle, p.serial, log=lambda s: None)
+
+
+def _bench(bundle, p, out, policies, **kw):
+    return bench(bundle, serial=p.serial, policies=policies, pool_mib=2.0, prompts=[PROMPT], max_new_tokens=3,
+                 repeats=1, json_out=out, cooldown_timeout_s=2, log=lambda s: None, **kw)
 
 
 def test_runner_failure_is_recorded_and_the_bench_goes_on(native_host, phones, tmp_path):
     bundle, _ = native_host
     p = phones()
-    out = tmp_path / "crash.json"
-    r = cli("bench", bundle, "--serial", p.serial, "--policies", "adapter+lru,on-demand+lru", "--pool-mib", "2.0",
-            "--prompt", PROMPT, "--max-new-tokens", 3, "--repeats", 1, "--cooldown-timeout", "2", "--json", out)
-    assert r.returncode == 0, r.stderr
-    rep = json.loads(out.read_text())
+    rep = _bench(bundle, p, tmp_path / "crash.json", ["adapter+lru", "on-demand+lru"])
     (f,) = rep["failures"]
     assert f["config"] == "adapter+lru" and f["exit_code"] == 1 and "not available" in f["stderr"]
     assert [x["config"] for x in rep["runs"]] == ["on-demand+lru"]
+    assert json.loads((tmp_path / "crash.json").read_text())["failures"] == rep["failures"]
 
 
 def test_device_lost_mid_bench_keeps_partial_results(native_host, phones, tmp_path):
     bundle, _ = native_host
     p = phones()
-    assert cli("push", bundle, "--serial", p.serial).returncode == 0
     # the link drops as the second configuration's run starts; the first run's results are kept
-    out = tmp_path / "lost.json"
     p.set_faults(disconnect_after_s=0.0, disconnect_match="--policy next-gate+prediction")
-    r = cli("bench", bundle, "--serial", p.serial, "--policies", POLICIES, "--pool-mib", "2.0", "--prompt", PROMPT,
-            "--max-new-tokens", 3, "--repeats", 1, "--cooldown-timeout", "2", "--json", out)
-    one_line_error(r, "lost")
-    assert "partial results (1 runs)" in r.stderr
+    out = tmp_path / "lost.json"
+    with pytest.raises(SpecPrefetchError, match=r"lost during .*partial results \(1 runs\)"):
+        _bench(bundle, p, out, POLICIES.split(","))
     rep = json.loads(out.read_text())
     assert rep["status"] == "partial" and "lost" in rep["reason"] and len(rep["runs"]) == 1
 

@@ -30,7 +30,7 @@ def test_heldout_text_is_disjoint_from_training_documents():
 
 
 def test_quality_and_routing_health(embedded):
-    r = report(embedded, windows=24)
+    r = report(embedded, windows=12)  # docs/embedded-model.md's figures use more; the bound is loose
     assert r["heldout_ppl"] < 10.0  # an untrained model of this vocabulary sits near 4096
     for row in r["routing"]:
         assert row["load_entropy"] > 0.75 and row["experts_used"] >= 0.75, row

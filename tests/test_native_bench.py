@@ -25,7 +25,8 @@ def test_runner_bench_reports_every_part(embedded_bundles, tmp_path):
     assert res["threads"] == 1 and len(res["prompts"]) == 2
     rs = res["resident"]
     assert rs["python_tpot_ms"] > 0 and rs["native_tpot_ms"] > 0 and rs["floor_ms"] > 0
-    assert rs["python_over_native"] == pytest.approx(rs["python_tpot_ms"] / rs["native_first_use_tpot_ms"], rel=0.02)
+    # the same work, the same thread settings: the native runner is the faster engine
+    assert rs["python_tpot_ms"] > rs["native_first_use_tpot_ms"] and rs["python_over_native"] > 1
     (point,) = res["points"]
     pols = point["policies"]
     assert set(pols) == {"on-demand+lru", "next-gate+prediction", "oracle+belady"}

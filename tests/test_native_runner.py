@@ -206,6 +206,7 @@ def test_damaged_bundles_are_refused(native, tmp_path, how, extra, message):
     (["--prompt-ids", "99999"], "outside the vocabulary"),
     (["--routing", "/nonexistent.json", "--policy", "oracle+lru"], "/nonexistent.json"),
     (["--bogus"], "unknown option --bogus"),
+    (["--prompt-ids", "1,2,"], "trailing comma"),
     (["--threads", "-1"], "--threads -1: must be >= 0"),
     (["--prompt", "some text"], "built without a tokenizer"),  # this module's runner takes ids only
 ])
@@ -213,7 +214,9 @@ def test_bad_options_are_one_line_errors(native, args, message):
     base = ["--prompt-ids", "1,2,3"] if "--prompt-ids" not in args else []
     r = run_native(native, *base, *args, check=False)
     assert r.returncode == 1, r.stderr
-    assert message in r.stderr and "terminate" not in r.stderr
+    errors = [ln for ln in r.stderr.splitlines() if "error" in ln]
+    assert len(errors) == 1 and errors[0].startswith("specprefetch-runner: error: ") and message in errors[0], r.stderr
+    assert "terminate" not in r.stderr
 
 
 def test_a_runner_refuses_a_bundle_it_was_not_generated_for(native, tmp_path):
@@ -310,4 +313,4 @@ def test_a_corrupt_prefetched_blob_is_refused(native, tmp_path):
     r = subprocess.run([*command(native[1], "host"), str(b), "--prompt-ids", ",".join(map(str, PROMPTS[0])),
                         "--max-new-tokens", str(NEW), "--policy", "oracle+lru", "--pool-mib", str(POOLS[0]),
                         "--routing", str(routing), "--no-verify-hashes"], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 1 and "failed its checksum" in r.stderr, r.stderr
+    assert r.returncode == 1 and "failed its checksum" in r.stderr and "(a prefetched read)" in r.stderr, r.stderr

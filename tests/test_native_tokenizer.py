@@ -82,3 +82,36 @@ def test_text_in_and_out_through_the_runner_and_the_cli(native, tmp_path):
     assert r.returncode == 0, r.stderr
     c = json.loads(cli.read_text())
     assert c["matches_unmodified_model"] is True and c["text"] == run["text"] and "warning" not in r.stderr
+
+
+def test_an_unsupported_tokenizer_is_refused_for_text_and_skipped_for_ids(native, tmp_path):
+    """HFTokenizer would skip a decoder it does not know and decode wrongly: the runner refuses it
+    for --prompt (naming the file and the part) and runs --prompt-ids without text output."""
+    import shutil
+
+    bundle, out = native
+    b = tmp_path / "b"
+    shutil.copytree(bundle, b)
+    tj = b / "model" / "tokenizer.json"
+    t = json.loads(tj.read_text())
+    t["decoder"] = {"type": "Sequence", "decoders": [t["decoder"], {"type": "Strip", "content": " ", "start": 1,
+                                                                    "stop": 0}]}
+    tj.write_text(json.dumps(t))
+    # the manifest lists the tokenizer's hash: re-hash it as an export would
+    m = json.loads((b / "manifest.json").read_text())
+    import hashlib
+
+    for name, f in m["files"].items():
+        p = b / name
+        if p.is_file():
+            f["sha256"], f["size"] = hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_size
+    (b / "manifest.json").write_text(json.dumps(m))
+    r = subprocess.run([*command(out, "host"), str(b), "--prompt", "hello", "--max-new-tokens", "2"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "decoder 'Strip' is not supported" in r.stderr and "tokenizer.json" in r.stderr
+    js = tmp_path / "ids.json"
+    r = subprocess.run([*command(out, "host"), str(b), "--prompt-ids", "1,2,3", "--max-new-tokens", "2", "--json",
+                        str(js)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(js.read_text())
+    assert res["tokenizer"] is None and "Strip" in res["tokenizer_note"] and "text" not in res["runs"][0]

@@ -204,3 +204,112 @@ def test_llamacpp_matches_transformers_and_thrashes_under_a_limit(llama_bins, em
 def test_llamacpp_arm64_starts_under_qemu():
     bins = llamacpp.build("arm64")
     assert "version" in llamacpp.check_arm64(bins)
+
+
+# ------------------------------------------------------------------------- side by side (issue 11)
+
+def _fake_model(tmp_path: Path):
+    from toolkit.peers import sidebyside as sbs
+
+    m = sbs._Model(label="fake", desc="fake", bundle=tmp_path, source=tmp_path, manifest={}, tokenizer=None,
+                   texts=["a", "b"], ids=[[1, 2], [3, 4]], model_bytes=1000 * MiB, slot_bytes=MiB, experts=400,
+                   top_k=4, graph="adapter", footprint_bytes=100 * MiB)
+    return m
+
+
+def test_sidebyside_interleaves_skips_and_assembles_rows(tmp_path, monkeypatch):
+    from toolkit.peers import sidebyside as sbs
+
+    calls = []
+
+    def fake_llama(bins, m, i, n_new, limit, threads, timeout):
+        calls.append(("llama.cpp", limit, i))
+        if limit is not None and limit <= 500 * MiB:  # thrashes: times out at 50%
+            return {"status": "timeout", "wall_s": timeout}
+        return {"status": "ok", "tpot_ms": 10.0 + i, "ttft_ms": 50.0, "mib_read": 1000.0, "peak_rss_bytes": 900 * MiB,
+                "tokens_match": True, "tokens_agree": 8, "wall_s": 1.0}
+
+    def fake_native(m, i, n_new, policy, pool, limit, threads, timeout):
+        calls.append((policy, limit, i))
+        assert limit is None or (pool * MiB + m.footprint_bytes < limit), (pool, limit)
+        if limit is not None and limit <= 250 * MiB and policy.startswith("on-demand"):
+            return {"status": "oom", "peak_rss_bytes": limit, "wall_s": 0.5}
+        return {"status": "ok", "tpot_ms": 2.0 + i, "ttft_ms": 20.0, "mib_read": 100.0, "peak_rss_bytes": 300 * MiB,
+                "tokens_match": True, "tokens_agree": 8, "runner_mib_read": 80.0, "hit_rate": 0.9,
+                "stall_ms_per_token": 0.1, "direct_io": True, "wall_s": 1.0}
+
+    monkeypatch.setattr(sbs, "_run_llama", fake_llama)
+    monkeypatch.setattr(sbs, "_run_native", fake_native)
+    m = _fake_model(tmp_path)
+    limits = (1.0, 0.5, 0.25, None)
+    rows = sbs._measure([m], tmp_path, limits=limits, rounds=2, new_tokens=8, threads=1, timeout_s=60,
+                        pool_margin=sbs.default_margin, timings={}, log=lambda s: None)
+    engines = ["llama.cpp", "native:on-demand+lru", "native:adapter+prediction"]
+    assert [(r["memory_limit_frac"], r["engine"]) for r in rows] == [(f, e) for f in limits for e in engines]
+    # interleaved: the first two runs at 100% are ABC then CBA
+    assert [c[0] for c in calls[:6]] == ["llama.cpp", "on-demand+lru", "adapter+prediction",
+                                         "adapter+prediction", "on-demand+lru", "llama.cpp"]
+    by = {(r["memory_limit_frac"], r["engine"]): r for r in rows}
+    ok = by[(1.0, "llama.cpp")]
+    assert ok["status"] == "ok" and ok["tpot_ms"] == 10.5 and ok["runs_ok"] == ok["runs"] == 4
+    assert ok["model_bytes"] == 1000 * MiB and ok["memory_limit_bytes"] == 1000 * MiB and ok["pool_mib"] is None
+    nat = by[(1.0, "native:adapter+prediction")]
+    assert nat["tpot_ms"] == 2.5 and nat["tokens_match"] is True and nat["hit_rate"] == 0.9
+    assert 0 < nat["pool_mib"] < 900
+    # a timeout is run once, then not again at that limit, nor at smaller limits; no limit still runs
+    assert by[(0.5, "llama.cpp")]["status"] == "timeout" and by[(0.5, "llama.cpp")]["runs_ok"] == 0
+    assert sum(1 for c in calls if c[0] == "llama.cpp" and c[1] == 500 * MiB) == 1
+    assert by[(0.25, "llama.cpp")]["status"] == "timeout" and "not run" in by[(0.25, "llama.cpp")]["skipped"]
+    assert not [c for c in calls if c[0] == "llama.cpp" and c[1] == 250 * MiB]
+    assert by[(None, "llama.cpp")]["status"] == "ok" and by[(None, "native:on-demand+lru")]["pool_mib"] == 400
+    assert by[(0.25, "native:on-demand+lru")]["status"] == "oom"
+    assert by[(0.25, "native:adapter+prediction")]["status"] == "ok"
+
+    result = {"rows": rows, "machine": {"cpu": "x"}, "notes": ["a note"],
+              "protocol": {"prompts": 2, "prompt_tokens": 2, "new_tokens": 8, "rounds": 2, "threads": 1}}
+    md = sbs.markdown(result)
+    assert "| 50% | 500.0 | llama.cpp | - | - |" in md and "timeout (not run)" in md
+    assert "| 100% | 1000.0 | native:adapter+prediction |" in md and "| 4.20 |" in md  # 10.5 / 2.5
+    assert "100.0 (80.0)" in md and "- a note" in md
+    mdp, png = sbs.write(result, tmp_path / "out" / "sbs.json")
+    assert json.loads((tmp_path / "out" / "sbs.json").read_text())["rows"] == rows
+    assert mdp.read_text() == md and png.stat().st_size > 10_000
+
+
+def test_sidebyside_pool_sizing():
+    from toolkit.peers.sidebyside import pool_for
+
+    margin = lambda limit: 10 * MiB  # noqa: E731
+    assert pool_for(None, 100 * MiB, 400.0, 2.0, margin) == (400.0, None)
+    assert pool_for(300 * MiB, 100 * MiB, 400.0, 2.0, margin) == (190.0, None)
+    assert pool_for(900 * MiB, 100 * MiB, 400.0, 2.0, margin) == (400.0, None)  # capped at every expert
+    pool, note = pool_for(105 * MiB, 100 * MiB, 400.0, 2.0, margin)
+    assert pool == 2.0 and "smallest pool" in note
+
+
+@pytest.mark.slow
+@needs_cgroup
+def test_sidebyside_on_the_embedded_bundle(embedded_bundles, tmp_path):
+    from toolkit.peers import sidebyside as sbs
+
+    bundle = embedded_bundles["executorch"]
+    r = sbs.run([bundle], limits=(1.0,), prompts=1, prompt_tokens=24, new_tokens=8, rounds=1,
+                gguf_dir=tmp_path, timeout_s=300, log=lambda s: None)
+    rows = r["rows"]
+    graph = json.loads((bundle / "manifest.json").read_text())["predictor"]["kind"]
+    assert [x["engine"] for x in rows] == ["llama.cpp", "native:on-demand+lru", f"native:{graph}+prediction"]
+    gguf = Path(r["models"][0]["gguf"])
+    for x in rows:
+        assert x["model"] == "embedded" and x["model_bytes"] == gguf.stat().st_size
+        assert x["memory_limit_frac"] == 1.0 and x["memory_limit_bytes"] == gguf.stat().st_size
+        assert x["status"] == "ok", x
+        assert x["tokens_match"] is True, x
+        assert x["tpot_ms"] > 0 and x["ttft_ms"] > 0 and x["mib_read"] > 0
+        assert 0 < x["cgroup_max_usage_bytes"] <= x["memory_limit_bytes"]  # the limit held
+    native = rows[1:]
+    for x in native:  # (llama.cpp's RSS counts shared library pages charged elsewhere: it may exceed it)
+        assert 0 < x["peak_rss_bytes"] <= x["memory_limit_bytes"], x
+        assert x["pool_mib"] > 0 and x["direct_io"] is True and x["runner_mib_read"] > 0
+    assert r["machine"]["cores"] and r["models"][0]["native_footprint"]["footprint_bytes"] > 0
+    md = sbs.markdown(r)
+    assert "| 100% |" in md and "llama.cpp" in md

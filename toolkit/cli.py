@@ -449,6 +449,10 @@ def _run_native(model, *, abi, policy, pool_mib, window, queue_depth, prompts, m
                      step_budget_kib=step_budget_kib, events=events_out, threads=threads)
     src = Path(m["model"].get("source", ""))
     source_model = src if (src / "config.json").is_file() else None
+    if check is None:  # as the Python engine: on for the embedded model
+        from toolkit.models.loader import embedded_model_dir
+
+        check = source_model is not None and source_model.resolve() == embedded_model_dir().resolve()
     if check and source_model is None:
         raise SpecPrefetchError(f"--check: the unmodified model of {model} is not on this machine")
     runs = []
@@ -488,14 +492,15 @@ def runner() -> None:
 @click.option("--out", type=click.Path(path_type=Path), default=None,
               help="output directory [default: the runner cache, ~/.cache/specprefetch/runners]")
 @click.option("--force", is_flag=True, help="rebuild even if an up-to-date build is there")
-@click.option("--no-tokenizer", is_flag=True,
-              help="leave the C++ tokenizer out: the runner then takes token ids only (--prompt-ids)")
+@click.option("--tokenizer/--no-tokenizer", default=None,
+              help="build the C++ tokenizer in (text in and out) or leave it out (token ids only) "
+                   "[default: what the existing build has; a new build has it]")
 @friendly_errors
-def runner_build(bundle, abi, out, force, no_tokenizer) -> None:
+def runner_build(bundle, abi, out, force, tokenizer) -> None:
     """Generate the native runner's CMake project for BUNDLE and build it (CMake + Ninja)."""
     from android_runner.build import build, command, has_tokenizer
 
-    d = build(bundle, abi, out, force=force, tokenizer=not no_tokenizer)
+    d = build(bundle, abi, out, force=force, tokenizer=tokenizer)
     click.echo(f"runner: {d / 'bin' / 'specprefetch-runner'} "
                f"({'text in and out' if has_tokenizer(d) else 'token ids only'})")
     if abi == "arm64":

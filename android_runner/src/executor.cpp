@@ -4,12 +4,17 @@
 #include <executorch/extension/tensor/tensor.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstring>
 
 #include "common.h"
 
-// ExecuTorch's thread pool (extension/threadpool/threadpool.h, which the wheel does not ship): the
-// two members used here, declared as ExecuTorch 1.5 defines them in libexecutorch_threadpool.
+// ExecuTorch's thread pool. An ExecuTorch built from source (the Android NDK build) installs its
+// header; the pip wheel does not, so there the two members used here are declared as ExecuTorch
+// 1.5 defines them in libexecutorch_threadpool (linked as executorch::threadpool).
+#if __has_include(<executorch/extension/threadpool/threadpool.h>)
+#include <executorch/extension/threadpool/threadpool.h>
+#else
 namespace executorch::extension::threadpool {
 class ThreadPool {
  public:
@@ -18,12 +23,14 @@ class ThreadPool {
 };
 ThreadPool* get_threadpool();
 }  // namespace executorch::extension::threadpool
+#endif
 
 namespace spx {
 
 using executorch::aten::ScalarType;
 using executorch::extension::from_blob;
 using executorch::extension::Module;
+using executorch::runtime::Program;
 using EtError = executorch::runtime::Error;
 using executorch::runtime::EValue;
 
@@ -36,6 +43,9 @@ void copy_out(const EValue& v, std::vector<float>& dst, const std::string& what)
   const auto& t = v.toTensor();
   if (t.scalar_type() != ScalarType::Float) throw spx::Error(what + ": output is not float32");
   dst.assign(t.const_data_ptr<float>(), t.const_data_ptr<float>() + t.numel());
+  // NaN or inf would poison the routing and the scheduler's orderings: refuse them here
+  for (float f : dst)
+    if (!std::isfinite(f)) throw spx::Error(what + ": output is not finite (a damaged or badly quantized program?)");
 }
 
 }  // namespace
@@ -52,7 +62,8 @@ Executor::Executor(const std::string& program, const std::vector<std::string>& m
   }
   // shared arenas: the layer methods and `reset` address the same mutable KV buffers
   module_ = std::make_unique<Module>(program, Module::LoadMode::Mmap, nullptr, nullptr, nullptr, true);
-  EtError e = module_->load();
+  // the whole flatbuffer checked before use: a damaged .pte is refused, not read out of bounds
+  EtError e = module_->load(Program::Verification::InternalConsistency);
   if (e != EtError::Ok) throw spx::Error(program + ": not a loadable ExecuTorch program (" + err_name(e) + ")");
   for (const auto& m : methods) {
     e = module_->load_method(m);

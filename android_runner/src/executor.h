@@ -8,11 +8,9 @@
 #include <string>
 #include <vector>
 
-namespace executorch::extension {
-inline namespace module {
+namespace executorch::extension::module {
 class Module;
-}
-}  // namespace executorch::extension
+}  // namespace executorch::extension::module
 
 namespace spx {
 
@@ -43,7 +41,7 @@ class Executor {
  private:
   std::string path_;
   int hidden_, vocab_;
-  std::unique_ptr<executorch::extension::Module> module_;
+  std::unique_ptr<executorch::extension::module::Module> module_;
 };
 
 }  // namespace spx

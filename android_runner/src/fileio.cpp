@@ -36,8 +36,11 @@ void write_file_atomic(const std::string& path, const std::string& data) {
     }
     done += static_cast<size_t>(n);
   }
-  if (::fsync(fd) != 0 || ::close(fd) != 0 || ::rename(tmp.c_str(), path.c_str()) != 0) {
-    int err = errno;
+  int err = 0;
+  if (::fsync(fd) != 0) err = errno;
+  if (::close(fd) != 0 && err == 0) err = errno;  // closed whatever fsync did
+  if (err == 0 && ::rename(tmp.c_str(), path.c_str()) != 0) err = errno;
+  if (err != 0) {
     ::unlink(tmp.c_str());
     throw Error(path + ": cannot write (" + std::strerror(err) + ")");
   }

@@ -81,6 +81,7 @@ std::vector<int> to_ids(const std::string& v) {
   std::string item;
   while (std::getline(ss, item, ',')) out.push_back(static_cast<int>(to_int("--prompt-ids", item, 0)));
   if (out.empty()) throw Error("--prompt-ids: empty");
+  if (v.back() == ',') throw Error("--prompt-ids '" + v + "': a trailing comma");
   return out;
 }
 
@@ -243,12 +244,14 @@ int main_(int argc, char** argv) {
   check_build(b, *store);
   // text in needs the tokenizer; ids in use it only to decode, so one it cannot load is no error then
   std::unique_ptr<Tokenizer> tokenizer;
+  std::string tokenizer_note;
   const bool text_in = std::find(a.is_text.begin(), a.is_text.end(), true) != a.is_text.end();
   if (text_in || (Tokenizer::built_in() && !b.tokenizer_path.empty())) {
     try {
       tokenizer = std::make_unique<Tokenizer>(b.tokenizer_path);
-    } catch (const Error&) {
+    } catch (const Error& e) {
       if (text_in) throw;
+      tokenizer_note = std::string("no text output: ") + e.what();
     }
   }
   for (size_t p = 0; p < a.prompts.size(); ++p)
@@ -352,6 +355,7 @@ int main_(int argc, char** argv) {
   out["kernel_isa"] = isa_name(kernel.isa());
   out["threads"] = exec.threads;
   out["tokenizer"] = tokenizer ? json(Tokenizer::name()) : json(nullptr);
+  if (!tokenizer_note.empty()) out["tokenizer_note"] = tokenizer_note;
   out["direct_io"] = store->direct();
   out["io_note"] = store->io_note();
   out["pool_mib"] = cfg.pool_mib;

@@ -161,7 +161,7 @@ Generation Runner::generate(const std::vector<int>& prompt, int max_new,
   // the pool's arena outlives the reader, whose destructor waits for reads still in flight into it
   ExpertPool pool(cfg.budget_bytes(), static_cast<int64_t>(store_.slot_bytes), cfg.eviction, k, total,
                   cfg.eviction == "belady" ? belady(*future, L, k) : nullptr);
-  Reader reader(store_, cfg.lanes > 0 ? cfg.lanes : cfg.queue_depth + 1, cfg.verify);
+  Reader reader(store_, cfg.lanes > 0 ? cfg.lanes : std::min(cfg.queue_depth + 1, 64), cfg.verify);
   ReaderIO io(reader);
   SchedulerConfig scfg;
   scfg.queue_depth = cfg.queue_depth;

@@ -78,13 +78,27 @@ void WindowScheduler::wait(Key key) {
   stats.wait_s += std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
+namespace {
+// A failed read's error, saying which kind of read it was (a demand miss or a prefetch).
+template <typename F>
+void naming_the_read(bool demand, F&& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    throw Error(std::string(e.what()) + (demand ? " (a demand read)" : " (a prefetched read)"));
+  }
+}
+}  // namespace
+
 void WindowScheduler::evicting(Key key) {
   Slot* s = pool_.get(key);
   if (!s->landed) {  // its bytes must land before the slot is reused; a failed read fails the run
-    if (!io_.landed(key))
-      wait(key);
-    else
-      io_.wait(key);  // returns at once; rethrows the read's error, whenever it finished
+    naming_the_read(s->demand, [&] {
+      if (!io_.landed(key))
+        wait(key);
+      else
+        io_.wait(key);  // returns at once; rethrows the read's error, whenever it finished
+    });
   }
   io_.release(key);
 }
@@ -92,12 +106,14 @@ void WindowScheduler::evicting(Key key) {
 const uint8_t* WindowScheduler::data(Key key) {
   Slot* s = pool_.get(key);
   if (!s->landed) {
-    if (!io_.landed(key)) {
-      if (!s->demand) stats.late += 1;  // a hit whose read is still on its way
-      wait(key);
-    } else {
-      io_.wait(key);  // returns at once; rethrows the read's error (I/O, checksum) if it failed
-    }
+    naming_the_read(s->demand, [&] {
+      if (!io_.landed(key)) {
+        if (!s->demand) stats.late += 1;  // a hit whose read is still on its way
+        wait(key);
+      } else {
+        io_.wait(key);  // returns at once; rethrows the read's error (I/O, checksum) if it failed
+      }
+    });
     s->landed = true;
   }
   return pool_.data(*s);

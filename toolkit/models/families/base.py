@@ -103,6 +103,33 @@ class ModelGeometry:
         return n
 
 
+def grouped_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, sinks=None, **kwargs):
+    """transformers' eager attention for grouped-query heads, without `repeat_kv`.
+
+    query [B, Hq, T, D] attends key/value [B, Hkv, S, D] where query head h uses key/value head
+    h // (Hq / Hkv), as repeat_kv arranges them. Instead of copying the cache Hq / Hkv times (every
+    step, for the whole cache length), the query's heads are folded into rows of their group:
+    [B, Hkv, G*T, D] @ [B, Hkv, D, S]. The same products and softmax; only the batching of the
+    matrix products differs. `sinks` [Hq] (GPT-OSS): a per-head logit column joined to the softmax
+    and dropped after it. Returns (output [B, T, Hq, Dv], probabilities [B, Hq, T, S])."""
+    b, hq, t, d = query.shape
+    hkv, s_len = key.shape[1], key.shape[2]
+    g = hq // hkv
+    w = torch.matmul(query.reshape(b, hkv, g * t, d), key.transpose(2, 3)) * scaling
+    w = w.reshape(b, hkv, g, t, s_len)
+    if attention_mask is not None:
+        m = attention_mask[..., :s_len]
+        w = w + (m.unsqueeze(2) if m.shape[1] == 1 else m.reshape(b, hkv, g, t, s_len))
+    if sinks is not None:  # no explicit max subtraction: softmax is shift-invariant (XNNPACK rejects a 4-D amax)
+        col = sinks.reshape(1, hkv, g, 1, 1).expand(b, hkv, g, t, 1).to(w.dtype)
+        p = torch.softmax(torch.cat([w, col], dim=-1), dim=-1)[..., :-1]
+    else:
+        p = torch.softmax(w, dim=-1, dtype=torch.float32)
+    p = torch.nn.functional.dropout(p.to(query.dtype), p=dropout, training=module.training)
+    out = torch.matmul(p.reshape(b, hkv, g * t, s_len).to(value.dtype), value)
+    return out.reshape(b, hq, t, value.shape[-1]).transpose(1, 2).contiguous(), p.reshape(b, hq, t, s_len)
+
+
 class Family:
     """Base class of a model family. Subclasses set the class attributes and override hooks."""
 
@@ -185,10 +212,13 @@ class Family:
         return positions
 
     def export_patches(self) -> tuple[tuple[str, str, Callable[..., Any]], ...]:
-        """(module, attribute, replacement) of helpers in the family's transformers code that
-        exporters cannot trace, each swapped for an exact equivalent while the step graphs are
-        traced or run (export.graphs.exportable_family). The default: none."""
-        return ()
+        """(module, attribute, replacement) of helpers in the family's transformers code swapped
+        for an equivalent while the step graphs are traced or run (export.graphs.exportable_family):
+        helpers exporters cannot trace, and eager attention, whose `repeat_kv` would copy the whole
+        KV cache to every query head on every decode step (grouped_attention). The default: the
+        attention of the family's transformers module."""
+        return tuple((f"transformers.models.{t}.modeling_{t}", "eager_attention_forward", grouped_attention)
+                     for t in self.model_types[:1])
 
     # -- checkpoint layout ----------------------------------------------------------------
     # (checkpoint substring, module substring) renames transformers applies when loading

@@ -40,7 +40,8 @@ class DeepSeekV2(_DeepSeekBase):
                            topk_group=int(tc.topk_group) if grouped else None, group_score="max")
 
     def export_patches(self):
-        return (("transformers.models.deepseek_v2.modeling_deepseek_v2", "apply_rotary_emb", real_rotary_emb),)
+        return super().export_patches() + (
+            ("transformers.models.deepseek_v2.modeling_deepseek_v2", "apply_rotary_emb", real_rotary_emb),)
 
 
 class DeepSeekV3(_DeepSeekBase):

@@ -9,7 +9,7 @@ those must be dequantised (transformers does it on load) before the expert store
 """
 import torch
 
-from toolkit.models.families.base import ExpertSource, Family, LocalExpertsConfig, RoutingSpec
+from toolkit.models.families.base import ExpertSource, Family, LocalExpertsConfig, RoutingSpec, grouped_attention
 
 
 class GptOss(LocalExpertsConfig, Family):
@@ -51,15 +51,6 @@ class GptOss(LocalExpertsConfig, Family):
 
 
 def exportable_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-    """GPT-OSS eager attention with sinks, without the explicit max subtraction before the softmax
-    (softmax is shift-invariant and stabilises itself; XNNPACK rejects the 4-D amax)."""
-    from transformers.models.gpt_oss.modeling_gpt_oss import repeat_kv
-
-    k = repeat_kv(key, module.num_key_value_groups)
-    v = repeat_kv(value, module.num_key_value_groups)
-    w = torch.matmul(query, k.transpose(2, 3)) * scaling
-    if attention_mask is not None:
-        w = w + attention_mask
-    sinks = module.sinks.reshape(1, -1, 1, 1).expand(query.shape[0], -1, query.shape[-2], -1)
-    probs = torch.softmax(torch.cat([w, sinks], dim=-1), dim=-1)[..., :-1].to(v.dtype)
-    return torch.matmul(probs, v).transpose(1, 2).contiguous(), probs
+    """GPT-OSS eager attention with sinks as grouped attention (no repeat_kv), without the explicit max
+    subtraction before the softmax (softmax is shift-invariant; XNNPACK rejects the 4-D amax)."""
+    return grouped_attention(module, query, key, value, attention_mask, scaling, dropout, sinks=module.sinks)

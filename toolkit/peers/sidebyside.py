@@ -1,0 +1,604 @@
+"""llama.cpp and the native runner side by side under the same memory limit (issue 11).
+
+For each bundle (an ExecuTorch bundle whose manifest names its source checkpoint), the same
+prompts, greedy, the same number of new tokens, through three engines:
+
+- ``llama.cpp``: llama-completion on the source checkpoint converted to an f16 GGUF by llama.cpp's
+  own converter, default mmap loading (`toolkit.peers.llamacpp`);
+- ``native:on-demand+lru`` and ``native:<graph predictor>+prediction`` (``adapter`` for a bundle
+  exported with an adapter): the native runner (android_runner) with O_DIRECT expert reads through
+  a pool sized to fit the limit.
+
+Every run is one process started through `memlimit.run_limited`: a cgroup v1 memory limit that
+charges page cache, a cold page cache before each run (drop_caches as root), peak RSS and bytes
+read from storage from GNU time's rusage of the process. Limits are fractions of ``model_bytes``,
+the f16 GGUF file's size (the same model in the format llama.cpp runs), plus no limit.
+
+The native pool: the runner's memory is its program (the dense ExecuTorch graphs, fp32, packed by
+XNNPACK at load), the runtimes and the pool arena. Its footprint without the pool is measured once
+per bundle (a run with the smallest pool, no limit: peak RSS less the arena); under a limit the pool
+is what is left, less a margin (`pool_margin`), capped at every expert and floored at one layer's
+top-k slots (the least the runner runs with; the row says so when the limit leaves less). With no
+limit the pool holds every expert.
+
+Reference tokens: transformers' greedy `generate` on the source checkpoint in float32. The native
+runner stops at an EOS, as `generate` does; llama.cpp runs with --ignore-eos, so its text is compared
+with the decode of a reference that masks EOS (min_new_tokens). ``tokens_match`` is True when every
+run of the row produced the reference's tokens.
+"""
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from toolkit.errors import SpecPrefetchError
+from toolkit.peers import llamacpp
+from toolkit.peers.memlimit import LimitedRun, run_limited
+from toolkit.reporting import save_figure, write_report
+
+MiB = 2**20
+LLAMA = "llama.cpp"
+ON_DEMAND = "native:on-demand+lru"
+Log = Callable[[str], None]
+
+
+@dataclass
+class _Model:
+    label: str
+    desc: str
+    bundle: Path
+    source: Path
+    manifest: dict
+    tokenizer: Any
+    texts: list[str]
+    ids: list[list[int]]
+    gguf: Path = Path()
+    model_bytes: int = 0
+    ref_eos: list[list[int]] = field(default_factory=list)     # generate, stopping at EOS (native)
+    ref_noeos: list[list[int]] = field(default_factory=list)   # EOS masked (llama.cpp --ignore-eos)
+    runner: list[str] = field(default_factory=list)             # argv prefix of the native binary
+    store: Path = Path()
+    program: Path = Path()
+    slot_bytes: int = 0
+    experts: int = 0
+    top_k: int = 0
+    graph: str = "adapter"                                      # the program's predictor heads
+    footprint_bytes: int = 0                                    # native, without the pool arena
+    footprint: dict = field(default_factory=dict)
+
+    @property
+    def engines(self) -> tuple[str, str, str]:
+        return (LLAMA, ON_DEMAND, f"native:{self.graph}+prediction")
+
+    @property
+    def all_mib(self) -> float:
+        return self.experts * self.slot_bytes / MiB
+
+    @property
+    def min_mib(self) -> float:
+        return self.top_k * self.slot_bytes / MiB
+
+
+# ------------------------------------------------------------------------------------ set-up
+
+def _label(source: Path, taken: set[str]) -> str:
+    from toolkit.models.loader import embedded_model_dir
+
+    if source.resolve() == embedded_model_dir().resolve():
+        name = "embedded"
+    else:
+        name = source.name if source.name not in ("model", "") else source.parent.name
+    base, n = name, 2
+    while name in taken:
+        name, n = f"{base}-{n}", n + 1
+    taken.add(name)
+    return name
+
+
+def _open_model(bundle: Path, prompts: int, prompt_tokens: int, new_tokens: int, taken: set[str]) -> _Model:
+    from transformers import AutoTokenizer
+
+    from export.manifest import validate_bundle
+    from toolkit.bench import bench_prompts
+    from toolkit.runtime.expert_store import ExpertStore
+
+    bundle = Path(bundle)
+    m, _ = validate_bundle(bundle, hash_store=False)
+    if m.get("target") != "executorch":
+        raise SpecPrefetchError(f"{bundle}: a {m.get('target')} bundle; the side-by-side runs executorch bundles")
+    source = Path(m["model"].get("source") or "")
+    if not (source / "config.json").is_file():
+        raise SpecPrefetchError(f"{bundle}: its source checkpoint {source} (manifest model.source) is not on this "
+                                "machine; llama.cpp and the reference tokens need it")
+    tok = AutoTokenizer.from_pretrained(str(bundle / Path(m["model"]["config"]).parent), local_files_only=True)
+    texts = bench_prompts(prompts, prompt_tokens, tok)
+    ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    max_seq = (m.get("kv") or {}).get("max_seq")
+    if max_seq and max(len(i) for i in ids) + new_tokens - 1 > max_seq:
+        raise SpecPrefetchError(f"{bundle}: prompts of up to {max(len(i) for i in ids)} tokens + {new_tokens} new "
+                                f"tokens do not fit its KV cache of {max_seq} positions (export with a larger "
+                                "--max-seq or ask for fewer tokens)")
+    store = bundle / m["runtime"]["expert_store"]
+    st = ExpertStore(store)
+    pred = m.get("predictor") or {}
+    graph = pred.get("kind") if pred.get("preds_rows") else None
+    if not graph:
+        raise SpecPrefetchError(f"{bundle}: its program has no predictor heads (preds rows), so there is no "
+                                "native:<predictor>+prediction engine to run")
+    mo = m["model"]
+    desc = (f"{mo['family']}, {mo['num_layers']} layers, hidden {mo['hidden_size']}, {mo['num_experts']} experts "
+            f"top-{mo['top_k']}, expert {st.blob_size / MiB:.2f} MiB fp16")
+    return _Model(label=_label(source, taken), desc=desc, bundle=bundle, source=source, manifest=m, tokenizer=tok,
+                  texts=texts, ids=ids, store=store, program=bundle / m["graphs"]["file"], slot_bytes=st.slot_bytes,
+                  experts=st.num_layers * st.num_experts, top_k=int(m["routing"]["top_k"]), graph=graph)
+
+
+def _gguf_path(source: Path, gguf_dir: Path, label: str) -> Path:
+    """A cached f16 GGUF per checkpoint content (config and weight files' sizes and mtimes)."""
+    h = hashlib.sha256()
+    for p in sorted(source.iterdir()):
+        if p.suffix in (".json", ".safetensors") and p.is_file():
+            st = p.stat()
+            h.update(f"{p.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return gguf_dir / f"{label}-{h.hexdigest()[:12]}-f16.gguf"
+
+
+def _references(m: _Model, new_tokens: int) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    lm = AutoModelForCausalLM.from_pretrained(str(m.source), dtype=torch.float32).eval()
+    eos = m.tokenizer.eos_token_id
+    pad = eos if eos is not None else 0
+    try:
+        with torch.no_grad():
+            for ids in m.ids:
+                x = torch.tensor([ids])
+                m.ref_eos.append(lm.generate(x, do_sample=False, max_new_tokens=new_tokens,
+                                             pad_token_id=pad)[0, len(ids):].tolist())
+                m.ref_noeos.append(lm.generate(x, do_sample=False, max_new_tokens=new_tokens,
+                                               min_new_tokens=new_tokens, pad_token_id=pad)[0, len(ids):].tolist())
+    finally:
+        del lm
+        gc.collect()
+
+
+# ------------------------------------------------------------------------------------ one run
+
+def _status(r: LimitedRun, what: str) -> str:
+    if r.timed_out:
+        return "timeout"
+    if r.returncode == 0:
+        return "ok"
+    if (r.oom_kills or 0) > 0 or (r.limit_bytes is not None and r.returncode in (-9, 137)):
+        return "oom"
+    lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
+    return f"failed: {what} exit {r.returncode}: {(lines[-1] if lines else 'no output')[:160]}"
+
+
+def _run_llama(bins: Path, m: _Model, i: int, n_new: int, limit: int | None, threads: int,
+               timeout: float) -> dict:
+    try:
+        r = llamacpp.run(bins, m.gguf, m.ids[i], n_new, limit_bytes=limit, threads=threads, cold=True,
+                         timeout=timeout)
+    except SpecPrefetchError as e:
+        return {"status": f"failed: {e}"[:200]}
+    if r["timed_out"]:
+        status = "timeout"
+    elif r["returncode"] == 0:
+        status = "ok"
+    elif (r["oom_kills"] or 0) > 0 or (limit is not None and r["returncode"] in (-9, 137)):
+        status = "oom"
+    else:
+        tail = (r["stderr_tail"].strip().splitlines() or ["no output"])[-1]
+        status = f"failed: llama.cpp exit {r['returncode']}: {tail[:160]}"
+    if status == "ok" and (r["tpot_ms"] is None or r["new_tokens"] != n_new):
+        status = f"failed: llama.cpp made {r['new_tokens']} of {n_new} tokens (perf lines missing?)"
+    agree = llamacpp.agreeing_prefix(m.ref_noeos[i], r["tokens"], m.tokenizer) if status == "ok" else None
+    return {"status": status, "tpot_ms": r["tpot_ms"], "ttft_ms": r["ttft_ms"], "mib_read": r["mib_read"],
+            "peak_rss_bytes": r["peak_rss_bytes"], "cgroup_max_usage_bytes": r["cgroup_max_usage_bytes"],
+            "load_ms": r["load_ms"], "wall_s": round(r["wall_s"], 2), "tokens_agree": agree,
+            "tokens_match": agree == len(m.ref_noeos[i]) if agree is not None else None,
+            "new_tokens": r["new_tokens"]}
+
+
+def _native_argv(m: _Model, ids: Sequence[int], n_new: int, policy: str, pool_mib: float, threads: int,
+                 json_out: Path) -> list[str]:
+    return [*m.runner, str(m.bundle), "--prompt-ids", ",".join(str(int(t)) for t in ids),
+            "--max-new-tokens", str(n_new), "--policy", policy, "--pool-mib", f"{pool_mib:.4f}",
+            "--threads", str(threads), "--cold", "--no-verify-hashes", "--json", str(json_out)]
+
+
+def _run_native(m: _Model, i: int, n_new: int, policy: str, pool_mib: float, limit: int | None, threads: int,
+                timeout: float) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        js = Path(tmp) / "run.json"
+        r = run_limited(_native_argv(m, m.ids[i], n_new, policy, pool_mib, threads, js), limit_bytes=limit,
+                        files=[m.store, m.program], timeout=timeout, cold=True)
+        status = _status(r, "native runner")
+        out = {"status": status, "mib_read": r.read_bytes / MiB, "peak_rss_bytes": r.peak_rss_bytes,
+               "cgroup_max_usage_bytes": r.cgroup_max_usage_bytes, "wall_s": round(r.wall_s, 2)}
+        if status != "ok":
+            return out
+        try:
+            j = json.loads(js.read_text())
+        except (OSError, ValueError) as e:
+            out["status"] = f"failed: native runner wrote no JSON ({e})"
+            return out
+    run0 = j["runs"][0]
+    ref = m.ref_eos[i]
+    out.update({"tpot_ms": run0["tpot_ms"], "ttft_ms": run0["ttft_ms"], "load_ms": j.get("load_ms"),
+                "tokens_match": run0["tokens"] == ref,
+                "tokens_agree": next((n for n, (a, b) in enumerate(zip(run0["tokens"], ref)) if a != b),
+                                     min(len(run0["tokens"]), len(ref))),
+                "new_tokens": len(run0["tokens"]), "runner_mib_read": run0["mib_read"],
+                "runner_peak_rss_bytes": j.get("peak_rss_bytes"), "hit_rate": run0["hit_rate"],
+                "stall_ms_per_token": run0["stall_ms_per_token"], "direct_io": j.get("direct_io"),
+                "arena_bytes": j.get("arena_bytes")})
+    if run0["tpot_ms"] is None:
+        out["status"] = "failed: the native runner stopped at EOS after one token (no TPOT)"
+    return out
+
+
+def _measure_footprint(m: _Model, threads: int, timeout: float, log: Log) -> None:
+    """The native runner's memory without its pool: one cold run with the smallest pool, no limit."""
+    with tempfile.TemporaryDirectory() as tmp:
+        js = Path(tmp) / "run.json"
+        r = run_limited(_native_argv(m, m.ids[0], 4, ON_DEMAND.split(":", 1)[1], m.min_mib, threads, js),
+                        limit_bytes=None, files=[m.store, m.program], timeout=timeout, cold=True)
+        if not r.ok:
+            raise SpecPrefetchError(f"{m.bundle}: the native runner failed measuring its footprint "
+                                    f"({_status(r, 'native runner')})")
+        arena = json.loads(js.read_text()).get("arena_bytes") or int(m.min_mib * MiB)
+    m.footprint_bytes = max(r.peak_rss_bytes - arena, 0)
+    m.footprint = {"peak_rss_bytes": r.peak_rss_bytes, "arena_bytes": arena,
+                   "cgroup_max_usage_bytes": r.cgroup_max_usage_bytes, "footprint_bytes": m.footprint_bytes,
+                   "program_bytes": m.program.stat().st_size}
+    log(f"[{m.label}] native footprint without the pool: {m.footprint_bytes / MiB:.1f} MiB (peak RSS "
+        f"{r.peak_rss_bytes / MiB:.1f} MiB with a {arena / MiB:.2f} MiB arena; cgroup peak "
+        f"{(r.cgroup_max_usage_bytes or 0) / MiB:.1f} MiB; program {m.footprint['program_bytes'] / MiB:.1f} MiB)")
+
+
+def pool_for(limit_bytes: int | None, footprint_bytes: int, all_mib: float, min_mib: float,
+             margin: Callable[[int], int]) -> tuple[float, str | None]:
+    """(pool MiB, note): what a limit leaves for the pool after the footprint and the margin,
+    within [min_mib, all_mib]; no limit: every expert."""
+    if limit_bytes is None:
+        return all_mib, None
+    left = (limit_bytes - footprint_bytes - margin(limit_bytes)) / MiB
+    if left < min_mib:
+        return min_mib, (f"the limit leaves {max(left, 0):.2f} MiB for the pool; ran with the smallest pool "
+                         f"({min_mib:.2f} MiB: one layer's top-k slots)")
+    return min(left, all_mib), None
+
+
+def default_margin(limit_bytes: int) -> int:
+    """Headroom under the limit for what the footprint run does not show (page tables, the kernel's
+    per-cgroup memory, file pages of libraries touched later): 4 MiB + 3% of the limit."""
+    return 4 * MiB + int(0.03 * limit_bytes)
+
+
+# ------------------------------------------------------------------------------------ the run
+
+def _median(xs: list) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return round(float(statistics.median(xs)), 4) if xs else None
+
+
+def _row(m: _Model, engine: str, frac: float | None, limit: int | None, pool: float | None, runs: list[dict],
+         note: str | None, skipped: str | None, total: int) -> dict:
+    ok = [r for r in runs if r.get("status") == "ok"]
+    bad = [r["status"] for r in runs if r.get("status") != "ok"]
+    row: dict[str, Any] = {
+        "model": m.label, "model_bytes": m.model_bytes, "engine": engine, "memory_limit_frac": frac,
+        "memory_limit_bytes": limit, "tpot_ms": _median([r.get("tpot_ms") for r in ok]),
+        "ttft_ms": _median([r.get("ttft_ms") for r in ok]), "mib_read": _median([r.get("mib_read") for r in ok]),
+        "peak_rss_bytes": int(statistics.median([r["peak_rss_bytes"] for r in ok])) if ok else None,
+        "pool_mib": round(pool, 3) if pool is not None else None,
+        "tokens_match": all(r.get("tokens_match") for r in ok) if ok else None,
+        "status": "ok" if ok and not bad and len(ok) == total else (bad[0] if bad else "timeout" if skipped else
+                                                                     "failed: no run"),
+        "runs_ok": len(ok), "runs": total,
+        "peak_rss_max_bytes": max(r["peak_rss_bytes"] for r in ok) if ok else None,
+        "cgroup_max_usage_bytes": max((r.get("cgroup_max_usage_bytes") or 0) for r in ok) if ok and limit else None,
+        "load_ms": _median([r.get("load_ms") for r in ok]),
+        "wall_s": _median([r.get("wall_s") for r in runs]),
+        "tokens_agree_min": min((r["tokens_agree"] for r in ok if r.get("tokens_agree") is not None), default=None),
+    }
+    if engine != LLAMA:
+        row.update({"hit_rate": _median([r.get("hit_rate") for r in ok]),
+                    "stall_ms_per_token": _median([r.get("stall_ms_per_token") for r in ok]),
+                    "runner_mib_read": _median([r.get("runner_mib_read") for r in ok]),
+                    "direct_io": all(r.get("direct_io") for r in ok) if ok else None})
+    if note:
+        row["note"] = note
+    if skipped:
+        row["skipped"] = skipped
+    return row
+
+
+def _frac_text(frac: float | None) -> str:
+    return "no limit" if frac is None else f"{frac:.0%}"
+
+
+def run(bundles: list[Path], *, limits: Sequence[float | None] = (1.0, 0.75, 0.5, 0.25, None), prompts: int = 2,
+        prompt_tokens: int = 64, new_tokens: int = 32, rounds: int = 2, threads: int = 1,
+        timeout_s: float = 600.0, gguf_dir: Path | None = None,
+        pool_margin: Callable[[int], int] = default_margin, log: Log = print) -> dict:
+    """llama.cpp and the native runner on each bundle's model under each memory limit (fractions of
+    the f16 GGUF's bytes; None: no limit). Per model and limit, `rounds` rounds over the prompts, the
+    three engines interleaved (in reverse order every other run); one cold process per run. A run that
+    times out (`timeout_s`) or is OOM-killed is a row with that status; an engine that timed out at a
+    limit is not run at smaller limits of that model (its rows say so: status "timeout", `skipped`).
+    Returns {"rows": [...], "machine": {...}, "notes": [...], ...}."""
+    from android_runner.build import build as build_runner, command as runner_command
+
+    if not bundles:
+        raise SpecPrefetchError("no bundle to measure")
+    if new_tokens < 2:
+        raise SpecPrefetchError("new_tokens must be >= 2 (TPOT needs two tokens)")
+    t_start = time.monotonic()
+    gguf_dir = Path(gguf_dir) if gguf_dir else llamacpp.peers_dir() / "gguf"
+    machine = machine_facts(Path(bundles[0]))
+    log("llama.cpp: host build")
+    bins = llamacpp.build("host", log=log)
+    taken: set[str] = set()
+    models: list[_Model] = []
+    timings: dict[str, float] = {}
+    for b in bundles:
+        t0 = time.monotonic()
+        m = _open_model(Path(b), prompts, prompt_tokens, new_tokens, taken)
+        m.gguf = _gguf_path(m.source, gguf_dir, m.label)
+        if not m.gguf.exists():
+            llamacpp.convert(m.source, m.gguf, log=log)
+        m.model_bytes = m.gguf.stat().st_size
+        log(f"[{m.label}] {m.desc}; GGUF f16 {m.model_bytes / MiB:.1f} MiB ({m.gguf})")
+        log(f"[{m.label}] reference tokens: transformers greedy on {m.source} (float32)")
+        _references(m, new_tokens)
+        m.runner = runner_command(build_runner(m.bundle, "host", log=log), "host")
+        _measure_footprint(m, threads, timeout_s, log)
+        models.append(m)
+        timings[f"setup {m.label} s"] = round(time.monotonic() - t0, 1)
+
+    rows = _measure(models, bins, limits=limits, rounds=rounds, new_tokens=new_tokens, threads=threads,
+                    timeout_s=timeout_s, pool_margin=pool_margin, timings=timings, log=log)
+    notes = _notes(models, rows, new_tokens, timeout_s)
+    machine["load_avg_end"] = list(os.getloadavg())
+    timings["total s"] = round(time.monotonic() - t_start, 1)
+    return {
+        "rows": rows, "machine": machine, "notes": notes,
+        "protocol": {"prompts": prompts, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "rounds": rounds,
+                     "threads": threads, "limits": list(limits), "timeout_s": timeout_s,
+                     "model_bytes": "the f16 GGUF file's size (llama.cpp's convert_hf_to_gguf --outtype f16)",
+                     "cold": "drop_caches before every run (each run is one process)",
+                     "memory": "cgroup v1 memory (+memsw) limit, page cache charged",
+                     "pool_margin_bytes": {_frac_text(f): pool_margin(int(f * models[0].model_bytes))
+                                           for f in limits if f is not None}},
+        "models": [{"model": m.label, "description": m.desc, "bundle": str(m.bundle), "source": str(m.source),
+                    "gguf": str(m.gguf), "model_bytes": m.model_bytes, "program_bytes": m.program.stat().st_size,
+                    "store_bytes": m.store.stat().st_size, "experts": m.experts, "slot_bytes": m.slot_bytes,
+                    "top_k_per_layer": m.top_k, "native_footprint": m.footprint, "prompts": m.texts,
+                    "prompt_ids": m.ids} for m in models],
+        "timings": timings,
+    }
+
+
+def _measure(models: list[_Model], bins: Path, *, limits: Sequence[float | None], rounds: int, new_tokens: int,
+             threads: int, timeout_s: float, pool_margin: Callable[[int], int], timings: dict, log: Log) -> list[dict]:
+    """Every model x limit x round x prompt, the engines interleaved; one row per model x engine x limit."""
+    rows: list[dict] = []
+    for m in models:
+        t0 = time.monotonic()
+        timed_out_at: dict[str, float] = {}
+        for frac in limits:
+            limit = None if frac is None else int(frac * m.model_bytes)
+            pool, pool_note = pool_for(limit, m.footprint_bytes, m.all_mib, m.min_mib, pool_margin)
+            engines = m.engines
+            got: dict[str, list[dict]] = {e: [] for e in engines}
+            skipped = {e: f"not run: timed out at {timed_out_at[e]:.0%} of the model's bytes"
+                       for e in engines if frac is not None and e in timed_out_at and timed_out_at[e] > frac}
+            stopped: dict[str, str] = {}
+            log(f"[{m.label}] limit {_frac_text(frac)}" + (f" = {limit / MiB:.1f} MiB" if limit else "")
+                + f"; native pool {pool:.2f} MiB ({pool / m.all_mib:.0%} of the experts)")
+            n = 0
+            for rnd in range(rounds):
+                for i in range(len(m.ids)):
+                    order = engines if n % 2 == 0 else engines[::-1]
+                    n += 1
+                    for e in order:
+                        if e in skipped or e in stopped:
+                            continue
+                        if e == LLAMA:
+                            r = _run_llama(bins, m, i, new_tokens, limit, threads, timeout_s)
+                        else:
+                            r = _run_native(m, i, new_tokens, e.split(":", 1)[1], pool, limit, threads, timeout_s)
+                        got[e].append(r)
+                        log(f"  round {rnd + 1}/{rounds} prompt {i + 1}/{len(m.ids)} {e}: {r['status']}"
+                            + (f", TPOT {r['tpot_ms']:.2f} ms, TTFT {r['ttft_ms'] or 0:.1f} ms, read "
+                               f"{r['mib_read']:.1f} MiB, peak RSS {r['peak_rss_bytes'] / MiB:.1f} MiB, "
+                               f"tokens match {r['tokens_match']}" if r["status"] == "ok" else
+                               f" after {r.get('wall_s', 0):.0f} s"))
+                        if r["status"] in ("timeout", "oom"):
+                            stopped[e] = r["status"]  # the same run again would fail the same way
+                            if r["status"] == "timeout" and frac is not None:
+                                timed_out_at[e] = frac
+            total = rounds * len(m.ids)
+            for e in engines:
+                rows.append(_row(m, e, frac, limit, pool if e != LLAMA else None, got[e],
+                                 pool_note if e != LLAMA else None, skipped.get(e), total))
+        timings[f"measure {m.label} s"] = round(time.monotonic() - t0, 1)
+
+    return rows
+
+
+def _notes(models: list[_Model], rows: list[dict], new_tokens: int, timeout_s: float) -> list[str]:
+    notes = [
+        "model_bytes is the f16 GGUF file's size; memory limits are fractions of it, for both engines.",
+        "Each run is one process from a cold page cache; mib_read and peak_rss_bytes come from GNU time's "
+        "rusage of that process (all reads, model load and program included; RSS counts mapped file pages).",
+        "TPOT: llama.cpp's eval time / eval runs (n-1 single-token decodes); the native runner's "
+        "(t_last - t_first)/(n-1). TTFT: llama.cpp's prompt eval (one batched decode of the prompt, page "
+        "faults included, model load excluded); the native runner feeds the prompt one position at a time "
+        "through its decode graphs, so its TTFT is about prompt length x per-token time.",
+        "The native runner runs the bundle's fp32 dense program (XNNPACK) and fp16 experts; llama.cpp runs "
+        "the f16 GGUF. Native runs pass --no-verify-hashes (hashing the store would read it all through the "
+        "page cache) and --cold.",
+        f"Per-run timeout {timeout_s:.0f} s; an engine that timed out at a limit is not run at smaller ones.",
+    ]
+    for m in models:
+        if m.label != "embedded":
+            notes.append(f"{m.label}: random weights (specprefetch tiny): its routing is not realistic (near-"
+                         "uniform, no locality a trained model has), so hit rates and the adapter's gain are not "
+                         "what a trained model would show; the adapter was trained on this model's own traces.")
+    for r in rows:
+        if r.get("note"):
+            notes.append(f"{r['model']} {r['engine']} at {_frac_text(r['memory_limit_frac'])}: {r['note']}")
+    return notes
+
+
+def machine_facts(path: Path) -> dict:
+    import importlib.metadata as md
+
+    facts: dict[str, Any] = {"host": platform.node(), "kernel": platform.release(), "cores": os.cpu_count(),
+                             "load_avg_start": list(os.getloadavg())}
+    try:
+        cpu = next(ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                   if ln.startswith("model name"))
+        facts["cpu"] = cpu
+        facts["avx2"] = " avx2 " in Path("/proc/cpuinfo").read_text()
+    except (OSError, StopIteration):
+        pass
+    try:
+        mem = next(ln for ln in Path("/proc/meminfo").read_text().splitlines() if ln.startswith("MemTotal"))
+        facts["mem_gib"] = round(int(mem.split()[1]) / 2**20, 1)
+    except (OSError, StopIteration):
+        pass
+    try:
+        dev = os.stat(path).st_dev
+        d = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}").resolve()
+        ra = d / "queue" / "read_ahead_kb"
+        if not ra.exists():
+            ra = d.parent / "queue" / "read_ahead_kb"
+        facts["disk"] = d.name
+        facts["read_ahead_kb"] = int(ra.read_text())
+    except (OSError, ValueError):
+        pass
+    for pkg in ("torch", "transformers", "executorch"):
+        try:
+            facts[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            pass
+    facts["llama_cpp"] = f"b{llamacpp.LLAMA_CPP_BUILD} ({llamacpp.LLAMA_CPP_COMMIT}, from llama-cpp-python " \
+                         f"{llamacpp.LLAMA_CPP_PYTHON_VERSION})"
+    facts["commit"] = _commit()
+    return facts
+
+
+def _commit() -> str | None:
+    """HEAD's commit read from .git (files only; no git process)."""
+    git = Path(__file__).resolve().parents[2] / ".git"
+    try:
+        head = (git / "HEAD").read_text().strip()
+        if not head.startswith("ref: "):
+            return head[:12]
+        ref = head[5:]
+        p = git / ref
+        if p.exists():
+            return p.read_text().strip()[:12]
+        for ln in (git / "packed-refs").read_text().splitlines():
+            if ln.endswith(" " + ref):
+                return ln.split()[0][:12]
+    except OSError:
+        pass
+    return None
+
+
+# ------------------------------------------------------------------------------------ report
+
+def _fmt(v: float | None, f: str = ".2f") -> str:
+    return "-" if v is None else format(v, f)
+
+
+def markdown(result: dict) -> str:
+    rows = result["rows"]
+    p = result.get("protocol", {})
+    lines = []
+    if p:
+        lines += [f"{p.get('prompts')} prompts of {p.get('prompt_tokens')} tokens x {p.get('new_tokens')} new tokens, "
+                  f"greedy, {p.get('rounds')} rounds, engines interleaved, {p.get('threads')} compute thread(s); "
+                  "one cold process per run; medians. Limits: cgroup v1 memory including page cache, as a share "
+                  "of the model's f16 GGUF bytes.", ""]
+    for model in dict.fromkeys(r["model"] for r in rows):
+        mr = [r for r in rows if r["model"] == model]
+        lines += [f"### {model} ({mr[0]['model_bytes'] / MiB:.1f} MiB f16 GGUF)", "",
+                  "| limit | limit MiB | engine | pool MiB | TPOT ms | TTFT ms | MiB read (experts) | peak RSS MiB | "
+                  "tokens match | status | llama.cpp / engine TPOT |",
+                  "|" + "---|" * 11]
+        for frac in dict.fromkeys(r["memory_limit_frac"] for r in mr):
+            fr = [r for r in mr if r["memory_limit_frac"] == frac]
+            base = next((r["tpot_ms"] for r in fr if r["engine"] == LLAMA), None)
+            for r in fr:
+                ratio = f"{base / r['tpot_ms']:.2f}" if base and r["tpot_ms"] else "-"
+                status = r["status"] if r["status"] == "ok" or not r.get("skipped") else f"{r['status']} (not run)"
+                if r["status"] == "ok" and r.get("runs_ok") != r.get("runs"):
+                    status += f" ({r['runs_ok']}/{r['runs']})"
+                lines.append(
+                    f"| {_frac_text(frac)} | {_fmt(r['memory_limit_bytes'] / MiB if r['memory_limit_bytes'] else None, '.1f')} "
+                    f"| {r['engine']} | {_fmt(r['pool_mib'], '.1f')} | {_fmt(r['tpot_ms'])} | {_fmt(r['ttft_ms'], '.1f')} "
+                    f"| {_fmt(r['mib_read'], '.1f')}"
+                    + (f" ({r['runner_mib_read']:.1f})" if r.get("runner_mib_read") is not None else "") + " | "
+                    f"{_fmt(r['peak_rss_bytes'] / MiB if r['peak_rss_bytes'] else None, '.1f')} | "
+                    f"{'-' if r['tokens_match'] is None else 'yes' if r['tokens_match'] else 'no'} | {status} | {ratio} |")
+        lines.append("")
+    if result.get("notes"):
+        lines += ["Notes:", ""] + [f"- {n}" for n in result["notes"]]
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.2), squeeze=False)
+    none_x = 1.25
+    for ax, model in zip(axes[0], models):
+        mr = [r for r in rows if r["model"] == model]
+        for eng in dict.fromkeys(r["engine"] for r in mr):
+            er = sorted((r for r in mr if r["engine"] == eng),
+                        key=lambda r: none_x if r["memory_limit_frac"] is None else r["memory_limit_frac"])
+            xs = [none_x if r["memory_limit_frac"] is None else r["memory_limit_frac"] for r in er]
+            ys = [r["tpot_ms"] if r["status"] == "ok" else None for r in er]
+            line, = ax.plot([x for x, y in zip(xs, ys) if y], [y for y in ys if y], marker="o", label=eng)
+            for x, r in zip(xs, er):
+                if r["status"] != "ok":
+                    ax.annotate(r["status"].split(":")[0], (x, 1), xycoords=("data", "axes fraction"),
+                                xytext=(0, -12 - 10 * list(dict.fromkeys(q["engine"] for q in mr)).index(eng)),
+                                textcoords="offset points", ha="center", fontsize=7, color=line.get_color())
+        ax.set_yscale("log")
+        ticks = sorted({none_x if r["memory_limit_frac"] is None else r["memory_limit_frac"] for r in mr})
+        ax.set_xticks(ticks, ["no limit" if t == none_x else f"{t:.0%}" for t in ticks])
+        ax.set_xlabel("memory limit (share of the f16 GGUF's bytes)")
+        ax.set_ylabel("TPOT (ms, log)")
+        ax.set_title(f"{model} ({mr[0]['model_bytes'] / MiB:.0f} MiB)")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=8, loc="upper right")
+    save_figure(fig, path)
+
+
+def write(result: dict, json_path: Path | str) -> tuple[Path, Path]:
+    """json_path, and its .md (the table) and .png (the plot) beside it."""
+    return write_report(result, json_path, markdown, plot)
