@@ -277,7 +277,7 @@ def _build_tokenizers(out: Path, abi: str, toolchain: Sequence[str], log: Callab
         "include", "third-party/json/single_include", "third-party/re2", "third-party/abseil-cpp")) + "\n")
     (out / "version.txt").write_text(TOKENIZERS_VERSION + "\n")
     shutil.rmtree(build_dir)  # objects are in the archive; the build tree is ~100 MB
-    (out / ".stamp").write_text(key)
+    (out / ".stamp").write_text(out.name)
     return out
 
 

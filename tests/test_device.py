@@ -183,3 +183,21 @@ def test_list_push_bench_with_the_arm64_runner_under_qemu(native_host, phones, t
     bundle, _ = native_host
     rep = flow(bundle, phones(abi="arm64-v8a"), tmp_path, repeats=1)
     assert all(x["kernel_isa"] == "neon" for x in rep["runs"])
+
+
+@pytest.mark.slow
+def test_bench_with_llama_cpp_beside(native_host, phones, tmp_path):
+    """`device bench --peer llama.cpp`: llama-bench (built here, the model converted to GGUF) pushed
+    and run interleaved with the runner; its figures in the same report."""
+    bundle, _ = native_host
+    p = phones()
+    out = tmp_path / "peer.json"
+    rep = bench(bundle, serial=p.serial, policies=["on-demand+lru"], pool_mib=2.0, prompts=[PROMPT], max_new_tokens=4,
+                repeats=2, json_out=out, cooldown_timeout_s=2, peer="llama.cpp", log=lambda s: None)
+    assert rep["failures"] == [] and rep["configs"] == ["on-demand+lru", "llama.cpp"]
+    peer = [x for x in rep["runs"] if x["config"] == "llama.cpp"]
+    assert len(peer) == 2 and all(x["tpot_ms"] > 0 and x["ttft_ms"] > 0 for x in peer)
+    gguf = p.host_path(rep["remote"]) / "peer" / "model.gguf"
+    assert peer[0]["model_size"] > 0.9 * gguf.stat().st_size - 2**20
+    assert [x["config"] for x in rep["runs"]] == ["on-demand+lru", "llama.cpp", "llama.cpp", "on-demand+lru"]
+    assert rep["summary"]["llama.cpp"]["runs"] == 2 and rep["tokens_identical"] is True

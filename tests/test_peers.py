@@ -279,7 +279,7 @@ def test_sidebyside_interleaves_skips_and_assembles_rows(tmp_path, monkeypatch):
 def test_sidebyside_pool_sizing():
     from toolkit.peers.sidebyside import pool_for
 
-    margin = lambda limit: 10 * MiB  # noqa: E731
+    margin = lambda limit: 10 * MiB
     assert pool_for(None, 100 * MiB, 400.0, 2.0, margin) == (400.0, None)
     assert pool_for(300 * MiB, 100 * MiB, 400.0, 2.0, margin) == (190.0, None)
     assert pool_for(900 * MiB, 100 * MiB, 400.0, 2.0, margin) == (400.0, None)  # capped at every expert

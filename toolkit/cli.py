@@ -616,10 +616,12 @@ def device_standin(port, root_dir, root_user, abi, faults) -> None:
               help="seconds to wait between runs for the thermal zones and MemAvailable to settle")
 @click.option("--max-temp-c", type=FiniteFloat(), default=None,
               help="cool-down target for the hottest CPU zone [default: its temperature at start + 3]")
+@click.option("--peer", type=click.Choice(["llama.cpp"]), default=None,
+              help="also run llama.cpp's llama-bench on the same model (GGUF f16), interleaved")
 @click.option("--json", "json_out", required=True, type=OUT_FILE)
 @friendly_errors
 def device_bench(bundle, serial, policies, pool_mib, prompts, max_new_tokens, repeats, threads, fixed_performance,
-                 cooldown_timeout, max_temp_c, json_out) -> None:
+                 cooldown_timeout, max_temp_c, peer, json_out) -> None:
     """Benchmark policies on the phone: cold cache, pinned to the big cores, interleaved, with a
     cool-down between runs; pulls every run's JSON and writes a table, a PNG and the JSON."""
     from toolkit.device.phone import bench
@@ -628,7 +630,7 @@ def device_bench(bundle, serial, policies, pool_mib, prompts, max_new_tokens, re
     names = [p.name for p in parse_policies(policies, "--policies")]
     bench(bundle, serial=serial, policies=names, pool_mib=pool_mib, prompts=list(prompts),
           max_new_tokens=max_new_tokens, repeats=repeats, json_out=json_out, fixed_performance=fixed_performance,
-          threads=threads, cooldown_timeout_s=cooldown_timeout, max_temp_c=max_temp_c,
+          threads=threads, cooldown_timeout_s=cooldown_timeout, max_temp_c=max_temp_c, peer=peer,
           log=lambda s: click.echo(s, err=True))
     click.echo(json_out.with_suffix(".md").read_text())
     click.echo(f"wrote {json_out}, {json_out.with_suffix('.md')}, {json_out.with_suffix('.png')}")
@@ -650,19 +652,61 @@ def device_bench(bundle, serial, policies, pool_mib, prompts, max_new_tokens, re
 @click.option("--no-simulate", is_flag=True, help="skip the simulator comparison")
 @click.option("--frequency-trace", type=click.Path(path_type=Path), default=None,
               help="trace whose counts drive the frequency policy, if benchmarked")
+@click.option("--peer", type=click.Choice(["llama.cpp"]), default=None,
+              help="instead: llama.cpp and the native runner side by side under memory limits (docs/benchmarks.md "
+                   "section 8), on each --bundle")
+@click.option("--bundle", "bundles", multiple=True, type=click.Path(path_type=Path),
+              help="--peer: an ExecuTorch bundle whose source checkpoint is on this machine (repeatable)")
+@click.option("--limits", default="1,0.75,0.5,0.25,none", show_default=True,
+              help="--peer: memory limits as fractions of the model's f16 GGUF bytes; none: no limit")
+@click.option("--prompt-tokens", type=click.IntRange(min=1), default=64, show_default=True, help="--peer")
+@click.option("--timeout", type=FiniteFloat(), default=600.0, show_default=True,
+              help="--peer: seconds one run may take (a run past it is recorded as a timeout)")
 @click.option("--json", "json_out", required=True, type=OUT_FILE)
 @friendly_errors
 def bench(model, adapter, policies, pool_mib, prompts, new_tokens, rounds, window, flash_profile, store_path,
-          no_simulate, frequency_trace, json_out) -> None:
+          no_simulate, frequency_trace, peer, bundles, limits, prompt_tokens, timeout, json_out) -> None:
     """Measure the runner's policies side by side on MODEL (model directory, `embedded` or bundle):
-    interleaved rounds, medians, token equality checked; the simulator beside them."""
+    interleaved rounds, medians, token equality checked; the simulator beside them. With --peer
+    llama.cpp: llama.cpp and the native runner on each --bundle under the same memory limits."""
     from toolkit.bench import run_bench, write
     from toolkit.runtime.policy import parse_policies
+
+    if peer:
+        _bench_peer(bundles, limits, prompts, prompt_tokens, new_tokens, rounds, timeout, json_out)
+        return
+    if bundles:
+        raise SpecPrefetchError("--bundle: only with --peer llama.cpp (the bench of MODEL takes MODEL)")
 
     r = run_bench(model=model, adapter=adapter, policies=parse_policies(policies), pools=pool_mib, prompts=prompts,
                   new_tokens=new_tokens, rounds=rounds, flash_profile=flash_profile, window=window,
                   store=store_path, simulate=not no_simulate, frequency_trace=frequency_trace)
     md, png = write(r, json_out)
+    click.echo(md.read_text())
+    click.echo(f"wrote {json_out}, {md}, {png}")
+
+
+def _bench_peer(bundles, limits, prompts, prompt_tokens, new_tokens, rounds, timeout, json_out) -> None:
+    from toolkit.peers import sidebyside
+
+    if not bundles:
+        raise SpecPrefetchError("--peer llama.cpp: give at least one --bundle (an ExecuTorch bundle)")
+    fracs: list[float | None] = []
+    for item in limits.split(","):
+        item = item.strip().lower()
+        if item in ("none", "no", "inf"):
+            fracs.append(None)
+            continue
+        try:
+            v = float(item)
+        except ValueError:
+            raise SpecPrefetchError(f"--limits {limits!r}: fractions like 0.5, or none") from None
+        if not (0 < v <= 4):
+            raise SpecPrefetchError(f"--limits {limits!r}: {item} is not a fraction in (0, 4]")
+        fracs.append(v)
+    r = sidebyside.run([Path(b) for b in bundles], limits=tuple(fracs), prompts=prompts, prompt_tokens=prompt_tokens,
+                       new_tokens=new_tokens, rounds=rounds, timeout_s=timeout, log=lambda s: click.echo(s, err=True))
+    md, png = sidebyside.write(r, json_out)
     click.echo(md.read_text())
     click.echo(f"wrote {json_out}, {md}, {png}")
 

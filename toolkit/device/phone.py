@@ -152,8 +152,10 @@ def _remote_hashes(adb: Adb, base: str, rels: Sequence[str]) -> dict[str, str]:
     return out
 
 
-def push(bundle: Path, serial: str | None = None, *, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """The bundle and its runner on the device, checked; returns where they are and what was sent."""
+def push(bundle: Path, serial: str | None = None, *, peer: str | None = None,
+         log: Callable[[str], None] = print) -> dict[str, Any]:
+    """The bundle and its runner (and with peer="llama.cpp", llama-bench and the model as GGUF) on
+    the device, checked; returns where they are and what was sent."""
     from android_runner.build import build
     from export.manifest import validate_bundle
 
@@ -168,6 +170,8 @@ def push(bundle: Path, serial: str | None = None, *, log: Callable[[str], None] 
     runner = build(bundle, abi, log=log)
     base = f"{ROOT}/{bundle_hash(bundle)}"
     files = _local_files(bundle, runner)
+    if peer is not None:
+        files.update(_peer_files(bundle, manifest, abi, log))
     listed = {f"bundle/{k}": v["sha256"] for k, v in manifest.get("files", {}).items()
               if isinstance(v, dict) and "sha256" in v}
     log(f"hashing {len(files)} files here")
@@ -185,8 +189,8 @@ def push(bundle: Path, serial: str | None = None, *, log: Callable[[str], None] 
         adb.shell("mkdir -p " + " ".join(q(d) for d in dirs))
     for rel in send:
         adb.push(files[rel], f"{base}/{rel}")
-    adb.shell(f"chmod 755 {q(base)}/runner/run.sh {q(base)}/runner/bin/* {q(base)}/runner/lib/* 2>/dev/null; true",
-              check=False)
+    adb.shell(f"chmod 755 {q(base)}/runner/run.sh {q(base)}/runner/bin/* {q(base)}/runner/lib/* "
+              f"{q(base)}/peer/llama-bench {q(base)}/peer/*.so* 2>/dev/null; true", check=False)
     got = _remote_hashes(adb, base, list(files))
     bad = [rel for rel in files if got.get(rel) != want[rel]]
     if bad:
@@ -195,6 +199,51 @@ def push(bundle: Path, serial: str | None = None, *, log: Callable[[str], None] 
     log(f"{adb.serial}: every file checked (sha256) at {base}")
     return {"serial": adb.serial, "remote": base, "runner_abi": abi, "files": len(files), "sent": len(send),
             "bytes_sent": nbytes, "device": f}
+
+
+def _peer_files(bundle: Path, manifest: dict, abi: str, log: Callable[[str], None]) -> dict[str, Path]:
+    """llama-bench built for the device (arm64: static; the stand-in's x86_64: this machine's build
+    with its shared libraries) and the bundle's source model converted to GGUF f16 (cached)."""
+    from toolkit.peers import llamacpp
+
+    src = Path(manifest["model"].get("source", ""))
+    if not (src / "config.json").is_file():
+        raise SpecPrefetchError(f"--peer llama.cpp: the bundle's source model {src} is not on this machine "
+                                "(llama.cpp converts it to GGUF)")
+    bin_dir = llamacpp.build("arm64" if abi == "arm64" else "host", log=log)
+    gguf = llamacpp.peers_dir() / "gguf" / f"device-{bundle_hash(bundle)}-f16.gguf"
+    if not gguf.is_file():
+        gguf.parent.mkdir(parents=True, exist_ok=True)
+        llamacpp.convert(src, gguf, log=log)
+    files = {"peer/llama-bench": bin_dir / "llama-bench", "peer/model.gguf": gguf}
+    for so in sorted(bin_dir.glob("*.so*")):  # a shared-library build (host) needs its libraries beside it
+        files[f"peer/{so.name}"] = so
+    return files
+
+
+def _llama_bench(adb: Adb, base: str, mask: str | None, n_prompt: int, n_gen: int, threads: int) -> dict[str, Any]:
+    """One llama-bench run on the device (prompt processing of n_prompt tokens, then n_gen generated
+    tokens; llama-bench's own synthetic tokens), its JSON parsed: TTFT ~ the prompt's processing,
+    TPOT = generation time / n_gen."""
+    cmd = ((f"taskset {mask} " if mask else "")
+           + f"env LD_LIBRARY_PATH={q(base)}/peer $SPX_EMULATOR {q(base)}/peer/llama-bench -m {q(base)}/peer/model.gguf "
+           f"-p {n_prompt} -n {n_gen} -t {threads} -r 1 -o json")
+    t0 = time.monotonic()
+    r = adb.shell(cmd, timeout=None, check=False)
+    wall = time.monotonic() - t0
+    if r.returncode != 0:
+        err = r.stderr.decode(errors="replace").strip().splitlines()
+        return {"error": True, "exit_code": r.returncode, "stderr": "\n".join(err[-20:])}
+    try:
+        tests = json.loads(r.stdout.decode(errors="replace"))
+        pp = next(t for t in tests if t["n_prompt"] > 0 and t["n_gen"] == 0)
+        tg = next(t for t in tests if t["n_gen"] > 0 and t["n_prompt"] == 0)
+    except (ValueError, StopIteration, KeyError, TypeError):
+        return {"error": True, "exit_code": 0, "stderr": "llama-bench printed no usable JSON: "
+                + r.stdout.decode(errors="replace")[-300:]}
+    return {"ttft_ms": round(pp["avg_ns"] / 1e6, 4), "tpot_ms": round(tg["avg_ns"] / 1e6 / n_gen, 4),
+            "prompt_tokens_per_s": pp["avg_ts"], "tokens_per_s": tg["avg_ts"], "model_size": pp.get("model_size"),
+            "llama_build": pp.get("build_number"), "wall_s": round(wall, 3)}
 
 
 # ---------------------------------------------------------------------------------------- bench
@@ -261,7 +310,7 @@ def _stats(xs: list[float]) -> dict[str, float | None]:
 
 def bench(bundle: Path, *, serial: str | None, policies: Sequence[str], pool_mib: float, prompts: Sequence[str],
           max_new_tokens: int, repeats: int, json_out: Path, fixed_performance: bool = False, threads: int = 1,
-          cooldown_timeout_s: float = 120.0, max_temp_c: float | None = None,
+          cooldown_timeout_s: float = 120.0, max_temp_c: float | None = None, peer: str | None = None,
           log: Callable[[str], None] = print) -> dict[str, Any]:
     """Policies interleaved on the phone; returns the report (also written: JSON, .md, .png).
     A device lost mid-run keeps what was measured (status "partial", the reason recorded) and is
@@ -275,11 +324,15 @@ def bench(bundle: Path, *, serial: str | None, policies: Sequence[str], pool_mib
     m, _ = validate_bundle(bundle, hash_store=False)
     tok = AutoTokenizer.from_pretrained(str(bundle / Path(m["model"]["config"]).parent), local_files_only=True)
     ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
-    pushed = push(bundle, serial, log=log)
+    if peer not in (None, "llama.cpp"):
+        raise SpecPrefetchError(f"--peer {peer}: the peer is llama.cpp")
+    pushed = push(bundle, serial, peer=peer, log=log)
     adb, f, base = Adb(pushed["serial"]), pushed["device"], pushed["remote"]
     big = _big_cores(f)
     mask = format(sum(1 << c for c in big), "x") if big else None
     configs = [{"name": p, "policy": p, "performance": False} for p in policies]
+    if peer:  # llama.cpp as one more configuration, interleaved with the policies
+        configs.append({"name": "llama.cpp", "policy": None, "performance": False, "peer": True})
     notes = []
     if fixed_performance:
         if f["root"]:
@@ -288,6 +341,7 @@ def bench(bundle: Path, *, serial: str | None, policies: Sequence[str], pool_mib
             notes.append("fixed-performance mode needs root (cpufreq governors): not run")
     report: dict[str, Any] = {
         "bundle": str(bundle), "remote": base, "device": f, "policies": list(policies), "pool_mib": pool_mib,
+        "peer": peer,
         "prompts": list(prompts), "max_new_tokens": max_new_tokens, "repeats": repeats, "threads": threads,
         "pinned_cpus": big, "cache": "drop_caches (root)" if f["root"] else "posix_fadvise(DONTNEED) by the runner",
         "configs": [c["name"] for c in configs], "runs": [], "failures": [], "notes": notes, "status": "complete",
@@ -305,6 +359,21 @@ def bench(bundle: Path, *, serial: str | None, policies: Sequence[str], pool_mib
             adb.shell("for g in /sys/devices/system/cpu/cpufreq/policy*/scaling_governor; do echo performance > $g; "
                       "done", check=False)
         before = snapshot(adb)
+        if cfg.get("peer"):
+            res = _llama_bench(adb, base, mask, len(ids[p]), max_new_tokens, threads)
+            after = snapshot(adb)
+            if warm:
+                return
+            if res.get("error"):
+                report["failures"].append({"config": cfg["name"], "prompt": p, "repeat": rep,
+                                           "exit_code": res["exit_code"], "stderr": res["stderr"]})
+                log(f"  llama.cpp prompt {p}: llama-bench failed ({res['exit_code']})")
+                return
+            report["runs"].append({"config": "llama.cpp", "policy": "llama.cpp", "performance": False, "prompt": p,
+                                   "repeat": rep, "tokens": None, **res, "cooldown": gate, "before": before,
+                                   "after": after})
+            log(f"  llama.cpp prompt {p} #{rep + 1}: TPOT {res['tpot_ms']} ms (llama-bench)")
+            return
         remote_json = f"{base}/out/{cfg['name'].replace('+', '_').replace('@', '_')}-{p}-{rep}.json"
         cmd = (f"mkdir -p {q(base)}/out && " + (f"taskset {mask} " if mask else "")
                + f"sh {q(base)}/runner/run.sh {q(base)}/bundle --prompt-ids {','.join(map(str, ids[p]))} "
@@ -343,6 +412,8 @@ def bench(bundle: Path, *, serial: str | None, policies: Sequence[str], pool_mib
     try:
         log(f"warm-up on {adb.serial}" + (f", pinned to CPUs {big}" if big else ""))
         one(configs[0], 0, -1, warm=True)
+        if peer:
+            one(configs[-1], 0, -1, warm=True)
         for rep in range(repeats):
             order = configs if rep % 2 == 0 else configs[::-1]  # ABAB..., then in reverse
             for p in range(len(ids)):
@@ -366,16 +437,18 @@ def finalize(report: dict[str, Any]) -> None:
     summary = {}
     for name in report["configs"]:
         rows = [r for r in report["runs"] if r["config"] == name]
-        summary[name] = {"runs": len(rows), "tpot_ms": _stats([r["tpot_ms"] for r in rows]),
-                         "ttft_ms": _stats([r["ttft_ms"] for r in rows]),
-                         "stall_ms_per_token": _stats([r["stall_ms_per_token"] for r in rows]),
-                         "hit_rate": _stats([r["hit_rate"] for r in rows]),
-                         "mib_read_per_token": _stats([r["mib_read_per_token"] for r in rows]),
-                         "peak_rss_bytes": max((r["peak_rss_bytes"] for r in rows), default=None)}
+        summary[name] = {"runs": len(rows), "tpot_ms": _stats([r.get("tpot_ms") for r in rows]),
+                         "ttft_ms": _stats([r.get("ttft_ms") for r in rows]),
+                         "stall_ms_per_token": _stats([r.get("stall_ms_per_token") for r in rows]),
+                         "hit_rate": _stats([r.get("hit_rate") for r in rows]),
+                         "mib_read_per_token": _stats([r.get("mib_read_per_token") for r in rows]),
+                         "peak_rss_bytes": max((r["peak_rss_bytes"] for r in rows if r.get("peak_rss_bytes")),
+                                               default=None)}
     report["summary"] = summary
     by_prompt: dict[int, set] = {}
     for r in report["runs"]:
-        by_prompt.setdefault(r["prompt"], set()).add(tuple(r["tokens"]))
+        if r.get("tokens") is not None:  # the runner's greedy tokens (llama-bench generates its own)
+            by_prompt.setdefault(r["prompt"], set()).add(tuple(r["tokens"]))
     report["tokens_identical"] = all(len(v) == 1 for v in by_prompt.values()) if by_prompt else None
     base = summary.get(report["configs"][0], {}).get("tpot_ms", {}).get("median") if report["configs"] else None
     for name, s in summary.items():

@@ -46,7 +46,8 @@ numbers for the mapped path, shown as the device's mount; ~0 free on /data under
 user build, without root_user /proc/sys/vm/drop_caches and the sys files cannot be written (when
 the host user is root, the shell runs without CAP_DAC_OVERRIDE for that, through setpriv). The
 environment has SPX_EMULATOR: the full path of qemu-aarch64 on a non-arm64 host, empty on an arm64
-one, so `$SPX_EMULATOR ./arm64-binary` runs pushed binaries (no binfmt_misc).
+one or when the stand-in reports an x86 ABI (then pushed binaries are this machine's), so
+`$SPX_EMULATOR ./arm64-binary` runs pushed binaries (no binfmt_misc).
 
 Faults (constructor and `StandIn.set_faults`):
 - disconnect_after_s (with disconnect_match, a substring of the shell command, "" = any): N seconds
@@ -1306,7 +1307,9 @@ class StandIn:
         props = default_props(f"spx-standin-{self._port}", self.root_user) | self._extra_props
         (self._aux / "props").write_text("".join(f"{k}={v}\n" for k, v in sorted(props.items())))
         machine = platform.machine().lower()
-        emulator = "" if machine in ("aarch64", "arm64") else (shutil.which("qemu-aarch64") or "")
+        # arm64 binaries need qemu on another host; a stand-in reporting x86_64 runs this machine's own
+        native = machine in ("aarch64", "arm64") or props.get("ro.product.cpu.abi", "").startswith("x86")
+        emulator = "" if native else (shutil.which("qemu-aarch64") or "")
         root = str(self._root)
         self._env = {
             "PATH": f"{bin_dir}:{os.environ.get('PATH') or '/usr/local/bin:/usr/bin:/bin'}",

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from toolkit.errors import SpecPrefetchError
-from toolkit.peers import llamacpp
+from toolkit.peers import llamacpp, memlimit
 from toolkit.peers.memlimit import LimitedRun, run_limited
 from toolkit.reporting import save_figure, write_report
 
@@ -341,12 +341,18 @@ def run(bundles: list[Path], *, limits: Sequence[float | None] = (1.0, 0.75, 0.5
     times out (`timeout_s`) or is OOM-killed is a row with that status; an engine that timed out at a
     limit is not run at smaller limits of that model (its rows say so: status "timeout", `skipped`).
     Returns {"rows": [...], "machine": {...}, "notes": [...], ...}."""
-    from android_runner.build import build as build_runner, command as runner_command
+    from android_runner.build import build as build_runner
+    from android_runner.build import command as runner_command
 
     if not bundles:
         raise SpecPrefetchError("no bundle to measure")
     if new_tokens < 2:
         raise SpecPrefetchError("new_tokens must be >= 2 (TPOT needs two tokens)")
+    if any(f is not None and not 0 < f for f in limits):
+        raise SpecPrefetchError(f"memory limits are positive fractions of the model's bytes (got {list(limits)})")
+    why = memlimit.unavailable_reason()
+    if why and any(f is not None for f in limits):
+        raise SpecPrefetchError(f"cannot apply a memory limit here: {why}")
     t_start = time.monotonic()
     gguf_dir = Path(gguf_dir) if gguf_dir else llamacpp.peers_dir() / "gguf"
     machine = machine_facts(Path(bundles[0]))
@@ -382,8 +388,9 @@ def run(bundles: list[Path], *, limits: Sequence[float | None] = (1.0, 0.75, 0.5
                      "model_bytes": "the f16 GGUF file's size (llama.cpp's convert_hf_to_gguf --outtype f16)",
                      "cold": "drop_caches before every run (each run is one process)",
                      "memory": "cgroup v1 memory (+memsw) limit, page cache charged",
-                     "pool_margin_bytes": {_frac_text(f): pool_margin(int(f * models[0].model_bytes))
-                                           for f in limits if f is not None}},
+                     "native_pool": "limit - the runner's footprint without the pool - margin (default 4 MiB + "
+                                    "3% of the limit), within [one layer's top-k slots, every expert]; no limit: "
+                                    "every expert"},
         "models": [{"model": m.label, "description": m.desc, "bundle": str(m.bundle), "source": str(m.source),
                     "gguf": str(m.gguf), "model_bytes": m.model_bytes, "program_bytes": m.program.stat().st_size,
                     "store_bytes": m.store.stat().st_size, "experts": m.experts, "slot_bytes": m.slot_bytes,
@@ -444,26 +451,36 @@ def _measure(models: list[_Model], bins: Path, *, limits: Sequence[float | None]
 def _notes(models: list[_Model], rows: list[dict], new_tokens: int, timeout_s: float) -> list[str]:
     notes = [
         "model_bytes is the f16 GGUF file's size; memory limits are fractions of it, for both engines.",
-        "Each run is one process from a cold page cache; mib_read and peak_rss_bytes come from GNU time's "
-        "rusage of that process (all reads, model load and program included; RSS counts mapped file pages).",
-        "TPOT: llama.cpp's eval time / eval runs (n-1 single-token decodes); the native runner's "
-        "(t_last - t_first)/(n-1). TTFT: llama.cpp's prompt eval (one batched decode of the prompt, page "
-        "faults included, model load excluded); the native runner feeds the prompt one position at a time "
-        "through its decode graphs, so its TTFT is about prompt length x per-token time.",
-        "The native runner runs the bundle's fp32 dense program (XNNPACK) and fp16 experts; llama.cpp runs "
-        "the f16 GGUF. Native runs pass --no-verify-hashes (hashing the store would read it all through the "
-        "page cache) and --cold.",
+        ("Each run is one process from a cold page cache; mib_read and peak_rss_bytes come from GNU time's "
+         "rusage of that process (all reads, model load and program included; RSS counts mapped file pages)."),
+        ("TPOT: llama.cpp's eval time / eval runs (n-1 single-token decodes); the native runner's "
+         "(t_last - t_first)/(n-1). TTFT: llama.cpp's prompt eval (one batched decode of the prompt, page "
+         "faults included, model load excluded); the native runner feeds the prompt one position at a time "
+         "through its decode graphs, so its TTFT is about prompt length x per-token time."),
+        ("The native runner runs the bundle's fp32 dense program (XNNPACK) and fp16 experts; llama.cpp runs "
+         "the f16 GGUF. Native runs pass --no-verify-hashes (hashing the store would read it all through the "
+         "page cache) and --cold."),
         f"Per-run timeout {timeout_s:.0f} s; an engine that timed out at a limit is not run at smaller ones.",
     ]
     for m in models:
         if m.label != "embedded":
-            notes.append(f"{m.label}: random weights (specprefetch tiny): its routing is not realistic (near-"
-                         "uniform, no locality a trained model has), so hit rates and the adapter's gain are not "
-                         "what a trained model would show; the adapter was trained on this model's own traces.")
+            notes.append(f"{m.label}: random weights (not the embedded, trained model): its routing is not "
+                         "realistic (it follows random router weights, not what the text means), so its hit rates, "
+                         "how much of it a pool or page cache must hold, and the adapter's gain are not what a "
+                         "trained model would show; the adapter was trained on this model's own traces.")
+    return notes + pool_notes(rows)
+
+
+def pool_notes(rows: list[dict]) -> list[str]:
+    """The rows' pool notes, one line per model and note (the native engines share the pool)."""
+    where: dict[tuple[str, str], list[str]] = {}
     for r in rows:
         if r.get("note"):
-            notes.append(f"{r['model']} {r['engine']} at {_frac_text(r['memory_limit_frac'])}: {r['note']}")
-    return notes
+            fr = where.setdefault((r["model"], r["note"].split(";")[0]), [])
+            if _frac_text(r["memory_limit_frac"]) not in fr:
+                fr.append(_frac_text(r["memory_limit_frac"]))
+    return [f"{model}, native engines at {', '.join(fr)}: {note}; ran with the smallest pool (one layer's top-k "
+            "slots), so the runner's own pages compete with the limit" for (model, note), fr in where.items()]
 
 
 def machine_facts(path: Path) -> dict:
@@ -534,15 +551,15 @@ def markdown(result: dict) -> str:
     p = result.get("protocol", {})
     lines = []
     if p:
-        lines += [f"{p.get('prompts')} prompts of {p.get('prompt_tokens')} tokens x {p.get('new_tokens')} new tokens, "
+        lines += [(f"{p.get('prompts')} prompts of {p.get('prompt_tokens')} tokens x {p.get('new_tokens')} new tokens, "
                   f"greedy, {p.get('rounds')} rounds, engines interleaved, {p.get('threads')} compute thread(s); "
                   "one cold process per run; medians. Limits: cgroup v1 memory including page cache, as a share "
-                  "of the model's f16 GGUF bytes.", ""]
+                  "of the model's f16 GGUF bytes."), ""]
     for model in dict.fromkeys(r["model"] for r in rows):
         mr = [r for r in rows if r["model"] == model]
         lines += [f"### {model} ({mr[0]['model_bytes'] / MiB:.1f} MiB f16 GGUF)", "",
-                  "| limit | limit MiB | engine | pool MiB | TPOT ms | TTFT ms | MiB read (experts) | peak RSS MiB | "
-                  "tokens match | status | llama.cpp / engine TPOT |",
+                  ("| limit | limit MiB | engine | pool MiB | TPOT ms | TTFT ms | MiB read (experts) | peak RSS MiB | "
+                   "tokens match | status | llama.cpp / engine TPOT |"),
                   "|" + "---|" * 11]
         for frac in dict.fromkeys(r["memory_limit_frac"] for r in mr):
             fr = [r for r in mr if r["memory_limit_frac"] == frac]
@@ -595,7 +612,7 @@ def plot(result: dict, path: Path) -> None:
         ax.set_ylabel("TPOT (ms, log)")
         ax.set_title(f"{model} ({mr[0]['model_bytes'] / MiB:.0f} MiB)")
         ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=8, loc="upper right")
+        ax.legend(fontsize=8, loc="best")
     save_figure(fig, path)
 
 
