@@ -149,19 +149,23 @@ def lower_program(steps, cfg, quant: str, out_dir: Path, log, *, partitioner=Non
 _LOADED = False  # whether this process has loaded an ExecuTorch program
 
 
-def set_threads(n: int) -> None:
-    """ExecuTorch's thread pool size in this process (XNNPACK and the optimized kernels). Only before
-    the first program loads: a loaded method keeps the pool it was initialised with, and replacing
-    that pool would leave it pointing at freed memory."""
+def set_threads(n: int, *, strict: bool = True) -> int:
+    """ExecuTorch's thread pool size in this process (XNNPACK and the optimized kernels); returns the
+    size in effect. Only before the first program loads: a loaded method keeps the pool it was
+    initialised with, and replacing that pool would leave it pointing at freed memory. After that,
+    a different size is an error (strict) or left as it is."""
     from executorch.extension.pybindings import portable_lib
 
-    if portable_lib._threadpool_get_thread_count() == n:
-        return
+    have = portable_lib._threadpool_get_thread_count()
+    if have == n:
+        return n
     if _LOADED:
-        raise SpecPrefetchError(f"--threads {n}: this process already runs ExecuTorch programs with "
-                                f"{portable_lib._threadpool_get_thread_count()} threads; the pool size can only "
-                                "be set before the first program loads")
+        if strict:
+            raise SpecPrefetchError(f"--threads {n}: this process already runs ExecuTorch programs with {have} "
+                                    "threads; the pool size can only be set before the first program loads")
+        return have
     portable_lib._unsafe_reset_threadpool(n)
+    return n
 
 
 def load_program(path: Path):

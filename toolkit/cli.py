@@ -377,7 +377,9 @@ def run(model, policy, adapter, frequency_trace, pool_mib, window, queue_depth, 
         if isinstance(head, dict) and head.get("target") == "executorch":
             from export.executorch_target import set_threads
 
-            set_threads(threads)  # before the program loads
+            if set_threads(threads, strict=False) != threads:  # only before the first program loads
+                click.echo(f"note: ExecuTorch's thread pool stays at its size in this process (programs already "
+                           f"loaded), not --threads {threads}", err=True)
     pol = Policy.parse(policy)
     cfg = RunConfig(policy=pol, pool_mib=pool_mib or 8.0, window=window, queue_depth=queue_depth,
                     flash_profile=load_profile(flash_profile, "--flash-profile") if flash_profile else None,
@@ -565,8 +567,8 @@ def device_push(bundle, serial) -> None:
 
 
 @device.command(name="standin")
-@click.option("--port", type=click.IntRange(min=0, max=65535), default=5555, show_default=True,
-              help="TCP port on 127.0.0.1 (0: any free one)")
+@click.option("--port", type=click.IntRange(min=0, max=65535), default=15555, show_default=True,
+              help="TCP port on 127.0.0.1 (0: any free one; outside 5555-5585, where adb looks for emulators)")
 @click.option("--root", "root_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="the phone's files (/data/local/tmp, /sys, /proc views) [default: a temporary directory]")
 @click.option("--root-user", is_flag=True, help="the shell runs as root (drop_caches, governors writable)")
@@ -618,10 +620,12 @@ def device_standin(port, root_dir, root_user, abi, faults) -> None:
               help="cool-down target for the hottest CPU zone [default: its temperature at start + 3]")
 @click.option("--peer", type=click.Choice(["llama.cpp"]), default=None,
               help="also run llama.cpp's llama-bench on the same model (GGUF f16), interleaved")
+@click.option("--run-timeout", type=FiniteFloat(), default=900.0, show_default=True,
+              help="seconds one run may take on the device; past it the run is killed there and the bench stops")
 @click.option("--json", "json_out", required=True, type=OUT_FILE)
 @friendly_errors
 def device_bench(bundle, serial, policies, pool_mib, prompts, max_new_tokens, repeats, threads, fixed_performance,
-                 cooldown_timeout, max_temp_c, peer, json_out) -> None:
+                 cooldown_timeout, max_temp_c, peer, run_timeout, json_out) -> None:
     """Benchmark policies on the phone: cold cache, pinned to the big cores, interleaved, with a
     cool-down between runs; pulls every run's JSON and writes a table, a PNG and the JSON."""
     from toolkit.device.phone import bench
@@ -631,6 +635,7 @@ def device_bench(bundle, serial, policies, pool_mib, prompts, max_new_tokens, re
     bench(bundle, serial=serial, policies=names, pool_mib=pool_mib, prompts=list(prompts),
           max_new_tokens=max_new_tokens, repeats=repeats, json_out=json_out, fixed_performance=fixed_performance,
           threads=threads, cooldown_timeout_s=cooldown_timeout, max_temp_c=max_temp_c, peer=peer,
+          run_timeout_s=run_timeout,
           log=lambda s: click.echo(s, err=True))
     click.echo(json_out.with_suffix(".md").read_text())
     click.echo(f"wrote {json_out}, {json_out.with_suffix('.md')}, {json_out.with_suffix('.png')}")

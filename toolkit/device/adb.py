@@ -43,8 +43,9 @@ def adb_path() -> str:
 
 
 def _run(args: list[str], *, timeout: float | None, input: bytes | None = None) -> subprocess.CompletedProcess:
-    try:
-        return subprocess.run([adb_path(), *args], capture_output=True, timeout=timeout, input=input)
+    try:  # never the caller's stdin: `adb shell` would forward it to the device (and stop a background job)
+        return subprocess.run([adb_path(), *args], capture_output=True, timeout=timeout, input=input,
+                              stdin=None if input is not None else subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
         raise SpecPrefetchError(f"adb {' '.join(args[:3])}: no answer in {timeout:.0f} s") from None
 
@@ -126,6 +127,9 @@ class Adb:
         if cut < 0 or not out[cut + len(_MARK):].strip().isdigit():
             state = self.state()
             err = r.stderr.decode(errors="replace").strip().splitlines()
+            if state == "device":  # the shell went away, the device did not
+                raise SpecPrefetchError(f"on {self.serial}: `{cmd[:60]}` ended without finishing (adb exit "
+                                        f"{r.returncode})" + (f": {err[-1]}" if err else ""))
             raise DeviceLost(f"device {self.serial} lost during `{cmd[:60]}` (now {state})"
                              + (f": {err[-1]}" if err else ""))
         rc = int(out[cut + len(_MARK):].strip())

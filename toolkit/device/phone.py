@@ -109,8 +109,9 @@ def list_devices() -> list[dict[str, Any]]:
             continue
         try:
             out.append(facts(Adb(d.serial)))
-        except DeviceLost as e:
-            out.append({"serial": d.serial, "state": "lost", "error": str(e)})
+        except SpecPrefetchError as e:  # one device that does not answer does not hide the others
+            out.append({"serial": d.serial, "state": "lost" if isinstance(e, DeviceLost) else "not answering",
+                        "error": str(e)})
     return out
 
 
@@ -221,15 +222,31 @@ def _peer_files(bundle: Path, manifest: dict, abi: str, log: Callable[[str], Non
     return files
 
 
-def _llama_bench(adb: Adb, base: str, mask: str | None, n_prompt: int, n_gen: int, threads: int) -> dict[str, Any]:
+def _timed(adb: Adb, base: str, cmd: str, timeout_s: float) -> Any:
+    """`cmd` on the device in a shell that records its pid and then becomes the command, so that a
+    run past `timeout_s` is killed there (not left running into the next run)."""
+    pidfile = f"{base}/out/run.pid"
+    wrapped = f"mkdir -p {q(base)}/out && sh -c {q(f'echo $$ > {q(pidfile)}; exec {cmd}')}"
+    try:
+        return adb.shell(wrapped, timeout=timeout_s, check=False)
+    except DeviceLost:
+        raise
+    except SpecPrefetchError:
+        adb.shell(f"kill -9 $(cat {q(pidfile)}) 2>/dev/null; true", check=False, timeout=60)
+        raise SpecPrefetchError(f"a run on {adb.serial} took more than {timeout_s:.0f} s and was killed "
+                                "(--run-timeout)") from None
+
+
+def _llama_bench(adb: Adb, base: str, mask: str | None, n_prompt: int, n_gen: int, threads: int,
+                 timeout_s: float) -> dict[str, Any]:
     """One llama-bench run on the device (prompt processing of n_prompt tokens, then n_gen generated
     tokens; llama-bench's own synthetic tokens), its JSON parsed: TTFT ~ the prompt's processing,
     TPOT = generation time / n_gen."""
     cmd = ((f"taskset {mask} " if mask else "")
            + f"env LD_LIBRARY_PATH={q(base)}/peer $SPX_EMULATOR {q(base)}/peer/llama-bench -m {q(base)}/peer/model.gguf "
-           f"-p {n_prompt} -n {n_gen} -t {threads} -r 1 -o json")
+           f"-p {n_prompt} -n {n_gen} -t {threads} -r 1 --no-warmup -o json")
     t0 = time.monotonic()
-    r = adb.shell(cmd, timeout=None, check=False)
+    r = _timed(adb, base, cmd, timeout_s)
     wall = time.monotonic() - t0
     if r.returncode != 0:
         err = r.stderr.decode(errors="replace").strip().splitlines()
@@ -311,14 +328,15 @@ def _stats(xs: list[float]) -> dict[str, float | None]:
 def bench(bundle: Path, *, serial: str | None, policies: Sequence[str], pool_mib: float, prompts: Sequence[str],
           max_new_tokens: int, repeats: int, json_out: Path, fixed_performance: bool = False, threads: int = 1,
           cooldown_timeout_s: float = 120.0, max_temp_c: float | None = None, peer: str | None = None,
-          log: Callable[[str], None] = print) -> dict[str, Any]:
+          run_timeout_s: float = 900.0, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Policies interleaved on the phone; returns the report (also written: JSON, .md, .png).
-    A device lost mid-run keeps what was measured (status "partial", the reason recorded) and is
-    then an error; a runner crash is recorded (exit code, stderr) and the bench goes on."""
+    Whatever stops the bench early (a device lost mid-run, a run past run_timeout_s, an interrupt)
+    keeps what was measured (status "partial", the reason recorded) and is then an error. A run
+    that fails (a runner crash: exit code, stderr) is recorded and the bench goes on; failures make
+    the command fail at the end, after the report is written."""
     from transformers import AutoTokenizer
 
     from export.manifest import validate_bundle
-    from toolkit.artifacts import write_json_atomic
 
     bundle = Path(bundle)
     m, _ = validate_bundle(bundle, hash_store=False)
@@ -343,7 +361,9 @@ def bench(bundle: Path, *, serial: str | None, policies: Sequence[str], pool_mib
         "bundle": str(bundle), "remote": base, "device": f, "policies": list(policies), "pool_mib": pool_mib,
         "peer": peer,
         "prompts": list(prompts), "max_new_tokens": max_new_tokens, "repeats": repeats, "threads": threads,
-        "pinned_cpus": big, "cache": "drop_caches (root)" if f["root"] else "posix_fadvise(DONTNEED) by the runner",
+        "pinned_cpus": big,
+        "cache": ("drop_caches (root), then the runner's posix_fadvise(DONTNEED) of its store" if f["root"] else
+                  "the runner's posix_fadvise(DONTNEED) of its store (not root: llama.cpp's GGUF is not evicted)"),
         "configs": [c["name"] for c in configs], "runs": [], "failures": [], "notes": notes, "status": "complete",
         "reason": None}
     start = snapshot(adb)
@@ -351,16 +371,35 @@ def bench(bundle: Path, *, serial: str | None, policies: Sequence[str], pool_mib
     min_avail = int(0.9 * (start["meminfo"].get("MemAvailable") or 0))
     report["cooldown"] = {"max_temp_c": limit, "min_mem_available": min_avail, "timeout_s": cooldown_timeout_s}
 
+    governors: dict[str, str] = {}
+    if any(c["performance"] for c in configs):  # what to put back after each performance run
+        for line in adb.text("for g in /sys/devices/system/cpu/cpufreq/policy*/scaling_governor; do "
+                             "echo \"$g $(cat $g)\"; done").splitlines():
+            if len(line.split()) == 2:
+                governors[line.split()[0]] = line.split()[1]
+        report["governors"] = governors
+
+    def restore_governors() -> None:
+        for g, v in governors.items():
+            adb.shell(f"echo {q(v)} > {q(g)}", check=False)
+
     def one(cfg: dict, p: int, rep: int, warm: bool = False) -> None:
         gate = cool_down(adb, max_temp_c=limit, min_available=min_avail, timeout_s=cooldown_timeout_s)
         if f["root"]:
             adb.shell("sync; echo 3 > /proc/sys/vm/drop_caches", check=False)
         if cfg["performance"]:
-            adb.shell("for g in /sys/devices/system/cpu/cpufreq/policy*/scaling_governor; do echo performance > $g; "
-                      "done", check=False)
+            for g in governors:
+                adb.shell(f"echo performance > {q(g)}", check=False)
+        try:
+            _one(cfg, p, rep, warm, gate)
+        finally:
+            if cfg["performance"]:
+                restore_governors()
+
+    def _one(cfg: dict, p: int, rep: int, warm: bool, gate: dict) -> None:
         before = snapshot(adb)
         if cfg.get("peer"):
-            res = _llama_bench(adb, base, mask, len(ids[p]), max_new_tokens, threads)
+            res = _llama_bench(adb, base, mask, len(ids[p]), max_new_tokens, threads, run_timeout_s)
             after = snapshot(adb)
             if warm:
                 return
@@ -375,12 +414,15 @@ def bench(bundle: Path, *, serial: str | None, policies: Sequence[str], pool_mib
             log(f"  llama.cpp prompt {p} #{rep + 1}: TPOT {res['tpot_ms']} ms (llama-bench)")
             return
         remote_json = f"{base}/out/{cfg['name'].replace('+', '_').replace('@', '_')}-{p}-{rep}.json"
-        cmd = (f"mkdir -p {q(base)}/out && " + (f"taskset {mask} " if mask else "")
+        # push checked every file's sha256 on the device: no hashing here (it would read the whole
+        # bundle through the page cache on the pinned cores just before the timed run)
+        cmd = ((f"taskset {mask} " if mask else "")
                + f"sh {q(base)}/runner/run.sh {q(base)}/bundle --prompt-ids {','.join(map(str, ids[p]))} "
                f"--max-new-tokens {max_new_tokens} --policy {q(cfg['policy'])} --pool-mib {pool_mib!r} "
-               f"--threads {threads} --json {q(remote_json)}" + ("" if f["root"] else " --cold"))
+               f"--threads {threads} --json {q(remote_json)} --no-verify-hashes --cold")
+        adb.shell(f"rm -f {q(remote_json)}", check=False)
         t0 = time.monotonic()
-        r = adb.shell(cmd, timeout=None, check=False)
+        r = _timed(adb, base, cmd, run_timeout_s)
         wall = time.monotonic() - t0
         after = snapshot(adb)
         if cfg["performance"]:
@@ -396,9 +438,17 @@ def bench(bundle: Path, *, serial: str | None, policies: Sequence[str], pool_mib
             return
         import tempfile
 
-        with tempfile.TemporaryDirectory() as tmp:
-            adb.pull(remote_json, Path(tmp) / "run.json")
-            res = json.loads((Path(tmp) / "run.json").read_text())
+        try:
+            with tempfile.TemporaryDirectory() as tmp:
+                adb.pull(remote_json, Path(tmp) / "run.json")
+                res = json.loads((Path(tmp) / "run.json").read_text())
+                res["runs"][0]
+        except DeviceLost:
+            raise
+        except (SpecPrefetchError, ValueError, KeyError, IndexError, TypeError) as e:
+            report["failures"].append({"config": cfg["name"], "prompt": p, "repeat": rep, "exit_code": 0,
+                                       "stderr": f"no usable result JSON: {e}"})
+            return
         for run in res["runs"]:
             row = {"config": cfg["name"], "policy": res["policy"], "performance": cfg["performance"], "prompt": p,
                    "repeat": rep, **{k: v for k, v in run.items() if k not in ("routing", "source")},
@@ -413,22 +463,28 @@ def bench(bundle: Path, *, serial: str | None, policies: Sequence[str], pool_mib
         log(f"warm-up on {adb.serial}" + (f", pinned to CPUs {big}" if big else ""))
         one(configs[0], 0, -1, warm=True)
         if peer:
-            one(configs[-1], 0, -1, warm=True)
+            one(next(c for c in configs if c.get("peer")), 0, -1, warm=True)
         for rep in range(repeats):
             order = configs if rep % 2 == 0 else configs[::-1]  # ABAB..., then in reverse
             for p in range(len(ids)):
                 for cfg in order:
                     one(cfg, p, rep)
-    except DeviceLost as e:
-        report["status"], report["reason"] = "partial", str(e)
     except KeyboardInterrupt:
         report["status"], report["reason"] = "partial", "interrupted"
+    except Exception as e:  # whatever stopped it, what was measured is kept
+        report["status"] = "partial"
+        report["reason"] = str(e) if isinstance(e, SpecPrefetchError) else f"{type(e).__name__}: {e}"
     finalize(report)
     from toolkit.reporting import write_report
 
     write_report(report, json_out, markdown, plot)
     if report["status"] != "complete":
         raise SpecPrefetchError(f"{report['reason']}: partial results ({len(report['runs'])} runs) in {json_out}")
+    if report["failures"]:
+        fl = report["failures"][0]
+        last = (fl["stderr"].strip().splitlines() or [""])[-1]
+        raise SpecPrefetchError(f"{len(report['failures'])} of {len(report['failures']) + len(report['runs'])} runs "
+                                f"failed (first: {fl['config']}, exit {fl['exit_code']}: {last}); details in {json_out}")
     return report
 
 
@@ -472,7 +528,8 @@ def markdown(r: dict[str, Any]) -> str:
                      f"{round(rss / 2**20, 1) if rss else None} | {s['first_over_this']} |")
     lines += ["", f"greedy tokens identical across configurations: {r['tokens_identical']}"]
     for fl in r["failures"]:
-        lines.append(f"- runner failure: {fl['config']} prompt {fl['prompt']}: exit {fl['exit_code']}")
+        last = (fl["stderr"].strip().splitlines() or [""])[-1]
+        lines.append(f"- runner failure: {fl['config']} prompt {fl['prompt']}: exit {fl['exit_code']}: {last}")
     for n in r["notes"]:
         lines.append(f"- {n}")
     return "\n".join(lines) + "\n"
