@@ -202,3 +202,19 @@ def test_bench_with_llama_cpp_beside(native_host, phones, tmp_path):
     assert peer[0]["model_size"] > 0.9 * gguf.stat().st_size - 2**20
     assert [x["config"] for x in rep["runs"]] == ["on-demand+lru", "llama.cpp", "llama.cpp", "on-demand+lru"]
     assert rep["summary"]["llama.cpp"]["runs"] == 2 and rep["tokens_identical"] is True
+
+
+def test_a_store_that_does_not_match_its_manifest_is_named(native_host, phones, tmp_path):
+    """Opening a bundle to run it skips hashing the store; push checks it on the device and names a
+    local store whose bytes are not the manifest's (instead of re-sending it forever)."""
+    bundle, _ = native_host
+    b = tmp_path / "b"
+    shutil.copytree(bundle, b)
+    with open(b / "experts.spx", "r+b") as f:
+        f.seek(-1, 2)
+        last = f.read(1)
+        f.seek(-1, 2)
+        f.write(bytes([last[0] ^ 0xFF]))
+    p = phones()
+    with pytest.raises(SpecPrefetchError, match="experts.spx: its sha256 is not the one"):
+        push(b, p.serial, log=lambda s: None)

@@ -194,6 +194,10 @@ def push(bundle: Path, serial: str | None = None, *, peer: str | None = None,
               f"{q(base)}/peer/llama-bench {q(base)}/peer/*.so* 2>/dev/null; true", check=False)
     got = _remote_hashes(adb, base, list(files))
     bad = [rel for rel in files if got.get(rel) != want[rel]]
+    for rel in bad:  # the device holds what was sent, but that is not what the manifest lists
+        if rel in listed and got.get(rel) == _sha256(files[rel]):
+            raise SpecPrefetchError(f"{files[rel]}: its sha256 is not the one {bundle / 'manifest.json'} lists "
+                                    "(a damaged bundle: `specprefetch inspect` it, or export it again)")
     if bad:
         raise SpecPrefetchError(f"device {adb.serial}: {len(bad)} files differ after the push (first: {bad[0]}); "
                                 "push again")
