@@ -313,3 +313,28 @@ def test_sidebyside_on_the_embedded_bundle(embedded_bundles, tmp_path):
     assert r["machine"]["cores"] and r["models"][0]["native_footprint"]["footprint_bytes"] > 0
     md = sbs.markdown(r)
     assert "| 100% |" in md and "llama.cpp" in md
+
+
+def test_sidebyside_keeps_the_rows_measured_before_an_error(tmp_path, monkeypatch):
+    """_measure appends each limit's rows as it finishes them, so an error mid-way leaves those rows
+    with the caller (run() reports them as a partial result)."""
+    from toolkit.peers import sidebyside as sbs
+
+    def fake_llama(bins, m, i, n_new, limit, threads, timeout):
+        if limit is not None and limit <= 500 * MiB:
+            raise RuntimeError("disk vanished")
+        return {"status": "ok", "tpot_ms": 10.0, "ttft_ms": 50.0, "mib_read": 1000.0, "peak_rss_bytes": 900 * MiB,
+                "tokens_match": True, "tokens_agree": 8, "wall_s": 1.0}
+
+    def fake_native(m, i, n_new, policy, pool, limit, threads, timeout):
+        return {"status": "ok", "tpot_ms": 2.0, "ttft_ms": 20.0, "mib_read": 100.0, "peak_rss_bytes": 300 * MiB,
+                "tokens_match": True, "tokens_agree": 8, "runner_mib_read": 80.0, "hit_rate": 0.9,
+                "stall_ms_per_token": 0.1, "direct_io": True, "wall_s": 1.0}
+
+    monkeypatch.setattr(sbs, "_run_llama", fake_llama)
+    monkeypatch.setattr(sbs, "_run_native", fake_native)
+    rows: list = []
+    with pytest.raises(RuntimeError, match="disk vanished"):
+        sbs._measure([_fake_model(tmp_path)], tmp_path, limits=(1.0, 0.5), rounds=1, new_tokens=8, threads=1,
+                     timeout_s=60, pool_margin=sbs.default_margin, timings={}, log=lambda s: None, rows=rows)
+    assert {r["memory_limit_frac"] for r in rows} == {1.0} and len(rows) == 3

@@ -714,6 +714,8 @@ def _bench_peer(bundles, limits, prompts, prompt_tokens, new_tokens, rounds, tim
     md, png = sidebyside.write(r, json_out)
     click.echo(md.read_text())
     click.echo(f"wrote {json_out}, {md}, {png}")
+    if r.get("status") == "partial":
+        raise SpecPrefetchError(f"{r['reason']}: partial results ({len(r['rows'])} rows) in {json_out}")
 
 
 def _tolerances(items: tuple[str, ...]) -> dict[str, float]:

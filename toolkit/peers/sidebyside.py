@@ -376,13 +376,20 @@ def run(bundles: list[Path], *, limits: Sequence[float | None] = (1.0, 0.75, 0.5
         models.append(m)
         timings[f"setup {m.label} s"] = round(time.monotonic() - t0, 1)
 
-    rows = _measure(models, bins, limits=limits, rounds=rounds, new_tokens=new_tokens, threads=threads,
-                    timeout_s=timeout_s, pool_margin=pool_margin, timings=timings, log=log)
+    rows: list[dict] = []  # filled as measured: what was measured survives an early stop
+    status, reason = "complete", None
+    try:
+        _measure(models, bins, limits=limits, rounds=rounds, new_tokens=new_tokens, threads=threads,
+                 timeout_s=timeout_s, pool_margin=pool_margin, timings=timings, log=log, rows=rows)
+    except KeyboardInterrupt:
+        status, reason = "partial", "interrupted"
+    except Exception as e:  # noqa: BLE001 - kept in the report, then raised by the caller as one line
+        status, reason = "partial", (str(e) if isinstance(e, SpecPrefetchError) else f"{type(e).__name__}: {e}")
     notes = _notes(models, rows, new_tokens, timeout_s)
     machine["load_avg_end"] = list(os.getloadavg())
     timings["total s"] = round(time.monotonic() - t_start, 1)
     return {
-        "rows": rows, "machine": machine, "notes": notes,
+        "rows": rows, "status": status, "reason": reason, "machine": machine, "notes": notes,
         "protocol": {"prompts": prompts, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "rounds": rounds,
                      "threads": threads, "limits": list(limits), "timeout_s": timeout_s,
                      "model_bytes": "the f16 GGUF file's size (llama.cpp's convert_hf_to_gguf --outtype f16)",
@@ -401,9 +408,11 @@ def run(bundles: list[Path], *, limits: Sequence[float | None] = (1.0, 0.75, 0.5
 
 
 def _measure(models: list[_Model], bins: Path, *, limits: Sequence[float | None], rounds: int, new_tokens: int,
-             threads: int, timeout_s: float, pool_margin: Callable[[int], int], timings: dict, log: Log) -> list[dict]:
-    """Every model x limit x round x prompt, the engines interleaved; one row per model x engine x limit."""
-    rows: list[dict] = []
+             threads: int, timeout_s: float, pool_margin: Callable[[int], int], timings: dict, log: Log,
+             rows: list[dict] | None = None) -> list[dict]:
+    """Every model x limit x round x prompt, the engines interleaved; one row per model x engine x limit,
+    appended to `rows` as each limit is done."""
+    rows = [] if rows is None else rows
     for m in models:
         t0 = time.monotonic()
         timed_out_at: dict[str, float] = {}
