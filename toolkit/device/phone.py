@@ -140,12 +140,14 @@ def _local_files(bundle: Path, runner: Path) -> dict[str, Path]:
     return files
 
 
-def _remote_hashes(adb: Adb, base: str, rels: Sequence[str]) -> dict[str, str]:
+def _remote_hashes(adb: Adb, base: str, rels: Sequence[str], sizes: dict[str, int] | None = None) -> dict[str, str]:
     out: dict[str, str] = {}
     for i in range(0, len(rels), 64):  # keep each command line short
         chunk = rels[i:i + 64]
+        # time for the phone to hash what is there: 2 minutes, plus a slow 20 MB/s for the bytes
+        nbytes = sum((sizes or {}).get(x, 0) for x in chunk)
         r = adb.shell(f"cd {q(base)} 2>/dev/null && sha256sum {' '.join(q(x) for x in chunk)} 2>/dev/null",
-                      check=False)
+                      check=False, timeout=120 + nbytes / 20e6)
         for line in r.stdout.decode(errors="replace").splitlines():
             parts = line.split(None, 1)
             if len(parts) == 2 and len(parts[0]) == 64:
@@ -177,7 +179,8 @@ def push(bundle: Path, serial: str | None = None, *, peer: str | None = None,
               if isinstance(v, dict) and "sha256" in v}
     log(f"hashing {len(files)} files here")
     want = {rel: listed.get(rel) or _sha256(p) for rel, p in files.items()}
-    have = _remote_hashes(adb, base, list(files))
+    sizes = {rel: p.stat().st_size for rel, p in files.items()}
+    have = _remote_hashes(adb, base, list(files), sizes)
     send = [rel for rel in files if have.get(rel) != want[rel]]
     nbytes = sum(files[rel].stat().st_size for rel in send)
     free = f["free_bytes_data_local_tmp"]
@@ -192,7 +195,7 @@ def push(bundle: Path, serial: str | None = None, *, peer: str | None = None,
         adb.push(files[rel], f"{base}/{rel}")
     adb.shell(f"chmod 755 {q(base)}/runner/run.sh {q(base)}/runner/bin/* {q(base)}/runner/lib/* "
               f"{q(base)}/peer/llama-bench {q(base)}/peer/*.so* 2>/dev/null; true", check=False)
-    got = _remote_hashes(adb, base, list(files))
+    got = _remote_hashes(adb, base, list(files), sizes)
     bad = [rel for rel in files if got.get(rel) != want[rel]]
     for rel in bad:  # the device holds what was sent, but that is not what the manifest lists
         if rel in listed and got.get(rel) == _sha256(files[rel]):

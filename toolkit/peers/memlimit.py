@@ -271,6 +271,7 @@ def run_limited(argv: Sequence[str | os.PathLike], *, limit_bytes: int | None,
     if limit_bytes is not None and not use_cgroup:
         raise SpecPrefetchError("a memory limit needs a cgroup (use_cgroup=False was given)")
     cache_drop = drop_page_cache(files) if cold else "none (warm)"
+    timer_path = gnu_time()  # before the cgroup: nothing between its creation and the try that removes it
     cg = _make_cgroup(limit_bytes) if use_cgroup else None
     procs_path = os.fsencode(cg / "cgroup.procs") if cg else None
 
@@ -283,7 +284,8 @@ def run_limited(argv: Sequence[str | os.PathLike], *, limit_bytes: int | None,
                 os.close(fd)
 
     timed_out = threading.Event()
-    timer_path = gnu_time()
+    lock = threading.Lock()  # the timer kills only a process not yet waited for
+    exited = [False]
     try:
         with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, \
                 tempfile.NamedTemporaryFile("r", suffix=".rusage") as rus:
@@ -300,17 +302,28 @@ def run_limited(argv: Sequence[str | os.PathLike], *, limit_bytes: int | None,
                 raise SpecPrefetchError(f"could not start {argv[0]}: {e.strerror}") from e
 
             def kill() -> None:
-                timed_out.set()
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+                with lock:
+                    if exited[0]:  # it ended first: its process group id may be free, or reused
+                        return
+                    timed_out.set()
+                    try:
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
 
             timer = threading.Timer(timeout, kill) if timeout is not None else None
             if timer:
                 timer.daemon = True
                 timer.start()
             try:
+                while True:  # wait for the exit without reaping, so the pid stays ours until the timer is off
+                    try:
+                        os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
+                        break
+                    except InterruptedError:
+                        continue
+                with lock:
+                    exited[0] = True
                 while True:
                     try:
                         _, status, ru = os.wait4(proc.pid, 0)
