@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from android_runner.build import build
 from android_runner.build import run_native as _run_native
 from toolkit.reporting import save_figure, write_report
 
@@ -70,17 +71,18 @@ def calibrate_native(bundle: Path, prompts: list[list[int]], *, all_mib: float, 
     L, k = st.num_layers, m["routing"]["top_k"]
     flash = measure_flash(st, reads)
     tiny = tiny_pool_mib(k, st.slot_bytes)
+    runner = build(bundle, "host")
     configs = {"resident": ("on-demand+lru", all_mib, ["--preload"], False),
                "plan": ("oracle+lru", all_mib, ["--preload"], False),
                "on_demand": ("on-demand+lru", tiny, [], True),
                "oracle": ("oracle+belady", tiny, [], True)}
     got: dict[str, list[dict]] = {c: [] for c in configs}
     _run_native(bundle, prompts[:1], max_new_tokens=tokens, policy="on-demand+lru", pool_mib=all_mib,
-                threads=threads, extra=["--preload"])  # warm-up
+                threads=threads, extra=["--preload"], runner=runner)  # warm-up
     for _ in range(repeats):
         for c, (policy, pool, extra, cold) in configs.items():
             got[c] += _run_native(bundle, prompts, max_new_tokens=tokens, policy=policy, pool_mib=pool, cold=cold,
-                                  threads=threads, extra=extra)["runs"]
+                                  threads=threads, extra=extra, runner=runner)["runs"]
     res = {c: _pooled(runs) for c, runs in got.items()}
     return runtime_profile(
         "this-machine-native", f"the native runner on {os.uname().nodename} with {st.path.name}", flash=flash,
@@ -106,14 +108,10 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
     to gain from more on this machine; docs/benchmarks.md)."""
     from transformers import AutoTokenizer
 
-    import sys
-
-    import torch
-
     from export.executorch_target import set_threads
     from export.manifest import validate_bundle
     from export.session import open_session
-    from toolkit.bench import bench_prompts
+    from toolkit.bench import bench_prompts, torch_threads
     from toolkit.runtime.expert_store import ExpertStore
     from toolkit.runtime.policy import Policy
     from toolkit.runtime.runner import RunConfig
@@ -129,9 +127,8 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
     out: dict[str, Any] = {"bundle": str(bundle), "prompts": texts, "new_tokens": new_tokens, "rounds": rounds,
                            "experts": L * E, "slot_bytes": store.slot_bytes, "threads": threads}
     set_threads(threads)  # the Python engine's ExecuTorch, before its program loads
-    torch.set_num_threads(threads)  # and its torch ops (the experts), as `run --threads` sets them
-    sys.setswitchinterval(0.0002)
-    run_native = functools.partial(_run_native, threads=threads)
+    torch_threads(threads)  # and its torch ops (the experts), as `run --threads` sets them
+    run_native = functools.partial(_run_native, threads=threads, runner=build(bundle, "host"))
 
     # 1. all experts resident
     log("a pool of every expert: native vs the Python reference runner (each reads an expert on its first "

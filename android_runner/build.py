@@ -440,10 +440,12 @@ def run_native(bundle: Path | str, prompts: Sequence[str | Sequence[int]], *, ab
                queue_depth: int | None = None, min_confidence: float | None = None, threads: int | None = None,
                step_budget_kib: int | None = None, events: Path | None = None, routing: Path | None = None,
                cold: bool = False, isa: str | None = None, extra: Sequence[str] = (), timeout: float | None = None,
+               runner: Path | None = None,
                log: Callable[[str], None] = lambda s: print(s, file=sys.stderr)) -> dict[str, Any]:
     """Run the native runner on `bundle` and return its JSON (building the runner first if needed).
-    A prompt is text (the runner's tokenizer encodes it) or token ids."""
-    out = build(bundle, abi, log=log)
+    A prompt is text (the runner's tokenizer encodes it) or token ids. `runner`: a build of it
+    already made (build's result), so repeated runs do not re-check the bundle and the sources."""
+    out = Path(runner) if runner is not None else build(bundle, abi, log=log)
     args = [str(bundle)]
     for p in prompts:
         args += ["--prompt", p] if isinstance(p, str) else ["--prompt-ids", ",".join(str(int(i)) for i in p)]

@@ -38,6 +38,13 @@ def bench_prompts(n: int, tokens: int, tokenizer) -> list[str]:
     return out
 
 
+def torch_threads(n: int) -> None:
+    """torch's compute threads for a measurement (the rest of the cores serve I/O), and a short
+    switch interval so I/O threads publish completions promptly."""
+    torch.set_num_threads(max(1, n))
+    sys.setswitchinterval(0.0002)
+
+
 def run_bench(*, model: str = "embedded", adapter: Path | None, policies: list[Policy], pools: list[float],
               frequency_trace: Path | None = None,
               prompts: int = 4, prompt_tokens: int = 64, new_tokens: int = 48, rounds: int = 3,
@@ -48,8 +55,7 @@ def run_bench(*, model: str = "embedded", adapter: Path | None, policies: list[P
     from toolkit.runtime.profiles import load_profile
     from toolkit.runtime.runner import RunConfig
 
-    torch.set_num_threads(threads)
-    sys.setswitchinterval(0.0002)
+    torch_threads(threads)
     cfg = RunConfig(policy=policies[0], pool_mib=max(pools), window=window,
                     flash_profile=load_profile(flash_profile) if flash_profile else None)
     s = open_session(model, cfg, predictors=[p.predictor for p in policies], adapter=adapter, store=store,

@@ -371,6 +371,8 @@ def run(model, policy, adapter, frequency_trace, pool_mib, window, queue_depth, 
     from toolkit.runtime.runner import RunConfig, write_events
     from toolkit.runtime.stats import peak_rss_bytes
 
+    from toolkit.bench import torch_threads
+
     torch_threads(threads)
     if is_bundle(model):
         head = read_manifest(model)[1]
@@ -445,8 +447,9 @@ def _run_native(model, *, abi, policy, pool_mib, window, queue_depth, prompts, m
     encoded = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
     # text in and out through the runner's own tokenizer where it has one (`runner build` builds it
     # in); a runner built with --no-tokenizer gets transformers' ids
-    text_in = has_tokenizer(build(model, abi))
-    res = run_native(model, list(prompts) if text_in else encoded, abi=abi, max_new_tokens=max_new_tokens, policy=policy, pool_mib=pool_mib,
+    out = build(model, abi)
+    text_in = has_tokenizer(out)
+    res = run_native(model, list(prompts) if text_in else encoded, abi=abi, runner=out, max_new_tokens=max_new_tokens, policy=policy, pool_mib=pool_mib,
                      window=window, queue_depth=queue_depth, min_confidence=min_confidence,
                      step_budget_kib=step_budget_kib, events=events_out, threads=threads)
     src = Path(m["model"].get("source", ""))
@@ -807,13 +810,6 @@ def inspect_cmd(bundle: Path, as_json: bool) -> None:
     click.echo(f"  graphs     {len(s['graphs'])} checked: " + ", ".join(sorted(s["graphs"])))
     for n in s["notes"]:
         click.echo(f"  note       {n}")
-
-
-def torch_threads(n: int) -> None:
-    import torch
-
-    torch.set_num_threads(max(1, n))
-    sys.setswitchinterval(0.0002)  # let I/O threads publish completions promptly
 
 
 @main.command()

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from toolkit.device.adb import Adb, DeviceLost, choose, devices, q
+from toolkit.artifacts import sha256_file
 from toolkit.errors import SpecPrefetchError
 
 ROOT = "/data/local/tmp/specprefetch"
@@ -117,14 +118,6 @@ def list_devices() -> list[dict[str, Any]]:
 
 # ---------------------------------------------------------------------------------------- push
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def bundle_hash(bundle: Path) -> str:
     """The bundle's identity on the device: its manifest (which lists every file's sha256)."""
     return hashlib.sha256((Path(bundle) / "manifest.json").read_bytes()).hexdigest()[:16]
@@ -178,7 +171,7 @@ def push(bundle: Path, serial: str | None = None, *, peer: str | None = None,
     listed = {f"bundle/{k}": v["sha256"] for k, v in manifest.get("files", {}).items()
               if isinstance(v, dict) and "sha256" in v}
     log(f"hashing {len(files)} files here")
-    want = {rel: listed.get(rel) or _sha256(p) for rel, p in files.items()}
+    want = {rel: listed.get(rel) or sha256_file(p) for rel, p in files.items()}
     sizes = {rel: p.stat().st_size for rel, p in files.items()}
     have = _remote_hashes(adb, base, list(files), sizes)
     send = [rel for rel in files if have.get(rel) != want[rel]]
@@ -198,7 +191,7 @@ def push(bundle: Path, serial: str | None = None, *, peer: str | None = None,
     got = _remote_hashes(adb, base, list(files), sizes)
     bad = [rel for rel in files if got.get(rel) != want[rel]]
     for rel in bad:  # the device holds what was sent, but that is not what the manifest lists
-        if rel in listed and got.get(rel) == _sha256(files[rel]):
+        if rel in listed and got.get(rel) == sha256_file(files[rel]):
             raise SpecPrefetchError(f"{files[rel]}: its sha256 is not the one {bundle / 'manifest.json'} lists "
                                     "(a damaged bundle: `specprefetch inspect` it, or export it again)")
     if bad:
@@ -218,11 +211,10 @@ def _peer_files(bundle: Path, manifest: dict, abi: str, log: Callable[[str], Non
     if not (src / "config.json").is_file():
         raise SpecPrefetchError(f"--peer llama.cpp: the bundle's source model {src} is not on this machine "
                                 "(llama.cpp converts it to GGUF)")
+    from toolkit.peers.sidebyside import model_label
+
     bin_dir = llamacpp.build("arm64" if abi == "arm64" else "host", log=log)
-    gguf = llamacpp.peers_dir() / "gguf" / f"device-{bundle_hash(bundle)}-f16.gguf"
-    if not gguf.is_file():
-        gguf.parent.mkdir(parents=True, exist_ok=True)
-        llamacpp.convert(src, gguf, log=log)
+    gguf = llamacpp.cached_gguf(src, model_label(src, set()), log=log)  # the side by side's GGUF of it, too
     files = {"peer/llama-bench": bin_dir / "llama-bench", "peer/model.gguf": gguf}
     for so in sorted(bin_dir.glob("*.so*")):  # a shared-library build (host) needs its libraries beside it
         files[f"peer/{so.name}"] = so

@@ -18,6 +18,7 @@ build-host/, build-arm64/ and their logs.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -51,19 +52,32 @@ Log = Callable[[str], None]
 
 
 def peers_dir() -> Path:
-    prof = Path(os.environ.get("SPECPREFETCH_PROFILES",
-                               Path.home() / ".cache" / "specprefetch" / "profiles"))
-    return prof.parent / "peers"
+    """Beside the runner cache and the device profiles (moves with SPECPREFETCH_PROFILES)."""
+    from toolkit.runtime.profiles import profile_dir
+
+    return profile_dir().parent / "peers"
+
+
+def cached_gguf(source: Path, label: str, gguf_dir: Path | None = None, *, log: Log = print) -> Path:
+    """The f16 GGUF of a checkpoint, converted once: cached per checkpoint content (its config and
+    weight files' sizes and mtimes) under gguf_dir (default peers_dir()/gguf)."""
+    h = hashlib.sha256()
+    for p in sorted(Path(source).iterdir()):
+        if p.suffix in (".json", ".safetensors") and p.is_file():
+            st = p.stat()
+            h.update(f"{p.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    out = (Path(gguf_dir) if gguf_dir else peers_dir() / "gguf") / f"{label}-{h.hexdigest()[:12]}-f16.gguf"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        convert(Path(source), out, log=log)
+    return out
 
 
 def _venv_tool(name: str) -> str:
-    p = Path(sys.executable).parent / name
-    if p.exists():
-        return str(p)
-    found = shutil.which(name)
-    if not found:
-        raise SpecPrefetchError(f"{name} not found (pip install {name} into the venv)")
-    return found
+    """cmake / ninja: the virtual environment's own, as the runner's build finds them."""
+    from android_runner.build import _tool
+
+    return _tool(name, f"pip install {name} (a project dependency: make setup)")
 
 
 def source_dir(*, log: Log = print) -> Path:

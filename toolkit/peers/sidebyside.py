@@ -29,7 +29,6 @@ run of the row produced the reference's tokens.
 from __future__ import annotations
 
 import gc
-import hashlib
 import json
 import os
 import platform
@@ -91,7 +90,7 @@ class _Model:
 
 # ------------------------------------------------------------------------------------ set-up
 
-def _label(source: Path, taken: set[str]) -> str:
+def model_label(source: Path, taken: set[str]) -> str:
     from toolkit.models.loader import embedded_model_dir
 
     if source.resolve() == embedded_model_dir().resolve():
@@ -138,19 +137,9 @@ def _open_model(bundle: Path, prompts: int, prompt_tokens: int, new_tokens: int,
     mo = m["model"]
     desc = (f"{mo['family']}, {mo['num_layers']} layers, hidden {mo['hidden_size']}, {mo['num_experts']} experts "
             f"top-{mo['top_k']}, expert {st.blob_size / MiB:.2f} MiB fp16")
-    return _Model(label=_label(source, taken), desc=desc, bundle=bundle, source=source, manifest=m, tokenizer=tok,
+    return _Model(label=model_label(source, taken), desc=desc, bundle=bundle, source=source, manifest=m, tokenizer=tok,
                   texts=texts, ids=ids, store=store, program=bundle / m["graphs"]["file"], slot_bytes=st.slot_bytes,
                   experts=st.num_layers * st.num_experts, top_k=int(m["routing"]["top_k"]), graph=graph)
-
-
-def _gguf_path(source: Path, gguf_dir: Path, label: str) -> Path:
-    """A cached f16 GGUF per checkpoint content (config and weight files' sizes and mtimes)."""
-    h = hashlib.sha256()
-    for p in sorted(source.iterdir()):
-        if p.suffix in (".json", ".safetensors") and p.is_file():
-            st = p.stat()
-            h.update(f"{p.name}:{st.st_size}:{st.st_mtime_ns}".encode())
-    return gguf_dir / f"{label}-{h.hexdigest()[:12]}-f16.gguf"
 
 
 def _references(m: _Model, new_tokens: int) -> None:
@@ -364,9 +353,7 @@ def run(bundles: list[Path], *, limits: Sequence[float | None] = (1.0, 0.75, 0.5
     for b in bundles:
         t0 = time.monotonic()
         m = _open_model(Path(b), prompts, prompt_tokens, new_tokens, taken)
-        m.gguf = _gguf_path(m.source, gguf_dir, m.label)
-        if not m.gguf.exists():
-            llamacpp.convert(m.source, m.gguf, log=log)
+        m.gguf = llamacpp.cached_gguf(m.source, m.label, gguf_dir, log=log)
         m.model_bytes = m.gguf.stat().st_size
         log(f"[{m.label}] {m.desc}; GGUF f16 {m.model_bytes / MiB:.1f} MiB ({m.gguf})")
         log(f"[{m.label}] reference tokens: transformers greedy on {m.source} (float32)")
