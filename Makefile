@@ -39,19 +39,19 @@ demo: $(STAMP)
 	$(BIN)/specprefetch trace embedded --data toolkit/embedded/heldout.jsonl --out $(RUNS)/trace \
 	    --max-sequences 160 --prompt-tokens 128 --decode-tokens 32 --heldout-frac 0.2 --overwrite
 	$(BIN)/python -m toolkit.traces.summary $(RUNS)/trace --out $(RUNS)/routing
-	$(BIN)/specprefetch train $(RUNS)/trace --out $(RUNS)/adapter --steps 400
+	$(BIN)/specprefetch train $(RUNS)/trace --out $(RUNS)/adapter --steps 400 --overwrite
 	$(BIN)/specprefetch eval $(RUNS)/trace --adapter $(RUNS)/adapter --json $(RUNS)/eval.json
-	$(BIN)/specprefetch store embedded --dtype fp16 --out $(RUNS)/experts-fp16.spx
+	$(BIN)/specprefetch store embedded --dtype fp16 --out $(RUNS)/experts-fp16.spx --overwrite
 	$(BIN)/specprefetch simulate $(RUNS)/trace --adapter $(RUNS)/adapter --profile snapdragon-8-elite \
 	    --pool-mib 4,8,16 --window 2 --json $(RUNS)/simulate.json
 	$(BIN)/specprefetch run embedded --store $(RUNS)/experts-fp16.spx --adapter $(RUNS)/adapter \
 	    --policy adapter+prediction --pool-mib 8 --prompt "The kernel's memory allocator" \
 	    --prompt "To open a file for reading, use" --json $(RUNS)/run.json --events $(RUNS)/events.log
 	$(BIN)/specprefetch export embedded --adapter $(RUNS)/adapter --target executorch --quant 8da8w \
-	    --out $(RUNS)/bundle-executorch
+	    --out $(RUNS)/bundle-executorch --overwrite
 	$(BIN)/specprefetch inspect $(RUNS)/bundle-executorch
 	$(BIN)/specprefetch export embedded --adapter $(RUNS)/adapter --target qnn --soc SM8750 --quant fp16 \
-	    --out $(RUNS)/bundle-qnn-sm8750
+	    --out $(RUNS)/bundle-qnn-sm8750 --overwrite
 	$(BIN)/specprefetch inspect $(RUNS)/bundle-qnn-sm8750
 	$(BIN)/specprefetch run $(RUNS)/bundle-executorch --policy adapter+prediction \
 	    --prompt "The kernel's memory allocator" --json $(RUNS)/run-executorch.json --events $(RUNS)/events-executorch.log
@@ -70,7 +70,7 @@ BENCH := runs/bench
 bench: $(STAMP)
 	$(BIN)/specprefetch trace embedded --data toolkit/embedded/heldout.jsonl --out $(BENCH)/trace \
 	    --prompt-tokens 256 --decode-tokens 32 --heldout-frac 0.2 --hidden-sample 0.5 --overwrite
-	$(BIN)/specprefetch train $(BENCH)/trace --out $(BENCH)/adapter --steps 3000
+	$(BIN)/specprefetch train $(BENCH)/trace --out $(BENCH)/adapter --steps 3000 --overwrite
 	$(BIN)/specprefetch eval $(BENCH)/trace --adapter $(BENCH)/adapter --json $(BENCH)/eval.json
 	$(BIN)/specprefetch simulate $(BENCH)/trace --adapter $(BENCH)/adapter --profile snapdragon-8-elite \
 	    --policies on-demand+lru,next-gate+prediction,adapter+prediction,adapter+lru,oracle+belady \
@@ -79,7 +79,7 @@ bench: $(STAMP)
 	$(BIN)/specprefetch bench --adapter $(BENCH)/adapter --pool-mib 4,8 --flash-profile snapdragon-8-elite \
 	    --no-simulate --json $(BENCH)/runtime-emulated.json
 	$(BIN)/specprefetch export embedded --adapter $(BENCH)/adapter --target executorch --quant fp32 --max-seq 128 \
-	    --out $(BENCH)/bundle-executorch
+	    --out $(BENCH)/bundle-executorch --overwrite
 	$(BIN)/specprefetch bench $(BENCH)/bundle-executorch --pool-mib 4,8 --no-simulate --json $(BENCH)/runtime-bundle.json
 	$(BIN)/specprefetch runner bench $(BENCH)/bundle-executorch --json $(BENCH)/native.json
 	$(BIN)/python -m export.report --model embedded --adapter $(BENCH)/adapter --json $(BENCH)/export.json

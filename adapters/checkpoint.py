@@ -1,7 +1,8 @@
 """Adapter checkpoints: ADAPTER/adapter.safetensors (A, B) + ADAPTER/adapter.json.
 
 The JSON ties the adapter to one model by its config hash; loading it against another model is an
-error. The directory is written as ADAPTER.partial and renamed into place.
+error. The directory is assembled in a work directory beside it and renamed into place; an existing
+directory is replaced only with overwrite=True and only if it is an adapter.
 """
 from __future__ import annotations
 
@@ -22,9 +23,14 @@ FORMAT = "specprefetch-adapter"
 VERSION = 1
 
 
-def save_adapter(adapter: PrefetchAdapter, out: Path, spec: ModelSpec, extra: dict[str, Any]) -> Path:
+def save_adapter(adapter: PrefetchAdapter, out: Path, spec: ModelSpec, extra: dict[str, Any], *,
+                 overwrite: bool = False, inputs: tuple = ()) -> Path:
+    """Write ADAPTER (see the module doc). An existing `out` is replaced only with `overwrite` and
+    only if it is an adapter; `out` must not be, hold or lie inside the model or any of `inputs`
+    (toolkit.artifacts.claim_output). Assembled in a work directory and renamed when complete."""
     out = Path(out)
-    with atomic_directory(out, overwrite=True) as work:  # ADAPTER.partial, renamed when complete
+    with atomic_directory(out, overwrite=overwrite, kind="adapter",
+                          inputs=(spec.path, *inputs)) as work:
         save_file({"A": adapter.A.detach().contiguous(), "B": adapter.B.detach().contiguous()},
                   str(work / "adapter.safetensors"))
         g = spec.geometry

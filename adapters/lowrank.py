@@ -36,6 +36,11 @@ class PrefetchAdapter(nn.Module):
         P = len(self.pairs)
         self.A = nn.Parameter(torch.randn(P, rank, hidden_size, generator=g) / math.sqrt(hidden_size))  # [P, r, H]
         self.B = nn.Parameter(torch.zeros(P, num_experts, rank))  # [P, E, r]
+        # source and target MoE layer of every pair; buffers, so .to(device) moves them along
+        # (not persistent: they follow from the shape, and checkpoints hold only A and B)
+        self.register_buffer("src", torch.tensor([i for i, _ in self.pairs], dtype=torch.long), persistent=False)
+        self.register_buffer("tgt", torch.tensor([self.target_layer(i, h) for i, h in self.pairs],
+                                                 dtype=torch.long), persistent=False)
 
     def target_layer(self, i: int, h: int) -> int:
         return (i + h) % self.num_layers
@@ -52,11 +57,12 @@ class PrefetchAdapter(nn.Module):
 
     def all_logits(self, bank: RouterBank, hidden: torch.Tensor) -> torch.Tensor:
         """Every pair at once: hidden [B, L, H] -> logits [B, P, E] (the training hot path)."""
-        src = torch.tensor([i for i, _ in self.pairs])
-        tgt = torch.tensor([self.target_layer(i, h) for i, h in self.pairs])
-        x = hidden.float()[:, src]                                   # [B, P, H]
-        base = torch.einsum("bph,peh->bpe", x, bank.weight[tgt])     # [B, P, E]
+        if hidden.device != self.A.device or bank.weight.device != self.A.device:
+            raise ValueError(f"adapter on {self.A.device}, router input on {hidden.device}, routers on "
+                             f"{bank.weight.device}: move them to one device")
+        x = hidden.float()[:, self.src]                                   # [B, P, H]
+        base = torch.einsum("bph,peh->bpe", x, bank.weight[self.tgt])     # [B, P, E]
         if bank.bias is not None:
-            base = base + bank.bias[tgt]
+            base = base + bank.bias[self.tgt]
         low = torch.einsum("bph,prh->bpr", x, self.A)                # [B, P, r]
         return base + torch.einsum("bpr,per->bpe", low, self.B)

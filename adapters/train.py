@@ -24,7 +24,8 @@ from toolkit.errors import SpecPrefetchError
 from toolkit.metrics import topk_overlap
 from toolkit.models.families import router_distribution
 from toolkit.models.routers import RouterBank, load_router_bank
-from toolkit.traces.batches import RoutingBatch, ShardStream, validation_batches
+from toolkit.artifacts import claim_output
+from toolkit.traces.batches import RoutingBatch, ShardStream, check_device, validation_batches
 from toolkit.traces.format import TraceReader, trace_model_spec
 
 
@@ -45,6 +46,34 @@ class TrainConfig:
     seed: int = 0
     device: str = "cpu"
     max_memory_mb: int = 512
+
+    def validate(self) -> None:
+        """One-line errors naming the option, before any work."""
+        def bad(option: str, value: Any, what: str) -> SpecPrefetchError:
+            return SpecPrefetchError(f"{option} {value}: {what}")
+
+        for option, value in (("--rank", self.rank), ("--steps", self.steps), ("--batch-size", self.batch_size),
+                              ("--val-every", self.val_every), ("--patience", self.patience),
+                              ("--max-memory-mb", self.max_memory_mb), ("warmup", self.warmup)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise bad(option, value, "must be a whole number >= 1")
+        if not self.horizons or any(not 1 <= h <= 4 for h in self.horizons):
+            raise bad("--horizons", ",".join(map(str, self.horizons)) or "''", "each horizon must lie in 1..4")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise bad("--lr", self.lr, "must be a finite number > 0")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise bad("weight_decay", self.weight_decay, "must be a finite number >= 0")
+        if not (math.isfinite(self.topk_weight) and self.topk_weight >= 0):
+            raise bad("--topk-weight", self.topk_weight, "must be a finite number >= 0")
+        for h, w in (self.horizon_weights or {}).items():
+            if h not in self.horizons:
+                raise bad("--horizon-weights", f"{h}:{w}", f"horizon {h} is not one of --horizons "
+                          f"{','.join(map(str, self.horizons))}")
+            if not (math.isfinite(w) and w >= 0):
+                raise bad("--horizon-weights", f"{h}:{w}", "weights must be finite numbers >= 0")
+        if sum(self.weight(h) for h in self.horizons) <= 0:
+            raise bad("--horizon-weights", self.horizon_weights, "at least one weight must be > 0")
+        check_device(self.device)
 
     def weight(self, h: int) -> float:
         if self.horizon_weights and h in self.horizon_weights:
@@ -89,7 +118,7 @@ def validate(adapter: PrefetchAdapter, bank: RouterBank, val: list[RoutingBatch]
     loss_sum, n = 0.0, 0
     hits = {h: [0.0, 0] for h in adapter.horizons}
     for b in val:
-        b = _to(b, cfg.device)
+        b = b.to(cfg.device)
         loss, _ = pair_loss(adapter, bank, b, cfg, weights)
         loss_sum += float(loss) * len(b)
         n += len(b)
@@ -105,39 +134,43 @@ def validate(adapter: PrefetchAdapter, bank: RouterBank, val: list[RoutingBatch]
             "recall_at_k": {str(h): round(v[0] / max(1, v[1]), 4) for h, v in hits.items()}}
 
 
-def _to(b: RoutingBatch, device: str) -> RoutingBatch:
-    if device == "cpu":
-        return b
-    return RoutingBatch(**{f.name: (getattr(b, f.name).to(device) if getattr(b, f.name) is not None else None)
-                           for f in dataclasses.fields(b)})
+def bank_to(bank: RouterBank, device: str) -> RouterBank:
+    """The routers with every tensor on `device`."""
+    move = lambda t: t.to(device) if t is not None else None  # noqa: E731
+    return dataclasses.replace(bank, weight=move(bank.weight), bias=move(bank.bias),
+                               score_bias=move(bank.score_bias))
 
 
 def train_adapter(trace: Path, out: Path, cfg: TrainConfig, *, model: str | Path | None = None,
-                  progress: bool = True) -> dict[str, Any]:
+                  overwrite: bool = False, progress: bool = True) -> dict[str, Any]:
+    """Train an adapter on the trace's train split and write it to `out` (an existing `out` only
+    with `overwrite`, and only if it is an adapter). The model is the trace's (its recorded absolute
+    path) or `model`, checked against the trace's config hash; runs on `cfg.device`."""
+    cfg.validate()
     reader = TraceReader(trace)
     spec = trace_model_spec(reader, model)
-    if cfg.device.startswith("cuda") and not torch.cuda.is_available():
-        raise SpecPrefetchError(f"--device {cfg.device}: CUDA is not available")
+    inputs = (Path(trace).resolve(), spec.path)
+    claim_output(out, kind="adapter", overwrite=overwrite, inputs=inputs)  # before the training, not after
     if not reader.shards("train"):
         raise SpecPrefetchError(f"trace {trace} has no train split to learn from")
     if not any(s.get("hidden_tokens", 1) for s in reader.shards("train")):
         raise SpecPrefetchError(f"trace {trace} stores no router inputs (hidden states)")
+    n_train = len(reader.sequences("train"))
+    if n_train < 2:
+        raise SpecPrefetchError(f"trace {trace} has {n_train} train sequence{'s' if n_train != 1 else ''}: train "
+                                "sets 5% of them (at least one) aside for validation and needs at least 2; "
+                                "trace more sequences")
     torch.manual_seed(cfg.seed)
-    bank = load_router_bank(spec)
-    bank.weight = bank.weight.to(cfg.device)
-    if bank.bias is not None:
-        bank.bias = bank.bias.to(cfg.device)
-    if bank.score_bias is not None:
-        bank.score_bias = bank.score_bias.to(cfg.device)
+    bank = bank_to(load_router_bank(spec), cfg.device)
     g = spec.geometry
     adapter = PrefetchAdapter(num_layers=len(g.moe_layers), hidden_size=g.hidden_size,
                               num_experts=g.routing.num_experts, horizons=cfg.horizons, rank=cfg.rank,
                               cross_token=cfg.cross_token, seed=cfg.seed).to(cfg.device)
     weights = torch.tensor([cfg.weight(h) for _, h in adapter.pairs], device=cfg.device)
-    val = validation_batches(reader)
+    val = [b.to(cfg.device) for b in validation_batches(reader)]
     if not val:
-        raise SpecPrefetchError(f"trace {trace}: no validation sequences (5% of the train sequences, "
-                                "at least one, are used); trace more sequences")
+        raise SpecPrefetchError(f"trace {trace}: its validation sequences (5% of the {n_train} train "
+                                "sequences, at least one) store no router inputs; trace more sequences")
     stream = ShardStream(reader, "train", batch_size=cfg.batch_size, seed=cfg.seed,
                          max_bytes=cfg.max_memory_mb * 2**20)
     opt = torch.optim.AdamW(adapter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -155,7 +188,7 @@ def train_adapter(trace: Path, out: Path, cfg: TrainConfig, *, model: str | Path
         lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
         for grp in opt.param_groups:
             grp["lr"] = lr
-        loss, _ = pair_loss(adapter, bank, _to(b, cfg.device), cfg, weights)
+        loss, _ = pair_loss(adapter, bank, b.to(cfg.device), cfg, weights)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -189,5 +222,5 @@ def train_adapter(trace: Path, out: Path, cfg: TrainConfig, *, model: str | Path
         "share_of_model": adapter.params() / model_params,
     }
     adapter.to("cpu")
-    save_adapter(adapter, out, spec, result)
+    save_adapter(adapter, out, spec, result, overwrite=overwrite, inputs=inputs)
     return {"params": adapter.params(), **result}

@@ -14,9 +14,13 @@
                            predictors (next-gate, FATE), and the DeepSeek-V3 selection bias
       parity.json / .md    the parity report the bundle was accepted with
 
-The bundle is assembled in BUNDLE.partial and renamed into place only after parity holds; a bundle
-past tolerance is refused and its partial directory kept (renamed BUNDLE.rejected) for inspection
-(toolkit.artifacts.atomic_directory). The manifest's format, the registry of targets and the
+The bundle is assembled in a work directory beside BUNDLE unique to the process
+(BUNDLE.partial-PID-XXXXXXXX) and renamed into place only after parity holds; a bundle past tolerance
+is refused and its work directory kept (renamed BUNDLE.rejected) for inspection; any other failure,
+a full disk, Ctrl-C or SIGTERM removes it and the scratch directory (toolkit.artifacts.atomic_directory).
+An existing BUNDLE is replaced only with overwrite=True and only if it is a bundle; the model, the
+adapter and the calibration file are never written over, and a second export to the same BUNDLE
+while one runs is refused (the destination is locked). The manifest's format, the registry of targets and the
 validation of a bundle live in export/manifest.py; each target implements export.target.Target.
 """
 from __future__ import annotations
@@ -32,8 +36,9 @@ from typing import Any
 
 from export.manifest import (FORMAT, VERSION, get_target, malformed, sizes, validate_bundle,
                              versions)
-from toolkit.artifacts import atomic_directory, rejected_dir, sha256_file, write_json_atomic
-from toolkit.errors import SpecPrefetchError
+from toolkit.artifacts import (atomic_directory, claim_output, os_error, rejected_dir, sha256_file,
+                               write_json_atomic)
+from toolkit.errors import SpecPrefetchError, interrupt_on_signals
 
 MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja",
@@ -89,17 +94,25 @@ def _log(cfg: ExportConfig, msg: str) -> None:
         Console(stderr=True).print(f"[bold]export[/bold] {msg}")
 
 
-def export_bundle(model: str | Path, out: Path, cfg: ExportConfig, adapter: Path | None = None) -> dict[str, Any]:
+def export_bundle(model: str | Path, out: Path, cfg: ExportConfig, adapter: Path | None = None, *,
+                  overwrite: bool = False) -> dict[str, Any]:
     """Build, check and write a bundle; returns its manifest.
 
-    Everything is assembled in OUT.partial (and a scratch directory, always removed); an existing
-    OUT is only replaced once the new bundle is complete. On any failure, Ctrl-C included, the
-    partial directory is removed, except after a parity refusal, which keeps it as OUT.rejected."""
+    An existing OUT is refused unless `overwrite`, and even then replaced only if it is a bundle;
+    OUT may not be, hold or lie inside the model, the adapter or the calibration file
+    (toolkit.artifacts.claim_output). Everything is assembled in a work directory unique to this
+    process (and a scratch directory, always removed) while OUT is locked; an existing OUT is only
+    replaced once the new bundle is complete. On any failure, a full disk, Ctrl-C or SIGTERM
+    included, the work directory is removed, except after a parity refusal, which keeps it as
+    OUT.rejected."""
     import tempfile
 
     from export.pipeline import Tolerance
+    from toolkit.models.loader import resolve_model_dir
 
     out = Path(out)
+    inputs = (resolve_model_dir(model), adapter, cfg.calibration)
+    claim_output(out, kind="bundle", overwrite=overwrite, inputs=inputs)  # before any heavy work
     tgt = get_target(cfg.target)
     quant = cfg.quant or tgt.DEFAULT_QUANT
     if quant not in tgt.QUANTS:
@@ -112,15 +125,18 @@ def export_bundle(model: str | Path, out: Path, cfg: ExportConfig, adapter: Path
     if cfg.max_seq < cfg.prompt_tokens + cfg.decode_tokens:
         raise SpecPrefetchError(f"--max-seq {cfg.max_seq} is shorter than the parity sequences "
                                 f"({cfg.prompt_tokens} + {cfg.decode_tokens} tokens)")
-    if out.exists() and not out.is_dir():
-        raise SpecPrefetchError(f"--out {out}: exists and is not a directory")
     tol = Tolerance.for_quant(quant).with_overrides(cfg.tolerance)
     tgt.preflight(cfg, quant)  # fail fast (missing SDK, token, network) before any heavy work
-    # OUT.partial becomes OUT only when complete (an existing OUT is replaced only then); a parity
-    # refusal keeps it as OUT.rejected, any other failure removes it
-    with atomic_directory(out, overwrite=True, keep_on=(ParityRefused,)) as work, \
-            tempfile.TemporaryDirectory(prefix="specprefetch-export-") as scratch:
-        manifest = _assemble(model, work, Path(scratch), cfg, tgt, quant, tol, adapter, out)
+    # the work directory becomes OUT only when complete (an existing OUT is replaced only then); a
+    # parity refusal keeps it as OUT.rejected, any other failure removes it; SIGTERM is an interrupt
+    try:
+        with interrupt_on_signals(), \
+                atomic_directory(out, overwrite=overwrite, kind="bundle", inputs=inputs,
+                                 keep_on=(ParityRefused,)) as work, \
+                tempfile.TemporaryDirectory(prefix="specprefetch-export-") as scratch:
+            manifest = _assemble(model, work, Path(scratch), cfg, tgt, quant, tol, adapter, out)
+    except OSError as e:  # a full disk is mapped by atomic_directory; the rest in one line too
+        raise os_error(e, out) from None
     return manifest
 
 
@@ -194,15 +210,26 @@ def _assemble(model, work: Path, scratch: Path, cfg: ExportConfig, tgt, quant: s
     timings["graphs_s"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    _log(cfg, f"parity: {len(parity_ids)} prompts x ({cfg.prompt_tokens} + {cfg.decode_tokens}) tokens")
+    n = len(parity_ids)
+    _log(cfg, f"parity: {n} prompts x ({cfg.prompt_tokens} + {cfg.decode_tokens}) tokens")
     eos = eos_token_ids(spec, tok)  # every id generation stops at (generation config, else tokenizer)
     ref_backend = built.reference
-    refs = [run_sequence(ref_backend, p, extend=cfg.decode_tokens, eos=eos, **run_kw) for p in parity_ids]
+
+    def step(what: str, i: int, fn):
+        _log(cfg, f"parity {i + 1}/{n}: {what}")
+        return fn()
+    refs = [step(f"reference, {built.reference_label}", i,
+                 lambda p=p: run_sequence(ref_backend, p, extend=cfg.decode_tokens, eos=eos, **run_kw))
+            for i, p in enumerate(parity_ids)]
     bundle_backend = built.backend()
-    gots = [run_sequence(bundle_backend, r.tokens, force_ids=r.ids, **run_kw) for r in refs]
+    gots = [step(f"bundle, {built.backend_label}, teacher-forced", i,
+                 lambda r=r: run_sequence(bundle_backend, r.tokens, force_ids=r.ids, **run_kw))
+            for i, r in enumerate(refs)]
     figures = compare(refs, gots)
     figures["free_running"] = free_running(
-        refs, [run_sequence(bundle_backend, p, extend=cfg.decode_tokens, eos=eos, **run_kw) for p in parity_ids],
+        refs, [step(f"bundle, {built.backend_label}, free-running", i,
+                    lambda p=p: run_sequence(bundle_backend, p, extend=cfg.decode_tokens, eos=eos, **run_kw))
+               for i, p in enumerate(parity_ids)],
         [len(p) for p in parity_ids])
     failures = check(figures, tol)
     extra = built.extra_parity(refs, gots, run_kw)

@@ -19,6 +19,8 @@ The reference for parity is the same PyTorch graphs, quantized the same way, run
 """
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 import warnings
 from pathlib import Path
@@ -92,6 +94,38 @@ def quantize_graphs(graphs: dict[str, nn.Module], quant: str) -> int:
     return n
 
 
+def logged_partitioners(partitioner, names: list[str], log) -> dict[str, list]:
+    """One partitioner per method that reports each method's lowering through `log` (its
+    decomposition, then its delegation), delegating everything to `partitioner`."""
+    from executorch.exir.backend.partitioner import Partitioner
+
+    n = len(names)
+
+    class Logged(Partitioner):
+        def __init__(self, inner, name: str, i: int):
+            super().__init__(inner.spec)
+            self.inner, self.name, self.i = inner, name, i
+
+        def __getattr__(self, attr):  # anything else the exir passes ask of the partitioner
+            inner = self.__dict__.get("inner")
+            if inner is None:
+                raise AttributeError(attr)
+            return getattr(inner, attr)
+
+        def transform_for_pre_decomposition(self, ep):
+            log(f"lowering {self.i}/{n}: {self.name} (decomposing)")
+            return self.inner.transform_for_pre_decomposition(ep)
+
+        def ops_to_not_decompose(self, ep):
+            return self.inner.ops_to_not_decompose(ep)
+
+        def partition(self, ep):
+            log(f"lowering {self.i}/{n}: {self.name} (delegating)")
+            return self.inner.partition(ep)
+
+    return {name: [Logged(partitioner, name, i + 1)] for i, name in enumerate(names)}
+
+
 def lower_program(steps, cfg, quant: str, out_dir: Path, log, *, partitioner=None, label: str | None = None):
     from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
     from executorch.exir.passes import MemoryPlanningPass
@@ -112,7 +146,8 @@ def lower_program(steps, cfg, quant: str, out_dir: Path, log, *, partitioner=Non
     eps = {}
     with torch.no_grad(), exportable_family(steps.spec.family), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for name, mod in modules.items():
+        for i, (name, mod) in enumerate(modules.items()):
+            log(f"torch.export {i + 1}/{len(modules)}: {name}")
             try:
                 eps[name] = torch.export.export(mod, examples[name], strict=False)
             except Exception as e:
@@ -122,12 +157,14 @@ def lower_program(steps, cfg, quant: str, out_dir: Path, log, *, partitioner=Non
         from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
         partitioner = XnnpackPartitioner()
     t0 = time.perf_counter()
-    log(f"lowering {len(eps)} methods")
+    backend = label or "xnnpack"
+    log(f"lowering {len(eps)} methods ({backend})")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            edge = to_edge_transform_and_lower(eps, partitioner=[partitioner],
+            edge = to_edge_transform_and_lower(eps, partitioner=logged_partitioners(partitioner, list(eps), log),
                                                compile_config=EdgeCompileConfig(_check_ir_validity=False))
+            log(f"ExecuTorch program: planning memory and serializing {len(eps)} methods")
             prog = edge.to_executorch(ExecutorchBackendConfig(
                 memory_planning_pass=MemoryPlanningPass(share_mutable_buffers=True),
                 emit_mutable_buffer_names=True))
@@ -136,6 +173,7 @@ def lower_program(steps, cfg, quant: str, out_dir: Path, log, *, partitioner=Non
     t_lower = time.perf_counter() - t0
     path = out_dir / PROGRAM
     path.write_bytes(prog.buffer)
+    log(f"wrote graphs/{PROGRAM}: {path.stat().st_size / 2**20:.1f} MiB, lowered in {t_lower:.0f} s")
     info = steps_info(steps)
     return Built(
         graphs={"format": "executorch", "file": f"graphs/{PROGRAM}", "backend": "xnnpack" if label is None else label,
@@ -147,6 +185,37 @@ def lower_program(steps, cfg, quant: str, out_dir: Path, log, *, partitioner=Non
 
 
 _LOADED = False  # whether this process has loaded an ExecuTorch program
+# what XNNPACK's CPU probe prints (through ExecuTorch's native log, on fd 2) on the first method
+# load of a process on a machine without the ARM identification files: not the user's business
+_NATIVE_NOISE = ("[cpuinfo_utils.cpp:",)
+
+
+@contextlib.contextmanager
+def _filtered_native_stderr():
+    """Run native code with fd 2 sent to a temporary file, then pass on every line of it but the
+    known noise (_NATIVE_NOISE)."""
+    import sys
+    import tempfile
+
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):
+        yield
+        return
+    with tempfile.TemporaryFile() as cap:
+        try:
+            os.dup2(cap.fileno(), 2)
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            cap.seek(0)
+            text = cap.read().decode("utf-8", errors="replace")
+            kept = [line for line in text.splitlines(keepends=True) if not line.startswith(_NATIVE_NOISE)]
+            if kept:
+                sys.stderr.write("".join(kept))
+                sys.stderr.flush()
 
 
 def set_threads(n: int, *, strict: bool = True) -> int:
@@ -194,7 +263,8 @@ class ExecuTorchBackend(Backend):
 
     def _method(self, name):
         if name not in self.methods:
-            self.methods[name] = self.program.load_method(name)
+            with _filtered_native_stderr():
+                self.methods[name] = self.program.load_method(name)
         return self.methods[name]
 
     def call(self, name, inputs):

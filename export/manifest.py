@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -73,9 +74,16 @@ def read_manifest(path: Path | str) -> tuple[Path, dict[str, Any]]:
     if not path.is_dir():
         raise SpecPrefetchError(f"{path}: not a bundle directory")
     mf = path / "manifest.json"
+    if mf.is_symlink():
+        raise SpecPrefetchError(f"{mf}: a symbolic link; a bundle's manifest must be a file inside the bundle")
     if not mf.exists():
         raise SpecPrefetchError(f"{mf}: missing (not a specprefetch bundle)")
-    return mf, read_json(mf, "bundle manifest")
+    if not mf.is_file():
+        raise SpecPrefetchError(f"{mf}: not a file (not a specprefetch bundle)")
+    try:
+        return mf, read_json(mf, "bundle manifest")
+    except OSError as e:
+        raise SpecPrefetchError(f"{mf}: cannot read it ({e.strerror or e})") from None
 
 
 @contextlib.contextmanager
@@ -110,6 +118,12 @@ def _validate(path: Path, mf: Path, m: Any, hash_store: bool = True) -> list[str
     for key in REQUIRED:
         if key not in m:
             raise SpecPrefetchError(f"{mf}: missing field {key!r}")
+    if not isinstance(m["target"], str) or m["target"] not in TARGETS:
+        raise SpecPrefetchError(f"{mf}: target {m['target']!r} is not a target this toolkit knows "
+                                f"({', '.join(TARGETS)})")
+    for key in ("model", "kv", "routing", "runtime", "quantization", "predictor"):
+        if not isinstance(m[key], dict):
+            raise SpecPrefetchError(f"{mf}: field {key!r} must be a JSON object")
     files = m["files"]
     if not isinstance(files, dict) or not files:
         raise SpecPrefetchError(f"{mf}: 'files' must map paths to sizes and hashes")
@@ -151,6 +165,7 @@ def _validate(path: Path, mf: Path, m: Any, hash_store: bool = True) -> list[str
     parity = read_json(parity_file, "parity report")
     if not parity.get("passed") or any(m["parity"][k] != parity[k] for k in m["parity"] if k in parity):
         raise SpecPrefetchError(f"{mf}: parity summary does not match {parity_file} (or parity did not pass)")
+    _check_runtime(mf, m, g)
     if len(m["kv"]["layers"]) != g.num_layers:
         raise SpecPrefetchError(f"{mf}: kv.layers lists {len(m['kv']['layers'])} layers, the model has {g.num_layers}")
     notes = []
@@ -171,6 +186,41 @@ def _validate(path: Path, mf: Path, m: Any, hash_store: bool = True) -> list[str
             raise SpecPrefetchError(f"{ad}: adapter for another model config")
         bundle_file(path, files, "adapter/adapter.safetensors", "adapter weights")
     return notes
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _integer(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_runtime(mf: Path, m: dict[str, Any], g: Any) -> None:
+    """The runtime defaults a runner takes from the manifest are in range (the native runner
+    refuses the same values): a bundle with a negative pool or a zero window is not valid."""
+    rt, n_moe, E = m["runtime"], len(g.moe_layers), g.routing.num_experts
+    pool = rt["pool_mib"]
+    if not _number(pool) or not 0 < pool <= 2**24:
+        raise SpecPrefetchError(f"{mf}: runtime.pool_mib is {pool!r}; it must be a number above 0 (MiB, at most 2^24)")
+    s = rt.get("scheduler", {})
+    if not isinstance(s, dict):
+        raise SpecPrefetchError(f"{mf}: runtime.scheduler must be a JSON object")
+    checks = {
+        "window": (lambda v: _integer(v) and 1 <= v <= n_moe, f"an integer 1..{n_moe} (MoE layers ahead)"),
+        "queue_depth": (lambda v: _integer(v) and 1 <= v <= 1 << 20, "an integer of at least 1"),
+        "min_confidence": (lambda v: _number(v) and 0 <= v <= 1, "a probability in [0, 1]"),
+        "floor": (lambda v: _number(v) and 0 <= v <= 1, "a probability in [0, 1]"),
+        "step_budget_bytes": (lambda v: v is None or (_integer(v) and v >= 0), "null or a byte count >= 0"),
+        "candidates": (lambda v: v is None or (_integer(v) and 1 <= v <= E), f"null or an integer 1..{E}"),
+        "prefetch": (lambda v: isinstance(v, bool), "true or false"),
+    }
+    for key, (ok, want) in checks.items():
+        if key in s and not ok(s[key]):
+            raise SpecPrefetchError(f"{mf}: runtime.scheduler.{key} is {s[key]!r}; it must be {want}")
+    max_seq = m["kv"].get("max_seq")
+    if not _integer(max_seq) or max_seq < 2:
+        raise SpecPrefetchError(f"{mf}: kv.max_seq is {max_seq!r}; it must be an integer of at least 2")
 
 
 def open_bundle(path: Path | str) -> tuple[dict[str, Any], Any]:

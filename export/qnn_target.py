@@ -104,7 +104,8 @@ def export_onnx(steps, graphs: dict[str, torch.nn.Module], out_dir: Path, log: C
     from export.graphs import exportable_family
 
     paths = {}
-    for name, mod in graphs.items():
+    for i, (name, mod) in enumerate(graphs.items()):
+        log(f"ONNX export {i + 1}/{len(graphs)}: {name}")
         ins, outs = graph_io_names(name, steps)
         p = out_dir / f"{name}.onnx"
         try:

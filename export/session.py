@@ -2,7 +2,9 @@
 
     model directory  eager PyTorch step graphs (export/graphs.py) built from the dense model only
                      (experts are never loaded), the prefetch adapter folded into the layer graphs'
-                     preds rows, an expert store (built once into the cache, or --store)
+                     preds rows, an expert store (built once into the cache, keyed by the config
+                     hash, the sha256 of the weights and the dtype; or --store, which must exist
+                     and must have been built from these very weights)
     bundle           its own graphs (ExecuTorch program, or QNN context binaries on the HTP
                      simulator here), its expert store, its preds heads, its host routing tensors
 
@@ -14,15 +16,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from toolkit.artifacts import lock_path
 from toolkit.errors import SpecPrefetchError
 from toolkit.models.loader import ModelSpec, embedded_model_dir, eos_token_ids, inspect_model_dir, load_dense_model
 from toolkit.predictors.registry import PREDICTORS, build_predictor
 from toolkit.runtime.expert_store import ExpertStore, build_store
+from toolkit.runtime.fingerprint import weights_fingerprint
 from toolkit.runtime.planner import GRAPH
 from toolkit.runtime.profiles import profile_dir
 from toolkit.runtime.runner import ModelInfo, RunConfig, Runner
@@ -44,9 +50,25 @@ class Session:
     spec: ModelSpec                 # the model's config (weights only for model directories)
     kind: str                       # "model" or "bundle"
     label: str                      # what was opened, for reports
-    source_model: Path | None       # the checkpoint the unmodified-model check can load, if on disk
+    source_candidate: Path | None   # the checkpoint the unmodified-model check would load
     notes: list[str] = dataclasses.field(default_factory=list)
     default_pool_mib: float | None = None   # a bundle's own default budget
+    source_weights: dict | None = None      # a bundle: the weights its store was built from
+
+    @functools.cached_property
+    def source_model(self) -> Path | None:
+        """The checkpoint the unmodified-model check can load, if on disk: for a bundle, only when
+        its weights are the very ones the bundle's expert store was built from (same config is not
+        enough: a fine-tune has the same config)."""
+        src = self.source_candidate
+        if src is None or self.source_weights is None:
+            return src
+        from toolkit.runtime.fingerprint import weights_mismatch
+
+        try:
+            return src if weights_mismatch(self.source_weights, inspect_model_dir(src)) is None else None
+        except SpecPrefetchError:
+            return None
 
     @property
     def is_embedded(self) -> bool:
@@ -63,8 +85,34 @@ def is_bundle(path: str | Path) -> bool:
     return Path(path).is_dir() and (Path(path) / "manifest.json").is_file()
 
 
-def default_store_path(spec: ModelSpec, dtype: str) -> Path:
-    return profile_dir().parent / "stores" / f"{spec.config_hash}-{dtype}.spx"
+def default_store_path(spec: ModelSpec, dtype: str, *, progress: bool = False) -> Path:
+    """The cached store of these weights in `dtype`: keyed by the config hash and the sha256 of the
+    weight shards, so a fine-tune with the same config never picks up the base model's store."""
+    digest = weights_fingerprint(spec, progress=progress)["digest"]
+    return profile_dir().parent / "stores" / f"{spec.config_hash}-{digest[:16]}-{dtype}.spx"
+
+
+def cached_store(spec: ModelSpec, dtype: str, *, progress: bool = True) -> ExpertStore:
+    """The default store of a model directory: built once into the cache, then reused. A second
+    process building the same store meanwhile is waited for, not raced."""
+    path = default_store_path(spec, dtype, progress=progress)
+    waited = False
+    while not path.is_file():
+        try:
+            build_store(spec, path, dtype, progress=progress, option="the expert store cache")
+        except SpecPrefetchError:
+            if path.is_file():  # another process finished it first
+                break
+            if not _writing(path):
+                raise
+            if not waited and progress:
+                print(f"waiting for another specprefetch process building {path}", file=sys.stderr)
+            waited = True
+            time.sleep(0.5)
+    try:
+        return ExpertStore(path, spec)
+    except SpecPrefetchError as e:
+        raise SpecPrefetchError(f"{e} (a cached store: delete it and it is rebuilt)") from None
 
 
 def _frequency(trace: Path | None):
@@ -96,7 +144,7 @@ def _predictors(names: list[str], *, E: int, graph: str | None, bank, adapter, c
 
 
 def open_session(source: str | Path, cfg: RunConfig, *, predictors: list[str] | None = None,
-                 adapter: Path | None = None, store: Path | None = None, dtype: str = "fp16",
+                 adapter: Path | None = None, store: Path | None = None, dtype: str | None = None,
                  frequency_trace: Path | None = None, max_seq: int = 512, progress: bool = True,
                  pool_default: bool = False) -> Session:
     """A Runner over `source` (model directory, `embedded`, or bundle directory).
@@ -105,8 +153,11 @@ def open_session(source: str | Path, cfg: RunConfig, *, predictors: list[str] | 
         cfg: the run's policy, budget and scheduler settings.
         predictors: predictor names to make available (default: the policy's).
         adapter: the prefetch adapter (model directories; a bundle carries its own).
-        store: an existing expert store (model directories; default: built once into the cache).
-        dtype: the store's precision when it is built.
+        store: an existing expert store (model directories; default: built once into the cache). It
+            must exist (a missing one is an error, never built here) and must have been built
+            from this model's weights.
+        dtype: the store's precision when it is built (default fp16); with `store`, or for a bundle,
+            the store's own dtype, checked (a different one is an error, never ignored).
         frequency_trace: the trace whose expert counts drive the frequency predictor.
         max_seq: KV cache length of the eager graphs (model directories).
         pool_default: a bundle's own default pool budget replaces cfg.pool_mib.
@@ -119,7 +170,9 @@ def open_session(source: str | Path, cfg: RunConfig, *, predictors: list[str] | 
         if adapter is not None or store is not None:
             raise SpecPrefetchError(f"{source}: a bundle carries its own adapter heads and expert store; "
                                     "drop --adapter / --store")
-        return _open_bundle(Path(source), cfg, names, frequency_trace, pool_default)
+        s = _open_bundle(Path(source), cfg, names, frequency_trace, pool_default)
+        _check_dtype(dtype, s.runner.store, f"{source}: the bundle's own expert store")
+        return s
     return _open_model(source, cfg, names, adapter, store, dtype, frequency_trace, max_seq, progress)
 
 
@@ -135,13 +188,12 @@ def _open_model(model, cfg, names, adapter, store, dtype, frequency_trace, max_s
     g = spec.geometry
     if store is not None:
         if not Path(store).is_file():
-            raise SpecPrefetchError(f"--store {store}: no such expert store (build one with `specprefetch store`)")
-        path = Path(store)
+            what = "is a directory, not an expert store" if Path(store).is_dir() else "no such expert store"
+            raise SpecPrefetchError(f"--store {store}: {what} (build one with `specprefetch store`)")
+        st = ExpertStore(store, spec)
+        _check_dtype(dtype, st, f"--store {store}")
     else:
-        path = default_store_path(spec, dtype)
-        if not path.exists():
-            build_store(spec, path, dtype, progress=progress)
-    st = ExpertStore(path, spec)
+        st = cached_store(spec, dtype or "fp16", progress=progress)
     bank = functools.cache(lambda: load_router_bank(spec))
     heads, horizons, graph = None, {}, None
     ad = None
@@ -175,6 +227,36 @@ def _open_model(model, cfg, names, adapter, store, dtype, frequency_trace, max_s
     notes = [SequenceDraft.note, "the draft is built from the full model: its weights are in memory"] \
         if "draft" in names else []
     return Session(Runner(backend, st, info, cfg, preds), tok, spec, "model", str(spec.path), spec.path, notes)
+
+
+def _writing(path: Path) -> bool:
+    """Whether another process holds the write lock of `path` now (a lock file left behind by a
+    killed process is not held)."""
+    import fcntl
+    import os
+
+    try:
+        fd = os.open(lock_path(path), os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)  # closing releases a lock we took
+    return False
+
+
+def _check_dtype(dtype: str | None, st: ExpertStore, what: str) -> None:
+    """--dtype names the precision of a store to build; given with a store that exists (--store, a
+    bundle's), it must be that store's: never silently ignored."""
+    if dtype is not None and dtype != st.dtype:
+        fix = ("the bundle's precision is chosen at export (--experts)" if what.endswith("own expert store")
+               else f"build an {dtype} store with `specprefetch store --dtype {dtype}`")
+        raise SpecPrefetchError(f"--dtype {dtype}: {what} holds {st.dtype} experts; drop --dtype ({fix})")
 
 
 def _open_bundle(path: Path, cfg: RunConfig, names: list[str], frequency_trace, pool_default: bool) -> Session:
@@ -232,7 +314,7 @@ def _bundle_session(path: Path, m: dict, backend, cfg: RunConfig, names: list[st
     if pool_default:  # no --pool-mib: the bundle's own budget
         cfg = dataclasses.replace(cfg, pool_mib=float(m["runtime"]["pool_mib"]))
     return Session(Runner(backend, st, info, cfg, preds), tok, spec, "bundle", str(path), source_model,
-                   default_pool_mib=m["runtime"].get("pool_mib"))
+                   default_pool_mib=m["runtime"].get("pool_mib"), source_weights=st.meta["source"])
 
 
 @functools.lru_cache(maxsize=1)

@@ -15,6 +15,7 @@ def _old(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "a.txt").write_text("old")
+    (out / "adapter.json").write_text('{"format": "specprefetch-adapter"}')  # what artifact_kind knows it by
     return out
 
 
@@ -24,17 +25,18 @@ def _names(tmp_path):
 
 def test_success_replaces_and_cleans_up(tmp_path):
     out = _old(tmp_path)
-    with atomic_directory(out, overwrite=True) as work:
-        assert work == partial_dir(out) and work.is_dir() and not any(work.iterdir())
+    with atomic_directory(out, overwrite=True, kind="adapter") as work:
+        # a non-resumable writer's work directory is unique to its process
+        assert work.name.startswith("out.partial-") and work.is_dir() and not any(work.iterdir())
         (work / "b.txt").write_text("new")
         assert (out / "a.txt").read_text() == "old"  # the old one stays until the new one is complete
     assert sorted(p.name for p in out.iterdir()) == ["b.txt"]
-    assert _names(tmp_path) == ["out"]  # no .partial, no .old left
+    assert _names(tmp_path) == ["out"]  # no .partial, no .old, no lock left
 
 
 def test_new_directory_and_parents(tmp_path):
     out = tmp_path / "x" / "y" / "out"
-    with atomic_directory(out, overwrite=False) as work:
+    with atomic_directory(out, overwrite=False, kind="adapter") as work:
         (work / "f").write_text("1")
     assert (out / "f").read_text() == "1" and _names(out.parent) == ["out"]
 
@@ -43,10 +45,10 @@ def test_new_directory_and_parents(tmp_path):
 def test_interrupted_leaves_the_target_untouched(tmp_path, exc):
     out = _old(tmp_path)
     with pytest.raises(exc):
-        with atomic_directory(out, overwrite=True) as work:
+        with atomic_directory(out, overwrite=True, kind="adapter") as work:
             (work / "b.txt").write_text("half")
             raise exc()
-    assert sorted(p.name for p in out.iterdir()) == ["a.txt"] and (out / "a.txt").read_text() == "old"
+    assert sorted(p.name for p in out.iterdir()) == ["a.txt", "adapter.json"] and (out / "a.txt").read_text() == "old"
     assert _names(tmp_path) == ["out"]  # the work directory is removed
 
 
@@ -54,7 +56,7 @@ def test_leftover_partial_is_replaced(tmp_path):
     out = tmp_path / "out"
     partial_dir(out).mkdir()
     (partial_dir(out) / "stale").write_text("x")
-    with atomic_directory(out, overwrite=False) as work:
+    with atomic_directory(out, overwrite=False, kind="adapter") as work:
         assert not (work / "stale").exists()
     assert not (out / "stale").exists()
 
@@ -62,16 +64,16 @@ def test_leftover_partial_is_replaced(tmp_path):
 def test_refused_result_is_kept_as_rejected_until_a_success(tmp_path):
     out = _old(tmp_path)
     with pytest.raises(Refused):
-        with atomic_directory(out, overwrite=True, keep_on=(Refused,)) as work:
+        with atomic_directory(out, overwrite=True, keep_on=(Refused,), kind="adapter") as work:
             (work / "report.json").write_text("{}")
             raise Refused()
     assert (rejected_dir(out) / "report.json").exists() and (out / "a.txt").read_text() == "old"
     assert _names(tmp_path) == ["out", "out.rejected"]
     with pytest.raises(RuntimeError):  # other failures still remove the work directory
-        with atomic_directory(out, overwrite=True, keep_on=(Refused,)):
+        with atomic_directory(out, overwrite=True, keep_on=(Refused,), kind="adapter"):
             raise RuntimeError()
     assert _names(tmp_path) == ["out", "out.rejected"]
-    with atomic_directory(out, overwrite=True, keep_on=(Refused,)) as work:
+    with atomic_directory(out, overwrite=True, keep_on=(Refused,), kind="adapter") as work:
         (work / "good").write_text("1")
     assert _names(tmp_path) == ["out"] and (out / "good").exists()
 
@@ -79,28 +81,28 @@ def test_refused_result_is_kept_as_rejected_until_a_success(tmp_path):
 def test_resume_keeps_the_partial_on_failure_and_reuses_it(tmp_path):
     out = tmp_path / "out"
     with pytest.raises(KeyboardInterrupt):
-        with atomic_directory(out, overwrite=False, resume=True) as work:
+        with atomic_directory(out, overwrite=False, resume=True, kind="adapter") as work:
             (work / "shard-0").write_text("done")
             raise KeyboardInterrupt()
     assert not out.exists() and (partial_dir(out) / "shard-0").exists()
-    d = AtomicDirectory(out, overwrite=False, resume=True)
+    d = AtomicDirectory(out, overwrite=False, resume=True, kind="adapter")
     assert d.resumed and (d.work / "shard-0").read_text() == "done"
     (d.work / "shard-1").write_text("done")
     assert d.commit() == out
     assert sorted(p.name for p in out.iterdir()) == ["shard-0", "shard-1"] and _names(tmp_path) == ["out"]
-    assert not AtomicDirectory(tmp_path / "fresh", overwrite=False, resume=True).resumed
+    assert not AtomicDirectory(tmp_path / "fresh", overwrite=False, resume=True, kind="adapter").resumed
 
 
 def test_existing_target_without_overwrite_is_refused_before_any_write(tmp_path):
     out = _old(tmp_path)
     with pytest.raises(SpecPrefetchError, match="already exists; pass --overwrite"):
-        with atomic_directory(out, overwrite=False):
+        with atomic_directory(out, overwrite=False, kind="adapter"):
             pass
     assert _names(tmp_path) == ["out"]
     f = tmp_path / "file"
     f.write_text("x")
-    with pytest.raises(SpecPrefetchError, match="exists and is not a directory"):
-        AtomicDirectory(f, overwrite=True)
+    with pytest.raises(SpecPrefetchError, match="is a file that is not a specprefetch artifact, not an adapter"):
+        AtomicDirectory(f, overwrite=True, kind="adapter")
     assert f.read_text() == "x"
 
 
@@ -110,7 +112,7 @@ def test_a_commit_interrupted_between_its_renames_is_recovered(tmp_path, monkeyp
     import os
 
     out = _old(tmp_path)
-    d = AtomicDirectory(out, overwrite=True)
+    d = AtomicDirectory(out, overwrite=True, kind="adapter")
     (d.work / "b.txt").write_text("new")
     real = os.rename
 
@@ -124,5 +126,5 @@ def test_a_commit_interrupted_between_its_renames_is_recovered(tmp_path, monkeyp
         d.commit()
     monkeypatch.setattr(os, "rename", real)
     assert not out.exists() and (tmp_path / "out.old" / "a.txt").exists()
-    AtomicDirectory(out, overwrite=True).discard()
+    AtomicDirectory(out, overwrite=True, kind="adapter").discard()
     assert (out / "a.txt").read_text() == "old" and _names(tmp_path) == ["out"]

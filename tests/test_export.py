@@ -94,7 +94,7 @@ def test_executorch_bundle_every_family(family, tiny_models, tmp_path):
                                            *(f"layer_{i}" for i in range(m["model"]["num_layers"]))}
     s = inspect_bundle(out)
     assert s["family"] == family and set(s["graphs"]) == set(m["graphs"]["signatures"])
-    assert not out.with_name("bundle.partial").exists()
+    assert not list(out.parent.glob("bundle.partial*")) and not list(out.parent.glob(".bundle.lock"))
 
 
 @pytest.mark.slow  # make demo exports the embedded model with 8da8w
@@ -229,7 +229,7 @@ def test_qnn_unknown_soc_and_executorch_path_errors(tiny_models, tmp_path, monke
     monkeypatch.delenv("QNN_SDK_ROOT", raising=False)
     with pytest.raises(SpecPrefetchError, match="QAIRT.*QNN_SDK_ROOT"):
         export_bundle(tiny_models["mixtral"], tmp_path / "b", _cfg(target="qnn", qnn_path="executorch"))
-    assert not (tmp_path / "b").exists() and not (tmp_path / "b.partial").exists()
+    assert not (tmp_path / "b").exists() and not list(tmp_path.glob("b.partial*"))
 
 
 # -- the embedded model, both targets, and inspect on real bundles -----------------------------
@@ -339,14 +339,14 @@ def test_failed_export_keeps_the_old_bundle_and_leaves_nothing(tiny_models, tmp_
     bad = tmp_path / "short.jsonl"
     bad.write_text('{"text": "too short"}\n')
     with pytest.raises(SpecPrefetchError, match="short.jsonl: only 0 records"):
-        export_bundle(tiny_models["mixtral"], out, _cfg(target="qnn", calibration=bad))
+        export_bundle(tiny_models["mixtral"], out, _cfg(target="qnn", calibration=bad), overwrite=True)
     assert (out / "manifest.json").read_bytes() == before and inspect_bundle(out)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b", "short.jsonl"]
-    m = export_bundle(tiny_models["mixtral"], out, _cfg(target="executorch"))  # replaces it
+    m = export_bundle(tiny_models["mixtral"], out, _cfg(target="executorch"), overwrite=True)  # replaces it
     assert m["target"] == "executorch" and inspect_bundle(out)["target"] == "executorch"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b", "short.jsonl"]
     with pytest.raises(SpecPrefetchError, match="--window 0"):
-        export_bundle(tiny_models["mixtral"], out, _cfg(window=0))
+        export_bundle(tiny_models["mixtral"], out, _cfg(window=0), overwrite=True)
 
 
 def test_cli_export_and_inspect(tiny_models, tmp_path):

@@ -144,6 +144,8 @@ def test_cli_run_engine_native(embedded_bundles, native, tmp_path):
                        timeout=600, env=_env(native))
     assert r.returncode == 0, r.stderr
     out = json.loads(js.read_text())
+    assert out["engine"] == "native-host" and len(out["runs"]) == 1  # the shape of `specprefetch run`
+    out = out["runs"][0]
     assert out["matches_unmodified_model"] is True and out["engine"] == "native-host"
     assert len(out["tokens"]) == 6 and "TPOT" in r.stdout
 

@@ -80,7 +80,7 @@ def test_text_in_and_out_through_the_runner_and_the_cli(native, tmp_path):
                         "--max-new-tokens", "6", "--check", "--json", str(cli)], capture_output=True, text=True,
                        timeout=600, env=env)
     assert r.returncode == 0, r.stderr
-    c = json.loads(cli.read_text())
+    c = json.loads(cli.read_text())["runs"][0]
     assert c["matches_unmodified_model"] is True and c["text"] == run["text"] and "warning" not in r.stderr
 
 

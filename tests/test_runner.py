@@ -330,6 +330,8 @@ def test_cli_run_bundle(target, embedded_bundles, tmp_path):
                                   "--events", str(ev)])
     assert r.exit_code == 0, r.output
     d = json.loads(out.read_text())
+    assert d["policy"] == "next-gate+prediction" and len(d["runs"]) == 1  # one shape for one prompt or several
+    d = d["runs"][0]
     assert d["matches_unmodified_model"] is True and d["source"] == str(embedded_bundles[target])
     m = json.loads((embedded_bundles[target] / "manifest.json").read_text())
     assert d["budget_bytes"] == int(m["runtime"]["pool_mib"] * 2**20)  # the bundle's own default

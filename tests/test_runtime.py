@@ -285,6 +285,8 @@ def test_store_index_entries_are_validated(emb_store, tmp_path):
     body = bytes(raw[HEADER.size:HEADER.size + ENTRY.size * L * E + meta_len])
     head[13] = zlib.crc32(body)  # a faulty writer, not random corruption: the CRC matches
     HEADER.pack_into(raw, 0, *head)
+    from toolkit.runtime.expert_store import seal_header
+    seal_header(raw)  # and so does the header's own CRC
     bad = tmp_path / "b.spx"
     bad.write_bytes(bytes(raw))
     with pytest.raises(SpecPrefetchError, match="index entry 0 is invalid"):

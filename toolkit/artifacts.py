@@ -1,33 +1,113 @@
-"""Atomic writes, checksums and config hashes shared by every artifact the toolkit produces.
+"""Atomic writes, output claims, locks, checksums and config hashes shared by every artifact.
 
-Every file that crosses a boundary (trace shard, manifest, adapter, expert store, bundle) is written
-to a temporary name in the same directory and renamed into place, so a crash or Ctrl-C never leaves a
-half-written file under the final name. A full disk becomes a SpecPrefetchError naming the path.
-Every output directory (trace, adapter, bundle) is assembled as OUT.partial and renamed to OUT only
-when complete, through one helper: `atomic_directory` (or `AtomicDirectory` for a writer that spans
-several calls); an existing OUT is replaced only then, so a complete OUT is always on disk.
+Every file that crosses a boundary (trace shard, manifest, adapter, expert store, bundle, report) is
+written to a temporary name in the same directory and renamed into place, so a crash, Ctrl-C or
+SIGTERM never leaves a half-written file under the final name. A full disk (or a file-size limit)
+becomes a SpecPrefetchError naming the path.
+
+Every command that writes goes through one rule (`claim_output`): an existing output is replaced
+only with --overwrite, and then only if it is an artifact of the writer's own kind (a bundle, an
+adapter, a trace, a store, a model for `tiny`; `artifact_kind` recognises each by its own marker),
+and never when it is, holds or lies inside an input of the same command.
+
+Output directories are assembled in a work directory beside OUT and renamed to OUT only when
+complete (`atomic_directory`, or `AtomicDirectory` for a writer that spans several calls): a
+resumable writer (trace) keeps OUT.partial for the next run; any other writer uses a work
+directory unique to its process (OUT.partial-PID-XXXXXXXX), removed on any failure. Single files
+(the expert store) go through `atomic_output_file`. While it writes, every writer holds an
+exclusive lock on its destination (a hidden .OUT.lock beside it, removed when done), so a second
+process writing the same OUT is refused with one line instead of sharing the work directory.
 """
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import hashlib
 import json
 import os
+import re
+import secrets
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
-from toolkit.errors import SpecPrefetchError
+from toolkit.errors import SpecPrefetchError, interrupt_on_signals, note_interrupt
 
+# Each artifact's own marker. Kept here as literals (this module is imported by the modules that
+# define them); tests/test_hardening_writes.py checks they match the writers' constants.
+BUNDLE_FORMAT = "specprefetch-bundle"      # BUNDLE/manifest.json "format" (export.manifest.FORMAT)
+TRACE_FORMAT = "specprefetch-trace"        # TRACE/manifest.json "format" (toolkit.traces.format.FORMAT)
+ADAPTER_FORMAT = "specprefetch-adapter"    # ADAPTER/adapter.json "format" (adapters.checkpoint.FORMAT)
+STORE_MAGIC = b"SPXSTORE"                  # first bytes of an expert store (expert_store.MAGIC)
+KINDS = ("bundle", "adapter", "trace", "store", "model", "report")
+_ARTICLE = {"bundle": "a bundle", "adapter": "an adapter", "trace": "a trace", "store": "an expert store",
+            "model": "a model checkpoint", "report": "a report"}
+_REPORT_SUFFIXES = (".json", ".md", ".png")
+_ARTIFACT_JSON = {"config.json", "manifest.json", "adapter.json", "progress.json", "generation_config.json",
+                  "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                  "preprocessor_config.json", "model.safetensors.index.json"}
+
+# -- OS errors as one line ------------------------------------------------------------------
+
+_DISK_ERRNOS = {errno.ENOSPC: "disk full", errno.EDQUOT: "disk quota exceeded",
+                errno.EFBIG: "file too large (over the file-size limit)"}
+
+
+def disk_error(e: BaseException, path: Path | str,
+               tail: str = "nothing was left under that name: free some space and run again"
+               ) -> SpecPrefetchError | None:
+    """A SpecPrefetchError naming `path` if `e` is a full disk, a quota or a file-size limit (as
+    an OSError, or as the message of a native writer's own exception type); else None."""
+    if isinstance(e, SpecPrefetchError):
+        return None
+    what = _DISK_ERRNOS.get(getattr(e, "errno", None))
+    text = str(e)
+    if what is None:
+        if "No space left on device" in text:
+            what = "disk full"
+        elif "Disk quota exceeded" in text:
+            what = "disk quota exceeded"
+        elif "File too large" in text:
+            what = "file too large (over the file-size limit)"
+    if what is None:
+        return None
+    return SpecPrefetchError(f"{what} while writing {path}; {tail}")
+
+
+def os_error(e: OSError, path: Path | str) -> SpecPrefetchError:
+    """One line for an OSError met while writing `path` (full disk, a directory where a file is
+    meant or the reverse, permissions, ...)."""
+    d = disk_error(e, path)
+    if d is not None:
+        return d
+    where = e.filename if getattr(e, "filename", None) else path
+    if isinstance(e, IsADirectoryError):
+        return SpecPrefetchError(f"{where}: is a directory, a file is needed there")
+    if isinstance(e, NotADirectoryError):
+        return SpecPrefetchError(f"{where}: a path component is a file, not a directory")
+    if isinstance(e, PermissionError):
+        return SpecPrefetchError(f"{where}: permission denied")
+    return SpecPrefetchError(f"cannot write {where}: {e.strerror or e}")
+
+
+# -- atomic files -----------------------------------------------------------------------------
 
 @contextlib.contextmanager
 def atomic_path(path: Path | str) -> Iterator[Path]:
-    """Yield a temporary path beside `path`; on success fsync and rename it into place."""
+    """Yield a temporary path beside `path`; on success fsync and rename it into place.
+
+    This writes a file inside a directory the caller owns (a work directory, a report): it claims
+    nothing. For a single-file artifact given by the user (--out FILE) use `atomic_output_file`."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    if path.is_dir() and not path.is_symlink():
+        raise SpecPrefetchError(f"{path}: is a directory, a file is needed there")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as e:
+        raise os_error(e, path) from None
     os.close(fd)
     tmp_path = Path(tmp)
     try:
@@ -39,9 +119,11 @@ def atomic_path(path: Path | str) -> Iterator[Path]:
     except BaseException as e:
         tmp_path.unlink(missing_ok=True)
         # writers in native code (safetensors) report ENOSPC in their own exception types
-        if getattr(e, "errno", None) == errno.ENOSPC or "No space left on device" in str(e):
-            raise SpecPrefetchError(f"disk full while writing {path}; nothing was left under that "
-                                    "name: free some space and run again") from e
+        d = disk_error(e, path)
+        if d is not None:
+            raise d from e
+        if isinstance(e, OSError) and not isinstance(e, FileNotFoundError):
+            raise os_error(e, path) from e
         raise
 
 
@@ -64,10 +146,191 @@ def atomic_write_with(path: Path | str, writer: Callable[[Path], None]) -> None:
         writer(tmp)
 
 
+# -- what an existing path is, and whether a command may write there ---------------------------
+
+def _json_format(path: Path) -> Any:
+    try:
+        if path.is_file() and path.stat().st_size < 64 << 20:
+            obj = json.loads(path.read_text(encoding="utf-8"))
+            return obj.get("format") if isinstance(obj, dict) else None
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _is_json_object(path: Path) -> bool:
+    try:
+        if path.is_file() and path.stat().st_size < 64 << 20:
+            return isinstance(json.loads(path.read_text(encoding="utf-8")), dict)
+    except (OSError, ValueError):
+        pass
+    return False
+
+
+def artifact_kind(path: Path | str) -> str | None:
+    """What an existing path is, by its own marker: "bundle" (manifest.json of format
+    specprefetch-bundle), "trace" (manifest.json of format specprefetch-trace), "adapter"
+    (adapter.json of format specprefetch-adapter), "store" (a file starting with the store's magic),
+    "model" (a directory holding config.json), "report" (RESULT.json/.md/.png beside a RESULT.json
+    holding a JSON object); None for anything else, an empty directory, a symbolic link or a path
+    that does not exist."""
+    p = Path(path)
+    try:
+        if p.is_symlink() or not p.exists():
+            return None
+        if p.is_dir():
+            fmt = _json_format(p / "manifest.json")
+            if fmt == BUNDLE_FORMAT:
+                return "bundle"
+            if fmt == TRACE_FORMAT:
+                return "trace"
+            if _json_format(p / "adapter.json") == ADAPTER_FORMAT:
+                return "adapter"
+            if (p / "config.json").is_file():
+                return "model"
+            return None
+        if not p.is_file():
+            return None
+        with open(p, "rb") as f:
+            if f.read(len(STORE_MAGIC)) == STORE_MAGIC:
+                return "store"
+        if (p.suffix in _REPORT_SUFFIXES and p.name not in _ARTIFACT_JSON
+                and artifact_kind(p.parent) is None and _is_json_object(p.with_suffix(".json"))):
+            return "report"
+    except OSError:
+        return None
+    return None
+
+
+def _describe(p: Path) -> str:
+    kind = artifact_kind(p)
+    if kind is not None:
+        return _ARTICLE[kind]
+    if p.is_symlink():
+        return "a symbolic link"
+    if p.is_dir():
+        return "a directory that is not a specprefetch artifact"
+    return "a file that is not a specprefetch artifact"
+
+
+def _is_empty_dir(p: Path) -> bool:
+    try:
+        return p.is_dir() and not p.is_symlink() and not any(p.iterdir())
+    except OSError:
+        return False
+
+
+def _check_inputs(out: Path, inputs: Iterable[Any], option: str) -> None:
+    o = out.resolve()
+    for inp in inputs:
+        if inp is None:
+            continue
+        i = Path(inp).resolve()
+        if o == i:
+            raise SpecPrefetchError(f"{option} {out} is an input of this command; write elsewhere")
+        if o.is_relative_to(i):
+            raise SpecPrefetchError(f"{option} {out} is inside {inp}, which is an input of this command; "
+                                    "write elsewhere")
+        if i.is_relative_to(o):
+            raise SpecPrefetchError(f"{option} {out} holds {inp}, which is an input of this command; "
+                                    "write elsewhere")
+
+
+def claim_output(out: Path | str, *, kind: str, overwrite: bool, inputs: Iterable[Any] = (),
+                 option: str = "--out") -> None:
+    """Refuse (one-line SpecPrefetchError) unless an artifact of `kind` may be written to `out`.
+
+    `out` equal to, inside or holding one of `inputs` is refused; an absent `out` is fine; an
+    existing one needs `overwrite` and then must be an artifact of `kind` (or an empty
+    directory). Nothing is created or changed here."""
+    out = Path(out)
+    _check_inputs(out, inputs, option)
+    if not (out.exists() or out.is_symlink()):
+        return
+    if not overwrite:
+        raise SpecPrefetchError(f"{option} {out} already exists; pass --overwrite to replace it")
+    if _is_empty_dir(out) and kind != "store":
+        return
+    if artifact_kind(out) != kind:
+        raise SpecPrefetchError(f"{option} {out} is {_describe(out)}, not {_ARTICLE.get(kind, kind)}: "
+                                f"--overwrite replaces only {_ARTICLE.get(kind, kind)}; choose another path")
+
+
+# -- the destination lock -------------------------------------------------------------------------
+
+def lock_path(out: Path | str) -> Path:
+    out = Path(out)
+    return out.with_name(f".{out.name}.lock")
+
+
+class _Lock:
+    """An exclusive flock on .OUT.lock; re-entrant within one process; the file is removed on release."""
+    held: dict[str, "_Lock"] = {}
+
+    def __init__(self, path: Path, fd: int):
+        self.path, self.fd, self.count = path, fd, 1
+
+    @classmethod
+    def acquire(cls, out: Path, option: str) -> "_Lock":
+        path = lock_path(out)
+        key = str(path.resolve())
+        if key in cls.held:  # the same process (an earlier writer not yet released): share it
+            lk = cls.held[key]
+            lk.count += 1
+            return lk
+        for _ in range(50):
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as e:
+                raise os_error(e, path) from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise SpecPrefetchError(f"{option} {out}: another specprefetch process is writing {out}; "
+                                        "wait for it to finish (or stop it) and run again") from None
+            try:  # the holder before us may have removed the file after we opened it: retry
+                same = os.fstat(fd).st_ino == os.stat(path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                lk = cls(path, fd)
+                cls.held[key] = lk
+                return lk
+            os.close(fd)
+        raise SpecPrefetchError(f"{option} {out}: cannot take the lock {path}")
+
+    def release(self) -> None:
+        self.count -= 1
+        if self.count > 0 or self.fd < 0:
+            return
+        self.held.pop(str(self.path.resolve()), None)
+        with contextlib.suppress(OSError):
+            self.path.unlink()  # while still locked: nobody can hold the file we remove
+        os.close(self.fd)
+        self.fd = -1
+
+
+# -- output directories ----------------------------------------------------------------------
+
 def partial_dir(out: Path | str) -> Path:
-    """Where OUT is assembled: OUT.partial, beside it."""
+    """Where a resumable writer assembles OUT: OUT.partial, beside it."""
     out = Path(out)
     return out.with_name(out.name + ".partial")
+
+
+def work_dir(out: Path | str) -> Path:
+    """A work directory beside OUT unique to this process: OUT.partial-PID-XXXXXXXX."""
+    out = Path(out)
+    return out.with_name(f"{out.name}.partial-{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def _stale_work_dirs(out: Path) -> list[Path]:
+    pat = re.compile(re.escape(out.name) + r"\.partial-\d+-[0-9a-f]{8}")
+    try:
+        return [p for p in out.parent.iterdir() if pat.fullmatch(p.name)]
+    except OSError:
+        return []
 
 
 def rejected_dir(out: Path | str) -> Path:
@@ -87,88 +350,255 @@ def _remove(p: Path) -> None:
         shutil.rmtree(p)
 
 
+def _created_parents(path: Path) -> list[Path]:
+    """The missing ancestors of `path`, outermost first (so a refused write can remove them)."""
+    missing = []
+    for a in path.parents:
+        if a.exists() or a.is_symlink():
+            break
+        missing.append(a)
+    return missing[::-1]
+
+
+def _make_parent(out: Path) -> list[Path]:
+    made = _created_parents(out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise os_error(e, out) from None
+    return made
+
+
+def _remove_made(made: list[Path]) -> None:
+    for d in reversed(made):
+        with contextlib.suppress(OSError):
+            d.rmdir()
+
+
+_active: list[object] = []  # the writers now open in this process, outermost first
+
+
 class AtomicDirectory:
-    """A directory assembled at OUT.partial (`work`) and renamed to OUT only by `commit()`.
+    """A directory assembled in a work directory (`work`) and renamed to OUT only by `commit()`.
 
     Args:
         out: the final directory.
-        overwrite: an existing OUT is replaced at commit; without it, an existing OUT is an error
-            raised here, before anything is written.
+        overwrite: an existing OUT of `kind` may be replaced (at commit); see `claim_output`.
         resume: keep an existing OUT.partial (the caller resumes from what it holds; `resumed`
-            says whether there was one); otherwise any leftover OUT.partial is removed and an
-            empty one made.
+            says whether there was one); the work directory is then OUT.partial. Otherwise the
+            work directory is unique to this process (OUT.partial-PID-XXXXXXXX) and stale ones
+            (and a stale OUT.partial) are removed.
+        kind: what is written ("bundle", "adapter", "trace", "model", ...).
+        inputs: the command's inputs, which OUT must not be, hold or lie inside.
 
-    `commit()` moves an existing OUT aside (OUT.old), renames the work directory to OUT, then
-    deletes the old one: a complete OUT is on disk at every moment but the two renames. A crash
-    between them leaves OUT.old, which the next AtomicDirectory for OUT moves back.
+    The destination is locked (.OUT.lock) from here until commit(), discard(), keep_as() or
+    release(); a second process is refused. `commit()` moves an existing OUT aside (OUT.old),
+    renames the work directory to OUT, then deletes the old one: a complete OUT is on disk at every
+    moment but the two renames. A crash between them leaves OUT.old, which the next
+    AtomicDirectory for OUT moves back.
     """
 
-    def __init__(self, out: Path | str, *, overwrite: bool, resume: bool = False):
+    def __init__(self, out: Path | str, *, overwrite: bool, resume: bool = False, kind: str,
+                 inputs: Iterable[Any] = (), option: str = "--out"):
         self.out = Path(out)
-        self.work = partial_dir(self.out)
-        self.overwrite = overwrite
-        old = _old_dir(self.out)
-        if old.is_dir() and not self.out.exists() and not self.out.is_symlink():
-            os.rename(old, self.out)  # an interrupted commit: the previous OUT is still complete
-        if self.out.exists() or self.out.is_symlink():
-            if not self.out.is_dir():
-                raise SpecPrefetchError(f"{self.out}: exists and is not a directory")
-            if not overwrite:
-                raise SpecPrefetchError(f"--out {self.out} already exists; pass --overwrite to replace it")
-        self.resumed = resume and self.work.is_dir() and not self.work.is_symlink()
-        if not self.resumed:
-            _remove(self.work)
-            self.work.mkdir(parents=True)
+        self.overwrite, self.kind, self.option = overwrite, kind, option
+        self.inputs = tuple(inputs)
+        self.resumable = resume
+        self._lock: _Lock | None = None
+        claim_output(self.out, kind=kind, overwrite=overwrite, inputs=self.inputs, option=option)
+        self._made = made = _make_parent(self.out)
+        try:
+            self._lock = _Lock.acquire(self.out, option)
+        except BaseException:
+            _remove_made(made)
+            raise
+        try:
+            old = _old_dir(self.out)
+            if old.is_dir() and not self.out.exists() and not self.out.is_symlink():
+                os.rename(old, self.out)  # an interrupted commit: the previous OUT is still complete
+            claim_output(self.out, kind=kind, overwrite=overwrite, inputs=self.inputs, option=option)
+            for stale in _stale_work_dirs(self.out):  # left by killed processes: we hold the lock
+                _remove(stale)
+            if resume:
+                self.work = partial_dir(self.out)
+                self.resumed = self.work.is_dir() and not self.work.is_symlink()
+                if not self.resumed:
+                    _remove(self.work)
+                    self.work.mkdir()
+            else:
+                self.resumed = False
+                _remove(partial_dir(self.out))
+                self.work = work_dir(self.out)
+                self.work.mkdir()
+        except BaseException as e:
+            self.release()
+            _remove_made(made)
+            if isinstance(e, OSError):
+                raise os_error(e, self.out) from None
+            raise
 
     def commit(self) -> Path:
         """Rename the (complete) work directory to OUT, replacing an existing OUT; returns OUT."""
-        old = _old_dir(self.out)
-        _remove(old)
-        if self.out.exists() or self.out.is_symlink():
-            if not self.overwrite:
-                raise SpecPrefetchError(f"--out {self.out} already exists; pass --overwrite to replace it")
-            os.rename(self.out, old)
-        os.rename(self.work, self.out)
-        _remove(old)
+        try:
+            old = _old_dir(self.out)
+            _remove(old)
+            if self.out.exists() or self.out.is_symlink():
+                claim_output(self.out, kind=self.kind, overwrite=self.overwrite, inputs=self.inputs,
+                             option=self.option)
+                os.rename(self.out, old)
+            os.rename(self.work, self.out)
+            _remove(old)
+        finally:
+            self.release()
         return self.out
 
     def discard(self) -> None:
-        """Remove the work directory; OUT is untouched."""
-        _remove(self.work)
+        """Remove the work directory (and the parents of OUT made for it); OUT is untouched."""
+        try:
+            _remove(self.work)
+        finally:
+            self.release()
+            if not self.out.exists():
+                _remove_made(self._made)
 
     def keep_as(self, dest: Path | str) -> Path:
         """Move the work directory to `dest` (replacing it) for inspection; OUT is untouched."""
         dest = Path(dest)
-        _remove(dest)
-        if self.work.exists():
-            os.rename(self.work, dest)
+        try:
+            _remove(dest)
+            if self.work.exists():
+                os.rename(self.work, dest)
+        finally:
+            self.release()
         return dest
+
+    def release(self) -> None:
+        """Give up the lock on OUT (the work directory stays as it is). Idempotent."""
+        lk, self._lock = self._lock, None
+        if lk is not None:
+            lk.release()
+
+    def __del__(self):
+        with contextlib.suppress(Exception):
+            self.release()
+
+
+def _final_name(e: BaseException, d: AtomicDirectory) -> Path:
+    """The file an error names, as it would have been under OUT (the work directory is gone)."""
+    name = getattr(e, "filename", None)
+    if name:
+        with contextlib.suppress(ValueError, TypeError):
+            return d.out / Path(name).relative_to(d.work)
+    return d.out
+
+
+def _interrupt_note(e: BaseException, me: object, text: str) -> None:
+    """Say what an interrupted outermost writer left behind (see toolkit.errors.interrupted_message)."""
+    if isinstance(e, KeyboardInterrupt) and _active and _active[0] is me:
+        note_interrupt(e, text)
 
 
 @contextlib.contextmanager
 def atomic_directory(out: Path | str, *, overwrite: bool, resume: bool = False,
-                     keep_on: tuple[type[BaseException], ...] = ()) -> Iterator[Path]:
-    """Yield OUT.partial to fill; on success rename it to OUT (see AtomicDirectory).
+                     keep_on: tuple[type[BaseException], ...] = (), kind: str,
+                     inputs: Iterable[Any] = (), option: str = "--out") -> Iterator[Path]:
+    """Yield a work directory to fill; on success rename it to OUT (see AtomicDirectory).
 
-    On an exception (Ctrl-C included) OUT is untouched and the exception propagates; the work
-    directory is
+    On an exception (Ctrl-C and SIGTERM included) OUT is untouched and the exception propagates
+    (a full disk as a SpecPrefetchError naming OUT); the work directory is
     - moved to OUT.rejected if the exception is one of `keep_on` (a result refused by a check,
       kept for inspection; a later success removes it);
-    - kept as it is with `resume` (the next run resumes from it);
+    - kept as OUT.partial with `resume` (the next run resumes from it);
     - removed otherwise.
     """
-    d = AtomicDirectory(out, overwrite=overwrite, resume=resume)
-    try:
-        yield d.work
-    except BaseException as e:
-        if keep_on and isinstance(e, keep_on):
-            d.keep_as(rejected_dir(d.out))
-        elif not resume:
-            d.discard()
-        raise
-    d.commit()
+    with interrupt_on_signals():
+        d = AtomicDirectory(out, overwrite=overwrite, resume=resume, kind=kind, inputs=inputs, option=option)
+        _active.append(d)
+        try:
+            try:
+                yield d.work
+            except BaseException as e:
+                if keep_on and isinstance(e, keep_on):
+                    d.keep_as(rejected_dir(d.out))
+                elif not resume:
+                    d.discard()
+                    _interrupt_note(e, d, f"nothing was written to {d.out} and no partial work was kept")
+                else:
+                    d.release()
+                    _interrupt_note(e, d, f"nothing was written to {d.out}; the partial work in {d.work} "
+                                          "was kept and the same command resumes it")
+                err = disk_error(e, _final_name(e, d))
+                if err is not None:
+                    raise err from e
+                if isinstance(e, SpecPrefetchError) and not isinstance(e, keep_on) and str(d.work) in str(e):
+                    # a nested writer named a file in the work directory, which is gone: name it under OUT
+                    msg = str(e).replace(str(d.work), str(d.out))
+                    try:
+                        renamed = type(e)(msg)
+                    except TypeError:
+                        renamed = SpecPrefetchError(msg)
+                    raise renamed from e
+                raise
+            d.commit()
+        finally:
+            d.release()
+            _active.remove(d)
     if keep_on:
         _remove(rejected_dir(d.out))  # superseded by the complete OUT
+
+
+@contextlib.contextmanager
+def atomic_output_file(out: Path | str, *, kind: str, overwrite: bool, inputs: Iterable[Any] = (),
+                       option: str = "--out") -> Iterator[Path]:
+    """Claim OUT (a single-file artifact, e.g. an expert store), lock it, and yield a temporary
+    path beside it; on success the file is fsynced and renamed to OUT, on any exception (Ctrl-C
+    and SIGTERM included) it is removed and OUT is untouched (a full disk becomes a
+    SpecPrefetchError naming OUT)."""
+    out = Path(out)
+    claim_output(out, kind=kind, overwrite=overwrite, inputs=inputs, option=option)
+    with interrupt_on_signals():
+        with _output_file(out, kind, overwrite, inputs, option) as tmp:
+            yield tmp
+
+
+@contextlib.contextmanager
+def _output_file(out: Path, kind: str, overwrite: bool, inputs: Iterable[Any], option: str) -> Iterator[Path]:
+    made = _make_parent(out)
+    try:
+        lock = _Lock.acquire(out, option)
+    except BaseException:
+        _remove_made(made)
+        raise
+    me = object()
+    _active.append(me)
+    tmp: Path | None = None
+    try:
+        claim_output(out, kind=kind, overwrite=overwrite, inputs=inputs, option=option)
+        try:
+            fd, name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+        except OSError as e:
+            raise os_error(e, out) from None
+        os.close(fd)
+        tmp = Path(name)
+        yield tmp
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, out)
+        tmp = None
+    except BaseException as e:
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
+        if not out.exists():
+            _remove_made(made)
+        _interrupt_note(e, me, f"nothing was written to {out} and no partial file was kept")
+        err = disk_error(e, out)
+        if err is not None:
+            raise err from e
+        raise
+    finally:
+        _active.remove(me)
+        lock.release()
 
 
 def sha256_file(path: Path | str, chunk: int = 1 << 20) -> str:

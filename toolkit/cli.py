@@ -10,10 +10,14 @@ MODEL_DIR may be `embedded` for the embedded default model.
 """
 from __future__ import annotations
 
+import errno
 import functools
 import json
+import logging
 import math
+import os
 import sys
+import warnings
 from pathlib import Path
 
 import click
@@ -21,29 +25,96 @@ import click
 from toolkit import __version__
 from toolkit.errors import SpecPrefetchError
 
+# What an OSError means, in a few words, for the one-line message naming its path.
+OS_ERRORS = {
+    errno.ENOSPC: "no space left on device (disk full)",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EFBIG: "file too large (over the file-size limit)",
+    errno.EISDIR: "is a directory, a file is needed there",
+    errno.ENOTDIR: "is not a directory (a file stands where a directory is needed)",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+    errno.ENOENT: "no such file or directory",
+    errno.EEXIST: "already exists",
+    errno.EROFS: "read-only file system",
+    errno.ENAMETOOLONG: "file name too long",
+    errno.ENOTEMPTY: "directory not empty",
+    errno.EXDEV: "on another file system",
+    errno.EMFILE: "too many open files",
+    errno.EIO: "input/output error (a failing disk or a lost network mount)",
+    errno.ELOOP: "too many levels of symbolic links",
+}
 
-def friendly_errors(fn):
-    """Turn toolkit errors and Ctrl-C into one clear line and a non-zero exit, no traceback."""
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except SpecPrefetchError as e:
-            click.echo(f"error: {e}", err=True)
-            sys.exit(2)
-        except KeyboardInterrupt:
-            click.echo("interrupted: nothing was written under the output name; partial work is "
-                       "kept beside it and the same command resumes it", err=True)
-            sys.exit(130)
-    return wrapper
+
+def os_error_line(e: OSError) -> str:
+    """One line for an OSError: the path(s) it names and what went wrong."""
+    what = OS_ERRORS.get(e.errno) or (e.strerror or type(e).__name__).lower()
+    paths = [str(p) for p in (e.filename, e.filename2) if p not in (None, "")]
+    if not paths:
+        return f"{what} ({e})" if str(e) and what not in str(e).lower() else what
+    return f"{' -> '.join(paths)}: {what}"
+
+
+def one_line(text: str) -> str:
+    """Any message as one line (a library's multi-line text joined)."""
+    return " ".join(part.strip() for part in str(text).splitlines() if part.strip())
+
+
+def _exit_code(e: KeyboardInterrupt) -> int:
+    """130 for Ctrl-C; 128 + N for a signal N that toolkit.errors turned into an interrupt."""
+    import signal
+
+    name = e.args[0] if e.args and isinstance(e.args[0], str) else ""
+    try:
+        return 128 + int(signal.Signals[name])
+    except KeyError:
+        return 130
+
+
+def friendly_errors(fn=None, *, interrupt: str = "nothing was written"):
+    """Turn toolkit errors, OS errors and Ctrl-C (or SIGTERM) into one clear line and a non-zero
+    exit, no traceback.
+
+    `interrupt` says what an interrupted command leaves when none of its writers said otherwise
+    (they note what they kept or removed on the KeyboardInterrupt; toolkit.errors.interrupted_message);
+    it may name the command's options, e.g. "{out} was not written"."""
+    def deco(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            try:
+                return fn(*args, **kwargs)
+            except SpecPrefetchError as e:
+                click.echo(f"error: {one_line(e)}", err=True)
+                sys.exit(2)
+            except KeyboardInterrupt as e:
+                from toolkit.errors import interrupted_message
+
+                try:
+                    default = interrupt.format(**{k: v for k, v in kwargs.items() if v is not None})
+                except (KeyError, IndexError):
+                    default = "nothing was written"
+                # on a line of its own: after the terminal's ^C echo or a progress bar left open
+                click.echo("\n" + one_line(interrupted_message(e, default)), err=True)
+                sys.exit(_exit_code(e))
+            except OSError as e:
+                if e.errno == errno.EPIPE:  # stdout closed early (| head): click's own handling
+                    raise
+                click.echo(f"error: {os_error_line(e)}", err=True)
+                sys.exit(2)
+            except UnicodeError as e:  # a backstop: input files are checked where they are named
+                click.echo(f"error: text that is not valid UTF-8 ({one_line(e)})", err=True)
+                sys.exit(2)
+        return wrapper
+    return deco(fn) if fn is not None else deco
 
 
 class FiniteFloat(click.ParamType):
-    """A finite number above `low` (a one-line error for nan, inf, words or empty text)."""
+    """A finite number above `low` (or at least `low` with `inclusive`); a one-line error for nan,
+    inf, words or empty text."""
     name = "number"
 
-    def __init__(self, low: float = 0.0):
-        self.low = low
+    def __init__(self, low: float = 0.0, *, inclusive: bool = False):
+        self.low, self.inclusive = low, inclusive
 
     def convert(self, value, param, ctx):
         if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -53,8 +124,9 @@ class FiniteFloat(click.ParamType):
                 v = float(str(value).strip())
             except ValueError:
                 self.fail(f"{value!r} is not a number", param, ctx)
-        if not math.isfinite(v) or v <= self.low:
-            self.fail(f"{value!r}: must be a finite number above {self.low:g}", param, ctx)
+        if not math.isfinite(v) or v < self.low or (v == self.low and not self.inclusive):
+            self.fail(f"{value!r}: must be a finite number {'>=' if self.inclusive else 'above'} {self.low:g}",
+                      param, ctx)
         return v
 
 
@@ -71,13 +143,95 @@ class FloatList(click.ParamType):
         return [FiniteFloat().convert(x, param, ctx) for x in items]
 
 
+class IntList(click.ParamType):
+    """Comma-separated whole numbers of at least `low`, e.g. 1,2,4."""
+    name = "list"
+
+    def __init__(self, low: int = 1):
+        self.low = low
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, (list, tuple)):
+            return list(value)
+        items = [x.strip() for x in str(value).split(",") if x.strip()]
+        try:
+            out = [int(x) for x in items]
+        except ValueError:
+            out = []
+        if not out or min(out) < self.low:
+            self.fail(f"{value!r}: expected comma-separated whole numbers >= {self.low}", param, ctx)
+        return out
+
+
+class Text(click.ParamType):
+    """Text that is valid UTF-8 (a prompt): bytes that are not are a one-line error, not a
+    traceback deep in the tokenizer or the JSON writer."""
+    name = "text"
+
+    def convert(self, value, param, ctx):
+        try:
+            str(value).encode("utf-8")
+        except UnicodeEncodeError:
+            self.fail(f"{ascii(value)} is not valid UTF-8 text", param, ctx)
+        return value
+
+
+class OutPath(click.Path):
+    """An output path: a file where a directory is meant or the reverse is a one-line error, and so
+    is a file standing where one of its parent directories should be, before any work is done."""
+
+    def convert(self, value, param, ctx):
+        path = super().convert(value, param, ctx)
+        for parent in Path(path).absolute().parents:
+            if parent.exists():
+                if not parent.is_dir():
+                    self.fail(f"{parent} is a file, not a directory, so {value!s} cannot be written", param, ctx)
+                break
+        return path
+
+
+class TextFile(click.Path):
+    """An input text file (.txt / .jsonl): it must exist, be a file and be UTF-8, checked here in one
+    streaming pass so that a stray byte is a one-line error naming the file and the offset."""
+
+    def __init__(self):
+        super().__init__(exists=True, dir_okay=False, path_type=Path)
+
+    def convert(self, value, param, ctx):
+        import codecs
+
+        path = super().convert(value, param, ctx)
+        dec, offset = codecs.getincrementaldecoder("utf-8")(), 0
+        try:
+            with open(path, "rb") as f:
+                while chunk := f.read(1 << 20):
+                    try:
+                        dec.decode(chunk)
+                    except UnicodeDecodeError as e:
+                        self.fail(f"{path}: not UTF-8 text (byte {offset + e.start}: {e.reason})", param, ctx)
+                    offset += len(chunk)
+                dec.decode(b"", final=True)
+        except UnicodeDecodeError as e:
+            self.fail(f"{path}: not UTF-8 text (it ends inside a character: {e.reason})", param, ctx)
+        except OSError as e:
+            self.fail(f"{path}: cannot read it ({e.strerror or e})", param, ctx)
+        return path
+
+
 POOL_MIB = FiniteFloat()
-OUT_FILE = click.Path(dir_okay=False, path_type=Path)  # an output file: a directory there is a one-line error
+OUT_FILE = OutPath(dir_okay=False, path_type=Path)  # an output file: a directory there is a one-line error
+OUT_DIR = OutPath(file_okay=False, path_type=Path)  # an output directory: a file there is a one-line error
+WINDOW_HELP = ("prefetch window: MoE layers planned ahead (one step is one MoE layer of one token; the window "
+               "crosses into the next token), 1..the model's MoE layers")
+NOT_WRITTEN = "{json_out} was not written"
+NOTHING_TO_OUT = "nothing was written to {out}"
 
 
 def fmt(v, spec: str = ".2f") -> str:
-    """A figure for a summary line; undefined (None, e.g. TPOT of a single token) prints as '-'."""
-    return "-" if v is None else format(v, spec)
+    """A figure for a summary line; undefined (None or NaN, e.g. TPOT of a single token) prints as n/a."""
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return "n/a"
+    return format(v, spec)
 
 
 def scheduler_limits(fn):
@@ -88,16 +242,95 @@ def scheduler_limits(fn):
                         help="when flash is saturated, drop queued prefetches below this predicted probability")(fn)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class OneLineUsage(click.ClickException):
+    """A usage error (a bad option value, an unknown option, a missing argument) as one line."""
+    exit_code = 2
+
+    def __init__(self, e: click.UsageError):
+        path = e.ctx.command_path if e.ctx is not None else "specprefetch"
+        super().__init__(f"{one_line(e.format_message())} (see '{path} --help')")
+
+    def show(self, file=None) -> None:
+        click.echo(f"error: {self.format_message()}", err=True)
+
+
+class Cli(click.Group):
+    """The command group: usage errors of every command print as one `error: ...` line, exit 2."""
+
+    def make_context(self, *args, **kwargs):
+        try:
+            return super().make_context(*args, **kwargs)
+        except click.exceptions.NoArgsIsHelpError:
+            raise
+        except click.UsageError as e:
+            raise OneLineUsage(e) from None
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except click.exceptions.NoArgsIsHelpError:
+            raise
+        except click.UsageError as e:
+            raise OneLineUsage(e) from None
+
+
+# Libraries' messages that are not the user's business: torchao's optional kernels it cannot load
+# here, torch's pytree deprecation notes, ExecuTorch's thread pool probing, deprecation warnings.
+QUIET_LOGGERS = ("torchao", "torch.utils._pytree", "torch._export", "torch.export", "torch.fx.experimental",
+                 "executorch", "coremltools")
+LIBRARIES = r"(torch|torchao|transformers|executorch|onnx|onnxruntime|onnxscript|accelerate|huggingface_hub|" \
+            r"safetensors|tokenizers|coremltools|matplotlib|numpy|qai_hub)(\.|$)"
+
+
+def quiet_libraries() -> None:
+    """Silence what is not the user's business (a user's own -W / PYTHONWARNINGS still wins)."""
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+    if sys.warnoptions:
+        return
+    for category in (DeprecationWarning, PendingDeprecationWarning, FutureWarning):
+        warnings.filterwarnings("ignore", category=category)
+    warnings.filterwarnings("ignore", category=UserWarning, module=LIBRARIES)
+
+
+class quiet_native_stderr:
+    """Send file descriptor 2 to /dev/null for a block (native libraries' own log lines, e.g.
+    ExecuTorch's cpuinfo probing when its thread pool starts). Python's own errors still surface
+    after the block: nothing is raised inside it that is not re-raised."""
+
+    def __enter__(self):
+        sys.stderr.flush()
+        try:
+            self.saved = os.dup(2)
+            null = os.open(os.devnull, os.O_WRONLY)
+        except OSError:
+            self.saved = None
+            return self
+        os.dup2(null, 2)
+        os.close(null)
+        return self
+
+    def __exit__(self, *exc):
+        if self.saved is not None:
+            os.dup2(self.saved, 2)
+            os.close(self.saved)
+        return False
+
+
+@click.group(cls=Cli, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="specprefetch")
 def main() -> None:
     """Predict and prefetch Mixture-of-Experts experts from flash into a bounded DRAM pool."""
+    from toolkit.errors import install_signal_handlers
+
+    quiet_libraries()
+    install_signal_handlers()  # SIGTERM and SIGHUP end a command as Ctrl-C does (same cleanup, same message)
 
 
 @main.command()
 @click.argument("model", default="embedded")
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of a summary")
-@friendly_errors
+@friendly_errors(interrupt="nothing was written")
 def info(model: str, as_json: bool) -> None:
     """Family, layers, experts, top-k and expert bytes (fp16/int8/int4) of MODEL.
 
@@ -112,26 +345,31 @@ def info(model: str, as_json: bool) -> None:
 
 @main.command()
 @click.argument("model", default="embedded")
-@click.option("--data", "data", multiple=True, required=True, type=click.Path(path_type=Path),
+@click.option("--data", "data", multiple=True, required=True, type=TextFile(),
               help=".txt or .jsonl file ({\"text\": ..., \"image\": ...} per line); repeatable")
-@click.option("--out", required=True, type=click.Path(path_type=Path), help="trace directory to write")
-@click.option("--prompt-tokens", default=256, show_default=True, help="tokens per prompt")
-@click.option("--decode-tokens", default=32, show_default=True, help="greedy decode steps per prompt")
-@click.option("--max-sequences", type=int, default=None, help="stop after this many prompts")
-@click.option("--probs-top-m", type=int, default=None,
+@click.option("--out", required=True, type=OUT_DIR, help="trace directory to write")
+@click.option("--prompt-tokens", type=click.IntRange(min=1), default=256, show_default=True, help="tokens per prompt")
+@click.option("--decode-tokens", type=click.IntRange(min=0), default=32, show_default=True,
+              help="greedy decode steps per prompt")
+@click.option("--max-sequences", type=click.IntRange(min=1), default=None,
+              help="stop after this many prompts [default: every prompt in --data]")
+@click.option("--probs-top-m", type=click.IntRange(min=1), default=None,
               help="keep only the top-m router probabilities (default: all up to 256 experts, else 64)")
-@click.option("--hidden-sample", default=1.0, show_default=True,
+@click.option("--hidden-sample", type=click.FloatRange(0, 1), default=1.0, show_default=True,
               help="share of prefill tokens whose router input is stored (decode tokens: always)")
-@click.option("--heldout-frac", default=0.1, show_default=True, help="share of prompts held out")
+@click.option("--heldout-frac", type=click.FloatRange(0, 1, max_open=True), default=0.1, show_default=True,
+              help="share of prompts held out")
 @click.option("--seed", default=0, show_default=True)
-@click.option("--shard-tokens", default=16384, show_default=True, help="tokens per shard")
+@click.option("--shard-tokens", type=click.IntRange(min=1), default=16384, show_default=True, help="tokens per shard")
 @click.option("--device", default="cpu", show_default=True,
               help="cpu, cuda, cuda:N, or auto (spread over all GPUs with accelerate)")
 @click.option("--dtype", default="float32", show_default=True, help="float32, bfloat16 or float16")
+@click.option("--batch", type=click.IntRange(min=1), default=None,
+              help="prompts per forward pass [default: 1 on cpu, 16 on a GPU]")
 @click.option("--overwrite", is_flag=True, help="replace an existing --out (only once the new trace is complete)")
-@friendly_errors
+@friendly_errors(interrupt=NOTHING_TO_OUT)
 def trace(model, data, out, prompt_tokens, decode_tokens, max_sequences, probs_top_m,
-          hidden_sample, heldout_frac, seed, shard_tokens, device, dtype, overwrite) -> None:
+          hidden_sample, heldout_frac, seed, shard_tokens, device, dtype, batch, overwrite) -> None:
     """Record routing traces of MODEL over text (and images) in prefill and greedy decode.
 
     Per token and MoE layer: selected experts and weights, the router's probability vector and
@@ -143,7 +381,7 @@ def trace(model, data, out, prompt_tokens, decode_tokens, max_sequences, probs_t
     s = TraceSettings(prompt_tokens=prompt_tokens, decode_tokens=decode_tokens,
                       max_sequences=max_sequences, probs_top_m=probs_top_m,
                       hidden_sample=hidden_sample, heldout_frac=heldout_frac, seed=seed,
-                      shard_tokens=shard_tokens, device=device, dtype=dtype)
+                      shard_tokens=shard_tokens, device=device, dtype=dtype, batch=batch)
     path = run_trace(model, list(data), out, s, overwrite=overwrite)
     m = TraceReader(path).manifest
     t = m["tokens"]
@@ -161,26 +399,32 @@ def _ints(text: str, option: str) -> tuple[int, ...]:
 
 @main.command()
 @click.argument("traces", type=click.Path(path_type=Path))
-@click.option("--out", required=True, type=click.Path(path_type=Path), help="adapter directory to write")
+@click.option("--out", required=True, type=OUT_DIR, help="adapter directory to write")
 @click.option("--model", default=None, help="model directory (default: the one the trace records)")
-@click.option("--rank", default=64, show_default=True)
+@click.option("--rank", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--horizons", default="1,2", show_default=True, help="MoE layers ahead, 1..4")
 @click.option("--cross-token/--no-cross-token", default=True, show_default=True,
               help="let the last layers predict the next token's first layers")
 @click.option("--horizon-weights", default=None,
               help="loss weight per horizon, e.g. '1:2,2:1' (default 2 for h=1, 1 otherwise)")
-@click.option("--topk-weight", default=0.0, show_default=True, help="weight of the top-k ranking term")
-@click.option("--steps", default=3000, show_default=True)
-@click.option("--batch-size", default=512, show_default=True)
-@click.option("--lr", default=3e-3, show_default=True)
-@click.option("--val-every", default=100, show_default=True)
-@click.option("--patience", default=6, show_default=True, help="validations without improvement before stopping")
+@click.option("--topk-weight", type=FiniteFloat(0.0, inclusive=True), default=0.0, show_default=True,
+              help="weight of the top-k ranking term")
+@click.option("--steps", type=click.IntRange(min=1), default=3000, show_default=True)
+@click.option("--batch-size", type=click.IntRange(min=1), default=512, show_default=True)
+@click.option("--lr", type=FiniteFloat(), default=3e-3, show_default=True)
+@click.option("--val-every", type=click.IntRange(min=1), default=100, show_default=True,
+              help="validate every this many steps")
+@click.option("--patience", type=click.IntRange(min=1), default=6, show_default=True,
+              help="validations without improvement before stopping")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda")
-@click.option("--max-memory-mb", default=512, show_default=True, help="trace shards held in memory at once")
-@friendly_errors
+@click.option("--max-memory-mb", type=click.IntRange(min=1), default=512, show_default=True,
+              help="trace shards held in memory at once")
+@click.option("--overwrite", is_flag=True,
+              help="replace an existing adapter at --out (only once the new one is complete)")
+@friendly_errors(interrupt=NOTHING_TO_OUT)
 def train(traces, out, model, rank, horizons, cross_token, horizon_weights, topk_weight, steps,
-          batch_size, lr, val_every, patience, seed, device, max_memory_mb) -> None:
+          batch_size, lr, val_every, patience, seed, device, max_memory_mb, overwrite) -> None:
     """Train the prefetch adapter on TRACES (a `trace` directory): a rank-r correction of each
     future layer's router, KL to the real routing, backbone frozen."""
     from adapters.train import TrainConfig, train_adapter
@@ -196,15 +440,15 @@ def train(traces, out, model, rank, horizons, cross_token, horizon_weights, topk
                       lr=lr, val_every=val_every, patience=patience, seed=seed, device=device,
                       max_memory_mb=max_memory_mb)
     try:
-        r = train_adapter(traces, out, cfg, model=model)
+        r = train_adapter(traces, out, cfg, model=model, overwrite=overwrite)
     except ValueError as e:
         raise SpecPrefetchError(f"train: {e}") from None
     v = r["validation"]
     click.echo(f"wrote {out}: {r['params']:,} parameters ({100 * r['share_of_model']:.2f}% of the model), "
                f"best step {r['training']['best_step']}")
     for h in v["adapter"]["recall_at_k"]:
-        click.echo(f"  validation recall@k h={h}: next-gate {v['next_gate']['recall_at_k'][h]:.3f} -> "
-                   f"adapter {v['adapter']['recall_at_k'][h]:.3f}")
+        click.echo(f"  validation recall@k h={h}: next-gate {fmt(v['next_gate']['recall_at_k'].get(h), '.3f')} -> "
+                   f"adapter {fmt(v['adapter']['recall_at_k'][h], '.3f')}")
 
 
 @main.command(name="eval")
@@ -215,11 +459,12 @@ def train(traces, out, model, rank, horizons, cross_token, horizon_weights, topk
                    "(default: all; adapter only with --adapter)")
 @click.option("--model", default=None, help="model directory (default: the one the trace records)")
 @click.option("--horizons", default=None, help="default: the adapter's, else 1,2")
-@click.option("--budget", type=int, default=None, help="candidate budget M (default 2k)")
-@click.option("--draft-bits", default=4, show_default=True, help="bits of the draft's routed experts")
+@click.option("--budget", type=click.IntRange(min=1), default=None, help="candidate budget M (default 2k)")
+@click.option("--draft-bits", type=click.IntRange(2, 8), default=4, show_default=True,
+              help="bits of the draft's routed experts")
 @click.option("--json", "json_out", required=True, type=OUT_FILE,
               help="JSON report; the Markdown table and PNG plot go beside it")
-@friendly_errors
+@friendly_errors(interrupt=NOT_WRITTEN)
 def eval_cmd(traces, adapter, predictors, model, horizons, budget, draft_bits, json_out) -> None:
     """Recall@k, recall/precision within a budget, per-layer curves for each predictor on the
     held-out decode tokens of TRACES."""
@@ -239,13 +484,15 @@ def eval_cmd(traces, adapter, predictors, model, horizons, budget, draft_bits, j
 @click.argument("model", default="embedded")
 @click.option("--out", required=True, type=OUT_FILE, help="expert store file to write")
 @click.option("--dtype", default="fp16", show_default=True, type=click.Choice(["fp16", "int8", "int4"]))
-@friendly_errors
-def store(model, out, dtype) -> None:
+@click.option("--overwrite", is_flag=True,
+              help="replace an existing expert store at --out (only once the new one is complete)")
+@friendly_errors(interrupt=NOTHING_TO_OUT)
+def store(model, out, dtype, overwrite) -> None:
     """Write MODEL's routed experts into one 4 KiB-aligned expert store file (docs/expert-store.md)."""
     from toolkit.models.loader import inspect_model_dir
     from toolkit.runtime.expert_store import ExpertStore, build_store
 
-    path = build_store(inspect_model_dir(model), out, dtype)
+    path = build_store(inspect_model_dir(model), out, dtype, overwrite=overwrite)
     st = ExpertStore(path)
     click.echo(f"wrote {path}: {len(st.entries)} experts of {st.blob_size:,} B ({dtype}), "
                f"{path.stat().st_size / 2**20:.1f} MiB")
@@ -260,7 +507,8 @@ def store(model, out, dtype) -> None:
 @click.option("--profile", default="snapdragon-8-elite", show_default=True,
               help="snapdragon-8-elite, this-machine (after calibrate), or a profile JSON file")
 @click.option("--pool-mib", type=FloatList(), default="8", show_default=True, help="pool budget; comma list to sweep")
-@click.option("--window", default="2", show_default=True, help="steps ahead; comma list to sweep")
+@click.option("--window", "windows", type=IntList(1), default="2", show_default=True,
+              help=WINDOW_HELP + "; a comma list sweeps")
 @click.option("--queue-depth", type=click.IntRange(min=1), default=4, show_default=True)
 @click.option("--dtype", default="fp16", show_default=True, type=click.Choice(["fp16", "int8", "int4"]))
 @click.option("--geometry", default=None, help="config.json directory whose sizes to use (routing stays the trace's)")
@@ -268,8 +516,8 @@ def store(model, out, dtype) -> None:
 @click.option("--max-sequences", type=click.IntRange(min=1), default=None)
 @scheduler_limits
 @click.option("--json", "json_out", required=True, type=OUT_FILE)
-@friendly_errors
-def simulate(traces, policies, adapter, profile, pool_mib, window, queue_depth, dtype, geometry, split,
+@friendly_errors(interrupt=NOT_WRITTEN)
+def simulate(traces, policies, adapter, profile, pool_mib, windows, queue_depth, dtype, geometry, split,
              max_sequences, min_confidence, step_budget_kib, json_out) -> None:
     """Replay TRACES through the pool and scheduler against a device profile: TPOT, stall, hit
     rate, MiB read and wasted prefetch per policy; sweeps give a table and plots."""
@@ -277,9 +525,6 @@ def simulate(traces, policies, adapter, profile, pool_mib, window, queue_depth, 
     from toolkit.runtime.profiles import load_profile
     from toolkit.simulate.report import sweep, write_sweep
 
-    windows = list(_ints(window, "--window"))
-    if not windows or min(windows) < 1:
-        raise SpecPrefetchError(f"--window {window!r}: steps ahead must be >= 1")
     r = sweep(traces, policies=parse_policies(policies), profile=load_profile(profile), pools=pool_mib,
               windows=windows, queue_depth=queue_depth, dtype=dtype, geometry=geometry, adapter=adapter,
               split=split, max_sequences=max_sequences, min_confidence=min_confidence,
@@ -293,9 +538,9 @@ def simulate(traces, policies, adapter, profile, pool_mib, window, queue_depth, 
 @click.argument("model", default="embedded")
 @click.option("--store", "store_path", type=click.Path(path_type=Path), default=None,
               help="expert store (default: built once into ~/.cache/specprefetch/stores)")
-@click.option("--reads", default=200, show_default=True, help="reads per measured point")
-@click.option("--out", type=click.Path(path_type=Path), default=None, help="profile JSON (default: the cache)")
-@friendly_errors
+@click.option("--reads", type=click.IntRange(min=1), default=200, show_default=True, help="reads per measured point")
+@click.option("--out", type=OUT_FILE, default=None, help="profile JSON (default: the cache)")
+@friendly_errors(interrupt="the profile was not written")
 def calibrate(model, store_path, reads, out) -> None:
     """Measure this machine (O_DIRECT expert reads by queue depth, runtime compute per layer and
     expert) into the `this-machine` device profile."""
@@ -317,14 +562,19 @@ def calibrate(model, store_path, reads, out) -> None:
               help="trace whose expert counts drive the frequency policy")
 @click.option("--pool-mib", type=POOL_MIB, default=None,
               help="pool budget in MiB [default: a bundle's own default, else 8]")
-@click.option("--window", type=click.IntRange(min=1), default=2, show_default=True)
+@click.option("--window", type=click.IntRange(min=1), default=2, show_default=True, help=WINDOW_HELP)
 @click.option("--queue-depth", type=click.IntRange(min=1), default=4, show_default=True)
 @click.option("--store", "store_path", type=click.Path(path_type=Path), default=None,
               help="an existing expert store (model directories; default: built once into the cache)")
-@click.option("--dtype", default="fp16", show_default=True, type=click.Choice(["fp16", "int8", "int4"]),
-              help="precision of the store built for a model directory")
+@click.option("--dtype", default=None, type=click.Choice(["fp16", "int8", "int4"]),
+              help="precision of the store built for a model directory [default: fp16]; with --store or a bundle "
+                   "it must be that store's")
+@click.option("--device", default="cpu", show_default=True, callback=lambda c, p, v: _device(v, p),
+              help="cpu, or cuda / cuda:N: the GPU tier (experts in pinned host memory, the pool in GPU memory; "
+                   "docs/gpu-tier.md)")
 @click.option("--flash-profile", default=None, help="pace real reads to this device profile (emulated)")
-@click.option("--prompt", "prompts", multiple=True, required=True, help="repeatable")
+@click.option("--prompt", "prompts", type=Text(), multiple=True, required=True,
+              help="repeatable; one JSON `runs` entry each")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=32, show_default=True)
 @click.option("--max-seq", type=click.IntRange(min=2), default=512, show_default=True,
               help="KV cache length of a model directory's graphs")
@@ -343,14 +593,24 @@ def calibrate(model, store_path, reads, out) -> None:
               help="the Python reference runner, or the native C++ runner (ExecuTorch bundles; docs/runner.md)")
 @click.option("--abi", default="host", show_default=True, type=click.Choice(["host", "arm64"]),
               help="--engine native: this machine's build, or the arm64 build (under qemu-aarch64 on x86-64)")
-@click.option("--json", "json_out", required=True, type=OUT_FILE)
-@friendly_errors
-def run(model, policy, adapter, frequency_trace, pool_mib, window, queue_depth, store_path, dtype, flash_profile,
-        prompts, max_new_tokens, max_seq, threads, io_mode, check, events_out, min_confidence, step_budget_kib,
+@click.option("--json", "json_out", required=True, type=OUT_FILE,
+              help='{"policy": ..., "runs": [one per --prompt], "peak_rss_bytes": ...} (docs/runtime.md)')
+@friendly_errors(interrupt=NOT_WRITTEN)
+def run(model, policy, adapter, frequency_trace, pool_mib, window, queue_depth, store_path, dtype, device,
+        flash_profile, prompts, max_new_tokens, max_seq, threads, io_mode, check, events_out, min_confidence, step_budget_kib,
         engine, abi, json_out) -> None:
     """Run MODEL (a model directory, `embedded`, or a bundle) with its experts streamed from the
-    expert store through a bounded pool (real O_DIRECT reads); with --check, compare the tokens
-    with the unmodified model."""
+    expert store through a bounded pool (real O_DIRECT reads); prints each prompt's generated text
+    and figures; with --check, compare the tokens with the unmodified model."""
+    if device != "cpu":
+        if engine != "python" or abi != "host" or flash_profile or frequency_trace or events_out:
+            raise SpecPrefetchError(f"--device {device}: the GPU tier takes a model directory with --store, --adapter, "
+                                    "--policy and --pool-mib (drop --engine, --abi, --flash-profile, --frequency-trace, "
+                                    "--events)")
+        _run_gpu(model, device=device, policy=policy, adapter=adapter, store_path=store_path, dtype=dtype,
+                 pool_mib=pool_mib, window=window, prompts=prompts, max_new_tokens=max_new_tokens, check=check,
+                 min_confidence=min_confidence, json_out=json_out)
+        return
     if engine == "native":
         if adapter or store_path or frequency_trace or flash_profile:
             raise SpecPrefetchError("--engine native runs a bundle as exported: drop --adapter, --store, "
@@ -379,7 +639,9 @@ def run(model, policy, adapter, frequency_trace, pool_mib, window, queue_depth, 
         if isinstance(head, dict) and head.get("target") == "executorch":
             from export.executorch_target import set_threads
 
-            if set_threads(threads, strict=False) != threads:  # only before the first program loads
+            with quiet_native_stderr():  # ExecuTorch's thread pool probes the CPU and logs it to fd 2
+                have = set_threads(threads, strict=False)
+            if have != threads:  # only before the first program loads
                 click.echo(f"note: ExecuTorch's thread pool stays at its size in this process (programs already "
                            f"loaded), not --threads {threads}", err=True)
     pol = Policy.parse(policy)
@@ -388,6 +650,7 @@ def run(model, policy, adapter, frequency_trace, pool_mib, window, queue_depth, 
                     io=io_mode, min_confidence=min_confidence, step_budget_kib=step_budget_kib)
     s = open_session(model, cfg, adapter=adapter, store=store_path, dtype=dtype, frequency_trace=frequency_trace,
                      max_seq=max_seq, pool_default=pool_mib is None)
+    s.runner.progress = True  # a prefill progress bar on stderr for long prompts
     if check is None:
         check = s.is_embedded
     if check and s.source_model is None:
@@ -399,8 +662,8 @@ def run(model, policy, adapter, frequency_trace, pool_mib, window, queue_depth, 
         ids = s.encode(p)
         g = s.runner.run(ids, max_new_tokens, events=log)
         encoded.append(ids)
-        runs.append({"prompt": p, "source": s.label, **g.to_json(), "matches_unmodified_model": None,
-                     **({"notes": s.notes} if s.notes else {})})
+        runs.append({"prompt": p, "source": s.label, **g.to_json(), "text": _decode(s.tokenizer, g.tokens),
+                     "matches_unmodified_model": None, **({"notes": s.notes} if s.notes else {})})
     rss = peak_rss_bytes()  # before --check loads the unmodified model: what the run itself needed
     if check:
         for r, ids in zip(runs, encoded):
@@ -412,21 +675,120 @@ def run(model, policy, adapter, frequency_trace, pool_mib, window, queue_depth, 
             if r["tokens"] != ref:
                 click.echo(f"note: {s.label} ({s.runner.store.dtype} experts) decodes other tokens than the "
                            f"unmodified model for prompt {r['prompt']!r} (reduced precision)", err=True)
-    out = runs[0] if len(runs) == 1 else {"policy": pol.name, "runs": runs}
-    out["peak_rss_bytes"] = rss
+    out = {"policy": pol.name, "runs": runs, "peak_rss_bytes": rss}  # one shape for one prompt or several
     write_json_atomic(json_out, out)
     if events_out:
         write_events(events_out, log)
     for r in runs:
+        _echo_text(r)
         click.echo(f"{pol.name}: TTFT {fmt(r['ttft_ms'], '.1f')} ms, TPOT {fmt(r['tpot_ms'])} ms "
                    f"(p95 {fmt(r['tpot_p95_ms'])}), stall {fmt(r['stall_ms_per_token'])} ms/token, "
                    f"hit rate {fmt(r['hit_rate'], '.3f')}, {r['mib_read']:.1f} MiB read, peak pool "
                    f"{r['peak_pool_bytes'] / 2**20:.2f} of {r['budget_bytes'] / 2**20:.2f} MiB"
                    + (", tokens match the unmodified model" if r["matches_unmodified_model"] else "")
                    + (f" [flash emulated: {flash_profile}]" if flash_profile else ""))
-    rss = out["peak_rss_bytes"]
     click.echo(f"peak RSS {rss / 2**20:.0f} MiB (before --check)" if rss else "peak RSS unknown")
     click.echo(f"wrote {json_out}" + (f", {events_out}" if events_out else ""))
+
+
+def _device(value: str, param) -> str:
+    """cpu, cuda or cuda:N (a one-line usage error otherwise)."""
+    import re
+
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", value or ""):
+        raise click.BadParameter(f"{value!r}: expected cpu, cuda or cuda:N", param=param)
+    return value
+
+
+def _run_gpu(model, *, device, policy, adapter, store_path, dtype, pool_mib, window, prompts, max_new_tokens, check,
+             min_confidence, json_out) -> None:
+    """`run --device cuda`: the GPU tier (toolkit/runtime/gpu.py), the same JSON shape as the CPU engines."""
+    from export.session import is_bundle
+    from toolkit.artifacts import write_json_atomic
+    from toolkit.models.loader import inspect_model_dir, load_model
+    from toolkit.models.routers import load_router_bank
+    from toolkit.predictors.registry import build_predictor
+    from toolkit.runtime.expert_store import ExpertStore
+    from toolkit.runtime.gpu import GpuEngine
+    from toolkit.runtime.gpu_bench import reference_generate
+    from toolkit.runtime.policy import Policy
+    from toolkit.runtime.runner import RunConfig
+    from toolkit.runtime.stats import peak_rss_bytes
+
+    if is_bundle(model):
+        raise SpecPrefetchError(f"--device {device}: the GPU tier runs a model directory, not a bundle ({model})")
+    if dtype not in (None, "fp16"):
+        raise SpecPrefetchError(f"--device {device}: the GPU tier computes from fp16 experts; drop --dtype {dtype}")
+    from toolkit.runtime.gpu import Device
+
+    Device(device)  # CUDA present (a one-line error before any loading)
+    spec = inspect_model_dir(model)
+    if store_path is None:
+        from export.session import cached_store
+
+        st = cached_store(spec, "fp16")
+    else:
+        st = ExpertStore(store_path, spec)
+    pol = Policy.parse(policy)
+    E = spec.geometry.routing.num_experts
+    bank = load_router_bank(spec)
+    ad = None
+    if adapter is not None:
+        from adapters.checkpoint import load_adapter
+
+        ad, _ = load_adapter(adapter, spec)
+    preds = {}
+    if pol.predictor not in ("on-demand", "draft"):
+        preds[pol.predictor] = build_predictor(pol.predictor, num_experts=E, bank=lambda: bank,
+                                               adapter=(lambda: ad) if ad is not None else None)
+    cuda = device.startswith("cuda")
+    lm = load_model(spec.path, dtype="float16" if cuda else "float32")
+    eng = GpuEngine(lm, st, RunConfig(policy=pol, pool_mib=pool_mib or 8.0, window=window,
+                                      min_confidence=min_confidence), device=device, predictors=preds)
+    runs, encoded = [], []
+    for p in prompts:
+        ids = lm.tokenizer(p, add_special_tokens=False)["input_ids"]
+        if not ids:
+            raise SpecPrefetchError(f"--prompt {p!r} is empty after tokenisation")
+        g = eng.run(ids, max_new_tokens)
+        encoded.append(ids)
+        runs.append({"prompt": p, "source": str(spec.path), **g.to_json(), "text": _decode(lm.tokenizer, g.tokens),
+                     "matches_unmodified_model": None})
+    rss = peak_rss_bytes()
+    if check:
+        import torch
+
+        del eng
+        refs, _ = reference_generate(spec.path, encoded, max_new_tokens, device,
+                                     torch.float16 if cuda else torch.float32, timed=False)
+        for r, ref in zip(runs, refs):
+            r["matches_unmodified_model"] = r["tokens"] == ref
+    write_json_atomic(json_out, {"policy": pol.name, "device": device, "runs": runs, "peak_rss_bytes": rss})
+    for r in runs:
+        _echo_text(r)
+        click.echo(f"{pol.name} on {device}: TTFT {fmt(r['ttft_ms'], '.1f')} ms, TPOT {fmt(r['tpot_ms'])} ms, "
+                   f"stall {fmt(r['gpu_stall_ms_per_token'])} ms/token, hit rate {fmt(r['hit_rate'], '.3f')}, "
+                   f"{r['pcie_bytes_per_token'] / 2**20:.1f} MiB/token copied, pool {r['pool_slots']} slots "
+                   f"({r['budget_bytes'] / 2**20:.0f} MiB)"
+                   + (", tokens match transformers" if r["matches_unmodified_model"] else "")
+                   + (" -- TOKENS DIFFER from transformers" if r["matches_unmodified_model"] is False else ""))
+    click.echo(f"wrote {json_out}")
+    if any(r["matches_unmodified_model"] is False for r in runs):
+        raise SpecPrefetchError("tokens differ from transformers' greedy decode: a bug (docs/gpu-tier.md)")
+
+
+def _decode(tokenizer, tokens: list[int]) -> str:
+    """The generated tokens as text (special tokens included, as the native runner decodes)."""
+    try:
+        return tokenizer.decode(tokens, skip_special_tokens=False)
+    except Exception as e:  # noqa: BLE001 - a tokenizer that cannot decode leaves the tokens in the JSON
+        raise SpecPrefetchError(f"the tokenizer cannot decode the generated tokens ({type(e).__name__}: {e})") from None
+
+
+def _echo_text(r: dict) -> None:
+    """A run's prompt and generated text on one line, each as a JSON string (newlines escaped)."""
+    show = lambda t: json.dumps(t, ensure_ascii=False)  # noqa: E731
+    click.echo(f"{show(r['prompt'])} -> {show(r.get('text', ''))}")
 
 
 def _run_native(model, *, abi, policy, pool_mib, window, queue_depth, prompts, max_new_tokens, check, events_out,
@@ -468,14 +830,17 @@ def _run_native(model, *, abi, policy, pool_mib, window, queue_depth, prompts, m
             click.echo(f"warning: the runner's tokenizer encodes {p!r} differently from transformers "
                        f"({len(r['prompt_ids'])} vs {len(ids)} tokens); --check compares with transformers' ids",
                        err=True)
+        if "text" not in r:  # a runner built without its tokenizer: transformers decodes
+            r["text"] = _decode(tok, r["tokens"])
         if check:
             r["matches_unmodified_model"] = r["tokens"] == reference_tokens(source_model, ids, max_new_tokens)
         runs.append(r)
-    out = runs[0] if len(runs) == 1 else {"policy": res["policy"], "runs": runs}
+    out = {"policy": res["policy"], "engine": f"native-{abi}", "runs": runs}  # the Python engine's shape
     for k in ("peak_rss_bytes", "load_ms", "kernel_isa", "direct_io", "io_note", "tokenizer", "threads"):
         out[k] = res[k]
     write_json_atomic(json_out, out)
     for r in runs:
+        _echo_text(r)
         click.echo(f"{res['policy']} (native {abi}, {res['kernel_isa']} kernels): TTFT {fmt(r['ttft_ms'], '.1f')} ms, "
                    f"TPOT {fmt(r['tpot_ms'])} ms (p95 {fmt(r['tpot_p95_ms'])}), stall {fmt(r['stall_ms_per_token'])} "
                    f"ms/token, hit rate {fmt(r['hit_rate'], '.3f')}, {r['mib_read']:.1f} MiB read, peak pool "
@@ -494,13 +859,13 @@ def runner() -> None:
 @click.argument("bundle", type=click.Path(path_type=Path))
 @click.option("--abi", default="host", show_default=True, type=click.Choice(["host", "arm64", "android"]),
               help="this machine; arm64 Linux (cross-built, starts from adb shell); Android with the NDK")
-@click.option("--out", type=click.Path(path_type=Path), default=None,
+@click.option("--out", type=OUT_DIR, default=None,
               help="output directory [default: the runner cache, ~/.cache/specprefetch/runners]")
 @click.option("--force", is_flag=True, help="rebuild even if an up-to-date build is there")
 @click.option("--tokenizer/--no-tokenizer", default=None,
               help="build the C++ tokenizer in (text in and out) or leave it out (token ids only) "
                    "[default: what the existing build has; a new build has it]")
-@friendly_errors
+@friendly_errors(interrupt="a build in progress is kept in the build directory and the same command continues it")
 def runner_build(bundle, abi, out, force, tokenizer) -> None:
     """Generate the native runner's CMake project for BUNDLE and build it (CMake + Ninja)."""
     from android_runner.build import build, command, has_tokenizer
@@ -523,7 +888,7 @@ def runner_build(bundle, abi, out, force, tokenizer) -> None:
 @click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
               help="ExecuTorch's thread pool for the layer graphs, in both engines")
 @click.option("--json", "json_out", required=True, type=OUT_FILE)
-@friendly_errors
+@friendly_errors(interrupt=NOT_WRITTEN)
 def runner_bench(bundle, prompts, new_tokens, rounds, pool_fracs, threads, json_out) -> None:
     """Measure the native runner: all experts resident (vs the Python runner and the memory floor),
     and streaming from a cold cache at a few pool sizes (interleaved rounds)."""
@@ -543,7 +908,7 @@ def device() -> None:
 
 @device.command(name="list")
 @click.option("--json", "json_out", type=OUT_FILE, default=None, help="also write the list as JSON")
-@friendly_errors
+@friendly_errors(interrupt="nothing was written")
 def device_list(json_out) -> None:
     """Every attached device: state, SoC, ABI, RAM, free space, CPU clusters, inlinecrypt."""
     from toolkit.artifacts import write_json_atomic
@@ -558,7 +923,8 @@ def device_list(json_out) -> None:
 @device.command(name="push")
 @click.argument("bundle", type=click.Path(path_type=Path))
 @click.option("--serial", default=None, help="the device (adb devices); needed when several are attached")
-@friendly_errors
+@friendly_errors(interrupt="the files already on the device stay there; the same command sends only what is "
+                           "missing or different")
 def device_push(bundle, serial) -> None:
     """Push BUNDLE and the runner built for the device to /data/local/tmp/specprefetch/<bundle hash>/
     (only files whose sha256 differs), then check every file there."""
@@ -580,7 +946,7 @@ def device_push(bundle, serial) -> None:
                    "x86_64 this machine's build (fast)")
 @click.option("--fault", "faults", multiple=True,
               help="disconnect-after=SECONDS[:SUBSTRING], full-disk, unauthorized, offline (repeatable)")
-@friendly_errors
+@friendly_errors(interrupt="the stand-in phone stopped")
 def device_standin(port, root_dir, root_user, abi, faults) -> None:
     """A stand-in SM8750 phone on loopback that the real adb server reaches with `adb connect`:
     try the whole device flow without a phone (docs/device.md)."""
@@ -610,7 +976,7 @@ def device_standin(port, root_dir, root_user, abi, faults) -> None:
 @click.option("--policies", default="on-demand+lru,adapter+prediction", show_default=True,
               help="comma-separated PREDICTOR+EVICTION, run interleaved")
 @click.option("--pool-mib", type=POOL_MIB, required=True)
-@click.option("--prompt", "prompts", multiple=True, required=True, help="repeatable")
+@click.option("--prompt", "prompts", type=Text(), multiple=True, required=True, help="repeatable")
 @click.option("--max-new-tokens", type=click.IntRange(min=2), default=32, show_default=True)
 @click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True)
 @click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
@@ -626,7 +992,7 @@ def device_standin(port, root_dir, root_user, abi, faults) -> None:
 @click.option("--run-timeout", type=FiniteFloat(), default=900.0, show_default=True,
               help="seconds one run may take on the device; past it the run is killed there and the bench stops")
 @click.option("--json", "json_out", required=True, type=OUT_FILE)
-@friendly_errors
+@friendly_errors(interrupt=NOT_WRITTEN)
 def device_bench(bundle, serial, policies, pool_mib, prompts, max_new_tokens, repeats, threads, fixed_performance,
                  cooldown_timeout, max_temp_c, peer, run_timeout, json_out) -> None:
     """Benchmark policies on the phone: cold cache, pinned to the big cores, interleaved, with a
@@ -654,7 +1020,7 @@ def device_bench(bundle, serial, policies, pool_mib, prompts, max_new_tokens, re
 @click.option("--prompts", type=click.IntRange(min=1), default=4, show_default=True)
 @click.option("--new-tokens", type=click.IntRange(min=2), default=48, show_default=True)
 @click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True)
-@click.option("--window", type=click.IntRange(min=1), default=2, show_default=True)
+@click.option("--window", type=click.IntRange(min=1), default=2, show_default=True, help=WINDOW_HELP)
 @click.option("--flash-profile", default=None, help="pace reads to a device profile (emulated flash)")
 @click.option("--store", "store_path", type=click.Path(path_type=Path), default=None)
 @click.option("--no-simulate", is_flag=True, help="skip the simulator comparison")
@@ -670,16 +1036,43 @@ def device_bench(bundle, serial, policies, pool_mib, prompts, max_new_tokens, re
 @click.option("--prompt-tokens", type=click.IntRange(min=1), default=64, show_default=True, help="--peer")
 @click.option("--timeout", type=FiniteFloat(), default=600.0, show_default=True,
               help="--peer: seconds one run may take (a run past it is recorded as a timeout)")
+@click.option("--device", default="cpu", show_default=True, callback=lambda c, p, v: _device(v, p),
+              help="cuda / cuda:N: the GPU tier's bench (docs/gpu-tier.md): pools as --pool-fractions of the experts")
+@click.option("--pool-fractions", type=FloatList(), default="0.1,0.25,0.5", show_default=True,
+              help="--device cuda: pool sizes as fractions of all experts")
+@click.option("--draft-k", default="2,4,6,8,12", show_default=True,
+              help="--device cuda: the draft's K values the profiling pass tries")
 @click.option("--json", "json_out", required=True, type=OUT_FILE)
-@friendly_errors
-def bench(model, adapter, policies, pool_mib, prompts, new_tokens, rounds, window, flash_profile, store_path,
-          no_simulate, frequency_trace, peer, bundles, limits, prompt_tokens, timeout, json_out) -> None:
+@friendly_errors(interrupt=NOT_WRITTEN)
+@click.pass_context
+def bench(ctx, model, adapter, policies, pool_mib, prompts, new_tokens, rounds, window, flash_profile, store_path,
+          no_simulate, frequency_trace, peer, bundles, limits, prompt_tokens, timeout, device, pool_fractions, draft_k,
+          json_out) -> None:
     """Measure the runner's policies side by side on MODEL (model directory, `embedded` or bundle):
     interleaved rounds, medians, token equality checked; the simulator beside them. With --peer
-    llama.cpp: llama.cpp and the native runner on each --bundle under the same memory limits."""
+    llama.cpp: llama.cpp and the native runner on each --bundle under the same memory limits. With
+    --device cuda: the GPU tier's policies, pools as fractions of the experts (docs/gpu-tier.md)."""
     from toolkit.bench import run_bench, write
     from toolkit.runtime.policy import parse_policies
 
+    if device != "cpu":
+        from toolkit.runtime import gpu_bench
+
+        if peer or bundles or flash_profile or frequency_trace:
+            raise SpecPrefetchError(f"--device {device}: drop --peer, --bundle, --flash-profile and --frequency-trace")
+        if any(not 0 < f <= 1 for f in pool_fractions):
+            raise SpecPrefetchError(f"--pool-fractions: fractions in (0, 1], not {pool_fractions}")
+        if ctx.get_parameter_source("policies") == click.core.ParameterSource.DEFAULT:
+            policies = "on-demand+lru,next-gate+prediction," + ("adapter+prediction," if adapter else "") \
+                + "draft+prediction,oracle+belady"
+        r = gpu_bench.run_gpu_bench(model, store=store_path, adapter=adapter, policies=parse_policies(policies),
+                                    fractions=pool_fractions, prompts=prompts, new_tokens=new_tokens, repeats=rounds,
+                                    ks=_ints(draft_k, "--draft-k"), device=device, window=window,
+                                    prompt_tokens=prompt_tokens, log=lambda m: click.echo(m, err=True))
+        md, png = gpu_bench.write(r, json_out)
+        click.echo(md.read_text())
+        click.echo(f"wrote {json_out}, {md}, {png}")
+        return
     if peer:
         _bench_peer(bundles, limits, prompts, prompt_tokens, new_tokens, rounds, timeout, json_out)
         return
@@ -744,26 +1137,32 @@ def _tolerances(items: tuple[str, ...]) -> dict[str, float]:
               help="dense graphs: executorch fp32|8da8w|8da4w|w8|w4 (default fp32); qnn / qai-hub fp16|a16w8|a8w8 (default fp16)")
 @click.option("--experts", "experts_dtype", type=click.Choice(["fp16", "int8", "int4"]), default="fp16",
               show_default=True, help="expert store precision")
-@click.option("--max-seq", default=256, show_default=True, help="KV cache length (prompt + generated tokens)")
-@click.option("--pool-mib", type=float, default=None, help="default DRAM pool budget (default: 1/4 of the experts)")
-@click.option("--window", default=2, show_default=True, help="prefetch window: MoE layers predicted ahead")
-@click.option("--calibration", type=click.Path(path_type=Path), default=None,
+@click.option("--max-seq", type=click.IntRange(min=2), default=256, show_default=True,
+              help="KV cache length (prompt + generated tokens)")
+@click.option("--pool-mib", type=POOL_MIB, default=None, help="default DRAM pool budget (default: 1/4 of the experts)")
+@click.option("--window", type=click.IntRange(1, 4), default=2, show_default=True,
+              help="the bundle's default " + WINDOW_HELP.replace("1..the model's MoE layers", "1..4"))
+@click.option("--calibration", type=TextFile(), default=None,
               help="calibration / parity prompts (.jsonl or .txt; default: the embedded held-out text)")
-@click.option("--parity-prompts", default=3, show_default=True)
-@click.option("--prompt-tokens", default=12, show_default=True, help="parity prompt length")
-@click.option("--decode-tokens", default=8, show_default=True, help="greedy tokens per parity prompt")
+@click.option("--parity-prompts", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option("--prompt-tokens", type=click.IntRange(min=2), default=12, show_default=True, help="parity prompt length")
+@click.option("--decode-tokens", type=click.IntRange(min=1), default=8, show_default=True,
+              help="greedy tokens per parity prompt")
 @click.option("--tolerance", multiple=True, help="override a parity bound, KEY=VALUE (repeatable)")
 @click.option("--qnn-path", type=click.Choice(["ort", "executorch"]), default="ort", show_default=True,
               help="qnn: onnxruntime-qnn, or ExecuTorch's Qualcomm backend (needs QAIRT at QNN_SDK_ROOT)")
 @click.option("--hub-device", default="Snapdragon 8 Elite QRD", show_default=True, help="qai-hub device")
-@click.option("--hub-timeout", default=15.0, show_default=True, help="qai-hub: seconds before giving up on the service")
+@click.option("--hub-timeout", type=FiniteFloat(), default=15.0, show_default=True,
+              help="qai-hub: seconds before giving up on the service")
 @click.option("--hub-profile/--no-hub-profile", default=True, show_default=True,
               help="qai-hub: also profile every graph on the device")
-@click.option("--out", required=True, type=click.Path(path_type=Path), help="bundle directory to write")
-@friendly_errors
+@click.option("--out", required=True, type=OUT_DIR, help="bundle directory to write")
+@click.option("--overwrite", is_flag=True,
+              help="replace an existing bundle at --out (only once the new one is complete)")
+@friendly_errors(interrupt=NOTHING_TO_OUT)
 def export_cmd(model, adapter, target, soc, quant, experts_dtype, max_seq, pool_mib, window, calibration,
                parity_prompts, prompt_tokens, decode_tokens, tolerance, qnn_path, hub_device, hub_timeout, hub_profile,
-               out) -> None:
+               out, overwrite) -> None:
     """Export MODEL as a phone-ready bundle: dense step graphs for the target, the expert store,
     the adapter, and a parity report. The bundle is refused if parity is past tolerance."""
     from export.bundle import ExportConfig, export_bundle
@@ -773,11 +1172,7 @@ def export_cmd(model, adapter, target, soc, quant, experts_dtype, max_seq, pool_
                        prompt_tokens=prompt_tokens, decode_tokens=decode_tokens,
                        tolerance=_tolerances(tolerance), qnn_path=qnn_path, hub_device=hub_device,
                        hub_timeout_s=hub_timeout, hub_profile=hub_profile)
-    try:
-        m = export_bundle(model, out, cfg, adapter=adapter)
-    except KeyboardInterrupt:
-        click.echo(f"interrupted: the partial bundle was removed; {out} is as it was", err=True)
-        sys.exit(130)
+    m = export_bundle(model, out, cfg, adapter=adapter, overwrite=overwrite)
     click.echo((out / "parity.md").read_text())
     total = sum(f["size"] for f in m["files"].values())
     click.echo(f"wrote {out}: {m['target']} ({m['quantization']['dense']}), {len(m['files'])} files, "
@@ -787,7 +1182,7 @@ def export_cmd(model, adapter, target, soc, quant, experts_dtype, max_seq, pool_
 @main.command(name="inspect")
 @click.argument("bundle", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of a summary")
-@friendly_errors
+@friendly_errors(interrupt="nothing was written")
 def inspect_cmd(bundle: Path, as_json: bool) -> None:
     """Validate a bundle (manifest, hashes, versions, graph signatures) and summarise it."""
     from export.bundle import inspect_bundle
@@ -802,9 +1197,10 @@ def inspect_cmd(bundle: Path, as_json: bool) -> None:
     q = s["quantization"]
     click.echo(f"  precision  dense {q['dense']}, experts {q['experts']}, expert graph {q['expert_graph']}")
     click.echo(f"  prefetch   {s['predictor']} heads, default pool {s['pool_mib']} MiB")
+    num = lambda key, spec: fmt(p[key], spec) if isinstance(p.get(key), (int, float)) else "n/a"  # noqa: E731
     click.echo(f"  parity     {'passed' if p.get('passed') else 'NOT passed'}: max |logit diff| "
-               f"{p.get('max_abs_logit_diff', float('nan')):.3g}, top-k agreement {p.get('topk_agreement', 0):.4f}, "
-               f"next-token agreement {p.get('next_token_agreement', 0):.4f}")
+               f"{num('max_abs_logit_diff', '.3g')}, top-k agreement {num('topk_agreement', '.4f')}, "
+               f"next-token agreement {num('next_token_agreement', '.4f')}")
     click.echo(f"  files      {s['files']} files, {s['bytes'] / 2**20:.2f} MiB: "
                + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in sorted(s["sizes"].items())))
     click.echo(f"  graphs     {len(s['graphs'])} checked: " + ", ".join(sorted(s["graphs"])))
@@ -814,13 +1210,14 @@ def inspect_cmd(bundle: Path, as_json: bool) -> None:
 
 @main.command()
 @click.argument("family")
-@click.option("--out", required=True, type=click.Path(path_type=Path))
+@click.option("--out", required=True, type=OUT_DIR, help="model directory to write")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--set", "sets", multiple=True,
               help="KEY=VALUE: a config attribute (VALUE as JSON, e.g. hidden_size=768, mlp_only_layers=[]); "
                    "repeatable, for a larger random model")
-@friendly_errors
-def tiny(family: str, out: Path, seed: int, sets: tuple[str, ...]) -> None:
+@click.option("--overwrite", is_flag=True, help="replace a model directory at --out (once the new one is complete)")
+@friendly_errors(interrupt=NOTHING_TO_OUT)
+def tiny(family: str, out: Path, seed: int, sets: tuple[str, ...], overwrite: bool) -> None:
     """Write a tiny random checkpoint of FAMILY (qwen3_moe, qwen3_vl_moe, deepseek_v2,
     deepseek_v3, mixtral, olmoe, gpt_oss) to --out."""
     from toolkit.models.tiny import build_tiny
@@ -834,7 +1231,10 @@ def tiny(family: str, out: Path, seed: int, sets: tuple[str, ...]) -> None:
             overrides[key] = json.loads(value)
         except ValueError:
             raise SpecPrefetchError(f"--set {item!r}: VALUE must be JSON (a number, true/false, a list)") from None
-    click.echo(f"wrote {build_tiny(family, out, seed=seed, overrides=overrides)}")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # "Writing model shards" of a few MiB is not the user's business
+    click.echo(f"wrote {build_tiny(family, out, seed=seed, overrides=overrides, overwrite=overwrite)}")
 
 
 if __name__ == "__main__":

@@ -10,8 +10,8 @@
 //     o=struct.unpack_from('<Q',d,56)[0]; sys.stdout.buffer.write(struct.pack('<Q',len(d))+d[:o])" \
 //     > /tmp/corpus-store/seed
 //   /tmp/fuzz_store_index -max_total_time=60 -max_len=65536 /tmp/corpus-store
-// The index CRC would stop almost every mutation early, so the custom mutator below rewrites it
-// after most mutations: the metadata and entry checks behind it get fuzzed too.
+// The index and header CRCs would stop almost every mutation early, so the custom mutator below
+// rewrites them after most mutations: the metadata and entry checks behind them get fuzzed too.
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -41,6 +41,8 @@ extern "C" size_t LLVMFuzzerCustomMutator(uint8_t* data, size_t size, size_t max
     uint32_t crc = spx::crc32(d + index_offset, size_t(body));
     std::memcpy(d + 64, &crc, 4);
   }
+  uint32_t head = spx::crc32(d, 124);  // format 2: the header's own CRC covers every field
+  std::memcpy(d + 124, &head, 4);
   return size;
 }
 

@@ -24,7 +24,9 @@ using jsonc::quote;
 namespace {
 
 constexpr char kMagic[8] = {'S', 'P', 'X', 'S', 'T', 'O', 'R', 'E'};
-constexpr uint32_t kVersion = 1;
+constexpr uint32_t kVersion = 2;  // 2: header CRC-32, source weights' sha256 in the metadata
+constexpr size_t kHeaderCrcAt = 124;  // u32: CRC-32 of header bytes [0, 124)
+constexpr size_t kReservedAt = 68;    // u8[56], zero
 constexpr uint32_t kMaxDim = 1u << 16;          // layers, experts
 constexpr uint64_t kMaxMeta = 64ull << 20;
 constexpr uint64_t kMaxBlob = 1ull << 31;
@@ -49,7 +51,12 @@ Header read_header(const uint8_t* d, size_t n, uint64_t file_size, const std::st
   if (std::memcmp(d, kMagic, 8) != 0) fail(where, "not an expert store (bad magic)");
   uint32_t version = u32(d + 8);
   if (version != kVersion)
-    fail(where, "expert store version " + std::to_string(version) + ", this runner reads " + std::to_string(kVersion));
+    fail(where, "expert store format version " + std::to_string(version) + ", this runner reads " + std::to_string(kVersion) +
+                    (version < kVersion ? ": re-export the bundle with this toolkit (specprefetch export)" : ": update the runner"));
+  // every header field is covered: a flipped dtype byte is refused here, not run
+  if (crc32(d, kHeaderCrcAt) != u32(d + kHeaderCrcAt)) fail(where, "expert store header is corrupt (checksum mismatch)");
+  for (size_t i = kReservedAt; i < kHeaderCrcAt; ++i)
+    if (d[i] != 0) fail(where, "reserved header bytes are not zero (corrupt header)");
   Header h{};
   h.dtype = u32(d + 12); h.L = u32(d + 16); h.E = u32(d + 20); h.H = u32(d + 24); h.I = u32(d + 28);
   h.group = u32(d + 32); h.flags = u32(d + 36); h.align = u32(d + 40); h.meta_len = u32(d + 44);
@@ -110,6 +117,16 @@ ExpertStore::Index ExpertStore::parse_index(const uint8_t* data, size_t n, uint6
   if (dt != ix.dtype) fail(mw, "metadata.dtype " + quote(dt) + " differs from the header's " + ix.dtype);
   ix.family = jsonc::as_str(F("family"), mw, "metadata.family");
   ix.config_hash = jsonc::as_str(F("config_hash"), mw, "metadata.config_hash");
+  {  // the weights it was built from (checked against a model by the toolkit; required here too)
+    const json& src = F("source");
+    jsonc::need_object(src, mw, "metadata.source");
+    ix.source_digest = jsonc::as_str(jsonc::field(src, "digest", mw, "metadata.source"), mw, "metadata.source.digest");
+    if (ix.source_digest.size() != 64) fail(mw, "metadata.source.digest is not a sha256");
+  }
+  {
+    int64_t g = jsonc::as_int(F("group_size"), mw, "metadata.group_size", 0, 1 << 20);
+    if (uint32_t(g) != h.group) fail(mw, "metadata.group_size " + std::to_string(g) + " differs from the header's " + std::to_string(h.group));
+  }
   for (int64_t l : jsonc::as_int_list(F("moe_layers"), mw, "metadata.moe_layers", 0, 1 << 16)) {
     if (!ix.moe_layers.empty() && l <= ix.moe_layers.back()) fail(mw, "metadata.moe_layers must be increasing");
     ix.moe_layers.push_back(int(l));
@@ -228,6 +245,7 @@ std::unique_ptr<ExpertStore> ExpertStore::open(const std::string& path, bool try
   s->sections = std::move(ix.sections); s->matrices = std::move(ix.matrices);
   s->moe_layers = std::move(ix.moe_layers);
   s->family = std::move(ix.family); s->config_hash = std::move(ix.config_hash);
+  s->source_digest = std::move(ix.source_digest);
   s->entries_ = std::move(ix.entries);
   if (try_direct) s->self_test();
   else s->io_note_ = "O_DIRECT not tried (asked for buffered reads); buffered reads with posix_fadvise(DONTNEED)";

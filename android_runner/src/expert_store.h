@@ -1,7 +1,7 @@
-// The expert store (docs/expert-store.md, toolkit/runtime/expert_store.py): one file of 4 KiB-
-// aligned expert blobs behind a 128-byte header, an index of L*E 32-byte entries, and a JSON
-// metadata block, validated at open as the Python ExpertStore does (and more strictly: entries
-// must not overlap, sections must lie inside the blob).
+// The expert store (docs/expert-store.md, toolkit/runtime/expert_store.py), format version 2: one
+// file of 4 KiB-aligned expert blobs behind a 128-byte header (with its own CRC-32 over every
+// field), an index of L*E 32-byte entries, and a JSON metadata block (covered by the index CRC),
+// validated at open as the Python ExpertStore does. Older versions are refused (re-export).
 //
 // I/O: open() keeps ONE buffered file descriptor for the life of the store (plus, when the
 // O_DIRECT self-test passes, a second O_DIRECT descriptor of the same inode, opened through
@@ -43,6 +43,7 @@ class ExpertStore {
     uint32_t blob_size = 0;
     uint32_t slot_bytes = 0;  // blob_size rounded up to 4096
     std::string family, config_hash;
+    std::string source_digest;  // metadata.source.digest: sha256 over the source weight shards
     std::vector<int> moe_layers;
     std::vector<Section> sections;
     std::vector<Matrix> matrices;
@@ -75,6 +76,7 @@ class ExpertStore {
   std::vector<Matrix> matrices;
   std::vector<int> moe_layers;
   std::string family, config_hash;
+  std::string source_digest;
 
   // (layer position 0..L-1, expert); out of range throws Error naming the store.
   const Entry& entry(int layer, int expert) const;

@@ -71,7 +71,7 @@ def unpack(debs: Path, root: Path) -> dict[str, str]:
             raise SystemExit(f"corpus: no {s.package}_*.deb in {debs}")
         target = root / s.package
         if not target.exists():
-            with atomic_directory(target, overwrite=False) as partial:
+            with atomic_directory(target, overwrite=False, kind="unpacked", inputs=(debs,)) as partial:
                 subprocess.run(["dpkg-deb", "-x", str(matches[-1]), str(partial)], check=True)
         found[s.package] = matches[-1].name
     return found

@@ -171,14 +171,26 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     r = Recipe(**{f.name: getattr(a, f.name) for f in dataclasses.fields(Recipe) if hasattr(a, f.name)})
 
+    out: Path = a.out
+    # a work directory beside OUT, renamed to OUT when complete; an existing model directory is
+    # replaced (this script rebuilds the embedded model), anything else is refused; any failure or
+    # interrupt removes the work directory
+    staging = AtomicDirectory(out, overwrite=True, kind="model", inputs=(a.corpus,))  # --tokenizer is read first
+    try:
+        _train(a, r, out, staging.work)
+        staging.commit()
+    except BaseException:
+        staging.discard()
+        raise
+    print(f"saved {out}", flush=True)
+
+
+def _train(a, r: Recipe, out: Path, work: Path) -> None:
     from tokenizers import Tokenizer
     from transformers import Qwen3MoeForCausalLM
 
     torch.manual_seed(r.seed)
     gen = np.random.default_rng(r.seed)
-    out: Path = a.out
-    staging = AtomicDirectory(out, overwrite=True)  # OUT.partial, renamed to OUT when complete
-    work = staging.work
 
     t0 = time.time()
     train_texts = list(read_jsonl_texts(corpus_file(a.corpus, "train")))
@@ -240,8 +252,7 @@ def main(argv: list[str] | None = None) -> None:
     model.to(torch.bfloat16 if use_bf16 else torch.float32).to("cpu").to(torch.float16)
     model.save_pretrained(work, max_shard_size=a.max_shard_size)
     (work / "train_log.json").write_text(json.dumps(log, indent=1) + "\n")
-    staging.commit()
-    print(f"saved {out} in {time.time() - t0:.0f}s", flush=True)
+    print(f"trained in {time.time() - t0:.0f}s", flush=True)
 
 
 if __name__ == "__main__":

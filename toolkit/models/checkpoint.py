@@ -7,7 +7,10 @@ safetensors headers alone, so `info` works on a 30B checkpoint without loading i
 """
 from __future__ import annotations
 
+import functools
 import json
+import math
+import os
 import struct
 from pathlib import Path
 
@@ -22,8 +25,29 @@ DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16
                "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
 
 
+def _header_key(path: Path) -> tuple:
+    st = os.stat(path)
+    return (str(Path(path).resolve()), st.st_size, st.st_mtime_ns, st.st_ino)
+
+
 def read_header(path: Path) -> dict:
-    """The JSON header of a safetensors file (name -> dtype, shape, offsets)."""
+    """The JSON header of a safetensors file (name -> dtype, shape, offsets), validated.
+
+    Every entry must be a tensor of a known dtype whose byte range matches its shape and lies inside
+    the data section, and the file must be as long as its header says: a truncated download, an
+    unfinished copy or a corrupt header is a one-line error naming the shard, here, not deep inside
+    a reader. Results are cached per (file, size, mtime), so checking every shard on each open is
+    cheap."""
+    try:
+        key = _header_key(path)
+    except OSError as e:
+        raise SpecPrefetchError(f"{path}: cannot read this safetensors file ({e.strerror or e})") from None
+    return dict(_read_header(key, Path(path)))
+
+
+@functools.lru_cache(maxsize=256)
+def _read_header(key: tuple, path: Path) -> dict:
+    size = key[1]
     try:
         with open(path, "rb") as f:
             raw = f.read(8)
@@ -32,10 +56,35 @@ def read_header(path: Path) -> dict:
             (n,) = struct.unpack("<Q", raw)
             if n > 100 * 1024 * 1024:
                 raise SpecPrefetchError(f"{path}: implausible safetensors header size {n}")
+            if 8 + n > size:
+                raise SpecPrefetchError(f"{path}: truncated safetensors file ({size} bytes, its header alone "
+                                        f"needs {8 + n})")
             head = json.loads(f.read(n))
+    except OSError as e:
+        raise SpecPrefetchError(f"{path}: cannot read this safetensors file ({e.strerror or e})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise SpecPrefetchError(f"{path}: corrupt safetensors header ({e})") from None
+    if not isinstance(head, dict):
+        raise SpecPrefetchError(f"{path}: corrupt safetensors header (not a JSON object)")
     head.pop("__metadata__", None)
+    end = 0
+    for name, meta in head.items():
+        try:
+            dtype, shape, (b, e) = meta["dtype"], meta["shape"], meta["data_offsets"]
+            ok = (isinstance(dtype, str) and isinstance(shape, list)
+                  and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+                  and all(isinstance(x, int) and not isinstance(x, bool) for x in (b, e)) and 0 <= b <= e)
+        except (KeyError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise SpecPrefetchError(f"{path}: corrupt safetensors header (tensor {name!r}: {meta!r:.80})")
+        if dtype in DTYPE_BYTES and e - b != DTYPE_BYTES[dtype] * math.prod(shape):
+            raise SpecPrefetchError(f"{path}: corrupt safetensors header (tensor {name!r} spans {e - b} bytes, "
+                                    f"its {dtype} shape {shape} needs {DTYPE_BYTES[dtype] * math.prod(shape)})")
+        end = max(end, e)
+    if size < 8 + n + end:
+        raise SpecPrefetchError(f"{path}: truncated safetensors file ({size} bytes, its header describes "
+                                f"{8 + n + end})")
     return head
 
 

@@ -17,6 +17,7 @@ from toolkit.models.expert_layout import ALIGN, DTYPES, blob_bytes
 from toolkit.models.expert_layout import align as _align
 from toolkit.models.families import ModelGeometry
 from toolkit.models.loader import inspect_model_dir
+from toolkit.errors import SpecPrefetchError
 from toolkit.models.spec import ModelSpec
 
 PAGE = ALIGN
@@ -48,6 +49,7 @@ def model_info(spec: ModelSpec) -> dict[str, Any]:
             total_params += n
             total_bytes += n * DTYPE_BYTES.get(dtype, 2)
         stored_non_expert: int | None = total_bytes - _expert_ckpt_bytes(spec, index)
+        _check_experts_match(spec, index)
     else:
         total_params, total_bytes, stored_non_expert = _meta_param_count(spec), None, None
     n_moe = len(geo.moe_layers)
@@ -100,6 +102,26 @@ def _meta_param_count(spec: ModelSpec) -> int:
         net = cls.from_config(spec.config)
     # parameters() counts tied embeddings once, as save_pretrained stores them
     return sum(p.numel() for p in net.parameters())
+
+
+def _check_experts_match(spec: ModelSpec, index: TensorIndex) -> None:
+    """The checkpoint's expert tensors are the ones config.json describes (names and sizes): a
+    config that does not describe the weights would report nonsense (negative non-expert bytes)."""
+    geo = spec.geometry
+    cfg = spec.path / "config.json"
+    keys = sorted(set().union(*(expert_keys(spec, layer) for layer in geo.moe_layers)))
+    missing = [k for k in keys if k not in index.entries]
+    if missing:
+        quantized = any(k.endswith(("_blocks", "_scales")) for k in index.entries)
+        hint = (" (the experts are stored quantized, MXFP4 *_blocks/*_scales: dequantise the checkpoint to "
+                "bf16 first)" if quantized else "")
+        raise SpecPrefetchError(f"{cfg} describes expert tensor {missing[0]!r}, which is not in the checkpoint"
+                                f"{hint}")
+    have = sum(math.prod(index.entries[k][2]) for k in keys)
+    want = geo.expert_params() * len(geo.moe_layers) * geo.routing.num_experts
+    if have != want:
+        raise SpecPrefetchError(f"{cfg} does not describe the checkpoint's experts: its sizes give {want:,} "
+                                f"expert parameters, the safetensors hold {have:,}")
 
 
 def _expert_ckpt_bytes(spec: ModelSpec, index: TensorIndex) -> int:

@@ -22,7 +22,7 @@ import torch  # noqa: E402
 
 from toolkit.artifacts import config_hash  # noqa: E402
 from toolkit.errors import SpecPrefetchError  # noqa: E402
-from toolkit.models.checkpoint import TensorIndex, expert_keys  # noqa: E402
+from toolkit.models.checkpoint import TensorIndex, expert_keys, read_header  # noqa: E402
 from toolkit.models.families import Family, ModelGeometry, family_for  # noqa: E402
 from toolkit.models.spec import ModelSpec  # noqa: E402  (re-exported: callers import it from here)
 
@@ -45,16 +45,30 @@ def _weight_files(path: Path, allow_none: bool = False) -> tuple[Path, ...]:
     index = path / "model.safetensors.index.json"
     if index.exists():
         try:
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError) as e:
-            raise SpecPrefetchError(f"{index}: not a valid safetensors index ({e})") from None
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise TypeError("weight_map must map tensor names to shard file names")
+            shards = sorted(set(weight_map.values()))
+        except OSError as e:
+            raise SpecPrefetchError(f"{index}: cannot read it ({e.strerror or e})") from None
+        except (ValueError, KeyError, TypeError) as e:
+            raise SpecPrefetchError(f"{index}: not a valid safetensors index ({type(e).__name__}: {e})") from None
+        bad = [s for s in shards if not s or Path(s).is_absolute() or ".." in Path(s).parts]
+        if bad:
+            raise SpecPrefetchError(f"{index}: shard {bad[0]!r} is not a file inside {path}")
         files = tuple(path / s for s in shards)
-        missing = [str(f) for f in files if not f.exists()]
+        missing = [str(f) for f in files if not f.is_file()]
         if missing:
             raise SpecPrefetchError(f"{index} lists shards that are missing: {', '.join(missing)}")
+        heads = {s: read_header(path / s) for s in shards}  # every shard whole: a truncated one is named
+        for name, shard in weight_map.items():
+            if name not in heads[shard]:
+                raise SpecPrefetchError(f"{index}: tensor {name!r} is not in its shard {path / shard}")
         return files
     files = tuple(sorted(path.glob("*.safetensors")))
     if files:
+        for f in files:
+            read_header(f)  # every shard whole: a truncated file is named here
         return files
     pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
     if pickles:
@@ -66,11 +80,56 @@ def _weight_files(path: Path, allow_none: bool = False) -> tuple[Path, ...]:
     raise SpecPrefetchError(f"{path}: no *.safetensors weights found")
 
 
+# The sizes a family's geometry reads from the (text) config. transformers fills an absent key with
+# its class default, which describes another model: each of these that the geometry reads must be
+# written in config.json itself (under its own name or an alias of the config class).
+SIZE_KEYS = frozenset({"num_hidden_layers", "hidden_size", "vocab_size", "num_experts_per_tok", "num_experts",
+                       "num_local_experts", "n_routed_experts", "moe_intermediate_size", "intermediate_size"})
+
+
+class _Reads:
+    """A config whose attribute reads are recorded (to learn which keys a family's geometry needs)."""
+
+    def __init__(self, tc: Any):
+        object.__setattr__(self, "_tc", tc)
+        object.__setattr__(self, "seen", [])
+
+    def __getattr__(self, name: str) -> Any:
+        self.seen.append(name)
+        return getattr(self._tc, name)
+
+
+def _require_sizes(family: Family, config: Any, cfg_dict: dict, cfg_path: Path) -> None:
+    """config.json must state every size the geometry reads (a missing one is an error naming it)."""
+    tc = family.text_config(config)
+    raw, where = cfg_dict, ""
+    if tc is not config:
+        raw = cfg_dict.get("text_config")
+        where = "text_config."
+        if not isinstance(raw, dict):
+            raise SpecPrefetchError(f"{cfg_path}: missing required key 'text_config' (the language model's config)")
+    rec = _Reads(tc)
+    for read in (family.moe_intermediate_size, family.routing):
+        try:
+            read(rec)
+        except Exception:  # noqa: BLE001 - the keys it read are recorded; geometry() reports the rest
+            pass
+    needed = [k for k in dict.fromkeys(["num_hidden_layers", "hidden_size", "vocab_size", *rec.seen])
+              if k in SIZE_KEYS]
+    amap = dict(getattr(type(tc), "attribute_map", {}) or {})
+    for k in needed:
+        names = {k, amap.get(k)} | {a for a, b in amap.items() if b == k}
+        if not any(n in raw for n in names if n):
+            raise SpecPrefetchError(f"{cfg_path}: missing required key '{where}{amap.get(k, k)}' (transformers' "
+                                    "default would describe another model)")
+
+
 def inspect_model_dir(model: str | Path, *, config_only_ok: bool = False) -> ModelSpec:
     """Validate a model directory and read its config; loads no weights.
 
     With `config_only_ok`, a directory holding only config.json is accepted (weight_files empty):
-    enough to study the geometry of a checkpoint you do not have on disk.
+    enough to study the geometry of a checkpoint you do not have on disk. Every safetensors shard's
+    header is checked, and that the file is as long as the header says.
     """
     path = resolve_model_dir(model)
     if not path.exists():
@@ -82,6 +141,8 @@ def inspect_model_dir(model: str | Path, *, config_only_ok: bool = False) -> Mod
         raise SpecPrefetchError(f"{path}: no config.json (is this a Hugging Face model directory?)")
     try:
         cfg_dict = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise SpecPrefetchError(f"{cfg_path}: cannot read it ({e.strerror or e})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise SpecPrefetchError(f"{cfg_path}: not valid JSON ({e})") from None
     if not isinstance(cfg_dict, dict):
@@ -92,14 +153,21 @@ def inspect_model_dir(model: str | Path, *, config_only_ok: bool = False) -> Mod
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as e:  # transformers raises many types for a bad config
-        raise SpecPrefetchError(f"{cfg_path}: transformers cannot read this config: {e}") from None
+        raise SpecPrefetchError(f"{cfg_path}: transformers cannot read this config: {' '.join(str(e).split())}") \
+            from None
     try:
+        _require_sizes(family, config, cfg_dict, cfg_path)
         geometry = family.geometry(config)
-    except (AttributeError, TypeError, ValueError) as e:
+    except (AttributeError, TypeError, ValueError, KeyError) as e:
         raise SpecPrefetchError(f"{cfg_path}: incomplete {family.name} config: {e}") from None
-    if geometry.routing.top_k > geometry.routing.num_experts or geometry.routing.top_k < 1:
-        raise SpecPrefetchError(f"{cfg_path}: top-k {geometry.routing.top_k} does not fit "
-                                f"{geometry.routing.num_experts} experts")
+    r = geometry.routing
+    for what, v in (("num_hidden_layers", geometry.num_layers), ("hidden_size", geometry.hidden_size),
+                    ("vocab_size", geometry.vocab_size), ("the number of experts", r.num_experts),
+                    ("the experts' intermediate size", geometry.moe_intermediate_size)):
+        if v < 1:
+            raise SpecPrefetchError(f"{cfg_path}: {what} is {v}; it must be at least 1")
+    if r.top_k > r.num_experts or r.top_k < 1:
+        raise SpecPrefetchError(f"{cfg_path}: top-k {r.top_k} does not fit {r.num_experts} experts")
     weights = _weight_files(path, allow_none=config_only_ok)
     return ModelSpec(path=path, config=config, config_dict=cfg_dict, config_hash=config_hash(cfg_dict),
                      family=family, geometry=geometry, weight_files=weights)

@@ -3,6 +3,9 @@
 Each is a real transformers model of that architecture (2-4 layers, hidden 64, 8 experts), saved as
 an ordinary model directory with the embedded model's tokenizer, so it goes through exactly the
 loading, tracing and export paths of a real checkpoint. `specprefetch tiny FAMILY --out DIR` writes one.
+The directory is assembled beside DIR and renamed into place when complete; an existing DIR is
+replaced (as a whole: no stray shard of the old checkpoint is left) only with overwrite=True and
+only if it is a model directory (it holds config.json); anything else is refused and left alone.
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from toolkit.artifacts import atomic_directory, claim_output
 from toolkit.errors import SpecPrefetchError
 from toolkit.models.loader import embedded_model_dir
 
@@ -71,15 +75,18 @@ def _configs() -> dict:
 TINY_FAMILIES = ("qwen3_moe", "qwen3_vl_moe", "deepseek_v2", "deepseek_v3", "mixtral", "olmoe", "gpt_oss")
 
 
-def build_tiny(family: str, out: Path | str, *, seed: int = 0, overrides: dict | None = None) -> Path:
+def build_tiny(family: str, out: Path | str, *, seed: int = 0, overrides: dict | None = None,
+               overwrite: bool = False) -> Path:
     """Write a tiny random checkpoint of `family` to `out` and return the path. `overrides` set
-    config attributes (e.g. a larger hidden_size, more experts, mlp_only_layers=[])."""
+    config attributes (e.g. a larger hidden_size, more experts, mlp_only_layers=[]). An existing
+    `out` is refused unless `overwrite`, and then replaced only if it is a model directory."""
     import transformers as T
 
     makers = _configs()
     if family not in makers:
         raise SpecPrefetchError(f"no tiny config for {family!r}; choose from {', '.join(TINY_FAMILIES)}")
     out = Path(out)
+    claim_output(out, kind="model", overwrite=overwrite, inputs=(embedded_model_dir(),))
     config = makers[family]()
     for key, value in (overrides or {}).items():
         if not hasattr(config, key):
@@ -98,14 +105,14 @@ def build_tiny(family: str, out: Path | str, *, seed: int = 0, overrides: dict |
             if name.endswith("e_score_correction_bias"):
                 b.uniform_(-0.05, 0.05)
     model.eval()
-    out.mkdir(parents=True, exist_ok=True)
-    model.to(torch.float16).save_pretrained(out)  # stored in half precision, like real checkpoints
-    for name in TOKENIZER_FILES:
-        shutil.copy(embedded_model_dir() / name, out / name)
-    if family == "qwen3_vl_moe":
-        pre = {"image_processor_type": "Qwen2VLImageProcessor", "patch_size": 16, "merge_size": 2,
-               "temporal_patch_size": 2, "min_pixels": 32 * 32, "max_pixels": 64 * 64,
-               "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
-               "do_resize": True, "do_rescale": True, "do_normalize": True, "do_convert_rgb": True}
-        (out / "preprocessor_config.json").write_text(json.dumps(pre, indent=1))
+    with atomic_directory(out, overwrite=overwrite, kind="model", inputs=(embedded_model_dir(),)) as work:
+        model.to(torch.float16).save_pretrained(work)  # stored in half precision, like real checkpoints
+        for name in TOKENIZER_FILES:
+            shutil.copy(embedded_model_dir() / name, work / name)
+        if family == "qwen3_vl_moe":
+            pre = {"image_processor_type": "Qwen2VLImageProcessor", "patch_size": 16, "merge_size": 2,
+                   "temporal_patch_size": 2, "min_pixels": 32 * 32, "max_pixels": 64 * 64,
+                   "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+                   "do_resize": True, "do_rescale": True, "do_normalize": True, "do_convert_rgb": True}
+            (work / "preprocessor_config.json").write_text(json.dumps(pre, indent=1))
     return out

@@ -80,7 +80,7 @@ class Frequency(Predictor):
 
     def scores(self, b, i, h):
         j = (i + h) % b.num_layers
-        return self.freq[j].expand(len(b), -1)
+        return self.freq[j].to(b.device).expand(len(b), -1)
 
 
 class PreviousToken(Predictor):
@@ -100,8 +100,8 @@ class PreviousToken(Predictor):
         if j < L:
             ids, ok = b.prev_ids[:, j], b.has_prev
         else:
-            ids, ok = b.ids[:, j - L], torch.ones(len(b), dtype=torch.bool)
-        s = torch.zeros(len(b), self.num_experts)
+            ids, ok = b.ids[:, j - L], torch.ones(len(b), dtype=torch.bool, device=b.device)
+        s = torch.zeros(len(b), self.num_experts, device=b.device)
         s.scatter_(1, ids, 1.0)
         s[~ok] = 0.0
         return s
@@ -116,10 +116,10 @@ class Oracle(Predictor):
 
     def scores(self, b, i, h):
         ids, _ = b.target_ids(i, h)
-        s = torch.zeros(len(b), self.num_experts)
+        s = torch.zeros(len(b), self.num_experts, device=b.device)
         k = ids.shape[1]
         # descending by rank so the oracle's order is the router's order
-        s.scatter_(1, ids, torch.arange(k, 0, -1, dtype=torch.float32).expand(len(b), -1))
+        s.scatter_(1, ids, torch.arange(k, 0, -1, dtype=torch.float32, device=b.device).expand(len(b), -1))
         return s
 
 

@@ -83,10 +83,10 @@ def speculative_generate(target: torch.nn.Module, draft: torch.nn.Module, input_
         proposal: list[int] = []
         ctx = list(seq)
         for _ in range(min(k, max_new_tokens - (len(seq) - start))):
-            nxt = int(draft(input_ids=torch.tensor([ctx])).logits[0, -1].argmax())
+            nxt = int(draft(input_ids=torch.tensor([ctx], device=input_ids.device)).logits[0, -1].argmax())
             proposal.append(nxt)
             ctx.append(nxt)
-        logits = target(input_ids=torch.tensor([seq + proposal])).logits[0]
+        logits = target(input_ids=torch.tensor([seq + proposal], device=input_ids.device)).logits[0]
         verify = logits[len(seq) - 1:].argmax(-1).tolist()   # target's choice after each prefix
         n_ok = 0
         while n_ok < len(proposal) and proposal[n_ok] == verify[n_ok]:
@@ -116,7 +116,9 @@ class DraftPredictor(Predictor):
         self.bank_spec = lm.geometry.routing
         self.moe_layers = list(lm.geometry.moe_layers)
         settings = reader.manifest["settings"]
-        s = TraceSettings(**{f.name: settings[f.name] for f in dataclasses.fields(TraceSettings)})
+        # fields a trace made by an older toolkit lacks (batch) keep their defaults
+        s = TraceSettings(**{f.name: settings[f.name] for f in dataclasses.fields(TraceSettings)
+                             if f.name in settings})
         prompts = None
         if lm.family.is_vision_language:  # images must go through the vision tower again
             recs = read_records([d["path"] for d in reader.manifest["data"]], allow_images=True)
@@ -133,6 +135,9 @@ class DraftPredictor(Predictor):
                     kind = a["kind"][rows]
                     rec.reset()
                     if prompts is not None:
+                        if q not in prompts:
+                            raise SpecPrefetchError(f"draft: sequence {q} of the trace is not in its data files "
+                                                    "any more (they changed since the trace was made)")
                         p = prompts[q]
                         inputs, _ = build_inputs(draft_lm, p)
                         n_prompt = inputs["input_ids"].shape[1]
@@ -178,7 +183,7 @@ class DraftPredictor(Predictor):
             pos = int(b.pos[r]) + tok_off
             if sc is not None and pos < sc.shape[0]:
                 out[r] = sc[pos, layer]
-        return out
+        return out.to(b.device)
 
 
 class SequenceDraft(Predictor):
@@ -203,7 +208,7 @@ class SequenceDraft(Predictor):
         rec = RouterRecorder(lm)
         try:
             with torch.no_grad():
-                self.draft(input_ids=torch.tensor([tokens]))
+                self.draft(input_ids=torch.tensor([tokens], device=self.lm.input_device))
             t = rec.stacked()
         finally:
             rec.close()
@@ -211,12 +216,13 @@ class SequenceDraft(Predictor):
         L = len(self.lm.geometry.moe_layers)
         sb = [self.lm.family.router_params(self.draft, layer)[2] for layer in self.lm.geometry.moe_layers]
         self.scores_by_pos = torch.stack([selection_scores(t["logits"][:, li], spec,
-                                                           sb[li].detach().float() if sb[li] is not None else None)
+                                                           sb[li].detach().float().cpu() if sb[li] is not None
+                                                           else None)
                                           for li in range(L)], 1)
 
     def scores(self, b: RoutingBatch, i: int, h: int) -> torch.Tensor:
         L = b.num_layers
         pos = int(b.pos[0]) + (i + h) // L
         if self.scores_by_pos is None or pos >= self.scores_by_pos.shape[0]:
-            return torch.zeros(1, self.lm.geometry.routing.num_experts)
-        return self.scores_by_pos[pos, (i + h) % L].unsqueeze(0)
+            return torch.zeros(1, self.lm.geometry.routing.num_experts, device=b.device)
+        return self.scores_by_pos[pos, (i + h) % L].unsqueeze(0).to(b.device)

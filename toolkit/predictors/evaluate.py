@@ -3,7 +3,9 @@
 Per predictor and horizon h: recall@k, recall and precision within a candidate budget M (default
 2k), per-layer recall@k curves, and the predictor's parameter count. Results go to JSON
 (`{"k": K, "budget": M, "predictors": {NAME: {"recall_at_k": {"1": x, ...}, "params": n, ...}}}`),
-a Markdown table and a PNG plot. Metric definitions: toolkit/metrics.py.
+a Markdown table and a PNG plot. A metric with nothing to measure (within-token recall at a horizon
+past the model's MoE layers, a layer no token reaches) is null in the JSON and n/a in the table.
+Metric definitions: toolkit/metrics.py.
 """
 from __future__ import annotations
 
@@ -119,15 +121,26 @@ def evaluate(trace: Path, *, predictors: list[str], adapter: Path | None = None,
         for h in horizons:
             hk, hm, rows = acc[n][h]
             tot = rows.sum()
-            r["recall_at_k"][str(h)] = round(float(hk.sum() / max(1, tot * k)), 4)
-            r["recall_at_budget"][str(h)] = round(float(hm.sum() / max(1, tot * k)), 4)
-            r["precision_at_budget"][str(h)] = round(float(hm.sum() / max(1, tot * M)), 4)
-            same = slice(0, max(0, L - h))  # source layers whose target is in the same token
-            r["recall_at_k_within_token"][str(h)] = round(float(hk[same].sum() / max(1, rows[same].sum() * k)), 4)
-            r["per_layer_recall_at_k"][str(h)] = [round(float(a / max(1, c * k)), 4) for a, c in zip(hk, rows)]
+            r["recall_at_k"][str(h)] = share(hk.sum(), tot * k)
+            r["recall_at_budget"][str(h)] = share(hm.sum(), tot * k)
+            r["precision_at_budget"][str(h)] = share(hm.sum(), tot * M)
+            same = slice(0, max(0, L - h))  # source layers whose target is in the same token (none when h >= L)
+            r["recall_at_k_within_token"][str(h)] = share(hk[same].sum(), rows[same].sum() * k)
+            r["per_layer_recall_at_k"][str(h)] = [share(a, c * k) for a, c in zip(hk, rows)]
         r.update(notes.get(n, {}))
         result["predictors"][n] = r
     return result
+
+
+def share(hits: float, total: float) -> float | None:
+    """hits / total rounded to 4 places; None (JSON null, printed n/a) where nothing was measured,
+    e.g. within-token recall at a horizon past the model's last MoE layer: undefined, not 0."""
+    return round(float(hits / total), 4) if total > 0 else None
+
+
+def cell(v: float | None) -> str:
+    """A metric for the table: n/a where it is undefined."""
+    return "n/a" if v is None else f"{v:.3f}"
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -141,10 +154,10 @@ def markdown(result: dict[str, Any]) -> str:
              f"top-{k}, budget M={M}).", "", head, "|" + "---|" * (2 + 4 * len(hs))]
     for n, r in result["predictors"].items():
         cells = [n, f"{r['params']:,}"]
-        cells += [f"{r['recall_at_k'][str(h)]:.3f}" for h in hs]
-        cells += [f"{r['recall_at_k_within_token'][str(h)]:.3f}" for h in hs]
-        cells += [f"{r['recall_at_budget'][str(h)]:.3f}" for h in hs]
-        cells += [f"{r['precision_at_budget'][str(h)]:.3f}" for h in hs]
+        cells += [cell(r["recall_at_k"][str(h)]) for h in hs]
+        cells += [cell(r["recall_at_k_within_token"][str(h)]) for h in hs]
+        cells += [cell(r["recall_at_budget"][str(h)]) for h in hs]
+        cells += [cell(r["precision_at_budget"][str(h)]) for h in hs]
         lines.append("| " + " | ".join(cells) + " |")
     if "draft" in result["predictors"]:
         d = result["predictors"]["draft"]
@@ -162,9 +175,11 @@ def plot(result: dict[str, Any], path: Path) -> None:
     hs = result["horizons"]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for n, r in result["predictors"].items():
-        axes[0].plot(hs, [r["recall_at_k"][str(h)] for h in hs], "o-", label=n)
-        axes[1].plot(range(len(r["per_layer_recall_at_k"][str(hs[0])])),
-                     r["per_layer_recall_at_k"][str(hs[0])], "o-", label=n)
+        nan = float("nan")  # an undefined point is left out of the line
+        axes[0].plot(hs, [nan if r["recall_at_k"][str(h)] is None else r["recall_at_k"][str(h)] for h in hs],
+                     "o-", label=n)
+        per_layer = [nan if v is None else v for v in r["per_layer_recall_at_k"][str(hs[0])]]
+        axes[1].plot(range(len(per_layer)), per_layer, "o-", label=n)
     axes[0].set_xlabel("horizon h (MoE layers ahead)")
     axes[0].set_ylabel(f"recall@{result['k']}")
     axes[0].set_xticks(hs)

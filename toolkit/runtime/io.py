@@ -7,6 +7,10 @@ the queue. With a device profile the read is paced: it completes no earlier than
 modelled time for that request (an injected delay on top of the real I/O, as SpecPrefetch's
 authors emulated phone flash offline); reports mark such runs as emulated.
 
+Every read is of the store's own open file (`ExpertStore.open_direct` reopens that file through
+its held descriptor, never the path), so a store replaced on disk mid-run does not change what a
+running reader reads.
+
 Worker threads only read and record completions; the pool and scheduler are touched by the
 compute thread alone (it asks `landed` / `wait` for the key it needs), so they need no locks.
 """
@@ -29,7 +33,8 @@ from toolkit.runtime.profiles import DeviceProfile
 
 
 def open_direct(path) -> tuple[int, bool]:
-    """(fd, direct): O_DIRECT where the filesystem allows it, else buffered with a note."""
+    """(fd, direct) of a file by path: O_DIRECT where the filesystem allows it, else buffered.
+    (An expert store's readers use `ExpertStore.open_direct`, which never reopens the path.)"""
     flag = getattr(os, "O_DIRECT", 0)
     if flag:
         try:
@@ -44,7 +49,7 @@ class DirectReader:
     def __init__(self, store: ExpertStore, *, workers: int = 4, profile: DeviceProfile | None = None,
                  verify: bool = True):
         self.store, self.profile, self.verify = store, profile, verify
-        self.fd, self.direct = open_direct(store.path)
+        self.fd, self.direct = store.open_direct()
         if not self.direct:  # at least keep earlier runs' pages out of the way
             os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
         self.cond = threading.Condition()
@@ -168,7 +173,7 @@ class ProcessReader:
         req_r, self.req_w = os.pipe()
         dem_r, self.dem_w = os.pipe()  # demand reads: a pipe of their own, which workers serve first
         self.done_r, done_w = os.pipe()
-        fd, self.direct = open_direct(store.path)
+        fd, self.direct = store.open_direct()
         self.pid = os.fork()
         if self.pid == 0:  # the reader process: threads, preadv, CRC, completion records
             os.close(self.req_w)

@@ -46,6 +46,9 @@ from toolkit.runtime.scheduler import SchedulerConfig, WindowScheduler
 from toolkit.runtime.stats import DecodeAccount, RunStats
 
 
+PREFILL_PROGRESS_TOKENS = 64  # prompts longer than this show a prefill progress bar (Runner.progress)
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelInfo:
     """What the loop needs to know of a model (from a checkpoint or a bundle's manifest)."""
@@ -129,6 +132,7 @@ class Runner:
         self.predictors = dict(predictors or {})
         self.experts = ExpertExecutor(backend, store, model.expert_roles)
         self.cfg = cfg
+        self.progress = False  # a progress bar on stderr for prefills of long prompts (the CLI sets it)
         self.configure()
 
     def configure(self, **changes) -> None:
@@ -223,6 +227,11 @@ class Runner:
         tokens: list[int] = []
         times: list[float] = []
         account = DecodeAccount()
+        bar = None
+        if self.progress and n_prompt > PREFILL_PROGRESS_TOKENS:
+            from tqdm import tqdm
+
+            bar = tqdm(total=n_prompt, desc="prefill", unit="tok", leave=False, mininterval=0.5)
         t0 = time.perf_counter()
         pos = 0
         while True:
@@ -258,6 +267,10 @@ class Runner:
                 out = backend.call("head", [h])[0].reshape(-1).float()
                 if keep_logits:
                     logits_all.append(out)
+            if bar is not None and pos < n_prompt:
+                bar.update(1)
+                if pos == n_prompt - 1:
+                    bar.close()
             if pos < n_prompt - 1:  # still the prompt: its next token is given
                 pos += 1
                 continue

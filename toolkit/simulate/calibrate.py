@@ -33,16 +33,21 @@ from toolkit.runtime.profiles import DeviceProfile, save_profile
 MiB = 2**20
 
 
-def measure_reads(path: Path, offsets: list[int], size: int, qd: int, n: int, seed: int = 0) -> tuple[float, float]:
+def measure_reads(path: Path, offsets: list[int], size: int, qd: int, n: int, seed: int = 0, *,
+                  store: ExpertStore | None = None) -> tuple[float, float]:
     """(MiB/s, mean latency s) of n random O_DIRECT reads of up to `size` bytes at queue depth qd.
 
     A read never asks past the end of the file (it is clamped there, to a whole 4 KiB block for
     O_DIRECT), the bandwidth counts the bytes actually read, and an offset at or past the end is
-    refused. A failed read stops the measurement and is raised; the file is closed either way."""
+    refused. A failed read stops the measurement and is raised; the file is closed either way.
+    With `store`, its own open file is read (never `path` again, which may name another file by now)."""
     path = Path(path)
     if not offsets:
         raise SpecPrefetchError(f"{path}: no offsets to read")
-    file_end = path.stat().st_size
+    try:
+        file_end = store.file_size if store is not None else path.stat().st_size
+    except OSError as e:
+        raise SpecPrefetchError(f"{path}: cannot read ({e.strerror or e})") from None
     past = [o for o in offsets if o >= file_end]
     if past:
         raise SpecPrefetchError(f"{path}: read at offset {past[0]} lies past the end of the file ({file_end} bytes)")
@@ -53,7 +58,10 @@ def measure_reads(path: Path, offsets: list[int], size: int, qd: int, n: int, se
     errors: list[BaseException] = []
     lock = threading.Lock()
     it = iter(picks)
-    fd, direct = open_direct(path)
+    try:
+        fd, direct = store.open_direct() if store is not None else open_direct(path)
+    except OSError as e:
+        raise SpecPrefetchError(f"{path}: cannot open ({e.strerror or e})") from None
     try:
         if not direct:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -116,12 +124,12 @@ def measure_flash(st: ExpertStore, reads: int) -> tuple[dict[int, dict[int, floa
     of O_DIRECT reads of a store's expert slots and of 1 MiB requests."""
     offsets = [e.offset for e in st.entries.values()]
     slot = st.slot_bytes
-    big, big_offsets = big_reads(st.data_offset, st.path.stat().st_size)
+    big, big_offsets = big_reads(st.data_offset, st.file_size)
     table: dict[int, dict[int, float]] = {}
     lat1 = 0.0
     for qd in (1, 2, 4, 8):
-        bw_slot, lat = measure_reads(st.path, offsets, slot, qd, reads)
-        bw_big, _ = measure_reads(st.path, big_offsets, big, qd, max(16, reads // 8))
+        bw_slot, lat = measure_reads(st.path, offsets, slot, qd, reads, store=st)
+        bw_big, _ = measure_reads(st.path, big_offsets, big, qd, max(16, reads // 8), store=st)
         table[qd] = {slot // 1024: round(bw_slot, 1), big // 1024: round(bw_big, 1)}
         if qd == 1:
             lat1 = lat

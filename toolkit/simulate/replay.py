@@ -175,6 +175,9 @@ def run_simulation(trace: Path, *, policies: list[Policy], profile: DeviceProfil
     from toolkit.predictors.evaluate import build_predictors
     from toolkit.traces.format import TraceReader
 
+    if max_sequences is not None and max_sequences < 1:
+        raise SpecPrefetchError(f"--max-sequences {max_sequences}: must be at least 1 "
+                                "(leave it out to replay every sequence)")
     reader = TraceReader(trace)
     spec = trace_model_spec(reader, model)
     geo = Geometry.from_model(geometry or spec.path, dtype)
@@ -183,7 +186,7 @@ def run_simulation(trace: Path, *, policies: list[Policy], profile: DeviceProfil
     if geo.top_k != spec.geometry.routing.top_k:
         geo = dataclasses.replace(geo, top_k=spec.geometry.routing.top_k)
     batches = list(iter_batches(reader, split, decode_only=True, with_probs=False))
-    if max_sequences:
+    if max_sequences is not None:
         keep = set(sorted({int(q) for b in batches for q in b.seq.tolist()})[:max_sequences])
         batches = [b.select(torch.tensor([int(q) in keep for q in b.seq.tolist()])) for b in batches]
         batches = [b for b in batches if len(b)]

@@ -1,6 +1,7 @@
 """Sweeps of the simulator over pool size and window, as JSON, a Markdown table and plots."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,16 @@ def sweep(trace: Path, *, policies: list[Policy], profile: DeviceProfile, pools:
             "store_dtype": first["store_dtype"], "queue_depth": first["queue_depth"], "points": points}
 
 
+def _defined(v: Any) -> bool:
+    return isinstance(v, (int, float)) and math.isfinite(v)
+
+
+def fmt(v: Any, spec: str = ".3f") -> str:
+    """A figure for the table; an undefined one (null in the JSON: TPOT of sequences of one decode
+    token, a rate with nothing to count) prints as n/a, never as 0."""
+    return format(v, spec) if _defined(v) else "n/a"
+
+
 def markdown(r: dict[str, Any]) -> str:
     g = r["geometry"]
     lines = [f"Profile `{r['profile']}`; expert slot {g['slot_bytes'] / 1024:.0f} KiB ({g['dtype']}), "
@@ -34,11 +45,12 @@ def markdown(r: dict[str, Any]) -> str:
     for p in r["points"]:
         base = next((x["tpot_ms"] for x in p["results"] if x["predictor"] == "on-demand"), None)
         for x in p["results"]:
-            ratio = f"{base / x['tpot_ms']:.3f}x" if base else "-"
+            t = x["tpot_ms"]
+            ratio = f"{base / t:.3f}x" if _defined(base) and _defined(t) and t else "n/a"
             lines.append(f"| {p['pool_mib']:g} | {100 * p['pool_share_of_experts']:.0f}% | {p['window']} | "
-                         f"{x['policy']} | {x['tpot_ms']:.3f} | {x['tpot_p95_ms']:.3f} | "
-                         f"{x['stall_ms_per_token']:.3f} | {x['hit_rate']:.3f} | {x['mib_read_per_token']:.3f} | "
-                         f"{x['wasted_prefetch_mib']:.1f} | {ratio} |")
+                         f"{x['policy']} | {fmt(x['tpot_ms'])} | {fmt(x['tpot_p95_ms'])} | "
+                         f"{fmt(x['stall_ms_per_token'])} | {fmt(x['hit_rate'])} | {fmt(x['mib_read_per_token'])} | "
+                         f"{fmt(x['wasted_prefetch_mib'], '.1f')} | {ratio} |")
     return "\n".join(lines) + "\n"
 
 
@@ -55,6 +67,7 @@ def plot(r: dict[str, Any], path: Path) -> None:
         for name in [x["policy"] for x in pts[0]["results"]]:
             xs = [p["pool_mib"] for p in pts]
             ys = [next(x["tpot_ms"] for x in p["results"] if x["policy"] == name) for p in pts]
+            ys = [y if _defined(y) else float("nan") for y in ys]  # an undefined point is left out
             ax.plot(xs, ys, "o-", label=name)
         ax.set_xlabel("pool budget (MiB)")
         ax.set_ylabel("simulated TPOT (ms)")

@@ -13,7 +13,30 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from toolkit.errors import SpecPrefetchError
 from toolkit.traces.format import DECODE, TraceReader
+
+
+def check_device(device: str, *, option: str = "--device", allow_auto: bool = False) -> str:
+    """`device` if torch can use it here: cpu, cuda, cuda:N (and auto where allowed); else a
+    one-line error naming the option."""
+    import re
+
+    kinds = "cpu, cuda, cuda:N" + (" or auto" if allow_auto else "")
+    if device == "auto" and allow_auto:
+        if not torch.cuda.is_available():
+            raise SpecPrefetchError(f"{option} auto needs CUDA GPUs; none are visible (use {option} cpu)")
+        return device
+    m = re.fullmatch(r"cpu|cuda(?::(\d+))?", device)
+    if not m:
+        raise SpecPrefetchError(f"{option} {device!r}: expected {kinds}")
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise SpecPrefetchError(f"{option} {device}: CUDA is not available on this machine")
+        if m.group(1) is not None and int(m.group(1)) >= torch.cuda.device_count():
+            raise SpecPrefetchError(f"{option} {device}: this machine has {torch.cuda.device_count()} "
+                                    "CUDA device(s), numbered from 0")
+    return device
 
 
 @dataclasses.dataclass
@@ -37,12 +60,16 @@ class RoutingBatch:
     def __len__(self) -> int:
         return self.ids.shape[0]
 
+    @property
+    def device(self) -> torch.device:
+        return self.ids.device
+
     def target_ids(self, i: int, h: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Real ids of the step h MoE layers after layer i: ([B, k], valid [B])."""
+        """Real ids of the step h MoE layers after layer i: ([B, k], valid [B]), on the batch's device."""
         j = i + h
         L = self.num_layers
         if j < L:
-            return self.ids[:, j], torch.ones(len(self), dtype=torch.bool)
+            return self.ids[:, j], torch.ones(len(self), dtype=torch.bool, device=self.ids.device)
         return self.next_ids[:, j - L], self.has_next
 
     def target_probs(self, i: int, h: int) -> torch.Tensor:
@@ -51,8 +78,16 @@ class RoutingBatch:
         return self.probs[:, j] if j < L else self.next_probs[:, j - L]
 
     def select(self, mask: torch.Tensor) -> "RoutingBatch":
+        mask = mask.to(self.ids.device)
         return RoutingBatch(**{f.name: (getattr(self, f.name)[mask] if getattr(self, f.name) is not None else None)
                                for f in dataclasses.fields(self)})
+
+    def to(self, device: str | torch.device) -> "RoutingBatch":
+        """Every tensor on `device` (the batch itself when it is there already)."""
+        if self.ids.device == torch.device(device):
+            return self
+        return RoutingBatch(**{f.name: (getattr(self, f.name).to(device) if getattr(self, f.name) is not None
+                                        else None) for f in dataclasses.fields(self)})
 
 
 def _dense_probs(a: dict[str, np.ndarray], num_experts: int) -> np.ndarray | None:
@@ -114,7 +149,7 @@ def validation_seqs(reader: TraceReader, share: float = 0.05) -> set[int]:
 
 
 def in_set(seq: torch.Tensor, seqs: set[int]) -> torch.Tensor:
-    return torch.tensor([int(q) in seqs for q in seq.tolist()], dtype=torch.bool)
+    return torch.tensor([int(q) in seqs for q in seq.tolist()], dtype=torch.bool, device=seq.device)
 
 
 class ShardStream:
@@ -151,6 +186,7 @@ class ShardStream:
         while True:
             order = self.rng.permutation(len(self.shards))
             i = 0
+            rows = 0
             while i < len(order):
                 pool: list[RoutingBatch] = []
                 held = 0
@@ -165,6 +201,7 @@ class ShardStream:
                         break
                 if not pool:
                     continue
+                rows += sum(len(p) for p in pool)
                 merged = pool[0] if len(pool) == 1 else RoutingBatch(**{
                     f.name: torch.cat([getattr(p, f.name) for p in pool]) if getattr(pool[0], f.name) is not None else None
                     for f in dataclasses.fields(RoutingBatch)})
@@ -175,6 +212,11 @@ class ShardStream:
                     yield merged.select(perm[s:s + self.batch_size])
                 if len(merged) < self.batch_size:
                     yield merged
+            if rows == 0:  # a whole pass found nothing: another would not either
+                raise SpecPrefetchError(
+                    f"trace {self.reader.path}: no {self.split} token outside the validation sequences has "
+                    "its router input stored; trace more sequences, or with --decode-tokens > 0 or "
+                    "--hidden-sample > 0")
             self.epochs += 1
 
 

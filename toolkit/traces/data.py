@@ -25,7 +25,10 @@ class Record:
 
 
 def file_sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError as e:
+        raise SpecPrefetchError(f"--data {path}: cannot be read ({e.strerror or e})") from None
 
 
 def read_records(paths: list[Path], *, allow_images: bool) -> list[Record]:
@@ -37,12 +40,17 @@ def read_records(paths: list[Path], *, allow_images: bool) -> list[Record]:
         if path.is_dir():
             raise SpecPrefetchError(f"--data {path}: is a directory; name .txt or .jsonl files")
         if path.suffix == ".jsonl":
-            records.extend(_read_jsonl(path, allow_images))
+            try:
+                records.extend(_read_jsonl(path, allow_images))
+            except OSError as e:
+                raise SpecPrefetchError(f"--data {path}: cannot be read ({e.strerror or e})") from None
         elif path.suffix in (".txt", ".md", ".rst", ""):
             try:
                 text = path.read_text(encoding="utf-8")
             except UnicodeDecodeError as e:
                 raise SpecPrefetchError(f"--data {path}: not UTF-8 text ({e})") from None
+            except OSError as e:
+                raise SpecPrefetchError(f"--data {path}: cannot be read ({e.strerror or e})") from None
             if not text.strip():
                 raise SpecPrefetchError(f"--data {path}: file is empty")
             records.append(Record(str(path), 0, text))
@@ -55,8 +63,12 @@ def read_records(paths: list[Path], *, allow_images: bool) -> list[Record]:
 
 
 def _read_jsonl(path: Path, allow_images: bool) -> Iterator[Record]:
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise SpecPrefetchError(f"{path}:{n}: not UTF-8 text ({e})") from None
             if not line.strip():
                 continue
             try:
@@ -67,10 +79,12 @@ def _read_jsonl(path: Path, allow_images: bool) -> Iterator[Record]:
                 raise SpecPrefetchError(f"{path}:{n}: each line must be an object with a \"text\" string")
             image = None
             if obj.get("image") is not None:
+                if not isinstance(obj["image"], str) or not obj["image"]:
+                    raise SpecPrefetchError(f"{path}:{n}: \"image\" must be a file name (a string)")
                 if not allow_images:
                     raise SpecPrefetchError(f"{path}:{n}: has an \"image\" but the model is not a "
                                             "vision-language family")
                 image = (path.parent / obj["image"]).resolve()
-                if not image.exists():
+                if not image.is_file():
                     raise SpecPrefetchError(f"{path}:{n}: image {obj['image']!r} not found ({image})")
             yield Record(str(path), n, obj["text"], image)

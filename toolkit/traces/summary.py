@@ -9,11 +9,13 @@ busiest expert relative to a uniform share. Printed as a table, written as JSON 
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 from pathlib import Path
 
 import numpy as np
 
+from toolkit.artifacts import os_error, write_json_atomic
+from toolkit.errors import SpecPrefetchError
 from toolkit.reporting import save_figure
 
 from toolkit.traces.format import DECODE, TraceReader
@@ -62,8 +64,11 @@ def summarize(trace: Path, split: str = "train", out: Path | None = None) -> lis
                   f"{100 * r['experts_used']:.0f}%", f"{r['max_load_x_uniform']:.2f}")
     Console().print(t)
     if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "routing_stats.json").write_text(json.dumps(rows, indent=1) + "\n")
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise os_error(e, out) from None
+        write_json_atomic(out / "routing_stats.json", rows)
         plot_load(load, reader.moe_layers, out / "expert_load.png",
                   f"expert load per layer ({reader.model['family']}, {split})")
     return rows
@@ -89,10 +94,14 @@ def plot_load(load: np.ndarray, layers: list[int], path: Path, title: str) -> No
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("trace", type=Path)
-    ap.add_argument("--split", default="train")
+    ap.add_argument("--split", default="train", choices=("train", "heldout"))
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
-    summarize(a.trace, a.split, a.out or a.trace.parent / (a.trace.name + "-summary"))
+    try:
+        summarize(a.trace, a.split, a.out or a.trace.parent / (a.trace.name + "-summary"))
+    except SpecPrefetchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

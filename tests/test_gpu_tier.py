@@ -1,0 +1,189 @@
+"""The GPU tier (toolkit/runtime/gpu.py): experts in (pinned) host memory, a bounded pool of slots on the
+device, copies on their own stream. Its output must be transformers' greedy output for every policy and
+pool. On a machine without CUDA the same code runs on the CPU; the CUDA variants run where a GPU is."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from toolkit.errors import SpecPrefetchError
+from toolkit.models.loader import inspect_model_dir, load_model
+from toolkit.models.routers import load_router_bank
+from toolkit.predictors.registry import build_predictor
+from toolkit.runtime.expert_store import ExpertStore, build_store
+from toolkit.runtime.gpu import GpuEngine, Int4Experts
+from toolkit.runtime.policy import Policy
+from toolkit.runtime.runner import RunConfig
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+POLICIES = ["on-demand+lru", "next-gate+prediction", "oracle+belady", "draft+prediction", "draft+lru"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """torch's intra-op threads spin against each other on a busy 2-core machine (index_add_ takes tens
+    of ms instead of microseconds): these tiny models run on one."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def stores(tiny_models, tmp_path_factory):
+    root = tmp_path_factory.mktemp("gpu-stores")
+    out = {}
+    for fam in ("qwen3_moe", "mixtral"):
+        spec = inspect_model_dir(tiny_models[fam])
+        out[fam] = build_store(spec, root / f"{fam}.spx", "fp16", progress=False)
+    return out
+
+
+def _reference(model_dir, prompt, n, device, dtype):
+    """transformers' greedy tokens, its experts rounded to the store's fp16 (the weights the tier has)."""
+    lm = load_model(model_dir, device=device, dtype=dtype)
+    spec = lm.spec
+    with torch.no_grad():
+        for layer in spec.geometry.moe_layers:
+            for p in spec.family.moe_block(lm.model, layer).experts.parameters():
+                p.copy_(p.half().to(p.dtype))
+    lm.model.config._experts_implementation = "eager"
+    out = lm.model.generate(torch.tensor([prompt], device=device), do_sample=False, max_new_tokens=n, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def _pool_mib(eng, frac):
+    slots = max(eng.k, int(frac * eng.L * eng.E))
+    return slots * eng.store.blob_size / 2**20 + 1e-9
+
+
+def _engine(model_dir, store, policy, frac, device, dtype="float32"):
+    """One engine (int4 draft included); `configure` switches policy and pool between runs."""
+    spec = inspect_model_dir(model_dir)
+    st = ExpertStore(store, spec)
+    E = spec.geometry.routing.num_experts
+    bank = load_router_bank(spec)
+    preds = {n: build_predictor(n, num_experts=E, bank=lambda: bank) for n in ("next-gate", "oracle")}
+    eng = GpuEngine(load_model(model_dir, dtype=dtype), st, RunConfig(policy=Policy.parse(policy), pool_mib=64.0),
+                    device=device, predictors=preds, with_draft=True)
+    eng.configure(pool_mib=_pool_mib(eng, frac))
+    return eng
+
+
+@pytest.mark.parametrize("fam", ["qwen3_moe", "mixtral"])
+def test_tokens_match_transformers_cpu(tiny_models, stores, fam):
+    """Every policy at a small and a half pool decodes transformers' tokens; the pool never holds more
+    slots than its budget, and a small pool really copies (a test that could pass with everything
+    resident would prove nothing)."""
+    prompt = list(range(5, 17))
+    want = _reference(tiny_models[fam], prompt, 16, "cpu", "float32")
+    eng = _engine(tiny_models[fam], stores[fam], POLICIES[0], 0.1, "cpu")
+    for policy in POLICIES:
+        for frac in (0.1, 0.5):
+            eng.configure(policy=Policy.parse(policy), pool_mib=_pool_mib(eng, frac))
+            g = eng.run(prompt, 16, k=3)
+            assert g.tokens == want, (fam, policy, frac)
+            j = g.to_json()
+            assert j["peak_pool_bytes"] <= j["budget_bytes"]
+            assert eng.run_state is None
+            assert j["pcie_bytes_per_token"] > 0
+            if policy.startswith("draft"):
+                assert 0.0 <= j["acceptance"] <= 1.0 and j["rounds"] >= 1 and j["draft_bytes"] > 0
+    # json-serialisable
+    json.dumps(g.to_json())
+
+
+def test_draft_is_int4_and_its_bytes_are_charged(tiny_models, stores):
+    eng = _engine(tiny_models["qwen3_moe"], stores["qwen3_moe"], "draft+prediction", 0.5, "cpu")
+    d = eng.drafts[0]
+    assert isinstance(d, Int4Experts)
+    spec = inspect_model_dir(tiny_models["qwen3_moe"])
+    g = spec.geometry
+    fp16 = g.routing.num_experts * 3 * g.hidden_size * g.moe_intermediate_size * 2
+    assert d.nbytes() < 0.35 * fp16       # 4 bits and a scale per 32 weights: about 0.28 of fp16
+    w = torch.randn(6, 64)
+    q = d._unpack(d._pack(w))
+    from toolkit.predictors.draft import fake_quant
+
+    assert torch.allclose(q.float(), fake_quant(w, 4), atol=2e-3)
+
+
+def test_pool_budget_and_store_refusals(tiny_models, stores, tmp_path):
+    spec = inspect_model_dir(tiny_models["qwen3_moe"])
+    st = ExpertStore(stores["qwen3_moe"], spec)
+    with pytest.raises(SpecPrefetchError, match="pool-mib"):
+        GpuEngine(load_model(tiny_models["qwen3_moe"]), st, RunConfig(policy=Policy("on-demand", "lru"),
+                  pool_mib=st.blob_size / 2**20), device="cpu")
+    int4 = build_store(spec, tmp_path / "int4.spx", "int4", progress=False)
+    with pytest.raises(SpecPrefetchError, match="fp16"):
+        GpuEngine(load_model(tiny_models["qwen3_moe"]), ExpertStore(int4, spec), RunConfig(pool_mib=1.0), device="cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(SpecPrefetchError, match="CUDA is not available"):
+            GpuEngine(load_model(tiny_models["qwen3_moe"]), st, RunConfig(pool_mib=1.0), device="cuda")
+
+
+def test_gpu_bench_report(tiny_models, stores, tmp_path):
+    """The bench end to end on the CPU: every row, the ratios, and the three report files."""
+    from toolkit.runtime.gpu_bench import run_gpu_bench, write
+    from toolkit.runtime.policy import parse_policies
+
+    r = run_gpu_bench(tiny_models["qwen3_moe"], store=stores["qwen3_moe"], adapter=None,
+                      policies=parse_policies("on-demand+lru,draft+prediction,oracle+belady"), fractions=[0.5],
+                      prompts=1, prompt_tokens=8, new_tokens=6, repeats=1, ks=(2, 3), device="cpu", log=lambda s: None)
+    assert r["tokens_match_transformers"] and len(r["rows"]) == 3
+    rows = {x["policy"]: x for x in r["rows"]}
+    assert rows["on-demand+lru"]["speedup_vs_on_demand"] == 1.0
+    assert rows["oracle+belady"]["vs_oracle"] == 1.0
+    assert rows["draft+prediction"]["k"] in (2, 3)
+    md, png = write(r, tmp_path / "gpu.json")
+    assert "draft+prediction" in md.read_text() and png.stat().st_size > 0
+
+
+@CUDA
+@pytest.mark.parametrize("policy", POLICIES)
+def test_tokens_match_transformers_cuda(tiny_models, stores, policy):
+    prompt = list(range(5, 17))
+    want = _reference(tiny_models["qwen3_moe"], prompt, 16, "cuda", "float16")
+    eng = _engine(tiny_models["qwen3_moe"], stores["qwen3_moe"], policy, 0.1, "cuda", dtype="float16")
+    for frac in (0.1, 0.5):
+        eng.configure(pool_mib=_pool_mib(eng, frac))
+        g = eng.run(prompt, 16, k=3)
+        assert g.tokens == want, (policy, frac)
+        assert g.to_json()["device"].startswith("cuda")
+
+
+@CUDA
+def test_cli_run_and_bench_on_cuda(tiny_models, stores, tmp_path):
+    """`run --device cuda` and `bench --device cuda` end to end through the CLI."""
+    from click.testing import CliRunner
+
+    from toolkit.cli import main
+
+    model = str(tiny_models["qwen3_moe"])
+    r = CliRunner().invoke(main, ["run", model, "--device", "cuda", "--store", str(stores["qwen3_moe"]),
+                                  "--policy", "draft+prediction", "--pool-mib", "0.1", "--prompt", "The kernel",
+                                  "--max-new-tokens", "8", "--check", "--json", str(tmp_path / "r.json")])
+    assert r.exit_code == 0, r.output
+    j = json.loads((tmp_path / "r.json").read_text())
+    assert j["runs"][0]["matches_unmodified_model"] is True and j["runs"][0]["device"].startswith("cuda")
+    r = CliRunner().invoke(main, ["bench", model, "--device", "cuda", "--store", str(stores["qwen3_moe"]),
+                                  "--pool-fractions", "0.5", "--prompts", "1", "--new-tokens", "6", "--rounds", "1",
+                                  "--prompt-tokens", "8", "--draft-k", "2,3", "--json", str(tmp_path / "b.json")])
+    assert r.exit_code == 0, r.output
+    assert json.loads((tmp_path / "b.json").read_text())["tokens_match_transformers"] is True
+
+
+def test_cli_device_is_validated(tiny_models, tmp_path):
+    from click.testing import CliRunner
+
+    from toolkit.cli import main
+
+    r = CliRunner().invoke(main, ["run", str(tiny_models["qwen3_moe"]), "--device", "gpu0", "--prompt", "x",
+                                  "--json", str(tmp_path / "r.json")])
+    assert r.exit_code == 2 and "expected cpu, cuda or cuda:N" in r.output
+    if not torch.cuda.is_available():
+        r = CliRunner().invoke(main, ["run", str(tiny_models["qwen3_moe"]), "--device", "cuda", "--policy", "on-demand",
+                                      "--prompt", "x", "--json", str(tmp_path / "r.json")])
+        assert r.exit_code == 2 and "CUDA is not available" in r.output

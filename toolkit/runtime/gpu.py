@@ -1,0 +1,691 @@
+"""The GPU tier: Specter's scenario on one GPU. Experts live in pinned host memory, a bounded pool of
+fixed slots lives in GPU memory, and copies run on their own CUDA stream while the GPU computes.
+
+The same ExpertPool, WindowScheduler, PrefetchPlanner, predictors and RunStats as the CPU runner
+(toolkit/runtime/runner.py) decide what is copied when; only the IO backend differs:
+
+    host tier     every expert blob of the expert store, read once into one pinned buffer
+    GPU pool      `capacity` slots of one blob each, one allocation: the hard byte budget
+    copy stream   host -> GPU copies in the scheduler's issue order (demand copies first in line);
+                  a copy into a slot waits (an event) for the last kernel that read the slot
+    compute       the model's own modules (transformers), dense weights resident on the GPU; each
+                  MoE block's routed experts are replaced by `PooledExperts`, which asks the
+                  scheduler for the layer's experts and computes them from the slots. A use of a
+                  slot whose copy is still in flight makes the compute stream wait on the copy's
+                  event (a stall, timed with CUDA events), never the host.
+
+Output is the unmodified model's: the router is the model's own, and the experts are computed with
+transformers' eager expert loop (the same ops, in ascending expert order) on the store's fp16 blobs.
+
+Policies: any PREDICTOR+EVICTION of the CPU runner decodes one token per step (on-demand+lru is the
+Mixtral-offloading-style baseline, oracle+belady the bound). `draft` is Specter's: an INT4 self-draft
+(routed experts int4, resident on the GPU; router, attention and embeddings shared with the target)
+proposes K tokens; the experts it routes to, counted per layer, are the prefetch set of the target's
+verification pass, which checks all K in one batched pass (greedy speculative decoding); the draft's
+compute is in every time figure and its memory in `draft_bytes`.
+
+Where CUDA is absent the same code runs on the CPU (copies synchronous, events host clocks), which is
+how CI checks the output.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Sequence
+
+import torch
+
+from toolkit.errors import SpecPrefetchError
+from toolkit.runtime.expert_store import ExpertStore
+from toolkit.runtime.planner import PrefetchPlanner, RoutingState
+from toolkit.runtime.policy import Policy
+from toolkit.runtime.pool import Key
+from toolkit.runtime.runner import RunConfig, open_pool_and_scheduler
+from toolkit.runtime.stats import DecodeAccount, RunStats
+
+MiB = 2**20
+
+
+# -- clocks and events: CUDA events on a GPU, host clocks on the CPU ------------------------------
+class _HostEvent:
+    def __init__(self):
+        self.t = time.perf_counter()
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, other: "_HostEvent") -> float:
+        return (other.t - self.t) * 1e3
+
+
+class Device:
+    """The device's streams and events (CUDA), or their host stand-ins (CPU)."""
+
+    def __init__(self, device: str | torch.device):
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        if self.cuda and not torch.cuda.is_available():
+            raise SpecPrefetchError(f"--device {device}: CUDA is not available on this machine")
+        self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
+
+    def event(self, stream=None):
+        if not self.cuda:
+            return _HostEvent()
+        e = torch.cuda.Event(enable_timing=True)
+        e.record(stream or torch.cuda.current_stream(self.device))
+        return e
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+
+# -- the host tier and the GPU pool ----------------------------------------------------------------
+class HostExperts:
+    """Every expert blob of the store in one (pinned) host buffer, each checked against its CRC."""
+
+    def __init__(self, store: ExpertStore, dev: Device, progress=None):
+        self.store = store
+        L, E, n = store.num_layers, store.num_experts, store.blob_size
+        self.buf = torch.empty((L * E, n), dtype=torch.uint8, pin_memory=dev.cuda)
+        import os
+
+        fd = os.open(store.path, os.O_RDONLY)
+        try:
+            view = self.buf.numpy()
+            for li in range(L):
+                for e in range(E):
+                    ent = store.entry(li, e)
+                    got = os.preadv(fd, [memoryview(view[li * E + e])], ent.offset)
+                    if got != n:
+                        raise SpecPrefetchError(f"{store.path}: short read of expert ({li}, {e})")
+                    store.check(li, e, memoryview(view[li * E + e]))
+                if progress:
+                    progress(li + 1, L)
+        finally:
+            os.close(fd)
+        self.E = E
+
+    def blob(self, key: Key) -> torch.Tensor:
+        return self.buf[key[0] * self.E + key[1]]
+
+    @property
+    def nbytes(self) -> int:
+        return self.buf.numel()
+
+
+class CudaCopyIO:
+    """The scheduler's IOBackend for the GPU: `submit` copies a blob into a free slot on the copy
+    stream; `wait` makes the compute stream wait for it (timed: that is the stall)."""
+
+    def __init__(self, host: HostExperts, capacity: int, dev: Device):
+        self.host, self.dev = host, dev
+        self.slots = torch.empty((capacity, host.store.blob_size), dtype=torch.uint8, device=dev.device)
+        self.free = list(range(capacity - 1, -1, -1))
+        self.where: dict[Key, int] = {}
+        self.done: dict[Key, Any] = {}           # key -> the copy's completion event
+        self.last_use: list[Any] = [None] * capacity
+        self.stalls: list[tuple[Any, Any]] = []  # (before, after) the compute stream's waits
+        self.copies: list[tuple[Any, Any]] = []  # (start, end) of every copy on the copy stream
+        self.copied_bytes = 0
+
+    def submit(self, key: Key, *, demand: bool) -> None:
+        idx = self.free.pop()
+        self.where[key] = idx
+        src, dst = self.host.blob(key), self.slots[idx]
+        if self.dev.cuda:
+            cs = self.dev.copy_stream
+            if self.last_use[idx] is not None:
+                cs.wait_event(self.last_use[idx])   # the kernels that read the slot's old expert
+            with torch.cuda.stream(cs):
+                t0 = self.dev.event(cs)
+                dst.copy_(src, non_blocking=True)
+                t1 = self.dev.event(cs)
+            self.copies.append((t0, t1))
+            self.done[key] = t1
+        else:
+            t0 = self.dev.event()
+            dst.copy_(src)
+            t1 = self.dev.event()
+            self.copies.append((t0, t1))
+            self.done[key] = t1
+        self.copied_bytes += src.numel()
+
+    def landed(self, key: Key) -> bool:
+        ev = self.done.get(key)
+        return ev is None or ev.query()
+
+    def wait(self, key: Key) -> None:
+        ev = self.done.get(key)
+        if ev is None or not self.dev.cuda:
+            return
+        before = self.dev.event()
+        torch.cuda.current_stream(self.dev.device).wait_event(ev)
+        self.stalls.append((before, self.dev.event()))
+
+    def take(self, key: Key) -> torch.Tensor:
+        if self.dev.cuda and key in self.done:  # ordered after the copy, whether or not it was waited for
+            torch.cuda.current_stream(self.dev.device).wait_event(self.done[key])
+        return self.slots[self.where[key]]
+
+    def release(self, key: Key) -> None:
+        idx = self.where.pop(key)
+        self.done.pop(key, None)
+        self.last_use[idx] = self.dev.event() if self.dev.cuda else None
+        self.free.append(idx)
+
+    def close(self) -> None:
+        pass
+
+    def stall_ms(self) -> float:
+        return sum(a.elapsed_time(b) for a, b in self.stalls)
+
+    def copy_ms(self) -> float:
+        return sum(a.elapsed_time(b) for a, b in self.copies)
+
+
+# -- the experts: pooled (target) and int4 resident (draft) --------------------------------------
+def _check_experts(experts: torch.nn.Module, where: str) -> None:
+    for name in ("gate_up_proj", "down_proj", "act_fn"):
+        if not hasattr(experts, name):
+            raise SpecPrefetchError(f"--device cuda: {where} has no {name}: the GPU tier runs families whose "
+                                    "experts are transformers' fused gate_up_proj / down_proj (qwen3_moe, mixtral, "
+                                    "olmoe, deepseek)")
+    if getattr(experts, "gate_up_proj_bias", None) is not None or getattr(experts, "has_bias", False):
+        raise SpecPrefetchError(f"--device cuda: {where} has expert biases (gpt_oss): not supported on the GPU tier")
+
+
+def _eager_combine(hidden: torch.Tensor, ids: list[list[int]], weights: torch.Tensor, contrib) -> torch.Tensor:
+    """transformers' eager expert loop: per expert hit, in ascending order, its tokens' outputs
+    weighted and index_add_-ed into zeros. `contrib(e, rows)` gives the expert's unweighted output."""
+    out = torch.zeros_like(hidden)
+    routes = _routes(ids)
+    for e, (tok, kpos) in _index_tensors(routes, hidden.device).items():
+        y = contrib(e, hidden[tok]) * weights[tok, kpos, None]
+        out.index_add_(0, tok, y.to(out.dtype))
+    return out
+
+
+def _routes(ids: list[list[int]]) -> dict[int, tuple[list[int], list[int]]]:
+    """expert -> (top-k positions, token rows) in torch.where order over the [k, T] mask, experts ascending."""
+    pairs: dict[int, list[tuple[int, int]]] = {}
+    for t, row in enumerate(ids):
+        for kp, e in enumerate(row):
+            pairs.setdefault(e, []).append((kp, t))
+    return {e: ([kp for kp, _ in sorted(p)], [t for _, t in sorted(p)]) for e, p in sorted(pairs.items())}
+
+
+_ARANGE: dict[str, torch.Tensor] = {}
+
+
+def _arange(device) -> torch.Tensor:
+    key = str(device)
+    if key not in _ARANGE:
+        _ARANGE[key] = torch.arange(256, device=device)
+    return _ARANGE[key]
+
+
+def _index_tensors(routes, device) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """expert -> (token rows, top-k positions) as device tensors, from one host -> device copy (or
+    slices, for one token: no copy at all)."""
+    flat: list[int] = []
+    for kpos, rows in routes.values():
+        flat += rows + kpos
+    if all(len(r) == 1 and r[0] == 0 for _, r in routes.values()):  # one token: plain slices
+        ar = _arange(device)
+        return {e: (ar[0:1], ar[kp[0]:kp[0] + 1]) for e, (kp, _) in routes.items()}
+    t = torch.tensor(flat, device=device)
+    out, i = {}, 0
+    for e, (kpos, rows) in routes.items():
+        n = len(rows)
+        out[e] = (t[i:i + n], t[i + n:i + 2 * n])
+        i += 2 * n
+    return out
+
+
+class ExpertMath:
+    """One expert's FFN from a [2I, H] gate_up and a [H, I] down matrix, as transformers computes it."""
+
+    def __init__(self, act_fn):
+        self.act_fn = act_fn
+
+    def __call__(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+        gate, up = torch.nn.functional.linear(x, gate_up).chunk(2, dim=-1)
+        return torch.nn.functional.linear(self.act_fn(gate) * up, down)
+
+
+class Int4Experts(torch.nn.Module):
+    """The draft's routed experts: int4 (symmetric, one fp16 scale per 32 inputs), resident on the
+    device, dequantized per use (the same quantiser as toolkit.predictors.draft.fake_quant)."""
+    GROUP = 32
+
+    def __init__(self, experts: torch.nn.Module, device: torch.device, dtype: torch.dtype):
+        super().__init__()
+        self.act = ExpertMath(experts.act_fn)
+        self.dtype = dtype
+        self.gate_up = [self._pack(w) for w in experts.gate_up_proj.detach()]
+        self.down = [self._pack(w) for w in experts.down_proj.detach()]
+        self.gate_up = [(q.to(device), s.to(device), n) for q, s, n in self.gate_up]
+        self.down = [(q.to(device), s.to(device), n) for q, s, n in self.down]
+
+    def _pack(self, w: torch.Tensor):
+        o, n = w.shape
+        pad = (-n) % self.GROUP
+        x = torch.nn.functional.pad(w.float(), (0, pad)).reshape(o, -1, self.GROUP)
+        scale = x.abs().amax(-1, keepdim=True).clamp_min(1e-8) / 7
+        q = (torch.clamp(torch.round(x / scale), -8, 7) + 8).to(torch.uint8).reshape(o, -1)
+        return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous(), scale.to(torch.float16), n
+
+    def _unpack(self, packed) -> torch.Tensor:
+        q, scale, n = packed
+        lo, hi = (q & 0xF), (q >> 4)
+        v = torch.stack((lo, hi), -1).reshape(q.shape[0], -1).to(torch.float16) - 8
+        w = (v.reshape(q.shape[0], -1, self.GROUP) * scale).reshape(q.shape[0], -1)[:, :n]
+        return w.to(self.dtype)
+
+    def nbytes(self) -> int:
+        return sum(q.numel() + s.numel() * 2 for q, s, _ in self.gate_up + self.down)
+
+    def forward(self, hidden, top_k_index, top_k_weights):
+        ids = top_k_index.tolist()
+        return _eager_combine(hidden, ids, top_k_weights,
+                              lambda e, x: self.act(x, self._unpack(self.gate_up[e]), self._unpack(self.down[e])))
+
+
+class PooledExperts(torch.nn.Module):
+    """Stands where a MoE block's routed experts were (no weights): the layer's experts come from the
+    GPU pool through the scheduler (target), or from the int4 draft (draft mode)."""
+
+    def __init__(self, li: int, engine: "GpuEngine", draft: Int4Experts | None):
+        super().__init__()
+        self.li, self.engine = li, engine
+        self.draft = draft
+
+    def forward(self, hidden, top_k_index, top_k_weights):
+        if self.engine.mode == "draft":
+            self.engine.draft_routing(self.li, top_k_index)
+            return self.draft(hidden, top_k_index, top_k_weights)
+        return self.engine.moe(self.li, hidden, top_k_index, top_k_weights)
+
+
+# -- the engine ------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class GpuGeneration:
+    tokens: list[int]
+    routing: list[torch.Tensor]           # per position [L, k]
+    stats: RunStats
+    extra: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"tokens": self.tokens, **self.stats.to_json(), **self.extra}
+
+
+class GpuEngine:
+    """The model on one device with its routed experts streamed from host memory through the pool."""
+
+    def __init__(self, lm, store: ExpertStore, cfg: RunConfig, *, device: str = "cuda",
+                 predictors: dict[str, Any] | None = None, with_draft: bool = False, progress=None):
+        """
+        Args:
+            lm: a LoadedModel on the CPU (toolkit.models.loader.load_model); its routed experts are
+                dropped and everything else moves to `device`.
+            store: the model's fp16 expert store (the host tier is read from it).
+            cfg: policy and pool budget (the CPU runner's RunConfig).
+            predictors: name -> predictor (registry) for the policy's predictor.
+            with_draft: build the int4 draft even if cfg's policy is not the draft (to switch to it later).
+        """
+        if store.dtype != "fp16":
+            raise SpecPrefetchError(f"{store.path}: the GPU tier computes from fp16 experts; this store is "
+                                    f"{store.dtype} (build one with `specprefetch store MODEL --dtype fp16`)")
+        self.dev = Device(device)
+        spec = lm.spec
+        g = spec.geometry
+        self.spec, self.tokenizer = spec, lm.tokenizer
+        self.L, self.k, self.E = len(g.moe_layers), g.routing.top_k, g.routing.num_experts
+        if (store.num_layers, store.num_experts) != (self.L, self.E):
+            raise SpecPrefetchError(f"{store.path}: {store.num_layers} x {store.num_experts} experts, the model "
+                                    f"has {self.L} x {self.E}")
+        roles = [s.role for s in store.sections]
+        secs = {s.role: s for s in store.sections}
+        if roles != ["gate", "up", "down"]:
+            raise SpecPrefetchError(f"{store.path}: expert sections {roles}; the GPU tier needs gate, up, down")
+        self.gate_up_span = (secs["gate"].offset // 2, (secs["gate"].nbytes + secs["up"].nbytes) // 2,
+                             (secs["gate"].shape[0] * 2, secs["gate"].shape[1]))
+        self.contiguous = secs["gate"].offset + secs["gate"].nbytes == secs["up"].offset
+        self.up_span = (secs["up"].offset // 2, secs["up"].nbytes // 2, secs["up"].shape)
+        self.gate_span = (secs["gate"].offset // 2, secs["gate"].nbytes // 2, secs["gate"].shape)
+        self.down_span = (secs["down"].offset // 2, secs["down"].nbytes // 2, secs["down"].shape)
+        self.store = store
+        self.model = lm.model.eval()
+        self.dtype = next(self.model.parameters()).dtype
+        self.math = None
+        self.drafts: list[Int4Experts | None] = []
+        wants_draft = with_draft or cfg.policy.predictor == "draft"
+        for li, layer in enumerate(g.moe_layers):
+            block = spec.family.moe_block(self.model, layer)
+            _check_experts(block.experts, f"{spec.path} layer {layer}")
+            self.math = self.math or ExpertMath(block.experts.act_fn)
+            d = Int4Experts(block.experts, self.dev.device, self.dtype) if wants_draft else None
+            self.drafts.append(d)
+            block.experts = PooledExperts(li, self, d)   # the routed experts leave the model here
+        self.model.to(self.dev.device)
+        self.host = HostExperts(store, self.dev, progress)
+        self.predictors = dict(predictors or {})
+        self.cfg = cfg
+        self.mode = "target"
+        self.configure()
+
+    # -- configuration ---------------------------------------------------------------------
+    def configure(self, **changes) -> None:
+        cfg = dataclasses.replace(self.cfg, **changes)
+        p = cfg.policy.predictor
+        if p not in ("on-demand", "draft") and p not in self.predictors:
+            raise SpecPrefetchError(f"--policy {cfg.policy.name}: predictor {p!r} is not available on the GPU tier "
+                                    f"(available: on-demand, draft, {', '.join(self.predictors) or '-'})")
+        cap = cfg.budget_bytes // self.store.blob_size
+        if cap < self.k:
+            raise SpecPrefetchError(f"--pool-mib {cfg.pool_mib:g}: holds {cap} expert slots of "
+                                    f"{self.store.blob_size / MiB:.2f} MiB; one layer needs {self.k}")
+        if p == "draft" and self.drafts[0] is None:
+            raise SpecPrefetchError("--policy draft: the engine was built without the int4 draft")
+        self.cfg = cfg
+
+    @property
+    def capacity(self) -> int:
+        return min(self.cfg.budget_bytes // self.store.blob_size, self.L * self.E)
+
+    @property
+    def draft_bytes(self) -> int:
+        return sum(d.nbytes() for d in self.drafts if d is not None)
+
+    @property
+    def dense_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    # -- the pooled MoE layer ------------------------------------------------------------------
+    def _weights(self, slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        w = slot.view(torch.float16)
+        if self.contiguous:
+            off, n, shape = self.gate_up_span
+            gate_up = w[off:off + n].view(shape)
+        else:
+            g0, gn, gs = self.gate_span
+            u0, un, us = self.up_span
+            gate_up = torch.cat([w[g0:g0 + gn].view(gs), w[u0:u0 + un].view(us)])
+        d0, dn, ds = self.down_span
+        down = w[d0:d0 + dn].view(ds)
+        if self.dtype != torch.float16:
+            gate_up, down = gate_up.to(self.dtype), down.to(self.dtype)
+        return gate_up, down
+
+    def moe(self, li: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        run = self.run_state
+        ids = top_k_index.tolist()            # the host needs the routing: one sync per MoE layer
+        T = len(ids)
+        step = run.pos * self.L + li
+        run.record_routing(li, ids)
+        if T == 1 and run.planner is not None:
+            run.state.record(li, hidden.detach().float().cpu(), torch.tensor(ids[0]))
+        sched = run.sched
+        routes = _routes(ids)
+        keys = [(li, e) for e in routes]
+        # resident experts first, then the misses (Specter's verification order); chunks that fit
+        resident = [k for k in keys if sched.pool.get(k) is not None]
+        order = resident + [k for k in keys if sched.pool.get(k) is None]
+        index = _index_tensors(routes, hidden.device)
+        contrib: dict[int, torch.Tensor] = {}
+        first = True
+        while order:
+            # what fits: slots neither pinned nor holding a copy issued this very step
+            n = max(1, self.capacity - len(sched.loading))
+            part, order = order[:n], order[n:]
+            sched.acquire(step, part)
+            if first and T == 1 and run.planner is not None:
+                run.planner.plan(sched, li, step, run.state, None, run.end)
+            first = False
+            for key in part:
+                tok, kpos = index[key[1]]
+                gate_up, down = self._weights(sched.data(key))
+                contrib[key[1]] = self.math(hidden[tok], gate_up, down) * top_k_weights[tok, kpos, None]
+            sched.release(step, part)
+        out = torch.zeros_like(hidden)
+        for e in sorted(contrib):   # transformers' order: ascending expert index
+            out.index_add_(0, index[e][0], contrib[e].to(out.dtype))
+        return out
+
+    def draft_routing(self, li: int, top_k_index: torch.Tensor) -> None:
+        run = self.run_state
+        if run.draft_counts is not None:
+            for row in top_k_index.tolist():
+                for e in row:
+                    run.draft_counts[li][e] += 1.0
+            run.draft_dirty.add(li)
+
+    # -- decoding ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, *, recorded: GpuGeneration | None = None,
+                 k: int = 8, preload: bool = False) -> GpuGeneration:
+        """Greedy decoding of up to `max_new_tokens` tokens (stopping after EOS).
+
+        Args:
+            recorded: an earlier run of this prompt: the oracle's and Belady's future.
+            k: draft tokens per round (the draft policy).
+            preload: copy every expert into the pool before decoding (needs a pool of all experts):
+                the all-resident upper bound.
+        """
+        from transformers import DynamicCache
+
+        cfg = self.cfg
+        if not prompt_ids:
+            raise SpecPrefetchError("the prompt is empty")
+        if max_new_tokens < 1:
+            raise SpecPrefetchError(f"--max-new-tokens {max_new_tokens}: must be >= 1")
+        if cfg.policy.needs_future and recorded is None:
+            raise SpecPrefetchError(f"--policy {cfg.policy.name}: needs a recorded first pass (run() does it)")
+        io = CudaCopyIO(self.host, self.capacity, self.dev)
+        run = _RunState(self, io, recorded, prompt_ids, max_new_tokens)
+        self.run_state = run
+        if preload:
+            if self.capacity < self.L * self.E:
+                raise SpecPrefetchError("preload: the pool must hold every expert")
+            for li in range(self.L):
+                for e in range(self.E):
+                    slot = run.pool.reserve((li, e), -1, prefetch=False)
+                    slot.ready = slot.demand = True
+                    io.submit((li, e), demand=True)
+            self.dev.sync()
+        eos = set(self._eos())
+        seq = list(prompt_ids)
+        dev = self.dev
+        cache = DynamicCache(config=self.model.config)
+        account = DecodeAccount()
+        t0 = dev.event()
+        times: list[Any] = []
+        phases = {"draft": [], "verify": []}
+        # prefill: the whole prompt in one pass (its experts in chunks that fit the pool)
+        run.pos = 0
+        logits = self._forward(cache, seq, 0)
+        nxt = int(logits[-1].argmax())
+        tokens = [nxt]
+        times.append(dev.event())
+        account.start(run.sched, run.pool)
+        run.state.ids[0] = torch.tensor(run.routing[len(seq) - 1])   # the last prompt position's choices
+        run.state.next_position()
+        seq.append(nxt)
+        spec_stats = {"rounds": 0, "proposed": 0, "accepted": 0}
+        if cfg.policy.predictor == "draft" and nxt not in eos and max_new_tokens > 1:
+            dcache = DynamicCache(config=self.model.config)
+            self.mode = "draft"
+            try:
+                self._forward(dcache, list(prompt_ids), 0)   # the draft's own prefill (its KV cache)
+            finally:
+                self.mode = "target"
+            while len(tokens) < max_new_tokens and tokens[-1] not in eos:
+                n = len(seq)
+                kk = min(k, max_new_tokens - len(tokens))
+                # the draft proposes kk tokens; its routing, counted per layer, plans the copies
+                run.draft_counts = [[0.0] * self.E for _ in range(self.L)]
+                run.draft_dirty = set()
+                d0 = dev.event()
+                self.mode = "draft"
+                proposal: list[int] = []
+                try:
+                    dlen = dcache.get_seq_length()
+                    feed = seq[dlen:]
+                    for _ in range(kk):
+                        lg = self._forward(dcache, feed, dlen)
+                        dlen += len(feed)
+                        proposal.append(int(lg[-1].argmax()))
+                        feed = [proposal[-1]]
+                        self._plan_draft(run, n - 1)
+                finally:
+                    self.mode = "target"
+                d1 = dev.event()
+                phases["draft"].append((d0, d1))
+                # the target verifies [last, proposal...] in one pass
+                run.pos = n - 1
+                lg = self._forward(cache, [seq[-1], *proposal], n - 1)
+                phases["verify"].append((d1, dev.event()))
+                verify = lg.argmax(-1).tolist()
+                a = 0
+                while a < len(proposal) and proposal[a] == verify[a]:
+                    a += 1
+                new = proposal[:a] + [verify[a]]
+                spec_stats["rounds"] += 1
+                spec_stats["proposed"] += len(proposal)
+                spec_stats["accepted"] += a
+                cache.crop(-(len(proposal) - a))           # keep seq[:n + a]
+                dcache.crop(-(dcache.get_seq_length() - (n + min(a, len(proposal) - 1))))
+                now = dev.event()
+                for t in new:
+                    tokens.append(t)
+                    seq.append(t)
+                    times.append(now)
+                    if t in eos or len(tokens) >= max_new_tokens:
+                        break
+            run.draft_counts = None
+        else:
+            while len(tokens) < max_new_tokens and tokens[-1] not in eos:
+                pos = len(seq) - 1
+                run.pos = pos
+                if run.planner is not None:
+                    run.state.pos = pos
+                logits = self._forward(cache, [seq[-1]], pos)
+                if run.planner is not None:
+                    run.state.next_position()
+                nxt = int(logits[-1].argmax())
+                tokens.append(nxt)
+                seq.append(nxt)
+                times.append(dev.event())
+        dev.sync()
+        secs = [t0.elapsed_time(t) / 1e3 for t in times]
+        stats = account.finish(cfg.policy.name, run.sched, run.pool, token_times=secs, ttft_s=secs[0])
+        n_dec = max(len(tokens) - 1, 1)
+        stall = io.stall_ms()
+        extra = {
+            "device": str(self.dev.device),
+            "pool_slots": self.capacity, "expert_bytes": self.store.blob_size,
+            "pcie_bytes_per_token": round(stats.counts["bytes_read"] / n_dec),
+            "gpu_stall_ms_per_token": round(stall / n_dec, 4),
+            "copy_ms_total": round(io.copy_ms(), 3),
+            "draft_bytes": self.draft_bytes if cfg.policy.predictor == "draft" else 0,
+            "dense_bytes": self.dense_bytes,
+        }
+        if cfg.policy.predictor == "draft":
+            extra.update({
+                "k": k, "rounds": spec_stats["rounds"],
+                "acceptance": round(spec_stats["accepted"] / max(spec_stats["proposed"], 1), 4),
+                "draft_ms_per_token": round(sum(a.elapsed_time(b) for a, b in phases["draft"]) / n_dec, 4),
+                "verify_ms_per_token": round(sum(a.elapsed_time(b) for a, b in phases["verify"]) / n_dec, 4),
+            })
+        routing = [torch.tensor(run.routing[p]) for p in sorted(run.routing)]
+        self.run_state = None
+        return GpuGeneration(tokens, routing, stats, extra)
+
+    def _plan_draft(self, run: "_RunState", verify_pos: int) -> None:
+        """The draft's routing so far becomes the verification pass's prefetch window: per MoE layer,
+        expert counts over the draft's tokens, deadline the layer's step in the verification pass."""
+        if not run.draft_dirty:
+            return
+        now = run.sched.step
+        window = []
+        for li in sorted(run.draft_dirty):
+            target = verify_pos * self.L + li
+            if target > now:
+                window.append((target, torch.tensor(run.draft_counts[li])))
+        run.draft_dirty = set()
+        run.sched.plan(now, window)
+
+    def _forward(self, cache, tokens: list[int], pos: int) -> torch.Tensor:
+        ids = torch.tensor([tokens], device=self.dev.device)
+        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True,
+                         position_ids=torch.arange(pos, pos + len(tokens), device=self.dev.device)[None])
+        return out.logits[0].float()
+
+    def _eos(self) -> list[int]:
+        from toolkit.models.loader import eos_token_ids
+
+        return list(eos_token_ids(self.spec, self.tokenizer))
+
+    def record(self, prompt_ids: Sequence[int], max_new_tokens: int) -> GpuGeneration:
+        cfg = self.cfg
+        self.configure(policy=Policy("on-demand", "lru"))
+        try:
+            return self.generate(prompt_ids, max_new_tokens)
+        finally:
+            self.cfg = cfg
+
+    def run(self, prompt_ids: Sequence[int], max_new_tokens: int, *, recorded: GpuGeneration | None = None,
+            k: int = 8, preload: bool = False) -> GpuGeneration:
+        if self.cfg.policy.needs_future:
+            recorded = recorded or self.record(prompt_ids, max_new_tokens)
+        return self.generate(prompt_ids, max_new_tokens, recorded=recorded, k=k, preload=preload)
+
+
+class _RunState:
+    """One sequence's pool, scheduler, planner and routing record."""
+
+    def __init__(self, eng: GpuEngine, io: CudaCopyIO, recorded: GpuGeneration | None, prompt: Sequence[int],
+                 max_new: int):
+        cfg = eng.cfg
+        L = eng.L
+        source = eng.predictors.get(cfg.policy.predictor)
+        self.planner = None
+        future = recorded.routing if recorded is not None else None
+        if source is not None and cfg.policy.predictor != "draft":
+            self.planner = PrefetchPlanner(source, num_layers=L, window=cfg.window, routing=eng.spec.geometry.routing,
+                                           score_bias=None)
+        self.state = RoutingState(L, eng.spec.geometry.hidden_size, eng.k)
+        self.state.future = future
+        prefetch = self.planner is not None or cfg.policy.predictor == "draft"
+        # copies queue on a stream: the queue depth is the pool, not a flash queue
+        # (at most capacity - k in flight, so a layer's demand copies always find a slot)
+        gcfg = dataclasses.replace(cfg, queue_depth=max(1, eng.capacity - eng.k))
+        self.pool, self.sched = open_pool_and_scheduler(gcfg, slot_bytes=eng.store.blob_size, num_layers=L,
+                                                        top_k=eng.k, io=io, future=future, prefetch=prefetch)
+        self.pool.capacity = eng.capacity
+        self.io = io
+        self.L = L
+        self.pos = 0
+        self.end = (len(prompt) + max_new - 1) * L
+        self.routing: dict[int, list[list[int]]] = {}
+        self.draft_counts: list[list[float]] | None = None
+        self.draft_dirty: set[int] = set()
+
+    def record_routing(self, li: int, ids: list[list[int]]) -> None:
+        for t, row in enumerate(ids):
+            self.routing.setdefault(self.pos + t, [None] * self.L)[li] = row
+
+
+def h2d_bandwidth(dev: Device, mib: int = 256, reps: int = 5) -> float:
+    """Pinned host -> device copy bandwidth in GB/s (the floor of every copy), timed with CUDA events."""
+    src = torch.empty(mib * MiB, dtype=torch.uint8, pin_memory=dev.cuda)
+    dst = torch.empty_like(src, device=dev.device)
+    dst.copy_(src, non_blocking=True)
+    dev.sync()
+    a = dev.event()
+    for _ in range(reps):
+        dst.copy_(src, non_blocking=True)
+    b = dev.event()
+    dev.sync()
+    return reps * src.numel() / (a.elapsed_time(b) / 1e3) / 1e9

@@ -1,0 +1,282 @@
+"""`specprefetch bench MODEL --device cuda`: the GPU tier's policies side by side in one run
+(docs/benchmarks.md, "GPU tier").
+
+For each pool (a fraction of all experts), every policy runs every prompt, interleaved over repeats
+(A B C, C B A, ...), after a warm-up; TPOT comes from CUDA events. In the same run: the pinned
+host -> GPU bandwidth (the floor of every copy), the all-resident upper bound (every expert preloaded
+into the pool), transformers' own generate with the whole model on the GPU, and the draft's K picked
+by a short profiling pass per pool (Specter's profiler). Every run's tokens are checked against
+transformers' greedy tokens before any time is quoted.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from toolkit.errors import SpecPrefetchError
+from toolkit.runtime.policy import Policy
+
+MiB = 2**20
+
+
+def _prompts(tokenizer, n: int, tokens: int, data: Path | None) -> list[list[int]]:
+    from toolkit.embedded.report import HELDOUT
+
+    path = data or HELDOUT
+    out = []
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        ids = tokenizer(json.loads(line)["text"], add_special_tokens=False)["input_ids"]
+        if len(ids) >= tokens:
+            out.append(ids[:tokens])
+        if len(out) == n:
+            break
+    if len(out) < n:
+        raise SpecPrefetchError(f"{path}: only {len(out)} documents of at least {tokens} tokens (asked for {n})")
+    return out
+
+
+def reference_generate(model_dir: Path, prompts: list[list[int]], new_tokens: int, device: str,
+                       dtype: torch.dtype, timed: bool = True) -> tuple[list[list[int]], float | None]:
+    """transformers' greedy tokens with the whole model on the device (eager experts, the loop the
+    GPU tier computes), and its median TPOT in ms (CUDA events)."""
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True).to(device).eval()
+    m.config._experts_implementation = "eager"
+    toks, tpots = [], []
+    cuda = torch.device(device).type == "cuda"
+    with torch.no_grad():
+        for rep in range(2 if timed else 1):
+            for p in prompts:
+                t0 = time.perf_counter()
+                out = m.generate(torch.tensor([p], device=device), do_sample=False, max_new_tokens=new_tokens,
+                                 pad_token_id=0)
+                if cuda:
+                    torch.cuda.synchronize()
+                dt = time.perf_counter() - t0
+                if rep == 0:
+                    toks.append(out[0, len(p):].tolist())
+                else:
+                    tpots.append(dt * 1e3 / (out.shape[1] - len(p)))  # prefill included
+    del m
+    if cuda:
+        torch.cuda.empty_cache()
+    return toks, statistics.median(tpots) if tpots else None
+
+
+def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None, policies: list[Policy],
+                  fractions: list[float], prompts: int = 4, prompt_tokens: int = 64, new_tokens: int = 64,
+                  repeats: int = 2, ks: tuple[int, ...] = (2, 4, 6, 8, 12), device: str = "cuda",
+                  window: int = 2, data: Path | None = None,
+                  log: Callable[[str], None] = print) -> dict[str, Any]:
+    from toolkit.models.loader import inspect_model_dir, load_model
+    from toolkit.models.routers import load_router_bank
+    from toolkit.predictors.registry import build_predictor
+    from toolkit.runtime.expert_store import ExpertStore
+    from toolkit.runtime.gpu import Device, GpuEngine, h2d_bandwidth
+    from toolkit.runtime.runner import RunConfig
+
+    spec = inspect_model_dir(model)
+    g = spec.geometry
+    L, E = len(g.moe_layers), g.routing.num_experts
+    dev = Device(device)
+    if store is None:
+        from export.session import cached_store
+
+        st = cached_store(spec, "fp16")
+    else:
+        st = ExpertStore(store, spec)
+    dtype = torch.float16 if dev.cuda else torch.float32
+    t_start = time.time()
+    bw0 = h2d_bandwidth(dev) if dev.cuda else None
+    lm = load_model(spec.path, dtype="float16" if dev.cuda else "float32")
+    ids = _prompts(lm.tokenizer, prompts, prompt_tokens, data)
+    log(f"reference: transformers generate, whole model on {device}")
+    ref_tokens, ref_tpot = reference_generate(spec.path, ids, new_tokens, device, dtype)
+    bank = load_router_bank(spec)
+    ad = None
+    if adapter is not None:
+        from adapters.checkpoint import load_adapter
+
+        ad, _ = load_adapter(adapter, spec)
+    names = {p.predictor for p in policies} - {"on-demand", "draft"}
+    preds = {n: build_predictor(n, num_experts=E, bank=lambda: bank, adapter=(lambda: ad) if ad else None)
+             for n in names}
+    all_mib = L * E * st.blob_size / MiB
+    eng = GpuEngine(lm, st, RunConfig(policy=Policy("on-demand", "lru"), pool_mib=all_mib, window=window),
+                    device=device, predictors=preds, with_draft=any(p.predictor == "draft" for p in policies),
+                    progress=lambda i, n: log(f"host tier: layer {i}/{n} read") if i == n else None)
+    log(f"model {spec.path}: {L} MoE layers x {E} experts of {st.blob_size / MiB:.2f} MiB "
+        f"({all_mib:.0f} MiB of experts), dense {eng.dense_bytes / MiB:.0f} MiB on the GPU")
+    rows: list[dict[str, Any]] = []
+    mismatches: list[str] = []
+
+    def one(pol: Policy, mib: float, p: int, *, k: int = 8, preload: bool = False, recorded=None):
+        eng.configure(policy=pol, pool_mib=mib)
+        r = eng.generate(ids[p], new_tokens, recorded=recorded, k=k, preload=preload)
+        if r.tokens != ref_tokens[p]:
+            log(f"TOKENS DIFFER: {pol.name} pool {mib:.0f} MiB prompt {p}")
+            mismatches.append(f"{pol.name} pool {mib:.0f} MiB prompt {p}")
+        return r
+
+    # the oracle's future: one recorded pass per prompt (routing does not depend on the policy)
+    recorded = {p: eng.record(ids[p], new_tokens) for p in range(len(ids))}
+    # the upper bound: every expert resident (preloaded), nothing copied while decoding
+    res = [one(Policy("on-demand", "lru"), all_mib, p % len(ids), preload=True) for p in range(len(ids) * repeats)]
+    resident_tpot = statistics.median(r.stats.tpot_ms for r in res)
+    log(f"all experts resident: TPOT {resident_tpot:.3f} ms; transformers generate {ref_tpot:.3f} ms")
+    ks_by_pool: dict[float, dict[str, Any]] = {}
+    for frac in fractions:
+        slots = max(g.routing.top_k, int(round(frac * L * E)))
+        mib = slots * st.blob_size / MiB + 1e-9
+        if any(p.predictor == "draft" for p in policies):
+            prof = {}
+            for k in ks:   # Specter's profiler: a short run per K on the first prompt, fastest wins
+                r = one(Policy("draft", "prediction"), mib, 0, k=k)
+                prof[k] = r.stats.tpot_ms
+            best = min(prof, key=prof.get)
+            ks_by_pool[frac] = {"k": best, "profile_tpot_ms": prof}
+            log(f"pool {frac:.0%}: draft K profile {', '.join(f'{k}: {v:.2f}' for k, v in prof.items())} -> K={best}")
+        for pol in policies:  # warm-up
+            one(pol, mib, 0, k=ks_by_pool.get(frac, {}).get("k", 8), recorded=recorded[0])
+        runs: dict[str, list] = {p.name: [] for p in policies}
+        for rep in range(repeats):
+            order = policies if rep % 2 == 0 else policies[::-1]
+            for p in range(len(ids)):
+                for pol in order:
+                    r = one(pol, mib, p, k=ks_by_pool.get(frac, {}).get("k", 8), recorded=recorded[p])
+                    runs[pol.name].append(r)
+        for pol in policies:
+            rs = runs[pol.name]
+            med = lambda f: statistics.median(f(r) for r in rs)  # noqa: E731
+            row = {"policy": pol.name, "pool_fraction": frac, "pool_slots": slots, "pool_mib": round(mib, 1),
+                   "tpot_ms": round(med(lambda r: r.stats.tpot_ms), 3),
+                   "tpot_p95_ms": round(med(lambda r: r.stats.tpot_p95_ms), 3),
+                   "hit_rate": round(med(lambda r: r.stats.hit_rate), 4),
+                   "pcie_mib_per_token": round(med(lambda r: r.extra["pcie_bytes_per_token"]) / MiB, 2),
+                   "stall_ms_per_token": round(med(lambda r: r.extra["gpu_stall_ms_per_token"]), 3),
+                   "copy_ms_per_token": round(med(lambda r: r.extra["copy_ms_total"] / max(r.stats.decode_tokens, 1)), 3),
+                   "prefetch_precision": round(med(lambda r: r.stats.prefetch_precision), 4),
+                   "gpu_expert_mib": round(mib + (eng.draft_bytes / MiB if pol.predictor == "draft" else 0), 1),
+                   "runs": len(rs)}
+            if pol.predictor == "draft":
+                row.update({"k": ks_by_pool[frac]["k"], "acceptance": round(med(lambda r: r.extra["acceptance"]), 4),
+                            "draft_ms_per_token": round(med(lambda r: r.extra["draft_ms_per_token"]), 3),
+                            "verify_ms_per_token": round(med(lambda r: r.extra["verify_ms_per_token"]), 3),
+                            "draft_mib": round(eng.draft_bytes / MiB, 1)})
+            rows.append(row)
+            log(f"pool {frac:.0%} {pol.name}: TPOT {row['tpot_ms']:.3f} ms, hit {row['hit_rate']:.3f}, "
+                f"{row['pcie_mib_per_token']:.1f} MiB/token over PCIe, stall {row['stall_ms_per_token']:.3f} ms/token")
+    bw1 = h2d_bandwidth(dev) if dev.cuda else None
+    bw = statistics.mean([b for b in (bw0, bw1) if b]) if dev.cuda else None
+    for row in rows:
+        base = next(r for r in rows if r["pool_fraction"] == row["pool_fraction"] and r["policy"] == "on-demand+lru") \
+            if any(r["policy"] == "on-demand+lru" for r in rows) else None
+        orc = next((r for r in rows if r["pool_fraction"] == row["pool_fraction"] and r["policy"].startswith("oracle")),
+                   None)
+        row["speedup_vs_on_demand"] = round(base["tpot_ms"] / row["tpot_ms"], 3) if base else None
+        row["vs_oracle"] = round(row["tpot_ms"] / orc["tpot_ms"], 3) if orc else None
+        row["pcie_floor_ms"] = round(row["pcie_mib_per_token"] * MiB / (bw * 1e9) * 1e3, 3) if bw else None
+    if mismatches:
+        raise SpecPrefetchError("tokens differ from transformers' greedy decode: " + "; ".join(mismatches[:5]))
+    return {
+        "model": {"path": str(spec.path), "family": g.family, "moe_layers": L, "experts": E, "top_k": g.routing.top_k,
+                  "hidden_size": g.hidden_size, "moe_intermediate_size": g.moe_intermediate_size,
+                  "expert_mib": round(st.blob_size / MiB, 3), "experts_mib": round(all_mib, 1),
+                  "dense_mib": round(eng.dense_bytes / MiB, 1)},
+        "device": torch.cuda.get_device_name() if dev.cuda else "cpu",
+        "torch": torch.__version__, "prompts": len(ids), "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
+        "repeats": repeats, "h2d_gbps": {"start": bw0, "end": bw1},
+        "resident_tpot_ms": round(resident_tpot, 3), "transformers_tpot_ms": round(ref_tpot, 3),
+        "draft_k": {str(k): v for k, v in ks_by_pool.items()}, "tokens_match_transformers": True,
+        "rows": rows, "seconds": round(time.time() - t_start, 1),
+    }
+
+
+def markdown(r: dict[str, Any]) -> str:
+    m = r["model"]
+    lines = [f"GPU tier on {r['device']}: {m['family']}, {m['moe_layers']} MoE layers x {m['experts']} experts "
+             f"(top-{m['top_k']}) of {m['expert_mib']} MiB; H2D {_bw(r)} GB/s; all resident "
+             f"{r['resident_tpot_ms']} ms/token, transformers {r['transformers_tpot_ms']} ms/token", "",
+             "| pool | policy | TPOT ms | p95 | x on-demand | / oracle | hit | PCIe MiB/tok | floor ms | stall ms/tok "
+             "| copy ms/tok | K | accept | draft ms/tok | GPU expert MiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for x in r["rows"]:
+        lines.append(f"| {x['pool_fraction']:.0%} | {x['policy']} | {x['tpot_ms']} | {x['tpot_p95_ms']} | "
+                     f"{_f(x['speedup_vs_on_demand'])} | {_f(x['vs_oracle'])} | {x['hit_rate']} | {x['pcie_mib_per_token']} | "
+                     f"{_f(x['pcie_floor_ms'])} | {x['stall_ms_per_token']} | {x['copy_ms_per_token']} | "
+                     f"{x.get('k', '')} | {x.get('acceptance', '')} | {x.get('draft_ms_per_token', '')} | "
+                     f"{x['gpu_expert_mib']} |")
+    return "\n".join(lines) + "\n"
+
+
+def _f(v) -> str:
+    return "n/a" if v is None else f"{v}"
+
+
+def _bw(r) -> str:
+    b = [v for v in r["h2d_gbps"].values() if v]
+    return f"{statistics.mean(b):.1f}" if b else "n/a"
+
+
+def plot(r: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from toolkit.reporting import save_figure
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for pol in dict.fromkeys(x["policy"] for x in r["rows"]):
+        xs = [x for x in r["rows"] if x["policy"] == pol]
+        ax.plot([100 * x["pool_fraction"] for x in xs], [x["tpot_ms"] for x in xs], marker="o", label=pol)
+    ax.axhline(r["resident_tpot_ms"], color="k", ls="--", lw=1, label="all experts resident")
+    ax.set_xlabel("GPU pool (% of the experts)")
+    ax.set_ylabel("TPOT (ms)")
+    ax.set_title(f"GPU tier, {r['device']}")
+    ax.legend(fontsize=8)
+    save_figure(fig, path)
+
+
+def write(r: dict[str, Any], json_out: Path) -> tuple[Path, Path]:
+    from toolkit.reporting import write_report
+
+    return write_report(r, json_out, markdown, plot)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    from toolkit.runtime.policy import parse_policies
+
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("model")
+    ap.add_argument("--store", type=Path)
+    ap.add_argument("--adapter", type=Path)
+    ap.add_argument("--policies", default="on-demand+lru,next-gate+prediction,draft+prediction,oracle+belady")
+    ap.add_argument("--fractions", default="0.1,0.25,0.5")
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--prompt-tokens", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--json", type=Path, required=True)
+    a = ap.parse_args(argv)
+    r = run_gpu_bench(a.model, store=a.store, adapter=a.adapter, policies=parse_policies(a.policies),
+                      fractions=[float(x) for x in a.fractions.split(",")], prompts=a.prompts,
+                      prompt_tokens=a.prompt_tokens, new_tokens=a.new_tokens, repeats=a.repeats, device=a.device)
+    md, png = write(r, a.json)
+    print(md.read_text())
+    print(f"wrote {a.json}, {md}, {png}")
+
+
+if __name__ == "__main__":
+    main()
