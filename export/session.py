@@ -16,22 +16,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from toolkit.artifacts import lock_path
 from toolkit.errors import SpecPrefetchError
 from toolkit.models.loader import ModelSpec, embedded_model_dir, eos_token_ids, inspect_model_dir, load_dense_model
 from toolkit.predictors.registry import PREDICTORS, build_predictor
-from toolkit.runtime.expert_store import ExpertStore, build_store
-from toolkit.runtime.fingerprint import weights_fingerprint
+from toolkit.runtime.expert_store import ExpertStore
 from toolkit.runtime.planner import GRAPH
-from toolkit.runtime.profiles import profile_dir
 from toolkit.runtime.runner import ModelInfo, RunConfig, Runner
+from toolkit.runtime.store_cache import cached_store, default_store_path  # noqa: F401  (re-exported)
 
 
 class StreamedExperts(torch.nn.Module):
@@ -85,37 +81,8 @@ def is_bundle(path: str | Path) -> bool:
     return Path(path).is_dir() and (Path(path) / "manifest.json").is_file()
 
 
-def default_store_path(spec: ModelSpec, dtype: str, *, progress: bool = False) -> Path:
-    """The cached store of these weights in `dtype`: keyed by the config hash and the sha256 of the
-    weight shards, so a fine-tune with the same config never picks up the base model's store."""
-    digest = weights_fingerprint(spec, progress=progress)["digest"]
-    return profile_dir().parent / "stores" / f"{spec.config_hash}-{digest[:16]}-{dtype}.spx"
-
-
-def cached_store(spec: ModelSpec, dtype: str, *, progress: bool = True) -> ExpertStore:
-    """The default store of a model directory: built once into the cache, then reused. A second
-    process building the same store meanwhile is waited for, not raced."""
-    path = default_store_path(spec, dtype, progress=progress)
-    waited = False
-    while not path.is_file():
-        try:
-            build_store(spec, path, dtype, progress=progress, option="the expert store cache")
-        except SpecPrefetchError:
-            if path.is_file():  # another process finished it first
-                break
-            if not _writing(path):
-                raise
-            if not waited and progress:
-                print(f"waiting for another specprefetch process building {path}", file=sys.stderr)
-            waited = True
-            time.sleep(0.5)
-    try:
-        return ExpertStore(path, spec)
-    except SpecPrefetchError as e:
-        raise SpecPrefetchError(f"{e} (a cached store: delete it and it is rebuilt)") from None
-
-
-def _frequency(trace: Path | None):
+def _frequency(trace: Path | None, spec: ModelSpec):
+    """The frequency predictor's counts, from a trace of this very model (by config hash)."""
     if trace is None:
         return None
 
@@ -123,7 +90,9 @@ def _frequency(trace: Path | None):
         from toolkit.predictors.evaluate import frequency_counts
         from toolkit.traces.format import TraceReader
 
-        return frequency_counts(TraceReader(trace))
+        r = TraceReader(trace)
+        r.check_model(spec, option="--frequency-trace")
+        return frequency_counts(r)
     return counts
 
 
@@ -218,7 +187,7 @@ def _open_model(model, cfg, names, adapter, store, dtype, frequency_trace, max_s
         return SequenceDraft(load_model(spec.path))
 
     preds = _predictors(names, E=g.routing.num_experts, graph=graph, bank=bank,
-                        adapter=(lambda: ad) if ad is not None else None, counts=_frequency(frequency_trace),
+                        adapter=(lambda: ad) if ad is not None else None, counts=_frequency(frequency_trace, spec),
                         draft=draft)
     info = ModelInfo(num_layers=g.num_layers, moe_layers=tuple(g.moe_layers), routing=g.routing,
                      hidden_size=g.hidden_size, expert_roles=tuple(m.role for m in spec.family.expert_matrices(g)),
@@ -227,27 +196,6 @@ def _open_model(model, cfg, names, adapter, store, dtype, frequency_trace, max_s
     notes = [SequenceDraft.note, "the draft is built from the full model: its weights are in memory"] \
         if "draft" in names else []
     return Session(Runner(backend, st, info, cfg, preds), tok, spec, "model", str(spec.path), spec.path, notes)
-
-
-def _writing(path: Path) -> bool:
-    """Whether another process holds the write lock of `path` now (a lock file left behind by a
-    killed process is not held)."""
-    import fcntl
-    import os
-
-    try:
-        fd = os.open(lock_path(path), os.O_RDONLY)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(fd)  # closing releases a lock we took
-    return False
 
 
 def _check_dtype(dtype: str | None, st: ExpertStore, what: str) -> None:
@@ -295,7 +243,7 @@ def _bundle_session(path: Path, m: dict, backend, cfg: RunConfig, names: list[st
         bank = lambda: RouterBank(host["router_weight"], host.get("router_bias"), score_bias, routing,  # noqa: E731
                                   tuple(moe))
     preds = _predictors(names, E=routing.num_experts, graph=m["predictor"]["kind"], bank=bank,
-                        adapter=None, counts=_frequency(frequency_trace), draft=None)
+                        adapter=None, counts=_frequency(frequency_trace, spec), draft=None)
     info = ModelInfo(num_layers=g.num_layers, moe_layers=tuple(moe), routing=routing, hidden_size=g.hidden_size,
                      expert_roles=tuple(x.role for x in spec.family.expert_matrices(g)),
                      eos_token_ids=tuple(int(i) for i in (m.get("eos_token_ids") or [m.get("eos_token_id")])

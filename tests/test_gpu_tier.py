@@ -95,6 +95,24 @@ def test_tokens_match_transformers_cpu(tiny_models, stores, fam):
     json.dumps(g.to_json())
 
 
+def test_rejected_drafts_still_give_the_models_tokens(tiny_models, stores, monkeypatch):
+    """A draft whose experts are perturbed proposes wrong tokens: the verification pass rejects them
+    and crops both KV caches, and the output is still transformers'."""
+    prompt = list(range(5, 17))
+    want = _reference(tiny_models["mixtral"], prompt, 16, "cpu", "float32")
+    real = Int4Experts._unpack
+
+    def noisy(self, packed):
+        w = real(self, packed)
+        return w + 0.5 * torch.randn(w.shape, generator=torch.Generator().manual_seed(w.numel())).to(w.dtype)
+
+    monkeypatch.setattr(Int4Experts, "_unpack", noisy)
+    eng = _engine(tiny_models["mixtral"], stores["mixtral"], "draft+prediction", 0.25, "cpu")
+    g = eng.run(prompt, 16, k=4)
+    assert g.tokens == want
+    assert g.extra["acceptance"] < 0.9 and g.extra["rounds"] > 16 / 5   # rejections happened
+
+
 def test_draft_is_int4_and_its_bytes_are_charged(tiny_models, stores):
     eng = _engine(tiny_models["qwen3_moe"], stores["qwen3_moe"], "draft+prediction", 0.5, "cpu")
     d = eng.drafts[0]
@@ -134,9 +152,12 @@ def test_gpu_bench_report(tiny_models, stores, tmp_path):
                       prompts=1, prompt_tokens=8, new_tokens=6, repeats=1, ks=(2, 3), device="cpu", log=lambda s: None)
     assert r["tokens_match_transformers"] and len(r["rows"]) == 3
     rows = {x["policy"]: x for x in r["rows"]}
-    assert rows["on-demand+lru"]["speedup_vs_on_demand"] == 1.0
-    assert rows["oracle+belady"]["vs_oracle"] == 1.0
-    assert rows["draft+prediction"]["k"] in (2, 3)
+    # half the experts fit: on-demand copies (decode only) and the oracle with Belady copies no more
+    assert rows["on-demand+lru"]["pcie_mib_per_token"] > 0
+    assert rows["oracle+belady"]["pcie_mib_per_token"] <= rows["on-demand+lru"]["pcie_mib_per_token"]
+    assert rows["oracle+belady"]["hit_rate"] >= rows["on-demand+lru"]["hit_rate"]
+    assert rows["draft+prediction"]["k"] in (2, 3) and set(r["draft_k"]["0.5"]["profile_tpot_ms"]) == {2, 3}
+    assert r["resident_runs"] == 1 and r["resident_tpot_ms"] > 0
     md, png = write(r, tmp_path / "gpu.json")
     assert "draft+prediction" in md.read_text() and png.stat().st_size > 0
 
@@ -173,6 +194,26 @@ def test_cli_run_and_bench_on_cuda(tiny_models, stores, tmp_path):
                                   "--prompt-tokens", "8", "--draft-k", "2,3", "--json", str(tmp_path / "b.json")])
     assert r.exit_code == 0, r.output
     assert json.loads((tmp_path / "b.json").read_text())["tokens_match_transformers"] is True
+
+
+@CUDA
+def test_stream_order_with_a_lagging_compute_stream(tiny_models, stores, monkeypatch):
+    """The compute stream lags far behind the host (a spin before every expert): slots are evicted and
+    refilled while kernels that read them are still queued. Events must order it: same tokens."""
+    from toolkit.runtime import gpu
+
+    prompt = list(range(5, 17))
+    want = _reference(tiny_models["qwen3_moe"], prompt, 12, "cuda", "float16")
+    real = gpu.ExpertMath.__call__
+
+    def slow(self, x, gate_up, down):
+        torch.cuda._sleep(2_000_000)   # ~1 ms of GPU time before each expert
+        return real(self, x, gate_up, down)
+
+    monkeypatch.setattr(gpu.ExpertMath, "__call__", slow)
+    for policy in ("on-demand+lru", "next-gate+prediction", "draft+prediction"):
+        eng = _engine(tiny_models["qwen3_moe"], stores["qwen3_moe"], policy, 0.1, "cuda", dtype="float16")
+        assert eng.run(prompt, 12, k=3).tokens == want, policy
 
 
 def test_cli_device_is_validated(tiny_models, tmp_path):

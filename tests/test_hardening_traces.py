@@ -517,7 +517,7 @@ def test_fuzzed_shards_fail_cleanly_even_with_matching_checksums(work, tmp_path)
 
 def test_a_damaged_progress_file_is_named_and_overwrite_starts_afresh(work, tmp_path):
     out = tmp_path / "t"
-    partial_dir(out).mkdir(parents=True)
+    (partial_dir(out) / ".specprefetch-work").mkdir(parents=True)  # an interrupted run's, as the toolkit marks it
     for text in ("[1, 2]", "{", json.dumps({"header": None, "shards": "x"})):
         (partial_dir(out) / "progress.json").write_text(text)
         with pytest.raises(SpecPrefetchError, match=r"t\.partial.*\(or pass --overwrite\) to start again"):

@@ -137,8 +137,9 @@ def test_a_refused_directory_writer_creates_nothing(tmp_path):
         with atomic_directory(tmp_path / "m" / "a" / "b", overwrite=False, kind="bundle", inputs=(tmp_path / "m",)):
             pass
     assert _names(tmp_path / "m") == ["config.json"]
-    # a work directory left by a killed process (unique name) is removed by the next writer
-    (tmp_path / "out.partial-999999-deadbeef").mkdir()
+    # a work directory left by a killed process (unique name, the toolkit's marker) is removed by the next
+    # writer (one without the marker is left alone: tests/test_hardening_siblings.py)
+    (tmp_path / "out.partial-999999-deadbeef" / ".specprefetch-work").mkdir(parents=True)
     with atomic_directory(tmp_path / "out", overwrite=False, kind="bundle") as work:
         (work / "x").write_text("1")
     assert _names(tmp_path) == ["m", "out"]

@@ -259,7 +259,7 @@ def test_ctrl_c_keeps_no_half_output_and_resumes(tiny_models, tmp_path):
 
 def test_resume_refuses_other_settings(tiny_models, tmp_path):
     out = tmp_path / "t"
-    partial_dir(out).mkdir(parents=True)
+    (partial_dir(out) / ".specprefetch-work").mkdir(parents=True)  # an interrupted run's, as the toolkit marks it
     (partial_dir(out) / "progress.json").write_text(json.dumps({"header": {"other": 1}}))
     with pytest.raises(SpecPrefetchError, match="interrupted trace made with other settings"):
         run_trace(tiny_models["olmoe"], [HELDOUT], out, SMALL, progress=False)

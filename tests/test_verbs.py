@@ -135,3 +135,14 @@ def test_store_writes_a_valid_store_of_the_checkpoints_experts(tiny_models, tmp_
                 assert float(err.max()) > 0  # really quantised
     blob = st.read(2, 5)
     assert len(blob) == st.blob_size and np.frombuffer(blob, np.uint8).any()
+
+
+def test_frequency_trace_of_another_model_is_refused(trace, tiny_models, tmp_path):
+    """`run --frequency-trace` counts experts of the model the trace was recorded from: another
+    model's trace is a one-line error, not silently wrong prefetching."""
+    other = next(f for f in tiny_models if f != FAMILY and f != "qwen3_vl_moe")
+    r = CliRunner().invoke(main, ["run", str(tiny_models[other]), "--policy", "frequency+lru", "--frequency-trace",
+                                  str(trace), "--prompt", "hello", "--max-new-tokens", "2", "--no-check",
+                                  "--json", str(tmp_path / "r.json")])
+    assert r.exit_code == 2, r.output
+    assert "--frequency-trace" in r.output and "config" in r.output and "Traceback" not in r.output

@@ -17,6 +17,15 @@ directory unique to its process (OUT.partial-PID-XXXXXXXX), removed on any failu
 (the expert store) go through `atomic_output_file`. While it writes, every writer holds an
 exclusive lock on its destination (a hidden .OUT.lock beside it, removed when done), so a second
 process writing the same OUT is refused with one line instead of sharing the work directory.
+
+Sibling paths (OUT.partial, OUT.partial-PID-XXXXXXXX, OUT.rejected, OUT.old) are touched only when
+they are the toolkit's own: a directory holding the marker `.specprefetch-work` (an empty
+directory, written when the toolkit creates the work directory, and into OUT just before a commit
+moves it aside as OUT.old; removed from OUT at commit, so a committed artifact never holds it; a
+directory, so that file lists such as a bundle's manifest never see it). One without the marker
+is never removed, renamed or written into: it is ignored where the writer does not need its name
+and refused in one line ("... exists and was not made by specprefetch; move it away") where it
+does.
 """
 from __future__ import annotations
 
@@ -343,6 +352,36 @@ def _old_dir(out: Path) -> Path:
     return out.with_name(out.name + ".old")
 
 
+WORK_MARK = ".specprefetch-work"  # inside a directory the toolkit made beside OUT (see the module doc)
+
+
+def _mark(d: Path) -> None:
+    """Mark `d` (a directory the toolkit made, or an OUT it is about to move aside) as its own."""
+    (d / WORK_MARK).mkdir(exist_ok=True)
+
+
+def _unmark(d: Path) -> None:
+    with contextlib.suppress(OSError):
+        (d / WORK_MARK).rmdir()
+
+
+def _ours(p: Path) -> bool:
+    """Whether `p` is a directory the toolkit made (it holds the marker); never for a symbolic link."""
+    try:
+        m = p / WORK_MARK
+        return p.is_dir() and not p.is_symlink() and m.is_dir() and not m.is_symlink()
+    except OSError:
+        return False
+
+
+def _present(p: Path) -> bool:
+    return p.exists() or p.is_symlink()
+
+
+def _not_ours(p: Path) -> SpecPrefetchError:
+    return SpecPrefetchError(f"{p} exists and was not made by specprefetch; move it away")
+
+
 def _remove(p: Path) -> None:
     if p.is_symlink() or p.is_file():
         p.unlink()
@@ -385,9 +424,10 @@ class AtomicDirectory:
         out: the final directory.
         overwrite: an existing OUT of `kind` may be replaced (at commit); see `claim_output`.
         resume: keep an existing OUT.partial (the caller resumes from what it holds; `resumed`
-            says whether there was one); the work directory is then OUT.partial. Otherwise the
-            work directory is unique to this process (OUT.partial-PID-XXXXXXXX) and stale ones
-            (and a stale OUT.partial) are removed.
+            says whether there was one); the work directory is then OUT.partial. One the toolkit
+            did not make (no marker) is refused. Otherwise the work directory is unique to this
+            process (OUT.partial-PID-XXXXXXXX) and stale ones (and a stale OUT.partial) are
+            removed if the toolkit made them (others are left alone).
         kind: what is written ("bundle", "adapter", "trace", "model", ...).
         inputs: the command's inputs, which OUT must not be, hold or lie inside.
 
@@ -395,7 +435,8 @@ class AtomicDirectory:
     release(); a second process is refused. `commit()` moves an existing OUT aside (OUT.old),
     renames the work directory to OUT, then deletes the old one: a complete OUT is on disk at every
     moment but the two renames. A crash between them leaves OUT.old, which the next
-    AtomicDirectory for OUT moves back.
+    AtomicDirectory for OUT moves back. OUT.old (like every sibling) is touched only if the toolkit
+    made it (see the module doc): when OUT must be moved aside, a user's own OUT.old is refused.
     """
 
     def __init__(self, out: Path | str, *, overwrite: bool, resume: bool = False, kind: str,
@@ -414,22 +455,30 @@ class AtomicDirectory:
             raise
         try:
             old = _old_dir(self.out)
-            if old.is_dir() and not self.out.exists() and not self.out.is_symlink():
+            if not _present(self.out) and _ours(old):
                 os.rename(old, self.out)  # an interrupted commit: the previous OUT is still complete
+                _unmark(self.out)
             claim_output(self.out, kind=kind, overwrite=overwrite, inputs=self.inputs, option=option)
+            if _present(self.out) and _present(old) and not _ours(old):
+                raise _not_ours(old)  # commit would need the name to move OUT aside: say so now
             for stale in _stale_work_dirs(self.out):  # left by killed processes: we hold the lock
-                _remove(stale)
+                if _ours(stale):
+                    _remove(stale)
             if resume:
                 self.work = partial_dir(self.out)
-                self.resumed = self.work.is_dir() and not self.work.is_symlink()
+                self.resumed = _present(self.work)
+                if self.resumed and not _ours(self.work):
+                    raise _not_ours(self.work)
                 if not self.resumed:
-                    _remove(self.work)
                     self.work.mkdir()
+                    _mark(self.work)
             else:
                 self.resumed = False
-                _remove(partial_dir(self.out))
+                if _ours(partial_dir(self.out)):
+                    _remove(partial_dir(self.out))
                 self.work = work_dir(self.out)
                 self.work.mkdir()
+                _mark(self.work)
         except BaseException as e:
             self.release()
             _remove_made(made)
@@ -441,16 +490,34 @@ class AtomicDirectory:
         """Rename the (complete) work directory to OUT, replacing an existing OUT; returns OUT."""
         try:
             old = _old_dir(self.out)
-            _remove(old)
-            if self.out.exists() or self.out.is_symlink():
+            replacing = _present(self.out)
+            if _ours(old):
+                _remove(old)  # left by a commit that died after its second rename
+            elif replacing and _present(old):
+                raise _not_ours(old)
+            if replacing:
                 claim_output(self.out, kind=self.kind, overwrite=self.overwrite, inputs=self.inputs,
                              option=self.option)
-                os.rename(self.out, old)
+                _mark(self.out)  # so that OUT.old, if left by a crash, is known to be ours
+                try:
+                    os.rename(self.out, old)
+                except BaseException:
+                    _unmark(self.out)
+                    raise
             os.rename(self.work, self.out)
-            _remove(old)
+            _unmark(self.out)
+            if replacing:
+                _remove(old)
         finally:
             self.release()
         return self.out
+
+    def restart(self) -> None:
+        """Empty the work directory (the toolkit's own: made or checked here) to start afresh."""
+        for p in list(self.work.iterdir()):
+            if p.name != WORK_MARK:
+                _remove(p)
+        _mark(self.work)
 
     def discard(self) -> None:
         """Remove the work directory (and the parents of OUT made for it); OUT is untouched."""
@@ -462,10 +529,16 @@ class AtomicDirectory:
                 _remove_made(self._made)
 
     def keep_as(self, dest: Path | str) -> Path:
-        """Move the work directory to `dest` (replacing it) for inspection; OUT is untouched."""
+        """Move the work directory to `dest` (replacing it if the toolkit made it) for inspection;
+        OUT is untouched. A `dest` the toolkit did not make is left alone: the work directory is
+        removed and that is an error."""
         dest = Path(dest)
         try:
-            _remove(dest)
+            if _present(dest):
+                if not _ours(dest):
+                    _remove(self.work)
+                    raise _not_ours(dest)
+                _remove(dest)
             if self.work.exists():
                 os.rename(self.work, dest)
         finally:
@@ -507,12 +580,16 @@ def atomic_directory(out: Path | str, *, overwrite: bool, resume: bool = False,
     On an exception (Ctrl-C and SIGTERM included) OUT is untouched and the exception propagates
     (a full disk as a SpecPrefetchError naming OUT); the work directory is
     - moved to OUT.rejected if the exception is one of `keep_on` (a result refused by a check,
-      kept for inspection; a later success removes it);
+      kept for inspection; a later success removes it); an OUT.rejected the toolkit did not make
+      is refused before anything is written, and never removed;
     - kept as OUT.partial with `resume` (the next run resumes from it);
     - removed otherwise.
     """
     with interrupt_on_signals():
         d = AtomicDirectory(out, overwrite=overwrite, resume=resume, kind=kind, inputs=inputs, option=option)
+        if keep_on and _present(rejected_dir(d.out)) and not _ours(rejected_dir(d.out)):
+            d.discard()  # the refused result would need that name
+            raise _not_ours(rejected_dir(d.out))
         _active.append(d)
         try:
             try:
@@ -543,7 +620,7 @@ def atomic_directory(out: Path | str, *, overwrite: bool, resume: bool = False,
         finally:
             d.release()
             _active.remove(d)
-    if keep_on:
+    if keep_on and _ours(rejected_dir(d.out)):
         _remove(rejected_dir(d.out))  # superseded by the complete OUT
 
 
@@ -618,6 +695,8 @@ def read_json(path: Path | str, what: str) -> Any:
         raise SpecPrefetchError(f"{what} not found: {path}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise SpecPrefetchError(f"{what} {path} is not valid JSON: {e}") from None
+    except RecursionError:
+        raise SpecPrefetchError(f"{what} {path} is not valid JSON: nested too deeply") from None
 
 
 def config_hash(config: dict) -> str:

@@ -573,6 +573,9 @@ def calibrate(model, store_path, reads, out) -> None:
               help="cpu, or cuda / cuda:N: the GPU tier (experts in pinned host memory, the pool in GPU memory; "
                    "docs/gpu-tier.md)")
 @click.option("--flash-profile", default=None, help="pace real reads to this device profile (emulated)")
+@click.option("--draft-k", type=click.IntRange(min=1), default=8, show_default=True,
+              help="--device cuda with the draft policy: tokens the draft proposes per round (`bench --device cuda` "
+                   "picks it by profiling)")
 @click.option("--prompt", "prompts", type=Text(), multiple=True, required=True,
               help="repeatable; one JSON `runs` entry each")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=32, show_default=True)
@@ -597,20 +600,28 @@ def calibrate(model, store_path, reads, out) -> None:
               help='{"policy": ..., "runs": [one per --prompt], "peak_rss_bytes": ...} (docs/runtime.md)')
 @friendly_errors(interrupt=NOT_WRITTEN)
 def run(model, policy, adapter, frequency_trace, pool_mib, window, queue_depth, store_path, dtype, device,
-        flash_profile, prompts, max_new_tokens, max_seq, threads, io_mode, check, events_out, min_confidence, step_budget_kib,
+        flash_profile, draft_k, prompts, max_new_tokens, max_seq, threads, io_mode, check, events_out, min_confidence, step_budget_kib,
         engine, abi, json_out) -> None:
     """Run MODEL (a model directory, `embedded`, or a bundle) with its experts streamed from the
     expert store through a bounded pool (real O_DIRECT reads); prints each prompt's generated text
     and figures; with --check, compare the tokens with the unmodified model."""
     if device != "cpu":
+        ctx = click.get_current_context()
+        ignored = [o for o in ("queue_depth", "step_budget_kib", "threads", "io_mode", "max_seq")
+                   if ctx.get_parameter_source(o) != click.core.ParameterSource.DEFAULT]
+        if ignored:
+            raise SpecPrefetchError(f"--device {device}: " + ", ".join(
+                "--" + {"io_mode": "io"}.get(o, o).replace("_", "-") for o in ignored) + " do not apply to the GPU tier")
         if engine != "python" or abi != "host" or flash_profile or frequency_trace or events_out:
             raise SpecPrefetchError(f"--device {device}: the GPU tier takes a model directory with --store, --adapter, "
                                     "--policy and --pool-mib (drop --engine, --abi, --flash-profile, --frequency-trace, "
                                     "--events)")
         _run_gpu(model, device=device, policy=policy, adapter=adapter, store_path=store_path, dtype=dtype,
                  pool_mib=pool_mib, window=window, prompts=prompts, max_new_tokens=max_new_tokens, check=check,
-                 min_confidence=min_confidence, json_out=json_out)
+                 min_confidence=min_confidence, json_out=json_out, draft_k=draft_k)
         return
+    if ctx_default(click.get_current_context(), "draft_k") is False:
+        raise SpecPrefetchError("--draft-k: only with --device cuda (the CPU engines' draft predicts, it does not decode)")
     if engine == "native":
         if adapter or store_path or frequency_trace or flash_profile:
             raise SpecPrefetchError("--engine native runs a bundle as exported: drop --adapter, --store, "
@@ -700,8 +711,13 @@ def _device(value: str, param) -> str:
     return value
 
 
+def ctx_default(ctx, name: str) -> bool:
+    """Whether option `name` kept its default (was not given)."""
+    return ctx.get_parameter_source(name) == click.core.ParameterSource.DEFAULT
+
+
 def _run_gpu(model, *, device, policy, adapter, store_path, dtype, pool_mib, window, prompts, max_new_tokens, check,
-             min_confidence, json_out) -> None:
+             min_confidence, json_out, draft_k) -> None:
     """`run --device cuda`: the GPU tier (toolkit/runtime/gpu.py), the same JSON shape as the CPU engines."""
     from export.session import is_bundle
     from toolkit.artifacts import write_json_atomic
@@ -724,7 +740,7 @@ def _run_gpu(model, *, device, policy, adapter, store_path, dtype, pool_mib, win
     Device(device)  # CUDA present (a one-line error before any loading)
     spec = inspect_model_dir(model)
     if store_path is None:
-        from export.session import cached_store
+        from toolkit.runtime.store_cache import cached_store
 
         st = cached_store(spec, "fp16")
     else:
@@ -750,7 +766,7 @@ def _run_gpu(model, *, device, policy, adapter, store_path, dtype, pool_mib, win
         ids = lm.tokenizer(p, add_special_tokens=False)["input_ids"]
         if not ids:
             raise SpecPrefetchError(f"--prompt {p!r} is empty after tokenisation")
-        g = eng.run(ids, max_new_tokens)
+        g = eng.run(ids, max_new_tokens, k=draft_k)
         encoded.append(ids)
         runs.append({"prompt": p, "source": str(spec.path), **g.to_json(), "text": _decode(lm.tokenizer, g.tokens),
                      "matches_unmodified_model": None})
@@ -758,7 +774,9 @@ def _run_gpu(model, *, device, policy, adapter, store_path, dtype, pool_mib, win
     if check:
         import torch
 
-        del eng
+        del eng, lm   # the engine's GPU memory goes before transformers loads the whole model there
+        if cuda:
+            torch.cuda.empty_cache()
         refs, _ = reference_generate(spec.path, encoded, max_new_tokens, device,
                                      torch.float16 if cuda else torch.float32, timed=False)
         for r, ref in zip(runs, refs):
@@ -767,7 +785,7 @@ def _run_gpu(model, *, device, policy, adapter, store_path, dtype, pool_mib, win
     for r in runs:
         _echo_text(r)
         click.echo(f"{pol.name} on {device}: TTFT {fmt(r['ttft_ms'], '.1f')} ms, TPOT {fmt(r['tpot_ms'])} ms, "
-                   f"stall {fmt(r['gpu_stall_ms_per_token'])} ms/token, hit rate {fmt(r['hit_rate'], '.3f')}, "
+                   f"stall {fmt(r['stall_ms_per_token'])} ms/token, hit rate {fmt(r['hit_rate'], '.3f')}, "
                    f"{r['pcie_bytes_per_token'] / 2**20:.1f} MiB/token copied, pool {r['pool_slots']} slots "
                    f"({r['budget_bytes'] / 2**20:.0f} MiB)"
                    + (", tokens match transformers" if r["matches_unmodified_model"] else "")
@@ -816,6 +834,17 @@ def _run_native(model, *, abi, policy, pool_mib, window, queue_depth, prompts, m
                      step_budget_kib=step_budget_kib, events=events_out, threads=threads)
     src = Path(m["model"].get("source", ""))
     source_model = src if (src / "config.json").is_file() else None
+    if source_model is not None:  # only the checkpoint whose weights the bundle's store was built from
+        from toolkit.models.loader import inspect_model_dir
+        from toolkit.runtime.expert_store import ExpertStore
+        from toolkit.runtime.fingerprint import weights_mismatch
+
+        try:
+            meta = ExpertStore(Path(model) / m["runtime"]["expert_store"]).meta.get("source")
+            if meta is not None and weights_mismatch(meta, inspect_model_dir(source_model)) is not None:
+                source_model = None
+        except (SpecPrefetchError, KeyError, TypeError):
+            source_model = None
     if check is None:  # as the Python engine: on for the embedded model
         from toolkit.models.loader import embedded_model_dir
 
@@ -1062,12 +1091,19 @@ def bench(ctx, model, adapter, policies, pool_mib, prompts, new_tokens, rounds, 
             raise SpecPrefetchError(f"--device {device}: drop --peer, --bundle, --flash-profile and --frequency-trace")
         if any(not 0 < f <= 1 for f in pool_fractions):
             raise SpecPrefetchError(f"--pool-fractions: fractions in (0, 1], not {pool_fractions}")
+        ignored = [o for o in ("pool_mib", "no_simulate") if ctx.get_parameter_source(o) != click.core.ParameterSource.DEFAULT]
+        if ignored:
+            raise SpecPrefetchError(f"--device {device}: " + ", ".join("--" + o.replace("_", "-") for o in ignored)
+                                    + " do not apply to the GPU tier's bench (pools are --pool-fractions)")
+        ks = _ints(draft_k, "--draft-k")
+        if not ks or min(ks) < 1:
+            raise SpecPrefetchError(f"--draft-k {draft_k!r}: comma-separated draft lengths >= 1")
         if ctx.get_parameter_source("policies") == click.core.ParameterSource.DEFAULT:
             policies = "on-demand+lru,next-gate+prediction," + ("adapter+prediction," if adapter else "") \
                 + "draft+prediction,oracle+belady"
         r = gpu_bench.run_gpu_bench(model, store=store_path, adapter=adapter, policies=parse_policies(policies),
                                     fractions=pool_fractions, prompts=prompts, new_tokens=new_tokens, repeats=rounds,
-                                    ks=_ints(draft_k, "--draft-k"), device=device, window=window,
+                                    ks=ks, device=device, window=window,
                                     prompt_tokens=prompt_tokens, log=lambda m: click.echo(m, err=True))
         md, png = gpu_bench.write(r, json_out)
         click.echo(md.read_text())

@@ -30,6 +30,7 @@ how CI checks the output.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from typing import Any, Sequence
 
@@ -66,7 +67,12 @@ class Device:
         self.cuda = self.device.type == "cuda"
         if self.cuda and not torch.cuda.is_available():
             raise SpecPrefetchError(f"--device {device}: CUDA is not available on this machine")
+        if self.cuda and self.device.index is not None and self.device.index >= torch.cuda.device_count():
+            raise SpecPrefetchError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+        # prefetches queue on one stream in the scheduler's order; demand copies go on their own
+        # high-priority stream, so a miss never waits behind queued prefetches
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.demand_stream = torch.cuda.Stream(self.device, priority=-1) if self.cuda else None
 
     def event(self, stream=None):
         if not self.cuda:
@@ -87,23 +93,26 @@ class HostExperts:
     def __init__(self, store: ExpertStore, dev: Device, progress=None):
         self.store = store
         L, E, n = store.num_layers, store.num_experts, store.blob_size
-        self.buf = torch.empty((L * E, n), dtype=torch.uint8, pin_memory=dev.cuda)
-        import os
-
-        fd = os.open(store.path, os.O_RDONLY)
         try:
-            view = self.buf.numpy()
-            for li in range(L):
-                for e in range(E):
-                    ent = store.entry(li, e)
-                    got = os.preadv(fd, [memoryview(view[li * E + e])], ent.offset)
-                    if got != n:
-                        raise SpecPrefetchError(f"{store.path}: short read of expert ({li}, {e})")
-                    store.check(li, e, memoryview(view[li * E + e]))
-                if progress:
-                    progress(li + 1, L)
-        finally:
-            os.close(fd)
+            self.buf = torch.empty((L * E, n), dtype=torch.uint8, pin_memory=dev.cuda)
+        except (RuntimeError, MemoryError) as e:
+            raise SpecPrefetchError(f"{store.path}: cannot hold its {L * E * n / MiB:.0f} MiB of experts in pinned "
+                                    f"host memory ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+        store._live()   # read through the store's own descriptor, never the path (which may now name another file)
+        view = self.buf.numpy()
+        for li in range(L):
+            for e in range(E):
+                ent = store.entry(li, e)
+                row = memoryview(view[li * E + e])
+                got = 0
+                while got < n:   # preadv may return short
+                    k = os.preadv(store.fd, [row[got:]], ent.offset + got)
+                    if k <= 0:
+                        raise SpecPrefetchError(f"{store.path}: expert ({li}, {e}) lies past the end of the file")
+                    got += k
+                store.check(li, e, row)
+            if progress:
+                progress(li + 1, L)
         self.E = E
 
     def blob(self, key: Key) -> torch.Tensor:
@@ -120,35 +129,42 @@ class CudaCopyIO:
 
     def __init__(self, host: HostExperts, capacity: int, dev: Device):
         self.host, self.dev = host, dev
-        self.slots = torch.empty((capacity, host.store.blob_size), dtype=torch.uint8, device=dev.device)
+        try:
+            self.slots = torch.empty((capacity, host.store.blob_size), dtype=torch.uint8, device=dev.device)
+        except (RuntimeError, MemoryError) as e:   # torch.OutOfMemoryError is a RuntimeError
+            raise SpecPrefetchError(f"--pool-mib: {capacity} slots of {host.store.blob_size / MiB:.2f} MiB do not fit "
+                                    f"in {dev.device}'s free memory ({str(e).splitlines()[0]})") from None
         self.free = list(range(capacity - 1, -1, -1))
         self.where: dict[Key, int] = {}
         self.done: dict[Key, Any] = {}           # key -> the copy's completion event
         self.last_use: list[Any] = [None] * capacity
         self.stalls: list[tuple[Any, Any]] = []  # (before, after) the compute stream's waits
-        self.copies: list[tuple[Any, Any]] = []  # (start, end) of every copy on the copy stream
+        self.copies: list[tuple[Any, Any]] = []  # (start, end) of every copy
         self.copied_bytes = 0
+
+    def mark(self) -> tuple[int, int]:
+        """Where decode starts: the figures count copies and stalls from here."""
+        return len(self.copies), len(self.stalls)
 
     def submit(self, key: Key, *, demand: bool) -> None:
         idx = self.free.pop()
         self.where[key] = idx
         src, dst = self.host.blob(key), self.slots[idx]
         if self.dev.cuda:
-            cs = self.dev.copy_stream
-            if self.last_use[idx] is not None:
-                cs.wait_event(self.last_use[idx])   # the kernels that read the slot's old expert
+            cs = self.dev.demand_stream if demand else self.dev.copy_stream
+            last = self.last_use[idx]
+            if last is not None and not last.query():
+                cs.wait_event(last)   # the kernels that read the slot's old expert
             with torch.cuda.stream(cs):
                 t0 = self.dev.event(cs)
                 dst.copy_(src, non_blocking=True)
                 t1 = self.dev.event(cs)
-            self.copies.append((t0, t1))
-            self.done[key] = t1
         else:
             t0 = self.dev.event()
             dst.copy_(src)
             t1 = self.dev.event()
-            self.copies.append((t0, t1))
-            self.done[key] = t1
+        self.copies.append((t0, t1))
+        self.done[key] = t1
         self.copied_bytes += src.numel()
 
     def landed(self, key: Key) -> bool:
@@ -177,11 +193,11 @@ class CudaCopyIO:
     def close(self) -> None:
         pass
 
-    def stall_ms(self) -> float:
-        return sum(a.elapsed_time(b) for a, b in self.stalls)
+    def stall_ms(self, since: int = 0) -> float:
+        return sum(a.elapsed_time(b) for a, b in self.stalls[since:])
 
-    def copy_ms(self) -> float:
-        return sum(a.elapsed_time(b) for a, b in self.copies)
+    def copy_ms(self, since: int = 0) -> float:
+        return sum(a.elapsed_time(b) for a, b in self.copies[since:])
 
 
 # -- the experts: pooled (target) and int4 resident (draft) --------------------------------------
@@ -509,6 +525,7 @@ class GpuEngine:
         tokens = [nxt]
         times.append(dev.event())
         account.start(run.sched, run.pool)
+        copies0, stalls0 = io.mark()       # decode figures only, as the scheduler's counts
         run.state.ids[0] = torch.tensor(run.routing[len(seq) - 1])   # the last prompt position's choices
         run.state.next_position()
         seq.append(nxt)
@@ -581,13 +598,14 @@ class GpuEngine:
         secs = [t0.elapsed_time(t) / 1e3 for t in times]
         stats = account.finish(cfg.policy.name, run.sched, run.pool, token_times=secs, ttft_s=secs[0])
         n_dec = max(len(tokens) - 1, 1)
-        stall = io.stall_ms()
+        stall = io.stall_ms(stalls0)
+        # the stall is the compute stream's waits on copies (CUDA events), not host time
+        stats = dataclasses.replace(stats, stall_ms_per_token=round(stall / n_dec, 4))
         extra = {
             "device": str(self.dev.device),
             "pool_slots": self.capacity, "expert_bytes": self.store.blob_size,
             "pcie_bytes_per_token": round(stats.counts["bytes_read"] / n_dec),
-            "gpu_stall_ms_per_token": round(stall / n_dec, 4),
-            "copy_ms_total": round(io.copy_ms(), 3),
+            "copy_ms_per_token": round(io.copy_ms(copies0) / n_dec, 4),
             "draft_bytes": self.draft_bytes if cfg.policy.predictor == "draft" else 0,
             "dense_bytes": self.dense_bytes,
         }

@@ -143,8 +143,10 @@ class TraceWriter:
         try:
             state = self._resumable(resume, overwrite) if self.dir.resumed else None
             if state is None:  # start afresh (we hold the lock on OUT: nobody else writes here)
-                _remove_tree(self.work)
-                (self.work / "shards").mkdir(parents=True)
+                # empties OUT.partial, which AtomicDirectory made or found marked as the toolkit's own
+                # (one without the marker was refused there, untouched)
+                self.dir.restart()
+                (self.work / "shards").mkdir()
             else:
                 self.shards = state["shards"]  # each checked against its sha256 by _resumable
                 self.next_seq = int(state["next_seq"])
