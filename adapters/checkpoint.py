@@ -92,22 +92,49 @@ def read_adapter_meta(path: Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_dir():
         raise SpecPrefetchError(f"adapter directory not found: {path}")
-    meta = read_json(path / "adapter.json", "adapter config")
-    check_meta(meta, path / "adapter.json")
+    f = path / "adapter.json"
+    _regular_file(f, "adapter config")
+    try:
+        meta = read_json(f, "adapter config")
+    except (ValueError, RecursionError) as e:  # past JSON's syntax: a 5000-digit number, deep nesting
+        raise SpecPrefetchError(f"adapter config {f} is not valid JSON: {type(e).__name__}: {e}") from None
+    check_meta(meta, f)
     return meta
+
+
+def _regular_file(f: Path, what: str) -> None:
+    """A FIFO or a directory at the name would hang the read or fail it with another error type."""
+    if (f.exists() or f.is_symlink()) and not f.is_file():
+        raise SpecPrefetchError(f"{f}: not a regular file (the {what} must be one)")
+
+
+def _pairs(num_layers: int, horizons: list[int], cross_token: bool) -> int:
+    """How many (layer, horizon) pairs an adapter of this shape has (without allocating its weights)."""
+    return len(PrefetchAdapter(num_layers=num_layers, hidden_size=1, num_experts=1, horizons=tuple(horizons),
+                               rank=1, cross_token=cross_token).pairs)
 
 
 def load_adapter(path: Path, spec: ModelSpec | None = None) -> tuple[PrefetchAdapter, dict[str, Any]]:
     """Load and validate an adapter; with `spec`, refuse one trained for another model."""
     path = Path(path)
     meta = read_adapter_meta(path)
-    if spec is not None and meta["model"]["config_hash"] != spec.config_hash:
+    m = meta["model"]
+    if spec is not None and m["config_hash"] != spec.config_hash:
         raise SpecPrefetchError(
-            f"{path}: adapter was trained for model config {meta['model']['config_hash']} "
-            f"({meta['model'].get('family')}), not {spec.config_hash} ({spec.path})")
+            f"{path}: adapter was trained for model config {m['config_hash']} "
+            f"({m.get('family')}), not {spec.config_hash} ({spec.path})")
+    if spec is not None:  # the sizes it is built with are the model's (the config hash alone is a claim)
+        g = spec.geometry
+        have = (list(m["moe_layers"]), m["num_experts"], m["hidden_size"])
+        want = (list(g.moe_layers), g.routing.num_experts, g.hidden_size)
+        if have != want:
+            raise SpecPrefetchError(
+                f"{path / 'adapter.json'}: adapter for MoE layers {have[0]}, {have[1]} experts, hidden size "
+                f"{have[2]}; model {spec.path} has {want[0]}, {want[1]}, {want[2]} (corrupt adapter.json)")
     weights = path / "adapter.safetensors"
-    if not weights.exists():
+    if not weights.exists() and not weights.is_symlink():
         raise SpecPrefetchError(f"{weights}: missing")
+    _regular_file(weights, "adapter weights")
     if sha256_file(weights) != meta.get("weights_sha256"):
         raise SpecPrefetchError(f"{weights}: checksum mismatch (corrupt or modified)")
     try:
@@ -116,13 +143,18 @@ def load_adapter(path: Path, spec: ModelSpec | None = None) -> tuple[PrefetchAda
         raise SpecPrefetchError(f"{weights}: unreadable ({e})") from None
     if not {"A", "B"} <= set(t):
         raise SpecPrefetchError(f"{weights}: expected tensors A and B, found {sorted(t)}")
-    m = meta["model"]
+    # the shapes adapter.json implies, compared with the file's before anything of that size is allocated
+    P = _pairs(len(m["moe_layers"]), meta["horizons"], meta["cross_token"])
+    want_a, want_b = (P, meta["rank"], m["hidden_size"]), (P, m["num_experts"], meta["rank"])
+    if tuple(t["A"].shape) != want_a or tuple(t["B"].shape) != want_b:
+        raise SpecPrefetchError(f"{weights}: tensor shapes {tuple(t['A'].shape)}, {tuple(t['B'].shape)} "
+                                f"do not match adapter.json ({want_a}, {want_b})")
+    if not (t["A"].is_floating_point() and t["B"].is_floating_point()):
+        raise SpecPrefetchError(f"{weights}: tensors A and B must be floating point, not {t['A'].dtype}, "
+                                f"{t['B'].dtype}")
     adapter = PrefetchAdapter(num_layers=len(m["moe_layers"]), hidden_size=m["hidden_size"],
                               num_experts=m["num_experts"], horizons=tuple(meta["horizons"]),
                               rank=meta["rank"], cross_token=meta["cross_token"])
-    if tuple(t["A"].shape) != tuple(adapter.A.shape) or tuple(t["B"].shape) != tuple(adapter.B.shape):
-        raise SpecPrefetchError(f"{weights}: tensor shapes {tuple(t['A'].shape)}, {tuple(t['B'].shape)} "
-                                f"do not match adapter.json")
     adapter.A.data.copy_(t["A"])
     adapter.B.data.copy_(t["B"])
     adapter.eval()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import math
 from pathlib import Path
 from typing import Any, Iterator
@@ -84,6 +85,8 @@ def read_manifest(path: Path | str) -> tuple[Path, dict[str, Any]]:
         return mf, read_json(mf, "bundle manifest")
     except OSError as e:
         raise SpecPrefetchError(f"{mf}: cannot read it ({e.strerror or e})") from None
+    except (ValueError, RecursionError) as e:  # past JSON's syntax: a 5000-digit number, deep nesting
+        raise SpecPrefetchError(f"bundle manifest {mf} is not valid JSON ({e})") from None
 
 
 @contextlib.contextmanager
@@ -124,13 +127,23 @@ def _validate(path: Path, mf: Path, m: Any, hash_store: bool = True) -> list[str
     for key in ("model", "kv", "routing", "runtime", "quantization", "predictor"):
         if not isinstance(m[key], dict):
             raise SpecPrefetchError(f"{mf}: field {key!r} must be a JSON object")
+    if not isinstance(m.get("parity"), dict):
+        raise SpecPrefetchError(f"{mf}: field 'parity' must be a JSON object (the parity summary)")
+    for key in ("dense", "experts", "expert_graph"):  # what inspect and export print
+        if not isinstance(m["quantization"].get(key), str):
+            raise SpecPrefetchError(f"{mf}: quantization.{key} must be a string, not "
+                                    f"{json.dumps(m['quantization'].get(key))[:40]}")
     files = m["files"]
     if not isinstance(files, dict) or not files:
         raise SpecPrefetchError(f"{mf}: 'files' must map paths to sizes and hashes")
     root = path.resolve()
     for rel, meta in files.items():
         p = bundle_file(path, files, rel, "file")
-        if not p.resolve().is_relative_to(root):
+        try:
+            inside = p.resolve().is_relative_to(root)
+        except (RuntimeError, OSError) as e:  # a symbolic link loop
+            raise SpecPrefetchError(f"{p}: cannot resolve it ({e})") from None
+        if not inside:
             raise SpecPrefetchError(f"{mf}: file {rel!r} resolves outside the bundle")
         if not p.is_file():
             raise SpecPrefetchError(f"{p}: listed in the manifest but missing")
@@ -162,7 +175,12 @@ def _validate(path: Path, mf: Path, m: Any, hash_store: bool = True) -> list[str
     for rel in m["tokenizer"]:
         bundle_file(path, files, rel, "tokenizer file")
     parity_file = bundle_file(path, files, "parity.json", "parity report")
-    parity = read_json(parity_file, "parity report")
+    try:
+        parity = read_json(parity_file, "parity report")
+    except (ValueError, RecursionError) as e:  # past JSON's syntax: a 5000-digit number, deep nesting
+        raise SpecPrefetchError(f"parity report {parity_file} is not valid JSON ({e})") from None
+    if not isinstance(parity, dict):
+        raise SpecPrefetchError(f"{parity_file}: not a JSON object")
     if not parity.get("passed") or any(m["parity"][k] != parity[k] for k in m["parity"] if k in parity):
         raise SpecPrefetchError(f"{mf}: parity summary does not match {parity_file} (or parity did not pass)")
     _check_runtime(mf, m, g)

@@ -697,6 +697,8 @@ def read_json(path: Path | str, what: str) -> Any:
         raise SpecPrefetchError(f"{what} {path} is not valid JSON: {e}") from None
     except RecursionError:
         raise SpecPrefetchError(f"{what} {path} is not valid JSON: nested too deeply") from None
+    except ValueError as e:   # e.g. an integer past Python's 4300-digit conversion limit
+        raise SpecPrefetchError(f"{what} {path} is not valid JSON: {' '.join(str(e).split())[:160]}") from None
 
 
 def config_hash(config: dict) -> str:

@@ -11,6 +11,7 @@ import functools
 import json
 import math
 import os
+import stat
 import struct
 from pathlib import Path
 
@@ -23,10 +24,15 @@ from toolkit.models.spec import ModelSpec
 
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
                "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
+# every dtype the safetensors format defines, in bits per element (sub-byte types pack elements)
+DTYPE_BITS = {**{k: 8 * v for k, v in DTYPE_BYTES.items()}, "F8_E8M0": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8,
+              "C64": 64, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
 
 
 def _header_key(path: Path) -> tuple:
     st = os.stat(path)
+    if not stat.S_ISREG(st.st_mode):  # a directory, or a FIFO that would hang the read
+        raise SpecPrefetchError(f"{path}: not a regular file (a safetensors file must be one)")
     return (str(Path(path).resolve()), st.st_size, st.st_mtime_ns, st.st_ino)
 
 
@@ -62,12 +68,15 @@ def _read_header(key: tuple, path: Path) -> dict:
             head = json.loads(f.read(n))
     except OSError as e:
         raise SpecPrefetchError(f"{path}: cannot read this safetensors file ({e.strerror or e})") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise SpecPrefetchError(f"{path}: corrupt safetensors header ({e})") from None
+    except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, a 5000-digit number, deep nesting
+        raise SpecPrefetchError(f"{path}: corrupt safetensors header ({type(e).__name__}: {e})") from None
     if not isinstance(head, dict):
         raise SpecPrefetchError(f"{path}: corrupt safetensors header (not a JSON object)")
-    head.pop("__metadata__", None)
+    notes = head.pop("__metadata__", {})
+    if not isinstance(notes, dict) or not all(isinstance(v, str) for v in notes.values()):
+        raise SpecPrefetchError(f"{path}: corrupt safetensors header (__metadata__ must map names to strings)")
     end = 0
+    spans = []
     for name, meta in head.items():
         try:
             dtype, shape, (b, e) = meta["dtype"], meta["shape"], meta["data_offsets"]
@@ -78,14 +87,40 @@ def _read_header(key: tuple, path: Path) -> dict:
             ok = False
         if not ok:
             raise SpecPrefetchError(f"{path}: corrupt safetensors header (tensor {name!r}: {meta!r:.80})")
-        if dtype in DTYPE_BYTES and e - b != DTYPE_BYTES[dtype] * math.prod(shape):
+        if dtype not in DTYPE_BITS:
+            raise SpecPrefetchError(f"{path}: corrupt safetensors header (tensor {name!r} has unknown dtype "
+                                    f"{dtype[:20]!r})")
+        bits = DTYPE_BITS[dtype] * math.prod(shape)
+        if e - b != bits / 8:
             raise SpecPrefetchError(f"{path}: corrupt safetensors header (tensor {name!r} spans {e - b} bytes, "
-                                    f"its {dtype} shape {shape} needs {DTYPE_BYTES[dtype] * math.prod(shape)})")
+                                    f"its {dtype} shape {shape} needs {bits / 8:g})")
         end = max(end, e)
+        spans.append((b, e, name))
     if size < 8 + n + end:
         raise SpecPrefetchError(f"{path}: truncated safetensors file ({size} bytes, its header describes "
                                 f"{8 + n + end})")
+    # as the safetensors library requires (it refuses the file otherwise): the tensors cover the data
+    # section exactly, without gaps, overlaps or trailing bytes
+    at = 0
+    for b, e, name in sorted(spans):
+        if b != at:
+            raise SpecPrefetchError(f"{path}: corrupt safetensors header (tensor {name!r} starts at byte {b} of "
+                                    f"the data, {'overlapping the one before' if b < at else 'leaving a gap'})")
+        at = e
+    if size != 8 + n + end:
+        raise SpecPrefetchError(f"{path}: corrupt safetensors file ({size} bytes, its header describes "
+                                f"{8 + n + end}: {size - 8 - n - end} bytes after the last tensor)")
     return head
+
+
+def open_safetensors(path: Path):
+    """safe_open of a shard whose header read_header has checked; the library's own refusal (it may
+    know a rule read_header does not) is a one-line error naming the file."""
+    read_header(path)
+    try:
+        return safe_open(str(path), framework="pt")
+    except Exception as e:  # noqa: BLE001 - SafetensorError, OSError, ...
+        raise SpecPrefetchError(f"{path}: unreadable safetensors file ({' '.join(str(e).split())[:200]})") from None
 
 
 class TensorIndex:
@@ -141,7 +176,7 @@ class ExpertReader:
 
     def _handle(self, path: Path):
         if path not in self._handles:
-            self._handles[path] = safe_open(str(path), framework="pt")
+            self._handles[path] = open_safetensors(path)
         return self._handles[path]
 
     def _orient(self, name: str, t: torch.Tensor, src: ExpertSource) -> torch.Tensor:
@@ -171,9 +206,17 @@ class ExpertReader:
         out = {}
         for src in self.sources:
             name = self.key(src, layer, expert)
+            if name not in self.index.entries:
+                raise SpecPrefetchError(f"{self.spec.path}: expert tensor {name!r} is not in the checkpoint")
             path = self.index.entries[name][0]
-            sl = self._handle(path).get_slice(name)
-            t = sl[expert] if src.fused else sl[:]
+            try:
+                sl = self._handle(path).get_slice(name)
+                t = sl[expert] if src.fused else sl[:]
+            except SpecPrefetchError:
+                raise
+            except Exception as e:  # noqa: BLE001 - the library's errors (a fused tensor with too few experts)
+                raise SpecPrefetchError(f"{path}: cannot read expert {expert} of layer {layer} from tensor "
+                                        f"{name!r} ({' '.join(str(e).split())[:200]})") from None
             if t.ndim == 2:
                 t = self._orient(name, t, src)
             if src.stride2:

@@ -94,12 +94,9 @@ def model_info(spec: ModelSpec) -> dict[str, Any]:
 
 def _meta_param_count(spec: ModelSpec) -> int:
     """Parameters of the model built on the meta device: exact, allocates nothing."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from toolkit.models.loader import build_on_meta
 
-    cls = AutoModelForImageTextToText if spec.family.is_vision_language else AutoModelForCausalLM
-    with torch.device("meta"):
-        net = cls.from_config(spec.config)
+    net = build_on_meta(spec)   # a config transformers cannot build is a one-line error
     # parameters() counts tied embeddings once, as save_pretrained stores them
     return sum(p.numel() for p in net.parameters())
 

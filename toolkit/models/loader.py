@@ -22,7 +22,7 @@ import torch  # noqa: E402
 
 from toolkit.artifacts import config_hash  # noqa: E402
 from toolkit.errors import SpecPrefetchError  # noqa: E402
-from toolkit.models.checkpoint import TensorIndex, expert_keys, read_header  # noqa: E402
+from toolkit.models.checkpoint import TensorIndex, expert_keys, open_safetensors, read_header  # noqa: E402
 from toolkit.models.families import Family, ModelGeometry, family_for  # noqa: E402
 from toolkit.models.spec import ModelSpec  # noqa: E402  (re-exported: callers import it from here)
 
@@ -43,7 +43,9 @@ def resolve_model_dir(model: str | Path) -> Path:
 
 def _weight_files(path: Path, allow_none: bool = False) -> tuple[Path, ...]:
     index = path / "model.safetensors.index.json"
-    if index.exists():
+    if index.exists() or index.is_symlink():
+        if not index.is_file():  # a FIFO would hang the read
+            raise SpecPrefetchError(f"{index}: not a regular file")
         try:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
             if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
@@ -51,7 +53,7 @@ def _weight_files(path: Path, allow_none: bool = False) -> tuple[Path, ...]:
             shards = sorted(set(weight_map.values()))
         except OSError as e:
             raise SpecPrefetchError(f"{index}: cannot read it ({e.strerror or e})") from None
-        except (ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError, RecursionError) as e:
             raise SpecPrefetchError(f"{index}: not a valid safetensors index ({type(e).__name__}: {e})") from None
         bad = [s for s in shards if not s or Path(s).is_absolute() or ".." in Path(s).parts]
         if bad:
@@ -85,6 +87,10 @@ def _weight_files(path: Path, allow_none: bool = False) -> tuple[Path, ...]:
 # written in config.json itself (under its own name or an alias of the config class).
 SIZE_KEYS = frozenset({"num_hidden_layers", "hidden_size", "vocab_size", "num_experts_per_tok", "num_experts",
                        "num_local_experts", "n_routed_experts", "moe_intermediate_size", "intermediate_size"})
+# far above any MoE model's (DeepSeek-V3: 61 layers, 256 experts, hidden 7168, vocabulary 129280)
+SIZE_LIMITS = {"num_hidden_layers": 1 << 12, "hidden_size": 1 << 20, "vocab_size": 1 << 26,
+               "num_experts_per_tok": 1 << 16, "num_experts": 1 << 16, "num_local_experts": 1 << 16,
+               "n_routed_experts": 1 << 16, "moe_intermediate_size": 1 << 24, "intermediate_size": 1 << 24}
 
 
 class _Reads:
@@ -122,6 +128,16 @@ def _require_sizes(family: Family, config: Any, cfg_dict: dict, cfg_path: Path) 
         if not any(n in raw for n in names if n):
             raise SpecPrefetchError(f"{cfg_path}: missing required key '{where}{amap.get(k, k)}' (transformers' "
                                     "default would describe another model)")
+    # sizes are whole numbers of a plausible magnitude: the geometry loops over them (a config claiming
+    # 2**40 layers would hang every command that opens the model)
+    for name, v in raw.items():
+        key = name if name in SIZE_KEYS else amap.get(name)
+        if key not in SIZE_KEYS or v is None:
+            continue
+        limit = SIZE_LIMITS[key]
+        if type(v) is not int or v > limit:
+            raise SpecPrefetchError(f"{cfg_path}: {where}{name} is {json.dumps(v)[:40]}; it must be a whole number "
+                                    f"(at most {limit})")
 
 
 def inspect_model_dir(model: str | Path, *, config_only_ok: bool = False) -> ModelSpec:
@@ -139,15 +155,20 @@ def inspect_model_dir(model: str | Path, *, config_only_ok: bool = False) -> Mod
     cfg_path = path / "config.json"
     if not cfg_path.exists():
         raise SpecPrefetchError(f"{path}: no config.json (is this a Hugging Face model directory?)")
+    if not cfg_path.is_file():  # a directory, or a FIFO that would hang the read
+        raise SpecPrefetchError(f"{cfg_path}: not a regular file")
     try:
         cfg_dict = json.loads(cfg_path.read_text(encoding="utf-8"))
     except OSError as e:
         raise SpecPrefetchError(f"{cfg_path}: cannot read it ({e.strerror or e})") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise SpecPrefetchError(f"{cfg_path}: not valid JSON ({e})") from None
+    except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, a 5000-digit number, deep nesting
+        raise SpecPrefetchError(f"{cfg_path}: not valid JSON ({type(e).__name__}: {e})") from None
     if not isinstance(cfg_dict, dict):
         raise SpecPrefetchError(f"{cfg_path}: expected a JSON object")
-    family = family_for(cfg_dict.get("model_type"), where=str(cfg_path))
+    model_type = cfg_dict.get("model_type")
+    if model_type is not None and not isinstance(model_type, str):
+        raise SpecPrefetchError(f"{cfg_path}: model_type must be a string, not {json.dumps(model_type)[:60]}")
+    family = family_for(model_type, where=str(cfg_path))
     from transformers import AutoConfig
 
     try:
@@ -158,7 +179,7 @@ def inspect_model_dir(model: str | Path, *, config_only_ok: bool = False) -> Mod
     try:
         _require_sizes(family, config, cfg_dict, cfg_path)
         geometry = family.geometry(config)
-    except (AttributeError, TypeError, ValueError, KeyError) as e:
+    except (AttributeError, TypeError, ValueError, KeyError, IndexError, ArithmeticError) as e:
         raise SpecPrefetchError(f"{cfg_path}: incomplete {family.name} config: {e}") from None
     r = geometry.routing
     for what, v in (("num_hidden_layers", geometry.num_layers), ("hidden_size", geometry.hidden_size),
@@ -257,18 +278,29 @@ def load_image_processor(path: Path) -> Any:
         raise SpecPrefetchError(f"{path}/preprocessor_config.json: unusable ({e})") from None
 
 
+def build_on_meta(spec: ModelSpec) -> torch.nn.Module:
+    """The model config.json describes, built on the meta device (no memory for weights). A config
+    transformers cannot build (a value of the wrong type or range that the geometry does not read)
+    is a one-line error naming config.json, whatever transformers raised."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    cls = AutoModelForImageTextToText if spec.family.is_vision_language else AutoModelForCausalLM
+    try:
+        with torch.device("meta"):
+            return cls.from_config(spec.config)
+    except Exception as e:  # noqa: BLE001 - transformers raises many types for a config it cannot build
+        raise SpecPrefetchError(f"{spec.path / 'config.json'}: transformers cannot build the model this config "
+                                f"describes ({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
+
+
 def load_dense_model(spec: ModelSpec) -> torch.nn.Module:
     """The model without its routed experts' weights: built on the meta device, then every
     checkpoint tensor except the experts' is loaded (read one at a time from the safetensors
     files), so a checkpoint larger than memory can run with its experts streamed. Experts stay on
     the meta device until the caller replaces those modules. Buffers computed at construction
     (rotary frequencies) are rebuilt on the CPU; a module that cannot be rebuilt is an error."""
-    from safetensors import safe_open
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-
-    cls = AutoModelForImageTextToText if spec.family.is_vision_language else AutoModelForCausalLM
-    with torch.device("meta"):
-        net = cls.from_config(spec.config)
+    cfg = spec.path / "config.json"
+    net = build_on_meta(spec)
     skip = set().union(*(expert_keys(spec, layer) for layer in spec.geometry.moe_layers))
     index = TensorIndex(spec)
     state: dict[str, torch.Tensor] = {}
@@ -277,12 +309,20 @@ def load_dense_model(spec: ModelSpec) -> torch.nn.Module:
         if key in skip:
             continue
         if path not in handles:
-            handles[path] = safe_open(str(path), framework="pt")
+            handles[path] = open_safetensors(path)
         name = key
         for a, b in spec.family.key_renames:
             name = name.replace(a, b)
-        state[name] = handles[path].get_tensor(key).float()
-    missing, unexpected = net.load_state_dict(state, strict=False, assign=True)
+        try:
+            state[name] = handles[path].get_tensor(key).float()
+        except Exception as e:  # noqa: BLE001 - the library's errors on a damaged file
+            raise SpecPrefetchError(f"{path}: cannot read tensor {key!r} ({' '.join(str(e).split())[:200]})") \
+                from None
+    try:
+        missing, unexpected = net.load_state_dict(state, strict=False, assign=True)
+    except RuntimeError as e:  # shapes that differ from the config's
+        raise SpecPrefetchError(f"{spec.path}: the checkpoint's tensors do not fit the model {cfg} describes "
+                                f"({' '.join(str(e).split())[:300]})") from None
     if unexpected:
         raise SpecPrefetchError(f"{spec.path}: checkpoint tensors the model does not know: {unexpected[:5]}")
     net.tie_weights()
@@ -306,14 +346,17 @@ def load_dense_model(spec: ModelSpec) -> torch.nn.Module:
 def eos_token_ids(spec: ModelSpec, tokenizer) -> tuple[int, ...]:
     """Every id generation stops at: the generation config's (an int or a list, as transformers'
     `generate` reads it), else the tokenizer's."""
-    ids = None
+    ids, where = None, None
     gc = spec.path / "generation_config.json"
     if gc.is_file():
         try:
-            ids = json.loads(gc.read_text()).get("eos_token_id")
-        except (ValueError, AttributeError):
+            ids = json.loads(gc.read_text(encoding="utf-8")).get("eos_token_id")
+        except (ValueError, AttributeError, RecursionError):
             raise SpecPrefetchError(f"{gc}: not a JSON object") from None
+        where = f"{gc}: eos_token_id"
     if ids is None:
-        ids = tokenizer.eos_token_id
+        ids, where = tokenizer.eos_token_id, f"{spec.path}: the tokenizer's eos_token_id"
     ids = ids if isinstance(ids, list) else [ids]
-    return tuple(int(i) for i in ids if i is not None)
+    if not all(i is None or (type(i) is int and i >= 0) for i in ids):
+        raise SpecPrefetchError(f"{where} must be a token id or a list of them, not {json.dumps(ids)[:60]}")
+    return tuple(i for i in ids if i is not None)

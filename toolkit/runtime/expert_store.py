@@ -223,6 +223,13 @@ def _write_store(spec: ModelSpec, path: Path, dtype: str, source: dict, progress
         f.write(bytes(head) + index + meta_bytes)
 
 
+def _whole(v) -> int:
+    """A JSON integer (not a bool, not a float that happens to be whole)."""
+    if type(v) is not int:
+        raise TypeError(f"{v!r} is not an integer")
+    return v
+
+
 def _pread_exact(fd: int, n: int, off: int, path: Path, what: str) -> bytes:
     try:
         data = os.pread(fd, n, off)
@@ -347,7 +354,7 @@ class ExpertStore:
             for k in ("family", "config_hash", "model_path", "dtype"):
                 if not isinstance(meta[k], str):
                     raise TypeError(f"{k} is not a string")
-            mats = [(m["role"], tuple(int(d) for d in m["shape"])) for m in meta["matrices"]]
+            mats = [(m["role"], tuple(_whole(d) for d in m["shape"])) for m in meta["matrices"]]
             if not mats or any(not isinstance(r, str) or len(sh) not in (1, 2) or min(sh) < 1 or max(sh) > 1 << 24
                                for r, sh in mats):
                 raise ValueError("matrices must be [out, in] or [out] of positive sizes")
@@ -357,7 +364,7 @@ class ExpertStore:
                 raise ValueError("moe_layers must be increasing layer numbers")
             sections = [Section(**{**s, "shape": tuple(s["shape"])}) for s in meta["sections"]]
             blob_size = meta["blob_size"]
-        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError, OverflowError) as e:
             raise SpecPrefetchError(f"{p}: expert store metadata unreadable ({e})") from None
         if meta["dtype"] != self.dtype or meta.get("group_size") != group:
             raise SpecPrefetchError(f"{p}: metadata dtype {meta['dtype']!r} / group size {meta.get('group_size')!r} "
@@ -373,7 +380,8 @@ class ExpertStore:
         if not valid_record(meta.get("source")):
             raise SpecPrefetchError(f"{p}: metadata.source (the weights the store was built from) is missing or "
                                     "malformed (corrupt store)")
-        self.sections, self.blob_size = sections, blob_size
+        # the layout as computed (equal to the file's; 48.0 equals 48 but is no slice index)
+        self.sections, self.blob_size = want, want_size
         self.shapes = dict(mats)
         return meta
 
@@ -383,6 +391,15 @@ class ExpertStore:
         if self.meta["config_hash"] != spec.config_hash:
             raise SpecPrefetchError(f"{self.path}: store was built from model config {self.meta['config_hash']}, "
                                     f"not {spec.config_hash} ({spec.path})")
+        g = spec.geometry  # what the store describes is what this config implies (the hash alone is a claim)
+        have = (self.meta["moe_layers"], self.num_experts, self.hidden_size, self.shapes)
+        want = (list(g.moe_layers), g.routing.num_experts, g.hidden_size,
+                {m.role: tuple(m.shape) for m in spec.family.expert_matrices(g)})
+        if have != want or self.intermediate_size != g.moe_intermediate_size or self.has_bias != g.expert_has_bias:
+            raise SpecPrefetchError(f"{self.path}: the store's geometry (MoE layers {have[0]}, {have[1]} experts, "
+                                    f"hidden {have[2]}, matrices {have[3]}) is not model {spec.path}'s (MoE layers "
+                                    f"{want[0]}, {want[1]} experts, hidden {want[2]}, matrices {want[3]}): "
+                                    "corrupt store")
         if spec.weight_files:
             why = weights_mismatch(self.meta["source"], spec)
             if why is not None:

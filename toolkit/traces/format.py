@@ -96,6 +96,8 @@ def _read_progress(work: Path) -> dict[str, Any] | None:
         state = read_json(progress, "trace progress file")
     except SpecPrefetchError as e:
         raise SpecPrefetchError(f"{e}; {hint}") from None
+    except (ValueError, RecursionError) as e:  # past JSON's syntax: a 5000-digit number, deep nesting
+        raise SpecPrefetchError(f"trace progress file {progress} is not valid JSON ({e}); {hint}") from None
     if not isinstance(state, dict):
         raise SpecPrefetchError(f"{progress}: malformed trace progress file; {hint}")
     return state
@@ -110,9 +112,14 @@ def _check_progress(state: dict[str, Any], work: Path) -> None:
           and all(v in SPLITS for v in state["seq_split"].values()))
     if ok:
         try:
-            [int(k) for k in state["seq_split"]]
+            seqs = [int(k) for k in state["seq_split"]]
         except ValueError:
             ok = False
+    if ok:  # the run resumes at next_seq: it must lie in the run, after every sequence already traced
+        settings = state.get("header", {}).get("settings") if isinstance(state.get("header"), dict) else None
+        total = settings.get("sequences") if isinstance(settings, dict) else None
+        ok = (0 <= state["next_seq"] and (not _is_int(total) or state["next_seq"] <= total)
+              and all(0 <= k < state["next_seq"] for k in seqs))
     if not ok:
         raise SpecPrefetchError(f"{work / 'progress.json'}: malformed trace progress file; delete {work} "
                                 "(or pass --overwrite) to start again")
@@ -274,7 +281,8 @@ _MANIFEST: list[tuple[str, Any, str]] = [
     ("model.top_k", lambda v: _is_int(v) and v > 0, "a positive integer"),
     ("model.hidden_size", lambda v: _is_int(v) and v > 0, "a positive integer"),
     ("shards", lambda v: isinstance(v, list), "a list"),
-    ("split", lambda v: isinstance(v, dict) and all(_int_list(v.get(s)) for s in SPLITS),
+    ("split", lambda v: isinstance(v, dict) and all(_int_list(v.get(s)) and all(0 <= x < 2**31 for x in v[s])
+                                                    for s in SPLITS),
      "an object with train and heldout lists of sequence numbers"),
     ("settings", lambda v: isinstance(v, dict), "an object"),
     ("tokens", _split_tokens, "an object with train and heldout token counts"),
@@ -338,7 +346,10 @@ class TraceReader:
         mf = manifest_path(self.path)
         if mf.exists() and not mf.is_file():
             raise SpecPrefetchError(f"{mf}: not a file")
-        m = read_json(mf, "trace manifest")
+        try:
+            m = read_json(mf, "trace manifest")
+        except (ValueError, RecursionError) as e:  # past JSON's syntax: a 5000-digit number, deep nesting
+            raise SpecPrefetchError(f"trace manifest {mf} is not valid JSON ({e})") from None
         check_manifest(m, mf)
         self.manifest = m
         self.model = m["model"]
