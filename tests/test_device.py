@@ -121,6 +121,7 @@ def flow(bundle: Path, phone: StandIn, tmp_path: Path, repeats: int = 2) -> dict
     return rep
 
 
+@pytest.mark.slow  # ~30 s: the whole list -> push -> bench flow (make test-all); the failure paths stay in make test
 def test_list_push_bench_on_the_standin(native_host, phones, tmp_path):
     bundle, _ = native_host  # the x86_64 stand-in gets this build (the session's runner cache)
     flow(bundle, phones(), tmp_path)

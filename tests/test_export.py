@@ -207,6 +207,7 @@ def test_square_to_mul_rewrites_pow2(tmp_path):
     assert abs(got - Norm()(x).numpy()).max() < 1e-5
 
 
+@pytest.mark.slow  # ~10 s
 def test_qnn_qdq_bundle_and_other_soc(tiny_models, tmp_path):
     # a random tiny model's logits are near-uniform (scale ~0.7), so 8-bit weights flip greedy
     # argmaxes on near-ties far more often than on a trained model (the embedded model keeps 0.98,

@@ -128,6 +128,7 @@ def test_data_without_any_text_is_refused(tiny_models, tmp_path):
 
 # -- item 14: resolved model paths, checked by config hash on every use ----------------------------------
 
+@pytest.mark.slow  # ~5 s
 def test_trace_records_absolute_paths_and_is_used_from_any_directory(tiny_models, tmp_path, monkeypatch):
     """A trace made with a relative model path is trained, evaluated and simulated from another
     directory that holds a different model under the same relative name (same config: the trap)."""
