@@ -722,11 +722,9 @@ def _run_gpu(model, *, device, policy, adapter, store_path, dtype, pool_mib, win
     from export.session import is_bundle
     from toolkit.artifacts import write_json_atomic
     from toolkit.models.loader import inspect_model_dir, load_model
-    from toolkit.models.routers import load_router_bank
-    from toolkit.predictors.registry import build_predictor
     from toolkit.runtime.expert_store import ExpertStore
     from toolkit.runtime.gpu import GpuEngine
-    from toolkit.runtime.gpu_bench import reference_generate
+    from toolkit.runtime.gpu_bench import gpu_predictors, reference_generate
     from toolkit.runtime.policy import Policy
     from toolkit.runtime.runner import RunConfig
     from toolkit.runtime.stats import peak_rss_bytes
@@ -746,17 +744,7 @@ def _run_gpu(model, *, device, policy, adapter, store_path, dtype, pool_mib, win
     else:
         st = ExpertStore(store_path, spec)
     pol = Policy.parse(policy)
-    E = spec.geometry.routing.num_experts
-    bank = load_router_bank(spec)
-    ad = None
-    if adapter is not None:
-        from adapters.checkpoint import load_adapter
-
-        ad, _ = load_adapter(adapter, spec)
-    preds = {}
-    if pol.predictor not in ("on-demand", "draft"):
-        preds[pol.predictor] = build_predictor(pol.predictor, num_experts=E, bank=lambda: bank,
-                                               adapter=(lambda: ad) if ad is not None else None)
+    preds = gpu_predictors(spec, [pol.predictor], adapter)
     cuda = device.startswith("cuda")
     lm = load_model(spec.path, dtype="float16" if cuda else "float32")
     eng = GpuEngine(lm, st, RunConfig(policy=pol, pool_mib=pool_mib or 8.0, window=window,

@@ -111,6 +111,14 @@ def _digest(files: list[dict[str, Any]]) -> str:
     return hashlib.sha256(canon.encode()).hexdigest()
 
 
+def _shard_name(spec, p: Path) -> str:
+    """A shard's name as the fingerprint records it: relative to the model directory."""
+    try:
+        return str(p.relative_to(spec.path))
+    except ValueError:
+        return p.name
+
+
 def weights_fingerprint(spec, *, progress: bool = False) -> dict[str, Any]:
     """{"files": [{"name", "size", "sha256"}, ...], "digest"} of a model directory's weight shards
     (names relative to the model directory, in the order the loader lists them)."""
@@ -119,10 +127,7 @@ def weights_fingerprint(spec, *, progress: bool = False) -> dict[str, Any]:
     files = []
     for p in spec.weight_files:
         p = Path(p)
-        try:
-            name = str(p.relative_to(spec.path))
-        except ValueError:
-            name = p.name
+        name = _shard_name(spec, p)
         try:
             size = p.stat().st_size
         except OSError as e:
@@ -147,12 +152,7 @@ def weights_mismatch(recorded: dict[str, Any], spec, *, progress: bool = False) 
     Names and sizes are compared first, so a different checkpoint is usually told without hashing."""
     mine = []
     for p in spec.weight_files:
-        p = Path(p)
-        try:
-            name = str(p.relative_to(spec.path))
-        except ValueError:
-            name = p.name
-        mine.append((name, p))
+        mine.append((_shard_name(spec, Path(p)), Path(p)))
     want = {f["name"]: f for f in recorded["files"]}
     if sorted(n for n, _ in mine) != sorted(want):
         return (f"its shards are {', '.join(sorted(want))}, the model's are "

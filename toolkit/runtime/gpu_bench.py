@@ -42,6 +42,25 @@ def _prompts(tokenizer, n: int, tokens: int, data: Path | None) -> list[list[int
     return out
 
 
+def gpu_predictors(spec, names, adapter: Path | None) -> dict[str, Any]:
+    """The host predictors the GPU tier's policies name (on-demand and the draft need none)."""
+    from toolkit.models.routers import load_router_bank
+    from toolkit.predictors.registry import build_predictor
+
+    names = set(names) - {"on-demand", "draft"}
+    if not names:
+        return {}
+    bank = load_router_bank(spec)
+    ad = None
+    if adapter is not None:
+        from adapters.checkpoint import load_adapter
+
+        ad, _ = load_adapter(adapter, spec)
+    E = spec.geometry.routing.num_experts
+    return {n: build_predictor(n, num_experts=E, bank=lambda: bank, adapter=(lambda: ad) if ad is not None else None)
+            for n in names}
+
+
 def reference_generate(model_dir: Path, prompts: list[list[int]], new_tokens: int, device: str,
                        dtype: torch.dtype, timed: bool = True) -> tuple[list[list[int]], float | None]:
     """transformers' greedy tokens with the whole model on the device (eager experts, the loop the
@@ -78,8 +97,6 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
                   window: int = 2, data: Path | None = None,
                   log: Callable[[str], None] = print) -> dict[str, Any]:
     from toolkit.models.loader import inspect_model_dir, load_model
-    from toolkit.models.routers import load_router_bank
-    from toolkit.predictors.registry import build_predictor
     from toolkit.runtime.expert_store import ExpertStore
     from toolkit.runtime.gpu import Device, GpuEngine, h2d_bandwidth
     from toolkit.runtime.runner import RunConfig
@@ -101,15 +118,7 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
     ids = _prompts(lm.tokenizer, prompts, prompt_tokens, data)
     log(f"reference: transformers generate, whole model on {device}")
     ref_tokens, ref_tpot = reference_generate(spec.path, ids, new_tokens, device, dtype)
-    bank = load_router_bank(spec)
-    ad = None
-    if adapter is not None:
-        from adapters.checkpoint import load_adapter
-
-        ad, _ = load_adapter(adapter, spec)
-    names = {p.predictor for p in policies} - {"on-demand", "draft"}
-    preds = {n: build_predictor(n, num_experts=E, bank=lambda: bank, adapter=(lambda: ad) if ad else None)
-             for n in names}
+    preds = gpu_predictors(spec, {p.predictor for p in policies}, adapter)
     all_mib = L * E * st.blob_size / MiB
     eng = GpuEngine(lm, st, RunConfig(policy=Policy("on-demand", "lru"), pool_mib=all_mib, window=window),
                     device=device, predictors=preds, with_draft=any(p.predictor == "draft" for p in policies),
