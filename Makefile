@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
 RUNS    := runs/demo
 
-.PHONY: setup demo test test-all bench fuzz clean
+.PHONY: setup demo test test-all bench bench-phone fuzz clean
 
 # Debian packages the native runner's builds and tests need (docs/runner.md), where missing
 DEBS    := g++ g++-aarch64-linux-gnu qemu-user nlohmann-json3-dev adb time
@@ -40,13 +40,13 @@ demo: $(STAMP)
 	    --max-sequences 160 --prompt-tokens 128 --decode-tokens 32 --heldout-frac 0.2 --overwrite
 	$(BIN)/python -m toolkit.traces.summary $(RUNS)/trace --out $(RUNS)/routing
 	$(BIN)/specprefetch train $(RUNS)/trace --out $(RUNS)/adapter --steps 400 --overwrite
-	$(BIN)/specprefetch eval $(RUNS)/trace --adapter $(RUNS)/adapter --json $(RUNS)/eval.json
+	$(BIN)/specprefetch eval $(RUNS)/trace --adapter $(RUNS)/adapter --json $(RUNS)/eval.json --overwrite
 	$(BIN)/specprefetch store embedded --dtype fp16 --out $(RUNS)/experts-fp16.spx --overwrite
 	$(BIN)/specprefetch simulate $(RUNS)/trace --adapter $(RUNS)/adapter --profile snapdragon-8-elite \
-	    --pool-mib 4,8,16 --window 2 --json $(RUNS)/simulate.json
+	    --pool-mib 4,8,16 --window 2 --json $(RUNS)/simulate.json --overwrite
 	$(BIN)/specprefetch run embedded --store $(RUNS)/experts-fp16.spx --adapter $(RUNS)/adapter \
 	    --policy adapter+prediction --pool-mib 8 --prompt "The kernel's memory allocator" \
-	    --prompt "To open a file for reading, use" --json $(RUNS)/run.json --events $(RUNS)/events.log
+	    --prompt "To open a file for reading, use" --json $(RUNS)/run.json --events $(RUNS)/events.log --overwrite
 	$(BIN)/specprefetch export embedded --adapter $(RUNS)/adapter --target executorch --quant 8da8w \
 	    --out $(RUNS)/bundle-executorch --overwrite
 	$(BIN)/specprefetch inspect $(RUNS)/bundle-executorch
@@ -54,9 +54,9 @@ demo: $(STAMP)
 	    --out $(RUNS)/bundle-qnn-sm8750 --overwrite
 	$(BIN)/specprefetch inspect $(RUNS)/bundle-qnn-sm8750
 	$(BIN)/specprefetch run $(RUNS)/bundle-executorch --policy adapter+prediction \
-	    --prompt "The kernel's memory allocator" --json $(RUNS)/run-executorch.json --events $(RUNS)/events-executorch.log
+	    --prompt "The kernel's memory allocator" --json $(RUNS)/run-executorch.json --events $(RUNS)/events-executorch.log --overwrite
 	$(BIN)/specprefetch run $(RUNS)/bundle-qnn-sm8750 --policy adapter+prediction \
-	    --prompt "The kernel's memory allocator" --json $(RUNS)/run-qnn.json
+	    --prompt "The kernel's memory allocator" --json $(RUNS)/run-qnn.json --overwrite
 
 ## test: the CI suite (what .ci/run calls)
 test: $(STAMP)
@@ -71,29 +71,73 @@ bench: $(STAMP)
 	$(BIN)/specprefetch trace embedded --data toolkit/embedded/heldout.jsonl --out $(BENCH)/trace \
 	    --prompt-tokens 256 --decode-tokens 32 --heldout-frac 0.2 --hidden-sample 0.5 --overwrite
 	$(BIN)/specprefetch train $(BENCH)/trace --out $(BENCH)/adapter --steps 3000 --overwrite
-	$(BIN)/specprefetch eval $(BENCH)/trace --adapter $(BENCH)/adapter --json $(BENCH)/eval.json
+	$(BIN)/specprefetch eval $(BENCH)/trace --adapter $(BENCH)/adapter --json $(BENCH)/eval.json --overwrite
 	$(BIN)/specprefetch simulate $(BENCH)/trace --adapter $(BENCH)/adapter --profile snapdragon-8-elite \
 	    --policies on-demand+lru,next-gate+prediction,adapter+prediction,adapter+lru,oracle+belady \
-	    --pool-mib 4,8,16 --window 1,2,4 --max-sequences 60 --json $(BENCH)/simulate-phone.json
-	$(BIN)/specprefetch bench --adapter $(BENCH)/adapter --pool-mib 4,8 --json $(BENCH)/runtime.json
+	    --pool-mib 4,8,16 --window 1,2,4 --max-sequences 60 --json $(BENCH)/simulate-phone.json --overwrite
+	$(BIN)/specprefetch bench --adapter $(BENCH)/adapter --pool-mib 4,8 --json $(BENCH)/runtime.json --overwrite
 	$(BIN)/specprefetch bench --adapter $(BENCH)/adapter --pool-mib 4,8 --flash-profile snapdragon-8-elite \
-	    --no-simulate --json $(BENCH)/runtime-emulated.json
+	    --no-simulate --json $(BENCH)/runtime-emulated.json --overwrite
 	$(BIN)/specprefetch export embedded --adapter $(BENCH)/adapter --target executorch --quant fp32 --max-seq 128 \
 	    --out $(BENCH)/bundle-executorch --overwrite
-	$(BIN)/specprefetch bench $(BENCH)/bundle-executorch --pool-mib 4,8 --no-simulate --json $(BENCH)/runtime-bundle.json
-	$(BIN)/specprefetch runner bench $(BENCH)/bundle-executorch --json $(BENCH)/native.json
+	$(BIN)/specprefetch bench $(BENCH)/bundle-executorch --pool-mib 4,8 --no-simulate --json $(BENCH)/runtime-bundle.json --overwrite
+	$(BIN)/specprefetch runner bench $(BENCH)/bundle-executorch --json $(BENCH)/native.json --overwrite
 	$(BIN)/python -m export.report --model embedded --adapter $(BENCH)/adapter --json $(BENCH)/export.json
 
-## fuzz: libFuzzer + ASan + UBSan on the native runner's readers of untrusted files (docs/runner.md)
+## bench-phone: the phone-scale benchmark (docs/benchmarks.md section 10): the shipped phone-class model
+## (16 MoE layers x 64 experts, top-8, trained) widened to phone-sized experts (FFN 2048: 3 MiB fp16, 0.8 MiB
+## int4 each), traced on the held-out text, adapter trained, exported with int4 experts, then the native
+## runner's bench, llama.cpp side by side (Q4_0) and the Qwen3-30B-A3B projection. About 75 minutes on 2 cores
+## and 12 GB of disk (runs/bench-phone 4.2 GB, the GGUFs in the peers cache 4.4 GB, the runner cache).
+PHONE := runs/bench-phone
+bench-phone: $(STAMP)
+	$(BIN)/specprefetch widen phone --moe-intermediate-size 2048 --out $(PHONE)/model --overwrite
+	$(BIN)/specprefetch trace $(PHONE)/model --data toolkit/embedded/heldout.jsonl --out $(PHONE)/trace \
+	    --max-sequences 100 --prompt-tokens 128 --decode-tokens 32 --heldout-frac 0.25 --overwrite
+	$(BIN)/specprefetch train $(PHONE)/trace --out $(PHONE)/adapter --steps 1500 --overwrite
+	$(BIN)/specprefetch eval $(PHONE)/trace --adapter $(PHONE)/adapter --json $(PHONE)/eval.json --overwrite
+	$(BIN)/specprefetch simulate $(PHONE)/trace --adapter $(PHONE)/adapter \
+	    --geometry toolkit/simulate/geometries/qwen3-30b-a3b --dtype int4 --profile snapdragon-8-elite \
+	    --policies on-demand+lru,next-gate+prediction,adapter+prediction,oracle+belady \
+	    --pool-mib 1024,2048 --window 2 --max-sequences 10 --json $(PHONE)/simulate-qwen3-30b.json --overwrite
+	$(BIN)/specprefetch export $(PHONE)/model --adapter $(PHONE)/adapter --target executorch --experts int4 \
+	    --max-seq 128 --out $(PHONE)/bundle --overwrite
+	$(BIN)/specprefetch runner bench $(PHONE)/bundle --json $(PHONE)/native.json --overwrite
+	$(BIN)/specprefetch bench --peer llama.cpp --bundle $(PHONE)/bundle --prompts 2 --prompt-tokens 64 \
+	    --new-tokens 32 --rounds 2 --json $(PHONE)/peer.json --overwrite
+
+## fuzz: libFuzzer + ASan + UBSan on the native runner's readers of untrusted files (docs/runner.md);
+## fuzz-program: only the fourth, ExecuTorch's program loading on bit flips of real bundles' model.pte
 FUZZ      := runs/fuzz
 FUZZ_SECS ?= 600
 FUZZ_CXX  := clang++ -std=c++17 -g -O1 -fsanitize=fuzzer,address,undefined -I android_runner/src -I /usr/include
-fuzz: $(STAMP)
-	command -v clang++ >/dev/null || { [ "$$(id -u)" = 0 ] || { echo "make fuzz needs clang: sudo apt-get install clang"; exit 1; }; \
+FUZZ_CLANG = command -v clang++ >/dev/null || { [ "$$(id -u)" = 0 ] || { echo "make fuzz needs clang: sudo apt-get install clang"; exit 1; }; \
 	    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q clang; }
-	mkdir -p $(FUZZ)/corpus-manifest $(FUZZ)/corpus-store $(FUZZ)/corpus-safetensors
-	test -f $(FUZZ)/bundle/manifest.json || $(BIN)/specprefetch export embedded --target executorch --max-seq 32 \
+FUZZ_BUNDLE = test -f $(FUZZ)/bundle/manifest.json || $(BIN)/specprefetch export embedded --target executorch --max-seq 32 \
 	    --out $(FUZZ)/bundle
+# fuzz_program links ExecuTorch's runtime compiled here from source, with the same sanitizers and libFuzzer's
+# coverage: the wheel has it only as uninstrumented shared libraries (docs/runner.md, Fuzzing). ET_SRC: an
+# ExecuTorch source tree with third-party/flatbuffers that the user brings (no package registry serves it); the
+# schema headers come from the wheel's own flatc. ET_CORE: the runtime core's sources
+# (ExecuTorch's build_variables.bzl EXECUTORCH_CORE_SRCS) and the POSIX platform layer.
+ET_SRC    ?= $(FUZZ)/executorch-src
+ET_CORE   := runtime/backend/interface.cpp runtime/core/device_allocator.cpp runtime/core/device_memory_buffer.cpp \
+	runtime/core/evalue.cpp runtime/core/exec_aten/util/tensor_shape_to_c_string.cpp \
+	runtime/core/exec_aten/util/tensor_util_portable.cpp runtime/core/portable_type/tensor_impl.cpp runtime/core/tag.cpp \
+	runtime/core/tensor_layout.cpp runtime/executor/tensor_parser_portable.cpp runtime/executor/pte_data_map.cpp \
+	runtime/kernel/operator_registry.cpp schema/extended_header.cpp runtime/executor/method.cpp \
+	runtime/executor/method_meta.cpp runtime/executor/program.cpp runtime/executor/program_validation.cpp \
+	runtime/executor/tensor_parser_exec_aten.cpp runtime/platform/abort.cpp runtime/platform/log.cpp \
+	runtime/platform/platform.cpp runtime/platform/profiler.cpp runtime/platform/runtime.cpp \
+	runtime/platform/default/posix.cpp
+ET_CXX     = clang++ -std=c++17 -g -O1 -fsanitize=fuzzer-no-link,address,undefined -DC10_USING_CUSTOM_GENERATED_MACROS \
+	-DFLATBUFFERS_MAX_ALIGNMENT=1024 -I $(FUZZ)/et -I $(FUZZ)/et/gen -I $(ET_SRC)/runtime/core/portable_type/c10 \
+	-I $(ET_SRC)/third-party/flatbuffers/include
+ET_PTES   := $(FUZZ)/bundle/graphs/model.pte:$(FUZZ)/bundle-8da8w/graphs/model.pte
+fuzz: $(STAMP)
+	$(FUZZ_CLANG)
+	mkdir -p $(FUZZ)/corpus-manifest $(FUZZ)/corpus-store $(FUZZ)/corpus-safetensors
+	$(FUZZ_BUNDLE)
 	cp $(FUZZ)/bundle/manifest.json $(FUZZ)/corpus-manifest/seed.json
 	$(BIN)/python -c "import struct,sys; d=open('$(FUZZ)/bundle/experts.spx','rb').read(); \
 	    o=struct.unpack_from('<Q',d,56)[0]; sys.stdout.buffer.write(struct.pack('<Q',len(d))+d[:o])" \
@@ -104,9 +148,32 @@ fuzz: $(STAMP)
 	$(FUZZ_CXX) android_runner/fuzz/fuzz_store_index.cpp android_runner/src/expert_store.cpp \
 	    android_runner/src/crc32.cpp -o $(FUZZ)/fuzz_store_index
 	$(FUZZ_CXX) android_runner/fuzz/fuzz_safetensors.cpp android_runner/src/safetensors.cpp -o $(FUZZ)/fuzz_safetensors
-	$(FUZZ)/fuzz_manifest -max_total_time=$(FUZZ_SECS) -max_len=16384 -print_final_stats=1 $(FUZZ)/corpus-manifest
-	$(FUZZ)/fuzz_store_index -max_total_time=$(FUZZ_SECS) -max_len=65536 -print_final_stats=1 $(FUZZ)/corpus-store
-	$(FUZZ)/fuzz_safetensors -max_total_time=$(FUZZ_SECS) -max_len=4096 -print_final_stats=1 $(FUZZ)/corpus-safetensors
+	$(FUZZ)/fuzz_manifest -max_total_time=$(FUZZ_SECS) -max_len=16384 -print_final_stats=1 -artifact_prefix=$(FUZZ)/ $(FUZZ)/corpus-manifest
+	$(FUZZ)/fuzz_store_index -max_total_time=$(FUZZ_SECS) -max_len=65536 -print_final_stats=1 -artifact_prefix=$(FUZZ)/ $(FUZZ)/corpus-store
+	$(FUZZ)/fuzz_safetensors -max_total_time=$(FUZZ_SECS) -max_len=4096 -print_final_stats=1 -artifact_prefix=$(FUZZ)/ $(FUZZ)/corpus-safetensors
+	@if [ -f $(ET_SRC)/runtime/executor/program.cpp ]; then $(MAKE) --no-print-directory fuzz-program; \
+	else echo "note: fuzz-program skipped: ET_SRC=$(ET_SRC) holds no ExecuTorch source tree (make fuzz-program says how)"; fi
+
+.PHONY: fuzz-program
+fuzz-program: $(STAMP)
+	$(FUZZ_CLANG)
+	$(FUZZ_BUNDLE)
+	test -f $(FUZZ)/bundle-8da8w/manifest.json || $(BIN)/specprefetch export embedded --target executorch --quant 8da8w \
+	    --max-seq 32 --out $(FUZZ)/bundle-8da8w
+	@test -f $(ET_SRC)/runtime/executor/program.cpp -a -f $(ET_SRC)/third-party/flatbuffers/include/flatbuffers/base.h || \
+	    { echo "make fuzz-program: ET_SRC=$(ET_SRC) is not an ExecuTorch source tree with third-party/flatbuffers; no package registry serves ExecuTorch's sources: check out the tag of the installed executorch version with its flatbuffers submodule and pass ET_SRC=DIR (docs/runner.md, Fuzzing)"; exit 1; }
+	mkdir -p $(FUZZ)/et/gen/executorch/schema $(FUZZ)/et-obj $(FUZZ)/corpus-program
+	ln -sfn $(abspath $(ET_SRC)) $(FUZZ)/et/executorch
+	cd $(ET_SRC)/schema && $(abspath $(BIN))/python -c "import executorch.data.bin as b, os, subprocess, sys; \
+	    sys.exit(subprocess.call([os.path.join(os.path.dirname(b.__file__), 'flatc'), '--cpp', '--cpp-std', 'c++11', \
+	    '--gen-mutable', '--scoped-enums', '-o', '$(abspath $(FUZZ))/et/gen/executorch/schema', 'program.fbs', \
+	    'scalar_type.fbs']))"
+	for f in $(ET_CORE); do o=$(FUZZ)/et-obj/$$(echo $$f | tr / _ | sed 's/cpp$$/o/'); \
+	    [ $$o -nt $(ET_SRC)/$$f ] || $(ET_CXX) -c $(ET_SRC)/$$f -o $$o || exit 1; done
+	$(ET_CXX) -c android_runner/fuzz/fuzz_program.cpp -o $(FUZZ)/et-obj/fuzz_program.o
+	clang++ -fsanitize=fuzzer,address,undefined $(FUZZ)/et-obj/*.o -o $(FUZZ)/fuzz_program
+	SPX_FUZZ_PTE=$(ET_PTES) $(FUZZ)/fuzz_program -max_total_time=$(FUZZ_SECS) -max_len=257 -timeout=30 \
+	    -rss_limit_mb=4096 -print_final_stats=1 -artifact_prefix=$(FUZZ)/ $(FUZZ)/corpus-program
 
 clean:
 	rm -rf runs build .pytest_cache

@@ -16,7 +16,18 @@ ExecuTorch's LLM runners (meta-pytorch/tokenizers, from the pytorch-tokenizers s
 which vendors RE2, Abseil and PCRE2): built once per ABI (a few minutes) into the runners cache
 and linked in. `tokenizer=False` builds a runner that takes token ids only.
 
-A build is reused while its sources, config and toolchain are unchanged (a stamp in the output).
+A build is reused while its sources, config and toolchain are unchanged and every file it
+installed (bin/, lib/, run.sh) still has the sha256 recorded when it was built (the stamp in the
+output, .stamp); a damaged or replaced binary is rebuilt, never reused or pushed.
+
+The output directory is the runner cache's own (one per family, config, expert dtype and ABI:
+reused and rebuilt incrementally) or `out`. Like every writer's (toolkit/artifacts.py), `out` is
+written only if it is new, empty, or a runner build (its build.json marks it: format
+specprefetch-runner); a directory that is not is refused and never written into; a runner build of
+another configuration (another bundle's config, ABI, toolchain) or a `force` rebuild of it is
+replaced only with `overwrite`. A build of the same configuration (an interrupted one, or one whose
+sources changed) goes on incrementally. `out` may not be, hold or lie inside the bundle or these
+sources.
 """
 from __future__ import annotations
 
@@ -41,6 +52,7 @@ from toolkit.errors import SpecPrefetchError
 SRC = Path(__file__).resolve().parent
 ABIS = ("host", "arm64", "android")
 BINARY = "specprefetch-runner"
+RUNNER_FORMAT = "specprefetch-runner"  # build.json's "format": what marks a runner build directory
 AARCH64_SYSROOT = Path("/usr/aarch64-linux-gnu")
 # what a glibc program needs on a phone that has none: the loader and the C/C++ runtime
 AARCH64_RUNTIME = ("ld-linux-aarch64.so.1", "libc.so.6", "libm.so.6", "libstdc++.so.6", "libgcc_s.so.1",
@@ -287,13 +299,58 @@ def default_out(manifest: dict[str, Any], abi: str) -> Path:
     return runners_dir() / f"{mo['family']}-{mo['config_hash']}-{experts}-{abi}"
 
 
+def runner_dir_kind(out: Path) -> str:
+    """"absent", "empty", "runner" (a runner build: build.json of format specprefetch-runner; an
+    older build's build.json with its abi, or its .configured and spx_config.h) or "foreign"
+    (anything else: never written into)."""
+    if not (out.exists() or out.is_symlink()):
+        return "absent"
+    if out.is_symlink() or not out.is_dir():
+        return "foreign"
+    try:
+        if not any(out.iterdir()):
+            return "empty"
+        if not (out / "build.json").exists():  # an older build stopped before writing it
+            return "runner" if (out / ".configured").is_file() and (out / "spx_config.h").is_file() else "foreign"
+        info = json.loads((out / "build.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return "foreign"
+    if isinstance(info, dict) and (info.get("format") == RUNNER_FORMAT
+                                   or ("format" not in info and info.get("abi") in ABIS)):
+        return "runner"
+    return "foreign"
+
+
+def _in_cache(out: Path) -> bool:
+    try:
+        return out.resolve().is_relative_to(runners_dir().resolve())
+    except OSError:
+        return False
+
+
+def _claim(out: Path, bundle: Path | str) -> None:
+    """Refuse an `out` that is, holds or lies inside the bundle or these sources, or that is not a
+    new or empty directory or a runner build (nothing is created or changed here)."""
+    from toolkit.artifacts import _check_inputs
+
+    _check_inputs(out, (bundle, SRC), "--out")
+    if runner_dir_kind(out) == "foreign":
+        what = "is not a directory" if out.exists() and not out.is_dir() else \
+            "is a directory that is not a runner build (no build.json of a specprefetch runner)"
+        raise SpecPrefetchError(f"--out {out} {what}: a runner build is written only into a new or empty "
+                                "directory or one of its own; choose another path")
+
+
 def build(bundle: Path | str, abi: str = "host", out: Path | str | None = None, *, force: bool = False,
-          tokenizer: bool | None = None,
+          tokenizer: bool | None = None, overwrite: bool = False,
           log: Callable[[str], None] = lambda s: print(s, file=sys.stderr)) -> Path:
     """Build (or reuse) the runner for `bundle`; returns its output directory (bin/, lib/, spx_config.h).
 
     `tokenizer`: build the C++ tokenizer in (text in and out) or not (token ids only); None keeps
-    what the existing build has, else builds it in."""
+    what the existing build has, else builds it in. `out` (default: the runner cache's directory
+    for this bundle) follows the module's rules: a directory that is not a runner build is
+    refused; `overwrite` is needed to replace a runner build of another configuration (or to
+    `force` a rebuild of one outside the cache)."""
     from export.manifest import read_manifest, validate_bundle
 
     if abi not in ABIS:
@@ -303,10 +360,11 @@ def build(bundle: Path | str, abi: str = "host", out: Path | str | None = None, 
         target = head.get("target") if isinstance(head, dict) else None
         raise SpecPrefetchError(f"{bundle}: a {target} bundle; the native runner runs executorch bundles "
                                 "(export with --target executorch)")
+    if out is not None:  # the output's rules first, before any hashing or building
+        _claim(Path(out), bundle)
     manifest, _ = validate_bundle(bundle, hash_store=False)
+    cache = out is None or _in_cache(Path(out))
     out = Path(out) if out is not None else default_out(manifest, abi)
-    if out.exists() and not out.is_dir():
-        raise SpecPrefetchError(f"--out {out}: exists and is not a directory")
     cmake = _tool("cmake", "pip install cmake (a project dependency: make setup)")
     ninja = _tool("ninja", "pip install ninja (a project dependency: make setup)")
     header = config_header(manifest)
@@ -325,12 +383,45 @@ def build(bundle: Path | str, abi: str = "host", out: Path | str | None = None, 
     cc = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout.splitlines()[:1] \
         if compiler and shutil.which(compiler) else []
     with _locked(out):
-        return _build(bundle, abi, out, force, tokenizer, header, pkg, toolchain, cc, cmake, ninja, log)
+        return _build(bundle, abi, out, force, tokenizer, header, pkg, toolchain, cc, cmake, ninja, log,
+                      cache=cache, overwrite=overwrite)
+
+
+def installed_files(out: Path) -> dict[str, str]:
+    """{relative path: sha256} of what a build installed for running: bin/*, lib/* and run.sh."""
+    from toolkit.artifacts import sha256_file
+
+    files = [out / "run.sh"] if (out / "run.sh").is_file() else []
+    for sub in ("bin", "lib"):
+        if (out / sub).is_dir():
+            files += sorted(p for p in (out / sub).rglob("*") if p.is_file() or p.is_symlink())
+    return {str(p.relative_to(out)): sha256_file(p) for p in files}
+
+
+def _stamp_holds(out: Path, stamp: str) -> bool:
+    """Whether `out`'s .stamp is `stamp` and every installed file still has its recorded sha256
+    (none missing, none added): a damaged binary is never reused."""
+    try:
+        rec = json.loads((out / ".stamp").read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # absent, or an older build's plain stamp: rebuilt (incrementally)
+        return False
+    if not isinstance(rec, dict) or rec.get("stamp") != stamp or not isinstance(rec.get("files"), dict):
+        return False
+    if not (out / "bin" / BINARY).is_file():
+        return False
+    try:
+        return installed_files(out) == rec["files"]
+    except (OSError, SpecPrefetchError):
+        return False
 
 
 def _build(bundle, abi, out: Path, force: bool, tokenizer: bool | None, header: str, pkg: Path,
-           toolchain: list[str], cc: list[str], cmake: str, ninja: str, log: Callable[[str], None]) -> Path:
+           toolchain: list[str], cc: list[str], cmake: str, ninja: str, log: Callable[[str], None], *,
+           cache: bool = True, overwrite: bool = False) -> Path:
     info_path = out / "build.json"
+    kind = runner_dir_kind(out)  # again under the lock
+    if kind == "foreign":
+        raise SpecPrefetchError(f"--out {out} is not a runner build directory; choose another path")
     if tokenizer is None:
         try:
             tokenizer = bool(json.loads(info_path.read_text())["tokenizer"])
@@ -341,16 +432,21 @@ def _build(bundle, abi, out: Path, force: bool, tokenizer: bool | None, header: 
     configured = hashlib.sha256("|".join([header, abi, str(pkg), _package_version(pkg), *cc, *toolchain,
                                           str(tok_dir)]).encode()).hexdigest()[:16]
     stamp = configured + "-" + _digest(_sources(), "")
-    binary = out / "bin" / BINARY
-    old = (out / ".stamp").read_text() if (out / ".stamp").is_file() else ""
-    if not force and binary.is_file() and old == stamp:
+    if not force and kind == "runner" and _stamp_holds(out, stamp):
         return out
+    was = (out / ".configured").read_text() if (out / ".configured").is_file() else ""
+    if kind == "runner" and not cache and not overwrite and (force or was != configured):
+        what = "a forced rebuild replaces it" if force else \
+            "it holds a runner build of another configuration (bundle config, ABI, toolchain or tokenizer)"
+        raise SpecPrefetchError(f"--out {out}: {what}; pass --overwrite to replace it")
     if tok_dir is not None:  # built (once) only when the runner itself must be
         tokenizers_library(abi, toolchain, cc, log)
     out.mkdir(parents=True, exist_ok=True)
+    marker = {"format": RUNNER_FORMAT, "abi": abi, "tokenizer": tok_dir is not None,
+              "tokenizers_version": TOKENIZERS_VERSION if tok_dir else None}
+    info_path.write_text(json.dumps(marker) + "\n")  # first: an interrupted build is still ours
     # a new configuration starts from scratch; a failed or changed build of the same one goes on
     # incrementally (.configured outlives a failed build, .stamp does not)
-    was = (out / ".configured").read_text() if (out / ".configured").is_file() else ""
     if force or was != configured:
         shutil.rmtree(out / "build", ignore_errors=True)
         shutil.rmtree(out / "include", ignore_errors=True)
@@ -382,9 +478,8 @@ def _build(bundle, abi, out: Path, force: bool, tokenizer: bool | None, header: 
         _ship_arm64(pkg, out)
     else:  # the same entry point everywhere (device push and bench start run.sh)
         _launcher(out, f'exec "$D/bin/{BINARY}" "$@"')
-    info_path.write_text(json.dumps({"abi": abi, "tokenizer": tok_dir is not None,
-                                     "tokenizers_version": TOKENIZERS_VERSION if tok_dir else None}) + "\n")
-    (out / ".stamp").write_text(stamp)
+    info_path.write_text(json.dumps(marker) + "\n")
+    (out / ".stamp").write_text(json.dumps({"stamp": stamp, "files": installed_files(out)}) + "\n")
     return out
 
 
@@ -469,6 +564,17 @@ def run_native(bundle: Path | str, prompts: Sequence[str | Sequence[int]], *, ab
         if r.returncode != 0:
             lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
             msg = lines[-1] if lines else f"exit code {r.returncode}"
+            if r.returncode < 0 or r.returncode >= 128:  # killed by a signal (directly, or under the launcher)
+                import signal
+
+                sig = -r.returncode if r.returncode < 0 else r.returncode - 128
+                try:
+                    name = signal.Signals(sig).name
+                except ValueError:
+                    name = f"signal {sig}"
+                raise SpecPrefetchError(f"native runner crashed ({name}) on {bundle}"
+                                        + (f": {msg}" if lines else "") + " (a bug, or a damaged bundle: "
+                                        f"`specprefetch inspect {bundle}`)")
             raise SpecPrefetchError(msg.removeprefix("specprefetch-runner: error: ")
                                     if r.returncode == 1 else f"native runner failed ({r.returncode}): {msg}")
         return json.loads(js.read_text(encoding="utf-8"))

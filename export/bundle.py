@@ -257,7 +257,7 @@ def _assemble(model, work: Path, scratch: Path, cfg: ExportConfig, tgt, quant: s
         "target": cfg.target, "soc": built.soc, "quantization": {"dense": quant, "experts": cfg.experts,
                                                                 "expert_graph": built.expert_precision},
         "model": {"family": g.family, "model_type": g.model_type, "config_hash": spec.config_hash,
-                  "config": "model/config.json", "source": str(spec.path),
+                  "config": "model/config.json", "source": str(Path(spec.path).resolve()),
                   "num_layers": g.num_layers, "moe_layers": list(g.moe_layers), "hidden_size": g.hidden_size,
                   "vocab_size": g.vocab_size, "num_experts": g.routing.num_experts, "top_k": g.routing.top_k},
         "tokenizer": sorted(f"model/{p.name}" for p in (work / "model").iterdir() if p.name.startswith("tokenizer")),
@@ -273,7 +273,11 @@ def _assemble(model, work: Path, scratch: Path, cfg: ExportConfig, tgt, quant: s
         "predictor": {"kind": predictor, "horizons": list(horizons), "adapter": "adapter" if ad_meta else None,
                       "preds_rows": {str(g.moe_layers[i]): [h for h in horizons if (i, h) in ad.pair_index]
                                      for i in range(len(g.moe_layers))}},
+        # the store's own record, compared at every open (cheap: no hashing of the store's blobs), so a
+        # store of other weights put in its place is refused even when its sha256 is not checked
         "runtime": {"pool_mib": pool_mib, "scheduler": sched, "expert_store": "experts.spx",
+                    "expert_store_source": store.meta["source"]["digest"],
+                    "expert_store_index_sha256": store.index_sha256,
                     "expert_bytes_total": expert_bytes},
         "graphs": {**built.graphs, "signatures": describe(steps, built.kv_mode)},
         "parity": {**{k: parity[k] for k in ("passed", "max_abs_logit_diff", "median_logit_diff", "topk_agreement",

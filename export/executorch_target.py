@@ -173,6 +173,9 @@ def lower_program(steps, cfg, quant: str, out_dir: Path, log, *, partitioner=Non
     t_lower = time.perf_counter() - t0
     path = out_dir / PROGRAM
     path.write_bytes(prog.buffer)
+    from toolkit.artifacts import sha256_file
+
+    mark_program_checked(sha256_file(path))  # the export's own program: a bundle of it need not be tried
     log(f"wrote graphs/{PROGRAM}: {path.stat().st_size / 2**20:.1f} MiB, lowered in {t_lower:.0f} s")
     info = steps_info(steps)
     return Built(
@@ -250,6 +253,164 @@ def load_program(path: Path):
         raise SpecPrefetchError(f"{path}: ExecuTorch could not load the program ({e}): truncated or corrupt?") from None
 
 
+# -- a program from a bundle is tried in a child process first ---------------------------------
+#
+# ExecuTorch verifies a program's flatbuffer (Verification.InternalConsistency) but not what it
+# means: an operator index, a value index or a memory-plan offset one bit off passes and then
+# crashes the process that runs it (found by flipping bits of a real model.pte). A bundle's program
+# is checked against the manifest's sha256 on every open, so only a program whose manifest was
+# rewritten to match can get here; such a program is loaded, and every method run once on zeros,
+# in a child process before this process touches it: a crash there is a one-line error naming the
+# program. A program that passed is remembered by sha256 (and the ExecuTorch version), in this
+# process and in ~/.cache/specprefetch/programs-checked.json, and one the export wrote is recorded
+# as it is written, so a bundle's program costs the child process at most once per machine.
+
+PROBE_TIMEOUT_S = 900.0
+CHECKED_NAME = "programs-checked.json"
+MAX_CHECKED = 256
+_CHECKED: set[str] = set()
+_REFUSED: dict[str, str] = {}  # this process's refusals, by the same key (not tried twice)
+_PROBE = r"""
+import sys
+stage = "loading the program"
+try:
+    import torch  # before the extension (it resolves libtorch); executorch.exir is never imported
+    from executorch.extension.pybindings import _C
+
+    _C._unsafe_reset_threadpool(1)
+    dtypes = {3: torch.int32, 4: torch.long, 5: torch.float16, 6: torch.float32, 11: torch.bool}
+    print("stage " + stage, flush=True)
+    prog = _C._load_program(sys.argv[1], program_verification=_C.Verification.InternalConsistency)
+    for name in sorted(prog.get_method_name(i) for i in range(prog.num_methods())):
+        stage = f"loading method {name}"
+        print("stage " + stage, flush=True)
+        method = prog.load_method(name)
+        meta = prog.method_meta(name)
+        ins = []
+        for i in range(meta.num_inputs()):
+            t = meta.input_tensor_meta(i)
+            ins.append(torch.zeros([int(d) for d in t.sizes()], dtype=dtypes[t.dtype()]))
+        stage = f"running method {name}"
+        print("stage " + stage, flush=True)
+        method(ins)
+except BaseException as e:
+    print("error " + stage + ": " + " ".join(f"{type(e).__name__}: {e}".split())[:300], flush=True)
+    sys.exit(3)
+"""
+
+
+def _checked_key(sha256: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        et = version("executorch")
+    except PackageNotFoundError:
+        et = "?"
+    return f"executorch-{et}:{sha256}"
+
+
+def _checked_file() -> Path:
+    from toolkit.runtime.profiles import profile_dir
+
+    return profile_dir().parent / CHECKED_NAME
+
+
+def _load_checked() -> list[str]:
+    import json
+
+    try:
+        data = json.loads(_checked_file().read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []
+    got = data.get("programs") if isinstance(data, dict) else None
+    return [k for k in got if isinstance(k, str)] if isinstance(got, list) else []
+
+
+def mark_program_checked(sha256: str) -> None:
+    """Remember that the program of this sha256 loads and runs (best effort on disk)."""
+    import json
+    import tempfile
+
+    key = _checked_key(sha256)
+    _CHECKED.add(key)
+    keys = [k for k in _load_checked() if k != key] + [key]
+    path = _checked_file()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump({"programs": keys[-MAX_CHECKED:]}, f)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    except OSError:
+        pass
+
+
+def check_program(path: Path, sha256: str, *, timeout: float = PROBE_TIMEOUT_S) -> None:
+    """Refuse (one line naming `path`) a program that ExecuTorch cannot load, or that crashes it,
+    trying it in a child process: loaded with the flatbuffer verification, every method loaded and
+    run once on zero inputs of its signature's shapes. `sha256` is the program's verified hash;
+    a program of that hash already tried (or written by the export) is not tried again."""
+    key = _checked_key(sha256)
+    if key in _CHECKED:
+        return
+    if key in _REFUSED:
+        raise SpecPrefetchError(_REFUSED[key].replace("\0", str(path)))
+    if key in _load_checked():
+        _CHECKED.add(key)
+        return
+    try:
+        _probe(path, timeout)
+    except SpecPrefetchError as e:
+        _REFUSED[key] = str(e).replace(str(path), "\0")
+        raise
+    mark_program_checked(sha256)
+
+
+def _probe(path: Path, timeout: float) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    try:
+        r = subprocess.run([sys.executable, "-c", _PROBE, str(path)], capture_output=True, text=True,
+                           timeout=timeout, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        raise SpecPrefetchError(f"{path}: ExecuTorch did not finish loading and running the program in "
+                                f"{timeout:.0f} s (tried in a separate process): a damaged or crafted program?") from None
+    except OSError as e:
+        raise SpecPrefetchError(f"{path}: cannot start a process to try the program ({e.strerror or e})") from None
+    lines = r.stdout.splitlines()
+    stage = next((ln[6:] for ln in reversed(lines) if ln.startswith("stage ")), "starting")
+    if r.returncode == 0:
+        return
+    error = next((ln[6:] for ln in reversed(lines) if ln.startswith("error ")), None)
+    log = [ln.strip() for ln in r.stderr.splitlines() if ln.startswith("[") and not ln.startswith(_NATIVE_NOISE)]
+    said = f"; ExecuTorch said {log[-1][:160]!r}" if log else ""
+    if r.returncode < 0:
+        try:
+            name = signal.Signals(-r.returncode).name
+        except ValueError:
+            name = f"signal {-r.returncode}"
+        raise SpecPrefetchError(f"{path}: ExecuTorch crashed ({name}) {stage} (tried in a separate process{said}): "
+                                "a damaged or crafted program, not what the export wrote")
+    if error is not None:
+        raise SpecPrefetchError(f"{path}: ExecuTorch refused the program, {error}: truncated or corrupt?")
+    tail = (r.stderr.strip().splitlines() or [f"exit code {r.returncode}"])[-1]
+    raise SpecPrefetchError(f"{path}: trying the program in a separate process failed {stage} ({tail[:200]})")
+
+
+def _program(path: Path, m: dict) -> Path:
+    """The bundle's program, tried in a child process first (check_program) unless known good."""
+    rel = m["graphs"]["file"]
+    p = bundle_file(path, m["files"], rel, "program")
+    check_program(p, m["files"][rel]["sha256"])
+    return p
+
+
 class ExecuTorchBackend(Backend):
     """Runs the bundle's program with the ExecuTorch runtime (its Python bindings)."""
     label = "executorch"
@@ -305,7 +466,7 @@ class ExecuTorchTarget(Target):
     def check_graphs(self, path: Path, m: dict) -> dict[str, Any]:
         """The program loads, has exactly the manifest's methods, and each method's input/output
         shapes and dtypes are the manifest's signature."""
-        p = bundle_file(path, m["files"], m["graphs"]["file"], "program")
+        p = _program(path, m)
         prog = load_program(p)
         have = set(prog.method_names)
         want = set(m["graphs"]["methods"])
@@ -328,4 +489,4 @@ class ExecuTorchTarget(Target):
         return out
 
     def open_backend(self, path: Path, m: dict) -> ExecuTorchBackend:
-        return ExecuTorchBackend(path / m["graphs"]["file"], {})
+        return ExecuTorchBackend(_program(path, m), {})

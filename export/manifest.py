@@ -36,7 +36,7 @@ REQUIRED = ("target", "model", "graphs", "files", "kv", "routing", "runtime", "q
 VERSIONED = ("torch", "transformers", "executorch", "torchao", "onnx", "onnxruntime", "onnxruntime-qnn", "qai-hub")
 
 __all__ = ["FORMAT", "VERSION", "TARGETS", "Target", "get_target", "bundle_file", "versions", "sizes",
-           "read_manifest", "validate_bundle", "open_bundle", "malformed"]
+           "read_manifest", "validate_bundle", "open_bundle", "malformed", "check_store_record"]
 
 
 def get_target(name: str) -> Target:
@@ -193,10 +193,11 @@ def _validate(path: Path, mf: Path, m: Any, hash_store: bool = True) -> list[str
         if have is not None and have != want and pkg in ("executorch", "onnxruntime-qnn", "onnxruntime"):
             notes.append(f"built with {pkg} {want}, {have} installed here")
     store_path = bundle_file(path, files, m["runtime"]["expert_store"], "expert store")
-    store = ExpertStore(store_path, spec)
-    if (store.num_layers, store.num_experts) != (len(g.moe_layers), g.routing.num_experts):
-        raise SpecPrefetchError(f"{store_path}: {store.num_layers} layers x {store.num_experts} experts, the model "
-                                f"has {len(g.moe_layers)} x {g.routing.num_experts}")
+    with ExpertStore(store_path, spec) as store:
+        if (store.num_layers, store.num_experts) != (len(g.moe_layers), g.routing.num_experts):
+            raise SpecPrefetchError(f"{store_path}: {store.num_layers} layers x {store.num_experts} experts, the "
+                                    f"model has {len(g.moe_layers)} x {g.routing.num_experts}")
+        check_store_record(store, m, mf)
     if m["predictor"].get("adapter"):
         ad = bundle_file(path, files, "adapter/adapter.json", "adapter config")
         meta = read_adapter_meta(ad.parent)  # the validated reader: a malformed file is named as such
@@ -204,6 +205,27 @@ def _validate(path: Path, mf: Path, m: Any, hash_store: bool = True) -> list[str
             raise SpecPrefetchError(f"{ad}: adapter for another model config")
         bundle_file(path, files, "adapter/adapter.safetensors", "adapter weights")
     return notes
+
+
+def check_store_record(store: ExpertStore, m: dict[str, Any], mf: Path) -> None:
+    """The bundle's store is the one it was exported with: its source weights' digest and the sha256
+    of its header, index (every blob's CRC-32) and metadata are the manifest's. Cheap (the blobs are
+    not read), so it holds when the store's own sha256 is skipped; a store of other weights with the
+    same config and size is refused naming the cause."""
+    rt = m["runtime"]
+    want_src, want_index = rt.get("expert_store_source"), rt.get("expert_store_index_sha256")
+    if not isinstance(want_src, str) or not isinstance(want_index, str):
+        raise SpecPrefetchError(f"{mf}: runtime.expert_store_source / expert_store_index_sha256 missing (a bundle "
+                                "exported before specprefetch recorded its store's identity): export it again")
+    have_src = store.meta["source"]["digest"]
+    if have_src != want_src:
+        raise SpecPrefetchError(f"{store.path}: expert store built from other weights (source digest "
+                                f"{have_src[:16]}...) than the bundle was exported with ({want_src[:16]}..., "
+                                f"{m['model'].get('source')}): another store was put in its place; export again")
+    if store.index_sha256 != want_index:
+        raise SpecPrefetchError(f"{store.path}: the expert store's index is not the one the bundle was exported "
+                                "with (sha256 of its header, index and metadata differs): rebuilt or replaced; "
+                                "export again")
 
 
 def _number(v: Any) -> bool:

@@ -50,21 +50,39 @@ class Session:
     notes: list[str] = dataclasses.field(default_factory=list)
     default_pool_mib: float | None = None   # a bundle's own default budget
     source_weights: dict | None = None      # a bundle: the weights its store was built from
+    source_recorded: str | None = None      # a bundle: its manifest's model.source
 
     @functools.cached_property
+    def _source(self) -> tuple[Path | None, str | None]:
+        src = self.source_candidate
+        if src is None:
+            rec = self.source_recorded
+            return None, (f"the unmodified model of {self.label} is not on this machine" if not rec else
+                          f"{self.label} was exported from {rec}, which is not on this machine (or holds "
+                          "another model config now)")
+        if self.source_weights is None:
+            return src, None
+        from toolkit.runtime.fingerprint import weights_mismatch
+
+        try:
+            why = weights_mismatch(self.source_weights, inspect_model_dir(src))
+        except SpecPrefetchError as e:
+            return None, f"the unmodified model {src} cannot be read ({e})"
+        if why is not None:
+            return None, f"the model at {src} is not the one {self.label}'s expert store was built from ({why})"
+        return src, None
+
+    @property
     def source_model(self) -> Path | None:
         """The checkpoint the unmodified-model check can load, if on disk: for a bundle, only when
         its weights are the very ones the bundle's expert store was built from (same config is not
         enough: a fine-tune has the same config)."""
-        src = self.source_candidate
-        if src is None or self.source_weights is None:
-            return src
-        from toolkit.runtime.fingerprint import weights_mismatch
+        return self._source[0]
 
-        try:
-            return src if weights_mismatch(self.source_weights, inspect_model_dir(src)) is None else None
-        except SpecPrefetchError:
-            return None
+    @property
+    def source_problem(self) -> str | None:
+        """Why `source_model` is None (for `--check`'s error), else None."""
+        return self._source[1]
 
     @property
     def is_embedded(self) -> bool:
@@ -220,6 +238,7 @@ def _bundle_session(path: Path, m: dict, backend, cfg: RunConfig, names: list[st
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
+    from export.manifest import check_store_record
     from export.target import bundle_file
     from toolkit.models.families import RoutingSpec
     from toolkit.models.routers import RouterBank
@@ -229,6 +248,7 @@ def _bundle_session(path: Path, m: dict, backend, cfg: RunConfig, names: list[st
                              config_only_ok=True)
     g = spec.geometry
     st = ExpertStore(bundle_file(path, files, m["runtime"]["expert_store"], "expert store"), spec)
+    check_store_record(st, m, path / "manifest.json")  # the store this run reads is the exported one
     routing = RoutingSpec(**{k: v for k, v in m["routing"].items() if k in
                              {f.name for f in dataclasses.fields(RoutingSpec)}})
     host = {}
@@ -251,8 +271,9 @@ def _bundle_session(path: Path, m: dict, backend, cfg: RunConfig, names: list[st
                      score_bias=score_bias, preds_horizons=horizons,
                      max_seq=m["kv"]["max_seq"], label=str(path))
     tok = AutoTokenizer.from_pretrained(spec.path, local_files_only=True)
-    src = Path(m["model"].get("source", ""))
-    source_model = src if src.is_dir() and (src / "config.json").is_file() else None
+    rec = m["model"].get("source")
+    src = Path(rec) if isinstance(rec, str) and rec else None  # recorded resolved (older bundles: maybe not)
+    source_model = src if src is not None and src.is_dir() and (src / "config.json").is_file() else None
     if source_model is not None:
         try:
             if inspect_model_dir(source_model).config_hash != m["model"]["config_hash"]:
@@ -262,7 +283,8 @@ def _bundle_session(path: Path, m: dict, backend, cfg: RunConfig, names: list[st
     if pool_default:  # no --pool-mib: the bundle's own budget
         cfg = dataclasses.replace(cfg, pool_mib=float(m["runtime"]["pool_mib"]))
     return Session(Runner(backend, st, info, cfg, preds), tok, spec, "bundle", str(path), source_model,
-                   default_pool_mib=m["runtime"].get("pool_mib"), source_weights=st.meta["source"])
+                   default_pool_mib=m["runtime"].get("pool_mib"), source_weights=st.meta["source"],
+                   source_recorded=rec if isinstance(rec, str) else None)
 
 
 @functools.lru_cache(maxsize=1)

@@ -17,7 +17,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from export.session import reference_tokens
-from toolkit.device.phone import bench, list_devices, push
+from toolkit.device.phone import ROOT, bench, bundle_hash, list_devices, push
 from toolkit.device.standin import StandIn, adb_server
 from toolkit.errors import SpecPrefetchError
 
@@ -116,8 +116,9 @@ def flow(bundle: Path, phone: StandIn, tmp_path: Path, repeats: int = 2) -> dict
     assert s["on-demand+lru"]["runs"] == repeats and s["next-gate+prediction"]["hit_rate"]["median"] > \
         s["on-demand+lru"]["hit_rate"]["median"]
     assert out.with_suffix(".md").is_file() and out.with_suffix(".png").stat().st_size > 1000
-    # every run's JSON was written on the device and pulled
-    assert len(list((host / "out").glob("*.json"))) == 2 * repeats + 1  # and the warm-up's
+    # every run's JSON was written on the device, in this bench's own directory, and pulled
+    runs = phone.host_path(rep["remote_runs"])
+    assert runs.parent == host / "runs" and len(list(runs.glob("*.json"))) == 2 * repeats + 1  # and the warm-up's
     return rep
 
 
@@ -156,14 +157,30 @@ def _bench(bundle, p, out, policies, **kw):
 
 
 def test_runner_failure_is_recorded_and_the_bench_goes_on(native_host, phones, tmp_path):
+    """The runner crashes on the phone in one run (its launcher there replaced by one that fails,
+    after the first run, and put back once the failure is logged): recorded, and the runs after it
+    are measured. (What the runner would refuse up front is refused before the push: test_hardening_device.)"""
     bundle, _ = native_host
     p = phones()
-    with pytest.raises(SpecPrefetchError, match=r"1 of 2 runs failed \(first: adapter\+lru, exit 1: .*not available"):
-        _bench(bundle, p, tmp_path / "crash.json", ["adapter+lru", "on-demand+lru"])
+    launcher = p.host_path(f"{ROOT}/{bundle_hash(bundle)}/runner/run.sh")
+    kept: list[str] = []
+
+    def log(line: str) -> None:
+        if line.startswith("  on-demand+lru prompt 0 #1"):
+            kept.append(launcher.read_text())
+            launcher.write_text('echo "specprefetch-runner: crashed (a test)" >&2\nexit 1\n')
+        elif "runner exited" in line:
+            launcher.write_text(kept[0])
+
+    with pytest.raises(SpecPrefetchError, match=r"1 of 4 runs failed \(first: next-gate\+prediction, exit 1: "
+                                                r"specprefetch-runner: crashed"):
+        bench(bundle, serial=p.serial, policies=POLICIES.split(","), pool_mib=2.0, prompts=[PROMPT],
+              max_new_tokens=3, repeats=2, json_out=tmp_path / "crash.json", cooldown_timeout_s=2, log=log)
     rep = json.loads((tmp_path / "crash.json").read_text())
     (f,) = rep["failures"]
-    assert f["config"] == "adapter+lru" and f["exit_code"] == 1 and "not available" in f["stderr"]
-    assert [x["config"] for x in rep["runs"]] == ["on-demand+lru"] and rep["status"] == "complete"
+    assert f["config"] == "next-gate+prediction" and f["exit_code"] == 1 and "crashed" in f["stderr"]
+    assert [x["config"] for x in rep["runs"]] == ["on-demand+lru", "next-gate+prediction", "on-demand+lru"]
+    assert rep["status"] == "complete"
 
 
 def test_device_lost_mid_bench_keeps_partial_results(native_host, phones, tmp_path):

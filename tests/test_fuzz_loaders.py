@@ -14,6 +14,10 @@ junk, wrong and unencodable strings, lists emptied or grown); and "faulty writer
 checksums right (a store re-sealed after its header, index or metadata was edited; an adapter or a
 bundle file whose recorded sha256 was updated), so the checks behind the checksums are reached.
 
+Report outputs: every command's --json / --events / calibrate --out pointed (with and without
+--overwrite) at a file of an input or of another artifact, or at a new file inside one, must be
+refused before any work with every byte and mtime left as it was.
+
 Traces: tests/test_hardening_traces.py fuzzes the manifest's fields and the shards' bytes and
 fields (checksums matching); this module adds the manifest's raw bytes and the value kinds that fuzz
 does not use, the model the manifest points to, and TRACE.partial/progress.json (resume).
@@ -1266,3 +1270,75 @@ def test_inspect_of_a_manifest_with_odd_summary_fields_is_one_line(bundle, tmp_p
     code, out, exc = cli("inspect", b)
     cli_clean(code, out, exc, what="inspect")
     assert code == 2 and key in out, out
+
+
+# -- report outputs pointed at inputs and other artifacts -------------------------------------------------
+
+def _tree_state(*roots: Path) -> dict[str, tuple]:
+    """Every file under the roots: (sha256, mtime_ns, file type), so that a rename, a rewrite or a
+    touch shows."""
+    import stat as st_
+
+    out = {}
+    for root in roots:
+        for p in sorted([root, *root.rglob("*")] if root.is_dir() else [root]):
+            s = os.lstat(p)
+            reg = st_.S_ISREG(s.st_mode)
+            out[str(p)] = (hashlib.sha256(p.read_bytes()).hexdigest() if reg else None,
+                           s.st_mtime_ns if reg else None, st_.S_IFMT(s.st_mode))
+    return out
+
+
+@pytest.mark.parametrize("cases", [40, pytest.param(400, marks=pytest.mark.slow)])
+def test_report_outputs_pointed_at_inputs_and_artifacts_change_nothing(art, bundle, tmp_path, cases):
+    """Each case points one report output of one command (--json, --events, calibrate --out; with or
+    without --overwrite) at a file of an input or of another artifact (the model's weights and
+    config, the trace's manifest and shards, the adapter, a store, the bundle's files) or at a new
+    file inside one of them: refused in one line before any work, every byte and mtime as it was."""
+    d = tmp_path / "artifacts"
+    model = Path(shutil.copytree(art["model"], d / "model"))  # private: the session's model stays safe
+    trace = Path(shutil.copytree(art["trace"], d / "trace"))
+    adapter = Path(shutil.copytree(art["adapter"], d / "adapter"))
+    store = Path(shutil.copy(art["int4"], d / "int4.spx"))
+    roots = (model, trace, adapter, store, bundle)
+    files = [p for r in roots for p in ([r, *r.rglob("*")] if r.is_dir() else [r]) if p.is_file()]
+    dirs = [r for r in roots if r.is_dir()] + [bundle / "model", trace / "shards"]
+    targets = files + [x / "new-report.json" for x in dirs]
+    run = ["--policy", "on-demand+lru", "--prompt", "x", "--max-new-tokens", "2"]
+    commands = {
+        "run": lambda t: ["run", model, "--store", store, *run, "--json", t],
+        "run a bundle": lambda t: ["run", bundle, *run, "--json", t],
+        "run --events": lambda t: ["run", model, "--store", store, *run, "--json", tmp_path / "ok.json",
+                                   "--events", t],
+        "eval": lambda t: ["eval", trace, "--adapter", adapter, "--json", t],
+        "simulate": lambda t: ["simulate", trace, "--adapter", adapter, "--json", t],
+        "bench": lambda t: ["bench", model, "--store", store, "--json", t],
+        "runner bench": lambda t: ["runner", "bench", bundle, "--json", t],
+        "device bench": lambda t: ["device", "bench", bundle, "--pool-mib", "1", "--prompt", "x", "--json", t],
+        "device list": lambda t: ["device", "list", "--json", t],
+        "calibrate": lambda t: ["calibrate", model, "--store", store, "--out", t],
+    }
+    before = _tree_state(*roots)
+    failures = []
+    for n in case_numbers(cases):
+        rng = case_rng("report-outputs", n)
+        name = rng.choice(sorted(commands))
+        target = rng.choice(targets)
+        args = commands[name](target) + (["--overwrite"] if rng.random() < 0.5 else [])
+        what = f"{name} -> {target.relative_to(tmp_path) if target.is_relative_to(tmp_path) else target}"
+        was = _tree_state(target) if target.exists() else None
+        code, output, exc = cli(*args)
+        try:
+            cli_clean(code, output, exc, what)
+        except AssertionError as e:
+            failures.append(f"case {n} ({what}): {e}")
+            continue
+        now = _tree_state(target) if target.exists() or target.is_symlink() else None
+        if code != 2 or now != was:
+            failures.append(f"case {n} ({what}): exit {code}, {'changed' if now != was else 'unchanged'}: "
+                            f"{output.strip().splitlines()[-1:] if output.strip() else ''}")
+        elif VERBOSE:
+            print(f"report-outputs {n}: {what}\n    -> {output.strip()[:200]}")
+    assert not (tmp_path / "ok.json").exists()
+    assert _tree_state(*roots) == before, "an artifact changed"
+    assert not failures, f"{len(failures)} of {cases} cases (seed {SEED}):\n" + "\n".join(failures[:8])

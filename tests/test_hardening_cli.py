@@ -324,7 +324,8 @@ def test_run_json_has_one_shape_and_the_text_is_printed(tiny_models, store, tmp_
                                + ["--json", str(out)])
         assert r.exit_code == 0, r.output
         d = json.loads(out.read_text())
-        assert set(d) == {"policy", "runs", "peak_rss_bytes"} and d["policy"] == "on-demand+lru"
+        assert set(d) == {"specprefetch_report", "policy", "runs", "peak_rss_bytes"} and d["policy"] == "on-demand+lru"
+        assert d["specprefetch_report"] == "run"  # the marker --overwrite knows a run report by
         assert [x["prompt"] for x in d["runs"]] == prompts
         for x in d["runs"]:
             assert x["text"] == tok.decode(x["tokens"], skip_special_tokens=False) and len(x["tokens"]) >= 1
@@ -382,8 +383,9 @@ def test_overwrite_is_required_and_passed_through(tiny_models, tmp_path):
     assert cli("tiny", "olmoe", "--out", t, "--overwrite")[0] == 0
     refused(["export", m, "--out", m, "--overwrite"], "input of this command")  # never the source model
     refused(["store", m, "--out", m / "model.safetensors", "--overwrite"], "--out")
-    for cmd in ("train", "export", "store", "tiny", "trace"):
-        assert "--overwrite" in CliRunner().invoke(main, [cmd, "--help"]).output, cmd
+    for cmd in ("train", "export", "store", "tiny", "trace", "eval", "simulate", "run", "bench", "calibrate",
+                "runner bench", "runner build", "device bench", "device list"):  # every command that writes
+        assert "--overwrite" in CliRunner().invoke(main, [*cmd.split(), "--help"]).output, cmd
 
 
 def test_window_means_one_unit_everywhere():

@@ -179,7 +179,8 @@ def test_tampered_file_content(tool, bundle, tmp_path):
     b = copy_bundle(bundle, tmp_path)
     flip(b / "parity.md", 10)  # same size, other bytes
     refused(tool, b, names=("manifest.json", "sha256 mismatch", "parity.md"))
-    ok(tool, b, "--no-verify")  # sizes only: passes
+    # without hashes only the store goes unhashed: every other file (the program too) still is
+    refused(tool, b, "--no-verify", names=("manifest.json", "sha256 mismatch", "parity.md"))
 
 
 def test_tampered_manifest_hash(tool, bundle, tmp_path):
@@ -260,6 +261,13 @@ def test_flipped_byte_in_store_index(tool, bundle, tmp_path):
     b = copy_bundle(bundle, tmp_path)
     flip(b / "experts.spx", 128 + 32 * 3 + 24)  # expert (0, 3)'s CRC field
     refused(tool, b, names=("sha256 mismatch", "experts.spx"))
+    # unhashed, the store's identity (the sha256 of its header, index and metadata) still is checked
+    refused(tool, b, "--no-verify", names=("experts.spx", "not the expert store the bundle was exported with"))
+    raw = (b / "experts.spx").read_bytes()  # with the identity rewritten too, the store's own index CRC catches it
+    L, E, meta_len = struct.unpack_from("<II", raw, 16) + struct.unpack_from("<I", raw, 44)
+    m = manifest(b)
+    m["runtime"]["expert_store_index_sha256"] = hashlib.sha256(raw[:128 + 32 * L * E + meta_len]).hexdigest()
+    write_manifest(b, m)
     refused(tool, b, "--no-verify", names=("experts.spx", "index is corrupt (checksum mismatch)"))
 
 

@@ -229,6 +229,25 @@ def test_simulator_orders_policies(sim_trace, tiny_models):
                        geometry=str(cfg_dir))
     assert g["routing_from"]["replayed_onto_other_geometry"] is True
     assert g["geometry"]["num_layers"] == 16 and g["geometry"]["slot_bytes"] == 3 * 256 * 256 * 2
+    m = g["routing_from"]["mapping"]
+    assert "floor(i x 8 / 16)" in m and "only 32 of each layer's 64 experts" in m
+    assert g["pool_share_of_routed_experts"] == pytest.approx(2 * g["pool_share_of_experts"], rel=1e-3)
+
+
+def test_replay_onto_more_layers_predicts_every_layer():
+    """16 geometry layers over 8 trace layers: a layer that repeats its trace layer is planned from that
+    trace layer's prediction made one trace layer earlier (the previous token's for trace layer 0)."""
+    import torch
+
+    from toolkit.simulate.replay import _copy_prediction, _trace_h
+
+    layer_map = [li * 8 // 16 for li in range(16)]
+    assert [_trace_h(li, 1, 16, layer_map, 8) for li in (0, 1, 15)] == [0, 1, 1]
+    preds = {(2, 1): "h1 from trace layer 2", (7, 1): "cross-token from layer 7"}
+    rows = torch.tensor([10, 11])
+    assert _copy_prediction(preds, 3, 8, rows, 1) == ("h1 from trace layer 2", 11)
+    assert _copy_prediction(preds, 0, 8, rows, 1) == ("cross-token from layer 7", 10)
+    assert _copy_prediction(preds, 0, 8, rows, 0) == (None, None)
 
 
 def test_profiles_load_and_reject(tmp_path):

@@ -5,6 +5,7 @@
     specprefetch export MODEL_DIR --out B  a phone-ready bundle (ExecuTorch / QNN / AI Hub), parity-checked
     specprefetch inspect BUNDLE            validate a bundle and summarise it
     specprefetch tiny FAMILY --out DIR     a tiny random checkpoint of a family, for trying things
+    specprefetch widen MODEL --moe-intermediate-size N --out DIR   wider experts, same function
 
 MODEL_DIR may be `embedded` for the embedded default model.
 """
@@ -104,6 +105,10 @@ def friendly_errors(fn=None, *, interrupt: str = "nothing was written"):
             except UnicodeError as e:  # a backstop: input files are checked where they are named
                 click.echo(f"error: text that is not valid UTF-8 ({one_line(e)})", err=True)
                 sys.exit(2)
+            finally:
+                from toolkit.artifacts import release_report_claims
+
+                release_report_claims()  # the command's claims on its report files end with it
         return wrapper
     return deco(fn) if fn is not None else deco
 
@@ -113,8 +118,9 @@ class FiniteFloat(click.ParamType):
     inf, words or empty text."""
     name = "number"
 
-    def __init__(self, low: float = 0.0, *, inclusive: bool = False):
-        self.low, self.inclusive = low, inclusive
+    def __init__(self, low: float = 0.0, *, inclusive: bool = False, high: float | None = None,
+                 unit: str = ""):
+        self.low, self.inclusive, self.high, self.unit = low, inclusive, high, unit
 
     def convert(self, value, param, ctx):
         if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -127,12 +133,17 @@ class FiniteFloat(click.ParamType):
         if not math.isfinite(v) or v < self.low or (v == self.low and not self.inclusive):
             self.fail(f"{value!r}: must be a finite number {'>=' if self.inclusive else 'above'} {self.low:g}",
                       param, ctx)
+        if self.high is not None and v > self.high:
+            self.fail(f"{value!r}: too large: at most {self.high:g}{self.unit}", param, ctx)
         return v
 
 
 class FloatList(click.ParamType):
-    """Comma-separated finite positive numbers, e.g. 4,8,16."""
+    """Comma-separated finite positive numbers, e.g. 4,8,16 (each checked as `item`)."""
     name = "list"
+
+    def __init__(self, item: FiniteFloat | None = None):
+        self.item = item or FiniteFloat()
 
     def convert(self, value, param, ctx):
         if isinstance(value, list):
@@ -140,7 +151,7 @@ class FloatList(click.ParamType):
         items = [x for x in str(value).split(",") if x.strip()]
         if not items:
             self.fail(f"{value!r}: expected comma-separated numbers", param, ctx)
-        return [FiniteFloat().convert(x, param, ctx) for x in items]
+        return [self.item.convert(x, param, ctx) for x in items]
 
 
 class IntList(click.ParamType):
@@ -200,10 +211,12 @@ class TextFile(click.Path):
     def convert(self, value, param, ctx):
         import codecs
 
+        from toolkit.traces.data import open_input
+
         path = super().convert(value, param, ctx)
         dec, offset = codecs.getincrementaldecoder("utf-8")(), 0
         try:
-            with open(path, "rb") as f:
+            with open_input(path, "") as f:  # a regular file of bounded size: a FIFO or /dev/zero is refused unread
                 while chunk := f.read(1 << 20):
                     try:
                         dec.decode(chunk)
@@ -213,18 +226,62 @@ class TextFile(click.Path):
                 dec.decode(b"", final=True)
         except UnicodeDecodeError as e:
             self.fail(f"{path}: not UTF-8 text (it ends inside a character: {e.reason})", param, ctx)
+        except SpecPrefetchError as e:
+            self.fail(str(e), param, ctx)
         except OSError as e:
             self.fail(f"{path}: cannot read it ({e.strerror or e})", param, ctx)
         return path
 
 
-POOL_MIB = FiniteFloat()
+# A pool in MiB: finite, above 0, and at most 1e9 MiB (about a PiB: its bytes fit a signed 64-bit
+# integer with room to spare, and the native runner takes it; a pool past every expert's bytes simply
+# holds them all, so no real pool is refused)
+MAX_POOL_MIB = 1e9
+POOL_MIB = FiniteFloat(high=MAX_POOL_MIB, unit=" MiB")
+POOL_MIB_LIST = FloatList(POOL_MIB)
+# Generated tokens a timed comparison with the simulator needs: the bench prompts are traced with
+# one token fewer as decode tokens, and the simulator times sequences of two or more of them
+MIN_TIMED_TOKENS = 3
 OUT_FILE = OutPath(dir_okay=False, path_type=Path)  # an output file: a directory there is a one-line error
 OUT_DIR = OutPath(file_okay=False, path_type=Path)  # an output directory: a file there is a one-line error
 WINDOW_HELP = ("prefetch window: MoE layers planned ahead (one step is one MoE layer of one token; the window "
                "crosses into the next token), 1..the model's MoE layers")
 NOT_WRITTEN = "{json_out} was not written"
 NOTHING_TO_OUT = "nothing was written to {out}"
+OVERWRITE_REPORT = ("replace an existing report at --json (and its .md/.png) if this command wrote it; "
+                    "nothing else is ever replaced")
+
+
+def _inputs(*paths) -> list[Path]:
+    """A command's inputs that exist, as paths (`embedded` / `phone`: the shipped model's directory):
+    what its outputs must never be, nor lie inside."""
+    from toolkit.models.loader import resolve_model_dir
+
+    out: list[Path] = []
+    for p in paths:
+        if p is None:
+            continue
+        if isinstance(p, (list, tuple)):
+            out += _inputs(*p)
+            continue
+        q = resolve_model_dir(p) if isinstance(p, str) else Path(p)
+        if q.exists():
+            out.append(q)
+    return out
+
+
+def claim(out, kind: str, overwrite: bool, inputs=(), option: str = "--json", siblings=None, beside=()):
+    """Claim a report file before any work (toolkit.artifacts.claim_report): the rule for every
+    --json, --events and profile --out; `kind` is the command that writes it."""
+    from toolkit.artifacts import REPORT_SIBLINGS, claim_report
+
+    return claim_report(out, kind=kind, overwrite=overwrite, inputs=_inputs(*inputs), option=option,
+                        siblings=REPORT_SIBLINGS if siblings is None else siblings, beside=beside)
+
+
+def wrote(*claims) -> str:
+    """`wrote A, B, C`: the files the claims wrote (a FIFO or /dev/null: the JSON alone)."""
+    return "wrote " + ", ".join(str(f) for c in claims if c is not None for f in c.files())
 
 
 def fmt(v, spec: str = ".2f") -> str:
@@ -464,10 +521,12 @@ def train(traces, out, model, rank, horizons, cross_token, horizon_weights, topk
               help="bits of the draft's routed experts")
 @click.option("--json", "json_out", required=True, type=OUT_FILE,
               help="JSON report; the Markdown table and PNG plot go beside it")
+@click.option("--overwrite", is_flag=True, help=OVERWRITE_REPORT)
 @friendly_errors(interrupt=NOT_WRITTEN)
-def eval_cmd(traces, adapter, predictors, model, horizons, budget, draft_bits, json_out) -> None:
+def eval_cmd(traces, adapter, predictors, model, horizons, budget, draft_bits, json_out, overwrite) -> None:
     """Recall@k, recall/precision within a budget, per-layer curves for each predictor on the
     held-out decode tokens of TRACES."""
+    c = claim(json_out, "eval", overwrite, inputs=(traces, adapter, model))
     from toolkit.predictors.evaluate import ALL, evaluate, markdown, write_reports
 
     names = [p.strip() for p in predictors.split(",")] if predictors else [
@@ -475,9 +534,9 @@ def eval_cmd(traces, adapter, predictors, model, horizons, budget, draft_bits, j
     r = evaluate(traces, predictors=names, adapter=adapter, model=model,
                  horizons=_ints(horizons, "--horizons") if horizons else None, budget=budget,
                  draft_bits=draft_bits)
-    md, png = write_reports(r, json_out)
+    write_reports(r, json_out)
     click.echo(markdown(r))
-    click.echo(f"wrote {json_out}, {md}, {png}")
+    click.echo(wrote(c))
 
 
 @main.command()
@@ -506,7 +565,7 @@ def store(model, out, dtype, overwrite) -> None:
 @click.option("--adapter", type=click.Path(path_type=Path), default=None)
 @click.option("--profile", default="snapdragon-8-elite", show_default=True,
               help="snapdragon-8-elite, this-machine (after calibrate), or a profile JSON file")
-@click.option("--pool-mib", type=FloatList(), default="8", show_default=True, help="pool budget; comma list to sweep")
+@click.option("--pool-mib", type=POOL_MIB_LIST, default="8", show_default=True, help="pool budget; comma list to sweep")
 @click.option("--window", "windows", type=IntList(1), default="2", show_default=True,
               help=WINDOW_HELP + "; a comma list sweeps")
 @click.option("--queue-depth", type=click.IntRange(min=1), default=4, show_default=True)
@@ -515,23 +574,29 @@ def store(model, out, dtype, overwrite) -> None:
 @click.option("--split", default="heldout", show_default=True, type=click.Choice(["heldout", "train"]))
 @click.option("--max-sequences", type=click.IntRange(min=1), default=None)
 @scheduler_limits
-@click.option("--json", "json_out", required=True, type=OUT_FILE)
+@click.option("--json", "json_out", required=True, type=OUT_FILE,
+              help="JSON report; the Markdown table and PNG plot go beside it")
+@click.option("--overwrite", is_flag=True, help=OVERWRITE_REPORT)
 @friendly_errors(interrupt=NOT_WRITTEN)
 def simulate(traces, policies, adapter, profile, pool_mib, windows, queue_depth, dtype, geometry, split,
-             max_sequences, min_confidence, step_budget_kib, json_out) -> None:
+             max_sequences, min_confidence, step_budget_kib, json_out, overwrite) -> None:
     """Replay TRACES through the pool and scheduler against a device profile: TPOT, stall, hit
     rate, MiB read and wasted prefetch per policy; sweeps give a table and plots."""
+    from toolkit.runtime.profiles import profile_dir
+
+    c = claim(json_out, "simulate", overwrite,
+              inputs=(traces, adapter, geometry, Path(profile), profile_dir() / f"{profile}.json"))
     from toolkit.runtime.policy import parse_policies
     from toolkit.runtime.profiles import load_profile
-    from toolkit.simulate.report import sweep, write_sweep
+    from toolkit.simulate.report import markdown, sweep, write_sweep
 
     r = sweep(traces, policies=parse_policies(policies), profile=load_profile(profile), pools=pool_mib,
               windows=windows, queue_depth=queue_depth, dtype=dtype, geometry=geometry, adapter=adapter,
               split=split, max_sequences=max_sequences, min_confidence=min_confidence,
               step_budget_kib=step_budget_kib)
-    md, png = write_sweep(r, json_out)
-    click.echo(md.read_text())
-    click.echo(f"wrote {json_out}, {md}, {png}")
+    write_sweep(r, json_out)
+    click.echo(markdown(r))
+    click.echo(wrote(c))
 
 
 @main.command()
@@ -539,14 +604,25 @@ def simulate(traces, policies, adapter, profile, pool_mib, windows, queue_depth,
 @click.option("--store", "store_path", type=click.Path(path_type=Path), default=None,
               help="expert store (default: built once into ~/.cache/specprefetch/stores)")
 @click.option("--reads", type=click.IntRange(min=1), default=200, show_default=True, help="reads per measured point")
-@click.option("--out", type=OUT_FILE, default=None, help="profile JSON (default: the cache)")
+@click.option("--out", type=OUT_FILE, default=None,
+              help="profile JSON [default: the profile cache, where `this-machine` is found; replaced there]")
+@click.option("--overwrite", is_flag=True, help="replace an existing device profile at --out (nothing else)")
 @friendly_errors(interrupt="the profile was not written")
-def calibrate(model, store_path, reads, out) -> None:
+def calibrate(model, store_path, reads, out, overwrite) -> None:
     """Measure this machine (O_DIRECT expert reads by queue depth, runtime compute per layer and
     expert) into the `this-machine` device profile."""
+    import tempfile
+
+    from toolkit.reporting import write_json_report
     from toolkit.simulate.calibrate import calibrate as run_calibrate
 
-    prof, path = run_calibrate(model, store=store_path, reads=reads, out=out)
+    if out is None:  # the cache: each calibration replaces the last
+        prof, path = run_calibrate(model, store=store_path, reads=reads)
+    else:
+        claim(out, "profile", overwrite, inputs=(model, store_path), option="--out", siblings=())
+        with tempfile.TemporaryDirectory() as tmp:  # measured first; --out written by the claim's rule
+            prof, _ = run_calibrate(model, store=store_path, reads=reads, out=Path(tmp) / "profile.json")
+        path = write_json_report(out, prof.to_json())
     click.echo(json.dumps(prof.to_json(), indent=1))
     click.echo(f"wrote {path}")
 
@@ -597,14 +673,22 @@ def calibrate(model, store_path, reads, out) -> None:
 @click.option("--abi", default="host", show_default=True, type=click.Choice(["host", "arm64"]),
               help="--engine native: this machine's build, or the arm64 build (under qemu-aarch64 on x86-64)")
 @click.option("--json", "json_out", required=True, type=OUT_FILE,
-              help='{"policy": ..., "runs": [one per --prompt], "peak_rss_bytes": ...} (docs/runtime.md)')
+              help='{"specprefetch_report": "run", "policy": ..., "runs": [one per --prompt], "peak_rss_bytes": ...} '
+                   '(docs/runtime.md)')
+@click.option("--overwrite", is_flag=True,
+              help="replace an existing --json report and --events log if this command wrote them; nothing else "
+                   "is ever replaced")
 @friendly_errors(interrupt=NOT_WRITTEN)
 def run(model, policy, adapter, frequency_trace, pool_mib, window, queue_depth, store_path, dtype, device,
         flash_profile, draft_k, prompts, max_new_tokens, max_seq, threads, io_mode, check, events_out, min_confidence, step_budget_kib,
-        engine, abi, json_out) -> None:
+        engine, abi, json_out, overwrite) -> None:
     """Run MODEL (a model directory, `embedded`, or a bundle) with its experts streamed from the
     expert store through a bounded pool (real O_DIRECT reads); prints each prompt's generated text
     and figures; with --check, compare the tokens with the unmodified model."""
+    inputs = (model, adapter, frequency_trace, store_path, Path(flash_profile) if flash_profile else None)
+    c = claim(json_out, "run", overwrite, inputs=inputs, siblings=())
+    if events_out:
+        claim(events_out, "events", overwrite, inputs=inputs, option="--events", siblings=(), beside=(c,))
     if device != "cpu":
         ctx = click.get_current_context()
         ignored = [o for o in ("queue_depth", "step_budget_kib", "threads", "io_mode", "max_seq")
@@ -635,11 +719,11 @@ def run(model, policy, adapter, frequency_trace, pool_mib, window, queue_depth, 
         raise SpecPrefetchError("--abi: only with --engine native")
     from export.manifest import read_manifest
     from export.session import is_bundle, open_session, reference_tokens
-    from toolkit.artifacts import write_json_atomic
+    from toolkit.reporting import write_json_report, write_text_report
     from toolkit.runtime.events import EventLog
     from toolkit.runtime.policy import Policy
     from toolkit.runtime.profiles import load_profile
-    from toolkit.runtime.runner import RunConfig, write_events
+    from toolkit.runtime.runner import RunConfig
     from toolkit.runtime.stats import peak_rss_bytes
 
     from toolkit.bench import torch_threads
@@ -687,9 +771,9 @@ def run(model, policy, adapter, frequency_trace, pool_mib, window, queue_depth, 
                 click.echo(f"note: {s.label} ({s.runner.store.dtype} experts) decodes other tokens than the "
                            f"unmodified model for prompt {r['prompt']!r} (reduced precision)", err=True)
     out = {"policy": pol.name, "runs": runs, "peak_rss_bytes": rss}  # one shape for one prompt or several
-    write_json_atomic(json_out, out)
+    write_json_report(json_out, out)
     if events_out:
-        write_events(events_out, log)
+        write_text_report(events_out, "\n".join(log.lines) + "\n")
     for r in runs:
         _echo_text(r)
         click.echo(f"{pol.name}: TTFT {fmt(r['ttft_ms'], '.1f')} ms, TPOT {fmt(r['tpot_ms'])} ms "
@@ -720,8 +804,8 @@ def _run_gpu(model, *, device, policy, adapter, store_path, dtype, pool_mib, win
              min_confidence, json_out, draft_k) -> None:
     """`run --device cuda`: the GPU tier (toolkit/runtime/gpu.py), the same JSON shape as the CPU engines."""
     from export.session import is_bundle
-    from toolkit.artifacts import write_json_atomic
     from toolkit.models.loader import inspect_model_dir, load_model
+    from toolkit.reporting import write_json_report
     from toolkit.runtime.expert_store import ExpertStore
     from toolkit.runtime.gpu import GpuEngine
     from toolkit.runtime.gpu_bench import gpu_predictors, reference_generate
@@ -769,7 +853,7 @@ def _run_gpu(model, *, device, policy, adapter, store_path, dtype, pool_mib, win
                                      torch.float16 if cuda else torch.float32, timed=False)
         for r, ref in zip(runs, refs):
             r["matches_unmodified_model"] = r["tokens"] == ref
-    write_json_atomic(json_out, {"policy": pol.name, "device": device, "runs": runs, "peak_rss_bytes": rss})
+    write_json_report(json_out, {"policy": pol.name, "device": device, "runs": runs, "peak_rss_bytes": rss})
     for r in runs:
         _echo_text(r)
         click.echo(f"{pol.name} on {device}: TTFT {fmt(r['ttft_ms'], '.1f')} ms, TPOT {fmt(r['tpot_ms'])} ms, "
@@ -802,10 +886,12 @@ def _run_native(model, *, abi, policy, pool_mib, window, queue_depth, prompts, m
     """`run --engine native`: the C++ runner on an ExecuTorch bundle, the same JSON as the Python engine."""
     from transformers import AutoTokenizer
 
+    import tempfile
+
     from android_runner.build import build, has_tokenizer, run_native
     from export.manifest import validate_bundle
     from export.session import is_bundle, reference_tokens
-    from toolkit.artifacts import write_json_atomic
+    from toolkit.reporting import write_json_report, write_text_report
 
     if not is_bundle(model):
         raise SpecPrefetchError(f"{model}: --engine native runs an exported bundle (specprefetch export "
@@ -817,9 +903,13 @@ def _run_native(model, *, abi, policy, pool_mib, window, queue_depth, prompts, m
     # in); a runner built with --no-tokenizer gets transformers' ids
     out = build(model, abi)
     text_in = has_tokenizer(out)
-    res = run_native(model, list(prompts) if text_in else encoded, abi=abi, runner=out, max_new_tokens=max_new_tokens, policy=policy, pool_mib=pool_mib,
-                     window=window, queue_depth=queue_depth, min_confidence=min_confidence,
-                     step_budget_kib=step_budget_kib, events=events_out, threads=threads)
+    with tempfile.TemporaryDirectory() as tmp:  # the runner's log, then --events by the claim's rule
+        ev = Path(tmp) / "events.log" if events_out else None
+        res = run_native(model, list(prompts) if text_in else encoded, abi=abi, runner=out,
+                         max_new_tokens=max_new_tokens, policy=policy, pool_mib=pool_mib, window=window,
+                         queue_depth=queue_depth, min_confidence=min_confidence, step_budget_kib=step_budget_kib,
+                         events=ev, threads=threads)
+        events_text = ev.read_text(encoding="utf-8") if ev is not None else None
     src = Path(m["model"].get("source", ""))
     source_model = src if (src / "config.json").is_file() else None
     if source_model is not None:  # only the checkpoint whose weights the bundle's store was built from
@@ -855,7 +945,9 @@ def _run_native(model, *, abi, policy, pool_mib, window, queue_depth, prompts, m
     out = {"policy": res["policy"], "engine": f"native-{abi}", "runs": runs}  # the Python engine's shape
     for k in ("peak_rss_bytes", "load_ms", "kernel_isa", "direct_io", "io_note", "tokenizer", "threads"):
         out[k] = res[k]
-    write_json_atomic(json_out, out)
+    write_json_report(json_out, out)
+    if events_out:
+        write_text_report(events_out, events_text)
     for r in runs:
         _echo_text(r)
         click.echo(f"{res['policy']} (native {abi}, {res['kernel_isa']} kernels): TTFT {fmt(r['ttft_ms'], '.1f')} ms, "
@@ -882,12 +974,14 @@ def runner() -> None:
 @click.option("--tokenizer/--no-tokenizer", default=None,
               help="build the C++ tokenizer in (text in and out) or leave it out (token ids only) "
                    "[default: what the existing build has; a new build has it]")
+@click.option("--overwrite", is_flag=True,
+              help="replace a runner build of another configuration at --out (only a runner build)")
 @friendly_errors(interrupt="a build in progress is kept in the build directory and the same command continues it")
-def runner_build(bundle, abi, out, force, tokenizer) -> None:
+def runner_build(bundle, abi, out, force, tokenizer, overwrite) -> None:
     """Generate the native runner's CMake project for BUNDLE and build it (CMake + Ninja)."""
     from android_runner.build import build, command, has_tokenizer
 
-    d = build(bundle, abi, out, force=force, tokenizer=tokenizer)
+    d = build(bundle, abi, out, force=force, tokenizer=tokenizer, **({"overwrite": True} if overwrite else {}))
     click.echo(f"runner: {d / 'bin' / 'specprefetch-runner'} "
                f"({'text in and out' if has_tokenizer(d) else 'token ids only'})")
     if abi == "arm64":
@@ -898,24 +992,28 @@ def runner_build(bundle, abi, out, force, tokenizer) -> None:
 @runner.command(name="bench")
 @click.argument("bundle", type=click.Path(path_type=Path))
 @click.option("--prompts", type=click.IntRange(min=1), default=4, show_default=True)
-@click.option("--new-tokens", type=click.IntRange(min=2), default=32, show_default=True)
+@click.option("--new-tokens", type=click.IntRange(min=MIN_TIMED_TOKENS), default=32, show_default=True,
+              help=f"tokens per prompt, at least {MIN_TIMED_TOKENS}: the simulator needs two decode tokens to time")
 @click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True)
 @click.option("--pool-frac", "pool_fracs", type=FloatList(), default="0.13,0.27", show_default=True,
               help="pools as fractions of all experts")
 @click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
               help="ExecuTorch's thread pool for the layer graphs, in both engines")
-@click.option("--json", "json_out", required=True, type=OUT_FILE)
+@click.option("--json", "json_out", required=True, type=OUT_FILE,
+              help="JSON report; the Markdown table and PNG plot go beside it")
+@click.option("--overwrite", is_flag=True, help=OVERWRITE_REPORT)
 @friendly_errors(interrupt=NOT_WRITTEN)
-def runner_bench(bundle, prompts, new_tokens, rounds, pool_fracs, threads, json_out) -> None:
+def runner_bench(bundle, prompts, new_tokens, rounds, pool_fracs, threads, json_out, overwrite) -> None:
     """Measure the native runner: all experts resident (vs the Python runner and the memory floor),
     and streaming from a cold cache at a few pool sizes (interleaved rounds)."""
-    from android_runner.bench import run as run_native_bench, write
+    c = claim(json_out, "runner bench", overwrite, inputs=(bundle,))
+    from android_runner.bench import markdown, run as run_native_bench, write
 
     r = run_native_bench(bundle, prompts=prompts, new_tokens=new_tokens, rounds=rounds, pool_fracs=tuple(pool_fracs),
                          threads=threads, log=lambda s: click.echo(s, err=True))
-    md, png = write(r, json_out)
-    click.echo(md.read_text())
-    click.echo(f"wrote {json_out}, {md}, {png}")
+    write(r, json_out)
+    click.echo(markdown(r))
+    click.echo(wrote(c))
 
 
 @main.group()
@@ -925,16 +1023,19 @@ def device() -> None:
 
 @device.command(name="list")
 @click.option("--json", "json_out", type=OUT_FILE, default=None, help="also write the list as JSON")
+@click.option("--overwrite", is_flag=True, help="replace an existing --json list if this command wrote it")
 @friendly_errors(interrupt="nothing was written")
-def device_list(json_out) -> None:
+def device_list(json_out, overwrite) -> None:
     """Every attached device: state, SoC, ABI, RAM, free space, CPU clusters, inlinecrypt."""
-    from toolkit.artifacts import write_json_atomic
+    if json_out:
+        claim(json_out, "device list", overwrite, siblings=())
     from toolkit.device.phone import list_devices, states_table
+    from toolkit.reporting import write_json_report
 
     rows = list_devices()
     click.echo(states_table(rows))
     if json_out:
-        write_json_atomic(json_out, {"devices": rows})
+        write_json_report(json_out, {"devices": rows})
 
 
 @device.command(name="push")
@@ -1008,23 +1109,26 @@ def device_standin(port, root_dir, root_user, abi, faults) -> None:
               help="also run llama.cpp's llama-bench on the same model (GGUF f16), interleaved")
 @click.option("--run-timeout", type=FiniteFloat(), default=900.0, show_default=True,
               help="seconds one run may take on the device; past it the run is killed there and the bench stops")
-@click.option("--json", "json_out", required=True, type=OUT_FILE)
+@click.option("--json", "json_out", required=True, type=OUT_FILE,
+              help="JSON report; the Markdown table and PNG plot go beside it")
+@click.option("--overwrite", is_flag=True, help=OVERWRITE_REPORT)
 @friendly_errors(interrupt=NOT_WRITTEN)
 def device_bench(bundle, serial, policies, pool_mib, prompts, max_new_tokens, repeats, threads, fixed_performance,
-                 cooldown_timeout, max_temp_c, peer, run_timeout, json_out) -> None:
+                 cooldown_timeout, max_temp_c, peer, run_timeout, json_out, overwrite) -> None:
     """Benchmark policies on the phone: cold cache, pinned to the big cores, interleaved, with a
     cool-down between runs; pulls every run's JSON and writes a table, a PNG and the JSON."""
-    from toolkit.device.phone import bench
+    c = claim(json_out, "device bench", overwrite, inputs=(bundle,))
+    from toolkit.device.phone import bench, markdown
     from toolkit.runtime.policy import parse_policies
 
     names = [p.name for p in parse_policies(policies, "--policies")]
-    bench(bundle, serial=serial, policies=names, pool_mib=pool_mib, prompts=list(prompts),
+    r = bench(bundle, serial=serial, policies=names, pool_mib=pool_mib, prompts=list(prompts),
           max_new_tokens=max_new_tokens, repeats=repeats, json_out=json_out, fixed_performance=fixed_performance,
           threads=threads, cooldown_timeout_s=cooldown_timeout, max_temp_c=max_temp_c, peer=peer,
           run_timeout_s=run_timeout,
           log=lambda s: click.echo(s, err=True))
-    click.echo(json_out.with_suffix(".md").read_text())
-    click.echo(f"wrote {json_out}, {json_out.with_suffix('.md')}, {json_out.with_suffix('.png')}")
+    click.echo(markdown(r))
+    click.echo(wrote(c))
 
 
 @main.command()
@@ -1033,9 +1137,11 @@ def device_bench(bundle, serial, policies, pool_mib, prompts, max_new_tokens, re
               help="prefetch adapter (model directories; needed by the adapter policies)")
 @click.option("--policies", default="on-demand+lru,next-gate+prediction,adapter+prediction,adapter+lru,oracle+belady",
               show_default=True, help="comma-separated PREDICTOR+EVICTION")
-@click.option("--pool-mib", type=FloatList(), default="4,8", show_default=True)
+@click.option("--pool-mib", type=POOL_MIB_LIST, default="4,8", show_default=True)
 @click.option("--prompts", type=click.IntRange(min=1), default=4, show_default=True)
-@click.option("--new-tokens", type=click.IntRange(min=2), default=48, show_default=True)
+@click.option("--new-tokens", type=click.IntRange(min=2), default=48, show_default=True,
+              help=f"tokens per prompt; at least {MIN_TIMED_TOKENS} unless --no-simulate (the simulator needs two "
+                   "decode tokens to time)")
 @click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True)
 @click.option("--window", type=click.IntRange(min=1), default=2, show_default=True, help=WINDOW_HELP)
 @click.option("--flash-profile", default=None, help="pace reads to a device profile (emulated flash)")
@@ -1050,7 +1156,8 @@ def device_bench(bundle, serial, policies, pool_mib, prompts, max_new_tokens, re
               help="--peer: an ExecuTorch bundle whose source checkpoint is on this machine (repeatable)")
 @click.option("--limits", default="1,0.75,0.5,0.25,none", show_default=True,
               help="--peer: memory limits as fractions of the model's f16 GGUF bytes; none: no limit")
-@click.option("--prompt-tokens", type=click.IntRange(min=1), default=64, show_default=True, help="--peer")
+@click.option("--prompt-tokens", type=click.IntRange(min=1), default=64, show_default=True,
+              help="tokens per bench prompt")
 @click.option("--timeout", type=FiniteFloat(), default=600.0, show_default=True,
               help="--peer: seconds one run may take (a run past it is recorded as a timeout)")
 @click.option("--device", default="cpu", show_default=True, callback=lambda c, p, v: _device(v, p),
@@ -1059,17 +1166,32 @@ def device_bench(bundle, serial, policies, pool_mib, prompts, max_new_tokens, re
               help="--device cuda: pool sizes as fractions of all experts")
 @click.option("--draft-k", default="2,4,6,8,12", show_default=True,
               help="--device cuda: the draft's K values the profiling pass tries")
-@click.option("--json", "json_out", required=True, type=OUT_FILE)
+@click.option("--json", "json_out", required=True, type=OUT_FILE,
+              help="JSON report; the Markdown table and PNG plot go beside it")
+@click.option("--overwrite", is_flag=True, help=OVERWRITE_REPORT)
 @friendly_errors(interrupt=NOT_WRITTEN)
 @click.pass_context
 def bench(ctx, model, adapter, policies, pool_mib, prompts, new_tokens, rounds, window, flash_profile, store_path,
           no_simulate, frequency_trace, peer, bundles, limits, prompt_tokens, timeout, device, pool_fractions, draft_k,
-          json_out) -> None:
+          json_out, overwrite) -> None:
     """Measure the runner's policies side by side on MODEL (model directory, `embedded` or bundle):
     interleaved rounds, medians, token equality checked; the simulator beside them. With --peer
     llama.cpp: llama.cpp and the native runner on each --bundle under the same memory limits. With
     --device cuda: the GPU tier's policies, pools as fractions of the experts (docs/gpu-tier.md)."""
-    from toolkit.bench import run_bench, write
+    given = lambda *names: [n for n in names if not ctx_default(ctx, n)]  # noqa: E731
+    flags = lambda names: ", ".join("--" + n.replace("_", "-") for n in names)  # noqa: E731
+    if device == "cpu" and given("pool_fractions", "draft_k"):
+        raise SpecPrefetchError(f"{flags(given('pool_fractions', 'draft_k'))}: only with --device cuda (the GPU "
+                                "tier's bench); on the CPU the pools are --pool-mib")
+    if not peer and given("limits", "timeout"):
+        raise SpecPrefetchError(f"{flags(given('limits', 'timeout'))}: only with --peer llama.cpp")
+    if device == "cpu" and not peer and not no_simulate and new_tokens < MIN_TIMED_TOKENS:
+        raise SpecPrefetchError(f"--new-tokens {new_tokens}: the simulator comparison needs at least "
+                                f"{MIN_TIMED_TOKENS} (two decode tokens to time); pass more, or --no-simulate")
+    kind = "bench --device cuda" if device != "cpu" else "bench --peer llama.cpp" if peer else "bench"
+    c = claim(json_out, kind, overwrite, inputs=(model, adapter, store_path, frequency_trace, list(bundles),
+                                                  Path(flash_profile) if flash_profile else None))
+    from toolkit.bench import markdown, run_bench, write
     from toolkit.runtime.policy import parse_policies
 
     if device != "cpu":
@@ -1093,25 +1215,25 @@ def bench(ctx, model, adapter, policies, pool_mib, prompts, new_tokens, rounds, 
                                     fractions=pool_fractions, prompts=prompts, new_tokens=new_tokens, repeats=rounds,
                                     ks=ks, device=device, window=window,
                                     prompt_tokens=prompt_tokens, log=lambda m: click.echo(m, err=True))
-        md, png = gpu_bench.write(r, json_out)
-        click.echo(md.read_text())
-        click.echo(f"wrote {json_out}, {md}, {png}")
+        gpu_bench.write(r, json_out)
+        click.echo(gpu_bench.markdown(r))
+        click.echo(wrote(c))
         return
     if peer:
-        _bench_peer(bundles, limits, prompts, prompt_tokens, new_tokens, rounds, timeout, json_out)
+        _bench_peer(bundles, limits, prompts, prompt_tokens, new_tokens, rounds, timeout, json_out, c)
         return
     if bundles:
         raise SpecPrefetchError("--bundle: only with --peer llama.cpp (the bench of MODEL takes MODEL)")
 
     r = run_bench(model=model, adapter=adapter, policies=parse_policies(policies), pools=pool_mib, prompts=prompts,
-                  new_tokens=new_tokens, rounds=rounds, flash_profile=flash_profile, window=window,
-                  store=store_path, simulate=not no_simulate, frequency_trace=frequency_trace)
-    md, png = write(r, json_out)
-    click.echo(md.read_text())
-    click.echo(f"wrote {json_out}, {md}, {png}")
+                  prompt_tokens=prompt_tokens, new_tokens=new_tokens, rounds=rounds, flash_profile=flash_profile,
+                  window=window, store=store_path, simulate=not no_simulate, frequency_trace=frequency_trace)
+    write(r, json_out)
+    click.echo(markdown(r))
+    click.echo(wrote(c))
 
 
-def _bench_peer(bundles, limits, prompts, prompt_tokens, new_tokens, rounds, timeout, json_out) -> None:
+def _bench_peer(bundles, limits, prompts, prompt_tokens, new_tokens, rounds, timeout, json_out, c) -> None:
     from toolkit.peers import sidebyside
 
     if not bundles:
@@ -1131,9 +1253,9 @@ def _bench_peer(bundles, limits, prompts, prompt_tokens, new_tokens, rounds, tim
         fracs.append(v)
     r = sidebyside.run([Path(b) for b in bundles], limits=tuple(fracs), prompts=prompts, prompt_tokens=prompt_tokens,
                        new_tokens=new_tokens, rounds=rounds, timeout_s=timeout, log=lambda s: click.echo(s, err=True))
-    md, png = sidebyside.write(r, json_out)
-    click.echo(md.read_text())
-    click.echo(f"wrote {json_out}, {md}, {png}")
+    sidebyside.write(r, json_out)
+    click.echo(sidebyside.markdown(r))
+    click.echo(wrote(c))
     if r.get("status") == "partial":
         raise SpecPrefetchError(f"{r['reason']}: partial results ({len(r['rows'])} rows) in {json_out}")
 
@@ -1259,6 +1381,31 @@ def tiny(family: str, out: Path, seed: int, sets: tuple[str, ...], overwrite: bo
 
     hf_logging.disable_progress_bar()  # "Writing model shards" of a few MiB is not the user's business
     click.echo(f"wrote {build_tiny(family, out, seed=seed, overrides=overrides, overwrite=overwrite)}")
+
+
+@main.command()
+@click.argument("model", default="embedded")
+@click.option("--moe-intermediate-size", "width", required=True, type=click.IntRange(min=1),
+              help="the routed experts' new width (units of the intermediate axis); larger than today's")
+@click.option("--out", required=True, type=OUT_DIR, help="model directory to write")
+@click.option("--seed", default=0, show_default=True, help="seed of the added units' gate/up rows")
+@click.option("--overwrite", is_flag=True,
+              help="replace a checkpoint widen wrote at --out (only once the new one is complete)")
+@friendly_errors(interrupt=NOTHING_TO_OUT)
+def widen(model, width, out, seed, overwrite) -> None:
+    """Write MODEL with routed experts --moe-intermediate-size wide that compute exactly what
+    MODEL's compute (added units: ordinary gate/up rows, zero down-projection columns), for
+    studying larger experts on the same routing (docs/widen.md). Streams shard by shard.
+
+    MODEL is a checkpoint directory or `embedded`; every supported family's experts are gated MLPs."""
+    from toolkit.models.widen import widen_checkpoint
+
+    s = widen_checkpoint(model, out, width, overwrite=overwrite, seed=seed, progress=True)
+    fp16 = s["bytes_per_expert_fp16"]
+    click.echo(f"wrote {s['out']}: {s['family']} experts {s['moe_intermediate_size']['from']} -> "
+               f"{s['moe_intermediate_size']['to']} wide ({s['experts']} routed experts, {fp16['from']:,} -> "
+               f"{fp16['to']:,} B each in fp16), {len(s['shards'])} shard(s), {s['bytes'] / 2**20:,.1f} MiB; "
+               f"widened from {s['source']} (config hash {s['config_hash']['source']})")
 
 
 if __name__ == "__main__":

@@ -62,6 +62,17 @@ bool ends_with(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
+// A sha256 in hex (64 digits, either case), lowercased; anything else is refused naming `key`.
+std::string hex64(std::string sha, const std::string& where, const std::string& key) {
+  bool hex = sha.size() == 64;
+  for (char& c : sha) {
+    if (c >= 'A' && c <= 'F') c = char(c - 'A' + 'a');
+    if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'))) hex = false;
+  }
+  if (!hex) fail(where, key + " is not 64 hex digits");
+  return sha;
+}
+
 // "12" -> 12; anything but 1..9 decimal digits -> -1.
 int64_t parse_key(const std::string& s) {
   if (s.empty() || s.size() > 9) return -1;
@@ -105,14 +116,7 @@ Bundle parse_manifest(const std::string& text, const std::string& where) {
     std::string key = "files[" + quote(rel) + "]";
     FileEntry fe;
     fe.size = as_u64(field(it.value(), "size", where, key), where, key + ".size");
-    std::string sha = as_str(field(it.value(), "sha256", where, key), where, key + ".sha256");
-    bool hex = sha.size() == 64;
-    for (char& c : sha) {
-      if (c >= 'A' && c <= 'F') c = char(c - 'A' + 'a');
-      if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'))) hex = false;
-    }
-    if (!hex) fail(where, key + ".sha256 is not 64 hex digits");
-    fe.sha256 = sha;
+    fe.sha256 = hex64(as_str(field(it.value(), "sha256", where, key), where, key + ".sha256"), where, key + ".sha256");
     b.files[rel] = fe;
   }
 
@@ -228,6 +232,15 @@ Bundle parse_manifest(const std::string& text, const std::string& where) {
   if (!(b.pool_mib > 0) || b.pool_mib > double(1 << 24))
     fail(where, "runtime.pool_mib must be > 0 (and at most 16 TiB)");
   b.store_file = listed(b, field(rt, "expert_store", where, "runtime"), where, "runtime.expert_store");
+  for (auto [key, dst] : {std::pair<const char*, std::string*>{"expert_store_source", &b.store_source},
+                          {"expert_store_index_sha256", &b.store_index_sha256}}) {
+    const std::string k = std::string("runtime.") + key;
+    const json* v = optional(rt, key, where, "runtime");
+    if (!v)
+      fail(where, k + " missing (a bundle exported before specprefetch recorded its expert store's identity): "
+                      "export it again");
+    *dst = hex64(as_str(*v, where, k), where, k);
+  }
   if (const json* s = optional(rt, "scheduler", where, "runtime")) {
     jsonc::need_object(*s, where, "runtime.scheduler");
     SchedulerDefaults& S = b.scheduler;
@@ -315,6 +328,64 @@ std::string read_fd_text(int fd, const std::string& path, uint64_t max_bytes) {
   return out;
 }
 
+uint32_t le32(const uint8_t* p) { return uint32_t(p[0]) | uint32_t(p[1]) << 8 | uint32_t(p[2]) << 16 | uint32_t(p[3]) << 24; }
+uint64_t le64(const uint8_t* p) { return uint64_t(le32(p)) | uint64_t(le32(p + 4)) << 32; }
+
+// pread all of [off, off + n) of `fd` into `dst`; false on an error or end of file.
+bool pread_all(int fd, uint8_t* dst, size_t n, uint64_t off) {
+  while (n > 0) {
+    ssize_t r = ::pread(fd, dst, n, off_t(off));
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) return false;
+    dst += r, n -= size_t(r), off += uint64_t(r);
+  }
+  return true;
+}
+
+// The bundle's store is the one it was exported with: its header (128 bytes) and its index +
+// metadata block hash to the manifest's runtime.expert_store_index_sha256 (the blobs are not read,
+// but the index holds every blob's CRC-32, checked on each read). A store whose header does not
+// place that block inside the file is left to ExpertStore::open, which names the damage.
+void check_store_identity(const Bundle& b) {
+  int fd = ::open(b.store_path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (fd < 0) throw Error(jsonc::one_line(b.store_path + ": cannot open (" + std::strerror(errno) + ")"));
+  std::vector<uint8_t> head(128), body;
+  bool readable = false;
+  struct stat st;
+  if (::fstat(fd, &st) == 0 && st.st_size >= 128 && pread_all(fd, head.data(), head.size(), 0)) {
+    const uint64_t L = le32(&head[16]), E = le32(&head[20]), meta_len = le32(&head[44]), index_offset = le64(&head[48]);
+    const uint64_t body_len = 32 * L * E + meta_len;  // L, E < 2^32: no overflow in 64 bits
+    // (every entry implies a blob slot of at least 4096 bytes: an index larger than that is no store)
+    if (L <= (1u << 16) && E <= (1u << 16) && 32 * L * E <= uint64_t(st.st_size) / 128 &&
+        meta_len <= (64u << 20) && index_offset >= 128 &&
+        index_offset <= uint64_t(st.st_size) && body_len <= uint64_t(st.st_size) - index_offset) {
+      body.resize(size_t(body_len));
+      readable = pread_all(fd, body.data(), body.size(), index_offset);
+    }
+  }
+  ::close(fd);
+  if (!readable) return;
+  Sha256 h;
+  h.update(head.data(), head.size());
+  h.update(body.data(), body.size());
+  if (h.hexdigest() == b.store_index_sha256) return;
+  // name the cause where the metadata says it: the weights it was built from
+  const uint64_t meta_len = le32(&head[44]);
+  std::string source;
+  try {
+    json meta = jsonc::parse(std::string(body.end() - ptrdiff_t(meta_len), body.end()), b.store_path, "metadata");
+    source = meta.at("source").at("digest").get<std::string>();
+  } catch (const std::exception&) {
+  }
+  if (!source.empty() && source != b.store_source)
+    throw Error(jsonc::one_line(b.store_path + ": expert store built from other weights (source digest " +
+                                source.substr(0, 16) + "...) than the bundle was exported with (" +
+                                b.store_source.substr(0, 16) + "...): another store was put in its place; export again"));
+  throw Error(jsonc::one_line(b.store_path + ": not the expert store the bundle was exported with (its header, index "
+                              "and metadata do not hash to the manifest's runtime.expert_store_index_sha256): "
+                              "damaged, rebuilt or replaced"));
+}
+
 }  // namespace
 
 std::string read_text_file(const std::string& path, uint64_t max_bytes) {
@@ -378,7 +449,8 @@ Bundle Bundle::open(const std::string& dir_in, bool verify_hashes) {
       if (uint64_t(st.st_size) != fe.size)
         fail(where, quote(rel) + " is " + std::to_string(st.st_size) + " bytes, the manifest says " +
                         std::to_string(fe.size) + " (truncated or modified?)");
-      if (verify_hashes) {
+      // without verify_hashes only the store goes unhashed: the program is hashed on every start
+      if (verify_hashes || rel != b.store_file || rel == b.program_file) {
         uint64_t n = 0;
         std::string got = sha256_fd(fd, real, &n);
         if (n != fe.size || got != fe.sha256) fail(where, "sha256 mismatch for " + quote(rel) + " (tampered or truncated?)");
@@ -392,6 +464,7 @@ Bundle Bundle::open(const std::string& dir_in, bool verify_hashes) {
   }
   b.program_path = resolved.at(b.program_file);
   b.store_path = resolved.at(b.store_file);
+  check_store_identity(b);
   b.config_path = resolved.at(b.config_file);
   if (!b.host_file.empty()) b.host_path = resolved.at(b.host_file);
   if (!b.tokenizer_file.empty()) b.tokenizer_path = resolved.at(b.tokenizer_file);

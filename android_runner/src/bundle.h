@@ -71,6 +71,10 @@ struct Bundle {
   // the manifest has no predictor.preds_rows.
   std::map<int, std::vector<int>> preds_rows;
   double pool_mib = 0;             // runtime.pool_mib: default expert pool budget (> 0, finite)
+  // runtime.expert_store_source / expert_store_index_sha256: the exported store's identity (the
+  // digest of the weights it was built from; the sha256 of its header, index and metadata), both
+  // 64 lowercase hex digits. open() compares them with the store on every open, hashes or not.
+  std::string store_source, store_index_sha256;
   SchedulerDefaults scheduler;     // runtime.scheduler
   std::string expert_dtype;        // quantization.experts when present ("fp16", "int8", "int4")
   std::vector<std::string> methods;  // graphs.methods
@@ -88,9 +92,12 @@ struct Bundle {
 
   // Open and validate the bundle in `dir`: manifest.json (not a symlink; format, version 1,
   // target executorch, every value's type and range), every listed file (relative, no "..",
-  // inside the bundle after resolving symlinks, a regular file of the listed size, and, when
-  // `verify_hashes`, of the listed sha256; without it only sizes are checked: each expert blob's
-  // CRC-32 is still checked as it is read), then config.json.
+  // inside the bundle after resolving symlinks, a regular file of the listed size and of the
+  // listed sha256; `verify_hashes` = false skips the sha256 of the expert store only, the one file
+  // too large to hash at every start: each of its blobs' CRC-32 is still checked as it is read, and
+  // the program and every other file are still hashed), the expert store's identity (its header,
+  // index and metadata hash to runtime.expert_store_index_sha256, read without its blobs: a store
+  // of other weights put in its place is refused naming its source), then config.json.
   static Bundle open(const std::string& dir, bool verify_hashes = true);
 };
 

@@ -3,9 +3,15 @@
 #include <executorch/extension/module/module.h>
 #include <executorch/extension/tensor/tensor.h>
 
+#include <signal.h>
+#include <unistd.h>
+
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <map>
+#include <mutex>
 
 #include "common.h"
 
@@ -38,6 +44,86 @@ namespace {
 
 std::string err_name(EtError e) { return "ExecuTorch error " + std::to_string(static_cast<int>(e)); }
 
+}  // namespace
+
+// -- a crash inside ExecuTorch is a one-line error naming the program ------------------------
+//
+// ExecuTorch verifies a program's flatbuffer but not what it means: an operator, value or memory
+// plan index one bit off passes the verifier and then faults (or trips an ET_CHECK abort) while a
+// method loads or runs. The bundle's sha256 check (made even with --no-verify-hashes) keeps such a
+// program out unless its manifest was rewritten to match; for that case, while the runner is
+// inside ExecuTorch (and only then) SIGSEGV, SIGBUS, SIGILL, SIGFPE and SIGABRT print the refusal
+// line, "specprefetch-runner: error: PROGRAM: ExecuTorch crashed (SIGSEGV) running method 'X':
+// ...", and exit 1, as every refusal does. Outside ExecuTorch they keep their default action.
+
+struct FaultLine {
+  std::string head, tail;  // "...crashed (" and ") running method 'x': ...\n"
+};
+
+struct Executor::Faults {
+  std::map<std::string, FaultLine> by_method;  // "running method 'x'" lines
+};
+
+namespace {
+
+std::atomic<const FaultLine*> g_inside{nullptr};
+
+void write_all(const char* p, size_t n) {
+  while (n > 0) {
+    ssize_t r = ::write(2, p, n);
+    if (r <= 0) return;
+    p += r, n -= size_t(r);
+  }
+}
+
+extern "C" void on_fault(int sig) {
+  const FaultLine* line = g_inside.load(std::memory_order_acquire);
+  if (line == nullptr) {  // not ExecuTorch's: the default action, as without this handler
+    ::signal(sig, SIG_DFL);
+    ::raise(sig);
+    return;
+  }
+  const char* name = sig == SIGSEGV ? "SIGSEGV" : sig == SIGBUS ? "SIGBUS" : sig == SIGILL ? "SIGILL"
+                     : sig == SIGFPE ? "SIGFPE" : "SIGABRT";
+  write_all(line->head.data(), line->head.size());
+  write_all(name, std::strlen(name));
+  write_all(line->tail.data(), line->tail.size());
+  ::_exit(1);
+}
+
+void install_fault_handlers() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    static char alt[1 << 16];  // a stack overflow in ExecuTorch still reaches the handler
+    stack_t ss{};
+    ss.ss_sp = alt;
+    ss.ss_size = sizeof alt;
+    ::sigaltstack(&ss, nullptr);
+    struct sigaction sa{};
+    sa.sa_handler = on_fault;
+    sigemptyset(&sa.sa_mask);
+    sa.sa_flags = SA_ONSTACK;
+    for (int sig : {SIGSEGV, SIGBUS, SIGILL, SIGFPE, SIGABRT}) ::sigaction(sig, &sa, nullptr);
+  });
+}
+
+FaultLine fault_line(const std::string& program, const std::string& doing) {
+  return {"specprefetch-runner: error: " + program + ": ExecuTorch crashed (",
+          ") " + doing + ": a damaged or crafted program, not what the export wrote\n"};
+}
+
+// Marks the scope as inside ExecuTorch (nested scopes restore the outer one).
+class Inside {
+ public:
+  explicit Inside(const FaultLine& line) : prev_(g_inside.exchange(&line, std::memory_order_acq_rel)) {}
+  ~Inside() { g_inside.store(prev_, std::memory_order_release); }
+  Inside(const Inside&) = delete;
+  Inside& operator=(const Inside&) = delete;
+
+ private:
+  const FaultLine* prev_;
+};
+
 void copy_out(const EValue& v, std::vector<float>& dst, const std::string& what) {
   if (!v.isTensor()) throw spx::Error(what + ": output is not a tensor");
   const auto& t = v.toTensor();
@@ -54,6 +140,8 @@ Executor::Executor(const std::string& program, const std::vector<std::string>& m
                    int threads)
     : path_(program), hidden_(hidden), vocab_(vocab) {
   auto t0 = std::chrono::steady_clock::now();
+  install_fault_handlers();
+  faults_ = std::make_unique<Faults>();
   // before any method loads: XNNPACK keeps the pool it was given when a method is initialised
   auto* pool = executorch::extension::threadpool::get_threadpool();
   if (pool != nullptr) {
@@ -63,9 +151,17 @@ Executor::Executor(const std::string& program, const std::vector<std::string>& m
   // shared arenas: the layer methods and `reset` address the same mutable KV buffers
   module_ = std::make_unique<Module>(program, Module::LoadMode::Mmap, nullptr, nullptr, nullptr, true);
   // the whole flatbuffer checked before use: a damaged .pte is refused, not read out of bounds
-  EtError e = module_->load(Program::Verification::InternalConsistency);
+  const FaultLine loading = fault_line(program, "loading the program");
+  EtError e;
+  {
+    Inside guard(loading);
+    e = module_->load(Program::Verification::InternalConsistency);
+  }
   if (e != EtError::Ok) throw spx::Error(program + ": not a loadable ExecuTorch program (" + err_name(e) + ")");
   for (const auto& m : methods) {
+    faults_->by_method[m] = fault_line(program, "running method '" + m + "'");
+    const FaultLine load_line = fault_line(program, "loading method '" + m + "'");
+    Inside guard(load_line);
     e = module_->load_method(m);
     if (e != EtError::Ok) throw spx::Error(program + ": method '" + m + "' does not load (" + err_name(e) + ")");
   }
@@ -74,17 +170,31 @@ Executor::Executor(const std::string& program, const std::vector<std::string>& m
 
 Executor::~Executor() = default;
 
+namespace {
+
+// module.execute(method, inputs) marked as inside ExecuTorch, with the method's fault line.
+executorch::runtime::Result<std::vector<EValue>> run(Module& module, Executor::Faults& faults, const std::string& path,
+                                                     const std::string& method, const std::vector<EValue>& inputs) {
+  auto it = faults.by_method.find(method);
+  if (it == faults.by_method.end())
+    it = faults.by_method.emplace(method, fault_line(path, "running method '" + method + "'")).first;
+  Inside guard(it->second);
+  return module.execute(method, inputs);
+}
+
+}  // namespace
+
 void Executor::reset() {
   float zero = 0.0f;
   auto t = from_blob(&zero, {1}, ScalarType::Float);
-  auto r = module_->execute("reset", {EValue(t)});
+  auto r = run(*module_, *faults_, path_, "reset", {EValue(t)});
   if (!r.ok()) throw spx::Error(path_ + ": method 'reset' failed (" + err_name(r.error()) + ")");
 }
 
 void Executor::embed(int64_t token, std::vector<float>& h) {
   int64_t tok = token;
   auto t = from_blob(&tok, {1, 1}, ScalarType::Long);
-  auto r = module_->execute("embed", {EValue(t)});
+  auto r = run(*module_, *faults_, path_, "embed", {EValue(t)});
   if (!r.ok()) throw spx::Error(path_ + ": method 'embed' failed (" + err_name(r.error()) + ")");
   copy_out(r.get()[0], h, path_ + ": embed");
   if (static_cast<int>(h.size()) != hidden_) throw spx::Error(path_ + ": embed returned the wrong width");
@@ -95,7 +205,7 @@ void Executor::layer(int index, const std::vector<float>& h, int64_t pos, bool m
   int64_t p = pos;
   auto th = from_blob(const_cast<float*>(h.data()), {1, 1, hidden_}, ScalarType::Float);
   auto tp = from_blob(&p, {1}, ScalarType::Long);
-  auto r = module_->execute(name, {EValue(th), EValue(tp)});
+  auto r = run(*module_, *faults_, path_, name, {EValue(th), EValue(tp)});
   if (!r.ok()) throw spx::Error(path_ + ": method '" + name + "' failed (" + err_name(r.error()) + ")");
   const auto& outs = r.get();
   const size_t want = moe ? 3 : 1;
@@ -114,7 +224,7 @@ void Executor::layer(int index, const std::vector<float>& h, int64_t pos, bool m
 
 void Executor::head(const std::vector<float>& h, std::vector<float>& logits) {
   auto th = from_blob(const_cast<float*>(h.data()), {1, 1, hidden_}, ScalarType::Float);
-  auto r = module_->execute("head", {EValue(th)});
+  auto r = run(*module_, *faults_, path_, "head", {EValue(th)});
   if (!r.ok()) throw spx::Error(path_ + ": method 'head' failed (" + err_name(r.error()) + ")");
   copy_out(r.get()[0], logits, path_ + ": head");
   if (static_cast<int>(logits.size()) != vocab_) throw spx::Error(path_ + ": head returned the wrong width");

@@ -23,7 +23,9 @@ struct LayerOut {
 
 class Executor {
  public:
-  // Loads the program and every method in `methods`; errors name the program file. `threads`:
+  // Loads the program and every method in `methods`; errors name the program file. A crash inside
+  // ExecuTorch while it loads or runs the program (a program crafted past its flatbuffer
+  // verification) prints one refusal line naming the program and the method and exits 1. `threads`:
   // ExecuTorch's thread pool size for the layer graphs (XNNPACK, optimized kernels); 0 leaves
   // ExecuTorch's default (one thread per core).
   Executor(const std::string& program, const std::vector<std::string>& methods, int hidden, int vocab,
@@ -38,10 +40,13 @@ class Executor {
   double load_ms = 0;  // program load + every method's load
   int threads = 0;     // the thread pool's size
 
+  struct Faults;  // what a crash inside ExecuTorch prints (executor.cpp)
+
  private:
   std::string path_;
   int hidden_, vocab_;
   std::unique_ptr<executorch::extension::module::Module> module_;
+  std::unique_ptr<Faults> faults_;
 };
 
 }  // namespace spx

@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <iostream>
 #include <memory>
+#include <set>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -75,6 +76,44 @@ int64_t to_int(const std::string& opt, const std::string& v, int64_t lo) {
   return d;
 }
 
+// A probability option: in [0, 1], as the Python CLI's --min-confidence and the manifest's
+// runtime.scheduler.min_confidence / floor are.
+double to_probability(const std::string& opt, const std::string& v) {
+  const double d = to_double(opt, v);
+  if (!(d >= 0.0 && d <= 1.0)) throw Error(opt + " " + v + ": must be a probability in [0, 1]");
+  return d;
+}
+
+// The offset of the first byte of `s` that is not well-formed UTF-8 (overlong forms, surrogates
+// and code points past U+10FFFF included), or npos.
+size_t invalid_utf8_at(const std::string& s) {
+  const auto* u = reinterpret_cast<const unsigned char*>(s.data());
+  const size_t n = s.size();
+  for (size_t i = 0; i < n;) {
+    const unsigned c = u[i];
+    size_t len = 0;
+    unsigned lo = 0x80, hi = 0xBF;  // the second byte's range
+    if (c < 0x80) len = 1;
+    else if (c >= 0xC2 && c <= 0xDF) len = 2;
+    else if (c >= 0xE0 && c <= 0xEF) {
+      len = 3;
+      if (c == 0xE0) lo = 0xA0;       // overlong
+      else if (c == 0xED) hi = 0x9F;  // surrogates
+    } else if (c >= 0xF0 && c <= 0xF4) {
+      len = 4;
+      if (c == 0xF0) lo = 0x90;       // overlong
+      else if (c == 0xF4) hi = 0x8F;  // past U+10FFFF
+    } else return i;
+    if (i + len > n) return i;
+    for (size_t j = 1; j < len; ++j) {
+      const unsigned b = u[i + j];
+      if (j == 1 ? (b < lo || b > hi) : (b < 0x80 || b > 0xBF)) return i;
+    }
+    i += len;
+  }
+  return std::string::npos;
+}
+
 std::vector<int> to_ids(const std::string& v) {
   std::vector<int> out;
   std::stringstream ss(v);
@@ -87,12 +126,15 @@ std::vector<int> to_ids(const std::string& v) {
 
 Args parse(int argc, char** argv) {
   Args a;
+  std::set<std::string> once;  // options naming a file: given twice, which one was meant?
   for (int i = 1; i < argc; ++i) {
     std::string o = argv[i];
     auto val = [&]() -> std::string {
       if (i + 1 >= argc) throw Error(o + ": needs a value");
       return argv[++i];
     };
+    if ((o == "--json" || o == "--events" || o == "--routing") && !once.insert(o).second)
+      throw Error(o + ": given twice");
     if (o == "--prompt-ids") {
       a.prompts.push_back(to_ids(val()));
       a.texts.emplace_back();
@@ -100,6 +142,10 @@ Args parse(int argc, char** argv) {
     } else if (o == "--prompt") {
       a.texts.push_back(val());
       if (a.texts.back().empty()) throw Error("--prompt: empty text");
+      const size_t bad = invalid_utf8_at(a.texts.back());
+      if (bad != std::string::npos)
+        throw Error("--prompt: not valid UTF-8 text (byte " + std::to_string(bad) + " of prompt " +
+                    std::to_string(a.texts.size()) + "); give UTF-8 text or --prompt-ids");
       a.prompts.emplace_back();
       a.is_text.push_back(true);
     }
@@ -116,8 +162,8 @@ Args parse(int argc, char** argv) {
       a.threads = static_cast<int>(to_int(o, val(), 0));
       if (a.threads > 256) throw Error("--threads " + std::to_string(a.threads) + ": at most 256");
     }
-    else if (o == "--min-confidence") a.min_confidence = to_double(o, val());
-    else if (o == "--floor") a.floor = to_double(o, val());
+    else if (o == "--min-confidence") a.min_confidence = to_probability(o, val());
+    else if (o == "--floor") a.floor = to_probability(o, val());
     else if (o == "--step-budget-kib") a.step_budget_kib = to_int(o, val(), 1);
     else if (o == "--routing") a.routing = val();
     else if (o == "--json") a.json_out = val();
@@ -163,7 +209,7 @@ void check_build(const Bundle& b, const ExpertStore& st) {
 std::vector<std::vector<std::vector<int>>> read_routing(const std::string& path, size_t prompts, int L, int k, int E) {
   json j;
   try {
-    j = json::parse(read_file(path));
+    j = json::parse(read_file(path, "--routing"));
   } catch (const json::exception& e) {
     throw Error(path + ": not valid JSON (" + std::string(e.what()) + ")");
   }
@@ -236,10 +282,42 @@ HostRouters load_host(const Bundle& b) {
   return h;
 }
 
+// The outputs checked before the run (it would otherwise fail only at its end): each a file in a
+// writable directory, not the other output, not the --routing input; `b`: nor one of the bundle's files.
+struct Outputs {
+  std::vector<std::pair<const char*, std::string>> paths;  // (option, path)
+  std::vector<std::string> ids;
+
+  explicit Outputs(const Args& a) {
+    if (!a.json_out.empty()) paths.emplace_back("--json", a.json_out);
+    if (!a.events_out.empty()) paths.emplace_back("--events", a.events_out);
+    for (const auto& [opt, path] : paths) ids.push_back(check_output_path(opt, path));
+    if (paths.size() == 2 && same_output(ids[0], paths[0].second, paths[1].second))
+      throw Error("--events " + a.events_out + ": the same file as --json " + a.json_out + "; name two files");
+    for (size_t i = 0; i < paths.size(); ++i)
+      if (!a.routing.empty() && same_output(ids[i], paths[i].second, a.routing))
+        throw Error(std::string(paths[i].first) + " " + paths[i].second + ": the same file as --routing " + a.routing +
+                    ", which it would replace");
+  }
+
+  void check_bundle(const Bundle& b) const {
+    std::vector<std::string> names{"manifest.json"};
+    for (const auto& kv : b.files) names.push_back(kv.first);
+    for (size_t i = 0; i < paths.size(); ++i)
+      for (const auto& n : names)
+        if (same_output(ids[i], paths[i].second, b.dir + "/" + n))
+          throw Error(std::string(paths[i].first) + " " + paths[i].second + ": is the bundle's file '" + n +
+                      "', which it would replace; name a file outside the bundle's files");
+  }
+};
+
 int main_(int argc, char** argv) {
   const auto t_start = std::chrono::steady_clock::now();
   Args a = parse(argc, argv);
+  if (!a.routing.empty()) check_input_file(a.routing, "--routing");  // read later, after the program loads
+  const Outputs outputs(a);
   Bundle b = Bundle::open(a.bundle, a.verify_hashes);
+  outputs.check_bundle(b);
   auto store = ExpertStore::open(b.store_path);
   check_build(b, *store);
   // text in needs the tokenizer; ids in use it only to decode, so one it cannot load is no error then

@@ -73,11 +73,19 @@ Tokenizer::Tokenizer(const std::string& path) : impl_(std::make_unique<Impl>()),
 }
 
 std::vector<int> Tokenizer::encode(const std::string& text) const {
-  auto r = impl_->tok.encode(text, 0, 0);
-  if (!r.ok()) throw Error("--prompt: " + path_ + " could not encode the text");
+  // main() refuses text that is not UTF-8 first; whatever HFTokenizer still throws on (its UTF-8
+  // and regex code throws std::runtime_error) is a refusal of this --prompt too, not an internal error
   std::vector<int> out;
-  out.reserve(r.get().size());
-  for (uint64_t id : r.get()) out.push_back(static_cast<int>(id));
+  try {
+    auto r = impl_->tok.encode(text, 0, 0);
+    if (!r.ok()) throw Error("--prompt: " + path_ + " could not encode the text");
+    out.reserve(r.get().size());
+    for (uint64_t id : r.get()) out.push_back(static_cast<int>(id));
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw Error("--prompt: " + path_ + " could not encode the text (" + e.what() + ")");
+  }
   if (out.empty()) throw Error("--prompt: the text encodes to no tokens");
   return out;
 }

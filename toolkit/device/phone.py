@@ -8,12 +8,21 @@
             then checking every file's sha256 on the device
     bench   policies interleaved on the phone, cold cache, pinned to the big cores, with a
             thermal and memory cool-down gate between runs; every run's JSON pulled back; a
-            report (table, PNG, JSON) in the shape of `bench` here
+            report (table, PNG, JSON) in the shape of `bench` here. Everything the runner
+            would refuse (and the report's path) is checked here first, before any push; one
+            bench at a time holds the phone (a lock directory on it), and each keeps its runs'
+            files in a directory of its own there
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import os
+import re
+import secrets
+import socket
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -27,6 +36,11 @@ ROOT = "/data/local/tmp/specprefetch"
 # this machine, which runs the host build)
 RUNNER_ABI = {"arm64-v8a": "arm64", "x86_64": "host"}
 RUNNER_FILES = ("run.sh", "bin/specprefetch-runner", "bin/check_bundle")
+# one bench at a time on a phone: a directory made with mkdir (atomic), holding token, owner,
+# started and heartbeat (docs/device.md, "One bench at a time")
+LOCK = f"{ROOT}/bench.lock"
+RUNNER_MAX_THREADS = 256  # the native runner's own limit for --threads
+EVICTIONS = ("lru", "lfu", "prediction", "belady")  # the native runner's eviction policies
 
 _FACTS = r"""
 echo @props; getprop ro.soc.model; getprop ro.soc.manufacturer; getprop ro.product.model; getprop ro.product.cpu.abi
@@ -149,9 +163,10 @@ def _remote_hashes(adb: Adb, base: str, rels: Sequence[str], sizes: dict[str, in
 
 
 def push(bundle: Path, serial: str | None = None, *, peer: str | None = None,
-         log: Callable[[str], None] = print) -> dict[str, Any]:
+         log: Callable[[str], None] = print, beat: Callable[[], None] | None = None) -> dict[str, Any]:
     """The bundle and its runner (and with peer="llama.cpp", llama-bench and the model as GGUF) on
-    the device, checked; returns where they are and what was sent."""
+    the device, checked; returns where they are and what was sent. `beat` (a bench's lock
+    heartbeat) is called before each file is sent and before the final check."""
     from android_runner.build import build
     from export.manifest import validate_bundle
 
@@ -185,7 +200,11 @@ def push(bundle: Path, serial: str | None = None, *, peer: str | None = None,
     if dirs:
         adb.shell("mkdir -p " + " ".join(q(d) for d in dirs))
     for rel in send:
+        if beat is not None:
+            beat()
         adb.push(files[rel], f"{base}/{rel}")
+    if beat is not None:
+        beat()
     adb.shell(f"chmod 755 {q(base)}/runner/run.sh {q(base)}/runner/bin/* {q(base)}/runner/lib/* "
               f"{q(base)}/peer/llama-bench {q(base)}/peer/*.so* 2>/dev/null; true", check=False)
     got = _remote_hashes(adb, base, list(files), sizes)
@@ -221,22 +240,30 @@ def _peer_files(bundle: Path, manifest: dict, abi: str, log: Callable[[str], Non
     return files
 
 
-def _timed(adb: Adb, base: str, cmd: str, timeout_s: float) -> Any:
-    """`cmd` on the device in a shell that records its pid and then becomes the command, so that a
-    run past `timeout_s` is killed there (not left running into the next run)."""
-    pidfile = f"{base}/out/run.pid"
-    wrapped = f"mkdir -p {q(base)}/out && sh -c {q(f'echo $$ > {q(pidfile)}; exec {cmd}')}"
+def _timed(adb: Adb, run_dir: str, cmd: str, timeout_s: float) -> Any:
+    """`cmd` on the device in a shell that records its pid (in this bench's own `run_dir`) and then
+    becomes the command, so that a run past `timeout_s`, or one whose bench is interrupted here, is
+    killed there (not left running into the next run)."""
+    pidfile = f"{run_dir}/run.pid"
+    wrapped = f"mkdir -p {q(run_dir)} && sh -c {q(f'echo $$ > {q(pidfile)}; exec {cmd}')}"
+    kill = f"kill -9 $(cat {q(pidfile)}) 2>/dev/null; true"
     try:
         return adb.shell(wrapped, timeout=timeout_s, check=False)
     except DeviceLost:
         raise
+    except KeyboardInterrupt:  # Ctrl-C / SIGTERM here: the run on the phone goes too
+        try:
+            adb.shell(kill, check=False, timeout=20)
+        except (SpecPrefetchError, KeyboardInterrupt):
+            pass
+        raise
     except SpecPrefetchError:
-        adb.shell(f"kill -9 $(cat {q(pidfile)}) 2>/dev/null; true", check=False, timeout=60)
+        adb.shell(kill, check=False, timeout=60)
         raise SpecPrefetchError(f"a run on {adb.serial} took more than {timeout_s:.0f} s and was killed "
                                 "(--run-timeout)") from None
 
 
-def _llama_bench(adb: Adb, base: str, mask: str | None, n_prompt: int, n_gen: int, threads: int,
+def _llama_bench(adb: Adb, base: str, run_dir: str, mask: str | None, n_prompt: int, n_gen: int, threads: int,
                  timeout_s: float) -> dict[str, Any]:
     """One llama-bench run on the device (prompt processing of n_prompt tokens, then n_gen generated
     tokens; llama-bench's own synthetic tokens), its JSON parsed: TTFT ~ the prompt's processing,
@@ -245,7 +272,7 @@ def _llama_bench(adb: Adb, base: str, mask: str | None, n_prompt: int, n_gen: in
            + f"env LD_LIBRARY_PATH={q(base)}/peer $SPX_EMULATOR {q(base)}/peer/llama-bench -m {q(base)}/peer/model.gguf "
            f"-p {n_prompt} -n {n_gen} -t {threads} -r 1 --no-warmup -o json")
     t0 = time.monotonic()
-    r = _timed(adb, base, cmd, timeout_s)
+    r = _timed(adb, run_dir, cmd, timeout_s)
     wall = time.monotonic() - t0
     if r.returncode != 0:
         err = r.stderr.decode(errors="replace").strip().splitlines()
@@ -260,6 +287,229 @@ def _llama_bench(adb: Adb, base: str, mask: str | None, n_prompt: int, n_gen: in
     return {"ttft_ms": round(pp["avg_ns"] / 1e6, 4), "tpot_ms": round(tg["avg_ns"] / 1e6 / n_gen, 4),
             "prompt_tokens_per_s": pp["avg_ts"], "tokens_per_s": tg["avg_ts"], "model_size": pp.get("model_size"),
             "llama_build": pp.get("build_number"), "wall_s": round(wall, 3)}
+
+
+# ------------------------------------------------------------------------- bench: the phone's lock
+
+def _hostname() -> str:
+    return socket.gethostname() or "localhost"
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` of this machine exists."""
+    if pid == os.getpid():
+        return True
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except PermissionError:  # it exists, as another user's
+        return True
+    except (ProcessLookupError, OverflowError, ValueError):
+        return False
+    return True
+
+
+@dataclasses.dataclass
+class PhoneLock:
+    """The phone held by one `device bench` (LOCK on the device). `beat` records that the owner is
+    alive, and fails when the lock is no longer this bench's; `release` removes it if it is still ours."""
+    adb: Adb
+    token: str
+    path: str = LOCK
+
+    def _ours(self) -> str:
+        return f"[ \"$(cat {q(self.path)}/token 2>/dev/null)\" = {q(self.token)} ]"
+
+    def beat(self) -> None:
+        r = self.adb.shell(f"{self._ours()} && date +%s > {q(self.path)}/heartbeat && echo @ours", check=False,
+                           timeout=60)
+        if "@ours" not in r.stdout.decode(errors="replace"):
+            raise SpecPrefetchError(f"device {self.adb.serial}: this bench's lock {self.path} was removed or taken "
+                                    "by another bench; its results stop here")
+
+    def release(self) -> None:
+        try:
+            self.adb.shell(f"if {self._ours()}; then rm -rf {q(self.path)}; fi", check=False, timeout=30)
+        except (SpecPrefetchError, KeyboardInterrupt):
+            pass  # a lost device (or a second Ctrl-C): the lock is stale now, and the next bench takes it over
+
+
+def _lock_state(out: str) -> dict[str, Any]:
+    s = _sections(out)
+    first = lambda k: next((ln.strip() for ln in s.get(k, []) if ln.strip()), "")  # noqa: E731
+    num = lambda k: int(first(k)) if first(k).isdigit() else None  # noqa: E731
+    try:
+        owner = json.loads(first("owner")) if first("owner") else None
+    except ValueError:
+        owner = None
+    return {"token": first("token"), "owner": owner if isinstance(owner, dict) else None,
+            "started": num("started"), "heartbeat": num("heartbeat"), "mtime": num("mtime"), "now": num("now")}
+
+
+def _stale(held: dict[str, Any]) -> str | None:
+    """Why a held lock is stale (its owner is gone), or None while its owner may be alive. Times are
+    the phone's own clock (`date +%s` there), so the clocks of the hosts do not matter."""
+    now, owner = held["now"], held["owner"]
+    if owner is None:  # a lock being made (mkdir, then its files) or left half made
+        age = now - held["mtime"] if now is not None and held["mtime"] is not None else None
+        return f"it has no owner and is {age} s old" if age is not None and age > 120 else None
+    pid, host = owner.get("pid"), owner.get("host")
+    if host == _hostname() and isinstance(pid, int) and not isinstance(pid, bool) and not _alive(pid):
+        return f"its owner, process {pid} on {host}, is gone"
+    beat = held["heartbeat"] or held["started"] or held["mtime"]
+    limit = owner.get("stale_after_s")
+    if now is not None and beat is not None and isinstance(limit, (int, float)) and now - beat > limit:
+        return f"its owner (process {pid} on {host}) has given no sign of life for {now - beat} s"
+    return None
+
+
+def lock_phone(adb: Adb, *, stale_after_s: float, what: str, log: Callable[[str], None] = print) -> PhoneLock:
+    """Hold the phone for one bench: mkdir LOCK (atomic on the device), with its owner (pid, host,
+    what it runs, how long it may go without a heartbeat). A lock whose owner is gone (a process of
+    this host that no longer exists, or no heartbeat for longer than its owner said) is taken over;
+    a live one is a one-line refusal naming its owner."""
+    token = secrets.token_hex(8)
+    owner = json.dumps({"pid": os.getpid(), "host": _hostname(), "what": what, "stale_after_s": round(stale_after_s)},
+                       separators=(",", ":"))
+    L = q(LOCK)
+    take = (f"mkdir -p {q(ROOT)} && if mkdir {L} 2>/dev/null; then printf '%s\\n' {q(token)} > {L}/token && "
+            f"printf '%s\\n' {q(owner)} > {L}/owner && date +%s > {L}/started && date +%s > {L}/heartbeat && "
+            f"echo @acquired; else echo @held; echo @token; cat {L}/token; echo @owner; cat {L}/owner; "
+            f"echo @started; cat {L}/started; echo @heartbeat; cat {L}/heartbeat; echo @mtime; stat -c %Y {L}; "
+            f"echo @now; date +%s; fi 2>/dev/null")
+    for _ in range(3):
+        out = adb.text(take, timeout=60)
+        if "@acquired" in out.splitlines():
+            lock = PhoneLock(adb, token)
+            lock.beat()  # reads our own token back: the lock is ours
+            return lock
+        held = _lock_state(out)
+        why = _stale(held)
+        if why is None:
+            o = held["owner"] or {}
+            since = (f", started {held['now'] - held['started']} s ago"
+                     if held["now"] is not None and held["started"] is not None else "")
+            who = (f"another `device bench` (process {o.get('pid')} on {o.get('host')}{since}: {o.get('what')})"
+                   if o else "another `device bench` (it is starting)")
+            raise SpecPrefetchError(f"device {adb.serial} is busy: {who} holds {LOCK}; wait for it to finish "
+                                    f"(if it is gone: adb -s {adb.serial} shell rm -r {LOCK})")
+        # take it over: only if it is still the lock judged stale, by a rename (atomic) out of the way
+        gone = f"{LOCK}.stale-{token}"
+        adb.shell(f"[ \"$(cat {L}/token 2>/dev/null)\" = {q(held['token'])} ] && mv {L} {q(gone)} && "
+                  f"rm -rf {q(gone)}; true", check=False, timeout=60)
+        log(f"{adb.serial}: took over a stale bench lock ({why})")
+    raise SpecPrefetchError(f"device {adb.serial} is busy: {LOCK} keeps being taken; try again")
+
+
+# ---------------------------------------------------------------------------- bench: host-side checks
+
+def check_report_out(json_out: Path, inputs: Sequence[Path] = ()) -> None:
+    """The report (OUT, OUT.md, OUT.png) can be written at `json_out`: checked before any work, so
+    that a bench does not fail only after its whole run (toolkit.reporting.write_report writes the
+    three beside each other, under temporary names first). Nothing is left behind."""
+    out = Path(json_out)
+    if out.exists() and not out.is_file() and not out.is_dir():  # a FIFO or a device (/dev/null): written in place
+        return
+    for f in (out, out.with_suffix(".md"), out.with_suffix(".png")):
+        if f.is_dir():
+            raise SpecPrefetchError(f"--json {out}: {f} is a directory; the report (OUT, OUT.md, OUT.png) needs "
+                                    "file names there")
+    o = out.resolve()
+    for inp in inputs:
+        i = Path(inp).resolve()
+        if o == i or o.is_relative_to(i):
+            raise SpecPrefetchError(f"--json {out} is inside {inp}, which is an input of this command; write "
+                                    "elsewhere")
+    parent = next(p for p in (out.absolute().parent, *out.absolute().parents) if p.exists() or p == p.parent)
+    if not parent.is_dir():
+        raise SpecPrefetchError(f"--json {out}: {parent} is a file, not a directory, so the report cannot be written")
+    try:  # a file made and removed where the report's temporary files will go (or its first existing parent)
+        fd, probe = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".probe", dir=parent)
+    except OSError as e:
+        reason = (e.strerror or type(e).__name__).lower()
+        raise SpecPrefetchError(f"--json {out}: cannot write in {parent} ({reason})") from None
+    os.close(fd)
+    os.unlink(probe)
+
+
+def native_predictors(bundle: Path, manifest: dict[str, Any]) -> list[str]:
+    """The predictors the native runner offers for this bundle (android_runner/src/runner.cpp,
+    Runner::predictors): on-demand and oracle; the bundle's graph predictor when it has prediction
+    heads; next-gate and fate when its host file holds the routers."""
+    out = ["on-demand", "oracle"]
+    pred = manifest.get("predictor") or {}
+    if pred.get("preds_rows") and pred.get("kind"):
+        out.append(pred["kind"])
+    host = manifest.get("host_file")
+    if host:
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(Path(bundle) / host), framework="numpy") as f:
+                routers = "router_weight" in f.keys()
+        except Exception as e:  # noqa: BLE001 - the runner refuses such a file too
+            raise SpecPrefetchError(f"{Path(bundle) / host}: not a readable safetensors file ({e})") from None
+        if routers:
+            out += [p for p in ("next-gate", "fate") if p not in out]
+    return out
+
+
+def check_bench(bundle: Path, *, policies: Sequence[str], pool_mib: float, prompts: Sequence[str],
+                max_new_tokens: int, threads: int, json_out: Path, peer: str | None) -> tuple[dict, list[list[int]]]:
+    """Everything the native runner on the phone would refuse, and the report's path, checked here
+    before any push: (the bundle's manifest, the prompts' token ids). The manifest gives top-k, the
+    KV cache (kv.max_seq) and the predictors; the store its slot size; the bundle's tokenizer the
+    prompts' lengths."""
+    from transformers import AutoTokenizer
+
+    from export.manifest import validate_bundle
+    from toolkit.runtime.expert_store import ExpertStore
+
+    if peer not in (None, "llama.cpp"):
+        raise SpecPrefetchError(f"--peer {peer}: the peer is llama.cpp")
+    bundle = Path(bundle)
+    m, _ = validate_bundle(bundle, hash_store=False)
+    check_report_out(json_out, [bundle])
+    if not policies:
+        raise SpecPrefetchError("--policies: give at least one PREDICTOR+EVICTION")
+    if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= RUNNER_MAX_THREADS:
+        raise SpecPrefetchError(f"--threads {threads}: the runner takes 1..{RUNNER_MAX_THREADS}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise SpecPrefetchError(f"--max-new-tokens {max_new_tokens}: must be >= 1")
+    have = native_predictors(bundle, m)
+    for name in policies:
+        pred, _, evict = str(name).partition("+")
+        if pred not in have:
+            raise SpecPrefetchError(f"--policies {name}: predictor '{pred}' is not available in the native runner "
+                                    f"for {bundle} (available: {', '.join(have)})")
+        if (evict or "lru") not in EVICTIONS:
+            raise SpecPrefetchError(f"--policies {name}: unknown eviction '{evict}'; the native runner has "
+                                    f"{', '.join(EVICTIONS)}")
+    k = int(m["routing"]["top_k"])
+    slot = ExpertStore(bundle / m["runtime"]["expert_store"]).slot_bytes
+    if not (isinstance(pool_mib, (int, float)) and 0 < pool_mib < 1e12):
+        raise SpecPrefetchError(f"--pool-mib {pool_mib}: must be a positive number")
+    capacity = int(pool_mib * 2**20) // slot
+    if capacity < k:
+        raise SpecPrefetchError(f"--pool-mib {pool_mib:g}: holds {capacity} expert slots of {slot / 2**10:.0f} KiB, "
+                                f"but one layer needs {k} at once; use at least {k * slot / 2**20:.2f}")
+    if not prompts:
+        raise SpecPrefetchError("--prompt: give at least one")
+    tok = AutoTokenizer.from_pretrained(str(bundle / Path(m["model"]["config"]).parent), local_files_only=True)
+    ids = [list(tok(p, add_special_tokens=False)["input_ids"]) for p in prompts]
+    max_seq = int(m["kv"]["max_seq"])
+    for i, (p, x) in enumerate(zip(prompts, ids)):
+        which = f"--prompt {json.dumps(p, ensure_ascii=False)[:60]}" + (f" (prompt {i + 1})" if len(prompts) > 1 else "")
+        if not x:
+            raise SpecPrefetchError(f"{which}: no tokens (an empty prompt); give some text")
+        if len(x) + max_new_tokens - 1 > max_seq:
+            room = max_seq - len(x) + 1
+            raise SpecPrefetchError(f"{which}: {len(x)} tokens + --max-new-tokens {max_new_tokens} exceeds the "
+                                    f"bundle's KV cache of {max_seq} positions (kv.max_seq in "
+                                    f"{bundle / 'manifest.json'})" + (f"; at most --max-new-tokens {room} for it"
+                                                                      if room >= 1 else "; shorten the prompt"))
+    return m, ids
 
 
 # ---------------------------------------------------------------------------------------- bench
@@ -329,22 +579,45 @@ def bench(bundle: Path, *, serial: str | None, policies: Sequence[str], pool_mib
           cooldown_timeout_s: float = 120.0, max_temp_c: float | None = None, peer: str | None = None,
           run_timeout_s: float = 900.0, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Policies interleaved on the phone; returns the report (also written: JSON, .md, .png).
-    Whatever stops the bench early (a device lost mid-run, a run past run_timeout_s, an interrupt)
-    keeps what was measured (status "partial", the reason recorded) and is then an error. A run
-    that fails (a runner crash: exit code, stderr) is recorded and the bench goes on; failures make
-    the command fail at the end, after the report is written."""
-    from transformers import AutoTokenizer
 
-    from export.manifest import validate_bundle
+    Checked here before anything reaches the phone (check_bench): the bundle, the report's path,
+    the policies, --pool-mib against top-k, --threads, and every prompt's tokens against the KV
+    cache. Then the phone is held (lock_phone: a second bench on it is refused, or takes over a
+    stale lock) for the push and every run; each bench keeps its runs' files in its own directory
+    there (runs/<invocation>/ beside the bundle).
 
+    Whatever stops the bench after the push (a device lost mid-run, a run past run_timeout_s, an
+    interrupt) keeps what was measured (status "partial", the reason recorded): an interrupt
+    (Ctrl-C, SIGTERM) is then raised again as the KeyboardInterrupt it was (the CLI exits 130 /
+    143), with a note naming the partial report; anything else is an error. A run that fails (a
+    runner crash: exit code, stderr) is recorded and the bench goes on; failures make the command
+    fail at the end, after the report is written."""
     bundle = Path(bundle)
-    m, _ = validate_bundle(bundle, hash_store=False)
-    tok = AutoTokenizer.from_pretrained(str(bundle / Path(m["model"]["config"]).parent), local_files_only=True)
-    ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
-    if peer not in (None, "llama.cpp"):
-        raise SpecPrefetchError(f"--peer {peer}: the peer is llama.cpp")
-    pushed = push(bundle, serial, peer=peer, log=log)
+    _, ids = check_bench(bundle, policies=policies, pool_mib=pool_mib, prompts=prompts,
+                         max_new_tokens=max_new_tokens, threads=threads, json_out=json_out, peer=peer)
+    adb = choose(serial)
+    lock = lock_phone(adb, stale_after_s=run_timeout_s + cooldown_timeout_s + 600,
+                      what=f"{bundle.name}: {', '.join(policies)}", log=log)
+    try:
+        return _bench_held(lock, bundle, ids, policies=policies, pool_mib=pool_mib, prompts=prompts,
+                           max_new_tokens=max_new_tokens, repeats=repeats, json_out=Path(json_out),
+                           fixed_performance=fixed_performance, threads=threads,
+                           cooldown_timeout_s=cooldown_timeout_s, max_temp_c=max_temp_c, peer=peer,
+                           run_timeout_s=run_timeout_s, log=log)
+    finally:
+        lock.release()
+
+
+def _bench_held(lock: PhoneLock, bundle: Path, ids: list[list[int]], *, policies: Sequence[str], pool_mib: float,
+                prompts: Sequence[str], max_new_tokens: int, repeats: int, json_out: Path, fixed_performance: bool,
+                threads: int, cooldown_timeout_s: float, max_temp_c: float | None, peer: str | None,
+                run_timeout_s: float, log: Callable[[str], None]) -> dict[str, Any]:
+    """bench, on the phone `lock` holds."""
+    pushed = push(bundle, lock.adb.serial, peer=peer, log=log, beat=lock.beat)
     adb, f, base = Adb(pushed["serial"]), pushed["device"], pushed["remote"]
+    invocation = (f"{time.strftime('%Y%m%d-%H%M%S')}-{re.sub(r'[^A-Za-z0-9._-]', '_', _hostname())[:40]}-"
+                  f"{os.getpid()}-{lock.token[:6]}")
+    run_dir = f"{base}/runs/{invocation}"  # this bench's own: its runs' JSON and run.pid
     big = _big_cores(f)
     mask = format(sum(1 << c for c in big), "x") if big else None
     configs = [{"name": p, "policy": p, "performance": False} for p in policies]
@@ -364,25 +637,30 @@ def bench(bundle: Path, *, serial: str | None, policies: Sequence[str], pool_mib
         "cache": ("drop_caches (root), then the runner's posix_fadvise(DONTNEED) of its store" if f["root"] else
                   "the runner's posix_fadvise(DONTNEED) of its store (not root: llama.cpp's GGUF is not evicted)"),
         "configs": [c["name"] for c in configs], "runs": [], "failures": [], "notes": notes, "status": "complete",
-        "reason": None}
-    start = snapshot(adb)
-    limit = max_temp_c if max_temp_c is not None else ((_hot(start["temps_c"]) or 40.0) + 3.0)
-    min_avail = int(0.9 * (start["meminfo"].get("MemAvailable") or 0))
-    report["cooldown"] = {"max_temp_c": limit, "min_mem_available": min_avail, "timeout_s": cooldown_timeout_s}
-
+        "reason": None, "remote_runs": run_dir}
+    limit, min_avail = 0.0, 0
     governors: dict[str, str] = {}
-    if any(c["performance"] for c in configs):  # what to put back after each performance run
-        for line in adb.text("for g in /sys/devices/system/cpu/cpufreq/policy*/scaling_governor; do "
-                             "echo \"$g $(cat $g)\"; done").splitlines():
-            if len(line.split()) == 2:
-                governors[line.split()[0]] = line.split()[1]
-        report["governors"] = governors
+
+    def prepare() -> None:
+        nonlocal limit, min_avail
+        adb.shell(f"mkdir -p {q(run_dir)}")
+        start = snapshot(adb)
+        limit = max_temp_c if max_temp_c is not None else ((_hot(start["temps_c"]) or 40.0) + 3.0)
+        min_avail = int(0.9 * (start["meminfo"].get("MemAvailable") or 0))
+        report["cooldown"] = {"max_temp_c": limit, "min_mem_available": min_avail, "timeout_s": cooldown_timeout_s}
+        if any(c["performance"] for c in configs):  # what to put back after each performance run
+            for line in adb.text("for g in /sys/devices/system/cpu/cpufreq/policy*/scaling_governor; do "
+                                 "echo \"$g $(cat $g)\"; done").splitlines():
+                if len(line.split()) == 2:
+                    governors[line.split()[0]] = line.split()[1]
+            report["governors"] = governors
 
     def restore_governors() -> None:
         for g, v in governors.items():
             adb.shell(f"echo {q(v)} > {q(g)}", check=False)
 
     def one(cfg: dict, p: int, rep: int, warm: bool = False) -> None:
+        lock.beat()  # still this bench's phone (and a sign of life for a bench that finds the lock)
         gate = cool_down(adb, max_temp_c=limit, min_available=min_avail, timeout_s=cooldown_timeout_s)
         if f["root"]:
             adb.shell("sync; echo 3 > /proc/sys/vm/drop_caches", check=False)
@@ -398,7 +676,7 @@ def bench(bundle: Path, *, serial: str | None, policies: Sequence[str], pool_mib
     def _one(cfg: dict, p: int, rep: int, warm: bool, gate: dict) -> None:
         before = snapshot(adb)
         if cfg.get("peer"):
-            res = _llama_bench(adb, base, mask, len(ids[p]), max_new_tokens, threads, run_timeout_s)
+            res = _llama_bench(adb, base, run_dir, mask, len(ids[p]), max_new_tokens, threads, run_timeout_s)
             after = snapshot(adb)
             if warm:
                 return
@@ -412,16 +690,15 @@ def bench(bundle: Path, *, serial: str | None, policies: Sequence[str], pool_mib
                                    "after": after})
             log(f"  llama.cpp prompt {p} #{rep + 1}: TPOT {res['tpot_ms']} ms (llama-bench)")
             return
-        remote_json = f"{base}/out/{cfg['name'].replace('+', '_').replace('@', '_')}-{p}-{rep}.json"
+        remote_json = f"{run_dir}/{cfg['name'].replace('+', '_').replace('@', '_')}-{p}-{rep}.json"
         # push checked every file's sha256 on the device: no hashing here (it would read the whole
         # bundle through the page cache on the pinned cores just before the timed run)
         cmd = ((f"taskset {mask} " if mask else "")
                + f"sh {q(base)}/runner/run.sh {q(base)}/bundle --prompt-ids {','.join(map(str, ids[p]))} "
                f"--max-new-tokens {max_new_tokens} --policy {q(cfg['policy'])} --pool-mib {pool_mib!r} "
                f"--threads {threads} --json {q(remote_json)} --no-verify-hashes --cold")
-        adb.shell(f"rm -f {q(remote_json)}", check=False)
         t0 = time.monotonic()
-        r = _timed(adb, base, cmd, run_timeout_s)
+        r = _timed(adb, run_dir, cmd, run_timeout_s)
         wall = time.monotonic() - t0
         after = snapshot(adb)
         if cfg["performance"]:
@@ -435,8 +712,6 @@ def bench(bundle: Path, *, serial: str | None, policies: Sequence[str], pool_mib
                                        "stderr": "\n".join(err[-20:])})
             log(f"  {cfg['name']} prompt {p}: runner exited {r.returncode}: {err[-1] if err else ''}")
             return
-        import tempfile
-
         try:
             with tempfile.TemporaryDirectory() as tmp:
                 adb.pull(remote_json, Path(tmp) / "run.json")
@@ -458,7 +733,9 @@ def bench(bundle: Path, *, serial: str | None, policies: Sequence[str], pool_mib
             log(f"  {cfg['name']} prompt {p} #{rep + 1}: TPOT {run['tpot_ms']} ms, stall "
                 f"{run['stall_ms_per_token']} ms/token, hit rate {run['hit_rate']:.3f}")
 
+    interrupt: KeyboardInterrupt | None = None
     try:
+        prepare()
         log(f"warm-up on {adb.serial}" + (f", pinned to CPUs {big}" if big else ""))
         one(configs[0], 0, -1, warm=True)
         if peer:
@@ -468,14 +745,26 @@ def bench(bundle: Path, *, serial: str | None, policies: Sequence[str], pool_mib
             for p in range(len(ids)):
                 for cfg in order:
                     one(cfg, p, rep)
-    except KeyboardInterrupt:
-        report["status"], report["reason"] = "partial", "interrupted"
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP (toolkit.errors.install_signal_handlers)
+        interrupt = e
+        signame = e.args[0] if e.args and isinstance(e.args[0], str) else "SIGINT"
+        report["status"], report["reason"] = "partial", f"interrupted ({signame})"
     except Exception as e:  # whatever stopped it, what was measured is kept
         report["status"] = "partial"
         report["reason"] = str(e) if isinstance(e, SpecPrefetchError) else f"{type(e).__name__}: {e}"
     finalize(report)
+    from toolkit.errors import note_interrupt
     from toolkit.reporting import write_report
 
+    if interrupt is not None:  # the partial report, then the interrupt again (the CLI exits 128 + the signal)
+        try:
+            write_report(report, json_out, markdown, plot)
+        except SpecPrefetchError as e:
+            note_interrupt(interrupt, f"the partial report could not be written ({e})")
+        else:
+            note_interrupt(interrupt, f"the partial report ({len(report['runs'])} runs, status partial) was "
+                                      f"written to {json_out} (and its .md, .png)")
+        raise interrupt
     write_report(report, json_out, markdown, plot)
     if report["status"] != "complete":
         raise SpecPrefetchError(f"{report['reason']}: partial results ({len(report['runs'])} runs) in {json_out}")
@@ -553,6 +842,13 @@ def plot(r: dict[str, Any], path: Path) -> None:
     save_figure(fig, path)
 
 
+def _size(n: int | None) -> str:
+    """Bytes for `device list`: GiB, MiB below 1 GiB (a full disk is "0 MiB"), "?" when not known."""
+    if n is None:
+        return "?"
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
 def states_table(rows: list[dict[str, Any]]) -> str:
     """`device list` as text."""
     if not rows:
@@ -563,8 +859,7 @@ def states_table(rows: list[dict[str, Any]]) -> str:
             out.append(f"{d['serial']}  {d['state']}" + (f"  ({d['error']})" if d.get("error") else ""))
             continue
         cl = ", ".join(f"{len(c['cpus'])}x{c['max_khz'] / 1e6:.2f} GHz" for c in d["clusters"]) or "unknown"
-        ram = f"{d['ram_bytes'] / 2**30:.1f} GiB" if d["ram_bytes"] else "?"
-        free = f"{d['free_bytes_data_local_tmp'] / 2**30:.1f} GiB" if d["free_bytes_data_local_tmp"] else "?"
+        ram, free = _size(d["ram_bytes"]), _size(d["free_bytes_data_local_tmp"])
         out.append(f"{d['serial']}  device  {d['model']}  SoC {d['soc']}{'' if d['sm8750'] else ' (not SM8750)'}  "
                    f"{d['abi']}  RAM {ram}  free {free} under /data/local/tmp  CPUs {cl}  "
                    f"/data {d['data_fs']} inlinecrypt={d['inlinecrypt']}" + ("  root" if d["root"] else ""))

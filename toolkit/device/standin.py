@@ -107,6 +107,7 @@ AUTH_TOKEN, AUTH_SIGNATURE, AUTH_RSAPUBLICKEY = 1, 2, 3
 _HEADER = struct.Struct("<6I")
 
 FEATURES = ("shell_v2", "stat_v2", "ls_v2", "fixed_push_mkdir")
+EMULATOR_PORTS = (5555, 5585)  # an adb server probes these at start for emulators (`device standin` refuses them)
 PRODUCT, MODEL, DEVICE = "sun", "SM8750 stand-in", "sun"
 
 # shell protocol packet ids (shell_protocol.h)
@@ -1374,6 +1375,10 @@ def serve(port: int = 0, root: Path | str | None = None, faults: Faults | Mappin
 def main(port: int, root: Path | str | None, faults: Mapping[str, Any], root_user: bool,
          props: Mapping[str, str] | None = None) -> None:
     """`specprefetch device standin`: print the `adb connect` line to use, then serve until Ctrl-C."""
+    if EMULATOR_PORTS[0] <= port <= EMULATOR_PORTS[1]:
+        raise SpecPrefetchError(f"--port {port}: adb looks for emulators on {EMULATOR_PORTS[0]}-{EMULATOR_PORTS[1]} "
+                                "(the stand-in would also be listed as emulator-5554); choose a port outside it, "
+                                "e.g. 15555, or 0 for any free one")
     checked = Faults.of(faults)
 
     def ready(phone: StandIn) -> None:

@@ -165,6 +165,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-shard-size", default="50GB",
                     help="split model.safetensors into shards of this size (e.g. 12MB to copy it in pieces)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+                    help="cap --steps so training takes about this long: the rate is measured over "
+                         "steps 10-30, inside the warm-up, where the schedule does not depend on the "
+                         "step count yet; the steps actually run are recorded in train_log.json")
     for f in dataclasses.fields(Recipe):
         if f.type in ("int", "float"):
             ap.add_argument("--" + f.name.replace("_", "-"), type=eval(f.type), default=f.default)
@@ -223,7 +227,22 @@ def _train(a, r: Recipe, out: Path, work: Path) -> None:
     it = batches(train_tokens, r, gen)
     model.train()
     t1 = time.time()
-    for step in range(r.steps):
+    t_probe = None
+    step = 0
+    while step < r.steps:
+        if a.time_budget is not None and step == 10:
+            t_probe = time.time()
+        if a.time_budget is not None and step == 30 and t_probe is not None:
+            # the learning rate only depends on r.steps after the warm-up, so capping here keeps the
+            # schedule exactly that of a run started with --steps equal to the cap
+            per_step = (time.time() - t_probe) / 20
+            cap = max(r.warmup + 1, int(a.time_budget / (per_step * 1.06)))  # ~6% for the evaluations
+            if cap < r.steps:
+                print(f"time budget {a.time_budget:.0f}s at {per_step * 1000:.0f} ms/step: "
+                      f"steps {r.steps} -> {cap}", flush=True)
+                r.steps = cap
+                log["recipe"]["steps"] = cap
+            log["probe_ms_per_step"] = round(per_step * 1000, 1)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, r)
         x = next(it).to(device, non_blocking=True)
@@ -246,6 +265,7 @@ def _train(a, r: Recipe, out: Path, work: Path) -> None:
             log["eval"].append({"step": step + 1, "heldout_loss": round(held, 4),
                                 "heldout_ppl": round(math.exp(held), 3)})
             print(f"eval step {step + 1}: held-out ppl {math.exp(held):.2f}", flush=True)
+        step += 1
     log["train_seconds"] = round(time.time() - t1, 1)
     model.config.output_router_logits = False
     model.config._experts_implementation = None

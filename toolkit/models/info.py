@@ -38,9 +38,39 @@ def aligned(n: int, page: int = PAGE) -> int:
     return _align(n, page)
 
 
+def require_moe_layers(spec: ModelSpec, index: TensorIndex | None = None) -> None:
+    """A config whose every layer is dense is not a model this toolkit runs (no expert to stream,
+    predict or prefetch): one line saying so, naming the routed-expert weights the checkpoint holds
+    if it holds any (then the config does not describe its weights)."""
+    geo = spec.geometry
+    if geo.moe_layers:
+        return
+    cfg = spec.path / "config.json"
+    held: list[int] = []
+    if spec.weight_files:
+        index = index or TensorIndex(spec)
+        for layer in range(geo.num_layers):
+            try:
+                keys = expert_keys(spec, layer)
+            except Exception:  # noqa: BLE001 - a family that cannot name a dense layer's experts
+                keys = set()
+            if any(k in index.entries for k in keys) or any(
+                    k.startswith((f"model.layers.{layer}.", f"model.language_model.layers.{layer}."))
+                    and ".experts." in k for k in index.entries):
+                held.append(layer)
+    what = f"{cfg}: describes no MoE layer (all {geo.num_layers} layers are dense)"
+    if held:
+        raise SpecPrefetchError(f"{what}, but the checkpoint holds routed-expert weights in layers "
+                                f"{held[:8]}{' ...' if len(held) > 8 else ''}: the config does not describe "
+                                "these weights")
+    raise SpecPrefetchError(f"{what}: not a Mixture-of-Experts model, so there are no experts to stream or "
+                            "prefetch")
+
+
 def model_info(spec: ModelSpec) -> dict[str, Any]:
     geo = spec.geometry
     r = geo.routing
+    require_moe_layers(spec)
     if spec.weight_files:
         index = TensorIndex(spec)
         total_params = total_bytes = 0

@@ -2,8 +2,9 @@
 
 A model directory holds config.json, safetensors weights (one file or an index of shards) and a
 tokenizer; VL families also hold preprocessor_config.json. Pickle checkpoints (.bin/.pt/.pth) are
-refused: loading them runs arbitrary code. The embedded default model is such a directory, shipped
-inside the package (`embedded_model_dir()`).
+refused: loading them runs arbitrary code. The models this project trained ship inside the package as
+such directories and are named by a short name wherever a model directory is accepted: `embedded`
+(the default, `embedded_model_dir()`) and `phone` (the phone-class model, `phone_model_dir()`).
 """
 from __future__ import annotations
 
@@ -29,15 +30,41 @@ from toolkit.models.spec import ModelSpec  # noqa: E402  (re-exported: callers i
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
+_EMBEDDED = Path(__file__).resolve().parent.parent / "embedded"
+# short name -> shipped model directory (docs/embedded-model.md)
+SHIPPED_MODELS: dict[str, Path] = {"embedded": _EMBEDDED / "model", "phone": _EMBEDDED / "phone"}
+
+
 def embedded_model_dir() -> Path:
     """The embedded default model shipped with the toolkit (see docs/embedded-model.md)."""
-    return Path(__file__).resolve().parent.parent / "embedded" / "model"
+    return SHIPPED_MODELS["embedded"]
+
+
+def phone_model_dir() -> Path:
+    """The phone-class model shipped with the toolkit: 16 MoE layers x 64 experts, top-8."""
+    return SHIPPED_MODELS["phone"]
+
+
+def shipped_model_name(path: str | Path | None) -> str | None:
+    """The short name of a shipped model directory (`embedded`, `phone`), or None for any other."""
+    if path is None:
+        return None
+    try:
+        p = Path(path).resolve()
+    except (OSError, RuntimeError):
+        return None
+    return next((name for name, d in SHIPPED_MODELS.items() if d.resolve() == p), None)
 
 
 def resolve_model_dir(model: str | Path) -> Path:
-    """`embedded` (or an empty value) names the embedded model; anything else is a directory."""
-    if str(model) in ("", "embedded", "default"):
+    """`embedded` (or an empty value) and `phone` name the shipped models; anything else is a directory.
+
+    A directory of that name in the working directory is named with a path: `./phone`."""
+    text = str(model)
+    if text in ("", "default"):
         return embedded_model_dir()
+    if text in SHIPPED_MODELS:
+        return SHIPPED_MODELS[text]
     return Path(model)
 
 

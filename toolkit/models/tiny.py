@@ -6,11 +6,18 @@ loading, tracing and export paths of a real checkpoint. `specprefetch tiny FAMIL
 The directory is assembled beside DIR and renamed into place when complete; an existing DIR is
 replaced (as a whole: no stray shard of the old checkpoint is left) only with overwrite=True and
 only if it is a model directory (it holds config.json); anything else is refused and left alone.
+
+A config changed by `overrides` (`--set`) is checked before any weight is made, by the checks every
+other command makes on a model directory (`inspect_model_dir`, as `info` does: sizes, top-k against
+the experts, at least one MoE layer, transformers able to build it on the meta device), and against
+this machine's memory: a config they refuse is a one-line error, and nothing is written.
 """
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -75,13 +82,71 @@ def _configs() -> dict:
 TINY_FAMILIES = ("qwen3_moe", "qwen3_vl_moe", "deepseek_v2", "deepseek_v3", "mixtral", "olmoe", "gpt_oss")
 
 
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())[:200] or type(e).__name__
+
+
+def _available_memory() -> int | None:
+    """Bytes of memory available now (MemAvailable), else the machine's physical memory."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return None
+
+
+def _build(family: str, config) -> torch.nn.Module:
+    import transformers as T
+
+    if family == "qwen3_vl_moe":
+        return T.Qwen3VLMoeForConditionalGeneration(config)
+    return T.AutoModelForCausalLM.from_config(config)
+
+
+def check_config(family: str, config, overrides: dict) -> None:
+    """The config `--set` made, checked as every command checks a model directory before anything
+    is built (see the module doc); a one-line SpecPrefetchError naming the --set values otherwise."""
+    from toolkit.models.info import require_moe_layers
+    from toolkit.models.loader import build_on_meta, inspect_model_dir
+
+    sets = " ".join(f"{k}={json.dumps(v)[:40]}" for k, v in overrides.items())
+    with tempfile.TemporaryDirectory() as d:
+        cfg = Path(d) / "config.json"
+        try:
+            config.save_pretrained(d)
+        except Exception as e:  # noqa: BLE001 - transformers validates the config as it writes it
+            raise SpecPrefetchError(f"--set {sets}: transformers cannot write this {family} config "
+                                    f"({_one_line(e)})") from None
+        try:
+            spec = inspect_model_dir(d, config_only_ok=True)
+            require_moe_layers(spec)
+            params = sum(p.numel() for p in build_on_meta(spec).parameters())
+        except SpecPrefetchError as e:
+            msg = str(e).replace(f"{cfg}: describes", "the config describes").replace(str(cfg), "the config")
+            raise SpecPrefetchError(f"--set {sets}: {msg.replace(d, 'the model')}") from None
+    try:  # the config as set (transformers may repair a value when it reads the file back)
+        with torch.device("meta"):
+            _build(family, config)
+    except Exception as e:  # noqa: BLE001 - transformers raises many types for a config it cannot build
+        raise SpecPrefetchError(f"--set {sets}: transformers cannot build the model this config describes "
+                                f"({type(e).__name__}: {_one_line(e)})") from None
+    need, have = params * 4, _available_memory()  # random weights are made in float32 before the fp16 copy
+    if have is not None and need > have // 2:
+        raise SpecPrefetchError(f"--set {sets}: a model of {params:,} parameters needs {need / 2**30:.1f} GiB to "
+                                f"build, more than half this machine's available memory ({have / 2**30:.1f} GiB)")
+
+
 def build_tiny(family: str, out: Path | str, *, seed: int = 0, overrides: dict | None = None,
                overwrite: bool = False) -> Path:
     """Write a tiny random checkpoint of `family` to `out` and return the path. `overrides` set
     config attributes (e.g. a larger hidden_size, more experts, mlp_only_layers=[]). An existing
     `out` is refused unless `overwrite`, and then replaced only if it is a model directory."""
-    import transformers as T
-
     makers = _configs()
     if family not in makers:
         raise SpecPrefetchError(f"no tiny config for {family!r}; choose from {', '.join(TINY_FAMILIES)}")
@@ -91,12 +156,15 @@ def build_tiny(family: str, out: Path | str, *, seed: int = 0, overrides: dict |
     for key, value in (overrides or {}).items():
         if not hasattr(config, key):
             raise SpecPrefetchError(f"--set {key}: {type(config).__name__} has no such attribute")
-        setattr(config, key, value)
+        try:
+            setattr(config, key, value)
+        except Exception as e:  # noqa: BLE001 - transformers' strict configs raise their own types
+            raise SpecPrefetchError(f"--set {key}={json.dumps(value)[:60]}: {type(config).__name__} refuses it "
+                                    f"({_one_line(e)})") from None
+    if overrides:
+        check_config(family, config, overrides)
     torch.manual_seed(seed)
-    if family == "qwen3_vl_moe":
-        model = T.Qwen3VLMoeForConditionalGeneration(config)
-    else:
-        model = T.AutoModelForCausalLM.from_config(config)
+    model = _build(family, config)
     with torch.no_grad():  # untrained routers of zeros would route every token alike
         for name, p in model.named_parameters():
             if name.endswith((".gate.weight", ".router.weight")) and torch.count_nonzero(p) == 0:

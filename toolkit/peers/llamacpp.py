@@ -58,18 +58,51 @@ def peers_dir() -> Path:
     return profile_dir().parent / "peers"
 
 
-def cached_gguf(source: Path, label: str, gguf_dir: Path | None = None, *, log: Log = print) -> Path:
-    """The f16 GGUF of a checkpoint, converted once: cached per checkpoint content (its config and
-    weight files' sizes and mtimes) under gguf_dir (default peers_dir()/gguf)."""
+# the GGUF type that matches a bundle's expert precision: llama.cpp's nearest class of the same bytes per
+# weight (int8 = blocks of 32 with an fp16 scale ~ Q8_0; int4 = blocks of 32 with an fp16 scale ~ Q4_0)
+GGUF_TYPE_FOR_EXPERTS = {"fp16": "f16", "int8": "q8_0", "int4": "q4_0"}
+
+
+def cached_gguf(source: Path, label: str, gguf_dir: Path | None = None, *, gguf_type: str = "f16",
+                bins: Path | None = None, log: Log = print) -> Path:
+    """The GGUF of a checkpoint, converted once: cached per checkpoint content (its config and weight
+    files' sizes and mtimes) and type under gguf_dir (default peers_dir()/gguf).
+
+    f16 and q8_0 come straight from convert_hf_to_gguf; q4_0 is llama-quantize's Q4_0 of the f16 file
+    (`bins`: a host build's bin directory, as `build("host")` returns)."""
+    if gguf_type not in ("f16", "q8_0", "q4_0"):
+        raise SpecPrefetchError(f"GGUF type {gguf_type!r}: f16, q8_0 or q4_0")
     h = hashlib.sha256()
     for p in sorted(Path(source).iterdir()):
         if p.suffix in (".json", ".safetensors") and p.is_file():
             st = p.stat()
             h.update(f"{p.name}:{st.st_size}:{st.st_mtime_ns}".encode())
-    out = (Path(gguf_dir) if gguf_dir else peers_dir() / "gguf") / f"{label}-{h.hexdigest()[:12]}-f16.gguf"
+    out = (Path(gguf_dir) if gguf_dir else peers_dir() / "gguf") / f"{label}-{h.hexdigest()[:12]}-{gguf_type}.gguf"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
-        convert(Path(source), out, log=log)
+        if gguf_type == "q4_0":
+            f16 = cached_gguf(source, label, gguf_dir, gguf_type="f16", log=log)
+            quantize(bins if bins is not None else build("host", log=log), f16, out, "Q4_0", log=log)
+        else:
+            convert(Path(source), out, outtype=gguf_type, log=log)
+    return out
+
+
+def quantize(bins: Path, src: Path, out: Path, qtype: str, *, log: Log = print) -> Path:
+    """llama-quantize SRC OUT QTYPE (one thread per core), written to a temp file then renamed."""
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    logfile = out.with_name(f"{out.name}.quantize.log")
+    log(f"llama.cpp: quantizing {src.name} to {qtype}")
+    try:
+        r = subprocess.run([str(Path(bins) / "llama-quantize"), str(src), str(tmp), qtype, str(os.cpu_count() or 1)],
+                           capture_output=True, text=True, check=False, stdin=subprocess.DEVNULL)
+        logfile.write_text(r.stdout + r.stderr)
+        if r.returncode != 0 or not tmp.exists():
+            tail = (r.stderr.strip().splitlines() or ["no output"])[-1]
+            raise SpecPrefetchError(f"llama-quantize {qtype} failed on {src}: {tail[:200]} (log: {logfile})")
+        tmp.replace(out)
+    finally:
+        tmp.unlink(missing_ok=True)
     return out
 
 

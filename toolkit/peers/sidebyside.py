@@ -3,8 +3,9 @@
 For each bundle (an ExecuTorch bundle whose manifest names its source checkpoint), the same
 prompts, greedy, the same number of new tokens, through three engines:
 
-- ``llama.cpp``: llama-completion on the source checkpoint converted to an f16 GGUF by llama.cpp's
-  own converter, default mmap loading (`toolkit.peers.llamacpp`);
+- ``llama.cpp``: llama-completion on the source checkpoint converted to GGUF by llama.cpp's own
+  converter (f16 for a bundle of fp16 experts, q8_0 for int8, llama-quantize's Q4_0 for int4), default
+  mmap loading (`toolkit.peers.llamacpp`);
 - ``native:on-demand+lru`` and ``native:<graph predictor>+prediction`` (``adapter`` for a bundle
   exported with an adapter): the native runner (android_runner) with O_DIRECT expert reads through
   a pool sized to fit the limit.
@@ -12,7 +13,7 @@ prompts, greedy, the same number of new tokens, through three engines:
 Every run is one process started through `memlimit.run_limited`: a cgroup v1 memory limit that
 charges page cache, a cold page cache before each run (drop_caches as root), peak RSS and bytes
 read from storage from GNU time's rusage of the process. Limits are fractions of ``model_bytes``,
-the f16 GGUF file's size (the same model in the format llama.cpp runs), plus no limit.
+the GGUF file's size (the same model in the format llama.cpp runs), plus no limit.
 
 The native pool: the runner's memory is its program (the dense ExecuTorch graphs, fp32, packed by
 XNNPACK at load), the runtimes and the pool arena. Its footprint without the pool is measured once
@@ -63,6 +64,7 @@ class _Model:
     ids: list[list[int]]
     gguf: Path = Path()
     model_bytes: int = 0
+    gguf_type: str = "f16"
     ref_eos: list[list[int]] = field(default_factory=list)     # generate, stopping at EOS (native)
     ref_noeos: list[list[int]] = field(default_factory=list)   # EOS masked (llama.cpp --ignore-eos)
     runner: list[str] = field(default_factory=list)             # argv prefix of the native binary
@@ -90,11 +92,33 @@ class _Model:
 
 # ------------------------------------------------------------------------------------ set-up
 
-def model_label(source: Path, taken: set[str]) -> str:
-    from toolkit.models.loader import embedded_model_dir
+def trained_origin(source: Path) -> str | None:
+    """Why a checkpoint's routing is a trained model's: it is a shipped model, or widened from one (None
+    otherwise)."""
+    from toolkit.models.loader import shipped_model_name
 
-    if source.resolve() == embedded_model_dir().resolve():
-        name = "embedded"
+    name = shipped_model_name(source)
+    if name:
+        return f"the shipped {name} model (trained)"
+    try:
+        cfg = json.loads((Path(source) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    w = cfg.get("specprefetch_widened_from") if isinstance(cfg, dict) else None
+    if isinstance(w, dict):
+        origin = shipped_model_name(w.get("path"))
+        if origin:
+            return (f"widened from the shipped {origin} model (trained; the added expert units contribute "
+                    "nothing, so its tokens and routing are the trained model's)")
+    return None
+
+
+def model_label(source: Path, taken: set[str]) -> str:
+    from toolkit.models.loader import shipped_model_name
+
+    shipped = shipped_model_name(source)
+    if shipped:
+        name = shipped
     else:
         name = source.name if source.name not in ("model", "") else source.parent.name
     base, n = name, 2
@@ -136,10 +160,11 @@ def _open_model(bundle: Path, prompts: int, prompt_tokens: int, new_tokens: int,
                                 "native:<predictor>+prediction engine to run")
     mo = m["model"]
     desc = (f"{mo['family']}, {mo['num_layers']} layers, hidden {mo['hidden_size']}, {mo['num_experts']} experts "
-            f"top-{mo['top_k']}, expert {st.blob_size / MiB:.2f} MiB fp16")
+            f"top-{mo['top_k']}, expert {st.blob_size / MiB:.2f} MiB {st.dtype}")
     return _Model(label=model_label(source, taken), desc=desc, bundle=bundle, source=source, manifest=m, tokenizer=tok,
                   texts=texts, ids=ids, store=store, program=bundle / m["graphs"]["file"], slot_bytes=st.slot_bytes,
-                  experts=st.num_layers * st.num_experts, top_k=int(m["routing"]["top_k"]), graph=graph)
+                  experts=st.num_layers * st.num_experts, top_k=int(m["routing"]["top_k"]), graph=graph,
+                  gguf_type=llamacpp.GGUF_TYPE_FOR_EXPERTS[st.dtype])
 
 
 def _references(m: _Model, new_tokens: int) -> None:
@@ -289,7 +314,7 @@ def _row(m: _Model, engine: str, frac: float | None, limit: int | None, pool: fl
     ok = [r for r in runs if r.get("status") == "ok"]
     bad = [r["status"] for r in runs if r.get("status") != "ok"]
     row: dict[str, Any] = {
-        "model": m.label, "model_bytes": m.model_bytes, "engine": engine, "memory_limit_frac": frac,
+        "model": m.label, "model_bytes": m.model_bytes, "gguf_type": m.gguf_type, "engine": engine, "memory_limit_frac": frac,
         "memory_limit_bytes": limit, "tpot_ms": _median([r.get("tpot_ms") for r in ok]),
         "ttft_ms": _median([r.get("ttft_ms") for r in ok]), "mib_read": _median([r.get("mib_read") for r in ok]),
         "peak_rss_bytes": int(statistics.median([r["peak_rss_bytes"] for r in ok])) if ok else None,
@@ -325,7 +350,7 @@ def run(bundles: list[Path], *, limits: Sequence[float | None] = (1.0, 0.75, 0.5
         timeout_s: float = 600.0, gguf_dir: Path | None = None,
         pool_margin: Callable[[int], int] = default_margin, log: Log = print) -> dict:
     """llama.cpp and the native runner on each bundle's model under each memory limit (fractions of
-    the f16 GGUF's bytes; None: no limit). Per model and limit, `rounds` rounds over the prompts, the
+    the GGUF's bytes; None: no limit). Per model and limit, `rounds` rounds over the prompts, the
     three engines interleaved (in reverse order every other run); one cold process per run. A run that
     times out (`timeout_s`) or is OOM-killed is a row with that status; an engine that timed out at a
     limit is not run at smaller limits of that model (its rows say so: status "timeout", `skipped`).
@@ -353,9 +378,9 @@ def run(bundles: list[Path], *, limits: Sequence[float | None] = (1.0, 0.75, 0.5
     for b in bundles:
         t0 = time.monotonic()
         m = _open_model(Path(b), prompts, prompt_tokens, new_tokens, taken)
-        m.gguf = llamacpp.cached_gguf(m.source, m.label, gguf_dir, log=log)
+        m.gguf = llamacpp.cached_gguf(m.source, m.label, gguf_dir, gguf_type=m.gguf_type, bins=bins, log=log)
         m.model_bytes = m.gguf.stat().st_size
-        log(f"[{m.label}] {m.desc}; GGUF f16 {m.model_bytes / MiB:.1f} MiB ({m.gguf})")
+        log(f"[{m.label}] {m.desc}; GGUF {m.gguf_type} {m.model_bytes / MiB:.1f} MiB ({m.gguf})")
         log(f"[{m.label}] reference tokens: transformers greedy on {m.source} (float32)")
         _references(m, new_tokens)
         m.runner = runner_command(build_runner(m.bundle, "host", log=log), "host")
@@ -379,14 +404,16 @@ def run(bundles: list[Path], *, limits: Sequence[float | None] = (1.0, 0.75, 0.5
         "rows": rows, "status": status, "reason": reason, "machine": machine, "notes": notes,
         "protocol": {"prompts": prompts, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "rounds": rounds,
                      "threads": threads, "limits": list(limits), "timeout_s": timeout_s,
-                     "model_bytes": "the f16 GGUF file's size (llama.cpp's convert_hf_to_gguf --outtype f16)",
+                     "model_bytes": "the GGUF file's size; its type matches the bundle's expert precision (fp16: "
+                                    "f16 from convert_hf_to_gguf; int8: its q8_0; int4: llama-quantize Q4_0 of the "
+                                    "f16)",
                      "cold": "drop_caches before every run (each run is one process)",
                      "memory": "cgroup v1 memory (+memsw) limit, page cache charged",
                      "native_pool": "limit - the runner's footprint without the pool - margin (default 4 MiB + "
                                     "3% of the limit), within [one layer's top-k slots, every expert]; no limit: "
                                     "every expert"},
         "models": [{"model": m.label, "description": m.desc, "bundle": str(m.bundle), "source": str(m.source),
-                    "gguf": str(m.gguf), "model_bytes": m.model_bytes, "program_bytes": m.program.stat().st_size,
+                    "gguf": str(m.gguf), "gguf_type": m.gguf_type, "model_bytes": m.model_bytes, "program_bytes": m.program.stat().st_size,
                     "store_bytes": m.store.stat().st_size, "experts": m.experts, "slot_bytes": m.slot_bytes,
                     "top_k_per_layer": m.top_k, "native_footprint": m.footprint, "prompts": m.texts,
                     "prompt_ids": m.ids} for m in models],
@@ -446,22 +473,26 @@ def _measure(models: list[_Model], bins: Path, *, limits: Sequence[float | None]
 
 def _notes(models: list[_Model], rows: list[dict], new_tokens: int, timeout_s: float) -> list[str]:
     notes = [
-        "model_bytes is the f16 GGUF file's size; memory limits are fractions of it, for both engines.",
+        ("model_bytes is the GGUF file's size (f16, q8_0 or Q4_0: the class of the bundle's expert precision); "
+         "memory limits are fractions of it, for both engines."),
         ("Each run is one process from a cold page cache; mib_read and peak_rss_bytes come from GNU time's "
          "rusage of that process (all reads, model load and program included; RSS counts mapped file pages)."),
         ("TPOT: llama.cpp's eval time / eval runs (n-1 single-token decodes); the native runner's "
          "(t_last - t_first)/(n-1). TTFT: llama.cpp's prompt eval (one batched decode of the prompt, page "
          "faults included, model load excluded); the native runner feeds the prompt one position at a time "
          "through its decode graphs, so its TTFT is about prompt length x per-token time."),
-        ("The native runner runs the bundle's fp32 dense program (XNNPACK) and fp16 experts; llama.cpp runs "
-         "the f16 GGUF. Native runs pass --no-verify-hashes (hashing the store would read it all through the "
+        ("The native runner runs the bundle's dense program (XNNPACK) and its experts at the store's precision; "
+         "llama.cpp runs the GGUF of that class (all its tensors, the dense ones too, at that type). Native runs pass --no-verify-hashes (hashing the store would read it all through the "
          "page cache) and --cold."),
         f"Per-run timeout {timeout_s:.0f} s; an engine that timed out at a limit is not run at smaller ones.",
     ]
     for m in models:
-        if m.label != "embedded":
-            notes.append(f"{m.label}: random weights (not the embedded, trained model): its routing is not "
-                         "realistic (it follows random router weights, not what the text means), so its hit rates, "
+        origin = trained_origin(m.source)
+        if origin:
+            notes.append(f"{m.label}: {origin}")
+        else:
+            notes.append(f"{m.label}: not a shipped trained model nor widened from one; if its weights are random "
+                         "(specprefetch tiny), its routing is not realistic (it follows random router weights, not what the text means), so its hit rates, "
                          "how much of it a pool or page cache must hold, and the adapter's gain are not what a "
                          "trained model would show; the adapter was trained on this model's own traces.")
     return notes + pool_notes(rows)
@@ -550,10 +581,10 @@ def markdown(result: dict) -> str:
         lines += [(f"{p.get('prompts')} prompts of {p.get('prompt_tokens')} tokens x {p.get('new_tokens')} new tokens, "
                   f"greedy, {p.get('rounds')} rounds, engines interleaved, {p.get('threads')} compute thread(s); "
                   "one cold process per run; medians. Limits: cgroup v1 memory including page cache, as a share "
-                  "of the model's f16 GGUF bytes."), ""]
+                  "of the model's GGUF bytes."), ""]
     for model in dict.fromkeys(r["model"] for r in rows):
         mr = [r for r in rows if r["model"] == model]
-        lines += [f"### {model} ({mr[0]['model_bytes'] / MiB:.1f} MiB f16 GGUF)", "",
+        lines += [f"### {model} ({mr[0]['model_bytes'] / MiB:.1f} MiB {mr[0].get('gguf_type', 'f16')} GGUF)", "",
                   ("| limit | limit MiB | engine | pool MiB | TPOT ms | TTFT ms | MiB read (experts) | peak RSS MiB | "
                    "tokens match | status | llama.cpp / engine TPOT |"),
                   "|" + "---|" * 11]
@@ -604,7 +635,7 @@ def plot(result: dict, path: Path) -> None:
         ax.set_yscale("log")
         ticks = sorted({none_x if r["memory_limit_frac"] is None else r["memory_limit_frac"] for r in mr})
         ax.set_xticks(ticks, ["no limit" if t == none_x else f"{t:.0%}" for t in ticks])
-        ax.set_xlabel("memory limit (share of the f16 GGUF's bytes)")
+        ax.set_xlabel("memory limit (share of the GGUF's bytes)")
         ax.set_ylabel("TPOT (ms, log)")
         ax.set_title(f"{model} ({mr[0]['model_bytes'] / MiB:.0f} MiB)")
         ax.grid(alpha=0.3, which="both")

@@ -15,6 +15,7 @@ replaced on disk meanwhile does not affect it.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import stat
@@ -189,30 +190,38 @@ def _write_store(spec: ModelSpec, path: Path, dtype: str, source: dict, progress
     with open(path, "wb") as f:
         f.truncate(data_offset + stride * L * E)
         bar = tqdm(total=L * E, desc=f"expert store ({dtype})", unit="expert", disable=not progress)
-        for li, layer in enumerate(g.moe_layers):
-            for e in range(E):
-                try:
-                    mats_t = reader.read_expert(layer, e)
-                except SpecPrefetchError:
-                    raise
-                except Exception as err:  # safetensors' own errors on a damaged shard
-                    raise SpecPrefetchError(f"{spec.path}: cannot read expert {e} of layer {layer} from the "
-                                            f"checkpoint ({err})") from None
-                blob = bytearray(blob_size)
-                si = 0
-                for role, _ in mats:
-                    arrays = ([mats_t[role].float().to(torch.float16).numpy()] if mats_t[role].ndim == 1
-                              else quantize(mats_t[role], dtype))
-                    for a in arrays:
-                        s = sections[si]
-                        blob[s.offset:s.offset + s.nbytes] = np.ascontiguousarray(a).tobytes()
-                        si += 1
-                off = data_offset + stride * (li * E + e)
-                f.seek(off)
-                f.write(blob)
-                entries.append(IndexEntry(li, e, off, blob_size, zlib.crc32(blob)))
-                bar.update(1)
-        bar.close()
+        try:  # closed on any error too: an error line never shares the bar's line
+            for li, layer in enumerate(g.moe_layers):
+                for e in range(E):
+                    try:
+                        mats_t = reader.read_expert(layer, e)
+                    except SpecPrefetchError:
+                        raise
+                    except Exception as err:  # safetensors' own errors on a damaged shard
+                        raise SpecPrefetchError(f"{spec.path}: cannot read expert {e} of layer {layer} from the "
+                                                f"checkpoint ({err})") from None
+                    blob = bytearray(blob_size)
+                    si = 0
+                    for role, _ in mats:
+                        if not bool(torch.isfinite(mats_t[role]).all()):  # NaN weights would decode as EOS
+                            raise SpecPrefetchError(f"{_source_tensor(reader, role, layer, e)} holds NaN or infinite "
+                                                    "values (damaged weights); no store written")
+                        arrays = ([mats_t[role].float().to(torch.float16).numpy()] if mats_t[role].ndim == 1
+                                  else quantize(mats_t[role], dtype))
+                        for a in arrays:
+                            if a.dtype == np.float16 and not np.isfinite(a).all():
+                                raise SpecPrefetchError(f"{_source_tensor(reader, role, layer, e)} holds values past "
+                                                        f"fp16's range (|w| > 65504): they cannot be stored in {dtype}")
+                            s = sections[si]
+                            blob[s.offset:s.offset + s.nbytes] = np.ascontiguousarray(a).tobytes()
+                            si += 1
+                    off = data_offset + stride * (li * E + e)
+                    f.seek(off)
+                    f.write(blob)
+                    entries.append(IndexEntry(li, e, off, blob_size, zlib.crc32(blob)))
+                    bar.update(1)
+        finally:
+            bar.close()
         index = b"".join(ENTRY.pack(x.layer, x.expert, x.offset, x.size, x.crc32, 0) for x in entries)
         head = bytearray(HEADER.pack(MAGIC, VERSION, DTYPES[dtype], L, E, g.hidden_size, g.moe_intermediate_size,
                                      GROUP if dtype == "int4" else 0, int(g.expert_has_bias), ALIGN,
@@ -221,6 +230,17 @@ def _write_store(spec: ModelSpec, path: Path, dtype: str, source: dict, progress
         seal_header(head)
         f.seek(0)
         f.write(bytes(head) + index + meta_bytes)
+
+
+def _source_tensor(reader: ExpertReader, role: str, layer: int, expert: int) -> str:
+    """The checkpoint file and tensor an expert's matrix (or bias) `role` was read from, for errors."""
+    for src in reader.sources:
+        if src.role == role:
+            name = reader.key(src, layer, expert)
+            entry = reader.index.entries.get(name)
+            where = f"{entry[0]}: tensor" if entry else "tensor"
+            return f"{where} {name!r} ({role} of expert {expert}, layer {layer})"
+    return f"{reader.spec.path}: {role} of expert {expert}, layer {layer}"
 
 
 def _whole(v) -> int:
@@ -322,6 +342,9 @@ class ExpertStore:
         body = _pread_exact(self.fd, body_len, index_offset, p, "index")
         if zlib.crc32(body) != index_crc:
             raise SpecPrefetchError(f"{p}: expert store index is corrupt (checksum mismatch)")
+        # what a bundle's manifest records of its store (runtime.expert_store_index_sha256): the
+        # header, every blob's CRC-32 and the metadata (the source weights) under one cheap hash
+        self.index_sha256 = hashlib.sha256(raw + body).hexdigest()
         self.num_layers, self.num_experts, self.hidden_size, self.intermediate_size = L, E, H, I
         self.alignment, self.data_offset, self.has_bias = align, data_offset, bool(flags & 1)
         self.meta = self._metadata(body[ENTRY.size * L * E:], L, group)

@@ -232,12 +232,15 @@ class Runner:
             from tqdm import tqdm
 
             bar = tqdm(total=n_prompt, desc="prefill", unit="tok", leave=False, mininterval=0.5)
+        graphs = str(getattr(backend, "path", "") or m.label or "the model")  # what non-finite output names
         t0 = time.perf_counter()
         pos = 0
         while True:
             h = backend.call("embed", [torch.tensor([[seq[pos]]], dtype=torch.long)])[0]
+            _finite([h], graphs, "embed", pos)
             for layer in range(m.num_layers):
                 outs = backend.layer(layer, h, pos)
+                _finite(outs, graphs, f"layer_{layer}", pos)
                 if layer not in moe_index:
                     h = outs[0]
                     continue
@@ -258,13 +261,18 @@ class Runner:
                 planner.plan(sched, li, step, state, preds, end)
                 y = torch.zeros_like(x)
                 for j, key in enumerate(keys):
-                    y = y + w[0, j] * self.experts.expert(x, sched.data(key))
+                    e_out = self.experts.expert(x, sched.data(key))
+                    if not bool(torch.isfinite(e_out).all()):  # x is finite: the expert's weights are not
+                        raise SpecPrefetchError(f"{self.store.path}: expert {key} gave non-finite output (NaN or "
+                                                f"inf) at position {pos}: its weights in the store are damaged")
+                    y = y + w[0, j] * e_out
                 sched.release(step, keys)
                 h = h_res + y.view_as(h_res)
             routing.append(state.ids[0].clone())
             state.next_position()
             if keep_logits or pos >= n_prompt - 1:
                 out = backend.call("head", [h])[0].reshape(-1).float()
+                _finite([out], graphs, "head", pos)
                 if keep_logits:
                     logits_all.append(out)
             if bar is not None and pos < n_prompt:
@@ -310,6 +318,15 @@ class Runner:
             rec = recorded or self.record(prompt_ids, max_new_tokens)
             return self.generate(prompt_ids, max_new_tokens, recorded=rec, events=events)
         return self.generate(prompt_ids, max_new_tokens, events=events)
+
+
+def _finite(outs: Sequence[torch.Tensor], graphs: str, step: str, pos: int) -> None:
+    """NaN or inf out of a graph would decode as some token (often EOS) and end the run "cleanly":
+    refused in one line naming the graphs and the step, as the native runner refuses them."""
+    for t in outs:
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise SpecPrefetchError(f"{graphs}: {step} gave non-finite values (NaN or inf) at position {pos}: "
+                                    "damaged weights or config (e.g. rms_norm_eps), or a damaged program")
 
 
 def open_pool_and_scheduler(cfg: RunConfig, *, slot_bytes: int, num_layers: int, top_k: int, io,

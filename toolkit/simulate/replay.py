@@ -113,10 +113,18 @@ def simulate_policy(batches: list[RoutingBatch], predictor, geo: Geometry, profi
                             if tgt // L >= T:
                                 break
                             # trace horizon that lands on the same (token offset, trace layer)
-                            sc = preds.get((ti, _trace_h(li, h, L, layer_map, Lt)))
+                            th = _trace_h(li, h, L, layer_map, Lt)
+                            if th > 0:
+                                sc = preds.get((ti, th))
+                                row = rows[t]
+                            else:
+                                # a geometry layer that replays the current trace layer again (more geometry
+                                # layers than trace layers): the prediction of that trace layer made one trace
+                                # layer earlier (for trace layer 0, the previous token's cross-token one)
+                                sc, row = _copy_prediction(preds, ti, Lt, rows, t)
                             if sc is None:
                                 continue
-                            sc = sc[rows[t]]
+                            sc = sc[row]
                             if geo.num_experts > sc.shape[0]:
                                 sc = torch.nn.functional.pad(sc, (0, geo.num_experts - sc.shape[0]))
                             window.append((tgt, sc))
@@ -166,6 +174,34 @@ def _trace_h(li: int, h: int, L: int, layer_map: list[int], Lt: int) -> int:
     return tok * Lt + layer_map[layer] - layer_map[li]
 
 
+def _mapping_note(Lt: int, Et: int, geo: Geometry) -> str | None:
+    """How the trace's layers and experts land on another geometry, in words (None when they are the same)."""
+    if Lt == geo.num_layers and Et == geo.num_experts:
+        return None
+    parts = []
+    if Lt != geo.num_layers:
+        parts.append(f"geometry MoE layer i replays trace layer floor(i x {Lt} / {geo.num_layers}) (each trace layer "
+                     f"drives {geo.num_layers / Lt:g} consecutive layers; a layer that repeats the trace layer before it "
+                     "is predicted by that trace layer's prediction made one trace layer earlier)")
+    if Et < geo.num_experts:
+        parts.append(f"trace expert e is geometry expert e: only {Et} of each layer's {geo.num_experts} experts are "
+                     f"ever routed to, so a pool's share of the experts routed to is {geo.num_experts / Et:g}x its "
+                     "share of all experts (hit rates are optimistic)")
+    elif Et > geo.num_experts:
+        parts.append(f"trace expert e is geometry expert e mod {geo.num_experts}")
+    return "; ".join(parts)
+
+
+def _copy_prediction(preds: dict, ti: int, Lt: int, rows: torch.Tensor, t: int):
+    """(scores, row) of trace layer ti predicted one trace layer before it: (ti-1, h=1) of the same token,
+    or (Lt-1, h=1) of the previous token for ti = 0; (None, None) where there is none."""
+    if ti > 0:
+        return preds.get((ti - 1, 1)), rows[t]
+    if t > 0:
+        return preds.get((Lt - 1, 1)), rows[t - 1]
+    return None, None
+
+
 def run_simulation(trace: Path, *, policies: list[Policy], profile: DeviceProfile, pool_mib: float,
                    window: int, queue_depth: int = 4, dtype: str = "fp16", geometry: str | None = None,
                    adapter: Path | None = None, model: str | None = None, min_confidence: float = 0.02,
@@ -209,8 +245,13 @@ def run_simulation(trace: Path, *, policies: list[Policy], profile: DeviceProfil
         "profile": profile.name, "emulated_device": profile.name != "this-machine",
         "geometry": dataclasses.asdict(geo),
         "routing_from": {"trace": str(Path(trace).resolve()), "model": str(spec.path),
-                         "replayed_onto_other_geometry": geo.source != str(spec.path)},
+                         "replayed_onto_other_geometry": geo.source != str(spec.path),
+                         "trace_layers": Lt, "trace_experts": reader.num_experts,
+                         "mapping": _mapping_note(Lt, reader.num_experts, geo)},
         "pool_mib": pool_mib, "pool_share_of_experts": round(pool_bytes / total, 4),
+        # the trace routes to at most its own model's experts per layer: against those, the pool's share
+        "pool_share_of_routed_experts": round(pool_bytes / (geo.slot_bytes * geo.num_layers
+                                                            * min(geo.num_experts, reader.num_experts)), 4),
         "window": window, "queue_depth": queue_depth, "store_dtype": dtype,
         "results": results, "notes": notes,
     }

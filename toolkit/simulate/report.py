@@ -39,7 +39,10 @@ def markdown(r: dict[str, Any]) -> str:
     lines = [f"Profile `{r['profile']}`; expert slot {g['slot_bytes'] / 1024:.0f} KiB ({g['dtype']}), "
              f"{g['num_layers']} MoE layers x {g['num_experts']} experts, top-{g['top_k']}."]
     if r["routing_from"]["replayed_onto_other_geometry"]:
-        lines.append(f"Routing replayed from {r['routing_from']['model']} onto the geometry of {g['source']}.")
+        lines.append(f"Routing replayed from {r['routing_from']['model']} onto the geometry of {g['source']}"
+                     f" (top-{g['top_k']} kept from the trace).")
+        if r["routing_from"].get("mapping"):
+            lines.append(f"Mapping: {r['routing_from']['mapping']}.")
     lines += ["", "| pool MiB | pool share | window | policy | TPOT ms | p95 ms | stall ms/token | hit rate | "
                   "MiB read/token | wasted prefetch MiB | vs on-demand |", "|" + "---|" * 11]
     for p in r["points"]:

@@ -28,7 +28,7 @@ from toolkit.models.families import router_distribution
 from toolkit.artifacts import claim_output
 from toolkit.models.loader import LoadedModel, load_model, resolve_model_dir
 from toolkit.traces.batches import check_device
-from toolkit.traces.data import Record, file_sha256, read_records
+from toolkit.traces.data import Record, check_input, file_sha256, read_records
 from toolkit.traces.format import DECODE, IMAGE, PREFILL, TraceWriter
 
 FULL_PROBS_MAX_EXPERTS = 256
@@ -335,6 +335,8 @@ def run_trace(model: str | Path, data: list[Path], out: Path, s: TraceSettings, 
     s.validate()
     out = Path(out)
     data = [Path(d) for d in data]
+    for d in data:  # each a regular file of bounded size (a FIFO or /dev/zero is refused), before any work
+        check_input(d)
     inputs = tuple(d.resolve() for d in data) + (resolve_model_dir(model).resolve(),)
     claim_output(out, kind="trace", overwrite=overwrite, inputs=inputs)  # before the model loads
     lm = load_model(model, device=s.device, dtype=s.dtype)

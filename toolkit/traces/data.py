@@ -3,17 +3,24 @@
 - `.txt`: the whole file is one text; it is cut into prompts of `prompt_tokens` tokens.
 - `.jsonl`: one JSON object per line with "text" and, for VL models, an optional "image" path
   (relative to the JSONL file). Long texts are cut like .txt files.
-Every file is validated before any model work starts: a bad line is reported as FILE:LINE.
+Every file is validated before any model work starts: a bad line is reported as FILE:LINE. Every
+file read (data, images) must be a regular file of at most MAX_DATA_BYTES / MAX_IMAGE_BYTES: a FIFO
+or a device (/dev/zero) would block or never end, so it is refused by name before it is read.
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import json
+import os
+import stat
 from pathlib import Path
-from typing import Iterator
+from typing import BinaryIO, Iterator
 
 from toolkit.errors import SpecPrefetchError
+
+MAX_DATA_BYTES = 1 << 30    # one --data file: its text is held in memory whole
+MAX_IMAGE_BYTES = 1 << 28   # one image of a JSONL record
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,21 +31,84 @@ class Record:
     image: Path | None = None
 
 
-def file_sha256(path: Path) -> str:
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+_DIR_HINT = {"--data": "; name .txt or .jsonl files"}
+
+
+def open_input(path: Path | str, what: str = "--data", max_bytes: int = MAX_DATA_BYTES) -> BinaryIO:
+    """`path` opened for reading once it is known to be a regular file of at most `max_bytes`.
+
+    The path is checked before it is opened (a device is never opened) and the descriptor again
+    after (opened non-blocking, so a FIFO put there meanwhile cannot hang the open): the file checked
+    is the file read. Errors are one line, "WHAT PATH: ..." ("PATH: ..." when `what` is empty)."""
+    path = Path(path)
+    name = f"{what} {path}" if what else str(path)
+    is_dir = f"{name}: is a directory{_DIR_HINT.get(what, ', not a regular file')}"
+
+    def check(st: os.stat_result) -> None:
+        if stat.S_ISDIR(st.st_mode):
+            raise SpecPrefetchError(is_dir)
+        if not stat.S_ISREG(st.st_mode):
+            raise SpecPrefetchError(f"{name}: is {_kind(st.st_mode)}, not a regular file")
+        if st.st_size > max_bytes:
+            raise SpecPrefetchError(f"{name}: {st.st_size} bytes, more than the {max_bytes >> 20} MiB an input "
+                                    "file may hold; split it")
+
     try:
-        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+        check(os.stat(path))
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise SpecPrefetchError(f"{name}: file not found") from None
+    except IsADirectoryError:
+        raise SpecPrefetchError(is_dir) from None
+    except OSError as e:
+        raise SpecPrefetchError(f"{name}: cannot be read ({e.strerror or e})") from None
+    try:
+        check(os.fstat(fd))
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _grew(path: Path, what: str, max_bytes: int) -> SpecPrefetchError:
+    return SpecPrefetchError(f"{what} {path}: grew past the {max_bytes >> 20} MiB an input file may hold "
+                             "while it was read")
+
+
+def check_input(path: Path | str, what: str = "--data", max_bytes: int = MAX_DATA_BYTES) -> int:
+    """The size of `path` once it is known to be a regular file of at most `max_bytes` (see
+    open_input); nothing of it is read."""
+    with open_input(path, what, max_bytes) as f:
+        return os.fstat(f.fileno()).st_size
+
+
+def file_sha256(path: Path) -> str:
+    h, seen = hashlib.sha256(), 0
+    try:
+        with open_input(path) as f:
+            while block := f.read(1 << 20):
+                seen += len(block)
+                if seen > MAX_DATA_BYTES:
+                    raise _grew(path, "--data", MAX_DATA_BYTES)
+                h.update(block)
     except OSError as e:
         raise SpecPrefetchError(f"--data {path}: cannot be read ({e.strerror or e})") from None
+    return h.hexdigest()
 
 
 def read_records(paths: list[Path], *, allow_images: bool) -> list[Record]:
     records: list[Record] = []
     for path in paths:
         path = Path(path)
-        if not path.exists():
-            raise SpecPrefetchError(f"--data {path}: file not found")
-        if path.is_dir():
-            raise SpecPrefetchError(f"--data {path}: is a directory; name .txt or .jsonl files")
         if path.suffix == ".jsonl":
             try:
                 records.extend(_read_jsonl(path, allow_images))
@@ -46,7 +116,11 @@ def read_records(paths: list[Path], *, allow_images: bool) -> list[Record]:
                 raise SpecPrefetchError(f"--data {path}: cannot be read ({e.strerror or e})") from None
         elif path.suffix in (".txt", ".md", ".rst", ""):
             try:
-                text = path.read_text(encoding="utf-8")
+                with open_input(path) as f:
+                    raw = f.read(MAX_DATA_BYTES + 1)
+                if len(raw) > MAX_DATA_BYTES:
+                    raise _grew(path, "--data", MAX_DATA_BYTES)
+                text = raw.decode("utf-8")
             except UnicodeDecodeError as e:
                 raise SpecPrefetchError(f"--data {path}: not UTF-8 text ({e})") from None
             except OSError as e:
@@ -55,6 +129,7 @@ def read_records(paths: list[Path], *, allow_images: bool) -> list[Record]:
                 raise SpecPrefetchError(f"--data {path}: file is empty")
             records.append(Record(str(path), 0, text))
         else:
+            check_input(path)  # a missing file or a directory is named as such first
             raise SpecPrefetchError(f"--data {path}: unsupported file type {path.suffix!r} "
                                     "(expected .txt or .jsonl)")
     if not records:
@@ -63,8 +138,12 @@ def read_records(paths: list[Path], *, allow_images: bool) -> list[Record]:
 
 
 def _read_jsonl(path: Path, allow_images: bool) -> Iterator[Record]:
-    with open(path, "rb") as f:
+    seen = 0
+    with open_input(path) as f:
         for n, raw in enumerate(f, 1):
+            seen += len(raw)
+            if seen > MAX_DATA_BYTES:
+                raise _grew(path, "--data", MAX_DATA_BYTES)
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
@@ -85,6 +164,7 @@ def _read_jsonl(path: Path, allow_images: bool) -> Iterator[Record]:
                     raise SpecPrefetchError(f"{path}:{n}: has an \"image\" but the model is not a "
                                             "vision-language family")
                 image = (path.parent / obj["image"]).resolve()
-                if not image.is_file():
+                if not image.exists() or image.is_dir():
                     raise SpecPrefetchError(f"{path}:{n}: image {obj['image']!r} not found ({image})")
+                check_input(image, f"{path}:{n}: image", MAX_IMAGE_BYTES)
             yield Record(str(path), n, obj["text"], image)
