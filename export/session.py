@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from toolkit.errors import SpecPrefetchError
-from toolkit.models.loader import ModelSpec, embedded_model_dir, eos_token_ids, inspect_model_dir, load_dense_model
+from toolkit.models.loader import ModelSpec, eos_token_ids, inspect_model_dir, load_dense_model, shipped_model_name
 from toolkit.predictors.registry import PREDICTORS, build_predictor
 from toolkit.runtime.expert_store import ExpertStore
 from toolkit.runtime.planner import GRAPH
@@ -86,7 +86,8 @@ class Session:
 
     @property
     def is_embedded(self) -> bool:
-        return self.source_model is not None and self.source_model.resolve() == embedded_model_dir().resolve()
+        """The source model is one of the shipped models (embedded, phone): --check is on by default."""
+        return self.source_model is not None and shipped_model_name(self.source_model) is not None
 
     def encode(self, text: str) -> list[int]:
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]

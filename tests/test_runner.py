@@ -260,7 +260,7 @@ def test_cli_run_model_with_events_and_rss(emb_store, emb_trace_adapter, tmp_pat
     assert [ln.split()[1] for ln in lines if ln.startswith("seq ")] == ["0", "1"]
     # the same command again: the same decisions
     ev2 = tmp_path / "e2.log"
-    r = CliRunner().invoke(main, args[:-1] + [str(ev2)])
+    r = CliRunner().invoke(main, args[:-1] + [str(ev2), "--overwrite"])  # the same --json: a report of run
     assert r.exit_code == 0, r.output
     assert decisions(lines) == decisions(ev2.read_text().splitlines())
 

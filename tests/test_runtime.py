@@ -230,8 +230,41 @@ def test_simulator_orders_policies(sim_trace, tiny_models):
     assert g["routing_from"]["replayed_onto_other_geometry"] is True
     assert g["geometry"]["num_layers"] == 16 and g["geometry"]["slot_bytes"] == 3 * 256 * 256 * 2
     m = g["routing_from"]["mapping"]
-    assert "floor(i x 8 / 16)" in m and "only 32 of each layer's 64 experts" in m
-    assert g["pool_share_of_routed_experts"] == pytest.approx(2 * g["pool_share_of_experts"], rel=1e-3)
+    # the tiny config keeps its 8 experts (num_local_experts): the trace's 32 fold onto them
+    assert "floor(i x 8 / 16)" in m and "geometry expert e mod 8" in m
+    assert g["pool_share_of_routed_experts"] == g["pool_share_of_experts"]
+
+
+def test_replay_onto_three_times_the_layers_plans_every_layer(sim_trace, tiny_models, monkeypatch):
+    """24 geometry layers over the trace's 8, window 2: every layer is planned for (a layer that repeats
+    its trace layer twice over used to get no prediction at all)."""
+    import toolkit.simulate.replay as R
+    from toolkit.runtime.policy import Policy
+
+    planned: set[int] = set()
+    real = R.open_pool_and_scheduler
+
+    def spy(*a, **kw):
+        pool, sched = real(*a, **kw)
+        plan = sched.plan
+
+        def recording(step, window):
+            planned.update(tgt % 24 for tgt, _ in window)
+            return plan(step, window)
+
+        sched.plan = recording
+        return pool, sched
+
+    monkeypatch.setattr(R, "open_pool_and_scheduler", spy)
+    cfg_dir = Path(tiny_models["qwen3_moe"]).parent / "geo24"
+    cfg_dir.mkdir(exist_ok=True)
+    cfg = json.loads((Path(tiny_models["qwen3_moe"]) / "config.json").read_text())
+    cfg.update(num_hidden_layers=24, mlp_only_layers=[], num_experts=32, num_experts_per_tok=4, hidden_size=256,
+               moe_intermediate_size=256, num_attention_heads=4, head_dim=64)
+    (cfg_dir / "config.json").write_text(json.dumps(cfg))
+    R.run_simulation(sim_trace, policies=[Policy("next-gate", "prediction")], profile=SNAPDRAGON_8_ELITE,
+                     pool_mib=8, window=2, geometry=str(cfg_dir), max_sequences=1)
+    assert planned == set(range(24))
 
 
 def test_replay_onto_more_layers_predicts_every_layer():

@@ -128,7 +128,7 @@ def test_store_and_info_follow_the_new_geometry(family, tiny_models, widened, tm
         d_new["params_per_expert"] - d_old["params_per_expert"])
 
     layer, i = len(old.geometry.moe_layers) - 1, 48  # the store indexes MoE layers 0..L-1
-    for dt in ("int4", "fp16"):
+    for dt in ("int4", "int8", "fp16"):
         sa = ExpertStore(build_store(old, tmp_path / f"a-{dt}.spx", dt, progress=False), old)
         sb = ExpertStore(build_store(new, tmp_path / f"b-{dt}.spx", dt, progress=False), new)
         assert sb.blob_size == blob_bytes(new.geometry, dt) and sa.blob_size == blob_bytes(old.geometry, dt)
@@ -273,6 +273,22 @@ def test_overwrite_replaces_a_widened_checkpoint_whole(tiny_models, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["wide"]  # no work directory, lock or OUT.old left
 
 
+def test_overwrite_refuses_a_widened_checkpoint_saved_again(tiny_models, tmp_path):
+    """A model saved from a widened one (a fine-tune) keeps config.json's record, but not widen's marker
+    of its files: --overwrite refuses it and leaves it whole."""
+    from transformers import AutoModelForCausalLM
+
+    src, out = tiny_models["qwen3_moe"], tmp_path / "wide"
+    widen_checkpoint(src, out, N, progress=False)
+    tuned = tmp_path / "tuned"
+    AutoModelForCausalLM.from_pretrained(out).save_pretrained(tuned, max_shard_size="50KB")
+    shutil.copy(out / W.MARKER, tuned / W.MARKER)  # even with widen's marker copied beside its files
+    before = {p.name: p.read_bytes() for p in tuned.iterdir()}
+    assert W.WIDENED_KEY in json.loads((tuned / "config.json").read_text())
+    _refused(lambda: widen_checkpoint(src, tuned, 96, overwrite=True, progress=False), "--out", "not as widen wrote")
+    assert {p.name: p.read_bytes() for p in tuned.iterdir()} == before
+
+
 @pytest.mark.parametrize("error", [KeyboardInterrupt, OSError])
 def test_an_interrupted_widen_leaves_nothing(error, tiny_models, tmp_path, monkeypatch):
     real, calls = W._write_shard, []
@@ -290,11 +306,6 @@ def test_an_interrupted_widen_leaves_nothing(error, tiny_models, tmp_path, monke
     assert not any(tmp_path.iterdir())  # no OUT, no work directory, no lock, not even the parent made for it
 
 
-needs_verb = pytest.mark.skipif("widen" not in main.commands,
-                                reason="the `widen` verb is not in toolkit/cli.py yet (build/notes/widen-verb.py)")
-
-
-@needs_verb
 def test_widen_command(tiny_models, tmp_path):
     out = tmp_path / "wide"
     r = CliRunner().invoke(main, ["widen", str(tiny_models["gpt_oss"]), "--moe-intermediate-size", "64",

@@ -7,7 +7,7 @@
     specprefetch tiny FAMILY --out DIR     a tiny random checkpoint of a family, for trying things
     specprefetch widen MODEL --moe-intermediate-size N --out DIR   wider experts, same function
 
-MODEL_DIR may be `embedded` for the embedded default model.
+MODEL_DIR may be `embedded` for the embedded default model or `phone` for the phone-class model.
 """
 from __future__ import annotations
 
@@ -664,7 +664,7 @@ def calibrate(model, store_path, reads, out, overwrite) -> None:
               help="reads in a forked reader process, or in threads of this process")
 @click.option("--check/--no-check", default=None,
               help="compare the tokens with the unmodified model's own generate (loads all its weights) "
-                   "[default: on for the embedded model only]")
+                   "[default: on for the shipped models, embedded and phone, only]")
 @click.option("--events", "events_out", type=OUT_FILE, default=None,
               help="write every scheduler and pool decision here (docs/runtime.md)")
 @scheduler_limits
@@ -749,7 +749,7 @@ def run(model, policy, adapter, frequency_trace, pool_mib, window, queue_depth, 
     if check is None:
         check = s.is_embedded
     if check and s.source_model is None:
-        raise SpecPrefetchError(f"--check: the unmodified model of {s.label} is not on this machine")
+        raise SpecPrefetchError(f"--check: {s.source_problem or f'the unmodified model of {s.label} is not on this machine'}")
     exact = s.kind == "model" and s.runner.store.dtype == "fp16"
     runs, encoded = [], []
     log = EventLog() if events_out else None  # one log: each prompt is its own `seq N`
@@ -923,10 +923,10 @@ def _run_native(model, *, abi, policy, pool_mib, window, queue_depth, prompts, m
                 source_model = None
         except (SpecPrefetchError, KeyError, TypeError):
             source_model = None
-    if check is None:  # as the Python engine: on for the embedded model
-        from toolkit.models.loader import embedded_model_dir
+    if check is None:  # as the Python engine: on for the shipped models (embedded, phone)
+        from toolkit.models.loader import shipped_model_name
 
-        check = source_model is not None and source_model.resolve() == embedded_model_dir().resolve()
+        check = source_model is not None and shipped_model_name(source_model) is not None
     if check and source_model is None:
         raise SpecPrefetchError(f"--check: the unmodified model of {model} is not on this machine")
     runs = []
@@ -1397,7 +1397,7 @@ def widen(model, width, out, seed, overwrite) -> None:
     MODEL's compute (added units: ordinary gate/up rows, zero down-projection columns), for
     studying larger experts on the same routing (docs/widen.md). Streams shard by shard.
 
-    MODEL is a checkpoint directory or `embedded`; every supported family's experts are gated MLPs."""
+    MODEL is a checkpoint directory, `embedded` or `phone`; every supported family's experts are gated MLPs."""
     from toolkit.models.widen import widen_checkpoint
 
     s = widen_checkpoint(model, out, width, overwrite=overwrite, seed=seed, progress=True)

@@ -7,7 +7,8 @@
 //                                           "check_bundle: error: <msg>" on stderr, exit 1
 //   check_bundle --digest FILE...           {"FILE": {"size", "sha256", "crc32"}} (tests compare
 //                                           these with Python's hashlib / zlib)
-// --no-verify skips the manifest's sha256 checks (sizes are still checked); blob CRCs are always
+// --no-verify skips the expert store's sha256 (every other file is still hashed, the store's identity is
+// still checked); blob CRCs are always
 // checked. --buffered skips the O_DIRECT self-test (buffered reads).
 //
 // Build (host): g++ -std=c++17 -O2 -pthread -I android_runner/src android_runner/tests/check_bundle.cpp

@@ -28,7 +28,7 @@ PROMPTS = ["The Python interpreter", "abandon\n    v 1:", "The kernel's memory a
 
 
 @torch.no_grad()
-def report(model: str | Path, windows: int = 200, seq_len: int = 512) -> dict:
+def report(model: str | Path, windows: int = 200, seq_len: int = 512, samples: bool = True) -> dict:
     lm = load_model(model)
     texts = [json.loads(line)["text"] for line in HELDOUT.read_text().splitlines() if line.strip()]
     eos = lm.tokenizer.eos_token_id
@@ -63,14 +63,14 @@ def report(model: str | Path, windows: int = 200, seq_len: int = 512) -> dict:
         windows_ids.extend(per.reshape(batch.shape[0], seq_len, *per.shape[1:]))
     for h in handles:
         h.remove()
-    samples = []
-    for p in PROMPTS:
+    continuations = []
+    for p in PROMPTS if samples else ():
         x = lm.tokenizer(p, return_tensors="pt")
         y = lm.model.generate(**x, max_new_tokens=40, do_sample=False, pad_token_id=eos)
-        samples.append({"prompt": p, "continuation": lm.tokenizer.decode(y[0, x["input_ids"].shape[1]:])})
+        continuations.append({"prompt": p, "continuation": lm.tokenizer.decode(y[0, x["input_ids"].shape[1]:])})
     return {"model": str(lm.spec.path), "heldout_tokens_scored": count, "heldout_ppl": round(math.exp(nll / count), 3),
             "routing": routing_stats(load), "expert_load": load.tolist(),
-            "locality": routing_locality(windows_ids, E), "samples": samples}
+            "locality": routing_locality(windows_ids, E), "samples": continuations}
 
 
 def routing_locality(windows: list[np.ndarray], num_experts: int, spans: tuple[int, ...] = (32, 128, 512)) -> dict:

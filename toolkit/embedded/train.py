@@ -173,6 +173,9 @@ def main(argv: list[str] | None = None) -> None:
         if f.type in ("int", "float"):
             ap.add_argument("--" + f.name.replace("_", "-"), type=eval(f.type), default=f.default)
     a = ap.parse_args(argv)
+    if a.time_budget is not None and not (a.time_budget > 0 and a.warmup >= 30):
+        ap.error("--time-budget: a positive number of seconds, with --warmup of at least 30 (the rate is "
+                 "measured over steps 10-30, which must lie inside the warm-up)")
     r = Recipe(**{f.name: getattr(a, f.name) for f in dataclasses.fields(Recipe) if hasattr(a, f.name)})
 
     out: Path = a.out

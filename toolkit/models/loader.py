@@ -57,14 +57,16 @@ def shipped_model_name(path: str | Path | None) -> str | None:
 
 
 def resolve_model_dir(model: str | Path) -> Path:
-    """`embedded` (or an empty value) and `phone` name the shipped models; anything else is a directory.
+    """The strings `embedded` (or an empty value) and `phone` name the shipped models; any other string,
+    and every Path, is a directory (so a spec's own path never turns into a short name).
 
-    A directory of that name in the working directory is named with a path: `./phone`."""
-    text = str(model)
-    if text in ("", "default"):
+    A directory of such a name in the working directory is named with a path: `./phone`."""
+    if isinstance(model, Path):
+        return model
+    if model in ("", "default"):
         return embedded_model_dir()
-    if text in SHIPPED_MODELS:
-        return SHIPPED_MODELS[text]
+    if model in SHIPPED_MODELS:
+        return SHIPPED_MODELS[model]
     return Path(model)
 
 

@@ -63,6 +63,7 @@ _TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float1
 # files of a model directory that are not copied: the weights (written anew), config.json (rewritten),
 # indexes of weights, and pickles (never read)
 _SKIP_SUFFIXES = (".safetensors", ".index.json", *PICKLE_SUFFIXES)
+MARKER = "widened.json"  # written last into a widened checkpoint; --overwrite checks it
 
 
 class _Tensor:
@@ -70,6 +71,9 @@ class _Tensor:
 
     def __init__(self, name: str, dtype: str, shape: tuple[int, ...], produce: Callable[[], Iterator[Any]]):
         self.name, self.dtype, self.shape, self.produce = name, dtype, tuple(shape), produce
+        if dtype not in DTYPE_BYTES:
+            raise SpecPrefetchError(f"tensor {name!r}: dtype {dtype} is not one widen copies "
+                                    f"({', '.join(sorted(DTYPE_BYTES))})")
         self.nbytes = math.prod(self.shape) * DTYPE_BYTES[dtype]
 
 
@@ -357,6 +361,20 @@ def _claim(out: Path, overwrite: bool, inputs: tuple) -> None:
             raise SpecPrefetchError(f"--out {out} is a model checkpoint that widen did not write (its config.json "
                                     f"has no {WIDENED_KEY}): --overwrite replaces only a widened checkpoint; "
                                     "choose another path")
+        try:
+            mark = json.loads((out / MARKER).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            mark = None
+        if not (isinstance(mark, dict) and mark.get("files") == _marked_files(out)):
+            raise SpecPrefetchError(f"--out {out} is a model checkpoint whose weights are not as widen wrote them "
+                                    f"(no {MARKER}, or its files and sizes differ: re-saved or edited since): "
+                                    "--overwrite replaces only an untouched widened checkpoint; choose another path")
+
+
+def _marked_files(d: Path) -> dict[str, int]:
+    """config.json and the weight files of a checkpoint directory, with their sizes."""
+    return {p.name: p.stat().st_size for p in sorted(d.iterdir())
+            if p.is_file() and (p.name == "config.json" or p.name.endswith((".safetensors", ".index.json")))}
 
 
 def _new_geometry_ok(old: ModelGeometry, new: ModelGeometry, n: int, path: Path) -> None:
@@ -490,6 +508,8 @@ def _copy_other_files(src: Path, dst: Path) -> list[str]:
                 or not p.is_file()):
             continue
         shutil.copyfile(p, dst / p.name)  # follows a symbolic link (a Hugging Face cache snapshot)
+        with open(dst / p.name, "rb") as f:  # on disk before the directory is renamed into place
+            os.fsync(f.fileno())
         copied.append(p.name)
     return copied
 
@@ -571,6 +591,9 @@ def _widen(source, out: Path, n: int, overwrite: bool, seed: int, progress: bool
                               {"metadata": {"total_size": total},
                                "weight_map": {t.name: name for name, shard in zip(names, shards) for t in shard}})
         copied = _copy_other_files(spec.path, work)
+        # the marker --overwrite trusts: this directory's config and weight files as widen wrote them (a
+        # fine-tune saved from a widened model keeps the config key, but not these files and sizes)
+        write_json_atomic(work / MARKER, {"format": "specprefetch-widened", "files": _marked_files(work)})
         written = inspect_model_dir(work)
         model_info(written)  # the new experts are the ones the new config.json describes
         if verify:

@@ -105,8 +105,8 @@ def trained_origin(source: Path) -> str | None:
     except (OSError, ValueError):
         return None
     w = cfg.get("specprefetch_widened_from") if isinstance(cfg, dict) else None
-    if isinstance(w, dict):
-        origin = shipped_model_name(w.get("path"))
+    if isinstance(w, dict) and isinstance(w.get("path"), str):
+        origin = shipped_model_name(w["path"])
         if origin:
             return (f"widened from the shipped {origin} model (trained; the added expert units contribute "
                     "nothing, so its tokens and routing are the trained model's)")
