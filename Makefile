@@ -104,7 +104,7 @@ bench-phone: $(STAMP)
 	    --max-seq 128 --out $(PHONE)/bundle --overwrite
 	$(BIN)/specprefetch runner bench $(PHONE)/bundle --json $(PHONE)/native.json --overwrite
 	$(BIN)/specprefetch bench --peer llama.cpp --bundle $(PHONE)/bundle --prompts 2 --prompt-tokens 64 \
-	    --new-tokens 32 --rounds 2 --json $(PHONE)/peer.json --overwrite
+	    --new-tokens 32 --rounds 1 --limits none,1,0.5,0.25 --timeout 150 --json $(PHONE)/peer.json --overwrite
 
 ## fuzz: libFuzzer + ASan + UBSan on the native runner's readers of untrusted files (docs/runner.md);
 ## fuzz-program: only the fourth, ExecuTorch's program loading on bit flips of real bundles' model.pte

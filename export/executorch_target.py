@@ -278,7 +278,9 @@ try:
     from executorch.extension.pybindings import _C
 
     _C._unsafe_reset_threadpool(1)
-    dtypes = {3: torch.int32, 4: torch.long, 5: torch.float16, 6: torch.float32, 11: torch.bool}
+    # ExecuTorch's ScalarType codes (c10's order)
+    dtypes = {0: torch.uint8, 1: torch.int8, 2: torch.int16, 3: torch.int32, 4: torch.long, 5: torch.float16,
+              6: torch.float32, 7: torch.float64, 11: torch.bool, 15: torch.bfloat16}
     print("stage " + stage, flush=True)
     prog = _C._load_program(sys.argv[1], program_verification=_C.Verification.InternalConsistency)
     for name in sorted(prog.get_method_name(i) for i in range(prog.num_methods())):
@@ -289,7 +291,11 @@ try:
         ins = []
         for i in range(meta.num_inputs()):
             t = meta.input_tensor_meta(i)
-            ins.append(torch.zeros([int(d) for d in t.sizes()], dtype=dtypes[t.dtype()]))
+            if int(t.dtype()) not in dtypes:
+                print(f"probe-error method {name} input {i}: dtype code {int(t.dtype())} has no zero input here",
+                      flush=True)
+                sys.exit(4)
+            ins.append(torch.zeros([int(d) for d in t.sizes()], dtype=dtypes[int(t.dtype())]))
         stage = f"running method {name}"
         print("stage " + stage, flush=True)
         method(ins)
@@ -397,6 +403,10 @@ def _probe(path: Path, timeout: float) -> None:
             name = f"signal {-r.returncode}"
         raise SpecPrefetchError(f"{path}: ExecuTorch crashed ({name}) {stage} (tried in a separate process{said}): "
                                 "a damaged or crafted program, not what the export wrote")
+    probe = next((ln[12:] for ln in reversed(lines) if ln.startswith("probe-error ")), None)
+    if probe is not None:  # the check itself cannot try this program: not the program's fault
+        raise SpecPrefetchError(f"{path}: the program check cannot try it ({probe}); this toolkit's exports "
+                                "never have such an input")
     if error is not None:
         raise SpecPrefetchError(f"{path}: ExecuTorch refused the program, {error}: truncated or corrupt?")
     tail = (r.stderr.strip().splitlines() or [f"exit code {r.returncode}"])[-1]

@@ -355,10 +355,17 @@ void check_store_identity(const Bundle& b) {
   if (::fstat(fd, &st) == 0 && st.st_size >= 128 && pread_all(fd, head.data(), head.size(), 0)) {
     const uint64_t L = le32(&head[16]), E = le32(&head[20]), meta_len = le32(&head[44]), index_offset = le64(&head[48]);
     const uint64_t body_len = 32 * L * E + meta_len;  // L, E < 2^32: no overflow in 64 bits
-    // (every entry implies a blob slot of at least 4096 bytes: an index larger than that is no store)
-    if (L <= (1u << 16) && E <= (1u << 16) && 32 * L * E <= uint64_t(st.st_size) / 128 &&
-        meta_len <= (64u << 20) && index_offset >= 128 &&
-        index_offset <= uint64_t(st.st_size) && body_len <= uint64_t(st.st_size) - index_offset) {
+    const bool inside = L <= (1u << 16) && E <= (1u << 16) && meta_len <= (64u << 20) && index_offset >= 128 &&
+                        index_offset <= uint64_t(st.st_size) && body_len <= uint64_t(st.st_size) - index_offset;
+    // every entry implies a blob slot of at least 4096 bytes: an index larger than that is no store of
+    // this bundle, and is refused here (not left to ExpertStore::open, whose bounds are the format's)
+    if (inside && 32 * L * E > uint64_t(st.st_size) / 128) {
+      ::close(fd);
+      throw Error(jsonc::one_line(b.store_path + ": not the expert store the bundle was exported with (an index of " +
+                                  std::to_string(L) + " x " + std::to_string(E) + " entries cannot have its blobs in " +
+                                  std::to_string(st.st_size) + " bytes)"));
+    }
+    if (inside) {
       body.resize(size_t(body_len));
       readable = pread_all(fd, body.data(), body.size(), index_offset);
     }

@@ -9,6 +9,7 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -94,6 +95,9 @@ extern "C" void on_fault(int sig) {
 void install_fault_handlers() {
   static std::once_flag once;
   std::call_once(once, [] {
+    // SPX_DEFAULT_FAULTS=1 keeps the default action (a core dump, an Android tombstone) for debugging
+    const char* keep = std::getenv("SPX_DEFAULT_FAULTS");
+    if (keep != nullptr && keep[0] == '1') return;
     static char alt[1 << 16];  // a stack overflow in ExecuTorch still reaches the handler
     stack_t ss{};
     ss.ss_sp = alt;
@@ -109,7 +113,8 @@ void install_fault_handlers() {
 
 FaultLine fault_line(const std::string& program, const std::string& doing) {
   return {"specprefetch-runner: error: " + program + ": ExecuTorch crashed (",
-          ") " + doing + ": a damaged or crafted program, not what the export wrote\n"};
+          ") " + doing + ": a damaged or crafted program, not what the export wrote (or a bug: "
+                              "SPX_DEFAULT_FAULTS=1 keeps the default crash)\n"};
 }
 
 // Marks the scope as inside ExecuTorch (nested scopes restore the outer one).
