@@ -102,7 +102,8 @@ bench-phone: $(STAMP)
 	    --pool-mib 1024,2048 --window 2 --max-sequences 10 --json $(PHONE)/simulate-qwen3-30b.json --overwrite
 	$(BIN)/specprefetch export $(PHONE)/model --adapter $(PHONE)/adapter --target executorch --experts int4 \
 	    --max-seq 128 --out $(PHONE)/bundle --overwrite
-	$(BIN)/specprefetch runner bench $(PHONE)/bundle --json $(PHONE)/native.json --overwrite
+	$(BIN)/specprefetch runner bench $(PHONE)/bundle --prompts 2 --new-tokens 16 --rounds 2 --json $(PHONE)/native.json \
+	    --overwrite
 	$(BIN)/specprefetch bench --peer llama.cpp --bundle $(PHONE)/bundle --prompts 2 --prompt-tokens 64 \
 	    --new-tokens 32 --rounds 1 --limits none,1,0.5,0.25 --timeout 150 --json $(PHONE)/peer.json --overwrite
 

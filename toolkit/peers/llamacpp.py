@@ -61,6 +61,10 @@ def peers_dir() -> Path:
 # the GGUF type that matches a bundle's expert precision: llama.cpp's nearest class of the same bytes per
 # weight (int8 = blocks of 32 with an fp16 scale ~ Q8_0; int4 = blocks of 32 with an fp16 scale ~ Q4_0)
 GGUF_TYPE_FOR_EXPERTS = {"fp16": "f16", "int8": "q8_0", "int4": "q4_0"}
+# This llama.cpp (b11312) segfaults in its first decode on the Q4_0 GGUF of the widened phone-class model
+# (hidden 256, 64 experts of FFN 2048, top-8) with CPU weight repacking on, and runs it with --no-repack;
+# the side by side runs Q4_0 models without repacking (its notes say so): slower than llama.cpp's best.
+REPACK_CRASH = "q4_0"
 
 
 def cached_gguf(source: Path, label: str, gguf_dir: Path | None = None, *, gguf_type: str = "f16",
@@ -457,7 +461,7 @@ def _prompt_ids(stderr: str) -> list[int] | None:
 def run(binary_dir: Path, gguf: Path, prompt: str | list[int], n_new: int, *,
         limit_bytes: int | None = None, threads: int | None = None, abi: str = "host",
         mmap: bool = True, load_mode: str | None = None, warmup: bool = False, cold: bool = True,
-        ctx_size: int | None = None, timeout: float | None = None) -> dict:
+        ctx_size: int | None = None, timeout: float | None = None, repack: bool = True) -> dict:
     """Generate exactly `n_new` tokens greedily with llama-completion, measured by run_limited.
 
     Greedy: ``--temp 0 --top-k 1 --seed 0``; ``--ignore-eos`` (EOG tokens get -inf logit bias, so
@@ -467,6 +471,7 @@ def run(binary_dir: Path, gguf: Path, prompt: str | list[int], n_new: int, *,
     mismatch raises). `mmap` picks ``--load-mode mmap`` (weights paged in from the file on demand,
     page cache charged to the limit) or ``none`` (read into anonymous memory at load);
     `load_mode` passes another of this llama.cpp's modes (e.g. "dio": direct I/O) instead.
+    ``repack=False`` passes ``--no-repack`` (see REPACK_CRASH).
     ``--no-warmup`` by default: llama.cpp's warmup decode would touch (and,
     with mmap, read) the weights before the timed prefill.
 
@@ -505,6 +510,8 @@ def run(binary_dir: Path, gguf: Path, prompt: str | list[int], n_new: int, *,
             "-b", str(max(ctx_size, 512)), "--no-display-prompt", "--verbose-prompt"]
     if not warmup:
         argv.append("--no-warmup")
+    if not repack:  # llama.cpp's CPU weight repacking (Q4_0 -> interleaved blocks) off
+        argv.append("--no-repack")
     argv += ["--load-mode", load_mode or ("mmap" if mmap else "none")]
     if abi == "arm64":
         argv = [*QEMU, *argv]

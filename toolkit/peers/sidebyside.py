@@ -204,7 +204,7 @@ def _run_llama(bins: Path, m: _Model, i: int, n_new: int, limit: int | None, thr
                timeout: float) -> dict:
     try:
         r = llamacpp.run(bins, m.gguf, m.ids[i], n_new, limit_bytes=limit, threads=threads, cold=True,
-                         timeout=timeout)
+                         timeout=timeout, repack=m.gguf_type != llamacpp.REPACK_CRASH)
     except SpecPrefetchError as e:
         return {"status": f"failed: {e}"[:200]}
     if r["timed_out"]:
@@ -485,6 +485,10 @@ def _notes(models: list[_Model], rows: list[dict], new_tokens: int, timeout_s: f
          "llama.cpp runs the GGUF of that class (all its tensors, the dense ones too, at that type). Native runs pass --no-verify-hashes (hashing the store would read it all through the "
          "page cache) and --cold."),
         f"Per-run timeout {timeout_s:.0f} s; an engine that timed out at a limit is not run at smaller ones.",
+        *([("llama.cpp runs Q4_0 with --no-repack: with its CPU weight repacking on, this llama.cpp segfaults "
+            "in the first decode of the widened phone-class model's Q4_0 GGUF; without repacking its Q4_0 "
+            "matrix products are slower than its best")] if any(m.gguf_type == llamacpp.REPACK_CRASH
+                                                               for m in models) else []),
     ]
     for m in models:
         origin = trained_origin(m.source)
