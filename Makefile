@@ -87,8 +87,9 @@ bench: $(STAMP)
 ## bench-phone: the phone-scale benchmark (docs/benchmarks.md section 10): the shipped phone-class model
 ## (16 MoE layers x 64 experts, top-8, trained) widened to phone-sized experts (FFN 2048: 3 MiB fp16, 0.8 MiB
 ## int4 each), traced on the held-out text, adapter trained, exported with int4 experts, then the native
-## runner's bench, llama.cpp side by side (Q4_0) and the Qwen3-30B-A3B projection. About 75 minutes on 2 cores
-## and 12 GB of disk (runs/bench-phone 4.2 GB, the GGUFs in the peers cache 4.4 GB, the runner cache).
+## runner's bench, llama.cpp side by side (Q4_0) and the Qwen3-30B-A3B projection. About 60 minutes on 2 cores
+## (7 more for the first llama.cpp build) and 9 GB of disk (runs/bench-phone 4.2 GB, the peers cache's GGUFs
+## 4.1 GB, the runner cache); root for the side by side's cgroup and drop_caches.
 PHONE := runs/bench-phone
 bench-phone: $(STAMP)
 	$(BIN)/specprefetch widen phone --moe-intermediate-size 2048 --out $(PHONE)/model --overwrite
