@@ -1,6 +1,6 @@
 """The one definition of each metric the toolkit reports (eval, simulate, bench and runner alike).
 
-recall@k      |predicted top-k ∩ real top-k| / k                   (SpecPrefetch, ANCHORS.md)
+recall@k      |predicted top-k ∩ real top-k| / k                   (SpecPrefetch)
 recall@M      |predicted top-M ∩ real top-k| / k  for a candidate budget M >= k
 precision@M   |predicted top-M ∩ real top-k| / M
 hit rate      pool hits / expert requests

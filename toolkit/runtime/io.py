@@ -2,7 +2,7 @@
 
 Each read lands in its own page-aligned anonymous buffer (`mmap`), at a 4 KiB-aligned offset and a
 4 KiB-multiple size, so O_DIRECT bypasses the page cache: experts come from the device, never from
-memory the OS kept behind the scheduler's back (ARCHITECTURE.md, invariant 3). Demand reads jump
+memory the OS kept behind the scheduler's back (the pool is the only cache of expert bytes). Demand reads jump
 the queue. With a device profile the read is paced: it completes no earlier than the profile's
 modelled time for that request (an injected delay on top of the real I/O, as SpecPrefetch's
 authors emulated phone flash offline); reports mark such runs as emulated.

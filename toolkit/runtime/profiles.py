@@ -6,7 +6,7 @@ and the queue depth (interpolated in log-size from a small table). Compute at ba
 bound, so a layer's time is the bytes of weights it touches divided by an effective DRAM bandwidth,
 plus a fixed per-layer overhead; `this-machine` replaces those with measured times.
 
-Sources for `snapdragon-8-elite` (see docs/device-profiles.md): ANCHORS.md (UFS 4.0 ~2.3 GiB/s
+Sources for `snapdragon-8-elite` (see docs/device-profiles.md): published figures (UFS 4.0 ~2.3 GiB/s
 with 512 KiB direct reads, ~3.5 GB/s at 512 KiB random, ~0.45 GB/s at 4 KiB random; LPDDR5X-10667
 ~85 GB/s peak).
 """
@@ -91,9 +91,9 @@ SNAPDRAGON_8_ELITE = DeviceProfile(
     dram_effective_gbs=40.0,
     layer_overhead_us=60.0,
     token_overhead_ms=2.0,
-    sources=["ANCHORS.md: UFS 4.0 ~4.2 GB/s rated sequential; ~2.3 GiB/s measured with 512 KiB direct "
+    sources=["published: UFS 4.0 ~4.2 GB/s rated sequential; ~2.3 GiB/s measured with 512 KiB direct "
              "reads; ~3.5 GB/s at 512 KiB random; ~0.45 GB/s at 4 KiB random",
-             "ANCHORS.md: LPDDR5X-10667 ~85 GB/s peak; effective 40 GB/s assumed for batch-1 GEMV",
+             "published: LPDDR5X-10667 ~85 GB/s peak; effective 40 GB/s assumed for batch-1 GEMV",
              "per-request latency 80 us and per-layer dispatch 60 us: assumptions, see docs/device-profiles.md"],
 )
 

@@ -7,7 +7,7 @@ keeps them in a queue ordered by deadline, then confidence. It issues reads whil
 has room (`queue_depth`) and the step's prefetch byte budget lasts; when the queue is full it drops
 requests below `min_confidence`, and it always drops stale ones (deadline already reached). A
 prefetch gets a pool slot only by evicting something not needed sooner. A miss is read on demand
-at top priority. Unbudgeted prefetch has been seen to slow decode (ANCHORS.md): the budget and the
+at top priority. Unbudgeted prefetch has been seen to slow decode (published phone engines): the budget and the
 confidence floor are what keep prefetch from starving the reads the model is waiting for.
 
 Decisions never depend on when a read happens to finish, so the same prompt, policy and budget

@@ -1,6 +1,6 @@
 """`RunStats`: the one definition of every figure a run reports (run, bench, simulate).
 
-Timing follows the field's conventions (ANCHORS.md): TTFT is the time to the first committed
+Timing follows the field's conventions: TTFT is the time to the first committed
 token (prefill included); TPOT = (t_last - t_first) / (N - 1) over committed tokens, with p50/p95
 of the per-token intervals; every per-token figure counts decode tokens only (the N - 1 after the
 first), so prefill's reads are in TTFT and nowhere else. Pool figures:
