@@ -334,8 +334,7 @@ def _load_checked() -> list[str]:
 
 def mark_program_checked(sha256: str) -> None:
     """Remember that the program of this sha256 loads and runs (best effort on disk)."""
-    import json
-    import tempfile
+    from toolkit.artifacts import write_json_atomic
 
     key = _checked_key(sha256)
     _CHECKED.add(key)
@@ -343,15 +342,8 @@ def mark_program_checked(sha256: str) -> None:
     path = _checked_file()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump({"programs": keys[-MAX_CHECKED:]}, f)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-    except OSError:
+        write_json_atomic(path, {"programs": keys[-MAX_CHECKED:]})
+    except (OSError, SpecPrefetchError):
         pass
 
 

@@ -19,38 +19,19 @@ import threading
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
 from conftest import HELDOUT
-from toolkit.cli import main
+from test_hardening_cli import cli, refused  # the same CLI runner and one-line-refusal check
 
 FAMILY = "qwen3_moe"  # tiny: 4 layers, MoE layers 1..3, 8 experts, top-2
 RUN = ["--policy", "on-demand+lru", "--prompt", "hi", "--max-new-tokens", "2", "--max-seq", "16"]
 EVAL = ["--predictors", "next-gate,oracle"]
 
 
-def cli(*args) -> tuple[int, str]:
-    r = CliRunner().invoke(main, [str(a) for a in args])
-    if r.exception is not None and not isinstance(r.exception, SystemExit):
-        raise AssertionError(f"traceback: {r.exception!r}\n{r.output}")
-    return r.exit_code, r.output
-
-
 def ok(*args) -> str:
     code, out = cli(*args)
     assert code == 0, out
     return out
-
-
-def refused(args, *fragments) -> str:
-    """Exit 2 with one `error: ...` line holding every fragment, no traceback."""
-    code, out = cli(*args)
-    lines = [ln for ln in out.replace("\r", "\n").splitlines() if ln.startswith("error: ")]
-    assert code == 2, out
-    assert len(lines) == 1 and "Traceback" not in out, out
-    for f in fragments:
-        assert str(f) in lines[0], (f, lines[0])
-    return lines[0]
 
 
 def snapshot(*roots: Path) -> dict[str, tuple]:

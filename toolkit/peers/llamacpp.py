@@ -1,7 +1,7 @@
 """llama.cpp as the peer: the engine a user would otherwise pick to run the same MoE checkpoint.
 
 - `build(abi)`: llama.cpp as vendored by the llama-cpp-python sdist (pinned below), built with
-  CMake + Ninja into a cache dir; "host" (GGML_NATIVE=ON, the BENCHMARKING.md line) or "arm64"
+  CMake + Ninja into a cache dir; "host" (GGML_NATIVE=ON: the build a user makes for their own machine) or "arm64"
   (cross-built with Debian's aarch64-linux-gnu g++, -march=armv8.2-a+dotprod+fp16, statically
   linked, checked under qemu-aarch64).
 - `convert(model_dir, out)`: the vendored convert_hf_to_gguf.py with the vendored gguf-py (the
@@ -483,7 +483,7 @@ def run(binary_dir: Path, gguf: Path, prompt: str | list[int], n_new: int, *,
       prompt (llama.cpp counts a 1-token batch as "eval").
     - ``tpot_ms`` = "eval time" / "eval runs": the mean time of one single-token decode. There are
       n_new - 1 of them (the last sampled token is never decoded), so it matches
-      (t_last - t_first) / (N - 1) of docs/BENCHMARKING.md except that per-token sampling
+      (t_last - t_first) / (N - 1) of toolkit/runtime/stats.py except that per-token sampling
       (``sampling_ms`` in total, reported) and console output are not included.
     ``tokens`` is the generated text (stdout; llama-completion prints pieces, not ids).
     ``mib_read``/``peak_rss_bytes`` come from memlimit (the whole process, model load included).

@@ -4,7 +4,7 @@ what it read from storage and how much memory it held.
 This is how a peer that mmaps its model (llama.cpp) and our runner (O_DIRECT reads into a bounded
 pool) are held to the same DRAM budget: a phone's small DRAM holds the process's anonymous memory
 *and* whatever of the model file is in page cache, so the limit must charge both. A cgroup v1
-memory controller does (docs/BENCHMARKING.md): page cache faulted in by the process is charged to
+memory controller does: page cache faulted in by the process is charged to
 its cgroup, and reclaim at the limit evicts it, so an mmap reader whose working set exceeds the
 limit re-reads from storage (thrashes) instead of keeping the whole file cached.
 

@@ -19,10 +19,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from toolkit.artifacts import write_json_atomic
 from toolkit.errors import SpecPrefetchError
 
 CACHE_NAME = "weights-sha256.json"
@@ -58,15 +58,8 @@ def _save_cache(key: str, ident: list[int], digest: str) -> None:
         data.pop(next(iter(data)))
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(data, f)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-    except OSError:
+        write_json_atomic(path, data)
+    except (OSError, SpecPrefetchError):
         pass
 
 
