@@ -107,6 +107,13 @@ def test_rejected_drafts_still_give_the_models_tokens(tiny_models, stores, monke
         return w + 0.5 * torch.randn(w.shape, generator=torch.Generator().manual_seed(w.numel())).to(w.dtype)
 
     monkeypatch.setattr(Int4Experts, "_unpack", noisy)
+    real_fused = Int4Experts.fused
+
+    def noisy_fused(self, x, idx, w):   # the device path (static decoder) is perturbed alike
+        y = real_fused(self, x, idx, w)
+        return y + 0.5 * torch.randn(y.shape, generator=torch.Generator().manual_seed(int(idx.sum()))).to(y.dtype)
+
+    monkeypatch.setattr(Int4Experts, "fused", noisy_fused)
     eng = _engine(tiny_models["mixtral"], stores["mixtral"], "draft+prediction", 0.25, "cpu")
     g = eng.run(prompt, 16, k=4)
     assert g.tokens == want
@@ -228,3 +235,169 @@ def test_cli_device_is_validated(tiny_models, tmp_path):
         r = CliRunner().invoke(main, ["run", str(tiny_models["qwen3_moe"]), "--device", "cuda", "--policy", "on-demand",
                                       "--prompt", "x", "--json", str(tmp_path / "r.json")])
         assert r.exit_code == 2 and "CUDA is not available" in r.output
+
+
+# -- the static-cache decoder (toolkit/runtime/gpu_graph.py) ---------------------------------------
+@pytest.mark.parametrize("fam", ["qwen3_moe", "mixtral"])
+def test_static_decoder_equals_the_models_forward(tiny_models, stores, fam):
+    """The static-cache pass (own mask, rotary, KV writes at positions) gives the model's own logits,
+    for a prefix and then rows appended at later positions (what verification does)."""
+    from toolkit.runtime.gpu_graph import StaticKV
+
+    eng = _engine(tiny_models[fam], stores[fam], "on-demand+lru", 1.0, "cpu")
+    assert eng.decode == "static"
+    eng.configure(pool_mib=_pool_mib(eng, 1.0))
+    runner = eng._graph_runner(64)
+    dec = runner.dec
+    full = eng.model.model.embed_tokens.weight   # dtype probe
+    ids = list(range(3, 23))
+
+    def dense_experts(li, post, idx, scores):   # the model's own weights through the store's blobs
+        return _ref_moe(eng, li, post, idx, scores)
+
+    kv = StaticKV(len(dec.layers), dec.kv_heads, runner.S, dec.head_dim, "cpu", full.dtype)
+    a = dec.forward_rows(torch.tensor(ids[:12]), 0, kv, dense_experts)
+    b = dec.forward_rows(torch.tensor(ids[12:]), 12, kv, dense_experts)
+    want = _model_logits(tiny_models[fam], ids)
+    got = torch.cat([a, b])
+    assert torch.allclose(got, want, atol=2e-4, rtol=1e-4), (got - want).abs().max()
+    # a wrong position (the rows' keys written one place off) is not the model's output: the check bites
+    kv2 = StaticKV(len(dec.layers), dec.kv_heads, runner.S, dec.head_dim, "cpu", full.dtype)
+    dec.forward_rows(torch.tensor(ids[:12]), 0, kv2, dense_experts)
+    c = dec.forward_rows(torch.tensor(ids[12:]), 13, kv2, dense_experts)
+    assert not torch.allclose(c, want[12:], atol=1e-3)
+
+
+def _ref_moe(eng, li, post, idx, scores):
+    """MoE layer li from the store's fp16 blobs (the host tier), transformers' eager loop."""
+    from toolkit.runtime.gpu import _eager_combine
+
+    def contrib(e, x):
+        gate_up, down = eng._weights(eng.host.blob((li, e)))
+        return eng.math(x, gate_up, down)
+    return _eager_combine(post, idx.tolist(), scores, contrib)
+
+
+def _model_logits(model_dir, ids):
+    lm = load_model(model_dir, dtype="float32")
+    spec = lm.spec
+    with torch.no_grad():
+        for layer in spec.geometry.moe_layers:
+            for p in spec.family.moe_block(lm.model, layer).experts.parameters():
+                p.copy_(p.half().float())
+        lm.model.config._experts_implementation = "eager"
+        return lm.model(torch.tensor([ids])).logits[0].float()
+
+
+@pytest.mark.parametrize("fam", ["qwen3_moe", "mixtral"])
+def test_decode_modes_give_the_same_tokens_and_counts(tiny_models, stores, fam):
+    """The static decoder and transformers' modules decode the same tokens with the same copies: the
+    pool and scheduler see the same requests in the same order."""
+    prompt = list(range(5, 17))
+    eng = _engine(tiny_models[fam], stores[fam], "next-gate+prediction", 0.25, "cpu")
+    spec = inspect_model_dir(tiny_models[fam])
+    st = ExpertStore(stores[fam], spec)
+    bank = load_router_bank(spec)
+    preds = {n: build_predictor(n, num_experts=spec.geometry.routing.num_experts, bank=lambda: bank)
+             for n in ("next-gate", "oracle")}
+    ref = GpuEngine(load_model(tiny_models[fam], dtype="float32"), st,
+                    RunConfig(policy=Policy.parse("next-gate+prediction"), pool_mib=64.0), device="cpu",
+                    predictors=preds, with_draft=True, decode="modules")
+    for policy in ("on-demand+lru", "next-gate+prediction", "oracle+belady"):
+        for e in (eng, ref):
+            e.configure(policy=Policy.parse(policy), pool_mib=_pool_mib(e, 0.25))
+        a, b = eng.run(prompt, 14), ref.run(prompt, 14)
+        assert a.extra["decode"] == "static" and b.extra["decode"] == "modules"
+        assert a.tokens == b.tokens, policy
+        assert a.stats.counts == b.stats.counts, policy
+        assert [r.tolist() for r in a.routing] == [r.tolist() for r in b.routing]
+
+
+def test_decode_option_is_validated(tiny_models, stores):
+    spec = inspect_model_dir(tiny_models["olmoe"])
+    st = build_store(spec, stores["qwen3_moe"].parent / "olmoe.spx", "fp16", progress=False)
+    with pytest.raises(SpecPrefetchError, match="static-cache decoder covers"):
+        GpuEngine(load_model(tiny_models["olmoe"]), ExpertStore(st, spec), RunConfig(policy=Policy("on-demand", "lru"), pool_mib=1.0), device="cpu",
+                  decode="static")
+    eng = GpuEngine(load_model(tiny_models["olmoe"]), ExpertStore(st, spec), RunConfig(policy=Policy("on-demand", "lru"), pool_mib=1.0), device="cpu")
+    assert eng.decode == "modules"      # families it does not cover keep transformers' modules
+    if not torch.cuda.is_available():
+        spec = inspect_model_dir(tiny_models["qwen3_moe"])
+        with pytest.raises(SpecPrefetchError, match="CUDA graphs need"):
+            GpuEngine(load_model(tiny_models["qwen3_moe"]), ExpertStore(stores["qwen3_moe"], spec),
+                      RunConfig(policy=Policy("on-demand", "lru"), pool_mib=1.0), device="cpu", decode="graph")
+
+
+def test_int4_fused_path_equals_the_eager_draft(tiny_models, stores):
+    """The draft's device path (grouped int4 GEMV reference) computes what its eager loop computes."""
+    from toolkit.runtime.gpu_kernels import dequant, int4_gemv_torch
+
+    eng = _engine(tiny_models["qwen3_moe"], stores["qwen3_moe"], "draft+prediction", 0.5, "cpu")
+    d = eng.drafts[1]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, d.n_gu, generator=g)
+    idx = torch.tensor([[5, 2]])
+    w = torch.tensor([[0.7, 0.3]])
+    assert torch.allclose(d.fused(x, idx, w), d(x, idx, w), atol=1e-4)
+    # the GEMV against a dense matmul of the dequantized weights, per-expert inputs too
+    xs = torch.randn(2, d.n_gu, generator=g)
+    y = int4_gemv_torch(d.gu_q, d.gu_s, idx[0], xs, d.n_gu)
+    for j, e in enumerate(idx[0].tolist()):
+        wj = dequant(d.gu_q[e], d.gu_s[e], d.n_gu)
+        assert torch.allclose(y[j], wj @ xs[j], atol=1e-4)
+
+
+@CUDA
+def test_triton_int4_kernel_matches_the_reference():
+    from toolkit.runtime import gpu_kernels as K
+
+    if K.triton is None:
+        pytest.skip("no triton")
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for E, O, n in ((8, 96, 64), (16, 3072, 1024), (4, 1000, 1536), (4, 70, 40)):
+        P = (-(-n // 32) * 32) // 2
+        q = torch.randint(0, 256, (E, O, P), dtype=torch.uint8, device="cuda", generator=g)
+        s = torch.rand(E, O, 2 * P // 32, device="cuda", generator=g).half()
+        ids = torch.randperm(E, device="cuda", generator=g)[:4]
+        for rows in (1, 4):
+            x = torch.randn(rows, n, device="cuda", generator=g).half()
+            want = K.int4_gemv_torch(q, s, ids, x, n)
+            got = K.int4_gemv(q, s, ids, x, n, use_triton=True)
+            err = ((got - want).norm() / want.norm()).item()
+            assert err < 1e-4, (E, O, n, rows, err)
+
+
+@CUDA
+@pytest.mark.parametrize("fam", ["qwen3_moe", "mixtral"])
+def test_graph_decode_equals_eager_static_on_cuda(tiny_models, stores, fam):
+    """CUDA graphs replay what the eager static decoder computes: same tokens, same copies, every policy."""
+    prompt = list(range(5, 17))
+    want = _reference(tiny_models[fam], prompt, 16, "cuda", "float16")
+    eng = _engine(tiny_models[fam], stores[fam], "on-demand+lru", 0.1, "cuda", dtype="float16")
+    assert eng.decode == "graph"
+    for policy in POLICIES:
+        for frac in (0.1, 0.5):
+            eng.configure(policy=Policy.parse(policy), pool_mib=_pool_mib(eng, frac))
+            g = eng.run(prompt, 16, k=3)
+            assert g.tokens == want, (fam, policy, frac)
+            assert g.extra["decode"] == "graph"
+
+
+def test_grouped_verification_equals_the_expert_loop(tiny_models, stores):
+    """moe(batched=True), the grouped verification path, against the per-expert loop on the CPU."""
+    eng = _engine(tiny_models["qwen3_moe"], stores["qwen3_moe"], "on-demand+lru", 0.5, "cpu")
+    eng.configure(pool_mib=_pool_mib(eng, 0.5))
+    from toolkit.runtime.gpu import CudaCopyIO, _RunState
+
+    outs = []
+    for batched in (False, True):
+        eng._graph_runner(64)
+        io = CudaCopyIO(eng.host, eng.capacity, eng.dev, slots=eng._slots)
+        eng.run_state = _RunState(eng, io, None, [1, 2], 4)
+        g = torch.Generator().manual_seed(3)
+        x = torch.randn(7, eng.spec.geometry.hidden_size, generator=g)
+        idx = torch.stack([torch.randperm(eng.E, generator=g)[:eng.k] for _ in range(7)])
+        w = torch.rand(7, eng.k, generator=g)
+        outs.append(eng.moe(0, x, idx, w, batched=batched))
+        eng.run_state = None
+    assert torch.allclose(outs[0], outs[1], atol=1e-5)

@@ -38,6 +38,7 @@ import torch
 
 from toolkit.errors import SpecPrefetchError
 from toolkit.runtime.expert_store import ExpertStore
+from toolkit.runtime.gpu_kernels import dequant, int4_gemv
 from toolkit.runtime.planner import PrefetchPlanner, RoutingState
 from toolkit.runtime.policy import Policy
 from toolkit.runtime.pool import Key
@@ -123,17 +124,25 @@ class HostExperts:
         return self.buf.numel()
 
 
+def alloc_slots(capacity: int, blob: int, dev: Device) -> torch.Tensor:
+    try:   # zeroed: a graph's warm-up may read a slot nothing was copied into yet
+        return torch.zeros((capacity, blob), dtype=torch.uint8, device=dev.device)
+    except (RuntimeError, MemoryError) as e:   # torch.OutOfMemoryError is a RuntimeError
+        raise SpecPrefetchError(f"--pool-mib: {capacity} slots of {blob / MiB:.2f} MiB do not fit "
+                                f"in {dev.device}'s free memory ({str(e).splitlines()[0]})") from None
+
+
 class CudaCopyIO:
     """The scheduler's IOBackend for the GPU: `submit` copies a blob into a free slot on the copy
     stream; `wait` makes the compute stream wait for it (timed: that is the stall)."""
 
-    def __init__(self, host: HostExperts, capacity: int, dev: Device):
+    def __init__(self, host: HostExperts, capacity: int, dev: Device, slots: torch.Tensor | None = None):
+        """`slots`: an allocation of at least `capacity` slots to reuse (the graphs read it at a fixed
+        address); only its first `capacity` rows are ever filled: the budget is the pool's."""
         self.host, self.dev = host, dev
-        try:
-            self.slots = torch.empty((capacity, host.store.blob_size), dtype=torch.uint8, device=dev.device)
-        except (RuntimeError, MemoryError) as e:   # torch.OutOfMemoryError is a RuntimeError
-            raise SpecPrefetchError(f"--pool-mib: {capacity} slots of {host.store.blob_size / MiB:.2f} MiB do not fit "
-                                    f"in {dev.device}'s free memory ({str(e).splitlines()[0]})") from None
+        self.slots = slots if slots is not None else alloc_slots(capacity, host.store.blob_size, dev)
+        if self.slots.shape[0] < capacity:
+            raise SpecPrefetchError(f"internal: {self.slots.shape[0]} slots allocated, {capacity} needed")
         self.free = list(range(capacity - 1, -1, -1))
         self.where: dict[Key, int] = {}
         self.done: dict[Key, Any] = {}           # key -> the copy's completion event
@@ -272,17 +281,23 @@ class ExpertMath:
 
 class Int4Experts(torch.nn.Module):
     """The draft's routed experts: int4 (symmetric, one fp16 scale per 32 inputs), resident on the
-    device, dequantized per use (the same quantiser as toolkit.predictors.draft.fake_quant)."""
+    device (the same quantiser as toolkit.predictors.draft.fake_quant). Stored stacked per matrix,
+    [E, rows, packed bytes] and [E, rows, groups], so the device path gathers the routed experts by
+    index: `fused` computes them with the grouped int4 GEMV (Triton on CUDA) inside the draft's graph;
+    `forward` is the eager loop (prefill, and the modules path)."""
     GROUP = 32
 
     def __init__(self, experts: torch.nn.Module, device: torch.device, dtype: torch.dtype):
         super().__init__()
         self.act = ExpertMath(experts.act_fn)
         self.dtype = dtype
-        self.gate_up = [self._pack(w) for w in experts.gate_up_proj.detach()]
-        self.down = [self._pack(w) for w in experts.down_proj.detach()]
-        self.gate_up = [(q.to(device), s.to(device), n) for q, s, n in self.gate_up]
-        self.down = [(q.to(device), s.to(device), n) for q, s, n in self.down]
+        gu = [self._pack(w) for w in experts.gate_up_proj.detach()]
+        dn = [self._pack(w) for w in experts.down_proj.detach()]
+        self.gu_q = torch.stack([q for q, _, _ in gu]).to(device)
+        self.gu_s = torch.stack([s for _, s, _ in gu])[..., 0].to(device)
+        self.dn_q = torch.stack([q for q, _, _ in dn]).to(device)
+        self.dn_s = torch.stack([s for _, s, _ in dn])[..., 0].to(device)
+        self.n_gu, self.n_dn = gu[0][2], dn[0][2]     # inputs of each matrix: H and I
 
     def _pack(self, w: torch.Tensor):
         o, n = w.shape
@@ -294,18 +309,26 @@ class Int4Experts(torch.nn.Module):
 
     def _unpack(self, packed) -> torch.Tensor:
         q, scale, n = packed
-        lo, hi = (q & 0xF), (q >> 4)
-        v = torch.stack((lo, hi), -1).reshape(q.shape[0], -1).to(torch.float16) - 8
-        w = (v.reshape(q.shape[0], -1, self.GROUP) * scale).reshape(q.shape[0], -1)[:, :n]
-        return w.to(self.dtype)
+        if scale.dim() == q.dim() + 1:
+            scale = scale[..., 0]
+        return dequant(q, scale, n, torch.float16).to(self.dtype)
 
     def nbytes(self) -> int:
-        return sum(q.numel() + s.numel() * 2 for q, s, _ in self.gate_up + self.down)
+        return sum(t.numel() * t.element_size() for t in (self.gu_q, self.gu_s, self.dn_q, self.dn_s))
 
     def forward(self, hidden, top_k_index, top_k_weights):
         ids = top_k_index.tolist()
-        return _eager_combine(hidden, ids, top_k_weights,
-                              lambda e, x: self.act(x, self._unpack(self.gate_up[e]), self._unpack(self.down[e])))
+        return _eager_combine(hidden, ids, top_k_weights, lambda e, x: self.act(
+            x, self._unpack((self.gu_q[e], self.gu_s[e], self.n_gu)), self._unpack((self.dn_q[e], self.dn_s[e], self.n_dn))))
+
+    def fused(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        """One token, on the device, no host sync: x [1, H] -> the weighted sum of its k experts [1, H]."""
+        ids = top_k_index[0]
+        gu = int4_gemv(self.gu_q, self.gu_s, ids, x, self.n_gu)            # [k, 2I] fp32
+        gate, up = gu.to(self.dtype).chunk(2, dim=-1)
+        h = self.act.act_fn(gate) * up                                      # [k, I]
+        y = int4_gemv(self.dn_q, self.dn_s, ids, h, self.n_dn)             # [k, H] fp32
+        return (y * top_k_weights[0, :, None].float()).sum(0, keepdim=True).to(x.dtype)
 
 
 class PooledExperts(torch.nn.Module):
@@ -340,7 +363,8 @@ class GpuEngine:
     """The model on one device with its routed experts streamed from host memory through the pool."""
 
     def __init__(self, lm, store: ExpertStore, cfg: RunConfig, *, device: str = "cuda",
-                 predictors: dict[str, Any] | None = None, with_draft: bool = False, progress=None):
+                 predictors: dict[str, Any] | None = None, with_draft: bool = False, progress=None,
+                 decode: str | None = None):
         """
         Args:
             lm: a LoadedModel on the CPU (toolkit.models.loader.load_model); its routed experts are
@@ -349,6 +373,10 @@ class GpuEngine:
             cfg: policy and pool budget (the CPU runner's RunConfig).
             predictors: name -> predictor (registry) for the policy's predictor.
             with_draft: build the int4 draft even if cfg's policy is not the draft (to switch to it later).
+            decode: how decode steps run after the prefill: "graph" (the static-cache decoder replayed as
+                CUDA graphs, toolkit/runtime/gpu_graph.py; the default on CUDA), "static" (the same
+                functions run eagerly; the default on the CPU) or "modules" (transformers' own modules
+                and DynamicCache every step). Families the static decoder does not cover use "modules".
         """
         if store.dtype != "fp16":
             raise SpecPrefetchError(f"{store.path}: the GPU tier computes from fp16 experts; this store is "
@@ -389,6 +417,18 @@ class GpuEngine:
         self.predictors = dict(predictors or {})
         self.cfg = cfg
         self.mode = "target"
+        from toolkit.runtime import gpu_graph
+
+        if decode not in (None, "graph", "static", "modules"):
+            raise SpecPrefetchError(f"decode {decode!r}: expected graph, static or modules")
+        why = gpu_graph.supported(spec)
+        if decode in ("graph", "static") and why is not None:
+            raise SpecPrefetchError(f"--decode {decode}: {why}")
+        if decode == "graph" and not self.dev.cuda:
+            raise SpecPrefetchError("--decode graph: CUDA graphs need a CUDA device")
+        self.decode = decode or ("modules" if why is not None else "graph" if self.dev.cuda else "static")
+        self._slots: torch.Tensor | None = None
+        self._runner = None
         self.configure()
 
     # -- configuration ---------------------------------------------------------------------
@@ -434,7 +474,12 @@ class GpuEngine:
             gate_up, down = gate_up.to(self.dtype), down.to(self.dtype)
         return gate_up, down
 
-    def moe(self, li: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+    def moe(self, li: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+            batched: bool = False):
+        """MoE layer li's routed output for `hidden` [T, H]. `batched` (the draft's verification pass):
+        each chunk of experts is computed in one grouped pass (weights gathered from the slots, token
+        rows padded, two batched matmuls, one index_add_) instead of a loop of launches per expert;
+        the sum's order differs from transformers' ascending loop, as any batched verification's does."""
         run = self.run_state
         ids = top_k_index.tolist()            # the host needs the routing: one sync per MoE layer
         T = len(ids)
@@ -450,6 +495,7 @@ class GpuEngine:
         order = resident + [k for k in keys if sched.pool.get(k) is None]
         index = _index_tensors(routes, hidden.device)
         contrib: dict[int, torch.Tensor] = {}
+        out_pad = None
         first = True
         while order:
             # what fits: slots neither pinned nor holding a copy issued this very step
@@ -459,15 +505,52 @@ class GpuEngine:
             if first and T == 1 and run.planner is not None:
                 run.planner.plan(sched, li, step, run.state, None, run.end)
             first = False
-            for key in part:
-                tok, kpos = index[key[1]]
-                gate_up, down = self._weights(sched.data(key))
-                contrib[key[1]] = self.math(hidden[tok], gate_up, down) * top_k_weights[tok, kpos, None]
+            if batched and T > 1:
+                if out_pad is None:
+                    out_pad = torch.zeros(T + 1, hidden.shape[1], device=hidden.device, dtype=hidden.dtype)
+                self._grouped(run.io, part, routes, hidden, top_k_weights, out_pad)
+            else:
+                for key in part:
+                    tok, kpos = index[key[1]]
+                    gate_up, down = self._weights(sched.data(key))
+                    contrib[key[1]] = self.math(hidden[tok], gate_up, down) * top_k_weights[tok, kpos, None]
             sched.release(step, part)
+        if out_pad is not None:
+            return out_pad[:T]
         out = torch.zeros_like(hidden)
         for e in sorted(contrib):   # transformers' order: ascending expert index
             out.index_add_(0, index[e][0], contrib[e].to(out.dtype))
         return out
+
+    def _grouped(self, io: "CudaCopyIO", part, routes, hidden, top_k_weights, out_pad) -> None:
+        """One chunk of experts over their token rows in one grouped pass (see `moe`)."""
+        from toolkit.runtime.gpu_graph import PooledExpertMath
+
+        sched = self.run_state.sched
+        for key in part:
+            sched.data(key)          # the compute stream waits for each slot's copy
+        if getattr(self, "_views", (None, None))[0] is not io.slots:
+            self._views = (io.slots, PooledExpertMath(self, io.slots))
+        views = self._views[1]
+        T = hidden.shape[0]
+        es = [key[1] for key in part]
+        tmax = max(len(routes[e][1]) for e in es)
+        rows = [routes[e][1] + [T] * (tmax - len(routes[e][1])) for e in es]     # padding: row T (zeros)
+        kps = [routes[e][0] + [0] * (tmax - len(routes[e][0])) for e in es]
+        meta = torch.tensor([[io.where[key] for key in part], *zip(*rows), *zip(*kps)], device=hidden.device).T
+        slots, r, kp = meta[:, 0], meta[:, 1:1 + tmax], meta[:, 1 + tmax:]
+        parts = [t.index_select(0, slots) for t in views.gu]
+        gu = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        dn = views.dn.index_select(0, slots)
+        if self.dtype != torch.float16:
+            gu, dn = gu.to(self.dtype), dn.to(self.dtype)
+        xp = torch.cat([hidden, hidden.new_zeros(1, hidden.shape[1])])
+        x = xp[r]                                                      # [n, tmax, H]
+        gate, up = torch.bmm(x, gu.transpose(1, 2)).chunk(2, dim=-1)
+        y = torch.bmm(self.math.act_fn(gate) * up, dn.transpose(1, 2))  # [n, tmax, H]
+        wp = torch.cat([top_k_weights, top_k_weights.new_zeros(1, top_k_weights.shape[1])])
+        y = y * wp[r, kp][..., None]
+        out_pad.index_add_(0, r.reshape(-1), y.reshape(-1, y.shape[-1]).to(out_pad.dtype))
 
     def draft_routing(self, li: int, top_k_index: torch.Tensor) -> None:
         run = self.run_state
@@ -498,7 +581,9 @@ class GpuEngine:
             raise SpecPrefetchError(f"--max-new-tokens {max_new_tokens}: must be >= 1")
         if cfg.policy.needs_future and recorded is None:
             raise SpecPrefetchError(f"--policy {cfg.policy.name}: needs a recorded first pass (run() does it)")
-        io = CudaCopyIO(self.host, self.capacity, self.dev)
+        fast = self.decode != "modules"
+        runner = self._graph_runner(len(prompt_ids) + max_new_tokens + k + 1) if fast else None
+        io = CudaCopyIO(self.host, self.capacity, self.dev, slots=self._slots if fast else None)
         run = _RunState(self, io, recorded, prompt_ids, max_new_tokens)
         self.run_state = run
         if preload:
@@ -521,6 +606,8 @@ class GpuEngine:
         # prefill: the whole prompt in one pass (its experts in chunks that fit the pool)
         run.pos = 0
         logits = self._forward(cache, seq, 0)
+        if runner is not None:
+            runner.kv.load(cache, len(seq))
         nxt = int(logits[-1].argmax())
         tokens = [nxt]
         times.append(dev.event())
@@ -537,6 +624,10 @@ class GpuEngine:
                 self._forward(dcache, list(prompt_ids), 0)   # the draft's own prefill (its KV cache)
             finally:
                 self.mode = "target"
+            dlen = len(prompt_ids)
+            if runner is not None:
+                runner.draft.kv.load(dcache, dlen)
+                del dcache
             while len(tokens) < max_new_tokens and tokens[-1] not in eos:
                 n = len(seq)
                 kk = min(k, max_new_tokens - len(tokens))
@@ -544,24 +635,33 @@ class GpuEngine:
                 run.draft_counts = [[0.0] * self.E for _ in range(self.L)]
                 run.draft_dirty = set()
                 d0 = dev.event()
-                self.mode = "draft"
-                proposal: list[int] = []
-                try:
-                    dlen = dcache.get_seq_length()
-                    feed = seq[dlen:]
-                    for _ in range(kk):
-                        lg = self._forward(dcache, feed, dlen)
-                        dlen += len(feed)
-                        proposal.append(int(lg[-1].argmax()))
-                        feed = [proposal[-1]]
-                        self._plan_draft(run, n - 1)
-                finally:
-                    self.mode = "target"
+                if runner is not None:
+                    proposal, dlen = self._draft_fast(runner, run, seq, dlen, kk, n - 1)
+                else:
+                    self.mode = "draft"
+                    proposal = []
+                    try:
+                        dlen = dcache.get_seq_length()
+                        feed = seq[dlen:]
+                        for _ in range(kk):
+                            lg = self._forward(dcache, feed, dlen)
+                            dlen += len(feed)
+                            proposal.append(int(lg[-1].argmax()))
+                            feed = [proposal[-1]]
+                            self._plan_draft(run, n - 1)
+                    finally:
+                        self.mode = "target"
                 d1 = dev.event()
                 phases["draft"].append((d0, d1))
                 # the target verifies [last, proposal...] in one pass
                 run.pos = n - 1
-                lg = self._forward(cache, [seq[-1], *proposal], n - 1)
+                if runner is not None:
+                    rows = torch.tensor([seq[-1], *proposal], device=self.dev.device)
+                    # per-expert verification (batched=True is the grouped path: wrong on CUDA in its one
+                    # H200 run, acceptance 1.0 and differing tokens; not used until that is understood)
+                    lg = runner.dec.forward_rows(rows, n - 1, runner.kv, self.moe)
+                else:
+                    lg = self._forward(cache, [seq[-1], *proposal], n - 1)
                 phases["verify"].append((d1, dev.event()))
                 verify = lg.argmax(-1).tolist()
                 a = 0
@@ -571,8 +671,11 @@ class GpuEngine:
                 spec_stats["rounds"] += 1
                 spec_stats["proposed"] += len(proposal)
                 spec_stats["accepted"] += a
-                cache.crop(-(len(proposal) - a))           # keep seq[:n + a]
-                dcache.crop(-(dcache.get_seq_length() - (n + min(a, len(proposal) - 1))))
+                if runner is None:
+                    cache.crop(-(len(proposal) - a))           # keep seq[:n + a]
+                    dcache.crop(-(dcache.get_seq_length() - (n + min(a, len(proposal) - 1))))
+                else:   # static caches: what lies past the committed positions is masked, then overwritten
+                    dlen = n + min(a, len(proposal) - 1)
                 now = dev.event()
                 for t in new:
                     tokens.append(t)
@@ -587,10 +690,13 @@ class GpuEngine:
                 run.pos = pos
                 if run.planner is not None:
                     run.state.pos = pos
-                logits = self._forward(cache, [seq[-1]], pos)
+                if runner is not None:
+                    nxt = runner.decode(run, seq[-1], pos)
+                else:
+                    logits = self._forward(cache, [seq[-1]], pos)
+                    nxt = int(logits[-1].argmax())
                 if run.planner is not None:
                     run.state.next_position()
-                nxt = int(logits[-1].argmax())
                 tokens.append(nxt)
                 seq.append(nxt)
                 times.append(dev.event())
@@ -602,7 +708,7 @@ class GpuEngine:
         # the stall is the compute stream's waits on copies (CUDA events), not host time
         stats = dataclasses.replace(stats, stall_ms_per_token=round(stall / n_dec, 4))
         extra = {
-            "device": str(self.dev.device),
+            "device": str(self.dev.device), "decode": self.decode,
             "pool_slots": self.capacity, "expert_bytes": self.store.blob_size,
             "pcie_bytes_per_token": round(stats.counts["bytes_read"] / n_dec),
             "copy_ms_per_token": round(io.copy_ms(copies0) / n_dec, 4),
@@ -619,6 +725,42 @@ class GpuEngine:
         routing = [torch.tensor(run.routing[p]) for p in sorted(run.routing)]
         self.run_state = None
         return GpuGeneration(tokens, routing, stats, extra)
+
+    def _graph_runner(self, positions: int):
+        """The static-cache decoder over a slot allocation that outlives the runs (the graphs read it
+        at a fixed address): rebuilt (and re-captured) only when the pool or the positions outgrow it."""
+        from toolkit.runtime.gpu_graph import build_runner
+
+        need = self.capacity
+        if self._slots is None or self._slots.shape[0] < need:
+            self._runner = None
+            self._slots = None
+            if self.dev.cuda:
+                torch.cuda.empty_cache()
+            self._slots = alloc_slots(need, self.store.blob_size, self.dev)
+        if self._runner is None or self._runner.S < positions:
+            S = max(128, -(-positions // 64) * 64)
+            self._runner = build_runner(self, self._slots, S, graphs=self.decode == "graph")
+            self._runner.ensure()
+        return self._runner
+
+    def _draft_fast(self, runner, run: "_RunState", seq: list[int], dlen: int, kk: int, verify_pos: int):
+        """The draft's kk proposals through its graph: all steps enqueued at once; each step's routing
+        is read back as it lands and plans the verification pass's copies (which overlap the steps
+        still running)."""
+        feed = seq[dlen:]
+        d = runner.draft
+        steps, evs = d.run(feed, dlen, kk)
+        for j in range(steps):
+            if self.dev.cuda:
+                evs[j].synchronize()
+            for li, row in enumerate(d.host_ids[j].tolist()):
+                for e in row:
+                    run.draft_counts[li][e] += 1.0
+                run.draft_dirty.add(li)
+            self._plan_draft(run, verify_pos)
+        proposal = d.host_tok[len(feed) - 1:steps].tolist()
+        return proposal, dlen + steps
 
     def _plan_draft(self, run: "_RunState", verify_pos: int) -> None:
         """The draft's routing so far becomes the verification pass's prefetch window: per MoE layer,
@@ -707,3 +849,19 @@ def h2d_bandwidth(dev: Device, mib: int = 256, reps: int = 5) -> float:
     b = dev.event()
     dev.sync()
     return reps * src.numel() / (a.elapsed_time(b) / 1e3) / 1e9
+
+
+def d2d_bandwidth(dev: Device, mib: int = 1024, reps: int = 5) -> float:
+    """Device memory bandwidth in GB/s (bytes read + bytes written of a large device-to-device copy):
+    the ceiling that bounds the all-resident TPOT (every token reads the dense weights and k experts
+    per MoE layer)."""
+    src = torch.empty(mib * MiB, dtype=torch.uint8, device=dev.device).random_(0, 255)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    dev.sync()
+    a = dev.event()
+    for _ in range(reps):
+        dst.copy_(src)
+    b = dev.event()
+    dev.sync()
+    return reps * 2 * src.numel() / (a.elapsed_time(b) / 1e3) / 1e9

@@ -1,0 +1,403 @@
+"""Device-bound decode for the GPU tier: the dense part of every decoder layer over a static KV cache,
+replayed as CUDA graphs, with the routed experts computed from the pool's slots inside the graphs.
+
+transformers' eager modules at batch 1 cost about 2 ms of host time per layer (kernel launches); an
+expert copy over PCIe takes 0.17 ms for a 9 MiB expert. With the host that slow every copy is hidden
+and no prefetching policy can win. This module takes the host out of the per-kernel path:
+
+    segment 0      embedding, decoder layers up to the first MoE layer's router
+    segment s      the routed experts of MoE layer s-1 (read from the pool's slots) + its residual,
+                   then the decoder layers up to MoE layer s's router
+    segment L      the last MoE layer's experts, the remaining layers, the final norm, the LM head and
+                   the greedy argmax (the next token stays on the device)
+
+Each segment is one CUDA graph replay. Between two replays the host reads the router's top-k (the one
+host sync per MoE layer), asks the scheduler for the experts (acquire: demand copies on their own
+stream, then the planner's prefetches), writes the slot numbers into a device buffer, makes the
+compute stream wait on the copies of those slots (CUDA events: the stall) and replays the next
+segment. The graphs gather the k routed experts' weights from the slots by those numbers and run
+transformers' eager expert loop on them (the same F.linear calls, ascending expert order,
+index_add_), so the expert arithmetic is bitwise transformers'. Attention runs over a static cache of
+`S` positions with an additive mask (positions beyond the token masked), which rounds differently
+from transformers' dynamic-cache attention in fp16: tokens are still checked against transformers'.
+
+The draft (Specter's int4 self-draft) runs a whole decode step as one graph with no host sync at all:
+its int4 experts are all resident, gathered by the router's choices on the device and computed by a
+fused dequantising grouped GEMV (toolkit/runtime/gpu_kernels.py, Triton on CUDA). Its routing goes
+back to the host once per step, asynchronously, for the verification pass's prefetches.
+
+Where CUDA is absent (CI) the same functions run eagerly on the CPU: `decode="static"`.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from toolkit.errors import SpecPrefetchError
+
+SUPPORTED = ("qwen3_moe", "mixtral")
+
+
+def supported(spec) -> str | None:
+    """None when the fast path can run this model, else why not."""
+    fam = spec.geometry.family
+    if fam not in SUPPORTED:
+        return f"family {fam}: the static-cache decoder covers {', '.join(SUPPORTED)}"
+    return None
+
+
+def _repeat_kv(x: torch.Tensor, n: int) -> torch.Tensor:
+    if n == 1:
+        return x
+    b, h, s, d = x.shape
+    return x[:, :, None].expand(b, h, n, s, d).reshape(b, h * n, s, d)
+
+
+class StaticKV:
+    """One sequence's K and V for every decoder layer at fixed addresses: [1, kv heads, S, head dim]."""
+
+    def __init__(self, n_layers: int, kv_heads: int, S: int, head_dim: int, device, dtype):
+        self.k = [torch.zeros(1, kv_heads, S, head_dim, device=device, dtype=dtype) for _ in range(n_layers)]
+        self.v = [torch.zeros_like(t) for t in self.k]
+
+    def load(self, cache, n: int) -> None:
+        """Positions 0..n-1 from a transformers DynamicCache (the prefill's)."""
+        for i, layer in enumerate(cache.layers):
+            self.k[i][:, :, :n].copy_(layer.keys[:, :, :n])
+            self.v[i][:, :, :n].copy_(layer.values[:, :, :n])
+
+
+class StaticDecoder:
+    """The model's own modules (norms, projections, rotary embedding, router, LM head) applied over a
+    static KV cache; the expert math is supplied per use (pool slots for the target, int4 for the draft)."""
+
+    def __init__(self, eng):
+        self.eng = eng
+        self.dev = eng.dev
+        model = eng.model
+        self.inner = model.model
+        self.lm_head = model.lm_head
+        self.layers = list(self.inner.layers)
+        g = eng.spec.geometry
+        self.moe_at = {layer: li for li, layer in enumerate(g.moe_layers)}
+        self.blocks = {layer: eng.spec.family.moe_block(model, layer) for layer in g.moe_layers}
+        sa = self.layers[0].self_attn
+        self.head_dim = sa.head_dim
+        self.kv_heads = sa.k_proj.out_features // sa.head_dim
+        self.groups = sa.num_key_value_groups
+        self.qk_norm = hasattr(sa, "q_norm")
+        self.rope = sys.modules[type(sa).__module__].apply_rotary_pos_emb
+        cfg = model.config
+        use_sw = g.family == "mixtral" or bool(getattr(cfg, "use_sliding_window", False))
+        self.window = getattr(cfg, "sliding_window", None) if use_sw else None
+        self.H = g.hidden_size
+        self.dtype = eng.dtype
+        self.S = 0
+
+    # -- the dense pieces ------------------------------------------------------------------
+    def mask(self, positions: torch.Tensor, S: int) -> torch.Tensor:
+        """Additive [1, 1, T, S]: key j is visible to the row at position p iff j <= p (and p - j < window)."""
+        ar = torch.arange(S, device=positions.device)
+        ok = ar[None, :] <= positions[:, None]
+        if self.window:
+            ok = ok & (positions[:, None] - ar[None, :] < self.window)
+        zero = torch.zeros((), device=positions.device, dtype=self.dtype)
+        return torch.where(ok, zero, torch.finfo(self.dtype).min)[None, None]
+
+    def attention(self, i: int, h: torch.Tensor, positions: torch.Tensor, kv: StaticKV, mask, cos_sin) -> torch.Tensor:
+        """h [1, T, H] -> h + self-attention(h): the new K, V written at `positions` first."""
+        layer = self.layers[i]
+        sa = layer.self_attn
+        T = h.shape[1]
+        x = layer.input_layernorm(h)
+        shape = (1, T, -1, self.head_dim)
+        q = sa.q_proj(x).view(shape)
+        k = sa.k_proj(x).view(shape)
+        v = sa.v_proj(x).view(shape).transpose(1, 2)
+        if self.qk_norm:
+            q, k = sa.q_norm(q), sa.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        cos, sin = cos_sin
+        q, k = self.rope(q, k, cos, sin)
+        kv.k[i].index_copy_(2, positions, k.to(kv.k[i].dtype))
+        kv.v[i].index_copy_(2, positions, v.to(kv.v[i].dtype))
+        K, V = _repeat_kv(kv.k[i], self.groups), _repeat_kv(kv.v[i], self.groups)
+        o = F.scaled_dot_product_attention(q, K, V, attn_mask=mask, scale=sa.scaling)
+        o = o.transpose(1, 2).reshape(1, T, -1)
+        return h + sa.o_proj(o)
+
+    def prelude(self, positions: torch.Tensor, h: torch.Tensor):
+        return self.mask(positions, self.S), self.inner.rotary_emb(h, positions[None])
+
+    def route(self, i: int, h: torch.Tensor):
+        """MoE layer i's input (post-attention norm, [T, H]), top-k weights and indices (the model's router)."""
+        post = self.layers[i].post_attention_layernorm(h).view(-1, self.H)
+        _, scores, idx = self.blocks[i].gate(post)
+        return post, scores, idx
+
+    def dense_mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        layer = self.layers[i]
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.inner.norm(h))
+
+    # -- a whole pass of T rows, eagerly (verification, and every step on the CPU) ------------
+    def forward_rows(self, tokens: torch.Tensor, pos: int, kv: StaticKV, experts) -> torch.Tensor:
+        """tokens [T] at positions pos..pos+T-1 -> logits [T, V] (float); `experts(li, post, idx, scores)`
+        gives MoE layer li's routed output [T, H]."""
+        T = tokens.numel()
+        positions = torch.arange(pos, pos + T, device=tokens.device)
+        h = self.inner.embed_tokens(tokens[None])
+        mask, cs = self.prelude(positions, h)
+        for i in range(len(self.layers)):
+            h = self.attention(i, h, positions, kv, mask, cs)
+            if i in self.moe_at:
+                post, scores, idx = self.route(i, h)
+                h = h + experts(self.moe_at[i], post, idx, scores).view(1, T, self.H).to(h.dtype)
+            else:
+                h = self.dense_mlp(i, h)
+        return self.head(h)[0].float()
+
+
+class PooledExpertMath:
+    """transformers' eager expert loop for one token over k experts whose weights are gathered from the
+    pool's slots by slot number (a device tensor), in ascending expert order: bitwise transformers'."""
+
+    def __init__(self, eng, slots: torch.Tensor):
+        self.eng, self.k = eng, eng.k
+        w = slots.view(torch.float16)
+        C = w.shape[0]
+        if eng.contiguous:
+            off, n, shape = eng.gate_up_span
+            self.gu = (w[:, off:off + n].view(C, *shape),)
+        else:
+            g0, gn, gs = eng.gate_span
+            u0, un, us = eng.up_span
+            self.gu = (w[:, g0:g0 + gn].view(C, *gs), w[:, u0:u0 + un].view(C, *us))
+        d0, dn, ds = eng.down_span
+        self.dn = w[:, d0:d0 + dn].view(C, *ds)
+        self.act = eng.math.act_fn
+        self.dtype = eng.dtype
+
+    def __call__(self, x: torch.Tensor, scores: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
+        """x [1, H]; scores [1, k] in top-k order; sel [2k]: slot numbers (ascending expert) then the
+        top-k positions of those experts."""
+        k = self.k
+        slots, perm = sel[:k], sel[k:]
+        parts = [t.index_select(0, slots) for t in self.gu]
+        gu = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        dn = self.dn.index_select(0, slots)
+        if self.dtype != torch.float16:
+            gu, dn = gu.to(self.dtype), dn.to(self.dtype)
+        w = scores.index_select(1, perm)
+        out = torch.zeros_like(x)
+        zero = torch.zeros(1, dtype=torch.long, device=x.device)
+        for j in range(k):
+            gate, up = F.linear(x, gu[j]).chunk(2, dim=-1)
+            y = F.linear(self.act(gate) * up, dn[j]) * w[:, j, None]
+            out.index_add_(0, zero, y.to(out.dtype))
+        return out
+
+
+class GraphRunner:
+    """The target's one-token decode step as L + 1 segments (CUDA graphs on a GPU, eager on the CPU),
+    and the draft's whole step as one graph."""
+
+    def __init__(self, eng, slots: torch.Tensor, S: int, *, graphs: bool):
+        self.eng = eng
+        self.dec = StaticDecoder(eng)
+        self.dec.S = S
+        self.S = S
+        dev = eng.dev.device
+        self.graphs = graphs
+        dec = self.dec
+        n_layers = len(dec.layers)
+        self.kv = StaticKV(n_layers, dec.kv_heads, S, dec.head_dim, dev, eng.dtype)
+        self.math = PooledExpertMath(eng, slots)
+        L, k, H = eng.L, eng.k, dec.H
+        self.tok = torch.zeros(1, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(1, dtype=torch.long, device=dev)
+        self.h = torch.zeros(1, 1, H, device=dev, dtype=eng.dtype)
+        self.post = torch.zeros(L, 1, H, device=dev, dtype=eng.dtype)
+        self.idx = torch.zeros(L, 1, k, dtype=torch.long, device=dev)
+        self.scores: list[torch.Tensor | None] = [None] * L
+        self.sel = torch.zeros(L, 2 * k, dtype=torch.long, device=dev)
+        self.sel[:, k:] = torch.arange(k, device=dev)
+        pin = eng.dev.cuda
+        self.stage = [torch.zeros(2 * k, dtype=torch.long, pin_memory=pin) for _ in range(L)]
+        # which decoder layers each segment runs
+        moe = list(eng.spec.geometry.moe_layers)
+        bounds = [-1, *moe, n_layers - 1]
+        self.seg_layers = [list(range(bounds[s] + 1, bounds[s + 1] + 1)) for s in range(L + 1)]
+        self._g: list[Any] | None = None
+        # the draft
+        self.draft = None
+        if eng.drafts and eng.drafts[0] is not None:
+            self.draft = _DraftStep(self)
+
+    # -- the target's segments -------------------------------------------------------------
+    def segment(self, s: int) -> None:
+        dec, L = self.dec, self.eng.L
+        h = self.h
+        if s == 0:
+            h = dec.inner.embed_tokens(self.tok[None])
+        else:
+            li = s - 1
+            sc = self.scores[li]
+            h = h + self.math(self.post[li], sc, self.sel[li]).view(1, 1, -1).to(h.dtype)
+        mask, cs = dec.prelude(self.pos, h)
+        for i in self.seg_layers[s]:
+            h = dec.attention(i, h, self.pos, self.kv, mask, cs)
+            if i in dec.moe_at:
+                li = dec.moe_at[i]
+                post, scores, idx = dec.route(i, h)
+                self.post[li].copy_(post)
+                self.idx[li].copy_(idx)
+                if self.scores[li] is None:
+                    self.scores[li] = torch.zeros_like(scores)
+                self.scores[li].copy_(scores)
+            else:
+                h = dec.dense_mlp(i, h)
+        if s == L:
+            self.tok.copy_(dec.head(h)[0, -1].argmax(-1, keepdim=True))
+        self.h.copy_(h)
+
+    def _capture(self) -> None:
+        L = self.eng.L
+        # warm-up off the default stream (cuBLAS handles, allocator), then one graph per segment
+        side = torch.cuda.Stream(self.eng.dev.device)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                for s in range(L + 1):
+                    self.segment(s)
+                if self.draft is not None:
+                    self.draft.step()
+        torch.cuda.current_stream().wait_stream(side)
+        graphs, pool = [], None
+        for s in range(L + 1):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                self.segment(s)
+            pool = g.pool()
+            graphs.append(g)
+        if self.draft is not None:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                self.draft.step()
+            self.draft.graph = g
+        self._g = graphs
+        torch.cuda.synchronize()
+
+    def ensure(self) -> None:
+        if self.graphs and self._g is None:
+            self._capture()
+
+    def run_segment(self, s: int) -> None:
+        if self._g is not None:
+            self._g[s].replay()
+        else:
+            self.segment(s)
+
+    def set_position(self, token: int, pos: int) -> None:
+        self.tok.fill_(token)
+        self.pos.fill_(pos)
+
+    def decode(self, run, token: int, pos: int) -> int:
+        """One target token at `pos`: L host syncs (the routers), the pool's experts, the next token."""
+        eng, L, k = self.eng, self.eng.L, self.eng.k
+        sched, io = run.sched, run.io
+        self.set_position(token, pos)
+        self.run_segment(0)
+        for li in range(L):
+            ids = self.idx[li].tolist()          # the host needs the routing: one sync per MoE layer
+            row = ids[0]
+            step = pos * L + li
+            run.record_routing(li, ids)
+            if run.planner is not None:
+                run.state.record(li, self.post[li].float().cpu(), torch.tensor(row))
+            order = sorted(range(k), key=row.__getitem__)       # top-k positions, ascending expert
+            keys = [(li, row[p]) for p in order]
+            resident = [key for key in keys if sched.pool.get(key) is not None]
+            sched.acquire(step, resident + [key for key in keys if sched.pool.get(key) is None])
+            if run.planner is not None:
+                run.planner.plan(sched, li, step, run.state, None, run.end)
+            slots = []
+            for key in keys:
+                sched.data(key)              # orders the compute stream after the slot's copy
+                slots.append(io.where[key])
+            st = self.stage[li]
+            st.numpy()[:] = slots + order
+            self.sel[li].copy_(st, non_blocking=True)
+            self.run_segment(li + 1)
+            sched.release(step, keys)         # after the replay that reads the slots was enqueued
+        return int(self.tok.item())
+
+
+class _DraftStep:
+    """The int4 draft's decode step over its own static cache: one graph, no host sync. The token and
+    position advance on the device, so K replays chain; each step's routing lands in `ids`."""
+
+    def __init__(self, gr: GraphRunner):
+        eng = gr.eng
+        dec = gr.dec
+        dev = eng.dev.device
+        self.gr, self.dec = gr, dec
+        self.kv = StaticKV(len(dec.layers), dec.kv_heads, gr.S, dec.head_dim, dev, eng.dtype)
+        self.tok = torch.zeros(1, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(1, dtype=torch.long, device=dev)
+        self.ids = torch.zeros(eng.L, eng.k, dtype=torch.long, device=dev)
+        self.graph = None
+        pin = eng.dev.cuda
+        self.host_ids = torch.zeros(0, eng.L, eng.k, dtype=torch.long, pin_memory=pin)
+        self.host_tok = torch.zeros(0, dtype=torch.long, pin_memory=pin)
+
+    def step(self) -> None:
+        dec, eng = self.dec, self.gr.eng
+        h = dec.inner.embed_tokens(self.tok[None])
+        mask, cs = dec.prelude(self.pos, h)
+        for i in range(len(dec.layers)):
+            h = dec.attention(i, h, self.pos, self.kv, mask, cs)
+            if i in dec.moe_at:
+                li = dec.moe_at[i]
+                post, scores, idx = dec.route(i, h)
+                self.ids[li].copy_(idx[0])
+                h = h + eng.drafts[li].fused(post, idx, scores).view(1, 1, -1).to(h.dtype)
+            else:
+                h = dec.dense_mlp(i, h)
+        self.tok.copy_(dec.head(h)[0, -1].argmax(-1, keepdim=True))
+        self.pos.add_(1)
+
+    def run(self, feed: list[int], start: int, n_out: int):
+        """Feed tokens at start.. and then n_out - 1 of its own: returns (proposals [n_out], per-step
+        routing events) where each event is (cuda event or None, step index); the routing of step j
+        is host_ids[j] once its event has completed."""
+        eng = self.gr.eng
+        steps = len(feed) + n_out - 1
+        if self.host_ids.shape[0] < steps:
+            self.host_ids = torch.zeros(steps, eng.L, eng.k, dtype=torch.long, pin_memory=eng.dev.cuda)
+            self.host_tok = torch.zeros(steps, dtype=torch.long, pin_memory=eng.dev.cuda)
+        evs = []
+        self.pos.fill_(start)
+        for j in range(steps):
+            if j < len(feed):
+                self.tok.fill_(feed[j])
+            if self.graph is not None:
+                self.graph.replay()
+            else:
+                self.step()
+            self.host_ids[j].copy_(self.ids, non_blocking=True)
+            self.host_tok[j].copy_(self.tok[0], non_blocking=True)
+            evs.append(eng.dev.event())
+        return steps, evs
+
+
+def build_runner(eng, slots: torch.Tensor, S: int, graphs: bool) -> GraphRunner:
+    why = supported(eng.spec)
+    if why is not None:
+        raise SpecPrefetchError(f"--decode static: {why}")
+    return GraphRunner(eng, slots, S, graphs=graphs)

@@ -1,0 +1,79 @@
+"""The draft's fused int4 expert kernel: a grouped GEMV over the k experts a token routes to, reading
+the packed int4 weights (two per byte, low nibble first, value = nibble - 8) and their fp16 scales (one
+per 32 inputs) directly, with fp32 accumulation: the weights are never expanded to fp16 in memory.
+
+    y[j, o] = sum_n  (q[ids[j], o, n] - 8) * scale[ids[j], o, n // 32] * x[j or 0, n]
+
+On CUDA it is a Triton kernel (one program per expert and block of output rows); elsewhere, and as the
+reference in the tests, the same arithmetic in torch ops (`int4_gemv_torch`).
+"""
+from __future__ import annotations
+
+import torch
+
+GROUP = 32
+
+try:   # Triton ships with torch's CUDA wheels; the CPU build here has none
+    import triton
+    import triton.language as tl
+except ImportError:   # pragma: no cover - depends on the install
+    triton = None
+
+
+def dequant(q: torch.Tensor, scale: torch.Tensor, n: int, dtype=torch.float32) -> torch.Tensor:
+    """[..., O, P] packed bytes and [..., O, 2P / 32] scales -> [..., O, n] weights."""
+    lo, hi = (q & 0xF), (q >> 4)
+    v = torch.stack((lo, hi), -1).reshape(*q.shape[:-1], -1).to(torch.float32) - 8
+    w = (v.reshape(*v.shape[:-1], -1, GROUP) * scale.float()[..., None]).reshape(*v.shape[:-1], -1)
+    return w[..., :n].to(dtype)
+
+
+def int4_gemv_torch(q, scale, ids, x, n: int) -> torch.Tensor:
+    """q [E, O, P] uint8, scale [E, O, G] fp16, ids [k] long, x [1 or k, n] -> y [k, O] float32."""
+    w = dequant(q.index_select(0, ids), scale.index_select(0, ids), n)     # [k, O, n]
+    xs = x.float().expand(ids.numel(), n)
+    return torch.bmm(w, xs[..., None])[..., 0]
+
+
+if triton is not None:
+    @triton.jit
+    def _int4_gemv_kernel(q_ptr, s_ptr, ids_ptr, x_ptr, y_ptr, O, P, G, n, x_stride,
+                          BLOCK_O: tl.constexpr, BLOCK_P: tl.constexpr):
+        j = tl.program_id(0)
+        po = tl.program_id(1)
+        e = tl.load(ids_ptr + j).to(tl.int64)
+        offs_o = po * BLOCK_O + tl.arange(0, BLOCK_O)
+        mo = offs_o < O
+        acc = tl.zeros([BLOCK_O], dtype=tl.float32)
+        qbase = q_ptr + e * O * P
+        sbase = s_ptr + e * O * G
+        xbase = x_ptr + j * x_stride
+        for p0 in range(0, P, BLOCK_P):
+            offs_p = p0 + tl.arange(0, BLOCK_P)
+            mp = offs_p < P
+            m2 = mo[:, None] & mp[None, :]
+            qv = tl.load(qbase + offs_o[:, None] * P + offs_p[None, :], mask=m2, other=136)
+            lo = (qv & 0xF).to(tl.float32) - 8.0
+            hi = (qv >> 4).to(tl.float32) - 8.0
+            sv = tl.load(sbase + offs_o[:, None] * G + (offs_p[None, :] // 16), mask=m2, other=0.0).to(tl.float32)
+            xe = tl.load(xbase + 2 * offs_p, mask=mp & (2 * offs_p < n), other=0.0).to(tl.float32)
+            xo = tl.load(xbase + 2 * offs_p + 1, mask=mp & (2 * offs_p + 1 < n), other=0.0).to(tl.float32)
+            acc += tl.sum((lo * xe[None, :] + hi * xo[None, :]) * sv, axis=1)
+        tl.store(y_ptr + j * O + offs_o, acc, mask=mo)
+
+
+def int4_gemv(q, scale, ids, x, n: int, *, use_triton: bool | None = None) -> torch.Tensor:
+    """The fused kernel where Triton and CUDA are present, else the torch reference."""
+    if use_triton is None:
+        use_triton = triton is not None and q.is_cuda
+    if not use_triton:
+        return int4_gemv_torch(q, scale, ids, x, n)
+    E, O, P = q.shape
+    k = ids.numel()
+    x = x.contiguous()
+    y = torch.empty(k, O, device=q.device, dtype=torch.float32)
+    BLOCK_O, BLOCK_P = 32, 128
+    grid = (k, triton.cdiv(O, BLOCK_O))
+    _int4_gemv_kernel[grid](q, scale, ids, x, y, O, P, scale.shape[-1], n, 0 if x.shape[0] == 1 else x.stride(0),
+                            BLOCK_O=BLOCK_O, BLOCK_P=BLOCK_P)
+    return y
