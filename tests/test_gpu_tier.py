@@ -303,14 +303,17 @@ def test_decode_modes_give_the_same_tokens_and_counts(tiny_models, stores, fam):
     ref = GpuEngine(load_model(tiny_models[fam], dtype="float32"), st,
                     RunConfig(policy=Policy.parse("next-gate+prediction"), pool_mib=64.0), device="cpu",
                     predictors=preds, with_draft=True, decode="modules")
-    for policy in ("on-demand+lru", "next-gate+prediction", "oracle+belady"):
+    for policy in ("on-demand+lru", "next-gate+prediction", "oracle+belady", "draft+prediction", "draft+lru"):
         for e in (eng, ref):
             e.configure(policy=Policy.parse(policy), pool_mib=_pool_mib(e, 0.25))
-        a, b = eng.run(prompt, 14), ref.run(prompt, 14)
+        a, b = eng.run(prompt, 14, k=3), ref.run(prompt, 14, k=3)
         assert a.extra["decode"] == "static" and b.extra["decode"] == "modules"
         assert a.tokens == b.tokens, policy
         assert a.stats.counts == b.stats.counts, policy
+        assert a.stats.counts["bytes_read"] > 0, policy
         assert [r.tolist() for r in a.routing] == [r.tolist() for r in b.routing]
+        if policy.startswith("draft"):
+            assert a.extra["acceptance"] == b.extra["acceptance"] and a.extra["rounds"] == b.extra["rounds"]
 
 
 def test_decode_option_is_validated(tiny_models, stores):
@@ -367,6 +370,9 @@ def test_triton_int4_kernel_matches_the_reference():
             assert err < 1e-4, (E, O, n, rows, err)
 
 
+TIMING = ("late", "wait_s")   # scheduler counts that depend on when a copy lands, not on what is copied
+
+
 @CUDA
 @pytest.mark.parametrize("fam", ["qwen3_moe", "mixtral"])
 def test_graph_decode_equals_eager_static_on_cuda(tiny_models, stores, fam):
@@ -374,30 +380,204 @@ def test_graph_decode_equals_eager_static_on_cuda(tiny_models, stores, fam):
     prompt = list(range(5, 17))
     want = _reference(tiny_models[fam], prompt, 16, "cuda", "float16")
     eng = _engine(tiny_models[fam], stores[fam], "on-demand+lru", 0.1, "cuda", dtype="float16")
-    assert eng.decode == "graph"
+    spec = inspect_model_dir(tiny_models[fam])
+    bank = load_router_bank(spec)
+    preds = {n: build_predictor(n, num_experts=spec.geometry.routing.num_experts, bank=lambda: bank)
+             for n in ("next-gate", "oracle")}
+    ref = GpuEngine(load_model(tiny_models[fam], dtype="float16"), ExpertStore(stores[fam], spec),
+                    RunConfig(policy=Policy.parse("on-demand+lru"), pool_mib=64.0), device="cuda", predictors=preds,
+                    with_draft=True, decode="static")
+    assert eng.decode == "graph" and ref.decode == "static"
     for policy in POLICIES:
         for frac in (0.1, 0.5):
-            eng.configure(policy=Policy.parse(policy), pool_mib=_pool_mib(eng, frac))
-            g = eng.run(prompt, 16, k=3)
-            assert g.tokens == want, (fam, policy, frac)
+            for e in (eng, ref):
+                e.configure(policy=Policy.parse(policy), pool_mib=_pool_mib(e, frac))
+            g, s = eng.run(prompt, 16, k=3), ref.run(prompt, 16, k=3)
+            assert g.tokens == want == s.tokens, (fam, policy, frac)
             assert g.extra["decode"] == "graph"
+            logical = lambda c: {k: v for k, v in c.items() if k not in TIMING}  # noqa: E731
+            assert logical(g.stats.counts) == logical(s.stats.counts), (fam, policy, frac)
+            assert g.stats.counts["bytes_read"] > 0
 
 
-def test_grouped_verification_equals_the_expert_loop(tiny_models, stores):
-    """moe(batched=True), the grouped verification path, against the per-expert loop on the CPU."""
+# -- sliding-window models, cuda:N, the slot arena, the host reads, the report -------------------------
+@pytest.fixture(scope="module")
+def sliding(tmp_path_factory):
+    """A tiny Mixtral whose sliding window (8) is shorter than the prompt (12): the prefill's
+    config-built cache would keep only the last 7 positions of each layer."""
+    from toolkit.models.tiny import build_tiny
+
+    root = tmp_path_factory.mktemp("sliding")
+    d = build_tiny("mixtral", root / "mixtral-sw8", seed=1, overrides={"sliding_window": 8})
+    return d, build_store(inspect_model_dir(d), root / "mixtral-sw8.spx", "fp16", progress=False)
+
+
+def test_sliding_window_static_decode(sliding, tiny_models):
+    """The static path prefills into a full cache and windows in its mask: transformers' tokens, and the
+    modules path's tokens and copies, for every policy; the window changes the tokens (the branch bites)."""
+    d, store = sliding
+    prompt = list(range(5, 17))
+    want = _reference(d, prompt, 16, "cpu", "float32")
+    assert want != _reference(tiny_models["mixtral"], prompt, 16, "cpu", "float32")   # same weights, no window
+    eng = _engine(d, store, "on-demand+lru", 0.25, "cpu")
+    spec = inspect_model_dir(d)
+    bank = load_router_bank(spec)
+    preds = {n: build_predictor(n, num_experts=spec.geometry.routing.num_experts, bank=lambda: bank)
+             for n in ("next-gate", "oracle")}
+    ref = GpuEngine(load_model(d, dtype="float32"), ExpertStore(store, spec),
+                    RunConfig(policy=Policy.parse("on-demand+lru"), pool_mib=64.0), device="cpu", predictors=preds,
+                    with_draft=True, decode="modules")
+    assert eng.decode == "static"
+    for policy in POLICIES:
+        for e in (eng, ref):
+            e.configure(policy=Policy.parse(policy), pool_mib=_pool_mib(e, 0.25))
+        a, b = eng.run(prompt, 16, k=3), ref.run(prompt, 16, k=3)
+        assert a.tokens == want == b.tokens, policy
+        assert a.stats.counts == b.stats.counts, policy
+    runner = next(iter(eng._runners.values()))
+    assert runner.dec.window == 8
+    m = runner.dec.mask(torch.tensor([11]), 16)[0, 0, 0]
+    assert (m[4:12] == 0).all() and (m[:4] < 0).all() and (m[12:] < 0).all()   # keys 4..11 of position 11
+
+
+def test_static_cache_refuses_a_truncated_prefill_cache(sliding):
+    """A config-built (sliding-window) cache is refused with a clear error, not a shape error."""
+    from transformers import DynamicCache
+
+    d, store = sliding
+    eng = _engine(d, store, "on-demand+lru", 0.5, "cpu")
+    runner = eng._graph_runner(64)
+    lm = load_model(d, dtype="float32")   # the unmodified model: the same K/V shapes
+    cache = DynamicCache(config=lm.model.config)
+    with torch.no_grad():
+        lm.model(input_ids=torch.tensor([list(range(5, 17))]), past_key_values=cache, use_cache=True)
+    with pytest.raises(SpecPrefetchError, match="full cache"):
+        runner.kv.load(cache, 12)
+
+
+def test_slot_arena_is_the_pools_own(tiny_models, stores):
+    """Every run reads a slot allocation of exactly its pool (a small pool after the whole-model pool
+    does not keep the large arena); the engine keeps the last two pool sizes' arenas, no more."""
+    prompt = list(range(5, 17))
+    for decode in ("static", "modules"):
+        spec = inspect_model_dir(tiny_models["qwen3_moe"])
+        eng = GpuEngine(load_model(tiny_models["qwen3_moe"], dtype="float32"), ExpertStore(stores["qwen3_moe"], spec),
+                        RunConfig(policy=Policy.parse("on-demand+lru"), pool_mib=64.0), device="cpu", decode=decode)
+        blob = eng.store.blob_size
+        held, arenas = [], []
+        for frac in (1.0, 0.1, 0.25, 0.1):
+            eng.configure(pool_mib=_pool_mib(eng, frac))
+            j = eng.run(prompt, 6).to_json()
+            assert j["slot_arena_bytes"] == j["pool_slots"] * blob <= j["budget_bytes"], (decode, frac)
+            held.append(j["slot_arenas_held_bytes"])
+            arenas.append(j["slot_arena_bytes"])
+        L, E = eng.L, eng.E
+        small, mid = max(eng.k, int(0.1 * L * E)), max(eng.k, int(0.25 * L * E))
+        assert arenas == [L * E * blob, small * blob, mid * blob, small * blob]
+        if decode == "static":
+            assert held == [L * E * blob, (L * E + small) * blob, (small + mid) * blob, (small + mid) * blob]
+            assert sorted(eng._runners) == sorted({small, mid})
+        else:   # one allocation per run, freed with it
+            assert held == arenas
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_graph_decode_reads_the_device_once_per_layer(tiny_models, stores, monkeypatch, device):
+    """Decode reads the router's choices (and, with a planner, its input) through one staged copy and
+    one wait per MoE layer, plus one for the token: no other read of the decoder's device buffers
+    (.cpu(), .item(), .tolist(), .numpy() would each be a blocking sync on a GPU)."""
+    prompt = list(range(5, 17))
+    dtype = "float16" if device == "cuda" else "float32"
+    eng = _engine(tiny_models["qwen3_moe"], stores["qwen3_moe"], "next-gate+prediction", 0.25, device, dtype=dtype)
+    runner = eng._graph_runner(len(prompt) + 10 + 8 + 1)
+    owned = {t.untyped_storage().data_ptr() for t in (runner.idx, runner.post, runner.tok, runner.h, runner.sel)}
+    for name in ("cpu", "item", "tolist", "numpy"):
+        real = getattr(torch.Tensor, name)
+
+        def guard(self, *a, _real=real, _name=name, **kw):
+            if self.untyped_storage().data_ptr() in owned:
+                raise AssertionError(f"{_name}() on the decoder's device buffer: a second host sync")
+            return _real(self, *a, **kw)
+        monkeypatch.setattr(torch.Tensor, name, guard)
+    runner.host_waits = 0
+    g = eng.run(prompt, 10)
+    monkeypatch.undo()
+    assert eng._graph_runner(len(prompt) + 10 + 8 + 1) is runner
+    assert runner.host_waits == (eng.L + 1) * (len(g.tokens) - 1)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_second_cuda_device(tiny_models, stores):
+    """cuda:N with N > 0: graphs, copies and the int4 kernel run on that device, not the current one."""
+    prompt = list(range(5, 17))
+    n = torch.cuda.device_count() - 1
+    want = _reference(tiny_models["qwen3_moe"], prompt, 12, "cuda:0", "float16")
+    assert torch.cuda.current_device() == 0
+    eng = _engine(tiny_models["qwen3_moe"], stores["qwen3_moe"], "draft+prediction", 0.25, f"cuda:{n}", dtype="float16")
+    assert eng.decode == "graph"
+    for policy in ("on-demand+lru", "next-gate+prediction", "draft+prediction"):
+        eng.configure(policy=Policy.parse(policy))
+        g = eng.run(prompt, 12, k=3)
+        assert g.tokens == want, policy
+        assert g.extra["device"] == f"cuda:{n}"
+    assert torch.cuda.current_device() == 0
+
+
+def test_hbm_floor_counts_one_embedding_row(tiny_models, stores):
+    from toolkit.runtime.gpu_bench import token_read_bytes
+
     eng = _engine(tiny_models["qwen3_moe"], stores["qwen3_moe"], "on-demand+lru", 0.5, "cpu")
-    eng.configure(pool_mib=_pool_mib(eng, 0.5))
-    from toolkit.runtime.gpu import CudaCopyIO, _RunState
+    emb = eng.model.get_input_embeddings().weight
+    head = eng.model.get_output_embeddings().weight
+    V, H = emb.shape
+    es = emb.element_size()
+    table = 0 if head.data_ptr() == emb.data_ptr() else V * H * es
+    assert token_read_bytes(eng) == eng.dense_bytes - table + H * es + eng.L * eng.k * eng.store.blob_size
+    assert token_read_bytes(eng) < eng.dense_bytes + eng.L * eng.k * eng.store.blob_size
 
-    outs = []
-    for batched in (False, True):
-        eng._graph_runner(64)
-        io = CudaCopyIO(eng.host, eng.capacity, eng.dev, slots=eng._slots)
-        eng.run_state = _RunState(eng, io, None, [1, 2], 4)
-        g = torch.Generator().manual_seed(3)
-        x = torch.randn(7, eng.spec.geometry.hidden_size, generator=g)
-        idx = torch.stack([torch.randperm(eng.E, generator=g)[:eng.k] for _ in range(7)])
-        w = torch.rand(7, eng.k, generator=g)
-        outs.append(eng.moe(0, x, idx, w, batched=batched))
-        eng.run_state = None
-    assert torch.allclose(outs[0], outs[1], atol=1e-5)
+
+def test_markdown_flags_differing_tokens(tiny_models, stores):
+    from toolkit.runtime.gpu_bench import markdown, run_gpu_bench
+    from toolkit.runtime.policy import parse_policies
+
+    r = run_gpu_bench(tiny_models["qwen3_moe"], store=stores["qwen3_moe"], adapter=None,
+                      policies=parse_policies("on-demand+lru"), fractions=[0.25], prompts=1, prompt_tokens=8,
+                      new_tokens=4, repeats=1, ks=(2,), device="cpu", decode="modules", log=lambda s: None)
+    assert r["decode"] == "modules" and r["rows"][0]["slot_arena_mib"] <= r["rows"][0]["pool_mib"]
+    assert "TOKENS DIFFER" not in markdown(r)
+    bad = dict(r, tokens_match_transformers=False, mismatches=["on-demand+lru pool 1 MiB prompt 0"])
+    first = markdown(bad).splitlines()[0]
+    assert "TOKENS DIFFER" in first and "1 run(s)" in first and "diagnosis only" in first
+
+
+def test_cli_bench_cuda_options_pass_through(tiny_models, stores, tmp_path, monkeypatch):
+    """`bench --device cuda --decode D --report-mismatches` reaches run_gpu_bench; --decode is validated,
+    and both options are refused without --device cuda."""
+    from click.testing import CliRunner
+
+    from toolkit.cli import main
+    from toolkit.runtime import gpu_bench
+
+    seen = {}
+
+    def fake(model, **kw):
+        seen.update(kw)
+        return {"fake": True}
+
+    monkeypatch.setattr(gpu_bench, "run_gpu_bench", fake)
+    monkeypatch.setattr(gpu_bench, "write", lambda r, out: None)
+    monkeypatch.setattr(gpu_bench, "markdown", lambda r: "table")
+    model = str(tiny_models["qwen3_moe"])
+    base = ["bench", model, "--device", "cuda", "--store", str(stores["qwen3_moe"]), "--json", str(tmp_path / "b.json")]
+    r = CliRunner().invoke(main, base + ["--decode", "static", "--report-mismatches"])
+    assert r.exit_code == 0, r.output
+    assert seen["decode"] == "static" and seen["strict"] is False
+    seen.clear()
+    r = CliRunner().invoke(main, base + ["--overwrite"])
+    assert r.exit_code == 0, r.output
+    assert seen["decode"] is None and seen["strict"] is True
+    r = CliRunner().invoke(main, base + ["--decode", "fast", "--overwrite"])
+    assert r.exit_code == 2 and "fast" in r.output
+    for extra in (["--decode", "graph"], ["--report-mismatches"]):
+        r = CliRunner().invoke(main, ["bench", model, "--json", str(tmp_path / "c.json"), *extra])
+        assert r.exit_code == 2 and "only with --device cuda" in r.output, r.output

@@ -5,7 +5,9 @@ The same ExpertPool, WindowScheduler, PrefetchPlanner, predictors and RunStats a
 (toolkit/runtime/runner.py) decide what is copied when; only the IO backend differs:
 
     host tier     every expert blob of the expert store, read once into one pinned buffer
-    GPU pool      `capacity` slots of one blob each, one allocation: the hard byte budget
+    GPU pool      `capacity` slots of one blob each, one allocation of exactly that size per pool
+                  size (`slot_arena_bytes`); the decode graphs read it at a fixed address, so the
+                  engine keeps the arenas of its last two pool sizes (`slot_arenas_held_bytes`)
     copy stream   host -> GPU copies in the scheduler's issue order (demand copies first in line);
                   a copy into a slot waits (an event) for the last kernel that read the slot
     compute       the model's own modules (transformers), dense weights resident on the GPU; each
@@ -29,6 +31,7 @@ how CI checks the output.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -86,6 +89,11 @@ class Device:
         if self.cuda:
             torch.cuda.synchronize(self.device)
 
+    def scope(self):
+        """This device as the current CUDA device (cuda:N): graph capture and replay, Triton launches
+        and the default streams act on the current device. A no-op on the CPU."""
+        return torch.cuda.device(self.device) if self.cuda else contextlib.nullcontext()
+
 
 # -- the host tier and the GPU pool ----------------------------------------------------------------
 class HostExperts:
@@ -137,12 +145,12 @@ class CudaCopyIO:
     stream; `wait` makes the compute stream wait for it (timed: that is the stall)."""
 
     def __init__(self, host: HostExperts, capacity: int, dev: Device, slots: torch.Tensor | None = None):
-        """`slots`: an allocation of at least `capacity` slots to reuse (the graphs read it at a fixed
-        address); only its first `capacity` rows are ever filled: the budget is the pool's."""
+        """`slots`: the pool's allocation of exactly `capacity` slots to reuse (the graphs read it at a
+        fixed address); none: one is allocated. The allocation is the budget."""
         self.host, self.dev = host, dev
         self.slots = slots if slots is not None else alloc_slots(capacity, host.store.blob_size, dev)
-        if self.slots.shape[0] < capacity:
-            raise SpecPrefetchError(f"internal: {self.slots.shape[0]} slots allocated, {capacity} needed")
+        if self.slots.shape[0] != capacity:
+            raise SpecPrefetchError(f"internal: {self.slots.shape[0]} slots allocated for a pool of {capacity}")
         self.free = list(range(capacity - 1, -1, -1))
         self.where: dict[Key, int] = {}
         self.done: dict[Key, Any] = {}           # key -> the copy's completion event
@@ -427,8 +435,7 @@ class GpuEngine:
         if decode == "graph" and not self.dev.cuda:
             raise SpecPrefetchError("--decode graph: CUDA graphs need a CUDA device")
         self.decode = decode or ("modules" if why is not None else "graph" if self.dev.cuda else "static")
-        self._slots: torch.Tensor | None = None
-        self._runner = None
+        self._runners: dict[int, Any] = {}   # pool capacity -> GraphRunner (its own slot arena)
         self.configure()
 
     # -- configuration ---------------------------------------------------------------------
@@ -474,19 +481,19 @@ class GpuEngine:
             gate_up, down = gate_up.to(self.dtype), down.to(self.dtype)
         return gate_up, down
 
-    def moe(self, li: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-            batched: bool = False):
-        """MoE layer li's routed output for `hidden` [T, H]. `batched` (the draft's verification pass):
-        each chunk of experts is computed in one grouped pass (weights gathered from the slots, token
-        rows padded, two batched matmuls, one index_add_) instead of a loop of launches per expert;
-        the sum's order differs from transformers' ascending loop, as any batched verification's does."""
+    def moe(self, li: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        """MoE layer li's routed output for `hidden` [T, H]: experts acquired in chunks that fit the
+        pool, resident ones first, computed with transformers' eager loop (ascending expert order)."""
         run = self.run_state
-        ids = top_k_index.tolist()            # the host needs the routing: one sync per MoE layer
-        T = len(ids)
+        T = top_k_index.shape[0]
+        plans = T == 1 and run.planner is not None
+        # the host needs the routing (and a planner the layer's input): one sync per MoE layer
+        idx_h, x_h = self._to_host(top_k_index, hidden.detach() if plans else None)
+        ids = idx_h.tolist()
         step = run.pos * self.L + li
         run.record_routing(li, ids)
-        if T == 1 and run.planner is not None:
-            run.state.record(li, hidden.detach().float().cpu(), torch.tensor(ids[0]))
+        if plans:
+            run.state.record(li, x_h, torch.tensor(ids[0]))
         sched = run.sched
         routes = _routes(ids)
         keys = [(li, e) for e in routes]
@@ -495,7 +502,6 @@ class GpuEngine:
         order = resident + [k for k in keys if sched.pool.get(k) is None]
         index = _index_tensors(routes, hidden.device)
         contrib: dict[int, torch.Tensor] = {}
-        out_pad = None
         first = True
         while order:
             # what fits: slots neither pinned nor holding a copy issued this very step
@@ -505,52 +511,32 @@ class GpuEngine:
             if first and T == 1 and run.planner is not None:
                 run.planner.plan(sched, li, step, run.state, None, run.end)
             first = False
-            if batched and T > 1:
-                if out_pad is None:
-                    out_pad = torch.zeros(T + 1, hidden.shape[1], device=hidden.device, dtype=hidden.dtype)
-                self._grouped(run.io, part, routes, hidden, top_k_weights, out_pad)
-            else:
-                for key in part:
-                    tok, kpos = index[key[1]]
-                    gate_up, down = self._weights(sched.data(key))
-                    contrib[key[1]] = self.math(hidden[tok], gate_up, down) * top_k_weights[tok, kpos, None]
+            for key in part:
+                tok, kpos = index[key[1]]
+                gate_up, down = self._weights(sched.data(key))
+                contrib[key[1]] = self.math(hidden[tok], gate_up, down) * top_k_weights[tok, kpos, None]
             sched.release(step, part)
-        if out_pad is not None:
-            return out_pad[:T]
         out = torch.zeros_like(hidden)
         for e in sorted(contrib):   # transformers' order: ascending expert index
             out.index_add_(0, index[e][0], contrib[e].to(out.dtype))
         return out
 
-    def _grouped(self, io: "CudaCopyIO", part, routes, hidden, top_k_weights, out_pad) -> None:
-        """One chunk of experts over their token rows in one grouped pass (see `moe`)."""
-        from toolkit.runtime.gpu_graph import PooledExpertMath
-
-        sched = self.run_state.sched
-        for key in part:
-            sched.data(key)          # the compute stream waits for each slot's copy
-        if getattr(self, "_views", (None, None))[0] is not io.slots:
-            self._views = (io.slots, PooledExpertMath(self, io.slots))
-        views = self._views[1]
-        T = hidden.shape[0]
-        es = [key[1] for key in part]
-        tmax = max(len(routes[e][1]) for e in es)
-        rows = [routes[e][1] + [T] * (tmax - len(routes[e][1])) for e in es]     # padding: row T (zeros)
-        kps = [routes[e][0] + [0] * (tmax - len(routes[e][0])) for e in es]
-        meta = torch.tensor([[io.where[key] for key in part], *zip(*rows), *zip(*kps)], device=hidden.device).T
-        slots, r, kp = meta[:, 0], meta[:, 1:1 + tmax], meta[:, 1 + tmax:]
-        parts = [t.index_select(0, slots) for t in views.gu]
-        gu = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-        dn = views.dn.index_select(0, slots)
-        if self.dtype != torch.float16:
-            gu, dn = gu.to(self.dtype), dn.to(self.dtype)
-        xp = torch.cat([hidden, hidden.new_zeros(1, hidden.shape[1])])
-        x = xp[r]                                                      # [n, tmax, H]
-        gate, up = torch.bmm(x, gu.transpose(1, 2)).chunk(2, dim=-1)
-        y = torch.bmm(self.math.act_fn(gate) * up, dn.transpose(1, 2))  # [n, tmax, H]
-        wp = torch.cat([top_k_weights, top_k_weights.new_zeros(1, top_k_weights.shape[1])])
-        y = y * wp[r, kp][..., None]
-        out_pad.index_add_(0, r.reshape(-1), y.reshape(-1, y.shape[-1]).to(out_pad.dtype))
+    def _to_host(self, *tensors):
+        """The tensors (None passes through) on the host: non-blocking copies into pinned memory and one
+        wait for them on a GPU, so reading several costs one sync."""
+        if not self.dev.cuda:
+            return tensors
+        out = []
+        for t in tensors:
+            if t is not None:
+                h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                h.copy_(t, non_blocking=True)
+                t = h
+            out.append(t)
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.dev.device))
+        ev.synchronize()
+        return out
 
     def draft_routing(self, li: int, top_k_index: torch.Tensor) -> None:
         run = self.run_state
@@ -564,7 +550,8 @@ class GpuEngine:
     @torch.no_grad()
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, *, recorded: GpuGeneration | None = None,
                  k: int = 8, preload: bool = False) -> GpuGeneration:
-        """Greedy decoding of up to `max_new_tokens` tokens (stopping after EOS).
+        """Greedy decoding of up to `max_new_tokens` tokens (stopping after EOS), with the engine's
+        device as the current CUDA device throughout (cuda:N).
 
         Args:
             recorded: an earlier run of this prompt: the oracle's and Belady's future.
@@ -572,6 +559,11 @@ class GpuEngine:
             preload: copy every expert into the pool before decoding (needs a pool of all experts):
                 the all-resident upper bound.
         """
+        with self.dev.scope():
+            return self._generate(prompt_ids, max_new_tokens, recorded=recorded, k=k, preload=preload)
+
+    def _generate(self, prompt_ids: Sequence[int], max_new_tokens: int, *, recorded: GpuGeneration | None,
+                  k: int, preload: bool) -> GpuGeneration:
         from transformers import DynamicCache
 
         cfg = self.cfg
@@ -583,7 +575,7 @@ class GpuEngine:
             raise SpecPrefetchError(f"--policy {cfg.policy.name}: needs a recorded first pass (run() does it)")
         fast = self.decode != "modules"
         runner = self._graph_runner(len(prompt_ids) + max_new_tokens + k + 1) if fast else None
-        io = CudaCopyIO(self.host, self.capacity, self.dev, slots=self._slots if fast else None)
+        io = CudaCopyIO(self.host, self.capacity, self.dev, slots=runner.slots if fast else None)
         run = _RunState(self, io, recorded, prompt_ids, max_new_tokens)
         self.run_state = run
         if preload:
@@ -598,7 +590,10 @@ class GpuEngine:
         eos = set(self._eos())
         seq = list(prompt_ids)
         dev = self.dev
-        cache = DynamicCache(config=self.model.config)
+        # plain DynamicCaches keep every position: a config-built one keeps only the last window - 1 on
+        # sliding-window layers, which the static cache cannot be loaded from and `crop` cannot roll back
+        # (the model's mask applies the window either way)
+        cache = DynamicCache()
         account = DecodeAccount()
         t0 = dev.event()
         times: list[Any] = []
@@ -618,7 +613,7 @@ class GpuEngine:
         seq.append(nxt)
         spec_stats = {"rounds": 0, "proposed": 0, "accepted": 0}
         if cfg.policy.predictor == "draft" and nxt not in eos and max_new_tokens > 1:
-            dcache = DynamicCache(config=self.model.config)
+            dcache = DynamicCache()
             self.mode = "draft"
             try:
                 self._forward(dcache, list(prompt_ids), 0)   # the draft's own prefill (its KV cache)
@@ -657,9 +652,7 @@ class GpuEngine:
                 run.pos = n - 1
                 if runner is not None:
                     rows = torch.tensor([seq[-1], *proposal], device=self.dev.device)
-                    # per-expert verification (batched=True is the grouped path: wrong on CUDA in its one
-                    # H200 run, acceptance 1.0 and differing tokens; not used until that is understood)
-                    lg = runner.dec.forward_rows(rows, n - 1, runner.kv, self.moe)
+                    lg = runner.dec.forward_rows(rows, n - 1, runner.kv, self.moe)   # the per-expert loop
                 else:
                     lg = self._forward(cache, [seq[-1], *proposal], n - 1)
                 phases["verify"].append((d1, dev.event()))
@@ -710,6 +703,9 @@ class GpuEngine:
         extra = {
             "device": str(self.dev.device), "decode": self.decode,
             "pool_slots": self.capacity, "expert_bytes": self.store.blob_size,
+            # the slot allocation this run read (its pool's capacity), and every arena the engine held
+            "slot_arena_bytes": io.slots.numel(),
+            "slot_arenas_held_bytes": self.arenas_bytes if fast else io.slots.numel(),
             "pcie_bytes_per_token": round(stats.counts["bytes_read"] / n_dec),
             "copy_ms_per_token": round(io.copy_ms(copies0) / n_dec, 4),
             "draft_bytes": self.draft_bytes if cfg.policy.predictor == "draft" else 0,
@@ -726,28 +722,45 @@ class GpuEngine:
         self.run_state = None
         return GpuGeneration(tokens, routing, stats, extra)
 
+    ARENAS = 2   # pool sizes whose slot arena and graphs are kept (the bench's all-resident bound and a pool)
+
+    @property
+    def arenas_bytes(self) -> int:
+        """Device bytes of every slot arena the engine holds now."""
+        return sum(r.slots.numel() for r in self._runners.values())
+
     def _graph_runner(self, positions: int):
-        """The static-cache decoder over a slot allocation that outlives the runs (the graphs read it
-        at a fixed address): rebuilt (and re-captured) only when the pool or the positions outgrow it."""
+        """The static-cache decoder over a slot arena of exactly this pool's capacity (the budget is
+        physical). The graphs read the arena at a fixed address, so a runner (arena + graphs) is kept
+        per pool size, the last ARENAS of them; a new pool size, or positions past a runner's static
+        cache, builds (and captures) another."""
         from toolkit.runtime.gpu_graph import build_runner
 
-        need = self.capacity
-        if self._slots is None or self._slots.shape[0] < need:
-            self._runner = None
-            self._slots = None
+        cap = self.capacity
+        runner = self._runners.pop(cap, None)
+        slots = None
+        if runner is not None and runner.S < positions:    # the same arena, a longer static cache
+            slots = runner.slots
+            runner.close()
+            runner = None
+        if runner is None:
+            while len(self._runners) >= self.ARENAS:         # free the oldest arena before allocating
+                self._runners.pop(next(iter(self._runners))).close()
             if self.dev.cuda:
                 torch.cuda.empty_cache()
-            self._slots = alloc_slots(need, self.store.blob_size, self.dev)
-        if self._runner is None or self._runner.S < positions:
+            if slots is None:
+                slots = alloc_slots(cap, self.store.blob_size, self.dev)
             S = max(128, -(-positions // 64) * 64)
-            self._runner = build_runner(self, self._slots, S, graphs=self.decode == "graph")
-            self._runner.ensure()
-        return self._runner
+            runner = build_runner(self, slots, S, graphs=self.decode == "graph")
+            runner.ensure()
+        self._runners[cap] = runner                          # most recently used last
+        return runner
 
     def _draft_fast(self, runner, run: "_RunState", seq: list[int], dlen: int, kk: int, verify_pos: int):
         """The draft's kk proposals through its graph: all steps enqueued at once; each step's routing
         is read back as it lands and plans the verification pass's copies (which overlap the steps
-        still running)."""
+        still running). The plans fall where the modules path's do: once the fed tokens (one step
+        each here, one pass there) are all counted, then after every proposal."""
         feed = seq[dlen:]
         d = runner.draft
         steps, evs = d.run(feed, dlen, kk)
@@ -758,7 +771,8 @@ class GpuEngine:
                 for e in row:
                     run.draft_counts[li][e] += 1.0
                 run.draft_dirty.add(li)
-            self._plan_draft(run, verify_pos)
+            if j >= len(feed) - 1:
+                self._plan_draft(run, verify_pos)
         proposal = d.host_tok[len(feed) - 1:steps].tolist()
         return proposal, dlen + steps
 

@@ -79,7 +79,7 @@ def reference_generate(model_dir: Path, prompts: list[list[int]], new_tokens: in
                 out = m.generate(torch.tensor([p], device=device), do_sample=False, max_new_tokens=new_tokens,
                                  pad_token_id=0)
                 if cuda:
-                    torch.cuda.synchronize()
+                    torch.cuda.synchronize(device)
                 dt = time.perf_counter() - t0
                 if rep == 0:
                     toks.append(out[0, len(p):].tolist())
@@ -89,6 +89,18 @@ def reference_generate(model_dir: Path, prompts: list[list[int]], new_tokens: in
     if cuda:
         torch.cuda.empty_cache()
     return toks, statistics.median(tpots) if tpots else None
+
+
+def token_read_bytes(eng) -> int:
+    """The device bytes one decode token must read at least (the all-resident HBM floor): every dense
+    weight once, except the input embedding table, of which only the token's row (an LM head tied to
+    the table still reads all of it), plus k experts per MoE layer."""
+    emb = eng.model.get_input_embeddings().weight
+    head = eng.model.get_output_embeddings()
+    tied = head is not None and head.weight.data_ptr() == emb.data_ptr()
+    es = emb.element_size()
+    dense = eng.dense_bytes - (0 if tied else emb.numel() * es) + emb.shape[-1] * es
+    return dense + eng.L * eng.k * eng.store.blob_size
 
 
 def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None, policies: list[Policy],
@@ -184,6 +196,9 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
                    "copy_ms_per_token": round(med(lambda r: r.extra["copy_ms_per_token"]), 3),
                    "prefetch_precision": round(med(lambda r: r.stats.prefetch_precision), 4),
                    "gpu_expert_mib": round(mib + (eng.draft_bytes / MiB if pol.predictor == "draft" else 0), 1),
+                   # the slot allocation the runs read, and every arena the engine held meanwhile
+                   "slot_arena_mib": round(max(r.extra["slot_arena_bytes"] for r in rs) / MiB, 1),
+                   "slot_arenas_held_mib": round(max(r.extra["slot_arenas_held_bytes"] for r in rs) / MiB, 1),
                    "runs": len(rs)}
             if pol.predictor == "draft":
                 row.update({"k": ks_by_pool[frac]["k"], "acceptance": round(med(lambda r: r.extra["acceptance"]), 4),
@@ -208,19 +223,20 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
         row["pcie_floor_ms"] = round(row["pcie_mib_per_token"] * MiB / (bw * 1e9) * 1e3, 3) if bw else None
     if mismatches and strict:
         raise SpecPrefetchError("tokens differ from transformers' greedy decode: " + "; ".join(mismatches[:5]))
-    # the all-resident floor: every decode token reads the dense weights and k experts per MoE layer from HBM
-    token_bytes = eng.dense_bytes + L * g.routing.top_k * st.blob_size
+    # the all-resident floor: every decode token reads the dense weights (one embedding row) and k experts
+    # per MoE layer from device memory
+    token_bytes = token_read_bytes(eng)
     hbm_floor = round(token_bytes / (hbm * 1e9) * 1e3, 3) if hbm else None
     return {
         "model": {"path": str(spec.path), "family": g.family, "moe_layers": L, "experts": E, "top_k": g.routing.top_k,
                   "hidden_size": g.hidden_size, "moe_intermediate_size": g.moe_intermediate_size,
                   "expert_mib": round(st.blob_size / MiB, 3), "experts_mib": round(all_mib, 1),
                   "dense_mib": round(eng.dense_bytes / MiB, 1)},
-        "device": torch.cuda.get_device_name() if dev.cuda else "cpu",
+        "device": torch.cuda.get_device_name(dev.device) if dev.cuda else "cpu",
         "torch": torch.__version__, "prompts": len(ids), "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
         "repeats": repeats, "h2d_gbps": {"start": bw0, "end": bw1},
         "resident_tpot_ms": round(resident_tpot, 3), "resident_runs": len(resident_runs),
-        "hbm_gbps": hbm, "hbm_floor_ms": hbm_floor, "decode": eng.decode,
+        "hbm_gbps": hbm, "hbm_floor_bytes": token_bytes, "hbm_floor_ms": hbm_floor, "decode": eng.decode,
         "resident_vs_floor": round(resident_tpot / hbm_floor, 2) if hbm_floor else None,
         "transformers_ms_per_token_wall": round(ref_tpot, 3),
         "draft_k": {str(k): v for k, v in ks_by_pool.items()}, "tokens_match_transformers": not mismatches,
@@ -231,20 +247,30 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
 
 def markdown(r: dict[str, Any]) -> str:
     m = r["model"]
-    lines = [f"GPU tier on {r['device']}: {m['family']}, {m['moe_layers']} MoE layers x {m['experts']} experts "
-             f"(top-{m['top_k']}) of {m['expert_mib']} MiB; H2D {_bw(r)} GB/s; all resident "
-             f"{r['resident_tpot_ms']} ms/token (TPOT, interleaved with the policies; HBM floor "
-             f"{_f(r.get('hbm_floor_ms'))} ms), decode {r.get('decode', 'modules')}, transformers generate "
-             f"{r['transformers_ms_per_token_wall']} ms per new token (wall clock, prefill included)", "",
-             "| pool | policy | TPOT ms | p95 | x on-demand | / oracle | hit | PCIe MiB/tok | floor ms | stall ms/tok "
-             "| copy ms/tok | K | accept | draft ms/tok | GPU expert MiB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = []
+    if not r.get("tokens_match_transformers", True):
+        bad = r.get("mismatches") or []
+        lines += [f"**TOKENS DIFFER from transformers' greedy decode in {len(bad)} run(s)"
+                  + (f" ({'; '.join(bad[:5])}{'; ...' if len(bad) > 5 else ''})" if bad else "")
+                  + ": these figures are for diagnosis only, not a measurement.**", ""]
+    lines += [f"GPU tier on {r['device']}: {m['family']}, {m['moe_layers']} MoE layers x {m['experts']} experts "
+              f"(top-{m['top_k']}) of {m['expert_mib']} MiB; H2D {_bw(r)} GB/s; all resident "
+              f"{r['resident_tpot_ms']} ms/token (TPOT, interleaved with the policies; HBM floor "
+              f"{_f(r.get('hbm_floor_ms'))} ms), decode {r.get('decode', 'modules')}, transformers generate "
+              f"{r['transformers_ms_per_token_wall']} ms per new token (wall clock, prefill included)", "",
+              "| pool | policy | TPOT ms | p95 | x on-demand | / oracle | hit | PCIe MiB/tok | floor ms | stall ms/tok "
+              "| copy ms/tok | K | accept | draft ms/tok | GPU expert MiB | slot arena MiB |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for x in r["rows"]:
         lines.append(f"| {x['pool_fraction']:.0%} | {x['policy']} | {x['tpot_ms']} | {x['tpot_p95_ms']} | "
                      f"{_f(x['speedup_vs_on_demand'])} | {_f(x['vs_oracle'])} | {x['hit_rate']} | {x['pcie_mib_per_token']} | "
                      f"{_f(x['pcie_floor_ms'])} | {x['stall_ms_per_token']} | {x['copy_ms_per_token']} | "
                      f"{x.get('k', '')} | {x.get('acceptance', '')} | {x.get('draft_ms_per_token', '')} | "
-                     f"{x['gpu_expert_mib']} |")
+                     f"{x['gpu_expert_mib']} | {x.get('slot_arena_mib', 'n/a')} |")
+    held = [x["slot_arenas_held_mib"] for x in r["rows"] if "slot_arenas_held_mib" in x]
+    if held:
+        lines += ["", f"(slot arena: the allocation a policy's runs read, exactly its pool; the engine held at most "
+                      f"{max(held)} MiB of slot arenas at once, the all-resident bound's included)"]
     return "\n".join(lines) + "\n"
 
 

@@ -11,13 +11,17 @@ and no prefetching policy can win. This module takes the host out of the per-ker
     segment L      the last MoE layer's experts, the remaining layers, the final norm, the LM head and
                    the greedy argmax (the next token stays on the device)
 
-Each segment is one CUDA graph replay. Between two replays the host reads the router's top-k (the one
-host sync per MoE layer), asks the scheduler for the experts (acquire: demand copies on their own
-stream, then the planner's prefetches), writes the slot numbers into a device buffer, makes the
-compute stream wait on the copies of those slots (CUDA events: the stall) and replays the next
+Each segment is one CUDA graph replay. Between two replays the host reads the router's top-k (and,
+when a planner runs, the router's input) through non-blocking copies into pinned memory and one wait
+on them: the one host sync per MoE layer (plus one per token for the next token). It then asks the
+scheduler for the experts (acquire: demand copies on their own stream, then the planner's
+prefetches), writes the slot numbers into a device buffer, makes the compute stream wait on the
+copies of those slots (CUDA events: the stall) and replays the next
 segment. The graphs gather the k routed experts' weights from the slots by those numbers and run
 transformers' eager expert loop on them (the same F.linear calls, ascending expert order,
-index_add_), so the expert arithmetic is bitwise transformers'. Attention runs over a static cache of
+index_add_), so the expert arithmetic is bitwise transformers'. The gather is a copy: per token and
+MoE layer the k experts are read, written as a copy and the copy read again, one write and one read
+more than the HBM floor counts. Attention runs over a static cache of
 `S` positions with an additive mask (positions beyond the token masked), which rounds differently
 from transformers' dynamic-cache attention in fp16: tokens are still checked against transformers'.
 
@@ -64,10 +68,20 @@ class StaticKV:
         self.v = [torch.zeros_like(t) for t in self.k]
 
     def load(self, cache, n: int) -> None:
-        """Positions 0..n-1 from a transformers DynamicCache (the prefill's)."""
+        """Positions 0..n-1 from a transformers DynamicCache (the prefill's). It must hold every
+        position: a cache built from a sliding-window config keeps only the last window - 1 on its
+        sliding layers, so the engine prefills into a plain (full) DynamicCache; the static mask
+        applies the window."""
+        if len(cache.layers) != len(self.k):
+            raise SpecPrefetchError(f"internal: the prefill cache has {len(cache.layers)} layers, the static cache "
+                                    f"{len(self.k)}")
         for i, layer in enumerate(cache.layers):
-            self.k[i][:, :, :n].copy_(layer.keys[:, :, :n])
-            self.v[i][:, :, :n].copy_(layer.values[:, :, :n])
+            have = layer.keys.shape[2]
+            if have != n:
+                raise SpecPrefetchError(f"internal: layer {i} of the prefill cache holds {have} positions, not the "
+                                        f"prompt's {n} (a sliding-window cache?): the static path needs a full cache")
+            self.k[i][:, :, :n].copy_(layer.keys)
+            self.v[i][:, :, :n].copy_(layer.values)
 
 
 class StaticDecoder:
@@ -165,7 +179,9 @@ class StaticDecoder:
 
 class PooledExpertMath:
     """transformers' eager expert loop for one token over k experts whose weights are gathered from the
-    pool's slots by slot number (a device tensor), in ascending expert order: bitwise transformers'."""
+    pool's slots by slot number (a device tensor), in ascending expert order: bitwise transformers'.
+    The gather (index_select) copies the k experts' weights per MoE layer per token: device-memory
+    traffic beyond the one read of each expert that the HBM floor counts."""
 
     def __init__(self, eng, slots: torch.Tensor):
         self.eng, self.k = eng, eng.k
@@ -217,6 +233,7 @@ class GraphRunner:
         dec = self.dec
         n_layers = len(dec.layers)
         self.kv = StaticKV(n_layers, dec.kv_heads, S, dec.head_dim, dev, eng.dtype)
+        self.slots = slots                  # this pool's slot arena: exactly its capacity
         self.math = PooledExpertMath(eng, slots)
         L, k, H = eng.L, eng.k, dec.H
         self.tok = torch.zeros(1, dtype=torch.long, device=dev)
@@ -229,6 +246,11 @@ class GraphRunner:
         self.sel[:, k:] = torch.arange(k, device=dev)
         pin = eng.dev.cuda
         self.stage = [torch.zeros(2 * k, dtype=torch.long, pin_memory=pin) for _ in range(L)]
+        # what the host reads back: non-blocking copies into pinned memory, then one wait (host_wait)
+        self.host_idx = torch.zeros(L, 1, k, dtype=torch.long, pin_memory=pin)
+        self.host_post = torch.zeros(L, 1, H, dtype=eng.dtype, pin_memory=pin)
+        self.host_tok = torch.zeros(1, dtype=torch.long, pin_memory=pin)
+        self.host_waits = 0                 # waits of the host on the compute stream in decode()
         # which decoder layers each segment runs
         moe = list(eng.spec.geometry.moe_layers)
         bounds = [-1, *moe, n_layers - 1]
@@ -268,30 +290,42 @@ class GraphRunner:
 
     def _capture(self) -> None:
         L = self.eng.L
-        # warm-up off the default stream (cuBLAS handles, allocator), then one graph per segment
-        side = torch.cuda.Stream(self.eng.dev.device)
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                for s in range(L + 1):
+        dev = self.eng.dev.device
+        # graphs, their capture stream and Triton's launches belong to the current device: make it
+        # the engine's (cuda:N), then warm up off the default stream (cuBLAS handles, allocator) and
+        # capture one graph per segment
+        with torch.cuda.device(dev):
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    for s in range(L + 1):
+                        self.segment(s)
+                    if self.draft is not None:
+                        self.draft.step()
+            torch.cuda.current_stream(dev).wait_stream(side)
+            graphs, pool = [], None
+            for s in range(L + 1):
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool):
                     self.segment(s)
-                if self.draft is not None:
+                pool = g.pool()
+                graphs.append(g)
+            if self.draft is not None:
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool):
                     self.draft.step()
-        torch.cuda.current_stream().wait_stream(side)
-        graphs, pool = [], None
-        for s in range(L + 1):
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
-                self.segment(s)
-            pool = g.pool()
-            graphs.append(g)
+                self.draft.graph = g
+            self._g = graphs
+            torch.cuda.synchronize(dev)
+
+    def close(self) -> None:
+        """Drop the graphs and the device buffers (the slot arena included) now, not at the next GC."""
+        self._g = None
         if self.draft is not None:
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
-                self.draft.step()
-            self.draft.graph = g
-        self._g = graphs
-        torch.cuda.synchronize()
+            self.draft.graph = None
+            self.draft = None
+        self.slots = self.math = self.kv = None
 
     def ensure(self) -> None:
         if self.graphs and self._g is None:
@@ -307,19 +341,36 @@ class GraphRunner:
         self.tok.fill_(token)
         self.pos.fill_(pos)
 
+    def host_wait(self) -> None:
+        """The host waits for the compute stream up to here (the copies into pinned memory enqueued
+        before it have landed): the one sync of a MoE layer (or of the token)."""
+        if self.eng.dev.cuda:
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(self.eng.dev.device))
+            ev.synchronize()
+        self.host_waits += 1
+
+    def read_routing(self, li: int, with_input: bool) -> list[int]:
+        """MoE layer li's top-k (and its router input into host_post[li] when `with_input`): both
+        copied non-blocking into pinned memory, then one wait."""
+        self.host_idx[li].copy_(self.idx[li], non_blocking=True)
+        if with_input:
+            self.host_post[li].copy_(self.post[li], non_blocking=True)
+        self.host_wait()
+        return self.host_idx[li, 0].tolist()
+
     def decode(self, run, token: int, pos: int) -> int:
-        """One target token at `pos`: L host syncs (the routers), the pool's experts, the next token."""
-        eng, L, k = self.eng, self.eng.L, self.eng.k
+        """One target token at `pos`: L + 1 host syncs (the routers, the token), the pool's experts."""
+        L, k = self.eng.L, self.eng.k
         sched, io = run.sched, run.io
         self.set_position(token, pos)
         self.run_segment(0)
         for li in range(L):
-            ids = self.idx[li].tolist()          # the host needs the routing: one sync per MoE layer
-            row = ids[0]
+            row = self.read_routing(li, run.planner is not None)   # one sync per MoE layer
             step = pos * L + li
-            run.record_routing(li, ids)
+            run.record_routing(li, [row])
             if run.planner is not None:
-                run.state.record(li, self.post[li].float().cpu(), torch.tensor(row))
+                run.state.record(li, self.host_post[li], torch.tensor(row))
             order = sorted(range(k), key=row.__getitem__)       # top-k positions, ascending expert
             keys = [(li, row[p]) for p in order]
             resident = [key for key in keys if sched.pool.get(key) is not None]
@@ -335,7 +386,9 @@ class GraphRunner:
             self.sel[li].copy_(st, non_blocking=True)
             self.run_segment(li + 1)
             sched.release(step, keys)         # after the replay that reads the slots was enqueued
-        return int(self.tok.item())
+        self.host_tok.copy_(self.tok, non_blocking=True)
+        self.host_wait()
+        return int(self.host_tok[0])
 
 
 class _DraftStep:

@@ -74,6 +74,7 @@ def int4_gemv(q, scale, ids, x, n: int, *, use_triton: bool | None = None) -> to
     y = torch.empty(k, O, device=q.device, dtype=torch.float32)
     BLOCK_O, BLOCK_P = 32, 128
     grid = (k, triton.cdiv(O, BLOCK_O))
-    _int4_gemv_kernel[grid](q, scale, ids, x, y, O, P, scale.shape[-1], n, 0 if x.shape[0] == 1 else x.stride(0),
-                            BLOCK_O=BLOCK_O, BLOCK_P=BLOCK_P)
+    with torch.cuda.device(q.device):   # Triton launches on the current device's current stream
+        _int4_gemv_kernel[grid](q, scale, ids, x, y, O, P, scale.shape[-1], n, 0 if x.shape[0] == 1 else x.stride(0),
+                                BLOCK_O=BLOCK_O, BLOCK_P=BLOCK_P)
     return y
