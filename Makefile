@@ -86,11 +86,18 @@ bench: $(STAMP)
 
 ## bench-phone: the phone-scale benchmark (docs/benchmarks.md section 10): the shipped phone-class model
 ## (16 MoE layers x 64 experts, top-8, trained) widened to phone-sized experts (FFN 2048: 3 MiB fp16, 0.8 MiB
-## int4 each), traced on the held-out text, adapter trained, exported with int4 experts, then the native
-## runner's bench, llama.cpp side by side (Q4_0) and the Qwen3-30B-A3B projection. About 60 minutes on 2 cores
-## (7 more for the first llama.cpp build) and 9 GB of disk (runs/bench-phone 4.2 GB, the peers cache's GGUFs
-## 4.1 GB, the runner cache); root for the side by side's cgroup and drop_caches.
+## int4 each), traced on the held-out text, adapter trained, exported twice with int4 experts (the fp32-dense
+## bundle the native bench has always used, and an 8da4w-dense one with room for 512-token prompts), then the
+## native runner's bench, llama.cpp side by side (Q4_0 by llama-quantize; 1 and 2 threads; llama.cpp with
+## default mmap and with read-around off; 128- and 512-token prompts; llama-bench at no limit) and the
+## Qwen3-30B-A3B projection. The steps before the side by side took about 60 minutes on 2 cores (7 more for the
+## first llama.cpp build); the side by side now runs 4 engines x 2 thread counts x 4 limits x 4 prompts (not yet
+## timed in full; expect an hour or more). About 10 GB of disk (runs/bench-phone 4.6 GB, the peers cache's
+## GGUFs 4.1 GB, the runner cache); root for the side by side's cgroup and drop_caches.
 PHONE := runs/bench-phone
+PHONE_PEER_BUNDLE := $(PHONE)/bundle-8da4w
+PHONE_PEER_ARGS := --prompts 2 --prompt-tokens 128,512 --threads 1,2 --new-tokens 32 --rounds 1 \
+	--limits none,1,0.5,0.25 --timeout 150
 bench-phone: $(STAMP)
 	$(BIN)/specprefetch widen phone --moe-intermediate-size 2048 --out $(PHONE)/model --overwrite
 	$(BIN)/specprefetch trace $(PHONE)/model --data toolkit/embedded/heldout.jsonl --out $(PHONE)/trace \
@@ -103,10 +110,12 @@ bench-phone: $(STAMP)
 	    --pool-mib 1024,2048 --window 2 --max-sequences 10 --json $(PHONE)/simulate-qwen3-30b.json --overwrite
 	$(BIN)/specprefetch export $(PHONE)/model --adapter $(PHONE)/adapter --target executorch --experts int4 \
 	    --max-seq 128 --out $(PHONE)/bundle --overwrite
+	$(BIN)/specprefetch export $(PHONE)/model --adapter $(PHONE)/adapter --target executorch --quant 8da4w \
+	    --experts int4 --max-seq 576 --out $(PHONE_PEER_BUNDLE) --overwrite
 	$(BIN)/specprefetch runner bench $(PHONE)/bundle --prompts 2 --new-tokens 16 --rounds 2 --json $(PHONE)/native.json \
 	    --overwrite
-	$(BIN)/specprefetch bench --peer llama.cpp --bundle $(PHONE)/bundle --prompts 2 --prompt-tokens 64 \
-	    --new-tokens 32 --rounds 1 --limits none,1,0.5,0.25 --timeout 150 --json $(PHONE)/peer.json --overwrite
+	$(BIN)/python -m toolkit.peers.sidebyside --bundle $(PHONE_PEER_BUNDLE) $(PHONE_PEER_ARGS) \
+	    --json $(PHONE)/peer.json --overwrite
 
 ## fuzz: libFuzzer + ASan + UBSan on the native runner's readers of untrusted files (docs/runner.md);
 ## fuzz-program: only the fourth, ExecuTorch's program loading on bit flips of real bundles' model.pte
@@ -179,3 +188,10 @@ fuzz-program: $(STAMP)
 
 clean:
 	rm -rf runs build .pytest_cache
+
+# Per-expert micro-benchmark of the expert kernels (old float vs integer-dot, 1 and 2 threads, batch of
+# 64) against llama.cpp's ggml kernels (test-backend-ops, when the llama.cpp peer build has it)
+.PHONY: bench-kernels
+KERNEL_BENCH_OUT ?= runs/kernel-bench/kernels.json
+bench-kernels: $(STAMP)
+	$(BIN)/python -m android_runner.kernel_bench --out $(KERNEL_BENCH_OUT) --overwrite

@@ -10,6 +10,13 @@ Two parts, each in one run with interleaved rounds so that drift hits every conf
    pools of a fraction of the experts, on-demand LRU / the bundle's predictor / the oracle.
 3. The simulator recalibrated against the native runner (`calibrate_native`) replaying the same
    prompts at the same pools: simulated / measured TPOT per policy.
+
+Tokens, checked on every run: each policy at each pool must give, prompt for prompt, the tokens of
+the same bundle with every expert resident (the --preload run of part 1): `tokens_match_resident`.
+That is the whole promise for a quantised bundle (dense 8da4w/8da8w/w8/w4, or int8/int4 experts),
+whose tokens need not be the fp32 checkpoint's; an fp32 bundle (fp32 dense, fp16 experts) also keeps
+the Python engine's tokens (`tokens_match_python`, native against the Python reference runner).
+`tokens_match` is the bundle's guarantee: resident for a quantised bundle, both for an fp32 one.
 """
 from __future__ import annotations
 
@@ -99,6 +106,28 @@ def _median(xs: list) -> float | None:
     return round(float(np.median(xs)), 4) if xs else None
 
 
+def is_quantised(manifest: dict) -> bool:
+    """Dense graphs quantised (8da4w, 8da8w, w8, w4) or experts stored in int8 / int4."""
+    q = manifest.get("quantization") or {}
+    return q.get("dense", "fp32") != "fp32" or q.get("experts") in ("int8", "int4")
+
+
+def token_check(results: list[dict], reference: list[list[int]]) -> dict[str, Any]:
+    """Whether every run of `results` (run_native outputs over the same prompts as `reference`) gave the
+    reference's tokens, prompt for prompt: {"match": bool, "runs": n, "mismatches": [{"prompt", "at"}...]}."""
+    bad, n = [], 0
+    for res in results:
+        for i, (run, ref) in enumerate(zip(res["runs"], reference)):
+            n += 1
+            got = list(run["tokens"])
+            if got != list(ref):
+                at = next((j for j, (a, b) in enumerate(zip(got, ref)) if a != b), min(len(got), len(ref)))
+                bad.append({"prompt": i, "at": at, "got": len(got), "want": len(ref)})
+        if len(res["runs"]) != len(reference):
+            bad.append({"prompt": None, "at": None, "got": len(res["runs"]), "want": len(reference)})
+    return {"match": not bad, "runs": n, "mismatches": bad[:8]}
+
+
 def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: int = 32, rounds: int = 3,
         pool_fracs: tuple[float, ...] = (0.13, 0.27), threads: int = 1,
         log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -124,8 +153,11 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
     L, E, k = store.num_layers, store.num_experts, m["routing"]["top_k"]
     all_mib = L * E * store.slot_bytes / MiB + 0.01
     graph = m["predictor"]["kind"] if m["predictor"].get("preds_rows") else "next-gate"
+    quantised = is_quantised(m)
     out: dict[str, Any] = {"bundle": str(bundle), "prompts": texts, "new_tokens": new_tokens, "rounds": rounds,
-                           "experts": L * E, "slot_bytes": store.slot_bytes, "threads": threads}
+                           "experts": L * E, "slot_bytes": store.slot_bytes, "threads": threads,
+                           "quantization": m.get("quantization"), "quantised": quantised,
+                           "token_reference": "resident" if quantised else "resident and python"}
     set_threads(threads)  # the Python engine's ExecuTorch, before its program loads
     torch_threads(threads)  # and its torch ops (the experts), as `run --threads` sets them
     run_native = functools.partial(_run_native, threads=threads, runner=build(bundle, "host"))
@@ -135,15 +167,26 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
         "use), and native with every expert read before the run (--preload); interleaved")
     session = open_session(bundle, RunConfig(policy=Policy("on-demand", "lru"), pool_mib=all_mib, io="threads"))
     native_t, preload_t, python_t, rss = [], [], [], []
+    resident_tokens: list[list[int]] | None = None
+    python_tokens: list[list[int]] | None = None
+    first_use: list[dict] = []
     run_native(bundle, ids[:1], max_new_tokens=4, policy="on-demand+lru", pool_mib=all_mib)  # warm-up
     session.runner.run(ids[0], 4)
     for r in range(rounds):
         res = run_native(bundle, ids, max_new_tokens=new_tokens, policy="on-demand+lru", pool_mib=all_mib)
         native_t += [x["tpot_ms"] for x in res["runs"]]
-        python_t += [session.runner.run(p, new_tokens).stats.tpot_ms for p in ids]
+        first_use.append(res)
+        gens = [session.runner.run(p, new_tokens) for p in ids]
+        python_t += [g.stats.tpot_ms for g in gens]
+        if python_tokens is None:
+            python_tokens = [list(g.tokens) for g in gens]
         res = run_native(bundle, ids, max_new_tokens=new_tokens, policy="on-demand+lru", pool_mib=all_mib,
                          extra=["--preload"])
         preload_t += [x["tpot_ms"] for x in res["runs"]]
+        if resident_tokens is None:  # the reference: every expert resident
+            resident_tokens = [list(x["tokens"]) for x in res["runs"]]
+        else:
+            first_use.append(res)  # later preloaded rounds must repeat the first
         rss.append(res["peak_rss_bytes"])
         log(f"  round {r + 1}/{rounds}: native {_median(native_t)} ms, python {_median(python_t)} ms, "
             f"native preloaded {_median(preload_t)} ms")
@@ -165,7 +208,13 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
                        "bytes_touched_per_token": touched, "dense_program_bytes": dense, "kv_cache_bytes": kv,
                        "memory_read_gbps": round(bw / 1e9, 2), "floor_ms": round(floor_ms, 4),
                        "native_over_floor": round(_median(preload_t) / floor_ms, 2),
-                       "native_peak_rss_mib": round(max(rss) / MiB, 1), "pool_mib": round(all_mib, 2)}
+                       "native_peak_rss_mib": round(max(rss) / MiB, 1), "pool_mib": round(all_mib, 2),
+                       "resident_tokens": resident_tokens,
+                       "tokens_match_resident": token_check(first_use, resident_tokens)["match"]}
+    py = token_check([{"runs": [{"tokens": t} for t in python_tokens]}], resident_tokens)
+    out["resident"]["python_tokens_match_resident"] = py["match"]
+    if not quantised and not py["match"]:
+        log(f"fp32 bundle: the native runner's tokens differ from the Python engine's ({py['mismatches'][:2]})")
 
     # 2. streaming from flash, cold
     policies = ["on-demand+lru", f"{graph}+prediction", "oracle+belady"]
@@ -189,6 +238,15 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
                                      "mib_read_per_token", "prefetch_precision", "prefetch_recall")}
             point["policies"][p]["peak_rss_mib"] = round(max(res["peak_rss_bytes"] for res in results) / MiB, 1)
             point["policies"][p]["direct_io"] = all(res["direct_io"] for res in results)
+            chk = token_check(results, resident_tokens)
+            point["policies"][p]["tokens_match_resident"] = chk["match"]
+            if not quantised:  # fp32: the Python engine's tokens too
+                point["policies"][p]["tokens_match_python"] = token_check(results, python_tokens)["match"]
+            point["policies"][p]["tokens_match"] = chk["match"] and point["policies"][p].get("tokens_match_python",
+                                                                                            True)
+            if chk["mismatches"]:
+                point["policies"][p]["token_mismatches"] = chk["mismatches"]
+                log(f"  {p} at {pool:.2f} MiB: tokens differ from the all-resident run's {chk['mismatches'][:2]}")
         od, pr, orc = (point["policies"][p]["tpot_ms"] for p in policies)
         point["on_demand_over_predictor"] = round(od / pr, 3)
         point["predictor_over_oracle"] = round(pr / orc, 3)
@@ -217,8 +275,15 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
     return out
 
 
+def _yes(v: bool | None) -> str:
+    return "-" if v is None else "yes" if v else "**no**"
+
+
 def markdown(r: dict[str, Any]) -> str:
     res = r["resident"]
+    py_match = _yes(res.get("python_tokens_match_resident"))
+    if r.get("quantised") and res.get("python_tokens_match_resident") is False:
+        py_match = "no (not required of a quantised bundle)"
     lines = [f"{len(r['prompts'])} prompts x {r['new_tokens']} tokens, {r['rounds']} interleaved rounds; medians.", "",
              "A pool of every expert:", "",
              "| native TPOT ms | Python TPOT ms | Python / native | native preloaded TPOT ms | floor ms | "
@@ -229,22 +294,29 @@ def markdown(r: dict[str, Any]) -> str:
              f"{res['native_peak_rss_mib']} |", "",
              "(native and Python with a pool of every expert, each read on its first use; preloaded: every "
              "expert read before the run)", "",
+             f"Tokens: the reference is the all-resident (preloaded) run's; {r.get('quantization') or {}} "
+             f"({'quantised: that is the promise' if r.get('quantised') else 'fp32: the Python engine must match too'}). "
+             f"First-use runs match it: {_yes(res.get('tokens_match_resident'))}; the Python engine's tokens match "
+             f"it: {py_match}.", "",
              f"Floor: {res['bytes_touched_per_token'] / MiB:.2f} MiB touched per token (program "
              f"{res['dense_program_bytes'] / MiB:.2f} MiB read of the program + "
              f"{res.get('kv_cache_bytes', 0) / MiB:.2f} MiB of KV cache + top-k experts) at "
              f"{res['memory_read_gbps']} GB/s measured.",
              "", "Streaming (O_DIRECT, cold page cache):", "",
              "| pool MiB (experts) | policy | TPOT ms | p95 ms | stall ms/token | hit rate | MiB read/token | "
-             "peak RSS MiB | simulated TPOT ms | sim / measured |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "peak RSS MiB | simulated TPOT ms | sim / measured | tokens = resident |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in r["points"]:
         for name, v in p["policies"].items():
             sim = (f"{v['simulated_tpot_ms']:.3f} | {v['sim_over_measured']:.2f}" if "simulated_tpot_ms" in v
                    else "- | -")
             lines.append(f"| {p['pool_mib']:.2f} ({p['slots']}) | {name} | {v['tpot_ms']:.3f} | {v['tpot_p95_ms']:.3f} | "
                          f"{v['stall_ms_per_token']:.3f} | {v['hit_rate']:.3f} | {v['mib_read_per_token']:.3f} | "
-                         f"{v['peak_rss_mib']} | {sim} |")
+                         f"{v['peak_rss_mib']} | {sim} | {_yes(v.get('tokens_match_resident'))}"
+                         + (f" (Python: {_yes(v['tokens_match_python'])})" if "tokens_match_python" in v else "")
+                         + " |")
         lines.append(f"| | on-demand / predictor {p['on_demand_over_predictor']:.3f}, predictor / oracle "
-                     f"{p['predictor_over_oracle']:.3f} | | | | | | | | |")
+                     f"{p['predictor_over_oracle']:.3f} | | | | | | | | | |")
     if "simulated" in r:
         pr = r["simulated"]["profile"]
         lines += ["", f"Simulator profile (calibrate_native): dense {pr['dense_ms_per_layer']} ms/layer, expert "

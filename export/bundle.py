@@ -125,7 +125,7 @@ def export_bundle(model: str | Path, out: Path, cfg: ExportConfig, adapter: Path
     if cfg.max_seq < cfg.prompt_tokens + cfg.decode_tokens:
         raise SpecPrefetchError(f"--max-seq {cfg.max_seq} is shorter than the parity sequences "
                                 f"({cfg.prompt_tokens} + {cfg.decode_tokens} tokens)")
-    tol = Tolerance.for_quant(quant).with_overrides(cfg.tolerance)
+    tol = Tolerance.for_quant(quant, cfg.experts).with_overrides(cfg.tolerance)
     tgt.preflight(cfg, quant)  # fail fast (missing SDK, token, network) before any heavy work
     # the work directory becomes OUT only when complete (an existing OUT is replaced only then); a
     # parity refusal keeps it as OUT.rejected, any other failure removes it; SIGTERM is an interrupt

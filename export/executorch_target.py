@@ -31,9 +31,23 @@ from torch import nn
 
 from export.target import Target, bundle_file
 from toolkit.errors import SpecPrefetchError
-from toolkit.runtime.backend import Backend
+from toolkit.runtime.backend import Backend, load_custom_ops, parse_prefill_name
 
 PROGRAM = "model.pte"
+# prefill chunk sizes: a prompt goes through prefill_T_layer_N methods greedily by the largest T that
+# fits, the tail by smaller ones and single positions. 8 is where a chunk starts to pay (the layer
+# graph's fixed per-call cost and an expert's read shared by several tokens), 32 where XNNPACK's
+# GEMMs and the union of a chunk's experts (~all of a layer's at top-8 of 64) stop gaining much per
+# token, 128 halves the calls again for long prompts; each size costs one method per layer (the
+# weights are stored once: XNNPACK's named data is shared by every method).
+PREFILL_CHUNKS = (8, 32, 128)
+
+
+def prefill_chunk_sizes(max_seq: int) -> tuple[int, ...]:
+    """The chunk sizes a program with a KV cache of `max_seq` positions gets: those up to a quarter
+    of the cache (prompts are mostly well under the cache; each size costs one lowered method per
+    layer, about 2x the export time of the decode graphs for two sizes)."""
+    return tuple(T for T in PREFILL_CHUNKS if T <= max_seq // 4)
 
 
 class ResetGraph(nn.Module):
@@ -133,6 +147,8 @@ def lower_program(steps, cfg, quant: str, out_dir: Path, log, *, partitioner=Non
     from export.graphs import exportable_family
     from export.pipeline import Built, TorchBackend, steps_info
 
+    steps.prefill_chunks = prefill_chunk_sizes(steps.max_seq)
+    steps.kv_custom_ops = load_custom_ops()  # the layers they fit: KV cache in place, attention over filled positions
     graphs = steps.graphs("buffer")
     nq = quantize_graphs(graphs, quant)
     if nq:
@@ -148,10 +164,22 @@ def lower_program(steps, cfg, quant: str, out_dir: Path, log, *, partitioner=Non
         warnings.simplefilter("ignore")
         for i, (name, mod) in enumerate(modules.items()):
             log(f"torch.export {i + 1}/{len(modules)}: {name}")
+            if parse_prefill_name(name) is not None and parse_prefill_name(name)[0] not in steps.prefill_chunks:
+                continue  # a chunk size given up below
             try:
                 eps[name] = torch.export.export(mod, examples[name], strict=False)
             except Exception as e:
-                raise SpecPrefetchError(f"graph {name}: torch.export failed ({type(e).__name__}: {str(e)[:300]})") from None
+                chunk = parse_prefill_name(name)
+                if chunk is None:
+                    raise SpecPrefetchError(f"graph {name}: torch.export failed ({type(e).__name__}: "
+                                            f"{str(e)[:300]})") from None
+                # a family whose attention cannot run T positions at once: prompts go one at a time
+                log(f"prefill chunks dropped ({name}: {type(e).__name__}: {str(e)[:200]})")
+                steps.prefill_chunks = ()
+                for n in [n for n in eps if parse_prefill_name(n) is not None]:
+                    del eps[n]
+    for name in [n for n in graphs if parse_prefill_name(n) is not None and n not in eps]:
+        del graphs[name]  # the reference runs what the program holds
     t_export = time.perf_counter() - t0
     if partitioner is None:
         from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
@@ -180,11 +208,58 @@ def lower_program(steps, cfg, quant: str, out_dir: Path, log, *, partitioner=Non
     info = steps_info(steps)
     return Built(
         graphs={"format": "executorch", "file": f"graphs/{PROGRAM}", "backend": "xnnpack" if label is None else label,
-                "methods": sorted(modules), "export_s": round(t_export, 2), "lower_s": round(t_lower, 2)},
+                "methods": sorted(eps), "prefill_chunks": list(steps.prefill_chunks), "export_s": round(t_export, 2), "lower_s": round(t_lower, 2)},
         reference=reference, reference_label=f"pytorch ({quant}, eager)",
         backend_label=label or "executorch-xnnpack", kv_mode="buffer", soc=None,
         expert_precision="fp32 (weights dequantized from the store)",
         make_backend=lambda: ExecuTorchBackend(path, info))
+
+
+def layer_graph_ms(model: str | Path, max_seq: int, *, custom_ops: bool, positions=(63,), calls: int = 300,
+                   scratch: Path | None = None) -> dict[int, float]:
+    """The time of one MoE layer graph (the model's second MoE layer, XNNPACK, this process's
+    thread pool) for one decode position, lowered alone with a KV cache of `max_seq` positions,
+    with the LLM custom ops (custom_ops) or the masked path: {position: ms per call}. A benchmark:
+
+        python -c "from export.executorch_target import layer_graph_ms as f, set_threads; set_threads(1);
+        [print(S, c, f('embedded', S, custom_ops=c, positions=(63, S - 1))) for S in (128, 1024) for c in (False, True)]"
+    """
+    import tempfile
+
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
+    from executorch.exir.passes import MemoryPlanningPass
+
+    from export.graphs import StepModel, exportable_family
+    from toolkit.models.loader import embedded_model_dir, inspect_model_dir, load_dense_model
+
+    spec = inspect_model_dir(embedded_model_dir() if str(model) == "embedded" else model)
+    steps = StepModel(spec, load_dense_model(spec), max_seq=max_seq)
+    steps.kv_custom_ops = custom_ops and load_custom_ops()
+    name = f"layer_{spec.geometry.moe_layers[min(1, len(spec.geometry.moe_layers) - 1)]}"
+    g = steps.graphs("buffer")[name]
+    with torch.no_grad(), exportable_family(spec.family), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ep = torch.export.export(g, steps.example_inputs(name, "buffer"), strict=False)
+        prog = to_edge_transform_and_lower({"layer": ep}, partitioner={"layer": [XnnpackPartitioner()]},
+                                           compile_config=EdgeCompileConfig(_check_ir_validity=False)).to_executorch(
+            ExecutorchBackendConfig(memory_planning_pass=MemoryPlanningPass(share_mutable_buffers=True),
+                                    emit_mutable_buffer_names=True))
+    with tempfile.TemporaryDirectory(dir=scratch) as tmp:
+        path = Path(tmp) / "layer.pte"
+        path.write_bytes(prog.buffer)
+        method = load_program(path).load_method("layer")
+        h = torch.randn(1, 1, spec.geometry.hidden_size)
+        out = {}
+        for pos in positions:
+            p = torch.tensor([pos])
+            for _ in range(20):
+                method.execute([h, p])
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                method.execute([h, p])
+            out[pos] = round((time.perf_counter() - t0) / calls * 1e3, 4)
+    return out
 
 
 _LOADED = False  # whether this process has loaded an ExecuTorch program
@@ -245,6 +320,7 @@ def load_program(path: Path):
 
     if not Path(path).is_file():
         raise SpecPrefetchError(f"{path}: ExecuTorch program missing")
+    load_custom_ops()  # kernels of llama::update_cache / custom_sdpa, which layer methods may call
     global _LOADED
     _LOADED = True
     try:
@@ -278,6 +354,10 @@ try:
     from executorch.extension.pybindings import _C
 
     _C._unsafe_reset_threadpool(1)
+    import glob, os  # the LLM custom ops' kernels (llama::update_cache, custom_sdpa), if any
+    for lib in glob.glob(os.path.join(os.path.dirname(os.path.dirname(_C.__file__)), "llm", "custom_ops",
+                                      "libcustom_ops_aot_lib.*"))[:1]:
+        torch.ops.load_library(lib)
     # ExecuTorch's ScalarType codes (c10's order)
     dtypes = {0: torch.uint8, 1: torch.int8, 2: torch.int16, 3: torch.int32, 4: torch.long, 5: torch.float16,
               6: torch.float32, 7: torch.float64, 11: torch.bool, 15: torch.bfloat16}
@@ -423,6 +503,9 @@ class ExecuTorchBackend(Backend):
         self.path = Path(path)
         self.program = load_program(self.path)
         self.methods: dict[str, Any] = {}
+
+    def method_names(self):
+        return tuple(self.program.method_names)
 
     def _method(self, name):
         if name not in self.methods:

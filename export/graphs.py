@@ -39,7 +39,7 @@ from torch import nn
 from toolkit.errors import SpecPrefetchError
 from toolkit.models.families import Family, family_by_name
 from toolkit.models.spec import ModelSpec
-from toolkit.runtime.backend import CacheSpec, host_mask
+from toolkit.runtime.backend import CacheSpec, host_mask, parse_prefill_name, prefill_name
 
 KvMode = Literal["buffer", "io"]
 MASK_VALUE = -1e4  # additive mask in buffer mode (ExecuTorch) for positions a query may not see
@@ -81,8 +81,18 @@ class _StepCache:
     def __init__(self, owner: "LayerGraph", input_pos, onehot, k_past, v_past):
         self.o, self.pos, self.onehot, self.k_past, self.v_past = owner, input_pos, onehot, k_past, v_past
         self.new: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.start = None  # custom_kv: the first position, an int (a SymInt while exporting)
 
     def update(self, k, v, layer_idx=None, *args, **kwargs):
+        if self.o.custom_kv:  # llama::update_cache: the cache is [1, S, heads, D], written in place
+            kt, vt = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
+            if torch.compiler.is_exporting():
+                torch.ops.llama.update_cache(kt, self.o.k_cache, self.start)
+                torch.ops.llama.update_cache(vt, self.o.v_cache, self.start)
+            else:  # run eagerly (the export's reference): the same update in plain torch
+                self.o.k_cache[:, self.start:self.start + kt.shape[1]] = kt
+                self.o.v_cache[:, self.start:self.start + vt.shape[1]] = vt
+            return self.o.k_cache, self.o.v_cache
         if self.o.kv_mode == "buffer":
             self.o.k_cache.index_copy_(2, self.pos, k)
             self.o.v_cache.index_copy_(2, self.pos, v)
@@ -92,18 +102,84 @@ class _StepCache:
         return self.k_past * (1 - oh) + k * oh, self.v_past * (1 - oh) + v * oh
 
 
-class LayerGraph(nn.Module):
-    """One decoder layer's dense work for one token.
+_CUSTOM_SDPA: list = []  # the start position of the custom-op attention call in progress (a stack)
 
-    buffer mode: forward(hidden [1,1,H], input_pos int64 [1])
+
+def custom_ops_available() -> bool:
+    """Whether ExecuTorch's LLM custom ops (llama::update_cache, llama::custom_sdpa) load into
+    this process: their library (the executorch wheel's libcustom_ops_aot_lib.so) registers them
+    with torch (to export them) and with ExecuTorch's runtime (to run programs holding them)."""
+    from toolkit.runtime.backend import load_custom_ops
+
+    return load_custom_ops()
+
+
+def _sdpa_or(eager):
+    """The attention function of a custom-op layer: llama::custom_sdpa over the filled positions
+    0 .. start+T-1 of the [1, S, heads, D] cache, causal within the query rows; any other call
+    goes to the family's own `eager`."""
+    def attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        if not _CUSTOM_SDPA:
+            return eager(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+        start = _CUSTOM_SDPA[-1]
+        q = query.transpose(1, 2).contiguous()                           # [1, T, Hq, D]
+        if torch.compiler.is_exporting():
+            return torch.ops.llama.custom_sdpa(q, key, value, start, None, 0.0, True, scaling), None
+        # run eagerly (the export's reference): the same attention in plain torch
+        T, n = q.shape[1], start + q.shape[1]
+        k, v = key[:, :n].transpose(1, 2), value[:, :n].transpose(1, 2)  # [1, Hkv, n, D]
+        rep = q.shape[2] // k.shape[1]
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        allowed = torch.arange(n).view(1, -1) <= (start + torch.arange(T)).view(-1, 1)
+        out = nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=allowed, scale=scaling)
+        return out.transpose(1, 2), None
+    return attend
+
+
+@contextlib.contextmanager
+def _custom_attention(decoder, start):
+    import sys
+
+    mod = sys.modules[type(decoder.self_attn).__module__]
+    eager = mod.eager_attention_forward
+    mod.eager_attention_forward = _sdpa_or(eager)
+    _CUSTOM_SDPA.append(start)
+    try:
+        yield
+    finally:
+        _CUSTOM_SDPA.pop()
+        mod.eager_attention_forward = eager
+
+
+def custom_kv_fits(steps: "StepModel", layer: int) -> bool:
+    """Whether layer `layer` can use the custom ops: plain softmax attention over one K and one V of
+    the same shape (GQA allowed), no sliding window, no attention sinks (GPT-OSS), no MLA."""
+    import sys
+
+    cs = steps.cache_specs[layer]
+    attn = steps.layers[layer].self_attn
+    return (not steps.windows[layer] and cs.k_shape == cs.v_shape and getattr(attn, "sinks", None) is None
+            and hasattr(sys.modules[type(attn).__module__], "eager_attention_forward")
+            and getattr(attn, "scaling", None) is not None)
+
+
+class LayerGraph(nn.Module):
+    """One decoder layer's dense work for one token, or (`chunk` T > 1, buffer mode only) for T
+    consecutive prompt positions at once (a prefill chunk).
+
+    buffer mode: forward(hidden [1,T,H], input_pos int64 [T])   (T = 1: the decode graph)
     io mode:     forward(hidden [1,1,H], pos_onehot [1,S], mask [1,1,1,S], k_past, v_past)
-    Outputs: dense layer -> (h,); MoE layer -> (h_res, x [1,H], router_logits [1,E][, preds [P,E]]);
-    io mode appends (k_new, v_new).
+    Outputs: dense layer -> (h,); MoE layer -> (h_res, x [T,H], router_logits [T,E][, preds]), preds
+    being [P,E] for one position and [T,P,E] for a chunk; io mode appends (k_new, v_new).
+    A chunk graph has the same cache buffers (names and shapes) as the layer's decode graph, so in
+    one ExecuTorch program both write and read the same KV cache.
     """
 
-    def __init__(self, steps: "StepModel", layer: int, kv_mode: KvMode):
+    def __init__(self, steps: "StepModel", layer: int, kv_mode: KvMode, chunk: int = 1):
         super().__init__()
-        self.family, self.layer, self.kv_mode = steps.spec.family, layer, kv_mode
+        if chunk > 1 and kv_mode != "buffer":
+            raise ValueError("prefill chunks need buffer-mode KV caches")
+        self.family, self.layer, self.kv_mode, self.chunk = steps.spec.family, layer, kv_mode, chunk
         self.decoder = steps.layers[layer]
         self.is_moe = layer in steps.spec.geometry.moe_layers
         self.max_seq = steps.max_seq
@@ -114,9 +190,14 @@ class LayerGraph(nn.Module):
         self.rope_is_pair = steps.rope_is_pair
         cs = steps.cache_specs[layer]
         self.cache_spec = cs
+        # ExecuTorch's LLM custom ops: the cache updated in place, attention over filled positions
+        self.custom_kv = kv_mode == "buffer" and steps.kv_custom_ops and custom_kv_fits(steps, layer)
         if kv_mode == "buffer":  # unique names: every layer's cache is its own mutable buffer
-            self.register_buffer(f"k_cache_{layer}", torch.zeros(cs.k_shape), persistent=False)
-            self.register_buffer(f"v_cache_{layer}", torch.zeros(cs.v_shape), persistent=False)
+            k_shape, v_shape = cs.k_shape, cs.v_shape
+            if self.custom_kv:  # [1, S, heads, D], the ops' layout
+                k_shape, v_shape = (1, k_shape[2], k_shape[1], k_shape[3]), (1, v_shape[2], v_shape[1], v_shape[3])
+            self.register_buffer(f"k_cache_{layer}", torch.zeros(k_shape), persistent=False)
+            self.register_buffer(f"v_cache_{layer}", torch.zeros(v_shape), persistent=False)
             self.register_buffer("positions", torch.arange(self.max_seq), persistent=False)
         if self.is_moe:
             li = steps.spec.geometry.moe_layers.index(layer)
@@ -146,37 +227,50 @@ class LayerGraph(nn.Module):
         return tuple(rows) if self.rope_is_pair else rows[0]
 
     def _mask(self, input_pos):
-        allowed = self.positions <= input_pos
+        q = input_pos.view(-1, 1)  # [T, 1] query positions against [S] cache positions
+        allowed = self.positions.view(1, -1) <= q
         if self.window:
-            allowed = allowed & (self.positions > input_pos - self.window)
+            allowed = allowed & (self.positions.view(1, -1) > q - self.window)
         zero = torch.zeros((), dtype=torch.float32)
-        return torch.where(allowed, zero, torch.full((), MASK_VALUE)).view(1, 1, 1, -1)
+        return torch.where(allowed, zero, torch.full((), MASK_VALUE)).view(1, 1, q.shape[0], -1)
 
     def forward(self, hidden, *args):
+        start = None
         if self.kv_mode == "buffer":
             (input_pos,) = args
             onehot = k_past = v_past = None
-            mask = self._mask(input_pos)
+            if self.custom_kv:
+                start = input_pos[0].item()
+                if torch.compiler.is_exporting():  # a size-like SymInt: the ops' start_pos
+                    torch._check_is_size(start)
+                    torch._check(start + self.chunk <= self.max_seq)
+                mask = None
+            else:
+                mask = self._mask(input_pos)
         else:
             onehot, mask, k_past, v_past = args
             input_pos = None
         cache = _StepCache(self, input_pos, onehot, k_past, v_past)
+        cache.start = start
         dec = self.decoder
         residual = hidden
         a = dec.input_layernorm(hidden)
-        a, _ = dec.self_attn(hidden_states=a, position_embeddings=self._rope(input_pos, onehot),
-                             attention_mask=mask, past_key_values=cache)
+        with _custom_attention(dec, start) if self.custom_kv else contextlib.nullcontext():
+            a, _ = dec.self_attn(hidden_states=a, position_embeddings=self._rope(input_pos, onehot),
+                                 attention_mask=mask, past_key_values=cache)
         h = residual + a
         x = dec.post_attention_layernorm(h)
         if not self.is_moe:
             outs = (h + dec.mlp(x),)
         else:
-            x2 = x.reshape(1, -1)
+            x2 = x.reshape(self.chunk, -1)
             logits = nn.functional.linear(x2, self.router_w, self.router_b)
             h_res = h + self.shared(x) if self.shared is not None else h
             outs = (h_res, x2, logits)
             if self.pred_w is not None:
-                outs += ((x2 @ self.pred_w.t() + self.pred_b).reshape(-1, logits.shape[-1]),)
+                preds = x2 @ self.pred_w.t() + self.pred_b
+                E = logits.shape[-1]
+                outs += (preds.reshape(-1, E) if self.chunk == 1 else preds.reshape(self.chunk, -1, E),)
         if self.kv_mode == "io":
             outs += cache.new
         return outs
@@ -236,6 +330,12 @@ class StepModel:
                  adapter_heads: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None):
         self.spec, self.model, self.max_seq = spec, model, max_seq
         self.adapter_heads = adapter_heads or {}
+        # prefill chunk sizes T of the buffer-mode graphs (prefill_T_layer_N); the ExecuTorch export
+        # sets them (export/executorch_target.py: prefill_chunk_sizes), other graphs have none
+        self.prefill_chunks: tuple[int, ...] = ()
+        # buffer-mode layers that fit them use ExecuTorch's LLM custom ops for the KV cache and
+        # attention (custom_kv_fits); the ExecuTorch export turns it on where the ops load
+        self.kv_custom_ops = False
         if hasattr(model, "set_attn_implementation"):
             model.set_attn_implementation("eager")  # plain ops every exporter takes
         tm = text_model(model)
@@ -282,19 +382,35 @@ class StepModel:
 
     # -- graphs -------------------------------------------------------------------------
     def graphs(self, kv_mode: KvMode) -> dict[str, nn.Module]:
-        """Method name -> module: embed, layer_0..layer_{N-1}, expert, head."""
+        """Method name -> module: embed, layer_0..layer_{N-1}, expert, head, and in buffer mode
+        prefill_T_layer_N for every chunk size T of `prefill_chunks`."""
         out: dict[str, nn.Module] = {"embed": EmbedGraph(self)}
         for layer in range(len(self.layers)):
             out[f"layer_{layer}"] = LayerGraph(self, layer, kv_mode)
+        for T in self.chunks(kv_mode):
+            for layer in range(len(self.layers)):
+                g = LayerGraph(self, layer, kv_mode, chunk=T)
+                dec = out[f"layer_{layer}"]
+                for name in (f"k_cache_{layer}", f"v_cache_{layer}"):  # one cache, run eagerly too
+                    g.register_buffer(name, getattr(dec, name), persistent=False)
+                out[prefill_name(T, layer)] = g
         out["expert"] = ExpertGraph(self)
         out["head"] = HeadGraph(self)
         for m in out.values():
             m.eval()
         return out
 
+    def chunks(self, kv_mode: KvMode) -> tuple[int, ...]:
+        """The prefill chunk sizes of `kv_mode`'s graphs (buffer mode only)."""
+        return tuple(self.prefill_chunks) if kv_mode == "buffer" else ()
+
     def example_inputs(self, name: str, kv_mode: KvMode) -> tuple[torch.Tensor, ...]:
         g = self.spec.geometry
         H = g.hidden_size
+        chunk = parse_prefill_name(name)
+        if chunk is not None:
+            T = chunk[0]
+            return (torch.randn(1, T, H), torch.arange(T, dtype=torch.long))
         if name == "embed":
             return (torch.zeros(1, 1, dtype=torch.long),)
         if name == "head":
@@ -310,8 +426,10 @@ class StepModel:
         return (torch.randn(1, 1, H), nn.functional.one_hot(torch.tensor([0]), S).float(),
                 host_mask(0, S, self.windows[layer]), torch.zeros(cs.k_shape), torch.zeros(cs.v_shape))
 
-    def names(self) -> list[str]:
-        return ["embed"] + [f"layer_{i}" for i in range(len(self.layers))] + ["expert", "head"]
+    def names(self, kv_mode: KvMode = "io") -> list[str]:
+        n = len(self.layers)
+        return (["embed"] + [f"layer_{i}" for i in range(n)]
+                + [prefill_name(T, i) for T in self.chunks(kv_mode) for i in range(n)] + ["expert", "head"])
 
 
 def adapter_heads(adapter, bank, horizons: tuple[int, ...]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
@@ -339,20 +457,22 @@ def describe(steps: StepModel, kv_mode: KvMode) -> dict[str, Any]:
     g = steps.spec.geometry
     H, E = g.hidden_size, g.routing.num_experts
     sig: dict[str, Any] = {}
-    for name in steps.names():
+    for name in steps.names(kv_mode):
         ins = steps.example_inputs(name, kv_mode)
         sig[name] = {"inputs": [[list(t.shape), str(t.dtype).replace("torch.", "")] for t in ins]}
-    for layer in range(len(steps.layers)):
-        outs = [[1, 1, H]]
-        if layer in g.moe_layers:
-            outs += [[1, H], [1, E]]
-            heads = steps.adapter_heads.get(g.moe_layers.index(layer))
-            if heads is not None:
-                outs.append([heads[0].shape[0] // E, E])
-        if kv_mode == "io":
-            cs = steps.cache_specs[layer]
-            outs += [[*cs.k_shape[:2], 1, cs.k_shape[3]], [*cs.v_shape[:2], 1, cs.v_shape[3]]]
-        sig[f"layer_{layer}"]["outputs"] = [[o, "float32"] for o in outs]
+    for T in (1, *steps.chunks(kv_mode)):
+        for layer in range(len(steps.layers)):
+            outs = [[1, T, H]]
+            if layer in g.moe_layers:
+                outs += [[T, H], [T, E]]
+                heads = steps.adapter_heads.get(g.moe_layers.index(layer))
+                if heads is not None:
+                    P = heads[0].shape[0] // E
+                    outs.append([P, E] if T == 1 else [T, P, E])
+            if kv_mode == "io":
+                cs = steps.cache_specs[layer]
+                outs += [[*cs.k_shape[:2], 1, cs.k_shape[3]], [*cs.v_shape[:2], 1, cs.v_shape[3]]]
+            sig[f"layer_{layer}" if T == 1 else prefill_name(T, layer)]["outputs"] = [[o, "float32"] for o in outs]
     sig["embed"]["outputs"] = [[[1, 1, H], "float32"]]
     sig["expert"]["outputs"] = [[[1, H], "float32"]]
     sig["head"]["outputs"] = [[[1, g.vocab_size], "float32"]]

@@ -114,7 +114,7 @@ def test_policies_differ_and_the_oracle_bounds_them(native, tmp_path):
 
 def test_report_fields(native, tmp_path):
     out, _ = native_run(native, tmp_path, "next-gate+prediction", POOLS[1], prompts=PROMPTS[:1])
-    assert out["engine"] == "native" and out["kernel_isa"] in ("avx2", "portable")
+    assert out["engine"] == "native" and out["kernel_isa"] in ("avx2", "avx_vnni", "avx512_vnni", "portable")
     assert out["peak_rss_bytes"] > out["arena_bytes"] > 0
     assert out["load_ms"] > 0 and isinstance(out["direct_io"], bool) and isinstance(out["io_note"], str)
     r = out["runs"][0]
@@ -281,7 +281,7 @@ def test_arm64_build_under_qemu_gives_the_same_tokens_and_decisions(native, tmp_
                        timeout=600)
     assert r.returncode == 0, r.stderr
     arm = json.loads(js.read_text())
-    assert arm["kernel_isa"] == "neon" and arm["runs"][0]["prompt_ids"] == ids
+    assert arm["kernel_isa"].startswith("neon") and arm["runs"][0]["prompt_ids"] == ids
     assert arm["runs"][0]["tokens"] == host["runs"][0]["tokens"]
     assert decisions(ev.read_text().splitlines()) == decisions(host_lines)
 

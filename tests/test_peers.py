@@ -148,6 +148,59 @@ def test_convert_refuses_dense_layers_llamacpp_lacks(tmp_path):
         llamacpp.convert(tmp_path, tmp_path / "out.gguf")
 
 
+SMAPS_FLAGS = ("import mmap, os, sys\n"
+               "f = open(sys.argv[1], 'rb')\n"
+               "m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)\n"
+               "name, flags, cur = os.path.realpath(sys.argv[1]), None, None\n"
+               "for line in open('/proc/self/smaps'):\n"
+               "    if line[:1] in '0123456789abcdef' and '-' in line.split()[0]:\n"
+               "        cur = line.split()[-1] if len(line.split()) >= 6 else None\n"
+               "    elif line.startswith('VmFlags:') and cur == name:\n"
+               "        flags = line.split()[1:]\n"
+               "print(' '.join(flags or []))\n")
+
+
+def test_readaround_shim_advises_only_the_named_file(data_file, tmp_path, monkeypatch):
+    """The read-around-off shim: a mapping of the named file (dev:ino) gets MADV_RANDOM (the kernel's
+    VmFlags "rr": no fault read-around) and the shim says so on stderr; any other file is left alone."""
+    monkeypatch.setenv("SPECPREFETCH_PROFILES", str(tmp_path / "profiles"))
+    shim = llamacpp.readaround_shim(log=lambda s: None)
+    assert shim.parent == llamacpp.peers_dir() and shim.exists()
+    other = tmp_path / "other.bin"
+    other.write_bytes(b"x" * (1 << 20))
+    import subprocess
+
+    def mapped(path: Path, named: Path) -> tuple[list[str], str]:
+        st = named.stat()
+        env = dict(os.environ, LD_PRELOAD=str(shim), **{llamacpp.READAROUND_ENV: f"{st.st_dev}:{st.st_ino}"})
+        r = subprocess.run([PY, "-c", SMAPS_FLAGS, str(path)], capture_output=True, text=True, env=env, timeout=60)
+        assert r.returncode == 0, r.stderr
+        return r.stdout.split(), r.stderr
+
+    flags, err = mapped(data_file, data_file)
+    assert "rr" in flags and llamacpp.READAROUND_MARK in err and "16777216 bytes: ok" in err
+    flags, err = mapped(data_file, other)  # another file named: this mapping keeps its read-around
+    assert flags and "rr" not in flags and llamacpp.READAROUND_MARK not in err
+    assert llamacpp.readaround_shim(log=lambda s: None) == shim  # built once
+
+
+def test_tool_path_names_the_tools_it_builds():
+    assert "test-backend-ops" in llamacpp.BINARIES and "llama-bench" in llamacpp.BINARIES
+    with pytest.raises(SpecPrefetchError, match="llama-server.*test-backend-ops|test-backend-ops"):
+        llamacpp.tool_path("llama-server")
+
+
+def test_gguf_recipes_name_the_quantiser():
+    assert llamacpp.GGUF_TYPE_FOR_EXPERTS == {"fp16": "f16", "int8": "q8_0", "int4": "q4_0"}
+    # Q8_0 and Q4_0 are llama-quantize's (of the f16 conversion); a convert_hf_to_gguf q8_0 is another file
+    assert llamacpp.GGUF_RECIPE["q8_0"] != "q8_0" and llamacpp.GGUF_RECIPE["f16"] == "f16"
+    args = llamacpp._cmake_args("host", Path("/src"), Path("/b"))
+    assert "-DLLAMA_BUILD_TESTS=ON" in args
+    import platform
+    if platform.machine() == "x86_64":
+        assert f"-DCMAKE_CXX_FLAGS={llamacpp.NO_AMX_FLAGS}" in args
+
+
 # ------------------------------------------------------------------------- slow: real llama.cpp
 
 @pytest.fixture(scope="module")
@@ -201,6 +254,18 @@ def test_llamacpp_matches_transformers_and_thrashes_under_a_limit(llama_bins, em
 
 
 @pytest.mark.slow
+def test_llama_bench_and_test_backend_ops(llama_bins, embedded_gguf):
+    got = llamacpp.bench(llama_bins, embedded_gguf, threads=1, prompt_tokens=[16], gen_tokens=4, repetitions=1)
+    assert [(b["test"], b["threads"], b["repack"]) for b in got] == [("pp16", 1, True), ("tg4", 1, True)]
+    assert all(b["tokens_per_s"] > 0 and b["ms_per_token"] > 0 for b in got)
+    tbo = llamacpp.tool_path("test-backend-ops", log=lambda s: None)
+    import subprocess
+
+    r = subprocess.run([str(tbo), "--help"], capture_output=True, text=True, timeout=60)
+    assert "perf" in r.stdout + r.stderr
+
+
+@pytest.mark.slow
 def test_llamacpp_arm64_starts_under_qemu():
     bins = llamacpp.build("arm64")
     assert "version" in llamacpp.check_arm64(bins)
@@ -212,8 +277,9 @@ def _fake_model(tmp_path: Path):
     from toolkit.peers import sidebyside as sbs
 
     m = sbs._Model(label="fake", desc="fake", bundle=tmp_path, source=tmp_path, manifest={}, tokenizer=None,
-                   texts=["a", "b"], ids=[[1, 2], [3, 4]], model_bytes=1000 * MiB, slot_bytes=MiB, experts=400,
-                   top_k=4, graph="adapter", footprint_bytes=100 * MiB)
+                   texts=["a", "b", "c", "d"], ids=[[1, 2], [3, 4], [5, 6, 7, 8], [9, 10, 11, 12]], plen=[2, 2, 4, 4],
+                   model_bytes=1000 * MiB, slot_bytes=MiB, experts=400, top_k=4, graph="adapter",
+                   footprint_bytes=100 * MiB, quantised=True, ref_resident=[[1], [2], [3], [4]])
     return m
 
 
@@ -222,58 +288,110 @@ def test_sidebyside_interleaves_skips_and_assembles_rows(tmp_path, monkeypatch):
 
     calls = []
 
-    def fake_llama(bins, m, i, n_new, limit, threads, timeout):
-        calls.append(("llama.cpp", limit, i))
-        if limit is not None and limit <= 500 * MiB:  # thrashes: times out at 50%
+    def fake_llama(bins, m, i, n_new, limit, threads, timeout, readaround=True, repack="auto"):
+        eng = "llama.cpp" if readaround else "llama.cpp:read-around-off"
+        assert repack == "auto"
+        calls.append((eng, limit, i, threads))
+        if readaround and limit is not None and limit <= 500 * MiB:  # thrashes: times out at 50%
             return {"status": "timeout", "wall_s": timeout}
-        return {"status": "ok", "tpot_ms": 10.0 + i, "ttft_ms": 50.0, "mib_read": 1000.0, "peak_rss_bytes": 900 * MiB,
-                "tokens_match": True, "tokens_agree": 8, "wall_s": 1.0}
+        return {"status": "ok", "tpot_ms": (10.0 if readaround else 5.0) * threads + i, "ttft_ms": 50.0 * len(m.ids[i]),
+                "mib_read": 1000.0, "peak_rss_bytes": 900 * MiB, "tokens_match": True, "tokens_agree": 8,
+                "wall_s": 1.0, "readaround_off": None if readaround else True,
+                "repack": sbs.llama_repack(repack, m.gguf_type, limit)}
 
     def fake_native(m, i, n_new, policy, pool, limit, threads, timeout):
-        calls.append((policy, limit, i))
+        calls.append((policy, limit, i, threads))
         assert limit is None or (pool * MiB + m.footprint_bytes < limit), (pool, limit)
         if limit is not None and limit <= 250 * MiB and policy.startswith("on-demand"):
             return {"status": "oom", "peak_rss_bytes": limit, "wall_s": 0.5}
-        return {"status": "ok", "tpot_ms": 2.0 + i, "ttft_ms": 20.0, "mib_read": 100.0, "peak_rss_bytes": 300 * MiB,
-                "tokens_match": True, "tokens_agree": 8, "runner_mib_read": 80.0, "hit_rate": 0.9,
-                "stall_ms_per_token": 0.1, "direct_io": True, "wall_s": 1.0}
+        return {"status": "ok", "tpot_ms": 2.0 + i, "ttft_ms": 20.0 * len(m.ids[i]), "mib_read": 100.0,
+                "peak_rss_bytes": 300 * MiB, "tokens_match": False, "tokens_match_resident": i != 3, "tokens_agree": 8,
+                "runner_mib_read": 80.0, "hit_rate": 0.9, "stall_ms_per_token": 0.1, "direct_io": True, "wall_s": 1.0}
 
     monkeypatch.setattr(sbs, "_run_llama", fake_llama)
     monkeypatch.setattr(sbs, "_run_native", fake_native)
     m = _fake_model(tmp_path)
     limits = (1.0, 0.5, 0.25, None)
-    rows = sbs._measure([m], tmp_path, limits=limits, rounds=2, new_tokens=8, threads=1, timeout_s=60,
+    rows = sbs._measure([m], tmp_path, limits=limits, rounds=2, new_tokens=8, threads=(1, 2), timeout_s=60,
                         pool_margin=sbs.default_margin, timings={}, log=lambda s: None)
-    engines = ["llama.cpp", "native:on-demand+lru", "native:adapter+prediction"]
-    assert [(r["memory_limit_frac"], r["engine"]) for r in rows] == [(f, e) for f in limits for e in engines]
-    # interleaved: the first two runs at 100% are ABC then CBA
-    assert [c[0] for c in calls[:6]] == ["llama.cpp", "on-demand+lru", "adapter+prediction",
-                                         "adapter+prediction", "on-demand+lru", "llama.cpp"]
-    by = {(r["memory_limit_frac"], r["engine"]): r for r in rows}
-    ok = by[(1.0, "llama.cpp")]
-    assert ok["status"] == "ok" and ok["tpot_ms"] == 10.5 and ok["runs_ok"] == ok["runs"] == 4
-    assert ok["model_bytes"] == 1000 * MiB and ok["memory_limit_bytes"] == 1000 * MiB and ok["pool_mib"] is None
-    nat = by[(1.0, "native:adapter+prediction")]
-    assert nat["tpot_ms"] == 2.5 and nat["tokens_match"] is True and nat["hit_rate"] == 0.9
-    assert 0 < nat["pool_mib"] < 900
-    # a timeout is run once, then not again at that limit, nor at smaller limits; no limit still runs
-    assert by[(0.5, "llama.cpp")]["status"] == "timeout" and by[(0.5, "llama.cpp")]["runs_ok"] == 0
-    assert sum(1 for c in calls if c[0] == "llama.cpp" and c[1] == 500 * MiB) == 1
-    assert by[(0.25, "llama.cpp")]["status"] == "timeout" and "not run" in by[(0.25, "llama.cpp")]["skipped"]
-    assert not [c for c in calls if c[0] == "llama.cpp" and c[1] == 250 * MiB]
-    assert by[(None, "llama.cpp")]["status"] == "ok" and by[(None, "native:on-demand+lru")]["pool_mib"] == 400
-    assert by[(0.25, "native:on-demand+lru")]["status"] == "oom"
-    assert by[(0.25, "native:adapter+prediction")]["status"] == "ok"
+    sbs.add_ratios(rows)
+    engines = ["llama.cpp", "llama.cpp:read-around-off", "native:on-demand+lru", "native:adapter+prediction"]
+    assert [(r["threads"], r["memory_limit_frac"], r["prompt_tokens"], r["engine"]) for r in rows] == \
+        [(t, f, n, e) for t in (1, 2) for f in limits for n in (2, 4) for e in engines]
+    # interleaved: the first two runs at 100%, 1 thread, are ABCD then DCBA
+    assert [c[0] for c in calls[:8]] == ["llama.cpp", "llama.cpp:read-around-off", "on-demand+lru", "adapter+prediction",
+                                         "adapter+prediction", "on-demand+lru", "llama.cpp:read-around-off", "llama.cpp"]
+    by = {(r["threads"], r["memory_limit_frac"], r["prompt_tokens"], r["engine"]): r for r in rows}
+    ok = by[(1, 1.0, 2, "llama.cpp")]
+    assert ok["status"] == "ok" and ok["tpot_ms"] == 10.5 and ok["runs_ok"] == ok["runs"] == 4  # prompts 0, 1 x 2
+    assert ok["mmap_mode"] == "mmap (default), no repack" and ok["pool_mib"] is None and ok["repack"] is False
+    assert by[(1, None, 2, "llama.cpp")]["mmap_mode"] == "mmap (default), repack"
+    assert ok["model_bytes"] == 1000 * MiB and ok["memory_limit_bytes"] == 1000 * MiB
+    nora = by[(2, 1.0, 4, "llama.cpp:read-around-off")]
+    assert nora["tpot_ms"] == 12.5 and nora["ttft_ms"] == 200.0 and nora["readaround_off"] is True
+    assert "read-around off" in nora["mmap_mode"]
+    nat = by[(1, 1.0, 4, "native:adapter+prediction")]
+    assert nat["tpot_ms"] == 4.5 and nat["ttft_ms"] == 80.0 and nat["hit_rate"] == 0.9 and 0 < nat["pool_mib"] < 900
+    assert nat["mmap_mode"] == "O_DIRECT into a pool" and nat["tokens_match"] is False
+    assert nat["tokens_match_resident"] is False  # prompt 3 did not give the resident tokens
+    assert by[(1, 1.0, 2, "native:adapter+prediction")]["tokens_match_resident"] is True
+    # ratios: native / each llama.cpp row of the same threads, limit and prompt length
+    assert nat["native_over_llama_cpp_tpot"] == round(4.5 / 12.5, 3)
+    assert nat["native_over_llama_cpp_readaround_off_tpot"] == round(4.5 / 7.5, 3)
+    assert nat["native_over_llama_cpp_ttft"] == round(80 / 200, 3)
+    assert "native_over_llama_cpp_tpot" not in ok
+    # a timeout is run once, then not again at that limit, nor at smaller limits, per thread count
+    assert by[(1, 0.5, 2, "llama.cpp")]["status"] == "timeout" and by[(1, 0.5, 2, "llama.cpp")]["runs_ok"] == 0
+    assert by[(1, 0.5, 2, "native:adapter+prediction")]["native_over_llama_cpp_tpot"] is None
+    assert by[(1, 0.5, 2, "native:adapter+prediction")]["native_over_llama_cpp_readaround_off_tpot"] is not None
+    for t in (1, 2):
+        assert sum(1 for c in calls if c[0] == "llama.cpp" and c[1] == 500 * MiB and c[3] == t) == 1
+        assert not [c for c in calls if c[0] == "llama.cpp" and c[1] == 250 * MiB and c[3] == t]
+        assert "not run" in by[(t, 0.25, 4, "llama.cpp")]["skipped"]
+        assert by[(t, 0.25, 2, "llama.cpp:read-around-off")]["status"] == "ok"
+    assert by[(2, None, 2, "llama.cpp")]["status"] == "ok" and by[(2, None, 2, "native:on-demand+lru")]["pool_mib"] == 400
+    assert by[(1, 0.25, 2, "native:on-demand+lru")]["status"] == "oom"
+    assert by[(1, 0.25, 2, "native:adapter+prediction")]["status"] == "ok"
 
-    result = {"rows": rows, "machine": {"cpu": "x"}, "notes": ["a note"],
-              "protocol": {"prompts": 2, "prompt_tokens": 2, "new_tokens": 8, "rounds": 2, "threads": 1}}
+    bench = [{"model": "fake", "test": "pp4", "n_prompt": 4, "n_gen": 0, "threads": 1, "tokens_per_s": 99.0,
+              "stddev": 1.0}, {"model": "fake", "test": "tg32", "n_prompt": 0, "n_gen": 32, "threads": 1,
+                               "tokens_per_s": 50.0, "stddev": 0.5}]
+    result = {"rows": rows, "llama_bench": bench, "machine": {"cpu": "x"}, "notes": ["a note"],
+              "protocol": {"prompts": 2, "prompt_tokens": [2, 4], "new_tokens": 8, "rounds": 2, "threads": [1, 2]}}
     md = sbs.markdown(result)
-    assert "| 50% | 500.0 | llama.cpp | - | - |" in md and "timeout (not run)" in md
-    assert "| 100% | 1000.0 | native:adapter+prediction |" in md and "| 4.20 |" in md  # 10.5 / 2.5
-    assert "100.0 (80.0)" in md and "- a note" in md
+    assert "| 1 | 50% | 500.0 | llama.cpp | mmap (default) | 2 | - | - |" in md and "timeout (not run)" in md
+    assert "| 1 | 100% | 1000.0 | llama.cpp | mmap (default), no repack | 2 |" in md
+    assert "| 1 | 100% | 1000.0 | native:adapter+prediction | O_DIRECT into a pool | 4 |" in md
+    assert "| 0.36 | 0.40 | 0.60 |" in md  # native / llama.cpp TPOT, TTFT, then against read-around off
+    assert "100.0 (80.0)" in md and "- a note" in md and "no; resident: no" in md
+    assert "| TTFT 2 | TTFT 4 | TPOT 2 | TPOT 4 |" in md
+    assert "| 1 | 100% | llama.cpp (read-around off) | 100.0 | 200.0 | 5.50 | 7.50 |" in md
+    # llama-bench beside ours: pp4 = 4 tokens / llama.cpp's 200 ms TTFT; tg = 1000 / the shortest prompt's TPOT
+    assert "| 1 | pp4 | 99.0 ± 1.0 | 20.0 | 50.0 | 50.0 |" in md
+    assert f"| 1 | tg32 | 50.0 ± 0.5 | {1000 / 10.5:.1f} | {1000 / 2.5:.1f} | {1000 / 2.5:.1f} |" in md
     mdp, png = sbs.write(result, tmp_path / "out" / "sbs.json")
     assert json.loads((tmp_path / "out" / "sbs.json").read_text())["rows"] == rows
     assert mdp.read_text() == md and png.stat().st_size > 10_000
+
+
+def test_sidebyside_command_line_lists():
+    from toolkit.peers import sidebyside as sbs
+
+    # llama.cpp's repacking: with no limit only by default (its repacked copy is anonymous memory)
+    assert sbs.llama_repack("auto", "q4_0", None) is True and sbs.llama_repack("auto", "q4_0", 10) is False
+    assert sbs.llama_repack("on", "q8_0", 10) is True and sbs.llama_repack("off", "f16", None) is False
+    with pytest.raises(SpecPrefetchError, match="repacking 'sometimes'"):
+        sbs.llama_repack("sometimes", "f16", None)
+
+    assert sbs.parse_limits("none,1,0.5,0.25") == (None, 1.0, 0.5, 0.25)
+    assert sbs.parse_ints("1,2", "--threads") == [1, 2] and sbs.parse_ints("128,512", "--prompt-tokens") == [128, 512]
+    for bad in ("0", "a,2", ""):
+        with pytest.raises(SpecPrefetchError, match="--threads"):
+            sbs.parse_ints(bad, "--threads")
+    with pytest.raises(SpecPrefetchError, match="--limits"):
+        sbs.parse_limits("half")
+    with pytest.raises(SpecPrefetchError, match="prompt_tokens"):
+        sbs._ints([128, 0], "prompt_tokens")
 
 
 def test_sidebyside_pool_sizing():
@@ -293,26 +411,34 @@ def test_sidebyside_on_the_embedded_bundle(embedded_bundles, tmp_path):
     from toolkit.peers import sidebyside as sbs
 
     bundle = embedded_bundles["executorch"]
-    r = sbs.run([bundle], limits=(1.0,), prompts=1, prompt_tokens=24, new_tokens=8, rounds=1,
+    r = sbs.run([bundle], limits=(1.0, None), prompts=1, prompt_tokens=[24], new_tokens=8, rounds=1, threads=[1],
                 gguf_dir=tmp_path, timeout_s=300, log=lambda s: None)
     rows = r["rows"]
     graph = json.loads((bundle / "manifest.json").read_text())["predictor"]["kind"]
-    assert [x["engine"] for x in rows] == ["llama.cpp", "native:on-demand+lru", f"native:{graph}+prediction"]
+    engines = ["llama.cpp", "llama.cpp:read-around-off", "native:on-demand+lru", f"native:{graph}+prediction"]
+    assert [(x["memory_limit_frac"], x["engine"]) for x in rows] == [(f, e) for f in (1.0, None) for e in engines]
     gguf = Path(r["models"][0]["gguf"])
     for x in rows:
         assert x["model"] == "embedded" and x["model_bytes"] == gguf.stat().st_size
-        assert x["memory_limit_frac"] == 1.0 and x["memory_limit_bytes"] == gguf.stat().st_size
+        assert x["threads"] == 1 and x["prompt_tokens"] == 24
         assert x["status"] == "ok", x
         assert x["tokens_match"] is True, x
         assert x["tpot_ms"] > 0 and x["ttft_ms"] > 0 and x["mib_read"] > 0
+    limited = [x for x in rows if x["memory_limit_frac"] == 1.0]
+    for x in limited:
+        assert x["memory_limit_bytes"] == gguf.stat().st_size
         assert 0 < x["cgroup_max_usage_bytes"] <= x["memory_limit_bytes"]  # the limit held
-    native = rows[1:]
-    for x in native:  # (llama.cpp's RSS counts shared library pages charged elsewhere: it may exceed it)
+    for x in limited[2:]:  # (llama.cpp's RSS counts shared library pages charged elsewhere: it may exceed it)
         assert 0 < x["peak_rss_bytes"] <= x["memory_limit_bytes"], x
         assert x["pool_mib"] > 0 and x["direct_io"] is True and x["runner_mib_read"] > 0
+        assert x["native_over_llama_cpp_tpot"] > 0 and x["native_over_llama_cpp_readaround_off_ttft"] > 0
+    assert all(x["readaround_off"] is True for x in rows if x["engine"] == "llama.cpp:read-around-off")
+    # llama-bench at no limit: pp24 and tg32 at one thread
+    assert [(b["test"], b["threads"]) for b in r["llama_bench"]] == [("pp24", 1), ("tg32", 1)]
+    assert all(b["tokens_per_s"] > 0 for b in r["llama_bench"])
     assert r["machine"]["cores"] and r["models"][0]["native_footprint"]["footprint_bytes"] > 0
     md = sbs.markdown(r)
-    assert "| 100% |" in md and "llama.cpp" in md
+    assert "| 1 | 100% |" in md and "llama.cpp (read-around off)" in md and "| 1 | tg32 |" in md
 
 
 def test_sidebyside_keeps_the_rows_measured_before_an_error(tmp_path, monkeypatch):
@@ -320,7 +446,7 @@ def test_sidebyside_keeps_the_rows_measured_before_an_error(tmp_path, monkeypatc
     with the caller (run() reports them as a partial result)."""
     from toolkit.peers import sidebyside as sbs
 
-    def fake_llama(bins, m, i, n_new, limit, threads, timeout):
+    def fake_llama(bins, m, i, n_new, limit, threads, timeout, readaround=True, repack="auto"):
         if limit is not None and limit <= 500 * MiB:
             raise RuntimeError("disk vanished")
         return {"status": "ok", "tpot_ms": 10.0, "ttft_ms": 50.0, "mib_read": 1000.0, "peak_rss_bytes": 900 * MiB,
@@ -337,4 +463,4 @@ def test_sidebyside_keeps_the_rows_measured_before_an_error(tmp_path, monkeypatc
     with pytest.raises(RuntimeError, match="disk vanished"):
         sbs._measure([_fake_model(tmp_path)], tmp_path, limits=(1.0, 0.5), rounds=1, new_tokens=8, threads=1,
                      timeout_s=60, pool_margin=sbs.default_margin, timings={}, log=lambda s: None, rows=rows)
-    assert {r["memory_limit_frac"] for r in rows} == {1.0} and len(rows) == 3
+    assert {r["memory_limit_frac"] for r in rows} == {1.0} and len(rows) == 8  # 4 engines x 2 prompt lengths

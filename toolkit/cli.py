@@ -239,6 +239,21 @@ class TextFile(click.Path):
 MAX_POOL_MIB = 1e9
 POOL_MIB = FiniteFloat(high=MAX_POOL_MIB, unit=" MiB")
 POOL_MIB_LIST = FloatList(POOL_MIB)
+
+
+class PoolMibOrAuto(click.ParamType):
+    """`run --pool-mib`: a budget in MiB, or `auto` (the native engine sizes its pool from the memory
+    available to it and shrinks it when that runs low: docs/runner.md, "Pool size: auto")."""
+    name = "MiB|auto"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            return "auto"
+        return POOL_MIB.convert(value, param, ctx)
+
+
+POOL_MIB_OR_AUTO = PoolMibOrAuto()
+POOL_AUTO_MIB = FiniteFloat(inclusive=True, high=MAX_POOL_MIB, unit=" MiB")
 # Generated tokens a timed comparison with the simulator needs: the bench prompts are traced with
 # one token fewer as decode tokens, and the simulator times sequences of two or more of them
 MIN_TIMED_TOKENS = 3
@@ -636,8 +651,15 @@ def calibrate(model, store_path, reads, out, overwrite) -> None:
               help="prefetch adapter (model directories; a bundle carries its own heads)")
 @click.option("--frequency-trace", type=click.Path(path_type=Path), default=None,
               help="trace whose expert counts drive the frequency policy")
-@click.option("--pool-mib", type=POOL_MIB, default=None,
-              help="pool budget in MiB [default: a bundle's own default, else 8]")
+@click.option("--pool-mib", type=POOL_MIB_OR_AUTO, default=None,
+              help="pool budget in MiB [default: a bundle's own default, else 8]; auto (--engine native): sized "
+                   "from the available memory, shrunk when it runs low")
+@click.option("--pool-reserve-mib", type=POOL_AUTO_MIB, default=None,
+              help="--pool-mib auto: memory left free [default: 512, or a quarter of the available memory when "
+                   "that is under 2 GiB]")
+@click.option("--pool-low-watermark-mib", type=POOL_AUTO_MIB, default=None,
+              help="--pool-mib auto: the pool shrinks when the available memory falls under this [default: half "
+                   "the reserve]")
 @click.option("--window", type=click.IntRange(min=1), default=2, show_default=True, help=WINDOW_HELP)
 @click.option("--queue-depth", type=click.IntRange(min=1), default=4, show_default=True)
 @click.option("--store", "store_path", type=click.Path(path_type=Path), default=None,
@@ -662,6 +684,9 @@ def calibrate(model, store_path, reads, out, overwrite) -> None:
                    "serve I/O)")
 @click.option("--io", "io_mode", default="process", show_default=True, type=click.Choice(["process", "threads"]),
               help="reads in a forked reader process, or in threads of this process")
+@click.option("--prefill-chunk", default=None, metavar="N|off",
+              help="feed the prompt in chunks of up to N positions through a bundle's prefill methods, or off "
+                   "(one position at a time) [default: the bundle's largest chunk]")
 @click.option("--check/--no-check", default=None,
               help="compare the tokens with the unmodified model's own generate (loads all its weights) "
                    "[default: on for the shipped models, embedded and phone, only]")
@@ -679,19 +704,31 @@ def calibrate(model, store_path, reads, out, overwrite) -> None:
               help="replace an existing --json report and --events log if this command wrote them; nothing else "
                    "is ever replaced")
 @friendly_errors(interrupt=NOT_WRITTEN)
-def run(model, policy, adapter, frequency_trace, pool_mib, window, queue_depth, store_path, dtype, device,
-        flash_profile, draft_k, prompts, max_new_tokens, max_seq, threads, io_mode, check, events_out, min_confidence, step_budget_kib,
-        engine, abi, json_out, overwrite) -> None:
+def run(model, policy, adapter, frequency_trace, pool_mib, pool_reserve_mib, pool_low_watermark_mib, window, queue_depth, store_path, dtype, device,
+        flash_profile, draft_k, prompts, max_new_tokens, max_seq, threads, io_mode, prefill_chunk, check, events_out,
+        min_confidence, step_budget_kib, engine, abi, json_out, overwrite) -> None:
     """Run MODEL (a model directory, `embedded`, or a bundle) with its experts streamed from the
     expert store through a bounded pool (real O_DIRECT reads); prints each prompt's generated text
     and figures; with --check, compare the tokens with the unmodified model."""
     inputs = (model, adapter, frequency_trace, store_path, Path(flash_profile) if flash_profile else None)
+    chunk = None
+    if prefill_chunk is not None:
+        v = prefill_chunk.strip().lower()
+        if v != "off" and not (v.isdigit() and int(v) >= 1):
+            raise SpecPrefetchError(f"--prefill-chunk {prefill_chunk}: a chunk size (a positive integer) or off")
+        chunk = 0 if v == "off" else int(v)
+    if pool_mib == "auto" and (engine != "native" or device != "cpu"):
+        raise SpecPrefetchError("--pool-mib auto: only with --engine native (the Python reference runner's pool "
+                                "has a fixed size; give --pool-mib F)")
+    if pool_mib != "auto" and (pool_reserve_mib is not None or pool_low_watermark_mib is not None):
+        raise SpecPrefetchError(f"--{'pool-reserve-mib' if pool_reserve_mib is not None else 'pool-low-watermark-mib'}"
+                                ": only with --pool-mib auto")
     c = claim(json_out, "run", overwrite, inputs=inputs, siblings=())
     if events_out:
         claim(events_out, "events", overwrite, inputs=inputs, option="--events", siblings=(), beside=(c,))
     if device != "cpu":
         ctx = click.get_current_context()
-        ignored = [o for o in ("queue_depth", "step_budget_kib", "threads", "io_mode", "max_seq")
+        ignored = [o for o in ("queue_depth", "step_budget_kib", "threads", "io_mode", "max_seq", "prefill_chunk")
                    if ctx.get_parameter_source(o) != click.core.ParameterSource.DEFAULT]
         if ignored:
             raise SpecPrefetchError(f"--device {device}: " + ", ".join(
@@ -713,7 +750,8 @@ def run(model, policy, adapter, frequency_trace, pool_mib, window, queue_depth, 
         _run_native(model, abi=abi, policy=policy, pool_mib=pool_mib, window=window, queue_depth=queue_depth,
                     prompts=prompts, max_new_tokens=max_new_tokens, check=check, events_out=events_out,
                     min_confidence=min_confidence, step_budget_kib=step_budget_kib, json_out=json_out,
-                    threads=threads)
+                    threads=threads, prefill_chunk=chunk, pool_auto=(
+                        ("--pool-reserve-mib", pool_reserve_mib), ("--pool-low-watermark-mib", pool_low_watermark_mib)))
         return
     if abi != "host":
         raise SpecPrefetchError("--abi: only with --engine native")
@@ -742,7 +780,7 @@ def run(model, policy, adapter, frequency_trace, pool_mib, window, queue_depth, 
     pol = Policy.parse(policy)
     cfg = RunConfig(policy=pol, pool_mib=pool_mib or 8.0, window=window, queue_depth=queue_depth,
                     flash_profile=load_profile(flash_profile, "--flash-profile") if flash_profile else None,
-                    io=io_mode, min_confidence=min_confidence, step_budget_kib=step_budget_kib)
+                    io=io_mode, min_confidence=min_confidence, step_budget_kib=step_budget_kib, prefill_chunk=chunk)
     s = open_session(model, cfg, adapter=adapter, store=store_path, dtype=dtype, frequency_trace=frequency_trace,
                      max_seq=max_seq, pool_default=pool_mib is None)
     s.runner.progress = True  # a prefill progress bar on stderr for long prompts
@@ -882,7 +920,7 @@ def _echo_text(r: dict) -> None:
 
 
 def _run_native(model, *, abi, policy, pool_mib, window, queue_depth, prompts, max_new_tokens, check, events_out,
-                min_confidence, step_budget_kib, json_out, threads) -> None:
+                min_confidence, step_budget_kib, json_out, threads, prefill_chunk=None, pool_auto=()) -> None:
     """`run --engine native`: the C++ runner on an ExecuTorch bundle, the same JSON as the Python engine."""
     from transformers import AutoTokenizer
 
@@ -908,7 +946,9 @@ def _run_native(model, *, abi, policy, pool_mib, window, queue_depth, prompts, m
         res = run_native(model, list(prompts) if text_in else encoded, abi=abi, runner=out,
                          max_new_tokens=max_new_tokens, policy=policy, pool_mib=pool_mib, window=window,
                          queue_depth=queue_depth, min_confidence=min_confidence, step_budget_kib=step_budget_kib,
-                         events=ev, threads=threads)
+                         events=ev, threads=threads,
+                         extra=(() if prefill_chunk is None else ("--prefill-chunk", str(prefill_chunk or "off")))
+                         + tuple(a for o, v in pool_auto if v is not None for a in (o, repr(v))))
         events_text = ev.read_text(encoding="utf-8") if ev is not None else None
     src = Path(m["model"].get("source", ""))
     source_model = src if (src / "config.json").is_file() else None
@@ -945,6 +985,8 @@ def _run_native(model, *, abi, policy, pool_mib, window, queue_depth, prompts, m
     out = {"policy": res["policy"], "engine": f"native-{abi}", "runs": runs}  # the Python engine's shape
     for k in ("peak_rss_bytes", "load_ms", "kernel_isa", "direct_io", "io_note", "tokenizer", "threads"):
         out[k] = res[k]
+    if "pool_auto" in res:  # --pool-mib auto: what was measured, the size chosen, each shrink
+        out["pool_mib"], out["pool_auto"] = res["pool_mib"], res["pool_auto"]
     write_json_report(json_out, out)
     if events_out:
         write_text_report(events_out, events_text)
@@ -1166,6 +1208,11 @@ def device_bench(bundle, serial, policies, pool_mib, prompts, max_new_tokens, re
               help="--device cuda: pool sizes as fractions of all experts")
 @click.option("--draft-k", default="2,4,6,8,12", show_default=True,
               help="--device cuda: the draft's K values the profiling pass tries")
+@click.option("--decode", "decode", type=click.Choice(["graph", "static", "modules"]), default=None,
+              help="--device cuda: the decode path (default graph where the family allows; docs/gpu-tier.md)")
+@click.option("--report-mismatches", is_flag=True,
+              help="--device cuda: write the figures even when some run's tokens differ from transformers' "
+                   "(marked so; for diagnosis only)")
 @click.option("--json", "json_out", required=True, type=OUT_FILE,
               help="JSON report; the Markdown table and PNG plot go beside it")
 @click.option("--overwrite", is_flag=True, help=OVERWRITE_REPORT)
@@ -1173,15 +1220,16 @@ def device_bench(bundle, serial, policies, pool_mib, prompts, max_new_tokens, re
 @click.pass_context
 def bench(ctx, model, adapter, policies, pool_mib, prompts, new_tokens, rounds, window, flash_profile, store_path,
           no_simulate, frequency_trace, peer, bundles, limits, prompt_tokens, timeout, device, pool_fractions, draft_k,
-          json_out, overwrite) -> None:
+          decode, report_mismatches, json_out, overwrite) -> None:
     """Measure the runner's policies side by side on MODEL (model directory, `embedded` or bundle):
     interleaved rounds, medians, token equality checked; the simulator beside them. With --peer
     llama.cpp: llama.cpp and the native runner on each --bundle under the same memory limits. With
     --device cuda: the GPU tier's policies, pools as fractions of the experts (docs/gpu-tier.md)."""
     given = lambda *names: [n for n in names if not ctx_default(ctx, n)]  # noqa: E731
     flags = lambda names: ", ".join("--" + n.replace("_", "-") for n in names)  # noqa: E731
-    if device == "cpu" and given("pool_fractions", "draft_k"):
-        raise SpecPrefetchError(f"{flags(given('pool_fractions', 'draft_k'))}: only with --device cuda (the GPU "
+    if device == "cpu" and given("pool_fractions", "draft_k", "decode", "report_mismatches"):
+        raise SpecPrefetchError(f"{flags(given('pool_fractions', 'draft_k', 'decode', 'report_mismatches'))}: only "
+                                "with --device cuda (the GPU "
                                 "tier's bench); on the CPU the pools are --pool-mib")
     if not peer and given("limits", "timeout"):
         raise SpecPrefetchError(f"{flags(given('limits', 'timeout'))}: only with --peer llama.cpp")
@@ -1214,7 +1262,8 @@ def bench(ctx, model, adapter, policies, pool_mib, prompts, new_tokens, rounds, 
         r = gpu_bench.run_gpu_bench(model, store=store_path, adapter=adapter, policies=parse_policies(policies),
                                     fractions=pool_fractions, prompts=prompts, new_tokens=new_tokens, repeats=rounds,
                                     ks=ks, device=device, window=window,
-                                    prompt_tokens=prompt_tokens, log=lambda m: click.echo(m, err=True))
+                                    prompt_tokens=prompt_tokens, decode=decode, strict=not report_mismatches,
+                                    log=lambda m: click.echo(m, err=True))
         gpu_bench.write(r, json_out)
         click.echo(gpu_bench.markdown(r))
         click.echo(wrote(c))

@@ -11,8 +11,11 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <cstdio>
 #include <map>
 #include <mutex>
+#include <numeric>
+#include <set>
 
 #include "common.h"
 
@@ -171,6 +174,17 @@ Executor::Executor(const std::string& program, const std::vector<std::string>& m
     if (e != EtError::Ok) throw spx::Error(program + ": method '" + m + "' does not load (" + err_name(e) + ")");
   }
   load_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  // prefill chunk sizes: prefill_T_layer_N present for every layer_N
+  std::set<int> layers;
+  std::map<int, std::set<int>> by_chunk;
+  for (const auto& m : methods) {
+    int a = 0, b = 0, n = 0;
+    if (std::sscanf(m.c_str(), "layer_%d%n", &a, &n) == 1 && n == static_cast<int>(m.size())) layers.insert(a);
+    else if (std::sscanf(m.c_str(), "prefill_%d_layer_%d%n", &a, &b, &n) == 2 && n == static_cast<int>(m.size()) && a > 1)
+      by_chunk[a].insert(b);
+  }
+  for (const auto& [T, ls] : by_chunk)
+    if (!layers.empty() && ls == layers) chunks_.push_back(T);
 }
 
 Executor::~Executor() = default;
@@ -218,6 +232,31 @@ void Executor::layer(int index, const std::vector<float>& h, int64_t pos, bool m
   copy_out(outs[0], out.h, path_ + ": " + name);
   if (static_cast<int>(out.h.size()) != hidden_)
     throw spx::Error(path_ + ": method '" + name + "' returned a hidden state of the wrong width");
+  if (!moe) return;
+  copy_out(outs[1], out.x, path_ + ": " + name);
+  copy_out(outs[2], out.logits, path_ + ": " + name);
+  if (outs.size() > 3)
+    copy_out(outs[3], out.preds, path_ + ": " + name);
+  else
+    out.preds.clear();
+}
+
+void Executor::layer_chunk(int index, const std::vector<float>& h, int T, int64_t pos, bool moe, LayerOut& out) {
+  const std::string name = "prefill_" + std::to_string(T) + "_layer_" + std::to_string(index);
+  if (static_cast<int64_t>(h.size()) != static_cast<int64_t>(T) * hidden_)
+    throw spx::Error(path_ + ": method '" + name + "': hidden input of the wrong size");
+  std::vector<int64_t> p(static_cast<size_t>(T));
+  std::iota(p.begin(), p.end(), pos);
+  auto th = from_blob(const_cast<float*>(h.data()), {1, T, hidden_}, ScalarType::Float);
+  auto tp = from_blob(p.data(), {T}, ScalarType::Long);
+  auto r = run(*module_, *faults_, path_, name, {EValue(th), EValue(tp)});
+  if (!r.ok()) throw spx::Error(path_ + ": method '" + name + "' failed (" + err_name(r.error()) + ")");
+  const auto& outs = r.get();
+  const size_t want = moe ? 3 : 1;
+  if (outs.size() < want) throw spx::Error(path_ + ": method '" + name + "' returned too few outputs");
+  copy_out(outs[0], out.h, path_ + ": " + name);
+  if (static_cast<int64_t>(out.h.size()) != static_cast<int64_t>(T) * hidden_)
+    throw spx::Error(path_ + ": method '" + name + "' returned a hidden state of the wrong size");
   if (!moe) return;
   copy_out(outs[1], out.x, path_ + ": " + name);
   copy_out(outs[2], out.logits, path_ + ": " + name);

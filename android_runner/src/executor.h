@@ -35,6 +35,13 @@ class Executor {
   void reset();                                        // zero every layer's KV cache
   void embed(int64_t token, std::vector<float>& h);   // [H]
   void layer(int index, const std::vector<float>& h, int64_t pos, bool moe, LayerOut& out);
+  // Decoder layer `index` over T prompt positions pos .. pos+T-1 at once (method prefill_T_layer_N):
+  // h [T * H] in; out.h [T * H], and for a MoE layer x [T * H], logits [T * E], preds [T * P * E].
+  // Writes the same KV cache as `layer`.
+  void layer_chunk(int index, const std::vector<float>& h, int T, int64_t pos, bool moe, LayerOut& out);
+  // The prefill chunk sizes T > 1 whose prefill_T_layer_N methods were loaded for every layer
+  // (ascending; empty for a bundle exported before prefill chunks).
+  const std::vector<int>& prefill_chunks() const { return chunks_; }
   void head(const std::vector<float>& h, std::vector<float>& logits);  // [V]
 
   double load_ms = 0;  // program load + every method's load
@@ -47,6 +54,7 @@ class Executor {
   int hidden_, vocab_;
   std::unique_ptr<executorch::extension::module::Module> module_;
   std::unique_ptr<Faults> faults_;
+  std::vector<int> chunks_;
 };
 
 }  // namespace spx

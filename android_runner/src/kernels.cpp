@@ -7,13 +7,18 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <sstream>
 
 #include "kernels_impl.h"
+#include "parallel.h"
 
 #if defined(__x86_64__)
 #include <cpuid.h>
+#endif
+#if defined(__aarch64__) && defined(__linux__)
+#include <sys/auxv.h>
 #endif
 
 namespace spx {
@@ -94,63 +99,193 @@ void portable_i4(const uint8_t* w, const uint8_t* s, int64_t out, int64_t in, co
   }
 }
 
+// Integer-dot kernels (kernels_impl.h, QMatFn): the same integers and float operations as every
+// SIMD kernel, one row and one block at a time.
+void portable_q4(const detail::QMat& a, const detail::QMat* b, int64_t r0, int64_t r1, const detail::QAct& x,
+                 float* ya, float* yb, int64_t ldy) {
+  const int64_t K = x.K;
+  const size_t rb = static_cast<size_t>(K) * 16, sb = static_cast<size_t>(K) * 2;
+  for (int m = 0; m < (b ? 2 : 1); ++m) {
+    const detail::QMat& mat = m ? *b : a;
+    float* y = m ? yb : ya;
+    for (int64_t r = r0; r < r1; ++r) {
+      const uint8_t* row = mat.w + static_cast<size_t>(r) * rb;
+      const uint8_t* sc = mat.s + static_cast<size_t>(r) * sb;
+      for (int64_t t = 0; t < x.T; ++t) {
+        const int8_t* q = x.q + t * K * kGroup;
+        const float* d = x.d + t * K;
+        float acc = 0.0f;
+        for (int64_t g = 0; g < K; ++g) {
+          const uint8_t* wb = row + g * 16;
+          const int8_t* qb = q + g * kGroup;
+          int32_t sumi = 0;
+          for (int j = 0; j < 16; ++j) {  // low nibble: column 2j (q[j]), high: column 2j+1 (q[16+j])
+            const int lo = (wb[j] & 0xF) - ((wb[j] & 0x8) << 1);
+            const int hi = (wb[j] >> 4) - ((wb[j] & 0x80) >> 3);
+            sumi += lo * qb[j] + hi * qb[16 + j];
+          }
+          acc = acc + static_cast<float>(sumi) * (f16_to_f32(load_u16(sc + 2 * g)) * d[g]);
+        }
+        y[t * ldy + r] = acc;
+      }
+    }
+  }
+}
+
+void portable_q8(const detail::QMat& a, const detail::QMat* b, int64_t r0, int64_t r1, const detail::QAct& x,
+                 float* ya, float* yb, int64_t ldy) {
+  const int64_t K = x.K, in = a.in;
+  for (int m = 0; m < (b ? 2 : 1); ++m) {
+    const detail::QMat& mat = m ? *b : a;
+    float* y = m ? yb : ya;
+    for (int64_t r = r0; r < r1; ++r) {
+      const int8_t* row = reinterpret_cast<const int8_t*>(mat.w) + r * in;
+      const float ws = f16_to_f32(load_u16(mat.s + 2 * r));
+      for (int64_t t = 0; t < x.T; ++t) {
+        const int8_t* q = x.q + t * K * kGroup;
+        const float* d = x.d + t * K;
+        float acc = 0.0f;
+        for (int64_t g = 0; g < K; ++g) {
+          const int64_t c0 = g * kGroup, c1 = std::min(in, c0 + kGroup);
+          int32_t sumi = 0;
+          for (int64_t c = c0; c < c1; ++c) sumi += row[c] * q[c];
+          acc = acc + static_cast<float>(sumi) * d[g];
+        }
+        y[t * ldy + r] = acc * ws;
+      }
+    }
+  }
+}
+
 }  // namespace
 
 namespace detail {
-KernelSet portable_kernels() { return {portable_f16, portable_i8, portable_i4}; }
+KernelSet portable_kernels() { return {portable_f16, portable_i8, portable_i4, portable_q8, portable_q4}; }
+
+void quantize_act(const float* x, int64_t n, bool permuted, int8_t* q, float* d, int32_t* sx) {
+  const int64_t K = (n + kQBlock - 1) / kQBlock;
+  for (int64_t b = 0; b < K; ++b) {
+    const int64_t c0 = b * kQBlock, m = std::min<int64_t>(kQBlock, n - c0);
+    const float* xb = x + c0;
+    float amax = 0.0f;
+    bool nan = false;
+    for (int64_t j = 0; j < m; ++j) {
+      const float a = std::fabs(xb[j]);
+      nan |= a != a;
+      amax = a > amax ? a : amax;
+    }
+    if (nan) amax = std::numeric_limits<float>::quiet_NaN();
+    const float db = amax / 127.0f;
+    const float id = 1.0f / db;
+    const bool ok = db > 0.0f && std::isfinite(db) && std::isfinite(id);
+    int8_t* qb = q + c0;
+    int32_t s = 0;
+    for (int64_t j = 0; j < kQBlock; ++j) {
+      int v = 0;
+      if (ok && j < m) {
+        float r = std::nearbyint(xb[j] * id);
+        r = r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r);
+        v = static_cast<int>(r);
+      }
+      s += v;
+      qb[permuted ? ((j & 1) ? 16 + j / 2 : j / 2) : j] = static_cast<int8_t>(v);
+    }
+    d[b] = db;
+    sx[b] = s;
+  }
+}
 }  // namespace detail
 
 // ---------------------------------------------------------------------------------------------
 // ISA selection
 
+namespace {
+struct IsaInfo {
+  Isa isa;
+  const char* name;
+};
+constexpr IsaInfo kIsas[] = {{Isa::portable, "portable"},       {Isa::avx2, "avx2"},
+                             {Isa::avx_vnni, "avx_vnni"},       {Isa::avx512_vnni, "avx512_vnni"},
+                             {Isa::neon, "neon"},               {Isa::neon_dotprod, "neon_dotprod"},
+                             {Isa::neon_i8mm, "neon_i8mm"}};
+
+#if defined(__x86_64__)
+bool x86_avx2() {
+  static const bool ok = [] {
+    // AVX2 and FMA (the checks include the OS saving the YMM state); F16C from CPUID leaf 1
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    bool f16c = __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C);
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c &&
+           detail::avx2_kernels().f16 != nullptr;
+  }();
+  return ok;
+}
+bool x86_avx_vnni() {  // CPUID.(EAX=7, ECX=1):EAX bit 4
+  static const bool ok = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    return x86_avx2() && __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 4));
+  }();
+  return ok;
+}
+bool x86_avx512_vnni() {
+  static const bool ok = x86_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+                         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
+  return ok;
+}
+#endif
+
+#if defined(__aarch64__) && defined(__linux__)
+bool arm_hwcap(int which, unsigned long bit) { return (getauxval(which) & bit) != 0; }
+#endif
+}  // namespace
+
 const char* isa_name(Isa isa) {
-  switch (isa) {
-    case Isa::portable: return "portable";
-    case Isa::avx2: return "avx2";
-    case Isa::neon: return "neon";
-  }
+  for (const IsaInfo& i : kIsas)
+    if (i.isa == isa) return i.name;
   return "?";
 }
 
 Isa isa_from_name(const std::string& name) {
-  if (name == "portable") return Isa::portable;
-  if (name == "avx2") return Isa::avx2;
-  if (name == "neon") return Isa::neon;
+  for (const IsaInfo& i : kIsas)
+    if (name == i.name) return i.isa;
   if (name == "best") return best_isa();
-  throw Error("unknown kernel ISA '" + name + "' (choose portable, avx2, neon or best)");
+  std::string all;
+  for (const IsaInfo& i : kIsas) all += std::string(i.name) + ", ";
+  throw Error("unknown kernel ISA '" + name + "' (choose " + all + "or best)");
 }
 
 bool isa_supported(Isa isa) {
   switch (isa) {
     case Isa::portable: return true;
-    case Isa::avx2: {
 #if defined(__x86_64__)
-      static const bool ok = [] {
-        // AVX2 and FMA (the checks include the OS saving the YMM state); F16C from CPUID leaf 1
-        unsigned a = 0, b = 0, c = 0, d = 0;
-        bool f16c = __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C);
-        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c &&
-               detail::avx2_kernels().f16 != nullptr;
-      }();
-      return ok;
-#else
-      return false;
+    case Isa::avx2: return x86_avx2();
+    case Isa::avx_vnni: return x86_avx_vnni() && detail::avxvnni_kernels().q4 != nullptr;
+    case Isa::avx512_vnni: return x86_avx512_vnni() && detail::avx512vnni_kernels().q4 != nullptr;
 #endif
-    }
-    case Isa::neon:
 #if defined(__aarch64__)
-      return detail::neon_kernels().f16 != nullptr;
-#else
-      return false;
+    case Isa::neon: return detail::neon_kernels().f16 != nullptr;
+#if defined(__linux__)
+    case Isa::neon_dotprod:  // HWCAP_ASIMDDP = 1 << 20, HWCAP2_I8MM = 1 << 13 (Linux and Android)
+      return arm_hwcap(AT_HWCAP, 1ul << 20) && detail::dotprod_kernels().q4 != nullptr;
+    case Isa::neon_i8mm:
+      return arm_hwcap(AT_HWCAP, 1ul << 20) && arm_hwcap(AT_HWCAP2, 1ul << 13) && detail::i8mm_kernels().q4 != nullptr;
 #endif
+#endif
+    default: return false;
   }
-  return false;
 }
 
 Isa best_isa() {
-  if (isa_supported(Isa::avx2)) return Isa::avx2;
-  if (isa_supported(Isa::neon)) return Isa::neon;
+  for (Isa i : {Isa::avx_vnni, Isa::avx512_vnni, Isa::avx2, Isa::neon_i8mm, Isa::neon_dotprod, Isa::neon})
+    if (isa_supported(i)) return i;
   return Isa::portable;
+}
+
+std::vector<Isa> supported_isas() {
+  std::vector<Isa> v;
+  for (const IsaInfo& i : kIsas)
+    if (isa_supported(i.isa)) v.push_back(i.isa);
+  return v;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -186,7 +321,11 @@ detail::KernelSet kernels_for(Isa isa) {
     throw Error(std::string("kernel ISA '") + isa_name(isa) + "' is not supported by this build on this CPU");
   switch (isa) {
     case Isa::avx2: return detail::avx2_kernels();
+    case Isa::avx_vnni: return detail::avxvnni_kernels();
+    case Isa::avx512_vnni: return detail::avx512vnni_kernels();
     case Isa::neon: return detail::neon_kernels();
+    case Isa::neon_dotprod: return detail::dotprod_kernels();
+    case Isa::neon_i8mm: return detail::i8mm_kernels();
     default: return detail::portable_kernels();
   }
 }
@@ -210,12 +349,16 @@ BoundMatrix bind_matrix(const Section& w, const Section* scale, int64_t out, int
     if (!scale) throw Error("expert layout: int8 matrix '" + w.role + "' has no scale section");
     expect_section(*scale, "f16", {out}, 2, "scale");
     m.fn = ks.i8;
+    m.int8 = true;
+    m.qfn = reinterpret_cast<void*>(ks.q8);
   } else if (w.dtype == "u8") {
     const int64_t ip = ceil_group(in);
     expect_section(w, "u8", {out, ip / 2}, 1, "weight");
     if (!scale) throw Error("expert layout: int4 matrix '" + w.role + "' has no scale section");
     expect_section(*scale, "f16", {out, ip / kGroup}, 2, "scale");
     m.fn = ks.i4;
+    m.int4 = true;
+    m.qfn = reinterpret_cast<void*>(ks.q4);
     m.pads_input = (in % kGroup) != 0;
   } else {
     throw Error("expert layout: weight section '" + w.role + "' has dtype '" + w.dtype +
@@ -240,12 +383,32 @@ inline float gelu_tanh(float v) {
   return 0.5f * v * (1.0f + std::tanh(k * (v + 0.044715f * v * v * v)));
 }
 
+detail::QMat qmat(const BoundMatrix& m, const uint8_t* blob) {
+  detail::QMat q;
+  q.w = blob + m.w_off;
+  q.s = blob + m.s_off;
+  q.in = m.in;
+  return q;
+}
+
+inline detail::QMatFn qfn(const BoundMatrix& m) { return reinterpret_cast<detail::QMatFn>(m.qfn); }
+
+int64_t blocks(int64_t n) { return (n + detail::kQBlock - 1) / detail::kQBlock; }
+
 }  // namespace
 
 void matvec(Isa isa, const Section& w, const Section* scale, int64_t out, int64_t in, const uint8_t* blob,
             const float* x, float* y) {
   BoundMatrix m = bind_matrix(w, scale, out, in, isa);
-  if (m.pads_input) {
+  if (m.int4 || m.int8) {
+    const int64_t K = blocks(in);
+    std::vector<int8_t> q(static_cast<size_t>(K * detail::kQBlock));
+    std::vector<float> d(static_cast<size_t>(K));
+    std::vector<int32_t> sx(static_cast<size_t>(K));
+    detail::quantize_act(x, in, m.int4, q.data(), d.data(), sx.data());
+    detail::QAct qa{q.data(), d.data(), sx.data(), K, 1};
+    qfn(m)(qmat(m, blob), nullptr, 0, out, qa, y, nullptr, out);
+  } else if (m.pads_input) {
     std::vector<float> xp(static_cast<size_t>(ceil_group(in)), 0.0f);
     std::copy(x, x + in, xp.begin());
     run(m, blob, xp.data(), y);
@@ -253,6 +416,30 @@ void matvec(Isa isa, const Section& w, const Section* scale, int64_t out, int64_
     run(m, blob, x, y);
   }
 }
+
+namespace detail {
+// Buffers of the integer path, grown on demand: x quantised ([T][Kh] blocks), and per expert e and
+// token t the gate / up outputs, the GLU output and its quantised blocks.
+struct QScratch {
+  std::vector<int8_t> qx, qh;
+  std::vector<float> dx, dh, g, u, h;
+  std::vector<int32_t> sxx, sxh;
+  void size(int n, int64_t T, int64_t Kh, int64_t Ki, int64_t I) {
+    auto grow = [](auto& v, int64_t k) {
+      if (v.size() < static_cast<size_t>(k)) v.resize(static_cast<size_t>(k));
+    };
+    grow(qx, T * Kh * kQBlock);
+    grow(dx, T * Kh);
+    grow(sxx, T * Kh);
+    grow(g, n * T * I);
+    grow(u, n * T * I);
+    grow(h, n * T * I);
+    grow(qh, n * T * Ki * kQBlock);
+    grow(dh, n * T * Ki);
+    grow(sxh, n * T * Ki);
+  }
+};
+}  // namespace detail
 
 ExpertKernel::ExpertKernel(const std::vector<Section>& sections, const std::vector<Matrix>& matrices,
                            const std::string& family, const std::string& hidden_act, float swiglu_limit, Isa isa)
@@ -347,13 +534,135 @@ ExpertKernel::ExpertKernel(const std::vector<Section>& sections, const std::vect
     if (!ok) throw Error("expert layout: section '" + s.role + "' of kind '" + s.kind + "' is not understood");
   }
 
+  quant_ = gate_.int4 || gate_.int8;
+  if (quant_ || up_.qfn || down_.qfn) {
+    if (!(gate_.int4 == up_.int4 && up_.int4 == down_.int4 && gate_.int8 == up_.int8 && up_.int8 == down_.int8))
+      throw Error("expert layout: gate, up and down must share one dtype (an expert store has one)");
+    if (!gate_.qfn || !up_.qfn || !down_.qfn)
+      throw Error(std::string("kernel ISA '") + isa_name(isa) + "' has no integer kernels");
+    qs_ = new detail::QScratch;
+  }
   xpad_.assign(static_cast<size_t>(ceil_group(h_)), 0.0f);
   g_.assign(static_cast<size_t>(i_), 0.0f);
   u_.assign(static_cast<size_t>(i_), 0.0f);
   hpad_.assign(static_cast<size_t>(ceil_group(i_)), 0.0f);
 }
 
+ExpertKernel::~ExpertKernel() { delete qs_; }
+
+void ExpertKernel::glu(const uint8_t* blob, const float* g, const float* u, int64_t j0, int64_t j1, float* h) const {
+  if (gpt_oss_) {
+    const uint8_t* bg = blob + bias_gate_;
+    const uint8_t* bu = blob + bias_up_;
+    const float lim = limit_;
+    for (int64_t j = j0; j < j1; ++j) {
+      float gv = g[j] + f16_to_f32(load_u16(bg + 2 * j));
+      float uv = u[j] + f16_to_f32(load_u16(bu + 2 * j));
+      gv = gv > lim ? lim : gv;  // clamp(max=limit); NaN passes through as in torch
+      uv = uv > lim ? lim : (uv < -lim ? -lim : uv);
+      float glu = gv * (1.0f / (1.0f + std::exp(-(gv * 1.702f))));
+      h[j] = (uv + 1.0f) * glu;
+    }
+    return;
+  }
+  switch (act_) {
+    case Act::silu:
+      for (int64_t j = j0; j < j1; ++j) h[j] = silu(g[j]) * u[j];
+      break;
+    case Act::gelu:
+      for (int64_t j = j0; j < j1; ++j) h[j] = gelu(g[j]) * u[j];
+      break;
+    case Act::gelu_tanh:
+      for (int64_t j = j0; j < j1; ++j) h[j] = gelu_tanh(g[j]) * u[j];
+      break;
+  }
+}
+
 void ExpertKernel::forward(const uint8_t* blob, const float* x, float* y) const {
+  if (quant_) {
+    run_quantized(&blob, 1, x, 1, &y);
+  } else {
+    forward_float(blob, x, y);
+  }
+}
+
+void ExpertKernel::forward_batch(const uint8_t* blob, const float* x, int64_t T, float* y) const {
+  if (T <= 0) return;
+  if (quant_) {
+    run_quantized(&blob, 1, x, T, &y);
+    return;
+  }
+  for (int64_t t = 0; t < T; ++t) forward_float(blob, x + t * h_, y + t * h_);
+}
+
+void ExpertKernel::forward_many(const uint8_t* const* blobs, int n, const float* x, float* const* outs) const {
+  if (n <= 0) return;
+  if (quant_) {
+    run_quantized(blobs, n, x, 1, outs);
+    return;
+  }
+  for (int i = 0; i < n; ++i) forward_float(blobs[i], x, outs[i]);
+}
+
+void ExpertKernel::run_quantized(const uint8_t* const* blobs, int n, const float* x, int64_t T,
+                                 float* const* outs) const {
+  detail::QScratch& s = *qs_;
+  const bool p4 = gate_.int4;
+  const int64_t H = h_, I = i_, Kh = blocks(H), Ki = blocks(I), B = detail::kQBlock;
+  s.size(n, T, Kh, Ki, I);
+  for (int64_t t = 0; t < T; ++t)
+    detail::quantize_act(x + t * H, H, p4, s.qx.data() + t * Kh * B, s.dx.data() + t * Kh, s.sxx.data() + t * Kh);
+  const detail::QAct xa{s.qx.data(), s.dx.data(), s.sxx.data(), Kh, T};
+  const size_t threads = parallel_threads();
+  // tasks: experts x row chunks; about 4 per thread so uneven chunks even out; gate/up chunks are whole
+  // blocks of 32 rows (each chunk quantises the GLU blocks it produced), down chunks whole tiles of 8
+  auto chunking = [&](int64_t units, int64_t unit) {
+    int64_t per = units;
+    if (threads > 1) {
+      const int64_t want = std::max<int64_t>(1, (static_cast<int64_t>(threads) * 4 + n - 1) / n);
+      per = (units + std::min(want, units) - 1) / std::min(want, units);
+    }
+    return std::make_pair(per * unit, (units + per - 1) / per);  // rows per chunk, chunks
+  };
+  const auto ca = chunking(Ki, B);
+  const detail::QMatFn fgu = qfn(gate_), fd = qfn(down_);
+  const size_t tI = static_cast<size_t>(T * I);
+  parallel_for(static_cast<size_t>(n) * static_cast<size_t>(ca.second), [&](size_t task) {
+    const size_t e = task / static_cast<size_t>(ca.second);
+    const int64_t r0 = static_cast<int64_t>(task % static_cast<size_t>(ca.second)) * ca.first;
+    const int64_t r1 = std::min(I, r0 + ca.first);
+    const uint8_t* blob = blobs[e];
+    float* g = s.g.data() + e * tI;
+    float* u = s.u.data() + e * tI;
+    float* h = s.h.data() + e * tI;
+    const detail::QMat gm = qmat(gate_, blob), um = qmat(up_, blob);
+    fgu(gm, &um, r0, r1, xa, g, u, I);
+    for (int64_t t = 0; t < T; ++t) {
+      glu(blob, g + t * I, u + t * I, r0, r1, h + t * I);
+      const size_t qo = e * static_cast<size_t>(T * Ki) + static_cast<size_t>(t * Ki);
+      detail::quantize_act(h + t * I + r0, r1 - r0, p4, s.qh.data() + qo * B + r0, s.dh.data() + qo + r0 / B,
+                           s.sxh.data() + qo + r0 / B);
+    }
+  });
+  const auto cb = chunking((H + 7) / 8, 8);
+  parallel_for(static_cast<size_t>(n) * static_cast<size_t>(cb.second), [&](size_t task) {
+    const size_t e = task / static_cast<size_t>(cb.second);
+    const int64_t r0 = static_cast<int64_t>(task % static_cast<size_t>(cb.second)) * cb.first;
+    const int64_t r1 = std::min(H, r0 + cb.first);
+    const uint8_t* blob = blobs[e];
+    const size_t qo = e * static_cast<size_t>(T * Ki);
+    const detail::QAct ha{s.qh.data() + qo * B, s.dh.data() + qo, s.sxh.data() + qo, Ki, T};
+    float* y = outs[e];
+    fd(qmat(down_, blob), nullptr, r0, r1, ha, y, nullptr, H);
+    if (gpt_oss_) {
+      const uint8_t* bd = blob + bias_down_;
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t j = r0; j < r1; ++j) y[t * H + j] += f16_to_f32(load_u16(bd + 2 * j));
+    }
+  });
+}
+
+void ExpertKernel::forward_float(const uint8_t* blob, const float* x, float* y) const {
   const float* xin = x;
   if (gate_.pads_input || up_.pads_input) {  // int4 reads whole groups of 32: zero-padded copy
     std::memcpy(xpad_.data(), x, static_cast<size_t>(h_) * sizeof(float));
@@ -364,32 +673,7 @@ void ExpertKernel::forward(const uint8_t* blob, const float* x, float* y) const 
   float* h = hpad_.data();  // the tail past i_ stays zero
   run(gate_, blob, xin, g);
   run(up_, blob, xin, u);
-  const int64_t n = i_;
-  if (gpt_oss_) {
-    const uint8_t* bg = blob + bias_gate_;
-    const uint8_t* bu = blob + bias_up_;
-    const float lim = limit_;
-    for (int64_t j = 0; j < n; ++j) {
-      float gv = g[j] + f16_to_f32(load_u16(bg + 2 * j));
-      float uv = u[j] + f16_to_f32(load_u16(bu + 2 * j));
-      gv = gv > lim ? lim : gv;  // clamp(max=limit); NaN passes through as in torch
-      uv = uv > lim ? lim : (uv < -lim ? -lim : uv);
-      float glu = gv * (1.0f / (1.0f + std::exp(-(gv * 1.702f))));
-      h[j] = (uv + 1.0f) * glu;
-    }
-  } else {
-    switch (act_) {
-      case Act::silu:
-        for (int64_t j = 0; j < n; ++j) h[j] = silu(g[j]) * u[j];
-        break;
-      case Act::gelu:
-        for (int64_t j = 0; j < n; ++j) h[j] = gelu(g[j]) * u[j];
-        break;
-      case Act::gelu_tanh:
-        for (int64_t j = 0; j < n; ++j) h[j] = gelu_tanh(g[j]) * u[j];
-        break;
-    }
-  }
+  glu(blob, g, u, 0, i_, h);
   run(down_, blob, h, y);
   if (gpt_oss_) {
     const uint8_t* bd = blob + bias_down_;

@@ -1,8 +1,9 @@
-// AVX2 expert kernels (x86-64 with AVX2, FMA, F16C): 8-wide float32 FMA, weights dequantised in
+// AVX2 expert kernels (x86-64 with AVX2, FMA, F16C). fp16 / float paths: 8-wide float32 FMA, weights dequantised in
 // registers (fp16 via F16C, int8 and int4 via integer -> float conversion), four output rows at a
 // time so every x load serves four rows and four independent accumulator chains hide FMA latency.
 // Compiled with function-level target attributes: this file builds with default flags, and the
-// kernels only run where isa_supported(Isa::avx2) found the instructions at run time.
+// kernels only run where isa_supported(Isa::avx2) found the instructions at run time. The integer-dot
+// kernels of int8 / int4 stores (AVX2, AVX-VNNI, AVX512-VNNI) are kernels_x86_body.h, included below.
 #include "kernels_impl.h"
 
 #if defined(__x86_64__)
@@ -180,7 +181,32 @@ SPX_AVX2 void avx2_i4(const uint8_t* w, const uint8_t* s, int64_t out, int64_t i
 
 }  // namespace
 
-KernelSet avx2_kernels() { return {avx2_f16, avx2_i8, avx2_i4}; }
+// The integer-dot kernels, once per instruction set (kernels_x86_body.h).
+#define SPX_QNS q_avx2
+#define SPX_QTGT __attribute__((target("avx2,fma,f16c")))
+#define SPX_QVNNI 0
+#include "kernels_x86_body.h"
+#undef SPX_QNS
+#undef SPX_QTGT
+#undef SPX_QVNNI
+#define SPX_QNS q_avxvnni
+#define SPX_QTGT __attribute__((target("avx2,fma,f16c,avxvnni")))
+#define SPX_QVNNI 1
+#include "kernels_x86_body.h"
+#undef SPX_QNS
+#undef SPX_QTGT
+#undef SPX_QVNNI
+#define SPX_QNS q_avx512vnni
+#define SPX_QTGT __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")))
+#define SPX_QVNNI 2
+#include "kernels_x86_body.h"
+#undef SPX_QNS
+#undef SPX_QTGT
+#undef SPX_QVNNI
+
+KernelSet avx2_kernels() { return {avx2_f16, avx2_i8, avx2_i4, q_avx2::q8, q_avx2::q4}; }
+KernelSet avxvnni_kernels() { return {avx2_f16, avx2_i8, avx2_i4, q_avxvnni::q8, q_avxvnni::q4}; }
+KernelSet avx512vnni_kernels() { return {avx2_f16, avx2_i8, avx2_i4, q_avx512vnni::q8, q_avx512vnni::q4}; }
 
 }  // namespace detail
 }  // namespace spx
@@ -190,6 +216,8 @@ KernelSet avx2_kernels() { return {avx2_f16, avx2_i8, avx2_i4}; }
 namespace spx {
 namespace detail {
 KernelSet avx2_kernels() { return {}; }
+KernelSet avxvnni_kernels() { return {}; }
+KernelSet avx512vnni_kernels() { return {}; }
 }  // namespace detail
 }  // namespace spx
 

@@ -21,13 +21,60 @@ inline int64_t ceil_group(int64_t n) { return (n + kGroup - 1) / kGroup * kGroup
 //       x[in..ceil32(in)) readable and zero.
 using MatvecFn = void (*)(const uint8_t* w, const uint8_t* s, int64_t out, int64_t in, const float* x, float* y);
 
-struct KernelSet {
-  MatvecFn f16 = nullptr, i8 = nullptr, i4 = nullptr;
+// -- integer-dot kernels (int8 / int4 stores) --------------------------------------------------
+//
+// Activations quantised per block of 32 (quantize_act): q[b*32 + j] int8 in -127..127, d[b] the
+// block's float32 scale (amax / 127), sx[b] = sum of the block's q (for the unsigned-offset tricks of
+// x86's vpmaddubsw / vpdpbusd). Blocks past the row's end are zero. For int4 matrices each block is
+// stored permuted, its 16 even columns first and its 16 odd columns after them (kPermuted), so the
+// low nibbles of a weight block's 16 bytes (columns 0, 2, .., 30) meet q[0..16) and the high
+// nibbles q[16..32) without shuffling the weights; int8 matrices take blocks in column order.
+struct QAct {
+  const int8_t* q = nullptr;    // [T][K * 32]
+  const float* d = nullptr;     // [T][K]
+  const int32_t* sx = nullptr;  // [T][K]
+  int64_t K = 0;                // blocks per token row
+  int64_t T = 1;                // token rows
 };
 
+// One int8 / int4 weight matrix as the integer kernels read it.
+struct QMat {
+  const uint8_t* w = nullptr;  // i8 [rows, in] or packed int4 [rows, K * 16]
+  const uint8_t* s = nullptr;  // f16 scales: [rows] (int8) or [rows, K] (int4)
+  int64_t in = 0;              // true columns (int8 rows are `in` bytes, not padded)
+};
+
+// Rows [r0, r1) of y = W q(x) for every token row of x, written to ya[t * ldy + r]; with `b` (a
+// second matrix of the same shape, e.g. up beside gate) also yb[t * ldy + r] = B q(x) in the same pass
+// over x. Every ISA computes, per row r and token t, exactly:
+//   int4: acc = 0; for b in 0..K: acc = acc + float(sumi[r][b]) * (ws[r][b] * d[b]);  y = acc
+//   int8: acc = 0; for b in 0..K: acc = acc + float(sumi[r][b]) * d[b];                y = acc * ws[r]
+// with sumi the exact int32 dot product of the block's integers, float32 multiplies and adds (no
+// FMA) in block order: outputs are bitwise identical across ISAs, thread counts and row ranges.
+using QMatFn = void (*)(const QMat& a, const QMat* b, int64_t r0, int64_t r1, const QAct& x, float* ya, float* yb,
+                        int64_t ldy);
+
+struct KernelSet {
+  MatvecFn f16 = nullptr, i8 = nullptr, i4 = nullptr;
+  QMatFn q8 = nullptr, q4 = nullptr;  // integer-dot int8 / int4 kernels
+};
+
+constexpr int64_t kQBlock = 32;  // activation quantisation block (= the int4 group)
+
+// Quantises n floats (one token row) into ceil(n/32) blocks: q [K*32], d [K], sx [K]. Per block:
+// amax = max |x| (NaN if any x is NaN), d = amax / 127, id = 1 / d; when d is finite and positive
+// and id is finite, q = clamp(rint(x * id), -127, 127) (round to nearest even), else (an all-zero or
+// tiny block, or one holding inf / NaN) q = 0 and d is kept as computed, so inf / NaN still reach
+// the output through d. permuted: the int4 order described at QAct.
+void quantize_act(const float* x, int64_t n, bool permuted, int8_t* q, float* d, int32_t* sx);
+
 KernelSet portable_kernels();
-KernelSet avx2_kernels();  // all null unless built for x86-64
-KernelSet neon_kernels();  // all null unless built for aarch64
+KernelSet avx2_kernels();        // all null unless built for x86-64
+KernelSet avxvnni_kernels();     // integer kernels with AVX-VNNI (VEX vpdpbusd); f16/i8/i4 = AVX2's
+KernelSet avx512vnni_kernels();  // integer kernels with AVX512-VNNI (EVEX vpdpbusd, 256-bit)
+KernelSet neon_kernels();        // all null unless built for aarch64
+KernelSet dotprod_kernels();     // integer kernels with sdot (FEAT_DotProd); float kernels = NEON's
+KernelSet i8mm_kernels();        // integer kernels with smmla (FEAT_I8MM) for token pairs, sdot else
 
 // IEEE half -> float, exact for every input (subnormals, infinities, NaN payloads). Branch-light:
 // move exponent and mantissa into place and rebias; infinities/NaNs get the rest of the exponent;

@@ -1,7 +1,8 @@
 // NEON expert kernels (aarch64, where NEON, fp16 <-> fp32 conversion and FMA are always present):
 // 4-wide float32 FMA, weights dequantised in registers (fp16 via vcvt_f32_f16, int8 and int4 via
 // integer widening and vcvtq_f32_s32), four output rows at a time with two accumulators each so
-// every x load serves four rows and eight independent chains hide FMA latency.
+// every x load serves four rows and eight independent chains hide FMA latency. The integer-dot kernels
+// of int8 / int4 stores (NEON, dotprod, i8mm) are kernels_neon_body.h, included below.
 #include "kernels_impl.h"
 
 #if defined(__aarch64__)
@@ -170,7 +171,53 @@ void neon_i4(const uint8_t* w, const uint8_t* s, int64_t out, int64_t in, const 
 
 }  // namespace
 
-KernelSet neon_kernels() { return {neon_f16, neon_i8, neon_i4}; }
+// The integer-dot kernels, once per instruction set (kernels_neon_body.h). dotprod / i8mm code needs a
+// compiler whose arm_neon.h offers those intrinsics to functions with a target attribute: GCC, or
+// clang 16 and newer (the NDK r26's is 17); an older clang builds plain NEON only.
+#if defined(__clang__) && __clang_major__ < 16 && !(defined(__ARM_FEATURE_DOTPROD) && defined(__ARM_FEATURE_MATMUL_INT8))
+#define SPX_ARM_EXT 0
+#else
+#define SPX_ARM_EXT 1
+#endif
+#if defined(__clang__)
+#define SPX_TGT_DOTPROD __attribute__((target("dotprod")))
+#define SPX_TGT_I8MM __attribute__((target("dotprod,i8mm")))
+#else
+#define SPX_TGT_DOTPROD __attribute__((target("arch=armv8.2-a+dotprod")))
+#define SPX_TGT_I8MM __attribute__((target("arch=armv8.2-a+dotprod+i8mm")))
+#endif
+#define SPX_QNS q_neon
+#define SPX_QTGT
+#define SPX_QARM 0
+#include "kernels_neon_body.h"
+#undef SPX_QNS
+#undef SPX_QTGT
+#undef SPX_QARM
+#if SPX_ARM_EXT
+#define SPX_QNS q_dotprod
+#define SPX_QTGT SPX_TGT_DOTPROD
+#define SPX_QARM 1
+#include "kernels_neon_body.h"
+#undef SPX_QNS
+#undef SPX_QTGT
+#undef SPX_QARM
+#define SPX_QNS q_i8mm
+#define SPX_QTGT SPX_TGT_I8MM
+#define SPX_QARM 2
+#include "kernels_neon_body.h"
+#undef SPX_QNS
+#undef SPX_QTGT
+#undef SPX_QARM
+#endif
+
+KernelSet neon_kernels() { return {neon_f16, neon_i8, neon_i4, q_neon::q8, q_neon::q4}; }
+#if SPX_ARM_EXT
+KernelSet dotprod_kernels() { return {neon_f16, neon_i8, neon_i4, q_dotprod::q8, q_dotprod::q4}; }
+KernelSet i8mm_kernels() { return {neon_f16, neon_i8, neon_i4, q_i8mm::q8, q_i8mm::q4}; }
+#else
+KernelSet dotprod_kernels() { return {}; }
+KernelSet i8mm_kernels() { return {}; }
+#endif
 
 }  // namespace detail
 }  // namespace spx
@@ -180,6 +227,8 @@ KernelSet neon_kernels() { return {neon_f16, neon_i8, neon_i4}; }
 namespace spx {
 namespace detail {
 KernelSet neon_kernels() { return {}; }
+KernelSet dotprod_kernels() { return {}; }
+KernelSet i8mm_kernels() { return {}; }
 }  // namespace detail
 }  // namespace spx
 

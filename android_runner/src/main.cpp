@@ -1,7 +1,7 @@
 // specprefetch-runner: the native runner's command line (docs/runner.md).
 //
 //   specprefetch-runner BUNDLE (--prompt TEXT | --prompt-ids 1,2,3) [...] [--max-new-tokens N]
-//       [--policy PREDICTOR+EVICTION] [--pool-mib F] [--window N] [--queue-depth N]
+//       [--policy PREDICTOR+EVICTION] [--pool-mib F|auto] [--window N] [--queue-depth N]
 //       [--min-confidence F] [--floor F] [--step-budget-kib N] [--lanes N] [--threads N] [--routing FILE]
 //       [--json OUT] [--events OUT] [--no-verify] [--no-verify-hashes] [--cold] [--preload] [--isa NAME]
 //
@@ -28,6 +28,7 @@
 #include "expert_store.h"
 #include "fileio.h"
 #include "kernels.h"
+#include "memwatch.h"
 #include "runner.h"
 #include "safetensors.h"
 #include "spx_config.h"
@@ -43,7 +44,9 @@ const char* kUsage =
     "usage: specprefetch-runner BUNDLE (--prompt TEXT | --prompt-ids IDS) [more prompts] [--max-new-tokens N]\n"
     "  [--policy PREDICTOR+EVICTION] [--pool-mib F] [--window N] [--queue-depth N] [--min-confidence F]\n"
     "  [--floor F] [--step-budget-kib N] [--lanes N] [--threads N] [--routing FILE] [--json OUT] [--events OUT]\n"
-    "  [--no-verify] [--no-verify-hashes] [--cold] [--preload] [--isa portable|avx2|neon]\n";
+    "  [--no-verify] [--no-verify-hashes] [--cold] [--preload] [--isa NAME|best] [--prefill-chunk N|off]\n"
+    "  --pool-mib auto [--pool-reserve-mib N] [--pool-low-watermark-mib N] [--pool-high-watermark-mib N]\n"
+    "  [--pool-check-ms N]: the pool sized from the available memory, shrunk under the low watermark\n";
 
 struct Args {
   std::string bundle;
@@ -53,11 +56,15 @@ struct Args {
   int max_new = 32;
   std::string policy;
   double pool_mib = NAN;
+  bool pool_auto = false;  // --pool-mib auto (memwatch.h)
+  double pool_reserve_mib = -1, pool_low_mib = -1, pool_high_mib = -1;  // -1: the defaults
+  int pool_check_ms = 100;
   int window = -1, queue_depth = -1, lanes = 0, threads = 1;
   double min_confidence = NAN, floor = NAN;
   int64_t step_budget_kib = -2;
   std::string routing, json_out, events_out, isa;
   bool verify = true, verify_hashes = true, cold = false, preload = false;
+  int prefill_chunk = -1;  // --prefill-chunk: -1 the bundle's largest, 0 off
 };
 
 double to_double(const std::string& opt, const std::string& v) {
@@ -151,7 +158,17 @@ Args parse(int argc, char** argv) {
     }
     else if (o == "--max-new-tokens") a.max_new = static_cast<int>(to_int(o, val(), 1));
     else if (o == "--policy") a.policy = val();
-    else if (o == "--pool-mib") a.pool_mib = to_double(o, val());
+    else if (o == "--pool-mib") {
+      const std::string v = val();
+      a.pool_auto = v == "auto";
+      a.pool_mib = a.pool_auto ? NAN : to_double(o, v);
+    }
+    else if (o == "--pool-reserve-mib" || o == "--pool-low-watermark-mib" || o == "--pool-high-watermark-mib") {
+      const double d = to_double(o, val());
+      if (d < 0 || d > 1e9) throw Error(o + " " + argv[i] + ": must be 0..1e9 MiB");
+      (o == "--pool-reserve-mib" ? a.pool_reserve_mib : o == "--pool-low-watermark-mib" ? a.pool_low_mib : a.pool_high_mib) = d;
+    }
+    else if (o == "--pool-check-ms") a.pool_check_ms = static_cast<int>(to_int(o, val(), 1));
     else if (o == "--window") a.window = static_cast<int>(to_int(o, val(), 1));
     else if (o == "--queue-depth") a.queue_depth = static_cast<int>(to_int(o, val(), 1));
     else if (o == "--lanes") {
@@ -173,6 +190,10 @@ Args parse(int argc, char** argv) {
     else if (o == "--no-verify-hashes") a.verify_hashes = false;
     else if (o == "--cold") a.cold = true;
     else if (o == "--preload") a.preload = true;
+    else if (o == "--prefill-chunk") {
+      const std::string v = val();
+      a.prefill_chunk = v == "off" ? 0 : static_cast<int>(to_int(o, v, 1));
+    }
     else if (o == "-h" || o == "--help") {
       std::cout << kUsage;
       std::exit(0);
@@ -183,6 +204,10 @@ Args parse(int argc, char** argv) {
   if (a.bundle.empty()) throw Error("no BUNDLE given (--help shows the usage)");
   if (a.prompts.empty()) throw Error("no prompt: give --prompt TEXT or --prompt-ids 1,2,3");
   if (!(std::isnan(a.pool_mib) || a.pool_mib > 0)) throw Error("--pool-mib: must be a positive number");
+  if (!a.pool_auto)
+    for (int i = 1; i < argc; ++i)
+      for (const char* o : {"--pool-reserve-mib", "--pool-low-watermark-mib", "--pool-high-watermark-mib", "--pool-check-ms"})
+        if (std::string(argv[i]) == o) throw Error(std::string(o) + ": only with --pool-mib auto");
   return a;
 }
 
@@ -365,6 +390,27 @@ int main_(int argc, char** argv) {
     cfg.eviction = plus == std::string::npos || plus + 1 == a.policy.size() ? "lru" : a.policy.substr(plus + 1);
   }
   cfg.pool_mib = std::isnan(a.pool_mib) ? b.pool_mib : a.pool_mib;
+  // --pool-mib auto: sized now, with the program loaded (its planned memory, the KV cache, is allocated)
+  std::unique_ptr<MemWatch> watch;
+  PoolSizing sizing;
+  if (a.pool_auto) {
+    const std::string root = proc_root();
+    const CgroupPaths cg = find_memory_cgroup(root);
+    sizing = size_pool(sample_memory(root, cg), a.pool_reserve_mib, a.pool_low_mib, a.pool_high_mib, a.pool_check_ms,
+                       b.files.count(b.program_file) ? static_cast<int64_t>(b.files.at(b.program_file).size) : 0, static_cast<int64_t>(store->slot_bytes), m.routing.top_k,
+                       static_cast<int64_t>(m.L()) * m.routing.num_experts);
+    cfg.pool_mib = static_cast<double>(sizing.slots * sizing.slot_bytes) / 1048576.0;
+    MemWatchConfig wc;
+    wc.root = root;
+    wc.slot_bytes = sizing.slot_bytes;
+    wc.start_slots = sizing.slots;
+    wc.min_slots = sizing.min_slots;
+    wc.reserve_bytes = sizing.reserve_bytes;
+    wc.low_bytes = sizing.low_bytes;
+    wc.high_bytes = sizing.high_bytes;
+    wc.check_ms = sizing.check_ms;
+    watch = std::make_unique<MemWatch>(wc, cg, t_start);
+  }
   cfg.window = a.window > 0 ? a.window : b.scheduler.window;
   cfg.queue_depth = a.queue_depth > 0 ? a.queue_depth : b.scheduler.queue_depth;
   cfg.min_confidence = std::isnan(a.min_confidence) ? b.scheduler.min_confidence : a.min_confidence;
@@ -374,6 +420,7 @@ int main_(int argc, char** argv) {
   cfg.lanes = a.lanes;
   cfg.verify = a.verify;
   cfg.preload = a.preload;
+  cfg.prefill_chunk = a.prefill_chunk;
   if (cfg.eviction != "lru" && cfg.eviction != "lfu" && cfg.eviction != "prediction" && cfg.eviction != "belady")
     throw Error("--policy " + a.policy + ": unknown eviction '" + cfg.eviction + "'; choose from lru, lfu, prediction, belady");
   runner.configure(cfg);
@@ -392,6 +439,10 @@ int main_(int argc, char** argv) {
 
   EventLog log;
   json runs = json::array();
+  if (watch) {  // every pool the runner makes from here on takes its capacity changes from it
+    MemWatch::set_active(watch.get());
+    watch->start();
+  }
   for (size_t p = 0; p < a.prompts.size(); ++p) {
     Generation g = runner.run(a.prompts[p], a.max_new, a.events_out.empty() ? nullptr : &log,
                               recorded.empty() ? nullptr : &recorded[p]);
@@ -411,6 +462,8 @@ int main_(int argc, char** argv) {
     r["prefill_ms"] = g.prefill_ms;
     r["first_token_ms"] = g.first_token_ms;
     if (a.preload) r["preload_ms"] = g.preload_ms;
+    r["prefill_chunks"] = g.prefill_chunks;
+    r["prefill_tokens_per_s"] = g.first_token_ms > 0 ? json(a.prompts[p].size() / (g.first_token_ms / 1e3)) : json(nullptr);
     r["expert_ms_per_call"] = g.expert_ms_per_call;
     r["plan_ms_per_layer"] = g.plan_ms_per_layer;
     r["stall_ms"] = g.stall_ms;
@@ -423,6 +476,7 @@ int main_(int argc, char** argv) {
                  r["stall_ms_per_token"].get<double>() >= 0 ? std::to_string(r["stall_ms_per_token"].get<double>()).c_str() : "n/a",
                  r["hit_rate"].get<double>(), r["mib_read"].get<double>());
   }
+  if (watch) watch->stop();
   json out;
   out["engine"] = "native";
   out["policy"] = cfg.name();
@@ -437,6 +491,7 @@ int main_(int argc, char** argv) {
   out["direct_io"] = store->direct();
   out["io_note"] = store->io_note();
   out["pool_mib"] = cfg.pool_mib;
+  if (watch) out["pool_auto"] = pool_auto_json(sizing, *watch);
   out["arena_bytes"] = std::min<int64_t>(cfg.budget_bytes() / static_cast<int64_t>(store->slot_bytes),
                                          static_cast<int64_t>(m.L()) * m.routing.num_experts) *
                        static_cast<int64_t>(store->slot_bytes);

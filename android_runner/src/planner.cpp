@@ -12,6 +12,15 @@ void RoutingState::record(int li, const float* x, const std::vector<int>& chosen
   std::copy(chosen.begin(), chosen.end(), ids.begin() + static_cast<size_t>(li) * k);
 }
 
+void ChunkState::record(int li, const float* x, const std::vector<int>& chosen) {
+  for (int t = 0; t < T; ++t) {
+    std::copy(x + static_cast<size_t>(t) * H, x + static_cast<size_t>(t + 1) * H,
+              hidden.begin() + (static_cast<size_t>(t) * L + li) * H);
+    std::copy(chosen.begin() + static_cast<size_t>(t) * k, chosen.begin() + static_cast<size_t>(t + 1) * k,
+              ids.begin() + (static_cast<size_t>(t) * L + li) * k);
+  }
+}
+
 Planner::Planner(Source source, int num_layers, int window, const RoutingRule& routing, const HostRouters* host,
                  const std::map<int, std::vector<int>>& preds_rows, int hidden)
     : source_(source), L_(num_layers), W_(window), H_(hidden), E_(routing.num_experts), routing_(routing),
@@ -109,6 +118,118 @@ void Planner::plan(WindowScheduler& sched, int li, int64_t step, const RoutingSt
     rows.push_back(std::move(s));
   }
   sched.plan(step, targets, rows);
+}
+
+namespace {
+void max_into(std::vector<float>& acc, const std::vector<float>& row) {
+  if (acc.empty()) {
+    acc = row;
+    return;
+  }
+  for (size_t e = 0; e < acc.size(); ++e) acc[e] = std::max(acc[e], row[e]);
+}
+}  // namespace
+
+void Planner::plan_chunk(WindowScheduler& sched, int li, int64_t step, int T, int T_next, const ChunkState& chunk,
+                         const RoutingState& state, const std::vector<float>& preds, int64_t end) const {
+  auto target = [&](int h) { return step + h + (li + h >= L_ ? static_cast<int64_t>(T - 1) * L_ : 0); };
+  std::vector<int> hs;
+  for (int h = 1; h <= W_; ++h)
+    if (target(h) < end) hs.push_back(h);
+  if (source_ == Source::none || hs.empty()) {
+    sched.plan_probs(step, {}, {});
+    return;
+  }
+  std::vector<int64_t> targets;
+  std::vector<std::vector<float>> rows;
+  const bool plain = routing_.plain();
+  if (source_ == Source::oracle) {
+    const auto* fut = state.future;
+    const int k = state.k, p0 = state.pos;
+    for (int h : hs) {
+      const int j = li + h;
+      const int lo = j < L_ ? p0 : p0 + T, n = j < L_ ? T : T_next, jj = j < L_ ? j : j - L_;
+      std::vector<float> s(E_, 0.0f);
+      for (int p = lo; p < lo + n; ++p) {
+        const int* ids = nullptr;
+        if (fut != nullptr && p < static_cast<int>(fut->size()))
+          ids = (*fut)[p].data() + static_cast<size_t>(jj) * k;
+        else if (j < L_)
+          ids = chunk.ids.data() + (static_cast<size_t>(p - p0) * L_ + jj) * k;
+        else
+          continue;
+        for (int r = 0; r < k; ++r) s[ids[r]] = std::max(s[ids[r]], static_cast<float>(k - r));
+      }
+      // ties (many experts share the best rank) broken by ascending id, as planner.py does
+      const float step_e = static_cast<float>(0.5 / E_);
+      for (int e = 0; e < E_; ++e)
+        if (s[e] > 0) s[e] = s[e] - static_cast<float>(e) * step_e;
+      targets.push_back(target(h));
+      rows.push_back(std::move(s));
+    }
+    sched.plan(step, targets, rows);
+    return;
+  }
+  if (source_ == Source::graph) {
+    auto it = rows_.find(li);
+    if (it == rows_.end() || it->second.empty()) {
+      sched.plan_probs(step, {}, {});
+      return;
+    }
+    const auto& rs = it->second;
+    const size_t P = rs.size();
+    if (preds.size() != static_cast<size_t>(T) * P * E_)
+      throw Error("MoE layer " + std::to_string(li) + ": the chunk's layer graph returned " +
+                  std::to_string(preds.size()) + " prediction values, expected " +
+                  std::to_string(static_cast<size_t>(T) * P * E_));
+    for (int h : hs) {
+      auto r = std::find(rs.begin(), rs.end(), h);
+      if (r == rs.end()) continue;
+      std::vector<float> acc;
+      for (int t = 0; t < T; ++t) {
+        const float* logits = preds.data() + (static_cast<size_t>(t) * P + static_cast<size_t>(r - rs.begin())) * E_;
+        std::vector<float> row;
+        if (plain) {
+          row.assign(logits, logits + E_);
+          softmax(row.data(), E_);
+        } else {
+          row = selection_scores(logits, routing_, score_bias((li + h) % L_));
+        }
+        max_into(acc, row);
+      }
+      targets.push_back(target(h));
+      rows.push_back(std::move(acc));
+    }
+  } else {  // host next-gate / fate: each token's router input
+    const int src = source_ == Source::fate ? std::max(0, li - 1) : li;
+    for (int h : hs) {
+      const int j = (li + h) % L_;
+      std::vector<float> acc;
+      RoutingState one(L_, H_, state.k);
+      for (int t = 0; t < T; ++t) {
+        std::copy(chunk.hidden.begin() + (static_cast<size_t>(t) * L_ + src) * H_,
+                  chunk.hidden.begin() + (static_cast<size_t>(t) * L_ + src + 1) * H_,
+                  one.hidden.begin() + static_cast<size_t>(src) * H_);
+        auto logits = host_logits(src, j, one);
+        if (plain) {
+          softmax(logits.data(), E_);
+          max_into(acc, logits);
+        } else {
+          max_into(acc, selection_scores(logits.data(), routing_, score_bias(j)));
+        }
+      }
+      targets.push_back(target(h));
+      rows.push_back(std::move(acc));
+    }
+  }
+  if (targets.empty()) {
+    sched.plan_probs(step, {}, {});
+    return;
+  }
+  if (plain)
+    sched.plan_probs(step, targets, rows);
+  else
+    sched.plan(step, targets, rows);
 }
 
 }  // namespace spx

@@ -31,6 +31,17 @@ struct RoutingState {
   const std::vector<std::vector<int>>* future = nullptr;  // per position [L * k]
 };
 
+// A prefill chunk's router inputs [T, L, H] and choices [T, L, k] so far (planner.py's ChunkState).
+struct ChunkState {
+  ChunkState(int T_, int num_layers, int hidden, int top_k)
+      : T(T_), L(num_layers), H(hidden), k(top_k), hidden(static_cast<size_t>(T_) * num_layers * hidden),
+        ids(static_cast<size_t>(T_) * num_layers * top_k) {}
+  void record(int li, const float* x, const std::vector<int>& chosen);  // x [T * H], chosen [T * k]
+  int T, L, H, k;
+  std::vector<float> hidden;
+  std::vector<int> ids;
+};
+
 enum class Source { none, graph, next_gate, fate, oracle };
 
 struct HostRouters {      // from host.safetensors
@@ -48,6 +59,11 @@ class Planner {
   // Queue the window's reads after MoE layer li's graph ran; targets at or past `end` are not planned.
   void plan(WindowScheduler& sched, int li, int64_t step, const RoutingState& state, const std::vector<float>& preds,
             int64_t end) const;
+  // The same after MoE layer li of a prefill chunk (step = p0 * L + li, state.pos = p0): T positions,
+  // the next unit T_next; every token's window rows merged per expert by their maximum; preds
+  // [T * P * E]. Horizons past the last MoE layer target the next unit (step + h + (T - 1) * L).
+  void plan_chunk(WindowScheduler& sched, int li, int64_t step, int T, int T_next, const ChunkState& chunk,
+                  const RoutingState& state, const std::vector<float>& preds, int64_t end) const;
   bool active() const { return source_ != Source::none; }
 
  private:

@@ -1,10 +1,15 @@
 #include "pool.h"
 
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <tuple>
 
 #include "events.h"
+#include "memwatch.h"
 
 namespace spx {
 
@@ -29,14 +34,29 @@ ExpertPool::ExpertPool(int64_t budget_bytes, int64_t slot_bytes, const std::stri
     throw Error(buf);
   }
   arena_slots_ = std::min<int64_t>(capacity_, max_slots);
-  void* p = nullptr;
-  if (posix_memalign(&p, 4096, static_cast<size_t>(arena_slots_ * slot_bytes_)) != 0)
+  start_capacity_ = capacity_;
+  min_slots_ = min_slots;
+  // an anonymous mapping (page-aligned, so 4096-aligned for O_DIRECT): pages are committed as slots
+  // are first filled, and a freed slot's pages can be given back with madvise
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE) > 0 ? sysconf(_SC_PAGESIZE) : 4096);
+  map_bytes_ = (static_cast<size_t>(arena_slots_ * slot_bytes_) + page - 1) / page * page;
+  void* p = mmap(nullptr, map_bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (p == MAP_FAILED)
     throw Error("--pool-mib: cannot allocate the pool's " + std::to_string(arena_slots_ * slot_bytes_) + " bytes");
   arena_ = static_cast<uint8_t*>(p);
-  for (int64_t i = arena_slots_ - 1; i >= 0; --i) free_.push_back(static_cast<int>(i));
+  touched_.assign(static_cast<size_t>(arena_slots_), 0);
+  for (int64_t i = arena_slots_ - 1; i >= 0; --i) free_clean_.push_back(static_cast<int>(i));
+  watch = MemWatch::active();
+  if (watch != nullptr) {
+    sequence = watch->next_pool();
+    watch->publish_resident(0);
+  }
 }
 
-ExpertPool::~ExpertPool() { std::free(arena_); }
+ExpertPool::~ExpertPool() {
+  if (watch != nullptr) watch->publish_resident(0);  // before the pages go: the watcher errs low
+  munmap(arena_, map_bytes_);
+}
 
 Slot* ExpertPool::get(Key key) {
   auto it = slots_.find(key);
@@ -47,6 +67,64 @@ void ExpertPool::touch(Slot& s, int64_t now) {
   s.last_use = now;
   s.uses += 1;
   s.prefetched = false;
+  if (watch == nullptr) return;
+  apply_target(now);  // after `s`'s update: the caller does not use it after this
+  Key v;  // slots taken over the target (see reserve) go as soon as they are unpinned
+  while (static_cast<int64_t>(slots_.size()) > capacity_ && victim(now, {}, v)) evict(v, nullptr);
+}
+
+void ExpertPool::apply_target(int64_t now, const std::set<Key>& protect) {
+  if (watch == nullptr || now < 0) return;  // not before the first step (--preload fills every slot)
+  const int64_t t = watch->target();
+  if (t < 0) return;
+  const int64_t want = std::min(std::max(t, min_slots_), std::min(start_capacity_, arena_slots_));
+  if (want == capacity_) return;
+  CapacityChange c;
+  c.pool = sequence;
+  c.step = now;
+  c.available = watch->target_available();
+  c.from = capacity_;
+  const int64_t released0 = released_bytes;
+  c.evicted = set_capacity(want, now, protect);
+  c.to = capacity_;
+  c.released_bytes = released_bytes - released0;
+  watch->record(c);
+}
+
+int64_t ExpertPool::set_capacity(int64_t slots, int64_t now, const std::set<Key>& protect) {
+  if (slots < min_slots_ || slots > arena_slots_)
+    throw std::logic_error("pool capacity " + std::to_string(slots) + " outside " + std::to_string(min_slots_) +
+                           ".." + std::to_string(arena_slots_));
+  capacity_ = slots;
+  int64_t evicted = 0;
+  Key v;
+  while (static_cast<int64_t>(slots_.size()) > capacity_ && victim(now, protect, v)) {
+    evict(v, nullptr);
+    ++evicted;
+  }
+  trim();
+  return evicted;
+}
+
+int64_t ExpertPool::trim() {
+  int64_t n = 0;
+  const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE) > 0 ? sysconf(_SC_PAGESIZE) : 4096);
+  while (touched_count_ > capacity_ && !free_touched_.empty()) {
+    const int i = free_touched_.back();
+    free_touched_.pop_back();
+    // whole pages inside the slot (a slot is a multiple of 4 KiB; pages may be larger)
+    const uintptr_t a = reinterpret_cast<uintptr_t>(arena_) + static_cast<uintptr_t>(i) * slot_bytes_;
+    const uintptr_t lo = (a + page - 1) / page * page, hi = (a + slot_bytes_) / page * page;
+    if (hi > lo && madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_DONTNEED) == 0) {
+      released_bytes += static_cast<int64_t>(hi - lo);
+      n += static_cast<int64_t>(hi - lo);
+    }
+    touched_[static_cast<size_t>(i)] = 0;
+    --touched_count_;
+    free_clean_.push_back(i);
+  }
+  if (watch != nullptr) watch->publish_resident(resident_bytes());
+  return n;
 }
 
 bool ExpertPool::victim(int64_t now, const std::set<Key>& protect, Key& out) const {
@@ -81,19 +159,36 @@ bool ExpertPool::victim(int64_t now, const std::set<Key>& protect, Key& out) con
 Slot* ExpertPool::reserve(Key key, int64_t now, bool prefetch, const std::set<Key>& protect,
                           const std::function<bool(Key)>& keep) {
   if (slots_.count(key)) throw std::logic_error("expert already has a slot");
-  if (static_cast<int64_t>(slots_.size()) >= capacity_) {
+  if (watch != nullptr) apply_target(now, protect);
+  while (static_cast<int64_t>(slots_.size()) >= capacity_) {  // more than once only after a shrink
     Key v;
-    if (!victim(now, protect, v)) return nullptr;
+    if (!victim(now, protect, v)) {
+      // a shrink never fails a demand read: with every slot pinned (a prefill group sized by the
+      // capacity before it), the slot is taken over the target, within the arena; later
+      // reserves and touches evict back down to it
+      if (!prefetch && static_cast<int64_t>(slots_.size()) < std::min(start_capacity_, arena_slots_)) {
+        over_target += 1;
+        break;
+      }
+      return nullptr;
+    }
     if (keep && keep(v)) return nullptr;
     evict(v, &key);
   }
-  if ((static_cast<int64_t>(slots_.size()) + 1) * slot_bytes_ > budget_bytes_ || free_.empty())
+  if ((static_cast<int64_t>(slots_.size()) + 1) * slot_bytes_ > budget_bytes_ ||
+      (free_touched_.empty() && free_clean_.empty()))
     throw std::logic_error("pool over budget");
   Slot s;
   s.key = key;
   s.prefetched = prefetch;
-  s.index = free_.back();
-  free_.pop_back();
+  auto& from = free_touched_.empty() ? free_clean_ : free_touched_;  // reuse resident pages first
+  s.index = from.back();
+  from.pop_back();
+  if (!touched_[static_cast<size_t>(s.index)]) {
+    touched_[static_cast<size_t>(s.index)] = 1;
+    ++touched_count_;
+    if (watch != nullptr) watch->publish_resident(resident_bytes());
+  }
   Slot& ref = slots_.emplace(key, s).first->second;
   peak_bytes = std::max(peak_bytes, used_bytes());
   return &ref;
@@ -109,8 +204,9 @@ void ExpertPool::evict(Key key, const Key* for_key) {
   if (it->second.pins) throw std::logic_error("evicting a pinned expert");
   if (on_evict) on_evict(key);
   const bool unused = it->second.prefetched;
-  free_.push_back(it->second.index);
+  free_touched_.push_back(it->second.index);
   slots_.erase(it);
+  if (touched_count_ > capacity_) trim();
   evictions += 1;
   if (unused) wasted_prefetches += 1;
   if (events != nullptr) {

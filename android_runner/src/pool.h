@@ -5,6 +5,14 @@
 // A slot is free, loading (a read is in flight into it; `landed` false), or ready; it is pinned
 // (pins > 0) while the layer computing with it runs. Pinned and not-yet-ready slots are never
 // evicted. `ready` is the scheduler's logical state (decisions); `landed` is physical (waits).
+//
+// Capacity changes (`--pool-mib auto`, memwatch.h): a MemWatch publishes a target number of slots;
+// the pool applies it at its next reserve or touch (`apply_target`), evicting by the policy's own
+// order (lowest value first; never a pinned or still-loading slot, and a ready slot whose read has
+// not landed is waited for by on_evict, as any eviction) and giving the freed slots' pages back to
+// the OS (madvise MADV_DONTNEED on the arena, an anonymous mapping). Given the same sequence of
+// (step, capacity) changes the pool makes the same decisions; it may grow back, never past the
+// capacity it started with.
 #pragma once
 
 #include <cstdint>
@@ -20,6 +28,7 @@
 namespace spx {
 
 class EventLog;
+class MemWatch;
 
 struct Slot {
   Key key;
@@ -47,6 +56,9 @@ class ExpertPool {
   ExpertPool& operator=(const ExpertPool&) = delete;
 
   int64_t capacity() const { return capacity_; }
+  int64_t start_capacity() const { return start_capacity_; }
+  int64_t min_slots() const { return min_slots_; }
+  int64_t resident_bytes() const { return touched_count_ * slot_bytes_; }  // slots ever filled, not given back
   int64_t budget_bytes() const { return budget_bytes_; }
   int64_t slot_bytes() const { return slot_bytes_; }
   int64_t used_bytes() const { return static_cast<int64_t>(slots_.size()) * slot_bytes_; }
@@ -61,6 +73,15 @@ class ExpertPool {
                 const std::function<bool(Key)>& keep = nullptr);
   void settle();  // forget which slots came from a prefetch not yet used (decode figures start)
   void evict(Key key, const Key* for_key);
+  // Lower (evicting, releasing pages) or raise the capacity, within min_slots .. the arena's
+  // slots; returns the slots evicted. Slots that cannot be evicted now (pinned) go at later reserves.
+  int64_t set_capacity(int64_t slots, int64_t now, const std::set<Key>& protect = {});
+  // The watcher's target, if it differs from the capacity (cheap: one atomic load otherwise).
+  void apply_target(int64_t now, const std::set<Key>& protect = {});
+  int64_t released_bytes = 0;  // pages given back to the OS, in all
+  int64_t over_target = 0;     // demand slots taken over a lowered capacity (every other slot pinned)
+  MemWatch* watch = nullptr;   // MemWatch::active() at construction
+  int sequence = 0;            // this pool's number in the watcher's log
   uint8_t* data(const Slot& s) const { return arena_ + static_cast<size_t>(s.index) * slot_bytes_; }
   const std::map<Key, Slot>& slots() const { return slots_; }
 
@@ -74,12 +95,16 @@ class ExpertPool {
 
  private:
   bool victim(int64_t now, const std::set<Key>& protect, Key& out) const;
+  int64_t trim();  // give back the pages of free slots while more slots are touched than the capacity
 
-  int64_t budget_bytes_, slot_bytes_, capacity_, arena_slots_;
+  int64_t budget_bytes_, slot_bytes_, capacity_, arena_slots_, start_capacity_ = 0, min_slots_ = 0;
   std::string policy_;
   std::map<Key, Slot> slots_;
-  std::vector<int> free_;
+  std::vector<int> free_touched_, free_clean_;  // free slots whose pages are resident / never used or given back
+  std::vector<uint8_t> touched_;
+  int64_t touched_count_ = 0;
   uint8_t* arena_ = nullptr;
+  size_t map_bytes_ = 0;
 };
 
 }  // namespace spx

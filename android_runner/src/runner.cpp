@@ -35,13 +35,47 @@ class ReaderIO : public IOBackend {
   Reader& r_;
 };
 
-// next_use(key, now): the step of the key's next real use after `now` (Belady's rule).
-ExpertPool::NextUse belady(const std::vector<std::vector<int>>& future, int L, int k) {
+// The order a MoE layer computes its acquired experts in (compute while loading): every expert
+// whose bytes have landed first, in the given order, then each of the others as soon as its read
+// lands (polling; when none has, waiting for the first of them). `compute(i, blob)` runs for each
+// index of `keys`; the bytes of a not yet landed one are waited for in sched.data (the stall).
+template <typename F>
+void compute_landed_first(WindowScheduler& sched, const std::vector<Key>& keys, F&& compute) {
+  std::vector<size_t> waiting;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    if (sched.landed(keys[i]))
+      compute(i, sched.data(keys[i]));
+    else
+      waiting.push_back(i);
+  }
+  while (!waiting.empty()) {
+    size_t pick = 0;
+    for (size_t w = 0; w < waiting.size(); ++w)
+      if (sched.landed(keys[waiting[w]])) {
+        pick = w;
+        break;
+      }
+    const size_t i = waiting[pick];
+    waiting.erase(waiting.begin() + static_cast<std::ptrdiff_t>(pick));
+    compute(i, sched.data(keys[i]));  // waits for the first still missing when none has landed
+  }
+}
+
+// next_use(key, now): the step of the key's next real use after `now` (Belady's rule); a prompt
+// chunk's positions (units) all use their experts at the chunk's step, p0 * L + layer.
+ExpertPool::NextUse belady(const std::vector<std::vector<int>>& future, int L, int k, const std::vector<int>& units) {
+  std::vector<int64_t> first;
+  for (int T : units)
+    for (int t = 0; t < T; ++t) first.push_back(static_cast<int64_t>(first.size()) - t);
   auto uses = std::make_shared<std::map<Key, std::vector<int64_t>>>();
   for (size_t pos = 0; pos < future.size(); ++pos)
     for (int li = 0; li < L; ++li)
-      for (int j = 0; j < k; ++j)
-        (*uses)[{li, future[pos][static_cast<size_t>(li) * k + j]}].push_back(static_cast<int64_t>(pos) * L + li);
+      for (int j = 0; j < k; ++j) {
+        auto& steps = (*uses)[{li, future[pos][static_cast<size_t>(li) * k + j]}];
+        const int64_t p = pos < first.size() ? first[pos] : static_cast<int64_t>(pos);
+        const int64_t st = p * L + li;
+        if (steps.empty() || steps.back() != st) steps.push_back(st);
+      }
   return [uses](Key key, int64_t now) {
     auto it = uses->find(key);
     if (it == uses->end()) return ExpertPool::kNever;
@@ -51,6 +85,30 @@ ExpertPool::NextUse belady(const std::vector<std::vector<int>>& future, int L, i
 }
 
 }  // namespace
+
+std::vector<int> chunk_plan(int n, const std::vector<int>& chunks) {
+  std::vector<int> sizes;
+  for (int T : chunks)
+    if (T > 1) sizes.push_back(T);
+  std::sort(sizes.rbegin(), sizes.rend());
+  std::vector<int> out;
+  int left = n;
+  for (int T : sizes)
+    while (left >= T) {
+      out.push_back(T);
+      left -= T;
+    }
+  for (; left > 0; --left) out.push_back(1);
+  return out;
+}
+
+std::vector<int> Runner::chunk_sizes() const {
+  std::vector<int> out;
+  if (cfg_.prefill_chunk == 0) return out;
+  for (int T : exec_.prefill_chunks())
+    if (cfg_.prefill_chunk < 0 || T <= cfg_.prefill_chunk) out.push_back(T);
+  return out;
+}
 
 Runner::Runner(const ModelInfo& model, Executor& exec, const ExpertStore& store, const ExpertKernel& kernel,
                const HostRouters* host)
@@ -108,6 +166,16 @@ void Runner::configure(const RunConfig& cfg) {
                     m_.routing.top_k * static_cast<double>(store_.slot_bytes) / 1048576.0);
       throw Error(buf);
     }
+    if (cfg.prefill_chunk > 0) {
+      const auto& have = exec_.prefill_chunks();
+      if (std::find(have.begin(), have.end(), cfg.prefill_chunk) == have.end()) {
+        std::string sizes;
+        for (int T : have) sizes += (sizes.empty() ? "" : ", ") + std::to_string(T);
+        throw Error("--prefill-chunk " + std::to_string(cfg.prefill_chunk) + ": the bundle's prefill chunk sizes are " +
+                    (sizes.empty() ? std::string("none: the bundle predates prefill chunks") : sizes) +
+                    "; give one of them or off");
+      }
+    }
     if (cfg.step_budget_kib >= 0 && cfg.step_budget_kib * 1024 < static_cast<int64_t>(store_.slot_bytes))
       throw Error("--step-budget-kib " + std::to_string(cfg.step_budget_kib) +
                   ": below one expert slot, so nothing could ever be prefetched");
@@ -158,9 +226,10 @@ Generation Runner::generate(const std::vector<int>& prompt, int max_new,
   state.future = future;
 
   const int total = L * m_.routing.num_experts;
+  const std::vector<int> units = chunk_plan(static_cast<int>(prompt.size()), chunk_sizes());
   // the pool's arena outlives the reader, whose destructor waits for reads still in flight into it
   ExpertPool pool(cfg.budget_bytes(), static_cast<int64_t>(store_.slot_bytes), cfg.eviction, k, total,
-                  cfg.eviction == "belady" ? belady(*future, L, k) : nullptr);
+                  cfg.eviction == "belady" ? belady(*future, L, k, units) : nullptr);
   Reader reader(store_, cfg.lanes > 0 ? cfg.lanes : std::min(cfg.queue_depth + 1, 64), cfg.verify);
   ReaderIO io(reader);
   SchedulerConfig scfg;
@@ -202,7 +271,7 @@ Generation Runner::generate(const std::vector<int>& prompt, int max_new,
   std::vector<int> seq = prompt;
   std::vector<double> times;
   DecodeAccount account;
-  std::vector<float> h, y(H), e_out(H), logits;
+  std::vector<float> h, y(H), e_outs, logits;
   std::vector<int> ids;
   std::vector<float> w;
   std::vector<Key> keys;
@@ -212,52 +281,194 @@ Generation Runner::generate(const std::vector<int>& prompt, int max_new,
 
   double plan_s = 0, expert_s = 0;
   int64_t expert_calls = 0;
+  std::map<int, int> unit_at;  // a prompt unit's first position -> its size
+  {
+    int p = 0;
+    for (int T : units) unit_at[p] = T, p += T;
+  }
+  g.prefill_chunks = units;
+
+  // Prompt positions p0 .. p0+T-1 through every layer at once (the prefill_T methods), as the
+  // reference runner's Runner._chunk: at MoE layer i (step p0 * L + i) the union of the chunk's
+  // experts is acquired in groups of at most the pool's capacity, resident ones first, then the
+  // others, each part by ascending expert id; each expert computes every token routed to it in one
+  // batch; a token sums its experts in its own top-k order. The window is planned after the last
+  // group's acquire; earlier groups release without issuing prefetches. Leaves the chunk's hidden
+  // states [T * H] in hc.
+  std::vector<float> hc, xs, ys;
+  auto chunk = [&](int p0, int T, int T_next) {
+    hc.assign(static_cast<size_t>(T) * H, 0.0f);
+    for (int t = 0; t < T; ++t) {
+      exec_.embed(seq[p0 + t], h);
+      std::copy(h.begin(), h.end(), hc.begin() + static_cast<size_t>(t) * H);
+    }
+    ChunkState cs(T, L, H, k);
+    std::vector<std::vector<int>> rt(static_cast<size_t>(T), std::vector<int>(static_cast<size_t>(L) * k));
+    std::vector<int> ids_all(static_cast<size_t>(T) * k), row_ids;
+    std::vector<float> w_all(static_cast<size_t>(T) * k), row_w;
+    std::vector<float> outs_tj(static_cast<size_t>(T) * k * H);  // token t's j-th expert output
+    for (int layer = 0; layer < m_.num_layers; ++layer) {
+      const int li = moe_index[layer];
+      exec_.layer_chunk(layer, hc, T, p0, li >= 0, out);
+      if (li < 0) {
+        hc.swap(out.h);
+        continue;
+      }
+      const int64_t step = static_cast<int64_t>(p0) * L + li;
+      const int E = m_.routing.num_experts;
+      if (out.x.size() != static_cast<size_t>(T) * H || out.logits.size() != static_cast<size_t>(T) * E)
+        throw Error("prefill_" + std::to_string(T) + "_layer_" + std::to_string(layer) +
+                    ": router outputs of the wrong size");
+      const float* sb = (host_ != nullptr && !host_->score_bias.empty())
+                            ? host_->score_bias.data() + static_cast<size_t>(li) * E
+                            : nullptr;
+      for (int t = 0; t < T; ++t) {
+        select_experts(out.logits.data() + static_cast<size_t>(t) * E, m_.routing, sb, row_ids, row_w);
+        std::copy(row_ids.begin(), row_ids.end(), ids_all.begin() + static_cast<size_t>(t) * k);
+        std::copy(row_w.begin(), row_w.end(), w_all.begin() + static_cast<size_t>(t) * k);
+        std::copy(row_ids.begin(), row_ids.end(), rt[t].begin() + static_cast<size_t>(li) * k);
+      }
+      cs.record(li, out.x.data(), ids_all);
+      state.record(li, out.x.data() + static_cast<size_t>(T - 1) * H, row_ids);  // the last position's
+      if (events != nullptr) events->at(step, p0, li);
+      std::map<int, std::vector<int>> users;  // expert -> t * k + j of the tokens routed to it
+      for (int t = 0; t < T; ++t)
+        for (int j = 0; j < k; ++j) users[ids_all[static_cast<size_t>(t) * k + j]].push_back(t * k + j);
+      std::vector<int> order;
+      for (const auto& kv : users)
+        if (pool.get({li, kv.first}) != nullptr) order.push_back(kv.first);
+      for (const auto& kv : users)
+        if (pool.get({li, kv.first}) == nullptr) order.push_back(kv.first);
+      const size_t G = static_cast<size_t>(std::max<int64_t>(1, pool.capacity()));
+      for (size_t a = 0; a < order.size(); a += G) {
+        const bool last = a + G >= order.size();
+        keys.clear();
+        for (size_t b = a; b < std::min(order.size(), a + G); ++b) keys.emplace_back(li, order[b]);
+        sched.acquire(step, keys);
+        if (last) {
+          auto tp = Clock::now();
+          planner.plan_chunk(sched, li, step, T, T_next, cs, state, out.preds, end);
+          plan_s += seconds_since(tp);
+        }
+        compute_landed_first(sched, keys, [&](size_t ki, const uint8_t* blob) {  // data() waited: the stall
+          const Key& key = keys[ki];
+          const auto& us = users[key.second];
+          const int n = static_cast<int>(us.size());
+          xs.resize(static_cast<size_t>(n) * H);
+          ys.resize(static_cast<size_t>(n) * H);
+          for (int u = 0; u < n; ++u)
+            std::copy(out.x.begin() + static_cast<size_t>(us[u] / k) * H,
+                      out.x.begin() + static_cast<size_t>(us[u] / k + 1) * H, xs.begin() + static_cast<size_t>(u) * H);
+          auto tk = Clock::now();
+          kernel_.forward_batch(blob, xs.data(), n, ys.data());  // one batched product
+          expert_s += seconds_since(tk);
+          expert_calls += n;
+          for (int u = 0; u < n; ++u)
+            std::copy(ys.begin() + static_cast<size_t>(u) * H, ys.begin() + static_cast<size_t>(u + 1) * H,
+                      outs_tj.begin() + static_cast<size_t>(us[u]) * H);
+        });
+        sched.release(step, keys, last);
+      }
+      hc.swap(out.h);
+      for (int t = 0; t < T; ++t) {
+        std::fill(y.begin(), y.end(), 0.0f);
+        for (int j = 0; j < k; ++j) {
+          const float wj = w_all[static_cast<size_t>(t) * k + j];
+          const float* eo = outs_tj.data() + (static_cast<size_t>(t) * k + j) * H;
+          for (int i = 0; i < H; ++i) y[i] = y[i] + wj * eo[i];
+        }
+        float* ht = hc.data() + static_cast<size_t>(t) * H;
+        for (int i = 0; i < H; ++i) ht[i] = ht[i] + y[i];
+      }
+    }
+    for (auto& r : rt) g.routing.push_back(std::move(r));
+  };
+
   exec_.reset();
   const auto t0 = Clock::now();
   int pos = 0;
   while (true) {
-    exec_.embed(seq[pos], h);
-    for (int layer = 0; layer < m_.num_layers; ++layer) {
-      const int li = moe_index[layer];
-      exec_.layer(layer, h, pos, li >= 0, out);
-      if (li < 0) {
-        h.swap(out.h);
+    auto u = unit_at.find(pos);
+    const int T = u == unit_at.end() ? 1 : u->second;
+    if (T > 1) {  // a prefill chunk
+      auto un = unit_at.find(pos + T);
+      chunk(pos, T, un == unit_at.end() ? 1 : un->second);
+      for (int t = 0; t < T; ++t) state.next_position();
+      const int last = pos + T - 1;
+      if (last < n_prompt - 1) {
+        pos += T;
         continue;
       }
-      const int64_t step = static_cast<int64_t>(pos) * L + li;
-      if (static_cast<int>(out.x.size()) != H || static_cast<int>(out.logits.size()) != m_.routing.num_experts)
-        throw Error("layer_" + std::to_string(layer) + ": router outputs of the wrong size");
-      const float* sb = (host_ != nullptr && !host_->score_bias.empty())
-                            ? host_->score_bias.data() + static_cast<size_t>(li) * m_.routing.num_experts
-                            : nullptr;
-      select_experts(out.logits.data(), m_.routing, sb, ids, w);
-      state.record(li, out.x.data(), ids);
-      keys.clear();
-      for (int e : ids) keys.emplace_back(li, e);
-      if (events != nullptr) events->at(step, pos, li);
-      sched.acquire(step, keys);  // demand reads go out first
-      auto tp = Clock::now();
-      planner.plan(sched, li, step, state, out.preds, end);
-      plan_s += seconds_since(tp);
-      std::fill(y.begin(), y.end(), 0.0f);
-      for (size_t j = 0; j < keys.size(); ++j) {
-        const uint8_t* blob = sched.data(keys[j]);  // waits for the read (the stall), outside the kernel time
-        auto tk = Clock::now();
-        kernel_.forward(blob, out.x.data(), e_out.data());
-        expert_s += seconds_since(tk);
-        ++expert_calls;
-        const float wj = w[j];
-        for (int i = 0; i < H; ++i) y[i] = y[i] + wj * e_out[i];
+      pos = last;
+      h.assign(hc.begin() + static_cast<size_t>(T - 1) * H, hc.end());
+    } else {
+      exec_.embed(seq[pos], h);
+      for (int layer = 0; layer < m_.num_layers; ++layer) {
+        const int li = moe_index[layer];
+        exec_.layer(layer, h, pos, li >= 0, out);
+        if (li < 0) {
+          h.swap(out.h);
+          continue;
+        }
+        const int64_t step = static_cast<int64_t>(pos) * L + li;
+        if (static_cast<int>(out.x.size()) != H || static_cast<int>(out.logits.size()) != m_.routing.num_experts)
+          throw Error("layer_" + std::to_string(layer) + ": router outputs of the wrong size");
+        const float* sb = (host_ != nullptr && !host_->score_bias.empty())
+                              ? host_->score_bias.data() + static_cast<size_t>(li) * m_.routing.num_experts
+                              : nullptr;
+        select_experts(out.logits.data(), m_.routing, sb, ids, w);
+        state.record(li, out.x.data(), ids);
+        keys.clear();
+        for (int e : ids) keys.emplace_back(li, e);
+        if (events != nullptr) events->at(step, pos, li);
+        sched.acquire(step, keys);  // demand reads go out first
+        auto tp = Clock::now();
+        planner.plan(sched, li, step, state, out.preds, end);
+        plan_s += seconds_since(tp);
+        // compute while loading: resident experts first (one forward_many), then each missing one
+        // as its read lands; the outputs are summed in top-k order afterwards, so nothing changes
+        e_outs.resize(keys.size() * static_cast<size_t>(H));
+        {
+          std::vector<const uint8_t*> now_blobs;
+          std::vector<float*> now_outs;
+          std::vector<size_t> later;
+          for (size_t j = 0; j < keys.size(); ++j) {
+            if (sched.landed(keys[j])) {
+              now_blobs.push_back(sched.data(keys[j]));
+              now_outs.push_back(e_outs.data() + j * H);
+            } else {
+              later.push_back(j);
+            }
+          }
+          auto tk = Clock::now();
+          if (!now_blobs.empty())
+            kernel_.forward_many(now_blobs.data(), static_cast<int>(now_blobs.size()), out.x.data(), now_outs.data());
+          expert_s += seconds_since(tk);
+          std::vector<Key> later_keys;
+          for (size_t j : later) later_keys.push_back(keys[j]);
+          compute_landed_first(sched, later_keys, [&](size_t i, const uint8_t* blob) {  // data() waited: the stall
+            auto tk2 = Clock::now();
+            kernel_.forward(blob, out.x.data(), e_outs.data() + later[i] * H);
+            expert_s += seconds_since(tk2);
+          });
+          expert_calls += static_cast<int64_t>(keys.size());
+        }
+        std::fill(y.begin(), y.end(), 0.0f);
+        for (size_t j = 0; j < keys.size(); ++j) {
+          const float wj = w[j];
+          const float* eo = e_outs.data() + j * H;
+          for (int i = 0; i < H; ++i) y[i] = y[i] + wj * eo[i];
+        }
+        sched.release(step, keys);
+        h.swap(out.h);
+        for (int i = 0; i < H; ++i) h[i] = h[i] + y[i];
       }
-      sched.release(step, keys);
-      h.swap(out.h);
-      for (int i = 0; i < H; ++i) h[i] = h[i] + y[i];
-    }
-    g.routing.push_back(state.ids);
-    state.next_position();
-    if (pos < n_prompt - 1) {  // still the prompt: its next token is given
-      ++pos;
-      continue;
+      g.routing.push_back(state.ids);
+      state.next_position();
+      if (pos < n_prompt - 1) {  // still the prompt: its next token is given
+        ++pos;
+        continue;
+      }
     }
     if (g.tokens.empty()) g.prefill_ms = seconds_since(t0) * 1e3;
     exec_.head(h, logits);

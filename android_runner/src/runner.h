@@ -12,6 +12,10 @@
 //                   y = sum_j w_j * expert(x, slot(ids_j))   waiting for bytes still in flight
 //                   release(s, ids); h = h_res + y
 //   token = argmax(head(h))
+//
+// The prompt goes through the bundle's prefill_T_layer_N methods in chunks where it has them (the
+// reference's Runner._chunk; docs/runner.md), and a MoE layer computes its landed experts first,
+// the others as their reads land (compute while loading), summed in top-k order.
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -56,6 +60,7 @@ struct RunConfig {
   int lanes = 0;       // read threads (0: queue_depth + 1)
   bool verify = true;  // CRC every blob read
   bool preload = false;  // read every expert into the pool before the first position (all resident; benchmarks)
+  int prefill_chunk = -1;  // the largest prefill chunk: -1 the bundle's largest, 0 off (one position at a time)
   std::string name() const { return predictor + "+" + eviction; }
   bool needs_future() const { return predictor == "oracle" || eviction == "belady"; }
   int64_t budget_bytes() const { return static_cast<int64_t>(pool_mib * 1048576.0); }
@@ -72,7 +77,12 @@ struct Generation {
   double preload_ms = 0;                  // --preload: reading every expert before the run
   double expert_ms_per_call = 0;          // the expert kernels' time per expert computed
   double plan_ms_per_layer = 0;           // the planner's time per MoE layer (predictions -> queue)
+  std::vector<int> prefill_chunks;        // how the prompt was fed: chunk sizes, 1 = one position
 };
+
+// How a prompt of n positions is fed: greedily the largest chunk of `chunks` that fits in what is
+// left, the tail by smaller chunks and single positions (1) (backend.py's chunk_plan).
+std::vector<int> chunk_plan(int n, const std::vector<int>& chunks);
 
 class Runner {
  public:
@@ -82,6 +92,7 @@ class Runner {
   void configure(const RunConfig& cfg);  // checked: a bad configuration throws and changes nothing
   const RunConfig& config() const { return cfg_; }
   std::vector<std::string> predictors() const;
+  std::vector<int> chunk_sizes() const;  // the prefill chunk sizes this configuration uses
 
   // Greedy decoding of up to max_new tokens (stopping after EOS). `future`: a recorded run's
   // routing (oracle / Belady); `events`: a log to append every decision to.

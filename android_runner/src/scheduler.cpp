@@ -119,6 +119,11 @@ const uint8_t* WindowScheduler::data(Key key) {
   return pool_.data(*s);
 }
 
+bool WindowScheduler::landed(Key key) {
+  Slot* s = pool_.get(key);
+  return s->landed || io_.landed(key);
+}
+
 void WindowScheduler::plan(int64_t step, const std::vector<int64_t>& targets,
                            std::vector<std::vector<float>> scores) {
   std::vector<int64_t> ts;
@@ -271,13 +276,13 @@ void WindowScheduler::acquire(int64_t step, const std::vector<Key>& keys) {
   }
 }
 
-void WindowScheduler::release(int64_t step, const std::vector<Key>& keys) {
+void WindowScheduler::release(int64_t step, const std::vector<Key>& keys, bool do_pump) {
   for (const Key& key : keys) {
     Slot* s = pool_.get(key);
     s->pins -= 1;
     pool_.touch(*s, step);
   }
-  pump();
+  if (do_pump) pump();
 }
 
 }  // namespace spx

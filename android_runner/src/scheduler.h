@@ -62,9 +62,13 @@ class WindowScheduler {
 
   // Make `keys` resident and pinned for `step`; misses are read on demand, first in line.
   void acquire(int64_t step, const std::vector<Key>& keys);
-  void release(int64_t step, const std::vector<Key>& keys);
+  // Unpin `keys` after `step` used them, then issue queued reads (`pump`: a prefill chunk's earlier
+  // expert groups release without it, so no prefetch takes a slot a later group of the step needs).
+  void release(int64_t step, const std::vector<Key>& keys, bool pump = true);
   // The slot's bytes, waiting for its read to land if it has not.
   const uint8_t* data(Key key);
+  // Whether the slot's bytes are in memory now (data() would not wait); never blocks.
+  bool landed(Key key);
   // Queue reads from probabilities: probs[w] has E values for the step targets[w].
   void plan_probs(int64_t step, const std::vector<int64_t>& targets, const std::vector<std::vector<float>>& probs);
   // Scores (non-negative ones normalised to sum 1, others softmaxed; all-zero rows skipped).

@@ -50,6 +50,55 @@ json counts_json(const SchedulerStats& s) {
               {"wait_s", s.wait_s}};
 }
 
+json pool_auto_json(const PoolSizing& z, const MemWatch& w) {
+  const MemSample& m = z.sample;
+  json cg = nullptr;
+  if (m.cgroup_version != 0)
+    cg = json{{"version", m.cgroup_version},
+              {"dir", m.cgroup_dir},
+              {"limited", m.cgroup_limited},
+              {"limit_bytes", m.cgroup_limited ? json(m.cgroup_limit) : json(nullptr)},
+              {"usage_bytes", m.cgroup_limited ? json(m.cgroup_usage) : json(nullptr)},
+              {"reclaimable_file_bytes", m.cgroup_limited ? json(m.cgroup_inactive_file) : json(nullptr)},
+              {"room_bytes", m.cgroup_limited ? json(m.cgroup_room) : json(nullptr)}};
+  json changes = json::array();
+  int64_t final_slots = z.slots;
+  for (const auto& c : w.changes()) {
+    changes.push_back(json{{"t_ms", num(c.t_ms, 3)},
+                           {"pool", c.pool},
+                           {"step", c.step},
+                           {"kind", c.to < c.from ? "shrink" : "grow"},
+                           {"available_bytes", c.available},
+                           {"from_slots", c.from},
+                           {"to_slots", c.to},
+                           {"capacity_mib", num(c.to * z.slot_bytes / MiB, 4)},
+                           {"evicted", c.evicted},
+                           {"released_bytes", c.released_bytes}});
+    final_slots = c.to;
+  }
+  return json{{"source", m.source},
+              {"available_bytes", m.available},
+              {"meminfo_available_bytes", m.meminfo_available >= 0 ? json(m.meminfo_available) : json(nullptr)},
+              {"meminfo_total_bytes", m.meminfo_total >= 0 ? json(m.meminfo_total) : json(nullptr)},
+              {"cgroup", cg},
+              {"reserve_bytes", z.reserve_bytes},
+              {"reserve_rule", z.reserve_default ? "default: min(512 MiB, available / 4)" : "--pool-reserve-mib"},
+              {"program_bytes", z.program_bytes},
+              {"slot_bytes", z.slot_bytes},
+              {"chosen_slots", z.slots},
+              {"chosen_mib", num(z.slots * z.slot_bytes / MiB, 4)},
+              {"all_experts_slots", z.all_slots},
+              {"capped_at_all_experts", z.capped},
+              {"min_slots", z.min_slots},
+              {"low_watermark_bytes", z.low_bytes},
+              {"high_watermark_bytes", z.high_bytes},
+              {"check_ms", z.check_ms},
+              {"samples", w.samples()},
+              {"min_available_bytes", w.min_available()},
+              {"final_slots", final_slots},
+              {"changes", changes}};
+}
+
 void DecodeAccount::start(const WindowScheduler& sched, ExpertPool& pool) {
   pool.settle();
   first_ = sched.stats;

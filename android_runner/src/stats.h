@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "memwatch.h"
 #include "pool.h"
 #include "scheduler.h"
 
@@ -29,6 +30,8 @@ class DecodeAccount {
 };
 
 nlohmann::ordered_json counts_json(const SchedulerStats& s);
+// `pool_auto` of the run JSON: what was measured at start, the size chosen, each capacity change.
+nlohmann::ordered_json pool_auto_json(const PoolSizing& z, const MemWatch& w);
 int64_t peak_rss_bytes();  // VmHWM, or -1 where /proc is absent
 double percentile(std::vector<double> v, double q);  // numpy's default (linear) interpolation
 

@@ -1,10 +1,15 @@
 // check_kernels: runs the native expert kernels on blobs written by the Python toolkit, for the
 // kernel tests (tests/test_native_kernels.py) and for timing them.
 //
-//   check_kernels ISA LAYOUT.json BLOB.bin X.bin Y_OUT.bin
-//       Runs ExpertKernel::forward for each of the layout's `count` blobs (BLOB.bin holds them
-//       back to back, `stride` bytes apart) on the matching float32 vector of X.bin ([count, H]),
-//       writing the float32 outputs ([count, H]) to Y_OUT.bin.
+//   check_kernels [--threads N] [--mode forward|batch|many | --matvec ROLE] ISA LAYOUT.json BLOB.bin X.bin Y_OUT.bin
+//       forward (default): ExpertKernel::forward for each of the layout's `count` blobs (BLOB.bin
+//       holds them back to back, `stride` bytes apart) on the matching float32 vector of X.bin
+//       ([count, H]), writing the float32 outputs ([count, H]) to Y_OUT.bin.
+//       batch: forward_batch of blob 0 on all `count` rows of X.bin at once.
+//       many: forward_many of all `count` blobs on row 0 of X.bin (output row i: blob i).
+//       --matvec ROLE: spx::matvec of that matrix of each blob on its row of X.bin ([count, in]),
+//       writing [count, out].
+//       --threads N: the parallel_for pool's size (the std::thread fallback; default 1).
 //   check_kernels --bench [--iters N] ISA|all LAYOUT.json BLOB.bin X.bin
 //       Times forward per ISA (every supported one for "all"): "hot" repeats blob 0 (cache
 //       resident), "cycle" walks all `count` blobs. Prints nanoseconds per expert.
@@ -30,6 +35,7 @@
 
 #include "kernels.h"
 #include "kernels_impl.h"
+#include "parallel.h"
 
 namespace {
 
@@ -101,7 +107,7 @@ struct Inputs {
 };
 
 Inputs load(const std::string& layout_path, const std::string& blob_path, const std::string& x_path, int64_t hidden,
-            size_t blob_bytes) {
+            size_t blob_bytes, size_t x_rows = 0) {
   Inputs in;
   in.layout = parse_layout(layout_path);
   Layout& l = in.layout;
@@ -113,8 +119,9 @@ Inputs load(const std::string& layout_path, const std::string& blob_path, const 
     throw Error(blob_path + ": " + std::to_string(in.blobs.n) + " bytes, too short for " + std::to_string(l.count) +
                 " blobs of stride " + std::to_string(l.stride));
   std::string xs = read_file(x_path);
-  if (xs.size() != l.count * static_cast<size_t>(hidden) * sizeof(float))
-    throw Error(x_path + ": " + std::to_string(xs.size()) + " bytes, expected " + std::to_string(l.count) + " x " +
+  if (x_rows == 0) x_rows = l.count;
+  if (xs.size() != x_rows * static_cast<size_t>(hidden) * sizeof(float))
+    throw Error(x_path + ": " + std::to_string(xs.size()) + " bytes, expected " + std::to_string(x_rows) + " x " +
                 std::to_string(hidden) + " float32");
   in.x.resize(xs.size() / sizeof(float));
   std::memcpy(in.x.data(), xs.data(), xs.size());
@@ -122,9 +129,10 @@ Inputs load(const std::string& layout_path, const std::string& blob_path, const 
 }
 
 int usage() {
-  std::cerr << "usage: check_kernels ISA LAYOUT.json BLOB.bin X.bin Y_OUT.bin\n"
+  std::cerr << "usage: check_kernels [--threads N] [--mode forward|batch|many | --matvec ROLE] ISA LAYOUT.json "
+               "BLOB.bin X.bin Y_OUT.bin\n"
                "       check_kernels --bench [--iters N] ISA|all LAYOUT.json BLOB.bin X.bin\n"
-               "ISA: portable, avx2, neon, best\n";
+               "ISA: portable, avx2, avx_vnni, avx512_vnni, neon, neon_dotprod, neon_i8mm, best\n";
   return 64;
 }
 
@@ -144,19 +152,69 @@ std::string dtype_name(const Layout& l) {
   return "?";
 }
 
-int run_check(const std::vector<std::string>& a) {
+void write_floats(const std::string& path, const std::vector<float>& y) {
+  std::ofstream f(path, std::ios::binary);
+  f.write(reinterpret_cast<const char*>(y.data()), static_cast<std::streamsize>(y.size() * sizeof(float)));
+  if (!f) throw Error("cannot write " + path);
+}
+
+int run_check(std::vector<std::string> a) {
+  std::string mode = "forward", role;
+  while (a.size() >= 2 && a[0].rfind("--", 0) == 0) {
+    if (a[0] == "--threads") {
+      spx::set_fallback_threads(static_cast<size_t>(std::max(1L, std::atol(a[1].c_str()))));
+    } else if (a[0] == "--mode") {
+      mode = a[1];
+      if (mode != "forward" && mode != "batch" && mode != "many") return usage();
+    } else if (a[0] == "--matvec") {
+      role = a[1];
+    } else {
+      return usage();
+    }
+    a.erase(a.begin(), a.begin() + 2);
+  }
   if (a.size() != 5) return usage();
   Isa isa = require_isa(a[0]);
   Layout l = parse_layout(a[1]);
+  if (!role.empty()) {  // one matrix of each blob
+    const spx::Section *w = nullptr, *sc = nullptr;
+    std::vector<int64_t> shape;
+    for (const auto& s : l.sections) {
+      if (s.role == role && s.kind == "weight") w = &s;
+      if (s.role == role && s.kind == "scale") sc = &s;
+    }
+    for (const auto& m : l.matrices)
+      if (m.role == role) shape = m.shape;
+    if (!w || shape.size() != 2) throw Error(a[1] + ": no matrix '" + role + "'");
+    size_t bytes = 0;
+    for (const auto& s : l.sections) bytes = std::max(bytes, s.offset + s.nbytes);
+    Inputs in = load(a[1], a[2], a[3], shape[1], bytes);
+    std::vector<float> y(in.layout.count * static_cast<size_t>(shape[0]));
+    for (size_t i = 0; i < in.layout.count; ++i)
+      spx::matvec(isa, *w, sc, shape[0], shape[1], in.blobs.p.get() + i * in.layout.stride,
+                  in.x.data() + i * static_cast<size_t>(shape[1]), y.data() + i * static_cast<size_t>(shape[0]));
+    write_floats(a[4], y);
+    return 0;
+  }
   spx::ExpertKernel k(l.sections, l.matrices, l.family, l.hidden_act, l.swiglu_limit, isa);
   Inputs in = load(a[1], a[2], a[3], k.hidden(), k.blob_bytes());
-  const size_t H = static_cast<size_t>(k.hidden());
-  std::vector<float> y(in.layout.count * H);
-  for (size_t i = 0; i < in.layout.count; ++i)
-    k.forward(in.blobs.p.get() + i * in.layout.stride, in.x.data() + i * H, y.data() + i * H);
-  std::ofstream f(a[4], std::ios::binary);
-  f.write(reinterpret_cast<const char*>(y.data()), static_cast<std::streamsize>(y.size() * sizeof(float)));
-  if (!f) throw Error("cannot write " + a[4]);
+  const size_t H = static_cast<size_t>(k.hidden()), n = in.layout.count;
+  std::vector<float> y(n * H);
+  if (mode == "batch") {
+    k.forward_batch(in.blobs.p.get(), in.x.data(), static_cast<int64_t>(n), y.data());
+  } else if (mode == "many") {
+    std::vector<const uint8_t*> blobs(n);
+    std::vector<float*> outs(n);
+    for (size_t i = 0; i < n; ++i) {
+      blobs[i] = in.blobs.p.get() + i * in.layout.stride;
+      outs[i] = y.data() + i * H;
+    }
+    k.forward_many(blobs.data(), static_cast<int>(n), in.x.data(), outs.data());
+  } else {
+    for (size_t i = 0; i < n; ++i)
+      k.forward(in.blobs.p.get() + i * in.layout.stride, in.x.data() + i * H, y.data() + i * H);
+  }
+  write_floats(a[4], y);
   return 0;
 }
 
@@ -169,8 +227,7 @@ int run_bench(std::vector<std::string> a) {
   if (a.size() != 4) return usage();
   std::vector<Isa> isas;
   if (a[0] == "all") {
-    for (Isa i : {Isa::portable, Isa::avx2, Isa::neon})
-      if (spx::isa_supported(i)) isas.push_back(i);
+    isas = spx::supported_isas();
   } else {
     isas.push_back(require_isa(a[0]));
   }

@@ -8,7 +8,11 @@
   converter puts vendor/llama.cpp/gguf-py first on sys.path itself), in a subprocess, with its
   BPE pre-tokenizer check patched at run time for our custom tokenizers.
 - `run(...)`: llama-completion, greedy, exactly n_new tokens, through `memlimit.run_limited`
-  (same memory limit including page cache, cold cache, same I/O accounting as our runner).
+  (same memory limit including page cache, cold cache, same I/O accounting as our runner);
+  ``readaround=False`` runs it with fault read-around off on its model mapping (`readaround_shim`).
+- `bench(...)`: llama.cpp's own llama-bench (pp<N> and tg<N> tokens/s) on the same GGUF.
+- `tool_path(name)`: any of the built tools (`BINARIES`), e.g. ``tool_path("test-backend-ops")``,
+  llama.cpp's per-op test and benchmark (``test-backend-ops perf -o MUL_MAT``).
 
 One patch is applied to the unpacked sources: common/log.cpp drains its asynchronous log at exit
 (`_patch_log_flush`); upstream can lose the end of stdout/stderr under CPU contention.
@@ -21,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import platform
 import re
 import shutil
 import struct
@@ -42,7 +47,7 @@ LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 LLAMA_CPP_COMMIT = "0c1e57098"
 LLAMA_CPP_BUILD = 11312
 CLI = "llama-completion"  # prompt in, text out (this llama.cpp's llama-cli is the chat client; tools/cli)
-BINARIES = ("llama-completion", "llama-bench", "llama-quantize")
+BINARIES = ("llama-completion", "llama-bench", "llama-quantize", "test-backend-ops")
 ARM64_ARCH = "armv8.2-a+dotprod+fp16"   # Snapdragon 8 Elite (Oryon, Armv8.7+) runs all of it
 QEMU = ("qemu-aarch64", "-L", "/usr/aarch64-linux-gnu")
 REPO = Path(__file__).resolve().parents[2]
@@ -55,16 +60,27 @@ def peers_dir() -> Path:
     """Beside the runner cache and the device profiles (moves with SPECPREFETCH_PROFILES)."""
     from toolkit.runtime.profiles import profile_dir
 
-    return profile_dir().parent / "peers"
+    # resolved: a cache reached through a symlink is the same cache (CMake's build directory records its
+    # source path, so another spelling of it would rebuild everything)
+    return (profile_dir().parent / "peers").resolve()
 
 
 # the GGUF type that matches a bundle's expert precision: llama.cpp's nearest class of the same bytes per
 # weight (int8 = blocks of 32 with an fp16 scale ~ Q8_0; int4 = blocks of 32 with an fp16 scale ~ Q4_0)
 GGUF_TYPE_FOR_EXPERTS = {"fp16": "f16", "int8": "q8_0", "int4": "q4_0"}
-# This llama.cpp (b11312) segfaults in its first decode on the Q4_0 GGUF of the widened phone-class model
-# (hidden 256, 64 experts of FFN 2048, top-8) with CPU weight repacking on, and runs it with --no-repack;
-# the side by side runs Q4_0 models without repacking (its notes say so): slower than llama.cpp's best.
-REPACK_CRASH = "q4_0"
+# The segfault once documented here ("with CPU weight repacking on, b11312 crashes in its first decode of
+# the widened phone-class model's Q4_0 GGUF") is in ggml's AMX kernels (ggml_backend_amx_mul_mat, gdb
+# backtrace), which a GGML_NATIVE build compiles in on a CPU with AMX (this VM's Xeon) and which take the
+# Q4_0 weights through the same "extra buffer types" switch as repacking. The host build therefore leaves
+# AMX out (`NO_AMX_FLAGS`; a phone has no AMX either) and keeps CPU repacking (the AVX2 / AVX-512
+# interleaved Q4_0 and Q8_0 kernels: llama.cpp's fastest CPU path). No newer llama.cpp is reachable from
+# a package registry (llama-cpp-python 0.3.36, which vendors b11312, is PyPI's newest). REPACK_CRASH
+# names GGUF types still run with --no-repack: none.
+REPACK_CRASH: str | None = None
+NO_AMX_FLAGS = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+# how each GGUF type is made from the checkpoint: f16 by convert_hf_to_gguf; the quantised types by
+# llama-quantize from that f16 (llama.cpp's own quantiser); the cache file name carries the recipe
+GGUF_RECIPE = {"f16": "f16", "q8_0": "q8_0-quantize", "q4_0": "q4_0"}
 
 
 def cached_gguf(source: Path, label: str, gguf_dir: Path | None = None, *, gguf_type: str = "f16",
@@ -72,7 +88,7 @@ def cached_gguf(source: Path, label: str, gguf_dir: Path | None = None, *, gguf_
     """The GGUF of a checkpoint, converted once: cached per checkpoint content (its config and weight
     files' sizes and mtimes) and type under gguf_dir (default peers_dir()/gguf).
 
-    f16 and q8_0 come straight from convert_hf_to_gguf; q4_0 is llama-quantize's Q4_0 of the f16 file
+    f16 comes from convert_hf_to_gguf; q8_0 and q4_0 are llama-quantize's Q8_0 / Q4_0 of that f16 file
     (`bins`: a host build's bin directory, as `build("host")` returns)."""
     if gguf_type not in ("f16", "q8_0", "q4_0"):
         raise SpecPrefetchError(f"GGUF type {gguf_type!r}: f16, q8_0 or q4_0")
@@ -81,12 +97,13 @@ def cached_gguf(source: Path, label: str, gguf_dir: Path | None = None, *, gguf_
         if p.suffix in (".json", ".safetensors") and p.is_file():
             st = p.stat()
             h.update(f"{p.name}:{st.st_size}:{st.st_mtime_ns}".encode())
-    out = (Path(gguf_dir) if gguf_dir else peers_dir() / "gguf") / f"{label}-{h.hexdigest()[:12]}-{gguf_type}.gguf"
+    out = (Path(gguf_dir) if gguf_dir else peers_dir() / "gguf") / \
+        f"{label}-{h.hexdigest()[:12]}-{GGUF_RECIPE[gguf_type]}.gguf"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
-        if gguf_type == "q4_0":
+        if gguf_type != "f16":
             f16 = cached_gguf(source, label, gguf_dir, gguf_type="f16", log=log)
-            quantize(bins if bins is not None else build("host", log=log), f16, out, "Q4_0", log=log)
+            quantize(bins if bins is not None else build("host", log=log), f16, out, gguf_type.upper(), log=log)
         else:
             convert(Path(source), out, outtype=gguf_type, log=log)
     return out
@@ -182,10 +199,12 @@ def _patch_log_flush(llama: Path) -> None:
 def _cmake_args(abi: str, llama: Path, build_dir: Path) -> list[str]:
     args = ["-S", str(llama), "-B", str(build_dir), "-G", "Ninja",
             f"-DCMAKE_MAKE_PROGRAM={_venv_tool('ninja')}", "-DCMAKE_BUILD_TYPE=Release",
-            "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+            "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=ON",  # for test-backend-ops
             "-DLLAMA_BUILD_SERVER=OFF", f"-DLLAMA_BUILD_COMMIT={LLAMA_CPP_COMMIT}",
             f"-DLLAMA_BUILD_NUMBER={LLAMA_CPP_BUILD}"]
     if abi == "host":
+        if platform.machine().lower() in ("x86_64", "amd64"):  # see REPACK_CRASH
+            args += [f"-DCMAKE_C_FLAGS={NO_AMX_FLAGS}", f"-DCMAKE_CXX_FLAGS={NO_AMX_FLAGS}"]
         return args + ["-DGGML_NATIVE=ON"]
     if abi == "arm64":
         if not shutil.which("aarch64-linux-gnu-g++"):
@@ -199,7 +218,8 @@ def _cmake_args(abi: str, llama: Path, build_dir: Path) -> list[str]:
 
 def build(abi: str = "host", *, log: Log = print, force: bool = False, jobs: int | None = None,
           nice: int = 10) -> Path:
-    """Build llama-completion, llama-bench and llama-quantize for `abi`; returns the bin directory.
+    """Build `BINARIES` (llama-completion, llama-bench, llama-quantize, test-backend-ops) for `abi`;
+    returns the bin directory.
 
     A finished build (stamp file matching version and flags) is reused unless `force`. The full
     configure/build log goes to ``peers/build-<abi>.log``; a failure raises a one-line
@@ -261,6 +281,130 @@ def check_arm64(bin_dir: Path) -> str:
         raise SpecPrefetchError(f"arm64 {CLI} did not start under qemu-aarch64 "
                                 f"(exit {r.returncode}): {out.splitlines()[-1] if out else 'no output'}")
     return next(l for l in out.splitlines() if "version" in l)
+
+
+def tool_path(name: str, abi: str = "host", *, log: Log = print) -> Path:
+    """The path of one built llama.cpp tool (building it first if needed): one of `BINARIES`, e.g.
+    ``tool_path("test-backend-ops")`` (ggml's per-op checks and ``perf`` micro-benchmarks) or
+    ``tool_path("llama-bench")``. A host tool runs as is; an arm64 one under `QEMU`."""
+    if name not in BINARIES:
+        raise SpecPrefetchError(f"llama.cpp tool {name!r}: the peer build makes {', '.join(BINARIES)}")
+    path = build(abi, log=log) / name
+    if not path.exists():
+        raise SpecPrefetchError(f"{path} not found after the llama.cpp {abi} build (log: "
+                                f"{peers_dir() / f'build-{abi}.log'})")
+    return path
+
+
+# ------------------------------------------------------------------------- read-around off (shim)
+
+READAROUND_ENV = "SPECPREFETCH_MADV_RANDOM"  # "<st_dev>:<st_ino>" of the file whose mappings get MADV_RANDOM
+READAROUND_MARK = "specprefetch-readaround-off: madvise(MADV_RANDOM)"
+_SHIM_C = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+/* specprefetch: fault read-around off on the mappings of one file (docs/benchmarks.md section 8).
+   mmap and mmap64 are wrapped; a mapping of the file named by SPECPREFETCH_MADV_RANDOM
+   ("<st_dev>:<st_ino>") gets madvise(MADV_RANDOM) right after it is made, and one line on stderr. */
+static void advise(void *p, size_t n, int fd) {
+    const char *want = getenv("SPECPREFETCH_MADV_RANDOM");
+    struct stat st;
+    unsigned long long dev, ino;
+    if (p == MAP_FAILED || fd < 0 || !want || sscanf(want, "%llu:%llu", &dev, &ino) != 2) return;
+    if (fstat(fd, &st) != 0 || (unsigned long long)st.st_dev != dev || (unsigned long long)st.st_ino != ino) return;
+    int rc = madvise(p, n, MADV_RANDOM);
+    fprintf(stderr, "%s on %zu bytes: %s\n", "MARK", n, rc == 0 ? "ok" : "failed");
+}
+void *mmap(void *a, size_t n, int prot, int flags, int fd, off_t off) {
+    static void *(*real)(void *, size_t, int, int, int, off_t);
+    if (!real) real = (void *(*)(void *, size_t, int, int, int, off_t))dlsym(RTLD_NEXT, "mmap");
+    void *p = real(a, n, prot, flags, fd, off);
+    advise(p, n, fd);
+    return p;
+}
+void *mmap64(void *a, size_t n, int prot, int flags, int fd, off_t off) {
+    static void *(*real)(void *, size_t, int, int, int, off_t);
+    if (!real) real = (void *(*)(void *, size_t, int, int, int, off_t))dlsym(RTLD_NEXT, "mmap64");
+    void *p = real(a, n, prot, flags, fd, off);
+    advise(p, n, fd);
+    return p;
+}
+""".replace('"MARK"', json.dumps(READAROUND_MARK))
+
+
+def readaround_shim(*, log: Log = print) -> Path:
+    """The LD_PRELOAD shim that turns fault read-around off on llama.cpp's model mapping: mmap wrapped,
+    madvise(MADV_RANDOM) on the mapping of the file named in $SPECPREFETCH_MADV_RANDOM, nothing else
+    changed (llama.cpp's own posix_fadvise(SEQUENTIAL) and MAP_POPULATE stay). Without it each page
+    fault reads up to read_ahead_kb around the page (8 MiB on this VM). Built once with the host C
+    compiler into peers_dir() (keyed by its source); host builds only (the arm64 build is static)."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise SpecPrefetchError("no C compiler (cc/gcc) to build the read-around shim (apt-get install gcc)")
+    digest = hashlib.sha256(_SHIM_C.encode()).hexdigest()[:12]
+    out = peers_dir() / f"readaround-off-{digest}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    src = out.with_suffix(".c")
+    src.write_text(_SHIM_C)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    log("llama.cpp: building the read-around-off shim")
+    r = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(tmp), str(src), "-ldl"], capture_output=True,
+                       text=True, check=False)
+    if r.returncode != 0 or not tmp.exists():
+        tmp.unlink(missing_ok=True)
+        tail = (r.stderr.strip().splitlines() or ["no output"])[-1]
+        raise SpecPrefetchError(f"building {src} failed: {tail[:200]}")
+    tmp.replace(out)
+    return out
+
+
+# ---------------------------------------------------------------------------------- llama-bench
+
+def bench(binary_dir: Path, gguf: Path, *, threads: int, prompt_tokens: Sequence[int] = (128, 512),
+          gen_tokens: int = 32, repetitions: int = 3, repack: bool = True, timeout: float | None = 1800,
+          abi: str = "host") -> list[dict]:
+    """llama.cpp's own llama-bench on `gguf`: pp<N> for each prompt length and tg<gen_tokens>, `threads`
+    threads, `repetitions` runs each (its default warm-up first), default mmap load, CPU repacking as
+    `repack`. Returns one dict per test: test ("pp128", "tg32", ...), n_prompt, n_gen, threads,
+    tokens_per_s (llama-bench's mean), stddev, ms_per_token (1000 / tokens_per_s), repack."""
+    exe = Path(binary_dir) / "llama-bench"
+    if not exe.exists():
+        raise SpecPrefetchError(f"{exe} not found (build it with toolkit.peers.llamacpp.build)")
+    if not Path(gguf).exists():
+        raise SpecPrefetchError(f"{gguf} not found")
+    argv = [str(exe), "-m", str(gguf), "-p", ",".join(str(int(p)) for p in prompt_tokens), "-n", str(gen_tokens),
+            "-t", str(threads), "-r", str(repetitions), "--repack", "1" if repack else "0", "-o", "json"]
+    if abi == "arm64":
+        argv = [*QEMU, *argv]
+    try:
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False,
+                           stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        raise SpecPrefetchError(f"llama-bench on {gguf}: no result in {timeout:.0f} s (killed)") from None
+    if r.returncode != 0:
+        tail = (r.stderr.strip().splitlines() or ["no output"])[-1]
+        raise SpecPrefetchError(f"llama-bench failed on {gguf} (exit {r.returncode}): {tail[:200]}")
+    try:
+        got = json.loads(r.stdout[r.stdout.index("["):])
+    except ValueError as e:
+        raise SpecPrefetchError(f"llama-bench on {gguf}: no JSON in its output ({e})") from None
+    out = []
+    for t in got:
+        n_p, n_g = int(t.get("n_prompt", 0)), int(t.get("n_gen", 0))
+        ts = float(t["avg_ts"])
+        out.append({"test": f"pp{n_p}" if n_g == 0 else f"tg{n_g}" if n_p == 0 else f"pp{n_p}+tg{n_g}",
+                    "n_prompt": n_p, "n_gen": n_g, "threads": int(t.get("n_threads", threads)),
+                    "tokens_per_s": round(ts, 3), "stddev": round(float(t.get("stddev_ts", 0.0)), 3),
+                    "ms_per_token": round(1000.0 / ts, 4) if ts > 0 else None, "repack": repack,
+                    "type": t.get("model_type"), "cpu": t.get("cpu_info")})
+    return out
 
 
 # ---------------------------------------------------------------------------------- conversion
@@ -461,7 +605,8 @@ def _prompt_ids(stderr: str) -> list[int] | None:
 def run(binary_dir: Path, gguf: Path, prompt: str | list[int], n_new: int, *,
         limit_bytes: int | None = None, threads: int | None = None, abi: str = "host",
         mmap: bool = True, load_mode: str | None = None, warmup: bool = False, cold: bool = True,
-        ctx_size: int | None = None, timeout: float | None = None, repack: bool = True) -> dict:
+        ctx_size: int | None = None, timeout: float | None = None, repack: bool = True,
+        readaround: bool = True) -> dict:
     """Generate exactly `n_new` tokens greedily with llama-completion, measured by run_limited.
 
     Greedy: ``--temp 0 --top-k 1 --seed 0``; ``--ignore-eos`` (EOG tokens get -inf logit bias, so
@@ -471,7 +616,10 @@ def run(binary_dir: Path, gguf: Path, prompt: str | list[int], n_new: int, *,
     mismatch raises). `mmap` picks ``--load-mode mmap`` (weights paged in from the file on demand,
     page cache charged to the limit) or ``none`` (read into anonymous memory at load);
     `load_mode` passes another of this llama.cpp's modes (e.g. "dio": direct I/O) instead.
-    ``repack=False`` passes ``--no-repack`` (see REPACK_CRASH).
+    ``repack=False`` passes ``--no-repack`` (see REPACK_CRASH). ``readaround=False`` (host only, with
+    mmap) preloads `readaround_shim`: MADV_RANDOM on the model's mapping, so a page fault reads that page
+    only; the result's ``readaround_off`` says whether the shim reported doing it (a run where it did not
+    raises).
     ``--no-warmup`` by default: llama.cpp's warmup decode would touch (and,
     with mmap, read) the weights before the timed prefill.
 
@@ -517,10 +665,20 @@ def run(binary_dir: Path, gguf: Path, prompt: str | list[int], n_new: int, *,
         argv = [*QEMU, *argv]
     elif abi != "host":
         raise SpecPrefetchError(f"unknown abi {abi!r} (expected 'host' or 'arm64')")
+    env = None
+    if not readaround:
+        if abi != "host" or not mmap or load_mode not in (None, "mmap"):
+            raise SpecPrefetchError("readaround=False: only for a host build loading the model with mmap")
+        st = gguf.stat()
+        env = dict(os.environ, LD_PRELOAD=str(readaround_shim()), **{READAROUND_ENV: f"{st.st_dev}:{st.st_ino}"})
     try:
-        r = run_limited(argv, limit_bytes=limit_bytes, files=[gguf, exe], timeout=timeout, cold=cold)
+        r = run_limited(argv, limit_bytes=limit_bytes, files=[gguf, exe], timeout=timeout, cold=cold, env=env)
     finally:
         os.unlink(pf.name)
+    advised = READAROUND_MARK in r.stderr if not readaround else None
+    if advised is False and r.returncode == 0:
+        raise SpecPrefetchError(f"readaround=False: the shim did not report advising {gguf}'s mapping "
+                                "(llama.cpp mapped it some other way?)")
     perf = parse_perf(r.stderr)
     got_ids = _prompt_ids(r.stderr)
     if want_ids is not None and got_ids is not None and got_ids != want_ids:
@@ -549,6 +707,7 @@ def run(binary_dir: Path, gguf: Path, prompt: str | list[int], n_new: int, *,
         "timed_out": r.timed_out,
         "wall_s": r.wall_s,
         "returncode": r.returncode,
+        "readaround_off": advised,
         "load_ms": perf["load_ms"],
         "sampling_ms": perf["sampling_ms"],
         "eval_runs": n_eval,

@@ -11,7 +11,8 @@ export targets (export/), so the runtime imports none of them.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+import re
+from typing import Any, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -36,6 +37,72 @@ def host_mask(pos: int, max_seq: int, window: int = 0, value: float = IO_MASK_VA
     if window:
         allowed &= j > pos - window
     return torch.where(allowed, 0.0, value).float().view(1, 1, 1, -1)
+
+
+def prefill_name(chunk: int, layer: int) -> str:
+    """The method of decoder layer `layer` over a prefill chunk of `chunk` positions."""
+    return f"prefill_{chunk}_layer_{layer}"
+
+
+def parse_prefill_name(name: str) -> tuple[int, int] | None:
+    """(chunk, layer) of a prefill method's name; None for any other name."""
+    m = re.fullmatch(r"prefill_(\d+)_layer_(\d+)", name)
+    return (int(m[1]), int(m[2])) if m else None
+
+
+def prefill_chunks_of(names: Iterable[str]) -> tuple[int, ...]:
+    """The chunk sizes T > 1 for which `names` (a program's methods) hold every decoder layer's
+    prefill method, ascending; () for a bundle exported before prefill chunks existed."""
+    names = list(names)
+    layers = {int(n[6:]) for n in names if re.fullmatch(r"layer_\d+", n)}
+    by: dict[int, set[int]] = {}
+    for n in names:
+        p = parse_prefill_name(n)
+        if p is not None:
+            by.setdefault(p[0], set()).add(p[1])
+    return tuple(sorted(T for T, ls in by.items() if T > 1 and layers and ls == layers))
+
+
+def chunk_plan(n: int, chunks: Sequence[int]) -> list[int]:
+    """How a prompt of n positions is fed: greedily the largest chunk that fits in what is left,
+    the tail by smaller chunks and single positions (1). `chunks`: the sizes available."""
+    out, left = [], n
+    for T in sorted((c for c in chunks if c > 1), reverse=True):
+        while left >= T:
+            out.append(T)
+            left -= T
+    return out + [1] * left
+
+
+_CUSTOM_OPS: list[bool] = []
+
+
+def load_custom_ops() -> bool:
+    """Load ExecuTorch's LLM custom ops (llama::update_cache, llama::custom_sdpa) once per process
+    from the executorch wheel's libcustom_ops_aot_lib.so: a program whose layers use them needs
+    their kernels registered before it loads. False where there is no such library."""
+    if not _CUSTOM_OPS:
+        ok = False
+        try:
+            import torch as _torch
+            from pathlib import Path
+
+            from executorch.extension.pybindings import portable_lib  # the runtime the library links
+
+            try:  # the library with the ops' meta functions (what torch.export traces them with)
+                from executorch.extension.llm.custom_ops import custom_ops  # noqa: F401
+            except Exception:  # noqa: BLE001 - e.g. a torch without inductor: the bare library below
+                pass
+            if not (hasattr(_torch.ops.llama, "custom_sdpa") and hasattr(_torch.ops.llama, "update_cache")):
+                ext = Path(portable_lib.__file__).resolve().parents[1]  # executorch/extension
+                libs = sorted((ext / "llm" / "custom_ops").glob("libcustom_ops_aot_lib.*"))
+                if libs:
+                    _torch.ops.load_library(str(libs[0]))
+            ok = hasattr(_torch.ops.llama, "custom_sdpa") and hasattr(_torch.ops.llama, "update_cache")
+        except (ImportError, OSError, RuntimeError, AttributeError):
+            ok = False
+        _CUSTOM_OPS.append(ok)
+    return _CUSTOM_OPS[0]
 
 
 class HostKV:
@@ -82,6 +149,26 @@ class Backend:
         """Forget every cached position (a new sequence starts at position 0)."""
         if self.kv is not None:
             self.kv.reset()
+
+    def method_names(self) -> tuple[str, ...]:
+        """The graphs this backend runs (an eager backend's `graphs`, else none known)."""
+        return tuple(getattr(self, "graphs", None) or ())
+
+    @property
+    def prefill_chunks(self) -> tuple[int, ...]:
+        """Prefill chunk sizes T this backend has graphs for (`prefill_T_layer_N`, buffer mode)."""
+        if self.kv_mode != "buffer":
+            return ()
+        if not hasattr(self, "_chunks"):
+            self._chunks = prefill_chunks_of(self.method_names())
+        return self._chunks
+
+    def layer_chunk(self, layer: int, h: torch.Tensor, pos: int) -> list[torch.Tensor]:
+        """Decoder layer `layer` over T = h.shape[1] positions pos .. pos+T-1 (a prefill chunk;
+        T in `prefill_chunks`): [h [1,T,H]] or [h_res [1,T,H], x [T,H], logits [T,E](, preds
+        [T,P,E])]. The chunk writes the same KV cache as `layer` does one position at a time."""
+        T = int(h.shape[1])
+        return self.call(prefill_name(T, layer), [h, torch.arange(pos, pos + T, dtype=torch.long)])
 
     def layer(self, layer: int, h: torch.Tensor, pos: int) -> list[torch.Tensor]:
         """Decoder layer `layer` at position `pos`: [h] for a dense layer, [h_res, x, logits(,

@@ -6,6 +6,13 @@ graph's own `preds` output (the prefetch adapter's heads, or next-gate heads, fo
 at export: what the phone runs), or from a host predictor of the registry, which looks at the
 routing state in a `RoutingBatch` of one row. Every score goes through the family's selection rule,
 so bias and group limits apply as they do to the router.
+
+A prefill chunk of T positions (`plan_chunk`) is planned once per MoE layer from every token's
+predictions: each token's window rows are computed as for one position, then merged per expert by
+the maximum over the chunk's tokens (the chunk's max confidence; for the oracle, each expert's best
+router rank over the positions the target layer covers, ties broken by ascending expert id). A horizon h from layer i targets MoE layer
+(i + h) of this chunk (i + h < L) or, past the last MoE layer, of the next unit (the next chunk or
+position, which starts at position p0 + T): target = step + h + (T - 1) * L there.
 """
 from __future__ import annotations
 
@@ -51,6 +58,29 @@ class RoutingState:
                             has_next=has_next, has_prev=torch.tensor([self.pos > 0]), probs=None,
                             next_probs=None, seq=torch.tensor([0]), pos=torch.tensor([self.pos]),
                             kind=torch.tensor([1]))
+
+
+class ChunkState:
+    """A prefill chunk's router inputs [T, L, H] and choices [T, L, k] so far, for the planner."""
+
+    def __init__(self, T: int, num_layers: int, hidden_size: int, top_k: int):
+        self.hidden = torch.zeros(T, num_layers, hidden_size)
+        self.ids = torch.zeros(T, num_layers, top_k, dtype=torch.long)
+
+    def record(self, li: int, x: torch.Tensor, ids: torch.Tensor) -> None:
+        self.hidden[:, li] = x.reshape(self.hidden.shape[0], -1).float()
+        self.ids[:, li] = ids
+
+    def batch(self, state: RoutingState) -> RoutingBatch:
+        """One row per chunk token for host predictors: the previous position's choices are the
+        token before it (the position before the chunk for the first), as far as they are known."""
+        T = self.ids.shape[0]
+        prev = torch.cat([state.ids, self.ids[:-1]]) if T > 1 else state.ids.clone()
+        pos = torch.arange(state.pos, state.pos + T)
+        return RoutingBatch(hidden=self.hidden, ids=self.ids, next_ids=torch.zeros_like(self.ids), prev_ids=prev,
+                            has_next=torch.zeros(T, dtype=torch.bool), has_prev=pos > 0, probs=None,
+                            next_probs=None, seq=torch.zeros(T, dtype=torch.long), pos=pos,
+                            kind=torch.zeros(T, dtype=torch.long))
 
 
 class PrefetchPlanner:
@@ -109,6 +139,84 @@ class PrefetchPlanner:
             logits = preds.reshape(len(rows), -1)[rows.index(h)].float().unsqueeze(0)
             out.append((step + h, selection_scores(logits, self.routing, sb)[0]))
         return out
+
+    def plan_chunk(self, sched: WindowScheduler, li: int, step: int, span: tuple[int, int], chunk: "ChunkState",
+                   state: RoutingState, preds: torch.Tensor | None, end: int) -> None:
+        """Queue the window's reads after MoE layer li of a prefill chunk (step = p0 * L + li).
+        span = (T, T_next): this chunk's positions and the next unit's; `chunk` holds the chunk's
+        router inputs and choices so far; preds [T, P, E] (GRAPH). Targets at or past `end` are not
+        planned."""
+        T, T_next = span
+        L = self.L
+        hs = [h for h in range(1, self.W + 1) if self._target(li, step, h, T) < end]
+        if self.source is None or not hs:
+            sched.plan_probs(step, [], None)
+            return
+        targets = [self._target(li, step, h, T) for h in hs]
+        if self.oracle:
+            fut = state.future
+            rows = []
+            k = chunk.ids.shape[-1]
+            p0 = state.pos
+            for h in hs:
+                j = li + h
+                lo, n, jj = (p0, T, j) if j < L else (p0 + T, T_next, j - L)
+                s = torch.zeros(self.routing.num_experts)
+                rank = torch.arange(k, 0, -1, dtype=torch.float32)
+                for p in range(lo, lo + n):
+                    if fut is not None and p < len(fut):
+                        ids = fut[p][jj]
+                    elif j < L:  # no recorded future: the chunk's own choices so far (oracle without a future)
+                        ids = chunk.ids[p - p0, jj]
+                    else:
+                        continue
+                    s = torch.maximum(s, torch.zeros_like(s).scatter_(0, ids.long(), rank))
+                # many experts share the best rank: ties broken by ascending id, so every engine
+                # picks the same candidates (steps of 0.5 / E, far above rounding)
+                E = s.shape[0]
+                tie = torch.arange(E, dtype=torch.float32) * torch.tensor(0.5 / E, dtype=torch.float32)
+                rows.append(torch.where(s > 0, s - tie, s))
+            sched.plan(step, list(zip(targets, rows)))
+            return
+        if self.source == GRAPH:
+            rows_of = self.rows.get(li)
+            if not rows_of:
+                sched.plan_probs(step, [], None)
+                return
+            if preds is None:
+                raise RuntimeError(f"MoE layer {li}: the layer graph returned no preds rows")
+            P = len(rows_of)
+            pr = preds.reshape(T, P, -1).float()
+            hs2 = [h for h in hs if h in rows_of]
+            targets = [self._target(li, step, h, T) for h in hs2]
+            if not hs2:
+                sched.plan_probs(step, [], None)
+                return
+            logits = pr[:, [rows_of.index(h) for h in hs2]]                    # [T, W', E]
+            if self.plain:
+                sched.plan_probs(step, targets, logits.softmax(-1).amax(0))
+                return
+            rows = []
+            for w, h in enumerate(hs2):
+                j = (li + h) % L
+                sb = self.score_bias[j] if self.score_bias is not None else None
+                rows.append(selection_scores(logits[:, w], self.routing, sb).amax(0))
+            sched.plan(step, list(zip(targets, rows)))
+            return
+        if self.folded is not None:
+            mat, src, bias, fhs = self.folded[li]
+            x = chunk.hidden[:, src]                                              # [T, H]
+            logits = (x @ mat.t() + bias).view(T, len(fhs), -1)[:, [fhs.index(h) for h in hs]]
+            sched.plan_probs(step, targets, logits.softmax(-1).amax(0))
+            return
+        b = chunk.batch(state)
+        rows = [self.source.scores(b, li, h).float().amax(0) for h in hs]
+        sched.plan(step, list(zip(targets, rows)))
+
+    def _target(self, li: int, step: int, h: int, T: int) -> int:
+        """The step horizon h from MoE layer li targets: this unit's layer li + h, or past the last
+        MoE layer the next unit's (which starts T positions on)."""
+        return step + h + ((T - 1) * self.L if li + h >= self.L else 0)
 
     def plan(self, sched: WindowScheduler, li: int, step: int, state: RoutingState,
              preds: torch.Tensor | None, end: int | None = None) -> None:

@@ -15,6 +15,13 @@ token at a time through the same graphs; its last step gives the first token):
                       release(s, ids); h = h_res + y
     token = argmax(head(h))
 
+Where the graphs have prefill methods (`prefill_T_layer_N`), the prompt goes through them in chunks
+(`Runner._chunk`: a chunk's MoE layer is one step, p0 * L + i, its experts' union acquired in groups
+that fit the pool and each expert computed once for all its tokens), greedily by the largest chunk
+that fits (`chunk_plan`); `RunConfig.prefill_chunk` caps the size or turns it off. Within a MoE
+layer, experts whose bytes have landed are computed first, the others as their reads land
+(`WindowScheduler.compute_order`), summed in top-k order.
+
 The backend (toolkit/runtime/backend.py) may be eager PyTorch, an ExecuTorch program, ONNX Runtime
 or QNN context binaries; the experts always come from the expert store through the bounded pool and
 the windowed scheduler, and nothing else holds an expert. Output is the same for every policy and
@@ -24,6 +31,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import itertools
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -33,12 +41,12 @@ import torch
 from toolkit.errors import SpecPrefetchError
 from toolkit.models.families import RoutingSpec, expert_weights, select_experts
 from toolkit.predictors.base import Predictor
-from toolkit.runtime.backend import Backend
+from toolkit.runtime.backend import Backend, chunk_plan
 from toolkit.runtime.events import EventLog
 from toolkit.runtime.expert_store import ExpertStore
 from toolkit.runtime.experts import ExpertExecutor
 from toolkit.runtime.io import DirectReader, ProcessReader
-from toolkit.runtime.planner import PrefetchPlanner, RoutingState
+from toolkit.runtime.planner import ChunkState, PrefetchPlanner, RoutingState
 from toolkit.runtime.policy import Policy
 from toolkit.runtime.pool import ExpertPool
 from toolkit.runtime.profiles import DeviceProfile
@@ -81,6 +89,7 @@ class RunConfig:
     flash_profile: DeviceProfile | None = None   # pace real reads to this device (emulated flash)
     io: str = "process"                          # reader process (default) or reader threads
     verify: bool = True                          # CRC every blob read
+    prefill_chunk: int | None = None             # largest prefill chunk (None: the graphs' largest; 0: off)
 
     def __post_init__(self):
         if not (self.pool_mib > 0 and self.pool_mib < float("inf")):
@@ -91,6 +100,8 @@ class RunConfig:
             raise SpecPrefetchError(f"--queue-depth {self.queue_depth}: must be >= 1")
         if self.io not in ("process", "threads"):
             raise SpecPrefetchError(f"--io {self.io!r}: choose process or threads")
+        if self.prefill_chunk is not None and self.prefill_chunk < 0:
+            raise SpecPrefetchError(f"--prefill-chunk {self.prefill_chunk}: a chunk size or off")
 
     @property
     def budget_bytes(self) -> int:
@@ -108,9 +119,13 @@ class Generation:
     events: EventLog | None = None
     logits: torch.Tensor | None = None   # [positions, V] with keep_logits
     fed: list[int] | None = None         # every token fed (prompt + committed, but the last)
+    prefill_chunks: list[int] | None = None  # how the prompt was fed: chunk sizes, 1 = one position
 
     def to_json(self) -> dict[str, Any]:
-        return {"tokens": self.tokens, **self.stats.to_json(), "direct_io": self.direct_io}
+        n = sum(self.prefill_chunks or [])
+        tps = round(n / (self.stats.ttft_ms / 1e3), 2) if n and self.stats.ttft_ms > 0 else None
+        return {"tokens": self.tokens, **self.stats.to_json(), "direct_io": self.direct_io,
+                "prefill_tokens_per_s": tps, "prefill_chunks": self.prefill_chunks}
 
 
 class Runner:
@@ -151,6 +166,11 @@ class Runner:
             raise SpecPrefetchError(
                 f"--pool-mib {cfg.pool_mib:g}: holds {capacity} expert slots of {self.store.slot_bytes / 2**10:.0f} KiB, "
                 f"but one layer needs {k} at once; use at least {k * self.store.slot_bytes / 2**20:.2f}")
+        have = self.backend.prefill_chunks
+        if cfg.prefill_chunk and cfg.prefill_chunk not in have:
+            sizes = ", ".join(map(str, have)) if have else "none: the bundle predates prefill chunks"
+            raise SpecPrefetchError(f"--prefill-chunk {cfg.prefill_chunk}: the graphs' prefill chunk sizes are "
+                                    f"{sizes}; give one of them or off")
         if cfg.step_budget_kib is not None and cfg.step_budget_kib * 1024 < self.store.slot_bytes:
             raise SpecPrefetchError(f"--step-budget-kib {cfg.step_budget_kib}: below one expert slot "
                                     f"({self.store.slot_bytes / 2**10:.0f} KiB), so nothing could ever be prefetched")
@@ -193,17 +213,26 @@ class Runner:
         state.future = recorded.routing if recorded is not None else None
         io = self._open_io()
         try:
+            units = chunk_plan(len(prompt_ids), self.chunk_sizes())
             pool, sched = open_pool_and_scheduler(cfg, slot_bytes=self.store.slot_bytes, num_layers=L, top_k=k,
-                                                  io=io, future=state.future, prefetch=planner.active, events=events)
+                                                  io=io, future=state.future, prefetch=planner.active, events=events,
+                                                  units=units)
             if events is not None:
                 events.header(policy=cfg.policy.name, budget_bytes=cfg.budget_bytes, slot_bytes=self.store.slot_bytes,
                               capacity=pool.capacity, window=cfg.window, queue_depth=cfg.queue_depth,
                               min_confidence=cfg.min_confidence, layers=L, top_k=k)
                 events.sequence(prompt_tokens=len(prompt_ids))
             return self._loop(list(prompt_ids), max_new_tokens, sched, pool, planner, state, events, io,
-                              force_ids, keep_logits)
+                              force_ids, keep_logits, units)
         finally:
             io.close()
+
+    def chunk_sizes(self) -> tuple[int, ...]:
+        """The prefill chunk sizes this run uses (none with --prefill-chunk off or old graphs)."""
+        have, cap = self.backend.prefill_chunks, self.cfg.prefill_chunk
+        if cap == 0:
+            return ()
+        return tuple(T for T in have if cap is None or T <= cap)
 
     def _open_io(self):
         cfg = self.cfg
@@ -215,7 +244,7 @@ class Runner:
 
     def _loop(self, seq: list[int], max_new: int, sched: WindowScheduler, pool: ExpertPool,
               planner: PrefetchPlanner, state: RoutingState, events: EventLog | None, io,
-              force_ids: torch.Tensor | None, keep_logits: bool) -> Generation:
+              force_ids: torch.Tensor | None, keep_logits: bool, units: list[int]) -> Generation:
         m, backend = self.model, self.backend
         L = m.L
         moe_index = {layer: li for li, layer in enumerate(m.moe_layers)}
@@ -235,7 +264,41 @@ class Runner:
         graphs = str(getattr(backend, "path", "") or m.label or "the model")  # what non-finite output names
         t0 = time.perf_counter()
         pos = 0
+        starts = list(itertools.accumulate([0, *units]))  # each prompt unit's first position
+        unit_at = {p: T for p, T in zip(starts, units)}
         while True:
+            T = unit_at.get(pos, 1)
+            if T > 1:  # a prefill chunk: positions pos .. pos + T - 1 at once
+                nxt_T = unit_at.get(pos + T, 1)
+                hs = self._chunk(seq, pos, T, nxt_T, sched, pool, planner, state, events, force_ids, end, graphs,
+                                 moe_index, routing)
+                last = pos + T - 1
+                for t in range(T):
+                    state.next_position()
+                    if keep_logits or pos + t >= n_prompt - 1:
+                        out = backend.call("head", [hs[:, t:t + 1]])[0].reshape(-1).float()
+                        _finite([out], graphs, "head", pos + t)
+                        if keep_logits:
+                            logits_all.append(out)
+                if bar is not None:
+                    bar.update(T)
+                    if last == n_prompt - 1:
+                        bar.close()
+                if last < n_prompt - 1:
+                    pos += T
+                    continue
+                pos = last
+                nxt = int(out.argmax())
+                tokens.append(nxt)
+                times.append(time.perf_counter())
+                if events is not None:
+                    events.token(len(tokens) - 1, pos + 1, nxt, (times[-1] - t0) * 1e3)
+                account.start(sched, pool)
+                if len(tokens) >= max_new or nxt in m.eos_token_ids:
+                    break
+                seq.append(nxt)
+                pos += 1
+                continue
             h = backend.call("embed", [torch.tensor([[seq[pos]]], dtype=torch.long)])[0]
             _finite([h], graphs, "embed", pos)
             for layer in range(m.num_layers):
@@ -259,13 +322,19 @@ class Runner:
                     events.at(step, pos, li)
                 sched.acquire(step, keys)          # demand reads go out first
                 planner.plan(sched, li, step, state, preds, end)
-                y = torch.zeros_like(x)
-                for j, key in enumerate(keys):
+                # compute while loading: resident experts first, each missing one as its read lands;
+                # summed in top-k order afterwards (the result does not depend on the order)
+                e_outs: dict[int, torch.Tensor] = {}
+                for j in sched.compute_order(keys):
+                    key = keys[j]
                     e_out = self.experts.expert(x, sched.data(key))
                     if not bool(torch.isfinite(e_out).all()):  # x is finite: the expert's weights are not
                         raise SpecPrefetchError(f"{self.store.path}: expert {key} gave non-finite output (NaN or "
                                                 f"inf) at position {pos}: its weights in the store are damaged")
-                    y = y + w[0, j] * e_out
+                    e_outs[j] = e_out
+                y = torch.zeros_like(x)
+                for j in range(len(keys)):
+                    y = y + w[0, j] * e_outs[j]
                 sched.release(step, keys)
                 h = h_res + y.view_as(h_res)
             routing.append(state.ids[0].clone())
@@ -297,7 +366,82 @@ class Runner:
         if events is not None:
             events.end(tokens=len(tokens), t_ms=(time.perf_counter() - t0) * 1e3)
         return Generation(tokens, routing, stats, direct_io=bool(getattr(io, "direct", False)), events=events,
-                          logits=torch.stack(logits_all) if keep_logits else None, fed=seq)
+                          logits=torch.stack(logits_all) if keep_logits else None, fed=seq, prefill_chunks=units)
+
+    def _chunk(self, seq, p0: int, T: int, T_next: int, sched: WindowScheduler, pool: ExpertPool,
+               planner: PrefetchPlanner, state: RoutingState, events: EventLog | None,
+               force_ids: torch.Tensor | None, end: int, graphs: str, moe_index: dict[int, int],
+               routing: list[torch.Tensor]) -> torch.Tensor:
+        """Prompt positions p0 .. p0+T-1 through every layer at once (the layers' prefill_T
+        methods); returns their hidden states [1, T, H] and appends their routing.
+
+        At MoE layer i (step p0 * L + i) the chunk's routed experts (the union over its tokens)
+        are acquired in groups of at most the pool's capacity, resident ones first, then the
+        others, each part by ascending expert id; each expert is decoded once and computed for
+        every token routed to it; a token's output sums its experts in its own top-k order, as one
+        position does. The window is planned after the last group's acquire (its demand reads
+        first); earlier groups release without issuing prefetches, so no prefetch takes a slot a
+        later group of the same step needs."""
+        m, backend = self.model, self.backend
+        L, k = m.L, m.routing.top_k
+        toks = torch.tensor([seq[p0:p0 + T]], dtype=torch.long)
+        h = torch.cat([backend.call("embed", [toks[:, t:t + 1]])[0] for t in range(T)], dim=1)
+        _finite([h], graphs, "embed", p0)
+        chunk = ChunkState(T, L, m.hidden_size, k)
+        ids_all = torch.zeros(T, L, k, dtype=torch.long)
+        for layer in range(m.num_layers):
+            outs = backend.layer_chunk(layer, h, p0)
+            _finite(outs, graphs, f"prefill_{T}_layer_{layer}", p0)
+            if layer not in moe_index:
+                h = outs[0]
+                continue
+            li = moe_index[layer]
+            step = p0 * L + li
+            h_res, x, logits = outs[0], outs[1].reshape(T, -1), outs[2].reshape(T, -1)
+            preds = outs[3] if len(outs) > 3 else None
+            sb = m.score_bias[li] if m.score_bias is not None else None
+            w, ids = select_experts(logits, m.routing, sb)
+            chunk.record(li, x, ids)
+            ids_all[:, li] = ids
+            state.record(li, x[T - 1:T], ids[T - 1])  # the last position's, for the next unit's predictors
+            if force_ids is not None:
+                ids = force_ids[p0:p0 + T, li].long()
+                w = expert_weights(logits, ids, m.routing)
+            if events is not None:
+                events.at(step, p0, li)
+            users: dict[int, list[tuple[int, int]]] = {}
+            for t in range(T):
+                for j, e in enumerate(ids[t].tolist()):
+                    users.setdefault(e, []).append((t, j))
+            order = sorted(users, key=lambda e: (pool.get((li, e)) is None, e))
+            G = pool.capacity
+            groups = [order[a:a + G] for a in range(0, len(order), G)]
+            e_out: dict[tuple[int, int], torch.Tensor] = {}
+            for gi, grp in enumerate(groups):
+                keys = [(li, e) for e in grp]
+                sched.acquire(step, keys)
+                last = gi == len(groups) - 1
+                if last:
+                    planner.plan_chunk(sched, li, step, (T, T_next), chunk, state, preds, end)
+                for i in sched.compute_order(keys):
+                    key = keys[i]
+                    mats = self.experts.matrices(sched.data(key))
+                    for t, j in users[key[1]]:
+                        out = backend.call("expert", [x[t:t + 1], *mats])[0]
+                        if not bool(torch.isfinite(out).all()):
+                            raise SpecPrefetchError(f"{self.store.path}: expert {key} gave non-finite output (NaN or "
+                                                    f"inf) at position {p0 + t}: its weights in the store are damaged")
+                        e_out[(t, j)] = out
+                sched.release(step, keys, pump=last)
+            rows = []
+            for t in range(T):
+                y = torch.zeros_like(x[t:t + 1])
+                for j in range(k):
+                    y = y + w[t, j] * e_out[(t, j)]
+                rows.append(y)
+            h = h_res + torch.cat(rows).view_as(h_res)
+        routing.extend(ids_all[t].clone() for t in range(T))
+        return h
 
     # -- the recorded future -------------------------------------------------------------
     def record(self, prompt_ids: Sequence[int], max_new_tokens: int) -> Generation:
@@ -331,14 +475,15 @@ def _finite(outs: Sequence[torch.Tensor], graphs: str, step: str, pos: int) -> N
 
 def open_pool_and_scheduler(cfg: RunConfig, *, slot_bytes: int, num_layers: int, top_k: int, io,
                             future: list[torch.Tensor] | None, prefetch: bool, events: EventLog | None = None,
-                            clock=time.perf_counter) -> tuple[ExpertPool, WindowScheduler]:
-    """A fresh pool and scheduler for one sequence, the same for the runner and the simulator."""
+                            clock=time.perf_counter, units: Sequence[int] = ()) -> tuple[ExpertPool, WindowScheduler]:
+    """A fresh pool and scheduler for one sequence, the same for the runner and the simulator.
+    `units`: how the prompt is fed (chunk sizes, `chunk_plan`), for Belady's step numbering."""
     ev = cfg.policy.eviction
     if ev == "belady" and future is None:
         raise SpecPrefetchError("belady eviction needs the run's recorded routing (its future)")
     never = lambda key, now: float("inf")  # noqa: E731 - "prediction" reads the scheduler's table instead
     pool = ExpertPool(cfg.budget_bytes, slot_bytes, policy=ev, min_slots=top_k,
-                      next_use=belady_next_use(future, num_layers) if ev == "belady" else never)
+                      next_use=belady_next_use(future, num_layers, units) if ev == "belady" else never)
     scfg = SchedulerConfig(queue_depth=cfg.queue_depth, min_confidence=cfg.min_confidence, floor=cfg.floor,
                            prefetch=prefetch,
                            step_budget_bytes=cfg.step_budget_kib * 1024 if cfg.step_budget_kib else None)
@@ -348,14 +493,24 @@ def open_pool_and_scheduler(cfg: RunConfig, *, slot_bytes: int, num_layers: int,
     return pool, sched
 
 
-def belady_next_use(future: list[torch.Tensor], L: int):
+def belady_next_use(future: list[torch.Tensor], L: int, units: Sequence[int] = ()):
     """next_use(key, now) -> the step of the key's next real use (inf if none): Belady's rule.
-    `future` holds every position's routing [L, k]."""
+    `future` holds every position's routing [L, k]; `units`: the prompt's chunks (a chunk's
+    positions all use their experts at its step, p0 * L + layer)."""
+    first = {}
+    p0 = 0
+    for T in units:
+        for t in range(T):
+            first[p0 + t] = p0
+        p0 += T
     uses: dict[tuple[int, int], list[int]] = {}
     for pos, ids in enumerate(future):
         for li in range(L):
             for e in ids[li].tolist():
-                uses.setdefault((li, e), []).append(pos * L + li)
+                steps = uses.setdefault((li, e), [])
+                st = first.get(pos, pos) * L + li
+                if not steps or steps[-1] != st:
+                    steps.append(st)
 
     def next_use(key, now):
         steps = uses.get(key, [])

@@ -145,6 +145,26 @@ class WindowScheduler:
             slot.landed = True
         return slot.buffer
 
+    def landed(self, key: Key) -> bool:
+        """Whether a resident expert's bytes are in memory now (`data` would not wait); never blocks."""
+        slot = self.pool.get(key)
+        return slot.landed or self.io.landed(key)
+
+    def compute_order(self, keys: list[Key]):
+        """Yield the indices of `keys` (acquired experts) in the order to compute them while the
+        missing ones load: every expert whose bytes have landed first, in the given order, then
+        each other one as soon as its read lands (polling; when none has, the first of them, whose
+        `data` then waits: the stall)."""
+        waiting = []
+        for i, key in enumerate(keys):
+            if self.landed(key):
+                yield i
+            else:
+                waiting.append(i)
+        while waiting:
+            pick = next((w for w, i in enumerate(waiting) if self.landed(keys[i])), 0)
+            yield waiting.pop(pick)
+
     # -- predictions -> queue ------------------------------------------------------------
     def plan(self, step: int, window: list[tuple[int, torch.Tensor]]) -> None:
         """Queue reads for the predicted steps: window = [(target step, scores [E])]. Scores that
@@ -268,9 +288,13 @@ class WindowScheduler:
                 self._emit("miss", key)
             slot.pins += 1
 
-    def release(self, step: int, keys: list[Key]) -> None:
+    def release(self, step: int, keys: list[Key], *, pump: bool = True) -> None:
+        """Unpin `keys` after step `step` used them, then issue queued reads (`pump`). A prefill
+        chunk's MoE layer acquires its experts in groups that fit the pool and pumps only after the
+        last group, so no prefetch takes a slot a later group of the same step needs."""
         for key in keys:
             slot = self.pool.get(key)
             slot.pins -= 1
             self.pool.touch(slot, step)
-        self.pump()
+        if pump:
+            self.pump()
