@@ -114,7 +114,7 @@ bench-phone: $(STAMP)
 	    --experts int4 --max-seq 576 --out $(PHONE_PEER_BUNDLE) --overwrite
 	$(BIN)/specprefetch runner bench $(PHONE)/bundle --prompts 2 --new-tokens 16 --rounds 2 --json $(PHONE)/native.json \
 	    --overwrite
-	$(BIN)/python -m toolkit.peers.sidebyside --bundle $(PHONE_PEER_BUNDLE) $(PHONE_PEER_ARGS) \
+	$(BIN)/specprefetch bench --peer llama.cpp --bundle $(PHONE_PEER_BUNDLE) $(PHONE_PEER_ARGS) \
 	    --json $(PHONE)/peer.json --overwrite
 
 ## fuzz: libFuzzer + ASan + UBSan on the native runner's readers of untrusted files (docs/runner.md);
@@ -194,4 +194,4 @@ clean:
 .PHONY: bench-kernels
 KERNEL_BENCH_OUT ?= runs/kernel-bench/kernels.json
 bench-kernels: $(STAMP)
-	$(BIN)/python -m android_runner.kernel_bench --out $(KERNEL_BENCH_OUT) --overwrite
+	$(BIN)/python -m toolkit.peers.kernel_bench --out $(KERNEL_BENCH_OUT) --overwrite

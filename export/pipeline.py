@@ -67,7 +67,7 @@ def run_model(spec, store, score_bias: torch.Tensor | None = None, eos: int | No
     return ModelInfo(num_layers=g.num_layers, moe_layers=tuple(g.moe_layers), routing=g.routing,
                      hidden_size=g.hidden_size, expert_roles=tuple(m.role for m in spec.family.expert_matrices(g)),
                      eos_token_ids=(eos,) if eos is not None else (), score_bias=score_bias, max_seq=max_seq,
-                     label=str(spec.path))
+                     label=str(spec.path), text_config=spec.family.text_config(spec.config))
 
 
 PARITY_POOL_MIB = 2048.0  # parity's pool: every expert of a small model, a bounded share of a large one

@@ -211,7 +211,7 @@ def _open_model(model, cfg, names, adapter, store, dtype, frequency_trace, max_s
     info = ModelInfo(num_layers=g.num_layers, moe_layers=tuple(g.moe_layers), routing=g.routing,
                      hidden_size=g.hidden_size, expert_roles=tuple(m.role for m in spec.family.expert_matrices(g)),
                      eos_token_ids=eos_token_ids(spec, tok), score_bias=bank().score_bias, preds_horizons=horizons,
-                     max_seq=max_seq, label=str(spec.path))
+                     max_seq=max_seq, label=str(spec.path), text_config=spec.family.text_config(spec.config))
     notes = [SequenceDraft.note, "the draft is built from the full model: its weights are in memory"] \
         if "draft" in names else []
     return Session(Runner(backend, st, info, cfg, preds), tok, spec, "model", str(spec.path), spec.path, notes)
@@ -270,7 +270,8 @@ def _bundle_session(path: Path, m: dict, backend, cfg: RunConfig, names: list[st
                      eos_token_ids=tuple(int(i) for i in (m.get("eos_token_ids") or [m.get("eos_token_id")])
                                          if i is not None),
                      score_bias=score_bias, preds_horizons=horizons,
-                     max_seq=m["kv"]["max_seq"], label=str(path))
+                     max_seq=m["kv"]["max_seq"], label=str(path),
+                     text_config=spec.family.text_config(spec.config))
     tok = AutoTokenizer.from_pretrained(spec.path, local_files_only=True)
     rec = m["model"].get("source")
     src = Path(rec) if isinstance(rec, str) and rec else None  # recorded resolved (older bundles: maybe not)

@@ -40,6 +40,13 @@ INT_ISAS = ISAS + ("a64_portable",)  # the aarch64 build's portable kernels
 # the float-path tests: the VNNI / dotprod / i8mm ISAs share avx2's / neon's float kernels, and their
 # integer kernels are checked bitwise against portable (test_isas_agree_bitwise) and the reference
 FLOAT_ISAS = ("portable", "avx2", "neon")
+# `make test` runs a representative ISA of each kind (host portable and VNNI, arm dotprod and its portable
+# build); every other ISA's run of the same checks is marked slow (`make test-all`)
+FAST_ISAS = ("portable", "avx2", "avx_vnni", "neon", "neon_dotprod", "a64_portable")
+
+
+def _isas(isas):
+    return [pytest.param(i, marks=() if i in FAST_ISAS else pytest.mark.slow) for i in isas]
 
 
 def _compile_cmd(cxx: str, out: Path, *extra: str, main: Path = CHECK) -> list[str]:
@@ -253,7 +260,7 @@ SHAPES = [(37, 53), (64, 96), (256, 80), (6, 3), (40, 19)]
 
 @pytest.mark.parametrize("isa", FLOAT_ISAS)
 @pytest.mark.parametrize("values", ["normal", "adversarial"])
-@pytest.mark.parametrize("family", ["default", "gpt_oss"])
+@pytest.mark.parametrize("family", ["default", pytest.param("gpt_oss", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("dtype", ["fp16", "int8", "int4"])
 def test_forward_matches_reference(builds, tmp_path, isa, dtype, family, values):
     cmd, name = runner(builds, isa)
@@ -397,7 +404,7 @@ def _matvec_inputs(rng: np.random.Generator, count: int, n: int) -> np.ndarray:
     return x
 
 
-@pytest.mark.parametrize("isa", INT_ISAS)
+@pytest.mark.parametrize("isa", _isas(INT_ISAS))
 @pytest.mark.parametrize("values", ["normal", "adversarial"])
 @pytest.mark.parametrize("dtype", ["int8", "int4"])
 def test_matvec_bitwise_matches_reference(builds, tmp_path, isa, dtype, values):
@@ -461,7 +468,7 @@ def test_isas_agree_bitwise(builds, tmp_path, dtype, family):
                 np.testing.assert_array_equal(got, want, err_msg=f"{target} {isa} {dtype} {family} H={h} I={i}")
 
 
-@pytest.mark.parametrize("isa", INT_ISAS)
+@pytest.mark.parametrize("isa", _isas(INT_ISAS))
 @pytest.mark.parametrize("dtype", ["int8", "int4"])
 def test_batch_many_and_threads_bitwise(builds, tmp_path, isa, dtype):
     """forward_batch row r == forward on row r; forward_many output i == forward of blob i; with 1, 2

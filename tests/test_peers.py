@@ -299,8 +299,9 @@ def test_sidebyside_interleaves_skips_and_assembles_rows(tmp_path, monkeypatch):
                 "wall_s": 1.0, "readaround_off": None if readaround else True,
                 "repack": sbs.llama_repack(repack, m.gguf_type, limit)}
 
-    def fake_native(m, i, n_new, policy, pool, limit, threads, timeout):
-        calls.append((policy, limit, i, threads))
+    def fake_native(m, i, n_new, policy, pool, limit, threads, timeout, preload=False):
+        calls.append(("resident" if preload else policy, limit, i, threads))
+        assert not preload or (limit is None and pool >= m.all_mib), (preload, limit, pool)
         assert limit is None or (pool * MiB + m.footprint_bytes < limit), (pool, limit)
         if limit is not None and limit <= 250 * MiB and policy.startswith("on-demand"):
             return {"status": "oom", "peak_rss_bytes": limit, "wall_s": 0.5}
@@ -315,9 +316,14 @@ def test_sidebyside_interleaves_skips_and_assembles_rows(tmp_path, monkeypatch):
     rows = sbs._measure([m], tmp_path, limits=limits, rounds=2, new_tokens=8, threads=(1, 2), timeout_s=60,
                         pool_margin=sbs.default_margin, timings={}, log=lambda s: None)
     sbs.add_ratios(rows)
-    engines = ["llama.cpp", "llama.cpp:read-around-off", "native:on-demand+lru", "native:adapter+prediction"]
+    engines = ["llama.cpp", "llama.cpp:read-around-off", "native:resident", "native:on-demand+lru",
+               "native:adapter+prediction"]
+    # native:resident (every expert preloaded: the warm comparison) only where there is no limit
     assert [(r["threads"], r["memory_limit_frac"], r["prompt_tokens"], r["engine"]) for r in rows] == \
-        [(t, f, n, e) for t in (1, 2) for f in limits for n in (2, 4) for e in engines]
+        [(t, f, n, e) for t in (1, 2) for f in limits for n in (2, 4) for e in engines
+         if f is None or e != "native:resident"]
+    assert not [c for c in calls if c[0] == "resident" and c[1] is not None]
+    assert len([c for c in calls if c[0] == "resident"]) == 2 * 2 * len(m.ids)  # threads x rounds x prompts, no limit
     # interleaved: the first two runs at 100%, 1 thread, are ABCD then DCBA
     assert [c[0] for c in calls[:8]] == ["llama.cpp", "llama.cpp:read-around-off", "on-demand+lru", "adapter+prediction",
                                          "adapter+prediction", "on-demand+lru", "llama.cpp:read-around-off", "llama.cpp"]

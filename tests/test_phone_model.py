@@ -83,6 +83,7 @@ def phone_adapter(tmp_path_factory) -> tuple[Path, Path]:
     return root / "trace", root / "adapter"
 
 
+@pytest.mark.slow  # ~25 s: the shipped model's trace, adapter and both engines (make test-all)
 def test_trace_train_and_run(phone_adapter, tmp_path):
     """The reference runner on the model itself (eager graphs, the fp16 store), a pool of 1 MiB (21 of its
     1024 experts), the adapter's prefetches: transformers' tokens."""

@@ -157,10 +157,12 @@ def test_native_chunks_decide_as_the_reference(native_host, reference, tmp_path,
         r.configure(policy=Policy.parse(policy), pool_mib=POOL, prefill_chunk=0 if chunk == "off" else None)
         log = EventLog()
         gens = [r.run(ids, NEW, events=log) for ids in (PROMPT, SHORT)]
-        for g, run in zip(gens, out["runs"]):
+        for ids, g, run in zip((PROMPT, SHORT), gens, out["runs"]):
             assert run["tokens"] == g.tokens, policy
             assert run["prefill_chunks"] == g.prefill_chunks, policy
-            assert run["prefill_tokens_per_s"] > 0
+            # the prompt's tokens over the native TTFT, as the Python engine defines it (above)
+            assert run["prefill_tokens_per_s"] == pytest.approx(len(ids) / (run["ttft_ms"] / 1e3), rel=0.02)
+            assert sum(run["prefill_chunks"]) == len(ids)  # the units cover the prompt
             for k in ("requests", "hits", "misses", "prefetch_issued", "dropped_stale", "bytes_read"):
                 assert run["counts"][k] == g.to_json()["counts"][k], (policy, k)
         assert decisions(lines) == decisions(log.lines), policy
@@ -266,3 +268,39 @@ def test_cli_prefill_chunk_option(embedded_bundles, tmp_path):
         runs[chunk] = json.loads(out.read_text())["runs"][0]
     assert runs["8"]["prefill_chunks"][0] == 8 and set(runs["off"]["prefill_chunks"]) == {1}
     assert runs["8"]["tokens"] == runs["off"]["tokens"] and runs["8"]["prefill_tokens_per_s"] > 0
+
+
+def test_chunk_state_keeps_the_previous_position_and_the_oracle_plans_only_a_recorded_future():
+    """Host predictors see, for a chunk's first token, the position before the chunk (not the chunk's own
+    last token, which the runner records into RoutingState first); the oracle without a recorded future
+    plans nothing for the chunk's layers that have not run yet (their choices are still unknown)."""
+    from types import SimpleNamespace
+
+    from toolkit.runtime.planner import ChunkState, PrefetchPlanner, RoutingState
+
+    st = RoutingState(2, 4, 2)
+    st.ids[0] = torch.tensor([[1, 2], [3, 4]])  # the position before the chunk
+    st.pos = 5
+    ch = ChunkState(3, 2, 4, 2, before=st.ids)
+    ids0 = torch.tensor([[5, 6], [7, 8], [9, 10]])
+    ch.record(0, torch.zeros(3, 4), ids0)
+    st.record(0, torch.zeros(1, 4), ids0[-1])  # as Runner._chunk does before planning
+    b = ch.batch(st)
+    assert b.prev_ids[0].tolist() == [[1, 2], [3, 4]]
+    assert b.prev_ids[1, 0].tolist() == [5, 6] and b.prev_ids[2, 0].tolist() == [7, 8]
+    assert b.pos.tolist() == [5, 6, 7]
+
+    got = []
+    sched = SimpleNamespace(plan=lambda step, window: got.append(window), plan_probs=lambda *a: got.append(None))
+    routing = SimpleNamespace(num_experts=16, n_group=None, topk_before_softmax=False, score_func="softmax")
+    pl = PrefetchPlanner(SimpleNamespace(name="oracle"), num_layers=2, window=1, routing=routing, score_bias=None)
+    st.future = None
+    pl.plan_chunk(sched, 0, 5 * 2 + 0, (3, 1), ch, st, None, end=10**6)
+    (window,) = got
+    (target, row), = window
+    assert target == 11 and not bool((row > 0).any())  # layer 1 has not run: nothing, never expert 0
+    st.future = [torch.tensor([[0, 1], [12, 13]])] * 8  # a recorded future: layer 1 routes to 12, 13
+    got.clear()
+    pl.plan_chunk(sched, 0, 5 * 2 + 0, (3, 1), ch, st, None, end=10**6)
+    (target, row), = got[0]
+    assert target == 11 and set(torch.nonzero(row > 0).flatten().tolist()) == {12, 13}

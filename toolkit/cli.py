@@ -1198,8 +1198,14 @@ def device_bench(bundle, serial, policies, pool_mib, prompts, max_new_tokens, re
               help="--peer: an ExecuTorch bundle whose source checkpoint is on this machine (repeatable)")
 @click.option("--limits", default="1,0.75,0.5,0.25,none", show_default=True,
               help="--peer: memory limits as fractions of the model's f16 GGUF bytes; none: no limit")
-@click.option("--prompt-tokens", type=click.IntRange(min=1), default=64, show_default=True,
-              help="tokens per bench prompt")
+@click.option("--prompt-tokens", default="64", show_default=True,
+              help="tokens per bench prompt; --peer: comma-separated prompt lengths, e.g. 128,512")
+@click.option("--threads", "peer_threads", default="1,2", show_default=True,
+              help="--peer: compute threads of both engines, each a set of rows, e.g. 1,2")
+@click.option("--no-readaround-off", is_flag=True, help="--peer: skip the llama.cpp read-around-off rows")
+@click.option("--no-llama-bench", is_flag=True, help="--peer: skip llama-bench at no limit")
+@click.option("--llama-repack", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
+              help="--peer: llama.cpp's CPU weight repacking (auto: with no limit only; it doubles its memory)")
 @click.option("--timeout", type=FiniteFloat(), default=600.0, show_default=True,
               help="--peer: seconds one run may take (a run past it is recorded as a timeout)")
 @click.option("--device", default="cpu", show_default=True, callback=lambda c, p, v: _device(v, p),
@@ -1219,8 +1225,9 @@ def device_bench(bundle, serial, policies, pool_mib, prompts, max_new_tokens, re
 @friendly_errors(interrupt=NOT_WRITTEN)
 @click.pass_context
 def bench(ctx, model, adapter, policies, pool_mib, prompts, new_tokens, rounds, window, flash_profile, store_path,
-          no_simulate, frequency_trace, peer, bundles, limits, prompt_tokens, timeout, device, pool_fractions, draft_k,
-          decode, report_mismatches, json_out, overwrite) -> None:
+          no_simulate, frequency_trace, peer, bundles, limits, prompt_tokens, peer_threads, no_readaround_off,
+          no_llama_bench, llama_repack, timeout, device, pool_fractions, draft_k, decode, report_mismatches, json_out,
+          overwrite) -> None:
     """Measure the runner's policies side by side on MODEL (model directory, `embedded` or bundle):
     interleaved rounds, medians, token equality checked; the simulator beside them. With --peer
     llama.cpp: llama.cpp and the native runner on each --bundle under the same memory limits. With
@@ -1231,8 +1238,20 @@ def bench(ctx, model, adapter, policies, pool_mib, prompts, new_tokens, rounds, 
         raise SpecPrefetchError(f"{flags(given('pool_fractions', 'draft_k', 'decode', 'report_mismatches'))}: only "
                                 "with --device cuda (the GPU "
                                 "tier's bench); on the CPU the pools are --pool-mib")
-    if not peer and given("limits", "timeout"):
-        raise SpecPrefetchError(f"{flags(given('limits', 'timeout'))}: only with --peer llama.cpp")
+    peer_only = ("limits", "timeout", "peer_threads", "no_readaround_off", "no_llama_bench", "llama_repack")
+    if not peer and given(*peer_only):
+        raise SpecPrefetchError(f"{flags(given(*peer_only))}: only with --peer llama.cpp".replace("--peer-threads",
+                                                                                                  "--threads"))
+    from toolkit.peers.sidebyside import parse_ints
+
+    lengths = parse_ints(prompt_tokens, "--prompt-tokens")
+    if not peer and len(lengths) != 1:
+        raise SpecPrefetchError(f"--prompt-tokens {prompt_tokens!r}: one length (lists only with --peer llama.cpp)")
+    if peer:  # checked before the claim and any work
+        from toolkit.peers.sidebyside import parse_limits
+
+        parse_limits(limits)
+        parse_ints(peer_threads, "--threads")
     if device == "cpu" and not peer and not no_simulate and new_tokens < MIN_TIMED_TOKENS:
         raise SpecPrefetchError(f"--new-tokens {new_tokens}: the simulator comparison needs at least "
                                 f"{MIN_TIMED_TOKENS} (two decode tokens to time); pass more, or --no-simulate")
@@ -1262,46 +1281,38 @@ def bench(ctx, model, adapter, policies, pool_mib, prompts, new_tokens, rounds, 
         r = gpu_bench.run_gpu_bench(model, store=store_path, adapter=adapter, policies=parse_policies(policies),
                                     fractions=pool_fractions, prompts=prompts, new_tokens=new_tokens, repeats=rounds,
                                     ks=ks, device=device, window=window,
-                                    prompt_tokens=prompt_tokens, decode=decode, strict=not report_mismatches,
+                                    prompt_tokens=lengths[0], decode=decode, strict=not report_mismatches,
                                     log=lambda m: click.echo(m, err=True))
         gpu_bench.write(r, json_out)
         click.echo(gpu_bench.markdown(r))
         click.echo(wrote(c))
         return
     if peer:
-        _bench_peer(bundles, limits, prompts, prompt_tokens, new_tokens, rounds, timeout, json_out, c)
+        _bench_peer(bundles, limits, prompts, lengths, new_tokens, rounds, timeout, json_out, c,
+                    threads=parse_ints(peer_threads, "--threads"), readaround_off=not no_readaround_off,
+                    llama_bench=not no_llama_bench, repack=llama_repack)
         return
     if bundles:
         raise SpecPrefetchError("--bundle: only with --peer llama.cpp (the bench of MODEL takes MODEL)")
 
     r = run_bench(model=model, adapter=adapter, policies=parse_policies(policies), pools=pool_mib, prompts=prompts,
-                  prompt_tokens=prompt_tokens, new_tokens=new_tokens, rounds=rounds, flash_profile=flash_profile,
+                  prompt_tokens=lengths[0], new_tokens=new_tokens, rounds=rounds, flash_profile=flash_profile,
                   window=window, store=store_path, simulate=not no_simulate, frequency_trace=frequency_trace)
     write(r, json_out)
     click.echo(markdown(r))
     click.echo(wrote(c))
 
 
-def _bench_peer(bundles, limits, prompts, prompt_tokens, new_tokens, rounds, timeout, json_out, c) -> None:
+def _bench_peer(bundles, limits, prompts, lengths, new_tokens, rounds, timeout, json_out, c, *, threads,
+                readaround_off, llama_bench, repack) -> None:
     from toolkit.peers import sidebyside
 
     if not bundles:
         raise SpecPrefetchError("--peer llama.cpp: give at least one --bundle (an ExecuTorch bundle)")
-    fracs: list[float | None] = []
-    for item in limits.split(","):
-        item = item.strip().lower()
-        if item in ("none", "no", "inf"):
-            fracs.append(None)
-            continue
-        try:
-            v = float(item)
-        except ValueError:
-            raise SpecPrefetchError(f"--limits {limits!r}: fractions like 0.5, or none") from None
-        if not (0 < v <= 4):
-            raise SpecPrefetchError(f"--limits {limits!r}: {item} is not a fraction in (0, 4]")
-        fracs.append(v)
-    r = sidebyside.run([Path(b) for b in bundles], limits=tuple(fracs), prompts=prompts, prompt_tokens=prompt_tokens,
-                       new_tokens=new_tokens, rounds=rounds, timeout_s=timeout, log=lambda s: click.echo(s, err=True))
+    r = sidebyside.run([Path(b) for b in bundles], limits=sidebyside.parse_limits(limits), prompts=prompts,
+                       prompt_tokens=lengths, new_tokens=new_tokens, rounds=rounds, threads=threads, timeout_s=timeout,
+                       readaround_off=readaround_off, llama_bench=llama_bench, repack=repack,
+                       log=lambda s: click.echo(s, err=True))
     sidebyside.write(r, json_out)
     click.echo(sidebyside.markdown(r))
     click.echo(wrote(c))

@@ -31,7 +31,17 @@ using executorch::aten::Tensor;
 using executorch::runtime::Error;
 using executorch::runtime::KernelRuntimeContext;
 
-bool float4d(const Tensor& t) { return t.scalar_type() == ScalarType::Float && t.dim() == 4; }
+// float32, 4-D and laid out contiguously in the default dim order: both kernels index raw pointers as
+// [B, S, heads, D], so a strided tensor from some other export is refused, never read in the wrong place
+bool float4d(const Tensor& t) {
+  if (t.scalar_type() != ScalarType::Float || t.dim() != 4) return false;
+  int64_t expect = 1;
+  for (int i = 3; i >= 0; --i) {
+    if (t.size(i) != 1 && static_cast<int64_t>(t.strides()[i]) != expect) return false;
+    expect *= t.size(i);
+  }
+  return true;
+}
 
 Tensor& update_cache_out(KernelRuntimeContext& ctx, const Tensor& value, Tensor& cache, const int64_t start_pos,
                          Tensor& out) {
@@ -53,7 +63,7 @@ Tensor& update_cache_out(KernelRuntimeContext& ctx, const Tensor& value, Tensor&
 Tensor& custom_sdpa_out(KernelRuntimeContext& ctx, const Tensor& q, const Tensor& k, const Tensor& v,
                         const int64_t start_pos, const std::optional<Tensor>& attn_mask, const double dropout_p,
                         const bool is_causal, const std::optional<double> scale, Tensor& out) {
-  if (!float4d(q) || !float4d(k) || !float4d(v) || out.scalar_type() != ScalarType::Float || attn_mask.has_value() ||
+  if (!float4d(q) || !float4d(k) || !float4d(v) || !float4d(out) || attn_mask.has_value() ||
       dropout_p != 0.0 || q.size(0) != k.size(0) || k.size(0) != v.size(0) || k.size(1) != v.size(1) ||
       k.size(2) != v.size(2) || q.size(3) != k.size(3) || k.size(2) == 0 || q.size(2) % k.size(2) != 0 ||
       start_pos < 0 || start_pos + q.size(1) > k.size(1)) {

@@ -152,10 +152,10 @@ void Planner::plan_chunk(WindowScheduler& sched, int li, int64_t step, int T, in
       std::vector<float> s(E_, 0.0f);
       for (int p = lo; p < lo + n; ++p) {
         const int* ids = nullptr;
+        // only a recorded future says what a later layer routes to (the chunk's own layers past li
+        // have not run yet), as planner.py does
         if (fut != nullptr && p < static_cast<int>(fut->size()))
           ids = (*fut)[p].data() + static_cast<size_t>(jj) * k;
-        else if (j < L_)
-          ids = chunk.ids.data() + (static_cast<size_t>(p - p0) * L_ + jj) * k;
         else
           continue;
         for (int r = 0; r < k; ++r) s[ids[r]] = std::max(s[ids[r]], static_cast<float>(k - r));

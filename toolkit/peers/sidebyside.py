@@ -11,6 +11,8 @@ threads, through four engines per thread count:
 - ``llama.cpp:read-around-off``: the same, with fault read-around off on its model mapping
   (madvise(MADV_RANDOM) through an LD_PRELOAD shim, `llamacpp.readaround_shim`): each page fault
   reads its page only, instead of up to read_ahead_kb around it;
+- ``native:resident`` (no limit only): every expert read into the pool before the prompt (``--preload``),
+  as llama.cpp reads its model at load: both TTFTs exclude the load (the warm comparison)
 - ``native:on-demand+lru`` and ``native:<graph predictor>+prediction`` (``adapter`` for a bundle
   exported with an adapter): the native runner (android_runner) with O_DIRECT expert reads through
   a pool sized to fit the limit.
@@ -64,6 +66,9 @@ LLAMA = "llama.cpp"
 LLAMA_NORA = "llama.cpp:read-around-off"
 LLAMAS = (LLAMA, LLAMA_NORA)
 ON_DEMAND = "native:on-demand+lru"
+# no limit only: every expert read into the pool before the prompt (--preload), as llama.cpp reads (and
+# repacks) its model at load; both TTFTs then exclude the load, so this is the warm comparison
+RESIDENT = "native:resident"
 MMAP_MODE = {LLAMA: "mmap (default)", LLAMA_NORA: "mmap, read-around off (MADV_RANDOM)"}
 NATIVE_MODE = "O_DIRECT into a pool"
 LLAMA_BENCH_GEN = 32  # llama-bench's tg test
@@ -99,7 +104,8 @@ class _Model:
     footprint: dict = field(default_factory=dict)
 
     def engines(self, readaround_off: bool = True) -> tuple[str, ...]:
-        return (LLAMA, *((LLAMA_NORA,) if readaround_off else ()), ON_DEMAND, f"native:{self.graph}+prediction")
+        return (LLAMA, *((LLAMA_NORA,) if readaround_off else ()), RESIDENT, ON_DEMAND,
+                f"native:{self.graph}+prediction")
 
     @property
     def all_mib(self) -> float:
@@ -286,10 +292,11 @@ def _native_argv(m: _Model, ids: Sequence[int], n_new: int, policy: str, pool_mi
 
 
 def _run_native(m: _Model, i: int, n_new: int, policy: str, pool_mib: float, limit: int | None, threads: int,
-                timeout: float) -> dict:
+                timeout: float, preload: bool = False) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         js = Path(tmp) / "run.json"
-        r = run_limited(_native_argv(m, m.ids[i], n_new, policy, pool_mib, threads, js), limit_bytes=limit,
+        argv = _native_argv(m, m.ids[i], n_new, policy, pool_mib, threads, js) + (["--preload"] if preload else [])
+        r = run_limited(argv, limit_bytes=limit,
                         files=[m.store, m.program], timeout=timeout, cold=True)
         status = _status(r, "native runner")
         out = {"status": status, "mib_read": r.read_bytes / MiB, "peak_rss_bytes": r.peak_rss_bytes,
@@ -524,7 +531,7 @@ def run(bundles: list[Path], *, limits: Sequence[float | None] = (1.0, 0.5, 0.25
         "rows": rows, "llama_bench": benches, "status": status, "reason": reason, "machine": machine, "notes": notes,
         "protocol": {"prompts": prompts, "prompt_tokens": lengths, "new_tokens": new_tokens, "rounds": rounds,
                      "threads": thread_counts, "limits": list(limits), "timeout_s": timeout_s,
-                     "engines": [LLAMA, *([LLAMA_NORA] if readaround_off else []), ON_DEMAND,
+                     "engines": [LLAMA, *([LLAMA_NORA] if readaround_off else []), RESIDENT, ON_DEMAND,
                                  "native:<predictor>+prediction"],
                      "model_bytes": "the GGUF file's size; its type matches the bundle's expert precision (fp16: "
                                     "f16 from convert_hf_to_gguf; int8: llama-quantize Q8_0 of that f16; int4: "
@@ -599,6 +606,11 @@ def _measure(models: list[_Model], bins: Path, *, limits: Sequence[float | None]
                             if e in LLAMAS:
                                 r = _run_llama(bins, m, i, new_tokens, limit, t, timeout_s, readaround=e == LLAMA,
                                                repack=llama_repack_mode)
+                            elif e == RESIDENT:
+                                if frac is not None:
+                                    continue
+                                r = _run_native(m, i, new_tokens, ON_DEMAND.split(":", 1)[1], m.all_mib + 0.01, limit,
+                                                t, timeout_s, preload=True)
                             else:
                                 r = _run_native(m, i, new_tokens, e.split(":", 1)[1], pool, limit, t, timeout_s)
                             got[e].append((i, r))
@@ -615,10 +627,15 @@ def _measure(models: list[_Model], bins: Path, *, limits: Sequence[float | None]
                 for plen in m.lengths():
                     idx = [i for i in range(len(m.ids)) if m.length_of(i) == plen]
                     for e in engines:
+                        if e == RESIDENT and frac is not None:
+                            continue
                         runs = [r for i, r in got[e] if i in idx]
                         native = e not in LLAMAS
-                        rows.append(_row(m, e, t, frac, limit, plen, pool if native else None, runs,
-                                         pool_note if native else None, skipped.get(e), rounds * len(idx)))
+                        rpool = (m.all_mib + 0.01 if e == RESIDENT else pool) if native else None
+                        rnote = ("every expert read into the pool before the prompt (--preload); bytes read "
+                                 "include it" if e == RESIDENT else pool_note) if native else None
+                        rows.append(_row(m, e, t, frac, limit, plen, rpool, runs, rnote, skipped.get(e),
+                                         rounds * len(idx)))
         timings[f"measure {m.label} s"] = round(time.monotonic() - t0, 1)
     return rows
 
@@ -810,8 +827,9 @@ def markdown(result: dict) -> str:
         if lb:
             lines += ["No limit: llama.cpp's own llama-bench (warm, 3 repetitions) beside this run's cold single runs "
                       "(tokens/s; pp: prompt tokens / TTFT, tg: 1000 / TPOT):", "",
-                      "| threads | test | llama-bench t/s | llama.cpp t/s | native:on-demand t/s | native:prediction t/s |",
-                      "|---|---|---|---|---|---|"]
+                      "| threads | test | llama-bench t/s | llama.cpp t/s | native:resident t/s | native:on-demand t/s | "
+                      "native:prediction t/s |",
+                      "|---|---|---|---|---|---|---|"]
             free = [r for r in mr if r["memory_limit_frac"] is None and r["status"] == "ok"]
             for b in lb:
                 def ours(pred: Callable[[dict], bool]) -> str:
@@ -822,8 +840,9 @@ def markdown(result: dict) -> str:
                     rr = sorted((r for r in rr if r.get("tpot_ms")), key=lambda r: r.get("prompt_tokens") or 0)
                     return f"{1000 / rr[0]['tpot_ms']:.1f}" if rr else "-"
                 lines.append(f"| {b['threads']} | {b['test']} | {b['tokens_per_s']:.1f} ± {b['stddev']:.1f} | "
-                             f"{ours(lambda r: r['engine'] == LLAMA)} | {ours(lambda r: r['engine'] == ON_DEMAND)} | "
-                             f"{ours(lambda r: r['engine'] not in LLAMAS and r['engine'] != ON_DEMAND)} |")
+                             f"{ours(lambda r: r['engine'] == LLAMA)} | {ours(lambda r: r['engine'] == RESIDENT)} | "
+                             f"{ours(lambda r: r['engine'] == ON_DEMAND)} | "
+                             f"{ours(lambda r: r['engine'] not in (*LLAMAS, ON_DEMAND, RESIDENT))} |")
             lines.append("")
     if result.get("notes"):
         lines += ["Notes:", ""] + [f"- {n}" for n in result["notes"]]
@@ -904,53 +923,3 @@ def parse_ints(text: str, option: str) -> list[int]:
     if not xs or min(xs) < 1:
         raise SpecPrefetchError(f"{option} {text!r}: comma-separated positive integers, e.g. 1,2")
     return xs
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    """`python -m toolkit.peers.sidebyside`: `specprefetch bench --peer llama.cpp` with the lists this module
-    takes (--threads 1,2, --prompt-tokens 128,512) and the same report rules (--json claimed before any
-    work, replaced only with --overwrite)."""
-    import click
-
-    from toolkit.cli import NOT_WRITTEN, OUT_FILE, claim, friendly_errors, wrote
-
-    @click.command(name="python -m toolkit.peers.sidebyside")
-    @click.option("--bundle", "bundles", multiple=True, required=True, type=click.Path(path_type=Path),
-                  help="an ExecuTorch bundle whose source checkpoint is on this machine (repeatable)")
-    @click.option("--limits", default="none,1,0.5,0.25", show_default=True,
-                  help="memory limits as fractions of the model's GGUF bytes; none: no limit")
-    @click.option("--threads", default="1,2", show_default=True, help="compute threads, each a set of rows")
-    @click.option("--prompt-tokens", default="128,512", show_default=True, help="prompt lengths")
-    @click.option("--prompts", type=click.IntRange(min=1), default=2, show_default=True,
-                  help="prompts of each length")
-    @click.option("--new-tokens", type=click.IntRange(min=2), default=32, show_default=True)
-    @click.option("--rounds", type=click.IntRange(min=1), default=1, show_default=True)
-    @click.option("--timeout", type=click.FloatRange(min=1), default=600.0, show_default=True,
-                  help="seconds one run may take (a run past it is recorded as a timeout)")
-    @click.option("--no-readaround-off", is_flag=True, help="skip the llama.cpp read-around-off rows")
-    @click.option("--no-llama-bench", is_flag=True, help="skip llama-bench at no limit")
-    @click.option("--llama-repack", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
-                  help="llama.cpp's CPU weight repacking: auto = with no limit only (see llama_repack)")
-    @click.option("--json", "json_out", required=True, type=OUT_FILE,
-                  help="JSON report; the Markdown table and PNG plot go beside it")
-    @click.option("--overwrite", is_flag=True, help="replace a report this command wrote before")
-    @friendly_errors(interrupt=NOT_WRITTEN)
-    def cmd(bundles, limits, threads, prompt_tokens, prompts, new_tokens, rounds, timeout, no_readaround_off,
-            no_llama_bench, llama_repack, json_out, overwrite) -> None:
-        fracs = parse_limits(limits)
-        thr, lens = parse_ints(threads, "--threads"), parse_ints(prompt_tokens, "--prompt-tokens")
-        c = claim(json_out, "bench --peer llama.cpp", overwrite, inputs=(list(bundles),))
-        r = run([Path(b) for b in bundles], limits=fracs, prompts=prompts, prompt_tokens=lens, new_tokens=new_tokens,
-                rounds=rounds, threads=thr, timeout_s=timeout, readaround_off=not no_readaround_off,
-                llama_bench=not no_llama_bench, repack=llama_repack, log=lambda s: click.echo(s, err=True))
-        write(r, json_out)
-        click.echo(markdown(r))
-        click.echo(wrote(c))
-        if r.get("status") == "partial":
-            raise SpecPrefetchError(f"{r['reason']}: partial results ({len(r['rows'])} rows) in {json_out}")
-
-    cmd.main(args=list(argv) if argv is not None else None, standalone_mode=True)
-
-
-if __name__ == "__main__":
-    main()

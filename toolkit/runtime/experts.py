@@ -25,6 +25,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from toolkit.errors import SpecPrefetchError
 from toolkit.runtime.backend import Backend
 from toolkit.runtime.expert_store import ExpertStore, dequantize
 
@@ -128,15 +129,17 @@ def quantized_expert(blob, sections, shapes, family: str, tc: Any, x: torch.Tens
 
 
 def _store_text_config(store: ExpertStore) -> Any:
-    """hidden_act / swiglu_limit of the model the store was built from (its recorded config.json),
-    or the families' defaults when that is not readable."""
+    """hidden_act / swiglu_limit of the model the store was built from (its recorded config.json); a
+    one-line error when that is not readable (the runner passes the model's own text config instead)."""
     try:
         cfg = json.loads((Path(store.meta["model_path"]) / "config.json").read_text())
         if cfg.get("model_type") == "qwen3_vl_moe":
             cfg = cfg.get("text_config") or cfg
         return SimpleNamespace(hidden_act=cfg.get("hidden_act", "silu"), swiglu_limit=cfg.get("swiglu_limit", 7.0))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return SimpleNamespace(hidden_act="silu", swiglu_limit=7.0)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise SpecPrefetchError(f"{store.path}: int8 / int4 experts need the model's hidden_act, and the config "
+                                f"the store records ({store.meta.get('model_path')}) cannot be read ({e}); "
+                                "pass the model's text config") from None
 
 
 class ExpertExecutor:

@@ -63,9 +63,12 @@ class RoutingState:
 class ChunkState:
     """A prefill chunk's router inputs [T, L, H] and choices [T, L, k] so far, for the planner."""
 
-    def __init__(self, T: int, num_layers: int, hidden_size: int, top_k: int):
+    def __init__(self, T: int, num_layers: int, hidden_size: int, top_k: int, before: torch.Tensor | None = None):
+        """before: the choices of the position before the chunk ([1, L, k]; RoutingState.ids when the
+        chunk starts), kept because the chunk's own records overwrite RoutingState.ids layer by layer."""
         self.hidden = torch.zeros(T, num_layers, hidden_size)
         self.ids = torch.zeros(T, num_layers, top_k, dtype=torch.long)
+        self.before = before.clone() if before is not None else torch.zeros(1, num_layers, top_k, dtype=torch.long)
 
     def record(self, li: int, x: torch.Tensor, ids: torch.Tensor) -> None:
         self.hidden[:, li] = x.reshape(self.hidden.shape[0], -1).float()
@@ -75,7 +78,7 @@ class ChunkState:
         """One row per chunk token for host predictors: the previous position's choices are the
         token before it (the position before the chunk for the first), as far as they are known."""
         T = self.ids.shape[0]
-        prev = torch.cat([state.ids, self.ids[:-1]]) if T > 1 else state.ids.clone()
+        prev = torch.cat([self.before, self.ids[:-1]]) if T > 1 else self.before.clone()
         pos = torch.arange(state.pos, state.pos + T)
         return RoutingBatch(hidden=self.hidden, ids=self.ids, next_ids=torch.zeros_like(self.ids), prev_ids=prev,
                             has_next=torch.zeros(T, dtype=torch.bool), has_prev=pos > 0, probs=None,
@@ -164,12 +167,11 @@ class PrefetchPlanner:
                 s = torch.zeros(self.routing.num_experts)
                 rank = torch.arange(k, 0, -1, dtype=torch.float32)
                 for p in range(lo, lo + n):
-                    if fut is not None and p < len(fut):
-                        ids = fut[p][jj]
-                    elif j < L:  # no recorded future: the chunk's own choices so far (oracle without a future)
-                        ids = chunk.ids[p - p0, jj]
-                    else:
+                    # only a recorded future says what a later layer routes to (the chunk's own layers
+                    # past li have not run yet)
+                    if fut is None or p >= len(fut):
                         continue
+                    ids = fut[p][jj]
                     s = torch.maximum(s, torch.zeros_like(s).scatter_(0, ids.long(), rank))
                 # many experts share the best rank: ties broken by ascending id, so every engine
                 # picks the same candidates (steps of 0.5 / E, far above rounding)

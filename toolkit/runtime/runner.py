@@ -70,6 +70,7 @@ class ModelInfo:
     preds_horizons: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # MoE layer -> rows
     max_seq: int | None = None           # KV cache length of the graphs
     label: str = ""                      # the model directory or bundle, for reports
+    text_config: Any = None              # hidden_act / swiglu_limit: the int8 / int4 experts' activation
 
     @property
     def L(self) -> int:
@@ -145,7 +146,7 @@ class Runner:
                                     f"model has {model.L} x {model.routing.num_experts}")
         self.backend, self.store, self.model = backend, store, model
         self.predictors = dict(predictors or {})
-        self.experts = ExpertExecutor(backend, store, model.expert_roles)
+        self.experts = ExpertExecutor(backend, store, model.expert_roles, tc=model.text_config)
         self.cfg = cfg
         self.progress = False  # a progress bar on stderr for prefills of long prompts (the CLI sets it)
         self.configure()
@@ -387,7 +388,7 @@ class Runner:
         toks = torch.tensor([seq[p0:p0 + T]], dtype=torch.long)
         h = torch.cat([backend.call("embed", [toks[:, t:t + 1]])[0] for t in range(T)], dim=1)
         _finite([h], graphs, "embed", p0)
-        chunk = ChunkState(T, L, m.hidden_size, k)
+        chunk = ChunkState(T, L, m.hidden_size, k, before=state.ids)
         ids_all = torch.zeros(T, L, k, dtype=torch.long)
         for layer in range(m.num_layers):
             outs = backend.layer_chunk(layer, h, p0)
@@ -425,9 +426,13 @@ class Runner:
                     planner.plan_chunk(sched, li, step, (T, T_next), chunk, state, preds, end)
                 for i in sched.compute_order(keys):
                     key = keys[i]
-                    mats = self.experts.matrices(sched.data(key))
+                    blob = sched.data(key)
+                    # per token, exactly as the one-position path computes it (fp16: the expert graph on
+                    # the blob's matrices, decoded once; int8 / int4: the integer-dot reference)
+                    mats = self.experts.matrices(blob) if self.experts.fp16 else None
                     for t, j in users[key[1]]:
-                        out = backend.call("expert", [x[t:t + 1], *mats])[0]
+                        out = backend.call("expert", [x[t:t + 1], *mats])[0] if mats is not None \
+                            else self.experts.expert(x[t:t + 1], blob)
                         if not bool(torch.isfinite(out).all()):
                             raise SpecPrefetchError(f"{self.store.path}: expert {key} gave non-finite output (NaN or "
                                                     f"inf) at position {p0 + t}: its weights in the store are damaged")

@@ -1,6 +1,6 @@
 """Per-expert micro-benchmark of the native expert kernels against llama.cpp's ggml kernels.
 
-    python -m android_runner.kernel_bench [--out runs/kernel-bench/kernels.json] [--overwrite]
+    python -m toolkit.peers.kernel_bench [--out runs/kernel-bench/kernels.json] [--overwrite]
         [--hidden 256] [--ffn 2048] [--batch 64] [--threads 1,2] [--llama-bin DIR] [--min-seconds 0.3]
 
 Builds android_runner/tests/bench_kernels.cpp (with the kernels, as the kernel tests do) and runs it
@@ -31,7 +31,7 @@ from pathlib import Path
 
 from toolkit.errors import SpecPrefetchError
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]  # toolkit/peers/ -> the repository
 SRC = REPO / "android_runner" / "src"
 BENCH = REPO / "android_runner" / "tests" / "bench_kernels.cpp"
 GGML_OP_MUL_MAT, GGML_Q4_0, GGML_Q8_0, GGML_F32 = 29, 2, 8, 0  # ggml.h enums of the pinned llama.cpp
@@ -82,7 +82,7 @@ def find_test_backend_ops(given: str | None) -> Path | None:
             raise SpecPrefetchError(f"--llama-bin {given}: no test-backend-ops there")
         return p
     try:
-        from toolkit.peers.llamacpp import peers_dir
+        from toolkit.peers.llamacpp import peers_dir  # this package's own module
 
         for sub in ("build-host/bin", "build-host/tests"):
             cand = peers_dir() / sub / "test-backend-ops"
@@ -203,14 +203,20 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     out = Path(a.raw_out or a.out)
-    if out.exists() and not a.overwrite:
-        print(f"kernel_bench: error: {out} exists (pass --overwrite to replace it)", file=sys.stderr)
-        return 2
+    kind = "kernel_bench --raw-out" if a.raw_out else "kernel_bench"
     try:
+        from toolkit.artifacts import REPORT_KEY, REPORT_SIBLINGS, claim_report, write_json_atomic
+
+        if a.from_raw and Path(a.from_raw).resolve() == out.resolve():
+            raise SpecPrefetchError(f"--out {out}: is the --from-raw input")
+        # before any work: never an input, replaced only with --overwrite and only if it is this command's
+        claim_report(out, kind=kind, overwrite=a.overwrite, inputs=[Path(a.from_raw)] if a.from_raw else [],
+                     option="--raw-out" if a.raw_out else "--out", siblings=() if a.raw_out else REPORT_SIBLINGS)
         if a.from_raw:
             try:
                 result = json.loads(Path(a.from_raw).read_text())
                 result["rows"]
+                result.pop(REPORT_KEY, None)
             except (OSError, ValueError, KeyError, TypeError) as e:
                 raise SpecPrefetchError(f"--from-raw {a.from_raw}: not a kernel bench result ({e})") from None
             from toolkit.reporting import write_report
@@ -243,10 +249,8 @@ def main(argv: list[str] | None = None) -> int:
                   "isa": next((x["isa"] for x in rows if x["isa"] != "ggml"), "?"),
                   "machine": f"{cpu}, {os.cpu_count()} CPUs", "rows": rows, "llama_note": note}
         if a.raw_out:
-            tmp = out.with_name(f".{out.name}.tmp")
             out.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps(result, indent=1) + "\n")
-            tmp.replace(out)
+            write_json_atomic(out, {REPORT_KEY: kind, **result})
             print(markdown(result))
             return 0
         from toolkit.reporting import write_report
