@@ -520,6 +520,7 @@ sys.stdin.read()
 """
 
 
+@pytest.mark.slow  # timing-dependent (the OOM killer against the watcher): make test-all
 def test_cgroup_limit_sizes_the_pool_and_a_squeeze_shrinks_it(native, tmp_path):
     """Under a real cgroup v1 limit: sized from the limit; a sibling in the cgroup takes memory
     mid-run; the auto pool shrinks and the run ends well, a fixed pool of that size is OOM-killed."""

@@ -116,9 +116,11 @@ def glu(family: str, tc: Any, g: torch.Tensor, u: torch.Tensor, mats: dict) -> t
     return ACT2FN[getattr(tc, "hidden_act", "silu")](g) * u
 
 
-def quantized_expert(blob, sections, shapes, family: str, tc: Any, x: torch.Tensor) -> torch.Tensor:
-    """One int8 / int4 expert's (unweighted) output [T, H] for x [T, H], as the native kernels compute it."""
-    m = integer_matrices(blob, sections, shapes)
+def quantized_expert(blob, sections, shapes, family: str, tc: Any, x: torch.Tensor, mats: dict | None = None
+                     ) -> torch.Tensor:
+    """One int8 / int4 expert's (unweighted) output [T, H] for x [T, H], as the native kernels compute it.
+    mats: the blob's integer_matrices, when the caller decoded them already (one decode per blob)."""
+    m = integer_matrices(blob, sections, shapes) if mats is None else mats
     x = x.float().reshape(-1, x.shape[-1])
     g = qmatmul(x, *m["gate"])
     u = qmatmul(x, *m["up"])
@@ -168,11 +170,16 @@ class ExpertExecutor:
             got = dequantize(memoryview(blob)[: self.store.blob_size], self.store.sections, self.store.shapes)
         return [got[r] for r in self.roles]
 
-    def expert(self, x: torch.Tensor, blob) -> torch.Tensor:
-        """One expert's (unweighted) output [1, H] for x [1, H] (or [T, H] -> [T, H])."""
+    def integer_matrices(self, blob) -> dict:
+        """An int8 / int4 blob decoded once, for several expert() calls on it (a prefill chunk's tokens)."""
+        return integer_matrices(memoryview(blob)[: self.store.blob_size], self.store.sections, self.store.shapes)
+
+    def expert(self, x: torch.Tensor, blob, mats: dict | None = None) -> torch.Tensor:
+        """One expert's (unweighted) output [1, H] for x [1, H] (or [T, H] -> [T, H]); mats: the
+        blob's integer_matrices (int8 / int4), if already decoded."""
         if self.fp16:
             return self.backend.call("expert", [x, *self.matrices(blob)])[0]
         with torch.no_grad():
             y = quantized_expert(memoryview(blob)[: self.store.blob_size], self.store.sections, self.store.shapes,
-                                 self.family, self.tc, x)
+                                 self.family, self.tc, x, mats=mats)
         return y.reshape(x.shape).to(x.dtype)

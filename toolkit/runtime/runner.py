@@ -429,10 +429,11 @@ class Runner:
                     blob = sched.data(key)
                     # per token, exactly as the one-position path computes it (fp16: the expert graph on
                     # the blob's matrices, decoded once; int8 / int4: the integer-dot reference)
-                    mats = self.experts.matrices(blob) if self.experts.fp16 else None
+                    fp16 = self.experts.fp16
+                    mats = self.experts.matrices(blob) if fp16 else self.experts.integer_matrices(blob)
                     for t, j in users[key[1]]:
-                        out = backend.call("expert", [x[t:t + 1], *mats])[0] if mats is not None \
-                            else self.experts.expert(x[t:t + 1], blob)
+                        out = backend.call("expert", [x[t:t + 1], *mats])[0] if fp16 \
+                            else self.experts.expert(x[t:t + 1], blob, mats=mats)
                         if not bool(torch.isfinite(out).all()):
                             raise SpecPrefetchError(f"{self.store.path}: expert {key} gave non-finite output (NaN or "
                                                     f"inf) at position {p0 + t}: its weights in the store are damaged")
