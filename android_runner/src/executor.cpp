@@ -19,21 +19,7 @@
 
 #include "common.h"
 
-// ExecuTorch's thread pool. An ExecuTorch built from source (the Android NDK build) installs its
-// header; the pip wheel does not, so there the two members used here are declared as ExecuTorch
-// 1.5 defines them in libexecutorch_threadpool (linked as executorch::threadpool).
-#if __has_include(<executorch/extension/threadpool/threadpool.h>)
-#include <executorch/extension/threadpool/threadpool.h>
-#else
-namespace executorch::extension::threadpool {
-class ThreadPool {
- public:
-  size_t get_thread_count() const;
-  bool _unsafe_reset_threadpool(uint32_t num_threads);
-};
-ThreadPool* get_threadpool();
-}  // namespace executorch::extension::threadpool
-#endif
+#include "et_threadpool.h"
 
 namespace spx {
 
@@ -219,19 +205,21 @@ void Executor::embed(int64_t token, std::vector<float>& h) {
   if (static_cast<int>(h.size()) != hidden_) throw spx::Error(path_ + ": embed returned the wrong width");
 }
 
-void Executor::layer(int index, const std::vector<float>& h, int64_t pos, bool moe, LayerOut& out) {
-  const std::string name = "layer_" + std::to_string(index);
-  int64_t p = pos;
-  auto th = from_blob(const_cast<float*>(h.data()), {1, 1, hidden_}, ScalarType::Float);
-  auto tp = from_blob(&p, {1}, ScalarType::Long);
-  auto r = run(*module_, *faults_, path_, name, {EValue(th), EValue(tp)});
+namespace {
+
+// A layer method (layer_N or prefill_T_layer_N) on (hidden, positions), its outputs unpacked into `out`;
+// h_size: the hidden state's element count (`what` names it in the error: width, size).
+void run_layer(Module& module, Executor::Faults& faults, const std::string& path_, const std::string& name,
+               const executorch::extension::TensorPtr& h, const executorch::extension::TensorPtr& pos, int64_t h_size,
+               const char* what, bool moe, LayerOut& out) {
+  auto r = run(module, faults, path_, name, {EValue(h), EValue(pos)});
   if (!r.ok()) throw spx::Error(path_ + ": method '" + name + "' failed (" + err_name(r.error()) + ")");
   const auto& outs = r.get();
   const size_t want = moe ? 3 : 1;
   if (outs.size() < want) throw spx::Error(path_ + ": method '" + name + "' returned too few outputs");
   copy_out(outs[0], out.h, path_ + ": " + name);
-  if (static_cast<int>(out.h.size()) != hidden_)
-    throw spx::Error(path_ + ": method '" + name + "' returned a hidden state of the wrong width");
+  if (static_cast<int64_t>(out.h.size()) != h_size)
+    throw spx::Error(path_ + ": method '" + name + "' returned a hidden state of the wrong " + what);
   if (!moe) return;
   copy_out(outs[1], out.x, path_ + ": " + name);
   copy_out(outs[2], out.logits, path_ + ": " + name);
@@ -241,6 +229,17 @@ void Executor::layer(int index, const std::vector<float>& h, int64_t pos, bool m
     out.preds.clear();
 }
 
+}  // namespace
+
+void Executor::layer(int index, const std::vector<float>& h, int64_t pos, bool moe, LayerOut& out) {
+  const std::string name = "layer_" + std::to_string(index);
+  int64_t p = pos;
+  auto th = from_blob(const_cast<float*>(h.data()), {1, 1, hidden_}, ScalarType::Float);
+  auto tp = from_blob(&p, {1}, ScalarType::Long);
+  run_layer(*module_, *faults_, path_, name, th, tp, hidden_, "width", moe, out);
+}
+
+
 void Executor::layer_chunk(int index, const std::vector<float>& h, int T, int64_t pos, bool moe, LayerOut& out) {
   const std::string name = "prefill_" + std::to_string(T) + "_layer_" + std::to_string(index);
   if (static_cast<int64_t>(h.size()) != static_cast<int64_t>(T) * hidden_)
@@ -249,21 +248,7 @@ void Executor::layer_chunk(int index, const std::vector<float>& h, int T, int64_
   std::iota(p.begin(), p.end(), pos);
   auto th = from_blob(const_cast<float*>(h.data()), {1, T, hidden_}, ScalarType::Float);
   auto tp = from_blob(p.data(), {T}, ScalarType::Long);
-  auto r = run(*module_, *faults_, path_, name, {EValue(th), EValue(tp)});
-  if (!r.ok()) throw spx::Error(path_ + ": method '" + name + "' failed (" + err_name(r.error()) + ")");
-  const auto& outs = r.get();
-  const size_t want = moe ? 3 : 1;
-  if (outs.size() < want) throw spx::Error(path_ + ": method '" + name + "' returned too few outputs");
-  copy_out(outs[0], out.h, path_ + ": " + name);
-  if (static_cast<int64_t>(out.h.size()) != static_cast<int64_t>(T) * hidden_)
-    throw spx::Error(path_ + ": method '" + name + "' returned a hidden state of the wrong size");
-  if (!moe) return;
-  copy_out(outs[1], out.x, path_ + ": " + name);
-  copy_out(outs[2], out.logits, path_ + ": " + name);
-  if (outs.size() > 3)
-    copy_out(outs[3], out.preds, path_ + ": " + name);
-  else
-    out.preds.clear();
+  run_layer(*module_, *faults_, path_, name, th, tp, static_cast<int64_t>(T) * hidden_, "size", moe, out);
 }
 
 void Executor::head(const std::vector<float>& h, std::vector<float>& logits) {

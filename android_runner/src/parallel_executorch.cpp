@@ -2,27 +2,11 @@
 // the runner's --threads), installed by a static initialiser when this file is linked in. It is
 // built into specprefetch-runner only (CMakeLists.txt), never into spx_core: the checks and fuzz
 // targets, which have no ExecuTorch, keep the std::thread fallback.
-#include <executorch/runtime/core/function_ref.h>
-
 #include <cstddef>
 #include <cstdint>
 
+#include "et_threadpool.h"
 #include "parallel.h"
-
-// The pip wheel does not install threadpool.h; these are the members ExecuTorch 1.5 exports from
-// libexecutorch_threadpool (see executor.cpp for the same declaration).
-#if __has_include(<executorch/extension/threadpool/threadpool.h>)
-#include <executorch/extension/threadpool/threadpool.h>
-#else
-namespace executorch::extension::threadpool {
-class ThreadPool {
- public:
-  size_t get_thread_count() const;
-  void run(executorch::runtime::FunctionRef<void(size_t)> fn, size_t range);
-};
-ThreadPool* get_threadpool();
-}  // namespace executorch::extension::threadpool
-#endif
 
 namespace {
 

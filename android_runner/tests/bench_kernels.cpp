@@ -1,4 +1,4 @@
-// bench_kernels: per-expert time of the expert kernels at one shape (android_runner/kernel_bench.py
+// bench_kernels: per-expert time of the expert kernels at one shape (toolkit/peers/kernel_bench.py
 // drives it and compares with llama.cpp's ggml kernels).
 //
 //   bench_kernels [--hidden H] [--ffn I] [--experts N] [--batch T] [--many M] [--threads 1,2]
