@@ -58,12 +58,14 @@ demo: $(STAMP)
 	$(BIN)/specprefetch run $(RUNS)/bundle-qnn-sm8750 --policy adapter+prediction \
 	    --prompt "The kernel's memory allocator" --json $(RUNS)/run-qnn.json --overwrite
 
-## test: the CI suite (what .ci/run calls)
+## test: the CI suite (what .ci/run calls), one pytest-xdist worker per core (TEST_WORKERS=0: none)
+TEST_WORKERS ?= $(shell nproc 2>/dev/null || echo 2)
+XDIST = $(if $(filter 0 1,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow" $(XDIST)
 
 test-all: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(XDIST)
 
 ## bench: the figures in docs/benchmarks.md and docs/predictors.md, measured side by side
 BENCH := runs/bench

@@ -19,7 +19,7 @@ import torch
 
 from android_runner.build import command
 from export.session import open_session, reference_tokens
-from toolkit.runtime.backend import chunk_plan, prefill_chunks_of
+from toolkit.runtime.backend import PREFILL_SPAN, chunk_plan, prefill_chunks_of, prefill_spans
 from toolkit.runtime.events import EventLog, decisions
 from toolkit.runtime.policy import Policy
 from toolkit.runtime.runner import RunConfig
@@ -36,6 +36,21 @@ def test_chunk_plan_is_greedy_largest_first():
     assert chunk_plan(100, (8, 32, 128)) == [32, 32, 32, 1, 1, 1, 1]
     assert chunk_plan(45, (32, 8)) == [32, 8, 1, 1, 1, 1, 1]
     assert chunk_plan(7, (8,)) == [1] * 7 and chunk_plan(3, ()) == [1, 1, 1]
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 21, 100, 555, 700, 1200, 2047])
+def test_spans_merge_consecutive_chunks_and_split_back_into_them(n):
+    sizes = (8, 32, 128)
+    units = chunk_plan(n, sizes)
+    spans = prefill_spans(units)
+    assert sum(spans) == n and all(T <= PREFILL_SPAN for T in spans)
+    back = [T for s in spans for T in (chunk_plan(s, sizes) if s > 1 else [1])]
+    assert back == units  # a span's chunks are the plan's, in order
+    assert spans.count(1) == units.count(1)  # single positions stay single
+    assert all(s > 1 for s in spans[:len(spans) - units.count(1)])
+    if n >= 2 * PREFILL_SPAN:
+        assert spans[0] == spans[1] == PREFILL_SPAN  # full spans of four 128-chunks
+    assert prefill_spans([8, 8, 1, 1]) == [16, 1, 1] and prefill_spans([8, 8, 8], cap=16) == [16, 8]
     names = ["embed", "layer_0", "layer_1", "prefill_8_layer_0", "prefill_8_layer_1", "prefill_32_layer_0", "head"]
     assert prefill_chunks_of(names) == (8,)  # 32 lacks layer 1: not a usable size
     assert prefill_chunks_of(["embed", "layer_0", "head"]) == ()
@@ -116,10 +131,11 @@ def test_chunked_prompt_gives_the_one_position_tokens(reference, embedded):
     assert [t.tolist() for t in on.routing] == [t.tolist() for t in off.routing]  # the same experts chosen
     js = on.to_json()
     assert js["prefill_tokens_per_s"] == pytest.approx(len(PROMPT) / (js["ttft_ms"] / 1e3), rel=0.02)
-    # a chunk's MoE layer is one step, numbered by its first position: steps 0..7, then 8 * 8 + 0 ..
+    # the two chunks run as one span, layer by layer: its MoE layer is one step, numbered by its first
+    # position: steps 0..7, then the next position's 16 * 8 + 0 ..
     steps = [ln for ln in on_lines if ln.startswith("step ")]
-    assert steps[:9] == [f"step {i} pos=0 layer={i}" for i in range(8)] + ["step 64 pos=8 layer=0"]
-    assert len(steps) == 2 * 8 + (len(PROMPT) - 16 + NEW - 1) * 8
+    assert steps[:9] == [f"step {i} pos=0 layer={i}" for i in range(8)] + ["step 128 pos=16 layer=0"]
+    assert len(steps) == 8 + (len(PROMPT) - 16 + NEW - 1) * 8
     # some chunk layer routes to more experts than the pool holds: acquired in groups, each used once
     per_step: dict[str, list[str]] = {}
     for ln in on_lines:

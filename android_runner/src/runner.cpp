@@ -102,6 +102,25 @@ std::vector<int> chunk_plan(int n, const std::vector<int>& chunks) {
   return out;
 }
 
+std::vector<int> prefill_spans(const std::vector<int>& units, int cap) {
+  std::vector<int> out;
+  int run = 0;
+  for (int T : units) {
+    if (T > 1 && (run == 0 || run + T <= cap)) {
+      run += T;
+      continue;
+    }
+    if (run > 0) out.push_back(run);
+    run = 0;
+    if (T > 1)
+      run = T;
+    else
+      out.push_back(1);
+  }
+  if (run > 0) out.push_back(run);
+  return out;
+}
+
 std::vector<int> Runner::chunk_sizes() const {
   std::vector<int> out;
   if (cfg_.prefill_chunk == 0) return out;
@@ -226,10 +245,12 @@ Generation Runner::generate(const std::vector<int>& prompt, int max_new,
   state.future = future;
 
   const int total = L * m_.routing.num_experts;
-  const std::vector<int> units = chunk_plan(static_cast<int>(prompt.size()), chunk_sizes());
+  const std::vector<int> sizes = chunk_sizes();
+  const std::vector<int> units = chunk_plan(static_cast<int>(prompt.size()), sizes);
+  const std::vector<int> spans = prefill_spans(units);
   // the pool's arena outlives the reader, whose destructor waits for reads still in flight into it
   ExpertPool pool(cfg.budget_bytes(), static_cast<int64_t>(store_.slot_bytes), cfg.eviction, k, total,
-                  cfg.eviction == "belady" ? belady(*future, L, k, units) : nullptr);
+                  cfg.eviction == "belady" ? belady(*future, L, k, spans) : nullptr);
   Reader reader(store_, cfg.lanes > 0 ? cfg.lanes : std::min(cfg.queue_depth + 1, 64), cfg.verify);
   ReaderIO io(reader);
   SchedulerConfig scfg;
@@ -281,22 +302,25 @@ Generation Runner::generate(const std::vector<int>& prompt, int max_new,
 
   double plan_s = 0, expert_s = 0;
   int64_t expert_calls = 0;
-  std::map<int, int> unit_at;  // a prompt unit's first position -> its size
+  std::map<int, int> unit_at;  // a prompt span's first position -> its size
   {
     int p = 0;
-    for (int T : units) unit_at[p] = T, p += T;
+    for (int T : spans) unit_at[p] = T, p += T;
   }
   g.prefill_chunks = units;
 
-  // Prompt positions p0 .. p0+T-1 through every layer at once (the prefill_T methods), as the
-  // reference runner's Runner._chunk: at MoE layer i (step p0 * L + i) the union of the chunk's
+  // Prompt positions p0 .. p0+T-1 (a span: its chunks chunk_plan(T), run in order through each
+  // layer's prefill_T' methods before the next layer) through every layer, as the reference
+  // runner's Runner._chunk: at MoE layer i (step p0 * L + i) the union of the span's
   // experts is acquired in groups of at most the pool's capacity, resident ones first, then the
   // others, each part by ascending expert id; each expert computes every token routed to it in one
   // batch; a token sums its experts in its own top-k order. The window is planned after the last
   // group's acquire; earlier groups release without issuing prefetches. Leaves the chunk's hidden
   // states [T * H] in hc.
-  std::vector<float> hc, xs, ys;
+  std::vector<float> hc, xs, ys, hp;
+  LayerOut part;
   auto chunk = [&](int p0, int T, int T_next) {
+    const std::vector<int> parts = chunk_plan(T, sizes);
     hc.assign(static_cast<size_t>(T) * H, 0.0f);
     for (int t = 0; t < T; ++t) {
       exec_.embed(seq[p0 + t], h);
@@ -309,7 +333,21 @@ Generation Runner::generate(const std::vector<int>& prompt, int max_new,
     std::vector<float> outs_tj(static_cast<size_t>(T) * k * H);  // token t's j-th expert output
     for (int layer = 0; layer < m_.num_layers; ++layer) {
       const int li = moe_index[layer];
-      exec_.layer_chunk(layer, hc, T, p0, li >= 0, out);
+      if (parts.size() == 1) {
+        exec_.layer_chunk(layer, hc, T, p0, li >= 0, out);
+      } else {  // the span's chunks in order: each one's attention sees the KV the earlier ones wrote
+        out.h.clear(), out.x.clear(), out.logits.clear(), out.preds.clear();
+        int o = 0;
+        for (int Tp : parts) {
+          hp.assign(hc.begin() + static_cast<size_t>(o) * H, hc.begin() + static_cast<size_t>(o + Tp) * H);
+          exec_.layer_chunk(layer, hp, Tp, p0 + o, li >= 0, part);
+          out.h.insert(out.h.end(), part.h.begin(), part.h.end());
+          out.x.insert(out.x.end(), part.x.begin(), part.x.end());
+          out.logits.insert(out.logits.end(), part.logits.begin(), part.logits.end());
+          out.preds.insert(out.preds.end(), part.preds.begin(), part.preds.end());
+          o += Tp;
+        }
+      }
       if (li < 0) {
         hc.swap(out.h);
         continue;

@@ -13,8 +13,8 @@
 //                   release(s, ids); h = h_res + y
 //   token = argmax(head(h))
 //
-// The prompt goes through the bundle's prefill_T_layer_N methods in chunks where it has them (the
-// reference's Runner._chunk; docs/runner.md), and a MoE layer computes its landed experts first,
+// The prompt goes through the bundle's prefill_T_layer_N methods in chunks where it has them,
+// consecutive chunks layer by layer as one span (the reference's Runner._chunk; docs/runner.md), and a MoE layer computes its landed experts first,
 // the others as their reads land (compute while loading), summed in top-k order.
 #pragma once
 
@@ -83,6 +83,12 @@ struct Generation {
 // How a prompt of n positions is fed: greedily the largest chunk of `chunks` that fits in what is
 // left, the tail by smaller chunks and single positions (1) (backend.py's chunk_plan).
 std::vector<int> chunk_plan(int n, const std::vector<int>& chunks);
+// Positions per prefill span (backend.py's PREFILL_SPAN): consecutive chunks run layer by layer as
+// one span, so a MoE layer's experts are read and computed once per span, not once per chunk.
+constexpr int kPrefillSpan = 512;
+// The prompt's spans from its chunk_plan units: consecutive chunks merged while the span stays
+// within `cap` positions, single positions (1) as they are (backend.py's prefill_spans).
+std::vector<int> prefill_spans(const std::vector<int>& units, int cap = kPrefillSpan);
 
 class Runner {
  public:

@@ -74,6 +74,35 @@ def chunk_plan(n: int, chunks: Sequence[int]) -> list[int]:
     return out + [1] * left
 
 
+# Positions per prefill span: consecutive chunks run layer by layer as one span (every chunk of the
+# span through layer N, then layer N's experts for all of the span's tokens), so a MoE layer's
+# experts are read and computed once per span rather than once per chunk; llama.cpp's default
+# micro-batch. The span's router inputs ([span, L, H] floats) are what bounds it.
+PREFILL_SPAN = 512
+
+
+def prefill_spans(units: Sequence[int], cap: int = PREFILL_SPAN) -> list[int]:
+    """The prompt's spans from its `chunk_plan` units: consecutive chunks merged while the span
+    stays within `cap` positions, single positions (1) as they are. Each MoE layer of a span is one
+    step (p0 * L + layer); `chunk_plan(span, chunks)` gives back the span's chunks, in order."""
+    out: list[int] = []
+    run = 0
+    for T in units:
+        if T > 1 and (run == 0 or run + T <= cap):
+            run += T
+            continue
+        if run:
+            out.append(run)
+            run = 0
+        if T > 1:
+            run = T
+        else:
+            out.append(1)
+    if run:
+        out.append(run)
+    return out
+
+
 _CUSTOM_OPS: list[bool] = []
 
 

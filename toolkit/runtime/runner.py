@@ -15,10 +15,12 @@ token at a time through the same graphs; its last step gives the first token):
                       release(s, ids); h = h_res + y
     token = argmax(head(h))
 
-Where the graphs have prefill methods (`prefill_T_layer_N`), the prompt goes through them in chunks
-(`Runner._chunk`: a chunk's MoE layer is one step, p0 * L + i, its experts' union acquired in groups
-that fit the pool and each expert computed once for all its tokens), greedily by the largest chunk
-that fits (`chunk_plan`); `RunConfig.prefill_chunk` caps the size or turns it off. Within a MoE
+Where the graphs have prefill methods (`prefill_T_layer_N`), the prompt goes through them in chunks,
+greedily by the largest chunk that fits (`chunk_plan`), and consecutive chunks run as one span of up
+to PREFILL_SPAN positions, layer by layer (`Runner._chunk`: every chunk of the span through layer N,
+then the span's MoE layer as one step, p0 * L + i, its experts' union acquired in groups that fit the
+pool and each expert read once and computed once for all the span's tokens routed to it);
+`RunConfig.prefill_chunk` caps the chunk size or turns chunks off. Within a MoE
 layer, experts whose bytes have landed are computed first, the others as their reads land
 (`WindowScheduler.compute_order`), summed in top-k order.
 
@@ -41,7 +43,7 @@ import torch
 from toolkit.errors import SpecPrefetchError
 from toolkit.models.families import RoutingSpec, expert_weights, select_experts
 from toolkit.predictors.base import Predictor
-from toolkit.runtime.backend import Backend, chunk_plan
+from toolkit.runtime.backend import Backend, chunk_plan, prefill_spans
 from toolkit.runtime.events import EventLog
 from toolkit.runtime.expert_store import ExpertStore
 from toolkit.runtime.experts import ExpertExecutor
@@ -215,16 +217,17 @@ class Runner:
         io = self._open_io()
         try:
             units = chunk_plan(len(prompt_ids), self.chunk_sizes())
+            spans = prefill_spans(units)
             pool, sched = open_pool_and_scheduler(cfg, slot_bytes=self.store.slot_bytes, num_layers=L, top_k=k,
                                                   io=io, future=state.future, prefetch=planner.active, events=events,
-                                                  units=units)
+                                                  units=spans)
             if events is not None:
                 events.header(policy=cfg.policy.name, budget_bytes=cfg.budget_bytes, slot_bytes=self.store.slot_bytes,
                               capacity=pool.capacity, window=cfg.window, queue_depth=cfg.queue_depth,
                               min_confidence=cfg.min_confidence, layers=L, top_k=k)
                 events.sequence(prompt_tokens=len(prompt_ids))
             return self._loop(list(prompt_ids), max_new_tokens, sched, pool, planner, state, events, io,
-                              force_ids, keep_logits, units)
+                              force_ids, keep_logits, units, spans)
         finally:
             io.close()
 
@@ -245,7 +248,8 @@ class Runner:
 
     def _loop(self, seq: list[int], max_new: int, sched: WindowScheduler, pool: ExpertPool,
               planner: PrefetchPlanner, state: RoutingState, events: EventLog | None, io,
-              force_ids: torch.Tensor | None, keep_logits: bool, units: list[int]) -> Generation:
+              force_ids: torch.Tensor | None, keep_logits: bool, units: list[int],
+              spans: list[int]) -> Generation:
         m, backend = self.model, self.backend
         L = m.L
         moe_index = {layer: li for li, layer in enumerate(m.moe_layers)}
@@ -265,11 +269,11 @@ class Runner:
         graphs = str(getattr(backend, "path", "") or m.label or "the model")  # what non-finite output names
         t0 = time.perf_counter()
         pos = 0
-        starts = list(itertools.accumulate([0, *units]))  # each prompt unit's first position
-        unit_at = {p: T for p, T in zip(starts, units)}
+        starts = list(itertools.accumulate([0, *spans]))  # each prompt span's first position
+        unit_at = {p: T for p, T in zip(starts, spans)}
         while True:
             T = unit_at.get(pos, 1)
-            if T > 1:  # a prefill chunk: positions pos .. pos + T - 1 at once
+            if T > 1:  # a prefill span: positions pos .. pos + T - 1, layer by layer
                 nxt_T = unit_at.get(pos + T, 1)
                 hs = self._chunk(seq, pos, T, nxt_T, sched, pool, planner, state, events, force_ids, end, graphs,
                                  moe_index, routing)
@@ -373,10 +377,11 @@ class Runner:
                planner: PrefetchPlanner, state: RoutingState, events: EventLog | None,
                force_ids: torch.Tensor | None, end: int, graphs: str, moe_index: dict[int, int],
                routing: list[torch.Tensor]) -> torch.Tensor:
-        """Prompt positions p0 .. p0+T-1 through every layer at once (the layers' prefill_T
-        methods); returns their hidden states [1, T, H] and appends their routing.
+        """Prompt positions p0 .. p0+T-1 (a span: its chunks `chunk_plan(T)`, run in order through
+        each layer's prefill_T' methods before the next layer) through every layer; returns their
+        hidden states [1, T, H] and appends their routing.
 
-        At MoE layer i (step p0 * L + i) the chunk's routed experts (the union over its tokens)
+        At MoE layer i (step p0 * L + i) the span's routed experts (the union over its tokens)
         are acquired in groups of at most the pool's capacity, resident ones first, then the
         others, each part by ascending expert id; each expert is decoded once and computed for
         every token routed to it; a token's output sums its experts in its own top-k order, as one
@@ -390,9 +395,18 @@ class Runner:
         _finite([h], graphs, "embed", p0)
         chunk = ChunkState(T, L, m.hidden_size, k, before=state.ids)
         ids_all = torch.zeros(T, L, k, dtype=torch.long)
+        parts = chunk_plan(T, self.chunk_sizes())
+        offs = list(itertools.accumulate([0, *parts]))
         for layer in range(m.num_layers):
-            outs = backend.layer_chunk(layer, h, p0)
-            _finite(outs, graphs, f"prefill_{T}_layer_{layer}", p0)
+            # the span's chunks in order: each one's attention sees the KV the earlier ones wrote
+            per = []
+            for o, Tp in zip(offs, parts):
+                r = backend.layer_chunk(layer, h[:, o:o + Tp], p0 + o)
+                _finite(r, graphs, f"prefill_{Tp}_layer_{layer}", p0 + o)
+                per.append(r)
+            outs = per[0] if len(per) == 1 else [
+                torch.cat([r[i].reshape(1, Tp, -1) for r, Tp in zip(per, parts)], dim=1) if i == 0 else
+                torch.cat([r[i].reshape(Tp, -1) for r, Tp in zip(per, parts)]) for i in range(len(per[0]))]
             if layer not in moe_index:
                 h = outs[0]
                 continue
