@@ -27,7 +27,7 @@ from toolkit.runtime.runner import RunConfig
 
 PROMPTS = [[591, 906, 531, 1274, 2295, 1062], [17, 402, 9, 1500]]
 NEW = 8
-PREDICTORS = ("on-demand", "next-gate", "fate", "oracle")
+PREDICTORS = ("on-demand", "next-gate", "fate", "previous-token", "oracle")
 EVICTIONS = ("lru", "lfu", "prediction", "belady")
 POOLS = (2.0, 3.5)  # 16 and 29 of the 256 expert slots: eviction every token
 

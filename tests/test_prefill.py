@@ -103,7 +103,7 @@ def test_chunk_graphs_of_every_family(family, tiny_models):
 @pytest.fixture(scope="module")
 def reference(embedded_bundles):
     return open_session(embedded_bundles["executorch"], RunConfig(policy=Policy("on-demand", "lru"), io="threads"),
-                        predictors=["next-gate", "fate", "oracle"])
+                        predictors=["next-gate", "fate", "previous-token", "oracle"])
 
 
 def test_the_bundle_lists_its_prefill_methods(embedded_bundles, reference):
@@ -168,7 +168,8 @@ def _native(native, tmp_path, policy, *extra):
 @pytest.mark.parametrize("chunk", [None, "off"])
 def test_native_chunks_decide_as_the_reference(native_host, reference, tmp_path, chunk):
     r = reference.runner
-    for policy in ("next-gate+prediction", "fate+lru", "oracle+belady") if chunk is None else ("next-gate+lfu",):
+    for policy in ("next-gate+prediction", "fate+lru", "previous-token+lru", "oracle+belady") if chunk is None \
+            else ("next-gate+lfu",):
         out, lines = _native(native_host, tmp_path, policy, *(["--prefill-chunk", chunk] if chunk else []))
         r.configure(policy=Policy.parse(policy), pool_mib=POOL, prefill_chunk=0 if chunk == "off" else None)
         log = EventLog()

@@ -29,6 +29,17 @@ Planner::Planner(Source source, int num_layers, int window, const RoutingRule& r
     throw Error("host next-gate / fate prediction needs the bundle's router weights (host.safetensors)");
 }
 
+namespace {
+// previous-token scores from router ranks (k..1, 0 for the rest): less a tie-break by ascending id
+// (0.5 / E of a rank, as the oracle's), over k, as base.py's PreviousToken
+std::vector<float> rank_scores(std::vector<float> s, int k) {
+  const float step_e = static_cast<float>(0.5 / static_cast<double>(s.size()));
+  for (size_t e = 0; e < s.size(); ++e)
+    if (s[e] > 0) s[e] = (s[e] - static_cast<float>(e) * step_e) / static_cast<float>(k);
+  return s;
+}
+}  // namespace
+
 const float* Planner::score_bias(int j) const {
   if (host_ == nullptr || host_->score_bias.empty()) return nullptr;
   return host_->score_bias.data() + static_cast<size_t>(j) * E_;
@@ -103,6 +114,22 @@ void Planner::plan(WindowScheduler& sched, int li, int64_t step, const RoutingSt
       sched.plan(step, targets, rows);
     return;
   }
+  if (source_ == Source::previous_token) {
+    // the most recent routing of each target layer (planner.py's PreviousToken): layer j > li of
+    // this position is still the previous position's in state.ids, a layer past the last (the next
+    // position's j - L) this position's own; the first position has no previous one
+    for (int h = 1; h <= W; ++h) {
+      const int j = li + h;
+      std::vector<float> s(E_, 0.0f);
+      if (j >= L_ || state.pos > 0)
+        for (int r = 0; r < state.k; ++r)
+          s[state.ids[static_cast<size_t>(j % L_) * state.k + r]] = static_cast<float>(state.k - r);
+      targets.push_back(step + h);
+      rows.push_back(rank_scores(std::move(s), state.k));
+    }
+    sched.plan(step, targets, rows);
+    return;
+  }
   // oracle: the recorded routing of this position and the next; rank k..1 in the router's order
   const auto* fut = state.future;
   const int k = state.k;
@@ -166,6 +193,29 @@ void Planner::plan_chunk(WindowScheduler& sched, int li, int64_t step, int T, in
         if (s[e] > 0) s[e] = s[e] - static_cast<float>(e) * step_e;
       targets.push_back(target(h));
       rows.push_back(std::move(s));
+    }
+    sched.plan(step, targets, rows);
+    return;
+  }
+  if (source_ == Source::previous_token) {
+    // a layer of this span: the position before it (the span's own positions have not run that
+    // layer yet); the next unit's layer j - L: every span position's choice there
+    const int k = state.k;
+    for (int h : hs) {
+      const int j = li + h;
+      std::vector<float> s(E_, 0.0f);
+      if (j < L_) {
+        if (state.pos > 0)  // state.ids past li: still the position before the span
+          for (int r = 0; r < k; ++r) s[state.ids[static_cast<size_t>(j) * k + r]] = static_cast<float>(k - r);
+      } else {
+        for (int t = 0; t < T; ++t)
+          for (int r = 0; r < k; ++r) {
+            float& v = s[chunk.ids[(static_cast<size_t>(t) * L_ + (j - L_)) * k + r]];
+            v = std::max(v, static_cast<float>(k - r));
+          }
+      }
+      targets.push_back(target(h));
+      rows.push_back(rank_scores(std::move(s), k));
     }
     sched.plan(step, targets, rows);
     return;

@@ -42,7 +42,8 @@ struct ChunkState {
   std::vector<int> ids;
 };
 
-enum class Source { none, graph, next_gate, fate, oracle };
+// previous_token: the phone engines' temporal baseline (the most recent routing of each target layer)
+enum class Source { none, graph, next_gate, fate, previous_token, oracle };
 
 struct HostRouters {      // from host.safetensors
   std::vector<float> weight;      // [L, E, H]

@@ -142,7 +142,7 @@ Runner::Runner(const ModelInfo& model, Executor& exec, const ExpertStore& store,
 }
 
 std::vector<std::string> Runner::predictors() const {
-  std::vector<std::string> out{"on-demand", "oracle"};
+  std::vector<std::string> out{"on-demand", "previous-token", "oracle"};
   if (!m_.preds_rows.empty() && !m_.graph_predictor.empty()) out.push_back(m_.graph_predictor);
   if (host_ != nullptr && !host_->weight.empty()) {
     if (m_.graph_predictor != "next-gate") out.push_back("next-gate");
@@ -154,6 +154,7 @@ std::vector<std::string> Runner::predictors() const {
 Source Runner::source_of(const std::string& p) const {
   if (p == "on-demand") return Source::none;
   if (p == "oracle") return Source::oracle;
+  if (p == "previous-token") return Source::previous_token;
   if (!m_.preds_rows.empty() && p == m_.graph_predictor) return Source::graph;
   if (host_ != nullptr && !host_->weight.empty()) {
     if (p == "next-gate") return Source::next_gate;

@@ -88,7 +88,8 @@ class PreviousToken(Predictor):
 
     For a same-token target (layer j of token t) that is token t-1's layer j; for a next-token
     target (layer j of token t+1) it is token t's own layer j, already known by then. Only the k
-    reused experts score; the rest tie at zero."""
+    reused experts score, by their router rank (k..1, over k) less a tie-break by ascending id
+    (0.5 / E of a rank, as the oracle's), so every engine queues them in one order; the rest are 0."""
     name = "previous-token"
 
     def __init__(self, num_experts: int):
@@ -101,8 +102,11 @@ class PreviousToken(Predictor):
             ids, ok = b.prev_ids[:, j], b.has_prev
         else:
             ids, ok = b.ids[:, j - L], torch.ones(len(b), dtype=torch.bool, device=b.device)
-        s = torch.zeros(len(b), self.num_experts, device=b.device)
-        s.scatter_(1, ids, 1.0)
+        E, k = self.num_experts, ids.shape[-1]
+        rank = torch.arange(k, 0, -1, dtype=torch.float32, device=b.device).expand(len(b), -1)
+        s = torch.zeros(len(b), E, device=b.device).scatter_(1, ids, rank)
+        tie = torch.arange(E, dtype=torch.float32, device=b.device) * torch.tensor(0.5 / E, dtype=torch.float32)
+        s = torch.where(s > 0, (s - tie) / k, s)
         s[~ok] = 0.0
         return s
 

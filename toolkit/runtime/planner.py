@@ -80,8 +80,11 @@ class ChunkState:
         T = self.ids.shape[0]
         prev = torch.cat([self.before, self.ids[:-1]]) if T > 1 else self.before.clone()
         pos = torch.arange(state.pos, state.pos + T)
+        # a later position's previous one is in the chunk, whose layers past the current one have
+        # not run: only the first position's previous choices are known there
+        known = (pos > 0) & (torch.arange(T) == 0)
         return RoutingBatch(hidden=self.hidden, ids=self.ids, next_ids=torch.zeros_like(self.ids), prev_ids=prev,
-                            has_next=torch.zeros(T, dtype=torch.bool), has_prev=pos > 0, probs=None,
+                            has_next=torch.zeros(T, dtype=torch.bool), has_prev=known, probs=None,
                             next_probs=None, seq=torch.zeros(T, dtype=torch.long), pos=pos,
                             kind=torch.zeros(T, dtype=torch.long))
 
