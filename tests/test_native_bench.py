@@ -29,7 +29,9 @@ def test_runner_bench_reports_every_part(embedded_bundles, tmp_path):
     assert rs["python_tpot_ms"] > rs["native_first_use_tpot_ms"] and rs["python_over_native"] > 1
     (point,) = res["points"]
     pols = point["policies"]
-    assert set(pols) == {"on-demand+lru", "next-gate+prediction", "oracle+belady"}
+    assert set(pols) == {"on-demand+lru", "previous-token+lru", "next-gate+prediction", "oracle+belady"}
+    assert point["temporal_over_predictor"] == round(pols["previous-token+lru"]["tpot_ms"] /
+                                                     pols["next-gate+prediction"]["tpot_ms"], 3)
     # real reads: on-demand reads something at 13% of the experts; the oracle's bound holds on reads
     assert pols["on-demand+lru"]["mib_read_per_token"] > 0
     assert pols["oracle+belady"]["mib_read_per_token"] <= pols["on-demand+lru"]["mib_read_per_token"]

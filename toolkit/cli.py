@@ -575,7 +575,7 @@ def store(model, out, dtype, overwrite) -> None:
 @main.command()
 @click.argument("traces", type=click.Path(path_type=Path))
 @click.option("--policies", "--predictor", "policies",
-              default="on-demand+lru,next-gate+prediction,adapter+prediction,oracle+belady", show_default=True,
+              default="on-demand+lru,previous-token+lru,next-gate+prediction,adapter+prediction,oracle+belady", show_default=True,
               help="comma-separated PREDICTOR+EVICTION (eviction: lru, lfu, prediction, belady)")
 @click.option("--adapter", type=click.Path(path_type=Path), default=None)
 @click.option("--profile", default="snapdragon-8-elite", show_default=True,
@@ -1133,7 +1133,7 @@ def device_standin(port, root_dir, root_user, abi, faults) -> None:
 @device.command(name="bench")
 @click.argument("bundle", type=click.Path(path_type=Path))
 @click.option("--serial", default=None, help="the device (adb devices); needed when several are attached")
-@click.option("--policies", default="on-demand+lru,adapter+prediction", show_default=True,
+@click.option("--policies", default="on-demand+lru,previous-token+lru,adapter+prediction", show_default=True,
               help="comma-separated PREDICTOR+EVICTION, run interleaved")
 @click.option("--pool-mib", type=POOL_MIB, required=True)
 @click.option("--prompt", "prompts", type=Text(), multiple=True, required=True, help="repeatable")
@@ -1177,7 +1177,7 @@ def device_bench(bundle, serial, policies, pool_mib, prompts, max_new_tokens, re
 @click.argument("model", default="embedded")
 @click.option("--adapter", type=click.Path(path_type=Path), default=None,
               help="prefetch adapter (model directories; needed by the adapter policies)")
-@click.option("--policies", default="on-demand+lru,next-gate+prediction,adapter+prediction,adapter+lru,oracle+belady",
+@click.option("--policies", default="on-demand+lru,previous-token+lru,next-gate+prediction,adapter+prediction,adapter+lru,oracle+belady",
               show_default=True, help="comma-separated PREDICTOR+EVICTION")
 @click.option("--pool-mib", type=POOL_MIB_LIST, default="4,8", show_default=True)
 @click.option("--prompts", type=click.IntRange(min=1), default=4, show_default=True)
