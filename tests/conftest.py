@@ -44,8 +44,10 @@ def vl_data(tmp_path_factory) -> Path:
 class _Prebuild:
     """The background build of tests/prebuild.py, started after collection when a selected test needs
     the shared bundle and waited for by the fixtures below. Under pytest-xdist (`make test` runs two
-    workers) the first worker to get here starts it in the run's shared temporary directory and
-    every worker waits for its status file, so it is built once per run."""
+    workers) the first worker to get here starts it in the run's shared temporary directory (its pid
+    in `started`) and every worker waits for the stage it needs in the status file, so it is built
+    once per run; a build that died without a word fails the waiting tests at once, and a failure is
+    remembered (one wait per stage, not one per test)."""
 
     def __init__(self, config, native: bool):
         import os
@@ -59,34 +61,80 @@ class _Prebuild:
         self.profiles = root / "runner-cache" / "profiles"
         self.status = root / "status.json"
         self.log = root / "prebuild.log"
+        self.started = root / "started"
         self.native = native
         self.proc = None
+        self.failed: dict[str, str] = {}
         root.mkdir(parents=True, exist_ok=True)
         try:
-            os.close(os.open(root / "started", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            fd = os.open(self.started, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         except FileExistsError:
             return  # another worker builds it
-        env = {**os.environ, "SPECPREFETCH_PROFILES": str(self.profiles), "OMP_NUM_THREADS": "1"}
-        args = [sys.executable, str(REPO / "tests" / "prebuild.py"), str(self.bundle), "--status", str(self.status)]
-        if native:
-            args.append("--native")
-        with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        try:
+            env = {**os.environ, "SPECPREFETCH_PROFILES": str(self.profiles), "OMP_NUM_THREADS": "1"}
+            args = [sys.executable, str(REPO / "tests" / "prebuild.py"), str(self.bundle), "--status", str(self.status)]
+            if native:
+                args.append("--native")
+            with open(self.log, "wb") as log:
+                self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+            os.write(fd, str(self.proc.pid).encode())
+        except BaseException as e:  # no build: say so to every waiter
+            self.status.write_text(json.dumps({"bundle": False, "native": False, "error": f"not started: {e}"}))
+            raise
+        finally:
+            os.close(fd)
 
-    def wait(self) -> None:
+    def _alive(self) -> bool:
+        import os
+
+        if self.proc is not None:
+            return self.proc.poll() is None
+        try:
+            pid = int(self.started.read_text() or "0")
+        except (OSError, ValueError):
+            return True  # the owner is still writing it
+        if pid <= 0:
+            return True
+        try:
+            os.kill(pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+
+    def _state(self) -> dict:
+        try:
+            return json.loads(self.status.read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def wait(self, stage: str) -> None:
+        """Until `stage` ("bundle" or "native") has finished; fails the test if it failed."""
         import time
 
-        while not self.status.exists():
-            if self.proc is not None and self.proc.poll() is not None and not self.status.exists():
-                break  # died without a status (killed)
+        if stage in self.failed:
+            pytest.fail(self.failed[stage], pytrace=False)
+        dead_since = None
+        while True:
+            st = self._state()
+            if st.get(stage) is not None:
+                break
+            if self._alive():
+                dead_since = None
+            elif dead_since is None:
+                dead_since = time.monotonic()
+            elif time.monotonic() - dead_since > 2.0:  # its last status write has had time to land
+                st = {**self._state()}
+                if st.get(stage) is None:
+                    st = {stage: False, "error": "the build process died without a status (killed?)"}
+                break
             time.sleep(0.2)
-        st = json.loads(self.status.read_text()) if self.status.exists() else {"ok": False, "error": "killed"}
-        if not st["ok"]:
+        if not st.get(stage):
             tail = self.log.read_text(errors="replace")[-3000:] if self.log.exists() else ""
-            pytest.fail(f"the shared bundle's background build failed ({st['error']}; {self.log}):\n{tail}",
-                        pytrace=False)
-        if self.native and not st.get("native"):
-            pytest.fail(f"the shared bundle's background build has no host runner ({self.log})", pytrace=False)
+            self.failed[stage] = (f"the shared bundle's background build failed at its {stage} stage "
+                                  f"({st.get('error')}; {self.log}):\n{tail}")
+            pytest.fail(self.failed[stage], pytrace=False)
 
     def stop(self, interrupted: bool) -> None:
         if self.proc is None:
@@ -104,6 +152,12 @@ def _needs(item, name: str) -> bool:
     return name in getattr(item, "fixturenames", ())
 
 
+def _qnn_only(item) -> bool:
+    """A test of the embedded QNN bundle alone (it exports that one itself, in-process)."""
+    cs = getattr(item, "callspec", None)
+    return cs is not None and cs.params.get("target") == "qnn" and not _needs(item, "native_host")
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(session, config, items):
     """Modules that need the shared bundle run last (in their own order), so the background build has
@@ -119,7 +173,8 @@ def pytest_collection_finish(session):
         import torch
 
         torch.set_num_threads(1)  # one worker per core
-    if any(_needs(i, "embedded_bundles") for i in items) and not session.config.option.collectonly:
+    needs_et = any(_needs(i, "embedded_bundles") and not _qnn_only(i) for i in items)
+    if needs_et and not session.config.option.collectonly:
         # every worker collects every test: the build includes the runner if any selected test needs it
         _prebuild = _Prebuild(session.config, native=any(_needs(i, "native_host") for i in items))
 
@@ -143,7 +198,7 @@ def embedded_bundles(tmp_path_factory, embedded) -> dict[str, Path]:
 
         def __missing__(self, target: str) -> Path:
             if target == "executorch" and _prebuild is not None:
-                _prebuild.wait()
+                _prebuild.wait("bundle")
                 self[target] = _prebuild.bundle
                 return self[target]
             export_bundle(embedded, root / target, ExportConfig(target=target, max_seq=64, progress=False))
@@ -166,6 +221,8 @@ def native_host(embedded_bundles, tmp_path_factory):
     bundle = embedded_bundles["executorch"]
     old = os.environ.get("SPECPREFETCH_PROFILES")
     native = _prebuild is not None and _prebuild.native
+    if native:
+        _prebuild.wait("native")
     profiles = _prebuild.profiles if native else tmp_path_factory.mktemp("runner-cache") / "profiles"
     os.environ["SPECPREFETCH_PROFILES"] = str(profiles)
     try:

@@ -3,8 +3,8 @@
 `make test` runs on a 2-core machine and the shared ExecuTorch bundle (every layer lowered to XNNPACK,
 decode and prefill methods) plus its native host runner are about two minutes of one core. conftest.py
 starts this script as soon as the tests are collected and runs the tests that need neither first, so
-the second core does the lowering and the compiling while the first runs tests; the fixtures wait for
-it (and fail with its log if it failed). Run by hand: `python tests/prebuild.py OUT_BUNDLE [--native] [--status FILE]`
+the lowering and the compiling overlap the tests that need neither; the fixtures wait for the stage
+they need (the bundle, or the bundle and the runner) and fail with its log if that stage failed. Run by hand: `python tests/prebuild.py OUT_BUNDLE [--native] [--status FILE]`
 with SPECPREFETCH_PROFILES naming the runner cache the build goes into.
 """
 from __future__ import annotations
@@ -33,30 +33,43 @@ def build_host(bundle: Path) -> Path:
     return build(bundle, "host", log=lambda s: None, tokenizer=False)
 
 
-def main(argv: list[str]) -> int:
-    """OUT [--native] [--status FILE]: FILE gets {"ok", "native", "error"} at the end, written whole."""
+def _write(status: Path | None, st: dict) -> None:
     import json
     import os
 
+    if status is not None:
+        tmp = status.with_suffix(".tmp")
+        tmp.write_text(json.dumps(st))
+        os.replace(tmp, status)
+
+
+def main(argv: list[str]) -> int:
+    """OUT [--native] [--status FILE]: FILE gets {"bundle", "native", "error"} (each stage's outcome:
+    true, false, or null while it runs), rewritten whole after each stage."""
     out = Path(argv[0])
     status = Path(argv[argv.index("--status") + 1]) if "--status" in argv else None
-    st = {"ok": False, "native": False, "error": None}
+    native = "--native" in argv[1:]
+    st = {"bundle": None, "native": None if native else False, "error": None}
+    _write(status, st)
+    stage = "bundle"
     try:
         export_shared(out)
+        st["bundle"] = True
+        _write(status, st)
         print("bundle ready", flush=True)
-        if "--native" in argv[1:]:
+        if native:
+            stage = "native"
             build_host(out)
             st["native"] = True
             print("host runner ready", flush=True)
-        st["ok"] = True
     except BaseException as e:  # the waiting tests report it
+        st[stage] = False
+        if stage == "bundle" and native:
+            st["native"] = False
         st["error"] = f"{type(e).__name__}: {e}"[:2000]
         raise
     finally:
-        if status is not None:
-            tmp = status.with_suffix(".tmp")
-            tmp.write_text(json.dumps(st))
-            os.replace(tmp, status)
+        _write(status, st)
     return 0
 
 

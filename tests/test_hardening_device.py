@@ -164,7 +164,7 @@ def test_a_lock_taken_over_under_a_bench_stops_it(native_host, phones, tmp_path)
     ({"prompts": [PROMPT, ""]}, r"--prompt \"\" \(prompt 2\): no tokens"),
     ({"threads": 300}, r"--threads 300: the runner takes 1..256"),
     ({"policies": ["adapter+lru"]}, r"predictor 'adapter' is not available in the native runner .*available: "
-                                    r"on-demand, oracle, next-gate, fate"),
+                                    r"on-demand, previous-token, oracle, next-gate, fate"),
     ({"policies": ["on-demand+fifo"]}, r"unknown eviction 'fifo'"),
     ({"json_out": "md-dir"}, r"phone.md is a directory"),
     ({"json_out": "in-bundle"}, r"is inside .*an input of this command"),
@@ -190,6 +190,20 @@ def test_what_the_runner_would_refuse_is_refused_before_the_push(embedded_bundle
         _bench(bundle, p, out, **case)
     assert not p.host_path(ROOT).exists()  # nothing sent, no lock taken
     assert not out.is_file() and not (bundle / "report.json").exists()
+
+
+def test_the_cli_default_policies_pass_the_checks(embedded_bundles, tmp_path):
+    """`device bench` without --policies: every default predictor is one the native runner offers."""
+    from toolkit.cli import main
+    from toolkit.device.phone import check_bench
+
+    opt = next(o for o in main.commands["device"].commands["bench"].params if o.name == "policies")
+    policies = opt.default.split(",")
+    assert "previous-token+lru" in policies  # the phone engines' baseline beside the adapter
+    # the shared bundle's graph heads are next-gate, not an adapter: the others must all pass
+    policies = [q for q in policies if not q.startswith("adapter+")]
+    check_bench(embedded_bundles["executorch"], policies=policies, pool_mib=4.0, prompts=["x"], max_new_tokens=4,
+                threads=1, json_out=tmp_path / "phone.json", peer=None)
 
 
 # --- 13: an interrupted bench: exit 128 + the signal, and the partial report -----------------------

@@ -51,6 +51,9 @@ def test_spans_merge_consecutive_chunks_and_split_back_into_them(n):
     if n >= 2 * PREFILL_SPAN:
         assert spans[0] == spans[1] == PREFILL_SPAN  # full spans of four 128-chunks
     assert prefill_spans([8, 8, 1, 1]) == [16, 1, 1] and prefill_spans([8, 8, 8], cap=16) == [16, 8]
+
+
+def test_usable_chunk_sizes_have_every_layer():
     names = ["embed", "layer_0", "layer_1", "prefill_8_layer_0", "prefill_8_layer_1", "prefill_32_layer_0", "head"]
     assert prefill_chunks_of(names) == (8,)  # 32 lacks layer 1: not a usable size
     assert prefill_chunks_of(["embed", "layer_0", "head"]) == ()

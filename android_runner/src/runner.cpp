@@ -62,7 +62,7 @@ void compute_landed_first(WindowScheduler& sched, const std::vector<Key>& keys, 
 }
 
 // next_use(key, now): the step of the key's next real use after `now` (Belady's rule); a prompt
-// chunk's positions (units) all use their experts at the chunk's step, p0 * L + layer.
+// span's positions (units: prefill_spans) all use their experts at the span's step, p0 * L + layer.
 ExpertPool::NextUse belady(const std::vector<std::vector<int>>& future, int L, int k, const std::vector<int>& units) {
   std::vector<int64_t> first;
   for (int T : units)
@@ -356,8 +356,8 @@ Generation Runner::generate(const std::vector<int>& prompt, int max_new,
       const int64_t step = static_cast<int64_t>(p0) * L + li;
       const int E = m_.routing.num_experts;
       if (out.x.size() != static_cast<size_t>(T) * H || out.logits.size() != static_cast<size_t>(T) * E)
-        throw Error("prefill_" + std::to_string(T) + "_layer_" + std::to_string(layer) +
-                    ": router outputs of the wrong size");
+        throw Error("prefill_" + std::to_string(parts.front()) + "_layer_" + std::to_string(layer) +
+                    ": router outputs of the wrong size (a span of " + std::to_string(T) + " positions)");
       const float* sb = (host_ != nullptr && !host_->score_bias.empty())
                             ? host_->score_bias.data() + static_cast<size_t>(li) * E
                             : nullptr;

@@ -435,9 +435,9 @@ def check_report_out(json_out: Path, inputs: Sequence[Path] = ()) -> None:
 
 def native_predictors(bundle: Path, manifest: dict[str, Any]) -> list[str]:
     """The predictors the native runner offers for this bundle (android_runner/src/runner.cpp,
-    Runner::predictors): on-demand and oracle; the bundle's graph predictor when it has prediction
-    heads; next-gate and fate when its host file holds the routers."""
-    out = ["on-demand", "oracle"]
+    Runner::predictors): on-demand, previous-token and oracle; the bundle's graph predictor when it
+    has prediction heads; next-gate and fate when its host file holds the routers."""
+    out = ["on-demand", "previous-token", "oracle"]
     pred = manifest.get("predictor") or {}
     if pred.get("preds_rows") and pred.get("kind"):
         out.append(pred["kind"])

@@ -83,7 +83,8 @@ PREFILL_SPAN = 512
 
 def prefill_spans(units: Sequence[int], cap: int = PREFILL_SPAN) -> list[int]:
     """The prompt's spans from its `chunk_plan` units: consecutive chunks merged while the span
-    stays within `cap` positions, single positions (1) as they are. Each MoE layer of a span is one
+    stays within `cap` positions (a single chunk larger than `cap` is a span of its own), single
+    positions (1) as they are. Each MoE layer of a span is one
     step (p0 * L + layer); `chunk_plan(span, chunks)` gives back the span's chunks, in order."""
     out: list[int] = []
     run = 0

@@ -497,7 +497,7 @@ def open_pool_and_scheduler(cfg: RunConfig, *, slot_bytes: int, num_layers: int,
                             future: list[torch.Tensor] | None, prefetch: bool, events: EventLog | None = None,
                             clock=time.perf_counter, units: Sequence[int] = ()) -> tuple[ExpertPool, WindowScheduler]:
     """A fresh pool and scheduler for one sequence, the same for the runner and the simulator.
-    `units`: how the prompt is fed (chunk sizes, `chunk_plan`), for Belady's step numbering."""
+    `units`: how the prompt's steps go (its spans, `prefill_spans`), for Belady's step numbering."""
     ev = cfg.policy.eviction
     if ev == "belady" and future is None:
         raise SpecPrefetchError("belady eviction needs the run's recorded routing (its future)")
@@ -515,7 +515,7 @@ def open_pool_and_scheduler(cfg: RunConfig, *, slot_bytes: int, num_layers: int,
 
 def belady_next_use(future: list[torch.Tensor], L: int, units: Sequence[int] = ()):
     """next_use(key, now) -> the step of the key's next real use (inf if none): Belady's rule.
-    `future` holds every position's routing [L, k]; `units`: the prompt's chunks (a chunk's
+    `future` holds every position's routing [L, k]; `units`: the prompt's spans (a span's
     positions all use their experts at its step, p0 * L + layer)."""
     first = {}
     p0 = 0
