@@ -78,30 +78,40 @@ class _Prebuild:
             with open(self.log, "wb") as log:
                 self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
             os.write(fd, str(self.proc.pid).encode())
-        except BaseException as e:  # no build: say so to every waiter
-            self.status.write_text(json.dumps({"bundle": False, "native": False, "error": f"not started: {e}"}))
-            raise
+        except Exception as e:  # no build: say so to every waiter (the tests that need it fail with this)
+            if self.proc is not None:
+                self.proc.kill()
+                self.proc.wait()
+            err = f"the background build did not start ({type(e).__name__}: {e})"
+            tmp = self.status.with_suffix(".start.tmp")
+            tmp.write_text(json.dumps({"bundle": False, "native": False, "error": err}))
+            os.replace(tmp, self.status)
+            self.failed = {"bundle": err, "native": err}
         finally:
             os.close(fd)
 
     def _alive(self) -> bool:
         import os
 
+        import time
+
         if self.proc is not None:
             return self.proc.poll() is None
         try:
-            pid = int(self.started.read_text() or "0")
+            text = self.started.read_text()
+            pid = int(text or "0")
         except (OSError, ValueError):
             return True  # the owner is still writing it
-        if pid <= 0:
-            return True
-        try:
-            os.kill(pid, 0)
-            return True
-        except ProcessLookupError:
+        if pid <= 0:  # no pid yet: the owner is writing it, unless it died before it could
+            try:
+                return time.time() - self.started.stat().st_mtime < 10.0
+            except OSError:
+                return False
+        try:  # a builder killed under a busy owner stays a zombie until the owner reaps it
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
             return False
-        except PermissionError:
-            return True
+        return state not in ("Z", "X")
 
     def _state(self) -> dict:
         try:

@@ -193,7 +193,8 @@ def test_what_the_runner_would_refuse_is_refused_before_the_push(embedded_bundle
 
 
 def test_the_cli_default_policies_pass_the_checks(embedded_bundles, tmp_path):
-    """`device bench` without --policies: every default predictor is one the native runner offers."""
+    """`device bench` without --policies: the defaults pass the checks (all but the adapter, which a bundle
+    has only when exported with one)."""
     from toolkit.cli import main
     from toolkit.device.phone import check_bench
 
