@@ -118,6 +118,10 @@ def test_good_bundle_passes_and_every_expert_is_checked(tool, bundle):
     L, E = len(m["model"]["moe_layers"]), m["model"]["num_experts"]
     assert d["experts_checked"] == L * E == store.num_layers * store.num_experts
     assert d["bytes_read"] == L * E * store.slot_bytes
+    # a prefetch queued behind demand reads on one lane is cancelled before the disk; landed / gone ones are not
+    c = d["cancel"]
+    assert (c["queued"], c["landed"], c["again"], c["wait_after"]) == (True, False, False, False)
+    assert c["cancelled"] == 1 and c["reads"] == c["demand_reads"] == 7
     assert d["bundle"] == str(bundle.resolve()) and d["target"] == "executorch" and d["verified_hashes"] is True
     for k in ("family", "model_type", "hidden_size", "vocab_size", "top_k"):
         assert d[k] == m["model"][k], k

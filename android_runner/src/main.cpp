@@ -466,6 +466,8 @@ int main_(int argc, char** argv) {
     r["prefill_tokens_per_s"] = g.first_token_ms > 0 ? json(a.prompts[p].size() / (g.first_token_ms / 1e3)) : json(nullptr);
     r["expert_ms_per_call"] = g.expert_ms_per_call;
     r["plan_ms_per_layer"] = g.plan_ms_per_layer;
+    r["reads_done"] = g.reads_done;            // timing-dependent: which prefetches were still queued
+    r["reads_cancelled"] = g.reads_cancelled;
     r["stall_ms"] = g.stall_ms;
     r["bytes_read"] = g.bytes_read;
     r["routing"] = g.routing;

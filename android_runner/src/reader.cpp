@@ -94,6 +94,16 @@ void Reader::forget(Key key) {
   done_cv_.notify_all();
 }
 
+bool Reader::cancel(Key key) {
+  std::lock_guard<std::mutex> lk(mu_);
+  auto it = reqs_.find(key);
+  if (it == reqs_.end() || it->second.state != State::queued) return false;
+  reqs_.erase(it);  // its queue entry no longer matches a request: the lanes skip it
+  ++cancelled_;
+  done_cv_.notify_all();
+  return true;
+}
+
 void Reader::lane() {
   std::unique_lock<std::mutex> lk(mu_);
   for (;;) {

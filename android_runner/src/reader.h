@@ -49,9 +49,13 @@ class Reader {
   // The pool dropped `key`: stop tracking it. A read still queued is cancelled (its buffer will
   // not be written); a read in flight throws Error (wait() for it first). Unknown keys: no-op.
   void forget(Key key);
+  // Cancel the read of `key` if it is still queued (true: it never reaches the disk); false when
+  // it is reading, done or unknown. Never blocks.
+  bool cancel(Key key);
 
   uint64_t bytes_read() const { return bytes_.load(); }  // slot bytes read so far
   uint64_t reads() const { return reads_.load(); }       // reads finished so far
+  uint64_t cancelled() const { return cancelled_.load(); }  // queued reads cancelled before the disk
   uint64_t direct_reads() const { return direct_reads_.load(); }  // ... of which through O_DIRECT
   bool direct() const { return store_.direct(); }
   int lanes() const { return int(threads_.size()); }
@@ -78,7 +82,7 @@ class Reader {
   uint64_t next_id_ = 0;
   bool stop_ = false;
   std::vector<std::thread> threads_;
-  std::atomic<uint64_t> bytes_{0}, reads_{0}, direct_reads_{0};
+  std::atomic<uint64_t> bytes_{0}, reads_{0}, direct_reads_{0}, cancelled_{0};
 };
 
 }  // namespace spx

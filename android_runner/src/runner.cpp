@@ -30,6 +30,7 @@ class ReaderIO : public IOBackend {
   bool landed(Key key) override { return r_.landed(key); }
   void wait(Key key) override { r_.wait(key); }
   void release(Key key) override { r_.forget(key); }
+  bool cancel(Key key) override { return r_.cancel(key); }
 
  private:
   Reader& r_;
@@ -531,6 +532,8 @@ Generation Runner::generate(const std::vector<int>& prompt, int max_new,
     ++pos;
   }
   g.stats = account.finish(cfg.name(), sched, pool, times, times.front());
+  g.reads_done = static_cast<int64_t>(reader.reads());
+  g.reads_cancelled = static_cast<int64_t>(reader.cancelled());
   g.expert_ms_per_call = expert_calls ? expert_s / static_cast<double>(expert_calls) * 1e3 : 0.0;
   g.plan_ms_per_layer = g.routing.empty() ? 0.0 : plan_s / static_cast<double>(g.routing.size() * L) * 1e3;
   if (events != nullptr) events->end(static_cast<int>(g.tokens.size()), seconds_since(t0) * 1e3);

@@ -78,6 +78,8 @@ struct Generation {
   double expert_ms_per_call = 0;          // the expert kernels' time per expert computed
   double plan_ms_per_layer = 0;           // the planner's time per MoE layer (predictions -> queue)
   std::vector<int> prefill_chunks;        // how the prompt was fed: chunk sizes, 1 = one position
+  int64_t reads_done = 0;                 // reads that reached the store (prompt, decode, preload)
+  int64_t reads_cancelled = 0;            // unused prefetches cancelled while still queued
 };
 
 // How a prompt of n positions is fed: greedily the largest chunk of `chunks` that fits in what is

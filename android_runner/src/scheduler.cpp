@@ -92,6 +92,13 @@ void naming_the_read(bool demand, F&& f) {
 
 void WindowScheduler::evicting(Key key) {
   Slot* s = pool_.get(key);
+  // an evicted slot whose bytes have not landed is an unused prefetch (a demand slot is pinned): one
+  // still queued is cancelled before it reaches the disk, rather than waited for (which would promote
+  // a useless read ahead of the others); the decision is the same either way, only the reads differ
+  if (!s->landed && io_.cancel(key)) {
+    io_.release(key);
+    return;
+  }
   if (!s->landed) {  // its bytes must land before the slot is reused; a failed read fails the run
     naming_the_read(s->demand, [&] {
       if (!io_.landed(key))

@@ -37,6 +37,9 @@ class IOBackend {
   virtual bool landed(Key key) = 0;  // never blocks
   virtual void wait(Key key) = 0;    // blocks until the bytes are in dst
   virtual void release(Key key) = 0; // the pool dropped the key
+  // Drop the read of `key` if it has not started (its buffer is never written); false when it is
+  // reading or done, or the backend cannot cancel. Never blocks.
+  virtual bool cancel(Key) { return false; }
 };
 
 struct SchedulerConfig {

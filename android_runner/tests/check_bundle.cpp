@@ -136,6 +136,29 @@ int run(int argc, char** argv) {
     if (i < keys.size()) reader.submit(keys[i], bufs[i % ring].ptr, i % 3 == 0);
   }
 
+  // cancellation: one lane busy with demand reads; a prefetch queued behind them is cancelled before
+  // it reaches the disk (it cannot start before they finish); a landed read and an unknown key cannot be
+  json cancel;
+  {
+    const int n = std::min<int>(ring - 1, static_cast<int>(keys.size()) - 1);
+    spx::Reader one(*st, 1, true);
+    for (int i = 0; i < n; ++i) one.submit(keys[static_cast<size_t>(i)], bufs[static_cast<size_t>(i)].ptr, true);
+    const spx::Key late = keys[static_cast<size_t>(n)];
+    one.submit(late, bufs[static_cast<size_t>(n)].ptr, false);
+    const bool queued = one.cancel(late);
+    for (int i = 0; i < n; ++i) one.wait(keys[static_cast<size_t>(i)]);
+    const bool landed = one.cancel(keys[0]);
+    const bool unknown = one.cancel(late);  // already cancelled: no longer tracked
+    bool waited = true;
+    try {
+      one.wait(late);
+    } catch (const spx::Error&) {
+      waited = false;  // "was waited for but never submitted": nothing left to wait for
+    }
+    cancel = {{"queued", queued}, {"landed", landed}, {"again", unknown}, {"wait_after", waited},
+              {"cancelled", one.cancelled()}, {"reads", one.reads()}, {"demand_reads", n}};
+  }
+
   json preds = json::object();
   for (const auto& [pos, hs] : b.preds_rows) preds[std::to_string(pos)] = hs;
   json out = {
@@ -155,7 +178,7 @@ int run(int argc, char** argv) {
                    {"topk_group", b.routing.topk_group}, {"score_bias", b.routing.score_bias}}},
       {"methods", b.methods}, {"hidden_act", b.hidden_act}, {"swiglu_limit", b.swiglu_limit},
       {"program", b.program_path}, {"store", b.store_path}, {"tokenizer", b.tokenizer_path},
-      {"host_tensors", host}};
+      {"host_tensors", host}, {"cancel", cancel}};
   std::cout << out.dump() << "\n";
   return 0;
 }
