@@ -9,7 +9,7 @@
 // Capacity changes (`--pool-mib auto`, memwatch.h): a MemWatch publishes a target number of slots;
 // the pool applies it at its next reserve or touch (`apply_target`), evicting by the policy's own
 // order (lowest value first; never a pinned or still-loading slot, and a ready slot whose read has
-// not landed is waited for by on_evict, as any eviction) and giving the freed slots' pages back to
+// not landed is cancelled if still queued, else waited for, by on_evict, as any eviction) and giving the freed slots' pages back to
 // the OS (madvise MADV_DONTNEED on the arena, an anonymous mapping). Given the same sequence of
 // (step, capacity) changes the pool makes the same decisions; it may grow back, never past the
 // capacity it started with.

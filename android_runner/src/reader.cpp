@@ -94,6 +94,12 @@ void Reader::forget(Key key) {
   done_cv_.notify_all();
 }
 
+void Reader::pause(bool on) {
+  std::lock_guard<std::mutex> lk(mu_);
+  paused_ = on;
+  if (!on) work_cv_.notify_all();
+}
+
 bool Reader::cancel(Key key) {
   std::lock_guard<std::mutex> lk(mu_);
   auto it = reqs_.find(key);
@@ -107,7 +113,7 @@ bool Reader::cancel(Key key) {
 void Reader::lane() {
   std::unique_lock<std::mutex> lk(mu_);
   for (;;) {
-    work_cv_.wait(lk, [&] { return stop_ || !demand_q_.empty() || !prefetch_q_.empty(); });
+    work_cv_.wait(lk, [&] { return stop_ || (!paused_ && (!demand_q_.empty() || !prefetch_q_.empty())); });
     if (stop_) return;
     auto& q = demand_q_.empty() ? prefetch_q_ : demand_q_;
     const auto [key, id] = q.front();

@@ -3,8 +3,8 @@
 // blocking preads in flight keeps UFS/NVMe queues busy enough for experts of tens of KiB to MiB.
 //
 // Demand reads (the step needs the expert now) go ahead of every queued prefetch; a prefetch
-// that is waited for is promoted to demand. Reads of one key are tracked from submit() until
-// forget(): landed() polls, wait() blocks and rethrows the read's error (I/O, or a failed CRC-32
+// that is waited for is promoted to demand, and one still queued can be cancel()led. Reads of one key
+// are tracked from submit() until forget() or cancel(): landed() polls, wait() blocks and rethrows the read's error (I/O, or a failed CRC-32
 // when `verify`). Thread-safe (one mutex, two condition variables).
 #pragma once
 
@@ -52,6 +52,8 @@ class Reader {
   // Cancel the read of `key` if it is still queued (true: it never reaches the disk); false when
   // it is reading, done or unknown. Never blocks.
   bool cancel(Key key);
+  // Tests: lanes start no new read while paused (reads in flight finish); resume with false.
+  void pause(bool on);
 
   uint64_t bytes_read() const { return bytes_.load(); }  // slot bytes read so far
   uint64_t reads() const { return reads_.load(); }       // reads finished so far
@@ -81,6 +83,7 @@ class Reader {
   std::deque<std::pair<Key, uint64_t>> demand_q_, prefetch_q_;  // (key, request id); stale ids skipped
   uint64_t next_id_ = 0;
   bool stop_ = false;
+  bool paused_ = false;
   std::vector<std::thread> threads_;
   std::atomic<uint64_t> bytes_{0}, reads_{0}, direct_reads_{0}, cancelled_{0};
 };

@@ -92,7 +92,8 @@ void naming_the_read(bool demand, F&& f) {
 
 void WindowScheduler::evicting(Key key) {
   Slot* s = pool_.get(key);
-  // an evicted slot whose bytes have not landed is an unused prefetch (a demand slot is pinned): one
+  // an evicted slot whose bytes have not landed is an unused prefetch (every acquired slot is read
+  // through data() before its release, so it has landed by then): one
   // still queued is cancelled before it reaches the disk, rather than waited for (which would promote
   // a useless read ahead of the others); the decision is the same either way, only the reads differ
   if (!s->landed && io_.cancel(key)) {

@@ -136,16 +136,18 @@ int run(int argc, char** argv) {
     if (i < keys.size()) reader.submit(keys[i], bufs[i % ring].ptr, i % 3 == 0);
   }
 
-  // cancellation: one lane busy with demand reads; a prefetch queued behind them is cancelled before
-  // it reaches the disk (it cannot start before they finish); a landed read and an unknown key cannot be
+  // cancellation: with the lanes paused, demand reads and then a prefetch are queued; the prefetch
+  // is cancelled before it reaches the disk; a landed read and a cancelled (untracked) key cannot be
   json cancel;
-  {
+  if (keys.size() >= 2) {
     const int n = std::min<int>(ring - 1, static_cast<int>(keys.size()) - 1);
     spx::Reader one(*st, 1, true);
+    one.pause(true);
     for (int i = 0; i < n; ++i) one.submit(keys[static_cast<size_t>(i)], bufs[static_cast<size_t>(i)].ptr, true);
     const spx::Key late = keys[static_cast<size_t>(n)];
     one.submit(late, bufs[static_cast<size_t>(n)].ptr, false);
     const bool queued = one.cancel(late);
+    one.pause(false);
     for (int i = 0; i < n; ++i) one.wait(keys[static_cast<size_t>(i)]);
     const bool landed = one.cancel(keys[0]);
     const bool unknown = one.cancel(late);  // already cancelled: no longer tracked
