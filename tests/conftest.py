@@ -10,6 +10,8 @@ import pytest
 from toolkit.models.loader import embedded_model_dir
 from toolkit.models.tiny import TINY_FAMILIES, build_tiny
 
+from prebuild import MAX_SEQ  # tests/prebuild.py: the shared bundle's settings, one definition
+
 REPO = Path(__file__).resolve().parent.parent
 HELDOUT = REPO / "toolkit" / "embedded" / "heldout.jsonl"
 
@@ -211,7 +213,7 @@ def embedded_bundles(tmp_path_factory, embedded) -> dict[str, Path]:
                 _prebuild.wait("bundle")
                 self[target] = _prebuild.bundle
                 return self[target]
-            export_bundle(embedded, root / target, ExportConfig(target=target, max_seq=64, progress=False))
+            export_bundle(embedded, root / target, ExportConfig(target=target, max_seq=MAX_SEQ, progress=False))
             self[target] = root / target
             return self[target]
 

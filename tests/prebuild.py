@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-# the export's settings for the shared bundle: conftest.py's in-process path uses the same ones
+# the export's settings for the shared bundle (conftest.py's in-process exports import them)
 MAX_SEQ = 64
 
 
