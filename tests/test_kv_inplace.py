@@ -36,6 +36,7 @@ static void wr(const std::string& p, const std::vector<float>& v) {
   std::ofstream f(p, std::ios::binary); f.write((const char*)v.data(), v.size() * 4); }
 int main(int argc, char** argv) {
   runtime::runtime_init();
+  spx::set_fallback_threads(3);  // the attention rows on three threads (parallel.cpp's pool)
   const int T = atoi(argv[1]), Hq = atoi(argv[2]), Hkv = atoi(argv[3]), D = atoi(argv[4]), S = atoi(argv[5]);
   const int64_t start = atoll(argv[6]); const std::string d = argv[7];
   auto q = rd(d + "/q.bin", (size_t)T * Hq * D), kn = rd(d + "/knew.bin", (size_t)T * Hkv * D);
@@ -85,7 +86,8 @@ def driver(tmp_path_factory) -> Path:
     subprocess.run([cxx, "-std=c++17", "-O2", "-DC10_USING_CUSTOM_GENERATED_MACROS", "-DET_EVENT_TRACER_ENABLED",
                     f"-I{REPO / 'android_runner' / 'src'}", f"-I{et / 'include'}",
                     f"-I{et / 'include' / 'executorch' / 'runtime' / 'core' / 'portable_type' / 'c10'}",
-                    str(d / "driver.cpp"), "-o", str(exe), f"-L{et / 'lib'}", "-lexecutorch",
+                    str(d / "driver.cpp"), str(REPO / "android_runner" / "src" / "parallel.cpp"), "-o", str(exe),
+                    "-pthread", f"-L{et / 'lib'}", "-lexecutorch",
                     f"-Wl,-rpath,{et / 'lib'}"], check=True, capture_output=True, timeout=300)
     return exe
 

@@ -489,3 +489,105 @@ def test_batch_many_and_threads_bitwise(builds, tmp_path, isa, dtype):
                                           err_msg=f"{isa} {dtype} many threads={threads} H={h} I={i}")
             np.testing.assert_array_equal(_raw(cmd, name, case, tmp_path, *t, blobs=blob0), single,
                                           err_msg=f"{isa} {dtype} forward threads={threads} H={h} I={i}")
+
+
+def _quantize_rows(rng: np.random.Generator, n: int) -> np.ndarray:
+    """Rows of n floats whose blocks are each of a different kind: normal, all zero, signed zeros,
+    tiny (d underflows), huge (1 / d overflows), an inf, a NaN, exact ties (amax 127, values k + 0.5,
+    which round half to even), values at +-127 after scaling, and a random mix of all of them."""
+    k = -(-n // 32)
+    rows = [rng.standard_normal(n).astype(np.float32) for _ in range(2)]
+    rows.append(np.zeros(n, np.float32))
+    rows.append(np.where(rng.random(n) < 0.5, -0.0, 0.0).astype(np.float32))
+    rows.append((rng.standard_normal(n) * 1e-40).astype(np.float32))
+    rows.append((rng.standard_normal(n) * 5e37).astype(np.float32))
+    ties = np.tile(np.arange(-15.5, 16.5, 1.0, dtype=np.float32), k)[:n].copy()
+    ties[::32] = 127.0
+    rows.append(ties)
+    rows.append(np.tile(np.array([127.0, -127.0, 126.5, -126.5], np.float32), k * 8)[:n].copy())
+    mixed = rows[0].copy()
+    for b in range(k):
+        kind = b % 6
+        sl = slice(b * 32, min(n, b * 32 + 32))
+        if kind == 1:
+            mixed[sl] = 0.0
+        elif kind == 2:
+            mixed[sl] *= 1e-40
+        elif kind == 3:
+            mixed[sl.start] = np.inf
+        elif kind == 4:
+            mixed[sl.start] = np.nan
+        elif kind == 5:
+            mixed[sl] = ties[sl]
+    rows.append(mixed)
+    return np.stack(rows).astype(np.float32)
+
+
+@pytest.mark.parametrize("isa", _isas(INT_ISAS))
+def test_quantize_matches_reference(builds, tmp_path, isa):
+    """Each ISA's activation quantisation (the vectorised AVX2 / NEON code and the portable one) gives the
+    Python reference's q and d exactly and sx = sum(q), in column and in int4 order, for rows with and
+    without a partial last block."""
+    cmd, name = runner(builds, isa)
+    rng = np.random.default_rng(3)
+    perm = np.concatenate([np.arange(0, 32, 2), np.arange(1, 32, 2)])  # stored position j holds column perm[j]
+    for n in (37, 64, 256, 2053):
+        x = _quantize_rows(rng, n)
+        (tmp_path / "x.bin").write_bytes(x.tobytes())
+        p = subprocess.run([*cmd, "--quantize", name, str(n), str(tmp_path / "x.bin"), str(tmp_path / "q.bin")],
+                           capture_output=True, text=True, timeout=60)
+        if p.returncode == 2:
+            pytest.skip(f"{isa}: not on this CPU")
+        assert p.returncode == 0, p.stderr
+        k = -(-n // 32)
+        rec = np.dtype([("q", np.int8, (k, 32)), ("qp", np.int8, (k, 32)), ("d", np.float32, k), ("sx", np.int32, k)])
+        got = np.fromfile(tmp_path / "q.bin", dtype=rec)
+        assert got.shape == (len(x),)
+        q, d = quantize_act(torch.from_numpy(x))
+        q, d = q.numpy().astype(np.int8), d.numpy()
+        for r in range(len(x)):
+            what = f"{isa} n={n} row {r}"
+            np.testing.assert_array_equal(got["q"][r], q[r], err_msg=what)
+            np.testing.assert_array_equal(got["qp"][r], q[r][:, perm], err_msg=what)
+            np.testing.assert_array_equal(got["d"][r], d[r], err_msg=what)  # NaN == NaN here; -0 != +0 is not asked
+            np.testing.assert_array_equal(got["sx"][r], q[r].astype(np.int32).sum(-1), err_msg=what)
+
+
+def _silu_inputs(rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    special = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-40, -1e-40, 1e-30, 88.72, 88.7228, 89.0, 100.0,
+                        -87.33, -88.72, -89.0, -103.97, -104.0, -150.0, 1e30, -1e30, 0.5, -0.5], np.float32)
+    g = np.concatenate([special, np.linspace(-120, 120, 20011, dtype=np.float32),
+                        (rng.standard_normal(4099) * 4).astype(np.float32)])  # odd lengths: vector tails
+    u = np.concatenate([np.ones(len(special) + 20011, np.float32), rng.standard_normal(4099).astype(np.float32)])
+    return g, u
+
+
+@pytest.mark.parametrize("isa", _isas(INT_ISAS))
+def test_silu_is_one_function_everywhere(builds, tmp_path, isa):
+    """silu(g) * u from every ISA (vectorised AVX2 / NEON and the portable code) is its build's portable
+    code's bit for bit, and within 2e-7 relative (a few ulp) of float64's silu(g) * u. (Across builds only
+    the NaNs an invalid operation makes differ: x86's is negative, ARM's default NaN positive.)"""
+    cmd, name = runner(builds, isa)
+    g, u = _silu_inputs(np.random.default_rng(5))
+    (tmp_path / "g.bin").write_bytes(g.tobytes())
+    (tmp_path / "u.bin").write_bytes(u.tobytes())
+
+    def silu(prefix, isa_name, out):
+        p = subprocess.run([*prefix, "--silu", isa_name, str(tmp_path / "g.bin"), str(tmp_path / "u.bin"),
+                            str(tmp_path / out)], capture_output=True, text=True, timeout=60)
+        if p.returncode == 2:
+            pytest.skip(f"{isa}: not on this CPU")
+        assert p.returncode == 0, p.stderr
+        return np.fromfile(tmp_path / out, dtype=np.float32)
+
+    want = silu(cmd, "portable", "want.bin")
+    got = silu(cmd, name, "got.bin")
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32), err_msg=isa)
+    g64 = g.astype(np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        exact = g64 / (1.0 + np.exp(-g64)) * u.astype(np.float64)
+    normal = np.isfinite(exact) & (np.abs(exact) > 1e-30)
+    np.testing.assert_allclose(got[normal], exact[normal], rtol=2e-7, atol=0)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(exact.astype(np.float32)))
+    inf = ~normal & ~np.isnan(exact) & np.isinf(exact)
+    np.testing.assert_array_equal(got[inf], exact[inf].astype(np.float32))

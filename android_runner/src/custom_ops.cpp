@@ -12,8 +12,8 @@
 // update_cache writes value [B, T, heads, D] at positions start_pos .. start_pos+T-1; custom_sdpa
 // attends query row t (position start_pos + t) over key/value positions 0 .. start_pos + t
 // (is_causal) or 0 .. start_pos + T - 1, grouped-query heads sharing a KV head, softmax in float32.
-// attn_mask and dropout are not supported (the export never passes them): such a call fails the
-// method, as an unsupported input does.
+// The attention rows run in parallel on the kernels' pool (parallel.h). attn_mask and dropout are not
+// supported (the export never passes them): such a call fails the method, as an unsupported input does.
 #include <executorch/extension/kernel_util/make_boxed_from_unboxed_functor.h>
 #include <executorch/runtime/kernel/kernel_includes.h>
 
@@ -22,6 +22,8 @@
 #include <cstring>
 #include <optional>
 #include <vector>
+
+#include "parallel.h"
 
 namespace spx {
 namespace {
@@ -85,35 +87,38 @@ Tensor& custom_sdpa_out(KernelRuntimeContext& ctx, const Tensor& q, const Tensor
   const float* K = k.const_data_ptr<float>();
   const float* V = v.const_data_ptr<float>();
   float* O = out.mutable_data_ptr<float>();
-  std::vector<float> p(static_cast<size_t>(S));
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t t = 0; t < T; ++t) {
-      const int64_t n = is_causal ? start_pos + t + 1 : start_pos + T;  // keys attended: 0 .. n-1
-      for (int64_t h = 0; h < Hq; ++h) {
-        const int64_t hk = h / group;
-        const float* qr = Q + ((b * T + t) * Hq + h) * D;
-        float mx = -INFINITY;
-        for (int64_t j = 0; j < n; ++j) {
-          const float* kr = K + ((b * S + j) * Hkv + hk) * D;
-          float acc = 0.0f;
-          for (int64_t d = 0; d < D; ++d) acc += qr[d] * kr[d];
-          p[j] = acc * sc;
-          mx = std::max(mx, p[j]);
-        }
-        float sum = 0.0f;
-        for (int64_t j = 0; j < n; ++j) {
-          p[j] = std::exp(p[j] - mx);
-          sum += p[j];
-        }
-        float* orow = O + ((b * T + t) * Hq + h) * Dv;
-        std::fill(orow, orow + Dv, 0.0f);
-        for (int64_t j = 0; j < n; ++j) {
-          const float* vr = V + ((b * S + j) * Hkv + hk) * Dv;
-          const float w = p[j] / sum;
-          for (int64_t d = 0; d < Dv; ++d) orow[d] += w * vr[d];
-        }
-      }
+  // one task per (batch, query row, head), each output row computed by one task in a fixed order, so
+  // the result does not depend on the thread count (parallel.h: ExecuTorch's pool, between the
+  // graph's other kernels)
+  parallel_for(static_cast<size_t>(B * T * Hq), [&](size_t task) {
+    const int64_t h = static_cast<int64_t>(task) % Hq, bt = static_cast<int64_t>(task) / Hq;
+    const int64_t b = bt / T, t = bt % T;
+    const int64_t n = is_causal ? start_pos + t + 1 : start_pos + T;  // keys attended: 0 .. n-1
+    const int64_t hk = h / group;
+    thread_local std::vector<float> p;
+    if (p.size() < static_cast<size_t>(n)) p.resize(static_cast<size_t>(n));
+    const float* qr = Q + ((b * T + t) * Hq + h) * D;
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < n; ++j) {
+      const float* kr = K + ((b * S + j) * Hkv + hk) * D;
+      float acc = 0.0f;
+      for (int64_t d = 0; d < D; ++d) acc += qr[d] * kr[d];
+      p[j] = acc * sc;
+      mx = std::max(mx, p[j]);
     }
+    float sum = 0.0f;
+    for (int64_t j = 0; j < n; ++j) {
+      p[j] = std::exp(p[j] - mx);
+      sum += p[j];
+    }
+    float* orow = O + ((b * T + t) * Hq + h) * Dv;
+    std::fill(orow, orow + Dv, 0.0f);
+    for (int64_t j = 0; j < n; ++j) {
+      const float* vr = V + ((b * S + j) * Hkv + hk) * Dv;
+      const float w = p[j] / sum;
+      for (int64_t d = 0; d < Dv; ++d) orow[d] += w * vr[d];
+    }
+  });
   return out;
 }
 

@@ -28,6 +28,7 @@ using detail::ceil_group;
 using detail::f16_to_f32;
 using detail::kGroup;
 using detail::load_u16;
+using detail::kernels_for;
 
 // ---------------------------------------------------------------------------------------------
 // Portable kernels: plain C++, any CPU. Four partial sums per row so the compiler can overlap them.
@@ -160,7 +161,13 @@ void portable_q8(const detail::QMat& a, const detail::QMat* b, int64_t r0, int64
 }  // namespace
 
 namespace detail {
-KernelSet portable_kernels() { return {portable_f16, portable_i8, portable_i4, portable_q8, portable_q4}; }
+KernelSet portable_kernels() {
+  return {portable_f16, portable_i8, portable_i4, portable_q8, portable_q4, quantize_act, silu_mul};
+}
+
+void silu_mul(const float* g, const float* u, int64_t n, float* h) {
+  for (int64_t j = 0; j < n; ++j) h[j] = g[j] / (1.0f + exp_poly(-g[j])) * u[j];
+}
 
 void quantize_act(const float* x, int64_t n, bool permuted, int8_t* q, float* d, int32_t* sx) {
   const int64_t K = (n + kQBlock - 1) / kQBlock;
@@ -291,6 +298,20 @@ std::vector<Isa> supported_isas() {
 // ---------------------------------------------------------------------------------------------
 // Layout binding
 
+detail::KernelSet detail::kernels_for(Isa isa) {
+  if (!isa_supported(isa))
+    throw Error(std::string("kernel ISA '") + isa_name(isa) + "' is not supported by this build on this CPU");
+  switch (isa) {
+    case Isa::avx2: return detail::avx2_kernels();
+    case Isa::avx_vnni: return detail::avxvnni_kernels();
+    case Isa::avx512_vnni: return detail::avx512vnni_kernels();
+    case Isa::neon: return detail::neon_kernels();
+    case Isa::neon_dotprod: return detail::dotprod_kernels();
+    case Isa::neon_i8mm: return detail::i8mm_kernels();
+    default: return detail::portable_kernels();
+  }
+}
+
 namespace {
 
 std::string shape_str(const std::vector<int64_t>& s) {
@@ -316,19 +337,6 @@ void expect_section(const Section& s, const char* dtype, const std::vector<int64
                 " bytes, its shape " + shape_str(shape) + " needs " + std::to_string(n));
 }
 
-detail::KernelSet kernels_for(Isa isa) {
-  if (!isa_supported(isa))
-    throw Error(std::string("kernel ISA '") + isa_name(isa) + "' is not supported by this build on this CPU");
-  switch (isa) {
-    case Isa::avx2: return detail::avx2_kernels();
-    case Isa::avx_vnni: return detail::avxvnni_kernels();
-    case Isa::avx512_vnni: return detail::avx512vnni_kernels();
-    case Isa::neon: return detail::neon_kernels();
-    case Isa::neon_dotprod: return detail::dotprod_kernels();
-    case Isa::neon_i8mm: return detail::i8mm_kernels();
-    default: return detail::portable_kernels();
-  }
-}
 
 // Checks a weight matrix's sections against its true shape [out, in] and picks its kernel.
 BoundMatrix bind_matrix(const Section& w, const Section* scale, int64_t out, int64_t in, Isa isa) {
@@ -376,7 +384,6 @@ void run(const BoundMatrix& m, const uint8_t* blob, const float* x, float* y) {
   m.fn(blob + m.w_off, m.has_scale ? blob + m.s_off : nullptr, m.out, m.in, x, y);
 }
 
-inline float silu(float v) { return v / (1.0f + std::exp(-v)); }
 inline float gelu(float v) { return 0.5f * v * (1.0f + std::erf(v * 0.70710678118654752f)); }
 inline float gelu_tanh(float v) {
   const float k = 0.79788456080286536f;  // sqrt(2 / pi)
@@ -405,7 +412,7 @@ void matvec(Isa isa, const Section& w, const Section* scale, int64_t out, int64_
     std::vector<int8_t> q(static_cast<size_t>(K * detail::kQBlock));
     std::vector<float> d(static_cast<size_t>(K));
     std::vector<int32_t> sx(static_cast<size_t>(K));
-    detail::quantize_act(x, in, m.int4, q.data(), d.data(), sx.data());
+    kernels_for(isa).quant(x, in, m.int4, q.data(), d.data(), sx.data());
     detail::QAct qa{q.data(), d.data(), sx.data(), K, 1};
     qfn(m)(qmat(m, blob), nullptr, 0, out, qa, y, nullptr, out);
   } else if (m.pads_input) {
@@ -500,6 +507,9 @@ ExpertKernel::ExpertKernel(const std::vector<Section>& sections, const std::vect
     const auto& sh = shapes[role];
     return bind_matrix(*w, section(role, "scale"), sh[0], sh[1], isa);
   };
+  const detail::KernelSet ks = kernels_for(isa);
+  quant_fn_ = ks.quant;
+  silu_mul_ = ks.silu_mul;
   gate_ = bind("gate");
   up_ = bind("up");
   down_ = bind("down");
@@ -567,7 +577,7 @@ void ExpertKernel::glu(const uint8_t* blob, const float* g, const float* u, int6
   }
   switch (act_) {
     case Act::silu:
-      for (int64_t j = j0; j < j1; ++j) h[j] = silu(g[j]) * u[j];
+      silu_mul_(g + j0, u + j0, j1 - j0, h + j0);
       break;
     case Act::gelu:
       for (int64_t j = j0; j < j1; ++j) h[j] = gelu(g[j]) * u[j];
@@ -611,7 +621,7 @@ void ExpertKernel::run_quantized(const uint8_t* const* blobs, int n, const float
   const int64_t H = h_, I = i_, Kh = blocks(H), Ki = blocks(I), B = detail::kQBlock;
   s.size(n, T, Kh, Ki, I);
   for (int64_t t = 0; t < T; ++t)
-    detail::quantize_act(x + t * H, H, p4, s.qx.data() + t * Kh * B, s.dx.data() + t * Kh, s.sxx.data() + t * Kh);
+    quant_fn_(x + t * H, H, p4, s.qx.data() + t * Kh * B, s.dx.data() + t * Kh, s.sxx.data() + t * Kh);
   const detail::QAct xa{s.qx.data(), s.dx.data(), s.sxx.data(), Kh, T};
   const size_t threads = parallel_threads();
   // tasks: experts x row chunks; about 4 per thread so uneven chunks even out; gate/up chunks are whole
@@ -640,7 +650,7 @@ void ExpertKernel::run_quantized(const uint8_t* const* blobs, int n, const float
     for (int64_t t = 0; t < T; ++t) {
       glu(blob, g + t * I, u + t * I, r0, r1, h + t * I);
       const size_t qo = e * static_cast<size_t>(T * Ki) + static_cast<size_t>(t * Ki);
-      detail::quantize_act(h + t * I + r0, r1 - r0, p4, s.qh.data() + qo * B + r0, s.dh.data() + qo + r0 / B,
+      quant_fn_(h + t * I + r0, r1 - r0, p4, s.qh.data() + qo * B + r0, s.dh.data() + qo + r0 / B,
                            s.sxh.data() + qo + r0 / B);
     }
   });

@@ -15,8 +15,9 @@
 //     int8 (one fp16 scale per row):                  acc = acc + float(sumi) * x_scale; y = acc * w_scale
 //   Every ISA (portable, AVX2, AVX-VNNI, AVX512-VNNI, NEON, NEON dotprod, NEON i8mm) therefore gives
 //   BITWISE identical results for int8 / int4 matrices, at any thread count, for forward,
-//   forward_batch and forward_many alike (the GLU between the matrices is the same scalar code
-//   everywhere; on a different C library its exp / erf / tanh may round differently). The Python
+//   forward_batch and forward_many alike (the SwiGLU between the matrices is vectorised with the
+//   runner's own exp, exp_poly, the same bits on every ISA and C library; the GELU forms and GPT-OSS's
+//   GLU are scalar code whose erf / tanh / exp may round differently on another C library). The Python
 //   reference (toolkit/runtime/experts.py) computes the same quantisation and block sums in torch.
 //   Builds must not contract a * b + c into FMA (-ffp-contract=off, as CMakeLists.txt sets).
 //
@@ -136,6 +137,9 @@ class ExpertKernel {
   // scratch: x and the GLU output zero-padded to whole groups of 32 (int4 kernels read whole groups)
   mutable std::vector<float> xpad_, g_, u_, hpad_;
   detail::QScratch* qs_ = nullptr;  // owned
+  // the ISA's activation quantisation and SwiGLU (kernels_impl.h's QuantFn, SiluMulFn)
+  void (*quant_fn_)(const float* x, int64_t n, bool permuted, int8_t* q, float* d, int32_t* sx) = nullptr;
+  void (*silu_mul_)(const float* g, const float* u, int64_t n, float* h) = nullptr;
 };
 
 }  // namespace spx

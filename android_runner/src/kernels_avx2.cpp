@@ -10,6 +10,9 @@
 
 #include <immintrin.h>
 
+#include <cmath>
+#include <limits>
+
 #define SPX_AVX2 __attribute__((target("avx2,fma,f16c")))
 
 namespace spx {
@@ -179,6 +182,92 @@ SPX_AVX2 void avx2_i4(const uint8_t* w, const uint8_t* s, int64_t out, int64_t i
   }
 }
 
+// quantize_act (kernels_impl.h) for whole blocks of 32: the same amax, d, id and ok per block (a max is
+// exact in any order; vroundps with _MM_FROUND_TO_NEAREST_INT is rint's round-to-nearest-even), the
+// clamp as min / max (q cannot be NaN where ok), packed as llama.cpp's quantize_row_q8_0 does, the int4
+// order by a byte shuffle; the row's partial last block goes to the portable code.
+SPX_AVX2 void avx2_quantize_act(const float* x, int64_t n, bool permuted, int8_t* q, float* d, int32_t* sx) {
+  const int64_t full = n / kQBlock;
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  // within each 128-bit lane: even bytes first, then odd; then qwords (0, 2, 1, 3)
+  const __m256i deint = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15, 0, 2, 4, 6, 8, 10, 12,
+                                         14, 1, 3, 5, 7, 9, 11, 13, 15);
+  for (int64_t b = 0; b < full; ++b) {
+    const float* xb = x + b * kQBlock;
+    __m256 v[4];
+    for (int k = 0; k < 4; ++k) v[k] = _mm256_loadu_ps(xb + 8 * k);
+    const __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                   _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+    const __m256 un = _mm256_or_ps(_mm256_or_ps(_mm256_cmp_ps(v[0], v[0], _CMP_UNORD_Q), _mm256_cmp_ps(v[1], v[1], _CMP_UNORD_Q)),
+                                   _mm256_or_ps(_mm256_cmp_ps(v[2], v[2], _CMP_UNORD_Q), _mm256_cmp_ps(v[3], v[3], _CMP_UNORD_Q)));
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    const float amax = _mm256_movemask_ps(un) ? std::numeric_limits<float>::quiet_NaN() : _mm_cvtss_f32(m);
+    const float db = amax / 127.0f;
+    const float id = 1.0f / db;
+    d[b] = db;
+    int8_t* qb = q + b * kQBlock;
+    if (!(db > 0.0f && std::isfinite(db) && std::isfinite(id))) {
+      std::memset(qb, 0, kQBlock);
+      sx[b] = 0;
+      continue;
+    }
+    const __m256 vid = _mm256_set1_ps(id), hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
+    __m256i iv[4];
+    for (int k = 0; k < 4; ++k) {
+      const __m256 r = _mm256_round_ps(_mm256_mul_ps(v[k], vid), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      iv[k] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi));
+    }
+    const __m256i s4 = _mm256_add_epi32(_mm256_add_epi32(iv[0], iv[1]), _mm256_add_epi32(iv[2], iv[3]));
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(s4), _mm256_extracti128_si256(s4, 1));
+    s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 1));
+    sx[b] = _mm_cvtsi128_si32(s);
+    __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(iv[0], iv[1]), _mm256_packs_epi32(iv[2], iv[3]));
+    p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    if (permuted) p = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(p, deint), 0xD8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb), p);
+  }
+  if (full * kQBlock < n)
+    quantize_act(x + full * kQBlock, n - full * kQBlock, permuted, q + full * kQBlock, d + full, sx + full);
+}
+
+// exp_poly (kernels_impl.h) on 8 lanes: the same operations in the same order.
+SPX_AVX2 inline __m256 exp8(__m256 x) {
+  using namespace expc;
+  const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+  const __m256 xc = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(kLo)), _mm256_set1_ps(kHi));
+  const __m256 fx = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_sub_ps(xc, _mm256_mul_ps(fx, _mm256_set1_ps(kLn2Hi)));
+  r = _mm256_sub_ps(r, _mm256_mul_ps(fx, _mm256_set1_ps(kLn2Lo)));
+  const __m256 z = _mm256_mul_ps(r, r);
+  __m256 y = _mm256_set1_ps(kP0);
+  y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(kP1));
+  y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(kP2));
+  y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(kP3));
+  y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(kP4));
+  y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(kP5));
+  y = _mm256_add_ps(_mm256_mul_ps(y, z), r);
+  y = _mm256_add_ps(y, _mm256_set1_ps(1.0f));
+  const __m256i n = _mm256_cvtps_epi32(fx), n1 = _mm256_srai_epi32(n, 1), n2 = _mm256_sub_epi32(n, n1);
+  const __m256i bias = _mm256_set1_epi32(127);
+  const __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
+  const __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
+  return _mm256_blendv_ps(_mm256_mul_ps(_mm256_mul_ps(y, s1), s2), x, nan);
+}
+
+SPX_AVX2 void avx2_silu_mul(const float* g, const float* u, int64_t n, float* h) {
+  const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 v = _mm256_loadu_ps(g + j);
+    const __m256 e = exp8(_mm256_xor_ps(v, sign));
+    _mm256_storeu_ps(h + j, _mm256_mul_ps(_mm256_div_ps(v, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + j)));
+  }
+  if (j < n) silu_mul(g + j, u + j, n - j, h + j);
+}
+
 }  // namespace
 
 // The integer-dot kernels, once per instruction set (kernels_x86_body.h).
@@ -204,9 +293,15 @@ SPX_AVX2 void avx2_i4(const uint8_t* w, const uint8_t* s, int64_t out, int64_t i
 #undef SPX_QTGT
 #undef SPX_QVNNI
 
-KernelSet avx2_kernels() { return {avx2_f16, avx2_i8, avx2_i4, q_avx2::q8, q_avx2::q4}; }
-KernelSet avxvnni_kernels() { return {avx2_f16, avx2_i8, avx2_i4, q_avxvnni::q8, q_avxvnni::q4}; }
-KernelSet avx512vnni_kernels() { return {avx2_f16, avx2_i8, avx2_i4, q_avx512vnni::q8, q_avx512vnni::q4}; }
+KernelSet avx2_kernels() {
+  return {avx2_f16, avx2_i8, avx2_i4, q_avx2::q8, q_avx2::q4, avx2_quantize_act, avx2_silu_mul};
+}
+KernelSet avxvnni_kernels() {
+  return {avx2_f16, avx2_i8, avx2_i4, q_avxvnni::q8, q_avxvnni::q4, avx2_quantize_act, avx2_silu_mul};
+}
+KernelSet avx512vnni_kernels() {
+  return {avx2_f16, avx2_i8, avx2_i4, q_avx512vnni::q8, q_avx512vnni::q4, avx2_quantize_act, avx2_silu_mul};
+}
 
 }  // namespace detail
 }  // namespace spx

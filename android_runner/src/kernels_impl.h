@@ -2,10 +2,12 @@
 // matrix-vector kernels behind spx::matvec and spx::ExpertKernel.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
 namespace spx {
+enum class Isa;  // kernels.h
 namespace detail {
 
 constexpr int64_t kGroup = 32;  // int4: inputs per fp16 scale
@@ -54,9 +56,17 @@ struct QMat {
 using QMatFn = void (*)(const QMat& a, const QMat* b, int64_t r0, int64_t r1, const QAct& x, float* ya, float* yb,
                         int64_t ldy);
 
+// quantize_act's signature: every ISA's version writes exactly its bytes.
+using QuantFn = void (*)(const float* x, int64_t n, bool permuted, int8_t* q, float* d, int32_t* sx);
+// h[j] = silu(g[j]) * u[j] for j in [0, n), computed as (g / (1 + exp_poly(-g))) * u: every ISA's
+// version gives silu_mul's bits exactly.
+using SiluMulFn = void (*)(const float* g, const float* u, int64_t n, float* h);
+
 struct KernelSet {
   MatvecFn f16 = nullptr, i8 = nullptr, i4 = nullptr;
   QMatFn q8 = nullptr, q4 = nullptr;  // integer-dot int8 / int4 kernels
+  QuantFn quant = nullptr;            // activation quantisation (quantize_act's rule)
+  SiluMulFn silu_mul = nullptr;       // the SwiGLU between the matrices
 };
 
 constexpr int64_t kQBlock = 32;  // activation quantisation block (= the int4 group)
@@ -65,8 +75,57 @@ constexpr int64_t kQBlock = 32;  // activation quantisation block (= the int4 gr
 // amax = max |x| (NaN if any x is NaN), d = amax / 127, id = 1 / d; when d is finite and positive
 // and id is finite, q = clamp(rint(x * id), -127, 127) (round to nearest even), else (an all-zero or
 // tiny block, or one holding inf / NaN) q = 0 and d is kept as computed, so inf / NaN still reach
-// the output through d. permuted: the int4 order described at QAct.
+// the output through d. permuted: the int4 order described at QAct. The portable version; the
+// AVX2 and NEON ones (KernelSet::quant) vectorise whole blocks and call this for a row's tail.
 void quantize_act(const float* x, int64_t n, bool permuted, int8_t* q, float* d, int32_t* sx);
+
+// exp(x) in float32 with one fixed sequence of IEEE operations, so that the scalar code below and the
+// AVX2 / NEON silu_mul give the same bits (a C library's expf differs between libraries and is not
+// vectorised): Cephes' expf. x is clamped to [-104, 89] (exp(-104) rounds to 0, exp(89) overflows to
+// inf), n = rint(x * log2(e)), r = x - n * ln2 (in two parts), exp(r) by a degree-7 polynomial
+// (Horner, separate multiplies and adds), times 2^n as two exact power-of-two factors 2^(n >> 1) and
+// 2^(n - (n >> 1)) (so that subnormal results round once and 2^128 overflows to inf). NaN returns x.
+// Within 2 ulp of exp for normal results.
+namespace expc {
+constexpr float kLo = -104.0f, kHi = 89.0f;
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+constexpr float kP0 = 1.9875691500e-4f, kP1 = 1.3981999507e-3f, kP2 = 8.3334519073e-3f, kP3 = 4.1665795894e-2f,
+                kP4 = 1.6666665459e-1f, kP5 = 5.0000001201e-1f;
+}  // namespace expc
+
+inline float pow2i(int32_t n) {  // 2^n for n in [-126, 127], exactly
+  const uint32_t bits = static_cast<uint32_t>(n + 127) << 23;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline float exp_poly(float x) {
+  using namespace expc;
+  if (x != x) return x;
+  x = x < kLo ? kLo : (x > kHi ? kHi : x);
+  const float fx = std::nearbyint(x * kLog2e);
+  float r = x - fx * kLn2Hi;
+  r = r - fx * kLn2Lo;
+  const float z = r * r;
+  float y = kP0;
+  y = y * r + kP1;
+  y = y * r + kP2;
+  y = y * r + kP3;
+  y = y * r + kP4;
+  y = y * r + kP5;
+  y = y * z + r;
+  y = y + 1.0f;
+  const int32_t n = static_cast<int32_t>(fx), n1 = n >> 1;
+  return y * pow2i(n1) * pow2i(n - n1);
+}
+
+// The portable silu_mul (SiluMulFn).
+void silu_mul(const float* g, const float* u, int64_t n, float* h);
+
+// The kernels of `isa` (kernels.cpp); throws Error if this build on this CPU cannot run it.
+KernelSet kernels_for(Isa isa);
 
 KernelSet portable_kernels();
 KernelSet avx2_kernels();        // all null unless built for x86-64

@@ -9,6 +9,9 @@
 
 #include <arm_neon.h>
 
+#include <cmath>
+#include <limits>
+
 namespace spx {
 namespace detail {
 namespace {
@@ -169,6 +172,92 @@ void neon_i4(const uint8_t* w, const uint8_t* s, int64_t out, int64_t in, const 
   }
 }
 
+// quantize_act (kernels_impl.h) for whole blocks of 32, as avx2_quantize_act does: vrndnq is rint's
+// round-to-nearest-even, the int4 order by vuzp; the row's partial last block goes to the portable code.
+void neon_quantize_act(const float* x, int64_t n, bool permuted, int8_t* q, float* d, int32_t* sx) {
+  const int64_t full = n / kQBlock;
+  for (int64_t b = 0; b < full; ++b) {
+    const float* xb = x + b * kQBlock;
+    float32x4_t v[8];
+    for (int k = 0; k < 8; ++k) v[k] = vld1q_f32(xb + 4 * k);
+    float32x4_t a = vabsq_f32(v[0]);
+    uint32x4_t ordered = vceqq_f32(v[0], v[0]);
+    for (int k = 1; k < 8; ++k) {
+      a = vmaxq_f32(a, vabsq_f32(v[k]));
+      ordered = vandq_u32(ordered, vceqq_f32(v[k], v[k]));
+    }
+    const float amax = vminvq_u32(ordered) == 0 ? std::numeric_limits<float>::quiet_NaN() : vmaxvq_f32(a);
+    const float db = amax / 127.0f;
+    const float id = 1.0f / db;
+    d[b] = db;
+    int8_t* qb = q + b * kQBlock;
+    if (!(db > 0.0f && std::isfinite(db) && std::isfinite(id))) {
+      std::memset(qb, 0, kQBlock);
+      sx[b] = 0;
+      continue;
+    }
+    const float32x4_t hi = vdupq_n_f32(127.0f), lo = vdupq_n_f32(-127.0f);
+    int32x4_t iv[8];
+    int32x4_t s = vdupq_n_s32(0);
+    for (int k = 0; k < 8; ++k) {
+      const float32x4_t r = vrndnq_f32(vmulq_n_f32(v[k], id));
+      iv[k] = vcvtq_s32_f32(vminq_f32(vmaxq_f32(r, lo), hi));
+      s = vaddq_s32(s, iv[k]);
+    }
+    sx[b] = vaddvq_s32(s);
+    int8x16_t p[2];
+    for (int h = 0; h < 2; ++h) {
+      const int16x8_t a0 = vcombine_s16(vmovn_s32(iv[4 * h]), vmovn_s32(iv[4 * h + 1]));
+      const int16x8_t a1 = vcombine_s16(vmovn_s32(iv[4 * h + 2]), vmovn_s32(iv[4 * h + 3]));
+      p[h] = vcombine_s8(vmovn_s16(a0), vmovn_s16(a1));
+    }
+    if (permuted) {
+      const int8x16_t even = vuzp1q_s8(p[0], p[1]), odd = vuzp2q_s8(p[0], p[1]);
+      p[0] = even;
+      p[1] = odd;
+    }
+    vst1q_s8(qb, p[0]);
+    vst1q_s8(qb + 16, p[1]);
+  }
+  if (full * kQBlock < n)
+    quantize_act(x + full * kQBlock, n - full * kQBlock, permuted, q + full * kQBlock, d + full, sx + full);
+}
+
+// exp_poly (kernels_impl.h) on 4 lanes: the same operations in the same order (no FMA).
+inline float32x4_t exp4(float32x4_t x) {
+  using namespace expc;
+  const uint32x4_t ordered = vceqq_f32(x, x);
+  const float32x4_t xc = vminq_f32(vmaxq_f32(x, vdupq_n_f32(kLo)), vdupq_n_f32(kHi));
+  const float32x4_t fx = vrndnq_f32(vmulq_n_f32(xc, kLog2e));
+  float32x4_t r = vsubq_f32(xc, vmulq_n_f32(fx, kLn2Hi));
+  r = vsubq_f32(r, vmulq_n_f32(fx, kLn2Lo));
+  const float32x4_t z = vmulq_f32(r, r);
+  float32x4_t y = vdupq_n_f32(kP0);
+  y = vaddq_f32(vmulq_f32(y, r), vdupq_n_f32(kP1));
+  y = vaddq_f32(vmulq_f32(y, r), vdupq_n_f32(kP2));
+  y = vaddq_f32(vmulq_f32(y, r), vdupq_n_f32(kP3));
+  y = vaddq_f32(vmulq_f32(y, r), vdupq_n_f32(kP4));
+  y = vaddq_f32(vmulq_f32(y, r), vdupq_n_f32(kP5));
+  y = vaddq_f32(vmulq_f32(y, z), r);
+  y = vaddq_f32(y, vdupq_n_f32(1.0f));
+  const int32x4_t n = vcvtq_s32_f32(fx), n1 = vshrq_n_s32(n, 1), n2 = vsubq_s32(n, n1);
+  const int32x4_t bias = vdupq_n_s32(127);
+  const float32x4_t s1 = vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(n1, bias), 23));
+  const float32x4_t s2 = vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(n2, bias), 23));
+  return vbslq_f32(ordered, vmulq_f32(vmulq_f32(y, s1), s2), x);
+}
+
+void neon_silu_mul(const float* g, const float* u, int64_t n, float* h) {
+  const float32x4_t one = vdupq_n_f32(1.0f);
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    const float32x4_t v = vld1q_f32(g + j);
+    const float32x4_t e = exp4(vnegq_f32(v));
+    vst1q_f32(h + j, vmulq_f32(vdivq_f32(v, vaddq_f32(one, e)), vld1q_f32(u + j)));
+  }
+  if (j < n) silu_mul(g + j, u + j, n - j, h + j);
+}
+
 }  // namespace
 
 // The integer-dot kernels, once per instruction set (kernels_neon_body.h). dotprod / i8mm code needs a
@@ -210,10 +299,16 @@ void neon_i4(const uint8_t* w, const uint8_t* s, int64_t out, int64_t in, const 
 #undef SPX_QARM
 #endif
 
-KernelSet neon_kernels() { return {neon_f16, neon_i8, neon_i4, q_neon::q8, q_neon::q4}; }
+KernelSet neon_kernels() {
+  return {neon_f16, neon_i8, neon_i4, q_neon::q8, q_neon::q4, neon_quantize_act, neon_silu_mul};
+}
 #if SPX_ARM_EXT
-KernelSet dotprod_kernels() { return {neon_f16, neon_i8, neon_i4, q_dotprod::q8, q_dotprod::q4}; }
-KernelSet i8mm_kernels() { return {neon_f16, neon_i8, neon_i4, q_i8mm::q8, q_i8mm::q4}; }
+KernelSet dotprod_kernels() {
+  return {neon_f16, neon_i8, neon_i4, q_dotprod::q8, q_dotprod::q4, neon_quantize_act, neon_silu_mul};
+}
+KernelSet i8mm_kernels() {
+  return {neon_f16, neon_i8, neon_i4, q_i8mm::q8, q_i8mm::q4, neon_quantize_act, neon_silu_mul};
+}
 #else
 KernelSet dotprod_kernels() { return {}; }
 KernelSet i8mm_kernels() { return {}; }

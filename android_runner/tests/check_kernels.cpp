@@ -13,6 +13,10 @@
 //   check_kernels --bench [--iters N] ISA|all LAYOUT.json BLOB.bin X.bin
 //       Times forward per ISA (every supported one for "all"): "hot" repeats blob 0 (cache
 //       resident), "cycle" walks all `count` blobs. Prints nanoseconds per expert.
+//   check_kernels --quantize ISA N X.bin OUT.bin
+//       The ISA's activation quantisation of each N-float row of X.bin (run_quantize has the format).
+//   check_kernels --silu ISA G.bin U.bin OUT.bin
+//       The ISA's SwiGLU h = silu(g) * u, element by element (float32 files of one length).
 //   check_kernels --f16-table OUT.bin
 //       Writes the portable half -> float conversion of all 65536 bit patterns (float32, in order).
 //
@@ -132,6 +136,7 @@ int usage() {
   std::cerr << "usage: check_kernels [--threads N] [--mode forward|batch|many | --matvec ROLE] ISA LAYOUT.json "
                "BLOB.bin X.bin Y_OUT.bin\n"
                "       check_kernels --bench [--iters N] ISA|all LAYOUT.json BLOB.bin X.bin\n"
+               "       check_kernels --quantize ISA N X.bin OUT.bin | --silu ISA G.bin U.bin OUT.bin\n"
                "ISA: portable, avx2, avx_vnni, avx512_vnni, neon, neon_dotprod, neon_i8mm, best\n";
   return 64;
 }
@@ -218,6 +223,57 @@ int run_check(std::vector<std::string> a) {
   return 0;
 }
 
+std::vector<float> read_floats(const std::string& path) {
+  const std::string raw = read_file(path);
+  if (raw.size() % sizeof(float)) throw Error(path + ": not a whole number of float32 values");
+  std::vector<float> v(raw.size() / sizeof(float));
+  std::memcpy(v.data(), raw.data(), raw.size());
+  return v;
+}
+
+// --quantize ISA N X.bin OUT.bin: each row of N floats of X.bin quantised by the ISA's KernelSet::quant,
+// in column order and in the int4 order; OUT.bin holds per row q [K*32] int8, q permuted [K*32] int8,
+// d [K] float32 and sx [K] int32 (both orders give the same d and sx: the second pair is checked here).
+int run_quantize(const std::vector<std::string>& a) {
+  if (a.size() != 4) return usage();
+  const Isa isa = require_isa(a[0]);
+  const int64_t n = std::atol(a[1].c_str());
+  const std::vector<float> x = read_floats(a[2]);
+  if (n <= 0 || x.size() % static_cast<size_t>(n)) throw Error(a[2] + ": not rows of " + a[1] + " floats");
+  const spx::detail::QuantFn quant = spx::detail::kernels_for(isa).quant;
+  const int64_t K = (n + 31) / 32, rows = static_cast<int64_t>(x.size()) / n;
+  std::string out;
+  for (int64_t r = 0; r < rows; ++r) {
+    std::vector<int8_t> q(static_cast<size_t>(K * 32)), qp(q.size());
+    std::vector<float> d(static_cast<size_t>(K)), dp(d.size());
+    std::vector<int32_t> sx(static_cast<size_t>(K)), sxp(sx.size());
+    quant(x.data() + r * n, n, false, q.data(), d.data(), sx.data());
+    quant(x.data() + r * n, n, true, qp.data(), dp.data(), sxp.data());
+    if (std::memcmp(d.data(), dp.data(), d.size() * sizeof(float)) || sx != sxp)
+      throw Error("row " + std::to_string(r) + ": the int4 order changed d or sx");
+    out.append(reinterpret_cast<const char*>(q.data()), q.size());
+    out.append(reinterpret_cast<const char*>(qp.data()), qp.size());
+    out.append(reinterpret_cast<const char*>(d.data()), d.size() * sizeof(float));
+    out.append(reinterpret_cast<const char*>(sx.data()), sx.size() * sizeof(int32_t));
+  }
+  std::ofstream f(a[3], std::ios::binary);
+  f.write(out.data(), static_cast<std::streamsize>(out.size()));
+  if (!f) throw Error("cannot write " + a[3]);
+  return 0;
+}
+
+// --silu ISA G.bin U.bin OUT.bin: h = silu(g) * u by the ISA's KernelSet::silu_mul.
+int run_silu(const std::vector<std::string>& a) {
+  if (a.size() != 4) return usage();
+  const Isa isa = require_isa(a[0]);
+  const std::vector<float> g = read_floats(a[1]), u = read_floats(a[2]);
+  if (g.size() != u.size()) throw Error(a[2] + ": not as long as " + a[1]);
+  std::vector<float> h(g.size());
+  spx::detail::kernels_for(isa).silu_mul(g.data(), u.data(), static_cast<int64_t>(g.size()), h.data());
+  write_floats(a[3], h);
+  return 0;
+}
+
 int run_bench(std::vector<std::string> a) {
   long iters = 0;  // 0: auto (about 0.3 s per measurement)
   if (a.size() >= 2 && a[0] == "--iters") {
@@ -286,6 +342,8 @@ int main(int argc, char** argv) {
       if (!f) throw Error("cannot write " + a[1]);
       return 0;
     }
+    if (!a.empty() && a[0] == "--quantize") return run_quantize(std::vector<std::string>(a.begin() + 1, a.end()));
+    if (!a.empty() && a[0] == "--silu") return run_silu(std::vector<std::string>(a.begin() + 1, a.end()));
     if (!a.empty() && a[0] == "--bench") return run_bench(std::vector<std::string>(a.begin() + 1, a.end()));
     return run_check(a);
   } catch (const std::exception& e) {
