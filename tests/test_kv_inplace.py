@@ -92,8 +92,9 @@ def driver(tmp_path_factory) -> Path:
     return exe
 
 
-# (T, query heads, KV heads, head dim, max_seq): one position, a chunk, GQA and plain multi-head
-SHAPES = [(1, 4, 2, 64, 64), (8, 4, 2, 64, 64), (8, 4, 4, 16, 40)]
+# (T, query heads, KV heads, head dim, max_seq): one position, a chunk, GQA, plain multi-head, a head dim
+# with a tail past the 16-wide dot product
+SHAPES = [(1, 4, 2, 64, 64), (8, 4, 2, 64, 64), (8, 4, 4, 16, 40), (3, 2, 1, 20, 24)]
 
 
 @pytest.mark.parametrize("shape", SHAPES)

@@ -45,6 +45,25 @@ bool float4d(const Tensor& t) {
   return true;
 }
 
+// sum of a[d] * b[d]: four 4-lane partial sums (GCC / clang vector types: SSE2 or NEON, no FMA), then
+// the lanes and the scalar tail in a fixed order
+float dot(const float* a, const float* b, int64_t n) {
+  typedef float v4 __attribute__((vector_size(16)));
+  v4 acc[4] = {{0, 0, 0, 0}, {0, 0, 0, 0}, {0, 0, 0, 0}, {0, 0, 0, 0}};
+  int64_t d = 0;
+  for (; d + 16 <= n; d += 16)
+    for (int k = 0; k < 4; ++k) {
+      v4 x, y;
+      std::memcpy(&x, a + d + 4 * k, sizeof x);
+      std::memcpy(&y, b + d + 4 * k, sizeof y);
+      acc[k] = acc[k] + x * y;
+    }
+  const v4 t = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+  float sum = (t[0] + t[1]) + (t[2] + t[3]);
+  for (; d < n; ++d) sum += a[d] * b[d];
+  return sum;
+}
+
 Tensor& update_cache_out(KernelRuntimeContext& ctx, const Tensor& value, Tensor& cache, const int64_t start_pos,
                          Tensor& out) {
   if (!float4d(value) || !float4d(cache) || value.size(0) != cache.size(0) || value.size(2) != cache.size(2) ||
@@ -101,9 +120,7 @@ Tensor& custom_sdpa_out(KernelRuntimeContext& ctx, const Tensor& q, const Tensor
     float mx = -INFINITY;
     for (int64_t j = 0; j < n; ++j) {
       const float* kr = K + ((b * S + j) * Hkv + hk) * D;
-      float acc = 0.0f;
-      for (int64_t d = 0; d < D; ++d) acc += qr[d] * kr[d];
-      p[j] = acc * sc;
+      p[j] = dot(qr, kr, D) * sc;
       mx = std::max(mx, p[j]);
     }
     float sum = 0.0f;
