@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
 RUNS    := runs/demo
 
-.PHONY: setup demo test test-all bench bench-phone fuzz clean
+.PHONY: setup demo test test-all lint bench bench-phone fuzz clean
 
 # Debian packages the native runner's builds and tests need (docs/runner.md), where missing
 DEBS    := g++ g++-aarch64-linux-gnu qemu-user nlohmann-json3-dev adb time
@@ -66,6 +66,10 @@ test: $(STAMP)
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q $(XDIST)
+
+## lint: ruff's checks (pyproject.toml [tool.ruff]); .ci/run runs it before the tests
+lint: $(STAMP)
+	$(BIN)/ruff check .
 
 ## bench: the figures in docs/benchmarks.md and docs/predictors.md, measured side by side
 BENCH := runs/bench

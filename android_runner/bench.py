@@ -4,8 +4,9 @@ Two parts, each in one run with interleaved rounds so that drift hits every conf
 
 1. A pool of every expert: the native runner and the Python reference runner on the same bundle,
    each reading an expert on its first use (the same work), then the native runner with every
-   expert read before the run (--preload: all resident), and the floor: the bytes one decode token touches (the program's dense weights and the
-   top-k experts of every MoE layer) over this machine's memory read bandwidth, measured here.
+   expert read before the run (--preload: all resident), and the floor: the bytes one decode token
+   touches (the program's dense weights and the top-k experts of every MoE layer) over this machine's
+   memory read bandwidth, measured here.
 2. Streaming: real O_DIRECT reads from a cold page cache (the runner evicts its store's pages),
    pools of a fraction of the experts, on-demand LRU / the bundle's predictor / the oracle.
 3. The simulator recalibrated against the native runner (`calibrate_native`) replaying the same
@@ -101,6 +102,12 @@ def calibrate_native(bundle: Path, prompts: list[list[int]], *, all_mib: float, 
         source="specprefetch runner bench (android_runner/bench.py: calibrate_native)")
 
 
+# runner bench --ablation: every predictor of the report with the other evictions, so that the gap to the
+# oracle splits into prediction (oracle+lru, oracle+prediction against oracle+belady) and eviction (the
+# predictor with Belady's eviction, which knows the real future; on-demand+belady: eviction alone)
+ABLATION_POLICIES = ("oracle+lru", "oracle+prediction", "{graph}+belady", "on-demand+belady")
+
+
 def _median(xs: list) -> float | None:
     xs = [x for x in xs if x is not None]
     return round(float(np.median(xs)), 4) if xs else None
@@ -129,12 +136,14 @@ def token_check(results: list[dict], reference: list[list[int]]) -> dict[str, An
 
 
 def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: int = 32, rounds: int = 3,
-        pool_fracs: tuple[float, ...] = (0.13, 0.27), threads: int = 1,
+        pool_fracs: tuple[float, ...] = (0.13, 0.27), threads: int = 1, ablation: bool = False,
         log: Callable[[str], None] = print) -> dict[str, Any]:
     """The native runner against the Python reference runner and the memory floor, then its policies
     streaming from flash, then the simulator recalibrated against it. Both engines run the layer
     graphs on an ExecuTorch thread pool of `threads` (one: a decode step's matrices are too small
-    to gain from more on this machine; docs/benchmarks.md)."""
+    to gain from more on this machine; docs/benchmarks.md). ablation: also the eviction ablation
+    (ABLATION_POLICIES: each predictor with the other eviction, in the same interleaved rounds), which
+    separates what prediction and what eviction cost against the oracle."""
     from transformers import AutoTokenizer
 
     from export.executorch_target import set_threads
@@ -219,7 +228,9 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
     # 2. streaming from flash, cold
     # previous-token+lru: the phone engines' temporal baseline (the previous token's routes for the next
     # --window layers into an LRU cache), beside every report's predictor
-    policies = ["on-demand+lru", "previous-token+lru", f"{graph}+prediction", "oracle+belady"]
+    base = ["on-demand+lru", "previous-token+lru", f"{graph}+prediction", "oracle+belady"]
+    policies = base + ([p.format(graph=graph) for p in ABLATION_POLICIES] if ablation else [])
+    out["ablation"] = ablation
     out["points"] = []
     for frac in pool_fracs:
         slots = max(k, int(round(frac * L * E)))
@@ -227,7 +238,7 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
         log(f"pool {pool:.2f} MiB ({slots} of {L * E} experts): {', '.join(policies)}, cold, interleaved")
         got: dict[str, list] = {p: [] for p in policies}
         order = policies
-        for r in range(rounds):
+        for _ in range(rounds):
             for p in order:
                 res = run_native(bundle, ids, max_new_tokens=new_tokens, policy=p, pool_mib=pool, cold=True)
                 got[p].append(res)
@@ -249,13 +260,23 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
             if chk["mismatches"]:
                 point["policies"][p]["token_mismatches"] = chk["mismatches"]
                 log(f"  {p} at {pool:.2f} MiB: tokens differ from the all-resident run's {chk['mismatches'][:2]}")
-        od, tmp, pr, orc = (point["policies"][p]["tpot_ms"] for p in policies)
+        tp = {q: v["tpot_ms"] for q, v in point["policies"].items()}
+        od, tmp, pr, orc = (tp[q] for q in base)
         point["on_demand_over_predictor"] = round(od / pr, 3)
         point["temporal_over_predictor"] = round(tmp / pr, 3)
         point["predictor_over_oracle"] = round(pr / orc, 3)
+        if ablation:  # the same predictor, its eviction against Belady's (which knows the real future)
+            point["predictor_eviction_over_belady"] = round(pr / tp[f"{graph}+belady"], 3)
+            point["oracle_lru_over_belady"] = round(tp["oracle+lru"] / orc, 3)
+            point["oracle_prediction_over_belady"] = round(tp["oracle+prediction"] / orc, 3)
+            point["on_demand_belady_over_oracle"] = round(tp["on-demand+belady"] / orc, 3)
         out["points"].append(point)
-        log(f"  on-demand / {policies[2]}: {point['on_demand_over_predictor']}, previous-token / {policies[2]}: "
-            f"{point['temporal_over_predictor']}, {policies[2]} / oracle: {point['predictor_over_oracle']}")
+        log(f"  on-demand / {base[2]}: {point['on_demand_over_predictor']}, previous-token / {base[2]}: "
+            f"{point['temporal_over_predictor']}, {base[2]} / oracle: {point['predictor_over_oracle']}")
+        if ablation:
+            log(f"  {base[2]} / {graph}+belady: {point['predictor_eviction_over_belady']}, oracle+lru / "
+                f"oracle+belady: {point['oracle_lru_over_belady']}, oracle+prediction / oracle+belady: "
+                f"{point['oracle_prediction_over_belady']}")
     # 3. the simulator, recalibrated against the native runner, on the same prompts and pools
     src = Path(m["model"].get("source", ""))
     adapter = Path(bundle) / m["predictor"]["adapter"] if m["predictor"].get("adapter") else None
@@ -287,18 +308,20 @@ def markdown(r: dict[str, Any]) -> str:
     py_match = _yes(res.get("python_tokens_match_resident"))
     if r.get("quantised") and res.get("python_tokens_match_resident") is False:
         py_match = "no (not required of a quantised bundle)"
+    promise = "quantised: that is the promise" if r.get("quantised") else "fp32: the Python engine must match too"
     lines = [f"{len(r['prompts'])} prompts x {r['new_tokens']} tokens, {r['rounds']} interleaved rounds; medians.", "",
              "A pool of every expert:", "",
              "| native TPOT ms | Python TPOT ms | Python / native | native preloaded TPOT ms | floor ms | "
              "preloaded / floor | native peak RSS MiB |",
              "|---|---|---|---|---|---|---|",
-             f"| {res['native_first_use_tpot_ms']:.3f} | {res['python_tpot_ms']:.3f} | {res['python_over_native']:.1f} | "
+             f"| {res['native_first_use_tpot_ms']:.3f} | {res['python_tpot_ms']:.3f} | "
+             f"{res['python_over_native']:.1f} | "
              f"{res['native_tpot_ms']:.3f} | {res['floor_ms']:.3f} | {res['native_over_floor']:.1f} | "
              f"{res['native_peak_rss_mib']} |", "",
              "(native and Python with a pool of every expert, each read on its first use; preloaded: every "
              "expert read before the run)", "",
              f"Tokens: the reference is the all-resident (preloaded) run's; {r.get('quantization') or {}} "
-             f"({'quantised: that is the promise' if r.get('quantised') else 'fp32: the Python engine must match too'}). "
+             f"({promise}). "
              f"First-use runs match it: {_yes(res.get('tokens_match_resident'))}; the Python engine's tokens match "
              f"it: {py_match}.", "",
              f"Floor: {res['bytes_touched_per_token'] / MiB:.2f} MiB touched per token (program "
@@ -313,7 +336,8 @@ def markdown(r: dict[str, Any]) -> str:
         for name, v in p["policies"].items():
             sim = (f"{v['simulated_tpot_ms']:.3f} | {v['sim_over_measured']:.2f}" if "simulated_tpot_ms" in v
                    else "- | -")
-            lines.append(f"| {p['pool_mib']:.2f} ({p['slots']}) | {name} | {v['tpot_ms']:.3f} | {v['tpot_p95_ms']:.3f} | "
+            lines.append(f"| {p['pool_mib']:.2f} ({p['slots']}) | {name} | {v['tpot_ms']:.3f} | "
+                         f"{v['tpot_p95_ms']:.3f} | "
                          f"{v['stall_ms_per_token']:.3f} | {v['hit_rate']:.3f} | {v['mib_read_per_token']:.3f} | "
                          f"{v['peak_rss_mib']} | {sim} | {_yes(v.get('tokens_match_resident'))}"
                          + (f" (Python: {_yes(v['tokens_match_python'])})" if "tokens_match_python" in v else "")
@@ -321,6 +345,12 @@ def markdown(r: dict[str, Any]) -> str:
         lines.append(f"| | on-demand / predictor {p['on_demand_over_predictor']:.3f}, previous-token / predictor "
                      f"{p['temporal_over_predictor']:.3f}, predictor / oracle "
                      f"{p['predictor_over_oracle']:.3f} | | | | | | | | | |")
+        if "predictor_eviction_over_belady" in p:
+            lines.append(f"| | eviction ablation: predictor / predictor+belady "
+                         f"{p['predictor_eviction_over_belady']:.3f}, "
+                         f"oracle+lru / oracle {p['oracle_lru_over_belady']:.3f}, oracle+prediction / oracle "
+                         f"{p['oracle_prediction_over_belady']:.3f}, on-demand+belady / oracle "
+                         f"{p['on_demand_belady_over_oracle']:.3f} | | | | | | | | | |")
     if "simulated" in r:
         pr = r["simulated"]["profile"]
         lines += ["", f"Simulator profile (calibrate_native): dense {pr['dense_ms_per_layer']} ms/layer, expert "

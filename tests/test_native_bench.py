@@ -18,7 +18,7 @@ def test_runner_bench_reports_every_part(embedded_bundles, tmp_path):
            "SPECPREFETCH_PROFILES": str(tmp_path / "cache" / "profiles")}
     out = tmp_path / "native.json"
     r = subprocess.run(["specprefetch", "runner", "bench", str(embedded_bundles["executorch"]), "--prompts", "2",
-                        "--new-tokens", "6", "--rounds", "1", "--pool-frac", "0.13", "--json", str(out)],
+                        "--new-tokens", "6", "--rounds", "1", "--pool-frac", "0.13", "--ablation", "--json", str(out)],
                        capture_output=True, text=True, timeout=1800, env=env)
     assert r.returncode == 0, r.stderr
     res = json.loads(out.read_text())
@@ -29,7 +29,14 @@ def test_runner_bench_reports_every_part(embedded_bundles, tmp_path):
     assert rs["python_tpot_ms"] > rs["native_first_use_tpot_ms"] and rs["python_over_native"] > 1
     (point,) = res["points"]
     pols = point["policies"]
-    assert set(pols) == {"on-demand+lru", "previous-token+lru", "next-gate+prediction", "oracle+belady"}
+    assert set(pols) == {"on-demand+lru", "previous-token+lru", "next-gate+prediction", "oracle+belady",
+                         "oracle+lru", "oracle+prediction", "next-gate+belady", "on-demand+belady"}
+    assert res["ablation"] is True
+    assert point["predictor_eviction_over_belady"] == round(pols["next-gate+prediction"]["tpot_ms"] /
+                                                            pols["next-gate+belady"]["tpot_ms"], 3)
+    # reading on demand only, Belady's eviction (it knows the future) reads no more than LRU
+    assert pols["on-demand+belady"]["mib_read_per_token"] <= pols["on-demand+lru"]["mib_read_per_token"]
+    assert "eviction ablation" in Path(str(out).replace(".json", ".md")).read_text()
     assert point["temporal_over_predictor"] == round(pols["previous-token+lru"]["tpot_ms"] /
                                                      pols["next-gate+prediction"]["tpot_ms"], 3)
     # real reads: on-demand reads something at 13% of the experts; the oracle's bound holds on reads

@@ -131,7 +131,8 @@ def _adversarial_arrays(rng: np.random.Generator, shape: tuple[int, int], dtype:
         w[pick < 0.05] = 0.0
         w[(pick >= 0.05) & (pick < 0.08)] = 6e-8 * np.sign(rng.standard_normal(((pick >= 0.05) & (pick < 0.08)).sum()))
         w[(pick >= 0.08) & (pick < 0.10)] = FP16_MIN_NORMAL
-        w[(pick >= 0.10) & (pick < 0.12)] = 65504.0 * np.sign(rng.standard_normal(((pick >= 0.10) & (pick < 0.12)).sum()))
+        big = (pick >= 0.10) & (pick < 0.12)
+        w[big] = 65504.0 * np.sign(rng.standard_normal(big.sum()))
         w[0] = 0.0
         return [w.astype(np.float16)]
     scales = np.array([FP16_MIN_NORMAL, 0.0, 1.0, 100.0, 0.013, 3.5e3], np.float32)
@@ -419,7 +420,8 @@ def test_matvec_bitwise_matches_reference(builds, tmp_path, isa, dtype, values):
             (tmp_path / "layout.json").write_text(json.dumps(case.layout))
             (tmp_path / "blobs.bin").write_bytes(case.blobs)
             (tmp_path / "x.bin").write_bytes(x.tobytes())
-            p = subprocess.run([*cmd, "--matvec", role, name, str(tmp_path / "layout.json"), str(tmp_path / "blobs.bin"),
+            p = subprocess.run([*cmd, "--matvec", role, name, str(tmp_path / "layout.json"),
+                                str(tmp_path / "blobs.bin"),
                                 str(tmp_path / "x.bin"), str(tmp_path / "y.bin")], capture_output=True, text=True,
                                timeout=60)
             if p.returncode == 2:

@@ -1041,18 +1041,21 @@ def runner_build(bundle, abi, out, force, tokenizer, overwrite) -> None:
               help="pools as fractions of all experts")
 @click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
               help="ExecuTorch's thread pool for the layer graphs, in both engines")
+@click.option("--ablation", is_flag=True,
+              help="also the eviction ablation: oracle+lru, oracle+prediction, the predictor+belady and "
+                   "on-demand+belady in the same rounds (what prediction and what eviction cost)")
 @click.option("--json", "json_out", required=True, type=OUT_FILE,
               help="JSON report; the Markdown table and PNG plot go beside it")
 @click.option("--overwrite", is_flag=True, help=OVERWRITE_REPORT)
 @friendly_errors(interrupt=NOT_WRITTEN)
-def runner_bench(bundle, prompts, new_tokens, rounds, pool_fracs, threads, json_out, overwrite) -> None:
+def runner_bench(bundle, prompts, new_tokens, rounds, pool_fracs, threads, ablation, json_out, overwrite) -> None:
     """Measure the native runner: all experts resident (vs the Python runner and the memory floor),
     and streaming from a cold cache at a few pool sizes (interleaved rounds)."""
     c = claim(json_out, "runner bench", overwrite, inputs=(bundle,))
     from android_runner.bench import markdown, run as run_native_bench, write
 
     r = run_native_bench(bundle, prompts=prompts, new_tokens=new_tokens, rounds=rounds, pool_fracs=tuple(pool_fracs),
-                         threads=threads, log=lambda s: click.echo(s, err=True))
+                         threads=threads, ablation=ablation, log=lambda s: click.echo(s, err=True))
     write(r, json_out)
     click.echo(markdown(r))
     click.echo(wrote(c))
