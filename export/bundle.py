@@ -140,7 +140,8 @@ def export_bundle(model: str | Path, out: Path, cfg: ExportConfig, adapter: Path
     return manifest
 
 
-def _assemble(model, work: Path, scratch: Path, cfg: ExportConfig, tgt, quant: str, tol, adapter, out: Path) -> dict[str, Any]:
+def _assemble(model, work: Path, scratch: Path, cfg: ExportConfig, tgt, quant: str, tol, adapter,
+              out: Path) -> dict[str, Any]:
     from export.graphs import MASK_VALUE, StepModel, adapter_heads, describe
     from toolkit.runtime.backend import IO_MASK_VALUE
     from export.pipeline import check, compare, free_running, run_model, run_sequence
@@ -300,11 +301,13 @@ def parity_markdown(p: dict[str, Any]) -> str:
         return "" if v == float("inf") else f"{op} {v:g}"
     rows = [("max |logit diff| (worst position)", f"{p['max_abs_logit_diff']:.3g}", bound("max_abs_logit_diff", "<=")),
             ("max |logit diff| / max |logit|", f"{p['max_rel_logit_diff']:.3g}", bound("max_rel_logit_diff", "<=")),
-            ("median |logit diff| (per position)", f"{p['median_logit_diff']:.3g}", bound("max_median_logit_diff", "<=")),
+            ("median |logit diff| (per position)", f"{p['median_logit_diff']:.3g}",
+             bound("max_median_logit_diff", "<=")),
             ("p95 |logit diff| (per position)", f"{p['p95_logit_diff']:.3g}", ""),
             ("router top-k agreement (same set)", f"{p['topk_agreement']:.4f}", bound("min_topk_agreement", ">=")),
             ("router top-k overlap", f"{p['topk_overlap']:.4f}", ""),
-            ("greedy next-token agreement", f"{p['next_token_agreement']:.4f}", bound("min_next_token_agreement", ">=")),
+            ("greedy next-token agreement", f"{p['next_token_agreement']:.4f}",
+             bound("min_next_token_agreement", ">=")),
             ("free-running greedy decode: share of tokens before the first difference",
              f"{p['free_running']['token_match']:.4f}", bound("min_free_token_match", ">=")),
             ("free-running greedy decode: identical continuations",

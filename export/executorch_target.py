@@ -101,7 +101,7 @@ def quantize_graphs(graphs: dict[str, nn.Module], quant: str) -> int:
         if name in ("expert", "embed"):
             continue
         linears = [(fqn, m) for fqn, m in g.named_modules() if isinstance(m, nn.Linear) and id(m) not in seen]
-        for fqn, m in linears:
+        for _, m in linears:
             seen.add(id(m))
             quantize_(m, config(m.in_features), filter_fn=lambda mod, _fqn: isinstance(mod, nn.Linear))
             n += 1
@@ -208,7 +208,8 @@ def lower_program(steps, cfg, quant: str, out_dir: Path, log, *, partitioner=Non
     info = steps_info(steps)
     return Built(
         graphs={"format": "executorch", "file": f"graphs/{PROGRAM}", "backend": "xnnpack" if label is None else label,
-                "methods": sorted(eps), "prefill_chunks": list(steps.prefill_chunks), "export_s": round(t_export, 2), "lower_s": round(t_lower, 2)},
+                "methods": sorted(eps), "prefill_chunks": list(steps.prefill_chunks), "export_s": round(t_export, 2),
+                "lower_s": round(t_lower, 2)},
         reference=reference, reference_label=f"pytorch ({quant}, eager)",
         backend_label=label or "executorch-xnnpack", kv_mode="buffer", soc=None,
         expert_precision="fp32 (weights dequantized from the store)",
@@ -222,7 +223,8 @@ def layer_graph_ms(model: str | Path, max_seq: int, *, custom_ops: bool, positio
     with the LLM custom ops (custom_ops) or the masked path: {position: ms per call}. A benchmark:
 
         python -c "from export.executorch_target import layer_graph_ms as f, set_threads; set_threads(1);
-        [print(S, c, f('embedded', S, custom_ops=c, positions=(63, S - 1))) for S in (128, 1024) for c in (False, True)]"
+        [print(S, c, f('embedded', S, custom_ops=c, positions=(63, S - 1)))
+         for S in (128, 1024) for c in (False, True)]"
     """
     import tempfile
 
@@ -458,7 +460,8 @@ def _probe(path: Path, timeout: float) -> None:
                            timeout=timeout, stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
         raise SpecPrefetchError(f"{path}: ExecuTorch did not finish loading and running the program in "
-                                f"{timeout:.0f} s (tried in a separate process): a damaged or crafted program?") from None
+                                f"{timeout:.0f} s (tried in a separate process): a damaged or crafted "
+                                "program?") from None
     except OSError as e:
         raise SpecPrefetchError(f"{path}: cannot start a process to try the program ({e.strerror or e})") from None
     lines = r.stdout.splitlines()

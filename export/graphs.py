@@ -372,7 +372,8 @@ class StepModel:
             attn = self.layers[layer].self_attn
             rope = [t[:, :1] for t in self.rope_tables]
             with torch.no_grad(), exportable_family(self.spec.family):
-                attn(hidden_states=torch.zeros(1, 1, H), position_embeddings=tuple(rope) if self.rope_is_pair else rope[0],
+                attn(hidden_states=torch.zeros(1, 1, H),
+                     position_embeddings=tuple(rope) if self.rope_is_pair else rope[0],
                      attention_mask=torch.zeros(1, 1, 1, 1), past_key_values=Probe())
             if "k" not in seen:
                 raise SpecPrefetchError(f"layer {layer}: attention never wrote its cache; cannot export it")

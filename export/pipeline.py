@@ -39,7 +39,7 @@ class TorchBackend(Backend):
 
     def reset(self):
         super().reset()
-        for name, g in self.graphs.items():
+        for _name, g in self.graphs.items():
             for b, t in g.named_buffers():
                 if "_cache_" in b:
                     t.zero_()

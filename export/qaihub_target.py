@@ -175,7 +175,8 @@ class QaiHubTarget(Target):
         except SpecPrefetchError:
             raise
         except Exception as e:  # hub.UserError (bad token), hub.InternalError (connection)
-            raise SpecPrefetchError(f"Qualcomm AI Hub refused the request ({type(e).__name__}: {str(e)[:300]})") from None
+            raise SpecPrefetchError("Qualcomm AI Hub refused the request "
+                                    f"({type(e).__name__}: {str(e)[:300]})") from None
         if not found:
             raise SpecPrefetchError(f"--hub-device {cfg.hub_device!r}: no such device on Qualcomm AI Hub")
         return found[0]
@@ -216,7 +217,8 @@ class QaiHubTarget(Target):
                     try:
                         prof = pj.download_profile()
                     except Exception as e:  # noqa: BLE001 - any client error
-                        profiles[name] = {"job_id": getattr(pj, "job_id", None), "error": f"{type(e).__name__}: {e}"[:300]}
+                        profiles[name] = {"job_id": getattr(pj, "job_id", None),
+                                          "error": f"{type(e).__name__}: {e}"[:300]}
                         continue
                     summ = prof.get("execution_summary", {}) if isinstance(prof, dict) else {}
                     profiles[name] = {"job_id": getattr(pj, "job_id", None),
@@ -235,7 +237,8 @@ class QaiHubTarget(Target):
             graphs={"format": "qnn-context-binary", "path": "qai-hub", "soc": soc,
                     "htp_arch": qnn_target.soc_info(soc)[1], "device": cfg.hub_device,
                     "files": {n: str(p.relative_to(out_dir.parent)) for n, p in files.items()},
-                    "binaries": {n: str(qnn_target.context_bin(p).relative_to(out_dir.parent)) for n, p in files.items()},
+                    "binaries": {n: str(qnn_target.context_bin(p).relative_to(out_dir.parent))
+                                 for n, p in files.items()},
                     "jobs": {n: getattr(j, "job_id", None) for n, j in jobs.items()},
                     "compile_s": round(t_compile, 2)},
             reference=reference, reference_label="pytorch (fp32)",

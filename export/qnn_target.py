@@ -97,7 +97,8 @@ def graph_io_names(name: str, steps) -> tuple[list[str], list[str]]:
     return INPUT_NAMES["layer"], outs + ["k_new", "v_new"]
 
 
-def export_onnx(steps, graphs: dict[str, torch.nn.Module], out_dir: Path, log: Callable[[str], None]) -> dict[str, Path]:
+def export_onnx(steps, graphs: dict[str, torch.nn.Module], out_dir: Path,
+                log: Callable[[str], None]) -> dict[str, Path]:
     """Each graph to `out_dir/NAME.onnx` (static shapes, opset 17, TorchScript exporter)."""
     import warnings
 
@@ -368,7 +369,8 @@ class QnnTarget(Target):
         rel = {n: str(p.relative_to(out_dir.parent)) for n, p in files.items()}
         return Built(
             graphs={"format": "qnn-context-binary", "path": "ort", "soc": soc, "htp_arch": soc_info(soc)[1],
-                    "files": rel, "binaries": {n: str(context_bin(p).relative_to(out_dir.parent)) for n, p in files.items()},
+                    "files": rel,
+                    "binaries": {n: str(context_bin(p).relative_to(out_dir.parent)) for n, p in files.items()},
                     "onnx_export_s": round(t_onnx, 2), "compile_s": round(t_compile, 2)},
             reference=reference, reference_label="pytorch (fp32)", backend_label=f"qnn-htp-simulator {soc}",
             kv_mode="io", soc=soc, expert_precision=quant,
@@ -410,7 +412,8 @@ class QnnTarget(Target):
             for node in ctx:
                 for a in node.attribute:
                     if a.name == "ep_cache_context" and a.s.decode(errors="replace") != context_bin(p).name:
-                        raise SpecPrefetchError(f"{p}: its EPContext node points at {a.s[:80]!r}, not {context_bin(p).name}")
+                        raise SpecPrefetchError(f"{p}: its EPContext node points at {a.s[:80]!r}, "
+                                                f"not {context_bin(p).name}")
             shapes_in = [[d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input]
             shapes_out = [[d.dim_value for d in o.type.tensor_type.shape.dim] for o in model.graph.output]
             sig = sigs.get(name)

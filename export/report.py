@@ -63,7 +63,8 @@ def run(model: str, adapter: Path | None, configs: list[str], max_seq: int, expe
 
 def markdown(r: dict[str, Any]) -> str:
     lines = [f"# Export: {r['model']} (KV {r['max_seq']} tokens, experts {r['experts']})", "",
-             "| target | dense | status | graphs MiB | bundle MiB | export s | max logit diff | median | top-k agree | next-token agree | reference |",
+             ("| target | dense | status | graphs MiB | bundle MiB | export s | max logit diff | median | "
+              "top-k agree | next-token agree | reference |"),
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in r["rows"]:
         p = row["parity"]

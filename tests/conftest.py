@@ -93,8 +93,6 @@ class _Prebuild:
             os.close(fd)
 
     def _alive(self) -> bool:
-        import os
-
         import time
 
         if self.proc is not None:

@@ -4,7 +4,8 @@
 decode and prefill methods) plus its native host runner are about two minutes of one core. conftest.py
 starts this script as soon as the tests are collected and runs the tests that need neither first, so
 the lowering and the compiling overlap the tests that need neither; the fixtures wait for the stage
-they need (the bundle, or the bundle and the runner) and fail with its log if that stage failed. Run by hand: `python tests/prebuild.py OUT_BUNDLE [--native] [--status FILE]`
+they need (the bundle, or the bundle and the runner) and fail with its log if that stage failed.
+Run by hand: `python tests/prebuild.py OUT_BUNDLE [--native] [--status FILE]`
 with SPECPREFETCH_PROFILES naming the runner cache the build goes into.
 """
 from __future__ import annotations

@@ -116,7 +116,8 @@ def test_train_on_cuda(setup):
     cpu, gpu = read_adapter_meta(d / "a-cpu"), read_adapter_meta(d / "a-gpu")
     assert gpu["training"]["device"] == "cuda"
     for h in ("1", "2"):
-        assert abs(cpu["validation"]["adapter"]["recall_at_k"][h] - gpu["validation"]["adapter"]["recall_at_k"][h]) < 0.05
+        assert abs(cpu["validation"]["adapter"]["recall_at_k"][h]
+                   - gpu["validation"]["adapter"]["recall_at_k"][h]) < 0.05
     assert gpu["validation"]["adapter"]["loss"] <= gpu["validation"]["next_gate"]["loss"] + 1e-6
     assert abs(cpu["validation"]["adapter"]["loss"] - gpu["validation"]["adapter"]["loss"]) < 0.05
 

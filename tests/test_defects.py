@@ -83,7 +83,8 @@ def test_measure_reads_closes_its_file_when_a_read_fails(small_file, monkeypatch
     before = _open_fds()
     monkeypatch.setattr(os, "preadv", eio)
     for qd in (1, 4):
-        with pytest.raises(SpecPrefetchError, match=r"store.bin: read of 4096 bytes at offset \d+ failed.*Input/output"):
+        with pytest.raises(SpecPrefetchError,
+                           match=r"store.bin: read of 4096 bytes at offset \d+ failed.*Input/output"):
             cal.measure_reads(small_file, [0, PAGE], PAGE, qd=qd, n=8)
         assert _open_fds() == before
     monkeypatch.undo()

@@ -205,7 +205,8 @@ def test_square_to_mul_rewrites_pow2(tmp_path):
     assert square_to_mul(tmp_path / "n.onnx") == 1
     ops = [n.op_type for n in onnx.load(str(tmp_path / "n.onnx")).graph.node]
     assert ops.count("Pow") == 1  # the cube stays
-    got = ort.InferenceSession(str(tmp_path / "n.onnx"), providers=["CPUExecutionProvider"]).run(None, {"x": x.numpy()})[0]
+    got = ort.InferenceSession(str(tmp_path / "n.onnx"),
+                               providers=["CPUExecutionProvider"]).run(None, {"x": x.numpy()})[0]
     assert abs(got - Norm()(x).numpy()).max() < 1e-5
 
 
@@ -321,7 +322,8 @@ def test_inspect_checks_the_manifest_itself(embedded_bundles, tmp_path):
         (lambda mm: mm["model"].__setitem__("config_hash", "0" * 16), "model config hash 0000000000000000"),
         (lambda mm: mm["graphs"].__setitem__("file", "../outside.pte"), "'../outside.pte' is not a path inside"),
         (lambda mm: mm["graphs"].__setitem__("file", str(outside)), "is not a path inside the bundle"),
-        (lambda mm: mm["runtime"].__setitem__("expert_store", "model/config.json"), "model/config.json: not an expert store"),
+        (lambda mm: mm["runtime"].__setitem__("expert_store", "model/config.json"),
+         "model/config.json: not an expert store"),
         (lambda mm: mm["parity"].__setitem__("next_token_agreement", 0.5), "parity summary does not match"),
         (lambda mm: mm.__setitem__("files", ["x"]), "'files' must map paths"),
         (lambda mm: mm.pop("predictor"), "missing field 'predictor'"),
@@ -365,7 +367,8 @@ def test_cli_export_and_inspect(tiny_models, tmp_path):
     (tmp_path / "b" / "experts.spx").write_bytes(b"")
     r = CliRunner().invoke(main, ["inspect", str(tmp_path / "b")])
     assert r.exit_code == 2 and "experts.spx: 0 bytes" in r.output
-    r = CliRunner().invoke(main, ["export", str(tiny_models["olmoe"]), "--tolerance", "bogus=1", "--out", str(tmp_path / "c")])
+    r = CliRunner().invoke(main, ["export", str(tiny_models["olmoe"]), "--tolerance", "bogus=1",
+                                  "--out", str(tmp_path / "c")])
     assert r.exit_code == 2 and "unknown key(s) ['bogus']" in r.output
 
 
@@ -380,7 +383,8 @@ def test_qaihub_without_token_fails_at_once(tiny_models, tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.delenv("QAIHUB_CLIENT_INI", raising=False)
     t0 = time.monotonic()
-    with pytest.raises(SpecPrefetchError, match="no Qualcomm AI Hub API token .*client.ini not found.*qai-hub configure"):
+    with pytest.raises(SpecPrefetchError,
+                       match="no Qualcomm AI Hub API token .*client.ini not found.*qai-hub configure"):
         export_bundle(tiny_models["mixtral"], tmp_path / "b", _cfg(target="qai-hub"))
     assert time.monotonic() - t0 < 5
 

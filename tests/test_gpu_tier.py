@@ -320,9 +320,10 @@ def test_decode_option_is_validated(tiny_models, stores):
     spec = inspect_model_dir(tiny_models["olmoe"])
     st = build_store(spec, stores["qwen3_moe"].parent / "olmoe.spx", "fp16", progress=False)
     with pytest.raises(SpecPrefetchError, match="static-cache decoder covers"):
-        GpuEngine(load_model(tiny_models["olmoe"]), ExpertStore(st, spec), RunConfig(policy=Policy("on-demand", "lru"), pool_mib=1.0), device="cpu",
-                  decode="static")
-    eng = GpuEngine(load_model(tiny_models["olmoe"]), ExpertStore(st, spec), RunConfig(policy=Policy("on-demand", "lru"), pool_mib=1.0), device="cpu")
+        GpuEngine(load_model(tiny_models["olmoe"]), ExpertStore(st, spec),
+                  RunConfig(policy=Policy("on-demand", "lru"), pool_mib=1.0), device="cpu", decode="static")
+    eng = GpuEngine(load_model(tiny_models["olmoe"]), ExpertStore(st, spec),
+                    RunConfig(policy=Policy("on-demand", "lru"), pool_mib=1.0), device="cpu")
     assert eng.decode == "modules"      # families it does not cover keep transformers' modules
     if not torch.cuda.is_available():
         spec = inspect_model_dir(tiny_models["qwen3_moe"])

@@ -26,7 +26,6 @@ import zlib
 from pathlib import Path
 
 import pytest
-import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 

@@ -20,11 +20,14 @@ from pathlib import Path
 
 import pytest
 
-from test_device import POLICIES, PROMPT, cli, one_line_error, phones, server  # noqa: F401 - fixtures
+import test_device
+from test_device import POLICIES, PROMPT, cli, one_line_error, server  # noqa: F401 - fixtures
 from toolkit.device.phone import (LOCK, ROOT, _stale, bench, bundle_hash, list_devices, lock_phone,
                                   states_table)
 from toolkit.device.adb import Adb
 from toolkit.errors import SpecPrefetchError
+
+phones = test_device.phones  # the fixture, re-exported (the tests below take it as a parameter)
 
 pytestmark = pytest.mark.skipif(shutil.which("adb") is None, reason="adb is not installed")
 

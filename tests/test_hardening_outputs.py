@@ -98,7 +98,8 @@ AT_INPUTS = {
         lambda a, t: _run(a, "--json", t / "r.json", "--events", a["A"] / "adapter.json", "--overwrite"),
         "an adapter"),
     "run --events F --json F": (lambda a, t: _run(a, "--json", t / "f", "--events", t / "f"), "the same file"),
-    "eval --json TRACE/manifest.json": (lambda a, t: ["eval", a["T"], "--json", a["T"] / "manifest.json"], "input of this command"),
+    "eval --json TRACE/manifest.json": (lambda a, t: ["eval", a["T"], "--json", a["T"] / "manifest.json"],
+                                        "input of this command"),
     "eval --json ADAPTER/x.json (its .md, .png)": (lambda a, t: ["eval", a["T"], "--json", a["A"] / "x.json"],
                                                    "an adapter"),
     "simulate --json ADAPTER/adapter.json": (

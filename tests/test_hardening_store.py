@@ -369,7 +369,8 @@ def test_native_store_open_checks_the_header(models, base_store, tmp_path):
                    'int main(int, char** v) { try { auto s = spx::ExpertStore::open(v[1]);\n'
                    '  std::printf("%s %d %d %s\\n", s->dtype.c_str(), s->num_layers, s->num_experts, '
                    's->source_digest.c_str()); return 0; }\n'
-                   '  catch (const std::exception& e) { std::fprintf(stderr, "error: %s\\n", e.what()); return 1; } }\n')
+                   '  catch (const std::exception& e) { std::fprintf(stderr, "error: %s\\n", e.what()); '
+                   'return 1; } }\n')
     exe = tmp_path / "open_store"
     r = subprocess.run(["g++", "-std=c++17", "-O1", f"-I{src}", str(drv), str(src / "expert_store.cpp"),
                         str(src / "crc32.cpp"), "-o", str(exe)], capture_output=True, text=True)

@@ -500,7 +500,7 @@ def test_fuzzed_shards_fail_cleanly_even_with_matching_checksums(work, tmp_path)
         "a stray field": {"stray": np.zeros(3, np.float32)},
         "router_probs of another width": {"router_probs": arrays["router_probs"][..., :-1]},
     }
-    for name, change in cases.items():
+    for _name, change in cases.items():
         a = {k: v for k, v in {**arrays, **change}.items() if v is not None}
         save_file(a, str(shard))
         m = json.loads(json.dumps(good))

@@ -135,7 +135,8 @@ def test_good_bundle_passes_and_every_expert_is_checked(tool, bundle):
     sched = m["runtime"]["scheduler"]
     assert (d["scheduler"]["window"], d["scheduler"]["queue_depth"]) == (sched["window"], sched["queue_depth"])
     assert d["scheduler"]["min_confidence"] == sched["min_confidence"] and d["scheduler"]["floor"] == sched["floor"]
-    assert d["scheduler"]["step_budget_bytes"] == (sched["step_budget_bytes"] if sched["step_budget_bytes"] is not None else -1)
+    assert d["scheduler"]["step_budget_bytes"] == (sched["step_budget_bytes"]
+                                                   if sched["step_budget_bytes"] is not None else -1)
     # preds_rows: the manifest keys layer numbers, the runner MoE positions
     moe = m["model"]["moe_layers"]
     assert d["preds_rows"] == {str(moe.index(int(k))): v for k, v in m["predictor"]["preds_rows"].items()}

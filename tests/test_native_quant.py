@@ -26,7 +26,8 @@ def test_token_check_names_the_first_difference():
     off = {"runs": [{"tokens": [5, 6, 1, 8]}, {"tokens": [9]}]}  # a changed token, then one stopped early
     got = token_check([same, off], ref)
     assert got["match"] is False and got["runs"] == 4
-    assert got["mismatches"] == [{"prompt": 0, "at": 2, "got": 4, "want": 4}, {"prompt": 1, "at": 1, "got": 1, "want": 2}]
+    assert got["mismatches"] == [{"prompt": 0, "at": 2, "got": 4, "want": 4},
+                                 {"prompt": 1, "at": 1, "got": 1, "want": 2}]
     assert token_check([{"runs": [{"tokens": [5, 6, 7, 8]}]}], ref)["match"] is False  # a prompt missing
 
 

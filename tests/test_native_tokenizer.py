@@ -19,9 +19,10 @@ from android_runner.build import build, command, has_tokenizer
 
 pytestmark = pytest.mark.slow
 
-PIECES = ["the", " expert", "'s", " café", " naïve", "Straße", " 東京", "の", " 😀", "🚀🚀", " 3.14", "2026", " 1234567",
-          "  ", "   ", "\n", "\n\n", "\t", " \n ", "!", "?!", "...", "—", " (x)", "<|im_start|>", "<|im_end|>",
-          "<|endoftext|>", "user", " ÅÉÎ", "ñ", " Привет", "мир", " العربية", "\u200b", "don't", " I'm", " we've"]
+PIECES = ["the", " expert", "'s", " café", " naïve", "Straße", " 東京", "の", " 😀", "🚀🚀", " 3.14", "2026",
+          " 1234567", "  ", "   ", "\n", "\n\n", "\t", " \n ", "!", "?!", "...", "—", " (x)", "<|im_start|>",
+          "<|im_end|>", "<|endoftext|>", "user", " ÅÉÎ", "ñ", " Привет", "мир", " العربية", "\u200b", "don't",
+          " I'm", " we've"]
 
 
 def corpus(n: int = 300, seed: int = 0) -> list[str]:
@@ -64,8 +65,8 @@ def test_text_in_and_out_through_the_runner_and_the_cli(native, tmp_path):
     hf = Tokenizer.from_file(str(bundle / "model" / "tokenizer.json"))
     text = "The kernel's memory<|im_end|> 東京"
     js = tmp_path / "r.json"
-    r = subprocess.run([*command(out, "host"), str(bundle), "--prompt", text, "--max-new-tokens", "6", "--json", str(js)],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run([*command(out, "host"), str(bundle), "--prompt", text, "--max-new-tokens", "6",
+                        "--json", str(js)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     res = json.loads(js.read_text())
     run = res["runs"][0]

@@ -325,8 +325,9 @@ def test_sidebyside_interleaves_skips_and_assembles_rows(tmp_path, monkeypatch):
     assert not [c for c in calls if c[0] == "resident" and c[1] is not None]
     assert len([c for c in calls if c[0] == "resident"]) == 2 * 2 * len(m.ids)  # threads x rounds x prompts, no limit
     # interleaved: the first two runs at 100%, 1 thread, are ABCD then DCBA
-    assert [c[0] for c in calls[:8]] == ["llama.cpp", "llama.cpp:read-around-off", "on-demand+lru", "adapter+prediction",
-                                         "adapter+prediction", "on-demand+lru", "llama.cpp:read-around-off", "llama.cpp"]
+    assert [c[0] for c in calls[:8]] == ["llama.cpp", "llama.cpp:read-around-off", "on-demand+lru",
+                                         "adapter+prediction", "adapter+prediction", "on-demand+lru",
+                                         "llama.cpp:read-around-off", "llama.cpp"]
     by = {(r["threads"], r["memory_limit_frac"], r["prompt_tokens"], r["engine"]): r for r in rows}
     ok = by[(1, 1.0, 2, "llama.cpp")]
     assert ok["status"] == "ok" and ok["tpot_ms"] == 10.5 and ok["runs_ok"] == ok["runs"] == 4  # prompts 0, 1 x 2
@@ -355,7 +356,8 @@ def test_sidebyside_interleaves_skips_and_assembles_rows(tmp_path, monkeypatch):
         assert not [c for c in calls if c[0] == "llama.cpp" and c[1] == 250 * MiB and c[3] == t]
         assert "not run" in by[(t, 0.25, 4, "llama.cpp")]["skipped"]
         assert by[(t, 0.25, 2, "llama.cpp:read-around-off")]["status"] == "ok"
-    assert by[(2, None, 2, "llama.cpp")]["status"] == "ok" and by[(2, None, 2, "native:on-demand+lru")]["pool_mib"] == 400
+    assert (by[(2, None, 2, "llama.cpp")]["status"] == "ok"
+            and by[(2, None, 2, "native:on-demand+lru")]["pool_mib"] == 400)
     assert by[(1, 0.25, 2, "native:on-demand+lru")]["status"] == "oom"
     assert by[(1, 0.25, 2, "native:adapter+prediction")]["status"] == "ok"
 

@@ -50,7 +50,8 @@ static const int64_t SLOT = 16384;
 
 static std::string keys(const std::vector<Key>& v) {
   std::string s = "[";
-  for (size_t i = 0; i < v.size(); ++i) s += (i ? "," : "") + std::string("[") + std::to_string(v[i].first) + "," + std::to_string(v[i].second) + "]";
+  for (size_t i = 0; i < v.size(); ++i)
+    s += (i ? "," : "") + std::string("[") + std::to_string(v[i].first) + "," + std::to_string(v[i].second) + "]";
   return s + "]";
 }
 
@@ -162,8 +163,9 @@ static void watch_case(const char* root) {
   (void)s;
   std::string changes = "[";
   for (const auto& ch : w.changes())
-    changes += (changes.size() > 1 ? "," : "") + std::string("[") + std::to_string(ch.step) + "," + std::to_string(ch.from) + "," +
-               std::to_string(ch.to) + "," + std::to_string(ch.evicted) + "," + std::to_string(ch.released_bytes) + "]";
+    changes += (changes.size() > 1 ? "," : "") + std::string("[") + std::to_string(ch.step) + "," +
+               std::to_string(ch.from) + "," + std::to_string(ch.to) + "," + std::to_string(ch.evicted) + "," +
+               std::to_string(ch.released_bytes) + "]";
   changes += "]";
   std::printf("{\"case\":\"watch\",\"target\":%lld,\"cap_before\":%lld,\"capacity\":%lld,\"evicted\":%s,\"slots\":%zu,"
               "\"changes\":%s,\"samples\":%lld}\n",
@@ -252,8 +254,9 @@ def check(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("check_pool")
     (d / "check_pool.cpp").write_text(CHECK)
     srcs = [SRC / f for f in ("pool.cpp", "memwatch.cpp", "events.cpp", "fileio.cpp")]
-    r = subprocess.run(["g++", "-std=c++17", "-O1", "-Wall", "-Wextra", "-Werror", f"-I{SRC}", str(d / "check_pool.cpp"),
-                        *map(str, srcs), "-o", str(d / "check_pool"), "-pthread"], capture_output=True, text=True)
+    r = subprocess.run(["g++", "-std=c++17", "-O1", "-Wall", "-Wextra", "-Werror", f"-I{SRC}",
+                        str(d / "check_pool.cpp"), *map(str, srcs), "-o", str(d / "check_pool"), "-pthread"],
+                       capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     return d / "check_pool"
 
@@ -342,7 +345,8 @@ def test_sizing_from_meminfo_and_cgroups(check, tmp_path):
     s = _check(check, "size", v1m, 0, 0)[0]
     assert s["inactive"] == 10 * SLOT and s["available"] == (400 - 350) * SLOT  # 20 + 30 - 40 reclaimable
     # a tighter leaf limit wins over the parent's
-    v1b = fake_v1(tmp_path / "v1b", 4 << 20, leaf=(320 * SLOT, 300 * SLOT, 0), parent=(400 * SLOT, 360 * SLOT, 20 * SLOT))
+    v1b = fake_v1(tmp_path / "v1b", 4 << 20, leaf=(320 * SLOT, 300 * SLOT, 0),
+                  parent=(400 * SLOT, 360 * SLOT, 20 * SLOT))
     s = _check(check, "size", v1b, 0, 0)[0]
     assert s["limit"] == 320 * SLOT and s["available"] == 20 * SLOT and s["slots"] == 20
     # MemAvailable below the cgroup's room: meminfo decides
@@ -482,8 +486,10 @@ def test_cli_pool_mib_auto_refusals(tmp_path):
 
     bundle = "embedded"  # refused before anything is loaded
     for args, msg in ((["--pool-mib", "auto"], "--pool-mib auto: only with --engine native"),
-                      (["--pool-mib", "4", "--pool-reserve-mib", "64"], "--pool-reserve-mib: only with --pool-mib auto"),
-                      (["--pool-mib", "auto", "--engine", "native", "--pool-low-watermark-mib", "-1"], "must be a finite")):
+                      (["--pool-mib", "4", "--pool-reserve-mib", "64"],
+                       "--pool-reserve-mib: only with --pool-mib auto"),
+                      (["--pool-mib", "auto", "--engine", "native", "--pool-low-watermark-mib", "-1"],
+                       "must be a finite")):
         r = CliRunner().invoke(main, ["run", str(bundle), "--prompt", "hi", "--json", str(tmp_path / "x.json"), *args])
         assert r.exit_code != 0 and msg in r.output, r.output
         assert not (tmp_path / "x.json").exists()
@@ -567,7 +573,8 @@ def test_cgroup_limit_sizes_the_pool_and_a_squeeze_shrinks_it(native, tmp_path):
             pa = json.loads(cal.read_text())["pool_auto"]
             c = pa["cgroup"]
             assert pa["source"] == "cgroup v1" and c["limit_bytes"] == 512 * MiB
-            limit = c["usage_bytes"] - c["reclaimable_file_bytes"] + (reserve_mib + pool_mib) * MiB + pa["program_bytes"]
+            limit = (c["usage_bytes"] - c["reclaimable_file_bytes"] + (reserve_mib + pool_mib) * MiB
+                     + pa["program_bytes"])
             (cg / "memory.limit_in_bytes").write_text(str(limit))
             limit = int((cg / "memory.limit_in_bytes").read_text())  # in whole pages
             p = start(cg, [*runner, str(bundle), *prompts, "--max-new-tokens", "58", "--policy", "on-demand+lru",
@@ -594,7 +601,8 @@ def test_cgroup_limit_sizes_the_pool_and_a_squeeze_shrinks_it(native, tmp_path):
             memlimit._remove_cgroup(cg)
 
     js = tmp_path / "auto.json"
-    rc, err, oom, limit = squeeze(["--pool-mib", "auto", "--pool-reserve-mib", str(reserve_mib), "--pool-check-ms", "5"], js)
+    rc, err, oom, limit = squeeze(["--pool-mib", "auto", "--pool-reserve-mib", str(reserve_mib),
+                                   "--pool-check-ms", "5"], js)
     assert rc == 0 and oom == 0, err
     out = json.loads(js.read_text())
     pa = out["pool_auto"]

@@ -111,7 +111,7 @@ def test_streaming_holds_less_than_the_trace(emb_trace, tmp_path):
     assert 0 < out["training"]["stream_peak_bytes"] <= cap_mb * 2**20 + 2 * max(s["bytes"] for s in r.shards("train"))
     stream = ShardStream(r, "train", batch_size=64, seed=0, max_bytes=cap_mb * 2**20)
     seen = set()
-    for n, b in zip(range(400), stream):
+    for _, b in zip(range(400), stream):
         seen.update(b.seq.tolist())
     assert stream.epochs >= 1  # went through every shard
     from toolkit.traces.batches import validation_seqs
@@ -145,7 +145,7 @@ def test_eval_report_files(emb_adapter, emb_trace, tmp_path):
     md, png = write_reports(res, tmp_path / "e.json")
     j = json.loads((tmp_path / "e.json").read_text())
     assert j["k"] == 4 and set(j["predictors"]) == set(ALL)
-    for name, p in j["predictors"].items():
+    for _name, p in j["predictors"].items():
         assert set(p["recall_at_k"]) == {"1", "2"} and isinstance(p["params"], int)
         assert all(0.0 <= x <= 1.0 for x in p["recall_at_k"].values())
         assert len(p["per_layer_recall_at_k"]["1"]) == 8

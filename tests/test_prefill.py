@@ -276,8 +276,8 @@ def test_cli_prefill_chunk_option(embedded_bundles, tmp_path):
 
     b = str(embedded_bundles["executorch"])
     prompt = "one two three four five six seven eight nine ten"
-    r = CliRunner().invoke(main, ["run", b, "--policy", "next-gate+prediction", "--prompt", prompt, "--max-new-tokens", "2",
-                                  "--prefill-chunk", "x", "--json", str(tmp_path / "x.json")])
+    r = CliRunner().invoke(main, ["run", b, "--policy", "next-gate+prediction", "--prompt", prompt,
+                                  "--max-new-tokens", "2", "--prefill-chunk", "x", "--json", str(tmp_path / "x.json")])
     assert r.exit_code == 2 and "--prefill-chunk x: a chunk size (a positive integer) or off" in r.output
     runs = {}
     for chunk in ("8", "off"):

@@ -44,7 +44,8 @@ def test_expert_load_counts_every_selection(tiny_trace):
     # the same counts as a bincount over the whole split at once
     a = r.load("train", ("expert_ids", "kind"))
     for li in range(L):
-        np.testing.assert_array_equal(expert_load(r, "train")[li], np.bincount(a["expert_ids"][:, li].ravel(), minlength=E))
+        np.testing.assert_array_equal(expert_load(r, "train")[li],
+                                      np.bincount(a["expert_ids"][:, li].ravel(), minlength=E))
         np.testing.assert_array_equal(expert_load(r, "train", decode_only=True)[li],
                                       np.bincount(a["expert_ids"][a["kind"] == DECODE][:, li].ravel(), minlength=E))
 

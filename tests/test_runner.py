@@ -80,7 +80,8 @@ def _check_policies(session, ids: list[int], ref: list[int], matrix, new_tokens:
             assert st.hit_rate >= 0.9
 
 
-@pytest.mark.slow  # ~20 s; test_bundle_runs_give_the_unmodified_models_tokens and the native tests keep the guarantee in make test
+# ~20 s; test_bundle_runs_give_the_unmodified_models_tokens and the native tests keep the guarantee in make test
+@pytest.mark.slow
 def test_every_policy_gives_the_unmodified_models_tokens(emb_session):
     ids = emb_session.encode(PROMPT)
     ref = reference_tokens(emb_session.source_model, ids, 10)

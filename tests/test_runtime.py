@@ -306,7 +306,8 @@ def test_cli_simulate(sim_trace, tmp_path):
     s = json.loads((tmp_path / "s.json").read_text())
     assert len(s["points"]) == 2 and (tmp_path / "s.png").stat().st_size > 5000
     for bad, msg in (("2,nan", "'nan': must be a finite number"), ("4,x", "'x' is not a number")):
-        r = CliRunner().invoke(main, ["simulate", str(sim_trace), "--pool-mib", bad, "--json", str(tmp_path / "b.json")])
+        r = CliRunner().invoke(main, ["simulate", str(sim_trace), "--pool-mib", bad,
+                                      "--json", str(tmp_path / "b.json")])
         assert r.exit_code == 2 and msg in r.output and "Traceback" not in r.output
 
 

@@ -176,7 +176,8 @@ def test_fused_experts_stored_in_out_orientation(tiny_models, tmp_path):
     assert not (tmp_path / "sq").exists()
     # GPT-OSS's fused layout is fixed ([in, out], no conversion): a square down_proj is unambiguous
     widen_checkpoint(tiny_models["gpt_oss"], tmp_path / "g", 64, progress=False)
-    assert read_header(tmp_path / "g" / "model.safetensors")["model.layers.0.mlp.experts.down_proj"]["shape"] == [8, 64, 64]
+    assert (read_header(tmp_path / "g" / "model.safetensors")["model.layers.0.mlp.experts.down_proj"]["shape"]
+            == [8, 64, 64])
     assert _same_logits(tiny_models["gpt_oss"], tmp_path / "g")
 
 
@@ -314,7 +315,8 @@ def test_widen_command(tiny_models, tmp_path):
     assert "48 -> 64" in r.output and str(out) in r.output
     assert inspect_model_dir(out).geometry.moe_intermediate_size == 64
     for args, fragment in ((["--moe-intermediate-size", "64", "--out", str(out)], "already exists"),
-                           (["--moe-intermediate-size", "32", "--out", str(tmp_path / "x")], "--moe-intermediate-size 32"),
+                           (["--moe-intermediate-size", "32", "--out", str(tmp_path / "x")],
+                            "--moe-intermediate-size 32"),
                            (["--moe-intermediate-size", "64", "--out", str(tiny_models["olmoe"]), "--overwrite"],
                             "widen did not write")):
         r = CliRunner().invoke(main, ["widen", str(tiny_models["gpt_oss"]), *args])

@@ -575,8 +575,8 @@ def store(model, out, dtype, overwrite) -> None:
 @main.command()
 @click.argument("traces", type=click.Path(path_type=Path))
 @click.option("--policies", "--predictor", "policies",
-              default="on-demand+lru,previous-token+lru,next-gate+prediction,adapter+prediction,oracle+belady", show_default=True,
-              help="comma-separated PREDICTOR+EVICTION (eviction: lru, lfu, prediction, belady)")
+              default="on-demand+lru,previous-token+lru,next-gate+prediction,adapter+prediction,oracle+belady",
+              show_default=True, help="comma-separated PREDICTOR+EVICTION (eviction: lru, lfu, prediction, belady)")
 @click.option("--adapter", type=click.Path(path_type=Path), default=None)
 @click.option("--profile", default="snapdragon-8-elite", show_default=True,
               help="snapdragon-8-elite, this-machine (after calibrate), or a profile JSON file")
@@ -704,9 +704,10 @@ def calibrate(model, store_path, reads, out, overwrite) -> None:
               help="replace an existing --json report and --events log if this command wrote them; nothing else "
                    "is ever replaced")
 @friendly_errors(interrupt=NOT_WRITTEN)
-def run(model, policy, adapter, frequency_trace, pool_mib, pool_reserve_mib, pool_low_watermark_mib, window, queue_depth, store_path, dtype, device,
-        flash_profile, draft_k, prompts, max_new_tokens, max_seq, threads, io_mode, prefill_chunk, check, events_out,
-        min_confidence, step_budget_kib, engine, abi, json_out, overwrite) -> None:
+def run(model, policy, adapter, frequency_trace, pool_mib, pool_reserve_mib, pool_low_watermark_mib, window,
+        queue_depth, store_path, dtype, device, flash_profile, draft_k, prompts, max_new_tokens, max_seq, threads,
+        io_mode, prefill_chunk, check, events_out, min_confidence, step_budget_kib, engine, abi, json_out,
+        overwrite) -> None:
     """Run MODEL (a model directory, `embedded`, or a bundle) with its experts streamed from the
     expert store through a bounded pool (real O_DIRECT reads); prints each prompt's generated text
     and figures; with --check, compare the tokens with the unmodified model."""
@@ -732,17 +733,19 @@ def run(model, policy, adapter, frequency_trace, pool_mib, pool_reserve_mib, poo
                    if ctx.get_parameter_source(o) != click.core.ParameterSource.DEFAULT]
         if ignored:
             raise SpecPrefetchError(f"--device {device}: " + ", ".join(
-                "--" + {"io_mode": "io"}.get(o, o).replace("_", "-") for o in ignored) + " do not apply to the GPU tier")
+                "--" + {"io_mode": "io"}.get(o, o).replace("_", "-") for o in ignored)
+                + " do not apply to the GPU tier")
         if engine != "python" or abi != "host" or flash_profile or frequency_trace or events_out:
             raise SpecPrefetchError(f"--device {device}: the GPU tier takes a model directory with --store, --adapter, "
-                                    "--policy and --pool-mib (drop --engine, --abi, --flash-profile, --frequency-trace, "
-                                    "--events)")
+                                    "--policy and --pool-mib (drop --engine, --abi, --flash-profile, "
+                                    "--frequency-trace, --events)")
         _run_gpu(model, device=device, policy=policy, adapter=adapter, store_path=store_path, dtype=dtype,
                  pool_mib=pool_mib, window=window, prompts=prompts, max_new_tokens=max_new_tokens, check=check,
                  min_confidence=min_confidence, json_out=json_out, draft_k=draft_k)
         return
     if ctx_default(click.get_current_context(), "draft_k") is False:
-        raise SpecPrefetchError("--draft-k: only with --device cuda (the CPU engines' draft predicts, it does not decode)")
+        raise SpecPrefetchError("--draft-k: only with --device cuda (the CPU engines' draft predicts, "
+                                "it does not decode)")
     if engine == "native":
         if adapter or store_path or frequency_trace or flash_profile:
             raise SpecPrefetchError("--engine native runs a bundle as exported: drop --adapter, --store, "
@@ -787,7 +790,8 @@ def run(model, policy, adapter, frequency_trace, pool_mib, pool_reserve_mib, poo
     if check is None:
         check = s.is_embedded
     if check and s.source_model is None:
-        raise SpecPrefetchError(f"--check: {s.source_problem or f'the unmodified model of {s.label} is not on this machine'}")
+        raise SpecPrefetchError(
+            f"--check: {s.source_problem or f'the unmodified model of {s.label} is not on this machine'}")
     exact = s.kind == "model" and s.runner.store.dtype == "fp16"
     runs, encoded = [], []
     log = EventLog() if events_out else None  # one log: each prompt is its own `seq N`
@@ -803,8 +807,9 @@ def run(model, policy, adapter, frequency_trace, pool_mib, pool_reserve_mib, poo
             ref = reference_tokens(s.source_model, ids, max_new_tokens)
             r["matches_unmodified_model"] = r["tokens"] == ref
             if exact and r["tokens"] != ref:
-                raise SpecPrefetchError(f"tokens differ from the unmodified model's generate for prompt {r['prompt']!r}: "
-                                        "a bug, unless transformers departs from the model's config (docs/families.md)")
+                raise SpecPrefetchError("tokens differ from the unmodified model's generate for prompt "
+                                        f"{r['prompt']!r}: a bug, unless transformers departs from the model's "
+                                        "config (docs/families.md)")
             if r["tokens"] != ref:
                 click.echo(f"note: {s.label} ({s.runner.store.dtype} experts) decodes other tokens than the "
                            f"unmodified model for prompt {r['prompt']!r} (reduced precision)", err=True)
@@ -1180,7 +1185,8 @@ def device_bench(bundle, serial, policies, pool_mib, prompts, max_new_tokens, re
 @click.argument("model", default="embedded")
 @click.option("--adapter", type=click.Path(path_type=Path), default=None,
               help="prefetch adapter (model directories; needed by the adapter policies)")
-@click.option("--policies", default="on-demand+lru,previous-token+lru,next-gate+prediction,adapter+prediction,adapter+lru,oracle+belady",
+@click.option("--policies", default="on-demand+lru,previous-token+lru,next-gate+prediction,adapter+prediction,"
+                                    "adapter+lru,oracle+belady",
               show_default=True, help="comma-separated PREDICTOR+EVICTION")
 @click.option("--pool-mib", type=POOL_MIB_LIST, default="4,8", show_default=True)
 @click.option("--prompts", type=click.IntRange(min=1), default=4, show_default=True)
@@ -1271,7 +1277,8 @@ def bench(ctx, model, adapter, policies, pool_mib, prompts, new_tokens, rounds, 
             raise SpecPrefetchError(f"--device {device}: drop --peer, --bundle, --flash-profile and --frequency-trace")
         if any(not 0 < f <= 1 for f in pool_fractions):
             raise SpecPrefetchError(f"--pool-fractions: fractions in (0, 1], not {pool_fractions}")
-        ignored = [o for o in ("pool_mib", "no_simulate") if ctx.get_parameter_source(o) != click.core.ParameterSource.DEFAULT]
+        ignored = [o for o in ("pool_mib", "no_simulate")
+                   if ctx.get_parameter_source(o) != click.core.ParameterSource.DEFAULT]
         if ignored:
             raise SpecPrefetchError(f"--device {device}: " + ", ".join("--" + o.replace("_", "-") for o in ignored)
                                     + " do not apply to the GPU tier's bench (pools are --pool-fractions)")
@@ -1343,7 +1350,8 @@ def _tolerances(items: tuple[str, ...]) -> dict[str, float]:
 @click.option("--target", type=click.Choice(["executorch", "qnn", "qai-hub"]), default="executorch", show_default=True)
 @click.option("--soc", default="SM8750", show_default=True, help="Snapdragon SoC for qnn / qai-hub (SM8750 = 8 Elite)")
 @click.option("--quant", default=None,
-              help="dense graphs: executorch fp32|8da8w|8da4w|w8|w4 (default fp32); qnn / qai-hub fp16|a16w8|a8w8 (default fp16)")
+              help="dense graphs: executorch fp32|8da8w|8da4w|w8|w4 (default fp32); "
+                   "qnn / qai-hub fp16|a16w8|a8w8 (default fp16)")
 @click.option("--experts", "experts_dtype", type=click.Choice(["fp16", "int8", "int4"]), default="fp16",
               show_default=True, help="expert store precision")
 @click.option("--max-seq", type=click.IntRange(min=2), default=256, show_default=True,

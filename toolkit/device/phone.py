@@ -47,14 +47,17 @@ echo @props; getprop ro.soc.model; getprop ro.soc.manufacturer; getprop ro.produ
 echo @meminfo; cat /proc/meminfo
 echo @df; df -k /data/local/tmp
 echo @mounts; cat /proc/mounts
-echo @cpus; for c in /sys/devices/system/cpu/cpu[0-9]*; do echo "${c##*/} $(cat $c/cpufreq/cpuinfo_max_freq 2>/dev/null) $(cat $c/cpufreq/related_cpus 2>/dev/null)"; done
+echo @cpus; for c in /sys/devices/system/cpu/cpu[0-9]*; do
+  echo "${c##*/} $(cat $c/cpufreq/cpuinfo_max_freq 2>/dev/null) $(cat $c/cpufreq/related_cpus 2>/dev/null)"; done
 echo @id; id -u
 """
 
 _SNAPSHOT = r"""
-echo @thermal; for z in /sys/class/thermal/thermal_zone*; do echo "$(cat $z/type 2>/dev/null) $(cat $z/temp 2>/dev/null)"; done
+echo @thermal; for z in /sys/class/thermal/thermal_zone*; do
+  echo "$(cat $z/type 2>/dev/null) $(cat $z/temp 2>/dev/null)"; done
 echo @meminfo; cat /proc/meminfo
-echo @freq; for c in /sys/devices/system/cpu/cpu[0-9]*; do echo "@cpu ${c##*/}"; cat $c/cpufreq/stats/time_in_state 2>/dev/null; done
+echo @freq; for c in /sys/devices/system/cpu/cpu[0-9]*; do
+  echo "@cpu ${c##*/}"; cat $c/cpufreq/stats/time_in_state 2>/dev/null; done
 """
 
 
@@ -269,8 +272,8 @@ def _llama_bench(adb: Adb, base: str, run_dir: str, mask: str | None, n_prompt: 
     tokens; llama-bench's own synthetic tokens), its JSON parsed: TTFT ~ the prompt's processing,
     TPOT = generation time / n_gen."""
     cmd = ((f"taskset {mask} " if mask else "")
-           + f"env LD_LIBRARY_PATH={q(base)}/peer $SPX_EMULATOR {q(base)}/peer/llama-bench -m {q(base)}/peer/model.gguf "
-           f"-p {n_prompt} -n {n_gen} -t {threads} -r 1 --no-warmup -o json")
+           + f"env LD_LIBRARY_PATH={q(base)}/peer $SPX_EMULATOR {q(base)}/peer/llama-bench "
+           f"-m {q(base)}/peer/model.gguf -p {n_prompt} -n {n_gen} -t {threads} -r 1 --no-warmup -o json")
     t0 = time.monotonic()
     r = _timed(adb, run_dir, cmd, timeout_s)
     wall = time.monotonic() - t0
@@ -500,7 +503,8 @@ def check_bench(bundle: Path, *, policies: Sequence[str], pool_mib: float, promp
     ids = [list(tok(p, add_special_tokens=False)["input_ids"]) for p in prompts]
     max_seq = int(m["kv"]["max_seq"])
     for i, (p, x) in enumerate(zip(prompts, ids)):
-        which = f"--prompt {json.dumps(p, ensure_ascii=False)[:60]}" + (f" (prompt {i + 1})" if len(prompts) > 1 else "")
+        which = (f"--prompt {json.dumps(p, ensure_ascii=False)[:60]}"
+                 + (f" (prompt {i + 1})" if len(prompts) > 1 else ""))
         if not x:
             raise SpecPrefetchError(f"{which}: no tokens (an empty prompt); give some text")
         if len(x) + max_new_tokens - 1 > max_seq:
@@ -772,7 +776,8 @@ def _bench_held(lock: PhoneLock, bundle: Path, ids: list[list[int]], *, policies
         fl = report["failures"][0]
         last = (fl["stderr"].strip().splitlines() or [""])[-1]
         raise SpecPrefetchError(f"{len(report['failures'])} of {len(report['failures']) + len(report['runs'])} runs "
-                                f"failed (first: {fl['config']}, exit {fl['exit_code']}: {last}); details in {json_out}")
+                                f"failed (first: {fl['config']}, exit {fl['exit_code']}: {last}); "
+                                f"details in {json_out}")
     return report
 
 
@@ -795,7 +800,7 @@ def finalize(report: dict[str, Any]) -> None:
             by_prompt.setdefault(r["prompt"], set()).add(tuple(r["tokens"]))
     report["tokens_identical"] = all(len(v) == 1 for v in by_prompt.values()) if by_prompt else None
     base = summary.get(report["configs"][0], {}).get("tpot_ms", {}).get("median") if report["configs"] else None
-    for name, s in summary.items():
+    for _name, s in summary.items():
         med = s["tpot_ms"]["median"]
         s["first_over_this"] = round(base / med, 3) if base and med else None
 

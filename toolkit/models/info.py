@@ -74,7 +74,7 @@ def model_info(spec: ModelSpec) -> dict[str, Any]:
     if spec.weight_files:
         index = TensorIndex(spec)
         total_params = total_bytes = 0
-        for name, (_, dtype, shape) in index.entries.items():
+        for _name, (_, dtype, shape) in index.entries.items():
             n = math.prod(shape)
             total_params += n
             total_bytes += n * DTYPE_BYTES.get(dtype, 2)

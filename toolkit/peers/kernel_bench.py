@@ -59,7 +59,8 @@ def run_native(exe: Path, h: int, i: int, batch: int, threads: list[int], min_s:
     """Two passes: walking 32 experts (weights from memory, as a decode step over a layer) and one
     expert over and over (cache-resident, as llama.cpp's test-backend-ops times a matrix)."""
     rows = []
-    for weights, extra in (("memory", ["--experts", "32", "--many", "8"]), ("cache", ["--experts", "1", "--many", "1"])):
+    for weights, extra in (("memory", ["--experts", "32", "--many", "8"]),
+                           ("cache", ["--experts", "1", "--many", "1"])):
         cmd = [str(exe), "--hidden", str(h), "--ffn", str(i), "--batch", str(batch), "--threads",
                ",".join(map(str, threads)), "--min-seconds", str(min_s), *extra]
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)

@@ -14,8 +14,9 @@ Measurements (all for the child *and its descendants*):
   wait4). That is the kernel's per-task I/O accounting (``read_bytes`` of /proc/<pid>/io),
   charged when a read bio is submitted on the task's behalf: page-cache fills from read(2), mmap
   page faults *with their readahead* (read_ahead_kb inflates it, as it inflates real I/O), and
-  O_DIRECT reads alike; cache hits count nothing. The rusage of a reaped child includes every descendant it (transitively)
-  waited for, so forked reader processes and threads are covered. Alternatives rejected:
+  O_DIRECT reads alike; cache hits count nothing. The rusage of a reaped child includes every
+  descendant it (transitively) waited for, so forked reader processes and threads are covered.
+  Alternatives rejected:
   /proc/<pid>/io sampled misses the last interval and reaped descendants; memory.stat pgmajfault
   counts faults, not bytes, and misses O_DIRECT and read(2); the blkio v1 throttle counters stay 0
   on this kernel without throttle rules. Not covered: descendants orphaned (reparented to init)

@@ -205,7 +205,8 @@ def _open_model(bundle: Path, prompts: int, prompt_tokens: Sequence[int], new_to
     desc = (f"{mo['family']}, {mo['num_layers']} layers, hidden {mo['hidden_size']}, {mo['num_experts']} experts "
             f"top-{mo['top_k']}, expert {st.blob_size / MiB:.2f} MiB {st.dtype}")
     return _Model(label=model_label(source, taken), desc=desc, bundle=bundle, source=source, manifest=m, tokenizer=tok,
-                  texts=texts, ids=ids, plen=plen, quantised=is_quantised(m), store=store, program=bundle / m["graphs"]["file"], slot_bytes=st.slot_bytes,
+                  texts=texts, ids=ids, plen=plen, quantised=is_quantised(m), store=store,
+                  program=bundle / m["graphs"]["file"], slot_bytes=st.slot_bytes,
                   experts=st.num_layers * st.num_experts, top_k=int(m["routing"]["top_k"]), graph=graph,
                   gguf_type=llamacpp.GGUF_TYPE_FOR_EXPERTS[st.dtype])
 
@@ -328,7 +329,7 @@ def _resident_references(m: _Model, n_new: int, threads: int, timeout: float, lo
     """A quantised bundle's own reference: the native runner with every expert resident (--preload, a pool
     of every expert, no limit), once per prompt."""
     m.ref_resident = []
-    for i, ids in enumerate(m.ids):
+    for _, ids in enumerate(m.ids):
         with tempfile.TemporaryDirectory() as tmp:
             js = Path(tmp) / "run.json"
             argv = _native_argv(m, ids, n_new, ON_DEMAND.split(":", 1)[1], m.all_mib + 0.01, threads, js)
@@ -593,7 +594,8 @@ def _measure(models: list[_Model], bins: Path, *, limits: Sequence[float | None]
                 skipped = {e: f"not run: timed out at {timed_out_at[e]:.0%} of the model's bytes"
                            for e in engines if frac is not None and e in timed_out_at and timed_out_at[e] > frac}
                 stopped: dict[str, str] = {}
-                log(f"[{m.label}] {t} thread(s), limit {_frac_text(frac)}" + (f" = {limit / MiB:.1f} MiB" if limit else "")
+                log(f"[{m.label}] {t} thread(s), limit {_frac_text(frac)}"
+                    + (f" = {limit / MiB:.1f} MiB" if limit else "")
                     + f"; native pool {pool:.2f} MiB ({pool / m.all_mib:.0%} of the experts)")
                 n = 0
                 for rnd in range(rounds):
@@ -680,9 +682,10 @@ def _notes(models: list[_Model], rows: list[dict], new_tokens: int, timeout_s: f
             notes.append(f"{m.label}: {origin}")
         else:
             notes.append(f"{m.label}: not a shipped trained model nor widened from one; if its weights are random "
-                         "(specprefetch tiny), its routing is not realistic (it follows random router weights, not what the text means), so its hit rates, "
-                         "how much of it a pool or page cache must hold, and the adapter's gain are not what a "
-                         "trained model would show; the adapter was trained on this model's own traces.")
+                         "(specprefetch tiny), its routing is not realistic (it follows random router weights, not "
+                         "what the text means), so its hit rates, how much of it a pool or page cache must hold, and "
+                         "the adapter's gain are not what a trained model would show; the adapter was trained on "
+                         "this model's own traces.")
     return notes + pool_notes(rows)
 
 
@@ -787,9 +790,10 @@ def markdown(result: dict) -> str:
     for model in dict.fromkeys(r["model"] for r in rows):
         mr = [r for r in rows if r["model"] == model]
         lines += [f"### {model} ({mr[0]['model_bytes'] / MiB:.1f} MiB {mr[0].get('gguf_type', 'f16')} GGUF)", "",
-                  ("| threads | limit | limit MiB | engine | mmap mode | prompt tokens | pool MiB | TPOT ms | TTFT ms | "
-                   "MiB read (experts) | peak RSS MiB | hit rate | tokens match | status | native / llama.cpp TPOT | "
-                   "native / llama.cpp TTFT | native / llama.cpp (RA off) TPOT | native / llama.cpp (RA off) TTFT |"),
+                  ("| threads | limit | limit MiB | engine | mmap mode | prompt tokens | pool MiB | TPOT ms | "
+                   "TTFT ms | MiB read (experts) | peak RSS MiB | hit rate | tokens match | status | "
+                   "native / llama.cpp TPOT | native / llama.cpp TTFT | native / llama.cpp (RA off) TPOT | "
+                   "native / llama.cpp (RA off) TTFT |"),
                   "|" + "---|" * 18]
         for r in mr:
             status = r["status"] if r["status"] == "ok" or not r.get("skipped") else f"{r['status']} (not run)"
@@ -827,8 +831,8 @@ def markdown(result: dict) -> str:
         if lb:
             lines += ["No limit: llama.cpp's own llama-bench (warm, 3 repetitions) beside this run's cold single runs "
                       "(tokens/s; pp: prompt tokens / TTFT, tg: 1000 / TPOT):", "",
-                      "| threads | test | llama-bench t/s | llama.cpp t/s | native:resident t/s | native:on-demand t/s | "
-                      "native:prediction t/s |",
+                      "| threads | test | llama-bench t/s | llama.cpp t/s | native:resident t/s | "
+                      "native:on-demand t/s | native:prediction t/s |",
                       "|---|---|---|---|---|---|---|"]
             free = [r for r in mr if r["memory_limit_frac"] is None and r["status"] == "ok"]
             for b in lb:

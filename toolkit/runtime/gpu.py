@@ -269,7 +269,7 @@ def _index_tensors(routes, device) -> dict[int, tuple[torch.Tensor, torch.Tensor
         return {e: (ar[0:1], ar[kp[0]:kp[0] + 1]) for e, (kp, _) in routes.items()}
     t = torch.tensor(flat, device=device)
     out, i = {}, 0
-    for e, (kpos, rows) in routes.items():
+    for e, (_kpos, rows) in routes.items():
         n = len(rows)
         out[e] = (t[i:i + n], t[i + n:i + 2 * n])
         i += 2 * n
@@ -327,7 +327,8 @@ class Int4Experts(torch.nn.Module):
     def forward(self, hidden, top_k_index, top_k_weights):
         ids = top_k_index.tolist()
         return _eager_combine(hidden, ids, top_k_weights, lambda e, x: self.act(
-            x, self._unpack((self.gu_q[e], self.gu_s[e], self.n_gu)), self._unpack((self.dn_q[e], self.dn_s[e], self.n_dn))))
+            x, self._unpack((self.gu_q[e], self.gu_s[e], self.n_gu)),
+            self._unpack((self.dn_q[e], self.dn_s[e], self.n_dn))))
 
     def fused(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         """One token, on the device, no host sync: x [1, H] -> the weighted sum of its k experts [1, H]."""

@@ -263,10 +263,10 @@ def markdown(r: dict[str, Any]) -> str:
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for x in r["rows"]:
         lines.append(f"| {x['pool_fraction']:.0%} | {x['policy']} | {x['tpot_ms']} | {x['tpot_p95_ms']} | "
-                     f"{_f(x['speedup_vs_on_demand'])} | {_f(x['vs_oracle'])} | {x['hit_rate']} | {x['pcie_mib_per_token']} | "
-                     f"{_f(x['pcie_floor_ms'])} | {x['stall_ms_per_token']} | {x['copy_ms_per_token']} | "
-                     f"{x.get('k', '')} | {x.get('acceptance', '')} | {x.get('draft_ms_per_token', '')} | "
-                     f"{x['gpu_expert_mib']} | {x.get('slot_arena_mib', 'n/a')} |")
+                     f"{_f(x['speedup_vs_on_demand'])} | {_f(x['vs_oracle'])} | {x['hit_rate']} | "
+                     f"{x['pcie_mib_per_token']} | {_f(x['pcie_floor_ms'])} | {x['stall_ms_per_token']} | "
+                     f"{x['copy_ms_per_token']} | {x.get('k', '')} | {x.get('acceptance', '')} | "
+                     f"{x.get('draft_ms_per_token', '')} | {x['gpu_expert_mib']} | {x.get('slot_arena_mib', 'n/a')} |")
     held = [x["slot_arenas_held_mib"] for x in r["rows"] if "slot_arenas_held_mib" in x]
     if held:
         lines += ["", f"(slot arena: the allocation a policy's runs read, exactly its pool; the engine held at most "

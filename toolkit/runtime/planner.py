@@ -10,9 +10,10 @@ so bias and group limits apply as they do to the router.
 A prefill chunk of T positions (`plan_chunk`) is planned once per MoE layer from every token's
 predictions: each token's window rows are computed as for one position, then merged per expert by
 the maximum over the chunk's tokens (the chunk's max confidence; for the oracle, each expert's best
-router rank over the positions the target layer covers, ties broken by ascending expert id). A horizon h from layer i targets MoE layer
-(i + h) of this chunk (i + h < L) or, past the last MoE layer, of the next unit (the next chunk or
-position, which starts at position p0 + T): target = step + h + (T - 1) * L there.
+router rank over the positions the target layer covers, ties broken by ascending expert id). A horizon
+h from layer i targets MoE layer (i + h) of this chunk (i + h < L) or, past the last MoE layer, of the
+next unit (the next chunk or position, which starts at position p0 + T): target = step + h + (T - 1) * L
+there.
 """
 from __future__ import annotations
 

@@ -167,8 +167,8 @@ class Runner:
         if capacity < self.model.routing.top_k:
             k = self.model.routing.top_k
             raise SpecPrefetchError(
-                f"--pool-mib {cfg.pool_mib:g}: holds {capacity} expert slots of {self.store.slot_bytes / 2**10:.0f} KiB, "
-                f"but one layer needs {k} at once; use at least {k * self.store.slot_bytes / 2**20:.2f}")
+                f"--pool-mib {cfg.pool_mib:g}: holds {capacity} expert slots of {self.store.slot_bytes / 2**10:.0f} "
+                f"KiB, but one layer needs {k} at once; use at least {k * self.store.slot_bytes / 2**20:.2f}")
         have = self.backend.prefill_chunks
         if cfg.prefill_chunk and cfg.prefill_chunk not in have:
             sizes = ", ".join(map(str, have)) if have else "none: the bundle predates prefill chunks"

@@ -181,8 +181,8 @@ def _mapping_note(Lt: int, Et: int, geo: Geometry) -> str | None:
     parts = []
     if Lt != geo.num_layers:
         parts.append(f"geometry MoE layer i replays trace layer floor(i x {Lt} / {geo.num_layers}) (each trace layer "
-                     f"drives {geo.num_layers / Lt:g} consecutive layers; a layer that repeats the trace layer before it "
-                     "is predicted by that trace layer's prediction made one trace layer earlier)")
+                     f"drives {geo.num_layers / Lt:g} consecutive layers; a layer that repeats the trace layer "
+                     "before it is predicted by that trace layer's prediction made one trace layer earlier)")
     if Et < geo.num_experts:
         parts.append(f"trace expert e is geometry expert e: only {Et} of each layer's {geo.num_experts} experts are "
                      f"ever routed to, so a pool's share of the experts routed to is {geo.num_experts / Et:g}x its "

@@ -203,7 +203,8 @@ class ShardStream:
                     continue
                 rows += sum(len(p) for p in pool)
                 merged = pool[0] if len(pool) == 1 else RoutingBatch(**{
-                    f.name: torch.cat([getattr(p, f.name) for p in pool]) if getattr(pool[0], f.name) is not None else None
+                    f.name: (torch.cat([getattr(p, f.name) for p in pool])
+                             if getattr(pool[0], f.name) is not None else None)
                     for f in dataclasses.fields(RoutingBatch)})
                 self.peak_bytes = max(self.peak_bytes, held * (2 if len(pool) > 1 else 1))
                 del pool

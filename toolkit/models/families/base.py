@@ -185,7 +185,8 @@ class Family:
         (logits [T, E], top-k weights [T, k], top-k ids [T, k]) in transformers 5."""
         return getattr(self.moe_block(model, layer), self.router_attr)
 
-    def router_params(self, model: nn.Module, layer: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    def router_params(self, model: nn.Module,
+                      layer: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """(weight [E, H], logit bias [E] or None, selection score bias [E] or None)."""
         r = self.router(model, layer)
         return r.weight, getattr(r, "bias", None), getattr(r, "e_score_correction_bias", None)
