@@ -36,7 +36,7 @@ static void wr(const std::string& p, const std::vector<float>& v) {
   std::ofstream f(p, std::ios::binary); f.write((const char*)v.data(), v.size() * 4); }
 int main(int argc, char** argv) {
   runtime::runtime_init();
-  spx::set_fallback_threads(3);  // the attention rows on three threads (parallel.cpp's pool)
+  spx::set_fallback_threads(argc > 8 ? atoi(argv[8]) : 1);  // the attention's threads (parallel.cpp's pool)
   const int T = atoi(argv[1]), Hq = atoi(argv[2]), Hkv = atoi(argv[3]), D = atoi(argv[4]), S = atoi(argv[5]);
   const int64_t start = atoll(argv[6]); const std::string d = argv[7];
   auto q = rd(d + "/q.bin", (size_t)T * Hq * D), kn = rd(d + "/knew.bin", (size_t)T * Hkv * D);
@@ -83,7 +83,8 @@ def driver(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("custom-ops")
     (d / "driver.cpp").write_text(DRIVER)
     exe = d / "driver"
-    subprocess.run([cxx, "-std=c++17", "-O2", "-DC10_USING_CUSTOM_GENERATED_MACROS", "-DET_EVENT_TRACER_ENABLED",
+    subprocess.run([cxx, "-std=c++17", "-O2", "-ffp-contract=off", "-DC10_USING_CUSTOM_GENERATED_MACROS",
+                    "-DET_EVENT_TRACER_ENABLED",
                     f"-I{REPO / 'android_runner' / 'src'}", f"-I{et / 'include'}",
                     f"-I{et / 'include' / 'executorch' / 'runtime' / 'core' / 'portable_type' / 'c10'}",
                     str(d / "driver.cpp"), str(REPO / "android_runner" / "src" / "parallel.cpp"), "-o", str(exe),
@@ -107,9 +108,13 @@ def test_native_kernels_equal_the_wheels_ops(driver, shape, tmp_path):
                  ("kcache", (1, S, Hkv, D)), ("vcache", (1, S, Hkv, D))]}
         for n, a in arrs.items():
             a.tofile(tmp_path / f"{n}.bin")
-        r = subprocess.run([str(driver), str(T), str(Hq), str(Hkv), str(D), str(S), str(start), str(tmp_path)],
-                           capture_output=True, text=True, timeout=60)
-        assert r.returncode == 0, r.stderr
+        outs = []
+        for threads in ("3", "1"):  # the attention rows over three threads, then one: the same bits
+            r = subprocess.run([str(driver), str(T), str(Hq), str(Hkv), str(D), str(S), str(start), str(tmp_path),
+                                threads], capture_output=True, text=True, timeout=60)
+            assert r.returncode == 0, r.stderr
+            outs.append((tmp_path / "out.bin").read_bytes())
+        assert outs[0] == outs[1], (shape, start)
         kc, vc = torch.from_numpy(arrs["kcache"].copy()), torch.from_numpy(arrs["vcache"].copy())
         torch.ops.llama.update_cache(torch.from_numpy(arrs["knew"]), kc, start)
         torch.ops.llama.update_cache(torch.from_numpy(arrs["vnew"]), vc, start)

@@ -494,15 +494,21 @@ def test_batch_many_and_threads_bitwise(builds, tmp_path, isa, dtype):
 
 
 def _quantize_rows(rng: np.random.Generator, n: int) -> np.ndarray:
-    """Rows of n floats whose blocks are each of a different kind: normal, all zero, signed zeros,
-    tiny (d underflows), huge (1 / d overflows), an inf, a NaN, exact ties (amax 127, values k + 0.5,
-    which round half to even), values at +-127 after scaling, and a random mix of all of them."""
+    """Rows of n floats whose blocks are each of a different kind: normal, all zero, signed zeros, tiny
+    (d subnormal and 1 / d infinite: the block quantises to zeros), small (d subnormal, 1 / d finite),
+    huge (near the float range), an inf, NaNs (the standard one, and negative, payload-carrying and
+    signalling ones), exact ties (amax 127, values k + 0.5, which round half to even), values at +-127
+    after scaling, and a random mix of all of them."""
     k = -(-n // 32)
     rows = [rng.standard_normal(n).astype(np.float32) for _ in range(2)]
     rows.append(np.zeros(n, np.float32))
     rows.append(np.where(rng.random(n) < 0.5, -0.0, 0.0).astype(np.float32))
     rows.append((rng.standard_normal(n) * 1e-40).astype(np.float32))
+    rows.append((rng.standard_normal(n) * 4e-37).astype(np.float32))
     rows.append((rng.standard_normal(n) * 5e37).astype(np.float32))
+    odd_nans = np.array([0xFFC00000, 0x7FC12345, 0xFFA00001, 0x7F800001], np.uint32).view(np.float32)
+    nans = rows[0].copy()
+    nans[::32] = np.resize(odd_nans, len(nans[::32]))
     ties = np.tile(np.arange(-15.5, 16.5, 1.0, dtype=np.float32), k)[:n].copy()
     ties[::32] = 127.0
     rows.append(ties)
@@ -522,14 +528,15 @@ def _quantize_rows(rng: np.random.Generator, n: int) -> np.ndarray:
         elif kind == 5:
             mixed[sl] = ties[sl]
     rows.append(mixed)
+    rows.append(nans)
     return np.stack(rows).astype(np.float32)
 
 
 @pytest.mark.parametrize("isa", _isas(INT_ISAS))
 def test_quantize_matches_reference(builds, tmp_path, isa):
-    """Each ISA's activation quantisation (the vectorised AVX2 / NEON code and the portable one) gives the
-    Python reference's q and d exactly and sx = sum(q), in column and in int4 order, for rows with and
-    without a partial last block."""
+    """Each ISA's activation quantisation (the vectorised AVX2 / NEON code and the portable one) gives its
+    build's portable code's bytes exactly (d's NaN bits included), and the Python reference's q and d and
+    sx = sum(q), in column and in int4 order, for rows with and without a partial last block."""
     cmd, name = runner(builds, isa)
     rng = np.random.default_rng(3)
     perm = np.concatenate([np.arange(0, 32, 2), np.arange(1, 32, 2)])  # stored position j holds column perm[j]
@@ -541,6 +548,10 @@ def test_quantize_matches_reference(builds, tmp_path, isa):
         if p.returncode == 2:
             pytest.skip(f"{isa}: not on this CPU")
         assert p.returncode == 0, p.stderr
+        p = subprocess.run([*cmd, "--quantize", "portable", str(n), str(tmp_path / "x.bin"), str(tmp_path / "p.bin")],
+                           capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0, p.stderr
+        assert (tmp_path / "q.bin").read_bytes() == (tmp_path / "p.bin").read_bytes(), f"{isa} n={n}: not portable's"
         k = -(-n // 32)
         rec = np.dtype([("q", np.int8, (k, 32)), ("qp", np.int8, (k, 32)), ("d", np.float32, k), ("sx", np.int32, k)])
         got = np.fromfile(tmp_path / "q.bin", dtype=rec)
@@ -558,17 +569,23 @@ def test_quantize_matches_reference(builds, tmp_path, isa):
 def _silu_inputs(rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
     special = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-40, -1e-40, 1e-30, 88.72, 88.7228, 89.0, 100.0,
                         -87.33, -88.72, -89.0, -103.97, -104.0, -150.0, 1e30, -1e30, 0.5, -0.5], np.float32)
-    g = np.concatenate([special, np.linspace(-120, 120, 20011, dtype=np.float32),
-                        (rng.standard_normal(4099) * 4).astype(np.float32)])  # odd lengths: vector tails
-    u = np.concatenate([np.ones(len(special) + 20011, np.float32), rng.standard_normal(4099).astype(np.float32)])
+    odd_nans = np.array([0xFFC00000, 0x7FC12345, 0xFFA00001, 0x7F800001], np.uint32).view(np.float32)
+    g = np.concatenate([special, odd_nans, np.linspace(-120, 120, 20011, dtype=np.float32),
+                        (rng.standard_normal(4099) * 4).astype(np.float32),
+                        np.array([np.inf, -np.inf, 0.0, 3.0, -3.0, np.nan, 2.0, -2.0], np.float32)])
+    u = np.concatenate([np.ones(len(special) + len(odd_nans) + 20011, np.float32),
+                        rng.standard_normal(4099).astype(np.float32),  # odd lengths: vector tails
+                        np.array([0.0, 0.0, np.inf, np.inf, -np.inf, 1.0, np.nan, odd_nans[1]], np.float32)])
     return g, u
 
 
 @pytest.mark.parametrize("isa", _isas(INT_ISAS))
 def test_silu_is_one_function_everywhere(builds, tmp_path, isa):
     """silu(g) * u from every ISA (vectorised AVX2 / NEON and the portable code) is its build's portable
-    code's bit for bit, and within 2e-7 relative (a few ulp) of float64's silu(g) * u. (Across builds only
-    the NaNs an invalid operation makes differ: x86's is negative, ARM's default NaN positive.)"""
+    code's bit for bit (NaN payloads and signs included), and within 2e-7 relative (a few ulp) of
+    float64's silu(g) * u wherever that is a normal float and exp(g) is too (g > -87.3; below, the result's
+    magnitude is under 1e-36 and goes through a subnormal exp). (Across builds only the NaNs an invalid
+    operation makes differ: x86's is negative, ARM's default NaN positive.)"""
     cmd, name = runner(builds, isa)
     g, u = _silu_inputs(np.random.default_rng(5))
     (tmp_path / "g.bin").write_bytes(g.tobytes())
@@ -588,7 +605,8 @@ def test_silu_is_one_function_everywhere(builds, tmp_path, isa):
     g64 = g.astype(np.float64)
     with np.errstate(over="ignore", invalid="ignore"):
         exact = g64 / (1.0 + np.exp(-g64)) * u.astype(np.float64)
-    normal = np.isfinite(exact) & (np.abs(exact) > 1e-30)
+    normal = np.isfinite(exact) & (np.abs(exact) >= np.finfo(np.float32).tiny) & (g > -87.3)
+    assert normal.sum() > 20000
     np.testing.assert_allclose(got[normal], exact[normal], rtol=2e-7, atol=0)
     np.testing.assert_array_equal(np.isnan(got), np.isnan(exact.astype(np.float32)))
     inf = ~normal & ~np.isnan(exact) & np.isinf(exact)

@@ -20,6 +20,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
+#include <new>
 #include <optional>
 #include <vector>
 
@@ -106,34 +108,46 @@ Tensor& custom_sdpa_out(KernelRuntimeContext& ctx, const Tensor& q, const Tensor
   const float* K = k.const_data_ptr<float>();
   const float* V = v.const_data_ptr<float>();
   float* O = out.mutable_data_ptr<float>();
-  // one task per (batch, query row, head), each output row computed by one task in a fixed order, so
-  // the result does not depend on the thread count (parallel.h: ExecuTorch's pool, between the
-  // graph's other kernels)
-  parallel_for(static_cast<size_t>(B * T * Hq), [&](size_t task) {
-    const int64_t h = static_cast<int64_t>(task) % Hq, bt = static_cast<int64_t>(task) / Hq;
-    const int64_t b = bt / T, t = bt % T;
-    const int64_t n = is_causal ? start_pos + t + 1 : start_pos + T;  // keys attended: 0 .. n-1
-    const int64_t hk = h / group;
-    thread_local std::vector<float> p;
-    if (p.size() < static_cast<size_t>(n)) p.resize(static_cast<size_t>(n));
-    const float* qr = Q + ((b * T + t) * Hq + h) * D;
-    float mx = -INFINITY;
-    for (int64_t j = 0; j < n; ++j) {
-      const float* kr = K + ((b * S + j) * Hkv + hk) * D;
-      p[j] = dot(qr, kr, D) * sc;
-      mx = std::max(mx, p[j]);
-    }
-    float sum = 0.0f;
-    for (int64_t j = 0; j < n; ++j) {
-      p[j] = std::exp(p[j] - mx);
-      sum += p[j];
-    }
-    float* orow = O + ((b * T + t) * Hq + h) * Dv;
-    std::fill(orow, orow + Dv, 0.0f);
-    for (int64_t j = 0; j < n; ++j) {
-      const float* vr = V + ((b * S + j) * Hkv + hk) * Dv;
-      const float w = p[j] / sum;
-      for (int64_t d = 0; d < Dv; ++d) orow[d] += w * vr[d];
+  // tasks: the (batch, query row, head) rows in contiguous runs, about four runs per thread (causal
+  // rows differ in length); each output row is computed by one task in a fixed order, so the result
+  // does not depend on the thread count (parallel.h: ExecuTorch's pool, between the graph's other
+  // kernels). Each run has its own slice of the score buffer, allocated here, on the calling thread.
+  const int64_t rows = B * T * Hq;
+  if (rows == 0) return out;
+  const int64_t runs = std::min<int64_t>(rows, static_cast<int64_t>(parallel_threads()) * 4);
+  const int64_t per = (rows + runs - 1) / runs;
+  std::unique_ptr<float[]> scores(new (std::nothrow) float[static_cast<size_t>(runs * S)]);
+  if (!scores) {
+    ctx.fail(Error::MemoryAllocationFailed);
+    return out;
+  }
+  parallel_for(static_cast<size_t>(runs), [&](size_t run) {
+    float* p = scores.get() + static_cast<int64_t>(run) * S;
+    const int64_t r1 = std::min(rows, (static_cast<int64_t>(run) + 1) * per);
+    for (int64_t row = static_cast<int64_t>(run) * per; row < r1; ++row) {
+      const int64_t h = row % Hq, bt = row / Hq;
+      const int64_t b = bt / T, t = bt % T;
+      const int64_t n = is_causal ? start_pos + t + 1 : start_pos + T;  // keys attended: 0 .. n-1
+      const int64_t hk = h / group;
+      const float* qr = Q + ((b * T + t) * Hq + h) * D;
+      float mx = -INFINITY;
+      for (int64_t j = 0; j < n; ++j) {
+        const float* kr = K + ((b * S + j) * Hkv + hk) * D;
+        p[j] = dot(qr, kr, D) * sc;
+        mx = std::max(mx, p[j]);
+      }
+      float sum = 0.0f;
+      for (int64_t j = 0; j < n; ++j) {
+        p[j] = std::exp(p[j] - mx);
+        sum += p[j];
+      }
+      float* orow = O + ((b * T + t) * Hq + h) * Dv;
+      std::fill(orow, orow + Dv, 0.0f);
+      for (int64_t j = 0; j < n; ++j) {
+        const float* vr = V + ((b * S + j) * Hkv + hk) * Dv;
+        const float w = p[j] / sum;
+        for (int64_t d = 0; d < Dv; ++d) orow[d] += w * vr[d];
+      }
     }
   });
   return out;

@@ -166,7 +166,10 @@ KernelSet portable_kernels() {
 }
 
 void silu_mul(const float* g, const float* u, int64_t n, float* h) {
-  for (int64_t j = 0; j < n; ++j) h[j] = g[j] / (1.0f + exp_poly(-g[j])) * u[j];
+  for (int64_t j = 0; j < n; ++j) {
+    const float v = g[j], e = exp_poly(-std::fabs(v));  // e <= 1: no overflow for very negative v
+    h[j] = (v < 0.0f ? (v * e) / (1.0f + e) : v / (1.0f + e)) * u[j];
+  }
 }
 
 void quantize_act(const float* x, int64_t n, bool permuted, int8_t* q, float* d, int32_t* sx) {

@@ -16,7 +16,8 @@
 //   Every ISA (portable, AVX2, AVX-VNNI, AVX512-VNNI, NEON, NEON dotprod, NEON i8mm) therefore gives
 //   BITWISE identical results for int8 / int4 matrices, at any thread count, for forward,
 //   forward_batch and forward_many alike (the SwiGLU between the matrices is vectorised with the
-//   runner's own exp, exp_poly, the same bits on every ISA and C library; the GELU forms and GPT-OSS's
+//   runner's own exp, exp_poly, the same bits on every ISA and C library but for the sign of an
+//   invalid operation's NaN, negative on x86 and positive on ARM; the GELU forms and GPT-OSS's
 //   GLU are scalar code whose erf / tanh / exp may round differently on another C library). The Python
 //   reference (toolkit/runtime/experts.py) computes the same quantisation and block sums in torch.
 //   Builds must not contract a * b + c into FMA (-ffp-contract=off, as CMakeLists.txt sets).

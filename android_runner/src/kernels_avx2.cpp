@@ -12,6 +12,7 @@
 
 #include <cmath>
 #include <limits>
+#include <memory>
 
 #define SPX_AVX2 __attribute__((target("avx2,fma,f16c")))
 
@@ -262,8 +263,11 @@ SPX_AVX2 void avx2_silu_mul(const float* g, const float* u, int64_t n, float* h)
   int64_t j = 0;
   for (; j + 8 <= n; j += 8) {
     const __m256 v = _mm256_loadu_ps(g + j);
-    const __m256 e = exp8(_mm256_xor_ps(v, sign));
-    _mm256_storeu_ps(h + j, _mm256_mul_ps(_mm256_div_ps(v, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + j)));
+    const __m256 e = exp8(_mm256_or_ps(v, sign));  // exp(-|v|)
+    const __m256 den = _mm256_add_ps(one, e);
+    const __m256 neg = _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_LT_OQ);
+    const __m256 s = _mm256_blendv_ps(_mm256_div_ps(v, den), _mm256_div_ps(_mm256_mul_ps(v, e), den), neg);
+    _mm256_storeu_ps(h + j, _mm256_mul_ps(s, _mm256_loadu_ps(u + j)));
   }
   if (j < n) silu_mul(g + j, u + j, n - j, h + j);
 }

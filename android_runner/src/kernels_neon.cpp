@@ -252,8 +252,11 @@ void neon_silu_mul(const float* g, const float* u, int64_t n, float* h) {
   int64_t j = 0;
   for (; j + 4 <= n; j += 4) {
     const float32x4_t v = vld1q_f32(g + j);
-    const float32x4_t e = exp4(vnegq_f32(v));
-    vst1q_f32(h + j, vmulq_f32(vdivq_f32(v, vaddq_f32(one, e)), vld1q_f32(u + j)));
+    const float32x4_t e = exp4(vnegq_f32(vabsq_f32(v)));  // exp(-|v|)
+    const float32x4_t den = vaddq_f32(one, e);
+    const uint32x4_t neg = vcltq_f32(v, vdupq_n_f32(0.0f));
+    const float32x4_t s = vbslq_f32(neg, vdivq_f32(vmulq_f32(v, e), den), vdivq_f32(v, den));
+    vst1q_f32(h + j, vmulq_f32(s, vld1q_f32(u + j)));
   }
   if (j < n) silu_mul(g + j, u + j, n - j, h + j);
 }

@@ -154,26 +154,27 @@ SPX_QTGT void tile(const Geo& gm, const uint8_t* wa, const uint8_t* sa, const ui
 // (or four) rows' sums come out of the vphaddd tree in lane order [0 2 4 6 | 1 3 5 7] (G = 2; rows 0-3
 // from wa, 4-7 from wb) or [0 2 . . | 1 3 . .] (G = 1): the float lanes are kept in that order (the
 // scales are loaded so) and put back in row order when stored.
-template <int G, int TB>
-SPX_QTGT void tile_i4(const Geo& gm, const uint8_t* wa, const uint8_t* sa, const uint8_t* wb, const uint8_t* sbp,
-                      const QAct& x, int64_t t0, float* ya, float* yb, int64_t ldy) {
-  const int64_t K = gm.K;
-  const size_t rb = gm.rb, sb = gm.sb;
-  const __m256i m0f = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(char(0x88));
+//
+// The weights of one block come from a source: I4Rows unpacks them from the matrix rows (and gathers the
+// block's scales) each time, I4Packed reads what I4Rows produced for the whole tile once (tile_tokens
+// does that when the tile meets several groups of tokens, so the unpacking and the scale gathers are not
+// repeated per group). Both hand tile_i4 the same registers, so the arithmetic is the same.
+template <int G>
+struct I4Rows {
+  static constexpr int P = 2 * G;  // row pairs
   const uint8_t* row[8];
   const uint8_t* srow[8];
-  for (int k = 0; k < 4; ++k) {
-    row[k] = wa + k * rb;
-    srow[k] = sa + k * sb;
-    row[4 + k] = G == 2 ? wb + k * rb : row[k];
-    srow[4 + k] = G == 2 ? sbp + k * sb : srow[k];
+  SPX_QTGT I4Rows(const Geo& gm, const uint8_t* wa, const uint8_t* sa, const uint8_t* wb, const uint8_t* sbp) {
+    for (int k = 0; k < 4; ++k) {
+      row[k] = wa + k * gm.rb;
+      srow[k] = sa + k * gm.sb;
+      row[4 + k] = G == 2 ? wb + k * gm.rb : row[k];
+      srow[4 + k] = G == 2 ? sbp + k * gm.sb : srow[k];
+    }
   }
-  constexpr int P = 2 * G;  // row pairs
-  __m256 acc[TB];
-  for (int t = 0; t < TB; ++t) acc[t] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < K; ++b) {
+  SPX_QTGT inline void block(int64_t b, __m256i* lo, __m256i* hi, __m256& sc) const {
+    const __m256i m0f = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(char(0x88));
     const size_t wo = static_cast<size_t>(b) * 16;
-    __m256i lo[P], hi[P];
     for (int j = 0; j < P; ++j) {  // pair j: rows (2j, 2j+1) of the lane order's source rows
       const int ra = G == 2 ? (j < 2 ? 2 * j : 4 + 2 * (j - 2)) : 2 * j;
       __m256i v = _mm256_inserti128_si256(
@@ -184,22 +185,51 @@ SPX_QTGT void tile_i4(const Geo& gm, const uint8_t* wa, const uint8_t* sa, const
       hi[j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m0f);
     }
     // scales in lane order: [r0 r2 r4 r6 | r1 r3 r5 r7] (G = 2), [r0 r2 - - | r1 r3 - -] (G = 1)
-    __m256 sc;
-    {
-      const uint8_t* const* S = srow;
-      const size_t so = static_cast<size_t>(b) * 2;
-      if (G == 2) {
-        sc = _mm256_cvtph_ps(_mm_setr_epi16(
-            static_cast<short>(load_u16(S[0] + so)), static_cast<short>(load_u16(S[2] + so)),
-            static_cast<short>(load_u16(S[4] + so)), static_cast<short>(load_u16(S[6] + so)),
-            static_cast<short>(load_u16(S[1] + so)), static_cast<short>(load_u16(S[3] + so)),
-            static_cast<short>(load_u16(S[5] + so)), static_cast<short>(load_u16(S[7] + so))));
-      } else {
-        const short s0 = static_cast<short>(load_u16(S[0] + so)), s2 = static_cast<short>(load_u16(S[2] + so));
-        const short s1 = static_cast<short>(load_u16(S[1] + so)), s3 = static_cast<short>(load_u16(S[3] + so));
-        sc = _mm256_cvtph_ps(_mm_setr_epi16(s0, s2, s0, s2, s1, s3, s1, s3));
-      }
+    const uint8_t* const* S = srow;
+    const size_t so = static_cast<size_t>(b) * 2;
+    if (G == 2) {
+      sc = _mm256_cvtph_ps(_mm_setr_epi16(
+          static_cast<short>(load_u16(S[0] + so)), static_cast<short>(load_u16(S[2] + so)),
+          static_cast<short>(load_u16(S[4] + so)), static_cast<short>(load_u16(S[6] + so)),
+          static_cast<short>(load_u16(S[1] + so)), static_cast<short>(load_u16(S[3] + so)),
+          static_cast<short>(load_u16(S[5] + so)), static_cast<short>(load_u16(S[7] + so))));
+    } else {
+      const short s0 = static_cast<short>(load_u16(S[0] + so)), s2 = static_cast<short>(load_u16(S[2] + so));
+      const short s1 = static_cast<short>(load_u16(S[1] + so)), s3 = static_cast<short>(load_u16(S[3] + so));
+      sc = _mm256_cvtph_ps(_mm_setr_epi16(s0, s2, s0, s2, s1, s3, s1, s3));
     }
+  }
+};
+
+// A tile's unpacked blocks (I4Rows::block for every block), at most kPackBlocks of them.
+constexpr int64_t kPackBlocks = 128;  // rows of up to 4096 inputs; longer rows unpack per token group
+template <int G>
+struct I4Packed {
+  static constexpr int P = 2 * G;
+  alignas(32) __m256i w[kPackBlocks][2 * P];
+  alignas(32) __m256 s[kPackBlocks];
+  SPX_QTGT void fill(const I4Rows<G>& rows, int64_t K) {
+    for (int64_t b = 0; b < K; ++b) rows.block(b, w[b], w[b] + P, s[b]);
+  }
+  SPX_QTGT inline void block(int64_t b, __m256i* lo, __m256i* hi, __m256& sc) const {
+    for (int j = 0; j < P; ++j) {
+      lo[j] = _mm256_load_si256(&w[b][j]);
+      hi[j] = _mm256_load_si256(&w[b][P + j]);
+    }
+    sc = _mm256_load_ps(reinterpret_cast<const float*>(&s[b]));
+  }
+};
+
+template <int G, int TB, class Src>
+SPX_QTGT void tile_i4(const Geo& gm, const Src& src, const QAct& x, int64_t t0, float* ya, float* yb, int64_t ldy) {
+  const int64_t K = gm.K;
+  constexpr int P = 2 * G;  // row pairs
+  __m256 acc[TB];
+  for (int t = 0; t < TB; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < K; ++b) {
+    __m256i lo[P], hi[P];
+    __m256 sc;
+    src.block(b, lo, hi, sc);
     for (int t = 0; t < TB; ++t) {
       const int64_t tt = t0 + t;
       const int8_t* q = x.q + (tt * K + b) * 32;
@@ -263,8 +293,18 @@ SPX_QTGT void tile_tokens(const Geo& gm, const uint8_t* wa, const uint8_t* sa, c
                           const QAct& x, float* ya, float* yb, int64_t ldy) {
   int64_t t = 0;
   if (I4) {
-    for (; t + 4 <= x.T; t += 4) tile_i4<G, 4>(gm, wa, sa, wb, sb, x, t, ya, yb, ldy);
-    for (; t < x.T; ++t) tile_i4<G, 1>(gm, wa, sa, wb, sb, x, t, ya, yb, ldy);
+    const I4Rows<G> rows(gm, wa, sa, wb, sb);
+    if (x.T >= 8 && gm.K <= kPackBlocks) {  // several token groups: unpack the tile once
+      thread_local std::unique_ptr<I4Packed<G>> buf;  // 36 KiB (G = 2) per thread, made on first use
+      if (!buf) buf.reset(new I4Packed<G>);
+      I4Packed<G>& packed = *buf;
+      packed.fill(rows, gm.K);
+      for (; t + 4 <= x.T; t += 4) tile_i4<G, 4>(gm, packed, x, t, ya, yb, ldy);
+      for (; t < x.T; ++t) tile_i4<G, 1>(gm, packed, x, t, ya, yb, ldy);
+      return;
+    }
+    for (; t + 4 <= x.T; t += 4) tile_i4<G, 4>(gm, rows, x, t, ya, yb, ldy);
+    for (; t < x.T; ++t) tile_i4<G, 1>(gm, rows, x, t, ya, yb, ldy);
     return;
   }
   for (; t + 4 <= x.T; t += 4) tile<I4, G, 4>(gm, wa, sa, wb, sb, x, t, ya, yb, ldy);
