@@ -474,9 +474,11 @@ def test_isas_agree_bitwise(builds, tmp_path, dtype, family):
 @pytest.mark.parametrize("dtype", ["int8", "int4"])
 def test_batch_many_and_threads_bitwise(builds, tmp_path, isa, dtype):
     """forward_batch row r == forward on row r; forward_many output i == forward of blob i; with 1, 2
-    and 3 threads alike (token counts 2, 6, 9 cover the 4-token tiles and their tails)."""
+    and 3 threads alike (token counts 2, 6, 9 cover the 4-token tiles and their tails; 9 rows make x86's
+    int4 tiles unpack once per batch, also at the buffer's limit of 128 blocks, H = 4096, and past it, H =
+    4100, where they unpack per token group again)."""
     cmd, name = runner(builds, isa)
-    for h, i, count in ((37, 53, 9), (64, 96, 6), (33, 65, 2)):
+    for h, i, count in ((37, 53, 9), (64, 96, 6), (33, 65, 2), (4096, 40, 9), (4100, 36, 9)):
         case = make_case(dtype, "gpt_oss" if count == 6 else "default", h, i, "normal", count=count)
         stride = case.layout["stride"]
         blob0 = case.blobs[:stride] * count

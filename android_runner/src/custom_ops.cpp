@@ -116,13 +116,14 @@ Tensor& custom_sdpa_out(KernelRuntimeContext& ctx, const Tensor& q, const Tensor
   if (rows == 0) return out;
   const int64_t runs = std::min<int64_t>(rows, static_cast<int64_t>(parallel_threads()) * 4);
   const int64_t per = (rows + runs - 1) / runs;
-  std::unique_ptr<float[]> scores(new (std::nothrow) float[static_cast<size_t>(runs * S)]);
+  const int64_t keys = start_pos + T;  // the most keys a row attends
+  std::unique_ptr<float[]> scores(new (std::nothrow) float[static_cast<size_t>(runs * keys)]);
   if (!scores) {
     ctx.fail(Error::MemoryAllocationFailed);
     return out;
   }
   parallel_for(static_cast<size_t>(runs), [&](size_t run) {
-    float* p = scores.get() + static_cast<int64_t>(run) * S;
+    float* p = scores.get() + static_cast<int64_t>(run) * keys;
     const int64_t r1 = std::min(rows, (static_cast<int64_t>(run) + 1) * per);
     for (int64_t row = static_cast<int64_t>(run) * per; row < r1; ++row) {
       const int64_t h = row % Hq, bt = row / Hq;

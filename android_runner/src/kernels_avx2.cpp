@@ -13,6 +13,7 @@
 #include <cmath>
 #include <limits>
 #include <memory>
+#include <new>
 
 #define SPX_AVX2 __attribute__((target("avx2,fma,f16c")))
 

@@ -294,9 +294,12 @@ SPX_QTGT void tile_tokens(const Geo& gm, const uint8_t* wa, const uint8_t* sa, c
   int64_t t = 0;
   if (I4) {
     const I4Rows<G> rows(gm, wa, sa, wb, sb);
-    if (x.T >= 8 && gm.K <= kPackBlocks) {  // several token groups: unpack the tile once
-      thread_local std::unique_ptr<I4Packed<G>> buf;  // 36 KiB (G = 2) per thread, made on first use
-      if (!buf) buf.reset(new I4Packed<G>);
+    // several token groups: unpack the tile once, into a buffer of 36 KiB (G = 2) per thread made on
+    // first use (if that allocation fails, the tile unpacks per group: this runs on a pool worker,
+    // where an exception would end the process)
+    thread_local std::unique_ptr<I4Packed<G>> buf;
+    if (x.T >= 8 && gm.K <= kPackBlocks && !buf) buf.reset(new (std::nothrow) I4Packed<G>);
+    if (x.T >= 8 && gm.K <= kPackBlocks && buf) {
       I4Packed<G>& packed = *buf;
       packed.fill(rows, gm.K);
       for (; t + 4 <= x.T; t += 4) tile_i4<G, 4>(gm, packed, x, t, ya, yb, ldy);
