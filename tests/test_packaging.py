@@ -1,0 +1,20 @@
+"""The installable packages: every directory of Python modules under them is a regular package (has an
+__init__.py), since setuptools' package finder (pyproject.toml) leaves a directory without one out of a
+wheel: a non-editable install would then miss it."""
+from __future__ import annotations
+
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("toolkit", "export", "android_runner", "adapters")
+
+
+def test_every_module_directory_is_a_package():
+    missing = []
+    for top in PACKAGES:
+        for d in [REPO / top, *sorted(p for p in (REPO / top).rglob("*") if p.is_dir())]:
+            if "__pycache__" in d.parts or not any(d.glob("*.py")):
+                continue
+            if not (d / "__init__.py").is_file():
+                missing.append(str(d.relative_to(REPO)))
+    assert not missing, f"directories of modules without __init__.py (left out of a wheel): {missing}"
