@@ -20,7 +20,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <memory>
 #include <new>
 #include <optional>
 #include <vector>
@@ -111,19 +110,23 @@ Tensor& custom_sdpa_out(KernelRuntimeContext& ctx, const Tensor& q, const Tensor
   // tasks: the (batch, query row, head) rows in contiguous runs, about four runs per thread (causal
   // rows differ in length); each output row is computed by one task in a fixed order, so the result
   // does not depend on the thread count (parallel.h: ExecuTorch's pool, between the graph's other
-  // kernels). Each run has its own slice of the score buffer, allocated here, on the calling thread.
+  // kernels). Each run has its own slice of the score buffer, a buffer of the calling thread kept
+  // between calls (grown here, before the workers start; a failed allocation fails the op).
   const int64_t rows = B * T * Hq;
   if (rows == 0) return out;
   const int64_t runs = std::min<int64_t>(rows, static_cast<int64_t>(parallel_threads()) * 4);
   const int64_t per = (rows + runs - 1) / runs;
   const int64_t keys = start_pos + T;  // the most keys a row attends
-  std::unique_ptr<float[]> scores(new (std::nothrow) float[static_cast<size_t>(runs * keys)]);
-  if (!scores) {
+  thread_local std::vector<float> score_buf;
+  try {
+    if (score_buf.size() < static_cast<size_t>(runs * keys)) score_buf.resize(static_cast<size_t>(runs * keys));
+  } catch (const std::bad_alloc&) {
     ctx.fail(Error::MemoryAllocationFailed);
     return out;
   }
+  float* const scores = score_buf.data();
   parallel_for(static_cast<size_t>(runs), [&](size_t run) {
-    float* p = scores.get() + static_cast<int64_t>(run) * keys;
+    float* p = scores + static_cast<int64_t>(run) * keys;
     const int64_t r1 = std::min(rows, (static_cast<int64_t>(run) + 1) * per);
     for (int64_t row = static_cast<int64_t>(run) * per; row < r1; ++row) {
       const int64_t h = row % Hq, bt = row / Hq;

@@ -241,12 +241,17 @@ void Executor::layer(int index, const std::vector<float>& h, int64_t pos, bool m
 
 
 void Executor::layer_chunk(int index, const std::vector<float>& h, int T, int64_t pos, bool moe, LayerOut& out) {
-  const std::string name = "prefill_" + std::to_string(T) + "_layer_" + std::to_string(index);
   if (static_cast<int64_t>(h.size()) != static_cast<int64_t>(T) * hidden_)
-    throw spx::Error(path_ + ": method '" + name + "': hidden input of the wrong size");
+    throw spx::Error(path_ + ": method 'prefill_" + std::to_string(T) + "_layer_" + std::to_string(index) +
+                     "': hidden input of the wrong size");
+  layer_chunk(index, h.data(), T, pos, moe, out);
+}
+
+void Executor::layer_chunk(int index, const float* h, int T, int64_t pos, bool moe, LayerOut& out) {
+  const std::string name = "prefill_" + std::to_string(T) + "_layer_" + std::to_string(index);
   std::vector<int64_t> p(static_cast<size_t>(T));
   std::iota(p.begin(), p.end(), pos);
-  auto th = from_blob(const_cast<float*>(h.data()), {1, T, hidden_}, ScalarType::Float);
+  auto th = from_blob(const_cast<float*>(h), {1, T, hidden_}, ScalarType::Float);
   auto tp = from_blob(p.data(), {T}, ScalarType::Long);
   run_layer(*module_, *faults_, path_, name, th, tp, static_cast<int64_t>(T) * hidden_, "size", moe, out);
 }

@@ -39,6 +39,8 @@ class Executor {
   // h [T * H] in; out.h [T * H], and for a MoE layer x [T * H], logits [T * E], preds [T * P * E].
   // Writes the same KV cache as `layer`.
   void layer_chunk(int index, const std::vector<float>& h, int T, int64_t pos, bool moe, LayerOut& out);
+  // The same on T * hidden floats at h (a span's chunk, in place in the span's hidden states).
+  void layer_chunk(int index, const float* h, int T, int64_t pos, bool moe, LayerOut& out);
   // The prefill chunk sizes T > 1 whose prefill_T_layer_N methods were loaded for every layer
   // (ascending; empty for a bundle exported before prefill chunks).
   const std::vector<int>& prefill_chunks() const { return chunks_; }

@@ -319,7 +319,7 @@ Generation Runner::generate(const std::vector<int>& prompt, int max_new,
   // batch; a token sums its experts in its own top-k order. The window is planned after the last
   // group's acquire; earlier groups release without issuing prefetches. Leaves the chunk's hidden
   // states [T * H] in hc.
-  std::vector<float> hc, xs, ys, hp;
+  std::vector<float> hc, xs, ys;
   LayerOut part;
   auto chunk = [&](int p0, int T, int T_next) {
     const std::vector<int> parts = chunk_plan(T, sizes);
@@ -341,8 +341,7 @@ Generation Runner::generate(const std::vector<int>& prompt, int max_new,
         out.h.clear(), out.x.clear(), out.logits.clear(), out.preds.clear();
         int o = 0;
         for (int Tp : parts) {
-          hp.assign(hc.begin() + static_cast<size_t>(o) * H, hc.begin() + static_cast<size_t>(o + Tp) * H);
-          exec_.layer_chunk(layer, hp, Tp, p0 + o, li >= 0, part);
+          exec_.layer_chunk(layer, hc.data() + static_cast<size_t>(o) * H, Tp, p0 + o, li >= 0, part);
           out.h.insert(out.h.end(), part.h.begin(), part.h.end());
           out.x.insert(out.x.end(), part.x.begin(), part.x.end());
           out.logits.insert(out.logits.end(), part.logits.begin(), part.logits.end());
