@@ -49,6 +49,14 @@ def save_adapter(adapter: PrefetchAdapter, out: Path, spec: ModelSpec, extra: di
     return out
 
 
+def reuse_table(meta: dict[str, Any], file: Path):
+    """The adapter's reuse table (toolkit/runtime/reuse.py), validated; None for an adapter without one."""
+    from adapters.reuse import ReuseTable
+
+    d = meta.get("reuse")
+    return None if d is None else ReuseTable.from_json(d, str(file))
+
+
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 

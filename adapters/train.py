@@ -20,13 +20,14 @@ from tqdm import tqdm
 
 from adapters.checkpoint import save_adapter
 from adapters.lowrank import PrefetchAdapter
+from adapters.reuse import learn_reuse_table
 from toolkit.errors import SpecPrefetchError
 from toolkit.metrics import topk_overlap
 from toolkit.models.families import router_distribution
 from toolkit.models.routers import RouterBank, load_router_bank
 from toolkit.artifacts import claim_output
 from toolkit.traces.batches import RoutingBatch, ShardStream, check_device, validation_batches
-from toolkit.traces.format import TraceReader, trace_model_spec
+from toolkit.traces.format import TraceReader, routing_sequences, trace_model_spec
 
 
 @dataclasses.dataclass
@@ -221,6 +222,7 @@ def train_adapter(trace: Path, out: Path, cfg: TrainConfig, *, model: str | Path
         "model_params": model_params,
         "share_of_model": adapter.params() / model_params,
     }
+    result["reuse"] = learn_reuse_table(routing_sequences(reader, "train"), g.routing.num_experts).to_json()
     adapter.to("cpu")
     save_adapter(adapter, out, spec, result, overwrite=overwrite, inputs=inputs)
     return {"params": adapter.params(), **result}

@@ -228,8 +228,12 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
     # 2. streaming from flash, cold
     # previous-token+lru: the phone engines' temporal baseline (the previous token's routes for the next
     # --window layers into an LRU cache), beside every report's predictor
-    base = ["on-demand+lru", "previous-token+lru", f"{graph}+prediction", "oracle+belady"]
-    policies = base + ([p.format(graph=graph) for p in ABLATION_POLICIES] if ablation else [])
+    # the predictor with the reuse eviction where the bundle has its table (toolkit/runtime/reuse.py),
+    # and with the window-only `prediction` eviction beside it
+    reuse = m["predictor"].get("reuse") is not None
+    base = ["on-demand+lru", "previous-token+lru", f"{graph}+{'reuse' if reuse else 'prediction'}", "oracle+belady"]
+    policies = base + ([f"{graph}+prediction"] if reuse else []) + \
+        ([p.format(graph=graph) for p in ABLATION_POLICIES] if ablation else [])
     out["ablation"] = ablation
     out["points"] = []
     for frac in pool_fracs:

@@ -171,14 +171,16 @@ def _assemble(model, work: Path, scratch: Path, cfg: ExportConfig, tgt, quant: s
     bank = load_router_bank(spec)
     if adapter is not None:
         from adapters.checkpoint import load_adapter
+        from adapters.checkpoint import reuse_table
         ad, ad_meta = load_adapter(adapter, spec)
+        reuse = reuse_table(ad_meta, Path(adapter) / "adapter.json")
         shutil.copytree(adapter, work / "adapter")
         predictor = "adapter"
     else:
         from adapters.lowrank import PrefetchAdapter
         ad = PrefetchAdapter(num_layers=len(g.moe_layers), hidden_size=g.hidden_size,
                              num_experts=g.routing.num_experts, horizons=tuple(range(1, cfg.window + 1)), rank=1)
-        ad_meta, predictor = None, "next-gate"
+        ad_meta, predictor, reuse = None, "next-gate", None
     horizons = tuple(h for h in ad.horizons if h <= cfg.window)
     if not horizons:
         raise SpecPrefetchError(f"--window {cfg.window}: the adapter predicts horizons {list(ad.horizons)} only")
@@ -273,7 +275,9 @@ def _assemble(model, work: Path, scratch: Path, cfg: ExportConfig, tgt, quant: s
                           for c, w in zip(steps.cache_specs, steps.windows)]},
         "predictor": {"kind": predictor, "horizons": list(horizons), "adapter": "adapter" if ad_meta else None,
                       "preds_rows": {str(g.moe_layers[i]): [h for h in horizons if (i, h) in ad.pair_index]
-                                     for i in range(len(g.moe_layers))}},
+                                     for i in range(len(g.moe_layers))},
+                      # the `reuse` eviction's table (adapters/reuse.py), learned with the adapter
+                      "reuse": reuse.to_json() if reuse is not None else None},
         # the store's own record, compared at every open (cheap: no hashing of the store's blobs), so a
         # store of other weights put in its place is refused even when its sha256 is not checked
         "runtime": {"pool_mib": pool_mib, "scheduler": sched, "expert_store": "experts.spx",

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from adapters.reuse import ReuseTable
 from toolkit.errors import SpecPrefetchError
 from toolkit.models.loader import ModelSpec, eos_token_ids, inspect_model_dir, load_dense_model, shipped_model_name
 from toolkit.predictors.registry import PREDICTORS, build_predictor
@@ -184,11 +185,12 @@ def _open_model(model, cfg, names, adapter, store, dtype, frequency_trace, max_s
         st = cached_store(spec, dtype or "fp16", progress=progress)
     bank = functools.cache(lambda: load_router_bank(spec))
     heads, horizons, graph = None, {}, None
-    ad = None
+    ad, reuse = None, None
     if adapter is not None:
-        from adapters.checkpoint import load_adapter
+        from adapters.checkpoint import load_adapter, reuse_table
 
-        ad, _ = load_adapter(adapter, spec)
+        ad, ad_meta = load_adapter(adapter, spec)
+        reuse = reuse_table(ad_meta, Path(adapter) / "adapter.json")
         hs = tuple(ad.horizons)
         heads = adapter_heads(ad, bank(), hs)
         horizons = {i: tuple(h for h in hs if (i, h) in ad.pair_index) for i in range(len(g.moe_layers))}
@@ -211,7 +213,8 @@ def _open_model(model, cfg, names, adapter, store, dtype, frequency_trace, max_s
     info = ModelInfo(num_layers=g.num_layers, moe_layers=tuple(g.moe_layers), routing=g.routing,
                      hidden_size=g.hidden_size, expert_roles=tuple(m.role for m in spec.family.expert_matrices(g)),
                      eos_token_ids=eos_token_ids(spec, tok), score_bias=bank().score_bias, preds_horizons=horizons,
-                     max_seq=max_seq, label=str(spec.path), text_config=spec.family.text_config(spec.config))
+                     max_seq=max_seq, label=str(spec.path), text_config=spec.family.text_config(spec.config),
+                     reuse=reuse)
     notes = [SequenceDraft.note, "the draft is built from the full model: its weights are in memory"] \
         if "draft" in names else []
     return Session(Runner(backend, st, info, cfg, preds), tok, spec, "model", str(spec.path), spec.path, notes)
@@ -271,7 +274,9 @@ def _bundle_session(path: Path, m: dict, backend, cfg: RunConfig, names: list[st
                                          if i is not None),
                      score_bias=score_bias, preds_horizons=horizons,
                      max_seq=m["kv"]["max_seq"], label=str(path),
-                     text_config=spec.family.text_config(spec.config))
+                     text_config=spec.family.text_config(spec.config),
+                     reuse=ReuseTable.from_json(m["predictor"]["reuse"], f"{path / 'manifest.json'}: predictor.reuse")
+                     if m["predictor"].get("reuse") is not None else None)
     tok = AutoTokenizer.from_pretrained(spec.path, local_files_only=True)
     rec = m["model"].get("source")
     src = Path(rec) if isinstance(rec, str) and rec else None  # recorded resolved (older bundles: maybe not)

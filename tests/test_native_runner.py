@@ -104,6 +104,84 @@ def test_same_tokens_decisions_and_counts_as_the_reference(native, reference, em
             assert all(r["counts"]["prefetch_issued"] == 0 for r in out["runs"])
 
 
+def _reuse_table():
+    """A reuse table learned from skewed synthetic routing (8 layers x 32 experts, top-4): some experts
+    hot, so histories differ in what they predict."""
+    import numpy as np
+
+    from adapters.reuse import learn_reuse_table
+
+    rng = np.random.default_rng(0)
+    p = np.linspace(3.0, 0.2, 32)
+    p /= p.sum()
+    seqs = [np.stack([np.stack([rng.choice(32, 4, replace=False, p=p) for _ in range(8)]) for _ in range(40)])
+            for _ in range(6)]
+    return learn_reuse_table(seqs, 32)
+
+
+@pytest.fixture(scope="module")
+def reuse_bundle(native, tmp_path_factory) -> Path:
+    """The shared bundle with a reuse table in its manifest (as an export with an adapter writes it)."""
+    b = tmp_path_factory.mktemp("reuse") / "bundle"
+    shutil.copytree(native[0], b)
+    m = json.loads((b / "manifest.json").read_text())
+    m["predictor"]["reuse"] = _reuse_table().to_json()
+    (b / "manifest.json").write_text(json.dumps(m))
+    return b
+
+
+@pytest.mark.parametrize("preds", [("next-gate",), pytest.param(("on-demand", "previous-token", "oracle"),
+                                                                  marks=pytest.mark.slow)])
+def test_reuse_eviction_decides_as_the_reference(native, reuse_bundle, embedded, tmp_path, preds):
+    """The reuse eviction (histories and the learned table) makes the same decisions in both engines, and
+    they are not LRU's."""
+    pool = POOLS[0]
+    ref = reference_tokens(embedded, PROMPTS[0], NEW)
+    session = open_session(reuse_bundle, RunConfig(policy=Policy("on-demand", "lru"), io="threads"),
+                           predictors=[p for p in preds if p != "on-demand"])
+    for pred in preds:
+        lines_of = {}
+        for ev in ("reuse", "lru"):
+            policy = f"{pred}+{ev}"
+            out, lines = native_run((reuse_bundle, native[1]), tmp_path, policy, pool, prompts=PROMPTS[:1])
+            session.runner.configure(policy=Policy.parse(policy), pool_mib=pool)
+            log = EventLog()
+            g = session.runner.run(PROMPTS[0], NEW, events=log)
+            assert out["runs"][0]["tokens"] == g.tokens == ref, policy
+            assert decisions(lines) == decisions(log.lines), policy
+            assert out["runs"][0]["counts"]["bytes_read"] == g.to_json()["counts"]["bytes_read"], policy
+            lines_of[ev] = lines
+        evicts = {ev: [ln for ln in decisions(lines_of[ev]) if "evict" in str(ln)] for ev in lines_of}
+        assert evicts["reuse"] and evicts["reuse"] != evicts["lru"], pred
+
+
+def test_reuse_eviction_without_a_table_is_an_error(native, embedded_bundles):
+    r = run_native(native, "--prompt-ids", "1,2,3", "--max-new-tokens", "2", "--policy", "on-demand+reuse",
+                   check=False)
+    err = [ln for ln in r.stderr.splitlines() if ln.startswith("specprefetch-runner: error:")]
+    assert r.returncode == 1 and len(err) == 1 and "reuse table" in err[0] and "manifest.json" in err[0], r.stderr
+    from toolkit.errors import SpecPrefetchError
+    with pytest.raises(SpecPrefetchError, match="reuse table"):
+        open_session(embedded_bundles["executorch"], RunConfig(policy=Policy("on-demand", "reuse"), io="threads"))
+
+
+def test_a_malformed_reuse_table_is_refused(native, tmp_path):
+    b = tmp_path / "b"
+    shutil.copytree(native[0], b)
+    m = json.loads((b / "manifest.json").read_text())
+    t = _reuse_table().to_json()
+    t["visits16"] = t["visits16"][:-1]
+    m["predictor"]["reuse"] = t
+    (b / "manifest.json").write_text(json.dumps(m))
+    r = subprocess.run([*command(native[1], "host"), str(b), "--prompt-ids", "1,2,3", "--max-new-tokens", "2"],
+                       capture_output=True, text=True, timeout=300)
+    err = [ln for ln in r.stderr.splitlines() if ln.startswith("specprefetch-runner: error:")]
+    assert r.returncode == 1 and len(err) == 1 and "predictor.reuse.visits16" in err[0], r.stderr
+    from toolkit.errors import SpecPrefetchError
+    with pytest.raises(SpecPrefetchError, match="visits16"):
+        open_session(b, RunConfig(policy=Policy("on-demand", "lru"), io="threads"))
+
+
 def test_policies_differ_and_the_oracle_bounds_them(native, tmp_path):
     got = {p: native_run(native, tmp_path, p, POOLS[0])[0]["runs"][0]
            for p in ("on-demand+lru", "next-gate+prediction", "oracle+belady")}

@@ -576,7 +576,8 @@ def store(model, out, dtype, overwrite) -> None:
 @click.argument("traces", type=click.Path(path_type=Path))
 @click.option("--policies", "--predictor", "policies",
               default="on-demand+lru,previous-token+lru,next-gate+prediction,adapter+prediction,oracle+belady",
-              show_default=True, help="comma-separated PREDICTOR+EVICTION (eviction: lru, lfu, prediction, belady)")
+              show_default=True,
+              help="comma-separated PREDICTOR+EVICTION (eviction: lru, lfu, prediction, belady, reuse)")
 @click.option("--adapter", type=click.Path(path_type=Path), default=None)
 @click.option("--profile", default="snapdragon-8-elite", show_default=True,
               help="snapdragon-8-elite, this-machine (after calibrate), or a profile JSON file")
@@ -646,7 +647,7 @@ def calibrate(model, store_path, reads, out, overwrite) -> None:
 @click.argument("model", default="embedded")
 @click.option("--policy", default="adapter+prediction", show_default=True,
               help="PREDICTOR+EVICTION: on-demand, next-gate, fate, previous-token, frequency, adapter, draft "
-                   "or oracle; lru, lfu, prediction or belady")
+                   "or oracle; lru, lfu, prediction, belady or reuse")
 @click.option("--adapter", type=click.Path(path_type=Path), default=None,
               help="prefetch adapter (model directories; a bundle carries its own heads)")
 @click.option("--frequency-trace", type=click.Path(path_type=Path), default=None,

@@ -70,6 +70,10 @@ struct Bundle {
   // NUMBER (str(moe_layers[i]), as export/session.py reads it); it is translated here. Empty when
   // the manifest has no predictor.preds_rows.
   std::map<int, std::vector<int>> preds_rows;
+  // predictor.reuse: the `reuse` eviction's table (toolkit/runtime/reuse.py), learned with the
+  // adapter: reuse_bits of history, reuse_visits16[2^bits] (sixteenths of a visit); empty if absent
+  int reuse_bits = 0;
+  std::vector<int64_t> reuse_visits16;
   double pool_mib = 0;             // runtime.pool_mib: default expert pool budget (> 0, finite)
   // runtime.expert_store_source / expert_store_index_sha256: the exported store's identity (the
   // digest of the weights it was built from; the sha256 of its header, index and metadata), both

@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <iterator>
+#include <stdexcept>
 #include <tuple>
 
 #include "events.h"
@@ -13,14 +15,48 @@
 
 namespace spx {
 
-static const char* kPolicies[] = {"lru", "lfu", "prediction", "belady"};
+static const char* kPolicies[] = {"lru", "lfu", "prediction", "belady", "reuse"};
+
+ReuseHistory::ReuseHistory(int bits, std::vector<int64_t> visits16, int num_layers)
+    : L_(num_layers), mask_((1u << bits) - 1), visits16_(std::move(visits16)),
+      hist_(static_cast<size_t>(num_layers)), last_step_(static_cast<size_t>(num_layers), -1) {
+  if (bits < 1 || bits > 16 || visits16_.size() != (size_t{1} << bits) || num_layers < 1)
+    throw std::logic_error("reuse table of the wrong size");
+}
+
+void ReuseHistory::observe(int64_t step, const std::vector<Key>& keys) {
+  for (const Key& key : keys) {
+    auto& h = hist_[static_cast<size_t>(key.first)];
+    if (last_step_[static_cast<size_t>(key.first)] != step) {
+      last_step_[static_cast<size_t>(key.first)] = step;
+      for (auto it = h.begin(); it != h.end();) {
+        it->second = (it->second << 1) & mask_;
+        it = it->second ? std::next(it) : h.erase(it);
+      }
+    }
+    h[key.second] |= 1u;
+  }
+}
+
+int64_t ReuseHistory::score(Key key, int64_t now, const std::map<Key, int64_t>* predicted) const {
+  if (predicted != nullptr) {
+    auto it = predicted->find(key);
+    if (it != predicted->end() && it->second >= now) return it->second * 16;
+  }
+  const auto& h = hist_[static_cast<size_t>(key.first)];
+  auto it = h.find(key.second);
+  const uint32_t bits = it == h.end() ? 0u : it->second;
+  int64_t d = ((key.first - now % L_) % L_ + L_) % L_;
+  if (d == 0) d = L_;
+  return (now + d) * 16 + static_cast<int64_t>(L_) * (visits16_[bits] - 16);
+}
 
 ExpertPool::ExpertPool(int64_t budget_bytes, int64_t slot_bytes, const std::string& policy, int min_slots,
                        int max_slots, NextUse next)
     : next_use(std::move(next)), budget_bytes_(budget_bytes), slot_bytes_(slot_bytes), policy_(policy) {
   bool known = false;
   for (const char* p : kPolicies) known = known || policy == p;
-  if (!known) throw Error("eviction policy '" + policy + "': choose from lru, lfu, prediction, belady");
+  if (!known) throw Error("eviction policy '" + policy + "': choose from lru, lfu, prediction, belady, reuse");
   if (policy == "belady" && !next_use) throw Error("eviction policy 'belady' needs the run's recorded routing");
   if (slot_bytes <= 0) throw Error("expert slot of " + std::to_string(slot_bytes) + " bytes");
   capacity_ = budget_bytes / slot_bytes;
@@ -130,9 +166,19 @@ int64_t ExpertPool::trim() {
 bool ExpertPool::victim(int64_t now, const std::set<Key>& protect, Key& out) const {
   const Slot* best = nullptr;
   double best_next = 0;
+  int64_t best_score = 0;
+  const bool by_reuse = policy_ == "reuse";
+  if (by_reuse && reuse == nullptr) throw std::logic_error("the reuse eviction has no history");
   for (const auto& [key, s] : slots_) {
     if (!s.ready || s.pins != 0 || protect.count(key)) continue;
-    if (policy_ == "lru") {  // min (last_use, key)
+    if (by_reuse) {  // max (score, -last_use, key)
+      const int64_t sc = reuse->score(key, now, predicted);
+      int64_t neg = -s.last_use, bneg = best ? -best->last_use : 0;
+      if (!best || std::tie(sc, neg, s.key) > std::tie(best_score, bneg, best->key)) {
+        best = &s;
+        best_score = sc;
+      }
+    } else if (policy_ == "lru") {  // min (last_use, key)
       if (!best || std::tie(s.last_use, s.key) < std::tie(best->last_use, best->key)) best = &s;
     } else if (policy_ == "lfu") {  // min (uses, last_use, key)
       if (!best || std::tie(s.uses, s.last_use, s.key) < std::tie(best->uses, best->last_use, best->key)) best = &s;

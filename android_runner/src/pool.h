@@ -1,6 +1,6 @@
 // The bounded DRAM pool (toolkit/runtime/pool.py): one 4 KiB-aligned arena of fixed-size expert
 // slots inside a hard byte budget, with the reference's eviction policies (lru, lfu, prediction,
-// belady) and the same tie-breaking, so both runners evict the same experts.
+// belady, reuse) and the same tie-breaking, so both runners evict the same experts.
 //
 // A slot is free, loading (a read is in flight into it; `landed` false), or ready; it is pinned
 // (pins > 0) while the layer computing with it runs. Pinned and not-yet-ready slots are never
@@ -40,6 +40,25 @@ struct Slot {
   bool prefetched = false;  // filled by a prefetch and not yet used
   bool landed = false;      // the read's bytes are in the slot
   bool demand = false;      // read on demand (its wait is a miss's, not a late hit's)
+};
+
+// The `reuse` eviction's state (toolkit/runtime/reuse.py, ReuseHistory): every expert's routing
+// history at its layer (a shift register of its last `bits` visits, bit 0 the latest) and the score
+// of its predicted next use, in sixteenths of a step: 16 * the predicted step inside the prefetch
+// window, else 16 * its layer's next visit + L * (visits16[history] - 16). Integers only, so both
+// engines rank alike.
+struct ReuseHistory {
+  ReuseHistory(int bits, std::vector<int64_t> visits16, int num_layers);
+  // step routes to `keys`: their layer's history shifts (once per step), then their bit is set
+  void observe(int64_t step, const std::vector<Key>& keys);
+  int64_t score(Key key, int64_t now, const std::map<Key, int64_t>* predicted) const;
+
+ private:
+  int L_;
+  uint32_t mask_;
+  std::vector<int64_t> visits16_;
+  std::vector<std::map<int, uint32_t>> hist_;  // layer -> expert -> history (zeros absent)
+  std::vector<int64_t> last_step_;
 };
 
 class ExpertPool {
@@ -90,7 +109,8 @@ class ExpertPool {
   int64_t wasted_prefetches = 0;
   std::function<void(Key)> on_evict;          // e.g. wait for the slot's read to land
   EventLog* events = nullptr;
-  const std::map<Key, int64_t>* predicted = nullptr;  // "prediction": the scheduler's next-use table
+  const std::map<Key, int64_t>* predicted = nullptr;  // "prediction", "reuse": the scheduler's next-use table
+  const ReuseHistory* reuse = nullptr;                // "reuse": the scheduler's (set before any eviction)
   NextUse next_use;
 
  private:

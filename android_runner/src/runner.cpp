@@ -261,7 +261,12 @@ Generation Runner::generate(const std::vector<int>& prompt, int max_new,
   scfg.floor = cfg.floor;
   scfg.prefetch = planner.active();
   scfg.step_budget_bytes = cfg.step_budget_kib >= 0 ? cfg.step_budget_kib * 1024 : -1;
-  WindowScheduler sched(pool, io, scfg, L, k, events);
+  std::unique_ptr<ReuseHistory> reuse;
+  if (cfg.eviction == "reuse") {
+    if (m_.reuse_visits16.empty()) throw Error("--policy " + cfg.name() + ": the bundle has no reuse table");
+    reuse = std::make_unique<ReuseHistory>(m_.reuse_bits, m_.reuse_visits16, L);
+  }
+  WindowScheduler sched(pool, io, scfg, L, k, events, reuse.get());
   if (events != nullptr) {
     events->header(cfg.name(), cfg.budget_bytes(), static_cast<int64_t>(store_.slot_bytes), pool.capacity(),
                    cfg.window, cfg.queue_depth, cfg.min_confidence, L, k);

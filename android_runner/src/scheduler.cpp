@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <stdexcept>
 
 #include "events.h"
 #include "routing.h"
@@ -28,9 +29,11 @@ SchedulerStats SchedulerStats::minus(const SchedulerStats& o) const {
 }
 
 WindowScheduler::WindowScheduler(ExpertPool& pool, IOBackend& io, const SchedulerConfig& cfg, int num_layers,
-                                 int top_k, EventLog* events)
-    : pool_(pool), io_(io), cfg_(cfg), L_(num_layers), k_(top_k), events_(events) {
-  if (pool.policy() == "prediction") pool.predicted = &predicted_next_;
+                                 int top_k, EventLog* events, ReuseHistory* reuse)
+    : pool_(pool), io_(io), cfg_(cfg), L_(num_layers), k_(top_k), events_(events), reuse_(reuse) {
+  if (pool.policy() == "prediction" || pool.policy() == "reuse") pool.predicted = &predicted_next_;
+  if (pool.policy() == "reuse" && reuse == nullptr) throw std::logic_error("the reuse eviction needs a ReuseHistory");
+  pool.reuse = reuse;
   pool.on_evict = [this](Key key) { evicting(key); };
   pool.events = events;
 }
@@ -256,6 +259,7 @@ void WindowScheduler::drop_weak() {
 void WindowScheduler::acquire(int64_t step, const std::vector<Key>& keys) {
   step_ = step;
   retire(step);
+  if (reuse_ != nullptr) reuse_->observe(step, keys);  // before any reservation (the evictions read it)
   const std::set<Key> need(keys.begin(), keys.end());
   for (const Key& key : keys) {
     stats.requests += 1;

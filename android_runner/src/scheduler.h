@@ -60,8 +60,9 @@ struct SchedulerStats {
 
 class WindowScheduler {
  public:
+  // reuse: the pool's `reuse` eviction state, which every acquire updates (outlives the scheduler)
   WindowScheduler(ExpertPool& pool, IOBackend& io, const SchedulerConfig& cfg, int num_layers, int top_k,
-                  EventLog* events);
+                  EventLog* events, ReuseHistory* reuse = nullptr);
 
   // Make `keys` resident and pinned for `step`; misses are read on demand, first in line.
   void acquire(int64_t step, const std::vector<Key>& keys);
@@ -96,6 +97,7 @@ class WindowScheduler {
   SchedulerConfig cfg_;
   int L_, k_;
   EventLog* events_;
+  ReuseHistory* reuse_;
   std::vector<Item> queue_;                             // a min-heap
   std::map<Key, std::pair<int64_t, double>> pending_;   // queued key -> (deadline, confidence)
   std::vector<std::pair<Key, int64_t>> loading_;        // prefetch in flight -> issue step, in issue order

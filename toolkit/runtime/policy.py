@@ -11,7 +11,7 @@ from toolkit.runtime.pool import EVICTION_POLICIES
 @dataclasses.dataclass(frozen=True)
 class Policy:
     predictor: str            # a predictor name (toolkit/predictors/registry.py), or "on-demand"
-    eviction: str = "lru"     # lru, lfu, prediction, belady
+    eviction: str = "lru"     # lru, lfu, prediction, belady, reuse
 
     @property
     def name(self) -> str:

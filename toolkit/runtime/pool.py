@@ -19,7 +19,7 @@ from toolkit.errors import SpecPrefetchError
 
 Key = tuple[int, int]  # (MoE layer position, expert)
 
-EVICTION_POLICIES = ("lru", "lfu", "prediction", "belady")
+EVICTION_POLICIES = ("lru", "lfu", "prediction", "belady", "reuse")
 
 
 @dataclasses.dataclass
@@ -43,7 +43,9 @@ class ExpertPool:
             budget_bytes: the pool's byte budget.
             slot_bytes: bytes of one expert slot (the 4 KiB-aligned blob size).
             policy: lru, lfu, prediction (evict the expert predicted farthest ahead; unpredicted
-                first, then LRU) or belady (evict the expert whose real next use is farthest).
+                first, then LRU), belady (evict the expert whose real next use is farthest) or reuse
+                (Belady's rule on a predicted next use: the window's predictions, else the expert's
+                history; toolkit/runtime/reuse.py; set `reuse` before the first eviction).
             min_slots: slots the pool must hold at least (top-k of one layer); fewer is an error.
             next_use: for prediction/belady: (key, now) -> step of the next (predicted or real) use,
                 inf when none.
@@ -67,8 +69,9 @@ class ExpertPool:
         self.wasted_prefetches = 0  # prefetched slots evicted before any use
         self.on_evict: Callable[[Key], None] | None = None  # e.g. free the reader's buffer
         self.events = None  # an EventLog (toolkit/runtime/events.py) records every eviction
-        # for "prediction": the scheduler's key -> next predicted step table (faster than next_use)
+        # for "prediction" / "reuse": the scheduler's key -> next predicted step table (faster than next_use)
         self.predicted: dict[Key, int] | None = None
+        self.reuse = None  # for "reuse": a ReuseHistory (toolkit/runtime/reuse.py) the scheduler updates
 
     @property
     def used_bytes(self) -> int:
@@ -90,6 +93,9 @@ class ExpertPool:
             return min(cands, key=lambda s: (s.last_use, s.key)).key
         if self.policy == "lfu":
             return min(cands, key=lambda s: (s.uses, s.last_use, s.key)).key
+        if self.policy == "reuse":
+            score, pred = self.reuse.score, self.predicted
+            return max(cands, key=lambda s: (score(s.key, now, pred), -s.last_use, s.key)).key
         # prediction / belady: farthest next use first; among never-used-again, least recent
         if self.predicted is not None:  # the scheduler's own table: a dict lookup per slot
             pred, inf = self.predicted, float("inf")

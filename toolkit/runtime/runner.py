@@ -36,7 +36,7 @@ import dataclasses
 import itertools
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
@@ -52,10 +52,16 @@ from toolkit.runtime.planner import ChunkState, PrefetchPlanner, RoutingState
 from toolkit.runtime.policy import Policy
 from toolkit.runtime.pool import ExpertPool
 from toolkit.runtime.profiles import DeviceProfile
+from toolkit.runtime.reuse import ReuseHistory
 from toolkit.runtime.scheduler import SchedulerConfig, WindowScheduler
 from toolkit.runtime.stats import DecodeAccount, RunStats
 
 
+if TYPE_CHECKING:
+    from adapters.reuse import ReuseTable
+
+REUSE_MISSING = ("eviction 'reuse' needs the adapter's reuse table, which this adapter or bundle lacks: "
+                 "train the adapter with this version (specprefetch train) and export again")
 PREFILL_PROGRESS_TOKENS = 64  # prompts longer than this show a prefill progress bar (Runner.progress)
 
 
@@ -73,6 +79,7 @@ class ModelInfo:
     max_seq: int | None = None           # KV cache length of the graphs
     label: str = ""                      # the model directory or bundle, for reports
     text_config: Any = None              # hidden_act / swiglu_limit: the int8 / int4 experts' activation
+    reuse: ReuseTable | None = None      # the adapter's reuse table (the `reuse` eviction)
 
     @property
     def L(self) -> int:
@@ -161,6 +168,8 @@ class Runner:
             have = ", ".join(["on-demand", *self.predictors]) or "on-demand"
             raise SpecPrefetchError(f"--policy {cfg.policy.name}: predictor {p!r} is not available for "
                                     f"{self.model.label or 'this model'} (available: {have})")
+        if cfg.policy.eviction == "reuse" and self.model.reuse is None:
+            raise SpecPrefetchError(f"--policy {cfg.policy.name}: {REUSE_MISSING} ({self.model.label})")
         if cfg.window > self.model.L:
             raise SpecPrefetchError(f"--window {cfg.window}: must be 1..{self.model.L} (the MoE layers of one token)")
         capacity = cfg.budget_bytes // self.store.slot_bytes
@@ -220,7 +229,7 @@ class Runner:
             spans = prefill_spans(units)
             pool, sched = open_pool_and_scheduler(cfg, slot_bytes=self.store.slot_bytes, num_layers=L, top_k=k,
                                                   io=io, future=state.future, prefetch=planner.active, events=events,
-                                                  units=spans)
+                                                  units=spans, reuse=m.reuse)
             if events is not None:
                 events.header(policy=cfg.policy.name, budget_bytes=cfg.budget_bytes, slot_bytes=self.store.slot_bytes,
                               capacity=pool.capacity, window=cfg.window, queue_depth=cfg.queue_depth,
@@ -495,19 +504,24 @@ def _finite(outs: Sequence[torch.Tensor], graphs: str, step: str, pos: int) -> N
 
 def open_pool_and_scheduler(cfg: RunConfig, *, slot_bytes: int, num_layers: int, top_k: int, io,
                             future: list[torch.Tensor] | None, prefetch: bool, events: EventLog | None = None,
-                            clock=time.perf_counter, units: Sequence[int] = ()) -> tuple[ExpertPool, WindowScheduler]:
+                            clock=time.perf_counter, units: Sequence[int] = (),
+                            reuse: ReuseTable | None = None) -> tuple[ExpertPool, WindowScheduler]:
     """A fresh pool and scheduler for one sequence, the same for the runner and the simulator.
-    `units`: how the prompt's steps go (its spans, `prefill_spans`), for Belady's step numbering."""
+    `units`: how the prompt's steps go (its spans, `prefill_spans`), for Belady's step numbering;
+    `reuse`: the table the reuse eviction reads (the adapter's, adapters/reuse.py)."""
     ev = cfg.policy.eviction
     if ev == "belady" and future is None:
         raise SpecPrefetchError("belady eviction needs the run's recorded routing (its future)")
+    if ev == "reuse" and reuse is None:
+        raise SpecPrefetchError(REUSE_MISSING)
     never = lambda key, now: float("inf")  # noqa: E731 - "prediction" reads the scheduler's table instead
     pool = ExpertPool(cfg.budget_bytes, slot_bytes, policy=ev, min_slots=top_k,
                       next_use=belady_next_use(future, num_layers, units) if ev == "belady" else never)
     scfg = SchedulerConfig(queue_depth=cfg.queue_depth, min_confidence=cfg.min_confidence, floor=cfg.floor,
                            prefetch=prefetch,
                            step_budget_bytes=cfg.step_budget_kib * 1024 if cfg.step_budget_kib else None)
-    sched = WindowScheduler(pool, io, scfg, num_layers=num_layers, top_k=top_k, events=events, clock=clock)
+    sched = WindowScheduler(pool, io, scfg, num_layers=num_layers, top_k=top_k, events=events, clock=clock,
+                            reuse=ReuseHistory(reuse, num_layers) if ev == "reuse" else None)
     if ev == "prediction":
         pool.next_use = sched.next_predicted_use
     return pool, sched

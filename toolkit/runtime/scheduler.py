@@ -78,7 +78,7 @@ class SchedulerStats:
 
 class WindowScheduler:
     def __init__(self, pool: ExpertPool, io: IOBackend, cfg: SchedulerConfig, *, num_layers: int,
-                 top_k: int, events=None, clock: Callable[[], float] = time.perf_counter):
+                 top_k: int, events=None, clock: Callable[[], float] = time.perf_counter, reuse=None):
         """
         Args:
             pool: the bounded pool the reads go into.
@@ -87,6 +87,8 @@ class WindowScheduler:
             num_layers / top_k: MoE layers per token and experts per layer.
             events: an EventLog, or None.
             clock: seconds now (virtual in the simulator), to time blocking waits.
+            reuse: a ReuseHistory (toolkit/runtime/reuse.py) for the pool's `reuse` eviction: every
+                acquire records its experts into it.
         """
         self.pool, self.io, self.cfg = pool, io, cfg
         self.L, self.k = num_layers, top_k
@@ -99,8 +101,12 @@ class WindowScheduler:
         self.stats = SchedulerStats()
         self.step = 0
         self.step_bytes = 0
-        if pool.policy == "prediction":
+        if pool.policy in ("prediction", "reuse"):
             pool.predicted = self.predicted_next
+        if pool.policy == "reuse" and reuse is None:
+            raise RuntimeError("the reuse eviction needs a ReuseHistory")
+        self.reuse = reuse
+        pool.reuse = reuse
         pool.on_evict = self._evicting
         pool.events = events
 
@@ -262,6 +268,8 @@ class WindowScheduler:
         line; `data(key)` then waits for the bytes."""
         self.step = step
         self.retire(step)
+        if self.reuse is not None:  # before any reservation: the histories this step's evictions read
+            self.reuse.observe(step, keys)
         need = set(keys)
         for key in keys:
             self.stats.requests += 1

@@ -64,7 +64,7 @@ def sequences(b: RoutingBatch) -> list[torch.Tensor]:
 
 
 def simulate_policy(batches: list[RoutingBatch], predictor, geo: Geometry, profile: DeviceProfile,
-                    cfg: RunConfig, layer_map: list[int]) -> dict[str, Any]:
+                    cfg: RunConfig, layer_map: list[int], reuse=None) -> dict[str, Any]:
     """Run every held-out sequence's decode tokens through a fresh pool; aggregate into RunStats."""
     L = geo.num_layers
     W = cfg.window
@@ -94,7 +94,7 @@ def simulate_policy(batches: list[RoutingBatch], predictor, geo: Geometry, profi
             flash = SimFlash(profile, clock, geo.slot_bytes)
             pool, sched = open_pool_and_scheduler(cfg, slot_bytes=geo.slot_bytes, num_layers=L, top_k=geo.top_k,
                                                   io=flash, future=future, prefetch=predictor is not None,
-                                                  clock=lambda: clock.now)
+                                                  clock=lambda: clock.now, reuse=reuse)
             account = DecodeAccount()
             times = []
             reads_seen = 0
@@ -202,6 +202,24 @@ def _copy_prediction(preds: dict, ti: int, Lt: int, rows: torch.Tensor, t: int):
     return None, None
 
 
+def reuse_for(reader, adapter: Path | None):
+    """The reuse eviction's table: the adapter's where it has one, else learned from the trace's
+    train split now (what `train` stores in the adapter, so the same table)."""
+    from adapters.checkpoint import read_adapter_meta, reuse_table
+    from adapters.reuse import learn_reuse_table
+    from toolkit.traces.format import routing_sequences
+
+    if adapter is not None:
+        t = reuse_table(read_adapter_meta(Path(adapter)), Path(adapter) / "adapter.json")
+        if t is not None:
+            return t
+    seqs = routing_sequences(reader, "train")
+    if not seqs:
+        raise SpecPrefetchError(f"trace {reader.path}: eviction 'reuse' learns its table from the train split, "
+                                "which this trace lacks; pass --adapter (one trained with its reuse table)")
+    return learn_reuse_table(seqs, reader.num_experts)
+
+
 def run_simulation(trace: Path, *, policies: list[Policy], profile: DeviceProfile, pool_mib: float,
                    window: int, queue_depth: int = 4, dtype: str = "fp16", geometry: str | None = None,
                    adapter: Path | None = None, model: str | None = None, min_confidence: float = 0.02,
@@ -235,10 +253,11 @@ def run_simulation(trace: Path, *, policies: list[Policy], profile: DeviceProfil
         raise SpecPrefetchError(f"--pool-mib {pool_mib:g}: holds {pool_bytes // geo.slot_bytes} expert slots of "
                                 f"{geo.slot_bytes / 2**10:.0f} KiB, but one layer needs {geo.top_k}; use at least "
                                 f"{geo.top_k * geo.slot_bytes / 2**20:.2f}")
+    reuse = reuse_for(reader, adapter) if any(p.eviction == "reuse" for p in policies) else None
     results = [simulate_policy(batches, preds.get(p.predictor), geo, profile,
                                RunConfig(policy=p, pool_mib=pool_mib, window=window, queue_depth=queue_depth,
                                          min_confidence=min_confidence, floor=floor, step_budget_kib=step_budget_kib),
-                               layer_map)
+                               layer_map, reuse=reuse)
                for p in policies]
     total = geo.slot_bytes * geo.num_layers * geo.num_experts
     return {

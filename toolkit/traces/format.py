@@ -507,6 +507,17 @@ class TraceReader:
         return {f: (np.concatenate(v) if v else np.zeros((0,), FIELDS[f])) for f, v in parts.items()}
 
 
+def routing_sequences(reader: TraceReader, split: str) -> list[np.ndarray]:
+    """Each sequence's routed expert ids [positions, L, k] of a split, positions in order."""
+    a = reader.load(split, ("seq", "pos", "expert_ids"))
+    if not len(a["seq"]):
+        return []
+    order = np.lexsort((a["pos"], a["seq"]))
+    seq, ids = a["seq"][order], a["expert_ids"][order].astype(np.int64)
+    cuts = np.flatnonzero(np.diff(seq)) + 1
+    return list(np.split(ids, cuts))
+
+
 def trace_model_spec(reader: TraceReader, model: str | Path | None) -> ModelSpec:
     """The model a trace was made from (`model`, or the directory the trace records), with its
     path resolved; a model with another config hash than the trace's is an error.

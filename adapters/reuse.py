@@ -1,0 +1,90 @@
+"""The reuse table, learned with the adapter from the traces' train split (`specprefetch train`).
+
+The `reuse` eviction (toolkit/runtime/reuse.py) predicts when an expert is next routed to beyond the
+prefetch window from its recent history at its layer: a shift register of its last `bits` visits
+(bit 0: routed at the latest visit of its layer). This table maps each history to the mean number
+of visits until the expert is routed to again (capped at `cap`), in sixteenths of a visit (integers,
+so every engine computes the same scores). It is stored in adapter.json (`reuse`) and copied into a
+bundle's manifest (`predictor.reuse`).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterable
+
+import numpy as np
+
+from toolkit.errors import SpecPrefetchError
+
+SCALE = 16          # table entries are in sixteenths of a visit
+BITS = 8            # history length in visits
+CAP = 64            # visits until reuse, at most (an expert not routed to again counts as CAP)
+MAX_BITS = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class ReuseTable:
+    bits: int
+    cap: int
+    visits16: tuple[int, ...]   # [2**bits]: mean visits until reuse given the history, x SCALE
+
+    def to_json(self) -> dict[str, Any]:
+        return {"bits": self.bits, "cap": self.cap, "scale": SCALE, "visits16": list(self.visits16)}
+
+    @staticmethod
+    def from_json(d: Any, where: str) -> "ReuseTable":
+        """Validate a table read from `where` (an adapter.json or a manifest): one-line errors."""
+        def bad(what: str) -> SpecPrefetchError:
+            return SpecPrefetchError(f"{where}: malformed reuse table: {what}")
+        if not isinstance(d, dict):
+            raise bad("not an object")
+        bits, cap, scale, v = d.get("bits"), d.get("cap"), d.get("scale"), d.get("visits16")
+        if not (isinstance(bits, int) and not isinstance(bits, bool) and 1 <= bits <= MAX_BITS):
+            raise bad(f"'bits' must be an integer in 1..{MAX_BITS}")
+        if not (isinstance(cap, int) and not isinstance(cap, bool) and 1 <= cap <= 1 << 20):
+            raise bad("'cap' must be a positive integer")
+        if scale != SCALE:
+            raise bad(f"'scale' must be {SCALE}")
+        if not (isinstance(v, list) and len(v) == 1 << bits
+                and all(isinstance(x, int) and not isinstance(x, bool) and SCALE <= x <= SCALE * cap for x in v)):
+            raise bad(f"'visits16' must be {1 << bits} integers in {SCALE}..{SCALE * cap}")
+        return ReuseTable(bits, cap, tuple(v))
+
+
+def learn_reuse_table(sequences: Iterable[np.ndarray], num_experts: int, *, bits: int = BITS,
+                      cap: int = CAP) -> ReuseTable:
+    """The table from routed expert ids, one array [positions, layers, k] per sequence (positions in
+    order). Each (layer, expert, position) is one sample: its history after that position, and the
+    visits until its next use (cap when none follows in the sequence)."""
+    n = 1 << bits
+    mask = n - 1
+    tot = np.zeros(n, np.float64)
+    cnt = np.zeros(n, np.int64)
+    for ids in sequences:
+        ids = np.asarray(ids)
+        N, L = ids.shape[0], ids.shape[1]
+        if N == 0:
+            continue
+        for li in range(L):
+            used = np.zeros((N, num_experts), bool)
+            used[np.arange(N)[:, None], ids[:, li]] = True
+            nextd = np.full((N, num_experts), cap, np.int64)
+            last = np.full(num_experts, -1, np.int64)
+            for t in range(N - 1, -1, -1):
+                nextd[t] = np.where(last >= 0, np.minimum(last - t, cap), cap)
+                last = np.where(used[t], t, last)
+            h = np.zeros(num_experts, np.int64)
+            for t in range(N):
+                h = ((h << 1) | used[t]) & mask
+                np.add.at(tot, h, nextd[t])
+                np.add.at(cnt, h, 1)
+    if not cnt.sum():
+        raise SpecPrefetchError("no routing to learn the reuse table from")
+    # a history never seen takes the mean of the histories seen with as many uses (then the mean of all)
+    pop = np.array([bin(i).count("1") for i in range(n)])
+    overall = tot.sum() / cnt.sum()
+    by_pop = {p: (tot[pop == p].sum() / cnt[pop == p].sum()) if cnt[pop == p].sum() else overall
+              for p in range(bits + 1)}
+    mean = np.where(cnt > 0, tot / np.maximum(cnt, 1), [by_pop[p] for p in pop])
+    v16 = np.clip(np.rint(mean * SCALE), SCALE, SCALE * cap).astype(np.int64)
+    return ReuseTable(bits, cap, tuple(int(x) for x in v16))

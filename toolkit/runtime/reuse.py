@@ -1,0 +1,66 @@
+"""Eviction from predicted reuse (`reuse`): a learned approximation of Belady's rule.
+
+Belady's rule evicts the expert whose next use is farthest away. A MoE model visits its MoE layers in
+a cycle, so expert (l, e) can next be used only at its layer's next visit, and then at every visit
+after it: its next use is `next visit of l + L * (visits until it is routed to again - 1)`. The
+visits until reuse are what has to be predicted. Two sources, the nearer first:
+
+- the prefetch window: an expert the predictor (the adapter's heads, or any registry predictor)
+  scores within the next W steps is predicted to be used then (the `prediction` rule's table);
+- beyond it, the expert's recent history at its layer: a shift register of its last `bits` visits
+  (bit 0: routed at the latest visit of its layer). A table learned from the traces' train split
+  (adapters/reuse.py)
+  maps each history to the mean number of visits until the expert is routed to again (capped at
+  `cap`), in sixteenths of a visit, so every engine computes the same integers.
+
+Scores are integers in sixteenths of a step: `16 * predicted step` inside the window, else
+`16 * next visit + L * (table[history] - 16)`; the victim is the largest, ties broken as the
+`prediction` rule's (least recently used, then the key). The history of a layer shifts once per step
+that acquires its experts (a prefill span's layer is one step: its experts are the union of its
+positions'), before that step's reads are reserved, in both engines.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterable
+
+if TYPE_CHECKING:
+    from adapters.reuse import ReuseTable
+
+SCALE = 16  # scores in sixteenths of a step, as the table's entries (adapters/reuse.py: SCALE)
+
+
+class ReuseHistory:
+    """Every expert's recent routing history at its layer, and the `reuse` rule's score."""
+
+    def __init__(self, table: ReuseTable, num_layers: int):
+        if table.to_json()["scale"] != SCALE:
+            raise ValueError("a reuse table of another scale")
+        self.table, self.L = table, num_layers
+        self.mask = (1 << table.bits) - 1
+        self.hist: list[dict[int, int]] = [{} for _ in range(num_layers)]  # layer -> expert -> bits (0s absent)
+        self.last_step = [-1] * num_layers
+
+    def observe(self, step: int, keys: Iterable[tuple[int, int]]) -> None:
+        """Step `step` routes to `keys`: their layer's history shifts (once per step), then their bit is set."""
+        for li, e in keys:
+            h = self.hist[li]
+            if self.last_step[li] != step:
+                self.last_step[li] = step
+                m = self.mask
+                for x in list(h):
+                    v = (h[x] << 1) & m
+                    if v:
+                        h[x] = v
+                    else:
+                        del h[x]
+            h[e] = h.get(e, 0) | 1
+
+    def score(self, key: tuple[int, int], now: int, predicted: dict | None) -> int:
+        """Sixteenths of a step until `key`'s predicted next use (larger: evicted first)."""
+        if predicted is not None:
+            v = predicted.get(key)
+            if v is not None and v >= now:
+                return v * SCALE
+        li = key[0]
+        d = (li - now % self.L) % self.L or self.L
+        return (now + d) * SCALE + self.L * (self.table.visits16[self.hist[li].get(key[1], 0)] - SCALE)
