@@ -43,7 +43,7 @@ class ReuseTable:
             raise bad(f"'bits' must be an integer in 1..{MAX_BITS}")
         if not (isinstance(cap, int) and not isinstance(cap, bool) and 1 <= cap <= 1 << 20):
             raise bad("'cap' must be a positive integer")
-        if scale != SCALE:
+        if not (isinstance(scale, int) and not isinstance(scale, bool) and scale == SCALE):
             raise bad(f"'scale' must be {SCALE}")
         if not (isinstance(v, list) and len(v) == 1 << bits
                 and all(isinstance(x, int) and not isinstance(x, bool) and SCALE <= x <= SCALE * cap for x in v)):
@@ -55,7 +55,11 @@ def learn_reuse_table(sequences: Iterable[np.ndarray], num_experts: int, *, bits
                       cap: int = CAP) -> ReuseTable:
     """The table from routed expert ids, one array [positions, layers, k] per sequence (positions in
     order). Each (layer, expert, position) is one sample: its history after that position, and the
-    visits until its next use (cap when none follows in the sequence)."""
+    visits until its next use, capped at `cap`; where no use follows, a sample is kept only if `cap`
+    positions follow it (the distance is then at least `cap`: censored samples near a sequence's end
+    would count as reused at its end). Every position is one visit (a prompt's too: at run time a
+    prefill span's layer is one visit for all its positions, so the first decode tokens' histories
+    hold fewer visits than the table assumes)."""
     n = 1 << bits
     mask = n - 1
     tot = np.zeros(n, np.float64)
@@ -69,15 +73,19 @@ def learn_reuse_table(sequences: Iterable[np.ndarray], num_experts: int, *, bits
             used = np.zeros((N, num_experts), bool)
             used[np.arange(N)[:, None], ids[:, li]] = True
             nextd = np.full((N, num_experts), cap, np.int64)
+            known = np.zeros((N, num_experts), bool)
             last = np.full(num_experts, -1, np.int64)
             for t in range(N - 1, -1, -1):
                 nextd[t] = np.where(last >= 0, np.minimum(last - t, cap), cap)
+                known[t] = (last >= 0) | (N - 1 - t >= cap)
                 last = np.where(used[t], t, last)
+            hist = np.zeros((N, num_experts), np.int64)
             h = np.zeros(num_experts, np.int64)
             for t in range(N):
                 h = ((h << 1) | used[t]) & mask
-                np.add.at(tot, h, nextd[t])
-                np.add.at(cnt, h, 1)
+                hist[t] = h
+            tot += np.bincount(hist[known], weights=nextd[known].astype(np.float64), minlength=n)
+            cnt += np.bincount(hist[known], minlength=n)
     if not cnt.sum():
         raise SpecPrefetchError("no routing to learn the reuse table from")
     # a history never seen takes the mean of the histories seen with as many uses (then the mean of all)

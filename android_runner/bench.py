@@ -235,6 +235,7 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
     policies = base + ([f"{graph}+prediction"] if reuse else []) + \
         ([p.format(graph=graph) for p in ABLATION_POLICIES] if ablation else [])
     out["ablation"] = ablation
+    out["predictor_policy"] = base[2]  # what the ratios over "the predictor" are of
     out["points"] = []
     for frac in pool_fracs:
         slots = max(k, int(round(frac * L * E)))

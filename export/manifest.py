@@ -204,6 +204,10 @@ def _validate(path: Path, mf: Path, m: Any, hash_store: bool = True) -> list[str
         if meta["model"]["config_hash"] != m["model"]["config_hash"]:
             raise SpecPrefetchError(f"{ad}: adapter for another model config")
         bundle_file(path, files, "adapter/adapter.safetensors", "adapter weights")
+    if m["predictor"].get("reuse") is not None:  # the reuse eviction's table, as the runners read it
+        from adapters.reuse import ReuseTable
+
+        ReuseTable.from_json(m["predictor"]["reuse"], f"{mf}: predictor.reuse")
     return notes
 
 

@@ -15,17 +15,24 @@ def test_table_by_hand():
     # one layer, two experts, top-1: expert 0 at positions 0, 2, 3; expert 1 at position 1
     ids = np.array([0, 1, 0, 0]).reshape(4, 1, 1)
     t = learn_reuse_table([ids], 2, bits=2, cap=4)
-    # (history after a position, visits until the next use, cap 4 when none follows):
-    # expert 0: (01, 2) (10, 1) (01, 1) (11, 4); expert 1: (00, 1) (01, 4) (10, 4) (00, 4)
-    assert t.visits16 == (40, round(16 * 7 / 3), 40, 64)
+    # (history after a position, visits until the next use): expert 0: (01, 2) (10, 1) (01, 1), expert 1:
+    # (00, 1); the rest have no later use and fewer than cap = 4 positions after them: not samples.
+    # 11 is never seen: the mean of the histories with two uses, none, so of all: 5 / 4
+    assert t.visits16 == (16, 24, 16, 20)
     assert ReuseTable.from_json(t.to_json(), "x") == t
 
 
 def test_unseen_histories_take_the_mean_of_their_popcount():
-    ids = np.array([0, 0, 0, 0, 0, 0]).reshape(6, 1, 1)  # expert 0 always, expert 1 never
-    t = learn_reuse_table([ids], 2, bits=3, cap=8)
-    assert t.visits16[0] == 16 * 8 and t.visits16[0b111] == round(16 * (1 + 1 + 1 + 8) / 4)
-    assert t.visits16[0b101] == t.visits16[0b011] == t.visits16[0b110]  # unseen: their popcount's mean
+    ids = np.array([0] * 12).reshape(12, 1, 1)  # expert 0 always, expert 1 never
+    t = learn_reuse_table([ids], 2, bits=3, cap=4)
+    # expert 1's first 8 positions have 4 or more after them and no use: cap; expert 0 is reused next visit,
+    # up to its last position (no later use, no 4 positions after it: not a sample, not counted as cap)
+    assert t.visits16[0] == 16 * 4 and t.visits16[0b111] == t.visits16[0b001] == t.visits16[0b011] == 16
+    ids2 = np.array([0, 1] * 8).reshape(16, 1, 1)  # alternating: 01 / 10 are reused in 2
+    t2 = learn_reuse_table([ids2], 2, bits=2, cap=4)
+    assert t2.visits16[0b01] == 32 and t2.visits16[0b10] == 16
+    # 00 is seen once (expert 1 at position 0, reused next); 11 never: the mean of all 29 samples
+    assert t2.visits16[0b00] == 16 and t2.visits16[0b11] == round(16 * (14 * 2 + 14 + 1) / 29)
 
 
 @pytest.mark.parametrize("change, message", [
@@ -66,24 +73,32 @@ def test_history_shifts_once_per_step_and_scores_in_sixteenths():
     assert h.score((3, 0), 14, {(3, 0): 10}) == h.score((3, 0), 14, None)
 
 
-def test_the_pool_evicts_the_farthest_predicted_reuse():
-    pool = ExpertPool(3 * 10, 10, policy="reuse")
-    pool.reuse, pool.predicted = ReuseHistory(_table(), num_layers=4), {}
-    for step, key in enumerate([(0, 0), (1, 0), (2, 0)]):
+def _pool(policy, predicted=None):
+    pool = ExpertPool(3 * 10, 10, policy=policy)
+    pool.reuse, pool.predicted = ReuseHistory(_table(), num_layers=4), predicted
+    for step, key in enumerate([(0, 0), (1, 0), (2, 0)]):  # layers 0, 1, 2 of one token, one expert each
         pool.reuse.observe(step, [key])
         s = pool.reserve(key, step, prefetch=False)
         s.ready = True
         pool.touch(s, step)
-    pool.reuse.observe(4, [(0, 0)])  # (0, 0) routed to again: history 11, reused next visit
-    pool.touch(pool.get((0, 0)), 4)
-    # at step 5 (layer 1): (2, 0) has history 01 (reuse in 2 visits), (0, 0) 11: LRU would evict (1, 0),
-    # whose layer is now; reuse evicts the farthest: (2, 0) at 6 + 4 * 1 = 10 vs (1, 0) at 9 + 4 * 1 = 13
-    pool.reserve((1, 1), 5, prefetch=False, protect={(1, 1)})
-    assert (1, 0) not in pool.slots and (2, 0) in pool.slots
-    pool.predicted[(2, 0)] = 6  # predicted by the window: kept over anything else
-    pool.get((1, 1)).ready = True
-    pool.reserve((3, 0), 5, prefetch=False)
-    assert (2, 0) in pool.slots
+    return pool
+
+
+def test_the_pool_evicts_the_farthest_predicted_reuse():
+    # step 3 (layer 3) needs a slot. Every history is 01 (reused in 2 visits): (0, 0) next at step 4 + 4,
+    # (1, 0) at 5 + 4, (2, 0) at 6 + 4 (in sixteenths: 128, 144, 160). LRU evicts (0, 0), whose layer
+    # comes next; reuse evicts (2, 0), whose layer comes last
+    victims = {}
+    for name, policy, pred in (("lru", "lru", None), ("reuse", "reuse", {}), ("predicted", "reuse", {(2, 0): 6})):
+        pool = _pool(policy, pred)
+        pool.reserve((3, 0), 3, prefetch=False)
+        victims[name] = ({(0, 0), (1, 0), (2, 0)} - set(pool.slots)).pop()
+    # with (2, 0) predicted for step 6 by the window (96), (1, 0) is the farthest
+    assert victims == {"lru": (0, 0), "reuse": (2, 0), "predicted": (1, 0)}
+    # a prediction for this very step that the step did not acquire was wrong: the history decides
+    pool = _pool("reuse", {(2, 0): 3})
+    pool.reserve((3, 0), 3, prefetch=False)
+    assert (2, 0) not in pool.slots
 
 
 def test_simulator_reuse_reads_less_than_lru(tmp_path):

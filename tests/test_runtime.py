@@ -311,6 +311,26 @@ def test_cli_simulate(sim_trace, tmp_path):
         assert r.exit_code == 2 and msg in r.output and "Traceback" not in r.output
 
 
+def test_cli_eviction_bounds(sim_trace, tmp_path):
+    """Belady's rule knowing everything reads the fewest bytes (it is optimal on demand); every rule that
+    knows less reads at least as much."""
+    from click.testing import CliRunner
+
+    from toolkit.cli import main
+
+    r = CliRunner().invoke(main, ["eviction-bounds", str(sim_trace), "--pool-frac", "0.1,0.2", "--max-sequences", "3",
+                                  "--json", str(tmp_path / "e.json")])
+    assert r.exit_code == 0, r.output
+    e = json.loads((tmp_path / "e.json").read_text())
+    assert [p["slots"] for p in e["points"]] == [26, 51] and (tmp_path / "e.png").stat().st_size > 5000
+    for p in e["points"]:
+        rp = p["reads_per_token"]
+        assert 0 < rp["belady"] == min(rp.values()), rp
+    r = CliRunner().invoke(main, ["eviction-bounds", str(sim_trace), "--pool-frac", "1.5",
+                                  "--json", str(tmp_path / "b.json")])
+    assert r.exit_code != 0 and "--pool-frac 1.5" in r.output and not (tmp_path / "b.json").exists()
+
+
 def test_calibrate_writes_a_profile(emb_store, tmp_path, sim_trace):
     from toolkit.simulate.calibrate import calibrate
     from toolkit.runtime.policy import Policy

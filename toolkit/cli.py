@@ -615,6 +615,29 @@ def simulate(traces, policies, adapter, profile, pool_mib, windows, queue_depth,
     click.echo(wrote(c))
 
 
+@main.command("eviction-bounds")
+@click.argument("traces", type=click.Path(path_type=Path))
+@click.option("--pool-frac", "pool_fracs", type=FloatList(), default="0.13,0.27", show_default=True,
+              help="pools as shares of all experts (comma list)")
+@click.option("--max-sequences", type=click.IntRange(min=1), default=None, help="held-out sequences to replay")
+@click.option("--json", "json_out", required=True, type=OUT_FILE,
+              help="JSON report; the Markdown table and PNG plot go beside it")
+@click.option("--overwrite", is_flag=True, help=OVERWRITE_REPORT)
+@friendly_errors(interrupt=NOT_WRITTEN)
+def eviction_bounds_cmd(traces, pool_fracs, max_sequences, json_out, overwrite) -> None:
+    """Reads per decode token on TRACES' routing for LRU, the reuse eviction and Belady's rule knowing
+    the future only so far (the current token, the next token, everything): how much of the oracle's
+    eviction a causal engine can reach (docs/runtime.md)."""
+    c = claim(json_out, "eviction-bounds", overwrite, inputs=(traces,))
+    from toolkit.reporting import write_report
+    from toolkit.simulate.bounds import eviction_bounds, markdown, plot
+
+    r = eviction_bounds(traces, pool_fracs, max_sequences=max_sequences, progress=lambda m: click.echo(m, err=True))
+    write_report(r, json_out, markdown, plot)
+    click.echo(markdown(r))
+    click.echo(wrote(c))
+
+
 @main.command()
 @click.argument("model", default="embedded")
 @click.option("--store", "store_path", type=click.Path(path_type=Path), default=None,

@@ -41,7 +41,7 @@ void ReuseHistory::observe(int64_t step, const std::vector<Key>& keys) {
 int64_t ReuseHistory::score(Key key, int64_t now, const std::map<Key, int64_t>* predicted) const {
   if (predicted != nullptr) {
     auto it = predicted->find(key);
-    if (it != predicted->end() && it->second >= now) return it->second * 16;
+    if (it != predicted->end() && it->second > now) return it->second * 16;  // == now, not acquired: wrong
   }
   const auto& h = hist_[static_cast<size_t>(key.first)];
   auto it = h.find(key.second);

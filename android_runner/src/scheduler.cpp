@@ -220,8 +220,11 @@ void WindowScheduler::pump(const std::set<Key>& protect) {
     if (loading_has(key) || pool_.get(key) != nullptr) continue;
     const int64_t now = step_;
     const int64_t dl = deadline;
-    Slot* slot = pool_.reserve(key, now, true, protect,
-                               [this, now, dl](Key v) { return next_predicted_use(v, now) <= dl; });
+    // the veto: the victim is predicted to be needed by the deadline (the window's prediction; with
+    // the reuse eviction, its score, history included)
+    Slot* slot = pool_.reserve(key, now, true, protect, [this, now, dl](Key v) {
+      return reuse_ != nullptr ? reuse_->score(v, now, &predicted_next_) <= dl * 16 : next_predicted_use(v, now) <= dl;
+    });
     if (slot == nullptr) {
       stats.dropped_no_slot += 1;
       emit("drop", key, " reason=no_slot target=" + std::to_string(deadline));

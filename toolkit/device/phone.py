@@ -40,7 +40,7 @@ RUNNER_FILES = ("run.sh", "bin/specprefetch-runner", "bin/check_bundle")
 # started and heartbeat (docs/device.md, "One bench at a time")
 LOCK = f"{ROOT}/bench.lock"
 RUNNER_MAX_THREADS = 256  # the native runner's own limit for --threads
-EVICTIONS = ("lru", "lfu", "prediction", "belady")  # the native runner's eviction policies
+EVICTIONS = ("lru", "lfu", "prediction", "belady", "reuse")  # the native runner's eviction policies
 
 _FACTS = r"""
 echo @props; getprop ro.soc.model; getprop ro.soc.manufacturer; getprop ro.product.model; getprop ro.product.cpu.abi
@@ -489,6 +489,9 @@ def check_bench(bundle: Path, *, policies: Sequence[str], pool_mib: float, promp
         if (evict or "lru") not in EVICTIONS:
             raise SpecPrefetchError(f"--policies {name}: unknown eviction '{evict}'; the native runner has "
                                     f"{', '.join(EVICTIONS)}")
+        if evict == "reuse" and m["predictor"].get("reuse") is None:
+            raise SpecPrefetchError(f"--policies {name}: {bundle / 'manifest.json'} has no reuse table "
+                                    "(predictor.reuse): train the adapter with this version and export again")
     k = int(m["routing"]["top_k"])
     slot = ExpertStore(bundle / m["runtime"]["expert_store"]).slot_bytes
     if not (isinstance(pool_mib, (int, float)) and 0 < pool_mib < 1e12):

@@ -446,6 +446,9 @@ class GpuEngine:
         if p not in ("on-demand", "draft") and p not in self.predictors:
             raise SpecPrefetchError(f"--policy {cfg.policy.name}: predictor {p!r} is not available on the GPU tier "
                                     f"(available: on-demand, draft, {', '.join(self.predictors) or '-'})")
+        if cfg.policy.eviction == "reuse":
+            raise SpecPrefetchError(f"--policy {cfg.policy.name}: the GPU tier has no reuse eviction yet "
+                                    "(lru, lfu, prediction or belady)")
         cap = cfg.budget_bytes // self.store.blob_size
         if cap < self.k:
             raise SpecPrefetchError(f"--pool-mib {cfg.pool_mib:g}: holds {cap} expert slots of "

@@ -15,9 +15,14 @@ visits until reuse are what has to be predicted. Two sources, the nearer first:
 
 Scores are integers in sixteenths of a step: `16 * predicted step` inside the window, else
 `16 * next visit + L * (table[history] - 16)`; the victim is the largest, ties broken as the
-`prediction` rule's (least recently used, then the key). The history of a layer shifts once per step
-that acquires its experts (a prefill span's layer is one step: its experts are the union of its
-positions'), before that step's reads are reserved, in both engines.
+`prediction` rule's (least recently used, then the key); a prediction for the current step is not
+counted (its expert, had it been routed to, would have been acquired: the guess was wrong). The
+history of a layer shifts once per step that acquires its experts, at the step's first acquire and
+before its reads are reserved, in both engines; a prefill span's layer is one step whose experts
+(the union of its positions') are acquired in groups that fit the pool, each group's bits set as
+it is acquired. Within a span, the next visit is counted one position on, not at the next unit (an
+approximation of prefill only, the same in both engines). A prefetch evicts only a victim whose
+score is past the prefetch's deadline.
 """
 from __future__ import annotations
 
@@ -33,8 +38,6 @@ class ReuseHistory:
     """Every expert's recent routing history at its layer, and the `reuse` rule's score."""
 
     def __init__(self, table: ReuseTable, num_layers: int):
-        if table.to_json()["scale"] != SCALE:
-            raise ValueError("a reuse table of another scale")
         self.table, self.L = table, num_layers
         self.mask = (1 << table.bits) - 1
         self.hist: list[dict[int, int]] = [{} for _ in range(num_layers)]  # layer -> expert -> bits (0s absent)
@@ -59,7 +62,7 @@ class ReuseHistory:
         """Sixteenths of a step until `key`'s predicted next use (larger: evicted first)."""
         if predicted is not None:
             v = predicted.get(key)
-            if v is not None and v >= now:
+            if v is not None and v > now:  # one for this step and not acquired was a wrong guess
                 return v * SCALE
         li = key[0]
         d = (li - now % self.L) % self.L or self.L

@@ -31,6 +31,7 @@ from typing import Callable, Protocol
 import torch
 
 from toolkit.runtime.pool import ExpertPool, Key
+from toolkit.runtime.reuse import SCALE
 
 
 class IOBackend(Protocol):
@@ -234,8 +235,7 @@ class WindowScheduler:
             del self.pending[key]
             if key in self.loading or self.pool.get(key) is not None:
                 continue
-            slot = self.pool.reserve(key, self.step, prefetch=True, protect=protect,
-                                     keep=lambda v, d=deadline: self.next_predicted_use(v, self.step) <= d)
+            slot = self.pool.reserve(key, self.step, prefetch=True, protect=protect, keep=self._keeper(deadline))
             if slot is None:
                 self.stats.dropped_no_slot += 1
                 self._emit("drop", key, reason="no_slot", target=deadline)
@@ -246,6 +246,14 @@ class WindowScheduler:
             self.stats.bytes_read += self.pool.slot_bytes
             self.step_bytes += self.pool.slot_bytes
             self._emit("prefetch", key, target=deadline, conf=f"{-negc:.4f}")
+
+    def _keeper(self, deadline: int):
+        """The veto of a prefetch's eviction: the victim is predicted to be needed by `deadline` (by the
+        window; with the reuse eviction, by its score, so a history that says "soon" is kept too)."""
+        if self.reuse is not None:
+            score, pred, now = self.reuse.score, self.predicted_next, self.step
+            return lambda v: score(v, now, pred) <= deadline * SCALE
+        return lambda v: self.next_predicted_use(v, self.step) <= deadline
 
     def _drop_weak(self) -> None:
         keep = []

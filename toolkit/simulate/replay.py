@@ -203,16 +203,19 @@ def _copy_prediction(preds: dict, ti: int, Lt: int, rows: torch.Tensor, t: int):
 
 
 def reuse_for(reader, adapter: Path | None):
-    """The reuse eviction's table: the adapter's where it has one, else learned from the trace's
-    train split now (what `train` stores in the adapter, so the same table)."""
+    """The reuse eviction's table: the adapter's, or without an adapter learned from the trace's
+    train split now (what `train` stores in an adapter trained on it)."""
     from adapters.checkpoint import read_adapter_meta, reuse_table
     from adapters.reuse import learn_reuse_table
     from toolkit.traces.format import routing_sequences
 
     if adapter is not None:
         t = reuse_table(read_adapter_meta(Path(adapter)), Path(adapter) / "adapter.json")
-        if t is not None:
-            return t
+        if t is None:
+            raise SpecPrefetchError(f"--adapter {adapter}: eviction 'reuse' needs the adapter's reuse table, which "
+                                    "it lacks: train it with this version (or leave --adapter out to learn the "
+                                    "table from the trace)")
+        return t
     seqs = routing_sequences(reader, "train")
     if not seqs:
         raise SpecPrefetchError(f"trace {reader.path}: eviction 'reuse' learns its table from the train split, "

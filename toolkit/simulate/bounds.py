@@ -1,0 +1,176 @@
+"""How much of Belady's eviction a causal engine can reach: reads per decode token on a trace's routing.
+
+Every position of each held-out sequence goes through a bounded pool one MoE layer at a time (a step
+is one layer of one position; misses read on demand, no prefetch), with these evictions:
+
+- `lru`, and `reuse` (toolkit/runtime/reuse.py: histories and the table learned from the train split);
+- Belady's rule knowing the real routing only so far ahead: `belady-token` (the rest of the current
+  token), `belady-next-token` (and all of the next token), and `belady` (everything); beyond what
+  it knows, each variant scores by the reuse rule.
+
+`belady` is what the oracle policy's eviction knows. The knowledge of the current token's later
+layers is what a predictor of this token's routing can have; of the next token's, what a predictor
+across the token boundary can have at best; anything beyond needs tokens not yet generated. The
+reads per decode token under `belady-next-token` are therefore a bound for a causal engine at this
+pool, and the gap from it to `belady` is not reachable by prediction.
+
+Reads are counted at decode positions (the prompt's positions fill the pool first, one position a
+step). No timing: bytes only (`reads x slot bytes`).
+"""
+from __future__ import annotations
+
+import bisect
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from adapters.reuse import SCALE, learn_reuse_table
+from toolkit.errors import SpecPrefetchError
+from toolkit.runtime.pool import ExpertPool
+from toolkit.runtime.reuse import ReuseHistory
+
+RULES = ("lru", "reuse", "belady-token", "belady-next-token", "belady")
+DECODE = 1  # toolkit/traces/format.py kind of a decode token
+
+
+def _sequences(reader, split: str, max_sequences: int | None) -> list[tuple[np.ndarray, np.ndarray]]:
+    a = reader.load(split, ("seq", "pos", "kind", "expert_ids"))
+    order = np.lexsort((a["pos"], a["seq"]))
+    seq = a["seq"][order]
+    cuts = np.flatnonzero(np.diff(seq)) + 1
+    out = list(zip(np.split(a["expert_ids"][order].astype(np.int64), cuts), np.split(a["kind"][order], cuts)))
+    out = [x for x in out if len(x[0])]
+    return out[:max_sequences] if max_sequences else out
+
+
+def replay(ids: np.ndarray, kinds: np.ndarray, capacity: int, rule: str, table) -> tuple[int, int]:
+    """(reads at decode positions, decode positions) of one sequence [positions, L, k] under `rule`."""
+    N, L, k = ids.shape
+    uses: dict[tuple[int, int], list[int]] = {}
+    for p in range(N):
+        for li in range(L):
+            for e in ids[p, li].tolist():
+                uses.setdefault((li, e), []).append(p * L + li)
+    hist = ReuseHistory(table, L)
+
+    def true_next(key, now):
+        st = uses.get(key, ())
+        j = bisect.bisect_right(st, now)
+        return st[j] if j < len(st) else None
+
+    horizon = {"belady-token": 1, "belady-next-token": 2, "belady": None}.get(rule)
+
+    def next_use(key, now) -> float:
+        """A step (in sixteenths) for the pool's belady rule: exact as far as the rule knows, else the
+        reuse rule's estimate past that point."""
+        t = true_next(key, now)
+        lim = None if horizon is None else (now // L + horizon) * L
+        if t is not None and (lim is None or t < lim):
+            return float(t * SCALE)
+        if lim is None:
+            return float("inf")
+        # not used before `lim`: its layer's first visit from there on, plus the reuse rule's estimate
+        v = now + ((key[0] - now % L) % L or L)
+        while v < lim:
+            v += L
+        return float(hist.score(key, now, None) + (v - now - ((key[0] - now % L) % L or L)) * SCALE)
+
+    if rule == "lru":
+        pool = ExpertPool(capacity, 1, policy="lru", min_slots=k)
+    elif rule == "reuse":
+        pool = ExpertPool(capacity, 1, policy="reuse", min_slots=k)
+        pool.reuse, pool.predicted = hist, None
+    elif rule in RULES:
+        pool = ExpertPool(capacity, 1, policy="belady", min_slots=k, next_use=next_use)
+    else:
+        raise SpecPrefetchError(f"eviction rule {rule!r}: choose from {', '.join(RULES)}")
+    reads = decode = 0
+    for p in range(N):
+        for li in range(L):
+            now = p * L + li
+            keys = [(li, int(e)) for e in ids[p, li]]
+            hist.observe(now, keys)
+            for key in keys:
+                s = pool.get(key)
+                if s is None:
+                    s = pool.reserve(key, now, prefetch=False, protect=set(keys))
+                    s.ready = True
+                    reads += int(kinds[p] == DECODE)
+                s.pins += 1
+            for key in keys:
+                s = pool.get(key)
+                s.pins -= 1
+                pool.touch(s, now)
+        decode += int(kinds[p] == DECODE)
+    return reads, decode
+
+
+def eviction_bounds(trace: Path, pool_fracs: list[float], *, max_sequences: int | None = None,
+                    progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+    from toolkit.traces.format import TraceReader, routing_sequences
+
+    reader = TraceReader(trace)
+    seqs = _sequences(reader, "heldout", max_sequences)
+    if not seqs:
+        raise SpecPrefetchError(f"trace {trace}: no held-out sequences to replay")
+    train = routing_sequences(reader, "train")
+    if not train:
+        raise SpecPrefetchError(f"trace {trace}: no train split to learn the reuse table from")
+    table = learn_reuse_table(train, reader.num_experts)
+    L, E = len(reader.moe_layers), reader.num_experts
+    points = []
+    for frac in pool_fracs:
+        if not 0 < frac <= 1:
+            raise SpecPrefetchError(f"--pool-frac {frac}: a share of the experts in (0, 1]")
+        cap = max(reader.top_k, int(round(frac * L * E)))
+        row = {"pool_frac": frac, "slots": cap, "reads_per_token": {}}
+        for rule in RULES:
+            progress(f"pool {cap} slots: {rule}")
+            r = d = 0
+            for ids, kinds in seqs:
+                a, b = replay(ids, kinds, cap, rule, table)
+                r, d = r + a, d + b
+            row["reads_per_token"][rule] = round(r / max(d, 1), 3)
+        rp = row["reads_per_token"]
+        gap = rp["lru"] - rp["belady"]
+        row["share_of_lru_belady_gap"] = {x: round((rp["lru"] - rp[x]) / gap, 3) if gap > 0 else None
+                                          for x in ("reuse", "belady-token", "belady-next-token")}
+        points.append(row)
+    return {"trace": str(Path(trace).resolve()), "sequences": len(seqs), "layers": L, "experts": E,
+            "top_k": reader.top_k, "rules": list(RULES), "points": points}
+
+
+def markdown(r: dict[str, Any]) -> str:
+    lines = [f"Reads per decode token, on demand, {r['sequences']} held-out sequences ({r['layers']} MoE layers x "
+             f"{r['experts']} experts, top-{r['top_k']}):", "",
+             "| pool (experts) | " + " | ".join(r["rules"]) +
+             " | share of the LRU-Belady gap closed: reuse / belady-next-token |",
+             "|---|" + "---|" * (len(r["rules"]) + 1)]
+    for p in r["points"]:
+        g = p["share_of_lru_belady_gap"]
+        lines.append(f"| {p['pool_frac']:.0%} ({p['slots']}) | " +
+                     " | ".join(f"{p['reads_per_token'][x]:.1f}" for x in r["rules"]) +
+                     f" | {g['reuse']} / {g['belady-next-token']} |")
+    return "\n".join(lines)
+
+
+def plot(r: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from toolkit.reporting import save_figure
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    x = np.arange(len(r["rules"]))
+    w = 0.8 / max(len(r["points"]), 1)
+    for i, p in enumerate(r["points"]):
+        ax.bar(x + i * w, [p["reads_per_token"][q] for q in r["rules"]], w, label=f"pool {p['pool_frac']:.0%}")
+    ax.set_xticks(x + w * (len(r["points"]) - 1) / 2, r["rules"], rotation=15)
+    ax.set_ylabel("expert reads per decode token")
+    ax.set_title("Eviction knowledge vs reads (on demand)")
+    ax.legend()
+    fig.tight_layout()
+    save_figure(fig, path)
