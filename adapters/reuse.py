@@ -52,12 +52,13 @@ class ReuseTable:
 
 
 def learn_reuse_table(sequences: Iterable[np.ndarray], num_experts: int, *, bits: int = BITS,
-                      cap: int = CAP) -> ReuseTable:
+                      cap: int = CAP, where: str = "the routing") -> ReuseTable:
     """The table from routed expert ids, one array [positions, layers, k] per sequence (positions in
     order). Each (layer, expert, position) is one sample: its history after that position, and the
     visits until its next use, capped at `cap`; where no use follows, a sample is kept only if `cap`
-    positions follow it (the distance is then at least `cap`: censored samples near a sequence's end
-    would count as reused at its end). Every position is one visit (a prompt's too: at run time a
+    positions follow it (the distance is then at least `cap`). Leaving censored samples out biases the
+    means near a sequence's end toward short reuse (long reuses there are not seen); counting them as
+    `cap` biased them the other way. Every position is one visit (a prompt's too: at run time a
     prefill span's layer is one visit for all its positions, so the first decode tokens' histories
     hold fewer visits than the table assumes)."""
     n = 1 << bits
@@ -87,7 +88,7 @@ def learn_reuse_table(sequences: Iterable[np.ndarray], num_experts: int, *, bits
             tot += np.bincount(hist[known], weights=nextd[known].astype(np.float64), minlength=n)
             cnt += np.bincount(hist[known], minlength=n)
     if not cnt.sum():
-        raise SpecPrefetchError("no routing to learn the reuse table from")
+        raise SpecPrefetchError(f"{where}: no routing to learn the reuse table from (sequences too short?)")
     # a history never seen takes the mean of the histories seen with as many uses (then the mean of all)
     pop = np.array([bin(i).count("1") for i in range(n)])
     overall = tot.sum() / cnt.sum()

@@ -222,7 +222,8 @@ def train_adapter(trace: Path, out: Path, cfg: TrainConfig, *, model: str | Path
         "model_params": model_params,
         "share_of_model": adapter.params() / model_params,
     }
-    result["reuse"] = learn_reuse_table(routing_sequences(reader, "train"), g.routing.num_experts).to_json()
+    result["reuse"] = learn_reuse_table(routing_sequences(reader, "train"), g.routing.num_experts,
+                                        where=f"trace {trace}").to_json()
     adapter.to("cpu")
     save_adapter(adapter, out, spec, result, overwrite=overwrite, inputs=inputs)
     return {"params": adapter.params(), **result}

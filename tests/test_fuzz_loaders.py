@@ -1312,6 +1312,7 @@ def test_report_outputs_pointed_at_inputs_and_artifacts_change_nothing(art, bund
                                    "--events", t],
         "eval": lambda t: ["eval", trace, "--adapter", adapter, "--json", t],
         "simulate": lambda t: ["simulate", trace, "--adapter", adapter, "--json", t],
+        "eviction-bounds": lambda t: ["eviction-bounds", trace, "--max-sequences", "1", "--json", t],
         "bench": lambda t: ["bench", model, "--store", store, "--json", t],
         "runner bench": lambda t: ["runner", "bench", bundle, "--json", t],
         "device bench": lambda t: ["device", "bench", bundle, "--pool-mib", "1", "--prompt", "x", "--json", t],

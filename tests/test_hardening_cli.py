@@ -383,7 +383,8 @@ def test_overwrite_is_required_and_passed_through(tiny_models, tmp_path):
     assert cli("tiny", "olmoe", "--out", t, "--overwrite")[0] == 0
     refused(["export", m, "--out", m, "--overwrite"], "input of this command")  # never the source model
     refused(["store", m, "--out", m / "model.safetensors", "--overwrite"], "--out")
-    for cmd in ("train", "export", "store", "tiny", "trace", "eval", "simulate", "run", "bench", "calibrate",
+    for cmd in ("train", "export", "store", "tiny", "trace", "eval", "simulate", "eviction-bounds", "run", "bench",
+                "calibrate",
                 "runner bench", "runner build", "device bench", "device list"):  # every command that writes
         assert "--overwrite" in CliRunner().invoke(main, [*cmd.split(), "--help"]).output, cmd
 

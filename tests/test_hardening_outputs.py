@@ -106,6 +106,9 @@ AT_INPUTS = {
         lambda a, t: ["simulate", a["T"], "--adapter", a["A"], "--policies", "on-demand+lru", "--json",
                       a["A"] / "adapter.json"], "input of this command"),
     "simulate --json STORE": (lambda a, t: ["simulate", a["T"], "--json", a["S"], "--overwrite"], "an expert store"),
+    "eviction-bounds --json TRACE/manifest.json": (
+        lambda a, t: ["eviction-bounds", a["T"], "--json", a["T"] / "manifest.json", "--overwrite"],
+        "input of this command"),
     "bench --json MODEL/config.json": (lambda a, t: ["bench", a["M"], "--json", a["M"] / "config.json", "--overwrite"],
                                        "input of this command"),
     "runner bench --json BUNDLE/manifest.json": (

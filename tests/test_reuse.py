@@ -134,3 +134,50 @@ def test_simulator_reuse_reads_less_than_lru(tmp_path):
            for ev in ("lru", "reuse", "belady")}
     read = {ev: r["counts"]["bytes_read"] for ev, r in res.items()}
     assert read["belady"] < read["reuse"] < read["lru"], read
+
+
+def test_unseen_histories_fall_back_by_popcount():
+    ids = np.array([0, 0, 1] * 12).reshape(36, 1, 1)  # expert 0 at two positions of three, expert 1 at the third
+    t = learn_reuse_table([ids], 2, bits=4, cap=4)
+    # four-visit histories seen: 0001 0011 0110 1101 1011 (expert 0), 0000 0001 0010 0100 1001 (expert 1);
+    # 0101, 1010 and 1100 never are: they take the mean of the two-use ones seen, 0111 and 1110 the three-use
+    assert t.visits16[0b0101] == t.visits16[0b1010] == t.visits16[0b1100]
+    assert t.visits16[0b0111] == t.visits16[0b1110] != t.visits16[0b0101]
+    assert t.visits16[0b0011] != t.visits16[0b0110]  # seen histories keep their own means
+
+
+def _sched(policy):
+    import torch  # noqa: F401  (the scheduler's scores are tensors)
+
+    from toolkit.runtime.profiles import SNAPDRAGON_8_ELITE
+    from toolkit.runtime.scheduler import SchedulerConfig, WindowScheduler
+    from toolkit.simulate.flash import SimClock, SimFlash
+
+    clock = SimClock()
+    pool = ExpertPool(2 * 4096, 4096, policy=policy, min_slots=1, next_use=lambda k, now: float("inf"))
+    # 01 (routed at the latest visit only): reused at the next visit
+    table = ReuseTable(2, 8, (8 * SCALE, 1 * SCALE, 3 * SCALE, 1 * SCALE))
+    reuse = ReuseHistory(table, num_layers=4) if policy == "reuse" else None
+    sched = WindowScheduler(pool, SimFlash(SNAPDRAGON_8_ELITE, clock, 4096), SchedulerConfig(window=4),
+                            num_layers=4, top_k=1, clock=lambda: clock.now, reuse=reuse)
+    if policy == "prediction":
+        pool.next_use = sched.next_predicted_use
+    for step, key in ((0, (0, 0)), (1, (1, 0))):  # both routed at their layer's visit: history 01
+        sched.acquire(step, [key])
+        sched.data(key)
+        sched.release(step, [key], pump=False)
+    return sched
+
+
+def test_a_prefetch_keeps_an_expert_its_history_says_is_needed_first():
+    import torch
+
+    # at step 1 the pool (2 slots) is full; a prefetch of (1, 1) for step 5 would evict (1, 0), which the
+    # history (01: reused at the next visit) puts at step 5 too: the reuse rule keeps it and drops the
+    # prefetch; `prediction`, which knows only the window, evicts it
+    got = {}
+    for policy in ("reuse", "prediction"):
+        sched = _sched(policy)
+        sched.plan(1, [(5, torch.tensor([0.0, 1.0]))])
+        got[policy] = (sched.stats.prefetch_issued, sched.stats.dropped_no_slot)
+    assert got == {"reuse": (0, 1), "prediction": (1, 0)}

@@ -617,7 +617,8 @@ def simulate(traces, policies, adapter, profile, pool_mib, windows, queue_depth,
 
 @main.command("eviction-bounds")
 @click.argument("traces", type=click.Path(path_type=Path))
-@click.option("--pool-frac", "pool_fracs", type=FloatList(), default="0.13,0.27", show_default=True,
+@click.option("--pool-frac", "pool_fracs", type=FloatList(FiniteFloat(high=1.0)), default="0.13,0.27",
+              show_default=True,
               help="pools as shares of all experts (comma list)")
 @click.option("--max-sequences", type=click.IntRange(min=1), default=None, help="held-out sequences to replay")
 @click.option("--json", "json_out", required=True, type=OUT_FILE,

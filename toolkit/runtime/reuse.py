@@ -7,7 +7,7 @@ visits until reuse are what has to be predicted. Two sources, the nearer first:
 
 - the prefetch window: an expert the predictor (the adapter's heads, or any registry predictor)
   scores within the next W steps is predicted to be used then (the `prediction` rule's table);
-- beyond it, the expert's recent history at its layer: a shift register of its last `bits` visits
+- otherwise, the expert's recent history at its layer: a shift register of its last `bits` visits
   (bit 0: routed at the latest visit of its layer). A table learned from the traces' train split
   (adapters/reuse.py)
   maps each history to the mean number of visits until the expert is routed to again (capped at

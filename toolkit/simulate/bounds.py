@@ -1,4 +1,4 @@
-"""How much of Belady's eviction a causal engine can reach: reads per decode token on a trace's routing.
+"""What knowledge of the future buys an eviction: reads per decode token on a trace's routing.
 
 Every position of each held-out sequence goes through a bounded pool one MoE layer at a time (a step
 is one layer of one position; misses read on demand, no prefetch), with these evictions:
@@ -8,14 +8,19 @@ is one layer of one position; misses read on demand, no prefetch), with these ev
   token), `belady-next-token` (and all of the next token), and `belady` (everything); beyond what
   it knows, each variant scores by the reuse rule.
 
-`belady` is what the oracle policy's eviction knows. The knowledge of the current token's later
-layers is what a predictor of this token's routing can have; of the next token's, what a predictor
-across the token boundary can have at best; anything beyond needs tokens not yet generated. The
-reads per decode token under `belady-next-token` are therefore a bound for a causal engine at this
-pool, and the gap from it to `belady` is not reachable by prediction.
+`belady` is what the oracle policy's eviction knows, and its reads are the fewest any on-demand
+eviction can have (Belady's rule is optimal; counted at decode positions only, that holds in
+practice, not as a theorem). The other two are estimates, neither bounds: what exact knowledge of
+the current token's later layers, or also of the next token's, buys with the reuse rule beyond it
+(a better rule past the horizon could read less; an engine cannot know the next token's routing
+exactly, only predict it). What they say is how much of the oracle's advantage lies in knowledge of
+tokens after the next one, which only a predictor of the longer future (as the reuse table is) can
+recover in part.
 
-Reads are counted at decode positions (the prompt's positions fill the pool first, one position a
-step). No timing: bytes only (`reads x slot bytes`).
+Reads are counted at decode positions, the prompt's positions filling the pool first one position a
+step (the runners prefill in spans, one step per span and layer, and `simulate` replays decode
+tokens only: these figures compare with each other, not with theirs). Rules are on demand (no
+window predictions: `reuse` is history only). No timing: bytes only (`reads x slot bytes`).
 """
 from __future__ import annotations
 
@@ -29,9 +34,9 @@ from adapters.reuse import SCALE, learn_reuse_table
 from toolkit.errors import SpecPrefetchError
 from toolkit.runtime.pool import ExpertPool
 from toolkit.runtime.reuse import ReuseHistory
+from toolkit.traces.format import DECODE
 
 RULES = ("lru", "reuse", "belady-token", "belady-next-token", "belady")
-DECODE = 1  # toolkit/traces/format.py kind of a decode token
 
 
 def _sequences(reader, split: str, max_sequences: int | None) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -70,11 +75,14 @@ def replay(ids: np.ndarray, kinds: np.ndarray, capacity: int, rule: str, table) 
             return float(t * SCALE)
         if lim is None:
             return float("inf")
-        # not used before `lim`: its layer's first visit from there on, plus the reuse rule's estimate
-        v = now + ((key[0] - now % L) % L or L)
+        # not used before `lim`: its layer's first visit from there on, plus the table's estimate for
+        # the history those unused visits leave
+        v0 = now + ((key[0] - now % L) % L or L)
+        v = v0
         while v < lim:
             v += L
-        return float(hist.score(key, now, None) + (v - now - ((key[0] - now % L) % L or L)) * SCALE)
+        h = (hist.hist[key[0]].get(key[1], 0) << ((v - v0) // L)) & hist.mask
+        return float(v * SCALE + L * (table.visits16[h] - SCALE))
 
     if rule == "lru":
         pool = ExpertPool(capacity, 1, policy="lru", min_slots=k)
@@ -117,7 +125,10 @@ def eviction_bounds(trace: Path, pool_fracs: list[float], *, max_sequences: int 
     train = routing_sequences(reader, "train")
     if not train:
         raise SpecPrefetchError(f"trace {trace}: no train split to learn the reuse table from")
-    table = learn_reuse_table(train, reader.num_experts)
+    if not any((kinds == DECODE).any() for _, kinds in seqs):
+        raise SpecPrefetchError(f"trace {trace}: no held-out decode positions to count reads at (traced with "
+                                "--decode-tokens 0?)")
+    table = learn_reuse_table(train, reader.num_experts, where=f"trace {trace}")
     L, E = len(reader.moe_layers), reader.num_experts
     points = []
     for frac in pool_fracs:

@@ -220,7 +220,7 @@ def reuse_for(reader, adapter: Path | None):
     if not seqs:
         raise SpecPrefetchError(f"trace {reader.path}: eviction 'reuse' learns its table from the train split, "
                                 "which this trace lacks; pass --adapter (one trained with its reuse table)")
-    return learn_reuse_table(seqs, reader.num_experts)
+    return learn_reuse_table(seqs, reader.num_experts, where=f"trace {reader.path}")
 
 
 def run_simulation(trace: Path, *, policies: list[Policy], profile: DeviceProfile, pool_mib: float,
