@@ -18,7 +18,7 @@ from toolkit.errors import SpecPrefetchError
 
 SCALE = 16          # table entries are in sixteenths of a visit
 BITS = 8            # history length in visits
-CAP = 64            # visits until reuse, at most (an expert not routed to again counts as CAP)
+CAP = 64            # visits until reuse, at most (not routed to again within CAP visits: CAP)
 MAX_BITS = 16
 
 
