@@ -267,6 +267,20 @@ def _check_runtime(mf: Path, m: dict[str, Any], g: Any) -> None:
         raise SpecPrefetchError(f"{mf}: kv.max_seq is {max_seq!r}; it must be an integer of at least 2")
 
 
+SCHEDULER_DEFAULTS = ("window", "queue_depth", "min_confidence", "floor", "step_budget_kib")
+
+
+def scheduler_defaults(m: dict[str, Any]) -> dict[str, Any]:
+    """The scheduler settings a bundle was exported with (runtime.scheduler, validated by
+    _check_runtime), as RunConfig fields: what both engines run a bundle with unless told otherwise
+    (the native runner reads the same fields: android_runner/src/bundle.cpp)."""
+    s = m["runtime"].get("scheduler", {})
+    out = {k: s[k] for k in ("window", "queue_depth", "min_confidence", "floor") if k in s}
+    if s.get("step_budget_bytes"):
+        out["step_budget_kib"] = max(1, int(s["step_budget_bytes"]) // 1024)
+    return out
+
+
 def open_bundle(path: Path | str) -> tuple[dict[str, Any], Any]:
     """(manifest, backend running the bundle's graphs) of a validated bundle.
 

@@ -135,7 +135,7 @@ def _predictors(names: list[str], *, E: int, graph: str | None, bank, adapter, c
 def open_session(source: str | Path, cfg: RunConfig, *, predictors: list[str] | None = None,
                  adapter: Path | None = None, store: Path | None = None, dtype: str | None = None,
                  frequency_trace: Path | None = None, max_seq: int = 512, progress: bool = True,
-                 pool_default: bool = False) -> Session:
+                 pool_default: bool = False, scheduler_default: tuple[str, ...] = ()) -> Session:
     """A Runner over `source` (model directory, `embedded`, or bundle directory).
 
     Args:
@@ -150,6 +150,9 @@ def open_session(source: str | Path, cfg: RunConfig, *, predictors: list[str] | 
         frequency_trace: the trace whose expert counts drive the frequency predictor.
         max_seq: KV cache length of the eager graphs (model directories).
         pool_default: a bundle's own default pool budget replaces cfg.pool_mib.
+        scheduler_default: RunConfig fields (of export.manifest.SCHEDULER_DEFAULTS) a bundle's own
+            exported settings replace (the options the caller was not given), as the native runner
+            takes them; model directories keep cfg's.
     """
     names = list(dict.fromkeys(predictors or [cfg.policy.predictor]))
     for n in names:
@@ -159,7 +162,7 @@ def open_session(source: str | Path, cfg: RunConfig, *, predictors: list[str] | 
         if adapter is not None or store is not None:
             raise SpecPrefetchError(f"{source}: a bundle carries its own adapter heads and expert store; "
                                     "drop --adapter / --store")
-        s = _open_bundle(Path(source), cfg, names, frequency_trace, pool_default)
+        s = _open_bundle(Path(source), cfg, names, frequency_trace, pool_default, scheduler_default)
         _check_dtype(dtype, s.runner.store, f"{source}: the bundle's own expert store")
         return s
     return _open_model(source, cfg, names, adapter, store, dtype, frequency_trace, max_seq, progress)
@@ -229,11 +232,16 @@ def _check_dtype(dtype: str | None, st: ExpertStore, what: str) -> None:
         raise SpecPrefetchError(f"--dtype {dtype}: {what} holds {st.dtype} experts; drop --dtype ({fix})")
 
 
-def _open_bundle(path: Path, cfg: RunConfig, names: list[str], frequency_trace, pool_default: bool) -> Session:
+def _open_bundle(path: Path, cfg: RunConfig, names: list[str], frequency_trace, pool_default: bool,
+                 scheduler_default: tuple[str, ...] = ()) -> Session:
     from export.manifest import malformed, open_bundle
 
     m, backend = open_bundle(path)
     with malformed(path / "manifest.json"):
+        if scheduler_default:  # the settings it was exported with, for the options not given
+            from export.manifest import scheduler_defaults
+
+            cfg = dataclasses.replace(cfg, **{k: v for k, v in scheduler_defaults(m).items() if k in scheduler_default})
         return _bundle_session(path, m, backend, cfg, names, frequency_trace, pool_default)
 
 

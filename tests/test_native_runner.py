@@ -182,6 +182,34 @@ def test_a_malformed_reuse_table_is_refused(native, tmp_path):
         open_session(b, RunConfig(policy=Policy("on-demand", "lru"), io="threads"))
 
 
+def test_both_engines_run_a_bundle_with_its_exported_scheduler_settings(native, tmp_path):
+    """`run BUNDLE` takes the window, queue depth and confidence floor the bundle was exported with in
+    the Python engine as the native runner does; an option given overrides them in both."""
+    b = tmp_path / "b"
+    shutil.copytree(native[0], b)
+    m = json.loads((b / "manifest.json").read_text())
+    m["runtime"]["scheduler"].update(window=3, queue_depth=2, min_confidence=0.05)
+    (b / "manifest.json").write_text(json.dumps(m))
+    headers = {}
+    for extra in ([], ["--window", "1", "--queue-depth", "5"]):
+        for engine in ("python", "native"):
+            ev = tmp_path / f"{engine}-{len(extra)}.log"
+            r = subprocess.run(["specprefetch", "run", str(b), "--engine", engine, "--policy", "next-gate+prediction",
+                                "--pool-mib", "2", "--prompt", "The kernel's memory", "--max-new-tokens", "3",
+                                "--no-check", "--events", str(ev), "--json", str(ev.with_suffix(".json")), *extra],
+                               capture_output=True, text=True,
+                               timeout=600, env=_env(native))
+            assert r.returncode == 0, r.stderr
+            lines = ev.read_text().splitlines()
+            headers[engine, len(extra)] = lines[0]
+            headers[engine, len(extra), "decisions"] = decisions(lines)
+    for n, want in ((0, "window=3 queue_depth=2 min_confidence=0.05"),
+                    (4, "window=1 queue_depth=5 min_confidence=0.05")):  # --min-confidence not given: the bundle's
+        assert want in headers["python", n] and want in headers["native", n], (headers["python", n],
+                                                                                headers["native", n])
+        assert headers["python", n, "decisions"] == headers["native", n, "decisions"]
+
+
 def test_policies_differ_and_the_oracle_bounds_them(native, tmp_path):
     got = {p: native_run(native, tmp_path, p, POOLS[0])[0]["runs"][0]
            for p in ("on-demand+lru", "next-gate+prediction", "oracle+belady")}

@@ -685,8 +685,10 @@ def calibrate(model, store_path, reads, out, overwrite) -> None:
 @click.option("--pool-low-watermark-mib", type=POOL_AUTO_MIB, default=None,
               help="--pool-mib auto: the pool shrinks when the available memory falls under this [default: half "
                    "the reserve]")
-@click.option("--window", type=click.IntRange(min=1), default=2, show_default=True, help=WINDOW_HELP)
-@click.option("--queue-depth", type=click.IntRange(min=1), default=4, show_default=True)
+@click.option("--window", type=click.IntRange(min=1), default=2, show_default=True,
+              help=WINDOW_HELP + " (a bundle: the one it was exported with, unless given)")
+@click.option("--queue-depth", type=click.IntRange(min=1), default=4, show_default=True,
+              help="prefetch reads in flight at most (a bundle: its exported setting, unless given)")
 @click.option("--store", "store_path", type=click.Path(path_type=Path), default=None,
               help="an existing expert store (model directories; default: built once into the cache)")
 @click.option("--dtype", default=None, type=click.Choice(["fp16", "int8", "int4"]),
@@ -771,7 +773,13 @@ def run(model, policy, adapter, frequency_trace, pool_mib, pool_reserve_mib, poo
     if ctx_default(click.get_current_context(), "draft_k") is False:
         raise SpecPrefetchError("--draft-k: only with --device cuda (the CPU engines' draft predicts, "
                                 "it does not decode)")
+    # a bundle runs with the scheduler settings it was exported with, in both engines, for the options
+    # not given here (export.manifest.scheduler_defaults; the native runner reads them itself)
+    ctx = click.get_current_context()
+    not_given = tuple(k for k in ("window", "queue_depth", "min_confidence", "step_budget_kib") if ctx_default(ctx, k))
     if engine == "native":
+        window, queue_depth, min_confidence = (None if k in not_given else v for k, v in (
+            ("window", window), ("queue_depth", queue_depth), ("min_confidence", min_confidence)))
         if adapter or store_path or frequency_trace or flash_profile:
             raise SpecPrefetchError("--engine native runs a bundle as exported: drop --adapter, --store, "
                                     "--frequency-trace and --flash-profile")
@@ -810,7 +818,7 @@ def run(model, policy, adapter, frequency_trace, pool_mib, pool_reserve_mib, poo
                     flash_profile=load_profile(flash_profile, "--flash-profile") if flash_profile else None,
                     io=io_mode, min_confidence=min_confidence, step_budget_kib=step_budget_kib, prefill_chunk=chunk)
     s = open_session(model, cfg, adapter=adapter, store=store_path, dtype=dtype, frequency_trace=frequency_trace,
-                     max_seq=max_seq, pool_default=pool_mib is None)
+                     max_seq=max_seq, pool_default=pool_mib is None, scheduler_default=(*not_given, "floor"))
     s.runner.progress = True  # a prefill progress bar on stderr for long prompts
     if check is None:
         check = s.is_embedded
