@@ -275,9 +275,10 @@ def scheduler_defaults(m: dict[str, Any]) -> dict[str, Any]:
     _check_runtime), as RunConfig fields: what both engines run a bundle with unless told otherwise
     (the native runner reads the same fields: android_runner/src/bundle.cpp)."""
     s = m["runtime"].get("scheduler", {})
-    out = {k: s[k] for k in ("window", "queue_depth", "min_confidence", "floor") if k in s}
-    if s.get("step_budget_bytes"):
-        out["step_budget_kib"] = max(1, int(s["step_budget_bytes"]) // 1024)
+    out = {k: s[k] for k in ("window", "queue_depth") if k in s}
+    out.update({k: float(s[k]) for k in ("min_confidence", "floor") if k in s})
+    if s.get("step_budget_bytes"):  # null or 0: unbounded; whole KiB, rounded down (as the native runner)
+        out["step_budget_kib"] = int(s["step_budget_bytes"]) // 1024
     return out
 
 

@@ -239,8 +239,11 @@ def _open_bundle(path: Path, cfg: RunConfig, names: list[str], frequency_trace, 
     m, backend = open_bundle(path)
     with malformed(path / "manifest.json"):
         if scheduler_default:  # the settings it was exported with, for the options not given
-            from export.manifest import scheduler_defaults
+            from export.manifest import SCHEDULER_DEFAULTS, scheduler_defaults
 
+            unknown = set(scheduler_default) - set(SCHEDULER_DEFAULTS)
+            if unknown:
+                raise ValueError(f"scheduler_default: not a bundle scheduler setting: {sorted(unknown)}")
             cfg = dataclasses.replace(cfg, **{k: v for k, v in scheduler_defaults(m).items() if k in scheduler_default})
         return _bundle_session(path, m, backend, cfg, names, frequency_trace, pool_default)
 

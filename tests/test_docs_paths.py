@@ -1,58 +1,103 @@
-"""Every repository path that the docs, the README and the code's comments name exists (a file moved or
-removed leaves no pointer behind), and nothing points outside the repository at notes it does not hold."""
+"""Every repository path that the docs, the README and the code's comments name exists in the repository
+(a file moved or removed leaves no pointer behind), and nothing points outside the repository at notes it
+does not hold."""
 from __future__ import annotations
 
+import fnmatch
+import functools
 import re
 import subprocess
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 TOP = ("toolkit", "export", "android_runner", "adapters", "tests", "docs", ".ci")
 # a path under one of the top-level directories, not inside a longer word or path
-PATH = re.compile(r"(?<![\w./-])((?:" + "|".join(re.escape(t) for t in TOP) + r")/[\w./*{}-]*[\w*}])")
-SUFFIXES = (".py", ".md", ".cpp", ".h", ".toml", ".txt", ".cmake", ".sh", "Makefile", "run")
+PATH = re.compile(r"(?<![\w./-])((?:" + "|".join(re.escape(t) for t in TOP) + r")/[\w./*{},-]*[\w*}])")
+# (pyproject.toml is left out: its package-data paths are relative to each package)
+SCANNED = (".py", ".md", ".cpp", ".h", ".txt", ".cmake", ".sh", "Makefile", "run")
+PLACEHOLDERS = {"FILE", "TEST"}
 
 
-def _tracked() -> list[Path]:
-    out = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout
-    return [REPO / f for f in out.split() if f.endswith(SUFFIXES)]
+@functools.lru_cache(maxsize=1)
+def _tracked() -> tuple[str, ...]:
+    try:
+        out = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git work tree")
+    return tuple(f for f in out.decode().split("\0") if f)
 
 
-def _exists(name: str, where: Path) -> bool:
-    if any(c in name for c in "*{"):  # a pattern: some tracked file starts as it does
-        prefix = re.split(r"[*{]", name)[0]
-        return any(str(t.relative_to(REPO)).startswith(prefix) for t in _tracked())
-    for base in (REPO, where.parent):  # as given, or relative to the naming file (CMake's own paths)
-        p = base / name
-        # a file, a directory, a stem whose files differ by extension (docs/img/x.*), or a build target
-        # named after its source (android_runner/tests/check_kernels <- check_kernels.cpp)
-        if p.exists() or any(p.parent.glob(p.name + ".*")):
-            return True
-    return False
+@functools.lru_cache(maxsize=1)
+def _known() -> frozenset[str]:
+    """Every tracked file and every directory holding one."""
+    out = set()
+    for f in _tracked():
+        parts = f.split("/")
+        out.update("/".join(parts[:i]) for i in range(1, len(parts) + 1))
+    return frozenset(out)
+
+
+def _expand(name: str) -> list[str]:
+    m = re.search(r"\{([^{}]*)\}", name)
+    if not m:
+        return [name]
+    return [x for alt in m.group(1).split(",") for x in _expand(name[:m.start()] + alt + name[m.end():])]
+
+
+def _exists(name: str, where: str) -> bool:
+    known = _known()
+    for n in _expand(name):
+        bases = [""] + ([where.rsplit("/", 1)[0] + "/"] if where.endswith(("CMakeLists.txt", ".cmake")) else [])
+        ok = False
+        for base in bases:  # as given, or (CMake's own paths) relative to the naming file
+            p = base + n
+            if "*" in p:
+                ok = any(fnmatch.fnmatch(k, p) for k in known)
+            else:  # a file or directory, or a stem whose files differ by extension (docs/img/x.*)
+                ok = p in known or any(k.startswith(p + ".") for k in known)
+            if ok:
+                break
+        if not ok:
+            return False
+    return True
+
+
+def _scanned():
+    for f in _tracked():
+        p = REPO / f
+        if f.endswith(SCANNED) and p.is_file() and p.resolve() != Path(__file__).resolve():
+            yield f, p.read_text(encoding="utf-8", errors="replace")
 
 
 def test_every_named_repository_path_exists():
     missing = []
-    for f in _tracked():
-        if f.resolve() == Path(__file__).resolve():
-            continue
-        text = f.read_text(encoding="utf-8", errors="replace")
+    for f, text in _scanned():
         for m in PATH.finditer(text):
-            name = m.group(1).rstrip(".")
-            if re.search(r"/[A-Z][A-Z_]+(\.\w+)?$", name):  # a placeholder (tests/FILE.py)
+            name = m.group(1)
+            if Path(name).stem in PLACEHOLDERS:  # tests/FILE.py::TEST
                 continue
             if not _exists(name, f):
-                line = text.count("\n", 0, m.start()) + 1
-                missing.append(f"{f.relative_to(REPO)}:{line}: {name}")
+                missing.append(f"{f}:{text.count(chr(10), 0, m.start()) + 1}: {name}")
     assert not missing, "paths named but not in the repository:\n" + "\n".join(missing)
+
+
+def test_named_tests_exist():
+    """`tests/x.py::test_y` (docs/reliability.md names one per guarantee) names a test in that file."""
+    missing = []
+    for f, text in _scanned():
+        for m in re.finditer(r"(tests/\w+\.py)::(\w+)", text):
+            p = REPO / m.group(1)
+            if p.is_file() and not re.search(rf"\bdef {m.group(2)}\b", p.read_text(encoding="utf-8")):
+                missing.append(f"{f}: {m.group(0)}")
+    assert not missing, "tests named but not defined:\n" + "\n".join(missing)
 
 
 def test_no_pointer_outside_the_repository():
     bad = []
-    for f in _tracked():
-        if f.resolve() == Path(__file__).resolve():
-            continue
-        for i, ln in enumerate(f.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
-            if "../shared" in ln or re.search(r"\b(ANCHORS|RUNNER-ANCHORS|BENCHMARKING|SEEDS)\.md\b", ln):
-                bad.append(f"{f.relative_to(REPO)}:{i}")
+    for f, text in _scanned():
+        for i, ln in enumerate(text.splitlines(), 1):
+            if "../shared/" in ln or re.search(r"\b(ANCHORS|RUNNER-ANCHORS|BENCHMARKING|SEEDS)\.md\b", ln):
+                bad.append(f"{f}:{i}")
     assert not bad, "pointers at notes that are not in the repository: " + ", ".join(bad)

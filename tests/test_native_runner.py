@@ -183,15 +183,20 @@ def test_a_malformed_reuse_table_is_refused(native, tmp_path):
 
 
 def test_both_engines_run_a_bundle_with_its_exported_scheduler_settings(native, tmp_path):
-    """`run BUNDLE` takes the window, queue depth and confidence floor the bundle was exported with in
-    the Python engine as the native runner does; an option given overrides them in both."""
+    """`run BUNDLE` takes the window, queue depth, confidence floors and step budget the bundle was
+    exported with in the Python engine as the native runner does; an option given overrides them in
+    both, a default value given explicitly too."""
+    from toolkit.runtime.expert_store import ExpertStore
+
     b = tmp_path / "b"
     shutil.copytree(native[0], b)
     m = json.loads((b / "manifest.json").read_text())
-    m["runtime"]["scheduler"].update(window=3, queue_depth=2, min_confidence=0.05)
+    slot = ExpertStore(b / m["runtime"]["expert_store"]).slot_bytes
+    m["runtime"]["scheduler"].update(window=3, queue_depth=2, min_confidence=0.05, floor=0.01,
+                                     step_budget_bytes=2 * slot)  # two prefetches a step at most
     (b / "manifest.json").write_text(json.dumps(m))
     headers = {}
-    for extra in ([], ["--window", "1", "--queue-depth", "5"]):
+    for extra in ([], ["--window", "1", "--queue-depth", "5", "--min-confidence", "0.02"]):
         for engine in ("python", "native"):
             ev = tmp_path / f"{engine}-{len(extra)}.log"
             r = subprocess.run(["specprefetch", "run", str(b), "--engine", engine, "--policy", "next-gate+prediction",
@@ -203,11 +208,19 @@ def test_both_engines_run_a_bundle_with_its_exported_scheduler_settings(native, 
             lines = ev.read_text().splitlines()
             headers[engine, len(extra)] = lines[0]
             headers[engine, len(extra), "decisions"] = decisions(lines)
-    for n, want in ((0, "window=3 queue_depth=2 min_confidence=0.05"),
-                    (4, "window=1 queue_depth=5 min_confidence=0.05")):  # --min-confidence not given: the bundle's
+    for n, want in ((0, " window=3 queue_depth=2 min_confidence=0.050 "),
+                    (6, " window=1 queue_depth=5 min_confidence=0.020 ")):
         assert want in headers["python", n] and want in headers["native", n], (headers["python", n],
                                                                                 headers["native", n])
         assert headers["python", n, "decisions"] == headers["native", n, "decisions"]
+    # the step budget (not in the header) holds in both: at most two prefetches a step
+    for n in (0, 6):
+        per_step: dict[str, int] = {}
+        for ln in headers["python", n, "decisions"]:  # "<step> prefetch <layer>:<expert> ..."
+            parts = ln.split()
+            if len(parts) > 1 and parts[1] == "prefetch":
+                per_step[parts[0]] = per_step.get(parts[0], 0) + 1
+        assert per_step and max(per_step.values()) <= 2, per_step
 
 
 def test_policies_differ_and_the_oracle_bounds_them(native, tmp_path):

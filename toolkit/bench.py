@@ -48,7 +48,7 @@ def torch_threads(n: int) -> None:
 def run_bench(*, model: str = "embedded", adapter: Path | None, policies: list[Policy], pools: list[float],
               frequency_trace: Path | None = None,
               prompts: int = 4, prompt_tokens: int = 64, new_tokens: int = 48, rounds: int = 3,
-              flash_profile: str | None = None, window: int = 2, store: Path | None = None,
+              flash_profile: str | None = None, window: int | None = None, store: Path | None = None,
               simulate: bool = True, threads: int = 1, progress: bool = True) -> dict[str, Any]:
     """Every policy x pool over the same prompts through the reference runner, interleaved."""
     from export.session import open_session, reference_tokens
@@ -56,10 +56,14 @@ def run_bench(*, model: str = "embedded", adapter: Path | None, policies: list[P
     from toolkit.runtime.runner import RunConfig
 
     torch_threads(threads)
-    cfg = RunConfig(policy=policies[0], pool_mib=max(pools), window=window,
+    cfg = RunConfig(policy=policies[0], pool_mib=max(pools), window=window or 2,
                     flash_profile=load_profile(flash_profile) if flash_profile else None)
+    # a bundle: its exported scheduler settings, as `run` (the window only when not given: None)
     s = open_session(model, cfg, predictors=[p.predictor for p in policies], adapter=adapter, store=store,
-                     frequency_trace=frequency_trace, progress=progress)
+                     frequency_trace=frequency_trace, progress=progress,
+                     scheduler_default=(*(("window",) if window is None else ()),
+                                        "queue_depth", "min_confidence", "floor", "step_budget_kib"))
+    window = s.runner.cfg.window
     texts = bench_prompts(prompts, prompt_tokens, s.tokenizer)
     ids = [s.encode(t) for t in texts]
     recorded = [s.runner.record(p, new_tokens) for p in ids]  # the future oracle and Belady read

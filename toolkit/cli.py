@@ -1340,7 +1340,8 @@ def bench(ctx, model, adapter, policies, pool_mib, prompts, new_tokens, rounds, 
 
     r = run_bench(model=model, adapter=adapter, policies=parse_policies(policies), pools=pool_mib, prompts=prompts,
                   prompt_tokens=lengths[0], new_tokens=new_tokens, rounds=rounds, flash_profile=flash_profile,
-                  window=window, store=store_path, simulate=not no_simulate, frequency_trace=frequency_trace)
+                  window=None if ctx_default(ctx, "window") else window, store=store_path, simulate=not no_simulate,
+                  frequency_trace=frequency_trace)
     write(r, json_out)
     click.echo(markdown(r))
     click.echo(wrote(c))
