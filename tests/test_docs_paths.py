@@ -55,8 +55,8 @@ def _exists(name: str, where: str) -> bool:
             p = base + n
             if "*" in p:
                 ok = any(fnmatch.fnmatch(k, p) for k in known)
-            else:  # a file or directory, or a stem whose files differ by extension (docs/img/x.*)
-                ok = p in known or any(k.startswith(p + ".") for k in known)
+            else:  # a file or a directory (a stem such as docs/img/x is no name of a file)
+                ok = p in known
             if ok:
                 break
         if not ok:
