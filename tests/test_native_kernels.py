@@ -6,7 +6,8 @@ int8 / int4 blobs it is toolkit/runtime/experts.py's integer path (activations q
 32, exact block sums, float32 scaling in block order), which every integer kernel must match BITWISE
 per matrix. Each available ISA runs the blobs through the check_kernels tool
 (android_runner/tests/check_kernels.cpp): portable, AVX2, AVX-VNNI and AVX512-VNNI natively (where
-the CPU has them), NEON, NEON dotprod and NEON i8mm in a static aarch64 build under qemu-aarch64 -cpu max when the cross compiler and qemu exist.
+the CPU has them), NEON, NEON dotprod and NEON i8mm in a static aarch64 build under qemu-aarch64 -cpu
+max when the cross compiler and qemu exist.
 """
 from __future__ import annotations
 
