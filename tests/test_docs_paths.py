@@ -64,11 +64,10 @@ def _exists(name: str, where: str) -> bool:
     return True
 
 
-def _scanned():
-    for f in _tracked():
-        p = REPO / f
-        if f.endswith(SCANNED) and p.is_file() and p.resolve() != Path(__file__).resolve():
-            yield f, p.read_text(encoding="utf-8", errors="replace")
+@functools.lru_cache(maxsize=1)
+def _scanned() -> tuple[tuple[str, str], ...]:
+    return tuple((f, (REPO / f).read_text(encoding="utf-8", errors="replace")) for f in _tracked()
+                 if f.endswith(SCANNED) and (REPO / f).is_file() and (REPO / f).resolve() != Path(__file__).resolve())
 
 
 def test_every_named_repository_path_exists():

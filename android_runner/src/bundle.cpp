@@ -229,8 +229,7 @@ Bundle parse_manifest(const std::string& text, const std::string& where) {
     jsonc::need_object(*v, where, "predictor.reuse");
     b.reuse_bits = to_int(as_int(field(*v, "bits", where, "predictor.reuse"), where, "predictor.reuse.bits", 1, 16));
     const int64_t cap = as_int(field(*v, "cap", where, "predictor.reuse"), where, "predictor.reuse.cap", 1, 1 << 20);
-    if (as_int(field(*v, "scale", where, "predictor.reuse"), where, "predictor.reuse.scale", 16, 16) != 16)
-      fail(where, "predictor.reuse.scale must be 16");
+    as_int(field(*v, "scale", where, "predictor.reuse"), where, "predictor.reuse.scale", 16, 16);  // 16 only
     b.reuse_visits16 = as_int_list(field(*v, "visits16", where, "predictor.reuse"), where, "predictor.reuse.visits16",
                                    16, 16 * cap);
     if (b.reuse_visits16.size() != (size_t{1} << b.reuse_bits))

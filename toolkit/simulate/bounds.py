@@ -24,7 +24,6 @@ window predictions: `reuse` is history only). No timing: bytes only (`reads x sl
 """
 from __future__ import annotations
 
-import bisect
 from pathlib import Path
 from typing import Any, Callable
 
@@ -34,35 +33,20 @@ from adapters.reuse import SCALE, learn_reuse_table
 from toolkit.errors import SpecPrefetchError
 from toolkit.runtime.pool import ExpertPool
 from toolkit.runtime.reuse import ReuseHistory
-from toolkit.traces.format import DECODE
+from toolkit.runtime.runner import belady_next_use
+from toolkit.traces.format import DECODE, TraceReader, routing_sequences
 
 RULES = ("lru", "reuse", "belady-token", "belady-next-token", "belady")
 
 
-def _sequences(reader, split: str, max_sequences: int | None) -> list[tuple[np.ndarray, np.ndarray]]:
-    a = reader.load(split, ("seq", "pos", "kind", "expert_ids"))
-    order = np.lexsort((a["pos"], a["seq"]))
-    seq = a["seq"][order]
-    cuts = np.flatnonzero(np.diff(seq)) + 1
-    out = list(zip(np.split(a["expert_ids"][order].astype(np.int64), cuts), np.split(a["kind"][order], cuts)))
-    out = [x for x in out if len(x[0])]
-    return out[:max_sequences] if max_sequences else out
-
-
-def replay(ids: np.ndarray, kinds: np.ndarray, capacity: int, rule: str, table) -> tuple[int, int]:
-    """(reads at decode positions, decode positions) of one sequence [positions, L, k] under `rule`."""
+def replay(ids: np.ndarray, kinds: np.ndarray, capacity: int, rule: str, table,
+           true_next: Callable[[tuple[int, int], int], float] | None = None) -> tuple[int, int]:
+    """(reads at decode positions, decode positions) of one sequence [positions, L, k] under `rule`.
+    `true_next`: the sequence's real next use (belady_next_use of it; built here if not given)."""
     N, L, k = ids.shape
-    uses: dict[tuple[int, int], list[int]] = {}
-    for p in range(N):
-        for li in range(L):
-            for e in ids[p, li].tolist():
-                uses.setdefault((li, e), []).append(p * L + li)
-    hist = ReuseHistory(table, L)
-
-    def true_next(key, now):
-        st = uses.get(key, ())
-        j = bisect.bisect_right(st, now)
-        return st[j] if j < len(st) else None
+    if true_next is None and rule.startswith("belady"):
+        true_next = belady_next_use(list(ids), L)
+    hist = ReuseHistory(table, L) if rule != "lru" and rule != "belady" else None  # the rules that read it
 
     horizon = {"belady-token": 1, "belady-next-token": 2, "belady": None}.get(rule)
 
@@ -71,7 +55,7 @@ def replay(ids: np.ndarray, kinds: np.ndarray, capacity: int, rule: str, table) 
         reuse rule's estimate past that point."""
         t = true_next(key, now)
         lim = None if horizon is None else (now // L + horizon) * L
-        if t is not None and (lim is None or t < lim):
+        if t != float("inf") and (lim is None or t < lim):
             return float(t * SCALE)
         if lim is None:
             return float("inf")
@@ -98,7 +82,8 @@ def replay(ids: np.ndarray, kinds: np.ndarray, capacity: int, rule: str, table) 
         for li in range(L):
             now = p * L + li
             keys = [(li, int(e)) for e in ids[p, li]]
-            hist.observe(now, keys)
+            if hist is not None:
+                hist.observe(now, keys)
             for key in keys:
                 s = pool.get(key)
                 if s is None:
@@ -116,10 +101,8 @@ def replay(ids: np.ndarray, kinds: np.ndarray, capacity: int, rule: str, table) 
 
 def eviction_bounds(trace: Path, pool_fracs: list[float], *, max_sequences: int | None = None,
                     progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
-    from toolkit.traces.format import TraceReader, routing_sequences
-
     reader = TraceReader(trace)
-    seqs = _sequences(reader, "heldout", max_sequences)
+    seqs = routing_sequences(reader, "heldout", with_kind=True)[:max_sequences]
     if not seqs:
         raise SpecPrefetchError(f"trace {trace}: no held-out sequences to replay")
     train = routing_sequences(reader, "train")
@@ -130,6 +113,7 @@ def eviction_bounds(trace: Path, pool_fracs: list[float], *, max_sequences: int 
                                 "--decode-tokens 0?)")
     table = learn_reuse_table(train, reader.num_experts, where=f"trace {trace}")
     L, E = len(reader.moe_layers), reader.num_experts
+    nexts = [belady_next_use(list(ids), L) for ids, _ in seqs]  # each sequence's real next uses, once
     points = []
     for frac in pool_fracs:
         if not 0 < frac <= 1:
@@ -139,8 +123,8 @@ def eviction_bounds(trace: Path, pool_fracs: list[float], *, max_sequences: int 
         for rule in RULES:
             progress(f"pool {cap} slots: {rule}")
             r = d = 0
-            for ids, kinds in seqs:
-                a, b = replay(ids, kinds, cap, rule, table)
+            for (ids, kinds), nu in zip(seqs, nexts):
+                a, b = replay(ids, kinds, cap, rule, table, nu)
                 r, d = r + a, d + b
             row["reads_per_token"][rule] = round(r / max(d, 1), 3)
         rp = row["reads_per_token"]

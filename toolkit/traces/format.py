@@ -507,14 +507,17 @@ class TraceReader:
         return {f: (np.concatenate(v) if v else np.zeros((0,), FIELDS[f])) for f, v in parts.items()}
 
 
-def routing_sequences(reader: TraceReader, split: str) -> list[np.ndarray]:
-    """Each sequence's routed expert ids [positions, L, k] of a split, positions in order."""
-    a = reader.load(split, ("seq", "pos", "expert_ids"))
+def routing_sequences(reader: TraceReader, split: str, *, with_kind: bool = False) -> list:
+    """Each sequence's routed expert ids [positions, L, k] of a split, positions in order; with
+    `with_kind`, (ids, kind [positions]) pairs."""
+    a = reader.load(split, ("seq", "pos", "expert_ids", *(("kind",) if with_kind else ())))
     if not len(a["seq"]):
         return []
     order = np.lexsort((a["pos"], a["seq"]))
     seq, ids = a["seq"][order], a["expert_ids"][order].astype(np.int64)
     cuts = np.flatnonzero(np.diff(seq)) + 1
+    if with_kind:
+        return list(zip(np.split(ids, cuts), np.split(a["kind"][order], cuts)))
     return list(np.split(ids, cuts))
 
 
