@@ -33,6 +33,7 @@ import numpy as np
 from android_runner.build import build
 from android_runner.build import run_native as _run_native
 from toolkit.reporting import save_figure, write_report
+from toolkit.metrics import median
 
 MiB = 2**20
 
@@ -108,9 +109,6 @@ def calibrate_native(bundle: Path, prompts: list[list[int]], *, all_mib: float, 
 ABLATION_POLICIES = ("oracle+lru", "oracle+prediction", "{graph}+belady", "on-demand+belady")
 
 
-def _median(xs: list) -> float | None:
-    xs = [x for x in xs if x is not None]
-    return round(float(np.median(xs)), 4) if xs else None
 
 
 def is_quantised(manifest: dict) -> bool:
@@ -197,8 +195,8 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
         else:
             first_use.append(res)  # later preloaded rounds must repeat the first
         rss.append(res["peak_rss_bytes"])
-        log(f"  round {r + 1}/{rounds}: native {_median(native_t)} ms, python {_median(python_t)} ms, "
-            f"native preloaded {_median(preload_t)} ms")
+        log(f"  round {r + 1}/{rounds}: native {median(native_t)} ms, python {median(python_t)} ms, "
+            f"native preloaded {median(preload_t)} ms")
     # the bytes a decode token reads: the program's constants, less the embedding table when the
     # head does not read it whole (untied: one row is read), plus every layer's KV cache (the
     # graphs attend over the whole static cache) and the top-k experts of every MoE layer
@@ -211,12 +209,12 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
     touched = dense + kv + L * k * store.blob_size
     bw = memory_read_bandwidth()
     floor_ms = touched / bw * 1e3
-    out["resident"] = {"native_tpot_ms": _median(preload_t), "native_first_use_tpot_ms": _median(native_t),
-                       "python_tpot_ms": _median(python_t),
-                       "python_over_native": round(_median(python_t) / _median(native_t), 2),
+    out["resident"] = {"native_tpot_ms": median(preload_t), "native_first_use_tpot_ms": median(native_t),
+                       "python_tpot_ms": median(python_t),
+                       "python_over_native": round(median(python_t) / median(native_t), 2),
                        "bytes_touched_per_token": touched, "dense_program_bytes": dense, "kv_cache_bytes": kv,
                        "memory_read_gbps": round(bw / 1e9, 2), "floor_ms": round(floor_ms, 4),
-                       "native_over_floor": round(_median(preload_t) / floor_ms, 2),
+                       "native_over_floor": round(median(preload_t) / floor_ms, 2),
                        "native_peak_rss_mib": round(max(rss) / MiB, 1), "pool_mib": round(all_mib, 2),
                        "resident_tokens": resident_tokens,
                        "tokens_match_resident": token_check(first_use, resident_tokens)["match"]}
@@ -251,7 +249,7 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
         point = {"pool_mib": round(pool, 3), "pool_frac": frac, "slots": slots, "policies": {}}
         for p, results in got.items():
             runs = [x for res in results for x in res["runs"]]
-            point["policies"][p] = {key: _median([x[key] for x in runs]) for key in
+            point["policies"][p] = {key: median([x[key] for x in runs]) for key in
                                     ("tpot_ms", "tpot_p95_ms", "ttft_ms", "stall_ms_per_token", "hit_rate",
                                      "mib_read_per_token", "prefetch_precision", "prefetch_recall")}
             point["policies"][p]["peak_rss_mib"] = round(max(res["peak_rss_bytes"] for res in results) / MiB, 1)

@@ -252,7 +252,7 @@ def _assemble(model, work: Path, scratch: Path, cfg: ExportConfig, tgt, quant: s
     expert_bytes = store.slot_bytes * store.num_layers * store.num_experts
     pool_mib = cfg.pool_mib if cfg.pool_mib is not None else round(expert_bytes / 4 / 2**20, 3)
     from toolkit.runtime.scheduler import SchedulerConfig
-    sched = dataclasses.asdict(SchedulerConfig(window=cfg.window))
+    sched = {"window": cfg.window, **dataclasses.asdict(SchedulerConfig())}
     timings["total_s"] = time.perf_counter() - t_start
     manifest = {
         "format": FORMAT, "version": VERSION,

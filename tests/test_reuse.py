@@ -158,7 +158,7 @@ def _sched(policy):
     # 01 (routed at the latest visit only): reused at the next visit
     table = ReuseTable(2, 8, (8 * SCALE, 1 * SCALE, 3 * SCALE, 1 * SCALE))
     reuse = ReuseHistory(table, num_layers=4) if policy == "reuse" else None
-    sched = WindowScheduler(pool, SimFlash(SNAPDRAGON_8_ELITE, clock, 4096), SchedulerConfig(window=4),
+    sched = WindowScheduler(pool, SimFlash(SNAPDRAGON_8_ELITE, clock, 4096), SchedulerConfig(),
                             num_layers=4, top_k=1, clock=lambda: clock.now, reuse=reuse)
     if policy == "prediction":
         pool.next_use = sched.next_predicted_use

@@ -158,7 +158,7 @@ def _drive(pattern, predict, pool_slots=6, window=2):
     holder = {}
     pool = ExpertPool(pool_slots * 128 * 1024, 128 * 1024, policy="prediction", min_slots=2,
                       next_use=lambda k, now: holder["s"].next_predicted_use(k, now))
-    sched = WindowScheduler(pool, flash, SchedulerConfig(window=window, prefetch=predict), num_layers=4, top_k=2,
+    sched = WindowScheduler(pool, flash, SchedulerConfig(prefetch=predict), num_layers=4, top_k=2,
                             clock=lambda: clock.now)
     holder["s"] = sched
     stall = 0.0
@@ -233,6 +233,43 @@ def test_simulator_orders_policies(sim_trace, tiny_models):
     # the tiny config keeps its 8 experts (num_local_experts): the trace's 32 fold onto them
     assert "floor(i x 8 / 16)" in m and "geometry expert e mod 8" in m
     assert g["pool_share_of_routed_experts"] == g["pool_share_of_experts"]
+
+
+def test_simulator_projects_ttft(sim_trace):
+    """--prompt-tokens: a prompt of the held-out prompts' positions end to end goes through a fresh pool
+    layer by layer; every layer of a span reads the union of its experts once, so on demand the reads are
+    exactly the union per layer (counted by hand here), prefetch overlaps some of them, and a faster
+    prefill rate only shortens TTFT."""
+    import dataclasses
+
+    from toolkit.runtime.policy import Policy
+    from toolkit.simulate.replay import _prompt_batch, prompt_rows, run_simulation
+    from toolkit.traces.format import TraceReader
+
+    pols = [Policy("on-demand", "lru"), Policy("oracle", "belady")]
+    r = run_simulation(sim_trace, policies=pols, profile=SNAPDRAGON_8_ELITE, pool_mib=8, window=2, prompt_tokens=100)
+    od, orc = r["results"]
+    assert r["prefill"]["prompt_tokens"] == od["prompt_tokens"] == 100
+    b, rows = _prompt_batch(TraceReader(sim_trace), "heldout", 100, SNAPDRAGON_8_ELITE)
+    assert len(rows) == len(set(rows.tolist())) == 100 and bool((b.kind[rows] == 0).all())
+    assert prompt_rows(b, 100).tolist() == rows.tolist()
+    # positions in order within each sequence, and a sequence's positions together
+    seqs = b.seq[rows].tolist()
+    assert all(b.pos[rows[i]] < b.pos[rows[i + 1]] for i in range(99) if seqs[i] == seqs[i + 1])
+    assert len({q for i, q in enumerate(seqs) if i == 0 or seqs[i - 1] != q}) == len(set(seqs)) > 1
+    union = sum(len(set(b.ids[rows, li].flatten().tolist())) for li in range(b.num_layers))
+    assert od["prefill_mib_read"] == round(union * 122880 / 2**20, 1)
+    assert 0 < orc["ttft_ms"] < od["ttft_ms"] and orc["prefill_stall_ms"] < od["prefill_stall_ms"]
+    fast = dataclasses.replace(SNAPDRAGON_8_ELITE, prefill_gflops=10 * SNAPDRAGON_8_ELITE.prefill_gflops)
+    f = run_simulation(sim_trace, policies=pols[:1], profile=fast, pool_mib=8, window=2, prompt_tokens=100)
+    assert f["results"][0]["ttft_ms"] < od["ttft_ms"]
+    assert f["results"][0]["prefill_mib_read"] == od["prefill_mib_read"]
+    with pytest.raises(SpecPrefetchError, match="--prompt-tokens 100000: .* hold only"):
+        run_simulation(sim_trace, policies=pols[:1], profile=SNAPDRAGON_8_ELITE, pool_mib=8, window=2,
+                       prompt_tokens=100000)
+    none = dataclasses.replace(SNAPDRAGON_8_ELITE, prefill_gflops=None)
+    with pytest.raises(SpecPrefetchError, match="states no prefill compute rate"):
+        run_simulation(sim_trace, policies=pols[:1], profile=none, pool_mib=8, window=2, prompt_tokens=100)
 
 
 def test_replay_onto_three_times_the_layers_plans_every_layer(sim_trace, tiny_models, monkeypatch):

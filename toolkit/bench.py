@@ -23,6 +23,7 @@ import torch
 from toolkit.errors import SpecPrefetchError
 from toolkit.reporting import save_figure, write_report
 from toolkit.runtime.policy import Policy
+from toolkit.metrics import median
 
 
 def bench_prompts(n: int, tokens: int, tokenizer) -> list[str]:
@@ -95,7 +96,7 @@ def run_bench(*, model: str = "embedded", adapter: Path | None, policies: list[P
                         samples[pol.name].append(g.stats.to_json())
         point: dict[str, Any] = {"pool_mib": pool, "policies": {}}
         for pol, rs in samples.items():
-            point["policies"][pol] = {k: _median([r[k] for r in rs]) for k in MEDIAN_KEYS}
+            point["policies"][pol] = {k: median([r[k] for r in rs]) for k in MEDIAN_KEYS}
             point["policies"][pol]["runs"] = len(rs)
         results["points"].append(point)
     if simulate and s.source_model is not None and s.kind == "model":
@@ -106,10 +107,6 @@ def run_bench(*, model: str = "embedded", adapter: Path | None, policies: list[P
     return results
 
 
-def _median(values: list) -> float | None:
-    """The median of the defined values (a run that stops at EOS after one token has no TPOT)."""
-    vals = [v for v in values if v is not None]
-    return round(float(np.median(vals)), 4) if vals else None
 
 
 MEDIAN_KEYS = ("tpot_ms", "tpot_p95_ms", "ttft_ms", "stall_ms_per_token", "hit_rate", "mib_read_per_token",

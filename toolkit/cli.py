@@ -580,7 +580,8 @@ def store(model, out, dtype, overwrite) -> None:
               help="comma-separated PREDICTOR+EVICTION (eviction: lru, lfu, prediction, belady, reuse)")
 @click.option("--adapter", type=click.Path(path_type=Path), default=None)
 @click.option("--profile", default="snapdragon-8-elite", show_default=True,
-              help="snapdragon-8-elite, this-machine (after calibrate), or a profile JSON file")
+              help="snapdragon-8-elite, snapdragon-8-elite-npu (prefill on the NPU), this-machine (after "
+                   "calibrate), or a profile JSON file")
 @click.option("--pool-mib", type=POOL_MIB_LIST, default="8", show_default=True, help="pool budget; comma list to sweep")
 @click.option("--window", "windows", type=IntList(1), default="2", show_default=True,
               help=WINDOW_HELP + "; a comma list sweeps")
@@ -589,13 +590,16 @@ def store(model, out, dtype, overwrite) -> None:
 @click.option("--geometry", default=None, help="config.json directory whose sizes to use (routing stays the trace's)")
 @click.option("--split", default="heldout", show_default=True, type=click.Choice(["heldout", "train"]))
 @click.option("--max-sequences", type=click.IntRange(min=1), default=None)
+@click.option("--prompt-tokens", type=click.IntRange(min=0), default=0, show_default=True,
+              help="also project TTFT for a prompt of this many positions (the split's prompts laid end to end; "
+                   "needs a profile with a prefill rate); 0: decode only")
 @scheduler_limits
 @click.option("--json", "json_out", required=True, type=OUT_FILE,
               help="JSON report; the Markdown table and PNG plot go beside it")
 @click.option("--overwrite", is_flag=True, help=OVERWRITE_REPORT)
 @friendly_errors(interrupt=NOT_WRITTEN)
 def simulate(traces, policies, adapter, profile, pool_mib, windows, queue_depth, dtype, geometry, split,
-             max_sequences, min_confidence, step_budget_kib, json_out, overwrite) -> None:
+             max_sequences, prompt_tokens, min_confidence, step_budget_kib, json_out, overwrite) -> None:
     """Replay TRACES through the pool and scheduler against a device profile: TPOT, stall, hit
     rate, MiB read and wasted prefetch per policy; sweeps give a table and plots."""
     from toolkit.runtime.profiles import profile_dir
@@ -609,7 +613,7 @@ def simulate(traces, policies, adapter, profile, pool_mib, windows, queue_depth,
     r = sweep(traces, policies=parse_policies(policies), profile=load_profile(profile), pools=pool_mib,
               windows=windows, queue_depth=queue_depth, dtype=dtype, geometry=geometry, adapter=adapter,
               split=split, max_sequences=max_sequences, min_confidence=min_confidence,
-              step_budget_kib=step_budget_kib)
+              step_budget_kib=step_budget_kib, prompt_tokens=prompt_tokens)
     write_sweep(r, json_out)
     click.echo(markdown(r))
     click.echo(wrote(c))

@@ -38,8 +38,9 @@ def precision_within(scores: torch.Tensor, real_ids: torch.Tensor, budget: int) 
     return float(topk_overlap(scores, real_ids, budget).float().mean() / budget)
 
 
-def hit_rate(hits: int, requests: int) -> float:
-    return hits / requests if requests else 0.0
+def rate(count: int, requests: int) -> float:
+    """A count per expert request (hit rate, late rate); 0 when nothing was requested."""
+    return count / requests if requests else 0.0
 
 
 def prefetch_precision(prefetch_hits: int, issued: int) -> float:
@@ -57,3 +58,10 @@ def tpot_ms(token_times_s: list[float] | np.ndarray) -> float:
     if len(t) < 2:
         return float("nan")
     return float((t[-1] - t[0]) / (len(t) - 1) * 1e3)
+
+
+def median(values) -> float | None:
+    """The median of the defined values, rounded to 4 places (None when none is: a run that stopped
+    at EOS after one token has no TPOT); the one median every bench report uses."""
+    vals = [v for v in values if v is not None]
+    return round(float(np.median(vals)), 4) if vals else None

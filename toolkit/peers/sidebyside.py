@@ -60,6 +60,7 @@ from toolkit.errors import SpecPrefetchError
 from toolkit.peers import llamacpp, memlimit
 from toolkit.peers.memlimit import LimitedRun, run_limited
 from toolkit.reporting import save_figure, write_report
+from toolkit.metrics import median
 
 MiB = 2**20
 LLAMA = "llama.cpp"
@@ -384,9 +385,6 @@ def default_margin(limit_bytes: int) -> int:
 
 # ------------------------------------------------------------------------------------ the run
 
-def _median(xs: list) -> float | None:
-    xs = [x for x in xs if x is not None]
-    return round(float(statistics.median(xs)), 4) if xs else None
 
 
 def _row(m: _Model, engine: str, threads: int, frac: float | None, limit: int | None, plen: int,
@@ -398,8 +396,8 @@ def _row(m: _Model, engine: str, threads: int, frac: float | None, limit: int | 
         "model": m.label, "model_bytes": m.model_bytes, "gguf_type": m.gguf_type, "engine": engine,
         "threads": threads, "mmap_mode": NATIVE_MODE if native else MMAP_MODE[engine],
         "memory_limit_frac": frac, "memory_limit_bytes": limit, "prompt_tokens": plen,
-        "tpot_ms": _median([r.get("tpot_ms") for r in ok]),
-        "ttft_ms": _median([r.get("ttft_ms") for r in ok]), "mib_read": _median([r.get("mib_read") for r in ok]),
+        "tpot_ms": median([r.get("tpot_ms") for r in ok]),
+        "ttft_ms": median([r.get("ttft_ms") for r in ok]), "mib_read": median([r.get("mib_read") for r in ok]),
         "peak_rss_bytes": int(statistics.median([r["peak_rss_bytes"] for r in ok])) if ok else None,
         "pool_mib": round(pool, 3) if pool is not None else None,
         "tokens_match": all(r.get("tokens_match") for r in ok) if ok else None,
@@ -408,14 +406,14 @@ def _row(m: _Model, engine: str, threads: int, frac: float | None, limit: int | 
         "runs_ok": len(ok), "runs": total,
         "peak_rss_max_bytes": max(r["peak_rss_bytes"] for r in ok) if ok else None,
         "cgroup_max_usage_bytes": max((r.get("cgroup_max_usage_bytes") or 0) for r in ok) if ok and limit else None,
-        "load_ms": _median([r.get("load_ms") for r in ok]),
-        "wall_s": _median([r.get("wall_s") for r in runs]),
+        "load_ms": median([r.get("load_ms") for r in ok]),
+        "wall_s": median([r.get("wall_s") for r in runs]),
         "tokens_agree_min": min((r["tokens_agree"] for r in ok if r.get("tokens_agree") is not None), default=None),
     }
     if native:
-        row.update({"hit_rate": _median([r.get("hit_rate") for r in ok]),
-                    "stall_ms_per_token": _median([r.get("stall_ms_per_token") for r in ok]),
-                    "runner_mib_read": _median([r.get("runner_mib_read") for r in ok]),
+        row.update({"hit_rate": median([r.get("hit_rate") for r in ok]),
+                    "stall_ms_per_token": median([r.get("stall_ms_per_token") for r in ok]),
+                    "runner_mib_read": median([r.get("runner_mib_read") for r in ok]),
                     "direct_io": all(r.get("direct_io") for r in ok) if ok else None})
         if m.quantised:
             row["tokens_match_resident"] = all(r.get("tokens_match_resident") for r in ok) if ok else None

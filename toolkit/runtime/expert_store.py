@@ -484,7 +484,7 @@ class ExpertStore:
 
     def read(self, layer: int, expert: int, *, verify: bool = True) -> bytes:
         """A buffered read of one blob from the held descriptor (tools and tests; the runtime uses
-        io.DirectReader / ProcessReader)."""
+        io.ThreadReader / ProcessReader)."""
         e = self.entry(layer, expert)
         self._live()
         blob = _pread_exact(self.fd, e.size, e.offset, self.path, f"short read of expert ({layer}, {expert})")

@@ -45,7 +45,7 @@ def open_direct(path) -> tuple[int, bool]:
     return os.open(path, os.O_RDONLY), False
 
 
-class DirectReader:
+class ThreadReader:
     def __init__(self, store: ExpertStore, *, workers: int = 4, profile: DeviceProfile | None = None,
                  verify: bool = True):
         self.store, self.profile, self.verify = store, profile, verify

@@ -41,6 +41,9 @@ class DeviceProfile:
     # measured compute (this-machine): when set, these replace the bandwidth model
     dense_ms_per_layer: float | None = None
     expert_ms: float | None = None
+    # prefill: effective matmul throughput (GFLOP/s) when many positions go through a layer at once
+    # (compute bound, unlike batch-1 decode); None: no TTFT projection
+    prefill_gflops: float | None = None
     measured: dict | None = None
     sources: list[str] = dataclasses.field(default_factory=list)
 
@@ -91,13 +94,26 @@ SNAPDRAGON_8_ELITE = DeviceProfile(
     dram_effective_gbs=40.0,
     layer_overhead_us=60.0,
     token_overhead_ms=2.0,
+    prefill_gflops=150.0,
     sources=["published: UFS 4.0 ~4.2 GB/s rated sequential; ~2.3 GiB/s measured with 512 KiB direct "
              "reads; ~3.5 GB/s at 512 KiB random; ~0.45 GB/s at 4 KiB random",
              "published: LPDDR5X-10667 ~85 GB/s peak; effective 40 GB/s assumed for batch-1 GEMV",
-             "per-request latency 80 us and per-layer dispatch 60 us: assumptions, see docs/device-profiles.md"],
+             "per-request latency 80 us and per-layer dispatch 60 us: assumptions, see docs/device-profiles.md",
+             "prefill 150 GFLOP/s: CPU prefill of a 3B-active MoE with streamed experts published at 22 tok/s "
+             "(~145 GFLOP/s at two FLOPs per active weight)"],
 )
 
-BUILTIN = {SNAPDRAGON_8_ELITE.name: SNAPDRAGON_8_ELITE}
+# the same phone with prefill on the Hexagon NPU (decode stays on the CPU: each CPU-NPU crossing costs
+# 0.3-0.5 ms, too much per decode layer): only the prefill rate differs
+SNAPDRAGON_8_ELITE_NPU = dataclasses.replace(
+    SNAPDRAGON_8_ELITE, name="snapdragon-8-elite-npu",
+    description="Snapdragon 8 Elite (SM8750) phone as snapdragon-8-elite, prefill on the Hexagon NPU",
+    prefill_gflops=1100.0,
+    sources=SNAPDRAGON_8_ELITE.sources + [
+        "prefill 1100 GFLOP/s: Hexagon NPU prefill of a 3B-active MoE with streamed experts published at 172 tok/s "
+        "(~1.1 TFLOP/s at two FLOPs per active weight); decode on the CPU"])
+
+BUILTIN = {p.name: p for p in (SNAPDRAGON_8_ELITE, SNAPDRAGON_8_ELITE_NPU)}
 
 
 def profile_dir() -> Path:

@@ -47,7 +47,7 @@ from toolkit.runtime.backend import Backend, chunk_plan, prefill_spans
 from toolkit.runtime.events import EventLog
 from toolkit.runtime.expert_store import ExpertStore
 from toolkit.runtime.experts import ExpertExecutor
-from toolkit.runtime.io import DirectReader, ProcessReader
+from toolkit.runtime.io import ThreadReader, ProcessReader
 from toolkit.runtime.planner import ChunkState, PrefetchPlanner, RoutingState
 from toolkit.runtime.policy import Policy
 from toolkit.runtime.pool import ExpertPool
@@ -253,7 +253,7 @@ class Runner:
         if cfg.io == "process":
             return ProcessReader(self.store, slots=slots, workers=cfg.queue_depth + 1, profile=cfg.flash_profile,
                                  verify=cfg.verify)
-        return DirectReader(self.store, workers=cfg.queue_depth, profile=cfg.flash_profile, verify=cfg.verify)
+        return ThreadReader(self.store, workers=cfg.queue_depth, profile=cfg.flash_profile, verify=cfg.verify)
 
     def _loop(self, seq: list[int], max_new: int, sched: WindowScheduler, pool: ExpertPool,
               planner: PrefetchPlanner, state: RoutingState, events: EventLog | None, io,

@@ -44,7 +44,8 @@ class IOBackend(Protocol):
 
 @dataclasses.dataclass
 class SchedulerConfig:
-    window: int = 4                 # steps ahead the predictor is asked about
+    """How the scheduler turns a window's predictions into reads (how far ahead the window looks is
+    the planner's: RunConfig.window)."""
     candidates: int | None = None   # experts per predicted step (default: top-k)
     queue_depth: int = 4            # prefetch reads issued per step at most (logically in flight)
     step_budget_bytes: int | None = None  # prefetch bytes issued per step (None: unbounded)

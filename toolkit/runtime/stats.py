@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from toolkit.metrics import hit_rate, prefetch_precision, prefetch_recall, tpot_ms
+from toolkit.metrics import prefetch_precision, prefetch_recall, rate, tpot_ms
 from toolkit.runtime.scheduler import SchedulerStats
 
 MiB = 2**20
@@ -72,8 +72,8 @@ class RunStats:
             tpot_p50_ms=round(float(np.percentile(iv, 50)), 4),
             tpot_p95_ms=round(float(np.percentile(iv, 95)), 4),
             stall_ms_per_token=round(decode.wait_s / n * 1e3, 4),
-            hit_rate=round(hit_rate(decode.hits, decode.requests), 4),
-            late_rate=round(hit_rate(decode.late, decode.requests), 4),
+            hit_rate=round(rate(decode.hits, decode.requests), 4),
+            late_rate=round(rate(decode.late, decode.requests), 4),
             mib_read=round(total_bytes_read / MiB, 4),
             mib_read_per_token=round(decode.bytes_read / MiB / n, 4),
             prefetch_precision=round(prefetch_precision(decode.prefetch_hits, decode.prefetch_issued), 4),

@@ -7,6 +7,13 @@ until flash delivers), the experts compute, the slots are released. Reported per
 (predictor x eviction): TPOT (mean, p50, p95), stall per token, hit rate, MiB read per token,
 wasted prefetch MiB. Geometry (expert and layer bytes) may come from another model's config.json
 than the trace's: the routing is then replayed onto that geometry, and the report says so.
+
+TTFT is projected separately (`simulate_prefill`) where the profile states a prefill compute rate: a
+prompt of `prompt_tokens` positions made of the held-out prompts' real routing, laid end to end, goes
+through a fresh pool in spans of PREFILL_SPAN positions, layer by layer, as both runners feed a prompt:
+at each MoE layer of a span the union of its positions' experts is acquired (in groups that fit the
+pool) and the window is planned from the span's predictions (each expert's best score over its
+positions), while the layer's compute takes its FLOPs at the profile's rate.
 """
 from __future__ import annotations
 
@@ -20,6 +27,8 @@ from toolkit.errors import SpecPrefetchError
 from toolkit.models.info import aligned, expert_bytes, model_info
 from toolkit.models.loader import inspect_model_dir
 from toolkit.traces.batches import RoutingBatch, iter_batches
+from toolkit.traces.format import PREFILL
+from toolkit.runtime.backend import PREFILL_SPAN
 from toolkit.runtime.policy import Policy
 from toolkit.runtime.runner import RunConfig, open_pool_and_scheduler
 from toolkit.runtime.scheduler import SchedulerStats
@@ -52,6 +61,14 @@ class Geometry:
         dense_params = max(0, d["non_expert_params"] - embed) / max(1, g.num_layers)
         return Geometry(str(spec.path), len(g.moe_layers), g.routing.num_experts, g.routing.top_k,
                         aligned(eb), eb, int(dense_params * BYTES_PER_PARAM[dtype]), dtype)
+
+    def prefill_flops(self, tokens: int) -> tuple[float, float]:
+        """(dense, expert) FLOPs of one MoE layer over `tokens` prompt positions: two per weight per
+        position, every position through the dense part and its top-k experts (attention's
+        position-by-position products left out: a few percent at 512 positions)."""
+        per = BYTES_PER_PARAM[self.dtype]
+        return (2.0 * self.dense_bytes_per_layer / per * tokens,
+                2.0 * self.expert_bytes / per * tokens * self.top_k)
 
 
 def sequences(b: RoutingBatch) -> list[torch.Tensor]:
@@ -165,6 +182,89 @@ def simulate_policy(batches: list[RoutingBatch], predictor, geo: Geometry, profi
             "sequences": len(tpots), "flash_utilisation": round(flash_busy / max(total_time, 1e-12), 4)}
 
 
+def prompt_rows(b: RoutingBatch, tokens: int) -> torch.Tensor:
+    """Rows of a `tokens`-position prompt: the batch's prompt (PREFILL) positions of each sequence in
+    position order, sequences laid end to end in id order, cut at `tokens` (fewer if the trace has
+    fewer)."""
+    out, n = [], 0
+    where = torch.nonzero(b.kind == PREFILL).squeeze(1)
+    for rows in sequences(b.select(b.kind == PREFILL)):
+        out.append(where[rows[: tokens - n]])
+        n += len(out[-1])
+        if n >= tokens:
+            break
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
+
+
+def simulate_prefill(b: RoutingBatch, rows: torch.Tensor, predictor, geo: Geometry, profile: DeviceProfile,
+                     cfg: RunConfig, layer_map: list[int], reuse=None) -> dict[str, Any]:
+    """TTFT of a prompt whose positions route as `rows` of the prompt batch `b` (prompt_rows), from
+    an empty pool: spans of PREFILL_SPAN positions, each MoE layer acquiring the span's union of
+    experts, the window planned from the span's best score per expert (as the runners'
+    `plan_chunk`), compute at `profile.prefill_gflops`. Targets past the prompt are not planned."""
+    L, T = geo.num_layers, len(rows)
+    Lt, W = b.num_layers, cfg.window
+    gflops = profile.prefill_gflops
+    spans = [min(PREFILL_SPAN, T - p0) for p0 in range(0, T, PREFILL_SPAN)]
+    ids = b.ids[rows]
+    future = [torch.stack([ids[t, layer_map[li]] % geo.num_experts for li in range(L)]) for t in range(T)]
+    clock = SimClock()
+    flash = SimFlash(profile, clock, geo.slot_bytes)
+    pool, sched = open_pool_and_scheduler(cfg, slot_bytes=geo.slot_bytes, num_layers=L, top_k=geo.top_k, io=flash,
+                                          future=future, prefetch=predictor is not None, units=spans,
+                                          clock=lambda: clock.now, reuse=reuse)
+    preds = {}
+    if predictor is not None:
+        for h in range(1, W + 1):
+            for i in range(Lt):
+                if i + h < Lt:
+                    preds[(i, h)] = predictor.scores(b, i, h)[rows]
+    reads_seen = 0
+    p0 = 0
+    for n in spans:
+        dense_flops, expert_flops = geo.prefill_flops(n)
+        for li in range(L):
+            step = p0 * L + li
+            clock.now += dense_flops / (gflops * 1e9) + profile.layer_overhead_us * 1e-6
+            keys = list(dict.fromkeys((li, int(e)) for t in range(p0, p0 + n) for e in future[t][li].tolist()))
+            groups = [keys[g: g + pool.capacity] for g in range(0, len(keys), pool.capacity)]
+            for gi, group in enumerate(groups):
+                sched.acquire(step, group)
+                if gi == len(groups) - 1 and predictor is not None:
+                    window = []
+                    ti = layer_map[li]
+                    for h in range(1, W + 1):
+                        if li + h >= L:
+                            break
+                        th = _trace_h(li, h, L, layer_map, Lt)
+                        sc = preds.get((ti, th)) if th > 0 else (preds.get((ti - 1, 1)) if ti > 0 else None)
+                        if sc is None:
+                            continue
+                        sc = sc[p0: p0 + n].float().amax(0)
+                        if geo.num_experts > sc.shape[0]:
+                            sc = torch.nn.functional.pad(sc, (0, geo.num_experts - sc.shape[0]))
+                        window.append((step + h, sc))
+                    sched.plan(step, window)
+                    clock.now += profile.plan_ms_per_layer * 1e-3
+                for key in group:
+                    sched.data(key)
+                issued = sched.stats.bytes_read // geo.slot_bytes
+                clock.now += (issued - reads_seen) * profile.read_cpu_us * 1e-6
+                reads_seen = issued
+                # the group's share of the layer's expert FLOPs, and each expert's weights from DRAM once
+                clock.now += expert_flops * len(group) / len(keys) / (gflops * 1e9)
+                if profile.dram_effective_gbs:
+                    clock.now += len(group) * geo.expert_bytes / (profile.dram_effective_gbs * 1e9)
+                sched.release(step, group, pump=gi == len(groups) - 1)
+        p0 += n
+    ttft = clock.now + profile.token_overhead_ms * 1e-3
+    st = sched.stats
+    return {"prompt_tokens": T, "ttft_ms": round(ttft * 1e3, 3), "prefill_tokens_per_s": round(T / ttft, 2),
+            "prefill_stall_ms": round(st.wait_s * 1e3, 3), "prefill_mib_read": round(st.bytes_read / 2**20, 1),
+            "prefill_hit_rate": round(st.hits / max(1, st.requests), 4),
+            "prefill_flash_utilisation": round(flash.busy_s / max(ttft, 1e-12), 4)}
+
+
 def _trace_h(li: int, h: int, L: int, layer_map: list[int], Lt: int) -> int:
     """The trace horizon for geometry layer li + h (identity when geometry = trace)."""
     if L == Lt:
@@ -172,6 +272,24 @@ def _trace_h(li: int, h: int, L: int, layer_map: list[int], Lt: int) -> int:
     tgt = li + h
     tok, layer = divmod(tgt, L)
     return tok * Lt + layer_map[layer] - layer_map[li]
+
+
+def _prompt_batch(reader, split: str, tokens: int, profile: DeviceProfile) -> tuple[RoutingBatch, torch.Tensor]:
+    """(batch, rows) of a `tokens`-position prompt from the split's prompt positions (TTFT)."""
+    if not profile.prefill_gflops:
+        raise SpecPrefetchError(f"--prompt-tokens {tokens}: profile {profile.name!r} states no prefill compute "
+                                "rate (prefill_gflops); pass --prompt-tokens 0 or a profile that has one")
+    parts = list(iter_batches(reader, split, with_probs=False))
+    if not parts:
+        raise SpecPrefetchError(f"trace {reader.path}: no {split} positions for a --prompt-tokens prompt")
+    b = RoutingBatch(**{f.name: (None if getattr(parts[0], f.name) is None
+                                 else torch.cat([getattr(x, f.name) for x in parts]))
+                        for f in dataclasses.fields(RoutingBatch)})
+    rows = prompt_rows(b, tokens)
+    if len(rows) < tokens:
+        raise SpecPrefetchError(f"--prompt-tokens {tokens}: trace {reader.path}'s {split} prompts hold only "
+                                f"{len(rows)} positions")
+    return b, rows
 
 
 def _mapping_note(Lt: int, Et: int, geo: Geometry) -> str | None:
@@ -227,7 +345,7 @@ def run_simulation(trace: Path, *, policies: list[Policy], profile: DeviceProfil
                    window: int, queue_depth: int = 4, dtype: str = "fp16", geometry: str | None = None,
                    adapter: Path | None = None, model: str | None = None, min_confidence: float = 0.02,
                    step_budget_kib: int | None = None, max_sequences: int | None = None,
-                   split: str = "heldout", floor: float = 0.0) -> dict[str, Any]:
+                   split: str = "heldout", floor: float = 0.0, prompt_tokens: int = 0) -> dict[str, Any]:
     from toolkit.traces.format import trace_model_spec
     from toolkit.predictors.evaluate import build_predictors
     from toolkit.traces.format import TraceReader
@@ -257,11 +375,15 @@ def run_simulation(trace: Path, *, policies: list[Policy], profile: DeviceProfil
                                 f"{geo.slot_bytes / 2**10:.0f} KiB, but one layer needs {geo.top_k}; use at least "
                                 f"{geo.top_k * geo.slot_bytes / 2**20:.2f}")
     reuse = reuse_for(reader, adapter) if any(p.eviction == "reuse" for p in policies) else None
-    results = [simulate_policy(batches, preds.get(p.predictor), geo, profile,
-                               RunConfig(policy=p, pool_mib=pool_mib, window=window, queue_depth=queue_depth,
-                                         min_confidence=min_confidence, floor=floor, step_budget_kib=step_budget_kib),
-                               layer_map, reuse=reuse)
-               for p in policies]
+    prompt = _prompt_batch(reader, split, prompt_tokens, profile) if prompt_tokens else None
+    results = []
+    for p in policies:
+        rc = RunConfig(policy=p, pool_mib=pool_mib, window=window, queue_depth=queue_depth,
+                       min_confidence=min_confidence, floor=floor, step_budget_kib=step_budget_kib)
+        r = simulate_policy(batches, preds.get(p.predictor), geo, profile, rc, layer_map, reuse=reuse)
+        if prompt is not None:
+            r.update(simulate_prefill(*prompt, preds.get(p.predictor), geo, profile, rc, layer_map, reuse=reuse))
+        results.append(r)
     total = geo.slot_bytes * geo.num_layers * geo.num_experts
     return {
         "profile": profile.name, "emulated_device": profile.name != "this-machine",
@@ -275,5 +397,8 @@ def run_simulation(trace: Path, *, policies: list[Policy], profile: DeviceProfil
         "pool_share_of_routed_experts": round(pool_bytes / (geo.slot_bytes * geo.num_layers
                                                             * min(geo.num_experts, reader.num_experts)), 4),
         "window": window, "queue_depth": queue_depth, "store_dtype": dtype,
+        "prefill": None if prompt is None else {
+            "prompt_tokens": len(prompt[1]), "prefill_gflops": profile.prefill_gflops, "span": PREFILL_SPAN,
+            "routing": f"the {split} prompts' positions laid end to end (each sequence's prompt in order)"},
         "results": results, "notes": notes,
     }

@@ -43,17 +43,27 @@ def markdown(r: dict[str, Any]) -> str:
                      f" (top-{g['top_k']} kept from the trace).")
         if r["routing_from"].get("mapping"):
             lines.append(f"Mapping: {r['routing_from']['mapping']}.")
+    prefill = next((p["prefill"] for p in r["points"] if p.get("prefill")), None)
+    if prefill:
+        lines.append(f"TTFT: a {prefill['prompt_tokens']}-position prompt ({prefill['routing']}) from an empty pool, "
+                     f"spans of {prefill['span']} positions, compute at {prefill['prefill_gflops']:g} GFLOP/s.")
+    extra = " TTFT ms | prefill tok/s | prefill MiB read |" if prefill else ""
     lines += ["", "| pool MiB | pool share | window | policy | TPOT ms | p95 ms | stall ms/token | hit rate | "
-                  "MiB read/token | wasted prefetch MiB | vs on-demand |", "|" + "---|" * 11]
+                  "MiB read/token | wasted prefetch MiB | vs on-demand |" + extra,
+              "|" + "---|" * (11 + (3 if prefill else 0))]
     for p in r["points"]:
         base = next((x["tpot_ms"] for x in p["results"] if x["predictor"] == "on-demand"), None)
         for x in p["results"]:
             t = x["tpot_ms"]
             ratio = f"{base / t:.3f}x" if _defined(base) and _defined(t) and t else "n/a"
-            lines.append(f"| {p['pool_mib']:g} | {100 * p['pool_share_of_experts']:.0f}% | {p['window']} | "
-                         f"{x['policy']} | {fmt(x['tpot_ms'])} | {fmt(x['tpot_p95_ms'])} | "
-                         f"{fmt(x['stall_ms_per_token'])} | {fmt(x['hit_rate'])} | {fmt(x['mib_read_per_token'])} | "
-                         f"{fmt(x['wasted_prefetch_mib'], '.1f')} | {ratio} |")
+            row = (f"| {p['pool_mib']:g} | {100 * p['pool_share_of_experts']:.0f}% | {p['window']} | "
+                   f"{x['policy']} | {fmt(x['tpot_ms'])} | {fmt(x['tpot_p95_ms'])} | "
+                   f"{fmt(x['stall_ms_per_token'])} | {fmt(x['hit_rate'])} | {fmt(x['mib_read_per_token'])} | "
+                   f"{fmt(x['wasted_prefetch_mib'], '.1f')} | {ratio} |")
+            if prefill:
+                row += (f" {fmt(x.get('ttft_ms'), '.1f')} | {fmt(x.get('prefill_tokens_per_s'), '.1f')} | "
+                        f"{fmt(x.get('prefill_mib_read'), '.1f')} |")
+            lines.append(row)
     return "\n".join(lines) + "\n"
 
 
