@@ -22,7 +22,7 @@ from adapters.checkpoint import save_adapter
 from adapters.lowrank import PrefetchAdapter
 from adapters.reuse import learn_reuse_table
 from toolkit.errors import SpecPrefetchError
-from toolkit.metrics import topk_overlap
+from toolkit.metrics import recall, topk_hits
 from toolkit.models.families import router_distribution
 from toolkit.models.routers import RouterBank, load_router_bank
 from toolkit.artifacts import claim_output
@@ -129,10 +129,10 @@ def validate(adapter: PrefetchAdapter, bank: RouterBank, val: list[RoutingBatch]
             s = bank.selection_scores(logits[:, p], adapter.target_layer(i, h))
             ok = valid[:, p]
             if ok.any():
-                hits[h][0] += float(topk_overlap(s[ok], ids[ok, p], k).sum())
-                hits[h][1] += int(ok.sum()) * k
+                hits[h][0] += topk_hits(s[ok], ids[ok, p], k)
+                hits[h][1] += int(ok.sum())
     return {"loss": loss_sum / max(1, n),
-            "recall_at_k": {str(h): round(v[0] / max(1, v[1]), 4) for h, v in hits.items()}}
+            "recall_at_k": {str(h): recall(v[0], v[1], k) for h, v in hits.items()}}
 
 
 def bank_to(bank: RouterBank, device: str) -> RouterBank:

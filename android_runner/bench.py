@@ -22,7 +22,6 @@ the Python engine's tokens (`tokens_match_python`, native against the Python ref
 from __future__ import annotations
 
 import functools
-import json
 import os
 import time
 from pathlib import Path
@@ -32,6 +31,7 @@ import numpy as np
 
 from android_runner.build import build
 from android_runner.build import run_native as _run_native
+from toolkit.artifacts import read_json
 from toolkit.reporting import save_figure, write_report
 from toolkit.metrics import median
 
@@ -75,7 +75,7 @@ def calibrate_native(bundle: Path, prompts: list[list[int]], *, all_mib: float, 
     from toolkit.runtime.expert_store import ExpertStore
     from toolkit.simulate.calibrate import measure_flash, runtime_profile, tiny_pool_mib
 
-    m = json.loads((Path(bundle) / "manifest.json").read_text())
+    m = read_json(Path(bundle) / "manifest.json", "bundle manifest")
     st = ExpertStore(Path(bundle) / m["runtime"]["expert_store"])
     L, k = st.num_layers, m["routing"]["top_k"]
     flash = measure_flash(st, reads)
@@ -201,7 +201,7 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
     # head does not read it whole (untied: one row is read), plus every layer's KV cache (the
     # graphs attend over the whole static cache) and the top-k experts of every MoE layer
     dense = (Path(bundle) / m["graphs"]["file"]).stat().st_size
-    cfg = json.loads((Path(bundle) / m["model"]["config"]).read_text())
+    cfg = read_json(Path(bundle) / m["model"]["config"], "model config")
     tc = cfg.get("text_config", cfg)
     if not tc.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False)):
         dense -= (int(tc["vocab_size"]) - 1) * int(tc["hidden_size"]) * 4

@@ -47,6 +47,7 @@ import zipfile
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from toolkit.artifacts import read_json
 from toolkit.errors import SpecPrefetchError
 
 SRC = Path(__file__).resolve().parent
@@ -577,4 +578,4 @@ def run_native(bundle: Path | str, prompts: Sequence[str | Sequence[int]], *, ab
                                         f"`specprefetch inspect {bundle}`)")
             raise SpecPrefetchError(msg.removeprefix("specprefetch-runner: error: ")
                                     if r.returncode == 1 else f"native runner failed ({r.returncode}): {msg}")
-        return json.loads(js.read_text(encoding="utf-8"))
+        return read_json(js, "native runner result")

@@ -8,7 +8,6 @@ XNNPACK). Writes JSON, a Markdown table and a PNG beside it.
 """
 from __future__ import annotations
 
-import json
 import shutil
 import tempfile
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Any
 
 import click
 
+from toolkit.artifacts import read_json
 from toolkit.errors import SpecPrefetchError
 from toolkit.reporting import save_figure, write_report
 
@@ -36,7 +36,7 @@ def run(model: str, adapter: Path | None, configs: list[str], max_seq: int, expe
             row: dict[str, Any] = {"target": target, "quant": quant}
             try:
                 m = export_bundle(model, out, cfg, adapter=adapter)
-                parity = json.loads((out / "parity.json").read_text())
+                parity = read_json(out / "parity.json", "parity report")
                 files = m["files"]
                 row.update(status="accepted", timings_s=m["timings_s"],
                            graph_bytes=sum(f["size"] for k, f in files.items() if k.startswith("graphs/")),
@@ -46,7 +46,7 @@ def run(model: str, adapter: Path | None, configs: list[str], max_seq: int, expe
                 rej = out.with_name(out.name + ".rejected") / "parity.json"
                 if not rej.exists():
                     raise
-                parity = json.loads(rej.read_text())
+                parity = read_json(rej, "parity report")
                 row.update(status="refused by parity", reason=str(e).split(": ", 1)[-1][:200])
             row["parity"] = {k: parity[k] for k in ("max_abs_logit_diff", "median_logit_diff", "topk_agreement",
                                                     "next_token_agreement", "positions", "reference")}

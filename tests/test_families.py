@@ -102,7 +102,7 @@ def test_missing_and_bad_directories(tmp_path):
     with pytest.raises(SpecPrefetchError, match="no config.json"):
         inspect_model_dir(tmp_path)
     (tmp_path / "config.json").write_text("{not json")
-    with pytest.raises(SpecPrefetchError, match="config.json: not valid JSON"):
+    with pytest.raises(SpecPrefetchError, match="config.json is not valid JSON"):
         inspect_model_dir(tmp_path)
 
 

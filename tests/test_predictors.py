@@ -15,7 +15,7 @@ from adapters.lowrank import PrefetchAdapter
 from adapters.train import TrainConfig, train_adapter
 from conftest import HELDOUT
 from toolkit.errors import SpecPrefetchError
-from toolkit.metrics import precision_within, recall_at_k, recall_within, tpot_ms
+from toolkit.metrics import precision, recall, topk_hits, tpot_ms
 from toolkit.models.loader import inspect_model_dir, load_model
 from toolkit.models.routers import load_router_bank
 from toolkit.models.tiny import TINY_FAMILIES
@@ -42,11 +42,15 @@ def emb_adapter(emb_trace, tmp_path_factory) -> tuple[Path, dict]:
 
 
 def test_metrics_by_hand():
+    """The accumulators eval and train report from: hits over rows, None where nothing was measured."""
     real = torch.tensor([[0, 1], [2, 3]])
     scores = torch.tensor([[5.0, 1.0, 4.0, 0.0], [0.0, 1.0, 3.0, 2.0]])  # top-2: {0,2}, {2,3}
-    assert recall_at_k(scores, real) == pytest.approx((1 / 2 + 2 / 2) / 2)
-    assert recall_within(scores, real, 3) == pytest.approx((2 / 2 + 2 / 2) / 2)  # {0,2,1}, {2,3,1}
-    assert precision_within(scores, real, 3) == pytest.approx((2 / 3 + 2 / 3) / 2)
+    assert topk_hits(scores, real, 2) == 1 + 2
+    assert recall(topk_hits(scores, real, 2), 2, 2) == pytest.approx(0.75)
+    assert topk_hits(scores, real, 3) == 2 + 2  # {0,2,1}, {2,3,1}
+    assert recall(topk_hits(scores, real, 3), 2, 2) == 1.0
+    assert precision(topk_hits(scores, real, 3), 2, 3) == pytest.approx(0.6667)
+    assert recall(0, 0, 2) is None and precision(0, 0, 3) is None  # undefined, not 0
     assert tpot_ms([0.0, 0.1, 0.3]) == pytest.approx(150.0)
 
 

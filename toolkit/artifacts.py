@@ -910,6 +910,8 @@ def read_json(path: Path | str, what: str) -> Any:
         return json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise SpecPrefetchError(f"{what} not found: {path}") from None
+    except OSError as e:  # a directory, no permission, an I/O error
+        raise SpecPrefetchError(f"{what} {path}: cannot read it ({e.strerror or e})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise SpecPrefetchError(f"{what} {path} is not valid JSON: {e}") from None
     except RecursionError:

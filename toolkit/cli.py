@@ -1,13 +1,23 @@
 """The `specprefetch` command line: one verb per pipeline stage, nothing else lives here.
 
-    specprefetch info MODEL_DIR            geometry and expert bytes of a MoE checkpoint
-    specprefetch trace MODEL_DIR --data F  routing traces for adapter training and evaluation
-    specprefetch export MODEL_DIR --out B  a phone-ready bundle (ExecuTorch / QNN / AI Hub), parity-checked
-    specprefetch inspect BUNDLE            validate a bundle and summarise it
-    specprefetch tiny FAMILY --out DIR     a tiny random checkpoint of a family, for trying things
+    specprefetch info MODEL                 geometry and expert bytes of a MoE checkpoint
+    specprefetch trace MODEL --data F       routing traces for adapter training and evaluation
+    specprefetch train TRACES --out A       the prefetch adapter (and its reuse table) on the frozen model
+    specprefetch eval TRACES --json R       recall@k / budget recall of every predictor, per horizon
+    specprefetch store MODEL --out S        the expert store (fp16 / int8 / int4), 4 KiB-aligned
+    specprefetch simulate TRACES            policies replayed on virtual-time flash (TPOT, TTFT) per pool
+    specprefetch eviction-bounds TRACES     bytes read per token for every eviction rule, Belady included
+    specprefetch calibrate MODEL            a device profile measured from this machine's reads
+    specprefetch run MODEL|BUNDLE           one generation through the pool (--engine python|native, --device cuda)
+    specprefetch bench MODEL                policies side by side, interleaved (--peer llama.cpp, --device cuda)
+    specprefetch export MODEL --out B       a phone-ready bundle (ExecuTorch / QNN / AI Hub), parity-checked
+    specprefetch inspect BUNDLE             validate a bundle and summarise it
+    specprefetch runner build|bench BUNDLE  the native C++ runner: build (host, arm64, android), bench
+    specprefetch device list|push|standin|bench   a phone over adb, or the loopback stand-in phone
+    specprefetch tiny FAMILY --out DIR      a tiny random checkpoint of a family, for trying things
     specprefetch widen MODEL --moe-intermediate-size N --out DIR   wider experts, same function
 
-MODEL_DIR may be `embedded` for the embedded default model or `phone` for the phone-class model.
+MODEL may be `embedded` for the embedded default model or `phone` for the phone-class model.
 """
 from __future__ import annotations
 

@@ -24,18 +24,26 @@ def topk_overlap(scores: torch.Tensor, real_ids: torch.Tensor, m: int) -> torch.
     return overlap(torch.topk(scores, m, dim=-1).indices, real_ids.long())
 
 
-def recall_at_k(scores: torch.Tensor, real_ids: torch.Tensor) -> float:
-    k = real_ids.shape[-1]
-    return float(topk_overlap(scores, real_ids, k).float().mean() / k)
+def share(hits: float, total: float) -> float | None:
+    """hits / total rounded to 4 places; None (JSON null, printed n/a) where nothing was measured,
+    e.g. within-token recall at a horizon past the model's last MoE layer: undefined, not 0."""
+    return round(float(hits / total), 4) if total > 0 else None
 
 
-def recall_within(scores: torch.Tensor, real_ids: torch.Tensor, budget: int) -> float:
-    k = real_ids.shape[-1]
-    return float(topk_overlap(scores, real_ids, budget).float().mean() / k)
+def topk_hits(scores: torch.Tensor, real_ids: torch.Tensor, m: int) -> int:
+    """How many of the real top-k ids [T, k] fall in the top-m of `scores` [T, E], over all rows: the
+    numerator every recall@k, recall@M and precision@M is accumulated from (eval and train alike)."""
+    return int(topk_overlap(scores, real_ids, m).sum())
 
 
-def precision_within(scores: torch.Tensor, real_ids: torch.Tensor, budget: int) -> float:
-    return float(topk_overlap(scores, real_ids, budget).float().mean() / budget)
+def recall(hits: float, rows: float, k: int) -> float | None:
+    """recall@k (or @M): accumulated `topk_hits` over `rows` token rows of k real experts each."""
+    return share(hits, rows * k)
+
+
+def precision(hits: float, rows: float, m: int) -> float | None:
+    """precision@M: accumulated `topk_hits` at budget M over `rows` rows of M candidates each."""
+    return share(hits, rows * m)
 
 
 def rate(count: int, requests: int) -> float:

@@ -1,4 +1,4 @@
-// libFuzzer target: ExecuTorch's program loading as the runner does it (executor.cpp:
+// libFuzzer target: ExecuTorch's program loading as the runner does it (backend.cpp:
 // Program::Verification::InternalConsistency, then every method loaded), on bit flips of a real
 // bundle's model.pte. A corrupted program must be refused with an error code, never crash, leak,
 // hang or hit UB inside the runtime. Anything else (a sanitizer report, a trap, a timeout) is a bug.

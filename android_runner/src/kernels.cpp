@@ -451,7 +451,7 @@ struct QScratch {
 };
 }  // namespace detail
 
-ExpertKernel::ExpertKernel(const std::vector<Section>& sections, const std::vector<Matrix>& matrices,
+ExpertExecutor::ExpertExecutor(const std::vector<Section>& sections, const std::vector<Matrix>& matrices,
                            const std::string& family, const std::string& hidden_act, float swiglu_limit, Isa isa)
     : isa_(isa) {
   gpt_oss_ = family == "gpt_oss";
@@ -561,9 +561,9 @@ ExpertKernel::ExpertKernel(const std::vector<Section>& sections, const std::vect
   hpad_.assign(static_cast<size_t>(ceil_group(i_)), 0.0f);
 }
 
-ExpertKernel::~ExpertKernel() { delete qs_; }
+ExpertExecutor::~ExpertExecutor() { delete qs_; }
 
-void ExpertKernel::glu(const uint8_t* blob, const float* g, const float* u, int64_t j0, int64_t j1, float* h) const {
+void ExpertExecutor::glu(const uint8_t* blob, const float* g, const float* u, int64_t j0, int64_t j1, float* h) const {
   if (gpt_oss_) {
     const uint8_t* bg = blob + bias_gate_;
     const uint8_t* bu = blob + bias_up_;
@@ -591,7 +591,7 @@ void ExpertKernel::glu(const uint8_t* blob, const float* g, const float* u, int6
   }
 }
 
-void ExpertKernel::forward(const uint8_t* blob, const float* x, float* y) const {
+void ExpertExecutor::forward(const uint8_t* blob, const float* x, float* y) const {
   if (quant_) {
     run_quantized(&blob, 1, x, 1, &y);
   } else {
@@ -599,7 +599,7 @@ void ExpertKernel::forward(const uint8_t* blob, const float* x, float* y) const 
   }
 }
 
-void ExpertKernel::forward_batch(const uint8_t* blob, const float* x, int64_t T, float* y) const {
+void ExpertExecutor::forward_batch(const uint8_t* blob, const float* x, int64_t T, float* y) const {
   if (T <= 0) return;
   if (quant_) {
     run_quantized(&blob, 1, x, T, &y);
@@ -608,7 +608,7 @@ void ExpertKernel::forward_batch(const uint8_t* blob, const float* x, int64_t T,
   for (int64_t t = 0; t < T; ++t) forward_float(blob, x + t * h_, y + t * h_);
 }
 
-void ExpertKernel::forward_many(const uint8_t* const* blobs, int n, const float* x, float* const* outs) const {
+void ExpertExecutor::forward_many(const uint8_t* const* blobs, int n, const float* x, float* const* outs) const {
   if (n <= 0) return;
   if (quant_) {
     run_quantized(blobs, n, x, 1, outs);
@@ -617,7 +617,7 @@ void ExpertKernel::forward_many(const uint8_t* const* blobs, int n, const float*
   for (int i = 0; i < n; ++i) forward_float(blobs[i], x, outs[i]);
 }
 
-void ExpertKernel::run_quantized(const uint8_t* const* blobs, int n, const float* x, int64_t T,
+void ExpertExecutor::run_quantized(const uint8_t* const* blobs, int n, const float* x, int64_t T,
                                  float* const* outs) const {
   detail::QScratch& s = *qs_;
   const bool p4 = gate_.int4;
@@ -675,7 +675,7 @@ void ExpertKernel::run_quantized(const uint8_t* const* blobs, int n, const float
   });
 }
 
-void ExpertKernel::forward_float(const uint8_t* blob, const float* x, float* y) const {
+void ExpertExecutor::forward_float(const uint8_t* blob, const float* x, float* y) const {
   const float* xin = x;
   if (gate_.pads_input || up_.pads_input) {  // int4 reads whole groups of 32: zero-padded copy
     std::memcpy(xpad_.data(), x, static_cast<size_t>(h_) * sizeof(float));

@@ -60,7 +60,7 @@ std::vector<Isa> supported_isas();
 // u8 = packed int4), `scale` its scale section (i8, u8) or nullptr (f16); [out, in] is the matrix's
 // true shape (int4 rows are padded to whole groups of 32 in the blob). Reads x[0..in) only. fp16:
 // float32 arithmetic; int8 / int4: x is quantised per block of 32 and the integer kernels run (as in
-// ExpertKernel). Single-threaded. Throws Error if the sections do not match the shape or `isa` is
+// ExpertExecutor). Single-threaded. Throws Error if the sections do not match the shape or `isa` is
 // not supported.
 void matvec(Isa isa, const Section& w, const Section* scale, int64_t out, int64_t in, const uint8_t* blob,
             const float* x, float* y);
@@ -82,7 +82,7 @@ struct QScratch;  // per-call buffers of the integer path (kernels.cpp)
 }  // namespace detail
 
 // One routed expert of a model, bound to a blob layout; forward() runs it on any blob of that layout.
-class ExpertKernel {
+class ExpertExecutor {
  public:
   // sections: the blob layout (store order); matrices: role + true shape; family: "gpt_oss" selects
   // the GPT-OSS form (clamped GLU with biases), anything else the SwiGLU-style default;
@@ -90,11 +90,11 @@ class ExpertKernel {
   // GPT-OSS); swiglu_limit: GPT-OSS's clamp limit. Throws Error on a layout it cannot run (missing
   // gate/up/down, shape mismatch, gate / up / down of different dtypes, unknown activation,
   // unsupported isa) naming what is wrong.
-  ExpertKernel(const std::vector<Section>& sections, const std::vector<Matrix>& matrices, const std::string& family,
+  ExpertExecutor(const std::vector<Section>& sections, const std::vector<Matrix>& matrices, const std::string& family,
                const std::string& hidden_act, float swiglu_limit, Isa isa = best_isa());
-  ~ExpertKernel();
-  ExpertKernel(const ExpertKernel&) = delete;
-  ExpertKernel& operator=(const ExpertKernel&) = delete;
+  ~ExpertExecutor();
+  ExpertExecutor(const ExpertExecutor&) = delete;
+  ExpertExecutor& operator=(const ExpertExecutor&) = delete;
 
   // y[H] = the expert's unweighted output for x[H]; blob points at the expert's bytes (at least
   // blob_bytes() of them). int8 / int4: rows split over parallel_for's threads. Uses internal
@@ -110,7 +110,7 @@ class ExpertKernel {
   // + GLU over experts x row blocks, then down).
   void forward_many(const uint8_t* const* blobs, int n, const float* x, float* const* outs) const;
 
-  int hidden() const { return static_cast<int>(h_); }
+  int hidden_size() const { return static_cast<int>(h_); }
   int intermediate() const { return static_cast<int>(i_); }
   Isa isa() const { return isa_; }
   // Whether the integer-dot path runs (int8 / int4 stores).

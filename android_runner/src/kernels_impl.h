@@ -1,5 +1,5 @@
 // Internal to the expert kernels (kernels.cpp, kernels_avx2.cpp, kernels_neon.cpp): the per-ISA
-// matrix-vector kernels behind spx::matvec and spx::ExpertKernel.
+// matrix-vector kernels behind spx::matvec and spx::ExpertExecutor.
 #pragma once
 
 #include <cmath>

@@ -24,7 +24,7 @@
 
 #include "bundle.h"
 #include "events.h"
-#include "executor.h"
+#include "backend.h"
 #include "expert_store.h"
 #include "fileio.h"
 #include "kernels.h"
@@ -271,8 +271,8 @@ std::vector<std::vector<std::vector<int>>> read_routing(const std::string& path,
   return out;
 }
 
-RoutingRule rule_of(const Routing& r) {
-  RoutingRule o;
+RoutingSpec rule_of(const Routing& r) {
+  RoutingSpec o;
   o.num_experts = r.num_experts;
   o.top_k = r.top_k;
   o.score_func = r.score_func;
@@ -362,18 +362,18 @@ int main_(int argc, char** argv) {
   if (a.cold) store->drop_cache();
   HostRouters host = load_host(b);
   Isa isa = a.isa.empty() ? best_isa() : isa_from_name(a.isa);
-  ExpertKernel kernel(store->sections, store->matrices, b.family, b.hidden_act, static_cast<float>(b.swiglu_limit), isa);
-  if (kernel.hidden() != b.hidden_size) throw Error(b.store_path + ": experts of width " + std::to_string(kernel.hidden()) + ", the model's is " + std::to_string(b.hidden_size));
+  ExpertExecutor kernel(store->sections, store->matrices, b.family, b.hidden_act, static_cast<float>(b.swiglu_limit), isa);
+  if (kernel.hidden_size() != b.hidden_size) throw Error(b.store_path + ": experts of width " + std::to_string(kernel.hidden_size()) + ", the model's is " + std::to_string(b.hidden_size));
   std::vector<std::string> methods;
   for (const auto& m : b.methods)
     if (m != "expert") methods.push_back(m);  // experts run on the runner's own kernels
-  Executor exec(b.program_path, methods, b.hidden_size, b.vocab_size, a.threads);
+  Backend exec(b.program_path, methods, b.hidden_size, b.vocab_size, a.threads);
 
   ModelInfo m;
   m.num_layers = b.num_layers;
   m.moe_layers = b.moe_layers;
   m.routing = rule_of(b.routing);
-  m.hidden = b.hidden_size;
+  m.hidden_size = b.hidden_size;
   m.vocab = b.vocab_size;
   m.eos_token_ids = b.eos_token_ids;
   m.preds_rows = b.preds_rows;

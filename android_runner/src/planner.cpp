@@ -21,7 +21,7 @@ void ChunkState::record(int li, const float* x, const std::vector<int>& chosen) 
   }
 }
 
-Planner::Planner(Source source, int num_layers, int window, const RoutingRule& routing, const HostRouters* host,
+PrefetchPlanner::PrefetchPlanner(Source source, int num_layers, int window, const RoutingSpec& routing, const HostRouters* host,
                  const std::map<int, std::vector<int>>& preds_rows, int hidden)
     : source_(source), L_(num_layers), W_(window), H_(hidden), E_(routing.num_experts), routing_(routing),
       host_(host), rows_(preds_rows) {
@@ -40,12 +40,12 @@ std::vector<float> rank_scores(std::vector<float> s, int k) {
 }
 }  // namespace
 
-const float* Planner::score_bias(int j) const {
+const float* PrefetchPlanner::score_bias(int j) const {
   if (host_ == nullptr || host_->score_bias.empty()) return nullptr;
   return host_->score_bias.data() + static_cast<size_t>(j) * E_;
 }
 
-std::vector<float> Planner::host_logits(int src, int j, const RoutingState& state) const {
+std::vector<float> PrefetchPlanner::host_logits(int src, int j, const RoutingState& state) const {
   std::vector<float> out(E_);
   const float* x = state.hidden.data() + static_cast<size_t>(src) * H_;
   const float* w = host_->weight.data() + static_cast<size_t>(j) * E_ * H_;
@@ -58,7 +58,7 @@ std::vector<float> Planner::host_logits(int src, int j, const RoutingState& stat
   return out;
 }
 
-void Planner::plan(WindowScheduler& sched, int li, int64_t step, const RoutingState& state,
+void PrefetchPlanner::plan(WindowScheduler& sched, int li, int64_t step, const RoutingState& state,
                    const std::vector<float>& preds, int64_t end) const {
   const int W = static_cast<int>(std::min<int64_t>(W_, end - 1 - step));
   if (source_ == Source::none || W < 1) {
@@ -157,7 +157,7 @@ void max_into(std::vector<float>& acc, const std::vector<float>& row) {
 }
 }  // namespace
 
-void Planner::plan_chunk(WindowScheduler& sched, int li, int64_t step, int T, int T_next, const ChunkState& chunk,
+void PrefetchPlanner::plan_chunk(WindowScheduler& sched, int li, int64_t step, int T, int T_next, const ChunkState& chunk,
                          const RoutingState& state, const std::vector<float>& preds, int64_t end) const {
   auto target = [&](int h) { return step + h + (li + h >= L_ ? static_cast<int64_t>(T - 1) * L_ : 0); };
   std::vector<int> hs;

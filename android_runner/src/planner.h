@@ -51,10 +51,10 @@ struct HostRouters {      // from host.safetensors
   std::vector<float> score_bias;  // [L, E] selection bias, or empty
 };
 
-class Planner {
+class PrefetchPlanner {
  public:
   // preds_rows: MoE layer position -> the horizons of its preds rows, in row order.
-  Planner(Source source, int num_layers, int window, const RoutingRule& routing, const HostRouters* host,
+  PrefetchPlanner(Source source, int num_layers, int window, const RoutingSpec& routing, const HostRouters* host,
           const std::map<int, std::vector<int>>& preds_rows, int hidden);
 
   // Queue the window's reads after MoE layer li's graph ran; targets at or past `end` are not planned.
@@ -73,7 +73,7 @@ class Planner {
 
   Source source_;
   int L_, W_, H_, E_;
-  RoutingRule routing_;
+  RoutingSpec routing_;
   const HostRouters* host_;
   std::map<int, std::vector<int>> rows_;
 };

@@ -19,7 +19,7 @@ void softmax(float* x, int n) {
 
 static float sigmoid(float v) { return 1.0f / (1.0f + std::exp(-v)); }
 
-static std::vector<float> scores_of(const float* logits, const RoutingRule& r) {
+static std::vector<float> scores_of(const float* logits, const RoutingSpec& r) {
   std::vector<float> s(logits, logits + r.num_experts);
   if (r.score_func == "sigmoid") {
     for (auto& v : s) v = sigmoid(v);
@@ -40,7 +40,7 @@ std::vector<int> topk(const std::vector<float>& v, int k) {
   return idx;
 }
 
-std::vector<float> selection_scores(const float* logits, const RoutingRule& r, const float* bias) {
+std::vector<float> selection_scores(const float* logits, const RoutingSpec& r, const float* bias) {
   if (r.topk_before_softmax) return std::vector<float>(logits, logits + r.num_experts);
   std::vector<float> choice = scores_of(logits, r);
   if (r.score_bias && bias != nullptr)
@@ -67,7 +67,7 @@ std::vector<float> selection_scores(const float* logits, const RoutingRule& r, c
   return choice;
 }
 
-std::vector<float> expert_weights(const float* logits, const std::vector<int>& ids, const RoutingRule& r) {
+std::vector<float> expert_weights(const float* logits, const std::vector<int>& ids, const RoutingSpec& r) {
   const int k = static_cast<int>(ids.size());
   std::vector<float> w(k);
   if (r.topk_before_softmax) {
@@ -86,7 +86,7 @@ std::vector<float> expert_weights(const float* logits, const std::vector<int>& i
   return w;
 }
 
-void select_experts(const float* logits, const RoutingRule& r, const float* bias, std::vector<int>& ids,
+void select_experts(const float* logits, const RoutingSpec& r, const float* bias, std::vector<int>& ids,
                     std::vector<float>& weights) {
   ids = topk(selection_scores(logits, r, bias), r.top_k);
   weights = expert_weights(logits, ids, r);

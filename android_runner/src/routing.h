@@ -7,7 +7,7 @@
 
 namespace spx {
 
-struct RoutingRule {
+struct RoutingSpec {
   int num_experts = 0;
   int top_k = 0;
   std::string score_func = "softmax";  // softmax | sigmoid
@@ -30,16 +30,16 @@ void softmax(float* x, int n);
 
 // Scores whose descending order is the family's selection order (bias, groups applied).
 // bias: the layer's selection bias [E] or nullptr.
-std::vector<float> selection_scores(const float* logits, const RoutingRule& r, const float* bias);
+std::vector<float> selection_scores(const float* logits, const RoutingSpec& r, const float* bias);
 
 // Indices of the k largest values, descending; ties go to the lower index (torch.topk on CPU).
 std::vector<int> topk(const std::vector<float>& v, int k);
 
 // The family's top-k: ids (descending selection score) and their combination weights.
-void select_experts(const float* logits, const RoutingRule& r, const float* bias, std::vector<int>& ids,
+void select_experts(const float* logits, const RoutingSpec& r, const float* bias, std::vector<int>& ids,
                     std::vector<float>& weights);
 
 // Combination weights of `ids` given the router logits (expert_weights in the reference).
-std::vector<float> expert_weights(const float* logits, const std::vector<int>& ids, const RoutingRule& r);
+std::vector<float> expert_weights(const float* logits, const std::vector<int>& ids, const RoutingSpec& r);
 
 }  // namespace spx

@@ -6,7 +6,7 @@
 #include <set>
 
 #include "events.h"
-#include "executor.h"
+#include "backend.h"
 #include "expert_store.h"
 #include "kernels.h"
 #include "pool.h"
@@ -130,7 +130,7 @@ std::vector<int> Runner::chunk_sizes() const {
   return out;
 }
 
-Runner::Runner(const ModelInfo& model, Executor& exec, const ExpertStore& store, const ExpertKernel& kernel,
+Runner::Runner(const ModelInfo& model, Backend& exec, const ExpertStore& store, const ExpertExecutor& kernel,
                const HostRouters* host)
     : m_(model), exec_(exec), store_(store), kernel_(kernel), host_(host) {
   cfg_.predictor = "on-demand";  // always available; the caller configures its policy
@@ -240,9 +240,9 @@ Generation Runner::generate(const std::vector<int>& prompt, int max_new,
                 " exceeds the graphs' KV cache of " + std::to_string(m_.max_seq) + " positions");
   if (cfg.needs_future() && future == nullptr)
     throw Error("--policy " + cfg.name() + ": needs a recorded first pass");
-  const int L = m_.L(), k = m_.routing.top_k, H = m_.hidden;
+  const int L = m_.L(), k = m_.routing.top_k, H = m_.hidden_size;
   const Source source = source_of(cfg.predictor);
-  Planner planner(source, L, cfg.window, m_.routing, host_, m_.preds_rows, H);
+  PrefetchPlanner planner(source, L, cfg.window, m_.routing, host_, m_.preds_rows, H);
   RoutingState state(L, H, k);
   state.future = future;
 

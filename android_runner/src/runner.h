@@ -1,6 +1,6 @@
 // The token generator: one decode loop over the program's step graphs, experts through the pool
 // (a port of toolkit/runtime/runner.py, in the style of ExecuTorch's TextTokenGenerator: it uses,
-// and does not own, the executor, the store and the kernels). Per position:
+// and does not own, the backend, the store and the kernels). Per position:
 //
 //   h = embed(token)
 //   for each decoder layer:
@@ -31,15 +31,15 @@
 namespace spx {
 
 class EventLog;
-class Executor;
-class ExpertKernel;
+class Backend;
+class ExpertExecutor;
 class ExpertStore;
 
 struct ModelInfo {
   int num_layers = 0;
   std::vector<int> moe_layers;
-  RoutingRule routing;
-  int hidden = 0;
+  RoutingSpec routing;
+  int hidden_size = 0;
   int vocab = 0;
   std::vector<int> eos_token_ids;
   std::map<int, std::vector<int>> preds_rows;  // MoE layer position -> horizons, row order
@@ -96,7 +96,7 @@ std::vector<int> prefill_spans(const std::vector<int>& units, int cap = kPrefill
 
 class Runner {
  public:
-  Runner(const ModelInfo& model, Executor& exec, const ExpertStore& store, const ExpertKernel& kernel,
+  Runner(const ModelInfo& model, Backend& exec, const ExpertStore& store, const ExpertExecutor& kernel,
          const HostRouters* host);
 
   void configure(const RunConfig& cfg);  // checked: a bad configuration throws and changes nothing
@@ -116,9 +116,9 @@ class Runner {
   Source source_of(const std::string& predictor) const;
 
   ModelInfo m_;
-  Executor& exec_;
+  Backend& exec_;
   const ExpertStore& store_;
-  const ExpertKernel& kernel_;
+  const ExpertExecutor& kernel_;
   const HostRouters* host_;
   RunConfig cfg_;
 };

@@ -9,7 +9,7 @@
 // from memory, not cache, as in a decode step over a layer's experts):
 //   float    the previous float32 kernels (weights dequantised in registers, fp32 FMA): gate, up, GLU,
 //            down; one thread
-//   forward  ExpertKernel::forward (integer dot products), per thread count
+//   forward  ExpertExecutor::forward (integer dot products), per thread count
 //   many     forward_many over M experts at once (one decode layer's resident experts), per expert
 //   batch    forward_batch over T token rows, per expert per token
 // One JSON object per line on stdout: {"dtype", "isa", "kernel", "threads", "H", "I", "tokens",
@@ -175,7 +175,7 @@ int main(int argc, char** argv) {
     for (const char* dtype : {"int4", "int8"}) {
       const Layout l = layout(dtype, H, I);
       const std::vector<uint8_t> blobs = random_blobs(l, N, rng);
-      spx::ExpertKernel k(l.sections, l.matrices, "qwen3_moe", "silu", 7.0f, isa);
+      spx::ExpertExecutor k(l.sections, l.matrices, "qwen3_moe", "silu", 7.0f, isa);
       std::vector<float> y(static_cast<size_t>(T * H) * M);
       size_t e = 0;
       auto blob = [&]() { const uint8_t* p = blobs.data() + (e % N) * l.blob; ++e; return p; };

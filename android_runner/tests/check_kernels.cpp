@@ -2,7 +2,7 @@
 // kernel tests (tests/test_native_kernels.py) and for timing them.
 //
 //   check_kernels [--threads N] [--mode forward|batch|many | --matvec ROLE] ISA LAYOUT.json BLOB.bin X.bin Y_OUT.bin
-//       forward (default): ExpertKernel::forward for each of the layout's `count` blobs (BLOB.bin
+//       forward (default): ExpertExecutor::forward for each of the layout's `count` blobs (BLOB.bin
 //       holds them back to back, `stride` bytes apart) on the matching float32 vector of X.bin
 //       ([count, H]), writing the float32 outputs ([count, H]) to Y_OUT.bin.
 //       batch: forward_batch of blob 0 on all `count` rows of X.bin at once.
@@ -201,9 +201,9 @@ int run_check(std::vector<std::string> a) {
     write_floats(a[4], y);
     return 0;
   }
-  spx::ExpertKernel k(l.sections, l.matrices, l.family, l.hidden_act, l.swiglu_limit, isa);
-  Inputs in = load(a[1], a[2], a[3], k.hidden(), k.blob_bytes());
-  const size_t H = static_cast<size_t>(k.hidden()), n = in.layout.count;
+  spx::ExpertExecutor k(l.sections, l.matrices, l.family, l.hidden_act, l.swiglu_limit, isa);
+  Inputs in = load(a[1], a[2], a[3], k.hidden_size(), k.blob_bytes());
+  const size_t H = static_cast<size_t>(k.hidden_size()), n = in.layout.count;
   std::vector<float> y(n * H);
   if (mode == "batch") {
     k.forward_batch(in.blobs.p.get(), in.x.data(), static_cast<int64_t>(n), y.data());
@@ -289,9 +289,9 @@ int run_bench(std::vector<std::string> a) {
   }
   Layout l = parse_layout(a[1]);
   for (Isa isa : isas) {
-    spx::ExpertKernel k(l.sections, l.matrices, l.family, l.hidden_act, l.swiglu_limit, isa);
-    Inputs in = load(a[1], a[2], a[3], k.hidden(), k.blob_bytes());
-    const size_t H = static_cast<size_t>(k.hidden()), n = in.layout.count;
+    spx::ExpertExecutor k(l.sections, l.matrices, l.family, l.hidden_act, l.swiglu_limit, isa);
+    Inputs in = load(a[1], a[2], a[3], k.hidden_size(), k.blob_bytes());
+    const size_t H = static_cast<size_t>(k.hidden_size()), n = in.layout.count;
     std::vector<float> y(H);
     volatile float sink = 0;
     auto time = [&](bool cycle) {
@@ -323,7 +323,7 @@ int run_bench(std::vector<std::string> a) {
     };
     double hot = time(false), cyc = time(true);
     std::printf("bench isa=%s dtype=%s family=%s H=%d I=%d blob_bytes=%zu hot_ns=%.0f cycle_ns=%.0f cycle_blobs=%zu\n",
-                spx::isa_name(isa), dtype_name(l).c_str(), l.family.c_str(), k.hidden(), k.intermediate(),
+                spx::isa_name(isa), dtype_name(l).c_str(), l.family.c_str(), k.hidden_size(), k.intermediate(),
                 k.blob_bytes(), hot, cyc, n);
   }
   return 0;

@@ -16,7 +16,7 @@ int main(int argc, char** argv) {
                          "TOPK_BEFORE_SOFTMAX NORM SCALE N LOGITS.bin BIAS.bin OUT.bin\n");
     return 64;
   }
-  spx::RoutingRule r;
+  spx::RoutingSpec r;
   r.num_experts = std::atoi(argv[1]);
   r.top_k = std::atoi(argv[2]);
   r.score_func = argv[3];

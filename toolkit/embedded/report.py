@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from toolkit.artifacts import read_json, write_json_atomic
 from toolkit.reporting import save_figure
 import torch
 
@@ -142,7 +143,7 @@ def plot_training(train_log: Path, path: Path, title: str = "embedded model trai
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    log = json.loads(train_log.read_text())
+    log = read_json(train_log, "training log")
     per_step = log["recipe"]["batch_size"] * log["recipe"]["seq_len"]
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot([c["step"] * per_step / 1e6 for c in log["curve"]], [c["loss"] for c in log["curve"]],
@@ -187,7 +188,7 @@ def main(argv: list[str] | None = None) -> None:
     for s in r["samples"]:
         print(f"--- {s['prompt']!r} -> {s['continuation']!r}")
     if a.json:
-        a.json.write_text(json.dumps(r, indent=1) + "\n")
+        write_json_atomic(a.json, r)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 import torch  # noqa: E402
 
-from toolkit.artifacts import config_hash  # noqa: E402
+from toolkit.artifacts import config_hash, read_json  # noqa: E402
 from toolkit.errors import SpecPrefetchError  # noqa: E402
 from toolkit.models.checkpoint import TensorIndex, expert_keys, open_safetensors, read_header  # noqa: E402
 from toolkit.models.families import Family, ModelGeometry, family_for  # noqa: E402
@@ -75,14 +75,13 @@ def _weight_files(path: Path, allow_none: bool = False) -> tuple[Path, ...]:
     if index.exists() or index.is_symlink():
         if not index.is_file():  # a FIFO would hang the read
             raise SpecPrefetchError(f"{index}: not a regular file")
+        data = read_json(index, "safetensors index")
         try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            weight_map = data["weight_map"]
             if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
                 raise TypeError("weight_map must map tensor names to shard file names")
             shards = sorted(set(weight_map.values()))
-        except OSError as e:
-            raise SpecPrefetchError(f"{index}: cannot read it ({e.strerror or e})") from None
-        except (ValueError, KeyError, TypeError, RecursionError) as e:
+        except (KeyError, TypeError) as e:
             raise SpecPrefetchError(f"{index}: not a valid safetensors index ({type(e).__name__}: {e})") from None
         bad = [s for s in shards if not s or Path(s).is_absolute() or ".." in Path(s).parts]
         if bad:
@@ -186,12 +185,7 @@ def inspect_model_dir(model: str | Path, *, config_only_ok: bool = False) -> Mod
         raise SpecPrefetchError(f"{path}: no config.json (is this a Hugging Face model directory?)")
     if not cfg_path.is_file():  # a directory, or a FIFO that would hang the read
         raise SpecPrefetchError(f"{cfg_path}: not a regular file")
-    try:
-        cfg_dict = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise SpecPrefetchError(f"{cfg_path}: cannot read it ({e.strerror or e})") from None
-    except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, a 5000-digit number, deep nesting
-        raise SpecPrefetchError(f"{cfg_path}: not valid JSON ({type(e).__name__}: {e})") from None
+    cfg_dict = read_json(cfg_path, "model config")
     if not isinstance(cfg_dict, dict):
         raise SpecPrefetchError(f"{cfg_path}: expected a JSON object")
     model_type = cfg_dict.get("model_type")
@@ -378,10 +372,10 @@ def eos_token_ids(spec: ModelSpec, tokenizer) -> tuple[int, ...]:
     ids, where = None, None
     gc = spec.path / "generation_config.json"
     if gc.is_file():
-        try:
-            ids = json.loads(gc.read_text(encoding="utf-8")).get("eos_token_id")
-        except (ValueError, AttributeError, RecursionError):
-            raise SpecPrefetchError(f"{gc}: not a JSON object") from None
+        gen = read_json(gc, "generation config")
+        if not isinstance(gen, dict):
+            raise SpecPrefetchError(f"{gc}: not a JSON object")
+        ids = gen.get("eos_token_id")
         where = f"{gc}: eos_token_id"
     if ids is None:
         ids, where = tokenizer.eos_token_id, f"{spec.path}: the tokenizer's eos_token_id"

@@ -37,6 +37,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from toolkit.artifacts import read_json
 from toolkit.errors import SpecPrefetchError
 from toolkit.peers.memlimit import run_limited
 
@@ -414,10 +415,10 @@ def _pre_tokenizer(model_dir: Path) -> str:
     table does not know): ByteLevel with use_regex -> GPT-2's regex ("gpt-2"); the Qwen2 Split
     regex -> "qwen2"."""
     tj = Path(model_dir) / "tokenizer.json"
-    try:
-        pre = json.loads(tj.read_text()).get("pre_tokenizer") or {}
-    except (OSError, ValueError) as e:
-        raise SpecPrefetchError(f"{tj}: cannot read the tokenizer ({e})") from e
+    tok = read_json(tj, "tokenizer")
+    if not isinstance(tok, dict):
+        raise SpecPrefetchError(f"{tj}: the tokenizer is not a JSON object")
+    pre = tok.get("pre_tokenizer") or {}
     steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
     split = [s for s in steps if s.get("type") == "Split"]
     byte_level = [s for s in steps if s.get("type") == "ByteLevel"]
@@ -462,7 +463,9 @@ def convert(model_dir: Path, out: Path, outtype: str = "f16", *, log: Log = prin
     model_dir, out = Path(model_dir), Path(out)
     if not (model_dir / "config.json").exists():
         raise SpecPrefetchError(f"{model_dir}: no config.json (not a transformers checkpoint)")
-    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg = read_json(model_dir / "config.json", "model config")
+    if not isinstance(cfg, dict):
+        raise SpecPrefetchError(f"{model_dir / 'config.json'}: not a JSON object")
     cfg = cfg.get("text_config", cfg)
     if cfg.get("model_type") in ("qwen3_moe", "qwen2_moe") and (
             cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1):

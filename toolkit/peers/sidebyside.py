@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from toolkit.artifacts import read_json
 from toolkit.errors import SpecPrefetchError
 from toolkit.peers import llamacpp, memlimit
 from toolkit.peers.memlimit import LimitedRun, run_limited
@@ -339,7 +340,7 @@ def _resident_references(m: _Model, n_new: int, threads: int, timeout: float, lo
             if not r.ok:
                 raise SpecPrefetchError(f"{m.bundle}: the native runner failed with every expert resident "
                                         f"({_status(r, 'native runner')})")
-            m.ref_resident.append(json.loads(js.read_text())["runs"][0]["tokens"])
+            m.ref_resident.append(read_json(js, "native runner result")["runs"][0]["tokens"])
     log(f"[{m.label}] resident reference: {len(m.ref_resident)} prompts, native with every expert preloaded")
 
 
@@ -354,7 +355,7 @@ def _measure_footprint(m: _Model, threads: int, timeout: float, log: Log) -> Non
         if not r.ok:
             raise SpecPrefetchError(f"{m.bundle}: the native runner failed measuring its footprint "
                                     f"({_status(r, 'native runner')})")
-        arena = json.loads(js.read_text()).get("arena_bytes") or int(m.min_mib * MiB)
+        arena = read_json(js, "native runner result").get("arena_bytes") or int(m.min_mib * MiB)
     m.footprint_bytes = max(r.peak_rss_bytes - arena, 0)
     m.footprint = {"peak_rss_bytes": r.peak_rss_bytes, "arena_bytes": arena,
                    "cgroup_max_usage_bytes": r.cgroup_max_usage_bytes, "footprint_bytes": m.footprint_bytes,

@@ -18,24 +18,18 @@ import dataclasses
 import torch
 
 from toolkit.errors import SpecPrefetchError
+from toolkit.models.expert_layout import GROUP
 from toolkit.models.families import selection_scores
 from toolkit.models.loader import LoadedModel
+from toolkit.models.quant import group_dequantize, group_quantize
 from toolkit.predictors.base import Predictor
 from toolkit.traces.batches import RoutingBatch
 
-GROUP = 32
-
-
 def fake_quant(w: torch.Tensor, bits: int, group: int = GROUP) -> torch.Tensor:
-    """Symmetric per-group quantise-dequantise along the last axis (int4: [-8, 7], int8: [-128, 127])."""
-    qmax = 2 ** (bits - 1) - 1
-    shape = w.shape
-    n = shape[-1]
-    pad = (-n) % group
-    x = torch.nn.functional.pad(w.float(), (0, pad)).reshape(-1, group)
-    scale = x.abs().amax(-1, keepdim=True).clamp_min(1e-8) / qmax
-    q = torch.clamp(torch.round(x / scale), -qmax - 1, qmax) * scale
-    return q.reshape(*shape[:-1], n + pad)[..., :n].to(w.dtype)
+    """Symmetric per-group quantise-dequantise along the last axis (int4: [-8, 7], int8: [-128, 127]),
+    the expert store's quantiser (toolkit.models.quant)."""
+    q, scale = group_quantize(w, bits, group)
+    return group_dequantize(q, scale, w.shape[-1], group).to(w.dtype)
 
 
 def make_draft(lm: LoadedModel, *, expert_bits: int = 4, dense_bits: int | None = None) -> torch.nn.Module:

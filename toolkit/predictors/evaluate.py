@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from toolkit.reporting import save_figure, write_report
 from toolkit.errors import SpecPrefetchError
-from toolkit.metrics import topk_overlap
+from toolkit.metrics import precision, recall, topk_hits
 from toolkit.models.routers import load_router_bank
 from toolkit.predictors.base import Predictor
 from toolkit.predictors.registry import EVAL_PREDICTORS, build_predictor
@@ -107,8 +107,8 @@ def evaluate(trace: Path, *, predictors: list[str], adapter: Path | None = None,
                     continue
                 for n, p in preds.items():
                     s = p.scores(b, i, h)[ok]
-                    acc[n][h][0, i] += float(topk_overlap(s, ids[ok], k).sum())
-                    acc[n][h][1, i] += float(topk_overlap(s, ids[ok], M).sum())
+                    acc[n][h][0, i] += topk_hits(s, ids[ok], k)
+                    acc[n][h][1, i] += topk_hits(s, ids[ok], M)
                     acc[n][h][2, i] += int(ok.sum())
     result: dict[str, Any] = {"k": k, "budget": M, "trace": str(Path(trace).resolve()),
                               "model": {"family": spec.family.name, "config_hash": spec.config_hash,
@@ -121,21 +121,15 @@ def evaluate(trace: Path, *, predictors: list[str], adapter: Path | None = None,
         for h in horizons:
             hk, hm, rows = acc[n][h]
             tot = rows.sum()
-            r["recall_at_k"][str(h)] = share(hk.sum(), tot * k)
-            r["recall_at_budget"][str(h)] = share(hm.sum(), tot * k)
-            r["precision_at_budget"][str(h)] = share(hm.sum(), tot * M)
+            r["recall_at_k"][str(h)] = recall(hk.sum(), tot, k)
+            r["recall_at_budget"][str(h)] = recall(hm.sum(), tot, k)
+            r["precision_at_budget"][str(h)] = precision(hm.sum(), tot, M)
             same = slice(0, max(0, L - h))  # source layers whose target is in the same token (none when h >= L)
-            r["recall_at_k_within_token"][str(h)] = share(hk[same].sum(), rows[same].sum() * k)
-            r["per_layer_recall_at_k"][str(h)] = [share(a, c * k) for a, c in zip(hk, rows)]
+            r["recall_at_k_within_token"][str(h)] = recall(hk[same].sum(), rows[same].sum(), k)
+            r["per_layer_recall_at_k"][str(h)] = [recall(a, c, k) for a, c in zip(hk, rows)]
         r.update(notes.get(n, {}))
         result["predictors"][n] = r
     return result
-
-
-def share(hits: float, total: float) -> float | None:
-    """hits / total rounded to 4 places; None (JSON null, printed n/a) where nothing was measured,
-    e.g. within-token recall at a horizon past the model's last MoE layer: undefined, not 0."""
-    return round(float(hits / total), 4) if total > 0 else None
 
 
 def cell(v: float | None) -> str:

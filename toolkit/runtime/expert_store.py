@@ -32,11 +32,11 @@ from toolkit.models.checkpoint import ExpertReader
 # the blob layout has one definition, shared with `info` (re-exported here for the store's readers)
 from toolkit.models.expert_layout import ALIGN, GROUP, SECTION_ALIGN, Section, align, blob_sections  # noqa: F401
 from toolkit.models.loader import ModelSpec
+from toolkit.models.quant import FP16_MIN_NORMAL, group_quantize
 from toolkit.runtime.fingerprint import valid_record, weights_fingerprint, weights_mismatch
 
 MAGIC = b"SPXSTORE"
 VERSION = 2  # 2: a CRC-32 over the header, and the source weights' sha256 in the metadata
-FP16_MIN_NORMAL = 6.104e-5
 DTYPES = {"fp16": 0, "int8": 1, "int4": 2}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 # magic, version, dtype, L, E, H, I, group, flags, align, meta_len, index_offset, data_offset,
@@ -51,10 +51,6 @@ MAX_BLOB = 1 << 31
 REBUILD = "rebuild it with `specprefetch store MODEL --out {path} --overwrite` (or re-export the bundle that holds it)"
 
 
-def _align(n: int, a: int) -> int:
-    return align(n, a)
-
-
 def quantize(w: torch.Tensor, dtype: str) -> list[np.ndarray]:
     """Arrays to store for one matrix [out, in], in section order."""
     w = w.float()
@@ -65,12 +61,7 @@ def quantize(w: torch.Tensor, dtype: str) -> list[np.ndarray]:
         scale = (w.abs().amax(1) / 127).clamp_min(FP16_MIN_NORMAL).to(torch.float16).float()
         q = torch.clamp(torch.round(w / scale[:, None]), -127, 127).to(torch.int8)
         return [q.numpy(), scale.to(torch.float16).numpy()]
-    o, i = w.shape
-    ip = _align(i, GROUP)
-    w = torch.nn.functional.pad(w, (0, ip - i))
-    g = w.reshape(o, ip // GROUP, GROUP)
-    scale = (g.abs().amax(-1) / 7).clamp_min(FP16_MIN_NORMAL).to(torch.float16)
-    q = torch.clamp(torch.round(g / scale.float()[..., None]), -8, 7).to(torch.int8).reshape(o, ip)
+    q, scale = group_quantize(w, 4)
     u = (q.numpy().astype(np.int16) & 0xF).astype(np.uint8)
     packed = (u[:, 0::2] | (u[:, 1::2] << 4)).astype(np.uint8)
     return [packed, scale.numpy()]
@@ -119,7 +110,7 @@ class IndexEntry:
 
     @property
     def read_size(self) -> int:
-        return _align(self.size, ALIGN)
+        return align(self.size, ALIGN)
 
 
 def seal_header(raw: bytearray) -> None:
@@ -184,8 +175,8 @@ def _write_store(spec: ModelSpec, path: Path, dtype: str, source: dict, progress
             "blob_size": blob_size, "sections": [dataclasses.asdict(s) for s in sections]}
     meta_bytes = json.dumps(meta).encode()
     index_offset = HEADER.size
-    data_offset = _align(index_offset + ENTRY.size * L * E + len(meta_bytes), ALIGN)
-    stride = _align(blob_size, ALIGN)
+    data_offset = align(index_offset + ENTRY.size * L * E + len(meta_bytes), ALIGN)
+    stride = align(blob_size, ALIGN)
     entries = []
     with open(path, "wb") as f:
         f.truncate(data_offset + stride * L * E)
@@ -307,7 +298,7 @@ class ExpertStore:
         if size < HEADER.size:
             raise SpecPrefetchError(f"{p}: truncated expert store (no header)")
         raw = _pread_exact(self.fd, HEADER.size, 0, p, "no header")
-        (magic, version, dt, L, E, H, I, group, flags, align, meta_len, index_offset, data_offset,
+        (magic, version, dt, L, E, H, I, group, flags, alignment, meta_len, index_offset, data_offset,
          index_crc, reserved, head_crc) = HEADER.unpack(raw)
         if magic != MAGIC:
             raise SpecPrefetchError(f"{p}: not an expert store (bad magic {magic!r})")
@@ -322,8 +313,8 @@ class ExpertStore:
         self.dtype = DTYPE_NAMES.get(dt)
         if self.dtype is None:
             raise SpecPrefetchError(f"{p}: unknown dtype code {dt}")
-        if align != ALIGN:
-            raise SpecPrefetchError(f"{p}: alignment {align}, this toolkit reads {ALIGN}")
+        if alignment != ALIGN:
+            raise SpecPrefetchError(f"{p}: alignment {alignment}, this toolkit reads {ALIGN}")
         if not (1 <= L <= MAX_DIM and 1 <= E <= MAX_DIM and 1 <= H <= 1 << 20 and 1 <= I <= 1 << 24):
             raise SpecPrefetchError(f"{p}: header claims {L} layers x {E} experts, hidden {H}, intermediate {I} "
                                     "(corrupt header)")
@@ -346,10 +337,10 @@ class ExpertStore:
         # header, every blob's CRC-32 and the metadata (the source weights) under one cheap hash
         self.index_sha256 = hashlib.sha256(raw + body).hexdigest()
         self.num_layers, self.num_experts, self.hidden_size, self.intermediate_size = L, E, H, I
-        self.alignment, self.data_offset, self.has_bias = align, data_offset, bool(flags & 1)
+        self.alignment, self.data_offset, self.has_bias = alignment, data_offset, bool(flags & 1)
         self.meta = self._metadata(body[ENTRY.size * L * E:], L, group)
         blob_size = self.blob_size
-        self.slot_bytes = _align(blob_size, ALIGN)
+        self.slot_bytes = align(blob_size, ALIGN)
         self.entries: dict[tuple[int, int], IndexEntry] = {}
         for n in range(L * E):
             layer, expert, off, sz, crc, _ = ENTRY.unpack_from(body, n * ENTRY.size)

@@ -12,8 +12,9 @@ in float32 (32 products of at most 128 * 127 stay far below 2**24), and the scal
 the same float32 operations in the same order, so a matrix's output is bitwise the native kernels';
 only the GLU's exp / erf / tanh may round differently.
 
-The outputs are combined with the router's weights in top-k order, exactly as the export's parity run
-does. The executor keeps nothing between calls: the pool is the only expert memory.
+The executor computes one expert at a time; the runner (toolkit/runtime/runner.py) weights each output
+by the router and sums them in top-k order, as the export's parity run does. The executor keeps nothing
+between calls: the pool is the only expert memory.
 """
 from __future__ import annotations
 

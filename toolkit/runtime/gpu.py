@@ -40,6 +40,7 @@ from typing import Any, Sequence
 import torch
 
 from toolkit.errors import SpecPrefetchError
+from toolkit.models.quant import group_quantize
 from toolkit.runtime.expert_store import ExpertStore
 from toolkit.runtime.gpu_kernels import dequant, int4_gemv
 from toolkit.runtime.planner import PrefetchPlanner, RoutingState
@@ -289,11 +290,10 @@ class ExpertMath:
 
 class Int4Experts(torch.nn.Module):
     """The draft's routed experts: int4 (symmetric, one fp16 scale per 32 inputs), resident on the
-    device (the same quantiser as toolkit.predictors.draft.fake_quant). Stored stacked per matrix,
+    device (toolkit.models.quant's quantiser, as the store and fake_quant). Stored stacked per matrix,
     [E, rows, packed bytes] and [E, rows, groups], so the device path gathers the routed experts by
     index: `fused` computes them with the grouped int4 GEMV (Triton on CUDA) inside the draft's graph;
     `forward` is the eager loop (prefill, and the modules path)."""
-    GROUP = 32
 
     def __init__(self, experts: torch.nn.Module, device: torch.device, dtype: torch.dtype):
         super().__init__()
@@ -302,23 +302,21 @@ class Int4Experts(torch.nn.Module):
         gu = [self._pack(w) for w in experts.gate_up_proj.detach()]
         dn = [self._pack(w) for w in experts.down_proj.detach()]
         self.gu_q = torch.stack([q for q, _, _ in gu]).to(device)
-        self.gu_s = torch.stack([s for _, s, _ in gu])[..., 0].to(device)
+        self.gu_s = torch.stack([s for _, s, _ in gu]).to(device)
         self.dn_q = torch.stack([q for q, _, _ in dn]).to(device)
-        self.dn_s = torch.stack([s for _, s, _ in dn])[..., 0].to(device)
+        self.dn_s = torch.stack([s for _, s, _ in dn]).to(device)
         self.n_gu, self.n_dn = gu[0][2], dn[0][2]     # inputs of each matrix: H and I
 
-    def _pack(self, w: torch.Tensor):
-        o, n = w.shape
-        pad = (-n) % self.GROUP
-        x = torch.nn.functional.pad(w.float(), (0, pad)).reshape(o, -1, self.GROUP)
-        scale = x.abs().amax(-1, keepdim=True).clamp_min(1e-8) / 7
-        q = (torch.clamp(torch.round(x / scale), -8, 7) + 8).to(torch.uint8).reshape(o, -1)
-        return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous(), scale.to(torch.float16), n
+    @staticmethod
+    def _pack(w: torch.Tensor):
+        """[O, n] -> codes + 8 packed two per byte (low nibble first) [O, groups * 16], fp16 scales
+        [O, groups], n: the layout the fused kernel reads (toolkit/runtime/gpu_kernels.py)."""
+        q, scale = group_quantize(w, 4)
+        u = (q + 8).to(torch.uint8)
+        return (u[:, 0::2] | (u[:, 1::2] << 4)).contiguous(), scale, w.shape[-1]
 
     def _unpack(self, packed) -> torch.Tensor:
         q, scale, n = packed
-        if scale.dim() == q.dim() + 1:
-            scale = scale[..., 0]
         return dequant(q, scale, n, torch.float16).to(self.dtype)
 
     def nbytes(self) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-GROUP = 32
+from toolkit.models.expert_layout import GROUP
 
 try:   # Triton ships with torch's CUDA wheels; the CPU build here has none
     import triton

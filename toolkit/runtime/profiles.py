@@ -13,12 +13,11 @@ with 512 KiB direct reads, ~3.5 GB/s at 512 KiB random, ~0.45 GB/s at 4 KiB rand
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from pathlib import Path
 
-from toolkit.artifacts import write_json_atomic
+from toolkit.artifacts import read_json, write_json_atomic
 from toolkit.errors import SpecPrefetchError
 
 MiB = 2**20
@@ -131,11 +130,11 @@ def load_profile(name: str, option: str = "--profile") -> DeviceProfile:
         hint = " (run `specprefetch calibrate` first)" if name == "this-machine" else ""
         raise SpecPrefetchError(f"{option} {name!r}: no such profile{hint}; built in: "
                                 f"{', '.join(BUILTIN)}; saved: {path}")
+    d = read_json(path, "device profile")
     try:
-        d = json.loads(path.read_text())
         d["flash_bw"] = {int(q): {int(s): float(v) for s, v in t.items()} for q, t in d["flash_bw"].items()}
         return DeviceProfile(**d)
-    except (json.JSONDecodeError, TypeError, KeyError) as e:
+    except (TypeError, KeyError, ValueError, AttributeError) as e:
         raise SpecPrefetchError(f"{path}: not a valid device profile ({e})") from None
 
 

@@ -21,16 +21,16 @@ struct LayerOut {
   std::vector<float> preds;   // MoE: predicted-router rows [P * E] (empty when the graph has none)
 };
 
-class Executor {
+class Backend {
  public:
   // Loads the program and every method in `methods`; errors name the program file. A crash inside
   // ExecuTorch while it loads or runs the program (a program crafted past its flatbuffer
   // verification) prints one refusal line naming the program and the method and exits 1. `threads`:
   // ExecuTorch's thread pool size for the layer graphs (XNNPACK, optimized kernels); 0 leaves
   // ExecuTorch's default (one thread per core).
-  Executor(const std::string& program, const std::vector<std::string>& methods, int hidden, int vocab,
+  Backend(const std::string& program, const std::vector<std::string>& methods, int hidden, int vocab,
            int threads = 0);
-  ~Executor();
+  ~Backend();
 
   void reset();                                        // zero every layer's KV cache
   void embed(int64_t token, std::vector<float>& h);   // [H]
@@ -49,7 +49,7 @@ class Executor {
   double load_ms = 0;  // program load + every method's load
   int threads = 0;     // the thread pool's size
 
-  struct Faults;  // what a crash inside ExecuTorch prints (executor.cpp)
+  struct Faults;  // what a crash inside ExecuTorch prints (backend.cpp)
 
  private:
   std::string path_;

@@ -1,4 +1,4 @@
-#include "executor.h"
+#include "backend.h"
 
 #include <executorch/extension/module/module.h>
 #include <executorch/extension/tensor/tensor.h>
@@ -50,7 +50,7 @@ struct FaultLine {
   std::string head, tail;  // "...crashed (" and ") running method 'x': ...\n"
 };
 
-struct Executor::Faults {
+struct Backend::Faults {
   std::map<std::string, FaultLine> by_method;  // "running method 'x'" lines
 };
 
@@ -130,7 +130,7 @@ void copy_out(const EValue& v, std::vector<float>& dst, const std::string& what)
 
 }  // namespace
 
-Executor::Executor(const std::string& program, const std::vector<std::string>& methods, int hidden, int vocab,
+Backend::Backend(const std::string& program, const std::vector<std::string>& methods, int hidden, int vocab,
                    int threads)
     : path_(program), hidden_(hidden), vocab_(vocab) {
   auto t0 = std::chrono::steady_clock::now();
@@ -173,12 +173,12 @@ Executor::Executor(const std::string& program, const std::vector<std::string>& m
     if (!layers.empty() && ls == layers) chunks_.push_back(T);
 }
 
-Executor::~Executor() = default;
+Backend::~Backend() = default;
 
 namespace {
 
 // module.execute(method, inputs) marked as inside ExecuTorch, with the method's fault line.
-executorch::runtime::Result<std::vector<EValue>> run(Module& module, Executor::Faults& faults, const std::string& path,
+executorch::runtime::Result<std::vector<EValue>> run(Module& module, Backend::Faults& faults, const std::string& path,
                                                      const std::string& method, const std::vector<EValue>& inputs) {
   auto it = faults.by_method.find(method);
   if (it == faults.by_method.end())
@@ -189,14 +189,14 @@ executorch::runtime::Result<std::vector<EValue>> run(Module& module, Executor::F
 
 }  // namespace
 
-void Executor::reset() {
+void Backend::reset() {
   float zero = 0.0f;
   auto t = from_blob(&zero, {1}, ScalarType::Float);
   auto r = run(*module_, *faults_, path_, "reset", {EValue(t)});
   if (!r.ok()) throw spx::Error(path_ + ": method 'reset' failed (" + err_name(r.error()) + ")");
 }
 
-void Executor::embed(int64_t token, std::vector<float>& h) {
+void Backend::embed(int64_t token, std::vector<float>& h) {
   int64_t tok = token;
   auto t = from_blob(&tok, {1, 1}, ScalarType::Long);
   auto r = run(*module_, *faults_, path_, "embed", {EValue(t)});
@@ -209,7 +209,7 @@ namespace {
 
 // A layer method (layer_N or prefill_T_layer_N) on (hidden, positions), its outputs unpacked into `out`;
 // h_size: the hidden state's element count (`what` names it in the error: width, size).
-void run_layer(Module& module, Executor::Faults& faults, const std::string& path_, const std::string& name,
+void run_layer(Module& module, Backend::Faults& faults, const std::string& path_, const std::string& name,
                const executorch::extension::TensorPtr& h, const executorch::extension::TensorPtr& pos, int64_t h_size,
                const char* what, bool moe, LayerOut& out) {
   auto r = run(module, faults, path_, name, {EValue(h), EValue(pos)});
@@ -231,7 +231,7 @@ void run_layer(Module& module, Executor::Faults& faults, const std::string& path
 
 }  // namespace
 
-void Executor::layer(int index, const std::vector<float>& h, int64_t pos, bool moe, LayerOut& out) {
+void Backend::layer(int index, const std::vector<float>& h, int64_t pos, bool moe, LayerOut& out) {
   const std::string name = "layer_" + std::to_string(index);
   int64_t p = pos;
   auto th = from_blob(const_cast<float*>(h.data()), {1, 1, hidden_}, ScalarType::Float);
@@ -240,14 +240,14 @@ void Executor::layer(int index, const std::vector<float>& h, int64_t pos, bool m
 }
 
 
-void Executor::layer_chunk(int index, const std::vector<float>& h, int T, int64_t pos, bool moe, LayerOut& out) {
+void Backend::layer_chunk(int index, const std::vector<float>& h, int T, int64_t pos, bool moe, LayerOut& out) {
   if (static_cast<int64_t>(h.size()) != static_cast<int64_t>(T) * hidden_)
     throw spx::Error(path_ + ": method 'prefill_" + std::to_string(T) + "_layer_" + std::to_string(index) +
                      "': hidden input of the wrong size");
   layer_chunk(index, h.data(), T, pos, moe, out);
 }
 
-void Executor::layer_chunk(int index, const float* h, int T, int64_t pos, bool moe, LayerOut& out) {
+void Backend::layer_chunk(int index, const float* h, int T, int64_t pos, bool moe, LayerOut& out) {
   const std::string name = "prefill_" + std::to_string(T) + "_layer_" + std::to_string(index);
   std::vector<int64_t> p(static_cast<size_t>(T));
   std::iota(p.begin(), p.end(), pos);
@@ -256,7 +256,7 @@ void Executor::layer_chunk(int index, const float* h, int T, int64_t pos, bool m
   run_layer(*module_, *faults_, path_, name, th, tp, static_cast<int64_t>(T) * hidden_, "size", moe, out);
 }
 
-void Executor::head(const std::vector<float>& h, std::vector<float>& logits) {
+void Backend::head(const std::vector<float>& h, std::vector<float>& logits) {
   auto th = from_blob(const_cast<float*>(h.data()), {1, 1, hidden_}, ScalarType::Float);
   auto r = run(*module_, *faults_, path_, "head", {EValue(th)});
   if (!r.ok()) throw spx::Error(path_ + ": method 'head' failed (" + err_name(r.error()) + ")");
