@@ -33,7 +33,7 @@ $(STAMP): pyproject.toml | $(DEB_STAMP)
 
 setup: $(STAMP)
 
-## demo: the whole chain on the embedded default model (stages are added as they land)
+## demo: the whole chain on the embedded default model, to a stand-in phone's report (DEMO_QNN=1: also QNN)
 demo: $(STAMP)
 	$(BIN)/specprefetch info embedded
 	$(BIN)/specprefetch trace embedded --data toolkit/embedded/heldout.jsonl --out $(RUNS)/trace \
@@ -50,19 +50,26 @@ demo: $(STAMP)
 	$(BIN)/specprefetch export embedded --adapter $(RUNS)/adapter --target executorch --quant 8da8w \
 	    --out $(RUNS)/bundle-executorch --overwrite
 	$(BIN)/specprefetch inspect $(RUNS)/bundle-executorch
+	$(BIN)/specprefetch run $(RUNS)/bundle-executorch --policy adapter+prediction \
+	    --prompt "The kernel's memory allocator" --json $(RUNS)/run-executorch.json --events $(RUNS)/events-executorch.log --overwrite
+	$(BIN)/specprefetch runner build $(RUNS)/bundle-executorch --abi host
+	$(BIN)/specprefetch run $(RUNS)/bundle-executorch --engine native --policy adapter+prediction --check \
+	    --prompt "The kernel's memory allocator" --json $(RUNS)/run-native.json --events $(RUNS)/events-native.log --overwrite
+	$(BIN)/python -m toolkit.device.demo $(RUNS)/bundle-executorch --json $(RUNS)/device-bench.json --overwrite
+	@echo; cat $(RUNS)/device-bench.md
+ifeq ($(DEMO_QNN),1)
 	$(BIN)/specprefetch export embedded --adapter $(RUNS)/adapter --target qnn --soc SM8750 --quant fp16 \
 	    --out $(RUNS)/bundle-qnn-sm8750 --overwrite
 	$(BIN)/specprefetch inspect $(RUNS)/bundle-qnn-sm8750
-	$(BIN)/specprefetch run $(RUNS)/bundle-executorch --policy adapter+prediction \
-	    --prompt "The kernel's memory allocator" --json $(RUNS)/run-executorch.json --events $(RUNS)/events-executorch.log --overwrite
 	$(BIN)/specprefetch run $(RUNS)/bundle-qnn-sm8750 --policy adapter+prediction \
 	    --prompt "The kernel's memory allocator" --json $(RUNS)/run-qnn.json --overwrite
+endif
 
 ## test: the CI suite (what .ci/run calls), one pytest-xdist worker per core (TEST_WORKERS=0: none)
 TEST_WORKERS ?= $(shell nproc 2>/dev/null || echo 2)
 XDIST = $(if $(filter 0 1,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow" $(XDIST)
+	$(BIN)/python -m pytest -q -m "not slow" --durations=25 $(XDIST)
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q $(XDIST)

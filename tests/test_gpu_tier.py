@@ -128,11 +128,15 @@ def test_draft_is_int4_and_its_bytes_are_charged(tiny_models, stores):
     g = spec.geometry
     fp16 = g.routing.num_experts * 3 * g.hidden_size * g.moe_intermediate_size * 2
     assert d.nbytes() < 0.35 * fp16       # 4 bits and a scale per 32 weights: about 0.28 of fp16
-    w = torch.randn(6, 64)
-    q = d._unpack(d._pack(w))
-    from toolkit.predictors.draft import fake_quant
+    w = torch.randn(6, 70) * 0.02                       # a partial last group
+    packed = d._pack(w)
+    from toolkit.models.quant import group_dequantize, group_quantize
+    from toolkit.runtime.gpu_kernels import dequant
 
-    assert torch.allclose(q.float(), fake_quant(w, 4), atol=2e-3)
+    q, scale = group_quantize(w, 4)                      # the int4 store's codes and fp16 scales
+    assert torch.equal(packed[1], scale)
+    assert torch.equal(dequant(packed[0], packed[1], 70), group_dequantize(q, scale, 70))  # the nibbles decode to them
+    assert torch.equal(packed[0][:, 0] & 0xF, (q[:, 0] + 8).to(torch.uint8))               # low nibble first
 
 
 def test_pool_budget_and_store_refusals(tiny_models, stores, tmp_path):

@@ -163,6 +163,10 @@ def test_fake_quant_int4_levels():
     for row in q.reshape(-1, 32):
         assert len(torch.unique(row)) <= 16
     assert (q - w).abs().max() < w.abs().max() / 7 + 1e-6
+    small = torch.randn(4, 64) * 1e-4     # int8 dense matrices of small weights keep their resolution
+    amax = small.reshape(-1, 32).abs().amax(-1, keepdim=True)
+    err = (fake_quant(small, 8) - small).reshape(-1, 32).abs()
+    assert (err <= amax / 127 / 2 * 1.0001).all()
 
 
 def test_speculative_decoding_keeps_the_output(embedded):
@@ -202,3 +206,18 @@ def test_speculative_decoding_every_text_family(tiny_models, fam):
     ref = lm.model.generate(x, max_new_tokens=12, do_sample=False, pad_token_id=0)[0, 5:].tolist()
     toks, _ = speculative_generate(lm.model, draft, x, 12, k=4)
     assert toks == ref[: len(toks)] and len(toks) == 12
+
+
+def test_predictors_declare_what_the_runtime_reads():
+    """The runtime reads capabilities from these flags, never by probing: each flag holds for its class
+    (a linear predictor has the matrix to fold, one that routes ahead has `prepare`, the oracle reads the
+    future), and no class has the method without the flag."""
+    from toolkit.predictors import base, draft
+
+    classes = [c for m in (base, draft) for c in vars(m).values()
+               if isinstance(c, type) and issubclass(c, base.Predictor) and c is not base.Predictor]
+    assert len(classes) >= 7
+    for c in classes:
+        assert c.linear == callable(getattr(c, "effective_router", None)), c
+        assert c.routes_ahead == callable(getattr(c, "prepare", None)), c
+    assert [c.name for c in classes if c.reads_future] == ["oracle"]

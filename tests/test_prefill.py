@@ -313,7 +313,8 @@ def test_chunk_state_keeps_the_previous_position_and_the_oracle_plans_only_a_rec
     got = []
     sched = SimpleNamespace(plan=lambda step, window: got.append(window), plan_probs=lambda *a: got.append(None))
     routing = SimpleNamespace(num_experts=16, n_group=None, topk_before_softmax=False, score_func="softmax")
-    pl = PrefetchPlanner(SimpleNamespace(name="oracle"), num_layers=2, window=1, routing=routing, score_bias=None)
+    pl = PrefetchPlanner(SimpleNamespace(name="oracle", reads_future=True), num_layers=2, window=1, routing=routing,
+                         score_bias=None)
     st.future = None
     pl.plan_chunk(sched, 0, 5 * 2 + 0, (3, 1), ch, st, None, end=10**6)
     (window,) = got

@@ -252,7 +252,7 @@ def test_simulator_projects_ttft(sim_trace):
     assert r["prefill"]["prompt_tokens"] == od["prompt_tokens"] == 100
     b, rows = _prompt_batch(TraceReader(sim_trace), "heldout", 100, SNAPDRAGON_8_ELITE)
     assert len(rows) == len(set(rows.tolist())) == 100 and bool((b.kind[rows] == 0).all())
-    assert prompt_rows(b, 100).tolist() == rows.tolist()
+    assert prompt_rows(b, 10).tolist() == rows[:10].tolist()    # a shorter prompt is a prefix of it
     # positions in order within each sequence, and a sequence's positions together
     seqs = b.seq[rows].tolist()
     assert all(b.pos[rows[i]] < b.pos[rows[i + 1]] for i in range(99) if seqs[i] == seqs[i + 1])
@@ -270,6 +270,54 @@ def test_simulator_projects_ttft(sim_trace):
     none = dataclasses.replace(SNAPDRAGON_8_ELITE, prefill_gflops=None)
     with pytest.raises(SpecPrefetchError, match="states no prefill compute rate"):
         run_simulation(sim_trace, policies=pols[:1], profile=none, pool_mib=8, window=2, prompt_tokens=100)
+
+
+def test_prefill_projection_overlaps_reads_plans_across_spans_and_groups(sim_trace, monkeypatch):
+    """The prefill replay as the runners do it: (1) an expert is computed as soon as its bytes land, so
+    with compute far slower than a read only each layer's first read stalls (one read at queue depth 1
+    per layer, exactly); (2) a span's last layers plan the next span's first ones, never past the
+    prompt; (3) a pool smaller than a layer's union still reads each of the union's experts once."""
+    import dataclasses
+
+    import toolkit.simulate.replay as R
+    from toolkit.runtime.policy import Policy
+    from toolkit.runtime.scheduler import WindowScheduler
+    from toolkit.traces.format import TraceReader
+
+    slow = dataclasses.replace(SNAPDRAGON_8_ELITE, prefill_gflops=0.01)
+    b, rows = R._prompt_batch(TraceReader(sim_trace), "heldout", 100, slow)
+    L = b.num_layers
+    od = R.run_simulation(sim_trace, policies=[Policy("on-demand", "lru")], profile=slow, pool_mib=8, window=2,
+                          prompt_tokens=100)["results"][0]
+    one_read_ms = slow.read_s(122880, 1) * 1e3
+    assert od["prefill_stall_ms"] == pytest.approx(L * one_read_ms, rel=1e-3)
+    # (2) four spans of 25 positions; every target the oracle plans is a step of this prompt
+    monkeypatch.setattr(R, "PREFILL_SPAN", 25)
+    planned: list[tuple[int, int]] = []
+    plan = WindowScheduler.plan
+
+    def record(self, step, window):
+        planned.extend((step, t) for t, _ in window)
+        return plan(self, step, window)
+
+    monkeypatch.setattr(WindowScheduler, "plan", record)
+    R.run_simulation(sim_trace, policies=[Policy("oracle", "belady")], profile=SNAPDRAGON_8_ELITE, pool_mib=8,
+                     window=2, prompt_tokens=100)
+    spans = [p0 * L for p0 in range(0, 100, 25)]
+    crossing = [(s, t) for s, t in planned if t - s > 2]          # past the last MoE layer: the next span
+    assert crossing and all(t in (s + 1 + 24 * L, s + 2 + 24 * L) for s, t in crossing)
+    assert all(t < 100 * L for _, t in planned)
+    assert any(t - spans[-1] in (0, 1) for _, t in crossing)    # the last span's first layers are planned
+    assert not any(s >= spans[-1] and t >= spans[-1] + L for s, t in crossing)  # nothing past the prompt
+    monkeypatch.setattr(WindowScheduler, "plan", plan)
+    # (3) 8 slots, a union of more than 8 experts per layer: groups, and still each expert read once
+    small = R.run_simulation(sim_trace, policies=[Policy("on-demand", "lru")], profile=SNAPDRAGON_8_ELITE,
+                             pool_mib=1, window=2, prompt_tokens=100)["results"][0]
+    union = sum(len(set(b.ids[rows[p0:p0 + 25], li].flatten().tolist())) for p0 in range(0, 100, 25)
+                for li in range(L))
+    assert max(len(set(b.ids[rows[p0:p0 + 25], li].flatten().tolist())) for p0 in range(0, 100, 25)
+               for li in range(L)) > 8
+    assert small["prefill_mib_read"] == round(union * 122880 / 2**20, 1)
 
 
 def test_replay_onto_three_times_the_layers_plans_every_layer(sim_trace, tiny_models, monkeypatch):

@@ -82,14 +82,14 @@ void PrefetchPlanner::plan(WindowScheduler& sched, int li, int64_t step, const R
       if (r == hs.end()) continue;
       const float* logits = preds.data() + static_cast<size_t>(r - hs.begin()) * E_;
       targets.push_back(step + h);
-      if (routing_.plain()) {
+      if (routing_.softmax_router()) {
         rows.emplace_back(logits, logits + E_);
         softmax(rows.back().data(), E_);
       } else {
         rows.push_back(selection_scores(logits, routing_, score_bias((li + h) % L_)));
       }
     }
-    if (routing_.plain())
+    if (routing_.softmax_router())
       sched.plan_probs(step, targets, rows);
     else
       sched.plan(step, targets, rows);
@@ -101,14 +101,14 @@ void PrefetchPlanner::plan(WindowScheduler& sched, int li, int64_t step, const R
       const int j = (li + h) % L_;
       auto logits = host_logits(src, j, state);
       targets.push_back(step + h);
-      if (routing_.plain()) {
+      if (routing_.softmax_router()) {
         softmax(logits.data(), E_);
         rows.push_back(std::move(logits));
       } else {
         rows.push_back(selection_scores(logits.data(), routing_, score_bias(j)));
       }
     }
-    if (routing_.plain())
+    if (routing_.softmax_router())
       sched.plan_probs(step, targets, rows);
     else
       sched.plan(step, targets, rows);
@@ -169,7 +169,7 @@ void PrefetchPlanner::plan_chunk(WindowScheduler& sched, int li, int64_t step, i
   }
   std::vector<int64_t> targets;
   std::vector<std::vector<float>> rows;
-  const bool plain = routing_.plain();
+  const bool softmax_router = routing_.softmax_router();
   if (source_ == Source::oracle) {
     const auto* fut = state.future;
     const int k = state.k, p0 = state.pos;
@@ -239,7 +239,7 @@ void PrefetchPlanner::plan_chunk(WindowScheduler& sched, int li, int64_t step, i
       for (int t = 0; t < T; ++t) {
         const float* logits = preds.data() + (static_cast<size_t>(t) * P + static_cast<size_t>(r - rs.begin())) * E_;
         std::vector<float> row;
-        if (plain) {
+        if (softmax_router) {
           row.assign(logits, logits + E_);
           softmax(row.data(), E_);
         } else {
@@ -261,7 +261,7 @@ void PrefetchPlanner::plan_chunk(WindowScheduler& sched, int li, int64_t step, i
                   chunk.hidden.begin() + (static_cast<size_t>(t) * L_ + src + 1) * H_,
                   one.hidden.begin() + static_cast<size_t>(src) * H_);
         auto logits = host_logits(src, j, one);
-        if (plain) {
+        if (softmax_router) {
           softmax(logits.data(), E_);
           max_into(acc, logits);
         } else {
@@ -276,7 +276,7 @@ void PrefetchPlanner::plan_chunk(WindowScheduler& sched, int li, int64_t step, i
     sched.plan_probs(step, {}, {});
     return;
   }
-  if (plain)
+  if (softmax_router)
     sched.plan_probs(step, targets, rows);
   else
     sched.plan(step, targets, rows);

@@ -20,7 +20,7 @@ struct RoutingSpec {
   bool score_bias = false;             // DeepSeek-V3 selection bias
 
   // A plain softmax router: the window's probabilities are one softmax of the logits.
-  bool plain() const {
+  bool softmax_router() const {
     return !score_bias && n_group <= 1 && !topk_before_softmax && score_func == "softmax";
   }
 };

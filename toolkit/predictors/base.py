@@ -16,7 +16,18 @@ from toolkit.traces.batches import RoutingBatch
 
 
 class Predictor:
+    """What a predictor can do is declared here, never probed: the runtime reads these flags.
+
+    linear: `effective_router(i, h)` gives a matrix whose product with one layer's router input is the
+        scores' logits, so a whole window folds into one matmul (toolkit.runtime.planner).
+    routes_ahead: `prepare(tokens)` must run over the whole sequence before its scores are read (the
+        draft), so the run needs a recorded first pass.
+    reads_future: its scores are the recorded routing itself (the oracle).
+    """
     name: str = "predictor"
+    linear: bool = False
+    routes_ahead: bool = False
+    reads_future: bool = False
 
     def params(self) -> int:
         """Parameters this predictor adds on top of the model (0 for training-free ones)."""
@@ -36,6 +47,7 @@ class NextGate(Predictor):
     """Layer i+h's router applied unchanged to layer i's router input (training-free baseline;
     Mixtral-offloading, AdapMoE, on-phone Qwen3 runtimes)."""
     name = "next-gate"
+    linear = True
 
     def __init__(self, bank: RouterBank):
         self.bank = bank
@@ -55,6 +67,7 @@ class FateStyle(Predictor):
     input (i - 1), a prediction available one layer earlier. At the first layer there is no
     previous layer and it falls back to layer i's input."""
     name = "fate"
+    linear = True
 
     def __init__(self, bank: RouterBank):
         self.bank = bank
@@ -114,6 +127,7 @@ class PreviousToken(Predictor):
 class Oracle(Predictor):
     """The trace's real future: the upper bound of every predictor."""
     name = "oracle"
+    reads_future = True
 
     def __init__(self, num_experts: int):
         self.num_experts = num_experts
@@ -130,6 +144,7 @@ class Oracle(Predictor):
 class AdapterPredictor(Predictor):
     """The trained low-rank prefetch adapter (adapters/)."""
     name = "adapter"
+    linear = True
 
     def __init__(self, adapter, bank: RouterBank):
         self.adapter, self.bank = adapter, bank

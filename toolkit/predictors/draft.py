@@ -27,8 +27,8 @@ from toolkit.traces.batches import RoutingBatch
 
 def fake_quant(w: torch.Tensor, bits: int, group: int = GROUP) -> torch.Tensor:
     """Symmetric per-group quantise-dequantise along the last axis (int4: [-8, 7], int8: [-128, 127]),
-    the expert store's quantiser (toolkit.models.quant)."""
-    q, scale = group_quantize(w, bits, group)
+    with float32 scales (toolkit.models.quant)."""
+    q, scale = group_quantize(w, bits, group, scale_dtype=torch.float32)
     return group_dequantize(q, scale, w.shape[-1], group).to(w.dtype)
 
 
@@ -188,6 +188,7 @@ class SequenceDraft(Predictor):
     what its predictions are worth to the pool, not what running it costs (issue: the GPU tier)."""
     name = "draft"
     note = "draft routing precomputed teacher-forced; the draft's own compute is not charged"
+    routes_ahead = True
 
     def __init__(self, lm: LoadedModel, *, expert_bits: int = 4):
         self.lm = lm

@@ -158,7 +158,7 @@ class ExpertExecutor:
         self.backend, self.store, self.roles = backend, store, list(roles)
         # fp16 blobs hold every section as plain f16 arrays: slice them straight out of the slot
         self.fp16 = all(s.dtype == "f16" for s in store.sections)
-        self.plain = [(s.role, s.offset // 2, s.nbytes // 2, s.shape) for s in store.sections]
+        self.f16_sections = [(s.role, s.offset // 2, s.nbytes // 2, s.shape) for s in store.sections]
         self.family = str(store.meta.get("family", ""))
         self.tc = tc if tc is not None or self.fp16 else _store_text_config(store)
 
@@ -166,7 +166,7 @@ class ExpertExecutor:
         """float32 matrices [out, in] (and biases) of one expert from its slot's bytes."""
         if self.fp16:  # one view of the whole blob, each section converted once
             raw = torch.frombuffer(blob, dtype=torch.float16, count=self.store.blob_size // 2)
-            got = {role: raw[off:off + n].view(shape).float() for role, off, n, shape in self.plain}
+            got = {role: raw[off:off + n].view(shape).float() for role, off, n, shape in self.f16_sections}
         else:
             got = dequantize(memoryview(blob)[: self.store.blob_size], self.store.sections, self.store.shapes)
         return [got[r] for r in self.roles]

@@ -104,13 +104,13 @@ class PrefetchPlanner:
         self.source, self.L, self.W = source, num_layers, window
         self.routing, self.score_bias = routing, score_bias
         self.rows = {li: list(hs) for li, hs in (preds_horizons or {}).items()}
-        self.oracle = getattr(source, "name", None) == "oracle"
+        self.oracle = getattr(source, "reads_future", False)   # source: a Predictor, GRAPH or None
         # a plain softmax router (no selection bias, groups or top-k-first): the window's
         # probabilities are one softmax of its logits, and linear host predictors fold into one
         # [W*E, H] matrix per layer (a whole window in one matmul)
-        self.plain = (score_bias is None and (routing.n_group or 0) <= 1 and not routing.topk_before_softmax
-                      and routing.score_func == "softmax")
-        self.folded = self._fold() if self.plain and hasattr(source, "effective_router") else None
+        self.softmax_router = (score_bias is None and (routing.n_group or 0) <= 1
+                               and not routing.topk_before_softmax and routing.score_func == "softmax")
+        self.folded = self._fold() if self.softmax_router and getattr(source, "linear", False) else None
         self.graph_rows = {li: [rows.index(h) for h in range(1, window + 1) if h in rows]
                            for li, rows in self.rows.items()}
 
@@ -199,7 +199,7 @@ class PrefetchPlanner:
                 sched.plan_probs(step, [], None)
                 return
             logits = pr[:, [rows_of.index(h) for h in hs2]]                    # [T, W', E]
-            if self.plain:
+            if self.softmax_router:
                 sched.plan_probs(step, targets, logits.softmax(-1).amax(0))
                 return
             rows = []
@@ -238,7 +238,7 @@ class PrefetchPlanner:
                 return
             if preds is None:
                 raise RuntimeError(f"MoE layer {li}: the layer graph returned no preds rows")
-            if self.plain:
+            if self.softmax_router:
                 rows = [r for r in self.graph_rows[li] if self.rows[li][r] <= W]
                 hs = [self.rows[li][r] for r in rows]
                 logits = preds.reshape(len(self.rows[li]), -1)[rows].float()

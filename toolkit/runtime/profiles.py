@@ -133,9 +133,14 @@ def load_profile(name: str, option: str = "--profile") -> DeviceProfile:
     d = read_json(path, "device profile")
     try:
         d["flash_bw"] = {int(q): {int(s): float(v) for s, v in t.items()} for q, t in d["flash_bw"].items()}
-        return DeviceProfile(**d)
+        profile = DeviceProfile(**d)
     except (TypeError, KeyError, ValueError, AttributeError) as e:
         raise SpecPrefetchError(f"{path}: not a valid device profile ({e})") from None
+    g = profile.prefill_gflops
+    if g is not None and (isinstance(g, bool) or not isinstance(g, (int, float)) or not math.isfinite(g) or g <= 0):
+        raise SpecPrefetchError(f"{path}: not a valid device profile (prefill_gflops {g!r}: a positive number "
+                                "of GFLOP/s, or null)")
+    return profile
 
 
 def save_profile(p: DeviceProfile, path: Path | None = None) -> Path:

@@ -215,9 +215,10 @@ class Runner:
                                     f"the graphs' KV cache of {m.max_seq} positions")
         L, k = m.L, m.routing.top_k
         source = self.predictors.get(cfg.policy.predictor)
-        if (cfg.policy.needs_future or hasattr(source, "prepare")) and recorded is None:
+        ahead = getattr(source, "routes_ahead", False)   # source: a Predictor, GRAPH or None
+        if (cfg.policy.needs_future or ahead) and recorded is None:
             raise SpecPrefetchError(f"--policy {cfg.policy.name}: needs a recorded first pass (Runner.run does it)")
-        if hasattr(source, "prepare"):  # the draft routes over the whole sequence ahead of time
+        if ahead:  # the draft routes over the whole sequence ahead of time
             source.prepare(list(prompt_ids) + recorded.tokens)
         planner = PrefetchPlanner(source, num_layers=L, window=cfg.window, routing=m.routing,
                                   score_bias=m.score_bias, preds_horizons=m.preds_horizons)
@@ -487,7 +488,7 @@ class Runner:
             recorded: Generation | None = None) -> Generation:
         """`generate` with whatever the policy needs recorded first (oracle, Belady, draft)."""
         source = self.predictors.get(self.cfg.policy.predictor)
-        if self.cfg.policy.needs_future or hasattr(source, "prepare"):
+        if self.cfg.policy.needs_future or getattr(source, "routes_ahead", False):
             rec = recorded or self.record(prompt_ids, max_new_tokens)
             return self.generate(prompt_ids, max_new_tokens, recorded=rec, events=events)
         return self.generate(prompt_ids, max_new_tokens, events=events)

@@ -50,6 +50,8 @@ class Geometry:
     expert_bytes: int
     dense_bytes_per_layer: int
     dtype: str
+    prefill_layer_params: int = -1   # dense weights per MoE layer at prefill (no LM head); -1: as decode's
+    head_params: int = 0             # the LM head's weights, computed once at prefill (the last position)
 
     @staticmethod
     def from_model(model: str | Path, dtype: str) -> "Geometry":
@@ -59,16 +61,29 @@ class Geometry:
         eb = expert_bytes(g, dtype)
         embed = g.vocab_size * g.hidden_size
         dense_params = max(0, d["non_expert_params"] - embed) / max(1, g.num_layers)
+        tied = getattr(spec.config, "tie_word_embeddings", None)
+        if tied is None:
+            tied = getattr(getattr(spec.config, "text_config", None), "tie_word_embeddings", True)
+        # prefill: every decoder layer's dense weights (dense layers included) charged to the MoE layers,
+        # the untied LM head left out (it runs once, for the last position)
+        layers = max(0, d["non_expert_params"] - embed - (0 if tied else embed))
         return Geometry(str(spec.path), len(g.moe_layers), g.routing.num_experts, g.routing.top_k,
-                        aligned(eb), eb, int(dense_params * BYTES_PER_PARAM[dtype]), dtype)
+                        aligned(eb), eb, int(dense_params * BYTES_PER_PARAM[dtype]), dtype,
+                        prefill_layer_params=layers // max(1, len(g.moe_layers)), head_params=embed)
 
     def prefill_flops(self, tokens: int) -> tuple[float, float]:
         """(dense, expert) FLOPs of one MoE layer over `tokens` prompt positions: two per weight per
         position, every position through the dense part and its top-k experts (attention's
-        position-by-position products left out: a few percent at 512 positions)."""
+        position-by-position products left out: a few percent at 512 positions; the LM head is
+        `head_flops`, once per prompt)."""
         per = BYTES_PER_PARAM[self.dtype]
-        return (2.0 * self.dense_bytes_per_layer / per * tokens,
-                2.0 * self.expert_bytes / per * tokens * self.top_k)
+        dense = (self.prefill_layer_params if self.prefill_layer_params >= 0
+                 else self.dense_bytes_per_layer / per)
+        return 2.0 * dense * tokens, 2.0 * self.expert_bytes / per * tokens * self.top_k
+
+    def head_flops(self) -> float:
+        """The LM head's FLOPs for the prompt's last position (the only one whose logits are used)."""
+        return 2.0 * self.head_params
 
 
 def sequences(b: RoutingBatch) -> list[torch.Tensor]:
@@ -199,9 +214,14 @@ def prompt_rows(b: RoutingBatch, tokens: int) -> torch.Tensor:
 def simulate_prefill(b: RoutingBatch, rows: torch.Tensor, predictor, geo: Geometry, profile: DeviceProfile,
                      cfg: RunConfig, layer_map: list[int], reuse=None) -> dict[str, Any]:
     """TTFT of a prompt whose positions route as `rows` of the prompt batch `b` (prompt_rows), from
-    an empty pool: spans of PREFILL_SPAN positions, each MoE layer acquiring the span's union of
-    experts, the window planned from the span's best score per expert (as the runners'
-    `plan_chunk`), compute at `profile.prefill_gflops`. Targets past the prompt are not planned."""
+    an empty pool, as both runners feed a prompt: spans of PREFILL_SPAN positions, each MoE layer
+    acquiring the span's union of experts (in groups of at most the pool's capacity), the window
+    planned from the span's best score per expert (the runners' `plan_chunk`: past the last MoE
+    layer, the next span's first layers, from the cross-token scores), each expert computed as soon
+    as its bytes have landed (`compute_order`, so reads overlap the compute of experts already in),
+    compute at `profile.prefill_gflops`, the LM head once. Targets past the prompt are not planned.
+    (The oracle's cross-span rows are the next positions of the span's own rows, not the next span's
+    union: an approximation of the runners' oracle there.)"""
     L, T = geo.num_layers, len(rows)
     Lt, W = b.num_layers, cfg.window
     gflops = profile.prefill_gflops
@@ -217,10 +237,11 @@ def simulate_prefill(b: RoutingBatch, rows: torch.Tensor, predictor, geo: Geomet
     if predictor is not None:
         for h in range(1, W + 1):
             for i in range(Lt):
-                if i + h < Lt:
+                if i + h < 2 * Lt:
                     preds[(i, h)] = predictor.scores(b, i, h)[rows]
     reads_seen = 0
     p0 = 0
+    end = T * L
     for n in spans:
         dense_flops, expert_flops = geo.prefill_flops(n)
         for li in range(L):
@@ -234,7 +255,8 @@ def simulate_prefill(b: RoutingBatch, rows: torch.Tensor, predictor, geo: Geomet
                     window = []
                     ti = layer_map[li]
                     for h in range(1, W + 1):
-                        if li + h >= L:
+                        target = step + h + ((n - 1) * L if li + h >= L else 0)   # the runners' _target
+                        if target >= end:
                             break
                         th = _trace_h(li, h, L, layer_map, Lt)
                         sc = preds.get((ti, th)) if th > 0 else (preds.get((ti - 1, 1)) if ti > 0 else None)
@@ -243,21 +265,23 @@ def simulate_prefill(b: RoutingBatch, rows: torch.Tensor, predictor, geo: Geomet
                         sc = sc[p0: p0 + n].float().amax(0)
                         if geo.num_experts > sc.shape[0]:
                             sc = torch.nn.functional.pad(sc, (0, geo.num_experts - sc.shape[0]))
-                        window.append((step + h, sc))
+                        window.append((target, sc))
                     sched.plan(step, window)
                     clock.now += profile.plan_ms_per_layer * 1e-3
-                for key in group:
-                    sched.data(key)
+                # each expert as soon as its bytes are in (the others still loading): its share of the
+                # layer's expert FLOPs, and its weights from DRAM once
+                per_expert = expert_flops / len(keys) / (gflops * 1e9)
+                if profile.dram_effective_gbs:
+                    per_expert += geo.expert_bytes / (profile.dram_effective_gbs * 1e9)
+                for i in sched.compute_order(group):
+                    sched.data(group[i])
+                    clock.now += per_expert
                 issued = sched.stats.bytes_read // geo.slot_bytes
                 clock.now += (issued - reads_seen) * profile.read_cpu_us * 1e-6
                 reads_seen = issued
-                # the group's share of the layer's expert FLOPs, and each expert's weights from DRAM once
-                clock.now += expert_flops * len(group) / len(keys) / (gflops * 1e9)
-                if profile.dram_effective_gbs:
-                    clock.now += len(group) * geo.expert_bytes / (profile.dram_effective_gbs * 1e9)
                 sched.release(step, group, pump=gi == len(groups) - 1)
         p0 += n
-    ttft = clock.now + profile.token_overhead_ms * 1e-3
+    ttft = clock.now + geo.head_flops() / (gflops * 1e9) + profile.token_overhead_ms * 1e-3
     st = sched.stats
     return {"prompt_tokens": T, "ttft_ms": round(ttft * 1e3, 3), "prefill_tokens_per_s": round(T / ttft, 2),
             "prefill_stall_ms": round(st.wait_s * 1e3, 3), "prefill_mib_read": round(st.bytes_read / 2**20, 1),

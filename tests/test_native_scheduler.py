@@ -1,0 +1,164 @@
+"""The native runner's scheduler and pool at unit level: the Python reference (toolkit/runtime/scheduler.py,
+pool.py) drives random but reproducible decode steps (acquire, plan, data, release) over a fake IO
+backend and records them as a step script; android_runner/tests/check_scheduler.cpp replays the script
+through the C++ WindowScheduler and ExpertPool over the same kind of fake backend. The decision logs
+must be equal line for line (apart from the printed confidences), and so must the counts. A
+scheduling bug in C++ shows here, with the step it happens at, not only as a whole-run difference."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from toolkit.runtime.events import EventLog, decisions
+from toolkit.runtime.pool import ExpertPool
+from toolkit.runtime.scheduler import SchedulerConfig, WindowScheduler
+
+SRC = Path(__file__).resolve().parent.parent / "android_runner"
+SOURCES = ("scheduler.cpp", "pool.cpp", "events.cpp", "memwatch.cpp", "routing.cpp", "fileio.cpp")
+SLOT = 8192
+COUNTS = ("requests", "hits", "prefetch_hits", "misses", "prefetch_issued", "dropped_stale", "dropped_low_conf",
+          "dropped_no_slot", "bytes_read")
+
+
+class FakeIO:
+    """Reads land at once (decisions never depend on timing); every read is counted."""
+
+    def __init__(self):
+        self.inflight: set = set()
+        self.demand_reads = self.prefetch_reads = 0
+
+    def submit(self, key, *, demand):
+        assert key not in self.inflight, f"a second read of {key} in flight"
+        self.inflight.add(key)
+        if demand:
+            self.demand_reads += 1
+        else:
+            self.prefetch_reads += 1
+
+    def landed(self, key):
+        return True
+
+    def wait(self, key):
+        pass
+
+    def take(self, key):
+        return b"x"
+
+    def release(self, key):
+        self.inflight.discard(key)
+
+
+@pytest.fixture(scope="module")
+def check_scheduler(tmp_path_factory) -> Path:
+    if not shutil.which("g++"):
+        pytest.skip("g++ not installed (make setup installs it)")
+    exe = tmp_path_factory.mktemp("scheduler") / "check_scheduler"
+    r = subprocess.run(["g++", "-std=c++17", "-O1", "-Wall", "-Wextra", "-Werror", "-pthread", "-I", str(SRC / "src"),
+                        str(SRC / "tests" / "check_scheduler.cpp"), *(str(SRC / "src" / f) for f in SOURCES),
+                        "-o", str(exe)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return exe
+
+
+def _keys(keys) -> str:
+    return f"{len(keys)} " + " ".join(f"{li} {e}" for li, e in keys)
+
+
+def drive(eviction: str, *, L: int, E: int, k: int, slots: int, queue_depth: int, min_confidence: float,
+          floor: float, step_budget: int | None, W: int, T: int, seed: int, logits: bool):
+    """Run the Python scheduler over T positions of skewed random routing and predictions (a prediction
+    is the true next routing with probability 0.6, else a random guess); returns (script, events, counts)."""
+    rng = np.random.default_rng(seed)
+    pop = rng.dirichlet(np.full(E, 0.4), size=L)              # each layer's skewed expert popularity
+    routes = [[rng.choice(E, k, replace=False, p=pop[li]).tolist() for li in range(L)] for _ in range(T)]
+    budget = slots * SLOT
+    never = lambda key, now: float("inf")  # noqa: E731
+    pool = ExpertPool(budget, SLOT, policy=eviction, min_slots=k, next_use=never)
+    cfg = SchedulerConfig(queue_depth=queue_depth, min_confidence=min_confidence, floor=floor,
+                          step_budget_bytes=step_budget)
+    events = EventLog()
+    io = FakeIO()
+    sched = WindowScheduler(pool, io, cfg, num_layers=L, top_k=k, events=events, clock=lambda: 0.0)
+    if eviction == "prediction":
+        pool.next_use = sched.next_predicted_use
+    script = [f"config {budget} {SLOT} {eviction} {k} {L * E} {L} {k} {queue_depth} {min_confidence!r} {floor!r} "
+              f"{-1 if step_budget is None else step_budget} 1"]
+    for t in range(T):
+        for li in range(L):
+            step = t * L + li
+            events.at(step, t, li)
+            script.append(f"at {step} {t} {li}")
+            keys = [(li, e) for e in routes[t][li]]
+            sched.acquire(step, keys)
+            script.append(f"acquire {step} {_keys(keys)}")
+            window = []
+            for h in range(1, W + 1):
+                tt, lj = divmod(step + h, L)
+                if tt >= T:
+                    break
+                guess = routes[tt][lj] if rng.random() < 0.6 else rng.choice(E, k, replace=False).tolist()
+                s = rng.random(E).astype(np.float32) * 0.2
+                s[guess] += rng.random(k).astype(np.float32) * 3 + 1
+                if logits:
+                    s = (s * 4 - 6).astype(np.float32)          # negative: the scheduler softmaxes them
+                window.append((step + h, s))
+            sched.plan(step, [(tgt, torch.from_numpy(s)) for tgt, s in window])
+            script.append(f"plan {step} {len(window)} " + " ".join(
+                f"{tgt} {E} " + " ".join(float(x).hex() for x in s) for tgt, s in window))
+            for key in keys:
+                sched.data(key)
+                script.append(f"data {key[0]} {key[1]}")
+            sched.release(step, keys)
+            script.append(f"release {step} 1 {_keys(keys)}")
+    counts = {c: getattr(sched.stats, c) for c in COUNTS}
+    counts.update(evictions=pool.evictions, wasted_prefetches=pool.wasted_prefetches,
+                  demand_reads=io.demand_reads, prefetch_reads=io.prefetch_reads)
+    return "\n".join(script) + "\n", events.lines, counts
+
+
+CASES = {
+    "lru": dict(eviction="lru", slots=12, queue_depth=4, min_confidence=0.02, floor=0.0, step_budget=None,
+                logits=False),
+    "lfu-logits": dict(eviction="lfu", slots=10, queue_depth=2, min_confidence=0.05, floor=0.0, step_budget=None,
+                       logits=True),
+    "prediction-budget": dict(eviction="prediction", slots=14, queue_depth=6, min_confidence=0.01, floor=0.01,
+                              step_budget=3 * SLOT, logits=False),
+    "prediction-tight": dict(eviction="prediction", slots=8, queue_depth=3, min_confidence=0.1, floor=0.0,
+                             step_budget=None, logits=True),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_cpp_scheduler_replays_the_reference(check_scheduler, tmp_path, case):
+    script, ref_events, ref_counts = drive(L=4, E=16, k=2, W=3, T=40, seed=len(case), **CASES[case])
+    (tmp_path / "script.txt").write_text(script)
+    r = subprocess.run([str(check_scheduler), str(tmp_path / "script.txt"), str(tmp_path / "events.log"),
+                        str(tmp_path / "stats.txt")], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    got = (tmp_path / "events.log").read_text().splitlines()
+    want = decisions(ref_events)
+    for i, (a, b) in enumerate(zip(decisions(got), want)):
+        assert a == b, f"{case}: decision {i} differs (C++ {a!r}, Python {b!r}); before it: {want[max(0, i - 5):i]}"
+    assert len(got) == len(want)
+    counts = {k: int(v) for k, v in (ln.split() for ln in (tmp_path / "stats.txt").read_text().splitlines())}
+    assert counts == ref_counts
+    # the script exercised what it is there for: hits, misses, prefetches, evictions, drops
+    assert ref_counts["prefetch_hits"] > 0 and ref_counts["misses"] > 0 and ref_counts["evictions"] > 0
+    assert ref_counts["dropped_stale"] + ref_counts["dropped_low_conf"] + ref_counts["dropped_no_slot"] > 0
+
+
+def test_check_scheduler_catches_a_different_decision(check_scheduler, tmp_path):
+    """The comparison can fail: the same script with the pool one slot smaller decides differently."""
+    script, ref_events, _ = drive(L=4, E=16, k=2, W=3, T=40, seed=3, **CASES["lru"])
+    budget = 12 * SLOT
+    assert script.startswith(f"config {budget} ")
+    (tmp_path / "script.txt").write_text(script.replace(f"config {budget} ", f"config {budget - SLOT} ", 1))
+    r = subprocess.run([str(check_scheduler), str(tmp_path / "script.txt"), str(tmp_path / "events.log"),
+                        str(tmp_path / "stats.txt")], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert decisions((tmp_path / "events.log").read_text().splitlines()) != decisions(ref_events)
