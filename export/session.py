@@ -40,6 +40,72 @@ class StreamedExperts(torch.nn.Module):
 
 
 @dataclasses.dataclass
+class ModelSource:
+    """The unmodified checkpoint a run's tokens are checked against (`run --check`), if it is on this
+    machine: for a bundle, only when its weights are the very ones the bundle's expert store was built
+    from (same config is not enough: a fine-tune has the same config)."""
+    label: str                      # what was opened, for messages
+    candidate: Path | None          # the checkpoint the check would load
+    weights: dict | None = None     # a bundle: the weights its store was built from
+    recorded: str | None = None     # a bundle: its manifest's model.source
+
+    @functools.cached_property
+    def _resolved(self) -> tuple[Path | None, str | None]:
+        src = self.candidate
+        if src is None:
+            rec = self.recorded
+            return None, (f"the unmodified model of {self.label} is not on this machine" if not rec else
+                          f"{self.label} was exported from {rec}, which is not on this machine (or holds "
+                          "another model config now)")
+        if self.weights is None:
+            return src, None
+        from toolkit.runtime.fingerprint import weights_mismatch
+
+        try:
+            why = weights_mismatch(self.weights, inspect_model_dir(src))
+        except SpecPrefetchError as e:
+            return None, f"the unmodified model {src} cannot be read ({e})"
+        if why is not None:
+            return None, f"the model at {src} is not the one {self.label}'s expert store was built from ({why})"
+        return src, None
+
+    @property
+    def model(self) -> Path | None:
+        return self._resolved[0]
+
+    @property
+    def problem(self) -> str | None:
+        """Why `model` is None, else None."""
+        return self._resolved[1]
+
+    @property
+    def is_shipped(self) -> bool:
+        """One of the shipped models (embedded, phone): --check is on by default."""
+        return self.model is not None and shipped_model_name(self.model) is not None
+
+
+def bundle_source(path: Path, m: dict, weights: dict | None = None) -> ModelSource:
+    """A bundle's recorded source checkpoint (manifest model.source), if it is on this machine with the
+    config the bundle was exported from; `weights`: its store's record of the weights (default: read
+    from the bundle's expert store)."""
+    rec = m["model"].get("source")
+    src = Path(rec) if isinstance(rec, str) and rec else None  # recorded resolved (older bundles: maybe not)
+    candidate = src if src is not None and src.is_dir() and (src / "config.json").is_file() else None
+    if candidate is not None:
+        try:
+            if inspect_model_dir(candidate).config_hash != m["model"]["config_hash"]:
+                candidate = None
+        except SpecPrefetchError:
+            candidate = None
+    if weights is None and candidate is not None:
+        try:
+            weights = ExpertStore(path / m["runtime"]["expert_store"]).meta.get("source")
+        except (SpecPrefetchError, KeyError, TypeError):
+            candidate = None
+    return ModelSource(str(path), candidate, weights, rec if isinstance(rec, str) else None)
+
+
+@dataclasses.dataclass
 class Session:
     """A runner over one model or bundle, with what a caller needs around it."""
     runner: Runner
@@ -54,41 +120,23 @@ class Session:
     source_recorded: str | None = None      # a bundle: its manifest's model.source
 
     @functools.cached_property
-    def _source(self) -> tuple[Path | None, str | None]:
-        src = self.source_candidate
-        if src is None:
-            rec = self.source_recorded
-            return None, (f"the unmodified model of {self.label} is not on this machine" if not rec else
-                          f"{self.label} was exported from {rec}, which is not on this machine (or holds "
-                          "another model config now)")
-        if self.source_weights is None:
-            return src, None
-        from toolkit.runtime.fingerprint import weights_mismatch
-
-        try:
-            why = weights_mismatch(self.source_weights, inspect_model_dir(src))
-        except SpecPrefetchError as e:
-            return None, f"the unmodified model {src} cannot be read ({e})"
-        if why is not None:
-            return None, f"the model at {src} is not the one {self.label}'s expert store was built from ({why})"
-        return src, None
+    def source(self) -> ModelSource:
+        return ModelSource(self.label, self.source_candidate, self.source_weights, self.source_recorded)
 
     @property
     def source_model(self) -> Path | None:
-        """The checkpoint the unmodified-model check can load, if on disk: for a bundle, only when
-        its weights are the very ones the bundle's expert store was built from (same config is not
-        enough: a fine-tune has the same config)."""
-        return self._source[0]
+        """The checkpoint the unmodified-model check can load, if on disk (ModelSource)."""
+        return self.source.model
 
     @property
     def source_problem(self) -> str | None:
         """Why `source_model` is None (for `--check`'s error), else None."""
-        return self._source[1]
+        return self.source.problem
 
     @property
     def is_embedded(self) -> bool:
         """The source model is one of the shipped models (embedded, phone): --check is on by default."""
-        return self.source_model is not None and shipped_model_name(self.source_model) is not None
+        return self.source.is_shipped
 
     def encode(self, text: str) -> list[int]:
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -289,20 +337,12 @@ def _bundle_session(path: Path, m: dict, backend, cfg: RunConfig, names: list[st
                      reuse=ReuseTable.from_json(m["predictor"]["reuse"], f"{path / 'manifest.json'}: predictor.reuse")
                      if m["predictor"].get("reuse") is not None else None)
     tok = AutoTokenizer.from_pretrained(spec.path, local_files_only=True)
-    rec = m["model"].get("source")
-    src = Path(rec) if isinstance(rec, str) and rec else None  # recorded resolved (older bundles: maybe not)
-    source_model = src if src is not None and src.is_dir() and (src / "config.json").is_file() else None
-    if source_model is not None:
-        try:
-            if inspect_model_dir(source_model).config_hash != m["model"]["config_hash"]:
-                source_model = None
-        except SpecPrefetchError:
-            source_model = None
+    source = bundle_source(path, m, weights=st.meta["source"])
     if pool_default:  # no --pool-mib: the bundle's own budget
         cfg = dataclasses.replace(cfg, pool_mib=float(m["runtime"]["pool_mib"]))
-    return Session(Runner(backend, st, info, cfg, preds), tok, spec, "bundle", str(path), source_model,
-                   default_pool_mib=m["runtime"].get("pool_mib"), source_weights=st.meta["source"],
-                   source_recorded=rec if isinstance(rec, str) else None)
+    return Session(Runner(backend, st, info, cfg, preds), tok, spec, "bundle", str(path), source.candidate,
+                   default_pool_mib=m["runtime"].get("pool_mib"), source_weights=source.weights,
+                   source_recorded=source.recorded)
 
 
 @functools.lru_cache(maxsize=1)

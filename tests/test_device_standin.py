@@ -239,3 +239,33 @@ def test_rewrite_rule_and_fault_checks(tmp_path: Path) -> None:
         StandIn(root=tmp_path / "r", faults={"disconnect_after_s": -1})
     with pytest.raises(SpecPrefetchError, match="no spaces"):
         StandIn(root=tmp_path / "with space")
+
+
+def test_demo_gives_up_on_a_silent_stand_in_and_stops_it(tmp_path):
+    """`make demo`'s device flow (toolkit/device/demo.py): a stand-in that never prints its ready line is
+    an error after the timeout (not a hang in readline), and it is stopped with its pipe closed."""
+    import sys
+
+    from toolkit.device.demo import _stop, _wait_ready
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    t0 = time.monotonic()
+    with pytest.raises(SpecPrefetchError, match="did not start within 1 s"):
+        _wait_ready(proc, 1.0)
+    assert time.monotonic() - t0 < 10
+    _stop(proc)
+    assert proc.poll() is not None and proc.stdout.closed
+    ok = subprocess.Popen([sys.executable, "-c", "print('stand-in SM8750 phone ready: adb connect x', flush=True); "
+                           "import time; time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    assert _wait_ready(ok, 30.0).startswith("stand-in SM8750 phone ready")
+    _stop(ok)
+    assert ok.poll() is not None
+
+
+def test_demo_refuses_its_report_inside_the_bundle_before_starting(tmp_path):
+    from toolkit.device.demo import demo
+
+    b = tmp_path / "bundle"
+    b.mkdir()
+    with pytest.raises(SpecPrefetchError, match="input"):
+        demo(b, b / "r.json")

@@ -276,7 +276,8 @@ def test_prefill_projection_overlaps_reads_plans_across_spans_and_groups(sim_tra
     """The prefill replay as the runners do it: (1) an expert is computed as soon as its bytes land, so
     with compute far slower than a read only each layer's first read stalls (one read at queue depth 1
     per layer, exactly); (2) a span's last layers plan the next span's first ones, never past the
-    prompt; (3) a pool smaller than a layer's union still reads each of the union's experts once."""
+    prompt; (3) a pool smaller than a layer's union still reads each of the union's experts once; previous-token
+    knows only the position before a span."""
     import dataclasses
 
     import toolkit.simulate.replay as R
@@ -291,6 +292,11 @@ def test_prefill_projection_overlaps_reads_plans_across_spans_and_groups(sim_tra
                           prompt_tokens=100)["results"][0]
     one_read_ms = slow.read_s(122880, 1) * 1e3
     assert od["prefill_stall_ms"] == pytest.approx(L * one_read_ms, rel=1e-3)
+    # previous-token in one span from position 0 knows no previous position (as the runners' span batch):
+    # no prefetch, on-demand's TTFT
+    pt = R.run_simulation(sim_trace, policies=[Policy("previous-token", "lru")], profile=slow, pool_mib=8, window=2,
+                          prompt_tokens=100)["results"][0]
+    assert pt["prefill_hit_rate"] == 0 and pt["ttft_ms"] == od["ttft_ms"]
     # (2) four spans of 25 positions; every target the oracle plans is a step of this prompt
     monkeypatch.setattr(R, "PREFILL_SPAN", 25)
     planned: list[tuple[int, int]] = []

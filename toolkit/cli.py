@@ -34,6 +34,7 @@ from pathlib import Path
 import click
 
 from toolkit import __version__
+from toolkit.engines import fmt
 from toolkit.errors import SpecPrefetchError
 
 # What an OSError means, in a few words, for the one-line message naming its path.
@@ -307,13 +308,6 @@ def claim(out, kind: str, overwrite: bool, inputs=(), option: str = "--json", si
 def wrote(*claims) -> str:
     """`wrote A, B, C`: the files the claims wrote (a FIFO or /dev/null: the JSON alone)."""
     return "wrote " + ", ".join(str(f) for c in claims if c is not None for f in c.files())
-
-
-def fmt(v, spec: str = ".2f") -> str:
-    """A figure for a summary line; undefined (None or NaN, e.g. TPOT of a single token) prints as n/a."""
-    if v is None or (isinstance(v, float) and not math.isfinite(v)):
-        return "n/a"
-    return format(v, spec)
 
 
 def scheduler_limits(fn):
@@ -780,9 +774,11 @@ def run(model, policy, adapter, frequency_trace, pool_mib, pool_reserve_mib, poo
             raise SpecPrefetchError(f"--device {device}: the GPU tier takes a model directory with --store, --adapter, "
                                     "--policy and --pool-mib (drop --engine, --abi, --flash-profile, "
                                     "--frequency-trace, --events)")
-        _run_gpu(model, device=device, policy=policy, adapter=adapter, store_path=store_path, dtype=dtype,
-                 pool_mib=pool_mib, window=window, prompts=prompts, max_new_tokens=max_new_tokens, check=check,
-                 min_confidence=min_confidence, json_out=json_out, draft_k=draft_k)
+        from toolkit.engines import gpu_engine, run as run_engine
+
+        eng = gpu_engine(model, device=device, policy=policy, adapter=adapter, store_path=store_path, dtype=dtype,
+                         pool_mib=pool_mib, window=window, min_confidence=min_confidence, draft_k=draft_k)
+        run_engine(eng, list(prompts), max_new_tokens, check=check, json_out=json_out, events_out=None)
         return
     if ctx_default(click.get_current_context(), "draft_k") is False:
         raise SpecPrefetchError("--draft-k: only with --device cuda (the CPU engines' draft predicts, "
@@ -797,22 +793,23 @@ def run(model, policy, adapter, frequency_trace, pool_mib, pool_reserve_mib, poo
         if adapter or store_path or frequency_trace or flash_profile:
             raise SpecPrefetchError("--engine native runs a bundle as exported: drop --adapter, --store, "
                                     "--frequency-trace and --flash-profile")
-        _run_native(model, abi=abi, policy=policy, pool_mib=pool_mib, window=window, queue_depth=queue_depth,
-                    prompts=prompts, max_new_tokens=max_new_tokens, check=check, events_out=events_out,
-                    min_confidence=min_confidence, step_budget_kib=step_budget_kib, json_out=json_out,
-                    threads=threads, prefill_chunk=chunk, pool_auto=(
-                        ("--pool-reserve-mib", pool_reserve_mib), ("--pool-low-watermark-mib", pool_low_watermark_mib)))
+        from toolkit.engines import native_engine, run as run_engine
+
+        eng = native_engine(Path(model), abi=abi, policy=policy, pool_mib=pool_mib, window=window,
+                            queue_depth=queue_depth, min_confidence=min_confidence, step_budget_kib=step_budget_kib,
+                            threads=threads, prefill_chunk=chunk, pool_auto=(
+                                ("--pool-reserve-mib", pool_reserve_mib),
+                                ("--pool-low-watermark-mib", pool_low_watermark_mib)))
+        run_engine(eng, list(prompts), max_new_tokens, check=check, json_out=json_out, events_out=events_out)
         return
     if abi != "host":
         raise SpecPrefetchError("--abi: only with --engine native")
     from export.manifest import read_manifest
-    from export.session import is_bundle, open_session, reference_tokens
-    from toolkit.reporting import write_json_report, write_text_report
-    from toolkit.runtime.events import EventLog
+    from export.session import is_bundle, open_session
+    from toolkit.engines import python_engine, run as run_engine
     from toolkit.runtime.policy import Policy
     from toolkit.runtime.profiles import load_profile
     from toolkit.runtime.runner import RunConfig
-    from toolkit.runtime.stats import peak_rss_bytes
 
     from toolkit.bench import torch_threads
 
@@ -834,46 +831,8 @@ def run(model, policy, adapter, frequency_trace, pool_mib, pool_reserve_mib, poo
     s = open_session(model, cfg, adapter=adapter, store=store_path, dtype=dtype, frequency_trace=frequency_trace,
                      max_seq=max_seq, pool_default=pool_mib is None, scheduler_default=(*not_given, "floor"))
     s.runner.progress = True  # a prefill progress bar on stderr for long prompts
-    if check is None:
-        check = s.is_embedded
-    if check and s.source_model is None:
-        raise SpecPrefetchError(
-            f"--check: {s.source_problem or f'the unmodified model of {s.label} is not on this machine'}")
-    exact = s.kind == "model" and s.runner.store.dtype == "fp16"
-    runs, encoded = [], []
-    log = EventLog() if events_out else None  # one log: each prompt is its own `seq N`
-    for p in prompts:
-        ids = s.encode(p)
-        g = s.runner.run(ids, max_new_tokens, events=log)
-        encoded.append(ids)
-        runs.append({"prompt": p, "source": s.label, **g.to_json(), "text": _decode(s.tokenizer, g.tokens),
-                     "matches_unmodified_model": None, **({"notes": s.notes} if s.notes else {})})
-    rss = peak_rss_bytes()  # before --check loads the unmodified model: what the run itself needed
-    if check:
-        for r, ids in zip(runs, encoded):
-            ref = reference_tokens(s.source_model, ids, max_new_tokens)
-            r["matches_unmodified_model"] = r["tokens"] == ref
-            if exact and r["tokens"] != ref:
-                raise SpecPrefetchError("tokens differ from the unmodified model's generate for prompt "
-                                        f"{r['prompt']!r}: a bug, unless transformers departs from the model's "
-                                        "config (docs/families.md)")
-            if r["tokens"] != ref:
-                click.echo(f"note: {s.label} ({s.runner.store.dtype} experts) decodes other tokens than the "
-                           f"unmodified model for prompt {r['prompt']!r} (reduced precision)", err=True)
-    out = {"policy": pol.name, "runs": runs, "peak_rss_bytes": rss}  # one shape for one prompt or several
-    write_json_report(json_out, out)
-    if events_out:
-        write_text_report(events_out, "\n".join(log.lines) + "\n")
-    for r in runs:
-        _echo_text(r)
-        click.echo(f"{pol.name}: TTFT {fmt(r['ttft_ms'], '.1f')} ms, TPOT {fmt(r['tpot_ms'])} ms "
-                   f"(p95 {fmt(r['tpot_p95_ms'])}), stall {fmt(r['stall_ms_per_token'])} ms/token, "
-                   f"hit rate {fmt(r['hit_rate'], '.3f')}, {r['mib_read']:.1f} MiB read, peak pool "
-                   f"{r['peak_pool_bytes'] / 2**20:.2f} of {r['budget_bytes'] / 2**20:.2f} MiB"
-                   + (", tokens match the unmodified model" if r["matches_unmodified_model"] else "")
-                   + (f" [flash emulated: {flash_profile}]" if flash_profile else ""))
-    click.echo(f"peak RSS {rss / 2**20:.0f} MiB (before --check)" if rss else "peak RSS unknown")
-    click.echo(f"wrote {json_out}" + (f", {events_out}" if events_out else ""))
+    run_engine(python_engine(s, pol.name, flash_profile), list(prompts), max_new_tokens, check=check,
+               json_out=json_out, events_out=events_out)
 
 
 def _device(value: str, param) -> str:
@@ -888,169 +847,6 @@ def _device(value: str, param) -> str:
 def ctx_default(ctx, name: str) -> bool:
     """Whether option `name` kept its default (was not given)."""
     return ctx.get_parameter_source(name) == click.core.ParameterSource.DEFAULT
-
-
-def _run_gpu(model, *, device, policy, adapter, store_path, dtype, pool_mib, window, prompts, max_new_tokens, check,
-             min_confidence, json_out, draft_k) -> None:
-    """`run --device cuda`: the GPU tier (toolkit/runtime/gpu.py), the same JSON shape as the CPU engines."""
-    from export.session import is_bundle
-    from toolkit.models.loader import inspect_model_dir, load_model
-    from toolkit.reporting import write_json_report
-    from toolkit.runtime.expert_store import ExpertStore
-    from toolkit.runtime.gpu import GpuEngine
-    from toolkit.runtime.gpu_bench import gpu_predictors, reference_generate
-    from toolkit.runtime.policy import Policy
-    from toolkit.runtime.runner import RunConfig
-    from toolkit.runtime.stats import peak_rss_bytes
-
-    if is_bundle(model):
-        raise SpecPrefetchError(f"--device {device}: the GPU tier runs a model directory, not a bundle ({model})")
-    if dtype not in (None, "fp16"):
-        raise SpecPrefetchError(f"--device {device}: the GPU tier computes from fp16 experts; drop --dtype {dtype}")
-    from toolkit.runtime.gpu import Device
-
-    Device(device)  # CUDA present (a one-line error before any loading)
-    spec = inspect_model_dir(model)
-    if store_path is None:
-        from toolkit.runtime.store_cache import cached_store
-
-        st = cached_store(spec, "fp16")
-    else:
-        st = ExpertStore(store_path, spec)
-    pol = Policy.parse(policy)
-    preds = gpu_predictors(spec, [pol.predictor], adapter)
-    cuda = device.startswith("cuda")
-    lm = load_model(spec.path, dtype="float16" if cuda else "float32")
-    eng = GpuEngine(lm, st, RunConfig(policy=pol, pool_mib=pool_mib or 8.0, window=window,
-                                      min_confidence=min_confidence), device=device, predictors=preds)
-    runs, encoded = [], []
-    for p in prompts:
-        ids = lm.tokenizer(p, add_special_tokens=False)["input_ids"]
-        if not ids:
-            raise SpecPrefetchError(f"--prompt {p!r} is empty after tokenisation")
-        g = eng.run(ids, max_new_tokens, k=draft_k)
-        encoded.append(ids)
-        runs.append({"prompt": p, "source": str(spec.path), **g.to_json(), "text": _decode(lm.tokenizer, g.tokens),
-                     "matches_unmodified_model": None})
-    rss = peak_rss_bytes()
-    if check:
-        import torch
-
-        del eng, lm   # the engine's GPU memory goes before transformers loads the whole model there
-        if cuda:
-            torch.cuda.empty_cache()
-        refs, _ = reference_generate(spec.path, encoded, max_new_tokens, device,
-                                     torch.float16 if cuda else torch.float32, timed=False)
-        for r, ref in zip(runs, refs):
-            r["matches_unmodified_model"] = r["tokens"] == ref
-    write_json_report(json_out, {"policy": pol.name, "device": device, "runs": runs, "peak_rss_bytes": rss})
-    for r in runs:
-        _echo_text(r)
-        click.echo(f"{pol.name} on {device}: TTFT {fmt(r['ttft_ms'], '.1f')} ms, TPOT {fmt(r['tpot_ms'])} ms, "
-                   f"stall {fmt(r['stall_ms_per_token'])} ms/token, hit rate {fmt(r['hit_rate'], '.3f')}, "
-                   f"{r['pcie_bytes_per_token'] / 2**20:.1f} MiB/token copied, pool {r['pool_slots']} slots "
-                   f"({r['budget_bytes'] / 2**20:.0f} MiB)"
-                   + (", tokens match transformers" if r["matches_unmodified_model"] else "")
-                   + (" -- TOKENS DIFFER from transformers" if r["matches_unmodified_model"] is False else ""))
-    click.echo(f"wrote {json_out}")
-    if any(r["matches_unmodified_model"] is False for r in runs):
-        raise SpecPrefetchError("tokens differ from transformers' greedy decode: a bug (docs/gpu-tier.md)")
-
-
-def _decode(tokenizer, tokens: list[int]) -> str:
-    """The generated tokens as text (special tokens included, as the native runner decodes)."""
-    try:
-        return tokenizer.decode(tokens, skip_special_tokens=False)
-    except Exception as e:  # noqa: BLE001 - a tokenizer that cannot decode leaves the tokens in the JSON
-        raise SpecPrefetchError(f"the tokenizer cannot decode the generated tokens ({type(e).__name__}: {e})") from None
-
-
-def _echo_text(r: dict) -> None:
-    """A run's prompt and generated text on one line, each as a JSON string (newlines escaped)."""
-    show = lambda t: json.dumps(t, ensure_ascii=False)  # noqa: E731
-    click.echo(f"{show(r['prompt'])} -> {show(r.get('text', ''))}")
-
-
-def _run_native(model, *, abi, policy, pool_mib, window, queue_depth, prompts, max_new_tokens, check, events_out,
-                min_confidence, step_budget_kib, json_out, threads, prefill_chunk=None, pool_auto=()) -> None:
-    """`run --engine native`: the C++ runner on an ExecuTorch bundle, the same JSON as the Python engine."""
-    from transformers import AutoTokenizer
-
-    import tempfile
-
-    from android_runner.build import build, has_tokenizer, run_native
-    from export.manifest import validate_bundle
-    from export.session import is_bundle, reference_tokens
-    from toolkit.reporting import write_json_report, write_text_report
-
-    if not is_bundle(model):
-        raise SpecPrefetchError(f"{model}: --engine native runs an exported bundle (specprefetch export "
-                                "--target executorch); this is not a bundle directory")
-    m, _ = validate_bundle(model, hash_store=False)
-    tok = AutoTokenizer.from_pretrained(str(Path(model) / Path(m["model"]["config"]).parent), local_files_only=True)
-    encoded = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
-    # text in and out through the runner's own tokenizer where it has one (`runner build` builds it
-    # in); a runner built with --no-tokenizer gets transformers' ids
-    out = build(model, abi)
-    text_in = has_tokenizer(out)
-    with tempfile.TemporaryDirectory() as tmp:  # the runner's log, then --events by the claim's rule
-        ev = Path(tmp) / "events.log" if events_out else None
-        res = run_native(model, list(prompts) if text_in else encoded, abi=abi, runner=out,
-                         max_new_tokens=max_new_tokens, policy=policy, pool_mib=pool_mib, window=window,
-                         queue_depth=queue_depth, min_confidence=min_confidence, step_budget_kib=step_budget_kib,
-                         events=ev, threads=threads,
-                         extra=(() if prefill_chunk is None else ("--prefill-chunk", str(prefill_chunk or "off")))
-                         + tuple(a for o, v in pool_auto if v is not None for a in (o, repr(v))))
-        events_text = ev.read_text(encoding="utf-8") if ev is not None else None
-    src = Path(m["model"].get("source", ""))
-    source_model = src if (src / "config.json").is_file() else None
-    if source_model is not None:  # only the checkpoint whose weights the bundle's store was built from
-        from toolkit.models.loader import inspect_model_dir
-        from toolkit.runtime.expert_store import ExpertStore
-        from toolkit.runtime.fingerprint import weights_mismatch
-
-        try:
-            meta = ExpertStore(Path(model) / m["runtime"]["expert_store"]).meta.get("source")
-            if meta is not None and weights_mismatch(meta, inspect_model_dir(source_model)) is not None:
-                source_model = None
-        except (SpecPrefetchError, KeyError, TypeError):
-            source_model = None
-    if check is None:  # as the Python engine: on for the shipped models (embedded, phone)
-        from toolkit.models.loader import shipped_model_name
-
-        check = source_model is not None and shipped_model_name(source_model) is not None
-    if check and source_model is None:
-        raise SpecPrefetchError(f"--check: the unmodified model of {model} is not on this machine")
-    runs = []
-    for p, ids, r in zip(prompts, encoded, res["runs"]):
-        r = {"prompt": p, **{k: v for k, v in r.items() if k != "routing"}, "matches_unmodified_model": None,
-             "engine": f"native-{abi}"}
-        if text_in and r["prompt_ids"] != ids:
-            click.echo(f"warning: the runner's tokenizer encodes {p!r} differently from transformers "
-                       f"({len(r['prompt_ids'])} vs {len(ids)} tokens); --check compares with transformers' ids",
-                       err=True)
-        if "text" not in r:  # a runner built without its tokenizer: transformers decodes
-            r["text"] = _decode(tok, r["tokens"])
-        if check:
-            r["matches_unmodified_model"] = r["tokens"] == reference_tokens(source_model, ids, max_new_tokens)
-        runs.append(r)
-    out = {"policy": res["policy"], "engine": f"native-{abi}", "runs": runs}  # the Python engine's shape
-    for k in ("peak_rss_bytes", "load_ms", "kernel_isa", "direct_io", "io_note", "tokenizer", "threads"):
-        out[k] = res[k]
-    if "pool_auto" in res:  # --pool-mib auto: what was measured, the size chosen, each shrink
-        out["pool_mib"], out["pool_auto"] = res["pool_mib"], res["pool_auto"]
-    write_json_report(json_out, out)
-    if events_out:
-        write_text_report(events_out, events_text)
-    for r in runs:
-        _echo_text(r)
-        click.echo(f"{res['policy']} (native {abi}, {res['kernel_isa']} kernels): TTFT {fmt(r['ttft_ms'], '.1f')} ms, "
-                   f"TPOT {fmt(r['tpot_ms'])} ms (p95 {fmt(r['tpot_p95_ms'])}), stall {fmt(r['stall_ms_per_token'])} "
-                   f"ms/token, hit rate {fmt(r['hit_rate'], '.3f')}, {r['mib_read']:.1f} MiB read, peak pool "
-                   f"{r['peak_pool_bytes'] / 2**20:.2f} of {r['budget_bytes'] / 2**20:.2f} MiB"
-                   + (", tokens match the unmodified model" if r["matches_unmodified_model"] else ""))
-    click.echo(f"peak RSS {res['peak_rss_bytes'] / 2**20:.0f} MiB; reads: {res['io_note'] or 'O_DIRECT'}")
-    click.echo(f"wrote {json_out}" + (f", {events_out}" if events_out else ""))
 
 
 @main.group()

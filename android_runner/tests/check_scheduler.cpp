@@ -1,19 +1,23 @@
 // check_scheduler: the runner's WindowScheduler and ExpertPool (scheduler.cpp, pool.cpp) driven by a
 // step script that the Python reference recorded while it drove its own scheduler
-// (tests/test_native_scheduler.py), over a fake IOBackend whose reads land at once. Writes the
-// decision log and the scheduler's counts, for the test to compare with the reference's.
+// (tests/test_native_scheduler.py), over a fake IOBackend whose reads land DELAY acquires after they
+// were submitted, or when waited for (the reference's fake does the same). Writes the decision log and
+// the scheduler's counts, for the test to compare with the reference's.
 //   check_scheduler SCRIPT EVENTS_OUT STATS_OUT
 // SCRIPT, one operation per line (keys as LAYER EXPERT pairs, scores as C99 hex floats):
-//   config BUDGET SLOT_BYTES EVICTION MIN_SLOTS MAX_SLOTS L K QUEUE_DEPTH MIN_CONFIDENCE FLOOR STEP_BUDGET PREFETCH
+//   config BUDGET SLOT_BYTES EVICTION MIN_SLOTS MAX_SLOTS L K QUEUE_DEPTH MIN_CONFIDENCE FLOOR STEP_BUDGET PREFETCH DELAY
 //   at STEP POS LAYER
 //   acquire STEP N L E ...
-//   plan STEP W (TARGET E S_0 .. S_E-1) x W
+//   plan STEP W (TARGET E S_0 .. S_E-1) x W      scores (WindowScheduler::plan)
+//   probs STEP W (TARGET E P_0 .. P_E-1) x W     probabilities (WindowScheduler::plan_probs)
 //   data L E
 //   release STEP PUMP N L E ...
 #include <cstdio>
 #include <cstdlib>
+#include <algorithm>
 #include <fstream>
 #include <iostream>
+#include <map>
 #include <memory>
 #include <set>
 #include <sstream>
@@ -29,17 +33,24 @@ namespace {
 class FakeIO : public spx::IOBackend {
  public:
   void submit(spx::Key key, void*, bool demand) override {
-    if (!inflight.insert(key).second) fail("a second read of a key already in flight");
+    if (!inflight.emplace(key, tick + delay).second) fail("a second read of a key already in flight");
     (demand ? demand_reads : prefetch_reads) += 1;
   }
-  bool landed(spx::Key) override { return true; }
-  void wait(spx::Key) override {}
+  bool landed(spx::Key key) override {
+    auto it = inflight.find(key);
+    return it == inflight.end() || it->second <= tick;
+  }
+  void wait(spx::Key key) override {
+    auto it = inflight.find(key);
+    if (it != inflight.end()) it->second = std::min(it->second, tick);
+  }
   void release(spx::Key key) override { inflight.erase(key); }
   static void fail(const std::string& what) {
     std::fprintf(stderr, "check_scheduler: %s\n", what.c_str());
     std::exit(1);
   }
-  std::set<spx::Key> inflight;
+  std::map<spx::Key, int64_t> inflight;  // key -> the tick it lands at
+  int64_t tick = 0, delay = 0;
   int64_t demand_reads = 0, prefetch_reads = 0;
 };
 
@@ -75,7 +86,7 @@ int main(int argc, char** argv) {
       int min_slots = 0, max_slots = 0, L = 0, k = 0, prefetch = 1;
       spx::SchedulerConfig cfg;
       in >> budget >> slot >> eviction >> min_slots >> max_slots >> L >> k >> cfg.queue_depth >> cfg.min_confidence >>
-          cfg.floor >> step_budget >> prefetch;
+          cfg.floor >> step_budget >> prefetch >> io.delay;
       cfg.step_budget_bytes = step_budget;
       cfg.prefetch = prefetch != 0;
       pool = std::make_unique<spx::ExpertPool>(budget, slot, eviction, min_slots, max_slots);
@@ -90,8 +101,9 @@ int main(int argc, char** argv) {
     } else if (op == "acquire") {
       int64_t step = 0;
       in >> step;
+      io.tick += 1;
       sched->acquire(step, keys(in));
-    } else if (op == "plan") {
+    } else if (op == "plan" || op == "probs") {
       int64_t step = 0;
       int w = 0;
       in >> step >> w;
@@ -107,7 +119,10 @@ int main(int argc, char** argv) {
           s = std::strtof(hex.c_str(), nullptr);
         }
       }
-      sched->plan(step, targets, scores);
+      if (op == "plan")
+        sched->plan(step, targets, scores);
+      else
+        sched->plan_probs(step, targets, scores);
     } else if (op == "data") {
       spx::Key key;
       in >> key.first >> key.second;
@@ -125,7 +140,8 @@ int main(int argc, char** argv) {
   events.write(argv[2]);
   const spx::SchedulerStats& s = sched->stats;
   std::ofstream out(argv[3]);
-  out << "requests " << s.requests << "\nhits " << s.hits << "\nprefetch_hits " << s.prefetch_hits << "\nmisses "
+  out << "requests " << s.requests << "\nhits " << s.hits << "\nprefetch_hits " << s.prefetch_hits << "\nlate "
+      << s.late << "\nmisses "
       << s.misses << "\nprefetch_issued " << s.prefetch_issued << "\ndropped_stale " << s.dropped_stale
       << "\ndropped_low_conf " << s.dropped_low_conf << "\ndropped_no_slot " << s.dropped_no_slot << "\nbytes_read "
       << s.bytes_read << "\nevictions " << pool->evictions << "\nwasted_prefetches " << pool->wasted_prefetches

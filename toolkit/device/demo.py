@@ -12,7 +12,9 @@ which runs under qemu-aarch64 (slower, the phone's own binary).
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import selectors
 import shlex
 import signal
 import subprocess
@@ -43,24 +45,47 @@ def _run(args: list[str], env: dict[str, str]) -> None:
 
 
 def _wait_ready(proc: subprocess.Popen[str], timeout_s: float) -> str:
-    """The stand-in's ready line (it names the serial to connect), or an error if it exits first."""
+    """The stand-in's ready line (it names the serial to connect); an error if it exits first or stays
+    silent for `timeout_s` (the caller stops it)."""
     deadline = time.monotonic() + timeout_s
     assert proc.stdout is not None
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        if line.startswith(READY):
-            click.echo(line.rstrip(), err=True)
-            return line
-    proc.kill()
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        while (left := deadline - time.monotonic()) > 0:
+            if not sel.select(left):
+                break
+            line = proc.stdout.readline()
+            if not line:
+                break
+            if line.startswith(READY):
+                click.echo(line.rstrip(), err=True)
+                return line
     raise SpecPrefetchError(f"the stand-in phone did not start within {timeout_s:.0f} s (exit {proc.poll()})")
+
+
+def _stop(proc: subprocess.Popen[str]) -> None:
+    """Ctrl-C to the stand-in, then kill if it does not stop; its pipe closed."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    if proc.stdout is not None:
+        proc.stdout.close()
 
 
 def demo(bundle: Path, json_out: Path, *, abi: str = "x86_64", pool_mib: float = 4.0, max_new_tokens: int = 16,
          repeats: int = 1, overwrite: bool = False) -> None:
+    from toolkit.artifacts import claim_report
+
+    # the report's place checked before anything starts (`device bench` claims it again when it writes)
+    claim_report(json_out, kind="device bench", overwrite=overwrite, inputs=(bundle,))
     with adb_server() as server, tempfile.TemporaryDirectory(prefix="spx-phone-") as root:
-        env = {k: v for k, v in os.environ.items() if k != "ANDROID_SERIAL"}
+        # every adb call of the commands below reaches the private server, never the user's
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("ANDROID_SERIAL", "ADB_SERVER_SOCKET", "ANDROID_ADB_SERVER_ADDRESS")}
         env["ANDROID_ADB_SERVER_PORT"] = str(server.port)
         port = _free_port()
         click.echo(f"$ specprefetch device standin --port {port} --abi {abi} &", err=True)
@@ -78,14 +103,9 @@ def demo(bundle: Path, json_out: Path, *, abi: str = "x86_64", pool_mib: float =
                   "--repeats", str(repeats), "--cooldown-timeout", "5", "--json", str(json_out),
                   *(["--overwrite"] if overwrite else [])], env)
         finally:
-            server.adb("disconnect", serial, check=False)
-            if phone.poll() is None:
-                phone.send_signal(signal.SIGINT)
-                try:
-                    phone.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    phone.kill()
-                    phone.wait()
+            _stop(phone)   # first: a failing disconnect below must not leave the stand-in running
+            with contextlib.suppress(SpecPrefetchError):
+                server.adb("disconnect", serial, check=False)
 
 
 @click.command()

@@ -290,8 +290,8 @@ class ExpertMath:
 
 class Int4Experts(torch.nn.Module):
     """The draft's routed experts: int4 (symmetric, one fp16 scale per 32 inputs), resident on the
-    device (toolkit.models.quant's quantiser, as the store and fake_quant). Stored stacked per matrix,
-    [E, rows, packed bytes] and [E, rows, groups], so the device path gathers the routed experts by
+    device (toolkit.models.quant's quantiser with fp16 scales, exactly the int4 store's values). Stored
+    stacked per matrix, [E, rows, packed bytes] and [E, rows, groups], so the device path gathers the routed experts by
     index: `fused` computes them with the grouped int4 GEMV (Triton on CUDA) inside the draft's graph;
     `forward` is the eager loop (prefill, and the modules path)."""
 

@@ -235,10 +235,18 @@ def simulate_prefill(b: RoutingBatch, rows: torch.Tensor, predictor, geo: Geomet
                                           clock=lambda: clock.now, reuse=reuse)
     preds = {}
     if predictor is not None:
+        # what the runners' span batch knows (planner.ChunkState.batch): a span's later positions have
+        # their previous position inside the span, whose later layers have not run, so only each span's
+        # first position has a previous one (the prompt's position before it, none at position 0)
+        prev_ids, has_prev = b.prev_ids.clone(), torch.zeros_like(b.has_prev)
+        for p0 in range(PREFILL_SPAN, T, PREFILL_SPAN):
+            prev_ids[rows[p0]] = b.ids[rows[p0 - 1]]
+            has_prev[rows[p0]] = True
+        bs = dataclasses.replace(b, prev_ids=prev_ids, has_prev=has_prev)
         for h in range(1, W + 1):
             for i in range(Lt):
                 if i + h < 2 * Lt:
-                    preds[(i, h)] = predictor.scores(b, i, h)[rows]
+                    preds[(i, h)] = predictor.scores(bs, i, h)[rows]
     reads_seen = 0
     p0 = 0
     end = T * L
