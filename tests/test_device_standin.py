@@ -242,24 +242,36 @@ def test_rewrite_rule_and_fault_checks(tmp_path: Path) -> None:
 
 
 def test_demo_gives_up_on_a_silent_stand_in_and_stops_it(tmp_path):
-    """`make demo`'s device flow (toolkit/device/demo.py): a stand-in that never prints its ready line is
-    an error after the timeout (not a hang in readline), and it is stopped with its pipe closed."""
+    """`make demo`'s device flow (toolkit/device/demo.py): a stand-in that never writes its ready line is
+    an error after the timeout (not a hang), one that does is found in its output file, and both are
+    stopped."""
     import sys
 
     from toolkit.device.demo import _stop, _wait_ready
 
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    log = tmp_path / "silent.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], stdout=out)
     t0 = time.monotonic()
     with pytest.raises(SpecPrefetchError, match="did not start within 1 s"):
-        _wait_ready(proc, 1.0)
+        _wait_ready(proc, log, 1.0)
     assert time.monotonic() - t0 < 10
     _stop(proc)
-    assert proc.poll() is not None and proc.stdout.closed
-    ok = subprocess.Popen([sys.executable, "-c", "print('stand-in SM8750 phone ready: adb connect x', flush=True); "
-                           "import time; time.sleep(60)"], stdout=subprocess.PIPE, text=True)
-    assert _wait_ready(ok, 30.0).startswith("stand-in SM8750 phone ready")
+    assert proc.poll() is not None
+    log = tmp_path / "ok.log"
+    with open(log, "wb") as out:   # the ready line after other output, as a later line
+        ok = subprocess.Popen([sys.executable, "-c", "print('starting'); print('stand-in SM8750 phone ready: adb "
+                               "connect x', flush=True); import time; time.sleep(60)"], stdout=out)
+    assert _wait_ready(ok, log, 30.0).startswith("stand-in SM8750 phone ready")
     _stop(ok)
     assert ok.poll() is not None
+    log = tmp_path / "dies.log"
+    with open(log, "wb") as out:   # one that exits first: an error at once, not after the timeout
+        dead = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"], stdout=out)
+    t0 = time.monotonic()
+    with pytest.raises(SpecPrefetchError, match="exit 3"):
+        _wait_ready(dead, log, 30.0)
+    assert time.monotonic() - t0 < 10
 
 
 def test_demo_refuses_its_report_inside_the_bundle_before_starting(tmp_path):

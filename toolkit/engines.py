@@ -52,17 +52,19 @@ def echo_text(r: dict) -> None:
 @dataclasses.dataclass
 class Engine:
     """What `run` needs of an engine. `generate(prompts, encoded, max_new_tokens, events)` returns
-    (one JSON run per prompt, the report's engine-level fields, the decision log's text or None)."""
+    (one JSON run per prompt, the report's engine-level fields, the decision log's text or None);
+    it is called once, and `reference` (the GPU tier's frees the engine first) after it."""
     name: str                                   # "python", "native-host", "cuda:0", ...
-    policy: str
+    policy: str                                 # PREDICTOR+EVICTION (a generate's extra "policy" wins)
     label: str                                  # what runs, for messages
     exact: bool                                 # tokens must equal the unmodified model's
-    default_check: bool                         # --check when not given
+    mismatch: str                               # why tokens may differ (a note), or where to look (an error)
     tokenizer: Any
     generate: Callable[[list[str], list[list[int]], int, bool], tuple[list[dict], dict, str | None]]
     summary: Callable[[dict], str]              # one run's summary line
-    source_model: Path | None = None            # the unmodified checkpoint, if on this machine
-    source_problem: str | None = None           # why source_model is None
+    source: Any                                 # export.session.ModelSource: resolved only if --check needs it
+    check_shipped: bool = True                  # --check when not given: on for the shipped models
+    tail: str = ""                              # after the summary's match suffix (e.g. flash emulated)
     reference: Callable[[list[list[int]], int], list[list[int]]] | None = None  # default: transformers' generate
     trailer: Callable[[dict], str] | None = None  # the last line before `wrote` (peak RSS, reads)
 
@@ -80,37 +82,40 @@ def run(engine: Engine, prompts: list[str], max_new_tokens: int, *, check: bool 
     from toolkit.reporting import write_json_report, write_text_report
     from toolkit.runtime.stats import peak_rss_bytes
 
-    if check is None:
-        check = engine.default_check
-    if check and engine.source_model is None:
-        why = engine.source_problem or f"the unmodified model of {engine.label} is not on this machine"
+    if check is None:  # the source is resolved (its weights hashed, for a bundle) only here
+        check = engine.check_shipped and engine.source.is_shipped
+    if check and engine.source.model is None:
+        why = engine.source.problem or f"the unmodified model of {engine.label} is not on this machine"
         raise SpecPrefetchError(f"--check: {why}")
     encoded = [engine.encode(p) for p in prompts]
     runs, extra, events_text = engine.generate(list(prompts), encoded, max_new_tokens, events_out is not None)
     extra.setdefault("peak_rss_bytes", peak_rss_bytes())  # before --check loads the unmodified model
     if check:
         refs = (engine.reference(encoded, max_new_tokens) if engine.reference is not None else
-                [_reference_tokens(engine.source_model, ids, max_new_tokens) for ids in encoded])
+                [_reference_tokens(engine.source.model, ids, max_new_tokens) for ids in encoded])
         for r, ref in zip(runs, refs):
             r["matches_unmodified_model"] = r["tokens"] == ref
-    out = {"policy": engine.policy, "runs": runs, **extra}  # one shape for one prompt or several, every engine
+    # one shape for one prompt or several, every engine: policy and the engine's own header, then the runs
+    head = {k: extra.pop(k) for k in ("policy", "engine", "device") if k in extra}
+    out = {"policy": head.pop("policy", engine.policy), **head, "runs": runs, **extra}
     write_json_report(json_out, out)
     if events_out is not None:
         write_text_report(events_out, events_text)
     for r in runs:
         echo_text(r)
-        click.echo(engine.summary(r) + (", tokens match the unmodified model" if r["matches_unmodified_model"] else ""))
+        click.echo(engine.summary(r) + (", tokens match the unmodified model" if r["matches_unmodified_model"] else "")
+                   + engine.tail)
     if engine.trailer is not None:
         click.echo(engine.trailer(out))
     click.echo(f"wrote {json_out}" + (f", {events_out}" if events_out else ""))
     bad = [r["prompt"] for r in runs if r["matches_unmodified_model"] is False]
     if bad and engine.exact:
-        raise SpecPrefetchError(f"{engine.name}: tokens differ from the unmodified model's greedy decode for prompt "
-                                f"{bad[0]!r} (the report, written, says so): a bug, unless transformers departs "
-                                "from the model's config (docs/families.md)")
+        raise SpecPrefetchError(f"{engine.name}: tokens differ from the unmodified model's greedy decode for "
+                                f"{len(bad)} of {len(runs)} prompt(s), first {bad[0]!r} (the report, written, says "
+                                f"so): {engine.mismatch}")
     for p in bad:
         click.echo(f"note: {engine.label} ({engine.name}) decodes other tokens than the unmodified model for prompt "
-                   f"{p!r} (reduced precision)", err=True)
+                   f"{p!r} ({engine.mismatch})", err=True)
     return out
 
 
@@ -144,11 +149,13 @@ def python_engine(session, policy: str, flash_profile: str | None = None) -> Eng
                          "matches_unmodified_model": None, **({"notes": s.notes} if s.notes else {})})
         return runs, {}, ("\n".join(log.lines) + "\n") if log is not None else None
 
-    flash = f" [flash emulated: {flash_profile}]" if flash_profile else ""
-    return Engine(name="python", policy=policy, label=s.label,
-                  exact=s.kind == "model" and s.runner.store.dtype == "fp16", default_check=s.is_embedded,
-                  tokenizer=s.tokenizer, generate=generate, summary=lambda r: f"{policy}: {_figures(r)}{flash}",
-                  source_model=s.source_model, source_problem=s.source_problem,
+    exact = s.kind == "model" and s.runner.store.dtype == "fp16"
+    return Engine(name="python", policy=policy, label=s.label, exact=exact,
+                  mismatch=("a bug, unless transformers departs from the model's config (docs/families.md)" if exact
+                            else f"reduced precision: {s.runner.store.dtype} experts"
+                            + (", the bundle's graphs" if s.kind == "bundle" else "")),
+                  tokenizer=s.tokenizer, generate=generate, summary=lambda r: f"{policy}: {_figures(r)}",
+                  source=s.source, tail=f" [flash emulated: {flash_profile}]" if flash_profile else "",
                   trailer=lambda out: (f"peak RSS {out['peak_rss_bytes'] / 2**20:.0f} MiB (before --check)"
                                        if out["peak_rss_bytes"] else "peak RSS unknown"))
 
@@ -200,17 +207,20 @@ def native_engine(bundle: Path, *, abi: str, policy: str, pool_mib, window, queu
             if "text" not in r:  # a runner built without its tokenizer: transformers decodes
                 r["text"] = decode_text(tok, r["tokens"])
             runs.append(r)
-        extra = {"engine": name}
+        extra = {"policy": res["policy"], "engine": name}
         for k in ("peak_rss_bytes", "load_ms", "kernel_isa", "direct_io", "io_note", "tokenizer", "threads"):
             extra[k] = res[k]
         if "pool_auto" in res:  # --pool-mib auto: what was measured, the size chosen, each shrink
             extra["pool_mib"], extra["pool_auto"] = res["pool_mib"], res["pool_auto"]
         return runs, extra, events_text
 
-    return Engine(name=name, policy=policy, label=str(bundle), exact=False, default_check=source.is_shipped,
+    return Engine(name=name, policy=policy, label=str(bundle), exact=False,
+                  mismatch="its own float32 attention adds in another order than PyTorch's, and the bundle's "
+                           "graphs and experts may be quantised",
                   tokenizer=tok, generate=generate,
-                  summary=lambda r: f"{policy} (native {abi}, {res_box.get('kernel_isa')} kernels): {_figures(r)}",
-                  source_model=source.model, source_problem=source.problem,
+                  summary=lambda r: (f"{res_box.get('policy', policy)} (native {abi}, {res_box.get('kernel_isa')} "
+                                     f"kernels): {_figures(r)}"),
+                  source=source,
                   trailer=lambda out: (f"peak RSS {out['peak_rss_bytes'] / 2**20:.0f} MiB; reads: "
                                        f"{out['io_note'] or 'O_DIRECT'}"))
 
@@ -274,5 +284,9 @@ def gpu_engine(model, *, device: str, policy: str, adapter, store_path, dtype, p
                 f"{r['pcie_bytes_per_token'] / 2**20:.1f} MiB/token copied, pool {r['pool_slots']} slots "
                 f"({r['budget_bytes'] / 2**20:.0f} MiB)")
 
-    return Engine(name=device, policy=pol.name, label=str(spec.path), exact=True, default_check=False,
-                  tokenizer=tok, generate=generate, summary=summary, source_model=spec.path, reference=reference)
+    from export.session import ModelSource
+
+    return Engine(name=device, policy=pol.name, label=str(spec.path), exact=True,
+                  mismatch="a bug (docs/gpu-tier.md: what may differ on a GPU)", tokenizer=tok, generate=generate,
+                  summary=summary, source=ModelSource(str(spec.path), spec.path), check_shipped=False,
+                  reference=reference)

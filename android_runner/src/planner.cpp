@@ -29,16 +29,6 @@ PrefetchPlanner::PrefetchPlanner(Source source, int num_layers, int window, cons
     throw Error("host next-gate / fate prediction needs the bundle's router weights (host.safetensors)");
 }
 
-namespace {
-// previous-token scores from router ranks (k..1, 0 for the rest): less a tie-break by ascending id
-// (0.5 / E of a rank, as the oracle's), over k, as base.py's PreviousToken
-std::vector<float> rank_scores(std::vector<float> s, int k) {
-  const float step_e = static_cast<float>(0.5 / static_cast<double>(s.size()));
-  for (size_t e = 0; e < s.size(); ++e)
-    if (s[e] > 0) s[e] = (s[e] - static_cast<float>(e) * step_e) / static_cast<float>(k);
-  return s;
-}
-}  // namespace
 
 const float* PrefetchPlanner::score_bias(int j) const {
   if (host_ == nullptr || host_->score_bias.empty()) return nullptr;
@@ -46,16 +36,7 @@ const float* PrefetchPlanner::score_bias(int j) const {
 }
 
 std::vector<float> PrefetchPlanner::host_logits(int src, int j, const RoutingState& state) const {
-  std::vector<float> out(E_);
-  const float* x = state.hidden.data() + static_cast<size_t>(src) * H_;
-  const float* w = host_->weight.data() + static_cast<size_t>(j) * E_ * H_;
-  for (int e = 0; e < E_; ++e) {
-    const float* row = w + static_cast<size_t>(e) * H_;
-    float acc = 0.0f;
-    for (int i = 0; i < H_; ++i) acc += row[i] * x[i];
-    out[e] = acc + (host_->bias.empty() ? 0.0f : host_->bias[static_cast<size_t>(j) * E_ + e]);
-  }
-  return out;
+  return router_logits(*host_, E_, H_, state.hidden.data() + static_cast<size_t>(src) * H_, j);
 }
 
 void PrefetchPlanner::plan(WindowScheduler& sched, int li, int64_t step, const RoutingState& state,
@@ -121,11 +102,9 @@ void PrefetchPlanner::plan(WindowScheduler& sched, int li, int64_t step, const R
     for (int h = 1; h <= W; ++h) {
       const int j = li + h;
       std::vector<float> s(E_, 0.0f);
-      if (j >= L_ || state.pos > 0)
-        for (int r = 0; r < state.k; ++r)
-          s[state.ids[static_cast<size_t>(j % L_) * state.k + r]] = static_cast<float>(state.k - r);
+      if (j >= L_ || state.pos > 0) add_ranks(s, state.ids.data() + static_cast<size_t>(j % L_) * state.k, state.k);
       targets.push_back(step + h);
-      rows.push_back(rank_scores(std::move(s), state.k));
+      rows.push_back(previous_token_scores(std::move(s), state.k));
     }
     sched.plan(step, targets, rows);
     return;
@@ -140,7 +119,7 @@ void PrefetchPlanner::plan(WindowScheduler& sched, int li, int64_t step, const R
     const int j = li + h;
     const int* ids = j < L_ ? cur.data() + static_cast<size_t>(j) * k : next.data() + static_cast<size_t>(j - L_) * k;
     std::vector<float> s(E_, 0.0f);
-    for (int r = 0; r < k; ++r) s[ids[r]] = static_cast<float>(k - r);
+    add_ranks(s, ids, k);
     targets.push_back(step + h);
     rows.push_back(std::move(s));
   }
@@ -185,12 +164,9 @@ void PrefetchPlanner::plan_chunk(WindowScheduler& sched, int li, int64_t step, i
           ids = (*fut)[p].data() + static_cast<size_t>(jj) * k;
         else
           continue;
-        for (int r = 0; r < k; ++r) s[ids[r]] = std::max(s[ids[r]], static_cast<float>(k - r));
+        add_ranks(s, ids, k);
       }
-      // ties (many experts share the best rank) broken by ascending id, as planner.py does
-      const float step_e = static_cast<float>(0.5 / E_);
-      for (int e = 0; e < E_; ++e)
-        if (s[e] > 0) s[e] = s[e] - static_cast<float>(e) * step_e;
+      break_ties(s);  // many experts share the best rank: ascending id first, as planner.py does
       targets.push_back(target(h));
       rows.push_back(std::move(s));
     }
@@ -206,16 +182,12 @@ void PrefetchPlanner::plan_chunk(WindowScheduler& sched, int li, int64_t step, i
       std::vector<float> s(E_, 0.0f);
       if (j < L_) {
         if (state.pos > 0)  // state.ids past li: still the position before the span
-          for (int r = 0; r < k; ++r) s[state.ids[static_cast<size_t>(j) * k + r]] = static_cast<float>(k - r);
+          add_ranks(s, state.ids.data() + static_cast<size_t>(j) * k, k);
       } else {
-        for (int t = 0; t < T; ++t)
-          for (int r = 0; r < k; ++r) {
-            float& v = s[chunk.ids[(static_cast<size_t>(t) * L_ + (j - L_)) * k + r]];
-            v = std::max(v, static_cast<float>(k - r));
-          }
+        for (int t = 0; t < T; ++t) add_ranks(s, chunk.ids.data() + (static_cast<size_t>(t) * L_ + (j - L_)) * k, k);
       }
       targets.push_back(target(h));
-      rows.push_back(rank_scores(std::move(s), k));
+      rows.push_back(previous_token_scores(std::move(s), k));
     }
     sched.plan(step, targets, rows);
     return;

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "predictors.h"
 #include "routing.h"
 
 namespace spx {
@@ -44,12 +45,6 @@ struct ChunkState {
 
 // previous_token: the phone engines' temporal baseline (the most recent routing of each target layer)
 enum class Source { none, graph, next_gate, fate, previous_token, oracle };
-
-struct HostRouters {      // from host.safetensors
-  std::vector<float> weight;      // [L, E, H]
-  std::vector<float> bias;        // [L, E] logit bias, or empty
-  std::vector<float> score_bias;  // [L, E] selection bias, or empty
-};
 
 class PrefetchPlanner {
  public:

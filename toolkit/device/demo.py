@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import selectors
 import shlex
 import signal
 import subprocess
@@ -44,27 +43,25 @@ def _run(args: list[str], env: dict[str, str]) -> None:
         raise SpecPrefetchError(f"specprefetch {args[0]} {args[1]} failed (exit {r.returncode}); its message is above")
 
 
-def _wait_ready(proc: subprocess.Popen[str], timeout_s: float) -> str:
-    """The stand-in's ready line (it names the serial to connect); an error if it exits first or stays
-    silent for `timeout_s` (the caller stops it)."""
+def _wait_ready(proc: subprocess.Popen, log: Path, timeout_s: float) -> str:
+    """The stand-in's ready line in its output file `log` (it names the serial to connect); an error
+    if it exits first or stays silent for `timeout_s` (the caller stops it). Its output goes to a file,
+    never a pipe nobody drains, so it can never block writing."""
     deadline = time.monotonic() + timeout_s
-    assert proc.stdout is not None
-    with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        while (left := deadline - time.monotonic()) > 0:
-            if not sel.select(left):
-                break
-            line = proc.stdout.readline()
-            if not line:
-                break
+    while time.monotonic() < deadline:
+        text = log.read_text(errors="replace") if log.exists() else ""
+        for line in text.splitlines():
             if line.startswith(READY):
                 click.echo(line.rstrip(), err=True)
                 return line
+        if proc.poll() is not None:
+            break
+        time.sleep(0.1)
     raise SpecPrefetchError(f"the stand-in phone did not start within {timeout_s:.0f} s (exit {proc.poll()})")
 
 
-def _stop(proc: subprocess.Popen[str]) -> None:
-    """Ctrl-C to the stand-in, then kill if it does not stop; its pipe closed."""
+def _stop(proc: subprocess.Popen) -> None:
+    """Ctrl-C to the stand-in, then kill if it does not stop."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGINT)
         try:
@@ -72,8 +69,6 @@ def _stop(proc: subprocess.Popen[str]) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-    if proc.stdout is not None:
-        proc.stdout.close()
 
 
 def demo(bundle: Path, json_out: Path, *, abi: str = "x86_64", pool_mib: float = 4.0, max_new_tokens: int = 16,
@@ -89,11 +84,14 @@ def demo(bundle: Path, json_out: Path, *, abi: str = "x86_64", pool_mib: float =
         env["ANDROID_ADB_SERVER_PORT"] = str(server.port)
         port = _free_port()
         click.echo(f"$ specprefetch device standin --port {port} --abi {abi} &", err=True)
-        phone = subprocess.Popen([*_cli(), "device", "standin", "--port", str(port), "--abi", abi, "--root", root],
-                                 env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
+        log = Path(root) / "standin.log"
+        with open(log, "wb") as out:
+            phone = subprocess.Popen([*_cli(), "device", "standin", "--port", str(port), "--abi", abi,
+                                      "--root", str(Path(root) / "phone")],
+                                     env=env, stdin=subprocess.DEVNULL, stdout=out)
         serial = f"127.0.0.1:{port}"
         try:
-            _wait_ready(phone, 60.0)
+            _wait_ready(phone, log, 60.0)
             click.echo(f"$ adb connect {serial}", err=True)
             server.connect(serial)
             _run(["device", "list"], env)
