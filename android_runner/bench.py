@@ -281,9 +281,12 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
                 f"oracle+belady: {point['oracle_lru_over_belady']}, oracle+prediction / oracle+belady: "
                 f"{point['oracle_prediction_over_belady']}")
     # 3. the simulator, recalibrated against the native runner, on the same prompts and pools
-    src = Path(m["model"].get("source", ""))
+    from export.session import bundle_source
+
+    source = bundle_source(Path(bundle), m)   # the very weights the bundle's store was built from, if here
+    src = source.model
     adapter = Path(bundle) / m["predictor"]["adapter"] if m["predictor"].get("adapter") else None
-    if (src / "config.json").is_file():
+    if src is not None:
         from toolkit.bench import simulate_same_prompts
         from toolkit.runtime.policy import parse_policies
 
@@ -298,7 +301,7 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
                 v["simulated_tpot_ms"] = sp["policies"][name]["tpot_ms"]
                 v["sim_over_measured"] = round(v["simulated_tpot_ms"] / v["tpot_ms"], 3)
     else:
-        log(f"no simulator comparison: the bundle's source model {src} is not on this machine")
+        log(f"no simulator comparison: {source.problem}")
     return out
 
 

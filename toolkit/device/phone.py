@@ -229,10 +229,12 @@ def _peer_files(bundle: Path, manifest: dict, abi: str, log: Callable[[str], Non
     with its shared libraries) and the bundle's source model converted to GGUF f16 (cached)."""
     from toolkit.peers import llamacpp
 
-    src = Path(manifest["model"].get("source", ""))
-    if not (src / "config.json").is_file():
-        raise SpecPrefetchError(f"--peer llama.cpp: the bundle's source model {src} is not on this machine "
-                                "(llama.cpp converts it to GGUF)")
+    from export.session import bundle_source
+
+    src = bundle_source(Path(bundle), manifest).model   # the weights the bundle's store was built from
+    if src is None:
+        raise SpecPrefetchError(f"--peer llama.cpp: {bundle_source(Path(bundle), manifest).problem} "
+                                "(llama.cpp converts the bundle's source model to GGUF)")
     from toolkit.peers.sidebyside import model_label
 
     bin_dir = llamacpp.build("arm64" if abi == "arm64" else "host", log=log)

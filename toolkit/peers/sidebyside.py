@@ -180,10 +180,13 @@ def _open_model(bundle: Path, prompts: int, prompt_tokens: Sequence[int], new_to
     m, _ = validate_bundle(bundle, hash_store=False)
     if m.get("target") != "executorch":
         raise SpecPrefetchError(f"{bundle}: a {m.get('target')} bundle; the side-by-side runs executorch bundles")
-    source = Path(m["model"].get("source") or "")
-    if not (source / "config.json").is_file():
-        raise SpecPrefetchError(f"{bundle}: its source checkpoint {source} (manifest model.source) is not on this "
-                                "machine; llama.cpp and the reference tokens need it")
+    from export.session import bundle_source
+
+    found = bundle_source(bundle, m)   # the very weights the bundle's store was built from, if here
+    if found.model is None:
+        raise SpecPrefetchError(f"{bundle}: {found.problem}; llama.cpp and the reference tokens need its source "
+                                "checkpoint (manifest model.source)")
+    source = found.model
     tok = AutoTokenizer.from_pretrained(str(bundle / Path(m["model"]["config"]).parent), local_files_only=True)
     texts, plen = [], []
     for n in prompt_tokens:
