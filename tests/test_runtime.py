@@ -499,3 +499,23 @@ def test_planner_graph_heads_missing_for_a_layer_plan_nothing():
     assert sched.stats.prefetch_issued == issued and (1, 5) not in pool.slots
     planner.plan(sched, 0, 2, state, other)
     assert (1, 5) in pool.slots
+
+
+def test_prefill_geometry_charges_the_lm_head_once(embedded):
+    """The prefill projection's dense FLOPs: every decoder layer's non-expert weights without the embedding
+    table and, for an untied head, without the head either (it runs once, for the last position)."""
+    from toolkit.models.info import model_info
+    from toolkit.models.loader import inspect_model_dir
+    from toolkit.simulate.replay import Geometry
+
+    repo = Path(__file__).resolve().parents[1]
+    for model, tied in ((embedded, True), (repo / "toolkit/simulate/geometries/qwen3-30b-a3b", False)):
+        spec = inspect_model_dir(model, config_only_ok=True)
+        g, d = spec.geometry, model_info(spec)
+        geo = Geometry.from_model(model, "fp16")
+        embed = g.vocab_size * g.hidden_size
+        assert geo.head_params == embed and geo.head_flops() == 2.0 * embed
+        assert geo.prefill_layer_params == (d["non_expert_params"] - embed * (1 if tied else 2)) // len(g.moe_layers)
+        dense, experts = geo.prefill_flops(10)
+        assert dense == 2.0 * geo.prefill_layer_params * 10
+        assert experts == 2.0 * geo.expert_bytes / 2 * 10 * g.routing.top_k
