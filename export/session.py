@@ -139,10 +139,15 @@ class Session:
         return self.source.is_shipped
 
     def encode(self, text: str) -> list[int]:
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        if not ids:
-            raise SpecPrefetchError(f"--prompt {text!r} is empty after tokenisation")
-        return ids
+        return encode_prompt(self.tokenizer, text)
+
+
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    """A prompt's token ids as every engine feeds them (no special tokens); an empty one is refused."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if not ids:
+        raise SpecPrefetchError(f"--prompt {text!r} is empty after tokenisation")
+    return ids
 
 
 def is_bundle(path: str | Path) -> bool:

@@ -16,6 +16,8 @@ from toolkit.errors import SpecPrefetchError
 
 
 class Tok:
+    decode = None
+
     def __call__(self, text, add_special_tokens=False):
         return {"input_ids": [ord(c) for c in text]}
 
@@ -87,3 +89,30 @@ def test_check_needs_the_source_and_no_check_never_resolves_it(tmp_path):
 def test_an_empty_prompt_is_refused(tmp_path):
     with pytest.raises(SpecPrefetchError, match="--prompt '' is empty after tokenisation"):
         run(engine(tmp_path, exact=False), [""], 3, check=False, json_out=tmp_path / "r.json", events_out=None)
+
+
+def test_the_python_engine_resolves_its_source_only_for_check(tmp_path):
+    """python_engine over a session: building it and `run --no-check` never resolve the source (for a
+    bundle that hashes every weight shard); the default check resolves it."""
+    from types import SimpleNamespace
+
+    from toolkit.engines import python_engine
+
+    resolved: list = []
+
+    class Source(ModelSource):
+        @property
+        def model(self):
+            resolved.append("model")
+            return None
+
+    gen = SimpleNamespace(tokens=[1], to_json=lambda: _runs(["x"], [1])[0])
+    s = SimpleNamespace(label="b", kind="bundle", notes=[], tokenizer=Tok(), source=Source("b", None),
+                        runner=SimpleNamespace(store=SimpleNamespace(dtype="int4"), run=lambda ids, n, events: gen))
+    s.tokenizer.decode = lambda t, skip_special_tokens=False: ""
+    e = python_engine(s, "on-demand+lru")
+    assert resolved == []
+    run(e, ["ab"], 1, check=False, json_out=tmp_path / "r.json", events_out=None)
+    assert resolved == []
+    run(e, ["ab"], 1, check=None, json_out=tmp_path / "r2.json", events_out=None)
+    assert resolved                                     # the shipped-model default looked at it

@@ -69,10 +69,9 @@ class Engine:
     trailer: Callable[[dict], str] | None = None  # the last line before `wrote` (peak RSS, reads)
 
     def encode(self, prompt: str) -> list[int]:
-        ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        if not ids:
-            raise SpecPrefetchError(f"--prompt {prompt!r} is empty after tokenisation")
-        return ids
+        from export.session import encode_prompt
+
+        return encode_prompt(self.tokenizer, prompt)
 
 
 def run(engine: Engine, prompts: list[str], max_new_tokens: int, *, check: bool | None, json_out: Path,
@@ -152,8 +151,9 @@ def python_engine(session, policy: str, flash_profile: str | None = None) -> Eng
     exact = s.kind == "model" and s.runner.store.dtype == "fp16"
     return Engine(name="python", policy=policy, label=s.label, exact=exact,
                   mismatch=("a bug, unless transformers departs from the model's config (docs/families.md)" if exact
-                            else f"reduced precision: {s.runner.store.dtype} experts"
-                            + (", the bundle's graphs" if s.kind == "bundle" else "")),
+                            else "reduced precision: " + ", ".join(
+                                ([f"{s.runner.store.dtype} experts"] if s.runner.store.dtype != "fp16" else [])
+                                + (["the bundle's graphs"] if s.kind == "bundle" else []))),
                   tokenizer=s.tokenizer, generate=generate, summary=lambda r: f"{policy}: {_figures(r)}",
                   source=s.source, tail=f" [flash emulated: {flash_profile}]" if flash_profile else "",
                   trailer=lambda out: (f"peak RSS {out['peak_rss_bytes'] / 2**20:.0f} MiB (before --check)"

@@ -49,12 +49,13 @@ def _wait_ready(proc: subprocess.Popen, log: Path, timeout_s: float) -> str:
     never a pipe nobody drains, so it can never block writing."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        exited = proc.poll() is not None   # before reading: a line written just before it exited is seen
         text = log.read_text(errors="replace") if log.exists() else ""
         for line in text.splitlines():
             if line.startswith(READY):
                 click.echo(line.rstrip(), err=True)
                 return line
-        if proc.poll() is not None:
+        if exited:
             break
         time.sleep(0.1)
     raise SpecPrefetchError(f"the stand-in phone did not start within {timeout_s:.0f} s (exit {proc.poll()})")

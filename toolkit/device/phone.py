@@ -231,9 +231,10 @@ def _peer_files(bundle: Path, manifest: dict, abi: str, log: Callable[[str], Non
 
     from export.session import bundle_source
 
-    src = bundle_source(Path(bundle), manifest).model   # the weights the bundle's store was built from
+    found = bundle_source(Path(bundle), manifest)   # the weights the bundle's store was built from
+    src = found.model
     if src is None:
-        raise SpecPrefetchError(f"--peer llama.cpp: {bundle_source(Path(bundle), manifest).problem} "
+        raise SpecPrefetchError(f"--peer llama.cpp: {found.problem} "
                                 "(llama.cpp converts the bundle's source model to GGUF)")
     from toolkit.peers.sidebyside import model_label
 
