@@ -88,12 +88,12 @@ bench: $(STAMP)
 	$(BIN)/specprefetch simulate $(BENCH)/trace --adapter $(BENCH)/adapter --profile snapdragon-8-elite \
 	    --policies on-demand+lru,next-gate+prediction,adapter+prediction,adapter+lru,oracle+belady \
 	    --pool-mib 4,8,16 --window 1,2,4 --max-sequences 60 --json $(BENCH)/simulate-phone.json --overwrite
-	$(BIN)/specprefetch bench --adapter $(BENCH)/adapter --pool-mib 4,8 --json $(BENCH)/runtime.json --overwrite
-	$(BIN)/specprefetch bench --adapter $(BENCH)/adapter --pool-mib 4,8 --flash-profile snapdragon-8-elite \
+	$(BIN)/specprefetch bench cpu --adapter $(BENCH)/adapter --pool-mib 4,8 --json $(BENCH)/runtime.json --overwrite
+	$(BIN)/specprefetch bench cpu --adapter $(BENCH)/adapter --pool-mib 4,8 --flash-profile snapdragon-8-elite \
 	    --no-simulate --json $(BENCH)/runtime-emulated.json --overwrite
 	$(BIN)/specprefetch export embedded --adapter $(BENCH)/adapter --target executorch --quant fp32 --max-seq 128 \
 	    --out $(BENCH)/bundle-executorch --overwrite
-	$(BIN)/specprefetch bench $(BENCH)/bundle-executorch --pool-mib 4,8 --no-simulate --json $(BENCH)/runtime-bundle.json --overwrite
+	$(BIN)/specprefetch bench cpu $(BENCH)/bundle-executorch --pool-mib 4,8 --no-simulate --json $(BENCH)/runtime-bundle.json --overwrite
 	$(BIN)/specprefetch runner bench $(BENCH)/bundle-executorch --json $(BENCH)/native.json --overwrite
 	$(BIN)/python -m export.report --model embedded --adapter $(BENCH)/adapter --json $(BENCH)/export.json
 
@@ -127,7 +127,7 @@ bench-phone: $(STAMP)
 	    --experts int4 --max-seq 576 --out $(PHONE_PEER_BUNDLE) --overwrite
 	$(BIN)/specprefetch runner bench $(PHONE)/bundle --prompts 2 --new-tokens 16 --rounds 2 --json $(PHONE)/native.json \
 	    --overwrite
-	$(BIN)/specprefetch bench --peer llama.cpp --bundle $(PHONE_PEER_BUNDLE) $(PHONE_PEER_ARGS) \
+	$(BIN)/specprefetch bench llama.cpp $(PHONE_PEER_BUNDLE) $(PHONE_PEER_ARGS) \
 	    --json $(PHONE)/peer.json --overwrite
 
 ## fuzz: libFuzzer + ASan + UBSan on the native runner's readers of untrusted files (docs/runner.md);

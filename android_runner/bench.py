@@ -32,8 +32,9 @@ import numpy as np
 from android_runner.build import build
 from android_runner.build import run_native as _run_native
 from toolkit.artifacts import read_json
-from toolkit.reporting import save_figure, write_report
+from toolkit.bench.common import medians
 from toolkit.metrics import median
+from toolkit.reporting import figure, save_figure, write_report
 
 MiB = 2**20
 
@@ -61,8 +62,8 @@ def _pooled(runs: list[dict]) -> dict:
     return {"tpot_ms": per_token("tpot_ms"), "stall_ms_per_token": per_token("stall_ms_per_token"),
             "mib_read_per_token": per_token("mib_read_per_token"), "decode_tokens": n,
             "counts": {"misses": sum(r["counts"]["misses"] for r in runs)},
-            "expert_ms_per_call": float(np.median([r["expert_ms_per_call"] for r in runs])),
-            "plan_ms_per_layer": float(np.median([r["plan_ms_per_layer"] for r in runs])),
+            "expert_ms_per_call": median([r["expert_ms_per_call"] for r in runs], ndigits=None),
+            "plan_ms_per_layer": median([r["plan_ms_per_layer"] for r in runs], ndigits=None),
             "direct_io": all(r["direct_io"] for r in runs)}
 
 
@@ -109,8 +110,6 @@ def calibrate_native(bundle: Path, prompts: list[list[int]], *, all_mib: float, 
 ABLATION_POLICIES = ("oracle+lru", "oracle+prediction", "{graph}+belady", "on-demand+belady")
 
 
-
-
 def is_quantised(manifest: dict) -> bool:
     """Dense graphs quantised (8da4w, 8da8w, w8, w4) or experts stored in int8 / int4."""
     q = manifest.get("quantization") or {}
@@ -147,7 +146,7 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
     from export.executorch_target import set_threads
     from export.manifest import validate_bundle
     from export.session import open_session
-    from toolkit.bench import bench_prompts, torch_threads
+    from toolkit.bench.common import bench_prompts, torch_threads
     from toolkit.runtime.expert_store import ExpertStore
     from toolkit.runtime.policy import Policy
     from toolkit.runtime.runner import RunConfig
@@ -249,9 +248,9 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
         point = {"pool_mib": round(pool, 3), "pool_frac": frac, "slots": slots, "policies": {}}
         for p, results in got.items():
             runs = [x for res in results for x in res["runs"]]
-            point["policies"][p] = {key: median([x[key] for x in runs]) for key in
-                                    ("tpot_ms", "tpot_p95_ms", "ttft_ms", "stall_ms_per_token", "hit_rate",
-                                     "mib_read_per_token", "prefetch_precision", "prefetch_recall")}
+            point["policies"][p] = medians(runs, ("tpot_ms", "tpot_p95_ms", "ttft_ms", "stall_ms_per_token",
+                                                  "hit_rate", "mib_read_per_token", "prefetch_precision",
+                                                  "prefetch_recall"))
             point["policies"][p]["peak_rss_mib"] = round(max(res["peak_rss_bytes"] for res in results) / MiB, 1)
             point["policies"][p]["direct_io"] = all(res["direct_io"] for res in results)
             chk = token_check(results, resident_tokens)
@@ -287,7 +286,7 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
     src = source.model
     adapter = Path(bundle) / m["predictor"]["adapter"] if m["predictor"].get("adapter") else None
     if src is not None:
-        from toolkit.bench import simulate_same_prompts
+        from toolkit.bench.common import simulate_same_prompts
         from toolkit.runtime.policy import parse_policies
 
         log("the simulator, recalibrated against the native runner (calibrate_native), on the same prompts")
@@ -366,12 +365,7 @@ def markdown(r: dict[str, Any]) -> str:
 
 
 def plot(r: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4))
+    fig, ax = figure((8, 4))
     pols = list(r["points"][0]["policies"])
     width = 0.8 / len(r["points"])
     for n, p in enumerate(r["points"]):
@@ -388,4 +382,5 @@ def plot(r: dict[str, Any], path: Path) -> None:
 
 
 def write(r: dict[str, Any], json_path: Path) -> tuple[Path, Path]:
+    """json_path, and its .md (the table) and .png (the plot) beside it (toolkit.reporting.write_report)."""
     return write_report(r, json_path, markdown, plot)

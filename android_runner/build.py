@@ -21,7 +21,7 @@ installed (bin/, lib/, run.sh) still has the sha256 recorded when it was built (
 output, .stamp); a damaged or replaced binary is rebuilt, never reused or pushed.
 
 The output directory is the runner cache's own (one per family, config, expert dtype and ABI:
-reused and rebuilt incrementally) or `out`. Like every writer's (toolkit/artifacts.py), `out` is
+reused and rebuilt incrementally) or `out`. Like every writer's (toolkit/artifacts/), `out` is
 written only if it is new, empty, or a runner build (its build.json marks it: format
 specprefetch-runner); a directory that is not is refused and never written into; a runner build of
 another configuration (another bundle's config, ABI, toolchain) or a `force` rebuild of it is
@@ -332,9 +332,9 @@ def _in_cache(out: Path) -> bool:
 def _claim(out: Path, bundle: Path | str) -> None:
     """Refuse an `out` that is, holds or lies inside the bundle or these sources, or that is not a
     new or empty directory or a runner build (nothing is created or changed here)."""
-    from toolkit.artifacts import _check_inputs
+    from toolkit.artifacts import check_inputs
 
-    _check_inputs(out, (bundle, SRC), "--out")
+    check_inputs(out, (bundle, SRC), "--out")
     if runner_dir_kind(out) == "foreign":
         what = "is not a directory" if out.exists() and not out.is_dir() else \
             "is a directory that is not a runner build (no build.json of a specprefetch runner)"

@@ -107,7 +107,7 @@ def export_bundle(model: str | Path, out: Path, cfg: ExportConfig, adapter: Path
     OUT.rejected."""
     import tempfile
 
-    from export.pipeline import Tolerance
+    from export.parity import Tolerance
     from toolkit.models.loader import resolve_model_dir
 
     out = Path(out)
@@ -144,7 +144,8 @@ def _assemble(model, work: Path, scratch: Path, cfg: ExportConfig, tgt, quant: s
               out: Path) -> dict[str, Any]:
     from export.graphs import MASK_VALUE, StepModel, adapter_heads, describe
     from toolkit.runtime.backend import IO_MASK_VALUE
-    from export.pipeline import check, compare, free_running, run_model, run_sequence
+    from export.eager import run_model, run_sequence
+    from export.parity import check, compare, free_running
     from toolkit.models.loader import eos_token_ids, inspect_model_dir, load_dense_model
     from toolkit.models.routers import load_router_bank
     from toolkit.runtime.expert_store import ExpertStore, build_store

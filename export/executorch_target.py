@@ -145,7 +145,8 @@ def lower_program(steps, cfg, quant: str, out_dir: Path, log, *, partitioner=Non
     from executorch.exir.passes import MemoryPlanningPass
 
     from export.graphs import exportable_family
-    from export.pipeline import Built, TorchBackend, steps_info
+    from export.eager import TorchBackend, steps_info
+    from export.target import Built
 
     steps.prefill_chunks = prefill_chunk_sizes(steps.max_seq)
     steps.kv_custom_ops = load_custom_ops()  # the layers they fit: KV cache in place, attention over filled positions

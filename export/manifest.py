@@ -254,7 +254,8 @@ def _check_runtime(mf: Path, m: dict[str, Any], g: Any) -> None:
         "window": (lambda v: _integer(v) and 1 <= v <= n_moe, f"an integer 1..{n_moe} (MoE layers ahead)"),
         "queue_depth": (lambda v: _integer(v) and 1 <= v <= 1 << 20, "an integer of at least 1"),
         "min_confidence": (lambda v: _number(v) and 0 <= v <= 1, "a probability in [0, 1]"),
-        "floor": (lambda v: _number(v) and 0 <= v <= 1, "a probability in [0, 1]"),
+        "candidate_threshold": (lambda v: _number(v) and 0 <= v <= 1, "a probability in [0, 1]"),
+        LEGACY_THRESHOLD: (lambda v: _number(v) and 0 <= v <= 1, "a probability in [0, 1]"),
         "step_budget_bytes": (lambda v: v is None or (_integer(v) and v >= 0), "null or a byte count >= 0"),
         "candidates": (lambda v: v is None or (_integer(v) and 1 <= v <= E), f"null or an integer 1..{E}"),
         "prefetch": (lambda v: isinstance(v, bool), "true or false"),
@@ -267,7 +268,9 @@ def _check_runtime(mf: Path, m: dict[str, Any], g: Any) -> None:
         raise SpecPrefetchError(f"{mf}: kv.max_seq is {max_seq!r}; it must be an integer of at least 2")
 
 
-SCHEDULER_DEFAULTS = ("window", "queue_depth", "min_confidence", "floor", "step_budget_kib")
+SCHEDULER_DEFAULTS = ("window", "queue_depth", "min_confidence", "candidate_threshold", "step_budget_kib")
+# bundles exported before the rename call candidate_threshold "floor" (both engines read either)
+LEGACY_THRESHOLD = "floor"
 
 
 def scheduler_defaults(m: dict[str, Any]) -> dict[str, Any]:
@@ -276,7 +279,9 @@ def scheduler_defaults(m: dict[str, Any]) -> dict[str, Any]:
     (the native runner reads the same fields: android_runner/src/bundle.cpp)."""
     s = m["runtime"].get("scheduler", {})
     out = {k: s[k] for k in ("window", "queue_depth") if k in s}
-    out.update({k: float(s[k]) for k in ("min_confidence", "floor") if k in s})
+    out.update({k: float(s[k]) for k in ("min_confidence", "candidate_threshold") if k in s})
+    if "candidate_threshold" not in s and LEGACY_THRESHOLD in s:
+        out["candidate_threshold"] = float(s[LEGACY_THRESHOLD])
     if s.get("step_budget_bytes"):  # null or 0: unbounded; whole KiB, rounded down (as the native runner)
         out["step_budget_kib"] = int(s["step_budget_bytes"]) // 1024
     return out

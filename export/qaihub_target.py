@@ -182,7 +182,8 @@ class QaiHubTarget(Target):
         return found[0]
 
     def build(self, steps, cfg, quant: str, out_dir: Path, *, calib, run_kw, log, scratch: Path, hub=None):
-        from export.pipeline import Built, TorchBackend, steps_info
+        from export.eager import TorchBackend, steps_info
+        from export.target import Built
 
         hub = hub or cfg.hub_client or _hub()
         device = self.preflight(cfg, quant, hub=hub)

@@ -22,7 +22,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from export.pipeline import run_sequence
+from export.eager import run_sequence
 from export.target import Target, bundle_file
 from toolkit.errors import SpecPrefetchError
 from toolkit.runtime.backend import Backend
@@ -338,7 +338,9 @@ class QnnTarget(Target):
 
     def build(self, steps, cfg, quant: str, out_dir: Path, *, calib: list[list[int]], run_kw: dict, log,
               scratch: Path):
-        from export.pipeline import Built, TorchBackend, compare, steps_info
+        from export.eager import TorchBackend, steps_info
+        from export.parity import compare
+        from export.target import Built
 
         if cfg.qnn_path == "executorch":
             return _build_executorch_qnn(steps, cfg, quant, out_dir, log)

@@ -225,7 +225,7 @@ def _open_model(model, cfg, names, adapter, store, dtype, frequency_trace, max_s
     from transformers import AutoTokenizer
 
     from export.graphs import StepModel, adapter_heads
-    from export.pipeline import TorchBackend
+    from export.eager import TorchBackend
     from toolkit.models.routers import load_router_bank
     from toolkit.predictors.draft import SequenceDraft
 

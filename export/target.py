@@ -8,14 +8,35 @@ bundle, so targets depend on it, and the bundle and manifest code depend on targ
 from __future__ import annotations
 
 import abc
+import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping
 
 from toolkit.errors import SpecPrefetchError
 
 if TYPE_CHECKING:  # annotations only
-    from export.pipeline import Built
     from toolkit.runtime.backend import Backend
+
+
+@dataclasses.dataclass
+class Built:
+    """What a target's build() returns: manifest entries, the reference and a bundle backend."""
+    graphs: dict[str, Any]
+    reference: Any
+    reference_label: str
+    backend_label: str
+    kv_mode: str
+    soc: str | None
+    expert_precision: str
+    make_backend: Callable[[], Any]
+    extra: Callable[[list, list, dict], dict] | None = None  # (refs, bundle records, run_kw) -> figures
+
+    def backend(self):
+        return self.make_backend()
+
+    def extra_parity(self, refs, gots, run_kw):
+        return self.extra(refs, gots, run_kw) if self.extra else {}
+
 
 
 class Target(abc.ABC):

@@ -83,12 +83,21 @@ def test_every_named_repository_path_exists():
 
 
 def test_named_tests_exist():
-    """`tests/x.py::test_y` (docs/reliability.md names one per guarantee) names a test in that file."""
+    """`tests/x.py::test_y` or `tests/x.py::TestClass::test_y` (docs/reliability.md names one per guarantee) names a
+    test in that file (in that class)."""
     missing = []
     for f, text in _scanned():
-        for m in re.finditer(r"(tests/\w+\.py)::(\w+)", text):
+        for m in re.finditer(r"(tests/\w+\.py)::(\w+)(?:::(\w+))?", text):
             p = REPO / m.group(1)
-            if p.is_file() and not re.search(rf"\bdef {m.group(2)}\b", p.read_text(encoding="utf-8")):
+            if not p.is_file():
+                continue
+            src = p.read_text(encoding="utf-8")
+            if m.group(3):  # tests/x.py::TestClass::test_y
+                cls = re.search(rf"^class {m.group(2)}\b.*?(?=^class |\Z)", src, re.S | re.M)
+                ok = cls is not None and re.search(rf"\bdef {m.group(3)}\b", cls.group(0))
+            else:
+                ok = re.search(rf"\b(def|class) {m.group(2)}\b", src)  # a test, or a class of them
+            if not ok:
                 missing.append(f"{f}: {m.group(0)}")
     assert not missing, "tests named but not defined:\n" + "\n".join(missing)
 

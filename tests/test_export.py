@@ -16,7 +16,7 @@ from click.testing import CliRunner
 
 from export.bundle import ExportConfig, export_bundle, inspect_bundle
 from export.graphs import StepModel
-from export.pipeline import TorchBackend, run_model, run_sequence
+from export.eager import TorchBackend, run_model, run_sequence
 from toolkit.cli import main
 from toolkit.errors import SpecPrefetchError
 from toolkit.models.loader import inspect_model_dir, load_dense_model, load_model

@@ -18,7 +18,7 @@ Report outputs: every command's --json / --events / calibrate --out pointed (wit
 --overwrite) at a file of an input or of another artifact, or at a new file inside one, must be
 refused before any work with every byte and mtime left as it was.
 
-Traces: tests/test_hardening_traces.py fuzzes the manifest's fields and the shards' bytes and
+Traces: tests/test_trace.py fuzzes the manifest's fields and the shards' bytes and
 fields (checksums matching); this module adds the manifest's raw bytes and the value kinds that fuzz
 does not use, the model the manifest points to, and TRACE.partial/progress.json (resume).
 
@@ -54,7 +54,7 @@ from adapters.checkpoint import load_adapter, read_adapter_meta
 from adapters.train import TrainConfig, train_adapter
 from conftest import HELDOUT
 from export.manifest import validate_bundle
-from test_hardening_traces import _consume as consume_trace_files
+from test_trace import _consume as consume_trace_files
 from toolkit.cli import main
 from toolkit.errors import SpecPrefetchError
 from toolkit.models import checkpoint as ckpt
@@ -924,7 +924,7 @@ def consume_trace(path: Path, n: int) -> None:
 
 @pytest.mark.parametrize("cases", [60, pytest.param(1500, marks=pytest.mark.slow)])
 def test_fuzzed_trace_manifests(art, tmp_path, cases):
-    """Raw byte edits of manifest.json and value kinds tests/test_hardening_traces.py does not try
+    """Raw byte edits of manifest.json and value kinds tests/test_trace.py does not try
     (5000-digit integers, deep nesting, unencodable strings, tweaks of each value), the model path
     pointed elsewhere; shards with stale checksums. Every 10th case runs `specprefetch simulate`."""
     t = tmp_path / "trace"
@@ -1313,7 +1313,9 @@ def test_report_outputs_pointed_at_inputs_and_artifacts_change_nothing(art, bund
         "eval": lambda t: ["eval", trace, "--adapter", adapter, "--json", t],
         "simulate": lambda t: ["simulate", trace, "--adapter", adapter, "--json", t],
         "eviction-bounds": lambda t: ["eviction-bounds", trace, "--max-sequences", "1", "--json", t],
-        "bench": lambda t: ["bench", model, "--store", store, "--json", t],
+        "bench cpu": lambda t: ["bench", "cpu", model, "--store", store, "--json", t],
+        "bench gpu": lambda t: ["bench", "gpu", model, "--store", store, "--json", t],
+        "bench llama.cpp": lambda t: ["bench", "llama.cpp", bundle, "--json", t],
         "runner bench": lambda t: ["runner", "bench", bundle, "--json", t],
         "device bench": lambda t: ["device", "bench", bundle, "--pool-mib", "1", "--prompt", "x", "--json", t],
         "device list": lambda t: ["device", "list", "--json", t],

@@ -87,7 +87,7 @@ def test_tokens_match_transformers_cpu(tiny_models, stores, fam):
             assert g.tokens == want, (fam, policy, frac)
             j = g.to_json()
             assert j["peak_pool_bytes"] <= j["budget_bytes"]
-            assert eng.run_state is None
+            assert all(m.seq is None for m in eng.pooled)   # a sequence is bound for a pass, no longer
             assert j["pcie_bytes_per_token"] > 0
             if policy.startswith("draft"):
                 assert 0.0 <= j["acceptance"] <= 1.0 and j["rounds"] >= 1 and j["draft_bytes"] > 0
@@ -118,6 +118,79 @@ def test_rejected_drafts_still_give_the_models_tokens(tiny_models, stores, monke
     g = eng.run(prompt, 16, k=4)
     assert g.tokens == want
     assert g.extra["acceptance"] < 0.9 and g.extra["rounds"] > 16 / 5   # rejections happened
+
+
+def test_phases_over_one_sequence_state(tiny_models, stores, monkeypatch):
+    """`generate` is a loop over the phases: driving them by hand over one GpuSequence gives its tokens,
+    routing and counts; the engine keeps no per-sequence state, and the pooled experts refuse to run
+    unbound. The draft's rounds commit through draft.py's accept rule, once per round."""
+    from toolkit.predictors import draft as draft_mod
+    from toolkit.runtime import gpu
+
+    prompt = list(range(5, 17))
+    for decode in ("static", "modules"):
+        spec = inspect_model_dir(tiny_models["mixtral"])
+        eng = GpuEngine(load_model(tiny_models["mixtral"], dtype="float32"), ExpertStore(stores["mixtral"], spec),
+                        RunConfig(policy=Policy.parse("draft+prediction"), pool_mib=64.0), device="cpu",
+                        decode=decode)
+        eng.configure(pool_mib=_pool_mib(eng, 0.25))
+        calls = []
+        real = draft_mod.greedy_accept
+
+        def counted(proposal, target, stats=None, _real=real):
+            calls.append(len(proposal))
+            return _real(proposal, target, stats)
+        monkeypatch.setattr(gpu, "greedy_accept", counted)
+        want = eng.run(prompt, 12, k=3)
+        assert len(calls) == want.extra["rounds"] and max(calls) == 3
+        monkeypatch.undo()
+        assert not hasattr(eng, "run_state") and all(m.seq is None for m in eng.pooled)
+        for policy in ("on-demand+lru", "draft+prediction"):
+            eng.configure(policy=Policy.parse(policy))
+            want = eng.generate(prompt, 12, k=3)
+            with torch.no_grad(), eng.dev.scope():
+                s = eng.sequence(prompt, 12, k=3)
+                eng.prefill(s)
+                assert s.tokens == want.tokens[:1] and len(s.ids) == len(prompt) + 1 and not s.done
+                if policy.startswith("draft"):
+                    eng.prefill_draft(s)
+                while not s.done:
+                    n = len(s.tokens)
+                    if policy.startswith("draft"):
+                        eng.speculative_round(s, 3)
+                        assert 1 <= len(s.tokens) - n <= 4
+                    else:
+                        eng.decode_one(s)
+                        assert len(s.tokens) == n + 1
+            assert s.tokens == want.tokens and s.ids == prompt + want.tokens, (decode, policy)
+            assert [s.routing[p] for p in sorted(s.routing)] == [r.tolist() for r in want.routing]
+            assert s.sched.stats.requests > 0
+        # a budget past every expert: the pool's capacity is its budget's, the arena holds every expert,
+        # and a pool never holds more (one slot per expert), so it never needs a slot the arena lacks
+        eng.configure(policy=Policy.parse("on-demand+lru"), pool_mib=_pool_mib(eng, 2.0))
+        with torch.no_grad(), eng.dev.scope():
+            s = eng.sequence(prompt, 6, preload=True)
+            eng.prefill(s)
+            while not s.done:
+                eng.decode_one(s)
+        assert s.pool.capacity >= 2 * eng.L * eng.E and s.io.slots.shape[0] == eng.capacity == eng.L * eng.E
+        assert len(s.pool.slots) == eng.L * eng.E and s.pool.evictions == 0
+        block = spec.family.moe_block(eng.model, spec.geometry.moe_layers[0])
+        with pytest.raises(SpecPrefetchError, match="outside one of its forward passes"):
+            block.experts(torch.zeros(1, spec.geometry.hidden_size), torch.zeros(1, eng.k, dtype=torch.long),
+                          torch.ones(1, eng.k))
+
+
+def test_greedy_accept_is_the_one_verification_rule():
+    """The longest agreeing prefix, then the target's own token; the round counted."""
+    from toolkit.predictors.draft import SpecStats, greedy_accept
+
+    st = SpecStats()
+    assert greedy_accept([4, 5, 6], [4, 5, 6, 7], st) == [4, 5, 6, 7]      # all accepted, the bonus token
+    assert greedy_accept([4, 5, 6], [4, 9, 6, 7], st) == [4, 9]            # one accepted, the target's fix
+    assert greedy_accept([4, 5, 6], [1, 5, 6, 7], st) == [1]               # none accepted
+    assert greedy_accept([], [3]) == [3]                                    # no proposal: plain greedy
+    assert (st.rounds, st.proposed, st.accepted) == (3, 9, 4)
 
 
 def test_draft_is_int4_and_its_bytes_are_charged(tiny_models, stores):
@@ -188,7 +261,7 @@ def test_tokens_match_transformers_cuda(tiny_models, stores, policy):
 
 @CUDA
 def test_cli_run_and_bench_on_cuda(tiny_models, stores, tmp_path):
-    """`run --device cuda` and `bench --device cuda` end to end through the CLI."""
+    """`run --device cuda` and `bench gpu` end to end through the CLI."""
     from click.testing import CliRunner
 
     from toolkit.cli import main
@@ -200,7 +273,7 @@ def test_cli_run_and_bench_on_cuda(tiny_models, stores, tmp_path):
     assert r.exit_code == 0, r.output
     j = json.loads((tmp_path / "r.json").read_text())
     assert j["runs"][0]["matches_unmodified_model"] is True and j["runs"][0]["device"].startswith("cuda")
-    r = CliRunner().invoke(main, ["bench", model, "--device", "cuda", "--store", str(stores["qwen3_moe"]),
+    r = CliRunner().invoke(main, ["bench", "gpu", model, "--device", "cuda", "--store", str(stores["qwen3_moe"]),
                                   "--pool-fractions", "0.5", "--prompts", "1", "--new-tokens", "6", "--rounds", "1",
                                   "--prompt-tokens", "8", "--draft-k", "2,3", "--json", str(tmp_path / "b.json")])
     assert r.exit_code == 0, r.output
@@ -556,8 +629,8 @@ def test_markdown_flags_differing_tokens(tiny_models, stores):
 
 
 def test_cli_bench_cuda_options_pass_through(tiny_models, stores, tmp_path, monkeypatch):
-    """`bench --device cuda --decode D --report-mismatches` reaches run_gpu_bench; --decode is validated,
-    and both options are refused without --device cuda."""
+    """`bench gpu --decode D --report-mismatches` reaches run_gpu_bench; --decode is validated, and
+    neither option exists in `bench cpu`."""
     from click.testing import CliRunner
 
     from toolkit.cli import main
@@ -573,7 +646,7 @@ def test_cli_bench_cuda_options_pass_through(tiny_models, stores, tmp_path, monk
     monkeypatch.setattr(gpu_bench, "write", lambda r, out: None)
     monkeypatch.setattr(gpu_bench, "markdown", lambda r: "table")
     model = str(tiny_models["qwen3_moe"])
-    base = ["bench", model, "--device", "cuda", "--store", str(stores["qwen3_moe"]), "--json", str(tmp_path / "b.json")]
+    base = ["bench", "gpu", model, "--store", str(stores["qwen3_moe"]), "--json", str(tmp_path / "b.json")]
     r = CliRunner().invoke(main, base + ["--decode", "static", "--report-mismatches"])
     assert r.exit_code == 0, r.output
     assert seen["decode"] == "static" and seen["strict"] is False
@@ -584,5 +657,5 @@ def test_cli_bench_cuda_options_pass_through(tiny_models, stores, tmp_path, monk
     r = CliRunner().invoke(main, base + ["--decode", "fast", "--overwrite"])
     assert r.exit_code == 2 and "fast" in r.output
     for extra in (["--decode", "graph"], ["--report-mismatches"]):
-        r = CliRunner().invoke(main, ["bench", model, "--json", str(tmp_path / "c.json"), *extra])
-        assert r.exit_code == 2 and "only with --device cuda" in r.output, r.output
+        r = CliRunner().invoke(main, ["bench", "cpu", model, "--json", str(tmp_path / "c.json"), *extra])
+        assert r.exit_code == 2 and "No such option" in r.output and extra[0] in r.output, r.output

@@ -19,7 +19,8 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import HELDOUT
-from toolkit.cli import main, os_error_line
+from toolkit.cli import main
+from toolkit.cli_errors import os_error_line
 
 FAMILY = "qwen3_moe"  # tiny: 4 layers, MoE layers 1..3, 8 experts, top-2
 EXE = Path(sys.executable).parent / "specprefetch"
@@ -383,15 +384,15 @@ def test_overwrite_is_required_and_passed_through(tiny_models, tmp_path):
     assert cli("tiny", "olmoe", "--out", t, "--overwrite")[0] == 0
     refused(["export", m, "--out", m, "--overwrite"], "input of this command")  # never the source model
     refused(["store", m, "--out", m / "model.safetensors", "--overwrite"], "--out")
-    for cmd in ("train", "export", "store", "tiny", "trace", "eval", "simulate", "eviction-bounds", "run", "bench",
-                "calibrate",
+    for cmd in ("train", "export", "store", "tiny", "trace", "eval", "simulate", "eviction-bounds", "run", "bench cpu",
+                "bench gpu", "bench llama.cpp", "calibrate",
                 "runner bench", "runner build", "device bench", "device list"):  # every command that writes
         assert "--overwrite" in CliRunner().invoke(main, [*cmd.split(), "--help"]).output, cmd
 
 
 def test_window_means_one_unit_everywhere():
-    for cmd in ("run", "simulate", "bench", "export"):
-        text = " ".join(CliRunner().invoke(main, [cmd, "--help"]).output.split())
+    for cmd in ("run", "simulate", "bench cpu", "bench gpu", "export"):
+        text = " ".join(CliRunner().invoke(main, [*cmd.split(), "--help"]).output.split())
         assert "MoE layers planned ahead" in text and "steps ahead" not in text, cmd
 
 

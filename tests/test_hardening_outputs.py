@@ -109,8 +109,15 @@ AT_INPUTS = {
     "eviction-bounds --json TRACE/manifest.json": (
         lambda a, t: ["eviction-bounds", a["T"], "--json", a["T"] / "manifest.json", "--overwrite"],
         "input of this command"),
-    "bench --json MODEL/config.json": (lambda a, t: ["bench", a["M"], "--json", a["M"] / "config.json", "--overwrite"],
-                                       "input of this command"),
+    "bench cpu --json MODEL/config.json": (
+        lambda a, t: ["bench", "cpu", a["M"], "--json", a["M"] / "config.json", "--overwrite"],
+        "input of this command"),
+    "bench gpu --json MODEL/config.json": (
+        lambda a, t: ["bench", "gpu", a["M"], "--json", a["M"] / "config.json", "--overwrite"],
+        "input of this command"),
+    "bench llama.cpp --json BUNDLE/manifest.json": (
+        lambda a, t: ["bench", "llama.cpp", a["B"], "--json", a["B"] / "manifest.json", "--overwrite"],
+        "input of this command"),
     "runner bench --json BUNDLE/manifest.json": (
         lambda a, t: ["runner", "bench", a["B"], "--json", a["B"] / "manifest.json", "--overwrite"],
         "input of this command"),
@@ -280,10 +287,19 @@ UP_FRONT = [
     (lambda a: _run(a, "--pool-mib", "1e300"), "--pool-mib", "too large"),
     (lambda a: ["simulate", a["T"], "--pool-mib", "4,1e300"], "--pool-mib", "too large"),
     (lambda a: ["device", "bench", a["B"], "--pool-mib", "1e300", "--prompt", "x"], "--pool-mib", "too large"),
-    (lambda a: ["bench", a["M"], "--pool-fractions", "0.5"], "--pool-fractions", "only with --device cuda"),
-    (lambda a: ["bench", a["M"], "--draft-k", "2"], "--draft-k", "only with --device cuda"),
-    (lambda a: ["bench", a["M"], "--timeout", "5"], "--timeout", "only with --peer"),
-    (lambda a: ["bench", a["M"], "--new-tokens", "2"], "--new-tokens 2", "at least 3"),
+    # each bench sub-command has only its own options
+    (lambda a: ["bench", "cpu", a["M"], "--pool-fractions", "0.5"], "--pool-fractions", "No such option"),
+    (lambda a: ["bench", "cpu", a["M"], "--draft-k", "2"], "--draft-k", "No such option"),
+    (lambda a: ["bench", "cpu", a["M"], "--timeout", "5"], "--timeout", "No such option"),
+    (lambda a: ["bench", "gpu", a["M"], "--pool-mib", "4"], "--pool-mib", "No such option"),
+    (lambda a: ["bench", "llama.cpp", a["B"], "--adapter", a["A"]], "--adapter", "No such option"),
+    (lambda a: ["bench", "cpu", a["M"], "--new-tokens", "2"], "--new-tokens 2", "at least 3"),
+    (lambda a: ["bench", "gpu", a["M"], "--pool-fractions", "0.5,1.5"], "--pool-fractions", "fractions in (0, 1]"),
+    (lambda a: ["bench", "gpu", a["M"], "--draft-k", "0"], "--draft-k", "draft lengths >= 1"),
+    (lambda a: ["bench", "gpu", a["M"], "--device", "cpu"], "--device", "expected cuda or cuda:N"),
+    (lambda a: ["bench", "llama.cpp", a["B"], "--limits", "5"], "--limits", "not a fraction in (0, 4]"),
+    (lambda a: ["bench", "llama.cpp", a["B"], "--threads", "0"], "--threads", "comma-separated positive integers"),
+    (lambda a: ["bench", "llama.cpp"], "BUNDLE", "Missing argument"),
     (lambda a: ["runner", "bench", a["B"], "--new-tokens", "2"], "--new-tokens", ">=3"),
 ]
 

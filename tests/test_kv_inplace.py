@@ -131,7 +131,7 @@ def test_custom_op_graphs_equal_the_masked_graphs(embedded):
     """The layer graphs that use the custom ops (eagerly, in plain torch with the same meaning)
     give the masked graphs' outputs, one position at a time and over a prefill chunk."""
     from export.graphs import StepModel
-    from export.pipeline import TorchBackend
+    from export.eager import TorchBackend
     from toolkit.models.loader import inspect_model_dir, load_dense_model
 
     spec = inspect_model_dir(embedded)

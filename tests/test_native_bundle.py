@@ -134,7 +134,8 @@ def test_good_bundle_passes_and_every_expert_is_checked(tool, bundle):
     assert d["horizons"] == m["predictor"]["horizons"]
     sched = m["runtime"]["scheduler"]
     assert (d["scheduler"]["window"], d["scheduler"]["queue_depth"]) == (sched["window"], sched["queue_depth"])
-    assert d["scheduler"]["min_confidence"] == sched["min_confidence"] and d["scheduler"]["floor"] == sched["floor"]
+    assert d["scheduler"]["min_confidence"] == sched["min_confidence"]
+    assert d["scheduler"]["candidate_threshold"] == sched["candidate_threshold"]
     assert d["scheduler"]["step_budget_bytes"] == (sched["step_budget_bytes"]
                                                    if sched["step_budget_bytes"] is not None else -1)
     # preds_rows: the manifest keys layer numbers, the runner MoE positions
@@ -204,17 +205,40 @@ def test_manifest_version_2(tool, bundle, tmp_path):
     refused(tool, b, names=("manifest.json", "version 2"))
 
 
+def test_the_candidate_threshold_under_its_old_name(tool, bundle, tmp_path):
+    """A bundle exported before the rename calls runtime.scheduler.candidate_threshold `floor`: both
+    engines' readers take it (a value out of [0, 1] is refused under that name)."""
+    from export.manifest import scheduler_defaults, validate_bundle
+
+    b = copy_bundle(bundle, tmp_path)
+    m = manifest(b)
+    m["runtime"]["scheduler"].pop("candidate_threshold")
+    m["runtime"]["scheduler"]["floor"] = 0.25
+    write_manifest(b, m)
+    assert ok(tool, b)["scheduler"]["candidate_threshold"] == 0.25
+    assert scheduler_defaults(manifest(b))["candidate_threshold"] == 0.25
+    m["runtime"]["scheduler"]["floor"] = 1.5
+    write_manifest(b, m)
+    refused(tool, b, names=("runtime.scheduler.floor",))
+    with pytest.raises(Exception, match="runtime.scheduler.floor"):
+        validate_bundle(b, hash_store=False)
+
+
 @pytest.mark.parametrize("edit, names", [
     (lambda m: m["model"].__setitem__("num_layers", "8"), ("model.num_layers", "integer")),
     (lambda m: m["model"].__setitem__("top_k", 1000), ("model.top_k",)),
     (lambda m: m["model"].__setitem__("moe_layers", [3, 2]), ("model.moe_layers",)),
     (lambda m: m["runtime"].__setitem__("pool_mib", -1), ("runtime.pool_mib",)),
     (lambda m: m["runtime"]["scheduler"].__setitem__("window", 0), ("runtime.scheduler.window",)),
+    (lambda m: m["runtime"]["scheduler"].__setitem__("min_confidence", 1.5), ("runtime.scheduler.min_confidence",)),
+    (lambda m: m["runtime"]["scheduler"].__setitem__("candidate_threshold", -0.1),
+     ("runtime.scheduler.candidate_threshold",)),
     (lambda m: m["predictor"]["preds_rows"].__setitem__("99", [1]), ("predictor.preds_rows",)),
     (lambda m: m.pop("kv"), ("'kv'",)),
     (lambda m: m["files"].__setitem__("x", []), ("files['x']",)),
     (lambda m: m.__setitem__("format", "other"), ("format",)),
-], ids=["type", "top_k", "moe_layers", "pool_mib", "window", "preds_rows", "missing", "files_entry", "format"])
+], ids=["type", "top_k", "moe_layers", "pool_mib", "window", "min_confidence", "threshold", "preds_rows", "missing",
+        "files_entry", "format"])
 def test_malformed_manifest_values(tool, bundle, tmp_path, edit, names):
     b = copy_bundle(bundle, tmp_path)
     m = manifest(b)

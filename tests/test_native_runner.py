@@ -183,7 +183,7 @@ def test_a_malformed_reuse_table_is_refused(native, tmp_path):
 
 
 def test_both_engines_run_a_bundle_with_its_exported_scheduler_settings(native, tmp_path):
-    """`run BUNDLE` takes the window, queue depth, confidence floors and step budget the bundle was
+    """`run BUNDLE` takes the window, queue depth, confidence thresholds and step budget the bundle was
     exported with in the Python engine as the native runner does; an option given overrides them in
     both, a default value given explicitly too."""
     from toolkit.runtime.expert_store import ExpertStore
@@ -192,7 +192,7 @@ def test_both_engines_run_a_bundle_with_its_exported_scheduler_settings(native, 
     shutil.copytree(native[0], b)
     m = json.loads((b / "manifest.json").read_text())
     slot = ExpertStore(b / m["runtime"]["expert_store"]).slot_bytes
-    m["runtime"]["scheduler"].update(window=3, queue_depth=2, min_confidence=0.05, floor=0.01,
+    m["runtime"]["scheduler"].update(window=3, queue_depth=2, min_confidence=0.05, candidate_threshold=0.01,
                                      step_budget_bytes=2 * slot)  # two prefetches a step at most
     (b / "manifest.json").write_text(json.dumps(m))
     headers = {}

@@ -5,7 +5,7 @@ through the C++ WindowScheduler and ExpertPool over the same kind of fake backen
 must be equal line for line (apart from the printed confidences), and so must the counts. A
 scheduling bug in C++ shows here, with the step it happens at, not only as a whole-run difference.
 Cases: LRU, LFU and prediction eviction; scores, logits and probabilities (`plan_probs`); a per-step byte
-budget and a confidence floor; tight pools; reads that land later (late hits, waits); prefill-style
+budget and a candidate threshold; tight pools; reads that land later (late hits, waits); prefill-style
 spans (a layer's union in groups, the earlier ones released without a pump, targets across spans)."""
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ def _keys(keys) -> str:
 
 
 def drive(eviction: str, *, L: int, E: int, k: int, slots: int, queue_depth: int, min_confidence: float,
-          floor: float, step_budget: int | None, W: int, T: int, seed: int, logits: bool, delay: int = 0,
+          candidate_threshold: float, step_budget: int | None, W: int, T: int, seed: int, logits: bool, delay: int = 0,
           probs: bool = False, span: int = 1):
     """Run the Python scheduler over T positions of skewed random routing and predictions (a prediction
     is the true next routing with probability 0.6, else a random guess); returns (script, events, counts).
@@ -89,15 +89,15 @@ def drive(eviction: str, *, L: int, E: int, k: int, slots: int, queue_depth: int
     budget = slots * SLOT
     never = lambda key, now: float("inf")  # noqa: E731
     pool = ExpertPool(budget, SLOT, policy=eviction, min_slots=k, next_use=never)
-    cfg = SchedulerConfig(queue_depth=queue_depth, min_confidence=min_confidence, floor=floor,
-                          step_budget_bytes=step_budget)
+    cfg = SchedulerConfig(queue_depth=queue_depth, min_confidence=min_confidence,
+                          candidate_threshold=candidate_threshold, step_budget_bytes=step_budget)
     events = EventLog()
     io = FakeIO(delay)
     sched = WindowScheduler(pool, io, cfg, num_layers=L, top_k=k, events=events, clock=lambda: 0.0)
     if eviction == "prediction":
         pool.next_use = sched.next_predicted_use
-    script = [f"config {budget} {SLOT} {eviction} {k} {L * E} {L} {k} {queue_depth} {min_confidence!r} {floor!r} "
-              f"{-1 if step_budget is None else step_budget} 1 {delay}"]
+    script = [f"config {budget} {SLOT} {eviction} {k} {L * E} {L} {k} {queue_depth} {min_confidence!r} "
+              f"{candidate_threshold!r} {-1 if step_budget is None else step_budget} 1 {delay}"]
     for t0 in range(0, T, span):
         for li in range(L):
             step = t0 * L + li
@@ -146,18 +146,18 @@ def drive(eviction: str, *, L: int, E: int, k: int, slots: int, queue_depth: int
 
 
 CASES = {
-    "lru": dict(eviction="lru", slots=12, queue_depth=4, min_confidence=0.02, floor=0.0, step_budget=None,
-                logits=False),
-    "lfu-logits": dict(eviction="lfu", slots=10, queue_depth=2, min_confidence=0.05, floor=0.0, step_budget=None,
-                       logits=True),
-    "prediction-budget": dict(eviction="prediction", slots=14, queue_depth=6, min_confidence=0.01, floor=0.01,
-                              step_budget=3 * SLOT, logits=False),
-    "prediction-tight": dict(eviction="prediction", slots=8, queue_depth=3, min_confidence=0.1, floor=0.0,
-                             step_budget=None, logits=True),
-    "late-reads": dict(eviction="lru", slots=12, queue_depth=4, min_confidence=0.02, floor=0.0, step_budget=None,
-                       logits=False, delay=2),
-    "probs-prefill": dict(eviction="prediction", slots=10, queue_depth=4, min_confidence=0.05, floor=0.02,
-                          step_budget=None, logits=False, probs=True, span=4, delay=3),
+    "lru": dict(eviction="lru", slots=12, queue_depth=4, min_confidence=0.02, candidate_threshold=0.0,
+                step_budget=None, logits=False),
+    "lfu-logits": dict(eviction="lfu", slots=10, queue_depth=2, min_confidence=0.05, candidate_threshold=0.0,
+                       step_budget=None, logits=True),
+    "prediction-budget": dict(eviction="prediction", slots=14, queue_depth=6, min_confidence=0.01,
+                              candidate_threshold=0.01, step_budget=3 * SLOT, logits=False),
+    "prediction-tight": dict(eviction="prediction", slots=8, queue_depth=3, min_confidence=0.1,
+                             candidate_threshold=0.0, step_budget=None, logits=True),
+    "late-reads": dict(eviction="lru", slots=12, queue_depth=4, min_confidence=0.02, candidate_threshold=0.0,
+                       step_budget=None, logits=False, delay=2),
+    "probs-prefill": dict(eviction="prediction", slots=10, queue_depth=4, min_confidence=0.05,
+                          candidate_threshold=0.02, step_budget=None, logits=False, probs=True, span=4, delay=3),
 }
 
 

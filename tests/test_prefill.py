@@ -64,7 +64,7 @@ def _chunk_vs_positions(model_dir: Path, max_seq: int = 32):
     positions after the chunk, fed one at a time, see the keys and values the chunk wrote; every
     layer (dense and MoE, sliding-window or not)."""
     from export.graphs import StepModel
-    from export.pipeline import TorchBackend
+    from export.eager import TorchBackend
     from toolkit.models.loader import inspect_model_dir, load_dense_model
 
     spec = inspect_model_dir(model_dir)

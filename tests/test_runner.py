@@ -368,7 +368,7 @@ def test_bundle_with_adapter_every_policy_at_two_pools(target, embedded, emb_tra
 def test_cli_bench_side_by_side(emb_store, emb_trace_adapter, tmp_path):
     _, ad = emb_trace_adapter
     out = tmp_path / "b.json"
-    r = CliRunner().invoke(main, ["bench", "embedded", "--adapter", str(ad), "--store", str(emb_store),
+    r = CliRunner().invoke(main, ["bench", "cpu", "embedded", "--adapter", str(ad), "--store", str(emb_store),
                                   "--policies", "on-demand+lru,adapter+prediction,oracle+belady", "--pool-mib", "1",
                                   "--prompts", "1", "--new-tokens", "5", "--rounds", "1", "--no-simulate",
                                   "--json", str(out)])
@@ -383,5 +383,5 @@ def test_cli_bench_side_by_side(emb_store, emb_trace_adapter, tmp_path):
     md = out.with_suffix(".md").read_text()
     assert "| 1 | adapter+prediction |" in md and out.with_suffix(".png").stat().st_size > 5000
     for bad, msg in (("1,x", "'x' is not a number"), ("nan", "'nan': must be a finite number")):
-        r = CliRunner().invoke(main, ["bench", "--pool-mib", bad, "--json", str(tmp_path / "x.json")])
+        r = CliRunner().invoke(main, ["bench", "cpu", "--pool-mib", bad, "--json", str(tmp_path / "x.json")])
         assert r.exit_code == 2 and msg in r.output and "Traceback" not in r.output

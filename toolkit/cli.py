@@ -1,4 +1,6 @@
-"""The `specprefetch` command line: one verb per pipeline stage, nothing else lives here.
+"""The `specprefetch` command line: one verb per pipeline stage, nothing else lives here (the parameter
+types, shared options and help texts are in toolkit/cli_params.py, the one-line errors and the command
+group in toolkit/cli_errors.py).
 
     specprefetch info MODEL                 geometry and expert bytes of a MoE checkpoint
     specprefetch trace MODEL --data F       routing traces for adapter training and evaluation
@@ -9,7 +11,9 @@
     specprefetch eviction-bounds TRACES     bytes read per token for every eviction rule, Belady included
     specprefetch calibrate MODEL            a device profile measured from this machine's reads
     specprefetch run MODEL|BUNDLE           one generation through the pool (--engine python|native, --device cuda)
-    specprefetch bench MODEL                policies side by side, interleaved (--peer llama.cpp, --device cuda)
+    specprefetch bench cpu MODEL            the Python runner's policies side by side, interleaved, the simulator beside
+    specprefetch bench gpu MODEL            the GPU tier's policies side by side (--device cuda|cuda:N)
+    specprefetch bench llama.cpp BUNDLE...  llama.cpp and the native runner under the same memory limits
     specprefetch export MODEL --out B       a phone-ready bundle (ExecuTorch / QNN / AI Hub), parity-checked
     specprefetch inspect BUNDLE             validate a bundle and summarise it
     specprefetch runner build|bench BUNDLE  the native C++ runner: build (host, arm64, android), bench
@@ -21,261 +25,19 @@ MODEL may be `embedded` for the embedded default model or `phone` for the phone-
 """
 from __future__ import annotations
 
-import errno
-import functools
 import json
-import logging
-import math
-import os
-import sys
-import warnings
 from pathlib import Path
 
 import click
 
 from toolkit import __version__
+from toolkit.cli_errors import Cli, friendly_errors, quiet_libraries, quiet_native_stderr
+from toolkit.cli_params import (MIN_TIMED_TOKENS, NOT_WRITTEN, NOTHING_TO_OUT, OUT_DIR, OUT_FILE, POOL_AUTO_MIB,
+                                POOL_MIB, POOL_MIB_LIST, POOL_MIB_OR_AUTO, WINDOW_HELP, FiniteFloat, FloatList, IntList,
+                                Text, TextFile, bench_runs, ctx_default, cuda_device, device_name, int_tuple,
+                                json_report, scheduler_limits)
 from toolkit.engines import fmt
 from toolkit.errors import SpecPrefetchError
-
-# What an OSError means, in a few words, for the one-line message naming its path.
-OS_ERRORS = {
-    errno.ENOSPC: "no space left on device (disk full)",
-    errno.EDQUOT: "disk quota exceeded",
-    errno.EFBIG: "file too large (over the file-size limit)",
-    errno.EISDIR: "is a directory, a file is needed there",
-    errno.ENOTDIR: "is not a directory (a file stands where a directory is needed)",
-    errno.EACCES: "permission denied",
-    errno.EPERM: "operation not permitted",
-    errno.ENOENT: "no such file or directory",
-    errno.EEXIST: "already exists",
-    errno.EROFS: "read-only file system",
-    errno.ENAMETOOLONG: "file name too long",
-    errno.ENOTEMPTY: "directory not empty",
-    errno.EXDEV: "on another file system",
-    errno.EMFILE: "too many open files",
-    errno.EIO: "input/output error (a failing disk or a lost network mount)",
-    errno.ELOOP: "too many levels of symbolic links",
-}
-
-
-def os_error_line(e: OSError) -> str:
-    """One line for an OSError: the path(s) it names and what went wrong."""
-    what = OS_ERRORS.get(e.errno) or (e.strerror or type(e).__name__).lower()
-    paths = [str(p) for p in (e.filename, e.filename2) if p not in (None, "")]
-    if not paths:
-        return f"{what} ({e})" if str(e) and what not in str(e).lower() else what
-    return f"{' -> '.join(paths)}: {what}"
-
-
-def one_line(text: str) -> str:
-    """Any message as one line (a library's multi-line text joined)."""
-    return " ".join(part.strip() for part in str(text).splitlines() if part.strip())
-
-
-def _exit_code(e: KeyboardInterrupt) -> int:
-    """130 for Ctrl-C; 128 + N for a signal N that toolkit.errors turned into an interrupt."""
-    import signal
-
-    name = e.args[0] if e.args and isinstance(e.args[0], str) else ""
-    try:
-        return 128 + int(signal.Signals[name])
-    except KeyError:
-        return 130
-
-
-def friendly_errors(fn=None, *, interrupt: str = "nothing was written"):
-    """Turn toolkit errors, OS errors and Ctrl-C (or SIGTERM) into one clear line and a non-zero
-    exit, no traceback.
-
-    `interrupt` says what an interrupted command leaves when none of its writers said otherwise
-    (they note what they kept or removed on the KeyboardInterrupt; toolkit.errors.interrupted_message);
-    it may name the command's options, e.g. "{out} was not written"."""
-    def deco(fn):
-        @functools.wraps(fn)
-        def wrapper(*args, **kwargs):
-            try:
-                return fn(*args, **kwargs)
-            except SpecPrefetchError as e:
-                click.echo(f"error: {one_line(e)}", err=True)
-                sys.exit(2)
-            except KeyboardInterrupt as e:
-                from toolkit.errors import interrupted_message
-
-                try:
-                    default = interrupt.format(**{k: v for k, v in kwargs.items() if v is not None})
-                except (KeyError, IndexError):
-                    default = "nothing was written"
-                # on a line of its own: after the terminal's ^C echo or a progress bar left open
-                click.echo("\n" + one_line(interrupted_message(e, default)), err=True)
-                sys.exit(_exit_code(e))
-            except OSError as e:
-                if e.errno == errno.EPIPE:  # stdout closed early (| head): click's own handling
-                    raise
-                click.echo(f"error: {os_error_line(e)}", err=True)
-                sys.exit(2)
-            except UnicodeError as e:  # a backstop: input files are checked where they are named
-                click.echo(f"error: text that is not valid UTF-8 ({one_line(e)})", err=True)
-                sys.exit(2)
-            finally:
-                from toolkit.artifacts import release_report_claims
-
-                release_report_claims()  # the command's claims on its report files end with it
-        return wrapper
-    return deco(fn) if fn is not None else deco
-
-
-class FiniteFloat(click.ParamType):
-    """A finite number above `low` (or at least `low` with `inclusive`); a one-line error for nan,
-    inf, words or empty text."""
-    name = "number"
-
-    def __init__(self, low: float = 0.0, *, inclusive: bool = False, high: float | None = None,
-                 unit: str = ""):
-        self.low, self.inclusive, self.high, self.unit = low, inclusive, high, unit
-
-    def convert(self, value, param, ctx):
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            v = float(value)
-        else:
-            try:
-                v = float(str(value).strip())
-            except ValueError:
-                self.fail(f"{value!r} is not a number", param, ctx)
-        if not math.isfinite(v) or v < self.low or (v == self.low and not self.inclusive):
-            self.fail(f"{value!r}: must be a finite number {'>=' if self.inclusive else 'above'} {self.low:g}",
-                      param, ctx)
-        if self.high is not None and v > self.high:
-            self.fail(f"{value!r}: too large: at most {self.high:g}{self.unit}", param, ctx)
-        return v
-
-
-class FloatList(click.ParamType):
-    """Comma-separated finite positive numbers, e.g. 4,8,16 (each checked as `item`)."""
-    name = "list"
-
-    def __init__(self, item: FiniteFloat | None = None):
-        self.item = item or FiniteFloat()
-
-    def convert(self, value, param, ctx):
-        if isinstance(value, list):
-            return value
-        items = [x for x in str(value).split(",") if x.strip()]
-        if not items:
-            self.fail(f"{value!r}: expected comma-separated numbers", param, ctx)
-        return [self.item.convert(x, param, ctx) for x in items]
-
-
-class IntList(click.ParamType):
-    """Comma-separated whole numbers of at least `low`, e.g. 1,2,4."""
-    name = "list"
-
-    def __init__(self, low: int = 1):
-        self.low = low
-
-    def convert(self, value, param, ctx):
-        if isinstance(value, (list, tuple)):
-            return list(value)
-        items = [x.strip() for x in str(value).split(",") if x.strip()]
-        try:
-            out = [int(x) for x in items]
-        except ValueError:
-            out = []
-        if not out or min(out) < self.low:
-            self.fail(f"{value!r}: expected comma-separated whole numbers >= {self.low}", param, ctx)
-        return out
-
-
-class Text(click.ParamType):
-    """Text that is valid UTF-8 (a prompt): bytes that are not are a one-line error, not a
-    traceback deep in the tokenizer or the JSON writer."""
-    name = "text"
-
-    def convert(self, value, param, ctx):
-        try:
-            str(value).encode("utf-8")
-        except UnicodeEncodeError:
-            self.fail(f"{ascii(value)} is not valid UTF-8 text", param, ctx)
-        return value
-
-
-class OutPath(click.Path):
-    """An output path: a file where a directory is meant or the reverse is a one-line error, and so
-    is a file standing where one of its parent directories should be, before any work is done."""
-
-    def convert(self, value, param, ctx):
-        path = super().convert(value, param, ctx)
-        for parent in Path(path).absolute().parents:
-            if parent.exists():
-                if not parent.is_dir():
-                    self.fail(f"{parent} is a file, not a directory, so {value!s} cannot be written", param, ctx)
-                break
-        return path
-
-
-class TextFile(click.Path):
-    """An input text file (.txt / .jsonl): it must exist, be a file and be UTF-8, checked here in one
-    streaming pass so that a stray byte is a one-line error naming the file and the offset."""
-
-    def __init__(self):
-        super().__init__(exists=True, dir_okay=False, path_type=Path)
-
-    def convert(self, value, param, ctx):
-        import codecs
-
-        from toolkit.traces.data import open_input
-
-        path = super().convert(value, param, ctx)
-        dec, offset = codecs.getincrementaldecoder("utf-8")(), 0
-        try:
-            with open_input(path, "") as f:  # a regular file of bounded size: a FIFO or /dev/zero is refused unread
-                while chunk := f.read(1 << 20):
-                    try:
-                        dec.decode(chunk)
-                    except UnicodeDecodeError as e:
-                        self.fail(f"{path}: not UTF-8 text (byte {offset + e.start}: {e.reason})", param, ctx)
-                    offset += len(chunk)
-                dec.decode(b"", final=True)
-        except UnicodeDecodeError as e:
-            self.fail(f"{path}: not UTF-8 text (it ends inside a character: {e.reason})", param, ctx)
-        except SpecPrefetchError as e:
-            self.fail(str(e), param, ctx)
-        except OSError as e:
-            self.fail(f"{path}: cannot read it ({e.strerror or e})", param, ctx)
-        return path
-
-
-# A pool in MiB: finite, above 0, and at most 1e9 MiB (about a PiB: its bytes fit a signed 64-bit
-# integer with room to spare, and the native runner takes it; a pool past every expert's bytes simply
-# holds them all, so no real pool is refused)
-MAX_POOL_MIB = 1e9
-POOL_MIB = FiniteFloat(high=MAX_POOL_MIB, unit=" MiB")
-POOL_MIB_LIST = FloatList(POOL_MIB)
-
-
-class PoolMibOrAuto(click.ParamType):
-    """`run --pool-mib`: a budget in MiB, or `auto` (the native engine sizes its pool from the memory
-    available to it and shrinks it when that runs low: docs/runner.md, "Pool size: auto")."""
-    name = "MiB|auto"
-
-    def convert(self, value, param, ctx):
-        if isinstance(value, str) and value.strip().lower() == "auto":
-            return "auto"
-        return POOL_MIB.convert(value, param, ctx)
-
-
-POOL_MIB_OR_AUTO = PoolMibOrAuto()
-POOL_AUTO_MIB = FiniteFloat(inclusive=True, high=MAX_POOL_MIB, unit=" MiB")
-# Generated tokens a timed comparison with the simulator needs: the bench prompts are traced with
-# one token fewer as decode tokens, and the simulator times sequences of two or more of them
-MIN_TIMED_TOKENS = 3
-OUT_FILE = OutPath(dir_okay=False, path_type=Path)  # an output file: a directory there is a one-line error
-OUT_DIR = OutPath(file_okay=False, path_type=Path)  # an output directory: a file there is a one-line error
-WINDOW_HELP = ("prefetch window: MoE layers planned ahead (one step is one MoE layer of one token; the window "
-               "crosses into the next token), 1..the model's MoE layers")
-NOT_WRITTEN = "{json_out} was not written"
-NOTHING_TO_OUT = "nothing was written to {out}"
-OVERWRITE_REPORT = ("replace an existing report at --json (and its .md/.png) if this command wrote it; "
-                    "nothing else is ever replaced")
 
 
 def _inputs(*paths) -> list[Path]:
@@ -308,89 +70,6 @@ def claim(out, kind: str, overwrite: bool, inputs=(), option: str = "--json", si
 def wrote(*claims) -> str:
     """`wrote A, B, C`: the files the claims wrote (a FIFO or /dev/null: the JSON alone)."""
     return "wrote " + ", ".join(str(f) for c in claims if c is not None for f in c.files())
-
-
-def scheduler_limits(fn):
-    """The scheduler's flash-saturation limits, shared by `simulate` and `run`."""
-    fn = click.option("--step-budget-kib", type=click.IntRange(min=1), default=None,
-                      help="prefetch bytes issued per step at most")(fn)
-    return click.option("--min-confidence", type=click.FloatRange(0, 1), default=0.02, show_default=True,
-                        help="when flash is saturated, drop queued prefetches below this predicted probability")(fn)
-
-
-class OneLineUsage(click.ClickException):
-    """A usage error (a bad option value, an unknown option, a missing argument) as one line."""
-    exit_code = 2
-
-    def __init__(self, e: click.UsageError):
-        path = e.ctx.command_path if e.ctx is not None else "specprefetch"
-        super().__init__(f"{one_line(e.format_message())} (see '{path} --help')")
-
-    def show(self, file=None) -> None:
-        click.echo(f"error: {self.format_message()}", err=True)
-
-
-class Cli(click.Group):
-    """The command group: usage errors of every command print as one `error: ...` line, exit 2."""
-
-    def make_context(self, *args, **kwargs):
-        try:
-            return super().make_context(*args, **kwargs)
-        except click.exceptions.NoArgsIsHelpError:
-            raise
-        except click.UsageError as e:
-            raise OneLineUsage(e) from None
-
-    def invoke(self, ctx):
-        try:
-            return super().invoke(ctx)
-        except click.exceptions.NoArgsIsHelpError:
-            raise
-        except click.UsageError as e:
-            raise OneLineUsage(e) from None
-
-
-# Libraries' messages that are not the user's business: torchao's optional kernels it cannot load
-# here, torch's pytree deprecation notes, ExecuTorch's thread pool probing, deprecation warnings.
-QUIET_LOGGERS = ("torchao", "torch.utils._pytree", "torch._export", "torch.export", "torch.fx.experimental",
-                 "executorch", "coremltools")
-LIBRARIES = r"(torch|torchao|transformers|executorch|onnx|onnxruntime|onnxscript|accelerate|huggingface_hub|" \
-            r"safetensors|tokenizers|coremltools|matplotlib|numpy|qai_hub)(\.|$)"
-
-
-def quiet_libraries() -> None:
-    """Silence what is not the user's business (a user's own -W / PYTHONWARNINGS still wins)."""
-    for name in QUIET_LOGGERS:
-        logging.getLogger(name).setLevel(logging.ERROR)
-    if sys.warnoptions:
-        return
-    for category in (DeprecationWarning, PendingDeprecationWarning, FutureWarning):
-        warnings.filterwarnings("ignore", category=category)
-    warnings.filterwarnings("ignore", category=UserWarning, module=LIBRARIES)
-
-
-class quiet_native_stderr:
-    """Send file descriptor 2 to /dev/null for a block (native libraries' own log lines, e.g.
-    ExecuTorch's cpuinfo probing when its thread pool starts). Python's own errors still surface
-    after the block: nothing is raised inside it that is not re-raised."""
-
-    def __enter__(self):
-        sys.stderr.flush()
-        try:
-            self.saved = os.dup(2)
-            null = os.open(os.devnull, os.O_WRONLY)
-        except OSError:
-            self.saved = None
-            return self
-        os.dup2(null, 2)
-        os.close(null)
-        return self
-
-    def __exit__(self, *exc):
-        if self.saved is not None:
-            os.dup2(self.saved, 2)
-            os.close(self.saved)
-        return False
 
 
 @click.group(cls=Cli, context_settings={"help_option_names": ["-h", "--help"]})
@@ -466,13 +145,6 @@ def trace(model, data, out, prompt_tokens, decode_tokens, max_sequences, probs_t
                f"({t['heldout']['decode']} decode)")
 
 
-def _ints(text: str, option: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise SpecPrefetchError(f"{option} {text!r}: expected comma-separated integers") from None
-
-
 @main.command()
 @click.argument("traces", type=click.Path(path_type=Path))
 @click.option("--out", required=True, type=OUT_DIR, help="adapter directory to write")
@@ -511,7 +183,7 @@ def train(traces, out, model, rank, horizons, cross_token, horizon_weights, topk
             hw = {int(a): float(b) for a, b in (x.split(":") for x in horizon_weights.split(","))}
         except ValueError:
             raise SpecPrefetchError(f"--horizon-weights {horizon_weights!r}: expected H:W,H:W") from None
-    cfg = TrainConfig(rank=rank, horizons=_ints(horizons, "--horizons"), cross_token=cross_token,
+    cfg = TrainConfig(rank=rank, horizons=int_tuple(horizons, "--horizons"), cross_token=cross_token,
                       horizon_weights=hw, topk_weight=topk_weight, steps=steps, batch_size=batch_size,
                       lr=lr, val_every=val_every, patience=patience, seed=seed, device=device,
                       max_memory_mb=max_memory_mb)
@@ -538,9 +210,7 @@ def train(traces, out, model, rank, horizons, cross_token, horizon_weights, topk
 @click.option("--budget", type=click.IntRange(min=1), default=None, help="candidate budget M (default 2k)")
 @click.option("--draft-bits", type=click.IntRange(2, 8), default=4, show_default=True,
               help="bits of the draft's routed experts")
-@click.option("--json", "json_out", required=True, type=OUT_FILE,
-              help="JSON report; the Markdown table and PNG plot go beside it")
-@click.option("--overwrite", is_flag=True, help=OVERWRITE_REPORT)
+@json_report
 @friendly_errors(interrupt=NOT_WRITTEN)
 def eval_cmd(traces, adapter, predictors, model, horizons, budget, draft_bits, json_out, overwrite) -> None:
     """Recall@k, recall/precision within a budget, per-layer curves for each predictor on the
@@ -551,7 +221,7 @@ def eval_cmd(traces, adapter, predictors, model, horizons, budget, draft_bits, j
     names = [p.strip() for p in predictors.split(",")] if predictors else [
         p for p in ALL if p != "adapter" or adapter is not None]
     r = evaluate(traces, predictors=names, adapter=adapter, model=model,
-                 horizons=_ints(horizons, "--horizons") if horizons else None, budget=budget,
+                 horizons=int_tuple(horizons, "--horizons") if horizons else None, budget=budget,
                  draft_bits=draft_bits)
     write_reports(r, json_out)
     click.echo(markdown(r))
@@ -598,9 +268,7 @@ def store(model, out, dtype, overwrite) -> None:
               help="also project TTFT for a prompt of this many positions (the split's prompts laid end to end; "
                    "needs a profile with a prefill rate); 0: decode only")
 @scheduler_limits
-@click.option("--json", "json_out", required=True, type=OUT_FILE,
-              help="JSON report; the Markdown table and PNG plot go beside it")
-@click.option("--overwrite", is_flag=True, help=OVERWRITE_REPORT)
+@json_report
 @friendly_errors(interrupt=NOT_WRITTEN)
 def simulate(traces, policies, adapter, profile, pool_mib, windows, queue_depth, dtype, geometry, split,
              max_sequences, prompt_tokens, min_confidence, step_budget_kib, json_out, overwrite) -> None:
@@ -629,9 +297,7 @@ def simulate(traces, policies, adapter, profile, pool_mib, windows, queue_depth,
               show_default=True,
               help="pools as shares of all experts (comma list)")
 @click.option("--max-sequences", type=click.IntRange(min=1), default=None, help="held-out sequences to replay")
-@click.option("--json", "json_out", required=True, type=OUT_FILE,
-              help="JSON report; the Markdown table and PNG plot go beside it")
-@click.option("--overwrite", is_flag=True, help=OVERWRITE_REPORT)
+@json_report
 @friendly_errors(interrupt=NOT_WRITTEN)
 def eviction_bounds_cmd(traces, pool_fracs, max_sequences, json_out, overwrite) -> None:
     """Reads per decode token on TRACES' routing for LRU, the reuse eviction and Belady's rule knowing
@@ -702,12 +368,12 @@ def calibrate(model, store_path, reads, out, overwrite) -> None:
 @click.option("--dtype", default=None, type=click.Choice(["fp16", "int8", "int4"]),
               help="precision of the store built for a model directory [default: fp16]; with --store or a bundle "
                    "it must be that store's")
-@click.option("--device", default="cpu", show_default=True, callback=lambda c, p, v: _device(v, p),
+@click.option("--device", default="cpu", show_default=True, callback=lambda c, p, v: device_name(v, p),
               help="cpu, or cuda / cuda:N: the GPU tier (experts in pinned host memory, the pool in GPU memory; "
                    "docs/gpu-tier.md)")
 @click.option("--flash-profile", default=None, help="pace real reads to this device profile (emulated)")
 @click.option("--draft-k", type=click.IntRange(min=1), default=8, show_default=True,
-              help="--device cuda with the draft policy: tokens the draft proposes per round (`bench --device cuda` "
+              help="--device cuda with the draft policy: tokens the draft proposes per round (`bench gpu` "
                    "picks it by profiling)")
 @click.option("--prompt", "prompts", type=Text(), multiple=True, required=True,
               help="repeatable; one JSON `runs` entry each")
@@ -806,12 +472,11 @@ def run(model, policy, adapter, frequency_trace, pool_mib, pool_reserve_mib, poo
         raise SpecPrefetchError("--abi: only with --engine native")
     from export.manifest import read_manifest
     from export.session import is_bundle, open_session
+    from toolkit.bench.common import torch_threads
     from toolkit.engines import python_engine, run as run_engine
     from toolkit.runtime.policy import Policy
     from toolkit.runtime.profiles import load_profile
     from toolkit.runtime.runner import RunConfig
-
-    from toolkit.bench import torch_threads
 
     torch_threads(threads)
     if is_bundle(model):
@@ -829,24 +494,11 @@ def run(model, policy, adapter, frequency_trace, pool_mib, pool_reserve_mib, poo
                     flash_profile=load_profile(flash_profile, "--flash-profile") if flash_profile else None,
                     io=io_mode, min_confidence=min_confidence, step_budget_kib=step_budget_kib, prefill_chunk=chunk)
     s = open_session(model, cfg, adapter=adapter, store=store_path, dtype=dtype, frequency_trace=frequency_trace,
-                     max_seq=max_seq, pool_default=pool_mib is None, scheduler_default=(*not_given, "floor"))
+                     max_seq=max_seq, pool_default=pool_mib is None,
+                     scheduler_default=(*not_given, "candidate_threshold"))
     s.runner.progress = True  # a prefill progress bar on stderr for long prompts
     run_engine(python_engine(s, pol.name, flash_profile), list(prompts), max_new_tokens, check=check,
                json_out=json_out, events_out=events_out)
-
-
-def _device(value: str, param) -> str:
-    """cpu, cuda or cuda:N (a one-line usage error otherwise)."""
-    import re
-
-    if not re.fullmatch(r"cpu|cuda(:\d+)?", value or ""):
-        raise click.BadParameter(f"{value!r}: expected cpu, cuda or cuda:N", param=param)
-    return value
-
-
-def ctx_default(ctx, name: str) -> bool:
-    """Whether option `name` kept its default (was not given)."""
-    return ctx.get_parameter_source(name) == click.core.ParameterSource.DEFAULT
 
 
 @main.group()
@@ -892,9 +544,7 @@ def runner_build(bundle, abi, out, force, tokenizer, overwrite) -> None:
 @click.option("--ablation", is_flag=True,
               help="also the eviction ablation: oracle+lru, oracle+prediction, the predictor+belady and "
                    "on-demand+belady in the same rounds (what prediction and what eviction cost)")
-@click.option("--json", "json_out", required=True, type=OUT_FILE,
-              help="JSON report; the Markdown table and PNG plot go beside it")
-@click.option("--overwrite", is_flag=True, help=OVERWRITE_REPORT)
+@json_report
 @friendly_errors(interrupt=NOT_WRITTEN)
 def runner_bench(bundle, prompts, new_tokens, rounds, pool_fracs, threads, ablation, json_out, overwrite) -> None:
     """Measure the native runner: all experts resident (vs the Python runner and the memory floor),
@@ -1002,9 +652,7 @@ def device_standin(port, root_dir, root_user, abi, faults) -> None:
               help="also run llama.cpp's llama-bench on the same model (GGUF f16), interleaved")
 @click.option("--run-timeout", type=FiniteFloat(), default=900.0, show_default=True,
               help="seconds one run may take on the device; past it the run is killed there and the bench stops")
-@click.option("--json", "json_out", required=True, type=OUT_FILE,
-              help="JSON report; the Markdown table and PNG plot go beside it")
-@click.option("--overwrite", is_flag=True, help=OVERWRITE_REPORT)
+@json_report
 @friendly_errors(interrupt=NOT_WRITTEN)
 def device_bench(bundle, serial, policies, pool_mib, prompts, max_new_tokens, repeats, threads, fixed_performance,
                  cooldown_timeout, max_temp_c, peer, run_timeout, json_out, overwrite) -> None:
@@ -1024,7 +672,27 @@ def device_bench(bundle, serial, policies, pool_mib, prompts, max_new_tokens, re
     click.echo(wrote(c))
 
 
-@main.command()
+@main.group()
+def bench() -> None:
+    """Measure configurations side by side in one run: interleaved rounds, medians, tokens checked
+    before any time is quoted (docs/benchmarks.md). The native runner's own bench is `runner bench`,
+    a phone's `device bench`."""
+
+
+# The report kinds the bench sub-commands claim (toolkit.artifacts.claim_report, the JSON's
+# "specprefetch_report" marker): the names they had as modes of one `bench` verb, kept so that a report
+# written before the sub-commands (docs/img/*.json among them) is still recognised as this command's
+BENCH_KINDS = {"cpu": "bench", "gpu": "bench --device cuda", "llama.cpp": "bench --peer llama.cpp"}
+
+
+def _show_report(r, json_out, c, write, markdown) -> None:
+    """A bench's report written (JSON, table, plot: toolkit.reporting.write_report), its table printed."""
+    write(r, json_out)
+    click.echo(markdown(r))
+    click.echo(wrote(c))
+
+
+@bench.command(name="cpu", short_help="the Python runner's policies side by side, the simulator beside them")
 @click.argument("model", default="embedded")
 @click.option("--adapter", type=click.Path(path_type=Path), default=None,
               help="prefetch adapter (model directories; needed by the adapter policies)")
@@ -1032,144 +700,120 @@ def device_bench(bundle, serial, policies, pool_mib, prompts, max_new_tokens, re
                                     "adapter+lru,oracle+belady",
               show_default=True, help="comma-separated PREDICTOR+EVICTION")
 @click.option("--pool-mib", type=POOL_MIB_LIST, default="4,8", show_default=True)
-@click.option("--prompts", type=click.IntRange(min=1), default=4, show_default=True)
-@click.option("--new-tokens", type=click.IntRange(min=2), default=48, show_default=True,
-              help=f"tokens per prompt; at least {MIN_TIMED_TOKENS} unless --no-simulate (the simulator needs two "
-                   "decode tokens to time)")
-@click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True)
+@bench_runs(new_tokens_help=f"tokens per prompt; at least {MIN_TIMED_TOKENS} unless --no-simulate (the simulator "
+                            "needs two decode tokens to time)")
+@click.option("--prompt-tokens", type=click.IntRange(min=1), default=64, show_default=True,
+              help="tokens per bench prompt")
 @click.option("--window", type=click.IntRange(min=1), default=2, show_default=True, help=WINDOW_HELP)
 @click.option("--flash-profile", default=None, help="pace reads to a device profile (emulated flash)")
 @click.option("--store", "store_path", type=click.Path(path_type=Path), default=None)
 @click.option("--no-simulate", is_flag=True, help="skip the simulator comparison")
 @click.option("--frequency-trace", type=click.Path(path_type=Path), default=None,
               help="trace whose counts drive the frequency policy, if benchmarked")
-@click.option("--peer", type=click.Choice(["llama.cpp"]), default=None,
-              help="instead: llama.cpp and the native runner side by side under memory limits (docs/benchmarks.md "
-                   "section 8), on each --bundle")
-@click.option("--bundle", "bundles", multiple=True, type=click.Path(path_type=Path),
-              help="--peer: an ExecuTorch bundle whose source checkpoint is on this machine (repeatable)")
-@click.option("--limits", default="1,0.75,0.5,0.25,none", show_default=True,
-              help="--peer: memory limits as fractions of the model's f16 GGUF bytes; none: no limit")
-@click.option("--prompt-tokens", default="64", show_default=True,
-              help="tokens per bench prompt; --peer: comma-separated prompt lengths, e.g. 128,512")
-@click.option("--threads", "peer_threads", default="1,2", show_default=True,
-              help="--peer: compute threads of both engines, each a set of rows, e.g. 1,2")
-@click.option("--no-readaround-off", is_flag=True, help="--peer: skip the llama.cpp read-around-off rows")
-@click.option("--no-llama-bench", is_flag=True, help="--peer: skip llama-bench at no limit")
-@click.option("--llama-repack", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
-              help="--peer: llama.cpp's CPU weight repacking (auto: with no limit only; it doubles its memory)")
-@click.option("--timeout", type=FiniteFloat(), default=600.0, show_default=True,
-              help="--peer: seconds one run may take (a run past it is recorded as a timeout)")
-@click.option("--device", default="cpu", show_default=True, callback=lambda c, p, v: _device(v, p),
-              help="cuda / cuda:N: the GPU tier's bench (docs/gpu-tier.md): pools as --pool-fractions of the experts")
-@click.option("--pool-fractions", type=FloatList(), default="0.1,0.25,0.5", show_default=True,
-              help="--device cuda: pool sizes as fractions of all experts")
-@click.option("--draft-k", default="2,4,6,8,12", show_default=True,
-              help="--device cuda: the draft's K values the profiling pass tries")
-@click.option("--decode", "decode", type=click.Choice(["graph", "static", "modules"]), default=None,
-              help="--device cuda: the decode path (default graph where the family allows; docs/gpu-tier.md)")
-@click.option("--report-mismatches", is_flag=True,
-              help="--device cuda: write the figures even when some run's tokens differ from transformers' "
-                   "(marked so; for diagnosis only)")
-@click.option("--json", "json_out", required=True, type=OUT_FILE,
-              help="JSON report; the Markdown table and PNG plot go beside it")
-@click.option("--overwrite", is_flag=True, help=OVERWRITE_REPORT)
+@json_report
 @friendly_errors(interrupt=NOT_WRITTEN)
 @click.pass_context
-def bench(ctx, model, adapter, policies, pool_mib, prompts, new_tokens, rounds, window, flash_profile, store_path,
-          no_simulate, frequency_trace, peer, bundles, limits, prompt_tokens, peer_threads, no_readaround_off,
-          no_llama_bench, llama_repack, timeout, device, pool_fractions, draft_k, decode, report_mismatches, json_out,
-          overwrite) -> None:
-    """Measure the runner's policies side by side on MODEL (model directory, `embedded` or bundle):
-    interleaved rounds, medians, token equality checked; the simulator beside them. With --peer
-    llama.cpp: llama.cpp and the native runner on each --bundle under the same memory limits. With
-    --device cuda: the GPU tier's policies, pools as fractions of the experts (docs/gpu-tier.md)."""
-    given = lambda *names: [n for n in names if not ctx_default(ctx, n)]  # noqa: E731
-    flags = lambda names: ", ".join("--" + n.replace("_", "-") for n in names)  # noqa: E731
-    if device == "cpu" and given("pool_fractions", "draft_k", "decode", "report_mismatches"):
-        raise SpecPrefetchError(f"{flags(given('pool_fractions', 'draft_k', 'decode', 'report_mismatches'))}: only "
-                                "with --device cuda (the GPU "
-                                "tier's bench); on the CPU the pools are --pool-mib")
-    peer_only = ("limits", "timeout", "peer_threads", "no_readaround_off", "no_llama_bench", "llama_repack")
-    if not peer and given(*peer_only):
-        raise SpecPrefetchError(f"{flags(given(*peer_only))}: only with --peer llama.cpp".replace("--peer-threads",
-                                                                                                  "--threads"))
-    from toolkit.peers.sidebyside import parse_ints
-
-    lengths = parse_ints(prompt_tokens, "--prompt-tokens")
-    if not peer and len(lengths) != 1:
-        raise SpecPrefetchError(f"--prompt-tokens {prompt_tokens!r}: one length (lists only with --peer llama.cpp)")
-    if peer:  # checked before the claim and any work
-        from toolkit.peers.sidebyside import parse_limits
-
-        parse_limits(limits)
-        parse_ints(peer_threads, "--threads")
-    if device == "cpu" and not peer and not no_simulate and new_tokens < MIN_TIMED_TOKENS:
+def bench_cpu(ctx, model, adapter, policies, pool_mib, prompts, new_tokens, rounds, prompt_tokens, window,
+              flash_profile, store_path, no_simulate, frequency_trace, json_out, overwrite) -> None:
+    """Measure the Python reference runner's policies side by side on MODEL (model directory, `embedded`
+    or bundle): interleaved rounds, medians, token equality checked; the simulator beside them."""
+    if not no_simulate and new_tokens < MIN_TIMED_TOKENS:
         raise SpecPrefetchError(f"--new-tokens {new_tokens}: the simulator comparison needs at least "
                                 f"{MIN_TIMED_TOKENS} (two decode tokens to time); pass more, or --no-simulate")
-    kind = "bench --device cuda" if device != "cpu" else "bench --peer llama.cpp" if peer else "bench"
-    c = claim(json_out, kind, overwrite, inputs=(model, adapter, store_path, frequency_trace, list(bundles),
-                                                  Path(flash_profile) if flash_profile else None))
-    from toolkit.bench import markdown, run_bench, write
+    c = claim(json_out, BENCH_KINDS["cpu"], overwrite, inputs=(model, adapter, store_path, frequency_trace,
+                                                     Path(flash_profile) if flash_profile else None))
+    from toolkit.bench import policies as policies_bench
     from toolkit.runtime.policy import parse_policies
 
-    if device != "cpu":
-        from toolkit.runtime import gpu_bench
-
-        if peer or bundles or flash_profile or frequency_trace:
-            raise SpecPrefetchError(f"--device {device}: drop --peer, --bundle, --flash-profile and --frequency-trace")
-        if any(not 0 < f <= 1 for f in pool_fractions):
-            raise SpecPrefetchError(f"--pool-fractions: fractions in (0, 1], not {pool_fractions}")
-        ignored = [o for o in ("pool_mib", "no_simulate")
-                   if ctx.get_parameter_source(o) != click.core.ParameterSource.DEFAULT]
-        if ignored:
-            raise SpecPrefetchError(f"--device {device}: " + ", ".join("--" + o.replace("_", "-") for o in ignored)
-                                    + " do not apply to the GPU tier's bench (pools are --pool-fractions)")
-        ks = _ints(draft_k, "--draft-k")
-        if not ks or min(ks) < 1:
-            raise SpecPrefetchError(f"--draft-k {draft_k!r}: comma-separated draft lengths >= 1")
-        if ctx.get_parameter_source("policies") == click.core.ParameterSource.DEFAULT:
-            policies = "on-demand+lru,next-gate+prediction," + ("adapter+prediction," if adapter else "") \
-                + "draft+prediction,oracle+belady"
-        r = gpu_bench.run_gpu_bench(model, store=store_path, adapter=adapter, policies=parse_policies(policies),
-                                    fractions=pool_fractions, prompts=prompts, new_tokens=new_tokens, repeats=rounds,
-                                    ks=ks, device=device, window=window,
-                                    prompt_tokens=lengths[0], decode=decode, strict=not report_mismatches,
-                                    log=lambda m: click.echo(m, err=True))
-        gpu_bench.write(r, json_out)
-        click.echo(gpu_bench.markdown(r))
-        click.echo(wrote(c))
-        return
-    if peer:
-        _bench_peer(bundles, limits, prompts, lengths, new_tokens, rounds, timeout, json_out, c,
-                    threads=parse_ints(peer_threads, "--threads"), readaround_off=not no_readaround_off,
-                    llama_bench=not no_llama_bench, repack=llama_repack)
-        return
-    if bundles:
-        raise SpecPrefetchError("--bundle: only with --peer llama.cpp (the bench of MODEL takes MODEL)")
-
-    r = run_bench(model=model, adapter=adapter, policies=parse_policies(policies), pools=pool_mib, prompts=prompts,
-                  prompt_tokens=lengths[0], new_tokens=new_tokens, rounds=rounds, flash_profile=flash_profile,
-                  window=None if ctx_default(ctx, "window") else window, store=store_path, simulate=not no_simulate,
-                  frequency_trace=frequency_trace)
-    write(r, json_out)
-    click.echo(markdown(r))
-    click.echo(wrote(c))
+    r = policies_bench.run_bench(model=model, adapter=adapter, policies=parse_policies(policies), pools=pool_mib,
+                                 prompts=prompts, prompt_tokens=prompt_tokens, new_tokens=new_tokens, rounds=rounds,
+                                 flash_profile=flash_profile, window=None if ctx_default(ctx, "window") else window,
+                                 store=store_path, simulate=not no_simulate, frequency_trace=frequency_trace)
+    _show_report(r, json_out, c, policies_bench.write, policies_bench.markdown)
 
 
-def _bench_peer(bundles, limits, prompts, lengths, new_tokens, rounds, timeout, json_out, c, *, threads,
-                readaround_off, llama_bench, repack) -> None:
+@bench.command(name="gpu", short_help="the GPU tier's policies side by side, pools as fractions of the experts")
+@click.argument("model", default="embedded")
+@click.option("--device", default="cuda", show_default=True, callback=lambda c, p, v: cuda_device(v, p),
+              help="cuda or cuda:N: the GPU the tier runs on (experts in pinned host memory, the pool in its memory)")
+@click.option("--adapter", type=click.Path(path_type=Path), default=None,
+              help="prefetch adapter (needed by the adapter policies)")
+@click.option("--policies", default=None,
+              help="comma-separated PREDICTOR+EVICTION [default: on-demand+lru,next-gate+prediction, "
+                   "adapter+prediction with --adapter, draft+prediction,oracle+belady]")
+@click.option("--pool-fractions", type=FloatList(), default="0.1,0.25,0.5", show_default=True,
+              help="pool sizes as fractions of all experts")
+@bench_runs()
+@click.option("--prompt-tokens", type=click.IntRange(min=1), default=64, show_default=True,
+              help="tokens per bench prompt")
+@click.option("--window", type=click.IntRange(min=1), default=2, show_default=True, help=WINDOW_HELP)
+@click.option("--store", "store_path", type=click.Path(path_type=Path), default=None)
+@click.option("--draft-k", default="2,4,6,8,12", show_default=True,
+              help="the draft's K values the profiling pass tries")
+@click.option("--decode", "decode", type=click.Choice(["graph", "static", "modules"]), default=None,
+              help="the decode path (default graph where the family allows; docs/gpu-tier.md)")
+@click.option("--report-mismatches", is_flag=True,
+              help="write the figures even when some run's tokens differ from transformers' (marked so; for "
+                   "diagnosis only)")
+@json_report
+@friendly_errors(interrupt=NOT_WRITTEN)
+def bench_gpu(model, device, adapter, policies, pool_fractions, prompts, new_tokens, rounds, prompt_tokens, window,
+              store_path, draft_k, decode, report_mismatches, json_out, overwrite) -> None:
+    """Measure the GPU tier's policies side by side on MODEL (a model directory or `embedded`): pools as
+    fractions of the experts, the all-resident bound and transformers' generate beside them, the
+    draft's K profiled per pool; tokens checked against transformers' (docs/gpu-tier.md)."""
+    if any(not 0 < f <= 1 for f in pool_fractions):
+        raise SpecPrefetchError(f"--pool-fractions: fractions in (0, 1], not {pool_fractions}")
+    ks = int_tuple(draft_k, "--draft-k")
+    if not ks or min(ks) < 1:
+        raise SpecPrefetchError(f"--draft-k {draft_k!r}: comma-separated draft lengths >= 1")
+    c = claim(json_out, BENCH_KINDS["gpu"], overwrite, inputs=(model, adapter, store_path))
+    from toolkit.runtime import gpu_bench
+    from toolkit.runtime.policy import parse_policies
+
+    if policies is None:
+        policies = "on-demand+lru,next-gate+prediction," + ("adapter+prediction," if adapter else "") \
+            + "draft+prediction,oracle+belady"
+    r = gpu_bench.run_gpu_bench(model, store=store_path, adapter=adapter, policies=parse_policies(policies),
+                                fractions=pool_fractions, prompts=prompts, new_tokens=new_tokens, repeats=rounds,
+                                ks=ks, device=device, window=window, prompt_tokens=prompt_tokens, decode=decode,
+                                strict=not report_mismatches, log=lambda m: click.echo(m, err=True))
+    _show_report(r, json_out, c, gpu_bench.write, gpu_bench.markdown)
+
+
+@bench.command(name="llama.cpp", short_help="llama.cpp and the native runner under the same memory limits")
+@click.argument("bundles", nargs=-1, required=True, type=click.Path(path_type=Path), metavar="BUNDLE...")
+@click.option("--limits", default="1,0.75,0.5,0.25,none", show_default=True,
+              help="memory limits as fractions of the model's f16 GGUF bytes; none: no limit")
+@bench_runs()
+@click.option("--prompt-tokens", default="64", show_default=True,
+              help="comma-separated prompt lengths, e.g. 128,512")
+@click.option("--threads", "threads", default="1,2", show_default=True,
+              help="compute threads of both engines, each a set of rows, e.g. 1,2")
+@click.option("--no-readaround-off", is_flag=True, help="skip the llama.cpp read-around-off rows")
+@click.option("--no-llama-bench", is_flag=True, help="skip llama-bench at no limit")
+@click.option("--llama-repack", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
+              help="llama.cpp's CPU weight repacking (auto: with no limit only; it doubles its memory)")
+@click.option("--timeout", type=FiniteFloat(), default=600.0, show_default=True,
+              help="seconds one run may take (a run past it is recorded as a timeout)")
+@json_report
+@friendly_errors(interrupt=NOT_WRITTEN)
+def bench_llama_cpp(bundles, limits, prompts, new_tokens, rounds, prompt_tokens, threads, no_readaround_off,
+                    no_llama_bench, llama_repack, timeout, json_out, overwrite) -> None:
+    """llama.cpp and the native runner side by side on each BUNDLE (an ExecuTorch bundle whose source
+    checkpoint is on this machine) under the same cgroup memory limits, cold cache, same threads
+    (docs/benchmarks.md section 8)."""
     from toolkit.peers import sidebyside
 
-    if not bundles:
-        raise SpecPrefetchError("--peer llama.cpp: give at least one --bundle (an ExecuTorch bundle)")
-    r = sidebyside.run([Path(b) for b in bundles], limits=sidebyside.parse_limits(limits), prompts=prompts,
-                       prompt_tokens=lengths, new_tokens=new_tokens, rounds=rounds, threads=threads, timeout_s=timeout,
-                       readaround_off=readaround_off, llama_bench=llama_bench, repack=repack,
-                       log=lambda s: click.echo(s, err=True))
-    sidebyside.write(r, json_out)
-    click.echo(sidebyside.markdown(r))
-    click.echo(wrote(c))
+    # checked before the claim and any work
+    lengths = sidebyside.parse_ints(prompt_tokens, "--prompt-tokens")
+    fracs = sidebyside.parse_limits(limits)
+    thread_counts = sidebyside.parse_ints(threads, "--threads")
+    c = claim(json_out, BENCH_KINDS["llama.cpp"], overwrite, inputs=(list(bundles),))
+    r = sidebyside.run(list(bundles), limits=fracs, prompts=prompts, prompt_tokens=lengths, new_tokens=new_tokens,
+                       rounds=rounds, threads=thread_counts, timeout_s=timeout, readaround_off=not no_readaround_off,
+                       llama_bench=not no_llama_bench, repack=llama_repack, log=lambda s: click.echo(s, err=True))
+    _show_report(r, json_out, c, sidebyside.write, sidebyside.markdown)
     if r.get("status") == "partial":
         raise SpecPrefetchError(f"{r['reason']}: partial results ({len(r['rows'])} rows) in {json_out}")
 

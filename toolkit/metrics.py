@@ -7,6 +7,7 @@ hit rate      pool hits / expert requests
 prefetch precision   prefetched slots used / prefetches issued
 prefetch recall      loads a prefetch supplied / all loads (prefetch hits + demand misses)
 TPOT          (t_last - t_first) / (N - 1) over committed tokens; TTFT separately
+median, percentile   over the defined values (None skipped), numpy's linear interpolation
 """
 from __future__ import annotations
 
@@ -68,8 +69,27 @@ def tpot_ms(token_times_s: list[float] | np.ndarray) -> float:
     return float((t[-1] - t[0]) / (len(t) - 1) * 1e3)
 
 
-def median(values) -> float | None:
-    """The median of the defined values, rounded to 4 places (None when none is: a run that stopped
-    at EOS after one token has no TPOT); the one median every bench report uses."""
-    vals = [v for v in values if v is not None]
-    return round(float(np.median(vals)), 4) if vals else None
+def _defined(values) -> list[float]:
+    return [v for v in values if v is not None]
+
+
+def median(values, ndigits: int | None = 4) -> float | None:
+    """The median of the defined values (numpy's: the mean of the two middle ones for an even count),
+    rounded to `ndigits` places (None: not rounded); None when no value is defined (a run that stopped
+    at EOS after one token has no TPOT). The one median every bench report uses."""
+    vals = _defined(values)
+    if not vals:
+        return None
+    v = float(np.median(vals))
+    return v if ndigits is None else round(v, ndigits)
+
+
+def percentile(values, q: float, ndigits: int | None = 4) -> float | None:
+    """The q-th percentile (0..100) of the defined values by numpy's default linear interpolation,
+    rounded to `ndigits` places (None: not rounded); None when no value is defined. The one percentile
+    every bench report uses (p5, p95)."""
+    vals = _defined(values)
+    if not vals:
+        return None
+    v = float(np.percentile(vals, q))
+    return v if ndigits is None else round(v, ndigits)

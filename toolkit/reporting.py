@@ -1,5 +1,9 @@
 """Reports people compare: JSON + a Markdown table + a PNG plot beside it, written all or nothing.
 
+The one way every report with a table and a plot is written (eval, simulate, eviction-bounds and the
+benches: `bench cpu|gpu|llama.cpp`, `runner bench`, `device bench`): the command's `markdown(result)`
+and `plot(result, path)` (drawn on `figure()`, written by `save_figure`) handed to `write_report`.
+
 `write_report` writes the three files under temporary names beside their final ones and renames
 them into place only once all three are complete: a full disk, a file-size limit, an error in the
 plot, Ctrl-C or SIGTERM leaves none of them (and an earlier report under the same name as it was),
@@ -24,6 +28,17 @@ from typing import Any, Callable
 from toolkit.artifacts import (REPORT_KEY, ReportClaim, atomic_write_text, atomic_write_with, disk_error, os_error,
                                report_claim, special_kind)
 from toolkit.errors import SpecPrefetchError, interrupt_on_signals
+
+
+def figure(figsize: tuple[float, float], nrows: int = 1, ncols: int = 1, **kwargs):
+    """A matplotlib figure and its axes (`plt.subplots`) on the Agg backend, no display needed: what
+    every report's plot draws on before `save_figure` writes it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(nrows, ncols, figsize=figsize, **kwargs)
 
 
 def save_figure(fig, path: Path | str) -> None:

@@ -20,6 +20,7 @@ using jsonc::as_int;
 using jsonc::as_int_list;
 using jsonc::as_list;
 using jsonc::as_num;
+using jsonc::as_probability;
 using jsonc::as_str;
 using jsonc::as_u64;
 using jsonc::fail;
@@ -257,8 +258,11 @@ Bundle parse_manifest(const std::string& text, const std::string& where) {
     const std::string p = "runtime.scheduler";
     if (const json* v = optional(*s, "window", where, p)) S.window = to_int(as_int(*v, where, p + ".window", 1, kMaxHorizon));
     if (const json* v = optional(*s, "queue_depth", where, p)) S.queue_depth = to_int(as_int(*v, where, p + ".queue_depth", 1, 1 << 20));
-    if (const json* v = optional(*s, "min_confidence", where, p)) S.min_confidence = as_num(*v, where, p + ".min_confidence");
-    if (const json* v = optional(*s, "floor", where, p)) S.floor = as_num(*v, where, p + ".floor");
+    if (const json* v = optional(*s, "min_confidence", where, p)) S.min_confidence = as_probability(*v, where, p + ".min_confidence");
+    if (const json* v = optional(*s, "candidate_threshold", where, p))
+      S.candidate_threshold = as_probability(*v, where, p + ".candidate_threshold");
+    else if (const json* v = optional(*s, "floor", where, p))  // its name in bundles exported before the rename
+      S.candidate_threshold = as_probability(*v, where, p + ".floor");
     if (const json* v = optional(*s, "step_budget_bytes", where, p)) S.step_budget_bytes = as_int(*v, where, p + ".step_budget_bytes", 0, INT64_MAX);
     if (const json* v = optional(*s, "candidates", where, p)) S.candidates = to_int(as_int(*v, where, p + ".candidates", 1, b.num_experts));
     if (const json* v = optional(*s, "prefetch", where, p)) S.prefetch = as_bool(*v, where, p + ".prefetch");

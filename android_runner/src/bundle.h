@@ -32,7 +32,7 @@ struct SchedulerDefaults {
   int window = 2;                    // >= 1
   int queue_depth = 4;               // >= 1
   double min_confidence = 0.02;
-  double floor = 0.0;
+  double candidate_threshold = 0.0;
   int64_t step_budget_bytes = -1;    // -1: unbounded (null in the manifest)
   int candidates = 0;                // 0: top-k (null in the manifest)
   bool prefetch = true;

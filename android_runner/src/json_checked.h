@@ -134,6 +134,13 @@ inline double as_num(const json& v, const std::string& where, const std::string&
   return d;
 }
 
+// A probability in [0, 1] (the scheduler's confidence thresholds), as the Python side checks them.
+inline double as_probability(const json& v, const std::string& where, const std::string& path) {
+  const double d = as_num(v, where, path);
+  if (d < 0.0 || d > 1.0) fail(where, path + " is " + v.dump() + "; it must be a probability in [0, 1]");
+  return d;
+}
+
 inline bool as_bool(const json& v, const std::string& where, const std::string& path) {
   if (!v.is_boolean()) fail(where, path + " must be true or false, not " + type_of(v));
   return v.get<bool>();

@@ -2,7 +2,7 @@
 //
 //   specprefetch-runner BUNDLE (--prompt TEXT | --prompt-ids 1,2,3) [...] [--max-new-tokens N]
 //       [--policy PREDICTOR+EVICTION] [--pool-mib F|auto] [--window N] [--queue-depth N]
-//       [--min-confidence F] [--floor F] [--step-budget-kib N] [--lanes N] [--threads N] [--routing FILE]
+//       [--min-confidence F] [--candidate-threshold F] [--step-budget-kib N] [--lanes N] [--threads N] [--routing FILE]
 //       [--json OUT] [--events OUT] [--no-verify] [--no-verify-hashes] [--cold] [--preload] [--isa NAME]
 //
 // Refusals print one line "specprefetch-runner: error: ..." naming the file or option, exit 1.
@@ -43,7 +43,7 @@ using json = nlohmann::ordered_json;
 const char* kUsage =
     "usage: specprefetch-runner BUNDLE (--prompt TEXT | --prompt-ids IDS) [more prompts] [--max-new-tokens N]\n"
     "  [--policy PREDICTOR+EVICTION] [--pool-mib F] [--window N] [--queue-depth N] [--min-confidence F]\n"
-    "  [--floor F] [--step-budget-kib N] [--lanes N] [--threads N] [--routing FILE] [--json OUT] [--events OUT]\n"
+    "  [--candidate-threshold F] [--step-budget-kib N] [--lanes N] [--threads N] [--routing FILE] [--json OUT] [--events OUT]\n"
     "  [--no-verify] [--no-verify-hashes] [--cold] [--preload] [--isa NAME|best] [--prefill-chunk N|off]\n"
     "  --pool-mib auto [--pool-reserve-mib N] [--pool-low-watermark-mib N] [--pool-high-watermark-mib N]\n"
     "  [--pool-check-ms N]: the pool sized from the available memory, shrunk under the low watermark\n";
@@ -60,7 +60,7 @@ struct Args {
   double pool_reserve_mib = -1, pool_low_mib = -1, pool_high_mib = -1;  // -1: the defaults
   int pool_check_ms = 100;
   int window = -1, queue_depth = -1, lanes = 0, threads = 1;
-  double min_confidence = NAN, floor = NAN;
+  double min_confidence = NAN, candidate_threshold = NAN;
   int64_t step_budget_kib = -2;
   std::string routing, json_out, events_out, isa;
   bool verify = true, verify_hashes = true, cold = false, preload = false;
@@ -84,7 +84,7 @@ int64_t to_int(const std::string& opt, const std::string& v, int64_t lo) {
 }
 
 // A probability option: in [0, 1], as the Python CLI's --min-confidence and the manifest's
-// runtime.scheduler.min_confidence / floor are.
+// runtime.scheduler.min_confidence / candidate_threshold are.
 double to_probability(const std::string& opt, const std::string& v) {
   const double d = to_double(opt, v);
   if (!(d >= 0.0 && d <= 1.0)) throw Error(opt + " " + v + ": must be a probability in [0, 1]");
@@ -180,7 +180,7 @@ Args parse(int argc, char** argv) {
       if (a.threads > 256) throw Error("--threads " + std::to_string(a.threads) + ": at most 256");
     }
     else if (o == "--min-confidence") a.min_confidence = to_probability(o, val());
-    else if (o == "--floor") a.floor = to_probability(o, val());
+    else if (o == "--candidate-threshold") a.candidate_threshold = to_probability(o, val());
     else if (o == "--step-budget-kib") a.step_budget_kib = to_int(o, val(), 1);
     else if (o == "--routing") a.routing = val();
     else if (o == "--json") a.json_out = val();
@@ -416,7 +416,7 @@ int main_(int argc, char** argv) {
   cfg.window = a.window > 0 ? a.window : b.scheduler.window;
   cfg.queue_depth = a.queue_depth > 0 ? a.queue_depth : b.scheduler.queue_depth;
   cfg.min_confidence = std::isnan(a.min_confidence) ? b.scheduler.min_confidence : a.min_confidence;
-  cfg.floor = std::isnan(a.floor) ? b.scheduler.floor : a.floor;
+  cfg.candidate_threshold = std::isnan(a.candidate_threshold) ? b.scheduler.candidate_threshold : a.candidate_threshold;
   cfg.step_budget_kib = a.step_budget_kib > 0 ? a.step_budget_kib
                         : b.scheduler.step_budget_bytes > 0 ? b.scheduler.step_budget_bytes / 1024 : -1;
   cfg.lanes = a.lanes;
@@ -464,7 +464,7 @@ int main_(int argc, char** argv) {
     r["source"] = a.bundle;
     r["tokens"] = g.tokens;
     if (tokenizer) r["text"] = tokenizer->decode(g.tokens);
-    for (auto& [key, v] : g.stats.items()) r[key] = v;
+    r.update(g.stats.to_json());  // the RunStats keys, in order, after the above
     r["direct_io"] = store->direct();
     r["prefill_ms"] = g.prefill_ms;
     r["first_token_ms"] = g.first_token_ms;
@@ -479,11 +479,11 @@ int main_(int argc, char** argv) {
     r["bytes_read"] = g.bytes_read;
     r["routing"] = g.routing;
     runs.push_back(r);
+    const RunStats& st = g.stats;
     std::fprintf(stderr, "%s: TTFT %.1f ms, TPOT %s ms, stall %s ms/token, hit rate %.3f, %.1f MiB read\n",
-                 cfg.name().c_str(), r["ttft_ms"].get<double>(),
-                 r["tpot_ms"].is_null() ? "n/a" : std::to_string(r["tpot_ms"].get<double>()).c_str(),
-                 r["stall_ms_per_token"].get<double>() >= 0 ? std::to_string(r["stall_ms_per_token"].get<double>()).c_str() : "n/a",
-                 r["hit_rate"].get<double>(), r["mib_read"].get<double>());
+                 cfg.name().c_str(), st.ttft_ms, std::isfinite(st.tpot_ms) ? std::to_string(st.tpot_ms).c_str() : "n/a",
+                 st.stall_ms_per_token >= 0 ? std::to_string(st.stall_ms_per_token).c_str() : "n/a", st.hit_rate,
+                 st.mib_read);
   }
   if (watch) watch->stop();
   json out;

@@ -258,7 +258,7 @@ Generation Runner::generate(const std::vector<int>& prompt, int max_new,
   SchedulerConfig scfg;
   scfg.queue_depth = cfg.queue_depth;
   scfg.min_confidence = cfg.min_confidence;
-  scfg.floor = cfg.floor;
+  scfg.candidate_threshold = cfg.candidate_threshold;
   scfg.prefetch = planner.active();
   scfg.step_budget_bytes = cfg.step_budget_kib >= 0 ? cfg.step_budget_kib * 1024 : -1;
   std::unique_ptr<ReuseHistory> reuse;

@@ -18,8 +18,6 @@
 // the others as their reads land (compute while loading), summed in top-k order.
 #pragma once
 
-#include <nlohmann/json.hpp>
-
 #include <map>
 #include <memory>
 #include <string>
@@ -27,6 +25,7 @@
 
 #include "planner.h"
 #include "routing.h"
+#include "stats.h"
 
 namespace spx {
 
@@ -57,7 +56,7 @@ struct RunConfig {
   int window = 2;
   int queue_depth = 4;
   double min_confidence = 0.02;
-  double floor = 0.0;
+  double candidate_threshold = 0.0;
   int64_t step_budget_kib = -1;
   int lanes = 0;       // read threads (0: queue_depth + 1)
   bool verify = true;  // CRC every blob read
@@ -71,7 +70,7 @@ struct RunConfig {
 struct Generation {
   std::vector<int> tokens;
   std::vector<std::vector<int>> routing;  // per position [L * k]
-  nlohmann::ordered_json stats;          // the keys of `specprefetch run`
+  RunStats stats;                         // the figures of `specprefetch run`; the fields below follow them
   std::vector<double> stall_ms;           // per decode token
   std::vector<int64_t> bytes_read;        // per decode token
   double prefill_ms = 0;                  // the prompt's positions before the last one's head

@@ -175,7 +175,7 @@ void WindowScheduler::plan_probs(int64_t step, const std::vector<int64_t>& targe
     const int layer = static_cast<int>(target % L_);
     for (int e : topk(probs[w], m)) {
       const double c = probs[w][e];
-      if (c <= 0 || c < cfg_.floor) continue;
+      if (c <= 0 || c < cfg_.candidate_threshold) continue;
       const Key key{layer, e};
       auto pn = predicted_next_.find(key);
       if (pn == predicted_next_.end() || pn->second < step || target < pn->second) predicted_next_[key] = target;

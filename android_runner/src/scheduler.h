@@ -47,7 +47,7 @@ struct SchedulerConfig {
   int queue_depth = 4;
   int64_t step_budget_bytes = -1;   // prefetch bytes issued per step (-1: unbounded)
   double min_confidence = 0.02;
-  double floor = 0.0;
+  double candidate_threshold = 0.0;
   bool prefetch = true;
 };
 

@@ -12,12 +12,16 @@ namespace spx {
 using json = nlohmann::ordered_json;
 static constexpr double MiB = 1048576.0;
 
-static json num(double v, int digits) {  // round like Python's round(v, digits); non-finite -> null
-  if (!std::isfinite(v)) return nullptr;
+static double round_to(double v, int digits) {  // like Python's round(v, digits); non-finite stays as it is
+  if (!std::isfinite(v)) return v;
   char buf[64];  // correctly rounded decimal, as Python's round() (not v * 10^d, which rounds twice)
   std::snprintf(buf, sizeof buf, "%.*f", digits, v);
   return std::strtod(buf, nullptr);
 }
+
+static json finite_or_null(double v) { return std::isfinite(v) ? json(v) : json(nullptr); }
+
+static json num(double v, int digits) { return finite_or_null(round_to(v, digits)); }
 
 double percentile(std::vector<double> v, double q) {
   if (v.empty()) return NAN;
@@ -107,38 +111,77 @@ void DecodeAccount::start(const WindowScheduler& sched, ExpertPool& pool) {
   started_ = true;
 }
 
-json DecodeAccount::finish(const std::string& policy, const WindowScheduler& sched, const ExpertPool& pool,
-                           const std::vector<double>& t, double ttft_s) const {
-  const SchedulerStats d = sched.stats.minus(started_ ? first_ : SchedulerStats{});
-  int64_t unused = 0;
-  for (const auto& kv : pool.slots()) unused += kv.second.prefetched ? 1 : 0;
-  const int64_t wasted = pool.wasted_prefetches - wasted0_ + unused;
-  const int64_t decode_tokens = static_cast<int64_t>(t.size()) - 1;
+RunStats RunStats::from_counts(const std::string& policy, const SchedulerStats& decode, int64_t total_bytes_read,
+                               double ttft_s, const std::vector<double>& tpots_ms,
+                               const std::vector<double>& intervals_ms, int64_t decode_tokens,
+                               int64_t wasted_prefetches, int64_t evictions, int64_t slot_bytes,
+                               int64_t peak_pool_bytes, int64_t budget_bytes) {
   const double n = static_cast<double>(std::max<int64_t>(decode_tokens, 1));
-  std::vector<double> iv;
-  for (size_t i = 1; i < t.size(); ++i) iv.push_back((t[i] - t[i - 1]) * 1e3);
-  const double tpot = t.size() > 1 ? (t.back() - t.front()) / static_cast<double>(t.size() - 1) * 1e3 : NAN;
-  auto ratio = [](double a, double b) { return b != 0 ? a / b : 0.0; };
+  double tpot = NAN;
+  if (!tpots_ms.empty()) {
+    tpot = 0;
+    for (double v : tpots_ms) tpot += v;
+    tpot /= static_cast<double>(tpots_ms.size());
+  }
+  // toolkit/metrics.py's rate, prefetch_precision, prefetch_recall: 0 where the denominator is 0
+  auto ratio = [](int64_t a, int64_t b) { return b != 0 ? static_cast<double>(a) / static_cast<double>(b) : 0.0; };
+  RunStats r;
+  r.policy = policy;
+  r.decode_tokens = decode_tokens;
+  r.ttft_ms = round_to(ttft_s * 1e3, 3);
+  r.tpot_ms = round_to(tpot, 4);
+  r.tpot_p50_ms = round_to(percentile(intervals_ms, 50), 4);
+  r.tpot_p95_ms = round_to(percentile(intervals_ms, 95), 4);
+  r.stall_ms_per_token = round_to(decode.wait_s / n * 1e3, 4);
+  r.hit_rate = round_to(ratio(decode.hits, decode.requests), 4);
+  r.late_rate = round_to(ratio(decode.late, decode.requests), 4);
+  r.mib_read = round_to(static_cast<double>(total_bytes_read) / MiB, 4);
+  r.mib_read_per_token = round_to(static_cast<double>(decode.bytes_read) / MiB / n, 4);
+  r.prefetch_precision = round_to(ratio(decode.prefetch_hits, decode.prefetch_issued), 4);
+  r.prefetch_recall = round_to(ratio(decode.prefetch_hits, decode.prefetch_hits + decode.misses), 4);
+  r.wasted_prefetch_mib = round_to(static_cast<double>(wasted_prefetches * slot_bytes) / MiB, 4);
+  r.evictions = evictions;
+  r.peak_pool_bytes = peak_pool_bytes;
+  r.budget_bytes = budget_bytes;
+  r.counts = decode;
+  return r;
+}
+
+json RunStats::to_json() const {
   return json{
       {"policy", policy},
       {"decode_tokens", decode_tokens},
-      {"ttft_ms", num(ttft_s * 1e3, 3)},
-      {"tpot_ms", num(tpot, 4)},
-      {"tpot_p50_ms", num(percentile(iv, 50), 4)},
-      {"tpot_p95_ms", num(percentile(iv, 95), 4)},
-      {"stall_ms_per_token", num(d.wait_s / n * 1e3, 4)},
-      {"hit_rate", num(ratio(d.hits, d.requests), 4)},
-      {"late_rate", num(ratio(d.late, d.requests), 4)},
-      {"mib_read", num(sched.stats.bytes_read / MiB, 4)},
-      {"mib_read_per_token", num(d.bytes_read / MiB / n, 4)},
-      {"prefetch_precision", num(ratio(d.prefetch_hits, d.prefetch_issued), 4)},
-      {"prefetch_recall", num(ratio(d.prefetch_hits, d.prefetch_hits + d.misses), 4)},
-      {"wasted_prefetch_mib", num(wasted * pool.slot_bytes() / MiB, 4)},
-      {"evictions", pool.evictions - evictions0_},
-      {"peak_pool_bytes", pool.peak_bytes},
-      {"budget_bytes", pool.budget_bytes()},
-      {"counts", counts_json(d)},
+      {"ttft_ms", finite_or_null(ttft_ms)},
+      {"tpot_ms", finite_or_null(tpot_ms)},
+      {"tpot_p50_ms", finite_or_null(tpot_p50_ms)},
+      {"tpot_p95_ms", finite_or_null(tpot_p95_ms)},
+      {"stall_ms_per_token", finite_or_null(stall_ms_per_token)},
+      {"hit_rate", finite_or_null(hit_rate)},
+      {"late_rate", finite_or_null(late_rate)},
+      {"mib_read", finite_or_null(mib_read)},
+      {"mib_read_per_token", finite_or_null(mib_read_per_token)},
+      {"prefetch_precision", finite_or_null(prefetch_precision)},
+      {"prefetch_recall", finite_or_null(prefetch_recall)},
+      {"wasted_prefetch_mib", finite_or_null(wasted_prefetch_mib)},
+      {"evictions", evictions},
+      {"peak_pool_bytes", peak_pool_bytes},
+      {"budget_bytes", budget_bytes},
+      {"counts", counts_json(counts)},
   };
+}
+
+RunStats DecodeAccount::finish(const std::string& policy, const WindowScheduler& sched, const ExpertPool& pool,
+                               const std::vector<double>& t, double ttft_s) const {
+  const SchedulerStats d = sched.stats.minus(started_ ? first_ : SchedulerStats{});
+  int64_t unused = 0;
+  for (const auto& kv : pool.slots()) unused += kv.second.prefetched ? 1 : 0;
+  std::vector<double> iv;  // stats.py's tpot_and_intervals
+  for (size_t i = 1; i < t.size(); ++i) iv.push_back((t[i] - t[i - 1]) * 1e3);
+  std::vector<double> tpots;
+  if (t.size() > 1) tpots.push_back((t.back() - t.front()) / static_cast<double>(t.size() - 1) * 1e3);
+  return RunStats::from_counts(policy, d, sched.stats.bytes_read, ttft_s, tpots, iv,
+                               static_cast<int64_t>(t.size()) - 1, pool.wasted_prefetches - wasted0_ + unused,
+                               pool.evictions - evictions0_, pool.slot_bytes(), pool.peak_bytes, pool.budget_bytes());
 }
 
 }  // namespace spx

@@ -173,7 +173,7 @@ int run(int argc, char** argv) {
       {"eos_token_ids", b.eos_token_ids}, {"max_seq", b.max_seq}, {"kv_mode", b.kv_mode},
       {"pool_mib", b.pool_mib}, {"predictor", b.predictor_kind}, {"horizons", b.horizons}, {"preds_rows", preds},
       {"scheduler", {{"window", b.scheduler.window}, {"queue_depth", b.scheduler.queue_depth},
-                     {"min_confidence", b.scheduler.min_confidence}, {"floor", b.scheduler.floor},
+                     {"min_confidence", b.scheduler.min_confidence}, {"candidate_threshold", b.scheduler.candidate_threshold},
                      {"step_budget_bytes", b.scheduler.step_budget_bytes}}},
       {"routing", {{"score_func", b.routing.score_func}, {"norm_topk_prob", b.routing.norm_topk_prob},
                    {"topk_before_softmax", b.routing.topk_before_softmax}, {"n_group", b.routing.n_group},

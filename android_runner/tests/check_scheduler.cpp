@@ -86,7 +86,7 @@ int main(int argc, char** argv) {
       int min_slots = 0, max_slots = 0, L = 0, k = 0, prefetch = 1;
       spx::SchedulerConfig cfg;
       in >> budget >> slot >> eviction >> min_slots >> max_slots >> L >> k >> cfg.queue_depth >> cfg.min_confidence >>
-          cfg.floor >> step_budget >> prefetch >> io.delay;
+          cfg.candidate_threshold >> step_budget >> prefetch >> io.delay;
       cfg.step_budget_bytes = step_budget;
       cfg.prefetch = prefetch != 0;
       pool = std::make_unique<spx::ExpertPool>(budget, slot, eviction, min_slots, max_slots);

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import click
 
-from toolkit.device.standin import _free_port, adb_server
+from toolkit.device.standin import adb_server, free_port
 from toolkit.errors import SpecPrefetchError
 
 PROMPT = "The kernel's memory allocator"
@@ -83,7 +83,7 @@ def demo(bundle: Path, json_out: Path, *, abi: str = "x86_64", pool_mib: float =
         env = {k: v for k, v in os.environ.items()
                if k not in ("ANDROID_SERIAL", "ADB_SERVER_SOCKET", "ANDROID_ADB_SERVER_ADDRESS")}
         env["ANDROID_ADB_SERVER_PORT"] = str(server.port)
-        port = _free_port()
+        port = free_port()
         click.echo(f"$ specprefetch device standin --port {port} --abi {abi} &", err=True)
         log = Path(root) / "standin.log"
         with open(log, "wb") as out:

@@ -8,7 +8,7 @@
             then checking every file's sha256 on the device
     bench   policies interleaved on the phone, cold cache, pinned to the big cores, with a
             thermal and memory cool-down gate between runs; every run's JSON pulled back; a
-            report (table, PNG, JSON) in the shape of `bench` here. Everything the runner
+            report (table, PNG, JSON) in the shape of `bench cpu` here. Everything the runner
             would refuse (and the report's path) is checked here first, before any push; one
             bench at a time holds the phone (a lock directory on it), and each keeps its runs'
             files in a directory of its own there
@@ -575,13 +575,10 @@ def _big_cores(f: dict[str, Any]) -> list[int]:
 
 
 def _stats(xs: list[float]) -> dict[str, float | None]:
-    xs = sorted(x for x in xs if x is not None)
-    if not xs:
-        return {"median": None, "p5": None, "p95": None}
-    import numpy as np
+    """Median, p5 and p95 of the defined values (toolkit.metrics: the benches' one median and percentile)."""
+    from toolkit.metrics import median, percentile
 
-    return {"median": round(float(np.median(xs)), 4), "p5": round(float(np.percentile(xs, 5)), 4),
-            "p95": round(float(np.percentile(xs, 95)), 4)}
+    return {"median": median(xs), "p5": percentile(xs, 5), "p95": percentile(xs, 95)}
 
 
 def bench(bundle: Path, *, serial: str | None, policies: Sequence[str], pool_mib: float, prompts: Sequence[str],
@@ -764,18 +761,17 @@ def _bench_held(lock: PhoneLock, bundle: Path, ids: list[list[int]], *, policies
         report["reason"] = str(e) if isinstance(e, SpecPrefetchError) else f"{type(e).__name__}: {e}"
     finalize(report)
     from toolkit.errors import note_interrupt
-    from toolkit.reporting import write_report
 
     if interrupt is not None:  # the partial report, then the interrupt again (the CLI exits 128 + the signal)
         try:
-            write_report(report, json_out, markdown, plot)
+            write(report, json_out)
         except SpecPrefetchError as e:
             note_interrupt(interrupt, f"the partial report could not be written ({e})")
         else:
             note_interrupt(interrupt, f"the partial report ({len(report['runs'])} runs, status partial) was "
                                       f"written to {json_out} (and its .md, .png)")
         raise interrupt
-    write_report(report, json_out, markdown, plot)
+    write(report, json_out)
     if report["status"] != "complete":
         raise SpecPrefetchError(f"{report['reason']}: partial results ({len(report['runs'])} runs) in {json_out}")
     if report["failures"]:
@@ -835,15 +831,10 @@ def markdown(r: dict[str, Any]) -> str:
 
 
 def plot(r: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from toolkit.reporting import save_figure
+    from toolkit.reporting import figure, save_figure
 
     names = [n for n in r["configs"] if r["summary"][n]["runs"]]
-    fig, ax = plt.subplots(figsize=(1.6 + 1.3 * max(1, len(names)), 3.6))
+    fig, ax = figure((1.6 + 1.3 * max(1, len(names)), 3.6))
     data = [[x["tpot_ms"] for x in r["runs"] if x["config"] == n and x["tpot_ms"] is not None] for n in names]
     if data:
         ax.boxplot(data, showfliers=True)
@@ -851,6 +842,13 @@ def plot(r: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("TPOT (ms)")
     ax.set_title(f"{r['device'].get('soc')}: pool {r['pool_mib']} MiB")
     save_figure(fig, path)
+
+
+def write(r: dict[str, Any], json_path: Path) -> tuple[Path, Path]:
+    """json_path, and its .md (the table) and .png (the plot) beside it (toolkit.reporting.write_report)."""
+    from toolkit.reporting import write_report
+
+    return write_report(r, json_path, markdown, plot)
 
 
 def _size(n: int | None) -> str:

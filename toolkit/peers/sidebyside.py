@@ -48,7 +48,6 @@ import gc
 import json
 import os
 import platform
-import statistics
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -60,8 +59,8 @@ from toolkit.artifacts import read_json
 from toolkit.errors import SpecPrefetchError
 from toolkit.peers import llamacpp, memlimit
 from toolkit.peers.memlimit import LimitedRun, run_limited
-from toolkit.reporting import save_figure, write_report
 from toolkit.metrics import median
+from toolkit.reporting import figure, save_figure, write_report
 
 MiB = 2**20
 LLAMA = "llama.cpp"
@@ -173,7 +172,7 @@ def _open_model(bundle: Path, prompts: int, prompt_tokens: Sequence[int], new_to
     from transformers import AutoTokenizer
 
     from export.manifest import validate_bundle
-    from toolkit.bench import bench_prompts
+    from toolkit.bench.common import bench_prompts
     from toolkit.runtime.expert_store import ExpertStore
 
     bundle = Path(bundle)
@@ -396,13 +395,14 @@ def _row(m: _Model, engine: str, threads: int, frac: float | None, limit: int | 
     ok = [r for r in runs if r.get("status") == "ok"]
     bad = [r["status"] for r in runs if r.get("status") != "ok"]
     native = engine not in LLAMAS
+    rss = median([r["peak_rss_bytes"] for r in ok], ndigits=None)
     row: dict[str, Any] = {
         "model": m.label, "model_bytes": m.model_bytes, "gguf_type": m.gguf_type, "engine": engine,
         "threads": threads, "mmap_mode": NATIVE_MODE if native else MMAP_MODE[engine],
         "memory_limit_frac": frac, "memory_limit_bytes": limit, "prompt_tokens": plen,
         "tpot_ms": median([r.get("tpot_ms") for r in ok]),
         "ttft_ms": median([r.get("ttft_ms") for r in ok]), "mib_read": median([r.get("mib_read") for r in ok]),
-        "peak_rss_bytes": int(statistics.median([r["peak_rss_bytes"] for r in ok])) if ok else None,
+        "peak_rss_bytes": None if rss is None else int(rss),
         "pool_mib": round(pool, 3) if pool is not None else None,
         "tokens_match": all(r.get("tokens_match") for r in ok) if ok else None,
         "status": "ok" if ok and not bad and len(ok) == total else (bad[0] if bad else "timeout" if skipped else
@@ -856,14 +856,9 @@ def markdown(result: dict) -> str:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = result["rows"]
     models = list(dict.fromkeys(r["model"] for r in rows))
-    fig, axes = plt.subplots(len(models), 2, figsize=(12, 4.2 * len(models)), squeeze=False)
+    fig, axes = figure((12, 4.2 * len(models)), len(models), 2, squeeze=False)
     none_x = 1.25
     for ax_row, model in zip(axes, models):
         mr = [r for r in rows if r["model"] == model]

@@ -5,7 +5,8 @@ The draft shares the router, attention and shared weights with the target (optio
 holds its routed experts in int4 (symmetric, one scale per group of 32 along the input axis), so
 it is much cheaper to keep resident while routing almost like the target. `speculative_generate`
 is greedy speculative decoding with it: the draft proposes K tokens, the target verifies them in one
-pass, and the output is exactly the target's greedy output. On a trace, `DraftPredictor` runs the
+pass, and the output is exactly the target's greedy output (the accept rule, `greedy_accept`, is the one
+the GPU tier's speculative rounds use too: toolkit/runtime/gpu.py). On a trace, `DraftPredictor` runs the
 draft teacher-forced over each held-out sequence: under greedy speculative decoding the accepted
 tokens are the target's, so the draft's routing at (position, layer) is its prediction for the
 target's routing there. It also reports the acceptance rate (draft's greedy next token == target's).
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from typing import Sequence
 
 import torch
 
@@ -63,6 +65,23 @@ class SpecStats:
         return self.accepted / self.proposed if self.proposed else 0.0
 
 
+def greedy_accept(proposal: Sequence[int], target: Sequence[int], stats: SpecStats | None = None) -> list[int]:
+    """Greedy speculative decoding's verification rule, the one every implementation here uses
+    (`speculative_generate`, the GPU tier's rounds): `target[i]` is the target's greedy token after the
+    committed tokens and proposal[:i] (len(proposal) + 1 of them, from one pass over the last committed
+    token and the proposal). The longest prefix of the proposal that agrees is accepted, then the
+    target's own next token: returns the tokens to commit (accepted + 1), which are exactly the target's
+    greedy tokens, and counts the round into `stats`."""
+    a = 0
+    while a < len(proposal) and proposal[a] == target[a]:
+        a += 1
+    if stats is not None:
+        stats.rounds += 1
+        stats.proposed += len(proposal)
+        stats.accepted += a
+    return [*proposal[:a], target[a]]
+
+
 @torch.no_grad()
 def speculative_generate(target: torch.nn.Module, draft: torch.nn.Module, input_ids: torch.Tensor,
                          max_new_tokens: int, k: int = 8, eos_token_id: int | None = None
@@ -81,14 +100,7 @@ def speculative_generate(target: torch.nn.Module, draft: torch.nn.Module, input_
             proposal.append(nxt)
             ctx.append(nxt)
         logits = target(input_ids=torch.tensor([seq + proposal], device=input_ids.device)).logits[0]
-        verify = logits[len(seq) - 1:].argmax(-1).tolist()   # target's choice after each prefix
-        n_ok = 0
-        while n_ok < len(proposal) and proposal[n_ok] == verify[n_ok]:
-            n_ok += 1
-        stats.proposed += len(proposal)
-        stats.accepted += n_ok
-        stats.rounds += 1
-        new = proposal[:n_ok] + [verify[n_ok]]
+        new = greedy_accept(proposal, logits[len(seq) - 1:].argmax(-1).tolist(), stats)
         for t in new:
             seq.append(t)
             if (eos_token_id is not None and t == eos_token_id) or len(seq) - start >= max_new_tokens:

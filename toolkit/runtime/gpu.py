@@ -26,6 +26,13 @@ proposes K tokens; the experts it routes to, counted per layer, are the prefetch
 verification pass, which checks all K in one batched pass (greedy speculative decoding); the draft's
 compute is in every time figure and its memory in `draft_bytes`.
 
+A run is phases over one explicit per-sequence state, `GpuSequence` (its tokens, KV caches, slot IO,
+pool, scheduler, planner, recorded routing and counters): `prefill`, then `decode_one` per token, or
+for the draft `prefill_draft` and `speculative_round`s, whose accept rule is draft.py's `greedy_accept`
+(the one `speculative_generate` uses). transformers calls the pooled experts with the hidden states and
+routing only, so each forward pass binds its sequence to them for the pass (`GpuEngine._forward`); the
+static decoder is handed the sequence's expert function directly. `record` is the CPU runner's.
+
 Where CUDA is absent the same code runs on the CPU (copies synchronous, events host clocks), which is
 how CI checks the output.
 """
@@ -33,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import time
 from typing import Any, Sequence
@@ -41,12 +49,13 @@ import torch
 
 from toolkit.errors import SpecPrefetchError
 from toolkit.models.quant import group_quantize
+from toolkit.predictors.draft import SpecStats, greedy_accept
 from toolkit.runtime.expert_store import ExpertStore
 from toolkit.runtime.gpu_kernels import dequant, int4_gemv
 from toolkit.runtime.planner import PrefetchPlanner, RoutingState
-from toolkit.runtime.policy import Policy
-from toolkit.runtime.pool import Key
-from toolkit.runtime.runner import RunConfig, open_pool_and_scheduler
+from toolkit.runtime.pool import ExpertPool, Key
+from toolkit.runtime.runner import RunConfig, Runner, open_pool_and_scheduler
+from toolkit.runtime.scheduler import WindowScheduler
 from toolkit.runtime.stats import DecodeAccount, RunStats
 
 MiB = 2**20
@@ -339,22 +348,31 @@ class Int4Experts(torch.nn.Module):
 
 
 class PooledExperts(torch.nn.Module):
-    """Stands where a MoE block's routed experts were (no weights): the layer's experts come from the
-    GPU pool through the scheduler (target), or from the int4 draft (draft mode)."""
+    """Stands where a MoE block's routed experts were (no weights). transformers' MoE block calls it with
+    the hidden states and the router's choices only, so the sequence it computes for is bound to it for
+    one forward pass (`GpuEngine._forward`): then the target's experts come from that sequence's pool
+    through its scheduler, or, in a draft pass, from the int4 draft (its routing counted into the
+    sequence's draft tally during a speculative round). Unbound, it refuses to run."""
 
     def __init__(self, li: int, engine: "GpuEngine", draft: Int4Experts | None):
         super().__init__()
         self.li, self.engine = li, engine
         self.draft = draft
+        self.seq: GpuSequence | None = None   # bound for one forward pass
+        self.drafting = False
 
     def forward(self, hidden, top_k_index, top_k_weights):
-        if self.engine.mode == "draft":
-            self.engine.draft_routing(self.li, top_k_index)
+        s = self.seq
+        if s is None:
+            raise SpecPrefetchError("internal: the GPU tier's pooled experts ran outside one of its forward passes")
+        if self.drafting:
+            if s.draft_counts is not None:
+                s.count_draft(self.li, top_k_index.tolist())
             return self.draft(hidden, top_k_index, top_k_weights)
-        return self.engine.moe(self.li, hidden, top_k_index, top_k_weights)
+        return self.engine.moe(s, self.li, hidden, top_k_index, top_k_weights)
 
 
-# -- the engine ------------------------------------------------------------------------------------
+# -- one sequence's state -------------------------------------------------------------------------
 @dataclasses.dataclass
 class GpuGeneration:
     tokens: list[int]
@@ -366,6 +384,85 @@ class GpuGeneration:
         return {"tokens": self.tokens, **self.stats.to_json(), **self.extra}
 
 
+@dataclasses.dataclass(eq=False)
+class GpuSequence:
+    """One sequence's decoding state, the one argument of the engine's phases (`prefill`,
+    `prefill_draft`, `decode_one`, `speculative_round`): its tokens and positions, its KV caches, the
+    IO, pool, scheduler and planner its experts stream through, the routing it recorded, its counters
+    and clocks. `GpuEngine.sequence` makes one; nothing of it lives on the engine."""
+    ids: list[int]                   # the prompt, then every committed token
+    n_prompt: int
+    max_new: int
+    eos: frozenset[int]
+    L: int                           # MoE layers (a step is pos * L + layer)
+    io: CudaCopyIO                   # the slot arena and the copies into it
+    pool: ExpertPool
+    sched: WindowScheduler
+    planner: PrefetchPlanner | None  # a host predictor's, one token per step; None: on-demand or the draft
+    state: RoutingState              # the routing so far, as the predictors read it
+    runner: Any                      # the static-cache decoder (gpu_graph.GraphRunner, its KV caches) or None
+    cache: Any                       # the target's DynamicCache: the prefill's, and every pass's with `modules`
+    account: DecodeAccount
+    dcache: Any = None               # the draft's DynamicCache (`modules`; the static path's is the runner's)
+    dlen: int = 0                    # positions of the draft's cache that hold committed tokens
+    tokens: list[int] = dataclasses.field(default_factory=list)   # the new tokens committed
+    times: list[Any] = dataclasses.field(default_factory=list)    # an event per committed token
+    t0: Any = None                   # the event just before the prefill
+    marks: tuple[int, int] = (0, 0)  # (copies, stalls) at the first token: decode figures count from there
+    pos: int = 0                     # the first position of the pass running now (its routing is recorded there)
+    routing: dict[int, list[list[int]]] = dataclasses.field(default_factory=dict)   # position -> per-layer top-k
+    draft_counts: list[list[float]] | None = None   # during a speculative round: the draft's routing [L][E]
+    draft_dirty: set[int] = dataclasses.field(default_factory=set)   # layers counted since the last plan
+    spec: SpecStats = dataclasses.field(default_factory=SpecStats)  # speculative rounds, proposed, accepted
+    phases: dict[str, list[Any]] = dataclasses.field(default_factory=lambda: {"draft": [], "verify": []})
+
+    @property
+    def end(self) -> int:
+        """The first step the run never reaches."""
+        return (self.n_prompt + self.max_new - 1) * self.L
+
+    @property
+    def done(self) -> bool:
+        """The last token asked for, or EOS, is committed."""
+        return bool(self.tokens) and (len(self.tokens) >= self.max_new or self.tokens[-1] in self.eos)
+
+    def commit(self, new: Sequence[int], now) -> None:
+        """Append `new` (one event, `now`, for all of them), stopping after EOS or the last token asked for."""
+        for t in new:
+            self.tokens.append(t)
+            self.ids.append(t)
+            self.times.append(now)
+            if t in self.eos or len(self.tokens) >= self.max_new:
+                break
+
+    def record_routing(self, li: int, ids: list[list[int]]) -> None:
+        """MoE layer li's top-k for the rows of the pass running now (positions pos, pos + 1, ...)."""
+        for t, row in enumerate(ids):
+            self.routing.setdefault(self.pos + t, [None] * self.L)[li] = row
+
+    def count_draft(self, li: int, rows: list[list[int]]) -> None:
+        """The draft routed these rows of MoE layer li: counted for the verification pass's prefetches."""
+        for row in rows:
+            for e in row:
+                self.draft_counts[li][e] += 1.0
+        self.draft_dirty.add(li)
+
+    def plan_draft(self, verify_pos: int) -> None:
+        """The draft's routing so far becomes the verification pass's prefetch window: per MoE layer,
+        expert counts over the draft's tokens, deadline the layer's step in the verification pass."""
+        if not self.draft_dirty:
+            return
+        now = self.sched.step
+        window = []
+        for li in sorted(self.draft_dirty):
+            target = verify_pos * self.L + li
+            if target > now:
+                window.append((target, torch.tensor(self.draft_counts[li])))
+        self.draft_dirty = set()
+        self.sched.plan(now, window)
+
+
+# -- the engine ------------------------------------------------------------------------------------
 class GpuEngine:
     """The model on one device with its routed experts streamed from host memory through the pool."""
 
@@ -411,6 +508,7 @@ class GpuEngine:
         self.dtype = next(self.model.parameters()).dtype
         self.math = None
         self.drafts: list[Int4Experts | None] = []
+        self.pooled: list[PooledExperts] = []        # transformers calls these inside each MoE block
         wants_draft = with_draft or cfg.policy.predictor == "draft"
         for li, layer in enumerate(g.moe_layers):
             block = spec.family.moe_block(self.model, layer)
@@ -418,12 +516,12 @@ class GpuEngine:
             self.math = self.math or ExpertMath(block.experts.act_fn)
             d = Int4Experts(block.experts, self.dev.device, self.dtype) if wants_draft else None
             self.drafts.append(d)
-            block.experts = PooledExperts(li, self, d)   # the routed experts leave the model here
+            self.pooled.append(PooledExperts(li, self, d))
+            block.experts = self.pooled[-1]              # the routed experts leave the model here
         self.model.to(self.dev.device)
         self.host = HostExperts(store, self.dev, progress)
         self.predictors = dict(predictors or {})
         self.cfg = cfg
-        self.mode = "target"
         from toolkit.runtime import gpu_graph
 
         if decode not in (None, "graph", "static", "modules"):
@@ -483,20 +581,21 @@ class GpuEngine:
             gate_up, down = gate_up.to(self.dtype), down.to(self.dtype)
         return gate_up, down
 
-    def moe(self, li: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        """MoE layer li's routed output for `hidden` [T, H]: experts acquired in chunks that fit the
-        pool, resident ones first, computed with transformers' eager loop (ascending expert order)."""
-        run = self.run_state
+    def moe(self, s: GpuSequence, li: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
+            top_k_weights: torch.Tensor):
+        """MoE layer li's routed output for `hidden` [T, H] in sequence `s`: experts acquired in chunks
+        that fit the pool, resident ones first, computed with transformers' eager loop (ascending expert
+        order)."""
         T = top_k_index.shape[0]
-        plans = T == 1 and run.planner is not None
+        plans = T == 1 and s.planner is not None
         # the host needs the routing (and a planner the layer's input): one sync per MoE layer
         idx_h, x_h = self._to_host(top_k_index, hidden.detach() if plans else None)
         ids = idx_h.tolist()
-        step = run.pos * self.L + li
-        run.record_routing(li, ids)
+        step = s.pos * self.L + li
+        s.record_routing(li, ids)
         if plans:
-            run.state.record(li, x_h, torch.tensor(ids[0]))
-        sched = run.sched
+            s.state.record(li, x_h, torch.tensor(ids[0]))
+        sched = s.sched
         routes = _routes(ids)
         keys = [(li, e) for e in routes]
         # resident experts first, then the misses (Specter's verification order); chunks that fit
@@ -510,8 +609,8 @@ class GpuEngine:
             n = max(1, self.capacity - len(sched.loading))
             part, order = order[:n], order[n:]
             sched.acquire(step, part)
-            if first and T == 1 and run.planner is not None:
-                run.planner.plan(sched, li, step, run.state, None, run.end)
+            if first and T == 1 and s.planner is not None:
+                s.planner.plan(sched, li, step, s.state, None, s.end)
             first = False
             for key in part:
                 tok, kpos = index[key[1]]
@@ -540,20 +639,13 @@ class GpuEngine:
         ev.synchronize()
         return out
 
-    def draft_routing(self, li: int, top_k_index: torch.Tensor) -> None:
-        run = self.run_state
-        if run.draft_counts is not None:
-            for row in top_k_index.tolist():
-                for e in row:
-                    run.draft_counts[li][e] += 1.0
-            run.draft_dirty.add(li)
-
-    # -- decoding ------------------------------------------------------------------------------
+    # -- decoding: a sequence through its phases -------------------------------------------------
     @torch.no_grad()
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, *, recorded: GpuGeneration | None = None,
                  k: int = 8, preload: bool = False) -> GpuGeneration:
         """Greedy decoding of up to `max_new_tokens` tokens (stopping after EOS), with the engine's
-        device as the current CUDA device throughout (cuda:N).
+        device as the current CUDA device throughout (cuda:N): `prefill`, then `decode_one` per token,
+        or, for the draft policy, the draft's own prefill and `speculative_round`s.
 
         Args:
             recorded: an earlier run of this prompt: the oracle's and Belady's future.
@@ -562,10 +654,24 @@ class GpuEngine:
                 the all-resident upper bound.
         """
         with self.dev.scope():
-            return self._generate(prompt_ids, max_new_tokens, recorded=recorded, k=k, preload=preload)
+            s = self.sequence(prompt_ids, max_new_tokens, recorded=recorded, k=k, preload=preload)
+            self.prefill(s)
+            speculative = self.cfg.policy.predictor == "draft"
+            if speculative and not s.done:
+                self.prefill_draft(s)
+            while not s.done:
+                if speculative:
+                    self.speculative_round(s, k)
+                else:
+                    self.decode_one(s)
+            return self._finish(s, k)
 
-    def _generate(self, prompt_ids: Sequence[int], max_new_tokens: int, *, recorded: GpuGeneration | None,
-                  k: int, preload: bool) -> GpuGeneration:
+    def sequence(self, prompt_ids: Sequence[int], max_new_tokens: int, *, recorded: GpuGeneration | None = None,
+                 k: int = 8, preload: bool = False) -> GpuSequence:
+        """A new sequence of this prompt under the engine's configuration: its caches (the static
+        decoder's sized for rounds of `k` draft tokens), slot IO, pool, scheduler and planner; with
+        `preload`, every expert copied into the pool first. The phases below run it, inside
+        `generate` (its device scope, no autograd)."""
         from transformers import DynamicCache
 
         cfg = self.cfg
@@ -575,130 +681,185 @@ class GpuEngine:
             raise SpecPrefetchError(f"--max-new-tokens {max_new_tokens}: must be >= 1")
         if cfg.policy.needs_future and recorded is None:
             raise SpecPrefetchError(f"--policy {cfg.policy.name}: needs a recorded first pass (run() does it)")
-        fast = self.decode != "modules"
-        runner = self._graph_runner(len(prompt_ids) + max_new_tokens + k + 1) if fast else None
-        io = CudaCopyIO(self.host, self.capacity, self.dev, slots=runner.slots if fast else None)
-        run = _RunState(self, io, recorded, prompt_ids, max_new_tokens)
-        self.run_state = run
+        L = self.L
+        runner = self._graph_runner(len(prompt_ids) + max_new_tokens + k + 1) if self.decode != "modules" else None
+        io = CudaCopyIO(self.host, self.capacity, self.dev, slots=runner.slots if runner is not None else None)
+        source = self.predictors.get(cfg.policy.predictor)
+        future = recorded.routing if recorded is not None else None
+        planner = None
+        if source is not None and cfg.policy.predictor != "draft":
+            planner = PrefetchPlanner(source, num_layers=L, window=cfg.window, routing=self.spec.geometry.routing,
+                                      score_bias=None)
+        state = RoutingState(L, self.spec.geometry.hidden_size, self.k)
+        state.future = future
+        prefetch = planner is not None or cfg.policy.predictor == "draft"
+        # copies queue on a stream: the queue depth is the pool, not a flash queue (at most capacity - k
+        # in flight, so a layer's demand copies always find a slot). The pool's capacity is its budget's
+        # (budget // blob bytes, as on the CPU); the arena has min(that, L * E) slots (`capacity`): a
+        # pool holds one slot per expert at most, so it never needs a slot the arena lacks
+        gcfg = dataclasses.replace(cfg, queue_depth=max(1, self.capacity - self.k))
+        pool, sched = open_pool_and_scheduler(gcfg, slot_bytes=self.store.blob_size, num_layers=L, top_k=self.k,
+                                              io=io, future=future, prefetch=prefetch)
         if preload:
             if self.capacity < self.L * self.E:
                 raise SpecPrefetchError("preload: the pool must hold every expert")
             for li in range(self.L):
                 for e in range(self.E):
-                    slot = run.pool.reserve((li, e), -1, prefetch=False)
+                    slot = pool.reserve((li, e), -1, prefetch=False)
                     slot.ready = slot.demand = True
                     io.submit((li, e), demand=True)
             self.dev.sync()
-        eos = set(self._eos())
-        seq = list(prompt_ids)
-        dev = self.dev
         # plain DynamicCaches keep every position: a config-built one keeps only the last window - 1 on
         # sliding-window layers, which the static cache cannot be loaded from and `crop` cannot roll back
         # (the model's mask applies the window either way)
-        cache = DynamicCache()
-        account = DecodeAccount()
-        t0 = dev.event()
-        times: list[Any] = []
-        phases = {"draft": [], "verify": []}
-        # prefill: the whole prompt in one pass (its experts in chunks that fit the pool)
-        run.pos = 0
-        logits = self._forward(cache, seq, 0)
-        if runner is not None:
-            runner.kv.load(cache, len(seq))
-        nxt = int(logits[-1].argmax())
-        tokens = [nxt]
-        times.append(dev.event())
-        account.start(run.sched, run.pool)
-        copies0, stalls0 = io.mark()       # decode figures only, as the scheduler's counts
-        run.state.ids[0] = torch.tensor(run.routing[len(seq) - 1])   # the last prompt position's choices
-        run.state.next_position()
-        seq.append(nxt)
-        spec_stats = {"rounds": 0, "proposed": 0, "accepted": 0}
-        if cfg.policy.predictor == "draft" and nxt not in eos and max_new_tokens > 1:
-            dcache = DynamicCache()
-            self.mode = "draft"
-            try:
-                self._forward(dcache, list(prompt_ids), 0)   # the draft's own prefill (its KV cache)
-            finally:
-                self.mode = "target"
-            dlen = len(prompt_ids)
-            if runner is not None:
-                runner.draft.kv.load(dcache, dlen)
-                del dcache
-            while len(tokens) < max_new_tokens and tokens[-1] not in eos:
-                n = len(seq)
-                kk = min(k, max_new_tokens - len(tokens))
-                # the draft proposes kk tokens; its routing, counted per layer, plans the copies
-                run.draft_counts = [[0.0] * self.E for _ in range(self.L)]
-                run.draft_dirty = set()
-                d0 = dev.event()
-                if runner is not None:
-                    proposal, dlen = self._draft_fast(runner, run, seq, dlen, kk, n - 1)
-                else:
-                    self.mode = "draft"
-                    proposal = []
-                    try:
-                        dlen = dcache.get_seq_length()
-                        feed = seq[dlen:]
-                        for _ in range(kk):
-                            lg = self._forward(dcache, feed, dlen)
-                            dlen += len(feed)
-                            proposal.append(int(lg[-1].argmax()))
-                            feed = [proposal[-1]]
-                            self._plan_draft(run, n - 1)
-                    finally:
-                        self.mode = "target"
-                d1 = dev.event()
-                phases["draft"].append((d0, d1))
-                # the target verifies [last, proposal...] in one pass
-                run.pos = n - 1
-                if runner is not None:
-                    rows = torch.tensor([seq[-1], *proposal], device=self.dev.device)
-                    lg = runner.dec.forward_rows(rows, n - 1, runner.kv, self.moe)   # the per-expert loop
-                else:
-                    lg = self._forward(cache, [seq[-1], *proposal], n - 1)
-                phases["verify"].append((d1, dev.event()))
-                verify = lg.argmax(-1).tolist()
-                a = 0
-                while a < len(proposal) and proposal[a] == verify[a]:
-                    a += 1
-                new = proposal[:a] + [verify[a]]
-                spec_stats["rounds"] += 1
-                spec_stats["proposed"] += len(proposal)
-                spec_stats["accepted"] += a
-                if runner is None:
-                    cache.crop(-(len(proposal) - a))           # keep seq[:n + a]
-                    dcache.crop(-(dcache.get_seq_length() - (n + min(a, len(proposal) - 1))))
-                else:   # static caches: what lies past the committed positions is masked, then overwritten
-                    dlen = n + min(a, len(proposal) - 1)
-                now = dev.event()
-                for t in new:
-                    tokens.append(t)
-                    seq.append(t)
-                    times.append(now)
-                    if t in eos or len(tokens) >= max_new_tokens:
-                        break
-            run.draft_counts = None
+        return GpuSequence(ids=list(prompt_ids), n_prompt=len(prompt_ids), max_new=max_new_tokens,
+                           eos=frozenset(self._eos()), L=L, io=io, pool=pool, sched=sched, planner=planner,
+                           state=state, runner=runner, cache=DynamicCache(), account=DecodeAccount())
+
+    def prefill(self, s: GpuSequence) -> None:
+        """The prompt in one pass through transformers' modules (its experts in chunks that fit the
+        pool) into the target's cache, copied into the static decoder's; commits the first token.
+        The decode figures count from here."""
+        dev = self.dev
+        n = s.n_prompt
+        s.t0 = dev.event()
+        s.pos = 0
+        logits = self._forward(s, s.cache, s.ids[:n], 0)
+        if s.runner is not None:
+            s.runner.kv.load(s.cache, n)
+        s.commit([int(logits[-1].argmax())], dev.event())
+        s.account.start(s.sched, s.pool)
+        s.marks = s.io.mark()       # decode figures only, as the scheduler's counts
+        s.state.ids[0] = torch.tensor(s.routing[n - 1])   # the last prompt position's choices
+        s.state.next_position()
+
+    def prefill_draft(self, s: GpuSequence) -> None:
+        """The draft's own prefill of the prompt into its KV cache (int4 experts, resident: nothing is
+        copied, nothing counted)."""
+        from transformers import DynamicCache
+
+        dcache = DynamicCache()
+        self._forward(s, dcache, s.ids[:s.n_prompt], 0, draft=True)
+        s.dlen = s.n_prompt
+        if s.runner is not None:
+            s.runner.draft.kv.load(dcache, s.dlen)
         else:
-            while len(tokens) < max_new_tokens and tokens[-1] not in eos:
-                pos = len(seq) - 1
-                run.pos = pos
-                if run.planner is not None:
-                    run.state.pos = pos
-                if runner is not None:
-                    nxt = runner.decode(run, seq[-1], pos)
-                else:
-                    logits = self._forward(cache, [seq[-1]], pos)
-                    nxt = int(logits[-1].argmax())
-                if run.planner is not None:
-                    run.state.next_position()
-                tokens.append(nxt)
-                seq.append(nxt)
-                times.append(dev.event())
-        dev.sync()
-        secs = [t0.elapsed_time(t) / 1e3 for t in times]
-        stats = account.finish(cfg.policy.name, run.sched, run.pool, token_times=secs, ttft_s=secs[0])
-        n_dec = max(len(tokens) - 1, 1)
+            s.dcache = dcache
+
+    def decode_one(self, s: GpuSequence) -> None:
+        """One target token at the next position: the static decoder (one host sync per MoE layer and
+        one for the token) or transformers' modules over the DynamicCache."""
+        pos = len(s.ids) - 1
+        s.pos = pos
+        if s.planner is not None:
+            s.state.pos = pos
+        if s.runner is not None:
+            nxt = s.runner.decode(s, s.ids[-1], pos)
+        else:
+            nxt = int(self._forward(s, s.cache, [s.ids[-1]], pos)[-1].argmax())
+        if s.planner is not None:
+            s.state.next_position()
+        s.commit([nxt], self.dev.event())
+
+    def speculative_round(self, s: GpuSequence, k: int) -> None:
+        """One round of greedy speculative decoding: the draft proposes up to k tokens, its routing
+        counted per MoE layer and planned as the verification pass's prefetches while it runs; the
+        target verifies the last token and the proposals in one pass (k + 1 rows, experts resident
+        first, in chunks); the agreeing prefix and the target's own next token are committed
+        (toolkit.predictors.draft.greedy_accept, the rule `speculative_generate` uses) and both KV
+        caches are rolled back to them."""
+        dev = self.dev
+        n = len(s.ids)
+        kk = min(k, s.max_new - len(s.tokens))
+        s.draft_counts = [[0.0] * self.E for _ in range(self.L)]
+        s.draft_dirty = set()
+        d0 = dev.event()
+        proposal = self._propose(s, kk, n - 1)
+        d1 = dev.event()
+        s.phases["draft"].append((d0, d1))
+        s.pos = n - 1
+        logits = self._verify(s, [s.ids[-1], *proposal], n - 1)
+        s.phases["verify"].append((d1, dev.event()))
+        new = greedy_accept(proposal, logits.argmax(-1).tolist(), s.spec)
+        a = len(new) - 1                                   # proposals accepted
+        s.dlen = n + min(a, len(proposal) - 1)             # the draft's cache: committed tokens it was fed
+        if s.runner is None:
+            s.cache.crop(-(len(proposal) - a))             # keep ids[:n + a]
+            s.dcache.crop(-(s.dcache.get_seq_length() - s.dlen))
+        # (static caches: what lies past the committed positions is masked, then overwritten)
+        s.draft_counts = None
+        s.commit(new, dev.event())
+
+    def _propose(self, s: GpuSequence, kk: int, verify_pos: int) -> list[int]:
+        """The draft's kk proposals, fed first the committed tokens its cache lacks; after each, its
+        routing so far plans the verification pass's copies."""
+        if s.runner is not None:
+            return self._draft_fast(s, kk, verify_pos)
+        feed = s.ids[s.dlen:]
+        proposal: list[int] = []
+        for _ in range(kk):
+            lg = self._forward(s, s.dcache, feed, s.dlen, draft=True)
+            s.dlen += len(feed)
+            proposal.append(int(lg[-1].argmax()))
+            feed = [proposal[-1]]
+            s.plan_draft(verify_pos)
+        return proposal
+
+    def _draft_fast(self, s: GpuSequence, kk: int, verify_pos: int) -> list[int]:
+        """The draft's kk proposals through its graph: all steps enqueued at once; each step's routing
+        is read back as it lands and plans the verification pass's copies (which overlap the steps
+        still running). The plans fall where the modules path's do: once the fed tokens (one step
+        each here, one pass there) are all counted, then after every proposal."""
+        feed = s.ids[s.dlen:]
+        d = s.runner.draft
+        steps, evs = d.run(feed, s.dlen, kk)
+        for j in range(steps):
+            if self.dev.cuda:
+                evs[j].synchronize()
+            for li, row in enumerate(d.host_ids[j].tolist()):
+                s.count_draft(li, [row])
+            if j >= len(feed) - 1:
+                s.plan_draft(verify_pos)
+        proposal = d.host_tok[len(feed) - 1:steps].tolist()
+        s.dlen += steps
+        return proposal
+
+    def _verify(self, s: GpuSequence, rows: list[int], pos: int) -> torch.Tensor:
+        """The target's logits for `rows` at positions pos.. in one pass: the static decoder eagerly
+        with the per-expert pooled loop, or transformers' modules."""
+        if s.runner is not None:
+            return s.runner.dec.forward_rows(torch.tensor(rows, device=self.dev.device), pos, s.runner.kv,
+                                             functools.partial(self.moe, s))
+        return self._forward(s, s.cache, rows, pos)
+
+    def _forward(self, s: GpuSequence, cache, tokens: list[int], pos: int, *, draft: bool = False) -> torch.Tensor:
+        """transformers' modules over `tokens` at positions pos.. into `cache`, the pooled experts
+        bound to `s` for this pass (the int4 draft's experts with `draft`)."""
+        ids = torch.tensor([tokens], device=self.dev.device)
+        with self._bound(s, draft=draft):
+            out = self.model(input_ids=ids, past_key_values=cache, use_cache=True,
+                             position_ids=torch.arange(pos, pos + len(tokens), device=self.dev.device)[None])
+        return out.logits[0].float()
+
+    @contextlib.contextmanager
+    def _bound(self, s: GpuSequence, *, draft: bool):
+        """Every PooledExperts computes for `s` (the draft's experts with `draft`) until the block ends."""
+        for m in self.pooled:
+            m.seq, m.drafting = s, draft
+        try:
+            yield
+        finally:
+            for m in self.pooled:
+                m.seq, m.drafting = None, False
+
+    def _finish(self, s: GpuSequence, k: int) -> GpuGeneration:
+        """The sequence's figures (decode tokens only) and routing."""
+        cfg, io = self.cfg, s.io
+        self.dev.sync()
+        secs = [s.t0.elapsed_time(t) / 1e3 for t in s.times]
+        stats = s.account.finish(cfg.policy.name, s.sched, s.pool, token_times=secs, ttft_s=secs[0])
+        n_dec = max(len(s.tokens) - 1, 1)
+        copies0, stalls0 = s.marks
         stall = io.stall_ms(stalls0)
         # the stall is the compute stream's waits on copies (CUDA events), not host time
         stats = dataclasses.replace(stats, stall_ms_per_token=round(stall / n_dec, 4))
@@ -707,7 +868,7 @@ class GpuEngine:
             "pool_slots": self.capacity, "expert_bytes": self.store.blob_size,
             # the slot allocation this run read (its pool's capacity), and every arena the engine held
             "slot_arena_bytes": io.slots.numel(),
-            "slot_arenas_held_bytes": self.arenas_bytes if fast else io.slots.numel(),
+            "slot_arenas_held_bytes": self.arenas_bytes if s.runner is not None else io.slots.numel(),
             "pcie_bytes_per_token": round(stats.counts["bytes_read"] / n_dec),
             "copy_ms_per_token": round(io.copy_ms(copies0) / n_dec, 4),
             "draft_bytes": self.draft_bytes if cfg.policy.predictor == "draft" else 0,
@@ -715,14 +876,12 @@ class GpuEngine:
         }
         if cfg.policy.predictor == "draft":
             extra.update({
-                "k": k, "rounds": spec_stats["rounds"],
-                "acceptance": round(spec_stats["accepted"] / max(spec_stats["proposed"], 1), 4),
-                "draft_ms_per_token": round(sum(a.elapsed_time(b) for a, b in phases["draft"]) / n_dec, 4),
-                "verify_ms_per_token": round(sum(a.elapsed_time(b) for a, b in phases["verify"]) / n_dec, 4),
+                "k": k, "rounds": s.spec.rounds, "acceptance": round(s.spec.acceptance, 4),
+                "draft_ms_per_token": round(sum(a.elapsed_time(b) for a, b in s.phases["draft"]) / n_dec, 4),
+                "verify_ms_per_token": round(sum(a.elapsed_time(b) for a, b in s.phases["verify"]) / n_dec, 4),
             })
-        routing = [torch.tensor(run.routing[p]) for p in sorted(run.routing)]
-        self.run_state = None
-        return GpuGeneration(tokens, routing, stats, extra)
+        routing = [torch.tensor(s.routing[p]) for p in sorted(s.routing)]
+        return GpuGeneration(s.tokens, routing, stats, extra)
 
     ARENAS = 2   # pool sizes whose slot arena and graphs are kept (the bench's all-resident bound and a pool)
 
@@ -758,99 +917,21 @@ class GpuEngine:
         self._runners[cap] = runner                          # most recently used last
         return runner
 
-    def _draft_fast(self, runner, run: "_RunState", seq: list[int], dlen: int, kk: int, verify_pos: int):
-        """The draft's kk proposals through its graph: all steps enqueued at once; each step's routing
-        is read back as it lands and plans the verification pass's copies (which overlap the steps
-        still running). The plans fall where the modules path's do: once the fed tokens (one step
-        each here, one pass there) are all counted, then after every proposal."""
-        feed = seq[dlen:]
-        d = runner.draft
-        steps, evs = d.run(feed, dlen, kk)
-        for j in range(steps):
-            if self.dev.cuda:
-                evs[j].synchronize()
-            for li, row in enumerate(d.host_ids[j].tolist()):
-                for e in row:
-                    run.draft_counts[li][e] += 1.0
-                run.draft_dirty.add(li)
-            if j >= len(feed) - 1:
-                self._plan_draft(run, verify_pos)
-        proposal = d.host_tok[len(feed) - 1:steps].tolist()
-        return proposal, dlen + steps
-
-    def _plan_draft(self, run: "_RunState", verify_pos: int) -> None:
-        """The draft's routing so far becomes the verification pass's prefetch window: per MoE layer,
-        expert counts over the draft's tokens, deadline the layer's step in the verification pass."""
-        if not run.draft_dirty:
-            return
-        now = run.sched.step
-        window = []
-        for li in sorted(run.draft_dirty):
-            target = verify_pos * self.L + li
-            if target > now:
-                window.append((target, torch.tensor(run.draft_counts[li])))
-        run.draft_dirty = set()
-        run.sched.plan(now, window)
-
-    def _forward(self, cache, tokens: list[int], pos: int) -> torch.Tensor:
-        ids = torch.tensor([tokens], device=self.dev.device)
-        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True,
-                         position_ids=torch.arange(pos, pos + len(tokens), device=self.dev.device)[None])
-        return out.logits[0].float()
-
     def _eos(self) -> list[int]:
         from toolkit.models.loader import eos_token_ids
 
         return list(eos_token_ids(self.spec, self.tokenizer))
 
-    def record(self, prompt_ids: Sequence[int], max_new_tokens: int) -> GpuGeneration:
-        cfg = self.cfg
-        self.configure(policy=Policy("on-demand", "lru"))
-        try:
-            return self.generate(prompt_ids, max_new_tokens)
-        finally:
-            self.cfg = cfg
+    # -- the recorded future: the CPU runner's `record` (a first on-demand pass; output does not
+    # depend on the policy), and `run`, which also takes the draft's k and the preload
+    record = Runner.record
 
     def run(self, prompt_ids: Sequence[int], max_new_tokens: int, *, recorded: GpuGeneration | None = None,
             k: int = 8, preload: bool = False) -> GpuGeneration:
+        """`generate` with the recorded first pass the policy needs (oracle, Belady) made first."""
         if self.cfg.policy.needs_future:
             recorded = recorded or self.record(prompt_ids, max_new_tokens)
         return self.generate(prompt_ids, max_new_tokens, recorded=recorded, k=k, preload=preload)
-
-
-class _RunState:
-    """One sequence's pool, scheduler, planner and routing record."""
-
-    def __init__(self, eng: GpuEngine, io: CudaCopyIO, recorded: GpuGeneration | None, prompt: Sequence[int],
-                 max_new: int):
-        cfg = eng.cfg
-        L = eng.L
-        source = eng.predictors.get(cfg.policy.predictor)
-        self.planner = None
-        future = recorded.routing if recorded is not None else None
-        if source is not None and cfg.policy.predictor != "draft":
-            self.planner = PrefetchPlanner(source, num_layers=L, window=cfg.window, routing=eng.spec.geometry.routing,
-                                           score_bias=None)
-        self.state = RoutingState(L, eng.spec.geometry.hidden_size, eng.k)
-        self.state.future = future
-        prefetch = self.planner is not None or cfg.policy.predictor == "draft"
-        # copies queue on a stream: the queue depth is the pool, not a flash queue
-        # (at most capacity - k in flight, so a layer's demand copies always find a slot)
-        gcfg = dataclasses.replace(cfg, queue_depth=max(1, eng.capacity - eng.k))
-        self.pool, self.sched = open_pool_and_scheduler(gcfg, slot_bytes=eng.store.blob_size, num_layers=L,
-                                                        top_k=eng.k, io=io, future=future, prefetch=prefetch)
-        self.pool.capacity = eng.capacity
-        self.io = io
-        self.L = L
-        self.pos = 0
-        self.end = (len(prompt) + max_new - 1) * L
-        self.routing: dict[int, list[list[int]]] = {}
-        self.draft_counts: list[list[float]] | None = None
-        self.draft_dirty: set[int] = set()
-
-    def record_routing(self, li: int, ids: list[list[int]]) -> None:
-        for t, row in enumerate(ids):
-            self.routing.setdefault(self.pos + t, [None] * self.L)[li] = row
 
 
 def h2d_bandwidth(dev: Device, mib: int = 256, reps: int = 5) -> float:

@@ -1,4 +1,4 @@
-"""`specprefetch bench MODEL --device cuda`: the GPU tier's policies side by side in one run
+"""`specprefetch bench gpu MODEL`: the GPU tier's policies side by side in one run
 (docs/benchmarks.md, "GPU tier").
 
 For each pool (a fraction of all experts), every policy runs every prompt, interleaved over repeats
@@ -19,6 +19,7 @@ from typing import Any, Callable
 import torch
 
 from toolkit.errors import SpecPrefetchError
+from toolkit.metrics import median
 from toolkit.runtime.policy import Policy
 
 MiB = 2**20
@@ -88,7 +89,7 @@ def reference_generate(model_dir: Path, prompts: list[list[int]], new_tokens: in
     del m
     if cuda:
         torch.cuda.empty_cache()
-    return toks, statistics.median(tpots) if tpots else None
+    return toks, median(tpots, ndigits=None)
 
 
 def token_read_bytes(eng) -> int:
@@ -169,7 +170,7 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
         if drafts:
             prof = {}
             for k in ks:   # Specter's profiler: short runs per K on the first prompt, fastest (median) wins
-                prof[k] = round(statistics.median(one(drafts[0], mib, 0, k=k).stats.tpot_ms for _ in range(2)), 3)
+                prof[k] = median((one(drafts[0], mib, 0, k=k).stats.tpot_ms for _ in range(2)), ndigits=3)
             best = min(prof, key=prof.get)
             ks_by_pool[frac] = {"k": best, "profile_tpot_ms": prof}
             log(f"pool {frac:.0%}: draft K profile {', '.join(f'{k}: {v:.2f}' for k, v in prof.items())} -> K={best}")
@@ -186,7 +187,7 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
                     runs[pol.name].append(r)
         for pol in policies:
             rs = runs[pol.name]
-            med = lambda f: statistics.median(f(r) for r in rs)  # noqa: E731
+            med = lambda f: median((f(r) for r in rs), ndigits=None)  # noqa: E731
             row = {"policy": pol.name, "pool_fraction": frac, "pool_slots": slots, "pool_mib": round(mib, 1),
                    "tpot_ms": round(med(lambda r: r.stats.tpot_ms), 3),
                    "tpot_p95_ms": round(med(lambda r: r.stats.tpot_p95_ms), 3),
@@ -208,7 +209,7 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
             rows.append(row)
             log(f"pool {frac:.0%} {pol.name}: TPOT {row['tpot_ms']:.3f} ms, hit {row['hit_rate']:.3f}, "
                 f"{row['pcie_mib_per_token']:.1f} MiB/token over PCIe, stall {row['stall_ms_per_token']:.3f} ms/token")
-    resident_tpot = statistics.median(r.stats.tpot_ms for r in resident_runs)
+    resident_tpot = median((r.stats.tpot_ms for r in resident_runs), ndigits=None)
     log(f"all experts resident: TPOT {resident_tpot:.3f} ms; transformers generate {ref_tpot:.3f} ms per new token "
         "(wall clock, prefill included)")
     bw1 = h2d_bandwidth(dev) if dev.cuda else None
@@ -284,14 +285,9 @@ def _bw(r) -> str:
 
 
 def plot(r: dict[str, Any], path: Path) -> None:
-    import matplotlib
+    from toolkit.reporting import figure, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from toolkit.reporting import save_figure
-
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, ax = figure((7, 4.2))
     for pol in dict.fromkeys(x["policy"] for x in r["rows"]):
         xs = [x for x in r["rows"] if x["policy"] == pol]
         ax.plot([100 * x["pool_fraction"] for x in xs], [x["tpot_ms"] for x in xs], marker="o", label=pol)

@@ -359,24 +359,25 @@ class GraphRunner:
         self.host_wait()
         return self.host_idx[li, 0].tolist()
 
-    def decode(self, run, token: int, pos: int) -> int:
-        """One target token at `pos`: L + 1 host syncs (the routers, the token), the pool's experts."""
+    def decode(self, seq, token: int, pos: int) -> int:
+        """One target token at `pos` of `seq` (gpu.GpuSequence: its scheduler, IO, planner and routing
+        record): L + 1 host syncs (the routers, the token), the pool's experts."""
         L, k = self.eng.L, self.eng.k
-        sched, io = run.sched, run.io
+        sched, io = seq.sched, seq.io
         self.set_position(token, pos)
         self.run_segment(0)
         for li in range(L):
-            row = self.read_routing(li, run.planner is not None)   # one sync per MoE layer
+            row = self.read_routing(li, seq.planner is not None)   # one sync per MoE layer
             step = pos * L + li
-            run.record_routing(li, [row])
-            if run.planner is not None:
-                run.state.record(li, self.host_post[li], torch.tensor(row))
+            seq.record_routing(li, [row])
+            if seq.planner is not None:
+                seq.state.record(li, self.host_post[li], torch.tensor(row))
             order = sorted(range(k), key=row.__getitem__)       # top-k positions, ascending expert
             keys = [(li, row[p]) for p in order]
             resident = [key for key in keys if sched.pool.get(key) is not None]
             sched.acquire(step, resident + [key for key in keys if sched.pool.get(key) is None])
-            if run.planner is not None:
-                run.planner.plan(sched, li, step, run.state, None, run.end)
+            if seq.planner is not None:
+                seq.planner.plan(sched, li, step, seq.state, None, seq.end)
             slots = []
             for key in keys:
                 sched.data(key)              # orders the compute stream after the slot's copy

@@ -94,7 +94,7 @@ class RunConfig:
     window: int = 2
     queue_depth: int = 4
     min_confidence: float = 0.02
-    floor: float = 0.0
+    candidate_threshold: float = 0.0
     step_budget_kib: int | None = None
     flash_profile: DeviceProfile | None = None   # pace real reads to this device (emulated flash)
     io: str = "process"                          # reader process (default) or reader threads
@@ -518,8 +518,8 @@ def open_pool_and_scheduler(cfg: RunConfig, *, slot_bytes: int, num_layers: int,
     never = lambda key, now: float("inf")  # noqa: E731 - "prediction" reads the scheduler's table instead
     pool = ExpertPool(cfg.budget_bytes, slot_bytes, policy=ev, min_slots=top_k,
                       next_use=belady_next_use(future, num_layers, units) if ev == "belady" else never)
-    scfg = SchedulerConfig(queue_depth=cfg.queue_depth, min_confidence=cfg.min_confidence, floor=cfg.floor,
-                           prefetch=prefetch,
+    scfg = SchedulerConfig(queue_depth=cfg.queue_depth, min_confidence=cfg.min_confidence,
+                           candidate_threshold=cfg.candidate_threshold, prefetch=prefetch,
                            step_budget_bytes=cfg.step_budget_kib * 1024 if cfg.step_budget_kib else None)
     sched = WindowScheduler(pool, io, scfg, num_layers=num_layers, top_k=top_k, events=events, clock=clock,
                             reuse=ReuseHistory(reuse, num_layers) if ev == "reuse" else None)

@@ -8,7 +8,7 @@ has room (`queue_depth`) and the step's prefetch byte budget lasts; when the que
 requests below `min_confidence`, and it always drops stale ones (deadline already reached). A
 prefetch gets a pool slot only by evicting something not needed sooner. A miss is read on demand
 at top priority. Unbudgeted prefetch has been seen to slow decode (published phone engines): the budget and the
-confidence floor are what keep prefetch from starving the reads the model is waiting for.
+candidate threshold are what keep prefetch from starving the reads the model is waiting for.
 
 Decisions never depend on when a read happens to finish, so the same prompt, policy and budget
 give the same decisions on any machine, in the simulator and in the C++ runner (the event log,
@@ -50,7 +50,7 @@ class SchedulerConfig:
     queue_depth: int = 4            # prefetch reads issued per step at most (logically in flight)
     step_budget_bytes: int | None = None  # prefetch bytes issued per step (None: unbounded)
     min_confidence: float = 0.02    # below this a request is dropped when the queue is full
-    floor: float = 0.0              # below this a candidate is never queued at all
+    candidate_threshold: float = 0.0  # below this a candidate is never queued at all
     prefetch: bool = True           # False: on-demand only
 
 
@@ -199,7 +199,7 @@ class WindowScheduler:
         for target, cs, es in zip(targets, conf.tolist(), ids.tolist()):
             layer = target % self.L
             for c, e in zip(cs, es):
-                if c <= 0 or c < self.cfg.floor:
+                if c <= 0 or c < self.cfg.candidate_threshold:
                     continue
                 key = (layer, e)
                 prev = self.predicted_next.get(key)

@@ -377,7 +377,7 @@ def run_simulation(trace: Path, *, policies: list[Policy], profile: DeviceProfil
                    window: int, queue_depth: int = 4, dtype: str = "fp16", geometry: str | None = None,
                    adapter: Path | None = None, model: str | None = None, min_confidence: float = 0.02,
                    step_budget_kib: int | None = None, max_sequences: int | None = None,
-                   split: str = "heldout", floor: float = 0.0, prompt_tokens: int = 0) -> dict[str, Any]:
+                   split: str = "heldout", candidate_threshold: float = 0.0, prompt_tokens: int = 0) -> dict[str, Any]:
     from toolkit.traces.format import trace_model_spec
     from toolkit.predictors.evaluate import build_predictors
     from toolkit.traces.format import TraceReader
@@ -411,7 +411,8 @@ def run_simulation(trace: Path, *, policies: list[Policy], profile: DeviceProfil
     results = []
     for p in policies:
         rc = RunConfig(policy=p, pool_mib=pool_mib, window=window, queue_depth=queue_depth,
-                       min_confidence=min_confidence, floor=floor, step_budget_kib=step_budget_kib)
+                       min_confidence=min_confidence, candidate_threshold=candidate_threshold,
+                       step_budget_kib=step_budget_kib)
         r = simulate_policy(batches, preds.get(p.predictor), geo, profile, rc, layer_map, reuse=reuse)
         if prompt is not None:
             r.update(simulate_prefill(*prompt, preds.get(p.predictor), geo, profile, rc, layer_map, reuse=reuse))

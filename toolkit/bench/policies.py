@@ -1,4 +1,4 @@
-"""`specprefetch bench`: the reference runner's policies measured side by side, and the simulator
+"""`specprefetch bench cpu`: the reference runner's policies measured side by side, and the simulator
 checked against them, in one run (docs/benchmarks.md).
 
 For each pool size, every policy runs every prompt, in an order shuffled per round (A B C, C A B,
@@ -10,40 +10,16 @@ simulated TPOT can be compared per policy.
 """
 from __future__ import annotations
 
-import json
 import random
-import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
+from toolkit.bench.common import bench_prompts, medians, simulate_same_prompts, torch_threads
 from toolkit.errors import SpecPrefetchError
-from toolkit.reporting import save_figure, write_report
+from toolkit.reporting import figure, save_figure, write_report
 from toolkit.runtime.policy import Policy
-from toolkit.metrics import median
-
-
-def bench_prompts(n: int, tokens: int, tokenizer) -> list[str]:
-    """The first `tokens` tokens of the first n held-out documents of the embedded corpus."""
-    from toolkit.embedded.report import HELDOUT
-
-    out = []
-    for line in HELDOUT.read_text().splitlines()[:: max(1, 100 // n)]:
-        ids = tokenizer(json.loads(line)["text"], add_special_tokens=False)["input_ids"][:tokens]
-        out.append(tokenizer.decode(ids))
-        if len(out) == n:
-            break
-    return out
-
-
-def torch_threads(n: int) -> None:
-    """torch's compute threads for a measurement (the rest of the cores serve I/O), and a short
-    switch interval so I/O threads publish completions promptly."""
-    torch.set_num_threads(max(1, n))
-    sys.setswitchinterval(0.0002)
 
 
 def run_bench(*, model: str = "embedded", adapter: Path | None, policies: list[Policy], pools: list[float],
@@ -63,7 +39,7 @@ def run_bench(*, model: str = "embedded", adapter: Path | None, policies: list[P
     s = open_session(model, cfg, predictors=[p.predictor for p in policies], adapter=adapter, store=store,
                      frequency_trace=frequency_trace, progress=progress,
                      scheduler_default=(*(("window",) if window is None else ()),
-                                        "queue_depth", "min_confidence", "floor", "step_budget_kib"))
+                                        "queue_depth", "min_confidence", "candidate_threshold", "step_budget_kib"))
     window = s.runner.cfg.window
     texts = bench_prompts(prompts, prompt_tokens, s.tokenizer)
     ids = [s.encode(t) for t in texts]
@@ -96,7 +72,7 @@ def run_bench(*, model: str = "embedded", adapter: Path | None, policies: list[P
                         samples[pol.name].append(g.stats.to_json())
         point: dict[str, Any] = {"pool_mib": pool, "policies": {}}
         for pol, rs in samples.items():
-            point["policies"][pol] = {k: median([r[k] for r in rs]) for k in MEDIAN_KEYS}
+            point["policies"][pol] = medians(rs, MEDIAN_KEYS)
             point["policies"][pol]["runs"] = len(rs)
         results["points"].append(point)
     if simulate and s.source_model is not None and s.kind == "model":
@@ -107,35 +83,8 @@ def run_bench(*, model: str = "embedded", adapter: Path | None, policies: list[P
     return results
 
 
-
-
 MEDIAN_KEYS = ("tpot_ms", "tpot_p95_ms", "ttft_ms", "stall_ms_per_token", "hit_rate", "mib_read_per_token",
                "prefetch_precision", "prefetch_recall", "wasted_prefetch_mib")
-
-
-def simulate_same_prompts(model, texts, adapter, policies, pools, new_tokens, window, store,
-                          profile=None, dtype: str = "fp16") -> dict[str, Any]:
-    """Trace the bench prompts and replay them under a device profile: `profile`, or this machine's
-    calibrated for the reference runner."""
-    from toolkit.simulate.calibrate import calibrate
-    from toolkit.simulate.replay import run_simulation
-    from toolkit.traces.capture import TraceSettings, run_trace
-
-    with tempfile.TemporaryDirectory() as d:
-        data = Path(d) / "prompts.jsonl"
-        data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-        trace = run_trace(model, [data], Path(d) / "trace",
-                          TraceSettings(prompt_tokens=10_000, decode_tokens=new_tokens - 1, heldout_frac=0.0),
-                          progress=False)
-        prof = profile or calibrate(model, store=store, out=Path(d) / "this-machine.json", progress=False)[0]
-        out = {"profile": prof.to_json(), "points": []}
-        for pool in pools:
-            r = run_simulation(trace, policies=policies, profile=prof, pool_mib=pool, window=window, adapter=adapter,
-                               split="train", model=model, dtype=dtype)
-            out["points"].append({"pool_mib": pool, "policies": {x["policy"]: {
-                k: x[k] for k in ("tpot_ms", "stall_ms_per_token", "hit_rate", "mib_read_per_token")}
-                for x in r["results"]}})
-    return out
 
 
 def markdown(r: dict[str, Any]) -> str:
@@ -162,13 +111,8 @@ def markdown(r: dict[str, Any]) -> str:
 
 
 def plot(r: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     pols = list(r["points"][0]["policies"])
-    fig, ax = plt.subplots(figsize=(8, 4))
+    fig, ax = figure((8, 4))
     width = 0.8 / (2 * len(r["points"]))
     sims = {p["pool_mib"]: p["policies"] for p in r.get("simulated", {}).get("points", [])}
     for n, p in enumerate(r["points"]):
@@ -186,4 +130,5 @@ def plot(r: dict[str, Any], path: Path) -> None:
 
 
 def write(r: dict[str, Any], json_path: Path) -> tuple[Path, Path]:
+    """json_path, and its .md (the table) and .png (the plot) beside it (toolkit.reporting.write_report)."""
     return write_report(r, json_path, markdown, plot)

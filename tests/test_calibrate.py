@@ -1,0 +1,95 @@
+"""calibrate (toolkit/simulate/calibrate.py): the runtime miss cost it derives from a run, and its flash
+reads (clamped to the store, counted by the bytes read, closing their file on an error)."""
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+import pytest
+
+from toolkit.errors import SpecPrefetchError
+from toolkit.simulate import calibrate as cal
+
+MiB = 2**20
+PAGE = 4096
+
+
+def _open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+@pytest.fixture
+def small_file(tmp_path) -> Path:
+    f = tmp_path / "store.bin"
+    f.write_bytes(os.urandom(3 * PAGE))
+    return f
+
+
+class TestRuntimeMissCost:
+    """The miss cost: stall and misses counted over the same decode tokens."""
+
+    def test_miss_cost_counts_stall_and_misses_over_the_same_decode_tokens(self):
+        """8 tokens = 1 from prefill + 7 decode steps; stall (per decode token) and misses (decode-only
+        counts) both cover those 7 steps: 7 x 2 ms of stall over 14 misses is 1 ms a miss."""
+        run = {"tokens": list(range(8)), "decode_tokens": 7, "stall_ms_per_token": 2.0, "counts": {"misses": 14}}
+        assert cal.runtime_miss_ms(run) == pytest.approx(1.0)
+        # without the runtime's decode_tokens, the decode steps are the tokens after the first
+        del run["decode_tokens"]
+        assert cal.runtime_miss_ms(run) == pytest.approx(1.0)
+        assert cal.runtime_miss_ms({"tokens": [1, 2], "stall_ms_per_token": 0.0, "counts": {"misses": 0}}) == 0.0
+
+
+class TestFlashReads:
+    """Flash reads stay inside the store, count what they read and close their file."""
+
+    def test_reads_clamp_to_the_file_and_count_what_they_read(self, small_file, monkeypatch):
+        """1 MiB reads of a 12 KiB file on a simulated 100 MiB/s device: no request past the end, and
+        the bandwidth is the bytes actually read over the time taken (100 MiB/s), not 1 MiB a read."""
+        clock = [0.0]
+        calls: list[tuple[int, int, int]] = []
+        real = os.preadv
+
+        def preadv(fd, bufs, off):
+            got = real(fd, bufs, off)
+            calls.append((off, sum(len(b) for b in bufs), got))
+            clock[0] += got / (100 * MiB)
+            return got
+
+        monkeypatch.setattr(os, "preadv", preadv)
+        monkeypatch.setattr(cal.time, "perf_counter", lambda: clock[0])
+        bw, lat = cal.measure_reads(small_file, [0, PAGE, 2 * PAGE], MiB, qd=1, n=12)
+        assert len(calls) == 12
+        assert all(off + asked <= 3 * PAGE and got == asked for off, asked, got in calls), calls
+        assert bw == pytest.approx(100.0)
+        assert lat == pytest.approx(sum(c[2] for c in calls) / 12 / (100 * MiB))
+
+    def test_reads_past_the_end_are_refused(self, small_file):
+        with pytest.raises(SpecPrefetchError, match=r"store.bin: .*offset 16384 .*past the end"):
+            cal.measure_reads(small_file, [0, 4 * PAGE], PAGE, qd=1, n=4)
+
+    def test_measure_reads_closes_its_file_when_a_read_fails(self, small_file, monkeypatch):
+        def eio(fd, bufs, off):
+            raise OSError(errno.EIO, "Input/output error")
+
+        before = _open_fds()
+        monkeypatch.setattr(os, "preadv", eio)
+        for qd in (1, 4):
+            with pytest.raises(SpecPrefetchError,
+                               match=r"store.bin: read of 4096 bytes at offset \d+ failed.*Input/output"):
+                cal.measure_reads(small_file, [0, PAGE], PAGE, qd=qd, n=8)
+            assert _open_fds() == before
+        monkeypatch.undo()
+        with pytest.raises(SpecPrefetchError, match="no offsets"):
+            cal.measure_reads(small_file, [], PAGE, qd=1, n=4)
+        assert _open_fds() == before
+
+    @pytest.mark.parametrize("data_offset,file_end,size,count", [
+        (PAGE, PAGE + 12 * PAGE, 12 * PAGE, 1),          # a store smaller than 1 MiB: one read of all of it
+        (2 * PAGE, 2 * PAGE + 5 * MiB, MiB, 5),          # an exact fit: the last MiB is read too
+        (2 * PAGE, 2 * PAGE + 5 * MiB + 3 * PAGE, MiB, 5),
+    ])
+    def test_big_reads_stay_inside_the_store(self, data_offset, file_end, size, count):
+        got, offsets = cal.big_reads(data_offset, file_end)
+        assert (got, len(offsets)) == (size, count)
+        assert got % PAGE == 0 and all(o % PAGE == 0 and data_offset <= o and o + got <= file_end for o in offsets)

@@ -1,0 +1,63 @@
+"""What the benches share in their run stage: the prompts, torch's compute threads, the simulator
+replaying the same prompts, the per-key median over runs (toolkit/bench/__init__.py lists the benches)."""
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from toolkit.metrics import median
+
+
+def bench_prompts(n: int, tokens: int, tokenizer) -> list[str]:
+    """The first `tokens` tokens of the first n held-out documents of the embedded corpus."""
+    from toolkit.embedded.report import HELDOUT
+
+    out = []
+    for line in HELDOUT.read_text().splitlines()[:: max(1, 100 // n)]:
+        ids = tokenizer(json.loads(line)["text"], add_special_tokens=False)["input_ids"][:tokens]
+        out.append(tokenizer.decode(ids))
+        if len(out) == n:
+            break
+    return out
+
+
+def torch_threads(n: int) -> None:
+    """torch's compute threads for a measurement (the rest of the cores serve I/O), and a short
+    switch interval so I/O threads publish completions promptly."""
+    import torch
+
+    torch.set_num_threads(max(1, n))
+    sys.setswitchinterval(0.0002)
+
+
+def medians(runs: Sequence[dict[str, Any]], keys: Iterable[str]) -> dict[str, float | None]:
+    """Per key, the median (toolkit.metrics.median) of that figure over the runs (RunStats-like dicts)."""
+    return {k: median([r[k] for r in runs]) for k in keys}
+
+
+def simulate_same_prompts(model, texts, adapter, policies, pools, new_tokens, window, store,
+                          profile=None, dtype: str = "fp16") -> dict[str, Any]:
+    """Trace the bench prompts and replay them under a device profile: `profile`, or this machine's
+    calibrated for the reference runner."""
+    from toolkit.simulate.calibrate import calibrate
+    from toolkit.simulate.replay import run_simulation
+    from toolkit.traces.capture import TraceSettings, run_trace
+
+    with tempfile.TemporaryDirectory() as d:
+        data = Path(d) / "prompts.jsonl"
+        data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+        trace = run_trace(model, [data], Path(d) / "trace",
+                          TraceSettings(prompt_tokens=10_000, decode_tokens=new_tokens - 1, heldout_frac=0.0),
+                          progress=False)
+        prof = profile or calibrate(model, store=store, out=Path(d) / "this-machine.json", progress=False)[0]
+        out = {"profile": prof.to_json(), "points": []}
+        for pool in pools:
+            r = run_simulation(trace, policies=policies, profile=prof, pool_mib=pool, window=window, adapter=adapter,
+                               split="train", model=model, dtype=dtype)
+            out["points"].append({"pool_mib": pool, "policies": {x["policy"]: {
+                k: x[k] for k in ("tpot_ms", "stall_ms_per_token", "hit_rate", "mib_read_per_token")}
+                for x in r["results"]}})
+    return out
