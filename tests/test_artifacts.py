@@ -9,9 +9,17 @@ user's own directory under one of those names survives byte for byte: the writer
 without touching it, or, where it needs that name, refuses with one line naming it. The marker never
 ends up in a committed OUT.
 
+Report files (every --json, --events, calibrate --out, and the .md/.png beside a report) follow the
+same rule (toolkit.artifacts.claim_report), checked before any work: never an input of the command,
+never inside another artifact, never another output of the same command; an existing one is replaced
+only with --overwrite and only if it is a report of the same command (its "specprefetch_report"
+marker; an events log by its header line). A FIFO or a character device (/dev/null) is written in
+place, never renamed over.
+
 Full disks are real (a small tmpfs, or RLIMIT_FSIZE in a subprocess), signals are real (SIGTERM
-sent to a subprocess), and concurrent writers are two real processes. No test here needs the shared
-bundle.
+sent to a subprocess), concurrent writers are two real processes, and the reports are written by
+real commands (click's CliRunner) from real tiny models, traces, adapters and stores. No test here
+needs the shared bundle.
 """
 from __future__ import annotations
 
@@ -20,18 +28,24 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import signal
+import socket
+import stat
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
+from conftest import HELDOUT
 from toolkit.artifacts import (AtomicDirectory, artifact_kind, atomic_directory, atomic_output_file,
                                claim_output, lock_path, partial_dir, rejected_dir)
+from toolkit.cli import main
 from toolkit.errors import SpecPrefetchError, interrupted_message
 from toolkit.traces.format import TraceWriter
 
@@ -702,6 +716,259 @@ class TestExportOnAFullDisk:
         assert _names(scratch) == []  # no scratch directory
 
 
+# -- report outputs (toolkit.artifacts.claim_report) and special files, through the commands that write them --
+
+FAMILY = "qwen3_moe"  # tiny: 4 layers, MoE layers 1..3, 8 experts, top-2
+RUN = ["--policy", "on-demand+lru", "--prompt", "hi", "--max-new-tokens", "2", "--max-seq", "16"]
+EVAL = ["--predictors", "next-gate,oracle"]
+
+
+def cli(*args) -> tuple[int, str]:
+    """A command through click's CliRunner (as tests/test_cli.py's): a traceback fails the test."""
+    r = CliRunner().invoke(main, [str(a) for a in args])
+    if r.exception is not None and not isinstance(r.exception, SystemExit):
+        raise AssertionError(f"traceback: {r.exception!r}\n{r.output}")
+    return r.exit_code, r.output
+
+
+def refused(args, *fragments) -> str:
+    """The command exits 2 with one `error: ...` line holding every fragment, and no traceback."""
+    code, out = cli(*args)
+    lines = [ln for ln in out.replace("\r", "\n").splitlines() if ln.startswith("error: ")]
+    assert code == 2, out
+    assert len(lines) == 1 and "Traceback" not in out, out
+    for f in fragments:
+        assert str(f) in lines[0], (f, lines[0])
+    return lines[0]
+
+
+def ok(*args) -> str:
+    code, out = cli(*args)
+    assert code == 0, out
+    return out
+
+
+def snapshot(*roots: Path) -> dict[str, tuple]:
+    """Every file under the roots: bytes (sha256), mtime and mode; a path that is not a regular
+    file by its mode alone."""
+    out = {}
+    for root in roots:
+        for p in sorted([root, *root.rglob("*")] if root.is_dir() else [root]):
+            st = os.lstat(p)
+            digest = hashlib.sha256(p.read_bytes()).hexdigest() if stat.S_ISREG(st.st_mode) else None
+            out[str(p)] = (digest, st.st_mtime_ns if stat.S_ISREG(st.st_mode) else None, stat.S_IFMT(st.st_mode))
+    return out
+
+
+@pytest.fixture(scope="module")
+def art(tiny_models, tmp_path_factory):
+    """A private copy of the tiny model, another model, its fp16 store, a small trace, an adapter
+    trained on it, and a directory marked as a bundle (only its path is used: refused before work)."""
+    from adapters.train import TrainConfig, train_adapter
+    from toolkit.models.loader import inspect_model_dir
+    from toolkit.runtime.expert_store import build_store
+    from toolkit.traces.capture import TraceSettings, run_trace
+
+    d = tmp_path_factory.mktemp("outputs")
+    old = os.environ.get("SPECPREFETCH_PROFILES")
+    os.environ["SPECPREFETCH_PROFILES"] = str(d / "cache" / "profiles")
+    try:
+        m = Path(shutil.copytree(tiny_models[FAMILY], d / "model"))
+        other = Path(shutil.copytree(tiny_models["olmoe"], d / "other"))
+        store = build_store(inspect_model_dir(m), d / "experts.spx", "fp16", progress=False)
+        trace = run_trace(m, [HELDOUT], d / "trace", TraceSettings(max_sequences=4, prompt_tokens=8, decode_tokens=3,
+                                                                    heldout_frac=0.5, batch=4), progress=False)
+        train_adapter(trace, d / "adapter", TrainConfig(steps=2, val_every=1, batch_size=8, rank=2), progress=False)
+    finally:
+        if old is None:
+            os.environ.pop("SPECPREFETCH_PROFILES", None)
+        else:
+            os.environ["SPECPREFETCH_PROFILES"] = old
+    bundle = d / "bundle"
+    bundle.mkdir()
+    (bundle / "manifest.json").write_text(json.dumps({"format": "specprefetch-bundle", "target": "executorch"}))
+    return {"M": m, "O": other, "S": store, "T": trace, "A": d / "adapter", "B": bundle}
+
+
+@pytest.fixture
+def outputs_cache(tmp_path_factory, monkeypatch):
+    """The caches of the report-output tests (and of the tests that take `art` elsewhere) live in a temporary
+    directory."""
+    monkeypatch.setenv("SPECPREFETCH_PROFILES", str(tmp_path_factory.getbasetemp() / "outputs-cache" / "profiles"))
+
+
+def _run(a, *rest):
+    return ["run", a["M"], "--store", a["S"], *RUN, *rest]
+
+
+AT_INPUTS = {
+    "run --json MODEL/config.json": (lambda a, t: _run(a, "--json", a["M"] / "config.json"),
+                                     "input of this command"),
+    "run --json MODEL/new.json": (lambda a, t: _run(a, "--json", a["M"] / "new.json"), "inside"),
+    "run --json STORE": (lambda a, t: _run(a, "--json", a["S"]), "input of this command"),
+    "run --json OTHER_MODEL/model.safetensors": (
+        lambda a, t: _run(a, "--json", a["O"] / "model.safetensors"), "a model checkpoint"),
+    "run --events ADAPTER/adapter.json": (
+        lambda a, t: _run(a, "--json", t / "r.json", "--events", a["A"] / "adapter.json", "--overwrite"),
+        "an adapter"),
+    "run --events F --json F": (lambda a, t: _run(a, "--json", t / "f", "--events", t / "f"), "the same file"),
+    "eval --json TRACE/manifest.json": (lambda a, t: ["eval", a["T"], "--json", a["T"] / "manifest.json"],
+                                        "input of this command"),
+    "eval --json ADAPTER/x.json (its .md, .png)": (lambda a, t: ["eval", a["T"], "--json", a["A"] / "x.json"],
+                                                   "an adapter"),
+    "simulate --json ADAPTER/adapter.json": (
+        lambda a, t: ["simulate", a["T"], "--adapter", a["A"], "--policies", "on-demand+lru", "--json",
+                      a["A"] / "adapter.json"], "input of this command"),
+    "simulate --json STORE": (lambda a, t: ["simulate", a["T"], "--json", a["S"], "--overwrite"], "an expert store"),
+    "eviction-bounds --json TRACE/manifest.json": (
+        lambda a, t: ["eviction-bounds", a["T"], "--json", a["T"] / "manifest.json", "--overwrite"],
+        "input of this command"),
+    "bench cpu --json MODEL/config.json": (
+        lambda a, t: ["bench", "cpu", a["M"], "--json", a["M"] / "config.json", "--overwrite"],
+        "input of this command"),
+    "bench gpu --json MODEL/config.json": (
+        lambda a, t: ["bench", "gpu", a["M"], "--json", a["M"] / "config.json", "--overwrite"],
+        "input of this command"),
+    "bench llama.cpp --json BUNDLE/manifest.json": (
+        lambda a, t: ["bench", "llama.cpp", a["B"], "--json", a["B"] / "manifest.json", "--overwrite"],
+        "input of this command"),
+    "runner bench --json BUNDLE/manifest.json": (
+        lambda a, t: ["runner", "bench", a["B"], "--json", a["B"] / "manifest.json", "--overwrite"],
+        "input of this command"),
+    "device bench --json BUNDLE/manifest.json": (
+        lambda a, t: ["device", "bench", a["B"], "--pool-mib", "1", "--prompt", "x", "--json",
+                      a["B"] / "manifest.json", "--overwrite"], "input of this command"),
+    "device list --json TRACE/manifest.json": (
+        lambda a, t: ["device", "list", "--json", a["T"] / "manifest.json"], "a trace"),
+    "calibrate --out TRACE/manifest.json": (
+        lambda a, t: ["calibrate", a["M"], "--store", a["S"], "--out", a["T"] / "manifest.json", "--overwrite"],
+        "a trace"),
+}
+
+
+@pytest.fixture
+def null_device(tmp_path) -> Path:
+    """A character device like /dev/null: made in tmp_path as root (so that a regression renames over
+    this node, not over the machine's /dev/null), else /dev/null itself (which nobody else may replace)."""
+    if os.geteuid() != 0:
+        return Path("/dev/null")
+    node = tmp_path / "null"
+    try:
+        os.mknod(node, stat.S_IFCHR | 0o666, os.makedev(1, 3))
+    except OSError as e:
+        pytest.skip(f"cannot make a device node here ({e})")
+    return node
+
+
+def _read_fifo(path: Path, got: list) -> threading.Thread:
+    def reader():
+        with open(path, "rb") as f:
+            got.append(f.read())
+    t = threading.Thread(target=reader, daemon=True)
+    t.start()
+    return t
+
+
+def _release(path: Path, t: threading.Thread) -> None:
+    t.join(timeout=60)
+    if t.is_alive():  # the command never opened the FIFO: let the reader go
+        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+        os.close(fd)
+        t.join(timeout=10)
+
+
+@pytest.mark.usefixtures("outputs_cache")
+class TestReportClaims:
+    """A report output is never an input, inside another artifact or another output; an existing one is
+    replaced only with --overwrite, by its own command."""
+
+    @pytest.mark.parametrize("case", sorted(AT_INPUTS))
+    def test_report_outputs_never_replace_an_input_or_another_artifact(self, case, art, tmp_path):
+        args, what = AT_INPUTS[case]
+        before = snapshot(*(art[k] for k in "MOSTAB"))
+        refused(args(art, tmp_path), what)
+        assert snapshot(*(art[k] for k in "MOSTAB")) == before
+        assert not any(tmp_path.iterdir())  # and nothing else was written
+
+    def test_an_existing_report_is_replaced_only_with_overwrite_and_only_by_its_own_command(self, art, tmp_path):
+        r, ev, e = tmp_path / "r.json", tmp_path / "events.log", tmp_path / "e.json"
+        ok(*_run(art, "--json", r, "--events", ev))
+        assert json.loads(r.read_text())["specprefetch_report"] == "run"
+        assert ev.read_text().startswith("# specprefetch-events ")
+        before = snapshot(tmp_path)
+        refused(_run(art, "--json", r), f"--json {r} already exists", "--overwrite")
+        refused(_run(art, "--json", tmp_path / "r2.json", "--events", ev), f"--events {ev} already exists")
+        refused(["eval", art["T"], "--json", r, "--overwrite"], "is a `run` report", "only an `eval` report")
+        refused(_run(art, "--json", ev, "--overwrite"), "is an events log")
+        refused(_run(art, "--json", tmp_path / "r3.json", "--events", r, "--overwrite"), "is a `run` report")
+        assert snapshot(tmp_path) == before
+        ok(*_run(art, "--json", r, "--events", ev, "--overwrite"))
+        assert snapshot(tmp_path)[str(r)][1] != before[str(r)][1]  # replaced
+        # a report with its .md and .png: replaced together, by its own command only
+        ok("eval", art["T"], *EVAL, "--json", e)
+        assert json.loads(e.read_text())["specprefetch_report"] == "eval"
+        refused(["eval", art["T"], *EVAL, "--json", e], "already exists")
+        ok("eval", art["T"], *EVAL, "--json", e, "--overwrite")
+        assert {p.name for p in tmp_path.iterdir()} >= {"e.json", "e.md", "e.png"}
+        before = snapshot(tmp_path)
+        refused(["simulate", art["T"], "--policies", "on-demand+lru", "--json", e, "--overwrite"],
+                "is an `eval` report")
+        # a file of the user's, a .md without its report, a report named like its own table
+        mine = tmp_path / "mine.json"
+        mine.write_text('{"rows": [1, 2]}')
+        (tmp_path / "x.md").write_text("my notes")
+        before = snapshot(tmp_path)
+        refused(_run(art, "--json", mine, "--overwrite"), "not a report written by specprefetch")
+        refused(["eval", art["T"], "--json", tmp_path / "x.json"], "x.md exists without its report")
+        refused(["eval", art["T"], "--json", tmp_path / "t.md"], "give the report a .json name")
+        assert snapshot(tmp_path) == before
+
+
+@pytest.mark.usefixtures("outputs_cache")
+class TestSpecialFiles:
+    """A FIFO or a character device is written in place and stays what it is; no atomic writer renames over one."""
+
+    def test_special_files_are_written_in_place_and_stay_what_they_are(self, art, tmp_path, null_device):
+        is_chr = lambda p: stat.S_ISCHR(os.stat(p).st_mode)  # noqa: E731
+        # /dev/null (or its twin) for --json and --events at once, with no --overwrite
+        out = ok(*_run(art, "--json", null_device, "--events", null_device))
+        assert f"wrote {null_device}, {null_device}" in out and is_chr(null_device)
+        ok("eval", art["T"], *EVAL, "--json", null_device)  # the JSON alone: no null.md / null.png beside it
+        assert is_chr(null_device) and not null_device.with_suffix(".md").exists()
+        assert not null_device.with_suffix(".png").exists()
+        # a FIFO: its reader gets the report; it stays a FIFO
+        fifo = tmp_path / "fifo"
+        os.mkfifo(fifo)
+        for args, kind in ((_run(art, "--json", fifo), "run"), (["eval", art["T"], *EVAL, "--json", fifo], "eval")):
+            got: list[bytes] = []
+            t = _read_fifo(fifo, got)
+            code, text = cli(*args)
+            _release(fifo, t)
+            assert code == 0, text
+            assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+            assert json.loads(got[0])["specprefetch_report"] == kind
+        assert {p.name for p in tmp_path.iterdir()} == ({"fifo"} |
+                                                       ({"null"} if null_device.parent == tmp_path else set()))
+        # a socket (like a block device) is refused, and stays a socket
+        s = socket.socket(socket.AF_UNIX)
+        try:
+            s.bind(str(tmp_path / "sock"))
+            refused(_run(art, "--json", tmp_path / "sock"), "is a socket")
+            assert stat.S_ISSOCK(os.lstat(tmp_path / "sock").st_mode)
+        finally:
+            s.close()
+
+    def test_atomic_writers_never_rename_over_a_special_file(self, tmp_path):
+        from toolkit.artifacts import write_json_atomic
+        from toolkit.errors import SpecPrefetchError
+
+        fifo = tmp_path / "fifo"
+        os.mkfifo(fifo)
+        with pytest.raises(SpecPrefetchError, match="is a FIFO, not a regular file"):
+            write_json_atomic(fifo, {"a": 1})
+        assert stat.S_ISFIFO(os.lstat(fifo).st_mode) and [p.name for p in tmp_path.iterdir()] == ["fifo"]
+
+
 _WRITER_SCRIPT = textwrap.dedent("""
     import sys, time
     from pathlib import Path
@@ -746,7 +1013,8 @@ def _cli(*args) -> list[str]:
 
 
 class TestInterrupts:
-    """Ctrl-C and SIGTERM leave nothing but a resumable OUT.partial, and say what was kept."""
+    """Ctrl-C and SIGTERM (an interrupt, by the handlers the CLI installs) leave nothing but a resumable OUT.partial,
+    and say what was kept."""
 
     def test_interrupt_message_says_what_was_kept(self, tmp_path):
         with pytest.raises(KeyboardInterrupt) as e:
@@ -802,6 +1070,12 @@ class TestInterrupts:
         assert "Traceback" not in err and "interrupted" in err
         assert not out.parent.exists()  # made for the bundle, so removed with it
         assert _names(tmp_path) == ["tmp"] and _ours(tmp_path / "tmp") == []  # no scratch directory
+
+    def test_the_cli_installs_the_signal_handlers(self, tiny_models):
+        from toolkit import errors
+
+        assert cli("info", tiny_models[FAMILY])[0] == 0
+        assert signal.getsignal(signal.SIGTERM) is errors._interrupt
 
 
 class TestConcurrentWriters:

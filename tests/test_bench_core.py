@@ -69,6 +69,28 @@ def test_every_bench_writes_its_report_through_write_report(tmp_path, monkeypatc
     assert [m for m, _ in seen] == [policies.markdown, phone.markdown]
 
 
+def test_the_benches_import_the_one_writer_and_median():
+    """No bench keeps a writer or a median of its own: each takes toolkit.reporting's write_report and
+    toolkit.metrics' median (imported at module level, or inside its write)."""
+    import inspect
+
+    import android_runner.bench as native_bench
+    import toolkit.metrics as metrics
+    import toolkit.reporting as reporting
+    from toolkit.bench import policies
+    from toolkit.device import phone
+    from toolkit.peers import sidebyside
+    from toolkit.runtime import gpu_bench
+
+    assert policies.write_report is reporting.write_report
+    for mod in (policies, phone, sidebyside, gpu_bench, native_bench):
+        src = inspect.getsource(mod)
+        assert "write_report" in inspect.getsource(mod.write), mod.__name__
+        assert "statistics.median" not in src and "np.median" not in src and "np.percentile" not in src, mod.__name__
+        if hasattr(mod, "median"):
+            assert mod.median is metrics.median, mod.__name__
+
+
 def test_bench_is_a_group_of_three_sub_commands():
     r = CliRunner().invoke(main, ["bench"])
     assert "bench [OPTIONS] COMMAND [ARGS]..." in r.output, r.output

@@ -11,6 +11,9 @@ Bundle::open): what a bundle's program and store must be before either engine ru
   the manifest records its source model resolved.
 - NaN or inf out of a graph or an expert is an error naming the step, in the Python engine as in
   the native runner (`store` refusing NaN weights is in tests/test_expert_store.py).
+- `inspect` refuses a manifest whose runtime values lie outside the ranges the native runner also
+  enforces, and a manifest.json or a listed file that is not inside the bundle (a symbolic link), in
+  one line naming it.
 
 Real files throughout: the session's embedded ExecuTorch bundle and its host runner (the shared
 bundle: this module runs late), tiny models.
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import struct
 import subprocess
@@ -74,6 +78,17 @@ def one_error(code: int, output: str, *names: str) -> str:
     for n in names:
         assert n in errors[0], errors[0]
     return errors[0]
+
+
+def refused(args, *fragments) -> str:
+    """The command exits 2 with one `error: ...` line holding every fragment, and no traceback."""
+    code, out = cli(*args)
+    lines = [ln for ln in out.replace("\r", "\n").splitlines() if ln.startswith("error: ")]
+    assert code == 2, out
+    assert len(lines) == 1 and "Traceback" not in out, out
+    for f in fragments:
+        assert str(f) in lines[0], (f, lines[0])
+    return lines[0]
 
 
 def native(native_host, b: Path, *args) -> subprocess.CompletedProcess:
@@ -166,6 +181,39 @@ def reseal_store(path: Path, *, source_file_sha: str | None = None, blob_edit=No
     struct.pack_into("<I", raw, 64, zlib.crc32(bytes(raw[index_offset:meta_at + meta_len])))
     seal_header(raw)
     path.write_bytes(raw)
+
+
+def _bundle_copy(src: Path, dst: Path) -> Path:
+    """A hard-linked copy of a shared bundle whose manifest.json is its own file (edited below)."""
+    shutil.copytree(src, dst, copy_function=os.link)
+    (dst / "manifest.json").unlink()
+    shutil.copyfile(src / "manifest.json", dst / "manifest.json")
+    return dst
+
+
+def _set(path: str, value):
+    def edit(m):
+        *keys, last = path.split(".")
+        for k in keys:
+            m = m[k]
+        m[last] = value
+    return edit
+
+
+INSPECT_EDITS = [
+    ("runtime.pool_mib", -5, "runtime.pool_mib is -5"),
+    ("runtime.pool_mib", 0, "runtime.pool_mib is 0"),
+    ("runtime.pool_mib", "8", "runtime.pool_mib is '8'"),
+    ("runtime.scheduler.window", 0, "runtime.scheduler.window is 0"),
+    ("runtime.scheduler.window", 99, "runtime.scheduler.window is 99"),
+    ("runtime.scheduler.queue_depth", -1, "runtime.scheduler.queue_depth is -1"),
+    ("runtime.scheduler.min_confidence", 1.5, "runtime.scheduler.min_confidence is 1.5"),
+    ("runtime.scheduler.prefetch", "yes", "runtime.scheduler.prefetch is 'yes'"),
+    ("kv.max_seq", 0, "kv.max_seq is 0"),
+    ("target", "tpu", "target 'tpu' is not a target this toolkit knows"),
+    ("target", None, "target None is not a target"),
+    ("runtime", [], "field 'runtime' must be a JSON object"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -331,3 +379,34 @@ class TestNonFiniteValues:
         m["runtime"]["expert_store_index_sha256"] = ExpertStore(b / "experts.spx").index_sha256
         (b / "manifest.json").write_text(json.dumps(m))
         native_refused(native(native_host, b, "--no-verify-hashes", "--policy", "on-demand+lru"), "not finite")
+
+
+class TestManifestRanges:
+    """`inspect` refuses runtime values outside the ranges the native runner also enforces."""
+
+    @pytest.mark.parametrize("path,value,what", INSPECT_EDITS, ids=[f"{p}={v!r}" for p, v, _ in INSPECT_EDITS])
+    def test_inspect_refuses_out_of_range_manifest_values(self, path, value, what, embedded_bundles, tmp_path):
+        b = _bundle_copy(embedded_bundles["executorch"], tmp_path / "b")
+        m = json.loads((b / "manifest.json").read_text())
+        _set(path, value)(m)
+        (b / "manifest.json").write_text(json.dumps(m))
+        refused(["inspect", b], str(b / "manifest.json"), what)
+
+
+class TestFilesInsideTheBundle:
+    """`inspect` refuses a manifest.json or a listed file that resolves outside the bundle."""
+
+    def test_inspect_refuses_a_manifest_or_file_outside_the_bundle(self, embedded_bundles, tmp_path):
+        src = embedded_bundles["executorch"]
+        b = _bundle_copy(src, tmp_path / "b")
+        assert cli("inspect", b)[0] == 0
+        outside = tmp_path / "elsewhere.json"
+        shutil.copyfile(b / "manifest.json", outside)
+        (b / "manifest.json").unlink()
+        (b / "manifest.json").symlink_to(outside)
+        refused(["inspect", b], str(b / "manifest.json"), "symbolic link")
+        (b / "manifest.json").unlink()
+        shutil.copyfile(outside, b / "manifest.json")
+        (b / "parity.md").unlink()
+        (b / "parity.md").symlink_to(src / "parity.md")  # the same bytes, but outside this bundle
+        refused(["inspect", b], "parity.md", "resolves outside the bundle")

@@ -1,5 +1,6 @@
-"""calibrate (toolkit/simulate/calibrate.py): the runtime miss cost it derives from a run, and its flash
-reads (clamped to the store, counted by the bytes read, closing their file on an error)."""
+"""calibrate (toolkit/simulate/calibrate.py): the runtime miss cost it derives from a run, its flash
+reads (clamped to the store, counted by the bytes read, closing their file on an error), and its --out
+claimed before it measures (the command, on tests/test_artifacts.py's tiny model and store)."""
 from __future__ import annotations
 
 import errno
@@ -8,11 +9,15 @@ from pathlib import Path
 
 import pytest
 
+import test_artifacts
+from test_artifacts import outputs_cache, refused, snapshot  # noqa: F401 - outputs_cache: a fixture
 from toolkit.errors import SpecPrefetchError
 from toolkit.simulate import calibrate as cal
 
 MiB = 2**20
 PAGE = 4096
+
+art = test_artifacts.art  # the fixture (the tiny model and its store), re-exported
 
 
 def _open_fds() -> set[str]:
@@ -93,3 +98,15 @@ class TestFlashReads:
         got, offsets = cal.big_reads(data_offset, file_end)
         assert (got, len(offsets)) == (size, count)
         assert got % PAGE == 0 and all(o % PAGE == 0 and data_offset <= o and o + got <= file_end for o in offsets)
+
+
+@pytest.mark.usefixtures("outputs_cache")
+class TestOutputClaim:
+    """calibrate's --out is claimed before it measures: a file of the user's is refused and left as it was."""
+
+    def test_calibrate_out_is_claimed_before_measuring(self, art, tmp_path):
+        mine = tmp_path / "profile.json"
+        mine.write_text('{"mine": true}')
+        before = snapshot(tmp_path)
+        refused(["calibrate", art["M"], "--store", art["S"], "--out", mine], "not a report written by specprefetch")
+        assert snapshot(tmp_path) == before

@@ -17,7 +17,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from export.session import reference_tokens
-from toolkit.device.phone import ROOT, bench, bundle_hash, list_devices, push
+from toolkit.device.phone import ROOT, bench, bundle_hash, list_devices, push, states_table
 from toolkit.device.standin import StandIn, adb_server
 from toolkit.errors import SpecPrefetchError
 
@@ -151,6 +151,14 @@ def test_full_disk_is_refused_before_sending(native_host, phones):
         push(bundle, p.serial, log=lambda s: None)
 
 
+def test_device_list_shows_a_full_disk_as_0(phones):
+    p = phones(faults={"full_disk": True})
+    (d,) = [x for x in list_devices() if x["serial"] == p.serial]
+    assert d["free_bytes_data_local_tmp"] == 0
+    line = next(ln for ln in states_table([d]).splitlines() if ln.startswith(p.serial))
+    assert "free 0 MiB under /data/local/tmp" in line and "?" not in line, line
+
+
 def _bench(bundle, p, out, policies, **kw):
     return bench(bundle, serial=p.serial, policies=policies, pool_mib=2.0, prompts=[PROMPT], max_new_tokens=3,
                  repeats=1, json_out=out, cooldown_timeout_s=2, log=lambda s: None, **kw)
@@ -159,7 +167,8 @@ def _bench(bundle, p, out, policies, **kw):
 def test_runner_failure_is_recorded_and_the_bench_goes_on(native_host, phones, tmp_path):
     """The runner crashes on the phone in one run (its launcher there replaced by one that fails,
     after the first run, and put back once the failure is logged): recorded, and the runs after it
-    are measured. (What the runner would refuse up front is refused before the push: test_hardening_device.)"""
+    are measured. (What the runner would refuse up front is refused before the push:
+    tests/test_device_bench.py.)"""
     bundle, _ = native_host
     p = phones()
     launcher = p.host_path(f"{ROOT}/{bundle_hash(bundle)}/runner/run.sh")

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from test_device import cli, one_line_error  # `specprefetch device ...` in a subprocess; its one-line error
 from toolkit.device.standin import AdbServer, Faults, StandIn, adb_server
 from toolkit.errors import SpecPrefetchError
 
@@ -239,6 +240,16 @@ def test_rewrite_rule_and_fault_checks(tmp_path: Path) -> None:
         StandIn(root=tmp_path / "r", faults={"disconnect_after_s": -1})
     with pytest.raises(SpecPrefetchError, match="no spaces"):
         StandIn(root=tmp_path / "with space")
+
+
+@pytest.mark.parametrize("port", ["5555", "5585"])
+def test_the_standin_refuses_the_emulator_ports(port):
+    try:
+        r = cli("standin", "--port", port, timeout=30)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"device standin --port {port} started instead of refusing the port")
+    one_line_error(r, f"--port {port}: adb looks for emulators on 5555-5585")
+    assert r.returncode == 2 and "ready" not in r.stdout
 
 
 def test_demo_gives_up_on_a_silent_stand_in_and_stops_it(tmp_path):

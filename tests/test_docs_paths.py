@@ -17,7 +17,7 @@ TOP = ("toolkit", "export", "android_runner", "adapters", "tests", "docs", ".ci"
 PATH = re.compile(r"(?<![\w./-])((?:" + "|".join(re.escape(t) for t in TOP) + r")/[\w./*{},-]*[\w*}])")
 # (pyproject.toml is left out: its package-data paths are relative to each package)
 SCANNED = (".py", ".md", ".cpp", ".h", ".txt", ".cmake", ".sh", "Makefile", "run")
-PLACEHOLDERS = {"FILE", "TEST"}
+PLACEHOLDERS = {"FILE", "TEST", "CLASS"}
 
 
 @functools.lru_cache(maxsize=1)
@@ -82,23 +82,46 @@ def test_every_named_repository_path_exists():
     assert not missing, "paths named but not in the repository:\n" + "\n".join(missing)
 
 
+@functools.lru_cache(maxsize=None)
+def _test_names(path: Path) -> frozenset[str]:
+    """The pytest node names a test file defines: `test_x` (module level) and `TestC`, `TestC::test_x`."""
+    import ast
+
+    names = set()
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.ClassDef):
+            names.add(node.name)
+            names.update(f"{node.name}::{f.name}" for f in node.body
+                         if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)))
+    return frozenset(names)
+
+
+# `tests/x.py` (optionally `::test_y` or `::TestC::test_y`), and the shorthand `::TestC::test_y` / `::test_y`
+# for a test of the file named last before it on the same line
+NODE = re.compile(r"(tests/\w+\.py)(?:::(\w+(?:::\w+)?))?|(?<![\w:])::(\w+(?:::\w+)?)")
+
+
 def test_named_tests_exist():
-    """`tests/x.py::test_y` or `tests/x.py::TestClass::test_y` (docs/reliability.md names one per guarantee) names a
-    test in that file (in that class)."""
+    """Every test docs/reliability.md (and any doc or comment) names, as `tests/x.py::test_y`,
+    `tests/x.py::TestClass::test_y` or the shorthand `::...` for the file named last on its line, is a
+    test that file defines, at that place (a method of a class is not a module-level test)."""
     missing = []
     for f, text in _scanned():
-        for m in re.finditer(r"(tests/\w+\.py)::(\w+)(?:::(\w+))?", text):
-            p = REPO / m.group(1)
-            if not p.is_file():
-                continue
-            src = p.read_text(encoding="utf-8")
-            if m.group(3):  # tests/x.py::TestClass::test_y
-                cls = re.search(rf"^class {m.group(2)}\b.*?(?=^class |\Z)", src, re.S | re.M)
-                ok = cls is not None and re.search(rf"\bdef {m.group(3)}\b", cls.group(0))
-            else:
-                ok = re.search(rf"\b(def|class) {m.group(2)}\b", src)  # a test, or a class of them
-            if not ok:
-                missing.append(f"{f}: {m.group(0)}")
+        for line in text.splitlines():
+            last = None
+            for m in NODE.finditer(line):
+                if m.group(1):
+                    last, name = REPO / m.group(1), m.group(2)
+                else:
+                    name = m.group(3)
+                if name is None or last is None or not last.is_file():
+                    continue
+                if set(name.split("::")) <= PLACEHOLDERS:
+                    continue
+                if name not in _test_names(last):
+                    missing.append(f"{f}: {m.group(0)} ({last.relative_to(REPO)})")
     assert not missing, "tests named but not defined:\n" + "\n".join(missing)
 
 

@@ -1,10 +1,13 @@
-"""The expert store (toolkit/runtime/expert_store.py, its cache and fingerprints): a store is tied to
-the weights it was built from (a fine-tune with the same config is refused, and gets its own cached
-store), every header field is covered by a checksum, `--store` must name an existing store and
-`--dtype` is never silently ignored beside it, an open store keeps reading its own file when the path
-is replaced, `build_store` refuses to overwrite what is not a store (or is an input) and names a
-truncated or non-finite source, and the native runner's open reads the same format. Real files
-throughout: a tiny checkpoint, its fine-tune re-saved with one expert changed, stores built from both.
+"""The expert store (toolkit/runtime/expert_store.py, its cache and fingerprints): it reads back the
+checkpoint's experts (exactly in fp16, within the quantization's error in int8 and int4, for every
+family); a damaged one (a blob, the index, a truncated file, the magic, the version, another model's
+config) is refused by both readers; a store is tied to the weights it was built from (a fine-tune
+with the same config is refused, and gets its own cached store); every header field is covered by a
+checksum; `--store` must name an existing store and `--dtype` is never silently ignored beside it; an
+open store keeps reading its own file when the path is replaced; `build_store` refuses to overwrite
+what is not a store (or is an input) and names a truncated or non-finite source; and the native
+runner's open reads the same format. Real files throughout: a tiny checkpoint, its fine-tune re-saved
+with one expert changed, stores built from both (and from every tiny family and the embedded model).
 No test here needs the shared bundle (tests/test_bundle_checks.py has the bundle's store checks)."""
 from __future__ import annotations
 
@@ -21,11 +24,16 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
+from export.session import open_session, reference_tokens
 from toolkit.cli import main
 from toolkit.errors import SpecPrefetchError
+from toolkit.models.checkpoint import ExpertReader
 from toolkit.models.loader import inspect_model_dir
-from toolkit.runtime.expert_store import HEADER, VERSION, ExpertStore, build_store, seal_header
+from toolkit.models.tiny import TINY_FAMILIES
+from toolkit.runtime.expert_store import ALIGN, HEADER, VERSION, ExpertStore, build_store, seal_header
 from toolkit.runtime.fingerprint import file_sha256, weights_fingerprint
+from toolkit.runtime.policy import Policy
+from toolkit.runtime.runner import RunConfig
 
 REPO = Path(__file__).resolve().parent.parent
 EXPERT_KEY = "model.layers.1.mlp.experts.3.gate_proj.weight"
@@ -70,6 +78,12 @@ def tiny(models, base_store) -> dict:
     return {"model": models["base"], "store": base_store}
 
 
+@pytest.fixture(scope="module")
+def emb_store(embedded, tmp_path_factory) -> Path:
+    """The embedded model's fp16 store."""
+    return build_store(inspect_model_dir(embedded), tmp_path_factory.mktemp("s") / "e.spx", "fp16", progress=False)
+
+
 def cli(*args) -> tuple[int, str]:
     r = CliRunner().invoke(main, [str(a) for a in args])
     return r.exit_code, r.output
@@ -81,6 +95,48 @@ def one_error(code: int, output: str, *names: str) -> str:
     for n in names:
         assert n in errors[0], errors[0]
     return errors[0]
+
+
+class TestReadBack:
+    """A store reads back the checkpoint's experts: exactly in fp16, within the quantization's error in int8
+    and int4, for every family."""
+
+    @pytest.mark.parametrize("dtype,tol", [("fp16", 0.0), ("int8", 0.01), ("int4", 0.15)])
+    def test_store_round_trip(self, tiny_models, tmp_path, dtype, tol):
+        spec = inspect_model_dir(tiny_models["qwen3_moe"])
+        st = ExpertStore(build_store(spec, tmp_path / "s.spx", dtype, progress=False), spec)
+        ref = ExpertReader(spec)
+        assert st.dtype == dtype and len(st.entries) == 3 * 8
+        for (li, e), entry in st.entries.items():
+            assert entry.offset % ALIGN == 0
+            w = st.weights(li, e)
+            r = ref.read_expert(spec.geometry.moe_layers[li], e)
+            for role in ("gate", "up", "down"):
+                err = (w[role] - r[role].float()).abs().max() / r[role].float().abs().max()
+                assert err <= tol + 1e-7, (dtype, role, float(err))
+
+    @pytest.mark.parametrize("fam", TINY_FAMILIES)
+    def test_store_every_family(self, tiny_models, tmp_path, fam):
+        spec = inspect_model_dir(tiny_models[fam])
+        st = ExpertStore(build_store(spec, tmp_path / "s.spx", "fp16", progress=False), spec)
+        ref = ExpertReader(spec)
+        li = len(spec.geometry.moe_layers) - 1
+        w = st.weights(li, 5)
+        for role, t in ref.read_expert(spec.geometry.moe_layers[li], 5).items():
+            assert torch.equal(w[role], t.float()), role
+
+    def test_int8_keeps_tiny_rows(self):
+        from toolkit.runtime.expert_store import blob_sections, dequantize, quantize
+
+        w = torch.randn(4, 64) * torch.tensor([1.0, 1e-3, 5e-6, 0.0])[:, None]
+        secs, size = blob_sections([("gate", (4, 64))], "int8")
+        blob = bytearray(size)
+        for s, a in zip(secs, quantize(w, "int8")):
+            blob[s.offset:s.offset + s.nbytes] = a.tobytes()
+        got = dequantize(bytes(blob), secs)["gate"]
+        for row in range(3):
+            assert (got[row] - w[row]).abs().max() <= w[row].abs().max() / 127 + 6.2e-5
+        assert torch.equal(got[3], torch.zeros(64))
 
 
 class TestTiedToTheWeights:
@@ -289,6 +345,87 @@ class TestHeaderChecks:
                 ExpertStore(bad).close()
             except SpecPrefetchError as e:
                 assert "\n" not in str(e)
+
+
+class TestDamageRefused:
+    """A damaged store (a blob, the index, a truncated file, the magic, the version) is refused by name, by
+    both readers."""
+
+    def test_store_rejects_damage(self, emb_store, tiny_models, tmp_path):
+        bad = tmp_path / "bad.spx"
+        shutil.copy(emb_store, bad)
+        st = ExpertStore(bad)
+        e = st.entry(2, 3)
+        with open(bad, "r+b") as f:
+            f.seek(e.offset + 100)
+            f.write(b"\xff\xfe")
+        with pytest.raises(SpecPrefetchError, match=r"expert \(2, 3\) failed its checksum"):
+            ExpertStore(bad).read(2, 3)
+        with pytest.raises(SpecPrefetchError, match="built from model config"):
+            ExpertStore(emb_store, inspect_model_dir(tiny_models["olmoe"]))
+        trunc = tmp_path / "t.spx"
+        trunc.write_bytes(emb_store.read_bytes()[: emb_store.stat().st_size // 2])
+        with pytest.raises(SpecPrefetchError, match=f"{trunc}: expert .* lies outside the file"):
+            ExpertStore(trunc)
+        magic = tmp_path / "m.spx"
+        magic.write_bytes(b"NOTASTORE" + emb_store.read_bytes()[9:4096])
+        with pytest.raises(SpecPrefetchError, match="bad magic"):
+            ExpertStore(magic)
+        ver = tmp_path / "v.spx"
+        raw = bytearray(emb_store.read_bytes()[:8192])
+        struct.pack_into("<I", raw, 8, 7)
+        ver.write_bytes(bytes(raw))
+        with pytest.raises(SpecPrefetchError, match="version 7"):
+            ExpertStore(ver)
+        idx = tmp_path / "i.spx"
+        raw = bytearray(emb_store.read_bytes())
+        raw[200] ^= 1
+        idx.write_bytes(bytes(raw))
+        with pytest.raises(SpecPrefetchError, match="index is corrupt"):
+            ExpertStore(idx)
+
+    def test_store_index_entries_are_validated(self, emb_store, tmp_path):
+        from toolkit.runtime.expert_store import ENTRY, HEADER
+
+        raw = bytearray(emb_store.read_bytes())
+        fields = list(ENTRY.unpack_from(raw, HEADER.size))
+        fields[3] += 4096  # a blob size that disagrees with the metadata
+        ENTRY.pack_into(raw, HEADER.size, *fields)
+        import zlib
+        head = list(HEADER.unpack_from(raw, 0))
+        L, E, meta_len = head[3], head[4], head[10]
+        body = bytes(raw[HEADER.size:HEADER.size + ENTRY.size * L * E + meta_len])
+        head[13] = zlib.crc32(body)  # a faulty writer, not random corruption: the CRC matches
+        HEADER.pack_into(raw, 0, *head)
+        from toolkit.runtime.expert_store import seal_header
+        seal_header(raw)  # and so does the header's own CRC
+        bad = tmp_path / "b.spx"
+        bad.write_bytes(bytes(raw))
+        with pytest.raises(SpecPrefetchError, match="index entry 0 is invalid"):
+            ExpertStore(bad)
+
+    def test_corrupt_blob_is_refused_by_both_readers(self, embedded, emb_store, tmp_path):
+        import shutil
+
+        from toolkit.runtime.expert_store import ExpertStore
+
+        bad = tmp_path / "bad.spx"
+        shutil.copy(emb_store, bad)
+        s = open_session(embedded, RunConfig(policy=Policy("on-demand", "lru"), pool_mib=1.0), store=bad, max_seq=32,
+                         progress=False)
+        ids = s.encode("The kernel")
+        ref = reference_tokens(embedded, ids, 6)
+        for io in ("process", "threads"):
+            s.runner.configure(io=io)
+            assert s.runner.run(ids, 6).tokens == ref
+        for entry in ExpertStore(bad).entries.values():
+            with open(bad, "r+b") as f:
+                f.seek(entry.offset + 10)
+                f.write(b"\x00\x01\x02")
+        for io in ("process", "threads"):
+            s.runner.configure(io=io)
+            with pytest.raises(SpecPrefetchError, match=r"expert \(\d+, \d+\) failed its checksum"):
+                s.runner.run(ids, 6)
 
 
 class TestOpenStoreKeepsItsFile:

@@ -138,7 +138,7 @@ def run_fuzz(target: str, cases: int, mutate: Callable[[random.Random, int], str
     """Case n: mutate(rng, n) edits the artifact in place and says how; consume(n) reads it as the
     commands do; restore() puts the real artifact back. A SpecPrefetchError must be one line naming
     one of `names`; so must an OSError (the CLI prints it as `error: PATH: ...`, see
-    tests/test_hardening_cli.py::test_os_errors_name_the_path). Any other exception is a failure (all
+    tests/test_cli.py::TestOsErrors::test_os_errors_name_the_path). Any other exception is a failure (all
     are collected, then reported together)."""
     out = Outcome()
     for n in case_numbers(cases):

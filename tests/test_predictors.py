@@ -1,4 +1,5 @@
-"""Predictors, the adapter and evaluation: real traces of real (tiny and embedded) models."""
+"""Predictors, the adapter and evaluation (an undefined metric is null, n/a in the tables, never 0): real
+traces of real (tiny and embedded) models."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,6 +15,7 @@ from adapters.checkpoint import load_adapter
 from adapters.lowrank import PrefetchAdapter
 from adapters.train import TrainConfig, train_adapter
 from conftest import HELDOUT
+from test_cli import FAMILY, cli  # the tiny family; the CLI runner that fails on a traceback
 from toolkit.errors import SpecPrefetchError
 from toolkit.metrics import precision, recall, topk_hits, tpot_ms
 from toolkit.models.loader import inspect_model_dir, load_model
@@ -155,6 +157,27 @@ def test_eval_report_files(emb_adapter, emb_trace, tmp_path):
         assert len(p["per_layer_recall_at_k"]["1"]) == 8
     assert j["predictors"]["draft"]["acceptance_rate"] > 0.5
     assert "| adapter |" in md.read_text() and png.stat().st_size > 10_000
+
+
+def test_undefined_metrics_are_na_not_zero(tmp_path):
+    """Within-token recall at h=2 on a model with 2 MoE layers has nothing to measure: every h=2
+    target is in the next token. It is null / n/a, even for the oracle; h=1 is measured."""
+    m, tr, ev = tmp_path / "m", tmp_path / "tr", tmp_path / "e.json"
+    assert cli("tiny", FAMILY, "--out", m, "--set", "num_hidden_layers=3")[0] == 0  # MoE layers 1, 2
+    code, out = cli("trace", m, "--data", HELDOUT, "--out", tr, "--max-sequences", "4", "--prompt-tokens", "6",
+                    "--decode-tokens", "3", "--heldout-frac", "0.5")
+    assert code == 0, out
+    code, out = cli("eval", tr, "--predictors", "next-gate,oracle", "--horizons", "1,2", "--json", ev)
+    assert code == 0, out
+    j = json.loads(ev.read_text())
+    for name in ("next-gate", "oracle"):
+        p = j["predictors"][name]
+        assert p["recall_at_k_within_token"]["2"] is None and p["recall_at_k_within_token"]["1"] is not None
+        assert p["recall_at_k"]["2"] is not None
+    assert j["predictors"]["oracle"]["recall_at_k_within_token"]["1"] == 1.0
+    rows = [ln for ln in ev.with_suffix(".md").read_text().splitlines() if ln.startswith(("| next-gate", "| oracle"))]
+    assert len(rows) == 2 and all(r.split(" | ")[5] == "n/a" for r in rows), rows  # within-token h=2
+    assert "0.000" not in "".join(r.split(" | ")[5] for r in rows)
 
 
 def test_fake_quant_int4_levels():

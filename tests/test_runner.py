@@ -1,9 +1,11 @@
 """The reference runner: one decode loop over step graphs, experts through the pool, on real models,
 real stores, real O_DIRECT reads and real bundles. Tokens are checked against transformers' own
-`generate`; the event log is held to being deterministic."""
+`generate`; the event log is held to being deterministic; `run` on a model and on a bundle prints none
+of the libraries' noise on stderr."""
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,8 @@ import torch
 from click.testing import CliRunner
 
 from conftest import HELDOUT
+import test_cli
+from test_cli import EXE, FAMILY
 from export.session import open_session, reference_tokens
 from toolkit.cli import main
 from toolkit.errors import SpecPrefetchError
@@ -24,6 +28,8 @@ from toolkit.runtime.pool import EVICTION_POLICIES
 from toolkit.runtime.runner import RunConfig
 
 PROMPT = "The kernel's memory allocator"
+
+store = test_cli.store  # the fixture (a tiny model's store, built by the CLI), re-exported
 
 
 @pytest.fixture(scope="module")
@@ -214,30 +220,6 @@ def test_configure_is_checked(emb_session):
     assert r.cfg == before
 
 
-def test_corrupt_blob_is_refused_by_both_readers(embedded, emb_store, tmp_path):
-    import shutil
-
-    from toolkit.runtime.expert_store import ExpertStore
-
-    bad = tmp_path / "bad.spx"
-    shutil.copy(emb_store, bad)
-    s = open_session(embedded, RunConfig(policy=Policy("on-demand", "lru"), pool_mib=1.0), store=bad, max_seq=32,
-                     progress=False)
-    ids = s.encode("The kernel")
-    ref = reference_tokens(embedded, ids, 6)
-    for io in ("process", "threads"):
-        s.runner.configure(io=io)
-        assert s.runner.run(ids, 6).tokens == ref
-    for entry in ExpertStore(bad).entries.values():
-        with open(bad, "r+b") as f:
-            f.seek(entry.offset + 10)
-            f.write(b"\x00\x01\x02")
-    for io in ("process", "threads"):
-        s.runner.configure(io=io)
-        with pytest.raises(SpecPrefetchError, match=r"expert \(\d+, \d+\) failed its checksum"):
-            s.runner.run(ids, 6)
-
-
 # -- the CLI -------------------------------------------------------------------------------------
 
 def test_cli_run_model_with_events_and_rss(emb_store, emb_trace_adapter, tmp_path):
@@ -283,6 +265,22 @@ def test_cli_run_refuses_bad_options_in_one_line(args, message, tmp_path):
     assert r.exit_code == 2, r.output
     assert message in r.output and "Traceback" not in r.output
     assert not (tmp_path / "x.json").exists()
+
+
+@pytest.mark.slow
+def test_no_library_noise_on_stderr(tiny_models, store, embedded_bundles, tmp_path):
+    """torchao's "Failed to load ... .so", torch's pytree deprecation notes and ExecuTorch's
+    cpuinfo probing are not the user's business; progress bars and our own lines are."""
+    runs = [["run", tiny_models[FAMILY], "--store", store, "--policy", "on-demand+lru", "--prompt", "The kernel",
+             "--max-new-tokens", "3", "--json", tmp_path / "a.json"],
+            ["run", embedded_bundles["executorch"], "--policy", "next-gate+prediction", "--prompt", "The kernel",
+             "--max-new-tokens", "3", "--no-check", "--json", tmp_path / "b.json"]]
+    for args in runs:
+        r = subprocess.run([str(EXE), *map(str, args)], capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr
+        for noise in ("Failed to load", "_pytree", "cpuinfo", "threadpool.cpp", "Warning", "deprecated"):
+            assert noise not in r.stderr, (noise, r.stderr)
+        assert " -> " in r.stdout and "TPOT" in r.stdout
 
 
 # -- bundles: the same loop over ExecuTorch and QNN graphs ----------------------------------------

@@ -1,10 +1,9 @@
-"""Expert store, pool, scheduler and simulator, on real files and models (the runner: test_runner.py)."""
+"""Pool, scheduler and simulator, on real files and models (the expert store: test_expert_store.py; the
+runner: test_runner.py)."""
 from __future__ import annotations
 
 import json
 import random
-import shutil
-import struct
 from pathlib import Path
 
 import pytest
@@ -12,10 +11,8 @@ import torch
 
 from conftest import HELDOUT
 from toolkit.errors import SpecPrefetchError
-from toolkit.models.checkpoint import ExpertReader
 from toolkit.models.loader import inspect_model_dir
-from toolkit.models.tiny import TINY_FAMILIES
-from toolkit.runtime.expert_store import ALIGN, ExpertStore, build_store
+from toolkit.runtime.expert_store import build_store
 from toolkit.runtime.pool import ExpertPool
 from toolkit.runtime.scheduler import SchedulerConfig, WindowScheduler
 from toolkit.simulate.flash import SimClock, SimFlash
@@ -25,68 +22,6 @@ from toolkit.runtime.profiles import SNAPDRAGON_8_ELITE, load_profile, save_prof
 @pytest.fixture(scope="module")
 def emb_store(embedded, tmp_path_factory) -> Path:
     return build_store(inspect_model_dir(embedded), tmp_path_factory.mktemp("s") / "e.spx", "fp16", progress=False)
-
-
-# -- expert store -----------------------------------------------------------------------------
-
-@pytest.mark.parametrize("dtype,tol", [("fp16", 0.0), ("int8", 0.01), ("int4", 0.15)])
-def test_store_round_trip(tiny_models, tmp_path, dtype, tol):
-    spec = inspect_model_dir(tiny_models["qwen3_moe"])
-    st = ExpertStore(build_store(spec, tmp_path / "s.spx", dtype, progress=False), spec)
-    ref = ExpertReader(spec)
-    assert st.dtype == dtype and len(st.entries) == 3 * 8
-    for (li, e), entry in st.entries.items():
-        assert entry.offset % ALIGN == 0
-        w = st.weights(li, e)
-        r = ref.read_expert(spec.geometry.moe_layers[li], e)
-        for role in ("gate", "up", "down"):
-            err = (w[role] - r[role].float()).abs().max() / r[role].float().abs().max()
-            assert err <= tol + 1e-7, (dtype, role, float(err))
-
-
-@pytest.mark.parametrize("fam", TINY_FAMILIES)
-def test_store_every_family(tiny_models, tmp_path, fam):
-    spec = inspect_model_dir(tiny_models[fam])
-    st = ExpertStore(build_store(spec, tmp_path / "s.spx", "fp16", progress=False), spec)
-    ref = ExpertReader(spec)
-    li = len(spec.geometry.moe_layers) - 1
-    w = st.weights(li, 5)
-    for role, t in ref.read_expert(spec.geometry.moe_layers[li], 5).items():
-        assert torch.equal(w[role], t.float()), role
-
-
-def test_store_rejects_damage(emb_store, tiny_models, tmp_path):
-    bad = tmp_path / "bad.spx"
-    shutil.copy(emb_store, bad)
-    st = ExpertStore(bad)
-    e = st.entry(2, 3)
-    with open(bad, "r+b") as f:
-        f.seek(e.offset + 100)
-        f.write(b"\xff\xfe")
-    with pytest.raises(SpecPrefetchError, match=r"expert \(2, 3\) failed its checksum"):
-        ExpertStore(bad).read(2, 3)
-    with pytest.raises(SpecPrefetchError, match="built from model config"):
-        ExpertStore(emb_store, inspect_model_dir(tiny_models["olmoe"]))
-    trunc = tmp_path / "t.spx"
-    trunc.write_bytes(emb_store.read_bytes()[: emb_store.stat().st_size // 2])
-    with pytest.raises(SpecPrefetchError, match=f"{trunc}: expert .* lies outside the file"):
-        ExpertStore(trunc)
-    magic = tmp_path / "m.spx"
-    magic.write_bytes(b"NOTASTORE" + emb_store.read_bytes()[9:4096])
-    with pytest.raises(SpecPrefetchError, match="bad magic"):
-        ExpertStore(magic)
-    ver = tmp_path / "v.spx"
-    raw = bytearray(emb_store.read_bytes()[:8192])
-    struct.pack_into("<I", raw, 8, 7)
-    ver.write_bytes(bytes(raw))
-    with pytest.raises(SpecPrefetchError, match="version 7"):
-        ExpertStore(ver)
-    idx = tmp_path / "i.spx"
-    raw = bytearray(emb_store.read_bytes())
-    raw[200] ^= 1
-    idx.write_bytes(bytes(raw))
-    with pytest.raises(SpecPrefetchError, match="index is corrupt"):
-        ExpertStore(idx)
 
 
 # -- pool -------------------------------------------------------------------------------------
@@ -422,6 +357,18 @@ def test_cli_eviction_bounds(sim_trace, tmp_path):
     assert r.exit_code == 2 and "--pool-frac" in r.output and "1.5" in r.output and not (tmp_path / "b.json").exists()
 
 
+def test_simulate_table_prints_undefined_figures_as_na():
+    from toolkit.simulate.report import markdown
+
+    res = {"policy": "on-demand+lru", "predictor": "on-demand", "tpot_ms": None, "tpot_p95_ms": None,
+           "stall_ms_per_token": 0.5, "hit_rate": None, "mib_read_per_token": 0.25, "wasted_prefetch_mib": 0.0}
+    r = {"profile": "p", "routing_from": {"replayed_onto_other_geometry": False},
+         "geometry": {"slot_bytes": 4096, "dtype": "fp16", "num_layers": 2, "num_experts": 8, "top_k": 2},
+         "points": [{"pool_mib": 1.0, "pool_share_of_experts": 0.5, "window": 1, "results": [res]}]}
+    row = markdown(r).splitlines()[-1]
+    assert row.count("n/a") == 4 and "0.000" not in row, row
+
+
 def test_calibrate_writes_a_profile(emb_store, tmp_path, sim_trace):
     from toolkit.simulate.calibrate import calibrate
     from toolkit.runtime.policy import Policy
@@ -434,41 +381,6 @@ def test_calibrate_writes_a_profile(emb_store, tmp_path, sim_trace):
     assert set(p.flash_bw) == {1, 2, 4, 8} and all(v > 0 for t in p.flash_bw.values() for v in t.values())
     r = run_simulation(sim_trace, policies=[Policy("on-demand", "lru")], profile=p, pool_mib=4, window=2)
     assert r["results"][0]["tpot_ms"] > 0
-
-
-def test_store_index_entries_are_validated(emb_store, tmp_path):
-    from toolkit.runtime.expert_store import ENTRY, HEADER
-
-    raw = bytearray(emb_store.read_bytes())
-    fields = list(ENTRY.unpack_from(raw, HEADER.size))
-    fields[3] += 4096  # a blob size that disagrees with the metadata
-    ENTRY.pack_into(raw, HEADER.size, *fields)
-    import zlib
-    head = list(HEADER.unpack_from(raw, 0))
-    L, E, meta_len = head[3], head[4], head[10]
-    body = bytes(raw[HEADER.size:HEADER.size + ENTRY.size * L * E + meta_len])
-    head[13] = zlib.crc32(body)  # a faulty writer, not random corruption: the CRC matches
-    HEADER.pack_into(raw, 0, *head)
-    from toolkit.runtime.expert_store import seal_header
-    seal_header(raw)  # and so does the header's own CRC
-    bad = tmp_path / "b.spx"
-    bad.write_bytes(bytes(raw))
-    with pytest.raises(SpecPrefetchError, match="index entry 0 is invalid"):
-        ExpertStore(bad)
-
-
-def test_int8_keeps_tiny_rows():
-    from toolkit.runtime.expert_store import blob_sections, dequantize, quantize
-
-    w = torch.randn(4, 64) * torch.tensor([1.0, 1e-3, 5e-6, 0.0])[:, None]
-    secs, size = blob_sections([("gate", (4, 64))], "int8")
-    blob = bytearray(size)
-    for s, a in zip(secs, quantize(w, "int8")):
-        blob[s.offset:s.offset + s.nbytes] = a.tobytes()
-    got = dequantize(bytes(blob), secs)["gate"]
-    for row in range(3):
-        assert (got[row] - w[row]).abs().max() <= w[row].abs().max() / 127 + 6.2e-5
-    assert torch.equal(got[3], torch.zeros(64))
 
 
 def test_planner_graph_heads_missing_for_a_layer_plan_nothing():

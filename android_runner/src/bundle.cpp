@@ -259,10 +259,11 @@ Bundle parse_manifest(const std::string& text, const std::string& where) {
     if (const json* v = optional(*s, "window", where, p)) S.window = to_int(as_int(*v, where, p + ".window", 1, kMaxHorizon));
     if (const json* v = optional(*s, "queue_depth", where, p)) S.queue_depth = to_int(as_int(*v, where, p + ".queue_depth", 1, 1 << 20));
     if (const json* v = optional(*s, "min_confidence", where, p)) S.min_confidence = as_probability(*v, where, p + ".min_confidence");
+    // `floor`: candidate_threshold's name in bundles exported before the rename (checked wherever present,
+    // as the Python side checks it; candidate_threshold wins when both are there)
+    if (const json* v = optional(*s, "floor", where, p)) S.candidate_threshold = as_probability(*v, where, p + ".floor");
     if (const json* v = optional(*s, "candidate_threshold", where, p))
       S.candidate_threshold = as_probability(*v, where, p + ".candidate_threshold");
-    else if (const json* v = optional(*s, "floor", where, p))  // its name in bundles exported before the rename
-      S.candidate_threshold = as_probability(*v, where, p + ".floor");
     if (const json* v = optional(*s, "step_budget_bytes", where, p)) S.step_budget_bytes = as_int(*v, where, p + ".step_budget_bytes", 0, INT64_MAX);
     if (const json* v = optional(*s, "candidates", where, p)) S.candidates = to_int(as_int(*v, where, p + ".candidates", 1, b.num_experts));
     if (const json* v = optional(*s, "prefetch", where, p)) S.prefetch = as_bool(*v, where, p + ".prefetch");

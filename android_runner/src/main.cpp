@@ -180,7 +180,8 @@ Args parse(int argc, char** argv) {
       if (a.threads > 256) throw Error("--threads " + std::to_string(a.threads) + ": at most 256");
     }
     else if (o == "--min-confidence") a.min_confidence = to_probability(o, val());
-    else if (o == "--candidate-threshold") a.candidate_threshold = to_probability(o, val());
+    else if (o == "--candidate-threshold" || o == "--floor")  // --floor: its name before the rename
+      a.candidate_threshold = to_probability(o, val());
     else if (o == "--step-budget-kib") a.step_budget_kib = to_int(o, val(), 1);
     else if (o == "--routing") a.routing = val();
     else if (o == "--json") a.json_out = val();
