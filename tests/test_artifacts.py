@@ -46,6 +46,7 @@ from conftest import HELDOUT
 from toolkit.artifacts import (AtomicDirectory, artifact_kind, atomic_directory, atomic_output_file,
                                claim_output, lock_path, partial_dir, rejected_dir)
 from toolkit.cli import main
+from cli_helpers import cli, refused
 from toolkit.errors import SpecPrefetchError, interrupted_message
 from toolkit.traces.format import TraceWriter
 
@@ -547,7 +548,6 @@ class TestWritersRefuseNeverDestroy:
 
     def test_export_model_onto_itself_is_refused_and_the_model_untouched(self, tmp_path, embedded):
         from export.bundle import ExportConfig, export_bundle
-        from toolkit.cli import main
 
         import shutil
 
@@ -721,27 +721,6 @@ class TestExportOnAFullDisk:
 FAMILY = "qwen3_moe"  # tiny: 4 layers, MoE layers 1..3, 8 experts, top-2
 RUN = ["--policy", "on-demand+lru", "--prompt", "hi", "--max-new-tokens", "2", "--max-seq", "16"]
 EVAL = ["--predictors", "next-gate,oracle"]
-
-
-def cli(*args) -> tuple[int, str]:
-    """A command through click's CliRunner (as tests/test_cli.py's): a traceback fails the test."""
-    r = CliRunner().invoke(main, [str(a) for a in args])
-    if r.exception is not None and not isinstance(r.exception, SystemExit):
-        raise AssertionError(f"traceback: {r.exception!r}\n{r.output}")
-    return r.exit_code, r.output
-
-
-def refused(args, *fragments) -> str:
-    """The command exits 2 with one `error: ...` line holding every fragment, and no traceback."""
-    code, out = cli(*args)
-    lines = [ln for ln in out.replace("\r", "\n").splitlines() if ln.startswith("error: ")]
-    assert code == 2, out
-    assert len(lines) == 1 and "Traceback" not in out, out
-    for f in fragments:
-        assert str(f) in lines[0], (f, lines[0])
-    return lines[0]
-
-
 def ok(*args) -> str:
     code, out = cli(*args)
     assert code == 0, out

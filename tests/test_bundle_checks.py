@@ -30,9 +30,9 @@ import zlib
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from toolkit.cli import main
+from cli_helpers import cli_plain as cli, one_error
+from cli_helpers import refused as _refused
 from toolkit.errors import SpecPrefetchError
 from toolkit.models.loader import inspect_model_dir
 from toolkit.runtime.expert_store import ENTRY, HEADER, ExpertStore, build_store, seal_header
@@ -40,6 +40,11 @@ from toolkit.runtime.policy import Policy
 from toolkit.runtime.runner import RunConfig
 
 PTE = "graphs/model.pte"
+
+
+def refused(args, *fragments) -> str:
+    """`cli_helpers.refused` over `cli_plain` (the command's exit code decides)."""
+    return _refused(args, *fragments, run=cli)
 
 
 @pytest.fixture(autouse=True)
@@ -65,30 +70,6 @@ def reseal(b: Path, *rels: str) -> None:
         p = b / rel
         m["files"][rel] = {"size": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
     (b / "manifest.json").write_text(json.dumps(m))
-
-
-def cli(*args) -> tuple[int, str]:
-    r = CliRunner().invoke(main, [str(a) for a in args])
-    return r.exit_code, r.output
-
-
-def one_error(code: int, output: str, *names: str) -> str:
-    errors = [ln for ln in output.splitlines() if ln.startswith("error:")]
-    assert code == 2 and len(errors) == 1 and "Traceback" not in output, output
-    for n in names:
-        assert n in errors[0], errors[0]
-    return errors[0]
-
-
-def refused(args, *fragments) -> str:
-    """The command exits 2 with one `error: ...` line holding every fragment, and no traceback."""
-    code, out = cli(*args)
-    lines = [ln for ln in out.replace("\r", "\n").splitlines() if ln.startswith("error: ")]
-    assert code == 2, out
-    assert len(lines) == 1 and "Traceback" not in out, out
-    for f in fragments:
-        assert str(f) in lines[0], (f, lines[0])
-    return lines[0]
 
 
 def native(native_host, b: Path, *args) -> subprocess.CompletedProcess:

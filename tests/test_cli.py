@@ -26,6 +26,7 @@ from conftest import HELDOUT
 import test_artifacts
 from test_artifacts import _run, outputs_cache  # noqa: F401 - outputs_cache: a fixture
 from toolkit.cli import main
+from cli_helpers import cli, refused
 from toolkit.cli_errors import os_error_line
 
 COMMANDS = sorted(main.commands)
@@ -33,26 +34,6 @@ FAMILY = "qwen3_moe"  # tiny: 4 layers, MoE layers 1..3, 8 experts, top-2
 EXE = Path(sys.executable).parent / "specprefetch"
 
 art = test_artifacts.art  # the fixture (the artifacts the commands refuse), re-exported
-
-
-def cli(*args) -> tuple[int, str]:
-    r = CliRunner().invoke(main, [str(a) for a in args])
-    if r.exception is not None and not isinstance(r.exception, SystemExit):
-        raise AssertionError(f"traceback: {r.exception!r}\n{r.output}")
-    return r.exit_code, r.output
-
-
-def refused(args, *fragments) -> str:
-    """The command exits 2 with one `error: ...` line holding every fragment, and no traceback."""
-    code, out = cli(*args)
-    lines = [ln for ln in out.replace("\r", "\n").splitlines() if ln.startswith("error: ")]
-    assert code == 2, out
-    assert len(lines) == 1 and "Traceback" not in out, out
-    for f in fragments:
-        assert str(f) in lines[0], (f, lines[0])
-    return lines[0]
-
-
 @pytest.fixture(scope="module")
 def store(tiny_models, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("hcli") / "experts.spx"

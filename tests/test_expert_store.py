@@ -21,11 +21,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 from export.session import open_session, reference_tokens
-from toolkit.cli import main
+from cli_helpers import cli_plain as cli, one_error
 from toolkit.errors import SpecPrefetchError
 from toolkit.models.checkpoint import ExpertReader
 from toolkit.models.loader import inspect_model_dir
@@ -82,19 +81,6 @@ def tiny(models, base_store) -> dict:
 def emb_store(embedded, tmp_path_factory) -> Path:
     """The embedded model's fp16 store."""
     return build_store(inspect_model_dir(embedded), tmp_path_factory.mktemp("s") / "e.spx", "fp16", progress=False)
-
-
-def cli(*args) -> tuple[int, str]:
-    r = CliRunner().invoke(main, [str(a) for a in args])
-    return r.exit_code, r.output
-
-
-def one_error(code: int, output: str, *names: str) -> str:
-    errors = [ln for ln in output.splitlines() if ln.startswith("error:")]
-    assert code == 2 and len(errors) == 1 and "Traceback" not in output, output
-    for n in names:
-        assert n in errors[0], errors[0]
-    return errors[0]
 
 
 class TestReadBack:

@@ -13,9 +13,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from toolkit.cli import main
+from cli_helpers import cli_plain as cli, one_error
 from toolkit.errors import SpecPrefetchError
 
 
@@ -28,19 +27,6 @@ def private_cache(tmp_path_factory, monkeypatch):
 @pytest.fixture(scope="module")
 def bundle(embedded_bundles) -> Path:
     return embedded_bundles["executorch"]
-
-
-def cli(*args) -> tuple[int, str]:
-    r = CliRunner().invoke(main, [str(a) for a in args])
-    return r.exit_code, r.output
-
-
-def one_error(code: int, output: str, *names: str) -> str:
-    errors = [ln for ln in output.splitlines() if ln.startswith("error:")]
-    assert code == 2 and len(errors) == 1 and "Traceback" not in output, output
-    for n in names:
-        assert n in errors[0], errors[0]
-    return errors[0]
 
 
 def runner_copy(native_host, dst: Path) -> Path:
