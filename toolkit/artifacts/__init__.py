@@ -41,8 +41,6 @@ from toolkit.artifacts.reading import read_json
 from toolkit.artifacts.reports import (EVENTS_MAGIC, REPORT_KEY, REPORT_SIBLINGS, ReportClaim, claim_report,
                                        release_report_claims, report_claim, report_kind)
 
-_check_inputs = check_inputs  # its name before it was made public, kept for old importers
-
 __all__ = [
     "ADAPTER_FORMAT", "BUNDLE_FORMAT", "EVENTS_MAGIC", "KINDS", "REPORT_KEY", "REPORT_SIBLINGS", "STORE_MAGIC",
     "TRACE_FORMAT", "WORK_MARK", "AtomicDirectory", "ReportClaim", "artifact_kind", "atomic_directory",

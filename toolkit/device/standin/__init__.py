@@ -76,7 +76,5 @@ from toolkit.device.standin.adb_server import AdbServer, adb_server, free_port
 from toolkit.device.standin.device import StandIn, main, serve
 from toolkit.device.standin.phone import Faults, default_props, populate
 
-_free_port = free_port  # its name before the package (free_port is the one to use)
-
-__all__ = ["AdbServer", "Faults", "StandIn", "_free_port", "adb_server", "default_props", "free_port", "main",
+__all__ = ["AdbServer", "Faults", "StandIn", "adb_server", "default_props", "free_port", "main",
            "populate", "serve"]
