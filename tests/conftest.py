@@ -187,6 +187,19 @@ def pytest_collection_finish(session):
     if needs_et and not session.config.option.collectonly:
         # every worker collects every test: the build includes the runner if any selected test needs it
         _prebuild = _Prebuild(session.config, native=any(_needs(i, "native_host") for i in items))
+        _yield_to_the_prebuild()
+
+
+def _yield_to_the_prebuild() -> None:
+    """The background build is the run's critical path (the tests that need it wait for it): this test
+    process (and what it starts) lowers its own priority below the build's, which was started before
+    (its priority stays), so on a machine with as many workers as cores the build keeps a core."""
+    import os
+
+    try:
+        os.nice(5)
+    except OSError:  # not allowed here: the run is only slower
+        pass
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -25,6 +25,8 @@ from toolkit.runtime.events import EventLog, decisions
 from toolkit.runtime.policy import Policy
 from toolkit.runtime.runner import RunConfig
 
+from cli_helpers import cli
+
 PROMPTS = [[591, 906, 531, 1274, 2295, 1062], [17, 402, 9, 1500]]
 NEW = 8
 PREDICTORS = ("on-demand", "next-gate", "fate", "previous-token", "oracle")
@@ -199,12 +201,11 @@ def test_both_engines_run_a_bundle_with_its_exported_scheduler_settings(native, 
     for extra in ([], ["--window", "1", "--queue-depth", "5", "--min-confidence", "0.02"]):
         for engine in ("python", "native"):
             ev = tmp_path / f"{engine}-{len(extra)}.log"
-            r = subprocess.run(["specprefetch", "run", str(b), "--engine", engine, "--policy", "next-gate+prediction",
-                                "--pool-mib", "2", "--prompt", "The kernel's memory", "--max-new-tokens", "3",
-                                "--no-check", "--events", str(ev), "--json", str(ev.with_suffix(".json")), *extra],
-                               capture_output=True, text=True,
-                               timeout=600, env=_env(native))
-            assert r.returncode == 0, r.stderr
+            # in this process (the CLI's own path; a subprocess would pay torch's and ExecuTorch's imports)
+            code, out = cli("run", b, "--engine", engine, "--policy", "next-gate+prediction", "--pool-mib", "2",
+                            "--prompt", "The kernel's memory", "--max-new-tokens", "3", "--no-check",
+                            "--events", ev, "--json", ev.with_suffix(".json"), *extra)
+            assert code == 0, out
             lines = ev.read_text().splitlines()
             headers[engine, len(extra)] = lines[0]
             headers[engine, len(extra), "decisions"] = decisions(lines)
