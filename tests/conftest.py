@@ -73,7 +73,9 @@ class _Prebuild:
         except FileExistsError:
             return  # another worker builds it
         try:
-            env = {**os.environ, "SPECPREFETCH_PROFILES": str(self.profiles), "OMP_NUM_THREADS": "1"}
+            # one thread and one compile job: the build holds one core (see _yield_to_the_prebuild)
+            env = {**os.environ, "SPECPREFETCH_PROFILES": str(self.profiles), "OMP_NUM_THREADS": "1",
+                   "CMAKE_BUILD_PARALLEL_LEVEL": "1"}
             args = [sys.executable, str(REPO / "tests" / "prebuild.py"), str(self.bundle), "--status", str(self.status)]
             if native:
                 args.append("--native")
@@ -192,14 +194,20 @@ def pytest_collection_finish(session):
 
 def _yield_to_the_prebuild() -> None:
     """The background build is the run's critical path (the tests that need it wait for it): this test
-    process (and what it starts) lowers its own priority below the build's, which was started before
-    (its priority stays), so on a machine with as many workers as cores the build keeps a core."""
+    process (every thread it has now, and what it starts later) lowers its priority below the build's,
+    which was started before (its priority stays; it runs one thread and one compile job), so on a
+    machine with as many workers as cores the build keeps one core and the tests share the rest."""
     import os
 
-    try:
-        os.nice(5)
-    except OSError:  # not allowed here: the run is only slower
-        pass
+    try:  # Linux's priority is per thread: every thread this process has (later ones inherit it)
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        tids = [0]
+    for tid in tids:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + 5))
+        except OSError:  # not allowed here, or the thread ended: the run is only slower
+            pass
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -751,8 +751,8 @@ BUNDLE_JSON = ("manifest.json", "model/config.json", "parity.json", "model/gener
 def test_fuzzed_bundles(bundle, cheap_hashes, cases):
     """The manifest edited (most cases); or another file edited and the manifest's size and sha256 of it
     updated, so the checks behind the hashes are reached (the model config, parity report, expert store);
-    or a file replaced, removed or added. Every 30th case is run through `specprefetch inspect` instead,
-    which loads the graphs (seconds each)."""
+    or a file replaced, removed or added. Every 30th case (make test's 60) or 10th (make test-all's) is run
+    through `specprefetch inspect` instead, which loads the graphs (seconds each)."""
     mf = bundle / "manifest.json"
     snap = Snapshot(bundle, list(BUNDLE_JSON))
     manifest = json.loads(snap.files["manifest.json"])
@@ -804,12 +804,13 @@ def test_fuzzed_bundles(bundle, cheap_hashes, cases):
     from export.bundle import inspect_bundle
 
     def consume(n):
-        if n % 30 == 0:
+        if n % every == 0:
             cli_clean(*cli("inspect", bundle), what=f"inspect, case {n}")
             return
         validate_bundle(bundle)
         inspect_bundle(bundle, load_graphs=False)
 
+    every = 30 if cases <= 60 else 10
     out = run_fuzz("bundle", cases, mutate, consume, restore, (str(bundle),))
     check(out, "bundle", cases)
     assert json.loads(mf.read_text()) == manifest

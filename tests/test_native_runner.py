@@ -274,7 +274,7 @@ def _env(native):
     import os
     import sys
 
-    # the CLI builds into the runner cache: this module's, where the fixture's build already is
+    # the CLI builds into the runner cache: the session's, where the fixture's build already is
     return {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
 
 

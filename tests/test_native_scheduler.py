@@ -25,7 +25,7 @@ SRC = Path(__file__).resolve().parent.parent / "android_runner"
 SOURCES = ("scheduler.cpp", "pool.cpp", "events.cpp", "memwatch.cpp", "routing.cpp", "fileio.cpp")
 SLOT = 8192
 COUNTS = ("requests", "hits", "prefetch_hits", "late", "misses", "prefetch_issued", "dropped_stale",
-          "dropped_low_conf", "dropped_no_slot", "bytes_read")
+          "dropped_low_conf", "dropped_no_slot", "dropped_late", "bytes_read")
 
 
 class FakeIO:
@@ -77,12 +77,13 @@ def _keys(keys) -> str:
 
 def drive(eviction: str, *, L: int, E: int, k: int, slots: int, queue_depth: int, min_confidence: float,
           candidate_threshold: float, step_budget: int | None, W: int, T: int, seed: int, logits: bool, delay: int = 0,
-          probs: bool = False, span: int = 1):
+          probs: bool = False, span: int = 1, read_budget: int | None = None):
     """Run the Python scheduler over T positions of skewed random routing and predictions (a prediction
     is the true next routing with probability 0.6, else a random guess); returns (script, events, counts).
     delay: reads land that many acquires later; probs: the window as probabilities (`plan_probs`, the
     softmax-router path) instead of scores; span > 1: prefill-style steps, each layer acquiring the union
-    of `span` positions in groups of at most k experts, the earlier groups released without a pump."""
+    of `span` positions in groups of at most k experts, the earlier groups released without a pump;
+    read_budget: the flash's bytes per step (prefetches that could not land by their deadline dropped)."""
     rng = np.random.default_rng(seed)
     pop = rng.dirichlet(np.full(E, 0.4), size=L)              # each layer's skewed expert popularity
     routes = [[rng.choice(E, k, replace=False, p=pop[li]).tolist() for li in range(L)] for _ in range(T)]
@@ -90,14 +91,16 @@ def drive(eviction: str, *, L: int, E: int, k: int, slots: int, queue_depth: int
     never = lambda key, now: float("inf")  # noqa: E731
     pool = ExpertPool(budget, SLOT, policy=eviction, min_slots=k, next_use=never)
     cfg = SchedulerConfig(queue_depth=queue_depth, min_confidence=min_confidence,
-                          candidate_threshold=candidate_threshold, step_budget_bytes=step_budget)
+                          candidate_threshold=candidate_threshold, step_budget_bytes=step_budget,
+                          read_budget_bytes=read_budget)
     events = EventLog()
     io = FakeIO(delay)
     sched = WindowScheduler(pool, io, cfg, num_layers=L, top_k=k, events=events, clock=lambda: 0.0)
     if eviction == "prediction":
         pool.next_use = sched.next_predicted_use
     script = [f"config {budget} {SLOT} {eviction} {k} {L * E} {L} {k} {queue_depth} {min_confidence!r} "
-              f"{candidate_threshold!r} {-1 if step_budget is None else step_budget} 1 {delay}"]
+              f"{candidate_threshold!r} {-1 if step_budget is None else step_budget} 1 {delay}"
+              + ("" if read_budget is None else f" {read_budget}")]
     for t0 in range(0, T, span):
         for li in range(L):
             step = t0 * L + li
@@ -158,6 +161,12 @@ CASES = {
                        step_budget=None, logits=False, delay=2),
     "probs-prefill": dict(eviction="prediction", slots=10, queue_depth=4, min_confidence=0.05,
                           candidate_threshold=0.02, step_budget=None, logits=False, probs=True, span=4, delay=3),
+    # the flash delivers 2 slots a step: prefetches behind a step's demand reads are dropped as late
+    "read-budget": dict(eviction="lru", slots=12, queue_depth=6, min_confidence=0.01, candidate_threshold=0.0,
+                        step_budget=None, logits=False, delay=2, read_budget=2 * SLOT),
+    "read-budget-prefill": dict(eviction="prediction", slots=10, queue_depth=4, min_confidence=0.05,
+                                candidate_threshold=0.02, step_budget=None, logits=False, probs=True, span=4,
+                                read_budget=3 * SLOT),
 }
 
 
@@ -180,6 +189,10 @@ def test_cpp_scheduler_replays_the_reference(check_scheduler, tmp_path, case):
     assert ref_counts["dropped_stale"] + ref_counts["dropped_low_conf"] + ref_counts["dropped_no_slot"] > 0
     if CASES[case].get("delay"):   # reads still in flight when used: late hits waited for
         assert ref_counts["late"] > 0
+    if CASES[case].get("read_budget"):  # the budget dropped some prefetches, and let others through
+        assert ref_counts["dropped_late"] > 0 and ref_counts["prefetch_issued"] > 0
+    else:
+        assert ref_counts["dropped_late"] == 0
 
 
 def test_check_scheduler_catches_a_different_decision(check_scheduler, tmp_path):

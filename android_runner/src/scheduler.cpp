@@ -23,6 +23,7 @@ SchedulerStats SchedulerStats::minus(const SchedulerStats& o) const {
   r.dropped_stale = dropped_stale - o.dropped_stale;
   r.dropped_low_conf = dropped_low_conf - o.dropped_low_conf;
   r.dropped_no_slot = dropped_no_slot - o.dropped_no_slot;
+  r.dropped_late = dropped_late - o.dropped_late;
   r.bytes_read = bytes_read - o.bytes_read;
   r.wait_s = wait_s - o.wait_s;
   return r;
@@ -165,6 +166,7 @@ void WindowScheduler::plan_probs(int64_t step, const std::vector<int64_t>& targe
                                  const std::vector<std::vector<float>>& probs) {
   step_ = step;
   step_bytes_ = 0;
+  advance(step);
   if (!cfg_.prefetch || probs.empty()) {
     pump();
     return;
@@ -218,6 +220,11 @@ void WindowScheduler::pump(const std::set<Key>& protect) {
     queue_.pop_back();
     pending_.erase(key);
     if (loading_has(key) || pool_.get(key) != nullptr) continue;
+    if (cfg_.read_budget_bytes >= 0 && backlog_ + pool_.slot_bytes() > cfg_.read_budget_bytes * (deadline - step_)) {
+      stats.dropped_late += 1;  // it would land after its step: it only delays other reads
+      emit("drop", key, " reason=late target=" + std::to_string(deadline));
+      continue;
+    }
     const int64_t now = step_;
     const int64_t dl = deadline;
     // the veto: the victim is predicted to be needed by the deadline (the window's prediction; with
@@ -232,6 +239,7 @@ void WindowScheduler::pump(const std::set<Key>& protect) {
     }
     loading_.emplace_back(key, step_);
     io_.submit(key, pool_.data(*slot), false);
+    backlog_ += pool_.slot_bytes();
     stats.prefetch_issued += 1;
     stats.bytes_read += pool_.slot_bytes();
     step_bytes_ += pool_.slot_bytes();
@@ -259,8 +267,16 @@ void WindowScheduler::drop_weak() {
   queue_.swap(keep);
 }
 
+void WindowScheduler::advance(int64_t step) {
+  if (cfg_.read_budget_bytes >= 0 && step > backlog_step_) {
+    backlog_ = std::max<int64_t>(0, backlog_ - cfg_.read_budget_bytes * (step - backlog_step_));
+    backlog_step_ = step;
+  }
+}
+
 void WindowScheduler::acquire(int64_t step, const std::vector<Key>& keys) {
   step_ = step;
+  advance(step);
   retire(step);
   if (reuse_ != nullptr) reuse_->observe(step, keys);  // before any reservation (the evictions read it)
   const std::set<Key> need(keys.begin(), keys.end());
@@ -284,6 +300,7 @@ void WindowScheduler::acquire(int64_t step, const std::vector<Key>& keys) {
       slot->ready = true;
       slot->demand = true;
       io_.submit(key, pool_.data(*slot), true);
+      backlog_ += pool_.slot_bytes();
       stats.bytes_read += pool_.slot_bytes();
       emit("miss", key);
     }

@@ -4,7 +4,9 @@
 // scored expert sets for steps s+1 .. s+W; their top candidates become read requests with a
 // deadline (their step) and a confidence, queued by (deadline, -confidence, arrival). Reads are
 // issued while the step's queue has room (queue_depth) and its byte budget lasts; a full queue
-// drops requests below min_confidence; stale requests (deadline reached) are always dropped. A
+// drops requests below min_confidence; stale requests (deadline reached) are always dropped; with a
+// read budget (bytes the flash delivers per step), so is a prefetch that could not land by its deadline
+// behind the bytes already asked of the flash, demand reads included (reason late). A
 // prefetch gets a slot only by evicting an expert not predicted to be needed sooner. A miss is
 // read on demand, ahead of every prefetch.
 //
@@ -46,6 +48,7 @@ struct SchedulerConfig {
   int candidates = 0;               // experts per predicted step (0: top-k)
   int queue_depth = 4;
   int64_t step_budget_bytes = -1;   // prefetch bytes issued per step (-1: unbounded)
+  int64_t read_budget_bytes = -1;   // bytes the flash delivers per step (-1: no deadline check)
   double min_confidence = 0.02;
   double candidate_threshold = 0.0;
   bool prefetch = true;
@@ -53,7 +56,7 @@ struct SchedulerConfig {
 
 struct SchedulerStats {
   int64_t requests = 0, hits = 0, prefetch_hits = 0, late = 0, misses = 0, prefetch_issued = 0;
-  int64_t dropped_stale = 0, dropped_low_conf = 0, dropped_no_slot = 0, bytes_read = 0;
+  int64_t dropped_stale = 0, dropped_low_conf = 0, dropped_no_slot = 0, dropped_late = 0, bytes_read = 0;
   double wait_s = 0.0;
   SchedulerStats minus(const SchedulerStats& o) const;
 };
@@ -84,6 +87,7 @@ class WindowScheduler {
  private:
   using Item = std::tuple<int64_t, double, int64_t, Key>;  // (deadline, -confidence, seq, key)
   void retire(int64_t step);
+  void advance(int64_t step);  // the read budget's backlog at `step`
   void pump(const std::set<Key>& protect = {});
   void drop_weak();
   void wait(Key key);
@@ -105,6 +109,8 @@ class WindowScheduler {
   int64_t seq_ = 0;
   int64_t step_ = 0;
   int64_t step_bytes_ = 0;
+  int64_t backlog_ = 0;       // bytes asked of the flash not yet delivered at the read budget's rate
+  int64_t backlog_step_ = 0;  // the step backlog_ is counted at
 };
 
 }  // namespace spx

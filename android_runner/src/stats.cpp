@@ -50,7 +50,8 @@ json counts_json(const SchedulerStats& s) {
               {"prefetch_hits", s.prefetch_hits}, {"late", s.late},
               {"misses", s.misses},             {"prefetch_issued", s.prefetch_issued},
               {"dropped_stale", s.dropped_stale}, {"dropped_low_conf", s.dropped_low_conf},
-              {"dropped_no_slot", s.dropped_no_slot}, {"bytes_read", s.bytes_read},
+              {"dropped_no_slot", s.dropped_no_slot}, {"dropped_late", s.dropped_late},
+              {"bytes_read", s.bytes_read},
               {"wait_s", s.wait_s}};
 }
 

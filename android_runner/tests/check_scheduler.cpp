@@ -88,6 +88,11 @@ int main(int argc, char** argv) {
       in >> budget >> slot >> eviction >> min_slots >> max_slots >> L >> k >> cfg.queue_depth >> cfg.min_confidence >>
           cfg.candidate_threshold >> step_budget >> prefetch >> io.delay;
       cfg.step_budget_bytes = step_budget;
+      if (!in.fail() && !(in >> cfg.read_budget_bytes)) {  // optional: the read budget
+        if (!in.eof()) FakeIO::fail("cannot parse the read budget: " + line);
+        in.clear();
+        cfg.read_budget_bytes = -1;
+      }
       cfg.prefetch = prefetch != 0;
       pool = std::make_unique<spx::ExpertPool>(budget, slot, eviction, min_slots, max_slots);
       sched = std::make_unique<spx::WindowScheduler>(*pool, io, cfg, L, k, &events);
@@ -143,7 +148,7 @@ int main(int argc, char** argv) {
   out << "requests " << s.requests << "\nhits " << s.hits << "\nprefetch_hits " << s.prefetch_hits << "\nlate "
       << s.late << "\nmisses "
       << s.misses << "\nprefetch_issued " << s.prefetch_issued << "\ndropped_stale " << s.dropped_stale
-      << "\ndropped_low_conf " << s.dropped_low_conf << "\ndropped_no_slot " << s.dropped_no_slot << "\nbytes_read "
+      << "\ndropped_low_conf " << s.dropped_low_conf << "\ndropped_no_slot " << s.dropped_no_slot << "\ndropped_late " << s.dropped_late << "\nbytes_read "
       << s.bytes_read << "\nevictions " << pool->evictions << "\nwasted_prefetches " << pool->wasted_prefetches
       << "\ndemand_reads " << io.demand_reads << "\nprefetch_reads " << io.prefetch_reads << "\n";
   return 0;

@@ -13,7 +13,7 @@ documents every line; in short:
     13 miss 5:3                              read on demand
     13 evict 2:9 for=5:3 prefetched_unused=0 the victim, and the expert that needed its slot
     13 prefetch 6:30 target=14 conf=0.8125   a read issued for a predicted step
-    13 drop 7:1 reason=low_confidence target=15   (reasons: stale, low_confidence, no_slot)
+    13 drop 7:1 reason=low_confidence target=15   (reasons: stale, low_confidence, no_slot, late)
     14 ready 6:30                            a prefetch is logically complete (the step after it was issued)
     token 1 pos=6 id=1234 t_ms=12.345        a committed token
     end tokens=8 t_ms=...

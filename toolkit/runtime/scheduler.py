@@ -5,7 +5,10 @@ scored expert sets for steps s+1 .. s+W arrive; the scheduler turns each set's t
 read requests with a deadline (their step) and a confidence (their predicted probability), and
 keeps them in a queue ordered by deadline, then confidence. It issues reads while the step's queue
 has room (`queue_depth`) and the step's prefetch byte budget lasts; when the queue is full it drops
-requests below `min_confidence`, and it always drops stale ones (deadline already reached). A
+requests below `min_confidence`, and it always drops stale ones (deadline already reached). With a
+read budget (`read_budget_bytes`: what the flash delivers in one step's compute time) it also drops a
+prefetch that could not land by its deadline behind the bytes already asked of the flash, demand reads
+included (reason `late`): those bytes would only delay the reads the model waits for. A
 prefetch gets a pool slot only by evicting something not needed sooner. A miss is read on demand
 at top priority. Unbudgeted prefetch has been seen to slow decode (published phone engines): the budget and the
 candidate threshold are what keep prefetch from starving the reads the model is waiting for.
@@ -49,6 +52,7 @@ class SchedulerConfig:
     candidates: int | None = None   # experts per predicted step (default: top-k)
     queue_depth: int = 4            # prefetch reads issued per step at most (logically in flight)
     step_budget_bytes: int | None = None  # prefetch bytes issued per step (None: unbounded)
+    read_budget_bytes: int | None = None  # bytes the flash delivers per step (None: no deadline check)
     min_confidence: float = 0.02    # below this a request is dropped when the queue is full
     candidate_threshold: float = 0.0  # below this a candidate is never queued at all
     prefetch: bool = True           # False: on-demand only
@@ -66,6 +70,7 @@ class SchedulerStats:
     dropped_stale: int = 0
     dropped_low_conf: int = 0
     dropped_no_slot: int = 0
+    dropped_late: int = 0      # could not land by their deadline at the read budget
     bytes_read: int = 0
     wait_s: float = 0.0        # time blocked on reads (real or virtual seconds)
 
@@ -103,6 +108,8 @@ class WindowScheduler:
         self.stats = SchedulerStats()
         self.step = 0
         self.step_bytes = 0
+        self.backlog = 0          # bytes asked of the flash not yet delivered at the read budget's rate
+        self.backlog_step = 0     # the step `backlog` is counted at
         if pool.policy in ("prediction", "reuse"):
             pool.predicted = self.predicted_next
         if pool.policy == "reuse" and reuse is None:
@@ -117,6 +124,13 @@ class WindowScheduler:
             self.events.emit(kind, key, **fields)
 
     # -- bookkeeping ---------------------------------------------------------------------
+    def _advance(self, step: int) -> None:
+        """The read budget's backlog at `step`: each step since the last one delivered a budget's bytes."""
+        rate = self.cfg.read_budget_bytes
+        if rate is not None and step > self.backlog_step:
+            self.backlog = max(0, self.backlog - rate * (step - self.backlog_step))
+            self.backlog_step = step
+
     def next_predicted_use(self, key: Key, now: int) -> float:
         s = self.predicted_next.get(key)
         return s if s is not None and s >= now else float("inf")
@@ -191,6 +205,7 @@ class WindowScheduler:
         """Queue reads from predicted probabilities [W, E] of the steps `targets`."""
         self.step = step
         self.step_bytes = 0
+        self._advance(step)
         if not self.cfg.prefetch or probs is None:
             self.pump()
             return
@@ -236,6 +251,11 @@ class WindowScheduler:
             del self.pending[key]
             if key in self.loading or self.pool.get(key) is not None:
                 continue
+            rate = self.cfg.read_budget_bytes
+            if rate is not None and self.backlog + self.pool.slot_bytes > rate * (deadline - self.step):
+                self.stats.dropped_late += 1  # it would land after its step: it only delays other reads
+                self._emit("drop", key, reason="late", target=deadline)
+                continue
             slot = self.pool.reserve(key, self.step, prefetch=True, protect=protect, keep=self._keeper(deadline))
             if slot is None:
                 self.stats.dropped_no_slot += 1
@@ -243,6 +263,7 @@ class WindowScheduler:
                 continue
             self.loading[key] = self.step
             self.io.submit(key, demand=False)
+            self.backlog += self.pool.slot_bytes
             self.stats.prefetch_issued += 1
             self.stats.bytes_read += self.pool.slot_bytes
             self.step_bytes += self.pool.slot_bytes
@@ -276,6 +297,7 @@ class WindowScheduler:
         """Make `keys` resident and pinned for step `step`. Misses are read on demand, first in
         line; `data(key)` then waits for the bytes."""
         self.step = step
+        self._advance(step)
         self.retire(step)
         if self.reuse is not None:  # before any reservation: the histories this step's evictions read
             self.reuse.observe(step, keys)
@@ -301,6 +323,7 @@ class WindowScheduler:
                 slot.ready = True  # logically complete within this step: it is waited for before use
                 slot.demand = True
                 self.io.submit(key, demand=True)
+                self.backlog += self.pool.slot_bytes
                 self.stats.bytes_read += self.pool.slot_bytes
                 self._emit("miss", key)
             slot.pins += 1
