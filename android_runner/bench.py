@@ -104,6 +104,9 @@ def calibrate_native(bundle: Path, prompts: list[list[int]], *, all_mib: float, 
         source="specprefetch runner bench (android_runner/bench.py: calibrate_native)")
 
 
+# a row of the predictor's policy with a read budget: "<policy> read-budget=<KiB>"
+READ_BUDGET_TAG = " read-budget="
+
 # runner bench --ablation: every predictor of the report with the other evictions, so that the gap to the
 # oracle splits into prediction (oracle+lru, oracle+prediction against oracle+belady) and eviction (the
 # predictor with Belady's eviction, which knows the real future; on-demand+belady: eviction alone)
@@ -134,13 +137,15 @@ def token_check(results: list[dict], reference: list[list[int]]) -> dict[str, An
 
 def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: int = 32, rounds: int = 3,
         pool_fracs: tuple[float, ...] = (0.13, 0.27), threads: int = 1, ablation: bool = False,
-        log: Callable[[str], None] = print) -> dict[str, Any]:
+        read_budget_kib: int | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
     """The native runner against the Python reference runner and the memory floor, then its policies
     streaming from flash, then the simulator recalibrated against it. Both engines run the layer
     graphs on an ExecuTorch thread pool of `threads` (one: a decode step's matrices are too small
     to gain from more on this machine; docs/benchmarks.md). ablation: also the eviction ablation
     (ABLATION_POLICIES: each predictor with the other eviction, in the same interleaved rounds), which
-    separates what prediction and what eviction cost against the oracle."""
+    separates what prediction and what eviction cost against the oracle. read_budget_kib: also the
+    predictor's policy with that read budget (`run --read-budget-kib`), a row of its own in the same
+    rounds (not simulated)."""
     from transformers import AutoTokenizer
 
     from export.executorch_target import set_threads
@@ -230,8 +235,10 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
     reuse = m["predictor"].get("reuse") is not None
     base = ["on-demand+lru", "previous-token+lru", f"{graph}+{'reuse' if reuse else 'prediction'}", "oracle+belady"]
     policies = base + ([f"{graph}+prediction"] if reuse else []) + \
-        ([p.format(graph=graph) for p in ABLATION_POLICIES] if ablation else [])
+        ([p.format(graph=graph) for p in ABLATION_POLICIES] if ablation else []) + \
+        ([f"{base[2]}{READ_BUDGET_TAG}{read_budget_kib}"] if read_budget_kib else [])
     out["ablation"] = ablation
+    out["read_budget_kib"] = read_budget_kib
     out["predictor_policy"] = base[2]  # what the ratios over "the predictor" are of
     out["points"] = []
     for frac in pool_fracs:
@@ -242,7 +249,9 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
         order = policies
         for _ in range(rounds):
             for p in order:
-                res = run_native(bundle, ids, max_new_tokens=new_tokens, policy=p, pool_mib=pool, cold=True)
+                pol, _, rb = p.partition(READ_BUDGET_TAG)
+                res = run_native(bundle, ids, max_new_tokens=new_tokens, policy=pol, pool_mib=pool, cold=True,
+                                 read_budget_kib=int(rb) if rb else None)
                 got[p].append(res)
             order = order[::-1]  # ABC, CBA, ...
         point = {"pool_mib": round(pool, 3), "pool_frac": frac, "slots": slots, "policies": {}}
@@ -267,6 +276,8 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
         point["on_demand_over_predictor"] = round(od / pr, 3)
         point["temporal_over_predictor"] = round(tmp / pr, 3)
         point["predictor_over_oracle"] = round(pr / orc, 3)
+        if read_budget_kib:  # the predictor's policy without the read budget over with it
+            point["predictor_over_read_budget"] = round(pr / tp[policies[-1]], 3)
         if ablation:  # the same predictor, its eviction against Belady's (which knows the real future)
             point["predictor_eviction_over_belady"] = round(pr / tp[f"{graph}+belady"], 3)
             point["oracle_lru_over_belady"] = round(tp["oracle+lru"] / orc, 3)
@@ -291,12 +302,15 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
 
         log("the simulator, recalibrated against the native runner (calibrate_native), on the same prompts")
         prof = calibrate_native(bundle, ids, all_mib=all_mib, tokens=new_tokens, threads=threads)
-        sim = simulate_same_prompts(src, texts, adapter, parse_policies(",".join(policies)),
+        sim = simulate_same_prompts(src, texts, adapter,
+                                    parse_policies(",".join(p for p in policies if READ_BUDGET_TAG not in p)),
                                     [p["slots"] * store.slot_bytes / MiB for p in out["points"]], new_tokens,
                                     m["runtime"]["scheduler"]["window"], None, profile=prof, dtype=store.dtype)
         out["simulated"] = sim
         for p, sp in zip(out["points"], sim["points"]):
             for name, v in p["policies"].items():
+                if name not in sp["policies"]:  # a read-budget row: not simulated
+                    continue
                 v["simulated_tpot_ms"] = sp["policies"][name]["tpot_ms"]
                 v["sim_over_measured"] = round(v["simulated_tpot_ms"] / v["tpot_ms"], 3)
     else:

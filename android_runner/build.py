@@ -534,7 +534,8 @@ def run_native(bundle: Path | str, prompts: Sequence[str | Sequence[int]], *, ab
                max_new_tokens: int = 32,
                policy: str | None = None, pool_mib: float | None = None, window: int | None = None,
                queue_depth: int | None = None, min_confidence: float | None = None, threads: int | None = None,
-               step_budget_kib: int | None = None, events: Path | None = None, routing: Path | None = None,
+               step_budget_kib: int | None = None, read_budget_kib: int | None = None,
+               events: Path | None = None, routing: Path | None = None,
                cold: bool = False, isa: str | None = None, extra: Sequence[str] = (), timeout: float | None = None,
                runner: Path | None = None,
                log: Callable[[str], None] = lambda s: print(s, file=sys.stderr)) -> dict[str, Any]:
@@ -547,7 +548,8 @@ def run_native(bundle: Path | str, prompts: Sequence[str | Sequence[int]], *, ab
         args += ["--prompt", p] if isinstance(p, str) else ["--prompt-ids", ",".join(str(int(i)) for i in p)]
     args += ["--max-new-tokens", str(max_new_tokens)]
     opts = {"--policy": policy, "--pool-mib": pool_mib, "--window": window, "--queue-depth": queue_depth,
-            "--min-confidence": min_confidence, "--step-budget-kib": step_budget_kib, "--events": events,
+            "--min-confidence": min_confidence, "--step-budget-kib": step_budget_kib,
+            "--read-budget-kib": read_budget_kib, "--events": events,
             "--routing": routing, "--isa": isa, "--threads": threads}
     for k, v in opts.items():
         if v is not None:

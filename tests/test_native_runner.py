@@ -56,11 +56,11 @@ def reference(embedded_bundles):
                         predictors=list(PREDICTORS[1:]))
 
 
-def native_run(native, tmp_path, policy, pool, prompts=PROMPTS):
+def native_run(native, tmp_path, policy, pool, prompts=PROMPTS, *extra):
     js, ev = tmp_path / f"{policy}-{pool}.json", tmp_path / f"{policy}-{pool}.log"
     args = [a for ids in prompts for a in ("--prompt-ids", ",".join(map(str, ids)))]
     run_native(native, *args, "--max-new-tokens", NEW, "--policy", policy, "--pool-mib", pool,
-               "--json", js, "--events", ev)
+               "--json", js, "--events", ev, *extra)
     return json.loads(js.read_text()), ev.read_text().splitlines()
 
 
@@ -222,6 +222,39 @@ def test_both_engines_run_a_bundle_with_its_exported_scheduler_settings(native, 
             if len(parts) > 1 and parts[1] == "prefetch":
                 per_step[parts[0]] = per_step.get(parts[0], 0) + 1
         assert per_step and max(per_step.values()) <= 2, per_step
+
+
+def test_read_budget_decides_as_the_reference(native, reference, embedded, tmp_path):
+    """With a read budget of five expert slots a step (top-4 demand reads fill four), both engines drop
+    the same prefetches as late (those that could not land by their deadline behind the reads already
+    asked for), issue the rest alike, and keep the unmodified model's tokens; without it nothing is
+    dropped as late."""
+    slot_kib = reference.runner.store.slot_bytes // 1024
+    ref = reference_tokens(embedded, PROMPTS[0], NEW)
+    policy = "next-gate+prediction"
+    got = {}
+    for rb in (None, 5 * slot_kib + 1):
+        extra = () if rb is None else ("--read-budget-kib", rb)
+        (tmp_path / str(rb)).mkdir()
+        out, lines = native_run(native, tmp_path / str(rb), policy, POOLS[0], PROMPTS[:1], *extra)
+        reference.runner.configure(policy=Policy.parse(policy), pool_mib=POOLS[0], read_budget_kib=rb)
+        try:
+            log = EventLog()
+            g = reference.runner.run(PROMPTS[0], NEW, events=log)
+        finally:
+            reference.runner.configure(read_budget_kib=None)  # the module's runner, shared by later tests
+        r = out["runs"][0]
+        assert r["tokens"] == g.tokens == ref
+        assert decisions(lines) == decisions(log.lines)
+        assert r["counts"]["dropped_late"] == g.to_json()["counts"]["dropped_late"]
+        got[rb] = r["counts"]
+    assert got[None]["dropped_late"] == 0
+    budgeted = got[5 * slot_kib + 1]
+    assert budgeted["dropped_late"] > 0 and budgeted["prefetch_issued"] > 0
+    assert budgeted["prefetch_issued"] < got[None]["prefetch_issued"]
+    refused = run_native(native, "--prompt-ids", "1,2", "--read-budget-kib", max(1, slot_kib - 1), check=False)
+    assert refused.returncode != 0 and "--read-budget-kib" in refused.stderr
+    assert "below one expert slot" in refused.stderr
 
 
 def test_policies_differ_and_the_oracle_bounds_them(native, tmp_path):

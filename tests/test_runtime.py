@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from cli_helpers import cli_plain
 from conftest import HELDOUT
 from toolkit.errors import SpecPrefetchError
 from toolkit.models.loader import inspect_model_dir
@@ -138,6 +139,23 @@ def sim_trace(embedded, tmp_path_factory) -> Path:
     s = TraceSettings(max_sequences=24, prompt_tokens=64, decode_tokens=16, heldout_frac=0.35,
                       shard_tokens=2000, hidden_sample=0.3)
     return run_trace(embedded, [HELDOUT], tmp_path_factory.mktemp("st") / "t", s, progress=False)
+
+
+def test_simulator_takes_the_read_budget(sim_trace):
+    """`simulate --read-budget-kib`: the simulator runs the same scheduler rule as the runners: past the
+    budget prefetches are dropped as late (fewer issued, none without it); tokens are not simulated, so
+    the counts are what it shows. Below one slot it is refused by name."""
+    from toolkit.runtime.policy import Policy
+    from toolkit.simulate.replay import run_simulation
+
+    pol = [Policy("next-gate", "prediction")]
+    got = {rb: run_simulation(sim_trace, policies=pol, profile=SNAPDRAGON_8_ELITE, pool_mib=4, window=2,
+                              read_budget_kib=rb)["results"][0]["counts"] for rb in (None, 5 * 120 + 1)}
+    assert got[None]["dropped_late"] == 0
+    assert got[601]["dropped_late"] > 0 and 0 < got[601]["prefetch_issued"] < got[None]["prefetch_issued"]
+    code, out = cli_plain("simulate", sim_trace, "--policies", "next-gate+prediction", "--pool-mib", "4",
+                          "--read-budget-kib", "100", "--json", sim_trace.parent / "rb.json")
+    assert code == 2 and "--read-budget-kib 100: below one expert slot" in out, out
 
 
 def test_simulator_orders_policies(sim_trace, tiny_models):

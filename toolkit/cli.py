@@ -271,7 +271,8 @@ def store(model, out, dtype, overwrite) -> None:
 @json_report
 @friendly_errors(interrupt=NOT_WRITTEN)
 def simulate(traces, policies, adapter, profile, pool_mib, windows, queue_depth, dtype, geometry, split,
-             max_sequences, prompt_tokens, min_confidence, step_budget_kib, json_out, overwrite) -> None:
+             max_sequences, prompt_tokens, min_confidence, step_budget_kib, read_budget_kib, json_out,
+             overwrite) -> None:
     """Replay TRACES through the pool and scheduler against a device profile: TPOT, stall, hit
     rate, MiB read and wasted prefetch per policy; sweeps give a table and plots."""
     from toolkit.runtime.profiles import profile_dir
@@ -285,7 +286,7 @@ def simulate(traces, policies, adapter, profile, pool_mib, windows, queue_depth,
     r = sweep(traces, policies=parse_policies(policies), profile=load_profile(profile), pools=pool_mib,
               windows=windows, queue_depth=queue_depth, dtype=dtype, geometry=geometry, adapter=adapter,
               split=split, max_sequences=max_sequences, min_confidence=min_confidence,
-              step_budget_kib=step_budget_kib, prompt_tokens=prompt_tokens)
+              step_budget_kib=step_budget_kib, read_budget_kib=read_budget_kib, prompt_tokens=prompt_tokens)
     write_sweep(r, json_out)
     click.echo(markdown(r))
     click.echo(wrote(c))
@@ -407,8 +408,8 @@ def calibrate(model, store_path, reads, out, overwrite) -> None:
 @friendly_errors(interrupt=NOT_WRITTEN)
 def run(model, policy, adapter, frequency_trace, pool_mib, pool_reserve_mib, pool_low_watermark_mib, window,
         queue_depth, store_path, dtype, device, flash_profile, draft_k, prompts, max_new_tokens, max_seq, threads,
-        io_mode, prefill_chunk, check, events_out, min_confidence, step_budget_kib, engine, abi, json_out,
-        overwrite) -> None:
+        io_mode, prefill_chunk, check, events_out, min_confidence, step_budget_kib, read_budget_kib, engine, abi,
+        json_out, overwrite) -> None:
     """Run MODEL (a model directory, `embedded`, or a bundle) with its experts streamed from the
     expert store through a bounded pool (real O_DIRECT reads); prints each prompt's generated text
     and figures; with --check, compare the tokens with the unmodified model."""
@@ -430,7 +431,8 @@ def run(model, policy, adapter, frequency_trace, pool_mib, pool_reserve_mib, poo
         claim(events_out, "events", overwrite, inputs=inputs, option="--events", siblings=(), beside=(c,))
     if device != "cpu":
         ctx = click.get_current_context()
-        ignored = [o for o in ("queue_depth", "step_budget_kib", "threads", "io_mode", "max_seq", "prefill_chunk")
+        ignored = [o for o in ("queue_depth", "step_budget_kib", "read_budget_kib", "threads", "io_mode", "max_seq",
+                               "prefill_chunk")
                    if ctx.get_parameter_source(o) != click.core.ParameterSource.DEFAULT]
         if ignored:
             raise SpecPrefetchError(f"--device {device}: " + ", ".join(
@@ -463,7 +465,7 @@ def run(model, policy, adapter, frequency_trace, pool_mib, pool_reserve_mib, poo
 
         eng = native_engine(Path(model), abi=abi, policy=policy, pool_mib=pool_mib, window=window,
                             queue_depth=queue_depth, min_confidence=min_confidence, step_budget_kib=step_budget_kib,
-                            threads=threads, prefill_chunk=chunk, pool_auto=(
+                            threads=threads, prefill_chunk=chunk, read_budget_kib=read_budget_kib, pool_auto=(
                                 ("--pool-reserve-mib", pool_reserve_mib),
                                 ("--pool-low-watermark-mib", pool_low_watermark_mib)))
         run_engine(eng, list(prompts), max_new_tokens, check=check, json_out=json_out, events_out=events_out)
@@ -492,7 +494,8 @@ def run(model, policy, adapter, frequency_trace, pool_mib, pool_reserve_mib, poo
     pol = Policy.parse(policy)
     cfg = RunConfig(policy=pol, pool_mib=pool_mib or 8.0, window=window, queue_depth=queue_depth,
                     flash_profile=load_profile(flash_profile, "--flash-profile") if flash_profile else None,
-                    io=io_mode, min_confidence=min_confidence, step_budget_kib=step_budget_kib, prefill_chunk=chunk)
+                    io=io_mode, min_confidence=min_confidence, step_budget_kib=step_budget_kib,
+                    read_budget_kib=read_budget_kib, prefill_chunk=chunk)
     s = open_session(model, cfg, adapter=adapter, store=store_path, dtype=dtype, frequency_trace=frequency_trace,
                      max_seq=max_seq, pool_default=pool_mib is None,
                      scheduler_default=(*not_given, "candidate_threshold"))
@@ -544,16 +547,20 @@ def runner_build(bundle, abi, out, force, tokenizer, overwrite) -> None:
 @click.option("--ablation", is_flag=True,
               help="also the eviction ablation: oracle+lru, oracle+prediction, the predictor+belady and "
                    "on-demand+belady in the same rounds (what prediction and what eviction cost)")
+@click.option("--read-budget-kib", type=click.IntRange(min=1), default=None,
+              help="also the predictor's policy with this read budget (run --read-budget-kib), in the same rounds")
 @json_report
 @friendly_errors(interrupt=NOT_WRITTEN)
-def runner_bench(bundle, prompts, new_tokens, rounds, pool_fracs, threads, ablation, json_out, overwrite) -> None:
+def runner_bench(bundle, prompts, new_tokens, rounds, pool_fracs, threads, ablation, read_budget_kib, json_out,
+                 overwrite) -> None:
     """Measure the native runner: all experts resident (vs the Python runner and the memory floor),
     and streaming from a cold cache at a few pool sizes (interleaved rounds)."""
     c = claim(json_out, "runner bench", overwrite, inputs=(bundle,))
     from android_runner.bench import markdown, run as run_native_bench, write
 
     r = run_native_bench(bundle, prompts=prompts, new_tokens=new_tokens, rounds=rounds, pool_fracs=tuple(pool_fracs),
-                         threads=threads, ablation=ablation, log=lambda s: click.echo(s, err=True))
+                         threads=threads, ablation=ablation, read_budget_kib=read_budget_kib,
+                         log=lambda s: click.echo(s, err=True))
     write(r, json_out)
     click.echo(markdown(r))
     click.echo(wrote(c))

@@ -170,6 +170,9 @@ OVERWRITE_REPORT = ("replace an existing report at --json (and its .md/.png) if 
 
 def scheduler_limits(fn):
     """The scheduler's flash-saturation limits, shared by `simulate` and `run`."""
+    fn = click.option("--read-budget-kib", type=click.IntRange(min=1), default=None,
+                      help="KiB the flash reads in one step's compute time: a prefetch that could not land by its "
+                           "deadline behind the reads already asked for (demand reads included) is dropped as late")(fn)
     fn = click.option("--step-budget-kib", type=click.IntRange(min=1), default=None,
                       help="prefetch bytes issued per step at most")(fn)
     return click.option("--min-confidence", type=click.FloatRange(0, 1), default=0.02, show_default=True,

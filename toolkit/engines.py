@@ -163,7 +163,7 @@ def python_engine(session, policy: str, flash_profile: str | None = None) -> Eng
 # -- the native C++ runner ---------------------------------------------------------------------------
 
 def native_engine(bundle: Path, *, abi: str, policy: str, pool_mib, window, queue_depth, min_confidence,
-                  step_budget_kib, threads, prefill_chunk=None, pool_auto=()) -> Engine:
+                  step_budget_kib, threads, prefill_chunk=None, pool_auto=(), read_budget_kib=None) -> Engine:
     """The C++ runner on an ExecuTorch bundle (built for it on first use), the Python engine's JSON."""
     from transformers import AutoTokenizer
 
@@ -191,7 +191,7 @@ def native_engine(bundle: Path, *, abi: str, policy: str, pool_mib, window, queu
             res = run_native(bundle, list(prompts) if text_in else encoded, abi=abi, runner=out,
                              max_new_tokens=max_new_tokens, policy=policy, pool_mib=pool_mib, window=window,
                              queue_depth=queue_depth, min_confidence=min_confidence, step_budget_kib=step_budget_kib,
-                             events=ev, threads=threads,
+                             read_budget_kib=read_budget_kib, events=ev, threads=threads,
                              extra=(() if prefill_chunk is None else ("--prefill-chunk", str(prefill_chunk or "off")))
                              + tuple(a for o, v in pool_auto if v is not None for a in (o, repr(v))))
             events_text = ev.read_text(encoding="utf-8") if ev is not None else None

@@ -2,7 +2,7 @@
 //
 //   specprefetch-runner BUNDLE (--prompt TEXT | --prompt-ids 1,2,3) [...] [--max-new-tokens N]
 //       [--policy PREDICTOR+EVICTION] [--pool-mib F|auto] [--window N] [--queue-depth N]
-//       [--min-confidence F] [--candidate-threshold F] [--step-budget-kib N] [--lanes N] [--threads N] [--routing FILE]
+//       [--min-confidence F] [--candidate-threshold F] [--step-budget-kib N] [--read-budget-kib N] [--lanes N] [--threads N] [--routing FILE]
 //       [--json OUT] [--events OUT] [--no-verify] [--no-verify-hashes] [--cold] [--preload] [--isa NAME]
 //
 // Refusals print one line "specprefetch-runner: error: ..." naming the file or option, exit 1.
@@ -43,7 +43,8 @@ using json = nlohmann::ordered_json;
 const char* kUsage =
     "usage: specprefetch-runner BUNDLE (--prompt TEXT | --prompt-ids IDS) [more prompts] [--max-new-tokens N]\n"
     "  [--policy PREDICTOR+EVICTION] [--pool-mib F] [--window N] [--queue-depth N] [--min-confidence F]\n"
-    "  [--candidate-threshold F] [--step-budget-kib N] [--lanes N] [--threads N] [--routing FILE] [--json OUT] [--events OUT]\n"
+    "  [--candidate-threshold F] [--step-budget-kib N] [--read-budget-kib N] [--lanes N] [--threads N] [--routing FILE]\n"
+    "  [--json OUT] [--events OUT]\n"
     "  [--no-verify] [--no-verify-hashes] [--cold] [--preload] [--isa NAME|best] [--prefill-chunk N|off]\n"
     "  --pool-mib auto [--pool-reserve-mib N] [--pool-low-watermark-mib N] [--pool-high-watermark-mib N]\n"
     "  [--pool-check-ms N]: the pool sized from the available memory, shrunk under the low watermark\n";
@@ -62,6 +63,7 @@ struct Args {
   int window = -1, queue_depth = -1, lanes = 0, threads = 1;
   double min_confidence = NAN, candidate_threshold = NAN;
   int64_t step_budget_kib = -2;
+  int64_t read_budget_kib = -1;
   std::string routing, json_out, events_out, isa;
   bool verify = true, verify_hashes = true, cold = false, preload = false;
   int prefill_chunk = -1;  // --prefill-chunk: -1 the bundle's largest, 0 off
@@ -183,6 +185,7 @@ Args parse(int argc, char** argv) {
     else if (o == "--candidate-threshold" || o == "--floor")  // --floor: its name before the rename
       a.candidate_threshold = to_probability(o, val());
     else if (o == "--step-budget-kib") a.step_budget_kib = to_int(o, val(), 1);
+    else if (o == "--read-budget-kib") a.read_budget_kib = to_int(o, val(), 1);
     else if (o == "--routing") a.routing = val();
     else if (o == "--json") a.json_out = val();
     else if (o == "--events") a.events_out = val();
@@ -420,6 +423,7 @@ int main_(int argc, char** argv) {
   cfg.candidate_threshold = std::isnan(a.candidate_threshold) ? b.scheduler.candidate_threshold : a.candidate_threshold;
   cfg.step_budget_kib = a.step_budget_kib > 0 ? a.step_budget_kib
                         : b.scheduler.step_budget_bytes > 0 ? b.scheduler.step_budget_bytes / 1024 : -1;
+  cfg.read_budget_kib = a.read_budget_kib;
   cfg.lanes = a.lanes;
   cfg.verify = a.verify;
   cfg.preload = a.preload;

@@ -200,6 +200,9 @@ void Runner::configure(const RunConfig& cfg) {
     if (cfg.step_budget_kib >= 0 && cfg.step_budget_kib * 1024 < static_cast<int64_t>(store_.slot_bytes))
       throw Error("--step-budget-kib " + std::to_string(cfg.step_budget_kib) +
                   ": below one expert slot, so nothing could ever be prefetched");
+    if (cfg.read_budget_kib >= 0 && cfg.read_budget_kib * 1024 < static_cast<int64_t>(store_.slot_bytes))
+      throw Error("--read-budget-kib " + std::to_string(cfg.read_budget_kib) +
+                  ": below one expert slot, so nothing could ever be prefetched");
   } catch (...) {
     cfg_ = saved;
     throw;
@@ -261,6 +264,7 @@ Generation Runner::generate(const std::vector<int>& prompt, int max_new,
   scfg.candidate_threshold = cfg.candidate_threshold;
   scfg.prefetch = planner.active();
   scfg.step_budget_bytes = cfg.step_budget_kib >= 0 ? cfg.step_budget_kib * 1024 : -1;
+  scfg.read_budget_bytes = cfg.read_budget_kib >= 0 ? cfg.read_budget_kib * 1024 : -1;
   std::unique_ptr<ReuseHistory> reuse;
   if (cfg.eviction == "reuse") {
     if (m_.reuse_visits16.empty()) throw Error("--policy " + cfg.name() + ": the bundle has no reuse table");

@@ -58,6 +58,7 @@ struct RunConfig {
   double min_confidence = 0.02;
   double candidate_threshold = 0.0;
   int64_t step_budget_kib = -1;
+  int64_t read_budget_kib = -1;  // KiB the flash delivers per step (-1: no deadline check)
   int lanes = 0;       // read threads (0: queue_depth + 1)
   bool verify = true;  // CRC every blob read
   bool preload = false;  // read every expert into the pool before the first position (all resident; benchmarks)

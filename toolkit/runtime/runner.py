@@ -96,6 +96,7 @@ class RunConfig:
     min_confidence: float = 0.02
     candidate_threshold: float = 0.0
     step_budget_kib: int | None = None
+    read_budget_kib: int | None = None            # KiB the flash delivers per step (None: no deadline check)
     flash_profile: DeviceProfile | None = None   # pace real reads to this device (emulated flash)
     io: str = "process"                          # reader process (default) or reader threads
     verify: bool = True                          # CRC every blob read
@@ -183,9 +184,10 @@ class Runner:
             sizes = ", ".join(map(str, have)) if have else "none: the bundle predates prefill chunks"
             raise SpecPrefetchError(f"--prefill-chunk {cfg.prefill_chunk}: the graphs' prefill chunk sizes are "
                                     f"{sizes}; give one of them or off")
-        if cfg.step_budget_kib is not None and cfg.step_budget_kib * 1024 < self.store.slot_bytes:
-            raise SpecPrefetchError(f"--step-budget-kib {cfg.step_budget_kib}: below one expert slot "
-                                    f"({self.store.slot_bytes / 2**10:.0f} KiB), so nothing could ever be prefetched")
+        for opt, kib in (("--step-budget-kib", cfg.step_budget_kib), ("--read-budget-kib", cfg.read_budget_kib)):
+            if kib is not None and kib * 1024 < self.store.slot_bytes:
+                raise SpecPrefetchError(f"{opt} {kib}: below one expert slot ({self.store.slot_bytes / 2**10:.0f} "
+                                        "KiB), so nothing could ever be prefetched")
         self.cfg = cfg
 
     # -- one prompt --------------------------------------------------------------------
@@ -520,7 +522,8 @@ def open_pool_and_scheduler(cfg: RunConfig, *, slot_bytes: int, num_layers: int,
                       next_use=belady_next_use(future, num_layers, units) if ev == "belady" else never)
     scfg = SchedulerConfig(queue_depth=cfg.queue_depth, min_confidence=cfg.min_confidence,
                            candidate_threshold=cfg.candidate_threshold, prefetch=prefetch,
-                           step_budget_bytes=cfg.step_budget_kib * 1024 if cfg.step_budget_kib else None)
+                           step_budget_bytes=cfg.step_budget_kib * 1024 if cfg.step_budget_kib else None,
+                           read_budget_bytes=cfg.read_budget_kib * 1024 if cfg.read_budget_kib else None)
     sched = WindowScheduler(pool, io, scfg, num_layers=num_layers, top_k=top_k, events=events, clock=clock,
                             reuse=ReuseHistory(reuse, num_layers) if ev == "reuse" else None)
     if ev == "prediction":

@@ -376,7 +376,8 @@ def reuse_for(reader, adapter: Path | None):
 def run_simulation(trace: Path, *, policies: list[Policy], profile: DeviceProfile, pool_mib: float,
                    window: int, queue_depth: int = 4, dtype: str = "fp16", geometry: str | None = None,
                    adapter: Path | None = None, model: str | None = None, min_confidence: float = 0.02,
-                   step_budget_kib: int | None = None, max_sequences: int | None = None,
+                   step_budget_kib: int | None = None, read_budget_kib: int | None = None,
+                   max_sequences: int | None = None,
                    split: str = "heldout", candidate_threshold: float = 0.0, prompt_tokens: int = 0) -> dict[str, Any]:
     from toolkit.traces.format import trace_model_spec
     from toolkit.predictors.evaluate import build_predictors
@@ -406,13 +407,16 @@ def run_simulation(trace: Path, *, policies: list[Policy], profile: DeviceProfil
         raise SpecPrefetchError(f"--pool-mib {pool_mib:g}: holds {pool_bytes // geo.slot_bytes} expert slots of "
                                 f"{geo.slot_bytes / 2**10:.0f} KiB, but one layer needs {geo.top_k}; use at least "
                                 f"{geo.top_k * geo.slot_bytes / 2**20:.2f}")
+    if read_budget_kib is not None and read_budget_kib * 1024 < geo.slot_bytes:
+        raise SpecPrefetchError(f"--read-budget-kib {read_budget_kib}: below one expert slot "
+                                f"({geo.slot_bytes / 2**10:.0f} KiB), so nothing could ever be prefetched")
     reuse = reuse_for(reader, adapter) if any(p.eviction == "reuse" for p in policies) else None
     prompt = _prompt_batch(reader, split, prompt_tokens, profile) if prompt_tokens else None
     results = []
     for p in policies:
         rc = RunConfig(policy=p, pool_mib=pool_mib, window=window, queue_depth=queue_depth,
                        min_confidence=min_confidence, candidate_threshold=candidate_threshold,
-                       step_budget_kib=step_budget_kib)
+                       step_budget_kib=step_budget_kib, read_budget_kib=read_budget_kib)
         r = simulate_policy(batches, preds.get(p.predictor), geo, profile, rc, layer_map, reuse=reuse)
         if prompt is not None:
             r.update(simulate_prefill(*prompt, preds.get(p.predictor), geo, profile, rc, layer_map, reuse=reuse))
