@@ -32,6 +32,7 @@ import numpy as np
 from android_runner.build import build
 from android_runner.build import run_native as _run_native
 from toolkit.artifacts import read_json
+from toolkit.errors import SpecPrefetchError
 from toolkit.bench.common import medians
 from toolkit.metrics import median
 from toolkit.reporting import figure, save_figure, write_report
@@ -161,6 +162,9 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
     texts = bench_prompts(prompts, prompt_tokens, tok)
     ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
     store = ExpertStore(Path(bundle) / m["runtime"]["expert_store"])
+    if read_budget_kib is not None and read_budget_kib * 1024 < store.slot_bytes:
+        raise SpecPrefetchError(f"--read-budget-kib {read_budget_kib}: below one expert slot "
+                                f"({store.slot_bytes / 2**10:.0f} KiB), so nothing could ever be prefetched")
     L, E, k = store.num_layers, store.num_experts, m["routing"]["top_k"]
     all_mib = L * E * store.slot_bytes / MiB + 0.01
     graph = m["predictor"]["kind"] if m["predictor"].get("preds_rows") else "next-gate"
@@ -285,7 +289,8 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
             point["on_demand_belady_over_oracle"] = round(tp["on-demand+belady"] / orc, 3)
         out["points"].append(point)
         log(f"  on-demand / {base[2]}: {point['on_demand_over_predictor']}, previous-token / {base[2]}: "
-            f"{point['temporal_over_predictor']}, {base[2]} / oracle: {point['predictor_over_oracle']}")
+            f"{point['temporal_over_predictor']}, {base[2]} / oracle: {point['predictor_over_oracle']}"
+            + (f", without / with the read budget: {point['predictor_over_read_budget']}" if read_budget_kib else ""))
         if ablation:
             log(f"  {base[2]} / {graph}+belady: {point['predictor_eviction_over_belady']}, oracle+lru / "
                 f"oracle+belady: {point['oracle_lru_over_belady']}, oracle+prediction / oracle+belady: "
@@ -363,7 +368,9 @@ def markdown(r: dict[str, Any]) -> str:
                          + " |")
         lines.append(f"| | on-demand / predictor {p['on_demand_over_predictor']:.3f}, previous-token / predictor "
                      f"{p['temporal_over_predictor']:.3f}, predictor / oracle "
-                     f"{p['predictor_over_oracle']:.3f} | | | | | | | | | |")
+                     f"{p['predictor_over_oracle']:.3f}"
+                     + (f", predictor without / with the read budget {p['predictor_over_read_budget']:.3f}"
+                        if "predictor_over_read_budget" in p else "") + " | | | | | | | | | |")
         if "predictor_eviction_over_belady" in p:
             lines.append(f"| | eviction ablation: predictor / predictor+belady "
                          f"{p['predictor_eviction_over_belady']:.3f}, "

@@ -253,7 +253,9 @@ def _assemble(model, work: Path, scratch: Path, cfg: ExportConfig, tgt, quant: s
     expert_bytes = store.slot_bytes * store.num_layers * store.num_experts
     pool_mib = cfg.pool_mib if cfg.pool_mib is not None else round(expert_bytes / 4 / 2**20, 3)
     from toolkit.runtime.scheduler import SchedulerConfig
-    sched = {"window": cfg.window, **dataclasses.asdict(SchedulerConfig())}
+    # the read budget is a run's setting (run --read-budget-kib), not a bundle default: neither engine reads it there
+    sched = {"window": cfg.window, **{k: v for k, v in dataclasses.asdict(SchedulerConfig()).items()
+                                      if k != "read_budget_bytes"}}
     timings["total_s"] = time.perf_counter() - t_start
     manifest = {
         "format": FORMAT, "version": VERSION,

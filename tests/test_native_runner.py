@@ -93,7 +93,7 @@ def test_same_tokens_decisions_and_counts_as_the_reference(native, reference, em
             py = g.to_json()
             # every decision count agrees; `late` and `wait_s` are timing, not decisions
             for k in ("requests", "hits", "prefetch_hits", "misses", "prefetch_issued", "dropped_stale",
-                      "dropped_low_conf", "dropped_no_slot", "bytes_read"):
+                      "dropped_low_conf", "dropped_no_slot", "dropped_late", "bytes_read"):
                 assert r["counts"][k] == py["counts"][k], (policy, k)
             for k in ("hit_rate", "prefetch_precision", "prefetch_recall", "evictions", "mib_read",
                       "decode_tokens", "wasted_prefetch_mib", "peak_pool_bytes"):
