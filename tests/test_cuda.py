@@ -88,6 +88,31 @@ def test_trace_on_cuda_in_bfloat16_and_across_gpus(setup):
 
 
 @CUDA
+def test_trace_split_over_gpu_and_host_records_the_unsplit_routing(setup):
+    """`--device auto --max-memory 0=...,cpu=...`: a GPU budget for about half the weights, the other
+    layers in host memory (accelerate computes them on the GPU, copying their weights in for each
+    pass): the routing and tokens are the one-GPU trace's; probabilities and router inputs to fp16's
+    rounding."""
+    from toolkit.models.loader import load_model
+
+    d = setup["dir"]
+    half = 2 * sum(p.numel() for p in load_model(setup["model"]).model.parameters()) // 2   # fp16 bytes / 2
+    cli("trace", setup["model"], "--data", setup["data"], "--out", d / "one", "--device", "cuda", "--dtype",
+        "float16", *TRACE_ARGS)
+    cli("trace", setup["model"], "--data", setup["data"], "--out", d / "split", "--device", "auto", "--dtype",
+        "float16", "--max-memory", f"0={half // 1024}KiB,cpu=64GiB", *TRACE_ARGS)
+    placed = TraceReader(d / "split").manifest["settings"]["placement"]
+    assert {"0", "cpu"} <= set(placed.values()), placed
+    for split in ("train", "heldout"):
+        a = TraceReader(d / "one").load(split, ("token_id", "expert_ids", "router_probs", "hidden"))
+        b = TraceReader(d / "split").load(split, ("token_id", "expert_ids", "router_probs", "hidden"))
+        np.testing.assert_array_equal(a["expert_ids"], b["expert_ids"])
+        np.testing.assert_array_equal(a["token_id"], b["token_id"])
+        for k in ("router_probs", "hidden"):   # fp16: the offload hooks' decode steps may round differently
+            np.testing.assert_allclose(a[k].astype(np.float32), b[k].astype(np.float32), atol=2e-2, err_msg=k)
+
+
+@CUDA
 def test_trace_of_images_on_cuda(tmp_path):
     """A vision-language model: image tensors go to the GPU with the prompt (one prompt at a time)."""
     from PIL import Image

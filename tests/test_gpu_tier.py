@@ -95,6 +95,35 @@ def test_tokens_match_transformers_cpu(tiny_models, stores, fam):
     json.dumps(g.to_json())
 
 
+def test_reuse_eviction_keeps_the_tokens_and_changes_the_copies(tiny_models, stores):
+    """The reuse eviction (a learned approximation of Belady's rule, toolkit/runtime/reuse.py) on the GPU
+    tier: a table learned from the model's own routing, the predictor's window beside it; tokens stay
+    transformers', and at a small pool the copies differ from the prediction rule's (the rule acts).
+    Without a table the policy is refused in one line."""
+    import numpy as np
+
+    from adapters.reuse import learn_reuse_table
+
+    fam = "qwen3_moe"
+    prompt = list(range(5, 17))
+    want = _reference(tiny_models[fam], prompt, 16, "cpu", "float32")
+    eng = _engine(tiny_models[fam], stores[fam], POLICIES[0], 0.1, "cpu")
+    with pytest.raises(SpecPrefetchError, match="reuse table"):
+        eng.configure(policy=Policy.parse("next-gate+reuse"))
+    seen = [torch.stack(eng.record(list(range(20 + 7 * i, 34 + 7 * i)), 24).routing).numpy() for i in range(3)]
+    eng.reuse = learn_reuse_table([np.asarray(x) for x in seen], eng.E)
+    copied = {}
+    for policy in ("next-gate+prediction", "next-gate+reuse", "draft+reuse"):
+        for frac in (0.1, 0.25, 0.5):
+            eng.configure(policy=Policy.parse(policy), pool_mib=_pool_mib(eng, frac))
+            g = eng.run(prompt, 16, k=3)
+            assert g.tokens == want, (policy, frac)
+            j = g.to_json()
+            assert j["peak_pool_bytes"] <= j["budget_bytes"]
+            copied[policy, frac] = (j["pcie_bytes_per_token"], j["hit_rate"])
+    assert copied["next-gate+reuse", 0.25] != copied["next-gate+prediction", 0.25]
+
+
 def test_rejected_drafts_still_give_the_models_tokens(tiny_models, stores, monkeypatch):
     """A draft whose experts are perturbed proposes wrong tokens: the verification pass rejects them
     and crops both KV caches, and the output is still transformers'."""

@@ -118,13 +118,17 @@ def info(model: str, as_json: bool) -> None:
 @click.option("--shard-tokens", type=click.IntRange(min=1), default=16384, show_default=True, help="tokens per shard")
 @click.option("--device", default="cpu", show_default=True,
               help="cpu, cuda, cuda:N, or auto (spread over all GPUs with accelerate)")
+@click.option("--max-memory", default=None,
+              help="budgets for --device auto, e.g. '0=40GiB,cpu=200GiB': the layers fill the GPUs by index, then "
+                   "host memory, then a disk scratch folder beside --out (removed afterwards); host and disk "
+                   "layers compute on the first GPU (or the CPU where there is none)")
 @click.option("--dtype", default="float32", show_default=True, help="float32, bfloat16 or float16")
 @click.option("--batch", type=click.IntRange(min=1), default=None,
               help="prompts per forward pass [default: 1 on cpu, 16 on a GPU]")
 @click.option("--overwrite", is_flag=True, help="replace an existing --out (only once the new trace is complete)")
 @friendly_errors(interrupt=NOTHING_TO_OUT)
 def trace(model, data, out, prompt_tokens, decode_tokens, max_sequences, probs_top_m,
-          hidden_sample, heldout_frac, seed, shard_tokens, device, dtype, batch, overwrite) -> None:
+          hidden_sample, heldout_frac, seed, shard_tokens, device, max_memory, dtype, batch, overwrite) -> None:
     """Record routing traces of MODEL over text (and images) in prefill and greedy decode.
 
     Per token and MoE layer: selected experts and weights, the router's probability vector and
@@ -136,7 +140,8 @@ def trace(model, data, out, prompt_tokens, decode_tokens, max_sequences, probs_t
     s = TraceSettings(prompt_tokens=prompt_tokens, decode_tokens=decode_tokens,
                       max_sequences=max_sequences, probs_top_m=probs_top_m,
                       hidden_sample=hidden_sample, heldout_frac=heldout_frac, seed=seed,
-                      shard_tokens=shard_tokens, device=device, dtype=dtype, batch=batch)
+                      shard_tokens=shard_tokens, device=device, dtype=dtype, batch=batch,
+                      max_memory=max_memory)
     path = run_trace(model, list(data), out, s, overwrite=overwrite)
     m = TraceReader(path).manifest
     t = m["tokens"]

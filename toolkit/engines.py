@@ -234,7 +234,7 @@ def gpu_engine(model, *, device: str, policy: str, adapter, store_path, dtype, p
     from toolkit.models.loader import inspect_model_dir, load_model
     from toolkit.runtime.expert_store import ExpertStore
     from toolkit.runtime.gpu import Device, GpuEngine
-    from toolkit.runtime.gpu_bench import gpu_predictors
+    from toolkit.runtime.gpu_bench import gpu_predictors, gpu_reuse_table
     from toolkit.runtime.policy import Policy
     from toolkit.runtime.runner import RunConfig
 
@@ -255,7 +255,8 @@ def gpu_engine(model, *, device: str, policy: str, adapter, store_path, dtype, p
     cuda = device.startswith("cuda")
     held: dict[str, Any] = {"lm": load_model(spec.path, dtype="float16" if cuda else "float32")}
     held["eng"] = GpuEngine(held["lm"], st, RunConfig(policy=pol, pool_mib=pool_mib or 8.0, window=window,
-                                                      min_confidence=min_confidence), device=device, predictors=preds)
+                                                      min_confidence=min_confidence), device=device, predictors=preds,
+                            reuse=gpu_reuse_table([pol.eviction], adapter))
     tok = held["lm"].tokenizer
 
     def generate(prompts, encoded, max_new_tokens, events):

@@ -223,6 +223,14 @@ class LoadedModel:
     model: torch.nn.Module
     tokenizer: Any
     image_processor: Any = None
+    placement: dict[str, str] | None = None  # --max-memory: accelerate's device map (module -> device)
+    scratch: Any = None                      # its disk offload folder (a TemporaryDirectory), if any
+
+    def close(self) -> None:
+        """Remove the disk offload folder (the weights accelerate offloaded for this load)."""
+        if self.scratch is not None:
+            self.scratch.cleanup()
+            self.scratch = None
 
     @property
     def family(self) -> Family:
@@ -234,7 +242,59 @@ class LoadedModel:
 
     @property
     def input_device(self) -> torch.device:
-        return self.model.get_input_embeddings().weight.device
+        emb = self.model.get_input_embeddings()
+        if emb.weight.device.type == "meta":  # offloaded by accelerate: computed on its hook's device
+            dev = emb._hf_hook.execution_device
+            return torch.device(dev) if not isinstance(dev, int) else torch.device("cuda", dev)
+        return emb.weight.device
+
+
+def parse_max_memory(text: str, option: str = "--max-memory") -> dict[int | str, int]:
+    """'0=40GiB,1=40GiB,cpu=200GiB' -> {0: bytes, 1: bytes, "cpu": bytes}: accelerate's max_memory.
+    Sizes as accelerate reads them (KB/MB/GB, KiB/MiB/GiB) or a number of bytes; a GPU index must
+    exist here."""
+    from accelerate.utils import convert_file_size_to_int
+
+    out: dict[int | str, int] = {}
+    for part in text.split(","):
+        key, sep, val = (x.strip() for x in part.partition("="))
+        if not sep or not key or not val:
+            raise SpecPrefetchError(f"{option} {text!r}: expected DEVICE=SIZE pairs, e.g. 0=40GiB,cpu=200GiB")
+        if key.isdigit():
+            dev: int | str = int(key)
+            n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if dev >= n:
+                raise SpecPrefetchError(f"{option} {text!r}: GPU {dev} does not exist here "
+                                        f"({n} CUDA device(s){', numbered from 0' if n else ''})")
+        elif key in ("cpu", "disk"):
+            dev = key
+        else:
+            raise SpecPrefetchError(f"{option} {text!r}: {key!r} is not a GPU index, cpu or disk")
+        if dev in out:
+            raise SpecPrefetchError(f"{option} {text!r}: {key} is given twice")
+        try:
+            size = int(val) if val.isdigit() else convert_file_size_to_int(val)
+        except (ValueError, TypeError):
+            size = -1
+        if not isinstance(size, int) or size < 1:
+            raise SpecPrefetchError(f"{option} {text!r}: size {val!r} is not a size such as 512MiB or 40GiB")
+        out[dev] = size
+    return out
+
+
+def _placement(spec: ModelSpec, cls, dtype: torch.dtype, max_memory: dict[int | str, int]) -> dict[str, Any]:
+    """accelerate's device map for these budgets (GPUs in index order, then host memory, then disk),
+    computed on an empty model. transformers' own device_map="auto" reserves room on the host for
+    offloading and, with host memory alone, puts every module on disk; this is the plain fill."""
+    from accelerate import infer_auto_device_map, init_empty_weights
+
+    with init_empty_weights():
+        empty = cls.from_config(spec.config, dtype=dtype)
+    budget = dict(sorted(((k, v) for k, v in max_memory.items() if isinstance(k, int)))) | \
+        {k: max_memory[k] for k in ("cpu", "disk") if k in max_memory}
+    budget.setdefault("disk", 1 << 62)
+    return dict(infer_auto_device_map(empty, max_memory=budget, dtype=dtype,
+                                      no_split_module_classes=list(getattr(empty, "_no_split_modules", None) or [])))
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -245,13 +305,19 @@ def parse_dtype(name: str) -> torch.dtype:
     return table[name]
 
 
-def load_model(model: str | Path, *, device: str = "cpu", dtype: str = "float32") -> LoadedModel:
+def load_model(model: str | Path, *, device: str = "cpu", dtype: str = "float32",
+               max_memory: dict[int | str, int] | None = None, offload_dir: Path | None = None) -> LoadedModel:
     """Load weights, tokenizer and (VL) image processor.
 
     Args:
         device: "cpu", "cuda", "cuda:N", or "auto" to spread layers over every visible GPU with
             accelerate's device_map (how a 30B checkpoint is traced on a multi-GPU workstation).
         dtype: float32, float16 or bfloat16.
+        max_memory: with device "auto", accelerate's per-device budgets (`parse_max_memory`): the
+            layers fill the GPUs in order, then host memory, then a disk offload folder; modules on
+            the host or disk are computed on the first GPU (accelerate's offload hooks), or on the
+            CPU where there is none. The map is `placement`; call `close()` to remove the folder.
+        offload_dir: where that folder is made (default: the system's temp directory).
     """
     spec = inspect_model_dir(model)
     torch_dtype = parse_dtype(dtype)
@@ -259,7 +325,18 @@ def load_model(model: str | Path, *, device: str = "cpu", dtype: str = "float32"
 
     cls = AutoModelForImageTextToText if spec.family.is_vision_language else AutoModelForCausalLM
     kwargs: dict[str, Any] = {"dtype": torch_dtype, "local_files_only": True, "use_safetensors": True}
-    if device == "auto":
+    placement = scratch = None
+    if max_memory is not None:
+        if device != "auto":
+            raise SpecPrefetchError(f"--max-memory needs --device auto (not --device {device})")
+        placement = _placement(spec, cls, torch_dtype, max_memory)
+        kwargs["device_map"] = placement
+        if "disk" in placement.values():
+            import tempfile
+
+            scratch = tempfile.TemporaryDirectory(prefix=".specprefetch-offload-", dir=offload_dir)
+            kwargs["offload_folder"] = scratch.name
+    elif device == "auto":
         if not torch.cuda.is_available():
             raise SpecPrefetchError("--device auto needs CUDA GPUs; none are visible (use --device cpu)")
         kwargs["device_map"] = "auto"
@@ -270,6 +347,8 @@ def load_model(model: str | Path, *, device: str = "cpu", dtype: str = "float32"
     except SpecPrefetchError:
         raise
     except Exception as e:
+        if scratch is not None:
+            scratch.cleanup()
         raise SpecPrefetchError(f"{spec.path}: loading the weights failed: {e}") from None
     if device != "auto":
         net = net.to(device)
@@ -281,7 +360,9 @@ def load_model(model: str | Path, *, device: str = "cpu", dtype: str = "float32"
     image_processor = None
     if spec.family.is_vision_language:
         image_processor = load_image_processor(spec.path)
-    return LoadedModel(spec=spec, model=net, tokenizer=tok, image_processor=image_processor)
+    return LoadedModel(spec=spec, model=net, tokenizer=tok, image_processor=image_processor,
+                       placement={k: str(v) for k, v in placement.items()} if placement is not None else None,
+                       scratch=scratch)
 
 
 def load_image_processor(path: Path) -> Any:

@@ -43,7 +43,7 @@ import dataclasses
 import functools
 import os
 import time
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
@@ -54,9 +54,12 @@ from toolkit.runtime.expert_store import ExpertStore
 from toolkit.runtime.gpu_kernels import dequant, int4_gemv
 from toolkit.runtime.planner import PrefetchPlanner, RoutingState
 from toolkit.runtime.pool import ExpertPool, Key
-from toolkit.runtime.runner import RunConfig, Runner, open_pool_and_scheduler
+from toolkit.runtime.runner import REUSE_MISSING, RunConfig, Runner, open_pool_and_scheduler
 from toolkit.runtime.scheduler import WindowScheduler
 from toolkit.runtime.stats import DecodeAccount, RunStats
+
+if TYPE_CHECKING:
+    from adapters.reuse import ReuseTable
 
 MiB = 2**20
 
@@ -467,8 +470,8 @@ class GpuEngine:
     """The model on one device with its routed experts streamed from host memory through the pool."""
 
     def __init__(self, lm, store: ExpertStore, cfg: RunConfig, *, device: str = "cuda",
-                 predictors: dict[str, Any] | None = None, with_draft: bool = False, progress=None,
-                 decode: str | None = None):
+                 predictors: dict[str, Any] | None = None, reuse: ReuseTable | None = None,
+                 with_draft: bool = False, progress=None, decode: str | None = None):
         """
         Args:
             lm: a LoadedModel on the CPU (toolkit.models.loader.load_model); its routed experts are
@@ -476,6 +479,7 @@ class GpuEngine:
             store: the model's fp16 expert store (the host tier is read from it).
             cfg: policy and pool budget (the CPU runner's RunConfig).
             predictors: name -> predictor (registry) for the policy's predictor.
+            reuse: the adapter's reuse table (adapters/reuse.py), for the `reuse` eviction.
             with_draft: build the int4 draft even if cfg's policy is not the draft (to switch to it later).
             decode: how decode steps run after the prefill: "graph" (the static-cache decoder replayed as
                 CUDA graphs, toolkit/runtime/gpu_graph.py; the default on CUDA), "static" (the same
@@ -521,6 +525,7 @@ class GpuEngine:
         self.model.to(self.dev.device)
         self.host = HostExperts(store, self.dev, progress)
         self.predictors = dict(predictors or {})
+        self.reuse = reuse
         self.cfg = cfg
         from toolkit.runtime import gpu_graph
 
@@ -542,9 +547,8 @@ class GpuEngine:
         if p not in ("on-demand", "draft") and p not in self.predictors:
             raise SpecPrefetchError(f"--policy {cfg.policy.name}: predictor {p!r} is not available on the GPU tier "
                                     f"(available: on-demand, draft, {', '.join(self.predictors) or '-'})")
-        if cfg.policy.eviction == "reuse":
-            raise SpecPrefetchError(f"--policy {cfg.policy.name}: the GPU tier has no reuse eviction yet "
-                                    "(lru, lfu, prediction or belady)")
+        if cfg.policy.eviction == "reuse" and self.reuse is None:
+            raise SpecPrefetchError(f"--policy {cfg.policy.name}: {REUSE_MISSING} (pass --adapter)")
         cap = cfg.budget_bytes // self.store.blob_size
         if cap < self.k:
             raise SpecPrefetchError(f"--pool-mib {cfg.pool_mib:g}: holds {cap} expert slots of "
@@ -699,7 +703,7 @@ class GpuEngine:
         # pool holds one slot per expert at most, so it never needs a slot the arena lacks
         gcfg = dataclasses.replace(cfg, queue_depth=max(1, self.capacity - self.k))
         pool, sched = open_pool_and_scheduler(gcfg, slot_bytes=self.store.blob_size, num_layers=L, top_k=self.k,
-                                              io=io, future=future, prefetch=prefetch)
+                                              io=io, future=future, prefetch=prefetch, reuse=self.reuse)
         if preload:
             if self.capacity < self.L * self.E:
                 raise SpecPrefetchError("preload: the pool must hold every expert")

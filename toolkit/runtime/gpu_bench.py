@@ -62,6 +62,16 @@ def gpu_predictors(spec, names, adapter: Path | None) -> dict[str, Any]:
             for n in names}
 
 
+def gpu_reuse_table(names, adapter: Path | None):
+    """The adapter's reuse table when a policy evicts by predicted reuse (None otherwise); a policy
+    that needs it without an adapter, or with an adapter that has none, is refused by the engine."""
+    if adapter is None or "reuse" not in set(names):
+        return None
+    from adapters.checkpoint import read_adapter_meta, reuse_table
+
+    return reuse_table(read_adapter_meta(Path(adapter)), Path(adapter) / "adapter.json")
+
+
 def reference_generate(model_dir: Path, prompts: list[list[int]], new_tokens: int, device: str,
                        dtype: torch.dtype, timed: bool = True) -> tuple[list[list[int]], float | None]:
     """transformers' greedy tokens with the whole model on the device (eager experts, the loop the
@@ -136,9 +146,11 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
     log(f"reference: transformers generate, whole model on {device}")
     ref_tokens, ref_tpot = reference_generate(spec.path, ids, new_tokens, device, dtype)
     preds = gpu_predictors(spec, {p.predictor for p in policies}, adapter)
+    reuse = gpu_reuse_table({p.eviction for p in policies}, adapter)
     all_mib = L * E * st.blob_size / MiB
     eng = GpuEngine(lm, st, RunConfig(policy=Policy("on-demand", "lru"), pool_mib=all_mib, window=window),
-                    device=device, predictors=preds, with_draft=any(p.predictor == "draft" for p in policies),
+                    device=device, predictors=preds, reuse=reuse,
+                    with_draft=any(p.predictor == "draft" for p in policies),
                     decode=decode,
                     progress=lambda i, n: log(f"host tier: layer {i}/{n} read") if i == n else None)
     log(f"model {spec.path}: {L} MoE layers x {E} experts of {st.blob_size / MiB:.2f} MiB "

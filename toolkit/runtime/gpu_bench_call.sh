@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The GPU tier's measuring call (docs/benchmarks.md section 9), run from the repository root on a
-# machine with one CUDA GPU: a tiny-model smoke bench, then a 1.2 B Qwen3-MoE trained, its expert
-# store, routing traces, the adapter, the bench, and the CUDA tests.
+# machine with one CUDA GPU: a tiny-model smoke bench; a 1.2 B Qwen3-MoE trained, its expert store,
+# routing traces, the adapter and the bench; the same model widened to large experts (the copy-bound
+# regime: `specprefetch widen`, exact, so its routing is the trained model's) with its own store,
+# traces, adapter and bench; a trace split over the GPU and host memory (--max-memory) checked against
+# the one-GPU trace; and the CUDA tests.
 #
 # Inputs: CORPUS (default build/gpu-bench-corpus), a directory made from the embedded corpus
 # recipe's output by this script's --prepare step (about 20 s):
@@ -18,8 +21,13 @@
 #
 # Measuring (OUT required): OUT=DIR bash toolkit/runtime/gpu_bench_call.sh
 # Knobs: SKIP_TRAIN=1 (reuse WORK/model), WORK (scratch, /tmp/g9), TB (training seconds, 140),
-# BT (bench timeout, 300), FR (pool fractions, 0.1,0.25,0.5).
-# Output under OUT: log, tiny.json, gpu-bench.json (+ .md, .png), bench.log, train_log.json.
+# BT (bench timeout, 300), FR (pool fractions, 0.1,0.25,0.5), WFFN (the widened experts' FFN, 8192:
+# 48 MiB per fp16 expert), WFR (its pool fractions, 0.1,0.25), WBT (its bench timeout, 420), STAGES
+# (default "base wide split tests"), DEV (cuda). SMOKE=1 runs every stage on tiny sizes (a random tiny model, no
+# training, one short prompt) to check the commands before a measuring call.
+# Output under OUT: log (the whole call's), and all.tgz (re-packed after every stage, so a call cut
+# short still returns what it finished): gpu-bench-STAGE.json/.md/.png and bench-STAGE.log per bench,
+# tiny.json, train_log.json, split.json.
 set -u
 
 C=${CORPUS:-build/gpu-bench-corpus}
@@ -51,24 +59,96 @@ for f in train.jsonl.xz trace.jsonl heldout.jsonl; do
   [ -f "$C/$f" ] || { echo "error: $C/$f missing: make CORPUS with --prepare (see the header)" >&2; exit 2; }
 done
 export PYTHONPATH=. OMP_NUM_THREADS=4 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TQDM_DISABLE=1 HF_HUB_DISABLE_PROGRESS_BARS=1
-R=${WORK:-/tmp/g9}; L=$OUT/log; B="python -m toolkit.cli"
-mkdir -p "$R" || exit 2
-python -c "import torch,transformers,triton;print(torch.__version__,transformers.__version__,triton.__version__,torch.cuda.get_device_name())" 2>&1 | tee "$L"
+SMOKE=${SMOKE:-0} DEV=${DEV:-cuda}   # DEV=cpu: a smoke run of the commands on a machine without a GPU
+R=${WORK:-/tmp/g9}; [ "$SMOKE" = 1 ] && R=${WORK:-/tmp/g9-smoke}
+L=$OUT/log; B="python -m toolkit.cli"; RES=$R/results
+mkdir -p "$R" "$RES" || exit 2
+pack() { tar czf "$OUT/all.tgz.tmp" -C "$RES" . && mv "$OUT/all.tgz.tmp" "$OUT/all.tgz"; }
+POL=on-demand+lru,next-gate+prediction,adapter+prediction,adapter+reuse,draft+prediction,oracle+belady
+if [ "$SMOKE" = 1 ]; then
+  NSEQ=16 STEPS=30 NP=1 NT=8 FR=${FR:-0.5} WFR=${WFR:-0.5} WFFN=${WFFN:-64} SPLIT_SEQ=8 KS=2,3
+else
+  NSEQ=128 STEPS=600 NP=3 NT=64 FR=${FR:-0.1,0.25,0.5} WFR=${WFR:-0.1,0.25} WFFN=${WFFN:-8192} SPLIT_SEQ=32 KS=2,4,6,8,12
+fi
+STAGES=${STAGES:-base wide split tests}
+python -c "import torch,transformers,triton,accelerate;print(torch.__version__,transformers.__version__,triton.__version__,accelerate.__version__,torch.cuda.get_device_name())" 2>&1 | tee "$L"
 T=$R/tiny
 [ -d "$T" ] || $B tiny qwen3_moe --out "$T" >/dev/null 2>&1
 [ -f "$T.spx" ] || $B store "$T" --out "$T.spx" >/dev/null 2>&1
-timeout 120 python -m toolkit.runtime.gpu_bench "$T" --store "$T.spx" --fractions 0.25 --prompts 1 --prompt-tokens 8 --new-tokens 12 --repeats 1 --draft-k 2,3 --policies on-demand+lru,next-gate+prediction,draft+prediction,oracle+belady --report-mismatches --json "$OUT/tiny.json" > "$R/tiny.log" 2>&1; rc=$?
+timeout 120 python -m toolkit.runtime.gpu_bench "$T" --device "$DEV" --store "$T.spx" --fractions 0.25 --prompts 1 --prompt-tokens 8 --new-tokens 12 --repeats 1 --draft-k 2,3 --policies on-demand+lru,next-gate+prediction,draft+prediction,oracle+belady --report-mismatches --json "$RES/tiny.json" > "$R/tiny.log" 2>&1; rc=$?
 grep -v Loading "$R/tiny.log" | tail -25 | tee -a "$L"
 [ $rc = 0 ] || exit 3
-if [ "${SKIP_TRAIN:-0}" = 1 ]; then
-  [ -f "$R/model/config.json" ] || { echo "error: SKIP_TRAIN=1 but no $R/model" | tee -a "$L" >&2; exit 4; }
+M=$R/model
+if [ "$SMOKE" = 1 ]; then
+  M=$T
+elif [ "${SKIP_TRAIN:-0}" = 1 ]; then
+  [ -f "$M/config.json" ] || { echo "error: SKIP_TRAIN=1 but no $M" | tee -a "$L" >&2; exit 4; }
 else
-  (timeout 200 python -m toolkit.embedded.train --corpus "$C" --tokenizer toolkit/embedded/model/tokenizer.json --out "$R/model" --hidden-size 1024 --num-attention-heads 16 --num-key-value-heads 4 --head-dim 64 --num-experts 32 --num-experts-per-tok 4 --moe-intermediate-size 1536 --steps 400 --batch-size 32 --lr 1e-3 --warmup 40 --eval-every 400 --eval-batches 4 --time-budget "${TB:-140}" 2>&1 | tail -4) | tee -a "$L"
+  (timeout 200 python -m toolkit.embedded.train --corpus "$C" --tokenizer toolkit/embedded/model/tokenizer.json --out "$M" --hidden-size 1024 --num-attention-heads 16 --num-key-value-heads 4 --head-dim 64 --num-experts 32 --num-experts-per-tok 4 --moe-intermediate-size 1536 --steps 400 --batch-size 32 --lr 1e-3 --warmup 40 --eval-every 400 --eval-batches 4 --time-budget "${TB:-140}" 2>&1 | tail -4) | tee -a "$L"
+  cp "$M/train_log.json" "$RES/" 2>/dev/null
 fi
-[ -f "$R/e.spx" ] || $B store "$R/model" --out "$R/e.spx" 2>&1 | tail -1 | tee -a "$L"
-[ -d "$R/trace" ] || $B trace "$R/model" --data "$C/trace.jsonl" --out "$R/trace" --device cuda --dtype float16 --max-sequences 128 --prompt-tokens 128 --decode-tokens 32 --heldout-frac 0.25 2>&1 | tail -2 | tee -a "$L"
-[ -d "$R/adapter" ] || $B train "$R/trace" --out "$R/adapter" --device cuda --steps 600 2>&1 | tail -2 | tee -a "$L"
-cp "$R/model/train_log.json" "$OUT/" 2>/dev/null
-timeout "${BT:-300}" python -m toolkit.runtime.gpu_bench "$R/model" --store "$R/e.spx" --adapter "$R/adapter" --policies on-demand+lru,next-gate+prediction,adapter+prediction,draft+prediction,oracle+belady --fractions "${FR:-0.1,0.25,0.5}" --prompts 3 --new-tokens 64 --repeats 2 --report-mismatches --json "$OUT/gpu-bench.json" > "$OUT/bench.log" 2>&1; echo "rc=$?"
-grep -v Loading "$OUT/bench.log" | tail -40
-timeout 60 python -m pytest -q -x tests/test_gpu_tier.py -k "cuda or triton" 2>&1 | tail -8
+pack
+
+# bench NAME MODEL FRACTIONS TIMEOUT: the model's fp16 store, traces, adapter and the policies' bench
+bench() {
+  local n=$1 m=$2 fr=$3 bt=$4 t0
+  t0=$(date +%s)
+  [ -f "$R/$n.spx" ] || $B store "$m" --out "$R/$n.spx" 2>&1 | tail -1 | tee -a "$L"
+  [ -d "$R/$n-trace" ] || $B trace "$m" --data "$C/trace.jsonl" --out "$R/$n-trace" --device "$DEV" --dtype float16 --max-sequences $NSEQ --prompt-tokens 128 --decode-tokens 32 --heldout-frac 0.25 2>&1 | tail -2 | tee -a "$L"
+  [ -d "$R/$n-adapter" ] || $B train "$R/$n-trace" --out "$R/$n-adapter" --device "$DEV" --steps $STEPS 2>&1 | tail -3 | tee -a "$L"
+  echo "$n: store, trace and adapter $(( $(date +%s) - t0 )) s" | tee -a "$L"
+  timeout "$bt" python -m toolkit.runtime.gpu_bench "$m" --device "$DEV" --store "$R/$n.spx" --adapter "$R/$n-adapter" --policies "$POL" --fractions "$fr" --prompts $NP --new-tokens $NT --repeats 2 --draft-k $KS --report-mismatches --json "$RES/gpu-bench-$n.json" > "$RES/bench-$n.log" 2>&1; echo "$n: bench rc=$? after $(( $(date +%s) - t0 )) s" | tee -a "$L"
+  grep -v Loading "$RES/bench-$n.log" | tail -32 | tee -a "$L"
+  pack
+}
+
+for st in $STAGES; do
+  case $st in
+    base) bench base "$M" "$FR" "${BT:-300}" ;;
+    wide)
+      t0=$(date +%s)
+      [ -d "$R/wide-model" ] || $B widen "$M" --moe-intermediate-size "$WFFN" --out "$R/wide-model" 2>&1 | tail -1 | tee -a "$L"
+      echo "wide: widen $(( $(date +%s) - t0 )) s; $(du -sh "$R/wide-model" | cut -f1); disk free $(df -h "$R" | tail -1 | awk '{print $4}')" | tee -a "$L"
+      bench wide "$R/wide-model" "$WFR" "${WBT:-420}"
+      rm -rf "$R/wide-model" "$R/wide.spx" ;;
+    split)
+      # the same prompts traced on one GPU and split over the GPU (a third of the weights) and host memory
+      t0=$(date +%s)
+      G=$(python -c "import sys; from safetensors import safe_open; import glob, math
+n = 0
+for f in glob.glob(sys.argv[1] + '/*.safetensors'):
+    with safe_open(f, 'pt') as h:
+        n += sum(math.prod(h.get_slice(k).get_shape()) for k in h.keys())
+print(max(1, 2 * n // 3 // 1024))" "$M")
+      MM="0=${G}KiB,cpu=64GiB"; [ "$DEV" = cpu ] && MM="cpu=${G}KiB"   # without a GPU: host memory + disk
+      $B trace "$M" --data "$C/trace.jsonl" --out "$R/split-one" --device "$DEV" --dtype float16 --max-sequences $SPLIT_SEQ --prompt-tokens 128 --decode-tokens 32 --heldout-frac 0.25 --overwrite 2>&1 | tail -1 | tee -a "$L"
+      t1=$(date +%s)
+      $B trace "$M" --data "$C/trace.jsonl" --out "$R/split-two" --device auto --max-memory "$MM" --dtype float16 --max-sequences $SPLIT_SEQ --prompt-tokens 128 --decode-tokens 32 --heldout-frac 0.25 --overwrite 2>&1 | tail -1 | tee -a "$L"
+      t2=$(date +%s)
+      python - "$R/split-one" "$R/split-two" "$RES/split.json" $((t1 - t0)) $((t2 - t1)) "$MM" <<'PY' 2>&1 | tee -a "$L"
+import collections, json, sys
+import numpy as np
+from toolkit.traces.format import TraceReader
+a, b = TraceReader(sys.argv[1]), TraceReader(sys.argv[2])
+fields = ("token_id", "expert_ids", "expert_weights", "router_probs", "hidden")
+out = {"one_gpu_s": int(sys.argv[4]), "split_s": int(sys.argv[5]), "max_memory": sys.argv[6],
+       "placement": dict(collections.Counter(b.manifest["settings"]["placement"].values())), "equal": {}}
+for split in ("train", "heldout"):
+    x, y = a.load(split, fields), b.load(split, fields)
+    assert all(x[k].shape == y[k].shape for k in fields), split
+    e = {k: bool(np.array_equal(x[k], y[k])) for k in fields}
+    e["expert_ids_share"] = float((np.sort(x["expert_ids"], -1) == np.sort(y["expert_ids"], -1)).mean())
+    e["token_id_share"] = float((x["token_id"] == y["token_id"]).mean())
+    for k in ("router_probs", "hidden"):
+        e[k + "_max_abs_diff"] = float(np.abs(x[k].astype(np.float32) - y[k].astype(np.float32)).max())
+    out["equal"][split] = e
+    out.setdefault("tokens", {})[split] = int(len(x["token_id"]))
+json.dump(out, open(sys.argv[3], "w"), indent=1)
+print("split:", json.dumps(out))
+PY
+      pack ;;
+    tests)
+      timeout 240 python -m pytest -q -x -p no:cacheprovider tests/test_gpu_tier.py tests/test_cuda.py -k "cuda or triton or reuse or split" 2>&1 | tail -8 | tee -a "$L" ;;
+  esac
+done
+pack

@@ -26,7 +26,7 @@ from tqdm import tqdm
 from toolkit.errors import SpecPrefetchError, interrupt_on_signals
 from toolkit.models.families import router_distribution
 from toolkit.artifacts import claim_output
-from toolkit.models.loader import LoadedModel, load_model, resolve_model_dir
+from toolkit.models.loader import LoadedModel, load_model, parse_max_memory, resolve_model_dir
 from toolkit.traces.batches import check_device
 from toolkit.traces.data import Record, check_input, file_sha256, read_records
 from toolkit.traces.format import DECODE, IMAGE, PREFILL, TraceWriter
@@ -49,6 +49,7 @@ class TraceSettings:
     device: str = "cpu"
     dtype: str = "float32"
     batch: int | None = None       # prompts per forward pass; None: 1 on the CPU, 16 on a GPU
+    max_memory: str | None = None  # --device auto's budgets, e.g. "0=40GiB,cpu=200GiB" (loader.parse_max_memory)
 
     def validate(self) -> None:
         if self.prompt_tokens < 1:
@@ -66,12 +67,21 @@ class TraceSettings:
             raise SpecPrefetchError("--shard-tokens must be at least 1")
         if self.batch is not None and self.batch < 1:
             raise SpecPrefetchError(f"--batch {self.batch}: must be at least 1")
-        check_device(self.device, allow_auto=True)
+        if self.max_memory is not None:
+            if self.device != "auto":
+                raise SpecPrefetchError(f"--max-memory needs --device auto (not --device {self.device})")
+            parse_max_memory(self.max_memory)
+        else:
+            check_device(self.device, allow_auto=True)
+
+    def memory_budgets(self) -> dict[int | str, int] | None:
+        return parse_max_memory(self.max_memory) if self.max_memory is not None else None
 
     def prompts_per_batch(self) -> int:
         if self.batch is not None:
             return self.batch
-        return 1 if self.device == "cpu" else DEFAULT_GPU_BATCH
+        on_cpu = self.device == "cpu" or (self.device == "auto" and not torch.cuda.is_available())
+        return 1 if on_cpu else DEFAULT_GPU_BATCH
 
 
 @dataclasses.dataclass
@@ -339,7 +349,16 @@ def run_trace(model: str | Path, data: list[Path], out: Path, s: TraceSettings, 
         check_input(d)
     inputs = tuple(d.resolve() for d in data) + (resolve_model_dir(model).resolve(),)
     claim_output(out, kind="trace", overwrite=overwrite, inputs=inputs)  # before the model loads
-    lm = load_model(model, device=s.device, dtype=s.dtype)
+    lm = load_model(model, device=s.device, dtype=s.dtype, max_memory=s.memory_budgets(),
+                    offload_dir=out.resolve().parent)
+    try:
+        return _trace(lm, data, out, s, inputs, overwrite, progress)
+    finally:
+        lm.close()  # the disk offload folder, if --max-memory made one
+
+
+def _trace(lm: LoadedModel, data: list[Path], out: Path, s: TraceSettings, inputs, overwrite: bool,
+           progress: bool) -> Path:
     model_path = lm.spec.path.resolve()
     records = read_records(data, allow_images=lm.family.is_vision_language)
     prompts = make_prompts(records, lm.tokenizer, s)
@@ -362,7 +381,7 @@ def run_trace(model: str | Path, data: list[Path], out: Path, s: TraceSettings, 
                   "num_experts": spec.num_experts, "top_k": spec.top_k,
                   "hidden_size": geo.hidden_size, "routing": dataclasses.asdict(spec)},
         "data": [{"path": str(d.resolve()), "sha256": file_sha256(d)} for d in data],
-        "settings": dataclasses.asdict(s) | {"batch": per_batch,
+        "settings": dataclasses.asdict(s) | {"batch": per_batch, "placement": lm.placement,
                                              "probs": "full" if top_m is None else f"top-{top_m}",
                                              "sequences": len(prompts)},
     }
