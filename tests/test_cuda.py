@@ -89,18 +89,20 @@ def test_trace_on_cuda_in_bfloat16_and_across_gpus(setup):
 
 @CUDA
 def test_trace_split_over_gpu_and_host_records_the_unsplit_routing(setup):
-    """`--device auto --max-memory 0=...,cpu=...`: a GPU budget for about half the weights, the other
+    """`--device auto --max-memory 0=...,cpu=...`: a GPU budget for part of the weights, the other
     layers in host memory (accelerate computes them on the GPU, copying their weights in for each
     pass): the routing and tokens are the one-GPU trace's; probabilities and router inputs to fp16's
     rounding."""
     from toolkit.models.loader import load_model
 
     d = setup["dir"]
-    half = 2 * sum(p.numel() for p in load_model(setup["model"]).model.parameters()) // 2   # fp16 bytes / 2
+    # a GPU budget for 80% of the fp16 weights: accelerate keeps room on the GPU for the largest offloaded
+    # layer, so this puts a few modules on the GPU and the rest in host memory
+    gpu = 2 * sum(p.numel() for p in load_model(setup["model"]).model.parameters()) * 4 // 5
     cli("trace", setup["model"], "--data", setup["data"], "--out", d / "one", "--device", "cuda", "--dtype",
         "float16", *TRACE_ARGS)
     cli("trace", setup["model"], "--data", setup["data"], "--out", d / "split", "--device", "auto", "--dtype",
-        "float16", "--max-memory", f"0={half // 1024}KiB,cpu=64GiB", *TRACE_ARGS)
+        "float16", "--max-memory", f"0={gpu // 1024}KiB,cpu=64GiB", *TRACE_ARGS)
     placed = TraceReader(d / "split").manifest["settings"]["placement"]
     assert {"0", "cpu"} <= set(placed.values()), placed
     for split in ("train", "heldout"):

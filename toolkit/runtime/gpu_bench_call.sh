@@ -20,10 +20,12 @@
 #                    the training script's held-out loss
 #
 # Measuring (OUT required): OUT=DIR bash toolkit/runtime/gpu_bench_call.sh
-# Knobs: SKIP_TRAIN=1 (reuse WORK/model), WORK (scratch, /tmp/g9), TB (training seconds, 140),
-# BT (bench timeout, 300), FR (pool fractions, 0.1,0.25,0.5), WFFN (the widened experts' FFN, 8192:
-# 48 MiB per fp16 expert), WFR (its pool fractions, 0.1,0.25), WBT (its bench timeout, 420), STAGES
-# (default "base wide split tests"), DEV (cuda). SMOKE=1 runs every stage on tiny sizes (a random tiny model, no
+# Knobs: SKIP_TRAIN=1 (reuse WORK/model), SKIP_TINY=1 (no smoke bench), WORK (scratch, /tmp/g9), TB (training seconds, 140),
+# BT (bench timeout, 300), FR (pool fractions, 0.1,0.25,0.5), WFFN (the widened experts' FFN, 6144:
+# 36 MiB per fp16 expert), WFR (its pool fractions, 0.1,0.25), WBT (its bench timeout, 420), WNT (its
+# new tokens, 48), WKS (its draft Ks, 4,8,12), STAGES (default "base wide split tests"), DEV (cuda).
+# Where one command may run 10 minutes at most, run it twice on the same machine:
+#   STAGES="base tests split" OUT=... bash ...;  SKIP_TRAIN=1 STAGES=wide OUT=... bash ... SMOKE=1 runs every stage on tiny sizes (a random tiny model, no
 # training, one short prompt) to check the commands before a measuring call.
 # Output under OUT: log (the whole call's), and all.tgz (re-packed after every stage, so a call cut
 # short still returns what it finished): gpu-bench-STAGE.json/.md/.png and bench-STAGE.log per bench,
@@ -66,18 +68,21 @@ mkdir -p "$R" "$RES" || exit 2
 pack() { tar czf "$OUT/all.tgz.tmp" -C "$RES" . && mv "$OUT/all.tgz.tmp" "$OUT/all.tgz"; }
 POL=on-demand+lru,next-gate+prediction,adapter+prediction,adapter+reuse,draft+prediction,oracle+belady
 if [ "$SMOKE" = 1 ]; then
-  NSEQ=16 STEPS=30 NP=1 NT=8 FR=${FR:-0.5} WFR=${WFR:-0.5} WFFN=${WFFN:-64} SPLIT_SEQ=8 KS=2,3
+  NSEQ=16 STEPS=30 NP=1 NT=8 WNT=8 FR=${FR:-0.5} WFR=${WFR:-0.5} WFFN=${WFFN:-64} SPLIT_SEQ=8 KS=2,3 WKS=2,3
 else
-  NSEQ=128 STEPS=600 NP=3 NT=64 FR=${FR:-0.1,0.25,0.5} WFR=${WFR:-0.1,0.25} WFFN=${WFFN:-8192} SPLIT_SEQ=32 KS=2,4,6,8,12
+  NSEQ=128 STEPS=600 NP=3 NT=64 WNT=${WNT:-48} FR=${FR:-0.1,0.25,0.5} WFR=${WFR:-0.1,0.25} WFFN=${WFFN:-6144}
+  SPLIT_SEQ=32 KS=2,4,6,8,12 WKS=${WKS:-4,8,12}
 fi
 STAGES=${STAGES:-base wide split tests}
 python -c "import torch,transformers,triton,accelerate;print(torch.__version__,transformers.__version__,triton.__version__,accelerate.__version__,torch.cuda.get_device_name())" 2>&1 | tee "$L"
 T=$R/tiny
 [ -d "$T" ] || $B tiny qwen3_moe --out "$T" >/dev/null 2>&1
 [ -f "$T.spx" ] || $B store "$T" --out "$T.spx" >/dev/null 2>&1
-timeout 120 python -m toolkit.runtime.gpu_bench "$T" --device "$DEV" --store "$T.spx" --fractions 0.25 --prompts 1 --prompt-tokens 8 --new-tokens 12 --repeats 1 --draft-k 2,3 --policies on-demand+lru,next-gate+prediction,draft+prediction,oracle+belady --report-mismatches --json "$RES/tiny.json" > "$R/tiny.log" 2>&1; rc=$?
-grep -v Loading "$R/tiny.log" | tail -25 | tee -a "$L"
-[ $rc = 0 ] || exit 3
+if [ "${SKIP_TINY:-0}" != 1 ]; then
+  timeout 120 python -m toolkit.runtime.gpu_bench "$T" --device "$DEV" --store "$T.spx" --fractions 0.25 --prompts 1 --prompt-tokens 8 --new-tokens 12 --repeats 1 --draft-k 2,3 --policies on-demand+lru,next-gate+prediction,draft+prediction,oracle+belady --report-mismatches --json "$RES/tiny.json" > "$R/tiny.log" 2>&1; rc=$?
+  grep -v Loading "$R/tiny.log" | tail -25 | tee -a "$L"
+  [ $rc = 0 ] || exit 3
+fi
 M=$R/model
 if [ "$SMOKE" = 1 ]; then
   M=$T
@@ -89,37 +94,38 @@ else
 fi
 pack
 
-# bench NAME MODEL FRACTIONS TIMEOUT: the model's fp16 store, traces, adapter and the policies' bench
+# bench NAME MODEL FRACTIONS TIMEOUT NEW_TOKENS DRAFT_KS: the model's fp16 store, traces, adapter and
+# the policies' bench
 bench() {
-  local n=$1 m=$2 fr=$3 bt=$4 t0
+  local n=$1 m=$2 fr=$3 bt=$4 nt=$5 ks=$6 t0
   t0=$(date +%s)
   [ -f "$R/$n.spx" ] || $B store "$m" --out "$R/$n.spx" 2>&1 | tail -1 | tee -a "$L"
   [ -d "$R/$n-trace" ] || $B trace "$m" --data "$C/trace.jsonl" --out "$R/$n-trace" --device "$DEV" --dtype float16 --max-sequences $NSEQ --prompt-tokens 128 --decode-tokens 32 --heldout-frac 0.25 2>&1 | tail -2 | tee -a "$L"
   [ -d "$R/$n-adapter" ] || $B train "$R/$n-trace" --out "$R/$n-adapter" --device "$DEV" --steps $STEPS 2>&1 | tail -3 | tee -a "$L"
   echo "$n: store, trace and adapter $(( $(date +%s) - t0 )) s" | tee -a "$L"
-  timeout "$bt" python -m toolkit.runtime.gpu_bench "$m" --device "$DEV" --store "$R/$n.spx" --adapter "$R/$n-adapter" --policies "$POL" --fractions "$fr" --prompts $NP --new-tokens $NT --repeats 2 --draft-k $KS --report-mismatches --json "$RES/gpu-bench-$n.json" > "$RES/bench-$n.log" 2>&1; echo "$n: bench rc=$? after $(( $(date +%s) - t0 )) s" | tee -a "$L"
+  timeout "$bt" python -m toolkit.runtime.gpu_bench "$m" --device "$DEV" --store "$R/$n.spx" --adapter "$R/$n-adapter" --policies "$POL" --fractions "$fr" --prompts $NP --new-tokens $nt --repeats 2 --draft-k $ks --report-mismatches --json "$RES/gpu-bench-$n.json" > "$RES/bench-$n.log" 2>&1; echo "$n: bench rc=$? after $(( $(date +%s) - t0 )) s" | tee -a "$L"
   grep -v Loading "$RES/bench-$n.log" | tail -32 | tee -a "$L"
   pack
 }
 
 for st in $STAGES; do
   case $st in
-    base) bench base "$M" "$FR" "${BT:-300}" ;;
+    base) bench base "$M" "$FR" "${BT:-300}" $NT $KS ;;
     wide)
       t0=$(date +%s)
       [ -d "$R/wide-model" ] || $B widen "$M" --moe-intermediate-size "$WFFN" --out "$R/wide-model" 2>&1 | tail -1 | tee -a "$L"
       echo "wide: widen $(( $(date +%s) - t0 )) s; $(du -sh "$R/wide-model" | cut -f1); disk free $(df -h "$R" | tail -1 | awk '{print $4}')" | tee -a "$L"
-      bench wide "$R/wide-model" "$WFR" "${WBT:-420}"
+      bench wide "$R/wide-model" "$WFR" "${WBT:-420}" $WNT $WKS
       rm -rf "$R/wide-model" "$R/wide.spx" ;;
     split)
-      # the same prompts traced on one GPU and split over the GPU (a third of the weights) and host memory
+      # the same prompts traced on one GPU and split over the GPU (half the weights) and host memory
       t0=$(date +%s)
       G=$(python -c "import sys; from safetensors import safe_open; import glob, math
 n = 0
 for f in glob.glob(sys.argv[1] + '/*.safetensors'):
     with safe_open(f, 'pt') as h:
         n += sum(math.prod(h.get_slice(k).get_shape()) for k in h.keys())
-print(max(1, 2 * n // 3 // 1024))" "$M")
+print(max(1, n // 1024))" "$M")   # KiB: half the fp16 weights
       MM="0=${G}KiB,cpu=64GiB"; [ "$DEV" = cpu ] && MM="cpu=${G}KiB"   # without a GPU: host memory + disk
       $B trace "$M" --data "$C/trace.jsonl" --out "$R/split-one" --device "$DEV" --dtype float16 --max-sequences $SPLIT_SEQ --prompt-tokens 128 --decode-tokens 32 --heldout-frac 0.25 --overwrite 2>&1 | tail -1 | tee -a "$L"
       t1=$(date +%s)
