@@ -105,6 +105,19 @@ def calibrate_native(bundle: Path, prompts: list[list[int]], *, all_mib: float, 
         source="specprefetch runner bench (android_runner/bench.py: calibrate_native)")
 
 
+def auto_read_budget(store, queue_depth: int, step_ms: float, reads: int = 200) -> dict[str, Any]:
+    """The read budget this machine supports, measured: the store's O_DIRECT rate for expert slots at
+    the native runner's read lanes (calibrate's measure_reads) over `step_ms`, one step of the runner's
+    compute (its all-resident TPOT over the layers); toolkit.runtime.profiles.read_budget_kib."""
+    from toolkit.runtime.profiles import read_budget_kib, read_lanes
+    from toolkit.simulate.calibrate import measure_reads
+
+    lanes = read_lanes(queue_depth)
+    mibs, _ = measure_reads(store.path, [e.offset for e in store.entries.values()], store.slot_bytes, lanes, reads,
+                            store=store)
+    return {**read_budget_kib(mibs, step_ms * 1e-3, store.slot_bytes), "lanes": lanes, "reads": reads}
+
+
 # a row of the predictor's policy with a read budget: "<policy> read-budget=<KiB>"
 READ_BUDGET_TAG = " read-budget="
 
@@ -138,7 +151,7 @@ def token_check(results: list[dict], reference: list[list[int]]) -> dict[str, An
 
 def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: int = 32, rounds: int = 3,
         pool_fracs: tuple[float, ...] = (0.13, 0.27), threads: int = 1, ablation: bool = False,
-        read_budget_kib: int | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
+        read_budget_kib: int | str | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
     """The native runner against the Python reference runner and the memory floor, then its policies
     streaming from flash, then the simulator recalibrated against it. Both engines run the layer
     graphs on an ExecuTorch thread pool of `threads` (one: a decode step's matrices are too small
@@ -146,7 +159,9 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
     (ABLATION_POLICIES: each predictor with the other eviction, in the same interleaved rounds), which
     separates what prediction and what eviction cost against the oracle. read_budget_kib: also the
     predictor's policy with that read budget (`run --read-budget-kib`), a row of its own in the same
-    rounds (not simulated)."""
+    rounds (not simulated); "auto": the budget measured in this run (`auto_read_budget`: the flash's
+    O_DIRECT rate for expert slots at the runner's read lanes, times one step of its all-resident
+    compute)."""
     from transformers import AutoTokenizer
 
     from export.executorch_target import set_threads
@@ -162,7 +177,7 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
     texts = bench_prompts(prompts, prompt_tokens, tok)
     ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
     store = ExpertStore(Path(bundle) / m["runtime"]["expert_store"])
-    if read_budget_kib is not None and read_budget_kib * 1024 < store.slot_bytes:
+    if read_budget_kib not in (None, "auto") and read_budget_kib * 1024 < store.slot_bytes:
         raise SpecPrefetchError(f"--read-budget-kib {read_budget_kib}: below one expert slot "
                                 f"({store.slot_bytes / 2**10:.0f} KiB), so nothing could ever be prefetched")
     L, E, k = store.num_layers, store.num_experts, m["routing"]["top_k"]
@@ -226,6 +241,13 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
                        "native_peak_rss_mib": round(max(rss) / MiB, 1), "pool_mib": round(all_mib, 2),
                        "resident_tokens": resident_tokens,
                        "tokens_match_resident": token_check(first_use, resident_tokens)["match"]}
+    if read_budget_kib == "auto":
+        auto = auto_read_budget(store, m["runtime"]["scheduler"].get("queue_depth", 4), median(preload_t) / L)
+        read_budget_kib = out["read_budget_auto_kib"] = auto["kib"]
+        out["read_budget_auto"] = auto
+        log(f"read budget (auto): {auto['read_mibs']:.0f} MiB/s of {store.slot_bytes / 2**10:.0f} KiB O_DIRECT reads "
+            f"at {auto['lanes']} lanes x {auto['step_ms']:.3f} ms a step (the resident TPOT / {L} layers) = "
+            f"{auto['kib']} KiB a step ({auto['kib'] * 1024 / store.slot_bytes:.1f} slots)")
     py = token_check([{"runs": [{"tokens": t} for t in python_tokens]}], resident_tokens)
     out["resident"]["python_tokens_match_resident"] = py["match"]
     if not quantised and not py["match"]:
@@ -352,6 +374,10 @@ def markdown(r: dict[str, Any]) -> str:
              f"{res['dense_program_bytes'] / MiB:.2f} MiB read of the program + "
              f"{res.get('kv_cache_bytes', 0) / MiB:.2f} MiB of KV cache + top-k experts) at "
              f"{res['memory_read_gbps']} GB/s measured.",
+             *([f"Read budget (auto, measured in this run): {a['read_mibs']} MiB/s of O_DIRECT expert reads at "
+                f"{a['lanes']} lanes x {a['step_ms']} ms a step (resident TPOT / layers) = {a['kib']} KiB a step"
+                + (" (raised to one slot)" if a["raised"] else "") + "."]
+               if (a := r.get("read_budget_auto")) else []),
              "", "Streaming (O_DIRECT, cold page cache):", "",
              "| pool MiB (experts) | policy | TPOT ms | p95 ms | stall ms/token | hit rate | MiB read/token | "
              "peak RSS MiB | simulated TPOT ms | sim / measured | tokens = resident |",

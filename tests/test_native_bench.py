@@ -18,7 +18,8 @@ def test_runner_bench_reports_every_part(embedded_bundles, tmp_path):
            "SPECPREFETCH_PROFILES": str(tmp_path / "cache" / "profiles")}
     out = tmp_path / "native.json"
     r = subprocess.run(["specprefetch", "runner", "bench", str(embedded_bundles["executorch"]), "--prompts", "2",
-                        "--new-tokens", "6", "--rounds", "1", "--pool-frac", "0.13", "--ablation", "--json", str(out)],
+                        "--new-tokens", "6", "--rounds", "1", "--pool-frac", "0.13", "--ablation",
+                        "--read-budget-kib", "auto", "--json", str(out)],
                        capture_output=True, text=True, timeout=1800, env=env)
     assert r.returncode == 0, r.stderr
     res = json.loads(out.read_text())
@@ -29,8 +30,17 @@ def test_runner_bench_reports_every_part(embedded_bundles, tmp_path):
     assert rs["python_tpot_ms"] > rs["native_first_use_tpot_ms"] and rs["python_over_native"] > 1
     (point,) = res["points"]
     pols = point["policies"]
+    # the read budget measured in this run: this machine's O_DIRECT rate x a step of the resident compute
+    auto = res["read_budget_auto"]
+    assert res["read_budget_kib"] == auto["kib"] >= res["slot_bytes"] // 1024 and auto["read_mibs"] > 0
+    assert auto["step_ms"] == round(rs["native_tpot_ms"] / 8, 4)   # the embedded model's 8 MoE layers
+    budget = f"next-gate+prediction read-budget={auto['kib']}"
     assert set(pols) == {"on-demand+lru", "previous-token+lru", "next-gate+prediction", "oracle+belady",
-                         "oracle+lru", "oracle+prediction", "next-gate+belady", "on-demand+belady"}
+                         "oracle+lru", "oracle+prediction", "next-gate+belady", "on-demand+belady", budget}
+    assert point["predictor_over_read_budget"] == round(pols["next-gate+prediction"]["tpot_ms"] /
+                                                        pols[budget]["tpot_ms"], 3)
+    assert pols[budget]["tokens_match_resident"] and "simulated_tpot_ms" not in pols[budget]
+    assert "Read budget (auto, measured in this run)" in Path(str(out).replace(".json", ".md")).read_text()
     assert res["ablation"] is True
     assert point["predictor_eviction_over_belady"] == round(pols["next-gate+prediction"]["tpot_ms"] /
                                                             pols["next-gate+belady"]["tpot_ms"], 3)

@@ -158,6 +158,62 @@ def test_simulator_takes_the_read_budget(sim_trace):
     assert code == 2 and "--read-budget-kib 100: below one expert slot" in out, out
 
 
+def test_read_budget_from_a_rate_and_a_step():
+    """`--read-budget-kib auto`'s rule: KiB the flash delivers in one step, rounded down, at least a slot."""
+    from toolkit.runtime.profiles import read_budget_kib, read_lanes
+
+    assert read_budget_kib(100.0, 0.01, 120 * 1024) == {"kib": 1024, "raised": False, "read_mibs": 100.0,
+                                                         "step_ms": 10.0}
+    low = read_budget_kib(10.0, 0.001, 120 * 1024)   # 10 KiB a step, below a 120 KiB slot
+    assert low["kib"] == 120 and low["raised"]
+    assert read_budget_kib(1.0, 1.0, 1000)["kib"] == 1024   # a slot of 1000 B: its KiB rounded up
+    assert [read_lanes(q) for q in (1, 4, 7, 63)] == [2, 5, 8, 8]
+
+
+def test_simulator_derives_the_read_budget_from_the_profile(sim_trace, tmp_path):
+    """`simulate --read-budget-kib auto`: the profile's flash rate for a slot at the runner's read lanes
+    times the simulator's decode step, and the same counts as that number given by hand."""
+    from toolkit.runtime.policy import Policy
+    from toolkit.runtime.profiles import read_budget_kib, read_lanes
+    from toolkit.simulate.replay import Geometry, decode_step_s, run_simulation
+
+    pol = [Policy("next-gate", "prediction")]
+    prof = SNAPDRAGON_8_ELITE
+    auto = run_simulation(sim_trace, policies=pol, profile=prof, pool_mib=4, window=2, read_budget_kib="auto")
+    geo = Geometry(**auto["geometry"])
+    want = read_budget_kib(prof.bandwidth_mibs(geo.slot_bytes, read_lanes(4)), decode_step_s(prof, geo),
+                           geo.slot_bytes)
+    assert auto["read_budget_auto"] == {**want, "lanes": 5} and auto["read_budget_kib"] == want["kib"]
+    # hand-computed: 1600-2300 MiB/s at 120 KiB and 5 lanes x a step of 0.06 ms + the layer's GEMVs
+    assert want["kib"] >= 120
+    hand = run_simulation(sim_trace, policies=pol, profile=prof, pool_mib=4, window=2, read_budget_kib=want["kib"])
+    assert auto["results"][0]["counts"] == hand["results"][0]["counts"]
+    code, out = cli_plain("simulate", sim_trace, "--policies", "next-gate+prediction", "--pool-mib", "4",
+                          "--read-budget-kib", "auto", "--json", tmp_path / "auto.json")
+    assert code == 0, out
+    assert f"Read budget (auto): {want['read_mibs']} MiB/s" in out and f"= {want['kib']} KiB a step" in out
+    code, out = cli_plain("run", "--read-budget-kib", "auto", "--prompt", "x", "--json", tmp_path / "r.json")
+    assert code == 2 and "--read-budget-kib auto: run takes a number" in out, out
+    code, out = cli_plain("simulate", sim_trace, "--read-budget-kib", "lots", "--json", tmp_path / "x.json")
+    assert code == 2 and "expected a whole number or auto" in out, out
+
+
+def test_bench_read_budget_is_measured(tiny_models, tmp_path):
+    """`runner bench --read-budget-kib auto`'s measurement: real O_DIRECT reads of the store's slots at
+    the runner's lanes; over a long step many slots, over a tiny step one slot (raised)."""
+    from android_runner.bench import auto_read_budget
+    from toolkit.runtime.expert_store import ExpertStore
+
+    spec = inspect_model_dir(tiny_models["qwen3_moe"])
+    st = ExpertStore(build_store(spec, tmp_path / "s.spx", "fp16", progress=False), spec)
+    long = auto_read_budget(st, 4, 50.0, reads=64)
+    assert long["lanes"] == 5 and long["read_mibs"] > 0 and long["reads"] == 64
+    assert not long["raised"] and long["kib"] * 1024 > st.slot_bytes
+    assert abs(long["kib"] - long["read_mibs"] * 1024 * 0.05) <= 0.01 * long["kib"] + 1
+    short = auto_read_budget(st, 0, 1e-6, reads=16)
+    assert short["lanes"] == 1 and short["raised"] and short["kib"] == -(-st.slot_bytes // 1024)
+
+
 def test_simulator_orders_policies(sim_trace, tiny_models):
     from toolkit.runtime.policy import Policy
     from toolkit.simulate.replay import run_simulation

@@ -35,7 +35,7 @@ from toolkit.cli_errors import Cli, friendly_errors, quiet_libraries, quiet_nati
 from toolkit.cli_params import (MIN_TIMED_TOKENS, NOT_WRITTEN, NOTHING_TO_OUT, OUT_DIR, OUT_FILE, POOL_AUTO_MIB,
                                 POOL_MIB, POOL_MIB_LIST, POOL_MIB_OR_AUTO, WINDOW_HELP, FiniteFloat, FloatList, IntList,
                                 Text, TextFile, bench_runs, ctx_default, cuda_device, device_name, int_tuple,
-                                json_report, scheduler_limits)
+                                IntOrAuto, json_report, scheduler_limits)
 from toolkit.engines import fmt
 from toolkit.errors import SpecPrefetchError
 
@@ -425,6 +425,9 @@ def run(model, policy, adapter, frequency_trace, pool_mib, pool_reserve_mib, poo
         if v != "off" and not (v.isdigit() and int(v) >= 1):
             raise SpecPrefetchError(f"--prefill-chunk {prefill_chunk}: a chunk size (a positive integer) or off")
         chunk = 0 if v == "off" else int(v)
+    if read_budget_kib == "auto":
+        raise SpecPrefetchError("--read-budget-kib auto: run takes a number (KiB a step); `runner bench "
+                                "--read-budget-kib auto` measures this machine's and prints it")
     if pool_mib == "auto" and (engine != "native" or device != "cpu"):
         raise SpecPrefetchError("--pool-mib auto: only with --engine native (the Python reference runner's pool "
                                 "has a fixed size; give --pool-mib F)")
@@ -552,8 +555,10 @@ def runner_build(bundle, abi, out, force, tokenizer, overwrite) -> None:
 @click.option("--ablation", is_flag=True,
               help="also the eviction ablation: oracle+lru, oracle+prediction, the predictor+belady and "
                    "on-demand+belady in the same rounds (what prediction and what eviction cost)")
-@click.option("--read-budget-kib", type=click.IntRange(min=1), default=None,
-              help="also the predictor's policy with this read budget (run --read-budget-kib), in the same rounds")
+@click.option("--read-budget-kib", type=IntOrAuto(), default=None,
+              help="also the predictor's policy with this read budget (run --read-budget-kib), in the same rounds; "
+                   "auto: what this machine's flash delivers in one step of the runner's resident compute, both "
+                   "measured in this run")
 @json_report
 @friendly_errors(interrupt=NOT_WRITTEN)
 def runner_bench(bundle, prompts, new_tokens, rounds, pool_fracs, threads, ablation, read_budget_kib, json_out,

@@ -55,6 +55,25 @@ class FloatList(click.ParamType):
         return [self.item.convert(x, param, ctx) for x in items]
 
 
+class IntOrAuto(click.ParamType):
+    """A whole number of at least `low`, or the word auto (returned as the string "auto")."""
+    name = "integer|auto"
+
+    def __init__(self, low: int = 1):
+        self.low = low
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int) or value == "auto":
+            return value
+        try:
+            n = int(str(value))
+        except ValueError:
+            self.fail(f"{value!r}: expected a whole number or auto", param, ctx)
+        if n < self.low:
+            self.fail(f"{n}: must be at least {self.low} (or auto)", param, ctx)
+        return n
+
+
 class IntList(click.ParamType):
     """Comma-separated whole numbers of at least `low`, e.g. 1,2,4."""
     name = "list"
@@ -170,9 +189,10 @@ OVERWRITE_REPORT = ("replace an existing report at --json (and its .md/.png) if 
 
 def scheduler_limits(fn):
     """The scheduler's flash-saturation limits, shared by `simulate` and `run`."""
-    fn = click.option("--read-budget-kib", type=click.IntRange(min=1), default=None,
+    fn = click.option("--read-budget-kib", type=IntOrAuto(), default=None,
                       help="KiB the flash reads in one step's compute time: a prefetch that could not land by its "
-                           "deadline behind the reads already asked for (demand reads included) is dropped as late")(fn)
+                           "deadline behind the reads already asked for (demand reads included) is dropped as late; "
+                           "simulate takes auto (the profile's flash rate x its decode step)")(fn)
     fn = click.option("--step-budget-kib", type=click.IntRange(min=1), default=None,
                       help="prefetch bytes issued per step at most")(fn)
     return click.option("--min-confidence", type=click.FloatRange(0, 1), default=0.02, show_default=True,

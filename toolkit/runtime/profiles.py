@@ -23,6 +23,22 @@ from toolkit.errors import SpecPrefetchError
 MiB = 2**20
 
 
+def read_budget_kib(read_mibs: float, step_s: float, slot_bytes: int) -> dict:
+    """The scheduler's read budget a device supports (`--read-budget-kib auto`): the KiB its flash
+    delivers in one step of compute, `read_mibs` x `step_s`, rounded down, and at least one expert slot
+    (a budget below it would prefetch nothing; `raised` says so)."""
+    kib = int(read_mibs * MiB * step_s // 1024)
+    slot_kib = -(-slot_bytes // 1024)
+    return {"kib": max(kib, slot_kib), "raised": kib < slot_kib, "read_mibs": round(read_mibs, 1),
+            "step_ms": round(step_s * 1e3, 4)}
+
+
+def read_lanes(queue_depth: int) -> int:
+    """The native runner's read threads for a queue depth (its Reader: min(queue depth + 1, 64)), as far
+    as a profile's bandwidth table goes (queue depths up to 8)."""
+    return max(1, min(queue_depth + 1, 8))
+
+
 @dataclasses.dataclass
 class DeviceProfile:
     name: str
@@ -80,6 +96,12 @@ class DeviceProfile:
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
+
+    def read_budget(self, slot_bytes: int, step_s: float, queue_depth: int) -> dict:
+        """`read_budget_kib` from this profile: its flash rate for slot-sized reads at the runner's read
+        lanes for `queue_depth`, over one step of `step_s`."""
+        lanes = read_lanes(queue_depth)
+        return {**read_budget_kib(self.bandwidth_mibs(slot_bytes, lanes), step_s, slot_bytes), "lanes": lanes}
 
 
 SNAPDRAGON_8_ELITE = DeviceProfile(

@@ -373,10 +373,16 @@ def reuse_for(reader, adapter: Path | None):
     return learn_reuse_table(seqs, reader.num_experts, where=f"trace {reader.path}")
 
 
+def decode_step_s(profile: DeviceProfile, geo) -> float:
+    """One decode step's compute in the simulator (a MoE layer of one token, nothing waited for): the
+    dense part and the top-k experts, as simulate_policy charges them."""
+    return profile.dense_s(geo.dense_bytes_per_layer) + geo.top_k * profile.expert_s(geo.expert_bytes)
+
+
 def run_simulation(trace: Path, *, policies: list[Policy], profile: DeviceProfile, pool_mib: float,
                    window: int, queue_depth: int = 4, dtype: str = "fp16", geometry: str | None = None,
                    adapter: Path | None = None, model: str | None = None, min_confidence: float = 0.02,
-                   step_budget_kib: int | None = None, read_budget_kib: int | None = None,
+                   step_budget_kib: int | None = None, read_budget_kib: int | str | None = None,
                    max_sequences: int | None = None,
                    split: str = "heldout", candidate_threshold: float = 0.0, prompt_tokens: int = 0) -> dict[str, Any]:
     from toolkit.traces.format import trace_model_spec
@@ -407,6 +413,10 @@ def run_simulation(trace: Path, *, policies: list[Policy], profile: DeviceProfil
         raise SpecPrefetchError(f"--pool-mib {pool_mib:g}: holds {pool_bytes // geo.slot_bytes} expert slots of "
                                 f"{geo.slot_bytes / 2**10:.0f} KiB, but one layer needs {geo.top_k}; use at least "
                                 f"{geo.top_k * geo.slot_bytes / 2**20:.2f}")
+    auto_budget = None
+    if read_budget_kib == "auto":  # what the profile's flash delivers in one decode step of its compute
+        auto_budget = profile.read_budget(geo.slot_bytes, decode_step_s(profile, geo), queue_depth)
+        read_budget_kib = auto_budget["kib"]
     if read_budget_kib is not None and read_budget_kib * 1024 < geo.slot_bytes:
         raise SpecPrefetchError(f"--read-budget-kib {read_budget_kib}: below one expert slot "
                                 f"({geo.slot_bytes / 2**10:.0f} KiB), so nothing could ever be prefetched")
@@ -434,6 +444,7 @@ def run_simulation(trace: Path, *, policies: list[Policy], profile: DeviceProfil
         "pool_share_of_routed_experts": round(pool_bytes / (geo.slot_bytes * geo.num_layers
                                                             * min(geo.num_experts, reader.num_experts)), 4),
         "window": window, "queue_depth": queue_depth, "store_dtype": dtype,
+        "read_budget_kib": read_budget_kib, "read_budget_auto": auto_budget,
         "prefill": None if prompt is None else {
             "prompt_tokens": len(prompt[1]), "prefill_gflops": profile.prefill_gflops, "span": PREFILL_SPAN,
             "routing": f"the {split} prompts' positions laid end to end (each sequence's prompt in order)"},

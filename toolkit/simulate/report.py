@@ -43,6 +43,13 @@ def markdown(r: dict[str, Any]) -> str:
                      f" (top-{g['top_k']} kept from the trace).")
         if r["routing_from"].get("mapping"):
             lines.append(f"Mapping: {r['routing_from']['mapping']}.")
+    budget = next((p["read_budget_auto"] for p in r["points"] if p.get("read_budget_auto")), None)
+    if budget:
+        lines.append(f"Read budget (auto): {budget['read_mibs']} MiB/s of slot reads at {budget['lanes']} lanes x "
+                     f"{budget['step_ms']} ms a decode step = {budget['kib']} KiB a step"
+                     + (" (raised to one slot)" if budget["raised"] else "") + ".")
+    elif any(p.get("read_budget_kib") for p in r["points"]):
+        lines.append(f"Read budget: {r['points'][0]['read_budget_kib']} KiB a step.")
     prefill = next((p["prefill"] for p in r["points"] if p.get("prefill")), None)
     if prefill:
         lines.append(f"TTFT: a {prefill['prompt_tokens']}-position prompt ({prefill['routing']}) from an empty pool, "
