@@ -275,6 +275,47 @@ def test_gpu_bench_report(tiny_models, stores, tmp_path):
     assert "draft+prediction" in md.read_text() and png.stat().st_size > 0
 
 
+def test_reuse_table_comes_from_the_models_adapter(tiny_models, stores, tmp_path):
+    """The GPU tier's reuse table is the adapter's, checked against the model like the adapter (an
+    adapter of another model, one without a table, or none at all: one line, before any loading); the
+    bench runs `+reuse` policies with it and their tokens are transformers'."""
+    import shutil
+
+    from adapters.train import TrainConfig, train_adapter
+    from conftest import HELDOUT
+    from toolkit.runtime.gpu_bench import gpu_reuse_table, run_gpu_bench
+    from toolkit.runtime.policy import parse_policies
+    from toolkit.traces.capture import TraceSettings, run_trace
+
+    s = TraceSettings(max_sequences=8, prompt_tokens=24, decode_tokens=4, heldout_frac=0.25, shard_tokens=200)
+    trace = run_trace(tiny_models["qwen3_moe"], [HELDOUT], tmp_path / "t", s, progress=False)
+    ad = tmp_path / "a"
+    train_adapter(trace, ad, TrainConfig(steps=5, val_every=5, batch_size=32, rank=4), progress=False)
+    qwen, mixtral = inspect_model_dir(tiny_models["qwen3_moe"]), inspect_model_dir(tiny_models["mixtral"])
+    assert gpu_reuse_table(qwen, ["lru", "prediction"], None) is None   # no policy needs it
+    table = gpu_reuse_table(qwen, ["reuse"], ad)
+    assert table is not None and len(table.visits16) == 1 << table.bits
+    with pytest.raises(SpecPrefetchError, match="pass --adapter"):
+        gpu_reuse_table(qwen, ["reuse"], None)
+    with pytest.raises(SpecPrefetchError, match="trained for model config"):
+        gpu_reuse_table(mixtral, ["reuse"], ad)
+    old = tmp_path / "old"
+    shutil.copytree(ad, old)
+    meta = json.loads((old / "adapter.json").read_text())
+    del meta["reuse"]
+    (old / "adapter.json").write_text(json.dumps(meta))
+    with pytest.raises(SpecPrefetchError, match=r"old/adapter.json: no reuse table"):
+        gpu_reuse_table(qwen, ["reuse"], old)
+    with pytest.raises(SpecPrefetchError, match="pass --adapter"):   # refused before the reference runs
+        run_gpu_bench(tiny_models["qwen3_moe"], store=stores["qwen3_moe"], adapter=None,
+                      policies=parse_policies("on-demand+reuse"), fractions=[0.5], device="cpu", log=lambda s: None)
+    r = run_gpu_bench(tiny_models["qwen3_moe"], store=stores["qwen3_moe"], adapter=ad,
+                      policies=parse_policies("on-demand+lru,on-demand+reuse,adapter+reuse"), fractions=[0.25],
+                      prompts=1, prompt_tokens=8, new_tokens=6, repeats=1, ks=(2,), device="cpu", log=lambda s: None)
+    assert r["tokens_match_transformers"] and {x["policy"] for x in r["rows"]} == {
+        "on-demand+lru", "on-demand+reuse", "adapter+reuse"}
+
+
 @CUDA
 @pytest.mark.parametrize("policy", POLICIES)
 def test_tokens_match_transformers_cuda(tiny_models, stores, policy):

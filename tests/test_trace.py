@@ -293,18 +293,27 @@ class TestSplitAcrossMemories:
     steps through the offload hooks were seen to differ from the plain model's in the last place
     (1 ulp of fp32 logits on the CPU with disk offload): the router inputs are compared to a tolerance."""
 
-    def test_a_forced_split_records_the_unsplit_routing(self, tiny_models, tmp_path):
+    def test_a_forced_split_records_the_unsplit_routing(self, tiny_models, tmp_path, monkeypatch):
+        from toolkit.models.loader import LoadedModel
+
+        closed = []
+        real_close = LoadedModel.close
+        monkeypatch.setattr(LoadedModel, "close", lambda self: (closed.append(self.scratch is not None),
+                                                                real_close(self)))
         model = tiny_models[FAM]
         weights = 4 * sum(p.numel() for p in load_model(model).model.parameters())   # bytes in float32
         s = dataclasses.replace(SMALL, max_sequences=4)
         whole = run_trace(model, [HELDOUT], tmp_path / "whole", s, progress=False)
         # host memory for about two thirds of the weights: the first layers on the CPU, the rest on disk
         cut = dataclasses.replace(s, device="auto", max_memory=f"cpu={weights * 2 // 3 // 1024}KiB")
-        split = run_trace(model, [HELDOUT], tmp_path / "split", cut, progress=False)
+        # a scratch folder left by a process no longer alive is swept; --out's parents need not exist yet
+        (tmp_path / "new" / ".specprefetch-offload-999999999-x").mkdir(parents=True)
+        split = run_trace(model, [HELDOUT], tmp_path / "new" / "sub" / "split", cut, progress=False)
+        assert closed[-1] is True   # the run removed its own folder (close() with a scratch folder)
         placed = TraceReader(split).manifest["settings"]["placement"]
         assert {"cpu", "disk"} <= set(placed.values()), placed
         assert TraceReader(whole).manifest["settings"]["placement"] is None
-        assert not list(tmp_path.glob(".specprefetch-offload-*"))   # the scratch folder is gone
+        assert not list(tmp_path.rglob(".specprefetch-offload-*"))   # its own and the stale one: gone
         fields = ("kind", "token_id", "expert_ids", "expert_weights", "router_probs", "hidden")
         a, b = TraceReader(whole).load("train", fields), TraceReader(split).load("train", fields)
         for k in ("kind", "token_id", "expert_ids"):   # the routing and the greedy tokens: equal
@@ -315,11 +324,38 @@ class TestSplitAcrossMemories:
             # decode steps through accelerate's hooks may round differently in the last place
             np.testing.assert_allclose(a[k].astype(np.float32), b[k].astype(np.float32), atol=1e-3, err_msg=k)
 
+    def test_tied_embeddings_stay_together(self, embedded):
+        """The embedded model's LM head shares the input embeddings: split over host memory and disk,
+        both land on one device and the logits are the unsplit model's."""
+        from toolkit.models.loader import parse_max_memory
+
+        whole = load_model(embedded)
+        n = 4 * sum(p.numel() for p in whole.model.parameters())
+        cut = load_model(embedded, device="auto", max_memory=parse_max_memory(f"cpu={n // 2 // 1024}KiB"))
+        try:
+            assert set(cut.placement.values()) == {"cpu", "disk"}
+            assert cut.placement.get("lm_head", "?") == cut.placement.get("model.embed_tokens", "!")
+            x = torch.tensor([[5, 6, 7, 8, 9, 10]])
+            with torch.no_grad():
+                torch.testing.assert_close(cut.model(x).logits, whole.model(x).logits, rtol=0, atol=0)
+        finally:
+            cut.close()
+
+    def test_where_the_layers_compute_sets_the_batch(self, monkeypatch):
+        """--max-memory with no GPU budget computes on the host: one prompt a pass, as on the CPU."""
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+        assert TraceSettings(device="auto", max_memory="cpu=1GiB").prompts_per_batch() == 1
+        assert TraceSettings(device="auto", max_memory="0=1GiB,cpu=1GiB").prompts_per_batch() == 16
+        assert TraceSettings(device="auto").prompts_per_batch() == 16
+
     def test_budgets_are_checked_before_any_work(self, tiny_models, tmp_path):
         out = tmp_path / "t"
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         for bad, says in (("cpu", "expected DEVICE=SIZE pairs"), ("cpu=lots", "size 'lots'"),
-                          ("npu=1GiB", "'npu' is not a GPU index, cpu or disk"), ("cpu=1GiB,cpu=2GiB", "given twice"),
-                          ("7=1GiB", "GPU 7 does not exist here")):
+                          ("cpu=infGB", "size 'infGB'"), ("npu=1GiB", "'npu' is not a GPU index or cpu"),
+                          ("cpu=1GiB,disk=1GiB", "disk takes no budget"), ("cpu=1GiB,cpu=2GiB", "given twice"),
+                          (f"{gpus}=1GiB", f"GPU {gpus} does not exist here")):
             refused(cli("trace", tiny_models[FAM], "--data", HELDOUT, "--out", out, "--device", "auto",
                         "--max-memory", bad), f"--max-memory {bad!r}: ", says)
         refused(cli("trace", tiny_models[FAM], "--data", HELDOUT, "--out", out, "--max-memory", "cpu=1GiB"),

@@ -252,11 +252,12 @@ def gpu_engine(model, *, device: str, policy: str, adapter, store_path, dtype, p
         st = ExpertStore(store_path, spec)
     pol = Policy.parse(policy)
     preds = gpu_predictors(spec, [pol.predictor], adapter)
+    reuse = gpu_reuse_table(spec, [pol.eviction], adapter)
     cuda = device.startswith("cuda")
     held: dict[str, Any] = {"lm": load_model(spec.path, dtype="float16" if cuda else "float32")}
     held["eng"] = GpuEngine(held["lm"], st, RunConfig(policy=pol, pool_mib=pool_mib or 8.0, window=window,
                                                       min_confidence=min_confidence), device=device, predictors=preds,
-                            reuse=gpu_reuse_table([pol.eviction], adapter))
+                            reuse=reuse)
     tok = held["lm"].tokenizer
 
     def generate(prompts, encoded, max_new_tokens, events):

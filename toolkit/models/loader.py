@@ -243,16 +243,21 @@ class LoadedModel:
     @property
     def input_device(self) -> torch.device:
         emb = self.model.get_input_embeddings()
-        if emb.weight.device.type == "meta":  # offloaded by accelerate: computed on its hook's device
-            dev = emb._hf_hook.execution_device
-            return torch.device(dev) if not isinstance(dev, int) else torch.device("cuda", dev)
-        return emb.weight.device
+        if emb.weight.device.type != "meta":
+            return emb.weight.device
+        # offloaded by accelerate: computed on its hook's execution device (a SequentialHook holds several)
+        hook = getattr(emb, "_hf_hook", None)
+        for h in [hook, *getattr(hook, "hooks", ())]:
+            dev = getattr(h, "execution_device", None)
+            if dev is not None:
+                return torch.device("cuda", dev) if isinstance(dev, int) else torch.device(dev)
+        return torch.device("cpu")
 
 
 def parse_max_memory(text: str, option: str = "--max-memory") -> dict[int | str, int]:
     """'0=40GiB,1=40GiB,cpu=200GiB' -> {0: bytes, 1: bytes, "cpu": bytes}: accelerate's max_memory.
     Sizes as accelerate reads them (KB/MB/GB, KiB/MiB/GiB) or a number of bytes; a GPU index must
-    exist here."""
+    exist here. Without cpu= no module is placed in host memory (past the GPUs, all goes to disk)."""
     from accelerate.utils import convert_file_size_to_int
 
     out: dict[int | str, int] = {}
@@ -266,15 +271,18 @@ def parse_max_memory(text: str, option: str = "--max-memory") -> dict[int | str,
             if dev >= n:
                 raise SpecPrefetchError(f"{option} {text!r}: GPU {dev} does not exist here "
                                         f"({n} CUDA device(s){', numbered from 0' if n else ''})")
-        elif key in ("cpu", "disk"):
+        elif key == "cpu":
             dev = key
+        elif key == "disk":   # accelerate never limits what it offloads to disk
+            raise SpecPrefetchError(f"{option} {text!r}: disk takes no budget (what fits on no GPU and not in "
+                                    "host memory goes to disk)")
         else:
-            raise SpecPrefetchError(f"{option} {text!r}: {key!r} is not a GPU index, cpu or disk")
+            raise SpecPrefetchError(f"{option} {text!r}: {key!r} is not a GPU index or cpu")
         if dev in out:
             raise SpecPrefetchError(f"{option} {text!r}: {key} is given twice")
         try:
             size = int(val) if val.isdigit() else convert_file_size_to_int(val)
-        except (ValueError, TypeError):
+        except (ValueError, TypeError, ArithmeticError):   # "infGB": an overflow
             size = -1
         if not isinstance(size, int) or size < 1:
             raise SpecPrefetchError(f"{option} {text!r}: size {val!r} is not a size such as 512MiB or 40GiB")
@@ -285,16 +293,52 @@ def parse_max_memory(text: str, option: str = "--max-memory") -> dict[int | str,
 def _placement(spec: ModelSpec, cls, dtype: torch.dtype, max_memory: dict[int | str, int]) -> dict[str, Any]:
     """accelerate's device map for these budgets (GPUs in index order, then host memory, then disk),
     computed on an empty model. transformers' own device_map="auto" reserves room on the host for
-    offloading and, with host memory alone, puts every module on disk; this is the plain fill."""
+    offloading and, with host memory alone, puts every module on disk; this is the plain fill. Tied
+    weights (an LM head sharing the input embeddings) are tied on the empty model first, so accelerate
+    keeps them on one device."""
+    import copy
+
     from accelerate import infer_auto_device_map, init_empty_weights
 
     with init_empty_weights():
-        empty = cls.from_config(spec.config, dtype=dtype)
+        empty = cls.from_config(copy.deepcopy(spec.config), dtype=dtype)   # from_config writes into its config
+    empty.tie_weights()
     budget = dict(sorted(((k, v) for k, v in max_memory.items() if isinstance(k, int)))) | \
-        {k: max_memory[k] for k in ("cpu", "disk") if k in max_memory}
-    budget.setdefault("disk", 1 << 62)
+        {k: max_memory[k] for k in ("cpu",) if k in max_memory} | {"disk": 1 << 62}
+    get = getattr(empty, "_get_no_split_modules", None)
+    no_split = get("auto") if get is not None else getattr(empty, "_no_split_modules", None)
     return dict(infer_auto_device_map(empty, max_memory=budget, dtype=dtype,
-                                      no_split_module_classes=list(getattr(empty, "_no_split_modules", None) or [])))
+                                      no_split_module_classes=list(no_split or [])))
+
+
+OFFLOAD_PREFIX = ".specprefetch-offload-"   # + the pid of the process that made it + a random part
+
+
+def _offload_folder(where: Path | None):
+    """A scratch folder for accelerate's disk offload in `where` (its nearest existing ancestor; the
+    system's temp directory if None), named after this process; folders of this name left by processes
+    no longer alive there (a run killed before its cleanup) are removed first."""
+    import shutil
+    import tempfile
+
+    where = Path(where) if where is not None else Path(tempfile.gettempdir())
+    while not where.is_dir() and where != where.parent:
+        where = where.parent
+    for old in where.glob(OFFLOAD_PREFIX + "*"):
+        pid = old.name[len(OFFLOAD_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)) and old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old, ignore_errors=True)
+    return tempfile.TemporaryDirectory(prefix=f"{OFFLOAD_PREFIX}{os.getpid()}-", dir=where)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:   # another user's process
+        return True
+    return True
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -332,9 +376,7 @@ def load_model(model: str | Path, *, device: str = "cpu", dtype: str = "float32"
         placement = _placement(spec, cls, torch_dtype, max_memory)
         kwargs["device_map"] = placement
         if "disk" in placement.values():
-            import tempfile
-
-            scratch = tempfile.TemporaryDirectory(prefix=".specprefetch-offload-", dir=offload_dir)
+            scratch = _offload_folder(offload_dir)
             kwargs["offload_folder"] = scratch.name
     elif device == "auto":
         if not torch.cuda.is_available():

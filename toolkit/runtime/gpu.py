@@ -54,7 +54,7 @@ from toolkit.runtime.expert_store import ExpertStore
 from toolkit.runtime.gpu_kernels import dequant, int4_gemv
 from toolkit.runtime.planner import PrefetchPlanner, RoutingState
 from toolkit.runtime.pool import ExpertPool, Key
-from toolkit.runtime.runner import REUSE_MISSING, RunConfig, Runner, open_pool_and_scheduler
+from toolkit.runtime.runner import RunConfig, Runner, open_pool_and_scheduler
 from toolkit.runtime.scheduler import WindowScheduler
 from toolkit.runtime.stats import DecodeAccount, RunStats
 
@@ -548,7 +548,8 @@ class GpuEngine:
             raise SpecPrefetchError(f"--policy {cfg.policy.name}: predictor {p!r} is not available on the GPU tier "
                                     f"(available: on-demand, draft, {', '.join(self.predictors) or '-'})")
         if cfg.policy.eviction == "reuse" and self.reuse is None:
-            raise SpecPrefetchError(f"--policy {cfg.policy.name}: {REUSE_MISSING} (pass --adapter)")
+            raise SpecPrefetchError(f"--policy {cfg.policy.name}: the reuse eviction needs the adapter's reuse "
+                                    "table (the engine was built without one: pass --adapter)")
         cap = cfg.budget_bytes // self.store.blob_size
         if cap < self.k:
             raise SpecPrefetchError(f"--pool-mib {cfg.pool_mib:g}: holds {cap} expert slots of "

@@ -62,14 +62,22 @@ def gpu_predictors(spec, names, adapter: Path | None) -> dict[str, Any]:
             for n in names}
 
 
-def gpu_reuse_table(names, adapter: Path | None):
-    """The adapter's reuse table when a policy evicts by predicted reuse (None otherwise); a policy
-    that needs it without an adapter, or with an adapter that has none, is refused by the engine."""
-    if adapter is None or "reuse" not in set(names):
+def gpu_reuse_table(spec, evictions, adapter: Path | None):
+    """The adapter's reuse table when a policy evicts by predicted reuse (None when none does), checked
+    against the model like the adapter itself (load_adapter). Refused in one line: `+reuse` without
+    --adapter, or with an adapter whose adapter.json has no table (trained before it existed)."""
+    if "reuse" not in set(evictions):
         return None
-    from adapters.checkpoint import read_adapter_meta, reuse_table
+    if adapter is None:
+        raise SpecPrefetchError("eviction 'reuse' reads the adapter's reuse table: pass --adapter")
+    from adapters.checkpoint import load_adapter, reuse_table
 
-    return reuse_table(read_adapter_meta(Path(adapter)), Path(adapter) / "adapter.json")
+    _, meta = load_adapter(Path(adapter), spec)   # refuses an adapter trained for another model
+    table = reuse_table(meta, Path(adapter) / "adapter.json")
+    if table is None:
+        raise SpecPrefetchError(f"{Path(adapter) / 'adapter.json'}: no reuse table (the adapter predates it): "
+                                "train it again with `specprefetch train`")
+    return table
 
 
 def reference_generate(model_dir: Path, prompts: list[list[int]], new_tokens: int, device: str,
@@ -131,6 +139,9 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
     g = spec.geometry
     L, E = len(g.moe_layers), g.routing.num_experts
     dev = Device(device)
+    # the predictors and the reuse table first: a policy that cannot run is refused before any loading
+    preds = gpu_predictors(spec, {p.predictor for p in policies}, adapter)
+    reuse = gpu_reuse_table(spec, {p.eviction for p in policies}, adapter)
     if store is None:
         from toolkit.runtime.store_cache import cached_store
 
@@ -145,8 +156,6 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
     ids = _prompts(lm.tokenizer, prompts, prompt_tokens, data)
     log(f"reference: transformers generate, whole model on {device}")
     ref_tokens, ref_tpot = reference_generate(spec.path, ids, new_tokens, device, dtype)
-    preds = gpu_predictors(spec, {p.predictor for p in policies}, adapter)
-    reuse = gpu_reuse_table({p.eviction for p in policies}, adapter)
     all_mib = L * E * st.blob_size / MiB
     eng = GpuEngine(lm, st, RunConfig(policy=Policy("on-demand", "lru"), pool_mib=all_mib, window=window),
                     device=device, predictors=preds, reuse=reuse,

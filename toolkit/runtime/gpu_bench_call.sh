@@ -20,17 +20,22 @@
 #                    the training script's held-out loss
 #
 # Measuring (OUT required): OUT=DIR bash toolkit/runtime/gpu_bench_call.sh
-# Knobs: SKIP_TRAIN=1 (reuse WORK/model), SKIP_TINY=1 (no smoke bench), WORK (scratch, /tmp/g9), TB (training seconds, 140),
-# BT (bench timeout, 300), FR (pool fractions, 0.1,0.25,0.5), WFFN (the widened experts' FFN, 6144:
+# Knobs: SKIP_TRAIN=1 (reuse WORK/model), SKIP_TINY=1 (no smoke bench), WORK (scratch, /tmp/g9),
+# TB (training seconds, 140), BT (bench timeout, 300), FR (pool fractions, 0.1,0.25,0.5), WFFN (the widened experts' FFN, 6144:
 # 36 MiB per fp16 expert), WFR (its pool fractions, 0.1,0.25), WBT (its bench timeout, 420), WNT (its
 # new tokens, 48), WKS (its draft Ks, 4,8,12), STAGES (default "base wide split tests"), DEV (cuda).
-# Where one command may run 10 minutes at most, run it twice on the same machine:
-#   STAGES="base tests split" OUT=... bash ...;  SKIP_TRAIN=1 STAGES=wide OUT=... bash ... SMOKE=1 runs every stage on tiny sizes (a random tiny model, no
-# training, one short prompt) to check the commands before a measuring call.
+# Where one command may run 10 minutes at most, run it twice on the same warm machine (docs/benchmarks.md
+# section 9 ran these):
+#   STAGES="base tests split" BT=260 OUT=... bash ...
+#   SKIP_TRAIN=1 SKIP_TINY=1 STAGES="wide split" WBT=330 OUT=... bash ...
+# SMOKE=1 runs every stage on tiny sizes (a random tiny model, no training, one short prompt) to check
+# the commands before a measuring call.
 # Output under OUT: log (the whole call's), and all.tgz (re-packed after every stage, so a call cut
 # short still returns what it finished): gpu-bench-STAGE.json/.md/.png and bench-STAGE.log per bench,
-# tiny.json, train_log.json, split.json.
-set -u
+# tiny.json, train_log.json, split.json: this call's only (a model trained again also drops the
+# stores, traces and adapters made from the last one); a failed step is logged as FAILED and ends its
+# stage.
+set -u -o pipefail
 
 C=${CORPUS:-build/gpu-bench-corpus}
 
@@ -64,7 +69,7 @@ export PYTHONPATH=. OMP_NUM_THREADS=4 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TQDM_D
 SMOKE=${SMOKE:-0} DEV=${DEV:-cuda}   # DEV=cpu: a smoke run of the commands on a machine without a GPU
 R=${WORK:-/tmp/g9}; [ "$SMOKE" = 1 ] && R=${WORK:-/tmp/g9-smoke}
 L=$OUT/log; B="python -m toolkit.cli"; RES=$R/results
-mkdir -p "$R" "$RES" || exit 2
+rm -rf "$RES"; mkdir -p "$R" "$RES" || exit 2   # all.tgz holds this call's results only
 pack() { tar czf "$OUT/all.tgz.tmp" -C "$RES" . && mv "$OUT/all.tgz.tmp" "$OUT/all.tgz"; }
 POL=on-demand+lru,next-gate+prediction,adapter+prediction,adapter+reuse,draft+prediction,oracle+belady
 if [ "$SMOKE" = 1 ]; then
@@ -89,6 +94,7 @@ if [ "$SMOKE" = 1 ]; then
 elif [ "${SKIP_TRAIN:-0}" = 1 ]; then
   [ -f "$M/config.json" ] || { echo "error: SKIP_TRAIN=1 but no $M" | tee -a "$L" >&2; exit 4; }
 else
+  rm -rf "$R"/base.spx "$R"/base-trace "$R"/base-adapter "$R"/wide-*   # derived from the model trained before
   (timeout 200 python -m toolkit.embedded.train --corpus "$C" --tokenizer toolkit/embedded/model/tokenizer.json --out "$M" --hidden-size 1024 --num-attention-heads 16 --num-key-value-heads 4 --head-dim 64 --num-experts 32 --num-experts-per-tok 4 --moe-intermediate-size 1536 --steps 400 --batch-size 32 --lr 1e-3 --warmup 40 --eval-every 400 --eval-batches 4 --time-budget "${TB:-140}" 2>&1 | tail -4) | tee -a "$L"
   cp "$M/train_log.json" "$RES/" 2>/dev/null
 fi
@@ -96,12 +102,13 @@ pack
 
 # bench NAME MODEL FRACTIONS TIMEOUT NEW_TOKENS DRAFT_KS: the model's fp16 store, traces, adapter and
 # the policies' bench
+fail() { echo "FAILED: $*" | tee -a "$L"; return 1; }
 bench() {
   local n=$1 m=$2 fr=$3 bt=$4 nt=$5 ks=$6 t0
   t0=$(date +%s)
-  [ -f "$R/$n.spx" ] || $B store "$m" --out "$R/$n.spx" 2>&1 | tail -1 | tee -a "$L"
-  [ -d "$R/$n-trace" ] || $B trace "$m" --data "$C/trace.jsonl" --out "$R/$n-trace" --device "$DEV" --dtype float16 --max-sequences $NSEQ --prompt-tokens 128 --decode-tokens 32 --heldout-frac 0.25 2>&1 | tail -2 | tee -a "$L"
-  [ -d "$R/$n-adapter" ] || $B train "$R/$n-trace" --out "$R/$n-adapter" --device "$DEV" --steps $STEPS 2>&1 | tail -3 | tee -a "$L"
+  [ -f "$R/$n.spx" ] || $B store "$m" --out "$R/$n.spx" 2>&1 | tail -1 | tee -a "$L" || { fail "$n: store"; return; }
+  [ -d "$R/$n-trace" ] || $B trace "$m" --data "$C/trace.jsonl" --out "$R/$n-trace" --device "$DEV" --dtype float16 --max-sequences $NSEQ --prompt-tokens 128 --decode-tokens 32 --heldout-frac 0.25 2>&1 | tail -2 | tee -a "$L" || { fail "$n: trace"; return; }
+  [ -d "$R/$n-adapter" ] || $B train "$R/$n-trace" --out "$R/$n-adapter" --device "$DEV" --steps $STEPS 2>&1 | tail -3 | tee -a "$L" || { fail "$n: train"; return; }
   echo "$n: store, trace and adapter $(( $(date +%s) - t0 )) s" | tee -a "$L"
   timeout "$bt" python -m toolkit.runtime.gpu_bench "$m" --device "$DEV" --store "$R/$n.spx" --adapter "$R/$n-adapter" --policies "$POL" --fractions "$fr" --prompts $NP --new-tokens $nt --repeats 2 --draft-k $ks --report-mismatches --json "$RES/gpu-bench-$n.json" > "$RES/bench-$n.log" 2>&1; echo "$n: bench rc=$? after $(( $(date +%s) - t0 )) s" | tee -a "$L"
   grep -v Loading "$RES/bench-$n.log" | tail -32 | tee -a "$L"
@@ -113,13 +120,14 @@ for st in $STAGES; do
     base) bench base "$M" "$FR" "${BT:-300}" $NT $KS ;;
     wide)
       t0=$(date +%s)
-      [ -d "$R/wide-model" ] || $B widen "$M" --moe-intermediate-size "$WFFN" --out "$R/wide-model" 2>&1 | tail -1 | tee -a "$L"
+      rm -rf "$R"/wide-*   # traces and adapter of an earlier widening (another WFFN, another model)
+      $B widen "$M" --moe-intermediate-size "$WFFN" --out "$R/wide-model" 2>&1 | tail -1 | tee -a "$L" || { fail "wide: widen"; continue; }
       echo "wide: widen $(( $(date +%s) - t0 )) s; $(du -sh "$R/wide-model" | cut -f1); disk free $(df -h "$R" | tail -1 | awk '{print $4}')" | tee -a "$L"
       bench wide "$R/wide-model" "$WFR" "${WBT:-420}" $WNT $WKS
-      rm -rf "$R/wide-model" "$R/wide.spx" ;;
+      rm -rf "$R"/wide-* "$R/wide.spx" ;;
     split)
       # the same prompts traced on one GPU and split over the GPU (half the weights) and host memory
-      t0=$(date +%s)
+      rm -rf "$R/split-one" "$R/split-two"
       G=$(python -c "import sys; from safetensors import safe_open; import glob, math
 n = 0
 for f in glob.glob(sys.argv[1] + '/*.safetensors'):
@@ -127,9 +135,10 @@ for f in glob.glob(sys.argv[1] + '/*.safetensors'):
         n += sum(math.prod(h.get_slice(k).get_shape()) for k in h.keys())
 print(max(1, n // 1024))" "$M")   # KiB: half the fp16 weights
       MM="0=${G}KiB,cpu=64GiB"; [ "$DEV" = cpu ] && MM="cpu=${G}KiB"   # without a GPU: host memory + disk
-      $B trace "$M" --data "$C/trace.jsonl" --out "$R/split-one" --device "$DEV" --dtype float16 --max-sequences $SPLIT_SEQ --prompt-tokens 128 --decode-tokens 32 --heldout-frac 0.25 --overwrite 2>&1 | tail -1 | tee -a "$L"
+      t0=$(date +%s)
+      $B trace "$M" --data "$C/trace.jsonl" --out "$R/split-one" --device "$DEV" --dtype float16 --max-sequences $SPLIT_SEQ --prompt-tokens 128 --decode-tokens 32 --heldout-frac 0.25 2>&1 | tail -1 | tee -a "$L" || { fail "split: one-device trace"; continue; }
       t1=$(date +%s)
-      $B trace "$M" --data "$C/trace.jsonl" --out "$R/split-two" --device auto --max-memory "$MM" --dtype float16 --max-sequences $SPLIT_SEQ --prompt-tokens 128 --decode-tokens 32 --heldout-frac 0.25 --overwrite 2>&1 | tail -1 | tee -a "$L"
+      $B trace "$M" --data "$C/trace.jsonl" --out "$R/split-two" --device auto --max-memory "$MM" --dtype float16 --max-sequences $SPLIT_SEQ --prompt-tokens 128 --decode-tokens 32 --heldout-frac 0.25 2>&1 | tail -1 | tee -a "$L" || { fail "split: split trace"; continue; }
       t2=$(date +%s)
       python - "$R/split-one" "$R/split-two" "$RES/split.json" $((t1 - t0)) $((t2 - t1)) "$MM" <<'PY' 2>&1 | tee -a "$L"
 import collections, json, sys
@@ -154,7 +163,8 @@ print("split:", json.dumps(out))
 PY
       pack ;;
     tests)
-      timeout 240 python -m pytest -q -x -p no:cacheprovider tests/test_gpu_tier.py tests/test_cuda.py -k "cuda or triton or reuse or split" 2>&1 | tail -8 | tee -a "$L" ;;
+      timeout 240 python -m pytest -q -x -p no:cacheprovider tests/test_gpu_tier.py tests/test_cuda.py -k "cuda or triton or reuse or split" 2>&1 | tail -8 | tee -a "$L" || fail "tests" ;;
+    *) fail "unknown stage '$st' (base, wide, split, tests)"; exit 2 ;;
   esac
 done
 pack

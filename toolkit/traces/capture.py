@@ -80,8 +80,17 @@ class TraceSettings:
     def prompts_per_batch(self) -> int:
         if self.batch is not None:
             return self.batch
-        on_cpu = self.device == "cpu" or (self.device == "auto" and not torch.cuda.is_available())
-        return 1 if on_cpu else DEFAULT_GPU_BATCH
+        return 1 if self.computes_on_cpu() else DEFAULT_GPU_BATCH
+
+    def computes_on_cpu(self) -> bool:
+        """cpu; auto without a GPU; auto with --max-memory that gives no GPU a budget (all on the host)."""
+        if self.device == "cpu":
+            return True
+        if self.device != "auto":
+            return False
+        if not torch.cuda.is_available():
+            return True
+        return self.max_memory is not None and not any(isinstance(k, int) for k in parse_max_memory(self.max_memory))
 
 
 @dataclasses.dataclass

@@ -77,14 +77,14 @@ def _remove_tree(p: Path) -> None:
 
 def _resume_key(header: dict[str, Any]) -> Any:
     """What must match for a run to resume another's progress: everything but how prompts were
-    batched (`settings.batch`) and where the layers were placed (`max_memory`, `placement`), which
-    change speed and memory, not what is recorded."""
+    batched (`settings.batch`), which changes speed, not what is recorded. (Where the layers were
+    placed, `settings.placement`, must match: accelerate's offload hooks may round a decode step
+    differently in the last place.)"""
     if not isinstance(header, dict):
         return header
     settings = header.get("settings")
     if isinstance(settings, dict):
-        header = dict(header, settings={k: v for k, v in settings.items()
-                                        if k not in ("batch", "max_memory", "placement")})
+        header = dict(header, settings={k: v for k, v in settings.items() if k != "batch"})
     return header
 
 
