@@ -161,12 +161,12 @@ CASES = {
                        step_budget=None, logits=False, delay=2),
     "probs-prefill": dict(eviction="prediction", slots=10, queue_depth=4, min_confidence=0.05,
                           candidate_threshold=0.02, step_budget=None, logits=False, probs=True, span=4, delay=3),
-    # the flash delivers 2 slots a step: prefetches behind a step's demand reads are dropped as late
+    # the flash delivers 1 slot a step: prefetches behind the ones already asked for are dropped as late
     "read-budget": dict(eviction="lru", slots=12, queue_depth=6, min_confidence=0.01, candidate_threshold=0.0,
-                        step_budget=None, logits=False, delay=2, read_budget=2 * SLOT),
+                        step_budget=None, logits=False, delay=2, read_budget=SLOT),
     "read-budget-prefill": dict(eviction="prediction", slots=10, queue_depth=4, min_confidence=0.05,
                                 candidate_threshold=0.02, step_budget=None, logits=False, probs=True, span=4,
-                                read_budget=3 * SLOT),
+                                read_budget=SLOT),
 }
 
 

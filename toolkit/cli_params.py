@@ -191,7 +191,7 @@ def scheduler_limits(fn):
     """The scheduler's flash-saturation limits, shared by `simulate` and `run`."""
     fn = click.option("--read-budget-kib", type=IntOrAuto(), default=None,
                       help="KiB the flash reads in one step's compute time: a prefetch that could not land by its "
-                           "deadline behind the reads already asked for (demand reads included) is dropped as late; "
+                           "deadline behind the prefetches already asked for is dropped as late; "
                            "simulate takes auto (the profile's flash rate x its decode step)")(fn)
     fn = click.option("--step-budget-kib", type=click.IntRange(min=1), default=None,
                       help="prefetch bytes issued per step at most")(fn)

@@ -300,7 +300,8 @@ void WindowScheduler::acquire(int64_t step, const std::vector<Key>& keys) {
       slot->ready = true;
       slot->demand = true;
       io_.submit(key, pool_.data(*slot), true);
-      backlog_ += pool_.slot_bytes();
+      // not in the read budget's backlog: the step waits for its demand reads, so it lasts as long as they
+      // take and the prefetches' schedule (in steps) is not pushed back (the Python reference's rule)
       stats.bytes_read += pool_.slot_bytes();
       emit("miss", key);
     }

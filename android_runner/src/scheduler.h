@@ -109,7 +109,7 @@ class WindowScheduler {
   int64_t seq_ = 0;
   int64_t step_ = 0;
   int64_t step_bytes_ = 0;
-  int64_t backlog_ = 0;       // bytes asked of the flash not yet delivered at the read budget's rate
+  int64_t backlog_ = 0;       // prefetch bytes asked of the flash not yet delivered at the read budget's rate
   int64_t backlog_step_ = 0;  // the step backlog_ is counted at
 };
 

@@ -7,8 +7,10 @@ keeps them in a queue ordered by deadline, then confidence. It issues reads whil
 has room (`queue_depth`) and the step's prefetch byte budget lasts; when the queue is full it drops
 requests below `min_confidence`, and it always drops stale ones (deadline already reached). With a
 read budget (`read_budget_bytes`: what the flash delivers in one step's compute time) it also drops a
-prefetch that could not land by its deadline behind the bytes already asked of the flash, demand reads
-included (reason `late`): those bytes would only delay the reads the model waits for. A
+prefetch that could not land by its deadline behind the prefetch bytes already asked of the flash
+(reason `late`): those bytes would only delay the reads the model waits for. Demand reads are not
+counted: their step waits for them, so it lasts as long as they take (until 2026-12-03 they were, and
+where the misses alone exceeded the budget, every prefetch came out late). A
 prefetch gets a pool slot only by evicting something not needed sooner. A miss is read on demand
 at top priority. Unbudgeted prefetch has been seen to slow decode (published phone engines): the budget and the
 candidate threshold are what keep prefetch from starving the reads the model is waiting for.
@@ -108,7 +110,7 @@ class WindowScheduler:
         self.stats = SchedulerStats()
         self.step = 0
         self.step_bytes = 0
-        self.backlog = 0          # bytes asked of the flash not yet delivered at the read budget's rate
+        self.backlog = 0          # prefetch bytes asked of the flash not yet delivered at the read budget's rate
         self.backlog_step = 0     # the step `backlog` is counted at
         if pool.policy in ("prediction", "reuse"):
             pool.predicted = self.predicted_next
@@ -323,7 +325,8 @@ class WindowScheduler:
                 slot.ready = True  # logically complete within this step: it is waited for before use
                 slot.demand = True
                 self.io.submit(key, demand=True)
-                self.backlog += self.pool.slot_bytes
+                # a demand read is not part of the read budget's backlog: its step waits for it, so the
+                # step lasts as long as the read, and the prefetches' schedule (in steps) is not pushed back
                 self.stats.bytes_read += self.pool.slot_bytes
                 self._emit("miss", key)
             slot.pins += 1
