@@ -11,6 +11,12 @@ runner checks at start) and builds it with CMake + Ninja, three ways:
     android  the Android NDK's toolchain (ANDROID_NDK) against an ExecuTorch built for arm64-v8a
              (EXECUTORCH_ANDROID_PREFIX), as ExecuTorch documents
 
+A qnn or qai-hub bundle's runner runs its EPContext graphs through ONNX Runtime's C API with
+Qualcomm's QNN execution provider instead of ExecuTorch (backend_ort.cpp): against the onnxruntime
+and onnxruntime-qnn wheels here (the HTP simulator), against the user's ONNX Runtime and QNN
+runtime libraries for a phone (SPX_QNN_LIBS, `qnn_libraries`). ONNX Runtime's C API headers come
+from Debian's libonnxruntime-dev package (`ort_headers`), or SPX_ORT_INCLUDE.
+
 The runner reads text with the bundle's tokenizer.json through the Hugging Face tokenizer of
 ExecuTorch's LLM runners (meta-pytorch/tokenizers, from the pytorch-tokenizers sdist on PyPI,
 which vendors RE2, Abseil and PCRE2): built once per ABI (a few minutes) into the runners cache
@@ -112,6 +118,8 @@ def config_header(manifest: dict[str, Any]) -> str:
         f'#define SPX_EXPERT_DTYPE "{experts}"',
         f'#define SPX_SCORE_FUNC "{routing.get("score_func", "softmax")}"',
     ]
+    if backend_of(manifest) == "ort":  # (executorch bundles' headers unchanged: their builds stay valid)
+        lines.append('#define SPX_BACKEND_NAME "ort"')
     return "\n".join(lines) + "\n"
 
 
@@ -131,9 +139,16 @@ def _sources() -> list[Path]:
 
 
 def _package_version(pkg: Path) -> str:
-    """The ExecuTorch package's full version (its CMake version file), part of a build's stamp."""
-    found = sorted(pkg.rglob("executorch-config-version.cmake"))
-    return found[0].read_text() if found else ""
+    """The ExecuTorch package's full version (its CMake version file), or for ONNX Runtime the
+    library's (or the user's library directory's) names, sizes and times: part of a build's stamp."""
+    if pkg.is_file():
+        files = [pkg]
+    else:
+        found = sorted(pkg.rglob("executorch-config-version.cmake"))
+        if found:
+            return found[0].read_text()
+        files = sorted(pkg.glob("*.so*"))
+    return "|".join(f"{f.name}:{f.stat().st_size}:{int(f.stat().st_mtime)}" for f in files)
 
 
 def executorch_host_package() -> Path:
@@ -184,17 +199,151 @@ def _check_arm64_toolchain() -> None:
                                 "(make setup installs it)")
 
 
-def _android_settings() -> tuple[Path, Path]:
+def _android_ndk() -> Path:
     ndk = os.environ.get("ANDROID_NDK") or os.environ.get("ANDROID_NDK_HOME")
     if not ndk or not (Path(ndk) / "build" / "cmake" / "android.toolchain.cmake").is_file():
         raise SpecPrefetchError("--abi android needs the Android NDK: set ANDROID_NDK to an NDK (r26 or newer) "
                                 "holding build/cmake/android.toolchain.cmake; without it use --abi arm64, which "
                                 "starts from adb shell (docs/runner.md)")
+    return Path(ndk)
+
+
+def _executorch_android_prefix() -> Path:
     prefix = os.environ.get("EXECUTORCH_ANDROID_PREFIX")
     if not prefix or not list(Path(prefix).rglob("executorch-config.cmake")):
         raise SpecPrefetchError("--abi android needs ExecuTorch built for arm64-v8a: set EXECUTORCH_ANDROID_PREFIX "
                                 "to its install prefix (docs/runner.md shows the build)")
-    return Path(ndk), Path(prefix)
+    return Path(prefix)
+
+
+# -- the ONNX Runtime backend (qnn and qai-hub bundles) --------------------------------------
+
+ORT_TARGETS = ("qnn", "qai-hub")
+ORT_MIN_API = 22  # RegisterExecutionProviderLibrary, GetEpDevices, SessionOptionsAppendExecutionProvider_V2
+# what a phone build ships beside the runner (SPX_QNN_LIBS): ONNX Runtime, its QNN execution provider,
+# the QNN HTP backend and system library, and the HTP's stub / skel for the bundle's architecture
+QNN_PHONE_LIBS = ("libonnxruntime.so", "libonnxruntime_providers_qnn.so", "libQnnHtp.so", "libQnnSystem.so",
+                  "libQnnHtpPrepare.so")
+DEBIAN_ARCHIVE = "http://deb.debian.org/debian"
+
+
+def backend_of(manifest: dict[str, Any]) -> str:
+    """"executorch" or "ort": what the runner for this bundle runs its graphs with."""
+    return "ort" if manifest.get("target") in ORT_TARGETS else "executorch"
+
+
+def ort_headers(log: Callable[[str], None]) -> Path:
+    """A directory holding onnxruntime_c_api.h (API >= ORT_MIN_API): SPX_ORT_INCLUDE, else Debian's
+    libonnxruntime-dev (from the archive's sid / experimental suites, fetched once with apt-get into
+    the runner cache, the system's apt configuration untouched). The C API is versioned and
+    backward compatible: these headers serve the wheel's and a phone's newer ONNX Runtime alike."""
+    env = os.environ.get("SPX_ORT_INCLUDE")
+    if env:
+        if not (Path(env) / "onnxruntime_c_api.h").is_file():
+            raise SpecPrefetchError(f"SPX_ORT_INCLUDE {env}: no onnxruntime_c_api.h there")
+        return Path(env)
+    root = runners_dir() / "onnxruntime-headers"
+    with _locked(root):
+        inc = root / "include" / "onnxruntime"
+        if (inc / "onnxruntime_c_api.h").is_file():
+            return inc
+        return _fetch_ort_headers(root, log)
+
+
+def _fetch_ort_headers(root: Path, log: Callable[[str], None]) -> Path:
+    hint = ("set SPX_ORT_INCLUDE to a directory holding onnxruntime_c_api.h (the headers/ folder of the "
+            "onnxruntime-android package, or include/ of an ONNX Runtime release; docs/runner.md)")
+    apt = shutil.which("apt-get")
+    keyring = Path("/usr/share/keyrings/debian-archive-keyring.gpg")
+    if not apt or not keyring.is_file():
+        raise SpecPrefetchError("ONNX Runtime's C API headers: no Debian apt-get here to fetch libonnxruntime-dev; "
+                                + hint)
+    log("fetching ONNX Runtime's C API headers (Debian's libonnxruntime-dev, once)")
+    runners_dir().mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=runners_dir()) as tmp:
+        w = Path(tmp)
+        for d in ("lists/partial", "cache/archives/partial"):
+            (w / d).mkdir(parents=True)
+        (w / "sources.list").write_text("".join(f"deb [signed-by={keyring}] {DEBIAN_ARCHIVE} {suite} main\n"
+                                                for suite in ("sid", "experimental")))
+        opts = ["-o", f"Dir::Etc::SourceList={w / 'sources.list'}", "-o", "Dir::Etc::SourceParts=/dev/null",
+                "-o", f"Dir::State::Lists={w / 'lists'}", "-o", f"Dir::Cache={w / 'cache'}",
+                "-o", "Dir::State::status=/dev/null", "-o", "APT::Sandbox::User=root"]
+
+        def apt_run(cmd: list[str], what: str) -> str:
+            r = subprocess.run(cmd, capture_output=True, text=True, cwd=w)
+            if r.returncode != 0:
+                tail = (r.stderr or r.stdout).strip().splitlines()[-1:] or ["no output"]
+                raise SpecPrefetchError(f"ONNX Runtime's C API headers: {what} failed ({tail[0][:200]}); {hint}")
+            return r.stdout
+
+        apt_run([apt, *opts, "-qq", "update"], "apt-get update of Debian's sid / experimental lists")
+        madison = apt_run([shutil.which("apt-cache") or "apt-cache", *opts, "madison", "libonnxruntime-dev"],
+                          "apt-cache madison libonnxruntime-dev")
+        versions = sorted({ln.split("|")[1].strip() for ln in madison.splitlines() if ln.count("|") >= 2},
+                          key=_debian_version_key)
+        if not versions:
+            raise SpecPrefetchError(f"ONNX Runtime's C API headers: Debian lists no libonnxruntime-dev; {hint}")
+        apt_run([apt, *opts, "-qq", "download", f"libonnxruntime-dev={versions[-1]}"], "apt-get download")
+        deb = next(w.glob("libonnxruntime-dev_*.deb"))
+        apt_run(["dpkg-deb", "-x", str(deb), str(w / "x")], "dpkg-deb -x")
+        src = w / "x" / "usr" / "include" / "onnxruntime"
+        api = _ort_api_version(src / "onnxruntime_c_api.h")
+        if api < ORT_MIN_API:
+            raise SpecPrefetchError(f"ONNX Runtime's C API headers: Debian's libonnxruntime-dev {versions[-1]} is API "
+                                    f"{api}, the QNN plugin needs {ORT_MIN_API}; {hint}")
+        stage = w / "stage" / "include"
+        stage.mkdir(parents=True)
+        shutil.copytree(src, stage / "onnxruntime")
+        (w / "stage" / "version.txt").write_text(f"libonnxruntime-dev {versions[-1]} (ORT_API_VERSION {api})\n")
+        if root.exists():
+            shutil.rmtree(root)
+        os.replace(w / "stage", root)
+    return root / "include" / "onnxruntime"
+
+
+def _debian_version_key(v: str) -> list:
+    import re
+
+    return [int(x) if x.isdigit() else x for x in re.split(r"(\d+)", v)]
+
+
+def _ort_api_version(header: Path) -> int:
+    for ln in header.read_text(errors="replace").splitlines():
+        if ln.startswith("#define ORT_API_VERSION"):
+            return int(ln.split()[2])
+    return 0
+
+
+def ort_host_libraries() -> tuple[Path, Path]:
+    """(libonnxruntime.so, libonnxruntime_providers_qnn.so) of the onnxruntime and onnxruntime-qnn wheels."""
+    found = []
+    for pkg, pattern in (("onnxruntime", "capi/libonnxruntime.so*"),
+                         ("onnxruntime_qnn", "libonnxruntime_providers_qnn.so")):
+        spec = importlib.util.find_spec(pkg)
+        libs = sorted(Path(list(spec.submodule_search_locations)[0]).glob(pattern)) \
+            if spec is not None and spec.submodule_search_locations else []
+        if not libs:
+            raise SpecPrefetchError(f"a qnn bundle's host runner needs the {pkg.replace('_', '-')} wheel's "
+                                    f"{pattern.split('/')[-1]} (make setup installs it)")
+        found.append(libs[-1])
+    return found[0], found[1]
+
+
+def qnn_libraries(htp_arch: int) -> Path:
+    """SPX_QNN_LIBS: the user's ONNX Runtime and QNN runtime libraries for the phone (docs/runner.md),
+    every one a qnn runner build for --abi android / arm64 ships beside itself."""
+    d = os.environ.get("SPX_QNN_LIBS")
+    need = [*QNN_PHONE_LIBS, f"libQnnHtpV{htp_arch}Stub.so", f"libQnnHtpV{htp_arch}Skel.so"]
+    if not d:
+        raise SpecPrefetchError("a qnn bundle's runner for a phone needs ONNX Runtime and Qualcomm's QNN runtime "
+                                f"libraries: set SPX_QNN_LIBS to a directory holding {', '.join(need)} "
+                                "(docs/runner.md says where each comes from)")
+    missing = [n for n in need if not (Path(d) / n).is_file()]
+    if missing:
+        raise SpecPrefetchError(f"SPX_QNN_LIBS {d}: missing {', '.join(missing)} "
+                                "(docs/runner.md says where each comes from)")
+    return Path(d)
 
 
 def tokenizers_source(log: Callable[[str], None]) -> Path:
@@ -297,7 +446,8 @@ def _build_tokenizers(out: Path, abi: str, toolchain: Sequence[str], log: Callab
 def default_out(manifest: dict[str, Any], abi: str) -> Path:
     mo = manifest["model"]
     experts = (manifest.get("quantization") or {}).get("experts", "fp16")
-    return runners_dir() / f"{mo['family']}-{mo['config_hash']}-{experts}-{abi}"
+    suffix = "-qnn" if backend_of(manifest) == "ort" else ""
+    return runners_dir() / f"{mo['family']}-{mo['config_hash']}-{experts}-{abi}{suffix}"
 
 
 def runner_dir_kind(out: Path) -> str:
@@ -357,10 +507,10 @@ def build(bundle: Path | str, abi: str = "host", out: Path | str | None = None, 
     if abi not in ABIS:
         raise SpecPrefetchError(f"--abi {abi!r}: choose from {', '.join(ABIS)}")
     _, head = read_manifest(bundle)
-    if not isinstance(head, dict) or head.get("target") != "executorch":
-        target = head.get("target") if isinstance(head, dict) else None
-        raise SpecPrefetchError(f"{bundle}: a {target} bundle; the native runner runs executorch bundles "
-                                "(export with --target executorch)")
+    target = head.get("target") if isinstance(head, dict) else None
+    if target not in ("executorch", *ORT_TARGETS):
+        raise SpecPrefetchError(f"{bundle}: a {target} bundle; the native runner runs executorch, qnn and "
+                                "qai-hub bundles")
     if out is not None:  # the output's rules first, before any hashing or building
         _claim(Path(out), bundle)
     manifest, _ = validate_bundle(bundle, hash_store=False)
@@ -370,22 +520,35 @@ def build(bundle: Path | str, abi: str = "host", out: Path | str | None = None, 
     ninja = _tool("ninja", "pip install ninja (a project dependency: make setup)")
     header = config_header(manifest)
     toolchain: list[str] = []
-    if abi == "host":
-        pkg = executorch_host_package()
-    elif abi == "arm64":
+    backend_args: list[str] = []  # the ONNX Runtime backend's CMake settings (not the tokenizer's)
+    ort = backend_of(manifest) == "ort"
+    if abi == "arm64":
         _check_arm64_toolchain()
-        pkg = executorch_aarch64_package(log)
         toolchain = [f"-DCMAKE_TOOLCHAIN_FILE={SRC / 'cmake' / 'aarch64-linux-gnu.cmake'}"]
-    else:
-        ndk, pkg = _android_settings()
+    elif abi == "android":
+        ndk = _android_ndk()
         toolchain = [f"-DCMAKE_TOOLCHAIN_FILE={ndk / 'build' / 'cmake' / 'android.toolchain.cmake'}",
                      "-DANDROID_ABI=arm64-v8a", "-DANDROID_PLATFORM=android-29"]
+    if ort:  # ONNX Runtime + QNN: the wheels' here, the user's for a phone; the headers from Debian
+        pkg = ort_host_libraries()[0] if abi == "host" else qnn_libraries(int(manifest["graphs"].get("htp_arch", 79)))
+        backend_args = ["-DSPX_BACKEND=ort", f"-DSPX_ORT_INCLUDE={ort_headers(log)}"]
+        if abi == "host":
+            lib, ep = ort_host_libraries()
+            backend_args += [f"-DSPX_ORT_LIBRARY={lib}", f"-DSPX_QNN_EP_DEFAULT={ep}"]
+        else:
+            backend_args += [f"-DSPX_ORT_LIBRARY={pkg / 'libonnxruntime.so'}"]
+    elif abi == "host":
+        pkg = executorch_host_package()
+    elif abi == "arm64":
+        pkg = executorch_aarch64_package(log)
+    else:
+        pkg = _executorch_android_prefix()
     compiler = {"arm64": "aarch64-linux-gnu-g++", "host": os.environ.get("CXX", "c++")}.get(abi)
     cc = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout.splitlines()[:1] \
         if compiler and shutil.which(compiler) else []
     with _locked(out):
         return _build(bundle, abi, out, force, tokenizer, header, pkg, toolchain, cc, cmake, ninja, log,
-                      cache=cache, overwrite=overwrite)
+                      cache=cache, overwrite=overwrite, backend_args=backend_args)
 
 
 def installed_files(out: Path) -> dict[str, str]:
@@ -418,7 +581,7 @@ def _stamp_holds(out: Path, stamp: str) -> bool:
 
 def _build(bundle, abi, out: Path, force: bool, tokenizer: bool | None, header: str, pkg: Path,
            toolchain: list[str], cc: list[str], cmake: str, ninja: str, log: Callable[[str], None], *,
-           cache: bool = True, overwrite: bool = False) -> Path:
+           cache: bool = True, overwrite: bool = False, backend_args: Sequence[str] = ()) -> Path:
     info_path = out / "build.json"
     kind = runner_dir_kind(out)  # again under the lock
     if kind == "foreign":
@@ -431,7 +594,7 @@ def _build(bundle, abi, out: Path, force: bool, tokenizer: bool | None, header: 
     tok_dir = tokenizers_dir(abi, toolchain, cc) if tokenizer else None
     # what CMake caches at configure time (the package, its version, the compiler and toolchain)
     configured = hashlib.sha256("|".join([header, abi, str(pkg), _package_version(pkg), *cc, *toolchain,
-                                          str(tok_dir)]).encode()).hexdigest()[:16]
+                                          *backend_args, str(tok_dir)]).encode()).hexdigest()[:16]
     stamp = configured + "-" + _digest(_sources(), "")
     if not force and kind == "runner" and _stamp_holds(out, stamp):
         return out
@@ -464,7 +627,7 @@ def _build(bundle, abi, out: Path, force: bool, tokenizer: bool | None, header: 
     configure = [cmake, "-S", str(SRC), "-B", str(build_dir), "-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}",
                  f"-DSPX_CONFIG_DIR={out}", f"-DSPX_JSON_INCLUDE={inc}", f"-DCMAKE_PREFIX_PATH={pkg}",
                  f"-DCMAKE_INSTALL_PREFIX={out}", "-DCMAKE_BUILD_TYPE=Release", f"-DSPX_TOKENIZERS_DIR={tok_dir or ''}",
-                 *toolchain]
+                 *toolchain, *backend_args]
     log(f"building the native runner ({abi}) for {bundle} in {out}")
     with open(logf, "w") as f:
         for cmd in (configure, [cmake, "--build", str(build_dir)], [cmake, "--install", str(build_dir)]):
@@ -475,7 +638,9 @@ def _build(bundle, abi, out: Path, force: bool, tokenizer: bool | None, header: 
                 tail = logf.read_text().strip().splitlines()[-1:]
                 raise SpecPrefetchError(f"native runner build ({abi}) failed: {tail[0] if tail else ''} "
                                         f"(full log: {logf})")
-    if abi == "arm64":
+    if 'SPX_BACKEND_NAME "ort"' in header:
+        _ship_ort(pkg, out, abi)
+    elif abi == "arm64":
         _ship_arm64(pkg, out)
     else:  # the same entry point everywhere (device push and bench start run.sh)
         _launcher(out, f'exec "$D/bin/{BINARY}" "$@"')
@@ -500,6 +665,34 @@ def _ship_arm64(pkg: Path, out: Path) -> None:
     # SPX_EMULATOR: empty on a phone; `qemu-aarch64` where the device stand-in runs it on x86-64
     _launcher(out, f'exec $SPX_EMULATOR "$D/lib/ld-linux-aarch64.so.1" --library-path "$D/lib" "$D/bin/{BINARY}" "$@"',
               "start the runner with its own loader and libraries (docs/runner.md)")
+
+
+def _ship_ort(pkg: Path, out: Path, abi: str) -> None:
+    """A qnn bundle's runner: libonnxruntime.so.1 in lib/ (a link to the wheel's here); for a phone,
+    every library of SPX_QNN_LIBS copied into lib/, and run.sh pointing the QNN libraries at them
+    (LD_LIBRARY_PATH for the HTP backend's own loads, ADSP_LIBRARY_PATH for the skel the DSP loads)."""
+    lib = out / "lib"
+    shutil.rmtree(lib, ignore_errors=True)
+    lib.mkdir()
+    if abi == "host":
+        (lib / "libonnxruntime.so.1").symlink_to(pkg)
+        _launcher(out, f'exec "$D/bin/{BINARY}" "$@"')
+        return
+    for so in sorted(pkg.glob("*.so")):
+        shutil.copy2(so, lib / so.name)
+    os.symlink("libonnxruntime.so", lib / "libonnxruntime.so.1")
+    env = 'export LD_LIBRARY_PATH="$D/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" ADSP_LIBRARY_PATH="$D/lib"'
+    if abi == "arm64":
+        for name in AARCH64_RUNTIME:
+            src = AARCH64_SYSROOT / "lib" / name
+            if src.exists():
+                shutil.copy2(src.resolve(), lib / name)
+        _launcher(out, f'{env}\nexec $SPX_EMULATOR "$D/lib/ld-linux-aarch64.so.1" --library-path "$D/lib" '
+                       f'"$D/bin/{BINARY}" "$@"',
+                  "start the runner with its own loader and the QNN libraries (docs/runner.md)")
+    else:
+        _launcher(out, f'{env}\nexec "$D/bin/{BINARY}" "$@"',
+                  "start the runner with the QNN libraries beside it (docs/runner.md)")
 
 
 def _launcher(out: Path, line: str, what: str = "start the runner (docs/runner.md)") -> None:

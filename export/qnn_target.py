@@ -247,19 +247,30 @@ class RecordingBackend(Backend):
 
 
 class QnnBackend(Backend):
-    """Runs a bundle's context binaries with onnxruntime-qnn (HTP; the simulator on x86)."""
+    """Runs a bundle's context binaries with onnxruntime-qnn (HTP; the simulator on x86).
+
+    `cpu_expert`: when given, the `expert` graph is not loaded and every routed expert is computed
+    on the CPU by it (float32, the family's expert function): how a bundle runs (`run`, both engines),
+    since each CPU-HTP crossing costs ~0.3-0.5 ms on a phone and a decode token routes through
+    dozens of experts. Export parity runs the expert graph on the HTP too (cpu_expert None)."""
     label = "qnn-htp"
     kv_mode = "io"
 
-    def __init__(self, files: dict[str, Path], info: dict[str, Any], provider: dict[str, Any] | None = None):
+    def __init__(self, files: dict[str, Path], info: dict[str, Any], provider: dict[str, Any] | None = None,
+                 cpu_expert: Callable[[list[torch.Tensor]], torch.Tensor] | None = None):
         super().__init__(info)
-        self.sessions = {n: self._session(p, provider) for n, p in files.items()}
+        self.cpu_expert = cpu_expert
+        self.sessions = {n: self._session(p, provider) for n, p in files.items()
+                         if not (cpu_expert is not None and n == "expert")}
         self.names = {n: [i.name for i in s.get_inputs()] for n, s in self.sessions.items()}
 
     def _session(self, path, provider):
         return qnn_session(path, provider)
 
     def call(self, name, inputs):
+        if name == "expert" and self.cpu_expert is not None:
+            with torch.no_grad():
+                return [self.cpu_expert(list(inputs))]
         feeds = {n: t.detach().numpy() for n, t in zip(self.names[name], inputs)}
         try:
             outs = self.sessions[name].run(None, feeds)
@@ -434,4 +445,27 @@ class QnnTarget(Target):
 
         info = {"cache_specs": [CacheSpec(tuple(x["k"]), tuple(x["v"])) for x in m["kv"]["layers"]],
                 "windows": [x["window"] for x in m["kv"]["layers"]], "max_seq": m["kv"]["max_seq"]}
-        return QnnBackend({n: path / rel for n, rel in m["graphs"]["files"].items()}, info)
+        return QnnBackend({n: path / rel for n, rel in m["graphs"]["files"].items()}, info,
+                          cpu_expert=cpu_expert_of(path, m))
+
+
+def cpu_expert_of(path: Path, m: dict) -> Callable[[list[torch.Tensor]], torch.Tensor]:
+    """The `expert` graph's function on the CPU for bundle `path`: (x [T, H], *matrices in the
+    graph's order) -> [T, H], float32, from the family's expert function and the bundle's config."""
+    from transformers import AutoConfig
+
+    from toolkit.models.families import family_by_name
+
+    fam = family_by_name(m["model"]["family"])
+    cfg_dir = (path / m["model"]["config"]).parent
+    try:
+        config = AutoConfig.from_pretrained(str(cfg_dir), local_files_only=True)
+    except Exception as e:  # transformers raises several types for an unreadable config
+        raise SpecPrefetchError(f"{cfg_dir / 'config.json'}: not a readable model config ({str(e)[:200]})") from None
+    tc = fam.text_config(config)
+    roles = [x.role for x in fam.expert_matrices(fam.geometry(config))]
+
+    def expert(inputs: list[torch.Tensor]) -> torch.Tensor:
+        return fam.expert_forward(dict(zip(roles, inputs[1:])), inputs[0], tc)
+
+    return expert

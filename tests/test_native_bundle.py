@@ -342,20 +342,24 @@ def test_bad_host_tensors(tool, bundle, tmp_path):
     refused(tool, b, names=("host.safetensors", "only F32"))
 
 
-@pytest.mark.slow  # exports the embedded model's QNN bundle (~1 minute)
-def test_qnn_bundle_refused(tool, embedded_bundles):
-    err = refused(tool, embedded_bundles["qnn"], names=("manifest.json", "'qnn'"))
-    assert "runs executorch bundles" in err
-
-
 def test_a_manifest_naming_another_target_is_refused(tool, embedded_bundles, tmp_path):
+    b = tmp_path / "b"
+    shutil.copytree(embedded_bundles["executorch"], b)
+    m = json.loads((b / "manifest.json").read_text())
+    m["target"] = "tflite"
+    (b / "manifest.json").write_text(json.dumps(m))
+    err = refused(tool, b, names=("manifest.json", "'tflite'"))
+    assert "runs executorch, qnn and qai-hub bundles" in err
+
+
+def test_a_qnn_manifest_with_a_program_is_refused(tool, embedded_bundles, tmp_path):
+    """A qnn bundle's graphs are EPContext models (graphs.files and .binaries), not a program."""
     b = tmp_path / "b"
     shutil.copytree(embedded_bundles["executorch"], b)
     m = json.loads((b / "manifest.json").read_text())
     m["target"] = "qnn"
     (b / "manifest.json").write_text(json.dumps(m))
-    err = refused(tool, b, names=("manifest.json", "'qnn'"))
-    assert "runs executorch bundles" in err
+    refused(tool, b, names=("manifest.json", "graphs."))
 
 
 def test_not_a_bundle(tool, tmp_path):

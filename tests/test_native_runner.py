@@ -385,15 +385,15 @@ def test_a_runner_refuses_a_bundle_it_was_not_generated_for(native, tmp_path):
     assert r.returncode == 1 and "generated for another bundle" in r.stderr, r.stderr
 
 
-def test_a_qnn_bundle_is_refused_by_the_build(native, tmp_path):
+def test_a_bundle_of_another_target_is_refused_by_the_build(native, tmp_path):
     from toolkit.errors import SpecPrefetchError
 
-    b = tmp_path / "qnn"  # the bundle's manifest says qnn (make test-all refuses a real QNN bundle too)
+    b = tmp_path / "tflite"  # a target no runner runs (qnn bundles: tests/test_native_qnn.py)
     shutil.copytree(native[0], b)
     m = json.loads((b / "manifest.json").read_text())
-    m["target"] = "qnn"
+    m["target"] = "tflite"
     (b / "manifest.json").write_text(json.dumps(m))
-    with pytest.raises(SpecPrefetchError, match="a qnn bundle; the native runner runs executorch"):
+    with pytest.raises(SpecPrefetchError, match="a tflite bundle; the native runner runs executorch, qnn and qai-hub"):
         build(b, "host", tmp_path / "q")
     assert not (tmp_path / "q").exists()
 

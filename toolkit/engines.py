@@ -164,7 +164,8 @@ def python_engine(session, policy: str, flash_profile: str | None = None) -> Eng
 
 def native_engine(bundle: Path, *, abi: str, policy: str, pool_mib, window, queue_depth, min_confidence,
                   step_budget_kib, threads, prefill_chunk=None, pool_auto=(), read_budget_kib=None) -> Engine:
-    """The C++ runner on an ExecuTorch bundle (built for it on first use), the Python engine's JSON."""
+    """The C++ runner on an ExecuTorch, QNN or QAI Hub bundle (built for it on first use), the Python
+    engine's JSON."""
     from transformers import AutoTokenizer
 
     from export.manifest import validate_bundle
@@ -172,7 +173,7 @@ def native_engine(bundle: Path, *, abi: str, policy: str, pool_mib, window, queu
 
     if not is_bundle(bundle):
         raise SpecPrefetchError(f"{bundle}: --engine native runs an exported bundle (specprefetch export "
-                                "--target executorch); this is not a bundle directory")
+                                "--target executorch or qnn); this is not a bundle directory")
     m, _ = validate_bundle(bundle, hash_store=False)
     tok = AutoTokenizer.from_pretrained(str(Path(bundle) / Path(m["model"]["config"]).parent), local_files_only=True)
     source = bundle_source(Path(bundle), m)
@@ -210,6 +211,7 @@ def native_engine(bundle: Path, *, abi: str, policy: str, pool_mib, window, queu
         extra = {"policy": res["policy"], "engine": name}
         for k in ("peak_rss_bytes", "load_ms", "kernel_isa", "direct_io", "io_note", "tokenizer", "threads"):
             extra[k] = res[k]
+        extra["backend"] = res.get("backend", "executorch")
         if "pool_auto" in res:  # --pool-mib auto: what was measured, the size chosen, each shrink
             extra["pool_mib"], extra["pool_auto"] = res["pool_mib"], res["pool_auto"]
         return runs, extra, events_text

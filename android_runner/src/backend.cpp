@@ -1,3 +1,4 @@
+// ExecuTorch's Module as the runner's Backend (backend.h): executorch bundles.
 #include "backend.h"
 
 #include <executorch/extension/module/module.h>
@@ -17,6 +18,7 @@
 #include <numeric>
 #include <set>
 
+#include "bundle.h"
 #include "common.h"
 
 #include "et_threadpool.h"
@@ -50,7 +52,7 @@ struct FaultLine {
   std::string head, tail;  // "...crashed (" and ") running method 'x': ...\n"
 };
 
-struct Backend::Faults {
+struct Faults {
   std::map<std::string, FaultLine> by_method;  // "running method 'x'" lines
 };
 
@@ -128,11 +130,27 @@ void copy_out(const EValue& v, std::vector<float>& dst, const std::string& what)
     if (!std::isfinite(f)) throw spx::Error(what + ": output is not finite (a damaged or badly quantized program?)");
 }
 
+class EtBackend final : public Backend {
+ public:
+  EtBackend(const std::string& program, const std::vector<std::string>& methods, int hidden, int vocab, int threads);
+  void reset() override;
+  void embed(int64_t token, std::vector<float>& h) override;
+  void layer(int index, const std::vector<float>& h, int64_t pos, bool moe, LayerOut& out) override;
+  using Backend::layer_chunk;
+  void layer_chunk(int index, const float* h, int T, int64_t pos, bool moe, LayerOut& out) override;
+  void head(const std::vector<float>& h, std::vector<float>& logits) override;
+  const char* kind() const override { return "executorch"; }
+
+ private:
+  std::unique_ptr<Module> module_;
+  std::unique_ptr<Faults> faults_;
+};
+
 }  // namespace
 
-Backend::Backend(const std::string& program, const std::vector<std::string>& methods, int hidden, int vocab,
-                   int threads)
-    : path_(program), hidden_(hidden), vocab_(vocab) {
+EtBackend::EtBackend(const std::string& program, const std::vector<std::string>& methods, int hidden, int vocab,
+                     int threads) {
+  where_ = program, hidden_ = hidden, vocab_ = vocab;
   auto t0 = std::chrono::steady_clock::now();
   install_fault_handlers();
   faults_ = std::make_unique<Faults>();
@@ -160,25 +178,13 @@ Backend::Backend(const std::string& program, const std::vector<std::string>& met
     if (e != EtError::Ok) throw spx::Error(program + ": method '" + m + "' does not load (" + err_name(e) + ")");
   }
   load_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-  // prefill chunk sizes: prefill_T_layer_N present for every layer_N
-  std::set<int> layers;
-  std::map<int, std::set<int>> by_chunk;
-  for (const auto& m : methods) {
-    int a = 0, b = 0, n = 0;
-    if (std::sscanf(m.c_str(), "layer_%d%n", &a, &n) == 1 && n == static_cast<int>(m.size())) layers.insert(a);
-    else if (std::sscanf(m.c_str(), "prefill_%d_layer_%d%n", &a, &b, &n) == 2 && n == static_cast<int>(m.size()) && a > 1)
-      by_chunk[a].insert(b);
-  }
-  for (const auto& [T, ls] : by_chunk)
-    if (!layers.empty() && ls == layers) chunks_.push_back(T);
+  find_prefill_chunks(methods);
 }
-
-Backend::~Backend() = default;
 
 namespace {
 
 // module.execute(method, inputs) marked as inside ExecuTorch, with the method's fault line.
-executorch::runtime::Result<std::vector<EValue>> run(Module& module, Backend::Faults& faults, const std::string& path,
+executorch::runtime::Result<std::vector<EValue>> run(Module& module, Faults& faults, const std::string& path,
                                                      const std::string& method, const std::vector<EValue>& inputs) {
   auto it = faults.by_method.find(method);
   if (it == faults.by_method.end())
@@ -189,79 +195,78 @@ executorch::runtime::Result<std::vector<EValue>> run(Module& module, Backend::Fa
 
 }  // namespace
 
-void Backend::reset() {
+void EtBackend::reset() {
   float zero = 0.0f;
   auto t = from_blob(&zero, {1}, ScalarType::Float);
-  auto r = run(*module_, *faults_, path_, "reset", {EValue(t)});
-  if (!r.ok()) throw spx::Error(path_ + ": method 'reset' failed (" + err_name(r.error()) + ")");
+  auto r = run(*module_, *faults_, where_, "reset", {EValue(t)});
+  if (!r.ok()) throw spx::Error(where_ + ": method 'reset' failed (" + err_name(r.error()) + ")");
 }
 
-void Backend::embed(int64_t token, std::vector<float>& h) {
+void EtBackend::embed(int64_t token, std::vector<float>& h) {
   int64_t tok = token;
   auto t = from_blob(&tok, {1, 1}, ScalarType::Long);
-  auto r = run(*module_, *faults_, path_, "embed", {EValue(t)});
-  if (!r.ok()) throw spx::Error(path_ + ": method 'embed' failed (" + err_name(r.error()) + ")");
-  copy_out(r.get()[0], h, path_ + ": embed");
-  if (static_cast<int>(h.size()) != hidden_) throw spx::Error(path_ + ": embed returned the wrong width");
+  auto r = run(*module_, *faults_, where_, "embed", {EValue(t)});
+  if (!r.ok()) throw spx::Error(where_ + ": method 'embed' failed (" + err_name(r.error()) + ")");
+  copy_out(r.get()[0], h, where_ + ": embed");
+  if (static_cast<int>(h.size()) != hidden_) throw spx::Error(where_ + ": embed returned the wrong width");
 }
 
 namespace {
 
 // A layer method (layer_N or prefill_T_layer_N) on (hidden, positions), its outputs unpacked into `out`;
 // h_size: the hidden state's element count (`what` names it in the error: width, size).
-void run_layer(Module& module, Backend::Faults& faults, const std::string& path_, const std::string& name,
+void run_layer(Module& module, Faults& faults, const std::string& where_, const std::string& name,
                const executorch::extension::TensorPtr& h, const executorch::extension::TensorPtr& pos, int64_t h_size,
                const char* what, bool moe, LayerOut& out) {
-  auto r = run(module, faults, path_, name, {EValue(h), EValue(pos)});
-  if (!r.ok()) throw spx::Error(path_ + ": method '" + name + "' failed (" + err_name(r.error()) + ")");
+  auto r = run(module, faults, where_, name, {EValue(h), EValue(pos)});
+  if (!r.ok()) throw spx::Error(where_ + ": method '" + name + "' failed (" + err_name(r.error()) + ")");
   const auto& outs = r.get();
   const size_t want = moe ? 3 : 1;
-  if (outs.size() < want) throw spx::Error(path_ + ": method '" + name + "' returned too few outputs");
-  copy_out(outs[0], out.h, path_ + ": " + name);
+  if (outs.size() < want) throw spx::Error(where_ + ": method '" + name + "' returned too few outputs");
+  copy_out(outs[0], out.h, where_ + ": " + name);
   if (static_cast<int64_t>(out.h.size()) != h_size)
-    throw spx::Error(path_ + ": method '" + name + "' returned a hidden state of the wrong " + what);
+    throw spx::Error(where_ + ": method '" + name + "' returned a hidden state of the wrong " + what);
   if (!moe) return;
-  copy_out(outs[1], out.x, path_ + ": " + name);
-  copy_out(outs[2], out.logits, path_ + ": " + name);
+  copy_out(outs[1], out.x, where_ + ": " + name);
+  copy_out(outs[2], out.logits, where_ + ": " + name);
   if (outs.size() > 3)
-    copy_out(outs[3], out.preds, path_ + ": " + name);
+    copy_out(outs[3], out.preds, where_ + ": " + name);
   else
     out.preds.clear();
 }
 
 }  // namespace
 
-void Backend::layer(int index, const std::vector<float>& h, int64_t pos, bool moe, LayerOut& out) {
+void EtBackend::layer(int index, const std::vector<float>& h, int64_t pos, bool moe, LayerOut& out) {
   const std::string name = "layer_" + std::to_string(index);
   int64_t p = pos;
   auto th = from_blob(const_cast<float*>(h.data()), {1, 1, hidden_}, ScalarType::Float);
   auto tp = from_blob(&p, {1}, ScalarType::Long);
-  run_layer(*module_, *faults_, path_, name, th, tp, hidden_, "width", moe, out);
+  run_layer(*module_, *faults_, where_, name, th, tp, hidden_, "width", moe, out);
 }
 
 
-void Backend::layer_chunk(int index, const std::vector<float>& h, int T, int64_t pos, bool moe, LayerOut& out) {
-  if (static_cast<int64_t>(h.size()) != static_cast<int64_t>(T) * hidden_)
-    throw spx::Error(path_ + ": method 'prefill_" + std::to_string(T) + "_layer_" + std::to_string(index) +
-                     "': hidden input of the wrong size");
-  layer_chunk(index, h.data(), T, pos, moe, out);
-}
-
-void Backend::layer_chunk(int index, const float* h, int T, int64_t pos, bool moe, LayerOut& out) {
+void EtBackend::layer_chunk(int index, const float* h, int T, int64_t pos, bool moe, LayerOut& out) {
   const std::string name = "prefill_" + std::to_string(T) + "_layer_" + std::to_string(index);
   std::vector<int64_t> p(static_cast<size_t>(T));
   std::iota(p.begin(), p.end(), pos);
   auto th = from_blob(const_cast<float*>(h), {1, T, hidden_}, ScalarType::Float);
   auto tp = from_blob(p.data(), {T}, ScalarType::Long);
-  run_layer(*module_, *faults_, path_, name, th, tp, static_cast<int64_t>(T) * hidden_, "size", moe, out);
+  run_layer(*module_, *faults_, where_, name, th, tp, static_cast<int64_t>(T) * hidden_, "size", moe, out);
 }
 
-void Backend::head(const std::vector<float>& h, std::vector<float>& logits) {
+void EtBackend::head(const std::vector<float>& h, std::vector<float>& logits) {
   auto th = from_blob(const_cast<float*>(h.data()), {1, 1, hidden_}, ScalarType::Float);
-  auto r = run(*module_, *faults_, path_, "head", {EValue(th)});
-  if (!r.ok()) throw spx::Error(path_ + ": method 'head' failed (" + err_name(r.error()) + ")");
-  copy_out(r.get()[0], logits, path_ + ": head");
-  if (static_cast<int>(logits.size()) != vocab_) throw spx::Error(path_ + ": head returned the wrong width");
+  auto r = run(*module_, *faults_, where_, "head", {EValue(th)});
+  if (!r.ok()) throw spx::Error(where_ + ": method 'head' failed (" + err_name(r.error()) + ")");
+  copy_out(r.get()[0], logits, where_ + ": head");
+  if (static_cast<int>(logits.size()) != vocab_) throw spx::Error(where_ + ": head returned the wrong width");
 }
+
+std::unique_ptr<Backend> open_backend(const Bundle& b, const std::vector<std::string>& methods, int threads) {
+  return std::make_unique<EtBackend>(b.program_path, methods, b.hidden_size, b.vocab_size, threads);
+}
+
+bool backend_runs_target(const std::string& target) { return target == "executorch"; }
 
 }  // namespace spx

@@ -1,16 +1,16 @@
-// The bundle's ExecuTorch program through extension/module's Module: every method loaded once at
-// start, KV caches as the program's own mutable buffers (shared arenas, zeroed by `reset`). The
-// program holds the dense work (embed, per-layer attention + router + adapter heads, head); the
-// routed experts are never in it: they are computed by the runner's kernels from pool slots.
+// The dense part of a bundle's step graphs, behind one interface with two implementations chosen
+// by the build (`specprefetch runner build`): ExecuTorch's Module for executorch bundles
+// (backend.cpp: every method loaded once at start, KV caches as the program's own mutable
+// buffers, zeroed by `reset`), or ONNX Runtime with Qualcomm's QNN execution provider for qnn and
+// qai-hub bundles (backend_ort.cpp: one session per EPContext graph on the HTP, the KV cache held
+// here and passed in and out, as the graphs of those bundles hold no state). The routed experts
+// are never in either: they are computed by the runner's kernels from pool slots.
 #pragma once
 
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
-
-namespace executorch::extension::module {
-class Module;
-}  // namespace executorch::extension::module
 
 namespace spx {
 
@@ -21,42 +21,47 @@ struct LayerOut {
   std::vector<float> preds;   // MoE: predicted-router rows [P * E] (empty when the graph has none)
 };
 
+struct Bundle;
+
 class Backend {
  public:
-  // Loads the program and every method in `methods`; errors name the program file. A crash inside
-  // ExecuTorch while it loads or runs the program (a program crafted past its flatbuffer
-  // verification) prints one refusal line naming the program and the method and exits 1. `threads`:
-  // ExecuTorch's thread pool size for the layer graphs (XNNPACK, optimized kernels); 0 leaves
-  // ExecuTorch's default (one thread per core).
-  Backend(const std::string& program, const std::vector<std::string>& methods, int hidden, int vocab,
-           int threads = 0);
-  ~Backend();
+  virtual ~Backend() = default;
 
-  void reset();                                        // zero every layer's KV cache
-  void embed(int64_t token, std::vector<float>& h);   // [H]
-  void layer(int index, const std::vector<float>& h, int64_t pos, bool moe, LayerOut& out);
+  virtual void reset() = 0;                                       // zero every layer's KV cache
+  virtual void embed(int64_t token, std::vector<float>& h) = 0;   // [H]
+  virtual void layer(int index, const std::vector<float>& h, int64_t pos, bool moe, LayerOut& out) = 0;
   // Decoder layer `index` over T prompt positions pos .. pos+T-1 at once (method prefill_T_layer_N):
   // h [T * H] in; out.h [T * H], and for a MoE layer x [T * H], logits [T * E], preds [T * P * E].
   // Writes the same KV cache as `layer`.
   void layer_chunk(int index, const std::vector<float>& h, int T, int64_t pos, bool moe, LayerOut& out);
   // The same on T * hidden floats at h (a span's chunk, in place in the span's hidden states).
-  void layer_chunk(int index, const float* h, int T, int64_t pos, bool moe, LayerOut& out);
-  // The prefill chunk sizes T > 1 whose prefill_T_layer_N methods were loaded for every layer
-  // (ascending; empty for a bundle exported before prefill chunks).
+  virtual void layer_chunk(int index, const float* h, int T, int64_t pos, bool moe, LayerOut& out) = 0;
+  // The prefill chunk sizes T > 1 whose prefill_T_layer_N graphs were loaded for every layer
+  // (ascending; empty for a bundle exported without prefill chunks).
   const std::vector<int>& prefill_chunks() const { return chunks_; }
-  void head(const std::vector<float>& h, std::vector<float>& logits);  // [V]
+  virtual void head(const std::vector<float>& h, std::vector<float>& logits) = 0;  // [V]
+  // What runs the graphs ("executorch", "onnxruntime-qnn") and how many graph calls crossed to an
+  // accelerator since the start (0 for ExecuTorch on the CPU): the run's JSON reports both.
+  virtual const char* kind() const = 0;
+  virtual int64_t accelerator_calls() const { return 0; }
 
-  double load_ms = 0;  // program load + every method's load
-  int threads = 0;     // the thread pool's size
+  double load_ms = 0;  // program / sessions load
+  int threads = 0;     // ExecuTorch's thread pool size (0 where none)
 
-  struct Faults;  // what a crash inside ExecuTorch prints (backend.cpp)
-
- private:
-  std::string path_;
-  int hidden_, vocab_;
-  std::unique_ptr<executorch::extension::module::Module> module_;
-  std::unique_ptr<Faults> faults_;
+ protected:
+  // prefill chunk sizes from method names: T for every prefill_T_layer_N present for every layer_N
+  void find_prefill_chunks(const std::vector<std::string>& methods);
+  std::string where_;  // the program or graphs directory, as errors name it
+  int hidden_ = 0, vocab_ = 0;
   std::vector<int> chunks_;
 };
+
+// The backend this build runs the bundle with (every method in `methods` loaded; errors name the
+// program or graph file). `threads`: ExecuTorch's thread pool size for the layer graphs (0: one
+// thread per core); unused by ONNX Runtime's, whose graphs run on the HTP.
+std::unique_ptr<Backend> open_backend(const Bundle& b, const std::vector<std::string>& methods, int threads);
+
+// The bundle targets this build's backend runs ("executorch", or "qnn" and "qai-hub").
+bool backend_runs_target(const std::string& target);
 
 }  // namespace spx

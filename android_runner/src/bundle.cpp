@@ -104,9 +104,8 @@ Bundle parse_manifest(const std::string& text, const std::string& where) {
     fail(where, "bundle version " + jsonc::one_line(got, 40) + "; this runner reads version " + std::to_string(kVersion));
   }
   b.target = as_str(field(j, "target", where, ""), where, "target");
-  if (b.target != "executorch")
-    fail(where, "target " + quote(b.target) + ": the native runner runs executorch bundles "
-                "(export with --target executorch; run other targets with `specprefetch run`)");
+  if (b.target != "executorch" && b.target != "qnn" && b.target != "qai-hub")
+    fail(where, "target " + quote(b.target) + ": the native runner runs executorch, qnn and qai-hub bundles");
 
   // files first: every other path must be among them
   const json& files = field(j, "files", where, "");
@@ -271,14 +270,34 @@ Bundle parse_manifest(const std::string& text, const std::string& where) {
 
   // graphs
   const json& g = field(j, "graphs", where, "");
+  std::string gformat = b.target == "executorch" ? "executorch" : "qnn-context-binary";
   if (const json* v = optional(g, "format", where, "graphs")) {
     std::string f = as_str(*v, where, "graphs.format");
-    if (f != "executorch") fail(where, "graphs.format " + quote(f) + ": the native runner runs executorch programs");
+    if (f != gformat) fail(where, "graphs.format " + quote(f) + ": a " + b.target + " bundle's graphs are " + gformat);
   }
-  b.program_file = listed(b, field(g, "file", where, "graphs"), where, "graphs.file");
-  const json& methods = as_list(field(g, "methods", where, "graphs"), where, "graphs.methods");
-  for (size_t i = 0; i < methods.size(); ++i) b.methods.push_back(as_str(methods[i], where, "graphs.methods[" + std::to_string(i) + "]"));
-  if (b.methods.empty()) fail(where, "graphs.methods is empty");
+  if (b.target == "executorch") {
+    b.program_file = listed(b, field(g, "file", where, "graphs"), where, "graphs.file");
+    const json& methods = as_list(field(g, "methods", where, "graphs"), where, "graphs.methods");
+    for (size_t i = 0; i < methods.size(); ++i) b.methods.push_back(as_str(methods[i], where, "graphs.methods[" + std::to_string(i) + "]"));
+  } else {  // qnn / qai-hub: an EPContext model per graph, its context binary beside it
+    const json& gf = field(g, "files", where, "graphs");
+    const json& gb = field(g, "binaries", where, "graphs");
+    if (!gf.is_object() || !gb.is_object()) fail(where, "graphs.files and graphs.binaries must map graph names to files");
+    for (auto it = gf.begin(); it != gf.end(); ++it) {
+      const std::string key = "graphs.files." + it.key();
+      b.graph_files[it.key()] = listed(b, it.value(), where, key);
+      auto bin = gb.find(it.key());
+      if (bin == gb.end()) fail(where, "graphs.binaries has no binary for graph " + quote(it.key()));
+      std::string rel_bin = listed(b, *bin, where, "graphs.binaries." + it.key());
+      const std::string& rel = b.graph_files[it.key()];
+      // the EPContext model names its binary by file name: it must lie beside the model
+      if (!ends_with(rel, "_ctx.onnx") || rel_bin != rel.substr(0, rel.size() - 5) + "_qnn.bin")
+        fail(where, "graph " + quote(it.key()) + ": its binary " + quote(rel_bin) + " is not beside " + quote(rel));
+      b.methods.push_back(it.key());
+    }
+    b.program_file = b.graph_files.begin() == b.graph_files.end() ? "" : b.graph_files.begin()->second;
+  }
+  if (b.methods.empty()) fail(where, "the bundle lists no graphs");
 
   // host tensors, tokenizer, quantization
   if (const json* v = optional(j, "host_file", where, "")) b.host_file = listed(b, *v, where, "host_file");
@@ -485,6 +504,7 @@ Bundle Bundle::open(const std::string& dir_in, bool verify_hashes) {
     resolved[rel] = real;
   }
   b.program_path = resolved.at(b.program_file);
+  for (const auto& [name, rel] : b.graph_files) b.graph_paths[name] = resolved.at(rel);
   b.store_path = resolved.at(b.store_file);
   check_store_identity(b);
   b.config_path = resolved.at(b.config_file);

@@ -52,7 +52,7 @@ struct FileEntry {
 struct Bundle {
   std::string dir;            // absolute, symlinks resolved (empty from parse_manifest)
   std::string manifest_path;  // as named in messages: <dir as given>/manifest.json
-  std::string target;         // always "executorch" (anything else is refused)
+  std::string target;         // "executorch", "qnn" or "qai-hub" (anything else is refused)
   std::string family, model_type, config_hash;
   int num_layers = 0;
   std::vector<int> moe_layers;  // layer numbers of the MoE layers, increasing, < num_layers
@@ -81,10 +81,13 @@ struct Bundle {
   std::string store_source, store_index_sha256;
   SchedulerDefaults scheduler;     // runtime.scheduler
   std::string expert_dtype;        // quantization.experts when present ("fp16", "int8", "int4")
-  std::vector<std::string> methods;  // graphs.methods
+  std::vector<std::string> methods;  // graphs.methods (executorch); the names of graphs.files (qnn, qai-hub)
+  // qnn / qai-hub: graph name -> its EPContext model (manifest-relative; absolute in graph_paths),
+  // whose context binary (graphs.binaries) lies beside it
+  std::map<std::string, std::string> graph_files, graph_paths;
   // Manifest-relative names (as listed in "files") and absolute paths of what the runner opens.
   std::string program_file, store_file, host_file, config_file, tokenizer_file;
-  std::string program_path;    // graphs.file (the .pte)
+  std::string program_path;    // graphs.file (the .pte); qnn, qai-hub: the first graph's model
   std::string store_path;      // runtime.expert_store
   std::string host_path;       // host_file; empty when the manifest has none
   std::string config_path;     // model.config

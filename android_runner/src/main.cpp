@@ -340,12 +340,24 @@ struct Outputs {
   }
 };
 
+// The bytes of the dense graphs the backend loads: the .pte, or every EPContext model and its binary.
+int64_t program_bytes(const Bundle& b) {
+  int64_t n = 0;
+  for (const auto& [rel, fe] : b.files)
+    if (rel == b.program_file || (!b.graph_files.empty() && rel.rfind("graphs/", 0) == 0)) n += static_cast<int64_t>(fe.size);
+  return n;
+}
+
 int main_(int argc, char** argv) {
   const auto t_start = std::chrono::steady_clock::now();
   Args a = parse(argc, argv);
   if (!a.routing.empty()) check_input_file(a.routing, "--routing");  // read later, after the program loads
   const Outputs outputs(a);
   Bundle b = Bundle::open(a.bundle, a.verify_hashes);
+  if (!backend_runs_target(b.target))
+    throw Error(b.manifest_path + ": a " + b.target + " bundle, and this runner was built for " +
+                (backend_runs_target("executorch") ? "executorch" : "qnn and qai-hub") +
+                " bundles: build the runner for this bundle (specprefetch runner build " + a.bundle + ")");
   outputs.check_bundle(b);
   auto store = ExpertStore::open(b.store_path);
   check_build(b, *store);
@@ -371,7 +383,8 @@ int main_(int argc, char** argv) {
   std::vector<std::string> methods;
   for (const auto& m : b.methods)
     if (m != "expert") methods.push_back(m);  // experts run on the runner's own kernels
-  Backend exec(b.program_path, methods, b.hidden_size, b.vocab_size, a.threads);
+  std::unique_ptr<Backend> backend = open_backend(b, methods, a.threads);
+  Backend& exec = *backend;
 
   ModelInfo m;
   m.num_layers = b.num_layers;
@@ -403,7 +416,7 @@ int main_(int argc, char** argv) {
     const std::string root = proc_root();
     const CgroupPaths cg = find_memory_cgroup(root);
     sizing = size_pool(sample_memory(root, cg), a.pool_reserve_mib, a.pool_low_mib, a.pool_high_mib, a.pool_check_ms,
-                       b.files.count(b.program_file) ? static_cast<int64_t>(b.files.at(b.program_file).size) : 0, static_cast<int64_t>(store->slot_bytes), m.routing.top_k,
+                       program_bytes(b), static_cast<int64_t>(store->slot_bytes), m.routing.top_k,
                        static_cast<int64_t>(m.L()) * m.routing.num_experts);
     cfg.pool_mib = static_cast<double>(sizing.slots * sizing.slot_bytes) / 1048576.0;
     MemWatchConfig wc;
@@ -480,6 +493,12 @@ int main_(int argc, char** argv) {
     r["plan_ms_per_layer"] = g.plan_ms_per_layer;
     r["reads_done"] = g.reads_done;            // timing-dependent: which prefetches were still queued
     r["reads_cancelled"] = g.reads_cancelled;
+    if (exec.accelerator_calls() > 0) {  // the HTP's crossings: up to the first token, per decode token
+      r["prefill_graph_calls"] = g.prefill_graph_calls;
+      r["decode_graph_calls_per_token"] =
+          g.tokens.size() > 1 ? json(static_cast<double>(g.decode_graph_calls) / static_cast<double>(g.tokens.size() - 1))
+                              : json(nullptr);
+    }
     r["stall_ms"] = g.stall_ms;
     r["bytes_read"] = g.bytes_read;
     r["routing"] = g.routing;
@@ -500,6 +519,7 @@ int main_(int argc, char** argv) {
   out["setup_ms"] = setup_ms;
   out["kernel_isa"] = isa_name(kernel.isa());
   out["threads"] = exec.threads;
+  out["backend"] = exec.kind();
   out["tokenizer"] = tokenizer ? json(Tokenizer::name()) : json(nullptr);
   if (!tokenizer_note.empty()) out["tokenizer_note"] = tokenizer_note;
   out["direct_io"] = store->direct();

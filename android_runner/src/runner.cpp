@@ -434,6 +434,7 @@ Generation Runner::generate(const std::vector<int>& prompt, int max_new,
 
   exec_.reset();
   const auto t0 = Clock::now();
+  const int64_t calls0 = exec_.accelerator_calls();
   int pos = 0;
   while (true) {
     auto u = unit_at.find(pos);
@@ -528,6 +529,7 @@ Generation Runner::generate(const std::vector<int>& prompt, int max_new,
     if (g.tokens.size() == 1) {  // decode figures are counted from here
       account.start(sched, pool);
       g.first_token_ms = times.back() * 1e3;
+      g.prefill_graph_calls = exec_.accelerator_calls() - calls0;
     } else {
       g.stall_ms.push_back((sched.stats.wait_s - last_wait) * 1e3);
       g.bytes_read.push_back(sched.stats.bytes_read - last_bytes);
@@ -540,6 +542,7 @@ Generation Runner::generate(const std::vector<int>& prompt, int max_new,
     ++pos;
   }
   g.stats = account.finish(cfg.name(), sched, pool, times, times.front());
+  g.decode_graph_calls = exec_.accelerator_calls() - calls0 - g.prefill_graph_calls;
   g.reads_done = static_cast<int64_t>(reader.reads());
   g.reads_cancelled = static_cast<int64_t>(reader.cancelled());
   g.expert_ms_per_call = expert_calls ? expert_s / static_cast<double>(expert_calls) * 1e3 : 0.0;

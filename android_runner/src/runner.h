@@ -82,6 +82,9 @@ struct Generation {
   std::vector<int> prefill_chunks;        // how the prompt was fed: chunk sizes, 1 = one position
   int64_t reads_done = 0;                 // reads that reached the store (prompt, decode, preload)
   int64_t reads_cancelled = 0;            // unused prefetches cancelled while still queued
+  // graph calls that crossed to an accelerator (the HTP: Backend::accelerator_calls), up to the first
+  // token and after it: each crossing costs ~0.3-0.5 ms on a phone, which a phone figure adds
+  int64_t prefill_graph_calls = 0, decode_graph_calls = 0;
 };
 
 // How a prompt of n positions is fed: greedily the largest chunk of `chunks` that fits in what is

@@ -1,0 +1,324 @@
+// ONNX Runtime with Qualcomm's QNN execution provider as the runner's Backend (backend.h): qnn and
+// qai-hub bundles, whose graphs are EPContext models (a QNN context binary beside each) compiled
+// for one Snapdragon SoC by `specprefetch export --target qnn`.
+//
+// The QNN EP is a plugin library of ONNX Runtime (onnxruntime-qnn 2.x): registered with
+// RegisterExecutionProviderLibrary, its HTP device picked from GetEpDevices and appended with
+// SessionOptionsAppendExecutionProvider_V2, CPU fallback disabled (every node on the HTP). On
+// x86-64 the same library runs the HTP simulator. The graphs hold no state ("io" KV mode): each
+// layer takes the past K/V of its layer, a one-hot of the position and the additive mask, and
+// returns the current position's K/V, which this backend writes into its own cache.
+//
+// Where the libraries come from: SPX_QNN_EP_LIB names the QNN EP library
+// (libonnxruntime_providers_qnn.so, which finds libQnnHtp.so and the HTP skel beside itself);
+// unset, the one beside the runner (lib/ of its build) is used. SPX_QNN_PROVIDER_OPTIONS adds QNN
+// provider options, "key=value;key=value" (e.g. htp_performance_mode=burst on a phone).
+// the API asked for at run time (kOrtApiVersion below), not the headers' own version
+#define ORT_API_MANUAL_INIT
+#include <onnxruntime_cxx_api.h>
+#undef ORT_API_MANUAL_INIT
+#include <onnxruntime_session_options_config_keys.h>
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "backend.h"
+#include "bundle.h"
+#include "common.h"
+#include "parallel.h"
+
+namespace spx {
+namespace {
+
+// The ORT API version this backend asks for: the plugin-EP functions it calls exist from 1.22 on.
+constexpr uint32_t kOrtApiVersion = 22;
+constexpr const char* kQnnEp = "QNNExecutionProvider";
+
+std::string exe_dir() {
+  std::vector<char> buf(4096);
+  ssize_t n = ::readlink("/proc/self/exe", buf.data(), buf.size() - 1);
+  if (n <= 0) return ".";
+  std::string p(buf.data(), static_cast<size_t>(n));
+  auto slash = p.rfind('/');
+  return slash == std::string::npos ? "." : p.substr(0, slash);
+}
+
+bool is_file(const std::string& p) { return ::access(p.c_str(), R_OK) == 0; }
+
+// SPX_QNN_EP_LIB, else the library this build was made against where it exists (a host build: the
+// onnxruntime-qnn wheel's, which finds the HTP simulator beside itself), else the one in lib/ beside
+// the runner (a phone build, shipped with it).
+std::string qnn_ep_library() {
+  const char* env = std::getenv("SPX_QNN_EP_LIB");
+  std::string p = exe_dir() + "/../lib/libonnxruntime_providers_qnn.so";
+#ifdef SPX_QNN_EP_DEFAULT
+  if (is_file(SPX_QNN_EP_DEFAULT)) p = SPX_QNN_EP_DEFAULT;
+#endif
+  if (env != nullptr && env[0] != '\0') p = env;
+  if (!is_file(p))
+    throw Error(std::string(env != nullptr && env[0] != '\0' ? "SPX_QNN_EP_LIB " : "") + p +
+                ": the QNN execution provider library is missing (libonnxruntime_providers_qnn.so: from the "
+                "onnxruntime-qnn wheel here, from com.qualcomm.qti:onnxruntime-android-qnn on a phone; docs/runner.md)");
+  return p;
+}
+
+std::unordered_map<std::string, std::string> provider_options() {
+  std::unordered_map<std::string, std::string> opts{{"backend_type", "htp"}};
+  const char* env = std::getenv("SPX_QNN_PROVIDER_OPTIONS");
+  if (env == nullptr) return opts;
+  std::string s(env);
+  size_t a = 0;
+  while (a <= s.size()) {
+    size_t b = s.find(';', a);
+    if (b == std::string::npos) b = s.size();
+    std::string kv = s.substr(a, b - a);
+    if (!kv.empty()) {
+      auto eq = kv.find('=');
+      if (eq == std::string::npos || eq == 0)
+        throw Error("SPX_QNN_PROVIDER_OPTIONS: " + kv + " is not key=value");
+      opts[kv.substr(0, eq)] = kv.substr(eq + 1);
+    }
+    a = b + 1;
+  }
+  return opts;
+}
+
+// One EPContext graph: its session and its input / output names, in the model's order.
+struct Graph {
+  std::unique_ptr<Ort::Session> session;
+  std::vector<std::string> in_names, out_names;
+  std::vector<const char*> in_ptrs, out_ptrs;
+  std::string path;
+};
+
+class OrtBackend final : public Backend {
+ public:
+  OrtBackend(const Bundle& b, const std::vector<std::string>& methods, int threads);
+  void reset() override;
+  void embed(int64_t token, std::vector<float>& h) override;
+  void layer(int index, const std::vector<float>& h, int64_t pos, bool moe, LayerOut& out) override;
+  using Backend::layer_chunk;
+  void layer_chunk(int index, const float* h, int T, int64_t pos, bool moe, LayerOut& out) override;
+  void head(const std::vector<float>& h, std::vector<float>& logits) override;
+  const char* kind() const override { return "onnxruntime-qnn"; }
+  int64_t accelerator_calls() const override { return calls_; }
+
+ private:
+  std::vector<Ort::Value> run(const std::string& name, std::vector<Ort::Value>& inputs);
+  Graph& graph(const std::string& name);
+  Ort::Value floats(float* data, const std::vector<int64_t>& shape) const;
+  void copy_out(const Ort::Value& v, std::vector<float>& dst, const std::string& what) const;
+
+  std::unique_ptr<Ort::Env> env_;
+  Ort::MemoryInfo mem_{nullptr};
+  std::map<std::string, Graph> graphs_;
+  // the host's KV cache: per layer K and V of the shapes in kv.layers, [.., .., max_seq, ..]
+  std::vector<std::vector<float>> k_, v_;
+  std::vector<KvLayer> kv_;
+  int max_seq_ = 0;
+  float mask_value_ = -100.0f;
+  std::vector<float> onehot_, mask_;
+  int64_t calls_ = 0;
+};
+
+int64_t numel(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+OrtBackend::OrtBackend(const Bundle& b, const std::vector<std::string>& methods, int threads) {
+  const auto t0 = std::chrono::steady_clock::now();
+  // the expert kernels' threads (parallel.cpp's own pool: no ExecuTorch here); the graphs run on the HTP
+  this->threads = threads > 0 ? threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  set_fallback_threads(static_cast<size_t>(this->threads));
+  where_ = b.graph_paths.empty() ? b.dir : b.graph_paths.begin()->second.substr(0, b.graph_paths.begin()->second.rfind('/'));
+  hidden_ = b.hidden_size, vocab_ = b.vocab_size;
+  const OrtApi* api = OrtGetApiBase()->GetApi(kOrtApiVersion);
+  if (api == nullptr)
+    throw Error(std::string("libonnxruntime ") + OrtGetApiBase()->GetVersionString() +
+                " is too old: the QNN plugin execution provider needs ONNX Runtime 1.22 or newer");
+  Ort::InitApi(api);
+  if (b.kv_mode != "io") throw Error(b.manifest_path + ": kv.mode " + b.kv_mode + ": QNN graphs take their KV cache as inputs ('io')");
+  max_seq_ = b.max_seq;
+  mask_value_ = static_cast<float>(b.kv_mask_value);
+  kv_ = b.kv_layers;
+  for (size_t l = 0; l < kv_.size(); ++l) {
+    const auto& L = kv_[l];
+    if (L.k.size() != 4 || L.v.size() != 4 || L.k[2] != max_seq_ || L.v[2] != max_seq_)
+      throw Error(b.manifest_path + ": kv.layers[" + std::to_string(l) + "]: caches of rank 4 with kv.max_seq positions on axis 2 expected");
+    k_.emplace_back(static_cast<size_t>(numel(L.k)), 0.0f);
+    v_.emplace_back(static_cast<size_t>(numel(L.v)), 0.0f);
+  }
+  onehot_.assign(static_cast<size_t>(max_seq_), 0.0f);
+  mask_.assign(static_cast<size_t>(max_seq_), 0.0f);
+  try {
+    env_ = std::make_unique<Ort::Env>(ORT_LOGGING_LEVEL_ERROR, "specprefetch-runner");
+    const std::string lib = qnn_ep_library();
+    env_->RegisterExecutionProviderLibrary(kQnnEp, lib);
+    std::vector<Ort::ConstEpDevice> devices;
+    for (const auto& d : env_->GetEpDevices())
+      if (std::string(d.EpName()) == kQnnEp) devices.push_back(d);
+    if (devices.empty())
+      throw Error(lib + ": the QNN execution provider found no device (the HTP backend library libQnnHtp.so "
+                        "must lie beside it; docs/runner.md)");
+    const auto opts = provider_options();
+    mem_ = Ort::MemoryInfo::CreateCpu(OrtArenaAllocator, OrtMemTypeDefault);
+    for (const auto& m : methods) {
+      auto it = b.graph_paths.find(m);
+      if (it == b.graph_paths.end()) throw Error(b.manifest_path + ": no graph file for " + m);
+      Ort::SessionOptions so;
+      so.SetLogSeverityLevel(3);
+      so.AddConfigEntry(kOrtSessionOptionsDisableCPUEPFallback, "1");
+      so.AppendExecutionProvider_V2(*env_, devices, opts);
+      Graph g;
+      g.path = it->second;
+      try {
+        g.session = std::make_unique<Ort::Session>(*env_, g.path.c_str(), so);
+      } catch (const Ort::Exception& e) {
+        throw Error(g.path + ": QNN could not load it (" + std::string(e.what()).substr(0, 300) + ")");
+      }
+      Ort::AllocatorWithDefaultOptions alloc;
+      for (size_t i = 0; i < g.session->GetInputCount(); ++i)
+        g.in_names.emplace_back(g.session->GetInputNameAllocated(i, alloc).get());
+      for (size_t i = 0; i < g.session->GetOutputCount(); ++i)
+        g.out_names.emplace_back(g.session->GetOutputNameAllocated(i, alloc).get());
+      for (const auto& n : g.in_names) g.in_ptrs.push_back(n.c_str());
+      for (const auto& n : g.out_names) g.out_ptrs.push_back(n.c_str());
+      graphs_.emplace(m, std::move(g));
+    }
+  } catch (const Ort::Exception& e) {
+    throw Error(where_ + ": ONNX Runtime: " + std::string(e.what()).substr(0, 300));
+  }
+  find_prefill_chunks(methods);
+  chunks_.clear();  // no chunked prefill graphs in io mode yet: the prompt goes one position at a time
+  load_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+Graph& OrtBackend::graph(const std::string& name) {
+  auto it = graphs_.find(name);
+  if (it == graphs_.end()) throw Error(where_ + ": graph '" + name + "' was not loaded");
+  return it->second;
+}
+
+Ort::Value OrtBackend::floats(float* data, const std::vector<int64_t>& shape) const {
+  return Ort::Value::CreateTensor<float>(mem_, data, static_cast<size_t>(numel(shape)), shape.data(), shape.size());
+}
+
+std::vector<Ort::Value> OrtBackend::run(const std::string& name, std::vector<Ort::Value>& inputs) {
+  Graph& g = graph(name);
+  if (inputs.size() != g.in_names.size())
+    throw Error(g.path + ": takes " + std::to_string(g.in_names.size()) + " inputs, the runner passes " +
+                std::to_string(inputs.size()));
+  try {
+    ++calls_;
+    return g.session->Run(Ort::RunOptions{nullptr}, g.in_ptrs.data(), inputs.data(), inputs.size(),
+                          g.out_ptrs.data(), g.out_ptrs.size());
+  } catch (const Ort::Exception& e) {
+    throw Error(g.path + ": run failed (" + std::string(e.what()).substr(0, 300) + ")");
+  }
+}
+
+void OrtBackend::copy_out(const Ort::Value& v, std::vector<float>& dst, const std::string& what) const {
+  auto info = v.GetTensorTypeAndShapeInfo();
+  if (info.GetElementType() != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) throw Error(what + ": output is not float32");
+  const float* p = v.GetTensorData<float>();
+  dst.assign(p, p + info.GetElementCount());
+  for (float f : dst)
+    if (!std::isfinite(f)) throw Error(what + ": output is not finite (a damaged or badly quantized graph?)");
+}
+
+void OrtBackend::reset() {
+  for (auto& k : k_) std::fill(k.begin(), k.end(), 0.0f);
+  for (auto& v : v_) std::fill(v.begin(), v.end(), 0.0f);
+}
+
+void OrtBackend::embed(int64_t token, std::vector<float>& h) {
+  int64_t tok = token;
+  const std::vector<int64_t> shape{1, 1};
+  std::vector<Ort::Value> in;
+  in.push_back(Ort::Value::CreateTensor<int64_t>(mem_, &tok, 1, shape.data(), shape.size()));
+  auto out = run("embed", in);
+  copy_out(out.at(0), h, where_ + ": embed");
+  if (static_cast<int>(h.size()) != hidden_) throw Error(where_ + ": embed returned the wrong width");
+}
+
+void OrtBackend::layer(int index, const std::vector<float>& h, int64_t pos, bool moe, LayerOut& out) {
+  const std::string name = "layer_" + std::to_string(index);
+  if (index < 0 || static_cast<size_t>(index) >= kv_.size()) throw Error(where_ + ": no KV cache for " + name);
+  if (pos < 0 || pos >= max_seq_) throw Error(where_ + ": position " + std::to_string(pos) + " past the KV cache");
+  const KvLayer& L = kv_[static_cast<size_t>(index)];
+  // the host's mask and one-hot for this position (io-mode graphs: toolkit/runtime/backend.py host_mask)
+  std::fill(onehot_.begin(), onehot_.end(), 0.0f);
+  onehot_[static_cast<size_t>(pos)] = 1.0f;
+  for (int j = 0; j < max_seq_; ++j) {
+    bool allowed = j <= pos && (L.window == 0 || j > pos - L.window);
+    mask_[static_cast<size_t>(j)] = allowed ? 0.0f : mask_value_;
+  }
+  std::vector<float> hin(h);
+  std::vector<Ort::Value> in;
+  in.push_back(floats(hin.data(), {1, 1, hidden_}));
+  in.push_back(floats(onehot_.data(), {1, max_seq_}));
+  in.push_back(floats(mask_.data(), {1, 1, 1, max_seq_}));
+  in.push_back(floats(k_[static_cast<size_t>(index)].data(), L.k));
+  in.push_back(floats(v_[static_cast<size_t>(index)].data(), L.v));
+  auto outs = run(name, in);
+  const size_t want = (moe ? 3 : 1) + 2;
+  if (outs.size() < want) throw Error(where_ + ": graph '" + name + "' returned too few outputs");
+  copy_out(outs[0], out.h, where_ + ": " + name);
+  if (static_cast<int>(out.h.size()) != hidden_) throw Error(where_ + ": graph '" + name + "' returned a hidden state of the wrong width");
+  if (moe) {
+    copy_out(outs[1], out.x, where_ + ": " + name);
+    copy_out(outs[2], out.logits, where_ + ": " + name);
+    if (outs.size() > 5) copy_out(outs[3], out.preds, where_ + ": " + name);
+    else out.preds.clear();
+  }
+  // the new position's K and V ([a, b, 1, d]) into the cache ([a, b, max_seq, d]) at pos
+  const Ort::Value& kn = outs[outs.size() - 2];
+  const Ort::Value& vn = outs[outs.size() - 1];
+  auto write = [&](const Ort::Value& src, std::vector<float>& dst, const std::vector<int64_t>& shape, const char* what) {
+    auto info = src.GetTensorTypeAndShapeInfo();
+    const int64_t rows = shape[0] * shape[1], d = shape[3];
+    if (info.GetElementType() != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT || static_cast<int64_t>(info.GetElementCount()) != rows * d)
+      throw Error(where_ + ": graph '" + name + "' returned a " + what + " of the wrong size");
+    const float* p = src.GetTensorData<float>();
+    for (int64_t r = 0; r < rows; ++r)
+      std::memcpy(dst.data() + (r * max_seq_ + pos) * d, p + r * d, static_cast<size_t>(d) * sizeof(float));
+  };
+  write(kn, k_[static_cast<size_t>(index)], L.k, "k_new");
+  write(vn, v_[static_cast<size_t>(index)], L.v, "v_new");
+}
+
+void OrtBackend::layer_chunk(int index, const float*, int T, int64_t, bool, LayerOut&) {
+  throw Error(where_ + ": no prefill_" + std::to_string(T) + "_layer_" + std::to_string(index) + " graph");
+}
+
+void OrtBackend::head(const std::vector<float>& h, std::vector<float>& logits) {
+  std::vector<float> hin(h);
+  std::vector<Ort::Value> in;
+  in.push_back(floats(hin.data(), {1, 1, hidden_}));
+  auto out = run("head", in);
+  copy_out(out.at(0), logits, where_ + ": head");
+  if (static_cast<int>(logits.size()) != vocab_) throw Error(where_ + ": head returned the wrong width");
+}
+
+}  // namespace
+
+std::unique_ptr<Backend> open_backend(const Bundle& b, const std::vector<std::string>& methods, int threads) {
+  return std::make_unique<OrtBackend>(b, methods, threads);
+}
+
+bool backend_runs_target(const std::string& target) { return target == "qnn" || target == "qai-hub"; }
+
+}  // namespace spx
