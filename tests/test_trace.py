@@ -337,7 +337,9 @@ class TestSplitAcrossMemories:
             assert cut.placement.get("lm_head", "?") == cut.placement.get("model.embed_tokens", "!")
             x = torch.tensor([[5, 6, 7, 8, 9, 10]])
             with torch.no_grad():
-                torch.testing.assert_close(cut.model(x).logits, whole.model(x).logits, rtol=0, atol=0)
+                # the same weights; a matmul may round differently in the last place (it did under a loaded
+                # machine: 6e-6), while a head that lost its tie to the embeddings is off by whole units
+                torch.testing.assert_close(cut.model(x).logits, whole.model(x).logits, rtol=0, atol=1e-4)
         finally:
             cut.close()
 
