@@ -228,8 +228,10 @@ DEBIAN_ARCHIVE = "http://deb.debian.org/debian"
 
 
 def backend_of(manifest: dict[str, Any]) -> str:
-    """"executorch" or "ort": what the runner for this bundle runs its graphs with."""
-    return "ort" if manifest.get("target") in ORT_TARGETS else "executorch"
+    """"executorch" or "ort": what the runner for this bundle runs its graphs with (a qnn bundle of
+    `--qnn-path executorch` holds an ExecuTorch program: graphs.format executorch)."""
+    graphs = manifest.get("graphs") if isinstance(manifest.get("graphs"), dict) else {}
+    return "ort" if manifest.get("target") in ORT_TARGETS and graphs.get("format") != "executorch" else "executorch"
 
 
 def ort_headers(log: Callable[[str], None]) -> Path:
@@ -241,6 +243,10 @@ def ort_headers(log: Callable[[str], None]) -> Path:
     if env:
         if not (Path(env) / "onnxruntime_c_api.h").is_file():
             raise SpecPrefetchError(f"SPX_ORT_INCLUDE {env}: no onnxruntime_c_api.h there")
+        api = _ort_api_version(Path(env) / "onnxruntime_c_api.h")
+        if api < ORT_MIN_API:
+            raise SpecPrefetchError(f"SPX_ORT_INCLUDE {env}: ONNX Runtime C API {api}; the QNN plugin needs "
+                                    f"{ORT_MIN_API} or newer")
         return Path(env)
     root = runners_dir() / "onnxruntime-headers"
     with _locked(root):
@@ -283,9 +289,12 @@ def _fetch_ort_headers(root: Path, log: Callable[[str], None]) -> Path:
         versions = sorted({ln.split("|")[1].strip() for ln in madison.splitlines() if ln.count("|") >= 2},
                           key=_debian_version_key)
         if not versions:
-            raise SpecPrefetchError(f"ONNX Runtime's C API headers: Debian lists no libonnxruntime-dev; {hint}")
+            raise SpecPrefetchError("ONNX Runtime's C API headers: Debian lists no libonnxruntime-dev (no network?); "
+                                    + hint)
         apt_run([apt, *opts, "-qq", "download", f"libonnxruntime-dev={versions[-1]}"], "apt-get download")
-        deb = next(w.glob("libonnxruntime-dev_*.deb"))
+        deb = next(w.glob("libonnxruntime-dev_*.deb"), None)
+        if deb is None:
+            raise SpecPrefetchError(f"ONNX Runtime's C API headers: apt-get download wrote no package; {hint}")
         apt_run(["dpkg-deb", "-x", str(deb), str(w / "x")], "dpkg-deb -x")
         src = w / "x" / "usr" / "include" / "onnxruntime"
         api = _ort_api_version(src / "onnxruntime_c_api.h")
@@ -681,7 +690,9 @@ def _ship_ort(pkg: Path, out: Path, abi: str) -> None:
     for so in sorted(pkg.glob("*.so")):
         shutil.copy2(so, lib / so.name)
     os.symlink("libonnxruntime.so", lib / "libonnxruntime.so.1")
-    env = 'export LD_LIBRARY_PATH="$D/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" ADSP_LIBRARY_PATH="$D/lib"'
+    # the DSP's search path is ';'-separated: the skel beside the runner first, then the system's
+    env = ('export LD_LIBRARY_PATH="$D/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" '
+           'ADSP_LIBRARY_PATH="$D/lib;${ADSP_LIBRARY_PATH:-/vendor/dsp/cdsp;/vendor/lib/rfsa/adsp;/system/lib/rfsa/adsp;/dsp}"')
     if abi == "arm64":
         for name in AARCH64_RUNTIME:
             src = AARCH64_SYSROOT / "lib" / name

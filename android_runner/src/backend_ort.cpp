@@ -56,6 +56,14 @@ std::string exe_dir() {
 
 bool is_file(const std::string& p) { return ::access(p.c_str(), R_OK) == 0; }
 
+// An ONNX Runtime / QNN message as part of a one-line refusal: no line breaks, at most 300 characters.
+std::string one_line(const char* what) {
+  std::string s(what);
+  for (char& c : s)
+    if (c == '\n' || c == '\r') c = ' ';
+  return s.size() > 300 ? s.substr(0, 300) + "..." : s;
+}
+
 // SPX_QNN_EP_LIB, else the library this build was made against where it exists (a host build: the
 // onnxruntime-qnn wheel's, which finds the HTP simulator beside itself), else the one in lib/ beside
 // the runner (a phone build, shipped with it).
@@ -164,9 +172,14 @@ OrtBackend::OrtBackend(const Bundle& b, const std::vector<std::string>& methods,
   onehot_.assign(static_cast<size_t>(max_seq_), 0.0f);
   mask_.assign(static_cast<size_t>(max_seq_), 0.0f);
   try {
-    env_ = std::make_unique<Ort::Env>(ORT_LOGGING_LEVEL_ERROR, "specprefetch-runner");
+    env_ = std::make_unique<Ort::Env>(ORT_LOGGING_LEVEL_FATAL, "specprefetch-runner");  // errors come back as exceptions
     const std::string lib = qnn_ep_library();
-    env_->RegisterExecutionProviderLibrary(kQnnEp, lib);
+    try {
+      env_->RegisterExecutionProviderLibrary(kQnnEp, lib);
+    } catch (const Ort::Exception& e) {
+      throw Error(lib + ": ONNX Runtime " + OrtGetApiBase()->GetVersionString() + " could not register it (" +
+                  one_line(e.what()) + "; onnxruntime-qnn 2.7 needs ONNX Runtime 1.24.2 or newer)");
+    }
     std::vector<Ort::ConstEpDevice> devices;
     for (const auto& d : env_->GetEpDevices())
       if (std::string(d.EpName()) == kQnnEp) devices.push_back(d);
@@ -179,7 +192,9 @@ OrtBackend::OrtBackend(const Bundle& b, const std::vector<std::string>& methods,
       auto it = b.graph_paths.find(m);
       if (it == b.graph_paths.end()) throw Error(b.manifest_path + ": no graph file for " + m);
       Ort::SessionOptions so;
-      so.SetLogSeverityLevel(3);
+      so.SetLogSeverityLevel(4);
+      so.SetIntraOpNumThreads(1);  // every node runs on the HTP: no CPU thread pool per session
+      so.SetInterOpNumThreads(1);
       so.AddConfigEntry(kOrtSessionOptionsDisableCPUEPFallback, "1");
       so.AppendExecutionProvider_V2(*env_, devices, opts);
       Graph g;
@@ -187,7 +202,7 @@ OrtBackend::OrtBackend(const Bundle& b, const std::vector<std::string>& methods,
       try {
         g.session = std::make_unique<Ort::Session>(*env_, g.path.c_str(), so);
       } catch (const Ort::Exception& e) {
-        throw Error(g.path + ": QNN could not load it (" + std::string(e.what()).substr(0, 300) + ")");
+        throw Error(g.path + ": QNN could not load it (" + one_line(e.what()) + ")");
       }
       Ort::AllocatorWithDefaultOptions alloc;
       for (size_t i = 0; i < g.session->GetInputCount(); ++i)
@@ -199,10 +214,9 @@ OrtBackend::OrtBackend(const Bundle& b, const std::vector<std::string>& methods,
       graphs_.emplace(m, std::move(g));
     }
   } catch (const Ort::Exception& e) {
-    throw Error(where_ + ": ONNX Runtime: " + std::string(e.what()).substr(0, 300));
+    throw Error(where_ + ": ONNX Runtime: " + one_line(e.what()));
   }
-  find_prefill_chunks(methods);
-  chunks_.clear();  // no chunked prefill graphs in io mode yet: the prompt goes one position at a time
+  // chunks_ stays empty: no chunked prefill graphs in io mode yet, so the prompt goes one position at a time
   load_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
 
@@ -226,7 +240,7 @@ std::vector<Ort::Value> OrtBackend::run(const std::string& name, std::vector<Ort
     return g.session->Run(Ort::RunOptions{nullptr}, g.in_ptrs.data(), inputs.data(), inputs.size(),
                           g.out_ptrs.data(), g.out_ptrs.size());
   } catch (const Ort::Exception& e) {
-    throw Error(g.path + ": run failed (" + std::string(e.what()).substr(0, 300) + ")");
+    throw Error(g.path + ": run failed (" + one_line(e.what()) + ")");
   }
 }
 

@@ -175,6 +175,12 @@ def push(bundle: Path, serial: str | None = None, *, peer: str | None = None,
 
     bundle = Path(bundle)
     manifest, _ = validate_bundle(bundle, hash_store=False)
+    from android_runner.build import backend_of
+
+    if backend_of(manifest) == "ort":
+        raise SpecPrefetchError(f"{bundle}: device push of a {manifest.get('target')} bundle is not supported yet: "
+                                "build its runner with `specprefetch runner build BUNDLE --abi android` and push "
+                                "it by hand (docs/runner.md, QNN bundles)")
     adb = choose(serial)
     f = facts(adb)
     abi = RUNNER_ABI.get(f["abi"] or "")
