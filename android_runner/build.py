@@ -118,8 +118,6 @@ def config_header(manifest: dict[str, Any]) -> str:
         f'#define SPX_EXPERT_DTYPE "{experts}"',
         f'#define SPX_SCORE_FUNC "{routing.get("score_func", "softmax")}"',
     ]
-    if backend_of(manifest) == "ort":  # (executorch bundles' headers unchanged: their builds stay valid)
-        lines.append('#define SPX_BACKEND_NAME "ort"')
     return "\n".join(lines) + "\n"
 
 
@@ -647,7 +645,7 @@ def _build(bundle, abi, out: Path, force: bool, tokenizer: bool | None, header: 
                 tail = logf.read_text().strip().splitlines()[-1:]
                 raise SpecPrefetchError(f"native runner build ({abi}) failed: {tail[0] if tail else ''} "
                                         f"(full log: {logf})")
-    if 'SPX_BACKEND_NAME "ort"' in header:
+    if backend_args:  # the ONNX Runtime backend
         _ship_ort(pkg, out, abi)
     elif abi == "arm64":
         _ship_arm64(pkg, out)

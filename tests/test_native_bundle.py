@@ -342,24 +342,25 @@ def test_bad_host_tensors(tool, bundle, tmp_path):
     refused(tool, b, names=("host.safetensors", "only F32"))
 
 
-def test_a_manifest_naming_another_target_is_refused(tool, embedded_bundles, tmp_path):
+def with_target(bundle: Path, tmp_path: Path, target: str) -> Path:
+    """A copy of `bundle` whose manifest names `target` (its graphs still an ExecuTorch program)."""
     b = tmp_path / "b"
-    shutil.copytree(embedded_bundles["executorch"], b)
+    shutil.copytree(bundle, b)
     m = json.loads((b / "manifest.json").read_text())
-    m["target"] = "tflite"
+    m["target"] = target
     (b / "manifest.json").write_text(json.dumps(m))
+    return b
+
+
+def test_a_manifest_naming_another_target_is_refused(tool, embedded_bundles, tmp_path):
+    b = with_target(embedded_bundles["executorch"], tmp_path, "tflite")
     err = refused(tool, b, names=("manifest.json", "'tflite'"))
     assert "runs executorch, qnn and qai-hub bundles" in err
 
 
 def test_a_qnn_manifest_with_a_program_is_refused(tool, embedded_bundles, tmp_path):
     """A qnn bundle's graphs are EPContext models (graphs.files and .binaries), not a program."""
-    b = tmp_path / "b"
-    shutil.copytree(embedded_bundles["executorch"], b)
-    m = json.loads((b / "manifest.json").read_text())
-    m["target"] = "qnn"
-    (b / "manifest.json").write_text(json.dumps(m))
-    refused(tool, b, names=("manifest.json", "graphs."))
+    refused(tool, with_target(embedded_bundles["executorch"], tmp_path, "qnn"), names=("manifest.json", "graphs."))
 
 
 def test_not_a_bundle(tool, tmp_path):

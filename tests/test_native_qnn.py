@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from android_runner.build import build, command, qnn_libraries
+from android_runner.build import build, command, ort_headers, qnn_libraries
 from export.session import open_session, reference_tokens
 from toolkit.errors import SpecPrefetchError
 from toolkit.runtime.events import EventLog, decisions
@@ -42,16 +42,19 @@ def qnn_bundle(embedded, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def qnn_native(qnn_bundle, tmp_path_factory) -> Path:
-    """The host runner built for it (ONNX Runtime backend, no C++ tokenizer), in this module's cache."""
-    old = os.environ.get("SPECPREFETCH_PROFILES")
+    """The host runner built for it (ONNX Runtime backend, no C++ tokenizer), in this module's cache;
+    ONNX Runtime's headers from the user's runner cache (fetched there once, not per test session)."""
+    saved = {k: os.environ.get(k) for k in ("SPECPREFETCH_PROFILES", "SPX_ORT_INCLUDE")}
+    os.environ.setdefault("SPX_ORT_INCLUDE", str(ort_headers(lambda s: None)))
     os.environ["SPECPREFETCH_PROFILES"] = str(tmp_path_factory.mktemp("runner-cache") / "profiles")
     try:
         yield build(qnn_bundle, "host", log=lambda s: None, tokenizer=False)
     finally:
-        if old is None:
-            os.environ.pop("SPECPREFETCH_PROFILES", None)
-        else:
-            os.environ["SPECPREFETCH_PROFILES"] = old
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def unordered_decisions(lines: list[str]) -> list[Counter]:
@@ -156,8 +159,6 @@ def test_a_phone_build_of_a_qnn_bundle_needs_the_users_libraries(qnn_bundle, tmp
 
 
 def test_the_headers_come_from_spx_ort_include_when_set(tmp_path, monkeypatch):
-    from android_runner.build import ort_headers
-
     monkeypatch.setenv("SPX_ORT_INCLUDE", str(tmp_path))
     with pytest.raises(SpecPrefetchError, match="no onnxruntime_c_api.h there"):
         ort_headers(print)

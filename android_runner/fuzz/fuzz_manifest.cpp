@@ -20,15 +20,18 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   try {
     spx::Bundle b = spx::parse_manifest(text, "fuzz/manifest.json");
     // invariants the runner relies on after a successful parse
-    if (b.target != "executorch" || b.moe_layers.empty() || b.top_k < 1 || b.top_k > b.num_experts ||
+    if ((b.target != "executorch" && b.target != "qnn" && b.target != "qai-hub") || b.moe_layers.empty() || b.top_k < 1 || b.top_k > b.num_experts ||
         !(b.pool_mib > 0) || b.scheduler.window < 1 || b.scheduler.queue_depth < 1)
       __builtin_trap();
     for (int l : b.moe_layers)
       if (l < 0 || l >= b.num_layers) __builtin_trap();
     for (const auto& kv : b.preds_rows)
       if (kv.first < 0 || size_t(kv.first) >= b.moe_layers.size()) __builtin_trap();
-    if (!b.files.count(b.program_file) || !b.files.count(b.store_file) || !b.files.count(b.config_file))
+    if ((b.target == "executorch" ? !b.files.count(b.program_file) : b.graph_files.empty()) ||
+        !b.files.count(b.store_file) || !b.files.count(b.config_file) || b.methods.empty())
       __builtin_trap();
+    for (const auto& [name, rel] : b.graph_files)
+      if (!b.files.count(rel) || !b.files.count(b.graph_binaries.at(name))) __builtin_trap();
   } catch (const spx::Error&) {
   }
   try {

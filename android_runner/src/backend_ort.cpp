@@ -151,7 +151,7 @@ OrtBackend::OrtBackend(const Bundle& b, const std::vector<std::string>& methods,
   // the expert kernels' threads (parallel.cpp's own pool: no ExecuTorch here); the graphs run on the HTP
   this->threads = threads > 0 ? threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   set_fallback_threads(static_cast<size_t>(this->threads));
-  where_ = b.graph_paths.empty() ? b.dir : b.graph_paths.begin()->second.substr(0, b.graph_paths.begin()->second.rfind('/'));
+  where_ = b.dir + "/graphs";  // as errors name the graphs; each graph's own errors name its file
   hidden_ = b.hidden_size, vocab_ = b.vocab_size;
   const OrtApi* api = OrtGetApiBase()->GetApi(kOrtApiVersion);
   if (api == nullptr)
@@ -280,9 +280,8 @@ void OrtBackend::layer(int index, const std::vector<float>& h, int64_t pos, bool
     bool allowed = j <= pos && (L.window == 0 || j > pos - L.window);
     mask_[static_cast<size_t>(j)] = allowed ? 0.0f : mask_value_;
   }
-  std::vector<float> hin(h);
-  std::vector<Ort::Value> in;
-  in.push_back(floats(hin.data(), {1, 1, hidden_}));
+  std::vector<Ort::Value> in;  // inputs are read, never written, by ONNX Runtime
+  in.push_back(floats(const_cast<float*>(h.data()), {1, 1, hidden_}));
   in.push_back(floats(onehot_.data(), {1, max_seq_}));
   in.push_back(floats(mask_.data(), {1, 1, 1, max_seq_}));
   in.push_back(floats(k_[static_cast<size_t>(index)].data(), L.k));
@@ -319,9 +318,8 @@ void OrtBackend::layer_chunk(int index, const float*, int T, int64_t, bool, Laye
 }
 
 void OrtBackend::head(const std::vector<float>& h, std::vector<float>& logits) {
-  std::vector<float> hin(h);
   std::vector<Ort::Value> in;
-  in.push_back(floats(hin.data(), {1, 1, hidden_}));
+  in.push_back(floats(const_cast<float*>(h.data()), {1, 1, hidden_}));
   auto out = run("head", in);
   copy_out(out.at(0), logits, where_ + ": head");
   if (static_cast<int>(logits.size()) != vocab_) throw Error(where_ + ": head returned the wrong width");

@@ -288,14 +288,13 @@ Bundle parse_manifest(const std::string& text, const std::string& where) {
       b.graph_files[it.key()] = listed(b, it.value(), where, key);
       auto bin = gb.find(it.key());
       if (bin == gb.end()) fail(where, "graphs.binaries has no binary for graph " + quote(it.key()));
-      std::string rel_bin = listed(b, *bin, where, "graphs.binaries." + it.key());
+      const std::string& rel_bin = b.graph_binaries[it.key()] = listed(b, *bin, where, "graphs.binaries." + it.key());
       const std::string& rel = b.graph_files[it.key()];
       // the EPContext model names its binary by file name: it must lie beside the model
       if (!ends_with(rel, "_ctx.onnx") || rel_bin != rel.substr(0, rel.size() - 5) + "_qnn.bin")
         fail(where, "graph " + quote(it.key()) + ": its binary " + quote(rel_bin) + " is not beside " + quote(rel));
       b.methods.push_back(it.key());
     }
-    b.program_file = b.graph_files.begin() == b.graph_files.end() ? "" : b.graph_files.begin()->second;
   }
   if (b.methods.empty()) fail(where, "the bundle lists no graphs");
 
@@ -503,7 +502,7 @@ Bundle Bundle::open(const std::string& dir_in, bool verify_hashes) {
     ::close(fd);
     resolved[rel] = real;
   }
-  b.program_path = resolved.at(b.program_file);
+  if (!b.program_file.empty()) b.program_path = resolved.at(b.program_file);
   for (const auto& [name, rel] : b.graph_files) b.graph_paths[name] = resolved.at(rel);
   b.store_path = resolved.at(b.store_file);
   check_store_identity(b);

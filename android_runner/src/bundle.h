@@ -82,12 +82,12 @@ struct Bundle {
   SchedulerDefaults scheduler;     // runtime.scheduler
   std::string expert_dtype;        // quantization.experts when present ("fp16", "int8", "int4")
   std::vector<std::string> methods;  // graphs.methods (executorch); the names of graphs.files (qnn, qai-hub)
-  // qnn / qai-hub: graph name -> its EPContext model (manifest-relative; absolute in graph_paths),
-  // whose context binary (graphs.binaries) lies beside it
-  std::map<std::string, std::string> graph_files, graph_paths;
+  // qnn / qai-hub: graph name -> its EPContext model (manifest-relative; absolute in graph_paths)
+  // and its context binary (graphs.binaries, manifest-relative), which lies beside the model
+  std::map<std::string, std::string> graph_files, graph_binaries, graph_paths;
   // Manifest-relative names (as listed in "files") and absolute paths of what the runner opens.
   std::string program_file, store_file, host_file, config_file, tokenizer_file;
-  std::string program_path;    // graphs.file (the .pte); qnn, qai-hub: the first graph's model
+  std::string program_path;    // graphs.file (the .pte); empty for qnn and qai-hub (graph_paths)
   std::string store_path;      // runtime.expert_store
   std::string host_path;       // host_file; empty when the manifest has none
   std::string config_path;     // model.config

@@ -340,11 +340,12 @@ struct Outputs {
   }
 };
 
-// The bytes of the dense graphs the backend loads: the .pte, or every EPContext model and its binary.
-int64_t program_bytes(const Bundle& b) {
+// The bytes of the dense graphs the backend loads: the .pte, or each loaded EPContext model and its binary.
+int64_t program_bytes(const Bundle& b, const std::vector<std::string>& methods) {
+  if (b.graph_files.empty()) return b.files.count(b.program_file) ? static_cast<int64_t>(b.files.at(b.program_file).size) : 0;
   int64_t n = 0;
-  for (const auto& [rel, fe] : b.files)
-    if (rel == b.program_file || (!b.graph_files.empty() && rel.rfind("graphs/", 0) == 0)) n += static_cast<int64_t>(fe.size);
+  for (const auto& m : methods)
+    n += static_cast<int64_t>(b.files.at(b.graph_files.at(m)).size + b.files.at(b.graph_binaries.at(m)).size);
   return n;
 }
 
@@ -416,7 +417,7 @@ int main_(int argc, char** argv) {
     const std::string root = proc_root();
     const CgroupPaths cg = find_memory_cgroup(root);
     sizing = size_pool(sample_memory(root, cg), a.pool_reserve_mib, a.pool_low_mib, a.pool_high_mib, a.pool_check_ms,
-                       program_bytes(b), static_cast<int64_t>(store->slot_bytes), m.routing.top_k,
+                       program_bytes(b, methods), static_cast<int64_t>(store->slot_bytes), m.routing.top_k,
                        static_cast<int64_t>(m.L()) * m.routing.num_experts);
     cfg.pool_mib = static_cast<double>(sizing.slots * sizing.slot_bytes) / 1048576.0;
     MemWatchConfig wc;
