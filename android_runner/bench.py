@@ -173,6 +173,10 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
     from toolkit.runtime.runner import RunConfig
 
     m, _ = validate_bundle(bundle, hash_store=False)
+    if m.get("target") != "executorch":
+        raise SpecPrefetchError(f"{bundle}: runner bench measures executorch bundles; a {m.get('target')} bundle's "
+                                "graphs run on the HTP simulator here, whose times are not a phone's (run it with "
+                                "`specprefetch run BUNDLE --engine native`)")
     tok = AutoTokenizer.from_pretrained(str(Path(bundle) / Path(m["model"]["config"]).parent), local_files_only=True)
     texts = bench_prompts(prompts, prompt_tokens, tok)
     ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]

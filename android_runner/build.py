@@ -197,12 +197,13 @@ def _check_arm64_toolchain() -> None:
                                 "(make setup installs it)")
 
 
-def _android_ndk() -> Path:
+def _android_ndk(qnn: bool = False) -> Path:
     ndk = os.environ.get("ANDROID_NDK") or os.environ.get("ANDROID_NDK_HOME")
     if not ndk or not (Path(ndk) / "build" / "cmake" / "android.toolchain.cmake").is_file():
         raise SpecPrefetchError("--abi android needs the Android NDK: set ANDROID_NDK to an NDK (r26 or newer) "
-                                "holding build/cmake/android.toolchain.cmake; without it use --abi arm64, which "
-                                "starts from adb shell (docs/runner.md)")
+                                "holding build/cmake/android.toolchain.cmake" + (
+                                    " (a qnn bundle's phone runner is built only with it)" if qnn else
+                                    "; without it use --abi arm64, which starts from adb shell") + " (docs/runner.md)")
     return Path(ndk)
 
 
@@ -226,10 +227,8 @@ DEBIAN_ARCHIVE = "http://deb.debian.org/debian"
 
 
 def backend_of(manifest: dict[str, Any]) -> str:
-    """"executorch" or "ort": what the runner for this bundle runs its graphs with (a qnn bundle of
-    `--qnn-path executorch` holds an ExecuTorch program: graphs.format executorch)."""
-    graphs = manifest.get("graphs") if isinstance(manifest.get("graphs"), dict) else {}
-    return "ort" if manifest.get("target") in ORT_TARGETS and graphs.get("format") != "executorch" else "executorch"
+    """"executorch" or "ort": what the runner for this bundle runs its graphs with."""
+    return "ort" if manifest.get("target") in ORT_TARGETS else "executorch"
 
 
 def ort_headers(log: Callable[[str], None]) -> Path:
@@ -518,6 +517,15 @@ def build(bundle: Path | str, abi: str = "host", out: Path | str | None = None, 
     if target not in ("executorch", *ORT_TARGETS):
         raise SpecPrefetchError(f"{bundle}: a {target} bundle; the native runner runs executorch, qnn and "
                                 "qai-hub bundles")
+    graphs = head.get("graphs") if isinstance(head.get("graphs"), dict) else {}
+    if target in ORT_TARGETS and graphs.get("format") == "executorch":
+        raise SpecPrefetchError(f"{bundle}: a qnn bundle of --qnn-path executorch (an ExecuTorch program with "
+                                "ExecuTorch's QNN delegate), which the native runner does not link: run it with "
+                                "`specprefetch run`, or export with the default --qnn-path ort")
+    if target in ORT_TARGETS and abi == "arm64":
+        raise SpecPrefetchError(f"{bundle}: a {target} bundle's phone runner is an --abi android build (a glibc "
+                                "arm64 runner can load neither Android's ONNX Runtime nor reach the HTP; "
+                                "docs/runner.md, QNN bundles)")
     if out is not None:  # the output's rules first, before any hashing or building
         _claim(Path(out), bundle)
     manifest, _ = validate_bundle(bundle, hash_store=False)
@@ -529,11 +537,13 @@ def build(bundle: Path | str, abi: str = "host", out: Path | str | None = None, 
     toolchain: list[str] = []
     backend_args: list[str] = []  # the ONNX Runtime backend's CMake settings (not the tokenizer's)
     ort = backend_of(manifest) == "ort"
+    if ort and abi != "host":  # the user's libraries first: without them nothing else matters
+        qnn_libraries(int(manifest["graphs"].get("htp_arch", 79)))
     if abi == "arm64":
         _check_arm64_toolchain()
         toolchain = [f"-DCMAKE_TOOLCHAIN_FILE={SRC / 'cmake' / 'aarch64-linux-gnu.cmake'}"]
     elif abi == "android":
-        ndk = _android_ndk()
+        ndk = _android_ndk(qnn=ort)
         toolchain = [f"-DCMAKE_TOOLCHAIN_FILE={ndk / 'build' / 'cmake' / 'android.toolchain.cmake'}",
                      "-DANDROID_ABI=arm64-v8a", "-DANDROID_PLATFORM=android-29"]
     if ort:  # ONNX Runtime + QNN: the wheels' here, the user's for a phone; the headers from Debian
@@ -674,12 +684,15 @@ def _ship_arm64(pkg: Path, out: Path) -> None:
               "start the runner with its own loader and libraries (docs/runner.md)")
 
 
-def _ship_ort(pkg: Path, out: Path, abi: str) -> None:
-    """A qnn bundle's runner: libonnxruntime.so.1 in lib/ (a link to the wheel's here); for a phone,
-    every library of SPX_QNN_LIBS copied into lib/, and run.sh pointing the QNN libraries at them
+def _ship_ort(pkg: Path, out: Path, abi: str) -> None:  # abi: host or android
+    """A qnn bundle's runner: libonnxruntime.so.1 in lib/ (a link to the wheel's here); for a phone
+    (--abi android), every library of SPX_QNN_LIBS copied into lib/, and run.sh pointing the QNN libraries at them
     (LD_LIBRARY_PATH for the HTP backend's own loads, ADSP_LIBRARY_PATH for the skel the DSP loads)."""
     lib = out / "lib"
-    shutil.rmtree(lib, ignore_errors=True)
+    if lib.is_symlink() or lib.is_file():
+        lib.unlink()
+    elif lib.exists():
+        shutil.rmtree(lib)
     lib.mkdir()
     if abi == "host":
         (lib / "libonnxruntime.so.1").symlink_to(pkg)
@@ -691,17 +704,8 @@ def _ship_ort(pkg: Path, out: Path, abi: str) -> None:
     # the DSP's search path is ';'-separated: the skel beside the runner first, then the system's
     env = ('export LD_LIBRARY_PATH="$D/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" '
            'ADSP_LIBRARY_PATH="$D/lib;${ADSP_LIBRARY_PATH:-/vendor/dsp/cdsp;/vendor/lib/rfsa/adsp;/system/lib/rfsa/adsp;/dsp}"')
-    if abi == "arm64":
-        for name in AARCH64_RUNTIME:
-            src = AARCH64_SYSROOT / "lib" / name
-            if src.exists():
-                shutil.copy2(src.resolve(), lib / name)
-        _launcher(out, f'{env}\nexec $SPX_EMULATOR "$D/lib/ld-linux-aarch64.so.1" --library-path "$D/lib" '
-                       f'"$D/bin/{BINARY}" "$@"',
-                  "start the runner with its own loader and the QNN libraries (docs/runner.md)")
-    else:
-        _launcher(out, f'{env}\nexec "$D/bin/{BINARY}" "$@"',
-                  "start the runner with the QNN libraries beside it (docs/runner.md)")
+    _launcher(out, f'{env}\nexec "$D/bin/{BINARY}" "$@"',
+              "start the runner with the QNN libraries beside it (docs/runner.md)")
 
 
 def _launcher(out: Path, line: str, what: str = "start the runner (docs/runner.md)") -> None:

@@ -98,8 +98,13 @@ class _StepCache:
             self.o.v_cache.index_copy_(2, self.pos, v)
             return self.o.k_cache, self.o.v_cache
         self.new = (k, v)
-        oh = self.onehot.view(1, 1, -1, 1)
-        return self.k_past * (1 - oh) + k * oh, self.v_past * (1 - oh) + v * oh
+        if self.onehot.shape[0] == 1:  # one position: onehot [1, S]
+            oh = self.onehot.view(1, 1, -1, 1)
+            return self.k_past * (1 - oh) + k * oh, self.v_past * (1 - oh) + v * oh
+        # a chunk of T positions: onehot [T, S] scatters k [.., T, D] into [.., S, D] as a matmul
+        keep = (1 - self.onehot.sum(0)).view(1, 1, -1, 1)
+        spread = self.onehot.t()
+        return self.k_past * keep + spread @ k, self.v_past * keep + spread @ v
 
 
 _CUSTOM_SDPA: list = []  # the start position of the custom-op attention call in progress (a stack)
@@ -164,21 +169,20 @@ def custom_kv_fits(steps: "StepModel", layer: int) -> bool:
 
 
 class LayerGraph(nn.Module):
-    """One decoder layer's dense work for one token, or (`chunk` T > 1, buffer mode only) for T
-    consecutive prompt positions at once (a prefill chunk).
+    """One decoder layer's dense work for one token, or (`chunk` T > 1) for T consecutive prompt
+    positions at once (a prefill chunk).
 
     buffer mode: forward(hidden [1,T,H], input_pos int64 [T])   (T = 1: the decode graph)
-    io mode:     forward(hidden [1,1,H], pos_onehot [1,S], mask [1,1,1,S], k_past, v_past)
+    io mode:     forward(hidden [1,T,H], pos_onehot [T,S], mask [1,1,T,S], k_past, v_past)
     Outputs: dense layer -> (h,); MoE layer -> (h_res, x [T,H], router_logits [T,E][, preds]), preds
-    being [P,E] for one position and [T,P,E] for a chunk; io mode appends (k_new, v_new).
-    A chunk graph has the same cache buffers (names and shapes) as the layer's decode graph, so in
-    one ExecuTorch program both write and read the same KV cache.
+    being [P,E] for one position and [T,P,E] for a chunk; io mode appends (k_new, v_new), the T
+    positions' keys and values ([.., T, D]) for the host to write into its cache.
+    A buffer-mode chunk graph has the same cache buffers (names and shapes) as the layer's decode
+    graph, so in one ExecuTorch program both write and read the same KV cache.
     """
 
     def __init__(self, steps: "StepModel", layer: int, kv_mode: KvMode, chunk: int = 1):
         super().__init__()
-        if chunk > 1 and kv_mode != "buffer":
-            raise ValueError("prefill chunks need buffer-mode KV caches")
         self.family, self.layer, self.kv_mode, self.chunk = steps.spec.family, layer, kv_mode, chunk
         self.decoder = steps.layers[layer]
         self.is_moe = layer in steps.spec.geometry.moe_layers
@@ -222,8 +226,8 @@ class LayerGraph(nn.Module):
         tabs = [getattr(self, f"rope_{n}") for n in range(self.n_rope)]
         if self.kv_mode == "buffer":
             rows = [t.index_select(1, input_pos) for t in tabs]
-        else:  # [1, S] @ [S, D] on the flattened table: a matmul, no gather
-            rows = [(onehot @ t.reshape(t.shape[1], -1)).reshape(1, 1, *t.shape[2:]) for t in tabs]
+        else:  # [T, S] @ [S, D] on the flattened table: a matmul, no gather
+            rows = [(onehot @ t.reshape(t.shape[1], -1)).reshape(1, onehot.shape[0], *t.shape[2:]) for t in tabs]
         return tuple(rows) if self.rope_is_pair else rows[0]
 
     def _mask(self, input_pos):
@@ -392,8 +396,9 @@ class StepModel:
             for layer in range(len(self.layers)):
                 g = LayerGraph(self, layer, kv_mode, chunk=T)
                 dec = out[f"layer_{layer}"]
-                for name in (f"k_cache_{layer}", f"v_cache_{layer}"):  # one cache, run eagerly too
-                    g.register_buffer(name, getattr(dec, name), persistent=False)
+                if kv_mode == "buffer":  # one cache, run eagerly too (io mode: the host's)
+                    for name in (f"k_cache_{layer}", f"v_cache_{layer}"):
+                        g.register_buffer(name, getattr(dec, name), persistent=False)
                 out[prefill_name(T, layer)] = g
         out["expert"] = ExpertGraph(self)
         out["head"] = HeadGraph(self)
@@ -402,14 +407,14 @@ class StepModel:
         return out
 
     def chunks(self, kv_mode: KvMode) -> tuple[int, ...]:
-        """The prefill chunk sizes of `kv_mode`'s graphs (buffer mode only)."""
-        return tuple(self.prefill_chunks) if kv_mode == "buffer" else ()
+        """The prefill chunk sizes of the graphs (`prefill_chunks`, set by the export target)."""
+        return tuple(self.prefill_chunks)
 
     def example_inputs(self, name: str, kv_mode: KvMode) -> tuple[torch.Tensor, ...]:
         g = self.spec.geometry
         H = g.hidden_size
         chunk = parse_prefill_name(name)
-        if chunk is not None:
+        if chunk is not None and kv_mode == "buffer":
             T = chunk[0]
             return (torch.randn(1, T, H), torch.arange(T, dtype=torch.long))
         if name == "embed":
@@ -419,13 +424,13 @@ class StepModel:
         if name == "expert":
             return (torch.randn(1, H),) + tuple(torch.randn(m.shape) * 0.05
                                                 for m in self.spec.family.expert_matrices(g))
-        layer = int(name.split("_")[1])
+        T, layer = chunk if chunk is not None else (1, int(name.split("_")[1]))
         if kv_mode == "buffer":
             return (torch.randn(1, 1, H), torch.tensor([0], dtype=torch.long))
         cs = self.cache_specs[layer]
         S = self.max_seq
-        return (torch.randn(1, 1, H), nn.functional.one_hot(torch.tensor([0]), S).float(),
-                host_mask(0, S, self.windows[layer]), torch.zeros(cs.k_shape), torch.zeros(cs.v_shape))
+        return (torch.randn(1, T, H), nn.functional.one_hot(torch.arange(T), S).float(),
+                host_mask(0, S, self.windows[layer], chunk=T), torch.zeros(cs.k_shape), torch.zeros(cs.v_shape))
 
     def names(self, kv_mode: KvMode = "io") -> list[str]:
         n = len(self.layers)
@@ -472,7 +477,7 @@ def describe(steps: StepModel, kv_mode: KvMode) -> dict[str, Any]:
                     outs.append([P, E] if T == 1 else [T, P, E])
             if kv_mode == "io":
                 cs = steps.cache_specs[layer]
-                outs += [[*cs.k_shape[:2], 1, cs.k_shape[3]], [*cs.v_shape[:2], 1, cs.v_shape[3]]]
+                outs += [[*cs.k_shape[:2], T, cs.k_shape[3]], [*cs.v_shape[:2], T, cs.v_shape[3]]]
             sig[f"layer_{layer}" if T == 1 else prefill_name(T, layer)]["outputs"] = [[o, "float32"] for o in outs]
     sig["embed"]["outputs"] = [[[1, 1, H], "float32"]]
     sig["expert"]["outputs"] = [[[1, H], "float32"]]

@@ -23,9 +23,10 @@ import numpy as np
 import torch
 
 from export.eager import run_sequence
+from export.executorch_target import prefill_chunk_sizes
 from export.target import Target, bundle_file
 from toolkit.errors import SpecPrefetchError
-from toolkit.runtime.backend import Backend
+from toolkit.runtime.backend import Backend, parse_prefill_name
 
 QUANTS = ("fp16", "a16w8", "a8w8")
 NEEDS_CALIBRATION = {"a16w8": True, "a8w8": True}
@@ -88,7 +89,8 @@ def graph_io_names(name: str, steps) -> tuple[list[str], list[str]]:
         return INPUT_NAMES["embed"], ["hidden"]
     if name == "head":
         return INPUT_NAMES["head"], ["logits"]
-    layer = int(name.split("_")[1])
+    chunk = parse_prefill_name(name)  # prefill_T_layer_N: the same inputs and outputs over T positions
+    layer = chunk[1] if chunk is not None else int(name.split("_")[1])
     outs = ["h"]
     if layer in g.moe_layers:
         outs += ["x", "router_logits"]
@@ -245,6 +247,9 @@ class RecordingBackend(Backend):
     def reset(self):
         self.inner.reset()
 
+    def method_names(self) -> tuple[str, ...]:
+        return self.inner.method_names()  # the inner's prefill chunks too: their graphs get samples
+
 
 class QnnBackend(Backend):
     """Runs a bundle's context binaries with onnxruntime-qnn (HTP; the simulator on x86).
@@ -266,6 +271,9 @@ class QnnBackend(Backend):
 
     def _session(self, path, provider):
         return qnn_session(path, provider)
+
+    def method_names(self) -> tuple[str, ...]:
+        return tuple(self.sessions)  # the prefill_T_layer_N graphs among them feed prompts in chunks
 
     def call(self, name, inputs):
         if name == "expert" and self.cpu_expert is not None:
@@ -356,6 +364,13 @@ class QnnTarget(Target):
         if cfg.qnn_path == "executorch":
             return _build_executorch_qnn(steps, cfg, quant, out_dir, log)
         soc = cfg.soc.upper()
+        # fixed-size prefill graphs (QNN has no dynamic shapes): T positions per HTP call; a QDQ graph
+        # needs calibration samples, which only chunks no longer than the calibration prompts get
+        steps.prefill_chunks = tuple(T for T in prefill_chunk_sizes(steps.max_seq)
+                                     if quant not in NEEDS_CALIBRATION or T < cfg.prompt_tokens)
+        if steps.prefill_chunks != prefill_chunk_sizes(steps.max_seq):
+            log(f"QDQ {quant}: prefill chunks {list(steps.prefill_chunks)} (larger ones need calibration prompts "
+                f"longer than --prompt-tokens {cfg.prompt_tokens})")
         graphs = steps.graphs("io")
         reference = TorchBackend(steps, "io", graphs=graphs)
         t0 = time.perf_counter()
@@ -382,7 +397,7 @@ class QnnTarget(Target):
         rel = {n: str(p.relative_to(out_dir.parent)) for n, p in files.items()}
         return Built(
             graphs={"format": "qnn-context-binary", "path": "ort", "soc": soc, "htp_arch": soc_info(soc)[1],
-                    "files": rel,
+                    "prefill_chunks": list(steps.prefill_chunks), "files": rel,
                     "binaries": {n: str(context_bin(p).relative_to(out_dir.parent)) for n, p in files.items()},
                     "onnx_export_s": round(t_onnx, 2), "compile_s": round(t_compile, 2)},
             reference=reference, reference_label="pytorch (fp32)", backend_label=f"qnn-htp-simulator {soc}",

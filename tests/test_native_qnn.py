@@ -22,7 +22,9 @@ from toolkit.runtime.events import EventLog, decisions
 from toolkit.runtime.policy import Policy
 from toolkit.runtime.runner import RunConfig
 
-PROMPTS = [[591, 906, 531, 1274, 2295, 1062], [17, 402, 9, 1500]]
+# the third is fed as an 8-position HTP prefill chunk and single positions (chunk_plan)
+PROMPTS = [[591, 906, 531, 1274, 2295, 1062], [17, 402, 9, 1500], [591, 906, 531, 1274, 2295, 1062, 17, 402, 9, 1500,
+                                                                   358, 205]]
 NEW = 6
 POOL = 2.0  # 16 of the 256 expert slots: eviction every token
 PREDICTORS = ("on-demand", "next-gate", "fate", "previous-token", "oracle")
@@ -30,12 +32,13 @@ PREDICTORS = ("on-demand", "next-gate", "fate", "previous-token", "oracle")
 
 @pytest.fixture(scope="module")
 def qnn_bundle(embedded, tmp_path_factory) -> Path:
-    """The embedded model's fp16 QNN bundle (SM8750), next-gate heads, a 24-position cache; one short
-    parity prompt (the HTP simulator is slow: the export's own parity tests are in test_export)."""
+    """The embedded model's fp16 QNN bundle (SM8750), next-gate heads, a 32-position cache (so one
+    prefill chunk size, 8); one short parity prompt (the HTP simulator is slow: the export's own
+    parity tests are in test_export)."""
     from export.bundle import ExportConfig, export_bundle
 
     out = tmp_path_factory.mktemp("qnn") / "bundle"
-    export_bundle(embedded, out, ExportConfig(target="qnn", max_seq=24, progress=False, parity_prompts=1,
+    export_bundle(embedded, out, ExportConfig(target="qnn", max_seq=32, progress=False, parity_prompts=1,
                                               prompt_tokens=6, decode_tokens=3))
     return out
 
@@ -45,6 +48,7 @@ def qnn_native(qnn_bundle, tmp_path_factory) -> Path:
     """The host runner built for it (ONNX Runtime backend, no C++ tokenizer), in this module's cache;
     ONNX Runtime's headers from the user's runner cache (fetched there once, not per test session)."""
     saved = {k: os.environ.get(k) for k in ("SPECPREFETCH_PROFILES", "SPX_ORT_INCLUDE")}
+    os.environ.pop("SPECPREFETCH_PROFILES", None)  # (another fixture may have moved it for this session)
     os.environ.setdefault("SPX_ORT_INCLUDE", str(ort_headers(lambda s: None)))
     os.environ["SPECPREFETCH_PROFILES"] = str(tmp_path_factory.mktemp("runner-cache") / "profiles")
     try:
@@ -92,9 +96,12 @@ def check_policy(qnn_native, qnn_bundle, embedded, tmp_path, policy: str) -> dic
         assert r["tokens"] == g.tokens == reference_tokens(embedded, ids, NEW), policy
         for k in ("requests", "hits", "misses", "prefetch_issued", "bytes_read"):
             assert r["counts"][k] == g.to_json()["counts"][k], (policy, k)
-        # the HTP's crossings: every prompt position runs embed, 8 layers and (its last) the head
-        assert r["prefill_graph_calls"] == len(ids) * 9 + 1, r
+        # the HTP's crossings: embed per prompt position, 8 layer graphs per prefill unit (a chunk or
+        # one position), the head once
+        assert r["prefill_chunks"] == g.prefill_chunks, policy
+        assert r["prefill_graph_calls"] == len(ids) + 8 * len(r["prefill_chunks"]) + 1, r
         assert r["decode_graph_calls_per_token"] == 10.0, r
+    assert 8 in out["runs"][2]["prefill_chunks"]
     assert unordered_decisions(lines) == unordered_decisions(log.lines), policy
     return out
 
@@ -153,9 +160,19 @@ def test_a_phone_build_names_the_missing_qnn_libraries(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_a_phone_build_of_a_qnn_bundle_needs_the_users_libraries(qnn_bundle, tmp_path, monkeypatch):
     monkeypatch.delenv("SPX_QNN_LIBS", raising=False)
-    with pytest.raises(SpecPrefetchError, match="set SPX_QNN_LIBS"):
+    with pytest.raises(SpecPrefetchError, match="set SPX_QNN_LIBS"):  # before the NDK is looked for
+        build(qnn_bundle, "android", tmp_path / "out")
+    with pytest.raises(SpecPrefetchError, match="phone runner is an --abi android build"):
         build(qnn_bundle, "arm64", tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_runner_bench_refuses_a_qnn_bundle(qnn_bundle):
+    from android_runner.bench import run
+
+    with pytest.raises(SpecPrefetchError, match="runner bench measures executorch bundles; a qnn bundle"):
+        run(qnn_bundle)
 
 
 def test_the_headers_come_from_spx_ort_include_when_set(tmp_path, monkeypatch):

@@ -59,10 +59,11 @@ def test_usable_chunk_sizes_have_every_layer():
     assert prefill_chunks_of(["embed", "layer_0", "head"]) == ()
 
 
-def _chunk_vs_positions(model_dir: Path, max_seq: int = 32):
+def _chunk_vs_positions(model_dir: Path, max_seq: int = 32, kv_mode: str = "buffer"):
     """prefill_8_layer_N over 8 positions = layer_N one position at a time (rounding), and the
     positions after the chunk, fed one at a time, see the keys and values the chunk wrote; every
-    layer (dense and MoE, sliding-window or not)."""
+    layer (dense and MoE, sliding-window or not). kv_mode "io": the QNN graphs' form (the host's
+    cache, the chunk's one-hot [T, S] and mask [1, 1, T, S] as inputs)."""
     from export.graphs import StepModel
     from export.eager import TorchBackend
     from toolkit.models.loader import inspect_model_dir, load_dense_model
@@ -71,7 +72,7 @@ def _chunk_vs_positions(model_dir: Path, max_seq: int = 32):
     steps = StepModel(spec, load_dense_model(spec), max_seq=max_seq)
     steps.prefill_chunks = (8,)
     steps.windows = [min(w, 4) if w else 0 for w in steps.windows]  # sliding windows inside the 11 positions
-    be = TorchBackend(steps, "buffer")
+    be = TorchBackend(steps, kv_mode)
     assert be.prefill_chunks == (8,)
     H = spec.geometry.hidden_size
     g = torch.Generator().manual_seed(0)
@@ -93,14 +94,16 @@ def _chunk_vs_positions(model_dir: Path, max_seq: int = 32):
                 assert torch.allclose(x, y, atol=1e-5), layer
 
 
-def test_chunk_graphs_equal_the_decode_graphs_and_share_the_cache(embedded):
-    _chunk_vs_positions(embedded)
+@pytest.mark.parametrize("kv_mode", ["buffer", "io"])
+def test_chunk_graphs_equal_the_decode_graphs_and_share_the_cache(embedded, kv_mode):
+    _chunk_vs_positions(embedded, kv_mode=kv_mode)
 
 
 # GPT-OSS: attention sinks and sliding windows (narrowed to 4 positions); DeepSeek: MLA's caches
+@pytest.mark.parametrize("kv_mode", ["buffer", "io"])
 @pytest.mark.parametrize("family", ["gpt_oss", "qwen3_vl_moe", "deepseek_v2", "deepseek_v3", "mixtral", "olmoe"])
-def test_chunk_graphs_of_every_family(family, tiny_models):
-    _chunk_vs_positions(tiny_models[family])
+def test_chunk_graphs_of_every_family(family, tiny_models, kv_mode):
+    _chunk_vs_positions(tiny_models[family], kv_mode=kv_mode)
 
 
 @pytest.fixture(scope="module")

@@ -46,7 +46,7 @@ class Backend {
   virtual int64_t accelerator_calls() const { return 0; }
 
   double load_ms = 0;  // program / sessions load
-  int threads = 0;     // ExecuTorch's thread pool size (0 where none)
+  int threads = 0;     // the expert kernels' threads: ExecuTorch's thread pool, or parallel.cpp's (ONNX Runtime)
 
  protected:
   // prefill chunk sizes from method names: T for every prefill_T_layer_N present for every layer_N
@@ -57,8 +57,9 @@ class Backend {
 };
 
 // The backend this build runs the bundle with (every method in `methods` loaded; errors name the
-// program or graph file). `threads`: ExecuTorch's thread pool size for the layer graphs (0: one
-// thread per core); unused by ONNX Runtime's, whose graphs run on the HTP.
+// program or graph file). `threads`: the compute threads (0: one per core): ExecuTorch's pool, which
+// runs the layer graphs and the expert kernels; with ONNX Runtime, whose graphs run on the HTP, the
+// expert kernels' own pool.
 std::unique_ptr<Backend> open_backend(const Bundle& b, const std::vector<std::string>& methods, int threads);
 
 // The bundle targets this build's backend runs ("executorch", or "qnn" and "qai-hub").

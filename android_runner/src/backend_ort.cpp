@@ -36,6 +36,7 @@
 #include "backend.h"
 #include "bundle.h"
 #include "common.h"
+#include "json_checked.h"
 #include "parallel.h"
 
 namespace spx {
@@ -56,13 +57,8 @@ std::string exe_dir() {
 
 bool is_file(const std::string& p) { return ::access(p.c_str(), R_OK) == 0; }
 
-// An ONNX Runtime / QNN message as part of a one-line refusal: no line breaks, at most 300 characters.
-std::string one_line(const char* what) {
-  std::string s(what);
-  for (char& c : s)
-    if (c == '\n' || c == '\r') c = ' ';
-  return s.size() > 300 ? s.substr(0, 300) + "..." : s;
-}
+// An ONNX Runtime / QNN message as part of a one-line refusal.
+std::string one_line(const char* what) { return jsonc::one_line(what, 300); }
 
 // SPX_QNN_EP_LIB, else the library this build was made against where it exists (a host build: the
 // onnxruntime-qnn wheel's, which finds the HTP simulator beside itself), else the one in lib/ beside
@@ -124,6 +120,7 @@ class OrtBackend final : public Backend {
 
  private:
   std::vector<Ort::Value> run(const std::string& name, std::vector<Ort::Value>& inputs);
+  void run_layer(const std::string& name, int index, const float* h, int T, int64_t pos, bool moe, LayerOut& out);
   Graph& graph(const std::string& name);
   Ort::Value floats(float* data, const std::vector<int64_t>& shape) const;
   void copy_out(const Ort::Value& v, std::vector<float>& dst, const std::string& what) const;
@@ -136,7 +133,7 @@ class OrtBackend final : public Backend {
   std::vector<KvLayer> kv_;
   int max_seq_ = 0;
   float mask_value_ = -100.0f;
-  std::vector<float> onehot_, mask_;
+  std::vector<float> onehot_, mask_;  // the host's inputs of the call in progress, [T, S] each
   int64_t calls_ = 0;
 };
 
@@ -169,8 +166,6 @@ OrtBackend::OrtBackend(const Bundle& b, const std::vector<std::string>& methods,
     k_.emplace_back(static_cast<size_t>(numel(L.k)), 0.0f);
     v_.emplace_back(static_cast<size_t>(numel(L.v)), 0.0f);
   }
-  onehot_.assign(static_cast<size_t>(max_seq_), 0.0f);
-  mask_.assign(static_cast<size_t>(max_seq_), 0.0f);
   try {
     env_ = std::make_unique<Ort::Env>(ORT_LOGGING_LEVEL_FATAL, "specprefetch-runner");  // errors come back as exceptions
     const std::string lib = qnn_ep_library();
@@ -216,7 +211,7 @@ OrtBackend::OrtBackend(const Bundle& b, const std::vector<std::string>& methods,
   } catch (const Ort::Exception& e) {
     throw Error(where_ + ": ONNX Runtime: " + one_line(e.what()));
   }
-  // chunks_ stays empty: no chunked prefill graphs in io mode yet, so the prompt goes one position at a time
+  find_prefill_chunks(methods);  // prefill_T_layer_N graphs: T prompt positions per HTP call
   load_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
 
@@ -269,52 +264,64 @@ void OrtBackend::embed(int64_t token, std::vector<float>& h) {
 }
 
 void OrtBackend::layer(int index, const std::vector<float>& h, int64_t pos, bool moe, LayerOut& out) {
-  const std::string name = "layer_" + std::to_string(index);
+  if (static_cast<int>(h.size()) != hidden_) throw Error(where_ + ": layer_" + std::to_string(index) + ": hidden input of the wrong size");
+  run_layer("layer_" + std::to_string(index), index, h.data(), 1, pos, moe, out);
+}
+
+void OrtBackend::layer_chunk(int index, const float* h, int T, int64_t pos, bool moe, LayerOut& out) {
+  run_layer("prefill_" + std::to_string(T) + "_layer_" + std::to_string(index), index, h, T, pos, moe, out);
+}
+
+// Decoder layer `index` over the T positions pos .. pos+T-1 (T = 1: the decode graph layer_N; else the
+// prefill graph prefill_T_layer_N): the host's one-hot [T, S], additive mask [1, 1, T, S] (rows as
+// toolkit/runtime/backend.py host_mask) and the layer's cache in; the positions' K and V back into it.
+void OrtBackend::run_layer(const std::string& name, int index, const float* h, int T, int64_t pos, bool moe,
+                           LayerOut& out) {
   if (index < 0 || static_cast<size_t>(index) >= kv_.size()) throw Error(where_ + ": no KV cache for " + name);
-  if (pos < 0 || pos >= max_seq_) throw Error(where_ + ": position " + std::to_string(pos) + " past the KV cache");
+  if (pos < 0 || T < 1 || pos + T > max_seq_) throw Error(where_ + ": positions " + std::to_string(pos) + ".." +
+                                                          std::to_string(pos + T - 1) + " past the KV cache");
   const KvLayer& L = kv_[static_cast<size_t>(index)];
-  // the host's mask and one-hot for this position (io-mode graphs: toolkit/runtime/backend.py host_mask)
-  std::fill(onehot_.begin(), onehot_.end(), 0.0f);
-  onehot_[static_cast<size_t>(pos)] = 1.0f;
-  for (int j = 0; j < max_seq_; ++j) {
-    bool allowed = j <= pos && (L.window == 0 || j > pos - L.window);
-    mask_[static_cast<size_t>(j)] = allowed ? 0.0f : mask_value_;
+  const size_t S = static_cast<size_t>(max_seq_);
+  onehot_.assign(static_cast<size_t>(T) * S, 0.0f);
+  mask_.resize(static_cast<size_t>(T) * S);
+  for (int t = 0; t < T; ++t) {
+    const int64_t q = pos + t;
+    onehot_[static_cast<size_t>(t) * S + static_cast<size_t>(q)] = 1.0f;
+    for (int64_t j = 0; j < max_seq_; ++j) {
+      const bool allowed = j <= q && (L.window == 0 || j > q - L.window);
+      mask_[static_cast<size_t>(t) * S + static_cast<size_t>(j)] = allowed ? 0.0f : mask_value_;
+    }
   }
   std::vector<Ort::Value> in;  // inputs are read, never written, by ONNX Runtime
-  in.push_back(floats(const_cast<float*>(h.data()), {1, 1, hidden_}));
-  in.push_back(floats(onehot_.data(), {1, max_seq_}));
-  in.push_back(floats(mask_.data(), {1, 1, 1, max_seq_}));
+  in.push_back(floats(const_cast<float*>(h), {1, T, hidden_}));
+  in.push_back(floats(onehot_.data(), {T, max_seq_}));
+  in.push_back(floats(mask_.data(), {1, 1, T, max_seq_}));
   in.push_back(floats(k_[static_cast<size_t>(index)].data(), L.k));
   in.push_back(floats(v_[static_cast<size_t>(index)].data(), L.v));
   auto outs = run(name, in);
   const size_t want = (moe ? 3 : 1) + 2;
   if (outs.size() < want) throw Error(where_ + ": graph '" + name + "' returned too few outputs");
   copy_out(outs[0], out.h, where_ + ": " + name);
-  if (static_cast<int>(out.h.size()) != hidden_) throw Error(where_ + ": graph '" + name + "' returned a hidden state of the wrong width");
+  if (static_cast<int64_t>(out.h.size()) != static_cast<int64_t>(T) * hidden_)
+    throw Error(where_ + ": graph '" + name + "' returned a hidden state of the wrong size");
   if (moe) {
     copy_out(outs[1], out.x, where_ + ": " + name);
     copy_out(outs[2], out.logits, where_ + ": " + name);
     if (outs.size() > 5) copy_out(outs[3], out.preds, where_ + ": " + name);
     else out.preds.clear();
   }
-  // the new position's K and V ([a, b, 1, d]) into the cache ([a, b, max_seq, d]) at pos
-  const Ort::Value& kn = outs[outs.size() - 2];
-  const Ort::Value& vn = outs[outs.size() - 1];
+  // the positions' K and V ([a, b, T, d]) into the cache ([a, b, max_seq, d]) at pos .. pos+T-1
   auto write = [&](const Ort::Value& src, std::vector<float>& dst, const std::vector<int64_t>& shape, const char* what) {
     auto info = src.GetTensorTypeAndShapeInfo();
     const int64_t rows = shape[0] * shape[1], d = shape[3];
-    if (info.GetElementType() != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT || static_cast<int64_t>(info.GetElementCount()) != rows * d)
+    if (info.GetElementType() != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT || static_cast<int64_t>(info.GetElementCount()) != rows * T * d)
       throw Error(where_ + ": graph '" + name + "' returned a " + what + " of the wrong size");
     const float* p = src.GetTensorData<float>();
     for (int64_t r = 0; r < rows; ++r)
-      std::memcpy(dst.data() + (r * max_seq_ + pos) * d, p + r * d, static_cast<size_t>(d) * sizeof(float));
+      std::memcpy(dst.data() + (r * max_seq_ + pos) * d, p + r * T * d, static_cast<size_t>(T * d) * sizeof(float));
   };
-  write(kn, k_[static_cast<size_t>(index)], L.k, "k_new");
-  write(vn, v_[static_cast<size_t>(index)], L.v, "v_new");
-}
-
-void OrtBackend::layer_chunk(int index, const float*, int T, int64_t, bool, LayerOut&) {
-  throw Error(where_ + ": no prefill_" + std::to_string(T) + "_layer_" + std::to_string(index) + " graph");
+  write(outs[outs.size() - 2], k_[static_cast<size_t>(index)], L.k, "k_new");
+  write(outs[outs.size() - 1], v_[static_cast<size_t>(index)], L.v, "v_new");
 }
 
 void OrtBackend::head(const std::vector<float>& h, std::vector<float>& logits) {

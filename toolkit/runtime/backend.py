@@ -30,13 +30,15 @@ class CacheSpec:
     v_shape: tuple[int, ...]
 
 
-def host_mask(pos: int, max_seq: int, window: int = 0, value: float = IO_MASK_VALUE) -> torch.Tensor:
-    """The additive attention mask [1, 1, 1, S] the host passes to an io-mode layer graph."""
-    j = torch.arange(max_seq)
-    allowed = j <= pos
+def host_mask(pos: int, max_seq: int, window: int = 0, value: float = IO_MASK_VALUE, chunk: int = 1) -> torch.Tensor:
+    """The additive attention mask [1, 1, T, S] the host passes to an io-mode layer graph for the
+    `chunk` = T positions pos .. pos+T-1 (one row per query position)."""
+    j = torch.arange(max_seq).view(1, -1)
+    q = torch.arange(pos, pos + chunk).view(-1, 1)
+    allowed = j <= q
     if window:
-        allowed &= j > pos - window
-    return torch.where(allowed, 0.0, value).float().view(1, 1, 1, -1)
+        allowed &= j > q - window
+    return torch.where(allowed, 0.0, value).float().view(1, 1, chunk, -1)
 
 
 def prefill_name(chunk: int, layer: int) -> str:
@@ -147,13 +149,16 @@ class HostKV:
         self.k = [torch.zeros(cs.k_shape) for cs in self.specs]
         self.v = [torch.zeros(cs.v_shape) for cs in self.specs]
 
-    def inputs(self, layer: int, pos: int) -> tuple[torch.Tensor, ...]:
-        onehot = nn.functional.one_hot(torch.tensor([pos]), self.max_seq).float()
-        return onehot, host_mask(pos, self.max_seq, self.windows[layer]), self.k[layer], self.v[layer]
+    def inputs(self, layer: int, pos: int, chunk: int = 1) -> tuple[torch.Tensor, ...]:
+        """(pos_onehot [T, S], mask [1, 1, T, S], k_past, v_past) for positions pos .. pos+T-1."""
+        onehot = nn.functional.one_hot(torch.arange(pos, pos + chunk), self.max_seq).float()
+        return onehot, host_mask(pos, self.max_seq, self.windows[layer], chunk=chunk), self.k[layer], self.v[layer]
 
     def write(self, layer: int, pos: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
-        self.k[layer][:, :, pos] = k_new[:, :, 0]
-        self.v[layer][:, :, pos] = v_new[:, :, 0]
+        """The T positions' keys and values ([.., T, D]) into the cache at pos .. pos+T-1."""
+        T = k_new.shape[2]
+        self.k[layer][:, :, pos:pos + T] = k_new
+        self.v[layer][:, :, pos:pos + T] = v_new
 
 
 class Backend:
@@ -186,9 +191,7 @@ class Backend:
 
     @property
     def prefill_chunks(self) -> tuple[int, ...]:
-        """Prefill chunk sizes T this backend has graphs for (`prefill_T_layer_N`, buffer mode)."""
-        if self.kv_mode != "buffer":
-            return ()
+        """Prefill chunk sizes T this backend has graphs for (`prefill_T_layer_N`)."""
         if not hasattr(self, "_chunks"):
             self._chunks = prefill_chunks_of(self.method_names())
         return self._chunks
@@ -198,7 +201,11 @@ class Backend:
         T in `prefill_chunks`): [h [1,T,H]] or [h_res [1,T,H], x [T,H], logits [T,E](, preds
         [T,P,E])]. The chunk writes the same KV cache as `layer` does one position at a time."""
         T = int(h.shape[1])
-        return self.call(prefill_name(T, layer), [h, torch.arange(pos, pos + T, dtype=torch.long)])
+        if self.kv_mode == "buffer":
+            return self.call(prefill_name(T, layer), [h, torch.arange(pos, pos + T, dtype=torch.long)])
+        outs = self.call(prefill_name(T, layer), [h, *self.kv.inputs(layer, pos, T)])
+        self.kv.write(layer, pos, outs[-2], outs[-1])
+        return outs[:-2]
 
     def layer(self, layer: int, h: torch.Tensor, pos: int) -> list[torch.Tensor]:
         """Decoder layer `layer` at position `pos`: [h] for a dense layer, [h_res, x, logits(,
