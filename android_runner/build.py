@@ -644,13 +644,13 @@ def _build(bundle, abi, out: Path, force: bool, tokenizer: bool | None, header: 
     configure = [cmake, "-S", str(SRC), "-B", str(build_dir), "-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}",
                  f"-DSPX_CONFIG_DIR={out}", f"-DSPX_JSON_INCLUDE={inc}", f"-DCMAKE_PREFIX_PATH={pkg}",
                  f"-DCMAKE_INSTALL_PREFIX={out}", "-DCMAKE_BUILD_TYPE=Release", f"-DSPX_TOKENIZERS_DIR={tok_dir or ''}",
-                 *toolchain, *backend_args]
+                 *toolchain, *backend_args, *_compiler_cache()]
     log(f"building the native runner ({abi}) for {bundle} in {out}")
     with open(logf, "w") as f:
         for cmd in (configure, [cmake, "--build", str(build_dir)], [cmake, "--install", str(build_dir)]):
             f.write("$ " + " ".join(cmd) + "\n")
             f.flush()
-            r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT)
+            r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=_compiler_cache_env(out))
             if r.returncode != 0:
                 tail = logf.read_text().strip().splitlines()[-1:]
                 raise SpecPrefetchError(f"native runner build ({abi}) failed: {tail[0] if tail else ''} "
@@ -664,6 +664,23 @@ def _build(bundle, abi, out: Path, force: bool, tokenizer: bool | None, header: 
     info_path.write_text(json.dumps(marker) + "\n")
     (out / ".stamp").write_text(json.dumps({"stamp": stamp, "files": installed_files(out)}) + "\n")
     return out
+
+
+def _compiler_cache() -> list[str]:
+    """ccache as the compiler launcher where it is installed (make setup installs it; SPX_CCACHE=0
+    turns it off): the runner's sources other than main.cpp do not depend on the bundle, so a second
+    bundle's build (another model, or an ONNX Runtime runner beside an ExecuTorch one) compiles only
+    what differs."""
+    if os.environ.get("SPX_CCACHE", "1") == "0" or not shutil.which("ccache"):
+        return []
+    return ["-DCMAKE_CXX_COMPILER_LAUNCHER=ccache"]
+
+
+def _compiler_cache_env(out: Path) -> dict[str, str]:
+    """The build's own paths (its spx_config.h and include/ in `out`) rewritten relative to its
+    build directory `out`/build, the sources' left absolute, so two builds compile a shared source
+    with the same command; the build directory itself not hashed."""
+    return {**os.environ, "CCACHE_BASEDIR": str(out.resolve().parent), "CCACHE_NOHASHDIR": "1"}
 
 
 def _ship_arm64(pkg: Path, out: Path) -> None:

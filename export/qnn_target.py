@@ -26,7 +26,7 @@ from export.eager import run_sequence
 from export.executorch_target import prefill_chunk_sizes
 from export.target import Target, bundle_file
 from toolkit.errors import SpecPrefetchError
-from toolkit.runtime.backend import Backend, parse_prefill_name
+from toolkit.runtime.backend import Backend, parse_prefill_embed_name, parse_prefill_name
 
 QUANTS = ("fp16", "a16w8", "a8w8")
 NEEDS_CALIBRATION = {"a16w8": True, "a8w8": True}
@@ -85,7 +85,7 @@ def graph_io_names(name: str, steps) -> tuple[list[str], list[str]]:
     g = steps.spec.geometry
     if name == "expert":
         return ["x"] + [m.role for m in steps.spec.family.expert_matrices(g)], ["y"]
-    if name == "embed":
+    if name == "embed" or parse_prefill_embed_name(name) is not None:  # prefill_T_embed: T tokens
         return INPUT_NAMES["embed"], ["hidden"]
     if name == "head":
         return INPUT_NAMES["head"], ["logits"]

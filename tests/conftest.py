@@ -10,7 +10,7 @@ import pytest
 from toolkit.models.loader import embedded_model_dir
 from toolkit.models.tiny import TINY_FAMILIES, build_tiny
 
-from prebuild import MAX_SEQ  # tests/prebuild.py: the shared bundle's settings, one definition
+from prebuild import MAX_SEQ, QNN_EXPORT  # tests/prebuild.py: the shared bundles' settings, one definition
 
 REPO = Path(__file__).resolve().parent.parent
 HELDOUT = REPO / "toolkit" / "embedded" / "heldout.jsonl"
@@ -51,7 +51,7 @@ class _Prebuild:
     once per run; a build that died without a word fails the waiting tests at once, and a failure is
     remembered (one wait per stage, not one per test)."""
 
-    def __init__(self, config, native: bool):
+    def __init__(self, config, executorch: bool, native: bool, qnn: bool):
         import os
         import subprocess
         import sys
@@ -60,11 +60,12 @@ class _Prebuild:
         base = config._tmp_path_factory.getbasetemp()
         root = (base.parent if self.worker else base) / "shared"
         self.bundle = root / "bundles" / "executorch"
+        self.qnn_bundle = root / "bundles" / "qnn"
         self.profiles = root / "runner-cache" / "profiles"
         self.status = root / "status.json"
         self.log = root / "prebuild.log"
         self.started = root / "started"
-        self.native = native
+        self.native, self.qnn = native, qnn
         self.proc = None
         self.failed: dict[str, str] = {}
         root.mkdir(parents=True, exist_ok=True)
@@ -77,8 +78,12 @@ class _Prebuild:
             env = {**os.environ, "SPECPREFETCH_PROFILES": str(self.profiles), "OMP_NUM_THREADS": "1",
                    "CMAKE_BUILD_PARALLEL_LEVEL": "1"}
             args = [sys.executable, str(REPO / "tests" / "prebuild.py"), str(self.bundle), "--status", str(self.status)]
+            if not executorch:
+                args.append("--no-bundle")
             if native:
                 args.append("--native")
+            if qnn:
+                args += ["--qnn", str(self.qnn_bundle)]
             with open(self.log, "wb") as log:
                 self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
             os.write(fd, str(self.proc.pid).encode())
@@ -88,9 +93,9 @@ class _Prebuild:
                 self.proc.wait()
             err = f"the background build did not start ({type(e).__name__}: {e})"
             tmp = self.status.with_suffix(".start.tmp")
-            tmp.write_text(json.dumps({"bundle": False, "native": False, "error": err}))
+            tmp.write_text(json.dumps({"bundle": False, "native": False, "qnn": False, "error": err}))
             os.replace(tmp, self.status)
-            self.failed = {"bundle": err, "native": err}
+            self.failed = {"bundle": err, "native": err, "qnn": err}
         finally:
             os.close(fd)
 
@@ -122,7 +127,7 @@ class _Prebuild:
             return {}
 
     def wait(self, stage: str) -> None:
-        """Until `stage` ("bundle" or "native") has finished; fails the test if it failed."""
+        """Until `stage` ("bundle", "native" or "qnn") has finished; fails the test if it failed."""
         import time
 
         if stage in self.failed:
@@ -156,7 +161,7 @@ class _Prebuild:
         self.proc.wait()  # other workers may still wait for it: never killed on a normal finish
 
 
-_SHARED = ("embedded_bundles", "native_host")
+_SHARED = ("embedded_bundles", "native_host", "qnn_native")
 _prebuild: _Prebuild | None = None
 
 
@@ -186,9 +191,11 @@ def pytest_collection_finish(session):
 
         torch.set_num_threads(1)  # one worker per core
     needs_et = any(_needs(i, "embedded_bundles") and not _qnn_only(i) for i in items)
-    if needs_et and not session.config.option.collectonly:
-        # every worker collects every test: the build includes the runner if any selected test needs it
-        _prebuild = _Prebuild(session.config, native=any(_needs(i, "native_host") for i in items))
+    needs_qnn = any(_needs(i, "qnn_native") for i in items)
+    if (needs_et or needs_qnn) and not session.config.option.collectonly:
+        # every worker collects every test: the build includes the runners if any selected test needs them
+        _prebuild = _Prebuild(session.config, executorch=needs_et, native=any(_needs(i, "native_host") for i in items),
+                              qnn=needs_qnn)
         _yield_to_the_prebuild()
 
 
@@ -263,3 +270,23 @@ def native_host(embedded_bundles, tmp_path_factory):
             os.environ.pop("SPECPREFETCH_PROFILES", None)
         else:
             os.environ["SPECPREFETCH_PROFILES"] = old
+
+
+@pytest.fixture(scope="session")
+def qnn_native(embedded, tmp_path_factory) -> tuple[Path, Path]:
+    """(bundle, runner build directory): the embedded model's fp16 QNN bundle (SM8750, HTP simulator,
+    next-gate heads, a 32-position cache: one prefill chunk size, 8; tests/prebuild.py QNN_EXPORT)
+    and its host runner (ONNX Runtime backend, no C++ tokenizer), from the background build when one
+    was started, else exported and built here (the runner cache: the runner's parent's parent /
+    profiles). ONNX Runtime's headers come from the user's runner cache (fetched there once)."""
+    from export.bundle import ExportConfig, export_bundle
+    from prebuild import build_qnn_host
+
+    if _prebuild is not None and _prebuild.qnn:
+        _prebuild.wait("qnn")
+        bundle, profiles = _prebuild.qnn_bundle, _prebuild.profiles
+    else:
+        bundle = tmp_path_factory.mktemp("qnn") / "bundle"
+        export_bundle(embedded, bundle, ExportConfig(**QNN_EXPORT))
+        profiles = tmp_path_factory.mktemp("runner-cache") / "profiles"
+    return bundle, build_qnn_host(bundle, profiles)

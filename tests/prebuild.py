@@ -1,12 +1,15 @@
-"""The session's shared embedded bundle and its host runner, built in a second process.
+"""The session's shared embedded bundles and their host runners, built in a second process.
 
 `make test` runs on a 2-core machine and the shared ExecuTorch bundle (every layer lowered to XNNPACK,
 decode and prefill methods) plus its native host runner are about two minutes of one core. conftest.py
 starts this script as soon as the tests are collected and runs the tests that need neither first, so
 the lowering and the compiling overlap the tests that need neither; the fixtures wait for the stage
-they need (the bundle, or the bundle and the runner) and fail with its log if that stage failed.
-Run by hand: `python tests/prebuild.py OUT_BUNDLE [--native] [--status FILE]`
-with SPECPREFETCH_PROFILES naming the runner cache the build goes into.
+they need and fail with its log if that stage failed. The stages, in order: "bundle" (the ExecuTorch
+bundle), "native" (its host runner), "qnn" (the embedded model's fp16 QNN bundle, HTP simulator, and
+its host runner through ONNX Runtime, whose compile reuses the first runner's objects through ccache;
+ONNX Runtime's headers are fetched, where the user's cache lacks them, while the rest builds).
+Run by hand: `python tests/prebuild.py OUT_BUNDLE [--no-bundle] [--native] [--qnn QNN_OUT] [--status FILE]`
+with SPECPREFETCH_PROFILES naming the runner cache the builds go into.
 """
 from __future__ import annotations
 
@@ -27,11 +30,56 @@ def export_shared(out: Path) -> Path:
     return out
 
 
+# the shared QNN bundle: a 32-position cache (one prefill chunk size, 8), one short parity prompt
+QNN_EXPORT = dict(target="qnn", max_seq=32, progress=False, parity_prompts=1, prompt_tokens=6, decode_tokens=3)
+
+
+def export_qnn(out: Path) -> Path:
+    from export.bundle import ExportConfig, export_bundle
+    from toolkit.models.loader import embedded_model_dir
+
+    export_bundle(embedded_model_dir(), out, ExportConfig(**QNN_EXPORT))
+    return out
+
+
 def build_host(bundle: Path) -> Path:
     """Into the runner cache SPECPREFETCH_PROFILES names (a second call finds it there)."""
     from android_runner.build import build
 
     return build(bundle, "host", log=lambda s: None, tokenizer=False)
+
+
+def build_qnn_host(bundle: Path, profiles: Path) -> Path:
+    """A qnn bundle's host runner into the runner cache of `profiles`, with the user's ONNX Runtime
+    headers (user_ort_headers; SPX_ORT_INCLUDE when set), the environment left as it was."""
+    import os
+
+    saved = {k: os.environ.get(k) for k in ("SPECPREFETCH_PROFILES", "SPX_ORT_INCLUDE")}
+    os.environ["SPX_ORT_INCLUDE"] = saved["SPX_ORT_INCLUDE"] or str(user_ort_headers())
+    os.environ["SPECPREFETCH_PROFILES"] = str(profiles)
+    try:
+        return build_host(bundle)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def user_ort_headers() -> Path:
+    """ONNX Runtime's C API headers from the user's runner cache (fetched there once, not once per
+    test session's cache), or SPX_ORT_INCLUDE."""
+    import os
+
+    from android_runner.build import ort_headers
+
+    saved = os.environ.pop("SPECPREFETCH_PROFILES", None)
+    try:
+        return ort_headers(lambda s: None)
+    finally:
+        if saved is not None:
+            os.environ["SPECPREFETCH_PROFILES"] = saved
 
 
 def _write(status: Path | None, st: dict) -> None:
@@ -45,28 +93,41 @@ def _write(status: Path | None, st: dict) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """OUT [--native] [--status FILE]: FILE gets {"bundle", "native", "error"} (each stage's outcome:
-    true, false, or null while it runs), rewritten whole after each stage."""
+    """OUT [--no-bundle] [--native] [--qnn QNN_OUT] [--status FILE]: FILE gets {"bundle", "native", "qnn", "error"}
+    (each stage's outcome: true, false, or null while it runs), rewritten whole after each stage."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
     out = Path(argv[0])
     status = Path(argv[argv.index("--status") + 1]) if "--status" in argv else None
+    qnn_out = Path(argv[argv.index("--qnn") + 1]) if "--qnn" in argv else None
     native = "--native" in argv[1:]
-    st = {"bundle": None, "native": None if native else False, "error": None}
+    et = "--no-bundle" not in argv
+    stages = (["bundle"] if et else []) + (["native"] if native else []) + (["qnn"] if qnn_out else [])
+    st = {"bundle": None if et else False, "native": None if native else False, "qnn": None if qnn_out else False,
+          "error": None}
     _write(status, st)
-    stage = "bundle"
+    # a network wait, not a core: in a thread while the ExecuTorch stages build
+    headers = ThreadPoolExecutor(1).submit(user_ort_headers) if qnn_out and not os.environ.get("SPX_ORT_INCLUDE") \
+        else None
+    stage = stages[0] if stages else "bundle"
     try:
-        export_shared(out)
-        st["bundle"] = True
-        _write(status, st)
-        print("bundle ready", flush=True)
-        if native:
-            stage = "native"
-            build_host(out)
-            st["native"] = True
-            print("host runner ready", flush=True)
-    except BaseException as e:  # the waiting tests report it
-        st[stage] = False
-        if stage == "bundle" and native:
-            st["native"] = False
+        for stage in stages:
+            if stage == "bundle":
+                export_shared(out)
+            elif stage == "native":
+                build_host(out)
+            else:
+                export_qnn(qnn_out)
+                if headers is not None:
+                    os.environ["SPX_ORT_INCLUDE"] = str(headers.result())
+                build_host(qnn_out)
+            st[stage] = True
+            _write(status, st)
+            print(f"{stage} ready", flush=True)
+    except BaseException as e:  # the waiting tests report it: this stage and the ones after it failed
+        for later in stages[stages.index(stage):]:
+            st[later] = False
         st["error"] = f"{type(e).__name__}: {e}"[:2000]
         raise
     finally:

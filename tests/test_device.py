@@ -246,3 +246,38 @@ def test_a_store_that_does_not_match_its_manifest_is_named(native_host, phones, 
     p = phones()
     with pytest.raises(SpecPrefetchError, match="experts.spx: its sha256 is not the one"):
         push(b, p.serial, log=lambda s: None)
+
+
+@pytest.fixture
+def qnn_env(qnn_native, monkeypatch):
+    """The CLI finds qnn_native's runner in its cache (the same headers: the same configuration)."""
+    from prebuild import user_ort_headers
+
+    monkeypatch.setenv("SPX_ORT_INCLUDE", str(user_ort_headers()))
+    monkeypatch.setenv("SPECPREFETCH_PROFILES", str(qnn_native[1].parent.parent / "profiles"))
+    return qnn_native
+
+
+@pytest.mark.slow  # ~40 s: the HTP simulator runs every graph call
+def test_list_push_bench_a_qnn_bundle_on_the_standin(qnn_env, phones, tmp_path):
+    """A qnn bundle through the same flow: its ONNX Runtime runner (the host build, with its lib/)
+    pushed and checked, the bench's runs on the HTP (the simulator here) with the unmodified model's
+    tokens, and each run's backend and HTP calls in the report."""
+    bundle, runner = qnn_env
+    p = phones()
+    rep = flow(bundle, p, tmp_path, repeats=1)
+    remote = p.host_path(rep["remote"])
+    assert (remote / "runner" / "lib" / "libonnxruntime.so.1").read_bytes()[:4] == b"\x7fELF"
+    for x in rep["runs"]:
+        assert x["backend"] == "onnxruntime-qnn" and x["decode_graph_calls_per_token"] == 10.0, x
+        assert x["prefill_graph_calls"] == 9 * len(x["prefill_chunks"]) + 1, x
+
+
+def test_a_qnn_bundle_for_a_phone_needs_the_users_libraries(qnn_env, phones, monkeypatch):
+    """An arm64-v8a phone gets a qnn bundle's Android build, which needs the user's ONNX Runtime and QNN
+    libraries: without them, one line naming SPX_QNN_LIBS, and nothing sent."""
+    monkeypatch.delenv("SPX_QNN_LIBS", raising=False)
+    p = phones(abi="arm64-v8a")
+    r = cli("push", qnn_env[0], "--serial", p.serial)
+    one_line_error(r, "set SPX_QNN_LIBS to a directory holding libonnxruntime.so")
+    assert not p.host_path(ROOT).exists() or not any(p.host_path(ROOT).rglob("manifest.json"))

@@ -2,8 +2,8 @@
 execution provider (the HTP simulator of the onnxruntime-qnn wheel here), the experts on the runner's
 own CPU kernels, against the Python engine on the same bundle (docs/runner.md, "QNN bundles").
 
-Slow tier: the bundle's export runs the HTP simulator (~1 minute) and its runner builds against ONNX
-Runtime (~1 minute), which make test's time budget does not hold yet."""
+make test runs one policy on the fp16 bundle, which the background build (tests/prebuild.py) exports
+and builds a runner for; the slow tier every predictor, the a16w8 bundle and the refusals."""
 from __future__ import annotations
 
 import json
@@ -17,6 +17,7 @@ import pytest
 
 from android_runner.build import build, command, ort_headers, qnn_libraries
 from export.session import open_session, reference_tokens
+from prebuild import build_qnn_host
 from toolkit.errors import SpecPrefetchError
 from toolkit.runtime.events import EventLog, decisions
 from toolkit.runtime.policy import Policy
@@ -30,35 +31,28 @@ POOL = 2.0  # 16 of the 256 expert slots: eviction every token
 PREDICTORS = ("on-demand", "next-gate", "fate", "previous-token", "oracle")
 
 
+@pytest.fixture
+def qnn_bundle(qnn_native) -> Path:
+    """The shared fp16 QNN bundle (tests/conftest.py qnn_native: the background build's in make test)."""
+    return qnn_native[0]
+
+
 @pytest.fixture(scope="module")
-def qnn_bundle(embedded, tmp_path_factory) -> Path:
-    """The embedded model's fp16 QNN bundle (SM8750), next-gate heads, a 32-position cache (so one
-    prefill chunk size, 8); one short parity prompt (the HTP simulator is slow: the export's own
-    parity tests are in test_export)."""
+def a16w8_native(embedded, qnn_native, tmp_path_factory) -> tuple[Path, Path]:
+    """The embedded model's a16w8 (QDQ: uint16 activations, uint8 weights) QNN bundle, calibrated on 4
+    prompts of 12 tokens (so the 8-position prefill chunk has samples), and its runner. Its parity bounds
+    are relaxed: on this small model 8-bit weights move the logits past the fp32 bounds at a 32-position
+    cache (docs/export.md: 0.58 of free-running tokens match); what is tested here is that both engines
+    run the same bundle alike, not the quantization."""
     from export.bundle import ExportConfig, export_bundle
 
-    out = tmp_path_factory.mktemp("qnn") / "bundle"
-    export_bundle(embedded, out, ExportConfig(target="qnn", max_seq=32, progress=False, parity_prompts=1,
-                                              prompt_tokens=6, decode_tokens=3))
-    return out
-
-
-@pytest.fixture(scope="module")
-def qnn_native(qnn_bundle, tmp_path_factory) -> Path:
-    """The host runner built for it (ONNX Runtime backend, no C++ tokenizer), in this module's cache;
-    ONNX Runtime's headers from the user's runner cache (fetched there once, not per test session)."""
-    saved = {k: os.environ.get(k) for k in ("SPECPREFETCH_PROFILES", "SPX_ORT_INCLUDE")}
-    os.environ.pop("SPECPREFETCH_PROFILES", None)  # (another fixture may have moved it for this session)
-    os.environ.setdefault("SPX_ORT_INCLUDE", str(ort_headers(lambda s: None)))
-    os.environ["SPECPREFETCH_PROFILES"] = str(tmp_path_factory.mktemp("runner-cache") / "profiles")
-    try:
-        yield build(qnn_bundle, "host", log=lambda s: None, tokenizer=False)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    out = tmp_path_factory.mktemp("qnn-a16w8") / "bundle"
+    tol = {"max_rel_logit_diff": 1.0, "max_median_logit_diff": 5.0, "min_topk_agreement": 0.5,
+           "min_next_token_agreement": 0.5, "min_free_token_match": 0.0}
+    export_bundle(embedded, out, ExportConfig(target="qnn", quant="a16w8", max_seq=32, progress=False,
+                                              parity_prompts=1, prompt_tokens=12, decode_tokens=3, tolerance=tol))
+    assert 8 in json.loads((out / "manifest.json").read_text())["graphs"]["prefill_chunks"]
+    return out, build_qnn_host(out, qnn_native[1].parent.parent / "profiles")  # qnn_native's runner cache
 
 
 def unordered_decisions(lines: list[str]) -> list[Counter]:
@@ -85,38 +79,60 @@ def native_qnn_run(runner: Path, bundle: Path, tmp_path: Path, policy: str, *ext
     return json.loads(js.read_text()), ev.read_text().splitlines()
 
 
-def check_policy(qnn_native, qnn_bundle, embedded, tmp_path, policy: str) -> dict:
-    out, lines = native_qnn_run(qnn_native, qnn_bundle, tmp_path, policy)
-    s = open_session(qnn_bundle, RunConfig(policy=Policy.parse(policy), pool_mib=POOL, io="threads"),
+def check_policy(runner, bundle, embedded, tmp_path, policy: str, unmodified: bool = True,
+                 other_steps: float = 0.0) -> dict:
+    """The native runner against the Python engine on `bundle`: tokens (and, `unmodified`, the
+    unmodified model's), counts, HTP calls and decisions, these per step up to their order, in all
+    but a share `other_steps` of the steps."""
+    out, lines = native_qnn_run(runner, bundle, tmp_path, policy)
+    s = open_session(bundle, RunConfig(policy=Policy.parse(policy), pool_mib=POOL, io="threads"),
                      predictors=[p for p in PREDICTORS if p != "on-demand"])
     log = EventLog()
     gens = [s.runner.run(ids, NEW, events=log) for ids in PROMPTS]
     assert out["backend"] == "onnxruntime-qnn"
     for g, r, ids in zip(gens, out["runs"], PROMPTS):
-        assert r["tokens"] == g.tokens == reference_tokens(embedded, ids, NEW), policy
+        assert r["tokens"] == g.tokens, policy
+        if unmodified:
+            assert g.tokens == reference_tokens(embedded, ids, NEW), policy
         for k in ("requests", "hits", "misses", "prefetch_issued", "bytes_read"):
             assert r["counts"][k] == g.to_json()["counts"][k], (policy, k)
-        # the HTP's crossings: embed per prompt position, 8 layer graphs per prefill unit (a chunk or
-        # one position), the head once
+        # the HTP's crossings: per prefill unit (a chunk or one position) one embedding graph
+        # (prefill_8_embed for the chunk) and 8 layer graphs; the head once
         assert r["prefill_chunks"] == g.prefill_chunks, policy
-        assert r["prefill_graph_calls"] == len(ids) + 8 * len(r["prefill_chunks"]) + 1, r
+        assert r["prefill_graph_calls"] == 9 * len(r["prefill_chunks"]) + 1, r
         assert r["decode_graph_calls_per_token"] == 10.0, r
     assert 8 in out["runs"][2]["prefill_chunks"]
-    assert unordered_decisions(lines) == unordered_decisions(log.lines), policy
+    mine, ref = unordered_decisions(lines), unordered_decisions(log.lines)
+    assert len(mine) == len(ref) > 100, policy
+    if other_steps == 0.0:
+        assert mine == ref, policy
+    else:
+        differ = [i for i, (a, b) in enumerate(zip(mine, ref)) if a != b]
+        assert len(differ) <= other_steps * len(ref), (policy, differ[:5], len(ref))
     return out
 
 
-@pytest.mark.slow
-def test_native_runs_a_qnn_bundle_as_the_python_engine(qnn_native, qnn_bundle, embedded, tmp_path):
+def test_native_runs_a_qnn_bundle_as_the_python_engine(qnn_native, embedded, tmp_path):
     """One policy: tokens (the unmodified model's), counts and decisions of the Python
     engine on the same bundle; the experts never cross to the HTP (10 graph calls a decode token)."""
-    check_policy(qnn_native, qnn_bundle, embedded, tmp_path, "next-gate+prediction")
+    check_policy(qnn_native[1], qnn_native[0], embedded, tmp_path, "next-gate+prediction")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("predictor", [p for p in PREDICTORS if p != "next-gate"])
-def test_native_runs_a_qnn_bundle_every_predictor(predictor, qnn_native, qnn_bundle, embedded, tmp_path):
-    check_policy(qnn_native, qnn_bundle, embedded, tmp_path, f"{predictor}+lru")
+def test_native_runs_a_qnn_bundle_every_predictor(predictor, qnn_native, embedded, tmp_path):
+    check_policy(qnn_native[1], qnn_native[0], embedded, tmp_path, f"{predictor}+lru")
+
+
+@pytest.mark.slow  # its export calibrates and runs parity on the HTP simulator (~1 minute)
+@pytest.mark.parametrize("policy", ["next-gate+prediction", "oracle+belady"])
+def test_native_runs_an_a16w8_qnn_bundle_as_the_python_engine(policy, a16w8_native, embedded, tmp_path):
+    """The integer bundle: the same tokens and counts in both engines (its tokens are its own, not the
+    fp32 model's), and the same decisions in all but 2% of the steps: its graphs' outputs are uint16
+    steps, so equal router and prediction values are common, and the last-bit difference between the
+    engines' CPU expert sums (added in different orders) can move one across a step and swap two
+    tied experts' ranks (measured: 1 step of 241, one stale prefetch dropped for another)."""
+    check_policy(a16w8_native[1], a16w8_native[0], embedded, tmp_path, policy, unmodified=False, other_steps=0.02)
 
 
 @pytest.mark.slow
@@ -129,10 +145,10 @@ def test_the_executorch_runner_refuses_a_qnn_bundle(native_host, qnn_bundle):
 
 
 @pytest.mark.slow
-def test_the_qnn_runner_names_a_missing_ep_library(qnn_native, qnn_bundle, tmp_path):
+def test_the_qnn_runner_names_a_missing_ep_library(qnn_native, tmp_path):
     env = {**os.environ, "SPX_QNN_EP_LIB": str(tmp_path / "nope.so")}
-    r = subprocess.run([*command(qnn_native, "host"), str(qnn_bundle), "--prompt-ids", "1,2"], capture_output=True,
-                       text=True, timeout=300, env=env)
+    r = subprocess.run([*command(qnn_native[1], "host"), str(qnn_native[0]), "--prompt-ids", "1,2"],
+                       capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 1
     assert "nope.so: the QNN execution provider library is missing" in r.stderr, r.stderr
 

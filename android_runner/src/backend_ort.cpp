@@ -111,6 +111,7 @@ class OrtBackend final : public Backend {
   OrtBackend(const Bundle& b, const std::vector<std::string>& methods, int threads);
   void reset() override;
   void embed(int64_t token, std::vector<float>& h) override;
+  bool embed_chunk(const int* tokens, int T, std::vector<float>& h) override;
   void layer(int index, const std::vector<float>& h, int64_t pos, bool moe, LayerOut& out) override;
   using Backend::layer_chunk;
   void layer_chunk(int index, const float* h, int T, int64_t pos, bool moe, LayerOut& out) override;
@@ -261,6 +262,20 @@ void OrtBackend::embed(int64_t token, std::vector<float>& h) {
   auto out = run("embed", in);
   copy_out(out.at(0), h, where_ + ": embed");
   if (static_cast<int>(h.size()) != hidden_) throw Error(where_ + ": embed returned the wrong width");
+}
+
+bool OrtBackend::embed_chunk(const int* tokens, int T, std::vector<float>& h) {
+  const std::string name = "prefill_" + std::to_string(T) + "_embed";
+  if (T < 2 || graphs_.count(name) == 0) return false;
+  std::vector<int64_t> toks(tokens, tokens + T);
+  const std::vector<int64_t> shape{1, T};
+  std::vector<Ort::Value> in;
+  in.push_back(Ort::Value::CreateTensor<int64_t>(mem_, toks.data(), toks.size(), shape.data(), shape.size()));
+  auto out = run(name, in);
+  copy_out(out.at(0), h, where_ + ": " + name);
+  if (static_cast<int64_t>(h.size()) != static_cast<int64_t>(T) * hidden_)
+    throw Error(where_ + ": " + name + " returned the wrong width");
+  return true;
 }
 
 void OrtBackend::layer(int index, const std::vector<float>& h, int64_t pos, bool moe, LayerOut& out) {

@@ -35,6 +35,9 @@ ROOT = "/data/local/tmp/specprefetch"
 # the device ABI -> the runner build that starts there (x86_64: an emulator, or the stand-in on
 # this machine, which runs the host build)
 RUNNER_ABI = {"arm64-v8a": "arm64", "x86_64": "host"}
+# a qnn / qai-hub bundle's runner (ONNX Runtime with the QNN execution provider): on a phone an
+# Android (NDK) build with the user's ONNX Runtime and QNN libraries beside it (docs/runner.md)
+ORT_RUNNER_ABI = {"arm64-v8a": "android", "x86_64": "host"}
 RUNNER_FILES = ("run.sh", "bin/specprefetch-runner", "bin/check_bundle")
 # one bench at a time on a phone: a directory made with mkdir (atomic), holding token, owner,
 # started and heartbeat (docs/device.md, "One bench at a time")
@@ -173,17 +176,15 @@ def push(bundle: Path, serial: str | None = None, *, peer: str | None = None,
     from android_runner.build import build
     from export.manifest import validate_bundle
 
-    bundle = Path(bundle)
-    manifest, _ = validate_bundle(bundle, hash_store=False)
     from android_runner.build import backend_of
 
-    if backend_of(manifest) == "ort":
-        raise SpecPrefetchError(f"{bundle}: device push of a {manifest.get('target')} bundle is not supported yet: "
-                                "build its runner with `specprefetch runner build BUNDLE --abi android` and push "
-                                "it by hand (docs/runner.md, QNN bundles)")
+    bundle = Path(bundle)
+    manifest, _ = validate_bundle(bundle, hash_store=False)
     adb = choose(serial)
     f = facts(adb)
-    abi = RUNNER_ABI.get(f["abi"] or "")
+    # a qnn bundle's phone runner is the Android build with the user's ONNX Runtime and QNN libraries
+    # (SPX_QNN_LIBS), which `build` names in one line when they are missing
+    abi = (ORT_RUNNER_ABI if backend_of(manifest) == "ort" else RUNNER_ABI).get(f["abi"] or "")
     if abi is None:
         raise SpecPrefetchError(f"device {adb.serial}: ABI {f['abi']}; the runner is built for arm64-v8a "
                                 "(and x86_64 for the stand-in)")
@@ -244,7 +245,7 @@ def _peer_files(bundle: Path, manifest: dict, abi: str, log: Callable[[str], Non
                                 "(llama.cpp converts the bundle's source model to GGUF)")
     from toolkit.peers.sidebyside import model_label
 
-    bin_dir = llamacpp.build("arm64" if abi == "arm64" else "host", log=log)
+    bin_dir = llamacpp.build("arm64" if abi in ("arm64", "android") else "host", log=log)  # static: runs on Android
     gguf = llamacpp.cached_gguf(src, model_label(src, set()), log=log)  # the side by side's GGUF of it, too
     files = {"peer/llama-bench": bin_dir / "llama-bench", "peer/model.gguf": gguf}
     for so in sorted(bin_dir.glob("*.so*")):  # a shared-library build (host) needs its libraries beside it
@@ -739,8 +740,8 @@ def _bench_held(lock: PhoneLock, bundle: Path, ids: list[list[int]], *, policies
         for run in res["runs"]:
             row = {"config": cfg["name"], "policy": res["policy"], "performance": cfg["performance"], "prompt": p,
                    "repeat": rep, **{k: v for k, v in run.items() if k not in ("routing", "source")},
-                   **{k: res[k] for k in ("peak_rss_bytes", "load_ms", "kernel_isa", "direct_io", "io_note", "threads")
-                      if k in res},
+                   **{k: res[k] for k in ("peak_rss_bytes", "load_ms", "kernel_isa", "direct_io", "io_note", "threads",
+                                          "backend") if k in res},
                    "wall_s": round(wall, 3), "cooldown": gate, "before": before, "after": after}
             report["runs"].append(row)
             log(f"  {cfg['name']} prompt {p} #{rep + 1}: TPOT {run['tpot_ms']} ms, stall "
