@@ -74,9 +74,11 @@ class _Prebuild:
         except FileExistsError:
             return  # another worker builds it
         try:
-            # one thread and one compile job: the build holds one core (see _yield_to_the_prebuild)
+            # one torch thread, a compile job per core: the build is the run's critical path and the
+            # tests yield to it (see _yield_to_the_prebuild); the cores the waiting workers leave idle
+            # compile the runners
             env = {**os.environ, "SPECPREFETCH_PROFILES": str(self.profiles), "OMP_NUM_THREADS": "1",
-                   "CMAKE_BUILD_PARALLEL_LEVEL": "1"}
+                   "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 1)}
             args = [sys.executable, str(REPO / "tests" / "prebuild.py"), str(self.bundle), "--status", str(self.status)]
             if not executorch:
                 args.append("--no-bundle")
@@ -202,8 +204,8 @@ def pytest_collection_finish(session):
 def _yield_to_the_prebuild() -> None:
     """The background build is the run's critical path (the tests that need it wait for it): this test
     process (every thread it has now, and what it starts later) lowers its priority below the build's,
-    which was started before (its priority stays; it runs one thread and one compile job), so on a
-    machine with as many workers as cores the build keeps one core and the tests share the rest."""
+    which was started before (its priority stays; it runs one torch thread and a compile job per core),
+    so the build gets the cores it asks for first and the tests share what is left."""
     import os
 
     try:  # Linux's priority is per thread: every thread this process has (later ones inherit it)

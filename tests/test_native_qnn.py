@@ -125,7 +125,8 @@ def test_native_runs_a_qnn_bundle_every_predictor(predictor, qnn_native, embedde
 
 
 @pytest.mark.slow  # its export calibrates and runs parity on the HTP simulator (~1 minute)
-@pytest.mark.parametrize("policy", ["next-gate+prediction", "oracle+belady"])
+@pytest.mark.parametrize("policy", ["next-gate+prediction", "oracle+belady"]
+                         + [f"{p}+lru" for p in PREDICTORS if p not in ("next-gate", "oracle")])
 def test_native_runs_an_a16w8_qnn_bundle_as_the_python_engine(policy, a16w8_native, embedded, tmp_path):
     """The integer bundle: the same tokens and counts in both engines (its tokens are its own, not the
     fp32 model's), and the same decisions in all but 2% of the steps: its graphs' outputs are uint16
