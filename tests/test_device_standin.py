@@ -260,9 +260,11 @@ def test_demo_gives_up_on_a_silent_stand_in_and_stops_it(tmp_path):
 
     from toolkit.device.demo import _stop, _wait_ready
 
+    # the children take Ctrl-C as a stand-in does (a pytest-xdist worker passes SIGINT on ignored)
+    sigint = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
     log = tmp_path / "silent.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], stdout=out)
+        proc = subprocess.Popen([sys.executable, "-c", sigint + "import time; time.sleep(60)"], stdout=out)
     t0 = time.monotonic()
     with pytest.raises(SpecPrefetchError, match="did not start within 1 s"):
         _wait_ready(proc, log, 1.0)
@@ -271,8 +273,8 @@ def test_demo_gives_up_on_a_silent_stand_in_and_stops_it(tmp_path):
     assert proc.poll() is not None
     log = tmp_path / "ok.log"
     with open(log, "wb") as out:   # the ready line after other output, as a later line
-        ok = subprocess.Popen([sys.executable, "-c", "print('starting'); print('stand-in SM8750 phone ready: adb "
-                               "connect x', flush=True); import time; time.sleep(60)"], stdout=out)
+        ok = subprocess.Popen([sys.executable, "-c", sigint + "print('starting'); print('stand-in SM8750 phone ready: "
+                               "adb connect x', flush=True); import time; time.sleep(60)"], stdout=out)
     assert _wait_ready(ok, log, 30.0).startswith("stand-in SM8750 phone ready")
     _stop(ok)
     assert ok.poll() is not None

@@ -62,31 +62,46 @@ def _isas(isas):
     return [pytest.param(i, marks=() if i in FAST_INT_ISAS else pytest.mark.slow) for i in isas]
 
 
-def _compile_cmd(cxx: str, out: Path, *extra: str, main: Path = CHECK) -> list[str]:
+def _flags(cxx: str, *extra: str) -> list[str]:
     return [cxx, "-std=c++17", "-O2", "-Wall", "-Wextra", "-Werror", "-ffp-contract=off", "-pthread", f"-I{SRC}",
-            *extra, str(main), *map(str, KERNEL_SOURCES), "-o", str(out)]
+            *extra]
+
+
+def _compile_cmd(cxx: str, out: Path, *extra: str, main: Path = CHECK) -> list[str]:
+    return [*_flags(cxx, *extra), str(main), *map(str, KERNEL_SOURCES), "-o", str(out)]
 
 
 @pytest.fixture(scope="module")
 def builds(tmp_path_factory) -> dict[str, list[str] | str]:
-    """{"host": command prefix, "aarch64": command prefix or a skip reason}. Both compiles run at once."""
+    """{"host": command prefix, "bench": command prefix, "aarch64": command prefix or a skip reason}.
+    The host's kernel sources compile once (check_kernels and bench_kernels link the same objects),
+    beside the aarch64 build."""
     if not shutil.which("g++"):
         pytest.skip("g++ not on PATH")
     d = tmp_path_factory.mktemp("kernels")
-    jobs = {"host": subprocess.Popen(_compile_cmd("g++", d / "check_kernels"), stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True),
-            "bench": subprocess.Popen(_compile_cmd("g++", d / "bench_kernels", main=BENCH), stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True)}
+    (d / "obj").mkdir()
+
+    def start(cmd: list[str], cwd: Path | None = None) -> subprocess.Popen:
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd)
+
+    def done(name: str, p: subprocess.Popen) -> None:
+        log, _ = p.communicate()
+        assert p.returncode == 0, f"{name} build of check_kernels failed:\n{log}"
+
+    # the kernel objects in obj/ (g++ -c names each after its source)
+    jobs = {"host": start([*_flags("g++"), "-c", *map(str, KERNEL_SOURCES)], cwd=d / "obj")}
     cross, qemu = shutil.which("aarch64-linux-gnu-g++"), shutil.which("qemu-aarch64")
     out: dict[str, list[str] | str] = {}
     if cross and qemu:
-        jobs["aarch64"] = subprocess.Popen(_compile_cmd(cross, d / "check_kernels_a64", "-static"),
-                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        jobs["aarch64"] = start(_compile_cmd(cross, d / "check_kernels_a64", "-static"))
     else:
         out["aarch64"] = "aarch64-linux-gnu-g++ and qemu-aarch64 are needed for the NEON kernels"
-    for name, p in jobs.items():
-        log, _ = p.communicate()
-        assert p.returncode == 0, f"{name} build of check_kernels failed:\n{log}"
+    done("host", jobs.pop("host"))
+    objs = [str(d / "obj" / (s.stem + ".o")) for s in KERNEL_SOURCES]
+    links = {name: start([*_flags("g++"), str(main), *objs, "-o", str(d / exe)])
+             for name, exe, main in (("host", "check_kernels", CHECK), ("bench", "bench_kernels", BENCH))}
+    for name, p in {**links, **jobs}.items():
+        done(name, p)
     out["host"] = [str(d / "check_kernels")]
     out["bench"] = [str(d / "bench_kernels")]
     if "aarch64" in jobs:

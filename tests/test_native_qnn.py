@@ -26,7 +26,7 @@ from toolkit.runtime.runner import RunConfig
 # the third is fed as an 8-position HTP prefill chunk and single positions (chunk_plan)
 PROMPTS = [[591, 906, 531, 1274, 2295, 1062], [17, 402, 9, 1500], [591, 906, 531, 1274, 2295, 1062, 17, 402, 9, 1500,
                                                                    358, 205]]
-NEW = 6
+NEW = 4
 POOL = 2.0  # 16 of the 256 expert slots: eviction every token
 PREDICTORS = ("on-demand", "next-gate", "fate", "previous-token", "oracle")
 
