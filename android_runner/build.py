@@ -231,11 +231,12 @@ def backend_of(manifest: dict[str, Any]) -> str:
     return "ort" if manifest.get("target") in ORT_TARGETS else "executorch"
 
 
-def ort_headers(log: Callable[[str], None]) -> Path:
+def ort_headers(log: Callable[[str], None], cache: Path | None = None) -> Path:
     """A directory holding onnxruntime_c_api.h (API >= ORT_MIN_API): SPX_ORT_INCLUDE, else Debian's
     libonnxruntime-dev (from the archive's sid / experimental suites, fetched once with apt-get into
     the runner cache, the system's apt configuration untouched). The C API is versioned and
-    backward compatible: these headers serve the wheel's and a phone's newer ONNX Runtime alike."""
+    backward compatible: these headers serve the wheel's and a phone's newer ONNX Runtime alike.
+    `cache`: the runner cache to fetch into (default: runners_dir())."""
     env = os.environ.get("SPX_ORT_INCLUDE")
     if env:
         if not (Path(env) / "onnxruntime_c_api.h").is_file():
@@ -245,7 +246,7 @@ def ort_headers(log: Callable[[str], None]) -> Path:
             raise SpecPrefetchError(f"SPX_ORT_INCLUDE {env}: ONNX Runtime C API {api}; the QNN plugin needs "
                                     f"{ORT_MIN_API} or newer")
         return Path(env)
-    root = runners_dir() / "onnxruntime-headers"
+    root = (cache or runners_dir()) / "onnxruntime-headers"
     with _locked(root):
         inc = root / "include" / "onnxruntime"
         if (inc / "onnxruntime_c_api.h").is_file():
@@ -262,8 +263,8 @@ def _fetch_ort_headers(root: Path, log: Callable[[str], None]) -> Path:
         raise SpecPrefetchError("ONNX Runtime's C API headers: no Debian apt-get here to fetch libonnxruntime-dev; "
                                 + hint)
     log("fetching ONNX Runtime's C API headers (Debian's libonnxruntime-dev, once)")
-    runners_dir().mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=runners_dir()) as tmp:
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=root.parent) as tmp:
         w = Path(tmp)
         for d in ("lists/partial", "cache/archives/partial"):
             (w / d).mkdir(parents=True)
@@ -568,6 +569,18 @@ def build(bundle: Path | str, abi: str = "host", out: Path | str | None = None, 
                       cache=cache, overwrite=overwrite, backend_args=backend_args)
 
 
+def check_phone_build(manifest: dict) -> None:
+    """What an --abi android build of this bundle's runner needs from the user, checked without
+    building (a qnn bundle: SPX_QNN_LIBS, then the NDK; an executorch bundle: the NDK and
+    ExecuTorch's Android build): one line naming what is missing."""
+    if backend_of(manifest) == "ort":
+        qnn_libraries(int(manifest["graphs"].get("htp_arch", 79)))
+        _android_ndk(qnn=True)
+    else:
+        _android_ndk()
+        _executorch_android_prefix()
+
+
 def installed_files(out: Path) -> dict[str, str]:
     """{relative path: sha256} of what a build installed for running: bin/*, lib/* and run.sh."""
     from toolkit.artifacts import sha256_file
@@ -670,10 +683,9 @@ def _compiler_cache() -> list[str]:
     """ccache as the compiler launcher where it is installed (make setup installs it; SPX_CCACHE=0
     turns it off): the runner's sources other than main.cpp do not depend on the bundle, so a second
     bundle's build (another model, or an ONNX Runtime runner beside an ExecuTorch one) compiles only
-    what differs."""
-    if os.environ.get("SPX_CCACHE", "1") == "0" or not shutil.which("ccache"):
-        return []
-    return ["-DCMAKE_CXX_COMPILER_LAUNCHER=ccache"]
+    what differs. Always set, empty when off, so a configured build directory follows the change."""
+    on = os.environ.get("SPX_CCACHE", "1") != "0" and shutil.which("ccache")
+    return [f"-DCMAKE_CXX_COMPILER_LAUNCHER={'ccache' if on else ''}"]
 
 
 def _compiler_cache_env(out: Path) -> dict[str, str]:

@@ -39,8 +39,7 @@ from torch import nn
 from toolkit.errors import SpecPrefetchError
 from toolkit.models.families import Family, family_by_name
 from toolkit.models.spec import ModelSpec
-from toolkit.runtime.backend import (CacheSpec, host_mask, parse_prefill_embed_name, parse_prefill_name,
-                                     prefill_embed_name, prefill_name)
+from toolkit.runtime.backend import CacheSpec, host_mask, parse_prefill_name, prefill_name
 
 KvMode = Literal["buffer", "io"]
 MASK_VALUE = -1e4  # additive mask in buffer mode (ExecuTorch) for positions a query may not see
@@ -282,7 +281,7 @@ class LayerGraph(nn.Module):
 
 
 class EmbedGraph(nn.Module):
-    """forward(token int64 [1, T]) -> hidden [1, T, H] (embed: T = 1; prefill_T_embed: a chunk)."""
+    """forward(token int64 [1, 1]) -> hidden [1, 1, H]."""
 
     def __init__(self, steps: "StepModel"):
         super().__init__()
@@ -388,8 +387,8 @@ class StepModel:
 
     # -- graphs -------------------------------------------------------------------------
     def graphs(self, kv_mode: KvMode) -> dict[str, nn.Module]:
-        """Method name -> module: embed, layer_0..layer_{N-1}, expert, head, prefill_T_layer_N for
-        every chunk size T of `prefill_chunks`, and in io mode prefill_T_embed for each T too."""
+        """Method name -> module: embed, layer_0..layer_{N-1}, expert, head, and in buffer mode
+        prefill_T_layer_N for every chunk size T of `prefill_chunks`."""
         out: dict[str, nn.Module] = {"embed": EmbedGraph(self)}
         for layer in range(len(self.layers)):
             out[f"layer_{layer}"] = LayerGraph(self, layer, kv_mode)
@@ -401,8 +400,6 @@ class StepModel:
                     for name in (f"k_cache_{layer}", f"v_cache_{layer}"):
                         g.register_buffer(name, getattr(dec, name), persistent=False)
                 out[prefill_name(T, layer)] = g
-        for T in self.embed_chunks(kv_mode):
-            out[prefill_embed_name(T)] = EmbedGraph(self)
         out["expert"] = ExpertGraph(self)
         out["head"] = HeadGraph(self)
         for m in out.values():
@@ -413,12 +410,6 @@ class StepModel:
         """The prefill chunk sizes of the graphs (`prefill_chunks`, set by the export target)."""
         return tuple(self.prefill_chunks)
 
-    def embed_chunks(self, kv_mode: KvMode) -> tuple[int, ...]:
-        """The chunk sizes with an embedding graph of their own (prefill_T_embed): io mode only,
-        where every graph call crosses to an accelerator (an ExecuTorch program's embed is a CPU
-        lookup, one a position costs nothing)."""
-        return self.chunks(kv_mode) if kv_mode == "io" else ()
-
     def example_inputs(self, name: str, kv_mode: KvMode) -> tuple[torch.Tensor, ...]:
         g = self.spec.geometry
         H = g.hidden_size
@@ -426,8 +417,8 @@ class StepModel:
         if chunk is not None and kv_mode == "buffer":
             T = chunk[0]
             return (torch.randn(1, T, H), torch.arange(T, dtype=torch.long))
-        if name == "embed" or parse_prefill_embed_name(name) is not None:
-            return (torch.zeros(1, parse_prefill_embed_name(name) or 1, dtype=torch.long),)
+        if name == "embed":
+            return (torch.zeros(1, 1, dtype=torch.long),)
         if name == "head":
             return (torch.randn(1, 1, H),)
         if name == "expert":
@@ -444,8 +435,7 @@ class StepModel:
     def names(self, kv_mode: KvMode = "io") -> list[str]:
         n = len(self.layers)
         return (["embed"] + [f"layer_{i}" for i in range(n)]
-                + [prefill_name(T, i) for T in self.chunks(kv_mode) for i in range(n)]
-                + [prefill_embed_name(T) for T in self.embed_chunks(kv_mode)] + ["expert", "head"])
+                + [prefill_name(T, i) for T in self.chunks(kv_mode) for i in range(n)] + ["expert", "head"])
 
 
 def adapter_heads(adapter, bank, horizons: tuple[int, ...]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
@@ -489,8 +479,7 @@ def describe(steps: StepModel, kv_mode: KvMode) -> dict[str, Any]:
                 cs = steps.cache_specs[layer]
                 outs += [[*cs.k_shape[:2], T, cs.k_shape[3]], [*cs.v_shape[:2], T, cs.v_shape[3]]]
             sig[f"layer_{layer}" if T == 1 else prefill_name(T, layer)]["outputs"] = [[o, "float32"] for o in outs]
-    for T in (1, *steps.embed_chunks(kv_mode)):
-        sig["embed" if T == 1 else prefill_embed_name(T)]["outputs"] = [[[1, T, H], "float32"]]
+    sig["embed"]["outputs"] = [[[1, 1, H], "float32"]]
     sig["expert"]["outputs"] = [[[1, H], "float32"]]
     sig["head"]["outputs"] = [[[1, g.vocab_size], "float32"]]
     return sig

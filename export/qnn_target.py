@@ -26,7 +26,7 @@ from export.eager import run_sequence
 from export.executorch_target import prefill_chunk_sizes
 from export.target import Target, bundle_file
 from toolkit.errors import SpecPrefetchError
-from toolkit.runtime.backend import Backend, parse_prefill_embed_name, parse_prefill_name
+from toolkit.runtime.backend import Backend, parse_prefill_name
 
 QUANTS = ("fp16", "a16w8", "a8w8")
 NEEDS_CALIBRATION = {"a16w8": True, "a8w8": True}
@@ -85,7 +85,7 @@ def graph_io_names(name: str, steps) -> tuple[list[str], list[str]]:
     g = steps.spec.geometry
     if name == "expert":
         return ["x"] + [m.role for m in steps.spec.family.expert_matrices(g)], ["y"]
-    if name == "embed" or parse_prefill_embed_name(name) is not None:  # prefill_T_embed: T tokens
+    if name == "embed":
         return INPUT_NAMES["embed"], ["hidden"]
     if name == "head":
         return INPUT_NAMES["head"], ["logits"]
@@ -251,6 +251,53 @@ class RecordingBackend(Backend):
         return self.inner.method_names()  # the inner's prefill chunks too: their graphs get samples
 
 
+EMBEDDING_FILE = "embedding.safetensors"
+
+
+def write_embedding(steps, out_dir: Path) -> dict[str, Any]:
+    """The token embedding as a float16 table [V, H] (`weight`) in out_dir/embedding.safetensors: a
+    QNN bundle's runner looks a token's row up on the CPU rather than crossing to the HTP for it. An
+    embedding graph would be one crossing a position (0.3-0.5 ms on a phone), and a graph per prefill
+    chunk size would hold another copy of the table in HTP memory each (600 MiB at Qwen3-30B-A3B's
+    151936 x 2048); on the CPU only the rows a prompt touches are read. float16 is what the HTP's fp16
+    graphs hold; the layer graphs take their inputs at that precision. Returns the manifest entry."""
+    from safetensors.torch import save_file
+
+    w = steps.model.get_input_embeddings().weight.detach().to(torch.float16).contiguous()
+    if not torch.isfinite(w).all():
+        raise SpecPrefetchError("the token embedding does not fit float16 (values past 65504): no QNN bundle")
+    save_file({"weight": w}, str(out_dir / EMBEDDING_FILE))
+    return {"file": str((out_dir / EMBEDDING_FILE).relative_to(out_dir.parent)), "dtype": "float16",
+            "shape": list(w.shape)}
+
+
+class EmbeddingTable:
+    """A bundle's embedding table (write_embedding), its rows read on demand."""
+
+    def __init__(self, path: Path, shape: tuple[int, int] | None = None):
+        from safetensors import safe_open
+
+        try:
+            self._f = safe_open(str(path), framework="numpy")
+            self._w = self._f.get_slice("weight")
+            got = tuple(self._w.get_shape())
+            dtype = self._w.get_dtype()
+        except Exception as e:  # safetensors raises its own types for a damaged file
+            raise SpecPrefetchError(f"{path}: not a readable embedding table ({str(e)[:200]})") from None
+        if dtype != "F16" or len(got) != 2 or (shape is not None and got != tuple(shape)):
+            raise SpecPrefetchError(f"{path}: weight is {dtype} {list(got)}; a float16 table "
+                                    f"{list(shape) if shape else '[vocab, hidden]'} expected")
+        self.path, self.vocab = path, got[0]
+
+    def lookup(self, token: torch.Tensor) -> torch.Tensor:
+        """token int64 [1, T] -> hidden float32 [1, T, H]."""
+        ids = [int(t) for t in token.reshape(-1)]
+        if any(not 0 <= t < self.vocab for t in ids):
+            raise SpecPrefetchError(f"{self.path}: token id outside 0..{self.vocab - 1}")
+        rows = np.stack([self._w[t:t + 1][0] for t in ids])
+        return torch.from_numpy(rows.astype(np.float32)).reshape(1, len(ids), -1)
+
+
 class QnnBackend(Backend):
     """Runs a bundle's context binaries with onnxruntime-qnn (HTP; the simulator on x86).
 
@@ -262,9 +309,11 @@ class QnnBackend(Backend):
     kv_mode = "io"
 
     def __init__(self, files: dict[str, Path], info: dict[str, Any], provider: dict[str, Any] | None = None,
-                 cpu_expert: Callable[[list[torch.Tensor]], torch.Tensor] | None = None):
+                 cpu_expert: Callable[[list[torch.Tensor]], torch.Tensor] | None = None,
+                 embedding: EmbeddingTable | None = None):
         super().__init__(info)
         self.cpu_expert = cpu_expert
+        self.embedding = embedding  # the CPU's lookup of `embed` (a bundle without an embed graph)
         self.sessions = {n: self._session(p, provider) for n, p in files.items()
                          if not (cpu_expert is not None and n == "expert")}
         self.names = {n: [i.name for i in s.get_inputs()] for n, s in self.sessions.items()}
@@ -279,6 +328,8 @@ class QnnBackend(Backend):
         if name == "expert" and self.cpu_expert is not None:
             with torch.no_grad():
                 return [self.cpu_expert(list(inputs))]
+        if name == "embed" and self.embedding is not None:
+            return [self.embedding.lookup(inputs[0])]
         feeds = {n: t.detach().numpy() for n, t in zip(self.names[name], inputs)}
         try:
             outs = self.sessions[name].run(None, feeds)
@@ -373,8 +424,12 @@ class QnnTarget(Target):
                 f"longer than --prompt-tokens {cfg.prompt_tokens})")
         graphs = steps.graphs("io")
         reference = TorchBackend(steps, "io", graphs=graphs)
+        # the embedding is a CPU lookup (write_embedding), not an HTP graph
+        embedding = write_embedding(steps, out_dir)
+        table = EmbeddingTable(out_dir.parent / embedding["file"], tuple(embedding["shape"]))
         t0 = time.perf_counter()
-        src = onnx_sources(steps, graphs, quant, scratch, calib=calib, run_kw=run_kw, reference=reference, log=log)
+        src = onnx_sources(steps, {n: g for n, g in graphs.items() if n != "embed"}, quant, scratch, calib=calib,
+                           run_kw=run_kw, reference=reference, log=log)
         t_onnx = time.perf_counter() - t0
         files = {}
         t1 = time.perf_counter()
@@ -389,7 +444,7 @@ class QnnTarget(Target):
         def extra(refs, gots, kw):
             out = {"vs_onnx_cpu": None}
             if quant in NEEDS_CALIBRATION:  # the same QDQ graphs on the CPU: the same-quantization reference
-                cpu = OrtCpuBackend(src, info)
+                cpu = OrtCpuBackend(src, info, embedding=table)
                 cpu_recs = [run_sequence(cpu, r.tokens, force_ids=r.ids, **kw) for r in refs]  # as `gots`
                 out["vs_onnx_cpu"] = {k: round(v, 5) for k, v in compare(cpu_recs, gots).items()}
             return out
@@ -397,12 +452,12 @@ class QnnTarget(Target):
         rel = {n: str(p.relative_to(out_dir.parent)) for n, p in files.items()}
         return Built(
             graphs={"format": "qnn-context-binary", "path": "ort", "soc": soc, "htp_arch": soc_info(soc)[1],
-                    "prefill_chunks": list(steps.prefill_chunks), "files": rel,
+                    "prefill_chunks": list(steps.prefill_chunks), "files": rel, "embedding": embedding,
                     "binaries": {n: str(context_bin(p).relative_to(out_dir.parent)) for n, p in files.items()},
                     "onnx_export_s": round(t_onnx, 2), "compile_s": round(t_compile, 2)},
             reference=reference, reference_label="pytorch (fp32)", backend_label=f"qnn-htp-simulator {soc}",
             kv_mode="io", soc=soc, expert_precision=quant,
-            make_backend=lambda: QnnBackend(files, info), extra=extra)
+            make_backend=lambda: QnnBackend(files, info, embedding=table), extra=extra)
 
     # -- inspect ---------------------------------------------------------------------------
 
@@ -412,9 +467,12 @@ class QnnTarget(Target):
         import onnx
 
         g = m["graphs"]
-        sigs = g["signatures"]
+        sigs = dict(g["signatures"])
         soc = m["soc"]
         want_id = SOCS.get(soc, (None, None, None))[2]
+        if "embedding" in g:  # the CPU's lookup table stands for the embed graph
+            emb = embedding_of(path, m)
+            sigs.pop("embed", None)
         if set(g["files"]) != set(sigs):
             raise SpecPrefetchError(f"{path / 'manifest.json'}: graph files for {sorted(g['files'])}, "
                                     f"signatures for {sorted(sigs)}")
@@ -453,6 +511,8 @@ class QnnTarget(Target):
             qnn_session(p)  # QNN parses the context binary (the simulator here, the HTP on a phone)
             out[name] = {"inputs": len(shapes_in), "outputs": len(shapes_out), "compat": compat,
                          "bytes": p.stat().st_size + context_bin(p).stat().st_size}
+        if "embedding" in g:
+            out["embed"] = {"inputs": 1, "outputs": 1, "compat": "cpu lookup", "bytes": emb.path.stat().st_size}
         return out
 
     def open_backend(self, path: Path, m: dict) -> QnnBackend:
@@ -461,7 +521,19 @@ class QnnTarget(Target):
         info = {"cache_specs": [CacheSpec(tuple(x["k"]), tuple(x["v"])) for x in m["kv"]["layers"]],
                 "windows": [x["window"] for x in m["kv"]["layers"]], "max_seq": m["kv"]["max_seq"]}
         return QnnBackend({n: path / rel for n, rel in m["graphs"]["files"].items()}, info,
-                          cpu_expert=cpu_expert_of(path, m))
+                          cpu_expert=cpu_expert_of(path, m), embedding=embedding_of(path, m))
+
+
+def embedding_of(path: Path, m: dict) -> EmbeddingTable | None:
+    """Bundle `path`'s embedding table (graphs.embedding), checked against the model's vocabulary and
+    hidden size; None for a bundle with an embed graph instead (exported before the lookup)."""
+    e = m["graphs"].get("embedding")
+    if e is None:
+        return None
+    if not isinstance(e, dict) or not isinstance(e.get("file"), str):
+        raise SpecPrefetchError(f"{path / 'manifest.json'}: graphs.embedding must name its file")
+    return EmbeddingTable(bundle_file(path, m["files"], e["file"], "the embedding table"),
+                          (int(m["model"]["vocab_size"]), int(m["model"]["hidden_size"])))
 
 
 def cpu_expert_of(path: Path, m: dict) -> Callable[[list[torch.Tensor]], torch.Tensor]:

@@ -74,12 +74,11 @@ def user_ort_headers() -> Path:
 
     from android_runner.build import ort_headers
 
-    saved = os.environ.pop("SPECPREFETCH_PROFILES", None)
-    try:
+    if os.environ.get("SPX_ORT_INCLUDE"):
         return ort_headers(lambda s: None)
-    finally:
-        if saved is not None:
-            os.environ["SPECPREFETCH_PROFILES"] = saved
+    # the default runner cache, named without touching the environment (a thread of the prebuild
+    # calls this while the main thread builds into the session's cache)
+    return ort_headers(lambda s: None, cache=Path.home() / ".cache" / "specprefetch" / "runners")
 
 
 def _write(status: Path | None, st: dict) -> None:
@@ -93,10 +92,13 @@ def _write(status: Path | None, st: dict) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """OUT [--no-bundle] [--native] [--qnn QNN_OUT] [--status FILE]: FILE gets {"bundle", "native", "qnn", "error"}
-    (each stage's outcome: true, false, or null while it runs), rewritten whole after each stage."""
+    """OUT [--no-bundle] [--native] [--qnn QNN_OUT] [--status FILE]: FILE gets {"bundle", "native", "qnn",
+    "error"} (each stage's outcome: true, false, or null while it runs; "error" the first failure),
+    rewritten whole after each stage. "native" needs "bundle"; "qnn" needs neither and is tried
+    whatever they did. Exit status 1 when a stage failed."""
     import os
-    from concurrent.futures import ThreadPoolExecutor
+    import threading
+    import traceback
 
     out = Path(argv[0])
     status = Path(argv[argv.index("--status") + 1]) if "--status" in argv else None
@@ -107,32 +109,57 @@ def main(argv: list[str]) -> int:
     st = {"bundle": None if et else False, "native": None if native else False, "qnn": None if qnn_out else False,
           "error": None}
     _write(status, st)
-    # a network wait, not a core: in a thread while the ExecuTorch stages build
-    headers = ThreadPoolExecutor(1).submit(user_ort_headers) if qnn_out and not os.environ.get("SPX_ORT_INCLUDE") \
+    # a network wait, not a core: a daemon thread (a failed run exits without waiting for it) fetches
+    # the headers while the ExecuTorch stages build; it touches no environment variable
+    headers: dict = {}
+
+    def fetch() -> None:
+        try:
+            headers["path"] = user_ort_headers()
+        except BaseException as e:  # reported by the qnn stage
+            headers["error"] = e
+
+    fetcher = threading.Thread(target=fetch, daemon=True) if qnn_out and not os.environ.get("SPX_ORT_INCLUDE") \
         else None
-    stage = stages[0] if stages else "bundle"
+    if fetcher is not None:
+        fetcher.start()
+    failed = False
     try:
         for stage in stages:
-            if stage == "bundle":
-                export_shared(out)
-            elif stage == "native":
-                build_host(out)
+            if stage == "native" and st["bundle"] is False:
+                st["native"] = False  # the bundle stage's error stands for it
+                continue
+            try:
+                if stage == "bundle":
+                    export_shared(out)
+                elif stage == "native":
+                    build_host(out)
+                else:
+                    export_qnn(qnn_out)
+                    if fetcher is not None:
+                        fetcher.join()
+                        if "error" in headers:
+                            raise headers["error"]
+                        os.environ["SPX_ORT_INCLUDE"] = str(headers["path"])
+                    build_host(qnn_out)
+            except Exception as e:  # the waiting tests report it; the next independent stage goes on
+                failed = True
+                st[stage] = False
+                st["error"] = st["error"] or f"{stage}: {type(e).__name__}: {e}"[:2000]
+                traceback.print_exc()
             else:
-                export_qnn(qnn_out)
-                if headers is not None:
-                    os.environ["SPX_ORT_INCLUDE"] = str(headers.result())
-                build_host(qnn_out)
-            st[stage] = True
+                st[stage] = True
+                print(f"{stage} ready", flush=True)
             _write(status, st)
-            print(f"{stage} ready", flush=True)
-    except BaseException as e:  # the waiting tests report it: this stage and the ones after it failed
-        for later in stages[stages.index(stage):]:
-            st[later] = False
-        st["error"] = f"{type(e).__name__}: {e}"[:2000]
+    except BaseException:  # interrupted: whatever had not finished failed
+        for k in stages:
+            if st[k] is None:
+                st[k] = False
+        st["error"] = st["error"] or "interrupted"
         raise
     finally:
         _write(status, st)
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

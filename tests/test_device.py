@@ -17,7 +17,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from export.session import reference_tokens
-from toolkit.device.phone import ROOT, bench, bundle_hash, list_devices, push, states_table
+from toolkit.device.phone import LOCK, ROOT, bench, bundle_hash, list_devices, push, states_table
 from toolkit.device.standin import StandIn, adb_server
 from toolkit.errors import SpecPrefetchError
 
@@ -269,15 +269,19 @@ def test_list_push_bench_a_qnn_bundle_on_the_standin(qnn_env, phones, tmp_path):
     remote = p.host_path(rep["remote"])
     assert (remote / "runner" / "lib" / "libonnxruntime.so.1").read_bytes()[:4] == b"\x7fELF"
     for x in rep["runs"]:
-        assert x["backend"] == "onnxruntime-qnn" and x["decode_graph_calls_per_token"] == 10.0, x
-        assert x["prefill_graph_calls"] == 9 * len(x["prefill_chunks"]) + 1, x
+        assert x["backend"] == "onnxruntime-qnn" and x["decode_graph_calls_per_token"] == 9.0, x
+        assert x["prefill_graph_calls"] == 8 * len(x["prefill_chunks"]) + 1, x
 
 
-def test_a_qnn_bundle_for_a_phone_needs_the_users_libraries(qnn_env, phones, monkeypatch):
+def test_a_qnn_bundle_for_a_phone_needs_the_users_libraries(qnn_env, phones, monkeypatch, tmp_path):
     """An arm64-v8a phone gets a qnn bundle's Android build, which needs the user's ONNX Runtime and QNN
-    libraries: without them, one line naming SPX_QNN_LIBS, and nothing sent."""
+    libraries: without them, one line naming SPX_QNN_LIBS, nothing sent, and a bench refused before it
+    takes the phone."""
     monkeypatch.delenv("SPX_QNN_LIBS", raising=False)
     p = phones(abi="arm64-v8a")
     with pytest.raises(SpecPrefetchError, match="set SPX_QNN_LIBS to a directory holding libonnxruntime.so"):
         push(qnn_env[0], p.serial, log=lambda s: None)
     assert not p.host_path(ROOT).exists() or not any(p.host_path(ROOT).rglob("manifest.json"))
+    with pytest.raises(SpecPrefetchError, match="set SPX_QNN_LIBS"):  # bench: before the phone is taken
+        _bench(qnn_env[0], p, tmp_path / "b.json", ["on-demand+lru"])
+    assert not p.host_path(LOCK).exists() and not (tmp_path / "b.json").exists()

@@ -185,6 +185,7 @@ def test_qnn_bundle_every_family(family, tiny_models, tmp_path):
     p = json.loads((out / "parity.json").read_text())
     assert p["passed"] and p["max_rel_logit_diff"] < 0.05 and p["topk_agreement"] >= 0.95
     s = inspect_bundle(out)
+    assert s["graphs"].pop("embed")["compat"] == "cpu lookup"  # the embedding table, not an HTP graph
     assert all(g["compat"].split(":")[5] == "69" for g in s["graphs"].values())  # 69 = SM8750
     for name, rel in m["graphs"]["binaries"].items():
         assert (out / rel).stat().st_size > 1000, name
@@ -225,6 +226,7 @@ def test_qnn_qdq_bundle_and_other_soc(tiny_models, tmp_path):
     assert p["vs_onnx_cpu"]["topk_agreement"] >= 0.9  # HTP vs the same QDQ graphs on the CPU
     assert p["vs_onnx_cpu"]["max_rel_logit_diff"] < p["max_rel_logit_diff"]
     s = inspect_bundle(tmp_path / "b")
+    assert s["graphs"].pop("embed")["compat"] == "cpu lookup"
     assert all(g["compat"].split(":")[5] == "57" for g in s["graphs"].values())  # 57 = SM8650
 
 

@@ -82,40 +82,80 @@ def native_qnn_run(runner: Path, bundle: Path, tmp_path: Path, policy: str, *ext
 def check_policy(runner, bundle, embedded, tmp_path, policy: str, unmodified: bool = True,
                  other_steps: float = 0.0) -> dict:
     """The native runner against the Python engine on `bundle`: tokens (and, `unmodified`, the
-    unmodified model's), counts, HTP calls and decisions, these per step up to their order, in all
-    but a share `other_steps` of the steps."""
+    unmodified model's), HTP calls, and decisions per step up to their order, in all but a share
+    `other_steps` of the steps; the counts equal, or off by at most two (a hit turned miss and the
+    read it made) for each step whose decisions differ."""
     out, lines = native_qnn_run(runner, bundle, tmp_path, policy)
     s = open_session(bundle, RunConfig(policy=Policy.parse(policy), pool_mib=POOL, io="threads"),
                      predictors=[p for p in PREDICTORS if p != "on-demand"])
     log = EventLog()
     gens = [s.runner.run(ids, NEW, events=log) for ids in PROMPTS]
     assert out["backend"] == "onnxruntime-qnn"
+    mine, ref = unordered_decisions(lines), unordered_decisions(log.lines)
+    assert len(mine) == len(ref) > 100, policy
+    differ = [i for i, (a, b) in enumerate(zip(mine, ref)) if a != b]
+    assert len(differ) <= other_steps * len(ref), (policy, differ[:5], len(ref))
+    from toolkit.runtime.expert_store import ExpertStore
+
+    m = json.loads((bundle / "manifest.json").read_text())
+    slot = ExpertStore(bundle / m["runtime"]["expert_store"]).slot_bytes  # bytes_read: in expert reads
     for g, r, ids in zip(gens, out["runs"], PROMPTS):
         assert r["tokens"] == g.tokens, policy
         if unmodified:
             assert g.tokens == reference_tokens(embedded, ids, NEW), policy
         for k in ("requests", "hits", "misses", "prefetch_issued", "bytes_read"):
-            assert r["counts"][k] == g.to_json()["counts"][k], (policy, k)
-        # the HTP's crossings: per prefill unit (a chunk or one position) one embedding graph
-        # (prefill_8_embed for the chunk) and 8 layer graphs; the head once
+            unit = slot if k == "bytes_read" else 1
+            assert abs(r["counts"][k] - g.to_json()["counts"][k]) <= 2 * len(differ) * unit, (policy, k, len(differ))
+        # the HTP's crossings: 8 layer graphs per prefill unit (a chunk or one position), the head
+        # once; the embedding is a CPU lookup
         assert r["prefill_chunks"] == g.prefill_chunks, policy
-        assert r["prefill_graph_calls"] == 9 * len(r["prefill_chunks"]) + 1, r
-        assert r["decode_graph_calls_per_token"] == 10.0, r
+        assert r["prefill_graph_calls"] == 8 * len(r["prefill_chunks"]) + 1, r
+        assert r["decode_graph_calls_per_token"] == 9.0, r
     assert 8 in out["runs"][2]["prefill_chunks"]
-    mine, ref = unordered_decisions(lines), unordered_decisions(log.lines)
-    assert len(mine) == len(ref) > 100, policy
-    if other_steps == 0.0:
-        assert mine == ref, policy
-    else:
-        differ = [i for i, (a, b) in enumerate(zip(mine, ref)) if a != b]
-        assert len(differ) <= other_steps * len(ref), (policy, differ[:5], len(ref))
     return out
 
 
 def test_native_runs_a_qnn_bundle_as_the_python_engine(qnn_native, embedded, tmp_path):
     """One policy: tokens (the unmodified model's), counts and decisions of the Python
-    engine on the same bundle; the experts never cross to the HTP (10 graph calls a decode token)."""
+    engine on the same bundle; neither the experts nor the embedding cross to the HTP (9 graph calls a
+    decode token: 8 layers and the head)."""
     check_policy(qnn_native[1], qnn_native[0], embedded, tmp_path, "next-gate+prediction")
+
+
+def test_the_embedding_is_a_table_not_an_htp_graph(qnn_native, embedded, tmp_path):
+    """A qnn bundle carries the token embedding as a float16 table (no embed graph, so no copy of it in
+    HTP memory and no crossing a position); a table of the wrong shape is refused by both engines in
+    one line naming it."""
+    import hashlib
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from export.qnn_target import embedding_of
+    from toolkit.models.loader import inspect_model_dir, load_dense_model
+
+    bundle, runner = qnn_native
+    m = json.loads((bundle / "manifest.json").read_text())
+    assert "embed" not in m["graphs"]["files"] and m["graphs"]["embedding"]["file"] == "graphs/embedding.safetensors"
+    table = load_file(str(bundle / "graphs" / "embedding.safetensors"))["weight"]
+    want = load_dense_model(inspect_model_dir(embedded)).get_input_embeddings().weight.detach()
+    assert table.dtype == torch.float16 and torch.equal(table, want.to(torch.float16))
+    got = embedding_of(bundle, m).lookup(torch.tensor([[7, 4095]]))
+    assert torch.equal(got, want[[7, 4095]].to(torch.float16).float().reshape(1, 2, -1))
+
+    b = tmp_path / "b"
+    shutil.copytree(bundle, b)
+    save_file({"weight": table[:-1].contiguous()}, str(b / "graphs" / "embedding.safetensors"))  # one row short
+    rel = "graphs/embedding.safetensors"
+    m["files"][rel] = {"size": (b / rel).stat().st_size, "sha256": hashlib.sha256((b / rel).read_bytes()).hexdigest()}
+    (b / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(SpecPrefetchError, match=r"embedding.safetensors: weight is F16 \[4095, 256\]; a float16 table"):
+        embedding_of(b, m)
+    r = subprocess.run([*command(runner, "host"), str(b), "--prompt-ids", "1,2"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "embedding.safetensors" in r.stderr and "a float16 table [4096, 256]" in r.stderr, r.stderr
 
 
 @pytest.mark.slow

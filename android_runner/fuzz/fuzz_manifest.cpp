@@ -32,6 +32,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       __builtin_trap();
     for (const auto& [name, rel] : b.graph_files)
       if (!b.files.count(rel) || !b.files.count(b.graph_binaries.at(name))) __builtin_trap();
+    // a qnn bundle embeds with its table or its embed graph; the table is a listed file
+    if (b.target != "executorch" && (b.embedding_file.empty() ? !b.graph_files.count("embed")
+                                                              : !b.files.count(b.embedding_file)))
+      __builtin_trap();
   } catch (const spx::Error&) {
   }
   try {

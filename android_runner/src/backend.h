@@ -29,13 +29,6 @@ class Backend {
 
   virtual void reset() = 0;                                       // zero every layer's KV cache
   virtual void embed(int64_t token, std::vector<float>& h) = 0;   // [H]
-  // The T prompt tokens' embeddings [T * H] in one call of the bundle's prefill_T_embed graph (io-mode
-  // bundles: one accelerator crossing a chunk); false where there is none for T (the caller embeds
-  // position by position).
-  virtual bool embed_chunk(const int* tokens, int T, std::vector<float>& h) {
-    (void)tokens, (void)T, (void)h;
-    return false;
-  }
   virtual void layer(int index, const std::vector<float>& h, int64_t pos, bool moe, LayerOut& out) = 0;
   // Decoder layer `index` over T prompt positions pos .. pos+T-1 at once (method prefill_T_layer_N):
   // h [T * H] in; out.h [T * H], and for a MoE layer x [T * H], logits [T * E], preds [T * P * E].

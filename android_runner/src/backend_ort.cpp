@@ -5,7 +5,9 @@
 // The QNN EP is a plugin library of ONNX Runtime (onnxruntime-qnn 2.x): registered with
 // RegisterExecutionProviderLibrary, its HTP device picked from GetEpDevices and appended with
 // SessionOptionsAppendExecutionProvider_V2, CPU fallback disabled (every node on the HTP). On
-// x86-64 the same library runs the HTP simulator. The graphs hold no state ("io" KV mode): each
+// x86-64 the same library runs the HTP simulator. The token embedding is a table the runner reads
+// rows of on the CPU (EmbeddingTable; an older bundle's embed graph otherwise). The graphs hold no
+// state ("io" KV mode): each
 // layer takes the past K/V of its layer, a one-hot of the position and the additive mask, and
 // returns the current position's K/V, which this backend writes into its own cache.
 //
@@ -19,6 +21,8 @@
 #undef ORT_API_MANUAL_INIT
 #include <onnxruntime_session_options_config_keys.h>
 
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -37,6 +41,7 @@
 #include "bundle.h"
 #include "common.h"
 #include "json_checked.h"
+#include "kernels_impl.h"
 #include "parallel.h"
 
 namespace spx {
@@ -98,6 +103,71 @@ std::unordered_map<std::string, std::string> provider_options() {
   return opts;
 }
 
+// The bundle's token embedding table (graphs.embedding: a float16 [vocab, hidden] `weight` in a
+// safetensors file), looked up on the CPU instead of an HTP graph call a position: its header is
+// checked once, and each token's row is read with pread (only the rows a prompt touches are read).
+class EmbeddingTable {
+ public:
+  EmbeddingTable(const std::string& path, int vocab, int hidden);
+  ~EmbeddingTable() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  EmbeddingTable(const EmbeddingTable&) = delete;
+  EmbeddingTable& operator=(const EmbeddingTable&) = delete;
+  void row(int64_t token, std::vector<float>& h);
+
+ private:
+  std::string path_;
+  int fd_ = -1;
+  int vocab_ = 0, hidden_ = 0;
+  uint64_t data_ = 0;  // the file offset of row 0
+  std::vector<uint16_t> half_;
+};
+
+EmbeddingTable::EmbeddingTable(const std::string& path, int vocab, int hidden)
+    : path_(path), vocab_(vocab), hidden_(hidden), half_(static_cast<size_t>(hidden)) {
+  fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd_ < 0) throw Error(path + ": cannot open the embedding table (" + std::strerror(errno) + ")");
+  struct stat st {};
+  if (::fstat(fd_, &st) != 0) throw Error(path + ": cannot stat the embedding table");
+  const uint64_t size = static_cast<uint64_t>(st.st_size);
+  uint8_t len[8];
+  if (size < 8 || ::pread(fd_, len, 8, 0) != 8) jsonc::fail(path, "truncated safetensors file (no header length)");
+  uint64_t hlen = 0;
+  for (int i = 7; i >= 0; --i) hlen = (hlen << 8) | len[i];
+  if (hlen < 2 || hlen > (100ull << 20) || hlen > size - 8)
+    jsonc::fail(path, "safetensors header length " + std::to_string(hlen) + " does not fit the file");
+  std::string text(static_cast<size_t>(hlen), '\0');
+  if (::pread(fd_, text.data(), text.size(), 8) != static_cast<ssize_t>(hlen)) jsonc::fail(path, "truncated safetensors header");
+  const jsonc::json h = jsonc::parse(text, path, "safetensors header");
+  jsonc::need_object(h, path, "");
+  const jsonc::json& w = jsonc::field(h, "weight", path, "");
+  const std::string dtype = jsonc::as_str(jsonc::field(w, "dtype", path, "weight"), path, "weight.dtype");
+  const auto shape = jsonc::as_int_list(jsonc::field(w, "shape", path, "weight"), path, "weight.shape", 0, INT64_MAX);
+  if (dtype != "F16" || shape.size() != 2 || shape[0] != vocab || shape[1] != hidden)
+    jsonc::fail(path, "weight is " + dtype + " of " + std::to_string(shape.size()) + " dims; a float16 table [" +
+                          std::to_string(vocab) + ", " + std::to_string(hidden) + "] (the model's vocabulary and "
+                          "hidden size) expected");
+  const jsonc::json& offs = jsonc::as_list(jsonc::field(w, "data_offsets", path, "weight"), path, "weight.data_offsets");
+  if (offs.size() != 2) jsonc::fail(path, "weight.data_offsets must be [begin, end]");
+  const uint64_t b = jsonc::as_u64(offs[0], path, "weight.data_offsets[0]");
+  const uint64_t e = jsonc::as_u64(offs[1], path, "weight.data_offsets[1]");
+  const uint64_t want = static_cast<uint64_t>(vocab) * static_cast<uint64_t>(hidden) * 2;
+  if (b > e || e - b != want || 8 + hlen + e > size)
+    jsonc::fail(path, "weight's data_offsets do not hold " + std::to_string(want) + " bytes inside the file");
+  data_ = 8 + hlen + b;
+}
+
+void EmbeddingTable::row(int64_t token, std::vector<float>& h) {
+  if (token < 0 || token >= vocab_)
+    throw Error(path_ + ": token id " + std::to_string(token) + " outside 0.." + std::to_string(vocab_ - 1));
+  const size_t n = half_.size() * sizeof(uint16_t);
+  const off_t at = static_cast<off_t>(data_ + static_cast<uint64_t>(token) * n);
+  if (::pread(fd_, half_.data(), n, at) != static_cast<ssize_t>(n)) throw Error(path_ + ": cannot read a row of the embedding table");
+  h.resize(half_.size());
+  for (size_t i = 0; i < half_.size(); ++i) h[i] = detail::f16_to_f32(half_[i]);
+}
+
 // One EPContext graph: its session and its input / output names, in the model's order.
 struct Graph {
   std::unique_ptr<Ort::Session> session;
@@ -111,7 +181,6 @@ class OrtBackend final : public Backend {
   OrtBackend(const Bundle& b, const std::vector<std::string>& methods, int threads);
   void reset() override;
   void embed(int64_t token, std::vector<float>& h) override;
-  bool embed_chunk(const int* tokens, int T, std::vector<float>& h) override;
   void layer(int index, const std::vector<float>& h, int64_t pos, bool moe, LayerOut& out) override;
   using Backend::layer_chunk;
   void layer_chunk(int index, const float* h, int T, int64_t pos, bool moe, LayerOut& out) override;
@@ -136,6 +205,7 @@ class OrtBackend final : public Backend {
   float mask_value_ = -100.0f;
   std::vector<float> onehot_, mask_;  // the host's inputs of the call in progress, [T, S] each
   int64_t calls_ = 0;
+  std::unique_ptr<EmbeddingTable> embedding_;  // null: the bundle's embed graph
 };
 
 int64_t numel(const std::vector<int64_t>& shape) {
@@ -159,6 +229,7 @@ OrtBackend::OrtBackend(const Bundle& b, const std::vector<std::string>& methods,
   if (b.kv_mode != "io") throw Error(b.manifest_path + ": kv.mode " + b.kv_mode + ": QNN graphs take their KV cache as inputs ('io')");
   max_seq_ = b.max_seq;
   mask_value_ = static_cast<float>(b.kv_mask_value);
+  if (!b.embedding_path.empty()) embedding_ = std::make_unique<EmbeddingTable>(b.embedding_path, vocab_, hidden_);
   kv_ = b.kv_layers;
   for (size_t l = 0; l < kv_.size(); ++l) {
     const auto& L = kv_[l];
@@ -255,6 +326,7 @@ void OrtBackend::reset() {
 }
 
 void OrtBackend::embed(int64_t token, std::vector<float>& h) {
+  if (embedding_) return embedding_->row(token, h);  // on the CPU: no crossing to the HTP
   int64_t tok = token;
   const std::vector<int64_t> shape{1, 1};
   std::vector<Ort::Value> in;
@@ -262,20 +334,6 @@ void OrtBackend::embed(int64_t token, std::vector<float>& h) {
   auto out = run("embed", in);
   copy_out(out.at(0), h, where_ + ": embed");
   if (static_cast<int>(h.size()) != hidden_) throw Error(where_ + ": embed returned the wrong width");
-}
-
-bool OrtBackend::embed_chunk(const int* tokens, int T, std::vector<float>& h) {
-  const std::string name = "prefill_" + std::to_string(T) + "_embed";
-  if (T < 2 || graphs_.count(name) == 0) return false;
-  std::vector<int64_t> toks(tokens, tokens + T);
-  const std::vector<int64_t> shape{1, T};
-  std::vector<Ort::Value> in;
-  in.push_back(Ort::Value::CreateTensor<int64_t>(mem_, toks.data(), toks.size(), shape.data(), shape.size()));
-  auto out = run(name, in);
-  copy_out(out.at(0), h, where_ + ": " + name);
-  if (static_cast<int64_t>(h.size()) != static_cast<int64_t>(T) * hidden_)
-    throw Error(where_ + ": " + name + " returned the wrong width");
-  return true;
 }
 
 void OrtBackend::layer(int index, const std::vector<float>& h, int64_t pos, bool moe, LayerOut& out) {

@@ -295,6 +295,12 @@ Bundle parse_manifest(const std::string& text, const std::string& where) {
         fail(where, "graph " + quote(it.key()) + ": its binary " + quote(rel_bin) + " is not beside " + quote(rel));
       b.methods.push_back(it.key());
     }
+    if (const json* e = optional(g, "embedding", where, "graphs")) {
+      jsonc::need_object(*e, where, "graphs.embedding");
+      b.embedding_file = listed(b, field(*e, "file", where, "graphs.embedding"), where, "graphs.embedding.file");
+    } else if (gf.find("embed") == gf.end()) {
+      fail(where, "graphs has neither an embed graph nor an embedding table (graphs.embedding)");
+    }
   }
   if (b.methods.empty()) fail(where, "the bundle lists no graphs");
 
@@ -508,6 +514,7 @@ Bundle Bundle::open(const std::string& dir_in, bool verify_hashes) {
   check_store_identity(b);
   b.config_path = resolved.at(b.config_file);
   if (!b.host_file.empty()) b.host_path = resolved.at(b.host_file);
+  if (!b.embedding_file.empty()) b.embedding_path = resolved.at(b.embedding_file);
   if (!b.tokenizer_file.empty()) b.tokenizer_path = resolved.at(b.tokenizer_file);
   parse_model_config(b, read_text_file(b.config_path, kMaxConfigBytes), b.config_path);
   return b;

@@ -88,6 +88,9 @@ struct Bundle {
   // Manifest-relative names (as listed in "files") and absolute paths of what the runner opens.
   std::string program_file, store_file, host_file, config_file, tokenizer_file;
   std::string program_path;    // graphs.file (the .pte); empty for qnn and qai-hub (graph_paths)
+  // qnn: graphs.embedding.file, the token embedding table the runner looks rows up in on the CPU
+  // (float16 [vocab, hidden] `weight` in safetensors); empty for a bundle with an `embed` graph
+  std::string embedding_file, embedding_path;
   std::string store_path;      // runtime.expert_store
   std::string host_path;       // host_file; empty when the manifest has none
   std::string config_path;     // model.config

@@ -333,17 +333,9 @@ Generation Runner::generate(const std::vector<int>& prompt, int max_new,
   auto chunk = [&](int p0, int T, int T_next) {
     const std::vector<int> parts = chunk_plan(T, sizes);
     hc.assign(static_cast<size_t>(T) * H, 0.0f);
-    int o = 0;
-    for (int Tp : parts) {  // a chunk's tokens in one call where the backend has that graph
-      if (exec_.embed_chunk(seq.data() + p0 + o, Tp, h)) {
-        std::copy(h.begin(), h.end(), hc.begin() + static_cast<size_t>(o) * H);
-      } else {
-        for (int t = o; t < o + Tp; ++t) {
-          exec_.embed(seq[p0 + t], h);
-          std::copy(h.begin(), h.end(), hc.begin() + static_cast<size_t>(t) * H);
-        }
-      }
-      o += Tp;
+    for (int t = 0; t < T; ++t) {
+      exec_.embed(seq[p0 + t], h);
+      std::copy(h.begin(), h.end(), hc.begin() + static_cast<size_t>(t) * H);
     }
     ChunkState cs(T, L, H, k);
     std::vector<std::vector<int>> rt(static_cast<size_t>(T), std::vector<int>(static_cast<size_t>(L) * k));

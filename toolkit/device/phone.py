@@ -606,10 +606,14 @@ def bench(bundle: Path, *, serial: str | None, policies: Sequence[str], pool_mib
     143), with a note naming the partial report; anything else is an error. A run that fails (a
     runner crash: exit code, stderr) is recorded and the bench goes on; failures make the command
     fail at the end, after the report is written."""
+    from android_runner.build import backend_of, check_phone_build
+
     bundle = Path(bundle)
-    _, ids = check_bench(bundle, policies=policies, pool_mib=pool_mib, prompts=prompts,
+    m, ids = check_bench(bundle, policies=policies, pool_mib=pool_mib, prompts=prompts,
                          max_new_tokens=max_new_tokens, threads=threads, json_out=json_out, peer=peer)
     adb = choose(serial)
+    if backend_of(m) == "ort" and ORT_RUNNER_ABI.get(facts(adb)["abi"] or "") == "android":
+        check_phone_build(m)  # the user's QNN libraries and the NDK, before the phone is taken
     lock = lock_phone(adb, stale_after_s=run_timeout_s + cooldown_timeout_s + 600,
                       what=f"{bundle.name}: {', '.join(policies)}", log=log)
     try:

@@ -46,18 +46,6 @@ def prefill_name(chunk: int, layer: int) -> str:
     return f"prefill_{chunk}_layer_{layer}"
 
 
-def prefill_embed_name(chunk: int) -> str:
-    """The embedding of `chunk` prompt tokens in one graph call (io-mode bundles: one HTP crossing a
-    chunk rather than one a position)."""
-    return f"prefill_{chunk}_embed"
-
-
-def parse_prefill_embed_name(name: str) -> int | None:
-    """The chunk size of a prefill embedding graph's name; None for any other name."""
-    m = re.fullmatch(r"prefill_(\d+)_embed", name)
-    return int(m[1]) if m else None
-
-
 def parse_prefill_name(name: str) -> tuple[int, int] | None:
     """(chunk, layer) of a prefill method's name; None for any other name."""
     m = re.fullmatch(r"prefill_(\d+)_layer_(\d+)", name)
@@ -207,14 +195,6 @@ class Backend:
         if not hasattr(self, "_chunks"):
             self._chunks = prefill_chunks_of(self.method_names())
         return self._chunks
-
-    def embed_tokens(self, toks: torch.Tensor) -> torch.Tensor:
-        """Hidden states [1, T, H] of the tokens [1, T]: one `prefill_T_embed` call where this
-        backend has that graph, else `embed` position by position."""
-        T = int(toks.shape[1])
-        if T > 1 and prefill_embed_name(T) in self.method_names():
-            return self.call(prefill_embed_name(T), [toks])[0].reshape(1, T, -1)
-        return torch.cat([self.call("embed", [toks[:, t:t + 1]])[0] for t in range(T)], dim=1)
 
     def layer_chunk(self, layer: int, h: torch.Tensor, pos: int) -> list[torch.Tensor]:
         """Decoder layer `layer` over T = h.shape[1] positions pos .. pos+T-1 (a prefill chunk;

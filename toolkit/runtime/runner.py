@@ -403,13 +403,12 @@ class Runner:
         m, backend = self.model, self.backend
         L, k = m.L, m.routing.top_k
         toks = torch.tensor([seq[p0:p0 + T]], dtype=torch.long)
-        parts = chunk_plan(T, self.chunk_sizes())
-        offs = list(itertools.accumulate([0, *parts]))
-        # each chunk's tokens in one embedding call where the backend has a graph of that size
-        h = torch.cat([backend.embed_tokens(toks[:, o:o + Tp]) for o, Tp in zip(offs, parts)], dim=1)
+        h = torch.cat([backend.call("embed", [toks[:, t:t + 1]])[0] for t in range(T)], dim=1)
         _finite([h], graphs, "embed", p0)
         chunk = ChunkState(T, L, m.hidden_size, k, before=state.ids)
         ids_all = torch.zeros(T, L, k, dtype=torch.long)
+        parts = chunk_plan(T, self.chunk_sizes())
+        offs = list(itertools.accumulate([0, *parts]))
         for layer in range(m.num_layers):
             # the span's chunks in order: each one's attention sees the KV the earlier ones wrote
             per = []
