@@ -8,7 +8,7 @@ RUNS    := runs/demo
 .PHONY: setup demo test test-all lint bench bench-phone fuzz clean
 
 # Debian packages the native runner's builds and tests need (docs/runner.md), where missing
-DEBS    := g++ g++-aarch64-linux-gnu qemu-user nlohmann-json3-dev adb time ccache
+DEBS    := g++ g++-aarch64-linux-gnu qemu-user nlohmann-json3-dev adb time ccache libpng-dev libjpeg62-turbo-dev
 DEB_STAMP := $(VENV)/.debs-$(shell echo $(DEBS) | sha256sum | cut -c1-8)
 
 $(DEB_STAMP):

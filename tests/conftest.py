@@ -10,7 +10,7 @@ import pytest
 from toolkit.models.loader import embedded_model_dir
 from toolkit.models.tiny import TINY_FAMILIES, build_tiny
 
-from prebuild import MAX_SEQ, QNN_EXPORT  # tests/prebuild.py: the shared bundles' settings, one definition
+from prebuild import A16W8_EXPORT, MAX_SEQ, QNN_EXPORT  # tests/prebuild.py: the shared bundles' settings
 
 REPO = Path(__file__).resolve().parent.parent
 HELDOUT = REPO / "toolkit" / "embedded" / "heldout.jsonl"
@@ -51,7 +51,7 @@ class _Prebuild:
     once per run; a build that died without a word fails the waiting tests at once, and a failure is
     remembered (one wait per stage, not one per test)."""
 
-    def __init__(self, config, executorch: bool, native: bool, qnn: bool):
+    def __init__(self, config, executorch: bool, native: bool, qnn: bool, a16w8: bool = False):
         import os
         import subprocess
         import sys
@@ -61,11 +61,12 @@ class _Prebuild:
         root = (base.parent if self.worker else base) / "shared"
         self.bundle = root / "bundles" / "executorch"
         self.qnn_bundle = root / "bundles" / "qnn"
+        self.a16w8_bundle = root / "bundles" / "qnn-a16w8"
         self.profiles = root / "runner-cache" / "profiles"
         self.status = root / "status.json"
         self.log = root / "prebuild.log"
         self.started = root / "started"
-        self.native, self.qnn = native, qnn
+        self.native, self.qnn, self.a16w8 = native, qnn, qnn and a16w8
         self.proc = None
         self.failed: dict[str, str] = {}
         root.mkdir(parents=True, exist_ok=True)
@@ -86,6 +87,8 @@ class _Prebuild:
                 args.append("--native")
             if qnn:
                 args += ["--qnn", str(self.qnn_bundle)]
+            if self.a16w8:
+                args += ["--a16w8", str(self.a16w8_bundle)]
             with open(self.log, "wb") as log:
                 self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
             os.write(fd, str(self.proc.pid).encode())
@@ -95,9 +98,9 @@ class _Prebuild:
                 self.proc.wait()
             err = f"the background build did not start ({type(e).__name__}: {e})"
             tmp = self.status.with_suffix(".start.tmp")
-            tmp.write_text(json.dumps({"bundle": False, "native": False, "qnn": False, "error": err}))
+            tmp.write_text(json.dumps({"bundle": False, "native": False, "qnn": False, "a16w8": False, "error": err}))
             os.replace(tmp, self.status)
-            self.failed = {"bundle": err, "native": err, "qnn": err}
+            self.failed = {"bundle": err, "native": err, "qnn": err, "a16w8": err}
         finally:
             os.close(fd)
 
@@ -129,7 +132,7 @@ class _Prebuild:
             return {}
 
     def wait(self, stage: str) -> None:
-        """Until `stage` ("bundle", "native" or "qnn") has finished; fails the test if it failed."""
+        """Until `stage` ("bundle", "native", "qnn" or "a16w8") has finished; fails the test if it failed."""
         import time
 
         if stage in self.failed:
@@ -163,7 +166,7 @@ class _Prebuild:
         self.proc.wait()  # other workers may still wait for it: never killed on a normal finish
 
 
-_SHARED = ("embedded_bundles", "native_host", "qnn_native")
+_SHARED = ("embedded_bundles", "native_host", "qnn_native", "a16w8_native")
 _prebuild: _Prebuild | None = None
 
 
@@ -193,11 +196,12 @@ def pytest_collection_finish(session):
 
         torch.set_num_threads(1)  # one worker per core
     needs_et = any(_needs(i, "embedded_bundles") and not _qnn_only(i) for i in items)
-    needs_qnn = any(_needs(i, "qnn_native") for i in items)
+    needs_a16w8 = any(_needs(i, "a16w8_native") for i in items)
+    needs_qnn = needs_a16w8 or any(_needs(i, "qnn_native") for i in items)
     if (needs_et or needs_qnn) and not session.config.option.collectonly:
         # every worker collects every test: the build includes the runners if any selected test needs them
         _prebuild = _Prebuild(session.config, executorch=needs_et, native=any(_needs(i, "native_host") for i in items),
-                              qnn=needs_qnn)
+                              qnn=needs_qnn, a16w8=needs_a16w8)
         _yield_to_the_prebuild()
 
 
@@ -292,3 +296,22 @@ def qnn_native(embedded, tmp_path_factory) -> tuple[Path, Path]:
         export_bundle(embedded, bundle, ExportConfig(**QNN_EXPORT))
         profiles = tmp_path_factory.mktemp("runner-cache") / "profiles"
     return bundle, build_qnn_host(bundle, profiles)
+
+
+@pytest.fixture(scope="session")
+def a16w8_native(qnn_native, tmp_path_factory) -> tuple[Path, Path]:
+    """(bundle, runner build directory): the embedded model's a16w8 QNN bundle (tests/prebuild.py
+    A16W8_EXPORT) and its runner, which is qnn_native's (the same model and configuration); from the
+    background build when one was started, else exported here."""
+    from export.bundle import ExportConfig, export_bundle
+    from prebuild import build_qnn_host
+
+    if _prebuild is not None and _prebuild.a16w8:
+        _prebuild.wait("a16w8")
+        bundle = _prebuild.a16w8_bundle
+    else:
+        bundle = tmp_path_factory.mktemp("qnn-a16w8") / "bundle"
+        export_bundle(embedded_model_dir(), bundle, ExportConfig(**A16W8_EXPORT))
+    runner = build_qnn_host(bundle, qnn_native[1].parent.parent / "profiles")
+    assert runner == qnn_native[1], (runner, qnn_native[1])  # one runner for both bundles
+    return bundle, runner
