@@ -259,8 +259,10 @@ def write_embedding(steps, out_dir: Path) -> dict[str, Any]:
     QNN bundle's runner looks a token's row up on the CPU rather than crossing to the HTP for it. An
     embedding graph would be one crossing a position (0.3-0.5 ms on a phone), and a graph per prefill
     chunk size would hold another copy of the table in HTP memory each (600 MiB at Qwen3-30B-A3B's
-    151936 x 2048); on the CPU only the rows a prompt touches are read. float16 is what the HTP's fp16
-    graphs hold; the layer graphs take their inputs at that precision. Returns the manifest entry."""
+    151936 x 2048); on the CPU only the rows a prompt touches are read. float16 is what an fp16 bundle's
+    graphs hold and take their inputs at, so there the layers see what an embed graph gave them; a QDQ
+    bundle's layers quantize the rows at their input (an embed graph gave 8-bit weights' rows: export
+    parity measures the difference). Returns the manifest entry."""
     from safetensors.torch import save_file
 
     w = steps.model.get_input_embeddings().weight.detach().to(torch.float16).contiguous()
@@ -470,8 +472,8 @@ class QnnTarget(Target):
         sigs = dict(g["signatures"])
         soc = m["soc"]
         want_id = SOCS.get(soc, (None, None, None))[2]
-        if "embedding" in g:  # the CPU's lookup table stands for the embed graph
-            emb = embedding_of(path, m)
+        emb = embedding_of(path, m)  # the CPU's lookup table stands for the embed graph
+        if emb is not None:
             sigs.pop("embed", None)
         if set(g["files"]) != set(sigs):
             raise SpecPrefetchError(f"{path / 'manifest.json'}: graph files for {sorted(g['files'])}, "
@@ -511,7 +513,7 @@ class QnnTarget(Target):
             qnn_session(p)  # QNN parses the context binary (the simulator here, the HTP on a phone)
             out[name] = {"inputs": len(shapes_in), "outputs": len(shapes_out), "compat": compat,
                          "bytes": p.stat().st_size + context_bin(p).stat().st_size}
-        if "embedding" in g:
+        if emb is not None:
             out["embed"] = {"inputs": 1, "outputs": 1, "compat": "cpu lookup", "bytes": emb.path.stat().st_size}
         return out
 
@@ -528,7 +530,10 @@ def embedding_of(path: Path, m: dict) -> EmbeddingTable | None:
     """Bundle `path`'s embedding table (graphs.embedding), checked against the model's vocabulary and
     hidden size; None for a bundle with an embed graph instead (exported before the lookup)."""
     e = m["graphs"].get("embedding")
-    if e is None:
+    if e is None:  # absent or null (as the native runner reads it): the embed graph embeds
+        if "embed" not in m["graphs"].get("files", {}):
+            raise SpecPrefetchError(f"{path / 'manifest.json'}: graphs has neither an embed graph nor an embedding "
+                                    "table (graphs.embedding)")
         return None
     if not isinstance(e, dict) or not isinstance(e.get("file"), str):
         raise SpecPrefetchError(f"{path / 'manifest.json'}: graphs.embedding must name its file")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +14,13 @@ from toolkit.models.tiny import TINY_FAMILIES, build_tiny
 from prebuild import A16W8_EXPORT, MAX_SEQ, QNN_EXPORT  # tests/prebuild.py: the shared bundles' settings
 
 REPO = Path(__file__).resolve().parent.parent
+
+# the user's runner cache, before any fixture points SPECPREFETCH_PROFILES at a session's: ONNX Runtime's
+# headers are fetched there once (tests/prebuild.py user_ort_headers), not once per test session
+if "SPX_TEST_USER_RUNNERS" not in os.environ:
+    from android_runner.build import runners_dir as _runners_dir
+
+    os.environ["SPX_TEST_USER_RUNNERS"] = str(_runners_dir())
 HELDOUT = REPO / "toolkit" / "embedded" / "heldout.jsonl"
 
 
@@ -154,8 +162,9 @@ class _Prebuild:
             time.sleep(0.2)
         if not st.get(stage):
             tail = self.log.read_text(errors="replace")[-3000:] if self.log.exists() else ""
+            err = (st.get("errors") or {}).get(stage) or st.get("error")
             self.failed[stage] = (f"the shared bundle's background build failed at its {stage} stage "
-                                  f"({st.get('error')}; {self.log}):\n{tail}")
+                                  f"({err}; {self.log}):\n{tail}")
             pytest.fail(self.failed[stage], pytrace=False)
 
     def stop(self, interrupted: bool) -> None:

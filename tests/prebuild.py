@@ -88,9 +88,12 @@ def user_ort_headers() -> Path:
 
     if os.environ.get("SPX_ORT_INCLUDE"):
         return ort_headers(lambda s: None)
-    # the default runner cache, named without touching the environment (a thread of the prebuild
-    # calls this while the main thread builds into the session's cache)
-    return ort_headers(lambda s: None, cache=Path.home() / ".cache" / "specprefetch" / "runners")
+    # the user's runner cache, named without touching the environment (a thread of the prebuild calls
+    # this while the main thread builds into the session's cache): conftest.py records it in
+    # SPX_TEST_USER_RUNNERS before any fixture moves SPECPREFETCH_PROFILES
+    user = os.environ.get("SPX_TEST_USER_RUNNERS")
+    cache = Path(user) if user else Path.home() / ".cache" / "specprefetch" / "runners"
+    return ort_headers(lambda s: None, cache=cache)
 
 
 def _write(status: Path | None, st: dict) -> None:
@@ -105,8 +108,9 @@ def _write(status: Path | None, st: dict) -> None:
 
 def main(argv: list[str]) -> int:
     """OUT [--no-bundle] [--native] [--qnn QNN_OUT [--a16w8 A16W8_OUT]] [--status FILE]: FILE gets
-    {"bundle", "native", "qnn", "a16w8", "error"} (each stage's outcome: true, false, or null while it
-    runs; "error" the first failure), rewritten whole after each stage. "native" needs "bundle",
+    {"bundle", "native", "qnn", "a16w8", "error", "errors"} (each stage's outcome: true, false, or null
+    while it runs; "errors" each failed stage's error, "error" the first), rewritten whole after each
+    stage. "native" needs "bundle",
     "a16w8" needs "qnn" (its runner); "qnn" needs neither and is tried whatever they did. Exit status 1
     when a stage failed."""
     import os
@@ -123,7 +127,7 @@ def main(argv: list[str]) -> int:
     stages = ((["bundle"] if et else []) + (["native"] if native else []) + (["qnn"] if qnn_out else [])
               + (["a16w8"] if a16w8_out else []))
     st = {"bundle": None if et else False, "native": None if native else False, "qnn": None if qnn_out else False,
-          "a16w8": None if a16w8_out else False, "error": None}
+          "a16w8": None if a16w8_out else False, "error": None, "errors": {}}
     _write(status, st)
     # a network wait, not a core: a daemon thread (a failed run exits without waiting for it) fetches
     # the headers while the ExecuTorch stages build; it touches no environment variable
@@ -142,8 +146,11 @@ def main(argv: list[str]) -> int:
     failed = False
     try:
         for stage in stages:
-            if (stage == "native" and st["bundle"] is False) or (stage == "a16w8" and st["qnn"] is False):
-                st[stage] = False  # the stage it needs failed: its error stands for this one
+            need = {"native": "bundle", "a16w8": "qnn"}.get(stage)
+            if need is not None and st[need] is False:  # the stage it needs failed: that error stands for it
+                st[stage] = False
+                st["errors"][stage] = st["errors"].get(need, f"the {need} stage failed")
+                _write(status, st)
                 continue
             try:
                 if stage == "bundle":
@@ -163,7 +170,8 @@ def main(argv: list[str]) -> int:
             except Exception as e:  # the waiting tests report it; the next independent stage goes on
                 failed = True
                 st[stage] = False
-                st["error"] = st["error"] or f"{stage}: {type(e).__name__}: {e}"[:2000]
+                st["errors"][stage] = f"{type(e).__name__}: {e}"[:2000]
+                st["error"] = st["error"] or f"{stage}: {st['errors'][stage]}"
                 traceback.print_exc()
             else:
                 st[stage] = True
@@ -177,6 +185,8 @@ def main(argv: list[str]) -> int:
         raise
     finally:
         _write(status, st)
+        if fetcher is not None:  # an apt-get under way is let finish (its temporary files cleaned)
+            fetcher.join(timeout=120)
     return 1 if failed else 0
 
 

@@ -282,6 +282,12 @@ def test_a_qnn_bundle_for_a_phone_needs_the_users_libraries(qnn_env, phones, mon
     with pytest.raises(SpecPrefetchError, match="set SPX_QNN_LIBS to a directory holding libonnxruntime.so"):
         push(qnn_env[0], p.serial, log=lambda s: None)
     assert not p.host_path(ROOT).exists() or not any(p.host_path(ROOT).rglob("manifest.json"))
+    import toolkit.device.phone as phone
+
+    def taken(*a, **kw):
+        raise AssertionError("the phone was taken before the build's requirements were checked")
+
+    monkeypatch.setattr(phone, "lock_phone", taken)
     with pytest.raises(SpecPrefetchError, match="set SPX_QNN_LIBS"):  # bench: before the phone is taken
         _bench(qnn_env[0], p, tmp_path / "b.json", ["on-demand+lru"])
     assert not p.host_path(LOCK).exists() and not (tmp_path / "b.json").exists()

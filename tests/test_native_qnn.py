@@ -62,7 +62,7 @@ def native_qnn_run(runner: Path, bundle: Path, tmp_path: Path, policy: str, *ext
 
 
 def check_policy(runner, bundle, embedded, tmp_path, policy: str, unmodified: bool = True,
-                 other_steps: float = 0.0) -> dict:
+                 other_steps: float = 0.0, htp_embed: bool = False) -> dict:
     """The native runner against the Python engine on `bundle`: tokens (and, `unmodified`, the
     unmodified model's), HTP calls, and decisions per step up to their order, in all but a share
     `other_steps` of the steps; the counts equal, or off by at most two (a hit turned miss and the
@@ -89,10 +89,10 @@ def check_policy(runner, bundle, embedded, tmp_path, policy: str, unmodified: bo
             unit = slot if k == "bytes_read" else 1
             assert abs(r["counts"][k] - g.to_json()["counts"][k]) <= 2 * len(differ) * unit, (policy, k, len(differ))
         # the HTP's crossings: 8 layer graphs per prefill unit (a chunk or one position), the head
-        # once; the embedding is a CPU lookup
+        # once; the embedding is a CPU lookup (`htp_embed`: a graph call a position)
         assert r["prefill_chunks"] == g.prefill_chunks, policy
-        assert r["prefill_graph_calls"] == 8 * len(r["prefill_chunks"]) + 1, r
-        assert r["decode_graph_calls_per_token"] == 9.0, r
+        assert r["prefill_graph_calls"] == 8 * len(r["prefill_chunks"]) + 1 + (len(ids) if htp_embed else 0), r
+        assert r["decode_graph_calls_per_token"] == 9.0 + htp_embed, r
     assert 8 in out["runs"][2]["prefill_chunks"]
     return out
 
@@ -126,18 +126,83 @@ def test_the_embedding_is_a_table_not_an_htp_graph(qnn_native, embedded, tmp_pat
     got = embedding_of(bundle, m).lookup(torch.tensor([[7, 4095]]))
     assert torch.equal(got, want[[7, 4095]].to(torch.float16).float().reshape(1, 2, -1))
 
+    rel = "graphs/embedding.safetensors"
     b = tmp_path / "b"
     shutil.copytree(bundle, b)
-    save_file({"weight": table[:-1].contiguous()}, str(b / "graphs" / "embedding.safetensors"))  # one row short
-    rel = "graphs/embedding.safetensors"
-    m["files"][rel] = {"size": (b / rel).stat().st_size, "sha256": hashlib.sha256((b / rel).read_bytes()).hexdigest()}
-    (b / "manifest.json").write_text(json.dumps(m))
+
+    def table_file(tensors: dict | None = None, raw: bytes | None = None) -> subprocess.CompletedProcess:
+        """The copy's table replaced (and resealed in its manifest); the native runner run on it."""
+        if raw is None:
+            save_file(tensors, str(b / rel))
+        else:
+            (b / rel).write_bytes(raw)
+        m["files"][rel] = {"size": (b / rel).stat().st_size,
+                           "sha256": hashlib.sha256((b / rel).read_bytes()).hexdigest()}
+        (b / "manifest.json").write_text(json.dumps(m))
+        return subprocess.run([*command(runner, "host"), str(b), "--prompt-ids", "7,4095,3", "--max-new-tokens", "2"],
+                              capture_output=True, text=True, timeout=300)
+
+    # the weight after another tensor (a non-zero data offset): read from where the header says
+    r = table_file({"a_first": torch.ones(3, dtype=torch.float16), "weight": table})
+    assert r.returncode == 0, r.stderr
+    assert embedding_of(b, m).lookup(torch.tensor([[7]])).equal(got[:, :1])
+    # refused in one line naming the table: a row short, another dtype, another width, offsets past the end
+    refusals = [({"weight": table[:-1].contiguous()}, None, "weight is F16 [4095, 256]; a float16 table [4096, 256]"),
+                ({"weight": table.float()}, None, "weight is F32 [4096, 256]"),
+                ({"weight": table[:, :128].contiguous()}, None, "weight is F16 [4096, 128]")]
+    end = 2**64 - 8  # offsets whose sum with the header's length wraps around 64 bits
+    header = json.dumps({"weight": {"dtype": "F16", "shape": [4096, 256], "data_offsets": [end - 4096 * 256 * 2, end]}})
+    refusals.append((None, len(header).to_bytes(8, "little") + header.encode() + b"\0" * 16, "data_offsets"))
+    for tensors, raw, message in refusals:
+        r = table_file(tensors, raw)
+        assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert "embedding.safetensors" in r.stderr and message in r.stderr, (message, r.stderr)
+    table_file({"weight": table[:-1].contiguous()})
     with pytest.raises(SpecPrefetchError, match=r"embedding.safetensors: weight is F16 \[4095, 256\]; a float16 table"):
+        embedding_of(b, m)
+    # a qnn manifest with neither the table nor an embed graph: refused by both
+    del m["graphs"]["embedding"]
+    (b / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(SpecPrefetchError, match="neither an embed graph nor an embedding table"):
         embedding_of(b, m)
     r = subprocess.run([*command(runner, "host"), str(b), "--prompt-ids", "1,2"], capture_output=True, text=True,
                        timeout=300)
-    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
-    assert "embedding.safetensors" in r.stderr and "a float16 table [4096, 256]" in r.stderr, r.stderr
+    assert r.returncode == 1 and "neither an embed graph nor an embedding table" in r.stderr, r.stderr
+
+
+@pytest.mark.slow  # compiles one graph for the HTP simulator
+def test_a_bundle_with_an_embed_graph_runs_it_on_the_htp(qnn_native, embedded, tmp_path):
+    """A qnn bundle that embeds with an `embed` graph (a qai-hub bundle's form, and a qnn bundle's
+    before the table): both engines run that graph, one HTP call a position more, the same tokens,
+    counts and decisions."""
+    import hashlib
+    import shutil
+
+    from export.graphs import StepModel
+    from export.qnn_target import compile_context, context_bin, export_onnx
+    from toolkit.models.loader import inspect_model_dir, load_dense_model
+
+    bundle, runner = qnn_native
+    b = tmp_path / "b"
+    shutil.copytree(bundle, b)
+    m = json.loads((b / "manifest.json").read_text())
+    spec = inspect_model_dir(embedded)
+    steps = StepModel(spec, load_dense_model(spec), max_seq=m["kv"]["max_seq"])
+    (tmp_path / "onnx").mkdir()
+    src = export_onnx(steps, {"embed": steps.graphs("io")["embed"]}, tmp_path / "onnx", lambda s: None)["embed"]
+    ctx = b / "graphs" / "embed_ctx.onnx"
+    compile_context(src, ctx, m["soc"], fp16=True)
+    rel = "graphs/embedding.safetensors"
+    (b / rel).unlink()
+    del m["graphs"]["embedding"], m["files"][rel]
+    m["graphs"]["files"]["embed"] = "graphs/embed_ctx.onnx"
+    m["graphs"]["binaries"]["embed"] = f"graphs/{context_bin(ctx).name}"
+    for p in (ctx, context_bin(ctx)):
+        m["files"][str(p.relative_to(b))] = {"size": p.stat().st_size,
+                                             "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+    (b / "manifest.json").write_text(json.dumps(m))
+    out = check_policy(runner, b, embedded, tmp_path, "next-gate+prediction", htp_embed=True)
+    assert out["runs"][0]["decode_graph_calls_per_token"] == 10.0
 
 
 @pytest.mark.slow
@@ -151,8 +216,8 @@ def test_native_runs_a_qnn_bundle_every_predictor(predictor, qnn_native, embedde
     pytest.param(p, marks=pytest.mark.slow)
     for p in ["oracle+belady", *(f"{p}+lru" for p in PREDICTORS if p not in ("next-gate", "oracle"))]])
 def test_native_runs_an_a16w8_qnn_bundle_as_the_python_engine(policy, a16w8_native, embedded, tmp_path):
-    """The integer bundle: the same tokens and counts in both engines (its tokens are its own, not the
-    fp32 model's), and the same decisions in all but 2% of the steps: its graphs' outputs are uint16
+    """The integer bundle: the same tokens in both engines (its own, not the fp32 model's), the same
+    decisions in all but 2% of the steps and the counts within two per differing step: its graphs' outputs are uint16
     steps, so equal router and prediction values are common, and the last-bit difference between the
     engines' CPU expert sums (added in different orders) can move one across a step and swap two
     tied experts' ranks (measured with 6 new tokens: 1 step of 241, one stale prefetch dropped for another)."""

@@ -26,6 +26,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -117,6 +118,7 @@ class EmbeddingTable {
   void row(int64_t token, std::vector<float>& h);
 
  private:
+  void load_header();
   std::string path_;
   int fd_ = -1;
   int vocab_ = 0, hidden_ = 0;
@@ -126,10 +128,23 @@ class EmbeddingTable {
 
 EmbeddingTable::EmbeddingTable(const std::string& path, int vocab, int hidden)
     : path_(path), vocab_(vocab), hidden_(hidden), half_(static_cast<size_t>(hidden)) {
-  fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: a FIFO put in its place is refused below (not a regular file), not waited on
+  fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd_ < 0) throw Error(path + ": cannot open the embedding table (" + std::strerror(errno) + ")");
+  try {
+    load_header();
+  } catch (...) {
+    ::close(fd_);
+    fd_ = -1;
+    throw;
+  }
+}
+
+void EmbeddingTable::load_header() {
+  const std::string& path = path_;
   struct stat st {};
-  if (::fstat(fd_, &st) != 0) throw Error(path + ": cannot stat the embedding table");
+  if (::fstat(fd_, &st) != 0) throw Error(path + ": cannot stat the embedding table (" + std::strerror(errno) + ")");
+  if (!S_ISREG(st.st_mode)) throw Error(path + ": the embedding table is not a regular file");
   const uint64_t size = static_cast<uint64_t>(st.st_size);
   uint8_t len[8];
   if (size < 8 || ::pread(fd_, len, 8, 0) != 8) jsonc::fail(path, "truncated safetensors file (no header length)");
@@ -144,17 +159,21 @@ EmbeddingTable::EmbeddingTable(const std::string& path, int vocab, int hidden)
   const jsonc::json& w = jsonc::field(h, "weight", path, "");
   const std::string dtype = jsonc::as_str(jsonc::field(w, "dtype", path, "weight"), path, "weight.dtype");
   const auto shape = jsonc::as_int_list(jsonc::field(w, "shape", path, "weight"), path, "weight.shape", 0, INT64_MAX);
-  if (dtype != "F16" || shape.size() != 2 || shape[0] != vocab || shape[1] != hidden)
-    jsonc::fail(path, "weight is " + dtype + " of " + std::to_string(shape.size()) + " dims; a float16 table [" +
-                          std::to_string(vocab) + ", " + std::to_string(hidden) + "] (the model's vocabulary and "
-                          "hidden size) expected");
+  if (dtype != "F16" || shape.size() != 2 || shape[0] != vocab_ || shape[1] != hidden_) {
+    std::string dims;
+    for (int64_t d : shape) dims += (dims.empty() ? "" : ", ") + std::to_string(d);
+    jsonc::fail(path, "weight is " + dtype + " [" + dims + "]; a float16 table [" + std::to_string(vocab_) + ", " +
+                          std::to_string(hidden_) + "] (the model's vocabulary and hidden size) expected");
+  }
   const jsonc::json& offs = jsonc::as_list(jsonc::field(w, "data_offsets", path, "weight"), path, "weight.data_offsets");
   if (offs.size() != 2) jsonc::fail(path, "weight.data_offsets must be [begin, end]");
   const uint64_t b = jsonc::as_u64(offs[0], path, "weight.data_offsets[0]");
   const uint64_t e = jsonc::as_u64(offs[1], path, "weight.data_offsets[1]");
-  const uint64_t want = static_cast<uint64_t>(vocab) * static_cast<uint64_t>(hidden) * 2;
-  if (b > e || e - b != want || 8 + hlen + e > size)
-    jsonc::fail(path, "weight's data_offsets do not hold " + std::to_string(want) + " bytes inside the file");
+  const uint64_t want = static_cast<uint64_t>(vocab_) * static_cast<uint64_t>(hidden_) * 2;
+  const uint64_t dlen = size - 8 - hlen;  // the data after the header (no overflow: hlen <= size - 8)
+  if (b > e || e > dlen || e - b != want)
+    jsonc::fail(path, "weight's data_offsets [" + std::to_string(b) + ", " + std::to_string(e) + "] do not hold " +
+                          std::to_string(want) + " bytes inside the file's " + std::to_string(dlen) + " bytes of data");
   data_ = 8 + hlen + b;
 }
 
@@ -163,7 +182,10 @@ void EmbeddingTable::row(int64_t token, std::vector<float>& h) {
     throw Error(path_ + ": token id " + std::to_string(token) + " outside 0.." + std::to_string(vocab_ - 1));
   const size_t n = half_.size() * sizeof(uint16_t);
   const off_t at = static_cast<off_t>(data_ + static_cast<uint64_t>(token) * n);
-  if (::pread(fd_, half_.data(), n, at) != static_cast<ssize_t>(n)) throw Error(path_ + ": cannot read a row of the embedding table");
+  const ssize_t got = ::pread(fd_, half_.data(), n, at);
+  if (got != static_cast<ssize_t>(n))
+    throw Error(path_ + ": cannot read row " + std::to_string(token) + " of the embedding table (" +
+                (got < 0 ? std::string(std::strerror(errno)) : "short read") + ")");
   h.resize(half_.size());
   for (size_t i = 0; i < half_.size(); ++i) h[i] = detail::f16_to_f32(half_[i]);
 }
