@@ -129,8 +129,9 @@ def main(argv: list[str]) -> int:
     st = {"bundle": None if et else False, "native": None if native else False, "qnn": None if qnn_out else False,
           "a16w8": None if a16w8_out else False, "error": None, "errors": {}}
     _write(status, st)
-    # a network wait, not a core: a daemon thread (a failed run exits without waiting for it) fetches
-    # the headers while the ExecuTorch stages build; it touches no environment variable
+    # a network wait, not a core: a thread fetches the headers while the ExecuTorch stages build (it
+    # touches no environment variable); a run that fails before the qnn stage joins it still lets it
+    # finish (up to 120 s, below), so apt-get cleans up its temporary files
     headers: dict = {}
 
     def fetch() -> None:

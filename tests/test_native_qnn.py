@@ -139,12 +139,21 @@ def test_the_embedding_is_a_table_not_an_htp_graph(qnn_native, embedded, tmp_pat
         m["files"][rel] = {"size": (b / rel).stat().st_size,
                            "sha256": hashlib.sha256((b / rel).read_bytes()).hexdigest()}
         (b / "manifest.json").write_text(json.dumps(m))
-        return subprocess.run([*command(runner, "host"), str(b), "--prompt-ids", "7,4095,3", "--max-new-tokens", "2"],
-                              capture_output=True, text=True, timeout=300)
+        return run(b)
 
-    # the weight after another tensor (a non-zero data offset): read from where the header says
+    def run(where: Path) -> subprocess.CompletedProcess:
+        return subprocess.run([*command(runner, "host"), str(where), "--prompt-ids", "7,4095,3", "--max-new-tokens",
+                               "3", "--json", str(tmp_path / "run.json")], capture_output=True, text=True, timeout=300)
+
+    def tokens() -> list[int]:
+        return json.loads((tmp_path / "run.json").read_text())["runs"][0]["tokens"]
+
+    assert run(bundle).returncode == 0
+    want_tokens = tokens()
+    # the weight after another tensor (a non-zero data offset): read from where the header says (a reader
+    # that started at the data's first byte would embed shifted rows and decode other tokens)
     r = table_file({"a_first": torch.ones(3, dtype=torch.float16), "weight": table})
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == 0 and tokens() == want_tokens, r.stderr
     assert embedding_of(b, m).lookup(torch.tensor([[7]])).equal(got[:, :1])
     # refused in one line naming the table: a row short, another dtype, another width, offsets past the end
     refusals = [({"weight": table[:-1].contiguous()}, None, "weight is F16 [4095, 256]; a float16 table [4096, 256]"),
@@ -152,7 +161,8 @@ def test_the_embedding_is_a_table_not_an_htp_graph(qnn_native, embedded, tmp_pat
                 ({"weight": table[:, :128].contiguous()}, None, "weight is F16 [4096, 128]")]
     end = 2**64 - 8  # offsets whose sum with the header's length wraps around 64 bits
     header = json.dumps({"weight": {"dtype": "F16", "shape": [4096, 256], "data_offsets": [end - 4096 * 256 * 2, end]}})
-    refusals.append((None, len(header).to_bytes(8, "little") + header.encode() + b"\0" * 16, "data_offsets"))
+    refusals.append((None, len(header).to_bytes(8, "little") + header.encode() + b"\0" * 16,
+                     "do not hold 2097152 bytes inside the file's 16 bytes of data"))
     for tensors, raw, message in refusals:
         r = table_file(tensors, raw)
         assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
