@@ -212,6 +212,8 @@ def _png_cases() -> dict:
     c["png-gray16"] = lambda d: _save(Image.fromarray(i16), d / "gray16.png")
     c["png-rgb16"] = lambda d: write_png(d / "rgb16.png", rng.integers(0, 65536, (33, 47, 3)), 2, 16)
     c["png-rgba16"] = lambda d: write_png(d / "rgba16.png", rng.integers(0, 65536, (20, 30, 4)), 6, 16)
+    # only the IDAT chunk's checksum wrong: Pillow's own PNG reader skips it, so it is an image
+    c["png-idat-crc-only"] = lambda d: _flip_idat_crc(_save(noise(30, 40, 9), d / "crc-src.png"), d / "crc.png")
     c["png-la16"] = lambda d: write_png(d / "la16.png", rng.integers(0, 65536, (26, 18, 2)), 4, 16)
     c["png-gray2"] = lambda d: write_png(d / "gray2.png", rng.integers(0, 4, (25, 35, 1)), 0, 2)
     # 4-bit indices, a palette of 5: an index past it is black in Pillow
@@ -379,9 +381,19 @@ def _flip_idat(src: Path, dst: Path) -> Path:
     return dst
 
 
-def _png_header(dst: Path, w: int, h: int) -> Path:
+def _flip_idat_crc(src: Path, dst: Path) -> Path:
+    """The IDAT chunk's 4 CRC bytes changed, nothing else."""
+    b = bytearray(src.read_bytes())
+    i = b.index(b"IDAT")
+    n = struct.unpack(">I", b[i - 4:i])[0]
+    b[i + 4 + n] ^= 0xFF  # the first CRC byte after the type and the n data bytes
+    dst.write_bytes(bytes(b))
+    return dst
+
+
+def _png_header(dst: Path, w: int, h: int, depth: int = 8, color_type: int = 2) -> Path:
     """A PNG whose IHDR says w x h, with a few bytes of image data: a decoder that allocates first dies."""
-    ihdr = _chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
+    ihdr = _chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, depth, color_type, 0, 0, 0))
     dst.write_bytes(b"\x89PNG\r\n\x1a\n" + ihdr + _chunk(b"IDAT", zlib.compress(b"\x00" * 64)) + _chunk(b"IEND", b""))
     return dst
 
@@ -402,13 +414,16 @@ REFUSALS = {  # name: (make(dir) -> path, what the message says, Pillow / the pr
     "png-bad-idat-crc": (lambda d: _flip_idat(_save(noise(60, 60, 2), d / "b.png"), d / "c.png"),
                          "truncated or corrupt PNG", True),
     "truncated-jpeg": (lambda d: _truncated(_save(gradient(200, 150, 3), d / "a.jpg", quality=90), d / "t.jpg", 0.6),
-                       "truncated JPEG", True),
+                       "truncated JPEG (the data ends early)", True),
     "jpeg-cut-in-header": (lambda d: _truncated(_save(gradient(64, 64, 4), d / "b.jpg"), d / "h.jpg", 0.05),
                            "JPEG", True),
     "text-file": (lambda d: _write(d / "notes.png", b"not an image at all\n"), "not a PNG or JPEG image", True),
     "empty-file": (lambda d: _write(d / "empty.jpg", b""), "not a PNG or JPEG image", True),
     "missing-file": (lambda d: d / "nowhere.png", "cannot open", True),
     "png-20000x20000": (lambda d: _png_header(d / "huge.png", 20000, 20000), "over 64 megapixels", True),
+    # 36 megapixels (under the pixel cap) of 16-bit RGBA: 288 MB of samples, over the byte cap
+    "png-rgba16-6000x6000": (lambda d: _png_header(d / "deep.png", 6000, 6000, 16, 6), "MiB decoded are refused",
+                             None),
     "jpeg-9000x9000": (lambda d: _jpeg_header(d / "huge.jpg", 9000, 9000), "over 64 megapixels", None),
     "cmyk-jpeg": (lambda d: _save(Image.new("CMYK", (16, 16), (10, 20, 30, 40)), d / "cmyk.jpg"),
                   "4 components", False),

@@ -61,3 +61,27 @@ def test_torch_export(vl):
     got = ep.module()(pix)
     for a, b in zip(got, want):
         assert (a - b).abs().max() <= 1e-6
+
+
+def test_deepstack_taps_and_their_order(vl):
+    """A deeper tower whose DeepStack taps are early blocks, listed out of order ([2, 0] of 4 blocks):
+    each feature comes from its own block's hidden state through its own merger, in the listed order
+    (the tiny checkpoint's one tap is its last block, which would hide a mixed-up tap)."""
+    import copy
+
+    from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeVisionModel
+
+    cfg = copy.deepcopy(vl.model.config.vision_config)
+    cfg.depth, cfg.deepstack_visual_indexes = 4, [2, 0]
+    torch.manual_seed(0)
+    tower = Qwen3VLMoeVisionModel(cfg).eval()
+    for p in tower.parameters():  # random weights large enough that every block matters
+        p.data.normal_(0, 0.2)
+    pix, grid_thw = _pixels(vl, 64, 64, seed=2)
+    with torch.no_grad():
+        want = tower(pix, grid_thw=grid_thw)
+        embeds, deepstack = VisionGraph(tower, (1, 4, 4)).eval()(pix)
+    assert deepstack.shape[0] == 2 and (deepstack[0] - deepstack[1]).abs().max() > 1e-3
+    assert (embeds - want.pooler_output).abs().max() <= 1e-5
+    for got, ref in zip(deepstack, want.deepstack_features):
+        assert (got - ref).abs().max() <= 1e-5

@@ -34,6 +34,11 @@
 #if SPX_IMAGE_JPEG
 #include <jerror.h>
 #include <jpeglib.h>
+// Pillow decodes with libjpeg-turbo (2.x / 3.x); IJG libjpeg 7+ and libjpeg-turbo before 2.0 upsample
+// chroma differently, which would give other pixels without any error
+#if !defined(LIBJPEG_TURBO_VERSION_NUMBER) || LIBJPEG_TURBO_VERSION_NUMBER < 2000000
+#error "image.cpp needs libjpeg-turbo 2.0 or newer (Pillow's JPEG decoder); build with -DSPX_IMAGE_JPEG=0 without it"
+#endif
 #endif
 
 namespace spx {
@@ -89,7 +94,7 @@ bool png_header(png_structp png, png_infop info, FILE* f, PngErr* e, PngHeader* 
   if (setjmp(e->jb)) return false;
   png_init_io(png, f);
   png_set_sig_bytes(png, 8);
-  // a bad checksum on any chunk is an error (Pillow refuses one in the chunks it reads too)
+  // a bad checksum on a chunk before the image data is an error, as in Pillow (which checks those)
   png_set_crc_action(png, PNG_CRC_DEFAULT, PNG_CRC_ERROR_QUIT);
   png_read_info(png, info);
   h->width = png_get_image_width(png, info);
@@ -113,6 +118,9 @@ bool png_header(png_structp png, png_infop info, FILE* f, PngErr* e, PngHeader* 
 bool png_pixels(png_structp png, png_infop info, PngErr* e, int bit_depth, uint8_t* buf, size_t rowbytes,
                 png_uint_32 height) {
   if (setjmp(e->jb)) return false;
+  // IDAT's checksum is not checked: Pillow's PNG reader (its own, not libpng) skips it; a corrupt
+  // zlib stream inside is still an error
+  png_set_crc_action(png, PNG_CRC_QUIET_USE, PNG_CRC_ERROR_QUIT);
   if (bit_depth < 8) png_set_packing(png);
   const int passes = png_set_interlace_handling(png);
   png_read_update_info(png, info);
@@ -151,6 +159,11 @@ Rgb8Image decode_png(const std::string& path, FILE* f) {
   }
   const size_t bps = depth == 16 ? 2 : 1;  // bytes a sample, after unpacking
   const size_t rowbytes = static_cast<size_t>(h.width) * channels * bps;
+  // the samples as stored are up to 8 bytes a pixel (RGBA, 16-bit): capped, from the header, before
+  // any allocation (check_pixels caps the pixels; this the bytes a deep format needs for them)
+  if (static_cast<uint64_t>(rowbytes) * h.height > kMaxImageBytes)
+    throw Error(path + ": image is " + fmt_pixels(h.width, h.height) + " of " + std::to_string(channels * bps) +
+                " bytes a pixel; images over " + std::to_string(kMaxImageBytes >> 20) + " MiB decoded are refused");
   std::vector<uint8_t> raw(rowbytes * h.height);
   if (!png_pixels(g.png, g.info, &err, depth, raw.data(), rowbytes, h.height)) throw corrupt();
 
@@ -222,6 +235,10 @@ bool jpeg_header(jpeg_decompress_struct* ci, FILE* f, JpegErr* e) {
 bool jpeg_pixels(jpeg_decompress_struct* ci, JpegErr* e, uint8_t* buf, bool* complete) {
   if (setjmp(e->jb)) return false;
   jpeg_start_decompress(ci);
+  // buf holds image_width x image_height x num_components: nothing else is written into it
+  if (ci->output_width != ci->image_width || ci->output_height != ci->image_height ||
+      ci->output_components != ci->num_components)
+    ERREXIT(ci, JERR_BAD_DCTSIZE);
   const size_t stride = static_cast<size_t>(ci->output_width) * ci->output_components;
   while (ci->output_scanline < ci->output_height) {
     JSAMPROW row = buf + ci->output_scanline * stride;
@@ -245,7 +262,7 @@ Rgb8Image decode_jpeg(const std::string& path, FILE* f) {
   err.pub.emit_message = jpeg_note;
   JpegGuard g{&ci};
   auto failed = [&]() {
-    if (err.eof) return Error(path + ": truncated JPEG (the data ends before the last row)");
+    if (err.eof) return Error(path + ": truncated JPEG (the data ends early)");
     return Error(path + ": corrupt JPEG (libjpeg: " + err.msg + ")");
   };
   if (!jpeg_header(&ci, f, &err)) throw failed();

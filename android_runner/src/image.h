@@ -20,11 +20,18 @@
 //   - JPEG: libjpeg-turbo with the library's defaults (JDCT_ISLOW, fancy upsampling), which is what
 //     Pillow asks for when draft() is not called: grey (1 component) or YCbCr/RGB (3 components),
 //     baseline, progressive or arithmetic-coded. CMYK and YCCK (4 components) are refused.
-//   - Truncated or corrupt: any libpng or libjpeg error, and image data that ends before the last
-//     row (Pillow refuses these too, unless LOAD_TRUNCATED_IMAGES). What follows the last row (a
-//     missing IEND or EOI, trailing bytes) is not read.
-//   - Size: width * height over kMaxImagePixels is refused from the header (IHDR, SOF), before any
-//     pixel memory is allocated. There is no smallest size: the processor takes 1x1 (smart_resize
+//   - Truncated or corrupt: any libpng or libjpeg error, and image data that ends early (Pillow
+//     refuses these too, unless LOAD_TRUNCATED_IMAGES). A PNG's IDAT checksum is not checked (Pillow
+//     does not check it; the chunks before it are checked). After a PNG's last row nothing is read (a
+//     missing IEND is taken); a JPEG without its EOI marker is refused as truncated (libjpeg reads
+//     ahead for the last row's bits; Pillow refuses it too).
+//   - Size: width * height over kMaxImagePixels, or a PNG whose stored samples would take over
+//     kMaxImageBytes (16-bit RGBA: 8 bytes a pixel), is refused from the header (IHDR, SOF), before any
+//     pixel memory is allocated. Peak memory is then at most kMaxImageBytes of samples plus 3 bytes a
+//     pixel of RGB8 (a progressive JPEG: libjpeg's coefficient buffer, about 2 bytes a pixel, instead
+//     of the samples), plus the resize's intermediate.
+//   - The resize's fixed-point weights are computed in double with no fused multiply-add: the
+//     project compiles with -ffp-contract=off (CMakeLists.txt), which the bit-identical results need. There is no smallest size: the processor takes 1x1 (smart_resize
 //     scales it up to about min_pixels), so this does too.
 // preprocess_image refuses an aspect ratio (long side / short side) over 200, as smart_resize does.
 //
@@ -41,6 +48,8 @@ namespace spx {
 
 // 64 megapixels decoded: 192 MiB of RGB8, plus the resize's intermediate.
 constexpr int64_t kMaxImagePixels = 64LL * 1000 * 1000;
+// A PNG's stored samples (before the RGB8 conversion): 256 MiB, e.g. 32 megapixels of 16-bit RGBA.
+constexpr uint64_t kMaxImageBytes = 256ULL << 20;
 
 // An 8-bit RGB image, rows top to bottom, pixels R G B.
 struct Rgb8Image {
