@@ -26,6 +26,7 @@
 
 #include "bundle.h"
 #include "common.h"
+#include "tool_main.h"
 #include "crc32.h"
 #include "expert_store.h"
 #include "reader.h"
@@ -185,22 +186,6 @@ int run(int argc, char** argv) {
   return 0;
 }
 
-std::string one_line(std::string m) {
-  for (char& c : m)
-    if (static_cast<unsigned char>(c) < 0x20) c = ' ';
-  return m;
-}
-
 }  // namespace
 
-int main(int argc, char** argv) {
-  try {
-    return run(argc, argv);
-  } catch (const spx::Error& e) {
-    std::cerr << "check_bundle: error: " << one_line(e.what()) << "\n";
-    return 1;
-  } catch (const std::exception& e) {
-    std::cerr << "check_bundle: internal error: " << one_line(e.what()) << "\n";
-    return 2;
-  }
-}
+int main(int argc, char** argv) { return spx_tool::main("check_bundle", run, argc, argv); }

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "common.h"
+#include "tool_main.h"
 #include "image.h"
 
 namespace {
@@ -115,22 +116,6 @@ int run(int argc, char** argv) {
   return 0;
 }
 
-std::string one_line(std::string m) {
-  for (char& c : m)
-    if (static_cast<unsigned char>(c) < 0x20) c = ' ';
-  return m;
-}
-
 }  // namespace
 
-int main(int argc, char** argv) {
-  try {
-    return run(argc, argv);
-  } catch (const spx::Error& e) {
-    std::cerr << "check_image: error: " << one_line(e.what()) << "\n";
-    return 1;
-  } catch (const std::exception& e) {
-    std::cerr << "check_image: internal error: " << one_line(e.what()) << "\n";
-    return 2;
-  }
-}
+int main(int argc, char** argv) { return spx_tool::main("check_image", run, argc, argv); }
