@@ -805,6 +805,9 @@ AT_INPUTS = {
     "bench cpu --json MODEL/config.json": (
         lambda a, t: ["bench", "cpu", a["M"], "--json", a["M"] / "config.json", "--overwrite"],
         "input of this command"),
+    "bench reads --json STORE": (
+        lambda a, t: ["bench", "reads", a["T"], "--store", a["S"], "--json", a["S"], "--overwrite"],
+        "input of this command"),
     "bench gpu --json MODEL/config.json": (
         lambda a, t: ["bench", "gpu", a["M"], "--json", a["M"] / "config.json", "--overwrite"],
         "input of this command"),

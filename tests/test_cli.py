@@ -242,7 +242,7 @@ class TestSharedOptions:
         refused(["export", m, "--out", m, "--overwrite"], "input of this command")  # never the source model
         refused(["store", m, "--out", m / "model.safetensors", "--overwrite"], "--out")
         for cmd in ("train", "export", "store", "tiny", "trace", "eval", "simulate", "eviction-bounds", "run",
-                    "bench cpu", "bench gpu", "bench llama.cpp", "calibrate",
+                    "bench cpu", "bench gpu", "bench llama.cpp", "bench reads", "calibrate",
                     "runner bench", "runner build", "device bench", "device list"):  # every command that writes
             assert "--overwrite" in CliRunner().invoke(main, [*cmd.split(), "--help"]).output, cmd
 

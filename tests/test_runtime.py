@@ -6,6 +6,7 @@ import json
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -431,6 +432,64 @@ def test_cli_eviction_bounds(sim_trace, tmp_path):
     r = CliRunner().invoke(main, ["eviction-bounds", str(sim_trace), "--pool-frac", "1.5",
                                   "--json", str(tmp_path / "b.json")])
     assert r.exit_code == 2 and "--pool-frac" in r.output and "1.5" in r.output and not (tmp_path / "b.json").exists()
+
+
+def test_coactivation_order_keeps_co_routed_experts_adjacent():
+    """`bench reads`' order: pairs that are always routed together end up next to each other, every
+    layer's order is a permutation, and merging joins exactly the adjacent slots of a step."""
+    from toolkit.bench.reads import coactivation_order, decode_misses, requests
+    from toolkit.traces.format import DECODE
+
+    rng = np.random.default_rng(0)
+    pairs = [(0, 5), (1, 7), (2, 3), (4, 6)]
+    ids = np.array([[pairs[rng.integers(4)], pairs[rng.integers(4)]] for _ in range(200)])  # [N, L=2, k=2]
+    order = coactivation_order([ids], 8)
+    for o in order:
+        assert sorted(o) == list(range(8))
+        at = {e: i for i, e in enumerate(o)}
+        assert all(abs(at[a] - at[b]) == 1 for a, b in pairs), o
+    pos = [np.argsort(np.asarray(o)) for o in order]
+    steps = [(0, [0, 5]), (1, [1, 2])]
+    assert requests(steps, [np.arange(8)] * 2, False) == [[(0, 0, 1), (0, 5, 1)], [(1, 1, 1), (1, 2, 1)]]
+    assert requests(steps, [np.arange(8)] * 2, True) == [[(0, 0, 1), (0, 5, 1)], [(1, 1, 2)]]
+    assert len(requests(steps, pos, True)[0]) == 1  # a co-routed pair: one request in the learnt order
+    kinds = np.full(len(ids), DECODE)
+    assert decode_misses(ids[:3], kinds[:3], None) == [(li, list(ids[p, li])) for p in range(3) for li in range(2)]
+    # a pool holding every expert reads each at most once
+    once = len(np.unique(ids[:, 0])) + len(np.unique(ids[:, 1]))
+    assert sum(len(m) for _, m in decode_misses(ids, kinds, 16)) == once
+
+
+def test_cli_bench_reads(sim_trace, emb_store, tiny_models, tmp_path):
+    """`bench reads` on the embedded model's store: the same bytes in every layout, merging never adds a
+    request, the co-activation order merges more than the store's on this routing, and a store of
+    another model is refused by name."""
+    from click.testing import CliRunner
+
+    from toolkit.cli import main
+
+    r = CliRunner().invoke(main, ["bench", "reads", str(sim_trace), "--store", str(emb_store), "--pool-frac", "0,0.2",
+                                  "--max-sequences", "3", "--rounds", "1", "--json", str(tmp_path / "r.json")])
+    assert r.exit_code == 0, r.output
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert (tmp_path / "r.png").stat().st_size > 5000 and "coactivation-merged" in (tmp_path / "r.md").read_text()
+    none, pooled = rep["points"]
+    assert none["slots"] is None and pooled["slots"] == 51 and pooled["mib_per_token"] < none["mib_per_token"]
+    for p in rep["points"]:
+        v = p["layouts"]
+        for x in v.values():  # same bytes: requests x mean request size is the layout-independent total
+            assert x["requests_per_token"] * x["mean_request_kib"] == pytest.approx(p["mib_per_token"] * 1024)
+            assert x["ms_per_token"] > 0 and x["profile_ms_per_token"] > 0
+        assert v["coactivation-merged"]["requests_per_token"] <= v["store-merged"]["requests_per_token"]
+        assert v["store-merged"]["requests_per_token"] <= v["store"]["requests_per_token"]
+    assert none["layouts"]["store"]["requests_per_token"] == 8 * 4  # every routed expert: L x top-k
+    nv = none["layouts"]
+    assert nv["coactivation-merged"]["requests_per_token"] < nv["store-merged"]["requests_per_token"]
+    other = build_store(inspect_model_dir(tiny_models["qwen3_moe"]), tmp_path / "o.spx", "fp16", progress=False)
+    r = CliRunner().invoke(main, ["bench", "reads", str(sim_trace), "--store", str(other),
+                                  "--json", str(tmp_path / "b.json")])
+    assert r.exit_code == 2 and f"--store {other}:" in r.output and "not this model's store" in r.output, r.output
+    assert not (tmp_path / "b.json").exists()
 
 
 def test_simulate_table_prints_undefined_figures_as_na():

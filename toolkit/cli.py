@@ -14,6 +14,7 @@ group in toolkit/cli_errors.py).
     specprefetch bench cpu MODEL            the Python runner's policies side by side, interleaved, the simulator beside
     specprefetch bench gpu MODEL            the GPU tier's policies side by side (--device cuda|cuda:N)
     specprefetch bench llama.cpp BUNDLE...  llama.cpp and the native runner under the same memory limits
+    specprefetch bench reads TRACES         O_DIRECT reads in the store's order and in co-activation order, merged
     specprefetch export MODEL --out B       a phone-ready bundle (ExecuTorch / QNN / AI Hub), parity-checked
     specprefetch inspect BUNDLE             validate a bundle and summarise it
     specprefetch runner build|bench BUNDLE  the native C++ runner: build (host, arm64, android), bench
@@ -747,6 +748,37 @@ def bench_cpu(ctx, model, adapter, policies, pool_mib, prompts, new_tokens, roun
                                  flash_profile=flash_profile, window=None if ctx_default(ctx, "window") else window,
                                  store=store_path, simulate=not no_simulate, frequency_trace=frequency_trace)
     _show_report(r, json_out, c, policies_bench.write, policies_bench.markdown)
+
+
+@bench.command(name="reads", short_help="O_DIRECT reads of a store in its order and in co-activation order, merged")
+@click.argument("traces", type=click.Path(path_type=Path))
+@click.option("--store", "store_path", type=click.Path(path_type=Path), required=True,
+              help="expert store of the traced model (`store`, or a bundle's experts.spx): the file read")
+@click.option("--pool-frac", "pool_fracs", type=FloatList(FiniteFloat(low=0.0, inclusive=True, high=1.0)),
+              default="0,0.13,0.27", show_default=True,
+              help="on-demand LRU pools as shares of all experts (comma list; 0: no pool)")
+@click.option("--max-sequences", type=click.IntRange(min=1), default=10, show_default=True,
+              help="held-out sequences whose decode reads are timed")
+@click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True, help="interleaved rounds")
+@click.option("--lanes", type=click.IntRange(min=1, max=64), default=5, show_default=True,
+              help="read threads (the native runner's at its default queue depth)")
+@click.option("--profile", default="snapdragon-8-elite", show_default=True,
+              help="device profile whose flash model estimates the same reads")
+@json_report
+@friendly_errors(interrupt=NOT_WRITTEN)
+def bench_reads_cmd(traces, store_path, pool_fracs, max_sequences, rounds, lanes, profile, json_out,
+                    overwrite) -> None:
+    """Whether a store ordered by co-activation pays: TRACES' held-out decode reads (misses of an
+    on-demand LRU pool) timed with O_DIRECT on STORE as one request per expert, merged where adjacent,
+    and merged in the co-activation order learnt from the train split (docs/expert-store.md)."""
+    c = claim(json_out, "bench reads", overwrite, inputs=(traces, store_path))
+    from toolkit.bench.reads import bench_reads, markdown, plot
+    from toolkit.reporting import write_report
+    from toolkit.runtime.profiles import load_profile
+
+    r = bench_reads(traces, store_path, pool_fracs, max_sequences=max_sequences, rounds=rounds, lanes=lanes,
+                    profile=load_profile(profile), progress=lambda m: click.echo(m, err=True))
+    _show_report(r, json_out, c, lambda r, p: write_report(r, p, markdown, plot), markdown)
 
 
 @bench.command(name="gpu", short_help="the GPU tier's policies side by side, pools as fractions of the experts")

@@ -6,6 +6,7 @@ The benches (`specprefetch ...`) and where each lives (with its engine):
     bench cpu MODEL        toolkit/bench/policies.py     the Python runner's policies, the simulator beside them
     bench gpu MODEL        toolkit/runtime/gpu_bench.py  the GPU tier's policies (docs/gpu-tier.md)
     bench llama.cpp B...   toolkit/peers/sidebyside.py   llama.cpp and the native runner under memory limits
+    bench reads TRACES     toolkit/bench/reads.py        O_DIRECT reads of a store in three layouts (co-activation)
     runner bench BUNDLE    android_runner/bench.py       the native runner, all experts resident and streaming
     device bench BUNDLE    toolkit/device/phone.py       policies on a phone over adb
 
