@@ -65,8 +65,36 @@ class ExportConfig:
     hub_timeout_s: float = 15.0       # token / network / device checks and each job submission
     hub_job_timeout_s: float = 3600.0 # waiting for one compile job
     hub_profile: bool = True
+    image_size: tuple[int, int] | None = None  # vision-language models: the images' fixed (height, width)
     hub_client: Any = None            # the qai_hub module, or a double standing in for the service
     progress: bool = True
+
+
+VISION_REL_TOL = 1e-3  # the vision method against the eager tower: max |diff| over max |reference|
+
+
+def vision_parity(ref_backend, bundle_backend, block: dict[str, Any], processor, scratch: Path) -> dict[str, Any]:
+    """The bundle's vision method against the eager tower on one generated picture (a colour gradient
+    with a disc, through the same preprocessing as a user's image)."""
+    import numpy as np
+    from PIL import Image
+
+    from export.images import pixel_values
+
+    h, w = block["image_size"]
+    y, x = np.mgrid[0:h, 0:w]
+    rgb = np.stack([x * 255 // max(w - 1, 1), y * 255 // max(h - 1, 1), ((x - w / 2) ** 2 + (y - h / 2) ** 2
+                                                                      < (min(h, w) / 3) ** 2) * 255], -1)
+    path = scratch / "vision-parity.png"
+    Image.fromarray(rgb.astype(np.uint8)).save(path)
+    pix = pixel_values(path, block, processor)
+    ref = [t.float() for t in ref_backend.call("vision", [pix])]
+    got = [t.float() for t in bundle_backend.call("vision", [pix])]
+    diff = max(float((a - b).abs().max()) for a, b in zip(ref, got))
+    scale = max(float(a.abs().max()) for a in ref)
+    rel = diff / max(scale, 1e-12)
+    return {"max_abs_diff": diff, "max_rel_diff": rel, "passed": rel <= VISION_REL_TOL,
+            "image_size": [h, w], "outputs": [list(t.shape) for t in ref]}
 
 
 class ParityRefused(SpecPrefetchError):
@@ -151,8 +179,22 @@ def _assemble(model, work: Path, scratch: Path, cfg: ExportConfig, tgt, quant: s
     from toolkit.runtime.expert_store import ExpertStore, build_store
 
     spec = inspect_model_dir(model)
-    if spec.family.is_vision_language:
-        _log(cfg, "vision-language model: exporting its language model (text decode graphs)")
+    processor = vision = None
+    if spec.family.is_vision_language and cfg.target == "executorch":
+        from export.images import default_image_size, vision_block
+        from toolkit.models.loader import load_image_processor
+
+        processor = load_image_processor(spec.path)
+        vision = vision_block(spec, processor, cfg.image_size or default_image_size(processor))
+        _log(cfg, f"vision-language model: its language model and its vision tower for "
+                  f"{vision['image_size'][0]}x{vision['image_size'][1]} images ({vision['tokens']} image tokens)")
+    elif cfg.image_size is not None:
+        why = ("a text-only model takes no images" if not spec.family.is_vision_language
+               else "images are exported for --target executorch only so far")
+        raise SpecPrefetchError(f"--image-size: {why}")
+    elif spec.family.is_vision_language:
+        _log(cfg, "vision-language model: exporting its language model (text decode graphs; images: --target "
+                  "executorch)")
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(spec.path, local_files_only=True)
     g = spec.geometry
@@ -201,6 +243,10 @@ def _assemble(model, work: Path, scratch: Path, cfg: ExportConfig, tgt, quant: s
     timings["expert_store_s"] = time.perf_counter() - t0
 
     steps = StepModel(spec, load_dense_model(spec), max_seq=cfg.max_seq, adapter_heads=heads)
+    if vision is not None:
+        from export.vision import VisionGraph
+
+        steps.vision = VisionGraph(steps.model, tuple(vision["grid_thw"])).eval()
     run_kw = dict(model=run_model(spec, store, bank.score_bias), store=store)  # the reference runner's view
     # one read of the prompt file: parity prompts first, QDQ calibration prompts after them (disjoint)
     n_calib = cfg.calibration_prompts if tgt.NEEDS_CALIBRATION.get(quant) else 0
@@ -236,6 +282,11 @@ def _assemble(model, work: Path, scratch: Path, cfg: ExportConfig, tgt, quant: s
                for i, p in enumerate(parity_ids)],
         [len(p) for p in parity_ids])
     failures = check(figures, tol)
+    if vision is not None:
+        figures["vision"] = vision_parity(ref_backend, bundle_backend, vision, processor, scratch)
+        if not figures["vision"]["passed"]:
+            failures.append(f"vision method: max |diff| {figures['vision']['max_abs_diff']:.3g} "
+                            f"(relative {figures['vision']['max_rel_diff']:.3g}, tolerance {VISION_REL_TOL})")
     extra = built.extra_parity(refs, gots, run_kw)
     timings["parity_s"] = time.perf_counter() - t0
     parity = {"reference": built.reference_label, "bundle": built.backend_label, "quant": quant,
@@ -273,6 +324,8 @@ def _assemble(model, work: Path, scratch: Path, cfg: ExportConfig, tgt, quant: s
                     "score_bias_file": "host.safetensors" if bank.score_bias is not None else None},
         "host_file": "host.safetensors",
         "kv": {"mode": built.kv_mode, "max_seq": cfg.max_seq,
+               # mrope: every buffer-mode layer graph takes the (t, h, w) rotary positions [3, T] last
+               "rope": "mrope" if steps.mrope_axes is not None and built.kv_mode == "buffer" else "1d",
                "mask_value": MASK_VALUE if built.kv_mode == "buffer" else IO_MASK_VALUE,
                "layers": [{"k": list(c.k_shape), "v": list(c.v_shape), "window": w}
                           for c, w in zip(steps.cache_specs, steps.windows)]},
@@ -287,7 +340,8 @@ def _assemble(model, work: Path, scratch: Path, cfg: ExportConfig, tgt, quant: s
                     "expert_store_source": store.meta["source"]["digest"],
                     "expert_store_index_sha256": store.index_sha256,
                     "expert_bytes_total": expert_bytes},
-        "graphs": {**built.graphs, "signatures": describe(steps, built.kv_mode)},
+        "graphs": {**built.graphs, "signatures": describe(steps, built.kv_mode),
+                   **({"vision": vision} if vision is not None else {})},
         "parity": {**{k: parity[k] for k in ("passed", "max_abs_logit_diff", "median_logit_diff", "topk_agreement",
                                               "next_token_agreement")},
                    "free_running_token_match": parity["free_running"]["token_match"]},

@@ -45,7 +45,8 @@ class TorchBackend(Backend):
 
 def steps_info(steps) -> dict[str, Any]:
     """What a backend needs to know of the model, without the model (also read from manifests)."""
-    return {"cache_specs": steps.cache_specs, "windows": steps.windows, "max_seq": steps.max_seq}
+    return {"cache_specs": steps.cache_specs, "windows": steps.windows, "max_seq": steps.max_seq,
+            "mrope": steps.mrope_axes is not None}
 
 
 @dataclasses.dataclass

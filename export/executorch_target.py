@@ -524,6 +524,7 @@ class ExecuTorchBackend(Backend):
             raise SpecPrefetchError(f"{self.path}: method {name} failed ({e})") from None
 
     def reset(self):
+        super().reset()
         self.call("reset", [torch.zeros(1)])
 
 
@@ -578,4 +579,4 @@ class ExecuTorchTarget(Target):
         return out
 
     def open_backend(self, path: Path, m: dict) -> ExecuTorchBackend:
-        return ExecuTorchBackend(_program(path, m), {})
+        return ExecuTorchBackend(_program(path, m), {"mrope": m["kv"].get("rope") == "mrope"})

@@ -192,6 +192,11 @@ class LayerGraph(nn.Module):
             self.register_buffer(f"rope_{n}", t.clone(), persistent=False)
         self.n_rope = len(steps.rope_tables)
         self.rope_is_pair = steps.rope_is_pair
+        # M-RoPE (Qwen3-VL): a buffer-mode graph takes each position's (t, h, w) rotary positions apart
+        # from its cache slot; every rotary channel comes from its axis' row of the 1-D tables
+        self.mrope = steps.mrope_axes is not None and kv_mode == "buffer"
+        if self.mrope:
+            self.register_buffer("rope_axes", steps.mrope_axes.clone(), persistent=False)
         cs = steps.cache_specs[layer]
         self.cache_spec = cs
         # ExecuTorch's LLM custom ops: the cache updated in place, attention over filled positions
@@ -222,9 +227,15 @@ class LayerGraph(nn.Module):
     def v_cache(self):
         return getattr(self, f"v_cache_{self.layer}")
 
-    def _rope(self, input_pos, onehot):
+    def _rope(self, input_pos, onehot, rope_pos=None):
         tabs = [getattr(self, f"rope_{n}") for n in range(self.n_rope)]
-        if self.kv_mode == "buffer":
+        if rope_pos is not None:  # [3, T]: a row per axis, each channel from its own axis (exact: a select)
+            ax = self.rope_axes
+            rows = []
+            for t in tabs:
+                r0, r1, r2 = (t.index_select(1, rope_pos[a]) for a in range(3))
+                rows.append(torch.where(ax == 0, r0, torch.where(ax == 1, r1, r2)))
+        elif self.kv_mode == "buffer":
             rows = [t.index_select(1, input_pos) for t in tabs]
         else:  # [T, S] @ [S, D] on the flattened table: a matmul, no gather
             rows = [(onehot @ t.reshape(t.shape[1], -1)).reshape(1, onehot.shape[0], *t.shape[2:]) for t in tabs]
@@ -240,8 +251,9 @@ class LayerGraph(nn.Module):
 
     def forward(self, hidden, *args):
         start = None
+        rope_pos = None
         if self.kv_mode == "buffer":
-            (input_pos,) = args
+            (input_pos, rope_pos) = args if self.mrope else (args[0], None)
             onehot = k_past = v_past = None
             if self.custom_kv:
                 start = input_pos[0].item()
@@ -260,7 +272,7 @@ class LayerGraph(nn.Module):
         residual = hidden
         a = dec.input_layernorm(hidden)
         with _custom_attention(dec, start) if self.custom_kv else contextlib.nullcontext():
-            a, _ = dec.self_attn(hidden_states=a, position_embeddings=self._rope(input_pos, onehot),
+            a, _ = dec.self_attn(hidden_states=a, position_embeddings=self._rope(input_pos, onehot, rope_pos),
                                  attention_mask=mask, past_key_values=cache)
         h = residual + a
         x = dec.post_attention_layernorm(h)
@@ -346,7 +358,12 @@ class StepModel:
         self.layers = tm.layers
         # which layers see a sliding-window mask, as each family's model builds its masks
         self.windows = spec.family.sliding_windows(spec.family.text_config(spec.config), len(self.layers))
+        # a vision-language bundle's vision tower at its one image grid (export/vision.py: VisionGraph):
+        # the `vision` method, set by the export when the bundle takes images
+        self.vision: nn.Module | None = None
         self.rope_tables, self.rope_is_pair = self._rope_tables(tm)
+        # M-RoPE: the axis (0 t, 1 h, 2 w) each rotary channel takes its position from; None: 1-D
+        self.mrope_axes = spec.family.mrope_axes(tm)
         self.cache_specs = self._probe_caches()
 
     def _rope_tables(self, tm) -> tuple[list[torch.Tensor], bool]:
@@ -402,6 +419,8 @@ class StepModel:
                 out[prefill_name(T, layer)] = g
         out["expert"] = ExpertGraph(self)
         out["head"] = HeadGraph(self)
+        if self.vision is not None:
+            out["vision"] = self.vision
         for m in out.values():
             m.eval()
         return out
@@ -414,19 +433,24 @@ class StepModel:
         g = self.spec.geometry
         H = g.hidden_size
         chunk = parse_prefill_name(name)
+        T = chunk[0] if chunk is not None else 1
+        # M-RoPE layers (buffer mode): the (t, h, w) rotary positions [3, T] after the cache positions
+        rope = (torch.arange(T, dtype=torch.long).expand(3, -1).contiguous(),) \
+            if self.mrope_axes is not None and kv_mode == "buffer" else ()
         if chunk is not None and kv_mode == "buffer":
-            T = chunk[0]
-            return (torch.randn(1, T, H), torch.arange(T, dtype=torch.long))
+            return (torch.randn(1, T, H), torch.arange(T, dtype=torch.long), *rope)
         if name == "embed":
             return (torch.zeros(1, 1, dtype=torch.long),)
         if name == "head":
             return (torch.randn(1, 1, H),)
+        if name == "vision":
+            return (torch.randn(*self.vision.input_shape),)
         if name == "expert":
             return (torch.randn(1, H),) + tuple(torch.randn(m.shape) * 0.05
                                                 for m in self.spec.family.expert_matrices(g))
         T, layer = chunk if chunk is not None else (1, int(name.split("_")[1]))
         if kv_mode == "buffer":
-            return (torch.randn(1, 1, H), torch.tensor([0], dtype=torch.long))
+            return (torch.randn(1, 1, H), torch.tensor([0], dtype=torch.long), *rope)
         cs = self.cache_specs[layer]
         S = self.max_seq
         return (torch.randn(1, T, H), nn.functional.one_hot(torch.arange(T), S).float(),
@@ -435,7 +459,8 @@ class StepModel:
     def names(self, kv_mode: KvMode = "io") -> list[str]:
         n = len(self.layers)
         return (["embed"] + [f"layer_{i}" for i in range(n)]
-                + [prefill_name(T, i) for T in self.chunks(kv_mode) for i in range(n)] + ["expert", "head"])
+                + [prefill_name(T, i) for T in self.chunks(kv_mode) for i in range(n)] + ["expert", "head"]
+                + (["vision"] if self.vision is not None else []))
 
 
 def adapter_heads(adapter, bank, horizons: tuple[int, ...]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
@@ -482,4 +507,8 @@ def describe(steps: StepModel, kv_mode: KvMode) -> dict[str, Any]:
     sig["embed"]["outputs"] = [[[1, 1, H], "float32"]]
     sig["expert"]["outputs"] = [[[1, H], "float32"]]
     sig["head"]["outputs"] = [[[1, g.vocab_size], "float32"]]
+    if steps.vision is not None:
+        v = steps.vision
+        sig["vision"]["outputs"] = [[[v.num_tokens, v.out_hidden], "float32"],
+                                    [[len(v.deepstack_indexes), v.num_tokens, v.out_hidden], "float32"]]
     return sig

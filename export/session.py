@@ -118,6 +118,17 @@ class Session:
     default_pool_mib: float | None = None   # a bundle's own default budget
     source_weights: dict | None = None      # a bundle: the weights its store was built from
     source_recorded: str | None = None      # a bundle: its manifest's model.source
+    vision: Any = None                      # what encodes images (export/images.py), if it takes them
+
+    def image_prompt(self, images: list[Path], text_ids: list[int]):
+        """The image prompt (toolkit/runtime/images.py: ImagePrompt) of `images` then `text_ids`."""
+        from export.images import image_prompt
+
+        if self.vision is None:
+            what = ("a text-only model" if not self.spec.family.is_vision_language else
+                    "a text-only bundle (a vision-language model exported with --target executorch takes images)")
+            raise SpecPrefetchError(f"--image: {self.label} takes no images: {what}")
+        return image_prompt(self.vision, images, text_ids)
 
     @functools.cached_property
     def source(self) -> ModelSource:
@@ -273,7 +284,24 @@ def _open_model(model, cfg, names, adapter, store, dtype, frequency_trace, max_s
                      reuse=reuse)
     notes = [SequenceDraft.note, "the draft is built from the full model: its weights are in memory"] \
         if "draft" in names else []
-    return Session(Runner(backend, st, info, cfg, preds), tok, spec, "model", str(spec.path), spec.path, notes)
+    vision = None
+    if spec.family.is_vision_language:
+        from export.images import ModelVision
+        from toolkit.models.loader import load_image_processor
+
+        vision = ModelVision(dense, spec, load_image_processor(spec.path))
+    return Session(Runner(backend, st, info, cfg, preds), tok, spec, "model", str(spec.path), spec.path, notes,
+                   vision=vision)
+
+
+def _bundle_vision(backend, m: dict, spec: ModelSpec):
+    block = m["graphs"].get("vision")
+    if block is None:
+        return None
+    from export.images import BundleVision
+    from toolkit.models.loader import load_image_processor
+
+    return BundleVision(backend, block, load_image_processor(spec.path))
 
 
 def _check_dtype(dtype: str | None, st: ExpertStore, what: str) -> None:
@@ -347,7 +375,7 @@ def _bundle_session(path: Path, m: dict, backend, cfg: RunConfig, names: list[st
         cfg = dataclasses.replace(cfg, pool_mib=float(m["runtime"]["pool_mib"]))
     return Session(Runner(backend, st, info, cfg, preds), tok, spec, "bundle", str(path), source.candidate,
                    default_pool_mib=m["runtime"].get("pool_mib"), source_weights=source.weights,
-                   source_recorded=source.recorded)
+                   source_recorded=source.recorded, vision=_bundle_vision(backend, m, spec))
 
 
 @functools.lru_cache(maxsize=1)
@@ -357,11 +385,21 @@ def _unmodified(model: str):
     return load_model(model)
 
 
-def reference_tokens(model: Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """The unmodified model's greedy tokens (transformers' own `generate`): `run --check`."""
+def reference_tokens(model: Path, prompt_ids: list[int], max_new_tokens: int, *,
+                     images: list[Path] = (), vision=None) -> list[int]:
+    """The unmodified model's greedy tokens (transformers' own `generate`): `run --check`. With `images`,
+    `prompt_ids` is the image prompt (its image tokens included) and the images go through the session's
+    preprocessing (`vision`: export/images.py) and then the model's own vision tower."""
     lm = _unmodified(str(Path(model).resolve()))
     eos = lm.tokenizer.eos_token_id
+    ids = torch.tensor([prompt_ids])
+    extra = {}
+    if images:  # the session's own preprocessing (a bundle's fixed size, or the processor's), then the model's
+        pix = [vision.pixels(p) for p in images]
+        extra = {"pixel_values": torch.cat([x for x, _ in pix]),
+                 "image_grid_thw": torch.tensor([g for _, g in pix]),
+                 "mm_token_type_ids": (ids == vision.ids[1]).long(), "attention_mask": torch.ones_like(ids)}
     with torch.no_grad():
-        out = lm.model.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=max_new_tokens,
-                                pad_token_id=eos if eos is not None else 0)
+        out = lm.model.generate(ids, do_sample=False, max_new_tokens=max_new_tokens,
+                                pad_token_id=eos if eos is not None else 0, **extra)
     return out[0, len(prompt_ids):].tolist()

@@ -36,7 +36,7 @@ from toolkit.cli_errors import Cli, friendly_errors, quiet_libraries, quiet_nati
 from toolkit.cli_params import (MIN_TIMED_TOKENS, NOT_WRITTEN, NOTHING_TO_OUT, OUT_DIR, OUT_FILE, POOL_AUTO_MIB,
                                 POOL_MIB, POOL_MIB_LIST, POOL_MIB_OR_AUTO, WINDOW_HELP, FiniteFloat, FloatList, IntList,
                                 Text, TextFile, bench_runs, ctx_default, cuda_device, device_name, int_tuple,
-                                IntOrAuto, json_report, scheduler_limits)
+                                ImageSize, IntOrAuto, json_report, scheduler_limits)
 from toolkit.engines import fmt
 from toolkit.errors import SpecPrefetchError
 
@@ -384,6 +384,9 @@ def calibrate(model, store_path, reads, out, overwrite) -> None:
                    "picks it by profiling)")
 @click.option("--prompt", "prompts", type=Text(), multiple=True, required=True,
               help="repeatable; one JSON `runs` entry each")
+@click.option("--image", "images", type=click.Path(path_type=Path), multiple=True,
+              help="PNG or JPEG before every prompt's text (repeatable, in order): a bundle that takes images "
+                   "(docs/export.md 'Images')")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=32, show_default=True)
 @click.option("--max-seq", type=click.IntRange(min=2), default=512, show_default=True,
               help="KV cache length of a model directory's graphs")
@@ -413,13 +416,16 @@ def calibrate(model, store_path, reads, out, overwrite) -> None:
                    "is ever replaced")
 @friendly_errors(interrupt=NOT_WRITTEN)
 def run(model, policy, adapter, frequency_trace, pool_mib, pool_reserve_mib, pool_low_watermark_mib, window,
-        queue_depth, store_path, dtype, device, flash_profile, draft_k, prompts, max_new_tokens, max_seq, threads,
-        io_mode, prefill_chunk, check, events_out, min_confidence, step_budget_kib, read_budget_kib, engine, abi,
-        json_out, overwrite) -> None:
+        queue_depth, store_path, dtype, device, flash_profile, draft_k, prompts, images, max_new_tokens, max_seq,
+        threads, io_mode, prefill_chunk, check, events_out, min_confidence, step_budget_kib, read_budget_kib, engine,
+        abi, json_out, overwrite) -> None:
     """Run MODEL (a model directory, `embedded`, or a bundle) with its experts streamed from the
     expert store through a bounded pool (real O_DIRECT reads); prints each prompt's generated text
     and figures; with --check, compare the tokens with the unmodified model."""
-    inputs = (model, adapter, frequency_trace, store_path, Path(flash_profile) if flash_profile else None)
+    inputs = (model, adapter, frequency_trace, store_path, Path(flash_profile) if flash_profile else None, *images)
+    if images and (engine != "python" or device != "cpu"):
+        other = "--engine native" if engine != "python" else f"--device {device}"
+        raise SpecPrefetchError(f"--image: only with the Python engine on the CPU so far ({other} runs text prompts)")
     chunk = None
     if prefill_chunk is not None:
         v = prefill_chunk.strip().lower()
@@ -509,8 +515,8 @@ def run(model, policy, adapter, frequency_trace, pool_mib, pool_reserve_mib, poo
                      max_seq=max_seq, pool_default=pool_mib is None,
                      scheduler_default=(*not_given, "candidate_threshold"))
     s.runner.progress = True  # a prefill progress bar on stderr for long prompts
-    run_engine(python_engine(s, pol.name, flash_profile), list(prompts), max_new_tokens, check=check,
-               json_out=json_out, events_out=events_out)
+    run_engine(python_engine(s, pol.name, flash_profile, images=list(images)), list(prompts), max_new_tokens,
+               check=check, json_out=json_out, events_out=events_out)
 
 
 @main.group()
@@ -910,13 +916,16 @@ def _tolerances(items: tuple[str, ...]) -> dict[str, float]:
               help="qai-hub: seconds before giving up on the service")
 @click.option("--hub-profile/--no-hub-profile", default=True, show_default=True,
               help="qai-hub: also profile every graph on the device")
+@click.option("--image-size", type=ImageSize(), default=None,
+              help="vision-language models: every image is resized to HEIGHTxWIDTH (multiples of patch x merge) "
+                   "for the bundle's vision method [default: the largest square up to 448 the processor keeps]")
 @click.option("--out", required=True, type=OUT_DIR, help="bundle directory to write")
 @click.option("--overwrite", is_flag=True,
               help="replace an existing bundle at --out (only once the new one is complete)")
 @friendly_errors(interrupt=NOTHING_TO_OUT)
 def export_cmd(model, adapter, target, soc, quant, experts_dtype, max_seq, pool_mib, window, calibration,
                parity_prompts, prompt_tokens, decode_tokens, tolerance, qnn_path, hub_device, hub_timeout, hub_profile,
-               out, overwrite) -> None:
+               image_size, out, overwrite) -> None:
     """Export MODEL as a phone-ready bundle: dense step graphs for the target, the expert store,
     the adapter, and a parity report. The bundle is refused if parity is past tolerance."""
     from export.bundle import ExportConfig, export_bundle
@@ -925,7 +934,7 @@ def export_cmd(model, adapter, target, soc, quant, experts_dtype, max_seq, pool_
                        pool_mib=pool_mib, window=window, calibration=calibration, parity_prompts=parity_prompts,
                        prompt_tokens=prompt_tokens, decode_tokens=decode_tokens,
                        tolerance=_tolerances(tolerance), qnn_path=qnn_path, hub_device=hub_device,
-                       hub_timeout_s=hub_timeout, hub_profile=hub_profile)
+                       hub_timeout_s=hub_timeout, hub_profile=hub_profile, image_size=image_size)
     m = export_bundle(model, out, cfg, adapter=adapter, overwrite=overwrite)
     click.echo((out / "parity.md").read_text())
     total = sum(f["size"] for f in m["files"].values())

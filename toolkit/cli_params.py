@@ -55,6 +55,22 @@ class FloatList(click.ParamType):
         return [self.item.convert(x, param, ctx) for x in items]
 
 
+class ImageSize(click.ParamType):
+    """HEIGHTxWIDTH in pixels, e.g. 448x448 (returned as a (height, width) tuple)."""
+    name = "HxW"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, tuple):
+            return value
+        parts = str(value).lower().split("x")
+        if len(parts) != 2 or not all(p.strip().isdigit() for p in parts) or min(int(p) for p in parts) < 1:
+            self.fail(f"{value!r}: expected HEIGHTxWIDTH in pixels, e.g. 448x448", param, ctx)
+        h, w = (int(p) for p in parts)
+        if max(h, w) > 8192:
+            self.fail(f"{value!r}: too large: at most 8192 pixels a side", param, ctx)
+        return h, w
+
+
 class IntOrAuto(click.ParamType):
     """A whole number of at least `low`, or the word auto (returned as the string "auto")."""
     name = "integer|auto"

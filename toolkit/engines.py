@@ -133,20 +133,32 @@ def _figures(r: dict) -> str:
 
 # -- the Python reference runner ---------------------------------------------------------------------
 
-def python_engine(session, policy: str, flash_profile: str | None = None) -> Engine:
-    """An export.session.Session (a model directory or a bundle) as an engine."""
+def python_engine(session, policy: str, flash_profile: str | None = None, images: list[Path] = ()) -> Engine:
+    """An export.session.Session (a model directory or a bundle) as an engine; `images` go before every
+    prompt's text (a bundle that takes images)."""
     from toolkit.runtime.events import EventLog
 
     s = session
+    fed: list[list[int]] = []  # each prompt's ids as fed (an image prompt's image tokens included)
 
     def generate(prompts, encoded, max_new_tokens, events):
         log = EventLog() if events else None  # one log: each prompt is its own `seq N`
         runs = []
         for p, ids in zip(prompts, encoded):
-            g = s.runner.run(ids, max_new_tokens, events=log)
+            ip = s.image_prompt(list(images), ids) if images else None
+            g = s.runner.run(ip.ids if ip else ids, max_new_tokens, events=log, images=ip)
+            fed.append(ip.ids if ip else ids)
             runs.append({"prompt": p, "source": s.label, **g.to_json(), "text": decode_text(s.tokenizer, g.tokens),
-                         "matches_unmodified_model": None, **({"notes": s.notes} if s.notes else {})})
+                         "matches_unmodified_model": None, **({"notes": s.notes} if s.notes else {}),
+                         **({"images": [str(x) for x in images], "image_tokens": len(ip.ids) - len(ids)}
+                            if ip else {})})
         return runs, {}, ("\n".join(log.lines) + "\n") if log is not None else None
+
+    def reference(encoded, max_new_tokens):
+        from export.session import reference_tokens
+
+        return [reference_tokens(s.source.model, ids, max_new_tokens, images=list(images), vision=s.vision)
+                for ids in fed]
 
     exact = s.kind == "model" and s.runner.store.dtype == "fp16"
     return Engine(name="python", policy=policy, label=s.label, exact=exact,
@@ -156,6 +168,7 @@ def python_engine(session, policy: str, flash_profile: str | None = None) -> Eng
                                 + (["the bundle's graphs"] if s.kind == "bundle" else []))),
                   tokenizer=s.tokenizer, generate=generate, summary=lambda r: f"{policy}: {_figures(r)}",
                   source=s.source, tail=f" [flash emulated: {flash_profile}]" if flash_profile else "",
+                  reference=reference if images else None,
                   trailer=lambda out: (f"peak RSS {out['peak_rss_bytes'] / 2**20:.0f} MiB (before --check)"
                                        if out["peak_rss_bytes"] else "peak RSS unknown"))
 

@@ -172,6 +172,26 @@ class Backend:
         self.info = steps_info
         self.kv = HostKV(steps_info["cache_specs"], steps_info["windows"], steps_info["max_seq"]) \
             if self.kv_mode == "io" else None
+        # M-RoPE graphs (buffer mode, info["mrope"]): each layer call also takes the rotary positions
+        # [3, T] of its positions: the sequence's own rows (`set_rope`: an image's tokens have 2-D
+        # ones) for the prompt, the cache position plus the sequence's offset after it
+        self.mrope = bool(steps_info.get("mrope")) and self.kv_mode == "buffer"
+        self.rope_rows: torch.Tensor | None = None
+        self.rope_delta = 0
+
+    def set_rope(self, rows: torch.Tensor | None, delta: int = 0) -> None:
+        """This sequence's rotary positions: `rows` [3, n] for positions 0..n-1, pos + `delta` on every
+        axis after them (None, 0: the cache position itself, as for text). `reset` forgets them."""
+        self.rope_rows, self.rope_delta = rows, int(delta)
+
+    def rope_pos(self, pos: int, T: int) -> torch.Tensor:
+        """The rotary positions [3, T] of cache positions pos .. pos+T-1."""
+        idx = torch.arange(pos, pos + T, dtype=torch.long)
+        rows = self.rope_rows
+        if rows is None:
+            return idx.expand(3, -1).contiguous()
+        n = rows.shape[1]
+        return torch.where(idx < n, rows[:, idx.clamp(max=n - 1)], idx + self.rope_delta).contiguous()
 
     @property
     def max_seq(self) -> int | None:
@@ -184,6 +204,7 @@ class Backend:
         """Forget every cached position (a new sequence starts at position 0)."""
         if self.kv is not None:
             self.kv.reset()
+        self.rope_rows, self.rope_delta = None, 0
 
     def method_names(self) -> tuple[str, ...]:
         """The graphs this backend runs (an eager backend's `graphs`, else none known)."""
@@ -202,7 +223,8 @@ class Backend:
         [T,P,E])]. The chunk writes the same KV cache as `layer` does one position at a time."""
         T = int(h.shape[1])
         if self.kv_mode == "buffer":
-            return self.call(prefill_name(T, layer), [h, torch.arange(pos, pos + T, dtype=torch.long)])
+            return self.call(prefill_name(T, layer), [h, torch.arange(pos, pos + T, dtype=torch.long),
+                                                      *((self.rope_pos(pos, T),) if self.mrope else ())])
         outs = self.call(prefill_name(T, layer), [h, *self.kv.inputs(layer, pos, T)])
         self.kv.write(layer, pos, outs[-2], outs[-1])
         return outs[:-2]
@@ -211,7 +233,8 @@ class Backend:
         """Decoder layer `layer` at position `pos`: [h] for a dense layer, [h_res, x, logits(,
         preds)] for a MoE layer (the KV outputs of io-mode graphs are consumed here)."""
         if self.kv_mode == "buffer":
-            return self.call(f"layer_{layer}", [h, torch.tensor([pos], dtype=torch.long)])
+            return self.call(f"layer_{layer}", [h, torch.tensor([pos], dtype=torch.long),
+                                                *((self.rope_pos(pos, 1),) if self.mrope else ())])
         outs = self.call(f"layer_{layer}", [h, *self.kv.inputs(layer, pos)])
         self.kv.write(layer, pos, outs[-2], outs[-1])
         return outs[:-2]

@@ -59,6 +59,7 @@ from toolkit.runtime.stats import DecodeAccount, RunStats
 
 if TYPE_CHECKING:
     from adapters.reuse import ReuseTable
+    from toolkit.runtime.images import ImagePrompt
 
 REUSE_MISSING = ("eviction 'reuse' needs the adapter's reuse table, which this adapter or bundle lacks: "
                  "train the adapter with this version (specprefetch train) and export again")
@@ -159,6 +160,7 @@ class Runner:
         self.experts = ExpertExecutor(backend, store, model.expert_roles, tc=model.text_config)
         self.cfg = cfg
         self.progress = False  # a progress bar on stderr for prefills of long prompts (the CLI sets it)
+        self.images: "ImagePrompt | None" = None  # the image prompt of the sequence being generated
         self.configure()
 
     def configure(self, **changes) -> None:
@@ -194,7 +196,8 @@ class Runner:
     @torch.no_grad()
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, *,
                  recorded: "Generation | None" = None, events: EventLog | None = None,
-                 force_ids: torch.Tensor | None = None, keep_logits: bool = False) -> Generation:
+                 force_ids: torch.Tensor | None = None, keep_logits: bool = False,
+                 images: "ImagePrompt | None" = None) -> Generation:
         """Greedy decoding of up to `max_new_tokens` tokens (stopping after EOS).
 
         Args:
@@ -206,6 +209,8 @@ class Runner:
                 model's own router logits) instead of its own choice, which is still recorded: the
                 export's parity check measures numerical error without router near-tie cascades.
             keep_logits: keep every position's logits (prompt positions included).
+            images: an image prompt (toolkit/runtime/images.py: ImagePrompt, its `ids` are `prompt_ids`): its
+                image rows' embeddings, DeepStack features and M-RoPE positions.
         """
         m, cfg = self.model, self.cfg
         if not prompt_ids:
@@ -238,6 +243,9 @@ class Runner:
                               capacity=pool.capacity, window=cfg.window, queue_depth=cfg.queue_depth,
                               min_confidence=cfg.min_confidence, layers=L, top_k=k)
                 events.sequence(prompt_tokens=len(prompt_ids))
+            if images is not None and list(images.ids) != list(prompt_ids):
+                raise SpecPrefetchError("the image prompt's tokens are not the prompt's")
+            self.images = images
             return self._loop(list(prompt_ids), max_new_tokens, sched, pool, planner, state, events, io,
                               force_ids, keep_logits, units, spans)
         finally:
@@ -268,6 +276,9 @@ class Runner:
         n_prompt = len(seq)
         end = (n_prompt + max_new - 1) * L  # the first step the run never reaches
         backend.reset()
+        media = self.images
+        if media is not None:
+            backend.set_rope(media.rope, media.delta)
         routing: list[torch.Tensor] = []
         logits_all: list[torch.Tensor] = []
         tokens: list[int] = []
@@ -318,11 +329,13 @@ class Runner:
                 continue
             h = backend.call("embed", [torch.tensor([[seq[pos]]], dtype=torch.long)])[0]
             _finite([h], graphs, "embed", pos)
+            if media is not None:
+                h = media.embed(h, pos)
             for layer in range(m.num_layers):
                 outs = backend.layer(layer, h, pos)
                 _finite(outs, graphs, f"layer_{layer}", pos)
                 if layer not in moe_index:
-                    h = outs[0]
+                    h = outs[0] if media is None else media.add_deepstack(outs[0], pos, layer)
                     continue
                 li = moe_index[layer]
                 step = pos * L + li
@@ -354,6 +367,8 @@ class Runner:
                     y = y + w[0, j] * e_outs[j]
                 sched.release(step, keys)
                 h = h_res + y.view_as(h_res)
+                if media is not None:
+                    h = media.add_deepstack(h, pos, layer)
             routing.append(state.ids[0].clone())
             state.next_position()
             if keep_logits or pos >= n_prompt - 1:
@@ -405,6 +420,9 @@ class Runner:
         toks = torch.tensor([seq[p0:p0 + T]], dtype=torch.long)
         h = torch.cat([backend.call("embed", [toks[:, t:t + 1]])[0] for t in range(T)], dim=1)
         _finite([h], graphs, "embed", p0)
+        media = self.images
+        if media is not None:
+            h = media.embed(h, p0)
         chunk = ChunkState(T, L, m.hidden_size, k, before=state.ids)
         ids_all = torch.zeros(T, L, k, dtype=torch.long)
         parts = chunk_plan(T, self.chunk_sizes())
@@ -420,7 +438,7 @@ class Runner:
                 torch.cat([r[i].reshape(1, Tp, -1) for r, Tp in zip(per, parts)], dim=1) if i == 0 else
                 torch.cat([r[i].reshape(Tp, -1) for r, Tp in zip(per, parts)]) for i in range(len(per[0]))]
             if layer not in moe_index:
-                h = outs[0]
+                h = outs[0] if media is None else media.add_deepstack(outs[0], p0, layer)
                 continue
             li = moe_index[layer]
             step = p0 * L + li
@@ -472,28 +490,31 @@ class Runner:
                     y = y + w[t, j] * e_out[(t, j)]
                 rows.append(y)
             h = h_res + torch.cat(rows).view_as(h_res)
+            if media is not None:
+                h = media.add_deepstack(h, p0, layer)
         routing.extend(ids_all[t].clone() for t in range(T))
         return h
 
     # -- the recorded future -------------------------------------------------------------
-    def record(self, prompt_ids: Sequence[int], max_new_tokens: int) -> Generation:
+    def record(self, prompt_ids: Sequence[int], max_new_tokens: int, *,
+               images: "ImagePrompt | None" = None) -> Generation:
         """A first, on-demand pass whose routing is the future the oracle and Belady read (and whose
         tokens the draft routes over): output does not depend on the policy, so this is exact."""
         cfg = self.cfg
         self.configure(policy=Policy("on-demand", "lru"))
         try:
-            return self.generate(prompt_ids, max_new_tokens)
+            return self.generate(prompt_ids, max_new_tokens, images=images)
         finally:
             self.cfg = cfg
 
     def run(self, prompt_ids: Sequence[int], max_new_tokens: int, *, events: EventLog | None = None,
-            recorded: Generation | None = None) -> Generation:
+            recorded: Generation | None = None, images: "ImagePrompt | None" = None) -> Generation:
         """`generate` with whatever the policy needs recorded first (oracle, Belady, draft)."""
         source = self.predictors.get(self.cfg.policy.predictor)
         if self.cfg.policy.needs_future or getattr(source, "routes_ahead", False):
-            rec = recorded or self.record(prompt_ids, max_new_tokens)
-            return self.generate(prompt_ids, max_new_tokens, recorded=rec, events=events)
-        return self.generate(prompt_ids, max_new_tokens, events=events)
+            rec = recorded or self.record(prompt_ids, max_new_tokens, images=images)
+            return self.generate(prompt_ids, max_new_tokens, recorded=rec, events=events, images=images)
+        return self.generate(prompt_ids, max_new_tokens, events=events, images=images)
 
 
 def _finite(outs: Sequence[torch.Tensor], graphs: str, step: str, pos: int) -> None:

@@ -212,6 +212,12 @@ class Family:
         """The position ids the rotary module takes for text tokens at `positions` [1, S]."""
         return positions
 
+    def mrope_axes(self, text_model) -> torch.Tensor | None:
+        """Multimodal rotary positions: for each rotary channel [head_dim], the position axis it reads
+        (0 time, 1 height, 2 width), so a step graph can take three position rows per token; None for
+        1-D rotary (the default)."""
+        return None
+
     def export_patches(self) -> tuple[tuple[str, str, Callable[..., Any]], ...]:
         """(module, attribute, replacement) of helpers in the family's transformers code swapped
         for an equivalent while the step graphs are traced or run (export.graphs.exportable_family):

@@ -31,6 +31,16 @@ class Qwen3VLMoe(Qwen3Moe):
         """M-RoPE takes three position axes (time, height, width); for text tokens they agree."""
         return positions.expand(3, *positions.shape)
 
+    def mrope_axes(self, text_model):
+        """Interleaved M-RoPE: the rotary module's own recomposition, applied to frequencies that hold
+        their axis number, gives each channel's axis."""
+        import torch
+
+        rot = text_model.rotary_emb
+        half = int(rot.inv_freq.shape[0])
+        axis = torch.arange(3, dtype=torch.float32).view(3, 1, 1, 1).expand(3, 1, 1, half).clone()
+        return rot.recomposition_frequencies(axis).reshape(-1).round().long()
+
     def routing(self, tc):
         return RoutingSpec(num_experts=self.num_experts(tc), top_k=int(tc.num_experts_per_tok),
                            norm_topk_prob=True)
