@@ -61,6 +61,7 @@ def vision_block(spec, processor, size: tuple[int, int]) -> dict[str, Any]:
             "image_token_id": int(cfg.image_token_id), "vision_start_token_id": int(cfg.vision_start_token_id),
             "vision_end_token_id": int(cfg.vision_end_token_id),
             "preprocess": {"resize": "bicubic", "patch_size": patch, "merge_size": merge,
+                           "min_pixels": lo, "max_pixels": hi,
                            "temporal_patch_size": temporal, "rescale_factor": float(processor.rescale_factor),
                            "image_mean": [float(x) for x in processor.image_mean],
                            "image_std": [float(x) for x in processor.image_std]}}

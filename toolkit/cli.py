@@ -423,9 +423,8 @@ def run(model, policy, adapter, frequency_trace, pool_mib, pool_reserve_mib, poo
     expert store through a bounded pool (real O_DIRECT reads); prints each prompt's generated text
     and figures; with --check, compare the tokens with the unmodified model."""
     inputs = (model, adapter, frequency_trace, store_path, Path(flash_profile) if flash_profile else None, *images)
-    if images and (engine != "python" or device != "cpu"):
-        other = "--engine native" if engine != "python" else f"--device {device}"
-        raise SpecPrefetchError(f"--image: only with the Python engine on the CPU so far ({other} runs text prompts)")
+    if images and device != "cpu":
+        raise SpecPrefetchError(f"--image: the CPU engines only so far (--device {device} runs text prompts)")
     chunk = None
     if prefill_chunk is not None:
         v = prefill_chunk.strip().lower()
@@ -482,7 +481,7 @@ def run(model, policy, adapter, frequency_trace, pool_mib, pool_reserve_mib, poo
                             queue_depth=queue_depth, min_confidence=min_confidence, step_budget_kib=step_budget_kib,
                             threads=threads, prefill_chunk=chunk, read_budget_kib=read_budget_kib, pool_auto=(
                                 ("--pool-reserve-mib", pool_reserve_mib),
-                                ("--pool-low-watermark-mib", pool_low_watermark_mib)))
+                                ("--pool-low-watermark-mib", pool_low_watermark_mib)), images=list(images))
         run_engine(eng, list(prompts), max_new_tokens, check=check, json_out=json_out, events_out=events_out)
         return
     if abi != "host":

@@ -19,7 +19,7 @@ import dataclasses
 import math
 import tempfile
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import click
 
@@ -176,9 +176,10 @@ def python_engine(session, policy: str, flash_profile: str | None = None, images
 # -- the native C++ runner ---------------------------------------------------------------------------
 
 def native_engine(bundle: Path, *, abi: str, policy: str, pool_mib, window, queue_depth, min_confidence,
-                  step_budget_kib, threads, prefill_chunk=None, pool_auto=(), read_budget_kib=None) -> Engine:
+                  step_budget_kib, threads, prefill_chunk=None, pool_auto=(), read_budget_kib=None,
+                  images: Sequence[Path] = ()) -> Engine:
     """The C++ runner on an ExecuTorch, QNN or QAI Hub bundle (built for it on first use), the Python
-    engine's JSON."""
+    engine's JSON; `images` go before every prompt's text (the runner decodes and preprocesses them)."""
     from transformers import AutoTokenizer
 
     from export.manifest import validate_bundle
@@ -207,14 +208,16 @@ def native_engine(bundle: Path, *, abi: str, policy: str, pool_mib, window, queu
                              queue_depth=queue_depth, min_confidence=min_confidence, step_budget_kib=step_budget_kib,
                              read_budget_kib=read_budget_kib, events=ev, threads=threads,
                              extra=(() if prefill_chunk is None else ("--prefill-chunk", str(prefill_chunk or "off")))
-                             + tuple(a for o, v in pool_auto if v is not None for a in (o, repr(v))))
+                             + tuple(a for o, v in pool_auto if v is not None for a in (o, repr(v)))
+                             + tuple(a for img in images for a in ("--image", str(img))))
             events_text = ev.read_text(encoding="utf-8") if ev is not None else None
         res_box.update(res)
         runs = []
         for p, ids, r in zip(prompts, encoded, res["runs"]):
             r = {"prompt": p, **{k: v for k, v in r.items() if k != "routing"}, "matches_unmodified_model": None,
                  "engine": name}
-            if text_in and r["prompt_ids"] != ids:
+            fed.append(r["prompt_ids"])
+            if text_in and r["prompt_ids"][len(r["prompt_ids"]) - len(ids):] != ids:
                 click.echo(f"warning: the runner's tokenizer encodes {p!r} differently from transformers "
                            f"({len(r['prompt_ids'])} vs {len(ids)} tokens); --check compares with transformers' ids",
                            err=True)
@@ -229,7 +232,18 @@ def native_engine(bundle: Path, *, abi: str, policy: str, pool_mib, window, queu
             extra["pool_mib"], extra["pool_auto"] = res["pool_mib"], res["pool_auto"]
         return runs, extra, events_text
 
-    return Engine(name=name, policy=policy, label=str(bundle), exact=False,
+    fed: list[list[int]] = []  # each prompt's ids as the runner fed them (an image prompt's image tokens included)
+
+    def reference(encoded, max_new_tokens):  # transformers on the same image prompt, the same pixels
+        from export.images import BundleVision
+        from export.session import reference_tokens
+        from toolkit.models.loader import load_image_processor
+
+        vision = BundleVision(None, m["graphs"]["vision"],
+                              load_image_processor(Path(bundle) / Path(m["model"]["config"]).parent))
+        return [reference_tokens(source.model, ids, max_new_tokens, images=list(images), vision=vision) for ids in fed]
+
+    return Engine(name=name, policy=policy, label=str(bundle), exact=False, reference=reference if images else None,
                   mismatch="its own float32 attention adds in another order than PyTorch's, and the bundle's "
                            "graphs and experts may be quantised",
                   tokenizer=tok, generate=generate,

@@ -132,25 +132,32 @@ void copy_out(const EValue& v, std::vector<float>& dst, const std::string& what)
 
 class EtBackend final : public Backend {
  public:
-  EtBackend(const std::string& program, const std::vector<std::string>& methods, int hidden, int vocab, int threads);
+  EtBackend(const std::string& program, const std::vector<std::string>& methods, int hidden, int vocab, int threads,
+            bool mrope);
   void reset() override;
   void embed(int64_t token, std::vector<float>& h) override;
   void layer(int index, const std::vector<float>& h, int64_t pos, bool moe, LayerOut& out) override;
   using Backend::layer_chunk;
   void layer_chunk(int index, const float* h, int T, int64_t pos, bool moe, LayerOut& out) override;
   void head(const std::vector<float>& h, std::vector<float>& logits) override;
+  void vision(const std::string& method, const std::vector<float>& pixels, int64_t rows, int64_t cols,
+              std::vector<float>& embeds, std::vector<float>& deepstack) override;
   const char* kind() const override { return "executorch"; }
 
  private:
+  // a layer method on T positions from pos: (hidden, positions[, M-RoPE positions [3, T]])
+  void run_positions(const std::string& name, const float* h, int T, int64_t pos, bool moe, LayerOut& out);
   std::unique_ptr<Module> module_;
   std::unique_ptr<Faults> faults_;
+  bool mrope_ = false;                 // the layer methods take M-RoPE positions (kv.rope == "mrope")
+  std::vector<int64_t> pos_, rope_;    // the positions' buffers, reused call to call
 };
 
 }  // namespace
 
 EtBackend::EtBackend(const std::string& program, const std::vector<std::string>& methods, int hidden, int vocab,
-                     int threads) {
-  where_ = program, hidden_ = hidden, vocab_ = vocab;
+                     int threads, bool mrope) {
+  where_ = program, hidden_ = hidden, vocab_ = vocab, mrope_ = mrope;
   auto t0 = std::chrono::steady_clock::now();
   install_fault_handlers();
   faults_ = std::make_unique<Faults>();
@@ -216,9 +223,8 @@ namespace {
 // A layer method (layer_N or prefill_T_layer_N) on (hidden, positions), its outputs unpacked into `out`;
 // h_size: the hidden state's element count (`what` names it in the error: width, size).
 void run_layer(Module& module, Faults& faults, const std::string& where_, const std::string& name,
-               const executorch::extension::TensorPtr& h, const executorch::extension::TensorPtr& pos, int64_t h_size,
-               const char* what, bool moe, LayerOut& out) {
-  auto r = run(module, faults, where_, name, {EValue(h), EValue(pos)});
+               const std::vector<EValue>& inputs, int64_t h_size, const char* what, bool moe, LayerOut& out) {
+  auto r = run(module, faults, where_, name, inputs);
   if (!r.ok()) throw spx::Error(where_ + ": method '" + name + "' failed (" + err_name(r.error()) + ")");
   const auto& outs = r.get();
   const size_t want = moe ? 3 : 1;
@@ -237,22 +243,40 @@ void run_layer(Module& module, Faults& faults, const std::string& where_, const 
 
 }  // namespace
 
-void EtBackend::layer(int index, const std::vector<float>& h, int64_t pos, bool moe, LayerOut& out) {
-  const std::string name = "layer_" + std::to_string(index);
-  int64_t p = pos;
-  auto th = from_blob(const_cast<float*>(h.data()), {1, 1, hidden_}, ScalarType::Float);
-  auto tp = from_blob(&p, {1}, ScalarType::Long);
-  run_layer(*module_, *faults_, where_, name, th, tp, hidden_, "width", moe, out);
+void EtBackend::run_positions(const std::string& name, const float* h, int T, int64_t pos, bool moe, LayerOut& out) {
+  pos_.resize(static_cast<size_t>(T));
+  std::iota(pos_.begin(), pos_.end(), pos);
+  auto th = from_blob(const_cast<float*>(h), {1, T, hidden_}, ScalarType::Float);
+  auto tp = from_blob(pos_.data(), {T}, ScalarType::Long);
+  std::vector<EValue> inputs{EValue(th), EValue(tp)};
+  executorch::extension::TensorPtr tr;
+  if (mrope_) {  // the sequence's M-RoPE positions (set_rope; text: the cache position on all three axes)
+    rope_positions(pos, T, rope_);
+    tr = from_blob(rope_.data(), {3, T}, ScalarType::Long);
+    inputs.emplace_back(tr);
+  }
+  run_layer(*module_, *faults_, where_, name, inputs, static_cast<int64_t>(T) * hidden_, T == 1 ? "width" : "size",
+            moe, out);
 }
 
+void EtBackend::layer(int index, const std::vector<float>& h, int64_t pos, bool moe, LayerOut& out) {
+  run_positions("layer_" + std::to_string(index), h.data(), 1, pos, moe, out);
+}
 
 void EtBackend::layer_chunk(int index, const float* h, int T, int64_t pos, bool moe, LayerOut& out) {
-  const std::string name = "prefill_" + std::to_string(T) + "_layer_" + std::to_string(index);
-  std::vector<int64_t> p(static_cast<size_t>(T));
-  std::iota(p.begin(), p.end(), pos);
-  auto th = from_blob(const_cast<float*>(h), {1, T, hidden_}, ScalarType::Float);
-  auto tp = from_blob(p.data(), {T}, ScalarType::Long);
-  run_layer(*module_, *faults_, where_, name, th, tp, static_cast<int64_t>(T) * hidden_, "size", moe, out);
+  run_positions("prefill_" + std::to_string(T) + "_layer_" + std::to_string(index), h, T, pos, moe, out);
+}
+
+void EtBackend::vision(const std::string& method, const std::vector<float>& pixels, int64_t rows, int64_t cols,
+                       std::vector<float>& embeds, std::vector<float>& deepstack) {
+  if (static_cast<int64_t>(pixels.size()) != rows * cols) throw spx::Error(where_ + ": " + method + ": pixel size");
+  auto t = from_blob(const_cast<float*>(pixels.data()), {static_cast<int>(rows), static_cast<int>(cols)},
+                     ScalarType::Float);
+  auto r = run(*module_, *faults_, where_, method, {EValue(t)});
+  if (!r.ok()) throw spx::Error(where_ + ": method '" + method + "' failed (" + err_name(r.error()) + ")");
+  if (r.get().size() < 2) throw spx::Error(where_ + ": method '" + method + "' returned too few outputs");
+  copy_out(r.get()[0], embeds, where_ + ": " + method);
+  copy_out(r.get()[1], deepstack, where_ + ": " + method);
 }
 
 void EtBackend::head(const std::vector<float>& h, std::vector<float>& logits) {
@@ -264,7 +288,7 @@ void EtBackend::head(const std::vector<float>& h, std::vector<float>& logits) {
 }
 
 std::unique_ptr<Backend> open_backend(const Bundle& b, const std::vector<std::string>& methods, int threads) {
-  return std::make_unique<EtBackend>(b.program_path, methods, b.hidden_size, b.vocab_size, threads);
+  return std::make_unique<EtBackend>(b.program_path, methods, b.hidden_size, b.vocab_size, threads, b.mrope);
 }
 
 bool backend_runs_target(const std::string& target) { return target == "executorch"; }

@@ -40,6 +40,14 @@ class Backend {
   // (ascending; empty for a bundle exported without prefill chunks).
   const std::vector<int>& prefill_chunks() const { return chunks_; }
   virtual void head(const std::vector<float>& h, std::vector<float>& logits) = 0;  // [V]
+  // A vision-language bundle's vision method (graphs.vision.method) on one image's pixel_values
+  // [rows, cols]: image_embeds [tokens * H] and the DeepStack features [taps * tokens * H]. A backend
+  // without one throws.
+  virtual void vision(const std::string& method, const std::vector<float>& pixels, int64_t rows, int64_t cols,
+                      std::vector<float>& embeds, std::vector<float>& deepstack);
+  // M-RoPE bundles (kv.rope mrope): this sequence's rotary positions, `rows` [3 * n] for positions 0..n-1
+  // and p + delta on every axis after them; empty rows: the cache position itself (text).
+  void set_rope(std::vector<int64_t> rows, int64_t delta) { rope_rows_ = std::move(rows), rope_delta_ = delta; }
   // What runs the graphs ("executorch", "onnxruntime-qnn") and how many graph calls crossed to an
   // accelerator since the start (0 for ExecuTorch on the CPU): the run's JSON reports both.
   virtual const char* kind() const = 0;
@@ -51,6 +59,10 @@ class Backend {
  protected:
   // prefill chunk sizes from method names: T for every prefill_T_layer_N present for every layer_N
   void find_prefill_chunks(const std::vector<std::string>& methods);
+  // the rotary positions [3 * T] of cache positions pos .. pos+T-1 (set_rope) into out
+  void rope_positions(int64_t pos, int T, std::vector<int64_t>& out) const;
+  std::vector<int64_t> rope_rows_;
+  int64_t rope_delta_ = 0;
   std::string where_;  // the program or graphs directory, as errors name it
   int hidden_ = 0, vocab_ = 0;
   std::vector<int> chunks_;

@@ -29,4 +29,19 @@ void Backend::find_prefill_chunks(const std::vector<std::string>& methods) {
     if (!layers.empty() && ls == layers) chunks_.push_back(T);
 }
 
+void Backend::vision(const std::string& method, const std::vector<float>&, int64_t, int64_t, std::vector<float>&,
+                     std::vector<float>&) {
+  throw Error(where_ + ": this backend runs no vision method ('" + method + "'): images need an executorch bundle");
+}
+
+void Backend::rope_positions(int64_t pos, int T, std::vector<int64_t>& out) const {
+  out.resize(3 * static_cast<size_t>(T));
+  const int64_t n = static_cast<int64_t>(rope_rows_.size() / 3);
+  for (int a = 0; a < 3; ++a)
+    for (int t = 0; t < T; ++t) {
+      const int64_t p = pos + t;
+      out[static_cast<size_t>(a) * T + t] = p < n ? rope_rows_[static_cast<size_t>(a * n + p)] : p + rope_delta_;
+    }
+}
+
 }  // namespace spx

@@ -1,6 +1,7 @@
 // Bundle: manifest.json parsed and validated, every listed file checked (see bundle.h).
 #include "bundle.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <climits>
 #include <cstdlib>
@@ -83,6 +84,57 @@ int64_t parse_key(const std::string& s) {
     v = v * 10 + (c - '0');
   }
   return v;
+}
+
+}  // namespace
+
+namespace {
+
+// graphs.vision: the image size, grid, token ids and preprocessing of a bundle that takes images.
+void parse_vision(Bundle& b, const json& v, const std::string& where) {
+  const std::string p = "graphs.vision";
+  jsonc::need_object(v, where, p);
+  auto num = [&](const json& o, const char* key, const std::string& path, int64_t lo, int64_t hi) {
+    return as_int(field(o, key, where, path), where, path + "." + key, lo, hi);
+  };
+  Bundle::Vision& V = b.vision;
+  V.method = as_str(field(v, "method", where, p), where, p + ".method");
+  if (std::find(b.methods.begin(), b.methods.end(), V.method) == b.methods.end())
+    fail(where, p + ".method " + quote(V.method) + " is not one of graphs.methods");
+  const std::vector<int64_t> size = as_int_list(field(v, "image_size", where, p), where, p + ".image_size", 1, 1 << 14);
+  const std::vector<int64_t> grid = as_int_list(field(v, "grid_thw", where, p), where, p + ".grid_thw", 1, 1 << 12);
+  if (size.size() != 2 || grid.size() != 3 || grid[0] != 1) fail(where, p + ": image_size [h, w] and grid_thw [1, gh, gw]");
+  V.image_height = to_int(size[0]), V.image_width = to_int(size[1]);
+  V.grid_h = to_int(grid[1]), V.grid_w = to_int(grid[2]);
+  V.tokens = to_int(num(v, "tokens", p, 1, 1 << 20));
+  V.deepstack_layers = to_int(num(v, "deepstack_layers", p, 0, b.num_layers));
+  V.image_token_id = to_int(num(v, "image_token_id", p, 0, b.vocab_size - 1));
+  V.vision_start_token_id = to_int(num(v, "vision_start_token_id", p, 0, b.vocab_size - 1));
+  V.vision_end_token_id = to_int(num(v, "vision_end_token_id", p, 0, b.vocab_size - 1));
+  const std::string pp = p + ".preprocess";
+  const json& pre = field(v, "preprocess", where, p);
+  jsonc::need_object(pre, where, pp);
+  const std::string resize = as_str(field(pre, "resize", where, pp), where, pp + ".resize");
+  if (resize != "bicubic") fail(where, pp + ".resize " + quote(resize) + ": only bicubic is implemented");
+  V.patch_size = to_int(num(pre, "patch_size", pp, 1, 1024));
+  V.merge_size = to_int(num(pre, "merge_size", pp, 1, 64));
+  V.temporal_patch_size = to_int(num(pre, "temporal_patch_size", pp, 1, 64));
+  V.min_pixels = num(pre, "min_pixels", pp, 1, int64_t{1} << 40);
+  V.max_pixels = num(pre, "max_pixels", pp, 1, int64_t{1} << 40);
+  V.rescale_factor = as_num(field(pre, "rescale_factor", where, pp), where, pp + ".rescale_factor");
+  for (const char* key : {"image_mean", "image_std"}) {
+    const json& a = as_list(field(pre, key, where, pp), where, pp + "." + key);
+    if (a.size() != 3) fail(where, pp + "." + key + " must list 3 channels");
+    for (int c = 0; c < 3; ++c)
+      (std::string(key) == "image_mean" ? V.image_mean : V.image_std)[c] =
+          as_num(a[static_cast<size_t>(c)], where, pp + "." + key + "[" + std::to_string(c) + "]");
+  }
+  const int unit = V.patch_size * V.merge_size;
+  if (V.grid_h * V.patch_size != V.image_height || V.grid_w * V.patch_size != V.image_width ||
+      V.image_height % unit || V.image_width % unit ||
+      static_cast<int64_t>(V.grid_h / V.merge_size) * (V.grid_w / V.merge_size) != V.tokens)
+    fail(where, p + ": image_size, grid_thw, merge_size and tokens disagree");
+  b.has_vision = true;
 }
 
 }  // namespace
@@ -188,6 +240,11 @@ Bundle parse_manifest(const std::string& text, const std::string& where) {
   b.kv_mode = as_str(field(kv, "mode", where, "kv"), where, "kv.mode");
   b.max_seq = to_int(as_int(field(kv, "max_seq", where, "kv"), where, "kv.max_seq", 1, 1 << 24));
   if (const json* v = optional(kv, "mask_value", where, "kv")) b.kv_mask_value = as_num(*v, where, "kv.mask_value");
+  if (const json* v = optional(kv, "rope", where, "kv")) {
+    const std::string rope = as_str(*v, where, "kv.rope");
+    if (rope != "1d" && rope != "mrope") fail(where, "kv.rope is '" + rope + "': expected 1d or mrope");
+    b.mrope = rope == "mrope";
+  }
   if (const json* v = optional(kv, "layers", where, "kv")) {
     as_list(*v, where, "kv.layers");
     if (v->size() != size_t(b.num_layers))
@@ -279,6 +336,7 @@ Bundle parse_manifest(const std::string& text, const std::string& where) {
     b.program_file = listed(b, field(g, "file", where, "graphs"), where, "graphs.file");
     const json& methods = as_list(field(g, "methods", where, "graphs"), where, "graphs.methods");
     for (size_t i = 0; i < methods.size(); ++i) b.methods.push_back(as_str(methods[i], where, "graphs.methods[" + std::to_string(i) + "]"));
+    if (const json* v = optional(g, "vision", where, "graphs")) parse_vision(b, *v, where);
   } else {  // qnn / qai-hub: an EPContext model per graph, its context binary beside it
     const json& gf = field(g, "files", where, "graphs");
     const json& gb = field(g, "binaries", where, "graphs");

@@ -62,6 +62,21 @@ struct Bundle {
   int max_seq = 0;                 // kv.max_seq
   std::string kv_mode;             // kv.mode ("buffer": caches inside the program; "io")
   double kv_mask_value = -10000.0; // kv.mask_value when present
+  // graphs.vision (a vision-language bundle that takes images; docs/export.md "Images"): present = has_vision
+  struct Vision {
+    std::string method;                 // "vision"
+    int image_height = 0, image_width = 0;
+    int grid_h = 0, grid_w = 0;         // patches (grid_thw's last two)
+    int tokens = 0;                     // image tokens per image (merged patches)
+    int deepstack_layers = 0;           // DeepStack features added after decoder layers 0 .. this - 1
+    int image_token_id = 0, vision_start_token_id = 0, vision_end_token_id = 0;
+    int patch_size = 0, merge_size = 0, temporal_patch_size = 0;
+    int64_t min_pixels = 0, max_pixels = 0;
+    double rescale_factor = 0, image_mean[3] = {0, 0, 0}, image_std[3] = {0, 0, 0};
+  };
+  bool has_vision = false;
+  Vision vision;
+  bool mrope = false;              // kv.rope == "mrope": buffer-mode layer methods take (t, h, w) positions [3, T] last
   std::vector<KvLayer> kv_layers;  // kv.layers (empty when absent)
   std::string predictor_kind;      // predictor.kind: "adapter", "next-gate", ...
   std::vector<int> horizons;       // predictor.horizons

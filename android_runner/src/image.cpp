@@ -522,8 +522,14 @@ PixelValues preprocess_image(const Rgb8Image& image, const ImagePreprocess& p) {
       image.pixels.size() != static_cast<size_t>(image.width) * image.height * 3)
     throw Error("image processor: an empty or inconsistent image");
   const int64_t factor = static_cast<int64_t>(p.patch_size) * p.merge_size;
-  const ResizedSize rs = smart_resize(image.height, image.width, factor, p.min_pixels, p.max_pixels);
-  const Rgb8Image resized = resize_bicubic(image, rs.width, rs.height);
+  Rgb8Image fixed;
+  const Rgb8Image* src = &image;
+  if (p.fixed_height > 0 && p.fixed_width > 0) {  // a bundle's size first (export/images.py)
+    fixed = resize_bicubic(image, p.fixed_width, p.fixed_height);
+    src = &fixed;
+  }
+  const ResizedSize rs = smart_resize(src->height, src->width, factor, p.min_pixels, p.max_pixels);
+  const Rgb8Image resized = resize_bicubic(*src, rs.width, rs.height);
 
   // rescale then normalize, as numpy does them: (float32)(x * factor in double), then float32 maths
   float lut[3][256];

@@ -72,6 +72,10 @@ struct ImagePreprocess {
   double rescale_factor = 1.0 / 255.0;
   double image_mean[3] = {0.5, 0.5, 0.5};  // rounded to float32 where used, as numpy does
   double image_std[3] = {0.5, 0.5, 0.5};
+  // A bundle's fixed image size (its manifest's graphs.vision.image_size), 0 if none: the image is first
+  // resized to exactly this (bicubic), as the toolkit does before the processor, whose smart_resize then
+  // keeps it.
+  int fixed_height = 0, fixed_width = 0;
 
   // Refuses (spx::Error naming the key) a size or factor below 1 or absurdly large, a zero std.
   void validate() const;

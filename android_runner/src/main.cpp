@@ -29,6 +29,7 @@
 #include "fileio.h"
 #include "kernels.h"
 #include "memwatch.h"
+#include "image.h"
 #include "runner.h"
 #include "safetensors.h"
 #include "spx_config.h"
@@ -44,7 +45,7 @@ const char* kUsage =
     "usage: specprefetch-runner BUNDLE (--prompt TEXT | --prompt-ids IDS) [more prompts] [--max-new-tokens N]\n"
     "  [--policy PREDICTOR+EVICTION] [--pool-mib F] [--window N] [--queue-depth N] [--min-confidence F]\n"
     "  [--candidate-threshold F] [--step-budget-kib N] [--read-budget-kib N] [--lanes N] [--threads N] [--routing FILE]\n"
-    "  [--json OUT] [--events OUT]\n"
+    "  [--json OUT] [--events OUT] [--image PATH]... (before every prompt's text; a bundle that takes images)\n"
     "  [--no-verify] [--no-verify-hashes] [--cold] [--preload] [--isa NAME|best] [--prefill-chunk N|off]\n"
     "  --pool-mib auto [--pool-reserve-mib N] [--pool-low-watermark-mib N] [--pool-high-watermark-mib N]\n"
     "  [--pool-check-ms N]: the pool sized from the available memory, shrunk under the low watermark\n";
@@ -67,6 +68,7 @@ struct Args {
   std::string routing, json_out, events_out, isa;
   bool verify = true, verify_hashes = true, cold = false, preload = false;
   int prefill_chunk = -1;  // --prefill-chunk: -1 the bundle's largest, 0 off
+  std::vector<std::string> images;  // --image, in order: before every prompt's tokens
 };
 
 double to_double(const std::string& opt, const std::string& v) {
@@ -158,6 +160,7 @@ Args parse(int argc, char** argv) {
       a.prompts.emplace_back();
       a.is_text.push_back(true);
     }
+    else if (o == "--image") a.images.push_back(val());
     else if (o == "--max-new-tokens") a.max_new = static_cast<int>(to_int(o, val(), 1));
     else if (o == "--policy") a.policy = val();
     else if (o == "--pool-mib") {
@@ -382,10 +385,48 @@ int main_(int argc, char** argv) {
   ExpertExecutor kernel(store->sections, store->matrices, b.family, b.hidden_act, static_cast<float>(b.swiglu_limit), isa);
   if (kernel.hidden_size() != b.hidden_size) throw Error(b.store_path + ": experts of width " + std::to_string(kernel.hidden_size()) + ", the model's is " + std::to_string(b.hidden_size));
   std::vector<std::string> methods;
-  for (const auto& m : b.methods)
-    if (m != "expert") methods.push_back(m);  // experts run on the runner's own kernels
+  if (!a.images.empty() && !b.has_vision)
+    throw Error("--image: " + a.bundle + " takes no images (a text-only bundle; a vision-language model exported "
+                "with --target executorch takes them)");
+  for (const auto& m : b.methods)  // experts: the runner's own kernels; the vision method only for images
+    if (m != "expert" && (m != b.vision.method || !a.images.empty())) methods.push_back(m);
   std::unique_ptr<Backend> backend = open_backend(b, methods, a.threads);
   Backend& exec = *backend;
+  // --image: each image decoded and preprocessed as the toolkit does (src/image.h, the bundle's fixed
+  // size), through the vision method once; every prompt gets the image blocks before its tokens
+  ImagePrompt images;
+  if (!a.images.empty()) {
+    const Bundle::Vision& V = b.vision;
+    ImagePreprocess pre;
+    pre.patch_size = V.patch_size, pre.merge_size = V.merge_size, pre.temporal_patch_size = V.temporal_patch_size;
+    pre.min_pixels = V.min_pixels, pre.max_pixels = V.max_pixels, pre.rescale_factor = V.rescale_factor;
+    for (int c = 0; c < 3; ++c) pre.image_mean[c] = V.image_mean[c], pre.image_std[c] = V.image_std[c];
+    pre.fixed_height = V.image_height, pre.fixed_width = V.image_width;
+    images.hidden = b.hidden_size, images.tokens = V.tokens, images.taps = V.deepstack_layers;
+    for (const auto& path : a.images) {
+      const PixelValues px = load_image(path, pre);
+      if (px.grid_h != V.grid_h || px.grid_w != V.grid_w)
+        throw Error("--image " + path + ": preprocessed to a " + std::to_string(px.grid_h) + "x" +
+                    std::to_string(px.grid_w) + " grid, the bundle's vision method takes " + std::to_string(V.grid_h) +
+                    "x" + std::to_string(V.grid_w));
+      images.embeds.emplace_back();
+      images.deepstack.emplace_back();
+      exec.vision(V.method, px.values, px.rows, px.cols, images.embeds.back(), images.deepstack.back());
+      const size_t n = static_cast<size_t>(V.tokens) * b.hidden_size;
+      if (images.embeds.back().size() != n || images.deepstack.back().size() != n * V.deepstack_layers)
+        throw Error(b.program_path + ": method '" + V.method + "' returned outputs of the wrong size");
+    }
+    for (auto& ids : a.prompts) {  // the image blocks, then the prompt's own tokens
+      std::vector<int> full;
+      for (size_t k = 0; k < a.images.size(); ++k) {
+        full.push_back(V.vision_start_token_id);
+        full.insert(full.end(), static_cast<size_t>(V.tokens), V.image_token_id);
+        full.push_back(V.vision_end_token_id);
+      }
+      full.insert(full.end(), ids.begin(), ids.end());
+      ids.swap(full);
+    }
+  }
 
   ModelInfo m;
   m.num_layers = b.num_layers;
@@ -470,6 +511,14 @@ int main_(int argc, char** argv) {
     watch->start();
   }
   for (size_t p = 0; p < a.prompts.size(); ++p) {
+    if (!a.images.empty()) {  // this prompt's M-RoPE positions: the image grids after the image blocks' starts
+      const Bundle::Vision& V = b.vision;
+      images.starts.clear();
+      for (size_t k = 0; k < a.images.size(); ++k) images.starts.push_back(static_cast<int>(k) * (V.tokens + 2) + 1);
+      mrope_positions(static_cast<int>(a.prompts[p].size()), images.starts, V.grid_h / V.merge_size,
+                      V.grid_w / V.merge_size, images.rope, images.delta);
+      runner.set_images(&images);
+    }
     Generation g = runner.run(a.prompts[p], a.max_new, a.events_out.empty() ? nullptr : &log,
                               recorded.empty() ? nullptr : &recorded[p]);
     // greedy decoding is deterministic: a recording of this prompt fed exactly these positions
@@ -480,6 +529,10 @@ int main_(int argc, char** argv) {
     json r;
     if (a.is_text[p]) r["prompt"] = a.texts[p];
     r["prompt_ids"] = a.prompts[p];
+    if (!a.images.empty()) {
+      r["images"] = a.images;
+      r["image_tokens"] = static_cast<int64_t>(a.images.size()) * (b.vision.tokens + 2);
+    }
     r["source"] = a.bundle;
     r["tokens"] = g.tokens;
     if (tokenizer) r["text"] = tokenizer->decode(g.tokens);

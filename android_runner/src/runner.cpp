@@ -209,6 +209,49 @@ void Runner::configure(const RunConfig& cfg) {
   }
 }
 
+void mrope_positions(int n, const std::vector<int>& starts, int gh, int gw, std::vector<int64_t>& rows,
+                     int64_t& delta) {
+  rows.assign(3 * static_cast<size_t>(n), 0);
+  auto set = [&](int p, int64_t t, int64_t h, int64_t w) {
+    rows[static_cast<size_t>(p)] = t, rows[static_cast<size_t>(n + p)] = h, rows[static_cast<size_t>(2 * n + p)] = w;
+  };
+  int64_t cur = 0, top = -1;
+  int i = 0;
+  for (int s : starts) {
+    if (s < i || s + gh * gw > n) throw Error("an image's tokens do not fit the prompt");
+    for (; i < s; ++i, ++cur) set(i, cur, cur, cur);
+    for (int r = 0; r < gh; ++r)
+      for (int c = 0; c < gw; ++c) set(s + r * gw + c, cur, cur + r, cur + c);
+    top = std::max<int64_t>(top, cur + std::max(gh, gw) - 1);
+    cur += std::max(gh, gw);
+    i = s + gh * gw;
+  }
+  for (; i < n; ++i, ++cur) set(i, cur, cur, cur);
+  top = std::max<int64_t>(top, cur - 1);
+  delta = top + 1 - n;
+}
+
+std::pair<int, int> ImagePrompt::at(int p) const {
+  for (size_t k = 0; k < starts.size(); ++k)
+    if (p >= starts[k] && p < starts[k] + tokens) return {static_cast<int>(k), p - starts[k]};
+  return {-1, -1};
+}
+
+void ImagePrompt::embed(int p, float* h) const {
+  const auto [k, r] = at(p);
+  if (k < 0) return;
+  const float* src = embeds[static_cast<size_t>(k)].data() + static_cast<size_t>(r) * hidden;
+  std::copy(src, src + hidden, h);
+}
+
+void ImagePrompt::add_deepstack(int p, int layer, float* h) const {
+  if (layer >= taps) return;
+  const auto [k, r] = at(p);
+  if (k < 0) return;
+  const float* f = deepstack[static_cast<size_t>(k)].data() + (static_cast<size_t>(layer) * tokens + r) * hidden;
+  for (int i = 0; i < hidden; ++i) h[i] = h[i] + f[i];
+}
+
 Generation Runner::run(const std::vector<int>& prompt, int max_new, EventLog* events,
                        const std::vector<std::vector<int>>* recorded) {
   if (!cfg_.needs_future()) return generate(prompt, max_new, nullptr, events);
@@ -335,8 +378,13 @@ Generation Runner::generate(const std::vector<int>& prompt, int max_new,
     hc.assign(static_cast<size_t>(T) * H, 0.0f);
     for (int t = 0; t < T; ++t) {
       exec_.embed(seq[p0 + t], h);
+      if (images_ != nullptr) images_->embed(p0 + t, h.data());
       std::copy(h.begin(), h.end(), hc.begin() + static_cast<size_t>(t) * H);
     }
+    auto deepstack = [&](int layer) {
+      if (images_ != nullptr)
+        for (int t = 0; t < T; ++t) images_->add_deepstack(p0 + t, layer, hc.data() + static_cast<size_t>(t) * H);
+    };
     ChunkState cs(T, L, H, k);
     std::vector<std::vector<int>> rt(static_cast<size_t>(T), std::vector<int>(static_cast<size_t>(L) * k));
     std::vector<int> ids_all(static_cast<size_t>(T) * k), row_ids;
@@ -360,6 +408,7 @@ Generation Runner::generate(const std::vector<int>& prompt, int max_new,
       }
       if (li < 0) {
         hc.swap(out.h);
+        deepstack(layer);
         continue;
       }
       const int64_t step = static_cast<int64_t>(p0) * L + li;
@@ -428,11 +477,15 @@ Generation Runner::generate(const std::vector<int>& prompt, int max_new,
         float* ht = hc.data() + static_cast<size_t>(t) * H;
         for (int i = 0; i < H; ++i) ht[i] = ht[i] + y[i];
       }
+      deepstack(layer);
     }
     for (auto& r : rt) g.routing.push_back(std::move(r));
   };
 
   exec_.reset();
+  if (images_ != nullptr && images_->rope.size() != 3 * prompt.size())
+    throw Error("the image prompt's positions are not the prompt's");
+  exec_.set_rope(images_ != nullptr ? images_->rope : std::vector<int64_t>{}, images_ != nullptr ? images_->delta : 0);
   const auto t0 = Clock::now();
   const int64_t calls0 = exec_.accelerator_calls();
   int pos = 0;
@@ -452,11 +505,13 @@ Generation Runner::generate(const std::vector<int>& prompt, int max_new,
       h.assign(hc.begin() + static_cast<size_t>(T - 1) * H, hc.end());
     } else {
       exec_.embed(seq[pos], h);
+      if (images_ != nullptr) images_->embed(pos, h.data());
       for (int layer = 0; layer < m_.num_layers; ++layer) {
         const int li = moe_index[layer];
         exec_.layer(layer, h, pos, li >= 0, out);
         if (li < 0) {
           h.swap(out.h);
+          if (images_ != nullptr) images_->add_deepstack(pos, layer, h.data());
           continue;
         }
         const int64_t step = static_cast<int64_t>(pos) * L + li;
@@ -511,6 +566,7 @@ Generation Runner::generate(const std::vector<int>& prompt, int max_new,
         sched.release(step, keys);
         h.swap(out.h);
         for (int i = 0; i < H; ++i) h[i] = h[i] + y[i];
+        if (images_ != nullptr) images_->add_deepstack(pos, layer, h.data());
       }
       g.routing.push_back(state.ids);
       state.next_position();

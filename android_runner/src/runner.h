@@ -97,6 +97,32 @@ constexpr int kPrefillSpan = 512;
 // within `cap` positions, single positions (1) as they are (backend.py's prefill_spans).
 std::vector<int> prefill_spans(const std::vector<int>& units, int cap = kPrefillSpan);
 
+// An image prompt (docs/export.md "Images"): the image rows' embeddings replace those positions' token
+// embeddings, DeepStack features are added to them after the first decoder layers, and the M-RoPE
+// positions of the prompt go to the backend (Backend::set_rope). As the toolkit's ImagePrompt.
+struct ImagePrompt {
+  int hidden = 0;
+  int tokens = 0;                             // image tokens per image
+  int taps = 0;                               // DeepStack features per image (after layers 0 .. taps-1)
+  std::vector<int> starts;                    // each image's first image-token position
+  std::vector<std::vector<float>> embeds;     // per image [tokens * hidden]
+  std::vector<std::vector<float>> deepstack;  // per image [taps * tokens * hidden]
+  std::vector<int64_t> rope;                  // [3 * prompt length]
+  int64_t delta = 0;
+
+  // (image, row) of prompt position p, or (-1, -1)
+  std::pair<int, int> at(int p) const;
+  // h [hidden] of position p: its image embedding, if an image row
+  void embed(int p, float* h) const;
+  // h [hidden] of position p after decoder layer `layer`: plus that tap's feature, if an image row
+  void add_deepstack(int p, int layer, float* h) const;
+};
+
+// M-RoPE positions [3 * n] of an n-position prompt whose images (each a gh x gw merged grid) start at
+// `starts`, and its delta: the model's get_rope_index (toolkit/runtime/images.py: rope_rows).
+void mrope_positions(int n, const std::vector<int>& starts, int gh, int gw, std::vector<int64_t>& rows,
+                     int64_t& delta);
+
 class Runner {
  public:
   Runner(const ModelInfo& model, Backend& exec, const ExpertStore& store, const ExpertExecutor& kernel,
@@ -114,6 +140,8 @@ class Runner {
   // `generate` with the recorded first pass the policy needs (oracle, Belady), unless given.
   Generation run(const std::vector<int>& prompt, int max_new, EventLog* events,
                  const std::vector<std::vector<int>>* recorded = nullptr);
+  // The image prompt of the next runs (its rows are the prompt's), or nullptr for text.
+  void set_images(const ImagePrompt* images) { images_ = images; }
 
  private:
   Source source_of(const std::string& predictor) const;
@@ -124,6 +152,7 @@ class Runner {
   const ExpertExecutor& kernel_;
   const HostRouters* host_;
   RunConfig cfg_;
+  const ImagePrompt* images_ = nullptr;
 };
 
 }  // namespace spx

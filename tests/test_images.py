@@ -1,0 +1,218 @@
+"""Image prompts through the runners (export/images.py, toolkit/runtime/images.py): M-RoPE positions and
+rotary tables against transformers, `run --image` against transformers' own generate with the same
+pixels (a model directory in make test, an ExecuTorch bundle with its vision method in the slow tier),
+and one-line refusals of bad images and of models that take none."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from cli_helpers import cli
+from toolkit.errors import SpecPrefetchError
+
+PROMPT = "a picture of"
+
+
+def _png(path: Path, h: int, w: int, seed: int) -> Path:
+    from PIL import Image
+
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)).save(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def vl(tiny_models):
+    return tiny_models["qwen3_vl_moe"]
+
+
+@pytest.fixture(scope="module")
+def pictures(tmp_path_factory) -> list[Path]:
+    d = tmp_path_factory.mktemp("pictures")
+    return [_png(d / "a.png", 80, 70, 1), _png(d / "b.png", 50, 70, 0), _png(d / "c.png", 64, 40, 7)]
+
+
+def test_rope_rows_are_transformers_positions(vl):
+    """Two images of different grids between text runs: every position's (t, h, w) and the delta equal
+    the model's own get_rope_index."""
+    from toolkit.models.loader import load_model
+    from toolkit.runtime.images import rope_rows
+
+    lm = load_model(vl)
+    cfg = lm.model.config
+    vs, pad, ve = cfg.vision_start_token_id, cfg.image_token_id, cfg.vision_end_token_id
+    grids = [(1, 4, 6), (1, 2, 4)]  # merged: 2x3 and 1x2
+    ids = [20, 21, vs, *[pad] * 6, ve, 30, vs, *[pad] * 2, ve, 40, 41, 42]
+    starts = [3, 12]
+    mm = torch.tensor([[int(t == pad) for t in ids]])
+    want, delta = lm.model.model.get_rope_index(torch.tensor([ids]), mm, torch.tensor(grids))
+    got, d = rope_rows(ids, starts, [(g[1] // 2, g[2] // 2) for g in grids])
+    assert torch.equal(got, want[:, 0]) and d == int(delta)
+    assert d < 0  # an image takes fewer rotary steps than tokens
+    text, _ = rope_rows([1, 2, 3], [], [])
+    assert torch.equal(text, torch.arange(3).expand(3, -1))
+
+
+def test_mrope_layer_tables_are_transformers_exactly(vl):
+    """The layer graph's M-RoPE gather from the 1-D tables equals the model's rotary module bit for bit."""
+    from export.graphs import StepModel, text_model
+    from toolkit.models.loader import inspect_model_dir, load_dense_model
+
+    spec = inspect_model_dir(vl)
+    model = load_dense_model(spec)
+    steps = StepModel(spec, model, max_seq=64)
+    assert sorted(set(steps.mrope_axes.tolist())) == [0, 1, 2]
+    g = steps.graphs("buffer")["layer_0"]
+    pos = torch.tensor([[3, 4, 4, 4, 4, 8, 9], [3, 4, 4, 5, 5, 8, 9], [3, 4, 5, 4, 5, 8, 9]])
+    mine = g._rope(None, None, pos)
+    ref = text_model(model).rotary_emb(torch.zeros(1, 7, 1), pos.view(3, 1, 7))
+    for a, b in zip(mine, ref):
+        assert torch.equal(a, b.float())
+    assert len(steps.example_inputs("layer_0", "buffer")) == 3  # hidden, cache position, M-RoPE positions
+    assert steps.example_inputs("layer_0", "io")[1].shape == (1, 64)  # io mode (QNN): its one-hot positions
+
+
+def test_run_image_model_directory_matches_transformers(vl, pictures, tmp_path):
+    """`run MODEL --image A --image B --check`: the image prompt through the streamed experts gives
+    transformers' greedy tokens for the same pixels, for several predictors at one pool; another image
+    gives other tokens."""
+    from export.images import open_image
+    from export.session import open_session, reference_tokens
+    from toolkit.runtime.policy import Policy
+    from toolkit.runtime.runner import RunConfig
+
+    code, out = cli("run", vl, "--prompt", PROMPT, "--image", pictures[0], "--image", pictures[1],
+                    "--max-new-tokens", 6, "--policy", "on-demand+lru", "--check", "--json", tmp_path / "r.json")
+    assert code == 0, out
+    r = json.loads((tmp_path / "r.json").read_text())["runs"][0]
+    assert r["matches_unmodified_model"] is True and r["images"] == [str(p) for p in pictures[:2]]
+    from toolkit.models.loader import load_image_processor
+
+    proc = load_image_processor(vl)  # each image its processor's own grid: merged patches + 2 markers
+    grids = [proc(images=[open_image(p)], return_tensors="pt")["image_grid_thw"][0] for p in pictures[:2]]
+    assert r["image_tokens"] == sum(int(g.prod()) // 4 + 2 for g in grids)
+    s = open_session(vl, RunConfig(policy=Policy("on-demand", "lru"), pool_mib=0.25), max_seq=96,
+                     predictors=["on-demand", "next-gate", "previous-token", "oracle"])
+    text = s.encode(PROMPT)
+    ip = s.image_prompt([pictures[2]], text)
+    ref = reference_tokens(vl, ip.ids, 6, images=[pictures[2]], vision=s.vision)
+    for pol in ("on-demand+lru", "next-gate+prediction", "previous-token+lru", "oracle+belady"):
+        s.runner.configure(policy=Policy.parse(pol))
+        assert s.runner.run(ip.ids, 6, images=ip).tokens == ref, pol
+    other = s.image_prompt([pictures[0]], text)
+    s.runner.configure(policy=Policy("on-demand", "lru"))
+    assert s.runner.run(other.ids, 6, images=other).tokens != ref
+    # without the image rows (the image tokens' own embeddings) the tokens are not the model's
+    assert s.runner.run(ip.ids, 6).tokens != ref
+
+
+def test_bad_images_are_refused_in_one_line(vl, pictures, tmp_path, tiny_models):
+    from export.images import open_image
+
+    d = tmp_path
+    (d / "text.png").write_text("not an image")
+    data = pictures[0].read_bytes()
+    (d / "cut.png").write_bytes(data[:len(data) // 2])
+    big = d / "big.png"  # 20000 x 20000: refused from its header (a few KiB of zeros, never decoded)
+    from PIL import Image
+    Image.new("L", (20000, 20000)).save(big, compress_level=1)
+    for path, msg in ((d / "text.png", "not a readable PNG or JPEG image"),
+                      (d / "cut.png", "not a readable PNG or JPEG image"),
+                      (big, "20000x20000 pixels, over the 64 megapixels"),
+                      (d / "missing.png", "no such file"), (d, "a directory, not an image file")):
+        with pytest.raises(SpecPrefetchError) as e:
+            open_image(path)
+        assert str(e.value).startswith(f"--image {path}: ") and msg in str(e.value), e.value
+        assert "\n" not in str(e.value)
+    assert open_image(_png(d / "one.png", 1, 1, 3)).size == (1, 1)  # resized up by the processor's rule
+    code, out = cli("run", vl, "--prompt", PROMPT, "--image", d / "cut.png", "--policy", "on-demand+lru",
+                    "--json", d / "r.json")
+    assert code != 0 and f"--image {d / 'cut.png'}: not a readable" in out and not (d / "r.json").exists()
+    code, out = cli("run", vl, "--prompt", PROMPT, "--image", d / "one.png", "--max-new-tokens", 2,
+                    "--policy", "on-demand+lru", "--json", d / "one.json")
+    assert code == 0, out  # a 1x1 image is upscaled to the processor's smallest grid
+    code, out = cli("run", tiny_models["qwen3_moe"], "--prompt", PROMPT, "--image", pictures[0],
+                    "--policy", "on-demand+lru", "--json", d / "t.json")
+    assert code != 0 and "takes no images: a text-only model" in out, out
+
+
+# -- an ExecuTorch bundle with its vision method -------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def vl_bundle(vl, tmp_path_factory) -> Path:
+    from export.bundle import ExportConfig, export_bundle
+
+    out = tmp_path_factory.mktemp("vlb") / "bundle"
+    export_bundle(vl, out, ExportConfig(target="executorch", max_seq=64, image_size=(64, 64), parity_prompts=1,
+                                        progress=False))
+    return out
+
+
+@pytest.mark.slow  # an ExecuTorch export, ~45 s on two cores
+def test_bundle_vision_method_and_image_runs(vl_bundle, pictures, tmp_path):
+    """The bundle's vision method matches the eager tower (parity.json), the manifest carries the
+    preprocessing, and `run BUNDLE --image` gives transformers' tokens for the same resized pixels, for
+    several predictors; the native runner still runs its text prompts as the Python engine does."""
+    from export.session import open_session, reference_tokens
+    from toolkit.runtime.policy import Policy
+    from toolkit.runtime.runner import RunConfig
+
+    m = json.loads((vl_bundle / "manifest.json").read_text())
+    v = m["graphs"]["vision"]
+    assert v["image_size"] == [64, 64] and v["grid_thw"] == [1, 4, 4] and v["tokens"] == 4
+    assert v["preprocess"]["image_mean"] == [0.5] * 3 and v["preprocess"]["resize"] == "bicubic"
+    assert m["kv"]["rope"] == "mrope" and "vision" in m["graphs"]["methods"]
+    p = json.loads((vl_bundle / "parity.json").read_text())
+    assert p["vision"]["passed"] and p["vision"]["max_rel_diff"] < 1e-5
+    code, out = cli("run", vl_bundle, "--prompt", PROMPT, "--image", pictures[0], "--max-new-tokens", 6,
+                    "--policy", "on-demand+lru", "--check", "--json", tmp_path / "r.json")
+    assert code == 0, out
+    r = json.loads((tmp_path / "r.json").read_text())["runs"][0]
+    assert r["matches_unmodified_model"] is True and r["image_tokens"] == 4 + 2
+    s = open_session(vl_bundle, RunConfig(policy=Policy("on-demand", "lru"), pool_mib=0.06),
+                     predictors=["on-demand", "next-gate", "previous-token", "oracle"])
+    ip = s.image_prompt([pictures[1], pictures[2]], s.encode(PROMPT))
+    ref = reference_tokens(s.source_model, ip.ids, 6, images=[pictures[1], pictures[2]], vision=s.vision)
+    for pol in ("on-demand+lru", "next-gate+prediction", "previous-token+lru", "oracle+belady"):
+        s.runner.configure(policy=Policy.parse(pol))
+        assert s.runner.run(ip.ids, 6, images=ip).tokens == ref, pol
+    # both engines, text and a two-image prompt: the native runner decodes and preprocesses the images
+    # itself (src/image.cpp) and gives the same tokens and the same decision log
+    from toolkit.runtime.events import decisions
+
+    for tag, imgs in (("text", ()), ("images", (pictures[1], pictures[2]))):
+        for engine in ("python", "native"):
+            args = [a for img in imgs for a in ("--image", img)]
+            code, out = cli("run", vl_bundle, "--engine", engine, "--prompt", PROMPT, *args, "--max-new-tokens", 6,
+                            "--policy", "next-gate+prediction", "--pool-mib", "0.06", "--check",
+                            "--json", tmp_path / f"{tag}-{engine}.json", "--events", tmp_path / f"{tag}-{engine}.ev")
+            assert code == 0, out
+        py, nat = (json.loads((tmp_path / f"{tag}-{e}.json").read_text())["runs"][0] for e in ("python", "native"))
+        assert py["tokens"] == nat["tokens"] and nat["matches_unmodified_model"] is True, tag
+        assert decisions((tmp_path / f"{tag}-python.ev").read_text().splitlines()) == \
+            decisions((tmp_path / f"{tag}-native.ev").read_text().splitlines()), tag
+        if imgs:
+            assert nat["image_tokens"] == 2 * (4 + 2) and nat["prompt_ids"][:6] == ip.ids[:6]
+            assert nat["tokens"] == ref  # the same image prompt as the predictors' loop above
+    code, out = cli("run", vl_bundle, "--engine", "native", "--prompt", PROMPT, "--image", tmp_path / "none.png",
+                    "--json", tmp_path / "bad.json")
+    assert code != 0 and f"{tmp_path / 'none.png'}" in out and "\n" not in out.strip(), out
+
+
+@pytest.mark.slow
+def test_image_size_refusals(vl, tiny_models, tmp_path):
+    from export.bundle import ExportConfig, export_bundle
+
+    for size, msg in (((60, 64), "must be positive multiples of 32"), ((128, 128), "outside the image processor's")):
+        with pytest.raises(SpecPrefetchError, match=msg):
+            export_bundle(vl, tmp_path / "b", ExportConfig(target="executorch", image_size=size, progress=False))
+    with pytest.raises(SpecPrefetchError, match="--image-size: a text-only model takes no images"):
+        export_bundle(tiny_models["qwen3_moe"], tmp_path / "b", ExportConfig(image_size=(64, 64), progress=False))
+    with pytest.raises(SpecPrefetchError, match="images are exported for --target executorch only"):
+        export_bundle(vl, tmp_path / "b", ExportConfig(target="qnn", image_size=(64, 64), progress=False))
+    assert not (tmp_path / "b").exists()
+    code, out = cli("export", vl, "--image-size", "64by64", "--out", tmp_path / "c")
+    assert code == 2 and "expected HEIGHTxWIDTH" in out
