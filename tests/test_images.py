@@ -216,3 +216,27 @@ def test_image_size_refusals(vl, tiny_models, tmp_path):
     assert not (tmp_path / "b").exists()
     code, out = cli("export", vl, "--image-size", "64by64", "--out", tmp_path / "c")
     assert code == 2 and "expected HEIGHTxWIDTH" in out
+
+
+def test_eval_reports_image_tokens_apart(vl, tmp_path):
+    """`eval` on a vision-language trace: recall on the held-out image tokens beside the decode tokens'
+    (the oracle's is exact on both), in the JSON and the table."""
+    from toolkit.predictors.evaluate import evaluate, markdown
+    from toolkit.traces.capture import TraceSettings, run_trace
+
+    rows = []
+    for i in range(10):
+        _png(tmp_path / f"p{i}.png", 40 + 8 * i, 64, 20 + i)
+        rows.append({"text": f"Picture {i}: a chart of the tide at hour {i}.", "image": f"p{i}.png"})
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    s = TraceSettings(prompt_tokens=24, decode_tokens=4, heldout_frac=0.5, hidden_sample=1.0)
+    trace = run_trace(vl, [tmp_path / "pairs.jsonl"], tmp_path / "t", s, progress=False)
+    r = evaluate(trace, predictors=["next-gate", "previous-token", "oracle"], progress=False)
+    assert r["image_tokens"] > 0 and r["decode_tokens"] > 0
+    for n in ("next-gate", "previous-token", "oracle"):
+        im = r["predictors"][n]["image_tokens"]
+        assert set(im["recall_at_k"]) == {"1", "2"} and all(0 <= v <= 1 for v in im["recall_at_k"].values())
+    assert r["predictors"]["oracle"]["image_tokens"]["recall_at_k"]["1"] == 1.0
+    assert r["predictors"]["next-gate"]["image_tokens"]["recall_at_k"]["1"] < 1.0
+    assert f"Held-out image tokens (prompt positions of images, apart from the text): {r['image_tokens']}" \
+        in markdown(r)

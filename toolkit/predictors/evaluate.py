@@ -23,7 +23,7 @@ from toolkit.models.routers import load_router_bank
 from toolkit.predictors.base import Predictor
 from toolkit.predictors.registry import EVAL_PREDICTORS, build_predictor
 from toolkit.traces.batches import iter_batches
-from toolkit.traces.format import TraceReader
+from toolkit.traces.format import DECODE, IMAGE, TraceReader
 
 ALL = EVAL_PREDICTORS
 
@@ -92,28 +92,42 @@ def evaluate(trace: Path, *, predictors: list[str], adapter: Path | None = None,
             horizons = tuple(read_adapter_meta(Path(adapter))["horizons"])
     preds, notes = build_predictors(predictors, reader, spec, adapter, draft_bits)
     L = len(reader.moe_layers)
-    # acc[name][h] = arrays over source layer i: hits@k, hits@M, rows
-    acc = {n: {h: np.zeros((3, L)) for h in horizons} for n in preds}
-    batches = list(iter_batches(reader, "heldout", decode_only=True, with_probs=False))
+    batches, image_batches = [], []
+    # held-out decode tokens; and, for a vision-language trace, its image tokens (prompt positions, each
+    # of whose hidden states the trace sampled), measured apart
+    for b in iter_batches(reader, "heldout", with_probs=False):
+        for kind, out in ((DECODE, batches), (IMAGE, image_batches)):
+            sel = b.select(b.kind == kind)
+            if len(sel):
+                out.append(sel)
     if not batches:
         raise SpecPrefetchError(f"trace {trace}: no held-out decode tokens (trace with --decode-tokens > 0)")
-    for b in tqdm(batches, desc="eval", unit="shard", disable=not progress):
-        for h in horizons:
-            for i in range(L):
-                if i + h >= 2 * L:
-                    continue
-                ids, ok = b.target_ids(i, h)
-                if not ok.any():
-                    continue
-                for n, p in preds.items():
-                    s = p.scores(b, i, h)[ok]
-                    acc[n][h][0, i] += topk_hits(s, ids[ok], k)
-                    acc[n][h][1, i] += topk_hits(s, ids[ok], M)
-                    acc[n][h][2, i] += int(ok.sum())
+
+    def accumulate(bs, what: str) -> dict:
+        # acc[name][h] = arrays over source layer i: hits@k, hits@M, rows
+        acc = {n: {h: np.zeros((3, L)) for h in horizons} for n in preds}
+        for b in tqdm(bs, desc=f"eval ({what})", unit="shard", disable=not progress):
+            for h in horizons:
+                for i in range(L):
+                    if i + h >= 2 * L:
+                        continue
+                    ids, ok = b.target_ids(i, h)
+                    if not ok.any():
+                        continue
+                    for n, p in preds.items():
+                        s = p.scores(b, i, h)[ok]
+                        acc[n][h][0, i] += topk_hits(s, ids[ok], k)
+                        acc[n][h][1, i] += topk_hits(s, ids[ok], M)
+                        acc[n][h][2, i] += int(ok.sum())
+        return acc
+
+    acc = accumulate(batches, "decode tokens")
+    acc_img = accumulate(image_batches, "image tokens") if image_batches else None
     result: dict[str, Any] = {"k": k, "budget": M, "trace": str(Path(trace).resolve()),
                               "model": {"family": spec.family.name, "config_hash": spec.config_hash,
                                         "path": str(spec.path)},
                               "decode_tokens": int(sum(len(b) for b in batches)),
+                              "image_tokens": int(sum(len(b) for b in image_batches)),
                               "horizons": list(horizons), "predictors": {}}
     for n, p in preds.items():
         r: dict[str, Any] = {"recall_at_k": {}, "recall_at_k_within_token": {}, "recall_at_budget": {},
@@ -127,6 +141,12 @@ def evaluate(trace: Path, *, predictors: list[str], adapter: Path | None = None,
             same = slice(0, max(0, L - h))  # source layers whose target is in the same token (none when h >= L)
             r["recall_at_k_within_token"][str(h)] = recall(hk[same].sum(), rows[same].sum(), k)
             r["per_layer_recall_at_k"][str(h)] = [recall(a, c, k) for a, c in zip(hk, rows)]
+        if acc_img is not None:  # the same figures on the image tokens
+            r["image_tokens"] = {"recall_at_k": {}, "recall_at_budget": {}}
+            for h in horizons:
+                hk, hm, rows = acc_img[n][h]
+                r["image_tokens"]["recall_at_k"][str(h)] = recall(hk.sum(), rows.sum(), k)
+                r["image_tokens"]["recall_at_budget"][str(h)] = recall(hm.sum(), rows.sum(), k)
         r.update(notes.get(n, {}))
         result["predictors"][n] = r
     return result
@@ -153,6 +173,15 @@ def markdown(result: dict[str, Any]) -> str:
         cells += [cell(r["recall_at_budget"][str(h)]) for h in hs]
         cells += [cell(r["precision_at_budget"][str(h)]) for h in hs]
         lines.append("| " + " | ".join(cells) + " |")
+    if result.get("image_tokens"):
+        lines += ["", f"Held-out image tokens (prompt positions of images, apart from the text): "
+                      f"{result['image_tokens']}.", "",
+                  "| predictor | " + " | ".join(f"recall@{k} h={h}" for h in hs) + " | "
+                  + " | ".join(f"recall@{M} h={h}" for h in hs) + " |", "|" + "---|" * (1 + 2 * len(hs))]
+        for n, r in result["predictors"].items():
+            im = r["image_tokens"]
+            lines.append("| " + " | ".join([n] + [cell(im["recall_at_k"][str(h)]) for h in hs]
+                                            + [cell(im["recall_at_budget"][str(h)]) for h in hs]) + " |")
     if "draft" in result["predictors"]:
         d = result["predictors"]["draft"]
         lines += ["", f"Draft: int{d['expert_bits']} experts, acceptance rate {d['acceptance_rate']:.3f} "
