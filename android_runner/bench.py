@@ -21,7 +21,6 @@ the Python engine's tokens (`tokens_match_python`, native against the Python ref
 """
 from __future__ import annotations
 
-import functools
 import os
 import time
 from pathlib import Path
@@ -151,7 +150,8 @@ def token_check(results: list[dict], reference: list[list[int]]) -> dict[str, An
 
 def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: int = 32, rounds: int = 3,
         pool_fracs: tuple[float, ...] = (0.13, 0.27), threads: int = 1, ablation: bool = False,
-        read_budget_kib: int | str | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
+        read_budget_kib: int | str | None = None, images: tuple[Path, ...] = (),
+        log: Callable[[str], None] = print) -> dict[str, Any]:
     """The native runner against the Python reference runner and the memory floor, then its policies
     streaming from flash, then the simulator recalibrated against it. Both engines run the layer
     graphs on an ExecuTorch thread pool of `threads` (one: a decode step's matrices are too small
@@ -161,7 +161,8 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
     predictor's policy with that read budget (`run --read-budget-kib`), a row of its own in the same
     rounds (not simulated); "auto": the budget measured in this run (`auto_read_budget`: the flash's
     O_DIRECT rate for expert slots at the runner's read lanes, times one step of its all-resident
-    compute)."""
+    compute). images: every prompt gets these images before its text (a bundle that takes images; both
+    engines run the image prompt; the simulator, which replays text, is left out)."""
     from transformers import AutoTokenizer
 
     from export.executorch_target import set_threads
@@ -194,23 +195,35 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
                            "token_reference": "resident" if quantised else "resident and python"}
     set_threads(threads)  # the Python engine's ExecuTorch, before its program loads
     torch_threads(threads)  # and its torch ops (the experts), as `run --threads` sets them
-    run_native = functools.partial(_run_native, threads=threads, runner=build(bundle, "host"))
+    runner = build(bundle, "host")
+    image_args = [a for img in images for a in ("--image", str(img))]
+
+    def run_native(*args, extra=(), **kw):  # every run with the images, if any
+        return _run_native(*args, threads=threads, runner=runner, extra=[*extra, *image_args], **kw)
 
     # 1. all experts resident
     log("a pool of every expert: native vs the Python reference runner (each reads an expert on its first "
         "use), and native with every expert read before the run (--preload); interleaved")
     session = open_session(bundle, RunConfig(policy=Policy("on-demand", "lru"), pool_mib=all_mib, io="threads"))
+    if images:  # the image prompts, as the native runner lays them out (and their figures' image tokens)
+        out["images"] = [str(x) for x in images]
+        image_prompts = [session.image_prompt(list(images), p) for p in ids]
+        out["image_tokens_per_prompt"] = len(image_prompts[0].ids) - len(ids[0])
+
+    def python_run(i: int, n: int):
+        return session.runner.run(image_prompts[i].ids, n, images=image_prompts[i]) if images else \
+            session.runner.run(ids[i], n)
     native_t, preload_t, python_t, rss = [], [], [], []
     resident_tokens: list[list[int]] | None = None
     python_tokens: list[list[int]] | None = None
     first_use: list[dict] = []
     run_native(bundle, ids[:1], max_new_tokens=4, policy="on-demand+lru", pool_mib=all_mib)  # warm-up
-    session.runner.run(ids[0], 4)
+    python_run(0, 4)
     for r in range(rounds):
         res = run_native(bundle, ids, max_new_tokens=new_tokens, policy="on-demand+lru", pool_mib=all_mib)
         native_t += [x["tpot_ms"] for x in res["runs"]]
         first_use.append(res)
-        gens = [session.runner.run(p, new_tokens) for p in ids]
+        gens = [python_run(i, new_tokens) for i in range(len(ids))]
         python_t += [g.stats.tpot_ms for g in gens]
         if python_tokens is None:
             python_tokens = [list(g.tokens) for g in gens]
@@ -327,7 +340,9 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
     source = bundle_source(Path(bundle), m)   # the very weights the bundle's store was built from, if here
     src = source.model
     adapter = Path(bundle) / m["predictor"]["adapter"] if m["predictor"].get("adapter") else None
-    if src is not None:
+    if images:
+        log("no simulator comparison: it replays text prompts, these are image prompts")
+    elif src is not None:
         from toolkit.bench.common import simulate_same_prompts
         from toolkit.runtime.policy import parse_policies
 
@@ -359,7 +374,10 @@ def markdown(r: dict[str, Any]) -> str:
     if r.get("quantised") and res.get("python_tokens_match_resident") is False:
         py_match = "no (not required of a quantised bundle)"
     promise = "quantised: that is the promise" if r.get("quantised") else "fp32: the Python engine must match too"
-    lines = [f"{len(r['prompts'])} prompts x {r['new_tokens']} tokens, {r['rounds']} interleaved rounds; medians.", "",
+    imgs = (f", each after {len(r['images'])} image(s) ({r['image_tokens_per_prompt']} image tokens)"
+            if r.get("images") else "")
+    lines = [f"{len(r['prompts'])} prompts{imgs} x {r['new_tokens']} tokens, {r['rounds']} interleaved rounds; "
+             "medians.", "",
              "A pool of every expert:", "",
              "| native TPOT ms | Python TPOT ms | Python / native | native preloaded TPOT ms | floor ms | "
              "preloaded / floor | native peak RSS MiB |",

@@ -565,17 +565,20 @@ def runner_build(bundle, abi, out, force, tokenizer, overwrite) -> None:
               help="also the predictor's policy with this read budget (run --read-budget-kib), in the same rounds; "
                    "auto: what this machine's flash delivers in one step of the runner's resident compute, both "
                    "measured in this run")
+@click.option("--image", "images", type=click.Path(path_type=Path), multiple=True,
+              help="PNG or JPEG before every bench prompt's text (repeatable): image prompts, a bundle that takes "
+                   "images (no simulator comparison then)")
 @json_report
 @friendly_errors(interrupt=NOT_WRITTEN)
-def runner_bench(bundle, prompts, new_tokens, rounds, pool_fracs, threads, ablation, read_budget_kib, json_out,
-                 overwrite) -> None:
+def runner_bench(bundle, prompts, new_tokens, rounds, pool_fracs, threads, ablation, read_budget_kib, images,
+                 json_out, overwrite) -> None:
     """Measure the native runner: all experts resident (vs the Python runner and the memory floor),
     and streaming from a cold cache at a few pool sizes (interleaved rounds)."""
-    c = claim(json_out, "runner bench", overwrite, inputs=(bundle,))
+    c = claim(json_out, "runner bench", overwrite, inputs=(bundle, *images))
     from android_runner.bench import markdown, run as run_native_bench, write
 
     r = run_native_bench(bundle, prompts=prompts, new_tokens=new_tokens, rounds=rounds, pool_fracs=tuple(pool_fracs),
-                         threads=threads, ablation=ablation, read_budget_kib=read_budget_kib,
+                         threads=threads, ablation=ablation, read_budget_kib=read_budget_kib, images=tuple(images),
                          log=lambda s: click.echo(s, err=True))
     write(r, json_out)
     click.echo(markdown(r))
