@@ -401,14 +401,15 @@ def markdown(r: dict[str, Any]) -> str:
                 + (" (raised to one slot)" if a["raised"] else "") + "."]
                if (a := r.get("read_budget_auto")) else []),
              "", "Streaming (O_DIRECT, cold page cache):", "",
-             "| pool MiB (experts) | policy | TPOT ms | p95 ms | stall ms/token | hit rate | MiB read/token | "
-             "peak RSS MiB | simulated TPOT ms | sim / measured | tokens = resident |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| pool MiB (experts) | policy | TTFT ms | TPOT ms | p95 ms | stall ms/token | hit rate | "
+             "MiB read/token | peak RSS MiB | simulated TPOT ms | sim / measured | tokens = resident |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in r["points"]:
         for name, v in p["policies"].items():
             sim = (f"{v['simulated_tpot_ms']:.3f} | {v['sim_over_measured']:.2f}" if "simulated_tpot_ms" in v
                    else "- | -")
-            lines.append(f"| {p['pool_mib']:.2f} ({p['slots']}) | {name} | {v['tpot_ms']:.3f} | "
+            ttft = "-" if v.get("ttft_ms") is None else f"{v['ttft_ms']:.2f}"
+            lines.append(f"| {p['pool_mib']:.2f} ({p['slots']}) | {name} | {ttft} | {v['tpot_ms']:.3f} | "
                          f"{v['tpot_p95_ms']:.3f} | "
                          f"{v['stall_ms_per_token']:.3f} | {v['hit_rate']:.3f} | {v['mib_read_per_token']:.3f} | "
                          f"{v['peak_rss_mib']} | {sim} | {_yes(v.get('tokens_match_resident'))}"
@@ -418,13 +419,13 @@ def markdown(r: dict[str, Any]) -> str:
                      f"{p['temporal_over_predictor']:.3f}, predictor / oracle "
                      f"{p['predictor_over_oracle']:.3f}"
                      + (f", predictor without / with the read budget {p['predictor_over_read_budget']:.3f}"
-                        if "predictor_over_read_budget" in p else "") + " | | | | | | | | | |")
+                        if "predictor_over_read_budget" in p else "") + " | | | | | | | | | | |")
         if "predictor_eviction_over_belady" in p:
             lines.append(f"| | eviction ablation: predictor / predictor+belady "
                          f"{p['predictor_eviction_over_belady']:.3f}, "
                          f"oracle+lru / oracle {p['oracle_lru_over_belady']:.3f}, oracle+prediction / oracle "
                          f"{p['oracle_prediction_over_belady']:.3f}, on-demand+belady / oracle "
-                         f"{p['on_demand_belady_over_oracle']:.3f} | | | | | | | | | |")
+                         f"{p['on_demand_belady_over_oracle']:.3f} | | | | | | | | | | |")
     if "simulated" in r:
         pr = r["simulated"]["profile"]
         lines += ["", f"Simulator profile (calibrate_native): dense {pr['dense_ms_per_layer']} ms/layer, expert "

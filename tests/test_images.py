@@ -240,3 +240,24 @@ def test_eval_reports_image_tokens_apart(vl, tmp_path):
     assert r["predictors"]["next-gate"]["image_tokens"]["recall_at_k"]["1"] < 1.0
     assert f"Held-out image tokens (prompt positions of images, apart from the text): {r['image_tokens']}" \
         in markdown(r)
+
+
+def test_picture_pairs(tmp_path):
+    """The synthetic picture/caption pairs: each caption names the colour of its picture's disc, the JSONL is
+    what `trace --data` reads, an existing directory is refused."""
+    from PIL import Image
+
+    from toolkit.embedded.pictures import COLOURS, write_pairs
+    from toolkit.traces.data import read_records
+
+    pairs = write_pairs(tmp_path / "p", n=6, seed=3)
+    recs = read_records([pairs], allow_images=True)
+    assert len(recs) == 6
+    for line in pairs.read_text().splitlines():
+        row = json.loads(line)
+        img = np.asarray(Image.open(pairs.parent / row["image"]))
+        centre = tuple(int(v) for v in img[img.shape[0] // 2, img.shape[1] // 2])
+        named = [c for c, rgb in COLOURS.items() if rgb == centre]
+        assert len(named) == 1 and f"the disc is {named[0]}." in row["text"]
+    with pytest.raises(SpecPrefetchError, match="already exists"):
+        write_pairs(tmp_path / "p", n=1)
