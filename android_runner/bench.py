@@ -207,7 +207,8 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
     session = open_session(bundle, RunConfig(policy=Policy("on-demand", "lru"), pool_mib=all_mib, io="threads"))
     if images:  # the image prompts, as the native runner lays them out (and their figures' image tokens)
         out["images"] = [str(x) for x in images]
-        image_prompts = [session.image_prompt(list(images), p) for p in ids]
+        enc = session.encode_images(list(images))  # through the tower once
+        image_prompts = [session.image_prompt(list(images), p, encoded=enc) for p in ids]
         out["image_tokens_per_prompt"] = len(image_prompts[0].ids) - len(ids[0])
 
     def python_run(i: int, n: int):

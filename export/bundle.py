@@ -185,7 +185,8 @@ def _assemble(model, work: Path, scratch: Path, cfg: ExportConfig, tgt, quant: s
         from toolkit.models.loader import load_image_processor
 
         processor = load_image_processor(spec.path)
-        vision = vision_block(spec, processor, cfg.image_size or default_image_size(processor))
+        vision = vision_block(spec, processor, cfg.image_size or default_image_size(processor),
+                              given=cfg.image_size is not None)
         _log(cfg, f"vision-language model: its language model and its vision tower for "
                   f"{vision['image_size'][0]}x{vision['image_size'][1]} images ({vision['tokens']} image tokens)")
     elif cfg.image_size is not None:

@@ -98,7 +98,7 @@ def quantize_graphs(graphs: dict[str, nn.Module], quant: str) -> int:
     n = 0
     seen: set[int] = set()
     for name, g in graphs.items():
-        if name in ("expert", "embed"):
+        if name in ("expert", "embed", "vision"):  # the vision tower stays fp32 (docs/export.md "Images")
             continue
         linears = [(fqn, m) for fqn, m in g.named_modules() if isinstance(m, nn.Linear) and id(m) not in seen]
         for _, m in linears:

@@ -25,10 +25,10 @@ MAX_SIDE = 448  # the default size's cap: 196 image tokens at Qwen3-VL's 16-pixe
 
 
 def default_image_size(processor) -> tuple[int, int]:
-    """The largest square image size under MAX_SIDE the processor keeps as it is."""
+    """The largest square image size under MAX_SIDE the processor keeps as it is (vision_block checks it)."""
     unit = int(processor.patch_size) * int(processor.merge_size)
     hi = int((_pixels(processor)[1]) ** 0.5) // unit * unit
-    side = min(MAX_SIDE // unit * unit, hi)
+    side = max(min(MAX_SIDE // unit * unit, hi), unit)
     return side, side
 
 
@@ -39,19 +39,19 @@ def _pixels(processor) -> tuple[int, int]:
     return int(lo), int(hi)
 
 
-def vision_block(spec, processor, size: tuple[int, int]) -> dict[str, Any]:
-    """The manifest's `graphs.vision` for an image size (height, width), checked against the processor."""
-    from export.vision import vision_tower  # noqa: F401  (the family check is the caller's)
-
+def vision_block(spec, processor, size: tuple[int, int], *, given: bool = True) -> dict[str, Any]:
+    """The manifest's `graphs.vision` for an image size (height, width), checked against the processor
+    (`given`: the user's --image-size, else the default, named so in errors)."""
     h, w = (int(v) for v in size)
     patch, merge, temporal = int(processor.patch_size), int(processor.merge_size), int(processor.temporal_patch_size)
     unit = patch * merge
     lo, hi = _pixels(processor)
+    opt = f"--image-size {h}x{w}" if given else f"--image-size (its default {h}x{w} for this processor)"
     if h <= 0 or w <= 0 or h % unit or w % unit:
-        raise SpecPrefetchError(f"--image-size {h}x{w}: height and width must be positive multiples of {unit} "
+        raise SpecPrefetchError(f"{opt}: height and width must be positive multiples of {unit} "
                                 f"(patch {patch} x merge {merge})")
     if not lo <= h * w <= hi:
-        raise SpecPrefetchError(f"--image-size {h}x{w}: {h * w} pixels, outside the image processor's "
+        raise SpecPrefetchError(f"{opt}: {h * w} pixels, outside the image processor's "
                                 f"{lo}..{hi} (preprocessor_config.json)")
     cfg = spec.config
     gh, gw = h // patch, w // patch
@@ -89,6 +89,9 @@ def open_image(path: Path | str):
         Image.MAX_IMAGE_PIXELS = bomb
     try:
         with im:
+            if im.format not in ("PNG", "JPEG"):
+                raise SpecPrefetchError(f"--image {path}: a {im.format or 'unknown'} image; PNG and JPEG are taken "
+                                        "(as the native runner decodes them)")
             if im.width * im.height > MAX_IMAGE_PIXELS:
                 raise SpecPrefetchError(f"--image {path}: {im.width}x{im.height} pixels, over the "
                                         f"{MAX_IMAGE_PIXELS // 10**6} megapixels an image may have")
@@ -162,14 +165,28 @@ class ModelVision:
         return e.float(), d.float()
 
 
-def image_prompt(vision, images: list[Path], text_ids: list[int]) -> ImagePrompt:
-    """Each image through `vision` (BundleVision / ModelVision), laid out before the text (module doc)."""
-    vs, pad, ve = vision.ids
-    ids: list[int] = []
-    starts, grids, embeds, deep = [], [], [], []
+def encode_images(vision, images: list[Path]) -> list[tuple[list[int], torch.Tensor, torch.Tensor]]:
+    """Each image through `vision` (BundleVision / ModelVision): (grid_thw, image_embeds [tokens, H],
+    deepstack [taps, tokens, H]), the outputs' shapes checked against the grid."""
+    out = []
     for path in images:
         pix, grid = vision.pixels(path)
         e, d = vision.encode(pix, grid)
+        n = (grid[1] // vision.merge) * (grid[2] // vision.merge)
+        if e.dim() != 2 or e.shape[0] != n or d.dim() != 3 or tuple(d.shape[1:]) != tuple(e.shape):
+            raise SpecPrefetchError(f"--image {path}: the vision tower gave image_embeds {list(e.shape)} and "
+                                    f"deepstack {list(d.shape)} for a grid of {n} image tokens")
+        out.append((grid, e, d))
+    return out
+
+
+def image_prompt(vision, encoded: list[tuple[list[int], torch.Tensor, torch.Tensor]],
+                 text_ids: list[int]) -> ImagePrompt:
+    """The encoded images (encode_images) laid out before the text (module doc)."""
+    vs, pad, ve = vision.ids
+    ids: list[int] = []
+    starts, grids, embeds, deep = [], [], [], []
+    for grid, e, d in encoded:
         gh, gw = grid[1] // vision.merge, grid[2] // vision.merge
         ids.append(vs)
         starts.append(len(ids))

@@ -98,6 +98,52 @@ def malformed(mf: Path) -> Iterator[None]:
         raise SpecPrefetchError(f"{mf}: malformed manifest ({type(e).__name__}: {e})") from None
 
 
+def _check_images(mf: Path, m: dict[str, Any], g) -> None:
+    """kv.rope, and graphs.vision of a bundle that takes images: the fields the runners read, of the right
+    types and consistent (images need M-RoPE layer graphs; the size, grid and tokens agree)."""
+    rope = m["kv"].get("rope", "1d")
+    if rope not in ("1d", "mrope"):
+        raise SpecPrefetchError(f"{mf}: kv.rope is {json.dumps(rope)[:40]}: expected \"1d\" or \"mrope\"")
+    v = m["graphs"].get("vision") if isinstance(m["graphs"], dict) else None
+    if v is None:
+        return
+    where = f"{mf}: graphs.vision"
+    if not isinstance(v, dict) or not isinstance(v.get("preprocess"), dict):
+        raise SpecPrefetchError(f"{where} must be a JSON object with a preprocess object")
+    if rope != "mrope":
+        raise SpecPrefetchError(f"{where} is present but kv.rope is {rope!r}: image prompts need M-RoPE layer graphs")
+    p = v["preprocess"]
+
+    def ints(obj, key, n=None, lo=0, hi=1 << 40):
+        x = obj.get(key)
+        xs = x if n is not None else [x]
+        if (n is not None and (not isinstance(x, list) or len(x) != n)) or \
+                not all(type(e) is int and lo <= e <= hi for e in xs):
+            raise SpecPrefetchError(f"{where}: {key} is {json.dumps(x)[:40]}, expected "
+                                    + (f"{n} integers" if n is not None else "an integer") + f" in {lo}..{hi}")
+        return x
+    size, grid = ints(v, "image_size", 2, 1, 1 << 14), ints(v, "grid_thw", 3, 1, 1 << 12)
+    tokens = ints(v, "tokens", None, 1, 1 << 20)
+    ints(v, "deepstack_layers", None, 0, g.num_layers)
+    for key in ("image_token_id", "vision_start_token_id", "vision_end_token_id"):
+        ints(v, key, None, 0, g.vocab_size - 1)
+    patch, merge = ints(p, "patch_size", None, 1, 1024), ints(p, "merge_size", None, 1, 64)
+    ints(p, "temporal_patch_size", None, 1, 64)
+    lo, hi = ints(p, "min_pixels", None, 1), ints(p, "max_pixels", None, 1)
+    for key in ("image_mean", "image_std"):
+        x = p.get(key)
+        if not (isinstance(x, list) and len(x) == 3 and all(isinstance(e, (int, float)) and not isinstance(e, bool)
+                                                             and math.isfinite(e) for e in x)):
+            raise SpecPrefetchError(f"{where}: preprocess.{key} must list 3 finite numbers")
+    if p.get("resize") != "bicubic" or v.get("method") not in m["graphs"].get("methods", []):
+        raise SpecPrefetchError(f"{where}: preprocess.resize must be \"bicubic\" and method one of graphs.methods")
+    if grid[0] != 1 or grid[1] * patch != size[0] or grid[2] * patch != size[1] or size[0] % (patch * merge) \
+            or size[1] % (patch * merge) or (grid[1] // merge) * (grid[2] // merge) != tokens \
+            or not lo <= size[0] * size[1] <= hi:
+        raise SpecPrefetchError(f"{where}: image_size, grid_thw, patch and merge sizes, tokens and the pixel "
+                                "bounds disagree")
+
+
 def validate_bundle(path: Path | str, *, hash_store: bool = True) -> tuple[dict[str, Any], list[str]]:
     """Validate a bundle, all but its graphs (the target's `check_graphs` does those).
 
@@ -184,6 +230,7 @@ def _validate(path: Path, mf: Path, m: Any, hash_store: bool = True) -> list[str
     if not parity.get("passed") or any(m["parity"][k] != parity[k] for k in m["parity"] if k in parity):
         raise SpecPrefetchError(f"{mf}: parity summary does not match {parity_file} (or parity did not pass)")
     _check_runtime(mf, m, g)
+    _check_images(mf, m, g)
     if len(m["kv"]["layers"]) != g.num_layers:
         raise SpecPrefetchError(f"{mf}: kv.layers lists {len(m['kv']['layers'])} layers, the model has {g.num_layers}")
     notes = []

@@ -120,15 +120,23 @@ class Session:
     source_recorded: str | None = None      # a bundle: its manifest's model.source
     vision: Any = None                      # what encodes images (export/images.py), if it takes them
 
-    def image_prompt(self, images: list[Path], text_ids: list[int]):
-        """The image prompt (toolkit/runtime/images.py: ImagePrompt) of `images` then `text_ids`."""
-        from export.images import image_prompt
+    def encode_images(self, images: list[Path]) -> list:
+        """Each image through the vision tower: (grid_thw, image_embeds, deepstack) per image."""
+        from export.images import encode_images
 
         if self.vision is None:
             what = ("a text-only model" if not self.spec.family.is_vision_language else
                     "a text-only bundle (a vision-language model exported with --target executorch takes images)")
             raise SpecPrefetchError(f"--image: {self.label} takes no images: {what}")
-        return image_prompt(self.vision, images, text_ids)
+        return encode_images(self.vision, images)
+
+    def image_prompt(self, images: list[Path], text_ids: list[int], *, encoded: list | None = None):
+        """The image prompt (toolkit/runtime/images.py: ImagePrompt) of `images` then `text_ids`
+        (`encoded`: encode_images' result for these images, else they are encoded here)."""
+        from export.images import image_prompt
+
+        return image_prompt(self.vision, encoded if encoded is not None else self.encode_images(images),
+                            text_ids)
 
     @functools.cached_property
     def source(self) -> ModelSource:

@@ -51,6 +51,17 @@ def vl_data(tmp_path_factory) -> Path:
     return d / "pairs.jsonl"
 
 
+@pytest.fixture(scope="session")
+def vl_bundle(tiny_models, tmp_path_factory) -> Path:
+    """The tiny Qwen3-VL-MoE as an ExecuTorch bundle that takes 64x64 images (an export, ~40 s: slow tests)."""
+    from export.bundle import ExportConfig, export_bundle
+
+    out = tmp_path_factory.mktemp("vlb") / "bundle"
+    export_bundle(tiny_models["qwen3_vl_moe"], out, ExportConfig(target="executorch", max_seq=64, image_size=(64, 64),
+                                                                 parity_prompts=1, progress=False))
+    return out
+
+
 class _Prebuild:
     """The background build of tests/prebuild.py, started after collection when a selected test needs
     the shared bundle and waited for by the fixtures below. Under pytest-xdist (`make test` runs two

@@ -144,6 +144,20 @@ def test_no_device_several_devices_and_unauthorized(native_host, phones, server)
     assert {d["serial"]: d["state"] for d in list_devices()}[c.serial] == "unauthorized"
 
 
+def test_image_prompts_need_a_bundle_that_takes_images(native_host, tmp_path):
+    """`device bench --image` on a text-only bundle is refused in one line before any phone is chosen."""
+    import numpy as np
+    from PIL import Image
+
+    bundle, _ = native_host
+    img = tmp_path / "a.png"
+    Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(img)
+    r = cli("bench", bundle, "--serial", "none", "--policies", "on-demand+lru", "--pool-mib", "2.0",
+            "--prompt", PROMPT, "--image", img, "--json", tmp_path / "r.json")
+    one_line_error(r, f"--image: {bundle} takes no images (a text-only bundle)")
+    assert not (tmp_path / "r.json").exists()
+
+
 def test_full_disk_is_refused_before_sending(native_host, phones):
     bundle, _ = native_host
     p = phones(faults={"full_disk": True})
@@ -212,6 +226,37 @@ def test_list_push_bench_with_the_arm64_runner_under_qemu(native_host, phones, t
     rep = flow(bundle, phones(abi="arm64-v8a"), tmp_path, repeats=1)
     # the best ISA the emulated CPU offers (qemu's default CPU has dotprod and i8mm)
     assert all(x["kernel_isa"] in ("neon", "neon_dotprod", "neon_i8mm") for x in rep["runs"])
+
+
+@pytest.mark.slow  # an ExecuTorch export of the tiny VL model (~40 s), then the flow with an image
+def test_bench_image_prompts_on_the_standin(vl_bundle, phones, tmp_path):
+    """`device bench --image`: the image goes to the bench's own directory on the phone, every run decodes it
+    there and gives transformers' tokens for the same pixels."""
+    import numpy as np
+    from PIL import Image
+
+    from export.images import BundleVision
+    from toolkit.models.loader import load_image_processor
+
+    img = tmp_path / "a picture.png"  # a space in the name: the phone gets its own
+    Image.fromarray(np.random.default_rng(5).integers(0, 256, (50, 70, 3), dtype=np.uint8)).save(img)
+    phone = phones()
+    out = tmp_path / "phone.json"
+    r = cli("bench", vl_bundle, "--serial", phone.serial, "--policies", POLICIES, "--pool-mib", "0.06",
+            "--prompt", PROMPT, "--image", img, "--max-new-tokens", NEW, "--repeats", 1, "--cooldown-timeout", "5",
+            "--json", out)
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(out.read_text())
+    assert rep["status"] == "complete" and rep["failures"] == [] and rep["images"] == [str(img)]
+    m = json.loads((vl_bundle / "manifest.json").read_text())
+    tok = AutoTokenizer.from_pretrained(str(vl_bundle / "model"), local_files_only=True)
+    v = m["graphs"]["vision"]
+    ids = [v["vision_start_token_id"], *[v["image_token_id"]] * v["tokens"], v["vision_end_token_id"],
+           *tok(PROMPT, add_special_tokens=False)["input_ids"]]
+    vision = BundleVision(None, v, load_image_processor(vl_bundle / "model"))
+    ref = reference_tokens(Path(m["model"]["source"]), ids, NEW, images=[img], vision=vision)
+    assert all(x["tokens"] == ref for x in rep["runs"]) and len(rep["runs"]) == 2
+    assert len(list(phone.host_path(rep["remote_runs"]).glob("image-0.png"))) == 1
 
 
 @pytest.mark.slow

@@ -119,9 +119,11 @@ def test_bad_images_are_refused_in_one_line(vl, pictures, tmp_path, tiny_models)
     big = d / "big.png"  # 20000 x 20000: refused from its header (a few KiB of zeros, never decoded)
     from PIL import Image
     Image.new("L", (20000, 20000)).save(big, compress_level=1)
+    Image.new("RGB", (8, 8)).save(d / "pic.gif")
     for path, msg in ((d / "text.png", "not a readable PNG or JPEG image"),
                       (d / "cut.png", "not a readable PNG or JPEG image"),
                       (big, "20000x20000 pixels, over the 64 megapixels"),
+                      (d / "pic.gif", "a GIF image; PNG and JPEG are taken"),
                       (d / "missing.png", "no such file"), (d, "a directory, not an image file")):
         with pytest.raises(SpecPrefetchError) as e:
             open_image(path)
@@ -139,17 +141,7 @@ def test_bad_images_are_refused_in_one_line(vl, pictures, tmp_path, tiny_models)
     assert code != 0 and "takes no images: a text-only model" in out, out
 
 
-# -- an ExecuTorch bundle with its vision method -------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def vl_bundle(vl, tmp_path_factory) -> Path:
-    from export.bundle import ExportConfig, export_bundle
-
-    out = tmp_path_factory.mktemp("vlb") / "bundle"
-    export_bundle(vl, out, ExportConfig(target="executorch", max_seq=64, image_size=(64, 64), parity_prompts=1,
-                                        progress=False))
-    return out
-
+# -- an ExecuTorch bundle with its vision method (conftest: vl_bundle) ------------------------------------
 
 @pytest.mark.slow  # an ExecuTorch export, ~45 s on two cores
 def test_bundle_vision_method_and_image_runs(vl_bundle, pictures, tmp_path):
@@ -200,6 +192,39 @@ def test_bundle_vision_method_and_image_runs(vl_bundle, pictures, tmp_path):
     code, out = cli("run", vl_bundle, "--engine", "native", "--prompt", PROMPT, "--image", tmp_path / "none.png",
                     "--json", tmp_path / "bad.json")
     assert code != 0 and f"{tmp_path / 'none.png'}" in out and "\n" not in out.strip(), out
+    # the runner itself never writes over an --image input
+    import subprocess
+
+    from android_runner.build import build, command
+
+    img = tmp_path / "keep.png"
+    img.write_bytes(pictures[0].read_bytes())
+    r = subprocess.run([*command(build(vl_bundle, "host"), "host"), str(vl_bundle), "--prompt", PROMPT, "--image",
+                        str(img), "--json", str(img)], capture_output=True, text=True)
+    assert r.returncode != 0 and f"--json {img}: the same file as --image {img}" in r.stderr, r.stderr
+    assert img.read_bytes() == pictures[0].read_bytes()
+
+
+@pytest.mark.slow
+def test_vision_block_needs_mrope(vl_bundle, tmp_path):
+    """A manifest whose graphs.vision comes without M-RoPE layer graphs is refused by both engines."""
+    import shutil
+
+    from export.manifest import validate_bundle
+
+    b = Path(shutil.copytree(vl_bundle, tmp_path / "b"))
+    m = json.loads((b / "manifest.json").read_text())
+    m["kv"]["rope"] = "1d"
+    (b / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(SpecPrefetchError, match="graphs.vision is present but kv.rope is '1d'"):
+        validate_bundle(b, hash_store=False)
+    import subprocess
+
+    from android_runner.build import build, command
+
+    r = subprocess.run([*command(build(vl_bundle, "host"), "host"), str(b), "--prompt", PROMPT],
+                       capture_output=True, text=True)  # the runner built for the bundle, on the altered copy
+    assert r.returncode != 0 and "graphs.vision is present but kv.rope is not" in r.stderr, r.stderr
 
 
 @pytest.mark.slow

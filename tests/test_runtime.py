@@ -477,8 +477,9 @@ def test_cli_bench_reads(sim_trace, emb_store, tiny_models, tmp_path):
     assert none["slots"] is None and pooled["slots"] == 51 and pooled["mib_per_token"] < none["mib_per_token"]
     for p in rep["points"]:
         v = p["layouts"]
-        for x in v.values():  # same bytes: requests x mean request size is the layout-independent total
-            assert x["requests_per_token"] * x["mean_request_kib"] == pytest.approx(p["mib_per_token"] * 1024)
+        for x in v.values():  # the same experts read in every layout, merged or not
+            assert x["experts_per_token"] == v["store"]["experts_per_token"] == v["store"]["requests_per_token"]
+            assert x["experts_per_token"] * 120 == pytest.approx(p["mib_per_token"] * 1024)  # 120 KiB experts
             assert x["ms_per_token"] > 0 and x["profile_ms_per_token"] > 0
         assert v["coactivation-merged"]["requests_per_token"] <= v["store-merged"]["requests_per_token"]
         assert v["store-merged"]["requests_per_token"] <= v["store"]["requests_per_token"]

@@ -678,13 +678,15 @@ def device_standin(port, root_dir, root_user, abi, faults) -> None:
               help="also run llama.cpp's llama-bench on the same model (GGUF f16), interleaved")
 @click.option("--run-timeout", type=FiniteFloat(), default=900.0, show_default=True,
               help="seconds one run may take on the device; past it the run is killed there and the bench stops")
+@click.option("--image", "images", type=click.Path(path_type=Path), multiple=True,
+              help="PNG or JPEG before every prompt's text (repeatable): image prompts, a bundle that takes images")
 @json_report
 @friendly_errors(interrupt=NOT_WRITTEN)
 def device_bench(bundle, serial, policies, pool_mib, prompts, max_new_tokens, repeats, threads, fixed_performance,
-                 cooldown_timeout, max_temp_c, peer, run_timeout, json_out, overwrite) -> None:
+                 cooldown_timeout, max_temp_c, peer, run_timeout, images, json_out, overwrite) -> None:
     """Benchmark policies on the phone: cold cache, pinned to the big cores, interleaved, with a
     cool-down between runs; pulls every run's JSON and writes a table, a PNG and the JSON."""
-    c = claim(json_out, "device bench", overwrite, inputs=(bundle,))
+    c = claim(json_out, "device bench", overwrite, inputs=(bundle, *images))
     from toolkit.device.phone import bench, markdown
     from toolkit.runtime.policy import parse_policies
 
@@ -692,7 +694,7 @@ def device_bench(bundle, serial, policies, pool_mib, prompts, max_new_tokens, re
     r = bench(bundle, serial=serial, policies=names, pool_mib=pool_mib, prompts=list(prompts),
           max_new_tokens=max_new_tokens, repeats=repeats, json_out=json_out, fixed_performance=fixed_performance,
           threads=threads, cooldown_timeout_s=cooldown_timeout, max_temp_c=max_temp_c, peer=peer,
-          run_timeout_s=run_timeout,
+          run_timeout_s=run_timeout, images=list(images),
           log=lambda s: click.echo(s, err=True))
     click.echo(markdown(r))
     click.echo(wrote(c))

@@ -144,8 +144,9 @@ def python_engine(session, policy: str, flash_profile: str | None = None, images
     def generate(prompts, encoded, max_new_tokens, events):
         log = EventLog() if events else None  # one log: each prompt is its own `seq N`
         runs = []
+        enc = s.encode_images(list(images)) if images else None  # through the tower once, for every prompt
         for p, ids in zip(prompts, encoded):
-            ip = s.image_prompt(list(images), ids) if images else None
+            ip = s.image_prompt(list(images), ids, encoded=enc) if images else None
             g = s.runner.run(ip.ids if ip else ids, max_new_tokens, events=log, images=ip)
             fed.append(ip.ids if ip else ids)
             runs.append({"prompt": p, "source": s.label, **g.to_json(), "text": decode_text(s.tokenizer, g.tokens),
@@ -217,7 +218,7 @@ def native_engine(bundle: Path, *, abi: str, policy: str, pool_mib, window, queu
             r = {"prompt": p, **{k: v for k, v in r.items() if k != "routing"}, "matches_unmodified_model": None,
                  "engine": name}
             fed.append(r["prompt_ids"])
-            if text_in and r["prompt_ids"][len(r["prompt_ids"]) - len(ids):] != ids:
+            if text_in and r["prompt_ids"][r.get("image_tokens", 0):] != ids:
                 click.echo(f"warning: the runner's tokenizer encodes {p!r} differently from transformers "
                            f"({len(r['prompt_ids'])} vs {len(ids)} tokens); --check compares with transformers' ids",
                            err=True)

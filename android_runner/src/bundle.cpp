@@ -94,6 +94,7 @@ namespace {
 void parse_vision(Bundle& b, const json& v, const std::string& where) {
   const std::string p = "graphs.vision";
   jsonc::need_object(v, where, p);
+  if (!b.mrope) fail(where, p + " is present but kv.rope is not \"mrope\": image prompts need M-RoPE layer graphs");
   auto num = [&](const json& o, const char* key, const std::string& path, int64_t lo, int64_t hi) {
     return as_int(field(o, key, where, path), where, path + "." + key, lo, hi);
   };
@@ -132,8 +133,10 @@ void parse_vision(Bundle& b, const json& v, const std::string& where) {
   const int unit = V.patch_size * V.merge_size;
   if (V.grid_h * V.patch_size != V.image_height || V.grid_w * V.patch_size != V.image_width ||
       V.image_height % unit || V.image_width % unit ||
-      static_cast<int64_t>(V.grid_h / V.merge_size) * (V.grid_w / V.merge_size) != V.tokens)
-    fail(where, p + ": image_size, grid_thw, merge_size and tokens disagree");
+      static_cast<int64_t>(V.grid_h / V.merge_size) * (V.grid_w / V.merge_size) != V.tokens ||
+      static_cast<int64_t>(V.image_height) * V.image_width < V.min_pixels ||
+      static_cast<int64_t>(V.image_height) * V.image_width > V.max_pixels)
+    fail(where, p + ": image_size, grid_thw, merge_size, tokens and the pixel bounds disagree");
   b.has_vision = true;
 }
 

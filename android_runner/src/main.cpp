@@ -315,7 +315,8 @@ HostRouters load_host(const Bundle& b) {
 }
 
 // The outputs checked before the run (it would otherwise fail only at its end): each a file in a
-// writable directory, not the other output, not the --routing input; `b`: nor one of the bundle's files.
+// writable directory, not the other output, not the --routing or an --image input; `b`: nor one of the
+// bundle's files.
 struct Outputs {
   std::vector<std::pair<const char*, std::string>> paths;  // (option, path)
   std::vector<std::string> ids;
@@ -326,10 +327,15 @@ struct Outputs {
     for (const auto& [opt, path] : paths) ids.push_back(check_output_path(opt, path));
     if (paths.size() == 2 && same_output(ids[0], paths[0].second, paths[1].second))
       throw Error("--events " + a.events_out + ": the same file as --json " + a.json_out + "; name two files");
-    for (size_t i = 0; i < paths.size(); ++i)
+    for (size_t i = 0; i < paths.size(); ++i) {
       if (!a.routing.empty() && same_output(ids[i], paths[i].second, a.routing))
         throw Error(std::string(paths[i].first) + " " + paths[i].second + ": the same file as --routing " + a.routing +
                     ", which it would replace");
+      for (const auto& img : a.images)
+        if (same_output(ids[i], paths[i].second, img))
+          throw Error(std::string(paths[i].first) + " " + paths[i].second + ": the same file as --image " + img +
+                      ", which it would replace");
+    }
   }
 
   void check_bundle(const Bundle& b) const {

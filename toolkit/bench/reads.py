@@ -11,7 +11,7 @@ O_DIRECT reads of an expert store, before any store format or runner is changed 
 - The reads: the held-out sequences go through a bounded pool on demand with LRU eviction, one MoE
   layer of one position a step (the prompt fills the pool first); each decode step reads its misses.
   `--pool-frac 0` reads every routed expert (no pool).
-- Three layouts of the same reads, timed in interleaved rounds: the store's order with one request per
+- Three layouts of the same reads, timed in interleaved rounds (ABC, CBA, ...): the store's order with one request per
   expert (what the runners do), the store's order with a step's adjacent experts merged into one
   request, and the co-activation order with them merged. A layout's reads are timed at the offsets a
   store in that order would give them (same sizes, same alignment, in the store file given). A step's
@@ -50,10 +50,9 @@ def coactivation_order(seqs: list[np.ndarray], num_experts: int) -> list[list[in
     iu = np.triu_indices(E, 1)
     orders = []
     for li in range(L):
-        c = np.zeros((E, E), np.int64)
-        for row in ids[:, li]:
-            c[np.ix_(row, row)] += 1
-        weights = c[iu]
+        x = np.zeros((len(ids), E))
+        np.put_along_axis(x, ids[:, li], 1.0, axis=1)   # tokens x experts: routed or not
+        weights = (x.T @ x).astype(np.int64)[iu]        # co-routed counts of every pair
         parent, deg = list(range(E)), [0] * E
         adj: list[list[int]] = [[] for _ in range(E)]
 
@@ -142,13 +141,15 @@ class DirectReads:
         # O_DIRECT where the filesystem allows it; else buffered, the file's cached pages dropped before
         # every timed pass (reported as `direct_io: false`, as `calibrate` does)
         self.fd, self.direct = store.open_direct()
-        e0, e1 = store.entry(0, 0), store.entry(0, 1)
-        self.base, self.read = e0.offset, e0.read_size
-        if e1.offset - e0.offset != self.read:
-            os.close(self.fd)
-            raise SpecPrefetchError(f"{store.path}: expert slots are not back to back ({e1.offset - e0.offset} bytes "
-                                    f"apart, {self.read} read): not a store `store` writes")
-        self.E = store.num_experts
+        e0 = store.entry(0, 0)
+        self.base, self.read, self.E = e0.offset, e0.read_size, store.num_experts
+        for li in range(store.num_layers):  # the offsets below assume `store`'s layout: every slot back to back
+            for e in range(self.E):
+                x = store.entry(li, e)
+                if x.offset != self.base + self.read * (li * self.E + e) or x.read_size != self.read:
+                    os.close(self.fd)
+                    raise SpecPrefetchError(f"{store.path}: expert {e} of layer {li} is not where a store `store` "
+                                            "writes puts it (slots back to back, layer by layer): not measurable here")
         self.max_bytes = self.read * max_run
         self.local = threading.local()
         self.pool = ThreadPoolExecutor(lanes, thread_name_prefix="bench-reads")
@@ -221,18 +222,25 @@ def bench_reads(trace: Path, store_path: Path, pool_fracs: list[float], *, max_s
                 layouts = {"store": requests(steps, position["store"], False),
                            "store-merged": requests(steps, position["store"], True),
                            "coactivation-merged": requests(steps, position["coactivation"], True)}
+                nexp = sum(n for s in layouts["store"] for _, _, n in s)
+                if not nexp:
+                    raise SpecPrefetchError(f"--pool-frac {frac}: the held-out decode tokens read nothing at this "
+                                            "pool (every expert they route to stays resident); give a smaller pool")
                 times: dict[str, list[float]] = {x: [] for x in LAYOUTS}
+                order = list(LAYOUTS)
                 for r in range(rounds):
-                    for x in LAYOUTS:
+                    for x in order:
                         progress(f"pool {frac:.0%}: round {r + 1}/{rounds}, {x}")
                         times[x].append(reads.time(layouts[x]))
-                nbytes = sum(n for s in layouts["store"] for _, _, n in s) * reads.read
+                    order.reverse()  # ABC, CBA, ...: no layout always last
+                nbytes = nexp * reads.read
                 row = {"pool_frac": frac, "slots": cap, "tokens": tokens, "mib_per_token": nbytes / tokens / 2**20,
                        "layouts": {}}
                 for x in LAYOUTS:
                     t = median(times[x])
                     nreq = sum(len(s) for s in layouts[x])
                     row["layouts"][x] = {
+                        "experts_per_token": sum(n for s in layouts[x] for _, _, n in s) / tokens,
                         "requests_per_token": nreq / tokens, "mean_request_kib": nbytes / nreq / 1024,
                         "ms_per_token": t / tokens * 1e3, "mib_s": nbytes / t / 2**20,
                         "runs_s": times[x],
@@ -279,7 +287,7 @@ def plot(r: dict[str, Any], path: Path) -> None:
         ax.bar(x + i * w, [p["layouts"][name]["ms_per_token"] for p in r["points"]], w, label=name)
     ax.set_xticks(x + w * (len(r["layouts"]) - 1) / 2,
                   ["no pool" if p["slots"] is None else f"pool {p['pool_frac']:.0%}" for p in r["points"]])
-    ax.set_ylabel("read ms per decode token (O_DIRECT)")
+    ax.set_ylabel("read ms per decode token" + (" (O_DIRECT)" if r["direct_io"] else " (buffered)"))
     ax.set_title(f"Store layouts, {r['expert_read_kib']:.0f} KiB experts")
     ax.legend()
     fig.tight_layout()

@@ -468,12 +468,17 @@ def native_predictors(bundle: Path, manifest: dict[str, Any]) -> list[str]:
     return out
 
 
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
+
+
 def check_bench(bundle: Path, *, policies: Sequence[str], pool_mib: float, prompts: Sequence[str],
-                max_new_tokens: int, threads: int, json_out: Path, peer: str | None) -> tuple[dict, list[list[int]]]:
+                max_new_tokens: int, threads: int, json_out: Path, peer: str | None,
+                images: Sequence[Path] = ()) -> tuple[dict, list[list[int]]]:
     """Everything the native runner on the phone would refuse, and the report's path, checked here
     before any push: (the bundle's manifest, the prompts' token ids). The manifest gives top-k, the
     KV cache (kv.max_seq) and the predictors; the store its slot size; the bundle's tokenizer the
-    prompts' lengths."""
+    prompts' lengths; `images` (before every prompt): the bundle takes them, each a PNG or JPEG within the
+    size cap, and their tokens count in the KV cache."""
     from transformers import AutoTokenizer
 
     from export.manifest import validate_bundle
@@ -512,6 +517,17 @@ def check_bench(bundle: Path, *, policies: Sequence[str], pool_mib: float, promp
                                 f"but one layer needs {k} at once; use at least {k * slot / 2**20:.2f}")
     if not prompts:
         raise SpecPrefetchError("--prompt: give at least one")
+    image_tokens = 0
+    if images:
+        from export.images import open_image
+
+        vision = m["graphs"].get("vision")
+        if vision is None or peer:
+            raise SpecPrefetchError(f"--image: {bundle} takes no images (a text-only bundle)" if vision is None else
+                                    "--image: llama.cpp (--peer) runs text prompts; bench image prompts without it")
+        for img in images:
+            open_image(img)  # readable, PNG or JPEG, within the pixel cap: what the runner on the phone takes
+        image_tokens = len(images) * (int(vision["tokens"]) + 2)
     tok = AutoTokenizer.from_pretrained(str(bundle / Path(m["model"]["config"]).parent), local_files_only=True)
     ids = [list(tok(p, add_special_tokens=False)["input_ids"]) for p in prompts]
     max_seq = int(m["kv"]["max_seq"])
@@ -520,9 +536,10 @@ def check_bench(bundle: Path, *, policies: Sequence[str], pool_mib: float, promp
                  + (f" (prompt {i + 1})" if len(prompts) > 1 else ""))
         if not x:
             raise SpecPrefetchError(f"{which}: no tokens (an empty prompt); give some text")
-        if len(x) + max_new_tokens - 1 > max_seq:
-            room = max_seq - len(x) + 1
-            raise SpecPrefetchError(f"{which}: {len(x)} tokens + --max-new-tokens {max_new_tokens} exceeds the "
+        if image_tokens + len(x) + max_new_tokens - 1 > max_seq:
+            room = max_seq - image_tokens - len(x) + 1
+            raise SpecPrefetchError(f"{which}: " + (f"{image_tokens} image tokens + " if image_tokens else "") +
+                                    f"{len(x)} tokens + --max-new-tokens {max_new_tokens} exceeds the "
                                     f"bundle's KV cache of {max_seq} positions (kv.max_seq in "
                                     f"{bundle / 'manifest.json'})" + (f"; at most --max-new-tokens {room} for it"
                                                                       if room >= 1 else "; shorten the prompt"))
@@ -591,8 +608,10 @@ def _stats(xs: list[float]) -> dict[str, float | None]:
 def bench(bundle: Path, *, serial: str | None, policies: Sequence[str], pool_mib: float, prompts: Sequence[str],
           max_new_tokens: int, repeats: int, json_out: Path, fixed_performance: bool = False, threads: int = 1,
           cooldown_timeout_s: float = 120.0, max_temp_c: float | None = None, peer: str | None = None,
-          run_timeout_s: float = 900.0, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Policies interleaved on the phone; returns the report (also written: JSON, .md, .png).
+          run_timeout_s: float = 900.0, images: Sequence[Path] = (),
+          log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Policies interleaved on the phone; returns the report (also written: JSON, .md, .png). `images`
+    go before every prompt (pushed into the bench's own directory on the phone).
 
     Checked here before anything reaches the phone (check_bench): the bundle, the report's path,
     the policies, --pool-mib against top-k, --threads, and every prompt's tokens against the KV
@@ -610,7 +629,8 @@ def bench(bundle: Path, *, serial: str | None, policies: Sequence[str], pool_mib
 
     bundle = Path(bundle)
     m, ids = check_bench(bundle, policies=policies, pool_mib=pool_mib, prompts=prompts,
-                         max_new_tokens=max_new_tokens, threads=threads, json_out=json_out, peer=peer)
+                         max_new_tokens=max_new_tokens, threads=threads, json_out=json_out, peer=peer,
+                         images=images)
     adb = choose(serial)
     if backend_of(m) == "ort" and ORT_RUNNER_ABI.get(facts(adb)["abi"] or "") == "android":
         check_phone_build(m)  # the user's QNN libraries and the NDK, before the phone is taken
@@ -621,7 +641,7 @@ def bench(bundle: Path, *, serial: str | None, policies: Sequence[str], pool_mib
                            max_new_tokens=max_new_tokens, repeats=repeats, json_out=Path(json_out),
                            fixed_performance=fixed_performance, threads=threads,
                            cooldown_timeout_s=cooldown_timeout_s, max_temp_c=max_temp_c, peer=peer,
-                           run_timeout_s=run_timeout_s, log=log)
+                           run_timeout_s=run_timeout_s, images=images, log=log)
     finally:
         lock.release()
 
@@ -629,7 +649,7 @@ def bench(bundle: Path, *, serial: str | None, policies: Sequence[str], pool_mib
 def _bench_held(lock: PhoneLock, bundle: Path, ids: list[list[int]], *, policies: Sequence[str], pool_mib: float,
                 prompts: Sequence[str], max_new_tokens: int, repeats: int, json_out: Path, fixed_performance: bool,
                 threads: int, cooldown_timeout_s: float, max_temp_c: float | None, peer: str | None,
-                run_timeout_s: float, log: Callable[[str], None]) -> dict[str, Any]:
+                run_timeout_s: float, log: Callable[[str], None], images: Sequence[Path] = ()) -> dict[str, Any]:
     """bench, on the phone `lock` holds."""
     pushed = push(bundle, lock.adb.serial, peer=peer, log=log, beat=lock.beat)
     adb, f, base = Adb(pushed["serial"]), pushed["device"], pushed["remote"]
@@ -655,13 +675,18 @@ def _bench_held(lock: PhoneLock, bundle: Path, ids: list[list[int]], *, policies
         "cache": ("drop_caches (root), then the runner's posix_fadvise(DONTNEED) of its store" if f["root"] else
                   "the runner's posix_fadvise(DONTNEED) of its store (not root: llama.cpp's GGUF is not evicted)"),
         "configs": [c["name"] for c in configs], "runs": [], "failures": [], "notes": notes, "status": "complete",
-        "reason": None, "remote_runs": run_dir}
+        "reason": None, "remote_runs": run_dir, "images": [str(x) for x in images]}
+    # the images in this bench's own directory on the phone, named by position (any local name is safe)
+    remote_images = [f"{run_dir}/image-{i}{Path(x).suffix.lower() if Path(x).suffix.lower() in IMAGE_SUFFIXES else ''}"
+                     for i, x in enumerate(images)]
     limit, min_avail = 0.0, 0
     governors: dict[str, str] = {}
 
     def prepare() -> None:
         nonlocal limit, min_avail
         adb.shell(f"mkdir -p {q(run_dir)}")
+        for local, remote in zip(images, remote_images):
+            adb.push(Path(local), remote)
         start = snapshot(adb)
         limit = max_temp_c if max_temp_c is not None else ((_hot(start["temps_c"]) or 40.0) + 3.0)
         min_avail = int(0.9 * (start["meminfo"].get("MemAvailable") or 0))
@@ -714,7 +739,8 @@ def _bench_held(lock: PhoneLock, bundle: Path, ids: list[list[int]], *, policies
         cmd = ((f"taskset {mask} " if mask else "")
                + f"sh {q(base)}/runner/run.sh {q(base)}/bundle --prompt-ids {','.join(map(str, ids[p]))} "
                f"--max-new-tokens {max_new_tokens} --policy {q(cfg['policy'])} --pool-mib {pool_mib!r} "
-               f"--threads {threads} --json {q(remote_json)} --no-verify-hashes --cold")
+               f"--threads {threads} --json {q(remote_json)} --no-verify-hashes --cold"
+               + "".join(f" --image {q(x)}" for x in remote_images))
         t0 = time.monotonic()
         r = _timed(adb, run_dir, cmd, run_timeout_s)
         wall = time.monotonic() - t0
