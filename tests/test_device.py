@@ -152,9 +152,9 @@ def test_image_prompts_need_a_bundle_that_takes_images(native_host, tmp_path):
     bundle, _ = native_host
     img = tmp_path / "a.png"
     Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(img)
-    r = cli("bench", bundle, "--serial", "none", "--policies", "on-demand+lru", "--pool-mib", "2.0",
-            "--prompt", PROMPT, "--image", img, "--json", tmp_path / "r.json")
-    one_line_error(r, f"--image: {bundle} takes no images (a text-only bundle)")
+    with pytest.raises(SpecPrefetchError, match=r"^--image: .* takes no images \(a text-only bundle\)$"):
+        bench(bundle, serial="none", policies=["on-demand+lru"], pool_mib=2.0, prompts=[PROMPT], max_new_tokens=4,
+              repeats=1, json_out=tmp_path / "r.json", images=[img], log=lambda s: None)
     assert not (tmp_path / "r.json").exists()
 
 

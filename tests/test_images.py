@@ -250,11 +250,11 @@ def test_eval_reports_image_tokens_apart(vl, tmp_path):
     from toolkit.traces.capture import TraceSettings, run_trace
 
     rows = []
-    for i in range(10):
+    for i in range(6):
         _png(tmp_path / f"p{i}.png", 40 + 8 * i, 64, 20 + i)
         rows.append({"text": f"Picture {i}: a chart of the tide at hour {i}.", "image": f"p{i}.png"})
     (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    s = TraceSettings(prompt_tokens=24, decode_tokens=4, heldout_frac=0.5, hidden_sample=1.0)
+    s = TraceSettings(prompt_tokens=16, decode_tokens=3, heldout_frac=0.5, hidden_sample=1.0)
     trace = run_trace(vl, [tmp_path / "pairs.jsonl"], tmp_path / "t", s, progress=False)
     r = evaluate(trace, predictors=["next-gate", "previous-token", "oracle"], progress=False)
     assert r["image_tokens"] > 0 and r["decode_tokens"] > 0

@@ -290,25 +290,18 @@ def test_routing_file_drives_the_oracle(native, tmp_path):
 
 
 def test_cli_run_engine_native(embedded_bundles, native, tmp_path):
+    """`run --engine native --check` through the CLI (in this process: the command's code, the runner a
+    subprocess of it; test_pool_auto runs the `specprefetch` entry point itself)."""
     js = tmp_path / "run.json"
-    r = subprocess.run(["specprefetch", "run", str(embedded_bundles["executorch"]), "--engine", "native",
-                        "--policy", "next-gate+prediction", "--pool-mib", "3", "--prompt", "The kernel's memory",
-                        "--max-new-tokens", "6", "--check", "--json", str(js)], capture_output=True, text=True,
-                       timeout=600, env=_env(native))
-    assert r.returncode == 0, r.stderr
+    code, text = cli("run", embedded_bundles["executorch"], "--engine", "native", "--policy", "next-gate+prediction",
+                     "--pool-mib", "3", "--prompt", "The kernel's memory", "--max-new-tokens", "6", "--check",
+                     "--json", js)
+    assert code == 0, text
     out = json.loads(js.read_text())
     assert out["engine"] == "native-host" and len(out["runs"]) == 1  # the shape of `specprefetch run`
     out = out["runs"][0]
     assert out["matches_unmodified_model"] is True and out["engine"] == "native-host"
-    assert len(out["tokens"]) == 6 and "TPOT" in r.stdout
-
-
-def _env(native):
-    import os
-    import sys
-
-    # the CLI builds into the runner cache: the session's, where the fixture's build already is
-    return {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    assert len(out["tokens"]) == 6 and "TPOT" in text
 
 
 def _corrupt(bundle: Path, tmp_path: Path, how: str) -> Path:
