@@ -286,3 +286,17 @@ def test_picture_pairs(tmp_path):
         assert len(named) == 1 and f"the disc is {named[0]}." in row["text"]
     with pytest.raises(SpecPrefetchError, match="already exists"):
         write_pairs(tmp_path / "p", n=1)
+
+
+@pytest.mark.slow  # ~8 s: every policy x pool over image prompts
+def test_bench_cpu_image_prompts(vl, pictures, tmp_path):
+    """`bench cpu --image`: image prompts in every round, checked against transformers on the same pixels
+    first; the simulator (text) left out with the reason."""
+    code, out = cli("bench", "cpu", vl, "--image", pictures[0], "--policies", "on-demand+lru,oracle+belady",
+                    "--pool-mib", "0.1", "--prompts", 2, "--prompt-tokens", 12, "--new-tokens", 4, "--rounds", 1,
+                    "--json", tmp_path / "b.json")
+    assert code == 0, out
+    r = json.loads((tmp_path / "b.json").read_text())
+    assert r["checked_against_unmodified_model"] is True and r["images"] == [str(pictures[0])]
+    assert r["image_tokens_per_prompt"] > 2 and "image prompts" in r["simulated_skipped"]
+    assert r["points"][0]["policies"]["oracle+belady"]["hit_rate"] == 1.0

@@ -738,25 +738,29 @@ def _show_report(r, json_out, c, write, markdown) -> None:
 @click.option("--no-simulate", is_flag=True, help="skip the simulator comparison")
 @click.option("--frequency-trace", type=click.Path(path_type=Path), default=None,
               help="trace whose counts drive the frequency policy, if benchmarked")
+@click.option("--image", "images", type=click.Path(path_type=Path), multiple=True,
+              help="PNG or JPEG before every bench prompt's text (repeatable): image prompts, a model or bundle "
+                   "that takes images (no simulator comparison then)")
 @json_report
 @friendly_errors(interrupt=NOT_WRITTEN)
 @click.pass_context
 def bench_cpu(ctx, model, adapter, policies, pool_mib, prompts, new_tokens, rounds, prompt_tokens, window,
-              flash_profile, store_path, no_simulate, frequency_trace, json_out, overwrite) -> None:
+              flash_profile, store_path, no_simulate, frequency_trace, images, json_out, overwrite) -> None:
     """Measure the Python reference runner's policies side by side on MODEL (model directory, `embedded`
     or bundle): interleaved rounds, medians, token equality checked; the simulator beside them."""
     if not no_simulate and new_tokens < MIN_TIMED_TOKENS:
         raise SpecPrefetchError(f"--new-tokens {new_tokens}: the simulator comparison needs at least "
                                 f"{MIN_TIMED_TOKENS} (two decode tokens to time); pass more, or --no-simulate")
     c = claim(json_out, BENCH_KINDS["cpu"], overwrite, inputs=(model, adapter, store_path, frequency_trace,
-                                                     Path(flash_profile) if flash_profile else None))
+                                                     Path(flash_profile) if flash_profile else None, *images))
     from toolkit.bench import policies as policies_bench
     from toolkit.runtime.policy import parse_policies
 
     r = policies_bench.run_bench(model=model, adapter=adapter, policies=parse_policies(policies), pools=pool_mib,
                                  prompts=prompts, prompt_tokens=prompt_tokens, new_tokens=new_tokens, rounds=rounds,
                                  flash_profile=flash_profile, window=None if ctx_default(ctx, "window") else window,
-                                 store=store_path, simulate=not no_simulate, frequency_trace=frequency_trace)
+                                 store=store_path, simulate=not no_simulate, frequency_trace=frequency_trace,
+                                 images=tuple(images))
     _show_report(r, json_out, c, policies_bench.write, policies_bench.markdown)
 
 

@@ -26,8 +26,10 @@ def run_bench(*, model: str = "embedded", adapter: Path | None, policies: list[P
               frequency_trace: Path | None = None,
               prompts: int = 4, prompt_tokens: int = 64, new_tokens: int = 48, rounds: int = 3,
               flash_profile: str | None = None, window: int | None = None, store: Path | None = None,
-              simulate: bool = True, threads: int = 1, progress: bool = True) -> dict[str, Any]:
-    """Every policy x pool over the same prompts through the reference runner, interleaved."""
+              simulate: bool = True, threads: int = 1, progress: bool = True,
+              images: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """Every policy x pool over the same prompts through the reference runner, interleaved; `images`: the
+    same images before every prompt's text (image prompts; the simulator, which replays text, is left out)."""
     from export.session import open_session, reference_tokens
     from toolkit.runtime.profiles import load_profile
     from toolkit.runtime.runner import RunConfig
@@ -43,17 +45,27 @@ def run_bench(*, model: str = "embedded", adapter: Path | None, policies: list[P
     window = s.runner.cfg.window
     texts = bench_prompts(prompts, prompt_tokens, s.tokenizer)
     ids = [s.encode(t) for t in texts]
-    recorded = [s.runner.record(p, new_tokens) for p in ids]  # the future oracle and Belady read
+    ips = [None] * len(ids)
+    if images:  # image prompts: the images through the tower once, before every prompt's text
+        enc = s.encode_images(list(images))
+        ips = [s.image_prompt(list(images), p, encoded=enc) for p in ids]
+        ids = [ip.ids for ip in ips]
+    img = [{"images": ip} if ip is not None else {} for ip in ips]
+    recorded = [s.runner.record(p, new_tokens, **kw) for p, kw in zip(ids, img)]  # the future oracle and Belady read
     checked = False
     if s.kind == "model" and s.runner.store.dtype == "fp16" and s.source_model is not None:  # no hashing for a bundle
         for p, rec in zip(ids, recorded):
-            if rec.tokens != reference_tokens(s.source_model, p, new_tokens):
+            want = reference_tokens(s.source_model, p, new_tokens, images=list(images), vision=s.vision) if images \
+                else reference_tokens(s.source_model, p, new_tokens)
+            if rec.tokens != want:
                 raise SpecPrefetchError("bench: the runner's tokens differ from the unmodified model's: a bug")
         checked = True
     results: dict[str, Any] = {"model": s.label, "flash_profile": flash_profile, "direct_io": None,
                                "rounds": rounds, "prompts": texts, "new_tokens": new_tokens, "window": window,
                                "threads": threads, "checked_against_unmodified_model": checked,
-                               "store_dtype": s.runner.store.dtype, "points": []}
+                               "store_dtype": s.runner.store.dtype, "points": [],
+                               **({"images": [str(x) for x in images], "image_tokens_per_prompt":
+                                   len(ids[0]) - len(s.encode(texts[0]))} if images else {})}
     for pool in pools:
         samples: dict[str, list[dict]] = {p.name: [] for p in policies}
         for rnd in range(rounds + 1):  # round 0 is the warm-up
@@ -61,8 +73,8 @@ def run_bench(*, model: str = "embedded", adapter: Path | None, policies: list[P
             random.Random(rnd).shuffle(order)
             for pol in order:
                 s.runner.configure(policy=pol, pool_mib=pool)
-                for p, rec in zip(ids, recorded):
-                    g = s.runner.run(p, new_tokens, recorded=rec)
+                for p, rec, kw in zip(ids, recorded, img):
+                    g = s.runner.run(p, new_tokens, recorded=rec, **kw)
                     if g.tokens != rec.tokens:
                         raise SpecPrefetchError(f"bench: {pol.name} changed the output for a prompt: a bug")
                     if g.stats.peak_pool_bytes > g.stats.budget_bytes:
@@ -75,7 +87,9 @@ def run_bench(*, model: str = "embedded", adapter: Path | None, policies: list[P
             point["policies"][pol] = medians(rs, MEDIAN_KEYS)
             point["policies"][pol]["runs"] = len(rs)
         results["points"].append(point)
-    if simulate and s.source_model is not None and s.kind == "model":
+    if simulate and images:
+        results["simulated_skipped"] = "the simulator replays text prompts; these are image prompts"
+    elif simulate and s.source_model is not None and s.kind == "model":
         results["simulated"] = simulate_same_prompts(s.source_model, texts, adapter, policies, pools, new_tokens,
                                                      window, store)
     elif simulate:
@@ -90,7 +104,9 @@ MEDIAN_KEYS = ("tpot_ms", "tpot_p95_ms", "ttft_ms", "stall_ms_per_token", "hit_r
 def markdown(r: dict[str, Any]) -> str:
     flash = f"emulated `{r['flash_profile']}` flash (paced real reads)" if r["flash_profile"] else \
         "real O_DIRECT reads" if r["direct_io"] else "buffered reads (O_DIRECT unsupported here)"
-    lines = [f"{len(r['prompts'])} prompts x {r['new_tokens']} tokens, {r['rounds']} interleaved rounds after a "
+    imgs = (f" (each after {len(r['images'])} image(s), {r['image_tokens_per_prompt']} image tokens)"
+            if r.get("images") else "")
+    lines = [f"{len(r['prompts'])} prompts{imgs} x {r['new_tokens']} tokens, {r['rounds']} interleaved rounds after a "
              f"warm-up, {flash}, window {r['window']}, {r['threads']} compute thread(s); medians.", "",
              "| pool MiB | policy | TPOT ms | p95 ms | stall ms/token | hit rate | MiB read/token | "
              "on-demand / policy | policy / oracle | simulated TPOT ms | sim / measured |",
