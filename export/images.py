@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from toolkit.errors import SpecPrefetchError
-from toolkit.runtime.images import ImagePrompt, rope_rows
+from toolkit.runtime.images import MAX_IMAGE_PIXELS, ImagePrompt, open_image, rope_rows  # noqa: F401
 
 MAX_SIDE = 448  # the default size's cap: 196 image tokens at Qwen3-VL's 16-pixel patches
 
@@ -67,40 +67,6 @@ def vision_block(spec, processor, size: tuple[int, int], *, given: bool = True) 
                            "image_std": [float(x) for x in processor.image_std]}}
 
 
-MAX_IMAGE_PIXELS = 64 * 1000 * 1000  # refused from the header, before decoding (the native runner's cap too)
-
-
-def open_image(path: Path | str):
-    """An image file as RGB (Pillow), one-line errors naming the file; over MAX_IMAGE_PIXELS refused from
-    its header."""
-    from PIL import Image, UnidentifiedImageError
-
-    path = Path(path)
-    bomb, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None  # our own cap, from the header, below
-    try:
-        im = Image.open(path)
-    except FileNotFoundError:
-        raise SpecPrefetchError(f"--image {path}: no such file") from None
-    except IsADirectoryError:
-        raise SpecPrefetchError(f"--image {path}: a directory, not an image file") from None
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
-        raise SpecPrefetchError(f"--image {path}: not a readable PNG or JPEG image ({e})") from None
-    finally:
-        Image.MAX_IMAGE_PIXELS = bomb
-    try:
-        with im:
-            if im.format not in ("PNG", "JPEG"):
-                raise SpecPrefetchError(f"--image {path}: a {im.format or 'unknown'} image; PNG and JPEG are taken "
-                                        "(as the native runner decodes them)")
-            if im.width * im.height > MAX_IMAGE_PIXELS:
-                raise SpecPrefetchError(f"--image {path}: {im.width}x{im.height} pixels, over the "
-                                        f"{MAX_IMAGE_PIXELS // 10**6} megapixels an image may have")
-            im.load()
-            return im.convert("RGB")
-    except (OSError, ValueError, SyntaxError) as e:
-        raise SpecPrefetchError(f"--image {path}: not a readable PNG or JPEG image ({e})") from None
-
-
 def fixed_size_pixels(path: Path | str, block: dict[str, Any], processor) -> tuple[torch.Tensor, list[int]]:
     """A bundle's vision input for an image: resized to the bundle's size (bicubic), then transformers'
     processor: (pixel_values [patches, C*T*P*P], grid_thw)."""
@@ -136,6 +102,9 @@ class BundleVision:
 
     def encode(self, pix: torch.Tensor, grid: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         e, d = self.backend.call(self.block["method"], [pix])[:2]
+        if d.dim() != 3 or d.shape[0] != int(self.block["deepstack_layers"]):  # the native runner uses the manifest's
+            raise SpecPrefetchError(f"method {self.block['method']}: {d.shape[0] if d.dim() == 3 else '?'} DeepStack "
+                                    f"features, the manifest says {self.block['deepstack_layers']}")
         return e.float(), d.float()
 
 

@@ -110,6 +110,7 @@ def _check_images(mf: Path, m: dict[str, Any], g) -> None:
     where = f"{mf}: graphs.vision"
     if not isinstance(v, dict) or not isinstance(v.get("preprocess"), dict):
         raise SpecPrefetchError(f"{where} must be a JSON object with a preprocess object")
+    hint = " (a bundle exported before this field existed: export it again)"
     if rope != "mrope":
         raise SpecPrefetchError(f"{where} is present but kv.rope is {rope!r}: image prompts need M-RoPE layer graphs")
     p = v["preprocess"]
@@ -119,8 +120,10 @@ def _check_images(mf: Path, m: dict[str, Any], g) -> None:
         xs = x if n is not None else [x]
         if (n is not None and (not isinstance(x, list) or len(x) != n)) or \
                 not all(type(e) is int and lo <= e <= hi for e in xs):
-            raise SpecPrefetchError(f"{where}: {key} is {json.dumps(x)[:40]}, expected "
-                                    + (f"{n} integers" if n is not None else "an integer") + f" in {lo}..{hi}")
+            name = f"preprocess.{key}" if obj is p else key
+            raise SpecPrefetchError(f"{where}.{name} is {json.dumps(x)[:40]}, expected "
+                                    + (f"{n} integers" if n is not None else "an integer") + f" in {lo}..{hi}"
+                                    + (hint if key not in obj else ""))
         return x
     size, grid = ints(v, "image_size", 2, 1, 1 << 14), ints(v, "grid_thw", 3, 1, 1 << 12)
     tokens = ints(v, "tokens", None, 1, 1 << 20)
@@ -130,12 +133,19 @@ def _check_images(mf: Path, m: dict[str, Any], g) -> None:
     patch, merge = ints(p, "patch_size", None, 1, 1024), ints(p, "merge_size", None, 1, 64)
     ints(p, "temporal_patch_size", None, 1, 64)
     lo, hi = ints(p, "min_pixels", None, 1), ints(p, "max_pixels", None, 1)
+    def number(x) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
     for key in ("image_mean", "image_std"):
         x = p.get(key)
-        if not (isinstance(x, list) and len(x) == 3 and all(isinstance(e, (int, float)) and not isinstance(e, bool)
-                                                             and math.isfinite(e) for e in x)):
-            raise SpecPrefetchError(f"{where}: preprocess.{key} must list 3 finite numbers")
-    if p.get("resize") != "bicubic" or v.get("method") not in m["graphs"].get("methods", []):
+        if not (isinstance(x, list) and len(x) == 3 and all(number(e) and (key == "image_mean" or e != 0)
+                                                             for e in x)):
+            raise SpecPrefetchError(f"{where}.preprocess.{key} must list 3 finite numbers"
+                                    + (", none zero" if key == "image_std" else ""))
+    if not (number(p.get("rescale_factor")) and p["rescale_factor"] > 0):
+        raise SpecPrefetchError(f"{where}.preprocess.rescale_factor must be a finite number above 0"
+                                + (hint if "rescale_factor" not in p else ""))
+    methods = m["graphs"].get("methods")
+    if p.get("resize") != "bicubic" or not isinstance(methods, list) or v.get("method") not in methods:
         raise SpecPrefetchError(f"{where}: preprocess.resize must be \"bicubic\" and method one of graphs.methods")
     if grid[0] != 1 or grid[1] * patch != size[0] or grid[2] * patch != size[1] or size[0] % (patch * merge) \
             or size[1] % (patch * merge) or (grid[1] // merge) * (grid[2] // merge) != tokens \

@@ -257,6 +257,12 @@ def test_bench_image_prompts_on_the_standin(vl_bundle, phones, tmp_path):
     ref = reference_tokens(Path(m["model"]["source"]), ids, NEW, images=[img], vision=vision)
     assert all(x["tokens"] == ref for x in rep["runs"]) and len(rep["runs"]) == 2
     assert len(list(phone.host_path(rep["remote_runs"]).glob("image-0.png"))) == 1
+    # an arm64 phone's runner is a cross build without image decoders: refused before anything is pushed
+    arm = phones(abi="arm64-v8a")
+    with pytest.raises(SpecPrefetchError, match=r"--image: the runner for device .* \(arm64-v8a\) is a cross build"):
+        bench(vl_bundle, serial=arm.serial, policies=["on-demand+lru"], pool_mib=0.06, prompts=[PROMPT],
+              max_new_tokens=3, repeats=1, json_out=tmp_path / "arm.json", images=[img], log=lambda s: None)
+    assert not arm.host_path(ROOT).exists() or not any(arm.host_path(ROOT).iterdir())
 
 
 @pytest.mark.slow

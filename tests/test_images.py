@@ -5,6 +5,7 @@ and one-line refusals of bad images and of models that take none."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -130,6 +131,12 @@ def test_bad_images_are_refused_in_one_line(vl, pictures, tmp_path, tiny_models)
         assert str(e.value).startswith(f"--image {path}: ") and msg in str(e.value), e.value
         assert "\n" not in str(e.value)
     assert open_image(_png(d / "one.png", 1, 1, 3)).size == (1, 1)  # resized up by the processor's rule
+    # a camera's multi-picture JPEG (MPO) is a JPEG: its first picture
+    first = Image.open(_png(d / "m1.png", 24, 32, 8)).convert("RGB")
+    first.save(d / "photo.jpg", format="MPO", save_all=True, append_images=[Image.new("RGB", (24, 32))])
+    assert Image.open(d / "photo.jpg").format == "MPO"
+    want = np.asarray(Image.open(d / "photo.jpg").convert("RGB"))
+    assert np.array_equal(np.asarray(open_image(d / "photo.jpg")), want)
     code, out = cli("run", vl, "--prompt", PROMPT, "--image", d / "cut.png", "--policy", "on-demand+lru",
                     "--json", d / "r.json")
     assert code != 0 and f"--image {d / 'cut.png'}: not a readable" in out and not (d / "r.json").exists()
@@ -207,15 +214,35 @@ def test_bundle_vision_method_and_image_runs(vl_bundle, pictures, tmp_path):
 
 @pytest.mark.slow
 def test_vision_block_needs_mrope(vl_bundle, tmp_path):
-    """A manifest whose graphs.vision comes without M-RoPE layer graphs is refused by both engines."""
+    """A manifest whose graphs.vision comes without M-RoPE layer graphs is refused by both engines; so are
+    damaged vision blocks, each by the field at fault."""
     import shutil
 
     from export.manifest import validate_bundle
 
     b = Path(shutil.copytree(vl_bundle, tmp_path / "b"))
-    m = json.loads((b / "manifest.json").read_text())
-    m["kv"]["rope"] = "1d"
-    (b / "manifest.json").write_text(json.dumps(m))
+    good = json.loads((b / "manifest.json").read_text())
+
+    def altered(change) -> dict:
+        m = json.loads(json.dumps(good))
+        change(m)
+        (b / "manifest.json").write_text(json.dumps(m))
+        return m
+
+    for change, msg in (
+            (lambda m: m["graphs"]["vision"]["preprocess"].pop("min_pixels"),
+             "graphs.vision.preprocess.min_pixels is null, expected an integer in 1..1099511627776 (a bundle exported "
+             "before this field existed: export it again)"),
+            (lambda m: m["graphs"]["vision"]["preprocess"].update(image_std=[0.5, 0, 0.5]), "image_std must list 3 "
+             "finite numbers, none zero"),
+            (lambda m: m["graphs"]["vision"]["preprocess"].update(rescale_factor=0), "rescale_factor must be a finite"),
+            (lambda m: m["graphs"]["vision"].update(tokens=5), "image_size, grid_thw, patch and merge sizes, tokens"),
+            (lambda m: m["graphs"]["vision"].update(method="visionx"), "method one of graphs.methods"),
+            (lambda m: m["kv"].update(rope="3d"), 'kv.rope is "3d"')):
+        altered(change)
+        with pytest.raises(SpecPrefetchError, match=re.escape(msg)):
+            validate_bundle(b, hash_store=False)
+    altered(lambda m: m["kv"].update(rope="1d"))
     with pytest.raises(SpecPrefetchError, match="graphs.vision is present but kv.rope is '1d'"):
         validate_bundle(b, hash_store=False)
     import subprocess

@@ -219,9 +219,10 @@ def native_engine(bundle: Path, *, abi: str, policy: str, pool_mib, window, queu
             r = {"prompt": p, **{k: v for k, v in r.items() if k != "routing"}, "matches_unmodified_model": None,
                  "engine": name}
             fed.append(r["prompt_ids"])
-            if text_in and r["prompt_ids"][r.get("image_tokens", 0):] != ids:
+            text_ids = r["prompt_ids"][r.get("image_tokens", 0):]
+            if text_in and text_ids != ids:
                 click.echo(f"warning: the runner's tokenizer encodes {p!r} differently from transformers "
-                           f"({len(r['prompt_ids'])} vs {len(ids)} tokens); --check compares with transformers' ids",
+                           f"({len(text_ids)} vs {len(ids)} tokens); --check compares with transformers' ids",
                            err=True)
             if "text" not in r:  # a runner built without its tokenizer: transformers decodes
                 r["text"] = decode_text(tok, r["tokens"])

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <climits>
 #include <cstdlib>
 #include <cstring>
@@ -130,6 +131,10 @@ void parse_vision(Bundle& b, const json& v, const std::string& where) {
       (std::string(key) == "image_mean" ? V.image_mean : V.image_std)[c] =
           as_num(a[static_cast<size_t>(c)], where, pp + "." + key + "[" + std::to_string(c) + "]");
   }
+  if (!(V.rescale_factor > 0) || !std::isfinite(V.rescale_factor)) fail(where, pp + ".rescale_factor must be above 0");
+  for (int c = 0; c < 3; ++c)
+    if (V.image_std[c] == 0 || !std::isfinite(V.image_std[c]) || !std::isfinite(V.image_mean[c]))
+      fail(where, pp + ".image_mean and image_std must be finite, image_std nonzero");
   const int unit = V.patch_size * V.merge_size;
   if (V.grid_h * V.patch_size != V.image_height || V.grid_w * V.patch_size != V.image_width ||
       V.image_height % unit || V.image_width % unit ||

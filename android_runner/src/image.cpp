@@ -432,7 +432,7 @@ Rgb8Image decode_image(const std::string& path) {
 #if SPX_IMAGE_PNG
     return decode_png(path, f.get());  // past the signature
 #else
-    throw Error(path + ": a PNG, and this build has no PNG decoder (libpng's headers were not found)");
+    throw Error(path + ": a PNG, and this runner was built without a PNG decoder (no libpng for its target)");
 #endif
   }
   if (got >= 3 && sig[0] == 0xFF && sig[1] == 0xD8 && sig[2] == 0xFF) {
@@ -440,7 +440,8 @@ Rgb8Image decode_image(const std::string& path) {
     std::rewind(f.get());
     return decode_jpeg(path, f.get());
 #else
-    throw Error(path + ": a JPEG, and this build has no JPEG decoder (libjpeg's headers were not found)");
+    throw Error(path + ": a JPEG, and this runner was built without a JPEG decoder (no libjpeg-turbo 2.0+ for its "
+                "target)");
 #endif
   }
   throw Error(path + ": not a PNG or JPEG image");

@@ -213,12 +213,13 @@ def bench_reads(trace: Path, store_path: Path, pool_fracs: list[float], *, max_s
         reads = DirectReads(store, lanes, k)
         try:
             points = []
+            tokens = sum(int((kinds == DECODE).sum()) for _, kinds in seqs)
+            plans = []  # every pool's reads first: a pool that reads nothing is refused before any timing
             for frac in pool_fracs:
                 if not 0 <= frac <= 1:
                     raise SpecPrefetchError(f"--pool-frac {frac}: a share of the experts in [0, 1]")
                 cap = max(k, int(round(frac * L * E))) if frac > 0 else None
                 steps = [s for ids, kinds in seqs for s in decode_misses(ids, kinds, cap)]
-                tokens = sum(int((kinds == DECODE).sum()) for _, kinds in seqs)
                 layouts = {"store": requests(steps, position["store"], False),
                            "store-merged": requests(steps, position["store"], True),
                            "coactivation-merged": requests(steps, position["coactivation"], True)}
@@ -226,6 +227,8 @@ def bench_reads(trace: Path, store_path: Path, pool_fracs: list[float], *, max_s
                 if not nexp:
                     raise SpecPrefetchError(f"--pool-frac {frac}: the held-out decode tokens read nothing at this "
                                             "pool (every expert they route to stays resident); give a smaller pool")
+                plans.append((frac, cap, layouts, nexp))
+            for frac, cap, layouts, nexp in plans:
                 times: dict[str, list[float]] = {x: [] for x in LAYOUTS}
                 order = list(LAYOUTS)
                 for r in range(rounds):

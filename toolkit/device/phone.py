@@ -634,6 +634,11 @@ def bench(bundle: Path, *, serial: str | None, policies: Sequence[str], pool_mib
     adb = choose(serial)
     if backend_of(m) == "ort" and ORT_RUNNER_ABI.get(facts(adb)["abi"] or "") == "android":
         check_phone_build(m)  # the user's QNN libraries and the NDK, before the phone is taken
+    abi = facts(adb)["abi"]
+    if images and RUNNER_ABI.get(abi or "") != "host":  # before the push: every run would refuse the images
+        raise SpecPrefetchError(f"--image: the runner for device {adb.serial} ({abi}) is a cross build, built without "
+                                "PNG and JPEG decoders (no libpng or libjpeg-turbo for its target here yet; "
+                                "docs/runner.md); bench text prompts on it")
     lock = lock_phone(adb, stale_after_s=run_timeout_s + cooldown_timeout_s + 600,
                       what=f"{bundle.name}: {', '.join(policies)}", log=log)
     try:
@@ -676,7 +681,8 @@ def _bench_held(lock: PhoneLock, bundle: Path, ids: list[list[int]], *, policies
                   "the runner's posix_fadvise(DONTNEED) of its store (not root: llama.cpp's GGUF is not evicted)"),
         "configs": [c["name"] for c in configs], "runs": [], "failures": [], "notes": notes, "status": "complete",
         "reason": None, "remote_runs": run_dir, "images": [str(x) for x in images]}
-    # the images in this bench's own directory on the phone, named by position (any local name is safe)
+    # the images in this bench's own directory on the phone, named by position (any local name is safe); kept
+    # there with the runs' JSON, as their inputs
     remote_images = [f"{run_dir}/image-{i}{Path(x).suffix.lower() if Path(x).suffix.lower() in IMAGE_SUFFIXES else ''}"
                      for i, x in enumerate(images)]
     limit, min_avail = 0.0, 0
@@ -748,6 +754,9 @@ def _bench_held(lock: PhoneLock, bundle: Path, ids: list[list[int]], *, policies
         if cfg["performance"]:
             adb.shell("for g in /sys/devices/system/cpu/cpufreq/policy*/scaling_governor; do echo schedutil > $g; "
                       "done", check=False)
+        if warm and r.returncode != 0:  # every timed run would fail as the warm-up did: stop, the reason kept
+            err = r.stderr.decode(errors="replace").strip().splitlines()
+            raise SpecPrefetchError(f"the warm-up run failed (exit {r.returncode}: {err[-1] if err else 'no output'})")
         if warm:
             return
         if r.returncode != 0:

@@ -203,13 +203,10 @@ def build_inputs(lm: LoadedModel, p: Prompt) -> tuple[dict[str, Any], np.ndarray
     kinds = [PREFILL] * len(ids)
     extra: dict[str, Any] = {}
     if p.image is not None:
-        from PIL import Image
+        from toolkit.runtime.images import open_image
 
         cfg = lm.spec.config
-        try:
-            img = Image.open(p.image).convert("RGB")
-        except OSError as e:
-            raise SpecPrefetchError(f"image {p.image}: cannot be read ({e})") from None
+        img = open_image(p.image, "image")  # what the runners take: PNG or JPEG, within the pixel cap
         pix = lm.image_processor(images=[img], return_tensors="pt")
         grid = pix["image_grid_thw"]
         merge = int(getattr(lm.image_processor, "merge_size", 2))
