@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 from toolkit.errors import SpecPrefetchError
-from toolkit.runtime.images import MAX_IMAGE_PIXELS, ImagePrompt, open_image, rope_rows  # noqa: F401
+from toolkit.runtime.images import ImagePrompt, rope_rows
+from toolkit.traces.data import MAX_IMAGE_PIXELS, open_image  # noqa: F401
 
 MAX_SIDE = 448  # the default size's cap: 196 image tokens at Qwen3-VL's 16-pixel patches
 

@@ -17,43 +17,6 @@ import torch
 
 from toolkit.errors import SpecPrefetchError
 
-MAX_IMAGE_PIXELS = 64 * 1000 * 1000  # refused from the header, before decoding (the native runner's cap too)
-
-
-def open_image(path, what: str = "--image"):
-    """An image file as RGB (Pillow), one-line errors naming the file (`what`: the option or record that named
-    it). PNG and JPEG only (a camera's MPO JPEG: its first picture), as the native runner decodes; over
-    MAX_IMAGE_PIXELS refused from the header."""
-    from pathlib import Path
-
-    from PIL import Image, UnidentifiedImageError
-
-    path = Path(path)
-    bomb, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None  # our own cap, from the header, below
-    try:
-        im = Image.open(path)
-    except FileNotFoundError:
-        raise SpecPrefetchError(f"{what} {path}: no such file") from None
-    except IsADirectoryError:
-        raise SpecPrefetchError(f"{what} {path}: a directory, not an image file") from None
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
-        raise SpecPrefetchError(f"{what} {path}: not a readable PNG or JPEG image ({e})") from None
-    finally:
-        Image.MAX_IMAGE_PIXELS = bomb
-    try:
-        with im:
-            if im.format not in ("PNG", "JPEG", "MPO"):
-                raise SpecPrefetchError(f"{what} {path}: a {im.format or 'unknown'} image; PNG and JPEG are taken "
-                                        "(as the native runner decodes them)")
-            if im.width * im.height > MAX_IMAGE_PIXELS:
-                raise SpecPrefetchError(f"{what} {path}: {im.width}x{im.height} pixels, over the "
-                                        f"{MAX_IMAGE_PIXELS // 10**6} megapixels an image may have")
-            im.load()
-            return im.convert("RGB")
-    except (OSError, ValueError, SyntaxError) as e:
-        raise SpecPrefetchError(f"{what} {path}: not a readable PNG or JPEG image ({e})") from None
-
-
 def rope_rows(ids: list[int], starts: list[int], grids: list[tuple[int, int]]) -> tuple[torch.Tensor, int]:
     """M-RoPE positions [3, len(ids)] of a prompt and its delta, as the model's get_rope_index gives them:
     image k's tokens start at `starts[k]` and form a grid `grids[k]` (merged rows, columns)."""

@@ -203,7 +203,7 @@ def build_inputs(lm: LoadedModel, p: Prompt) -> tuple[dict[str, Any], np.ndarray
     kinds = [PREFILL] * len(ids)
     extra: dict[str, Any] = {}
     if p.image is not None:
-        from toolkit.runtime.images import open_image
+        from toolkit.traces.data import open_image
 
         cfg = lm.spec.config
         img = open_image(p.image, "image")  # what the runners take: PNG or JPEG, within the pixel cap
