@@ -91,8 +91,10 @@ def test_executorch_bundle_every_family(family, tiny_models, tmp_path):
     p = json.loads((out / "parity.json").read_text())
     assert p["passed"] and p["max_abs_logit_diff"] < 1e-3 and p["topk_agreement"] == 1.0
     assert p["next_token_agreement"] == 1.0 and p["positions"] == 2 * 16
-    assert set(m["graphs"]["methods"]) == {"embed", "head", "expert", "reset",
+    vision = {"vision"} if family == "qwen3_vl_moe" else set()  # a vision-language model's tower (docs/export.md)
+    assert set(m["graphs"]["methods"]) == {"embed", "head", "expert", "reset", *vision,
                                            *(f"layer_{i}" for i in range(m["model"]["num_layers"]))}
+    assert ("vision" in m["graphs"]) == bool(vision) and m["kv"]["rope"] == ("mrope" if vision else "1d")
     s = inspect_bundle(out)
     assert s["family"] == family and set(s["graphs"]) == set(m["graphs"]["signatures"])
     assert not list(out.parent.glob("bundle.partial*")) and not list(out.parent.glob(".bundle.lock"))
