@@ -317,6 +317,24 @@ def test_pixel_values_bit_identical(tool, processors, images, tmp_path, case):
 
 
 @pytest.mark.skipif(not PILLOW_13, reason=f"Pillow {PIL.__version__}: the port follows Pillow 13's pass order")
+@pytest.mark.parametrize("case", ["png-noise-50x70", "png-noise-1x1", "png-rgba", "jpeg-q75-422", "jpeg-q90-1000x700"])
+def test_a_bundles_fixed_size_bit_identical(tool, processors, images, tmp_path, case):
+    """A bundle's preprocessing (export/images.py: the image resized to the bundle's size, then the processor)
+    and the runner's (ImagePreprocess::fixed_height/width) give the same pixel_values, bit for bit."""
+    from export.images import fixed_size_pixels
+
+    for (h, w), name in (((64, 64), "tiny"), ((32, 64), "tiny"), ((512, 384), "large")):
+        lo, hi = CONFIGS[name]
+        block = {"image_size": [h, w], "grid_thw": [1, h // PATCH, w // PATCH]}
+        want, grid = fixed_size_pixels(images[case], block, processors[name])
+        r = run(tool, images[case], *config_args(name), "--fixed", f"{h},{w}", "--out", tmp_path / "pv.bin")
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.split()[1:4] == [str(g) for g in grid] and r.stdout.split()[5:7] == [str(h), str(w)]
+        pv = np.fromfile(tmp_path / "pv.bin", dtype=np.float32).reshape(want.shape)
+        assert np.array_equal(pv.view(np.uint32), want.numpy().view(np.uint32)), f"{case} at {h}x{w}"
+
+
+@pytest.mark.skipif(not PILLOW_13, reason=f"Pillow {PIL.__version__}: the port follows Pillow 13's pass order")
 def test_bicubic_resize_matches_pillow(tool, tmp_path):
     """resize_bicubic alone against Image.resize(BICUBIC): random sizes up and down, and both sides of
     Pillow 13's pass-order rule ((h - H) against 2 (w - W), equal and one off)."""

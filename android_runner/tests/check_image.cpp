@@ -4,6 +4,7 @@
 //   check_image IMAGE [--patch 16] [--temporal 2] [--merge 2] [--min-pixels N] [--max-pixels N]
 //                     [--mean a,b,c] [--std a,b,c] [--out FILE] [--decoded-out FILE] [--resized-out FILE]
 //   check_image IMAGE --resize W,H --resized-out FILE     only the bicubic resize, to W x H
+//   check_image IMAGE --fixed H,W ...                       a bundle's fixed image size first (ImagePreprocess)
 //
 // Prints one line, "grid T H W resized H W decoded H W" (grid in patches, sizes in pixels), and
 // writes pixel_values [T*H*W, 3*temporal*patch*patch] as raw little-endian float32 to --out, the
@@ -79,6 +80,12 @@ int run(int argc, char** argv) {
     else if (a == "--out") out = v;
     else if (a == "--decoded-out") decoded_out = v;
     else if (a == "--resized-out") resized_out = v;
+    else if (a == "--fixed") {
+      const size_t comma = v.find(',');
+      if (comma == std::string::npos) throw spx::Error(a + " " + v + ": H,W");
+      p.fixed_height = static_cast<int>(parse_int(a, v.substr(0, comma)));
+      p.fixed_width = static_cast<int>(parse_int(a, v.substr(comma + 1)));
+    }
     else if (a == "--resize") {
       const size_t comma = v.find(',');
       if (comma == std::string::npos) throw spx::Error(a + " " + v + ": W,H");
