@@ -92,11 +92,12 @@ def pixel_values(path: Path | str, block: dict[str, Any], processor) -> torch.Te
 class BundleVision:
     """A bundle's images: every one resized to its fixed size, through its `vision` method."""
 
-    def __init__(self, backend, block: dict[str, Any], processor):
+    def __init__(self, backend, block: dict[str, Any], processor, hidden: int | None = None):
         self.backend, self.block, self.processor = backend, block, processor
         self.merge = int(block["preprocess"]["merge_size"])
         self.ids = (int(block["vision_start_token_id"]), int(block["image_token_id"]),
                     int(block["vision_end_token_id"]))
+        self.hidden = hidden  # the language model's width, checked by encode_images where given
 
     def pixels(self, path: Path) -> tuple[torch.Tensor, list[int]]:
         return fixed_size_pixels(path, self.block, self.processor)
@@ -118,6 +119,7 @@ class ModelVision:
         cfg = spec.config
         self.merge = int(processor.merge_size)
         self.ids = (int(cfg.vision_start_token_id), int(cfg.image_token_id), int(cfg.vision_end_token_id))
+        self.hidden = spec.geometry.hidden_size
         self.graphs: dict[tuple[int, ...], Any] = {}
 
     def pixels(self, path: Path) -> tuple[torch.Tensor, list[int]]:
@@ -143,9 +145,12 @@ def encode_images(vision, images: list[Path]) -> list[tuple[list[int], torch.Ten
         pix, grid = vision.pixels(path)
         e, d = vision.encode(pix, grid)
         n = (grid[1] // vision.merge) * (grid[2] // vision.merge)
-        if e.dim() != 2 or e.shape[0] != n or d.dim() != 3 or tuple(d.shape[1:]) != tuple(e.shape):
+        hidden = getattr(vision, "hidden", None)
+        if e.dim() != 2 or e.shape[0] != n or d.dim() != 3 or tuple(d.shape[1:]) != tuple(e.shape) or \
+                (hidden is not None and e.shape[1] != hidden):
             raise SpecPrefetchError(f"--image {path}: the vision tower gave image_embeds {list(e.shape)} and "
-                                    f"deepstack {list(d.shape)} for a grid of {n} image tokens")
+                                    f"deepstack {list(d.shape)} for a grid of {n} image tokens"
+                                    + (f" of width {hidden}" if hidden is not None else ""))
         out.append((grid, e, d))
     return out
 

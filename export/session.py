@@ -309,7 +309,7 @@ def _bundle_vision(backend, m: dict, spec: ModelSpec):
     from export.images import BundleVision
     from toolkit.models.loader import load_image_processor
 
-    return BundleVision(backend, block, load_image_processor(spec.path))
+    return BundleVision(backend, block, load_image_processor(spec.path), hidden=spec.geometry.hidden_size)
 
 
 def _check_dtype(dtype: str | None, st: ExpertStore, what: str) -> None:

@@ -156,3 +156,25 @@ class TestTinySet:
         line = refused(["tiny", FAMILY, "--out", tmp_path / "m", "--set", setting], "--set", what)
         assert str(tmp_path) not in line  # names the setting, not a temporary config
         assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.slow  # builds a random VLM (~5 s); the refusals below are in make test
+def test_tiny_set_reaches_a_vision_language_models_sub_configs(tmp_path):
+    """`tiny qwen3_vl_moe --set text_config.X=...`: a larger random VLM."""
+    from toolkit.models.loader import inspect_model_dir
+
+    m = tmp_path / "vl"
+    assert cli("tiny", "qwen3_vl_moe", "--out", m, "--set", "text_config.num_local_experts=16",
+               "--set", "text_config.hidden_size=96", "--set", "vision_config.out_hidden_size=96")[0] == 0
+    g = inspect_model_dir(m).geometry
+    assert (g.routing.num_experts, g.hidden_size) == (16, 96)
+
+
+def test_tiny_set_refuses_bad_sub_config_settings(tmp_path):
+    """The tower's output width must be the language model's (its features replace token embeddings): refused
+    by name otherwise, before anything is written; an unknown sub-config or attribute is named."""
+    for setting, what in (("text_config.hidden_size=96", "vision_config.out_hidden_size is 64, the language model's "
+                                                         "hidden_size 96"),
+                          ("nope.x=1", "has no sub-config 'nope'"), ("text_config.nope=1", "has no such attribute")):
+        refused(["tiny", "qwen3_vl_moe", "--out", tmp_path / "x", "--set", setting], "--set", what)
+        assert not (tmp_path / "x").exists()

@@ -984,8 +984,8 @@ def inspect_cmd(bundle: Path, as_json: bool) -> None:
 @click.option("--out", required=True, type=OUT_DIR, help="model directory to write")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--set", "sets", multiple=True,
-              help="KEY=VALUE: a config attribute (VALUE as JSON, e.g. hidden_size=768, mlp_only_layers=[]); "
-                   "repeatable, for a larger random model")
+              help="KEY=VALUE: a config attribute (VALUE as JSON, e.g. hidden_size=768, mlp_only_layers=[]; a "
+                   "sub-config's as text_config.num_local_experts=32); repeatable, for a larger random model")
 @click.option("--overwrite", is_flag=True, help="replace a model directory at --out (once the new one is complete)")
 @friendly_errors(interrupt=NOTHING_TO_OUT)
 def tiny(family: str, out: Path, seed: int, sets: tuple[str, ...], overwrite: bool) -> None:

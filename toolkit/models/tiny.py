@@ -154,10 +154,16 @@ def build_tiny(family: str, out: Path | str, *, seed: int = 0, overrides: dict |
     claim_output(out, kind="model", overwrite=overwrite, inputs=(embedded_model_dir(),))
     config = makers[family]()
     for key, value in (overrides or {}).items():
-        if not hasattr(config, key):
-            raise SpecPrefetchError(f"--set {key}: {type(config).__name__} has no such attribute")
+        owner, attr = config, key
+        for part in key.split(".")[:-1]:  # a nested config: text_config.num_experts=32, vision_config.depth=4
+            owner = getattr(owner, part, None)
+            if owner is None or not hasattr(owner, "to_dict"):
+                raise SpecPrefetchError(f"--set {key}: {type(config).__name__} has no sub-config {part!r}")
+            attr = key.split(".")[-1]
+        if not hasattr(owner, attr):
+            raise SpecPrefetchError(f"--set {key}: {type(owner).__name__} has no such attribute")
         try:
-            setattr(config, key, value)
+            setattr(owner, attr, value)
         except Exception as e:  # noqa: BLE001 - transformers' strict configs raise their own types
             raise SpecPrefetchError(f"--set {key}={json.dumps(value)[:60]}: {type(config).__name__} refuses it "
                                     f"({_one_line(e)})") from None
