@@ -54,6 +54,10 @@ def vision_block(spec, processor, size: tuple[int, int], *, given: bool = True) 
     if not lo <= h * w <= hi:
         raise SpecPrefetchError(f"{opt}: {h * w} pixels, outside the image processor's "
                                 f"{lo}..{hi} (preprocessor_config.json)")
+    for flag in ("do_rescale", "do_normalize", "do_convert_rgb"):  # the runners always do these steps
+        if getattr(processor, flag, True) is False:
+            raise SpecPrefetchError(f"preprocessor_config.json: {flag} is false; the runners' preprocessing always "
+                                    "does this step (no bundle with images for such a processor)")
     cfg = spec.config
     gh, gw = h // patch, w // patch
     vc = cfg.vision_config

@@ -123,7 +123,7 @@ def _check_images(mf: Path, m: dict[str, Any], g) -> None:
             name = f"preprocess.{key}" if obj is p else key
             raise SpecPrefetchError(f"{where}.{name} is {json.dumps(x)[:40]}, expected "
                                     + (f"{n} integers" if n is not None else "an integer") + f" in {lo}..{hi}"
-                                    + (hint if key not in obj else ""))
+                                    + (hint if key not in obj and key in ("min_pixels", "max_pixels") else ""))
         return x
     size, grid = ints(v, "image_size", 2, 1, 1 << 14), ints(v, "grid_thw", 3, 1, 1 << 12)
     tokens = ints(v, "tokens", None, 1, 1 << 20)
@@ -142,8 +142,7 @@ def _check_images(mf: Path, m: dict[str, Any], g) -> None:
             raise SpecPrefetchError(f"{where}.preprocess.{key} must list 3 finite numbers"
                                     + (", none zero" if key == "image_std" else ""))
     if not (number(p.get("rescale_factor")) and p["rescale_factor"] > 0):
-        raise SpecPrefetchError(f"{where}.preprocess.rescale_factor must be a finite number above 0"
-                                + (hint if "rescale_factor" not in p else ""))
+        raise SpecPrefetchError(f"{where}.preprocess.rescale_factor must be a finite number above 0")
     methods = m["graphs"].get("methods")
     if p.get("resize") != "bicubic" or not isinstance(methods, list) or v.get("method") not in methods:
         raise SpecPrefetchError(f"{where}: preprocess.resize must be \"bicubic\" and method one of graphs.methods")

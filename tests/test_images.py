@@ -242,15 +242,23 @@ def test_vision_block_needs_mrope(vl_bundle, tmp_path):
         altered(change)
         with pytest.raises(SpecPrefetchError, match=re.escape(msg)):
             validate_bundle(b, hash_store=False)
-    altered(lambda m: m["kv"].update(rope="1d"))
-    with pytest.raises(SpecPrefetchError, match="graphs.vision is present but kv.rope is '1d'"):
-        validate_bundle(b, hash_store=False)
     import subprocess
 
     from android_runner.build import build, command
 
-    r = subprocess.run([*command(build(vl_bundle, "host"), "host"), str(b), "--prompt", PROMPT],
-                       capture_output=True, text=True)  # the runner built for the bundle, on the altered copy
+    runner = [*command(build(vl_bundle, "host"), "host"), str(b), "--prompt", PROMPT]
+    for change, msg in ((lambda m: m["graphs"]["vision"]["preprocess"].update(image_std=[0.5, 0, 0.5]),
+                         "image_std nonzero"),
+                        (lambda m: m["graphs"]["vision"]["preprocess"].update(rescale_factor=0),
+                         "rescale_factor must be above 0"),
+                        (lambda m: m["graphs"]["vision"].update(tokens=5), "tokens and the pixel bounds disagree")):
+        altered(change)  # the runner's own checks of the same damage (it is run without the Python side here)
+        r = subprocess.run(runner, capture_output=True, text=True)
+        assert r.returncode != 0 and msg in r.stderr, r.stderr
+    altered(lambda m: m["kv"].update(rope="1d"))
+    with pytest.raises(SpecPrefetchError, match="graphs.vision is present but kv.rope is '1d'"):
+        validate_bundle(b, hash_store=False)
+    r = subprocess.run(runner, capture_output=True, text=True)  # the runner built for the bundle, on the altered copy
     assert r.returncode != 0 and "graphs.vision is present but kv.rope is not" in r.stderr, r.stderr
 
 
@@ -327,3 +335,19 @@ def test_bench_cpu_image_prompts(vl, pictures, tmp_path):
     assert r["checked_against_unmodified_model"] is True and r["images"] == [str(pictures[0])]
     assert r["image_tokens_per_prompt"] > 2 and "image prompts" in r["simulated_skipped"]
     assert r["points"][0]["policies"]["oracle+belady"]["hit_rate"] == 1.0
+
+
+def test_trace_data_refuses_an_image_the_runners_do_not_take(tmp_path):
+    """`trace --data`: a GIF (or a 20000x20000 PNG) in the JSONL is refused from its header when the data is
+    read, naming FILE:LINE, before any model loads."""
+    from PIL import Image
+
+    from toolkit.traces.data import read_records
+
+    Image.new("RGB", (8, 8)).save(tmp_path / "a.gif")
+    Image.new("L", (20000, 20000)).save(tmp_path / "big.png", compress_level=1)
+    for name, msg in (("a.gif", "a GIF image; PNG and JPEG are taken"), ("big.png", "20000x20000 pixels")):
+        (tmp_path / "d.jsonl").write_text(json.dumps({"text": "x", "image": name}) + "\n")
+        with pytest.raises(SpecPrefetchError) as e:
+            read_records([tmp_path / "d.jsonl"], allow_images=True)
+        assert str(e.value).startswith(f"{tmp_path / 'd.jsonl'}:1: image ") and msg in str(e.value), e.value

@@ -480,6 +480,7 @@ def test_cli_bench_reads(sim_trace, emb_store, tiny_models, tmp_path):
         for x in v.values():  # the same experts read in every layout, merged or not
             assert x["experts_per_token"] == v["store"]["experts_per_token"] == v["store"]["requests_per_token"]
             assert x["ms_per_token"] > 0 and x["profile_ms_per_token"] > 0
+            assert x["experts_per_token"] * rep["expert_read_kib"] == pytest.approx(p["mib_per_token"] * 1024)
         # no pool: every routed expert of every decode step (8 MoE layers x top-4); the pool keeps some
         assert (v["store"]["experts_per_token"] == 32) == (p["slots"] is None)
         assert v["coactivation-merged"]["requests_per_token"] <= v["store-merged"]["requests_per_token"]

@@ -632,10 +632,10 @@ def bench(bundle: Path, *, serial: str | None, policies: Sequence[str], pool_mib
                          max_new_tokens=max_new_tokens, threads=threads, json_out=json_out, peer=peer,
                          images=images)
     adb = choose(serial)
-    if backend_of(m) == "ort" and ORT_RUNNER_ABI.get(facts(adb)["abi"] or "") == "android":
-        check_phone_build(m)  # the user's QNN libraries and the NDK, before the phone is taken
     abi = facts(adb)["abi"]
-    if images and RUNNER_ABI.get(abi or "") != "host":  # before the push: every run would refuse the images
+    if backend_of(m) == "ort" and ORT_RUNNER_ABI.get(abi or "") == "android":
+        check_phone_build(m)  # the user's QNN libraries and the NDK, before the phone is taken
+    if images and RUNNER_ABI.get(abi or "") == "arm64":  # before the push: every run would refuse the images
         raise SpecPrefetchError(f"--image: the runner for device {adb.serial} ({abi}) is a cross build, built without "
                                 "PNG and JPEG decoders (no libpng or libjpeg-turbo for its target here yet; "
                                 "docs/runner.md); bench text prompts on it")
@@ -727,6 +727,10 @@ def _bench_held(lock: PhoneLock, bundle: Path, ids: list[list[int]], *, policies
         if cfg.get("peer"):
             res = _llama_bench(adb, base, run_dir, mask, len(ids[p]), max_new_tokens, threads, run_timeout_s)
             after = snapshot(adb)
+            if warm and res.get("error"):  # as the runner's warm-up: the timed runs would fail the same way
+                report["failures"].append({"config": cfg["name"], "prompt": p, "repeat": rep,
+                                           "exit_code": res["exit_code"], "stderr": res["stderr"], "warm_up": True})
+                raise SpecPrefetchError(f"the llama.cpp warm-up failed (llama-bench exit {res['exit_code']})")
             if warm:
                 return
             if res.get("error"):
@@ -756,6 +760,8 @@ def _bench_held(lock: PhoneLock, bundle: Path, ids: list[list[int]], *, policies
                       "done", check=False)
         if warm and r.returncode != 0:  # every timed run would fail as the warm-up did: stop, the reason kept
             err = r.stderr.decode(errors="replace").strip().splitlines()
+            report["failures"].append({"config": cfg["name"], "prompt": p, "repeat": rep, "exit_code": r.returncode,
+                                       "stderr": "\n".join(err[-20:]), "warm_up": True})
             raise SpecPrefetchError(f"the warm-up run failed (exit {r.returncode}: {err[-1] if err else 'no output'})")
         if warm:
             return

@@ -213,11 +213,13 @@ def inspect_model_dir(model: str | Path, *, config_only_ok: bool = False) -> Mod
     if r.top_k > r.num_experts or r.top_k < 1:
         raise SpecPrefetchError(f"{cfg_path}: top-k {r.top_k} does not fit {r.num_experts} experts")
     vc = getattr(config, "vision_config", None)  # the tower's features replace text embeddings: one width
-    if family.is_vision_language and vc is not None and getattr(vc, "out_hidden_size", None) is not None \
-            and int(vc.out_hidden_size) != geometry.hidden_size:
-        raise SpecPrefetchError(f"{cfg_path}: vision_config.out_hidden_size is {vc.out_hidden_size}, the language "
-                                f"model's hidden_size {geometry.hidden_size}: the image features could not replace "
-                                "its token embeddings")
+    out = getattr(vc, "out_hidden_size", None) if family.is_vision_language else None
+    if isinstance(out, int) and out != geometry.hidden_size:
+        given = isinstance(cfg_dict.get("vision_config"), dict) and "out_hidden_size" in cfg_dict["vision_config"]
+        raise SpecPrefetchError(f"{cfg_path}: vision_config.out_hidden_size is {out}"
+                                + ("" if given else " (transformers' default: config.json omits it)")
+                                + f", the language model's hidden_size {geometry.hidden_size}: the image features "
+                                "could not replace its token embeddings")
     weights = _weight_files(path, allow_none=config_only_ok)
     return ModelSpec(path=path, config=config, config_dict=cfg_dict, config_hash=config_hash(cfg_dict),
                      family=family, geometry=geometry, weight_files=weights)

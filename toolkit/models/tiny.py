@@ -159,13 +159,13 @@ def build_tiny(family: str, out: Path | str, *, seed: int = 0, overrides: dict |
             owner = getattr(owner, part, None)
             if owner is None or not hasattr(owner, "to_dict"):
                 raise SpecPrefetchError(f"--set {key}: {type(config).__name__} has no sub-config {part!r}")
-            attr = key.split(".")[-1]
+        attr = key.split(".")[-1]
         if not hasattr(owner, attr):
             raise SpecPrefetchError(f"--set {key}: {type(owner).__name__} has no such attribute")
         try:
             setattr(owner, attr, value)
         except Exception as e:  # noqa: BLE001 - transformers' strict configs raise their own types
-            raise SpecPrefetchError(f"--set {key}={json.dumps(value)[:60]}: {type(config).__name__} refuses it "
+            raise SpecPrefetchError(f"--set {key}={json.dumps(value)[:60]}: {type(owner).__name__} refuses it "
                                     f"({_one_line(e)})") from None
     if overrides:
         check_config(family, config, overrides)

@@ -17,6 +17,7 @@ import torch
 
 from toolkit.errors import SpecPrefetchError
 
+
 def rope_rows(ids: list[int], starts: list[int], grids: list[tuple[int, int]]) -> tuple[torch.Tensor, int]:
     """M-RoPE positions [3, len(ids)] of a prompt and its delta, as the model's get_rope_index gives them:
     image k's tokens start at `starts[k]` and form a grid `grids[k]` (merged rows, columns)."""

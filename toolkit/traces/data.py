@@ -167,10 +167,32 @@ def _read_jsonl(path: Path, allow_images: bool) -> Iterator[Record]:
                 if not image.exists() or image.is_dir():
                     raise SpecPrefetchError(f"{path}:{n}: image {obj['image']!r} not found ({image})")
                 check_input(image, f"{path}:{n}: image", MAX_IMAGE_BYTES)
+                check_image_header(image, f"{path}:{n}: image")  # before any model loads: what the runners take
             yield Record(str(path), n, obj["text"], image)
 
 
 MAX_IMAGE_PIXELS = 64 * 1000 * 1000  # refused from the header, before decoding (the native runner's cap too)
+IMAGE_FORMATS = ("PNG", "JPEG", "MPO")  # Pillow's names; MPO: a camera's multi-picture JPEG (its first picture)
+
+
+def check_image_header(path, what: str) -> None:
+    """An image's format and size from its header only (no pixels decoded): what `open_image` refuses."""
+    from PIL import Image, UnidentifiedImageError
+
+    bomb, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None
+    try:
+        with Image.open(path) as im:
+            fmt, w, h = im.format, im.width, im.height
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
+        raise SpecPrefetchError(f"{what} {path}: not a readable PNG or JPEG image ({e})") from None
+    finally:
+        Image.MAX_IMAGE_PIXELS = bomb
+    if fmt not in IMAGE_FORMATS:
+        raise SpecPrefetchError(f"{what} {path}: a {fmt or 'unknown'} image; PNG and JPEG are taken (as the native "
+                                "runner decodes them)")
+    if w * h > MAX_IMAGE_PIXELS:
+        raise SpecPrefetchError(f"{what} {path}: {w}x{h} pixels, over the {MAX_IMAGE_PIXELS // 10**6} megapixels an "
+                                "image may have")
 
 
 def open_image(path, what: str = "--image"):
@@ -193,7 +215,7 @@ def open_image(path, what: str = "--image"):
         Image.MAX_IMAGE_PIXELS = bomb
     try:
         with im:
-            if im.format not in ("PNG", "JPEG", "MPO"):
+            if im.format not in IMAGE_FORMATS:
                 raise SpecPrefetchError(f"{what} {path}: a {im.format or 'unknown'} image; PNG and JPEG are taken "
                                         "(as the native runner decodes them)")
             if im.width * im.height > MAX_IMAGE_PIXELS:
