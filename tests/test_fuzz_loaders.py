@@ -747,12 +747,12 @@ BUNDLE_JSON = ("manifest.json", "model/config.json", "parity.json", "model/gener
                "model/tokenizer_config.json")
 
 
-@pytest.mark.parametrize("cases", [60, pytest.param(1500, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("cases", [30, pytest.param(1500, marks=pytest.mark.slow)])
 def test_fuzzed_bundles(bundle, cheap_hashes, cases):
     """The manifest edited (most cases); or another file edited and the manifest's size and sha256 of it
     updated, so the checks behind the hashes are reached (the model config, parity report, expert store);
-    or a file replaced, removed or added. Every 30th case (make test's 60) or 10th (make test-all's) is run
-    through `specprefetch inspect` instead, which loads the graphs (seconds each)."""
+    or a file replaced, removed or added. Every 30th case (make test's 30: its first) or 10th (make
+    test-all's) is run through `specprefetch inspect` instead, which loads the graphs (seconds each)."""
     mf = bundle / "manifest.json"
     snap = Snapshot(bundle, list(BUNDLE_JSON))
     manifest = json.loads(snap.files["manifest.json"])
@@ -810,7 +810,7 @@ def test_fuzzed_bundles(bundle, cheap_hashes, cases):
         validate_bundle(bundle)
         inspect_bundle(bundle, load_graphs=False)
 
-    every = 30 if cases <= 60 else 10
+    every = 30 if cases <= 60 else 10  # make test (30 cases): one inspect
     out = run_fuzz("bundle", cases, mutate, consume, restore, (str(bundle),))
     check(out, "bundle", cases)
     assert json.loads(mf.read_text()) == manifest

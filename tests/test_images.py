@@ -278,6 +278,7 @@ def test_image_size_refusals(vl, tiny_models, tmp_path):
     assert code == 2 and "expected HEIGHTxWIDTH" in out
 
 
+@pytest.mark.slow  # a trace of the tiny VLM (~4 s); eval's image-token split
 def test_eval_reports_image_tokens_apart(vl, tmp_path):
     """`eval` on a vision-language trace: recall on the held-out image tokens beside the decode tokens'
     (the oracle's is exact on both), in the JSON and the table."""
@@ -302,6 +303,7 @@ def test_eval_reports_image_tokens_apart(vl, tmp_path):
         in markdown(r)
 
 
+@pytest.mark.slow  # writes pictures (~1 s)
 def test_picture_pairs(tmp_path):
     """The synthetic picture/caption pairs: each caption names the colour of its picture's disc, the JSONL is
     what `trace --data` reads, an existing directory is refused."""
