@@ -79,7 +79,7 @@ def vision_parity(ref_backend, bundle_backend, block: dict[str, Any], processor,
     import numpy as np
     from PIL import Image
 
-    from export.images import pixel_values
+    from export.images import fixed_size_pixels
 
     h, w = block["image_size"]
     y, x = np.mgrid[0:h, 0:w]
@@ -87,7 +87,7 @@ def vision_parity(ref_backend, bundle_backend, block: dict[str, Any], processor,
                                                                       < (min(h, w) / 3) ** 2) * 255], -1)
     path = scratch / "vision-parity.png"
     Image.fromarray(rgb.astype(np.uint8)).save(path)
-    pix = pixel_values(path, block, processor)
+    pix, _ = fixed_size_pixels(path, block, processor)
     ref = [t.float() for t in ref_backend.call("vision", [pix])]
     got = [t.float() for t in bundle_backend.call("vision", [pix])]
     diff = max(float((a - b).abs().max()) for a, b in zip(ref, got))

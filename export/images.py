@@ -20,7 +20,7 @@ import torch
 
 from toolkit.errors import SpecPrefetchError
 from toolkit.runtime.images import ImagePrompt, rope_rows
-from toolkit.traces.data import MAX_IMAGE_PIXELS, open_image  # noqa: F401
+from toolkit.traces.data import open_image
 
 MAX_SIDE = 448  # the default size's cap: 196 image tokens at Qwen3-VL's 16-pixel patches
 
@@ -87,10 +87,6 @@ def fixed_size_pixels(path: Path | str, block: dict[str, Any], processor) -> tup
         raise SpecPrefetchError(f"--image {path}: the processor made grid {grid} of a {w}x{h} image, the bundle's "
                                 f"vision method takes {block['grid_thw']}")
     return out["pixel_values"].float(), grid
-
-
-def pixel_values(path: Path | str, block: dict[str, Any], processor) -> torch.Tensor:
-    return fixed_size_pixels(path, block, processor)[0]
 
 
 class BundleVision:

@@ -80,7 +80,7 @@ def test_run_image_model_directory_matches_transformers(vl, pictures, tmp_path):
     """`run MODEL --image A --image B --check`: the image prompt through the streamed experts gives
     transformers' greedy tokens for the same pixels, for several predictors at one pool; another image
     gives other tokens."""
-    from export.images import open_image
+    from toolkit.traces.data import open_image
     from export.session import open_session, reference_tokens
     from toolkit.runtime.policy import Policy
     from toolkit.runtime.runner import RunConfig
@@ -111,7 +111,7 @@ def test_run_image_model_directory_matches_transformers(vl, pictures, tmp_path):
 
 
 def test_bad_images_are_refused_in_one_line(vl, pictures, tmp_path, tiny_models):
-    from export.images import open_image
+    from toolkit.traces.data import open_image
 
     d = tmp_path
     (d / "text.png").write_text("not an image")

@@ -35,8 +35,8 @@ import numpy as np
 from toolkit.errors import SpecPrefetchError
 from toolkit.metrics import median
 from toolkit.runtime.expert_store import ExpertStore
-from toolkit.runtime.pool import ExpertPool
 from toolkit.runtime.profiles import DeviceProfile
+from toolkit.simulate.bounds import replay
 from toolkit.traces.format import DECODE, TraceReader, routing_sequences
 
 LAYOUTS = ("store", "store-merged", "coactivation-merged")
@@ -89,31 +89,12 @@ def coactivation_order(seqs: list[np.ndarray], num_experts: int) -> list[list[in
 
 def decode_misses(ids: np.ndarray, kinds: np.ndarray, capacity: int | None) -> list[tuple[int, list[int]]]:
     """(layer, experts read) of each decode step of one sequence [positions, L, k] through an on-demand
-    LRU pool of `capacity` slots (None: no pool, every routed expert is read)."""
-    N, L, k = ids.shape
-    pool = ExpertPool(capacity, 1, policy="lru", min_slots=k) if capacity else None
-    out = []
-    for p in range(N):
-        for li in range(L):
-            now = p * L + li
-            keys = [(li, int(e)) for e in ids[p, li]]
-            missed = []
-            for key in keys:
-                s = pool.get(key) if pool else None
-                if s is None:
-                    missed.append(key[1])
-                    if pool:
-                        s = pool.reserve(key, now, prefetch=False, protect=set(keys))
-                        s.ready = True
-                if s is not None:
-                    s.pins += 1
-            if pool:
-                for key in keys:
-                    s = pool.get(key)
-                    s.pins -= 1
-                    pool.touch(s, now)
-            if kinds[p] == DECODE and missed:
-                out.append((li, missed))
+    LRU pool of `capacity` slots (eviction-bounds' replay), or, with None, every routed expert."""
+    if capacity is None:
+        return [(li, [int(e) for e in ids[p, li]]) for p in range(len(ids)) if kinds[p] == DECODE
+                for li in range(ids.shape[1])]
+    out: list[tuple[int, list[int]]] = []
+    replay(ids, kinds, capacity, "lru", None, reads_out=out)
     return out
 
 

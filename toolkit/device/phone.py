@@ -519,7 +519,7 @@ def check_bench(bundle: Path, *, policies: Sequence[str], pool_mib: float, promp
         raise SpecPrefetchError("--prompt: give at least one")
     image_tokens = 0
     if images:
-        from export.images import open_image
+        from toolkit.traces.data import open_image
 
         vision = m["graphs"].get("vision")
         if vision is None or peer:

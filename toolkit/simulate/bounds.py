@@ -40,9 +40,11 @@ RULES = ("lru", "reuse", "belady-token", "belady-next-token", "belady")
 
 
 def replay(ids: np.ndarray, kinds: np.ndarray, capacity: int, rule: str, table,
-           true_next: Callable[[tuple[int, int], int], float] | None = None) -> tuple[int, int]:
+           true_next: Callable[[tuple[int, int], int], float] | None = None,
+           reads_out: list | None = None) -> tuple[int, int]:
     """(reads at decode positions, decode positions) of one sequence [positions, L, k] under `rule`.
-    `true_next`: the sequence's real next use (belady_next_use of it; built here if not given)."""
+    `true_next`: the sequence's real next use (belady_next_use of it; built here if not given);
+    `reads_out`: gets (layer, [experts read]) of every decode step that reads (`bench reads`)."""
     N, L, k = ids.shape
     if true_next is None and rule.startswith("belady"):
         true_next = belady_next_use(list(ids), L)
@@ -84,13 +86,18 @@ def replay(ids: np.ndarray, kinds: np.ndarray, capacity: int, rule: str, table,
             keys = [(li, int(e)) for e in ids[p, li]]
             if hist is not None:
                 hist.observe(now, keys)
+            missed = []
             for key in keys:
                 s = pool.get(key)
                 if s is None:
                     s = pool.reserve(key, now, prefetch=False, protect=set(keys))
                     s.ready = True
-                    reads += int(kinds[p] == DECODE)
+                    missed.append(key[1])
                 s.pins += 1
+            if kinds[p] == DECODE:
+                reads += len(missed)
+                if reads_out is not None and missed:
+                    reads_out.append((li, missed))
             for key in keys:
                 s = pool.get(key)
                 s.pins -= 1

@@ -175,34 +175,12 @@ MAX_IMAGE_PIXELS = 64 * 1000 * 1000  # refused from the header, before decoding 
 IMAGE_FORMATS = ("PNG", "JPEG", "MPO")  # Pillow's names; MPO: a camera's multi-picture JPEG (its first picture)
 
 
-def check_image_header(path, what: str) -> None:
-    """An image's format and size from its header only (no pixels decoded): what `open_image` refuses."""
+def _open_checked(path: Path, what: str):
+    """The image at `path` opened lazily (its header read, no pixels decoded), refused in one line unless a PNG
+    or JPEG within MAX_IMAGE_PIXELS (checked here, not by Pillow's own decompression-bomb limit)."""
     from PIL import Image, UnidentifiedImageError
 
     bomb, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None
-    try:
-        with Image.open(path) as im:
-            fmt, w, h = im.format, im.width, im.height
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
-        raise SpecPrefetchError(f"{what} {path}: not a readable PNG or JPEG image ({e})") from None
-    finally:
-        Image.MAX_IMAGE_PIXELS = bomb
-    if fmt not in IMAGE_FORMATS:
-        raise SpecPrefetchError(f"{what} {path}: a {fmt or 'unknown'} image; PNG and JPEG are taken (as the native "
-                                "runner decodes them)")
-    if w * h > MAX_IMAGE_PIXELS:
-        raise SpecPrefetchError(f"{what} {path}: {w}x{h} pixels, over the {MAX_IMAGE_PIXELS // 10**6} megapixels an "
-                                "image may have")
-
-
-def open_image(path, what: str = "--image"):
-    """An image file as RGB (Pillow), one-line errors naming the file (`what`: the option or record that named
-    it). PNG and JPEG only (a camera's MPO JPEG: its first picture), as the native runner decodes; over
-    MAX_IMAGE_PIXELS refused from the header."""
-    from PIL import Image, UnidentifiedImageError
-
-    path = Path(path)
-    bomb, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None  # our own cap, from the header, below
     try:
         im = Image.open(path)
     except FileNotFoundError:
@@ -213,14 +191,29 @@ def open_image(path, what: str = "--image"):
         raise SpecPrefetchError(f"{what} {path}: not a readable PNG or JPEG image ({e})") from None
     finally:
         Image.MAX_IMAGE_PIXELS = bomb
+    why = (f"a {im.format or 'unknown'} image; PNG and JPEG are taken (as the native runner decodes them)"
+           if im.format not in IMAGE_FORMATS else
+           f"{im.width}x{im.height} pixels, over the {MAX_IMAGE_PIXELS // 10**6} megapixels an image may have"
+           if im.width * im.height > MAX_IMAGE_PIXELS else None)
+    if why is not None:
+        im.close()
+        raise SpecPrefetchError(f"{what} {path}: {why}")
+    return im
+
+
+def check_image_header(path, what: str) -> None:
+    """An image's format and size from its header only (no pixels decoded): what `open_image` refuses."""
+    _open_checked(Path(path), what).close()
+
+
+def open_image(path, what: str = "--image"):
+    """An image file as RGB (Pillow), one-line errors naming the file (`what`: the option or record that named
+    it). PNG and JPEG only (a camera's MPO JPEG: its first picture), as the native runner decodes; over
+    MAX_IMAGE_PIXELS refused from the header."""
+    path = Path(path)
+    im = _open_checked(path, what)
     try:
         with im:
-            if im.format not in IMAGE_FORMATS:
-                raise SpecPrefetchError(f"{what} {path}: a {im.format or 'unknown'} image; PNG and JPEG are taken "
-                                        "(as the native runner decodes them)")
-            if im.width * im.height > MAX_IMAGE_PIXELS:
-                raise SpecPrefetchError(f"{what} {path}: {im.width}x{im.height} pixels, over the "
-                                        f"{MAX_IMAGE_PIXELS // 10**6} megapixels an image may have")
             im.load()
             return im.convert("RGB")
     except (OSError, ValueError, SyntaxError) as e:
