@@ -40,7 +40,7 @@ def save_adapter(adapter: PrefetchAdapter, out: Path, spec: ModelSpec, extra: di
                       "moe_layers": list(g.moe_layers), "num_experts": g.routing.num_experts,
                       "hidden_size": g.hidden_size},
             "horizons": list(adapter.horizons), "rank": adapter.rank, "cross_token": adapter.cross_token,
-            "pairs": [list(p) for p in adapter.pairs],
+            "next_visit": adapter.next_visit, "pairs": [list(p) for p in adapter.pairs],
             "params": adapter.params(),
             "weights_sha256": sha256_file(work / "adapter.safetensors"),
             **extra,
@@ -92,6 +92,10 @@ def check_meta(meta: Any, file: Path) -> None:
         if not ok(d[name]):
             raise SpecPrefetchError(f"{file}: malformed adapter config: {key!r} must be {what}, "
                                     f"not {json.dumps(d[name])[:60]}")
+    nv = meta.get("next_visit", False)  # optional: adapters written before it have no such heads
+    if not isinstance(nv, bool) or (nv and not meta["cross_token"]):
+        raise SpecPrefetchError(f"{file}: malformed adapter config: 'next_visit' must be true or false (true "
+                                f"only with cross_token), not {json.dumps(nv)[:60]}")
 
 
 def read_adapter_meta(path: Path) -> dict[str, Any]:
@@ -116,10 +120,10 @@ def _regular_file(f: Path, what: str) -> None:
         raise SpecPrefetchError(f"{f}: not a regular file (the {what} must be one)")
 
 
-def _pairs(num_layers: int, horizons: list[int], cross_token: bool) -> int:
+def _pairs(num_layers: int, horizons: list[int], cross_token: bool, next_visit: bool) -> int:
     """How many (layer, horizon) pairs an adapter of this shape has (without allocating its weights)."""
     return len(PrefetchAdapter(num_layers=num_layers, hidden_size=1, num_experts=1, horizons=tuple(horizons),
-                               rank=1, cross_token=cross_token).pairs)
+                               rank=1, cross_token=cross_token, next_visit=next_visit).pairs)
 
 
 def load_adapter(path: Path, spec: ModelSpec | None = None) -> tuple[PrefetchAdapter, dict[str, Any]]:
@@ -152,7 +156,7 @@ def load_adapter(path: Path, spec: ModelSpec | None = None) -> tuple[PrefetchAda
     if not {"A", "B"} <= set(t):
         raise SpecPrefetchError(f"{weights}: expected tensors A and B, found {sorted(t)}")
     # the shapes adapter.json implies, compared with the file's before anything of that size is allocated
-    P = _pairs(len(m["moe_layers"]), meta["horizons"], meta["cross_token"])
+    P = _pairs(len(m["moe_layers"]), meta["horizons"], meta["cross_token"], meta.get("next_visit", False))
     want_a, want_b = (P, meta["rank"], m["hidden_size"]), (P, m["num_experts"], meta["rank"])
     if tuple(t["A"].shape) != want_a or tuple(t["B"].shape) != want_b:
         raise SpecPrefetchError(f"{weights}: tensor shapes {tuple(t['A'].shape)}, {tuple(t['B'].shape)} "
@@ -162,7 +166,8 @@ def load_adapter(path: Path, spec: ModelSpec | None = None) -> tuple[PrefetchAda
                                 f"{t['B'].dtype}")
     adapter = PrefetchAdapter(num_layers=len(m["moe_layers"]), hidden_size=m["hidden_size"],
                               num_experts=m["num_experts"], horizons=tuple(meta["horizons"]),
-                              rank=meta["rank"], cross_token=meta["cross_token"])
+                              rank=meta["rank"], cross_token=meta["cross_token"],
+                              next_visit=meta.get("next_visit", False))
     adapter.A.data.copy_(t["A"])
     adapter.B.data.copy_(t["B"])
     adapter.eval()

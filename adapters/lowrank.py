@@ -7,6 +7,11 @@ When j runs past the last MoE layer (and cross-token is on), the target is MoE l
 *next* token: the current token's last layers predict the next token's first layers, so the
 prefetch window crosses the token boundary. B starts at zero, so an untrained adapter is exactly
 the next-gate baseline; only A and B train, the routers stay frozen.
+
+With `next_visit`, every layer i also gets the pair (i, L): the same MoE layer of the next token, the
+layer's next visit. Those heads are not for the prefetch window (W steps ahead, a few layers) but for
+eviction: which of a layer's resident experts its next visit will route to (toolkit/simulate/bounds.py,
+`adapter-next-visit`).
 """
 from __future__ import annotations
 
@@ -21,15 +26,20 @@ from toolkit.models.routers import RouterBank
 class PrefetchAdapter(nn.Module):
     def __init__(self, *, num_layers: int, hidden_size: int, num_experts: int,
                  horizons: tuple[int, ...] = (1, 2), rank: int = 64, cross_token: bool = True,
-                 seed: int = 0):
+                 next_visit: bool = False, seed: int = 0):
         super().__init__()
         if rank < 1:
             raise ValueError("rank must be >= 1")
         if not horizons or min(horizons) < 1 or max(horizons) > 4:
             raise ValueError(f"horizons must lie in 1..4, got {horizons}")
         self.num_layers, self.hidden_size, self.num_experts = num_layers, hidden_size, num_experts
+        if next_visit and not cross_token:
+            raise ValueError("the next visit's heads cross the token boundary: they need cross_token")
         self.horizons, self.rank, self.cross_token = tuple(sorted(set(horizons))), rank, cross_token
-        self.pairs = [(i, h) for i in range(num_layers) for h in self.horizons
+        self.next_visit = next_visit
+        # the window's horizons, and the next visit's (L) with next_visit
+        self.all_horizons = tuple(sorted(set(self.horizons) | ({num_layers} if next_visit else set())))
+        self.pairs = [(i, h) for i in range(num_layers) for h in self.all_horizons
                       if i + h < num_layers or (cross_token and i + h < 2 * num_layers)]
         self.pair_index = {p: n for n, p in enumerate(self.pairs)}
         g = torch.Generator().manual_seed(seed)

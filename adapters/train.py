@@ -35,6 +35,7 @@ class TrainConfig:
     rank: int = 64
     horizons: tuple[int, ...] = (1, 2)
     cross_token: bool = True
+    next_visit: bool = False   # heads for each layer's next visit (horizon L), for eviction
     horizon_weights: dict[int, float] | None = None  # default: 2.0 for h=1, 1.0 otherwise
     topk_weight: float = 0.0
     steps: int = 3000
@@ -72,6 +73,8 @@ class TrainConfig:
                           f"{','.join(map(str, self.horizons))}")
             if not (math.isfinite(w) and w >= 0):
                 raise bad("--horizon-weights", f"{h}:{w}", "weights must be finite numbers >= 0")
+        if self.next_visit and not self.cross_token:
+            raise bad("--next-visit", "", "the next visit is the next token's: it needs --cross-token")
         if sum(self.weight(h) for h in self.horizons) <= 0:
             raise bad("--horizon-weights", self.horizon_weights, "at least one weight must be > 0")
         check_device(self.device)
@@ -117,7 +120,7 @@ def validate(adapter: PrefetchAdapter, bank: RouterBank, val: list[RoutingBatch]
              weights: torch.Tensor) -> dict[str, Any]:
     k = bank.spec.top_k
     loss_sum, n = 0.0, 0
-    hits = {h: [0.0, 0] for h in adapter.horizons}
+    hits = {h: [0.0, 0] for h in adapter.all_horizons}
     for b in val:
         b = b.to(cfg.device)
         loss, _ = pair_loss(adapter, bank, b, cfg, weights)
@@ -166,7 +169,8 @@ def train_adapter(trace: Path, out: Path, cfg: TrainConfig, *, model: str | Path
     g = spec.geometry
     adapter = PrefetchAdapter(num_layers=len(g.moe_layers), hidden_size=g.hidden_size,
                               num_experts=g.routing.num_experts, horizons=cfg.horizons, rank=cfg.rank,
-                              cross_token=cfg.cross_token, seed=cfg.seed).to(cfg.device)
+                              cross_token=cfg.cross_token, next_visit=cfg.next_visit,
+                              seed=cfg.seed).to(cfg.device)
     weights = torch.tensor([cfg.weight(h) for _, h in adapter.pairs], device=cfg.device)
     val = [b.to(cfg.device) for b in validation_batches(reader)]
     if not val:

@@ -119,6 +119,9 @@ def auto_read_budget(store, queue_depth: int, step_ms: float, reads: int = 200) 
 
 # a row of the predictor's policy with a read budget: "<policy> read-budget=<KiB>"
 READ_BUDGET_TAG = " read-budget="
+# a row of the predictor's reuse policy without the adapter's next-visit heads (run --no-next-visit),
+# where the bundle has them
+NO_NEXT_VISIT_TAG = " next-visit=off"
 
 # runner bench --ablation: every predictor of the report with the other evictions, so that the gap to the
 # oracle splits into prediction (oracle+lru, oracle+prediction against oracle+belady) and eviction (the
@@ -277,8 +280,10 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
     # the predictor with the reuse eviction where the bundle has its table (toolkit/runtime/reuse.py),
     # and with the window-only `prediction` eviction beside it
     reuse = m["predictor"].get("reuse") is not None
+    next_visit = reuse and m["predictor"].get("next_visit") is True
     base = ["on-demand+lru", "previous-token+lru", f"{graph}+{'reuse' if reuse else 'prediction'}", "oracle+belady"]
     policies = base + ([f"{graph}+prediction"] if reuse else []) + \
+        ([f"{base[2]}{NO_NEXT_VISIT_TAG}"] if next_visit else []) + \
         ([p.format(graph=graph) for p in ABLATION_POLICIES] if ablation else []) + \
         ([f"{base[2]}{READ_BUDGET_TAG}{read_budget_kib}"] if read_budget_kib else [])
     out["ablation"] = ablation
@@ -294,8 +299,9 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
         for _ in range(rounds):
             for p in order:
                 pol, _, rb = p.partition(READ_BUDGET_TAG)
+                pol, off, _ = pol.partition(NO_NEXT_VISIT_TAG)
                 res = run_native(bundle, ids, max_new_tokens=new_tokens, policy=pol, pool_mib=pool, cold=True,
-                                 read_budget_kib=int(rb) if rb else None)
+                                 read_budget_kib=int(rb) if rb else None, extra=("--no-next-visit",) if off else ())
                 got[p].append(res)
             order = order[::-1]  # ABC, CBA, ...
         point = {"pool_mib": round(pool, 3), "pool_frac": frac, "slots": slots, "policies": {}}
@@ -322,6 +328,8 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
         point["predictor_over_oracle"] = round(pr / orc, 3)
         if read_budget_kib:  # the predictor's policy without the read budget over with it
             point["predictor_over_read_budget"] = round(pr / tp[policies[-1]], 3)
+        if next_visit:  # the reuse eviction without the next-visit heads over with them
+            point["no_next_visit_over_predictor"] = round(tp[f"{base[2]}{NO_NEXT_VISIT_TAG}"] / pr, 3)
         if ablation:  # the same predictor, its eviction against Belady's (which knows the real future)
             point["predictor_eviction_over_belady"] = round(pr / tp[f"{graph}+belady"], 3)
             point["oracle_lru_over_belady"] = round(tp["oracle+lru"] / orc, 3)
@@ -330,7 +338,9 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
         out["points"].append(point)
         log(f"  on-demand / {base[2]}: {point['on_demand_over_predictor']}, previous-token / {base[2]}: "
             f"{point['temporal_over_predictor']}, {base[2]} / oracle: {point['predictor_over_oracle']}"
-            + (f", without / with the read budget: {point['predictor_over_read_budget']}" if read_budget_kib else ""))
+            + (f", without / with the read budget: {point['predictor_over_read_budget']}" if read_budget_kib else "")
+            + (f", without / with the next-visit heads: {point['no_next_visit_over_predictor']}" if next_visit
+               else ""))
         if ablation:
             log(f"  {base[2]} / {graph}+belady: {point['predictor_eviction_over_belady']}, oracle+lru / "
                 f"oracle+belady: {point['oracle_lru_over_belady']}, oracle+prediction / oracle+belady: "
@@ -350,13 +360,14 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
         log("the simulator, recalibrated against the native runner (calibrate_native), on the same prompts")
         prof = calibrate_native(bundle, ids, all_mib=all_mib, tokens=new_tokens, threads=threads)
         sim = simulate_same_prompts(src, texts, adapter,
-                                    parse_policies(",".join(p for p in policies if READ_BUDGET_TAG not in p)),
+                                    parse_policies(",".join(p for p in policies if READ_BUDGET_TAG not in p
+                                                            and NO_NEXT_VISIT_TAG not in p)),
                                     [p["slots"] * store.slot_bytes / MiB for p in out["points"]], new_tokens,
                                     m["runtime"]["scheduler"]["window"], None, profile=prof, dtype=store.dtype)
         out["simulated"] = sim
         for p, sp in zip(out["points"], sim["points"]):
             for name, v in p["policies"].items():
-                if name not in sp["policies"]:  # a read-budget row: not simulated
+                if name not in sp["policies"]:  # a read-budget or next-visit=off row: not simulated
                     continue
                 v["simulated_tpot_ms"] = sp["policies"][name]["tpot_ms"]
                 v["sim_over_measured"] = round(v["simulated_tpot_ms"] / v["tpot_ms"], 3)
@@ -420,7 +431,9 @@ def markdown(r: dict[str, Any]) -> str:
                      f"{p['temporal_over_predictor']:.3f}, predictor / oracle "
                      f"{p['predictor_over_oracle']:.3f}"
                      + (f", predictor without / with the read budget {p['predictor_over_read_budget']:.3f}"
-                        if "predictor_over_read_budget" in p else "") + " | | | | | | | | | | |")
+                        if "predictor_over_read_budget" in p else "")
+                     + (f", predictor without / with the next-visit heads {p['no_next_visit_over_predictor']:.3f}"
+                        if "no_next_visit_over_predictor" in p else "") + " | | | | | | | | | | |")
         if "predictor_eviction_over_belady" in p:
             lines.append(f"| | eviction ablation: predictor / predictor+belady "
                          f"{p['predictor_eviction_over_belady']:.3f}, "

@@ -264,6 +264,13 @@ def _validate(path: Path, mf: Path, m: Any, hash_store: bool = True) -> list[str
         from adapters.reuse import ReuseTable
 
         ReuseTable.from_json(m["predictor"]["reuse"], f"{mf}: predictor.reuse")
+    nv = m["predictor"].get("next_visit", False)
+    if not isinstance(nv, bool):
+        raise SpecPrefetchError(f"{mf}: predictor.next_visit must be true or false")
+    if nv and any(len(g.moe_layers) not in (hs if isinstance(hs, list) else [])
+                  for hs in (m["predictor"].get("preds_rows") or {None: None}).values()):
+        raise SpecPrefetchError(f"{mf}: predictor.next_visit is true but a layer's preds_rows lack horizon "
+                                f"{len(g.moe_layers)} (its next visit)")
     return notes
 
 

@@ -157,6 +157,58 @@ def test_reuse_eviction_decides_as_the_reference(native, reuse_bundle, embedded,
         assert evicts["reuse"] and evicts["reuse"] != evicts["lru"], pred
 
 
+@pytest.fixture(scope="module")
+def next_visit_bundle(reuse_bundle, tmp_path_factory) -> Path:
+    """The reuse bundle with its preds rows declared as (1, L): each layer's second row (the next-gate
+    heads of horizon 2) read as its next-visit row. Wrong as a predictor, but both engines must make
+    the same decisions from it, and other decisions than without it."""
+    b = tmp_path_factory.mktemp("next-visit") / "bundle"
+    shutil.copytree(reuse_bundle, b)
+    m = json.loads((b / "manifest.json").read_text())
+    L = len(m["model"]["moe_layers"])
+    m["predictor"]["preds_rows"] = {k: [1, L] for k in m["predictor"]["preds_rows"]}
+    m["predictor"]["next_visit"] = True
+    (b / "manifest.json").write_text(json.dumps(m))
+    return b
+
+
+def test_next_visit_eviction_decides_as_the_reference(native, next_visit_bundle, embedded, tmp_path):
+    """The reuse eviction reading each layer's next-visit row makes the same decisions in both engines
+    (and other evictions than with --no-next-visit); the tokens stay the model's."""
+    pool, policy = POOLS[0], "next-gate+reuse"
+    ref = reference_tokens(embedded, PROMPTS[0], NEW)
+    evicts = {}
+    for on in (True, False):
+        session = open_session(next_visit_bundle, RunConfig(policy=Policy.parse(policy), io="threads",
+                                                            pool_mib=pool, next_visit=on))
+        (tmp_path / str(on)).mkdir()
+        out, lines = native_run((next_visit_bundle, native[1]), tmp_path / str(on), policy, pool, PROMPTS[:1],
+                                *(() if on else ("--no-next-visit",)))
+        log = EventLog()
+        g = session.runner.run(PROMPTS[0], NEW, events=log)
+        assert out["runs"][0]["tokens"] == g.tokens == ref
+        assert decisions(lines) == decisions(log.lines), on
+        evicts[on] = [ln for ln in decisions(lines) if "evict" in str(ln)]
+    assert evicts[True] and evicts[True] != evicts[False]
+
+
+def test_next_visit_rows_must_hold_horizon_L(native, next_visit_bundle, tmp_path):
+    """predictor.next_visit with a layer whose preds rows lack horizon L is refused by both engines."""
+    b = tmp_path / "bundle"
+    shutil.copytree(next_visit_bundle, b)
+    m = json.loads((b / "manifest.json").read_text())
+    first = next(iter(m["predictor"]["preds_rows"]))
+    m["predictor"]["preds_rows"][first] = [1, 2]
+    (b / "manifest.json").write_text(json.dumps(m))
+    r = run_native((b, native[1]), "--prompt-ids", "1,2,3", "--max-new-tokens", 2, check=False)
+    assert r.returncode != 0 and "predictor.next_visit" in r.stderr and "lacks horizon" in r.stderr, r.stderr
+    from export.manifest import validate_bundle
+    from toolkit.errors import SpecPrefetchError
+
+    with pytest.raises(SpecPrefetchError, match="preds_rows lack horizon"):
+        validate_bundle(b, hash_store=False)
+
+
 def test_reuse_eviction_without_a_table_is_an_error(native, embedded_bundles):
     r = run_native(native, "--prompt-ids", "1,2,3", "--max-new-tokens", "2", "--policy", "on-demand+reuse",
                    check=False)

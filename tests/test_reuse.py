@@ -181,3 +181,37 @@ def test_a_prefetch_keeps_an_expert_its_history_says_is_needed_first():
         sched.plan(1, [(5, torch.tensor([0.0, 1.0]))])
         got[policy] = (sched.stats.prefetch_issued, sched.stats.dropped_no_slot)
     assert got == {"reuse": (0, 1), "prediction": (1, 0)}
+
+
+def test_next_visit_prediction_scores_by_hand():
+    """A layer's predicted next visit decides while it is for that visit: a predicted expert is used
+    then, any other one visit later (by its history shifted once); a stale prediction is ignored."""
+    t = ReuseTable(bits=2, cap=8, visits16=(16 * 8, 16 * 2, 16 * 3, 16 * 1))
+    L = 4
+    h = ReuseHistory(t, L)
+    h.observe(1, [(1, 0)])                  # layer 1 at step 1 routes to expert 0: history 01
+    plain = h.score((1, 0), 2, None)
+    assert plain == 5 * SCALE + L * (t.visits16[0b01] - SCALE)   # next visit at step 5, table[01]
+    h.set_next_visit(1, 5, [0, 3])
+    assert h.score((1, 0), 2, None) == 5 * SCALE                  # predicted: used at step 5
+    assert h.score((1, 2), 2, None) == 9 * SCALE + L * (t.visits16[0] - SCALE)      # not: history 00 one on
+    assert h.score((1, 0), 2, {(1, 0): 3}) == 3 * SCALE           # the window's prediction comes first
+    h.set_next_visit(1, 1, [2])             # for a visit already past: stale, the history decides
+    assert h.score((1, 2), 2, None) == 5 * SCALE + L * (t.visits16[0] - SCALE)
+
+
+def test_adapter_next_visit_heads_train_save_and_load(tmp_path):
+    """--next-visit adds a pair (i, L) per layer; the checkpoint records it and loads it back; without
+    cross-token it is refused."""
+    import torch
+
+    from adapters.lowrank import PrefetchAdapter
+
+    ad = PrefetchAdapter(num_layers=3, hidden_size=4, num_experts=5, horizons=(1, 2), rank=2, next_visit=True)
+    assert ad.all_horizons == (1, 2, 3) and [p for p in ad.pairs if p[1] == 3] == [(0, 3), (1, 3), (2, 3)]
+    assert ad.target_layer(1, 3) == 1 and ad.horizons == (1, 2)
+    with pytest.raises(ValueError, match="cross_token"):
+        PrefetchAdapter(num_layers=3, hidden_size=4, num_experts=5, cross_token=False, next_visit=True)
+    from adapters.checkpoint import _pairs
+    assert _pairs(3, [1, 2], True, True) == len(ad.pairs) == _pairs(3, [1, 2], True, False) + 3
+    assert torch.equal(ad.tgt[ad.pair_index[(2, 3)]], torch.tensor(2))

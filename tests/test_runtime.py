@@ -434,6 +434,39 @@ def test_cli_eviction_bounds(sim_trace, tmp_path):
     assert r.exit_code == 2 and "--pool-frac" in r.output and "1.5" in r.output and not (tmp_path / "b.json").exists()
 
 
+def test_next_visit_heads_in_eval_eviction_bounds_and_the_simulator(sim_trace, tmp_path):
+    """An adapter trained with --next-visit: its horizon L shows in validation and eval; eviction-bounds
+    adds adapter-next-visit (and refuses an adapter without the heads); the simulator's adapter+reuse
+    reads them (other reads than with next_visit off)."""
+    import dataclasses
+
+    from adapters.train import TrainConfig, train_adapter
+    from toolkit.predictors.evaluate import evaluate
+    from toolkit.runtime.policy import Policy
+    from toolkit.runtime.profiles import SNAPDRAGON_8_ELITE
+    from toolkit.simulate.bounds import eviction_bounds
+    from toolkit.simulate.replay import run_simulation
+
+    cfg = TrainConfig(steps=40, val_every=20, batch_size=64, next_visit=True)
+    r = train_adapter(sim_trace, tmp_path / "a", cfg, progress=False)
+    L = 8
+    assert str(L) in r["validation"]["adapter"]["recall_at_k"]
+    ev = evaluate(sim_trace, predictors=["adapter", "previous-token"], adapter=tmp_path / "a", progress=False)
+    assert ev["horizons"] == [1, 2, L] and 0 < ev["predictors"]["adapter"]["recall_at_k"][str(L)] <= 1
+    e = eviction_bounds(sim_trace, [0.2], max_sequences=3, adapter=tmp_path / "a")
+    rp = e["points"][0]["reads_per_token"]
+    assert e["rules"][-1] == "adapter-next-visit" and rp["adapter-next-visit"] > 0 and rp["belady"] == min(rp.values())
+    train_adapter(sim_trace, tmp_path / "b", dataclasses.replace(cfg, next_visit=False), progress=False)
+    with pytest.raises(SpecPrefetchError, match="no next-visit heads"):
+        eviction_bounds(sim_trace, [0.2], max_sequences=1, adapter=tmp_path / "b")
+    reads = {}
+    for on in (True, False):
+        s = run_simulation(sim_trace, policies=[Policy("adapter", "reuse")], profile=SNAPDRAGON_8_ELITE,
+                           pool_mib=4, window=2, adapter=tmp_path / "a", max_sequences=4, next_visit=on)
+        reads[on] = s["results"][0]["counts"]["bytes_read"]
+    assert reads[True] != reads[False], reads
+
+
 def test_coactivation_order_keeps_co_routed_experts_adjacent():
     """`bench reads`' order: pairs that are always routed together end up next to each other, every
     layer's order is a permutation, and merging joins exactly the adjacent slots of a step."""

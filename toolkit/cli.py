@@ -159,6 +159,9 @@ def trace(model, data, out, prompt_tokens, decode_tokens, max_sequences, probs_t
 @click.option("--horizons", default="1,2", show_default=True, help="MoE layers ahead, 1..4")
 @click.option("--cross-token/--no-cross-token", default=True, show_default=True,
               help="let the last layers predict the next token's first layers")
+@click.option("--next-visit", is_flag=True,
+              help="also train heads for each MoE layer's next visit (the next token's same layer), for "
+                   "the reuse eviction (docs/runtime.md)")
 @click.option("--horizon-weights", default=None,
               help="loss weight per horizon, e.g. '1:2,2:1' (default 2 for h=1, 1 otherwise)")
 @click.option("--topk-weight", type=FiniteFloat(0.0, inclusive=True), default=0.0, show_default=True,
@@ -177,7 +180,7 @@ def trace(model, data, out, prompt_tokens, decode_tokens, max_sequences, probs_t
 @click.option("--overwrite", is_flag=True,
               help="replace an existing adapter at --out (only once the new one is complete)")
 @friendly_errors(interrupt=NOTHING_TO_OUT)
-def train(traces, out, model, rank, horizons, cross_token, horizon_weights, topk_weight, steps,
+def train(traces, out, model, rank, horizons, cross_token, next_visit, horizon_weights, topk_weight, steps,
           batch_size, lr, val_every, patience, seed, device, max_memory_mb, overwrite) -> None:
     """Train the prefetch adapter on TRACES (a `trace` directory): a rank-r correction of each
     future layer's router, KL to the real routing, backbone frozen."""
@@ -190,8 +193,8 @@ def train(traces, out, model, rank, horizons, cross_token, horizon_weights, topk
         except ValueError:
             raise SpecPrefetchError(f"--horizon-weights {horizon_weights!r}: expected H:W,H:W") from None
     cfg = TrainConfig(rank=rank, horizons=int_tuple(horizons, "--horizons"), cross_token=cross_token,
-                      horizon_weights=hw, topk_weight=topk_weight, steps=steps, batch_size=batch_size,
-                      lr=lr, val_every=val_every, patience=patience, seed=seed, device=device,
+                      next_visit=next_visit, horizon_weights=hw, topk_weight=topk_weight, steps=steps,
+                      batch_size=batch_size, lr=lr, val_every=val_every, patience=patience, seed=seed, device=device,
                       max_memory_mb=max_memory_mb)
     try:
         r = train_adapter(traces, out, cfg, model=model, overwrite=overwrite)
@@ -304,17 +307,21 @@ def simulate(traces, policies, adapter, profile, pool_mib, windows, queue_depth,
               show_default=True,
               help="pools as shares of all experts (comma list)")
 @click.option("--max-sequences", type=click.IntRange(min=1), default=None, help="held-out sequences to replay")
+@click.option("--adapter", type=click.Path(path_type=Path), default=None,
+              help="an adapter trained with --next-visit: adds the adapter-next-visit rule")
+@click.option("--model", default=None, help="model directory (default: the one the trace records)")
 @json_report
 @friendly_errors(interrupt=NOT_WRITTEN)
-def eviction_bounds_cmd(traces, pool_fracs, max_sequences, json_out, overwrite) -> None:
+def eviction_bounds_cmd(traces, pool_fracs, max_sequences, adapter, model, json_out, overwrite) -> None:
     """Reads per decode token on TRACES' routing for LRU, the reuse eviction and Belady's rule knowing
     the future only so far (the current token, the next token, everything): how much of the oracle's
     eviction a causal engine can reach (docs/runtime.md)."""
-    c = claim(json_out, "eviction-bounds", overwrite, inputs=(traces,))
+    c = claim(json_out, "eviction-bounds", overwrite, inputs=(traces, adapter, model))
     from toolkit.reporting import write_report
     from toolkit.simulate.bounds import eviction_bounds, markdown, plot
 
-    r = eviction_bounds(traces, pool_fracs, max_sequences=max_sequences, progress=lambda m: click.echo(m, err=True))
+    r = eviction_bounds(traces, pool_fracs, max_sequences=max_sequences, adapter=adapter, model=model,
+                        progress=lambda m: click.echo(m, err=True))
     write_report(r, json_out, markdown, plot)
     click.echo(markdown(r))
     click.echo(wrote(c))
@@ -395,6 +402,9 @@ def calibrate(model, store_path, reads, out, overwrite) -> None:
                    "serve I/O)")
 @click.option("--io", "io_mode", default="process", show_default=True, type=click.Choice(["process", "threads"]),
               help="reads in a forked reader process, or in threads of this process")
+@click.option("--no-next-visit", "no_next_visit", is_flag=True,
+              help="the reuse eviction without the adapter's next-visit heads, where the adapter or bundle has "
+                   "them (docs/runtime.md)")
 @click.option("--prefill-chunk", default=None, metavar="N|off",
               help="feed the prompt in chunks of up to N positions through a bundle's prefill methods, or off "
                    "(one position at a time) [default: the bundle's largest chunk]")
@@ -417,8 +427,8 @@ def calibrate(model, store_path, reads, out, overwrite) -> None:
 @friendly_errors(interrupt=NOT_WRITTEN)
 def run(model, policy, adapter, frequency_trace, pool_mib, pool_reserve_mib, pool_low_watermark_mib, window,
         queue_depth, store_path, dtype, device, flash_profile, draft_k, prompts, images, max_new_tokens, max_seq,
-        threads, io_mode, prefill_chunk, check, events_out, min_confidence, step_budget_kib, read_budget_kib, engine,
-        abi, json_out, overwrite) -> None:
+        threads, no_next_visit, io_mode, prefill_chunk, check, events_out, min_confidence, step_budget_kib,
+        read_budget_kib, engine, abi, json_out, overwrite) -> None:
     """Run MODEL (a model directory, `embedded`, or a bundle) with its experts streamed from the
     expert store through a bounded pool (real O_DIRECT reads); prints each prompt's generated text
     and figures; with --check, compare the tokens with the unmodified model."""
@@ -446,7 +456,7 @@ def run(model, policy, adapter, frequency_trace, pool_mib, pool_reserve_mib, poo
     if device != "cpu":
         ctx = click.get_current_context()
         ignored = [o for o in ("queue_depth", "step_budget_kib", "read_budget_kib", "threads", "io_mode", "max_seq",
-                               "prefill_chunk")
+                               "prefill_chunk", "no_next_visit")
                    if ctx.get_parameter_source(o) != click.core.ParameterSource.DEFAULT]
         if ignored:
             raise SpecPrefetchError(f"--device {device}: " + ", ".join(
@@ -479,7 +489,8 @@ def run(model, policy, adapter, frequency_trace, pool_mib, pool_reserve_mib, poo
 
         eng = native_engine(Path(model), abi=abi, policy=policy, pool_mib=pool_mib, window=window,
                             queue_depth=queue_depth, min_confidence=min_confidence, step_budget_kib=step_budget_kib,
-                            threads=threads, prefill_chunk=chunk, read_budget_kib=read_budget_kib, pool_auto=(
+                            threads=threads, prefill_chunk=chunk, read_budget_kib=read_budget_kib,
+                            next_visit=not no_next_visit, pool_auto=(
                                 ("--pool-reserve-mib", pool_reserve_mib),
                                 ("--pool-low-watermark-mib", pool_low_watermark_mib)), images=list(images))
         run_engine(eng, list(prompts), max_new_tokens, check=check, json_out=json_out, events_out=events_out)
@@ -509,7 +520,7 @@ def run(model, policy, adapter, frequency_trace, pool_mib, pool_reserve_mib, poo
     cfg = RunConfig(policy=pol, pool_mib=pool_mib or 8.0, window=window, queue_depth=queue_depth,
                     flash_profile=load_profile(flash_profile, "--flash-profile") if flash_profile else None,
                     io=io_mode, min_confidence=min_confidence, step_budget_kib=step_budget_kib,
-                    read_budget_kib=read_budget_kib, prefill_chunk=chunk)
+                    read_budget_kib=read_budget_kib, prefill_chunk=chunk, next_visit=not no_next_visit)
     s = open_session(model, cfg, adapter=adapter, store=store_path, dtype=dtype, frequency_trace=frequency_trace,
                      max_seq=max_seq, pool_default=pool_mib is None,
                      scheduler_default=(*not_given, "candidate_threshold"))

@@ -179,7 +179,7 @@ def python_engine(session, policy: str, flash_profile: str | None = None, images
 
 def native_engine(bundle: Path, *, abi: str, policy: str, pool_mib, window, queue_depth, min_confidence,
                   step_budget_kib, threads, prefill_chunk=None, pool_auto=(), read_budget_kib=None,
-                  images: Sequence[Path] = ()) -> Engine:
+                  images: Sequence[Path] = (), next_visit: bool = True) -> Engine:
     """The C++ runner on an ExecuTorch, QNN or QAI Hub bundle (built for it on first use), the Python
     engine's JSON; `images` go before every prompt's text (the runner decodes and preprocesses them)."""
     from transformers import AutoTokenizer
@@ -211,7 +211,8 @@ def native_engine(bundle: Path, *, abi: str, policy: str, pool_mib, window, queu
                              read_budget_kib=read_budget_kib, events=ev, threads=threads,
                              extra=(() if prefill_chunk is None else ("--prefill-chunk", str(prefill_chunk or "off")))
                              + tuple(a for o, v in pool_auto if v is not None for a in (o, repr(v)))
-                             + tuple(a for img in images for a in ("--image", str(img))))
+                             + tuple(a for img in images for a in ("--image", str(img)))
+                             + (() if next_visit else ("--no-next-visit",)))
             events_text = ev.read_text(encoding="utf-8") if ev is not None else None
         res_box.update(res)
         runs = []

@@ -300,6 +300,17 @@ Bundle parse_manifest(const std::string& text, const std::string& where) {
     if (b.reuse_visits16.size() != (size_t{1} << b.reuse_bits))
       fail(where, "predictor.reuse.visits16 must hold 2^bits values");
   }
+  if (const json* v = optional(pred, "next_visit", where, "predictor"))
+    b.next_visit = as_bool(*v, where, "predictor.next_visit");
+  if (b.next_visit) {
+    const int L = static_cast<int>(b.moe_layers.size());
+    for (size_t i = 0; i < b.moe_layers.size(); ++i) {
+      auto it = b.preds_rows.find(static_cast<int>(i));
+      if (it == b.preds_rows.end() || std::find(it->second.begin(), it->second.end(), L) == it->second.end())
+        fail(where, "predictor.next_visit is true but predictor.preds_rows[" + quote(std::to_string(b.moe_layers[i])) +
+                        "] lacks horizon " + std::to_string(L) + " (its next visit)");
+    }
+  }
 
   // runtime
   const json& rt = field(j, "runtime", where, "");

@@ -89,6 +89,9 @@ struct Bundle {
   // adapter: reuse_bits of history, reuse_visits16[2^bits] (sixteenths of a visit); empty if absent
   int reuse_bits = 0;
   std::vector<int64_t> reuse_visits16;
+  // predictor.next_visit: every layer's preds rows hold horizon L (moe_layers.size()), the adapter's
+  // next-visit heads, which the reuse eviction reads (pool.h, ReuseHistory)
+  bool next_visit = false;
   double pool_mib = 0;             // runtime.pool_mib: default expert pool budget (> 0, finite)
   // runtime.expert_store_source / expert_store_index_sha256: the exported store's identity (the
   // digest of the weights it was built from; the sha256 of its header, index and metadata), both

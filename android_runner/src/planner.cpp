@@ -22,9 +22,9 @@ void ChunkState::record(int li, const float* x, const std::vector<int>& chosen) 
 }
 
 PrefetchPlanner::PrefetchPlanner(Source source, int num_layers, int window, const RoutingSpec& routing, const HostRouters* host,
-                 const std::map<int, std::vector<int>>& preds_rows, int hidden)
+                 const std::map<int, std::vector<int>>& preds_rows, int hidden, bool next_visit)
     : source_(source), L_(num_layers), W_(window), H_(hidden), E_(routing.num_experts), routing_(routing),
-      host_(host), rows_(preds_rows) {
+      host_(host), rows_(preds_rows), next_visit_(next_visit && source == Source::graph) {
   if ((source == Source::next_gate || source == Source::fate) && (host == nullptr || host->weight.empty()))
     throw Error("host next-gate / fate prediction needs the bundle's router weights (host.safetensors)");
 }
@@ -39,8 +39,29 @@ std::vector<float> PrefetchPlanner::host_logits(int src, int j, const RoutingSta
   return router_logits(*host_, E_, H_, state.hidden.data() + static_cast<size_t>(src) * H_, j);
 }
 
+int PrefetchPlanner::next_visit_row(int li) const {
+  if (!next_visit_) return -1;
+  auto it = rows_.find(li);
+  if (it == rows_.end()) return -1;
+  auto r = std::find(it->second.begin(), it->second.end(), L_);
+  return r == it->second.end() ? -1 : static_cast<int>(r - it->second.begin());
+}
+
+void PrefetchPlanner::note_next_visit(WindowScheduler& sched, int li, int64_t target, const float* row) const {
+  std::vector<int> order(static_cast<size_t>(E_));
+  for (int e = 0; e < E_; ++e) order[static_cast<size_t>(e)] = e;
+  const int k = std::min(E_, 2 * routing_.top_k);
+  std::partial_sort(order.begin(), order.begin() + k, order.end(),
+                    [row](int a, int b) { return row[a] > row[b] || (row[a] == row[b] && a < b); });
+  order.resize(static_cast<size_t>(k));
+  sched.reuse()->set_next_visit(li, target, std::move(order));
+}
+
 void PrefetchPlanner::plan(WindowScheduler& sched, int li, int64_t step, const RoutingState& state,
                    const std::vector<float>& preds, int64_t end) const {
+  if (const int r = next_visit_row(li); r >= 0 && sched.reuse() != nullptr &&
+                                         preds.size() == rows_.at(li).size() * static_cast<size_t>(E_))
+    note_next_visit(sched, li, step + L_, preds.data() + static_cast<size_t>(r) * E_);
   const int W = static_cast<int>(std::min<int64_t>(W_, end - 1 - step));
   if (source_ == Source::none || W < 1) {
     sched.plan_probs(step, {}, {});
@@ -139,6 +160,11 @@ void max_into(std::vector<float>& acc, const std::vector<float>& row) {
 void PrefetchPlanner::plan_chunk(WindowScheduler& sched, int li, int64_t step, int T, int T_next, const ChunkState& chunk,
                          const RoutingState& state, const std::vector<float>& preds, int64_t end) const {
   auto target = [&](int h) { return step + h + (li + h >= L_ ? static_cast<int64_t>(T - 1) * L_ : 0); };
+  if (const int r = next_visit_row(li); r >= 0 && sched.reuse() != nullptr) {  // its last position's row
+    const size_t P = rows_.at(li).size();
+    if (preds.size() == static_cast<size_t>(T) * P * E_)
+      note_next_visit(sched, li, target(L_), preds.data() + ((static_cast<size_t>(T) - 1) * P + r) * E_);
+  }
   std::vector<int> hs;
   for (int h = 1; h <= W_; ++h)
     if (target(h) < end) hs.push_back(h);

@@ -49,8 +49,10 @@ enum class Source { none, graph, next_gate, fate, previous_token, oracle };
 class PrefetchPlanner {
  public:
   // preds_rows: MoE layer position -> the horizons of its preds rows, in row order.
+  // next_visit: hand the reuse eviction each layer's predicted next visit from its preds row of
+  // horizon L (the adapter's next-visit heads; graph source only): planner.py's next_visit.
   PrefetchPlanner(Source source, int num_layers, int window, const RoutingSpec& routing, const HostRouters* host,
-          const std::map<int, std::vector<int>>& preds_rows, int hidden);
+          const std::map<int, std::vector<int>>& preds_rows, int hidden, bool next_visit = false);
 
   // Queue the window's reads after MoE layer li's graph ran; targets at or past `end` are not planned.
   void plan(WindowScheduler& sched, int li, int64_t step, const RoutingState& state, const std::vector<float>& preds,
@@ -64,6 +66,9 @@ class PrefetchPlanner {
 
  private:
   std::vector<float> host_logits(int src_layer, int j, const RoutingState& state) const;
+  // the 2k largest logits of layer li's row of horizon L at `row_base` (ties: the lower id first)
+  void note_next_visit(WindowScheduler& sched, int li, int64_t target, const float* row) const;
+  int next_visit_row(int li) const;  // the row of horizon L, or -1
   const float* score_bias(int j) const;
 
   Source source_;
@@ -71,6 +76,7 @@ class PrefetchPlanner {
   RoutingSpec routing_;
   const HostRouters* host_;
   std::map<int, std::vector<int>> rows_;
+  bool next_visit_;
 };
 
 }  // namespace spx

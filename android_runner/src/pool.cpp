@@ -19,7 +19,8 @@ static const char* kPolicies[] = {"lru", "lfu", "prediction", "belady", "reuse"}
 
 ReuseHistory::ReuseHistory(int bits, std::vector<int64_t> visits16, int num_layers)
     : L_(num_layers), mask_((1u << bits) - 1), visits16_(std::move(visits16)),
-      hist_(static_cast<size_t>(num_layers)), last_step_(static_cast<size_t>(num_layers), -1) {
+      hist_(static_cast<size_t>(num_layers)), last_step_(static_cast<size_t>(num_layers), -1),
+      next_visit_(static_cast<size_t>(num_layers)) {
   if (bits < 1 || bits > 16 || visits16_.size() != (size_t{1} << bits) || num_layers < 1)
     throw std::logic_error("reuse table of the wrong size");
 }
@@ -48,7 +49,18 @@ int64_t ReuseHistory::score(Key key, int64_t now, const std::map<Key, int64_t>* 
   const uint32_t bits = it == h.end() ? 0u : it->second;
   int64_t d = ((key.first - now % L_) % L_ + L_) % L_;
   if (d == 0) d = L_;
-  return (now + d) * 16 + static_cast<int64_t>(L_) * (visits16_[bits] - 16);
+  const int64_t v0 = now + d;
+  const NextVisit& nv = next_visit_[static_cast<size_t>(key.first)];
+  if (nv.target == v0) {  // the next visit is predicted
+    if (std::binary_search(nv.experts.begin(), nv.experts.end(), key.second)) return v0 * 16;
+    return (v0 + L_) * 16 + static_cast<int64_t>(L_) * (visits16_[(bits << 1) & mask_] - 16);
+  }
+  return v0 * 16 + static_cast<int64_t>(L_) * (visits16_[bits] - 16);
+}
+
+void ReuseHistory::set_next_visit(int li, int64_t target, std::vector<int> experts) {
+  std::sort(experts.begin(), experts.end());
+  next_visit_[static_cast<size_t>(li)] = {target, std::move(experts)};
 }
 
 ExpertPool::ExpertPool(int64_t budget_bytes, int64_t slot_bytes, const std::string& policy, int min_slots,

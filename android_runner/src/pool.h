@@ -46,19 +46,28 @@ struct Slot {
 // history at its layer (a shift register of its last `bits` visits, bit 0 the latest) and the score
 // of its predicted next use, in sixteenths of a step: 16 * the predicted step inside the prefetch
 // window, else 16 * its layer's next visit + L * (visits16[history] - 16). Integers only, so both
-// engines rank alike.
+// engines rank alike. With the adapter's next-visit heads, a layer's predicted next visit (set by
+// the planner after the layer's acquire) decides while it is for that visit: predicted, 16 * the
+// visit; not, 16 * (the visit + L) + L * (visits16[history << 1] - 16).
 struct ReuseHistory {
   ReuseHistory(int bits, std::vector<int64_t> visits16, int num_layers);
   // step routes to `keys`: their layer's history shifts (once per step), then their bit is set
   void observe(int64_t step, const std::vector<Key>& keys);
   int64_t score(Key key, int64_t now, const std::map<Key, int64_t>* predicted) const;
+  // layer li's next visit, at step `target`, is predicted to route to `experts`
+  void set_next_visit(int li, int64_t target, std::vector<int> experts);
 
  private:
+  struct NextVisit {
+    int64_t target = -1;
+    std::vector<int> experts;  // sorted
+  };
   int L_;
   uint32_t mask_;
   std::vector<int64_t> visits16_;
   std::vector<std::map<int, uint32_t>> hist_;  // layer -> expert -> history (zeros absent)
   std::vector<int64_t> last_step_;
+  std::vector<NextVisit> next_visit_;  // per layer
 };
 
 class ExpertPool {

@@ -46,6 +46,7 @@ struct ModelInfo {
   int max_seq = 0;
   int reuse_bits = 0;                          // the reuse eviction's table (Bundle::reuse_*); empty: none
   std::vector<int64_t> reuse_visits16;
+  bool next_visit = false;                     // preds rows of horizon L: the adapter's next-visit heads
   int L() const { return static_cast<int>(moe_layers.size()); }
 };
 
@@ -63,6 +64,7 @@ struct RunConfig {
   bool verify = true;  // CRC every blob read
   bool preload = false;  // read every expert into the pool before the first position (all resident; benchmarks)
   int prefill_chunk = -1;  // the largest prefill chunk: -1 the bundle's largest, 0 off (one position at a time)
+  bool next_visit = true;  // reuse: read the adapter's next-visit heads where the bundle has them
   std::string name() const { return predictor + "+" + eviction; }
   bool needs_future() const { return predictor == "oracle" || eviction == "belady"; }
   int64_t budget_bytes() const { return static_cast<int64_t>(pool_mib * 1048576.0); }

@@ -82,6 +82,8 @@ class WindowScheduler {
   void plan(int64_t step, const std::vector<int64_t>& targets, std::vector<std::vector<float>> scores);
 
   double next_predicted_use(Key key, int64_t now) const;
+  // the reuse eviction's state (nullptr: the pool evicts otherwise)
+  ReuseHistory* reuse() const { return reuse_; }
   SchedulerStats stats;
 
  private:

@@ -89,7 +89,10 @@ def evaluate(trace: Path, *, predictors: list[str], adapter: Path | None = None,
         if adapter is not None:
             from adapters.checkpoint import read_adapter_meta
 
-            horizons = tuple(read_adapter_meta(Path(adapter))["horizons"])
+            meta = read_adapter_meta(Path(adapter))
+            # with next-visit heads, their horizon too: L, each layer's next visit
+            horizons = tuple(meta["horizons"]) + ((len(meta["model"]["moe_layers"]),)
+                                                  if meta.get("next_visit") else ())
     preds, notes = build_predictors(predictors, reader, spec, adapter, draft_bits)
     L = len(reader.moe_layers)
     batches, image_batches = [], []

@@ -14,6 +14,11 @@ router rank over the positions the target layer covers, ties broken by ascending
 h from layer i targets MoE layer (i + h) of this chunk (i + h < L) or, past the last MoE layer, of the
 next unit (the next chunk or position, which starts at position p0 + T): target = step + h + (T - 1) * L
 there.
+
+With `next_visit` (the graph's preds rows hold the adapter's next-visit heads, horizon L, and the pool
+evicts by `reuse`), every MoE layer's plan also hands the reuse eviction that layer's predicted next
+visit (toolkit/runtime/reuse.py): the row's 2k largest logits, the lower id first among equals (a
+prefill chunk: its last position's row), for the step L later (a chunk: the next unit's).
 """
 from __future__ import annotations
 
@@ -92,7 +97,8 @@ class ChunkState:
 
 class PrefetchPlanner:
     def __init__(self, source: Predictor | str | None, *, num_layers: int, window: int, routing: RoutingSpec,
-                 score_bias: torch.Tensor | None, preds_horizons: dict[int, Sequence[int]] | None = None):
+                 score_bias: torch.Tensor | None, preds_horizons: dict[int, Sequence[int]] | None = None,
+                 next_visit: bool = False):
         """
         Args:
             source: a registry Predictor, GRAPH (the layer graphs' preds rows), or None (on-demand).
@@ -100,6 +106,7 @@ class PrefetchPlanner:
             window: steps ahead (W).
             routing / score_bias: the family's selection rule and its bias [L, E].
             preds_horizons: MoE layer -> the horizons of its preds rows, in row order (GRAPH only).
+            next_visit: hand the reuse eviction each layer's predicted next visit (GRAPH, rows of horizon L).
         """
         self.source, self.L, self.W = source, num_layers, window
         self.routing, self.score_bias = routing, score_bias
@@ -113,6 +120,17 @@ class PrefetchPlanner:
         self.folded = self._fold() if self.softmax_router and getattr(source, "linear", False) else None
         self.graph_rows = {li: [rows.index(h) for h in range(1, window + 1) if h in rows]
                            for li, rows in self.rows.items()}
+        self.next_visit = next_visit and source == GRAPH
+
+    def _note_next_visit(self, sched: WindowScheduler, li: int, target: int, row: torch.Tensor) -> None:
+        """The reuse eviction's prediction of layer li's next visit (at step `target`) from its logits row."""
+        k = min(row.shape[-1], 2 * self.routing.top_k)
+        order = torch.sort(-row.float(), stable=True).indices[:k]  # ties: the lower expert id first
+        sched.reuse.set_next_visit(li, target, order.tolist())
+
+    def _next_visit_row(self, li: int) -> int | None:
+        rows = self.rows.get(li, [])
+        return rows.index(self.L) if self.next_visit and self.L in rows else None
 
     def _fold(self) -> list[tuple[torch.Tensor, int, torch.Tensor, list[int]]]:
         bank = self.source.bank
@@ -155,6 +173,10 @@ class PrefetchPlanner:
         planned."""
         T, T_next = span
         L = self.L
+        r = self._next_visit_row(li)
+        if r is not None and preds is not None and sched.reuse is not None:
+            P = len(self.rows[li])
+            self._note_next_visit(sched, li, self._target(li, step, L, T), preds.reshape(T, P, -1)[T - 1, r])
         hs = [h for h in range(1, self.W + 1) if self._target(li, step, h, T) < end]
         if self.source is None or not hs:
             sched.plan_probs(step, [], None)
@@ -228,6 +250,9 @@ class PrefetchPlanner:
              preds: torch.Tensor | None, end: int | None = None) -> None:
         """Queue the window's reads after MoE layer li's graph ran (its experts are pinned).
         Targets at or past step `end` (positions the run will not reach) are not planned."""
+        r = self._next_visit_row(li)
+        if r is not None and preds is not None and sched.reuse is not None:
+            self._note_next_visit(sched, li, step + self.L, preds.reshape(len(self.rows[li]), -1)[r])
         W = self.W if end is None else min(self.W, end - 1 - step)
         if self.source is None or W < 1:
             sched.plan_probs(step, [], None)

@@ -23,6 +23,14 @@ before its reads are reserved, in both engines; a prefill span's layer is one st
 it is acquired. Within a span, the next visit is counted one position on, not at the next unit (an
 approximation of prefill only, the same in both engines). A prefetch evicts only a victim whose
 score is past the prefetch's deadline.
+
+With the adapter's next-visit heads (`train --next-visit`; a bundle's preds rows of horizon L), each MoE
+layer's visit also predicts the layer's *next* visit: the 2k largest logits of that row (ties: the
+lower id; for a prefill span, its last position's row), set after the step's acquire
+(`set_next_visit`). An expert scored while that prediction is for its layer's next visit (the
+prediction's target step is that visit) counts as used at that visit if predicted, else its history
+one unused visit on scores it (`16 * (next visit + L) + L * (table[history << 1] - 16)`). Outside the
+window and the prediction, the history alone, as above.
 """
 from __future__ import annotations
 
@@ -42,6 +50,11 @@ class ReuseHistory:
         self.mask = (1 << table.bits) - 1
         self.hist: list[dict[int, int]] = [{} for _ in range(num_layers)]  # layer -> expert -> bits (0s absent)
         self.last_step = [-1] * num_layers
+        self.next_visit: dict[int, tuple[int, frozenset[int]]] = {}  # layer -> (target step, predicted experts)
+
+    def set_next_visit(self, li: int, target: int, experts: Iterable[int]) -> None:
+        """Layer li's next visit, at step `target`, is predicted to route to `experts`."""
+        self.next_visit[li] = (target, frozenset(experts))
 
     def observe(self, step: int, keys: Iterable[tuple[int, int]]) -> None:
         """Step `step` routes to `keys`: their layer's history shifts (once per step), then their bit is set."""
@@ -65,5 +78,11 @@ class ReuseHistory:
             if v is not None and v > now:  # one for this step and not acquired was a wrong guess
                 return v * SCALE
         li = key[0]
-        d = (li - now % self.L) % self.L or self.L
-        return (now + d) * SCALE + self.L * (self.table.visits16[self.hist[li].get(key[1], 0)] - SCALE)
+        v0 = now + ((li - now % self.L) % self.L or self.L)
+        nv = self.next_visit.get(li)
+        if nv is not None and nv[0] == v0:  # the next visit is predicted
+            if key[1] in nv[1]:
+                return v0 * SCALE
+            h = (self.hist[li].get(key[1], 0) << 1) & self.mask
+            return (v0 + self.L) * SCALE + self.L * (self.table.visits16[h] - SCALE)
+        return v0 * SCALE + self.L * (self.table.visits16[self.hist[li].get(key[1], 0)] - SCALE)

@@ -81,6 +81,7 @@ class ModelInfo:
     label: str = ""                      # the model directory or bundle, for reports
     text_config: Any = None              # hidden_act / swiglu_limit: the int8 / int4 experts' activation
     reuse: ReuseTable | None = None      # the adapter's reuse table (the `reuse` eviction)
+    next_visit: bool = False             # preds rows of horizon L: the adapter's next-visit heads
 
     @property
     def L(self) -> int:
@@ -102,6 +103,7 @@ class RunConfig:
     io: str = "process"                          # reader process (default) or reader threads
     verify: bool = True                          # CRC every blob read
     prefill_chunk: int | None = None             # largest prefill chunk (None: the graphs' largest; 0: off)
+    next_visit: bool = True                      # reuse: read the adapter's next-visit heads where there are any
 
     def __post_init__(self):
         if not (self.pool_mib > 0 and self.pool_mib < float("inf")):
@@ -228,7 +230,8 @@ class Runner:
         if ahead:  # the draft routes over the whole sequence ahead of time
             source.prepare(list(prompt_ids) + recorded.tokens)
         planner = PrefetchPlanner(source, num_layers=L, window=cfg.window, routing=m.routing,
-                                  score_bias=m.score_bias, preds_horizons=m.preds_horizons)
+                                  score_bias=m.score_bias, preds_horizons=m.preds_horizons,
+                                  next_visit=m.next_visit and cfg.next_visit and cfg.policy.eviction == "reuse")
         state = RoutingState(L, m.hidden_size, k)
         state.future = recorded.routing if recorded is not None else None
         io = self._open_io()

@@ -17,6 +17,13 @@ exactly, only predict it). What they say is how much of the oracle's advantage l
 tokens after the next one, which only a predictor of the longer future (as the reuse table is) can
 recover in part.
 
+Two more rules know each MoE layer's *next visit* only (the next token's routing at that layer, as seen
+from the layer's latest visit), and past it score by the reuse rule with the history one unused visit
+on: `next-visit` knows it exactly (a ceiling), `adapter-next-visit` predicts it with the adapter's
+next-visit heads (`train --next-visit`): the experts among the head's top 2k scores at that layer
+count as used at the next visit (a visit whose router input the trace did not store falls back to the
+reuse rule). `adapter-next-visit` needs `--adapter`, trained with those heads.
+
 Reads are counted at decode positions, the prompt's positions filling the pool first one position a
 step (the runners prefill in spans, one step per span and layer, and `simulate` replays decode
 tokens only: these figures compare with each other, not with theirs). Rules are on demand (no
@@ -36,19 +43,49 @@ from toolkit.runtime.reuse import ReuseHistory
 from toolkit.runtime.runner import belady_next_use
 from toolkit.traces.format import DECODE, TraceReader, routing_sequences
 
-RULES = ("lru", "reuse", "belady-token", "belady-next-token", "belady")
+RULES = ("lru", "reuse", "belady-token", "belady-next-token", "belady", "next-visit")
+ADAPTER_RULE = "adapter-next-visit"
+
+
+class NextVisitScore:
+    """The reuse rule with each MoE layer's next visit known (or predicted): an expert in its layer's
+    next-visit set is used at that visit; any other is scored by the reuse table one unused visit on.
+    `sets[(position, layer)]`: the experts layer `layer` routes to at position + 1, as known at
+    `position` (absent: not known, the plain reuse score)."""
+
+    def __init__(self, hist: ReuseHistory, sets: dict[tuple[int, int], set[int]]):
+        self.hist, self.sets = hist, sets
+
+    def score(self, key: tuple[int, int], now: int, predicted) -> int:
+        h, L = self.hist, self.hist.L
+        li, e = key
+        p, cur = divmod(now, L)
+        known = self.sets.get((p if li <= cur else p - 1, li))  # from the layer's latest visit
+        if known is None:
+            return h.score(key, now, None)
+        v0 = now + ((li - cur) % L or L)
+        if e in known:
+            return v0 * SCALE
+        nxt = (h.hist[li].get(e, 0) << 1) & h.mask
+        return (v0 + L) * SCALE + L * (h.table.visits16[nxt] - SCALE)
 
 
 def replay(ids: np.ndarray, kinds: np.ndarray, capacity: int, rule: str, table,
            true_next: Callable[[tuple[int, int], int], float] | None = None,
-           reads_out: list | None = None) -> tuple[int, int]:
+           reads_out: list | None = None,
+           next_sets: dict[tuple[int, int], set[int]] | None = None) -> tuple[int, int]:
     """(reads at decode positions, decode positions) of one sequence [positions, L, k] under `rule`.
     `true_next`: the sequence's real next use (belady_next_use of it; built here if not given);
-    `reads_out`: gets (layer, [experts read]) of every decode step that reads (`bench reads`)."""
+    `reads_out`: gets (layer, [experts read]) of every decode step that reads (`bench reads`);
+    `next_sets`: the adapter's next-visit sets for ADAPTER_RULE (NextVisitScore)."""
     N, L, k = ids.shape
     if true_next is None and rule.startswith("belady"):
         true_next = belady_next_use(list(ids), L)
     hist = ReuseHistory(table, L) if rule != "lru" and rule != "belady" else None  # the rules that read it
+    if rule == "next-visit":
+        next_sets = {(p, li): set(ids[p + 1, li].tolist()) for p in range(N - 1) for li in range(L)}
+    elif rule == ADAPTER_RULE and next_sets is None:
+        raise SpecPrefetchError(f"eviction rule {rule!r} needs the adapter's next-visit sets")
 
     horizon = {"belady-token": 1, "belady-next-token": 2, "belady": None}.get(rule)
 
@@ -75,10 +112,13 @@ def replay(ids: np.ndarray, kinds: np.ndarray, capacity: int, rule: str, table,
     elif rule == "reuse":
         pool = ExpertPool(capacity, 1, policy="reuse", min_slots=k)
         pool.reuse, pool.predicted = hist, None
+    elif rule in ("next-visit", ADAPTER_RULE):
+        pool = ExpertPool(capacity, 1, policy="reuse", min_slots=k)
+        pool.reuse, pool.predicted = NextVisitScore(hist, next_sets), None
     elif rule in RULES:
         pool = ExpertPool(capacity, 1, policy="belady", min_slots=k, next_use=next_use)
     else:
-        raise SpecPrefetchError(f"eviction rule {rule!r}: choose from {', '.join(RULES)}")
+        raise SpecPrefetchError(f"eviction rule {rule!r}: choose from {', '.join((*RULES, ADAPTER_RULE))}")
     reads = decode = 0
     for p in range(N):
         for li in range(L):
@@ -106,7 +146,42 @@ def replay(ids: np.ndarray, kinds: np.ndarray, capacity: int, rule: str, table,
     return reads, decode
 
 
+def adapter_next_sets(reader: TraceReader, adapter: Path, seq_ids: list[int],
+                      model: str | Path | None = None) -> list[dict[tuple[int, int], set[int]]]:
+    """Per held-out sequence (in `seq_ids`' order): {(position, layer): the 2k experts the adapter's
+    next-visit head scores highest for that layer at position + 1}, at every position whose router
+    input the trace stored."""
+    import torch
+
+    from adapters.checkpoint import load_adapter
+    from toolkit.models.routers import load_router_bank
+    from toolkit.traces.format import trace_model_spec
+
+    spec = trace_model_spec(reader, model)
+    ad, meta = load_adapter(Path(adapter), spec)
+    if not ad.next_visit:
+        raise SpecPrefetchError(f"--adapter {adapter}: it has no next-visit heads (train it with --next-visit)")
+    bank = load_router_bank(spec)
+    L, M = ad.num_layers, min(ad.num_experts, 2 * reader.top_k)
+    where = {q: n for n, q in enumerate(seq_ids)}
+    out: list[dict[tuple[int, int], set[int]]] = [{} for _ in seq_ids]
+    with torch.no_grad():
+        for a in reader.iter_hidden("heldout"):
+            keep = np.array([int(q) in where for q in a["seq"]], bool)
+            if not keep.any():
+                continue
+            x = torch.from_numpy(a["hidden"][keep].astype(np.float32))          # [M, L, H]
+            seq, pos = a["seq"][keep], a["pos"][keep]
+            for li in range(L):
+                s = bank.selection_scores(ad.logits(bank, x[:, li], li, L), li)  # [M, E]
+                top = torch.topk(s, M, dim=-1).indices.numpy()
+                for r in range(len(seq)):
+                    out[where[int(seq[r])]][(int(pos[r]), li)] = set(top[r].tolist())
+    return out
+
+
 def eviction_bounds(trace: Path, pool_fracs: list[float], *, max_sequences: int | None = None,
+                    adapter: Path | None = None, model: str | Path | None = None,
                     progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     reader = TraceReader(trace)
     seqs = routing_sequences(reader, "heldout", with_kind=True)[:max_sequences]
@@ -121,39 +196,50 @@ def eviction_bounds(trace: Path, pool_fracs: list[float], *, max_sequences: int 
     table = learn_reuse_table(train, reader.num_experts, where=f"trace {trace}")
     L, E = len(reader.moe_layers), reader.num_experts
     nexts = [belady_next_use(list(ids), L) for ids, _ in seqs]  # each sequence's real next uses, once
+    rules = RULES
+    sets: list = [None] * len(seqs)
+    if adapter is not None:  # routing_sequences orders sequences by id
+        seq_ids = sorted({int(q) for q in reader.load("heldout", ("seq",))["seq"]})[:len(seqs)]
+        progress("the adapter's next-visit predictions")
+        sets = adapter_next_sets(reader, adapter, seq_ids, model)
+        rules = (*RULES, ADAPTER_RULE)
     points = []
     for frac in pool_fracs:
         if not 0 < frac <= 1:
             raise SpecPrefetchError(f"--pool-frac {frac}: a share of the experts in (0, 1]")
         cap = max(reader.top_k, int(round(frac * L * E)))
         row = {"pool_frac": frac, "slots": cap, "reads_per_token": {}}
-        for rule in RULES:
+        for rule in rules:
             progress(f"pool {cap} slots: {rule}")
             r = d = 0
-            for (ids, kinds), nu in zip(seqs, nexts):
-                a, b = replay(ids, kinds, cap, rule, table, nu)
+            for (ids, kinds), nu, ns in zip(seqs, nexts, sets):
+                a, b = replay(ids, kinds, cap, rule, table, nu, next_sets=ns)
                 r, d = r + a, d + b
             row["reads_per_token"][rule] = round(r / max(d, 1), 3)
         rp = row["reads_per_token"]
         gap = rp["lru"] - rp["belady"]
         row["share_of_lru_belady_gap"] = {x: round((rp["lru"] - rp[x]) / gap, 3) if gap > 0 else None
-                                          for x in ("reuse", "belady-token", "belady-next-token")}
+                                          for x in rules if x not in ("lru", "belady")}
         points.append(row)
     return {"trace": str(Path(trace).resolve()), "sequences": len(seqs), "layers": L, "experts": E,
-            "top_k": reader.top_k, "rules": list(RULES), "points": points}
+            "top_k": reader.top_k, "rules": list(rules), "points": points,
+            "adapter": str(Path(adapter).resolve()) if adapter is not None else None}
 
 
 def markdown(r: dict[str, Any]) -> str:
     lines = [f"Reads per decode token, on demand, {r['sequences']} held-out sequences ({r['layers']} MoE layers x "
              f"{r['experts']} experts, top-{r['top_k']}):", "",
-             "| pool (experts) | " + " | ".join(r["rules"]) +
-             " | share of the LRU-Belady gap closed: reuse / belady-next-token |",
-             "|---|" + "---|" * (len(r["rules"]) + 1)]
+             "| pool (experts) | " + " | ".join(r["rules"]) + " |",
+             "|---|" + "---|" * len(r["rules"])]
     for p in r["points"]:
-        g = p["share_of_lru_belady_gap"]
         lines.append(f"| {p['pool_frac']:.0%} ({p['slots']}) | " +
-                     " | ".join(f"{p['reads_per_token'][x]:.1f}" for x in r["rules"]) +
-                     f" | {g['reuse']} / {g['belady-next-token']} |")
+                     " | ".join(f"{p['reads_per_token'][x]:.1f}" for x in r["rules"]) + " |")
+    lines += ["", "Share of the LRU-Belady gap each rule closes:", "",
+              "| pool (experts) | " + " | ".join(r["points"][0]["share_of_lru_belady_gap"]) + " |",
+              "|---|" + "---|" * len(r["points"][0]["share_of_lru_belady_gap"])]
+    for p in r["points"]:
+        lines.append(f"| {p['pool_frac']:.0%} ({p['slots']}) | " +
+                     " | ".join(str(v) for v in p["share_of_lru_belady_gap"].values()) + " |")
     return "\n".join(lines)
 
 

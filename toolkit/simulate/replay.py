@@ -111,8 +111,11 @@ def simulate_policy(batches: list[RoutingBatch], predictor, geo: Geometry, profi
         # predictions of every row: scores[h][i] -> [B, E] for trace layer i (mapped below)
         Lt = b.num_layers
         preds = {}
+        # the adapter's next-visit heads, for the reuse eviction (toolkit/runtime/reuse.py): horizon Lt
+        next_visit = (cfg.next_visit and policy.eviction == "reuse"
+                      and getattr(getattr(predictor, "adapter", None), "next_visit", False))
         if predictor is not None:
-            for h in range(1, W + 1):
+            for h in (*range(1, W + 1), *((Lt,) if next_visit else ())):
                 for i in range(Lt):
                     if i + h < 2 * Lt:
                         preds[(i, h)] = predictor.scores(b, i, h)
@@ -137,6 +140,10 @@ def simulate_policy(batches: list[RoutingBatch], predictor, geo: Geometry, profi
                     clock.now += profile.dense_s(geo.dense_bytes_per_layer)
                     keys = list(dict.fromkeys((li, int(e)) for e in future[t][li].tolist()))
                     sched.acquire(step, keys)  # demand reads go out first
+                    if next_visit:  # this layer's next visit: the next token's same trace layer
+                        nv = preds[(layer_map[li], Lt)][rows[t]]
+                        sched.reuse.set_next_visit(li, step + L, torch.sort(-nv.float(), stable=True).indices[
+                            :min(nv.shape[0], 2 * geo.top_k)].tolist())
                     if predictor is not None:
                         ti = layer_map[li]
                         window = []
@@ -384,7 +391,8 @@ def run_simulation(trace: Path, *, policies: list[Policy], profile: DeviceProfil
                    adapter: Path | None = None, model: str | None = None, min_confidence: float = 0.02,
                    step_budget_kib: int | None = None, read_budget_kib: int | str | None = None,
                    max_sequences: int | None = None,
-                   split: str = "heldout", candidate_threshold: float = 0.0, prompt_tokens: int = 0) -> dict[str, Any]:
+                   split: str = "heldout", candidate_threshold: float = 0.0, prompt_tokens: int = 0,
+                   next_visit: bool = True) -> dict[str, Any]:
     from toolkit.traces.format import trace_model_spec
     from toolkit.predictors.evaluate import build_predictors
     from toolkit.traces.format import TraceReader
@@ -426,7 +434,7 @@ def run_simulation(trace: Path, *, policies: list[Policy], profile: DeviceProfil
     for p in policies:
         rc = RunConfig(policy=p, pool_mib=pool_mib, window=window, queue_depth=queue_depth,
                        min_confidence=min_confidence, candidate_threshold=candidate_threshold,
-                       step_budget_kib=step_budget_kib, read_budget_kib=read_budget_kib)
+                       step_budget_kib=step_budget_kib, read_budget_kib=read_budget_kib, next_visit=next_visit)
         r = simulate_policy(batches, preds.get(p.predictor), geo, profile, rc, layer_map, reuse=reuse)
         if prompt is not None:
             r.update(simulate_prefill(*prompt, preds.get(p.predictor), geo, profile, rc, layer_map, reuse=reuse))
