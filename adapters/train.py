@@ -74,7 +74,7 @@ class TrainConfig:
             if not (math.isfinite(w) and w >= 0):
                 raise bad("--horizon-weights", f"{h}:{w}", "weights must be finite numbers >= 0")
         if self.next_visit and not self.cross_token:
-            raise bad("--next-visit", "", "the next visit is the next token's: it needs --cross-token")
+            raise SpecPrefetchError("--next-visit: the next visit is the next token's: it needs --cross-token")
         if sum(self.weight(h) for h in self.horizons) <= 0:
             raise bad("--horizon-weights", self.horizon_weights, "at least one weight must be > 0")
         check_device(self.device)

@@ -267,10 +267,12 @@ def _validate(path: Path, mf: Path, m: Any, hash_store: bool = True) -> list[str
     nv = m["predictor"].get("next_visit", False)
     if not isinstance(nv, bool):
         raise SpecPrefetchError(f"{mf}: predictor.next_visit must be true or false")
-    if nv and any(len(g.moe_layers) not in (hs if isinstance(hs, list) else [])
-                  for hs in (m["predictor"].get("preds_rows") or {None: None}).values()):
-        raise SpecPrefetchError(f"{mf}: predictor.next_visit is true but a layer's preds_rows lack horizon "
-                                f"{len(g.moe_layers)} (its next visit)")
+    rows = m["predictor"].get("preds_rows") or {}
+    for layer in (g.moe_layers if nv else ()):
+        hs = rows.get(str(layer)) if isinstance(rows, dict) else None
+        if not (isinstance(hs, list) and len(g.moe_layers) in hs):
+            raise SpecPrefetchError(f"{mf}: predictor.next_visit is true but predictor.preds_rows[\"{layer}\"] "
+                                    f"lacks horizon {len(g.moe_layers)} (its next visit)")
     return notes
 
 

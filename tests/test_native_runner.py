@@ -174,18 +174,20 @@ def next_visit_bundle(reuse_bundle, tmp_path_factory) -> Path:
 
 def test_next_visit_eviction_decides_as_the_reference(native, next_visit_bundle, embedded, tmp_path):
     """The reuse eviction reading each layer's next-visit row makes the same decisions in both engines
-    (and other evictions than with --no-next-visit); the tokens stay the model's."""
+    (and other evictions than with --no-next-visit); the tokens stay the model's. The 19-token prompt
+    goes in prefill chunks of 8 (the chunk path's last-row prediction) and the rest one by one."""
     pool, policy = POOLS[0], "next-gate+reuse"
-    ref = reference_tokens(embedded, PROMPTS[0], NEW)
+    prompt = PROMPTS[0] * 3 + [17]
+    ref = reference_tokens(embedded, prompt, NEW)
     evicts = {}
     for on in (True, False):
         session = open_session(next_visit_bundle, RunConfig(policy=Policy.parse(policy), io="threads",
                                                             pool_mib=pool, next_visit=on))
         (tmp_path / str(on)).mkdir()
-        out, lines = native_run((next_visit_bundle, native[1]), tmp_path / str(on), policy, pool, PROMPTS[:1],
+        out, lines = native_run((next_visit_bundle, native[1]), tmp_path / str(on), policy, pool, [prompt],
                                 *(() if on else ("--no-next-visit",)))
         log = EventLog()
-        g = session.runner.run(PROMPTS[0], NEW, events=log)
+        g = session.runner.run(prompt, NEW, events=log)
         assert out["runs"][0]["tokens"] == g.tokens == ref
         assert decisions(lines) == decisions(log.lines), on
         evicts[on] = [ln for ln in decisions(lines) if "evict" in str(ln)]
@@ -205,7 +207,7 @@ def test_next_visit_rows_must_hold_horizon_L(native, next_visit_bundle, tmp_path
     from export.manifest import validate_bundle
     from toolkit.errors import SpecPrefetchError
 
-    with pytest.raises(SpecPrefetchError, match="preds_rows lack horizon"):
+    with pytest.raises(SpecPrefetchError, match="lacks horizon"):
         validate_bundle(b, hash_store=False)
 
 

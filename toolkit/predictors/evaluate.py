@@ -91,8 +91,8 @@ def evaluate(trace: Path, *, predictors: list[str], adapter: Path | None = None,
 
             meta = read_adapter_meta(Path(adapter))
             # with next-visit heads, their horizon too: L, each layer's next visit
-            horizons = tuple(meta["horizons"]) + ((len(meta["model"]["moe_layers"]),)
-                                                  if meta.get("next_visit") else ())
+            horizons = tuple(sorted(set(meta["horizons"]) | ({len(meta["model"]["moe_layers"])}
+                                                                if meta.get("next_visit") else set())))
     preds, notes = build_predictors(predictors, reader, spec, adapter, draft_bits)
     L = len(reader.moe_layers)
     batches, image_batches = [], []

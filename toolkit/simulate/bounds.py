@@ -60,7 +60,9 @@ class NextVisitScore:
         h, L = self.hist, self.hist.L
         li, e = key
         p, cur = divmod(now, L)
-        known = self.sets.get((p if li <= cur else p - 1, li))  # from the layer's latest visit
+        # from the layer's latest visit; the current step's layer has none yet for its next visit (the
+        # runners set it after the step's acquire)
+        known = None if li == cur else self.sets.get((p if li < cur else p - 1, li))
         if known is None:
             return h.score(key, now, None)
         v0 = now + ((li - cur) % L or L)
@@ -172,9 +174,9 @@ def adapter_next_sets(reader: TraceReader, adapter: Path, seq_ids: list[int],
                 continue
             x = torch.from_numpy(a["hidden"][keep].astype(np.float32))          # [M, L, H]
             seq, pos = a["seq"][keep], a["pos"][keep]
-            for li in range(L):
-                s = bank.selection_scores(ad.logits(bank, x[:, li], li, L), li)  # [M, E]
-                top = torch.topk(s, M, dim=-1).indices.numpy()
+            for li in range(L):  # ranked by raw logit, the lower id first among equals (as the runners)
+                s = ad.logits(bank, x[:, li], li, L)                              # [M, E]
+                top = torch.sort(-s.float(), dim=-1, stable=True).indices[:, :M].numpy()
                 for r in range(len(seq)):
                     out[where[int(seq[r])]][(int(pos[r]), li)] = set(top[r].tolist())
     return out
@@ -202,6 +204,9 @@ def eviction_bounds(trace: Path, pool_fracs: list[float], *, max_sequences: int 
         seq_ids = sorted({int(q) for q in reader.load("heldout", ("seq",))["seq"]})[:len(seqs)]
         progress("the adapter's next-visit predictions")
         sets = adapter_next_sets(reader, adapter, seq_ids, model)
+        if not any(sets):
+            raise SpecPrefetchError(f"trace {trace}: its held-out sequences store no router inputs, which the "
+                                    "adapter's next-visit heads read")
         rules = (*RULES, ADAPTER_RULE)
     points = []
     for frac in pool_fracs:
@@ -227,6 +232,8 @@ def eviction_bounds(trace: Path, pool_fracs: list[float], *, max_sequences: int 
 
 
 def markdown(r: dict[str, Any]) -> str:
+    if not r["points"]:
+        return "No pools replayed."
     lines = [f"Reads per decode token, on demand, {r['sequences']} held-out sequences ({r['layers']} MoE layers x "
              f"{r['experts']} experts, top-{r['top_k']}):", "",
              "| pool (experts) | " + " | ".join(r["rules"]) + " |",

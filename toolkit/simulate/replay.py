@@ -115,10 +115,14 @@ def simulate_policy(batches: list[RoutingBatch], predictor, geo: Geometry, profi
         next_visit = (cfg.next_visit and policy.eviction == "reuse"
                       and getattr(getattr(predictor, "adapter", None), "next_visit", False))
         if predictor is not None:
-            for h in (*range(1, W + 1), *((Lt,) if next_visit else ())):
+            for h in range(1, W + 1):
                 for i in range(Lt):
                     if i + h < 2 * Lt:
                         preds[(i, h)] = predictor.scores(b, i, h)
+        nv_logits = {}  # the heads' raw logits, ranked as the runners rank the graph's rows
+        if next_visit:
+            with torch.no_grad():
+                nv_logits = {i: predictor.adapter.logits(predictor.bank, b.hidden[:, i], i, Lt) for i in range(Lt)}
         for rows in sequences(b):
             ids = b.ids[rows]  # [T, Lt, k]
             T = len(rows)
@@ -141,9 +145,9 @@ def simulate_policy(batches: list[RoutingBatch], predictor, geo: Geometry, profi
                     keys = list(dict.fromkeys((li, int(e)) for e in future[t][li].tolist()))
                     sched.acquire(step, keys)  # demand reads go out first
                     if next_visit:  # this layer's next visit: the next token's same trace layer
-                        nv = preds[(layer_map[li], Lt)][rows[t]]
-                        sched.reuse.set_next_visit(li, step + L, torch.sort(-nv.float(), stable=True).indices[
-                            :min(nv.shape[0], 2 * geo.top_k)].tolist())
+                        nv = nv_logits[layer_map[li]][rows[t]]
+                        top = torch.sort(-nv.float(), stable=True).indices[:min(nv.shape[0], 2 * geo.top_k)]
+                        sched.reuse.set_next_visit(li, step + L, (top % geo.num_experts).tolist())
                     if predictor is not None:
                         ti = layer_map[li]
                         window = []
