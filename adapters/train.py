@@ -35,7 +35,7 @@ class TrainConfig:
     rank: int = 64
     horizons: tuple[int, ...] = (1, 2)
     cross_token: bool = True
-    next_visit: bool = False   # heads for each layer's next visit (horizon L), for eviction
+    next_visit: bool = True    # heads for each layer's next visit (horizon L), for the reuse eviction
     horizon_weights: dict[int, float] | None = None  # default: 2.0 for h=1, 1.0 otherwise
     topk_weight: float = 0.0
     steps: int = 3000

@@ -194,6 +194,41 @@ def test_next_visit_eviction_decides_as_the_reference(native, next_visit_bundle,
     assert evicts[True] and evicts[True] != evicts[False]
 
 
+@pytest.mark.slow
+def test_an_exported_next_visit_adapter_decides_alike_in_both_engines(native, embedded, tmp_path):
+    """A real export: an adapter trained with --next-visit gives a bundle whose preds rows hold horizon L
+    (predictor.next_visit); both engines make the same decisions with it, other ones than without."""
+    from adapters.train import TrainConfig, train_adapter
+    from conftest import HELDOUT
+    from export.bundle import ExportConfig, export_bundle
+    from toolkit.traces.capture import TraceSettings, run_trace
+
+    trace = run_trace(embedded, [HELDOUT], tmp_path / "t", TraceSettings(
+        max_sequences=8, prompt_tokens=32, decode_tokens=8, heldout_frac=0.25, hidden_sample=0.5), progress=False)
+    train_adapter(trace, tmp_path / "a", TrainConfig(steps=30, val_every=10, batch_size=64, next_visit=True),
+                  progress=False)
+    b = tmp_path / "bundle"
+    m = export_bundle(embedded, b, ExportConfig(target="executorch", max_seq=64, progress=False),
+                      adapter=tmp_path / "a")
+    L = len(m["model"]["moe_layers"])
+    assert m["predictor"]["next_visit"] is True and m["predictor"]["horizons"] == [1, 2]
+    assert all(hs == [1, 2, L] for hs in m["predictor"]["preds_rows"].values())
+    pool, policy, prompt = POOLS[0], "adapter+reuse", PROMPTS[0] * 3 + [17]
+    evicts = {}
+    for on in (True, False):
+        session = open_session(b, RunConfig(policy=Policy.parse(policy), io="threads", pool_mib=pool,
+                                            next_visit=on))
+        (tmp_path / str(on)).mkdir()
+        out, lines = native_run((b, native[1]), tmp_path / str(on), policy, pool, [prompt],
+                                *(() if on else ("--no-next-visit",)))
+        log = EventLog()
+        g = session.runner.run(prompt, NEW, events=log)
+        assert out["runs"][0]["tokens"] == g.tokens
+        assert decisions(lines) == decisions(log.lines), on
+        evicts[on] = [ln for ln in decisions(lines) if "evict" in str(ln)]
+    assert evicts[True] and evicts[True] != evicts[False]
+
+
 def test_next_visit_rows_must_hold_horizon_L(native, next_visit_bundle, tmp_path):
     """predictor.next_visit with a layer whose preds rows lack horizon L is refused by both engines."""
     b = tmp_path / "bundle"

@@ -434,7 +434,7 @@ def test_cli_eviction_bounds(sim_trace, tmp_path):
     assert r.exit_code == 2 and "--pool-frac" in r.output and "1.5" in r.output and not (tmp_path / "b.json").exists()
 
 
-def test_next_visit_heads_in_eval_eviction_bounds_and_the_simulator(sim_trace, tmp_path):
+def test_next_visit_heads_in_eval_eviction_bounds_and_the_simulator(sim_trace, embedded, tmp_path):
     """An adapter trained with --next-visit: its horizon L shows in validation and eval; eviction-bounds
     adds adapter-next-visit (and refuses an adapter without the heads); the simulator's adapter+reuse
     reads them (other reads than with next_visit off)."""
@@ -444,6 +444,7 @@ def test_next_visit_heads_in_eval_eviction_bounds_and_the_simulator(sim_trace, t
     from toolkit.predictors.evaluate import evaluate
     from toolkit.runtime.policy import Policy
     from toolkit.runtime.profiles import SNAPDRAGON_8_ELITE
+    from toolkit.runtime.runner import RunConfig
     from toolkit.simulate.bounds import eviction_bounds
     from toolkit.simulate.replay import run_simulation
 
@@ -465,6 +466,22 @@ def test_next_visit_heads_in_eval_eviction_bounds_and_the_simulator(sim_trace, t
                            pool_mib=4, window=2, adapter=tmp_path / "a", max_sequences=4, next_visit=on)
         reads[on] = s["results"][0]["counts"]["bytes_read"]
     assert reads[True] != reads[False], reads
+    # a model directory's session folds the heads into its layer graphs (rows 1, 2, L): the Python engine
+    # hands them to the eviction (other evictions than with next_visit off), the tokens the model's
+    from export.session import open_session, reference_tokens
+    from toolkit.runtime.events import EventLog, decisions
+
+    prompt = [591, 906, 531, 1274, 2295, 1062, 17, 402, 9, 1500]
+    ref = reference_tokens(embedded, prompt, 6)
+    evicts = {}
+    for on in (True, False):
+        sess = open_session(embedded, RunConfig(policy=Policy("adapter", "reuse"), pool_mib=2.0, io="threads",
+                                                next_visit=on), adapter=tmp_path / "a", max_seq=64, progress=False)
+        assert sess.runner.model.next_visit and all(L in hs for hs in sess.runner.model.preds_horizons.values())
+        log = EventLog()
+        assert sess.runner.run(prompt, 6, events=log).tokens == ref
+        evicts[on] = [ln for ln in decisions(log.lines) if "evict" in str(ln)]
+    assert evicts[True] and evicts[True] != evicts[False]
 
 
 def test_coactivation_order_keeps_co_routed_experts_adjacent():

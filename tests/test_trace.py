@@ -943,6 +943,7 @@ class TestTrainOnATrace:
         ({"horizon_weights": {3: 1.0}}, "horizon 3 is not one of --horizons 1,2"),
         ({"horizon_weights": {1: 0.0, 2: 0.0}}, "at least one weight must be > 0"),
         ({"device": "gpu"}, "--device 'gpu': expected cpu, cuda, cuda:N"),
+        ({"cross_token": False, "next_visit": True}, "--next-visit: the next visit is the next token's"),
     ])
     def test_train_options_are_checked_first(self, work, tmp_path, bad, match):
         with pytest.raises(SpecPrefetchError, match=match.replace("(", r"\(")):

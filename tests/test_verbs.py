@@ -53,9 +53,9 @@ def test_train_writes_an_adapter_that_loads(adapter, trace, tiny_models):
     assert not list(adapter.parent.glob(adapter.name + ".partial*"))   # no work directory of any process
     ad, meta = load_adapter(adapter, spec)
     assert meta["model"]["config_hash"] == spec.config_hash == TraceReader(trace).manifest["model"]["config_hash"]
-    assert (meta["rank"], meta["horizons"], meta["cross_token"]) == (4, [1, 2], True)
-    # 3 MoE layers x 2 horizons, all crossing into the next token where they run past the last layer
-    assert len(ad.pairs) == 6 and ad.params() == meta["params"] == 6 * 4 * (64 + 8)
+    assert (meta["rank"], meta["horizons"], meta["cross_token"], meta["next_visit"]) == (4, [1, 2], True, True)
+    # 3 MoE layers x (2 horizons + the next visit), crossing into the next token past the last layer
+    assert len(ad.pairs) == 9 and ad.params() == meta["params"] == 9 * 4 * (64 + 8)
     assert 0 < meta["training"]["steps_run"] <= 20 and meta["training"]["best_step"] in (10, 20)
     t = load_file(str(adapter / "adapter.safetensors"))
     assert torch.equal(ad.A.data, t["A"]) and torch.equal(ad.B.data, t["B"])
@@ -70,12 +70,14 @@ def test_eval_writes_json_markdown_and_plot(adapter, trace, tmp_path):
     md, png = out.with_suffix(".md"), out.with_suffix(".png")
     assert f"wrote {out}, {md}, {png}" in r.output
     j = json.loads(out.read_text())
-    assert set(j["predictors"]) == set(ALL) and j["horizons"] == [1, 2] and j["k"] == 2
+    assert set(j["predictors"]) == set(ALL) and j["horizons"] == [1, 2, 3] and j["k"] == 2
     assert j["decode_tokens"] == TraceReader(trace).manifest["tokens"]["heldout"]["decode"] > 0
     for name, p in j["predictors"].items():
         for key in ("recall_at_k", "recall_at_k_within_token"):
-            assert set(p[key]) == {"1", "2"}
-            assert all(0.0 <= v <= 1.0 for v in p[key].values()), (name, key, p[key])
+            assert set(p[key]) == {"1", "2", "3"}  # 3: the next visit, never within the token
+            assert all(0.0 <= v <= 1.0 for h, v in p[key].items() if (h, key) != ("3", "recall_at_k_within_token")), \
+                (name, key, p[key])
+        assert p["recall_at_k_within_token"]["3"] is None
         assert all(0.0 <= v <= 1.0 for v in p["per_layer_recall_at_k"]["1"])
         assert len(p["per_layer_recall_at_k"]["1"]) == 3
     assert all(v == 1.0 for v in j["predictors"]["oracle"]["recall_at_k"].values())

@@ -159,9 +159,9 @@ def trace(model, data, out, prompt_tokens, decode_tokens, max_sequences, probs_t
 @click.option("--horizons", default="1,2", show_default=True, help="MoE layers ahead, 1..4")
 @click.option("--cross-token/--no-cross-token", default=True, show_default=True,
               help="let the last layers predict the next token's first layers")
-@click.option("--next-visit", is_flag=True,
-              help="also train heads for each MoE layer's next visit (the next token's same layer), for "
-                   "the reuse eviction (docs/runtime.md)")
+@click.option("--next-visit/--no-next-visit", default=True, show_default=True,
+              help="also train a head for each MoE layer's next visit (the next token's same layer), which the "
+                   "reuse eviction reads (docs/runtime.md); needs --cross-token")
 @click.option("--horizon-weights", default=None,
               help="loss weight per horizon, e.g. '1:2,2:1' (default 2 for h=1, 1 otherwise)")
 @click.option("--topk-weight", type=FiniteFloat(0.0, inclusive=True), default=0.0, show_default=True,
@@ -192,6 +192,8 @@ def train(traces, out, model, rank, horizons, cross_token, next_visit, horizon_w
             hw = {int(a): float(b) for a, b in (x.split(":") for x in horizon_weights.split(","))}
         except ValueError:
             raise SpecPrefetchError(f"--horizon-weights {horizon_weights!r}: expected H:W,H:W") from None
+    if not cross_token and ctx_default(click.get_current_context(), "next_visit"):
+        next_visit = False  # the default heads cross the token boundary: off with --no-cross-token
     cfg = TrainConfig(rank=rank, horizons=int_tuple(horizons, "--horizons"), cross_token=cross_token,
                       next_visit=next_visit, horizon_weights=hw, topk_weight=topk_weight, steps=steps,
                       batch_size=batch_size, lr=lr, val_every=val_every, patience=patience, seed=seed, device=device,
