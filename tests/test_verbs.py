@@ -82,7 +82,7 @@ def test_eval_writes_json_markdown_and_plot(adapter, trace, tmp_path):
         assert len(p["per_layer_recall_at_k"]["1"]) == 3
     assert all(v == 1.0 for v in j["predictors"]["oracle"]["recall_at_k"].values())
     assert all(v == 1.0 for v in j["predictors"]["oracle"]["per_layer_recall_at_k"]["1"])
-    assert j["predictors"]["adapter"]["params"] == 6 * 4 * (64 + 8)
+    assert j["predictors"]["adapter"]["params"] == 9 * 4 * (64 + 8)  # with the next-visit heads
     table = md.read_text()
     assert table in r.output
     for name in ALL:
