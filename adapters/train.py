@@ -35,7 +35,8 @@ class TrainConfig:
     rank: int = 64
     horizons: tuple[int, ...] = (1, 2)
     cross_token: bool = True
-    next_visit: bool = True    # heads for each layer's next visit (horizon L), for the reuse eviction
+    # heads for each layer's next visit (horizon L), for the reuse eviction; None: with cross_token
+    next_visit: bool | None = None
     horizon_weights: dict[int, float] | None = None  # default: 2.0 for h=1, 1.0 otherwise
     topk_weight: float = 0.0
     steps: int = 3000
@@ -48,6 +49,10 @@ class TrainConfig:
     seed: int = 0
     device: str = "cpu"
     max_memory_mb: int = 512
+
+    def __post_init__(self):
+        if self.next_visit is None:  # the default: the heads cross the token boundary, as cross_token does
+            self.next_visit = self.cross_token
 
     def validate(self) -> None:
         """One-line errors naming the option, before any work."""

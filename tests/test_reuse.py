@@ -212,6 +212,9 @@ def test_adapter_next_visit_heads_train_save_and_load(tmp_path):
     assert ad.target_layer(1, 3) == 1 and ad.horizons == (1, 2)
     with pytest.raises(ValueError, match="cross_token"):
         PrefetchAdapter(num_layers=3, hidden_size=4, num_experts=5, cross_token=False, next_visit=True)
+    from adapters.train import TrainConfig
+    assert TrainConfig().next_visit and not TrainConfig(cross_token=False).next_visit  # the default follows it
+    TrainConfig(cross_token=False).validate()
     from adapters.checkpoint import _pairs
     assert _pairs(3, [1, 2], True, True) == len(ad.pairs) == _pairs(3, [1, 2], True, False) + 3
     assert torch.equal(ad.tgt[ad.pair_index[(2, 3)]], torch.tensor(2))

@@ -466,6 +466,15 @@ def test_next_visit_heads_in_eval_eviction_bounds_and_the_simulator(sim_trace, e
                            pool_mib=4, window=2, adapter=tmp_path / "a", max_sequences=4, next_visit=on)
         reads[on] = s["results"][0]["counts"]["bytes_read"]
     assert reads[True] != reads[False], reads
+    from click.testing import CliRunner
+
+    from toolkit.cli import main
+    r = CliRunner().invoke(main, ["simulate", str(sim_trace), "--policies", "adapter+reuse", "--adapter",
+                                  str(tmp_path / "a"), "--pool-mib", "4", "--max-sequences", "4", "--no-next-visit",
+                                  "--json", str(tmp_path / "s.json")])
+    assert r.exit_code == 0, r.output
+    s = json.loads((tmp_path / "s.json").read_text())
+    assert s["points"][0]["results"][0]["counts"]["bytes_read"] == reads[False]
     # a model directory's session folds the heads into its layer graphs (rows 1, 2, L): the Python engine
     # hands them to the eviction (other evictions than with next_visit off), the tokens the model's
     from export.session import open_session, reference_tokens

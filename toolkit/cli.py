@@ -159,9 +159,9 @@ def trace(model, data, out, prompt_tokens, decode_tokens, max_sequences, probs_t
 @click.option("--horizons", default="1,2", show_default=True, help="MoE layers ahead, 1..4")
 @click.option("--cross-token/--no-cross-token", default=True, show_default=True,
               help="let the last layers predict the next token's first layers")
-@click.option("--next-visit/--no-next-visit", default=True, show_default=True,
+@click.option("--next-visit/--no-next-visit", default=None,
               help="also train a head for each MoE layer's next visit (the next token's same layer), which the "
-                   "reuse eviction reads (docs/runtime.md); needs --cross-token")
+                   "reuse eviction reads (docs/runtime.md) [default: on with --cross-token, off without]")
 @click.option("--horizon-weights", default=None,
               help="loss weight per horizon, e.g. '1:2,2:1' (default 2 for h=1, 1 otherwise)")
 @click.option("--topk-weight", type=FiniteFloat(0.0, inclusive=True), default=0.0, show_default=True,
@@ -192,8 +192,6 @@ def train(traces, out, model, rank, horizons, cross_token, next_visit, horizon_w
             hw = {int(a): float(b) for a, b in (x.split(":") for x in horizon_weights.split(","))}
         except ValueError:
             raise SpecPrefetchError(f"--horizon-weights {horizon_weights!r}: expected H:W,H:W") from None
-    if not cross_token and ctx_default(click.get_current_context(), "next_visit"):
-        next_visit = False  # the default heads cross the token boundary: off with --no-cross-token
     cfg = TrainConfig(rank=rank, horizons=int_tuple(horizons, "--horizons"), cross_token=cross_token,
                       next_visit=next_visit, horizon_weights=hw, topk_weight=topk_weight, steps=steps,
                       batch_size=batch_size, lr=lr, val_every=val_every, patience=patience, seed=seed, device=device,
@@ -278,11 +276,13 @@ def store(model, out, dtype, overwrite) -> None:
 @click.option("--prompt-tokens", type=click.IntRange(min=0), default=0, show_default=True,
               help="also project TTFT for a prompt of this many positions (the split's prompts laid end to end; "
                    "needs a profile with a prefill rate); 0: decode only")
+@click.option("--no-next-visit", "no_next_visit", is_flag=True,
+              help="the reuse eviction without the adapter's next-visit heads (as run --no-next-visit)")
 @scheduler_limits
 @json_report
 @friendly_errors(interrupt=NOT_WRITTEN)
 def simulate(traces, policies, adapter, profile, pool_mib, windows, queue_depth, dtype, geometry, split,
-             max_sequences, prompt_tokens, min_confidence, step_budget_kib, read_budget_kib, json_out,
+             max_sequences, prompt_tokens, no_next_visit, min_confidence, step_budget_kib, read_budget_kib, json_out,
              overwrite) -> None:
     """Replay TRACES through the pool and scheduler against a device profile: TPOT, stall, hit
     rate, MiB read and wasted prefetch per policy; sweeps give a table and plots."""
@@ -297,7 +297,8 @@ def simulate(traces, policies, adapter, profile, pool_mib, windows, queue_depth,
     r = sweep(traces, policies=parse_policies(policies), profile=load_profile(profile), pools=pool_mib,
               windows=windows, queue_depth=queue_depth, dtype=dtype, geometry=geometry, adapter=adapter,
               split=split, max_sequences=max_sequences, min_confidence=min_confidence,
-              step_budget_kib=step_budget_kib, read_budget_kib=read_budget_kib, prompt_tokens=prompt_tokens)
+              step_budget_kib=step_budget_kib, read_budget_kib=read_budget_kib, prompt_tokens=prompt_tokens,
+              next_visit=not no_next_visit)
     write_sweep(r, json_out)
     click.echo(markdown(r))
     click.echo(wrote(c))
@@ -315,9 +316,10 @@ def simulate(traces, policies, adapter, profile, pool_mib, windows, queue_depth,
 @json_report
 @friendly_errors(interrupt=NOT_WRITTEN)
 def eviction_bounds_cmd(traces, pool_fracs, max_sequences, adapter, model, json_out, overwrite) -> None:
-    """Reads per decode token on TRACES' routing for LRU, the reuse eviction and Belady's rule knowing
-    the future only so far (the current token, the next token, everything): how much of the oracle's
-    eviction a causal engine can reach (docs/runtime.md)."""
+    """Reads per decode token on TRACES' routing for LRU, the reuse eviction, Belady's rule knowing
+    the future only so far (the current token, the next token, everything), and the reuse eviction
+    knowing each layer's next visit (exactly; with --adapter, as its next-visit heads predict it): how
+    much of the oracle's eviction a causal engine can reach (docs/runtime.md)."""
     c = claim(json_out, "eviction-bounds", overwrite, inputs=(traces, adapter, model))
     from toolkit.reporting import write_report
     from toolkit.simulate.bounds import eviction_bounds, markdown, plot

@@ -146,7 +146,7 @@ def simulate_policy(batches: list[RoutingBatch], predictor, geo: Geometry, profi
                     sched.acquire(step, keys)  # demand reads go out first
                     if next_visit:  # this layer's next visit: the next token's same trace layer
                         nv = nv_logits[layer_map[li]][rows[t]]
-                        top = torch.sort(-nv.float(), stable=True).indices[:min(nv.shape[0], 2 * geo.top_k)]
+                        top = torch.sort(-nv.float(), stable=True).indices[:min(nv.shape[0], 2 * b.ids.shape[-1])]
                         sched.reuse.set_next_visit(li, step + L, (top % geo.num_experts).tolist())
                     if predictor is not None:
                         ti = layer_map[li]
@@ -456,6 +456,7 @@ def run_simulation(trace: Path, *, policies: list[Policy], profile: DeviceProfil
         "pool_share_of_routed_experts": round(pool_bytes / (geo.slot_bytes * geo.num_layers
                                                             * min(geo.num_experts, reader.num_experts)), 4),
         "window": window, "queue_depth": queue_depth, "store_dtype": dtype,
+        "next_visit": next_visit,  # whether adapter+reuse read the adapter's next-visit heads (where it has them)
         "read_budget_kib": read_budget_kib, "read_budget_auto": auto_budget,
         "prefill": None if prompt is None else {
             "prompt_tokens": len(prompt[1]), "prefill_gflops": profile.prefill_gflops, "span": PREFILL_SPAN,
