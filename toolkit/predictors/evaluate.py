@@ -202,13 +202,14 @@ def plot(result: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for n, r in result["predictors"].items():
         nan = float("nan")  # an undefined point is left out of the line
-        axes[0].plot(hs, [nan if r["recall_at_k"][str(h)] is None else r["recall_at_k"][str(h)] for h in hs],
-                     "o-", label=n)
+        # the horizons evenly spaced (1, 2 and the next visit's L are not a scale)
+        axes[0].plot(range(len(hs)), [nan if r["recall_at_k"][str(h)] is None else r["recall_at_k"][str(h)]
+                                      for h in hs], "o-", label=n)
         per_layer = [nan if v is None else v for v in r["per_layer_recall_at_k"][str(hs[0])]]
         axes[1].plot(range(len(per_layer)), per_layer, "o-", label=n)
     axes[0].set_xlabel("horizon h (MoE layers ahead)")
     axes[0].set_ylabel(f"recall@{result['k']}")
-    axes[0].set_xticks(hs)
+    axes[0].set_xticks(range(len(hs)), [str(h) for h in hs])
     axes[1].set_xlabel("source MoE layer i")
     axes[1].set_ylabel(f"recall@{result['k']} at h={hs[0]}")
     for ax in axes:
