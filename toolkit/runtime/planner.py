@@ -28,6 +28,7 @@ import torch
 
 from toolkit.models.families import RoutingSpec, selection_scores
 from toolkit.predictors.base import Predictor
+from toolkit.runtime.reuse import next_visit_experts
 from toolkit.runtime.scheduler import WindowScheduler
 from toolkit.traces.batches import RoutingBatch
 
@@ -125,8 +126,7 @@ class PrefetchPlanner:
     def _note_next_visit(self, sched: WindowScheduler, li: int, target: int, row: torch.Tensor) -> None:
         """The reuse eviction's prediction of layer li's next visit (at step `target`) from its logits row."""
         k = min(row.shape[-1], 2 * self.routing.top_k)
-        order = torch.sort(-row.float(), stable=True).indices[:k]  # ties: the lower expert id first
-        sched.reuse.set_next_visit(li, target, order.tolist())
+        sched.reuse.set_next_visit(li, target, next_visit_experts(row, k).tolist())
 
     def _next_visit_row(self, li: int) -> int | None:
         rows = self.rows.get(li, [])

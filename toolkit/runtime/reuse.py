@@ -42,6 +42,12 @@ if TYPE_CHECKING:
 SCALE = 16  # scores in sixteenths of a step, as the table's entries (adapters/reuse.py: SCALE)
 
 
+def next_visit_experts(logits, k: int):
+    """The next-visit prediction every engine makes from a head's logits [..., E]: the k largest, the
+    lower expert id first among equals (indices [..., k])."""
+    return (-logits.float()).sort(dim=-1, stable=True).indices[..., :k]
+
+
 class ReuseHistory:
     """Every expert's recent routing history at its layer, and the `reuse` rule's score."""
 

@@ -39,37 +39,12 @@ import numpy as np
 from adapters.reuse import SCALE, learn_reuse_table
 from toolkit.errors import SpecPrefetchError
 from toolkit.runtime.pool import ExpertPool
-from toolkit.runtime.reuse import ReuseHistory
+from toolkit.runtime.reuse import ReuseHistory, next_visit_experts
 from toolkit.runtime.runner import belady_next_use
 from toolkit.traces.format import DECODE, TraceReader, routing_sequences
 
 RULES = ("lru", "reuse", "belady-token", "belady-next-token", "belady", "next-visit")
 ADAPTER_RULE = "adapter-next-visit"
-
-
-class NextVisitScore:
-    """The reuse rule with each MoE layer's next visit known (or predicted): an expert in its layer's
-    next-visit set is used at that visit; any other is scored by the reuse table one unused visit on.
-    `sets[(position, layer)]`: the experts layer `layer` routes to at position + 1, as known at
-    `position` (absent: not known, the plain reuse score)."""
-
-    def __init__(self, hist: ReuseHistory, sets: dict[tuple[int, int], set[int]]):
-        self.hist, self.sets = hist, sets
-
-    def score(self, key: tuple[int, int], now: int, predicted) -> int:
-        h, L = self.hist, self.hist.L
-        li, e = key
-        p, cur = divmod(now, L)
-        # from the layer's latest visit; the current step's layer has none yet for its next visit (the
-        # runners set it after the step's acquire)
-        known = None if li == cur else self.sets.get((p if li < cur else p - 1, li))
-        if known is None:
-            return h.score(key, now, None)
-        v0 = now + ((li - cur) % L or L)
-        if e in known:
-            return v0 * SCALE
-        nxt = (h.hist[li].get(e, 0) << 1) & h.mask
-        return (v0 + L) * SCALE + L * (h.table.visits16[nxt] - SCALE)
 
 
 def replay(ids: np.ndarray, kinds: np.ndarray, capacity: int, rule: str, table,
@@ -79,7 +54,8 @@ def replay(ids: np.ndarray, kinds: np.ndarray, capacity: int, rule: str, table,
     """(reads at decode positions, decode positions) of one sequence [positions, L, k] under `rule`.
     `true_next`: the sequence's real next use (belady_next_use of it; built here if not given);
     `reads_out`: gets (layer, [experts read]) of every decode step that reads (`bench reads`);
-    `next_sets`: the adapter's next-visit sets for ADAPTER_RULE (NextVisitScore)."""
+    `next_sets`: the adapter's next-visit sets for ADAPTER_RULE: {(position, layer): the experts layer
+    `layer` routes to at position + 1, as predicted at `position`}."""
     N, L, k = ids.shape
     if true_next is None and rule.startswith("belady"):
         true_next = belady_next_use(list(ids), L)
@@ -88,6 +64,8 @@ def replay(ids: np.ndarray, kinds: np.ndarray, capacity: int, rule: str, table,
         next_sets = {(p, li): set(ids[p + 1, li].tolist()) for p in range(N - 1) for li in range(L)}
     elif rule == ADAPTER_RULE and next_sets is None:
         raise SpecPrefetchError(f"eviction rule {rule!r} needs the adapter's next-visit sets")
+    elif rule != ADAPTER_RULE:
+        next_sets = None  # the other rules know no next visit
 
     horizon = {"belady-token": 1, "belady-next-token": 2, "belady": None}.get(rule)
 
@@ -114,9 +92,9 @@ def replay(ids: np.ndarray, kinds: np.ndarray, capacity: int, rule: str, table,
     elif rule == "reuse":
         pool = ExpertPool(capacity, 1, policy="reuse", min_slots=k)
         pool.reuse, pool.predicted = hist, None
-    elif rule in ("next-visit", ADAPTER_RULE):
+    elif rule in ("next-visit", ADAPTER_RULE):  # the runners' rule: ReuseHistory.set_next_visit after acquire
         pool = ExpertPool(capacity, 1, policy="reuse", min_slots=k)
-        pool.reuse, pool.predicted = NextVisitScore(hist, next_sets), None
+        pool.reuse, pool.predicted = hist, None
     elif rule in RULES:
         pool = ExpertPool(capacity, 1, policy="belady", min_slots=k, next_use=next_use)
     else:
@@ -136,6 +114,8 @@ def replay(ids: np.ndarray, kinds: np.ndarray, capacity: int, rule: str, table,
                     s.ready = True
                     missed.append(key[1])
                 s.pins += 1
+            if next_sets is not None and (p, li) in next_sets:  # after the step's acquire, as the runners
+                hist.set_next_visit(li, now + L, next_sets[(p, li)])
             if kinds[p] == DECODE:
                 reads += len(missed)
                 if reads_out is not None and missed:
@@ -176,7 +156,7 @@ def adapter_next_sets(reader: TraceReader, adapter: Path, seq_ids: list[int],
             seq, pos = a["seq"][keep], a["pos"][keep]
             for li in range(L):  # ranked by raw logit, the lower id first among equals (as the runners)
                 s = ad.logits(bank, x[:, li], li, L)                              # [M, E]
-                top = torch.sort(-s.float(), dim=-1, stable=True).indices[:, :M].numpy()
+                top = next_visit_experts(s, M).numpy()
                 for r in range(len(seq)):
                     out[where[int(seq[r])]][(int(pos[r]), li)] = set(top[r].tolist())
     return out

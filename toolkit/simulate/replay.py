@@ -30,6 +30,7 @@ from toolkit.traces.batches import RoutingBatch, iter_batches
 from toolkit.traces.format import PREFILL
 from toolkit.runtime.backend import PREFILL_SPAN
 from toolkit.runtime.policy import Policy
+from toolkit.runtime.reuse import next_visit_experts
 from toolkit.runtime.runner import RunConfig, open_pool_and_scheduler
 from toolkit.runtime.scheduler import SchedulerStats
 from toolkit.runtime.stats import DecodeAccount, RunStats, tpot_and_intervals
@@ -146,7 +147,7 @@ def simulate_policy(batches: list[RoutingBatch], predictor, geo: Geometry, profi
                     sched.acquire(step, keys)  # demand reads go out first
                     if next_visit:  # this layer's next visit: the next token's same trace layer
                         nv = nv_logits[layer_map[li]][rows[t]]
-                        top = torch.sort(-nv.float(), stable=True).indices[:min(nv.shape[0], 2 * b.ids.shape[-1])]
+                        top = next_visit_experts(nv, min(nv.shape[0], 2 * b.ids.shape[-1]))
                         sched.reuse.set_next_visit(li, step + L, (top % geo.num_experts).tolist())
                     if predictor is not None:
                         ti = layer_map[li]
