@@ -24,7 +24,10 @@ void ChunkState::record(int li, const float* x, const std::vector<int>& chosen) 
 PrefetchPlanner::PrefetchPlanner(Source source, int num_layers, int window, const RoutingSpec& routing, const HostRouters* host,
                  const std::map<int, std::vector<int>>& preds_rows, int hidden, bool next_visit)
     : source_(source), L_(num_layers), W_(window), H_(hidden), E_(routing.num_experts), routing_(routing),
-      host_(host), rows_(preds_rows), next_visit_(next_visit && source == Source::graph) {
+      host_(host), rows_(preds_rows) {
+  if (next_visit && source == Source::graph)
+    for (const auto& [li, hs] : rows_)
+      if (auto r = std::find(hs.begin(), hs.end(), L_); r != hs.end()) nv_rows_[li] = static_cast<int>(r - hs.begin());
   if ((source == Source::next_gate || source == Source::fate) && (host == nullptr || host->weight.empty()))
     throw Error("host next-gate / fate prediction needs the bundle's router weights (host.safetensors)");
 }
@@ -40,11 +43,8 @@ std::vector<float> PrefetchPlanner::host_logits(int src, int j, const RoutingSta
 }
 
 int PrefetchPlanner::next_visit_row(int li) const {
-  if (!next_visit_) return -1;
-  auto it = rows_.find(li);
-  if (it == rows_.end()) return -1;
-  auto r = std::find(it->second.begin(), it->second.end(), L_);
-  return r == it->second.end() ? -1 : static_cast<int>(r - it->second.begin());
+  auto it = nv_rows_.find(li);
+  return it == nv_rows_.end() ? -1 : it->second;
 }
 
 void PrefetchPlanner::note_next_visit(WindowScheduler& sched, int li, int64_t target, const float* row) const {

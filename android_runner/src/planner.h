@@ -68,7 +68,7 @@ class PrefetchPlanner {
   std::vector<float> host_logits(int src_layer, int j, const RoutingState& state) const;
   // the 2k largest logits of layer li's row of horizon L at `row_base` (ties: the lower id first)
   void note_next_visit(WindowScheduler& sched, int li, int64_t target, const float* row) const;
-  int next_visit_row(int li) const;  // the row of horizon L, or -1
+  int next_visit_row(int li) const;  // the row of horizon L, or -1 (nv_rows_)
   const float* score_bias(int j) const;
 
   Source source_;
@@ -76,7 +76,7 @@ class PrefetchPlanner {
   RoutingSpec routing_;
   const HostRouters* host_;
   std::map<int, std::vector<int>> rows_;
-  bool next_visit_;
+  std::map<int, int> nv_rows_;  // MoE layer -> its preds row of horizon L, where the reuse eviction reads it
 };
 
 }  // namespace spx

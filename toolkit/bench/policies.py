@@ -44,19 +44,18 @@ def run_bench(*, model: str = "embedded", adapter: Path | None, policies: list[P
                                         "queue_depth", "min_confidence", "candidate_threshold", "step_budget_kib"))
     window = s.runner.cfg.window
     texts = bench_prompts(prompts, prompt_tokens, s.tokenizer)
-    ids = [s.encode(t) for t in texts]
+    ids = text_ids = [s.encode(t) for t in texts]
     ips = [None] * len(ids)
     if images:  # image prompts: the images through the tower once, before every prompt's text
         enc = s.encode_images(list(images))
         ips = [s.image_prompt(list(images), p, encoded=enc) for p in ids]
         ids = [ip.ids for ip in ips]
-    img = [{"images": ip} if ip is not None else {} for ip in ips]
-    recorded = [s.runner.record(p, new_tokens, **kw) for p, kw in zip(ids, img)]  # the future oracle and Belady read
+    # the future oracle and Belady read
+    recorded = [s.runner.record(p, new_tokens, images=ip) for p, ip in zip(ids, ips)]
     checked = False
     if s.kind == "model" and s.runner.store.dtype == "fp16" and s.source_model is not None:  # no hashing for a bundle
         for p, rec in zip(ids, recorded):
-            want = reference_tokens(s.source_model, p, new_tokens, images=list(images), vision=s.vision) if images \
-                else reference_tokens(s.source_model, p, new_tokens)
+            want = reference_tokens(s.source_model, p, new_tokens, images=list(images), vision=s.vision)
             if rec.tokens != want:
                 raise SpecPrefetchError("bench: the runner's tokens differ from the unmodified model's: a bug")
         checked = True
@@ -65,7 +64,7 @@ def run_bench(*, model: str = "embedded", adapter: Path | None, policies: list[P
                                "threads": threads, "checked_against_unmodified_model": checked,
                                "store_dtype": s.runner.store.dtype, "points": [],
                                **({"images": [str(x) for x in images], "image_tokens_per_prompt":
-                                   len(ids[0]) - len(s.encode(texts[0]))} if images else {})}
+                                   len(ids[0]) - len(text_ids[0])} if images else {})}
     for pool in pools:
         samples: dict[str, list[dict]] = {p.name: [] for p in policies}
         for rnd in range(rounds + 1):  # round 0 is the warm-up
@@ -73,8 +72,8 @@ def run_bench(*, model: str = "embedded", adapter: Path | None, policies: list[P
             random.Random(rnd).shuffle(order)
             for pol in order:
                 s.runner.configure(policy=pol, pool_mib=pool)
-                for p, rec, kw in zip(ids, recorded, img):
-                    g = s.runner.run(p, new_tokens, recorded=rec, **kw)
+                for p, rec, ip in zip(ids, recorded, ips):
+                    g = s.runner.run(p, new_tokens, recorded=rec, images=ip)
                     if g.tokens != rec.tokens:
                         raise SpecPrefetchError(f"bench: {pol.name} changed the output for a prompt: a bug")
                     if g.stats.peak_pool_bytes > g.stats.budget_bytes:

@@ -647,7 +647,7 @@ class GpuEngine:
     # -- decoding: a sequence through its phases -------------------------------------------------
     @torch.no_grad()
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, *, recorded: GpuGeneration | None = None,
-                 k: int = 8, preload: bool = False) -> GpuGeneration:
+                 k: int = 8, preload: bool = False, images=None) -> GpuGeneration:
         """Greedy decoding of up to `max_new_tokens` tokens (stopping after EOS), with the engine's
         device as the current CUDA device throughout (cuda:N): `prefill`, then `decode_one` per token,
         or, for the draft policy, the draft's own prefill and `speculative_round`s.
@@ -658,6 +658,8 @@ class GpuEngine:
             preload: copy every expert into the pool before decoding (needs a pool of all experts):
                 the all-resident upper bound.
         """
+        if images is not None:  # the CPU runner's `record` passes its images argument through
+            raise SpecPrefetchError("the GPU tier runs text prompts (images: the CPU engines)")
         with self.dev.scope():
             s = self.sequence(prompt_ids, max_new_tokens, recorded=recorded, k=k, preload=preload)
             self.prefill(s)

@@ -121,16 +121,14 @@ class PrefetchPlanner:
         self.folded = self._fold() if self.softmax_router and getattr(source, "linear", False) else None
         self.graph_rows = {li: [rows.index(h) for h in range(1, window + 1) if h in rows]
                            for li, rows in self.rows.items()}
-        self.next_visit = next_visit and source == GRAPH
+        # MoE layer -> its preds row of horizon L (the next-visit heads), where the reuse eviction reads it
+        self.next_visit_rows = ({li: rows.index(num_layers) for li, rows in self.rows.items() if num_layers in rows}
+                                if next_visit and source == GRAPH else {})
 
     def _note_next_visit(self, sched: WindowScheduler, li: int, target: int, row: torch.Tensor) -> None:
         """The reuse eviction's prediction of layer li's next visit (at step `target`) from its logits row."""
         k = min(row.shape[-1], 2 * self.routing.top_k)
         sched.reuse.set_next_visit(li, target, next_visit_experts(row, k).tolist())
-
-    def _next_visit_row(self, li: int) -> int | None:
-        rows = self.rows.get(li, [])
-        return rows.index(self.L) if self.next_visit and self.L in rows else None
 
     def _fold(self) -> list[tuple[torch.Tensor, int, torch.Tensor, list[int]]]:
         bank = self.source.bank
@@ -173,7 +171,7 @@ class PrefetchPlanner:
         planned."""
         T, T_next = span
         L = self.L
-        r = self._next_visit_row(li)
+        r = self.next_visit_rows.get(li)
         if r is not None and preds is not None and sched.reuse is not None:
             P = len(self.rows[li])
             self._note_next_visit(sched, li, self._target(li, step, L, T), preds.reshape(T, P, -1)[T - 1, r])
@@ -250,7 +248,7 @@ class PrefetchPlanner:
              preds: torch.Tensor | None, end: int | None = None) -> None:
         """Queue the window's reads after MoE layer li's graph ran (its experts are pinned).
         Targets at or past step `end` (positions the run will not reach) are not planned."""
-        r = self._next_visit_row(li)
+        r = self.next_visit_rows.get(li)
         if r is not None and preds is not None and sched.reuse is not None:
             self._note_next_visit(sched, li, step + self.L, preds.reshape(len(self.rows[li]), -1)[r])
         W = self.W if end is None else min(self.W, end - 1 - step)

@@ -505,8 +505,8 @@ class Runner:
         tokens the draft routes over): output does not depend on the policy, so this is exact."""
         cfg = self.cfg
         self.configure(policy=Policy("on-demand", "lru"))
-        try:  # (a subclass's generate, the GPU tier's, takes no images: passed only when there are some)
-            return self.generate(prompt_ids, max_new_tokens, **({"images": images} if images is not None else {}))
+        try:
+            return self.generate(prompt_ids, max_new_tokens, images=images)
         finally:
             self.cfg = cfg
 
@@ -514,11 +514,10 @@ class Runner:
             recorded: Generation | None = None, images: "ImagePrompt | None" = None) -> Generation:
         """`generate` with whatever the policy needs recorded first (oracle, Belady, draft)."""
         source = self.predictors.get(self.cfg.policy.predictor)
-        img = {"images": images} if images is not None else {}  # only when there are some (see record)
         if self.cfg.policy.needs_future or getattr(source, "routes_ahead", False):
-            rec = recorded or self.record(prompt_ids, max_new_tokens, **img)
-            return self.generate(prompt_ids, max_new_tokens, recorded=rec, events=events, **img)
-        return self.generate(prompt_ids, max_new_tokens, events=events, **img)
+            rec = recorded or self.record(prompt_ids, max_new_tokens, images=images)
+            return self.generate(prompt_ids, max_new_tokens, recorded=rec, events=events, images=images)
+        return self.generate(prompt_ids, max_new_tokens, events=events, images=images)
 
 
 def _finite(outs: Sequence[torch.Tensor], graphs: str, step: str, pos: int) -> None:

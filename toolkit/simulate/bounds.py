@@ -47,6 +47,12 @@ RULES = ("lru", "reuse", "belady-token", "belady-next-token", "belady", "next-vi
 ADAPTER_RULE = "adapter-next-visit"
 
 
+def exact_next_sets(ids: np.ndarray) -> dict[tuple[int, int], set[int]]:
+    """The real next visit of every (position, layer) of one sequence [positions, L, k]: the `next-visit` rule."""
+    N, L = ids.shape[0], ids.shape[1]
+    return {(p, li): set(ids[p + 1, li].tolist()) for p in range(N - 1) for li in range(L)}
+
+
 def replay(ids: np.ndarray, kinds: np.ndarray, capacity: int, rule: str, table,
            true_next: Callable[[tuple[int, int], int], float] | None = None,
            reads_out: list | None = None,
@@ -60,11 +66,11 @@ def replay(ids: np.ndarray, kinds: np.ndarray, capacity: int, rule: str, table,
     if true_next is None and rule.startswith("belady"):
         true_next = belady_next_use(list(ids), L)
     hist = ReuseHistory(table, L) if rule != "lru" and rule != "belady" else None  # the rules that read it
-    if rule == "next-visit":
-        next_sets = {(p, li): set(ids[p + 1, li].tolist()) for p in range(N - 1) for li in range(L)}
+    if rule == "next-visit" and next_sets is None:
+        next_sets = exact_next_sets(ids)
     elif rule == ADAPTER_RULE and next_sets is None:
         raise SpecPrefetchError(f"eviction rule {rule!r} needs the adapter's next-visit sets")
-    elif rule != ADAPTER_RULE:
+    elif rule not in ("next-visit", ADAPTER_RULE):
         next_sets = None  # the other rules know no next visit
 
     horizon = {"belady-token": 1, "belady-next-token": 2, "belady": None}.get(rule)
@@ -140,7 +146,7 @@ def adapter_next_sets(reader: TraceReader, adapter: Path, seq_ids: list[int],
     from toolkit.traces.format import trace_model_spec
 
     spec = trace_model_spec(reader, model)
-    ad, meta = load_adapter(Path(adapter), spec)
+    ad, _ = load_adapter(Path(adapter), spec)
     if not ad.next_visit:
         raise SpecPrefetchError(f"--adapter {adapter}: it has no next-visit heads (train it with --next-visit)")
     bank = load_router_bank(spec)
@@ -178,6 +184,7 @@ def eviction_bounds(trace: Path, pool_fracs: list[float], *, max_sequences: int 
     table = learn_reuse_table(train, reader.num_experts, where=f"trace {trace}")
     L, E = len(reader.moe_layers), reader.num_experts
     nexts = [belady_next_use(list(ids), L) for ids, _ in seqs]  # each sequence's real next uses, once
+    exact = [exact_next_sets(ids) for ids, _ in seqs]              # and its real next visits
     rules = RULES
     sets: list = [None] * len(seqs)
     if adapter is not None:  # routing_sequences orders sequences by id
@@ -197,8 +204,9 @@ def eviction_bounds(trace: Path, pool_fracs: list[float], *, max_sequences: int 
         for rule in rules:
             progress(f"pool {cap} slots: {rule}")
             r = d = 0
-            for (ids, kinds), nu, ns in zip(seqs, nexts, sets):
-                a, b = replay(ids, kinds, cap, rule, table, nu, next_sets=ns)
+            for (ids, kinds), nu, ns, ex in zip(seqs, nexts, sets, exact):
+                a, b = replay(ids, kinds, cap, rule, table, nu,
+                              next_sets={ADAPTER_RULE: ns, "next-visit": ex}.get(rule))
                 r, d = r + a, d + b
             row["reads_per_token"][rule] = round(r / max(d, 1), 3)
         rp = row["reads_per_token"]

@@ -120,10 +120,11 @@ def simulate_policy(batches: list[RoutingBatch], predictor, geo: Geometry, profi
                 for i in range(Lt):
                     if i + h < 2 * Lt:
                         preds[(i, h)] = predictor.scores(b, i, h)
-        nv_logits = {}  # the heads' raw logits, ranked as the runners rank the graph's rows
+        nv_top = {}  # the heads' predictions per trace layer [rows, 2k], ranked as the runners rank the graph's rows
         if next_visit:
             with torch.no_grad():
-                nv_logits = {i: predictor.adapter.logits(predictor.bank, b.hidden[:, i], i, Lt) for i in range(Lt)}
+                nv_top = {i: next_visit_experts(predictor.adapter.logits(predictor.bank, b.hidden[:, i], i, Lt),
+                                                2 * b.ids.shape[-1]) % geo.num_experts for i in range(Lt)}
         for rows in sequences(b):
             ids = b.ids[rows]  # [T, Lt, k]
             T = len(rows)
@@ -146,9 +147,7 @@ def simulate_policy(batches: list[RoutingBatch], predictor, geo: Geometry, profi
                     keys = list(dict.fromkeys((li, int(e)) for e in future[t][li].tolist()))
                     sched.acquire(step, keys)  # demand reads go out first
                     if next_visit:  # this layer's next visit: the next token's same trace layer
-                        nv = nv_logits[layer_map[li]][rows[t]]
-                        top = next_visit_experts(nv, min(nv.shape[0], 2 * b.ids.shape[-1]))
-                        sched.reuse.set_next_visit(li, step + L, (top % geo.num_experts).tolist())
+                        sched.reuse.set_next_visit(li, step + L, nv_top[layer_map[li]][rows[t]].tolist())
                     if predictor is not None:
                         ti = layer_map[li]
                         window = []
