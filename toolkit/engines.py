@@ -147,7 +147,8 @@ def python_engine(session, policy: str, flash_profile: str | None = None, images
         enc = s.encode_images(list(images)) if images else None  # through the tower once, for every prompt
         for p, ids in zip(prompts, encoded):
             ip = s.image_prompt(list(images), ids, encoded=enc) if images else None
-            g = s.runner.run(ip.ids if ip else ids, max_new_tokens, events=log, images=ip)
+            g = s.runner.run(ip.ids, max_new_tokens, events=log, images=ip) if ip else \
+                s.runner.run(ids, max_new_tokens, events=log)
             fed.append(ip.ids if ip else ids)
             runs.append({"prompt": p, "source": s.label, **g.to_json(), "text": decode_text(s.tokenizer, g.tokens),
                          "matches_unmodified_model": None, **({"notes": s.notes} if s.notes else {}),
