@@ -270,9 +270,12 @@ def test_gpu_bench_report(tiny_models, stores, tmp_path):
     assert rows["oracle+belady"]["pcie_mib_per_token"] <= rows["on-demand+lru"]["pcie_mib_per_token"]
     assert rows["oracle+belady"]["hit_rate"] >= rows["on-demand+lru"]["hit_rate"]
     assert rows["draft+prediction"]["k"] in (2, 3) and set(r["draft_k"]["0.5"]["profile_tpot_ms"]) == {2, 3}
-    assert r["resident_runs"] == 1 and r["resident_tpot_ms"] > 0
+    # the all-resident bound both ways: the device alone (the static decoder) and synced per layer
+    assert r["resident_device_alone"] and r["resident_runs"] == r["resident_synced_runs"] == 1
+    assert r["resident_tpot_ms"] > 0 and r["resident_synced_tpot_ms"] > 0 and r["experts"] == "eager"
     md, png = write(r, tmp_path / "gpu.json")
     assert "draft+prediction" in md.read_text() and png.stat().st_size > 0
+    assert "on the device alone" in md.read_text()
 
 
 def test_reuse_table_comes_from_the_models_adapter(tiny_models, stores, tmp_path):
@@ -312,8 +315,61 @@ def test_reuse_table_comes_from_the_models_adapter(tiny_models, stores, tmp_path
     r = run_gpu_bench(tiny_models["qwen3_moe"], store=stores["qwen3_moe"], adapter=ad,
                       policies=parse_policies("on-demand+lru,on-demand+reuse,adapter+reuse"), fractions=[0.25],
                       prompts=1, prompt_tokens=8, new_tokens=6, repeats=1, ks=(2,), device="cpu", log=lambda s: None)
+    # the adapter has next-visit heads (train's default): adapter+reuse also runs without them
     assert r["tokens_match_transformers"] and {x["policy"] for x in r["rows"]} == {
-        "on-demand+lru", "on-demand+reuse", "adapter+reuse"}
+        "on-demand+lru", "on-demand+reuse", "adapter+reuse", "adapter+reuse next-visit=off"}
+
+
+def test_reuse_eviction_reads_the_adapters_next_visit_heads(tiny_models, stores, tmp_path, monkeypatch):
+    """adapter+reuse on the GPU tier hands the reuse history each MoE layer's predicted next visit after
+    every decode layer: the 2k largest logits of the adapter's horizon-L head on that layer's router
+    input, for the step L later; --no-next-visit (RunConfig.next_visit) and the prediction eviction
+    hand none; the tokens are the same either way."""
+    from adapters.train import TrainConfig, train_adapter
+    from conftest import HELDOUT
+    from toolkit.runtime import reuse as reuse_mod
+    from toolkit.runtime.gpu_bench import gpu_predictors, gpu_reuse_table
+    from toolkit.runtime.planner import RoutingState
+    from toolkit.traces.capture import TraceSettings, run_trace
+
+    s = TraceSettings(max_sequences=8, prompt_tokens=24, decode_tokens=4, heldout_frac=0.25, shard_tokens=200)
+    trace = run_trace(tiny_models["qwen3_moe"], [HELDOUT], tmp_path / "t", s, progress=False)
+    ad = tmp_path / "a"
+    train_adapter(trace, ad, TrainConfig(steps=5, val_every=5, batch_size=32, rank=4), progress=False)
+    spec = inspect_model_dir(tiny_models["qwen3_moe"])
+    preds = gpu_predictors(spec, {"adapter"}, ad)
+    assert preds["adapter"].next_visit
+    eng = GpuEngine(load_model(tiny_models["qwen3_moe"], dtype="float32"), ExpertStore(stores["qwen3_moe"], spec),
+                    RunConfig(policy=Policy.parse("adapter+reuse"), pool_mib=64.0), device="cpu", predictors=preds,
+                    reuse=gpu_reuse_table(spec, ["reuse"], ad))
+    eng.configure(pool_mib=_pool_mib(eng, 0.25))
+    calls = []
+    real = reuse_mod.ReuseHistory.set_next_visit
+    monkeypatch.setattr(reuse_mod.ReuseHistory, "set_next_visit",
+                        lambda self, li, target, experts: (calls.append((li, target, list(experts))),
+                                                           real(self, li, target, experts))[1])
+    inputs = []
+    real_record = RoutingState.record
+    monkeypatch.setattr(RoutingState, "record",
+                        lambda self, li, x, ids: (inputs.append((li, x.reshape(-1).float().clone())),
+                                                  real_record(self, li, x, ids))[1])
+    prompt = list(range(5, 17))
+    g = eng.run(prompt, 6)
+    L, k = eng.L, eng.k
+    assert len(calls) == L * (len(g.tokens) - 1) == len(inputs)
+    ad_pred = preds["adapter"]
+    for (li, _, experts), (li2, x) in zip(calls, inputs):
+        assert li == li2
+        want = reuse_mod.next_visit_experts(ad_pred.adapter.logits(ad_pred.bank, x[None], li, L)[0], 2 * k).tolist()
+        assert experts == want
+    # decode position p = len(prompt) + j, layer li: step p * L + li, its next visit L steps later
+    assert [t for _, t, _ in calls] == [(len(prompt) + j) * L + li + L for j in range(len(g.tokens) - 1)
+                                        for li in range(L)]
+    for changes in ({"next_visit": False}, {"policy": Policy.parse("adapter+prediction")}):
+        calls.clear()
+        eng.configure(**changes)
+        assert eng.run(prompt, 6).tokens == g.tokens
+        assert calls == [], changes
 
 
 @CUDA
@@ -524,7 +580,8 @@ TIMING = ("late", "wait_s")   # scheduler counts that depend on when a copy land
 @CUDA
 @pytest.mark.parametrize("fam", ["qwen3_moe", "mixtral"])
 def test_graph_decode_equals_eager_static_on_cuda(tiny_models, stores, fam):
-    """CUDA graphs replay what the eager static decoder computes: same tokens, same copies, every policy."""
+    """CUDA graphs replay what the eager static decoder computes: same tokens, same copies, every policy
+    (the graphs' experts by the fused slot kernel, the eager decoder's by transformers' loop)."""
     prompt = list(range(5, 17))
     want = _reference(tiny_models[fam], prompt, 16, "cuda", "float16")
     eng = _engine(tiny_models[fam], stores[fam], "on-demand+lru", 0.1, "cuda", dtype="float16")
@@ -546,6 +603,11 @@ def test_graph_decode_equals_eager_static_on_cuda(tiny_models, stores, fam):
             logical = lambda c: {k: v for k, v in c.items() if k not in TIMING}  # noqa: E731
             assert logical(g.stats.counts) == logical(s.stats.counts), (fam, policy, frac)
             assert g.stats.counts["bytes_read"] > 0
+    # every expert resident, decoded as one graph per token (slots looked up on the device)
+    eng.configure(policy=Policy.parse("on-demand+lru"), pool_mib=_pool_mib(eng, 1.0))
+    assert eng.experts == "fused"
+    for resident_graph in (False, True):
+        assert eng.generate(prompt, 16, preload=True, resident_graph=resident_graph).tokens == want, resident_graph
 
 
 # -- sliding-window models, cuda:N, the slot arena, the host reads, the report -------------------------
@@ -699,8 +761,8 @@ def test_markdown_flags_differing_tokens(tiny_models, stores):
 
 
 def test_cli_bench_cuda_options_pass_through(tiny_models, stores, tmp_path, monkeypatch):
-    """`bench gpu --decode D --report-mismatches` reaches run_gpu_bench; --decode is validated, and
-    neither option exists in `bench cpu`."""
+    """`bench gpu --decode D --experts X --report-mismatches` reaches run_gpu_bench; --decode is
+    validated, and none of them exists in `bench cpu`."""
     from click.testing import CliRunner
 
     from toolkit.cli import main
@@ -717,15 +779,93 @@ def test_cli_bench_cuda_options_pass_through(tiny_models, stores, tmp_path, monk
     monkeypatch.setattr(gpu_bench, "markdown", lambda r: "table")
     model = str(tiny_models["qwen3_moe"])
     base = ["bench", "gpu", model, "--store", str(stores["qwen3_moe"]), "--json", str(tmp_path / "b.json")]
-    r = CliRunner().invoke(main, base + ["--decode", "static", "--report-mismatches"])
+    r = CliRunner().invoke(main, base + ["--decode", "static", "--experts", "fused", "--report-mismatches"])
     assert r.exit_code == 0, r.output
-    assert seen["decode"] == "static" and seen["strict"] is False
+    assert seen["decode"] == "static" and seen["experts"] == "fused" and seen["strict"] is False
     seen.clear()
     r = CliRunner().invoke(main, base + ["--overwrite"])
     assert r.exit_code == 0, r.output
-    assert seen["decode"] is None and seen["strict"] is True
+    assert seen["decode"] is None and seen["experts"] is None and seen["strict"] is True
     r = CliRunner().invoke(main, base + ["--decode", "fast", "--overwrite"])
     assert r.exit_code == 2 and "fast" in r.output
-    for extra in (["--decode", "graph"], ["--report-mismatches"]):
+    for extra in (["--decode", "graph"], ["--experts", "fused"], ["--report-mismatches"]):
         r = CliRunner().invoke(main, ["bench", "cpu", model, "--json", str(tmp_path / "c.json"), *extra])
         assert r.exit_code == 2 and "No such option" in r.output and extra[0] in r.output, r.output
+
+
+# -- the fused expert GEMV and the device-resident decode --------------------------------------------
+@pytest.mark.parametrize("fam", ["qwen3_moe", "mixtral"])
+def test_fused_experts_and_the_device_resident_decode(tiny_models, stores, fam):
+    """The fused expert path (slots read in place: its torch reference on the CPU) decodes the eager
+    path's tokens with the same copies; with every expert resident, the device-only decode (slots
+    looked up on the device, one host wait per token) gives the same tokens and routing as the
+    host-synced one."""
+    prompt = list(range(5, 17))
+    spec = inspect_model_dir(tiny_models[fam])
+    bank = load_router_bank(spec)
+    E = spec.geometry.routing.num_experts
+    preds = {"next-gate": build_predictor("next-gate", num_experts=E, bank=lambda: bank)}
+    fused = GpuEngine(load_model(tiny_models[fam], dtype="float32"), ExpertStore(stores[fam], spec),
+                      RunConfig(policy=Policy.parse("on-demand+lru"), pool_mib=64.0), device="cpu",
+                      predictors=preds, experts="fused")
+    eager = _engine(tiny_models[fam], stores[fam], "on-demand+lru", 0.25, "cpu")
+    assert (fused.experts, eager.experts) == ("fused", "eager")
+    for policy in ("on-demand+lru", "next-gate+prediction"):
+        for e in (fused, eager):
+            e.configure(policy=Policy.parse(policy), pool_mib=_pool_mib(e, 0.25))
+        a, b = fused.run(prompt, 14), eager.run(prompt, 14)
+        assert a.tokens == b.tokens, policy
+        assert a.stats.counts == b.stats.counts and a.stats.counts["bytes_read"] > 0, policy
+    fused.configure(policy=Policy.parse("on-demand+lru"), pool_mib=_pool_mib(fused, 1.0))
+    synced = fused.generate(prompt, 14, preload=True)
+    runner = fused._graph_runner(len(prompt) + 14 + 8 + 1)
+    runner.host_waits = 0
+    alone = fused.generate(prompt, 14, preload=True, resident_graph=True)
+    assert alone.tokens == synced.tokens == b.tokens
+    assert [r.tolist() for r in alone.routing] == [r.tolist() for r in synced.routing]
+    assert runner.host_waits == len(alone.tokens) - 1            # one per decoded token, none per layer
+    assert alone.stats.counts["bytes_read"] == synced.stats.counts["bytes_read"] == 0
+    with pytest.raises(SpecPrefetchError, match="needs preload"):
+        fused.generate(prompt, 4, resident_graph=True)
+    fused.configure(policy=Policy.parse("next-gate+prediction"))
+    with pytest.raises(SpecPrefetchError, match="on-demand policy"):
+        fused.generate(prompt, 4, preload=True, resident_graph=True)
+
+
+def test_experts_option_is_validated(tiny_models, stores):
+    spec = inspect_model_dir(tiny_models["qwen3_moe"])
+    for decode, experts, msg in (("static", "tiled", "expected eager or fused"),
+                                 ("modules", "fused", "only the static decoder")):
+        with pytest.raises(SpecPrefetchError, match=msg):
+            GpuEngine(load_model(tiny_models["qwen3_moe"]), ExpertStore(stores["qwen3_moe"], spec),
+                      RunConfig(policy=Policy("on-demand", "lru"), pool_mib=1.0), device="cpu", decode=decode,
+                      experts=experts)
+
+
+def test_triton_slot_kernel_matches_the_reference():
+    """The fp16 slot GEMV (Triton) against its torch reference: on CUDA, or through Triton's interpreter
+    on the CPU (TRITON_INTERPRET=1 set before triton is imported) where Triton is installed."""
+    import os
+
+    from toolkit.runtime import gpu_kernels as K
+
+    if K.triton is None:
+        pytest.skip("no triton")
+    cuda = torch.cuda.is_available()
+    if not cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no CUDA device and Triton's interpreter is off")
+    dev = "cuda" if cuda else "cpu"
+    g = torch.Generator(device=dev).manual_seed(2)
+    shapes = ((6, 96, 64), (8, 3072, 1024), (5, 1024, 1536), (4, 70, 40)) if cuda else ((6, 40, 24), (5, 17, 300))
+    for C, O, N in shapes:
+        pad = 7                                   # the matrix sits inside each slot at an offset
+        arena = torch.randn(C, pad + O * N + 3, device=dev, generator=g).half()
+        w = arena[:, pad:pad + O * N].view(C, O, N)
+        slots = torch.randperm(C, device=dev, generator=g)[:4]
+        for rows in (1, 4):
+            x = torch.randn(rows, N, device=dev, generator=g).half()
+            want = K.slot_gemv_torch(w, slots, x).float()
+            got = K.slot_gemv(w, slots, x, use_triton=True).float()
+            assert got.dtype == want.dtype
+            err = ((got - want).norm() / want.norm()).item()
+            assert err < 2e-3, (C, O, N, rows, err)

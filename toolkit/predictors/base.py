@@ -23,11 +23,18 @@ class Predictor:
     routes_ahead: `prepare(tokens)` must run over the whole sequence before its scores are read (the
         draft), so the run needs a recorded first pass.
     reads_future: its scores are the recorded routing itself (the oracle).
+    next_visit: `next_visit_logits(x, i)` predicts MoE layer i's routing at the next token from layer
+        i's router input (the adapter's next-visit heads), which the reuse eviction reads.
     """
     name: str = "predictor"
     linear: bool = False
     routes_ahead: bool = False
     reads_future: bool = False
+    next_visit: bool = False
+
+    def next_visit_logits(self, x: torch.Tensor, i: int) -> torch.Tensor:
+        """Logits [B, E] of MoE layer i at the next token, from layer i's router input x [B, H]."""
+        raise NotImplementedError
 
     def params(self) -> int:
         """Parameters this predictor adds on top of the model (0 for training-free ones)."""
@@ -151,6 +158,14 @@ class AdapterPredictor(Predictor):
 
     def params(self) -> int:
         return self.adapter.params()
+
+    @property
+    def next_visit(self) -> bool:
+        return bool(getattr(self.adapter, "next_visit", False))
+
+    @torch.no_grad()
+    def next_visit_logits(self, x: torch.Tensor, i: int) -> torch.Tensor:
+        return self.adapter.logits(self.bank, x, i, self.bank.num_layers)
 
     @torch.no_grad()
     def effective_router(self, i: int, h: int) -> tuple[torch.Tensor, int]:

@@ -414,6 +414,7 @@ class GpuSequence:
     marks: tuple[int, int] = (0, 0)  # (copies, stalls) at the first token: decode figures count from there
     pos: int = 0                     # the first position of the pass running now (its routing is recorded there)
     routing: dict[int, list[list[int]]] = dataclasses.field(default_factory=dict)   # position -> per-layer top-k
+    resident: bool = False           # every expert preloaded: decode on the device alone (decode_resident)
     draft_counts: list[list[float]] | None = None   # during a speculative round: the draft's routing [L][E]
     draft_dirty: set[int] = dataclasses.field(default_factory=set)   # layers counted since the last plan
     spec: SpecStats = dataclasses.field(default_factory=SpecStats)  # speculative rounds, proposed, accepted
@@ -471,7 +472,8 @@ class GpuEngine:
 
     def __init__(self, lm, store: ExpertStore, cfg: RunConfig, *, device: str = "cuda",
                  predictors: dict[str, Any] | None = None, reuse: ReuseTable | None = None,
-                 with_draft: bool = False, progress=None, decode: str | None = None):
+                 with_draft: bool = False, progress=None, decode: str | None = None,
+                 experts: str | None = None):
         """
         Args:
             lm: a LoadedModel on the CPU (toolkit.models.loader.load_model); its routed experts are
@@ -485,6 +487,11 @@ class GpuEngine:
                 CUDA graphs, toolkit/runtime/gpu_graph.py; the default on CUDA), "static" (the same
                 functions run eagerly; the default on the CPU) or "modules" (transformers' own modules
                 and DynamicCache every step). Families the static decoder does not cover use "modules".
+            experts: how the static decoder computes the routed experts from the slots: "fused" (a
+                grouped fp16 GEMV reading each expert where it lies, gpu_kernels.slot_gemv: Triton on
+                CUDA; the default with `graph` on an fp16 model) or "eager" (the slots gathered, then
+                transformers' eager expert loop: bitwise transformers' expert arithmetic; the default
+                otherwise).
         """
         if store.dtype != "fp16":
             raise SpecPrefetchError(f"{store.path}: the GPU tier computes from fp16 experts; this store is "
@@ -537,6 +544,12 @@ class GpuEngine:
         if decode == "graph" and not self.dev.cuda:
             raise SpecPrefetchError("--decode graph: CUDA graphs need a CUDA device")
         self.decode = decode or ("modules" if why is not None else "graph" if self.dev.cuda else "static")
+        if experts not in (None, "eager", "fused"):
+            raise SpecPrefetchError(f"experts {experts!r}: expected eager or fused")
+        if experts is not None and self.decode == "modules":
+            raise SpecPrefetchError(f"--experts {experts}: only the static decoder (--decode graph or static) "
+                                    "computes experts from the slots")
+        self.experts = experts or ("fused" if self.decode == "graph" and self.dtype == torch.float16 else "eager")
         self._runners: dict[int, Any] = {}   # pool capacity -> GraphRunner (its own slot arena)
         self.configure()
 
@@ -647,7 +660,7 @@ class GpuEngine:
     # -- decoding: a sequence through its phases -------------------------------------------------
     @torch.no_grad()
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, *, recorded: GpuGeneration | None = None,
-                 k: int = 8, preload: bool = False, images=None) -> GpuGeneration:
+                 k: int = 8, preload: bool = False, resident_graph: bool = False, images=None) -> GpuGeneration:
         """Greedy decoding of up to `max_new_tokens` tokens (stopping after EOS), with the engine's
         device as the current CUDA device throughout (cuda:N): `prefill`, then `decode_one` per token,
         or, for the draft policy, the draft's own prefill and `speculative_round`s.
@@ -656,12 +669,15 @@ class GpuEngine:
             recorded: an earlier run of this prompt: the oracle's and Belady's future.
             k: draft tokens per round (the draft policy).
             preload: copy every expert into the pool before decoding (needs a pool of all experts):
-                the all-resident upper bound.
+                the all-resident upper bound, decoded as every policy decodes (one host sync per MoE layer).
+            resident_graph: with `preload`, decode on the device alone (one graph per token, no host
+                sync per layer): the model's own device-bound cost, the bound of the sync-per-layer design.
         """
         if images is not None:  # the CPU runner's `record` passes its images argument through
             raise SpecPrefetchError("the GPU tier runs text prompts (images: the CPU engines)")
         with self.dev.scope():
-            s = self.sequence(prompt_ids, max_new_tokens, recorded=recorded, k=k, preload=preload)
+            s = self.sequence(prompt_ids, max_new_tokens, recorded=recorded, k=k, preload=preload,
+                              resident_graph=resident_graph)
             self.prefill(s)
             speculative = self.cfg.policy.predictor == "draft"
             if speculative and not s.done:
@@ -674,11 +690,13 @@ class GpuEngine:
             return self._finish(s, k)
 
     def sequence(self, prompt_ids: Sequence[int], max_new_tokens: int, *, recorded: GpuGeneration | None = None,
-                 k: int = 8, preload: bool = False) -> GpuSequence:
+                 k: int = 8, preload: bool = False, resident_graph: bool = False) -> GpuSequence:
         """A new sequence of this prompt under the engine's configuration: its caches (the static
         decoder's sized for rounds of `k` draft tokens), slot IO, pool, scheduler and planner; with
-        `preload`, every expert copied into the pool first. The phases below run it, inside
-        `generate` (its device scope, no autograd)."""
+        `preload`, every expert copied into the pool first, and with `resident_graph` too, decode
+        without the host in the loop (GraphRunner.decode_resident: one graph per token, the slots
+        looked up on the device; the static decoder and the on-demand policy only). The phases below
+        run it, inside `generate` (its device scope, no autograd)."""
         from transformers import DynamicCache
 
         cfg = self.cfg
@@ -688,6 +706,8 @@ class GpuEngine:
             raise SpecPrefetchError(f"--max-new-tokens {max_new_tokens}: must be >= 1")
         if cfg.policy.needs_future and recorded is None:
             raise SpecPrefetchError(f"--policy {cfg.policy.name}: needs a recorded first pass (run() does it)")
+        if resident_graph and (not preload or self.decode == "modules" or cfg.policy.predictor != "on-demand"):
+            raise SpecPrefetchError("resident_graph: needs preload, the static decoder and the on-demand policy")
         L = self.L
         runner = self._graph_runner(len(prompt_ids) + max_new_tokens + k + 1) if self.decode != "modules" else None
         io = CudaCopyIO(self.host, self.capacity, self.dev, slots=runner.slots if runner is not None else None)
@@ -695,8 +715,9 @@ class GpuEngine:
         future = recorded.routing if recorded is not None else None
         planner = None
         if source is not None and cfg.policy.predictor != "draft":
+            # the reuse eviction reads the adapter's next-visit heads where it has them (--no-next-visit: not)
             planner = PrefetchPlanner(source, num_layers=L, window=cfg.window, routing=self.spec.geometry.routing,
-                                      score_bias=None)
+                                      score_bias=None, next_visit=cfg.next_visit and cfg.policy.eviction == "reuse")
         state = RoutingState(L, self.spec.geometry.hidden_size, self.k)
         state.future = future
         prefetch = planner is not None or cfg.policy.predictor == "draft"
@@ -716,12 +737,15 @@ class GpuEngine:
                     slot.ready = slot.demand = True
                     io.submit((li, e), demand=True)
             self.dev.sync()
+            if resident_graph:
+                runner.load_slot_map(io.where)
         # plain DynamicCaches keep every position: a config-built one keeps only the last window - 1 on
         # sliding-window layers, which the static cache cannot be loaded from and `crop` cannot roll back
         # (the model's mask applies the window either way)
         return GpuSequence(ids=list(prompt_ids), n_prompt=len(prompt_ids), max_new=max_new_tokens,
                            eos=frozenset(self._eos()), L=L, io=io, pool=pool, sched=sched, planner=planner,
-                           state=state, runner=runner, cache=DynamicCache(), account=DecodeAccount())
+                           state=state, runner=runner, cache=DynamicCache(), account=DecodeAccount(),
+                           resident=resident_graph)
 
     def prefill(self, s: GpuSequence) -> None:
         """The prompt in one pass through transformers' modules (its experts in chunks that fit the
@@ -760,7 +784,9 @@ class GpuEngine:
         s.pos = pos
         if s.planner is not None:
             s.state.pos = pos
-        if s.runner is not None:
+        if s.resident:
+            nxt = s.runner.decode_resident(s, s.ids[-1], pos)
+        elif s.runner is not None:
             nxt = s.runner.decode(s, s.ids[-1], pos)
         else:
             nxt = int(self._forward(s, s.cache, [s.ids[-1]], pos)[-1].argmax())

@@ -4,9 +4,12 @@
 For each pool (a fraction of all experts), every policy runs every prompt, interleaved over repeats
 (A B C, C B A, ...), after a warm-up; TPOT comes from CUDA events. In the same run: the pinned
 host -> GPU bandwidth (the floor of every copy), the all-resident upper bound (every expert preloaded
-into the pool), transformers' own generate with the whole model on the GPU, and the draft's K picked
-by a short profiling pass per pool (Specter's profiler). Every run's tokens are checked against
-transformers' greedy tokens before any time is quoted.
+into the pool) twice: decoded on the device alone (one graph per token, the slots looked up on the
+device) and as every policy decodes (one host sync per MoE layer), transformers' own generate with
+the whole model on the GPU, and the draft's K picked by a short profiling pass per pool (Specter's
+profiler). Where the adapter has next-visit heads, each `+reuse` policy that reads them also runs
+without them (`POLICY next-visit=off`). Every run's tokens are checked against transformers' greedy
+tokens before any time is quoted.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from toolkit.metrics import median
 from toolkit.runtime.policy import Policy
 
 MiB = 2**20
+NO_NEXT_VISIT = " next-visit=off"   # the row of a +reuse policy run without the adapter's next-visit heads
 
 
 def _prompts(tokenizer, n: int, tokens: int, data: Path | None) -> list[list[int]]:
@@ -125,9 +129,10 @@ def token_read_bytes(eng) -> int:
 def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None, policies: list[Policy],
                   fractions: list[float], prompts: int = 4, prompt_tokens: int = 64, new_tokens: int = 64,
                   repeats: int = 2, ks: tuple[int, ...] = (2, 4, 6, 8, 12), device: str = "cuda",
-                  window: int = 2, data: Path | None = None, decode: str | None = None, strict: bool = True,
+                  window: int = 2, data: Path | None = None, decode: str | None = None,
+                  experts: str | None = None, strict: bool = True,
                   log: Callable[[str], None] = print) -> dict[str, Any]:
-    """`decode`: the engine's decode path (graph on CUDA by default; gpu.GpuEngine). `strict`: refuse to
+    """`decode`, `experts`: the engine's decode path and expert math (gpu.GpuEngine). `strict`: refuse to
     report when any run's tokens differ from transformers' (the default); False returns the figures
     with `tokens_match_transformers: false` and the differing runs listed, for diagnosis only."""
     from toolkit.models.loader import inspect_model_dir, load_model
@@ -160,25 +165,37 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
     eng = GpuEngine(lm, st, RunConfig(policy=Policy("on-demand", "lru"), pool_mib=all_mib, window=window),
                     device=device, predictors=preds, reuse=reuse,
                     with_draft=any(p.predictor == "draft" for p in policies),
-                    decode=decode,
+                    decode=decode, experts=experts,
                     progress=lambda i, n: log(f"host tier: layer {i}/{n} read") if i == n else None)
     log(f"model {spec.path}: {L} MoE layers x {E} experts of {st.blob_size / MiB:.2f} MiB "
         f"({all_mib:.0f} MiB of experts), dense {eng.dense_bytes / MiB:.0f} MiB on the GPU")
     rows: list[dict[str, Any]] = []
     mismatches: list[str] = []
 
-    def one(pol: Policy, mib: float, p: int, *, k: int = 8, preload: bool = False, recorded=None):
-        eng.configure(policy=pol, pool_mib=mib)
-        r = eng.generate(ids[p], new_tokens, recorded=recorded, k=k, preload=preload)
+    def one(pol: Policy, mib: float, p: int, *, k: int = 8, preload: bool = False, resident_graph: bool = False,
+            recorded=None, next_visit: bool = True):
+        eng.configure(policy=pol, pool_mib=mib, next_visit=next_visit)
+        r = eng.generate(ids[p], new_tokens, recorded=recorded, k=k, preload=preload, resident_graph=resident_graph)
         if r.tokens != ref_tokens[p]:
-            log(f"TOKENS DIFFER: {pol.name} pool {mib:.0f} MiB prompt {p}")
-            mismatches.append(f"{pol.name} pool {mib:.0f} MiB prompt {p}")
+            name = pol.name + ("" if next_visit else NO_NEXT_VISIT) + (" (resident)" if preload else "")
+            log(f"TOKENS DIFFER: {name} pool {mib:.0f} MiB prompt {p}")
+            mismatches.append(f"{name} pool {mib:.0f} MiB prompt {p}")
         return r
+
+    # the rows: (label, policy, next_visit); a +reuse policy whose predictor has next-visit heads also
+    # runs without them
+    variants = [(pol.name, pol, True) for pol in policies]
+    variants += [(pol.name + NO_NEXT_VISIT, pol, False) for pol in policies
+                 if pol.eviction == "reuse" and getattr(preds.get(pol.predictor), "next_visit", False)]
 
     # the oracle's future: one recorded pass per prompt (routing does not depend on the policy)
     recorded = {p: eng.record(ids[p], new_tokens) for p in range(len(ids))}
-    RESIDENT = "all resident"   # the upper bound: every expert preloaded, nothing copied while decoding
+    # the upper bound: every expert preloaded, nothing copied while decoding; on the device alone (one
+    # graph per token) where the static decoder runs, and as the policies decode (a host sync per layer)
+    RESIDENT, SYNCED = "all resident", "all resident, synced"
+    alone = eng.decode != "modules"
     resident_runs: list = []
+    synced_runs: list = []
     ks_by_pool: dict[float, dict[str, Any]] = {}
     drafts = [p for p in policies if p.predictor == "draft"]
     for frac in fractions:
@@ -186,8 +203,10 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
         mib = slots * st.blob_size / MiB + 1e-9
         # warm-up: every path once (the resident preload, each policy, the draft at every K)
         one(Policy("on-demand", "lru"), all_mib, 0, preload=True)
-        for pol in policies:
-            one(pol, mib, 0, k=ks[0], recorded=recorded[0])
+        if alone:
+            one(Policy("on-demand", "lru"), all_mib, 0, preload=True, resident_graph=True)
+        for _, pol, nv in variants:
+            one(pol, mib, 0, k=ks[0], recorded=recorded[0], next_visit=nv)
         if drafts:
             prof = {}
             for k in ks:   # Specter's profiler: short runs per K on the first prompt, fastest (median) wins
@@ -195,21 +214,23 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
             best = min(prof, key=prof.get)
             ks_by_pool[frac] = {"k": best, "profile_tpot_ms": prof}
             log(f"pool {frac:.0%}: draft K profile {', '.join(f'{k}: {v:.2f}' for k, v in prof.items())} -> K={best}")
-        runs: dict[str, list] = {p.name: [] for p in policies}
-        entries = [*policies, RESIDENT]
+        runs: dict[str, list] = {label: [] for label, _, _ in variants}
+        entries = [*variants, SYNCED] + ([RESIDENT] if alone else [])
         for rep in range(repeats):
             order = entries if rep % 2 == 0 else entries[::-1]
             for p in range(len(ids)):
-                for pol in order:
-                    if pol == RESIDENT:
-                        resident_runs.append(one(Policy("on-demand", "lru"), all_mib, p, preload=True))
+                for entry in order:
+                    if entry in (RESIDENT, SYNCED):
+                        r = one(Policy("on-demand", "lru"), all_mib, p, preload=True, resident_graph=entry == RESIDENT)
+                        (resident_runs if entry == RESIDENT else synced_runs).append(r)
                         continue
-                    r = one(pol, mib, p, k=ks_by_pool.get(frac, {}).get("k", 8), recorded=recorded[p])
-                    runs[pol.name].append(r)
-        for pol in policies:
-            rs = runs[pol.name]
+                    label, pol, nv = entry
+                    r = one(pol, mib, p, k=ks_by_pool.get(frac, {}).get("k", 8), recorded=recorded[p], next_visit=nv)
+                    runs[label].append(r)
+        for label, pol, _ in variants:
+            rs = runs[label]
             med = lambda f: median((f(r) for r in rs), ndigits=None)  # noqa: E731
-            row = {"policy": pol.name, "pool_fraction": frac, "pool_slots": slots, "pool_mib": round(mib, 1),
+            row = {"policy": label, "pool_fraction": frac, "pool_slots": slots, "pool_mib": round(mib, 1),
                    "tpot_ms": round(med(lambda r: r.stats.tpot_ms), 3),
                    "tpot_p95_ms": round(med(lambda r: r.stats.tpot_p95_ms), 3),
                    "hit_rate": round(med(lambda r: r.stats.hit_rate), 4),
@@ -228,11 +249,12 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
                             "verify_ms_per_token": round(med(lambda r: r.extra["verify_ms_per_token"]), 3),
                             "draft_mib": round(eng.draft_bytes / MiB, 1)})
             rows.append(row)
-            log(f"pool {frac:.0%} {pol.name}: TPOT {row['tpot_ms']:.3f} ms, hit {row['hit_rate']:.3f}, "
+            log(f"pool {frac:.0%} {label}: TPOT {row['tpot_ms']:.3f} ms, hit {row['hit_rate']:.3f}, "
                 f"{row['pcie_mib_per_token']:.1f} MiB/token over PCIe, stall {row['stall_ms_per_token']:.3f} ms/token")
-    resident_tpot = median((r.stats.tpot_ms for r in resident_runs), ndigits=None)
-    log(f"all experts resident: TPOT {resident_tpot:.3f} ms; transformers generate {ref_tpot:.3f} ms per new token "
-        "(wall clock, prefill included)")
+    synced_tpot = median((r.stats.tpot_ms for r in synced_runs), ndigits=None)
+    resident_tpot = median((r.stats.tpot_ms for r in resident_runs), ndigits=None) if alone else synced_tpot
+    log(f"all experts resident: TPOT {resident_tpot:.3f} ms on the device alone, {synced_tpot:.3f} ms with a host sync "
+        f"per MoE layer; transformers generate {ref_tpot:.3f} ms per new token (wall clock, prefill included)")
     bw1 = h2d_bandwidth(dev) if dev.cuda else None
     bw = statistics.mean([b for b in (bw0, bw1) if b]) if dev.cuda else None
     for row in rows:
@@ -257,9 +279,15 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
         "device": torch.cuda.get_device_name(dev.device) if dev.cuda else "cpu",
         "torch": torch.__version__, "prompts": len(ids), "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
         "repeats": repeats, "h2d_gbps": {"start": bw0, "end": bw1},
-        "resident_tpot_ms": round(resident_tpot, 3), "resident_runs": len(resident_runs),
+        # every expert resident: on the device alone (one graph per token; the policies' path where the
+        # decoder is transformers' modules) and with the policies' host sync per MoE layer
+        "resident_tpot_ms": round(resident_tpot, 3), "resident_runs": len(resident_runs) or len(synced_runs),
+        "resident_device_alone": alone,
+        "resident_synced_tpot_ms": round(synced_tpot, 3), "resident_synced_runs": len(synced_runs),
         "hbm_gbps": hbm, "hbm_floor_bytes": token_bytes, "hbm_floor_ms": hbm_floor, "decode": eng.decode,
+        "experts": eng.experts,
         "resident_vs_floor": round(resident_tpot / hbm_floor, 2) if hbm_floor else None,
+        "resident_synced_vs_floor": round(synced_tpot / hbm_floor, 2) if hbm_floor else None,
         "transformers_ms_per_token_wall": round(ref_tpot, 3),
         "draft_k": {str(k): v for k, v in ks_by_pool.items()}, "tokens_match_transformers": not mismatches,
         "mismatches": mismatches,
@@ -269,6 +297,8 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
 
 def markdown(r: dict[str, Any]) -> str:
     m = r["model"]
+    alone = (f" on the device alone, {r['resident_synced_tpot_ms']} ms with a host sync per MoE layer"
+             if r.get("resident_device_alone") else "")
     lines = []
     if not r.get("tokens_match_transformers", True):
         bad = r.get("mismatches") or []
@@ -277,8 +307,9 @@ def markdown(r: dict[str, Any]) -> str:
                   + ": these figures are for diagnosis only, not a measurement.**", ""]
     lines += [f"GPU tier on {r['device']}: {m['family']}, {m['moe_layers']} MoE layers x {m['experts']} experts "
               f"(top-{m['top_k']}) of {m['expert_mib']} MiB; H2D {_bw(r)} GB/s; all resident "
-              f"{r['resident_tpot_ms']} ms/token (TPOT, interleaved with the policies; HBM floor "
-              f"{_f(r.get('hbm_floor_ms'))} ms), decode {r.get('decode', 'modules')}, transformers generate "
+              f"{r['resident_tpot_ms']} ms/token{alone} (TPOT, interleaved with the policies; HBM floor "
+              f"{_f(r.get('hbm_floor_ms'))} ms), decode {r.get('decode', 'modules')}, experts "
+              f"{r.get('experts', 'eager')}, transformers generate "
               f"{r['transformers_ms_per_token_wall']} ms per new token (wall clock, prefill included)", "",
               "| pool | policy | TPOT ms | p95 | x on-demand | / oracle | hit | PCIe MiB/tok | floor ms | stall ms/tok "
               "| copy ms/tok | K | accept | draft ms/tok | GPU expert MiB | slot arena MiB |",
@@ -313,6 +344,9 @@ def plot(r: dict[str, Any], path: Path) -> None:
         xs = [x for x in r["rows"] if x["policy"] == pol]
         ax.plot([100 * x["pool_fraction"] for x in xs], [x["tpot_ms"] for x in xs], marker="o", label=pol)
     ax.axhline(r["resident_tpot_ms"], color="k", ls="--", lw=1, label="all experts resident")
+    if r.get("resident_device_alone"):
+        ax.axhline(r["resident_synced_tpot_ms"], color="grey", ls=":", lw=1,
+                   label="all experts resident, a host sync per layer")
     ax.set_xlabel("GPU pool (% of the experts)")
     ax.set_ylabel("TPOT (ms)")
     ax.set_title(f"GPU tier, {r['device']}")
@@ -344,6 +378,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--draft-k", default="2,4,6,8,12")
     ap.add_argument("--decode", choices=["graph", "static", "modules"], default=None)
+    ap.add_argument("--experts", choices=["fused", "eager"], default=None,
+                    help="the static decoder's expert math (default: fused with --decode graph on fp16, else eager)")
     ap.add_argument("--data", type=Path, help="prompts: a JSONL of {\"text\"} (default: the embedded held-out text)")
     ap.add_argument("--report-mismatches", action="store_true",
                     help="write the figures even if some run's tokens differ from transformers' (marked so)")
@@ -352,7 +388,8 @@ def main(argv: list[str] | None = None) -> None:
     r = run_gpu_bench(a.model, store=a.store, adapter=a.adapter, policies=parse_policies(a.policies),
                       fractions=[float(x) for x in a.fractions.split(",")], prompts=a.prompts,
                       prompt_tokens=a.prompt_tokens, new_tokens=a.new_tokens, repeats=a.repeats, device=a.device,
-                      ks=tuple(int(x) for x in a.draft_k.split(",")), decode=a.decode, data=a.data,
+                      ks=tuple(int(x) for x in a.draft_k.split(",")), decode=a.decode, experts=a.experts,
+                      data=a.data,
                       strict=not a.report_mismatches)
     md, png = write(r, a.json)
     print(md.read_text())

@@ -163,7 +163,7 @@ print("split:", json.dumps(out))
 PY
       pack ;;
     tests)
-      timeout 240 python -m pytest -q -x -p no:cacheprovider tests/test_gpu_tier.py tests/test_cuda.py -k "cuda or triton or reuse or split" 2>&1 | tail -8 | tee -a "$L" || fail "tests" ;;
+      timeout 240 python -m pytest -q -rf -p no:cacheprovider tests/test_gpu_tier.py tests/test_cuda.py -k "cuda or triton or reuse or split or fused or resident" 2>&1 | tail -20 | tee -a "$L" || fail "tests" ;;
     *) fail "unknown stage '$st' (base, wide, split, tests)"; exit 2 ;;
   esac
 done

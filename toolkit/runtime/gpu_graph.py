@@ -219,6 +219,30 @@ class PooledExpertMath:
         return out
 
 
+class FusedExpertMath(PooledExpertMath):
+    """The same expert math with each expert's matrices read straight from its slot by the grouped fp16
+    GEMV (gpu_kernels.slot_gemv, Triton on CUDA): no gathered copy, so each routed expert byte is read
+    once per token (the HBM floor's count), and two GEMV launches per MoE layer for the k experts.
+    Accumulation order differs from cuBLAS' (fp32 either way, each projection's output rounded to the
+    model's dtype once, as F.linear rounds; the k weighted outputs summed in one reduction), so results
+    can differ from transformers' in the last bit: tokens are checked as before."""
+
+    def __call__(self, x: torch.Tensor, scores: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
+        from toolkit.runtime.gpu_kernels import slot_gemv
+
+        k = self.k
+        slots, perm = sel[:k], sel[k:]
+        parts = [slot_gemv(t, slots, x) for t in self.gu]
+        gu = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        gate, up = gu.chunk(2, dim=-1)
+        y = slot_gemv(self.dn, slots, self.act(gate) * up)                   # [k, H]
+        w = scores.index_select(1, perm)                                      # [1, k]
+        return (y * w[0, :, None]).to(x.dtype).sum(0, keepdim=True)
+
+
+EXPERT_MATH = {"eager": PooledExpertMath, "fused": FusedExpertMath}
+
+
 class GraphRunner:
     """The target's one-token decode step as L + 1 segments (CUDA graphs on a GPU, eager on the CPU),
     and the draft's whole step as one graph."""
@@ -234,7 +258,7 @@ class GraphRunner:
         n_layers = len(dec.layers)
         self.kv = StaticKV(n_layers, dec.kv_heads, S, dec.head_dim, dev, eng.dtype)
         self.slots = slots                  # this pool's slot arena: exactly its capacity
-        self.math = PooledExpertMath(eng, slots)
+        self.math = EXPERT_MATH[eng.experts](eng, slots)
         L, k, H = eng.L, eng.k, dec.H
         self.tok = torch.zeros(1, dtype=torch.long, device=dev)
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)
@@ -256,14 +280,20 @@ class GraphRunner:
         bounds = [-1, *moe, n_layers - 1]
         self.seg_layers = [list(range(bounds[s] + 1, bounds[s + 1] + 1)) for s in range(L + 1)]
         self._g: list[Any] | None = None
+        # every expert resident (the pool's upper bound): the device looks the slots up itself, so a
+        # whole token is one graph with no host sync per layer (decode_resident)
+        self.slot_of = torch.zeros(L, eng.E, dtype=torch.long, device=dev)
+        self._resident_g: Any = None
         # the draft
         self.draft = None
         if eng.drafts and eng.drafts[0] is not None:
             self.draft = _DraftStep(self)
 
     # -- the target's segments -------------------------------------------------------------
-    def segment(self, s: int) -> None:
-        dec, L = self.dec, self.eng.L
+    def segment(self, s: int, resident: bool = False) -> None:
+        """Segment s on the device (one graph replay). `resident`: every expert is in the pool, and the
+        slots of each router's choices are looked up on the device (slot_of) instead of written by the host."""
+        dec, L, k = self.dec, self.eng.L, self.eng.k
         h = self.h
         if s == 0:
             h = dec.inner.embed_tokens(self.tok[None])
@@ -282,6 +312,10 @@ class GraphRunner:
                 if self.scores[li] is None:
                     self.scores[li] = torch.zeros_like(scores)
                 self.scores[li].copy_(scores)
+                if resident:   # the host's choice in decode(): ascending expert, then their top-k positions
+                    srt, order = idx[0].sort()
+                    self.sel[li, :k].copy_(self.slot_of[li].index_select(0, srt))
+                    self.sel[li, k:].copy_(order)
             else:
                 h = dec.dense_mlp(i, h)
         if s == L:
@@ -319,9 +353,57 @@ class GraphRunner:
             self._g = graphs
             torch.cuda.synchronize(dev)
 
+    def _capture_resident(self) -> None:
+        """The whole token (every segment, slots looked up on the device) as one graph."""
+        dev = self.eng.dev.device
+        L = self.eng.L
+
+        def token():
+            for s in range(L + 1):
+                self.segment(s, resident=True)
+
+        with torch.cuda.device(dev):
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                token()
+            torch.cuda.current_stream(dev).wait_stream(side)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                token()
+            torch.cuda.synchronize(dev)
+        self._resident_g = g
+
+    def load_slot_map(self, where: dict) -> None:
+        """The slot of every expert, from the IO's map, for decode_resident (every expert must be there)."""
+        L, E = self.eng.L, self.eng.E
+        table = torch.tensor([[where[(li, e)] for e in range(E)] for li in range(L)], dtype=torch.long)
+        self.slot_of.copy_(table)
+
+    def decode_resident(self, seq, token: int, pos: int) -> int:
+        """One target token with every expert resident: one graph replay (segments on the CPU) and one
+        host sync for the token and the routing, which is recorded; the pool and scheduler are not
+        consulted (nothing can miss). The device-bound upper bound of every policy."""
+        L = self.eng.L
+        self.set_position(token, pos)
+        if self.graphs and self._resident_g is None:
+            self._capture_resident()
+        if self._resident_g is not None:
+            self._resident_g.replay()
+        else:
+            for s in range(L + 1):
+                self.segment(s, resident=True)
+        self.host_idx.copy_(self.idx, non_blocking=True)
+        self.host_tok.copy_(self.tok, non_blocking=True)
+        self.host_wait()
+        rows = self.host_idx[:, 0].tolist()
+        for li in range(L):
+            seq.record_routing(li, [rows[li]])
+        return int(self.host_tok[0])
+
     def close(self) -> None:
         """Drop the graphs and the device buffers (the slot arena included) now, not at the next GC."""
-        self._g = None
+        self._g = self._resident_g = None
         if self.draft is not None:
             self.draft.graph = None
             self.draft = None

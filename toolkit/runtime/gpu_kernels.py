@@ -1,13 +1,24 @@
-"""The draft's fused int4 expert kernel: a grouped GEMV over the k experts a token routes to, reading
-the packed int4 weights (two per byte, low nibble first, value = nibble - 8) and their fp16 scales (one
-per 32 inputs) directly, with fp32 accumulation: the weights are never expanded to fp16 in memory.
+"""The GPU tier's grouped expert GEMVs: one launch computes a matrix of each of the k experts a token
+routes to, reading the weights where they lie, with fp32 accumulation.
 
-    y[j, o] = sum_n  (q[ids[j], o, n] - 8) * scale[ids[j], o, n // 32] * x[j or 0, n]
+- The draft's int4 kernel reads the packed int4 weights (two per byte, low nibble first, value =
+  nibble - 8) and their fp16 scales (one per 32 inputs) directly: the weights are never expanded to
+  fp16 in memory.
 
-On CUDA it is a Triton kernel (one program per expert and block of output rows); elsewhere, and as the
-reference in the tests, the same arithmetic in torch ops (`int4_gemv_torch`).
+      y[j, o] = sum_n  (q[ids[j], o, n] - 8) * scale[ids[j], o, n // 32] * x[j or 0, n]
+
+- The target's fp16 kernel reads one matrix of each expert straight from the pool's slot arena by slot
+  number (a device tensor, so a CUDA graph replays it for whatever slots the host wrote): no gathered
+  copy of the weights, so each expert byte is read once per token, as the HBM floor counts.
+
+      y[j, o] = fp16( sum_n  W[slots[j]][o, n] * x[j or 0, n] )
+
+On CUDA they are Triton kernels (one program per expert and block of output rows); elsewhere, and as
+the reference in the tests, the same arithmetic in torch ops (`int4_gemv_torch`, `slot_gemv_torch`).
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -62,6 +73,64 @@ if triton is not None:
         tl.store(y_ptr + j * O + offs_o, acc, mask=mo)
 
 
+def _device(t: torch.Tensor):
+    """t's CUDA device as the current one (Triton launches there); nothing for CPU tensors (Triton's
+    interpreter, TRITON_INTERPRET=1, runs the kernels on them: how the tests check them without a GPU)."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def slot_gemv_torch(w: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """w [C, O, N] (a view of the slot arena), slots [k] long, x [1 or k, N] -> y [k, O] in x's dtype."""
+    ws = w.index_select(0, slots).to(x.dtype)                          # [k, O, N]
+    xs = x.expand(slots.numel(), x.shape[-1])
+    return torch.bmm(ws.float(), xs.float()[..., None])[..., 0].to(x.dtype)
+
+
+if triton is not None:
+    @triton.jit
+    def _slot_gemv_kernel(w_ptr, slots_ptr, x_ptr, y_ptr, O, N, slot_stride, row_stride, x_stride,
+                          BLOCK_O: tl.constexpr, BLOCK_N: tl.constexpr):
+        j = tl.program_id(0)
+        po = tl.program_id(1)
+        s = tl.load(slots_ptr + j).to(tl.int64)
+        offs_o = po * BLOCK_O + tl.arange(0, BLOCK_O)
+        mo = offs_o < O
+        acc = tl.zeros([BLOCK_O], dtype=tl.float32)
+        wbase = w_ptr + s * slot_stride
+        xbase = x_ptr + j * x_stride
+        for n0 in range(0, N, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            mn = offs_n < N
+            wv = tl.load(wbase + offs_o[:, None] * row_stride + offs_n[None, :], mask=mo[:, None] & mn[None, :],
+                         other=0.0).to(tl.float32)
+            xv = tl.load(xbase + offs_n, mask=mn, other=0.0).to(tl.float32)
+            acc += tl.sum(wv * xv[None, :], axis=1)
+        tl.store(y_ptr + j * O + offs_o, acc.to(y_ptr.dtype.element_ty), mask=mo)
+
+
+SLOT_BLOCK_O, SLOT_BLOCK_N = 16, 256
+
+
+def slot_gemv(w: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, *, use_triton: bool | None = None) -> torch.Tensor:
+    """The fused kernel where Triton and CUDA are present, else the torch reference. w is a [C, O, N]
+    view of the fp16 slot arena whose rows are contiguous (stride(2) == 1)."""
+    if use_triton is None:
+        use_triton = triton is not None and w.is_cuda
+    if not use_triton:
+        return slot_gemv_torch(w, slots, x)
+    C, O, N = w.shape
+    if w.dtype != torch.float16 or w.stride(2) != 1:
+        raise ValueError("slot_gemv: w must be an fp16 view with contiguous rows")
+    k = slots.numel()
+    x = x.contiguous()
+    y = torch.empty(k, O, device=w.device, dtype=x.dtype)
+    grid = (k, triton.cdiv(O, SLOT_BLOCK_O))
+    with _device(w):   # Triton launches on the current device's current stream
+        _slot_gemv_kernel[grid](w, slots, x, y, O, N, w.stride(0), w.stride(1), 0 if x.shape[0] == 1 else x.stride(0),
+                                BLOCK_O=SLOT_BLOCK_O, BLOCK_N=SLOT_BLOCK_N)
+    return y
+
+
 def int4_gemv(q, scale, ids, x, n: int, *, use_triton: bool | None = None) -> torch.Tensor:
     """The fused kernel where Triton and CUDA are present, else the torch reference."""
     if use_triton is None:
@@ -74,7 +143,7 @@ def int4_gemv(q, scale, ids, x, n: int, *, use_triton: bool | None = None) -> to
     y = torch.empty(k, O, device=q.device, dtype=torch.float32)
     BLOCK_O, BLOCK_P = 32, 128
     grid = (k, triton.cdiv(O, BLOCK_O))
-    with torch.cuda.device(q.device):   # Triton launches on the current device's current stream
+    with _device(q):   # Triton launches on the current device's current stream
         _int4_gemv_kernel[grid](q, scale, ids, x, y, O, P, scale.shape[-1], n, 0 if x.shape[0] == 1 else x.stride(0),
                                 BLOCK_O=BLOCK_O, BLOCK_P=BLOCK_P)
     return y

@@ -15,10 +15,11 @@ h from layer i targets MoE layer (i + h) of this chunk (i + h < L) or, past the 
 next unit (the next chunk or position, which starts at position p0 + T): target = step + h + (T - 1) * L
 there.
 
-With `next_visit` (the graph's preds rows hold the adapter's next-visit heads, horizon L, and the pool
-evicts by `reuse`), every MoE layer's plan also hands the reuse eviction that layer's predicted next
-visit (toolkit/runtime/reuse.py): the row's 2k largest logits, the lower id first among equals (a
-prefill chunk: its last position's row), for the step L later (a chunk: the next unit's).
+With `next_visit` (the graph's preds rows hold the adapter's next-visit heads, horizon L, or a host
+predictor has them, and the pool evicts by `reuse`), every MoE layer's plan also hands the reuse
+eviction that layer's predicted next visit (toolkit/runtime/reuse.py): the 2k largest logits of the
+row (a host predictor: of `next_visit_logits` on the layer's router input), the lower id first among
+equals (a prefill chunk: its last position's), for the step L later (a chunk: the next unit's).
 """
 from __future__ import annotations
 
@@ -107,7 +108,8 @@ class PrefetchPlanner:
             window: steps ahead (W).
             routing / score_bias: the family's selection rule and its bias [L, E].
             preds_horizons: MoE layer -> the horizons of its preds rows, in row order (GRAPH only).
-            next_visit: hand the reuse eviction each layer's predicted next visit (GRAPH, rows of horizon L).
+            next_visit: hand the reuse eviction each layer's predicted next visit (GRAPH: rows of horizon
+                L; a host predictor: its `next_visit_logits`, where it has them).
         """
         self.source, self.L, self.W = source, num_layers, window
         self.routing, self.score_bias = routing, score_bias
@@ -124,6 +126,8 @@ class PrefetchPlanner:
         # MoE layer -> its preds row of horizon L (the next-visit heads), where the reuse eviction reads it
         self.next_visit_rows = ({li: rows.index(num_layers) for li, rows in self.rows.items() if num_layers in rows}
                                 if next_visit and source == GRAPH else {})
+        # a host predictor's next-visit heads (the adapter's), read from the layer's router input
+        self.host_next_visit = next_visit and getattr(source, "next_visit", False)
 
     def _note_next_visit(self, sched: WindowScheduler, li: int, target: int, row: torch.Tensor) -> None:
         """The reuse eviction's prediction of layer li's next visit (at step `target`) from its logits row."""
@@ -175,6 +179,9 @@ class PrefetchPlanner:
         if r is not None and preds is not None and sched.reuse is not None:
             P = len(self.rows[li])
             self._note_next_visit(sched, li, self._target(li, step, L, T), preds.reshape(T, P, -1)[T - 1, r])
+        elif self.host_next_visit and sched.reuse is not None:
+            row = self.source.next_visit_logits(chunk.hidden[T - 1:T, li], li)[0]
+            self._note_next_visit(sched, li, self._target(li, step, L, T), row)
         hs = [h for h in range(1, self.W + 1) if self._target(li, step, h, T) < end]
         if self.source is None or not hs:
             sched.plan_probs(step, [], None)
@@ -251,6 +258,8 @@ class PrefetchPlanner:
         r = self.next_visit_rows.get(li)
         if r is not None and preds is not None and sched.reuse is not None:
             self._note_next_visit(sched, li, step + self.L, preds.reshape(len(self.rows[li]), -1)[r])
+        elif self.host_next_visit and sched.reuse is not None:
+            self._note_next_visit(sched, li, step + self.L, self.source.next_visit_logits(state.hidden[:, li], li)[0])
         W = self.W if end is None else min(self.W, end - 1 - step)
         if self.source is None or W < 1:
             sched.plan_probs(step, [], None)
