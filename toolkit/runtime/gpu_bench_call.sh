@@ -23,7 +23,8 @@
 # Knobs: SKIP_TRAIN=1 (reuse WORK/model), SKIP_TINY=1 (no smoke bench), WORK (scratch, /tmp/g9),
 # TB (training seconds, 140), BT (bench timeout, 300), FR (pool fractions, 0.1,0.25,0.5), WFFN (the widened experts' FFN, 6144:
 # 36 MiB per fp16 expert), WFR (its pool fractions, 0.1,0.25), WBT (its bench timeout, 420), WNT (its
-# new tokens, 48), WKS (its draft Ks, 4,8,12), STAGES (default "base wide split tests"), DEV (cuda).
+# new tokens, 48), WKS (its draft Ks, 4,8,12), STAGES (default "base wide split tests"), DEV (cuda),
+# POL (the benches' policies), TESTK (the tests stage's pytest -k expression).
 # Where one command may run 10 minutes at most, run it twice on the same warm machine (docs/benchmarks.md
 # section 9 ran these):
 #   STAGES="base tests split" BT=260 OUT=... bash ...
@@ -71,7 +72,7 @@ R=${WORK:-/tmp/g9}; [ "$SMOKE" = 1 ] && R=${WORK:-/tmp/g9-smoke}
 L=$OUT/log; B="python -m toolkit.cli"; RES=$R/results
 rm -rf "$RES"; mkdir -p "$R" "$RES" || exit 2   # all.tgz holds this call's results only
 pack() { tar czf "$OUT/all.tgz.tmp" -C "$RES" . && mv "$OUT/all.tgz.tmp" "$OUT/all.tgz"; }
-POL=on-demand+lru,next-gate+prediction,adapter+prediction,adapter+reuse,draft+prediction,oracle+belady
+POL=${POL:-on-demand+lru,next-gate+prediction,adapter+prediction,adapter+reuse,draft+prediction,oracle+belady}
 if [ "$SMOKE" = 1 ]; then
   NSEQ=16 STEPS=30 NP=1 NT=8 WNT=8 FR=${FR:-0.5} WFR=${WFR:-0.5} WFFN=${WFFN:-64} SPLIT_SEQ=8 KS=2,3 WKS=2,3
 else
@@ -163,7 +164,7 @@ print("split:", json.dumps(out))
 PY
       pack ;;
     tests)
-      timeout 240 python -m pytest -q -rf -p no:cacheprovider tests/test_gpu_tier.py tests/test_cuda.py -k "cuda or triton or reuse or split or fused or resident" 2>&1 | tail -20 | tee -a "$L" || fail "tests" ;;
+      timeout 240 python -m pytest -q -rf -p no:cacheprovider tests/test_gpu_tier.py tests/test_cuda.py -k "${TESTK:-cuda or triton or reuse or split or fused or resident}" 2>&1 | tail -20 | tee -a "$L" || fail "tests" ;;
     *) fail "unknown stage '$st' (base, wide, split, tests)"; exit 2 ;;
   esac
 done

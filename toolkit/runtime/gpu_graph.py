@@ -17,11 +17,16 @@ on them: the one host sync per MoE layer (plus one per token for the next token)
 scheduler for the experts (acquire: demand copies on their own stream, then the planner's
 prefetches), writes the slot numbers into a device buffer, makes the compute stream wait on the
 copies of those slots (CUDA events: the stall) and replays the next
-segment. The graphs gather the k routed experts' weights from the slots by those numbers and run
-transformers' eager expert loop on them (the same F.linear calls, ascending expert order,
-index_add_), so the expert arithmetic is bitwise transformers'. The gather is a copy: per token and
-MoE layer the k experts are read, written as a copy and the copy read again, one write and one read
-more than the HBM floor counts. Attention runs over a static cache of
+segment. The graphs compute the k routed experts from the slots by those numbers, one of two ways
+(`GpuEngine(experts=...)`): `fused` (the default on CUDA) reads each expert's matrices where they lie
+with a grouped fp16 GEMV (gpu_kernels.slot_gemv), each expert byte read once, as the HBM floor counts;
+`eager` gathers the k experts' weights (a copy: read, written, read again) and runs transformers'
+eager expert loop on them (the same F.linear calls, ascending expert order, index_add_), bitwise
+transformers' expert arithmetic.
+
+With every expert resident (the bench's upper bound) the host has nothing to decide: `decode_resident`
+looks each router's slots up on the device and runs the whole token as one graph, with one host sync
+per token. Attention runs over a static cache of
 `S` positions with an additive mask (positions beyond the token masked), which rounds differently
 from transformers' dynamic-cache attention in fp16: tokens are still checked against transformers'.
 
@@ -290,9 +295,10 @@ class GraphRunner:
             self.draft = _DraftStep(self)
 
     # -- the target's segments -------------------------------------------------------------
-    def segment(self, s: int, resident: bool = False) -> None:
+    def segment(self, s: int, resident: bool = False, pre=None):
         """Segment s on the device (one graph replay). `resident`: every expert is in the pool, and the
-        slots of each router's choices are looked up on the device (slot_of) instead of written by the host."""
+        slots of each router's choices are looked up on the device (slot_of) instead of written by the host.
+        `pre`: the position's mask and rotary tables from an earlier segment of the same token (returned)."""
         dec, L, k = self.dec, self.eng.L, self.eng.k
         h = self.h
         if s == 0:
@@ -301,7 +307,7 @@ class GraphRunner:
             li = s - 1
             sc = self.scores[li]
             h = h + self.math(self.post[li], sc, self.sel[li]).view(1, 1, -1).to(h.dtype)
-        mask, cs = dec.prelude(self.pos, h)
+        mask, cs = pre if pre is not None else dec.prelude(self.pos, h)
         for i in self.seg_layers[s]:
             h = dec.attention(i, h, self.pos, self.kv, mask, cs)
             if i in dec.moe_at:
@@ -321,6 +327,7 @@ class GraphRunner:
         if s == L:
             self.tok.copy_(dec.head(h)[0, -1].argmax(-1, keepdim=True))
         self.h.copy_(h)
+        return mask, cs
 
     def _capture(self) -> None:
         L = self.eng.L
@@ -359,8 +366,9 @@ class GraphRunner:
         L = self.eng.L
 
         def token():
+            pre = None
             for s in range(L + 1):
-                self.segment(s, resident=True)
+                pre = self.segment(s, resident=True, pre=pre)
 
         with torch.cuda.device(dev):
             side = torch.cuda.Stream(dev)
@@ -387,12 +395,16 @@ class GraphRunner:
         L = self.eng.L
         self.set_position(token, pos)
         if self.graphs and self._resident_g is None:
+            # its warm-up runs this very token (the same K/V written at pos) and leaves the next token
+            # in `tok`: the position is set again after it
             self._capture_resident()
+            self.set_position(token, pos)
         if self._resident_g is not None:
             self._resident_g.replay()
         else:
+            pre = None
             for s in range(L + 1):
-                self.segment(s, resident=True)
+                pre = self.segment(s, resident=True, pre=pre)
         self.host_idx.copy_(self.idx, non_blocking=True)
         self.host_tok.copy_(self.tok, non_blocking=True)
         self.host_wait()
