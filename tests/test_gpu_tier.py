@@ -360,8 +360,12 @@ def test_reuse_eviction_reads_the_adapters_next_visit_heads(tiny_models, stores,
     ad_pred = preds["adapter"]
     for (li, _, experts), (li2, x) in zip(calls, inputs):
         assert li == li2
-        want = reuse_mod.next_visit_experts(ad_pred.adapter.logits(ad_pred.bank, x[None], li, L)[0], 2 * k).tolist()
-        assert experts == want
+        # the 2k largest of the head's logits (the planner computes them folded with its window, in one
+        # matmul: rounding may differ in the last bit, so the set is checked against a margin)
+        logits = ad_pred.next_visit_logits(x[None], li)[0]
+        assert len(set(experts)) == 2 * k
+        rest = [e for e in range(eng.E) if e not in experts]
+        assert logits[experts].min() >= logits[rest].max() - 1e-4, (li, experts)
     # decode position p = len(prompt) + j, layer li: step p * L + li, its next visit L steps later
     assert [t for _, t, _ in calls] == [(len(prompt) + j) * L + li + L for j in range(len(g.tokens) - 1)
                                         for li in range(L)]

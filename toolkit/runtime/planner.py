@@ -120,14 +120,15 @@ class PrefetchPlanner:
         # [W*E, H] matrix per layer (a whole window in one matmul)
         self.softmax_router = (score_bias is None and (routing.n_group or 0) <= 1
                                and not routing.topk_before_softmax and routing.score_func == "softmax")
+        # a host predictor's next-visit heads (the adapter's), read from the layer's router input; a
+        # folded window carries them as one more block of rows (the same matmul)
+        self.host_next_visit = next_visit and source != GRAPH and getattr(source, "next_visit", False)
         self.folded = self._fold() if self.softmax_router and getattr(source, "linear", False) else None
         self.graph_rows = {li: [rows.index(h) for h in range(1, window + 1) if h in rows]
                            for li, rows in self.rows.items()}
         # MoE layer -> its preds row of horizon L (the next-visit heads), where the reuse eviction reads it
         self.next_visit_rows = ({li: rows.index(num_layers) for li, rows in self.rows.items() if num_layers in rows}
                                 if next_visit and source == GRAPH else {})
-        # a host predictor's next-visit heads (the adapter's), read from the layer's router input
-        self.host_next_visit = next_visit and getattr(source, "next_visit", False)
 
     def _note_next_visit(self, sched: WindowScheduler, li: int, target: int, row: torch.Tensor) -> None:
         """The reuse eviction's prediction of layer li's next visit (at step `target`) from its logits row."""
@@ -138,17 +139,17 @@ class PrefetchPlanner:
         bank = self.source.bank
         E = bank.weight.shape[1]
         out = []
+        hs = list(range(1, self.W + 1)) + ([self.L] if self.host_next_visit and self.L > self.W else [])
         for i in range(self.L):
             mats, srcs, biases = [], [], []
-            for h in range(1, self.W + 1):
+            for h in hs:
                 m, src = self.source.effective_router(i, h)
                 mats.append(m)
                 srcs.append(src)
                 biases.append(bank.bias[(i + h) % self.L] if bank.bias is not None else torch.zeros(E))
             if len(set(srcs)) != 1:
                 return None
-            out.append((torch.cat(mats).float().contiguous(), srcs[0], torch.cat(biases).float(),
-                        list(range(1, self.W + 1))))
+            out.append((torch.cat(mats).float().contiguous(), srcs[0], torch.cat(biases).float(), hs))
         return out
 
     @property
@@ -258,8 +259,14 @@ class PrefetchPlanner:
         r = self.next_visit_rows.get(li)
         if r is not None and preds is not None and sched.reuse is not None:
             self._note_next_visit(sched, li, step + self.L, preds.reshape(len(self.rows[li]), -1)[r])
-        elif self.host_next_visit and sched.reuse is not None:
-            self._note_next_visit(sched, li, step + self.L, self.source.next_visit_logits(state.hidden[:, li], li)[0])
+        folded = None
+        if self.folded is not None:   # the window (and the next visit) in one matmul
+            mat, src, bias, fhs = self.folded[li]
+            folded = (mat @ state.hidden[0, src] + bias).view(len(fhs), -1), fhs
+        if self.host_next_visit and sched.reuse is not None:
+            row = (folded[0][folded[1].index(self.L)] if folded is not None
+                   else self.source.next_visit_logits(state.hidden[:, li], li)[0])
+            self._note_next_visit(sched, li, step + self.L, row)
         W = self.W if end is None else min(self.W, end - 1 - step)
         if self.source is None or W < 1:
             sched.plan_probs(step, [], None)
@@ -278,10 +285,9 @@ class PrefetchPlanner:
                 return
             sched.plan(step, [(t, sc) for t, sc in self._graph_window(li, step, preds) if t - step <= W])
             return
-        if self.folded is not None:
-            mat, src, bias, hs = self.folded[li]
-            logits = (mat @ state.hidden[0, src] + bias).view(len(hs), -1)[:W]
-            sched.plan_probs(step, [step + h for h in hs[:W]], logits.softmax(-1))
+        if folded is not None:
+            logits, hs = folded
+            sched.plan_probs(step, [step + h for h in hs[:W]], logits[:W].softmax(-1))
             return
         b = state.batch(self.oracle)
         sched.plan(step, [(step + h, self.source.scores(b, li, h)[0]) for h in range(1, W + 1)])
