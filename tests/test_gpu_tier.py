@@ -275,7 +275,7 @@ def test_gpu_bench_report(tiny_models, stores, tmp_path):
     assert r["resident_tpot_ms"] > 0 and r["resident_synced_tpot_ms"] > 0 and r["experts"] == "eager"
     md, png = write(r, tmp_path / "gpu.json")
     assert "draft+prediction" in md.read_text() and png.stat().st_size > 0
-    assert "on the device alone" in md.read_text()
+    assert "without a host sync per layer (eager)" in md.read_text()   # static: no graph
 
 
 def test_reuse_table_comes_from_the_models_adapter(tiny_models, stores, tmp_path):
@@ -442,6 +442,28 @@ def test_cli_device_is_validated(tiny_models, tmp_path):
         r = CliRunner().invoke(main, ["run", str(tiny_models["qwen3_moe"]), "--device", "cuda", "--policy", "on-demand",
                                       "--prompt", "x", "--json", str(tmp_path / "r.json")])
         assert r.exit_code == 2 and "CUDA is not available" in r.output
+
+
+def test_cli_run_on_cuda_takes_no_next_visit(tiny_models, tmp_path, monkeypatch):
+    """`run --device cuda --no-next-visit` reaches the GPU engine as next_visit=False (the GPU tier reads
+    the heads); options the GPU tier ignores are still refused."""
+    from click.testing import CliRunner
+
+    from toolkit import engines
+    from toolkit.cli import main
+
+    seen = {}
+
+    def fake(model, **kw):
+        seen.update(kw)
+        raise SpecPrefetchError("stop here")
+    monkeypatch.setattr(engines, "gpu_engine", fake)
+    base = ["run", str(tiny_models["qwen3_moe"]), "--device", "cuda", "--prompt", "x", "--json", str(tmp_path / "r.json")]
+    for extra, want in (([], True), (["--no-next-visit"], False)):
+        r = CliRunner().invoke(main, base + extra + ["--overwrite"])
+        assert "stop here" in r.output and seen["next_visit"] is want, r.output
+    r = CliRunner().invoke(main, base + ["--threads", "2", "--overwrite"])
+    assert r.exit_code != 0 and "--threads do not apply to the GPU tier" in r.output
 
 
 # -- the static-cache decoder (toolkit/runtime/gpu_graph.py) ---------------------------------------
@@ -799,7 +821,7 @@ def test_cli_bench_cuda_options_pass_through(tiny_models, stores, tmp_path, monk
 
 # -- the fused expert GEMV and the device-resident decode --------------------------------------------
 @pytest.mark.parametrize("fam", ["qwen3_moe", "mixtral"])
-def test_fused_experts_and_the_device_resident_decode(tiny_models, stores, fam):
+def test_fused_experts_and_the_device_resident_decode(tiny_models, stores, fam, monkeypatch):
     """The fused expert path (slots read in place: its torch reference on the CPU) decodes the eager
     path's tokens with the same copies; with every expert resident, the device-only decode (slots
     looked up on the device, one host wait per token) gives the same tokens and routing as the
@@ -821,6 +843,16 @@ def test_fused_experts_and_the_device_resident_decode(tiny_models, stores, fam):
         assert a.tokens == b.tokens, policy
         assert a.stats.counts == b.stats.counts and a.stats.counts["bytes_read"] > 0, policy
     fused.configure(policy=Policy.parse("on-demand+lru"), pool_mib=_pool_mib(fused, 1.0))
+    # slots handed out in a shuffled order, so the device's slot table is not the identity
+    import random
+
+    from toolkit.runtime.gpu import CudaCopyIO
+    real_init = CudaCopyIO.__init__
+
+    def shuffled(self, *a, **kw):
+        real_init(self, *a, **kw)
+        random.Random(3).shuffle(self.free)
+    monkeypatch.setattr(CudaCopyIO, "__init__", shuffled)
     synced = fused.generate(prompt, 14, preload=True)
     runner = fused._graph_runner(len(prompt) + 14 + 8 + 1)
     runner.host_waits = 0
@@ -828,7 +860,10 @@ def test_fused_experts_and_the_device_resident_decode(tiny_models, stores, fam):
     assert alone.tokens == synced.tokens == b.tokens
     assert [r.tolist() for r in alone.routing] == [r.tolist() for r in synced.routing]
     assert runner.host_waits == len(alone.tokens) - 1            # one per decoded token, none per layer
-    assert alone.stats.counts["bytes_read"] == synced.stats.counts["bytes_read"] == 0
+    L, E = fused.L, fused.E
+    table = runner.slot_of.tolist()
+    assert sorted(s for row in table for s in row) == list(range(L * E))
+    assert table != [list(range(li * E, (li + 1) * E)) for li in range(L)]   # shuffled: a real lookup
     with pytest.raises(SpecPrefetchError, match="needs preload"):
         fused.generate(prompt, 4, resident_graph=True)
     fused.configure(policy=Policy.parse("next-gate+prediction"))
@@ -868,8 +903,9 @@ def test_triton_slot_kernel_matches_the_reference():
         slots = torch.randperm(C, device=dev, generator=g)[:4]
         for rows in (1, 4):
             x = torch.randn(rows, N, device=dev, generator=g).half()
-            want = K.slot_gemv_torch(w, slots, x).float()
-            got = K.slot_gemv(w, slots, x, use_triton=True).float()
-            assert got.dtype == want.dtype
+            want = K.slot_gemv_torch(w, slots, x)
+            got = K.slot_gemv(w, slots, x, use_triton=True)
+            assert got.dtype == want.dtype == x.dtype and got.shape == (4, O)
+            got, want = got.float(), want.float()
             err = ((got - want).norm() / want.norm()).item()
             assert err < 2e-3, (C, O, N, rows, err)

@@ -460,7 +460,7 @@ def run(model, policy, adapter, frequency_trace, pool_mib, pool_reserve_mib, poo
     if device != "cpu":
         ctx = click.get_current_context()
         ignored = [o for o in ("queue_depth", "step_budget_kib", "read_budget_kib", "threads", "io_mode", "max_seq",
-                               "prefill_chunk", "no_next_visit")
+                               "prefill_chunk")
                    if ctx.get_parameter_source(o) != click.core.ParameterSource.DEFAULT]
         if ignored:
             raise SpecPrefetchError(f"--device {device}: " + ", ".join(
@@ -473,7 +473,8 @@ def run(model, policy, adapter, frequency_trace, pool_mib, pool_reserve_mib, poo
         from toolkit.engines import gpu_engine, run as run_engine
 
         eng = gpu_engine(model, device=device, policy=policy, adapter=adapter, store_path=store_path, dtype=dtype,
-                         pool_mib=pool_mib, window=window, min_confidence=min_confidence, draft_k=draft_k)
+                         pool_mib=pool_mib, window=window, min_confidence=min_confidence, draft_k=draft_k,
+                         next_visit=not no_next_visit)
         run_engine(eng, list(prompts), max_new_tokens, check=check, json_out=json_out, events_out=None)
         return
     if ctx_default(click.get_current_context(), "draft_k") is False:

@@ -261,7 +261,7 @@ def native_engine(bundle: Path, *, abi: str, policy: str, pool_mib, window, queu
 # -- the GPU tier ------------------------------------------------------------------------------------
 
 def gpu_engine(model, *, device: str, policy: str, adapter, store_path, dtype, pool_mib, window, min_confidence,
-               draft_k) -> Engine:
+               draft_k, next_visit: bool = True) -> Engine:
     """`run --device cuda`: the GPU tier (toolkit/runtime/gpu.py) over a model directory."""
     from export.session import is_bundle
     from toolkit.models.loader import inspect_model_dir, load_model
@@ -289,7 +289,8 @@ def gpu_engine(model, *, device: str, policy: str, adapter, store_path, dtype, p
     cuda = device.startswith("cuda")
     held: dict[str, Any] = {"lm": load_model(spec.path, dtype="float16" if cuda else "float32")}
     held["eng"] = GpuEngine(held["lm"], st, RunConfig(policy=pol, pool_mib=pool_mib or 8.0, window=window,
-                                                      min_confidence=min_confidence), device=device, predictors=preds,
+                                                      min_confidence=min_confidence, next_visit=next_visit),
+                            device=device, predictors=preds,
                             reuse=reuse)
     tok = held["lm"].tokenizer
 

@@ -549,6 +549,10 @@ class GpuEngine:
         if experts is not None and self.decode == "modules":
             raise SpecPrefetchError(f"--experts {experts}: only the static decoder (--decode graph or static) "
                                     "computes experts from the slots")
+        if experts == "fused" and self.dtype not in (torch.float16, torch.float32):
+            raise SpecPrefetchError(f"--experts fused: reads the fp16 store's weights as they are, which a "
+                                    f"{str(self.dtype).removeprefix('torch.')} model does not compute with "
+                                    "(use --experts eager)")
         self.experts = experts or ("fused" if self.decode == "graph" and self.dtype == torch.float16 else "eager")
         self._runners: dict[int, Any] = {}   # pool capacity -> GraphRunner (its own slot arena)
         self.configure()
@@ -737,8 +741,9 @@ class GpuEngine:
                     slot.ready = slot.demand = True
                     io.submit((li, e), demand=True)
             self.dev.sync()
-            if resident_graph:
+            if resident_graph:   # the slot table, and its graph captured before the prefill (untimed)
                 runner.load_slot_map(io.where)
+                runner.ensure_resident()
         # plain DynamicCaches keep every position: a config-built one keeps only the last window - 1 on
         # sliding-window layers, which the static cache cannot be loaded from and `crop` cannot roll back
         # (the model's mask applies the window either way)

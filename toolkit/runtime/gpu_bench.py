@@ -27,6 +27,9 @@ from toolkit.runtime.policy import Policy
 
 MiB = 2**20
 NO_NEXT_VISIT = " next-visit=off"   # the row of a +reuse policy run without the adapter's next-visit heads
+# the resident bound without a host sync per layer: one graph per token (graph), or the same segments
+# run eagerly (static: no graph, so its launches are the host's)
+ALONE = {"graph": "on the device alone (one graph per token)", "static": "without a host sync per layer (eager)"}
 
 
 def _prompts(tokenizer, n: int, tokens: int, data: Path | None) -> list[list[int]]:
@@ -177,7 +180,8 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
         eng.configure(policy=pol, pool_mib=mib, next_visit=next_visit)
         r = eng.generate(ids[p], new_tokens, recorded=recorded, k=k, preload=preload, resident_graph=resident_graph)
         if r.tokens != ref_tokens[p]:
-            name = pol.name + ("" if next_visit else NO_NEXT_VISIT) + (" (resident)" if preload else "")
+            name = pol.name + ("" if next_visit else NO_NEXT_VISIT) + (
+                " (resident, device alone)" if resident_graph else " (resident)" if preload else "")
             log(f"TOKENS DIFFER: {name} pool {mib:.0f} MiB prompt {p}")
             mismatches.append(f"{name} pool {mib:.0f} MiB prompt {p}")
         return r
@@ -253,8 +257,9 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
                 f"{row['pcie_mib_per_token']:.1f} MiB/token over PCIe, stall {row['stall_ms_per_token']:.3f} ms/token")
     synced_tpot = median((r.stats.tpot_ms for r in synced_runs), ndigits=None)
     resident_tpot = median((r.stats.tpot_ms for r in resident_runs), ndigits=None) if alone else synced_tpot
-    log(f"all experts resident: TPOT {resident_tpot:.3f} ms on the device alone, {synced_tpot:.3f} ms with a host sync "
-        f"per MoE layer; transformers generate {ref_tpot:.3f} ms per new token (wall clock, prefill included)")
+    log("all experts resident: TPOT " + (f"{resident_tpot:.3f} ms {ALONE[eng.decode]}, " if alone else "")
+        + f"{synced_tpot:.3f} ms with a host sync per MoE layer; transformers generate {ref_tpot:.3f} ms per new "
+        "token (wall clock, prefill included)")
     bw1 = h2d_bandwidth(dev) if dev.cuda else None
     bw = statistics.mean([b for b in (bw0, bw1) if b]) if dev.cuda else None
     for row in rows:
@@ -297,8 +302,8 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
 
 def markdown(r: dict[str, Any]) -> str:
     m = r["model"]
-    alone = (f" on the device alone, {r['resident_synced_tpot_ms']} ms with a host sync per MoE layer"
-             if r.get("resident_device_alone") else "")
+    alone = (f" {ALONE.get(r.get('decode'), 'on the device alone')}, {r['resident_synced_tpot_ms']} ms with a host "
+             "sync per MoE layer" if r.get("resident_device_alone") else "")
     lines = []
     if not r.get("tokens_match_transformers", True):
         bad = r.get("mismatches") or []

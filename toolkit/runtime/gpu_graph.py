@@ -18,11 +18,11 @@ scheduler for the experts (acquire: demand copies on their own stream, then the 
 prefetches), writes the slot numbers into a device buffer, makes the compute stream wait on the
 copies of those slots (CUDA events: the stall) and replays the next
 segment. The graphs compute the k routed experts from the slots by those numbers, one of two ways
-(`GpuEngine(experts=...)`): `fused` (the default on CUDA) reads each expert's matrices where they lie
-with a grouped fp16 GEMV (gpu_kernels.slot_gemv), each expert byte read once, as the HBM floor counts;
-`eager` gathers the k experts' weights (a copy: read, written, read again) and runs transformers'
-eager expert loop on them (the same F.linear calls, ascending expert order, index_add_), bitwise
-transformers' expert arithmetic.
+(`GpuEngine(experts=...)`): `fused` (the default with `graph` on an fp16 model) reads each expert's
+matrices where they lie with a grouped fp16 GEMV (gpu_kernels.slot_gemv), each expert byte read once,
+as the HBM floor counts; `eager` gathers the k experts' weights (a copy: read, written, read again)
+and runs transformers' eager expert loop on them (the same F.linear calls, ascending expert order,
+index_add_), bitwise transformers' expert arithmetic.
 
 With every expert resident (the bench's upper bound) the host has nothing to decide: `decode_resident`
 looks each router's slots up on the device and runs the whole token as one graph, with one host sync
@@ -227,7 +227,8 @@ class PooledExpertMath:
 class FusedExpertMath(PooledExpertMath):
     """The same expert math with each expert's matrices read straight from its slot by the grouped fp16
     GEMV (gpu_kernels.slot_gemv, Triton on CUDA): no gathered copy, so each routed expert byte is read
-    once per token (the HBM floor's count), and two GEMV launches per MoE layer for the k experts.
+    once per token (the HBM floor's count), and two GEMV launches per MoE layer for the k experts
+    (three where gate and up are not adjacent in the blob).
     Accumulation order differs from cuBLAS' (fp32 either way, each projection's output rounded to the
     model's dtype once, as F.linear rounds; the k weighted outputs summed in one reduction), so results
     can differ from transformers' in the last bit: tokens are checked as before."""
@@ -382,6 +383,12 @@ class GraphRunner:
             torch.cuda.synchronize(dev)
         self._resident_g = g
 
+    def ensure_resident(self) -> None:
+        """The resident token's graph, captured once per runner (GpuEngine.sequence does it before the
+        prefill: its warm-up writes K/V at the stale position, which the prefill's cache then replaces)."""
+        if self.graphs and self._resident_g is None:
+            self._capture_resident()
+
     def load_slot_map(self, where: dict) -> None:
         """The slot of every expert, from the IO's map, for decode_resident (every expert must be there)."""
         L, E = self.eng.L, self.eng.E
@@ -393,12 +400,8 @@ class GraphRunner:
         host sync for the token and the routing, which is recorded; the pool and scheduler are not
         consulted (nothing can miss). The device-bound upper bound of every policy."""
         L = self.eng.L
+        self.ensure_resident()
         self.set_position(token, pos)
-        if self.graphs and self._resident_g is None:
-            # its warm-up runs this very token (the same K/V written at pos) and leaves the next token
-            # in `tok`: the position is set again after it
-            self._capture_resident()
-            self.set_position(token, pos)
         if self._resident_g is not None:
             self._resident_g.replay()
         else:

@@ -80,8 +80,9 @@ def _device(t: torch.Tensor):
 
 
 def slot_gemv_torch(w: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """w [C, O, N] (a view of the slot arena), slots [k] long, x [1 or k, N] -> y [k, O] in x's dtype."""
-    ws = w.index_select(0, slots).to(x.dtype)                          # [k, O, N]
+    """w [C, O, N] (a view of the slot arena), slots [k] long, x [1 or k, N] -> y [k, O] in x's dtype: the
+    weights read as they are (fp16) and x as given, fp32 products and sums, one rounding at the end."""
+    ws = w.index_select(0, slots)                                      # [k, O, N]
     xs = x.expand(slots.numel(), x.shape[-1])
     return torch.bmm(ws.float(), xs.float()[..., None])[..., 0].to(x.dtype)
 
@@ -121,8 +122,10 @@ def slot_gemv(w: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, *, use_trit
     C, O, N = w.shape
     if w.dtype != torch.float16 or w.stride(2) != 1:
         raise ValueError("slot_gemv: w must be an fp16 view with contiguous rows")
+    if x.shape[-1] != N or x.shape[0] not in (1, slots.numel()):
+        raise ValueError(f"slot_gemv: x {tuple(x.shape)} for {slots.numel()} experts of [{O}, {N}]")
     k = slots.numel()
-    x = x.contiguous()
+    slots, x = slots.contiguous(), x.contiguous()
     y = torch.empty(k, O, device=w.device, dtype=x.dtype)
     grid = (k, triton.cdiv(O, SLOT_BLOCK_O))
     with _device(w):   # Triton launches on the current device's current stream

@@ -18,8 +18,9 @@ there.
 With `next_visit` (the graph's preds rows hold the adapter's next-visit heads, horizon L, or a host
 predictor has them, and the pool evicts by `reuse`), every MoE layer's plan also hands the reuse
 eviction that layer's predicted next visit (toolkit/runtime/reuse.py): the 2k largest logits of the
-row (a host predictor: of `next_visit_logits` on the layer's router input), the lower id first among
-equals (a prefill chunk: its last position's), for the step L later (a chunk: the next unit's).
+row (a host predictor: of `next_visit_logits` on the layer's router input, decode steps only), the
+lower id first among equals (a prefill chunk: its last position's), for the step L later (a chunk: the
+next unit's).
 """
 from __future__ import annotations
 
@@ -109,7 +110,7 @@ class PrefetchPlanner:
             routing / score_bias: the family's selection rule and its bias [L, E].
             preds_horizons: MoE layer -> the horizons of its preds rows, in row order (GRAPH only).
             next_visit: hand the reuse eviction each layer's predicted next visit (GRAPH: rows of horizon
-                L; a host predictor: its `next_visit_logits`, where it has them).
+                L; a host predictor: its `next_visit_logits`, where it has them, in `plan` only).
         """
         self.source, self.L, self.W = source, num_layers, window
         self.routing, self.score_bias = routing, score_bias
@@ -180,9 +181,6 @@ class PrefetchPlanner:
         if r is not None and preds is not None and sched.reuse is not None:
             P = len(self.rows[li])
             self._note_next_visit(sched, li, self._target(li, step, L, T), preds.reshape(T, P, -1)[T - 1, r])
-        elif self.host_next_visit and sched.reuse is not None:
-            row = self.source.next_visit_logits(chunk.hidden[T - 1:T, li], li)[0]
-            self._note_next_visit(sched, li, self._target(li, step, L, T), row)
         hs = [h for h in range(1, self.W + 1) if self._target(li, step, h, T) < end]
         if self.source is None or not hs:
             sched.plan_probs(step, [], None)
