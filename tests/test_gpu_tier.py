@@ -458,7 +458,8 @@ def test_cli_run_on_cuda_takes_no_next_visit(tiny_models, tmp_path, monkeypatch)
         seen.update(kw)
         raise SpecPrefetchError("stop here")
     monkeypatch.setattr(engines, "gpu_engine", fake)
-    base = ["run", str(tiny_models["qwen3_moe"]), "--device", "cuda", "--prompt", "x", "--json", str(tmp_path / "r.json")]
+    base = ["run", str(tiny_models["qwen3_moe"]), "--device", "cuda", "--prompt", "x",
+            "--json", str(tmp_path / "r.json")]
     for extra, want in (([], True), (["--no-next-visit"], False)):
         r = CliRunner().invoke(main, base + extra + ["--overwrite"])
         assert "stop here" in r.output and seen["next_visit"] is want, r.output
