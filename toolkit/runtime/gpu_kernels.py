@@ -150,3 +150,60 @@ def int4_gemv(q, scale, ids, x, n: int, *, use_triton: bool | None = None) -> to
         _int4_gemv_kernel[grid](q, scale, ids, x, y, O, P, scale.shape[-1], n, 0 if x.shape[0] == 1 else x.stride(0),
                                 BLOCK_O=BLOCK_O, BLOCK_P=BLOCK_P)
     return y
+
+
+def bench(shapes=((1024, 1536), (1024, 6144)), k: int = 4, slots: int = 40, reps: int = 200) -> list[dict]:
+    """One MoE layer's k experts for one token (gate/up, SiLU, down) as CUDA graphs, the slot GEMV
+    against the gather + F.linear path it replaced: microseconds per layer and the expert bytes read per
+    second (docs/benchmarks.md section 9). Needs CUDA and Triton."""
+    import torch.nn.functional as F
+
+    if triton is None or not torch.cuda.is_available():
+        raise RuntimeError("the kernel bench needs CUDA and Triton")
+    out = []
+    for H, inter in shapes:
+        blob = 3 * H * inter
+        arena = torch.randn(slots, blob, device="cuda", dtype=torch.float16) * 0.02
+        gu = arena[:, :2 * inter * H].view(slots, 2 * inter, H)
+        dn = arena[:, 2 * inter * H:].view(slots, H, inter)
+        sel = torch.randperm(slots, device="cuda")[:k]
+        x = torch.randn(1, H, device="cuda", dtype=torch.float16)
+
+        def fused():
+            a, b = slot_gemv(gu, sel, x).chunk(2, -1)
+            return slot_gemv(dn, sel, F.silu(a) * b)
+
+        def eager():
+            g, d = gu.index_select(0, sel), dn.index_select(0, sel)
+            ys = []
+            for j in range(k):
+                a, b = F.linear(x, g[j]).chunk(2, -1)
+                ys.append(F.linear(F.silu(a) * b, d[j]))
+            return ys
+
+        for name, fn in (("fused", fused), ("eager", eager)):
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(3):
+                    fn()
+            torch.cuda.current_stream().wait_stream(side)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                fn()
+            t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0.record()
+            for _ in range(reps):
+                g.replay()
+            t1.record()
+            torch.cuda.synchronize()
+            ms = t0.elapsed_time(t1) / reps
+            out.append({"hidden": H, "moe_intermediate": inter, "k": k, "path": name,
+                        "us_per_layer": round(ms * 1e3, 1), "expert_gbps": round(k * blob * 2 / ms / 1e6)})
+    return out
+
+
+if __name__ == "__main__":   # python -m toolkit.runtime.gpu_kernels: the kernel bench
+    for row in bench():
+        print(f"H {row['hidden']} I {row['moe_intermediate']}: {row['path']} {row['us_per_layer']} us per layer "
+              f"(k={row['k']}), {row['expert_gbps']} GB/s of expert bytes")
