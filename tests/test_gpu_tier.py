@@ -865,6 +865,7 @@ def test_fused_experts_and_the_device_resident_decode(tiny_models, stores, fam, 
     table = runner.slot_of.tolist()
     assert sorted(s for row in table for s in row) == list(range(L * E))
     assert table != [list(range(li * E, (li + 1) * E)) for li in range(L)]   # shuffled: a real lookup
+    assert alone.stats.counts["bytes_read"] == 0 and alone.stats.counts["requests"] == 0   # no pool, no copies
     with pytest.raises(SpecPrefetchError, match="needs preload"):
         fused.generate(prompt, 4, resident_graph=True)
     fused.configure(policy=Policy.parse("next-gate+prediction"))

@@ -275,7 +275,8 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
     # the all-resident floor: every decode token reads the dense weights (one embedding row) and k experts
     # per MoE layer from device memory
     token_bytes = token_read_bytes(eng)
-    hbm_floor = round(token_bytes / (hbm * 1e9) * 1e3, 3) if hbm else None
+    floor = token_bytes / (hbm * 1e9) * 1e3 if hbm else None
+    hbm_floor = round(floor, 3) if hbm else None
     return {
         "model": {"path": str(spec.path), "family": g.family, "moe_layers": L, "experts": E, "top_k": g.routing.top_k,
                   "hidden_size": g.hidden_size, "moe_intermediate_size": g.moe_intermediate_size,
@@ -291,8 +292,8 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
         "resident_synced_tpot_ms": round(synced_tpot, 3), "resident_synced_runs": len(synced_runs),
         "hbm_gbps": hbm, "hbm_floor_bytes": token_bytes, "hbm_floor_ms": hbm_floor, "decode": eng.decode,
         "experts": eng.experts,
-        "resident_vs_floor": round(resident_tpot / hbm_floor, 2) if hbm_floor else None,
-        "resident_synced_vs_floor": round(synced_tpot / hbm_floor, 2) if hbm_floor else None,
+        "resident_vs_floor": round(resident_tpot / floor, 2) if floor else None,
+        "resident_synced_vs_floor": round(synced_tpot / floor, 2) if floor else None,
         "transformers_ms_per_token_wall": round(ref_tpot, 3),
         "draft_k": {str(k): v for k, v in ks_by_pool.items()}, "tokens_match_transformers": not mismatches,
         "mismatches": mismatches,

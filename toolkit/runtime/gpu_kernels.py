@@ -152,10 +152,13 @@ def int4_gemv(q, scale, ids, x, n: int, *, use_triton: bool | None = None) -> to
     return y
 
 
-def bench(shapes=((1024, 1536), (1024, 6144)), k: int = 4, slots: int = 40, reps: int = 200) -> list[dict]:
+def bench(shapes=((1024, 1536), (1024, 6144)), k: int = 4, slots: int = 40, reps: int = 50,
+          sels: int = 8) -> list[dict]:
     """One MoE layer's k experts for one token (gate/up, SiLU, down) as CUDA graphs, the slot GEMV
     against the gather + F.linear path it replaced: microseconds per layer and the expert bytes read per
-    second (docs/benchmarks.md section 9). Needs CUDA and Triton."""
+    second (docs/benchmarks.md section 9). Each graph runs `sels` different random selections of k of
+    the `slots` experts in turn (all `slots` experts, hundreds of MiB, far beyond the L2 cache), so the
+    bytes come from device memory. Needs CUDA and Triton."""
     import torch.nn.functional as F
 
     if triton is None or not torch.cuda.is_available():
@@ -166,20 +169,21 @@ def bench(shapes=((1024, 1536), (1024, 6144)), k: int = 4, slots: int = 40, reps
         arena = torch.randn(slots, blob, device="cuda", dtype=torch.float16) * 0.02
         gu = arena[:, :2 * inter * H].view(slots, 2 * inter, H)
         dn = arena[:, 2 * inter * H:].view(slots, H, inter)
-        sel = torch.randperm(slots, device="cuda")[:k]
+        order = torch.cat([torch.randperm(slots, device="cuda") for _ in range(-(-sels * k // slots))])
+        picks = [order[i * k:(i + 1) * k] for i in range(sels)]     # every slot read, none twice in a row
         x = torch.randn(1, H, device="cuda", dtype=torch.float16)
 
         def fused():
-            a, b = slot_gemv(gu, sel, x).chunk(2, -1)
-            return slot_gemv(dn, sel, F.silu(a) * b)
+            for sel in picks:
+                a, b = slot_gemv(gu, sel, x).chunk(2, -1)
+                slot_gemv(dn, sel, F.silu(a) * b)
 
         def eager():
-            g, d = gu.index_select(0, sel), dn.index_select(0, sel)
-            ys = []
-            for j in range(k):
-                a, b = F.linear(x, g[j]).chunk(2, -1)
-                ys.append(F.linear(F.silu(a) * b, d[j]))
-            return ys
+            for sel in picks:
+                g, d = gu.index_select(0, sel), dn.index_select(0, sel)
+                for j in range(k):
+                    a, b = F.linear(x, g[j]).chunk(2, -1)
+                    F.linear(F.silu(a) * b, d[j])
 
         for name, fn in (("fused", fused), ("eager", eager)):
             side = torch.cuda.Stream()
@@ -197,7 +201,7 @@ def bench(shapes=((1024, 1536), (1024, 6144)), k: int = 4, slots: int = 40, reps
                 g.replay()
             t1.record()
             torch.cuda.synchronize()
-            ms = t0.elapsed_time(t1) / reps
+            ms = t0.elapsed_time(t1) / reps / sels
             out.append({"hidden": H, "moe_intermediate": inter, "k": k, "path": name,
                         "us_per_layer": round(ms * 1e3, 1), "expert_gbps": round(k * blob * 2 / ms / 1e6)})
     return out
