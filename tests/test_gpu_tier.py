@@ -278,22 +278,30 @@ def test_gpu_bench_report(tiny_models, stores, tmp_path):
     assert "without a host sync per layer (eager)" in md.read_text()   # static: no graph
 
 
-def test_reuse_table_comes_from_the_models_adapter(tiny_models, stores, tmp_path):
+@pytest.fixture(scope="module")
+def tiny_adapter(tiny_models, tmp_path_factory):
+    """An adapter (next-visit heads and reuse table included: train's defaults) of the tiny Qwen3-MoE."""
+    from adapters.train import TrainConfig, train_adapter
+    from conftest import HELDOUT
+    from toolkit.traces.capture import TraceSettings, run_trace
+
+    root = tmp_path_factory.mktemp("gpu-adapter")
+    s = TraceSettings(max_sequences=8, prompt_tokens=24, decode_tokens=4, heldout_frac=0.25, shard_tokens=200)
+    trace = run_trace(tiny_models["qwen3_moe"], [HELDOUT], root / "t", s, progress=False)
+    train_adapter(trace, root / "a", TrainConfig(steps=5, val_every=5, batch_size=32, rank=4), progress=False)
+    return root / "a"
+
+
+def test_reuse_table_comes_from_the_models_adapter(tiny_models, stores, tiny_adapter, tmp_path):
     """The GPU tier's reuse table is the adapter's, checked against the model like the adapter (an
     adapter of another model, one without a table, or none at all: one line, before any loading); the
     bench runs `+reuse` policies with it and their tokens are transformers'."""
     import shutil
 
-    from adapters.train import TrainConfig, train_adapter
-    from conftest import HELDOUT
     from toolkit.runtime.gpu_bench import gpu_reuse_table, run_gpu_bench
     from toolkit.runtime.policy import parse_policies
-    from toolkit.traces.capture import TraceSettings, run_trace
 
-    s = TraceSettings(max_sequences=8, prompt_tokens=24, decode_tokens=4, heldout_frac=0.25, shard_tokens=200)
-    trace = run_trace(tiny_models["qwen3_moe"], [HELDOUT], tmp_path / "t", s, progress=False)
-    ad = tmp_path / "a"
-    train_adapter(trace, ad, TrainConfig(steps=5, val_every=5, batch_size=32, rank=4), progress=False)
+    ad = tiny_adapter
     qwen, mixtral = inspect_model_dir(tiny_models["qwen3_moe"]), inspect_model_dir(tiny_models["mixtral"])
     assert gpu_reuse_table(qwen, ["lru", "prediction"], None) is None   # no policy needs it
     table = gpu_reuse_table(qwen, ["reuse"], ad)
@@ -320,22 +328,16 @@ def test_reuse_table_comes_from_the_models_adapter(tiny_models, stores, tmp_path
         "on-demand+lru", "on-demand+reuse", "adapter+reuse", "adapter+reuse next-visit=off"}
 
 
-def test_reuse_eviction_reads_the_adapters_next_visit_heads(tiny_models, stores, tmp_path, monkeypatch):
+def test_reuse_eviction_reads_the_adapters_next_visit_heads(tiny_models, stores, tiny_adapter, monkeypatch):
     """adapter+reuse on the GPU tier hands the reuse history each MoE layer's predicted next visit after
     every decode layer: the 2k largest logits of the adapter's horizon-L head on that layer's router
     input, for the step L later; --no-next-visit (RunConfig.next_visit) and the prediction eviction
     hand none; the tokens are the same either way."""
-    from adapters.train import TrainConfig, train_adapter
-    from conftest import HELDOUT
     from toolkit.runtime import reuse as reuse_mod
     from toolkit.runtime.gpu_bench import gpu_predictors, gpu_reuse_table
     from toolkit.runtime.planner import RoutingState
-    from toolkit.traces.capture import TraceSettings, run_trace
 
-    s = TraceSettings(max_sequences=8, prompt_tokens=24, decode_tokens=4, heldout_frac=0.25, shard_tokens=200)
-    trace = run_trace(tiny_models["qwen3_moe"], [HELDOUT], tmp_path / "t", s, progress=False)
-    ad = tmp_path / "a"
-    train_adapter(trace, ad, TrainConfig(steps=5, val_every=5, batch_size=32, rank=4), progress=False)
+    ad = tiny_adapter
     spec = inspect_model_dir(tiny_models["qwen3_moe"])
     preds = gpu_predictors(spec, {"adapter"}, ad)
     assert preds["adapter"].next_visit
