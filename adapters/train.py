@@ -38,6 +38,8 @@ class TrainConfig:
     # heads for each layer's next visit (horizon L), for the reuse eviction; None: with cross_token
     next_visit: bool | None = None
     horizon_weights: dict[int, float] | None = None  # default: 2.0 for h=1, 1.0 otherwise
+    # the next-visit heads' loss weight (horizon L, where L is not also one of `horizons`)
+    next_visit_weight: float = 1.0
     topk_weight: float = 0.0
     steps: int = 3000
     batch_size: int = 512
@@ -72,6 +74,9 @@ class TrainConfig:
             raise bad("weight_decay", self.weight_decay, "must be a finite number >= 0")
         if not (math.isfinite(self.topk_weight) and self.topk_weight >= 0):
             raise bad("--topk-weight", self.topk_weight, "must be a finite number >= 0")
+        if not (isinstance(self.next_visit_weight, (int, float)) and math.isfinite(self.next_visit_weight)
+                and self.next_visit_weight >= 0):
+            raise bad("--next-visit-weight", self.next_visit_weight, "must be a finite number >= 0")
         for h, w in (self.horizon_weights or {}).items():
             if h not in self.horizons:
                 raise bad("--horizon-weights", f"{h}:{w}", f"horizon {h} is not one of --horizons "
@@ -88,6 +93,13 @@ class TrainConfig:
         if self.horizon_weights and h in self.horizon_weights:
             return float(self.horizon_weights[h])
         return 2.0 if h == 1 else 1.0
+
+    def pair_weight(self, h: int, num_layers: int) -> float:
+        """A pair's loss weight: its horizon's, or the next-visit heads' for horizon L (num_layers) when L
+        is not one of the window's horizons. Validation (early stopping) weighs pairs alike."""
+        if h == num_layers and self.next_visit and h not in self.horizons:
+            return float(self.next_visit_weight)
+        return self.weight(h)
 
 
 def pair_targets(adapter: PrefetchAdapter, b: RoutingBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -176,7 +188,7 @@ def train_adapter(trace: Path, out: Path, cfg: TrainConfig, *, model: str | Path
                               num_experts=g.routing.num_experts, horizons=cfg.horizons, rank=cfg.rank,
                               cross_token=cfg.cross_token, next_visit=cfg.next_visit,
                               seed=cfg.seed).to(cfg.device)
-    weights = torch.tensor([cfg.weight(h) for _, h in adapter.pairs], device=cfg.device)
+    weights = torch.tensor([cfg.pair_weight(h, adapter.num_layers) for _, h in adapter.pairs], device=cfg.device)
     val = [b.to(cfg.device) for b in validation_batches(reader)]
     if not val:
         raise SpecPrefetchError(f"trace {trace}: its validation sequences (5% of the {n_train} train "

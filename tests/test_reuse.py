@@ -218,3 +218,47 @@ def test_adapter_next_visit_heads_train_save_and_load(tmp_path):
     from adapters.checkpoint import _pairs
     assert _pairs(3, [1, 2], True, True) == len(ad.pairs) == _pairs(3, [1, 2], True, False) + 3
     assert torch.equal(ad.tgt[ad.pair_index[(2, 3)]], torch.tensor(2))
+
+
+def test_next_visit_weight_weighs_the_heads(tiny_models, tmp_path, monkeypatch):
+    """--next-visit-weight is the heads' loss weight, in training and in the validation loss early
+    stopping reads; a horizon L that is also a window horizon keeps the window's weight; the adapter
+    records it; asked for without heads, the CLI refuses it in one line."""
+    import adapters.train as T
+    from click.testing import CliRunner
+
+    from adapters.checkpoint import load_adapter
+    from conftest import HELDOUT
+    from toolkit.cli import main
+    from toolkit.models.loader import inspect_model_dir
+    from toolkit.traces.capture import TraceSettings, run_trace
+
+    cfg = T.TrainConfig(horizons=(1, 2), next_visit_weight=0.25)
+    assert (cfg.pair_weight(1, 3), cfg.pair_weight(2, 3), cfg.pair_weight(3, 3)) == (2.0, 1.0, 0.25)
+    assert T.TrainConfig(horizons=(1, 2, 3), next_visit_weight=0.25).pair_weight(3, 3) == 1.0   # a window horizon
+    with pytest.raises(SpecPrefetchError, match="--next-visit-weight"):
+        T.TrainConfig(next_visit_weight=float("nan")).validate()
+    s = TraceSettings(max_sequences=8, prompt_tokens=24, decode_tokens=4, heldout_frac=0.25, shard_tokens=200)
+    trace = run_trace(tiny_models["qwen3_moe"], [HELDOUT], tmp_path / "t", s, progress=False)
+    spec = inspect_model_dir(tiny_models["qwen3_moe"])
+    seen = []
+    real = T.pair_loss
+    monkeypatch.setattr(T, "pair_loss", lambda adapter, bank, b, c, weights: (
+        seen.append((adapter.pairs, weights.tolist())), real(adapter, bank, b, c, weights))[1])
+    for w in (0.0, 0.5):
+        seen.clear()
+        out = tmp_path / f"a{w}"
+        T.train_adapter(trace, out, T.TrainConfig(steps=3, val_every=3, batch_size=32, rank=4, next_visit_weight=w),
+                        progress=False)
+        ad, meta = load_adapter(out, spec)
+        L = ad.num_layers
+        assert meta["training"]["next_visit_weight"] == w
+        assert len(seen) > 3                                      # training steps and validation batches
+        for pairs, weights in seen:
+            assert [x for (i, h), x in zip(pairs, weights) if h == L] == [w] * L
+            assert [x for (i, h), x in zip(pairs, weights) if h != L] == [2.0 if h == 1 else 1.0
+                                                                       for i, h in pairs if h != L]
+    r = CliRunner().invoke(main, ["train", str(trace), "--out", str(tmp_path / "x"), "--no-next-visit",
+                                  "--next-visit-weight", "0.5"])
+    assert r.exit_code != 0 and "--next-visit-weight: this adapter has no next-visit heads" in r.output
+    assert not (tmp_path / "x").exists()

@@ -166,6 +166,8 @@ def trace(model, data, out, prompt_tokens, decode_tokens, max_sequences, probs_t
               help="loss weight per horizon, e.g. '1:2,2:1' (default 2 for h=1, 1 otherwise)")
 @click.option("--topk-weight", type=FiniteFloat(0.0, inclusive=True), default=0.0, show_default=True,
               help="weight of the top-k ranking term")
+@click.option("--next-visit-weight", type=FiniteFloat(0.0, inclusive=True), default=1.0, show_default=True,
+              help="loss weight of the next-visit heads (horizon L; in the validation loss too)")
 @click.option("--steps", type=click.IntRange(min=1), default=3000, show_default=True)
 @click.option("--batch-size", type=click.IntRange(min=1), default=512, show_default=True)
 @click.option("--lr", type=FiniteFloat(), default=3e-3, show_default=True)
@@ -180,8 +182,9 @@ def trace(model, data, out, prompt_tokens, decode_tokens, max_sequences, probs_t
 @click.option("--overwrite", is_flag=True,
               help="replace an existing adapter at --out (only once the new one is complete)")
 @friendly_errors(interrupt=NOTHING_TO_OUT)
-def train(traces, out, model, rank, horizons, cross_token, next_visit, horizon_weights, topk_weight, steps,
-          batch_size, lr, val_every, patience, seed, device, max_memory_mb, overwrite) -> None:
+def train(traces, out, model, rank, horizons, cross_token, next_visit, horizon_weights, topk_weight,
+          next_visit_weight, steps, batch_size, lr, val_every, patience, seed, device, max_memory_mb,
+          overwrite) -> None:
     """Train the prefetch adapter on TRACES (a `trace` directory): a rank-r correction of each
     future layer's router, KL to the real routing, backbone frozen."""
     from adapters.train import TrainConfig, train_adapter
@@ -193,9 +196,13 @@ def train(traces, out, model, rank, horizons, cross_token, next_visit, horizon_w
         except ValueError:
             raise SpecPrefetchError(f"--horizon-weights {horizon_weights!r}: expected H:W,H:W") from None
     cfg = TrainConfig(rank=rank, horizons=int_tuple(horizons, "--horizons"), cross_token=cross_token,
-                      next_visit=next_visit, horizon_weights=hw, topk_weight=topk_weight, steps=steps,
+                      next_visit=next_visit, horizon_weights=hw, topk_weight=topk_weight,
+                      next_visit_weight=next_visit_weight, steps=steps,
                       batch_size=batch_size, lr=lr, val_every=val_every, patience=patience, seed=seed, device=device,
                       max_memory_mb=max_memory_mb)
+    if not cfg.next_visit and not ctx_default(click.get_current_context(), "next_visit_weight"):
+        raise SpecPrefetchError("--next-visit-weight: this adapter has no next-visit heads (--no-next-visit, or "
+                                "--no-cross-token without --next-visit)")
     try:
         r = train_adapter(traces, out, cfg, model=model, overwrite=overwrite)
     except ValueError as e:
