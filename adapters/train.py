@@ -74,9 +74,11 @@ class TrainConfig:
             raise bad("weight_decay", self.weight_decay, "must be a finite number >= 0")
         if not (math.isfinite(self.topk_weight) and self.topk_weight >= 0):
             raise bad("--topk-weight", self.topk_weight, "must be a finite number >= 0")
-        if not (isinstance(self.next_visit_weight, (int, float)) and math.isfinite(self.next_visit_weight)
-                and self.next_visit_weight >= 0):
-            raise bad("--next-visit-weight", self.next_visit_weight, "must be a finite number >= 0")
+        w = self.next_visit_weight
+        if isinstance(w, bool) or not (isinstance(w, (int, float)) and math.isfinite(w) and w >= 0):
+            raise bad("--next-visit-weight", w, "must be a finite number >= 0")
+        if not self.next_visit and w != 1.0:
+            raise bad("--next-visit-weight", w, "this adapter has no next-visit heads")
         for h, w in (self.horizon_weights or {}).items():
             if h not in self.horizons:
                 raise bad("--horizon-weights", f"{h}:{w}", f"horizon {h} is not one of --horizons "
@@ -170,6 +172,10 @@ def train_adapter(trace: Path, out: Path, cfg: TrainConfig, *, model: str | Path
     cfg.validate()
     reader = TraceReader(trace)
     spec = trace_model_spec(reader, model)
+    L = len(spec.geometry.moe_layers)
+    if cfg.next_visit and L in cfg.horizons and cfg.next_visit_weight != 1.0:
+        raise SpecPrefetchError(f"--next-visit-weight {cfg.next_visit_weight:g}: this model's next visit (horizon "
+                                f"{L}) is one of --horizons; weigh it with --horizon-weights {L}:W")
     inputs = (Path(trace).resolve(), spec.path)
     claim_output(out, kind="adapter", overwrite=overwrite, inputs=inputs)  # before the training, not after
     if not reader.shards("train"):

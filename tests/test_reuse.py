@@ -236,8 +236,11 @@ def test_next_visit_weight_weighs_the_heads(tiny_models, tmp_path, monkeypatch):
     cfg = T.TrainConfig(horizons=(1, 2), next_visit_weight=0.25)
     assert (cfg.pair_weight(1, 3), cfg.pair_weight(2, 3), cfg.pair_weight(3, 3)) == (2.0, 1.0, 0.25)
     assert T.TrainConfig(horizons=(1, 2, 3), next_visit_weight=0.25).pair_weight(3, 3) == 1.0   # a window horizon
-    with pytest.raises(SpecPrefetchError, match="--next-visit-weight"):
-        T.TrainConfig(next_visit_weight=float("nan")).validate()
+    for bad in ({"next_visit_weight": float("nan")}, {"next_visit_weight": -1.0}, {"next_visit_weight": True},
+                {"next_visit": False, "next_visit_weight": 0.5}, {"cross_token": False, "next_visit_weight": 2.0}):
+        with pytest.raises(SpecPrefetchError, match="--next-visit-weight"):
+            T.TrainConfig(**bad).validate()
+    T.TrainConfig(cross_token=False).validate()          # without heads, the default weight is fine
     s = TraceSettings(max_sequences=8, prompt_tokens=24, decode_tokens=4, heldout_frac=0.25, shard_tokens=200)
     trace = run_trace(tiny_models["qwen3_moe"], [HELDOUT], tmp_path / "t", s, progress=False)
     spec = inspect_model_dir(tiny_models["qwen3_moe"])
@@ -258,7 +261,16 @@ def test_next_visit_weight_weighs_the_heads(tiny_models, tmp_path, monkeypatch):
             assert [x for (i, h), x in zip(pairs, weights) if h == L] == [w] * L
             assert [x for (i, h), x in zip(pairs, weights) if h != L] == [2.0 if h == 1 else 1.0
                                                                        for i, h in pairs if h != L]
-    r = CliRunner().invoke(main, ["train", str(trace), "--out", str(tmp_path / "x"), "--no-next-visit",
-                                  "--next-visit-weight", "0.5"])
-    assert r.exit_code != 0 and "--next-visit-weight: this adapter has no next-visit heads" in r.output
+    for extra in (["--no-next-visit", "--next-visit-weight", "0.5"], ["--no-cross-token", "--next-visit-weight", "1"]):
+        r = CliRunner().invoke(main, ["train", str(trace), "--out", str(tmp_path / "x"), *extra])
+        assert r.exit_code != 0 and "--next-visit-weight" in r.output and "no next-visit heads" in r.output, extra
+        assert not (tmp_path / "x").exists()
+    L = len(spec.geometry.moe_layers)
+    assert L <= 4    # the tiny model's next visit can be a window horizon: then --horizon-weights weighs it
+    r = CliRunner().invoke(main, ["train", str(trace), "--out", str(tmp_path / "x"), "--horizons",
+                                  ",".join(map(str, range(1, L + 1))), "--next-visit-weight", "0.5"])
+    assert r.exit_code != 0 and f"--horizon-weights {L}:W" in r.output, r.output
     assert not (tmp_path / "x").exists()
+    r = CliRunner().invoke(main, ["train", str(trace), "--out", str(tmp_path / "y"), "--no-next-visit",
+                                  "--steps", "2", "--val-every", "2", "--batch-size", "32", "--rank", "4"])
+    assert r.exit_code == 0 and (tmp_path / "y" / "adapter.json").exists(), r.output   # no heads: trains
