@@ -257,15 +257,16 @@ class PrefetchPlanner:
         r = self.next_visit_rows.get(li)
         if r is not None and preds is not None and sched.reuse is not None:
             self._note_next_visit(sched, li, step + self.L, preds.reshape(len(self.rows[li]), -1)[r])
+        W = self.W if end is None else min(self.W, end - 1 - step)
+        host_nv = self.host_next_visit and sched.reuse is not None
         folded = None
-        if self.folded is not None:   # the window (and the next visit) in one matmul
+        if self.folded is not None and (W >= 1 or host_nv):   # the window (and the next visit) in one matmul
             mat, src, bias, fhs = self.folded[li]
             folded = (mat @ state.hidden[0, src] + bias).view(len(fhs), -1), fhs
-        if self.host_next_visit and sched.reuse is not None:
+        if host_nv:
             row = (folded[0][folded[1].index(self.L)] if folded is not None
                    else self.source.next_visit_logits(state.hidden[:, li], li)[0])
             self._note_next_visit(sched, li, step + self.L, row)
-        W = self.W if end is None else min(self.W, end - 1 - step)
         if self.source is None or W < 1:
             sched.plan_probs(step, [], None)
             return
