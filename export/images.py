@@ -72,15 +72,28 @@ def vision_block(spec, processor, size: tuple[int, int], *, given: bool = True) 
                            "image_std": [float(x) for x in processor.image_std]}}
 
 
-def fixed_size_pixels(path: Path | str, block: dict[str, Any], processor) -> tuple[torch.Tensor, list[int]]:
-    """A bundle's vision input for an image: resized to the bundle's size (bicubic), then transformers'
-    processor: (pixel_values [patches, C*T*P*P], grid_thw)."""
+def fixed_size_image(path: Path | str, block: dict[str, Any]):
+    """An image (RGB, Pillow) resized to a bundle's size (bicubic): the first step of its preprocessing."""
     from PIL import Image
 
     img = open_image(path)
     h, w = block["image_size"]
-    if img.size != (w, h):
-        img = img.resize((w, h), Image.Resampling.BICUBIC)
+    return img if img.size == (w, h) else img.resize((w, h), Image.Resampling.BICUBIC)
+
+
+def write_fixed_size_ppm(path: Path | str, block: dict[str, Any], out: Path) -> Path:
+    """The image at `path` resized to the bundle's size, written to `out` as a binary PPM: what a runner
+    built without PNG and JPEG decoders takes. Its own preprocessing then finds the size already the bundle's
+    (no resize), so its pixel_values are those of the original image (tests/test_device.py checks the tokens)."""
+    fixed_size_image(path, block).save(out, format="PPM")
+    return out
+
+
+def fixed_size_pixels(path: Path | str, block: dict[str, Any], processor) -> tuple[torch.Tensor, list[int]]:
+    """A bundle's vision input for an image: resized to the bundle's size (bicubic), then transformers'
+    processor: (pixel_values [patches, C*T*P*P], grid_thw)."""
+    img = fixed_size_image(path, block)
+    h, w = block["image_size"]
     out = processor(images=[img], return_tensors="pt")
     grid = [int(v) for v in out["image_grid_thw"][0]]
     if grid != list(block["grid_thw"]):

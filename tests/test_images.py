@@ -121,10 +121,10 @@ def test_bad_images_are_refused_in_one_line(vl, pictures, tmp_path, tiny_models)
     from PIL import Image
     Image.new("L", (20000, 20000)).save(big, compress_level=1)
     Image.new("RGB", (8, 8)).save(d / "pic.gif")
-    for path, msg in ((d / "text.png", "not a readable PNG or JPEG image"),
-                      (d / "cut.png", "not a readable PNG or JPEG image"),
+    for path, msg in ((d / "text.png", "not a readable PNG, JPEG or PPM image"),
+                      (d / "cut.png", "not a readable PNG, JPEG or PPM image"),
                       (big, "20000x20000 pixels, over the 64 megapixels"),
-                      (d / "pic.gif", "a GIF image; PNG and JPEG are taken"),
+                      (d / "pic.gif", "a GIF image; PNG, JPEG and PPM are taken"),
                       (d / "missing.png", "no such file"), (d, "a directory, not an image file")):
         with pytest.raises(SpecPrefetchError) as e:
             open_image(path)
@@ -348,7 +348,7 @@ def test_trace_data_refuses_an_image_the_runners_do_not_take(tmp_path):
 
     Image.new("RGB", (8, 8)).save(tmp_path / "a.gif")
     Image.new("L", (20000, 20000)).save(tmp_path / "big.png", compress_level=1)
-    for name, msg in (("a.gif", "a GIF image; PNG and JPEG are taken"), ("big.png", "20000x20000 pixels")):
+    for name, msg in (("a.gif", "a GIF image; PNG, JPEG and PPM are taken"), ("big.png", "20000x20000 pixels")):
         (tmp_path / "d.jsonl").write_text(json.dumps({"text": "x", "image": name}) + "\n")
         with pytest.raises(SpecPrefetchError) as e:
             read_records([tmp_path / "d.jsonl"], allow_images=True)

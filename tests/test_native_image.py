@@ -2,9 +2,10 @@
 Qwen2VLImageProcessorPil, the processor the toolkit uses (toolkit/models/loader.py), on
 `Image.open(p).convert("RGB")`, driven through android_runner/tests/check_image.cpp built with g++.
 
-- Parity: 44 generated files (noise and smooth gradients; PNG RGB, RGBA, L, LA, P, 1-bit, 16-bit grey,
+- Parity: 49 generated files (noise and smooth gradients; PNG RGB, RGBA, L, LA, P, 1-bit, 16-bit grey,
   an animated PNG, and hand-written 16-bit RGB/RGBA/LA, 2-bit grey, short palettes, tRNS and Adam7-interlaced
-  ones; JPEG at several qualities, 4:2:0 / 4:2:2 / 4:4:4, progressive and grey), under the tiny model's processor
+  ones; JPEG at several qualities, 4:2:0 / 4:2:2 / 4:4:4, progressive and grey; binary PPM, Pillow's and
+  hand-written with comments and every whitespace byte), under the tiny model's processor
   (patch 16, 32*32..64*64 pixels) and a larger one (256*256..512*512). The decoded RGB equals Pillow's
   and pixel_values are bit-identical (float32), the grid equal. The sizes reach every smart_resize
   branch (max, min, neither), Python's ties-to-even rounding (80 / 32 = 2.5), an unchanged size (a
@@ -14,7 +15,10 @@ Qwen2VLImageProcessorPil, the processor the toolkit uses (toolkit/models/loader.
   compiled here, each differs from the reference on some case.
 - Refusals, one line naming the file, exit 1: truncated and corrupt PNG and JPEG, not an image, an
   empty and a missing file, a 20000x20000 PNG header and a 9000x9000 JPEG header (refused from the
-  header, under a 256 MiB address-space limit), a CMYK JPEG, an aspect ratio over 200.
+  header, under a 256 MiB address-space limit), a CMYK JPEG, an aspect ratio over 200; the PPMs the runner
+  does not take (plain, grey, maxval other than 255, truncated, odd headers), which open_image refuses alike.
+- A PPM made on the host at a bundle's size (what device bench pushes to a runner without decoders) gives
+  the original image's pixel_values.
 NATIVE_SANITIZE=1 builds check_image with AddressSanitizer and UBSan."""
 from __future__ import annotations
 
@@ -247,7 +251,25 @@ def _jpeg_cases() -> dict:
     return c
 
 
-CASES = {**_png_cases(), **_jpeg_cases()}
+def write_ppm(path: Path, rgb: np.ndarray, header: bytes | None = None) -> Path:
+    """A binary PPM (P6) by hand: `header` as given (comments, odd whitespace), else the plain one."""
+    h, w, _ = rgb.shape
+    path.write_bytes((header if header is not None else b"P6\n%d %d\n255\n" % (w, h)) + rgb.astype(np.uint8).tobytes())
+    return path
+
+
+def _ppm_cases() -> dict:
+    """PPM (P6, maxval 255): the runner's built-in format, what `device bench` pushes to a cross build."""
+    c = {"ppm-noise-50x70": lambda d: _save(noise(50, 70, 21), d / "noise.ppm"),  # Pillow's own writer
+         "ppm-gradient-333x517": lambda d: _save(gradient(333, 517, 22), d / "grad.ppm"),
+         "ppm-1x1": lambda d: write_ppm(d / "one.ppm", noise(1, 1, 23))}
+    # comments between the tokens (ended by CR or LF), tabs, CR LF, vertical tab and form feed as whitespace
+    c["ppm-comments"] = lambda d: write_ppm(d / "comments.ppm", noise(19, 23, 24),
+                                            b"P6 # made by hand\r23\t#w\n\x0b19\r\n# maxval next\n\x0c255\t")
+    return c
+
+
+CASES = {**_png_cases(), **_jpeg_cases(), **_ppm_cases()}
 
 
 @pytest.fixture(scope="module")
@@ -317,7 +339,8 @@ def test_pixel_values_bit_identical(tool, processors, images, tmp_path, case):
 
 
 @pytest.mark.skipif(not PILLOW_13, reason=f"Pillow {PIL.__version__}: the port follows Pillow 13's pass order")
-@pytest.mark.parametrize("case", ["png-noise-50x70", "png-noise-1x1", "png-rgba", "jpeg-q75-422", "jpeg-q90-1000x700"])
+@pytest.mark.parametrize("case", ["png-noise-50x70", "png-noise-1x1", "png-rgba", "jpeg-q75-422", "jpeg-q90-1000x700",
+                                  "ppm-gradient-333x517"])
 def test_a_bundles_fixed_size_bit_identical(tool, processors, images, tmp_path, case):
     """A bundle's preprocessing (export/images.py: the image resized to the bundle's size, then the processor)
     and the runner's (ImagePreprocess::fixed_height/width) give the same pixel_values, bit for bit."""
@@ -435,8 +458,8 @@ REFUSALS = {  # name: (make(dir) -> path, what the message says, Pillow / the pr
                        "truncated JPEG (the data ends early)", True),
     "jpeg-cut-in-header": (lambda d: _truncated(_save(gradient(64, 64, 4), d / "b.jpg"), d / "h.jpg", 0.05),
                            "JPEG", True),
-    "text-file": (lambda d: _write(d / "notes.png", b"not an image at all\n"), "not a PNG or JPEG image", True),
-    "empty-file": (lambda d: _write(d / "empty.jpg", b""), "not a PNG or JPEG image", True),
+    "text-file": (lambda d: _write(d / "notes.png", b"not an image at all\n"), "not a PNG, JPEG or PPM image", True),
+    "empty-file": (lambda d: _write(d / "empty.jpg", b""), "not a PNG, JPEG or PPM image", True),
     "missing-file": (lambda d: d / "nowhere.png", "cannot open", True),
     "png-20000x20000": (lambda d: _png_header(d / "huge.png", 20000, 20000), "over 64 megapixels", True),
     # 36 megapixels (under the pixel cap) of 16-bit RGBA: 288 MB of samples, over the byte cap
@@ -446,6 +469,20 @@ REFUSALS = {  # name: (make(dir) -> path, what the message says, Pillow / the pr
     "cmyk-jpeg": (lambda d: _save(Image.new("CMYK", (16, 16), (10, 20, 30, 40)), d / "cmyk.jpg"),
                   "4 components", False),
     "aspect-201": (lambda d: _save(noise(1, 201, 5), d / "wide.png"), "aspect ratio 201", True),
+    # PPM: only binary RGB (P6) at maxval 255; Pillow takes the rest, the runner refuses it by name
+    "ppm-plain-p3": (lambda d: _write(d / "plain.ppm", b"P3\n1 1\n255\n1 2 3\n"), "plain PPM (P3)", False),
+    "pgm-p5": (lambda d: _save(Image.fromarray(noise(8, 8, 6)[..., 0], "L"), d / "grey.pgm"), "PGM", False),
+    "ppm-maxval-65535": (lambda d: _write(d / "deep.ppm", b"P6 2 2 65535\n" + bytes(24)), "maxval 65535", False),
+    "ppm-maxval-100": (lambda d: _write(d / "m100.ppm", b"P6 2 2 100\n" + bytes(12)), "maxval 100", False),
+    "ppm-truncated": (lambda d: _truncated(write_ppm(d / "a.ppm", noise(40, 40, 7)), d / "t.ppm", 0.6),
+                      "truncated PPM (the pixels end early)", True),
+    "ppm-header-ends": (lambda d: _write(d / "h.ppm", b"P6\n40 40\n"), "the header ends before its maxval", True),
+    "ppm-comment-in-token": (lambda d: _write(d / "c.ppm", b"P6\n4#x\n0 40\n255\n" + bytes(4800)),
+                             "a comment inside its width", None),
+    "ppm-sign": (lambda d: _write(d / "s.ppm", b"P6 +2 2 255\n" + bytes(12)), "not a number", None),
+    "ppm-20000x20000": (lambda d: _write(d / "huge.ppm", b"P6 20000 20000 255\n" + bytes(64)), "over 64 megapixels",
+                        None),
+    "ppm-11-digits": (lambda d: _write(d / "long.ppm", b"P6 99999999999 1 255\n"), "up to 10 digits", True),
 }
 
 
@@ -466,3 +503,41 @@ def test_refusal_is_one_line_naming_the_file(tool, processors, tmp_path, case):
         except Exception:  # noqa: BLE001 - Pillow and transformers raise many types
             refused = True
         assert refused == python_refuses, f"the Python path {'refuses' if refused else 'accepts'} {case}"
+
+
+@pytest.mark.parametrize("case", [c for c in REFUSALS if c.startswith(("ppm", "pgm"))] + list(_ppm_cases()))
+def test_the_toolkit_takes_the_ppms_the_runner_takes(tool, images, tmp_path, case):
+    """toolkit.traces.data.open_image (run, trace, bench, device bench) refuses a Netpbm file exactly where
+    the native runner does, for the same reason."""
+    from toolkit.errors import SpecPrefetchError
+    from toolkit.traces.data import open_image
+
+    if case in REFUSALS:
+        make, says, _ = REFUSALS[case]
+        with pytest.raises(SpecPrefetchError, match="^--image " + str(make(tmp_path)).replace(".", r"\.")) as e:
+            open_image(make(tmp_path))
+        # the raster's end is Pillow's to find ("image file is truncated"), the header's is ppm_problem's
+        says = {"ppm-truncated": "truncated", "ppm-20000x20000": "64 megapixels"}.get(case, says)
+        assert says in str(e.value) and "\n" not in str(e.value)
+    else:
+        assert np.array_equal(np.array(open_image(images[case])), np.array(Image.open(images[case]).convert("RGB")))
+
+
+@pytest.mark.skipif(not PILLOW_13, reason=f"Pillow {PIL.__version__}: the port follows Pillow 13's pass order")
+@pytest.mark.parametrize("case", ["png-noise-50x70", "png-rgba", "jpeg-q90-1000x700", "png-noise-1x1"])
+def test_a_ppm_made_on_the_host_gives_the_originals_pixels(tool, processors, images, tmp_path, case):
+    """What `device bench` pushes to a runner without PNG and JPEG decoders (export/images.py:
+    write_fixed_size_ppm): the image resized to the bundle's size as a PPM. The runner's preprocessing of it
+    equals the bundle's preprocessing of the original, bit for bit."""
+    from export.images import fixed_size_pixels, write_fixed_size_ppm
+
+    for (h, w), name in (((64, 64), "tiny"), ((32, 64), "tiny"), ((512, 384), "large")):
+        block = {"image_size": [h, w], "grid_thw": [1, h // PATCH, w // PATCH]}
+        want, grid = fixed_size_pixels(images[case], block, processors[name])
+        ppm = write_fixed_size_ppm(images[case], block, tmp_path / f"{case}-{h}x{w}.ppm")
+        assert ppm.read_bytes().startswith(b"P6") and Image.open(ppm).size == (w, h)
+        r = run(tool, ppm, *config_args(name), "--fixed", f"{h},{w}", "--out", tmp_path / "pv.bin")
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.split()[1:4] == [str(g) for g in grid]
+        pv = np.fromfile(tmp_path / "pv.bin", dtype=np.float32).reshape(want.shape)
+        assert np.array_equal(pv.view(np.uint32), want.numpy().view(np.uint32)), f"{case} at {h}x{w}"

@@ -403,7 +403,7 @@ def calibrate(model, store_path, reads, out, overwrite) -> None:
 @click.option("--prompt", "prompts", type=Text(), multiple=True, required=True,
               help="repeatable; one JSON `runs` entry each")
 @click.option("--image", "images", type=click.Path(path_type=Path), multiple=True,
-              help="PNG or JPEG before every prompt's text (repeatable, in order): a bundle that takes images "
+              help="PNG, JPEG or PPM before every prompt's text (repeatable, in order): a bundle that takes images "
                    "(docs/export.md 'Images')")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=32, show_default=True)
 @click.option("--max-seq", type=click.IntRange(min=2), default=512, show_default=True,
@@ -589,7 +589,7 @@ def runner_build(bundle, abi, out, force, tokenizer, overwrite) -> None:
                    "auto: what this machine's flash delivers in one step of the runner's resident compute, both "
                    "measured in this run")
 @click.option("--image", "images", type=click.Path(path_type=Path), multiple=True,
-              help="PNG or JPEG before every bench prompt's text (repeatable): image prompts, a bundle that takes "
+              help="PNG, JPEG or PPM before every bench prompt's text (repeatable): image prompts, a bundle that takes "
                    "images (no simulator comparison then)")
 @json_report
 @friendly_errors(interrupt=NOT_WRITTEN)
@@ -702,7 +702,8 @@ def device_standin(port, root_dir, root_user, abi, faults) -> None:
 @click.option("--run-timeout", type=FiniteFloat(), default=900.0, show_default=True,
               help="seconds one run may take on the device; past it the run is killed there and the bench stops")
 @click.option("--image", "images", type=click.Path(path_type=Path), multiple=True,
-              help="PNG or JPEG before every prompt's text (repeatable): image prompts, a bundle that takes images")
+              help="PNG, JPEG or PPM before every prompt's text (repeatable): image prompts, a bundle that takes "
+                   "images")
 @json_report
 @friendly_errors(interrupt=NOT_WRITTEN)
 def device_bench(bundle, serial, policies, pool_mib, prompts, max_new_tokens, repeats, threads, fixed_performance,
@@ -762,7 +763,7 @@ def _show_report(r, json_out, c, write, markdown) -> None:
 @click.option("--frequency-trace", type=click.Path(path_type=Path), default=None,
               help="trace whose counts drive the frequency policy, if benchmarked")
 @click.option("--image", "images", type=click.Path(path_type=Path), multiple=True,
-              help="PNG or JPEG before every bench prompt's text (repeatable): image prompts, a model or bundle "
+              help="PNG, JPEG or PPM before every bench prompt's text (repeatable): image prompts, a model or bundle "
                    "that takes images (no simulator comparison then)")
 @json_report
 @friendly_errors(interrupt=NOT_WRITTEN)

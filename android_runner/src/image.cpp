@@ -54,7 +54,7 @@ namespace {
 
 [[maybe_unused]] void check_pixels(const std::string& path, int64_t w, int64_t h) {
   if (w < 1 || h < 1) throw Error(path + ": image size " + std::to_string(w) + "x" + std::to_string(h) + " is empty");
-  if (w * h > kMaxImagePixels)
+  if (w > kMaxImagePixels || h > kMaxImagePixels || w * h > kMaxImagePixels)  // no overflow: each side first
     throw Error(path + ": image is " + fmt_pixels(w, h) + "; images over " + std::to_string(kMaxImagePixels / 1000000) +
                 " megapixels are refused");
 }
@@ -419,6 +419,58 @@ Rgb8Image resample_columns(const Rgb8Image& in, const Taps& rows, int offset) {
   return out;
 }
 
+// ---------------------------------------------------------------------------------------------
+// PPM (binary, P6, maxval 255), built in: the format with no decoder library, which every build of the
+// runner takes (a cross build without libpng or libjpeg too; `device bench` converts an image to it on
+// the host for such a build). The header is read as Pillow's PpmImagePlugin reads it: the magic, then
+// width, height and maxval, each a token after whitespace, a `#` comment running to CR or LF; one
+// whitespace byte after maxval, then the raster, rows top to bottom, R G B. Stricter than Pillow where
+// Pillow's reading is surprising: a token must be decimal digits (Python's int() takes "+5" or "1_0"),
+// a comment may not interrupt a token, and maxval must be 255 (Pillow rescales other maxvals).
+bool ppm_space(int c) { return c == ' ' || c == '\t' || c == '\n' || c == '\v' || c == '\f' || c == '\r'; }
+
+// The next header token (digits), its terminating whitespace byte consumed, as Pillow's _read_token.
+int64_t ppm_token(const std::string& path, FILE* f, const char* what) {
+  std::string tok;
+  while (true) {
+    const int c = std::fgetc(f);
+    if (c == EOF) {
+      if (tok.empty()) throw Error(path + ": truncated PPM (the header ends before its " + what + ")");
+      break;
+    }
+    if (ppm_space(c)) {
+      if (tok.empty()) continue;
+      break;
+    }
+    if (c == '#') {
+      if (!tok.empty()) throw Error(path + ": corrupt PPM header (a comment inside its " + what + ")");
+      int d;
+      do d = std::fgetc(f);
+      while (d != EOF && d != '\r' && d != '\n');
+      continue;
+    }
+    if (c < '0' || c > '9' || tok.size() >= 10)
+      throw Error(path + ": corrupt PPM header (its " + what + " is not a number of up to 10 digits)");
+    tok.push_back(static_cast<char>(c));
+  }
+  return std::stoll(tok);
+}
+
+Rgb8Image decode_ppm(const std::string& path, FILE* f) {  // past the magic "P6" and its whitespace byte
+  const int64_t w = ppm_token(path, f, "width"), h = ppm_token(path, f, "height");
+  const int64_t maxval = ppm_token(path, f, "maxval");
+  if (maxval != 255)
+    throw Error(path + ": a PPM of maxval " + std::to_string(maxval) + "; only 8-bit PPMs (maxval 255) are taken");
+  check_pixels(path, w, h);
+  Rgb8Image out;
+  out.width = static_cast<int>(w);
+  out.height = static_cast<int>(h);
+  out.pixels.resize(static_cast<size_t>(w) * static_cast<size_t>(h) * 3);
+  if (std::fread(out.pixels.data(), 1, out.pixels.size(), f) != out.pixels.size())
+    throw Error(path + ": truncated PPM (the pixels end early)");
+  return out;
+}
+
 }  // namespace
 
 Rgb8Image decode_image(const std::string& path) {
@@ -444,7 +496,14 @@ Rgb8Image decode_image(const std::string& path) {
                 "target)");
 #endif
   }
-  throw Error(path + ": not a PNG or JPEG image");
+  if (got >= 3 && sig[0] == 'P' && sig[1] == '6' && ppm_space(sig[2])) {
+    if (std::fseek(f.get(), 3, SEEK_SET) != 0) throw Error(path + ": cannot read (" + std::strerror(errno) + ")");
+    return decode_ppm(path, f.get());
+  }
+  if (got >= 2 && sig[0] == 'P' && sig[1] >= '1' && sig[1] <= '5')
+    throw Error(path + ": a PBM, PGM or plain PPM (P" + std::string(1, static_cast<char>(sig[1])) +
+                "); of the Netpbm formats only binary PPM (P6) is taken");
+  throw Error(path + ": not a PNG, JPEG or PPM image");
 }
 
 void ImagePreprocess::validate() const {

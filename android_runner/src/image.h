@@ -1,4 +1,4 @@
-// Images for a vision-language bundle: decoding a PNG or JPEG file into RGB8, and the Qwen2-VL /
+// Images for a vision-language bundle: decoding a PNG, JPEG or PPM file into RGB8, and the Qwen2-VL /
 // Qwen3-VL image processor on it (transformers' Qwen2VLImageProcessorPil, the class the toolkit
 // loads: toolkit/models/loader.py), to the last bit of its pixel_values and image_grid_thw.
 //
@@ -10,8 +10,11 @@
 // tests/test_native_image.py checks that pixel_values are bit-identical.
 //
 // What decode_image takes, and what it refuses (each refusal one spx::Error line naming the file):
-//   - Kinds: PNG and JPEG, recognised by their signature (not the name). Anything else: "not a PNG or
-//     JPEG image". Animated PNG: the default image only, as Pillow opens it.
+//   - Kinds: PNG, JPEG and binary PPM (P6), recognised by their signature (not the name). Anything else:
+//     "not a PNG, JPEG or PPM image". Animated PNG: the default image only, as Pillow opens it.
+//   - PPM: built in (no library), so every build takes it, a cross build without libpng and libjpeg
+//     too: P6 with maxval 255 only, its header read as Pillow reads it (image.cpp: decode_ppm says
+//     where it is stricter). Other Netpbm kinds (P1-P5) are refused by name.
 //   - PNG: every colour type and bit depth, interlaced or not, converted as PIL's convert("RGB"):
 //     grey is replicated (1/2/4-bit grey scaled to 0..255, x * 255 / (2^d - 1)); 16-bit grey is
 //     clipped to 255 (PIL opens it as I;16 and clips); every other 16-bit sample keeps its high byte;
@@ -37,7 +40,7 @@
 //
 // The decoders are compiled in where libpng's and libjpeg's headers are found (SPX_IMAGE_PNG,
 // SPX_IMAGE_JPEG, 1 or 0; -D to override); without one, decoding that kind is a refusal. Linking a
-// decoder needs -lpng / -ljpeg. Resizing and the processor need neither.
+// decoder needs -lpng / -ljpeg. The PPM reader, resizing and the processor need neither.
 #pragma once
 
 #include <cstdint>
@@ -58,7 +61,7 @@ struct Rgb8Image {
   std::vector<uint8_t> pixels;  // height * width * 3
 };
 
-// The PNG or JPEG at `path` as PIL's Image.open(path).convert("RGB") gives it.
+// The PNG, JPEG or PPM at `path` as PIL's Image.open(path).convert("RGB") gives it.
 Rgb8Image decode_image(const std::string& path);
 
 // The processor's settings: preprocessor_config.json's keys (min_pixels = size.shortest_edge,

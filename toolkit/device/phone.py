@@ -468,7 +468,10 @@ def native_predictors(bundle: Path, manifest: dict[str, Any]) -> list[str]:
     return out
 
 
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".ppm")
+# the runner builds with no PNG or JPEG decoder (no libpng or libjpeg-turbo for their targets here): device
+# bench pushes them each image as a PPM at the bundle's size, resized on the host (export/images.py)
+PPM_ONLY_RUNNERS = ("arm64",)
 
 
 def check_bench(bundle: Path, *, policies: Sequence[str], pool_mib: float, prompts: Sequence[str],
@@ -477,8 +480,8 @@ def check_bench(bundle: Path, *, policies: Sequence[str], pool_mib: float, promp
     """Everything the native runner on the phone would refuse, and the report's path, checked here
     before any push: (the bundle's manifest, the prompts' token ids). The manifest gives top-k, the
     KV cache (kv.max_seq) and the predictors; the store its slot size; the bundle's tokenizer the
-    prompts' lengths; `images` (before every prompt): the bundle takes them, each a PNG or JPEG within the
-    size cap, and their tokens count in the KV cache."""
+    prompts' lengths; `images` (before every prompt): the bundle takes them, each a PNG, JPEG or PPM within
+    the size cap, and their tokens count in the KV cache."""
     from transformers import AutoTokenizer
 
     from export.manifest import validate_bundle
@@ -526,7 +529,7 @@ def check_bench(bundle: Path, *, policies: Sequence[str], pool_mib: float, promp
             raise SpecPrefetchError(f"--image: {bundle} takes no images (a text-only bundle)" if vision is None else
                                     "--image: llama.cpp (--peer) runs text prompts; bench image prompts without it")
         for img in images:
-            open_image(img)  # readable, PNG or JPEG, within the pixel cap: what the runner on the phone takes
+            open_image(img)  # readable, PNG, JPEG or PPM, within the pixel cap: what the runner on the phone takes
         image_tokens = len(images) * (int(vision["tokens"]) + 2)
     tok = AutoTokenizer.from_pretrained(str(bundle / Path(m["model"]["config"]).parent), local_files_only=True)
     ids = [list(tok(p, add_special_tokens=False)["input_ids"]) for p in prompts]
@@ -635,27 +638,35 @@ def bench(bundle: Path, *, serial: str | None, policies: Sequence[str], pool_mib
     abi = facts(adb)["abi"]
     if backend_of(m) == "ort" and ORT_RUNNER_ABI.get(abi or "") == "android":
         check_phone_build(m)  # the user's QNN libraries and the NDK, before the phone is taken
-    if images and RUNNER_ABI.get(abi or "") == "arm64":  # before the push: every run would refuse the images
-        raise SpecPrefetchError(f"--image: the runner for device {adb.serial} ({abi}) is a cross build, built without "
-                                "PNG and JPEG decoders (no libpng or libjpeg-turbo for its target here yet; "
-                                "docs/runner.md); bench text prompts on it")
-    lock = lock_phone(adb, stale_after_s=run_timeout_s + cooldown_timeout_s + 600,
-                      what=f"{bundle.name}: {', '.join(policies)}", log=log)
-    try:
-        return _bench_held(lock, bundle, ids, policies=policies, pool_mib=pool_mib, prompts=prompts,
-                           max_new_tokens=max_new_tokens, repeats=repeats, json_out=Path(json_out),
-                           fixed_performance=fixed_performance, threads=threads,
-                           cooldown_timeout_s=cooldown_timeout_s, max_temp_c=max_temp_c, peer=peer,
-                           run_timeout_s=run_timeout_s, images=images, log=log)
-    finally:
-        lock.release()
+    with tempfile.TemporaryDirectory(prefix="spx-images-") as tmp:
+        pushed = list(images)
+        if images and RUNNER_ABI.get(abi or "") in PPM_ONLY_RUNNERS:  # no PNG or JPEG decoder on the phone
+            from export.images import write_fixed_size_ppm
+
+            pushed = [write_fixed_size_ppm(x, m["graphs"]["vision"], Path(tmp) / f"image-{i}.ppm")
+                      for i, x in enumerate(images)]
+            log(f"the runner for {abi} has no PNG or JPEG decoder: each image goes as a PPM at the bundle's size, "
+                "resized here (TTFT leaves out decoding and that resize)")
+        lock = lock_phone(adb, stale_after_s=run_timeout_s + cooldown_timeout_s + 600,
+                          what=f"{bundle.name}: {', '.join(policies)}", log=log)
+        try:
+            return _bench_held(lock, bundle, ids, policies=policies, pool_mib=pool_mib, prompts=prompts,
+                               max_new_tokens=max_new_tokens, repeats=repeats, json_out=Path(json_out),
+                               fixed_performance=fixed_performance, threads=threads,
+                               cooldown_timeout_s=cooldown_timeout_s, max_temp_c=max_temp_c, peer=peer,
+                               run_timeout_s=run_timeout_s, images=images, pushed_images=pushed, log=log)
+        finally:
+            lock.release()
 
 
 def _bench_held(lock: PhoneLock, bundle: Path, ids: list[list[int]], *, policies: Sequence[str], pool_mib: float,
                 prompts: Sequence[str], max_new_tokens: int, repeats: int, json_out: Path, fixed_performance: bool,
                 threads: int, cooldown_timeout_s: float, max_temp_c: float | None, peer: str | None,
-                run_timeout_s: float, log: Callable[[str], None], images: Sequence[Path] = ()) -> dict[str, Any]:
-    """bench, on the phone `lock` holds."""
+                run_timeout_s: float, log: Callable[[str], None], images: Sequence[Path] = (),
+                pushed_images: Sequence[Path] | None = None) -> dict[str, Any]:
+    """bench, on the phone `lock` holds. `pushed_images`: what goes to the phone for `images` (the files
+    themselves, the default, or PPMs made of them for a runner without PNG and JPEG decoders)."""
+    pushed_images = list(images if pushed_images is None else pushed_images)
     pushed = push(bundle, lock.adb.serial, peer=peer, log=log, beat=lock.beat)
     adb, f, base = Adb(pushed["serial"]), pushed["device"], pushed["remote"]
     invocation = (f"{time.strftime('%Y%m%d-%H%M%S')}-{re.sub(r'[^A-Za-z0-9._-]', '_', _hostname())[:40]}-"
@@ -680,18 +691,21 @@ def _bench_held(lock: PhoneLock, bundle: Path, ids: list[list[int]], *, policies
         "cache": ("drop_caches (root), then the runner's posix_fadvise(DONTNEED) of its store" if f["root"] else
                   "the runner's posix_fadvise(DONTNEED) of its store (not root: llama.cpp's GGUF is not evicted)"),
         "configs": [c["name"] for c in configs], "runs": [], "failures": [], "notes": notes, "status": "complete",
-        "reason": None, "remote_runs": run_dir, "images": [str(x) for x in images]}
+        "reason": None, "remote_runs": run_dir, "images": [str(x) for x in images],
+        "images_pushed_as": (None if not images else "the files" if list(pushed_images) == list(images) else
+                             "PPMs at the bundle's image size, resized on the host (no PNG or JPEG decoder in "
+                             "this phone's runner): TTFT leaves out decoding and that resize")}
     # the images in this bench's own directory on the phone, named by position (any local name is safe); kept
     # there with the runs' JSON, as their inputs
     remote_images = [f"{run_dir}/image-{i}{Path(x).suffix.lower() if Path(x).suffix.lower() in IMAGE_SUFFIXES else ''}"
-                     for i, x in enumerate(images)]
+                     for i, x in enumerate(pushed_images)]
     limit, min_avail = 0.0, 0
     governors: dict[str, str] = {}
 
     def prepare() -> None:
         nonlocal limit, min_avail
         adb.shell(f"mkdir -p {q(run_dir)}")
-        for local, remote in zip(images, remote_images):
+        for local, remote in zip(pushed_images, remote_images):
             adb.push(Path(local), remote)
         start = snapshot(adb)
         limit = max_temp_c if max_temp_c is not None else ((_hot(start["temps_c"]) or 40.0) + 3.0)

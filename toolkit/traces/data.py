@@ -172,7 +172,50 @@ def _read_jsonl(path: Path, allow_images: bool) -> Iterator[Record]:
 
 
 MAX_IMAGE_PIXELS = 64 * 1000 * 1000  # refused from the header, before decoding (the native runner's cap too)
-IMAGE_FORMATS = ("PNG", "JPEG", "MPO")  # Pillow's names; MPO: a camera's multi-picture JPEG (its first picture)
+IMAGE_FORMATS = ("PNG", "JPEG", "MPO", "PPM")  # Pillow's names; MPO: a camera's multi-picture JPEG (its first
+# picture); PPM: binary RGB (P6) at maxval 255 only (ppm_problem), the native runner's built-in format
+_PPM_SPACE = b" \t\n\x0b\x0c\r"
+
+
+def _is_netpbm(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            m = f.read(2)
+    except OSError:
+        return False
+    return len(m) == 2 and m[:1] == b"P" and m[1:] in b"123456"
+
+
+def ppm_problem(path: Path) -> str | None:
+    """Why the native runner refuses a Netpbm file that Pillow opens, or None for a P6 PPM at maxval 255:
+    its header read as android_runner/src/image.cpp's decode_ppm reads it (Pillow's reading, stricter where
+    Pillow's is surprising: decimal digits only, no comment inside a number)."""
+    with open(path, "rb") as f:
+        magic = f.read(3)
+        if magic[:2] != b"P6" or len(magic) < 3 or magic[2] not in _PPM_SPACE:
+            kind = {b"P1": "PBM", b"P2": "PGM", b"P3": "plain PPM", b"P4": "PBM", b"P5": "PGM"}.get(magic[:2], "Netpbm")
+            return f"a {kind} ({magic[:2].decode('latin-1')}); of the Netpbm formats only binary PPM (P6) is taken"
+        values = []
+        for what in ("width", "height", "maxval"):
+            tok = b""
+            while (c := f.read(1)) and not (c in _PPM_SPACE and tok):
+                if c in _PPM_SPACE:
+                    continue
+                if c == b"#":
+                    if tok:
+                        return f"a corrupt PPM header (a comment inside its {what})"
+                    while (d := f.read(1)) and d not in b"\r\n":
+                        pass
+                    continue
+                if not c.isdigit() or len(tok) >= 10:
+                    return f"a corrupt PPM header (its {what} is not a number of up to 10 digits)"
+                tok += c
+            if not tok:
+                return f"a truncated PPM (the header ends before its {what})"
+            values.append(int(tok))
+    if values[2] != 255:
+        return f"a PPM of maxval {values[2]}; only 8-bit PPMs (maxval 255) are taken"
+    return None
 
 
 def _open_checked(path: Path, what: str):
@@ -188,13 +231,18 @@ def _open_checked(path: Path, what: str):
     except IsADirectoryError:
         raise SpecPrefetchError(f"{what} {path}: a directory, not an image file") from None
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
-        raise SpecPrefetchError(f"{what} {path}: not a readable PNG or JPEG image ({e})") from None
+        bad = ppm_problem(path) if _is_netpbm(path) else None  # the runner's words for a header it refuses
+        raise SpecPrefetchError(f"{what} {path}: {bad or f'not a readable PNG, JPEG or PPM image ({e})'}") from None
     finally:
         Image.MAX_IMAGE_PIXELS = bomb
-    why = (f"a {im.format or 'unknown'} image; PNG and JPEG are taken (as the native runner decodes them)"
-           if im.format not in IMAGE_FORMATS else
-           f"{im.width}x{im.height} pixels, over the {MAX_IMAGE_PIXELS // 10**6} megapixels an image may have"
-           if im.width * im.height > MAX_IMAGE_PIXELS else None)
+    if im.format not in IMAGE_FORMATS:
+        why = f"a {im.format or 'unknown'} image; PNG, JPEG and PPM are taken (as the native runner decodes them)"
+    elif im.format == "PPM" and (bad := ppm_problem(path)):
+        why = bad
+    elif im.width * im.height > MAX_IMAGE_PIXELS:
+        why = f"{im.width}x{im.height} pixels, over the {MAX_IMAGE_PIXELS // 10**6} megapixels an image may have"
+    else:
+        why = None
     if why is not None:
         im.close()
         raise SpecPrefetchError(f"{what} {path}: {why}")
@@ -208,8 +256,8 @@ def check_image_header(path, what: str) -> None:
 
 def open_image(path, what: str = "--image"):
     """An image file as RGB (Pillow), one-line errors naming the file (`what`: the option or record that named
-    it). PNG and JPEG only (a camera's MPO JPEG: its first picture), as the native runner decodes; over
-    MAX_IMAGE_PIXELS refused from the header."""
+    it). PNG, JPEG (a camera's MPO JPEG: its first picture) and PPM (P6, maxval 255) only, as the native runner
+    decodes; over MAX_IMAGE_PIXELS refused from the header."""
     path = Path(path)
     im = _open_checked(path, what)
     try:
@@ -217,4 +265,4 @@ def open_image(path, what: str = "--image"):
             im.load()
             return im.convert("RGB")
     except (OSError, ValueError, SyntaxError) as e:
-        raise SpecPrefetchError(f"{what} {path}: not a readable PNG or JPEG image ({e})") from None
+        raise SpecPrefetchError(f"{what} {path}: not a readable PNG, JPEG or PPM image ({e})") from None
