@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
 RUNS    := runs/demo
 
-.PHONY: setup demo test test-all lint bench bench-phone fuzz clean
+.PHONY: setup demo demo-vl test test-all lint bench bench-phone fuzz clean
 
 # Debian packages the native runner's builds and tests need (docs/runner.md), where missing
 DEBS    := g++ g++-aarch64-linux-gnu qemu-user nlohmann-json3-dev adb time ccache libpng-dev libjpeg62-turbo-dev
@@ -64,6 +64,27 @@ ifeq ($(DEMO_QNN),1)
 	$(BIN)/specprefetch run $(RUNS)/bundle-qnn-sm8750 --policy adapter+prediction \
 	    --prompt "The kernel's memory allocator" --json $(RUNS)/run-qnn.json --overwrite
 endif
+
+## demo-vl: images end to end on `embedded-vl`, the shipped vision-language demo model (the embedded model,
+## frozen, with a vision tower trained here on generated pictures; docs/embedded-model.md): ask it what a picture
+## shows in both engines, trace pictures, train the adapter on the image trace, export a bundle with the vision
+## method, and stream an image prompt's experts through the native runner. About 8 minutes on 2 cores, a few more
+## the first time (the native runner is built).
+VL := $(RUNS)/vl
+VL_ASK := --prompt " This picture shows" --max-new-tokens 6
+demo-vl: $(STAMP)
+	$(BIN)/specprefetch info embedded-vl
+	$(BIN)/python -m toolkit.embedded.pictures $(VL)/pictures --n 200 --side 96 --seed 1 --overwrite
+	$(BIN)/specprefetch run embedded-vl --image $(VL)/pictures/p0.png $(VL_ASK) --policy on-demand+lru \
+	    --pool-mib 2 --json $(VL)/run.json --overwrite
+	$(BIN)/specprefetch trace embedded-vl --data $(VL)/pictures/pairs.jsonl --out $(VL)/trace --prompt-tokens 16 \
+	    --decode-tokens 12 --heldout-frac 0.2 --overwrite
+	$(BIN)/specprefetch train $(VL)/trace --out $(VL)/adapter --steps 300 --overwrite
+	$(BIN)/specprefetch eval $(VL)/trace --adapter $(VL)/adapter --json $(VL)/eval.json --overwrite
+	$(BIN)/specprefetch export embedded-vl --adapter $(VL)/adapter --target executorch --quant 8da8w --max-seq 64 \
+	    --out $(VL)/bundle --overwrite
+	$(BIN)/specprefetch run $(VL)/bundle --engine native --image $(VL)/pictures/p4.png $(VL_ASK) \
+	    --policy adapter+reuse --pool-mib 2 --check --json $(VL)/run-native.json --overwrite
 
 ## test: the CI suite (what .ci/run calls), one pytest-xdist worker per core (TEST_WORKERS=0: none)
 TEST_WORKERS ?= $(shell nproc 2>/dev/null || echo 2)

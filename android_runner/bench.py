@@ -21,6 +21,7 @@ the Python engine's tokens (`tokens_match_python`, native against the Python ref
 """
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -153,7 +154,7 @@ def token_check(results: list[dict], reference: list[list[int]]) -> dict[str, An
 
 def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: int = 32, rounds: int = 3,
         pool_fracs: tuple[float, ...] = (0.13, 0.27), threads: int = 1, ablation: bool = False,
-        read_budget_kib: int | str | None = None, images: tuple[Path, ...] = (),
+        read_budget_kib: int | str | None = None, images: tuple[Path, ...] = (), prompt_texts: tuple[str, ...] = (),
         log: Callable[[str], None] = print) -> dict[str, Any]:
     """The native runner against the Python reference runner and the memory floor, then its policies
     streaming from flash, then the simulator recalibrated against it. Both engines run the layer
@@ -165,7 +166,8 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
     rounds (not simulated); "auto": the budget measured in this run (`auto_read_budget`: the flash's
     O_DIRECT rate for expert slots at the runner's read lanes, times one step of its all-resident
     compute). images: every prompt gets these images before its text (a bundle that takes images; both
-    engines run the image prompt; the simulator, which replays text, is left out)."""
+    engines run the image prompt; the simulator, which replays text, is left out). prompt_texts: the
+    prompts' texts (then `prompts` and `prompt_tokens` do not apply); default: held-out texts."""
     from transformers import AutoTokenizer
 
     from export.executorch_target import set_threads
@@ -182,8 +184,11 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
                                 "graphs run on the HTP simulator here, whose times are not a phone's (run it with "
                                 "`specprefetch run BUNDLE --engine native`)")
     tok = AutoTokenizer.from_pretrained(str(Path(bundle) / Path(m["model"]["config"]).parent), local_files_only=True)
-    texts = bench_prompts(prompts, prompt_tokens, tok)
+    texts = list(prompt_texts) or bench_prompts(prompts, prompt_tokens, tok)
     ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    for t, x in zip(texts, ids):
+        if not x:
+            raise SpecPrefetchError(f"--prompt {json.dumps(t)[:60]}: no tokens")
     store = ExpertStore(Path(bundle) / m["runtime"]["expert_store"])
     if read_budget_kib not in (None, "auto") and read_budget_kib * 1024 < store.slot_bytes:
         raise SpecPrefetchError(f"--read-budget-kib {read_budget_kib}: below one expert slot "

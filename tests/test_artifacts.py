@@ -138,6 +138,16 @@ class TestClaims:
         from toolkit.traces.format import FORMAT as TRACE_FORMAT
 
         assert (A, B, T, STORE_MAGIC) == (ADAPTER_FORMAT, BUNDLE_FORMAT, TRACE_FORMAT, MAGIC)
+        from toolkit.artifacts.kinds import VISION_TOWER_NAME
+        from toolkit.models.embedded_vl import NAME
+        from toolkit.models.shipped import VL_DIR
+
+        assert VISION_TOWER_NAME == NAME and artifact_kind(VL_DIR) == "vision tower"
+        from toolkit.embedded.pictures import write_pairs
+
+        assert artifact_kind(write_pairs(tmp_path / "pics", n=2).parent) == "pictures"
+        (tmp_path / "pics" / "notes.txt").write_text("mine")  # anything else in it: not (only) pictures
+        assert artifact_kind(tmp_path / "pics") is None
         spec = inspect_model_dir(embedded)
         g = spec.geometry
         torch.manual_seed(0)

@@ -17,13 +17,15 @@ def test_runner_bench_reports_every_part(embedded_bundles, tmp_path):
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
            "SPECPREFETCH_PROFILES": str(tmp_path / "cache" / "profiles")}
     out = tmp_path / "native.json"
-    r = subprocess.run(["specprefetch", "runner", "bench", str(embedded_bundles["executorch"]), "--prompts", "2",
+    asked = ["The kernel's memory allocator", "To open a file for reading, use"]
+    r = subprocess.run(["specprefetch", "runner", "bench", str(embedded_bundles["executorch"]), "--prompt", asked[0],
+                        "--prompt", asked[1],
                         "--new-tokens", "6", "--rounds", "1", "--pool-frac", "0.13", "--ablation",
                         "--read-budget-kib", "auto", "--json", str(out)],
                        capture_output=True, text=True, timeout=1800, env=env)
     assert r.returncode == 0, r.stderr
     res = json.loads(out.read_text())
-    assert res["threads"] == 1 and len(res["prompts"]) == 2
+    assert res["threads"] == 1 and res["prompts"] == asked  # --prompt: these texts, not held-out ones
     rs = res["resident"]
     assert rs["python_tpot_ms"] > 0 and rs["native_tpot_ms"] > 0 and rs["floor_ms"] > 0
     # the same work, the same thread settings: the native runner is the faster engine

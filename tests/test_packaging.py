@@ -18,3 +18,16 @@ def test_every_module_directory_is_a_package():
             if not (d / "__init__.py").is_file():
                 missing.append(str(d.relative_to(REPO)))
     assert not missing, f"directories of modules without __init__.py (left out of a wheel): {missing}"
+
+
+def test_every_shipped_model_directory_is_package_data():
+    """The shipped models' files (toolkit/embedded/<name>/) go into a wheel only if pyproject.toml's
+    package-data names them."""
+    import tomllib
+
+    data = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["toolkit"]
+    shipped = sorted(d.name for d in (REPO / "toolkit" / "embedded").iterdir()
+                     if d.is_dir() and d.name != "__pycache__" and not any(d.glob("*.py")))
+    assert shipped, "no shipped model directory found"
+    missing = [n for n in shipped if f"embedded/{n}/*" not in data]
+    assert not missing, f"toolkit/embedded/ directories left out of pyproject.toml's package-data: {missing}"

@@ -22,7 +22,8 @@ group in toolkit/cli_errors.py).
     specprefetch tiny FAMILY --out DIR      a tiny random checkpoint of a family, for trying things
     specprefetch widen MODEL --moe-intermediate-size N --out DIR   wider experts, same function
 
-MODEL may be `embedded` for the embedded default model or `phone` for the phone-class model.
+MODEL may be `embedded` for the embedded default model, `phone` for the phone-class model or
+`embedded-vl` for the vision-language demo model.
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ from toolkit.errors import SpecPrefetchError
 
 
 def _inputs(*paths) -> list[Path]:
-    """A command's inputs that exist, as paths (`embedded` / `phone`: the shipped model's directory):
+    """A command's inputs that exist, as paths (`embedded` / `phone` / `embedded-vl`: the shipped model's directory):
     what its outputs must never be, nor lie inside."""
     from toolkit.models.loader import resolve_model_dir
 
@@ -421,7 +422,7 @@ def calibrate(model, store_path, reads, out, overwrite) -> None:
                    "(one position at a time) [default: the bundle's largest chunk]")
 @click.option("--check/--no-check", default=None,
               help="compare the tokens with the unmodified model's own generate (loads all its weights) "
-                   "[default: on for the shipped models, embedded and phone, only]")
+                   "[default: on for the shipped models, embedded, phone and embedded-vl, only]")
 @click.option("--events", "events_out", type=OUT_FILE, default=None,
               help="write every scheduler and pool decision here (docs/runtime.md)")
 @scheduler_limits
@@ -591,10 +592,12 @@ def runner_build(bundle, abi, out, force, tokenizer, overwrite) -> None:
 @click.option("--image", "images", type=click.Path(path_type=Path), multiple=True,
               help="PNG, JPEG or PPM before every bench prompt's text (repeatable): image prompts, a bundle that takes "
                    "images (no simulator comparison then)")
+@click.option("--prompt", "prompt_texts", multiple=True,
+              help="a bench prompt's text (repeatable; default: --prompts held-out texts of 32 tokens)")
 @json_report
 @friendly_errors(interrupt=NOT_WRITTEN)
 def runner_bench(bundle, prompts, new_tokens, rounds, pool_fracs, threads, ablation, read_budget_kib, images,
-                 json_out, overwrite) -> None:
+                 prompt_texts, json_out, overwrite) -> None:
     """Measure the native runner: all experts resident (vs the Python runner and the memory floor),
     and streaming from a cold cache at a few pool sizes (interleaved rounds)."""
     c = claim(json_out, "runner bench", overwrite, inputs=(bundle, *images))
@@ -602,7 +605,7 @@ def runner_bench(bundle, prompts, new_tokens, rounds, pool_fracs, threads, ablat
 
     r = run_native_bench(bundle, prompts=prompts, new_tokens=new_tokens, rounds=rounds, pool_fracs=tuple(pool_fracs),
                          threads=threads, ablation=ablation, read_budget_kib=read_budget_kib, images=tuple(images),
-                         log=lambda s: click.echo(s, err=True))
+                         prompt_texts=tuple(prompt_texts), log=lambda s: click.echo(s, err=True))
     write(r, json_out)
     click.echo(markdown(r))
     click.echo(wrote(c))
@@ -1049,7 +1052,8 @@ def widen(model, width, out, seed, overwrite) -> None:
     MODEL's compute (added units: ordinary gate/up rows, zero down-projection columns), for
     studying larger experts on the same routing (docs/widen.md). Streams shard by shard.
 
-    MODEL is a checkpoint directory, `embedded` or `phone`; every supported family's experts are gated MLPs."""
+    MODEL is a checkpoint directory, `embedded`, `phone` or `embedded-vl`; every supported family's
+    experts are gated MLPs."""
     from toolkit.models.widen import widen_checkpoint
 
     s = widen_checkpoint(model, out, width, overwrite=overwrite, seed=seed, progress=True)

@@ -34,6 +34,7 @@ from toolkit.artifacts.files import (atomic_path, atomic_write_bytes, atomic_wri
 from toolkit.artifacts.hashing import config_hash, sha256_file
 from toolkit.artifacts.kinds import (ADAPTER_FORMAT, BUNDLE_FORMAT, KINDS, STORE_MAGIC, TRACE_FORMAT, artifact_kind,
                                      check_inputs, claim_output)
+from toolkit.artifacts.cache import being_written, build_once, profile_dir
 from toolkit.artifacts.lock import lock_path
 from toolkit.artifacts.outputs import (WORK_MARK, AtomicDirectory, atomic_directory, atomic_output_file, partial_dir,
                                        rejected_dir, work_dir)
@@ -45,7 +46,7 @@ __all__ = [
     "ADAPTER_FORMAT", "BUNDLE_FORMAT", "EVENTS_MAGIC", "KINDS", "REPORT_KEY", "REPORT_SIBLINGS", "STORE_MAGIC",
     "TRACE_FORMAT", "WORK_MARK", "AtomicDirectory", "ReportClaim", "artifact_kind", "atomic_directory",
     "atomic_output_file", "atomic_path", "atomic_write_bytes", "atomic_write_text", "atomic_write_with",
-    "check_inputs", "claim_output", "claim_report", "config_hash", "disk_error", "lock_path", "os_error",
-    "partial_dir", "read_json", "rejected_dir", "release_report_claims", "report_claim", "report_kind",
-    "sha256_file", "special_kind", "work_dir", "write_json_atomic",
+    "being_written", "build_once", "check_inputs", "claim_output", "claim_report", "config_hash", "disk_error",
+    "lock_path", "os_error", "partial_dir", "profile_dir", "read_json", "rejected_dir", "release_report_claims",
+    "report_claim", "report_kind", "sha256_file", "special_kind", "work_dir", "write_json_atomic",
 ]

@@ -8,6 +8,7 @@ and never when it is, holds or lies inside an input of the same command (`check_
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -19,9 +20,12 @@ BUNDLE_FORMAT = "specprefetch-bundle"      # BUNDLE/manifest.json "format" (expo
 TRACE_FORMAT = "specprefetch-trace"        # TRACE/manifest.json "format" (toolkit.traces.format.FORMAT)
 ADAPTER_FORMAT = "specprefetch-adapter"    # ADAPTER/adapter.json "format" (adapters.checkpoint.FORMAT)
 STORE_MAGIC = b"SPXSTORE"                  # first bytes of an expert store (expert_store.MAGIC)
-KINDS = ("bundle", "adapter", "trace", "store", "model", "report")
+KINDS = ("bundle", "adapter", "trace", "store", "model", "report", "pictures", "vision tower")
 _ARTICLE = {"bundle": "a bundle", "adapter": "an adapter", "trace": "a trace", "store": "an expert store",
-            "model": "a model checkpoint", "report": "a report"}
+            "model": "a model checkpoint", "report": "a report",
+            "pictures": "pictures (toolkit/embedded/pictures.py)",
+            "vision tower": "a vision tower (toolkit/embedded/vl.py)"}
+VISION_TOWER_NAME = "embedded-vl"  # TOWER/vl.json "name" (toolkit.models.embedded_vl.NAME)
 _REPORT_SUFFIXES = (".json", ".md", ".png")
 _ARTIFACT_JSON = {"config.json", "manifest.json", "adapter.json", "progress.json", "generation_config.json",
                   "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -32,6 +36,16 @@ def _json_format(path: Path) -> Any:
         if path.is_file() and path.stat().st_size < 64 << 20:
             obj = json.loads(path.read_text(encoding="utf-8"))
             return obj.get("format") if isinstance(obj, dict) else None
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _json_name(path: Path) -> Any:
+    try:
+        if path.is_file() and path.stat().st_size < 1 << 20:
+            obj = json.loads(path.read_text(encoding="utf-8"))
+            return obj.get("name") if isinstance(obj, dict) else None
     except (OSError, ValueError):
         pass
     return None
@@ -67,6 +81,11 @@ def artifact_kind(path: Path | str) -> str | None:
                 return "adapter"
             if (p / "config.json").is_file():
                 return "model"
+            if _json_name(p / "vl.json") == VISION_TOWER_NAME:
+                return "vision tower"
+            if (p / "pairs.jsonl").is_file() and all(
+                    q.name == "pairs.jsonl" or re.fullmatch(r"p\d+\.png", q.name) for q in p.iterdir()):
+                return "pictures"
             return None
         if not p.is_file():
             return None

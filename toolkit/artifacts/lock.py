@@ -62,3 +62,4 @@ class _Lock:
             self.path.unlink()  # while still locked: nobody can hold the file we remove
         os.close(self.fd)
         self.fd = -1
+

@@ -22,6 +22,7 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 import torch  # noqa: E402
 
 from toolkit.artifacts import config_hash, read_json  # noqa: E402
+from toolkit.models.shipped import EMBEDDED_DIR, PHONE_DIR  # noqa: E402
 from toolkit.errors import SpecPrefetchError  # noqa: E402
 from toolkit.models.checkpoint import TensorIndex, expert_keys, open_safetensors, read_header  # noqa: E402
 from toolkit.models.families import Family, ModelGeometry, family_for  # noqa: E402
@@ -30,9 +31,10 @@ from toolkit.models.spec import ModelSpec  # noqa: E402  (re-exported: callers i
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
-_EMBEDDED = Path(__file__).resolve().parent.parent / "embedded"
 # short name -> shipped model directory (docs/embedded-model.md)
-SHIPPED_MODELS: dict[str, Path] = {"embedded": _EMBEDDED / "model", "phone": _EMBEDDED / "phone"}
+SHIPPED_MODELS: dict[str, Path] = {"embedded": EMBEDDED_DIR, "phone": PHONE_DIR}
+# short name of the shipped model assembled on first use into the cache (toolkit/embedded/vl.py)
+ASSEMBLED_VL = "embedded-vl"
 
 
 def embedded_model_dir() -> Path:
@@ -46,19 +48,25 @@ def phone_model_dir() -> Path:
 
 
 def shipped_model_name(path: str | Path | None) -> str | None:
-    """The short name of a shipped model directory (`embedded`, `phone`), or None for any other."""
+    """The short name of a shipped model directory (`embedded`, `phone`, `embedded-vl`'s assembled
+    checkpoint), or None for any other."""
     if path is None:
         return None
     try:
         p = Path(path).resolve()
     except (OSError, RuntimeError):
         return None
+    from toolkit.models.embedded_vl import is_assembled
+
+    if is_assembled(p):
+        return ASSEMBLED_VL
     return next((name for name, d in SHIPPED_MODELS.items() if d.resolve() == p), None)
 
 
 def resolve_model_dir(model: str | Path) -> Path:
-    """The strings `embedded` (or an empty value) and `phone` name the shipped models; any other string,
-    and every Path, is a directory (so a spec's own path never turns into a short name).
+    """The strings `embedded` (or an empty value), `phone` and `embedded-vl` name the shipped models
+    (`embedded-vl` is assembled into the cache on first use); any other string, and every Path, is a
+    directory (so a spec's own path never turns into a short name).
 
     A directory of such a name in the working directory is named with a path: `./phone`."""
     if isinstance(model, Path):
@@ -67,6 +75,10 @@ def resolve_model_dir(model: str | Path) -> Path:
         return embedded_model_dir()
     if model in SHIPPED_MODELS:
         return SHIPPED_MODELS[model]
+    if model == ASSEMBLED_VL:
+        from toolkit.models.embedded_vl import model_dir
+
+        return model_dir(progress=True)
     return Path(model)
 
 

@@ -25,8 +25,8 @@ import torch
 from toolkit.artifacts import atomic_directory, claim_output
 from toolkit.errors import SpecPrefetchError
 from toolkit.models.loader import embedded_model_dir
+from toolkit.models.shipped import TOKENIZER_FILES  # noqa: F401  (re-exported)
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 VOCAB = 4096
 EOS = 0
 

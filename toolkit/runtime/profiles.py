@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from pathlib import Path
 
-from toolkit.artifacts import read_json, write_json_atomic
+from toolkit.artifacts import profile_dir, read_json, write_json_atomic  # noqa: F401  (profile_dir re-exported)
 from toolkit.errors import SpecPrefetchError
 
 MiB = 2**20
@@ -135,10 +134,6 @@ SNAPDRAGON_8_ELITE_NPU = dataclasses.replace(
         "(~1.1 TFLOP/s at two FLOPs per active weight); decode on the CPU"])
 
 BUILTIN = {p.name: p for p in (SNAPDRAGON_8_ELITE, SNAPDRAGON_8_ELITE_NPU)}
-
-
-def profile_dir() -> Path:
-    return Path(os.environ.get("SPECPREFETCH_PROFILES", Path.home() / ".cache" / "specprefetch" / "profiles"))
 
 
 def load_profile(name: str, option: str = "--profile") -> DeviceProfile:

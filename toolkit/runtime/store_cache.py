@@ -3,11 +3,9 @@ config hash and the sha256 of its weight shards (a fine-tune never picks up the 
 and shared safely between processes (a second one waits for the one building it)."""
 from __future__ import annotations
 
-import sys
-import time
 from pathlib import Path
 
-from toolkit.artifacts import lock_path
+from toolkit.artifacts import build_once
 from toolkit.errors import SpecPrefetchError
 from toolkit.models.spec import ModelSpec
 from toolkit.runtime.expert_store import ExpertStore, build_store
@@ -26,41 +24,9 @@ def cached_store(spec: ModelSpec, dtype: str, *, progress: bool = True) -> Exper
     """The default store of a model directory: built once into the cache, then reused. A second
     process building the same store meanwhile is waited for, not raced."""
     path = default_store_path(spec, dtype, progress=progress)
-    waited = False
-    while not path.is_file():
-        try:
-            build_store(spec, path, dtype, progress=progress, option="the expert store cache")
-        except SpecPrefetchError:
-            if path.is_file():  # another process finished it first
-                break
-            if not _writing(path):
-                raise
-            if not waited and progress:
-                print(f"waiting for another specprefetch process building {path}", file=sys.stderr)
-            waited = True
-            time.sleep(0.5)
+    build_once(path, lambda: build_store(spec, path, dtype, progress=progress, option="the expert store cache"),
+               done=Path.is_file, progress=progress)
     try:
         return ExpertStore(path, spec)
     except SpecPrefetchError as e:
         raise SpecPrefetchError(f"{e} (a cached store: delete it and it is rebuilt)") from None
-
-
-def _writing(path: Path) -> bool:
-    """Whether another process holds the write lock of `path` now (a lock file left behind by a
-    killed process is not held)."""
-    import fcntl
-    import os
-
-    try:
-        fd = os.open(lock_path(path), os.O_RDONLY)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(fd)  # closing releases a lock we took
-    return False
