@@ -551,3 +551,28 @@ def test_a_corrupt_prefetched_blob_is_refused(native, tmp_path):
                         "--max-new-tokens", str(NEW), "--policy", "oracle+lru", "--pool-mib", str(POOLS[0]),
                         "--routing", str(routing), "--no-verify-hashes"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 1 and "failed its checksum" in r.stderr and "(a prefetched read)" in r.stderr, r.stderr
+
+
+@pytest.mark.slow
+def test_experts_too_large_for_the_default_pool_run(tiny_models, tmp_path):
+    """Two experts of a layer's top-2 fill more than the runner's initial 8 MiB pool: the runner, which
+    once refused such a bundle in its constructor whatever --pool-mib said, runs it at the pool it is
+    given, with the Python engine's tokens."""
+    from export.bundle import ExportConfig, export_bundle
+    from toolkit.models.widen import widen_checkpoint
+    from toolkit.runtime.expert_store import ExpertStore
+
+    wide = tmp_path / "wide"
+    widen_checkpoint(tiny_models["qwen3_moe"], wide, 12288, progress=False)
+    b = tmp_path / "bundle"
+    export_bundle(wide, b, ExportConfig(target="executorch", max_seq=32, progress=False))
+    st = ExpertStore(b / "experts.spx")
+    k = json.loads((b / "manifest.json").read_text())["routing"]["top_k"]
+    assert k * st.slot_bytes > 8 * 2**20
+    pool = k * st.slot_bytes / 2**20 + 0.01
+    out = build(b, "host")
+    r = run_native((b, out), "--prompt-ids", "1,2,3", "--max-new-tokens", 4, "--pool-mib", pool, "--json",
+                   tmp_path / "run.json")
+    session = open_session(b, RunConfig(policy=Policy("on-demand", "lru"), io="threads", pool_mib=pool))
+    assert json.loads((tmp_path / "run.json").read_text())["runs"][0]["tokens"] == \
+        session.runner.run([1, 2, 3], 4).tokens, r.stderr

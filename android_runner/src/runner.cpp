@@ -139,6 +139,9 @@ Runner::Runner(const ModelInfo& model, Backend& exec, const ExpertStore& store, 
     throw Error(store.path + ": " + std::to_string(store.num_layers) + " layers x " +
                 std::to_string(store.num_experts) + " experts, the model has " + std::to_string(m_.L()) + " x " +
                 std::to_string(m_.routing.num_experts));
+  // the caller configures the run's pool; this first check needs one that holds a layer's top-k, whatever
+  // the slot size (RunConfig's default 8 MiB holds fewer than four 3 MiB experts)
+  cfg_.pool_mib = std::max(cfg_.pool_mib, m_.routing.top_k * static_cast<double>(store.slot_bytes) / 1048576.0);
   configure(cfg_);
 }
 
