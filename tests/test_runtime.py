@@ -86,6 +86,89 @@ def test_eviction_policies_choose_the_right_victim():
     assert (0, 0) not in bel.slots and (0, 1) in bel.slots
 
 
+def _reference_victim(pool, now, protect):
+    """Every policy's victim as the pool once found it, by scoring every evictable slot: the rule the C++
+    runner mirrors, tie-breaks included."""
+    cands = [s for s in pool.slots.values() if s.ready and s.pins == 0 and s.key not in protect]
+    if not cands:
+        return None
+    if pool.policy == "lru":
+        return min(cands, key=lambda s: (s.last_use, s.key)).key
+    if pool.policy == "lfu":
+        return min(cands, key=lambda s: (s.uses, s.last_use, s.key)).key
+    if pool.policy == "reuse":
+        return max(cands, key=lambda s: (pool.reuse.score(s.key, now, pool.predicted), -s.last_use, s.key)).key
+    if pool.predicted is not None:
+        def nxt(s):
+            v = pool.predicted.get(s.key)
+            return (float("inf") if v is None or v < now else v, -s.last_use, s.key)
+        return max(cands, key=nxt).key
+    return max(cands, key=lambda s: (pool.next_use(s.key, now), -s.last_use, s.key)).key
+
+
+@pytest.mark.parametrize("policy,source", [("lru", None), ("lfu", None), ("prediction", "table"),
+                                           ("prediction", "next_use"), ("belady", "next_use"), ("reuse", "table"),
+                                           ("reuse", None)])
+def test_victim_search_equals_the_full_scan(policy, source):
+    """The pool's victim search (groups of slots by last use, walked oldest first, stopping early; the reuse
+    rule's scores in one pass) picks exactly the slot the full scan of every evictable slot picks, over
+    random reservations, uses (steps going back too), pins, loading slots, protected keys, predictions
+    (stale ones too), never-used-again experts, ties of every kind and reuse histories with next visits."""
+    from adapters.reuse import SCALE, ReuseTable
+    from toolkit.runtime.reuse import ReuseHistory
+
+    rng = random.Random(f"{policy}-{source}")
+    L, E, cap = 3, 6, 7
+    future: dict = {}
+    nxt = lambda key, now: future.get(key, float("inf"))  # noqa: E731
+    pool = ExpertPool(cap * 10, 10, policy=policy, min_slots=1, next_use=nxt)
+    if source == "table":
+        pool.predicted = {}
+    if policy == "reuse":
+        pool.reuse = ReuseHistory(ReuseTable(2, 8, (8 * SCALE, 2 * SCALE, 3 * SCALE, 1 * SCALE)), L)
+    keys = [(li, e) for li in range(L) for e in range(E)]
+    checked = 0
+    for it in range(3000):
+        now = it // 4 + rng.choice([0, 0, 0, -3])
+        op = rng.random()
+        if op < 0.35:
+            key = rng.choice(keys)
+            if key not in pool.slots:
+                protect = set(rng.sample(keys, rng.randint(0, 3)))
+                want = _reference_victim(pool, now, protect) if len(pool.slots) >= cap else None
+                got = pool._victim(now, protect) if len(pool.slots) >= cap else None
+                assert got == want, (it, policy, source)
+                checked += want is not None
+                slot = pool.reserve(key, now, prefetch=rng.random() < 0.5, protect=protect)
+                if slot is not None:
+                    slot.ready = rng.random() < 0.8
+        elif op < 0.7 and pool.slots:
+            slot = pool.slots[rng.choice(list(pool.slots))]
+            pool.touch(slot, rng.choice([now, now, now - 1, -1]))   # ties, and a use older than the last
+        elif op < 0.8 and pool.slots:
+            slot = pool.slots[rng.choice(list(pool.slots))]
+            slot.pins = rng.choice([0, 0, 1])
+            slot.ready = slot.ready or rng.random() < 0.5
+        elif op < 0.85 and pool.slots:
+            key = rng.choice(list(pool.slots))
+            if not pool.slots[key].pins:
+                pool.evict(key)
+        else:   # predictions: the scheduler's table, a next-use oracle, reuse histories and next visits
+            key = rng.choice(keys)
+            if pool.predicted is not None:
+                pool.predicted[key] = now + rng.randint(-2, 3)
+            future[key] = rng.choice([now + rng.randint(1, 4), float("inf")])
+            if pool.reuse is not None:
+                li = rng.randrange(L)
+                pool.reuse.observe(now, [(li, e) for e in rng.sample(range(E), 2)])
+                if rng.random() < 0.5:
+                    pool.reuse.set_next_visit(li, now + rng.randint(1, L), rng.sample(range(E), 2))
+    assert checked > 200
+    for s in pool.slots.values():   # the last-use groups hold exactly the pool's slots
+        assert pool._by_use[s.last_use][s.key] is s
+    assert sum(map(len, pool._by_use.values())) == len(pool.slots) and pool._uses == sorted(pool._by_use)
+
+
 # -- scheduler on simulated flash ---------------------------------------------------------------
 
 def _drive(pattern, predict, pool_slots=6, window=2):
@@ -628,3 +711,47 @@ def test_prefill_geometry_charges_the_lm_head_once(embedded):
         dense, experts = geo.prefill_flops(10)
         assert dense == 2.0 * geo.prefill_layer_params * 10
         assert experts == 2.0 * geo.expert_bytes / 2 * 10 * g.routing.top_k
+
+
+@pytest.mark.parametrize("candidates,threshold", [(None, 0.0), (2, 0.0), (6, 0.2)])
+def test_planner_oracle_window_equals_the_scored_one(candidates, threshold):
+    """The oracle's window goes to the scheduler as ranked candidates (plan_ranked), without its [W, E]
+    scores: the decisions, the printed confidences included, are those of the scores normalised and
+    ranked (a subclass of Oracle takes that generic path), up to the end of the recorded future, where
+    the generic path decides."""
+    from toolkit.models.families import RoutingSpec
+    from toolkit.predictors.base import Oracle
+    from toolkit.runtime.events import EventLog
+    from toolkit.runtime.planner import PrefetchPlanner, RoutingState
+
+    class ScoredOracle(Oracle):
+        pass
+
+    L, E, k, W, N = 4, 12, 3, 3, 9
+    gen = torch.Generator().manual_seed(7)
+    future = [torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(L)]) for _ in range(N)]
+    logs = []
+    for source in (Oracle(E), ScoredOracle(E)):
+        events = EventLog()
+        pool = ExpertPool(7 * 4096, 4096, policy="prediction", min_slots=k, next_use=lambda key, now: float("inf"))
+        sched = WindowScheduler(pool, SimFlash(SNAPDRAGON_8_ELITE, SimClock(), 4096),
+                                SchedulerConfig(candidates=candidates, candidate_threshold=threshold, queue_depth=3),
+                                num_layers=L, top_k=k, events=events, clock=lambda: 0.0)
+        planner = PrefetchPlanner(source, num_layers=L, window=W, routing=RoutingSpec(num_experts=E, top_k=k),
+                                  score_bias=None)
+        state = RoutingState(L, 4, k)
+        state.future = future
+        for p in range(N + 1):   # one position past the recorded future
+            state.pos = p
+            for li in range(L):
+                step = p * L + li
+                events.at(step, p, li)
+                keys = [(li, int(e)) for e in (future[p][li] if p < N else future[0][li])]
+                sched.acquire(step, keys)
+                planner.plan(sched, li, step, state, None)
+                for key in keys:
+                    sched.data(key)
+                sched.release(step, keys)
+        logs.append((events.lines, sched.stats))
+    assert logs[0] == logs[1]
+    assert logs[0][1].prefetch_issued > 0 and logs[0][1].prefetch_hits > 0 and pool.evictions > 0

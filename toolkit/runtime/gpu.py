@@ -136,9 +136,10 @@ class HostExperts:
             if progress:
                 progress(li + 1, L)
         self.E = E
+        self.rows = list(self.buf)   # one view per blob, made once: indexing costs host time per copy
 
     def blob(self, key: Key) -> torch.Tensor:
-        return self.buf[key[0] * self.E + key[1]]
+        return self.rows[key[0] * self.E + key[1]]
 
     @property
     def nbytes(self) -> int:
@@ -164,6 +165,7 @@ class CudaCopyIO:
         self.slots = slots if slots is not None else alloc_slots(capacity, host.store.blob_size, dev)
         if self.slots.shape[0] != capacity:
             raise SpecPrefetchError(f"internal: {self.slots.shape[0]} slots allocated for a pool of {capacity}")
+        self.views = list(self.slots)   # one view per slot, made once (as HostExperts.rows)
         self.free = list(range(capacity - 1, -1, -1))
         self.where: dict[Key, int] = {}
         self.done: dict[Key, Any] = {}           # key -> the copy's completion event
@@ -179,7 +181,7 @@ class CudaCopyIO:
     def submit(self, key: Key, *, demand: bool) -> None:
         idx = self.free.pop()
         self.where[key] = idx
-        src, dst = self.host.blob(key), self.slots[idx]
+        src, dst = self.host.blob(key), self.views[idx]
         if self.dev.cuda:
             cs = self.dev.demand_stream if demand else self.dev.copy_stream
             last = self.last_use[idx]
@@ -212,7 +214,7 @@ class CudaCopyIO:
     def take(self, key: Key) -> torch.Tensor:
         if self.dev.cuda and key in self.done:  # ordered after the copy, whether or not it was waited for
             torch.cuda.current_stream(self.dev.device).wait_event(self.done[key])
-        return self.slots[self.where[key]]
+        return self.views[self.where[key]]
 
     def release(self, key: Key) -> None:
         idx = self.where.pop(key)

@@ -276,6 +276,7 @@ class GraphRunner:
         self.sel[:, k:] = torch.arange(k, device=dev)
         pin = eng.dev.cuda
         self.stage = [torch.zeros(2 * k, dtype=torch.long, pin_memory=pin) for _ in range(L)]
+        self.stage_np = [t.numpy() for t in self.stage]   # the host writes the slot numbers through these
         # what the host reads back: non-blocking copies into pinned memory, then one wait (host_wait)
         self.host_idx = torch.zeros(L, 1, k, dtype=torch.long, pin_memory=pin)
         self.host_post = torch.zeros(L, 1, H, dtype=eng.dtype, pin_memory=pin)
@@ -461,27 +462,33 @@ class GraphRunner:
         record): L + 1 host syncs (the routers, the token), the pool's experts."""
         L, k = self.eng.L, self.eng.k
         sched, io = seq.sched, seq.io
+        planner = seq.planner
+        pooled = sched.pool.slots
+        where = io.where
         self.set_position(token, pos)
         self.run_segment(0)
         for li in range(L):
-            row = self.read_routing(li, seq.planner is not None)   # one sync per MoE layer
+            row = self.read_routing(li, planner is not None)   # one sync per MoE layer
             step = pos * L + li
             seq.record_routing(li, [row])
-            if seq.planner is not None:
-                seq.state.record(li, self.host_post[li], torch.tensor(row))
+            if planner is not None:
+                seq.state.record(li, self.host_post[li], row)
             order = sorted(range(k), key=row.__getitem__)       # top-k positions, ascending expert
             keys = [(li, row[p]) for p in order]
-            resident = [key for key in keys if sched.pool.get(key) is not None]
-            sched.acquire(step, resident + [key for key in keys if sched.pool.get(key) is None])
-            if seq.planner is not None:
-                seq.planner.plan(sched, li, step, seq.state, None, seq.end)
+            resident, missing = [], []
+            for key in keys:
+                (resident if key in pooled else missing).append(key)
+            sched.acquire(step, resident + missing)
+            if planner is not None:
+                planner.plan(sched, li, step, seq.state, None, seq.end)
             slots = []
             for key in keys:
                 sched.data(key)              # orders the compute stream after the slot's copy
-                slots.append(io.where[key])
-            st = self.stage[li]
-            st.numpy()[:] = slots + order
-            self.sel[li].copy_(st, non_blocking=True)
+                slots.append(where[key])
+            st = self.stage_np[li]
+            st[:k] = slots
+            st[k:] = order
+            self.sel[li].copy_(self.stage[li], non_blocking=True)
             self.run_segment(li + 1)
             sched.release(step, keys)         # after the replay that reads the slots was enqueued
         self.host_tok.copy_(self.tok, non_blocking=True)

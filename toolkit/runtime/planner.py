@@ -29,7 +29,7 @@ from typing import Sequence
 import torch
 
 from toolkit.models.families import RoutingSpec, selection_scores
-from toolkit.predictors.base import Predictor
+from toolkit.predictors.base import Oracle, Predictor
 from toolkit.runtime.reuse import next_visit_experts
 from toolkit.runtime.scheduler import WindowScheduler
 from toolkit.traces.batches import RoutingBatch
@@ -48,9 +48,14 @@ class RoutingState:
         self.pos = 0
         self.future: list[torch.Tensor] | None = None  # per position [L, k]
 
-    def record(self, li: int, x: torch.Tensor, ids: torch.Tensor) -> None:
-        self.hidden[0, li] = x.reshape(-1).float()
-        self.ids[0, li] = ids.reshape(-1)
+    def record(self, li: int, x: torch.Tensor, ids: torch.Tensor | list[int]) -> None:
+        """Layer li's router input x ([1, H] or [H]) and top-k `ids` (a tensor, or a list: the GPU tier's
+        host copy, written without making a tensor of it first)."""
+        self.hidden[0, li].copy_(x.reshape(-1))   # copy_ converts to float32 as .float() did
+        if isinstance(ids, list):
+            self.ids.numpy()[0, li] = ids
+        else:
+            self.ids[0, li] = ids.reshape(-1)
 
     def next_position(self) -> None:
         self.prev_ids = self.ids.clone()
@@ -130,6 +135,8 @@ class PrefetchPlanner:
         # MoE layer -> its preds row of horizon L (the next-visit heads), where the reuse eviction reads it
         self.next_visit_rows = ({li: rows.index(num_layers) for li, rows in self.rows.items() if num_layers in rows}
                                 if next_visit and source == GRAPH else {})
+        self._future = None       # (the recorded future, position -> its rows as lists): the oracle's
+        self._oracle_conf: dict[int, list[float]] = {}   # k -> the oracle's confidences, rank k first
 
     def _note_next_visit(self, sched: WindowScheduler, li: int, target: int, row: torch.Tensor) -> None:
         """The reuse eviction's prediction of layer li's next visit (at step `target`) from its logits row."""
@@ -245,6 +252,41 @@ class PrefetchPlanner:
         rows = [self.source.scores(b, li, h).float().amax(0) for h in hs]
         sched.plan(step, list(zip(targets, rows)))
 
+    def _oracle_ranked(self, sched: WindowScheduler, li: int, state: RoutingState, W: int):
+        """The oracle's window as `plan_ranked` takes it, without its [W, E] tensors: each target's
+        recorded top-k scores rank k..1 (Oracle.scores), which the scheduler normalises to rank / (1 + ..
+        + k) and ranks by that. None where the generic path must decide (a target past the recorded
+        future, whose stand-in ids may repeat, or a candidate count past the experts)."""
+        fut = state.future
+        p = state.pos
+        if fut is None or p + (1 if li + W >= self.L else 0) >= len(fut):
+            return None
+        E = self.routing.num_experts
+        m = sched.cfg.candidates or sched.k
+        if m > E:
+            return None
+        if self._future is None or self._future[0] is not fut:
+            self._future = (fut, {})
+        rows = self._future[1]
+        confs, ids = [], []
+        for h in range(1, W + 1):
+            j = li + h
+            q, jj = (p, j) if j < self.L else (p + 1, j - self.L)
+            row = rows.get(q)
+            if row is None:
+                row = rows[q] = fut[q].tolist()
+            es = row[jj]
+            k = len(es)
+            if len(set(es)) != k or not all(0 <= e < E for e in es):
+                return None
+            conf = self._oracle_conf.get(k)
+            if conf is None:   # the scheduler's arithmetic: float32 ranks over their float32 sum
+                r = torch.arange(k, 0, -1, dtype=torch.float32)
+                conf = self._oracle_conf[k] = (r / r.sum().clamp_min(1e-20)).tolist()
+            confs.append(conf[:m])
+            ids.append(es[:m])
+        return confs, ids
+
     def _target(self, li: int, step: int, h: int, T: int) -> int:
         """The step horizon h from MoE layer li targets: this unit's layer li + h, or past the last
         MoE layer the next unit's (which starts T positions on)."""
@@ -288,5 +330,10 @@ class PrefetchPlanner:
             logits, hs = folded
             sched.plan_probs(step, [step + h for h in hs[:W]], logits[:W].softmax(-1))
             return
+        if type(self.source) is Oracle:
+            ranked = self._oracle_ranked(sched, li, state, W)
+            if ranked is not None:
+                sched.plan_ranked(step, [step + h for h in range(1, W + 1)], *ranked)
+                return
         b = state.batch(self.oracle)
         sched.plan(step, [(step + h, self.source.scores(b, li, h)[0]) for h in range(1, W + 1)])

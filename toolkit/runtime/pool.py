@@ -12,6 +12,7 @@ the reference runner (toolkit/runtime/runner.py) with real reads, so both exerci
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from typing import Callable
 
@@ -72,6 +73,12 @@ class ExpertPool:
         # for "prediction" / "reuse": the scheduler's key -> next predicted step table (faster than next_use)
         self.predicted: dict[Key, int] | None = None
         self.reuse = None  # for "reuse": a ReuseHistory (toolkit/runtime/reuse.py) the scheduler updates
+        # the slots by last use (last_use -> key -> slot) and those last uses ascending: the victim search
+        # walks them oldest first and stops at the first group that decides, instead of scoring every slot
+        # (the host's work per MoE layer on the GPU tier). Kept by reserve / touch / evict, the only
+        # writers of a slot's last_use.
+        self._by_use: dict[int, dict[Key, Slot]] = {}
+        self._uses: list[int] = []
 
     @property
     def used_bytes(self) -> int:
@@ -81,30 +88,79 @@ class ExpertPool:
         return self.slots.get(key)
 
     def touch(self, slot: Slot, now: int) -> None:
-        slot.last_use = now
+        if slot.last_use != now and self.slots.get(slot.key) is slot:
+            self._unlist(slot)
+            slot.last_use = now
+            self._list(slot)
+        else:
+            slot.last_use = now
         slot.uses += 1
         slot.prefetched = False
 
-    def _victim(self, now: int, protect: set[Key]) -> Key | None:
-        cands = [s for s in self.slots.values() if s.ready and s.pins == 0 and s.key not in protect]
-        if not cands:
-            return None
-        if self.policy == "lru":
-            return min(cands, key=lambda s: (s.last_use, s.key)).key
-        if self.policy == "lfu":
-            return min(cands, key=lambda s: (s.uses, s.last_use, s.key)).key
-        if self.policy == "reuse":
-            score, pred = self.reuse.score, self.predicted
-            return max(cands, key=lambda s: (score(s.key, now, pred), -s.last_use, s.key)).key
-        # prediction / belady: farthest next use first; among never-used-again, least recent
-        if self.predicted is not None:  # the scheduler's own table: a dict lookup per slot
-            pred, inf = self.predicted, float("inf")
+    def _list(self, slot: Slot) -> None:
+        group = self._by_use.get(slot.last_use)
+        if group is None:
+            group = self._by_use[slot.last_use] = {}
+            bisect.insort(self._uses, slot.last_use)   # decode touches the newest step: an append
+        group[slot.key] = slot
 
-            def nxt(s, _p=pred.get):
-                v = _p(s.key)
-                return (inf if v is None or v < now else v, -s.last_use, s.key)
-            return max(cands, key=nxt).key
-        return max(cands, key=lambda s: (self.next_use(s.key, now), -s.last_use, s.key)).key
+    def _unlist(self, slot: Slot) -> None:
+        group = self._by_use[slot.last_use]
+        del group[slot.key]
+        if not group:
+            del self._by_use[slot.last_use]
+            del self._uses[bisect.bisect_left(self._uses, slot.last_use)]
+
+    def _victim(self, now: int, protect: set[Key]) -> Key | None:
+        """The evictable slot (ready, unpinned, not protected) the policy evicts: lru the least recently
+        used (then the lowest key), lfu the least used (then lru), prediction / belady / reuse the one
+        used farthest ahead (then the least recently used, then the highest key). The scans go oldest
+        use first, so lru, and prediction / belady whenever an evictable slot is never used again, stop
+        at the first group of slots of one last use that holds an answer."""
+        if self.policy == "lru":
+            for u in self._uses:
+                best = None
+                for key, s in self._by_use[u].items():
+                    if s.ready and not s.pins and key not in protect and (best is None or key < best):
+                        best = key
+                if best is not None:
+                    return best
+            return None
+        if self.policy == "lfu":
+            cands = [s for s in self.slots.values() if s.ready and s.pins == 0 and s.key not in protect]
+            return min(cands, key=lambda s: (s.uses, s.last_use, s.key)).key if cands else None
+        if self.policy == "reuse":   # max (score, -last_use, key), scored in one pass
+            return self.reuse.farthest(self.slots.values(), now, self.predicted, protect)
+        return self._victim_farthest(now, protect)
+
+    def _victim_farthest(self, now: int, protect: set[Key]) -> Key | None:
+        """prediction / belady: max (next use, -last_use, key), a next use of inf for one never used
+        again (prediction: not predicted, or predicted for a step already past). Walked by last use,
+        oldest first: the first group holding an evictable slot never used again decides (its highest
+        key); if none is, the farthest finite next use over every evictable slot."""
+        inf = float("inf")
+        pred = self.predicted.get if self.predicted is not None else None
+        nu = self.next_use
+        seen = []   # (next use, -last_use, key) of the evictable slots with a finite next use
+        for u in self._uses:
+            best = None
+            for key, s in self._by_use[u].items():
+                if not s.ready or s.pins or key in protect:
+                    continue
+                if pred is not None:   # the scheduler's own table: a dict lookup per slot
+                    v = pred(key)
+                    if v is None or v < now:
+                        v = inf
+                else:
+                    v = nu(key, now)
+                if v == inf:
+                    if best is None or key > best:
+                        best = key
+                elif best is None:
+                    seen.append((v, -u, key))
+            if best is not None:
+                return best
+        return max(seen)[2] if seen else None
 
     def reserve(self, key: Key, now: int, *, prefetch: bool, protect: set[Key] = frozenset(),
                 keep: Callable[[Key], bool] | None = None) -> Slot | None:
@@ -127,6 +183,7 @@ class ExpertPool:
                                f"exceed {self.budget_bytes} B")
         slot = Slot(key, prefetched=prefetch)
         self.slots[key] = slot
+        self._list(slot)
         self.peak_bytes = max(self.peak_bytes, self.used_bytes)
         return slot
 
@@ -146,6 +203,7 @@ class ExpertPool:
         if self.on_evict is not None:  # e.g. wait for its read to land, free the reader's buffer
             self.on_evict(key)
         del self.slots[key]
+        self._unlist(s)
         self.evictions += 1
         if s.prefetched:
             self.wasted_prefetches += 1

@@ -92,3 +92,37 @@ class ReuseHistory:
             h = (self.hist[li].get(key[1], 0) << 1) & self.mask
             return (v0 + self.L) * SCALE + self.L * (self.table.visits16[h] - SCALE)
         return v0 * SCALE + self.L * (self.table.visits16[self.hist[li].get(key[1], 0)] - SCALE)
+
+    def farthest(self, slots, now: int, predicted: dict | None, protect) -> tuple[int, int] | None:
+        """The pool's `reuse` victim among `slots` (pool Slots; the evictable ones: ready, unpinned, not
+        in `protect`): max (score, -last_use, key), `score` inlined and its per-layer terms (the next
+        visit, its prediction) computed once per layer, not per slot (the pool searches at every
+        eviction, over every slot)."""
+        L, S, mask, visits, hist, next_visit = self.L, SCALE, self.mask, self.table.visits16, self.hist, self.next_visit
+        pred = predicted.get if predicted is not None else None
+        layer: dict[int, tuple] = {}
+        best, top = None, None
+        for s in slots:
+            key = s.key
+            if not s.ready or s.pins or key in protect:
+                continue
+            v = pred(key) if pred is not None else None
+            if v is not None and v > now:  # one for this step and not acquired was a wrong guess
+                v *= S
+            else:
+                li, e = key
+                t = layer.get(li)
+                if t is None:
+                    v0 = now + ((li - now % L) % L or L)
+                    nv = next_visit.get(li)
+                    t = layer[li] = (v0, nv[1] if nv is not None and nv[0] == v0 else None, hist[li])
+                v0, nxt, h = t
+                if nxt is None:
+                    v = v0 * S + L * (visits[h.get(e, 0)] - S)
+                elif e in nxt:   # the next visit is predicted to use it
+                    v = v0 * S
+                else:
+                    v = (v0 + L) * S + L * (visits[(h.get(e, 0) << 1) & mask] - S)
+            if best is None or v > top or (v == top and (-s.last_use, key) > (-best.last_use, best.key)):
+                best, top = s, v
+        return best.key if best is not None else None

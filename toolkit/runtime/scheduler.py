@@ -213,21 +213,39 @@ class WindowScheduler:
             return
         m = self.cfg.candidates or self.k
         conf, ids = torch.topk(probs, m, dim=-1)
-        for target, cs, es in zip(targets, conf.tolist(), ids.tolist()):
-            layer = target % self.L
+        self._queue(step, targets, conf.tolist(), ids.tolist())
+
+    def plan_ranked(self, step: int, targets: list[int], confs: list[list[float]], ids: list[list[int]]) -> None:
+        """`plan_probs` with each target's candidates already taken: per target, what the top-m of its
+        probabilities would give (confidences descending, their experts; entries of confidence 0 may
+        be left out). For a predictor whose candidates are known without a [W, E] tensor (the oracle)."""
+        self.step = step
+        self.step_bytes = 0
+        self._advance(step)
+        if not self.cfg.prefetch:
+            self.pump()
+            return
+        self._queue(step, targets, confs, ids)
+
+    def _queue(self, step: int, targets: list[int], confs: list[list[float]], ids: list[list[int]]) -> None:
+        """Queue each target's candidates (confidences descending), then pump."""
+        L, threshold = self.L, self.cfg.candidate_threshold
+        predicted, loading, slots, pending = self.predicted_next, self.loading, self.pool.slots, self.pending
+        for target, cs, es in zip(targets, confs, ids):
+            layer = target % L
             for c, e in zip(cs, es):
-                if c <= 0 or c < self.cfg.candidate_threshold:
+                if c <= 0 or c < threshold:
                     continue
                 key = (layer, e)
-                prev = self.predicted_next.get(key)
+                prev = predicted.get(key)
                 if prev is None or prev < step or target < prev:
-                    self.predicted_next[key] = target
-                if key in self.loading or (self.pool.get(key) is not None):
+                    predicted[key] = target
+                if key in loading or key in slots:
                     continue
-                old = self.pending.get(key)
+                old = pending.get(key)
                 if old is not None and (old[0], -old[1]) <= (target, -c):
                     continue
-                self.pending[key] = (target, c)
+                pending[key] = (target, c)
                 heapq.heappush(self.queue, (target, -c, next(self.seq), key))
         self.pump()
 
