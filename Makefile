@@ -68,8 +68,8 @@ endif
 ## demo-vl: images end to end on `embedded-vl`, the shipped vision-language demo model (the embedded model,
 ## frozen, with a vision tower trained here on generated pictures; docs/embedded-model.md): ask it what a picture
 ## shows in both engines, trace pictures, train the adapter on the image trace, export a bundle with the vision
-## method, and stream an image prompt's experts through the native runner. About 8 minutes on 2 cores, a few more
-## the first time (the native runner is built).
+## method, and stream an image prompt's experts through the native runner. 11 minutes on 2 cores here, the native
+## runner's first build included.
 VL := $(RUNS)/vl
 VL_ASK := --prompt " This picture shows" --max-new-tokens 6
 demo-vl: $(STAMP)

@@ -200,7 +200,14 @@ class TestPathsAndText:
         refused(["trace", m, "--data", bad, "--out", tmp_path / "t"], "--data", str(bad), "not UTF-8", "byte 28")
         refused(["export", m, "--calibration", bad, "--out", tmp_path / "b"], "--calibration", "not UTF-8")
         refused(["trace", m, "--data", tmp_path, "--out", tmp_path / "t"], "--data", "is a directory")
+        refused(["runner", "bench", tmp_path, "--prompt", os.fsdecode(b"caf\xe9"), "--json", tmp_path / "r.json"],
+                "--prompt", "not valid UTF-8")
         assert sorted(p.name for p in tmp_path.iterdir()) == ["latin1.jsonl"]
+
+    def test_runner_bench_takes_prompts_or_texts_not_both(self, tmp_path):
+        refused(["runner", "bench", tmp_path, "--prompts", "2", "--prompt", "x", "--json", tmp_path / "r.json"],
+                "--prompts", "--prompt")
+        assert not any(tmp_path.iterdir())
 
 
 class TestOsErrors:

@@ -81,7 +81,7 @@ def test_assembly_refuses_another_language_model(tmp_path):
 
 
 def test_training_writes_the_shipped_files(tmp_path):
-    """Two steps of the recipe (the real one is ~1000): the three files, the record, and no replacing."""
+    """Two steps of the recipe (the shipped one took 1,500): the three files, the record, and no replacing."""
     from toolkit.embedded.vl import train
 
     recipe = evl.Recipe(steps=2, batch_size=4, eval_pictures=2, side=64)
@@ -92,3 +92,33 @@ def test_training_writes_the_shipped_files(tmp_path):
     assert rec["language_model"]["frozen"] is True and np.isfinite(rec["train"]["loss_first"])
     with pytest.raises(SpecPrefetchError, match="exists"):
         train(tmp_path / "vl", recipe, progress=False)
+
+
+def test_the_cache_entry_follows_what_the_checkpoint_is_made_of(monkeypatch):
+    """A change to the config this module writes, or to its layout, names a new cache entry: an old
+    checkpoint is never reused for a new recipe of the same shipped files."""
+    first = evl.assembled_path()
+    assert evl.assembled_path() == first
+    monkeypatch.setattr(evl, "ASSEMBLY_FORMAT", evl.ASSEMBLY_FORMAT + 1)
+    assert evl.assembled_path() != first
+    monkeypatch.undo()
+    real = evl.vl_config
+
+    def other(recipe, lm_dir=None):
+        c = real(recipe, lm_dir)
+        c.vision_config.num_position_embeddings += 1
+        return c
+    monkeypatch.setattr(evl, "vl_config", other)
+    assert evl.assembled_path() != first
+
+
+@pytest.mark.parametrize("argv, says", [(["eval", "--pictures", "0"], "--pictures 0"),
+                                        (["train", "--out", "x", "--steps", "0"], "--steps 0"),
+                                        (["train", "--out", "x", "--side", "100"], "--side 100")])
+def test_the_training_commands_refuse_bad_numbers(argv, says, capsys):
+    from toolkit.embedded.vl import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and says in err.splitlines()[-1], err

@@ -479,6 +479,11 @@ REFUSALS = {  # name: (make(dir) -> path, what the message says, Pillow / the pr
     "ppm-header-ends": (lambda d: _write(d / "h.ppm", b"P6\n40 40\n"), "the header ends before its maxval", True),
     "ppm-comment-in-token": (lambda d: _write(d / "c.ppm", b"P6\n4#x\n0 40\n255\n" + bytes(4800)),
                              "a comment inside its width", None),
+    # refused before the 192 MB raster is allocated (the 256 MiB address-space limit of the runs)
+    "ppm-short-8000x8000": (lambda d: _write(d / "short.ppm", b"P6 8000 8000 255\n" + bytes(64)),
+                            "truncated PPM (the pixels end early)", None),
+    "ppm-no-space": (lambda d: _write(d / "n.ppm", b"P6#c\n2 2 255\n" + bytes(12)), "not a PNG, JPEG or PPM image",
+                     None),
     "ppm-sign": (lambda d: _write(d / "s.ppm", b"P6 +2 2 255\n" + bytes(12)), "not a number", None),
     "ppm-20000x20000": (lambda d: _write(d / "huge.ppm", b"P6 20000 20000 255\n" + bytes(64)), "over 64 megapixels",
                         None),
@@ -506,7 +511,7 @@ def test_refusal_is_one_line_naming_the_file(tool, processors, tmp_path, case):
 
 
 @pytest.mark.parametrize("case", [c for c in REFUSALS if c.startswith(("ppm", "pgm"))] + list(_ppm_cases()))
-def test_the_toolkit_takes_the_ppms_the_runner_takes(tool, images, tmp_path, case):
+def test_the_toolkit_takes_the_ppms_the_runner_takes(images, tmp_path, case):
     """toolkit.traces.data.open_image (run, trace, bench, device bench) refuses a Netpbm file exactly where
     the native runner does, for the same reason."""
     from toolkit.errors import SpecPrefetchError
@@ -514,10 +519,12 @@ def test_the_toolkit_takes_the_ppms_the_runner_takes(tool, images, tmp_path, cas
 
     if case in REFUSALS:
         make, says, _ = REFUSALS[case]
-        with pytest.raises(SpecPrefetchError, match="^--image " + str(make(tmp_path)).replace(".", r"\.")) as e:
-            open_image(make(tmp_path))
+        p = make(tmp_path)
+        with pytest.raises(SpecPrefetchError, match="^--image " + str(p).replace(".", r"\.")) as e:
+            open_image(p)
         # the raster's end is Pillow's to find ("image file is truncated"), the header's is ppm_problem's
-        says = {"ppm-truncated": "truncated", "ppm-20000x20000": "64 megapixels"}.get(case, says)
+        says = {"ppm-truncated": "truncated", "ppm-short-8000x8000": "truncated",
+                "ppm-20000x20000": "64 megapixels"}.get(case, says)
         assert says in str(e.value) and "\n" not in str(e.value)
     else:
         assert np.array_equal(np.array(open_image(images[case])), np.array(Image.open(images[case]).convert("RGB")))

@@ -592,14 +592,18 @@ def runner_build(bundle, abi, out, force, tokenizer, overwrite) -> None:
 @click.option("--image", "images", type=click.Path(path_type=Path), multiple=True,
               help="PNG, JPEG or PPM before every bench prompt's text (repeatable): image prompts, a bundle that takes "
                    "images (no simulator comparison then)")
-@click.option("--prompt", "prompt_texts", multiple=True,
-              help="a bench prompt's text (repeatable; default: --prompts held-out texts of 32 tokens)")
+@click.option("--prompt", "prompt_texts", type=Text(), multiple=True,
+              help="a bench prompt's text (repeatable; default: --prompts held-out texts of 32 tokens; not with "
+                   "--prompts)")
 @json_report
 @friendly_errors(interrupt=NOT_WRITTEN)
 def runner_bench(bundle, prompts, new_tokens, rounds, pool_fracs, threads, ablation, read_budget_kib, images,
                  prompt_texts, json_out, overwrite) -> None:
     """Measure the native runner: all experts resident (vs the Python runner and the memory floor),
     and streaming from a cold cache at a few pool sizes (interleaved rounds)."""
+    if prompt_texts and click.get_current_context().get_parameter_source("prompts") != \
+            click.core.ParameterSource.DEFAULT:
+        raise click.UsageError("--prompts N picks held-out texts; --prompt gives them: use one of the two")
     c = claim(json_out, "runner bench", overwrite, inputs=(bundle, *images))
     from android_runner.bench import markdown, run as run_native_bench, write
 

@@ -462,10 +462,18 @@ Rgb8Image decode_ppm(const std::string& path, FILE* f) {  // past the magic "P6"
   if (maxval != 255)
     throw Error(path + ": a PPM of maxval " + std::to_string(maxval) + "; only 8-bit PPMs (maxval 255) are taken");
   check_pixels(path, w, h);
+  const size_t bytes = static_cast<size_t>(w) * static_cast<size_t>(h) * 3;
+  // a short file is refused before its raster is allocated (a 20-byte header could ask for 192 MB)
+  const long at = std::ftell(f);
+  if (at >= 0 && std::fseek(f, 0, SEEK_END) == 0) {
+    const long end = std::ftell(f);
+    if (std::fseek(f, at, SEEK_SET) != 0) throw Error(path + ": cannot read the PPM's pixels");
+    if (end >= at && static_cast<size_t>(end - at) < bytes) throw Error(path + ": truncated PPM (the pixels end early)");
+  }
   Rgb8Image out;
   out.width = static_cast<int>(w);
   out.height = static_cast<int>(h);
-  out.pixels.resize(static_cast<size_t>(w) * static_cast<size_t>(h) * 3);
+  out.pixels.resize(bytes);
   if (std::fread(out.pixels.data(), 1, out.pixels.size(), f) != out.pixels.size())
     throw Error(path + ": truncated PPM (the pixels end early)");
   return out;

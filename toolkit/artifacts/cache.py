@@ -42,14 +42,16 @@ def build_once(path: Path, build: Callable[[], object], *, done: Callable[[Path]
     another process is writing `path` meanwhile, wait for it instead of racing it."""
     waited = False
     while not done(path):
-        try:
-            build()
-        except SpecPrefetchError:
-            if done(path):  # another process finished it first
-                break
-            if not being_written(path):
-                raise
-            if not waited and progress:
-                print(f"waiting for another specprefetch process building {path}", file=sys.stderr)
-            waited = True
-            time.sleep(0.5)
+        if not being_written(path):  # else another process is at it: wait, do not build it a second time
+            try:
+                build()
+                continue
+            except SpecPrefetchError:
+                if done(path):  # another process finished it first
+                    break
+                if not being_written(path):
+                    raise
+        if not waited and progress:
+            print(f"waiting for another specprefetch process building {path}", file=sys.stderr)
+        waited = True
+        time.sleep(0.5)

@@ -62,4 +62,3 @@ class _Lock:
             self.path.unlink()  # while still locked: nobody can hold the file we remove
         os.close(self.fd)
         self.fd = -1
-

@@ -1,12 +1,12 @@
 """Train and evaluate the vision tower of `embedded-vl` (toolkit/models/embedded_vl.py), the language model
 frozen, on generated pictures (toolkit/embedded/pictures.py: a disc, square, ring or cross of one of six
-colours), on a CPU (about 10 minutes on two cores)::
+colours), on a CPU (about 9 minutes on two cores at the default 1,500 steps)::
 
-    python -m toolkit.embedded.vl train --out build/vl [--steps 1000]
+    python -m toolkit.embedded.vl train --out build/vl [--steps 1500]
     python -m toolkit.embedded.vl eval          # the assembled model's held-out accuracy
     python -m toolkit.embedded.vl path          # assemble it (once) and print its directory
 
-Copy build/vl's three files over toolkit/embedded/vl/ to ship a new tower.
+Copy build/vl's three files over toolkit/embedded/vl_tower/ to ship a new tower.
 """
 from __future__ import annotations
 
@@ -153,9 +153,13 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     try:
         if a.cmd == "train":
-            if a.steps < 1 or a.side < 32 or a.side % 32:
-                ap.error("--steps at least 1, --side a multiple of 32")
+            if a.steps < 1:
+                ap.error(f"--steps {a.steps}: at least 1")
+            if a.side < 32 or a.side % 32:
+                ap.error(f"--side {a.side}: a multiple of 32, at least 32")
             print(f"wrote {train(a.out, Recipe(steps=a.steps, side=a.side), overwrite=a.overwrite)}")
+        elif a.cmd == "eval" and a.pictures < 1:
+            ap.error(f"--pictures {a.pictures}: at least 1")
         elif a.cmd == "path":
             print(model_dir(progress=True))
         else:

@@ -4,7 +4,7 @@ embedded text model, frozen, with a small vision tower trained on a CPU on gener
 
 The language model is not retrained, so on text `embedded-vl` is the embedded model, logit for logit
 (tested), with that model's experts and routing; the image tokens route through the same experts. What
-ships is small (toolkit/embedded/vl/): the tower's weights (vision.safetensors), its recipe and training
+ships is small (toolkit/embedded/vl_tower/): the tower's weights (vision.safetensors), its recipe and training
 record (vl.json) and the processor's settings (preprocessor_config.json). The full checkpoint, an ordinary
 Hugging Face directory, is assembled from those and the embedded model's weights on first use into the
 cache (`model_dir`: ~/.cache/specprefetch/models), so every command takes `embedded-vl` as a model name.
@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from toolkit.errors import SpecPrefetchError
 from toolkit.models.shipped import EMBEDDED_DIR, TOKENIZER_FILES, VL_DIR
 
 NAME = "embedded-vl"
+ASSEMBLY_FORMAT = 1  # raise when assemble() lays the checkpoint out differently: a new cache entry
 VISION_FILE = "vision.safetensors"
 RECORD_FILE = "vl.json"
 PROCESSOR_FILE = "preprocessor_config.json"
@@ -148,8 +150,9 @@ def assemble(out: Path, src: Path = VL_DIR, *, overwrite: bool = False) -> Path:
         raise SpecPrefetchError(f"{src / RECORD_FILE}: its vision tower was trained with the embedded model of "
                                 f"sha256 {want[:12]}..., not the one in {lm_dir}: train it again "
                                 "(python -m toolkit.embedded.vl train)")
-    model = build_model(recipe, lm_dir, load_file(str(src / VISION_FILE)))
-    with atomic_directory(out, overwrite=overwrite, kind="model", inputs=(lm_dir, src)) as work:
+    with atomic_directory(out, overwrite=overwrite, kind="model", inputs=(lm_dir, src),
+                          option=f"the {NAME} model cache") as work:
+        model = build_model(recipe, lm_dir, load_file(str(src / VISION_FILE)))  # once the output is claimed
         model.to(torch.float16).save_pretrained(work)
         for name in TOKENIZER_FILES:
             shutil.copy(lm_dir / name, work / name)
@@ -168,16 +171,30 @@ def is_assembled(path: Path) -> bool:
 
 
 def model_dir(*, progress: bool = False) -> Path:
-    """The assembled checkpoint of `embedded-vl` in the cache, made on first use (keyed by the shipped files
-    and the embedded model's weights; a second process waits for the first)."""
+    """The assembled checkpoint of `embedded-vl` in the cache, made on first use (keyed by what it is made
+    of: assembled_path; a second process waits for the first)."""
+    path = assembled_path()
+    if progress and not path.is_dir():
+        print(f"assembling {NAME} into {path}", file=sys.stderr, flush=True)
+    build_once(path, lambda: assemble(path), done=lambda p: (p / "config.json").is_file(), progress=progress)
+    return path
+
+
+def assembled_path() -> Path:
+    """Where the assembled checkpoint lies in the cache: named by a hash of the shipped files, the embedded
+    model's weights, config and tokenizer, the config this module writes, its layout and transformers'
+    version."""
+    import transformers
+
     h = hashlib.sha256()
     for f in (VL_DIR / VISION_FILE, VL_DIR / RECORD_FILE, VL_DIR / PROCESSOR_FILE,
-              EMBEDDED_DIR / "model.safetensors", EMBEDDED_DIR / "config.json"):
+              EMBEDDED_DIR / "model.safetensors", EMBEDDED_DIR / "config.json",
+              *(EMBEDDED_DIR / n for n in TOKENIZER_FILES)):
         if not f.is_file():
             raise SpecPrefetchError(f"{f}: missing (a shipped file of {NAME})")
         h.update(f.name.encode() + b"\0" + sha256_file(f).encode())
-    path = cache_dir() / f"{NAME}-{h.hexdigest()[:16]}"
-    if progress and not path.is_dir():
-        print(f"assembling {NAME} into {path}", flush=True)
-    build_once(path, lambda: assemble(path), done=lambda p: (p / "config.json").is_file(), progress=progress)
-    return path
+    # and what the checkpoint is made with besides those files: the config this module writes, its
+    # layout (ASSEMBLY_FORMAT) and transformers' saving
+    h.update(vl_config(shipped_recipe()[0]).to_json_string().encode())
+    h.update(f"{ASSEMBLY_FORMAT}\0{transformers.__version__}".encode())
+    return cache_dir() / f"{NAME}-{h.hexdigest()[:16]}"

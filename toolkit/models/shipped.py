@@ -5,5 +5,5 @@ from pathlib import Path
 EMBEDDED = Path(__file__).resolve().parent.parent / "embedded"
 EMBEDDED_DIR = EMBEDDED / "model"   # `embedded`: the embedded default model
 PHONE_DIR = EMBEDDED / "phone"      # `phone`: the phone-class model
-VL_DIR = EMBEDDED / "vl"            # `embedded-vl`'s shipped part (toolkit/models/embedded_vl.py)
+VL_DIR = EMBEDDED / "vl_tower"      # `embedded-vl`'s shipped part (toolkit/models/embedded_vl.py)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")  # the shipped models' one tokenizer

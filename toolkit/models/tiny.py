@@ -25,7 +25,7 @@ import torch
 from toolkit.artifacts import atomic_directory, claim_output
 from toolkit.errors import SpecPrefetchError
 from toolkit.models.loader import embedded_model_dir
-from toolkit.models.shipped import TOKENIZER_FILES  # noqa: F401  (re-exported)
+from toolkit.models.shipped import TOKENIZER_FILES
 
 VOCAB = 4096
 EOS = 0
