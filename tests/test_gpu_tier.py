@@ -203,6 +203,8 @@ def test_phases_over_one_sequence_state(tiny_models, stores, monkeypatch):
             while not s.done:
                 eng.decode_one(s)
         assert s.pool.capacity >= 2 * eng.L * eng.E and s.io.slots.shape[0] == eng.capacity == eng.L * eng.E
+        with pytest.raises(SpecPrefetchError, match=f"--window {eng.L + 1}: must be 1..{eng.L}"):
+            eng.configure(window=eng.L + 1)
         assert len(s.pool.slots) == eng.L * eng.E and s.pool.evictions == 0
         block = spec.family.moe_block(eng.model, spec.geometry.moe_layers[0])
         with pytest.raises(SpecPrefetchError, match="outside one of its forward passes"):

@@ -569,6 +569,8 @@ class GpuEngine:
         if cfg.policy.eviction == "reuse" and self.reuse is None:
             raise SpecPrefetchError(f"--policy {cfg.policy.name}: the reuse eviction needs the adapter's reuse "
                                     "table (the engine was built without one: pass --adapter)")
+        if not 1 <= cfg.window <= self.L:  # as the CPU runner: the planner reads one token ahead at most
+            raise SpecPrefetchError(f"--window {cfg.window}: must be 1..{self.L} (the MoE layers of one token)")
         cap = cfg.budget_bytes // self.store.blob_size
         if cap < self.k:
             raise SpecPrefetchError(f"--pool-mib {cfg.pool_mib:g}: holds {cap} expert slots of "
@@ -618,7 +620,7 @@ class GpuEngine:
         step = s.pos * self.L + li
         s.record_routing(li, ids)
         if plans:
-            s.state.record(li, x_h, torch.tensor(ids[0]))
+            s.state.record(li, x_h, ids[0])
         sched = s.sched
         routes = _routes(ids)
         keys = [(li, e) for e in routes]

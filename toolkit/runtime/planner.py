@@ -268,6 +268,8 @@ class PrefetchPlanner:
         if self._future is None or self._future[0] is not fut:
             self._future = (fut, {})
         rows = self._future[1]
+        for q in [q for q in rows if q < p]:  # positions behind the run: never read again
+            del rows[q]
         confs, ids = [], []
         for h in range(1, W + 1):
             j = li + h
