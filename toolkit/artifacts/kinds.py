@@ -31,21 +31,12 @@ _ARTIFACT_JSON = {"config.json", "manifest.json", "adapter.json", "progress.json
                   "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                   "preprocessor_config.json", "model.safetensors.index.json"}
 
-def _json_format(path: Path) -> Any:
+def _json_field(path: Path, key: str) -> Any:
+    """`key` of the JSON object in `path`, or None where there is none (no file, too large, not JSON)."""
     try:
         if path.is_file() and path.stat().st_size < 64 << 20:
             obj = json.loads(path.read_text(encoding="utf-8"))
-            return obj.get("format") if isinstance(obj, dict) else None
-    except (OSError, ValueError):
-        pass
-    return None
-
-
-def _json_name(path: Path) -> Any:
-    try:
-        if path.is_file() and path.stat().st_size < 1 << 20:
-            obj = json.loads(path.read_text(encoding="utf-8"))
-            return obj.get("name") if isinstance(obj, dict) else None
+            return obj.get(key) if isinstance(obj, dict) else None
     except (OSError, ValueError):
         pass
     return None
@@ -72,16 +63,16 @@ def artifact_kind(path: Path | str) -> str | None:
         if p.is_symlink() or not p.exists():
             return None
         if p.is_dir():
-            fmt = _json_format(p / "manifest.json")
+            fmt = _json_field(p / "manifest.json", "format")
             if fmt == BUNDLE_FORMAT:
                 return "bundle"
             if fmt == TRACE_FORMAT:
                 return "trace"
-            if _json_format(p / "adapter.json") == ADAPTER_FORMAT:
+            if _json_field(p / "adapter.json", "format") == ADAPTER_FORMAT:
                 return "adapter"
             if (p / "config.json").is_file():
                 return "model"
-            if _json_name(p / "vl.json") == VISION_TOWER_NAME:
+            if _json_field(p / "vl.json", "name") == VISION_TOWER_NAME:
                 return "vision tower"
             if (p / "pairs.jsonl").is_file() and all(
                     q.name == "pairs.jsonl" or re.fullmatch(r"p\d+\.png", q.name) for q in p.iterdir()):

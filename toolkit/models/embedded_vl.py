@@ -180,6 +180,19 @@ def model_dir(*, progress: bool = False) -> Path:
     return path
 
 
+_FILE_HASHES: dict[tuple[str, int, int], str] = {}
+
+
+def _file_hash(f: Path) -> str:
+    """sha256_file, once per process for a file unchanged since (a command resolves the name more than
+    once: its inputs' check, then the run; the embedded weights are 37 MB)."""
+    st = f.stat()
+    key = (str(f), st.st_mtime_ns, st.st_size)
+    if key not in _FILE_HASHES:
+        _FILE_HASHES[key] = sha256_file(f)
+    return _FILE_HASHES[key]
+
+
 def assembled_path() -> Path:
     """Where the assembled checkpoint lies in the cache: named by a hash of the shipped files, the embedded
     model's weights, config and tokenizer, the config this module writes, its layout and transformers'
@@ -192,7 +205,7 @@ def assembled_path() -> Path:
               *(EMBEDDED_DIR / n for n in TOKENIZER_FILES)):
         if not f.is_file():
             raise SpecPrefetchError(f"{f}: missing (a shipped file of {NAME})")
-        h.update(f.name.encode() + b"\0" + sha256_file(f).encode())
+        h.update(f.name.encode() + b"\0" + _file_hash(f).encode())
     # and what the checkpoint is made with besides those files: the config this module writes, its
     # layout (ASSEMBLY_FORMAT) and transformers' saving
     h.update(vl_config(shipped_recipe()[0]).to_json_string().encode())
