@@ -174,6 +174,8 @@ class LayerGraph(nn.Module):
 
     buffer mode: forward(hidden [1,T,H], input_pos int64 [T])   (T = 1: the decode graph)
     io mode:     forward(hidden [1,T,H], pos_onehot [T,S], mask [1,1,T,S], k_past, v_past)
+    M-RoPE (Qwen3-VL) graphs take the positions' (t, h, w) rotary positions last: rope_pos int64 [3,T]
+    (buffer mode), rope_onehot [3,T,S] (io mode: a one-hot row per axis and position).
     Outputs: dense layer -> (h,); MoE layer -> (h_res, x [T,H], router_logits [T,E][, preds]), preds
     being [P,E] for one position and [T,P,E] for a chunk; io mode appends (k_new, v_new), the T
     positions' keys and values ([.., T, D]) for the host to write into its cache.
@@ -192,11 +194,16 @@ class LayerGraph(nn.Module):
             self.register_buffer(f"rope_{n}", t.clone(), persistent=False)
         self.n_rope = len(steps.rope_tables)
         self.rope_is_pair = steps.rope_is_pair
-        # M-RoPE (Qwen3-VL): a buffer-mode graph takes each position's (t, h, w) rotary positions apart
-        # from its cache slot; every rotary channel comes from its axis' row of the 1-D tables
-        self.mrope = steps.mrope_axes is not None and kv_mode == "buffer"
+        # M-RoPE (Qwen3-VL): a graph takes each position's (t, h, w) rotary positions apart from its cache
+        # slot, last (buffer mode: rope_pos [3, T]; io mode: rope_onehot [3, T, S], a one-hot row per axis);
+        # every rotary channel comes from its axis' row of the 1-D tables
+        self.mrope = steps.mrope_axes is not None
         if self.mrope:
             self.register_buffer("rope_axes", steps.mrope_axes.clone(), persistent=False)
+            # io mode: each axis' channels as a 0/1 mask, so the three rows combine by multiply-add (exact:
+            # every channel takes one row times 1 plus two rows times 0), ops an HTP graph has
+            self.register_buffer("rope_axis_masks", torch.stack([(steps.mrope_axes == a).float() for a in range(3)]),
+                                 persistent=False)
         cs = steps.cache_specs[layer]
         self.cache_spec = cs
         # ExecuTorch's LLM custom ops: the cache updated in place, attention over filled positions
@@ -227,7 +234,7 @@ class LayerGraph(nn.Module):
     def v_cache(self):
         return getattr(self, f"v_cache_{self.layer}")
 
-    def _rope(self, input_pos, onehot, rope_pos=None):
+    def _rope(self, input_pos, onehot, rope_pos=None, rope_onehot=None):
         tabs = [getattr(self, f"rope_{n}") for n in range(self.n_rope)]
         if rope_pos is not None:  # [3, T]: a row per axis, each channel from its own axis (exact: a select)
             ax = self.rope_axes
@@ -237,6 +244,13 @@ class LayerGraph(nn.Module):
                 rows.append(torch.where(ax == 0, r0, torch.where(ax == 1, r1, r2)))
         elif self.kv_mode == "buffer":
             rows = [t.index_select(1, input_pos) for t in tabs]
+        elif rope_onehot is not None:  # [3, T, S]: each axis' rows by a matmul, each channel from its own axis
+            m = self.rope_axis_masks
+            rows = []
+            for t in tabs:
+                flat = t.reshape(t.shape[1], -1)
+                r = [(rope_onehot[a] @ flat).reshape(1, rope_onehot.shape[1], *t.shape[2:]) for a in range(3)]
+                rows.append(r[0] * m[0] + r[1] * m[1] + r[2] * m[2])
         else:  # [T, S] @ [S, D] on the flattened table: a matmul, no gather
             rows = [(onehot @ t.reshape(t.shape[1], -1)).reshape(1, onehot.shape[0], *t.shape[2:]) for t in tabs]
         return tuple(rows) if self.rope_is_pair else rows[0]
@@ -251,7 +265,7 @@ class LayerGraph(nn.Module):
 
     def forward(self, hidden, *args):
         start = None
-        rope_pos = None
+        rope_pos = rope_onehot = None
         if self.kv_mode == "buffer":
             (input_pos, rope_pos) = args if self.mrope else (args[0], None)
             onehot = k_past = v_past = None
@@ -264,7 +278,8 @@ class LayerGraph(nn.Module):
             else:
                 mask = self._mask(input_pos)
         else:
-            onehot, mask, k_past, v_past = args
+            onehot, mask, k_past, v_past = args[:4]
+            rope_onehot = args[4] if self.mrope else None
             input_pos = None
         cache = _StepCache(self, input_pos, onehot, k_past, v_past)
         cache.start = start
@@ -272,7 +287,8 @@ class LayerGraph(nn.Module):
         residual = hidden
         a = dec.input_layernorm(hidden)
         with _custom_attention(dec, start) if self.custom_kv else contextlib.nullcontext():
-            a, _ = dec.self_attn(hidden_states=a, position_embeddings=self._rope(input_pos, onehot, rope_pos),
+            rope = self._rope(input_pos, onehot, rope_pos, rope_onehot)
+            a, _ = dec.self_attn(hidden_states=a, position_embeddings=rope,
                                  attention_mask=mask, past_key_values=cache)
         h = residual + a
         x = dec.post_attention_layernorm(h)
@@ -434,7 +450,7 @@ class StepModel:
         H = g.hidden_size
         chunk = parse_prefill_name(name)
         T = chunk[0] if chunk is not None else 1
-        # M-RoPE layers (buffer mode): the (t, h, w) rotary positions [3, T] after the cache positions
+        # M-RoPE layers take the (t, h, w) rotary positions last: [3, T] (buffer mode), one-hot [3, T, S] (io)
         rope = (torch.arange(T, dtype=torch.long).expand(3, -1).contiguous(),) \
             if self.mrope_axes is not None and kv_mode == "buffer" else ()
         if chunk is not None and kv_mode == "buffer":
@@ -453,8 +469,10 @@ class StepModel:
             return (torch.randn(1, 1, H), torch.tensor([0], dtype=torch.long), *rope)
         cs = self.cache_specs[layer]
         S = self.max_seq
-        return (torch.randn(1, T, H), nn.functional.one_hot(torch.arange(T), S).float(),
-                host_mask(0, S, self.windows[layer], chunk=T), torch.zeros(cs.k_shape), torch.zeros(cs.v_shape))
+        onehot = nn.functional.one_hot(torch.arange(T), S).float()
+        rope = (onehot.expand(3, -1, -1).contiguous(),) if self.mrope_axes is not None else ()
+        return (torch.randn(1, T, H), onehot, host_mask(0, S, self.windows[layer], chunk=T), torch.zeros(cs.k_shape),
+                torch.zeros(cs.v_shape), *rope)
 
     def names(self, kv_mode: KvMode = "io") -> list[str]:
         n = len(self.layers)

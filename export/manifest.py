@@ -143,9 +143,11 @@ def _check_images(mf: Path, m: dict[str, Any], g) -> None:
                                     + (", none zero" if key == "image_std" else ""))
     if not (number(p.get("rescale_factor")) and p["rescale_factor"] > 0):
         raise SpecPrefetchError(f"{where}.preprocess.rescale_factor must be a finite number above 0")
-    methods = m["graphs"].get("methods")
+    files = m["graphs"].get("files")  # QNN bundles: a graph per file; ExecuTorch: the program's methods
+    methods = list(files) if isinstance(files, dict) else m["graphs"].get("methods")
     if p.get("resize") != "bicubic" or not isinstance(methods, list) or v.get("method") not in methods:
-        raise SpecPrefetchError(f"{where}: preprocess.resize must be \"bicubic\" and method one of graphs.methods")
+        raise SpecPrefetchError(f"{where}: preprocess.resize must be \"bicubic\" and method one of graphs.methods "
+                                "(graphs.files in a QNN bundle)")
     if grid[0] != 1 or grid[1] * patch != size[0] or grid[2] * patch != size[1] or size[0] % (patch * merge) \
             or size[1] % (patch * merge) or (grid[1] // merge) * (grid[2] // merge) != tokens \
             or not lo <= size[0] * size[1] <= hi:

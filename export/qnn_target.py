@@ -37,6 +37,9 @@ QAIRT_FOR_EXECUTORCH = "2.37"
 
 INPUT_NAMES = {"embed": ["token"], "head": ["hidden"],
                "layer": ["hidden", "pos_onehot", "mask", "k_past", "v_past"]}
+# A vision-language bundle's vision tower (export/vision.py) runs on the HTP in fp16 whatever --quant says:
+# calibration prompts are text, so a QDQ tower would have no samples to be calibrated on
+FP16_GRAPHS = ("vision",)
 
 
 def soc_info(soc: str) -> tuple[str, int, int]:
@@ -89,6 +92,8 @@ def graph_io_names(name: str, steps) -> tuple[list[str], list[str]]:
         return INPUT_NAMES["embed"], ["hidden"]
     if name == "head":
         return INPUT_NAMES["head"], ["logits"]
+    if name == "vision":
+        return ["pixel_values"], ["image_embeds", "deepstack"]
     chunk = parse_prefill_name(name)  # prefill_T_layer_N: the same inputs and outputs over T positions
     layer = chunk[1] if chunk is not None else int(name.split("_")[1])
     outs = ["h"]
@@ -96,7 +101,9 @@ def graph_io_names(name: str, steps) -> tuple[list[str], list[str]]:
         outs += ["x", "router_logits"]
         if g.moe_layers.index(layer) in steps.adapter_heads:
             outs.append("preds")
-    return INPUT_NAMES["layer"], outs + ["k_new", "v_new"]
+    # M-RoPE layers (Qwen3-VL) take each position's (t, h, w) rotary positions last, one-hot [3, T, S]
+    rope = ["rope_onehot"] if steps.mrope_axes is not None else []
+    return INPUT_NAMES["layer"] + rope, outs + ["k_new", "v_new"]
 
 
 def export_onnx(steps, graphs: dict[str, torch.nn.Module], out_dir: Path,
@@ -183,6 +190,9 @@ def quantize_qdq(paths: dict[str, Path], samples: dict[str, list[list[torch.Tens
     act = {"a16w8": QuantType.QUInt16, "a8w8": QuantType.QUInt8}[quant]
     out = {}
     for name, src in paths.items():
+        if name in FP16_GRAPHS:
+            out[name] = src
+            continue
         if not samples.get(name):
             raise SpecPrefetchError(f"graph {name}: no calibration samples recorded")
         pre = out_dir / f"{name}_pre.onnx"
@@ -229,6 +239,7 @@ class RecordingBackend(Backend):
         self.expert_seen: dict[tuple, int] = {}
         self.expert_weights: dict[tuple, list[torch.Tensor]] = {}
         self.kv_mode, self.kv = inner.kv_mode, inner.kv  # the inner backend's cache
+        self.mrope, self.rope_rows, self.rope_delta = inner.mrope, None, 0  # M-RoPE inputs: Backend.layer's
 
     def call(self, name, inputs):
         lst = self.samples.setdefault(name, [])
@@ -246,6 +257,7 @@ class RecordingBackend(Backend):
 
     def reset(self):
         self.inner.reset()
+        self.rope_rows, self.rope_delta = None, 0
 
     def method_names(self) -> tuple[str, ...]:
         return self.inner.method_names()  # the inner's prefill chunks too: their graphs get samples
@@ -438,7 +450,7 @@ class QnnTarget(Target):
         from rich.progress import track
         for name, p in track(list(src.items()), description=f"QNN compile {soc}", disable=not cfg.progress):
             dst = out_dir / f"{name}_ctx.onnx"
-            compile_context(p, dst, soc, fp16=(quant == "fp16"))
+            compile_context(p, dst, soc, fp16=(quant == "fp16" or name in FP16_GRAPHS))
             files[name] = dst
         t_compile = time.perf_counter() - t1
         info = steps_info(steps)
@@ -521,7 +533,8 @@ class QnnTarget(Target):
         from toolkit.runtime.backend import CacheSpec
 
         info = {"cache_specs": [CacheSpec(tuple(x["k"]), tuple(x["v"])) for x in m["kv"]["layers"]],
-                "windows": [x["window"] for x in m["kv"]["layers"]], "max_seq": m["kv"]["max_seq"]}
+                "windows": [x["window"] for x in m["kv"]["layers"]], "max_seq": m["kv"]["max_seq"],
+                "mrope": m["kv"].get("rope") == "mrope"}
         return QnnBackend({n: path / rel for n, rel in m["graphs"]["files"].items()}, info,
                           cpu_expert=cpu_expert_of(path, m), embedding=embedding_of(path, m))
 

@@ -126,7 +126,8 @@ class Session:
 
         if self.vision is None:
             what = ("a text-only model" if not self.spec.family.is_vision_language else
-                    "a text-only bundle (a vision-language model exported with --target executorch takes images)")
+                    "a text-only bundle (a vision-language model exported with --target executorch or qnn takes "
+                    "images)")
             raise SpecPrefetchError(f"--image: {self.label} takes no images: {what}")
         return encode_images(self.vision, images)
 

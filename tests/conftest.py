@@ -62,6 +62,18 @@ def vl_bundle(tiny_models, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def vl_qnn_bundle(tiny_models, tmp_path_factory) -> Path:
+    """The tiny Qwen3-VL-MoE as a QNN bundle (fp16 context binaries for the HTP simulator) that takes
+    64x64 images (~11 s: slow tests)."""
+    from export.bundle import ExportConfig, export_bundle
+
+    out = tmp_path_factory.mktemp("vlq") / "bundle"
+    export_bundle(tiny_models["qwen3_vl_moe"], out, ExportConfig(target="qnn", max_seq=64, image_size=(64, 64),
+                                                                 parity_prompts=1, progress=False))
+    return out
+
+
 class _Prebuild:
     """The background build of tests/prebuild.py, started after collection when a selected test needs
     the shared bundle and waited for by the fixtures below. Under pytest-xdist (`make test` runs two

@@ -212,6 +212,50 @@ def test_bundle_vision_method_and_image_runs(vl_bundle, pictures, tmp_path):
     assert img.read_bytes() == pictures[0].read_bytes()
 
 
+# -- a QNN bundle with its vision graph (conftest: vl_qnn_bundle) ---------------------------------------
+
+@pytest.mark.slow  # a QNN export (~11 s) and the QNN runner's build
+def test_qnn_bundle_vision_graph_and_image_runs(vl_qnn_bundle, pictures, tmp_path):
+    """A QNN bundle carries the vision tower as an fp16 HTP graph (parity on the simulator) and M-RoPE layer
+    graphs (rope_onehot); `run --image` gives transformers' tokens for every predictor at one pool, and the
+    native runner's QNN backend gives the Python engine's tokens and decisions for text and two images."""
+    from export.session import open_session, reference_tokens
+    from toolkit.runtime.events import decisions
+    from toolkit.runtime.policy import Policy
+    from toolkit.runtime.runner import RunConfig
+
+    m = json.loads((vl_qnn_bundle / "manifest.json").read_text())
+    v = m["graphs"]["vision"]
+    assert v["precision"] == "fp16" and v["grid_thw"] == [1, 4, 4] and v["tokens"] == 4
+    assert m["kv"]["rope"] == "mrope" and "vision" in m["graphs"]["files"] and "vision" in m["graphs"]["binaries"]
+    p = json.loads((vl_qnn_bundle / "parity.json").read_text())
+    assert p["passed"] and p["vision"]["passed"] and 0 < p["vision"]["max_rel_diff"] < 2e-2  # fp16 on the HTP
+    s = open_session(vl_qnn_bundle, RunConfig(policy=Policy("on-demand", "lru"), pool_mib=0.06),
+                     predictors=["on-demand", "next-gate", "previous-token", "oracle"])
+    ip = s.image_prompt([pictures[1], pictures[2]], s.encode(PROMPT))
+    ref = reference_tokens(s.source_model, ip.ids, 6, images=[pictures[1], pictures[2]], vision=s.vision)
+    for pol in ("on-demand+lru", "next-gate+prediction", "previous-token+lru", "oracle+belady"):
+        s.runner.configure(policy=Policy.parse(pol))
+        assert s.runner.run(ip.ids, 6, images=ip).tokens == ref, pol
+    other = s.image_prompt([pictures[0]], s.encode(PROMPT))
+    s.runner.configure(policy=Policy.parse("on-demand+lru"))
+    assert s.runner.run(other.ids, 6, images=other).tokens == \
+        reference_tokens(s.source_model, other.ids, 6, images=[pictures[0]], vision=s.vision)
+    for tag, imgs in (("text", ()), ("images", (pictures[1], pictures[2]))):
+        for engine in ("python", "native"):
+            args = [a for img in imgs for a in ("--image", img)]
+            code, out = cli("run", vl_qnn_bundle, "--engine", engine, "--prompt", PROMPT, *args, "--max-new-tokens", 6,
+                            "--policy", "next-gate+prediction", "--pool-mib", "0.06", "--check",
+                            "--json", tmp_path / f"{tag}-{engine}.json", "--events", tmp_path / f"{tag}-{engine}.ev")
+            assert code == 0, out
+        py, nat = (json.loads((tmp_path / f"{tag}-{e}.json").read_text())["runs"][0] for e in ("python", "native"))
+        assert py["tokens"] == nat["tokens"] and nat["matches_unmodified_model"] is True, tag
+        assert decisions((tmp_path / f"{tag}-python.ev").read_text().splitlines()) == \
+            decisions((tmp_path / f"{tag}-native.ev").read_text().splitlines()), tag
+        if imgs:
+            assert nat["image_tokens"] == 2 * (4 + 2) and nat["tokens"] == ref
+
+
 @pytest.mark.slow
 def test_vision_block_needs_mrope(vl_bundle, tmp_path):
     """A manifest whose graphs.vision comes without M-RoPE layer graphs is refused by both engines; so are
@@ -271,8 +315,8 @@ def test_image_size_refusals(vl, tiny_models, tmp_path):
             export_bundle(vl, tmp_path / "b", ExportConfig(target="executorch", image_size=size, progress=False))
     with pytest.raises(SpecPrefetchError, match="--image-size: a text-only model takes no images"):
         export_bundle(tiny_models["qwen3_moe"], tmp_path / "b", ExportConfig(image_size=(64, 64), progress=False))
-    with pytest.raises(SpecPrefetchError, match="images are exported for --target executorch only"):
-        export_bundle(vl, tmp_path / "b", ExportConfig(target="qnn", image_size=(64, 64), progress=False))
+    with pytest.raises(SpecPrefetchError, match="images are exported for --target executorch and qnn, not qai-hub"):
+        export_bundle(vl, tmp_path / "b", ExportConfig(target="qai-hub", image_size=(64, 64), progress=False))
     assert not (tmp_path / "b").exists()
     code, out = cli("export", vl, "--image-size", "64by64", "--out", tmp_path / "c")
     assert code == 2 and "expected HEIGHTxWIDTH" in out

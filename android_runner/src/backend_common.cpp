@@ -31,7 +31,7 @@ void Backend::find_prefill_chunks(const std::vector<std::string>& methods) {
 
 void Backend::vision(const std::string& method, const std::vector<float>&, int64_t, int64_t, std::vector<float>&,
                      std::vector<float>&) {
-  throw Error(where_ + ": this backend runs no vision method ('" + method + "'): images need an executorch bundle");
+  throw Error(where_ + ": this backend runs no vision method ('" + method + "')");
 }
 
 void Backend::rope_positions(int64_t pos, int T, std::vector<int64_t>& out) const {

@@ -8,8 +8,10 @@
 // x86-64 the same library runs the HTP simulator. The token embedding is a table the runner reads
 // rows of on the CPU (EmbeddingTable; an older bundle's embed graph otherwise). The graphs hold no
 // state ("io" KV mode): each
-// layer takes the past K/V of its layer, a one-hot of the position and the additive mask, and
-// returns the current position's K/V, which this backend writes into its own cache.
+// layer takes the past K/V of its layer, a one-hot of the position and the additive mask (and, last,
+// a one-hot of each rotary axis' position for an M-RoPE bundle), and returns the current position's
+// K/V, which this backend writes into its own cache. A vision-language bundle's vision graph runs here
+// too (`vision`).
 //
 // Where the libraries come from: SPX_QNN_EP_LIB names the QNN EP library
 // (libonnxruntime_providers_qnn.so, which finds libQnnHtp.so and the HTP skel beside itself);
@@ -207,6 +209,8 @@ class OrtBackend final : public Backend {
   using Backend::layer_chunk;
   void layer_chunk(int index, const float* h, int T, int64_t pos, bool moe, LayerOut& out) override;
   void head(const std::vector<float>& h, std::vector<float>& logits) override;
+  void vision(const std::string& method, const std::vector<float>& pixels, int64_t rows, int64_t cols,
+              std::vector<float>& embeds, std::vector<float>& deepstack) override;
   const char* kind() const override { return "onnxruntime-qnn"; }
   int64_t accelerator_calls() const override { return calls_; }
 
@@ -225,7 +229,12 @@ class OrtBackend final : public Backend {
   std::vector<KvLayer> kv_;
   int max_seq_ = 0;
   float mask_value_ = -100.0f;
-  std::vector<float> onehot_, mask_;  // the host's inputs of the call in progress, [T, S] each
+  bool mrope_ = false;  // kv.rope mrope: the layer graphs also take rope_onehot, a one-hot per rotary axis
+  // the host's inputs of the call in progress: the cache positions' one-hot [T, S] and mask [1, 1, T, S];
+  // M-RoPE: rope_onehot [3, T, S], row (a, t) one-hot at axis a's (t, h, w) rotary position of cache
+  // position pos+t
+  std::vector<float> onehot_, mask_, rope_onehot_;
+  std::vector<int64_t> rope_;  // M-RoPE: the call's rotary positions [3 * T] (rope_positions)
   int64_t calls_ = 0;
   std::unique_ptr<EmbeddingTable> embedding_;  // null: the bundle's embed graph
 };
@@ -250,6 +259,7 @@ OrtBackend::OrtBackend(const Bundle& b, const std::vector<std::string>& methods,
   Ort::InitApi(api);
   if (b.kv_mode != "io") throw Error(b.manifest_path + ": kv.mode " + b.kv_mode + ": QNN graphs take their KV cache as inputs ('io')");
   max_seq_ = b.max_seq;
+  mrope_ = b.mrope;
   mask_value_ = static_cast<float>(b.kv_mask_value);
   if (!b.embedding_path.empty()) embedding_ = std::make_unique<EmbeddingTable>(b.embedding_path, vocab_, hidden_);
   kv_ = b.kv_layers;
@@ -368,8 +378,10 @@ void OrtBackend::layer_chunk(int index, const float* h, int T, int64_t pos, bool
 }
 
 // Decoder layer `index` over the T positions pos .. pos+T-1 (T = 1: the decode graph layer_N; else the
-// prefill graph prefill_T_layer_N): the host's one-hot [T, S], additive mask [1, 1, T, S] (rows as
-// toolkit/runtime/backend.py host_mask) and the layer's cache in; the positions' K and V back into it.
+// prefill graph prefill_T_layer_N): the host's one-hot [T, S] of the cache positions, additive mask
+// [1, 1, T, S] (rows as toolkit/runtime/backend.py host_mask), the layer's cache and, an M-RoPE bundle's
+// graphs, rope_onehot [3, T, S] last (row (a, t) one-hot at the rotary position of axis a (t, h, w) of
+// cache position pos+t, as set_rope gave them) in; the positions' K and V back into the cache.
 void OrtBackend::run_layer(const std::string& name, int index, const float* h, int T, int64_t pos, bool moe,
                            LayerOut& out) {
   if (index < 0 || static_cast<size_t>(index) >= kv_.size()) throw Error(where_ + ": no KV cache for " + name);
@@ -379,6 +391,19 @@ void OrtBackend::run_layer(const std::string& name, int index, const float* h, i
   const size_t S = static_cast<size_t>(max_seq_);
   onehot_.assign(static_cast<size_t>(T) * S, 0.0f);
   mask_.resize(static_cast<size_t>(T) * S);
+  if (mrope_) {
+    rope_positions(pos, T, rope_);  // [3 * T], axis-major: row a * T + t
+    rope_onehot_.assign(rope_.size() * S, 0.0f);
+    for (size_t r = 0; r < rope_.size(); ++r) {
+      const int64_t p = rope_[r];
+      if (p < 0 || p >= max_seq_)
+        throw Error(where_ + ": " + name + ": rotary position " + std::to_string(p) + " (axis " +
+                    std::to_string(r / static_cast<size_t>(T)) + ", cache position " +
+                    std::to_string(pos + static_cast<int64_t>(r % static_cast<size_t>(T))) + ") outside 0.." +
+                    std::to_string(max_seq_ - 1) + ", the one-hot's width (kv.max_seq)");
+      rope_onehot_[r * S + static_cast<size_t>(p)] = 1.0f;
+    }
+  }
   for (int t = 0; t < T; ++t) {
     const int64_t q = pos + t;
     onehot_[static_cast<size_t>(t) * S + static_cast<size_t>(q)] = 1.0f;
@@ -393,6 +418,7 @@ void OrtBackend::run_layer(const std::string& name, int index, const float* h, i
   in.push_back(floats(mask_.data(), {1, 1, T, max_seq_}));
   in.push_back(floats(k_[static_cast<size_t>(index)].data(), L.k));
   in.push_back(floats(v_[static_cast<size_t>(index)].data(), L.v));
+  if (mrope_) in.push_back(floats(rope_onehot_.data(), {3, T, max_seq_}));
   auto outs = run(name, in);
   const size_t want = (moe ? 3 : 1) + 2;
   if (outs.size() < want) throw Error(where_ + ": graph '" + name + "' returned too few outputs");
@@ -425,6 +451,23 @@ void OrtBackend::head(const std::vector<float>& h, std::vector<float>& logits) {
   auto out = run("head", in);
   copy_out(out.at(0), logits, where_ + ": head");
   if (static_cast<int>(logits.size()) != vocab_) throw Error(where_ + ": head returned the wrong width");
+}
+
+// A vision-language bundle's vision graph (`method`) on one image's pixel_values [rows, cols]: output 0
+// the image embeddings, output 1 the DeepStack features (main.cpp checks their sizes).
+void OrtBackend::vision(const std::string& method, const std::vector<float>& pixels, int64_t rows, int64_t cols,
+                        std::vector<float>& embeds, std::vector<float>& deepstack) {
+  const Graph& g = graph(method);
+  if (rows < 1 || cols < 1 || static_cast<int64_t>(pixels.size()) != rows * cols)
+    throw Error(g.path + ": " + std::to_string(pixels.size()) + " pixel values for pixel_values [" + std::to_string(rows) +
+                ", " + std::to_string(cols) + "]");
+  std::vector<Ort::Value> in;  // read, never written, by ONNX Runtime
+  in.push_back(floats(const_cast<float*>(pixels.data()), {rows, cols}));
+  auto outs = run(method, in);
+  if (outs.size() < 2)
+    throw Error(g.path + ": returned " + std::to_string(outs.size()) + " outputs; image_embeds and the DeepStack features expected");
+  copy_out(outs[0], embeds, g.path + ": image_embeds");
+  copy_out(outs[1], deepstack, g.path + ": deepstack");
 }
 
 }  // namespace

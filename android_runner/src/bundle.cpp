@@ -102,7 +102,8 @@ void parse_vision(Bundle& b, const json& v, const std::string& where) {
   Bundle::Vision& V = b.vision;
   V.method = as_str(field(v, "method", where, p), where, p + ".method");
   if (std::find(b.methods.begin(), b.methods.end(), V.method) == b.methods.end())
-    fail(where, p + ".method " + quote(V.method) + " is not one of graphs.methods");
+    fail(where, p + ".method " + quote(V.method) + " is not one of " +
+                    (b.target == "executorch" ? "graphs.methods" : "the graphs of graphs.files"));
   const std::vector<int64_t> size = as_int_list(field(v, "image_size", where, p), where, p + ".image_size", 1, 1 << 14);
   const std::vector<int64_t> grid = as_int_list(field(v, "grid_thw", where, p), where, p + ".grid_thw", 1, 1 << 12);
   if (size.size() != 2 || grid.size() != 3 || grid[0] != 1) fail(where, p + ": image_size [h, w] and grid_thw [1, gh, gw]");
@@ -372,6 +373,7 @@ Bundle parse_manifest(const std::string& text, const std::string& where) {
         fail(where, "graph " + quote(it.key()) + ": its binary " + quote(rel_bin) + " is not beside " + quote(rel));
       b.methods.push_back(it.key());
     }
+    if (const json* v = optional(g, "vision", where, "graphs")) parse_vision(b, *v, where);
     if (const json* e = optional(g, "embedding", where, "graphs")) {
       jsonc::need_object(*e, where, "graphs.embedding");
       b.embedding_file = listed(b, field(*e, "file", where, "graphs.embedding"), where, "graphs.embedding.file");

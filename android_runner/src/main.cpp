@@ -396,7 +396,7 @@ int main_(int argc, char** argv) {
   std::vector<std::string> methods;
   if (!a.images.empty() && !b.has_vision)
     throw Error("--image: " + a.bundle + " takes no images (a text-only bundle; a vision-language model exported "
-                "with --target executorch takes them)");
+                "with --target executorch or qnn takes them)");
   for (const auto& m : b.methods)  // experts: the runner's own kernels; the vision method only for images
     if (m != "expert" && (m != b.vision.method || !a.images.empty())) methods.push_back(m);
   std::unique_ptr<Backend> backend = open_backend(b, methods, a.threads);

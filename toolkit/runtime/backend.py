@@ -17,6 +17,8 @@ from typing import Any, Iterable, Sequence
 import torch
 from torch import nn
 
+from toolkit.errors import SpecPrefetchError
+
 # io mode (QNN): the mask is a graph input, and QDQ calibration sizes the score+mask range from it;
 # -1e4 would cost uint16 scores a 0.15 step. -100 still gives masked positions weight e^-100 (the
 # host zeroes the cache before each sequence, so masked keys are zeros, not stale keys).
@@ -172,10 +174,10 @@ class Backend:
         self.info = steps_info
         self.kv = HostKV(steps_info["cache_specs"], steps_info["windows"], steps_info["max_seq"]) \
             if self.kv_mode == "io" else None
-        # M-RoPE graphs (buffer mode, info["mrope"]): each layer call also takes the rotary positions
-        # [3, T] of its positions: the sequence's own rows (`set_rope`: an image's tokens have 2-D
-        # ones) for the prompt, the cache position plus the sequence's offset after it
-        self.mrope = bool(steps_info.get("mrope")) and self.kv_mode == "buffer"
+        # M-RoPE graphs (info["mrope"]): each layer call also takes, last, the rotary positions [3, T] of
+        # its positions (io mode: as one-hot rows [3, T, S]): the sequence's own rows (`set_rope`: an
+        # image's tokens have 2-D ones) for the prompt, the cache position plus the sequence's offset after it
+        self.mrope = bool(steps_info.get("mrope"))
         self.rope_rows: torch.Tensor | None = None
         self.rope_delta = 0
 
@@ -192,6 +194,19 @@ class Backend:
             return idx.expand(3, -1).contiguous()
         n = rows.shape[1]
         return torch.where(idx < n, rows[:, idx.clamp(max=n - 1)], idx + self.rope_delta).contiguous()
+
+    def _rope_inputs(self, pos: int, T: int) -> tuple[torch.Tensor, ...]:
+        """An M-RoPE layer call's last input: rope_pos [3, T] (buffer mode) or rope_onehot [3, T, S] (io
+        mode); () for 1-D rotary graphs."""
+        if not self.mrope:
+            return ()
+        rp = self.rope_pos(pos, T)
+        if self.kv_mode == "buffer":
+            return (rp,)
+        S = self.kv.max_seq
+        if int(rp.min()) < 0 or int(rp.max()) >= S:
+            raise SpecPrefetchError(f"rotary positions {int(rp.min())}..{int(rp.max())} outside the graphs' {S}")
+        return (nn.functional.one_hot(rp, S).float(),)
 
     @property
     def max_seq(self) -> int | None:
@@ -224,8 +239,8 @@ class Backend:
         T = int(h.shape[1])
         if self.kv_mode == "buffer":
             return self.call(prefill_name(T, layer), [h, torch.arange(pos, pos + T, dtype=torch.long),
-                                                      *((self.rope_pos(pos, T),) if self.mrope else ())])
-        outs = self.call(prefill_name(T, layer), [h, *self.kv.inputs(layer, pos, T)])
+                                                      *self._rope_inputs(pos, T)])
+        outs = self.call(prefill_name(T, layer), [h, *self.kv.inputs(layer, pos, T), *self._rope_inputs(pos, T)])
         self.kv.write(layer, pos, outs[-2], outs[-1])
         return outs[:-2]
 
@@ -233,8 +248,7 @@ class Backend:
         """Decoder layer `layer` at position `pos`: [h] for a dense layer, [h_res, x, logits(,
         preds)] for a MoE layer (the KV outputs of io-mode graphs are consumed here)."""
         if self.kv_mode == "buffer":
-            return self.call(f"layer_{layer}", [h, torch.tensor([pos], dtype=torch.long),
-                                                *((self.rope_pos(pos, 1),) if self.mrope else ())])
-        outs = self.call(f"layer_{layer}", [h, *self.kv.inputs(layer, pos)])
+            return self.call(f"layer_{layer}", [h, torch.tensor([pos], dtype=torch.long), *self._rope_inputs(pos, 1)])
+        outs = self.call(f"layer_{layer}", [h, *self.kv.inputs(layer, pos), *self._rope_inputs(pos, 1)])
         self.kv.write(layer, pos, outs[-2], outs[-1])
         return outs[:-2]
