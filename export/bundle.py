@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 
-from export.manifest import (FORMAT, VERSION, get_target, malformed, sizes, validate_bundle,
+from export.manifest import (FORMAT, TARGETS, VERSION, get_target, malformed, sizes, validate_bundle,
                              versions)
 from toolkit.artifacts import (atomic_directory, claim_output, os_error, rejected_dir, sha256_file,
                                write_json_atomic)
@@ -70,7 +70,11 @@ class ExportConfig:
     progress: bool = True
 
 
-IMAGE_TARGETS = ("executorch", "qnn")  # the targets whose bundles carry the vision tower (qai-hub: not yet)
+def image_targets() -> list[str]:
+    """The targets whose bundles carry the vision tower (Target.VISION_PRECISION)."""
+    return [n for n, t in TARGETS.items() if t.VISION_PRECISION is not None]
+
+
 # the vision method against the eager tower: max |diff| over max |reference|, by the precision it runs at
 # (ExecuTorch keeps the tower in float32; the HTP runs it in fp16: ~5e-3 measured on the tiny tower)
 VISION_REL_TOL = {"fp32": 1e-3, "fp16": 2e-2}
@@ -157,8 +161,8 @@ def export_bundle(model: str | Path, out: Path, cfg: ExportConfig, adapter: Path
     if cfg.max_seq < cfg.prompt_tokens + cfg.decode_tokens:
         raise SpecPrefetchError(f"--max-seq {cfg.max_seq} is shorter than the parity sequences "
                                 f"({cfg.prompt_tokens} + {cfg.decode_tokens} tokens)")
-    if cfg.image_size is not None and cfg.target not in IMAGE_TARGETS:
-        raise SpecPrefetchError(f"--image-size: images are exported for --target {' and '.join(IMAGE_TARGETS)}, "
+    if cfg.image_size is not None and tgt.VISION_PRECISION is None:
+        raise SpecPrefetchError(f"--image-size: images are exported for --target {' and '.join(image_targets())}, "
                                 f"not {cfg.target}")
     tol = Tolerance.for_quant(quant, cfg.experts).with_overrides(cfg.tolerance)
     tgt.preflight(cfg, quant)  # fail fast (missing SDK, token, network) before any heavy work
@@ -187,21 +191,21 @@ def _assemble(model, work: Path, scratch: Path, cfg: ExportConfig, tgt, quant: s
 
     spec = inspect_model_dir(model)
     processor = vision = None
-    if spec.family.is_vision_language and cfg.target in IMAGE_TARGETS:
+    if spec.family.is_vision_language and tgt.VISION_PRECISION is not None:
         from export.images import default_image_size, vision_block
         from toolkit.models.loader import load_image_processor
 
         processor = load_image_processor(spec.path)
         vision = vision_block(spec, processor, cfg.image_size or default_image_size(processor),
                               given=cfg.image_size is not None)
-        vision["precision"] = "fp16" if cfg.target == "qnn" else "fp32"  # the tower's, whatever --quant says
+        vision["precision"] = tgt.VISION_PRECISION  # the tower's, whatever --quant says
         _log(cfg, f"vision-language model: its language model and its vision tower for "
                   f"{vision['image_size'][0]}x{vision['image_size'][1]} images ({vision['tokens']} image tokens)")
     elif cfg.image_size is not None:
         raise SpecPrefetchError("--image-size: a text-only model takes no images")
     elif spec.family.is_vision_language:
         _log(cfg, f"vision-language model: exporting its language model (text decode graphs; images: --target "
-                  f"{' or '.join(IMAGE_TARGETS)}, not {cfg.target})")
+                  f"{' or '.join(image_targets())}, not {cfg.target})")
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(spec.path, local_files_only=True)
     g = spec.geometry

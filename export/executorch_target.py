@@ -535,6 +535,7 @@ class ExecuTorchTarget(Target):
     """`--target executorch`: one XNNPACK-lowered program, graphs/model.pte."""
     NAME = "executorch"
     DEFAULT_QUANT = "fp32"
+    VISION_PRECISION = "fp32"  # the tower is not quantised (quantize below)
     QUANTS = ("fp32", "8da8w", "8da4w", "w8", "w4")
     NEEDS_CALIBRATION: dict[str, bool] = {}
 

@@ -143,6 +143,9 @@ def _check_images(mf: Path, m: dict[str, Any], g) -> None:
                                     + (", none zero" if key == "image_std" else ""))
     if not (number(p.get("rescale_factor")) and p["rescale_factor"] > 0):
         raise SpecPrefetchError(f"{where}.preprocess.rescale_factor must be a finite number above 0")
+    if v.get("precision", "fp32") not in ("fp32", "fp16"):  # absent: a bundle from before the field (ExecuTorch, fp32)
+        raise SpecPrefetchError(f"{where}.precision is {json.dumps(v['precision'])[:40]}: "
+                                "expected \"fp32\" or \"fp16\"")
     files = m["graphs"].get("files")  # QNN bundles: a graph per file; ExecuTorch: the program's methods
     methods = list(files) if isinstance(files, dict) else m["graphs"].get("methods")
     if p.get("resize") != "bicubic" or not isinstance(methods, list) or v.get("method") not in methods:

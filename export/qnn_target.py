@@ -404,6 +404,7 @@ class QnnTarget(Target):
     DEFAULT_QUANT = "fp16"
     QUANTS = QUANTS                        # the module's constants (onnx_sources reads them too)
     NEEDS_CALIBRATION = NEEDS_CALIBRATION
+    VISION_PRECISION = "fp16"  # FP16_GRAPHS; the executorch path is fp16 only
 
     def preflight(self, cfg, quant: str) -> None:
         soc_info(cfg.soc)

@@ -46,11 +46,14 @@ class Target(abc.ABC):
         NAME: the `--target` value.
         QUANTS: the `--quant` values it offers; DEFAULT_QUANT when `--quant` is not given.
         NEEDS_CALIBRATION: quant -> True where it needs QDQ calibration prompts.
+        VISION_PRECISION: the precision its bundles' vision tower runs at whatever `--quant` (None: its
+            bundles take no images).
     """
     NAME: ClassVar[str]
     QUANTS: ClassVar[tuple[str, ...]]
     DEFAULT_QUANT: ClassVar[str]
     NEEDS_CALIBRATION: ClassVar[Mapping[str, bool]] = {}
+    VISION_PRECISION: ClassVar[str | None] = None
 
     @abc.abstractmethod
     def preflight(self, cfg: Any, quant: str) -> Any:

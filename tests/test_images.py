@@ -73,7 +73,14 @@ def test_mrope_layer_tables_are_transformers_exactly(vl):
     for a, b in zip(mine, ref):
         assert torch.equal(a, b.float())
     assert len(steps.example_inputs("layer_0", "buffer")) == 3  # hidden, cache position, M-RoPE positions
-    assert steps.example_inputs("layer_0", "io")[1].shape == (1, 64)  # io mode (QNN): its one-hot positions
+    # io mode (QNN): the cache position's one-hot, and last the M-RoPE positions as a one-hot row per axis,
+    # whose rows (a matmul with the tables, combined by 0/1 channel masks) are transformers' exactly too
+    io = steps.example_inputs("layer_0", "io")
+    assert len(io) == 6 and io[1].shape == (1, 64) and io[-1].shape == (3, 1, 64)
+    gio = steps.graphs("io")["layer_0"]
+    mine = gio._rope(None, None, None, torch.nn.functional.one_hot(pos, 64).float())
+    for a, b in zip(mine, ref):
+        assert torch.equal(a, b.float())
 
 
 def test_run_image_model_directory_matches_transformers(vl, pictures, tmp_path):
@@ -254,6 +261,59 @@ def test_qnn_bundle_vision_graph_and_image_runs(vl_qnn_bundle, pictures, tmp_pat
             decisions((tmp_path / f"{tag}-native.ev").read_text().splitlines()), tag
         if imgs:
             assert nat["image_tokens"] == 2 * (4 + 2) and nat["tokens"] == ref
+
+
+@pytest.mark.slow  # a QNN a16w8 export (~15 s)
+def test_qnn_qdq_bundle_keeps_the_vision_tower_fp16(vl, pictures, tmp_path):
+    """--quant a16w8: the layer graphs (their rope_onehot input included) are calibrated on text prompts,
+    which never reach the tower, so the vision graph is compiled in fp16 as it is; it passes the fp16 vision
+    parity and an image prompt runs. (The tiny random model's near-uniform logits need the text bounds
+    relaxed for 8-bit weights, as test_export's QDQ test does; the vision bound is not relaxed.)"""
+    from export.bundle import ExportConfig, export_bundle
+
+    tol = {"max_abs_logit_diff": 10.0, "max_rel_logit_diff": 2.0, "max_median_logit_diff": 10.0,
+           "min_topk_agreement": 0.0, "min_next_token_agreement": 0.0, "min_free_token_match": 0.0}
+    b = tmp_path / "b"
+    m = export_bundle(vl, b, ExportConfig(target="qnn", quant="a16w8", max_seq=64, image_size=(64, 64),
+                                          parity_prompts=1, prompt_tokens=10, decode_tokens=3, calibration_prompts=2,
+                                          tolerance=tol, progress=False))
+    assert m["quantization"]["dense"] == "a16w8" and m["graphs"]["vision"]["precision"] == "fp16"
+    assert m["kv"]["rope"] == "mrope" and any(k.startswith("prefill_") for k in m["graphs"]["files"])
+    p = json.loads((b / "parity.json").read_text())
+    assert p["vision"]["passed"] and p["vision"]["tolerance"] == 2e-2 and p["vision"]["max_rel_diff"] < 2e-2
+    code, out = cli("run", b, "--prompt", PROMPT, "--image", pictures[0], "--max-new-tokens", 3,
+                    "--policy", "next-gate+prediction", "--json", tmp_path / "r.json")
+    assert code == 0, out
+    assert json.loads((tmp_path / "r.json").read_text())["runs"][0]["image_tokens"] == 4 + 2
+
+
+@pytest.mark.slow
+def test_a_qnn_vision_block_is_checked_by_both_engines(vl_qnn_bundle, tmp_path):
+    """A QNN bundle's graphs.vision: its method must be one of graphs.files, its precision fp32 or fp16, and it
+    needs M-RoPE layer graphs; each damage refused by both engines, naming the field."""
+    import shutil
+    import subprocess
+
+    from android_runner.build import build, command
+    from export.manifest import validate_bundle
+
+    b = Path(shutil.copytree(vl_qnn_bundle, tmp_path / "b"))
+    good = json.loads((b / "manifest.json").read_text())
+    runner = [*command(build(vl_qnn_bundle, "host"), "host"), str(b), "--prompt", PROMPT]
+    for change, py_msg, cpp_msg in (
+            (lambda m: m["graphs"]["vision"].update(method="visionx"), "method one of graphs.methods (graphs.files",
+             "is not one of the graphs of graphs.files"),
+            (lambda m: m["graphs"]["vision"].update(precision="int4"), 'graphs.vision.precision is "int4"',
+             "graphs.vision.precision 'int4': expected fp32 or fp16"),
+            (lambda m: m["kv"].update(rope="1d"), "graphs.vision is present but kv.rope is '1d'",
+             "graphs.vision is present but kv.rope is not")):
+        m = json.loads(json.dumps(good))
+        change(m)
+        (b / "manifest.json").write_text(json.dumps(m))
+        with pytest.raises(SpecPrefetchError, match=re.escape(py_msg)):
+            validate_bundle(b, hash_store=False)
+        r = subprocess.run(runner, capture_output=True, text=True)
+        assert r.returncode != 0 and cpp_msg in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
 @pytest.mark.slow

@@ -114,6 +114,10 @@ void parse_vision(Bundle& b, const json& v, const std::string& where) {
   V.image_token_id = to_int(num(v, "image_token_id", p, 0, b.vocab_size - 1));
   V.vision_start_token_id = to_int(num(v, "vision_start_token_id", p, 0, b.vocab_size - 1));
   V.vision_end_token_id = to_int(num(v, "vision_end_token_id", p, 0, b.vocab_size - 1));
+  if (const json* pr = optional(v, "precision", where, p)) {  // absent: a bundle from before the field (fp32)
+    const std::string prec = as_str(*pr, where, p + ".precision");
+    if (prec != "fp32" && prec != "fp16") fail(where, p + ".precision " + quote(prec) + ": expected fp32 or fp16");
+  }
   const std::string pp = p + ".preprocess";
   const json& pre = field(v, "preprocess", where, p);
   jsonc::need_object(pre, where, pp);

@@ -76,7 +76,7 @@ struct Bundle {
   };
   bool has_vision = false;
   Vision vision;
-  bool mrope = false;              // kv.rope == "mrope": buffer-mode layer methods take (t, h, w) positions [3, T] last
+  bool mrope = false;  // kv.rope == "mrope": layer graphs take (t, h, w) positions last ([3, T]; io: one-hot [3, T, S])
   std::vector<KvLayer> kv_layers;  // kv.layers (empty when absent)
   std::string predictor_kind;      // predictor.kind: "adapter", "next-gate", ...
   std::vector<int> horizons;       // predictor.horizons

@@ -423,7 +423,8 @@ int main_(int argc, char** argv) {
       exec.vision(V.method, px.values, px.rows, px.cols, images.embeds.back(), images.deepstack.back());
       const size_t n = static_cast<size_t>(V.tokens) * b.hidden_size;
       if (images.embeds.back().size() != n || images.deepstack.back().size() != n * V.deepstack_layers)
-        throw Error(b.program_path + ": method '" + V.method + "' returned outputs of the wrong size");
+        throw Error((b.program_path.empty() ? b.graph_paths.at(V.method) : b.program_path) + ": method '" + V.method +
+                    "' returned outputs of the wrong size");
     }
     for (auto& ids : a.prompts) {  // the image blocks, then the prompt's own tokens
       std::vector<int> full;

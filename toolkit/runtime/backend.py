@@ -205,7 +205,8 @@ class Backend:
             return (rp,)
         S = self.kv.max_seq
         if int(rp.min()) < 0 or int(rp.max()) >= S:
-            raise SpecPrefetchError(f"rotary positions {int(rp.min())}..{int(rp.max())} outside the graphs' {S}")
+            raise SpecPrefetchError(f"rotary positions {int(rp.min())}..{int(rp.max())} of cache positions {pos}.."
+                                    f"{pos + T - 1}: outside 0..{S - 1}, the rope_onehot width (kv.max_seq)")
         return (nn.functional.one_hot(rp, S).float(),)
 
     @property
