@@ -155,6 +155,40 @@ def test_bad_images_are_refused_in_one_line(vl, pictures, tmp_path, tiny_models)
     assert code != 0 and "takes no images: a text-only model" in out, out
 
 
+def _image_runs(bundle: Path, pictures: list[Path], tmp_path: Path):
+    """A two-image prompt through `bundle` (Python engine) gives transformers' tokens for four predictors at
+    one pool; then both engines, on text and on the two images (the native runner decodes and preprocesses
+    them itself, src/image.cpp), give equal tokens and decision logs, the unmodified model's.
+    Returns (session, image prompt, transformers' tokens)."""
+    from export.session import open_session, reference_tokens
+    from toolkit.runtime.events import decisions
+    from toolkit.runtime.policy import Policy
+    from toolkit.runtime.runner import RunConfig
+
+    s = open_session(bundle, RunConfig(policy=Policy("on-demand", "lru"), pool_mib=0.06),
+                     predictors=["on-demand", "next-gate", "previous-token", "oracle"])
+    ip = s.image_prompt([pictures[1], pictures[2]], s.encode(PROMPT))
+    ref = reference_tokens(s.source_model, ip.ids, 6, images=[pictures[1], pictures[2]], vision=s.vision)
+    for pol in ("on-demand+lru", "next-gate+prediction", "previous-token+lru", "oracle+belady"):
+        s.runner.configure(policy=Policy.parse(pol))
+        assert s.runner.run(ip.ids, 6, images=ip).tokens == ref, pol
+    for tag, imgs in (("text", ()), ("images", (pictures[1], pictures[2]))):
+        for engine in ("python", "native"):
+            args = [a for img in imgs for a in ("--image", img)]
+            code, out = cli("run", bundle, "--engine", engine, "--prompt", PROMPT, *args, "--max-new-tokens", 6,
+                            "--policy", "next-gate+prediction", "--pool-mib", "0.06", "--check",
+                            "--json", tmp_path / f"{tag}-{engine}.json", "--events", tmp_path / f"{tag}-{engine}.ev")
+            assert code == 0, out
+        py, nat = (json.loads((tmp_path / f"{tag}-{e}.json").read_text())["runs"][0] for e in ("python", "native"))
+        assert py["tokens"] == nat["tokens"] and nat["matches_unmodified_model"] is True, tag
+        assert decisions((tmp_path / f"{tag}-python.ev").read_text().splitlines()) == \
+            decisions((tmp_path / f"{tag}-native.ev").read_text().splitlines()), tag
+        if imgs:
+            assert nat["image_tokens"] == 2 * (4 + 2) and nat["prompt_ids"][:6] == ip.ids[:6]
+            assert nat["tokens"] == ref  # the same image prompt as the predictors' loop above
+    return s, ip, ref
+
+
 # -- an ExecuTorch bundle with its vision method (conftest: vl_bundle) ------------------------------------
 
 @pytest.mark.slow  # an ExecuTorch export, ~45 s on two cores
@@ -162,9 +196,6 @@ def test_bundle_vision_method_and_image_runs(vl_bundle, pictures, tmp_path):
     """The bundle's vision method matches the eager tower (parity.json), the manifest carries the
     preprocessing, and `run BUNDLE --image` gives transformers' tokens for the same resized pixels, for
     several predictors; the native runner still runs its text prompts as the Python engine does."""
-    from export.session import open_session, reference_tokens
-    from toolkit.runtime.policy import Policy
-    from toolkit.runtime.runner import RunConfig
 
     m = json.loads((vl_bundle / "manifest.json").read_text())
     v = m["graphs"]["vision"]
@@ -178,31 +209,7 @@ def test_bundle_vision_method_and_image_runs(vl_bundle, pictures, tmp_path):
     assert code == 0, out
     r = json.loads((tmp_path / "r.json").read_text())["runs"][0]
     assert r["matches_unmodified_model"] is True and r["image_tokens"] == 4 + 2
-    s = open_session(vl_bundle, RunConfig(policy=Policy("on-demand", "lru"), pool_mib=0.06),
-                     predictors=["on-demand", "next-gate", "previous-token", "oracle"])
-    ip = s.image_prompt([pictures[1], pictures[2]], s.encode(PROMPT))
-    ref = reference_tokens(s.source_model, ip.ids, 6, images=[pictures[1], pictures[2]], vision=s.vision)
-    for pol in ("on-demand+lru", "next-gate+prediction", "previous-token+lru", "oracle+belady"):
-        s.runner.configure(policy=Policy.parse(pol))
-        assert s.runner.run(ip.ids, 6, images=ip).tokens == ref, pol
-    # both engines, text and a two-image prompt: the native runner decodes and preprocesses the images
-    # itself (src/image.cpp) and gives the same tokens and the same decision log
-    from toolkit.runtime.events import decisions
-
-    for tag, imgs in (("text", ()), ("images", (pictures[1], pictures[2]))):
-        for engine in ("python", "native"):
-            args = [a for img in imgs for a in ("--image", img)]
-            code, out = cli("run", vl_bundle, "--engine", engine, "--prompt", PROMPT, *args, "--max-new-tokens", 6,
-                            "--policy", "next-gate+prediction", "--pool-mib", "0.06", "--check",
-                            "--json", tmp_path / f"{tag}-{engine}.json", "--events", tmp_path / f"{tag}-{engine}.ev")
-            assert code == 0, out
-        py, nat = (json.loads((tmp_path / f"{tag}-{e}.json").read_text())["runs"][0] for e in ("python", "native"))
-        assert py["tokens"] == nat["tokens"] and nat["matches_unmodified_model"] is True, tag
-        assert decisions((tmp_path / f"{tag}-python.ev").read_text().splitlines()) == \
-            decisions((tmp_path / f"{tag}-native.ev").read_text().splitlines()), tag
-        if imgs:
-            assert nat["image_tokens"] == 2 * (4 + 2) and nat["prompt_ids"][:6] == ip.ids[:6]
-            assert nat["tokens"] == ref  # the same image prompt as the predictors' loop above
+    _image_runs(vl_bundle, pictures, tmp_path)
     code, out = cli("run", vl_bundle, "--engine", "native", "--prompt", PROMPT, "--image", tmp_path / "none.png",
                     "--json", tmp_path / "bad.json")
     assert code != 0 and f"{tmp_path / 'none.png'}" in out and "\n" not in out.strip(), out
@@ -226,10 +233,8 @@ def test_qnn_bundle_vision_graph_and_image_runs(vl_qnn_bundle, pictures, tmp_pat
     """A QNN bundle carries the vision tower as an fp16 HTP graph (parity on the simulator) and M-RoPE layer
     graphs (rope_onehot); `run --image` gives transformers' tokens for every predictor at one pool, and the
     native runner's QNN backend gives the Python engine's tokens and decisions for text and two images."""
-    from export.session import open_session, reference_tokens
-    from toolkit.runtime.events import decisions
+    from export.session import reference_tokens
     from toolkit.runtime.policy import Policy
-    from toolkit.runtime.runner import RunConfig
 
     m = json.loads((vl_qnn_bundle / "manifest.json").read_text())
     v = m["graphs"]["vision"]
@@ -237,31 +242,11 @@ def test_qnn_bundle_vision_graph_and_image_runs(vl_qnn_bundle, pictures, tmp_pat
     assert m["kv"]["rope"] == "mrope" and "vision" in m["graphs"]["files"] and "vision" in m["graphs"]["binaries"]
     p = json.loads((vl_qnn_bundle / "parity.json").read_text())
     assert p["passed"] and p["vision"]["passed"] and 0 < p["vision"]["max_rel_diff"] < 2e-2  # fp16 on the HTP
-    s = open_session(vl_qnn_bundle, RunConfig(policy=Policy("on-demand", "lru"), pool_mib=0.06),
-                     predictors=["on-demand", "next-gate", "previous-token", "oracle"])
-    ip = s.image_prompt([pictures[1], pictures[2]], s.encode(PROMPT))
-    ref = reference_tokens(s.source_model, ip.ids, 6, images=[pictures[1], pictures[2]], vision=s.vision)
-    for pol in ("on-demand+lru", "next-gate+prediction", "previous-token+lru", "oracle+belady"):
-        s.runner.configure(policy=Policy.parse(pol))
-        assert s.runner.run(ip.ids, 6, images=ip).tokens == ref, pol
-    other = s.image_prompt([pictures[0]], s.encode(PROMPT))
+    s, ip, ref = _image_runs(vl_qnn_bundle, pictures, tmp_path)
+    other = s.image_prompt([pictures[0]], s.encode(PROMPT))  # another image: transformers' tokens for it
     s.runner.configure(policy=Policy.parse("on-demand+lru"))
     assert s.runner.run(other.ids, 6, images=other).tokens == \
         reference_tokens(s.source_model, other.ids, 6, images=[pictures[0]], vision=s.vision)
-    for tag, imgs in (("text", ()), ("images", (pictures[1], pictures[2]))):
-        for engine in ("python", "native"):
-            args = [a for img in imgs for a in ("--image", img)]
-            code, out = cli("run", vl_qnn_bundle, "--engine", engine, "--prompt", PROMPT, *args, "--max-new-tokens", 6,
-                            "--policy", "next-gate+prediction", "--pool-mib", "0.06", "--check",
-                            "--json", tmp_path / f"{tag}-{engine}.json", "--events", tmp_path / f"{tag}-{engine}.ev")
-            assert code == 0, out
-        py, nat = (json.loads((tmp_path / f"{tag}-{e}.json").read_text())["runs"][0] for e in ("python", "native"))
-        assert py["tokens"] == nat["tokens"] and nat["matches_unmodified_model"] is True, tag
-        assert decisions((tmp_path / f"{tag}-python.ev").read_text().splitlines()) == \
-            decisions((tmp_path / f"{tag}-native.ev").read_text().splitlines()), tag
-        if imgs:
-            assert nat["image_tokens"] == 2 * (4 + 2) and nat["tokens"] == ref
-
 
 @pytest.mark.slow  # a QNN a16w8 export (~15 s)
 def test_qnn_qdq_bundle_keeps_the_vision_tower_fp16(vl, pictures, tmp_path):
