@@ -45,6 +45,60 @@ class TestRuntimeMissCost:
         assert cal.runtime_miss_ms({"tokens": [1, 2], "stall_ms_per_token": 0.0, "counts": {"misses": 0}}) == 0.0
 
 
+class TestFlashRateAsTheRunnerSeesIt:
+    """Where the perfect-prefetch run is flash-bound, the profile's slot reads go at the rate that run got
+    from the flash (its bytes over its time) at every queue depth, the table's other sizes scaled alike and
+    the burst table kept beside; the latency is what a miss costs beyond that transfer. Otherwise the burst
+    table stands."""
+
+    SLOT = 864 * 1024
+
+    def _profile(self, oracle_stall_ms: float):
+        burst = {1: {864: 1900.0, 1024: 2000.0}, 8: {864: 2200.0, 1024: 2400.0}}
+        run = {"tokens": list(range(9)), "decode_tokens": 8, "counts": {"misses": 80}}
+        return cal.runtime_profile(
+            "t", "test", flash=(burst, 0.5e-3, self.SLOT / (2200.0 * MiB)), L=16, k=8, slot_bytes=self.SLOT,
+            all_resident={"tpot_ms": 6.0, "stall_ms_per_token": 0.0}, expert_ms=0.02, plan_ms=0.0,
+            on_demand={**run, "stall_ms_per_token": 60.0},       # 8 x 60 ms of stall over 80 misses: 6 ms a miss
+            oracle={"tpot_ms": 80.0, "stall_ms_per_token": oracle_stall_ms, "mib_read_per_token": 112.0},
+            measured={}, source="test")
+
+    def test_a_flash_bound_run_sets_the_rate(self):
+        prof = self._profile(oracle_stall_ms=65.0)  # 81% of the token waits on the flash
+        rate = 112.0 / 0.080                        # 1400 MiB/s: 112 MiB a token in 80 ms
+        assert prof.flash_bw == {1: {864: pytest.approx(rate), 1024: pytest.approx(2000 * rate / 1900, abs=0.1)},
+                                 8: {864: pytest.approx(rate), 1024: pytest.approx(2400 * rate / 2200, abs=0.1)}}
+        assert prof.measured["flash_rate_from"] == "runner" and prof.measured["runner_flash_mibs"] == 1400.0
+        assert prof.measured["flash_mibs"] == 1400.0 and prof.measured["tiny_pool_mib"] == 8 * 2 * 864 / 1024
+        assert prof.measured["burst_flash_bw"][8][864] == 2200.0
+        xfer_us = self.SLOT / (rate * MiB) * 1e6
+        assert prof.flash_latency_us == pytest.approx(6000 - xfer_us, abs=0.1)  # a miss beyond its transfer
+
+    def test_the_rate_is_fitted_to_the_simulators_replay_of_that_run(self):
+        """fit_flash_rate: the slot rate at which the replay of the calibration run takes its measured 80 ms (here
+        a stand-in replay: 10 ms of compute plus 112 MiB at the rate, so 1600 MiB/s), between the run's bound
+        and four times it; the bound stays where even four times is too slow; a burst profile is not touched."""
+        prof = self._profile(oracle_stall_ms=65.0)
+
+        def replay(p):
+            return 10.0 + 112.0 / p.flash_bw[8][864] * 1e3
+
+        fitted = cal.fit_flash_rate(prof, replay)
+        assert fitted.flash_bw[1][864] == pytest.approx(1600.0, rel=0.01) and fitted.flash_bw[8][864] == \
+            pytest.approx(1600.0, rel=0.01)
+        assert fitted.measured["flash_rate_from"].startswith("runner, fitted") and \
+            fitted.flash_latency_us == pytest.approx(6000 - self.SLOT / (fitted.flash_bw[8][864] * MiB) * 1e6, abs=1)
+        assert cal.fit_flash_rate(prof, lambda p: 1e9).flash_bw == prof.flash_bw  # 4x too slow: the bound
+        burst = self._profile(oracle_stall_ms=30.0)
+        assert cal.fit_flash_rate(burst, replay) is burst
+
+    def test_a_compute_bound_run_keeps_the_burst_table(self):
+        prof = self._profile(oracle_stall_ms=30.0)  # 38%: the run's time is not the flash's
+        assert prof.flash_bw == {1: {864: 1900.0, 1024: 2000.0}, 8: {864: 2200.0, 1024: 2400.0}}
+        assert prof.measured["flash_rate_from"] == "burst"
+        assert prof.flash_latency_us == pytest.approx(6000 - self.SLOT / (2200.0 * MiB) * 1e6, abs=0.1)
+
+
 class TestFlashReads:
     """Flash reads stay inside the store, count what they read and close their file."""
 

@@ -42,7 +42,8 @@ def simulate_same_prompts(model, texts, adapter, policies, pools, new_tokens, wi
                           profile=None, dtype: str = "fp16") -> dict[str, Any]:
     """Trace the bench prompts and replay them under a device profile: `profile`, or this machine's
     calibrated for the reference runner."""
-    from toolkit.simulate.calibrate import calibrate
+    from toolkit.runtime.policy import parse_policies
+    from toolkit.simulate.calibrate import calibrate, fit_flash_rate
     from toolkit.simulate.replay import run_simulation
     from toolkit.traces.capture import TraceSettings, run_trace
 
@@ -53,6 +54,15 @@ def simulate_same_prompts(model, texts, adapter, policies, pools, new_tokens, wi
                           TraceSettings(prompt_tokens=10_000, decode_tokens=new_tokens - 1, heldout_frac=0.0),
                           progress=False)
         prof = profile or calibrate(model, store=store, out=Path(d) / "this-machine.json", progress=False)[0]
+
+        def oracle_tpot_ms(p) -> float:  # the calibration's perfect-prefetch run, replayed: its pool, these prompts
+            r = run_simulation(trace, policies=parse_policies("oracle+belady"), profile=p,
+                               pool_mib=p.measured["tiny_pool_mib"], window=window, split="train", model=model,
+                               dtype=dtype)
+            return r["results"][0]["tpot_ms"]
+
+        if prof.measured.get("flash_rate_from") == "runner" and "tiny_pool_mib" in prof.measured:
+            prof = fit_flash_rate(prof, oracle_tpot_ms)
         out = {"profile": prof.to_json(), "points": []}
         for pool in pools:
             r = run_simulation(trace, policies=policies, profile=prof, pool_mib=pool, window=window, adapter=adapter,

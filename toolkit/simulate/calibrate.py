@@ -15,12 +15,14 @@ this-machine`.
 """
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import os
 import random
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -31,6 +33,9 @@ from toolkit.runtime.io import open_direct
 from toolkit.runtime.profiles import DeviceProfile, save_profile
 
 MiB = 2**20
+# the perfect-prefetch calibration run is flash-bound when it waits on the flash for at least this share of
+# each token: its bytes over its time are then the flash's rate as the runner drives it (runtime_profile)
+FLASH_BOUND = 0.5
 
 
 def measure_reads(path: Path, offsets: list[int], size: int, qd: int, n: int, seed: int = 0, *,
@@ -142,13 +147,36 @@ def tiny_pool_mib(top_k: int, slot_bytes: int) -> float:
     return top_k * 2 * slot_bytes / MiB
 
 
+def with_flash_rate(profile: DeviceProfile, mibs: float, source: str) -> DeviceProfile:
+    """`profile` with its slot reads at `mibs` MiB/s at every queue depth (the table's other read sizes scaled
+    alike) and its latency what a miss costs the runner beyond that transfer (or a qd-1 read, if more);
+    `source` is recorded as measured.flash_rate_from. The burst table stays in measured.burst_flash_bw."""
+    m = profile.measured
+    slot = int(m["slot_bytes"])
+    burst = m.get("burst_flash_bw") or profile.flash_bw
+    kib = slot // 1024
+    table = {q: {s: round(v * mibs / t[kib], 1) for s, v in t.items()} for q, t in burst.items()}
+    xfer_us = slot / (mibs * MiB) * 1e6
+    latency_us = max(1.0, m["qd1_read_ms"] * 1e3 - xfer_us, m["runtime_miss_ms"] * 1e3 - xfer_us)
+    return dataclasses.replace(profile, flash_bw=table, flash_latency_us=round(latency_us, 1),
+                               measured={**m, "burst_flash_bw": burst, "flash_rate_from": source,
+                                         "flash_mibs": round(mibs, 1)})
+
+
 def runtime_profile(name: str, description: str, *, flash: tuple[dict, float, float], L: int, k: int,
                     slot_bytes: int, all_resident: dict, expert_ms: float, plan_ms: float, on_demand: dict,
                     oracle: dict, measured: dict, source: str) -> DeviceProfile:
     """A runner's device profile from its measured runs (RunStats JSON of each): every expert
     resident (the compute per token), on-demand with a tiny pool (what a miss costs it), oracle +
     Belady with the same pool (what a background read costs its compute thread), and the store's
-    read table `flash` = measure_flash(...)."""
+    read table `flash` = measure_flash(...).
+
+    The flash as the runner drives it: the table is a burst of reads from an otherwise idle process. Where
+    the perfect-prefetch run waits on the flash for at least FLASH_BOUND of each token (flash-bound), its
+    bytes over its time are what the flash delivered to this runner, reader threads sharing the CPU with its
+    compute included (a lower bound: some of its time is compute the flash did not overlap), and the slot
+    reads go at that rate (`with_flash_rate`; `fit_flash_rate` then refines it against the simulator's own
+    replay of that run, where the routing is at hand); otherwise the burst table stands."""
     table, lat1, xfer = flash
     per_token = all_resident["tpot_ms"] - all_resident["stall_ms_per_token"]
     dense_ms = max(0.0, (per_token - L * k * expert_ms) / L)
@@ -158,14 +186,45 @@ def runtime_profile(name: str, description: str, *, flash: tuple[dict, float, fl
     reads_per_token = oracle["mib_read_per_token"] * MiB / slot_bytes
     read_cpu_us = max(0.0, (oracle["tpot_ms"] - oracle["stall_ms_per_token"] - per_token - plan_ms * L) * 1e3
                       / max(1e-9, reads_per_token))
-    return DeviceProfile(
+    run_mibs = oracle["mib_read_per_token"] / max(1e-9, oracle["tpot_ms"] * 1e-3)
+    prof = DeviceProfile(
         name=name, description=description, flash_latency_us=round(latency_us, 1), flash_bw=table,
         dram_effective_gbs=0.0, dense_ms_per_layer=round(dense_ms, 4), expert_ms=round(expert_ms, 4),
         read_cpu_us=round(read_cpu_us, 1), plan_ms_per_layer=round(plan_ms, 4),
         measured={"tpot_all_resident_ms": all_resident["tpot_ms"], "qd1_read_ms": round(lat1 * 1e3, 4),
                   "runtime_miss_ms": round(miss_ms, 4), "oracle_tpot_ms": oracle["tpot_ms"],
-                  "oracle_reads_per_token": round(reads_per_token, 2), "slot_bytes": slot_bytes, **measured},
+                  "oracle_stall_ms_per_token": oracle["stall_ms_per_token"],
+                  "oracle_reads_per_token": round(reads_per_token, 2), "slot_bytes": slot_bytes,
+                  "tiny_pool_mib": tiny_pool_mib(k, slot_bytes), "runner_flash_mibs": round(run_mibs, 1),
+                  "flash_rate_from": "burst", **measured},
         sources=[source])
+    kib = slot_bytes // 1024
+    if oracle["stall_ms_per_token"] >= FLASH_BOUND * oracle["tpot_ms"] and run_mibs > 0 and \
+            all(t.get(kib, 0) > 0 for t in table.values()):
+        prof = with_flash_rate(prof, run_mibs, "runner")
+    return prof
+
+
+def fit_flash_rate(profile: DeviceProfile, oracle_tpot_ms: Callable[[DeviceProfile], float], *,
+                   iterations: int = 12) -> DeviceProfile:
+    """A profile whose flash rate came from the runner's flash-bound run (`runtime_profile`), refined so that
+    the simulator's own replay of that run (`oracle_tpot_ms(profile)`: oracle + Belady at the tiny pool on
+    the same prompts) takes the time it measured: bisection on the slot rate between the run's bytes over
+    its time (the lower bound) and four times that. Any other profile is returned as it is."""
+    m = profile.measured
+    if m.get("flash_rate_from") != "runner":
+        return profile
+    target, lo = float(m["oracle_tpot_ms"]), float(m["runner_flash_mibs"])
+    hi = 4 * lo
+    if oracle_tpot_ms(with_flash_rate(profile, hi, "fit")) > target:  # even 4x is slower: keep the bound
+        return profile
+    for _ in range(iterations):
+        mid = (lo * hi) ** 0.5
+        if oracle_tpot_ms(with_flash_rate(profile, mid, "fit")) > target:
+            lo = mid
+        else:
+            hi = mid
+    return with_flash_rate(profile, (lo * hi) ** 0.5, "runner, fitted to the simulator's replay of its run")
 
 
 def calibrate(model: str | Path = "embedded", *, store: Path | None = None, reads: int = 200,
