@@ -88,7 +88,19 @@ class TestFlashRateAsTheRunnerSeesIt:
             pytest.approx(1600.0, rel=0.01)
         assert fitted.measured["flash_rate_from"].startswith("runner, fitted") and \
             fitted.flash_latency_us == pytest.approx(6000 - self.SLOT / (fitted.flash_bw[8][864] * MiB) * 1e6, abs=1)
-        assert cal.fit_flash_rate(prof, lambda p: 1e9).flash_bw == prof.flash_bw  # 4x too slow: the bound
+        slow = cal.fit_flash_rate(prof, lambda p: 1e9)  # 4x too slow: the bound, said so
+        assert slow.flash_bw == prof.flash_bw and "slower than the run" in slow.measured["flash_rate_from"]
+        fast = cal.fit_flash_rate(prof, lambda p: 1.0)  # the bound already fast enough: the bound, said so
+        assert fast.flash_bw == prof.flash_bw and "no longer than the run" in fast.measured["flash_rate_from"]
+        # a profile read back from JSON (string keys in measured.burst_flash_bw) fits alike
+        import json
+
+        from toolkit.runtime.profiles import DeviceProfile
+
+        d = json.loads(json.dumps(prof.to_json()))
+        d["flash_bw"] = {int(q): {int(k): v for k, v in t.items()} for q, t in d["flash_bw"].items()}
+        again = cal.fit_flash_rate(DeviceProfile(**d), replay)
+        assert again.flash_bw[8][864] == pytest.approx(fitted.flash_bw[8][864])
         burst = self._profile(oracle_stall_ms=30.0)
         assert cal.fit_flash_rate(burst, replay) is burst
 

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from toolkit.simulate.calibrate import FLASH_BOUND
+
 pytestmark = pytest.mark.slow
 
 
@@ -59,8 +61,8 @@ def test_runner_bench_reports_every_part(embedded_bundles, tmp_path):
     prof = res["simulated"]["profile"]
     # the flash rate: the runner's own (its flash-bound calibration run, then fitted) or the burst table's
     src = prof["measured"]["flash_rate_from"]
-    assert src in ("burst", "runner", "runner, fitted to the simulator's replay of its run"), src
+    assert src == "burst" or src.startswith("runner"), src
     pm = prof["measured"]
-    assert (src == "burst") == (pm["oracle_stall_ms_per_token"] < 0.5 * pm["oracle_tpot_ms"])
+    assert (src == "burst") == (pm["oracle_stall_ms_per_token"] < FLASH_BOUND * pm["oracle_tpot_ms"])
     assert Path(str(out).replace(".json", ".md")).is_file() and Path(str(out).replace(".json", ".png")).is_file()
     assert prof["measured"]["prompts"] == 2 and prof["dense_ms_per_layer"] > 0

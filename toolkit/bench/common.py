@@ -61,7 +61,10 @@ def simulate_same_prompts(model, texts, adapter, policies, pools, new_tokens, wi
                                dtype=dtype)
             return r["results"][0]["tpot_ms"]
 
-        if prof.measured.get("flash_rate_from") == "runner" and "tiny_pool_mib" in prof.measured:
+        pm = prof.measured or {}
+        # only a profile calibrated on these very prompts (runner bench's calibrate_native records them): the
+        # replay must be of the run the rate came from
+        if pm.get("flash_rate_from") == "runner" and "tiny_pool_mib" in pm and "prompts" in pm:
             prof = fit_flash_rate(prof, oracle_tpot_ms)
         out = {"profile": prof.to_json(), "points": []}
         for pool in pools:

@@ -153,7 +153,9 @@ def with_flash_rate(profile: DeviceProfile, mibs: float, source: str) -> DeviceP
     `source` is recorded as measured.flash_rate_from. The burst table stays in measured.burst_flash_bw."""
     m = profile.measured
     slot = int(m["slot_bytes"])
-    burst = m.get("burst_flash_bw") or profile.flash_bw
+    # int keys again: a profile read back from JSON has them as strings (load_profile converts flash_bw only)
+    burst = {int(q): {int(k): float(v) for k, v in t.items()}
+             for q, t in (m.get("burst_flash_bw") or profile.flash_bw).items()}
     kib = slot // 1024
     table = {q: {s: round(v * mibs / t[kib], 1) for s, v in t.items()} for q, t in burst.items()}
     xfer_us = slot / (mibs * MiB) * 1e6
@@ -211,13 +213,16 @@ def fit_flash_rate(profile: DeviceProfile, oracle_tpot_ms: Callable[[DeviceProfi
     the simulator's own replay of that run (`oracle_tpot_ms(profile)`: oracle + Belady at the tiny pool on
     the same prompts) takes the time it measured: bisection on the slot rate between the run's bytes over
     its time (the lower bound) and four times that. Any other profile is returned as it is."""
-    m = profile.measured
-    if m.get("flash_rate_from") != "runner":
+    m = profile.measured or {}
+    if m.get("flash_rate_from") != "runner" or not float(m.get("runner_flash_mibs", 0)) > 0:
         return profile
     target, lo = float(m["oracle_tpot_ms"]), float(m["runner_flash_mibs"])
     hi = 4 * lo
-    if oracle_tpot_ms(with_flash_rate(profile, hi, "fit")) > target:  # even 4x is slower: keep the bound
-        return profile
+    if oracle_tpot_ms(with_flash_rate(profile, lo, "fit")) <= target:  # the bound already replays fast enough
+        return with_flash_rate(profile, lo, "runner (its replay at that rate takes no longer than the run)")
+    if oracle_tpot_ms(with_flash_rate(profile, hi, "fit")) > target:
+        # even 4x the bound replays slower than the run: not the flash's doing; the bound, the measured rate, stays
+        return with_flash_rate(profile, lo, "runner (its replay is slower than the run at any rate)")
     for _ in range(iterations):
         mid = (lo * hi) ** 0.5
         if oracle_tpot_ms(with_flash_rate(profile, mid, "fit")) > target:
