@@ -368,7 +368,8 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
                                     parse_policies(",".join(p for p in policies if READ_BUDGET_TAG not in p
                                                             and NO_NEXT_VISIT_TAG not in p)),
                                     [p["slots"] * store.slot_bytes / MiB for p in out["points"]], new_tokens,
-                                    m["runtime"]["scheduler"]["window"], None, profile=prof, dtype=store.dtype)
+                                    m["runtime"]["scheduler"]["window"], None, profile=prof, dtype=store.dtype,
+                                    queue_depth=m["runtime"]["scheduler"].get("queue_depth", 4))
         out["simulated"] = sim
         for p, sp in zip(out["points"], sim["points"]):
             for name, v in p["policies"].items():

@@ -39,9 +39,9 @@ def medians(runs: Sequence[dict[str, Any]], keys: Iterable[str]) -> dict[str, fl
 
 
 def simulate_same_prompts(model, texts, adapter, policies, pools, new_tokens, window, store,
-                          profile=None, dtype: str = "fp16") -> dict[str, Any]:
+                          profile=None, dtype: str = "fp16", queue_depth: int = 4) -> dict[str, Any]:
     """Trace the bench prompts and replay them under a device profile: `profile`, or this machine's
-    calibrated for the reference runner."""
+    calibrated for the reference runner; `window` and `queue_depth` the measured runs' scheduler's."""
     from toolkit.runtime.policy import parse_policies
     from toolkit.simulate.calibrate import calibrate, fit_flash_rate
     from toolkit.simulate.replay import run_simulation
@@ -57,8 +57,8 @@ def simulate_same_prompts(model, texts, adapter, policies, pools, new_tokens, wi
 
         def oracle_tpot_ms(p) -> float:  # the calibration's perfect-prefetch run, replayed: its pool, these prompts
             r = run_simulation(trace, policies=parse_policies("oracle+belady"), profile=p,
-                               pool_mib=p.measured["tiny_pool_mib"], window=window, split="train", model=model,
-                               dtype=dtype)
+                               pool_mib=p.measured["tiny_pool_mib"], window=window, queue_depth=queue_depth,
+                               split="train", model=model, dtype=dtype)
             return r["results"][0]["tpot_ms"]
 
         pm = prof.measured or {}
@@ -69,7 +69,7 @@ def simulate_same_prompts(model, texts, adapter, policies, pools, new_tokens, wi
         out = {"profile": prof.to_json(), "points": []}
         for pool in pools:
             r = run_simulation(trace, policies=policies, profile=prof, pool_mib=pool, window=window, adapter=adapter,
-                               split="train", model=model, dtype=dtype)
+                               queue_depth=queue_depth, split="train", model=model, dtype=dtype)
             out["points"].append({"pool_mib": pool, "policies": {x["policy"]: {
                 k: x[k] for k in ("tpot_ms", "stall_ms_per_token", "hit_rate", "mib_read_per_token")}
                 for x in r["results"]}})
