@@ -194,6 +194,7 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
         raise SpecPrefetchError(f"--read-budget-kib {read_budget_kib}: below one expert slot "
                                 f"({store.slot_bytes / 2**10:.0f} KiB), so nothing could ever be prefetched")
     L, E, k = store.num_layers, store.num_experts, m["routing"]["top_k"]
+    queue_depth = m["runtime"]["scheduler"].get("queue_depth", 4)  # the native runs' (the manifest's)
     all_mib = L * E * store.slot_bytes / MiB + 0.01
     graph = m["predictor"]["kind"] if m["predictor"].get("preds_rows") else "next-gate"
     quantised = is_quantised(m)
@@ -268,7 +269,7 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
                        "resident_tokens": resident_tokens,
                        "tokens_match_resident": token_check(first_use, resident_tokens)["match"]}
     if read_budget_kib == "auto":
-        auto = auto_read_budget(store, m["runtime"]["scheduler"].get("queue_depth", 4), median(preload_t) / L)
+        auto = auto_read_budget(store, queue_depth, median(preload_t) / L)
         read_budget_kib = out["read_budget_auto_kib"] = auto["kib"]
         out["read_budget_auto"] = auto
         log(f"read budget (auto): {auto['read_mibs']:.0f} MiB/s of {store.slot_bytes / 2**10:.0f} KiB O_DIRECT reads "
@@ -369,7 +370,7 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
                                                             and NO_NEXT_VISIT_TAG not in p)),
                                     [p["slots"] * store.slot_bytes / MiB for p in out["points"]], new_tokens,
                                     m["runtime"]["scheduler"]["window"], None, profile=prof, dtype=store.dtype,
-                                    queue_depth=m["runtime"]["scheduler"].get("queue_depth", 4))
+                                    queue_depth=queue_depth)
         out["simulated"] = sim
         for p, sp in zip(out["points"], sim["points"]):
             for name, v in p["policies"].items():

@@ -146,7 +146,7 @@ def assemble(out: Path, src: Path = VL_DIR, *, overwrite: bool = False) -> Path:
     recipe, record = shipped_recipe(src)
     lm_dir = EMBEDDED_DIR
     want = record["language_model"]["weights_sha256"]
-    if sha256_file(lm_dir / "model.safetensors") != want:
+    if _file_hash(lm_dir / "model.safetensors") != want:  # hashed once per process (assembled_path hashed it)
         raise SpecPrefetchError(f"{src / RECORD_FILE}: its vision tower was trained with the embedded model of "
                                 f"sha256 {want[:12]}..., not the one in {lm_dir}: train it again "
                                 "(python -m toolkit.embedded.vl train)")

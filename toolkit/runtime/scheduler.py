@@ -205,15 +205,11 @@ class WindowScheduler:
 
     def plan_probs(self, step: int, targets: list[int], probs: torch.Tensor | None) -> None:
         """Queue reads from predicted probabilities [W, E] of the steps `targets`."""
-        self.step = step
-        self.step_bytes = 0
-        self._advance(step)
         if not self.cfg.prefetch or probs is None:
-            self.pump()
+            self.plan_ranked(step, [], [], [])
             return
-        m = self.cfg.candidates or self.k
-        conf, ids = torch.topk(probs, m, dim=-1)
-        self._queue(step, targets, conf.tolist(), ids.tolist())
+        conf, ids = torch.topk(probs, self.cfg.candidates or self.k, dim=-1)
+        self.plan_ranked(step, targets, conf.tolist(), ids.tolist())
 
     def plan_ranked(self, step: int, targets: list[int], confs: list[list[float]], ids: list[list[int]]) -> None:
         """`plan_probs` with each target's candidates already taken: per target, what the top-m of its
