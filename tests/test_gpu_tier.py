@@ -212,6 +212,49 @@ def test_phases_over_one_sequence_state(tiny_models, stores, monkeypatch):
                           torch.ones(1, eng.k))
 
 
+def test_exact_verification_commits_the_one_token_steps_tokens(tiny_models, stores, monkeypatch):
+    """The draft's exact verification (the default) commits what the target's one-token decode step
+    computes, step by step up to the first disagreement: its tokens and per-position routing are the
+    on-demand policy's, whatever a k + 1-row pass would compute. Here the batched pass is made to
+    compute differently (every row's best token knocked out, as a k + 1-row GEMM can round a near-tie
+    the other way): the batched verification's tokens change, the exact one's do not."""
+    prompt = list(range(5, 17))
+    real = GpuEngine._verify
+
+    def runner_up(self, s, rows, pos):
+        lg = real(self, s, rows, pos).clone()
+        lg[torch.arange(lg.shape[0]), lg.argmax(-1)] = float("-inf")
+        return lg
+
+    for decode in ("static", "modules"):
+        spec = inspect_model_dir(tiny_models["mixtral"])
+        eng = GpuEngine(load_model(tiny_models["mixtral"], dtype="float32"), ExpertStore(stores["mixtral"], spec),
+                        RunConfig(policy=Policy.parse("on-demand+lru"), pool_mib=64.0), device="cpu",
+                        decode=decode, with_draft=True)
+        assert eng.verify == "exact"
+        eng.configure(pool_mib=_pool_mib(eng, 0.25))
+        want = eng.run(prompt, 12)
+        eng.configure(policy=Policy.parse("draft+prediction"))
+        steps = []
+        step = GpuEngine._step
+        monkeypatch.setattr(GpuEngine, "_step", lambda self, s, t, p: steps.append(p) or step(self, s, t, p))
+        g = eng.run(prompt, 12, k=3)
+        assert g.tokens == want.tokens, decode
+        n = len(want.routing)   # (one more where the last round stepped past the last token asked for)
+        assert [r.tolist() for r in g.routing[:n]] == [r.tolist() for r in want.routing] and len(g.routing) <= n + 1
+        # a + 1 target steps a round (the last round's may pass the last token asked for): no more
+        assert len(want.tokens) - 1 <= len(steps) <= len(want.tokens) - 1 + g.extra["rounds"]
+        assert 0 < g.extra["acceptance"] < 1     # rounds that stopped early and rounds that did not
+        monkeypatch.setattr(GpuEngine, "_verify", runner_up)
+        assert eng.run(prompt, 12, k=3).tokens == want.tokens      # exact never reads the batched pass
+        eng.verify = "batched"
+        assert eng.run(prompt, 12, k=3).tokens[1:] != want.tokens[1:]   # batched does (the first is the prefill's)
+        monkeypatch.undo()
+    with pytest.raises(SpecPrefetchError, match="verify 'rows': expected exact or batched"):
+        GpuEngine(load_model(tiny_models["mixtral"], dtype="float32"), ExpertStore(stores["mixtral"], spec),
+                  RunConfig(policy=Policy.parse("on-demand+lru"), pool_mib=64.0), device="cpu", verify="rows")
+
+
 def test_greedy_accept_is_the_one_verification_rule():
     """The longest agreeing prefix, then the target's own token; the round counted."""
     from toolkit.predictors.draft import SpecStats, greedy_accept
@@ -915,3 +958,16 @@ def test_triton_slot_kernel_matches_the_reference():
             got, want = got.float(), want.float()
             err = ((got - want).norm() / want.norm()).item()
             assert err < 2e-3, (C, O, N, rows, err)
+
+
+def test_a_mismatch_names_its_first_token_and_how_near_a_tie_it_was():
+    """The bench's mismatch lines say where the tokens first leave transformers' and transformers' top-2
+    logit gap there (a near-tie or a bug); equal tokens say nothing."""
+    from toolkit.runtime.gpu_bench import first_difference
+
+    assert first_difference([1, 2, 3], [1, 2, 3], [0.5, 0.5, 0.5]) == ""
+    assert first_difference([1, 5, 3], [1, 2, 3], [0.5, 0.0021, 0.5]) == \
+        " (first at new token 1, transformers' top-2 logit gap there 0.0021)"
+    assert first_difference([1, 2], [1, 2, 3], [0.5, 0.5, 0.25]) == \
+        " (first at new token 2, transformers' top-2 logit gap there 0.25)"
+    assert first_difference([1, 2, 3], [1, 2], [0.5, 0.5]) == " (longer: 3 tokens, transformers' 2)"

@@ -475,7 +475,7 @@ class GpuEngine:
     def __init__(self, lm, store: ExpertStore, cfg: RunConfig, *, device: str = "cuda",
                  predictors: dict[str, Any] | None = None, reuse: ReuseTable | None = None,
                  with_draft: bool = False, progress=None, decode: str | None = None,
-                 experts: str | None = None):
+                 experts: str | None = None, verify: str = "exact"):
         """
         Args:
             lm: a LoadedModel on the CPU (toolkit.models.loader.load_model); its routed experts are
@@ -494,6 +494,12 @@ class GpuEngine:
                 CUDA; the default with `graph` on an fp16 model) or "eager" (the slots gathered, then
                 transformers' eager expert loop: bitwise transformers' expert arithmetic; the default
                 otherwise).
+            verify: how the draft policy's target checks a round's proposals: "exact" (the target's own
+                one-token decode step per position, stopping at the first disagreement: every committed
+                token is computed as every other policy computes it, so the draft never changes the
+                output) or "batched" (one pass over all k + 1 rows, Specter's: less target compute, but
+                a k + 1-row GEMM rounds differently from a one-row GEMV, so a near-tie between the two
+                best tokens can resolve the other way: tokens equal the model's only up to that).
         """
         if store.dtype != "fp16":
             raise SpecPrefetchError(f"{store.path}: the GPU tier computes from fp16 experts; this store is "
@@ -556,6 +562,9 @@ class GpuEngine:
                                     f"{str(self.dtype).removeprefix('torch.')} model does not compute with "
                                     "(use --experts eager)")
         self.experts = experts or ("fused" if self.decode == "graph" and self.dtype == torch.float16 else "eager")
+        if verify not in ("exact", "batched"):
+            raise SpecPrefetchError(f"verify {verify!r}: expected exact or batched")
+        self.verify = verify
         self._runners: dict[int, Any] = {}   # pool capacity -> GraphRunner (its own slot arena)
         self.configure()
 
@@ -789,25 +798,30 @@ class GpuEngine:
     def decode_one(self, s: GpuSequence) -> None:
         """One target token at the next position: the static decoder (one host sync per MoE layer and
         one for the token) or transformers' modules over the DynamicCache."""
-        pos = len(s.ids) - 1
+        s.commit([self._step(s, s.ids[-1], len(s.ids) - 1)], self.dev.event())
+
+    def _step(self, s: GpuSequence, token: int, pos: int) -> int:
+        """The target's greedy token after `token` at `pos` (its K, V written there): the one-token
+        decode step every policy's tokens come from."""
         s.pos = pos
         if s.planner is not None:
             s.state.pos = pos
         if s.resident:
-            nxt = s.runner.decode_resident(s, s.ids[-1], pos)
+            nxt = s.runner.decode_resident(s, token, pos)
         elif s.runner is not None:
-            nxt = s.runner.decode(s, s.ids[-1], pos)
+            nxt = s.runner.decode(s, token, pos)
         else:
-            nxt = int(self._forward(s, s.cache, [s.ids[-1]], pos)[-1].argmax())
+            nxt = int(self._forward(s, s.cache, [token], pos)[-1].argmax())
         if s.planner is not None:
             s.state.next_position()
-        s.commit([nxt], self.dev.event())
+        return nxt
 
     def speculative_round(self, s: GpuSequence, k: int) -> None:
         """One round of greedy speculative decoding: the draft proposes up to k tokens, its routing
-        counted per MoE layer and planned as the verification pass's prefetches while it runs; the
-        target verifies the last token and the proposals in one pass (k + 1 rows, experts resident
-        first, in chunks); the agreeing prefix and the target's own next token are committed
+        counted per MoE layer and planned as the verification's prefetches while it runs; the target
+        verifies the last token and the proposals (`verify` exact: its one-token step per position
+        until the first disagreement; batched: one pass of k + 1 rows, experts resident first, in
+        chunks); the agreeing prefix and the target's own next token are committed
         (toolkit.predictors.draft.greedy_accept, the rule `speculative_generate` uses) and both KV
         caches are rolled back to them."""
         dev = self.dev
@@ -819,14 +833,18 @@ class GpuEngine:
         proposal = self._propose(s, kk, n - 1)
         d1 = dev.event()
         s.phases["draft"].append((d0, d1))
-        s.pos = n - 1
-        logits = self._verify(s, [s.ids[-1], *proposal], n - 1)
+        if self.verify == "exact":
+            target = self._verify_exact(s, proposal, n - 1)
+        else:
+            s.pos = n - 1
+            target = self._verify(s, [s.ids[-1], *proposal], n - 1).argmax(-1).tolist()
         s.phases["verify"].append((d1, dev.event()))
-        new = greedy_accept(proposal, logits.argmax(-1).tolist(), s.spec)
+        new = greedy_accept(proposal, target, s.spec)
         a = len(new) - 1                                   # proposals accepted
         s.dlen = n + min(a, len(proposal) - 1)             # the draft's cache: committed tokens it was fed
         if s.runner is None:
-            s.cache.crop(-(len(proposal) - a))             # keep ids[:n + a]
+            if self.verify == "batched":
+                s.cache.crop(-(len(proposal) - a))         # keep ids[:n + a] (exact stepped no further)
             s.dcache.crop(-(s.dcache.get_seq_length() - s.dlen))
         # (static caches: what lies past the committed positions is masked, then overwritten)
         s.draft_counts = None
@@ -865,6 +883,17 @@ class GpuEngine:
         proposal = d.host_tok[len(feed) - 1:steps].tolist()
         s.dlen += steps
         return proposal
+
+    def _verify_exact(self, s: GpuSequence, proposal: list[int], pos: int) -> list[int]:
+        """The target's greedy tokens after the last committed token (at `pos`) and each agreeing
+        proposal, one decode step each, up to and including the first that disagrees: what
+        `greedy_accept` reads (a + 1 tokens for a accepted proposals)."""
+        target: list[int] = []
+        for j, tok in enumerate([s.ids[-1], *proposal]):
+            target.append(self._step(s, tok, pos + j))
+            if j == len(proposal) or target[-1] != proposal[j]:
+                break
+        return target
 
     def _verify(self, s: GpuSequence, rows: list[int], pos: int) -> torch.Tensor:
         """The target's logits for `rows` at positions pos.. in one pass: the static decoder eagerly

@@ -88,10 +88,12 @@ def gpu_reuse_table(spec, evictions, adapter: Path | None):
 
 
 def reference_generate(model_dir: Path, prompts: list[list[int]], new_tokens: int, device: str,
-                       dtype: torch.dtype, timed: bool = True) -> tuple[list[list[int]], float | None]:
+                       dtype: torch.dtype, timed: bool = True,
+                       margins: list[list[float]] | None = None) -> tuple[list[list[int]], float | None]:
     """transformers' greedy tokens with the whole model on the device (eager experts, the loop the
     GPU tier computes), and the median wall-clock ms per new token of `generate` (prefill included:
-    a reference figure, not a TPOT)."""
+    a reference figure, not a TPOT). `margins`, if given, receives per prompt the gap between the two
+    best logits at each new token (how near a tie each greedy choice was)."""
     from transformers import AutoModelForCausalLM
 
     m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True).to(device).eval()
@@ -102,11 +104,16 @@ def reference_generate(model_dir: Path, prompts: list[list[int]], new_tokens: in
         for rep in range(2 if timed else 1):
             for p in prompts:
                 t0 = time.perf_counter()
+                scored = rep == 0 and margins is not None   # the untimed pass
                 out = m.generate(torch.tensor([p], device=device), do_sample=False, max_new_tokens=new_tokens,
-                                 pad_token_id=0)
+                                 pad_token_id=0, output_scores=scored, return_dict_in_generate=scored)
                 if cuda:
                     torch.cuda.synchronize(device)
                 dt = time.perf_counter() - t0
+                if scored:
+                    top2 = torch.stack(out.scores)[:, 0].float().topk(2, dim=-1).values
+                    margins.append((top2[:, 0] - top2[:, 1]).tolist())
+                    out = out.sequences
                 if rep == 0:
                     toks.append(out[0, len(p):].tolist())
                 else:
@@ -115,6 +122,16 @@ def reference_generate(model_dir: Path, prompts: list[list[int]], new_tokens: in
     if cuda:
         torch.cuda.empty_cache()
     return toks, median(tpots, ndigits=None)
+
+
+def first_difference(tokens: list[int], reference: list[int], margins: list[float]) -> str:
+    """Where `tokens` first leave transformers' and how near a tie transformers' choice there was
+    (the gap between its two best logits): "" where they do not differ before one of them ends."""
+    j = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), min(len(tokens), len(reference)))
+    if j >= len(reference):
+        return "" if len(tokens) == len(reference) else f" (longer: {len(tokens)} tokens, transformers' {len(reference)})"
+    gap = f", transformers' top-2 logit gap there {margins[j]:.4g}" if j < len(margins) else ""
+    return f" (first at new token {j}{gap})"
 
 
 def token_read_bytes(eng) -> int:
@@ -133,9 +150,10 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
                   fractions: list[float], prompts: int = 4, prompt_tokens: int = 64, new_tokens: int = 64,
                   repeats: int = 2, ks: tuple[int, ...] = (2, 4, 6, 8, 12), device: str = "cuda",
                   window: int = 2, data: Path | None = None, decode: str | None = None,
-                  experts: str | None = None, strict: bool = True,
+                  experts: str | None = None, verify: str = "exact", strict: bool = True,
                   log: Callable[[str], None] = print) -> dict[str, Any]:
-    """`decode`, `experts`: the engine's decode path and expert math (gpu.GpuEngine). `strict`: refuse to
+    """`decode`, `experts`, `verify`: the engine's decode path, expert math and the draft's verification
+    (gpu.GpuEngine). `strict`: refuse to
     report when any run's tokens differ from transformers' (the default); False returns the figures
     with `tokens_match_transformers: false` and the differing runs listed, for diagnosis only."""
     from toolkit.models.loader import inspect_model_dir, load_model
@@ -163,12 +181,13 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
     lm = load_model(spec.path, dtype="float16" if dev.cuda else "float32")
     ids = _prompts(lm.tokenizer, prompts, prompt_tokens, data)
     log(f"reference: transformers generate, whole model on {device}")
-    ref_tokens, ref_tpot = reference_generate(spec.path, ids, new_tokens, device, dtype)
+    ref_margins: list[list[float]] = []
+    ref_tokens, ref_tpot = reference_generate(spec.path, ids, new_tokens, device, dtype, margins=ref_margins)
     all_mib = L * E * st.blob_size / MiB
     eng = GpuEngine(lm, st, RunConfig(policy=Policy("on-demand", "lru"), pool_mib=all_mib, window=window),
                     device=device, predictors=preds, reuse=reuse,
                     with_draft=any(p.predictor == "draft" for p in policies),
-                    decode=decode, experts=experts,
+                    decode=decode, experts=experts, verify=verify,
                     progress=lambda i, n: log(f"host tier: layer {i}/{n} read") if i == n else None)
     log(f"model {spec.path}: {L} MoE layers x {E} experts of {st.blob_size / MiB:.2f} MiB "
         f"({all_mib:.0f} MiB of experts), dense {eng.dense_bytes / MiB:.0f} MiB on the GPU")
@@ -182,8 +201,9 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
         if r.tokens != ref_tokens[p]:
             name = pol.name + ("" if next_visit else NO_NEXT_VISIT) + (
                 " (resident, device alone)" if resident_graph else " (resident)" if preload else "")
-            log(f"TOKENS DIFFER: {name} pool {mib:.0f} MiB prompt {p}")
-            mismatches.append(f"{name} pool {mib:.0f} MiB prompt {p}")
+            what = f"{name} pool {mib:.0f} MiB prompt {p}{first_difference(r.tokens, ref_tokens[p], ref_margins[p])}"
+            log(f"TOKENS DIFFER: {what}")
+            mismatches.append(what)
         return r
 
     # the rows: (label, policy, next_visit); a +reuse policy whose predictor has next-visit heads also
@@ -291,7 +311,7 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
         "resident_device_alone": alone,
         "resident_synced_tpot_ms": round(synced_tpot, 3), "resident_synced_runs": len(synced_runs),
         "hbm_gbps": hbm, "hbm_floor_bytes": token_bytes, "hbm_floor_ms": hbm_floor, "decode": eng.decode,
-        "experts": eng.experts,
+        "experts": eng.experts, "verify": eng.verify,
         "resident_vs_floor": round(resident_tpot / floor, 2) if floor else None,
         "resident_synced_vs_floor": round(synced_tpot / floor, 2) if floor else None,
         "transformers_ms_per_token_wall": round(ref_tpot, 3),
@@ -315,7 +335,8 @@ def markdown(r: dict[str, Any]) -> str:
               f"(top-{m['top_k']}) of {m['expert_mib']} MiB; H2D {_bw(r)} GB/s; all resident "
               f"{r['resident_tpot_ms']} ms/token{alone} (TPOT, interleaved with the policies; HBM floor "
               f"{_f(r.get('hbm_floor_ms'))} ms), decode {r.get('decode', 'modules')}, experts "
-              f"{r.get('experts', 'eager')}, transformers generate "
+              f"{r.get('experts', 'eager')}, the draft's verification {r.get('verify', 'batched')}, "
+              "transformers generate "
               f"{r['transformers_ms_per_token_wall']} ms per new token (wall clock, prefill included)", "",
               "| pool | policy | TPOT ms | p95 | x on-demand | / oracle | hit | PCIe MiB/tok | floor ms | stall ms/tok "
               "| copy ms/tok | K | accept | draft ms/tok | GPU expert MiB | slot arena MiB |",
@@ -387,6 +408,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--experts", choices=["fused", "eager"], default=None,
                     help="the static decoder's expert math (default: fused with --decode graph on fp16, else eager)")
     ap.add_argument("--data", type=Path, help="prompts: a JSONL of {\"text\"} (default: the embedded held-out text)")
+    ap.add_argument("--verify", choices=["exact", "batched"], default="exact",
+                    help="the draft's verification (gpu.GpuEngine's verify)")
     ap.add_argument("--report-mismatches", action="store_true",
                     help="write the figures even if some run's tokens differ from transformers' (marked so)")
     ap.add_argument("--json", type=Path, required=True)
@@ -395,7 +418,7 @@ def main(argv: list[str] | None = None) -> None:
                       fractions=[float(x) for x in a.fractions.split(",")], prompts=a.prompts,
                       prompt_tokens=a.prompt_tokens, new_tokens=a.new_tokens, repeats=a.repeats, device=a.device,
                       ks=tuple(int(x) for x in a.draft_k.split(",")), decode=a.decode, experts=a.experts,
-                      data=a.data,
+                      data=a.data, verify=a.verify,
                       strict=not a.report_mismatches)
     md, png = write(r, a.json)
     print(md.read_text())

@@ -24,7 +24,9 @@
 # TB (training seconds, 140), BT (bench timeout, 300), FR (pool fractions, 0.1,0.25,0.5), WFFN (the widened experts' FFN, 6144:
 # 36 MiB per fp16 expert), WFR (its pool fractions, 0.1,0.25), WBT (its bench timeout, 420), WNT (its
 # new tokens, 48), WKS (its draft Ks, 4,8,12), STAGES (default "base wide split tests"), DEV (cuda),
-# POL (the benches' policies), TESTK (the tests stage's pytest -k expression).
+# POL (the benches' policies), TESTK (the tests stage's pytest -k expression); the batched stage (the
+# base model's draft verified in one pass, after the base stage): VFR (pool fractions, 0.25), VK (its K, 8),
+# VBT (its timeout, 150).
 # Where one command may run 10 minutes at most, run it twice on the same warm machine (docs/benchmarks.md
 # section 9 ran these):
 #   STAGES="base tests split" BT=260 OUT=... bash ...
@@ -126,6 +128,14 @@ for st in $STAGES; do
       echo "wide: widen $(( $(date +%s) - t0 )) s; $(du -sh "$R/wide-model" | cut -f1); disk free $(df -h "$R" | tail -1 | awk '{print $4}')" | tee -a "$L"
       bench wide "$R/wide-model" "$WFR" "${WBT:-420}" $WNT $WKS
       rm -rf "$R"/wide-* "$R/wide.spx" ;;
+    batched)
+      # the base model's draft with Specter's one-pass verification (--verify batched) beside exact, for
+      # diagnosis: where its tokens leave transformers', the first differing token and transformers'
+      # top-2 logit gap there
+      [ -f "$R/base.spx" ] || { fail "batched: no $R/base.spx (run the base stage first)"; continue; }
+      timeout "${VBT:-150}" python -m toolkit.runtime.gpu_bench "$M" --device "$DEV" --store "$R/base.spx" --policies on-demand+lru,draft+prediction --fractions "${VFR:-0.25}" --prompts $NP --new-tokens $NT --repeats 1 --draft-k "${VK:-8}" --verify batched --report-mismatches --json "$RES/gpu-bench-batched.json" > "$RES/bench-batched.log" 2>&1; echo "batched: bench rc=$?" | tee -a "$L"
+      grep -v Loading "$RES/bench-batched.log" | grep -E "DIFFER|TPOT|rc=" | tail -20 | tee -a "$L"
+      pack ;;
     split)
       # the same prompts traced on one GPU and split over the GPU (half the weights) and host memory
       rm -rf "$R/split-one" "$R/split-two"
@@ -165,7 +175,7 @@ PY
       pack ;;
     tests)
       timeout 240 python -m pytest -q -rf -p no:cacheprovider tests/test_gpu_tier.py tests/test_cuda.py -k "${TESTK:-cuda or triton or reuse or split or fused or resident}" 2>&1 | tail -20 | tee -a "$L" || fail "tests" ;;
-    *) fail "unknown stage '$st' (base, wide, split, tests)"; exit 2 ;;
+    *) fail "unknown stage '$st' (base, wide, batched, split, tests)"; exit 2 ;;
   esac
 done
 pack
