@@ -129,7 +129,8 @@ def first_difference(tokens: list[int], reference: list[int], margins: list[floa
     (the gap between its two best logits): "" where they do not differ before one of them ends."""
     j = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), min(len(tokens), len(reference)))
     if j >= len(reference):
-        return "" if len(tokens) == len(reference) else f" (longer: {len(tokens)} tokens, transformers' {len(reference)})"
+        n, m = len(tokens), len(reference)
+        return "" if n == m else f" (longer: {n} tokens, transformers' {m})"
     gap = f", transformers' top-2 logit gap there {margins[j]:.4g}" if j < len(margins) else ""
     return f" (first at new token {j}{gap})"
 
