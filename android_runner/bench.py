@@ -242,6 +242,7 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
         preload_t += [x["tpot_ms"] for x in res["runs"]]
         if resident_tokens is None:  # the reference: every expert resident
             resident_tokens = [list(x["tokens"]) for x in res["runs"]]
+            resident_routing = [x["routing"] for x in res["runs"]]   # the bundle's own, for the simulator
         else:
             first_use.append(res)  # later preloaded rounds must repeat the first
         rss.append(res["peak_rss_bytes"])
@@ -370,7 +371,10 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
                                                             and NO_NEXT_VISIT_TAG not in p)),
                                     [p["slots"] * store.slot_bytes / MiB for p in out["points"]], new_tokens,
                                     m["runtime"]["scheduler"]["window"], None, profile=prof, dtype=store.dtype,
-                                    queue_depth=queue_depth)
+                                    queue_depth=queue_depth,
+                                    runs=[{"tokens": t, "routing": r}
+                                          for t, r in zip(resident_tokens, resident_routing)],
+                                    prefill_chunks=m["graphs"].get("prefill_chunks") or ())
         out["simulated"] = sim
         for p, sp in zip(out["points"], sim["points"]):
             for name, v in p["policies"].items():

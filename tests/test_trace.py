@@ -1035,3 +1035,91 @@ class TestSummary:
             summary_main([str(tmp_path / "missing")])
         assert e.value.code == 2
         assert capsys.readouterr().err.strip() == f"error: trace directory not found: {tmp_path / 'missing'}"
+
+
+class TestContinuation:
+    """A record's `continuation_ids` is decoded teacher-forced after its text instead of greedily (what
+    the simulator uses to trace the tokens a quantised bundle wrote), and a replay can take another
+    engine's routing of those positions."""
+
+    def test_the_greedy_tokens_forced_give_the_greedy_trace(self, tiny_models, tmp_path):
+        text = "the expert store streams each layer from flash"
+        settings = TraceSettings(prompt_tokens=64, decode_tokens=6, heldout_frac=0.0)
+        (tmp_path / "a.jsonl").write_text(json.dumps({"text": text}) + "\n")
+        run_trace(tiny_models[FAM], [tmp_path / "a.jsonl"], tmp_path / "greedy", settings, progress=False)
+        fields = ("token_id", "expert_ids", "kind", "hidden", "pos")
+        a = TraceReader(tmp_path / "greedy").load("train", fields)
+        decode = a["token_id"][a["kind"] == DECODE].tolist()
+        assert len(decode) == 6
+        # the greedy tokens fed (and one more, which a trace of 6 decode steps never feeds)
+        (tmp_path / "b.jsonl").write_text(json.dumps({"text": text, "continuation_ids": decode + [3]}) + "\n")
+        run_trace(tiny_models[FAM], [tmp_path / "b.jsonl"], tmp_path / "forced", settings, progress=False)
+        b = TraceReader(tmp_path / "forced").load("train", fields)
+        for f in ("token_id", "expert_ids", "kind", "pos"):
+            assert np.array_equal(a[f], b[f]), f
+        assert np.abs(a["hidden"].astype(np.float32) - b["hidden"].astype(np.float32)).max() < 1e-2
+        # other tokens: fed as given (not the model's choice), so the routing follows them
+        other = [(t + 7) % 100 + 5 for t in decode]
+        (tmp_path / "c.jsonl").write_text(json.dumps({"text": text, "continuation_ids": other}) + "\n")
+        run_trace(tiny_models[FAM], [tmp_path / "c.jsonl"], tmp_path / "other", settings, progress=False)
+        c = TraceReader(tmp_path / "other").load("train", fields)
+        assert c["token_id"][c["kind"] == DECODE].tolist() == other
+        assert not np.array_equal(a["expert_ids"], c["expert_ids"])
+
+    def test_bad_continuations_are_named(self, tiny_models, tmp_path):
+        bad = tmp_path / "bad.jsonl"
+        for value in ("[1, -2]", '"12"', "[]", "[1.5]", "[true]"):
+            bad.write_text('{"text": "a"}\n{"text": "b", "continuation_ids": %s}\n' % value)
+            with pytest.raises(SpecPrefetchError, match=r"bad.jsonl:2: \"continuation_ids\" must be a non-empty list"):
+                read_records([bad], allow_images=False)
+        bad.write_text(json.dumps({"text": "one two three four five six", "continuation_ids": [5]}) + "\n")
+        with pytest.raises(SpecPrefetchError, match=r"bad.jsonl:1: \"continuation_ids\" follows the whole text"):
+            run_trace(tiny_models[FAM], [bad], tmp_path / "t", TraceSettings(prompt_tokens=2, heldout_frac=0.0),
+                      progress=False)
+        bad.write_text(json.dumps({"text": "one two", "continuation_ids": [5, 10 ** 9]}) + "\n")
+        with pytest.raises(SpecPrefetchError, match=r"continuation_ids 1000000000 is outside the model's vocabulary"):
+            run_trace(tiny_models[FAM], [bad], tmp_path / "t2", TraceSettings(prompt_tokens=64, heldout_frac=0.0),
+                      progress=False)
+
+    def test_a_replay_takes_the_routing_it_is_given(self, work):
+        """Its own routing given back changes nothing; every position routed to the same experts leaves
+        on-demand nothing to read after the first token; a position missing is refused in one line."""
+        trace = work / "trace"
+        reader = TraceReader(trace)
+        a = reader.load("train", ("seq", "expert_ids"))
+        own = {int(q): a["expert_ids"][a["seq"] == q].astype(np.int64) for q in np.unique(a["seq"])}
+        kw = dict(policies=parse_policies("on-demand+lru,oracle+belady"), profile=load_profile("snapdragon-8-elite"),
+                  pool_mib=64, window=2, split="train")
+        base = run_simulation(trace, **kw)
+        same = run_simulation(trace, **kw, routing=own)
+        assert same["routing_from"]["replaced"] and not base["routing_from"]["replaced"]
+        assert [r["mib_read_per_token"] for r in same["results"]] == [r["mib_read_per_token"] for r in base["results"]]
+        fixed = {q: np.broadcast_to(r[:1, :, :], r.shape).copy() for q, r in own.items()}
+        one = run_simulation(trace, **kw, routing=fixed)
+        for r in one["results"]:
+            assert r["mib_read_per_token"] < 0.25 * base["results"][0]["mib_read_per_token"], r["policy"]
+        q = min(own)
+        with pytest.raises(SpecPrefetchError, match=rf"sequence {q} position \d+ has no routing to replace"):
+            run_simulation(trace, **kw, routing={**own, q: own[q][:3]})
+
+    def test_a_replay_can_start_from_the_pool_the_prefill_left(self, work):
+        """With `prefill_chunks`, each sequence's prompt positions go through the pool first, as a
+        runner's prefill feeds them: a decode that reuses the prompt's experts then reads nothing (the
+        pool holds them all), where from an empty pool it reads each of them once more."""
+        trace = work / "trace"
+        a = TraceReader(trace).load("train", ("seq", "expert_ids", "kind"))
+        routing = {}
+        for q in np.unique(a["seq"]):
+            r = a["expert_ids"][a["seq"] == q].astype(np.int64)
+            n = int((a["kind"][a["seq"] == q] != DECODE).sum())
+            r[n:] = r[np.arange(len(r) - n) % n]   # decode position n + t routes as prompt position t % n
+            routing[int(q)] = r
+        kw = dict(policies=parse_policies("on-demand+lru,oracle+belady"), profile=load_profile("snapdragon-8-elite"),
+                  pool_mib=512, window=2, split="train", routing=routing)
+        cold = run_simulation(trace, **kw)
+        warm = run_simulation(trace, **kw, prefill_chunks=(8, 4))
+        assert warm["routing_from"]["pool_warmed_by_prefill"] and not cold["routing_from"]["pool_warmed_by_prefill"]
+        for c, w in zip(cold["results"], warm["results"]):
+            assert c["mib_read_per_token"] > 0 and w["mib_read_per_token"] == 0, (c, w)
+        one = run_simulation(trace, **kw, prefill_chunks=())   # one position at a time: the same pool
+        assert [r["mib_read_per_token"] for r in one["results"]] == [0, 0]

@@ -6,6 +6,8 @@ import json
 import sys
 import tempfile
 from pathlib import Path
+
+import numpy as np
 from typing import Any, Iterable, Sequence
 
 from toolkit.metrics import median
@@ -39,26 +41,41 @@ def medians(runs: Sequence[dict[str, Any]], keys: Iterable[str]) -> dict[str, fl
 
 
 def simulate_same_prompts(model, texts, adapter, policies, pools, new_tokens, window, store,
-                          profile=None, dtype: str = "fp16", queue_depth: int = 4) -> dict[str, Any]:
+                          profile=None, dtype: str = "fp16", queue_depth: int = 4,
+                          runs: list[dict[str, Any]] | None = None,
+                          prefill_chunks: Sequence[int] | None = None) -> dict[str, Any]:
     """Trace the bench prompts and replay them under a device profile: `profile`, or this machine's
-    calibrated for the reference runner; `window` and `queue_depth` the measured runs' scheduler's."""
+    calibrated for the reference runner; `window` and `queue_depth` the measured runs' scheduler's.
+    `runs`, if given, one per prompt: a measured engine's `tokens` (new) and `routing` (per position,
+    L * k expert ids): the trace then feeds those tokens (teacher-forced, so its router inputs are of
+    the text the engine wrote) and the replay takes that engine's routing instead of `model`'s (a
+    quantised bundle routes some tokens differently from the model it came from); with `prefill_chunks`
+    too (the measured engine's prompt chunks), each replay starts from the pool its prefill left."""
     from toolkit.runtime.policy import parse_policies
     from toolkit.simulate.calibrate import calibrate, fit_flash_rate
     from toolkit.simulate.replay import run_simulation
     from toolkit.traces.capture import TraceSettings, run_trace
+    from toolkit.traces.format import TraceReader
 
     with tempfile.TemporaryDirectory() as d:
         data = Path(d) / "prompts.jsonl"
-        data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+        data.write_text("".join(json.dumps({"text": t, **({"continuation_ids": list(r["tokens"])} if runs else {})})
+                                + "\n" for t, r in zip(texts, runs or [{}] * len(texts))))
         trace = run_trace(model, [data], Path(d) / "trace",
                           TraceSettings(prompt_tokens=10_000, decode_tokens=new_tokens - 1, heldout_frac=0.0),
                           progress=False)
+        routing = None
+        if runs:
+            k = TraceReader(trace).top_k
+            routing = {q: np.asarray(r["routing"], np.int64).reshape(len(r["routing"]), -1, k)
+                       for q, r in enumerate(runs)}
         prof = profile or calibrate(model, store=store, out=Path(d) / "this-machine.json", progress=False)[0]
 
         def oracle_tpot_ms(p) -> float:  # the calibration's perfect-prefetch run, replayed: its pool, these prompts
             r = run_simulation(trace, policies=parse_policies("oracle+belady"), profile=p,
                                pool_mib=p.measured["tiny_pool_mib"], window=window, queue_depth=queue_depth,
-                               split="train", model=model, dtype=dtype)
+                               split="train", model=model, dtype=dtype, routing=routing,
+                               prefill_chunks=prefill_chunks if runs else None)
             return r["results"][0]["tpot_ms"]
 
         pm = prof.measured or {}
@@ -66,10 +83,15 @@ def simulate_same_prompts(model, texts, adapter, policies, pools, new_tokens, wi
         # replay must be of the run the rate came from
         if pm.get("flash_rate_from") == "runner" and "tiny_pool_mib" in pm and "prompts" in pm:
             prof = fit_flash_rate(prof, oracle_tpot_ms)
-        out = {"profile": prof.to_json(), "points": []}
+        out = {"profile": prof.to_json(), "points": [],
+               "routing": "the measured runs' (their tokens teacher-forced through the model)" if runs
+               else "the model's own greedy decode of the prompts",
+               "pool_at_first_token": "as the measured runs' prefill left it" if runs and prefill_chunks is not None
+               else "empty"}
         for pool in pools:
             r = run_simulation(trace, policies=policies, profile=prof, pool_mib=pool, window=window, adapter=adapter,
-                               queue_depth=queue_depth, split="train", model=model, dtype=dtype)
+                               queue_depth=queue_depth, split="train", model=model, dtype=dtype, routing=routing,
+                               prefill_chunks=prefill_chunks if runs else None)
             out["points"].append({"pool_mib": pool, "policies": {x["policy"]: {
                 k: x[k] for k in ("tpot_ms", "stall_ms_per_token", "hit_rate", "mib_read_per_token")}
                 for x in r["results"]}})

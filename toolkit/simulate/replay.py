@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from toolkit.errors import SpecPrefetchError
@@ -28,7 +29,7 @@ from toolkit.models.info import aligned, expert_bytes, model_info
 from toolkit.models.loader import inspect_model_dir
 from toolkit.traces.batches import RoutingBatch, iter_batches
 from toolkit.traces.format import PREFILL
-from toolkit.runtime.backend import PREFILL_SPAN
+from toolkit.runtime.backend import PREFILL_SPAN, chunk_plan, prefill_spans
 from toolkit.runtime.policy import Policy
 from toolkit.runtime.reuse import next_visit_experts
 from toolkit.runtime.runner import RunConfig, open_pool_and_scheduler
@@ -96,9 +97,34 @@ def sequences(b: RoutingBatch) -> list[torch.Tensor]:
     return out
 
 
+def warm_with_prompt(sched, pool, prompt: torch.Tensor, spans: list[int], L: int) -> None:
+    """The pool as a runner's prefill leaves it: each span of the prompt (`prompt` [n, L, k], mapped
+    expert ids) layer by layer, each MoE layer acquiring the span's union of experts (resident
+    ones first, in groups of at most the pool's capacity) at step p0 * L + layer, as both runners
+    feed a prompt; no prefetching (the decode figures count from the first token on anyway)."""
+    p0 = 0
+    for T in spans:
+        for li in range(L):
+            users = sorted({int(e) for e in prompt[p0:p0 + T, li].reshape(-1).tolist()})
+            order = sorted(users, key=lambda e: (pool.get((li, e)) is None, e))
+            G = pool.capacity
+            for a in range(0, len(order), G):
+                keys = [(li, e) for e in order[a:a + G]]
+                sched.acquire(p0 * L + li, keys)
+                for key in keys:
+                    sched.data(key)
+                sched.release(p0 * L + li, keys)
+        p0 += T
+
+
 def simulate_policy(batches: list[RoutingBatch], predictor, geo: Geometry, profile: DeviceProfile,
-                    cfg: RunConfig, layer_map: list[int], reuse=None) -> dict[str, Any]:
-    """Run every held-out sequence's decode tokens through a fresh pool; aggregate into RunStats."""
+                    cfg: RunConfig, layer_map: list[int], reuse=None,
+                    prompts: dict[int, tuple[np.ndarray, list[int]]] | None = None) -> dict[str, Any]:
+    """Run every held-out sequence's decode tokens through a fresh pool; aggregate into RunStats.
+    `prompts`, if given: per sequence, its prompt positions' routing [n, Lt, k] and the spans a runner
+    feeds them in (`prefill_spans`): the pool starts as that prefill leaves it (`warm_with_prompt`),
+    the oracle's and Belady's future includes those positions, and decode steps are numbered from
+    position n, as the runners number them; else the pool starts empty at the first decode token."""
     L = geo.num_layers
     W = cfg.window
     policy = cfg.policy
@@ -131,20 +157,32 @@ def simulate_policy(batches: list[RoutingBatch], predictor, geo: Geometry, profi
             if T < 2:
                 continue
             future = [torch.stack([ids[t, layer_map[li]] % geo.num_experts for li in range(L)]) for t in range(T)]
+            warm = (prompts or {}).get(int(b.seq[rows[0]]))
+            off = 0   # decode row t is position off + t: its steps (off + t) * L + layer
+            if warm is not None:
+                pids = torch.as_tensor(warm[0], dtype=torch.long)[:, layer_map] % geo.num_experts   # [n, L, k]
+                off = len(pids)
+                if int(b.pos[rows[0]]) != off:
+                    raise SpecPrefetchError(f"sequence {int(b.seq[rows[0]])}: {off} prompt positions of routing, "
+                                            f"but its first decode row is position {int(b.pos[rows[0]])}")
+                future = list(pids) + future
             clock = SimClock()
             flash = SimFlash(profile, clock, geo.slot_bytes)
             pool, sched = open_pool_and_scheduler(cfg, slot_bytes=geo.slot_bytes, num_layers=L, top_k=geo.top_k,
                                                   io=flash, future=future, prefetch=predictor is not None,
                                                   clock=lambda: clock.now, reuse=reuse)
+            if warm is not None:
+                warm_with_prompt(sched, pool, pids, warm[1], L)
             account = DecodeAccount()
             times = []
-            reads_seen = 0
+            t_start = clock.now
+            reads_seen = sched.stats.bytes_read // geo.slot_bytes
             for t in range(T):
                 clock.now += profile.token_overhead_ms * 1e-3
                 for li in range(L):
-                    step = t * L + li
+                    step = (off + t) * L + li
                     clock.now += profile.dense_s(geo.dense_bytes_per_layer)
-                    keys = list(dict.fromkeys((li, int(e)) for e in future[t][li].tolist()))
+                    keys = list(dict.fromkeys((li, int(e)) for e in future[off + t][li].tolist()))
                     sched.acquire(step, keys)  # demand reads go out first
                     if next_visit:  # this layer's next visit: the next token's same trace layer
                         sched.reuse.set_next_visit(li, step + L, nv_top[layer_map[li]][rows[t]].tolist())
@@ -153,7 +191,7 @@ def simulate_policy(batches: list[RoutingBatch], predictor, geo: Geometry, profi
                         window = []
                         for h in range(1, W + 1):
                             tgt = step + h
-                            if tgt // L >= T:
+                            if tgt // L >= off + T:
                                 break
                             # trace horizon that lands on the same (token offset, trace layer)
                             th = _trace_h(li, h, L, layer_map, Lt)
@@ -187,7 +225,7 @@ def simulate_policy(batches: list[RoutingBatch], predictor, geo: Geometry, profi
             tpots.append(tpot)
             intervals.extend(iv)
             tokens += T - 1
-            total_time += times[-1]
+            total_time += times[-1] - t_start
             flash_busy += flash.busy_s
             d, w, ev = account.counts(sched, pool)
             decode = decode.plus(d)
@@ -390,13 +428,38 @@ def decode_step_s(profile: DeviceProfile, geo) -> float:
     return profile.dense_s(geo.dense_bytes_per_layer) + geo.top_k * profile.expert_s(geo.expert_bytes)
 
 
+def with_routing(b: RoutingBatch, routing: dict[int, np.ndarray], trace: Path) -> RoutingBatch:
+    """The batch with its selected experts (this token's, the next's and the previous one's) taken from
+    `routing` [positions, L, k] per sequence, at the rows' own positions."""
+    ids, nxt, prv = b.ids.clone(), b.next_ids.clone(), b.prev_ids.clone()
+    for i, (q, p) in enumerate(zip(b.seq.tolist(), b.pos.tolist())):
+        r = routing.get(q)
+        if r is None or p >= len(r) or tuple(r.shape[1:]) != tuple(ids.shape[1:]):
+            raise SpecPrefetchError(f"trace {trace}: sequence {q} position {p} has no routing to replace "
+                                    f"({'none given' if r is None else f'{len(r)} positions of {tuple(r.shape[1:])}'}"
+                                    f", the trace's rows are {tuple(ids.shape[1:])})")
+        ids[i] = torch.as_tensor(r[p], dtype=ids.dtype)
+        if bool(b.has_next[i]) and p + 1 < len(r):
+            nxt[i] = torch.as_tensor(r[p + 1], dtype=ids.dtype)
+        if bool(b.has_prev[i]):
+            prv[i] = torch.as_tensor(r[p - 1], dtype=ids.dtype)
+    return dataclasses.replace(b, ids=ids, next_ids=nxt, prev_ids=prv)
+
+
 def run_simulation(trace: Path, *, policies: list[Policy], profile: DeviceProfile, pool_mib: float,
                    window: int, queue_depth: int = 4, dtype: str = "fp16", geometry: str | None = None,
                    adapter: Path | None = None, model: str | None = None, min_confidence: float = 0.02,
                    step_budget_kib: int | None = None, read_budget_kib: int | str | None = None,
                    max_sequences: int | None = None,
                    split: str = "heldout", candidate_threshold: float = 0.0, prompt_tokens: int = 0,
-                   next_visit: bool = True) -> dict[str, Any]:
+                   next_visit: bool = True, routing: dict[int, np.ndarray] | None = None,
+                   prefill_chunks: Sequence[int] | None = None) -> dict[str, Any]:
+    """Replay the trace's `split` decode tokens under each policy. `routing`, if given: per traced
+    sequence, the experts [positions, L, k] another engine selected at each position of the same tokens
+    (a bundle's, from its runs), replayed instead of the trace's own (whose router inputs the
+    predictors still read). `prefill_chunks`, with `routing`: each sequence's pool starts as a runner's
+    prefill of its prompt leaves it, the prompt fed in chunks of these sizes (a bundle's
+    `graphs.prefill_chunks`; () feeds one position at a time), instead of empty."""
     from toolkit.traces.format import trace_model_spec
     from toolkit.predictors.evaluate import build_predictors
     from toolkit.traces.format import TraceReader
@@ -412,6 +475,15 @@ def run_simulation(trace: Path, *, policies: list[Policy], profile: DeviceProfil
     if geo.top_k != spec.geometry.routing.top_k:
         geo = dataclasses.replace(geo, top_k=spec.geometry.routing.top_k)
     batches = list(iter_batches(reader, split, decode_only=True, with_probs=False))
+    warm = None
+    if routing is not None:
+        batches = [with_routing(b, routing, trace) for b in batches]
+        if prefill_chunks is not None:   # each sequence's prompt: the positions before its first decode row
+            first = {}
+            for b in batches:
+                for q, pos in zip(b.seq.tolist(), b.pos.tolist()):
+                    first[q] = min(pos, first.get(q, pos))
+            warm = {q: (routing[q][:n], prefill_spans(chunk_plan(n, prefill_chunks))) for q, n in first.items()}
     if max_sequences is not None:
         keep = set(sorted({int(q) for b in batches for q in b.seq.tolist()})[:max_sequences])
         batches = [b.select(torch.tensor([int(q) in keep for q in b.seq.tolist()])) for b in batches]
@@ -439,7 +511,7 @@ def run_simulation(trace: Path, *, policies: list[Policy], profile: DeviceProfil
         rc = RunConfig(policy=p, pool_mib=pool_mib, window=window, queue_depth=queue_depth,
                        min_confidence=min_confidence, candidate_threshold=candidate_threshold,
                        step_budget_kib=step_budget_kib, read_budget_kib=read_budget_kib, next_visit=next_visit)
-        r = simulate_policy(batches, preds.get(p.predictor), geo, profile, rc, layer_map, reuse=reuse)
+        r = simulate_policy(batches, preds.get(p.predictor), geo, profile, rc, layer_map, reuse=reuse, prompts=warm)
         if prompt is not None:
             r.update(simulate_prefill(*prompt, preds.get(p.predictor), geo, profile, rc, layer_map, reuse=reuse))
         results.append(r)
@@ -448,6 +520,9 @@ def run_simulation(trace: Path, *, policies: list[Policy], profile: DeviceProfil
         "profile": profile.name, "emulated_device": profile.name != "this-machine",
         "geometry": dataclasses.asdict(geo),
         "routing_from": {"trace": str(Path(trace).resolve()), "model": str(spec.path),
+                         "replaced": routing is not None,   # the experts another engine selected
+                         "pool_warmed_by_prefill": warm is not None,
+
                          "replayed_onto_other_geometry": geo.source != str(spec.path),
                          "trace_layers": Lt, "trace_experts": reader.num_experts,
                          "mapping": _mapping_note(Lt, reader.num_experts, geo)},

@@ -100,6 +100,7 @@ class Prompt:
     ids: list[int]
     image: Path | None
     split: str
+    continuation: list[int] | None = None   # decoded teacher-forced instead of greedily (the record's)
 
 
 def is_heldout(key: str, frac: float, seed: int) -> bool:
@@ -113,12 +114,15 @@ def make_prompts(records: list[Record], tokenizer, s: TraceSettings) -> list[Pro
         ids = tokenizer(r.text, add_special_tokens=False)["input_ids"]
         chunks = [ids[i:i + s.prompt_tokens] for i in range(0, len(ids), s.prompt_tokens)]
         chunks = [c for c in chunks if len(c) >= min(8, s.prompt_tokens)] or [ids[: s.prompt_tokens]]
+        if r.continuation is not None and len(ids) > s.prompt_tokens:
+            raise SpecPrefetchError(f"{r.source}:{r.index}: \"continuation_ids\" follows the whole text, which is "
+                                    f"{len(ids)} tokens, more than --prompt-tokens {s.prompt_tokens}")
         for ci, c in enumerate(chunks):
             if not c:
                 continue
             key = f"{Path(r.source).name}:{r.index}:{ci}"
             split = "heldout" if is_heldout(key, s.heldout_frac, s.seed) else "train"
-            prompts.append(Prompt(len(prompts), key, c, r.image if ci == 0 else None, split))
+            prompts.append(Prompt(len(prompts), key, c, r.image if ci == 0 else None, split, r.continuation))
             if s.max_sequences is not None and len(prompts) >= s.max_sequences:
                 return prompts
     return prompts
@@ -276,10 +280,25 @@ def sequence_arrays(lm: LoadedModel, p: Prompt, s: TraceSettings, top_m: int | N
 @torch.no_grad()
 def trace_sequence(lm: LoadedModel, rec: RouterRecorder, p: Prompt, s: TraceSettings,
                    top_m: int | None) -> tuple[dict[str, np.ndarray], int]:
-    """One prompt alone: prefill, then greedy decode (stopping early at an end-of-sequence token)."""
+    """One prompt alone: prefill, then greedy decode (stopping early at an end-of-sequence token), or,
+    with a continuation, its first --decode-tokens tokens fed after the prompt in the same pass
+    (teacher-forced: decode row j consumes continuation[j], as greedy decode's consumes its j-th token)."""
     inputs, kinds = build_inputs(lm, p)
     rec.reset()
-    if s.decode_tokens > 0:
+    if p.continuation is not None and s.decode_tokens > 0:
+        vocab = lm.model.get_input_embeddings().num_embeddings
+        bad = [t for t in p.continuation if t >= vocab]
+        if bad:
+            raise SpecPrefetchError(f"sequence {p.key}: continuation_ids {bad[0]} is outside the model's "
+                                    f"vocabulary ({vocab} tokens)")
+        full = inputs["input_ids"][0].tolist() + list(p.continuation)
+        fed = torch.tensor([full[:len(kinds) + min(s.decode_tokens, len(p.continuation))]], device=lm.input_device)
+        extra = {"input_ids": fed, "attention_mask": torch.ones_like(fed)}
+        if "mm_token_type_ids" in inputs:   # the continuation is text
+            mm = inputs["mm_token_type_ids"]
+            extra["mm_token_type_ids"] = torch.cat([mm, mm.new_zeros(1, fed.shape[1] - mm.shape[1])], 1)
+        lm.model(**{**inputs, **extra})
+    elif s.decode_tokens > 0:
         out = lm.model.generate(**inputs, do_sample=False, max_new_tokens=s.decode_tokens + 1,
                                 pad_token_id=_pad_id(lm))
         full = out[0].tolist()
@@ -299,7 +318,7 @@ def trace_batch(lm: LoadedModel, rec: RouterRecorder, prompts: list[Prompt], s: 
     right for prefill alone (causal attention never sees the padding after a token). Padding rows
     are dropped, and so are a sequence's decode steps after it produced an end-of-sequence token,
     where decoding it alone would have stopped."""
-    if len(prompts) == 1 or any(p.image is not None for p in prompts):
+    if len(prompts) == 1 or any(p.image is not None or p.continuation is not None for p in prompts):
         return [trace_sequence(lm, rec, p, s, top_m) for p in prompts]
     B = len(prompts)
     lens = [len(p.ids) for p in prompts]

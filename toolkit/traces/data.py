@@ -29,6 +29,7 @@ class Record:
     index: int            # record number inside that file
     text: str
     image: Path | None = None
+    continuation: list[int] | None = None   # token ids decoded after the text instead of greedy decode
 
 
 def _kind(mode: int) -> str:
@@ -168,7 +169,12 @@ def _read_jsonl(path: Path, allow_images: bool) -> Iterator[Record]:
                     raise SpecPrefetchError(f"{path}:{n}: image {obj['image']!r} not found ({image})")
                 check_input(image, f"{path}:{n}: image", MAX_IMAGE_BYTES)
                 check_image_header(image, f"{path}:{n}: image")  # before any model loads: what the runners take
-            yield Record(str(path), n, obj["text"], image)
+            cont = obj.get("continuation_ids")
+            if cont is not None and (not isinstance(cont, list) or not cont
+                                     or not all(type(t) is int and t >= 0 for t in cont)):
+                raise SpecPrefetchError(f"{path}:{n}: \"continuation_ids\" must be a non-empty list of token ids "
+                                        "(integers >= 0)")
+            yield Record(str(path), n, obj["text"], image, cont)
 
 
 MAX_IMAGE_PIXELS = 64 * 1000 * 1000  # refused from the header, before decoding (the native runner's cap too)
