@@ -14,6 +14,7 @@ from toolkit.models.routers import load_router_bank
 from toolkit.predictors.registry import build_predictor
 from toolkit.runtime.expert_store import ExpertStore, build_store
 from toolkit.runtime.gpu import GpuEngine, Int4Experts
+from toolkit.runtime.gpu_graph import GraphRunner
 from toolkit.runtime.policy import Policy
 from toolkit.runtime.runner import RunConfig
 
@@ -70,6 +71,16 @@ def _engine(model_dir, store, policy, frac, device, dtype="float32"):
                     device=device, predictors=preds, with_draft=True)
     eng.configure(pool_mib=_pool_mib(eng, frac))
     return eng
+
+
+def _batched(eng, prompt, n):
+    """A run with the draft's one-pass verification, whose passes the static decoder and the modules
+    path make alike (the exact verifications differ in order: layer-major against token steps)."""
+    eng.verify = "batched"
+    try:
+        return eng.run(prompt, n, k=3)
+    finally:
+        eng.verify = "exact"
 
 
 @pytest.mark.parametrize("fam", ["qwen3_moe", "mixtral"])
@@ -214,10 +225,12 @@ def test_phases_over_one_sequence_state(tiny_models, stores, monkeypatch):
 
 def test_exact_verification_commits_the_one_token_steps_tokens(tiny_models, stores, monkeypatch):
     """The draft's exact verification (the default) commits what the target's one-token decode step
-    computes, step by step up to the first disagreement: its tokens and per-position routing are the
-    on-demand policy's, whatever a k + 1-row pass would compute. Here the batched pass is made to
-    compute differently (every row's best token knocked out, as a k + 1-row GEMM can round a near-tie
-    the other way): the batched verification's tokens change, the exact one's do not."""
+    computes: with the static decoder every row through that step's own segments, layer-major
+    (GraphRunner.verify_rows), with transformers' modules one step per position up to the first
+    disagreement. Its tokens and per-position routing are the on-demand policy's, whatever a
+    k + 1-row pass would compute. Here the batched pass is made to compute differently (every row's
+    best token knocked out, as a k + 1-row GEMM can round a near-tie the other way): the batched
+    verification's tokens change, the exact one's do not."""
     prompt = list(range(5, 17))
     real = GpuEngine._verify
 
@@ -235,16 +248,23 @@ def test_exact_verification_commits_the_one_token_steps_tokens(tiny_models, stor
         eng.configure(pool_mib=_pool_mib(eng, 0.25))
         want = eng.run(prompt, 12)
         eng.configure(policy=Policy.parse("draft+prediction"))
-        steps = []
+        steps, passes = [], []
         step = GpuEngine._step
         monkeypatch.setattr(GpuEngine, "_step", lambda self, s, t, p: steps.append(p) or step(self, s, t, p))
+        rows = GraphRunner.verify_rows
+        monkeypatch.setattr(GraphRunner, "verify_rows",
+                            lambda self, s, t, p: passes.append(len(t)) or rows(self, s, t, p))
         g = eng.run(prompt, 12, k=3)
         assert g.tokens == want.tokens, decode
-        n = len(want.routing)   # (one more where the last round stepped past the last token asked for)
-        assert [r.tolist() for r in g.routing[:n]] == [r.tolist() for r in want.routing] and len(g.routing) <= n + 1
-        # a + 1 target steps a round (the last round's may pass the last token asked for): no more
-        assert len(want.tokens) - 1 <= len(steps) <= len(want.tokens) - 1 + g.extra["rounds"]
+        n = len(want.routing)   # rows past the last committed token are recorded too
+        assert [r.tolist() for r in g.routing[:n]] == [r.tolist() for r in want.routing]
         assert 0 < g.extra["acceptance"] < 1     # rounds that stopped early and rounds that did not
+        if decode == "modules":
+            # a + 1 target steps a round (the last round's may pass the last token asked for): no more
+            assert len(want.tokens) - 1 <= len(steps) <= len(want.tokens) - 1 + g.extra["rounds"]
+            assert len(g.routing) <= n + 1 and not passes
+        else:   # one layer-major pass a round over the last token and its proposals
+            assert len(passes) == g.extra["rounds"] and max(passes) == 4 and not steps
         monkeypatch.setattr(GpuEngine, "_verify", runner_up)
         assert eng.run(prompt, 12, k=3).tokens == want.tokens      # exact never reads the batched pass
         eng.verify = "batched"
@@ -586,6 +606,9 @@ def test_decode_modes_give_the_same_tokens_and_counts(tiny_models, stores, fam):
         a, b = eng.run(prompt, 14, k=3), ref.run(prompt, 14, k=3)
         assert a.extra["decode"] == "static" and b.extra["decode"] == "modules"
         assert a.tokens == b.tokens, policy
+        if policy.startswith("draft"):   # exact verification: layer-major static, token steps modules
+            a, b = _batched(eng, prompt, 14), _batched(ref, prompt, 14)
+            assert a.tokens == b.tokens, policy
         assert a.stats.counts == b.stats.counts, policy
         assert a.stats.counts["bytes_read"] > 0, policy
         assert [r.tolist() for r in a.routing] == [r.tolist() for r in b.routing]
@@ -717,6 +740,9 @@ def test_sliding_window_static_decode(sliding, tiny_models):
             e.configure(policy=Policy.parse(policy), pool_mib=_pool_mib(e, 0.25))
         a, b = eng.run(prompt, 16, k=3), ref.run(prompt, 16, k=3)
         assert a.tokens == want == b.tokens, policy
+        if policy.startswith("draft"):   # exact verification: layer-major static, token steps modules
+            a, b = _batched(eng, prompt, 16), _batched(ref, prompt, 16)
+            assert a.tokens == want == b.tokens, policy
         assert a.stats.counts == b.stats.counts, policy
     runner = next(iter(eng._runners.values()))
     assert runner.dec.window == 8

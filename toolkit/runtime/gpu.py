@@ -494,12 +494,15 @@ class GpuEngine:
                 CUDA; the default with `graph` on an fp16 model) or "eager" (the slots gathered, then
                 transformers' eager expert loop: bitwise transformers' expert arithmetic; the default
                 otherwise).
-            verify: how the draft policy's target checks a round's proposals: "exact" (the target's own
-                one-token decode step per position, stopping at the first disagreement: every committed
-                token is computed as every other policy computes it, so the draft never changes the
-                output) or "batched" (one pass over all k + 1 rows, Specter's: less target compute, but
-                a k + 1-row GEMM rounds differently from a one-row GEMV, so a near-tie between the two
-                best tokens can resolve the other way: tokens equal the model's only up to that).
+            verify: how the draft policy's target checks a round's proposals: "exact" (every row
+                through the target's own one-token decode step: with the static decoder its segments
+                layer-major over the rows, GraphRunner.verify_rows, each MoE layer's experts acquired
+                once for all rows; with the modules one step per position up to the first
+                disagreement. Every committed token is computed as every other policy computes it,
+                so the draft never changes the output) or "batched" (one pass over all k + 1 rows,
+                Specter's: less target compute, but a k + 1-row GEMM rounds differently from a
+                one-row GEMV, so a near-tie between the two best tokens can resolve the other way:
+                tokens equal the model's only up to that).
         """
         if store.dtype != "fp16":
             raise SpecPrefetchError(f"{store.path}: the GPU tier computes from fp16 experts; this store is "
@@ -819,8 +822,9 @@ class GpuEngine:
     def speculative_round(self, s: GpuSequence, k: int) -> None:
         """One round of greedy speculative decoding: the draft proposes up to k tokens, its routing
         counted per MoE layer and planned as the verification's prefetches while it runs; the target
-        verifies the last token and the proposals (`verify` exact: its one-token step per position
-        until the first disagreement; batched: one pass of k + 1 rows, experts resident first, in
+        verifies the last token and the proposals (`verify` exact: its one-token step for every row,
+        layer-major through the static decoder's segments, or per position up to the first
+        disagreement through the modules; batched: one pass of k + 1 rows, experts resident first, in
         chunks); the agreeing prefix and the target's own next token are committed
         (toolkit.predictors.draft.greedy_accept, the rule `speculative_generate` uses) and both KV
         caches are rolled back to them."""
@@ -833,7 +837,9 @@ class GpuEngine:
         proposal = self._propose(s, kk, n - 1)
         d1 = dev.event()
         s.phases["draft"].append((d0, d1))
-        if self.verify == "exact":
+        if self.verify == "exact" and s.runner is not None:
+            target = s.runner.verify_rows(s, [s.ids[-1], *proposal], n - 1)
+        elif self.verify == "exact":
             target = self._verify_exact(s, proposal, n - 1)
         else:
             s.pos = n - 1

@@ -496,6 +496,81 @@ class GraphRunner:
         return int(self.host_tok[0])
 
 
+    def verify_rows(self, seq, tokens: list[int], pos: int) -> list[int]:
+        """The target's greedy token after each of `tokens` at positions pos, pos + 1, ...: every row
+        through the one-token step's own segments (graphs), so each result is bitwise what `decode`
+        computes there, but layer-major: segment s runs for every row before segment s + 1, so a MoE
+        layer's experts are acquired for all rows together (one host sync per MoE layer for all of
+        them) and each is copied once for the pass, as a one-pass verification copies them. Per row
+        the graph's state (its hidden state, position, router outputs) is swapped in and out."""
+        L, k = self.eng.L, self.eng.k
+        sched, io = seq.sched, seq.io
+        pooled, where = sched.pool.slots, io.where
+        R = len(tokens)
+        dev = self.eng.dev.device
+        h = torch.zeros(R, *self.h.shape, device=dev, dtype=self.h.dtype)
+        post = torch.zeros(R, *self.post.shape[1:], device=dev, dtype=self.post.dtype)
+        scores = None
+        idx = torch.zeros(R, *self.idx.shape[1:], dtype=torch.long, device=dev)
+        toks = torch.zeros(R, dtype=torch.long, device=dev)
+        host_idx = torch.zeros(R, *self.idx.shape[1:], dtype=torch.long, pin_memory=self.eng.dev.cuda)
+        for j in range(R):              # segment 0: each row's embedding up to the first router
+            self.set_position(tokens[j], pos + j)
+            self.run_segment(0)
+            h[j].copy_(self.h)
+            post[j].copy_(self.post[0])
+            idx[j].copy_(self.idx[0])
+            if scores is None:
+                scores = torch.zeros(R, *self.scores[0].shape, device=dev, dtype=self.scores[0].dtype)
+            scores[j].copy_(self.scores[0])
+        seq.pos = pos
+        for li in range(L):
+            host_idx.copy_(idx, non_blocking=True)
+            self.host_wait()                                       # one sync per MoE layer, all rows
+            rows = host_idx[:, 0].tolist()
+            seq.record_routing(li, rows)
+            step = pos * L + li
+            keys_of = []
+            for row in rows:
+                order = sorted(range(k), key=row.__getitem__)     # top-k positions, ascending expert
+                keys_of.append((order, [(li, row[q]) for q in order]))
+            union = list(dict.fromkeys(key for _, keys in keys_of for key in keys))
+            cap = self.eng.capacity - len(sched.loading)   # >= k: copies in flight are capped at capacity - k
+            if len(union) <= cap:   # the layer's experts for every row at once, resident ones first
+                sched.acquire(step, [x for x in union if x in pooled] + [x for x in union if x not in pooled])
+            for j, (order, keys) in enumerate(keys_of):
+                if len(union) > cap:   # more than fit: a row's experts at a time
+                    sched.acquire(step, [x for x in keys if x in pooled] + [x for x in keys if x not in pooled])
+                slots = []
+                for key in keys:
+                    sched.data(key)
+                    slots.append(where[key])
+                st = self.stage_np[li]
+                st[:k] = slots
+                st[k:] = order
+                self.sel[li].copy_(self.stage[li], non_blocking=True)
+                self.pos.fill_(pos + j)
+                self.h.copy_(h[j])
+                self.post[li].copy_(post[j])
+                self.scores[li].copy_(scores[j])
+                self.run_segment(li + 1)
+                h[j].copy_(self.h)
+                if li + 1 < L:
+                    post[j].copy_(self.post[li + 1])
+                    idx[j].copy_(self.idx[li + 1])
+                    scores[j].copy_(self.scores[li + 1])
+                else:
+                    toks[j].copy_(self.tok[0])
+                if len(union) > cap:   # no prefetch issued before the layer's last row (it could take
+                    sched.release(step, keys, pump=j == R - 1)   # a slot a later row needs)
+            if len(union) <= cap:
+                sched.release(step, union)
+        host = torch.zeros(R, dtype=torch.long, pin_memory=self.eng.dev.cuda)
+        host.copy_(toks, non_blocking=True)
+        self.host_wait()
+        return host.tolist()
+
+
 class _DraftStep:
     """The int4 draft's decode step over its own static cache: one graph, no host sync. The token and
     position advance on the device, so K replays chain; each step's routing lands in `ids`."""
