@@ -174,8 +174,12 @@ def simulate_policy(batches: list[RoutingBatch], predictor, geo: Geometry, profi
             if warm is not None:
                 warm_with_prompt(sched, pool, pids, warm[1], L)
             account = DecodeAccount()
-            times = []
             t_start = clock.now
+            # from a prefilled pool the figures count from the first token (the prefill's), as the
+            # runner's: every decode row is timed and counted; from an empty pool the first row warms it
+            times = [t_start] if warm is not None else []
+            if warm is not None:
+                account.start(sched, pool)
             reads_seen = sched.stats.bytes_read // geo.slot_bytes
             for t in range(T):
                 clock.now += profile.token_overhead_ms * 1e-3
@@ -219,12 +223,12 @@ def simulate_policy(batches: list[RoutingBatch], predictor, geo: Geometry, profi
                     clock.now += profile.expert_s(geo.expert_bytes) * len(keys)
                     sched.release(step, keys)
                 times.append(clock.now)
-                if t == 0:  # the first row warms the pool; figures count from its token on, as the runner's
+                if t == 0 and warm is None:  # the first row warms the pool; figures count from its token on
                     account.start(sched, pool)
             tpot, iv = tpot_and_intervals(times)
             tpots.append(tpot)
             intervals.extend(iv)
-            tokens += T - 1
+            tokens += len(times) - 1
             total_time += times[-1] - t_start
             flash_busy += flash.busy_s
             d, w, ev = account.counts(sched, pool)
