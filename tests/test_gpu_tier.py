@@ -497,6 +497,28 @@ def test_stream_order_with_a_lagging_compute_stream(tiny_models, stores, monkeyp
         assert eng.run(prompt, 12, k=3).tokens == want, policy
 
 
+@CUDA
+def test_exact_verification_with_a_lagging_compute_stream(tiny_models, stores, monkeypatch):
+    """The graph path's layer-major verification with the compute stream far behind the host (a spin
+    before every segment): each row's slot numbers must still reach the graph that reads them (one
+    pinned staging row per row: a shared one would hand an earlier row a later row's slots). The
+    draft's tokens are the on-demand policy's."""
+    prompt = list(range(5, 17))
+    real = GraphRunner.run_segment
+
+    def slow(self, s):
+        torch.cuda._sleep(2_000_000)   # ~1 ms of GPU time before each segment
+        return real(self, s)
+
+    eng = _engine(tiny_models["qwen3_moe"], stores["qwen3_moe"], "on-demand+lru", 0.25, "cuda", dtype="float16")
+    assert eng.decode == "graph" and eng.verify == "exact"
+    want = eng.run(prompt, 12, k=3).tokens
+    monkeypatch.setattr(GraphRunner, "run_segment", slow)
+    eng.configure(policy=Policy.parse("draft+prediction"))
+    g = eng.run(prompt, 12, k=3)
+    assert g.tokens == want and g.extra["rounds"] >= 1
+
+
 def test_cli_device_is_validated(tiny_models, tmp_path):
     from click.testing import CliRunner
 

@@ -501,8 +501,9 @@ class GraphRunner:
         through the one-token step's own segments (graphs), so each result is bitwise what `decode`
         computes there, but layer-major: segment s runs for every row before segment s + 1, so a MoE
         layer's experts are acquired for all rows together (one host sync per MoE layer for all of
-        them) and each is copied once for the pass, as a one-pass verification copies them. Per row
-        the graph's state (its hidden state, position, router outputs) is swapped in and out."""
+        them) and, where they fit the pool together, each is copied once for the pass, as a one-pass
+        verification copies them (where they do not, a row's experts at a time). Per row the graph's
+        state (its hidden state, position, router outputs) is swapped in and out."""
         L, k = self.eng.L, self.eng.k
         sched, io = seq.sched, seq.io
         pooled, where = sched.pool.slots, io.where
@@ -514,6 +515,12 @@ class GraphRunner:
         idx = torch.zeros(R, *self.idx.shape[1:], dtype=torch.long, device=dev)
         toks = torch.zeros(R, dtype=torch.long, device=dev)
         host_idx = torch.zeros(R, *self.idx.shape[1:], dtype=torch.long, pin_memory=self.eng.dev.cuda)
+        # each row's slot numbers in a pinned row of their own: a copy from pinned memory reads it when
+        # the stream gets there, after the host has moved on to the next rows (one shared buffer, as
+        # decode's per-layer one, would hand an earlier row a later row's slots); the sync of the next
+        # MoE layer covers every copy of this one before the rows are written again
+        stage = torch.zeros(R, 2 * k, dtype=torch.long, pin_memory=self.eng.dev.cuda)
+        stage_np = stage.numpy()
         for j in range(R):              # segment 0: each row's embedding up to the first router
             self.set_position(tokens[j], pos + j)
             self.run_segment(0)
@@ -545,10 +552,9 @@ class GraphRunner:
                 for key in keys:
                     sched.data(key)
                     slots.append(where[key])
-                st = self.stage_np[li]
-                st[:k] = slots
-                st[k:] = order
-                self.sel[li].copy_(self.stage[li], non_blocking=True)
+                stage_np[j, :k] = slots
+                stage_np[j, k:] = order
+                self.sel[li].copy_(stage[j], non_blocking=True)
                 self.pos.fill_(pos + j)
                 self.h.copy_(h[j])
                 self.post[li].copy_(post[j])
