@@ -1063,8 +1063,8 @@ class TestContinuation:
         (tmp_path / "c.jsonl").write_text(json.dumps({"text": text, "continuation_ids": other}) + "\n")
         run_trace(tiny_models[FAM], [tmp_path / "c.jsonl"], tmp_path / "other", settings, progress=False)
         c = TraceReader(tmp_path / "other").load("train", fields)
-        assert c["token_id"][c["kind"] == DECODE].tolist() == other
-        assert not np.array_equal(a["expert_ids"], c["expert_ids"])
+        assert c["token_id"][c["kind"] == DECODE].tolist() == other[:-1]   # the last one is never fed
+        assert not np.array_equal(a["expert_ids"], c["expert_ids"][:len(a["expert_ids"])])
 
     def test_bad_continuations_are_named(self, tiny_models, tmp_path):
         bad = tmp_path / "bad.jsonl"
@@ -1099,8 +1099,10 @@ class TestContinuation:
         for r in one["results"]:
             assert r["mib_read_per_token"] < 0.25 * base["results"][0]["mib_read_per_token"], r["policy"]
         q = min(own)
-        with pytest.raises(SpecPrefetchError, match=rf"sequence {q} position \d+ has no routing to replace"):
-            run_simulation(trace, **kw, routing={**own, q: own[q][:3]})
+        for r in (own[q][:3], np.concatenate([own[q], own[q][:1]])):   # too few positions, one too many
+            with pytest.raises(SpecPrefetchError, match=rf"sequence {q} replays positions 0..\d+, but the routing "
+                                                        rf"given for it covers {len(r)}: not the same tokens"):
+                run_simulation(trace, **kw, routing={**own, q: r})
 
     def test_a_replay_can_start_from_the_pool_the_prefill_left(self, work):
         """With `prefill_chunks`, each sequence's prompt positions go through the pool first, as a
@@ -1123,3 +1125,25 @@ class TestContinuation:
             assert c["mib_read_per_token"] > 0 and w["mib_read_per_token"] == 0, (c, w)
         one = run_simulation(trace, **kw, prefill_chunks=())   # one position at a time: the same pool
         assert [r["mib_read_per_token"] for r in one["results"]] == [0, 0]
+        # the trace's own routing through a pool that holds every expert, counted by hand: warm, each
+        # decode row is a token and reads the experts no earlier position used; cold, the first decode
+        # row's experts are the pool's start and the rows after it are the tokens
+        own = {int(q): a["expert_ids"][a["seq"] == q].astype(np.int64) for q in np.unique(a["seq"])}
+        warm, cold = (run_simulation(trace, **{**kw, "routing": own, "policies": parse_policies("on-demand+lru")},
+                                     **extra)
+                      for extra in ({"prefill_chunks": (8, 4)}, {}))
+        slot = warm["geometry"]["slot_bytes"]
+        reads = {"warm": 0, "cold": 0}
+        tokens = {"warm": 0, "cold": 0}
+        for q, r in own.items():
+            n = int((a["kind"][a["seq"] == q] != DECODE).sum())
+            keys = lambda rows: {(li, int(e)) for t in rows for li, row in enumerate(r[t]) for e in row}  # noqa: E731
+            reads["warm"] += len(keys(range(n, len(r))) - keys(range(n)))
+            reads["cold"] += len(keys(range(n + 1, len(r))) - keys([n]))
+            tokens["warm"] += len(r) - n
+            tokens["cold"] += len(r) - n - 1
+        for name, res in (("warm", warm), ("cold", cold)):
+            got = res["results"][0]
+            assert got["tokens"] == tokens[name], name
+            assert got["mib_read_per_token"] == round(reads[name] * slot / 2**20 / tokens[name], 4), name
+        assert reads["warm"] != reads["cold"]

@@ -101,7 +101,11 @@ def warm_with_prompt(sched, pool, prompt: torch.Tensor, spans: list[int], L: int
     """The pool as a runner's prefill leaves it: each span of the prompt (`prompt` [n, L, k], mapped
     expert ids) layer by layer, each MoE layer acquiring the span's union of experts (resident
     ones first, in groups of at most the pool's capacity) at step p0 * L + layer, as both runners
-    feed a prompt; no prefetching (the decode figures count from the first token on anyway)."""
+    feed a prompt. Nothing is prefetched here, where the runners' `plan_chunk` also plans during the
+    prompt (its predictors would need the prompt positions' router inputs, which a trace keeps for
+    decode rows only): the replay's first decode layers can miss where the runner's hit. Measured
+    against the native runner (docs/benchmarks.md section 19) the bytes are the runner's for
+    on-demand, previous-token and the adapter's policies, not for oracle + Belady."""
     p0 = 0
     for T in spans:
         for li in range(L):
@@ -174,7 +178,7 @@ def simulate_policy(batches: list[RoutingBatch], predictor, geo: Geometry, profi
             if warm is not None:
                 warm_with_prompt(sched, pool, pids, warm[1], L)
             account = DecodeAccount()
-            t_start = clock.now
+            t_start, busy0 = clock.now, flash.busy_s   # the decode's figures: not the prompt's reads
             # from a prefilled pool the figures count from the first token (the prefill's), as the
             # runner's: every decode row is timed and counted; from an empty pool the first row warms it
             times = [t_start] if warm is not None else []
@@ -230,7 +234,7 @@ def simulate_policy(batches: list[RoutingBatch], predictor, geo: Geometry, profi
             intervals.extend(iv)
             tokens += len(times) - 1
             total_time += times[-1] - t_start
-            flash_busy += flash.busy_s
+            flash_busy += flash.busy_s - busy0
             d, w, ev = account.counts(sched, pool)
             decode = decode.plus(d)
             total_bytes += sched.stats.bytes_read
@@ -443,7 +447,7 @@ def with_routing(b: RoutingBatch, routing: dict[int, np.ndarray], trace: Path) -
                                     f"({'none given' if r is None else f'{len(r)} positions of {tuple(r.shape[1:])}'}"
                                     f", the trace's rows are {tuple(ids.shape[1:])})")
         ids[i] = torch.as_tensor(r[p], dtype=ids.dtype)
-        if bool(b.has_next[i]) and p + 1 < len(r):
+        if bool(b.has_next[i]):   # (run_simulation checked the lengths: position p + 1 is there)
             nxt[i] = torch.as_tensor(r[p + 1], dtype=ids.dtype)
         if bool(b.has_prev[i]):
             prv[i] = torch.as_tensor(r[p - 1], dtype=ids.dtype)
@@ -481,6 +485,16 @@ def run_simulation(trace: Path, *, policies: list[Policy], profile: DeviceProfil
     batches = list(iter_batches(reader, split, decode_only=True, with_probs=False))
     warm = None
     if routing is not None:
+        last: dict[int, int] = {}
+        for b in batches:
+            for q, pos in zip(b.seq.tolist(), b.pos.tolist()):
+                last[q] = max(pos, last.get(q, pos))
+        for q, n in last.items():   # the same positions: a routing per position the trace replays
+            r = routing.get(q)
+            if r is None or len(r) != n + 1:
+                raise SpecPrefetchError(f"trace {trace}: sequence {q} replays positions 0..{n}, but the routing "
+                                        f"given for it covers {'none' if r is None else len(r)}: not the same "
+                                        "tokens (another tokenization, or a run of another length)")
         batches = [with_routing(b, routing, trace) for b in batches]
         if prefill_chunks is not None:   # each sequence's prompt: the positions before its first decode row
             first = {}

@@ -281,8 +281,9 @@ def sequence_arrays(lm: LoadedModel, p: Prompt, s: TraceSettings, top_m: int | N
 def trace_sequence(lm: LoadedModel, rec: RouterRecorder, p: Prompt, s: TraceSettings,
                    top_m: int | None) -> tuple[dict[str, np.ndarray], int]:
     """One prompt alone: prefill, then greedy decode (stopping early at an end-of-sequence token), or,
-    with a continuation, its first --decode-tokens tokens fed after the prompt in the same pass
-    (teacher-forced: decode row j consumes continuation[j], as greedy decode's consumes its j-th token)."""
+    with a continuation, up to --decode-tokens of its tokens fed after the prompt in the same pass, its
+    last one never (teacher-forced: decode row j consumes continuation[j], as greedy decode's consumes
+    its j-th token and never the one it made last)."""
     inputs, kinds = build_inputs(lm, p)
     rec.reset()
     if p.continuation is not None and s.decode_tokens > 0:
@@ -292,7 +293,9 @@ def trace_sequence(lm: LoadedModel, rec: RouterRecorder, p: Prompt, s: TraceSett
             raise SpecPrefetchError(f"sequence {p.key}: continuation_ids {bad[0]} is outside the model's "
                                     f"vocabulary ({vocab} tokens)")
         full = inputs["input_ids"][0].tolist() + list(p.continuation)
-        fed = torch.tensor([full[:len(kinds) + min(s.decode_tokens, len(p.continuation))]], device=lm.input_device)
+        # the last continuation token is not fed, as greedy decode never feeds the token it made last
+        fed = torch.tensor([full[:len(kinds) + min(s.decode_tokens, len(p.continuation) - 1)]],
+                           device=lm.input_device)
         extra = {"input_ids": fed, "attention_mask": torch.ones_like(fed)}
         if "mm_token_type_ids" in inputs:   # the continuation is text
             mm = inputs["mm_token_type_ids"]
