@@ -1064,7 +1064,7 @@ class TestContinuation:
         run_trace(tiny_models[FAM], [tmp_path / "c.jsonl"], tmp_path / "other", settings, progress=False)
         c = TraceReader(tmp_path / "other").load("train", fields)
         assert c["token_id"][c["kind"] == DECODE].tolist() == other[:-1]   # the last one is never fed
-        assert not np.array_equal(a["expert_ids"], c["expert_ids"][:len(a["expert_ids"])])
+        assert not np.array_equal(a["expert_ids"][:len(c["expert_ids"])], c["expert_ids"])
 
     def test_bad_continuations_are_named(self, tiny_models, tmp_path):
         bad = tmp_path / "bad.jsonl"

@@ -174,7 +174,7 @@ print("split:", json.dumps(out))
 PY
       pack ;;
     tests)
-      timeout 240 python -m pytest -q -rf -p no:cacheprovider tests/test_gpu_tier.py tests/test_cuda.py -k "${TESTK:-cuda or triton or reuse or split or fused or resident}" 2>&1 | tail -20 | tee -a "$L" || fail "tests" ;;
+      timeout 240 python -m pytest -q -rf -p no:cacheprovider tests/test_gpu_tier.py tests/test_cuda.py -k "${TESTK:-cuda or triton or reuse or split or fused or resident or lagging}" 2>&1 | tail -20 | tee -a "$L" || fail "tests" ;;
     *) fail "unknown stage '$st' (base, wide, batched, split, tests)"; exit 2 ;;
   esac
 done

@@ -103,9 +103,9 @@ def warm_with_prompt(sched, pool, prompt: torch.Tensor, spans: list[int], L: int
     ones first, in groups of at most the pool's capacity) at step p0 * L + layer, as both runners
     feed a prompt. Nothing is prefetched here, where the runners' `plan_chunk` also plans during the
     prompt (its predictors would need the prompt positions' router inputs, which a trace keeps for
-    decode rows only): the replay's first decode layers can miss where the runner's hit. Measured
-    against the native runner (docs/benchmarks.md section 19) the bytes are the runner's for
-    on-demand, previous-token and the adapter's policies, not for oracle + Belady."""
+    decode rows only). Measured against the native runner (docs/benchmarks.md section 19) the decode
+    bytes are the runner's for on-demand, previous-token and the adapter's policies, not for
+    oracle + Belady (cause not found: planning the oracle's window here hardly changed them)."""
     p0 = 0
     for T in spans:
         for li in range(L):
