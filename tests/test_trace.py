@@ -1147,3 +1147,26 @@ class TestContinuation:
             assert got["tokens"] == tokens[name], name
             assert got["mib_read_per_token"] == round(reads[name] * slot / 2**20 / tokens[name], 4), name
         assert reads["warm"] != reads["cold"]
+
+    def test_a_warm_replay_numbers_beladys_steps_as_the_runner(self, work, monkeypatch):
+        """From a prefilled pool, Belady's future counts a prompt span's positions at the span's step, as
+        the runners' (`belady_next_use(units=...)`): the replay hands the pool its prompt spans."""
+        from toolkit.runtime.backend import chunk_plan, prefill_spans
+        from toolkit.simulate import replay
+
+        trace = work / "trace"
+        a = TraceReader(trace).load("train", ("seq", "expert_ids", "kind"))
+        own = {int(q): a["expert_ids"][a["seq"] == q].astype(np.int64) for q in np.unique(a["seq"])}
+        seen = []
+        real = replay.open_pool_and_scheduler
+        monkeypatch.setattr(replay, "open_pool_and_scheduler",
+                            lambda *x, **kw: seen.append(kw["units"]) or real(*x, **kw))
+        kw = dict(policies=parse_policies("oracle+belady"), profile=load_profile("snapdragon-8-elite"), pool_mib=1,
+                  window=2, split="train", routing=own)
+        run_simulation(trace, **kw, prefill_chunks=(8, 4))
+        want = sorted(prefill_spans(chunk_plan(int((a["kind"][a["seq"] == q] != DECODE).sum()), (8, 4)))
+                      for q in own)
+        assert sorted(list(u) for u in seen) == [list(w) for w in want] and all(sum(u) > 0 for u in seen)
+        seen.clear()
+        run_simulation(trace, **kw)   # from an empty pool: no prompt, no spans
+        assert seen and all(tuple(u) == () for u in seen)

@@ -174,7 +174,8 @@ def simulate_policy(batches: list[RoutingBatch], predictor, geo: Geometry, profi
             flash = SimFlash(profile, clock, geo.slot_bytes)
             pool, sched = open_pool_and_scheduler(cfg, slot_bytes=geo.slot_bytes, num_layers=L, top_k=geo.top_k,
                                                   io=flash, future=future, prefetch=predictor is not None,
-                                                  clock=lambda: clock.now, reuse=reuse)
+                                                  clock=lambda: clock.now, reuse=reuse,
+                                                  units=warm[1] if warm is not None else ())   # Belady's steps
             if warm is not None:
                 warm_with_prompt(sched, pool, pids, warm[1], L)
             account = DecodeAccount()
