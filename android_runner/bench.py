@@ -69,11 +69,14 @@ def _pooled(runs: list[dict]) -> dict:
 
 
 def calibrate_native(bundle: Path, prompts: list[list[int]], *, all_mib: float, tokens: int = 32,
-                     reads: int = 200, repeats: int = 2, threads: int = 1):
+                     reads: int = 200, repeats: int = 2, threads: int = 1, oracle_runs: list[dict] | None = None):
     """A device profile of this machine as the native runner sees it (the simulator's inputs): the
     store's O_DIRECT read table, and the runner's own compute: dense time per layer, expert kernel
     time, planning time, what a demand miss and a background read cost it. Each figure is pooled
-    over every prompt, `repeats` times (the configurations interleaved)."""
+    over every prompt, `repeats` times (the configurations interleaved). `oracle_runs`: the
+    flash-bound perfect-prefetch runs (oracle + Belady at the tiny pool, these prompts and tokens)
+    already made, interleaved with the runs the profile is compared with, so the flash rate is the
+    one those runs saw: used instead of running them here."""
     from toolkit.runtime.expert_store import ExpertStore
     from toolkit.simulate.calibrate import measure_flash, runtime_profile, tiny_pool_mib
 
@@ -87,7 +90,11 @@ def calibrate_native(bundle: Path, prompts: list[list[int]], *, all_mib: float, 
                "plan": ("oracle+lru", all_mib, ["--preload"], False),
                "on_demand": ("on-demand+lru", tiny, [], True),
                "oracle": ("oracle+belady", tiny, [], True)}
+    if oracle_runs:
+        del configs["oracle"]
     got: dict[str, list[dict]] = {c: [] for c in configs}
+    if oracle_runs:
+        got["oracle"] = list(oracle_runs)
     _run_native(bundle, prompts[:1], max_new_tokens=tokens, policy="on-demand+lru", pool_mib=all_mib,
                 threads=threads, extra=["--preload"], runner=runner)  # warm-up
     for _ in range(repeats):
@@ -297,10 +304,19 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
     out["read_budget_kib"] = read_budget_kib
     out["predictor_policy"] = base[2]  # what the ratios over "the predictor" are of
     out["points"] = []
+    # the simulator's flash-bound calibration run (oracle + Belady at a two-layer pool, cold) goes in
+    # every round beside the policies, so its flash rate is the one they saw (the VM's moves run to run)
+    from export.session import bundle_source
+    from toolkit.simulate.calibrate import tiny_pool_mib
+
+    source = bundle_source(Path(bundle), m)   # the very weights the bundle's store was built from, if here
+    simulate = source.model is not None and not images
+    calib_runs: list[dict] = []
     for frac in pool_fracs:
         slots = max(k, int(round(frac * L * E)))
         pool = slots * store.slot_bytes / MiB
-        log(f"pool {pool:.2f} MiB ({slots} of {L * E} experts): {', '.join(policies)}, cold, interleaved")
+        log(f"pool {pool:.2f} MiB ({slots} of {L * E} experts): {', '.join(policies)}"
+            + (", the simulator's calibration run" if simulate else "") + ", cold, interleaved")
         got: dict[str, list] = {p: [] for p in policies}
         order = policies
         for _ in range(rounds):
@@ -310,6 +326,9 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
                 res = run_native(bundle, ids, max_new_tokens=new_tokens, policy=pol, pool_mib=pool, cold=True,
                                  read_budget_kib=int(rb) if rb else None, extra=("--no-next-visit",) if off else ())
                 got[p].append(res)
+            if simulate:
+                calib_runs += run_native(bundle, ids, max_new_tokens=new_tokens, policy="oracle+belady",
+                                         pool_mib=tiny_pool_mib(k, store.slot_bytes), cold=True)["runs"]
             order = order[::-1]  # ABC, CBA, ...
         point = {"pool_mib": round(pool, 3), "pool_frac": frac, "slots": slots, "policies": {}}
         for p, results in got.items():
@@ -353,9 +372,6 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
                 f"oracle+belady: {point['oracle_lru_over_belady']}, oracle+prediction / oracle+belady: "
                 f"{point['oracle_prediction_over_belady']}")
     # 3. the simulator, recalibrated against the native runner, on the same prompts and pools
-    from export.session import bundle_source
-
-    source = bundle_source(Path(bundle), m)   # the very weights the bundle's store was built from, if here
     src = source.model
     adapter = Path(bundle) / m["predictor"]["adapter"] if m["predictor"].get("adapter") else None
     if images:
@@ -365,7 +381,8 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
         from toolkit.runtime.policy import parse_policies
 
         log("the simulator, recalibrated against the native runner (calibrate_native), on the same prompts")
-        prof = calibrate_native(bundle, ids, all_mib=all_mib, tokens=new_tokens, threads=threads)
+        prof = calibrate_native(bundle, ids, all_mib=all_mib, tokens=new_tokens, threads=threads,
+                                oracle_runs=calib_runs)
         sim = simulate_same_prompts(src, texts, adapter,
                                     parse_policies(",".join(p for p in policies if READ_BUDGET_TAG not in p
                                                             and NO_NEXT_VISIT_TAG not in p)),
