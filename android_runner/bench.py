@@ -312,6 +312,7 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
     source = bundle_source(Path(bundle), m)   # the very weights the bundle's store was built from, if here
     simulate = source.model is not None and not images
     calib_runs: list[dict] = []
+    tiny = tiny_pool_mib(k, store.slot_bytes)
     for frac in pool_fracs:
         slots = max(k, int(round(frac * L * E)))
         pool = slots * store.slot_bytes / MiB
@@ -328,7 +329,7 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
                 got[p].append(res)
             if simulate:
                 calib_runs += run_native(bundle, ids, max_new_tokens=new_tokens, policy="oracle+belady",
-                                         pool_mib=tiny_pool_mib(k, store.slot_bytes), cold=True)["runs"]
+                                         pool_mib=tiny, cold=True)["runs"]
             order = order[::-1]  # ABC, CBA, ...
         point = {"pool_mib": round(pool, 3), "pool_frac": frac, "slots": slots, "policies": {}}
         for p, results in got.items():

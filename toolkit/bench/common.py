@@ -6,9 +6,9 @@ import json
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any, Iterable, Sequence
 
 import numpy as np
-from typing import Any, Iterable, Sequence
 
 from toolkit.metrics import median
 
@@ -65,6 +65,7 @@ def simulate_same_prompts(model, texts, adapter, policies, pools, new_tokens, wi
                           TraceSettings(prompt_tokens=10_000, decode_tokens=new_tokens - 1, heldout_frac=0.0),
                           progress=False)
         routing = None
+        warm_chunks = prefill_chunks if runs else None   # a prefilled pool needs the runs' own routing
         if runs:
             k = TraceReader(trace).top_k
             routing = {q: np.asarray(r["routing"], np.int64).reshape(len(r["routing"]), -1, k)
@@ -75,7 +76,7 @@ def simulate_same_prompts(model, texts, adapter, policies, pools, new_tokens, wi
             r = run_simulation(trace, policies=parse_policies("oracle+belady"), profile=p,
                                pool_mib=p.measured["tiny_pool_mib"], window=window, queue_depth=queue_depth,
                                split="train", model=model, dtype=dtype, routing=routing,
-                               prefill_chunks=prefill_chunks if runs else None)
+                               prefill_chunks=warm_chunks)
             return r["results"][0]["tpot_ms"]
 
         pm = prof.measured or {}
@@ -86,12 +87,12 @@ def simulate_same_prompts(model, texts, adapter, policies, pools, new_tokens, wi
         out = {"profile": prof.to_json(), "points": [],
                "routing": "the measured runs' (their tokens teacher-forced through the model)" if runs
                else "the model's own greedy decode of the prompts",
-               "pool_at_first_token": "as the measured runs' prefill left it" if runs and prefill_chunks is not None
+               "pool_at_first_token": "as the measured runs' prefill left it" if warm_chunks is not None
                else "empty"}
         for pool in pools:
             r = run_simulation(trace, policies=policies, profile=prof, pool_mib=pool, window=window, adapter=adapter,
                                queue_depth=queue_depth, split="train", model=model, dtype=dtype, routing=routing,
-                               prefill_chunks=prefill_chunks if runs else None)
+                               prefill_chunks=warm_chunks)
             out["points"].append({"pool_mib": pool, "policies": {x["policy"]: {
                 k: x[k] for k in ("tpot_ms", "stall_ms_per_token", "hit_rate", "mib_read_per_token")}
                 for x in r["results"]}})

@@ -249,6 +249,17 @@ class FusedExpertMath(PooledExpertMath):
 EXPERT_MATH = {"eager": PooledExpertMath, "fused": FusedExpertMath}
 
 
+def _ascending(li: int, row: list[int]) -> tuple[list[int], list[tuple[int, int]]]:
+    """A router's top-k `row` of MoE layer li: its positions in ascending expert order, and those keys."""
+    order = sorted(range(len(row)), key=row.__getitem__)
+    return order, [(li, row[p]) for p in order]
+
+
+def _resident_first(keys: list, pooled) -> list:
+    """`keys` with the ones the pool holds first (each group in its order): the acquisition order."""
+    return [x for x in keys if x in pooled] + [x for x in keys if x not in pooled]
+
+
 class GraphRunner:
     """The target's one-token decode step as L + 1 segments (CUDA graphs on a GPU, eager on the CPU),
     and the draft's whole step as one graph."""
@@ -473,12 +484,8 @@ class GraphRunner:
             seq.record_routing(li, [row])
             if planner is not None:
                 seq.state.record(li, self.host_post[li], row)
-            order = sorted(range(k), key=row.__getitem__)       # top-k positions, ascending expert
-            keys = [(li, row[p]) for p in order]
-            resident, missing = [], []
-            for key in keys:
-                (resident if key in pooled else missing).append(key)
-            sched.acquire(step, resident + missing)
+            order, keys = _ascending(li, row)
+            sched.acquire(step, _resident_first(keys, pooled))
             if planner is not None:
                 planner.plan(sched, li, step, seq.state, None, seq.end)
             slots = []
@@ -537,17 +544,14 @@ class GraphRunner:
             rows = host_idx[:, 0].tolist()
             seq.record_routing(li, rows)
             step = pos * L + li
-            keys_of = []
-            for row in rows:
-                order = sorted(range(k), key=row.__getitem__)     # top-k positions, ascending expert
-                keys_of.append((order, [(li, row[q]) for q in order]))
+            keys_of = [_ascending(li, row) for row in rows]
             union = list(dict.fromkeys(key for _, keys in keys_of for key in keys))
             cap = self.eng.capacity - len(sched.loading)   # >= k: copies in flight are capped at capacity - k
             if len(union) <= cap:   # the layer's experts for every row at once, resident ones first
-                sched.acquire(step, [x for x in union if x in pooled] + [x for x in union if x not in pooled])
+                sched.acquire(step, _resident_first(union, pooled))
             for j, (order, keys) in enumerate(keys_of):
                 if len(union) > cap:   # more than fit: a row's experts at a time
-                    sched.acquire(step, [x for x in keys if x in pooled] + [x for x in keys if x not in pooled])
+                    sched.acquire(step, _resident_first(keys, pooled))
                 slots = []
                 for key in keys:
                     sched.data(key)

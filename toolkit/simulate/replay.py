@@ -485,11 +485,12 @@ def run_simulation(trace: Path, *, policies: list[Policy], profile: DeviceProfil
     batches = list(iter_batches(reader, split, decode_only=True, with_probs=False))
     warm = None
     if routing is not None:
-        last: dict[int, int] = {}
+        span: dict[int, tuple[int, int]] = {}   # per sequence: its first and last decode positions
         for b in batches:
             for q, pos in zip(b.seq.tolist(), b.pos.tolist()):
-                last[q] = max(pos, last.get(q, pos))
-        for q, n in last.items():   # the same positions: a routing per position the trace replays
+                lo, hi = span.get(q, (pos, pos))
+                span[q] = (min(lo, pos), max(hi, pos))
+        for q, (_, n) in span.items():   # the same positions: a routing per position the trace replays
             r = routing.get(q)
             if r is None or len(r) != n + 1:
                 raise SpecPrefetchError(f"trace {trace}: sequence {q} replays positions 0..{n}, but the routing "
@@ -497,11 +498,7 @@ def run_simulation(trace: Path, *, policies: list[Policy], profile: DeviceProfil
                                         "tokens (another tokenization, or a run of another length)")
         batches = [with_routing(b, routing, trace) for b in batches]
         if prefill_chunks is not None:   # each sequence's prompt: the positions before its first decode row
-            first = {}
-            for b in batches:
-                for q, pos in zip(b.seq.tolist(), b.pos.tolist()):
-                    first[q] = min(pos, first.get(q, pos))
-            warm = {q: (routing[q][:n], prefill_spans(chunk_plan(n, prefill_chunks))) for q, n in first.items()}
+            warm = {q: (routing[q][:n], prefill_spans(chunk_plan(n, prefill_chunks))) for q, (n, _) in span.items()}
     if max_sequences is not None:
         keep = set(sorted({int(q) for b in batches for q in b.seq.tolist()})[:max_sequences])
         batches = [b.select(torch.tensor([int(q) in keep for q in b.seq.tolist()])) for b in batches]
