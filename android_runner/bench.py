@@ -131,6 +131,43 @@ READ_BUDGET_TAG = " read-budget="
 # where the bundle has them
 NO_NEXT_VISIT_TAG = " next-visit=off"
 
+# a row of the predictor's policy with other scheduler settings (runner bench --variant):
+# "<policy> scheduler=<key=value,...>"
+VARIANT_TAG = " scheduler="
+# what --variant may set, with each value's parser and check (the native runner's option of the same name)
+VARIANT_KEYS: dict[str, tuple[Callable[[str], Any], Callable[[Any], bool], str]] = {
+    "window": (int, lambda v: v >= 1, "an integer >= 1"),
+    "queue_depth": (int, lambda v: v >= 1, "an integer >= 1"),
+    "candidate_threshold": (float, lambda v: 0 <= v <= 1, "a probability in [0, 1]"),
+    "min_confidence": (float, lambda v: 0 <= v <= 1, "a probability in [0, 1]"),
+}
+
+
+def parse_variant(spec: str) -> dict[str, Any]:
+    """`queue_depth=2,window=1` -> {"queue_depth": 2, "window": 1} (runner bench --variant); one line naming
+    the option where a key or value is not one of VARIANT_KEYS'."""
+    out: dict[str, Any] = {}
+    for part in spec.split(","):
+        key, eq, val = (x.strip() for x in part.partition("="))
+        if key not in VARIANT_KEYS or not eq:
+            raise SpecPrefetchError(f"--variant {spec}: '{part}' is not KEY=VALUE with KEY one of "
+                                    f"{', '.join(VARIANT_KEYS)}")
+        conv, ok, what = VARIANT_KEYS[key]
+        try:
+            v = conv(val)
+        except ValueError:
+            v = None
+        if v is None or not ok(v) or key in out:
+            raise SpecPrefetchError(f"--variant {spec}: {key} must be {what}, given once (got '{val}')")
+        out[key] = v
+    return out
+
+
+def variant_label(knobs: dict[str, Any]) -> str:
+    """The canonical text of a variant's settings (sorted keys), as its rows are named."""
+    return ",".join(f"{k}={knobs[k]:g}" if isinstance(knobs[k], float) else f"{k}={knobs[k]}" for k in sorted(knobs))
+
+
 # runner bench --ablation: every predictor of the report with the other evictions, so that the gap to the
 # oracle splits into prediction (oracle+lru, oracle+prediction against oracle+belady) and eviction (the
 # predictor with Belady's eviction, which knows the real future; on-demand+belady: eviction alone)
@@ -162,7 +199,7 @@ def token_check(results: list[dict], reference: list[list[int]]) -> dict[str, An
 def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: int = 32, rounds: int = 3,
         pool_fracs: tuple[float, ...] = (0.13, 0.27), threads: int = 1, ablation: bool = False,
         read_budget_kib: int | str | None = None, images: tuple[Path, ...] = (), prompt_texts: tuple[str, ...] = (),
-        log: Callable[[str], None] = print) -> dict[str, Any]:
+        variants: tuple[str, ...] = (), log: Callable[[str], None] = print) -> dict[str, Any]:
     """The native runner against the Python reference runner and the memory floor, then its policies
     streaming from flash, then the simulator recalibrated against it. Both engines run the layer
     graphs on an ExecuTorch thread pool of `threads` (one: a decode step's matrices are too small
@@ -174,7 +211,10 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
     O_DIRECT rate for expert slots at the runner's read lanes, times one step of its all-resident
     compute). images: every prompt gets these images before its text (a bundle that takes images; both
     engines run the image prompt; the simulator, which replays text, is left out). prompt_texts: the
-    prompts' texts (then `prompts` and `prompt_tokens` do not apply); default: held-out texts."""
+    prompts' texts (then `prompts` and `prompt_tokens` do not apply); default: held-out texts. variants: also
+    the predictor's policy with these scheduler settings (`parse_variant`: window, queue_depth,
+    candidate_threshold, min_confidence instead of the bundle's), each a row of its own in the same rounds,
+    simulated too."""
     from transformers import AutoTokenizer
 
     from export.executorch_target import set_threads
@@ -185,6 +225,7 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
     from toolkit.runtime.policy import Policy
     from toolkit.runtime.runner import RunConfig
 
+    knobs = {variant_label(v): v for v in map(parse_variant, variants)}   # checked before anything runs
     m, _ = validate_bundle(bundle, hash_store=False)
     if m.get("target") != "executorch":
         raise SpecPrefetchError(f"{bundle}: runner bench measures executorch bundles; a {m.get('target')} bundle's "
@@ -299,6 +340,7 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
     policies = base + ([f"{graph}+prediction"] if reuse else []) + \
         ([f"{base[2]}{NO_NEXT_VISIT_TAG}"] if next_visit else []) + \
         ([p.format(graph=graph) for p in ABLATION_POLICIES] if ablation else []) + \
+        [f"{base[2]}{VARIANT_TAG}{v}" for v in knobs] + \
         ([f"{base[2]}{READ_BUDGET_TAG}{read_budget_kib}"] if read_budget_kib else [])
     out["ablation"] = ablation
     out["read_budget_kib"] = read_budget_kib
@@ -324,8 +366,15 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
             for p in order:
                 pol, _, rb = p.partition(READ_BUDGET_TAG)
                 pol, off, _ = pol.partition(NO_NEXT_VISIT_TAG)
+                pol, _, var = pol.partition(VARIANT_TAG)
+                kv = knobs.get(var, {})
+                extra = (("--no-next-visit",) if off else ()) + \
+                    (("--candidate-threshold", repr(float(kv["candidate_threshold"])))
+                     if "candidate_threshold" in kv else ())
                 res = run_native(bundle, ids, max_new_tokens=new_tokens, policy=pol, pool_mib=pool, cold=True,
-                                 read_budget_kib=int(rb) if rb else None, extra=("--no-next-visit",) if off else ())
+                                 read_budget_kib=int(rb) if rb else None, window=kv.get("window"),
+                                 queue_depth=kv.get("queue_depth"), min_confidence=kv.get("min_confidence"),
+                                 extra=extra)
                 got[p].append(res)
             if simulate:
                 calib_runs += run_native(bundle, ids, max_new_tokens=new_tokens, policy="oracle+belady",
@@ -355,6 +404,8 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
         point["predictor_over_oracle"] = round(pr / orc, 3)
         if read_budget_kib:  # the predictor's policy without the read budget over with it
             point["predictor_over_read_budget"] = round(pr / tp[policies[-1]], 3)
+        for v in knobs:   # each variant's settings over the bundle's: > 1 where the variant is faster
+            point.setdefault("predictor_over_variant", {})[v] = round(pr / tp[f"{base[2]}{VARIANT_TAG}{v}"], 3)
         if next_visit:  # the reuse eviction without the next-visit heads over with them
             point["no_next_visit_over_predictor"] = round(tp[f"{base[2]}{NO_NEXT_VISIT_TAG}"] / pr, 3)
         if ablation:  # the same predictor, its eviction against Belady's (which knows the real future)
@@ -367,7 +418,8 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
             f"{point['temporal_over_predictor']}, {base[2]} / oracle: {point['predictor_over_oracle']}"
             + (f", without / with the read budget: {point['predictor_over_read_budget']}" if read_budget_kib else "")
             + (f", without / with the next-visit heads: {point['no_next_visit_over_predictor']}" if next_visit
-               else ""))
+               else "")
+            + "".join(f", {base[2]} / with {v}: {x}" for v, x in point.get("predictor_over_variant", {}).items()))
         if ablation:
             log(f"  {base[2]} / {graph}+belady: {point['predictor_eviction_over_belady']}, oracle+lru / "
                 f"oracle+belady: {point['oracle_lru_over_belady']}, oracle+prediction / oracle+belady: "
@@ -386,13 +438,15 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
                                 oracle_runs=calib_runs)
         sim = simulate_same_prompts(src, texts, adapter,
                                     parse_policies(",".join(p for p in policies if READ_BUDGET_TAG not in p
-                                                            and NO_NEXT_VISIT_TAG not in p)),
+                                                            and NO_NEXT_VISIT_TAG not in p and VARIANT_TAG not in p)),
                                     [p["slots"] * store.slot_bytes / MiB for p in out["points"]], new_tokens,
                                     m["runtime"]["scheduler"]["window"], None, profile=prof, dtype=store.dtype,
                                     queue_depth=queue_depth,
                                     runs=[{"tokens": t, "routing": r}
                                           for t, r in zip(resident_tokens, resident_routing)],
-                                    prefill_chunks=m["graphs"].get("prefill_chunks") or ())
+                                    prefill_chunks=m["graphs"].get("prefill_chunks") or (),
+                                    variants={f"{base[2]}{VARIANT_TAG}{v}": (parse_policies(base[2])[0], kv)
+                                              for v, kv in knobs.items()})
         out["simulated"] = sim
         for p, sp in zip(out["points"], sim["points"]):
             for name, v in p["policies"].items():
@@ -462,7 +516,10 @@ def markdown(r: dict[str, Any]) -> str:
                      + (f", predictor without / with the read budget {p['predictor_over_read_budget']:.3f}"
                         if "predictor_over_read_budget" in p else "")
                      + (f", predictor without / with the next-visit heads {p['no_next_visit_over_predictor']:.3f}"
-                        if "no_next_visit_over_predictor" in p else "") + " | | | | | | | | | | |")
+                        if "no_next_visit_over_predictor" in p else "")
+                     + "".join(f", predictor / with {v} {x:.3f}"
+                               for v, x in p.get("predictor_over_variant", {}).items())
+                     + " | | | | | | | | | | |")
         if "predictor_eviction_over_belady" in p:
             lines.append(f"| | eviction ablation: predictor / predictor+belady "
                          f"{p['predictor_eviction_over_belady']:.3f}, "

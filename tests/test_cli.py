@@ -204,6 +204,20 @@ class TestPathsAndText:
                 "--prompt", "not valid UTF-8")
         assert sorted(p.name for p in tmp_path.iterdir()) == ["latin1.jsonl"]
 
+    def test_runner_bench_variant_is_checked_first(self, tmp_path):
+        """--variant: KEY=VALUE pairs of the scheduler settings it may change, refused in one line naming
+        the option before the bundle is opened (here there is none)."""
+        from android_runner.bench import parse_variant, variant_label
+
+        assert parse_variant("queue_depth=2, window=1") == {"queue_depth": 2, "window": 1}
+        assert variant_label(parse_variant("window=1,candidate_threshold=0.05")) == \
+            "candidate_threshold=0.05,window=1"
+        for bad in ("queue_depth=0", "window=x", "lanes=2", "queue_depth", "candidate_threshold=1.5",
+                    "window=1,window=2"):
+            refused(["runner", "bench", tmp_path / "none", "--variant", bad, "--json", tmp_path / "r.json"],
+                    f"--variant {bad}")
+        assert not any(tmp_path.iterdir())
+
     def test_runner_bench_takes_prompts_or_texts_not_both(self, tmp_path):
         refused(["runner", "bench", tmp_path, "--prompts", "2", "--prompt", "x", "--json", tmp_path / "r.json"],
                 "--prompts", "--prompt")

@@ -23,7 +23,8 @@ def test_runner_bench_reports_every_part(embedded_bundles, tmp_path):
     r = subprocess.run(["specprefetch", "runner", "bench", str(embedded_bundles["executorch"]), "--prompt", asked[0],
                         "--prompt", asked[1],
                         "--new-tokens", "6", "--rounds", "1", "--pool-frac", "0.13", "--ablation",
-                        "--read-budget-kib", "auto", "--json", str(out)],
+                        "--read-budget-kib", "auto", "--variant", "queue_depth=1,candidate_threshold=0.2",
+                        "--json", str(out)],
                        capture_output=True, text=True, timeout=1800, env=env)
     assert r.returncode == 0, r.stderr
     res = json.loads(out.read_text())
@@ -39,8 +40,19 @@ def test_runner_bench_reports_every_part(embedded_bundles, tmp_path):
     assert res["read_budget_kib"] == auto["kib"] >= res["slot_bytes"] // 1024 and auto["read_mibs"] > 0
     assert auto["step_ms"] == round(rs["native_tpot_ms"] / 8, 4)   # the embedded model's 8 MoE layers
     budget = f"next-gate+prediction read-budget={auto['kib']}"
+    variant = "next-gate+prediction scheduler=candidate_threshold=0.2,queue_depth=1"
     assert set(pols) == {"on-demand+lru", "previous-token+lru", "next-gate+prediction", "oracle+belady",
-                         "oracle+lru", "oracle+prediction", "next-gate+belady", "on-demand+belady", budget}
+                         "oracle+lru", "oracle+prediction", "next-gate+belady", "on-demand+belady", budget, variant}
+    # --variant: the predictor with other scheduler settings, run and simulated with them; the simulator
+    # replays the runner's decisions, so its bytes are the variant's own, not the bundle's settings'
+    sp = next(x["policies"] for x in res["simulated"]["points"])
+    assert pols[variant]["tokens_match_resident"]
+    assert point["predictor_over_variant"] == {variant.split("=", 1)[1]: round(
+        pols["next-gate+prediction"]["tpot_ms"] / pols[variant]["tpot_ms"], 3)}
+    mib = {n: pols[n]["mib_read_per_token"] for n in ("next-gate+prediction", variant)}
+    assert mib[variant] != mib["next-gate+prediction"]
+    for a, b in ((variant, "next-gate+prediction"), ("next-gate+prediction", variant)):
+        assert abs(sp[a]["mib_read_per_token"] - mib[a]) < abs(sp[a]["mib_read_per_token"] - mib[b]), (a, sp, mib)
     assert point["predictor_over_read_budget"] == round(pols["next-gate+prediction"]["tpot_ms"] /
                                                         pols[budget]["tpot_ms"], 3)
     assert pols[budget]["tokens_match_resident"] and "simulated_tpot_ms" not in pols[budget]

@@ -43,14 +43,17 @@ def medians(runs: Sequence[dict[str, Any]], keys: Iterable[str]) -> dict[str, fl
 def simulate_same_prompts(model, texts, adapter, policies, pools, new_tokens, window, store,
                           profile=None, dtype: str = "fp16", queue_depth: int = 4,
                           runs: list[dict[str, Any]] | None = None,
-                          prefill_chunks: Sequence[int] | None = None) -> dict[str, Any]:
+                          prefill_chunks: Sequence[int] | None = None,
+                          variants: dict[str, tuple[Any, dict[str, Any]]] | None = None) -> dict[str, Any]:
     """Trace the bench prompts and replay them under a device profile: `profile`, or this machine's
     calibrated for the reference runner; `window` and `queue_depth` the measured runs' scheduler's.
     `runs`, if given, one per prompt: a measured engine's `tokens` (new) and `routing` (per position,
     L * k expert ids): the trace then feeds those tokens (teacher-forced, so its router inputs are of
     the text the engine wrote) and the replay takes that engine's routing instead of `model`'s (a
     quantised bundle routes some tokens differently from the model it came from); with `prefill_chunks`
-    too (the measured engine's prompt chunks), each replay starts from the pool its prefill left."""
+    too (the measured engine's prompt chunks), each replay starts from the pool its prefill left.
+    `variants`: more rows, label -> (a policy, scheduler settings that replace `window` / `queue_depth` /
+    the default candidate_threshold and min_confidence for it: runner bench --variant)."""
     from toolkit.runtime.policy import parse_policies
     from toolkit.simulate.calibrate import calibrate, fit_flash_rate
     from toolkit.simulate.replay import run_simulation
@@ -93,7 +96,13 @@ def simulate_same_prompts(model, texts, adapter, policies, pools, new_tokens, wi
             r = run_simulation(trace, policies=policies, profile=prof, pool_mib=pool, window=window, adapter=adapter,
                                queue_depth=queue_depth, split="train", model=model, dtype=dtype, routing=routing,
                                prefill_chunks=warm_chunks)
-            out["points"].append({"pool_mib": pool, "policies": {x["policy"]: {
+            rows = [(x["policy"], x) for x in r["results"]]
+            for label, (pol, kv) in (variants or {}).items():
+                v = run_simulation(trace, policies=[pol], profile=prof, pool_mib=pool, adapter=adapter, split="train",
+                                   model=model, dtype=dtype, routing=routing, prefill_chunks=warm_chunks,
+                                   **{"window": window, "queue_depth": queue_depth, **kv})
+                rows.append((label, v["results"][0]))
+            out["points"].append({"pool_mib": pool, "policies": {name: {
                 k: x[k] for k in ("tpot_ms", "stall_ms_per_token", "hit_rate", "mib_read_per_token")}
-                for x in r["results"]}})
+                for name, x in rows}})
     return out
