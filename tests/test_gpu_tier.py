@@ -14,7 +14,7 @@ from toolkit.models.routers import load_router_bank
 from toolkit.predictors.registry import build_predictor
 from toolkit.runtime.expert_store import ExpertStore, build_store
 from toolkit.runtime.gpu import GpuEngine, Int4Experts
-from toolkit.runtime.gpu_graph import GraphRunner
+from toolkit.runtime.gpu_graph import GraphRunner, StaticDecoder
 from toolkit.runtime.policy import Policy
 from toolkit.runtime.runner import RunConfig
 
@@ -341,6 +341,30 @@ def test_gpu_bench_report(tiny_models, stores, tmp_path):
     md, png = write(r, tmp_path / "gpu.json")
     assert "draft+prediction" in md.read_text() and png.stat().st_size > 0
     assert "without a host sync per layer (eager)" in md.read_text()   # static: no graph
+
+
+def test_profile_of_a_resident_token(tiny_models, stores):
+    """`profile_resident` counts a decode token's ops as the difference of a short and a long resident
+    run: on the CPU the static decoder's host ops (the resident path), a whole number of each per token
+    (every decode token runs the same ops), more than one per MoE layer, and too few new tokens refused."""
+    from toolkit.models.loader import load_model
+    from toolkit.runtime.expert_store import ExpertStore
+    from toolkit.runtime.gpu import GpuEngine
+    from toolkit.runtime.gpu_bench import profile_resident
+    from toolkit.runtime.policy import Policy
+    from toolkit.runtime.runner import RunConfig
+
+    lm = load_model(tiny_models["qwen3_moe"])
+    st = ExpertStore(stores["qwen3_moe"])
+    all_mib = st.num_layers * st.num_experts * st.blob_size / 2**20 + 1e-6
+    eng = GpuEngine(lm, st, RunConfig(policy=Policy("on-demand", "lru"), pool_mib=all_mib), device="cpu")
+    r = profile_resident(eng, [5, 6, 7, 8], 8, short=3)
+    assert r["what"] == "host ops" and r["tokens"] == 5
+    assert r["launches_per_token"] > st.num_layers and r["busy_ms_per_token"] > 0
+    assert all(float(x["per_token"]).is_integer() for x in r["top"]), r["top"]
+    assert r["top"] == sorted(r["top"], key=lambda x: -x["us_per_token"])
+    with pytest.raises(SpecPrefetchError, match="more than 3 new tokens"):
+        profile_resident(eng, [5, 6, 7, 8], 3, short=3)
 
 
 @pytest.fixture(scope="module")
@@ -906,16 +930,20 @@ def test_cli_bench_cuda_options_pass_through(tiny_models, stores, tmp_path, monk
     monkeypatch.setattr(gpu_bench, "markdown", lambda r: "table")
     model = str(tiny_models["qwen3_moe"])
     base = ["bench", "gpu", model, "--store", str(stores["qwen3_moe"]), "--json", str(tmp_path / "b.json")]
-    r = CliRunner().invoke(main, base + ["--decode", "static", "--experts", "fused", "--report-mismatches"])
+    r = CliRunner().invoke(main, base + ["--decode", "static", "--experts", "fused", "--report-mismatches",
+                                         "--profile-resident", "--compile", "aot_eager"])
     assert r.exit_code == 0, r.output
     assert seen["decode"] == "static" and seen["experts"] == "fused" and seen["strict"] is False
+    assert seen["profile"] is True and seen["compile"] == "aot_eager"
     seen.clear()
     r = CliRunner().invoke(main, base + ["--overwrite"])
     assert r.exit_code == 0, r.output
-    assert seen["decode"] is None and seen["experts"] is None and seen["strict"] is True
+    assert seen["decode"] is None and seen["experts"] is None and seen["strict"] is True and not seen["profile"]
+    assert seen["compile"] is None
     r = CliRunner().invoke(main, base + ["--decode", "fast", "--overwrite"])
     assert r.exit_code == 2 and "fast" in r.output
-    for extra in (["--decode", "graph"], ["--experts", "fused"], ["--report-mismatches"]):
+    for extra in (["--decode", "graph"], ["--experts", "fused"], ["--report-mismatches"], ["--profile-resident"],
+                  ["--compile", "inductor"]):
         r = CliRunner().invoke(main, ["bench", "cpu", model, "--json", str(tmp_path / "c.json"), *extra])
         assert r.exit_code == 2 and "No such option" in r.output and extra[0] in r.output, r.output
 
@@ -971,6 +999,48 @@ def test_fused_experts_and_the_device_resident_decode(tiny_models, stores, fam, 
     fused.configure(policy=Policy.parse("next-gate+prediction"))
     with pytest.raises(SpecPrefetchError, match="on-demand policy"):
         fused.generate(prompt, 4, preload=True, resident_graph=True)
+
+
+def test_compiled_step_decodes_as_the_eager_one(tiny_models, stores):
+    """`compile`: the static decoder's one-token step (each layer's attention and router, the prelude,
+    the head) goes through torch.compile (here its tracing without code generation, aot_eager: the
+    graph capture, functionalised cache writes and per-layer entries of the inductor path, on the CPU)
+    and decodes what the eager step decodes: tokens and routing for a pooled policy, the draft and the
+    device-resident token; dynamo compiled a graph per layer at least, and no entry fell back to eager.
+    The option is validated."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    prompt = list(range(5, 17))
+    spec = inspect_model_dir(tiny_models["qwen3_moe"])
+    st = ExpertStore(stores["qwen3_moe"], spec)
+    bank = load_router_bank(spec)
+    preds = {"next-gate": build_predictor("next-gate", num_experts=spec.geometry.routing.num_experts,
+                                          bank=lambda: bank)}
+    torch._dynamo.reset()
+    counters.clear()
+    engines = {c: GpuEngine(load_model(tiny_models["qwen3_moe"], dtype="float32"), st,
+                            RunConfig(policy=Policy.parse("next-gate+prediction"), pool_mib=64.0), device="cpu",
+                            predictors=preds, with_draft=True, compile=c) for c in (None, "aot_eager")}
+    out = {}
+    for c, e in engines.items():
+        e.configure(pool_mib=_pool_mib(e, 0.25))
+        a = e.generate(prompt, 10)
+        e.configure(policy=Policy.parse("draft+prediction"))
+        d = e.generate(prompt, 10, k=3)
+        e.configure(policy=Policy.parse("on-demand+lru"), pool_mib=_pool_mib(e, 1.0))
+        r = e.generate(prompt, 10, preload=True, resident_graph=True)
+        out[c] = [(g.tokens, [x.tolist() for x in g.routing]) for g in (a, d, r)]
+    assert out["aot_eager"] == out[None]
+    layers = len(StaticDecoder(engines["aot_eager"]).layers)
+    assert counters["stats"]["unique_graphs"] >= layers
+    assert not any("recompile_limit" in k or "cache_size_limit" in k for k in counters["frames"]), counters
+    with pytest.raises(SpecPrefetchError, match="expected inductor or aot_eager"):
+        GpuEngine(load_model(tiny_models["qwen3_moe"]), st, RunConfig(policy=Policy("on-demand", "lru"),
+                  pool_mib=1.0), device="cpu", compile="tvm")
+    with pytest.raises(SpecPrefetchError, match="--decode graph or static"):
+        GpuEngine(load_model(tiny_models["qwen3_moe"]), st, RunConfig(policy=Policy("on-demand", "lru"),
+                  pool_mib=1.0), device="cpu", decode="modules", compile="inductor")
 
 
 def test_experts_option_is_validated(tiny_models, stores):

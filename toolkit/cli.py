@@ -595,10 +595,14 @@ def runner_build(bundle, abi, out, force, tokenizer, overwrite) -> None:
 @click.option("--prompt", "prompt_texts", type=Text(), multiple=True,
               help="a bench prompt's text (repeatable; default: --prompts held-out texts of 32 tokens; not with "
                    "--prompts)")
+@click.option("--variant", "variants", multiple=True, metavar="KEY=V[,KEY=V]",
+              help="also the predictor's policy with these scheduler settings (window, queue_depth, "
+                   "candidate_threshold, min_confidence) instead of the bundle's, in the same rounds and simulated "
+                   "(repeatable)")
 @json_report
 @friendly_errors(interrupt=NOT_WRITTEN)
 def runner_bench(bundle, prompts, new_tokens, rounds, pool_fracs, threads, ablation, read_budget_kib, images,
-                 prompt_texts, json_out, overwrite) -> None:
+                 prompt_texts, variants, json_out, overwrite) -> None:
     """Measure the native runner: all experts resident (vs the Python runner and the memory floor),
     and streaming from a cold cache at a few pool sizes (interleaved rounds)."""
     if prompt_texts and click.get_current_context().get_parameter_source("prompts") != \
@@ -609,7 +613,8 @@ def runner_bench(bundle, prompts, new_tokens, rounds, pool_fracs, threads, ablat
 
     r = run_native_bench(bundle, prompts=prompts, new_tokens=new_tokens, rounds=rounds, pool_fracs=tuple(pool_fracs),
                          threads=threads, ablation=ablation, read_budget_kib=read_budget_kib, images=tuple(images),
-                         prompt_texts=tuple(prompt_texts), log=lambda s: click.echo(s, err=True))
+                         prompt_texts=tuple(prompt_texts), variants=tuple(variants),
+                         log=lambda s: click.echo(s, err=True))
     write(r, json_out)
     click.echo(markdown(r))
     click.echo(wrote(c))
@@ -855,10 +860,17 @@ def bench_reads_cmd(traces, store_path, pool_fracs, max_sequences, rounds, lanes
 @click.option("--report-mismatches", is_flag=True,
               help="write the figures even when some run's tokens differ from transformers' (marked so; for "
                    "diagnosis only)")
+@click.option("--profile-resident", is_flag=True,
+              help="also profile an all-resident decode token: its kernels, how many and their device time "
+                   "(the report's resident_profile)")
+@click.option("--compile", "compile_backend", type=click.Choice(["inductor", "aot_eager"]), default=None,
+              help="the static decoder's one-token step through torch.compile with this backend (inductor: fused "
+                   "Triton kernels inside the graphs; docs/gpu-tier.md)")
 @json_report
 @friendly_errors(interrupt=NOT_WRITTEN)
 def bench_gpu(model, device, adapter, policies, pool_fractions, prompts, new_tokens, rounds, prompt_tokens, window,
-              store_path, draft_k, decode, experts, verify, report_mismatches, json_out, overwrite) -> None:
+              store_path, draft_k, decode, experts, verify, report_mismatches, profile_resident, compile_backend,
+              json_out, overwrite) -> None:
     """Measure the GPU tier's policies side by side on MODEL (a model directory or `embedded`): pools as
     fractions of the experts, the all-resident bound and transformers' generate beside them, the
     draft's K profiled per pool; tokens checked against transformers' (docs/gpu-tier.md)."""
@@ -878,6 +890,7 @@ def bench_gpu(model, device, adapter, policies, pool_fractions, prompts, new_tok
                                 fractions=pool_fractions, prompts=prompts, new_tokens=new_tokens, repeats=rounds,
                                 ks=ks, device=device, window=window, prompt_tokens=prompt_tokens, decode=decode,
                                 experts=experts, verify=verify, strict=not report_mismatches,
+                                profile=profile_resident, compile=compile_backend,
                                 log=lambda m: click.echo(m, err=True))
     _show_report(r, json_out, c, gpu_bench.write, gpu_bench.markdown)
 

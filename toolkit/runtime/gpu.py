@@ -475,7 +475,7 @@ class GpuEngine:
     def __init__(self, lm, store: ExpertStore, cfg: RunConfig, *, device: str = "cuda",
                  predictors: dict[str, Any] | None = None, reuse: ReuseTable | None = None,
                  with_draft: bool = False, progress=None, decode: str | None = None,
-                 experts: str | None = None, verify: str = "exact"):
+                 experts: str | None = None, verify: str = "exact", compile: str | None = None):
         """
         Args:
             lm: a LoadedModel on the CPU (toolkit.models.loader.load_model); its routed experts are
@@ -503,6 +503,11 @@ class GpuEngine:
                 Specter's: less target compute, but a k + 1-row GEMM rounds differently from a
                 one-row GEMV, so a near-tie between the two best tokens can resolve the other way:
                 tokens equal the model's only up to that).
+            compile: the static decoder's one-token step (each layer's attention and router, the
+                position's mask and rotary tables, the head) through torch.compile with this backend
+                ("inductor": fused Triton kernels on a GPU; "aot_eager": the same tracing without code
+                generation, for tests), captured in the graphs as before; None: eager modules. Fused
+                kernels round like transformers' only up to reduction order: tokens are checked as always.
         """
         if store.dtype != "fp16":
             raise SpecPrefetchError(f"{store.path}: the GPU tier computes from fp16 experts; this store is "
@@ -568,6 +573,11 @@ class GpuEngine:
         if verify not in ("exact", "batched"):
             raise SpecPrefetchError(f"verify {verify!r}: expected exact or batched")
         self.verify = verify
+        if compile not in (None, "inductor", "aot_eager"):
+            raise SpecPrefetchError(f"compile {compile!r}: expected inductor or aot_eager")
+        if compile is not None and self.decode == "modules":
+            raise SpecPrefetchError("--compile: compiles the static decoder's step (--decode graph or static)")
+        self.compile = compile
         self._runners: dict[int, Any] = {}   # pool capacity -> GraphRunner (its own slot arena)
         self.configure()
 

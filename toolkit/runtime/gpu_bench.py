@@ -147,16 +147,69 @@ def token_read_bytes(eng) -> int:
     return dense + eng.L * eng.k * eng.store.blob_size
 
 
+def profile_resident(eng, prompt: list[int], new_tokens: int, *, short: int = 4, top: int = 25) -> dict[str, Any]:
+    """Where an all-resident decode token's time goes, by torch.profiler: one resident run of `short`
+    new tokens and one of `new_tokens` (the decode path the bench's all-resident bound takes: one graph
+    per token where the static decoder runs), the difference divided by the extra tokens, so the prompt's
+    prefill cancels. The engine must be configured with a pool of every expert. Per token: the kernels
+    launched and their summed device time (host ops' time without a GPU), against the wall-clock TPOT of
+    the same runs: kernel time near the TPOT means many small kernels (fusion would pay), far below it
+    means the device idles between them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if new_tokens <= short:
+        raise SpecPrefetchError(f"--profile-resident: needs more than {short} new tokens (got {new_tokens})")
+    cuda = eng.dev.cuda
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+
+    def one(n: int):
+        eng.generate(prompt, n, preload=True, resident_graph=eng.decode != "modules")   # warm (graphs captured)
+        with profile(activities=acts) as p:
+            t0 = time.perf_counter()
+            g = eng.generate(prompt, n, preload=True, resident_graph=eng.decode != "modules")
+            wall = time.perf_counter() - t0
+        by: dict[str, list[float]] = {}
+        for e in p.events():
+            on_device = str(e.device_type).endswith("CUDA")
+            if cuda and not on_device or not cuda and e.cpu_parent is not None:
+                continue   # kernels on a GPU; top-level host ops without one
+            t = e.device_time if cuda else e.cpu_time
+            c = by.setdefault(e.name, [0, 0.0])
+            c[0] += 1
+            c[1] += t
+        return len(g.tokens), wall, by
+
+    n1, w1, a = one(short)
+    n2, w2, b = one(new_tokens)
+    extra = n2 - n1
+    if extra < 1:
+        raise SpecPrefetchError("--profile-resident: the longer run stopped as early as the short one (EOS)")
+    rows = []
+    for name in b:
+        cnt = (b[name][0] - a.get(name, [0, 0.0])[0]) / extra
+        us = (b[name][1] - a.get(name, [0, 0.0])[1]) / extra
+        if cnt > 0 or us > 0:
+            rows.append({"name": name[:120], "per_token": round(cnt, 2), "us_per_token": round(us, 2)})
+    rows.sort(key=lambda r: -r["us_per_token"])
+    return {"what": "kernels" if cuda else "host ops", "tokens": extra,
+            "wall_ms_per_token_profiled": round((w2 - w1) / extra * 1e3, 4),   # the profiler's overhead included
+            "launches_per_token": round(sum(r["per_token"] for r in rows), 1),
+            "busy_ms_per_token": round(sum(r["us_per_token"] for r in rows) / 1e3, 4),
+            "top": rows[:top]}
+
+
 def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None, policies: list[Policy],
                   fractions: list[float], prompts: int = 4, prompt_tokens: int = 64, new_tokens: int = 64,
                   repeats: int = 2, ks: tuple[int, ...] = (2, 4, 6, 8, 12), device: str = "cuda",
                   window: int = 2, data: Path | None = None, decode: str | None = None,
                   experts: str | None = None, verify: str = "exact", strict: bool = True,
+                  profile: bool = False, compile: str | None = None,
                   log: Callable[[str], None] = print) -> dict[str, Any]:
     """`decode`, `experts`, `verify`: the engine's decode path, expert math and the draft's verification
     (gpu.GpuEngine). `strict`: refuse to
     report when any run's tokens differ from transformers' (the default); False returns the figures
-    with `tokens_match_transformers: false` and the differing runs listed, for diagnosis only."""
+    with `tokens_match_transformers: false` and the differing runs listed, for diagnosis only. `profile`:
+    also where an all-resident token's time goes (`profile_resident`, after the timed runs)."""
     from toolkit.models.loader import inspect_model_dir, load_model
     from toolkit.runtime.expert_store import ExpertStore
     from toolkit.runtime.gpu import Device, GpuEngine, d2d_bandwidth, h2d_bandwidth
@@ -188,7 +241,7 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
     eng = GpuEngine(lm, st, RunConfig(policy=Policy("on-demand", "lru"), pool_mib=all_mib, window=window),
                     device=device, predictors=preds, reuse=reuse,
                     with_draft=any(p.predictor == "draft" for p in policies),
-                    decode=decode, experts=experts, verify=verify,
+                    decode=decode, experts=experts, verify=verify, compile=compile,
                     progress=lambda i, n: log(f"host tier: layer {i}/{n} read") if i == n else None)
     log(f"model {spec.path}: {L} MoE layers x {E} experts of {st.blob_size / MiB:.2f} MiB "
         f"({all_mib:.0f} MiB of experts), dense {eng.dense_bytes / MiB:.0f} MiB on the GPU")
@@ -276,6 +329,13 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
             rows.append(row)
             log(f"pool {frac:.0%} {label}: TPOT {row['tpot_ms']:.3f} ms, hit {row['hit_rate']:.3f}, "
                 f"{row['pcie_mib_per_token']:.1f} MiB/token over PCIe, stall {row['stall_ms_per_token']:.3f} ms/token")
+    prof = None
+    if profile:
+        eng.configure(policy=Policy("on-demand", "lru"), pool_mib=all_mib)
+        prof = profile_resident(eng, ids[0], new_tokens)
+        log(f"profile of an all-resident token: {prof['launches_per_token']} {prof['what']}, "
+            f"{prof['busy_ms_per_token']} ms of their time; top: "
+            + "; ".join(f"{x['name'][:40]} x{x['per_token']} {x['us_per_token']} us" for x in prof["top"][:6]))
     synced_tpot = median((r.stats.tpot_ms for r in synced_runs), ndigits=None)
     resident_tpot = median((r.stats.tpot_ms for r in resident_runs), ndigits=None) if alone else synced_tpot
     log("all experts resident: TPOT " + (f"{resident_tpot:.3f} ms {ALONE[eng.decode]}, " if alone else "")
@@ -312,13 +372,14 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
         "resident_device_alone": alone,
         "resident_synced_tpot_ms": round(synced_tpot, 3), "resident_synced_runs": len(synced_runs),
         "hbm_gbps": hbm, "hbm_floor_bytes": token_bytes, "hbm_floor_ms": hbm_floor, "decode": eng.decode,
-        "experts": eng.experts, "verify": eng.verify,
+        "experts": eng.experts, "verify": eng.verify, "compile": eng.compile,
         "resident_vs_floor": round(resident_tpot / floor, 2) if floor else None,
         "resident_synced_vs_floor": round(synced_tpot / floor, 2) if floor else None,
         "transformers_ms_per_token_wall": round(ref_tpot, 3),
         "draft_k": {str(k): v for k, v in ks_by_pool.items()}, "tokens_match_transformers": not mismatches,
         "mismatches": mismatches,
         "rows": rows, "seconds": round(time.time() - t_start, 1),
+        **({"resident_profile": prof} if prof else {}),
     }
 
 
@@ -336,7 +397,8 @@ def markdown(r: dict[str, Any]) -> str:
               f"(top-{m['top_k']}) of {m['expert_mib']} MiB; H2D {_bw(r)} GB/s; all resident "
               f"{r['resident_tpot_ms']} ms/token{alone} (TPOT, interleaved with the policies; HBM floor "
               f"{_f(r.get('hbm_floor_ms'))} ms), decode {r.get('decode', 'modules')}, experts "
-              f"{r.get('experts', 'eager')}, the draft's verification {r.get('verify', 'batched')}, "
+              f"{r.get('experts', 'eager')}{', compiled (' + r['compile'] + ')' if r.get('compile') else ''}, "
+              f"the draft's verification {r.get('verify', 'batched')}, "
               "transformers generate "
               f"{r['transformers_ms_per_token_wall']} ms per new token (wall clock, prefill included)", "",
               "| pool | policy | TPOT ms | p95 | x on-demand | / oracle | hit | PCIe MiB/tok | floor ms | stall ms/tok "
@@ -352,6 +414,13 @@ def markdown(r: dict[str, Any]) -> str:
     if held:
         lines += ["", f"(slot arena: the allocation a policy's runs read, exactly its pool; the engine held at most "
                       f"{max(held)} MiB of slot arenas at once, the all-resident bound's included)"]
+    if r.get("resident_profile"):
+        pr = r["resident_profile"]
+        lines += ["", f"An all-resident decode token, profiled: {pr['launches_per_token']} {pr['what']}, "
+                      f"{pr['busy_ms_per_token']} ms of their time (the profiled wall clock "
+                      f"{pr['wall_ms_per_token_profiled']} ms)", "",
+                  "| op | per token | us per token |", "|---|---|---|"]
+        lines += [f"| `{x['name'][:80]}` | {x['per_token']} | {x['us_per_token']} |" for x in pr["top"]]
     return "\n".join(lines) + "\n"
 
 
@@ -413,6 +482,11 @@ def main(argv: list[str] | None = None) -> None:
                     help="the draft's verification (gpu.GpuEngine's verify)")
     ap.add_argument("--report-mismatches", action="store_true",
                     help="write the figures even if some run's tokens differ from transformers' (marked so)")
+    ap.add_argument("--compile", choices=["inductor", "aot_eager"], default=None,
+                    help="the static decoder's step through torch.compile with this backend (gpu.GpuEngine)")
+    ap.add_argument("--profile-resident", action="store_true",
+                    help="also profile an all-resident decode token (kernels and their time; the JSON's "
+                         "resident_profile)")
     ap.add_argument("--json", type=Path, required=True)
     a = ap.parse_args(argv)
     r = run_gpu_bench(a.model, store=a.store, adapter=a.adapter, policies=parse_policies(a.policies),
@@ -420,7 +494,7 @@ def main(argv: list[str] | None = None) -> None:
                       prompt_tokens=a.prompt_tokens, new_tokens=a.new_tokens, repeats=a.repeats, device=a.device,
                       ks=tuple(int(x) for x in a.draft_k.split(",")), decode=a.decode, experts=a.experts,
                       data=a.data, verify=a.verify,
-                      strict=not a.report_mismatches)
+                      strict=not a.report_mismatches, profile=a.profile_resident, compile=a.compile)
     md, png = write(r, a.json)
     print(md.read_text())
     print(f"wrote {a.json}, {md}, {png}")

@@ -26,7 +26,9 @@
 # new tokens, 48), WKS (its draft Ks, 4,8,12), STAGES (default "base wide split tests"), DEV (cuda),
 # POL (the benches' policies), TESTK (the tests stage's pytest -k expression); the batched stage (the
 # base model's draft verified in one pass, after the base stage): VFR (pool fractions, 0.25), VK (its K, 8),
-# VBT (its timeout, 150).
+# VBT (its timeout, 150); the compiled stage (the base bench with --compile inductor): CBT (its timeout,
+# default BT). KS (the base bench's draft Ks, 2,4,6,8,12); PROF=1: each bench also profiles an
+# all-resident decode token (gpu_bench --profile-resident: kernels and their device time per token).
 # Where one command may run 10 minutes at most, run it twice on the same warm machine (docs/benchmarks.md
 # section 9 ran these):
 #   STAGES="base tests split" BT=260 OUT=... bash ...
@@ -79,7 +81,7 @@ if [ "$SMOKE" = 1 ]; then
   NSEQ=16 STEPS=30 NP=1 NT=8 WNT=8 FR=${FR:-0.5} WFR=${WFR:-0.5} WFFN=${WFFN:-64} SPLIT_SEQ=8 KS=2,3 WKS=2,3
 else
   NSEQ=128 STEPS=600 NP=3 NT=64 WNT=${WNT:-48} FR=${FR:-0.1,0.25,0.5} WFR=${WFR:-0.1,0.25} WFFN=${WFFN:-6144}
-  SPLIT_SEQ=32 KS=2,4,6,8,12 WKS=${WKS:-4,8,12}
+  SPLIT_SEQ=32 KS=${KS:-2,4,6,8,12} WKS=${WKS:-4,8,12}
 fi
 STAGES=${STAGES:-base wide split tests}
 python -c "import torch,transformers,triton,accelerate;print(torch.__version__,transformers.__version__,triton.__version__,accelerate.__version__,torch.cuda.get_device_name())" 2>&1 | tee "$L"
@@ -103,24 +105,29 @@ else
 fi
 pack
 
-# bench NAME MODEL FRACTIONS TIMEOUT NEW_TOKENS DRAFT_KS: the model's fp16 store, traces, adapter and
-# the policies' bench
+# bench NAME MODEL FRACTIONS TIMEOUT NEW_TOKENS DRAFT_KS [REPORT [EXTRA]]: the model's fp16 store, traces,
+# adapter (named NAME) and the policies' bench (gpu-bench-REPORT.json, default NAME; EXTRA: more gpu_bench
+# options)
 fail() { echo "FAILED: $*" | tee -a "$L"; return 1; }
 bench() {
-  local n=$1 m=$2 fr=$3 bt=$4 nt=$5 ks=$6 t0
+  local n=$1 m=$2 fr=$3 bt=$4 nt=$5 ks=$6 rep=${7:-$1} extra=${8:-} t0
   t0=$(date +%s)
   [ -f "$R/$n.spx" ] || $B store "$m" --out "$R/$n.spx" 2>&1 | tail -1 | tee -a "$L" || { fail "$n: store"; return; }
   [ -d "$R/$n-trace" ] || $B trace "$m" --data "$C/trace.jsonl" --out "$R/$n-trace" --device "$DEV" --dtype float16 --max-sequences $NSEQ --prompt-tokens 128 --decode-tokens 32 --heldout-frac 0.25 2>&1 | tail -2 | tee -a "$L" || { fail "$n: trace"; return; }
   [ -d "$R/$n-adapter" ] || $B train "$R/$n-trace" --out "$R/$n-adapter" --device "$DEV" --steps $STEPS 2>&1 | tail -3 | tee -a "$L" || { fail "$n: train"; return; }
   echo "$n: store, trace and adapter $(( $(date +%s) - t0 )) s" | tee -a "$L"
-  timeout "$bt" python -m toolkit.runtime.gpu_bench "$m" --device "$DEV" --store "$R/$n.spx" --adapter "$R/$n-adapter" --policies "$POL" --fractions "$fr" --prompts $NP --new-tokens $nt --repeats 2 --draft-k $ks --report-mismatches --json "$RES/gpu-bench-$n.json" > "$RES/bench-$n.log" 2>&1; echo "$n: bench rc=$? after $(( $(date +%s) - t0 )) s" | tee -a "$L"
-  grep -v Loading "$RES/bench-$n.log" | tail -32 | tee -a "$L"
+  timeout "$bt" python -m toolkit.runtime.gpu_bench "$m" --device "$DEV" --store "$R/$n.spx" --adapter "$R/$n-adapter" --policies "$POL" --fractions "$fr" --prompts $NP --new-tokens $nt --repeats 2 --draft-k $ks --report-mismatches $([ "${PROF:-0}" = 1 ] && echo --profile-resident) $extra --json "$RES/gpu-bench-$rep.json" > "$RES/bench-$rep.log" 2>&1; echo "$rep: bench rc=$? after $(( $(date +%s) - t0 )) s" | tee -a "$L"
+  grep -v Loading "$RES/bench-$rep.log" | tail -32 | tee -a "$L"
   pack
 }
 
 for st in $STAGES; do
   case $st in
     base) bench base "$M" "$FR" "${BT:-300}" $NT $KS ;;
+    compiled)
+      # the base model's bench again with the static decoder's step through torch.compile (inductor),
+      # beside the base stage's eager step in the same call (its store, traces and adapter)
+      bench base "$M" "$FR" "${CBT:-${BT:-300}}" $NT $KS compiled "--compile inductor" ;;
     wide)
       t0=$(date +%s)
       rm -rf "$R"/wide-*   # traces and adapter of an earlier widening (another WFFN, another model)
@@ -175,7 +182,7 @@ PY
       pack ;;
     tests)
       timeout 240 python -m pytest -q -rf -p no:cacheprovider tests/test_gpu_tier.py tests/test_cuda.py -k "${TESTK:-cuda or triton or reuse or split or fused or resident or lagging}" 2>&1 | tail -20 | tee -a "$L" || fail "tests" ;;
-    *) fail "unknown stage '$st' (base, wide, batched, split, tests)"; exit 2 ;;
+    *) fail "unknown stage '$st' (base, compiled, wide, batched, split, tests)"; exit 2 ;;
   esac
 done
 pack

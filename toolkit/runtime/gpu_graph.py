@@ -58,6 +58,20 @@ def supported(spec) -> str | None:
     return None
 
 
+def compiled(fns, backend: str, n_layers: int):
+    """`fns` through torch.compile (`backend`: "inductor" on a GPU fuses the norms, rotary embedding,
+    casts and residual adds of a layer into a few Triton kernels; the matmuls stay cuBLAS'), shapes
+    static. A decoder layer's index is a constant of its trace, so every layer, and every runner's
+    static cache, is its own compiled entry: dynamo's recompile limit is raised to hold them all (with
+    fewer it would fall back to eager without a word)."""
+    import torch._dynamo.config as dcfg
+
+    need = 8 * (n_layers + 2)   # layers x (the target's and the draft's caches, a few pool sizes)
+    dcfg.recompile_limit = max(dcfg.recompile_limit, need)
+    dcfg.accumulated_recompile_limit = max(dcfg.accumulated_recompile_limit, 4 * need)
+    return tuple(torch.compile(f, backend=backend, dynamic=False) for f in fns)
+
+
 def _repeat_kv(x: torch.Tensor, n: int) -> torch.Tensor:
     if n == 1:
         return x
@@ -115,6 +129,11 @@ class StaticDecoder:
         self.H = g.hidden_size
         self.dtype = eng.dtype
         self.S = 0
+        # the one-token step's dense functions: eager, or through torch.compile (GpuEngine(compile=...))
+        self.step_layer, self.step_prelude, self.step_head = self.layer, self.prelude, self.head
+        if eng.compile:
+            self.step_layer, self.step_prelude, self.step_head = compiled(
+                (self.layer, self.prelude, self.head), eng.compile, len(self.layers))
 
     # -- the dense pieces ------------------------------------------------------------------
     def mask(self, positions: torch.Tensor, S: int) -> torch.Tensor:
@@ -156,6 +175,14 @@ class StaticDecoder:
         post = self.layers[i].post_attention_layernorm(h).view(-1, self.H)
         _, scores, idx = self.blocks[i].gate(post)
         return post, scores, idx
+
+    def layer(self, i: int, h: torch.Tensor, positions: torch.Tensor, kv: "StaticKV", mask, cos_sin):
+        """Decoder layer i: attention, then the router of a MoE layer -> (h, post, scores, idx), or the
+        whole of a dense layer -> (h,)."""
+        h = self.attention(i, h, positions, kv, mask, cos_sin)
+        if i in self.moe_at:
+            return (h, *self.route(i, h))
+        return (self.dense_mlp(i, h),)
 
     def dense_mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
         layer = self.layers[i]
@@ -320,12 +347,12 @@ class GraphRunner:
             li = s - 1
             sc = self.scores[li]
             h = h + self.math(self.post[li], sc, self.sel[li]).view(1, 1, -1).to(h.dtype)
-        mask, cs = pre if pre is not None else dec.prelude(self.pos, h)
+        mask, cs = pre if pre is not None else dec.step_prelude(self.pos, h)
         for i in self.seg_layers[s]:
-            h = dec.attention(i, h, self.pos, self.kv, mask, cs)
-            if i in dec.moe_at:
+            h, *routed = dec.step_layer(i, h, self.pos, self.kv, mask, cs)
+            if routed:
                 li = dec.moe_at[i]
-                post, scores, idx = dec.route(i, h)
+                post, scores, idx = routed
                 self.post[li].copy_(post)
                 self.idx[li].copy_(idx)
                 if self.scores[li] is None:
@@ -335,10 +362,8 @@ class GraphRunner:
                     srt, order = idx[0].sort()
                     self.sel[li, :k].copy_(self.slot_of[li].index_select(0, srt))
                     self.sel[li, k:].copy_(order)
-            else:
-                h = dec.dense_mlp(i, h)
         if s == L:
-            self.tok.copy_(dec.head(h)[0, -1].argmax(-1, keepdim=True))
+            self.tok.copy_(dec.step_head(h)[0, -1].argmax(-1, keepdim=True))
         self.h.copy_(h)
         return mask, cs
 
@@ -602,17 +627,15 @@ class _DraftStep:
     def step(self) -> None:
         dec, eng = self.dec, self.gr.eng
         h = dec.inner.embed_tokens(self.tok[None])
-        mask, cs = dec.prelude(self.pos, h)
+        mask, cs = dec.step_prelude(self.pos, h)
         for i in range(len(dec.layers)):
-            h = dec.attention(i, h, self.pos, self.kv, mask, cs)
-            if i in dec.moe_at:
+            h, *routed = dec.step_layer(i, h, self.pos, self.kv, mask, cs)
+            if routed:
                 li = dec.moe_at[i]
-                post, scores, idx = dec.route(i, h)
+                post, scores, idx = routed
                 self.ids[li].copy_(idx[0])
                 h = h + eng.drafts[li].fused(post, idx, scores).view(1, 1, -1).to(h.dtype)
-            else:
-                h = dec.dense_mlp(i, h)
-        self.tok.copy_(dec.head(h)[0, -1].argmax(-1, keepdim=True))
+        self.tok.copy_(dec.step_head(h)[0, -1].argmax(-1, keepdim=True))
         self.pos.add_(1)
 
     def run(self, feed: list[int], start: int, n_out: int):
