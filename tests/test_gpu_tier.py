@@ -1001,7 +1001,8 @@ def test_fused_experts_and_the_device_resident_decode(tiny_models, stores, fam, 
         fused.generate(prompt, 4, preload=True, resident_graph=True)
 
 
-def test_compiled_step_decodes_as_the_eager_one(tiny_models, stores):
+@pytest.mark.parametrize("fam", ["qwen3_moe", "mixtral"])
+def test_compiled_step_decodes_as_the_eager_one(tiny_models, stores, fam):
     """`compile`: the static decoder's one-token step (each layer's attention and router, the prelude,
     the head) goes through torch.compile (here its tracing without code generation, aot_eager: the
     graph capture, functionalised cache writes and per-layer entries of the inductor path, on the CPU)
@@ -1012,14 +1013,14 @@ def test_compiled_step_decodes_as_the_eager_one(tiny_models, stores):
     from torch._dynamo.utils import counters
 
     prompt = list(range(5, 17))
-    spec = inspect_model_dir(tiny_models["qwen3_moe"])
-    st = ExpertStore(stores["qwen3_moe"], spec)
+    spec = inspect_model_dir(tiny_models[fam])
+    st = ExpertStore(stores[fam], spec)
     bank = load_router_bank(spec)
     preds = {"next-gate": build_predictor("next-gate", num_experts=spec.geometry.routing.num_experts,
                                           bank=lambda: bank)}
     torch._dynamo.reset()
     counters.clear()
-    engines = {c: GpuEngine(load_model(tiny_models["qwen3_moe"], dtype="float32"), st,
+    engines = {c: GpuEngine(load_model(tiny_models[fam], dtype="float32"), st,
                             RunConfig(policy=Policy.parse("next-gate+prediction"), pool_mib=64.0), device="cpu",
                             predictors=preds, with_draft=True, compile=c) for c in (None, "aot_eager")}
     out = {}
@@ -1036,10 +1037,10 @@ def test_compiled_step_decodes_as_the_eager_one(tiny_models, stores):
     assert counters["stats"]["unique_graphs"] >= layers
     assert not any("recompile_limit" in k or "cache_size_limit" in k for k in counters["frames"]), counters
     with pytest.raises(SpecPrefetchError, match="expected inductor or aot_eager"):
-        GpuEngine(load_model(tiny_models["qwen3_moe"]), st, RunConfig(policy=Policy("on-demand", "lru"),
+        GpuEngine(load_model(tiny_models[fam]), st, RunConfig(policy=Policy("on-demand", "lru"),
                   pool_mib=1.0), device="cpu", compile="tvm")
     with pytest.raises(SpecPrefetchError, match="--decode graph or static"):
-        GpuEngine(load_model(tiny_models["qwen3_moe"]), st, RunConfig(policy=Policy("on-demand", "lru"),
+        GpuEngine(load_model(tiny_models[fam]), st, RunConfig(policy=Policy("on-demand", "lru"),
                   pool_mib=1.0), device="cpu", decode="modules", compile="inductor")
 
 
