@@ -152,20 +152,22 @@ def parse_variant(spec: str) -> dict[str, Any]:
         if key not in VARIANT_KEYS or not eq:
             raise SpecPrefetchError(f"--variant {spec}: '{part}' is not KEY=VALUE with KEY one of "
                                     f"{', '.join(VARIANT_KEYS)}")
+        if key in out:
+            raise SpecPrefetchError(f"--variant {spec}: {key} is given twice")
         conv, ok, what = VARIANT_KEYS[key]
         try:
             v = conv(val)
         except ValueError:
             v = None
-        if v is None or not ok(v) or key in out:
-            raise SpecPrefetchError(f"--variant {spec}: {key} must be {what}, given once (got '{val}')")
+        if v is None or not ok(v):
+            raise SpecPrefetchError(f"--variant {spec}: {key} must be {what} (got '{val}')")
         out[key] = v
     return out
 
 
 def variant_label(knobs: dict[str, Any]) -> str:
     """The canonical text of a variant's settings (sorted keys), as its rows are named."""
-    return ",".join(f"{k}={knobs[k]:g}" if isinstance(knobs[k], float) else f"{k}={knobs[k]}" for k in sorted(knobs))
+    return ",".join(f"{k}={knobs[k]!r}" for k in sorted(knobs))
 
 
 # runner bench --ablation: every predictor of the report with the other evictions, so that the gap to the
@@ -225,8 +227,14 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
     from toolkit.runtime.policy import Policy
     from toolkit.runtime.runner import RunConfig
 
-    knobs = {variant_label(v): v for v in map(parse_variant, variants)}   # checked before anything runs
+    knobs: dict[str, dict[str, Any]] = {}   # checked before anything runs
+    for spec in variants:
+        v = parse_variant(spec)
+        if variant_label(v) in knobs:
+            raise SpecPrefetchError(f"--variant {spec}: the same settings as another --variant")
+        knobs[variant_label(v)] = v
     m, _ = validate_bundle(bundle, hash_store=False)
+
     if m.get("target") != "executorch":
         raise SpecPrefetchError(f"{bundle}: runner bench measures executorch bundles; a {m.get('target')} bundle's "
                                 "graphs run on the HTP simulator here, whose times are not a phone's (run it with "
@@ -242,6 +250,9 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
         raise SpecPrefetchError(f"--read-budget-kib {read_budget_kib}: below one expert slot "
                                 f"({store.slot_bytes / 2**10:.0f} KiB), so nothing could ever be prefetched")
     L, E, k = store.num_layers, store.num_experts, m["routing"]["top_k"]
+    for label, v in knobs.items():   # the runners' window looks one token ahead at most
+        if v.get("window", 1) > L:
+            raise SpecPrefetchError(f"--variant {label}: window must be 1..{L} (the bundle's MoE layers)")
     queue_depth = m["runtime"]["scheduler"].get("queue_depth", 4)  # the native runs' (the manifest's)
     all_mib = L * E * store.slot_bytes / MiB + 0.01
     graph = m["predictor"]["kind"] if m["predictor"].get("preds_rows") else "next-gate"
@@ -430,6 +441,7 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
     if images:
         log("no simulator comparison: it replays text prompts, these are image prompts")
     elif src is not None:
+        from export.manifest import scheduler_defaults
         from toolkit.bench.common import simulate_same_prompts
         from toolkit.runtime.policy import parse_policies
 
@@ -446,7 +458,8 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
                                           for t, r in zip(resident_tokens, resident_routing)],
                                     prefill_chunks=m["graphs"].get("prefill_chunks") or (),
                                     variants={f"{base[2]}{VARIANT_TAG}{v}": (parse_policies(base[2])[0], kv)
-                                              for v, kv in knobs.items()})
+                                              for v, kv in knobs.items()},
+                                    settings=scheduler_defaults(m))
         out["simulated"] = sim
         for p, sp in zip(out["points"], sim["points"]):
             for name, v in p["policies"].items():

@@ -374,6 +374,17 @@ class TestManifestRanges:
         refused(["inspect", b], str(b / "manifest.json"), what)
 
 
+class TestRunnerBenchVariant:
+    """`runner bench --variant window=N` past the bundle's MoE layers is refused in one line before any run
+    (nothing written), as the native runner would refuse it minutes into the bench."""
+
+    def test_a_window_past_the_bundles_layers_is_refused_first(self, embedded_bundles, tmp_path):
+        out = tmp_path / "r.json"
+        refused(["runner", "bench", embedded_bundles["executorch"], "--variant", "window=9", "--json", out],
+                "--variant window=9", "window must be 1..8")
+        assert not out.exists() and not any(tmp_path.iterdir())
+
+
 class TestFilesInsideTheBundle:
     """`inspect` refuses a manifest.json or a listed file that resolves outside the bundle."""
 

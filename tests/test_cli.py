@@ -212,10 +212,16 @@ class TestPathsAndText:
         assert parse_variant("queue_depth=2, window=1") == {"queue_depth": 2, "window": 1}
         assert variant_label(parse_variant("window=1,candidate_threshold=0.05")) == \
             "candidate_threshold=0.05,window=1"
-        for bad in ("queue_depth=0", "window=x", "lanes=2", "queue_depth", "candidate_threshold=1.5",
-                    "window=1,window=2"):
+        # thresholds that differ past six digits keep their own names
+        assert variant_label(parse_variant("min_confidence=0.0200001")) != \
+            variant_label(parse_variant("min_confidence=0.02"))
+        for bad, why in (("queue_depth=0", "must be an integer"), ("window=x", "must be an integer"),
+                         ("lanes=2", "is not KEY=VALUE"), ("queue_depth", "is not KEY=VALUE"),
+                         ("candidate_threshold=1.5", "must be a probability"), ("window=1,window=2", "given twice")):
             refused(["runner", "bench", tmp_path / "none", "--variant", bad, "--json", tmp_path / "r.json"],
-                    f"--variant {bad}")
+                    f"--variant {bad}", why)
+        refused(["runner", "bench", tmp_path / "none", "--variant", "window=1,queue_depth=2", "--variant",
+                 "queue_depth=2, window=1", "--json", tmp_path / "r.json"], "the same settings as another")
         assert not any(tmp_path.iterdir())
 
     def test_runner_bench_takes_prompts_or_texts_not_both(self, tmp_path):

@@ -360,9 +360,8 @@ def test_profile_of_a_resident_token(tiny_models, stores):
     eng = GpuEngine(lm, st, RunConfig(policy=Policy("on-demand", "lru"), pool_mib=all_mib), device="cpu")
     r = profile_resident(eng, [5, 6, 7, 8], 8, short=3)
     assert r["what"] == "host ops" and r["tokens"] == 5
-    assert r["launches_per_token"] > st.num_layers and r["busy_ms_per_token"] > 0
+    assert r["ops_per_token"] > st.num_layers and r["device_ms_per_token"] > 0
     assert all(float(x["per_token"]).is_integer() for x in r["top"]), r["top"]
-    assert r["top"] == sorted(r["top"], key=lambda x: -x["us_per_token"])
     with pytest.raises(SpecPrefetchError, match="more than 3 new tokens"):
         profile_resident(eng, [5, 6, 7, 8], 3, short=3)
 
@@ -1035,7 +1034,11 @@ def test_compiled_step_decodes_as_the_eager_one(tiny_models, stores, fam):
     assert out["aot_eager"] == out[None]
     layers = len(StaticDecoder(engines["aot_eager"]).layers)
     assert counters["stats"]["unique_graphs"] >= layers
-    assert not any("recompile_limit" in k or "cache_size_limit" in k for k in counters["frames"]), counters
+    # every graph dynamo captured went through the backend (fullgraph: a break or a recompile limit hit
+    # would have raised, not run eagerly)
+    assert counters["aot_autograd"]["total"] == counters["aot_autograd"]["ok"] >= layers, dict(counters)
+    import torch._dynamo.config as dcfg
+    assert dcfg.recompile_limit == 8   # dynamo's global limit untouched (each compiled function has its own)
     with pytest.raises(SpecPrefetchError, match="expected inductor or aot_eager"):
         GpuEngine(load_model(tiny_models[fam]), st, RunConfig(policy=Policy("on-demand", "lru"),
                   pool_mib=1.0), device="cpu", compile="tvm")

@@ -44,7 +44,8 @@ def simulate_same_prompts(model, texts, adapter, policies, pools, new_tokens, wi
                           profile=None, dtype: str = "fp16", queue_depth: int = 4,
                           runs: list[dict[str, Any]] | None = None,
                           prefill_chunks: Sequence[int] | None = None,
-                          variants: dict[str, tuple[Any, dict[str, Any]]] | None = None) -> dict[str, Any]:
+                          variants: dict[str, tuple[Any, dict[str, Any]]] | None = None,
+                          settings: dict[str, Any] | None = None) -> dict[str, Any]:
     """Trace the bench prompts and replay them under a device profile: `profile`, or this machine's
     calibrated for the reference runner; `window` and `queue_depth` the measured runs' scheduler's.
     `runs`, if given, one per prompt: a measured engine's `tokens` (new) and `routing` (per position,
@@ -52,14 +53,18 @@ def simulate_same_prompts(model, texts, adapter, policies, pools, new_tokens, wi
     the text the engine wrote) and the replay takes that engine's routing instead of `model`'s (a
     quantised bundle routes some tokens differently from the model it came from); with `prefill_chunks`
     too (the measured engine's prompt chunks), each replay starts from the pool its prefill left.
-    `variants`: more rows, label -> (a policy, scheduler settings that replace `window` / `queue_depth` /
-    the default candidate_threshold and min_confidence for it: runner bench --variant)."""
+    `settings`: the measured runs' other scheduler settings (run_simulation's min_confidence,
+    candidate_threshold, step_budget_kib: a bundle's, export.manifest.scheduler_defaults) for every replay.
+    `variants`: more rows, label -> (a policy, scheduler settings laid over `window`, `queue_depth` and
+    `settings` for it: runner bench --variant)."""
     from toolkit.runtime.policy import parse_policies
     from toolkit.simulate.calibrate import calibrate, fit_flash_rate
     from toolkit.simulate.replay import run_simulation
     from toolkit.traces.capture import TraceSettings, run_trace
     from toolkit.traces.format import TraceReader
 
+    base = {k: v for k, v in (settings or {}).items()
+            if k in ("min_confidence", "candidate_threshold", "step_budget_kib")}
     with tempfile.TemporaryDirectory() as d:
         data = Path(d) / "prompts.jsonl"
         data.write_text("".join(json.dumps({"text": t, **({"continuation_ids": list(r["tokens"])} if runs else {})})
@@ -79,7 +84,7 @@ def simulate_same_prompts(model, texts, adapter, policies, pools, new_tokens, wi
             r = run_simulation(trace, policies=parse_policies("oracle+belady"), profile=p,
                                pool_mib=p.measured["tiny_pool_mib"], window=window, queue_depth=queue_depth,
                                split="train", model=model, dtype=dtype, routing=routing,
-                               prefill_chunks=warm_chunks)
+                               prefill_chunks=warm_chunks, **base)
             return r["results"][0]["tpot_ms"]
 
         pm = prof.measured or {}
@@ -95,12 +100,12 @@ def simulate_same_prompts(model, texts, adapter, policies, pools, new_tokens, wi
         for pool in pools:
             r = run_simulation(trace, policies=policies, profile=prof, pool_mib=pool, window=window, adapter=adapter,
                                queue_depth=queue_depth, split="train", model=model, dtype=dtype, routing=routing,
-                               prefill_chunks=warm_chunks)
+                               prefill_chunks=warm_chunks, **base)
             rows = [(x["policy"], x) for x in r["results"]]
             for label, (pol, kv) in (variants or {}).items():
                 v = run_simulation(trace, policies=[pol], profile=prof, pool_mib=pool, adapter=adapter, split="train",
                                    model=model, dtype=dtype, routing=routing, prefill_chunks=warm_chunks,
-                                   **{"window": window, "queue_depth": queue_depth, **kv})
+                                   **{"window": window, "queue_depth": queue_depth, **base, **kv})
                 rows.append((label, v["results"][0]))
             out["points"].append({"pool_mib": pool, "policies": {name: {
                 k: x[k] for k in ("tpot_ms", "stall_ms_per_token", "hit_rate", "mib_read_per_token")}

@@ -151,10 +151,11 @@ def profile_resident(eng, prompt: list[int], new_tokens: int, *, short: int = 4,
     """Where an all-resident decode token's time goes, by torch.profiler: one resident run of `short`
     new tokens and one of `new_tokens` (the decode path the bench's all-resident bound takes: one graph
     per token where the static decoder runs), the difference divided by the extra tokens, so the prompt's
-    prefill cancels. The engine must be configured with a pool of every expert. Per token: the kernels
-    launched and their summed device time (host ops' time without a GPU), against the wall-clock TPOT of
-    the same runs: kernel time near the TPOT means many small kernels (fusion would pay), far below it
-    means the device idles between them."""
+    prefill cancels. The engine must be configured with a pool of every expert. Per token: the device
+    operations (kernels and copies; inside a CUDA graph they are the graph's nodes, one launch for all)
+    and their device time summed over all of them (over every stream; host ops' time without a GPU),
+    against the wall-clock TPOT of the same runs: a sum near the TPOT means many small operations
+    (fusion would pay), far below it means the device idles between them."""
     from torch.profiler import ProfilerActivity, profile
 
     if new_tokens <= short:
@@ -191,10 +192,10 @@ def profile_resident(eng, prompt: list[int], new_tokens: int, *, short: int = 4,
         if cnt > 0 or us > 0:
             rows.append({"name": name[:120], "per_token": round(cnt, 2), "us_per_token": round(us, 2)})
     rows.sort(key=lambda r: -r["us_per_token"])
-    return {"what": "kernels" if cuda else "host ops", "tokens": extra,
+    return {"what": "device ops (kernels and copies)" if cuda else "host ops", "tokens": extra,
             "wall_ms_per_token_profiled": round((w2 - w1) / extra * 1e3, 4),   # the profiler's overhead included
-            "launches_per_token": round(sum(r["per_token"] for r in rows), 1),
-            "busy_ms_per_token": round(sum(r["us_per_token"] for r in rows) / 1e3, 4),
+            "ops_per_token": round(sum(r["per_token"] for r in rows), 1),
+            "device_ms_per_token": round(sum(r["us_per_token"] for r in rows) / 1e3, 4),   # summed
             "top": rows[:top]}
 
 
@@ -333,8 +334,8 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
     if profile:
         eng.configure(policy=Policy("on-demand", "lru"), pool_mib=all_mib)
         prof = profile_resident(eng, ids[0], new_tokens)
-        log(f"profile of an all-resident token: {prof['launches_per_token']} {prof['what']}, "
-            f"{prof['busy_ms_per_token']} ms of their time; top: "
+        log(f"profile of an all-resident token: {prof['ops_per_token']} {prof['what']}, "
+            f"{prof['device_ms_per_token']} ms of their time summed; top: "
             + "; ".join(f"{x['name'][:40]} x{x['per_token']} {x['us_per_token']} us" for x in prof["top"][:6]))
     synced_tpot = median((r.stats.tpot_ms for r in synced_runs), ndigits=None)
     resident_tpot = median((r.stats.tpot_ms for r in resident_runs), ndigits=None) if alone else synced_tpot
@@ -416,8 +417,10 @@ def markdown(r: dict[str, Any]) -> str:
                       f"{max(held)} MiB of slot arenas at once, the all-resident bound's included)"]
     if r.get("resident_profile"):
         pr = r["resident_profile"]
-        lines += ["", f"An all-resident decode token, profiled: {pr['launches_per_token']} {pr['what']}, "
-                      f"{pr['busy_ms_per_token']} ms of their time (the profiled wall clock "
+        ops = pr.get("ops_per_token", pr.get("launches_per_token"))          # (the name until 2026-12-06)
+        ms = pr.get("device_ms_per_token", pr.get("busy_ms_per_token"))
+        lines += ["", f"An all-resident decode token, profiled: {ops} {pr['what']}, {ms} ms of their time "
+                      "summed (the profiled wall clock "
                       f"{pr['wall_ms_per_token_profiled']} ms)", "",
                   "| op | per token | us per token |", "|---|---|---|"]
         lines += [f"| `{x['name'][:80]}` | {x['per_token']} | {x['us_per_token']} |" for x in pr["top"]]

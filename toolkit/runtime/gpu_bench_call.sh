@@ -78,7 +78,7 @@ rm -rf "$RES"; mkdir -p "$R" "$RES" || exit 2   # all.tgz holds this call's resu
 pack() { tar czf "$OUT/all.tgz.tmp" -C "$RES" . && mv "$OUT/all.tgz.tmp" "$OUT/all.tgz"; }
 POL=${POL:-on-demand+lru,next-gate+prediction,adapter+prediction,adapter+reuse,draft+prediction,oracle+belady}
 if [ "$SMOKE" = 1 ]; then
-  NSEQ=16 STEPS=30 NP=1 NT=8 WNT=8 FR=${FR:-0.5} WFR=${WFR:-0.5} WFFN=${WFFN:-64} SPLIT_SEQ=8 KS=2,3 WKS=2,3
+  NSEQ=16 STEPS=30 NP=1 NT=8 WNT=8 FR=${FR:-0.5} WFR=${WFR:-0.5} WFFN=${WFFN:-64} SPLIT_SEQ=8 KS=${KS:-2,3} WKS=${WKS:-2,3}
 else
   NSEQ=128 STEPS=600 NP=3 NT=64 WNT=${WNT:-48} FR=${FR:-0.1,0.25,0.5} WFR=${WFR:-0.1,0.25} WFFN=${WFFN:-6144}
   SPLIT_SEQ=32 KS=${KS:-2,4,6,8,12} WKS=${WKS:-4,8,12}

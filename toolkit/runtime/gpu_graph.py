@@ -61,15 +61,13 @@ def supported(spec) -> str | None:
 def compiled(fns, backend: str, n_layers: int):
     """`fns` through torch.compile (`backend`: "inductor" on a GPU fuses the norms, rotary embedding,
     casts and residual adds of a layer into a few Triton kernels; the matmuls stay cuBLAS'), shapes
-    static. A decoder layer's index is a constant of its trace, so every layer, and every runner's
-    static cache, is its own compiled entry: dynamo's recompile limit is raised to hold them all (with
-    fewer it would fall back to eager without a word)."""
-    import torch._dynamo.config as dcfg
-
-    need = 8 * (n_layers + 2)   # layers x (the target's and the draft's caches, a few pool sizes)
-    dcfg.recompile_limit = max(dcfg.recompile_limit, need)
-    dcfg.accumulated_recompile_limit = max(dcfg.accumulated_recompile_limit, 4 * need)
-    return tuple(torch.compile(f, backend=backend, dynamic=False) for f in fns)
+    static, each function whole (fullgraph: a graph break inside the captured step is an error, not a
+    silent eager fallback). A decoder layer's index is a constant of its trace, so every layer, and every
+    runner's static cache (the target's per pool size, the draft's), is its own compiled entry: each
+    function's recompile limit (its own, dynamo's global one untouched) holds the layers for 16 caches,
+    and past it the call fails (fullgraph) instead of running eagerly without a word."""
+    return tuple(torch.compile(f, backend=backend, dynamic=False, fullgraph=True, recompile_limit=16 * (n_layers + 1))
+                 for f in fns)
 
 
 def _repeat_kv(x: torch.Tensor, n: int) -> torch.Tensor:
