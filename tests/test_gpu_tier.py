@@ -1047,6 +1047,33 @@ def test_compiled_step_decodes_as_the_eager_one(tiny_models, stores, fam):
                   pool_mib=1.0), device="cpu", decode="modules", compile="inductor")
 
 
+def test_compiled_functions_fail_loudly():
+    """`gpu_graph.compiled`: a graph break inside a compiled step, or more compiled entries than its
+    recompile limit (16 caches of n_layers + 1 entries), raises instead of running eagerly."""
+    import torch._dynamo
+    from torch._dynamo.exc import FailOnRecompileLimitHit
+
+    from toolkit.runtime.gpu_graph import compiled
+
+    def breaks(x):
+        torch._dynamo.graph_break()
+        return x + 1
+
+    def layer(x, i: int):
+        return x * i
+
+    torch._dynamo.reset()
+    (f,) = compiled((breaks,), "aot_eager", 0)
+    with pytest.raises(Exception, match="graph_break|graph break"):
+        f(torch.ones(2))
+    (g,) = compiled((layer,), "aot_eager", 0)          # 16 entries: one "layer" x 16 caches
+    for i in range(16):
+        assert g(torch.ones(2), i).tolist() == [float(i)] * 2
+    with pytest.raises(FailOnRecompileLimitHit):
+        g(torch.ones(2), 16)
+    torch._dynamo.reset()
+
+
 def test_experts_option_is_validated(tiny_models, stores):
     spec = inspect_model_dir(tiny_models["qwen3_moe"])
     for decode, experts, msg in (("static", "tiled", "expected eager or fused"),

@@ -64,9 +64,15 @@ def compiled(fns, backend: str, n_layers: int):
     static, each function whole (fullgraph: a graph break inside the captured step is an error, not a
     silent eager fallback). A decoder layer's index is a constant of its trace, so every layer, and every
     runner's static cache (the target's per pool size, the draft's), is its own compiled entry: each
-    function's recompile limit (its own, dynamo's global one untouched) holds the layers for 16 caches,
-    and past it the call fails (fullgraph) instead of running eagerly without a word."""
-    return tuple(torch.compile(f, backend=backend, dynamic=False, fullgraph=True, recompile_limit=16 * (n_layers + 1))
+    function's recompile limit (its own; dynamo's global per-function one untouched) holds the layers
+    for 16 caches, and past it the call fails (fullgraph) instead of running eagerly without a word."""
+    import torch._dynamo.config as dcfg
+
+    limit = 16 * (n_layers + 1)
+    # dynamo's cap on all compiles of one function in the process (the StaticDecoders of every runner share
+    # `layer`'s), 256 by default: raised where the layers of 16 caches need more (a cap, not a behaviour)
+    dcfg.accumulated_recompile_limit = max(dcfg.accumulated_recompile_limit, limit)
+    return tuple(torch.compile(f, backend=backend, dynamic=False, fullgraph=True, recompile_limit=limit)
                  for f in fns)
 
 
