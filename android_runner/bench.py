@@ -74,11 +74,11 @@ def calibrate_native(bundle: Path, prompts: list[list[int]], *, all_mib: float, 
     store's O_DIRECT read table, and the runner's own compute: dense time per layer, expert kernel
     time, planning time, what a demand miss and a background read cost it. Each figure is pooled
     over every prompt, `repeats` times (the configurations interleaved). `oracle_runs`: the
-    flash-bound perfect-prefetch runs (oracle + Belady at the tiny pool, these prompts and tokens)
+    flash-bound perfect-prefetch runs (oracle + Belady at flash_pool_mib, these prompts and tokens)
     already made, interleaved with the runs the profile is compared with, so the flash rate is the
     one those runs saw: used instead of running them here."""
     from toolkit.runtime.expert_store import ExpertStore
-    from toolkit.simulate.calibrate import measure_flash, runtime_profile, tiny_pool_mib
+    from toolkit.simulate.calibrate import flash_pool_mib, measure_flash, runtime_profile, tiny_pool_mib
 
     m = read_json(Path(bundle) / "manifest.json", "bundle manifest")
     st = ExpertStore(Path(bundle) / m["runtime"]["expert_store"])
@@ -89,7 +89,7 @@ def calibrate_native(bundle: Path, prompts: list[list[int]], *, all_mib: float, 
     configs = {"resident": ("on-demand+lru", all_mib, ["--preload"], False),
                "plan": ("oracle+lru", all_mib, ["--preload"], False),
                "on_demand": ("on-demand+lru", tiny, [], True),
-               "oracle": ("oracle+belady", tiny, [], True)}
+               "oracle": ("oracle+belady", flash_pool_mib(L, k, st.slot_bytes), [], True)}
     if oracle_runs:
         del configs["oracle"]
     got: dict[str, list[dict]] = {c: [] for c in configs}
@@ -357,15 +357,15 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
     out["read_budget_kib"] = read_budget_kib
     out["predictor_policy"] = base[2]  # what the ratios over "the predictor" are of
     out["points"] = []
-    # the simulator's flash-bound calibration run (oracle + Belady at a two-layer pool, cold) goes in
+    # the simulator's flash-bound calibration run (oracle + Belady at half a token's working set, cold) goes in
     # every round beside the policies, so its flash rate is the one they saw (the VM's moves run to run)
     from export.session import bundle_source
-    from toolkit.simulate.calibrate import tiny_pool_mib
+    from toolkit.simulate.calibrate import flash_pool_mib
 
     source = bundle_source(Path(bundle), m)   # the very weights the bundle's store was built from, if here
     simulate = source.model is not None and not images
     calib_runs: list[dict] = []
-    tiny = tiny_pool_mib(k, store.slot_bytes)
+    calib_pool = flash_pool_mib(L, k, store.slot_bytes)
     for frac in pool_fracs:
         slots = max(k, int(round(frac * L * E)))
         pool = slots * store.slot_bytes / MiB
@@ -389,7 +389,7 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
                 got[p].append(res)
             if simulate:
                 calib_runs += run_native(bundle, ids, max_new_tokens=new_tokens, policy="oracle+belady",
-                                         pool_mib=tiny, cold=True)["runs"]
+                                         pool_mib=calib_pool, cold=True)["runs"]
             order = order[::-1]  # ABC, CBA, ...
         point = {"pool_mib": round(pool, 3), "pool_frac": frac, "slots": slots, "policies": {}}
         for p, results in got.items():

@@ -63,6 +63,13 @@ class TestFlashRateAsTheRunnerSeesIt:
             oracle={"tpot_ms": 80.0, "stall_ms_per_token": oracle_stall_ms, "mib_read_per_token": 112.0},
             measured={}, source="test")
 
+    def test_the_flash_bound_run_keeps_half_a_token_in_flight(self):
+        """flash_pool_mib: half a token's working set of slots (the miss run's two layers at least)."""
+        from toolkit.simulate.calibrate import flash_pool_mib, tiny_pool_mib
+
+        assert flash_pool_mib(16, 8, 2**20) == 64 and flash_pool_mib(8, 4, 2**20) == 16
+        assert flash_pool_mib(2, 8, 2**20) == flash_pool_mib(3, 8, 2**20) == tiny_pool_mib(8, 2**20) == 16
+
     def test_a_flash_bound_run_sets_the_rate(self):
         prof = self._profile(oracle_stall_ms=65.0)  # 81% of the token waits on the flash
         rate = 112.0 / 0.080                        # 1400 MiB/s: 112 MiB a token in 80 ms
@@ -70,6 +77,8 @@ class TestFlashRateAsTheRunnerSeesIt:
                                  8: {864: pytest.approx(rate), 1024: pytest.approx(2400 * rate / 2200, abs=0.1)}}
         assert prof.measured["flash_rate_from"] == "runner" and prof.measured["runner_flash_mibs"] == 1400.0
         assert prof.measured["flash_mibs"] == 1400.0 and prof.measured["tiny_pool_mib"] == 8 * 2 * 864 / 1024
+        # the flash-bound run's pool: half a token's working set (16 layers x top-8 / 2), not the miss run's
+        assert prof.measured["oracle_pool_mib"] == 8 * 8 * 864 / 1024
         assert prof.measured["burst_flash_bw"][8][864] == 2200.0
         xfer_us = self.SLOT / (rate * MiB) * 1e6
         assert prof.flash_latency_us == pytest.approx(6000 - xfer_us, abs=0.1)  # a miss beyond its transfer

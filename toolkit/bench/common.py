@@ -82,7 +82,8 @@ def simulate_same_prompts(model, texts, adapter, policies, pools, new_tokens, wi
 
         def oracle_tpot_ms(p) -> float:  # the calibration's perfect-prefetch run, replayed: its pool, these prompts
             r = run_simulation(trace, policies=parse_policies("oracle+belady"), profile=p,
-                               pool_mib=p.measured["tiny_pool_mib"], window=window, queue_depth=queue_depth,
+                               pool_mib=p.measured.get("oracle_pool_mib", p.measured["tiny_pool_mib"]),
+                               window=window, queue_depth=queue_depth,
                                split="train", model=model, dtype=dtype, routing=routing,
                                prefill_chunks=warm_chunks, **base)
             return r["results"][0]["tpot_ms"]

@@ -8,8 +8,8 @@ and the rest of a token's time is spread over its layers as the dense part. The 
 is the larger of the raw device latency and a miss as the runtime experiences it (an on-demand run
 with a tiny pool: thread hand-off and Python included), so the simulator charges what a miss
 really costs this runtime. What a background read costs the compute thread (`read_cpu_us`) comes
-from a perfect-prefetch run (oracle + Belady, same tiny pool): its TPOT minus its stall minus the
-all-resident TPOT, per read. The profile is saved
+from a perfect-prefetch run (oracle + Belady, a pool of half a token's working set: flash_pool_mib):
+its TPOT minus its stall minus the all-resident TPOT, per read. The profile is saved
 as JSON (default ~/.cache/specprefetch/profiles/this-machine.json) for `simulate --profile
 this-machine`.
 """
@@ -143,8 +143,18 @@ def measure_flash(st: ExpertStore, reads: int) -> tuple[dict[int, dict[int, floa
 
 
 def tiny_pool_mib(top_k: int, slot_bytes: int) -> float:
-    """The pool the miss and read-cost runs use: two layers' worth of slots (every use a miss)."""
+    """The pool the miss run uses: two layers' worth of slots (every use a miss)."""
     return top_k * 2 * slot_bytes / MiB
+
+
+def flash_pool_mib(num_layers: int, top_k: int, slot_bytes: int) -> float:
+    """The pool of the flash-bound perfect-prefetch run (oracle + Belady) that sets the flash rate and what
+    a background read costs: half a token's working set (at least two layers' worth of slots). A pool of
+    two layers lets a layer's k reads be in flight and then waits on them, which on a VM draws less from
+    the flash than the policies' pools do (1.0 GB/s against 1.2 at 13% of the phone-class model's
+    experts; 1.14 with four layers, 1.21 with eight: docs/benchmarks.md section 19); half a token keeps
+    as many reads in flight as those pools while the run stays flash-bound (70% of its time waiting)."""
+    return top_k * max(2, num_layers // 2) * slot_bytes / MiB
 
 
 def with_flash_rate(profile: DeviceProfile, mibs: float, source: str) -> DeviceProfile:
@@ -170,8 +180,8 @@ def runtime_profile(name: str, description: str, *, flash: tuple[dict, float, fl
                     oracle: dict, measured: dict, source: str) -> DeviceProfile:
     """A runner's device profile from its measured runs (RunStats JSON of each): every expert
     resident (the compute per token), on-demand with a tiny pool (what a miss costs it), oracle +
-    Belady with the same pool (what a background read costs its compute thread), and the store's
-    read table `flash` = measure_flash(...).
+    Belady with half a token's working set (flash_pool_mib: the flash as the runner draws it, and what
+    a background read costs its compute thread), and the store's read table `flash` = measure_flash(...).
 
     The flash as the runner drives it: the table is a burst of reads from an otherwise idle process. Where
     the perfect-prefetch run waits on the flash for at least FLASH_BOUND of each token (flash-bound), its
@@ -197,7 +207,8 @@ def runtime_profile(name: str, description: str, *, flash: tuple[dict, float, fl
                   "runtime_miss_ms": round(miss_ms, 4), "oracle_tpot_ms": oracle["tpot_ms"],
                   "oracle_stall_ms_per_token": oracle["stall_ms_per_token"],
                   "oracle_reads_per_token": round(reads_per_token, 2), "slot_bytes": slot_bytes,
-                  "tiny_pool_mib": tiny_pool_mib(k, slot_bytes), "runner_flash_mibs": round(run_mibs, 1),
+                  "tiny_pool_mib": tiny_pool_mib(k, slot_bytes), "oracle_pool_mib": flash_pool_mib(L, k, slot_bytes),
+                  "runner_flash_mibs": round(run_mibs, 1),
                   "flash_rate_from": "burst", **measured},
         sources=[source])
     kib = slot_bytes // 1024
@@ -210,7 +221,7 @@ def runtime_profile(name: str, description: str, *, flash: tuple[dict, float, fl
 def fit_flash_rate(profile: DeviceProfile, oracle_tpot_ms: Callable[[DeviceProfile], float], *,
                    iterations: int = 12) -> DeviceProfile:
     """A profile whose flash rate came from the runner's flash-bound run (`runtime_profile`), refined so that
-    the simulator's own replay of that run (`oracle_tpot_ms(profile)`: oracle + Belady at the tiny pool on
+    the simulator's own replay of that run (`oracle_tpot_ms(profile)`: oracle + Belady at its pool on
     the same prompts) takes the time it measured: bisection on the slot rate between the run's bytes over
     its time (the lower bound) and four times that. Any other profile is returned as it is."""
     m = profile.measured or {}
@@ -273,8 +284,9 @@ def calibrate(model: str | Path = "embedded", *, store: Path | None = None, read
     # a miss as the runner sees it (reader hand-off included): on-demand with a tiny pool
     rt.configure(policy=Policy("on-demand", "lru"), pool_mib=tiny_pool_mib(k, st.slot_bytes))
     small = rt.run(prompt, tokens)
-    # what a background read costs the compute thread: perfect prefetch with the same tiny pool
-    rt.configure(policy=Policy("oracle", "belady"))
+    # the flash as this runner draws it, and what a background read costs the compute thread: perfect
+    # prefetch with half a token's working set
+    rt.configure(policy=Policy("oracle", "belady"), pool_mib=flash_pool_mib(L, k, st.slot_bytes))
     orc = rt.run(prompt, tokens, recorded=rec).stats
     prof = runtime_profile(
         "this-machine", f"measured on {os.uname().nodename} ({os.cpu_count()} CPUs) with {st.path.name}",
