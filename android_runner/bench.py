@@ -65,7 +65,10 @@ def _pooled(runs: list[dict]) -> dict:
             "counts": {"misses": sum(r["counts"]["misses"] for r in runs)},
             "expert_ms_per_call": median([r["expert_ms_per_call"] for r in runs], ndigits=None),
             "plan_ms_per_layer": median([r["plan_ms_per_layer"] for r in runs], ndigits=None),
-            "direct_io": all(r["direct_io"] for r in runs)}
+            "direct_io": all(r["direct_io"] for r in runs),
+            # the pool the runs had, where they all had one (runtime_profile records the oracle run's)
+            **({"budget_bytes": b.pop()} if len(b := {r.get("budget_bytes") for r in runs}) == 1 and None not in b
+               else {})}
 
 
 def calibrate_native(bundle: Path, prompts: list[list[int]], *, all_mib: float, tokens: int = 32,

@@ -53,14 +53,14 @@ class TestFlashRateAsTheRunnerSeesIt:
 
     SLOT = 864 * 1024
 
-    def _profile(self, oracle_stall_ms: float):
+    def _profile(self, oracle_stall_ms: float, **oracle):
         burst = {1: {864: 1900.0, 1024: 2000.0}, 8: {864: 2200.0, 1024: 2400.0}}
         run = {"tokens": list(range(9)), "decode_tokens": 8, "counts": {"misses": 80}}
         return cal.runtime_profile(
             "t", "test", flash=(burst, 0.5e-3, self.SLOT / (2200.0 * MiB)), L=16, k=8, slot_bytes=self.SLOT,
             all_resident={"tpot_ms": 6.0, "stall_ms_per_token": 0.0}, expert_ms=0.02, plan_ms=0.0,
             on_demand={**run, "stall_ms_per_token": 60.0},       # 8 x 60 ms of stall over 80 misses: 6 ms a miss
-            oracle={"tpot_ms": 80.0, "stall_ms_per_token": oracle_stall_ms, "mib_read_per_token": 112.0},
+            oracle={"tpot_ms": 80.0, "stall_ms_per_token": oracle_stall_ms, "mib_read_per_token": 112.0, **oracle},
             measured={}, source="test")
 
     def test_the_flash_bound_run_keeps_half_a_token_in_flight(self):
@@ -77,8 +77,10 @@ class TestFlashRateAsTheRunnerSeesIt:
                                  8: {864: pytest.approx(rate), 1024: pytest.approx(2400 * rate / 2200, abs=0.1)}}
         assert prof.measured["flash_rate_from"] == "runner" and prof.measured["runner_flash_mibs"] == 1400.0
         assert prof.measured["flash_mibs"] == 1400.0 and prof.measured["tiny_pool_mib"] == 8 * 2 * 864 / 1024
-        # the flash-bound run's pool: half a token's working set (16 layers x top-8 / 2), not the miss run's
+        # the flash-bound run's pool: half a token's working set (16 layers x top-8 / 2), not the miss run's,
+        # where the run does not report its own; where it does, that one
         assert prof.measured["oracle_pool_mib"] == 8 * 8 * 864 / 1024
+        assert self._profile(oracle_stall_ms=65.0, budget_bytes=40 * 2**20).measured["oracle_pool_mib"] == 40
         assert prof.measured["burst_flash_bw"][8][864] == 2200.0
         xfer_us = self.SLOT / (rate * MiB) * 1e6
         assert prof.flash_latency_us == pytest.approx(6000 - xfer_us, abs=0.1)  # a miss beyond its transfer

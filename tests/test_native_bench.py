@@ -78,3 +78,8 @@ def test_runner_bench_reports_every_part(embedded_bundles, tmp_path):
     assert (src == "burst") == (pm["oracle_stall_ms_per_token"] < FLASH_BOUND * pm["oracle_tpot_ms"])
     assert Path(str(out).replace(".json", ".md")).is_file() and Path(str(out).replace(".json", ".png")).is_file()
     assert prof["measured"]["prompts"] == 2 and prof["dense_ms_per_layer"] > 0
+    # the flash-bound calibration run kept half a token's working set (the embedded model: 8 MoE layers)
+    man = json.loads((Path(embedded_bundles["executorch"]) / "manifest.json").read_text())
+    # (oracle_pool_mib is the calibration runs' own budget, as the runner reported it)
+    half_token = man["routing"]["top_k"] * 4 * res["slot_bytes"]
+    assert abs(pm["oracle_pool_mib"] * 2**20 - half_token) < 1 and pm["oracle_pool_mib"] > pm["tiny_pool_mib"]

@@ -152,8 +152,9 @@ def flash_pool_mib(num_layers: int, top_k: int, slot_bytes: int) -> float:
     a background read costs: half a token's working set (at least two layers' worth of slots). A pool of
     two layers lets a layer's k reads be in flight and then waits on them, which on a VM draws less from
     the flash than the policies' pools do (1.0 GB/s against 1.2 at 13% of the phone-class model's
-    experts; 1.14 with four layers, 1.21 with eight: docs/benchmarks.md section 19); half a token keeps
-    as many reads in flight as those pools while the run stays flash-bound (70% of its time waiting)."""
+    experts; 1.14 with four layers, 1.21 with eight, in thousands of MiB/s: docs/benchmarks.md section
+    19); half a token keeps more reads in flight, nearer those pools, while the run stays flash-bound (70%
+    of its time waiting there)."""
     return top_k * max(2, num_layers // 2) * slot_bytes / MiB
 
 
@@ -207,7 +208,10 @@ def runtime_profile(name: str, description: str, *, flash: tuple[dict, float, fl
                   "runtime_miss_ms": round(miss_ms, 4), "oracle_tpot_ms": oracle["tpot_ms"],
                   "oracle_stall_ms_per_token": oracle["stall_ms_per_token"],
                   "oracle_reads_per_token": round(reads_per_token, 2), "slot_bytes": slot_bytes,
-                  "tiny_pool_mib": tiny_pool_mib(k, slot_bytes), "oracle_pool_mib": flash_pool_mib(L, k, slot_bytes),
+                  "tiny_pool_mib": tiny_pool_mib(k, slot_bytes),
+                  # the pool the oracle run had (its stats' budget), else the one it is meant to have
+                  "oracle_pool_mib": oracle["budget_bytes"] / MiB if oracle.get("budget_bytes")
+                  else flash_pool_mib(L, k, slot_bytes),
                   "runner_flash_mibs": round(run_mibs, 1),
                   "flash_rate_from": "burst", **measured},
         sources=[source])
