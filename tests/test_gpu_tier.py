@@ -1000,7 +1000,7 @@ def test_fused_experts_and_the_device_resident_decode(tiny_models, stores, fam, 
         fused.generate(prompt, 4, preload=True, resident_graph=True)
 
 
-@pytest.mark.parametrize("fam", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("fam", ["qwen3_moe", pytest.param("mixtral", marks=pytest.mark.slow)])
 def test_compiled_step_decodes_as_the_eager_one(tiny_models, stores, fam):
     """`compile`: the static decoder's one-token step (each layer's attention and router, the prelude,
     the head) goes through torch.compile (here its tracing without code generation, aot_eager: the
