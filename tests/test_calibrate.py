@@ -187,3 +187,20 @@ class TestOutputClaim:
         before = snapshot(tmp_path)
         refused(["calibrate", art["M"], "--store", art["S"], "--out", mine], "not a report written by specprefetch")
         assert snapshot(tmp_path) == before
+
+
+def test_pooled_runs_keep_their_common_pool():
+    """runner bench's `_pooled`: per-token figures weighted by decode tokens, and the runs' pool
+    (budget_bytes) where every run had the same one: the calibration profile records it as the oracle
+    run's pool; mixed or missing budgets leave it out (the profile then records the intended pool)."""
+    from android_runner.bench import _pooled
+
+    def run(tpot, budget=None):
+        r = {"decode_tokens": 4, "tpot_ms": tpot, "stall_ms_per_token": 1.0, "mib_read_per_token": 2.0,
+             "counts": {"misses": 3}, "expert_ms_per_call": 0.1, "plan_ms_per_layer": 0.0, "direct_io": True}
+        return r if budget is None else {**r, "budget_bytes": budget}
+
+    same = _pooled([run(10.0, 64), run(20.0, 64)])
+    assert same["budget_bytes"] == 64 and same["tpot_ms"] == 15.0 and same["counts"]["misses"] == 6
+    assert "budget_bytes" not in _pooled([run(10.0, 64), run(20.0, 32)])
+    assert "budget_bytes" not in _pooled([run(10.0, 64), run(20.0)])
