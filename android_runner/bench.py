@@ -237,7 +237,6 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
             raise SpecPrefetchError(f"--variant {spec}: the same settings as another --variant")
         knobs[variant_label(v)] = v
     m, _ = validate_bundle(bundle, hash_store=False)
-
     if m.get("target") != "executorch":
         raise SpecPrefetchError(f"{bundle}: runner bench measures executorch bundles; a {m.get('target')} bundle's "
                                 "graphs run on the HTP simulator here, whose times are not a phone's (run it with "

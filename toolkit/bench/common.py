@@ -80,13 +80,14 @@ def simulate_same_prompts(model, texts, adapter, policies, pools, new_tokens, wi
                        for q, r in enumerate(runs)}
         prof = profile or calibrate(model, store=store, out=Path(d) / "this-machine.json", progress=False)[0]
 
+        def replay(pols, p, pool_mib: float, **kw) -> list[dict[str, Any]]:   # these prompts, these runs' settings
+            return run_simulation(trace, policies=pols, profile=p, pool_mib=pool_mib, split="train", model=model,
+                                  dtype=dtype, routing=routing, prefill_chunks=warm_chunks,
+                                  **{"window": window, "queue_depth": queue_depth, **base, **kw})["results"]
+
         def oracle_tpot_ms(p) -> float:  # the calibration's perfect-prefetch run, replayed: its pool, these prompts
-            r = run_simulation(trace, policies=parse_policies("oracle+belady"), profile=p,
-                               pool_mib=p.measured.get("oracle_pool_mib", p.measured["tiny_pool_mib"]),
-                               window=window, queue_depth=queue_depth,
-                               split="train", model=model, dtype=dtype, routing=routing,
-                               prefill_chunks=warm_chunks, **base)
-            return r["results"][0]["tpot_ms"]
+            pool = p.measured.get("oracle_pool_mib", p.measured["tiny_pool_mib"])
+            return replay(parse_policies("oracle+belady"), p, pool)[0]["tpot_ms"]
 
         pm = prof.measured or {}
         # only a profile calibrated on these very prompts (runner bench's calibrate_native records them): the
@@ -99,15 +100,9 @@ def simulate_same_prompts(model, texts, adapter, policies, pools, new_tokens, wi
                "pool_at_first_token": "as the measured runs' prefill left it" if warm_chunks is not None
                else "empty"}
         for pool in pools:
-            r = run_simulation(trace, policies=policies, profile=prof, pool_mib=pool, window=window, adapter=adapter,
-                               queue_depth=queue_depth, split="train", model=model, dtype=dtype, routing=routing,
-                               prefill_chunks=warm_chunks, **base)
-            rows = [(x["policy"], x) for x in r["results"]]
-            for label, (pol, kv) in (variants or {}).items():
-                v = run_simulation(trace, policies=[pol], profile=prof, pool_mib=pool, adapter=adapter, split="train",
-                                   model=model, dtype=dtype, routing=routing, prefill_chunks=warm_chunks,
-                                   **{"window": window, "queue_depth": queue_depth, **base, **kv})
-                rows.append((label, v["results"][0]))
+            rows = [(x["policy"], x) for x in replay(policies, prof, pool, adapter=adapter)]
+            rows += [(label, replay([pol], prof, pool, adapter=adapter, **kv)[0])
+                     for label, (pol, kv) in (variants or {}).items()]
             out["points"].append({"pool_mib": pool, "policies": {name: {
                 k: x[k] for k in ("tpot_ms", "stall_ms_per_token", "hit_rate", "mib_read_per_token")}
                 for name, x in rows}})

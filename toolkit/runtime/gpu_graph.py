@@ -204,12 +204,10 @@ class StaticDecoder:
         h = self.inner.embed_tokens(tokens[None])
         mask, cs = self.prelude(positions, h)
         for i in range(len(self.layers)):
-            h = self.attention(i, h, positions, kv, mask, cs)
-            if i in self.moe_at:
-                post, scores, idx = self.route(i, h)
+            h, *routed = self.layer(i, h, positions, kv, mask, cs)
+            if routed:
+                post, scores, idx = routed
                 h = h + experts(self.moe_at[i], post, idx, scores).view(1, T, self.H).to(h.dtype)
-            else:
-                h = self.dense_mlp(i, h)
         return self.head(h)[0].float()
 
 
