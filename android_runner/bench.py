@@ -34,6 +34,7 @@ from android_runner.build import run_native as _run_native
 from toolkit.artifacts import read_json
 from toolkit.errors import SpecPrefetchError
 from toolkit.bench.common import medians
+from toolkit.runtime.policy import VARIANT_TAG, parse_variants
 from toolkit.metrics import median
 from toolkit.reporting import figure, save_figure, write_report
 
@@ -134,45 +135,6 @@ READ_BUDGET_TAG = " read-budget="
 # where the bundle has them
 NO_NEXT_VISIT_TAG = " next-visit=off"
 
-# a row of the predictor's policy with other scheduler settings (runner bench --variant):
-# "<policy> scheduler=<key=value,...>"
-VARIANT_TAG = " scheduler="
-# what --variant may set, with each value's parser and check (the native runner's option of the same name)
-VARIANT_KEYS: dict[str, tuple[Callable[[str], Any], Callable[[Any], bool], str]] = {
-    "window": (int, lambda v: v >= 1, "an integer >= 1"),
-    "queue_depth": (int, lambda v: v >= 1, "an integer >= 1"),
-    "candidate_threshold": (float, lambda v: 0 <= v <= 1, "a probability in [0, 1]"),
-    "min_confidence": (float, lambda v: 0 <= v <= 1, "a probability in [0, 1]"),
-}
-
-
-def parse_variant(spec: str) -> dict[str, Any]:
-    """`queue_depth=2,window=1` -> {"queue_depth": 2, "window": 1} (runner bench --variant); one line naming
-    the option where a key or value is not one of VARIANT_KEYS'."""
-    out: dict[str, Any] = {}
-    for part in spec.split(","):
-        key, eq, val = (x.strip() for x in part.partition("="))
-        if key not in VARIANT_KEYS or not eq:
-            raise SpecPrefetchError(f"--variant {spec}: '{part}' is not KEY=VALUE with KEY one of "
-                                    f"{', '.join(VARIANT_KEYS)}")
-        if key in out:
-            raise SpecPrefetchError(f"--variant {spec}: {key} is given twice")
-        conv, ok, what = VARIANT_KEYS[key]
-        try:
-            v = conv(val)
-        except ValueError:
-            v = None
-        if v is None or not ok(v):
-            raise SpecPrefetchError(f"--variant {spec}: {key} must be {what} (got '{val}')")
-        out[key] = v
-    return out
-
-
-def variant_label(knobs: dict[str, Any]) -> str:
-    """The canonical text of a variant's settings (sorted keys), as its rows are named."""
-    return ",".join(f"{k}={knobs[k]!r}" for k in sorted(knobs))
-
-
 # runner bench --ablation: every predictor of the report with the other evictions, so that the gap to the
 # oracle splits into prediction (oracle+lru, oracle+prediction against oracle+belady) and eviction (the
 # predictor with Belady's eviction, which knows the real future; on-demand+belady: eviction alone)
@@ -217,7 +179,7 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
     compute). images: every prompt gets these images before its text (a bundle that takes images; both
     engines run the image prompt; the simulator, which replays text, is left out). prompt_texts: the
     prompts' texts (then `prompts` and `prompt_tokens` do not apply); default: held-out texts. variants: also
-    the predictor's policy with these scheduler settings (`parse_variant`: window, queue_depth,
+    the predictor's policy with these scheduler settings (`parse_variants`: window, queue_depth,
     candidate_threshold, min_confidence instead of the bundle's), each a row of its own in the same rounds,
     simulated too."""
     from transformers import AutoTokenizer
@@ -230,12 +192,7 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
     from toolkit.runtime.policy import Policy
     from toolkit.runtime.runner import RunConfig
 
-    knobs: dict[str, dict[str, Any]] = {}   # checked before anything runs
-    for spec in variants:
-        v = parse_variant(spec)
-        if variant_label(v) in knobs:
-            raise SpecPrefetchError(f"--variant {spec}: the same settings as another --variant")
-        knobs[variant_label(v)] = v
+    knobs = parse_variants(variants)   # checked before anything runs
     m, _ = validate_bundle(bundle, hash_store=False)
     if m.get("target") != "executorch":
         raise SpecPrefetchError(f"{bundle}: runner bench measures executorch bundles; a {m.get('target')} bundle's "

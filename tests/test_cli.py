@@ -207,7 +207,7 @@ class TestPathsAndText:
     def test_runner_bench_variant_is_checked_first(self, tmp_path):
         """--variant: KEY=VALUE pairs of the scheduler settings it may change, refused in one line naming
         the option before the bundle is opened (here there is none)."""
-        from android_runner.bench import parse_variant, variant_label
+        from toolkit.runtime.policy import parse_variant, variant_label
 
         assert parse_variant("queue_depth=2, window=1") == {"queue_depth": 2, "window": 1}
         assert variant_label(parse_variant("window=1,candidate_threshold=0.05")) == \

@@ -321,26 +321,51 @@ def test_pool_budget_and_store_refusals(tiny_models, stores, tmp_path):
 
 
 def test_gpu_bench_report(tiny_models, stores, tmp_path):
-    """The bench end to end on the CPU: every row, the ratios, and the three report files."""
+    """The bench end to end on the CPU: every row, the ratios, and the three report files. With --variant
+    each predicting policy (not on-demand, the draft or the oracle) runs again with those scheduler settings,
+    a row of its own, and the settings reach the scheduler (a threshold of 1 queues nothing, a read budget
+    of 1 KiB lets no copy land in time, one copy in flight issues at most one a step); bad settings are
+    refused before anything loads."""
     from toolkit.runtime.gpu_bench import run_gpu_bench, write
     from toolkit.runtime.policy import parse_policies
 
-    r = run_gpu_bench(tiny_models["qwen3_moe"], store=stores["qwen3_moe"], adapter=None,
-                      policies=parse_policies("on-demand+lru,draft+prediction,oracle+belady"), fractions=[0.5],
-                      prompts=1, prompt_tokens=8, new_tokens=6, repeats=1, ks=(2, 3), device="cpu", log=lambda s: None)
-    assert r["tokens_match_transformers"] and len(r["rows"]) == 3
+    pols = parse_policies("on-demand+lru,next-gate+prediction,draft+prediction,oracle+belady")
+    r = run_gpu_bench(tiny_models["qwen3_moe"], store=stores["qwen3_moe"], adapter=None, policies=pols,
+                      fractions=[0.5], prompts=1, prompt_tokens=8, new_tokens=6, repeats=1, ks=(2, 3), device="cpu",
+                      variants=("candidate_threshold=1", "read_budget_kib=1", "queue_depth=1"), log=lambda s: None)
     rows = {x["policy"]: x for x in r["rows"]}
+    tag = "next-gate+prediction scheduler="
+    assert r["tokens_match_transformers"] and list(rows) == [
+        "on-demand+lru", "next-gate+prediction", "draft+prediction", "oracle+belady", tag + "candidate_threshold=1.0",
+        tag + "read_budget_kib=1", tag + "queue_depth=1"]
     # half the experts fit: on-demand copies (decode only) and the oracle with Belady copies no more
     assert rows["on-demand+lru"]["pcie_mib_per_token"] > 0
     assert rows["oracle+belady"]["pcie_mib_per_token"] <= rows["on-demand+lru"]["pcie_mib_per_token"]
     assert rows["oracle+belady"]["hit_rate"] >= rows["on-demand+lru"]["hit_rate"]
     assert rows["draft+prediction"]["k"] in (2, 3) and set(r["draft_k"]["0.5"]["profile_tpot_ms"]) == {2, 3}
+    # the variants: their settings reached the scheduler
+    L = len(inspect_model_dir(tiny_models["qwen3_moe"]).geometry.moe_layers)
+    assert rows["next-gate+prediction"]["prefetches_per_token"] > 0 and "scheduler" not in rows["next-gate+prediction"]
+    assert rows[tag + "candidate_threshold=1.0"]["prefetches_per_token"] == 0
+    assert rows[tag + "candidate_threshold=1.0"]["scheduler"] == {"candidate_threshold": 1.0}
+    late = rows[tag + "read_budget_kib=1"]
+    assert late["prefetches_per_token"] == 0 and late["dropped_late_per_token"] > 0
+    assert 0 < rows[tag + "queue_depth=1"]["prefetches_per_token"] <= L
+    assert rows["next-gate+prediction"]["dropped_late_per_token"] == 0
     # the all-resident bound both ways: the device alone (the static decoder) and synced per layer
     assert r["resident_device_alone"] and r["resident_runs"] == r["resident_synced_runs"] == 1
     assert r["resident_tpot_ms"] > 0 and r["resident_synced_tpot_ms"] > 0 and r["experts"] == "eager"
     md, png = write(r, tmp_path / "gpu.json")
-    assert "draft+prediction" in md.read_text() and png.stat().st_size > 0
+    assert "draft+prediction" in md.read_text() and tag + "queue_depth=1" in md.read_text() and png.stat().st_size > 0
     assert "without a host sync per layer (eager)" in md.read_text()   # static: no graph
+    for bad, msg in [(("window=99",), "past the model's"), (("speed=2",), "not KEY=VALUE"),
+                     (("queue_depth=2", "queue_depth=2"), "same settings")]:
+        with pytest.raises(SpecPrefetchError, match=msg):
+            run_gpu_bench(tiny_models["qwen3_moe"], store=stores["qwen3_moe"], adapter=None, policies=pols,
+                          fractions=[0.5], device="cpu", variants=bad, log=lambda s: None)
+    with pytest.raises(SpecPrefetchError, match="no policy predicts"):
+        run_gpu_bench(tiny_models["qwen3_moe"], store=stores["qwen3_moe"], adapter=None, policies=pols[:1],
+                      fractions=[0.5], device="cpu", variants=("window=1",), log=lambda s: None)
 
 
 def test_profile_of_a_resident_token(tiny_models, stores):

@@ -866,11 +866,15 @@ def bench_reads_cmd(traces, store_path, pool_fracs, max_sequences, rounds, lanes
 @click.option("--compile", "compile_backend", type=click.Choice(["inductor", "aot_eager"]), default=None,
               help="the static decoder's one-token step through torch.compile with this backend (inductor: fused "
                    "Triton kernels inside the graphs; docs/gpu-tier.md)")
+@click.option("--variant", "variants", multiple=True, metavar="KEY=V[,KEY=V]",
+              help="also each predicting policy with these scheduler settings (window, queue_depth: copies in "
+                   "flight, candidate_threshold, min_confidence, read_budget_kib: KiB copied per layer step), in the "
+                   "same rounds (repeatable)")
 @json_report
 @friendly_errors(interrupt=NOT_WRITTEN)
 def bench_gpu(model, device, adapter, policies, pool_fractions, prompts, new_tokens, rounds, prompt_tokens, window,
               store_path, draft_k, decode, experts, verify, report_mismatches, profile_resident, compile_backend,
-              json_out, overwrite) -> None:
+              variants, json_out, overwrite) -> None:
     """Measure the GPU tier's policies side by side on MODEL (a model directory or `embedded`): pools as
     fractions of the experts, the all-resident bound and transformers' generate beside them, the
     draft's K profiled per pool; tokens checked against transformers' (docs/gpu-tier.md)."""
@@ -879,6 +883,9 @@ def bench_gpu(model, device, adapter, policies, pool_fractions, prompts, new_tok
     ks = int_tuple(draft_k, "--draft-k")
     if not ks or min(ks) < 1:
         raise SpecPrefetchError(f"--draft-k {draft_k!r}: comma-separated draft lengths >= 1")
+    from toolkit.runtime.policy import GPU_VARIANT_KEYS, parse_variants
+
+    parse_variants(variants, GPU_VARIANT_KEYS)   # a bad --variant refused before anything is claimed
     c = claim(json_out, BENCH_KINDS["gpu"], overwrite, inputs=(model, adapter, store_path))
     from toolkit.runtime import gpu_bench
     from toolkit.runtime.policy import parse_policies
@@ -890,7 +897,7 @@ def bench_gpu(model, device, adapter, policies, pool_fractions, prompts, new_tok
                                 fractions=pool_fractions, prompts=prompts, new_tokens=new_tokens, repeats=rounds,
                                 ks=ks, device=device, window=window, prompt_tokens=prompt_tokens, decode=decode,
                                 experts=experts, verify=verify, strict=not report_mismatches,
-                                profile=profile_resident, compile=compile_backend,
+                                profile=profile_resident, compile=compile_backend, variants=tuple(variants),
                                 log=lambda m: click.echo(m, err=True))
     _show_report(r, json_out, c, gpu_bench.write, gpu_bench.markdown)
 

@@ -550,6 +550,9 @@ class GpuEngine:
         self.predictors = dict(predictors or {})
         self.reuse = reuse
         self.cfg = cfg
+        # copies in flight at most (the scheduler's queue depth here); None: the pool's free slots
+        # (capacity - k, so a layer's demand copies always find a slot); `configure(copy_depth=N)`
+        self.copy_depth: int | None = None
         from toolkit.runtime import gpu_graph
 
         if decode not in (None, "graph", "static", "modules"):
@@ -582,8 +585,12 @@ class GpuEngine:
         self.configure()
 
     # -- configuration ---------------------------------------------------------------------
-    def configure(self, **changes) -> None:
+    def configure(self, *, copy_depth: int | None | str = "keep", **changes) -> None:
+        """The next sequences' RunConfig with `changes`; `copy_depth`: copies in flight at most (None:
+        the pool's free slots; "keep": unchanged)."""
         cfg = dataclasses.replace(self.cfg, **changes)
+        if copy_depth != "keep" and copy_depth is not None and (not isinstance(copy_depth, int) or copy_depth < 1):
+            raise SpecPrefetchError(f"queue depth {copy_depth!r}: copies in flight, an integer >= 1")
         p = cfg.policy.predictor
         if p not in ("on-demand", "draft") and p not in self.predictors:
             raise SpecPrefetchError(f"--policy {cfg.policy.name}: predictor {p!r} is not available on the GPU tier "
@@ -600,6 +607,8 @@ class GpuEngine:
         if p == "draft" and self.drafts[0] is None:
             raise SpecPrefetchError("--policy draft: the engine was built without the int4 draft")
         self.cfg = cfg
+        if copy_depth != "keep":
+            self.copy_depth = copy_depth
 
     @property
     def capacity(self) -> int:
@@ -752,10 +761,12 @@ class GpuEngine:
         state.future = future
         prefetch = planner is not None or cfg.policy.predictor == "draft"
         # copies queue on a stream: the queue depth is the pool, not a flash queue (at most capacity - k
-        # in flight, so a layer's demand copies always find a slot). The pool's capacity is its budget's
-        # (budget // blob bytes, as on the CPU); the arena has min(that, L * E) slots (`capacity`): a
-        # pool holds one slot per expert at most, so it never needs a slot the arena lacks
-        gcfg = dataclasses.replace(cfg, queue_depth=max(1, self.capacity - self.k))
+        # in flight, so a layer's demand copies always find a slot; fewer with `copy_depth`). The pool's
+        # capacity is its budget's (budget // blob bytes, as on the CPU); the arena has min(that, L * E)
+        # slots (`capacity`): a pool holds one slot per expert at most, so it never needs a slot the
+        # arena lacks
+        depth = max(1, self.capacity - self.k)
+        gcfg = dataclasses.replace(cfg, queue_depth=depth if self.copy_depth is None else min(depth, self.copy_depth))
         pool, sched = open_pool_and_scheduler(gcfg, slot_bytes=self.store.blob_size, num_layers=L, top_k=self.k,
                                               io=io, future=future, prefetch=prefetch, reuse=self.reuse)
         if preload:

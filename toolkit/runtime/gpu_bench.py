@@ -8,8 +8,11 @@ into the pool) twice: decoded on the device alone (one graph per token, the slot
 device) and as every policy decodes (one host sync per MoE layer), transformers' own generate with
 the whole model on the GPU, and the draft's K picked by a short profiling pass per pool (Specter's
 profiler). Where the adapter has next-visit heads, each `+reuse` policy that reads them also runs
-without them (`POLICY next-visit=off`). Every run's tokens are checked against transformers' greedy
-tokens before any time is quoted.
+without them (`POLICY next-visit=off`); with `--variant KEY=V[,KEY=V]`, each predicting policy (not
+on-demand, the draft or the oracle) also runs with those scheduler settings (`POLICY scheduler=...`:
+window, queue_depth (copies in flight), candidate_threshold, min_confidence, read_budget_kib), rows of
+their own in the same rounds. Every run's tokens are checked against transformers' greedy tokens
+before any time is quoted.
 """
 from __future__ import annotations
 
@@ -21,15 +24,21 @@ from typing import Any, Callable
 
 import torch
 
+from toolkit.runtime.policy import GPU_VARIANT_KEYS, VARIANT_TAG, Policy, parse_variants, variant_label
 from toolkit.errors import SpecPrefetchError
 from toolkit.metrics import median
-from toolkit.runtime.policy import Policy
 
 MiB = 2**20
 NO_NEXT_VISIT = " next-visit=off"   # the row of a +reuse policy run without the adapter's next-visit heads
 # the resident bound without a host sync per layer: one graph per token (graph), or the same segments
 # run eagerly (static: no graph, so its launches are the host's)
 ALONE = {"graph": "on the device alone (one graph per token)", "static": "without a host sync per layer (eager)"}
+
+
+def _predicting(pol: Policy) -> bool:
+    """Whether --variant's scheduler settings apply to `pol`: a predictor's prefetches (not on-demand's
+    none, the draft's own verification rounds or the oracle's known future)."""
+    return pol.predictor not in ("on-demand", "draft", "oracle")
 
 
 def _prompts(tokenizer, n: int, tokens: int, data: Path | None) -> list[list[int]]:
@@ -204,13 +213,14 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
                   repeats: int = 2, ks: tuple[int, ...] = (2, 4, 6, 8, 12), device: str = "cuda",
                   window: int = 2, data: Path | None = None, decode: str | None = None,
                   experts: str | None = None, verify: str = "exact", strict: bool = True,
-                  profile: bool = False, compile: str | None = None,
+                  profile: bool = False, compile: str | None = None, variants: tuple[str, ...] = (),
                   log: Callable[[str], None] = print) -> dict[str, Any]:
     """`decode`, `experts`, `verify`: the engine's decode path, expert math and the draft's verification
     (gpu.GpuEngine). `strict`: refuse to
     report when any run's tokens differ from transformers' (the default); False returns the figures
     with `tokens_match_transformers: false` and the differing runs listed, for diagnosis only. `profile`:
-    also where an all-resident token's time goes (`profile_resident`, after the timed runs)."""
+    also where an all-resident token's time goes (`profile_resident`, after the timed runs). `variants`:
+    --variant settings (GPU_VARIANT_KEYS), each a row per predicting policy."""
     from toolkit.models.loader import inspect_model_dir, load_model
     from toolkit.runtime.expert_store import ExpertStore
     from toolkit.runtime.gpu import Device, GpuEngine, d2d_bandwidth, h2d_bandwidth
@@ -219,6 +229,12 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
     spec = inspect_model_dir(model)
     g = spec.geometry
     L, E = len(g.moe_layers), g.routing.num_experts
+    knobs = parse_variants(variants, GPU_VARIANT_KEYS)   # refused before anything loads
+    for label, v in knobs.items():
+        if v.get("window", 1) > L:
+            raise SpecPrefetchError(f"--variant {label}: window {v['window']} is past the model's {L} MoE layers")
+    if knobs and not any(_predicting(p) for p in policies):
+        raise SpecPrefetchError("--variant: no policy predicts (on-demand, the draft and the oracle take no variant)")
     dev = Device(device)
     # the predictors and the reuse table first: a policy that cannot run is refused before any loading
     preds = gpu_predictors(spec, {p.predictor for p in policies}, adapter)
@@ -249,23 +265,36 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
     rows: list[dict[str, Any]] = []
     mismatches: list[str] = []
 
+    defaults = RunConfig()
+
+    def settings(knob: dict[str, Any]) -> dict[str, Any]:
+        """The scheduler settings of a run: a --variant's, the bench's own where it sets none."""
+        return dict(window=knob.get("window", window),
+                    min_confidence=knob.get("min_confidence", defaults.min_confidence),
+                    candidate_threshold=knob.get("candidate_threshold", defaults.candidate_threshold),
+                    read_budget_kib=knob.get("read_budget_kib"), copy_depth=knob.get("queue_depth"))
+
     def one(pol: Policy, mib: float, p: int, *, k: int = 8, preload: bool = False, resident_graph: bool = False,
-            recorded=None, next_visit: bool = True):
-        eng.configure(policy=pol, pool_mib=mib, next_visit=next_visit)
+            recorded=None, next_visit: bool = True, knob: dict[str, Any] | None = None):
+        knob = knob or {}
+        eng.configure(policy=pol, pool_mib=mib, next_visit=next_visit, **settings(knob))
         r = eng.generate(ids[p], new_tokens, recorded=recorded, k=k, preload=preload, resident_graph=resident_graph)
         if r.tokens != ref_tokens[p]:
             name = pol.name + ("" if next_visit else NO_NEXT_VISIT) + (
+                f"{VARIANT_TAG}{variant_label(knob)}" if knob else "") + (
                 " (resident, device alone)" if resident_graph else " (resident)" if preload else "")
             what = f"{name} pool {mib:.0f} MiB prompt {p}{first_difference(r.tokens, ref_tokens[p], ref_margins[p])}"
             log(f"TOKENS DIFFER: {what}")
             mismatches.append(what)
         return r
 
-    # the rows: (label, policy, next_visit); a +reuse policy whose predictor has next-visit heads also
-    # runs without them
-    variants = [(pol.name, pol, True) for pol in policies]
-    variants += [(pol.name + NO_NEXT_VISIT, pol, False) for pol in policies
+    # the rows: (label, policy, next_visit, scheduler settings); a +reuse policy whose predictor has
+    # next-visit heads also runs without them; each predicting policy with each --variant's settings
+    variants = [(pol.name, pol, True, {}) for pol in policies]
+    variants += [(pol.name + NO_NEXT_VISIT, pol, False, {}) for pol in policies
                  if pol.eviction == "reuse" and getattr(preds.get(pol.predictor), "next_visit", False)]
+    variants += [(f"{pol.name}{VARIANT_TAG}{label}", pol, True, v) for pol in policies if _predicting(pol)
+                 for label, v in knobs.items()]
 
     # the oracle's future: one recorded pass per prompt (routing does not depend on the policy)
     recorded = {p: eng.record(ids[p], new_tokens) for p in range(len(ids))}
@@ -284,8 +313,8 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
         one(Policy("on-demand", "lru"), all_mib, 0, preload=True)
         if alone:
             one(Policy("on-demand", "lru"), all_mib, 0, preload=True, resident_graph=True)
-        for _, pol, nv in variants:
-            one(pol, mib, 0, k=ks[0], recorded=recorded[0], next_visit=nv)
+        for _, pol, nv, kn in variants:
+            one(pol, mib, 0, k=ks[0], recorded=recorded[0], next_visit=nv, knob=kn)
         if drafts:
             prof = {}
             for k in ks:   # Specter's profiler: short runs per K on the first prompt, fastest (median) wins
@@ -293,7 +322,7 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
             best = min(prof, key=prof.get)
             ks_by_pool[frac] = {"k": best, "profile_tpot_ms": prof}
             log(f"pool {frac:.0%}: draft K profile {', '.join(f'{k}: {v:.2f}' for k, v in prof.items())} -> K={best}")
-        runs: dict[str, list] = {label: [] for label, _, _ in variants}
+        runs: dict[str, list] = {label: [] for label, _, _, _ in variants}
         entries = [*variants, SYNCED] + ([RESIDENT] if alone else [])
         for rep in range(repeats):
             order = entries if rep % 2 == 0 else entries[::-1]
@@ -303,10 +332,11 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
                         r = one(Policy("on-demand", "lru"), all_mib, p, preload=True, resident_graph=entry == RESIDENT)
                         (resident_runs if entry == RESIDENT else synced_runs).append(r)
                         continue
-                    label, pol, nv = entry
-                    r = one(pol, mib, p, k=ks_by_pool.get(frac, {}).get("k", 8), recorded=recorded[p], next_visit=nv)
+                    label, pol, nv, kn = entry
+                    r = one(pol, mib, p, k=ks_by_pool.get(frac, {}).get("k", 8), recorded=recorded[p], next_visit=nv,
+                            knob=kn)
                     runs[label].append(r)
-        for label, pol, _ in variants:
+        for label, pol, _, kn in variants:
             rs = runs[label]
             med = lambda f: median((f(r) for r in rs), ndigits=None)  # noqa: E731
             row = {"policy": label, "pool_fraction": frac, "pool_slots": slots, "pool_mib": round(mib, 1),
@@ -317,11 +347,19 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
                    "stall_ms_per_token": round(med(lambda r: r.stats.stall_ms_per_token), 3),
                    "copy_ms_per_token": round(med(lambda r: r.extra["copy_ms_per_token"]), 3),
                    "prefetch_precision": round(med(lambda r: r.stats.prefetch_precision), 4),
+                   # prefetch copies issued per token, and those the read budget dropped (they could not land
+                   # by their layer)
+                   "prefetches_per_token": round(med(lambda r: r.stats.counts["prefetch_issued"]
+                                                     / max(r.stats.decode_tokens, 1)), 3),
+                   "dropped_late_per_token": round(med(lambda r: r.stats.counts["dropped_late"]
+                                                       / max(r.stats.decode_tokens, 1)), 3),
                    "gpu_expert_mib": round(mib + (eng.draft_bytes / MiB if pol.predictor == "draft" else 0), 1),
                    # the slot allocation the runs read, and every arena the engine held meanwhile
                    "slot_arena_mib": round(max(r.extra["slot_arena_bytes"] for r in rs) / MiB, 1),
                    "slot_arenas_held_mib": round(max(r.extra["slot_arenas_held_bytes"] for r in rs) / MiB, 1),
                    "runs": len(rs)}
+            if kn:
+                row["scheduler"] = kn
             if pol.predictor == "draft":
                 row.update({"k": ks_by_pool[frac]["k"], "acceptance": round(med(lambda r: r.extra["acceptance"]), 4),
                             "draft_ms_per_token": round(med(lambda r: r.extra["draft_ms_per_token"]), 3),
@@ -332,7 +370,7 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
                 f"{row['pcie_mib_per_token']:.1f} MiB/token over PCIe, stall {row['stall_ms_per_token']:.3f} ms/token")
     prof = None
     if profile:
-        eng.configure(policy=Policy("on-demand", "lru"), pool_mib=all_mib)
+        eng.configure(policy=Policy("on-demand", "lru"), pool_mib=all_mib, **settings({}))
         prof = profile_resident(eng, ids[0], new_tokens)
         log(f"profile of an all-resident token: {prof['ops_per_token']} {prof['what']}, "
             f"{prof['device_ms_per_token']} ms of their time summed; top: "
@@ -490,6 +528,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--profile-resident", action="store_true",
                     help="also profile an all-resident decode token (kernels and their time; the JSON's "
                          "resident_profile)")
+    ap.add_argument("--variant", action="append", default=[], metavar="KEY=V[,KEY=V]",
+                    help="also each predicting policy with these scheduler settings (window, queue_depth, "
+                         "candidate_threshold, min_confidence, read_budget_kib; repeatable)")
     ap.add_argument("--json", type=Path, required=True)
     a = ap.parse_args(argv)
     r = run_gpu_bench(a.model, store=a.store, adapter=a.adapter, policies=parse_policies(a.policies),
@@ -497,7 +538,8 @@ def main(argv: list[str] | None = None) -> None:
                       prompt_tokens=a.prompt_tokens, new_tokens=a.new_tokens, repeats=a.repeats, device=a.device,
                       ks=tuple(int(x) for x in a.draft_k.split(",")), decode=a.decode, experts=a.experts,
                       data=a.data, verify=a.verify,
-                      strict=not a.report_mismatches, profile=a.profile_resident, compile=a.compile)
+                      strict=not a.report_mismatches, profile=a.profile_resident, compile=a.compile,
+                      variants=tuple(a.variant))
     md, png = write(r, a.json)
     print(md.read_text())
     print(f"wrote {a.json}, {md}, {png}")

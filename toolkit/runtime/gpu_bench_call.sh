@@ -28,7 +28,9 @@
 # base model's draft verified in one pass, after the base stage): VFR (pool fractions, 0.25), VK (its K, 8),
 # VBT (its timeout, 150); the compiled stage (the base bench with --compile inductor): CBT (its timeout,
 # default BT). KS (the base bench's draft Ks, 2,4,6,8,12); PROF=1: each bench also profiles an
-# all-resident decode token (gpu_bench --profile-resident: kernels and their device time per token).
+# all-resident decode token (gpu_bench --profile-resident: kernels and their device time per token);
+# BX: more gpu_bench options for every policy bench (base, compiled, wide), e.g.
+# BX="--compile inductor --variant candidate_threshold=0.1 --variant queue_depth=4".
 # Where one command may run 10 minutes at most, run it twice on the same warm machine (docs/benchmarks.md
 # section 9 ran these):
 #   STAGES="base tests split" BT=260 OUT=... bash ...
@@ -116,7 +118,7 @@ bench() {
   [ -d "$R/$n-trace" ] || $B trace "$m" --data "$C/trace.jsonl" --out "$R/$n-trace" --device "$DEV" --dtype float16 --max-sequences $NSEQ --prompt-tokens 128 --decode-tokens 32 --heldout-frac 0.25 2>&1 | tail -2 | tee -a "$L" || { fail "$n: trace"; return; }
   [ -d "$R/$n-adapter" ] || $B train "$R/$n-trace" --out "$R/$n-adapter" --device "$DEV" --steps $STEPS 2>&1 | tail -3 | tee -a "$L" || { fail "$n: train"; return; }
   echo "$n: store, trace and adapter $(( $(date +%s) - t0 )) s" | tee -a "$L"
-  timeout "$bt" python -m toolkit.runtime.gpu_bench "$m" --device "$DEV" --store "$R/$n.spx" --adapter "$R/$n-adapter" --policies "$POL" --fractions "$fr" --prompts $NP --new-tokens $nt --repeats 2 --draft-k $ks --report-mismatches $([ "${PROF:-0}" = 1 ] && echo --profile-resident) $extra --json "$RES/gpu-bench-$rep.json" > "$RES/bench-$rep.log" 2>&1; echo "$rep: bench rc=$? after $(( $(date +%s) - t0 )) s" | tee -a "$L"
+  timeout "$bt" python -m toolkit.runtime.gpu_bench "$m" --device "$DEV" --store "$R/$n.spx" --adapter "$R/$n-adapter" --policies "$POL" --fractions "$fr" --prompts $NP --new-tokens $nt --repeats 2 --draft-k $ks --report-mismatches $([ "${PROF:-0}" = 1 ] && echo --profile-resident) $extra ${BX:-} --json "$RES/gpu-bench-$rep.json" > "$RES/bench-$rep.log" 2>&1; echo "$rep: bench rc=$? after $(( $(date +%s) - t0 )) s" | tee -a "$L"
   grep -v Loading "$RES/bench-$rep.log" | tail -32 | tee -a "$L"
   pack
 }

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Callable, Iterable
 
 from toolkit.errors import SpecPrefetchError
 from toolkit.predictors.registry import check_name
@@ -38,3 +39,55 @@ def parse_policies(text: str, option: str = "--policies") -> list[Policy]:
     if not items:
         raise SpecPrefetchError(f"{option} {text!r}: expected PREDICTOR+EVICTION[,...]")
     return [Policy.parse(t, option) for t in items]
+
+
+# a row of a policy with other scheduler settings (runner bench --variant, bench gpu --variant):
+# "<policy> scheduler=<key=value,...>"
+VARIANT_TAG = " scheduler="
+# what --variant may set, with each value's parser and check (the runners' option of the same name)
+VARIANT_KEYS: dict[str, tuple[Callable[[str], Any], Callable[[Any], bool], str]] = {
+    "window": (int, lambda v: v >= 1, "an integer >= 1"),
+    "queue_depth": (int, lambda v: v >= 1, "an integer >= 1"),
+    "candidate_threshold": (float, lambda v: 0 <= v <= 1, "a probability in [0, 1]"),
+    "min_confidence": (float, lambda v: 0 <= v <= 1, "a probability in [0, 1]"),
+}
+# the GPU tier's too: its read budget (KiB its copies deliver per layer step; run --read-budget-kib)
+GPU_VARIANT_KEYS = {**VARIANT_KEYS, "read_budget_kib": (int, lambda v: v >= 1, "an integer >= 1")}
+
+
+def parse_variant(spec: str, keys: dict = VARIANT_KEYS) -> dict[str, Any]:
+    """`queue_depth=2,window=1` -> {"queue_depth": 2, "window": 1} (--variant); one line naming the option
+    where a key or value is not one of `keys`'."""
+    out: dict[str, Any] = {}
+    for part in spec.split(","):
+        key, eq, val = (x.strip() for x in part.partition("="))
+        if key not in keys or not eq:
+            raise SpecPrefetchError(f"--variant {spec}: '{part}' is not KEY=VALUE with KEY one of "
+                                    f"{', '.join(keys)}")
+        if key in out:
+            raise SpecPrefetchError(f"--variant {spec}: {key} is given twice")
+        conv, ok, what = keys[key]
+        try:
+            v = conv(val)
+        except ValueError:
+            v = None
+        if v is None or not ok(v):
+            raise SpecPrefetchError(f"--variant {spec}: {key} must be {what} (got '{val}')")
+        out[key] = v
+    return out
+
+
+def variant_label(knobs: dict[str, Any]) -> str:
+    """The canonical text of a variant's settings (sorted keys), as its rows are named."""
+    return ",".join(f"{k}={knobs[k]!r}" for k in sorted(knobs))
+
+
+def parse_variants(specs: Iterable[str], keys: dict = VARIANT_KEYS) -> dict[str, dict[str, Any]]:
+    """{label: settings} of every --variant (parse_variant), in order; two with the same settings refused."""
+    knobs: dict[str, dict[str, Any]] = {}
+    for spec in specs:
+        v = parse_variant(spec, keys)
+        if variant_label(v) in knobs:
+            raise SpecPrefetchError(f"--variant {spec}: the same settings as another --variant")
+        knobs[variant_label(v)] = v
+    return knobs
