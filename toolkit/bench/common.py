@@ -107,4 +107,3 @@ def simulate_same_prompts(model, texts, adapter, policies, pools, new_tokens, wi
                 k: x[k] for k in ("tpot_ms", "stall_ms_per_token", "hit_rate", "mib_read_per_token")}
                 for name, x in rows}})
     return out
-
