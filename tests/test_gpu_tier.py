@@ -1072,13 +1072,23 @@ def test_compiled_step_decodes_as_the_eager_one(tiny_models, stores, fam):
                   pool_mib=1.0), device="cpu", decode="modules", compile="inductor")
 
 
-def test_compiled_functions_fail_loudly():
+@pytest.mark.parametrize("per_function", [True, False])
+def test_compiled_functions_fail_loudly(per_function, monkeypatch):
     """`gpu_graph.compiled`: a graph break inside a compiled step, or more compiled entries than its
-    recompile limit (16 caches of n_layers + 1 entries), raises instead of running eagerly."""
+    recompile limit (16 caches of n_layers + 1 entries), raises instead of running eagerly; with
+    torch.compile's own per-function limit (torch 2.13) and without it (torch 2.11: dynamo's limit set
+    around each call), dynamo's global limit unchanged either way."""
     import torch._dynamo
+    import torch._dynamo.config as dcfg
     from torch._dynamo.exc import FailOnRecompileLimitHit
 
+    from toolkit.runtime import gpu_graph
     from toolkit.runtime.gpu_graph import compiled
+
+    if per_function and not gpu_graph.PER_FUNCTION_LIMIT:
+        pytest.skip(f"torch {torch.__version__}: torch.compile takes no recompile_limit")
+    monkeypatch.setattr(gpu_graph, "PER_FUNCTION_LIMIT", per_function)
+    before = dcfg.recompile_limit
 
     def breaks(x):
         torch._dynamo.graph_break()
@@ -1096,6 +1106,7 @@ def test_compiled_functions_fail_loudly():
         assert g(torch.ones(2), i).tolist() == [float(i)] * 2
     with pytest.raises(FailOnRecompileLimitHit):
         g(torch.ones(2), 16)
+    assert dcfg.recompile_limit == before
     torch._dynamo.reset()
 
 

@@ -39,6 +39,8 @@ Where CUDA is absent (CI) the same functions run eagerly on the CPU: `decode="st
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import sys
 from typing import Any
 
@@ -48,6 +50,8 @@ import torch.nn.functional as F
 from toolkit.errors import SpecPrefetchError
 
 SUPPORTED = ("qwen3_moe", "mixtral")
+# torch.compile takes a function's own recompile limit (torch 2.13; not 2.11)
+PER_FUNCTION_LIMIT = "recompile_limit" in inspect.signature(torch.compile).parameters
 
 
 def supported(spec) -> str | None:
@@ -72,8 +76,22 @@ def compiled(fns, backend: str, n_layers: int):
     # dynamo's cap on all compiles of one function in the process (the StaticDecoders of every runner share
     # `layer`'s), 256 by default: raised where the layers of 16 caches need more (a cap, not a behaviour)
     dcfg.accumulated_recompile_limit = max(dcfg.accumulated_recompile_limit, limit)
-    return tuple(torch.compile(f, backend=backend, dynamic=False, fullgraph=True, recompile_limit=limit)
-                 for f in fns)
+    if PER_FUNCTION_LIMIT:
+        return tuple(torch.compile(f, backend=backend, dynamic=False, fullgraph=True, recompile_limit=limit)
+                     for f in fns)
+    # torch before 2.13 (its compile takes no per-function limit): dynamo's per-function limit is set to
+    # this one for the duration of each call (a compile happens inside a call), so others keep theirs
+    return tuple(_with_limit(torch.compile(f, backend=backend, dynamic=False, fullgraph=True), limit) for f in fns)
+
+
+def _with_limit(fn, limit: int):
+    import torch._dynamo.config as dcfg
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        with dcfg.patch(recompile_limit=limit):
+            return fn(*args, **kwargs)
+    return call
 
 
 def _repeat_kv(x: torch.Tensor, n: int) -> torch.Tensor:
