@@ -605,8 +605,32 @@ def test_cli_run_on_cuda_takes_no_next_visit(tiny_models, tmp_path, monkeypatch)
     for extra, want in (([], True), (["--no-next-visit"], False)):
         r = CliRunner().invoke(main, base + extra + ["--overwrite"])
         assert "stop here" in r.output and seen["next_visit"] is want, r.output
+    assert seen["read_budget_kib"] is None and seen["copy_depth"] is None
+    # the read budget and the queue depth (copies in flight) reach the GPU tier
+    r = CliRunner().invoke(main, base + ["--read-budget-kib", "64", "--queue-depth", "3", "--overwrite"])
+    assert "stop here" in r.output and (seen["read_budget_kib"], seen["copy_depth"]) == (64, 3), r.output
     r = CliRunner().invoke(main, base + ["--threads", "2", "--overwrite"])
     assert r.exit_code != 0 and "--threads do not apply to the GPU tier" in r.output
+
+
+def test_gpu_engine_takes_the_read_budget_and_copy_depth(tiny_models, stores):
+    """`run --device cuda`'s engine (engines.gpu_engine, here on the CPU) with a read budget no copy meets
+    issues no prefetch and drops them as late; with one copy in flight, at most one a step."""
+    from toolkit.engines import gpu_engine
+
+    def run(**kw):
+        eng = gpu_engine(tiny_models["qwen3_moe"], device="cpu", policy="next-gate+prediction", adapter=None,
+                         store_path=stores["qwen3_moe"], dtype=None, pool_mib=None, window=2, min_confidence=0.02,
+                         draft_k=4, **kw)
+        runs, _, _ = eng.generate(["x"], [[5, 6, 7, 8]], 6, None)
+        return runs[0]["counts"]
+
+    L = len(inspect_model_dir(tiny_models["qwen3_moe"]).geometry.moe_layers)
+    free = run()
+    assert free["prefetch_issued"] > 0 and free["dropped_late"] == 0
+    late = run(read_budget_kib=1)
+    assert late["prefetch_issued"] == 0 and late["dropped_late"] > 0
+    assert 0 < run(copy_depth=1)["prefetch_issued"] <= 6 * L
 
 
 # -- the static-cache decoder (toolkit/runtime/gpu_graph.py) ---------------------------------------

@@ -388,7 +388,8 @@ def calibrate(model, store_path, reads, out, overwrite) -> None:
 @click.option("--window", type=click.IntRange(min=1), default=2, show_default=True,
               help=WINDOW_HELP + " (a bundle: the one it was exported with, unless given)")
 @click.option("--queue-depth", type=click.IntRange(min=1), default=4, show_default=True,
-              help="prefetch reads in flight at most (a bundle: its exported setting, unless given)")
+              help="prefetch reads in flight at most (a bundle: its exported setting, unless given; --device cuda: "
+                   "prefetch copies in flight, default the pool's free slots)")
 @click.option("--store", "store_path", type=click.Path(path_type=Path), default=None,
               help="an existing expert store (model directories; default: built once into the cache)")
 @click.option("--dtype", default=None, type=click.Choice(["fp16", "int8", "int4"]),
@@ -467,8 +468,7 @@ def run(model, policy, adapter, frequency_trace, pool_mib, pool_reserve_mib, poo
         claim(events_out, "events", overwrite, inputs=inputs, option="--events", siblings=(), beside=(c,))
     if device != "cpu":
         ctx = click.get_current_context()
-        ignored = [o for o in ("queue_depth", "step_budget_kib", "read_budget_kib", "threads", "io_mode", "max_seq",
-                               "prefill_chunk")
+        ignored = [o for o in ("step_budget_kib", "threads", "io_mode", "max_seq", "prefill_chunk")
                    if ctx.get_parameter_source(o) != click.core.ParameterSource.DEFAULT]
         if ignored:
             raise SpecPrefetchError(f"--device {device}: " + ", ".join(
@@ -480,9 +480,12 @@ def run(model, policy, adapter, frequency_trace, pool_mib, pool_reserve_mib, poo
                                     "--frequency-trace, --events)")
         from toolkit.engines import gpu_engine, run as run_engine
 
+        # --queue-depth: the copies in flight at most (default: the pool's free slots); --read-budget-kib: the KiB
+        # its copies deliver per layer step (docs/gpu-tier.md, "Scheduler settings")
         eng = gpu_engine(model, device=device, policy=policy, adapter=adapter, store_path=store_path, dtype=dtype,
                          pool_mib=pool_mib, window=window, min_confidence=min_confidence, draft_k=draft_k,
-                         next_visit=not no_next_visit)
+                         next_visit=not no_next_visit, read_budget_kib=read_budget_kib,
+                         copy_depth=None if ctx_default(ctx, "queue_depth") else queue_depth)
         run_engine(eng, list(prompts), max_new_tokens, check=check, json_out=json_out, events_out=None)
         return
     if ctx_default(click.get_current_context(), "draft_k") is False:

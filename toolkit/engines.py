@@ -261,8 +261,11 @@ def native_engine(bundle: Path, *, abi: str, policy: str, pool_mib, window, queu
 # -- the GPU tier ------------------------------------------------------------------------------------
 
 def gpu_engine(model, *, device: str, policy: str, adapter, store_path, dtype, pool_mib, window, min_confidence,
-               draft_k, next_visit: bool = True) -> Engine:
-    """`run --device cuda`: the GPU tier (toolkit/runtime/gpu.py) over a model directory."""
+               draft_k, next_visit: bool = True, read_budget_kib: int | None = None,
+               copy_depth: int | None = None) -> Engine:
+    """`run --device cuda`: the GPU tier (toolkit/runtime/gpu.py) over a model directory. `read_budget_kib`:
+    KiB the copies deliver per layer step (a prefetch that cannot land by its layer is dropped);
+    `copy_depth`: prefetch copies in flight at most (None: the pool's free slots)."""
     from export.session import is_bundle
     from toolkit.models.loader import inspect_model_dir, load_model
     from toolkit.runtime.expert_store import ExpertStore
@@ -289,9 +292,11 @@ def gpu_engine(model, *, device: str, policy: str, adapter, store_path, dtype, p
     cuda = device.startswith("cuda")
     held: dict[str, Any] = {"lm": load_model(spec.path, dtype="float16" if cuda else "float32")}
     held["eng"] = GpuEngine(held["lm"], st, RunConfig(policy=pol, pool_mib=pool_mib or 8.0, window=window,
-                                                      min_confidence=min_confidence, next_visit=next_visit),
+                                                      min_confidence=min_confidence, next_visit=next_visit,
+                                                      read_budget_kib=read_budget_kib),
                             device=device, predictors=preds,
                             reuse=reuse)
+    held["eng"].configure(copy_depth=copy_depth)
     tok = held["lm"].tokenizer
 
     def generate(prompts, encoded, max_new_tokens, events):
