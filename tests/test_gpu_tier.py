@@ -849,6 +849,31 @@ def test_sliding_window_static_decode(sliding, tiny_models):
     assert (m[4:12] == 0).all() and (m[:4] < 0).all() and (m[12:] < 0).all()   # keys 4..11 of position 11
 
 
+@CUDA
+@pytest.mark.parametrize("fam", ["qwen3_moe", "mixtral", "mixtral-sw8"])
+def test_compiled_step_on_cuda(tiny_models, stores, sliding, fam):
+    """The static decoder's step through inductor on a GPU (its Triton kernels captured in the CUDA graphs),
+    both families, a Mixtral whose sliding window is shorter than the prompt included: a pooled
+    predictor's, the draft's and the device-resident token's tokens are transformers'."""
+    d, store = sliding if fam == "mixtral-sw8" else (tiny_models[fam], stores[fam])
+    prompt = list(range(5, 17))
+    want = _reference(d, prompt, 12, "cuda", "float16")
+    spec = inspect_model_dir(d)
+    bank = load_router_bank(spec)
+    preds = {"next-gate": build_predictor("next-gate", num_experts=spec.geometry.routing.num_experts,
+                                          bank=lambda: bank)}
+    eng = GpuEngine(load_model(d, dtype="float16"), ExpertStore(store, spec),
+                    RunConfig(policy=Policy.parse("next-gate+prediction"), pool_mib=64.0), device="cuda",
+                    predictors=preds, with_draft=True, compile="inductor")
+    assert eng.decode == "graph" and eng.compile == "inductor"
+    eng.configure(pool_mib=_pool_mib(eng, 0.25))
+    assert eng.run(prompt, 12).tokens == want
+    eng.configure(policy=Policy.parse("draft+prediction"))
+    assert eng.run(prompt, 12, k=3).tokens == want
+    eng.configure(policy=Policy.parse("on-demand+lru"), pool_mib=_pool_mib(eng, 1.0))
+    assert eng.generate(prompt, 12, preload=True, resident_graph=True).tokens == want
+
+
 def test_static_cache_refuses_a_truncated_prefill_cache(sliding):
     """A config-built (sliding-window) cache is refused with a clear error, not a shape error."""
     from transformers import DynamicCache
