@@ -387,9 +387,9 @@ def calibrate(model, store_path, reads, out, overwrite) -> None:
                    "the reserve]")
 @click.option("--window", type=click.IntRange(min=1), default=2, show_default=True,
               help=WINDOW_HELP + " (a bundle: the one it was exported with, unless given)")
-@click.option("--queue-depth", type=click.IntRange(min=1), default=4, show_default=True,
-              help="prefetch reads in flight at most (a bundle: its exported setting, unless given; --device cuda: "
-                   "prefetch copies in flight, default the pool's free slots)")
+@click.option("--queue-depth", type=click.IntRange(min=1), default=4,
+              help="prefetch reads in flight at most [default: 4; a bundle: its exported setting; --device cuda: "
+                   "prefetch copies issued per layer step, default the pool's free slots]")
 @click.option("--store", "store_path", type=click.Path(path_type=Path), default=None,
               help="an existing expert store (model directories; default: built once into the cache)")
 @click.option("--dtype", default=None, type=click.Choice(["fp16", "int8", "int4"]),
@@ -480,8 +480,8 @@ def run(model, policy, adapter, frequency_trace, pool_mib, pool_reserve_mib, poo
                                     "--frequency-trace, --events)")
         from toolkit.engines import gpu_engine, run as run_engine
 
-        # --queue-depth: the copies in flight at most (default: the pool's free slots); --read-budget-kib: the KiB
-        # its copies deliver per layer step (docs/gpu-tier.md, "Scheduler settings")
+        # --queue-depth: prefetch copies issued per layer step at most (default: the pool's free slots);
+        # --read-budget-kib: the KiB its copies deliver per layer step (docs/gpu-tier.md, "Scheduler settings")
         eng = gpu_engine(model, device=device, policy=policy, adapter=adapter, store_path=store_path, dtype=dtype,
                          pool_mib=pool_mib, window=window, min_confidence=min_confidence, draft_k=draft_k,
                          next_visit=not no_next_visit, read_budget_kib=read_budget_kib,
@@ -870,9 +870,9 @@ def bench_reads_cmd(traces, store_path, pool_fracs, max_sequences, rounds, lanes
               help="the static decoder's one-token step through torch.compile with this backend (inductor: fused "
                    "Triton kernels inside the graphs; docs/gpu-tier.md)")
 @click.option("--variant", "variants", multiple=True, metavar="KEY=V[,KEY=V]",
-              help="also each predicting policy with these scheduler settings (window, queue_depth: copies in "
-                   "flight, candidate_threshold, min_confidence, read_budget_kib: KiB copied per layer step), in the "
-                   "same rounds (repeatable)")
+              help="also each predicting policy with these scheduler settings (window, queue_depth: prefetch copies "
+                   "issued per layer step, candidate_threshold, min_confidence, read_budget_kib: KiB copied per layer "
+                   "step, at least one expert), in the same rounds (repeatable)")
 @json_report
 @friendly_errors(interrupt=NOT_WRITTEN)
 def bench_gpu(model, device, adapter, policies, pool_fractions, prompts, new_tokens, rounds, prompt_tokens, window,

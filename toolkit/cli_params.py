@@ -208,8 +208,8 @@ def scheduler_limits(fn):
     fn = click.option("--read-budget-kib", type=IntOrAuto(), default=None,
                       help="KiB the flash reads in one step's compute time: a prefetch that could not land by its "
                            "deadline behind the prefetches already asked for is dropped as late; "
-                           "simulate takes auto (the profile's flash rate x its decode step); run --device cuda: "
-                           "KiB the copies deliver per layer step")(fn)
+                           "simulate takes auto (the profile's flash rate x its decode step); on the GPU tier the "
+                           "KiB its copies deliver per layer step")(fn)
     fn = click.option("--step-budget-kib", type=click.IntRange(min=1), default=None,
                       help="prefetch bytes issued per step at most")(fn)
     return click.option("--min-confidence", type=click.FloatRange(0, 1), default=0.02, show_default=True,

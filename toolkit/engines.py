@@ -265,7 +265,7 @@ def gpu_engine(model, *, device: str, policy: str, adapter, store_path, dtype, p
                copy_depth: int | None = None) -> Engine:
     """`run --device cuda`: the GPU tier (toolkit/runtime/gpu.py) over a model directory. `read_budget_kib`:
     KiB the copies deliver per layer step (a prefetch that cannot land by its layer is dropped);
-    `copy_depth`: prefetch copies in flight at most (None: the pool's free slots)."""
+    `copy_depth`: prefetch copies issued per layer step at most (None: the pool's free slots)."""
     from export.session import is_bundle
     from toolkit.models.loader import inspect_model_dir, load_model
     from toolkit.runtime.expert_store import ExpertStore

@@ -550,8 +550,9 @@ class GpuEngine:
         self.predictors = dict(predictors or {})
         self.reuse = reuse
         self.cfg = cfg
-        # copies in flight at most (the scheduler's queue depth here); None: the pool's free slots
-        # (capacity - k, so a layer's demand copies always find a slot); `configure(copy_depth=N)`
+        # prefetch copies issued per layer step at most (the scheduler's queue depth here: a prefetch counts
+        # until the next step); None: the pool's free slots (capacity - k, so a layer's demand copies always
+        # find a slot); `configure(copy_depth=N)`
         self.copy_depth: int | None = None
         from toolkit.runtime import gpu_graph
 
@@ -586,11 +587,15 @@ class GpuEngine:
 
     # -- configuration ---------------------------------------------------------------------
     def configure(self, *, copy_depth: int | None | str = "keep", **changes) -> None:
-        """The next sequences' RunConfig with `changes`; `copy_depth`: copies in flight at most (None:
-        the pool's free slots; "keep": unchanged)."""
+        """The next sequences' RunConfig with `changes`; `copy_depth`: the scheduler's queue depth here,
+        prefetch copies issued per layer step at most (a prefetch counts until the next step; None: the
+        pool's free slots, capacity - k, also the cap of any larger value; "keep": unchanged)."""
         cfg = dataclasses.replace(self.cfg, **changes)
         if copy_depth != "keep" and copy_depth is not None and (not isinstance(copy_depth, int) or copy_depth < 1):
-            raise SpecPrefetchError(f"queue depth {copy_depth!r}: copies in flight, an integer >= 1")
+            raise SpecPrefetchError(f"--queue-depth {copy_depth!r}: prefetch copies a step, an integer >= 1")
+        if cfg.read_budget_kib is not None and cfg.read_budget_kib * 1024 < self.store.blob_size:
+            raise SpecPrefetchError(f"--read-budget-kib {cfg.read_budget_kib}: below one expert slot "
+                                    f"({self.store.blob_size / 2**10:.0f} KiB), so nothing could ever be prefetched")
         p = cfg.policy.predictor
         if p not in ("on-demand", "draft") and p not in self.predictors:
             raise SpecPrefetchError(f"--policy {cfg.policy.name}: predictor {p!r} is not available on the GPU tier "
@@ -761,7 +766,7 @@ class GpuEngine:
         state.future = future
         prefetch = planner is not None or cfg.policy.predictor == "draft"
         # copies queue on a stream: the queue depth is the pool, not a flash queue (at most capacity - k
-        # in flight, so a layer's demand copies always find a slot; fewer with `copy_depth`). The pool's
+        # issued a step, so a layer's demand copies always find a slot; fewer with `copy_depth`). The pool's
         # capacity is its budget's (budget // blob bytes, as on the CPU); the arena has min(that, L * E)
         # slots (`capacity`): a pool holds one slot per expert at most, so it never needs a slot the
         # arena lacks

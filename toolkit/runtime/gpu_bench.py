@@ -10,9 +10,9 @@ the whole model on the GPU, and the draft's K picked by a short profiling pass p
 profiler). Where the adapter has next-visit heads, each `+reuse` policy that reads them also runs
 without them (`POLICY next-visit=off`); with `--variant KEY=V[,KEY=V]`, each predicting policy (not
 on-demand, the draft or the oracle) also runs with those scheduler settings (`POLICY scheduler=...`:
-window, queue_depth (copies in flight), candidate_threshold, min_confidence, read_budget_kib), rows of
-their own in the same rounds. Every run's tokens are checked against transformers' greedy tokens
-before any time is quoted.
+window, queue_depth (prefetch copies issued per layer step), candidate_threshold, min_confidence,
+read_budget_kib), rows of their own in the same rounds. Every run's tokens are checked against
+transformers' greedy tokens before any time is quoted.
 """
 from __future__ import annotations
 
@@ -245,6 +245,10 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
         st = cached_store(spec, "fp16")
     else:
         st = ExpertStore(store, spec)
+    for label, v in knobs.items():   # as GpuEngine.configure refuses it, before the model loads
+        if "read_budget_kib" in v and v["read_budget_kib"] * 1024 < st.blob_size:
+            raise SpecPrefetchError(f"--variant {label}: read_budget_kib below one expert slot "
+                                    f"({st.blob_size / 2**10:.0f} KiB), so nothing could ever be prefetched")
     dtype = torch.float16 if dev.cuda else torch.float32
     t_start = time.time()
     bw0 = h2d_bandwidth(dev) if dev.cuda else None

@@ -51,7 +51,8 @@ VARIANT_KEYS: dict[str, tuple[Callable[[str], Any], Callable[[Any], bool], str]]
     "candidate_threshold": (float, lambda v: 0 <= v <= 1, "a probability in [0, 1]"),
     "min_confidence": (float, lambda v: 0 <= v <= 1, "a probability in [0, 1]"),
 }
-# the GPU tier's too: its read budget (KiB its copies deliver per layer step; run --read-budget-kib)
+# the GPU tier's too: its read budget (KiB its copies deliver per layer step, at least one expert; run
+# --read-budget-kib); there queue_depth is the prefetch copies issued per layer step
 GPU_VARIANT_KEYS = {**VARIANT_KEYS, "read_budget_kib": (int, lambda v: v >= 1, "an integer >= 1")}
 
 
