@@ -80,11 +80,13 @@ def test_rejects_quant_of_other_target(tiny_models, tmp_path):
 
 # -- ExecuTorch ---------------------------------------------------------------------------
 
-# make test keeps one family here, GPT-OSS: the only ExecuTorch lowering in make test of the masked attention
-# path (sinks, sliding windows) and of expert biases; the embedded model's fp32 bundle (tests/prebuild.py) is
-# the Qwen3-MoE one, with the LLM custom ops; the rest run in make test-all
-@pytest.mark.parametrize("family", [f if f == "gpt_oss" else pytest.param(f, marks=pytest.mark.slow)
-                                    for f in TINY_FAMILIES])
+# every family in make test-all (GPT-OSS's, about 30 s in make test's time: the ExecuTorch lowering of the
+# masked attention path, sinks and sliding windows, and of expert biases); make test lowers the embedded
+# model's fp32 bundle (tests/prebuild.py: Qwen3-MoE, the LLM custom ops) and GPT-OSS's QNN bundle below, and
+# GPT-OSS's step graphs and sinks are checked eagerly (test_step_graphs_match_transformers above, test_prefill,
+# test_attention)
+@pytest.mark.slow
+@pytest.mark.parametrize("family", TINY_FAMILIES)
 def test_executorch_bundle_every_family(family, tiny_models, tmp_path):
     out = tmp_path / "bundle"
     m = export_bundle(tiny_models[family], out, _cfg(target="executorch"))

@@ -475,8 +475,10 @@ def _raw(cmd, name, case, tmp, *opts, x=None, blobs=None) -> np.ndarray:
     return np.fromfile(tmp / "y.bin", dtype=np.float32).reshape(xs.shape)
 
 
-@pytest.mark.parametrize("family", ["default", "gpt_oss"])
-@pytest.mark.parametrize("dtype", ["int8", "int4"])
+# make test: both dtypes of the default layout and int8 of GPT-OSS's (its biases and clamps: the float epilogue
+# each ISA has its own of); int4 GPT-OSS in make test-all
+@pytest.mark.parametrize("dtype,family", [("int8", "default"), ("int4", "default"), ("int8", "gpt_oss"),
+                                          pytest.param("int4", "gpt_oss", marks=pytest.mark.slow)])
 def test_isas_agree_bitwise(builds, tmp_path, dtype, family):
     """Every ISA of a build gives the portable kernels' expert outputs bit for bit."""
     for target, isas in (("host", HOST_ISAS), ("aarch64", ("portable",) + ARM_ISAS)):
@@ -494,11 +496,12 @@ def test_isas_agree_bitwise(builds, tmp_path, dtype, family):
                 np.testing.assert_array_equal(got, want, err_msg=f"{target} {isa} {dtype} {family} H={h} I={i}")
 
 
-# the aarch64 portable build's batches under qemu (about 6 s each) in make test-all; its matvec and forward
-# checks stay in make test, as do neon_dotprod's batches
-@pytest.mark.parametrize("isa", _isas(i for i in INT_ISAS if i != "a64_portable")
-                         + [pytest.param("a64_portable", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("dtype", ["int8", "int4"])
+# the aarch64 batches run under qemu (about 6 s each): make test keeps neon_dotprod's int4 (the int8 one and
+# the portable aarch64 build's in make test-all; their matvec and forward checks stay in make test)
+@pytest.mark.parametrize("dtype,isa", [
+    pytest.param(d, i, marks=pytest.mark.slow) if i == "a64_portable" or (i, d) == ("neon_dotprod", "int8")
+    else pytest.param(d, i, marks=() if i in FAST_INT_ISAS else pytest.mark.slow)
+    for d in ("int8", "int4") for i in INT_ISAS])
 def test_batch_many_and_threads_bitwise(builds, tmp_path, isa, dtype):
     """forward_batch row r == forward on row r; forward_many output i == forward of blob i; with 1, 2
     and 3 threads alike (token counts 2, 6, 9 cover the 4-token tiles and their tails; 9 rows make x86's
