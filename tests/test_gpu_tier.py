@@ -1028,13 +1028,17 @@ def test_cli_bench_cuda_options_pass_through(tiny_models, stores, tmp_path, monk
     r = CliRunner().invoke(main, base + ["--variant", "window=1", "--variant", "read_budget_kib=64,queue_depth=2",
                                          "--overwrite"])
     assert r.exit_code == 0 and seen["variants"] == ("window=1", "read_budget_kib=64,queue_depth=2"), r.output
-    # a bad --variant: one line naming it, refused before the report is claimed (nothing written)
+    # a bad --variant: one line naming it, refused before the report is claimed: --json names a file that is
+    # no report (claim would refuse it, even with --overwrite), yet the error is the variant's, and the file stays
     seen.clear()
     other = tmp_path / "v.json"
-    r = CliRunner().invoke(main, ["bench", "gpu", model, "--variant", "pace=2", "--json", str(other)])
+    other.write_text("not a report")
+    r = CliRunner().invoke(main, ["bench", "gpu", model, "--variant", "pace=2", "--json", str(other), "--overwrite"])
     lines = [x for x in r.output.splitlines() if x.strip()]
     assert r.exit_code != 0 and len(lines) == 1 and lines[0].startswith("error: --variant pace=2"), r.output
-    assert not seen and not list(tmp_path.glob("v*"))
+    assert not seen and other.read_text() == "not a report"
+    r = CliRunner().invoke(main, ["bench", "gpu", model, "--variant", "window=1", "--json", str(other), "--overwrite"])
+    assert r.exit_code != 0 and "--variant" not in r.output and not seen, r.output   # claim's refusal, then
     r = CliRunner().invoke(main, base + ["--decode", "fast", "--overwrite"])
     assert r.exit_code == 2 and "fast" in r.output
     for extra in (["--decode", "graph"], ["--experts", "fused"], ["--report-mismatches"], ["--profile-resident"],

@@ -53,7 +53,8 @@ def _host_has(flag: str) -> bool:
 
 # `make test` runs the integer checks on a representative ISA of each kind: host portable, the best x86 SIMD
 # path this CPU has (AVX-VNNI, else AVX2: so a CPU without AVX-VNNI still runs an x86 SIMD check of them),
-# arm dotprod and its portable build; every other ISA's run of them is marked slow (`make test-all`); the other
+# arm dotprod and its portable build (but for the batch test's exceptions said there); every other ISA's run of
+# them is marked slow (`make test-all`); the other
 # ISAs' `forward` (one token, one thread) is still held bit for bit to portable's by test_isas_agree_bitwise
 FAST_INT_ISAS = ("portable", "avx_vnni" if _host_has("avx_vnni") else "avx2", "neon_dotprod", "a64_portable")
 

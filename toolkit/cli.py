@@ -388,8 +388,8 @@ def calibrate(model, store_path, reads, out, overwrite) -> None:
 @click.option("--window", type=click.IntRange(min=1), default=2, show_default=True,
               help=WINDOW_HELP + " (a bundle: the one it was exported with, unless given)")
 @click.option("--queue-depth", type=click.IntRange(min=1), default=4,
-              help="prefetch reads in flight at most [default: 4; a bundle: its exported setting; --device cuda: "
-                   "prefetch copies issued per layer step, default the pool's free slots]")
+              help="prefetch reads in flight at most (a read counts until the next step) [default: 4; a bundle: "
+                   "its exported setting; --device cuda: the same of prefetch copies, default the pool's free slots]")
 @click.option("--store", "store_path", type=click.Path(path_type=Path), default=None,
               help="an existing expert store (model directories; default: built once into the cache)")
 @click.option("--dtype", default=None, type=click.Choice(["fp16", "int8", "int4"]),

@@ -146,6 +146,14 @@ class HostExperts:
         return self.buf.numel()
 
 
+def check_read_budget(kib: int | None, slot_bytes: int, option: str) -> None:
+    """The GPU tier's read budget is at least one expert slot a step, as every tier's (a budget of less
+    could prefetch only what is due two or more steps ahead); refused in one line naming `option`."""
+    if kib is not None and kib * 1024 < slot_bytes:
+        raise SpecPrefetchError(f"{option} {kib}: below one expert slot ({-(-slot_bytes // 1024)} KiB); the read "
+                                "budget is at least one slot a step")
+
+
 def alloc_slots(capacity: int, blob: int, dev: Device) -> torch.Tensor:
     try:   # zeroed: a graph's warm-up may read a slot nothing was copied into yet
         return torch.zeros((capacity, blob), dtype=torch.uint8, device=dev.device)
@@ -593,9 +601,7 @@ class GpuEngine:
         cfg = dataclasses.replace(self.cfg, **changes)
         if copy_depth != "keep" and copy_depth is not None and (not isinstance(copy_depth, int) or copy_depth < 1):
             raise SpecPrefetchError(f"--queue-depth {copy_depth!r}: prefetch copies a step, an integer >= 1")
-        if cfg.read_budget_kib is not None and cfg.read_budget_kib * 1024 < self.store.blob_size:
-            raise SpecPrefetchError(f"--read-budget-kib {cfg.read_budget_kib}: below one expert slot "
-                                    f"({self.store.blob_size / 2**10:.0f} KiB), so nothing could ever be prefetched")
+        check_read_budget(cfg.read_budget_kib, self.store.blob_size, "--read-budget-kib")
         p = cfg.policy.predictor
         if p not in ("on-demand", "draft") and p not in self.predictors:
             raise SpecPrefetchError(f"--policy {cfg.policy.name}: predictor {p!r} is not available on the GPU tier "
