@@ -316,20 +316,21 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
     out["read_budget_kib"] = read_budget_kib
     out["predictor_policy"] = base[2]  # what the ratios over "the predictor" are of
     out["points"] = []
-    # the simulator's flash-bound calibration run (oracle + Belady at half a token's working set, cold) goes in
-    # every round beside the policies, so its flash rate is the one they saw (the VM's moves run to run)
+    # the simulator's flash-bound calibration runs are the bench's own oracle + Belady runs at its smallest
+    # pool (cold, interleaved with the policies): the flash as the runner draws it at the policies' own pool,
+    # which a smaller calibration pool (half a token's working set until 2026-12-06) drew less from
     from export.session import bundle_source
-    from toolkit.simulate.calibrate import flash_pool_mib
 
     source = bundle_source(Path(bundle), m)   # the very weights the bundle's store was built from, if here
     simulate = source.model is not None and not images
     calib_runs: list[dict] = []
-    calib_pool = flash_pool_mib(L, k, store.slot_bytes)
+    calib_slots = min(max(k, int(round(f * L * E))) for f in pool_fracs)
     for frac in pool_fracs:
         slots = max(k, int(round(frac * L * E)))
         pool = slots * store.slot_bytes / MiB
-        log(f"pool {pool:.2f} MiB ({slots} of {L * E} experts): {', '.join(policies)}"
-            + (", the simulator's calibration run" if simulate else "") + ", cold, interleaved")
+        log(f"pool {pool:.2f} MiB ({slots} of {L * E} experts): {', '.join(policies)}, cold, interleaved"
+            + (f" ({base[3]}'s runs calibrate the simulator)" if simulate and slots == calib_slots
+               and not calib_runs else ""))
         got: dict[str, list] = {p: [] for p in policies}
         order = policies
         for _ in range(rounds):
@@ -346,10 +347,9 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
                                  queue_depth=kv.get("queue_depth"), min_confidence=kv.get("min_confidence"),
                                  extra=extra)
                 got[p].append(res)
-            if simulate:
-                calib_runs += run_native(bundle, ids, max_new_tokens=new_tokens, policy="oracle+belady",
-                                         pool_mib=calib_pool, cold=True)["runs"]
             order = order[::-1]  # ABC, CBA, ...
+        if simulate and slots == calib_slots and not calib_runs:
+            calib_runs = [x for res in got[base[3]] for x in res["runs"]]
         point = {"pool_mib": round(pool, 3), "pool_frac": frac, "slots": slots, "policies": {}}
         for p, results in got.items():
             runs = [x for res in results for x in res["runs"]]
@@ -420,12 +420,17 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
                                               for v, kv in knobs.items()},
                                     settings=scheduler_defaults(m))
         out["simulated"] = sim
+        # the calibration's own runs: its row at that pool is fitted to them, not predicted
+        out["simulated"]["calibrated_on"] = {"policy": base[3], "slots": calib_slots,
+                                            "pool_mib": round(calib_slots * store.slot_bytes / MiB, 3)}
         for p, sp in zip(out["points"], sim["points"]):
             for name, v in p["policies"].items():
                 if name not in sp["policies"]:  # a read-budget or next-visit=off row: not simulated
                     continue
                 v["simulated_tpot_ms"] = sp["policies"][name]["tpot_ms"]
                 v["sim_over_measured"] = round(v["simulated_tpot_ms"] / v["tpot_ms"], 3)
+                if name == base[3] and p["slots"] == calib_slots:
+                    v["simulator_calibration"] = True   # the simulator's flash rate was fitted to these runs
     else:
         log(f"no simulator comparison: {source.problem}")
     return out
@@ -474,7 +479,7 @@ def markdown(r: dict[str, Any]) -> str:
     for p in r["points"]:
         for name, v in p["policies"].items():
             sim = (f"{v['simulated_tpot_ms']:.3f} | {v['sim_over_measured']:.2f}" if "simulated_tpot_ms" in v
-                   else "- | -")
+                   else "- | -") + (" (calibration)" if v.get("simulator_calibration") else "")
             ttft = "-" if v.get("ttft_ms") is None else f"{v['ttft_ms']:.2f}"
             lines.append(f"| {p['pool_mib']:.2f} ({p['slots']}) | {name} | {ttft} | {v['tpot_ms']:.3f} | "
                          f"{v['tpot_p95_ms']:.3f} | "
@@ -500,9 +505,12 @@ def markdown(r: dict[str, Any]) -> str:
                          f"{p['on_demand_belady_over_oracle']:.3f} | | | | | | | | | | |")
     if "simulated" in r:
         pr = r["simulated"]["profile"]
+        cal = r["simulated"].get("calibrated_on")
         lines += ["", f"Simulator profile (calibrate_native): dense {pr['dense_ms_per_layer']} ms/layer, expert "
                       f"{pr['expert_ms']} ms, planning {pr['plan_ms_per_layer']} ms/layer, read CPU "
-                      f"{pr['read_cpu_us']} us, flash latency {pr['flash_latency_us']} us."]
+                      f"{pr['read_cpu_us']} us, flash latency {pr['flash_latency_us']} us"
+                      + (f"; its flash rate fitted to the {cal['policy']} runs at {cal['pool_mib']} MiB "
+                         f"({cal['slots']} experts)" if cal else "") + "."]
     return "\n".join(lines) + "\n"
 
 

@@ -7,9 +7,10 @@ expert (so nothing is read after warm-up), timed per token; one expert's compute
 and the rest of a token's time is spread over its layers as the dense part. The per-read latency
 is the larger of the raw device latency and a miss as the runtime experiences it (an on-demand run
 with a tiny pool: thread hand-off and Python included), so the simulator charges what a miss
-really costs this runtime. What a background read costs the compute thread (`read_cpu_us`) comes
-from a perfect-prefetch run (oracle + Belady, a pool of half a token's working set: flash_pool_mib):
-its TPOT minus its stall minus the all-resident TPOT, per read. The profile is saved
+really costs this runtime. What reading costs the runner beyond compute and waits comes from a
+perfect-prefetch run (oracle + Belady, a pool of half a token's working set: flash_pool_mib) and the
+on-demand miss run: each one's TPOT minus its stall minus the all-resident TPOT, fitted as a part per
+token (`token_overhead_ms`) plus a part per read (`read_cpu_us`; `read_costs`). The profile is saved
 as JSON (default ~/.cache/specprefetch/profiles/this-machine.json) for `simulate --profile
 this-machine`.
 """
@@ -147,6 +148,31 @@ def tiny_pool_mib(top_k: int, slot_bytes: int) -> float:
     return top_k * 2 * slot_bytes / MiB
 
 
+def read_costs(oracle_rest_ms: float, oracle_reads: float, on_demand: dict, per_token_ms: float,
+               slot_bytes: int) -> tuple[float, float, str]:
+    """(ms a token, ms a read, how) of what reading costs the runner beyond its compute and its waits: the
+    perfect-prefetch run's time past compute, stall and planning (`oracle_rest_ms`, over its `oracle_reads`
+    a token) and the on-demand miss run's past compute and stall, fitted as a part per token plus a part
+    per read (two runs, two unknowns). Where the remainders do not grow with the reads (the per-read part
+    would be negative) it is all per token, the perfect-prefetch run's; where the per-token part would be
+    negative, all per read; with one run (an on-demand result without its TPOT or bytes), all per read."""
+    rest_o = max(0.0, oracle_rest_ms)
+    per_read_only = (0.0, rest_o / max(1e-9, oracle_reads), "per read (the perfect-prefetch run)")
+    if not {"tpot_ms", "stall_ms_per_token", "mib_read_per_token"} <= set(on_demand):
+        return per_read_only
+    reads_d = on_demand["mib_read_per_token"] * MiB / slot_bytes
+    rest_d = on_demand["tpot_ms"] - on_demand["stall_ms_per_token"] - per_token_ms
+    if abs(reads_d - oracle_reads) < 1:
+        return per_read_only
+    b = (rest_d - oracle_rest_ms) / (reads_d - oracle_reads)
+    a = oracle_rest_ms - b * oracle_reads
+    if b < 0:
+        return rest_o, 0.0, "per token (the two runs' remainders do not grow with their reads)"
+    if a < 0:
+        return per_read_only
+    return a, b, "per token and per read (the perfect-prefetch and the on-demand miss runs)"
+
+
 def flash_pool_mib(num_layers: int, top_k: int, slot_bytes: int) -> float:
     """The pool of the flash-bound perfect-prefetch run (oracle + Belady) that sets the flash rate and what
     a background read costs: half a token's working set (at least two layers' worth of slots). A pool of
@@ -197,17 +223,18 @@ def runtime_profile(name: str, description: str, *, flash: tuple[dict, float, fl
     # latency: what a qd-1 read takes beyond its transfer, or what a miss costs the runner, if more
     latency_us = max(1.0, (lat1 - xfer) * 1e6, miss_ms * 1e3 - xfer * 1e6)
     reads_per_token = oracle["mib_read_per_token"] * MiB / slot_bytes
-    read_cpu_us = max(0.0, (oracle["tpot_ms"] - oracle["stall_ms_per_token"] - per_token - plan_ms * L) * 1e3
-                      / max(1e-9, reads_per_token))
+    token_ms, read_ms, cost_from = read_costs(oracle["tpot_ms"] - oracle["stall_ms_per_token"] - per_token
+                                              - plan_ms * L, reads_per_token, on_demand, per_token, slot_bytes)
     run_mibs = oracle["mib_read_per_token"] / max(1e-9, oracle["tpot_ms"] * 1e-3)
     prof = DeviceProfile(
         name=name, description=description, flash_latency_us=round(latency_us, 1), flash_bw=table,
         dram_effective_gbs=0.0, dense_ms_per_layer=round(dense_ms, 4), expert_ms=round(expert_ms, 4),
-        read_cpu_us=round(read_cpu_us, 1), plan_ms_per_layer=round(plan_ms, 4),
+        read_cpu_us=round(read_ms * 1e3, 1), token_overhead_ms=round(token_ms, 4), plan_ms_per_layer=round(plan_ms, 4),
         measured={"tpot_all_resident_ms": all_resident["tpot_ms"], "qd1_read_ms": round(lat1 * 1e3, 4),
                   "runtime_miss_ms": round(miss_ms, 4), "oracle_tpot_ms": oracle["tpot_ms"],
                   "oracle_stall_ms_per_token": oracle["stall_ms_per_token"],
                   "oracle_reads_per_token": round(reads_per_token, 2), "slot_bytes": slot_bytes,
+                  "read_cost_from": cost_from,
                   "tiny_pool_mib": tiny_pool_mib(k, slot_bytes),
                   # the pool the oracle run had (its stats' budget), else the one it is meant to have
                   "oracle_pool_mib": oracle["budget_bytes"] / MiB if oracle.get("budget_bytes")
