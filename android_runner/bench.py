@@ -76,11 +76,11 @@ def calibrate_native(bundle: Path, prompts: list[list[int]], *, all_mib: float, 
                      reads: int = 200, repeats: int = 2, threads: int = 1, oracle_runs: list[dict] | None = None):
     """A device profile of this machine as the native runner sees it (the simulator's inputs): the
     store's O_DIRECT read table, and the runner's own compute: dense time per layer, expert kernel
-    time, planning time, what a demand miss and a background read cost it. Each figure is pooled
-    over every prompt, `repeats` times (the configurations interleaved). `oracle_runs`: the
-    flash-bound perfect-prefetch runs (oracle + Belady at flash_pool_mib, these prompts and tokens)
-    already made, interleaved with the runs the profile is compared with, so the flash rate is the
-    one those runs saw: used instead of running them here."""
+    time, planning time, what a demand miss, a read and a streaming token cost it. Each figure is pooled
+    over every prompt, `repeats` times (the configurations interleaved). `oracle_runs`: perfect-prefetch
+    runs (oracle + Belady, these prompts and tokens; runner bench's own at its smallest pool) already
+    made, interleaved with the runs the profile is compared with, so the flash rate is the one those runs
+    saw: used instead of running them here at flash_pool_mib (their number is `measured.oracle_runs`)."""
     from toolkit.runtime.expert_store import ExpertStore
     from toolkit.simulate.calibrate import flash_pool_mib, measure_flash, runtime_profile, tiny_pool_mib
 
@@ -112,7 +112,7 @@ def calibrate_native(bundle: Path, prompts: list[list[int]], *, all_mib: float, 
         expert_ms=res["resident"]["expert_ms_per_call"], plan_ms=res["plan"]["plan_ms_per_layer"],
         on_demand=res["on_demand"], oracle=res["oracle"],
         measured={"direct_io": res["resident"]["direct_io"], "reads_per_point": reads, "prompts": len(prompts),
-                  "repeats": repeats},
+                  "repeats": repeats, "oracle_runs": len(got["oracle"])},
         source="specprefetch runner bench (android_runner/bench.py: calibrate_native)")
 
 
@@ -318,13 +318,15 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
     out["points"] = []
     # the simulator's flash-bound calibration runs are the bench's own oracle + Belady runs at its smallest
     # pool (cold, interleaved with the policies): the flash as the runner draws it at the policies' own pool,
-    # which a smaller calibration pool (half a token's working set until 2026-12-06) drew less from
+    # which a smaller calibration pool (half a token's working set until 2026-12-06, fourth) drew less from;
+    # where those runs are not flash-bound the profile keeps the burst table (runtime_profile) and says so
     from export.session import bundle_source
 
     source = bundle_source(Path(bundle), m)   # the very weights the bundle's store was built from, if here
     simulate = source.model is not None and not images
     calib_runs: list[dict] = []
     calib_slots = min(max(k, int(round(f * L * E))) for f in pool_fracs)
+    calib_point = None   # the index of the point whose oracle runs calibrate (the first at the smallest pool)
     for frac in pool_fracs:
         slots = max(k, int(round(frac * L * E)))
         pool = slots * store.slot_bytes / MiB
@@ -348,8 +350,9 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
                                  extra=extra)
                 got[p].append(res)
             order = order[::-1]  # ABC, CBA, ...
-        if simulate and slots == calib_slots and not calib_runs:
+        if simulate and slots == calib_slots and calib_point is None:
             calib_runs = [x for res in got[base[3]] for x in res["runs"]]
+            calib_point = len(out["points"])
         point = {"pool_mib": round(pool, 3), "pool_frac": frac, "slots": slots, "policies": {}}
         for p, results in got.items():
             runs = [x for res in results for x in res["runs"]]
@@ -420,16 +423,23 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
                                               for v, kv in knobs.items()},
                                     settings=scheduler_defaults(m))
         out["simulated"] = sim
-        # the calibration's own runs: its row at that pool is fitted to them, not predicted
+        # the calibration's own runs: where their flash rate was used (flash-bound), their row is fitted to
+        # them, not predicted; otherwise the burst table stands and the row is a prediction like the others
+        rate_from = prof.measured["flash_rate_from"]
+        fitted = rate_from.startswith("runner")
         out["simulated"]["calibrated_on"] = {"policy": base[3], "slots": calib_slots,
-                                            "pool_mib": round(calib_slots * store.slot_bytes / MiB, 3)}
-        for p, sp in zip(out["points"], sim["points"]):
+                                            "pool_mib": round(calib_slots * store.slot_bytes / MiB, 3),
+                                            "flash_rate_from": rate_from, "row_fitted": fitted}
+        if not fitted:
+            log(f"  the {base[3]} runs at {calib_slots} experts were not flash-bound: the simulator keeps the "
+                "burst read table")
+        for i, (p, sp) in enumerate(zip(out["points"], sim["points"])):
             for name, v in p["policies"].items():
                 if name not in sp["policies"]:  # a read-budget or next-visit=off row: not simulated
                     continue
                 v["simulated_tpot_ms"] = sp["policies"][name]["tpot_ms"]
                 v["sim_over_measured"] = round(v["simulated_tpot_ms"] / v["tpot_ms"], 3)
-                if name == base[3] and p["slots"] == calib_slots:
+                if name == base[3] and i == calib_point and fitted:
                     v["simulator_calibration"] = True   # the simulator's flash rate was fitted to these runs
     else:
         log(f"no simulator comparison: {source.problem}")
@@ -506,11 +516,16 @@ def markdown(r: dict[str, Any]) -> str:
     if "simulated" in r:
         pr = r["simulated"]["profile"]
         cal = r["simulated"].get("calibrated_on")
+        how = pr.get("measured", {}).get("read_cost_from")
         lines += ["", f"Simulator profile (calibrate_native): dense {pr['dense_ms_per_layer']} ms/layer, expert "
                       f"{pr['expert_ms']} ms, planning {pr['plan_ms_per_layer']} ms/layer, read CPU "
-                      f"{pr['read_cpu_us']} us, flash latency {pr['flash_latency_us']} us"
-                      + (f"; its flash rate fitted to the {cal['policy']} runs at {cal['pool_mib']} MiB "
-                         f"({cal['slots']} experts)" if cal else "") + "."]
+                      f"{pr['read_cpu_us']} us, a streaming token {pr.get('streaming_token_ms', 0.0)} ms"
+                      + (f" ({how})" if how else "") + f", flash latency {pr['flash_latency_us']} us"
+                      + ((f"; its flash rate fitted to the {cal['policy']} runs at {cal['pool_mib']} MiB "
+                          f"({cal['slots']} experts): that row's simulated / measured is the calibration's "
+                          "(fitted to their mean TPOT, the row shows their median)" if cal.get("row_fitted", True)
+                          else f"; the {cal['policy']} runs at {cal['pool_mib']} MiB were not flash-bound: the "
+                          "burst read table") if cal else "") + "."]
     return "\n".join(lines) + "\n"
 
 

@@ -53,40 +53,43 @@ class TestFlashRateAsTheRunnerSeesIt:
 
     SLOT = 864 * 1024
 
-    def _profile(self, oracle_stall_ms: float, on_demand_extra: dict | None = None, **oracle):
+    def _profile(self, oracle_stall_ms: float, on_demand_extra: dict | None = None, plan_ms: float = 0.0, **oracle):
         burst = {1: {864: 1900.0, 1024: 2000.0}, 8: {864: 2200.0, 1024: 2400.0}}
         run = {"tokens": list(range(9)), "decode_tokens": 8, "counts": {"misses": 80}}
         return cal.runtime_profile(
             "t", "test", flash=(burst, 0.5e-3, self.SLOT / (2200.0 * MiB)), L=16, k=8, slot_bytes=self.SLOT,
-            all_resident={"tpot_ms": 6.0, "stall_ms_per_token": 0.0}, expert_ms=0.02, plan_ms=0.0,
+            all_resident={"tpot_ms": 6.0, "stall_ms_per_token": 0.0}, expert_ms=0.02, plan_ms=plan_ms,
             on_demand={**run, **(on_demand_extra or {}), "stall_ms_per_token": 60.0},   # 8 x 60 ms over 80 misses
             oracle={"tpot_ms": 80.0, "stall_ms_per_token": oracle_stall_ms, "mib_read_per_token": 112.0, **oracle},
             measured={}, source="test")
 
     def test_read_costs_split_per_token_and_per_read(self):
         """read_costs: the perfect-prefetch run's remainder (past compute, stall and planning) and the on-demand
-        miss run's, as a part per token plus a part per read; remainders that fall as the reads grow are all
-        per token; a negative per-token part, or one run only, leaves it all per read."""
+        miss run's, as a part per streaming token plus a part per read; remainders that fall as the reads grow
+        are all per streaming token; a negative per-token part, reads too close to split, or one run only,
+        leave it all per read. The profile takes the planning off and records the inputs."""
         od = {"tpot_ms": 100.0, "stall_ms_per_token": 80.0, "mib_read_per_token": 128 * 864 / 1024}   # 128 reads
         # on-demand: 100 - 80 - 6 ms of compute = 14 ms past compute at 128 reads; the oracle 10 ms at 64
-        a, b, how = cal.read_costs(10.0, 64.0, od, 6.0, self.SLOT)
-        assert a == pytest.approx(6.0) and b == pytest.approx(4.0 / 64) and how.startswith("per token and per read")
-        a, b, how = cal.read_costs(15.0, 64.0, od, 6.0, self.SLOT)       # 15 ms at 64 reads, 14 at 128
-        assert (a, b) == (15.0, 0.0) and how.startswith("per token")
-        a, b, how = cal.read_costs(6.0, 64.0, od, 6.0, self.SLOT)        # a line through -2 ms at no reads
+        a, b, how, info = cal.read_costs(10.0, 64.0, od, 6.0, self.SLOT)
+        assert a == pytest.approx(6.0) and b == pytest.approx(4.0 / 64) and how.startswith("per streaming token and")
+        assert info == {"oracle_rest_ms": 10.0, "on_demand_rest_ms": 14.0, "on_demand_reads_per_token": 128.0}
+        a, b, how, _ = cal.read_costs(15.0, 64.0, od, 6.0, self.SLOT)       # 15 ms at 64 reads, 14 at 128
+        assert (a, b) == (15.0, 0.0) and how.startswith("all per streaming token")
+        a, b, how, _ = cal.read_costs(6.0, 64.0, od, 6.0, self.SLOT)        # a line through -2 ms at no reads
         assert (a, b) == (0.0, pytest.approx(6.0 / 64)) and how.startswith("per read")
-        a, b, how = cal.read_costs(10.0, 64.0, {"stall_ms_per_token": 80.0}, 6.0, self.SLOT)   # one run
+        a, b, how, _ = cal.read_costs(10.0, 100.0, od, 6.0, self.SLOT)      # 100 against 128 reads: too close
+        assert (a, b) == (0.0, pytest.approx(10.0 / 100)) and how.startswith("per read")
+        a, b, how, _ = cal.read_costs(10.0, 64.0, {"stall_ms_per_token": 80.0}, 6.0, self.SLOT)   # one run
         assert (a, b) == (0.0, pytest.approx(10.0 / 64)) and how.startswith("per read")
-        # in the profile: the oracle run 80 ms - 65 stall - 6 compute = 9 ms at 112 MiB (132.7 reads), the miss
-        # run 76 - 60 - 6 = 10 ms at 256 reads
+        # in the profile: the oracle run 80 ms - 65 stall - 6 compute - 16 x 0.1 planning = 7.4 ms at 112 MiB
+        # (132.7 reads), the miss run 76 - 60 - 6 = 10 ms at 256 reads
         miss = {"tpot_ms": 76.0, "mib_read_per_token": 256 * 864 / 1024}
-        prof = self._profile(oracle_stall_ms=65.0, on_demand_extra=miss)
-        want_a, want_b, _ = cal.read_costs(9.0, 112 * 1024 / 864, {**miss, "stall_ms_per_token": 60.0}, 6.0,
-                                           self.SLOT)
-        assert want_b > 0 and want_a > 0
-        assert prof.token_overhead_ms == pytest.approx(want_a, abs=1e-4) and \
-            prof.read_cpu_us == pytest.approx(want_b * 1e3, abs=0.1)
-        assert prof.measured["read_cost_from"].startswith("per token and per read")
+        prof = self._profile(oracle_stall_ms=65.0, on_demand_extra=miss, plan_ms=0.1)
+        b = (10.0 - 7.4) / (256 - 112 * 1024 / 864)
+        assert prof.streaming_token_ms == pytest.approx(7.4 - b * 112 * 1024 / 864, abs=1e-4) and \
+            prof.read_cpu_us == pytest.approx(b * 1e3, abs=0.1) and prof.token_overhead_ms == 0.0
+        assert prof.measured["read_cost_from"].startswith("per streaming token and per read")
+        assert prof.measured["oracle_rest_ms"] == pytest.approx(7.4) and prof.measured["on_demand_rest_ms"] == 10.0
         assert self._profile(oracle_stall_ms=65.0).measured["read_cost_from"].startswith("per read")
 
     def test_the_flash_bound_run_keeps_half_a_token_in_flight(self):

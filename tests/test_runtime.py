@@ -244,6 +244,30 @@ def test_simulator_takes_the_read_budget(sim_trace):
     assert code == 2 and "--read-budget-kib 100: below one expert slot" in out, out
 
 
+def test_streaming_tokens_cost_their_part(sim_trace):
+    """A profile's `streaming_token_ms` is charged on every decode token that reads anything and on no other:
+    on-demand at a small pool (every token reads) is that much slower a token; with a pool of every expert
+    (a token reads only experts it meets for the first time) less than that."""
+    import dataclasses
+
+    from toolkit.runtime.policy import Policy
+    from toolkit.simulate.replay import run_simulation
+
+    pol = [Policy("on-demand", "lru")]
+    more = dataclasses.replace(SNAPDRAGON_8_ELITE, streaming_token_ms=5.0)
+
+    def tpot(profile, pool):
+        return run_simulation(sim_trace, policies=pol, profile=profile, pool_mib=pool, window=2)["results"][0]
+
+    small, small5 = tpot(SNAPDRAGON_8_ELITE, 4), tpot(more, 4)
+    assert small["mib_read_per_token"] > 0 and small5["tpot_ms"] - small["tpot_ms"] == pytest.approx(5.0, abs=0.01)
+    # a pool of every expert: only a token meeting an expert for the first time reads (the pool starts empty),
+    # so fewer than every token pay it
+    full, full5 = tpot(SNAPDRAGON_8_ELITE, 1024), tpot(more, 1024)
+    assert full["mib_read_per_token"] < small["mib_read_per_token"]
+    assert 0 <= full5["tpot_ms"] - full["tpot_ms"] < 5.0 - 0.01
+
+
 def test_read_budget_from_a_rate_and_a_step():
     """`--read-budget-kib auto`'s rule: KiB the flash delivers in one step, rounded down, at least a slot."""
     from toolkit.runtime.profiles import read_budget_kib, read_lanes

@@ -50,6 +50,9 @@ class DeviceProfile:
     token_overhead_ms: float = 0.0
     # compute-thread time each read costs (completion hand-off, interrupts); ~0 with a DMA engine
     read_cpu_us: float = 0.0
+    # what a decode token that reads anything costs the runtime beyond its compute, waits and reads' own
+    # costs (measured runtimes: reader threads sharing the CPU; calibrate's read_costs); 0 where it reads nothing
+    streaming_token_ms: float = 0.0
     # compute-thread time a predictor's planning costs per MoE layer (measured runtimes only)
     plan_ms_per_layer: float = 0.0
     # measured compute (this-machine): when set, these replace the bandwidth model

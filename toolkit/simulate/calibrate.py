@@ -149,33 +149,39 @@ def tiny_pool_mib(top_k: int, slot_bytes: int) -> float:
 
 
 def read_costs(oracle_rest_ms: float, oracle_reads: float, on_demand: dict, per_token_ms: float,
-               slot_bytes: int) -> tuple[float, float, str]:
-    """(ms a token, ms a read, how) of what reading costs the runner beyond its compute and its waits: the
-    perfect-prefetch run's time past compute, stall and planning (`oracle_rest_ms`, over its `oracle_reads`
-    a token) and the on-demand miss run's past compute and stall, fitted as a part per token plus a part
-    per read (two runs, two unknowns). Where the remainders do not grow with the reads (the per-read part
-    would be negative) it is all per token, the perfect-prefetch run's; where the per-token part would be
-    negative, all per read; with one run (an on-demand result without its TPOT or bytes), all per read."""
+               slot_bytes: int) -> tuple[float, float, str, dict]:
+    """(ms a streaming token, ms a read, how, the inputs) of what reading costs the runner beyond its compute
+    and its waits: the perfect-prefetch run's time past compute, stall and planning (`oracle_rest_ms`, over
+    its `oracle_reads` a token) and the on-demand miss run's past compute and stall, fitted as a part per
+    token that reads anything (the simulator's `streaming_token_ms`; an all-resident token costs none) plus
+    a part per read (two runs, two unknowns). Where the remainders do not grow with the reads (the per-read
+    part would be negative) it is all per streaming token, the perfect-prefetch run's; where the per-token
+    part would be negative, or the two runs' reads are within a quarter of each other (the split would be
+    noise over a small difference), all per read; with one run (an on-demand result without its TPOT or
+    bytes), all per read."""
     rest_o = max(0.0, oracle_rest_ms)
-    per_read_only = (0.0, rest_o / max(1e-9, oracle_reads), "per read (the perfect-prefetch run)")
+    info: dict = {"oracle_rest_ms": round(oracle_rest_ms, 3)}
+    per_read_only = (0.0, rest_o / max(1e-9, oracle_reads), "per read (the perfect-prefetch run)", info)
     if not {"tpot_ms", "stall_ms_per_token", "mib_read_per_token"} <= set(on_demand):
         return per_read_only
     reads_d = on_demand["mib_read_per_token"] * MiB / slot_bytes
     rest_d = on_demand["tpot_ms"] - on_demand["stall_ms_per_token"] - per_token_ms
-    if abs(reads_d - oracle_reads) < 1:
+    info.update(on_demand_rest_ms=round(rest_d, 3), on_demand_reads_per_token=round(reads_d, 2))
+    if abs(reads_d - oracle_reads) < 0.25 * max(reads_d, oracle_reads, 1e-9):
         return per_read_only
     b = (rest_d - oracle_rest_ms) / (reads_d - oracle_reads)
     a = oracle_rest_ms - b * oracle_reads
     if b < 0:
-        return rest_o, 0.0, "per token (the two runs' remainders do not grow with their reads)"
+        return rest_o, 0.0, "all per streaming token (the two runs' remainders do not grow with their reads)", info
     if a < 0:
         return per_read_only
-    return a, b, "per token and per read (the perfect-prefetch and the on-demand miss runs)"
+    return a, b, "per streaming token and per read (the perfect-prefetch and the on-demand miss runs)", info
 
 
 def flash_pool_mib(num_layers: int, top_k: int, slot_bytes: int) -> float:
-    """The pool of the flash-bound perfect-prefetch run (oracle + Belady) that sets the flash rate and what
-    a background read costs: half a token's working set (at least two layers' worth of slots). A pool of
+    """The pool of the flash-bound perfect-prefetch run (oracle + Belady) that sets the flash rate in
+    `calibrate` and `calibrate_native` run alone (runner bench uses its own oracle runs at its smallest pool
+    instead): half a token's working set (at least two layers' worth of slots). A pool of
     two layers lets a layer's k reads be in flight and then waits on them, which on a VM draws less from
     the flash than the policies' pools do (1.0 GB/s against 1.2 at 13% of the phone-class model's
     experts; 1.14 with four layers, 1.21 with eight, in thousands of MiB/s: docs/benchmarks.md section
@@ -207,8 +213,9 @@ def runtime_profile(name: str, description: str, *, flash: tuple[dict, float, fl
                     oracle: dict, measured: dict, source: str) -> DeviceProfile:
     """A runner's device profile from its measured runs (RunStats JSON of each): every expert
     resident (the compute per token), on-demand with a tiny pool (what a miss costs it), oracle +
-    Belady with half a token's working set (flash_pool_mib: the flash as the runner draws it, and what
-    a background read costs its compute thread), and the store's read table `flash` = measure_flash(...).
+    Belady at flash_pool_mib or runner bench's smallest pool (the flash as the runner draws it; with the
+    miss run, what reading costs beyond compute and waits, `read_costs`), and the store's read table
+    `flash` = measure_flash(...).
 
     The flash as the runner drives it: the table is a burst of reads from an otherwise idle process. Where
     the perfect-prefetch run waits on the flash for at least FLASH_BOUND of each token (flash-bound), its
@@ -223,18 +230,20 @@ def runtime_profile(name: str, description: str, *, flash: tuple[dict, float, fl
     # latency: what a qd-1 read takes beyond its transfer, or what a miss costs the runner, if more
     latency_us = max(1.0, (lat1 - xfer) * 1e6, miss_ms * 1e3 - xfer * 1e6)
     reads_per_token = oracle["mib_read_per_token"] * MiB / slot_bytes
-    token_ms, read_ms, cost_from = read_costs(oracle["tpot_ms"] - oracle["stall_ms_per_token"] - per_token
-                                              - plan_ms * L, reads_per_token, on_demand, per_token, slot_bytes)
+    token_ms, read_ms, cost_from, cost_inputs = read_costs(
+        oracle["tpot_ms"] - oracle["stall_ms_per_token"] - per_token - plan_ms * L, reads_per_token, on_demand,
+        per_token, slot_bytes)
     run_mibs = oracle["mib_read_per_token"] / max(1e-9, oracle["tpot_ms"] * 1e-3)
     prof = DeviceProfile(
         name=name, description=description, flash_latency_us=round(latency_us, 1), flash_bw=table,
         dram_effective_gbs=0.0, dense_ms_per_layer=round(dense_ms, 4), expert_ms=round(expert_ms, 4),
-        read_cpu_us=round(read_ms * 1e3, 1), token_overhead_ms=round(token_ms, 4), plan_ms_per_layer=round(plan_ms, 4),
+        read_cpu_us=round(read_ms * 1e3, 1), streaming_token_ms=round(token_ms, 4),
+        plan_ms_per_layer=round(plan_ms, 4),
         measured={"tpot_all_resident_ms": all_resident["tpot_ms"], "qd1_read_ms": round(lat1 * 1e3, 4),
                   "runtime_miss_ms": round(miss_ms, 4), "oracle_tpot_ms": oracle["tpot_ms"],
                   "oracle_stall_ms_per_token": oracle["stall_ms_per_token"],
                   "oracle_reads_per_token": round(reads_per_token, 2), "slot_bytes": slot_bytes,
-                  "read_cost_from": cost_from,
+                  "read_cost_from": cost_from, **cost_inputs,
                   "tiny_pool_mib": tiny_pool_mib(k, slot_bytes),
                   # the pool the oracle run had (its stats' budget), else the one it is meant to have
                   "oracle_pool_mib": oracle["budget_bytes"] / MiB if oracle.get("budget_bytes")
