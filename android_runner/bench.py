@@ -425,14 +425,14 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
         out["simulated"] = sim
         # the calibration's own runs: where their flash rate was used (flash-bound), their row is fitted to
         # them, not predicted; otherwise the burst table stands and the row is a prediction like the others
-        rate_from = prof.measured["flash_rate_from"]
+        rate_from = sim["profile"]["measured"]["flash_rate_from"]   # after fit_flash_rate
         fitted = rate_from.startswith("runner")
         out["simulated"]["calibrated_on"] = {"policy": base[3], "slots": calib_slots,
                                             "pool_mib": round(calib_slots * store.slot_bytes / MiB, 3),
                                             "flash_rate_from": rate_from, "row_fitted": fitted}
         if not fitted:
-            log(f"  the {base[3]} runs at {calib_slots} experts were not flash-bound: the simulator keeps the "
-                "burst read table")
+            log(f"  the {base[3]} runs at {calib_slots} experts did not set the flash rate (not flash-bound): "
+                "the burst read table stands")
         for i, (p, sp) in enumerate(zip(out["points"], sim["points"])):
             for name, v in p["policies"].items():
                 if name not in sp["policies"]:  # a read-budget or next-visit=off row: not simulated
@@ -521,11 +521,12 @@ def markdown(r: dict[str, Any]) -> str:
                       f"{pr['expert_ms']} ms, planning {pr['plan_ms_per_layer']} ms/layer, read CPU "
                       f"{pr['read_cpu_us']} us, a streaming token {pr.get('streaming_token_ms', 0.0)} ms"
                       + (f" ({how})" if how else "") + f", flash latency {pr['flash_latency_us']} us"
-                      + ((f"; its flash rate fitted to the {cal['policy']} runs at {cal['pool_mib']} MiB "
-                          f"({cal['slots']} experts): that row's simulated / measured is the calibration's "
-                          "(fitted to their mean TPOT, the row shows their median)" if cal.get("row_fitted", True)
-                          else f"; the {cal['policy']} runs at {cal['pool_mib']} MiB were not flash-bound: the "
-                          "burst read table") if cal else "") + "."]
+                      + ((f"; its flash rate from the {cal['policy']} runs at {cal['pool_mib']} MiB "
+                          f"({cal['slots']} experts; {cal.get('flash_rate_from', 'runner')}): that row's simulated "
+                          "/ measured is the calibration's (the replay aims at their mean TPOT, the row shows their "
+                          "median)" if cal.get("row_fitted", True)
+                          else f"; the {cal['policy']} runs at {cal['pool_mib']} MiB did not set the flash rate: "
+                          "the burst read table stands") if cal else "") + "."]
     return "\n".join(lines) + "\n"
 
 

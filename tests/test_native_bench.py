@@ -82,7 +82,7 @@ def test_runner_bench_reports_every_part(embedded_bundles, tmp_path):
     # records their budget, that row says it is the calibration's, the others are predictions
     cal = res["simulated"]["calibrated_on"]
     assert cal == {"policy": "oracle+belady", "slots": point["slots"], "pool_mib": round(point["pool_mib"], 3),
-                   "flash_rate_from": "burst" if src == "burst" else "runner", "row_fitted": src != "burst"}
+                   "flash_rate_from": src, "row_fitted": src != "burst"}
     assert abs(pm["oracle_pool_mib"] - point["slots"] * res["slot_bytes"] / 2**20) < 1e-3
     # (the embedded model: 33 slots at 13%, against half a token's 16: the bench's own runs were used)
     assert pm["oracle_runs"] == 2 and pm["oracle_pool_mib"] > pm["tiny_pool_mib"]

@@ -9,8 +9,9 @@ is the larger of the raw device latency and a miss as the runtime experiences it
 with a tiny pool: thread hand-off and Python included), so the simulator charges what a miss
 really costs this runtime. What reading costs the runner beyond compute and waits comes from a
 perfect-prefetch run (oracle + Belady, a pool of half a token's working set: flash_pool_mib) and the
-on-demand miss run: each one's TPOT minus its stall minus the all-resident TPOT, fitted as a part per
-token (`token_overhead_ms`) plus a part per read (`read_cpu_us`; `read_costs`). The profile is saved
+on-demand miss run: each one's TPOT minus its stall, the all-resident TPOT and (the former) its planning,
+fitted as a part per streaming token (`streaming_token_ms`) plus a part per read (`read_cpu_us`;
+`read_costs`). The profile is saved
 as JSON (default ~/.cache/specprefetch/profiles/this-machine.json) for `simulate --profile
 this-machine`.
 """

@@ -187,7 +187,7 @@ def simulate_policy(batches: list[RoutingBatch], predictor, geo: Geometry, profi
             reads_seen = sched.stats.bytes_read // geo.slot_bytes
             for t in range(T):
                 clock.now += profile.token_overhead_ms * 1e-3
-                token_reads0 = reads_seen
+                token_bytes0 = sched.stats.bytes_read
                 for li in range(L):
                     step = (off + t) * L + li
                     clock.now += profile.dense_s(geo.dense_bytes_per_layer)
@@ -227,7 +227,7 @@ def simulate_policy(batches: list[RoutingBatch], predictor, geo: Geometry, profi
                     reads_seen = issued
                     clock.now += profile.expert_s(geo.expert_bytes) * len(keys)
                     sched.release(step, keys)
-                if reads_seen > token_reads0:   # a token that streamed: the runtime's cost of streaming at all
+                if sched.stats.bytes_read > token_bytes0:   # a token that issued a read: the cost of streaming
                     clock.now += profile.streaming_token_ms * 1e-3
                 times.append(clock.now)
                 if t == 0 and warm is None:  # the first row warms the pool; figures count from its token on
