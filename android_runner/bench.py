@@ -35,6 +35,7 @@ from toolkit.artifacts import read_json
 from toolkit.errors import SpecPrefetchError
 from toolkit.bench.common import medians
 from toolkit.runtime.policy import VARIANT_TAG, parse_variants
+from toolkit.runtime.profiles import check_budget_kib
 from toolkit.metrics import median
 from toolkit.reporting import figure, save_figure, write_report
 
@@ -205,9 +206,8 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
         if not x:
             raise SpecPrefetchError(f"--prompt {json.dumps(t)[:60]}: no tokens")
     store = ExpertStore(Path(bundle) / m["runtime"]["expert_store"])
-    if read_budget_kib not in (None, "auto") and read_budget_kib * 1024 < store.slot_bytes:
-        raise SpecPrefetchError(f"--read-budget-kib {read_budget_kib}: below one expert slot "
-                                f"({store.slot_bytes / 2**10:.0f} KiB), so nothing could ever be prefetched")
+    if read_budget_kib != "auto":
+        check_budget_kib(read_budget_kib, store.slot_bytes, "--read-budget-kib")
     L, E, k = store.num_layers, store.num_experts, m["routing"]["top_k"]
     for label, v in knobs.items():   # the runners' window looks one token ahead at most
         if v.get("window", 1) > L:

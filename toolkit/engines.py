@@ -269,7 +269,8 @@ def gpu_engine(model, *, device: str, policy: str, adapter, store_path, dtype, p
     from export.session import is_bundle
     from toolkit.models.loader import inspect_model_dir, load_model
     from toolkit.runtime.expert_store import ExpertStore
-    from toolkit.runtime.gpu import Device, GpuEngine, check_read_budget
+    from toolkit.runtime.gpu import Device, GpuEngine
+    from toolkit.runtime.profiles import check_budget_kib
     from toolkit.runtime.gpu_bench import gpu_predictors, gpu_reuse_table
     from toolkit.runtime.policy import Policy
     from toolkit.runtime.runner import RunConfig
@@ -286,7 +287,7 @@ def gpu_engine(model, *, device: str, policy: str, adapter, store_path, dtype, p
         st = cached_store(spec, "fp16")
     else:
         st = ExpertStore(store_path, spec)
-    check_read_budget(read_budget_kib, st.blob_size, "--read-budget-kib")   # before the model loads
+    check_budget_kib(read_budget_kib, st.blob_size, "--read-budget-kib")   # before the model loads
     pol = Policy.parse(policy)
     preds = gpu_predictors(spec, [pol.predictor], adapter)
     reuse = gpu_reuse_table(spec, [pol.eviction], adapter)

@@ -54,6 +54,7 @@ from toolkit.runtime.expert_store import ExpertStore
 from toolkit.runtime.gpu_kernels import dequant, int4_gemv
 from toolkit.runtime.planner import PrefetchPlanner, RoutingState
 from toolkit.runtime.pool import ExpertPool, Key
+from toolkit.runtime.profiles import check_budget_kib
 from toolkit.runtime.runner import RunConfig, Runner, open_pool_and_scheduler
 from toolkit.runtime.scheduler import WindowScheduler
 from toolkit.runtime.stats import DecodeAccount, RunStats
@@ -144,14 +145,6 @@ class HostExperts:
     @property
     def nbytes(self) -> int:
         return self.buf.numel()
-
-
-def check_read_budget(kib: int | None, slot_bytes: int, option: str) -> None:
-    """The GPU tier's read budget is at least one expert slot a step, as every tier's (a budget of less
-    could prefetch only what is due two or more steps ahead); refused in one line naming `option`."""
-    if kib is not None and kib * 1024 < slot_bytes:
-        raise SpecPrefetchError(f"{option} {kib}: below one expert slot ({-(-slot_bytes // 1024)} KiB); the read "
-                                "budget is at least one slot a step")
 
 
 def alloc_slots(capacity: int, blob: int, dev: Device) -> torch.Tensor:
@@ -601,7 +594,7 @@ class GpuEngine:
         cfg = dataclasses.replace(self.cfg, **changes)
         if copy_depth != "keep" and copy_depth is not None and (not isinstance(copy_depth, int) or copy_depth < 1):
             raise SpecPrefetchError(f"--queue-depth {copy_depth!r}: prefetch copies a step, an integer >= 1")
-        check_read_budget(cfg.read_budget_kib, self.store.blob_size, "--read-budget-kib")
+        check_budget_kib(cfg.read_budget_kib, self.store.blob_size, "--read-budget-kib")
         p = cfg.policy.predictor
         if p not in ("on-demand", "draft") and p not in self.predictors:
             raise SpecPrefetchError(f"--policy {cfg.policy.name}: predictor {p!r} is not available on the GPU tier "

@@ -223,7 +223,8 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
     --variant settings (GPU_VARIANT_KEYS), each a row per predicting policy."""
     from toolkit.models.loader import inspect_model_dir, load_model
     from toolkit.runtime.expert_store import ExpertStore
-    from toolkit.runtime.gpu import Device, GpuEngine, check_read_budget, d2d_bandwidth, h2d_bandwidth
+    from toolkit.runtime.gpu import Device, GpuEngine, d2d_bandwidth, h2d_bandwidth
+    from toolkit.runtime.profiles import check_budget_kib
     from toolkit.runtime.runner import RunConfig
 
     spec = inspect_model_dir(model)
@@ -246,7 +247,7 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
     else:
         st = ExpertStore(store, spec)
     for label, v in knobs.items():   # as GpuEngine.configure refuses it, before the model loads
-        check_read_budget(v.get("read_budget_kib"), st.blob_size, f"--variant {label}: read_budget_kib")
+        check_budget_kib(v.get("read_budget_kib"), st.blob_size, f"--variant {label}: read_budget_kib")
     dtype = torch.float16 if dev.cuda else torch.float32
     t_start = time.time()
     bw0 = h2d_bandwidth(dev) if dev.cuda else None

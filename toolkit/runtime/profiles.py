@@ -32,6 +32,14 @@ def read_budget_kib(read_mibs: float, step_s: float, slot_bytes: int) -> dict:
             "step_ms": round(step_s * 1e3, 4)}
 
 
+def check_budget_kib(kib: int | None, slot_bytes: int, option: str) -> None:
+    """A step or read budget is at least one expert slot a step, in every engine (the native runner checks
+    its own alike); refused in one line naming `option`."""
+    if kib is not None and kib * 1024 < slot_bytes:
+        raise SpecPrefetchError(f"{option} {kib}: below one expert slot ({-(-slot_bytes // 1024)} KiB); a budget is "
+                                "at least one slot a step")
+
+
 def read_lanes(queue_depth: int) -> int:
     """The native runner's read threads for a queue depth (its Reader: min(queue depth + 1, 64)), as far
     as a profile's bandwidth table goes (queue depths up to 8)."""

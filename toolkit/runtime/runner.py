@@ -51,7 +51,7 @@ from toolkit.runtime.io import ThreadReader, ProcessReader
 from toolkit.runtime.planner import ChunkState, PrefetchPlanner, RoutingState
 from toolkit.runtime.policy import Policy
 from toolkit.runtime.pool import ExpertPool
-from toolkit.runtime.profiles import DeviceProfile
+from toolkit.runtime.profiles import DeviceProfile, check_budget_kib
 from toolkit.runtime.reuse import ReuseHistory
 from toolkit.runtime.scheduler import SchedulerConfig, WindowScheduler
 from toolkit.runtime.stats import DecodeAccount, RunStats
@@ -189,9 +189,7 @@ class Runner:
             raise SpecPrefetchError(f"--prefill-chunk {cfg.prefill_chunk}: the graphs' prefill chunk sizes are "
                                     f"{sizes}; give one of them or off")
         for opt, kib in (("--step-budget-kib", cfg.step_budget_kib), ("--read-budget-kib", cfg.read_budget_kib)):
-            if kib is not None and kib * 1024 < self.store.slot_bytes:
-                raise SpecPrefetchError(f"{opt} {kib}: below one expert slot ({self.store.slot_bytes / 2**10:.0f} "
-                                        "KiB), so nothing could ever be prefetched")
+            check_budget_kib(kib, self.store.slot_bytes, opt)
         self.cfg = cfg
 
     # -- one prompt --------------------------------------------------------------------

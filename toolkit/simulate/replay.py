@@ -36,7 +36,7 @@ from toolkit.runtime.runner import RunConfig, open_pool_and_scheduler
 from toolkit.runtime.scheduler import SchedulerStats
 from toolkit.runtime.stats import DecodeAccount, RunStats, tpot_and_intervals
 from toolkit.simulate.flash import SimClock, SimFlash
-from toolkit.runtime.profiles import DeviceProfile
+from toolkit.runtime.profiles import DeviceProfile, check_budget_kib
 
 BYTES_PER_PARAM = {"fp16": 2.0, "bf16": 2.0, "int8": 1.0, "int4": 0.5625}
 
@@ -519,9 +519,7 @@ def run_simulation(trace: Path, *, policies: list[Policy], profile: DeviceProfil
     if read_budget_kib == "auto":  # what the profile's flash delivers in one decode step of its compute
         auto_budget = profile.read_budget(geo.slot_bytes, decode_step_s(profile, geo), queue_depth)
         read_budget_kib = auto_budget["kib"]
-    if read_budget_kib is not None and read_budget_kib * 1024 < geo.slot_bytes:
-        raise SpecPrefetchError(f"--read-budget-kib {read_budget_kib}: below one expert slot "
-                                f"({geo.slot_bytes / 2**10:.0f} KiB), so nothing could ever be prefetched")
+    check_budget_kib(read_budget_kib, geo.slot_bytes, "--read-budget-kib")
     reuse = reuse_for(reader, adapter) if any(p.eviction == "reuse" for p in policies) else None
     prompt = _prompt_batch(reader, split, prompt_tokens, profile) if prompt_tokens else None
     results = []
