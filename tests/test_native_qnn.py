@@ -120,6 +120,12 @@ def test_the_embedding_is_a_table_not_an_htp_graph(qnn_native, embedded, tmp_pat
     bundle, runner = qnn_native
     m = json.loads((bundle / "manifest.json").read_text())
     assert "embed" not in m["graphs"]["files"] and m["graphs"]["embedding"]["file"] == "graphs/embedding.safetensors"
+    # the Qwen3-MoE QNN export itself (test_export's per-family check runs Qwen3-MoE in make test-all only)
+    p = json.loads((bundle / "parity.json").read_text())
+    assert m["soc"] == "SM8750" and m["graphs"]["htp_arch"] == 79
+    assert p["passed"] and p["max_rel_logit_diff"] < 0.05 and p["topk_agreement"] >= 0.95
+    for name, rel in m["graphs"]["binaries"].items():
+        assert (bundle / rel).stat().st_size > 1000, name
     table = load_file(str(bundle / "graphs" / "embedding.safetensors"))["weight"]
     want = load_dense_model(inspect_model_dir(embedded)).get_input_embeddings().weight.detach()
     assert table.dtype == torch.float16 and torch.equal(table, want.to(torch.float16))

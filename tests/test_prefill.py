@@ -171,12 +171,16 @@ def _native(native, tmp_path, policy, *extra):
     return json.loads(js.read_text()), ev.read_text().splitlines()
 
 
-@pytest.mark.parametrize("chunk", [None, "off"])
+# make test: two policies with the default chunks and one unchunked; make test-all: two more chunked
+POLICIES = {None: ("next-gate+prediction", "oracle+belady"), "off": ("next-gate+lfu",),
+            "more": ("fate+lru", "previous-token+lru")}
+
+
+@pytest.mark.parametrize("chunk", [None, "off", pytest.param("more", marks=pytest.mark.slow)])
 def test_native_chunks_decide_as_the_reference(native_host, reference, tmp_path, chunk):
     r = reference.runner
-    for policy in ("next-gate+prediction", "fate+lru", "previous-token+lru", "oracle+belady") if chunk is None \
-            else ("next-gate+lfu",):
-        out, lines = _native(native_host, tmp_path, policy, *(["--prefill-chunk", chunk] if chunk else []))
+    for policy in POLICIES[chunk]:
+        out, lines = _native(native_host, tmp_path, policy, *(["--prefill-chunk", chunk] if chunk == "off" else []))
         r.configure(policy=Policy.parse(policy), pool_mib=POOL, prefill_chunk=0 if chunk == "off" else None)
         log = EventLog()
         gens = [r.run(ids, NEW, events=log) for ids in (PROMPT, SHORT)]
@@ -189,7 +193,7 @@ def test_native_chunks_decide_as_the_reference(native_host, reference, tmp_path,
             for k in ("requests", "hits", "misses", "prefetch_issued", "dropped_stale", "bytes_read"):
                 assert run["counts"][k] == g.to_json()["counts"][k], (policy, k)
         assert decisions(lines) == decisions(log.lines), policy
-    want = [[8, 8, 1, 1, 1, 1, 1], [8, 1]] if chunk is None else [[1] * len(PROMPT), [1] * len(SHORT)]
+    want = [[8, 8, 1, 1, 1, 1, 1], [8, 1]] if chunk != "off" else [[1] * len(PROMPT), [1] * len(SHORT)]
     assert [run["prefill_chunks"] for run in out["runs"]] == want
 
 
