@@ -867,8 +867,9 @@ def bench_reads_cmd(traces, store_path, pool_fracs, max_sequences, rounds, lanes
               help="also profile an all-resident decode token: its kernels, how many and their device time "
                    "(the report's resident_profile)")
 @click.option("--compile", "compile_backend", type=click.Choice(["inductor", "aot_eager"]), default=None,
-              help="the static decoder's one-token step through torch.compile with this backend (inductor: fused "
-                   "Triton kernels inside the graphs; docs/gpu-tier.md)")
+              help="the static decoder's one-token step (each segment, the resident token, the draft's step) "
+                   "through torch.compile with this backend (inductor: fused Triton kernels inside the graphs; "
+                   "docs/gpu-tier.md)")
 @click.option("--variant", "variants", multiple=True, metavar="KEY=V[,KEY=V]",
               help="also each predicting policy with these scheduler settings (window, queue_depth: prefetch copies "
                    "issued per layer step, candidate_threshold, min_confidence, read_budget_kib: KiB copied per layer "

@@ -504,11 +504,12 @@ class GpuEngine:
                 Specter's: less target compute, but a k + 1-row GEMM rounds differently from a
                 one-row GEMV, so a near-tie between the two best tokens can resolve the other way:
                 tokens equal the model's only up to that).
-            compile: the static decoder's one-token step (each layer's attention and router, the
-                position's mask and rotary tables, the head) through torch.compile with this backend
-                ("inductor": fused Triton kernels on a GPU; "aot_eager": the same tracing without code
-                generation, for tests), captured in the graphs as before; None: eager modules. Fused
-                kernels round like transformers' only up to reduction order: tokens are checked as always.
+            compile: the static decoder's pieces (each segment, the all-resident token, the draft's
+                step) each whole through torch.compile with this backend ("inductor": fused Triton
+                kernels on a GPU, the routers' top-k and one-row GEMV decomposed; "aot_eager": the same
+                tracing without code generation, for tests), captured in the graphs as before; None:
+                eager. Fused kernels round like transformers' only up to reduction order: tokens are
+                checked as always (docs/gpu-tier.md).
         """
         if store.dtype != "fp16":
             raise SpecPrefetchError(f"{store.path}: the GPU tier computes from fp16 experts; this store is "

@@ -35,6 +35,12 @@ its int4 experts are all resident, gathered by the router's choices on the devic
 fused dequantising grouped GEMV (toolkit/runtime/gpu_kernels.py, Triton on CUDA). Its routing goes
 back to the host once per step, asynchronously, for the verification pass's prefetches.
 
+With `GpuEngine(compile=...)` each piece a graph replays (a segment, the all-resident token, the draft's
+step) goes through torch.compile whole (`compiled`): the expert GEMVs are custom operators, so inductor
+fuses the element-wise work and the buffer copies around them; a layer's q/k/v projections are one GEMV
+(`_FusedQKV`), and the routers' top-k and one-row GEMV are decomposed for inductor (`topk_by_sort`,
+`row_times_narrow`). docs/gpu-tier.md has the figures.
+
 Where CUDA is absent (CI) the same functions run eagerly on the CPU: `decode="static"`.
 """
 from __future__ import annotations
@@ -62,17 +68,51 @@ def supported(spec) -> str | None:
     return None
 
 
+def topk_by_sort(x: torch.Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True):
+    """aten.topk for a router's row (a few dozen experts) as a stable descending sort and its first k:
+    inductor compiles the sort into one Triton kernel of the step, where its top-k is a library call of
+    two kernels (a selection and a sort) per MoE layer. The same values in the same order; among equal
+    values the lower index first. Other shapes (smallest, or rows past 1024) keep inductor's own."""
+    if not largest or x.shape[dim] > 1024:
+        return NotImplemented
+    v, i = torch.sort(x, dim=dim, descending=True, stable=True)
+    return v.narrow(dim, 0, k), i.narrow(dim, 0, k)
+
+
+def row_times_narrow(a: torch.Tensor, b: torch.Tensor):
+    """aten.mm of one row [1, K] by a narrow half-precision matrix [K, N <= 128] (a router's: one column
+    per expert) as products summed in float32 and rounded once, as cuBLAS' GEMV accumulates: inductor
+    fuses it with the norm before it and the softmax after, where cuBLAS took a launch of its own for
+    a few KiB of weights. Other shapes keep inductor's own."""
+    if a.shape[0] != 1 or b.shape[1] > 128 or a.dtype not in (torch.float16, torch.bfloat16) or b.dtype != a.dtype:
+        return NotImplemented
+    return (a.float().t() * b.float()).sum(0, keepdim=True).to(a.dtype)
+
+
+def _inductor(gm, example_inputs):
+    """torch.compile's inductor backend with the routers' top-k and their one-row GEMV decomposed
+    (topk_by_sort, row_times_narrow)."""
+    from torch._inductor.compile_fx import compile_fx
+    from torch._inductor.decomposition import select_decomp_table
+
+    table = {**select_decomp_table(), torch.ops.aten.topk.default: topk_by_sort,
+             torch.ops.aten.mm.default: row_times_narrow}
+    return compile_fx(gm, example_inputs, decompositions=table)
+
+
 def compiled(fns, backend: str, n_layers: int):
-    """`fns` through torch.compile (`backend`: "inductor" on a GPU fuses the norms, rotary embedding,
-    casts and residual adds of a layer into a few Triton kernels; the matmuls stay cuBLAS'), shapes
-    static, each function whole (fullgraph: a graph break inside the captured step is an error, not a
-    silent eager fallback). A decoder layer's index is a constant of its trace, so every layer, and every
-    runner's static cache (the target's per pool size, the draft's), is its own compiled entry: each
-    function's recompile limit (its own; dynamo's global per-function one untouched) holds the layers
-    for 16 caches, and past it the call fails (fullgraph) instead of running eagerly without a word."""
+    """`fns` through torch.compile (`backend`: "inductor" on a GPU, with the routers' top-k and one-row
+    GEMV decomposed (`_inductor`), fuses the norms, rotary embedding, casts, residual adds and buffer
+    copies into a few Triton kernels; the projections stay cuBLAS'), shapes static but for the sizes
+    the caller marks dynamic, each function whole (fullgraph: a graph break inside the captured step is an
+    error, not a silent eager fallback). A segment's index is a constant of its trace, so every segment,
+    and every runner's static cache length, is its own compiled entry: each function's recompile limit
+    (its own; dynamo's global per-function one untouched) holds 16 x (n_layers + 1) of them, and past it
+    the call fails (fullgraph) instead of running eagerly without a word."""
     import torch._dynamo.config as dcfg
 
     limit = 16 * (n_layers + 1)
+    backend = _inductor if backend == "inductor" else backend
     # dynamo's cap on all compiles of one function in the process (the StaticDecoders of every runner share
     # `layer`'s), 256 by default: raised where the layers of 16 caches need more (a cap, not a behaviour)
     dcfg.accumulated_recompile_limit = max(dcfg.accumulated_recompile_limit, limit)
@@ -125,6 +165,43 @@ class StaticKV:
             self.v[i][:, :, :n].copy_(layer.values)
 
 
+class _FusedQKV:
+    """A layer's q, k and v projections as one [q + k + v, H] weight (and bias), the modules'
+    parameters rebound as row views of it (no second copy): one GEMV where there were three. Kept on
+    the attention module, so every runner of the engine shares it (a new runner makes it again if
+    something rebound the modules' weights since: `live`)."""
+
+    def __init__(self, projs):
+        self.projs = projs
+        self.sizes = [p.out_features for p in projs]
+        self.weight = torch.cat([p.weight.detach() for p in projs])
+        self.bias = None if projs[0].bias is None else torch.cat([p.bias.detach() for p in projs])
+        for j, p in enumerate(projs):
+            p.weight.data = self.weight[sum(self.sizes[:j]):sum(self.sizes[:j + 1])]
+            if self.bias is not None:
+                p.bias.data = self.bias[sum(self.sizes[:j]):sum(self.sizes[:j + 1])]
+        self._ptrs = self._now(projs)
+
+    @staticmethod
+    def _now(projs):
+        return [(p.weight.data_ptr(), None if p.bias is None else p.bias.data_ptr()) for p in projs]
+
+    def live(self, sa) -> bool:
+        """Still the modules' own weights (nothing rebound them since, e.g. a dtype or device change)."""
+        return self._now((sa.q_proj, sa.k_proj, sa.v_proj)) == self._ptrs
+
+
+def _fused_qkv(sa) -> _FusedQKV | None:
+    projs = (sa.q_proj, sa.k_proj, sa.v_proj)
+    have = getattr(sa, "_specprefetch_qkv", None)
+    if have is not None and have.live(sa):
+        return have
+    if len({p.weight.dtype for p in projs}) != 1 or len({p.bias is None for p in projs}) != 1:
+        return None
+    sa._specprefetch_qkv = _FusedQKV(projs)
+    return sa._specprefetch_qkv
+
+
 class StaticDecoder:
     """The model's own modules (norms, projections, rotary embedding, router, LM head) applied over a
     static KV cache; the expert math is supplied per use (pool slots for the target, int4 for the draft)."""
@@ -151,11 +228,7 @@ class StaticDecoder:
         self.H = g.hidden_size
         self.dtype = eng.dtype
         self.S = 0
-        # the one-token step's dense functions: eager, or through torch.compile (GpuEngine(compile=...))
-        self.step_layer, self.step_prelude, self.step_head = self.layer, self.prelude, self.head
-        if eng.compile:
-            self.step_layer, self.step_prelude, self.step_head = compiled(
-                (self.layer, self.prelude, self.head), eng.compile, len(self.layers))
+        self.qkv = [_fused_qkv(layer.self_attn) for layer in self.layers]
 
     # -- the dense pieces ------------------------------------------------------------------
     def mask(self, positions: torch.Tensor, S: int) -> torch.Tensor:
@@ -174,9 +247,12 @@ class StaticDecoder:
         T = h.shape[1]
         x = layer.input_layernorm(h)
         shape = (1, T, -1, self.head_dim)
-        q = sa.q_proj(x).view(shape)
-        k = sa.k_proj(x).view(shape)
-        v = sa.v_proj(x).view(shape).transpose(1, 2)
+        fused = self.qkv[i]
+        if fused is not None:   # one GEMV for the three projections
+            q, k, v = F.linear(x, fused.weight, fused.bias).split(fused.sizes, dim=-1)
+        else:
+            q, k, v = sa.q_proj(x), sa.k_proj(x), sa.v_proj(x)
+        q, k, v = q.view(shape), k.view(shape), v.view(shape).transpose(1, 2)
         if self.qk_norm:
             q, k = sa.q_norm(q), sa.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
@@ -278,7 +354,13 @@ class FusedExpertMath(PooledExpertMath):
     (three where gate and up are not adjacent in the blob).
     Accumulation order differs from cuBLAS' (fp32 either way, each projection's output rounded to the
     model's dtype once, as F.linear rounds; the k weighted outputs summed in one reduction), so results
-    can differ from transformers' in the last bit: tokens are checked as before."""
+    can differ from transformers' in the last bit: tokens are checked as before. With a SiLU expert (both
+    families here) the down projection's kernel computes SiLU(gate) x up itself as it loads the gate/up
+    output (in float32, rounded once to the model's dtype, as inductor's fused kernel would)."""
+
+    def __init__(self, eng, slots: torch.Tensor):
+        super().__init__(eng, slots)
+        self.silu = type(self.act).__name__ in ("SiLU", "SiLUActivation")
 
     def __call__(self, x: torch.Tensor, scores: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
         from toolkit.runtime.gpu_kernels import slot_gemv
@@ -287,8 +369,11 @@ class FusedExpertMath(PooledExpertMath):
         slots, perm = sel[:k], sel[k:]
         parts = [slot_gemv(t, slots, x) for t in self.gu]
         gu = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-        gate, up = gu.chunk(2, dim=-1)
-        y = slot_gemv(self.dn, slots, self.act(gate) * up)                   # [k, H]
+        if self.silu:   # SiLU(gate) x up taken by the down projection's kernel as it loads gu
+            y = slot_gemv(self.dn, slots, gu, gated=True)                     # [k, H]
+        else:
+            gate, up = gu.chunk(2, dim=-1)
+            y = slot_gemv(self.dn, slots, self.act(gate) * up)               # [k, H]
         w = scores.index_select(1, perm)                                      # [1, k]
         return (y * w[0, :, None]).to(x.dtype).sum(0, keepdim=True)
 
@@ -329,7 +414,9 @@ class GraphRunner:
         self.h = torch.zeros(1, 1, H, device=dev, dtype=eng.dtype)
         self.post = torch.zeros(L, 1, H, device=dev, dtype=eng.dtype)
         self.idx = torch.zeros(L, 1, k, dtype=torch.long, device=dev)
-        self.scores: list[torch.Tensor | None] = [None] * L
+        first = min(dec.moe_at)
+        _, sc, _ = dec.route(first, torch.zeros(1, 1, H, device=dev, dtype=eng.dtype))   # the router's weights' dtype
+        self.scores = torch.zeros(L, *sc.shape, device=dev, dtype=sc.dtype)
         self.sel = torch.zeros(L, 2 * k, dtype=torch.long, device=dev)
         self.sel[:, k:] = torch.arange(k, device=dev)
         pin = eng.dev.cuda
@@ -353,39 +440,60 @@ class GraphRunner:
         self.draft = None
         if eng.drafts and eng.drafts[0] is not None:
             self.draft = _DraftStep(self)
+        # the step's functions: eager, or each whole through torch.compile (GpuEngine(compile=...)): a
+        # segment, the resident token (every segment in one compiled graph) and the draft's step
+        self._seg, self._token = self._segment, self._resident_token
+        if eng.compile:
+            # the arena's slot count is a dynamic size of the traces, so runners of other pool sizes
+            # reuse the compiled code instead of compiling again
+            for t in (*self.math.gu, self.math.dn):
+                torch._dynamo.mark_dynamic(t, 0)
+            fns = (self._segment, self._resident_token) + ((self.draft._step,) if self.draft else ())
+            self._seg, self._token, *rest = compiled(fns, eng.compile, n_layers)
+            if self.draft is not None:
+                self.draft.step = rest[0]
 
     # -- the target's segments -------------------------------------------------------------
-    def segment(self, s: int, resident: bool = False, pre=None):
-        """Segment s on the device (one graph replay). `resident`: every expert is in the pool, and the
-        slots of each router's choices are looked up on the device (slot_of) instead of written by the host.
-        `pre`: the position's mask and rotary tables from an earlier segment of the same token (returned)."""
+    def segment(self, s: int) -> None:
+        """Segment s on the device (eager, or its compiled code; one graph replay once captured)."""
+        self._seg(s)
+
+    def _segment(self, s: int, resident: bool = False, pre=None):
+        """Segment s: the routed experts of MoE layer s - 1 (none for s = 0) and the decoder layers up to
+        MoE layer s's router, reading and writing the runner's buffers. `resident`: every expert is in the
+        pool, and the slots of each router's choices are looked up on the device (slot_of) instead of
+        written by the host. `pre`: the position's mask and rotary tables from an earlier segment of the
+        same token (returned)."""
         dec, L, k = self.dec, self.eng.L, self.eng.k
         h = self.h
         if s == 0:
             h = dec.inner.embed_tokens(self.tok[None])
         else:
             li = s - 1
-            sc = self.scores[li]
-            h = h + self.math(self.post[li], sc, self.sel[li]).view(1, 1, -1).to(h.dtype)
-        mask, cs = pre if pre is not None else dec.step_prelude(self.pos, h)
+            h = h + self.math(self.post[li], self.scores[li], self.sel[li]).view(1, 1, -1).to(h.dtype)
+        mask, cs = pre if pre is not None else dec.prelude(self.pos, h)
         for i in self.seg_layers[s]:
-            h, *routed = dec.step_layer(i, h, self.pos, self.kv, mask, cs)
+            h, *routed = dec.layer(i, h, self.pos, self.kv, mask, cs)
             if routed:
                 li = dec.moe_at[i]
                 post, scores, idx = routed
                 self.post[li].copy_(post)
                 self.idx[li].copy_(idx)
-                if self.scores[li] is None:
-                    self.scores[li] = torch.zeros_like(scores)
                 self.scores[li].copy_(scores)
                 if resident:   # the host's choice in decode(): ascending expert, then their top-k positions
                     srt, order = idx[0].sort()
                     self.sel[li, :k].copy_(self.slot_of[li].index_select(0, srt))
                     self.sel[li, k:].copy_(order)
         if s == L:
-            self.tok.copy_(dec.step_head(h)[0, -1].argmax(-1, keepdim=True))
+            self.tok.copy_(dec.head(h)[0, -1].argmax(-1, keepdim=True))
         self.h.copy_(h)
         return mask, cs
+
+    def _resident_token(self) -> None:
+        """A whole token with every expert resident: every segment, slots looked up on the device."""
+        pre = None
+        for s in range(self.eng.L + 1):
+            pre = self._segment(s, resident=True, pre=pre)
 
     def _capture(self) -> None:
         L = self.eng.L
@@ -421,22 +529,15 @@ class GraphRunner:
     def _capture_resident(self) -> None:
         """The whole token (every segment, slots looked up on the device) as one graph."""
         dev = self.eng.dev.device
-        L = self.eng.L
-
-        def token():
-            pre = None
-            for s in range(L + 1):
-                pre = self.segment(s, resident=True, pre=pre)
-
         with torch.cuda.device(dev):
             side = torch.cuda.Stream(dev)
             side.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.stream(side):
-                token()
+                self._token()
             torch.cuda.current_stream(dev).wait_stream(side)
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g):
-                token()
+                self._token()
             torch.cuda.synchronize(dev)
         self._resident_g = g
 
@@ -462,9 +563,7 @@ class GraphRunner:
         if self._resident_g is not None:
             self._resident_g.replay()
         else:
-            pre = None
-            for s in range(L + 1):
-                pre = self.segment(s, resident=True, pre=pre)
+            self._token()
         self.host_idx.copy_(self.idx, non_blocking=True)
         self.host_tok.copy_(self.tok, non_blocking=True)
         self.host_wait()
@@ -643,19 +742,20 @@ class _DraftStep:
         pin = eng.dev.cuda
         self.host_ids = torch.zeros(0, eng.L, eng.k, dtype=torch.long, pin_memory=pin)
         self.host_tok = torch.zeros(0, dtype=torch.long, pin_memory=pin)
+        self.step = self._step      # or its compiled code (GraphRunner)
 
-    def step(self) -> None:
+    def _step(self) -> None:
         dec, eng = self.dec, self.gr.eng
         h = dec.inner.embed_tokens(self.tok[None])
-        mask, cs = dec.step_prelude(self.pos, h)
+        mask, cs = dec.prelude(self.pos, h)
         for i in range(len(dec.layers)):
-            h, *routed = dec.step_layer(i, h, self.pos, self.kv, mask, cs)
+            h, *routed = dec.layer(i, h, self.pos, self.kv, mask, cs)
             if routed:
                 li = dec.moe_at[i]
                 post, scores, idx = routed
                 self.ids[li].copy_(idx[0])
                 h = h + eng.drafts[li].fused(post, idx, scores).view(1, 1, -1).to(h.dtype)
-        self.tok.copy_(dec.step_head(h)[0, -1].argmax(-1, keepdim=True))
+        self.tok.copy_(dec.head(h)[0, -1].argmax(-1, keepdim=True))
         self.pos.add_(1)
 
     def run(self, feed: list[int], start: int, n_out: int):

@@ -15,10 +15,14 @@ routes to, reading the weights where they lie, with fp32 accumulation.
 
 On CUDA they are Triton kernels (one program per expert and block of output rows); elsewhere, and as
 the reference in the tests, the same arithmetic in torch ops (`int4_gemv_torch`, `slot_gemv_torch`).
+Both are registered as torch custom operators (`torch.ops.specprefetch.slot_gemv` / `int4_gemv`), so
+torch.compile traces a whole decode step through them (an opaque call in the compiled graph, inductor
+fusing the element-wise work around it) without a graph break.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
@@ -79,9 +83,19 @@ def _device(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
-def slot_gemv_torch(w: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """[k, 2N] gate | up -> SiLU(gate) x up [k, N], in float32, rounded once to x's dtype (as inductor's
+    fused element-wise kernel computes `act(gate) * up`): the down projection's input of a SiLU expert."""
+    gate, up = x.float().chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate) * up).to(x.dtype)
+
+
+def slot_gemv_torch(w: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
     """w [C, O, N] (a view of the slot arena), slots [k] long, x [1 or k, N] -> y [k, O] in x's dtype: the
-    weights read as they are (fp16) and x as given, fp32 products and sums, one rounding at the end."""
+    weights read as they are (fp16) and x as given, fp32 products and sums, one rounding at the end.
+    `gated`: x is [k, 2N], gate and up, and the input is silu_mul(x)."""
+    if gated:
+        x = silu_mul(x)
     ws = w.index_select(0, slots)                                      # [k, O, N]
     xs = x.expand(slots.numel(), x.shape[-1])
     return torch.bmm(ws.float(), xs.float()[..., None])[..., 0].to(x.dtype)
@@ -90,7 +104,7 @@ def slot_gemv_torch(w: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> to
 if triton is not None:
     @triton.jit
     def _slot_gemv_kernel(w_ptr, slots_ptr, x_ptr, y_ptr, O, N, slot_stride, row_stride, x_stride,
-                          BLOCK_O: tl.constexpr, BLOCK_N: tl.constexpr):
+                          BLOCK_O: tl.constexpr, BLOCK_N: tl.constexpr, GATED: tl.constexpr):
         j = tl.program_id(0)
         po = tl.program_id(1)
         s = tl.load(slots_ptr + j).to(tl.int64)
@@ -104,42 +118,84 @@ if triton is not None:
             mn = offs_n < N
             wv = tl.load(wbase + offs_o[:, None] * row_stride + offs_n[None, :], mask=mo[:, None] & mn[None, :],
                          other=0.0).to(tl.float32)
-            xv = tl.load(xbase + offs_n, mask=mn, other=0.0).to(tl.float32)
+            if GATED:   # the input is SiLU(gate) x up, rounded to x's dtype once (silu_mul)
+                g = tl.load(xbase + offs_n, mask=mn, other=0.0).to(tl.float32)
+                u = tl.load(xbase + N + offs_n, mask=mn, other=0.0).to(tl.float32)
+                xv = (g / (1.0 + tl.exp(-g)) * u).to(x_ptr.dtype.element_ty).to(tl.float32)
+            else:
+                xv = tl.load(xbase + offs_n, mask=mn, other=0.0).to(tl.float32)
             acc += tl.sum(wv * xv[None, :], axis=1)
         tl.store(y_ptr + j * O + offs_o, acc.to(y_ptr.dtype.element_ty), mask=mo)
 
 
-SLOT_BLOCK_O, SLOT_BLOCK_N = 16, 256
+SLOT_BLOCK_O, SLOT_BLOCK_N = 4, 512   # the best of ten tilings on an H100 at both expert sizes (docs/benchmarks.md)
 
 
-def slot_gemv(w: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, *, use_triton: bool | None = None) -> torch.Tensor:
-    """The fused kernel where Triton and CUDA are present, else the torch reference. w is a [C, O, N]
-    view of the fp16 slot arena whose rows are contiguous (stride(2) == 1)."""
+def slot_gemv(w: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, *, gated: bool = False,
+              use_triton: bool | None = None) -> torch.Tensor:
+    """The fused kernel where Triton and CUDA are present, else the torch reference (the custom
+    operator `specprefetch::slot_gemv`, which torch.compile traces as one call). w is a [C, O, N] view
+    of the fp16 slot arena whose rows are contiguous (stride(2) == 1). `gated`: x is [k, 2N] (an
+    expert's gate and up outputs) and the kernel takes silu_mul(x) as it loads it (the down projection
+    of a SiLU expert, no separate element-wise kernel). `use_triton` forces a path (tests)."""
     if use_triton is None:
-        use_triton = triton is not None and w.is_cuda
-    if not use_triton:
-        return slot_gemv_torch(w, slots, x)
+        return torch.ops.specprefetch.slot_gemv(w, slots, x, gated)
+    return _slot_gemv_triton(w, slots, x, gated=gated) if use_triton else slot_gemv_torch(w, slots, x, gated)
+
+
+@torch.library.custom_op("specprefetch::slot_gemv", mutates_args=())
+def _slot_gemv_op(w: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, gated: bool) -> torch.Tensor:
+    if triton is not None and w.is_cuda:
+        return _slot_gemv_triton(w, slots, x, gated=gated)
+    return slot_gemv_torch(w, slots, x, gated)
+
+
+@_slot_gemv_op.register_fake
+def _(w, slots, x, gated):
+    return x.new_empty(slots.shape[0], w.shape[1])
+
+
+def _slot_gemv_triton(w: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, block_o: int | None = None,
+                      block_n: int | None = None, num_warps: int | None = None, *, gated: bool = False) -> torch.Tensor:
     C, O, N = w.shape
     if w.dtype != torch.float16 or w.stride(2) != 1:
         raise ValueError("slot_gemv: w must be an fp16 view with contiguous rows")
-    if x.shape[-1] != N or x.shape[0] not in (1, slots.numel()):
-        raise ValueError(f"slot_gemv: x {tuple(x.shape)} for {slots.numel()} experts of [{O}, {N}]")
+    if x.shape[-1] != N * (2 if gated else 1) or x.shape[0] not in (1, slots.numel()):
+        raise ValueError(f"slot_gemv: x {tuple(x.shape)} for {slots.numel()} experts of [{O}, {N}]"
+                         + (" (gated: 2N inputs)" if gated else ""))
     k = slots.numel()
     slots, x = slots.contiguous(), x.contiguous()
     y = torch.empty(k, O, device=w.device, dtype=x.dtype)
-    grid = (k, triton.cdiv(O, SLOT_BLOCK_O))
+    bo, bn = block_o or SLOT_BLOCK_O, block_n or SLOT_BLOCK_N
+    grid = (k, triton.cdiv(O, bo))
+    extra = {} if num_warps is None else {"num_warps": num_warps}
     with _device(w):   # Triton launches on the current device's current stream
         _slot_gemv_kernel[grid](w, slots, x, y, O, N, w.stride(0), w.stride(1), 0 if x.shape[0] == 1 else x.stride(0),
-                                BLOCK_O=SLOT_BLOCK_O, BLOCK_N=SLOT_BLOCK_N)
+                                BLOCK_O=bo, BLOCK_N=bn, GATED=gated, **extra)
     return y
 
 
 def int4_gemv(q, scale, ids, x, n: int, *, use_triton: bool | None = None) -> torch.Tensor:
-    """The fused kernel where Triton and CUDA are present, else the torch reference."""
+    """The fused kernel where Triton and CUDA are present, else the torch reference (the custom
+    operator `specprefetch::int4_gemv`); `use_triton` forces a path (tests)."""
     if use_triton is None:
-        use_triton = triton is not None and q.is_cuda
-    if not use_triton:
-        return int4_gemv_torch(q, scale, ids, x, n)
+        return torch.ops.specprefetch.int4_gemv(q, scale, ids, x, n)
+    return _int4_gemv_triton(q, scale, ids, x, n) if use_triton else int4_gemv_torch(q, scale, ids, x, n)
+
+
+@torch.library.custom_op("specprefetch::int4_gemv", mutates_args=())
+def _int4_gemv_op(q: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor, x: torch.Tensor, n: int) -> torch.Tensor:
+    if triton is not None and q.is_cuda:
+        return _int4_gemv_triton(q, scale, ids, x, n)
+    return int4_gemv_torch(q, scale, ids, x, n)
+
+
+@_int4_gemv_op.register_fake
+def _(q, scale, ids, x, n):
+    return x.new_empty(ids.shape[0], q.shape[1], dtype=torch.float32)
+
+
+def _int4_gemv_triton(q, scale, ids, x, n: int) -> torch.Tensor:
     E, O, P = q.shape
     k = ids.numel()
     x = x.contiguous()
@@ -153,12 +209,13 @@ def int4_gemv(q, scale, ids, x, n: int, *, use_triton: bool | None = None) -> to
 
 
 def bench(shapes=((1024, 1536), (1024, 6144)), k: int = 4, slots: int = 40, reps: int = 50,
-          sels: int = 8) -> list[dict]:
+          sels: int = 8, blocks=((None, None, None),)) -> list[dict]:
     """One MoE layer's k experts for one token (gate/up, SiLU, down) as CUDA graphs, the slot GEMV
     against the gather + F.linear path it replaced: microseconds per layer and the expert bytes read per
     second (docs/benchmarks.md section 9). Each graph runs `sels` different random selections of k of
     the `slots` experts in turn (all `slots` experts, hundreds of MiB, far beyond the L2 cache), so the
-    bytes come from device memory. Needs CUDA and Triton."""
+    bytes come from device memory. `blocks`: the slot GEMV's (BLOCK_O, BLOCK_N, warps) to try, None
+    for the default (a row each, path "fused O/N/W"). Needs CUDA and Triton."""
     import torch.nn.functional as F
 
     if triton is None or not torch.cuda.is_available():
@@ -173,10 +230,10 @@ def bench(shapes=((1024, 1536), (1024, 6144)), k: int = 4, slots: int = 40, reps
         picks = [order[i * k:(i + 1) * k] for i in range(sels)]     # every slot read, none twice in a row
         x = torch.randn(1, H, device="cuda", dtype=torch.float16)
 
-        def fused():
+        def fused(bo=None, bn=None, nw=None):
             for sel in picks:
-                a, b = slot_gemv(gu, sel, x).chunk(2, -1)
-                slot_gemv(dn, sel, F.silu(a) * b)
+                a, b = _slot_gemv_triton(gu, sel, x, bo, bn, nw).chunk(2, -1)
+                _slot_gemv_triton(dn, sel, F.silu(a) * b, bo, bn, nw)
 
         def eager():
             for sel in picks:
@@ -185,7 +242,9 @@ def bench(shapes=((1024, 1536), (1024, 6144)), k: int = 4, slots: int = 40, reps
                     a, b = F.linear(x, g[j]).chunk(2, -1)
                     F.linear(F.silu(a) * b, d[j])
 
-        for name, fn in (("fused", fused), ("eager", eager)):
+        runs = [("fused" if blk == (None, None, None) else "fused " + "/".join(map(str, blk)),
+                 functools.partial(fused, *blk)) for blk in blocks]
+        for name, fn in runs + [("eager", eager)]:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
@@ -207,7 +266,10 @@ def bench(shapes=((1024, 1536), (1024, 6144)), k: int = 4, slots: int = 40, reps
     return out
 
 
-if __name__ == "__main__":   # python -m toolkit.runtime.gpu_kernels: the kernel bench
-    for row in bench():
+if __name__ == "__main__":   # python -m toolkit.runtime.gpu_kernels [O/N/W ...]: the kernel bench
+    import sys
+
+    blocks = [tuple(int(v) if v != "-" else None for v in a.split("/")) for a in sys.argv[1:]] or [(None,) * 3]
+    for row in bench(blocks=blocks):
         print(f"H {row['hidden']} I {row['moe_intermediate']}: {row['path']} {row['us_per_layer']} us per layer "
               f"(k={row['k']}), {row['expert_gbps']} GB/s of expert bytes")
