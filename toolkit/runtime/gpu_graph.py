@@ -37,9 +37,11 @@ back to the host once per step, asynchronously, for the verification pass's pref
 
 With `GpuEngine(compile=...)` each piece a graph replays (a segment, the all-resident token, the draft's
 step) goes through torch.compile whole (`compiled`): the expert GEMVs are custom operators, so inductor
-fuses the element-wise work and the buffer copies around them; a layer's q/k/v projections are one GEMV
-(`_FusedQKV`), and the routers' top-k and one-row GEMV are decomposed for inductor (`topk_by_sort`,
-`row_times_narrow`). docs/gpu-tier.md has the figures.
+fuses the element-wise work and the buffer copies around them, and the routers' top-k and one-row GEMV
+are decomposed for inductor (`topk_by_sort`, `row_times_narrow`). Compiled or not, a layer's q/k/v
+projections are one GEMV (`_FusedQKV`), a one-position attention reads the static cache in place (the
+query heads of a K/V head as its rows), and a SiLU expert's activation is computed inside the down
+projection's kernel. docs/gpu-tier.md has the figures.
 
 Where CUDA is absent (CI) the same functions run eagerly on the CPU: `decode="static"`.
 """
@@ -72,7 +74,8 @@ def topk_by_sort(x: torch.Tensor, k: int, dim: int = -1, largest: bool = True, s
     """aten.topk for a router's row (a few dozen experts) as a stable descending sort and its first k:
     inductor compiles the sort into one Triton kernel of the step, where its top-k is a library call of
     two kernels (a selection and a sort) per MoE layer. The same values in the same order; among equal
-    values the lower index first. Other shapes (smallest, or rows past 1024) keep inductor's own."""
+    values the lower index first. Other shapes (smallest, or rows past 1024): NotImplemented (inductor's
+    own handling)."""
     if not largest or x.shape[dim] > 1024:
         return NotImplemented
     v, i = torch.sort(x, dim=dim, descending=True, stable=True)
@@ -83,7 +86,7 @@ def row_times_narrow(a: torch.Tensor, b: torch.Tensor):
     """aten.mm of one row [1, K] by a narrow half-precision matrix [K, N <= 128] (a router's: one column
     per expert) as products summed in float32 and rounded once, as cuBLAS' GEMV accumulates: inductor
     fuses it with the norm before it and the softmax after, where cuBLAS took a launch of its own for
-    a few KiB of weights. Other shapes keep inductor's own."""
+    a few KiB of weights. Other shapes: NotImplemented (`_inductor` then uses inductor's own)."""
     if a.shape[0] != 1 or b.shape[1] > 128 or a.dtype not in (torch.float16, torch.bfloat16) or b.dtype != a.dtype:
         return NotImplemented
     return (a.float().t() * b.float()).sum(0, keepdim=True).to(a.dtype)
@@ -91,13 +94,19 @@ def row_times_narrow(a: torch.Tensor, b: torch.Tensor):
 
 def _inductor(gm, example_inputs):
     """torch.compile's inductor backend with the routers' top-k and their one-row GEMV decomposed
-    (topk_by_sort, row_times_narrow)."""
+    (topk_by_sort, row_times_narrow; where they decline, inductor's own decompositions of those ops)."""
     from torch._inductor.compile_fx import compile_fx
     from torch._inductor.decomposition import select_decomp_table
 
-    table = {**select_decomp_table(), torch.ops.aten.topk.default: topk_by_sort,
-             torch.ops.aten.mm.default: row_times_narrow}
+    table = dict(select_decomp_table())
+    for op, mine in ((torch.ops.aten.topk.default, topk_by_sort), (torch.ops.aten.mm.default, row_times_narrow)):
+        table[op] = functools.partial(_first_of, mine, table.get(op))
     return compile_fx(gm, example_inputs, decompositions=table)
+
+
+def _first_of(mine, theirs, *args, **kwargs):
+    out = mine(*args, **kwargs)
+    return theirs(*args, **kwargs) if out is NotImplemented and theirs is not None else out
 
 
 def compiled(fns, backend: str, n_layers: int):
@@ -113,8 +122,8 @@ def compiled(fns, backend: str, n_layers: int):
 
     limit = 16 * (n_layers + 1)
     backend = _inductor if backend == "inductor" else backend
-    # dynamo's cap on all compiles of one function in the process (the StaticDecoders of every runner share
-    # `layer`'s), 256 by default: raised where the layers of 16 caches need more (a cap, not a behaviour)
+    # dynamo's cap on all compiles of one function in the process (every runner's pieces share these
+    # functions' code), 256 by default: raised where 16 caches' entries need more (a cap, not a behaviour)
     dcfg.accumulated_recompile_limit = max(dcfg.accumulated_recompile_limit, limit)
     if PER_FUNCTION_LIMIT:
         return tuple(torch.compile(f, backend=backend, dynamic=False, fullgraph=True, recompile_limit=limit)
@@ -167,9 +176,11 @@ class StaticKV:
 
 class _FusedQKV:
     """A layer's q, k and v projections as one [q + k + v, H] weight (and bias), the modules'
-    parameters rebound as row views of it (no second copy): one GEMV where there were three. Kept on
-    the attention module, so every runner of the engine shares it (a new runner makes it again if
-    something rebound the modules' weights since: `live`)."""
+    parameters rebound as row views of it (no second copy): one GEMV where there were three, compiled
+    or not. Kept on the attention module, so every runner built over that model shares it (a new runner
+    makes it again if something rebound the modules' weights since: `live`; runners already built keep
+    reading this one, so the engine's model must not be given other weights while the engine lives, as
+    its expert pool and store already assume)."""
 
     def __init__(self, projs):
         self.projs = projs
@@ -197,6 +208,7 @@ def _fused_qkv(sa) -> _FusedQKV | None:
     if have is not None and have.live(sa):
         return have
     if len({p.weight.dtype for p in projs}) != 1 or len({p.bias is None for p in projs}) != 1:
+        sa._specprefetch_qkv = None     # (a stale one would keep a copy of the weights alive)
         return None
     sa._specprefetch_qkv = _FusedQKV(projs)
     return sa._specprefetch_qkv
@@ -260,9 +272,17 @@ class StaticDecoder:
         q, k = self.rope(q, k, cos, sin)
         kv.k[i].index_copy_(2, positions, k.to(kv.k[i].dtype))
         kv.v[i].index_copy_(2, positions, v.to(kv.v[i].dtype))
-        K, V = _repeat_kv(kv.k[i], self.groups), _repeat_kv(kv.v[i], self.groups)
-        o = F.scaled_dot_product_attention(q, K, V, attn_mask=mask, scale=sa.scaling)
-        o = o.transpose(1, 2).reshape(1, T, -1)
+        if T == 1 and self.groups > 1:
+            # one position: the query heads sharing a K/V head are that head's rows ([1, kv heads, groups,
+            # d]; head h reads K/V head h // groups, as repeat_kv lays them out), so the cache is read
+            # where it lies instead of expanded into a copy per query head
+            qg = q.reshape(1, self.kv_heads, self.groups, self.head_dim)
+            o = F.scaled_dot_product_attention(qg, kv.k[i], kv.v[i], attn_mask=mask, scale=sa.scaling)
+            o = o.reshape(1, 1, -1)
+        else:
+            K, V = _repeat_kv(kv.k[i], self.groups), _repeat_kv(kv.v[i], self.groups)
+            o = F.scaled_dot_product_attention(q, K, V, attn_mask=mask, scale=sa.scaling)
+            o = o.transpose(1, 2).reshape(1, T, -1)
         return h + sa.o_proj(o)
 
     def prelude(self, positions: torch.Tensor, h: torch.Tensor):
@@ -447,7 +467,8 @@ class GraphRunner:
             # the arena's slot count is a dynamic size of the traces, so runners of other pool sizes
             # reuse the compiled code instead of compiling again
             for t in (*self.math.gu, self.math.dn):
-                torch._dynamo.mark_dynamic(t, 0)
+                if t.shape[0] > 1:   # (dynamo specialises a size of 1 whatever is marked)
+                    torch._dynamo.mark_dynamic(t, 0)
             fns = (self._segment, self._resident_token) + ((self.draft._step,) if self.draft else ())
             self._seg, self._token, *rest = compiled(fns, eng.compile, n_layers)
             if self.draft is not None:
@@ -463,7 +484,7 @@ class GraphRunner:
         MoE layer s's router, reading and writing the runner's buffers. `resident`: every expert is in the
         pool, and the slots of each router's choices are looked up on the device (slot_of) instead of
         written by the host. `pre`: the position's mask and rotary tables from an earlier segment of the
-        same token (returned)."""
+        same token (returned on the resident path)."""
         dec, L, k = self.dec, self.eng.L, self.eng.k
         h = self.h
         if s == 0:
@@ -487,7 +508,7 @@ class GraphRunner:
         if s == L:
             self.tok.copy_(dec.head(h)[0, -1].argmax(-1, keepdim=True))
         self.h.copy_(h)
-        return mask, cs
+        return (mask, cs) if resident else None    # (a segment's graph need not write them out)
 
     def _resident_token(self) -> None:
         """A whole token with every expert resident: every segment, slots looked up on the device."""
@@ -575,8 +596,13 @@ class GraphRunner:
     def close(self) -> None:
         """Drop the graphs and the device buffers (the slot arena included) now, not at the next GC."""
         self._g = self._resident_g = None
+        # the compiled wrappers hold bound methods (a cycle through the runner): drop them so the buffers
+        # go now, not at the next cyclic collection
+        self._seg = self._token = None
         if self.draft is not None:
             self.draft.graph = None
+            self.draft.step = None
+            self.draft.kv = None
             self.draft = None
         self.slots = self.math = self.kv = None
 

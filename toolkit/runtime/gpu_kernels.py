@@ -152,6 +152,9 @@ def _slot_gemv_op(w: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, gated: 
 
 @_slot_gemv_op.register_fake
 def _(w, slots, x, gated):
+    torch._check(x.shape[-1] == w.shape[2] * (2 if gated else 1),
+                 lambda: "slot_gemv: x's width is not the matrix's input")
+    torch._check(x.shape[0] == 1 or x.shape[0] == slots.shape[0], lambda: "slot_gemv: x has neither 1 nor k rows")
     return x.new_empty(slots.shape[0], w.shape[1])
 
 
@@ -192,6 +195,7 @@ def _int4_gemv_op(q: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor, x: to
 
 @_int4_gemv_op.register_fake
 def _(q, scale, ids, x, n):
+    torch._check(x.shape[-1] == n, lambda: "int4_gemv: x's width is not the matrix's input")
     return x.new_empty(ids.shape[0], q.shape[1], dtype=torch.float32)
 
 
@@ -214,8 +218,9 @@ def bench(shapes=((1024, 1536), (1024, 6144)), k: int = 4, slots: int = 40, reps
     against the gather + F.linear path it replaced: microseconds per layer and the expert bytes read per
     second (docs/benchmarks.md section 9). Each graph runs `sels` different random selections of k of
     the `slots` experts in turn (all `slots` experts, hundreds of MiB, far beyond the L2 cache), so the
-    bytes come from device memory. `blocks`: the slot GEMV's (BLOCK_O, BLOCK_N, warps) to try, None
-    for the default (a row each, path "fused O/N/W"). Needs CUDA and Triton."""
+    bytes come from device memory. `blocks`: the slot GEMV's tilings (BLOCK_O, BLOCK_N, warps) to try,
+    each a row of its own (path "fused O/N/W"; None values: the default's, path "fused"); the down
+    projection gated, as FusedExpertMath runs it. Needs CUDA and Triton."""
     import torch.nn.functional as F
 
     if triton is None or not torch.cuda.is_available():
@@ -230,10 +235,9 @@ def bench(shapes=((1024, 1536), (1024, 6144)), k: int = 4, slots: int = 40, reps
         picks = [order[i * k:(i + 1) * k] for i in range(sels)]     # every slot read, none twice in a row
         x = torch.randn(1, H, device="cuda", dtype=torch.float16)
 
-        def fused(bo=None, bn=None, nw=None):
+        def fused(bo=None, bn=None, nw=None):   # as FusedExpertMath runs it: SiLU x up in the down kernel
             for sel in picks:
-                a, b = _slot_gemv_triton(gu, sel, x, bo, bn, nw).chunk(2, -1)
-                _slot_gemv_triton(dn, sel, F.silu(a) * b, bo, bn, nw)
+                _slot_gemv_triton(dn, sel, _slot_gemv_triton(gu, sel, x, bo, bn, nw), bo, bn, nw, gated=True)
 
         def eager():
             for sel in picks:
