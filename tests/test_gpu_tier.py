@@ -1240,10 +1240,26 @@ def test_the_custom_operators_and_the_inductor_backend(monkeypatch):
     (v, i), (ev, ei) = f(x, weight), router(x, weight)
     assert torch.equal(i, ei) and torch.allclose(v, ev, atol=1e-3)
     assert calls == {"topk": 1, "mm": 1}
-    x2 = torch.randn(2, 64, generator=g).half()          # two rows: both decline, inductor's own
+    # two rows: the mm declines and goes to inductor's own decomposition of mm (recorded here)
+    import torch._inductor.decomposition as idec
+    theirs = []
+    real = idec.select_decomp_table
+
+    def table():
+        t = dict(real())
+        own = t[torch.ops.aten.mm.default]
+        t[torch.ops.aten.mm.default] = lambda *a, **k: (theirs.append(tuple(a[0].shape)), own(*a, **k))[1]
+        return t
+    monkeypatch.setattr(idec, "select_decomp_table", table)
+    x2 = torch.randn(2, 64, generator=g).half()
     (v, i), (ev, ei) = f(x2, weight), router(x2, weight)
     assert torch.equal(i, ei) and torch.allclose(v, ev, atol=1e-3)
-    assert calls == {"topk": 2, "mm": 1}                 # the top-k still a sort; the mm not a row
+    assert calls == {"topk": 2, "mm": 1} and theirs == [(2, 64)]   # the top-k still a sort; the mm not a row
+    # the operators' fake implementations refuse a wrong input width at trace time
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode() as mode, pytest.raises(Exception, match="width"):
+        fw, fs, fx = mode.from_tensor(w), mode.from_tensor(slots), mode.from_tensor(torch.randn(1, 17).half())
+        torch.ops.specprefetch.slot_gemv(fw, fs, fx, False)
     torch._dynamo.reset()
 
 

@@ -286,7 +286,13 @@ class StaticDecoder:
         return h + sa.o_proj(o)
 
     def prelude(self, positions: torch.Tensor, h: torch.Tensor):
-        return self.mask(positions, self.S), self.inner.rotary_emb(h, positions[None])
+        mask = self.mask(positions, self.S)
+        if positions.numel() == 1 and self.groups > 1:
+            # one position's attention runs a K/V head's query heads as its rows (attention): the mask gets
+            # those rows for real (a broadcast over the query rows is a zero stride some fused attention
+            # kernels mishandle; a broadcast over heads, as before, stays)
+            mask = mask.expand(1, 1, self.groups, mask.shape[-1]).contiguous()
+        return mask, self.inner.rotary_emb(h, positions[None])
 
     def route(self, i: int, h: torch.Tensor):
         """MoE layer i's input (post-attention norm, [T, H]), top-k weights and indices (the model's router)."""
@@ -477,6 +483,8 @@ class GraphRunner:
     # -- the target's segments -------------------------------------------------------------
     def segment(self, s: int) -> None:
         """Segment s on the device (eager, or its compiled code; one graph replay once captured)."""
+        if self._seg is None:
+            raise SpecPrefetchError("internal: a closed graph runner was used (its pool size or cache was replaced)")
         self._seg(s)
 
     def _segment(self, s: int, resident: bool = False, pre=None):

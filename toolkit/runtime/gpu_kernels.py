@@ -246,8 +246,12 @@ def bench(shapes=((1024, 1536), (1024, 6144)), k: int = 4, slots: int = 40, reps
                     a, b = F.linear(x, g[j]).chunk(2, -1)
                     F.linear(F.silu(a) * b, d[j])
 
-        runs = [("fused" if blk == (None, None, None) else "fused " + "/".join(map(str, blk)),
-                 functools.partial(fused, *blk)) for blk in blocks]
+        def label(blk):
+            if blk == (None, None, None):
+                return "fused"
+            return "fused " + "/".join("-" if v is None else str(v) for v in blk)
+
+        runs = [(label(blk), functools.partial(fused, *blk)) for blk in blocks]
         for name, fn in runs + [("eager", eager)]:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
