@@ -1197,14 +1197,13 @@ def test_the_compiled_steps_rewrites(tiny_models, stores):
     assert StaticDecoder(eng).qkv[0] is not fused
 
 
-def test_the_custom_operators_and_the_inductor_backend(monkeypatch):
+def test_the_custom_operators():
     """The GEMVs' custom operators pass torch's operator checks (schema, fake tensors, dispatch: what
-    torch.compile relies on) with one or k input rows, gated or not; the inductor backend (on the CPU
-    here: C++ instead of Triton) compiles a router's GEMV, softmax and top-k through topk_by_sort and
-    row_times_narrow, gives what the eager router gives, and where they decline (two rows) inductor's
-    own handling of the same ops still computes the right thing."""
+    torch.compile relies on) with one or k input rows, gated or not; their fake implementations refuse a
+    wrong input width at trace time."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
     import toolkit.runtime.gpu_kernels  # noqa: F401  (registers the operators)
-    from toolkit.runtime import gpu_graph
 
     g = torch.Generator().manual_seed(4)
     w = torch.randn(6, 12, 16, generator=g).half()
@@ -1217,7 +1216,21 @@ def test_the_custom_operators_and_the_inductor_backend(monkeypatch):
     q = torch.randint(0, 256, (5, 8, 16), dtype=torch.uint8, generator=g)
     sc = torch.rand(5, 8, 1, generator=g).half()
     torch.library.opcheck(torch.ops.specprefetch.int4_gemv, (q, sc, torch.tensor([2, 0]), torch.randn(1, 32), 32))
+    with FakeTensorMode() as mode, pytest.raises(Exception, match="width"):
+        fw, fs, fx = mode.from_tensor(w), mode.from_tensor(slots), mode.from_tensor(torch.randn(1, 17).half())
+        torch.ops.specprefetch.slot_gemv(fw, fs, fx, False)
 
+
+@pytest.mark.slow   # inductor's CPU code generation: about 30 s on a cold cache (make test-all)
+def test_the_inductor_backend_decompositions(monkeypatch):
+    """The inductor backend (on the CPU here: C++ instead of Triton) compiles a router's GEMV, softmax
+    and top-k through topk_by_sort and row_times_narrow and gives what the eager router gives; where the
+    mm decomposition declines (two rows) inductor's own decomposition of mm takes the call."""
+    import torch._inductor.decomposition as idec
+
+    from toolkit.runtime import gpu_graph
+
+    g = torch.Generator().manual_seed(4)
     calls = {"topk": 0, "mm": 0}
 
     def counted(name, fn):
@@ -1241,7 +1254,6 @@ def test_the_custom_operators_and_the_inductor_backend(monkeypatch):
     assert torch.equal(i, ei) and torch.allclose(v, ev, atol=1e-3)
     assert calls == {"topk": 1, "mm": 1}
     # two rows: the mm declines and goes to inductor's own decomposition of mm (recorded here)
-    import torch._inductor.decomposition as idec
     theirs = []
     real = idec.select_decomp_table
 
@@ -1255,11 +1267,6 @@ def test_the_custom_operators_and_the_inductor_backend(monkeypatch):
     (v, i), (ev, ei) = f(x2, weight), router(x2, weight)
     assert torch.equal(i, ei) and torch.allclose(v, ev, atol=1e-3)
     assert calls == {"topk": 2, "mm": 1} and theirs == [(2, 64)]   # the top-k still a sort; the mm not a row
-    # the operators' fake implementations refuse a wrong input width at trace time
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    with FakeTensorMode() as mode, pytest.raises(Exception, match="width"):
-        fw, fs, fx = mode.from_tensor(w), mode.from_tensor(slots), mode.from_tensor(torch.randn(1, 17).half())
-        torch.ops.specprefetch.slot_gemv(fw, fs, fx, False)
     torch._dynamo.reset()
 
 
