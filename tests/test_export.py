@@ -246,8 +246,9 @@ def test_qnn_unknown_soc_and_executorch_path_errors(tiny_models, tmp_path, monke
 
 # -- the embedded model, both targets, and inspect on real bundles -----------------------------
 
-# the embedded model's QNN bundle (~1 minute to export) is in make test-all; make test exports QNN
-# bundles of every tiny family (test_qnn_bundle_every_family)
+# the embedded model's QNN bundle (~1 minute to export) is in make test-all; make test exports a QNN
+# bundle of the tiny GPT-OSS (test_qnn_bundle_every_family; every family in make test-all) and uses the
+# embedded model's (conftest's qnn_native, test_native_qnn)
 @pytest.mark.parametrize("target", ["executorch", pytest.param("qnn", marks=pytest.mark.slow)])
 def test_embedded_bundle(target, embedded_bundles):
     b = embedded_bundles[target]

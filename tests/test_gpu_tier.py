@@ -673,6 +673,16 @@ def test_static_decoder_equals_the_models_forward(tiny_models, stores, fam):
     dec.forward_rows(torch.tensor(ids[:12]), 0, kv1, dense_experts)
     ones = torch.cat([dec.forward_rows(torch.tensor([t]), 12 + j, kv1, dense_experts) for j, t in enumerate(ids[12:])])
     assert torch.allclose(ones, want[12:], atol=2e-4, rtol=1e-4), (ones - want[12:]).abs().max()
+    if dec.groups > 1:   # that one position's mask has the fold's query rows for real (no zero stride)
+        m, _ = dec.prelude(torch.tensor([12]), torch.zeros(1, 1, dec.H))
+        assert m.shape == (1, 1, dec.groups, runner.S) and m.is_contiguous()
+    # a closed runner refuses in one line, at every way in
+    runner.close()
+    for call in (lambda: runner.segment(0), runner.ensure, runner.ensure_resident,
+                 lambda: runner.decode(None, 1, 0), lambda: runner.decode_resident(None, 1, 0),
+                 lambda: runner.verify_rows(None, [1], 0)):
+        with pytest.raises(SpecPrefetchError, match="closed graph runner"):
+            call()
     # a wrong position (the rows' keys written one place off) is not the model's output: the check bites
     kv2 = StaticKV(len(dec.layers), dec.kv_heads, runner.S, dec.head_dim, "cpu", full.dtype)
     dec.forward_rows(torch.tensor(ids[:12]), 0, kv2, dense_experts)
@@ -1195,6 +1205,22 @@ def test_the_compiled_steps_rewrites(tiny_models, stores):
     assert StaticDecoder(eng).qkv[0] is fused                              # made once per model
     sa.k_proj.weight.data = sa.k_proj.weight.detach().clone()              # rebound since: made again
     assert StaticDecoder(eng).qkv[0] is not fused
+
+
+def test_the_decompositions_fall_back_to_inductors_own():
+    """Where topk_by_sort or row_times_narrow declines, `_inductor`'s table entry hands the call to what
+    inductor's own table had for the op (and keeps the op where it had nothing)."""
+    from toolkit.runtime.gpu_graph import _first_of, row_times_narrow, topk_by_sort
+
+    seen = []
+
+    def theirs(*a, **k):
+        seen.append(tuple(a[0].shape))
+        return "theirs"
+    b = torch.randn(64, 32).half()
+    assert torch.is_tensor(_first_of(row_times_narrow, theirs, torch.randn(1, 64).half(), b)) and seen == []
+    assert _first_of(row_times_narrow, theirs, torch.randn(2, 64).half(), b) == "theirs" and seen == [(2, 64)]
+    assert _first_of(topk_by_sort, None, torch.randn(1, 32), 4, largest=False) is NotImplemented
 
 
 def test_the_custom_operators():

@@ -126,6 +126,9 @@ def test_the_embedding_is_a_table_not_an_htp_graph(qnn_native, embedded, tmp_pat
     assert p["passed"] and p["max_rel_logit_diff"] < 0.05 and p["topk_agreement"] >= 0.95
     for name, rel in m["graphs"]["binaries"].items():
         assert (bundle / rel).stat().st_size > 1000, name
+    from export.bundle import inspect_bundle
+    graphs = {k: g for k, g in inspect_bundle(bundle)["graphs"].items() if g["compat"] != "cpu lookup"}
+    assert graphs and all(g["compat"].split(":")[5] == "69" for g in graphs.values())   # compiled for SM8750
     table = load_file(str(bundle / "graphs" / "embedding.safetensors"))["weight"]
     want = load_dense_model(inspect_model_dir(embedded)).get_input_embeddings().weight.detach()
     assert table.dtype == torch.float16 and torch.equal(table, want.to(torch.float16))

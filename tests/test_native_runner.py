@@ -1,8 +1,9 @@
 """The native C++ runner (android_runner/) against the Python reference runner and transformers.
 
 One host build of the runner for the shared fp32 ExecuTorch bundle (next-gate heads in the layer
-graphs, routers in host.safetensors); every predictor the bundle serves x every eviction policy x
-a pool (and in make test-all a second pool and prompt): the same tokens as the reference runner and
+graphs, routers in host.safetensors); every predictor the bundle serves with the prediction eviction
+and next-gate with Belady's at a pool (make test-all: every predictor x every eviction policy, a second
+pool and prompt): the same tokens as the reference runner and
 as transformers' generate, the same event
 log line for line (timings and printed confidences aside), the same decode counts, and a peak pool
 within the budget. Then refusals (tampered bundle, corrupt store, bad options, a runner generated
@@ -76,8 +77,9 @@ def test_same_tokens_decisions_and_counts_as_the_reference(native, reference, em
     prompts = PROMPTS if pool != POOLS[0] else PROMPTS[:1]  # make test: one prompt; test-all's second pool: both
     refs = [reference_tokens(embedded, ids, NEW) for ids in prompts]
     budget = int(pool * 2**20)
-    # make test: every predictor with the prediction eviction and Belady's (6 pairs; LRU's and LFU's
-    # decisions are checked against the reference by test_native_scheduler and test_prefill); test-all: all 20
+    # make test: every predictor with the prediction eviction and Belady's (6 pairs; LRU end to end in
+    # test_reuse_eviction_decides_as_the_reference[next-gate], LFU in test_prefill's unchunked next-gate+lfu,
+    # both in test_native_scheduler's cases); test-all: all 20
     pairs = [(p, e) for p in PREDICTORS for e in EVICTIONS]
     if pool == POOLS[0]:
         pairs = [(p, "prediction") for p in PREDICTORS] + [("next-gate", "belady")]

@@ -804,6 +804,7 @@ class GpuEngine:
         s.pos = 0
         logits = self._forward(s, s.cache, s.ids[:n], 0)
         if s.runner is not None:
+            s.runner.check_open()
             s.runner.kv.load(s.cache, n)
         s.commit([int(logits[-1].argmax())], dev.event())
         s.account.start(s.sched, s.pool)
@@ -820,6 +821,7 @@ class GpuEngine:
         self._forward(s, dcache, s.ids[:s.n_prompt], 0, draft=True)
         s.dlen = s.n_prompt
         if s.runner is not None:
+            s.runner.check_open()
             s.runner.draft.kv.load(dcache, s.dlen)
         else:
             s.dcache = dcache

@@ -462,6 +462,7 @@ class GraphRunner:
         # whole token is one graph with no host sync per layer (decode_resident)
         self.slot_of = torch.zeros(L, eng.E, dtype=torch.long, device=dev)
         self._resident_g: Any = None
+        self.closed = False
         # the draft
         self.draft = None
         if eng.drafts and eng.drafts[0] is not None:
@@ -483,9 +484,15 @@ class GraphRunner:
     # -- the target's segments -------------------------------------------------------------
     def segment(self, s: int) -> None:
         """Segment s on the device (eager, or its compiled code; one graph replay once captured)."""
-        if self._seg is None:
-            raise SpecPrefetchError("internal: a closed graph runner was used (its pool size or cache was replaced)")
+        self.check_open()
         self._seg(s)
+
+    def check_open(self) -> None:
+        """Refuse in one line once closed (a sequence can hold a runner the engine has since replaced: a
+        longer cache, or an arena evicted for another pool size)."""
+        if self.closed:
+            raise SpecPrefetchError("internal: a closed graph runner was used (the engine replaced its arena or "
+                                    "cache since the sequence started)")
 
     def _segment(self, s: int, resident: bool = False, pre=None):
         """Segment s: the routed experts of MoE layer s - 1 (none for s = 0) and the decoder layers up to
@@ -573,6 +580,7 @@ class GraphRunner:
     def ensure_resident(self) -> None:
         """The resident token's graph, captured once per runner (GpuEngine.sequence does it before the
         prefill: its warm-up writes K/V at the stale position, which the prefill's cache then replaces)."""
+        self.check_open()
         if self.graphs and self._resident_g is None:
             self._capture_resident()
 
@@ -586,6 +594,7 @@ class GraphRunner:
         """One target token with every expert resident: one graph replay (segments on the CPU) and one
         host sync for the token and the routing, which is recorded; the pool and scheduler are not
         consulted (nothing can miss). The device-bound upper bound of every policy."""
+        self.check_open()
         L = self.eng.L
         self.ensure_resident()
         self.set_position(token, pos)
@@ -603,6 +612,7 @@ class GraphRunner:
 
     def close(self) -> None:
         """Drop the graphs and the device buffers (the slot arena included) now, not at the next GC."""
+        self.closed = True
         self._g = self._resident_g = None
         # the compiled wrappers hold bound methods (a cycle through the runner): drop them so the buffers
         # go now, not at the next cyclic collection
@@ -615,6 +625,7 @@ class GraphRunner:
         self.slots = self.math = self.kv = None
 
     def ensure(self) -> None:
+        self.check_open()
         if self.graphs and self._g is None:
             self._capture()
 
@@ -649,6 +660,7 @@ class GraphRunner:
     def decode(self, seq, token: int, pos: int) -> int:
         """One target token at `pos` of `seq` (gpu.GpuSequence: its scheduler, IO, planner and routing
         record): L + 1 host syncs (the routers, the token), the pool's experts."""
+        self.check_open()
         L, k = self.eng.L, self.eng.k
         sched, io = seq.sched, seq.io
         planner = seq.planner
@@ -689,6 +701,7 @@ class GraphRunner:
         them) and, where they fit the pool together, each is copied once for the pass, as a one-pass
         verification copies them (where they do not, a row's experts at a time). Per row the graph's
         state (its hidden state, position, router outputs) is swapped in and out."""
+        self.check_open()
         L, k = self.eng.L, self.eng.k
         sched, io = seq.sched, seq.io
         pooled, where = sched.pool.slots, io.where
