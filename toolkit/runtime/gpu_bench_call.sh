@@ -35,6 +35,9 @@
 # section 9 ran these):
 #   STAGES="base tests split" BT=260 OUT=... bash ...
 #   SKIP_TRAIN=1 SKIP_TINY=1 STAGES="wide split" WBT=330 OUT=... bash ...
+# The resident stage (STAGES=resident: no corpus, no training, about 4 minutes on a fresh H100): the
+# all-resident bound on random weights of the base model's geometry and of its widening to WFFN, compiled,
+# with the step's kernels profiled (gpu-bench-resident-rand*.json; RBT: each bench's timeout, 200).
 # SMOKE=1 runs every stage on tiny sizes (a random tiny model, no training, one short prompt) to check
 # the commands before a measuring call.
 # Output under OUT: log (the whole call's), and all.tgz (re-packed after every stage, so a call cut
@@ -69,9 +72,14 @@ fi
 
 : "${OUT:?set OUT to the directory the results go to}"
 mkdir -p "$OUT" || exit 2
-for f in train.jsonl.xz trace.jsonl heldout.jsonl; do
-  [ -f "$C/$f" ] || { echo "error: $C/$f missing: make CORPUS with --prepare (see the header)" >&2; exit 2; }
-done
+STAGES=${STAGES:-base wide split tests}
+# the stages that need the trained model (and so the corpus); resident and tests need neither
+TRAINED=0; for st in $STAGES; do case $st in base|compiled|wide|batched|split) TRAINED=1 ;; esac; done
+if [ $TRAINED = 1 ]; then
+  for f in train.jsonl.xz trace.jsonl heldout.jsonl; do
+    [ -f "$C/$f" ] || { echo "error: $C/$f missing: make CORPUS with --prepare (see the header)" >&2; exit 2; }
+  done
+fi
 export PYTHONPATH=. OMP_NUM_THREADS=4 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TQDM_DISABLE=1 HF_HUB_DISABLE_PROGRESS_BARS=1
 SMOKE=${SMOKE:-0} DEV=${DEV:-cuda}   # DEV=cpu: a smoke run of the commands on a machine without a GPU
 R=${WORK:-/tmp/g9}; [ "$SMOKE" = 1 ] && R=${WORK:-/tmp/g9-smoke}
@@ -85,7 +93,6 @@ else
   NSEQ=128 STEPS=600 NP=3 NT=64 WNT=${WNT:-48} FR=${FR:-0.1,0.25,0.5} WFR=${WFR:-0.1,0.25} WFFN=${WFFN:-6144}
   SPLIT_SEQ=32 KS=${KS:-2,4,6,8,12} WKS=${WKS:-4,8,12}
 fi
-STAGES=${STAGES:-base wide split tests}
 python -c "import torch,transformers,triton,accelerate;print(torch.__version__,transformers.__version__,triton.__version__,accelerate.__version__,torch.cuda.get_device_name())" 2>&1 | tee "$L"
 T=$R/tiny
 [ -d "$T" ] || $B tiny qwen3_moe --out "$T" >/dev/null 2>&1
@@ -96,7 +103,7 @@ if [ "${SKIP_TINY:-0}" != 1 ]; then
   [ $rc = 0 ] || exit 3
 fi
 M=$R/model
-if [ "$SMOKE" = 1 ]; then
+if [ "$SMOKE" = 1 ] || [ $TRAINED = 0 ]; then
   M=$T
 elif [ "${SKIP_TRAIN:-0}" = 1 ]; then
   [ -f "$M/config.json" ] || { echo "error: SKIP_TRAIN=1 but no $M" | tee -a "$L" >&2; exit 4; }
@@ -182,9 +189,30 @@ json.dump(out, open(sys.argv[3], "w"), indent=1)
 print("split:", json.dumps(out))
 PY
       pack ;;
+    resident)
+      # the all-resident bound (docs/benchmarks.md section 9, "2026-12-06 (fifth)"): random weights of the
+      # base model's geometry and of its widening to WFFN, no training (every routed expert is read
+      # whatever was trained), compiled (aot_eager where DEV=cpu), the step's kernels profiled
+      RM=$R/rand; RW=$R/rand-wide
+      if [ "$SMOKE" = 1 ]; then
+        GEO="hidden_size=64 num_attention_heads=4 num_key_value_heads=2 head_dim=16 num_experts=8 num_experts_per_tok=2 moe_intermediate_size=32 num_hidden_layers=3 intermediate_size=128"
+      else
+        GEO="hidden_size=1024 num_attention_heads=16 num_key_value_heads=4 head_dim=64 num_experts=32 num_experts_per_tok=4 moe_intermediate_size=1536 num_hidden_layers=8 intermediate_size=4096"
+      fi
+      SETS=""; for kv in $GEO vocab_size=4096 tie_word_embeddings=true norm_topk_prob=true 'mlp_only_layers=[]' decoder_sparse_step=1 'dtype="float16"'; do SETS="$SETS --set $kv"; done
+      [ -d "$RM" ] || $B tiny qwen3_moe --out "$RM" $SETS 2>&1 | tail -1 | tee -a "$L" || { fail "resident: tiny"; continue; }
+      [ -f "$RM.spx" ] || $B store "$RM" --out "$RM.spx" 2>&1 | tail -1 | tee -a "$L" || { fail "resident: store"; continue; }
+      [ -d "$RW" ] || $B widen "$RM" --moe-intermediate-size "$WFFN" --out "$RW" 2>&1 | tail -1 | tee -a "$L" || { fail "resident: widen"; continue; }
+      [ -f "$RW.spx" ] || $B store "$RW" --out "$RW.spx" 2>&1 | tail -1 | tee -a "$L" || { fail "resident: store wide"; continue; }
+      CB=inductor; [ "$DEV" = cpu ] && CB=aot_eager
+      for m in rand rand-wide; do
+        timeout "${RBT:-200}" python -m toolkit.runtime.gpu_bench "$R/$m" --device "$DEV" --store "$R/$m.spx" --policies on-demand+lru --fractions 0.25 --prompts 1 --prompt-tokens 32 --new-tokens $([ "$SMOKE" = 1 ] && echo 8 || echo 24) --repeats 2 --compile $CB --profile-resident --report-mismatches ${BX:-} --json "$RES/gpu-bench-resident-$m.json" > "$RES/bench-resident-$m.log" 2>&1; echo "resident $m: bench rc=$?" | tee -a "$L"
+        grep -v Loading "$RES/bench-resident-$m.log" | grep -E "all experts resident|profile of|DIFFER" | cut -c1-400 | tee -a "$L"
+      done
+      pack ;;
     tests)
       timeout 240 python -m pytest -q -rf -p no:cacheprovider tests/test_gpu_tier.py tests/test_cuda.py -k "${TESTK:-cuda or triton or reuse or split or fused or resident or lagging}" 2>&1 | tail -20 | tee -a "$L" || fail "tests" ;;
-    *) fail "unknown stage '$st' (base, compiled, wide, batched, split, tests)"; exit 2 ;;
+    *) fail "unknown stage '$st' (base, compiled, wide, batched, split, resident, tests)"; exit 2 ;;
   esac
 done
 pack
