@@ -168,10 +168,10 @@ CASES = {
                                 candidate_threshold=0.02, step_budget=None, logits=False, probs=True, span=4,
                                 read_budget=SLOT),
     # prefill-style spans under LRU and LFU (the native runner's chunked prefill with those evictions)
-    "lru-prefill": dict(eviction="lru", slots=12, queue_depth=4, min_confidence=0.02, candidate_threshold=0.0,
-                        step_budget=None, logits=False, span=4, delay=2),
-    "lfu-prefill": dict(eviction="lfu", slots=10, queue_depth=2, min_confidence=0.05, candidate_threshold=0.0,
-                        step_budget=None, logits=True, span=4),
+    "lru-spans": dict(eviction="lru", slots=12, queue_depth=4, min_confidence=0.02, candidate_threshold=0.0,
+                      step_budget=None, logits=False, span=4, delay=2),
+    "lfu-in-spans": dict(eviction="lfu", slots=10, queue_depth=2, min_confidence=0.05, candidate_threshold=0.0,
+                         step_budget=None, logits=True, span=4),   # (names of other lengths: other seeds)
 }
 
 

@@ -800,11 +800,12 @@ class GpuEngine:
         The decode figures count from here."""
         dev = self.dev
         n = s.n_prompt
+        if s.runner is not None:
+            s.runner.check_open()    # before any copy into an arena another runner may hold now
         s.t0 = dev.event()
         s.pos = 0
         logits = self._forward(s, s.cache, s.ids[:n], 0)
         if s.runner is not None:
-            s.runner.check_open()
             s.runner.kv.load(s.cache, n)
         s.commit([int(logits[-1].argmax())], dev.event())
         s.account.start(s.sched, s.pool)
@@ -817,11 +818,12 @@ class GpuEngine:
         copied, nothing counted)."""
         from transformers import DynamicCache
 
+        if s.runner is not None:
+            s.runner.check_open()
         dcache = DynamicCache()
         self._forward(s, dcache, s.ids[:s.n_prompt], 0, draft=True)
         s.dlen = s.n_prompt
         if s.runner is not None:
-            s.runner.check_open()
             s.runner.draft.kv.load(dcache, s.dlen)
         else:
             s.dcache = dcache
@@ -834,6 +836,8 @@ class GpuEngine:
     def _step(self, s: GpuSequence, token: int, pos: int) -> int:
         """The target's greedy token after `token` at `pos` (its K, V written there): the one-token
         decode step every policy's tokens come from."""
+        if s.runner is not None:
+            s.runner.check_open()
         s.pos = pos
         if s.planner is not None:
             s.state.pos = pos
@@ -856,6 +860,8 @@ class GpuEngine:
         chunks); the agreeing prefix and the target's own next token are committed
         (toolkit.predictors.draft.greedy_accept, the rule `speculative_generate` uses) and both KV
         caches are rolled back to them."""
+        if s.runner is not None:
+            s.runner.check_open()
         dev = self.dev
         n = len(s.ids)
         kk = min(k, s.max_new - len(s.tokens))

@@ -37,7 +37,8 @@
 #   SKIP_TRAIN=1 SKIP_TINY=1 STAGES="wide split" WBT=330 OUT=... bash ...
 # The resident stage (STAGES=resident: no corpus, no training, about 4 minutes on a fresh H100): the
 # all-resident bound on random weights of the base model's geometry and of its widening to WFFN, compiled,
-# with the step's kernels profiled (gpu-bench-resident-rand*.json; RBT: each bench's timeout, 200).
+# with the step's kernels profiled (gpu-bench-resident-rand*.json; RBT: each bench's timeout, 200; BX
+# reaches these benches too).
 # SMOKE=1 runs every stage on tiny sizes (a random tiny model, no training, one short prompt) to check
 # the commands before a measuring call.
 # Output under OUT: log (the whole call's), and all.tgz (re-packed after every stage, so a call cut
@@ -193,25 +194,28 @@ PY
       # the all-resident bound (docs/benchmarks.md section 9, "2026-12-06 (fifth)"): random weights of the
       # base model's geometry and of its widening to WFFN, no training (every routed expert is read
       # whatever was trained), compiled (aot_eager where DEV=cpu), the step's kernels profiled
-      RM=$R/rand; RW=$R/rand-wide
       if [ "$SMOKE" = 1 ]; then
         GEO="hidden_size=64 num_attention_heads=4 num_key_value_heads=2 head_dim=16 num_experts=8 num_experts_per_tok=2 moe_intermediate_size=32 num_hidden_layers=3 intermediate_size=128"
       else
         GEO="hidden_size=1024 num_attention_heads=16 num_key_value_heads=4 head_dim=64 num_experts=32 num_experts_per_tok=4 moe_intermediate_size=1536 num_hidden_layers=8 intermediate_size=4096"
       fi
+      # named by their settings, so a call with another geometry or WFFN never benches an older one
+      RM=$R/rand-$(printf %s "$GEO" | md5sum | cut -c1-8); RW=$RM-w$WFFN
       SETS=""; for kv in $GEO vocab_size=4096 tie_word_embeddings=true norm_topk_prob=true 'mlp_only_layers=[]' decoder_sparse_step=1 'dtype="float16"'; do SETS="$SETS --set $kv"; done
       [ -d "$RM" ] || $B tiny qwen3_moe --out "$RM" $SETS 2>&1 | tail -1 | tee -a "$L" || { fail "resident: tiny"; continue; }
       [ -f "$RM.spx" ] || $B store "$RM" --out "$RM.spx" 2>&1 | tail -1 | tee -a "$L" || { fail "resident: store"; continue; }
       [ -d "$RW" ] || $B widen "$RM" --moe-intermediate-size "$WFFN" --out "$RW" 2>&1 | tail -1 | tee -a "$L" || { fail "resident: widen"; continue; }
       [ -f "$RW.spx" ] || $B store "$RW" --out "$RW.spx" 2>&1 | tail -1 | tee -a "$L" || { fail "resident: store wide"; continue; }
       CB=inductor; [ "$DEV" = cpu ] && CB=aot_eager
-      for m in rand rand-wide; do
-        timeout "${RBT:-200}" python -m toolkit.runtime.gpu_bench "$R/$m" --device "$DEV" --store "$R/$m.spx" --policies on-demand+lru --fractions 0.25 --prompts 1 --prompt-tokens 32 --new-tokens $([ "$SMOKE" = 1 ] && echo 8 || echo 24) --repeats 2 --compile $CB --profile-resident --report-mismatches ${BX:-} --json "$RES/gpu-bench-resident-$m.json" > "$RES/bench-resident-$m.log" 2>&1; echo "resident $m: bench rc=$?" | tee -a "$L"
-        grep -v Loading "$RES/bench-resident-$m.log" | grep -E "all experts resident|profile of|DIFFER" | cut -c1-400 | tee -a "$L"
+      for m in "$RM" "$RW"; do
+        n=$([ "$m" = "$RM" ] && echo rand || echo rand-wide)
+        timeout "${RBT:-200}" python -m toolkit.runtime.gpu_bench "$m" --device "$DEV" --store "$m.spx" --policies on-demand+lru --fractions 0.25 --prompts 1 --prompt-tokens 32 --new-tokens $([ "$SMOKE" = 1 ] && echo 8 || echo 24) --repeats 2 --compile $CB --profile-resident --report-mismatches ${BX:-} --json "$RES/gpu-bench-resident-$n.json" > "$RES/bench-resident-$n.log" 2>&1; echo "resident $n: bench rc=$?" | tee -a "$L"
+        grep -v Loading "$RES/bench-resident-$n.log" | grep -E "all experts resident|profile of|DIFFER" | cut -c1-400 | tee -a "$L"
       done
+      rm -rf "$RW" "$RW.spx"   # the widening's 18 GiB (the base geometry's model is kept for the next call)
       pack ;;
     tests)
-      timeout 240 python -m pytest -q -rf -p no:cacheprovider tests/test_gpu_tier.py tests/test_cuda.py -k "${TESTK:-cuda or triton or reuse or split or fused or resident or lagging}" 2>&1 | tail -20 | tee -a "$L" || fail "tests" ;;
+      timeout 240 python -m pytest -q -rf -p no:cacheprovider tests/test_gpu_tier.py tests/test_cuda.py -k "${TESTK:-cuda or triton or compile or reuse or split or fused or resident or lagging}" 2>&1 | tail -20 | tee -a "$L" || fail "tests" ;;
     *) fail "unknown stage '$st' (base, compiled, wide, batched, split, resident, tests)"; exit 2 ;;
   esac
 done

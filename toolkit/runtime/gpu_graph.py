@@ -586,6 +586,7 @@ class GraphRunner:
 
     def load_slot_map(self, where: dict) -> None:
         """The slot of every expert, from the IO's map, for decode_resident (every expert must be there)."""
+        self.check_open()
         L, E = self.eng.L, self.eng.E
         table = torch.tensor([[where[(li, e)] for e in range(E)] for li in range(L)], dtype=torch.long)
         self.slot_of.copy_(table)
