@@ -676,6 +676,15 @@ def test_static_decoder_equals_the_models_forward(tiny_models, stores, fam):
     if dec.groups > 1:   # that one position's mask has the fold's query rows for real (no zero stride)
         m, _ = dec.prelude(torch.tensor([12]), torch.zeros(1, 1, dec.H))
         assert m.shape == (1, 1, dec.groups, runner.S) and m.is_contiguous()
+    # a sequence whose runner the engine replaced (here: closed by hand) is refused before its prefill
+    # copies anything into the arena
+    seq = eng.sequence(ids[:6], 4)
+    seq.runner.close()
+    copies = seq.io.mark()
+    with pytest.raises(SpecPrefetchError, match="closed graph runner"):
+        eng.prefill(seq)
+    assert seq.io.mark() == copies
+    runner = eng._graph_runner(64)
     # a closed runner refuses in one line, at every way in
     runner.close()
     for call in (lambda: runner.segment(0), runner.ensure, runner.ensure_resident,
