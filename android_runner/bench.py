@@ -325,14 +325,17 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
     source = bundle_source(Path(bundle), m)   # the very weights the bundle's store was built from, if here
     simulate = source.model is not None and not images
     calib_runs: list[dict] = []
-    calib_slots = min(max(k, int(round(f * L * E))) for f in pool_fracs)
+    def slots_of(frac: float) -> int:
+        return max(k, int(round(frac * L * E)))
+
+    calib_slots = min(slots_of(f) for f in pool_fracs)
     calib_point = None   # the index of the point whose oracle runs calibrate (the first at the smallest pool)
     for frac in pool_fracs:
-        slots = max(k, int(round(frac * L * E)))
+        slots = slots_of(frac)
         pool = slots * store.slot_bytes / MiB
         log(f"pool {pool:.2f} MiB ({slots} of {L * E} experts): {', '.join(policies)}, cold, interleaved"
             + (f" ({base[3]}'s runs calibrate the simulator)" if simulate and slots == calib_slots
-               and not calib_runs else ""))
+               and calib_point is None else ""))
         got: dict[str, list] = {p: [] for p in policies}
         order = policies
         for _ in range(rounds):
@@ -428,7 +431,7 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
         rate_from = sim["profile"]["measured"]["flash_rate_from"]   # after fit_flash_rate
         fitted = rate_from.startswith("runner")
         out["simulated"]["calibrated_on"] = {"policy": base[3], "slots": calib_slots,
-                                            "pool_mib": round(calib_slots * store.slot_bytes / MiB, 3),
+                                            "pool_mib": out["points"][calib_point]["pool_mib"],
                                             "flash_rate_from": rate_from, "row_fitted": fitted}
         if not fitted:
             log(f"  the {base[3]} runs at {calib_slots} experts did not set the flash rate (not flash-bound): "

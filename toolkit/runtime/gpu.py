@@ -836,8 +836,6 @@ class GpuEngine:
     def _step(self, s: GpuSequence, token: int, pos: int) -> int:
         """The target's greedy token after `token` at `pos` (its K, V written there): the one-token
         decode step every policy's tokens come from."""
-        if s.runner is not None:
-            s.runner.check_open()
         s.pos = pos
         if s.planner is not None:
             s.state.pos = pos

@@ -183,14 +183,14 @@ class _FusedQKV:
     its expert pool and store already assume)."""
 
     def __init__(self, projs):
-        self.projs = projs
         self.sizes = [p.out_features for p in projs]
         self.weight = torch.cat([p.weight.detach() for p in projs])
         self.bias = None if projs[0].bias is None else torch.cat([p.bias.detach() for p in projs])
-        for j, p in enumerate(projs):
-            p.weight.data = self.weight[sum(self.sizes[:j]):sum(self.sizes[:j + 1])]
-            if self.bias is not None:
-                p.bias.data = self.bias[sum(self.sizes[:j]):sum(self.sizes[:j + 1])]
+        for p, w in zip(projs, self.weight.split(self.sizes)):
+            p.weight.data = w
+        if self.bias is not None:
+            for p, b in zip(projs, self.bias.split(self.sizes)):
+                p.bias.data = b
         self._ptrs = self._now(projs)
 
     @staticmethod
@@ -386,7 +386,7 @@ class FusedExpertMath(PooledExpertMath):
 
     def __init__(self, eng, slots: torch.Tensor):
         super().__init__(eng, slots)
-        self.silu = type(self.act).__name__ in ("SiLU", "SiLUActivation")
+        self.silu = getattr(eng.model.config, "hidden_act", None) in ("silu", "swish")
 
     def __call__(self, x: torch.Tensor, scores: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
         from toolkit.runtime.gpu_kernels import slot_gemv
@@ -543,7 +543,7 @@ class GraphRunner:
             with torch.cuda.stream(side):
                 for _ in range(2):
                     for s in range(L + 1):
-                        self.segment(s)
+                        self._seg(s)
                     if self.draft is not None:
                         self.draft.step()
             torch.cuda.current_stream(dev).wait_stream(side)
@@ -551,7 +551,7 @@ class GraphRunner:
             for s in range(L + 1):
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool=pool):
-                    self.segment(s)
+                    self._seg(s)
                 pool = g.pool()
                 graphs.append(g)
             if self.draft is not None:
@@ -595,7 +595,6 @@ class GraphRunner:
         """One target token with every expert resident: one graph replay (segments on the CPU) and one
         host sync for the token and the routing, which is recorded; the pool and scheduler are not
         consulted (nothing can miss). The device-bound upper bound of every policy."""
-        self.check_open()
         L = self.eng.L
         self.ensure_resident()
         self.set_position(token, pos)
@@ -634,7 +633,7 @@ class GraphRunner:
         if self._g is not None:
             self._g[s].replay()
         else:
-            self.segment(s)
+            self._seg(s)    # (decode and verify_rows checked the runner is open once)
 
     def set_position(self, token: int, pos: int) -> None:
         self.tok.fill_(token)
@@ -710,7 +709,7 @@ class GraphRunner:
         dev = self.eng.dev.device
         h = torch.zeros(R, *self.h.shape, device=dev, dtype=self.h.dtype)
         post = torch.zeros(R, *self.post.shape[1:], device=dev, dtype=self.post.dtype)
-        scores = None
+        scores = torch.zeros(R, *self.scores.shape[1:], device=dev, dtype=self.scores.dtype)
         idx = torch.zeros(R, *self.idx.shape[1:], dtype=torch.long, device=dev)
         toks = torch.zeros(R, dtype=torch.long, device=dev)
         host_idx = torch.zeros(R, *self.idx.shape[1:], dtype=torch.long, pin_memory=self.eng.dev.cuda)
@@ -726,8 +725,6 @@ class GraphRunner:
             h[j].copy_(self.h)
             post[j].copy_(self.post[0])
             idx[j].copy_(self.idx[0])
-            if scores is None:
-                scores = torch.zeros(R, *self.scores[0].shape, device=dev, dtype=self.scores[0].dtype)
             scores[j].copy_(self.scores[0])
         seq.pos = pos
         for li in range(L):

@@ -133,21 +133,27 @@ SLOT_BLOCK_O, SLOT_BLOCK_N = 4, 512   # the best of ten tilings on an H100 at bo
 
 def slot_gemv(w: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, *, gated: bool = False,
               use_triton: bool | None = None) -> torch.Tensor:
-    """The fused kernel where Triton and CUDA are present, else the torch reference (the custom
-    operator `specprefetch::slot_gemv`, which torch.compile traces as one call). w is a [C, O, N] view
+    """The fused kernel where Triton and CUDA are present, else the torch reference (under torch.compile
+    the custom operator `specprefetch::slot_gemv`, traced as one call; eagerly its body). w is a [C, O, N] view
     of the fp16 slot arena whose rows are contiguous (stride(2) == 1). `gated`: x is [k, 2N] (an
     expert's gate and up outputs) and the kernel takes silu_mul(x) as it loads it (the down projection
     of a SiLU expert, no separate element-wise kernel). `use_triton` forces a path (tests)."""
     if use_triton is None:
-        return torch.ops.specprefetch.slot_gemv(w, slots, x, gated)
+        if torch.compiler.is_compiling():   # the operator for torch.compile; eagerly its body, without
+            return torch.ops.specprefetch.slot_gemv(w, slots, x, gated)   # the dispatcher's cost
+        return _slot_gemv_impl(w, slots, x, gated)
     return _slot_gemv_triton(w, slots, x, gated=gated) if use_triton else slot_gemv_torch(w, slots, x, gated)
+
+
+def _slot_gemv_impl(w: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, gated: bool) -> torch.Tensor:
+    if triton is not None and w.is_cuda:
+        return _slot_gemv_triton(w, slots, x, gated=gated)
+    return slot_gemv_torch(w, slots, x, gated)
 
 
 @torch.library.custom_op("specprefetch::slot_gemv", mutates_args=())
 def _slot_gemv_op(w: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, gated: bool) -> torch.Tensor:
-    if triton is not None and w.is_cuda:
-        return _slot_gemv_triton(w, slots, x, gated=gated)
-    return slot_gemv_torch(w, slots, x, gated)
+    return _slot_gemv_impl(w, slots, x, gated)
 
 
 @_slot_gemv_op.register_fake
@@ -182,15 +188,21 @@ def int4_gemv(q, scale, ids, x, n: int, *, use_triton: bool | None = None) -> to
     """The fused kernel where Triton and CUDA are present, else the torch reference (the custom
     operator `specprefetch::int4_gemv`); `use_triton` forces a path (tests)."""
     if use_triton is None:
-        return torch.ops.specprefetch.int4_gemv(q, scale, ids, x, n)
+        if torch.compiler.is_compiling():   # as slot_gemv
+            return torch.ops.specprefetch.int4_gemv(q, scale, ids, x, n)
+        return _int4_gemv_impl(q, scale, ids, x, n)
     return _int4_gemv_triton(q, scale, ids, x, n) if use_triton else int4_gemv_torch(q, scale, ids, x, n)
+
+
+def _int4_gemv_impl(q, scale, ids, x, n: int) -> torch.Tensor:
+    if triton is not None and q.is_cuda:
+        return _int4_gemv_triton(q, scale, ids, x, n)
+    return int4_gemv_torch(q, scale, ids, x, n)
 
 
 @torch.library.custom_op("specprefetch::int4_gemv", mutates_args=())
 def _int4_gemv_op(q: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor, x: torch.Tensor, n: int) -> torch.Tensor:
-    if triton is not None and q.is_cuda:
-        return _int4_gemv_triton(q, scale, ids, x, n)
-    return int4_gemv_torch(q, scale, ids, x, n)
+    return _int4_gemv_impl(q, scale, ids, x, n)
 
 
 @_int4_gemv_op.register_fake
