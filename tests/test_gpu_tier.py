@@ -335,12 +335,19 @@ def test_gpu_bench_report(tiny_models, stores, tmp_path, monkeypatch):
     budget = f"read_budget_kib={slot_kib}"
     r = run_gpu_bench(tiny_models["qwen3_moe"], store=stores["qwen3_moe"], adapter=None, policies=pols,
                       fractions=[0.5], prompts=1, prompt_tokens=8, new_tokens=6, repeats=1, ks=(2, 3), device="cpu",
-                      variants=("candidate_threshold=1", budget, "queue_depth=1"), log=lambda s: None)
+                      variants=("candidate_threshold=1", budget, "queue_depth=1", "read_budget_kib=auto"),
+                      log=lambda s: None)
     rows = {x["policy"]: x for x in r["rows"]}
     tag = "next-gate+prediction scheduler="
     assert r["tokens_match_transformers"] and list(rows) == [
         "on-demand+lru", "next-gate+prediction", "draft+prediction", "oracle+belady", tag + "candidate_threshold=1.0",
-        tag + budget, tag + "queue_depth=1"]
+        tag + budget, tag + "queue_depth=1", tag + "read_budget_kib='auto'"]
+    # auto: the copy rate times a layer's share of the synced resident step, at least one slot
+    a = r["read_budget_auto"]
+    assert a["copy_gbps"] > 0 and a["step_ms"] > 0 and a["kib"] >= slot_kib
+    made = a["copy_gbps"] * 1e9 * a["step_ms"] / 1e3 / 1024   # (from the rounded figures)
+    assert a["kib"] == slot_kib if a["raised"] else abs(a["kib"] - made) <= 0.01 * made + 1
+    assert rows[tag + "read_budget_kib='auto'"]["read_budget_auto_kib"] == a["kib"]
     # half the experts fit: on-demand copies (decode only) and the oracle with Belady copies no more
     assert rows["on-demand+lru"]["pcie_mib_per_token"] > 0
     assert rows["oracle+belady"]["pcie_mib_per_token"] <= rows["on-demand+lru"]["pcie_mib_per_token"]
@@ -359,12 +366,14 @@ def test_gpu_bench_report(tiny_models, stores, tmp_path, monkeypatch):
     assert r["resident_tpot_ms"] > 0 and r["resident_synced_tpot_ms"] > 0 and r["experts"] == "eager"
     md, png = write(r, tmp_path / "gpu.json")
     assert "draft+prediction" in md.read_text() and tag + "queue_depth=1" in md.read_text() and png.stat().st_size > 0
+    assert f"read_budget_kib=auto: {a['kib']} KiB" in md.read_text()
     assert "without a host sync per layer (eager)" in md.read_text()   # static: no graph
     # refused before the model loads
     monkeypatch.setattr(loader, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     for bad, msg in [(("window=99",), "past the model's"), (("speed=2",), "not KEY=VALUE"),
                      (("queue_depth=2", "queue_depth=2"), "same settings"),
-                     ((f"read_budget_kib={slot_kib - 1}",), "below one expert slot")]:
+                     ((f"read_budget_kib={slot_kib - 1}",), "below one expert slot"),
+                     (("read_budget_kib=fast",), "an integer >= 1 or auto")]:
         with pytest.raises(SpecPrefetchError, match="^--variant .*" + msg):
             run_gpu_bench(tiny_models["qwen3_moe"], store=stores["qwen3_moe"], adapter=None, policies=pols,
                           fractions=[0.5], device="cpu", variants=bad, log=lambda s: None)

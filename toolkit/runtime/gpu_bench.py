@@ -224,7 +224,7 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
     from toolkit.models.loader import inspect_model_dir, load_model
     from toolkit.runtime.expert_store import ExpertStore
     from toolkit.runtime.gpu import Device, GpuEngine, d2d_bandwidth, h2d_bandwidth
-    from toolkit.runtime.profiles import check_budget_kib
+    from toolkit.runtime.profiles import check_budget_kib, read_budget_kib
     from toolkit.runtime.runner import RunConfig
 
     spec = inspect_model_dir(model)
@@ -247,7 +247,8 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
     else:
         st = ExpertStore(store, spec)
     for label, v in knobs.items():   # as GpuEngine.configure refuses it, before the model loads
-        check_budget_kib(v.get("read_budget_kib"), st.blob_size, f"--variant {label}: read_budget_kib")
+        if v.get("read_budget_kib") != "auto":
+            check_budget_kib(v.get("read_budget_kib"), st.blob_size, f"--variant {label}: read_budget_kib")
     dtype = torch.float16 if dev.cuda else torch.float32
     t_start = time.time()
     bw0 = h2d_bandwidth(dev) if dev.cuda else None
@@ -269,13 +270,16 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
     mismatches: list[str] = []
 
     defaults = RunConfig()
+    auto_budget: dict[str, Any] = {}   # read_budget_kib=auto's figures, measured before the rounds
 
     def settings(knob: dict[str, Any]) -> dict[str, Any]:
         """The scheduler settings of a run: a --variant's, the bench's own where it sets none."""
+        budget = knob.get("read_budget_kib")
         return dict(window=knob.get("window", window),
                     min_confidence=knob.get("min_confidence", defaults.min_confidence),
                     candidate_threshold=knob.get("candidate_threshold", defaults.candidate_threshold),
-                    read_budget_kib=knob.get("read_budget_kib"), copy_depth=knob.get("queue_depth"))
+                    read_budget_kib=auto_budget["kib"] if budget == "auto" else budget,
+                    copy_depth=knob.get("queue_depth"))
 
     def one(pol: Policy, mib: float, p: int, *, k: int = 8, preload: bool = False, resident_graph: bool = False,
             recorded=None, next_visit: bool = True, knob: dict[str, Any] | None = None):
@@ -301,6 +305,16 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
 
     # the oracle's future: one recorded pass per prompt (routing does not depend on the policy)
     recorded = {p: eng.record(ids[p], new_tokens) for p in range(len(ids))}
+    if any(v.get("read_budget_kib") == "auto" for v in knobs.values()):
+        # read_budget_kib=auto: what the copies deliver in one MoE layer's step, the CPU runner's rule
+        # (profiles.read_budget_kib: at least one slot) with this bench's pinned-copy rate and a layer's
+        # share of the synced all-resident decode (the policies' path), timed after a warm-up run
+        one(Policy("on-demand", "lru"), all_mib, 0, preload=True)
+        step_ms = one(Policy("on-demand", "lru"), all_mib, 0, preload=True).stats.tpot_ms / L
+        rate = bw0 if bw0 else h2d_bandwidth(dev, mib=16)
+        auto_budget.update(read_budget_kib(rate * 1e9 / MiB, step_ms / 1e3, st.blob_size), copy_gbps=round(rate, 2))
+        log(f"read_budget_kib=auto: {auto_budget['kib']} KiB a layer step ({rate:.1f} GB/s x {step_ms:.4f} ms"
+            + (", raised to one expert slot)" if auto_budget["raised"] else ")"))
     # the upper bound: every expert preloaded, nothing copied while decoding; on the device alone (one
     # graph per token) where the static decoder runs, and as the policies decode (a host sync per layer)
     RESIDENT, SYNCED = "all resident", "all resident, synced"
@@ -363,6 +377,8 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
                    "runs": len(rs)}
             if kn:
                 row["scheduler"] = kn
+                if kn.get("read_budget_kib") == "auto":
+                    row["read_budget_auto_kib"] = auto_budget["kib"]
             if pol.predictor == "draft":
                 row.update({"k": ks_by_pool[frac]["k"], "acceptance": round(med(lambda r: r.extra["acceptance"]), 4),
                             "draft_ms_per_token": round(med(lambda r: r.extra["draft_ms_per_token"]), 3),
@@ -408,6 +424,8 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
         "device": torch.cuda.get_device_name(dev.device) if dev.cuda else "cpu",
         "torch": torch.__version__, "prompts": len(ids), "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
         "repeats": repeats, "h2d_gbps": {"start": bw0, "end": bw1},
+        # --variant read_budget_kib=auto's budget and what it came from (None: no such variant)
+        "read_budget_auto": auto_budget or None,
         # every expert resident: on the device alone (one graph per token; the policies' path where the
         # decoder is transformers' modules) and with the policies' host sync per MoE layer
         "resident_tpot_ms": round(resident_tpot, 3), "resident_runs": len(resident_runs) or len(synced_runs),
@@ -452,6 +470,11 @@ def markdown(r: dict[str, Any]) -> str:
                      f"{x['pcie_mib_per_token']} | {_f(x['pcie_floor_ms'])} | {x['stall_ms_per_token']} | "
                      f"{x['copy_ms_per_token']} | {x.get('k', '')} | {x.get('acceptance', '')} | "
                      f"{x.get('draft_ms_per_token', '')} | {x['gpu_expert_mib']} | {x.get('slot_arena_mib', 'n/a')} |")
+    if r.get("read_budget_auto"):
+        a = r["read_budget_auto"]
+        lines += ["", f"read_budget_kib=auto: {a['kib']} KiB a layer step, the copy rate {a['copy_gbps']} GB/s x a "
+                      f"layer's synced resident step {a['step_ms']} ms" + (", raised to one expert slot" if a["raised"]
+                                                                          else "")]
     held = [x["slot_arenas_held_mib"] for x in r["rows"] if "slot_arenas_held_mib" in x]
     if held:
         lines += ["", f"(slot arena: the allocation a policy's runs read, exactly its pool; the engine held at most "

@@ -52,8 +52,10 @@ VARIANT_KEYS: dict[str, tuple[Callable[[str], Any], Callable[[Any], bool], str]]
     "min_confidence": (float, lambda v: 0 <= v <= 1, "a probability in [0, 1]"),
 }
 # the GPU tier's too: its read budget (KiB its copies deliver per layer step, at least one expert; run
-# --read-budget-kib); there queue_depth is the prefetch copies issued per layer step
-GPU_VARIANT_KEYS = {**VARIANT_KEYS, "read_budget_kib": (int, lambda v: v >= 1, "an integer >= 1")}
+# --read-budget-kib; `auto`: the bench measures it, the pinned-copy rate times a layer's resident step);
+# there queue_depth is the prefetch copies issued per layer step
+GPU_VARIANT_KEYS = {**VARIANT_KEYS, "read_budget_kib": (lambda s: s if s == "auto" else int(s),
+                                                        lambda v: v == "auto" or v >= 1, "an integer >= 1 or auto")}
 
 
 def parse_variant(spec: str, keys: dict = VARIANT_KEYS) -> dict[str, Any]:
