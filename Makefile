@@ -24,10 +24,11 @@ $(STAMP): pyproject.toml | $(DEB_STAMP)
 	$(BIN)/pip install -q --upgrade pip
 	# torch 2.13.0 first, alone, so pip takes the CPU build (see docs/setup.md)
 	$(BIN)/pip install -q torch==2.13.0
-	# the rest through uv (PyPI's installer in Rust: 5 s here against pip's 55), pip where uv fails; uv
-	# keeps the torch above, whose 2.13.0+cpu satisfies the pin
-	$(BIN)/pip install -q uv && $(BIN)/uv pip install -q --python $(BIN)/python -e '.[test]' \
-	    || $(BIN)/pip install -q -e '.[test]'
+	# the rest through uv (Astral's installer, from PyPI: 5 s here against pip's 55), pip where uv fails.
+	# uv reads no pip configuration (index, find-links): torch is installed above by pip for that reason,
+	# and uv keeps it (its 2.13.0+cpu satisfies the pin)
+	$(BIN)/pip install -q uv==0.13.9 && $(BIN)/uv pip install -q --python $(BIN)/python -e '.[test]' \
+	    || { echo "note: uv failed; installing with pip"; $(BIN)/pip install -q -e '.[test]'; }
 	# what the native runner's arm64 and tokenizer builds download on first use, fetched now into the
 	# runner cache (docs/runner.md); a failure here only defers the download to the first build
 	$(BIN)/python -c "from android_runner.build import executorch_aarch64_package as a, tokenizers_source as t; a(print); t(print)" \

@@ -330,9 +330,19 @@ def test_gpu_bench_report(tiny_models, stores, tmp_path, monkeypatch):
     from toolkit.runtime.gpu_bench import run_gpu_bench, write
     from toolkit.runtime.policy import parse_policies
 
+    from toolkit.runtime.gpu import GpuEngine
+
     pols = parse_policies("on-demand+lru,next-gate+prediction,draft+prediction,oracle+belady")
     slot_kib = -(-ExpertStore(stores["qwen3_moe"]).blob_size // 1024)
     budget = f"read_budget_kib={slot_kib}"
+    budgets: set = set()   # the read budgets the engine was configured with (auto's must arrive as a number)
+    configure = GpuEngine.configure
+
+    def record(self, **kw):
+        budgets.add(kw.get("read_budget_kib"))
+        return configure(self, **kw)
+
+    monkeypatch.setattr(GpuEngine, "configure", record)
     r = run_gpu_bench(tiny_models["qwen3_moe"], store=stores["qwen3_moe"], adapter=None, policies=pols,
                       fractions=[0.5], prompts=1, prompt_tokens=8, new_tokens=6, repeats=1, ks=(2, 3), device="cpu",
                       variants=("candidate_threshold=1", budget, "queue_depth=1", "read_budget_kib=auto"),
@@ -341,13 +351,14 @@ def test_gpu_bench_report(tiny_models, stores, tmp_path, monkeypatch):
     tag = "next-gate+prediction scheduler="
     assert r["tokens_match_transformers"] and list(rows) == [
         "on-demand+lru", "next-gate+prediction", "draft+prediction", "oracle+belady", tag + "candidate_threshold=1.0",
-        tag + budget, tag + "queue_depth=1", tag + "read_budget_kib='auto'"]
+        tag + budget, tag + "queue_depth=1", tag + "read_budget_kib=auto"]
     # auto: the copy rate times a layer's share of the synced resident step, at least one slot
     a = r["read_budget_auto"]
     assert a["copy_gbps"] > 0 and a["step_ms"] > 0 and a["kib"] >= slot_kib
     made = a["copy_gbps"] * 1e9 * a["step_ms"] / 1e3 / 1024   # (from the rounded figures)
     assert a["kib"] == slot_kib if a["raised"] else abs(a["kib"] - made) <= 0.01 * made + 1
-    assert rows[tag + "read_budget_kib='auto'"]["read_budget_auto_kib"] == a["kib"]
+    assert rows[tag + "read_budget_kib=auto"]["read_budget_auto_kib"] == a["kib"]
+    assert budgets == {None, slot_kib, a["kib"]}   # the bench's own runs, the fixed variant's, auto's
     # half the experts fit: on-demand copies (decode only) and the oracle with Belady copies no more
     assert rows["on-demand+lru"]["pcie_mib_per_token"] > 0
     assert rows["oracle+belady"]["pcie_mib_per_token"] <= rows["on-demand+lru"]["pcie_mib_per_token"]

@@ -303,7 +303,10 @@ def test_simulator_derives_the_read_budget_from_the_profile(sim_trace, tmp_path)
     assert code == 0, out
     assert f"Read budget (auto): {want['read_mibs']} MiB/s" in out and f"= {want['kib']} KiB a step" in out
     code, out = cli_plain("run", "--read-budget-kib", "auto", "--prompt", "x", "--json", tmp_path / "r.json")
-    assert code == 2 and "--read-budget-kib auto: run takes a number" in out, out
+    assert code == 2 and "--read-budget-kib auto: run takes a number" in out and "runner bench" in out, out
+    code, out = cli_plain("run", "--read-budget-kib", "auto", "--device", "cuda", "--prompt", "x",
+                          "--json", tmp_path / "r.json")
+    assert code == 2 and "bench gpu --variant read_budget_kib=auto" in out, out
     code, out = cli_plain("simulate", sim_trace, "--read-budget-kib", "lots", "--json", tmp_path / "x.json")
     assert code == 2 and "expected a whole number or auto" in out, out
 

@@ -455,8 +455,9 @@ def run(model, policy, adapter, frequency_trace, pool_mib, pool_reserve_mib, poo
             raise SpecPrefetchError(f"--prefill-chunk {prefill_chunk}: a chunk size (a positive integer) or off")
         chunk = 0 if v == "off" else int(v)
     if read_budget_kib == "auto":
-        raise SpecPrefetchError("--read-budget-kib auto: run takes a number (KiB a step); `runner bench "
-                                "--read-budget-kib auto` measures this machine's and prints it")
+        raise SpecPrefetchError("--read-budget-kib auto: run takes a number (KiB a step); " + (
+            "`runner bench --read-budget-kib auto` measures this machine's and prints it" if device == "cpu" else
+            "`bench gpu --variant read_budget_kib=auto` measures this GPU's and prints it"))
     if pool_mib == "auto" and (engine != "native" or device != "cpu"):
         raise SpecPrefetchError("--pool-mib auto: only with --engine native (the Python reference runner's pool "
                                 "has a fixed size; give --pool-mib F)")

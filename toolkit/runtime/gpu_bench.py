@@ -308,9 +308,11 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
     if any(v.get("read_budget_kib") == "auto" for v in knobs.values()):
         # read_budget_kib=auto: what the copies deliver in one MoE layer's step, the CPU runner's rule
         # (profiles.read_budget_kib: at least one slot) with this bench's pinned-copy rate and a layer's
-        # share of the synced all-resident decode (the policies' path), timed after a warm-up run
+        # share of the synced all-resident decode (the policies' path): the median of three runs after a
+        # warm-up one
         one(Policy("on-demand", "lru"), all_mib, 0, preload=True)
-        step_ms = one(Policy("on-demand", "lru"), all_mib, 0, preload=True).stats.tpot_ms / L
+        step_ms = median((one(Policy("on-demand", "lru"), all_mib, 0, preload=True).stats.tpot_ms
+                          for _ in range(3)), ndigits=None) / L
         rate = bw0 if bw0 else h2d_bandwidth(dev, mib=16)
         auto_budget.update(read_budget_kib(rate * 1e9 / MiB, step_ms / 1e3, st.blob_size), copy_gbps=round(rate, 2))
         log(f"read_budget_kib=auto: {auto_budget['kib']} KiB a layer step ({rate:.1f} GB/s x {step_ms:.4f} ms"

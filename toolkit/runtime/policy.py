@@ -82,7 +82,7 @@ def parse_variant(spec: str, keys: dict = VARIANT_KEYS) -> dict[str, Any]:
 
 def variant_label(knobs: dict[str, Any]) -> str:
     """The canonical text of a variant's settings (sorted keys), as its rows are named."""
-    return ",".join(f"{k}={knobs[k]!r}" for k in sorted(knobs))
+    return ",".join(f"{k}={knobs[k]}" for k in sorted(knobs))
 
 
 def parse_variants(specs: Iterable[str], keys: dict = VARIANT_KEYS) -> dict[str, dict[str, Any]]:
