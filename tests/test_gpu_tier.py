@@ -334,12 +334,13 @@ def test_gpu_bench_report(tiny_models, stores, tmp_path, monkeypatch):
 
     pols = parse_policies("on-demand+lru,next-gate+prediction,draft+prediction,oracle+belady")
     slot_kib = -(-ExpertStore(stores["qwen3_moe"]).blob_size // 1024)
-    budget = f"read_budget_kib={slot_kib}"
-    budgets: set = set()   # the read budgets the engine was configured with (auto's must arrive as a number)
+    budget = f"read_budget_kib={slot_kib + 1}"   # one slot a step (+1 KiB: told apart from auto raised to one)
+    configured: list = []   # (policy, read budget) of every run the bench configured
     configure = GpuEngine.configure
 
     def record(self, **kw):
-        budgets.add(kw.get("read_budget_kib"))
+        if "policy" in kw:
+            configured.append((kw["policy"].name, kw.get("read_budget_kib")))
         return configure(self, **kw)
 
     monkeypatch.setattr(GpuEngine, "configure", record)
@@ -358,7 +359,12 @@ def test_gpu_bench_report(tiny_models, stores, tmp_path, monkeypatch):
     made = a["copy_gbps"] * 1e9 * a["step_ms"] / 1e3 / 1024   # (from the rounded figures)
     assert a["kib"] == slot_kib if a["raised"] else abs(a["kib"] - made) <= 0.01 * made + 1
     assert rows[tag + "read_budget_kib=auto"]["read_budget_auto_kib"] == a["kib"]
-    assert budgets == {None, slot_kib, a["kib"]}   # the bench's own runs, the fixed variant's, auto's
+    # auto's budget reached the engine as a number, for the auto variant's runs only (as many as the
+    # fixed variant's); on-demand, the draft and the oracle ran without a budget
+    assert a["kib"] != slot_kib + 1
+    assert {b for p, b in configured if p != "next-gate+prediction"} == {None}
+    ng = [b for p, b in configured if p == "next-gate+prediction"]
+    assert set(ng) == {None, slot_kib + 1, a["kib"]} and ng.count(a["kib"]) == ng.count(slot_kib + 1) > 0
     # half the experts fit: on-demand copies (decode only) and the oracle with Belady copies no more
     assert rows["on-demand+lru"]["pcie_mib_per_token"] > 0
     assert rows["oracle+belady"]["pcie_mib_per_token"] <= rows["on-demand+lru"]["pcie_mib_per_token"]

@@ -31,8 +31,8 @@ from toolkit.traces.format import TraceReader
 
 @pytest.fixture(scope="module")
 def emb_trace(embedded, tmp_path_factory) -> Path:
-    # batch 8: a batched trace records the unbatched one's routing (tests/test_trace.py::TestBatchedTracing)
-    # in a sixth of the CPU time
+    # batch 8: a batched trace records the unbatched one's tokens, experts and sampled rows (weights and
+    # router inputs within fp16 rounding; tests/test_trace.py::TestBatchedTracing) in a sixth of the CPU time
     s = TraceSettings(max_sequences=60, prompt_tokens=128, decode_tokens=16, heldout_frac=0.2,
                       shard_tokens=1500, hidden_sample=0.5, batch=8)
     return run_trace(embedded, [HELDOUT], tmp_path_factory.mktemp("p") / "t", s, progress=False)

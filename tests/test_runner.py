@@ -44,7 +44,7 @@ def emb_trace_adapter(embedded, tmp_path_factory):
 
     t = run_trace(embedded, [HELDOUT], tmp_path_factory.mktemp("rt") / "t",
                   TraceSettings(max_sequences=30, prompt_tokens=64, decode_tokens=8, heldout_frac=0.2,
-                                hidden_sample=0.5, batch=8), progress=False)   # batched: the same routing, faster
+                                hidden_sample=0.5, batch=8), progress=False)   # batched: the same experts, faster
     ad = tmp_path_factory.mktemp("ad") / "a"
     train_adapter(t, ad, TrainConfig(steps=60, val_every=20, batch_size=128, rank=16), progress=False)
     return t, ad

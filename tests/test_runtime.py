@@ -221,7 +221,7 @@ def sim_trace(embedded, tmp_path_factory) -> Path:
     from toolkit.traces.capture import TraceSettings, run_trace
 
     s = TraceSettings(max_sequences=24, prompt_tokens=64, decode_tokens=16, heldout_frac=0.35,
-                      shard_tokens=2000, hidden_sample=0.3, batch=8)   # batched: the same routing, faster
+                      shard_tokens=2000, hidden_sample=0.3, batch=8)   # batched: the same experts, faster
     return run_trace(embedded, [HELDOUT], tmp_path_factory.mktemp("st") / "t", s, progress=False)
 
 

@@ -586,8 +586,10 @@ class TestBatchedTracing:
     @pytest.mark.parametrize("decode", [3, pytest.param(0, marks=pytest.mark.slow)])
     def test_batched_trace_records_the_same_routing(self, tiny_models, varied, tmp_path, fam, decode):
         """Prompts of different lengths, left-padded for greedy decode and right-padded for prefill
-        alone: the same tokens and experts for every token, probabilities within fp16 rounding."""
-        s = TraceSettings(max_sequences=5, prompt_tokens=40, decode_tokens=decode, heldout_frac=0.3, shard_tokens=70)
+        alone: the same tokens and experts for every token, probabilities within fp16 rounding; half the
+        router inputs sampled, the same rows either way."""
+        s = TraceSettings(max_sequences=5, prompt_tokens=40, decode_tokens=decode, heldout_frac=0.3, shard_tokens=70,
+                          hidden_sample=0.5)
         one = run_trace(tiny_models[fam], [varied], tmp_path / "one", s, progress=False)
         lens = {len(p.ids) for p in make_prompts(read_records([varied], allow_images=False),
                                                  _tokenizer(tiny_models[fam]), s)}
