@@ -52,7 +52,7 @@ class ReuseTable:
 
 
 def learn_reuse_table(sequences: Iterable[np.ndarray], num_experts: int, *, bits: int = BITS,
-                      cap: int = CAP, where: str = "the routing") -> ReuseTable:
+                      cap: int = CAP, where: str = "the routing", select: np.ndarray | None = None) -> ReuseTable:
     """The table from routed expert ids, one array [positions, layers, k] per sequence (positions in
     order). Each (layer, expert, position) is one sample: its history after that position, and the
     visits until its next use, capped at `cap`; where no use follows, a sample is kept only if `cap`
@@ -60,7 +60,8 @@ def learn_reuse_table(sequences: Iterable[np.ndarray], num_experts: int, *, bits
     means near a sequence's end toward short reuse (long reuses there are not seen); counting them as
     `cap` biased them the other way. Every position is one visit (a prompt's too: at run time a
     prefill span's layer is one visit for all its positions, so the first decode tokens' histories
-    hold fewer visits than the table assumes)."""
+    hold fewer visits than the table assumes). `select` ([layers, experts] bool): only those experts'
+    samples are counted (a table for a class of experts)."""
     n = 1 << bits
     mask = n - 1
     tot = np.zeros(n, np.float64)
@@ -85,8 +86,9 @@ def learn_reuse_table(sequences: Iterable[np.ndarray], num_experts: int, *, bits
             for t in range(N):
                 h = ((h << 1) | used[t]) & mask
                 hist[t] = h
-            tot += np.bincount(hist[known], weights=nextd[known].astype(np.float64), minlength=n)
-            cnt += np.bincount(hist[known], minlength=n)
+            k = known if select is None else known & select[li][None, :]
+            tot += np.bincount(hist[k], weights=nextd[k].astype(np.float64), minlength=n)
+            cnt += np.bincount(hist[k], minlength=n)
     if not cnt.sum():
         raise SpecPrefetchError(f"{where}: no routing to learn the reuse table from (sequences too short?)")
     # a history never seen takes the mean of the histories seen with as many uses (then the mean of all)

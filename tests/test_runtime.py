@@ -539,9 +539,45 @@ def test_cli_eviction_bounds(sim_trace, tmp_path):
     for p in e["points"]:
         rp = p["reads_per_token"]
         assert 0 < rp["belady"] == min(rp.values()), rp
+        assert "reuse-freq" in rp and rp["reuse-freq"] <= rp["lru"] + 1, rp
     r = CliRunner().invoke(main, ["eviction-bounds", str(sim_trace), "--pool-frac", "1.5",
                                   "--json", str(tmp_path / "b.json")])
     assert r.exit_code == 2 and "--pool-frac" in r.output and "1.5" in r.output and not (tmp_path / "b.json").exists()
+
+
+def test_reuse_by_frequency_class():
+    """`reuse-freq` (eviction-bounds): each layer's experts in quarters by their train-split routing count,
+    a reuse table learned from each quarter's samples alone, and an expert scored with its quarter's
+    table: of two experts with the same history the one whose class is reused later is evicted."""
+    import numpy as np
+
+    from adapters.reuse import learn_reuse_table
+    from toolkit.runtime.pool import ExpertPool
+    from toolkit.simulate.bounds import FrequencyReuse, frequency_classes
+
+    # one layer of 8 experts, top-2: expert 0 every position, 1 every other, the rest in turn
+    seq = np.array([[[0, 1 if p % 2 else 2 + (p // 2) % 6]] for p in range(64)]).reshape(64, 1, 2)
+    cls = frequency_classes([seq], 1, 8)
+    assert cls[0, 0] == 0 and cls[0, 1] == 0 and sorted(cls[0].tolist()) == [0, 0, 1, 1, 2, 2, 3, 3]
+    hot = learn_reuse_table([seq], 8, select=cls == 0)
+    cold = learn_reuse_table([seq], 8, select=cls == 3)
+    assert hot.visits16[0b11111111] == 16 and cold.visits16 != hot.visits16   # expert 0 reused every visit
+    base = learn_reuse_table([seq], 8)
+    # two resident experts never routed lately (history 0): tables of their classes that tell them apart
+    fast = list(hot.visits16)
+    fast[0] = 16
+    slow = list(cold.visits16)
+    slow[0] = 16 * 40
+    tables = [type(hot)(hot.bits, hot.cap, tuple(fast))] * 2 + [type(hot)(hot.bits, hot.cap, tuple(slow))] * 2
+    h = FrequencyReuse(base, 1, cls, tables)
+    pool = ExpertPool(2, 1, policy="reuse", min_slots=1)
+    pool.reuse, pool.predicted = h, None
+    cold_expert = int(np.nonzero(cls[0] == 3)[0][0])
+    for e in (0, cold_expert):
+        s = pool.reserve((0, e), 0, prefetch=False, protect=set())
+        s.ready = True
+    assert h.score((0, cold_expert), 1, None) > h.score((0, 0), 1, None)
+    assert pool.reuse.farthest(pool.slots.values(), 1, None, set()) == (0, cold_expert)
 
 
 def test_next_visit_heads_in_eval_eviction_bounds_and_the_simulator(sim_trace, embedded, tmp_path):

@@ -4,6 +4,10 @@ Every position of each held-out sequence goes through a bounded pool one MoE lay
 is one layer of one position; misses read on demand, no prefetch), with these evictions:
 
 - `lru`, and `reuse` (toolkit/runtime/reuse.py: histories and the table learned from the train split);
+- `reuse-freq`: `reuse` with one table per frequency class of experts (each layer's experts in quarters
+  by how often the train split routes to them, a table learned from each quarter's samples), so a hot
+  expert and a cold one with the same recent history are told apart (not in the runners yet: this
+  measures what it would buy);
 - Belady's rule knowing the real routing only so far ahead: `belady-token` (the rest of the current
   token), `belady-next-token` (and all of the next token), and `belady` (everything); beyond what
   it knows, each variant scores by the reuse rule.
@@ -43,8 +47,45 @@ from toolkit.runtime.reuse import ReuseHistory, next_visit_experts
 from toolkit.runtime.runner import belady_next_use
 from toolkit.traces.format import DECODE, TraceReader, routing_sequences
 
-RULES = ("lru", "reuse", "belady-token", "belady-next-token", "belady", "next-visit")
+RULES = ("lru", "reuse", "reuse-freq", "belady-token", "belady-next-token", "belady", "next-visit")
 ADAPTER_RULE = "adapter-next-visit"
+FREQ_CLASSES = 4   # reuse-freq: each layer's experts in quarters by their train-split routing counts
+
+
+def frequency_classes(train: list[np.ndarray], L: int, E: int, classes: int = FREQ_CLASSES) -> np.ndarray:
+    """[L, E] class of every expert, 0 the most routed: each layer's experts ranked by their routing
+    count in `train` (ties: the lower id first), in `classes` equal shares."""
+    counts = np.zeros((L, E), np.int64)
+    for ids in train:
+        for li in range(L):
+            counts[li] += np.bincount(np.asarray(ids)[:, li].ravel(), minlength=E)
+    out = np.zeros((L, E), np.int64)
+    for li in range(L):
+        out[li, np.argsort(-counts[li], kind="stable")] = np.arange(E) * classes // E
+    return out
+
+
+class FrequencyReuse(ReuseHistory):
+    """The `reuse` rule's history-only score with the table of the expert's frequency class."""
+
+    def __init__(self, table, num_layers: int, classes: np.ndarray, tables: list):
+        super().__init__(table, num_layers)
+        self.classes, self.visits = classes, [t.visits16 for t in tables]
+
+    def score(self, key, now, predicted):
+        li, e = key
+        v0 = now + ((li - now % self.L) % self.L or self.L)
+        return v0 * SCALE + self.L * (self.visits[self.classes[li, e]][self.hist[li].get(e, 0)] - SCALE)
+
+    def farthest(self, slots, now, predicted, protect):
+        best, top = None, None
+        for s in slots:
+            if not s.ready or s.pins or s.key in protect:
+                continue
+            v = self.score(s.key, now, None)
+            if best is None or v > top or (v == top and (-s.last_use, s.key) > (-best.last_use, best.key)):
+                best, top = s, v
+        return best.key if best is not None else None
 
 
 def exact_next_sets(ids: np.ndarray) -> dict[tuple[int, int], set[int]]:
@@ -56,16 +97,23 @@ def exact_next_sets(ids: np.ndarray) -> dict[tuple[int, int], set[int]]:
 def replay(ids: np.ndarray, kinds: np.ndarray, capacity: int, rule: str, table,
            true_next: Callable[[tuple[int, int], int], float] | None = None,
            reads_out: list | None = None,
-           next_sets: dict[tuple[int, int], set[int]] | None = None) -> tuple[int, int]:
+           next_sets: dict[tuple[int, int], set[int]] | None = None,
+           freq: tuple[np.ndarray, list] | None = None) -> tuple[int, int]:
     """(reads at decode positions, decode positions) of one sequence [positions, L, k] under `rule`.
     `true_next`: the sequence's real next use (belady_next_use of it; built here if not given);
     `reads_out`: gets (layer, [experts read]) of every decode step that reads (`bench reads`);
     `next_sets`: the adapter's next-visit sets for ADAPTER_RULE: {(position, layer): the experts layer
-    `layer` routes to at position + 1, as predicted at `position`}."""
+    `layer` routes to at position + 1, as predicted at `position`}; `freq`: (frequency_classes, a table
+    per class) for `reuse-freq`."""
     N, L, k = ids.shape
     if true_next is None and rule.startswith("belady"):
         true_next = belady_next_use(list(ids), L)
-    hist = ReuseHistory(table, L) if rule != "lru" and rule != "belady" else None  # the rules that read it
+    if rule == "reuse-freq":
+        if freq is None:
+            raise SpecPrefetchError(f"eviction rule {rule!r} needs the frequency classes and their tables")
+        hist = FrequencyReuse(table, L, *freq)
+    else:
+        hist = ReuseHistory(table, L) if rule != "lru" and rule != "belady" else None  # the rules that read it
     if rule == "next-visit" and next_sets is None:
         next_sets = exact_next_sets(ids)
     elif rule == ADAPTER_RULE and next_sets is None:
@@ -95,7 +143,7 @@ def replay(ids: np.ndarray, kinds: np.ndarray, capacity: int, rule: str, table,
 
     if rule == "lru":
         pool = ExpertPool(capacity, 1, policy="lru", min_slots=k)
-    elif rule == "reuse":
+    elif rule in ("reuse", "reuse-freq"):
         pool = ExpertPool(capacity, 1, policy="reuse", min_slots=k)
         pool.reuse, pool.predicted = hist, None
     elif rule in ("next-visit", ADAPTER_RULE):  # the runners' rule: ReuseHistory.set_next_visit after acquire
@@ -183,6 +231,9 @@ def eviction_bounds(trace: Path, pool_fracs: list[float], *, max_sequences: int 
                                 "--decode-tokens 0?)")
     table = learn_reuse_table(train, reader.num_experts, where=f"trace {trace}")
     L, E = len(reader.moe_layers), reader.num_experts
+    classes = frequency_classes(train, L, E, min(FREQ_CLASSES, E))
+    freq = (classes, [learn_reuse_table(train, E, where=f"trace {trace}", select=classes == c)
+                      for c in range(int(classes.max()) + 1)])
     nexts = [belady_next_use(list(ids), L) for ids, _ in seqs]  # each sequence's real next uses, once
     exact = [exact_next_sets(ids) for ids, _ in seqs]              # and its real next visits
     rules = RULES
@@ -206,7 +257,7 @@ def eviction_bounds(trace: Path, pool_fracs: list[float], *, max_sequences: int 
             r = d = 0
             for (ids, kinds), nu, ns, ex in zip(seqs, nexts, sets, exact):
                 a, b = replay(ids, kinds, cap, rule, table, nu,
-                              next_sets={ADAPTER_RULE: ns, "next-visit": ex}.get(rule))
+                              next_sets={ADAPTER_RULE: ns, "next-visit": ex}.get(rule), freq=freq)
                 r, d = r + a, d + b
             row["reads_per_token"][rule] = round(r / max(d, 1), 3)
         rp = row["reads_per_token"]
