@@ -52,7 +52,8 @@ class ReuseTable:
 
 
 def learn_reuse_table(sequences: Iterable[np.ndarray], num_experts: int, *, bits: int = BITS,
-                      cap: int = CAP, where: str = "the routing", select: np.ndarray | None = None) -> ReuseTable:
+                      cap: int = CAP, where: str = "the routing", select: np.ndarray | None = None,
+                      prior: ReuseTable | None = None) -> ReuseTable:
     """The table from routed expert ids, one array [positions, layers, k] per sequence (positions in
     order). Each (layer, expert, position) is one sample: its history after that position, and the
     visits until its next use, capped at `cap`; where no use follows, a sample is kept only if `cap`
@@ -61,7 +62,9 @@ def learn_reuse_table(sequences: Iterable[np.ndarray], num_experts: int, *, bits
     `cap` biased them the other way. Every position is one visit (a prompt's too: at run time a
     prefill span's layer is one visit for all its positions, so the first decode tokens' histories
     hold fewer visits than the table assumes). `select` ([layers, experts] bool): only those experts'
-    samples are counted (a table for a class of experts)."""
+    samples are counted (a table for a class of experts); `prior` (a table of the same bits and cap):
+    what a history the samples never show takes (and the whole table where there are no samples),
+    instead of the mean of the histories with as many uses."""
     n = 1 << bits
     mask = n - 1
     tot = np.zeros(n, np.float64)
@@ -89,13 +92,19 @@ def learn_reuse_table(sequences: Iterable[np.ndarray], num_experts: int, *, bits
             k = known if select is None else known & select[li][None, :]
             tot += np.bincount(hist[k], weights=nextd[k].astype(np.float64), minlength=n)
             cnt += np.bincount(hist[k], minlength=n)
+    if prior is not None and (prior.bits, prior.cap) != (bits, cap):
+        raise SpecPrefetchError(f"{where}: a prior reuse table of {prior.bits} bits / cap {prior.cap}, not "
+                                f"{bits} / {cap}")
     if not cnt.sum():
+        if prior is not None:
+            return prior
         raise SpecPrefetchError(f"{where}: no routing to learn the reuse table from (sequences too short?)")
     # a history never seen takes the mean of the histories seen with as many uses (then the mean of all)
     pop = np.array([bin(i).count("1") for i in range(n)])
     overall = tot.sum() / cnt.sum()
     by_pop = {p: (tot[pop == p].sum() / cnt[pop == p].sum()) if cnt[pop == p].sum() else overall
               for p in range(bits + 1)}
-    mean = np.where(cnt > 0, tot / np.maximum(cnt, 1), [by_pop[p] for p in pop])
+    unseen = np.array(prior.visits16) / SCALE if prior is not None else [by_pop[p] for p in pop]
+    mean = np.where(cnt > 0, tot / np.maximum(cnt, 1), unseen)
     v16 = np.clip(np.rint(mean * SCALE), SCALE, SCALE * cap).astype(np.int64)
     return ReuseTable(bits, cap, tuple(int(x) for x in v16))

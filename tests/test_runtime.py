@@ -547,37 +547,53 @@ def test_cli_eviction_bounds(sim_trace, tmp_path):
 
 def test_reuse_by_frequency_class():
     """`reuse-freq` (eviction-bounds): each layer's experts in quarters by their train-split routing count,
-    a reuse table learned from each quarter's samples alone, and an expert scored with its quarter's
-    table: of two experts with the same history the one whose class is reused later is evicted."""
-    import numpy as np
+    a reuse table learned from each quarter's samples alone (a history a quarter never shows takes the
+    whole table's entry), and an expert scored with its quarter's table: of two experts with the same
+    history the one whose class is reused later is evicted; with the whole table for every class it
+    decides as `reuse`."""
+    from adapters.reuse import ReuseTable, learn_reuse_table
+    from toolkit.simulate.bounds import FrequencyReuse, frequency_classes, replay
+    from toolkit.traces.format import DECODE
 
-    from adapters.reuse import learn_reuse_table
-    from toolkit.runtime.pool import ExpertPool
-    from toolkit.simulate.bounds import FrequencyReuse, frequency_classes
-
-    # one layer of 8 experts, top-2: expert 0 every position, 1 every other, the rest in turn
+    # one layer of 8 experts, top-2: expert 0 every position, 1 every other, 2-7 in turn
     seq = np.array([[[0, 1 if p % 2 else 2 + (p // 2) % 6]] for p in range(64)]).reshape(64, 1, 2)
-    cls = frequency_classes([seq], 1, 8)
+    counts = np.bincount(seq[:, 0].ravel(), minlength=8)[None]
+    cls = frequency_classes(counts)
     assert cls[0, 0] == 0 and cls[0, 1] == 0 and sorted(cls[0].tolist()) == [0, 0, 1, 1, 2, 2, 3, 3]
-    hot = learn_reuse_table([seq], 8, select=cls == 0)
-    cold = learn_reuse_table([seq], 8, select=cls == 3)
-    assert hot.visits16[0b11111111] == 16 and cold.visits16 != hot.visits16   # expert 0 reused every visit
+    assert frequency_classes(counts[:, :2]).tolist() == [[0, 1]]   # fewer experts than classes: one each
     base = learn_reuse_table([seq], 8)
-    # two resident experts never routed lately (history 0): tables of their classes that tell them apart
-    fast = list(hot.visits16)
-    fast[0] = 16
-    slow = list(cold.visits16)
-    slow[0] = 16 * 40
-    tables = [type(hot)(hot.bits, hot.cap, tuple(fast))] * 2 + [type(hot)(hot.bits, hot.cap, tuple(slow))] * 2
-    h = FrequencyReuse(base, 1, cls, tables)
-    pool = ExpertPool(2, 1, policy="reuse", min_slots=1)
-    pool.reuse, pool.predicted = h, None
+    hot = learn_reuse_table([seq], 8, select=cls == 0, prior=base)
+    assert hot.visits16[0b11111111] == 16                              # expert 0: reused at every visit
+    assert hot.visits16[0b10101010] == base.visits16[0b10101010]      # never shown in its class: the prior
+    none = np.zeros_like(cls, bool)
+    assert learn_reuse_table([seq], 8, select=none, prior=base) == base   # no samples: the prior
+    with pytest.raises(SpecPrefetchError, match="no routing"):
+        learn_reuse_table([seq], 8, select=none)
+
+    def table(v0: int) -> ReuseTable:   # history 0 (not routed lately) reused after v0 visits
+        v = list(base.visits16)
+        v[0] = 16 * v0
+        return ReuseTable(base.bits, base.cap, tuple(v))
+
     cold_expert = int(np.nonzero(cls[0] == 3)[0][0])
-    for e in (0, cold_expert):
-        s = pool.reserve((0, e), 0, prefetch=False, protect=set())
-        s.ready = True
-    assert h.score((0, cold_expert), 1, None) > h.score((0, 0), 1, None)
-    assert pool.reuse.farthest(pool.slots.values(), 1, None, set()) == (0, cold_expert)
+    for hot_v, cold_v, victim in ((40, 1, 0), (1, 40, cold_expert)):   # the key tie-break would pick the cold one
+        h = FrequencyReuse(base, 1, cls, [table(hot_v)] * 2 + [table(cold_v)] * 2)
+        pool = ExpertPool(2, 1, policy="reuse", min_slots=1)
+        pool.reuse, pool.predicted = h, None
+        for e in (0, cold_expert):
+            pool.reserve((0, e), 0, prefetch=False, protect=set()).ready = True
+        assert pool.reuse.farthest(pool.slots.values(), 1, None, set()) == (0, victim)
+    with pytest.raises(SpecPrefetchError, match="history only"):
+        h.score((0, 0), 1, {(0, 0): 3})
+    # every class with the whole table: the same reads as `reuse`, on routing where the rules differ from LRU
+    rng = np.random.default_rng(0)
+    ids = np.stack([np.stack([rng.choice(8, 2, replace=False, p=np.linspace(2, 0.2, 8) / 8.8) for _ in range(2)])
+                    for _ in range(80)])
+    kinds = np.full(80, DECODE)
+    t = learn_reuse_table([ids], 8)
+    two = frequency_classes(np.stack([np.bincount(ids[:, li].ravel(), minlength=8) for li in range(2)]))
+    same = replay(ids, kinds, 5, "reuse-freq", t, freq=(two, [t] * 4))
+    assert same == replay(ids, kinds, 5, "reuse", t) and same != replay(ids, kinds, 5, "lru", None)
 
 
 def test_next_visit_heads_in_eval_eviction_bounds_and_the_simulator(sim_trace, embedded, tmp_path):

@@ -5,9 +5,9 @@ is one layer of one position; misses read on demand, no prefetch), with these ev
 
 - `lru`, and `reuse` (toolkit/runtime/reuse.py: histories and the table learned from the train split);
 - `reuse-freq`: `reuse` with one table per frequency class of experts (each layer's experts in quarters
-  by how often the train split routes to them, a table learned from each quarter's samples), so a hot
-  expert and a cold one with the same recent history are told apart (not in the runners yet: this
-  measures what it would buy);
+  by how often the train split routes to them, a table learned from each quarter's samples, a history
+  a quarter never shows taking `reuse`'s entry), so a hot expert and a cold one with the same recent
+  history are told apart (not in the runners yet: this measures what it would buy);
 - Belady's rule knowing the real routing only so far ahead: `belady-token` (the rest of the current
   token), `belady-next-token` (and all of the next token), and `belady` (everything); beyond what
   it knows, each variant scores by the reuse rule.
@@ -46,33 +46,39 @@ from toolkit.runtime.pool import ExpertPool
 from toolkit.runtime.reuse import ReuseHistory, next_visit_experts
 from toolkit.runtime.runner import belady_next_use
 from toolkit.traces.format import DECODE, TraceReader, routing_sequences
+from toolkit.traces.summary import expert_load
 
 RULES = ("lru", "reuse", "reuse-freq", "belady-token", "belady-next-token", "belady", "next-visit")
 ADAPTER_RULE = "adapter-next-visit"
 FREQ_CLASSES = 4   # reuse-freq: each layer's experts in quarters by their train-split routing counts
 
 
-def frequency_classes(train: list[np.ndarray], L: int, E: int, classes: int = FREQ_CLASSES) -> np.ndarray:
+def frequency_classes(counts: np.ndarray, classes: int = FREQ_CLASSES) -> np.ndarray:
     """[L, E] class of every expert, 0 the most routed: each layer's experts ranked by their routing
-    count in `train` (ties: the lower id first), in `classes` equal shares."""
-    counts = np.zeros((L, E), np.int64)
-    for ids in train:
-        for li in range(L):
-            counts[li] += np.bincount(np.asarray(ids)[:, li].ravel(), minlength=E)
+    counts ([L, E], e.g. summary.expert_load of the train split; ties: the lower id first), in
+    min(classes, E) shares as equal as E allows."""
+    L, E = counts.shape
+    n = min(classes, E)
     out = np.zeros((L, E), np.int64)
     for li in range(L):
-        out[li, np.argsort(-counts[li], kind="stable")] = np.arange(E) * classes // E
+        out[li, np.argsort(-counts[li], kind="stable")] = np.arange(E) * n // E
     return out
 
 
 class FrequencyReuse(ReuseHistory):
-    """The `reuse` rule's history-only score with the table of the expert's frequency class."""
+    """The `reuse` rule's history-only score with the table of the expert's frequency class (on demand:
+    no window predictions and no next-visit ones, which this rule does not read)."""
 
     def __init__(self, table, num_layers: int, classes: np.ndarray, tables: list):
         super().__init__(table, num_layers)
         self.classes, self.visits = classes, [t.visits16 for t in tables]
 
+    def set_next_visit(self, li, target, experts):
+        raise SpecPrefetchError("reuse-freq scores by history only (no next-visit predictions)")
+
     def score(self, key, now, predicted):
+        if predicted is not None:
+            raise SpecPrefetchError("reuse-freq scores by history only (no window predictions)")
         li, e = key
         v0 = now + ((li - now % self.L) % self.L or self.L)
         return v0 * SCALE + self.L * (self.visits[self.classes[li, e]][self.hist[li].get(e, 0)] - SCALE)
@@ -82,7 +88,7 @@ class FrequencyReuse(ReuseHistory):
         for s in slots:
             if not s.ready or s.pins or s.key in protect:
                 continue
-            v = self.score(s.key, now, None)
+            v = self.score(s.key, now, predicted)
             if best is None or v > top or (v == top and (-s.last_use, s.key) > (-best.last_use, best.key)):
                 best, top = s, v
         return best.key if best is not None else None
@@ -231,8 +237,8 @@ def eviction_bounds(trace: Path, pool_fracs: list[float], *, max_sequences: int 
                                 "--decode-tokens 0?)")
     table = learn_reuse_table(train, reader.num_experts, where=f"trace {trace}")
     L, E = len(reader.moe_layers), reader.num_experts
-    classes = frequency_classes(train, L, E, min(FREQ_CLASSES, E))
-    freq = (classes, [learn_reuse_table(train, E, where=f"trace {trace}", select=classes == c)
+    classes = frequency_classes(expert_load(reader, "train"))
+    freq = (classes, [learn_reuse_table(train, E, where=f"trace {trace}", select=classes == c, prior=table)
                       for c in range(int(classes.max()) + 1)])
     nexts = [belady_next_use(list(ids), L) for ids, _ in seqs]  # each sequence's real next uses, once
     exact = [exact_next_sets(ids) for ids, _ in seqs]              # and its real next visits
