@@ -65,6 +65,9 @@ def learn_reuse_table(sequences: Iterable[np.ndarray], num_experts: int, *, bits
     samples are counted (a table for a class of experts); `prior` (a table of the same bits and cap):
     what a history the samples never show takes (and the whole table where there are no samples),
     instead of the mean of the histories with as many uses."""
+    if prior is not None and (prior.bits, prior.cap) != (bits, cap):
+        raise SpecPrefetchError(f"{where}: a prior reuse table of {prior.bits} bits / cap {prior.cap}, not "
+                                f"{bits} / {cap}")
     n = 1 << bits
     mask = n - 1
     tot = np.zeros(n, np.float64)
@@ -92,9 +95,6 @@ def learn_reuse_table(sequences: Iterable[np.ndarray], num_experts: int, *, bits
             k = known if select is None else known & select[li][None, :]
             tot += np.bincount(hist[k], weights=nextd[k].astype(np.float64), minlength=n)
             cnt += np.bincount(hist[k], minlength=n)
-    if prior is not None and (prior.bits, prior.cap) != (bits, cap):
-        raise SpecPrefetchError(f"{where}: a prior reuse table of {prior.bits} bits / cap {prior.cap}, not "
-                                f"{bits} / {cap}")
     if not cnt.sum():
         if prior is not None:
             return prior

@@ -324,7 +324,8 @@ def simulate(traces, policies, adapter, profile, pool_mib, windows, queue_depth,
 @json_report
 @friendly_errors(interrupt=NOT_WRITTEN)
 def eviction_bounds_cmd(traces, pool_fracs, max_sequences, adapter, model, json_out, overwrite) -> None:
-    """Reads per decode token on TRACES' routing for LRU, the reuse eviction, Belady's rule knowing
+    """Reads per decode token on TRACES' routing for LRU, the reuse eviction (and reuse-freq: its table by
+    each expert's frequency class), Belady's rule knowing
     the future only so far (the current token, the next token, everything), and the reuse eviction
     knowing each layer's next visit (exactly; with --adapter, as its next-visit heads predict it): how
     much of the oracle's eviction a causal engine can reach (docs/runtime.md)."""

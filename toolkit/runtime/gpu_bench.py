@@ -11,7 +11,8 @@ profiler). Where the adapter has next-visit heads, each `+reuse` policy that rea
 without them (`POLICY next-visit=off`); with `--variant KEY=V[,KEY=V]`, each predicting policy (not
 on-demand, the draft or the oracle) also runs with those scheduler settings (`POLICY scheduler=...`:
 window, queue_depth (prefetch copies issued per layer step), candidate_threshold, min_confidence,
-read_budget_kib), rows of their own in the same rounds. Every run's tokens are checked against
+read_budget_kib: a number, or auto, the measured copy rate times a layer's resident step), rows of their
+own in the same rounds. Every run's tokens are checked against
 transformers' greedy tokens before any time is quoted.
 """
 from __future__ import annotations
@@ -558,7 +559,7 @@ def main(argv: list[str] | None = None) -> None:
                          "resident_profile)")
     ap.add_argument("--variant", action="append", default=[], metavar="KEY=V[,KEY=V]",
                     help="also each predicting policy with these scheduler settings (window, queue_depth, "
-                         "candidate_threshold, min_confidence, read_budget_kib; repeatable)")
+                         "candidate_threshold, min_confidence, read_budget_kib: KiB a layer step or auto; repeatable)")
     ap.add_argument("--json", type=Path, required=True)
     a = ap.parse_args(argv)
     r = run_gpu_bench(a.model, store=a.store, adapter=a.adapter, policies=parse_policies(a.policies),

@@ -149,10 +149,8 @@ def replay(ids: np.ndarray, kinds: np.ndarray, capacity: int, rule: str, table,
 
     if rule == "lru":
         pool = ExpertPool(capacity, 1, policy="lru", min_slots=k)
-    elif rule in ("reuse", "reuse-freq"):
-        pool = ExpertPool(capacity, 1, policy="reuse", min_slots=k)
-        pool.reuse, pool.predicted = hist, None
-    elif rule in ("next-visit", ADAPTER_RULE):  # the runners' rule: ReuseHistory.set_next_visit after acquire
+    elif rule in ("reuse", "reuse-freq", "next-visit", ADAPTER_RULE):
+        # (the next-visit rules: the runners' ReuseHistory.set_next_visit after the step's acquire, below)
         pool = ExpertPool(capacity, 1, policy="reuse", min_slots=k)
         pool.reuse, pool.predicted = hist, None
     elif rule in RULES:
