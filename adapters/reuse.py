@@ -65,13 +65,35 @@ def learn_reuse_table(sequences: Iterable[np.ndarray], num_experts: int, *, bits
     samples are counted (a table for a class of experts); `prior` (a table of the same bits and cap):
     what a history the samples never show takes (and the whole table where there are no samples),
     instead of the mean of the histories with as many uses."""
+    _check_prior(prior, bits, cap, where)
+    groups = None if select is None else np.asarray(select).astype(np.int64)   # group 1: the selected
+    tot, cnt = _reuse_sums(sequences, num_experts, bits, cap, groups, 1 if groups is None else 2)
+    return _table(tot[-1], cnt[-1], bits, cap, prior, where)
+
+
+def learn_reuse_tables(sequences: Iterable[np.ndarray], num_experts: int, groups: np.ndarray, *, bits: int = BITS,
+                       cap: int = CAP, where: str = "the routing") -> tuple[ReuseTable, list[ReuseTable]]:
+    """learn_reuse_table's table over every expert, and one per group of experts (`groups`: [layers,
+    experts] group ids 0..G-1), the whole table as each group's prior, from one pass over `sequences`."""
+    n_groups = int(np.max(groups)) + 1
+    tot, cnt = _reuse_sums(sequences, num_experts, bits, cap, np.asarray(groups, np.int64), n_groups)
+    whole = _table(tot.sum(0), cnt.sum(0), bits, cap, None, where)
+    return whole, [_table(tot[g], cnt[g], bits, cap, whole, where) for g in range(n_groups)]
+
+
+def _check_prior(prior: ReuseTable | None, bits: int, cap: int, where: str) -> None:
     if prior is not None and (prior.bits, prior.cap) != (bits, cap):
         raise SpecPrefetchError(f"{where}: a prior reuse table of {prior.bits} bits / cap {prior.cap}, not "
                                 f"{bits} / {cap}")
+
+
+def _reuse_sums(sequences: Iterable[np.ndarray], num_experts: int, bits: int, cap: int, groups: np.ndarray | None,
+                n_groups: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per group and history: the summed visits until reuse of its samples, and their count ([G, 2**bits])."""
     n = 1 << bits
     mask = n - 1
-    tot = np.zeros(n, np.float64)
-    cnt = np.zeros(n, np.int64)
+    tot = np.zeros((n_groups, n), np.float64)
+    cnt = np.zeros((n_groups, n), np.int64)
     for ids in sequences:
         ids = np.asarray(ids)
         N, L = ids.shape[0], ids.shape[1]
@@ -92,9 +114,16 @@ def learn_reuse_table(sequences: Iterable[np.ndarray], num_experts: int, *, bits
             for t in range(N):
                 h = ((h << 1) | used[t]) & mask
                 hist[t] = h
-            k = known if select is None else known & select[li][None, :]
-            tot += np.bincount(hist[k], weights=nextd[k].astype(np.float64), minlength=n)
-            cnt += np.bincount(hist[k], minlength=n)
+            idx = hist[known] if groups is None else (np.broadcast_to(groups[li], hist.shape)[known] * n
+                                                      + hist[known])
+            tot += np.bincount(idx, weights=nextd[known].astype(np.float64), minlength=n_groups * n).reshape(-1, n)
+            cnt += np.bincount(idx, minlength=n_groups * n).reshape(-1, n)
+    return tot, cnt
+
+
+def _table(tot: np.ndarray, cnt: np.ndarray, bits: int, cap: int, prior: ReuseTable | None,
+           where: str) -> ReuseTable:
+    n = 1 << bits
     if not cnt.sum():
         if prior is not None:
             return prior

@@ -40,7 +40,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from adapters.reuse import SCALE, learn_reuse_table
+from adapters.reuse import SCALE, learn_reuse_tables
 from toolkit.errors import SpecPrefetchError
 from toolkit.runtime.pool import ExpertPool
 from toolkit.runtime.reuse import ReuseHistory, next_visit_experts
@@ -233,11 +233,11 @@ def eviction_bounds(trace: Path, pool_fracs: list[float], *, max_sequences: int 
     if not any((kinds == DECODE).any() for _, kinds in seqs):
         raise SpecPrefetchError(f"trace {trace}: no held-out decode positions to count reads at (traced with "
                                 "--decode-tokens 0?)")
-    table = learn_reuse_table(train, reader.num_experts, where=f"trace {trace}")
     L, E = len(reader.moe_layers), reader.num_experts
+    # the reuse table, and reuse-freq's one per frequency class, from one pass over the train split
     classes = frequency_classes(expert_load(reader, "train"))
-    freq = (classes, [learn_reuse_table(train, E, where=f"trace {trace}", select=classes == c, prior=table)
-                      for c in range(int(classes.max()) + 1)])
+    table, class_tables = learn_reuse_tables(train, E, classes, where=f"trace {trace}")
+    freq = (classes, class_tables)
     nexts = [belady_next_use(list(ids), L) for ids, _ in seqs]  # each sequence's real next uses, once
     exact = [exact_next_sets(ids) for ids, _ in seqs]              # and its real next visits
     rules = RULES
