@@ -124,16 +124,16 @@ def _reuse_sums(sequences: Iterable[np.ndarray], num_experts: int, bits: int, ca
 def _table(tot: np.ndarray, cnt: np.ndarray, bits: int, cap: int, prior: ReuseTable | None,
            where: str) -> ReuseTable:
     n = 1 << bits
-    if not cnt.sum():
-        if prior is not None:
-            return prior
-        raise SpecPrefetchError(f"{where}: no routing to learn the reuse table from (sequences too short?)")
-    # a history never seen takes the mean of the histories seen with as many uses (then the mean of all)
-    pop = np.array([bin(i).count("1") for i in range(n)])
-    overall = tot.sum() / cnt.sum()
-    by_pop = {p: (tot[pop == p].sum() / cnt[pop == p].sum()) if cnt[pop == p].sum() else overall
-              for p in range(bits + 1)}
-    unseen = np.array(prior.visits16) / SCALE if prior is not None else [by_pop[p] for p in pop]
+    if prior is not None:   # a history never seen (every one, where there are no samples) takes the prior's
+        unseen = np.array(prior.visits16) / SCALE
+    else:   # the mean of the histories seen with as many uses (then the mean of all)
+        if not cnt.sum():
+            raise SpecPrefetchError(f"{where}: no routing to learn the reuse table from (sequences too short?)")
+        pop = np.array([bin(i).count("1") for i in range(n)])
+        overall = tot.sum() / cnt.sum()
+        by_pop = {p: (tot[pop == p].sum() / cnt[pop == p].sum()) if cnt[pop == p].sum() else overall
+                  for p in range(bits + 1)}
+        unseen = np.array([by_pop[p] for p in pop])
     mean = np.where(cnt > 0, tot / np.maximum(cnt, 1), unseen)
     v16 = np.clip(np.rint(mean * SCALE), SCALE, SCALE * cap).astype(np.int64)
     return ReuseTable(bits, cap, tuple(int(x) for x in v16))

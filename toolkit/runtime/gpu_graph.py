@@ -272,7 +272,7 @@ class StaticDecoder:
         q, k = self.rope(q, k, cos, sin)
         kv.k[i].index_copy_(2, positions, k.to(kv.k[i].dtype))
         kv.v[i].index_copy_(2, positions, v.to(kv.v[i].dtype))
-        if T == 1 and self.groups > 1:
+        if self._folds(T):
             # one position: the query heads sharing a K/V head are that head's rows ([1, kv heads, groups,
             # d]; head h reads K/V head h // groups, as repeat_kv lays them out), so the cache is read
             # where it lies instead of expanded into a copy per query head
@@ -285,9 +285,14 @@ class StaticDecoder:
             o = o.transpose(1, 2).reshape(1, T, -1)
         return h + sa.o_proj(o)
 
+    def _folds(self, T: int) -> bool:
+        """Whether attention over T positions runs a K/V head's query heads as its rows (the K/V fold,
+        attention), which the one-position mask is made for (prelude)."""
+        return T == 1 and self.groups > 1
+
     def prelude(self, positions: torch.Tensor, h: torch.Tensor):
         mask = self.mask(positions, self.S)
-        if positions.numel() == 1 and self.groups > 1:
+        if self._folds(positions.numel()):
             # one position's attention runs a K/V head's query heads as its rows (attention): the mask gets
             # those rows for real (a broadcast over the query rows is a zero stride some fused attention
             # kernels mishandle; a broadcast over heads, as before, stays)

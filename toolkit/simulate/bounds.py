@@ -46,7 +46,7 @@ from toolkit.runtime.pool import ExpertPool
 from toolkit.runtime.reuse import ReuseHistory, next_visit_experts
 from toolkit.runtime.runner import belady_next_use
 from toolkit.traces.format import DECODE, TraceReader, routing_sequences
-from toolkit.traces.summary import expert_load
+from toolkit.traces.summary import add_expert_load
 
 RULES = ("lru", "reuse", "reuse-freq", "belady-token", "belady-next-token", "belady", "next-visit")
 ADAPTER_RULE = "adapter-next-visit"
@@ -235,7 +235,10 @@ def eviction_bounds(trace: Path, pool_fracs: list[float], *, max_sequences: int 
                                 "--decode-tokens 0?)")
     L, E = len(reader.moe_layers), reader.num_experts
     # the reuse table, and reuse-freq's one per frequency class, from one pass over the train split
-    classes = frequency_classes(expert_load(reader, "train"))
+    load = np.zeros((L, E), np.int64)
+    for ids in train:   # the split's counts from the arrays in memory (summary.expert_load reads the shards)
+        add_expert_load(load, ids)
+    classes = frequency_classes(load)
     table, class_tables = learn_reuse_tables(train, E, classes, where=f"trace {trace}")
     freq = (classes, class_tables)
     nexts = [belady_next_use(list(ids), L) for ids, _ in seqs]  # each sequence's real next uses, once

@@ -26,10 +26,14 @@ def expert_load(reader: TraceReader, split: str, decode_only: bool = False) -> n
     load = np.zeros((len(reader.moe_layers), reader.num_experts), np.int64)
     for a in reader.iter_shards(split):
         ids = a["expert_ids"]
-        if decode_only:
-            ids = ids[a["kind"] == DECODE]
-        for li in range(ids.shape[1]):
-            load[li] += np.bincount(ids[:, li].reshape(-1).astype(np.int64), minlength=reader.num_experts)
+        add_expert_load(load, ids[a["kind"] == DECODE] if decode_only else ids)
+    return load
+
+
+def add_expert_load(load: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """Adds the selections of `ids` ([positions, L, k] expert ids) to `load` ([L, E]); returns it."""
+    for li in range(ids.shape[1]):
+        load[li] += np.bincount(np.asarray(ids)[:, li].reshape(-1).astype(np.int64), minlength=load.shape[1])
     return load
 
 
