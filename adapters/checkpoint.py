@@ -54,7 +54,8 @@ def reuse_table(meta: dict[str, Any], file: Path):
     from adapters.reuse import ReuseTable
 
     d = meta.get("reuse")
-    return None if d is None else ReuseTable.from_json(d, str(file))
+    return None if d is None else ReuseTable.from_json(
+        d, str(file), shape=(len(meta["model"]["moe_layers"]), meta["model"]["num_experts"]))
 
 
 def _is_int(v: Any) -> bool:

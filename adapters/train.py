@@ -20,7 +20,8 @@ from tqdm import tqdm
 
 from adapters.checkpoint import save_adapter
 from adapters.lowrank import PrefetchAdapter
-from adapters.reuse import learn_reuse_table
+from adapters.reuse import CLASSES as REUSE_CLASSES
+from adapters.reuse import MAX_CLASSES, learn_class_reuse_table
 from toolkit.errors import SpecPrefetchError
 from toolkit.metrics import recall, topk_hits
 from toolkit.models.families import router_distribution
@@ -51,6 +52,8 @@ class TrainConfig:
     seed: int = 0
     device: str = "cpu"
     max_memory_mb: int = 512
+    # the reuse table's frequency classes per layer (adapters/reuse.py; 1: one table for every expert)
+    reuse_classes: int = REUSE_CLASSES
 
     def __post_init__(self):
         if self.next_visit is None:  # the default: the heads cross the token boundary, as cross_token does
@@ -63,11 +66,14 @@ class TrainConfig:
 
         for option, value in (("--rank", self.rank), ("--steps", self.steps), ("--batch-size", self.batch_size),
                               ("--val-every", self.val_every), ("--patience", self.patience),
-                              ("--max-memory-mb", self.max_memory_mb), ("warmup", self.warmup)):
+                              ("--max-memory-mb", self.max_memory_mb), ("warmup", self.warmup),
+                              ("--reuse-classes", self.reuse_classes)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise bad(option, value, "must be a whole number >= 1")
         if not self.horizons or any(not 1 <= h <= 4 for h in self.horizons):
             raise bad("--horizons", ",".join(map(str, self.horizons)) or "''", "each horizon must lie in 1..4")
+        if self.reuse_classes > MAX_CLASSES:
+            raise bad("--reuse-classes", self.reuse_classes, f"must lie in 1..{MAX_CLASSES}")
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise bad("--lr", self.lr, "must be a finite number > 0")
         if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
@@ -249,8 +255,8 @@ def train_adapter(trace: Path, out: Path, cfg: TrainConfig, *, model: str | Path
         "model_params": model_params,
         "share_of_model": adapter.params() / model_params,
     }
-    result["reuse"] = learn_reuse_table(routing_sequences(reader, "train"), g.routing.num_experts,
-                                        where=f"trace {trace}").to_json()
+    result["reuse"] = learn_class_reuse_table(routing_sequences(reader, "train"), g.routing.num_experts,
+                                              classes=cfg.reuse_classes, where=f"trace {trace}").to_json()
     adapter.to("cpu")
     save_adapter(adapter, out, spec, result, overwrite=overwrite, inputs=inputs)
     return {"params": adapter.params(), **result}

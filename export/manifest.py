@@ -268,7 +268,8 @@ def _validate(path: Path, mf: Path, m: Any, hash_store: bool = True) -> list[str
     if m["predictor"].get("reuse") is not None:  # the reuse eviction's table, as the runners read it
         from adapters.reuse import ReuseTable
 
-        ReuseTable.from_json(m["predictor"]["reuse"], f"{mf}: predictor.reuse")
+        ReuseTable.from_json(m["predictor"]["reuse"], f"{mf}: predictor.reuse",
+                             shape=(len(g.moe_layers), g.routing.num_experts))
     nv = m["predictor"].get("next_visit", False)
     if not isinstance(nv, bool):
         raise SpecPrefetchError(f"{mf}: predictor.next_visit must be true or false")

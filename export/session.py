@@ -376,7 +376,8 @@ def _bundle_session(path: Path, m: dict, backend, cfg: RunConfig, names: list[st
                      score_bias=score_bias, preds_horizons=horizons,
                      max_seq=m["kv"]["max_seq"], label=str(path),
                      text_config=spec.family.text_config(spec.config),
-                     reuse=ReuseTable.from_json(m["predictor"]["reuse"], f"{path / 'manifest.json'}: predictor.reuse")
+                     reuse=ReuseTable.from_json(m["predictor"]["reuse"], f"{path / 'manifest.json'}: predictor.reuse",
+                                                shape=(len(moe), routing.num_experts))
                      if m["predictor"].get("reuse") is not None else None,
                      next_visit=m["predictor"].get("next_visit") is True)
     tok = AutoTokenizer.from_pretrained(spec.path, local_files_only=True)

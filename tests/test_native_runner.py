@@ -111,53 +111,63 @@ def test_same_tokens_decisions_and_counts_as_the_reference(native, reference, em
 
 def _reuse_table():
     """A reuse table learned from skewed synthetic routing (8 layers x 32 experts, top-4): some experts
-    hot, so histories differ in what they predict."""
+    hot, so histories differ in what they predict; with frequency classes, as `train` learns it."""
     import numpy as np
 
-    from adapters.reuse import learn_reuse_table
+    from adapters.reuse import learn_class_reuse_table
 
     rng = np.random.default_rng(0)
     p = np.linspace(3.0, 0.2, 32)
     p /= p.sum()
     seqs = [np.stack([np.stack([rng.choice(32, 4, replace=False, p=p) for _ in range(8)]) for _ in range(40)])
             for _ in range(6)]
-    return learn_reuse_table(seqs, 32)
+    return learn_class_reuse_table(seqs, 32)
+
+
+def _with_reuse(src: Path, b: Path, table: dict) -> Path:
+    shutil.copytree(src, b)
+    m = json.loads((b / "manifest.json").read_text())
+    m["predictor"]["reuse"] = table
+    (b / "manifest.json").write_text(json.dumps(m))
+    return b
 
 
 @pytest.fixture(scope="module")
 def reuse_bundle(native, tmp_path_factory) -> Path:
-    """The shared bundle with a reuse table in its manifest (as an export with an adapter writes it)."""
-    b = tmp_path_factory.mktemp("reuse") / "bundle"
-    shutil.copytree(native[0], b)
-    m = json.loads((b / "manifest.json").read_text())
-    m["predictor"]["reuse"] = _reuse_table().to_json()
-    (b / "manifest.json").write_text(json.dumps(m))
-    return b
+    """The shared bundle with a reuse table (frequency classes included) in its manifest (as an export
+    with an adapter writes it)."""
+    return _with_reuse(native[0], tmp_path_factory.mktemp("reuse") / "bundle", _reuse_table().to_json())
 
 
 @pytest.mark.parametrize("preds", [("next-gate",), pytest.param(("on-demand", "previous-token", "oracle"),
                                                                   marks=pytest.mark.slow)])
 def test_reuse_eviction_decides_as_the_reference(native, reuse_bundle, embedded, tmp_path, preds):
-    """The reuse eviction (histories and the learned table) makes the same decisions in both engines, and
-    they are not LRU's."""
+    """The reuse eviction (histories and the learned table, with its frequency classes and without them)
+    makes the same decisions in both engines, and they are not LRU's; the classes change them."""
     pool = POOLS[0]
     ref = reference_tokens(embedded, PROMPTS[0], NEW)
-    session = open_session(reuse_bundle, RunConfig(policy=Policy("on-demand", "lru"), io="threads"),
-                           predictors=[p for p in preds if p != "on-demand"])
+    t = _reuse_table().to_json()
+    whole = _with_reuse(reuse_bundle, tmp_path / "whole", {k: v for k, v in t.items()
+                                                           if k not in ("classes", "class_visits16")})
+    names = [p for p in preds if p != "on-demand"]
+    sessions = {b: open_session(b, RunConfig(policy=Policy("on-demand", "lru"), io="threads"), predictors=names)
+                for b in (reuse_bundle, whole)}
     for pred in preds:
         lines_of = {}
-        for ev in ("reuse", "lru"):
+        for b, ev in ((reuse_bundle, "reuse"), (reuse_bundle, "lru"), (whole, "reuse")):
             policy = f"{pred}+{ev}"
-            out, lines = native_run((reuse_bundle, native[1]), tmp_path, policy, pool, prompts=PROMPTS[:1])
+            out, lines = native_run((b, native[1]), tmp_path, policy, pool, prompts=PROMPTS[:1])
+            session = sessions[b]
             session.runner.configure(policy=Policy.parse(policy), pool_mib=pool)
             log = EventLog()
             g = session.runner.run(PROMPTS[0], NEW, events=log)
             assert out["runs"][0]["tokens"] == g.tokens == ref, policy
-            assert decisions(lines) == decisions(log.lines), policy
+            assert decisions(lines) == decisions(log.lines), (policy, b)
             assert out["runs"][0]["counts"]["bytes_read"] == g.to_json()["counts"]["bytes_read"], policy
-            lines_of[ev] = lines
+            lines_of[ev if b == reuse_bundle else "whole"] = lines
         evicts = {ev: [ln for ln in decisions(lines_of[ev]) if "evict" in str(ln)] for ev in lines_of}
         assert evicts["reuse"] and evicts["reuse"] != evicts["lru"], pred
+        assert evicts["whole"] and evicts["whole"] != evicts["reuse"], pred
 
 
 @pytest.fixture(scope="module")
@@ -259,20 +269,24 @@ def test_reuse_eviction_without_a_table_is_an_error(native, embedded_bundles):
         open_session(embedded_bundles["executorch"], RunConfig(policy=Policy("on-demand", "reuse"), io="threads"))
 
 
-def test_a_malformed_reuse_table_is_refused(native, tmp_path):
-    b = tmp_path / "b"
-    shutil.copytree(native[0], b)
-    m = json.loads((b / "manifest.json").read_text())
+@pytest.mark.parametrize("change,native_msg,py_msg", [
+    (lambda t: t.update(visits16=t["visits16"][:-1]), "predictor.reuse.visits16", "visits16"),
+    (lambda t: t["classes"][0].pop(), r"predictor.reuse.classes[0] must hold a class per expert", "experts"),
+    (lambda t: t["classes"].pop(), "a list per MoE layer", "MoE layers"),
+    (lambda t: t["classes"][1].__setitem__(0, 4), r"predictor.reuse.classes[1][0]", "class ids"),
+    (lambda t: t.pop("class_visits16"), "come together", "class_visits16"),
+    (lambda t: t["class_visits16"][2].pop(), r"predictor.reuse.class_visits16[2]", r"class_visits16\[2\]"),
+], ids=["visits16", "classes-experts", "classes-layers", "class-id", "no-class-tables", "class-table"])
+def test_a_malformed_reuse_table_is_refused(native, tmp_path, change, native_msg, py_msg):
     t = _reuse_table().to_json()
-    t["visits16"] = t["visits16"][:-1]
-    m["predictor"]["reuse"] = t
-    (b / "manifest.json").write_text(json.dumps(m))
+    change(t)
+    b = _with_reuse(native[0], tmp_path / "b", t)
     r = subprocess.run([*command(native[1], "host"), str(b), "--prompt-ids", "1,2,3", "--max-new-tokens", "2"],
                        capture_output=True, text=True, timeout=300)
     err = [ln for ln in r.stderr.splitlines() if ln.startswith("specprefetch-runner: error:")]
-    assert r.returncode == 1 and len(err) == 1 and "predictor.reuse.visits16" in err[0], r.stderr
+    assert r.returncode == 1 and len(err) == 1 and native_msg in err[0] and "manifest.json" in err[0], r.stderr
     from toolkit.errors import SpecPrefetchError
-    with pytest.raises(SpecPrefetchError, match="visits16"):
+    with pytest.raises(SpecPrefetchError, match=py_msg):
         open_session(b, RunConfig(policy=Policy("on-demand", "lru"), io="threads"))
 
 

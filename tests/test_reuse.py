@@ -2,6 +2,8 @@
 and the simulator's rows for it."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -256,6 +258,9 @@ def test_next_visit_weight_weighs_the_heads(tiny_models, tmp_path, monkeypatch):
         ad, meta = load_adapter(out, spec)
         L = ad.num_layers
         assert meta["training"]["next_visit_weight"] == w
+        cls = meta["reuse"]["classes"]   # the reuse table's frequency classes, 4 by default
+        assert meta["training"]["reuse_classes"] == 4 and len(meta["reuse"]["class_visits16"]) == 4
+        assert len(cls) == L and all(sorted(r) == sorted(np.arange(len(r)) * 4 // len(r)) for r in cls), cls
         assert len(seen) > 3                                      # training steps and validation batches
         for pairs, weights in seen:
             assert [x for (i, h), x in zip(pairs, weights) if h == L] == [w] * L
@@ -272,5 +277,10 @@ def test_next_visit_weight_weighs_the_heads(tiny_models, tmp_path, monkeypatch):
     assert r.exit_code != 0 and f"--horizon-weights {L}:W" in r.output, r.output
     assert not (tmp_path / "x").exists()
     r = CliRunner().invoke(main, ["train", str(trace), "--out", str(tmp_path / "y"), "--no-next-visit",
-                                  "--steps", "2", "--val-every", "2", "--batch-size", "32", "--rank", "4"])
+                                  "--steps", "2", "--val-every", "2", "--batch-size", "32", "--rank", "4",
+                                  "--reuse-classes", "1"])
     assert r.exit_code == 0 and (tmp_path / "y" / "adapter.json").exists(), r.output   # no heads: trains
+    t = json.loads((tmp_path / "y" / "adapter.json").read_text())["reuse"]
+    assert "classes" not in t and t["visits16"] == meta["reuse"]["visits16"]   # one table: the whole one
+    r = CliRunner().invoke(main, ["train", str(trace), "--out", str(tmp_path / "z"), "--reuse-classes", "0"])
+    assert r.exit_code == 2 and "--reuse-classes" in r.output and not (tmp_path / "z").exists()

@@ -546,13 +546,17 @@ def test_cli_eviction_bounds(sim_trace, tmp_path):
 
 
 def test_reuse_by_frequency_class():
-    """`reuse-freq` (eviction-bounds): each layer's experts in quarters by their train-split routing count,
-    a reuse table learned from each quarter's samples alone (a history a quarter never shows takes the
-    whole table's entry), and an expert scored with its quarter's table: of two experts with the same
-    history the one whose class is reused later is evicted; with the whole table for every class it
-    decides as `reuse`."""
-    from adapters.reuse import ReuseTable, learn_reuse_table
-    from toolkit.simulate.bounds import FrequencyReuse, frequency_classes, replay
+    """Frequency classes (adapters/reuse.py): each layer's experts in quarters by their train-split routing
+    count, a reuse table learned from each quarter's samples alone (a history a quarter never shows takes
+    the whole table's entry), and ReuseHistory scores an expert with its quarter's table (both scores:
+    history only and with a next-visit prediction): of two experts with the same history the one whose
+    class is reused later is evicted; with the whole table for every class it decides as `reuse`; the
+    table round-trips through JSON and a malformed one is a one-line error."""
+    import dataclasses
+
+    from adapters.reuse import ReuseTable, frequency_classes, learn_class_reuse_table, learn_reuse_table
+    from toolkit.runtime.reuse import ReuseHistory
+    from toolkit.simulate.bounds import replay
     from toolkit.traces.format import DECODE
 
     # one layer of 8 experts, top-2: expert 0 every position, 1 every other, 2-7 in turn
@@ -569,31 +573,51 @@ def test_reuse_by_frequency_class():
     assert learn_reuse_table([seq], 8, select=none, prior=base) == base   # no samples: the prior
     with pytest.raises(SpecPrefetchError, match="no routing"):
         learn_reuse_table([seq], 8, select=none)
+    learned = learn_class_reuse_table([seq], 8)
+    assert learned.classes == tuple(map(tuple, cls.tolist())) and learned.class_visits16[0] == hot.visits16
+    assert dataclasses.replace(learned, classes=None, class_visits16=None) == base
+    assert learn_class_reuse_table([seq], 8, classes=1) == base
+    assert ReuseTable.from_json(learned.to_json(), "t", shape=(1, 8)) == learned
+    for change, msg in (({"classes": [[0] * 7]}, "1 MoE layers x 7 experts"), ({"classes": [[0] * 7 + [4]]}, "0..3"),
+                        ({"class_visits16": None}, "class_visits16"), ({"class_visits16": [[15] * 256] * 4},
+                                                                       r"class_visits16\[0\]")):
+        with pytest.raises(SpecPrefetchError, match=msg):
+            ReuseTable.from_json({**learned.to_json(), **change}, "t", shape=(1, 8))
+    with pytest.raises(SpecPrefetchError, match="1 MoE layers, not 2"):
+        ReuseHistory(learned, 2)
 
-    def table(v0: int) -> ReuseTable:   # history 0 (not routed lately) reused after v0 visits
+    def table(v0: int) -> tuple[int, ...]:   # history 0 (not routed lately) reused after v0 visits
         v = list(base.visits16)
         v[0] = 16 * v0
-        return ReuseTable(base.bits, base.cap, tuple(v))
+        return tuple(v)
 
     cold_expert = int(np.nonzero(cls[0] == 3)[0][0])
     for hot_v, cold_v, victim in ((40, 1, 0), (1, 40, cold_expert)):   # the key tie-break would pick the cold one
-        h = FrequencyReuse(base, 1, cls, [table(hot_v)] * 2 + [table(cold_v)] * 2)
-        pool = ExpertPool(2, 1, policy="reuse", min_slots=1)
-        pool.reuse, pool.predicted = h, None
-        for e in (0, cold_expert):
-            pool.reserve((0, e), 0, prefetch=False, protect=set()).ready = True
-        assert pool.reuse.farthest(pool.slots.values(), 1, None, set()) == (0, victim)
-    with pytest.raises(SpecPrefetchError, match="history only"):
-        h.score((0, 0), 1, {(0, 0): 3})
+        t = dataclasses.replace(base, classes=learned.classes,
+                                class_visits16=(table(hot_v),) * 2 + (table(cold_v),) * 2)
+        for nv in (False, True):   # history only; a next-visit prediction of neither (their histories one on)
+            h = ReuseHistory(t, 1)
+            if nv:
+                h.set_next_visit(0, 2, [5 if cold_expert != 5 else 6])
+                for e in (0, cold_expert):   # (x << 1): history 0 stays 0
+                    assert h.score((0, e), 1, None) == (2 + 1) * 16 + (t.class_visits16[cls[0, e]][0] - 16)
+            pool = ExpertPool(2, 1, policy="reuse", min_slots=1)
+            pool.reuse, pool.predicted = h, None
+            for e in (0, cold_expert):
+                pool.reserve((0, e), 0, prefetch=False, protect=set()).ready = True
+            assert pool.reuse.farthest(pool.slots.values(), 1, None, set()) == (0, victim)
+            assert max((0, cold_expert), key=lambda e: h.score((0, e), 1, None)) == victim
     # every class with the whole table: the same reads as `reuse`, on routing where the rules differ from LRU
     rng = np.random.default_rng(0)
     ids = np.stack([np.stack([rng.choice(8, 2, replace=False, p=np.linspace(2, 0.2, 8) / 8.8) for _ in range(2)])
                     for _ in range(80)])
     kinds = np.full(80, DECODE)
     t = learn_reuse_table([ids], 8)
-    two = frequency_classes(np.stack([np.bincount(ids[:, li].ravel(), minlength=8) for li in range(2)]))
-    same = replay(ids, kinds, 5, "reuse-freq", t, freq=(two, [t] * 4))
+    two = learn_class_reuse_table([ids], 8)
+    same = replay(ids, kinds, 5, "reuse-freq", dataclasses.replace(two, class_visits16=(t.visits16,) * 4))
     assert same == replay(ids, kinds, 5, "reuse", t) and same != replay(ids, kinds, 5, "lru", None)
+    with pytest.raises(SpecPrefetchError, match="frequency classes"):
+        replay(ids, kinds, 5, "reuse-freq", t)
 
 
 def test_next_visit_heads_in_eval_eviction_bounds_and_the_simulator(sim_trace, embedded, tmp_path):
@@ -618,7 +642,8 @@ def test_next_visit_heads_in_eval_eviction_bounds_and_the_simulator(sim_trace, e
     assert ev["horizons"] == [1, 2, L] and 0 < ev["predictors"]["adapter"]["recall_at_k"][str(L)] <= 1
     e = eviction_bounds(sim_trace, [0.2], max_sequences=3, adapter=tmp_path / "a")
     rp = e["points"][0]["reads_per_token"]
-    assert e["rules"][-1] == "adapter-next-visit" and rp["adapter-next-visit"] > 0 and rp["belady"] == min(rp.values())
+    assert e["rules"][-2:] == ["adapter-next-visit", "adapter-next-visit-freq"] and rp["belady"] == min(rp.values())
+    assert rp["adapter-next-visit"] > 0 and rp["adapter-next-visit-freq"] > 0, rp
     train_adapter(sim_trace, tmp_path / "b", dataclasses.replace(cfg, next_visit=False), progress=False)
     with pytest.raises(SpecPrefetchError, match="no next-visit heads"):
         eviction_bounds(sim_trace, [0.2], max_sequences=1, adapter=tmp_path / "b")

@@ -169,6 +169,9 @@ def trace(model, data, out, prompt_tokens, decode_tokens, max_sequences, probs_t
               help="weight of the top-k ranking term")
 @click.option("--next-visit-weight", type=FiniteFloat(0.0, inclusive=True), default=1.0, show_default=True,
               help="loss weight of the next-visit heads (horizon L; in the validation loss too)")
+@click.option("--reuse-classes", type=click.IntRange(1, 64), default=4, show_default=True,
+              help="the reuse table's frequency classes: each layer's experts in this many shares by how often "
+                   "the train split routes to them, a table per share (docs/runtime.md; 1: one table)")
 @click.option("--steps", type=click.IntRange(min=1), default=3000, show_default=True)
 @click.option("--batch-size", type=click.IntRange(min=1), default=512, show_default=True)
 @click.option("--lr", type=FiniteFloat(), default=3e-3, show_default=True)
@@ -184,7 +187,7 @@ def trace(model, data, out, prompt_tokens, decode_tokens, max_sequences, probs_t
               help="replace an existing adapter at --out (only once the new one is complete)")
 @friendly_errors(interrupt=NOTHING_TO_OUT)
 def train(traces, out, model, rank, horizons, cross_token, next_visit, horizon_weights, topk_weight,
-          next_visit_weight, steps, batch_size, lr, val_every, patience, seed, device, max_memory_mb,
+          next_visit_weight, reuse_classes, steps, batch_size, lr, val_every, patience, seed, device, max_memory_mb,
           overwrite) -> None:
     """Train the prefetch adapter on TRACES (a `trace` directory): a rank-r correction of each
     future layer's router, KL to the real routing, backbone frozen."""
@@ -198,7 +201,7 @@ def train(traces, out, model, rank, horizons, cross_token, next_visit, horizon_w
             raise SpecPrefetchError(f"--horizon-weights {horizon_weights!r}: expected H:W,H:W") from None
     cfg = TrainConfig(rank=rank, horizons=int_tuple(horizons, "--horizons"), cross_token=cross_token,
                       next_visit=next_visit, horizon_weights=hw, topk_weight=topk_weight,
-                      next_visit_weight=next_visit_weight, steps=steps,
+                      next_visit_weight=next_visit_weight, reuse_classes=reuse_classes, steps=steps,
                       batch_size=batch_size, lr=lr, val_every=val_every, patience=patience, seed=seed, device=device,
                       max_memory_mb=max_memory_mb)
     if not cfg.next_visit and not ctx_default(click.get_current_context(), "next_visit_weight"):

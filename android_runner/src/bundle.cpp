@@ -297,13 +297,40 @@ Bundle parse_manifest(const std::string& text, const std::string& where) {
   }
   if (const json* v = optional(pred, "reuse", where, "predictor"); v != nullptr && !v->is_null()) {
     jsonc::need_object(*v, where, "predictor.reuse");
-    b.reuse_bits = to_int(as_int(field(*v, "bits", where, "predictor.reuse"), where, "predictor.reuse.bits", 1, 16));
+    ReuseTable& t = b.reuse;
+    t.bits = to_int(as_int(field(*v, "bits", where, "predictor.reuse"), where, "predictor.reuse.bits", 1, 16));
     const int64_t cap = as_int(field(*v, "cap", where, "predictor.reuse"), where, "predictor.reuse.cap", 1, 1 << 20);
     as_int(field(*v, "scale", where, "predictor.reuse"), where, "predictor.reuse.scale", 16, 16);  // 16 only
-    b.reuse_visits16 = as_int_list(field(*v, "visits16", where, "predictor.reuse"), where, "predictor.reuse.visits16",
-                                   16, 16 * cap);
-    if (b.reuse_visits16.size() != (size_t{1} << b.reuse_bits))
-      fail(where, "predictor.reuse.visits16 must hold 2^bits values");
+    const size_t n = size_t{1} << t.bits;
+    auto table = [&](const json& x, const std::string& path) {
+      std::vector<int64_t> out = as_int_list(x, where, path, 16, 16 * cap);
+      if (out.size() != n) fail(where, path + " must hold 2^bits values");
+      return out;
+    };
+    t.visits16 = table(field(*v, "visits16", where, "predictor.reuse"), "predictor.reuse.visits16");
+    // frequency classes (adapters/reuse.py): both or neither; a class id per MoE layer and expert
+    const json* cls = optional(*v, "classes", where, "predictor.reuse");
+    const json* ct = optional(*v, "class_visits16", where, "predictor.reuse");
+    if ((cls != nullptr && !cls->is_null()) != (ct != nullptr && !ct->is_null()))
+      fail(where, "predictor.reuse.classes and predictor.reuse.class_visits16 come together");
+    if (cls != nullptr && !cls->is_null()) {
+      as_list(*ct, where, "predictor.reuse.class_visits16");
+      if (ct->empty() || ct->size() > 64) fail(where, "predictor.reuse.class_visits16 must hold 1..64 tables");
+      for (size_t c = 0; c < ct->size(); ++c)
+        t.class_visits16.push_back(table((*ct)[c], "predictor.reuse.class_visits16[" + std::to_string(c) + "]"));
+      as_list(*cls, where, "predictor.reuse.classes");
+      if (cls->size() != b.moe_layers.size())
+        fail(where, "predictor.reuse.classes must hold a list per MoE layer (" + std::to_string(b.moe_layers.size()) + ")");
+      for (size_t li = 0; li < cls->size(); ++li) {
+        const std::string path = "predictor.reuse.classes[" + std::to_string(li) + "]";
+        std::vector<int> row;
+        for (int64_t c : as_int_list((*cls)[li], where, path, 0, static_cast<int64_t>(ct->size()) - 1))
+          row.push_back(to_int(c));
+        if (row.size() != static_cast<size_t>(b.num_experts))
+          fail(where, path + " must hold a class per expert (" + std::to_string(b.num_experts) + ")");
+        t.classes.push_back(std::move(row));
+      }
+    }
   }
   if (const json* v = optional(pred, "next_visit", where, "predictor"))
     b.next_visit = as_bool(*v, where, "predictor.next_visit");

@@ -86,9 +86,8 @@ struct Bundle {
   // the manifest has no predictor.preds_rows.
   std::map<int, std::vector<int>> preds_rows;
   // predictor.reuse: the `reuse` eviction's table (toolkit/runtime/reuse.py), learned with the
-  // adapter: reuse_bits of history, reuse_visits16[2^bits] (sixteenths of a visit); empty if absent
-  int reuse_bits = 0;
-  std::vector<int64_t> reuse_visits16;
+  // adapter, its frequency classes checked against moe_layers x num_experts; empty if absent
+  ReuseTable reuse;
   // predictor.next_visit: every layer's preds rows hold horizon L (moe_layers.size()), the adapter's
   // next-visit heads, which the reuse eviction reads (pool.h, ReuseHistory)
   bool next_visit = false;

@@ -448,8 +448,7 @@ int main_(int argc, char** argv) {
   m.preds_rows = b.preds_rows;
   m.graph_predictor = b.predictor_kind;
   m.max_seq = b.max_seq;
-  m.reuse_bits = b.reuse_bits;
-  m.reuse_visits16 = b.reuse_visits16;
+  m.reuse = b.reuse;
   m.next_visit = b.next_visit;
   // host routers (next-gate, fate) and / or the selection bias: whichever host.safetensors holds
   Runner runner(m, exec, *store, kernel, host.weight.empty() && host.score_bias.empty() ? nullptr : &host);
@@ -499,7 +498,7 @@ int main_(int argc, char** argv) {
       cfg.eviction != "reuse")
     throw Error("--policy " + a.policy + ": unknown eviction '" + cfg.eviction +
                 "'; choose from lru, lfu, prediction, belady, reuse");
-  if (cfg.eviction == "reuse" && b.reuse_visits16.empty())
+  if (cfg.eviction == "reuse" && b.reuse.empty())
     throw Error("--policy " + a.policy + ": eviction 'reuse' needs the adapter's reuse table (predictor.reuse), which " +
                 b.dir + "/manifest.json lacks: train the adapter with this version and export again");
   runner.configure(cfg);

@@ -17,12 +17,17 @@ namespace spx {
 
 static const char* kPolicies[] = {"lru", "lfu", "prediction", "belady", "reuse"};
 
-ReuseHistory::ReuseHistory(int bits, std::vector<int64_t> visits16, int num_layers)
-    : L_(num_layers), mask_((1u << bits) - 1), visits16_(std::move(visits16)),
+ReuseHistory::ReuseHistory(ReuseTable table, int num_layers)
+    : L_(num_layers), mask_((1u << table.bits) - 1), table_(std::move(table)),
       hist_(static_cast<size_t>(num_layers)), last_step_(static_cast<size_t>(num_layers), -1),
       next_visit_(static_cast<size_t>(num_layers)) {
-  if (bits < 1 || bits > 16 || visits16_.size() != (size_t{1} << bits) || num_layers < 1)
-    throw std::logic_error("reuse table of the wrong size");
+  const size_t n = size_t{1} << table_.bits;
+  bool ok = table_.bits >= 1 && table_.bits <= 16 && table_.visits16.size() == n && num_layers >= 1 &&
+            (table_.classes.empty() || table_.classes.size() == static_cast<size_t>(num_layers));
+  for (const auto& t : table_.class_visits16) ok = ok && t.size() == n;
+  for (const auto& row : table_.classes)
+    for (int c : row) ok = ok && c >= 0 && static_cast<size_t>(c) < table_.class_visits16.size();
+  if (!ok) throw std::logic_error("reuse table of the wrong size");
 }
 
 void ReuseHistory::observe(int64_t step, const std::vector<Key>& keys) {
@@ -50,12 +55,13 @@ int64_t ReuseHistory::score(Key key, int64_t now, const std::map<Key, int64_t>* 
   int64_t d = ((key.first - now % L_) % L_ + L_) % L_;
   if (d == 0) d = L_;
   const int64_t v0 = now + d;
+  const std::vector<int64_t>& visits16 = table_.of(key.first, key.second);
   const NextVisit& nv = next_visit_[static_cast<size_t>(key.first)];
   if (nv.target == v0) {  // the next visit is predicted
     if (std::binary_search(nv.experts.begin(), nv.experts.end(), key.second)) return v0 * 16;
-    return (v0 + L_) * 16 + static_cast<int64_t>(L_) * (visits16_[(bits << 1) & mask_] - 16);
+    return (v0 + L_) * 16 + static_cast<int64_t>(L_) * (visits16[(bits << 1) & mask_] - 16);
   }
-  return v0 * 16 + static_cast<int64_t>(L_) * (visits16_[bits] - 16);
+  return v0 * 16 + static_cast<int64_t>(L_) * (visits16[bits] - 16);
 }
 
 void ReuseHistory::set_next_visit(int li, int64_t target, std::vector<int> experts) {

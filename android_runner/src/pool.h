@@ -48,9 +48,10 @@ struct Slot {
 // window, else 16 * its layer's next visit + L * (visits16[history] - 16). Integers only, so both
 // engines rank alike. With the adapter's next-visit heads, a layer's predicted next visit (set by
 // the planner after the layer's acquire) decides while it is for that visit: predicted, 16 * the
-// visit; not, 16 * (the visit + L) + L * (visits16[history << 1] - 16).
+// visit; not, 16 * (the visit + L) + L * (visits16[history << 1] - 16). With frequency classes,
+// visits16 is the expert's class's table (ReuseTable::of).
 struct ReuseHistory {
-  ReuseHistory(int bits, std::vector<int64_t> visits16, int num_layers);
+  ReuseHistory(ReuseTable table, int num_layers);
   // step routes to `keys`: their layer's history shifts (once per step), then their bit is set
   void observe(int64_t step, const std::vector<Key>& keys);
   int64_t score(Key key, int64_t now, const std::map<Key, int64_t>* predicted) const;
@@ -64,7 +65,7 @@ struct ReuseHistory {
   };
   int L_;
   uint32_t mask_;
-  std::vector<int64_t> visits16_;
+  ReuseTable table_;
   std::vector<std::map<int, uint32_t>> hist_;  // layer -> expert -> history (zeros absent)
   std::vector<int64_t> last_step_;
   std::vector<NextVisit> next_visit_;  // per layer

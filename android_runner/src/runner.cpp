@@ -314,8 +314,8 @@ Generation Runner::generate(const std::vector<int>& prompt, int max_new,
   scfg.read_budget_bytes = cfg.read_budget_kib >= 0 ? cfg.read_budget_kib * 1024 : -1;
   std::unique_ptr<ReuseHistory> reuse;
   if (cfg.eviction == "reuse") {
-    if (m_.reuse_visits16.empty()) throw Error("--policy " + cfg.name() + ": the bundle has no reuse table");
-    reuse = std::make_unique<ReuseHistory>(m_.reuse_bits, m_.reuse_visits16, L);
+    if (m_.reuse.empty()) throw Error("--policy " + cfg.name() + ": the bundle has no reuse table");
+    reuse = std::make_unique<ReuseHistory>(m_.reuse, L);
   }
   WindowScheduler sched(pool, io, scfg, L, k, events, reuse.get());
   if (events != nullptr) {

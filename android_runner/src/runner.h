@@ -44,8 +44,7 @@ struct ModelInfo {
   std::map<int, std::vector<int>> preds_rows;  // MoE layer position -> horizons, row order
   std::string graph_predictor;                 // which predictor the preds rows are (adapter / next-gate)
   int max_seq = 0;
-  int reuse_bits = 0;                          // the reuse eviction's table (Bundle::reuse_*); empty: none
-  std::vector<int64_t> reuse_visits16;
+  ReuseTable reuse;                            // the reuse eviction's table (Bundle::reuse); empty: none
   bool next_visit = false;                     // preds rows of horizon L: the adapter's next-visit heads
   int L() const { return static_cast<int>(moe_layers.size()); }
 };

@@ -31,6 +31,9 @@ lower id; for a prefill span, its last position's row), set after the step's acq
 prediction's target step is that visit) counts as used at that visit if predicted, else its history
 one unused visit on scores it (`16 * (next visit + L) + L * (table[history << 1] - 16)`). Outside the
 window and the prediction, the history alone, as above.
+
+A table with frequency classes (adapters/reuse.py) scores each expert with its class's table in both
+places (`table[history]`), the same integers in every engine.
 """
 from __future__ import annotations
 
@@ -53,6 +56,7 @@ class ReuseHistory:
 
     def __init__(self, table: ReuseTable, num_layers: int):
         self.table, self.L = table, num_layers
+        self.tables = table.layer_tables(num_layers)   # per layer: each expert's class table (None: visits16)
         self.mask = (1 << table.bits) - 1
         self.hist: list[dict[int, int]] = [{} for _ in range(num_layers)]  # layer -> expert -> bits (0s absent)
         self.last_step = [-1] * num_layers
@@ -83,22 +87,24 @@ class ReuseHistory:
             v = predicted.get(key)
             if v is not None and v > now:  # one for this step and not acquired was a wrong guess
                 return v * SCALE
-        li = key[0]
+        li, e = key
+        tab = self.table.visits16 if self.tables[li] is None else self.tables[li][e]
         v0 = now + ((li - now % self.L) % self.L or self.L)
         nv = self.next_visit.get(li)
         if nv is not None and nv[0] == v0:  # the next visit is predicted
-            if key[1] in nv[1]:
+            if e in nv[1]:
                 return v0 * SCALE
-            h = (self.hist[li].get(key[1], 0) << 1) & self.mask
-            return (v0 + self.L) * SCALE + self.L * (self.table.visits16[h] - SCALE)
-        return v0 * SCALE + self.L * (self.table.visits16[self.hist[li].get(key[1], 0)] - SCALE)
+            h = (self.hist[li].get(e, 0) << 1) & self.mask
+            return (v0 + self.L) * SCALE + self.L * (tab[h] - SCALE)
+        return v0 * SCALE + self.L * (tab[self.hist[li].get(e, 0)] - SCALE)
 
     def farthest(self, slots, now: int, predicted: dict | None, protect) -> tuple[int, int] | None:
         """The pool's `reuse` victim among `slots` (pool Slots; the evictable ones: ready, unpinned, not
         in `protect`): max (score, -last_use, key), `score` inlined and its per-layer terms (the next
         visit, its prediction) computed once per layer, not per slot (the pool searches at every
         eviction, over every slot)."""
-        L, S, mask, visits, hist, next_visit = self.L, SCALE, self.mask, self.table.visits16, self.hist, self.next_visit
+        L, S, mask, hist, next_visit = self.L, SCALE, self.mask, self.hist, self.next_visit
+        whole, tables = self.table.visits16, self.tables
         pred = predicted.get if predicted is not None else None
         layer: dict[int, tuple] = {}
         best, top = None, None
@@ -115,8 +121,9 @@ class ReuseHistory:
                 if t is None:
                     v0 = now + ((li - now % L) % L or L)
                     nv = next_visit.get(li)
-                    t = layer[li] = (v0, nv[1] if nv is not None and nv[0] == v0 else None, hist[li])
-                v0, nxt, h = t
+                    t = layer[li] = (v0, nv[1] if nv is not None and nv[0] == v0 else None, hist[li], tables[li])
+                v0, nxt, h, tabs = t
+                visits = whole if tabs is None else tabs[e]
                 if nxt is None:
                     v = v0 * S + L * (visits[h.get(e, 0)] - S)
                 elif e in nxt:   # the next visit is predicted to use it

@@ -6,8 +6,8 @@ is one layer of one position; misses read on demand, no prefetch), with these ev
 - `lru`, and `reuse` (toolkit/runtime/reuse.py: histories and the table learned from the train split);
 - `reuse-freq`: `reuse` with one table per frequency class of experts (each layer's experts in quarters
   by how often the train split routes to them, a table learned from each quarter's samples, a history
-  a quarter never shows taking `reuse`'s entry), so a hot expert and a cold one with the same recent
-  history are told apart (not in the runners yet: this measures what it would buy);
+  a quarter never shows taking `reuse`'s entry: adapters/reuse.py), so a hot expert and a cold one
+  with the same recent history are told apart (what `train` learns by default);
 - Belady's rule knowing the real routing only so far ahead: `belady-token` (the rest of the current
   token), `belady-next-token` (and all of the next token), and `belady` (everything); beyond what
   it knows, each variant scores by the reuse rule.
@@ -26,7 +26,8 @@ from the layer's latest visit), and past it score by the reuse rule with the his
 on: `next-visit` knows it exactly (a ceiling), `adapter-next-visit` predicts it with the adapter's
 next-visit heads (`train --next-visit`): the experts among the head's top 2k scores at that layer
 count as used at the next visit (a visit whose router input the trace did not store falls back to the
-reuse rule). `adapter-next-visit` needs `--adapter`, trained with those heads.
+reuse rule); `adapter-next-visit-freq` the same with `reuse-freq`'s tables (what the runners do with
+an adapter trained with both). The adapter rules need `--adapter`, trained with those heads.
 
 Reads are counted at decode positions, the prompt's positions filling the pool first one position a
 step (the runners prefill in spans, one step per span and layer, and `simulate` replays decode
@@ -35,63 +36,23 @@ window predictions: `reuse` is history only). No timing: bytes only (`reads x sl
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
-from adapters.reuse import SCALE, learn_reuse_tables
+from adapters.reuse import SCALE, learn_class_reuse_table
 from toolkit.errors import SpecPrefetchError
 from toolkit.runtime.pool import ExpertPool
 from toolkit.runtime.reuse import ReuseHistory, next_visit_experts
 from toolkit.runtime.runner import belady_next_use
 from toolkit.traces.format import DECODE, TraceReader, routing_sequences
-from toolkit.traces.summary import add_expert_load
 
 RULES = ("lru", "reuse", "reuse-freq", "belady-token", "belady-next-token", "belady", "next-visit")
 ADAPTER_RULE = "adapter-next-visit"
-FREQ_CLASSES = 4   # reuse-freq: each layer's experts in quarters by their train-split routing counts
-
-
-def frequency_classes(counts: np.ndarray, classes: int = FREQ_CLASSES) -> np.ndarray:
-    """[L, E] class of every expert, 0 the most routed: each layer's experts ranked by their routing
-    counts ([L, E], e.g. summary.expert_load of the train split; ties: the lower id first), in
-    min(classes, E) shares as equal as E allows."""
-    L, E = counts.shape
-    n = min(classes, E)
-    out = np.zeros((L, E), np.int64)
-    for li in range(L):
-        out[li, np.argsort(-counts[li], kind="stable")] = np.arange(E) * n // E
-    return out
-
-
-class FrequencyReuse(ReuseHistory):
-    """The `reuse` rule's history-only score with the table of the expert's frequency class (on demand:
-    no window predictions and no next-visit ones, which this rule does not read)."""
-
-    def __init__(self, table, num_layers: int, classes: np.ndarray, tables: list):
-        super().__init__(table, num_layers)
-        self.classes, self.visits = classes, [t.visits16 for t in tables]
-
-    def set_next_visit(self, li, target, experts):
-        raise SpecPrefetchError("reuse-freq scores by history only (no next-visit predictions)")
-
-    def score(self, key, now, predicted):
-        if predicted is not None:
-            raise SpecPrefetchError("reuse-freq scores by history only (no window predictions)")
-        li, e = key
-        v0 = now + ((li - now % self.L) % self.L or self.L)
-        return v0 * SCALE + self.L * (self.visits[self.classes[li, e]][self.hist[li].get(e, 0)] - SCALE)
-
-    def farthest(self, slots, now, predicted, protect):
-        best, top = None, None
-        for s in slots:
-            if not s.ready or s.pins or s.key in protect:
-                continue
-            v = self.score(s.key, now, predicted)
-            if best is None or v > top or (v == top and (-s.last_use, s.key) > (-best.last_use, best.key)):
-                best, top = s, v
-        return best.key if best is not None else None
+ADAPTER_RULES = (ADAPTER_RULE, "adapter-next-visit-freq")
+CLASS_RULES = ("reuse-freq", "adapter-next-visit-freq")   # read the frequency-class table
 
 
 def exact_next_sets(ids: np.ndarray) -> dict[tuple[int, int], set[int]]:
@@ -103,28 +64,24 @@ def exact_next_sets(ids: np.ndarray) -> dict[tuple[int, int], set[int]]:
 def replay(ids: np.ndarray, kinds: np.ndarray, capacity: int, rule: str, table,
            true_next: Callable[[tuple[int, int], int], float] | None = None,
            reads_out: list | None = None,
-           next_sets: dict[tuple[int, int], set[int]] | None = None,
-           freq: tuple[np.ndarray, list] | None = None) -> tuple[int, int]:
+           next_sets: dict[tuple[int, int], set[int]] | None = None) -> tuple[int, int]:
     """(reads at decode positions, decode positions) of one sequence [positions, L, k] under `rule`.
     `true_next`: the sequence's real next use (belady_next_use of it; built here if not given);
     `reads_out`: gets (layer, [experts read]) of every decode step that reads (`bench reads`);
-    `next_sets`: the adapter's next-visit sets for ADAPTER_RULE: {(position, layer): the experts layer
-    `layer` routes to at position + 1, as predicted at `position`}; `freq`: (frequency_classes, a table
-    per class) for `reuse-freq`."""
+    `next_sets`: the adapter's next-visit sets for ADAPTER_RULES: {(position, layer): the experts layer
+    `layer` routes to at position + 1, as predicted at `position`}; `table`: the reuse table (with
+    frequency classes for CLASS_RULES)."""
     N, L, k = ids.shape
     if true_next is None and rule.startswith("belady"):
         true_next = belady_next_use(list(ids), L)
-    if rule == "reuse-freq":
-        if freq is None:
-            raise SpecPrefetchError(f"eviction rule {rule!r} needs the frequency classes and their tables")
-        hist = FrequencyReuse(table, L, *freq)
-    else:
-        hist = ReuseHistory(table, L) if rule != "lru" and rule != "belady" else None  # the rules that read it
+    if rule in CLASS_RULES and table.classes is None:
+        raise SpecPrefetchError(f"eviction rule {rule!r} needs a reuse table with frequency classes")
+    hist = ReuseHistory(table, L) if rule != "lru" and rule != "belady" else None  # the rules that read it
     if rule == "next-visit" and next_sets is None:
         next_sets = exact_next_sets(ids)
-    elif rule == ADAPTER_RULE and next_sets is None:
+    elif rule in ADAPTER_RULES and next_sets is None:
         raise SpecPrefetchError(f"eviction rule {rule!r} needs the adapter's next-visit sets")
-    elif rule not in ("next-visit", ADAPTER_RULE):
+    elif rule not in ("next-visit", *ADAPTER_RULES):
         next_sets = None  # the other rules know no next visit
 
     horizon = {"belady-token": 1, "belady-next-token": 2, "belady": None}.get(rule)
@@ -149,14 +106,14 @@ def replay(ids: np.ndarray, kinds: np.ndarray, capacity: int, rule: str, table,
 
     if rule == "lru":
         pool = ExpertPool(capacity, 1, policy="lru", min_slots=k)
-    elif rule in ("reuse", "reuse-freq", "next-visit", ADAPTER_RULE):
+    elif rule in ("reuse", "reuse-freq", "next-visit", *ADAPTER_RULES):
         # (the next-visit rules: the runners' ReuseHistory.set_next_visit after the step's acquire, below)
         pool = ExpertPool(capacity, 1, policy="reuse", min_slots=k)
         pool.reuse, pool.predicted = hist, None
     elif rule in RULES:
         pool = ExpertPool(capacity, 1, policy="belady", min_slots=k, next_use=next_use)
     else:
-        raise SpecPrefetchError(f"eviction rule {rule!r}: choose from {', '.join((*RULES, ADAPTER_RULE))}")
+        raise SpecPrefetchError(f"eviction rule {rule!r}: choose from {', '.join((*RULES, *ADAPTER_RULES))}")
     reads = decode = 0
     for p in range(N):
         for li in range(L):
@@ -234,13 +191,9 @@ def eviction_bounds(trace: Path, pool_fracs: list[float], *, max_sequences: int 
         raise SpecPrefetchError(f"trace {trace}: no held-out decode positions to count reads at (traced with "
                                 "--decode-tokens 0?)")
     L, E = len(reader.moe_layers), reader.num_experts
-    # the reuse table, and reuse-freq's one per frequency class, from one pass over the train split
-    load = np.zeros((L, E), np.int64)
-    for ids in train:   # the split's counts from the arrays in memory (summary.expert_load reads the shards)
-        add_expert_load(load, ids)
-    classes = frequency_classes(load)
-    table, class_tables = learn_reuse_tables(train, E, classes, where=f"trace {trace}")
-    freq = (classes, class_tables)
+    # the reuse table with reuse-freq's one per frequency class, from one pass over the train split
+    by_class = learn_class_reuse_table(train, E, where=f"trace {trace}")
+    whole = dataclasses.replace(by_class, classes=None, class_visits16=None)
     nexts = [belady_next_use(list(ids), L) for ids, _ in seqs]  # each sequence's real next uses, once
     exact = [exact_next_sets(ids) for ids, _ in seqs]              # and its real next visits
     rules = RULES
@@ -252,7 +205,7 @@ def eviction_bounds(trace: Path, pool_fracs: list[float], *, max_sequences: int 
         if not any(sets):
             raise SpecPrefetchError(f"trace {trace}: its held-out sequences store no router inputs, which the "
                                     "adapter's next-visit heads read")
-        rules = (*RULES, ADAPTER_RULE)
+        rules = (*RULES, *ADAPTER_RULES)
     points = []
     for frac in pool_fracs:
         if not 0 < frac <= 1:
@@ -263,8 +216,8 @@ def eviction_bounds(trace: Path, pool_fracs: list[float], *, max_sequences: int 
             progress(f"pool {cap} slots: {rule}")
             r = d = 0
             for (ids, kinds), nu, ns, ex in zip(seqs, nexts, sets, exact):
-                a, b = replay(ids, kinds, cap, rule, table, nu,
-                              next_sets={ADAPTER_RULE: ns, "next-visit": ex}.get(rule), freq=freq)
+                a, b = replay(ids, kinds, cap, rule, by_class if rule in CLASS_RULES else whole, nu,
+                              next_sets=ns if rule in ADAPTER_RULES else {"next-visit": ex}.get(rule))
                 r, d = r + a, d + b
             row["reads_per_token"][rule] = round(r / max(d, 1), 3)
         rp = row["reads_per_token"]

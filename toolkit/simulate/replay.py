@@ -416,7 +416,7 @@ def reuse_for(reader, adapter: Path | None):
     """The reuse eviction's table: the adapter's, or without an adapter learned from the trace's
     train split now (what `train` stores in an adapter trained on it)."""
     from adapters.checkpoint import read_adapter_meta, reuse_table
-    from adapters.reuse import learn_reuse_table
+    from adapters.reuse import learn_class_reuse_table
     from toolkit.traces.format import routing_sequences
 
     if adapter is not None:
@@ -430,7 +430,7 @@ def reuse_for(reader, adapter: Path | None):
     if not seqs:
         raise SpecPrefetchError(f"trace {reader.path}: eviction 'reuse' learns its table from the train split, "
                                 "which this trace lacks; pass --adapter (one trained with its reuse table)")
-    return learn_reuse_table(seqs, reader.num_experts, where=f"trace {reader.path}")
+    return learn_class_reuse_table(seqs, reader.num_experts, where=f"trace {reader.path}")
 
 
 def decode_step_s(profile: DeviceProfile, geo) -> float:
