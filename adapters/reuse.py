@@ -23,7 +23,6 @@ from typing import Any, Iterable
 import numpy as np
 
 from toolkit.errors import SpecPrefetchError
-from toolkit.traces.summary import add_expert_load
 
 SCALE = 16          # table entries are in sixteenths of a visit
 BITS = 8            # history length in visits
@@ -48,6 +47,21 @@ class ReuseTable:
             d["classes"] = [list(r) for r in self.classes]
             d["class_visits16"] = [list(t) for t in self.class_visits16]
         return d
+
+    def whole(self) -> "ReuseTable":
+        """The table without its frequency classes (every expert scored with `visits16`)."""
+        return dataclasses.replace(self, classes=None, class_visits16=None)
+
+    def onto(self, layer_map: list[int], num_experts: int) -> "ReuseTable":
+        """The table for a geometry the routing is replayed onto (simulate --geometry): its layer li takes
+        the classes of trace layer layer_map[li], its expert e trace expert e's class (the coldest class
+        for an expert the trace never routes to: e past the trace's experts)."""
+        if self.classes is None:
+            return self
+        last = len(self.class_visits16) - 1
+        rows = tuple(tuple(self.classes[t][e] if e < len(self.classes[t]) else last for e in range(num_experts))
+                     for t in layer_map)
+        return dataclasses.replace(self, classes=rows)
 
     def layer_tables(self, num_layers: int) -> list[tuple[tuple[int, ...], ...] | None]:
         """Per MoE layer, every expert's table (its class's), or None where one table serves all."""
@@ -151,6 +165,8 @@ def learn_class_reuse_table(sequences: list[np.ndarray], num_experts: int, *, cl
         raise SpecPrefetchError(f"--reuse-classes {classes}: 1..{MAX_CLASSES}")
     if classes == 1 or not sequences:   # (none: learn_reuse_table's one-line error)
         return learn_reuse_table(sequences, num_experts, bits=bits, cap=cap, where=where)
+    from toolkit.traces.summary import add_expert_load   # (here: it imports torch, this module numpy only)
+
     load = np.zeros((np.asarray(sequences[0]).shape[1], num_experts), np.int64)
     for ids in sequences:
         add_expert_load(load, ids)

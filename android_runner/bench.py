@@ -212,6 +212,9 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
     for label, v in knobs.items():   # the runners' window looks one token ahead at most
         if v.get("window", 1) > L:
             raise SpecPrefetchError(f"--variant {label}: window must be 1..{L} (the bundle's MoE layers)")
+        if "reuse_classes" in v and "classes" not in (m["predictor"].get("reuse") or {}):
+            raise SpecPrefetchError(f"--variant {label}: the bundle's reuse table has no frequency classes "
+                                    "(an adapter trained with --reuse-classes 1, or before them)")
     queue_depth = m["runtime"]["scheduler"].get("queue_depth", 4)  # the native runs' (the manifest's)
     all_mib = L * E * store.slot_bytes / MiB + 0.01
     graph = m["predictor"]["kind"] if m["predictor"].get("preds_rows") else "next-gate"
@@ -345,6 +348,7 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
                 pol, _, var = pol.partition(VARIANT_TAG)
                 kv = knobs.get(var, {})
                 extra = (("--no-next-visit",) if off else ()) + \
+                    (("--no-reuse-classes",) if kv.get("reuse_classes") is False else ()) + \
                     (("--candidate-threshold", repr(float(kv["candidate_threshold"])))
                      if "candidate_threshold" in kv else ())
                 res = run_native(bundle, ids, max_new_tokens=new_tokens, policy=pol, pool_mib=pool, cold=True,

@@ -384,6 +384,12 @@ class TestRunnerBenchVariant:
                 "--variant window=9", "window must be 1..8")
         assert not out.exists() and not any(tmp_path.iterdir())
 
+    def test_reuse_classes_off_needs_a_table_with_classes(self, embedded_bundles, tmp_path):
+        out = tmp_path / "r.json"
+        refused(["runner", "bench", embedded_bundles["executorch"], "--variant", "reuse_classes=off", "--json", out],
+                "--variant reuse_classes=off", "no frequency classes")
+        assert not out.exists() and not any(tmp_path.iterdir())
+
 
 class TestFilesInsideTheBundle:
     """`inspect` refuses a manifest.json or a listed file that resolves outside the bundle."""

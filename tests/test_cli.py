@@ -215,7 +215,10 @@ class TestPathsAndText:
         # thresholds that differ past six digits keep their own names
         assert variant_label(parse_variant("min_confidence=0.0200001")) != \
             variant_label(parse_variant("min_confidence=0.02"))
+        assert parse_variant("reuse_classes=off") == {"reuse_classes": False}
+        assert variant_label(parse_variant("reuse_classes=off,window=1")) == "reuse_classes=off,window=1"
         for bad, why in (("queue_depth=0", "must be an integer"), ("window=x", "must be an integer"),
+                         ("reuse_classes=no", "must be on or off"),
                          ("lanes=2", "is not KEY=VALUE"), ("queue_depth", "is not KEY=VALUE"),
                          ("candidate_threshold=1.5", "must be a probability"), ("window=1,window=2", "given twice")):
             refused(["runner", "bench", tmp_path / "none", "--variant", bad, "--json", tmp_path / "r.json"],

@@ -390,7 +390,8 @@ def test_gpu_bench_report(tiny_models, stores, tmp_path, monkeypatch):
     for bad, msg in [(("window=99",), "past the model's"), (("speed=2",), "not KEY=VALUE"),
                      (("queue_depth=2", "queue_depth=2"), "same settings"),
                      ((f"read_budget_kib={slot_kib - 1}",), "below one expert slot"),
-                     (("read_budget_kib=fast",), "an integer >= 1 or auto")]:
+                     (("read_budget_kib=fast",), "an integer >= 1 or auto"),
+                     (("reuse_classes=off",), "no reuse table with frequency classes")]:
         with pytest.raises(SpecPrefetchError, match="^--variant .*" + msg):
             run_gpu_bench(tiny_models["qwen3_moe"], store=stores["qwen3_moe"], adapter=None, policies=pols,
                           fractions=[0.5], device="cpu", variants=bad, log=lambda s: None)

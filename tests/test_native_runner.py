@@ -143,7 +143,8 @@ def reuse_bundle(native, tmp_path_factory) -> Path:
                                                                   marks=pytest.mark.slow)])
 def test_reuse_eviction_decides_as_the_reference(native, reuse_bundle, embedded, tmp_path, preds):
     """The reuse eviction (histories and the learned table, with its frequency classes and without them)
-    makes the same decisions in both engines, and they are not LRU's; the classes change them."""
+    makes the same decisions in both engines, and they are not LRU's; the classes change them, and
+    --no-reuse-classes (RunConfig.reuse_classes) on the table with them decides as the table without."""
     pool = POOLS[0]
     ref = reference_tokens(embedded, PROMPTS[0], NEW)
     t = _reuse_table().to_json()
@@ -154,20 +155,23 @@ def test_reuse_eviction_decides_as_the_reference(native, reuse_bundle, embedded,
                 for b in (reuse_bundle, whole)}
     for pred in preds:
         lines_of = {}
-        for b, ev in ((reuse_bundle, "reuse"), (reuse_bundle, "lru"), (whole, "reuse")):
+        for b, ev, classes in ((reuse_bundle, "reuse", True), (reuse_bundle, "lru", True), (whole, "reuse", True),
+                               (reuse_bundle, "reuse", False)):
             policy = f"{pred}+{ev}"
-            out, lines = native_run((b, native[1]), tmp_path, policy, pool, prompts=PROMPTS[:1])
+            out, lines = native_run((b, native[1]), tmp_path, policy, pool, PROMPTS[:1],
+                                    *(() if classes else ("--no-reuse-classes",)))
             session = sessions[b]
-            session.runner.configure(policy=Policy.parse(policy), pool_mib=pool)
+            session.runner.configure(policy=Policy.parse(policy), pool_mib=pool, reuse_classes=classes)
             log = EventLog()
             g = session.runner.run(PROMPTS[0], NEW, events=log)
             assert out["runs"][0]["tokens"] == g.tokens == ref, policy
             assert decisions(lines) == decisions(log.lines), (policy, b)
             assert out["runs"][0]["counts"]["bytes_read"] == g.to_json()["counts"]["bytes_read"], policy
-            lines_of[ev if b == reuse_bundle else "whole"] = lines
+            lines_of[ev if b == reuse_bundle and classes else "whole" if classes else "off"] = lines
         evicts = {ev: [ln for ln in decisions(lines_of[ev]) if "evict" in str(ln)] for ev in lines_of}
         assert evicts["reuse"] and evicts["reuse"] != evicts["lru"], pred
         assert evicts["whole"] and evicts["whole"] != evicts["reuse"], pred
+        assert decisions(lines_of["off"]) == decisions(lines_of["whole"]), pred
 
 
 @pytest.fixture(scope="module")
@@ -286,7 +290,7 @@ def test_a_malformed_reuse_table_is_refused(native, tmp_path, change, native_msg
     err = [ln for ln in r.stderr.splitlines() if ln.startswith("specprefetch-runner: error:")]
     assert r.returncode == 1 and len(err) == 1 and native_msg in err[0] and "manifest.json" in err[0], r.stderr
     from toolkit.errors import SpecPrefetchError
-    with pytest.raises(SpecPrefetchError, match=py_msg):
+    with pytest.raises(SpecPrefetchError, match=r"manifest.json: predictor.reuse: malformed reuse table: .*" + py_msg):
         open_session(b, RunConfig(policy=Policy("on-demand", "lru"), io="threads"))
 
 

@@ -347,9 +347,11 @@ def test_simulator_orders_policies(sim_trace, tiny_models):
     cfg.update(num_hidden_layers=16, mlp_only_layers=[], num_experts=64, num_experts_per_tok=4,
                hidden_size=256, moe_intermediate_size=256, num_attention_heads=4, head_dim=64)
     (cfg_dir / "config.json").write_text(json.dumps(cfg))
-    g = run_simulation(sim_trace, policies=pols[:1], profile=SNAPDRAGON_8_ELITE, pool_mib=8, window=2,
-                       geometry=str(cfg_dir))
+    g = run_simulation(sim_trace, policies=pols[:1] + [Policy("on-demand", "reuse")], profile=SNAPDRAGON_8_ELITE,
+                       pool_mib=8, window=2, geometry=str(cfg_dir))
     assert g["routing_from"]["replayed_onto_other_geometry"] is True
+    # the reuse table learned from the trace (with its frequency classes) replayed onto that geometry too
+    assert 0 < g["results"][1]["counts"]["bytes_read"] <= g["results"][0]["counts"]["bytes_read"]
     assert g["geometry"]["num_layers"] == 16 and g["geometry"]["slot_bytes"] == 3 * 256 * 256 * 2
     m = g["routing_from"]["mapping"]
     # the tiny config keeps its 8 experts (num_local_experts): the trace's 32 fold onto them
@@ -585,6 +587,12 @@ def test_reuse_by_frequency_class():
             ReuseTable.from_json({**learned.to_json(), **change}, "t", shape=(1, 8))
     with pytest.raises(SpecPrefetchError, match="1 MoE layers, not 2"):
         ReuseHistory(learned, 2)
+    # onto a geometry of more layers and experts (simulate --geometry): each layer its trace layer's
+    # classes, an expert the trace never routes to the coldest
+    wide = learned.onto([0, 0, 0], 10)
+    assert wide.classes == ((*learned.classes[0], 3, 3),) * 3
+    assert ReuseHistory(wide, 3).tables[2][9] == wide.class_visits16[3]
+    assert learned.onto([0], 4).classes == (learned.classes[0][:4],) and base.onto([0, 0], 10) is base
 
     def table(v0: int) -> tuple[int, ...]:   # history 0 (not routed lately) reused after v0 visits
         v = list(base.visits16)
@@ -648,20 +656,27 @@ def test_next_visit_heads_in_eval_eviction_bounds_and_the_simulator(sim_trace, e
     with pytest.raises(SpecPrefetchError, match="no next-visit heads"):
         eviction_bounds(sim_trace, [0.2], max_sequences=1, adapter=tmp_path / "b")
     reads = {}
-    for on in (True, False):
+    for on, classes in ((True, True), (False, True), ("whole", False)):
         s = run_simulation(sim_trace, policies=[Policy("adapter", "reuse")], profile=SNAPDRAGON_8_ELITE,
-                           pool_mib=4, window=2, adapter=tmp_path / "a", max_sequences=4, next_visit=on)
+                           pool_mib=8, window=2, adapter=tmp_path / "a", max_sequences=4, next_visit=on is not False,
+                           reuse_classes=classes)
         reads[on] = s["results"][0]["counts"]["bytes_read"]
-    assert reads[True] != reads[False], reads
+    assert reads[True] != reads[False] and reads[True] != reads["whole"], reads   # the heads; the classes
     from click.testing import CliRunner
 
     from toolkit.cli import main
     r = CliRunner().invoke(main, ["simulate", str(sim_trace), "--policies", "adapter+reuse", "--adapter",
-                                  str(tmp_path / "a"), "--pool-mib", "4", "--max-sequences", "4", "--no-next-visit",
+                                  str(tmp_path / "a"), "--pool-mib", "8", "--max-sequences", "4", "--no-next-visit",
                                   "--json", str(tmp_path / "s.json")])
     assert r.exit_code == 0, r.output
     s = json.loads((tmp_path / "s.json").read_text())
     assert s["points"][0]["results"][0]["counts"]["bytes_read"] == reads[False]
+    r = CliRunner().invoke(main, ["simulate", str(sim_trace), "--policies", "adapter+reuse", "--adapter",
+                                  str(tmp_path / "a"), "--pool-mib", "8", "--max-sequences", "4", "--no-reuse-classes",
+                                  "--json", str(tmp_path / "w.json")])
+    assert r.exit_code == 0, r.output
+    w = json.loads((tmp_path / "w.json").read_text())["points"][0]
+    assert w["results"][0]["counts"]["bytes_read"] == reads["whole"] and w["reuse_classes"] is False
     # a model directory's session folds the heads into its layer graphs (rows 1, 2, L): the Python engine
     # hands them to the eviction (other evictions than with next_visit off), the tokens the model's
     from export.session import open_session, reference_tokens

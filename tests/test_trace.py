@@ -946,6 +946,8 @@ class TestTrainOnATrace:
         ({"horizon_weights": {1: 0.0, 2: 0.0}}, "at least one weight must be > 0"),
         ({"device": "gpu"}, "--device 'gpu': expected cpu, cuda, cuda:N"),
         ({"cross_token": False, "next_visit": True}, "--next-visit: the next visit is the next token's"),
+        ({"reuse_classes": 0}, "--reuse-classes 0: must be a whole number >= 1"),
+        ({"reuse_classes": 65}, "--reuse-classes 65: must lie in 1..64"),
     ])
     def test_train_options_are_checked_first(self, work, tmp_path, bad, match):
         with pytest.raises(SpecPrefetchError, match=match.replace("(", r"\(")):

@@ -289,12 +289,15 @@ def store(model, out, dtype, overwrite) -> None:
                    "needs a profile with a prefill rate); 0: decode only")
 @click.option("--no-next-visit", "no_next_visit", is_flag=True,
               help="the reuse eviction without the adapter's next-visit heads (as run --no-next-visit)")
+@click.option("--no-reuse-classes", "no_reuse_classes", is_flag=True,
+              help="the reuse eviction with the whole reuse table, not its frequency classes (as run "
+                   "--no-reuse-classes)")
 @scheduler_limits
 @json_report
 @friendly_errors(interrupt=NOT_WRITTEN)
 def simulate(traces, policies, adapter, profile, pool_mib, windows, queue_depth, dtype, geometry, split,
-             max_sequences, prompt_tokens, no_next_visit, min_confidence, step_budget_kib, read_budget_kib, json_out,
-             overwrite) -> None:
+             max_sequences, prompt_tokens, no_next_visit, no_reuse_classes, min_confidence, step_budget_kib,
+             read_budget_kib, json_out, overwrite) -> None:
     """Replay TRACES through the pool and scheduler against a device profile: TPOT, stall, hit
     rate, MiB read and wasted prefetch per policy; sweeps give a table and plots."""
     from toolkit.runtime.profiles import profile_dir
@@ -309,7 +312,7 @@ def simulate(traces, policies, adapter, profile, pool_mib, windows, queue_depth,
               windows=windows, queue_depth=queue_depth, dtype=dtype, geometry=geometry, adapter=adapter,
               split=split, max_sequences=max_sequences, min_confidence=min_confidence,
               step_budget_kib=step_budget_kib, read_budget_kib=read_budget_kib, prompt_tokens=prompt_tokens,
-              next_visit=not no_next_visit)
+              next_visit=not no_next_visit, reuse_classes=not no_reuse_classes)
     write_sweep(r, json_out)
     click.echo(markdown(r))
     click.echo(wrote(c))
@@ -322,7 +325,8 @@ def simulate(traces, policies, adapter, profile, pool_mib, windows, queue_depth,
               help="pools as shares of all experts (comma list)")
 @click.option("--max-sequences", type=click.IntRange(min=1), default=None, help="held-out sequences to replay")
 @click.option("--adapter", type=click.Path(path_type=Path), default=None,
-              help="an adapter trained with --next-visit: adds the adapter-next-visit rule")
+              help="an adapter trained with --next-visit: adds the adapter-next-visit rules (with the whole "
+                   "reuse table, and with its frequency classes)")
 @click.option("--model", default=None, help="model directory (default: the one the trace records)")
 @json_report
 @friendly_errors(interrupt=NOT_WRITTEN)
@@ -422,6 +426,9 @@ def calibrate(model, store_path, reads, out, overwrite) -> None:
 @click.option("--no-next-visit", "no_next_visit", is_flag=True,
               help="the reuse eviction without the adapter's next-visit heads, where the adapter or bundle has "
                    "them (docs/runtime.md)")
+@click.option("--no-reuse-classes", "no_reuse_classes", is_flag=True,
+              help="the reuse eviction with the whole reuse table, not its frequency classes, where the adapter "
+                   "or bundle has them (docs/runtime.md)")
 @click.option("--prefill-chunk", default=None, metavar="N|off",
               help="feed the prompt in chunks of up to N positions through a bundle's prefill methods, or off "
                    "(one position at a time) [default: the bundle's largest chunk]")
@@ -444,8 +451,8 @@ def calibrate(model, store_path, reads, out, overwrite) -> None:
 @friendly_errors(interrupt=NOT_WRITTEN)
 def run(model, policy, adapter, frequency_trace, pool_mib, pool_reserve_mib, pool_low_watermark_mib, window,
         queue_depth, store_path, dtype, device, flash_profile, draft_k, prompts, images, max_new_tokens, max_seq,
-        threads, no_next_visit, io_mode, prefill_chunk, check, events_out, min_confidence, step_budget_kib,
-        read_budget_kib, engine, abi, json_out, overwrite) -> None:
+        threads, no_next_visit, no_reuse_classes, io_mode, prefill_chunk, check, events_out, min_confidence,
+        step_budget_kib, read_budget_kib, engine, abi, json_out, overwrite) -> None:
     """Run MODEL (a model directory, `embedded`, or a bundle) with its experts streamed from the
     expert store through a bounded pool (real O_DIRECT reads); prints each prompt's generated text
     and figures; with --check, compare the tokens with the unmodified model."""
@@ -490,6 +497,7 @@ def run(model, policy, adapter, frequency_trace, pool_mib, pool_reserve_mib, poo
         eng = gpu_engine(model, device=device, policy=policy, adapter=adapter, store_path=store_path, dtype=dtype,
                          pool_mib=pool_mib, window=window, min_confidence=min_confidence, draft_k=draft_k,
                          next_visit=not no_next_visit, read_budget_kib=read_budget_kib,
+                         reuse_classes=not no_reuse_classes,
                          copy_depth=None if ctx_default(ctx, "queue_depth") else queue_depth)
         run_engine(eng, list(prompts), max_new_tokens, check=check, json_out=json_out, events_out=None)
         return
@@ -511,7 +519,7 @@ def run(model, policy, adapter, frequency_trace, pool_mib, pool_reserve_mib, poo
         eng = native_engine(Path(model), abi=abi, policy=policy, pool_mib=pool_mib, window=window,
                             queue_depth=queue_depth, min_confidence=min_confidence, step_budget_kib=step_budget_kib,
                             threads=threads, prefill_chunk=chunk, read_budget_kib=read_budget_kib,
-                            next_visit=not no_next_visit, pool_auto=(
+                            next_visit=not no_next_visit, reuse_classes=not no_reuse_classes, pool_auto=(
                                 ("--pool-reserve-mib", pool_reserve_mib),
                                 ("--pool-low-watermark-mib", pool_low_watermark_mib)), images=list(images))
         run_engine(eng, list(prompts), max_new_tokens, check=check, json_out=json_out, events_out=events_out)
@@ -541,7 +549,8 @@ def run(model, policy, adapter, frequency_trace, pool_mib, pool_reserve_mib, poo
     cfg = RunConfig(policy=pol, pool_mib=pool_mib or 8.0, window=window, queue_depth=queue_depth,
                     flash_profile=load_profile(flash_profile, "--flash-profile") if flash_profile else None,
                     io=io_mode, min_confidence=min_confidence, step_budget_kib=step_budget_kib,
-                    read_budget_kib=read_budget_kib, prefill_chunk=chunk, next_visit=not no_next_visit)
+                    read_budget_kib=read_budget_kib, prefill_chunk=chunk, next_visit=not no_next_visit,
+                    reuse_classes=not no_reuse_classes)
     s = open_session(model, cfg, adapter=adapter, store=store_path, dtype=dtype, frequency_trace=frequency_trace,
                      max_seq=max_seq, pool_default=pool_mib is None,
                      scheduler_default=(*not_given, "candidate_threshold"))

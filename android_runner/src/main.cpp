@@ -2,7 +2,8 @@
 //
 //   specprefetch-runner BUNDLE (--prompt TEXT | --prompt-ids 1,2,3) [...] [--max-new-tokens N]
 //       [--policy PREDICTOR+EVICTION] [--pool-mib F|auto] [--window N] [--queue-depth N]
-//       [--min-confidence F] [--candidate-threshold F] [--step-budget-kib N] [--read-budget-kib N] [--no-next-visit] [--lanes N] [--threads N] [--routing FILE]
+//       [--min-confidence F] [--candidate-threshold F] [--step-budget-kib N] [--read-budget-kib N] [--no-next-visit]
+//       [--no-reuse-classes] [--lanes N] [--threads N] [--routing FILE]
 //       [--json OUT] [--events OUT] [--no-verify] [--no-verify-hashes] [--cold] [--preload] [--isa NAME]
 //
 // Refusals print one line "specprefetch-runner: error: ..." naming the file or option, exit 1.
@@ -45,7 +46,7 @@ const char* kUsage =
     "usage: specprefetch-runner BUNDLE (--prompt TEXT | --prompt-ids IDS) [more prompts] [--max-new-tokens N]\n"
     "  [--policy PREDICTOR+EVICTION] [--pool-mib F] [--window N] [--queue-depth N] [--min-confidence F]\n"
     "  [--candidate-threshold F] [--step-budget-kib N] [--read-budget-kib N] [--no-next-visit] [--lanes N] [--threads N]\n"
-    "  [--routing FILE]\n"
+    "  [--no-reuse-classes] [--routing FILE]\n"
     "  [--json OUT] [--events OUT] [--image PATH]... (before every prompt's text; a bundle that takes images)\n"
     "  [--no-verify] [--no-verify-hashes] [--cold] [--preload] [--isa NAME|best] [--prefill-chunk N|off]\n"
     "  --pool-mib auto [--pool-reserve-mib N] [--pool-low-watermark-mib N] [--pool-high-watermark-mib N]\n"
@@ -67,6 +68,7 @@ struct Args {
   int64_t step_budget_kib = -2;
   int64_t read_budget_kib = -1;
   bool next_visit = true;
+  bool reuse_classes = true;
   std::string routing, json_out, events_out, isa;
   bool verify = true, verify_hashes = true, cold = false, preload = false;
   int prefill_chunk = -1;  // --prefill-chunk: -1 the bundle's largest, 0 off
@@ -192,6 +194,7 @@ Args parse(int argc, char** argv) {
     else if (o == "--step-budget-kib") a.step_budget_kib = to_int(o, val(), 1);
     else if (o == "--read-budget-kib") a.read_budget_kib = to_int(o, val(), 1);
     else if (o == "--no-next-visit") a.next_visit = false;
+    else if (o == "--no-reuse-classes") a.reuse_classes = false;
     else if (o == "--routing") a.routing = val();
     else if (o == "--json") a.json_out = val();
     else if (o == "--events") a.events_out = val();
@@ -494,6 +497,7 @@ int main_(int argc, char** argv) {
   cfg.preload = a.preload;
   cfg.prefill_chunk = a.prefill_chunk;
   cfg.next_visit = a.next_visit;
+  cfg.reuse_classes = a.reuse_classes;
   if (cfg.eviction != "lru" && cfg.eviction != "lfu" && cfg.eviction != "prediction" && cfg.eviction != "belady" &&
       cfg.eviction != "reuse")
     throw Error("--policy " + a.policy + ": unknown eviction '" + cfg.eviction +

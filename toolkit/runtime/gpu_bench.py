@@ -241,6 +241,9 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
     # the predictors and the reuse table first: a policy that cannot run is refused before any loading
     preds = gpu_predictors(spec, {p.predictor for p in policies}, adapter)
     reuse = gpu_reuse_table(spec, {p.eviction for p in policies}, adapter)
+    if any("reuse_classes" in v for v in knobs.values()) and (reuse is None or reuse.classes is None):
+        raise SpecPrefetchError("--variant reuse_classes: no reuse table with frequency classes (a +reuse policy "
+                                "and an adapter trained with them)")
     if store is None:
         from toolkit.runtime.store_cache import cached_store
 
@@ -280,7 +283,7 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
                     min_confidence=knob.get("min_confidence", defaults.min_confidence),
                     candidate_threshold=knob.get("candidate_threshold", defaults.candidate_threshold),
                     read_budget_kib=auto_budget["kib"] if budget == "auto" else budget,
-                    copy_depth=knob.get("queue_depth"))
+                    reuse_classes=knob.get("reuse_classes", True), copy_depth=knob.get("queue_depth"))
 
     def one(pol: Policy, mib: float, p: int, *, k: int = 8, preload: bool = False, resident_graph: bool = False,
             recorded=None, next_visit: bool = True, knob: dict[str, Any] | None = None):

@@ -104,6 +104,7 @@ class RunConfig:
     verify: bool = True                          # CRC every blob read
     prefill_chunk: int | None = None             # largest prefill chunk (None: the graphs' largest; 0: off)
     next_visit: bool = True                      # reuse: read the adapter's next-visit heads where there are any
+    reuse_classes: bool = True                   # reuse: score by the table's frequency classes where it has them
 
     def __post_init__(self):
         if not (self.pool_mib > 0 and self.pool_mib < float("inf")):
@@ -547,7 +548,8 @@ def open_pool_and_scheduler(cfg: RunConfig, *, slot_bytes: int, num_layers: int,
                            step_budget_bytes=cfg.step_budget_kib * 1024 if cfg.step_budget_kib else None,
                            read_budget_bytes=cfg.read_budget_kib * 1024 if cfg.read_budget_kib else None)
     sched = WindowScheduler(pool, io, scfg, num_layers=num_layers, top_k=top_k, events=events, clock=clock,
-                            reuse=ReuseHistory(reuse, num_layers) if ev == "reuse" else None)
+                            reuse=ReuseHistory(reuse if cfg.reuse_classes else reuse.whole(), num_layers)
+                            if ev == "reuse" else None)
     if ev == "prediction":
         pool.next_use = sched.next_predicted_use
     return pool, sched

@@ -26,8 +26,9 @@ from the layer's latest visit), and past it score by the reuse rule with the his
 on: `next-visit` knows it exactly (a ceiling), `adapter-next-visit` predicts it with the adapter's
 next-visit heads (`train --next-visit`): the experts among the head's top 2k scores at that layer
 count as used at the next visit (a visit whose router input the trace did not store falls back to the
-reuse rule); `adapter-next-visit-freq` the same with `reuse-freq`'s tables (what the runners do with
-an adapter trained with both). The adapter rules need `--adapter`, trained with those heads.
+reuse rule); `adapter-next-visit-freq` the same with `reuse-freq`'s tables (as the runners do with
+an adapter trained with the default `--reuse-classes 4`, its tables learned here from the same train
+split). The adapter rules need `--adapter`, trained with those heads.
 
 Reads are counted at decode positions, the prompt's positions filling the pool first one position a
 step (the runners prefill in spans, one step per span and layer, and `simulate` replays decode
@@ -36,7 +37,6 @@ window predictions: `reuse` is history only). No timing: bytes only (`reads x sl
 """
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any, Callable
 
@@ -76,6 +76,8 @@ def replay(ids: np.ndarray, kinds: np.ndarray, capacity: int, rule: str, table,
         true_next = belady_next_use(list(ids), L)
     if rule in CLASS_RULES and table.classes is None:
         raise SpecPrefetchError(f"eviction rule {rule!r} needs a reuse table with frequency classes")
+    if rule not in CLASS_RULES and table is not None:
+        table = table.whole()   # the other rules score by the whole table
     hist = ReuseHistory(table, L) if rule != "lru" and rule != "belady" else None  # the rules that read it
     if rule == "next-visit" and next_sets is None:
         next_sets = exact_next_sets(ids)
@@ -193,7 +195,7 @@ def eviction_bounds(trace: Path, pool_fracs: list[float], *, max_sequences: int 
     L, E = len(reader.moe_layers), reader.num_experts
     # the reuse table with reuse-freq's one per frequency class, from one pass over the train split
     by_class = learn_class_reuse_table(train, E, where=f"trace {trace}")
-    whole = dataclasses.replace(by_class, classes=None, class_visits16=None)
+    whole = by_class.whole()
     nexts = [belady_next_use(list(ids), L) for ids, _ in seqs]  # each sequence's real next uses, once
     exact = [exact_next_sets(ids) for ids, _ in seqs]              # and its real next visits
     rules = RULES

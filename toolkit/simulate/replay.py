@@ -425,6 +425,11 @@ def reuse_for(reader, adapter: Path | None):
             raise SpecPrefetchError(f"--adapter {adapter}: eviction 'reuse' needs the adapter's reuse table, which "
                                     "it lacks: train it with this version (or leave --adapter out to learn the "
                                     "table from the trace)")
+        shape = (len(reader.moe_layers), reader.num_experts)
+        if t.classes is not None and (len(t.classes), len(t.classes[0])) != shape:
+            raise SpecPrefetchError(f"--adapter {adapter}: its reuse table's frequency classes are for "
+                                    f"{len(t.classes)} MoE layers x {len(t.classes[0])} experts, the trace's model "
+                                    f"has {shape[0]} x {shape[1]} (an adapter of another model)")
         return t
     seqs = routing_sequences(reader, "train")
     if not seqs:
@@ -464,7 +469,7 @@ def run_simulation(trace: Path, *, policies: list[Policy], profile: DeviceProfil
                    max_sequences: int | None = None,
                    split: str = "heldout", candidate_threshold: float = 0.0, prompt_tokens: int = 0,
                    next_visit: bool = True, routing: dict[int, np.ndarray] | None = None,
-                   prefill_chunks: Sequence[int] | None = None) -> dict[str, Any]:
+                   prefill_chunks: Sequence[int] | None = None, reuse_classes: bool = True) -> dict[str, Any]:
     """Replay the trace's `split` decode tokens under each policy. `routing`, if given: per traced
     sequence, the experts [positions, L, k] another engine selected at each position of the same tokens
     (a bundle's, from its runs), replayed instead of the trace's own (whose router inputs the
@@ -521,12 +526,15 @@ def run_simulation(trace: Path, *, policies: list[Policy], profile: DeviceProfil
         read_budget_kib = auto_budget["kib"]
     check_budget_kib(read_budget_kib, geo.slot_bytes, "--read-budget-kib")
     reuse = reuse_for(reader, adapter) if any(p.eviction == "reuse" for p in policies) else None
+    if reuse is not None and (geo.num_layers, geo.num_experts) != (Lt, reader.num_experts):
+        reuse = reuse.onto(layer_map, geo.num_experts)   # frequency classes of the routing's own layers
     prompt = _prompt_batch(reader, split, prompt_tokens, profile) if prompt_tokens else None
     results = []
     for p in policies:
         rc = RunConfig(policy=p, pool_mib=pool_mib, window=window, queue_depth=queue_depth,
                        min_confidence=min_confidence, candidate_threshold=candidate_threshold,
-                       step_budget_kib=step_budget_kib, read_budget_kib=read_budget_kib, next_visit=next_visit)
+                       step_budget_kib=step_budget_kib, read_budget_kib=read_budget_kib, next_visit=next_visit,
+                       reuse_classes=reuse_classes)
         r = simulate_policy(batches, preds.get(p.predictor), geo, profile, rc, layer_map, reuse=reuse, prompts=warm)
         if prompt is not None:
             r.update(simulate_prefill(*prompt, preds.get(p.predictor), geo, profile, rc, layer_map, reuse=reuse))
@@ -548,6 +556,7 @@ def run_simulation(trace: Path, *, policies: list[Policy], profile: DeviceProfil
                                                             * min(geo.num_experts, reader.num_experts)), 4),
         "window": window, "queue_depth": queue_depth, "store_dtype": dtype,
         "next_visit": next_visit,  # whether adapter+reuse read the adapter's next-visit heads (where it has them)
+        "reuse_classes": reuse_classes,  # whether the reuse eviction scored by the table's frequency classes
         "read_budget_kib": read_budget_kib, "read_budget_auto": auto_budget,
         "prefill": None if prompt is None else {
             "prompt_tokens": len(prompt[1]), "prefill_gflops": profile.prefill_gflops, "span": PREFILL_SPAN,
