@@ -55,9 +55,13 @@ class ReuseTable:
     def onto(self, layer_map: list[int], num_experts: int) -> "ReuseTable":
         """The table for a geometry the routing is replayed onto (simulate --geometry): its layer li takes
         the classes of trace layer layer_map[li], its expert e trace expert e's class (the coldest class
-        for an expert the trace never routes to: e past the trace's experts)."""
+        for an expert the trace never routes to: e past the trace's experts). Where the geometry has fewer
+        experts than the trace (trace expert e plays geometry expert e mod E, several folded onto one) no
+        trace expert's class is the folded one's frequency: the whole table alone."""
         if self.classes is None:
             return self
+        if num_experts < len(self.classes[0]):
+            return self.whole()
         last = len(self.class_visits16) - 1
         rows = tuple(tuple(self.classes[t][e] if e < len(self.classes[t]) else last for e in range(num_experts))
                      for t in layer_map)

@@ -181,8 +181,8 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
     engines run the image prompt; the simulator, which replays text, is left out). prompt_texts: the
     prompts' texts (then `prompts` and `prompt_tokens` do not apply); default: held-out texts. variants: also
     the predictor's policy with these scheduler settings (`parse_variants`: window, queue_depth,
-    candidate_threshold, min_confidence instead of the bundle's), each a row of its own in the same rounds,
-    simulated too."""
+    candidate_threshold, min_confidence instead of the bundle's; reuse_classes=off: the whole reuse table, not
+    its frequency classes), each a row of its own in the same rounds, simulated too."""
     from transformers import AutoTokenizer
 
     from export.executorch_target import set_threads
@@ -212,7 +212,10 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
     for label, v in knobs.items():   # the runners' window looks one token ahead at most
         if v.get("window", 1) > L:
             raise SpecPrefetchError(f"--variant {label}: window must be 1..{L} (the bundle's MoE layers)")
-        if "reuse_classes" in v and "classes" not in (m["predictor"].get("reuse") or {}):
+        if "reuse_classes" in v and m["predictor"].get("reuse") is None:
+            raise SpecPrefetchError(f"--variant {label}: the bundle has no reuse table (exported without an "
+                                    "adapter, or with one trained before it)")
+        if "reuse_classes" in v and m["predictor"]["reuse"].get("classes") is None:
             raise SpecPrefetchError(f"--variant {label}: the bundle's reuse table has no frequency classes "
                                     "(an adapter trained with --reuse-classes 1, or before them)")
     queue_depth = m["runtime"]["scheduler"].get("queue_depth", 4)  # the native runs' (the manifest's)

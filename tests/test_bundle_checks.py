@@ -385,10 +385,21 @@ class TestRunnerBenchVariant:
         assert not out.exists() and not any(tmp_path.iterdir())
 
     def test_reuse_classes_off_needs_a_table_with_classes(self, embedded_bundles, tmp_path):
+        """--variant reuse_classes=off on a bundle without a reuse table, or with one without classes."""
         out = tmp_path / "r.json"
         refused(["runner", "bench", embedded_bundles["executorch"], "--variant", "reuse_classes=off", "--json", out],
+                "--variant reuse_classes=off", "the bundle has no reuse table")
+        import numpy as np
+
+        from adapters.reuse import learn_reuse_table
+
+        b = _bundle_copy(embedded_bundles["executorch"], tmp_path / "b")
+        m = json.loads((b / "manifest.json").read_text())
+        m["predictor"]["reuse"] = learn_reuse_table([np.arange(40 * 8 * 4).reshape(40, 8, 4) % 32], 32).to_json()
+        (b / "manifest.json").write_text(json.dumps(m))
+        refused(["runner", "bench", b, "--variant", "reuse_classes=off", "--json", out],
                 "--variant reuse_classes=off", "no frequency classes")
-        assert not out.exists() and not any(tmp_path.iterdir())
+        assert not out.exists()
 
 
 class TestFilesInsideTheBundle:

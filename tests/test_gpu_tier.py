@@ -391,7 +391,7 @@ def test_gpu_bench_report(tiny_models, stores, tmp_path, monkeypatch):
                      (("queue_depth=2", "queue_depth=2"), "same settings"),
                      ((f"read_budget_kib={slot_kib - 1}",), "below one expert slot"),
                      (("read_budget_kib=fast",), "an integer >= 1 or auto"),
-                     (("reuse_classes=off",), "no reuse table with frequency classes")]:
+                     (("reuse_classes=off",), "no predicting \\+reuse policy whose reuse table has frequency")]:
         with pytest.raises(SpecPrefetchError, match="^--variant .*" + msg):
             run_gpu_bench(tiny_models["qwen3_moe"], store=stores["qwen3_moe"], adapter=None, policies=pols,
                           fractions=[0.5], device="cpu", variants=bad, log=lambda s: None)
@@ -465,12 +465,62 @@ def test_reuse_table_comes_from_the_models_adapter(tiny_models, stores, tiny_ada
     with pytest.raises(SpecPrefetchError, match="pass --adapter"):   # refused before the reference runs
         run_gpu_bench(tiny_models["qwen3_moe"], store=stores["qwen3_moe"], adapter=None,
                       policies=parse_policies("on-demand+reuse"), fractions=[0.5], device="cpu", log=lambda s: None)
-    r = run_gpu_bench(tiny_models["qwen3_moe"], store=stores["qwen3_moe"], adapter=ad,
-                      policies=parse_policies("on-demand+lru,on-demand+reuse,adapter+reuse"), fractions=[0.25],
-                      prompts=1, prompt_tokens=8, new_tokens=6, repeats=1, ks=(2,), device="cpu", log=lambda s: None)
-    # the adapter has next-visit heads (train's default): adapter+reuse also runs without them
+    with pytest.raises(SpecPrefetchError, match="--variant reuse_classes=off: no predicting"):
+        run_gpu_bench(tiny_models["qwen3_moe"], store=stores["qwen3_moe"], adapter=ad,
+                      policies=parse_policies("on-demand+reuse,adapter+prediction"), fractions=[0.5], device="cpu",
+                      variants=("reuse_classes=off",), log=lambda s: None)
+    configured = []
+    configure = GpuEngine.configure
+
+    def record(self, **kw):
+        configured.append((kw.get("policy"), kw.get("reuse_classes")))
+        return configure(self, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(GpuEngine, "configure", record)
+        r = run_gpu_bench(tiny_models["qwen3_moe"], store=stores["qwen3_moe"], adapter=ad,
+                          policies=parse_policies("on-demand+lru,on-demand+reuse,adapter+reuse,adapter+prediction"),
+                          fractions=[0.25], prompts=1, prompt_tokens=8, new_tokens=6, repeats=1, ks=(2,),
+                          device="cpu", variants=("reuse_classes=off",), log=lambda s: None)
+    # the adapter has next-visit heads (train's default): adapter+reuse also runs without them; its reuse table
+    # has frequency classes (train's default too): reuse_classes=off runs the predicting +reuse policy again with
+    # the whole table (adapter+prediction takes no such row), and the setting reached the engine
+    assert table.classes is not None
     assert r["tokens_match_transformers"] and {x["policy"] for x in r["rows"]} == {
-        "on-demand+lru", "on-demand+reuse", "adapter+reuse", "adapter+reuse next-visit=off"}
+        "on-demand+lru", "on-demand+reuse", "adapter+reuse", "adapter+prediction", "adapter+reuse next-visit=off",
+        "adapter+reuse scheduler=reuse_classes=off"}
+    assert {p.name for p, c in configured if c is False} == {"adapter+reuse"}
+
+
+def test_gpu_engine_takes_no_reuse_classes(tiny_models, stores, tiny_adapter, monkeypatch, tmp_path):
+    """`run --device cuda --no-reuse-classes` reaches gpu_engine, and gpu_engine the engine's RunConfig."""
+    from click.testing import CliRunner
+
+    import toolkit.engines as engines
+    from toolkit.cli import main
+
+    seen = []
+    init = GpuEngine.__init__
+    monkeypatch.setattr(GpuEngine, "__init__", lambda self, lm, st, cfg, **kw: (seen.append(cfg.reuse_classes),
+                                                                                init(self, lm, st, cfg, **kw))[1])
+    for flag in (True, False):
+        engines.gpu_engine(tiny_models["qwen3_moe"], device="cpu", policy="adapter+reuse", adapter=tiny_adapter,
+                           store_path=stores["qwen3_moe"], dtype=None, pool_mib=8.0, window=2, min_confidence=0.02,
+                           draft_k=4, reuse_classes=flag)
+    assert seen == [True, False]
+    asked = []
+
+    def stop(model, **kw):
+        asked.append(kw["reuse_classes"])
+        raise SpecPrefetchError("stopped here")
+
+    monkeypatch.setattr(engines, "gpu_engine", stop)
+    for extra in ((), ("--no-reuse-classes",)):
+        r = CliRunner().invoke(main, ["run", str(tiny_models["qwen3_moe"]), "--device", "cuda", "--policy",
+                                      "adapter+reuse", "--adapter", str(tiny_adapter), "--prompt", "x", *extra,
+                                      "--json", str(tmp_path / f"r{len(extra)}.json")])
+        assert "stopped here" in r.output, r.output
+    assert asked == [True, False]
 
 
 def test_reuse_eviction_reads_the_adapters_next_visit_heads(tiny_models, stores, tiny_adapter, monkeypatch):

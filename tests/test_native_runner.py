@@ -414,6 +414,26 @@ def test_cli_run_engine_native(embedded_bundles, native, tmp_path):
     assert len(out["tokens"]) == 6 and "TPOT" in text
 
 
+def test_cli_run_no_reuse_classes(native, reuse_bundle, tmp_path):
+    """`run --no-reuse-classes` through the CLI, both engines: the bundle's table with its frequency classes
+    decides as the same table without them, and other than with them."""
+    t = _reuse_table().to_json()
+    whole = _with_reuse(reuse_bundle, tmp_path / "whole", {k: v for k, v in t.items()
+                                                           if k not in ("classes", "class_visits16")})
+    got = {}
+    for engine in ("native", "python"):
+        for name, b, flag in (("classes", reuse_bundle, ()), ("off", reuse_bundle, ("--no-reuse-classes",)),
+                              ("whole", whole, ())):
+            ev, js = tmp_path / f"{engine}-{name}.log", tmp_path / f"{engine}-{name}.json"
+            code, text = cli("run", b, "--engine", engine, "--policy", "next-gate+reuse", "--pool-mib", POOLS[0],
+                             "--prompt", "The kernel's memory", "--max-new-tokens", NEW, "--no-check", *flag,
+                             "--events", ev, "--json", js)
+            assert code == 0, text
+            got[engine, name] = decisions(ev.read_text().splitlines())
+        assert got[engine, "off"] == got[engine, "whole"] != got[engine, "classes"], engine
+    assert got["native", "classes"] == got["python", "classes"] and got["native", "off"] == got["python", "off"]
+
+
 def _corrupt(bundle: Path, tmp_path: Path, how: str) -> Path:
     b = tmp_path / "b"
     shutil.copytree(bundle, b)

@@ -614,8 +614,8 @@ def runner_build(bundle, abi, out, force, tokenizer, overwrite) -> None:
                    "--prompts)")
 @click.option("--variant", "variants", multiple=True, metavar="KEY=V[,KEY=V]",
               help="also the predictor's policy with these scheduler settings (window, queue_depth, "
-                   "candidate_threshold, min_confidence) instead of the bundle's, in the same rounds and simulated "
-                   "(repeatable)")
+                   "candidate_threshold, min_confidence; reuse_classes=off: the whole reuse table, not its frequency "
+                   "classes) instead of the bundle's, in the same rounds and simulated (repeatable)")
 @json_report
 @friendly_errors(interrupt=NOT_WRITTEN)
 def runner_bench(bundle, prompts, new_tokens, rounds, pool_fracs, threads, ablation, read_budget_kib, images,
@@ -887,8 +887,8 @@ def bench_reads_cmd(traces, store_path, pool_fracs, max_sequences, rounds, lanes
 @click.option("--variant", "variants", multiple=True, metavar="KEY=V[,KEY=V]",
               help="also each predicting policy with these scheduler settings (window, queue_depth: prefetch copies "
                    "issued per layer step, candidate_threshold, min_confidence, read_budget_kib: KiB copied per layer "
-                   "step, at least one expert, or auto: the measured copy rate times a layer's resident step), in "
-                   "the same rounds (repeatable)")
+                   "step, at least one expert, or auto: the measured copy rate times a layer's resident step; "
+                   "reuse_classes=off: +reuse policies with the whole reuse table), in the same rounds (repeatable)")
 @json_report
 @friendly_errors(interrupt=NOT_WRITTEN)
 def bench_gpu(model, device, adapter, policies, pool_fractions, prompts, new_tokens, rounds, prompt_tokens, window,

@@ -11,9 +11,9 @@ profiler). Where the adapter has next-visit heads, each `+reuse` policy that rea
 without them (`POLICY next-visit=off`); with `--variant KEY=V[,KEY=V]`, each predicting policy (not
 on-demand, the draft or the oracle) also runs with those scheduler settings (`POLICY scheduler=...`:
 window, queue_depth (prefetch copies issued per layer step), candidate_threshold, min_confidence,
-read_budget_kib: a number, or auto, the measured copy rate times a layer's resident step), rows of their
-own in the same rounds. Every run's tokens are checked against
-transformers' greedy tokens before any time is quoted.
+read_budget_kib: a number, or auto, the measured copy rate times a layer's resident step; reuse_classes=off,
+the reuse eviction with the whole table, for `+reuse` policies only), rows of their own in the same rounds.
+Every run's tokens are checked against transformers' greedy tokens before any time is quoted.
 """
 from __future__ import annotations
 
@@ -241,9 +241,11 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
     # the predictors and the reuse table first: a policy that cannot run is refused before any loading
     preds = gpu_predictors(spec, {p.predictor for p in policies}, adapter)
     reuse = gpu_reuse_table(spec, {p.eviction for p in policies}, adapter)
-    if any("reuse_classes" in v for v in knobs.values()) and (reuse is None or reuse.classes is None):
-        raise SpecPrefetchError("--variant reuse_classes: no reuse table with frequency classes (a +reuse policy "
-                                "and an adapter trained with them)")
+    for label, v in knobs.items():
+        if "reuse_classes" in v and (reuse is None or reuse.classes is None
+                                     or not any(_predicting(p) and p.eviction == "reuse" for p in policies)):
+            raise SpecPrefetchError(f"--variant {label}: no predicting +reuse policy whose reuse table has "
+                                    "frequency classes (an adapter trained with them)")
     if store is None:
         from toolkit.runtime.store_cache import cached_store
 
@@ -305,7 +307,7 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
     variants += [(pol.name + NO_NEXT_VISIT, pol, False, {}) for pol in policies
                  if pol.eviction == "reuse" and getattr(preds.get(pol.predictor), "next_visit", False)]
     variants += [(f"{pol.name}{VARIANT_TAG}{label}", pol, True, v) for pol in policies if _predicting(pol)
-                 for label, v in knobs.items()]
+                 for label, v in knobs.items() if "reuse_classes" not in v or pol.eviction == "reuse"]
 
     # the oracle's future: one recorded pass per prompt (routing does not depend on the policy)
     recorded = {p: eng.record(ids[p], new_tokens) for p in range(len(ids))}
@@ -562,7 +564,8 @@ def main(argv: list[str] | None = None) -> None:
                          "resident_profile)")
     ap.add_argument("--variant", action="append", default=[], metavar="KEY=V[,KEY=V]",
                     help="also each predicting policy with these scheduler settings (window, queue_depth, "
-                         "candidate_threshold, min_confidence, read_budget_kib: KiB a layer step or auto; repeatable)")
+                         "candidate_threshold, min_confidence, read_budget_kib: KiB a layer step or auto, "
+                         "reuse_classes=off: +reuse policies with the whole reuse table; repeatable)")
     ap.add_argument("--json", type=Path, required=True)
     a = ap.parse_args(argv)
     r = run_gpu_bench(a.model, store=a.store, adapter=a.adapter, policies=parse_policies(a.policies),

@@ -41,8 +41,6 @@ def parse_policies(text: str, option: str = "--policies") -> list[Policy]:
     return [Policy.parse(t, option) for t in items]
 
 
-_ON_OFF = {"on": True, "off": False}
-
 # a row of a policy with other scheduler settings (runner bench --variant, bench gpu --variant):
 # "<policy> scheduler=<key=value,...>"
 VARIANT_TAG = " scheduler="
@@ -52,8 +50,9 @@ VARIANT_KEYS: dict[str, tuple[Callable[[str], Any], Callable[[Any], bool], str]]
     "queue_depth": (int, lambda v: v >= 1, "an integer >= 1"),
     "candidate_threshold": (float, lambda v: 0 <= v <= 1, "a probability in [0, 1]"),
     "min_confidence": (float, lambda v: 0 <= v <= 1, "a probability in [0, 1]"),
-    # off: the reuse eviction with the whole table only, not its frequency classes (run --no-reuse-classes)
-    "reuse_classes": (lambda s: _ON_OFF[s] if s in _ON_OFF else None, lambda v: True, "on or off"),
+    # off: the reuse eviction with the whole table only, not its frequency classes (run --no-reuse-classes;
+    # on is every run's default: no variant)
+    "reuse_classes": (lambda s: False if s == "off" else None, lambda v: v is False, "off"),
 }
 # the GPU tier's too: its read budget (KiB its copies deliver per layer step, at least one expert; run
 # --read-budget-kib; `auto`: the bench measures it, the pinned-copy rate times a layer's resident step);
@@ -86,8 +85,7 @@ def parse_variant(spec: str, keys: dict = VARIANT_KEYS) -> dict[str, Any]:
 
 def variant_label(knobs: dict[str, Any]) -> str:
     """The canonical text of a variant's settings (sorted keys), as its rows are named."""
-    return ",".join(f"{k}={('on' if knobs[k] else 'off') if isinstance(knobs[k], bool) else knobs[k]}"
-                    for k in sorted(knobs))
+    return ",".join(f"{k}={'off' if knobs[k] is False else knobs[k]}" for k in sorted(knobs))
 
 
 def parse_variants(specs: Iterable[str], keys: dict = VARIANT_KEYS) -> dict[str, dict[str, Any]]:

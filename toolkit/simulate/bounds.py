@@ -74,7 +74,7 @@ def replay(ids: np.ndarray, kinds: np.ndarray, capacity: int, rule: str, table,
     N, L, k = ids.shape
     if true_next is None and rule.startswith("belady"):
         true_next = belady_next_use(list(ids), L)
-    if rule in CLASS_RULES and table.classes is None:
+    if rule in CLASS_RULES and (table is None or table.classes is None):
         raise SpecPrefetchError(f"eviction rule {rule!r} needs a reuse table with frequency classes")
     if rule not in CLASS_RULES and table is not None:
         table = table.whole()   # the other rules score by the whole table
@@ -194,8 +194,8 @@ def eviction_bounds(trace: Path, pool_fracs: list[float], *, max_sequences: int 
                                 "--decode-tokens 0?)")
     L, E = len(reader.moe_layers), reader.num_experts
     # the reuse table with reuse-freq's one per frequency class, from one pass over the train split
+    # (replay scores by the whole table where the rule takes no classes)
     by_class = learn_class_reuse_table(train, E, where=f"trace {trace}")
-    whole = by_class.whole()
     nexts = [belady_next_use(list(ids), L) for ids, _ in seqs]  # each sequence's real next uses, once
     exact = [exact_next_sets(ids) for ids, _ in seqs]              # and its real next visits
     rules = RULES
@@ -218,7 +218,7 @@ def eviction_bounds(trace: Path, pool_fracs: list[float], *, max_sequences: int 
             progress(f"pool {cap} slots: {rule}")
             r = d = 0
             for (ids, kinds), nu, ns, ex in zip(seqs, nexts, sets, exact):
-                a, b = replay(ids, kinds, cap, rule, by_class if rule in CLASS_RULES else whole, nu,
+                a, b = replay(ids, kinds, cap, rule, by_class, nu,
                               next_sets=ns if rule in ADAPTER_RULES else {"next-visit": ex}.get(rule))
                 r, d = r + a, d + b
             row["reads_per_token"][rule] = round(r / max(d, 1), 3)

@@ -398,7 +398,10 @@ def _mapping_note(Lt: int, Et: int, geo: Geometry) -> str | None:
                      f"ever routed to, so a pool's share of the experts routed to is {geo.num_experts / Et:g}x its "
                      "share of all experts (hit rates are optimistic)")
     elif Et > geo.num_experts:
-        parts.append(f"trace expert e is geometry expert e mod {geo.num_experts}")
+        parts.append(f"trace expert e is geometry expert e mod {geo.num_experts} (the reuse eviction scores by "
+                     "its whole table: the frequency classes are the trace's experts', not the folded ones')")
+    else:
+        parts.append("the reuse table's frequency classes follow the same map")
     return "; ".join(parts)
 
 
