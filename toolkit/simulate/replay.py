@@ -396,12 +396,11 @@ def _mapping_note(Lt: int, Et: int, geo: Geometry) -> str | None:
     if Et < geo.num_experts:
         parts.append(f"trace expert e is geometry expert e: only {Et} of each layer's {geo.num_experts} experts are "
                      f"ever routed to, so a pool's share of the experts routed to is {geo.num_experts / Et:g}x its "
-                     "share of all experts (hit rates are optimistic)")
+                     "share of all experts (hit rates are optimistic; an expert the trace never routes to is in the "
+                     "reuse table's coldest frequency class)")
     elif Et > geo.num_experts:
         parts.append(f"trace expert e is geometry expert e mod {geo.num_experts} (the reuse eviction scores by "
                      "its whole table: the frequency classes are the trace's experts', not the folded ones')")
-    else:
-        parts.append("the reuse table's frequency classes follow the same map")
     return "; ".join(parts)
 
 
@@ -559,7 +558,9 @@ def run_simulation(trace: Path, *, policies: list[Policy], profile: DeviceProfil
                                                             * min(geo.num_experts, reader.num_experts)), 4),
         "window": window, "queue_depth": queue_depth, "store_dtype": dtype,
         "next_visit": next_visit,  # whether adapter+reuse read the adapter's next-visit heads (where it has them)
-        "reuse_classes": reuse_classes,  # whether the reuse eviction scored by the table's frequency classes
+        # whether the reuse eviction scored by the table's frequency classes (asked for, and the table has them
+        # on this geometry: not where experts fold, replay's onto)
+        "reuse_classes": bool(reuse_classes and reuse is not None and reuse.classes is not None),
         "read_budget_kib": read_budget_kib, "read_budget_auto": auto_budget,
         "prefill": None if prompt is None else {
             "prompt_tokens": len(prompt[1]), "prefill_gflops": profile.prefill_gflops, "span": PREFILL_SPAN,
