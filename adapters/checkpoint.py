@@ -14,6 +14,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from adapters.lowrank import PrefetchAdapter
+from adapters.reuse import ReuseTable, is_int
 from toolkit import __version__
 from toolkit.artifacts import atomic_directory, read_json, sha256_file, write_json_atomic
 from toolkit.errors import SpecPrefetchError
@@ -51,28 +52,22 @@ def save_adapter(adapter: PrefetchAdapter, out: Path, spec: ModelSpec, extra: di
 
 def reuse_table(meta: dict[str, Any], file: Path):
     """The adapter's reuse table (toolkit/runtime/reuse.py), validated; None for an adapter without one."""
-    from adapters.reuse import ReuseTable
-
     d = meta.get("reuse")
     return None if d is None else ReuseTable.from_json(
         d, str(file), shape=(len(meta["model"]["moe_layers"]), meta["model"]["num_experts"]))
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 # (dotted key, check, what it must be) for every field load_adapter reads
 _FIELDS: list[tuple[str, Callable[[Any], bool], str]] = [
     ("model", lambda v: isinstance(v, dict), "an object"),
     ("model.config_hash", lambda v: isinstance(v, str), "a string"),
-    ("model.moe_layers", lambda v: isinstance(v, list) and len(v) > 0 and all(_is_int(x) for x in v),
+    ("model.moe_layers", lambda v: isinstance(v, list) and len(v) > 0 and all(is_int(x) for x in v),
      "a non-empty list of integers"),
-    ("model.num_experts", lambda v: _is_int(v) and v > 0, "a positive integer"),
-    ("model.hidden_size", lambda v: _is_int(v) and v > 0, "a positive integer"),
-    ("horizons", lambda v: isinstance(v, list) and len(v) > 0 and all(_is_int(x) and 1 <= x <= 4 for x in v),
+    ("model.num_experts", lambda v: is_int(v) and v > 0, "a positive integer"),
+    ("model.hidden_size", lambda v: is_int(v) and v > 0, "a positive integer"),
+    ("horizons", lambda v: isinstance(v, list) and len(v) > 0 and all(is_int(x) and 1 <= x <= 4 for x in v),
      "a non-empty list of integers in 1..4"),
-    ("rank", lambda v: _is_int(v) and v > 0, "a positive integer"),
+    ("rank", lambda v: is_int(v) and v > 0, "a positive integer"),
     ("cross_token", lambda v: isinstance(v, bool), "true or false"),
     ("weights_sha256", lambda v: isinstance(v, str), "a string"),
 ]

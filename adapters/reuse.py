@@ -77,7 +77,7 @@ class ReuseTable:
         return [tuple(self.class_visits16[c] for c in row) for row in self.classes]
 
     @staticmethod
-    def from_json(d: Any, where: str, shape: tuple[int, int] | None = None) -> "ReuseTable":
+    def from_json(d: Any, where: str, *, shape: tuple[int, int]) -> "ReuseTable":
         """Validate a table read from `where` (an adapter.json or a manifest): one-line errors. `shape`:
         the model's (MoE layers, experts), which frequency classes must match."""
         def bad(what: str) -> SpecPrefetchError:
@@ -85,15 +85,15 @@ class ReuseTable:
         if not isinstance(d, dict):
             raise bad("not an object")
         bits, cap, scale, v = d.get("bits"), d.get("cap"), d.get("scale"), d.get("visits16")
-        if not (_is_int(bits) and 1 <= bits <= MAX_BITS):
+        if not (is_int(bits) and 1 <= bits <= MAX_BITS):
             raise bad(f"'bits' must be an integer in 1..{MAX_BITS}")
-        if not (_is_int(cap) and 1 <= cap <= 1 << 20):
+        if not (is_int(cap) and 1 <= cap <= 1 << 20):
             raise bad("'cap' must be a positive integer")
-        if not (_is_int(scale) and scale == SCALE):
+        if not (is_int(scale) and scale == SCALE):
             raise bad(f"'scale' must be {SCALE}")
 
         def table(t: Any, what: str) -> tuple[int, ...]:
-            if not (isinstance(t, list) and len(t) == 1 << bits and all(_is_int(x) and SCALE <= x <= SCALE * cap
+            if not (isinstance(t, list) and len(t) == 1 << bits and all(is_int(x) and SCALE <= x <= SCALE * cap
                                                                         for x in t)):
                 raise bad(f"'{what}' must be {1 << bits} integers in {SCALE}..{SCALE * cap}")
             return tuple(t)
@@ -104,24 +104,24 @@ class ReuseTable:
         if not (isinstance(ct, list) and 1 <= len(ct) <= MAX_CLASSES):
             raise bad(f"'class_visits16' must be a list of 1..{MAX_CLASSES} tables, with 'classes'")
         tables = tuple(table(t, f"class_visits16[{i}]") for i, t in enumerate(ct))
-        if not (isinstance(cls, list) and cls and all(isinstance(r, list) and r and all(_is_int(c) and 0 <= c < len(ct)
+        if not (isinstance(cls, list) and cls and all(isinstance(r, list) and r and all(is_int(c) and 0 <= c < len(ct)
                                                                                     for c in r) for r in cls)):
             raise bad(f"'classes' must be a list per MoE layer of class ids in 0..{len(ct) - 1}")
         if len({len(r) for r in cls}) != 1:
             raise bad("'classes' must list as many experts for every layer")
-        if shape is not None and (len(cls), len(cls[0])) != tuple(shape):
+        if (len(cls), len(cls[0])) != tuple(shape):
             raise bad(f"'classes' is for {len(cls)} MoE layers x {len(cls[0])} experts, the model has "
                       f"{shape[0]} x {shape[1]}")
         return ReuseTable(bits, cap, visits, tuple(tuple(r) for r in cls), tables)
 
 
-def _is_int(x: Any) -> bool:
+def is_int(x: Any) -> bool:
+    """An int that is not a bool (JSON validation; adapters/checkpoint.py reads it too)."""
     return isinstance(x, int) and not isinstance(x, bool)
 
 
 def learn_reuse_table(sequences: Iterable[np.ndarray], num_experts: int, *, bits: int = BITS,
-                      cap: int = CAP, where: str = "the routing", select: np.ndarray | None = None,
-                      prior: ReuseTable | None = None) -> ReuseTable:
+                      cap: int = CAP, where: str = "the routing") -> ReuseTable:
     """The table from routed expert ids, one array [positions, layers, k] per sequence (positions in
     order). Each (layer, expert, position) is one sample: its history after that position, and the
     visits until its next use, capped at `cap`; where no use follows, a sample is kept only if `cap`
@@ -129,20 +129,18 @@ def learn_reuse_table(sequences: Iterable[np.ndarray], num_experts: int, *, bits
     means near a sequence's end toward short reuse (long reuses there are not seen); counting them as
     `cap` biased them the other way. Every position is one visit (a prompt's too: at run time a
     prefill span's layer is one visit for all its positions, so the first decode tokens' histories
-    hold fewer visits than the table assumes). `select` ([layers, experts] bool): only those experts'
-    samples are counted (a table for a class of experts); `prior` (a table of the same bits and cap):
-    what a history the samples never show takes (and the whole table where there are no samples),
-    instead of the mean of the histories with as many uses."""
-    _check_prior(prior, bits, cap, where)
-    groups = None if select is None else np.asarray(select).astype(np.int64)   # group 1: the selected
-    tot, cnt = _reuse_sums(sequences, num_experts, bits, cap, groups, 1 if groups is None else 2)
-    return _table(tot[-1], cnt[-1], bits, cap, prior, where)
+    hold fewer visits than the table assumes). A history never seen takes the mean of the histories
+    seen with as many uses."""
+    tot, cnt = _reuse_sums(sequences, num_experts, bits, cap, None, 1)
+    return _table(tot[0], cnt[0], bits, cap, None, where)
 
 
 def learn_reuse_tables(sequences: Iterable[np.ndarray], num_experts: int, groups: np.ndarray, *, bits: int = BITS,
                        cap: int = CAP, where: str = "the routing") -> tuple[ReuseTable, list[ReuseTable]]:
     """learn_reuse_table's table over every expert, and one per group of experts (`groups`: [layers,
-    experts] group ids 0..G-1), the whole table as each group's prior, from one pass over `sequences`."""
+    experts] group ids 0..G-1), from one pass over `sequences`: a group's table counts its experts' samples
+    only, and a history they never show (every one, for a group without samples) takes the whole table's
+    entry."""
     n_groups = int(np.max(groups)) + 1
     tot, cnt = _reuse_sums(sequences, num_experts, bits, cap, np.asarray(groups, np.int64), n_groups)
     whole = _table(tot.sum(0), cnt.sum(0), bits, cap, None, where)
@@ -178,12 +176,6 @@ def learn_class_reuse_table(sequences: list[np.ndarray], num_experts: int, *, cl
     whole, tables = learn_reuse_tables(sequences, num_experts, groups, bits=bits, cap=cap, where=where)
     return dataclasses.replace(whole, classes=tuple(tuple(int(c) for c in r) for r in groups),
                                class_visits16=tuple(t.visits16 for t in tables))
-
-
-def _check_prior(prior: ReuseTable | None, bits: int, cap: int, where: str) -> None:
-    if prior is not None and (prior.bits, prior.cap) != (bits, cap):
-        raise SpecPrefetchError(f"{where}: a prior reuse table of {prior.bits} bits / cap {prior.cap}, not "
-                                f"{bits} / {cap}")
 
 
 def _reuse_sums(sequences: Iterable[np.ndarray], num_experts: int, bits: int, cap: int, groups: np.ndarray | None,

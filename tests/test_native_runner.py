@@ -147,9 +147,7 @@ def test_reuse_eviction_decides_as_the_reference(native, reuse_bundle, embedded,
     --no-reuse-classes (RunConfig.reuse_classes) on the table with them decides as the table without."""
     pool = POOLS[0]
     ref = reference_tokens(embedded, PROMPTS[0], NEW)
-    t = _reuse_table().to_json()
-    whole = _with_reuse(reuse_bundle, tmp_path / "whole", {k: v for k, v in t.items()
-                                                           if k not in ("classes", "class_visits16")})
+    whole = _with_reuse(reuse_bundle, tmp_path / "whole", _reuse_table().whole().to_json())
     names = [p for p in preds if p != "on-demand"]
     sessions = {b: open_session(b, RunConfig(policy=Policy("on-demand", "lru"), io="threads"), predictors=names)
                 for b in (reuse_bundle, whole)}
@@ -417,9 +415,7 @@ def test_cli_run_engine_native(embedded_bundles, native, tmp_path):
 def test_cli_run_no_reuse_classes(native, reuse_bundle, tmp_path):
     """`run --no-reuse-classes` through the CLI, both engines: the bundle's table with its frequency classes
     decides as the same table without them, and other than with them."""
-    t = _reuse_table().to_json()
-    whole = _with_reuse(reuse_bundle, tmp_path / "whole", {k: v for k, v in t.items()
-                                                           if k not in ("classes", "class_visits16")})
+    whole = _with_reuse(reuse_bundle, tmp_path / "whole", _reuse_table().whole().to_json())
     got = {}
     for engine in ("native", "python"):
         for name, b, flag in (("classes", reuse_bundle, ()), ("off", reuse_bundle, ("--no-reuse-classes",)),

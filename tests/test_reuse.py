@@ -21,7 +21,7 @@ def test_table_by_hand():
     # (00, 1); the rest have no later use and fewer than cap = 4 positions after them: not samples.
     # 11 is never seen: the mean of the histories with two uses, none, so of all: 5 / 4
     assert t.visits16 == (16, 24, 16, 20)
-    assert ReuseTable.from_json(t.to_json(), "x") == t
+    assert ReuseTable.from_json(t.to_json(), "x", shape=(1, 8)) == t
 
 
 def test_unseen_histories_take_the_mean_of_their_popcount():
@@ -48,7 +48,7 @@ def test_malformed_tables_are_one_line_errors(change, message):
     d = learn_reuse_table([np.array([0, 1, 0, 0]).reshape(4, 1, 1)], 2, bits=2, cap=4).to_json()
     change(d)
     with pytest.raises(SpecPrefetchError, match=f"manifest.json: malformed reuse table: {message}"):
-        ReuseTable.from_json(d, "manifest.json")
+        ReuseTable.from_json(d, "manifest.json", shape=(1, 8))
 
 
 def _table(bits=2):

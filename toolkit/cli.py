@@ -32,6 +32,8 @@ from pathlib import Path
 
 import click
 
+from adapters.reuse import CLASSES as REUSE_CLASSES
+from adapters.reuse import MAX_CLASSES as MAX_REUSE_CLASSES
 from toolkit import __version__
 from toolkit.cli_errors import Cli, friendly_errors, quiet_libraries, quiet_native_stderr
 from toolkit.cli_params import (MIN_TIMED_TOKENS, NOT_WRITTEN, NOTHING_TO_OUT, OUT_DIR, OUT_FILE, POOL_AUTO_MIB,
@@ -169,7 +171,7 @@ def trace(model, data, out, prompt_tokens, decode_tokens, max_sequences, probs_t
               help="weight of the top-k ranking term")
 @click.option("--next-visit-weight", type=FiniteFloat(0.0, inclusive=True), default=1.0, show_default=True,
               help="loss weight of the next-visit heads (horizon L; in the validation loss too)")
-@click.option("--reuse-classes", type=click.IntRange(1, 64), default=4, show_default=True,
+@click.option("--reuse-classes", type=click.IntRange(1, MAX_REUSE_CLASSES), default=REUSE_CLASSES, show_default=True,
               help="the reuse table's frequency classes: each layer's experts in this many shares by how often "
                    "the train split routes to them, a table per share (docs/runtime.md; 1: one table)")
 @click.option("--steps", type=click.IntRange(min=1), default=3000, show_default=True)

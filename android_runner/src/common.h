@@ -28,6 +28,8 @@ struct ReuseTable {
   std::vector<std::vector<int>> classes;             // [MoE layers][experts] class ids; empty: one table
   std::vector<std::vector<int64_t>> class_visits16;  // [classes][2^bits]
   bool empty() const { return visits16.empty(); }
+  // the table without its frequency classes (every expert scored with visits16)
+  ReuseTable whole() const { return ReuseTable{bits, visits16, {}, {}}; }
   // the table that scores expert `e` of MoE layer `li`
   const std::vector<int64_t>& of(int li, int e) const {
     return classes.empty() ? visits16 : class_visits16[static_cast<size_t>(classes[static_cast<size_t>(li)][static_cast<size_t>(e)])];

@@ -315,9 +315,7 @@ Generation Runner::generate(const std::vector<int>& prompt, int max_new,
   std::unique_ptr<ReuseHistory> reuse;
   if (cfg.eviction == "reuse") {
     if (m_.reuse.empty()) throw Error("--policy " + cfg.name() + ": the bundle has no reuse table");
-    ReuseTable table = m_.reuse;
-    if (!cfg.reuse_classes) table.classes.clear(), table.class_visits16.clear();  // the whole table alone
-    reuse = std::make_unique<ReuseHistory>(std::move(table), L);
+    reuse = std::make_unique<ReuseHistory>(cfg.reuse_classes ? m_.reuse : m_.reuse.whole(), L);
   }
   WindowScheduler sched(pool, io, scfg, L, k, events, reuse.get());
   if (events != nullptr) {

@@ -32,8 +32,9 @@ def expert_load(reader: TraceReader, split: str, decode_only: bool = False) -> n
 
 def add_expert_load(load: np.ndarray, ids: np.ndarray) -> np.ndarray:
     """Adds the selections of `ids` ([positions, L, k] expert ids) to `load` ([L, E]); returns it."""
+    ids = np.asarray(ids)
     for li in range(ids.shape[1]):
-        load[li] += np.bincount(np.asarray(ids)[:, li].reshape(-1).astype(np.int64), minlength=load.shape[1])
+        load[li] += np.bincount(ids[:, li].reshape(-1).astype(np.int64), minlength=load.shape[1])
     return load
 
 
