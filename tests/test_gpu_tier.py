@@ -1052,6 +1052,62 @@ def test_graph_decode_reads_the_device_once_per_layer(tiny_models, stores, monke
     assert runner.host_waits == (eng.L + 1) * (len(g.tokens) - 1)
 
 
+def test_graph_decode_plans_behind_the_replay(tiny_models, stores, monkeypatch):
+    """Decode plans a MoE layer's prefetches after it has enqueued the replay that computes that layer's
+    experts (the host's planning overlaps the device), with the copy IO's fence set while it plans (a
+    slot planning evicts waits for that point, not for the replay) and cleared before the release (whose
+    evictions may take this layer's own slots); the decisions are those of the CPU runner's order
+    (acquire, plan, release), as test_decode_modes_give_the_same_tokens_and_counts checks against the
+    eager modules path."""
+    from toolkit.runtime import planner as planner_mod
+    from toolkit.runtime.scheduler import WindowScheduler
+
+    prompt = list(range(5, 17))
+    eng = _engine(tiny_models["qwen3_moe"], stores["qwen3_moe"], "next-gate+prediction", 0.25, "cpu")
+    log = []
+    real_seg, real_plan = GraphRunner.run_segment, planner_mod.PrefetchPlanner.plan
+    real_release = WindowScheduler.release
+    monkeypatch.setattr(GraphRunner, "run_segment", lambda self, s: (log.append(("segment", s)), real_seg(self, s))[1])
+
+    def plan(self, sched, li, step, *a, **kw):
+        log.append(("plan", li, sched.io.fence is not None))
+        return real_plan(self, sched, li, step, *a, **kw)
+
+    def release(self, step, keys, **kw):
+        log.append(("release", self.io.fence is not None))
+        return real_release(self, step, keys, **kw)
+    monkeypatch.setattr(planner_mod.PrefetchPlanner, "plan", plan)
+    monkeypatch.setattr(WindowScheduler, "release", release)
+    g = eng.run(prompt, 6)
+    monkeypatch.undo()
+    plans = [i for i, e in enumerate(log) if e[0] == "plan"]
+    assert len(plans) == eng.L * (len(g.tokens) - 1)
+    for i in plans:
+        li = log[i][1]
+        assert log[i - 1] == ("segment", li + 1), log[i - 1:i + 1]   # the layer's replay enqueued first
+        assert log[i][2], "no fence while planning"
+    assert not any(e[0] == "release" and e[1] for e in log), "the fence outlived the planning"
+
+
+@CUDA
+def test_graph_decode_plans_behind_a_lagging_compute_stream(tiny_models, stores, monkeypatch):
+    """The graph decode plans while its replay runs: with the compute stream far behind the host (a spin
+    at the start of every segment, captured into its graph), the slots planning evicts are refilled while
+    kernels that read their old experts may still be queued; the fence must order them: the same tokens."""
+    prompt = list(range(5, 17))
+    want = _reference(tiny_models["qwen3_moe"], prompt, 12, "cuda", "float16")
+    real = GraphRunner._segment
+
+    def slow(self, s, *a, **kw):
+        torch.cuda._sleep(2_000_000)   # ~1 ms of GPU time
+        return real(self, s, *a, **kw)
+
+    monkeypatch.setattr(GraphRunner, "_segment", slow)
+    for policy in ("next-gate+prediction", "oracle+belady"):
+        eng = _engine(tiny_models["qwen3_moe"], stores["qwen3_moe"], policy, 0.1, "cuda", dtype="float16")
+        assert eng.run(prompt, 12).tokens == want, policy
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_second_cuda_device(tiny_models, stores):
     """cuda:N with N > 0: graphs, copies and the int4 kernel run on that device, not the current one."""

@@ -170,7 +170,12 @@ class CudaCopyIO:
         self.free = list(range(capacity - 1, -1, -1))
         self.where: dict[Key, int] = {}
         self.done: dict[Key, Any] = {}           # key -> the copy's completion event
-        self.last_use: list[Any] = [None] * capacity
+        self.last_use: list[tuple] = [()] * capacity   # per slot: the events a copy into it waits for
+        # an event on the compute stream that every kernel reading an unpinned slot precedes, while the
+        # host plans behind a replay it has just enqueued (gpu_graph.GraphRunner.decode): a copy into a
+        # slot evicted then waits for that point (and the slot's old copy), not for the replay, which
+        # reads pinned slots only (None: an event recorded at the eviction)
+        self.fence: Any = None
         self.stalls: list[tuple[Any, Any]] = []  # (before, after) the compute stream's waits
         self.copies: list[tuple[Any, Any]] = []  # (start, end) of every copy
         self.copied_bytes = 0
@@ -185,9 +190,9 @@ class CudaCopyIO:
         src, dst = self.host.blob(key), self.views[idx]
         if self.dev.cuda:
             cs = self.dev.demand_stream if demand else self.dev.copy_stream
-            last = self.last_use[idx]
-            if last is not None and not last.query():
-                cs.wait_event(last)   # the kernels that read the slot's old expert
+            for last in self.last_use[idx]:   # the kernels that read the slot's old expert (and its copy)
+                if not last.query():
+                    cs.wait_event(last)
             with torch.cuda.stream(cs):
                 t0 = self.dev.event(cs)
                 dst.copy_(src, non_blocking=True)
@@ -219,8 +224,13 @@ class CudaCopyIO:
 
     def release(self, key: Key) -> None:
         idx = self.where.pop(key)
-        self.done.pop(key, None)
-        self.last_use[idx] = self.dev.event() if self.dev.cuda else None
+        copied = self.done.pop(key, None)
+        if self.dev.cuda:
+            # an event now follows the compute stream's wait for the old copy (the scheduler's eviction
+            # waits for one in flight); the fence precedes that wait, so the old copy's own event joins it
+            # (a later copy into the slot may go on the other stream)
+            self.last_use[idx] = ((self.dev.event(),) if self.fence is None
+                                  else (self.fence,) if copied is None else (self.fence, copied))
         self.free.append(idx)
 
     def close(self) -> None:

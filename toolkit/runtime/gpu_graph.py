@@ -681,8 +681,6 @@ class GraphRunner:
                 seq.state.record(li, self.host_post[li], row)
             order, keys = _ascending(li, row)
             sched.acquire(step, _resident_first(keys, pooled))
-            if planner is not None:
-                planner.plan(sched, li, step, seq.state, None, seq.end)
             slots = []
             for key in keys:
                 sched.data(key)              # orders the compute stream after the slot's copy
@@ -691,7 +689,20 @@ class GraphRunner:
             st[:k] = slots
             st[k:] = order
             self.sel[li].copy_(self.stage[li], non_blocking=True)
-            self.run_segment(li + 1)
+            if planner is not None:
+                # the window's planning (its evictions and copies) while the device runs the replay: the
+                # same decisions in the same order (acquire, plan, release), the host's planning off the
+                # device's path. The replay reads this layer's experts, pinned until the release, so
+                # a slot planning evicts was last read before it: its copy waits for the fence (and the
+                # slot's old copy), not for the replay
+                io.fence = self.eng.dev.event()
+                self.run_segment(li + 1)
+                try:
+                    planner.plan(sched, li, step, seq.state, None, seq.end)
+                finally:
+                    io.fence = None
+            else:
+                self.run_segment(li + 1)
             sched.release(step, keys)         # after the replay that reads the slots was enqueued
         self.host_tok.copy_(self.tok, non_blocking=True)
         self.host_wait()
