@@ -662,6 +662,16 @@ def test_next_visit_heads_in_eval_eviction_bounds_and_the_simulator(sim_trace, e
                            reuse_classes=classes)
         reads[on] = s["results"][0]["counts"]["bytes_read"]
     assert reads[True] != reads[False] and reads[True] != reads["whole"], reads   # the heads; the classes
+    # an adapter of another model of the same sizes: refused for its table too, as for its predictions
+    import shutil
+    other = tmp_path / "other"
+    shutil.copytree(tmp_path / "a", other)
+    meta = json.loads((other / "adapter.json").read_text())
+    meta["model"]["config_hash"] = "0" * len(meta["model"]["config_hash"])
+    (other / "adapter.json").write_text(json.dumps(meta))
+    with pytest.raises(SpecPrefetchError, match="trained for model config"):
+        run_simulation(sim_trace, policies=[Policy("on-demand", "reuse")], profile=SNAPDRAGON_8_ELITE,
+                       pool_mib=8, window=2, adapter=other, max_sequences=4)
     from click.testing import CliRunner
 
     from toolkit.cli import main

@@ -414,24 +414,21 @@ def _copy_prediction(preds: dict, ti: int, Lt: int, rows: torch.Tensor, t: int):
     return None, None
 
 
-def reuse_for(reader, adapter: Path | None):
-    """The reuse eviction's table: the adapter's, or without an adapter learned from the trace's
-    train split now (what `train` stores in an adapter trained on it)."""
-    from adapters.checkpoint import read_adapter_meta, reuse_table
+def reuse_for(reader, adapter: Path | None, spec):
+    """The reuse eviction's table: the adapter's (checked against the trace's model `spec` as every adapter
+    is: load_adapter), or without an adapter learned from the trace's train split now (what `train`
+    stores in an adapter trained on it)."""
+    from adapters.checkpoint import load_adapter, reuse_table
     from adapters.reuse import learn_class_reuse_table
     from toolkit.traces.format import routing_sequences
 
     if adapter is not None:
-        t = reuse_table(read_adapter_meta(Path(adapter)), Path(adapter) / "adapter.json")
+        _, meta = load_adapter(Path(adapter), spec)   # refuses an adapter of another model
+        t = reuse_table(meta, Path(adapter) / "adapter.json")
         if t is None:
             raise SpecPrefetchError(f"--adapter {adapter}: eviction 'reuse' needs the adapter's reuse table, which "
                                     "it lacks: train it with this version (or leave --adapter out to learn the "
                                     "table from the trace)")
-        shape = (len(reader.moe_layers), reader.num_experts)
-        if t.classes is not None and (len(t.classes), len(t.classes[0])) != shape:
-            raise SpecPrefetchError(f"--adapter {adapter}: its reuse table's frequency classes are for "
-                                    f"{len(t.classes)} MoE layers x {len(t.classes[0])} experts, the trace's model "
-                                    f"has {shape[0]} x {shape[1]} (an adapter of another model)")
         return t
     seqs = routing_sequences(reader, "train")
     if not seqs:
@@ -527,7 +524,7 @@ def run_simulation(trace: Path, *, policies: list[Policy], profile: DeviceProfil
         auto_budget = profile.read_budget(geo.slot_bytes, decode_step_s(profile, geo), queue_depth)
         read_budget_kib = auto_budget["kib"]
     check_budget_kib(read_budget_kib, geo.slot_bytes, "--read-budget-kib")
-    reuse = reuse_for(reader, adapter) if any(p.eviction == "reuse" for p in policies) else None
+    reuse = reuse_for(reader, adapter, spec) if any(p.eviction == "reuse" for p in policies) else None
     if reuse is not None and (geo.num_layers, geo.num_experts) != (Lt, reader.num_experts):
         reuse = reuse.onto(layer_map, geo.num_experts)   # frequency classes of the routing's own layers
     prompt = _prompt_batch(reader, split, prompt_tokens, profile) if prompt_tokens else None
