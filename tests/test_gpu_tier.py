@@ -1054,9 +1054,10 @@ def test_graph_decode_reads_the_device_once_per_layer(tiny_models, stores, monke
 
 def test_graph_decode_plans_behind_the_replay(tiny_models, stores, monkeypatch):
     """Decode plans a MoE layer's prefetches after it has enqueued the replay that computes that layer's
-    experts (the host's planning overlaps the device), with the copy IO's fence set while it plans (a
-    slot planning evicts waits for that point, not for the replay) and cleared before the release (whose
-    evictions may take this layer's own slots); the decisions are those of the CPU runner's order
+    experts (the host's planning overlaps the device), with the copy IO's fence set while it plans (set
+    at the layer's sync: a slot evicted then waits for that point, not for the replay) and cleared before
+    the release (whose evictions may take this layer's own slots); the decisions are those of the CPU
+    runner's order
     (acquire, plan, release), as test_decode_modes_give_the_same_tokens_and_counts checks against the
     eager modules path."""
     from toolkit.runtime import planner as planner_mod
@@ -1089,20 +1090,102 @@ def test_graph_decode_plans_behind_the_replay(tiny_models, stores, monkeypatch):
     assert not any(e[0] == "release" and e[1] for e in log), "the fence outlived the planning"
 
 
+def test_copy_io_orders_a_copy_after_the_fence_and_the_slots_old_copy(monkeypatch):
+    """CudaCopyIO's stream ordering, with a stand-in CUDA device (events and streams that record): a copy
+    into a slot waits for every incomplete event of the slot's last use; a release while the fence is set
+    leaves the fence and the evicted key's own copy there (the next copy may go on the other stream),
+    without it a fresh event (after the compute stream's wait for that copy)."""
+    import contextlib
+
+    from toolkit.runtime import gpu
+
+    class Event:
+        def __init__(self, name, done=False):
+            self.name, self.done = name, done
+
+        def query(self):
+            return self.done
+
+    class Stream:
+        def __init__(self):
+            self.waits = []
+
+        def wait_event(self, ev):
+            self.waits.append(ev.name)
+
+    class Dev:
+        cuda = True
+        device = "cuda:0"
+
+        def __init__(self):
+            self.demand_stream, self.copy_stream, self.n = Stream(), Stream(), 0
+
+        def event(self, stream=None):
+            self.n += 1
+            return Event(f"e{self.n}")
+
+    class Host:
+        def blob(self, key):
+            return torch.full((4,), float(key[1]))
+
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    dev = Dev()
+    io = gpu.CudaCopyIO(Host(), 1, dev, slots=torch.zeros(1, 4))
+    io.submit((0, 1), demand=False)               # a prefetch in flight: its end event is "e2"
+    assert io.last_use[0] == () and dev.copy_stream.waits == []
+    io.fence = Event("fence")
+    io.release((0, 1))                              # evicted under the fence
+    assert [e.name for e in io.last_use[0]] == ["fence", "e2"]
+    io.submit((0, 2), demand=True)                  # a demand copy into the slot waits for both
+    assert dev.demand_stream.waits == ["fence", "e2"]
+    io.last_use[0][0].done = True                   # (a complete event is not waited for)
+    io.fence = None
+    io.release((0, 2))                              # without the fence: a fresh event, alone
+    assert [e.name for e in io.last_use[0]] == ["e5"]
+    io.last_use[0][0].done = True
+    io.submit((0, 3), demand=False)
+    assert dev.copy_stream.waits == [] and torch.equal(io.views[io.where[(0, 3)]], torch.full((4,), 3.0))
+
+
+def test_host_timing_counts_the_per_layer_calls(tiny_models, stores, monkeypatch):
+    """`python -m toolkit.runtime.host_timing` (bench gpu with the host's per-layer calls timed): every
+    timed call is counted where it runs, one routing read per MoE layer of each decoded token."""
+    import importlib
+
+    from toolkit.runtime import host_timing
+
+    for mod, cls, names in host_timing.TIMED:   # restored after the test
+        c = getattr(importlib.import_module(mod), cls)
+        for n in names:
+            monkeypatch.setattr(c, n, getattr(c, n))
+    secs, calls = host_timing.install()
+    eng = _engine(tiny_models["qwen3_moe"], stores["qwen3_moe"], "next-gate+prediction", 0.25, "cpu")
+    g = eng.run(list(range(5, 17)), 6)
+    assert calls["read_routing"] == eng.L * (len(g.tokens) - 1) == calls["plan"] == calls["plan_probs"]
+    assert calls["acquire"] == calls["release"] > calls["read_routing"]   # the prefill's steps too
+    assert calls["submit"] >= g.stats.counts["prefetch_issued"] + g.stats.counts["misses"] > 0   # (decode counted)
+    assert all(secs[n] > 0 for n in calls) and "farthest" not in calls   # (no reuse eviction here)
+    assert "plan_probs" in host_timing.report(secs, calls)
+
+
 @CUDA
-def test_graph_decode_plans_behind_a_lagging_compute_stream(tiny_models, stores, monkeypatch):
-    """The graph decode plans while its replay runs: with the compute stream far behind the host (a spin
-    at the start of every segment, captured into its graph), the slots planning evicts are refilled while
-    kernels that read their old experts may still be queued; the fence must order them: the same tokens."""
+def test_graph_decode_with_a_lagging_copy_stream(tiny_models, stores, monkeypatch):
+    """The graph decode with prefetch copies far behind the host (a spin on the copy stream before each):
+    slots are evicted while their copies are still in flight, and a demand copy on the other stream may
+    take the slot; the slot's old copy must order it (the fence alone would not): the same tokens."""
+    from toolkit.runtime import gpu
+
     prompt = list(range(5, 17))
     want = _reference(tiny_models["qwen3_moe"], prompt, 12, "cuda", "float16")
-    real = GraphRunner._segment
+    real = gpu.CudaCopyIO.submit
 
-    def slow(self, s, *a, **kw):
-        torch.cuda._sleep(2_000_000)   # ~1 ms of GPU time
-        return real(self, s, *a, **kw)
+    def slow(self, key, *, demand):
+        if not demand:
+            with torch.cuda.stream(self.dev.copy_stream):
+                torch.cuda._sleep(2_000_000)   # ~1 ms of copy-stream time before each prefetch
+        return real(self, key, demand=demand)
 
-    monkeypatch.setattr(GraphRunner, "_segment", slow)
+    monkeypatch.setattr(gpu.CudaCopyIO, "submit", slow)
     for policy in ("next-gate+prediction", "oracle+belady"):
         eng = _engine(tiny_models["qwen3_moe"], stores["qwen3_moe"], policy, 0.1, "cuda", dtype="float16")
         assert eng.run(prompt, 12).tokens == want, policy

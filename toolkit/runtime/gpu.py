@@ -171,10 +171,10 @@ class CudaCopyIO:
         self.where: dict[Key, int] = {}
         self.done: dict[Key, Any] = {}           # key -> the copy's completion event
         self.last_use: list[tuple] = [()] * capacity   # per slot: the events a copy into it waits for
-        # an event on the compute stream that every kernel reading an unpinned slot precedes, while the
-        # host plans behind a replay it has just enqueued (gpu_graph.GraphRunner.decode): a copy into a
-        # slot evicted then waits for that point (and the slot's old copy), not for the replay, which
-        # reads pinned slots only (None: an event recorded at the eviction)
+        # an event on the compute stream after which no kernel reads a slot the pool can evict (set by
+        # gpu_graph.GraphRunner.decode from its sync to the release): a copy into a slot evicted meanwhile
+        # waits for it and for the slot's old copy, not for the kernels enqueued since (None: an event
+        # recorded at the eviction, after the scheduler's wait for an old copy in flight)
         self.fence: Any = None
         self.stalls: list[tuple[Any, Any]] = []  # (before, after) the compute stream's waits
         self.copies: list[tuple[Any, Any]] = []  # (start, end) of every copy
@@ -226,9 +226,9 @@ class CudaCopyIO:
         idx = self.where.pop(key)
         copied = self.done.pop(key, None)
         if self.dev.cuda:
-            # an event now follows the compute stream's wait for the old copy (the scheduler's eviction
-            # waits for one in flight); the fence precedes that wait, so the old copy's own event joins it
-            # (a later copy into the slot may go on the other stream)
+            # a fresh event follows the compute stream's wait for an old copy in flight (the scheduler's
+            # eviction makes it); the fence precedes that wait, so the old copy's own event joins it (the
+            # next copy into the slot may go on the other stream: a demand copy where a prefetch was)
             self.last_use[idx] = ((self.dev.event(),) if self.fence is None
                                   else (self.fence,) if copied is None else (self.fence, copied))
         self.free.append(idx)

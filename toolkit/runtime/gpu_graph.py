@@ -680,29 +680,30 @@ class GraphRunner:
             if planner is not None:
                 seq.state.record(li, self.host_post[li], row)
             order, keys = _ascending(li, row)
-            sched.acquire(step, _resident_first(keys, pooled))
-            slots = []
-            for key in keys:
-                sched.data(key)              # orders the compute stream after the slot's copy
-                slots.append(where[key])
-            st = self.stage_np[li]
-            st[:k] = slots
-            st[k:] = order
-            self.sel[li].copy_(self.stage[li], non_blocking=True)
-            if planner is not None:
-                # the window's planning (its evictions and copies) while the device runs the replay: the
-                # same decisions in the same order (acquire, plan, release), the host's planning off the
-                # device's path. The replay reads this layer's experts, pinned until the release, so
-                # a slot planning evicts was last read before it: its copy waits for the fence (and the
-                # slot's old copy), not for the replay
-                io.fence = self.eng.dev.event()
+            # The sync above ran every kernel enqueued so far, the last readers of every slot the pool can
+            # evict before the release (the next replay reads this layer's experts, pinned until then): a
+            # copy into a slot evicted from here to the release waits for that point (an event already
+            # complete: the fence) and for the slot's old copy, not for the kernels enqueued since (the
+            # waits for this layer's copies, the replay).
+            io.fence = self.eng.dev.event()
+            try:
+                sched.acquire(step, _resident_first(keys, pooled))
+                slots = []
+                for key in keys:
+                    sched.data(key)              # orders the compute stream after the slot's copy
+                    slots.append(where[key])
+                st = self.stage_np[li]
+                st[:k] = slots
+                st[k:] = order
+                self.sel[li].copy_(self.stage[li], non_blocking=True)
                 self.run_segment(li + 1)
-                try:
+                if planner is not None:
+                    # the window's planning (its evictions and copies) while the device runs the replay:
+                    # the same decisions in the same order (acquire, plan, release), the host's planning
+                    # off the device's path
                     planner.plan(sched, li, step, seq.state, None, seq.end)
-                finally:
-                    io.fence = None
-            else:
-                self.run_segment(li + 1)
+            finally:
+                io.fence = None
             sched.release(step, keys)         # after the replay that reads the slots was enqueued
         self.host_tok.copy_(self.tok, non_blocking=True)
         self.host_wait()
