@@ -122,23 +122,30 @@ def _pairs(num_layers: int, horizons: list[int], cross_token: bool, next_visit: 
                                rank=1, cross_token=cross_token, next_visit=next_visit).pairs)
 
 
+def check_model(meta: dict[str, Any], path: Path, spec: ModelSpec) -> None:
+    """Refuse (one line) an adapter's metadata (read_adapter_meta) trained for another model than `spec`:
+    its config hash, and the sizes it is built with (the config hash alone is a claim)."""
+    m = meta["model"]
+    if m["config_hash"] != spec.config_hash:
+        raise SpecPrefetchError(
+            f"{path}: adapter was trained for model config {m['config_hash']} "
+            f"({m.get('family')}), not {spec.config_hash} ({spec.path})")
+    g = spec.geometry
+    have = (list(m["moe_layers"]), m["num_experts"], m["hidden_size"])
+    want = (list(g.moe_layers), g.routing.num_experts, g.hidden_size)
+    if have != want:
+        raise SpecPrefetchError(
+            f"{path / 'adapter.json'}: adapter for MoE layers {have[0]}, {have[1]} experts, hidden size "
+            f"{have[2]}; model {spec.path} has {want[0]}, {want[1]}, {want[2]} (corrupt adapter.json)")
+
+
 def load_adapter(path: Path, spec: ModelSpec | None = None) -> tuple[PrefetchAdapter, dict[str, Any]]:
     """Load and validate an adapter; with `spec`, refuse one trained for another model."""
     path = Path(path)
     meta = read_adapter_meta(path)
     m = meta["model"]
-    if spec is not None and m["config_hash"] != spec.config_hash:
-        raise SpecPrefetchError(
-            f"{path}: adapter was trained for model config {m['config_hash']} "
-            f"({m.get('family')}), not {spec.config_hash} ({spec.path})")
-    if spec is not None:  # the sizes it is built with are the model's (the config hash alone is a claim)
-        g = spec.geometry
-        have = (list(m["moe_layers"]), m["num_experts"], m["hidden_size"])
-        want = (list(g.moe_layers), g.routing.num_experts, g.hidden_size)
-        if have != want:
-            raise SpecPrefetchError(
-                f"{path / 'adapter.json'}: adapter for MoE layers {have[0]}, {have[1]} experts, hidden size "
-                f"{have[2]}; model {spec.path} has {want[0]}, {want[1]}, {want[2]} (corrupt adapter.json)")
+    if spec is not None:
+        check_model(meta, path, spec)
     weights = path / "adapter.safetensors"
     if not weights.exists() and not weights.is_symlink():
         raise SpecPrefetchError(f"{weights}: missing")

@@ -1054,9 +1054,9 @@ def test_graph_decode_reads_the_device_once_per_layer(tiny_models, stores, monke
 
 def test_graph_decode_plans_behind_the_replay(tiny_models, stores, monkeypatch):
     """Decode plans a MoE layer's prefetches after it has enqueued the replay that computes that layer's
-    experts (the host's planning overlaps the device), with the copy IO's fence set while it plans (set
-    at the layer's sync: a slot evicted then waits for that point, not for the replay) and cleared before
-    the release (whose evictions may take this layer's own slots); the decisions are those of the CPU
+    experts (the host's planning overlaps the device), the copy IO fenced from the layer's sync through
+    its acquire and planning (a slot evicted then waits for no kernel) and not at the release (whose
+    evictions may take this layer's own slots, which the replay reads); the decisions are those of the CPU
     runner's order
     (acquire, plan, release), as test_decode_modes_give_the_same_tokens_and_counts checks against the
     eager modules path."""
@@ -1070,14 +1070,21 @@ def test_graph_decode_plans_behind_the_replay(tiny_models, stores, monkeypatch):
     real_release = WindowScheduler.release
     monkeypatch.setattr(GraphRunner, "run_segment", lambda self, s: (log.append(("segment", s)), real_seg(self, s))[1])
 
+    real_acquire = WindowScheduler.acquire
+
     def plan(self, sched, li, step, *a, **kw):
-        log.append(("plan", li, sched.io.fence is not None))
+        log.append(("plan", li, sched.io.fenced))
         return real_plan(self, sched, li, step, *a, **kw)
 
+    def acquire(self, step, keys):
+        log.append(("acquire", self.io.fenced))
+        return real_acquire(self, step, keys)
+
     def release(self, step, keys, **kw):
-        log.append(("release", self.io.fence is not None))
+        log.append(("release", self.io.fenced))
         return real_release(self, step, keys, **kw)
     monkeypatch.setattr(planner_mod.PrefetchPlanner, "plan", plan)
+    monkeypatch.setattr(WindowScheduler, "acquire", acquire)
     monkeypatch.setattr(WindowScheduler, "release", release)
     g = eng.run(prompt, 6)
     monkeypatch.undo()
@@ -1086,15 +1093,18 @@ def test_graph_decode_plans_behind_the_replay(tiny_models, stores, monkeypatch):
     for i in plans:
         li = log[i][1]
         assert log[i - 1] == ("segment", li + 1), log[i - 1:i + 1]   # the layer's replay enqueued first
-        assert log[i][2], "no fence while planning"
+        assert log[i][2], "not fenced while planning"
+        j = max(x for x in range(i) if log[x][0] == "acquire")
+        assert log[j][1], "not fenced from the sync: the layer's acquire"
     assert not any(e[0] == "release" and e[1] for e in log), "the fence outlived the planning"
 
 
-def test_copy_io_orders_a_copy_after_the_fence_and_the_slots_old_copy(monkeypatch):
+def test_copy_io_orders_a_slots_reuse_itself(monkeypatch):
     """CudaCopyIO's stream ordering, with a stand-in CUDA device (events and streams that record): a copy
-    into a slot waits for every incomplete event of the slot's last use; a release while the fence is set
-    leaves the fence and the evicted key's own copy there (the next copy may go on the other stream),
-    without it a fresh event (after the compute stream's wait for that copy)."""
+    into a slot waits for every incomplete event of the slot's last use: the evicted key's own copy (it
+    may still be in flight on the other stream, which is why the scheduler need not wait for it:
+    orders_reuse) and, unless fenced (GraphRunner.decode between its sync and the release, when every
+    reader of such a slot has run), an event recorded at the eviction."""
     import contextlib
 
     from toolkit.runtime import gpu
@@ -1131,25 +1141,45 @@ def test_copy_io_orders_a_copy_after_the_fence_and_the_slots_old_copy(monkeypatc
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     dev = Dev()
     io = gpu.CudaCopyIO(Host(), 1, dev, slots=torch.zeros(1, 4))
+    assert io.orders_reuse
     io.submit((0, 1), demand=False)               # a prefetch in flight: its end event is "e2"
     assert io.last_use[0] == () and dev.copy_stream.waits == []
-    io.fence = Event("fence")
-    io.release((0, 1))                              # evicted under the fence
-    assert [e.name for e in io.last_use[0]] == ["fence", "e2"]
-    io.submit((0, 2), demand=True)                  # a demand copy into the slot waits for both
-    assert dev.demand_stream.waits == ["fence", "e2"]
-    io.last_use[0][0].done = True                   # (a complete event is not waited for)
-    io.fence = None
-    io.release((0, 2))                              # without the fence: a fresh event, alone
-    assert [e.name for e in io.last_use[0]] == ["e5"]
-    io.last_use[0][0].done = True
+    io.fenced = True
+    io.release((0, 1))                              # evicted while fenced: its copy only
+    assert [e.name for e in io.last_use[0]] == ["e2"]
+    io.submit((0, 2), demand=True)                  # a demand copy into the slot (the other stream) waits for it
+    assert dev.demand_stream.waits == ["e2"] and dev.copy_stream.waits == []
+    io.fenced = False
+    io.release((0, 2))                              # not fenced: an event now, and the slot's copy ("e4")
+    assert [e.name for e in io.last_use[0]] == ["e5", "e4"]
+    io.last_use[0][1].done = True                   # that copy landed: not waited for
     io.submit((0, 3), demand=False)
-    assert dev.copy_stream.waits == [] and torch.equal(io.views[io.where[(0, 3)]], torch.full((4,), 3.0))
+    assert dev.copy_stream.waits == ["e5"] and torch.equal(io.views[io.where[(0, 3)]], torch.full((4,), 3.0))
 
 
-def test_host_timing_counts_the_per_layer_calls(tiny_models, stores, monkeypatch):
-    """`python -m toolkit.runtime.host_timing` (bench gpu with the host's per-layer calls timed): every
-    timed call is counted where it runs, one routing read per MoE layer of each decoded token."""
+@CUDA
+def test_graph_decode_plans_behind_a_lagging_compute_stream(tiny_models, stores, monkeypatch):
+    """The graph decode with planning policies while the compute stream is far behind the host (a spin at
+    the start of every segment, captured into its graph): the planning runs while replays are queued and
+    its copies into evicted slots wait for no kernel (fenced): the same tokens."""
+    prompt = list(range(5, 17))
+    want = _reference(tiny_models["qwen3_moe"], prompt, 12, "cuda", "float16")
+    real = GraphRunner._segment
+
+    def slow(self, s, *a, **kw):
+        torch.cuda._sleep(2_000_000)   # ~1 ms of GPU time
+        return real(self, s, *a, **kw)
+
+    monkeypatch.setattr(GraphRunner, "_segment", slow)
+    for policy in ("next-gate+prediction", "oracle+belady"):
+        eng = _engine(tiny_models["qwen3_moe"], stores["qwen3_moe"], policy, 0.1, "cuda", dtype="float16")
+        assert eng.run(prompt, 12).tokens == want, policy
+
+
+def test_host_timing_counts_the_per_layer_calls(tiny_models, stores, tiny_adapter, monkeypatch, tmp_path, capsys):
+    """`python -m toolkit.runtime.host_timing` (the GPU bench with the host's per-layer calls timed): the
+    bench runs and writes its report, and every timed call is counted where it runs: one routing read and
+    one plan per MoE layer of each decoded token, the eviction's victims, the copies."""
     import importlib
 
     from toolkit.runtime import host_timing
@@ -1159,20 +1189,31 @@ def test_host_timing_counts_the_per_layer_calls(tiny_models, stores, monkeypatch
         for n in names:
             monkeypatch.setattr(c, n, getattr(c, n))
     secs, calls = host_timing.install()
+    assert host_timing.install() == ({}, {})     # nothing wrapped twice
     eng = _engine(tiny_models["qwen3_moe"], stores["qwen3_moe"], "next-gate+prediction", 0.25, "cpu")
     g = eng.run(list(range(5, 17)), 6)
     assert calls["read_routing"] == eng.L * (len(g.tokens) - 1) == calls["plan"] == calls["plan_probs"]
     assert calls["acquire"] == calls["release"] > calls["read_routing"]   # the prefill's steps too
     assert calls["submit"] >= g.stats.counts["prefetch_issued"] + g.stats.counts["misses"] > 0   # (decode counted)
-    assert all(secs[n] > 0 for n in calls) and "farthest" not in calls   # (no reuse eviction here)
-    assert "plan_probs" in host_timing.report(secs, calls)
+    assert calls["victim"] > 0 and calls["plan_ranked"] == calls["plan"]   # (plan_probs ranks through it)
+    monkeypatch.undo()
+    out = tmp_path / "b.json"
+    host_timing.main([tiny_models["qwen3_moe"].as_posix(), "--store", stores["qwen3_moe"].as_posix(), "--adapter",
+                      tiny_adapter.as_posix(), "--device", "cpu", "--policies", "adapter+reuse", "--fractions", "0.25",
+                      "--prompts", "1", "--prompt-tokens", "8", "--new-tokens", "4", "--repeats", "1", "--json",
+                      out.as_posix()])
+    assert json.loads(out.read_text())["rows"][0]["policy"] == "adapter+reuse"
+    lines = {ln.split()[0]: ln.split() for ln in capsys.readouterr().out.splitlines() if "us a call" in ln}
+    assert {"acquire", "release", "plan", "plan_probs", "victim", "read_routing", "submit"} <= set(lines)
+    assert all(int(v[1]) > 0 and float(v[3]) > 0 for v in lines.values()), lines
 
 
 @CUDA
 def test_graph_decode_with_a_lagging_copy_stream(tiny_models, stores, monkeypatch):
     """The graph decode with prefetch copies far behind the host (a spin on the copy stream before each):
-    slots are evicted while their copies are still in flight, and a demand copy on the other stream may
-    take the slot; the slot's old copy must order it (the fence alone would not): the same tokens."""
+    slots are evicted while their copies are still in flight (the scheduler does not wait for them: the
+    IO orders the slot's reuse), and a demand copy on the other stream may take the slot; the slot's old
+    copy's event must order it: the same tokens."""
     from toolkit.runtime import gpu
 
     prompt = list(range(5, 17))

@@ -672,6 +672,13 @@ def test_next_visit_heads_in_eval_eviction_bounds_and_the_simulator(sim_trace, e
     with pytest.raises(SpecPrefetchError, match="trained for model config"):
         run_simulation(sim_trace, policies=[Policy("on-demand", "reuse")], profile=SNAPDRAGON_8_ELITE,
                        pool_mib=8, window=2, adapter=other, max_sequences=4)
+    # the table alone reads the metadata: on-demand+reuse needs no weights (the adapter's predictions do)
+    meta_only = tmp_path / "meta-only"
+    meta_only.mkdir()
+    shutil.copyfile(tmp_path / "a" / "adapter.json", meta_only / "adapter.json")
+    s = run_simulation(sim_trace, policies=[Policy("on-demand", "reuse")], profile=SNAPDRAGON_8_ELITE,
+                       pool_mib=8, window=2, adapter=meta_only, max_sequences=4)
+    assert s["results"][0]["counts"]["bytes_read"] > 0
     from click.testing import CliRunner
 
     from toolkit.cli import main

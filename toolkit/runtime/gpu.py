@@ -159,6 +159,8 @@ class CudaCopyIO:
     """The scheduler's IOBackend for the GPU: `submit` copies a blob into a free slot on the copy
     stream; `wait` makes the compute stream wait for it (timed: that is the stall)."""
 
+    orders_reuse = True   # a copy into a slot waits for the slot's old copy itself (release)
+
     def __init__(self, host: HostExperts, capacity: int, dev: Device, slots: torch.Tensor | None = None):
         """`slots`: the pool's allocation of exactly `capacity` slots to reuse (the graphs read it at a
         fixed address); none: one is allocated. The allocation is the budget."""
@@ -171,11 +173,10 @@ class CudaCopyIO:
         self.where: dict[Key, int] = {}
         self.done: dict[Key, Any] = {}           # key -> the copy's completion event
         self.last_use: list[tuple] = [()] * capacity   # per slot: the events a copy into it waits for
-        # an event on the compute stream after which no kernel reads a slot the pool can evict (set by
-        # gpu_graph.GraphRunner.decode from its sync to the release): a copy into a slot evicted meanwhile
-        # waits for it and for the slot's old copy, not for the kernels enqueued since (None: an event
-        # recorded at the eviction, after the scheduler's wait for an old copy in flight)
-        self.fence: Any = None
+        # set by gpu_graph.GraphRunner.decode from its host sync to the release: every kernel enqueued
+        # before the sync has run, and none enqueued since reads a slot evicted meanwhile (the replay reads
+        # this layer's experts, pinned until the release), so a copy into such a slot waits for no kernel
+        self.fenced = False
         self.stalls: list[tuple[Any, Any]] = []  # (before, after) the compute stream's waits
         self.copies: list[tuple[Any, Any]] = []  # (start, end) of every copy
         self.copied_bytes = 0
@@ -226,11 +227,12 @@ class CudaCopyIO:
         idx = self.where.pop(key)
         copied = self.done.pop(key, None)
         if self.dev.cuda:
-            # a fresh event follows the compute stream's wait for an old copy in flight (the scheduler's
-            # eviction makes it); the fence precedes that wait, so the old copy's own event joins it (the
-            # next copy into the slot may go on the other stream: a demand copy where a prefetch was)
-            self.last_use[idx] = ((self.dev.event(),) if self.fence is None
-                                  else (self.fence,) if copied is None else (self.fence, copied))
+            # a copy into the slot waits for the kernels that read its old expert (none while fenced) and
+            # for the old expert's own copy, which may still be in flight on the other stream (a demand
+            # copy where a prefetch was): this IO orders a slot's reuse itself (orders_reuse), so the
+            # scheduler need not wait for that copy before the eviction
+            self.last_use[idx] = ((() if self.fenced else (self.dev.event(),))
+                                  + (() if copied is None else (copied,)))
         self.free.append(idx)
 
     def close(self) -> None:

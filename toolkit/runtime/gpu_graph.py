@@ -682,10 +682,9 @@ class GraphRunner:
             order, keys = _ascending(li, row)
             # The sync above ran every kernel enqueued so far, the last readers of every slot the pool can
             # evict before the release (the next replay reads this layer's experts, pinned until then): a
-            # copy into a slot evicted from here to the release waits for that point (an event already
-            # complete: the fence) and for the slot's old copy, not for the kernels enqueued since (the
-            # waits for this layer's copies, the replay).
-            io.fence = self.eng.dev.event()
+            # copy into a slot evicted from here to the release waits for no kernel (CudaCopyIO.fenced),
+            # only for the slot's old copy
+            io.fenced = True
             try:
                 sched.acquire(step, _resident_first(keys, pooled))
                 slots = []
@@ -703,7 +702,7 @@ class GraphRunner:
                     # off the device's path
                     planner.plan(sched, li, step, seq.state, None, seq.end)
             finally:
-                io.fence = None
+                io.fenced = False
             sched.release(step, keys)         # after the replay that reads the slots was enqueued
         self.host_tok.copy_(self.tok, non_blocking=True)
         self.host_wait()

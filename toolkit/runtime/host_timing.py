@@ -1,15 +1,23 @@
-"""Where a pooled decode's host time goes: `python -m toolkit.runtime.host_timing MODEL [gpu_bench options]`
-runs `bench gpu` (toolkit/runtime/gpu_bench.py, the same options) with the scheduler's and planner's
-per-layer calls timed on the host (perf_counter around each call; a diagnosis, not a bench: the timers
-add about a microsecond a call), then prints each call's count and mean microseconds:
+"""Where a pooled decode's host time goes: `python -m toolkit.runtime.host_timing MODEL [options]` runs the
+GPU tier's bench module (`python -m toolkit.runtime.gpu_bench`: its options, `--help` lists them, `--json`
+required) with these calls timed on the host (perf_counter around each: a diagnosis, not
+a bench; the timers add about a microsecond a call), then prints each call's count and mean microseconds:
 
-- `acquire` / `release`: the scheduler's per-step calls (every policy, prefill included);
-- `plan` (the planner's window: the adapter's scores, the queue, the evictions and the copies it issues),
-  and within it `plan_probs` and the reuse eviction's `farthest` search;
-- `read_routing`: the graph decode's one sync per MoE layer (it waits for the device);
+- `acquire` / `release`: the scheduler's per-step calls (every policy, the prefill's steps included; a
+  release issues the queued prefetches);
+- `plan`: the planner's window for one MoE layer (the adapter's scores, the queue, the evictions and the
+  copies it issues), with `plan_probs` and `plan_ranked` inside it (plan_probs ranks through plan_ranked;
+  the oracle's candidates go to plan_ranked directly);
+- `victim`: one eviction's choice (the pool's rule; for the reuse eviction a search over every evictable
+  slot);
+- `read_routing`: the graph decode's one sync per MoE layer (it waits for the device, so it is device time
+  as much as host time);
 - `submit`: one copy issued (CudaCopyIO: its stream waits, events and the copy's launch).
 
-docs/benchmarks.md section 9 ("2026-12-06 (eighth)") has a run on an H100 host.
+The means are inclusive and the calls nest (`victim` and `submit` run inside acquire, plan and release): do
+not add the lines. Run one policy at a time for per-policy figures (the counts pool every run of the
+bench, the all-resident and transformers' references included). docs/benchmarks.md section 9 ("2026-12-06
+(eighth)") has a run on an H100 host.
 """
 from __future__ import annotations
 
@@ -19,15 +27,16 @@ import runpy
 import sys
 import time
 
-TIMED = (("toolkit.runtime.scheduler", "WindowScheduler", ("acquire", "release", "plan_probs")),
+TIMED = (("toolkit.runtime.scheduler", "WindowScheduler", ("acquire", "release", "plan_probs", "plan_ranked")),
          ("toolkit.runtime.planner", "PrefetchPlanner", ("plan",)),
-         ("toolkit.runtime.reuse", "ReuseHistory", ("farthest",)),
+         ("toolkit.runtime.pool", "ExpertPool", ("_victim",)),
          ("toolkit.runtime.gpu_graph", "GraphRunner", ("read_routing",)),
          ("toolkit.runtime.gpu", "CudaCopyIO", ("submit",)))
 
 
 def install() -> tuple[collections.Counter, collections.Counter]:
-    """Wrap the calls above with timers; returns (seconds, calls) per call name, filled as they run."""
+    """Wrap the calls above with timers (a second install wraps nothing twice: its counters stay empty);
+    returns (seconds, calls) per call name, filled as they run."""
     import importlib
 
     secs: collections.Counter = collections.Counter()
@@ -36,15 +45,19 @@ def install() -> tuple[collections.Counter, collections.Counter]:
         c = getattr(importlib.import_module(mod), cls)
         for name in names:
             f = getattr(c, name)
+            if getattr(f, "_host_timed", False):
+                continue
+            label = name.lstrip("_")
 
             @functools.wraps(f)
-            def timed(*a, _f=f, _n=name, **kw):
+            def timed(*a, _f=f, _n=label, **kw):
                 t = time.perf_counter()
                 try:
                     return _f(*a, **kw)
                 finally:
                     secs[_n] += time.perf_counter() - t
                     calls[_n] += 1
+            timed._host_timed = True
             setattr(c, name, timed)
     return secs, calls
 

@@ -40,6 +40,8 @@ from toolkit.runtime.reuse import SCALE
 
 
 class IOBackend(Protocol):
+    # (optional) orders_reuse = True: a read into a slot is ordered after the slot's old read by the IO
+    # itself, so evicting a key whose read is in flight need not wait for it (the GPU tier's copies)
     def submit(self, key: Key, *, demand: bool) -> None: ...
     def landed(self, key: Key) -> bool: ...      # the read's bytes are in memory (never blocks)
     def wait(self, key: Key) -> None: ...        # block (or advance virtual time) until they are
@@ -151,9 +153,10 @@ class WindowScheduler:
         self.stats.wait_s += self.clock() - t0
 
     def _evicting(self, key: Key) -> None:
-        """The pool is about to drop `key`: bytes still in flight into its slot must land first."""
+        """The pool is about to drop `key`: bytes still in flight into its slot must land first (unless the
+        IO orders the slot's next read after them itself: `orders_reuse`, the GPU tier's copies)."""
         slot = self.pool.get(key)
-        if not slot.landed and not self.io.landed(key):
+        if not slot.landed and not self.io.landed(key) and not getattr(self.io, "orders_reuse", False):
             self._wait(key)
         self.io.release(key)
 

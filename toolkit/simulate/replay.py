@@ -416,14 +416,15 @@ def _copy_prediction(preds: dict, ti: int, Lt: int, rows: torch.Tensor, t: int):
 
 def reuse_for(reader, adapter: Path | None, spec):
     """The reuse eviction's table: the adapter's (checked against the trace's model `spec` as every adapter
-    is: load_adapter), or without an adapter learned from the trace's train split now (what `train`
-    stores in an adapter trained on it)."""
-    from adapters.checkpoint import load_adapter, reuse_table
+    is, by its metadata, without loading its weights), or without an adapter learned from the trace's train
+    split now (what `train` stores in an adapter trained on it)."""
+    from adapters.checkpoint import check_model, read_adapter_meta, reuse_table
     from adapters.reuse import learn_class_reuse_table
     from toolkit.traces.format import routing_sequences
 
     if adapter is not None:
-        _, meta = load_adapter(Path(adapter), spec)   # refuses an adapter of another model
+        meta = read_adapter_meta(Path(adapter))
+        check_model(meta, Path(adapter), spec)   # refuses an adapter of another model
         t = reuse_table(meta, Path(adapter) / "adapter.json")
         if t is None:
             raise SpecPrefetchError(f"--adapter {adapter}: eviction 'reuse' needs the adapter's reuse table, which "
