@@ -50,6 +50,20 @@ def save_adapter(adapter: PrefetchAdapter, out: Path, spec: ModelSpec, extra: di
     return out
 
 
+def adapter_reuse_table(adapter: Path, spec: ModelSpec):
+    """An adapter's reuse table for `spec`'s model, from its metadata alone (its weights are not loaded):
+    refused in one line for an adapter of another model (check_model) or one without a table (trained
+    before it existed)."""
+    adapter = Path(adapter)
+    meta = read_adapter_meta(adapter)
+    check_model(meta, adapter, spec)
+    table = reuse_table(meta, adapter / "adapter.json")
+    if table is None:
+        raise SpecPrefetchError(f"{adapter / 'adapter.json'}: no reuse table (the adapter predates it): train it "
+                                "again with `specprefetch train`")
+    return table
+
+
 def reuse_table(meta: dict[str, Any], file: Path):
     """The adapter's reuse table (toolkit/runtime/reuse.py), validated; None for an adapter without one."""
     d = meta.get("reuse")

@@ -23,7 +23,7 @@ from export.qnn_target import QnnTarget
 from export.target import Target, bundle_file
 from toolkit import __version__
 from toolkit.artifacts import read_json, sha256_file
-from adapters.checkpoint import read_adapter_meta
+from adapters.checkpoint import check_model, read_adapter_meta
 from toolkit.errors import SpecPrefetchError
 from toolkit.models.loader import inspect_model_dir
 from toolkit.runtime.expert_store import ExpertStore
@@ -262,8 +262,7 @@ def _validate(path: Path, mf: Path, m: Any, hash_store: bool = True) -> list[str
     if m["predictor"].get("adapter"):
         ad = bundle_file(path, files, "adapter/adapter.json", "adapter config")
         meta = read_adapter_meta(ad.parent)  # the validated reader: a malformed file is named as such
-        if meta["model"]["config_hash"] != m["model"]["config_hash"]:
-            raise SpecPrefetchError(f"{ad}: adapter for another model config")
+        check_model(meta, ad.parent, spec)   # the bundle's model (its config hash checked above) and sizes
         bundle_file(path, files, "adapter/adapter.safetensors", "adapter weights")
     if m["predictor"].get("reuse") is not None:  # the reuse eviction's table, as the runners read it
         from adapters.reuse import ReuseTable

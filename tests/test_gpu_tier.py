@@ -1057,9 +1057,8 @@ def test_graph_decode_plans_behind_the_replay(tiny_models, stores, monkeypatch):
     experts (the host's planning overlaps the device), the copy IO fenced from the layer's sync through
     its acquire and planning (a slot evicted then waits for no kernel) and not at the release (whose
     evictions may take this layer's own slots, which the replay reads); the decisions are those of the CPU
-    runner's order
-    (acquire, plan, release), as test_decode_modes_give_the_same_tokens_and_counts checks against the
-    eager modules path."""
+    runner's order (acquire, plan, release), as test_decode_modes_give_the_same_tokens_and_counts checks
+    against the eager modules path."""
     from toolkit.runtime import planner as planner_mod
     from toolkit.runtime.scheduler import WindowScheduler
 
@@ -1157,46 +1156,21 @@ def test_copy_io_orders_a_slots_reuse_itself(monkeypatch):
     assert dev.copy_stream.waits == ["e5"] and torch.equal(io.views[io.where[(0, 3)]], torch.full((4,), 3.0))
 
 
-@CUDA
-def test_graph_decode_plans_behind_a_lagging_compute_stream(tiny_models, stores, monkeypatch):
-    """The graph decode with planning policies while the compute stream is far behind the host (a spin at
-    the start of every segment, captured into its graph): the planning runs while replays are queued and
-    its copies into evicted slots wait for no kernel (fenced): the same tokens."""
-    prompt = list(range(5, 17))
-    want = _reference(tiny_models["qwen3_moe"], prompt, 12, "cuda", "float16")
-    real = GraphRunner._segment
-
-    def slow(self, s, *a, **kw):
-        torch.cuda._sleep(2_000_000)   # ~1 ms of GPU time
-        return real(self, s, *a, **kw)
-
-    monkeypatch.setattr(GraphRunner, "_segment", slow)
-    for policy in ("next-gate+prediction", "oracle+belady"):
-        eng = _engine(tiny_models["qwen3_moe"], stores["qwen3_moe"], policy, 0.1, "cuda", dtype="float16")
-        assert eng.run(prompt, 12).tokens == want, policy
-
-
-def test_host_timing_counts_the_per_layer_calls(tiny_models, stores, tiny_adapter, monkeypatch, tmp_path, capsys):
+def test_host_timing_counts_the_per_layer_calls(tiny_models, stores, tiny_adapter, tmp_path, capsys):
     """`python -m toolkit.runtime.host_timing` (the GPU bench with the host's per-layer calls timed): the
     bench runs and writes its report, and every timed call is counted where it runs: one routing read and
     one plan per MoE layer of each decoded token, the eviction's victims, the copies."""
-    import importlib
-
     from toolkit.runtime import host_timing
 
-    for mod, cls, names in host_timing.TIMED:   # restored after the test
-        c = getattr(importlib.import_module(mod), cls)
-        for n in names:
-            monkeypatch.setattr(c, n, getattr(c, n))
-    secs, calls = host_timing.install()
-    assert host_timing.install() == ({}, {})     # nothing wrapped twice
-    eng = _engine(tiny_models["qwen3_moe"], stores["qwen3_moe"], "next-gate+prediction", 0.25, "cpu")
-    g = eng.run(list(range(5, 17)), 6)
+    with host_timing.installed() as (secs, calls):
+        eng = _engine(tiny_models["qwen3_moe"], stores["qwen3_moe"], "next-gate+prediction", 0.25, "cpu")
+        g = eng.run(list(range(5, 17)), 6)
     assert calls["read_routing"] == eng.L * (len(g.tokens) - 1) == calls["plan"] == calls["plan_probs"]
     assert calls["acquire"] == calls["release"] > calls["read_routing"]   # the prefill's steps too
     assert calls["submit"] >= g.stats.counts["prefetch_issued"] + g.stats.counts["misses"] > 0   # (decode counted)
     assert calls["victim"] > 0 and calls["plan_ranked"] == calls["plan"]   # (plan_probs ranks through it)
-    monkeypatch.undo()
+    from toolkit.runtime.scheduler import WindowScheduler
+    assert not hasattr(WindowScheduler.acquire, "__wrapped__")   # restored
     out = tmp_path / "b.json"
     host_timing.main([tiny_models["qwen3_moe"].as_posix(), "--store", stores["qwen3_moe"].as_posix(), "--adapter",
                       tiny_adapter.as_posix(), "--device", "cpu", "--policies", "adapter+reuse", "--fractions", "0.25",
@@ -1206,29 +1180,41 @@ def test_host_timing_counts_the_per_layer_calls(tiny_models, stores, tiny_adapte
     lines = {ln.split()[0]: ln.split() for ln in capsys.readouterr().out.splitlines() if "us a call" in ln}
     assert {"acquire", "release", "plan", "plan_probs", "victim", "read_routing", "submit"} <= set(lines)
     assert all(int(v[1]) > 0 and float(v[3]) > 0 for v in lines.values()), lines
+    assert not hasattr(WindowScheduler.acquire, "__wrapped__")
 
 
 @CUDA
-def test_graph_decode_with_a_lagging_copy_stream(tiny_models, stores, monkeypatch):
-    """The graph decode with prefetch copies far behind the host (a spin on the copy stream before each):
-    slots are evicted while their copies are still in flight (the scheduler does not wait for them: the
-    IO orders the slot's reuse), and a demand copy on the other stream may take the slot; the slot's old
-    copy's event must order it: the same tokens."""
+@pytest.mark.parametrize("lagging", ["compute", "copy"])
+def test_graph_decode_plans_behind_a_lagging_stream(tiny_models, stores, monkeypatch, lagging):
+    """The graph decode with planning policies while one stream is far behind the host (a spin of ~1 ms
+    on it): `compute`, at the start of every segment (captured into its graph), so planning runs while
+    replays are queued and its copies into evicted slots wait for no kernel (fenced); `copy`, before each
+    prefetch, so slots are evicted while their copies are in flight (the scheduler does not wait for them)
+    and a demand copy on the other stream may take the slot, ordered by the old copy's event alone. The
+    same tokens either way."""
     from toolkit.runtime import gpu
 
     prompt = list(range(5, 17))
     want = _reference(tiny_models["qwen3_moe"], prompt, 12, "cuda", "float16")
-    real = gpu.CudaCopyIO.submit
+    if lagging == "compute":
+        real_seg = GraphRunner._segment
 
-    def slow(self, key, *, demand):
-        if not demand:
-            with torch.cuda.stream(self.dev.copy_stream):
-                torch.cuda._sleep(2_000_000)   # ~1 ms of copy-stream time before each prefetch
-        return real(self, key, demand=demand)
+        def seg(self, s, *a, **kw):
+            torch.cuda._sleep(2_000_000)
+            return real_seg(self, s, *a, **kw)
+        monkeypatch.setattr(GraphRunner, "_segment", seg)
+    else:
+        real_submit = gpu.CudaCopyIO.submit
 
-    monkeypatch.setattr(gpu.CudaCopyIO, "submit", slow)
+        def submit(self, key, *, demand):
+            if not demand:
+                with torch.cuda.stream(self.dev.copy_stream):
+                    torch.cuda._sleep(2_000_000)
+            return real_submit(self, key, demand=demand)
+        monkeypatch.setattr(gpu.CudaCopyIO, "submit", submit)
+    eng = _engine(tiny_models["qwen3_moe"], stores["qwen3_moe"], "next-gate+prediction", 0.1, "cuda", dtype="float16")
     for policy in ("next-gate+prediction", "oracle+belady"):
-        eng = _engine(tiny_models["qwen3_moe"], stores["qwen3_moe"], policy, 0.1, "cuda", dtype="float16")
+        eng.configure(policy=Policy.parse(policy))
         assert eng.run(prompt, 12).tokens == want, policy
 
 

@@ -81,20 +81,16 @@ def gpu_predictors(spec, names, adapter: Path | None) -> dict[str, Any]:
 
 def gpu_reuse_table(spec, evictions, adapter: Path | None):
     """The adapter's reuse table when a policy evicts by predicted reuse (None when none does), checked
-    against the model like the adapter itself (load_adapter). Refused in one line: `+reuse` without
-    --adapter, or with an adapter whose adapter.json has no table (trained before it existed)."""
+    against the model like the adapter itself (adapters.checkpoint.adapter_reuse_table). Refused in one
+    line: `+reuse` without --adapter, or with an adapter whose adapter.json has no table (trained before it
+    existed)."""
     if "reuse" not in set(evictions):
         return None
     if adapter is None:
         raise SpecPrefetchError("eviction 'reuse' reads the adapter's reuse table: pass --adapter")
-    from adapters.checkpoint import load_adapter, reuse_table
+    from adapters.checkpoint import adapter_reuse_table
 
-    _, meta = load_adapter(Path(adapter), spec)   # refuses an adapter trained for another model
-    table = reuse_table(meta, Path(adapter) / "adapter.json")
-    if table is None:
-        raise SpecPrefetchError(f"{Path(adapter) / 'adapter.json'}: no reuse table (the adapter predates it): "
-                                "train it again with `specprefetch train`")
-    return table
+    return adapter_reuse_table(Path(adapter), spec)   # refuses an adapter of another model, or without a table
 
 
 def reference_generate(model_dir: Path, prompts: list[list[int]], new_tokens: int, device: str,

@@ -17,13 +17,13 @@ a bench; the timers add about a microsecond a call), then prints each call's cou
 The means are inclusive and the calls nest (`victim` and `submit` run inside acquire, plan and release): do
 not add the lines. Run one policy at a time for per-policy figures (the counts pool every run of the
 bench, the all-resident and transformers' references included). docs/benchmarks.md section 9 ("2026-12-06
-(eighth)") has a run on an H100 host.
+(eighth)") has a run of its predecessor on an H100 host.
 """
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
-import runpy
 import sys
 import time
 
@@ -34,19 +34,20 @@ TIMED = (("toolkit.runtime.scheduler", "WindowScheduler", ("acquire", "release",
          ("toolkit.runtime.gpu", "CudaCopyIO", ("submit",)))
 
 
-def install() -> tuple[collections.Counter, collections.Counter]:
-    """Wrap the calls above with timers (a second install wraps nothing twice: its counters stay empty);
-    returns (seconds, calls) per call name, filled as they run."""
+@contextlib.contextmanager
+def installed():
+    """The calls above wrapped with timers while inside (restored after); yields (seconds, calls) per call
+    name, filled as they run."""
     import importlib
 
     secs: collections.Counter = collections.Counter()
     calls: collections.Counter = collections.Counter()
+    saved = []
     for mod, cls, names in TIMED:
         c = getattr(importlib.import_module(mod), cls)
         for name in names:
-            f = getattr(c, name)
-            if getattr(f, "_host_timed", False):
-                continue
+            f = c.__dict__[name]
+            saved.append((c, name, f))
             label = name.lstrip("_")
 
             @functools.wraps(f)
@@ -57,9 +58,12 @@ def install() -> tuple[collections.Counter, collections.Counter]:
                 finally:
                     secs[_n] += time.perf_counter() - t
                     calls[_n] += 1
-            timed._host_timed = True
             setattr(c, name, timed)
-    return secs, calls
+    try:
+        yield secs, calls
+    finally:
+        for c, name, f in saved:
+            setattr(c, name, f)
 
 
 def report(secs, calls) -> str:
@@ -68,13 +72,14 @@ def report(secs, calls) -> str:
 
 
 def main(argv: list[str]) -> None:
-    secs, calls = install()
-    sys.argv = ["gpu_bench", *argv]
-    try:
-        runpy.run_module("toolkit.runtime.gpu_bench", run_name="__main__")
-    finally:
-        print("host time per call (perf_counter; timers included):")
-        print(report(secs, calls))
+    from toolkit.runtime import gpu_bench
+
+    with installed() as (secs, calls):
+        try:
+            gpu_bench.main(argv)
+        finally:
+            print("host time per call (perf_counter; timers included):")
+            print(report(secs, calls))
 
 
 if __name__ == "__main__":

@@ -20,7 +20,8 @@ give the same decisions on any machine, in the simulator and in the C++ runner (
 toolkit/runtime/events.py, is that contract). A prefetch issued at step s is *logically* complete
 from step s+1 on: it is then a hit, an eviction candidate, and no longer counts against the queue.
 Whether its bytes have physically landed matters only when they are used (or their slot is
-reused): then the scheduler waits for them, and that wait is the stall it reports.
+reused, unless the IO orders the slot's next read after them itself): then the scheduler waits for
+them, and that wait is the stall it reports.
 
 The scheduler talks to flash through an `IOBackend` (virtual time in toolkit/simulate/flash.py,
 real O_DIRECT reads in toolkit/runtime/io.py) and to memory through `ExpertPool`.
@@ -102,6 +103,7 @@ class WindowScheduler:
                 acquire records its experts into it.
         """
         self.pool, self.io, self.cfg = pool, io, cfg
+        self.io_orders_reuse = getattr(io, "orders_reuse", False)   # (IOBackend: optional)
         self.L, self.k = num_layers, top_k
         self.events, self.clock = events, clock
         self.queue: list[tuple[int, float, int, Key]] = []  # (deadline, -confidence, seq, key)
@@ -156,7 +158,7 @@ class WindowScheduler:
         """The pool is about to drop `key`: bytes still in flight into its slot must land first (unless the
         IO orders the slot's next read after them itself: `orders_reuse`, the GPU tier's copies)."""
         slot = self.pool.get(key)
-        if not slot.landed and not self.io.landed(key) and not getattr(self.io, "orders_reuse", False):
+        if not self.io_orders_reuse and not slot.landed and not self.io.landed(key):
             self._wait(key)
         self.io.release(key)
 

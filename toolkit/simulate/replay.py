@@ -418,19 +418,12 @@ def reuse_for(reader, adapter: Path | None, spec):
     """The reuse eviction's table: the adapter's (checked against the trace's model `spec` as every adapter
     is, by its metadata, without loading its weights), or without an adapter learned from the trace's train
     split now (what `train` stores in an adapter trained on it)."""
-    from adapters.checkpoint import check_model, read_adapter_meta, reuse_table
+    from adapters.checkpoint import adapter_reuse_table
     from adapters.reuse import learn_class_reuse_table
     from toolkit.traces.format import routing_sequences
 
     if adapter is not None:
-        meta = read_adapter_meta(Path(adapter))
-        check_model(meta, Path(adapter), spec)   # refuses an adapter of another model
-        t = reuse_table(meta, Path(adapter) / "adapter.json")
-        if t is None:
-            raise SpecPrefetchError(f"--adapter {adapter}: eviction 'reuse' needs the adapter's reuse table, which "
-                                    "it lacks: train it with this version (or leave --adapter out to learn the "
-                                    "table from the trace)")
-        return t
+        return adapter_reuse_table(Path(adapter), spec)
     seqs = routing_sequences(reader, "train")
     if not seqs:
         raise SpecPrefetchError(f"trace {reader.path}: eviction 'reuse' learns its table from the train split, "
