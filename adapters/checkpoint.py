@@ -14,10 +14,11 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from adapters.lowrank import PrefetchAdapter
-from adapters.reuse import ReuseTable, is_int
+from adapters.reuse import ReuseTable
 from toolkit import __version__
 from toolkit.artifacts import atomic_directory, read_json, sha256_file, write_json_atomic
 from toolkit.errors import SpecPrefetchError
+from toolkit.jsonvalues import is_int
 from toolkit.models.loader import ModelSpec
 
 FORMAT = "specprefetch-adapter"

@@ -23,6 +23,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from toolkit.errors import SpecPrefetchError
+from toolkit.jsonvalues import is_int
 
 SCALE = 16          # table entries are in sixteenths of a visit
 BITS = 8            # history length in visits
@@ -113,11 +114,6 @@ class ReuseTable:
             raise bad(f"'classes' is for {len(cls)} MoE layers x {len(cls[0])} experts, the model has "
                       f"{shape[0]} x {shape[1]}")
         return ReuseTable(bits, cap, visits, tuple(tuple(r) for r in cls), tables)
-
-
-def is_int(x: Any) -> bool:
-    """An int that is not a bool (JSON validation; adapters/checkpoint.py reads it too)."""
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def learn_reuse_table(sequences: Iterable[np.ndarray], num_experts: int, *, bits: int = BITS,

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import math
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -25,6 +24,7 @@ from toolkit import __version__
 from toolkit.artifacts import read_json, sha256_file
 from adapters.checkpoint import check_model, read_adapter_meta
 from toolkit.errors import SpecPrefetchError
+from toolkit.jsonvalues import is_int, is_number
 from toolkit.models.loader import inspect_model_dir
 from toolkit.runtime.expert_store import ExpertStore
 
@@ -133,15 +133,13 @@ def _check_images(mf: Path, m: dict[str, Any], g) -> None:
     patch, merge = ints(p, "patch_size", None, 1, 1024), ints(p, "merge_size", None, 1, 64)
     ints(p, "temporal_patch_size", None, 1, 64)
     lo, hi = ints(p, "min_pixels", None, 1), ints(p, "max_pixels", None, 1)
-    def number(x) -> bool:
-        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
     for key in ("image_mean", "image_std"):
         x = p.get(key)
-        if not (isinstance(x, list) and len(x) == 3 and all(number(e) and (key == "image_mean" or e != 0)
+        if not (isinstance(x, list) and len(x) == 3 and all(is_number(e) and (key == "image_mean" or e != 0)
                                                              for e in x)):
             raise SpecPrefetchError(f"{where}.preprocess.{key} must list 3 finite numbers"
                                     + (", none zero" if key == "image_std" else ""))
-    if not (number(p.get("rescale_factor")) and p["rescale_factor"] > 0):
+    if not (is_number(p.get("rescale_factor")) and p["rescale_factor"] > 0):
         raise SpecPrefetchError(f"{where}.preprocess.rescale_factor must be a finite number above 0")
     if v.get("precision", "fp32") not in ("fp32", "fp16"):  # absent: a bundle from before the field (ExecuTorch, fp32)
         raise SpecPrefetchError(f"{where}.precision is {json.dumps(v['precision'])[:40]}: "
@@ -302,39 +300,31 @@ def check_store_record(store: ExpertStore, m: dict[str, Any], mf: Path) -> None:
                                 "export again")
 
 
-def _number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _integer(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _check_runtime(mf: Path, m: dict[str, Any], g: Any) -> None:
     """The runtime defaults a runner takes from the manifest are in range (the native runner
     refuses the same values): a bundle with a negative pool or a zero window is not valid."""
     rt, n_moe, E = m["runtime"], len(g.moe_layers), g.routing.num_experts
     pool = rt["pool_mib"]
-    if not _number(pool) or not 0 < pool <= 2**24:
+    if not is_number(pool) or not 0 < pool <= 2**24:
         raise SpecPrefetchError(f"{mf}: runtime.pool_mib is {pool!r}; it must be a number above 0 (MiB, at most 2^24)")
     s = rt.get("scheduler", {})
     if not isinstance(s, dict):
         raise SpecPrefetchError(f"{mf}: runtime.scheduler must be a JSON object")
     checks = {
-        "window": (lambda v: _integer(v) and 1 <= v <= n_moe, f"an integer 1..{n_moe} (MoE layers ahead)"),
-        "queue_depth": (lambda v: _integer(v) and 1 <= v <= 1 << 20, "an integer of at least 1"),
-        "min_confidence": (lambda v: _number(v) and 0 <= v <= 1, "a probability in [0, 1]"),
-        "candidate_threshold": (lambda v: _number(v) and 0 <= v <= 1, "a probability in [0, 1]"),
-        LEGACY_THRESHOLD: (lambda v: _number(v) and 0 <= v <= 1, "a probability in [0, 1]"),
-        "step_budget_bytes": (lambda v: v is None or (_integer(v) and v >= 0), "null or a byte count >= 0"),
-        "candidates": (lambda v: v is None or (_integer(v) and 1 <= v <= E), f"null or an integer 1..{E}"),
+        "window": (lambda v: is_int(v) and 1 <= v <= n_moe, f"an integer 1..{n_moe} (MoE layers ahead)"),
+        "queue_depth": (lambda v: is_int(v) and 1 <= v <= 1 << 20, "an integer of at least 1"),
+        "min_confidence": (lambda v: is_number(v) and 0 <= v <= 1, "a probability in [0, 1]"),
+        "candidate_threshold": (lambda v: is_number(v) and 0 <= v <= 1, "a probability in [0, 1]"),
+        LEGACY_THRESHOLD: (lambda v: is_number(v) and 0 <= v <= 1, "a probability in [0, 1]"),
+        "step_budget_bytes": (lambda v: v is None or (is_int(v) and v >= 0), "null or a byte count >= 0"),
+        "candidates": (lambda v: v is None or (is_int(v) and 1 <= v <= E), f"null or an integer 1..{E}"),
         "prefetch": (lambda v: isinstance(v, bool), "true or false"),
     }
     for key, (ok, want) in checks.items():
         if key in s and not ok(s[key]):
             raise SpecPrefetchError(f"{mf}: runtime.scheduler.{key} is {s[key]!r}; it must be {want}")
     max_seq = m["kv"].get("max_seq")
-    if not _integer(max_seq) or max_seq < 2:
+    if not is_int(max_seq) or max_seq < 2:
         raise SpecPrefetchError(f"{mf}: kv.max_seq is {max_seq!r}; it must be an integer of at least 2")
 
 

@@ -30,6 +30,7 @@ from typing import Any, Callable, Sequence
 from toolkit.device.adb import Adb, DeviceLost, choose, devices, q
 from toolkit.artifacts import sha256_file
 from toolkit.errors import SpecPrefetchError
+from toolkit.jsonvalues import is_int
 
 ROOT = "/data/local/tmp/specprefetch"
 # the device ABI -> the runner build that starts there (x86_64: an emulator, or the stand-in on
@@ -368,7 +369,7 @@ def _stale(held: dict[str, Any]) -> str | None:
         age = now - held["mtime"] if now is not None and held["mtime"] is not None else None
         return f"it has no owner and is {age} s old" if age is not None and age > 120 else None
     pid, host = owner.get("pid"), owner.get("host")
-    if host == _hostname() and isinstance(pid, int) and not isinstance(pid, bool) and not _alive(pid):
+    if host == _hostname() and is_int(pid) and not _alive(pid):
         return f"its owner, process {pid} on {host}, is gone"
     beat = held["heartbeat"] or held["started"] or held["mtime"]
     limit = owner.get("stale_after_s")

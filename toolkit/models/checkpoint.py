@@ -19,6 +19,7 @@ import torch
 from safetensors import safe_open
 
 from toolkit.errors import SpecPrefetchError
+from toolkit.jsonvalues import is_int
 from toolkit.models.families import ExpertSource
 from toolkit.models.spec import ModelSpec
 
@@ -81,8 +82,8 @@ def _read_header(key: tuple, path: Path) -> dict:
         try:
             dtype, shape, (b, e) = meta["dtype"], meta["shape"], meta["data_offsets"]
             ok = (isinstance(dtype, str) and isinstance(shape, list)
-                  and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
-                  and all(isinstance(x, int) and not isinstance(x, bool) for x in (b, e)) and 0 <= b <= e)
+                  and all(is_int(d) and d >= 0 for d in shape)
+                  and all(is_int(x) for x in (b, e)) and 0 <= b <= e)
         except (KeyError, TypeError, ValueError):
             ok = False
         if not ok:

@@ -22,6 +22,7 @@ from toolkit import __version__
 from toolkit.artifacts import (AtomicDirectory, atomic_write_with, os_error, partial_dir, read_json, sha256_file,
                                write_json_atomic)
 from toolkit.errors import SpecPrefetchError, note_interrupt
+from toolkit.jsonvalues import is_int
 from toolkit.models.loader import ModelSpec, inspect_model_dir
 
 FORMAT = "specprefetch-trace"
@@ -109,8 +110,8 @@ def _check_progress(state: dict[str, Any], work: Path) -> None:
     counts = ("prefill_tokens", "decode_tokens", "image_tokens")
     ok = (isinstance(state.get("shards"), list)
           and all(isinstance(s, dict) and all(check(s.get(k)) for k, check, _ in _SHARD)
-                  and all(_is_int(s.get(k)) for k in counts) for s in state["shards"])
-          and _is_int(state.get("next_seq")) and isinstance(state.get("seq_split"), dict)
+                  and all(is_int(s.get(k)) for k in counts) for s in state["shards"])
+          and is_int(state.get("next_seq")) and isinstance(state.get("seq_split"), dict)
           and all(v in SPLITS for v in state["seq_split"].values()))
     if ok:
         try:
@@ -120,7 +121,7 @@ def _check_progress(state: dict[str, Any], work: Path) -> None:
     if ok:  # the run resumes at next_seq: it must lie in the run, after every sequence already traced
         settings = state.get("header", {}).get("settings") if isinstance(state.get("header"), dict) else None
         total = settings.get("sequences") if isinstance(settings, dict) else None
-        ok = (0 <= state["next_seq"] and (not _is_int(total) or state["next_seq"] <= total)
+        ok = (0 <= state["next_seq"] and (not is_int(total) or state["next_seq"] <= total)
               and all(0 <= k < state["next_seq"] for k in seqs))
     if not ok:
         raise SpecPrefetchError(f"{work / 'progress.json'}: malformed trace progress file; delete {work} "
@@ -261,16 +262,12 @@ class TraceWriter:
         return self.out
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _int_list(v: Any) -> bool:
-    return isinstance(v, list) and all(_is_int(x) for x in v)
+    return isinstance(v, list) and all(is_int(x) for x in v)
 
 
 def _split_tokens(v: Any) -> bool:
-    return isinstance(v, dict) and all(isinstance(v.get(s), dict) and _is_int(v[s].get("total"))
+    return isinstance(v, dict) and all(isinstance(v.get(s), dict) and is_int(v[s].get("total"))
                                        for s in SPLITS)
 
 
@@ -279,9 +276,9 @@ _MANIFEST: list[tuple[str, Any, str]] = [
     ("model", lambda v: isinstance(v, dict), "an object"),
     ("model.config_hash", lambda v: isinstance(v, str), "a string"),
     ("model.moe_layers", lambda v: _int_list(v) and len(v) > 0, "a non-empty list of integers"),
-    ("model.num_experts", lambda v: _is_int(v) and v > 0, "a positive integer"),
-    ("model.top_k", lambda v: _is_int(v) and v > 0, "a positive integer"),
-    ("model.hidden_size", lambda v: _is_int(v) and v > 0, "a positive integer"),
+    ("model.num_experts", lambda v: is_int(v) and v > 0, "a positive integer"),
+    ("model.top_k", lambda v: is_int(v) and v > 0, "a positive integer"),
+    ("model.hidden_size", lambda v: is_int(v) and v > 0, "a positive integer"),
     ("shards", lambda v: isinstance(v, list), "a list"),
     ("split", lambda v: isinstance(v, dict) and all(_int_list(v.get(s)) and all(0 <= x < 2**31 for x in v[s])
                                                     for s in SPLITS),
@@ -294,8 +291,8 @@ _SHARD: list[tuple[str, Any, str]] = [
     ("file", lambda v: (isinstance(v, str) and v != "" and not Path(v).is_absolute()
                         and ".." not in Path(v).parts), "a path inside the trace directory"),
     ("split", lambda v: v in SPLITS, f"one of {', '.join(SPLITS)}"),
-    ("tokens", lambda v: _is_int(v) and v > 0, "a positive integer"),
-    ("bytes", lambda v: _is_int(v) and v >= 0, "a byte count"),
+    ("tokens", lambda v: is_int(v) and v > 0, "a positive integer"),
+    ("bytes", lambda v: is_int(v) and v >= 0, "a byte count"),
     ("sha256", lambda v: isinstance(v, str), "a string"),
 ]
 
@@ -325,7 +322,7 @@ def check_manifest(m: Any, file: Path) -> None:
         for key, ok, what in _SHARD:
             if not ok(s.get(key)):
                 raise SpecPrefetchError(f"{file}: malformed trace manifest: shards[{n}].{key} must be {what}")
-        if "hidden_tokens" in s and not (_is_int(s["hidden_tokens"]) and s["hidden_tokens"] >= 0):
+        if "hidden_tokens" in s and not (is_int(s["hidden_tokens"]) and s["hidden_tokens"] >= 0):
             raise SpecPrefetchError(f"{file}: malformed trace manifest: shards[{n}].hidden_tokens must be "
                                     "a token count")
 
