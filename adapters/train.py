@@ -23,6 +23,7 @@ from adapters.lowrank import PrefetchAdapter
 from adapters.reuse import CLASSES as REUSE_CLASSES
 from adapters.reuse import MAX_CLASSES, learn_class_reuse_table
 from toolkit.errors import SpecPrefetchError
+from toolkit.jsonvalues import is_int, is_number
 from toolkit.metrics import recall, topk_hits
 from toolkit.models.families import router_distribution
 from toolkit.models.routers import RouterBank, load_router_bank
@@ -68,7 +69,7 @@ class TrainConfig:
                               ("--val-every", self.val_every), ("--patience", self.patience),
                               ("--max-memory-mb", self.max_memory_mb), ("warmup", self.warmup),
                               ("--reuse-classes", self.reuse_classes)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not is_int(value) or value < 1:
                 raise bad(option, value, "must be a whole number >= 1")
         if not self.horizons or any(not 1 <= h <= 4 for h in self.horizons):
             raise bad("--horizons", ",".join(map(str, self.horizons)) or "''", "each horizon must lie in 1..4")
@@ -81,7 +82,7 @@ class TrainConfig:
         if not (math.isfinite(self.topk_weight) and self.topk_weight >= 0):
             raise bad("--topk-weight", self.topk_weight, "must be a finite number >= 0")
         w = self.next_visit_weight
-        if isinstance(w, bool) or not (isinstance(w, (int, float)) and math.isfinite(w) and w >= 0):
+        if not (is_number(w) and w >= 0):
             raise bad("--next-visit-weight", w, "must be a finite number >= 0")
         if not self.next_visit and w != 1.0:
             raise bad("--next-visit-weight", w, "this adapter has no next-visit heads")

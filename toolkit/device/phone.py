@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence
 from toolkit.device.adb import Adb, DeviceLost, choose, devices, q
 from toolkit.artifacts import sha256_file
 from toolkit.errors import SpecPrefetchError
-from toolkit.jsonvalues import is_int
+from toolkit.jsonvalues import is_int, is_number
 
 ROOT = "/data/local/tmp/specprefetch"
 # the device ABI -> the runner build that starts there (x86_64: an emulator, or the stand-in on
@@ -373,7 +373,7 @@ def _stale(held: dict[str, Any]) -> str | None:
         return f"its owner, process {pid} on {host}, is gone"
     beat = held["heartbeat"] or held["started"] or held["mtime"]
     limit = owner.get("stale_after_s")
-    if now is not None and beat is not None and isinstance(limit, (int, float)) and now - beat > limit:
+    if now is not None and beat is not None and is_number(limit) and now - beat > limit:
         return f"its owner (process {pid} on {host}) has given no sign of life for {now - beat} s"
     return None
 
@@ -495,9 +495,9 @@ def check_bench(bundle: Path, *, policies: Sequence[str], pool_mib: float, promp
     check_report_out(json_out, [bundle])
     if not policies:
         raise SpecPrefetchError("--policies: give at least one PREDICTOR+EVICTION")
-    if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= RUNNER_MAX_THREADS:
+    if not is_int(threads) or not 1 <= threads <= RUNNER_MAX_THREADS:
         raise SpecPrefetchError(f"--threads {threads}: the runner takes 1..{RUNNER_MAX_THREADS}")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    if not is_int(max_new_tokens) or max_new_tokens < 1:
         raise SpecPrefetchError(f"--max-new-tokens {max_new_tokens}: must be >= 1")
     have = native_predictors(bundle, m)
     for name in policies:

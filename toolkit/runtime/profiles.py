@@ -18,6 +18,7 @@ from pathlib import Path
 
 from toolkit.artifacts import profile_dir, read_json, write_json_atomic  # noqa: F401  (profile_dir re-exported)
 from toolkit.errors import SpecPrefetchError
+from toolkit.jsonvalues import is_number
 
 MiB = 2**20
 
@@ -165,7 +166,7 @@ def load_profile(name: str, option: str = "--profile") -> DeviceProfile:
     except (TypeError, KeyError, ValueError, AttributeError) as e:
         raise SpecPrefetchError(f"{path}: not a valid device profile ({e})") from None
     g = profile.prefill_gflops
-    if g is not None and (isinstance(g, bool) or not isinstance(g, (int, float)) or not math.isfinite(g) or g <= 0):
+    if g is not None and (not is_number(g) or g <= 0):
         raise SpecPrefetchError(f"{path}: not a valid device profile (prefill_gflops {g!r}: a positive number "
                                 "of GFLOP/s, or null)")
     return profile
