@@ -1140,3 +1140,15 @@ class TestConcurrentWriters:
                        r"lowering (\d+)/\1: reset \(delegating\)", r"parity 1/2: reference", r"parity 2/2: bundle"):
             assert re.search(needle, err), needle
         assert _names(tmp_path) == ["b", "m", "tmp"] and _ours(tmp_path / "tmp") == []
+
+
+def test_json_values_refuse_bools_and_non_finite_numbers():
+    """toolkit/jsonvalues.py, the one check of integers and numbers read from outside: JSON's true is not
+    an int, NaN and infinity are not numbers, and an int too large for a float is still a number (no
+    OverflowError out of a loader)."""
+    from toolkit.jsonvalues import is_int, is_number
+
+    assert is_int(0) and is_int(-3) and is_int(10**400)
+    assert not any(is_int(v) for v in (True, False, 1.0, "1", None))
+    assert is_number(0) and is_number(2.5) and is_number(10**400) and is_number(-1e308)
+    assert not any(is_number(v) for v in (True, float("nan"), float("inf"), float("-inf"), "1", None, [1]))
