@@ -212,12 +212,13 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
     for label, v in knobs.items():   # the runners' window looks one token ahead at most
         if v.get("window", 1) > L:
             raise SpecPrefetchError(f"--variant {label}: window must be 1..{L} (the bundle's MoE layers)")
-        if "reuse_classes" in v and m["predictor"].get("reuse") is None:
-            raise SpecPrefetchError(f"--variant {label}: the bundle has no reuse table (exported without an "
-                                    "adapter, or with one trained before it)")
-        if "reuse_classes" in v and m["predictor"]["reuse"].get("classes") is None:
-            raise SpecPrefetchError(f"--variant {label}: the bundle's reuse table has no frequency classes "
-                                    "(an adapter trained with --reuse-classes 1, or before them)")
+        if "reuse_classes" in v:
+            if m["predictor"].get("reuse") is None:
+                raise SpecPrefetchError(f"--variant {label}: the bundle has no reuse table (exported without an "
+                                        "adapter, or with one trained before it)")
+            if m["predictor"]["reuse"].get("classes") is None:
+                raise SpecPrefetchError(f"--variant {label}: the bundle's reuse table has no frequency classes "
+                                        "(an adapter trained with --reuse-classes 1, or before them)")
     queue_depth = m["runtime"]["scheduler"].get("queue_depth", 4)  # the native runs' (the manifest's)
     all_mib = L * E * store.slot_bytes / MiB + 0.01
     graph = m["predictor"]["kind"] if m["predictor"].get("preds_rows") else "next-gate"

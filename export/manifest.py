@@ -23,6 +23,7 @@ from export.target import Target, bundle_file
 from toolkit import __version__
 from toolkit.artifacts import read_json, sha256_file
 from adapters.checkpoint import check_model, read_adapter_meta
+from adapters.reuse import ReuseTable
 from toolkit.errors import SpecPrefetchError
 from toolkit.jsonvalues import is_int, is_number
 from toolkit.models.loader import inspect_model_dir
@@ -263,8 +264,6 @@ def _validate(path: Path, mf: Path, m: Any, hash_store: bool = True) -> list[str
         check_model(meta, ad.parent, spec)   # the bundle's model (its config hash checked above) and sizes
         bundle_file(path, files, "adapter/adapter.safetensors", "adapter weights")
     if m["predictor"].get("reuse") is not None:  # the reuse eviction's table, as the runners read it
-        from adapters.reuse import ReuseTable
-
         ReuseTable.from_json(m["predictor"]["reuse"], f"{mf}: predictor.reuse",
                              shape=(len(g.moe_layers), g.routing.num_experts))
     nv = m["predictor"].get("next_visit", False)

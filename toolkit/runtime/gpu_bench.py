@@ -42,6 +42,12 @@ def _predicting(pol: Policy) -> bool:
     return pol.predictor not in ("on-demand", "draft", "oracle")
 
 
+def _takes(pol: Policy, v: dict) -> bool:
+    """Whether the --variant settings `v` make a row of `pol`: a predicting policy, and for reuse_classes
+    one that evicts by the reuse table."""
+    return _predicting(pol) and ("reuse_classes" not in v or pol.eviction == "reuse")
+
+
 def _prompts(tokenizer, n: int, tokens: int, data: Path | None) -> list[list[int]]:
     from toolkit.embedded.report import HELDOUT
 
@@ -238,8 +244,8 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
     preds = gpu_predictors(spec, {p.predictor for p in policies}, adapter)
     reuse = gpu_reuse_table(spec, {p.eviction for p in policies}, adapter)
     for label, v in knobs.items():
-        if "reuse_classes" in v and (reuse is None or reuse.classes is None
-                                     or not any(_predicting(p) and p.eviction == "reuse" for p in policies)):
+        # (a +reuse policy has its table: gpu_reuse_table refused the run otherwise)
+        if "reuse_classes" in v and (not any(_takes(p, v) for p in policies) or reuse.classes is None):
             raise SpecPrefetchError(f"--variant {label}: no predicting +reuse policy whose reuse table has "
                                     "frequency classes (an adapter trained with them)")
     if store is None:
@@ -302,8 +308,8 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
     variants = [(pol.name, pol, True, {}) for pol in policies]
     variants += [(pol.name + NO_NEXT_VISIT, pol, False, {}) for pol in policies
                  if pol.eviction == "reuse" and getattr(preds.get(pol.predictor), "next_visit", False)]
-    variants += [(f"{pol.name}{VARIANT_TAG}{label}", pol, True, v) for pol in policies if _predicting(pol)
-                 for label, v in knobs.items() if "reuse_classes" not in v or pol.eviction == "reuse"]
+    variants += [(f"{pol.name}{VARIANT_TAG}{label}", pol, True, v) for pol in policies
+                 for label, v in knobs.items() if _takes(pol, v)]
 
     # the oracle's future: one recorded pass per prompt (routing does not depend on the policy)
     recorded = {p: eng.record(ids[p], new_tokens) for p in range(len(ids))}

@@ -52,7 +52,7 @@ VARIANT_KEYS: dict[str, tuple[Callable[[str], Any], Callable[[Any], bool], str]]
     "min_confidence": (float, lambda v: 0 <= v <= 1, "a probability in [0, 1]"),
     # off: the reuse eviction with the whole table only, not its frequency classes (run --no-reuse-classes;
     # on is every run's default: no variant)
-    "reuse_classes": (lambda s: False if s == "off" else None, lambda v: v is False,
+    "reuse_classes": (lambda s: False if s == "off" else None, lambda v: True,   # (None: refused as unparsed)
                       "off (on is every run's default: no variant)"),
 }
 # the GPU tier's too: its read budget (KiB its copies deliver per layer step, at least one expert; run

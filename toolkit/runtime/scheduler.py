@@ -157,8 +157,7 @@ class WindowScheduler:
     def _evicting(self, key: Key) -> None:
         """The pool is about to drop `key`: bytes still in flight into its slot must land first (unless the
         IO orders the slot's next read after them itself: `orders_reuse`, the GPU tier's copies)."""
-        slot = self.pool.get(key)
-        if not self.io_orders_reuse and not slot.landed and not self.io.landed(key):
+        if not self.io_orders_reuse and not self.pool.get(key).landed and not self.io.landed(key):
             self._wait(key)
         self.io.release(key)
 
