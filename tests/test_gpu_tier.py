@@ -1647,3 +1647,60 @@ def test_a_mismatch_names_its_first_token_and_how_near_a_tie_it_was():
     assert first_difference([1, 2], [1, 2, 3], [0.5, 0.5, 0.25]) == \
         " (first at new token 2, transformers' top-2 logit gap there 0.25)"
     assert first_difference([1, 2, 3], [1, 2], [0.5, 0.5]) == " (longer: 3 tokens, transformers' 2)"
+
+
+@pytest.mark.parametrize("decode,device", [("static", "cpu"), ("modules", "cpu"),
+                                           pytest.param("graph", "cuda", marks=CUDA)])
+def test_native_host_scheduler_decides_as_the_python_one(tiny_models, stores, tiny_adapter, decode, device):
+    """`configure(host="native")`: the native runner's scheduler and pool (toolkit/runtime/native_sched.py) in the
+    GPU tier's loop give the Python scheduler's tokens, counts, copies and evictions for every kind of policy
+    (on-demand, a host predictor, the adapter with the reuse eviction and its next-visit heads, the oracle with
+    Belady's rule, the draft), under the static decoder (the graph decode's loop, eager) and transformers'
+    modules, and on CUDA under the graph decode (fp16, the copies on their streams), at a pool small enough to
+    evict."""
+    from toolkit.runtime.gpu_bench import gpu_predictors, gpu_reuse_table
+
+    spec = inspect_model_dir(tiny_models["qwen3_moe"])
+    names = ["on-demand+lru", "next-gate+prediction", "adapter+reuse", "oracle+belady", "draft+lru"]
+    pols = [Policy.parse(n) for n in names]
+    dtype = "float16" if device == "cuda" else "float32"
+    eng = GpuEngine(load_model(tiny_models["qwen3_moe"], dtype=dtype), ExpertStore(stores["qwen3_moe"], spec),
+                    RunConfig(policy=pols[0], pool_mib=64.0), device=device, decode=decode, with_draft=True,
+                    predictors=gpu_predictors(spec, [p.predictor for p in pols], tiny_adapter),
+                    reuse=gpu_reuse_table(spec, ["reuse"], tiny_adapter))
+    prompt = list(range(5, 17))
+    for pol in pols:
+        got = {}
+        for host in ("python", "native"):
+            eng.configure(policy=pol, pool_mib=_pool_mib(eng, 0.2), host=host)
+            g = eng.run(prompt, 10, k=3)
+            j = g.to_json()
+            got[host] = (g.tokens, g.stats.counts["bytes_read"], j["pcie_bytes_per_token"],
+                         {k: v for k, v in g.stats.counts.items() if k != "wait_s"},
+                         j["evictions"], j["wasted_prefetch_mib"], j["peak_pool_bytes"], j["mib_read"])
+        assert got["python"] == got["native"], pol.name
+        assert got["python"][4] > 0, pol.name   # the pool evicted
+    eng.configure(host="python")
+    with pytest.raises(SpecPrefetchError, match="--host 'c': choose from python, native"):
+        eng.configure(host="c")
+
+
+def test_gpu_bench_runs_every_policy_on_the_native_host(tiny_models, stores):
+    """`bench gpu --variant host=native`: every policy (on-demand and the oracle too, which take no other setting)
+    gets a row with the native runner's scheduler in the same rounds, its copies and hits the Python row's."""
+    from toolkit.runtime.gpu_bench import run_gpu_bench
+    from toolkit.runtime.policy import VARIANT_TAG, parse_policies
+
+    r = run_gpu_bench(tiny_models["qwen3_moe"], store=stores["qwen3_moe"], adapter=None,
+                      policies=parse_policies("on-demand+lru,next-gate+prediction,oracle+belady"), fractions=[0.2],
+                      prompts=1, prompt_tokens=8, new_tokens=6, repeats=1, ks=(2,), device="cpu",
+                      variants=("host=native",), log=lambda s: None)
+    rows = {x["policy"]: x for x in r["rows"]}
+    assert r["tokens_match_transformers"] and len(rows) == 6
+    for name in ("on-demand+lru", "next-gate+prediction", "oracle+belady"):
+        py, nat = rows[name], rows[f"{name}{VARIANT_TAG}host=native"]
+        assert (py["hit_rate"], py["pcie_mib_per_token"]) == (nat["hit_rate"], nat["pcie_mib_per_token"]), name
+    with pytest.raises(SpecPrefetchError, match="host must be python or native"):
+        run_gpu_bench(tiny_models["qwen3_moe"], store=stores["qwen3_moe"], adapter=None,
+                      policies=parse_policies("on-demand+lru"), fractions=[0.2], device="cpu",
+                      variants=("host=rust",), log=lambda s: None)

@@ -890,7 +890,9 @@ def bench_reads_cmd(traces, store_path, pool_fracs, max_sequences, rounds, lanes
               help="also each predicting policy with these scheduler settings (window, queue_depth: prefetch copies "
                    "issued per layer step, candidate_threshold, min_confidence, read_budget_kib: KiB copied per layer "
                    "step, at least one expert, or auto: the measured copy rate times a layer's resident step; "
-                   "reuse_classes=off: +reuse policies with the whole reuse table), in the same rounds (repeatable)")
+                   "reuse_classes=off: +reuse policies with the whole reuse table; host=native: every policy with "
+                   "the native runner's scheduler and pool, the same decisions off Python), in the same rounds "
+                   "(repeatable)")
 @json_report
 @friendly_errors(interrupt=NOT_WRITTEN)
 def bench_gpu(model, device, adapter, policies, pool_fractions, prompts, new_tokens, rounds, prompt_tokens, window,

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <iterator>
+#include <memory>
 #include <stdexcept>
 #include <tuple>
 
@@ -280,5 +281,27 @@ void ExpertPool::evict(Key key, const Key* for_key) {
     events->emit("evict", key, extra);
   }
 }
+
+ExpertPool::NextUse belady_next_use(const std::vector<std::vector<int>>& future, int L, int k, const std::vector<int>& units) {
+  std::vector<int64_t> first;
+  for (int T : units)
+    for (int t = 0; t < T; ++t) first.push_back(static_cast<int64_t>(first.size()) - t);
+  auto uses = std::make_shared<std::map<Key, std::vector<int64_t>>>();
+  for (size_t pos = 0; pos < future.size(); ++pos)
+    for (int li = 0; li < L; ++li)
+      for (int j = 0; j < k; ++j) {
+        auto& steps = (*uses)[{li, future[pos][static_cast<size_t>(li) * k + j]}];
+        const int64_t p = pos < first.size() ? first[pos] : static_cast<int64_t>(pos);
+        const int64_t st = p * L + li;
+        if (steps.empty() || steps.back() != st) steps.push_back(st);
+      }
+  return [uses](Key key, int64_t now) {
+    auto it = uses->find(key);
+    if (it == uses->end()) return ExpertPool::kNever;
+    auto nxt = std::upper_bound(it->second.begin(), it->second.end(), now);
+    return nxt == it->second.end() ? ExpertPool::kNever : static_cast<double>(*nxt);
+  };
+}
+
 
 }  // namespace spx

@@ -137,4 +137,10 @@ class ExpertPool {
   size_t map_bytes_ = 0;
 };
 
+// Belady's next_use(key, now): the step of the key's next real use after `now` in the recorded routing
+// `future` (per position, L x k expert ids); a prompt span's positions (units: prefill_spans) all use
+// their experts at the span's step, p0 * L + layer.
+ExpertPool::NextUse belady_next_use(const std::vector<std::vector<int>>& future, int L, int k,
+                                    const std::vector<int>& units);
+
 }  // namespace spx

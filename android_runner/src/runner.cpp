@@ -62,29 +62,6 @@ void compute_landed_first(WindowScheduler& sched, const std::vector<Key>& keys, 
   }
 }
 
-// next_use(key, now): the step of the key's next real use after `now` (Belady's rule); a prompt
-// span's positions (units: prefill_spans) all use their experts at the span's step, p0 * L + layer.
-ExpertPool::NextUse belady(const std::vector<std::vector<int>>& future, int L, int k, const std::vector<int>& units) {
-  std::vector<int64_t> first;
-  for (int T : units)
-    for (int t = 0; t < T; ++t) first.push_back(static_cast<int64_t>(first.size()) - t);
-  auto uses = std::make_shared<std::map<Key, std::vector<int64_t>>>();
-  for (size_t pos = 0; pos < future.size(); ++pos)
-    for (int li = 0; li < L; ++li)
-      for (int j = 0; j < k; ++j) {
-        auto& steps = (*uses)[{li, future[pos][static_cast<size_t>(li) * k + j]}];
-        const int64_t p = pos < first.size() ? first[pos] : static_cast<int64_t>(pos);
-        const int64_t st = p * L + li;
-        if (steps.empty() || steps.back() != st) steps.push_back(st);
-      }
-  return [uses](Key key, int64_t now) {
-    auto it = uses->find(key);
-    if (it == uses->end()) return ExpertPool::kNever;
-    auto nxt = std::upper_bound(it->second.begin(), it->second.end(), now);
-    return nxt == it->second.end() ? ExpertPool::kNever : static_cast<double>(*nxt);
-  };
-}
-
 }  // namespace
 
 std::vector<int> chunk_plan(int n, const std::vector<int>& chunks) {
@@ -302,7 +279,7 @@ Generation Runner::generate(const std::vector<int>& prompt, int max_new,
   const std::vector<int> spans = prefill_spans(units);
   // the pool's arena outlives the reader, whose destructor waits for reads still in flight into it
   ExpertPool pool(cfg.budget_bytes(), static_cast<int64_t>(store_.slot_bytes), cfg.eviction, k, total,
-                  cfg.eviction == "belady" ? belady(*future, L, k, spans) : nullptr);
+                  cfg.eviction == "belady" ? belady_next_use(*future, L, k, spans) : nullptr);
   Reader reader(store_, cfg.lanes > 0 ? cfg.lanes : std::min(cfg.queue_depth + 1, 64), cfg.verify);
   ReaderIO io(reader);
   SchedulerConfig scfg;

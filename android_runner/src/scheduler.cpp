@@ -104,7 +104,7 @@ void WindowScheduler::evicting(Key key) {
     io_.release(key);
     return;
   }
-  if (!s->landed) {  // its bytes must land before the slot is reused; a failed read fails the run
+  if (!s->landed && !io_.orders_reuse()) {  // its bytes must land before the slot is reused; a failed read fails the run
     naming_the_read(s->demand, [&] {
       if (!io_.landed(key))
         wait(key);
@@ -126,6 +126,7 @@ const uint8_t* WindowScheduler::data(Key key) {
         io_.wait(key);  // returns at once; rethrows the read's error (I/O, checksum) if it failed
       }
     });
+    io_.take(key);
     s->landed = true;
   }
   return pool_.data(*s);
@@ -162,35 +163,43 @@ void WindowScheduler::plan(int64_t step, const std::vector<int64_t>& targets,
   plan_probs(step, ts, probs);
 }
 
-void WindowScheduler::plan_probs(int64_t step, const std::vector<int64_t>& targets,
-                                 const std::vector<std::vector<float>>& probs) {
+void WindowScheduler::begin_plan(int64_t step) {
   step_ = step;
   step_bytes_ = 0;
   advance(step);
-  if (!cfg_.prefetch || probs.empty()) {
-    pump();
+}
+
+void WindowScheduler::queue_candidate(int64_t step, int64_t target, int e, double c) {
+  if (c <= 0 || c < cfg_.candidate_threshold) return;
+  const Key key{static_cast<int>(target % L_), e};
+  auto pn = predicted_next_.find(key);
+  if (pn == predicted_next_.end() || pn->second < step || target < pn->second) predicted_next_[key] = target;
+  if (loading_has(key) || pool_.get(key) != nullptr) return;
+  auto old = pending_.find(key);
+  if (old != pending_.end() && std::make_pair(old->second.first, -old->second.second) <= std::make_pair(target, -c))
     return;
+  pending_[key] = {target, c};
+  queue_.emplace_back(target, -c, seq_++, key);
+  std::push_heap(queue_.begin(), queue_.end(), std::greater<Item>());
+}
+
+void WindowScheduler::plan_probs(int64_t step, const std::vector<int64_t>& targets,
+                                 const std::vector<std::vector<float>>& probs) {
+  begin_plan(step);
+  if (cfg_.prefetch && !probs.empty()) {
+    const int m = cfg_.candidates > 0 ? cfg_.candidates : k_;
+    for (size_t w = 0; w < targets.size(); ++w)
+      for (int e : topk(probs[w], m)) queue_candidate(step, targets[w], e, probs[w][static_cast<size_t>(e)]);
   }
-  const int m = cfg_.candidates > 0 ? cfg_.candidates : k_;
-  for (size_t w = 0; w < targets.size(); ++w) {
-    const int64_t target = targets[w];
-    const int layer = static_cast<int>(target % L_);
-    for (int e : topk(probs[w], m)) {
-      const double c = probs[w][e];
-      if (c <= 0 || c < cfg_.candidate_threshold) continue;
-      const Key key{layer, e};
-      auto pn = predicted_next_.find(key);
-      if (pn == predicted_next_.end() || pn->second < step || target < pn->second) predicted_next_[key] = target;
-      if (loading_has(key) || pool_.get(key) != nullptr) continue;
-      auto old = pending_.find(key);
-      if (old != pending_.end() &&
-          std::make_pair(old->second.first, -old->second.second) <= std::make_pair(target, -c))
-        continue;
-      pending_[key] = {target, c};
-      queue_.emplace_back(target, -c, seq_++, key);
-      std::push_heap(queue_.begin(), queue_.end(), std::greater<Item>());
-    }
-  }
+  pump();
+}
+
+void WindowScheduler::plan_ranked(int64_t step, const std::vector<int64_t>& targets,
+                                  const std::vector<std::vector<float>>& confs, const std::vector<std::vector<int>>& ids) {
+  begin_plan(step);
+  if (cfg_.prefetch)
+    for (size_t w = 0; w < targets.size(); ++w)
+      for (size_t j = 0; j < confs[w].size(); ++j) queue_candidate(step, targets[w], ids[w][j], confs[w][j]);
   pump();
 }
 

@@ -42,6 +42,13 @@ class IOBackend {
   // Drop the read of `key` if it has not started (its buffer is never written); false when it is
   // reading or done, or the backend cannot cancel. Never blocks.
   virtual bool cancel(Key) { return false; }
+  // Whether a read into a slot is ordered after the slot's old read by the backend itself (the GPU
+  // tier's copies, toolkit/runtime/native_sched.py): evicting a key whose read is in flight then need
+  // not wait for it.
+  virtual bool orders_reuse() const { return false; }
+  // The slot's bytes are about to be used for the first time (data() found them not yet used): a
+  // backend whose reads are asynchronous to their consumer orders the consumer after the read here.
+  virtual void take(Key) {}
 };
 
 struct SchedulerConfig {
@@ -80,6 +87,13 @@ class WindowScheduler {
   void plan_probs(int64_t step, const std::vector<int64_t>& targets, const std::vector<std::vector<float>>& probs);
   // Scores (non-negative ones normalised to sum 1, others softmaxed; all-zero rows skipped).
   void plan(int64_t step, const std::vector<int64_t>& targets, std::vector<std::vector<float>> scores);
+  // plan_probs with each target's candidates already taken (confidences descending, their experts): what
+  // the top-m of its probabilities would give, for a predictor that knows them without [W, E] rows (the
+  // oracle: toolkit/runtime/planner.py)
+  void plan_ranked(int64_t step, const std::vector<int64_t>& targets, const std::vector<std::vector<float>>& confs,
+                   const std::vector<std::vector<int>>& ids);
+  int64_t step() const { return step_; }
+  size_t in_flight() const { return loading_.size(); }  // prefetches logically in flight
 
   double next_predicted_use(Key key, int64_t now) const;
   // the reuse eviction's state (nullptr: the pool evicts otherwise)
@@ -92,6 +106,8 @@ class WindowScheduler {
   void advance(int64_t step);  // the read budget's backlog at `step`
   void pump(const std::set<Key>& protect = {});
   void drop_weak();
+  void begin_plan(int64_t step);
+  void queue_candidate(int64_t step, int64_t target, int e, double c);
   void wait(Key key);
   void evicting(Key key);
   void emit(const char* kind, Key key, const std::string& extra = "");

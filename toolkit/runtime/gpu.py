@@ -54,8 +54,10 @@ from toolkit.runtime.expert_store import ExpertStore
 from toolkit.runtime.gpu_kernels import dequant, int4_gemv
 from toolkit.runtime.planner import PrefetchPlanner, RoutingState
 from toolkit.runtime.pool import ExpertPool, Key
+from toolkit.runtime.policy import HOSTS
 from toolkit.runtime.profiles import check_budget_kib
-from toolkit.runtime.runner import RunConfig, Runner, open_pool_and_scheduler
+from toolkit.runtime.native_sched import NativeScheduler
+from toolkit.runtime.runner import RunConfig, Runner, open_pool_and_scheduler, scheduler_config
 from toolkit.runtime.scheduler import WindowScheduler
 from toolkit.runtime.stats import DecodeAccount, RunStats
 
@@ -568,6 +570,7 @@ class GpuEngine:
         # until the next step); None: the pool's free slots (capacity - k, so a layer's demand copies always
         # find a slot); `configure(copy_depth=N)`
         self.copy_depth: int | None = None
+        self.host_sched = "python"   # whose scheduler and pool decide (configure(host=...))
         from toolkit.runtime import gpu_graph
 
         if decode not in (None, "graph", "static", "modules"):
@@ -600,13 +603,17 @@ class GpuEngine:
         self.configure()
 
     # -- configuration ---------------------------------------------------------------------
-    def configure(self, *, copy_depth: int | None | str = "keep", **changes) -> None:
+    def configure(self, *, copy_depth: int | None | str = "keep", host: str = "keep", **changes) -> None:
         """The next sequences' RunConfig with `changes`; `copy_depth`: the scheduler's queue depth here,
         prefetch copies issued per layer step at most (a prefetch counts until the next step; None: the
-        pool's free slots, capacity - k, also the cap of any larger value; "keep": unchanged)."""
+        pool's free slots, capacity - k, also the cap of any larger value; "keep": unchanged); `host`: whose
+        scheduler and pool decide, "python" (toolkit/runtime/scheduler.py) or "native" (the native runner's,
+        toolkit/runtime/native_sched.py: the same decisions off Python; "keep": unchanged)."""
         cfg = dataclasses.replace(self.cfg, **changes)
         if copy_depth != "keep" and copy_depth is not None and (not isinstance(copy_depth, int) or copy_depth < 1):
             raise SpecPrefetchError(f"--queue-depth {copy_depth!r}: prefetch copies a step, an integer >= 1")
+        if host not in ("keep", *HOSTS):
+            raise SpecPrefetchError(f"--host {host!r}: choose from {', '.join(HOSTS)}")
         check_budget_kib(cfg.read_budget_kib, self.store.blob_size, "--read-budget-kib")
         p = cfg.policy.predictor
         if p not in ("on-demand", "draft") and p not in self.predictors:
@@ -626,6 +633,8 @@ class GpuEngine:
         self.cfg = cfg
         if copy_depth != "keep":
             self.copy_depth = copy_depth
+        if host != "keep":
+            self.host_sched = host
 
     @property
     def capacity(self) -> int:
@@ -680,7 +689,7 @@ class GpuEngine:
         first = True
         while order:
             # what fits: slots neither pinned nor holding a copy issued this very step
-            n = max(1, self.capacity - len(sched.loading))
+            n = max(1, self.capacity - sched.in_flight())
             part, order = order[:n], order[n:]
             sched.acquire(step, part)
             if first and T == 1 and s.planner is not None:
@@ -784,15 +793,24 @@ class GpuEngine:
         # arena lacks
         depth = max(1, self.capacity - self.k)
         gcfg = dataclasses.replace(cfg, queue_depth=depth if self.copy_depth is None else min(depth, self.copy_depth))
-        pool, sched = open_pool_and_scheduler(gcfg, slot_bytes=self.store.blob_size, num_layers=L, top_k=self.k,
-                                              io=io, future=future, prefetch=prefetch, reuse=self.reuse)
+        if self.host_sched == "native":
+            if gcfg.policy.eviction == "belady" and future is None:
+                raise SpecPrefetchError("belady eviction needs the run's recorded routing (its future)")
+            sched = NativeScheduler(budget_bytes=gcfg.budget_bytes, slot_bytes=self.store.blob_size,
+                                    policy=gcfg.policy.eviction, num_layers=L, num_experts=self.E, top_k=self.k,
+                                    cfg=scheduler_config(gcfg, prefetch=prefetch, reuse=self.reuse), io=io,
+                                    reuse=(self.reuse if gcfg.reuse_classes else self.reuse.whole())
+                                    if gcfg.policy.eviction == "reuse" else None, future=future)
+            pool = sched.pool
+        else:
+            pool, sched = open_pool_and_scheduler(gcfg, slot_bytes=self.store.blob_size, num_layers=L, top_k=self.k,
+                                                  io=io, future=future, prefetch=prefetch, reuse=self.reuse)
         if preload:
             if self.capacity < self.L * self.E:
                 raise SpecPrefetchError("preload: the pool must hold every expert")
             for li in range(self.L):
                 for e in range(self.E):
-                    slot = pool.reserve((li, e), -1, prefetch=False)
-                    slot.ready = slot.demand = True
+                    pool.preload((li, e))
                     io.submit((li, e), demand=True)
             self.dev.sync()
             if resident_graph:   # the slot table, and its graph captured before the prefill (untimed)

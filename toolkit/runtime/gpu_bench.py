@@ -12,7 +12,8 @@ without them (`POLICY next-visit=off`); with `--variant KEY=V[,KEY=V]`, each pre
 on-demand, the draft or the oracle) also runs with those scheduler settings (`POLICY scheduler=...`:
 window, queue_depth (prefetch copies issued per layer step), candidate_threshold, min_confidence,
 read_budget_kib: a number, or auto, the measured copy rate times a layer's resident step; reuse_classes=off,
-the reuse eviction with the whole table, for `+reuse` policies only), rows of their own in the same rounds.
+the reuse eviction with the whole table, for `+reuse` policies only; host=native, for every policy: the native
+runner's scheduler and pool decide, the same decisions off Python), rows of their own in the same rounds.
 Every run's tokens are checked against transformers' greedy tokens before any time is quoted.
 """
 from __future__ import annotations
@@ -43,9 +44,9 @@ def _predicting(pol: Policy) -> bool:
 
 
 def _takes(pol: Policy, v: dict) -> bool:
-    """Whether the --variant settings `v` make a row of `pol`: a predicting policy, and for reuse_classes
-    one that evicts by the reuse table."""
-    return _predicting(pol) and ("reuse_classes" not in v or pol.eviction == "reuse")
+    """Whether the --variant settings `v` make a row of `pol`: a predicting policy (any policy where `v` sets
+    only `host`, whose scheduler decides), and for reuse_classes one that evicts by the reuse table."""
+    return (set(v) <= {"host"} or _predicting(pol)) and ("reuse_classes" not in v or pol.eviction == "reuse")
 
 
 def _prompts(tokenizer, n: int, tokens: int, data: Path | None) -> list[list[int]]:
@@ -237,8 +238,10 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
     for label, v in knobs.items():
         if v.get("window", 1) > L:
             raise SpecPrefetchError(f"--variant {label}: window {v['window']} is past the model's {L} MoE layers")
-    if knobs and not any(_predicting(p) for p in policies):
-        raise SpecPrefetchError("--variant: no policy predicts (on-demand, the draft and the oracle take no variant)")
+    for label, v in knobs.items():
+        if not any(_takes(p, v) for p in policies) and "reuse_classes" not in v:   # (reuse_classes: below)
+            raise SpecPrefetchError(f"--variant {label}: no policy predicts (on-demand, the draft and the oracle "
+                                    "take no scheduler setting but host)")
     dev = Device(device)
     # the predictors and the reuse table first: a policy that cannot run is refused before any loading
     preds = gpu_predictors(spec, {p.predictor for p in policies}, adapter)
@@ -287,7 +290,8 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
                     min_confidence=knob.get("min_confidence", defaults.min_confidence),
                     candidate_threshold=knob.get("candidate_threshold", defaults.candidate_threshold),
                     read_budget_kib=auto_budget["kib"] if budget == "auto" else budget,
-                    reuse_classes=knob.get("reuse_classes", True), copy_depth=knob.get("queue_depth"))
+                    reuse_classes=knob.get("reuse_classes", True), copy_depth=knob.get("queue_depth"),
+                    host=knob.get("host", "python"))
 
     def one(pol: Policy, mib: float, p: int, *, k: int = 8, preload: bool = False, resident_graph: bool = False,
             recorded=None, next_visit: bool = True, knob: dict[str, Any] | None = None):
@@ -567,7 +571,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--variant", action="append", default=[], metavar="KEY=V[,KEY=V]",
                     help="also each predicting policy with these scheduler settings (window, queue_depth, "
                          "candidate_threshold, min_confidence, read_budget_kib: KiB a layer step or auto, "
-                         "reuse_classes=off: +reuse policies with the whole reuse table; repeatable)")
+                         "reuse_classes=off: +reuse policies with the whole reuse table; host=native: every "
+                         "policy with the native runner's scheduler and pool; repeatable)")
     ap.add_argument("--json", type=Path, required=True)
     a = ap.parse_args(argv)
     r = run_gpu_bench(a.model, store=a.store, adapter=a.adapter, policies=parse_policies(a.policies),

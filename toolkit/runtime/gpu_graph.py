@@ -751,7 +751,7 @@ class GraphRunner:
             step = pos * L + li
             keys_of = [_ascending(li, row) for row in rows]
             union = list(dict.fromkeys(key for _, keys in keys_of for key in keys))
-            cap = self.eng.capacity - len(sched.loading)   # >= k: copies in flight are capped at capacity - k
+            cap = self.eng.capacity - sched.in_flight()   # >= k: copies in flight are capped at capacity - k
             if len(union) <= cap:   # the layer's experts for every row at once, resident ones first
                 sched.acquire(step, _resident_first(union, pooled))
             for j, (order, keys) in enumerate(keys_of):

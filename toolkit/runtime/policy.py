@@ -58,8 +58,12 @@ VARIANT_KEYS: dict[str, tuple[Callable[[str], Any], Callable[[Any], bool], str]]
 # the GPU tier's too: its read budget (KiB its copies deliver per layer step, at least one expert; run
 # --read-budget-kib; `auto`: the bench measures it, the pinned-copy rate times a layer's resident step);
 # there queue_depth is the prefetch copies issued per layer step
+# and whose scheduler and pool decide (`host`: the Python one, or the native runner's through
+# toolkit/runtime/native_sched.py: the same decisions off Python), the one key every policy takes
+HOSTS = ("python", "native")
 GPU_VARIANT_KEYS = {**VARIANT_KEYS, "read_budget_kib": (lambda s: s if s == "auto" else int(s),
-                                                        lambda v: v == "auto" or v >= 1, "an integer >= 1 or auto")}
+                                                        lambda v: v == "auto" or v >= 1, "an integer >= 1 or auto"),
+                    "host": (lambda s: s if s in HOSTS else None, lambda v: True, " or ".join(HOSTS))}
 
 
 def parse_variant(spec: str, keys: dict = VARIANT_KEYS) -> dict[str, Any]:

@@ -187,6 +187,17 @@ class ExpertPool:
         self.peak_bytes = max(self.peak_bytes, self.used_bytes)
         return slot
 
+    def preload(self, key: Key) -> None:
+        """A slot for `key`, ready and read on demand (the caller submits the read): the resident bound."""
+        slot = self.reserve(key, -1, prefetch=False)
+        if slot is None:
+            raise RuntimeError(f"preload of {key}: the pool is full")
+        slot.ready = slot.demand = True
+
+    def unused_prefetches(self) -> int:
+        """Slots a prefetch filled that no step has used yet."""
+        return sum(1 for s in self.slots.values() if s.prefetched)
+
     def settle(self) -> None:
         """Forget which resident slots came from a prefetch not yet used (the decode-token figures
         start here: prefill's prefetches count as neither used nor wasted)."""

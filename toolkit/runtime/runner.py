@@ -528,6 +528,17 @@ def _finite(outs: Sequence[torch.Tensor], graphs: str, step: str, pos: int) -> N
                                     "damaged weights or config (e.g. rms_norm_eps), or a damaged program")
 
 
+def scheduler_config(cfg: RunConfig, *, prefetch: bool, reuse: ReuseTable | None) -> SchedulerConfig:
+    """The scheduler's settings of a run (both schedulers: this one and toolkit/runtime/native_sched.py), its
+    eviction's inputs checked: Belady's needs the run's recorded routing, `reuse` the adapter's table."""
+    if cfg.policy.eviction == "reuse" and reuse is None:
+        raise SpecPrefetchError(REUSE_MISSING)
+    return SchedulerConfig(queue_depth=cfg.queue_depth, min_confidence=cfg.min_confidence,
+                           candidate_threshold=cfg.candidate_threshold, prefetch=prefetch,
+                           step_budget_bytes=cfg.step_budget_kib * 1024 if cfg.step_budget_kib else None,
+                           read_budget_bytes=cfg.read_budget_kib * 1024 if cfg.read_budget_kib else None)
+
+
 def open_pool_and_scheduler(cfg: RunConfig, *, slot_bytes: int, num_layers: int, top_k: int, io,
                             future: list[torch.Tensor] | None, prefetch: bool, events: EventLog | None = None,
                             clock=time.perf_counter, units: Sequence[int] = (),
@@ -538,15 +549,10 @@ def open_pool_and_scheduler(cfg: RunConfig, *, slot_bytes: int, num_layers: int,
     ev = cfg.policy.eviction
     if ev == "belady" and future is None:
         raise SpecPrefetchError("belady eviction needs the run's recorded routing (its future)")
-    if ev == "reuse" and reuse is None:
-        raise SpecPrefetchError(REUSE_MISSING)
+    scfg = scheduler_config(cfg, prefetch=prefetch, reuse=reuse)
     never = lambda key, now: float("inf")  # noqa: E731 - "prediction" reads the scheduler's table instead
     pool = ExpertPool(cfg.budget_bytes, slot_bytes, policy=ev, min_slots=top_k,
                       next_use=belady_next_use(future, num_layers, units) if ev == "belady" else never)
-    scfg = SchedulerConfig(queue_depth=cfg.queue_depth, min_confidence=cfg.min_confidence,
-                           candidate_threshold=cfg.candidate_threshold, prefetch=prefetch,
-                           step_budget_bytes=cfg.step_budget_kib * 1024 if cfg.step_budget_kib else None,
-                           read_budget_bytes=cfg.read_budget_kib * 1024 if cfg.read_budget_kib else None)
     sched = WindowScheduler(pool, io, scfg, num_layers=num_layers, top_k=top_k, events=events, clock=clock,
                             reuse=ReuseHistory(reuse if cfg.reuse_classes else reuse.whole(), num_layers)
                             if ev == "reuse" else None)

@@ -137,6 +137,10 @@ class WindowScheduler:
             self.backlog = max(0, self.backlog - rate * (step - self.backlog_step))
             self.backlog_step = step
 
+    def in_flight(self) -> int:
+        """Prefetches logically in flight (issued, not yet retired)."""
+        return len(self.loading)
+
     def next_predicted_use(self, key: Key, now: int) -> float:
         s = self.predicted_next.get(key)
         return s if s is not None and s >= now else float("inf")
@@ -212,8 +216,11 @@ class WindowScheduler:
         if not self.cfg.prefetch or probs is None:
             self.plan_ranked(step, [], [], [])
             return
-        conf, ids = torch.topk(probs, self.cfg.candidates or self.k, dim=-1)
-        self.plan_ranked(step, targets, conf.tolist(), ids.tolist())
+        # the top m, the lower expert id first among equal probabilities (as the native runner's topk; torch.topk
+        # orders ties arbitrarily, and the order decides which of equal candidates is queued first)
+        m = self.cfg.candidates or self.k
+        conf, ids = torch.sort(probs, dim=-1, descending=True, stable=True)
+        self.plan_ranked(step, targets, conf[:, :m].tolist(), ids[:, :m].tolist())
 
     def plan_ranked(self, step: int, targets: list[int], confs: list[list[float]], ids: list[list[int]]) -> None:
         """`plan_probs` with each target's candidates already taken: per target, what the top-m of its

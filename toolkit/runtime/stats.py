@@ -111,7 +111,7 @@ class DecodeAccount:
     def counts(self, sched, pool) -> tuple[SchedulerStats, int, int]:
         """(decode counts, wasted prefetches, evictions) since `start`."""
         first = self.first or SchedulerStats()
-        unused = sum(1 for s in pool.slots.values() if s.prefetched)
+        unused = pool.unused_prefetches()
         return (sched.stats.minus(first), pool.wasted_prefetches - self.wasted0 + unused,
                 pool.evictions - self.evictions0)
 

@@ -1,0 +1,238 @@
+// A C ABI over the runner's scheduler, pool and reuse eviction (scheduler.h, pool.h), for a host loop in
+// Python: the GPU tier's (toolkit/runtime/native_sched.py loads it with ctypes and builds it with the
+// system's C++ compiler). The decisions are the runner's, which are the Python reference's; reads go through
+// one callback into the caller (its copy IO), so the caller keeps its streams, slots and buffers.
+//
+// Every function returns 0 on success and -1 on failure (a C++ exception, or a failed callback), with the
+// message in spx_sched_error(); a callback reports failure by returning -1 (the caller keeps its own error).
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "pool.h"
+#include "scheduler.h"
+
+namespace {
+
+using spx::Key;
+
+// op: what the scheduler asks of the caller's IO, one callback for all (ctypes: one function type)
+enum IoOp { kSubmitPrefetch = 0, kSubmitDemand = 1, kLanded = 2, kWait = 3, kRelease = 4, kTake = 5 };
+using IoFn = int (*)(int op, int layer, int expert);
+
+thread_local std::string g_error;
+
+struct CallbackFailed : std::exception {
+  const char* what() const noexcept override { return "the IO callback failed"; }
+};
+
+class CallbackIO : public spx::IOBackend {
+ public:
+  CallbackIO(IoFn fn, bool orders_reuse) : fn_(fn), orders_reuse_(orders_reuse) {}
+  void submit(Key key, void*, bool demand) override { call(demand ? kSubmitDemand : kSubmitPrefetch, key); }
+  bool landed(Key key) override { return call(kLanded, key) != 0; }
+  void wait(Key key) override { call(kWait, key); }
+  void release(Key key) override { call(kRelease, key); }
+  void take(Key key) override { call(kTake, key); }
+  bool orders_reuse() const override { return orders_reuse_; }
+
+ private:
+  int call(int op, Key key) {
+    const int r = fn_(op, key.first, key.second);
+    if (r < 0) throw CallbackFailed();
+    return r;
+  }
+  IoFn fn_;
+  bool orders_reuse_;
+};
+
+struct Handle {
+  std::unique_ptr<CallbackIO> io;
+  std::unique_ptr<spx::ReuseHistory> reuse;
+  std::unique_ptr<spx::ExpertPool> pool;
+  std::unique_ptr<spx::WindowScheduler> sched;
+  int E = 0;
+  int L = 0;
+};
+
+template <typename F>
+int guarded(F&& f) {
+  try {
+    f();
+    return 0;
+  } catch (const CallbackFailed& e) {
+    g_error = e.what();
+  } catch (const std::exception& e) {
+    g_error = e.what();
+  }
+  return -1;
+}
+
+std::vector<Key> keys_of(const int32_t* kv, int n) {
+  std::vector<Key> keys(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) keys[static_cast<size_t>(i)] = {kv[2 * i], kv[2 * i + 1]};
+  return keys;
+}
+
+std::vector<std::vector<float>> rows_of(const float* v, int W, int E) {
+  std::vector<std::vector<float>> rows(static_cast<size_t>(W));
+  for (int w = 0; w < W; ++w) rows[static_cast<size_t>(w)].assign(v + static_cast<size_t>(w) * E, v + static_cast<size_t>(w + 1) * E);
+  return rows;
+}
+
+}  // namespace
+
+extern "C" {
+
+const char* spx_sched_error() { return g_error.c_str(); }
+
+// One sequence's pool and scheduler. cfg_i: candidates, queue_depth, step_budget_bytes, read_budget_bytes,
+// prefetch (0/1), orders_reuse (0/1); cfg_d: min_confidence, candidate_threshold. Reuse table (policy
+// "reuse"): bits, visits16 [2^bits], classes [L*E] or null, n_classes, class_visits16 [n_classes * 2^bits].
+// Belady (policy "belady"): future [P * L * k] expert ids, P positions; units [n_units] the prompt's spans.
+int spx_sched_new(void** out, int64_t budget_bytes, int64_t slot_bytes, const char* policy, int L, int E, int k,
+                  const int64_t* cfg_i, const double* cfg_d, int bits, const int64_t* visits16, const int32_t* classes,
+                  int n_classes, const int64_t* class_visits16, const int32_t* future, int P, const int32_t* units,
+                  int n_units, IoFn io) {
+  return guarded([&] {
+    auto h = std::make_unique<Handle>();
+    h->E = E;
+    h->L = L;
+    spx::SchedulerConfig cfg;
+    cfg.candidates = static_cast<int>(cfg_i[0]);
+    cfg.queue_depth = static_cast<int>(cfg_i[1]);
+    cfg.step_budget_bytes = cfg_i[2];
+    cfg.read_budget_bytes = cfg_i[3];
+    cfg.prefetch = cfg_i[4] != 0;
+    cfg.min_confidence = cfg_d[0];
+    cfg.candidate_threshold = cfg_d[1];
+    h->io = std::make_unique<CallbackIO>(io, cfg_i[5] != 0);
+    const std::string pol(policy);
+    spx::ExpertPool::NextUse next_use;
+    if (pol == "belady") {
+      if (future == nullptr) throw spx::Error("belady eviction needs the run's recorded routing (its future)");
+      std::vector<std::vector<int>> fut(static_cast<size_t>(P));
+      for (int p = 0; p < P; ++p)
+        fut[static_cast<size_t>(p)].assign(future + static_cast<size_t>(p) * L * k, future + static_cast<size_t>(p + 1) * L * k);
+      next_use = spx::belady_next_use(fut, L, k, std::vector<int>(units, units + n_units));
+    }
+    if (pol == "reuse") {
+      spx::ReuseTable t;
+      t.bits = bits;
+      t.visits16.assign(visits16, visits16 + (size_t{1} << bits));
+      if (classes != nullptr) {
+        for (int li = 0; li < L; ++li) t.classes.emplace_back(classes + static_cast<size_t>(li) * E, classes + static_cast<size_t>(li + 1) * E);
+        for (int c = 0; c < n_classes; ++c)
+          t.class_visits16.emplace_back(class_visits16 + (static_cast<size_t>(c) << bits),
+                                        class_visits16 + (static_cast<size_t>(c + 1) << bits));
+      }
+      h->reuse = std::make_unique<spx::ReuseHistory>(t, L);
+    }
+    h->pool = std::make_unique<spx::ExpertPool>(budget_bytes, slot_bytes, pol, k, L * E, next_use);
+    h->sched = std::make_unique<spx::WindowScheduler>(*h->pool, *h->io, cfg, L, k, nullptr, h->reuse.get());
+    *out = h.release();
+  });
+}
+
+void spx_sched_free(void* h) { delete static_cast<Handle*>(h); }
+
+int spx_acquire(void* h, int64_t step, const int32_t* keys, int n) {
+  return guarded([&] { static_cast<Handle*>(h)->sched->acquire(step, keys_of(keys, n)); });
+}
+
+int spx_release(void* h, int64_t step, const int32_t* keys, int n, int pump) {
+  return guarded([&] { static_cast<Handle*>(h)->sched->release(step, keys_of(keys, n), pump != 0); });
+}
+
+int spx_data(void* h, int layer, int expert) {
+  return guarded([&] { static_cast<Handle*>(h)->sched->data({layer, expert}); });
+}
+
+// *out: 1 when the slot's bytes are in memory (data() would not wait)
+int spx_landed(void* h, int layer, int expert, int* out) {
+  return guarded([&] { *out = static_cast<Handle*>(h)->sched->landed({layer, expert}) ? 1 : 0; });
+}
+
+int spx_plan_probs(void* h, int64_t step, const int64_t* targets, int W, const float* probs) {
+  return guarded([&] {
+    auto* x = static_cast<Handle*>(h);
+    x->sched->plan_probs(step, std::vector<int64_t>(targets, targets + W), rows_of(probs, W, x->E));
+  });
+}
+
+int spx_plan(void* h, int64_t step, const int64_t* targets, int W, const float* scores) {
+  return guarded([&] {
+    auto* x = static_cast<Handle*>(h);
+    x->sched->plan(step, std::vector<int64_t>(targets, targets + W), rows_of(scores, W, x->E));
+  });
+}
+
+// confs / ids: W rows of m candidates each
+int spx_plan_ranked(void* h, int64_t step, const int64_t* targets, int W, int m, const float* confs, const int32_t* ids) {
+  return guarded([&] {
+    std::vector<std::vector<float>> c(static_cast<size_t>(W));
+    std::vector<std::vector<int>> e(static_cast<size_t>(W));
+    for (int w = 0; w < W; ++w) {
+      c[static_cast<size_t>(w)].assign(confs + static_cast<size_t>(w) * m, confs + static_cast<size_t>(w + 1) * m);
+      e[static_cast<size_t>(w)].assign(ids + static_cast<size_t>(w) * m, ids + static_cast<size_t>(w + 1) * m);
+    }
+    static_cast<Handle*>(h)->sched->plan_ranked(step, std::vector<int64_t>(targets, targets + W), c, e);
+  });
+}
+
+int spx_set_next_visit(void* h, int layer, int64_t target, const int32_t* experts, int n) {
+  return guarded([&] {
+    auto* r = static_cast<Handle*>(h)->sched->reuse();
+    if (r == nullptr) throw spx::Error("set_next_visit: the pool does not evict by reuse");
+    r->set_next_visit(layer, target, std::vector<int>(experts, experts + n));
+  });
+}
+
+// Preload: a slot for the key (ready, read on demand), its read left to the caller.
+int spx_preload(void* h, int layer, int expert) {
+  return guarded([&] {
+    spx::Slot* s = static_cast<Handle*>(h)->pool->reserve({layer, expert}, -1, false, {});
+    if (s == nullptr) throw spx::Error("preload: the pool is full");
+    s->ready = s->demand = true;
+  });
+}
+
+// *out: 1 when the pool holds the key (ready or loading)
+int spx_has(void* h, int layer, int expert, int* out) {
+  return guarded([&] { *out = static_cast<Handle*>(h)->pool->get({layer, expert}) != nullptr ? 1 : 0; });
+}
+
+int spx_settle(void* h) {
+  return guarded([&] { static_cast<Handle*>(h)->pool->settle(); });
+}
+
+// out[0..10]: requests, hits, prefetch_hits, late, misses, prefetch_issued, dropped_stale,
+// dropped_low_conf, dropped_no_slot, dropped_late, bytes_read; *wait_s
+int spx_stats(void* h, int64_t* out, double* wait_s) {
+  return guarded([&] {
+    const spx::SchedulerStats& s = static_cast<Handle*>(h)->sched->stats;
+    const int64_t v[11] = {s.requests, s.hits, s.prefetch_hits, s.late, s.misses, s.prefetch_issued,
+                           s.dropped_stale, s.dropped_low_conf, s.dropped_no_slot, s.dropped_late, s.bytes_read};
+    std::memcpy(out, v, sizeof v);
+    *wait_s = s.wait_s;
+  });
+}
+
+// out[0..6]: capacity, evictions, wasted_prefetches, peak_bytes, slots held, slots prefetched and not yet
+// used, prefetches in flight; out[7]: the scheduler's step
+int spx_pool_info(void* h, int64_t* out) {
+  return guarded([&] {
+    auto* x = static_cast<Handle*>(h);
+    int64_t unused = 0;
+    for (const auto& kv : x->pool->slots()) unused += kv.second.prefetched ? 1 : 0;
+    const int64_t v[8] = {x->pool->capacity(), x->pool->evictions, x->pool->wasted_prefetches, x->pool->peak_bytes,
+                          static_cast<int64_t>(x->pool->slots().size()), unused,
+                          static_cast<int64_t>(x->sched->in_flight()), x->sched->step()};
+    std::memcpy(out, v, sizeof v);
+  });
+}
+
+}  // extern "C"

@@ -1,0 +1,317 @@
+"""The native runner's scheduler, pool and reuse eviction (android_runner/src: scheduler.cpp, pool.cpp) behind
+the Python scheduler's interface, for the GPU tier's host loop (`host=native`).
+
+The GPU tier's pooled decode is host-bound: on an H100 host the Python scheduler's planning of one MoE layer
+costs about 0.35 ms and its acquire 0.12 ms, against a layer's 0.07 ms replay (docs/benchmarks.md section 9).
+The C++ port makes the same decisions (the native runner's event logs equal the reference's, line for line)
+in microseconds. It is compiled here from the runner's own sources with the system's C++ compiler into
+build/native-sched/ (once per source version, about 20 s) and loaded with ctypes through a C ABI
+(android_runner/src/sched_capi.cpp): no Python headers, so one build serves any interpreter of the machine.
+
+Reads stay the caller's: the C++ scheduler calls back into the Python IO (`CudaCopyIO`: submit, landed, wait,
+release, take), so the copies, streams, slots and stall timing are those of the Python scheduler. What the
+GPU tier reads of the scheduler and pool (`acquire`, `release`, `data`, `landed`, `plan*`, `in_flight`,
+`stats`, the pool's membership and counters, the reuse eviction's `set_next_visit`) has the same meaning here.
+No event log (the GPU tier keeps none) and no `compute_order` (the graph decode and the CPU runner's loop
+read `landed` themselves).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import itertools
+import os
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from toolkit.errors import SpecPrefetchError
+from toolkit.runtime.pool import Key
+from toolkit.runtime.scheduler import SchedulerConfig, SchedulerStats
+
+REPO = Path(__file__).resolve().parents[2]
+SRC = REPO / "android_runner" / "src"
+SOURCES = ("sched_capi.cpp", "scheduler.cpp", "pool.cpp", "events.cpp", "memwatch.cpp", "routing.cpp", "fileio.cpp")
+HEADERS = ("scheduler.h", "pool.h", "events.h", "memwatch.h", "routing.h", "fileio.h", "common.h")
+BUILD = REPO / "build" / "native-sched"
+
+_IO_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int)
+SUBMIT_PREFETCH, SUBMIT_DEMAND, LANDED, WAIT, RELEASE, TAKE = range(6)   # sched_capi.cpp's IoOp
+_STATS = ("requests", "hits", "prefetch_hits", "late", "misses", "prefetch_issued", "dropped_stale",
+          "dropped_low_conf", "dropped_no_slot", "dropped_late", "bytes_read")
+
+_lib: ctypes.CDLL | None = None
+_lock = threading.Lock()
+
+
+def _digest() -> str:
+    h = hashlib.sha256()
+    for name in SOURCES + HEADERS:
+        h.update(name.encode() + b"\0" + (SRC / name).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def build(out_dir: Path = BUILD) -> Path:
+    """The shared library for these sources (built if absent: -O2, C++17, libstdc++ static so a carried build
+    needs none on the machine), written to a temp name and renamed."""
+    lib = out_dir / _digest() / "libspxsched.so"
+    if lib.exists():
+        return lib
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not cxx:
+        raise SpecPrefetchError("host=native: no C++ compiler (g++ or c++ on PATH, or CXX) to build the native "
+                                "scheduler")
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    tmp = lib.with_name(f".{lib.name}.{os.getpid()}.tmp")
+    cmd = [cxx, "-std=c++17", "-O2", "-fPIC", "-shared", "-pthread", "-static-libstdc++", "-static-libgcc",
+           f"-I{SRC}", *(str(SRC / s) for s in SOURCES), "-o", str(tmp)]
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        raise SpecPrefetchError(f"host=native: building the native scheduler failed ({cxx}):\n{p.stderr[-3000:]}")
+    os.replace(tmp, lib)
+    return lib
+
+
+def library() -> ctypes.CDLL:
+    """The loaded library (built on first use)."""
+    global _lib
+    with _lock:
+        if _lib is None:
+            lib = ctypes.CDLL(str(build()))
+            P, I32, I64, F32, F64 = (ctypes.c_void_p, ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int64),
+                                     ctypes.POINTER(ctypes.c_float), ctypes.POINTER(ctypes.c_double))
+            i, i64 = ctypes.c_int, ctypes.c_int64
+            sig = {
+                "spx_sched_new": [ctypes.POINTER(P), i64, i64, ctypes.c_char_p, i, i, i, I64, F64, i, I64, I32, i,
+                                  I64, I32, i, I32, i, _IO_FN],
+                "spx_acquire": [P, i64, I32, i], "spx_release": [P, i64, I32, i, i],
+                "spx_data": [P, i, i], "spx_landed": [P, i, i, ctypes.POINTER(i)],
+                "spx_plan_probs": [P, i64, I64, i, P], "spx_plan": [P, i64, I64, i, P],
+                "spx_plan_ranked": [P, i64, I64, i, i, F32, I32], "spx_set_next_visit": [P, i, i64, I32, i],
+                "spx_preload": [P, i, i], "spx_has": [P, i, i, ctypes.POINTER(i)], "spx_settle": [P],
+                "spx_stats": [P, I64, F64], "spx_pool_info": [P, I64],
+            }
+            for name, args in sig.items():
+                fn = getattr(lib, name)
+                fn.argtypes, fn.restype = args, ctypes.c_int
+            lib.spx_sched_free.argtypes, lib.spx_sched_free.restype = [P], None
+            lib.spx_sched_error.argtypes, lib.spx_sched_error.restype = [], ctypes.c_char_p
+            _lib = lib
+        return _lib
+
+
+def _ints(values: Sequence[int], kind=ctypes.c_int32):
+    return (kind * len(values))(*values)
+
+
+def _keys(keys: Sequence[Key]):
+    return _ints(list(itertools.chain.from_iterable(keys)))
+
+
+class _Slots:
+    """The pool's membership (`key in pool.slots`), asked of the C++ pool."""
+
+    def __init__(self, sched: "NativeScheduler"):
+        self._s = sched
+
+    def __contains__(self, key: Key) -> bool:
+        return self._s._has(key)
+
+
+class NativePool:
+    """What the GPU tier and its figures (stats.DecodeAccount) read of the pool."""
+
+    def __init__(self, sched: "NativeScheduler", budget_bytes: int, slot_bytes: int, policy: str):
+        self._s = sched
+        self.budget_bytes, self.slot_bytes, self.policy = budget_bytes, slot_bytes, policy
+        self.slots = _Slots(sched)
+
+    def _info(self, i: int) -> int:
+        return self._s._pool_info()[i]
+
+    capacity = property(lambda self: self._info(0))
+    evictions = property(lambda self: self._info(1))
+    wasted_prefetches = property(lambda self: self._info(2))
+    peak_bytes = property(lambda self: self._info(3))
+    used_bytes = property(lambda self: self._info(4) * self.slot_bytes)
+
+    def unused_prefetches(self) -> int:
+        """Slots a prefetch filled that no step has used yet."""
+        return self._info(5)
+
+    def get(self, key: Key) -> bool | None:
+        """True where the pool holds `key` (ready or loading), None where not (as ExpertPool.get's slot)."""
+        return True if self._s._has(key) else None
+
+    def settle(self) -> None:
+        self._s._call("spx_settle")
+
+    def preload(self, key: Key) -> None:
+        """A slot for `key`, ready and read on demand (the caller submits the read): the resident bound."""
+        self._s._call("spx_preload", *key)
+
+
+class _Reuse:
+    """The reuse eviction's state as the planner reaches it (`sched.reuse.set_next_visit`)."""
+
+    def __init__(self, sched: "NativeScheduler"):
+        self._s = sched
+
+    def set_next_visit(self, li: int, target: int, experts: Sequence[int]) -> None:
+        ex = list(experts)
+        self._s._call("spx_set_next_visit", li, target, _ints(ex), len(ex))
+
+
+class NativeScheduler:
+    """WindowScheduler's interface over the C++ one (the same decisions); reads through `io`."""
+
+    def __init__(self, *, budget_bytes: int, slot_bytes: int, policy: str, num_layers: int, num_experts: int,
+                 top_k: int, cfg: SchedulerConfig, io, reuse=None, future: list[torch.Tensor] | None = None,
+                 units: Sequence[int] = ()):
+        """Args as open_pool_and_scheduler's (runner.py): `reuse` the ReuseTable the reuse eviction reads (the
+        one the config chose: with or without its classes), `future` every position's routing [L, k] (Belady)."""
+        lib = library()
+        self.lib, self.io, self.cfg = lib, io, cfg
+        self.L, self.E, self.k = num_layers, num_experts, top_k
+        self._buffers: dict[Key, Any] = {}
+        self._error: BaseException | None = None
+        self._cb = _IO_FN(self._io_call)   # kept alive as long as the scheduler
+        cfg_i = _ints([cfg.candidates or 0, cfg.queue_depth,
+                       -1 if cfg.step_budget_bytes is None else cfg.step_budget_bytes,
+                       -1 if cfg.read_budget_bytes is None else cfg.read_budget_bytes,
+                       int(cfg.prefetch), int(getattr(io, "orders_reuse", False))], ctypes.c_int64)
+        cfg_d = (ctypes.c_double * 2)(cfg.min_confidence, cfg.candidate_threshold)
+        bits, v16, classes, n_classes, cv16 = 0, None, None, 0, None
+        if policy == "reuse":
+            if reuse is None:
+                raise SpecPrefetchError("the reuse eviction needs a reuse table")
+            bits, v16 = reuse.bits, _ints(list(reuse.visits16), ctypes.c_int64)
+            if reuse.classes is not None:
+                reuse.layer_tables(num_layers)   # its layer count checked, as ReuseHistory does
+                classes = _ints([c for row in reuse.classes for c in row])
+                n_classes = len(reuse.class_visits16)
+                cv16 = _ints([v for t in reuse.class_visits16 for v in t], ctypes.c_int64)
+        fut, P = None, 0
+        if future is not None:
+            P = len(future)
+            fut = _ints(torch.stack([f.reshape(num_layers, top_k) for f in future]).reshape(-1).tolist()) if P else None
+        units_a = _ints(list(units))
+        h = ctypes.c_void_p()
+        self._handle = None
+        self._check(lib.spx_sched_new(ctypes.byref(h), budget_bytes, slot_bytes, policy.encode(), num_layers,
+                                      num_experts, top_k, cfg_i, cfg_d, bits, v16, classes, n_classes, cv16, fut, P,
+                                      units_a, len(units), self._cb))
+        self._handle = h
+        self.pool = NativePool(self, budget_bytes, slot_bytes, policy)
+        self.reuse = _Reuse(self) if policy == "reuse" else None
+        self._info = (ctypes.c_int64 * 8)()
+        self._stats = (ctypes.c_int64 * 11)()
+        self._wait = ctypes.c_double()
+        self._flag = ctypes.c_int()
+
+    def __del__(self):
+        if getattr(self, "_handle", None) is not None:
+            self.lib.spx_sched_free(self._handle)
+            self._handle = None
+
+    # -- the C calls ----------------------------------------------------------------------------
+    def _check(self, rc: int) -> None:
+        if rc == 0:
+            return
+        err, self._error = self._error, None
+        if err is not None:   # the IO callback's own exception (a failed copy), as the Python scheduler raises it
+            raise err
+        raise SpecPrefetchError(f"native scheduler: {self.lib.spx_sched_error().decode()}")
+
+    def _call(self, name: str, *args) -> None:
+        self._check(getattr(self.lib, name)(self._handle, *args))
+
+    def _io_call(self, op: int, layer: int, expert: int) -> int:
+        try:
+            key = (layer, expert)
+            io = self.io
+            if op == LANDED:
+                return int(bool(io.landed(key)))
+            if op == SUBMIT_DEMAND or op == SUBMIT_PREFETCH:
+                io.submit(key, demand=op == SUBMIT_DEMAND)
+            elif op == WAIT:
+                io.wait(key)
+            elif op == TAKE:
+                self._buffers[key] = io.take(key)
+            elif op == RELEASE:
+                self._buffers.pop(key, None)
+                io.release(key)
+            return 0
+        except BaseException as e:   # raised again by _check once the C++ call has unwound
+            self._error = e
+            return -1
+
+    def _has(self, key: Key) -> bool:
+        self._check(self.lib.spx_has(self._handle, key[0], key[1], ctypes.byref(self._flag)))
+        return bool(self._flag.value)
+
+    def _pool_info(self) -> list[int]:
+        self._check(self.lib.spx_pool_info(self._handle, self._info))
+        return list(self._info)
+
+    # -- WindowScheduler's interface ----------------------------------------------------------------
+    @property
+    def step(self) -> int:
+        return self._pool_info()[7]
+
+    @property
+    def stats(self) -> SchedulerStats:
+        self._check(self.lib.spx_stats(self._handle, self._stats, ctypes.byref(self._wait)))
+        return SchedulerStats(**dict(zip(_STATS, self._stats)), wait_s=self._wait.value)
+
+    def in_flight(self) -> int:
+        """Prefetches logically in flight (issued, not yet retired)."""
+        return self._pool_info()[6]
+
+    def acquire(self, step: int, keys: list[Key]) -> None:
+        self._call("spx_acquire", step, _keys(keys), len(keys))
+
+    def release(self, step: int, keys: list[Key], *, pump: bool = True) -> None:
+        self._call("spx_release", step, _keys(keys), len(keys), int(pump))
+
+    def data(self, key: Key):
+        self._call("spx_data", *key)
+        return self._buffers[key]
+
+    def landed(self, key: Key) -> bool:
+        self._check(self.lib.spx_landed(self._handle, key[0], key[1], ctypes.byref(self._flag)))
+        return bool(self._flag.value)
+
+    def _rows(self, rows: torch.Tensor) -> torch.Tensor:
+        rows = rows.detach().to("cpu", torch.float32).contiguous()
+        if rows.dim() != 2 or rows.shape[1] != self.E:
+            raise SpecPrefetchError(f"native scheduler: rows of shape {tuple(rows.shape)}, not [W, {self.E}]")
+        return rows
+
+    def plan_probs(self, step: int, targets: list[int], probs: torch.Tensor | None) -> None:
+        if probs is None or not targets:
+            self._call("spx_plan_probs", step, _ints([], ctypes.c_int64), 0, None)
+            return
+        p = self._rows(probs)
+        self._call("spx_plan_probs", step, _ints(targets, ctypes.c_int64), len(targets), p.data_ptr())
+
+    def plan(self, step: int, window: list[tuple[int, torch.Tensor]]) -> None:
+        if not window:
+            self._call("spx_plan", step, _ints([], ctypes.c_int64), 0, None)
+            return
+        s = self._rows(torch.stack([sc.reshape(-1) for _, sc in window]))
+        self._call("spx_plan", step, _ints([t for t, _ in window], ctypes.c_int64), len(window), s.data_ptr())
+
+    def plan_ranked(self, step: int, targets: list[int], confs: list[list[float]], ids: list[list[int]]) -> None:
+        m = max((len(c) for c in confs), default=0)
+        # rows of m candidates: a shorter one padded with confidence 0 (never queued, as plan_ranked skips it)
+        cs = [list(c) + [0.0] * (m - len(c)) for c in confs]
+        es = [list(e) + [0] * (m - len(e)) for e in ids]
+        self._call("spx_plan_ranked", step, _ints(targets, ctypes.c_int64), len(targets), m,
+                   (ctypes.c_float * (len(cs) * m))(*itertools.chain.from_iterable(cs)),
+                   _ints(list(itertools.chain.from_iterable(es))))
