@@ -23,25 +23,25 @@ SLOT = 4096
 
 
 class LogIO:
-    """An IO that records what the scheduler asks of it; reads land `delay` landed() queries after their submit
-    (so some evictions and uses find a read in flight)."""
+    """An IO that records what the scheduler asks of it; a read lands once `delay` more reads have been submitted
+    after it (or when it is waited for), so some uses and evictions find a read in flight and others one landed."""
 
-    def __init__(self, delay: int = 1, orders_reuse: bool = False):
+    def __init__(self, delay: int = 3, orders_reuse: bool = False):
         self.log: list[tuple] = []
-        self.delay, self.age = delay, {}
+        self.delay, self.tick, self.lands = delay, 0, {}
         self.orders_reuse = orders_reuse
 
     def submit(self, key, *, demand):
         self.log.append(("submit", key, demand))
-        self.age[key] = 0
+        self.tick += 1
+        self.lands[key] = self.tick + self.delay
 
     def landed(self, key):
-        self.age[key] = self.age.get(key, 0) + 1
-        return self.age[key] > self.delay
+        return self.tick >= self.lands.get(key, 0)
 
     def wait(self, key):
         self.log.append(("wait", key))
-        self.age[key] = self.delay + 1
+        self.lands[key] = 0
 
     def take(self, key):
         self.log.append(("take", key))
@@ -49,7 +49,7 @@ class LogIO:
 
     def release(self, key):
         self.log.append(("release", key))
-        self.age.pop(key, None)
+        self.lands.pop(key, None)
 
 
 def _table(classes: bool) -> ReuseTable:

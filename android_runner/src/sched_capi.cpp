@@ -35,6 +35,9 @@ class CallbackIO : public spx::IOBackend {
   void submit(Key key, void*, bool demand) override { call(demand ? kSubmitDemand : kSubmitPrefetch, key); }
   bool landed(Key key) override { return call(kLanded, key) != 0; }
   void wait(Key key) override { call(kWait, key); }
+  // (the caller's IO raises where a read is issued or waited for: a landed read has nothing to rethrow, and a
+  // wait on it would cost the GPU tier's IO a stream wait and two events)
+  void check(Key) override {}
   void release(Key key) override { call(kRelease, key); }
   void take(Key key) override { call(kTake, key); }
   bool orders_reuse() const override { return orders_reuse_; }

@@ -109,7 +109,7 @@ void WindowScheduler::evicting(Key key) {
       if (!io_.landed(key))
         wait(key);
       else
-        io_.wait(key);  // returns at once; rethrows the read's error, whenever it finished
+        io_.check(key);  // rethrows the read's error, whenever it finished
     });
   }
   io_.release(key);
@@ -123,7 +123,7 @@ const uint8_t* WindowScheduler::data(Key key) {
         if (!s->demand) stats.late += 1;  // a hit whose read is still on its way
         wait(key);
       } else {
-        io_.wait(key);  // returns at once; rethrows the read's error (I/O, checksum) if it failed
+        io_.check(key);  // rethrows the read's error (I/O, checksum) if it failed
       }
     });
     io_.take(key);

@@ -38,6 +38,10 @@ class IOBackend {
   virtual void submit(Key key, void* dst, bool demand) = 0;
   virtual bool landed(Key key) = 0;  // never blocks
   virtual void wait(Key key) = 0;    // blocks until the bytes are in dst
+  // The read has landed (landed() said so): rethrow its error if it failed (the Reader's reads fail
+  // asynchronously, so by default wait(), which returns at once); a backend whose reads raise where they
+  // are issued or waited for has nothing to check.
+  virtual void check(Key key) { wait(key); }
   virtual void release(Key key) = 0; // the pool dropped the key
   // Drop the read of `key` if it has not started (its buffer is never written); false when it is
   // reading or done, or the backend cannot cancel. Never blocks.
