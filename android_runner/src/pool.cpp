@@ -71,7 +71,7 @@ void ReuseHistory::set_next_visit(int li, int64_t target, std::vector<int> exper
 }
 
 ExpertPool::ExpertPool(int64_t budget_bytes, int64_t slot_bytes, const std::string& policy, int min_slots,
-                       int max_slots, NextUse next)
+                       int max_slots, NextUse next, bool arena)
     : next_use(std::move(next)), budget_bytes_(budget_bytes), slot_bytes_(slot_bytes), policy_(policy) {
   bool known = false;
   for (const char* p : kPolicies) known = known || policy == p;
@@ -94,11 +94,13 @@ ExpertPool::ExpertPool(int64_t budget_bytes, int64_t slot_bytes, const std::stri
   // an anonymous mapping (page-aligned, so 4096-aligned for O_DIRECT): pages are committed as slots
   // are first filled, and a freed slot's pages can be given back with madvise
   const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE) > 0 ? sysconf(_SC_PAGESIZE) : 4096);
-  map_bytes_ = (static_cast<size_t>(arena_slots_ * slot_bytes_) + page - 1) / page * page;
-  void* p = mmap(nullptr, map_bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-  if (p == MAP_FAILED)
-    throw Error("--pool-mib: cannot allocate the pool's " + std::to_string(arena_slots_ * slot_bytes_) + " bytes");
-  arena_ = static_cast<uint8_t*>(p);
+  if (arena) {
+    map_bytes_ = (static_cast<size_t>(arena_slots_ * slot_bytes_) + page - 1) / page * page;
+    void* p = mmap(nullptr, map_bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED)
+      throw Error("--pool-mib: cannot allocate the pool's " + std::to_string(arena_slots_ * slot_bytes_) + " bytes");
+    arena_ = static_cast<uint8_t*>(p);
+  }
   touched_.assign(static_cast<size_t>(arena_slots_), 0);
   for (int64_t i = arena_slots_ - 1; i >= 0; --i) free_clean_.push_back(static_cast<int>(i));
   watch = MemWatch::active();
@@ -110,7 +112,7 @@ ExpertPool::ExpertPool(int64_t budget_bytes, int64_t slot_bytes, const std::stri
 
 ExpertPool::~ExpertPool() {
   if (watch != nullptr) watch->publish_resident(0);  // before the pages go: the watcher errs low
-  munmap(arena_, map_bytes_);
+  if (arena_ != nullptr) munmap(arena_, map_bytes_);
 }
 
 Slot* ExpertPool::get(Key key) {
@@ -170,7 +172,7 @@ int64_t ExpertPool::trim() {
     // whole pages inside the slot (a slot is a multiple of 4 KiB; pages may be larger)
     const uintptr_t a = reinterpret_cast<uintptr_t>(arena_) + static_cast<uintptr_t>(i) * slot_bytes_;
     const uintptr_t lo = (a + page - 1) / page * page, hi = (a + slot_bytes_) / page * page;
-    if (hi > lo && madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_DONTNEED) == 0) {
+    if (arena_ != nullptr && hi > lo && madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_DONTNEED) == 0) {
       released_bytes += static_cast<int64_t>(hi - lo);
       n += static_cast<int64_t>(hi - lo);
     }

@@ -78,8 +78,10 @@ class ExpertPool {
 
   // capacity = budget / slot_bytes, capped at `max_slots` (every expert of the model) for the
   // arena's size; fewer than min_slots (one layer's top-k) is an error naming --pool-mib.
+  // arena false: slots are bookkeeping only (the caller's IO holds the bytes: the GPU tier's device slots,
+  // sched_capi.cpp), nothing is mapped and data() is null.
   ExpertPool(int64_t budget_bytes, int64_t slot_bytes, const std::string& policy, int min_slots, int max_slots,
-             NextUse next_use = nullptr);
+             NextUse next_use = nullptr, bool arena = true);
   ~ExpertPool();
   ExpertPool(const ExpertPool&) = delete;
   ExpertPool& operator=(const ExpertPool&) = delete;
@@ -111,7 +113,9 @@ class ExpertPool {
   int64_t over_target = 0;     // demand slots taken over a lowered capacity (every other slot pinned)
   MemWatch* watch = nullptr;   // MemWatch::active() at construction
   int sequence = 0;            // this pool's number in the watcher's log
-  uint8_t* data(const Slot& s) const { return arena_ + static_cast<size_t>(s.index) * slot_bytes_; }
+  uint8_t* data(const Slot& s) const {
+    return arena_ == nullptr ? nullptr : arena_ + static_cast<size_t>(s.index) * slot_bytes_;
+  }
   const std::map<Key, Slot>& slots() const { return slots_; }
 
   int64_t peak_bytes = 0;

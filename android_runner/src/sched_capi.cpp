@@ -7,13 +7,17 @@
 // message in spx_sched_error(); a callback reports failure by returning -1 (the caller keeps its own error).
 #include <cstdint>
 #include <cstring>
-#include <exception>
+#include <stdexcept>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "pool.h"
 #include "scheduler.h"
+
+// built with -fvisibility=hidden (libstdc++ linked in statically stays private to the library): only these
+// entry points are exported
+#define SPX_API __attribute__((visibility("default")))
 
 namespace {
 
@@ -25,8 +29,8 @@ using IoFn = int (*)(int op, int layer, int expert);
 
 thread_local std::string g_error;
 
-struct CallbackFailed : std::exception {
-  const char* what() const noexcept override { return "the IO callback failed"; }
+struct CallbackFailed : std::runtime_error {
+  CallbackFailed() : std::runtime_error("the IO callback failed") {}
 };
 
 class CallbackIO : public spx::IOBackend {
@@ -66,17 +70,36 @@ int guarded(F&& f) {
   try {
     f();
     return 0;
-  } catch (const CallbackFailed& e) {
-    g_error = e.what();
   } catch (const std::exception& e) {
     g_error = e.what();
+  } catch (...) {
+    g_error = "an unknown C++ exception";
   }
   return -1;
 }
 
-std::vector<Key> keys_of(const int32_t* kv, int n) {
+Handle* H(void* h) { return static_cast<Handle*>(h); }
+
+void check_key(const Handle* h, int layer, int expert) {
+  if (layer < 0 || layer >= h->L || expert < 0 || expert >= h->E)
+    throw spx::Error("expert (" + std::to_string(layer) + ", " + std::to_string(expert) + ") is outside the model's " +
+                     std::to_string(h->L) + " MoE layers x " + std::to_string(h->E) + " experts");
+}
+
+// the key, which the pool must hold (data, landed, release read its slot)
+Key held(Handle* h, int layer, int expert) {
+  check_key(h, layer, expert);
+  if (h->pool->get({layer, expert}) == nullptr)
+    throw spx::Error("expert (" + std::to_string(layer) + ", " + std::to_string(expert) + ") has no slot in the pool");
+  return {layer, expert};
+}
+
+std::vector<Key> keys_of(const Handle* h, const int32_t* kv, int n) {
   std::vector<Key> keys(static_cast<size_t>(n));
-  for (int i = 0; i < n; ++i) keys[static_cast<size_t>(i)] = {kv[2 * i], kv[2 * i + 1]};
+  for (int i = 0; i < n; ++i) {
+    check_key(h, kv[2 * i], kv[2 * i + 1]);
+    keys[static_cast<size_t>(i)] = {kv[2 * i], kv[2 * i + 1]};
+  }
   return keys;
 }
 
@@ -90,17 +113,19 @@ std::vector<std::vector<float>> rows_of(const float* v, int W, int E) {
 
 extern "C" {
 
-const char* spx_sched_error() { return g_error.c_str(); }
+SPX_API const char* spx_sched_error() { return g_error.c_str(); }
 
 // One sequence's pool and scheduler. cfg_i: candidates, queue_depth, step_budget_bytes, read_budget_bytes,
 // prefetch (0/1), orders_reuse (0/1); cfg_d: min_confidence, candidate_threshold. Reuse table (policy
-// "reuse"): bits, visits16 [2^bits], classes [L*E] or null, n_classes, class_visits16 [n_classes * 2^bits].
-// Belady (policy "belady"): future [P * L * k] expert ids, P positions; units [n_units] the prompt's spans.
-int spx_sched_new(void** out, int64_t budget_bytes, int64_t slot_bytes, const char* policy, int L, int E, int k,
-                  const int64_t* cfg_i, const double* cfg_d, int bits, const int64_t* visits16, const int32_t* classes,
-                  int n_classes, const int64_t* class_visits16, const int32_t* future, int P, const int32_t* units,
-                  int n_units, IoFn io) {
+// "reuse"; its array sizes checked by the caller): bits, visits16 [2^bits], classes [L*E] or null, n_classes,
+// class_visits16 [n_classes * 2^bits]. Belady (policy "belady"): future [P * L * k] expert ids of P positions
+// (P < 0: none); units [n_units] the prompt's spans. The pool maps no arena: the caller's IO holds the bytes.
+SPX_API int spx_sched_new(void** out, int64_t budget_bytes, int64_t slot_bytes, const char* policy, int L, int E, int k,
+                          const int64_t* cfg_i, const double* cfg_d, int bits, const int64_t* visits16,
+                          const int32_t* classes, int n_classes, const int64_t* class_visits16, const int32_t* future,
+                          int P, const int32_t* units, int n_units, IoFn io) {
   return guarded([&] {
+    if (L < 1 || E < 1 || k < 1 || k > E) throw spx::Error("a model of L >= 1 MoE layers, E >= 1 experts, 1 <= k <= E");
     auto h = std::make_unique<Handle>();
     h->E = E;
     h->L = L;
@@ -116,107 +141,123 @@ int spx_sched_new(void** out, int64_t budget_bytes, int64_t slot_bytes, const ch
     const std::string pol(policy);
     spx::ExpertPool::NextUse next_use;
     if (pol == "belady") {
-      if (future == nullptr) throw spx::Error("belady eviction needs the run's recorded routing (its future)");
+      if (P < 0) throw spx::Error("belady eviction needs the run's recorded routing (its future)");
       std::vector<std::vector<int>> fut(static_cast<size_t>(P));
-      for (int p = 0; p < P; ++p)
+      for (int p = 0; p < P; ++p) {
         fut[static_cast<size_t>(p)].assign(future + static_cast<size_t>(p) * L * k, future + static_cast<size_t>(p + 1) * L * k);
+        for (int e : fut[static_cast<size_t>(p)]) check_key(h.get(), 0, e);
+      }
       next_use = spx::belady_next_use(fut, L, k, std::vector<int>(units, units + n_units));
     }
     if (pol == "reuse") {
+      if (visits16 == nullptr || bits < 1 || bits > 20) throw spx::Error("the reuse eviction needs a reuse table");
       spx::ReuseTable t;
       t.bits = bits;
       t.visits16.assign(visits16, visits16 + (size_t{1} << bits));
       if (classes != nullptr) {
-        for (int li = 0; li < L; ++li) t.classes.emplace_back(classes + static_cast<size_t>(li) * E, classes + static_cast<size_t>(li + 1) * E);
+        for (int li = 0; li < L; ++li) {
+          t.classes.emplace_back(classes + static_cast<size_t>(li) * E, classes + static_cast<size_t>(li + 1) * E);
+          for (int c : t.classes.back())
+            if (c < 0 || c >= n_classes) throw spx::Error("a reuse class id outside the table's classes");
+        }
         for (int c = 0; c < n_classes; ++c)
           t.class_visits16.emplace_back(class_visits16 + (static_cast<size_t>(c) << bits),
                                         class_visits16 + (static_cast<size_t>(c + 1) << bits));
       }
       h->reuse = std::make_unique<spx::ReuseHistory>(t, L);
     }
-    h->pool = std::make_unique<spx::ExpertPool>(budget_bytes, slot_bytes, pol, k, L * E, next_use);
+    h->pool = std::make_unique<spx::ExpertPool>(budget_bytes, slot_bytes, pol, k, L * E, next_use, false);
     h->sched = std::make_unique<spx::WindowScheduler>(*h->pool, *h->io, cfg, L, k, nullptr, h->reuse.get());
     *out = h.release();
   });
 }
 
-void spx_sched_free(void* h) { delete static_cast<Handle*>(h); }
+SPX_API void spx_sched_free(void* h) { delete H(h); }
 
-int spx_acquire(void* h, int64_t step, const int32_t* keys, int n) {
-  return guarded([&] { static_cast<Handle*>(h)->sched->acquire(step, keys_of(keys, n)); });
+SPX_API int spx_acquire(void* h, int64_t step, const int32_t* keys, int n) {
+  return guarded([&] { H(h)->sched->acquire(step, keys_of(H(h), keys, n)); });
 }
 
-int spx_release(void* h, int64_t step, const int32_t* keys, int n, int pump) {
-  return guarded([&] { static_cast<Handle*>(h)->sched->release(step, keys_of(keys, n), pump != 0); });
+SPX_API int spx_release(void* h, int64_t step, const int32_t* keys, int n, int pump) {
+  return guarded([&] {
+    std::vector<Key> ks = keys_of(H(h), keys, n);
+    for (const Key& key : ks) {
+      const spx::Slot* s = H(h)->pool->get(key);
+      if (s == nullptr || s->pins < 1) throw spx::Error("releasing an expert that is not acquired");
+    }
+    H(h)->sched->release(step, ks, pump != 0);
+  });
 }
 
-int spx_data(void* h, int layer, int expert) {
-  return guarded([&] { static_cast<Handle*>(h)->sched->data({layer, expert}); });
+SPX_API int spx_data(void* h, int layer, int expert) {
+  return guarded([&] { H(h)->sched->data(held(H(h), layer, expert)); });
 }
 
 // *out: 1 when the slot's bytes are in memory (data() would not wait)
-int spx_landed(void* h, int layer, int expert, int* out) {
-  return guarded([&] { *out = static_cast<Handle*>(h)->sched->landed({layer, expert}) ? 1 : 0; });
+SPX_API int spx_landed(void* h, int layer, int expert, int* out) {
+  return guarded([&] { *out = H(h)->sched->landed(held(H(h), layer, expert)) ? 1 : 0; });
 }
 
-int spx_plan_probs(void* h, int64_t step, const int64_t* targets, int W, const float* probs) {
+// probs: W rows of E probabilities, row w for the step targets[w]
+SPX_API int spx_plan_probs(void* h, int64_t step, const int64_t* targets, int W, const float* probs) {
   return guarded([&] {
-    auto* x = static_cast<Handle*>(h);
-    x->sched->plan_probs(step, std::vector<int64_t>(targets, targets + W), rows_of(probs, W, x->E));
+    H(h)->sched->plan_probs(step, std::vector<int64_t>(targets, targets + W), rows_of(probs, W, H(h)->E));
   });
 }
 
-int spx_plan(void* h, int64_t step, const int64_t* targets, int W, const float* scores) {
-  return guarded([&] {
-    auto* x = static_cast<Handle*>(h);
-    x->sched->plan(step, std::vector<int64_t>(targets, targets + W), rows_of(scores, W, x->E));
-  });
-}
-
-// confs / ids: W rows of m candidates each
-int spx_plan_ranked(void* h, int64_t step, const int64_t* targets, int W, int m, const float* confs, const int32_t* ids) {
+// confs / ids: W rows of m candidates each (a confidence of 0: no candidate)
+SPX_API int spx_plan_ranked(void* h, int64_t step, const int64_t* targets, int W, int m, const float* confs,
+                            const int32_t* ids) {
   return guarded([&] {
     std::vector<std::vector<float>> c(static_cast<size_t>(W));
     std::vector<std::vector<int>> e(static_cast<size_t>(W));
     for (int w = 0; w < W; ++w) {
       c[static_cast<size_t>(w)].assign(confs + static_cast<size_t>(w) * m, confs + static_cast<size_t>(w + 1) * m);
       e[static_cast<size_t>(w)].assign(ids + static_cast<size_t>(w) * m, ids + static_cast<size_t>(w + 1) * m);
+      for (int x : e[static_cast<size_t>(w)]) check_key(H(h), 0, x);
     }
-    static_cast<Handle*>(h)->sched->plan_ranked(step, std::vector<int64_t>(targets, targets + W), c, e);
+    H(h)->sched->plan_ranked(step, std::vector<int64_t>(targets, targets + W), c, e);
   });
 }
 
-int spx_set_next_visit(void* h, int layer, int64_t target, const int32_t* experts, int n) {
+SPX_API int spx_set_next_visit(void* h, int layer, int64_t target, const int32_t* experts, int n) {
   return guarded([&] {
-    auto* r = static_cast<Handle*>(h)->sched->reuse();
+    auto* r = H(h)->sched->reuse();
     if (r == nullptr) throw spx::Error("set_next_visit: the pool does not evict by reuse");
+    check_key(H(h), layer, 0);
+    for (int i = 0; i < n; ++i) check_key(H(h), layer, experts[i]);
     r->set_next_visit(layer, target, std::vector<int>(experts, experts + n));
   });
 }
 
 // Preload: a slot for the key (ready, read on demand), its read left to the caller.
-int spx_preload(void* h, int layer, int expert) {
+SPX_API int spx_preload(void* h, int layer, int expert) {
   return guarded([&] {
-    spx::Slot* s = static_cast<Handle*>(h)->pool->reserve({layer, expert}, -1, false, {});
+    check_key(H(h), layer, expert);
+    if (H(h)->pool->get({layer, expert}) != nullptr) throw spx::Error("preload: the expert already has a slot");
+    spx::Slot* s = H(h)->pool->reserve({layer, expert}, -1, false, {});
     if (s == nullptr) throw spx::Error("preload: the pool is full");
     s->ready = s->demand = true;
   });
 }
 
 // *out: 1 when the pool holds the key (ready or loading)
-int spx_has(void* h, int layer, int expert, int* out) {
-  return guarded([&] { *out = static_cast<Handle*>(h)->pool->get({layer, expert}) != nullptr ? 1 : 0; });
+SPX_API int spx_has(void* h, int layer, int expert, int* out) {
+  return guarded([&] {
+    check_key(H(h), layer, expert);
+    *out = H(h)->pool->get({layer, expert}) != nullptr ? 1 : 0;
+  });
 }
 
-int spx_settle(void* h) {
-  return guarded([&] { static_cast<Handle*>(h)->pool->settle(); });
+SPX_API int spx_settle(void* h) {
+  return guarded([&] { H(h)->pool->settle(); });
 }
 
 // out[0..10]: requests, hits, prefetch_hits, late, misses, prefetch_issued, dropped_stale,
 // dropped_low_conf, dropped_no_slot, dropped_late, bytes_read; *wait_s
-int spx_stats(void* h, int64_t* out, double* wait_s) {
+SPX_API int spx_stats(void* h, int64_t* out, double* wait_s) {
   return guarded([&] {
-    const spx::SchedulerStats& s = static_cast<Handle*>(h)->sched->stats;
+    const spx::SchedulerStats& s = H(h)->sched->stats;
     const int64_t v[11] = {s.requests, s.hits, s.prefetch_hits, s.late, s.misses, s.prefetch_issued,
                            s.dropped_stale, s.dropped_low_conf, s.dropped_no_slot, s.dropped_late, s.bytes_read};
     std::memcpy(out, v, sizeof v);
@@ -224,17 +265,24 @@ int spx_stats(void* h, int64_t* out, double* wait_s) {
   });
 }
 
-// out[0..6]: capacity, evictions, wasted_prefetches, peak_bytes, slots held, slots prefetched and not yet
-// used, prefetches in flight; out[7]: the scheduler's step
-int spx_pool_info(void* h, int64_t* out) {
+// out[0..5]: capacity, evictions, wasted_prefetches, peak_bytes, slots held, prefetches in flight; out[6]: the
+// scheduler's step
+SPX_API int spx_pool_info(void* h, int64_t* out) {
   return guarded([&] {
-    auto* x = static_cast<Handle*>(h);
-    int64_t unused = 0;
-    for (const auto& kv : x->pool->slots()) unused += kv.second.prefetched ? 1 : 0;
-    const int64_t v[8] = {x->pool->capacity(), x->pool->evictions, x->pool->wasted_prefetches, x->pool->peak_bytes,
-                          static_cast<int64_t>(x->pool->slots().size()), unused,
-                          static_cast<int64_t>(x->sched->in_flight()), x->sched->step()};
+    auto* x = H(h);
+    const int64_t v[7] = {x->pool->capacity(), x->pool->evictions, x->pool->wasted_prefetches, x->pool->peak_bytes,
+                          static_cast<int64_t>(x->pool->slots().size()), static_cast<int64_t>(x->sched->in_flight()),
+                          x->sched->step()};
     std::memcpy(out, v, sizeof v);
+  });
+}
+
+// *out: slots a prefetch filled that no step has used yet (a walk over the slots: the run's figures only)
+SPX_API int spx_unused_prefetches(void* h, int64_t* out) {
+  return guarded([&] {
+    int64_t n = 0;
+    for (const auto& kv : H(h)->pool->slots()) n += kv.second.prefetched ? 1 : 0;
+    *out = n;
   });
 }
 

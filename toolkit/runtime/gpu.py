@@ -56,8 +56,8 @@ from toolkit.runtime.planner import PrefetchPlanner, RoutingState
 from toolkit.runtime.pool import ExpertPool, Key
 from toolkit.runtime.policy import HOSTS
 from toolkit.runtime.profiles import check_budget_kib
-from toolkit.runtime.native_sched import NativeScheduler
-from toolkit.runtime.runner import RunConfig, Runner, open_pool_and_scheduler, scheduler_config
+from toolkit.runtime.native_sched import NativeScheduler, library as native_library
+from toolkit.runtime.runner import RunConfig, Runner, open_pool_and_scheduler, scheduler_inputs
 from toolkit.runtime.scheduler import WindowScheduler
 from toolkit.runtime.stats import DecodeAccount, RunStats
 
@@ -613,7 +613,9 @@ class GpuEngine:
         if copy_depth != "keep" and copy_depth is not None and (not isinstance(copy_depth, int) or copy_depth < 1):
             raise SpecPrefetchError(f"--queue-depth {copy_depth!r}: prefetch copies a step, an integer >= 1")
         if host not in ("keep", *HOSTS):
-            raise SpecPrefetchError(f"--host {host!r}: choose from {', '.join(HOSTS)}")
+            raise SpecPrefetchError(f"host {host!r}: choose from {', '.join(HOSTS)}")
+        if host == "native":
+            native_library()   # built (or its build refused) now, not inside a sequence
         check_budget_kib(cfg.read_budget_kib, self.store.blob_size, "--read-budget-kib")
         p = cfg.policy.predictor
         if p not in ("on-demand", "draft") and p not in self.predictors:
@@ -794,13 +796,10 @@ class GpuEngine:
         depth = max(1, self.capacity - self.k)
         gcfg = dataclasses.replace(cfg, queue_depth=depth if self.copy_depth is None else min(depth, self.copy_depth))
         if self.host_sched == "native":
-            if gcfg.policy.eviction == "belady" and future is None:
-                raise SpecPrefetchError("belady eviction needs the run's recorded routing (its future)")
+            scfg, table = scheduler_inputs(gcfg, prefetch=prefetch, reuse=self.reuse, future=future)
             sched = NativeScheduler(budget_bytes=gcfg.budget_bytes, slot_bytes=self.store.blob_size,
                                     policy=gcfg.policy.eviction, num_layers=L, num_experts=self.E, top_k=self.k,
-                                    cfg=scheduler_config(gcfg, prefetch=prefetch, reuse=self.reuse), io=io,
-                                    reuse=(self.reuse if gcfg.reuse_classes else self.reuse.whole())
-                                    if gcfg.policy.eviction == "reuse" else None, future=future)
+                                    cfg=scfg, io=io, reuse=table, future=future)
             pool = sched.pool
         else:
             pool, sched = open_pool_and_scheduler(gcfg, slot_bytes=self.store.blob_size, num_layers=L, top_k=self.k,

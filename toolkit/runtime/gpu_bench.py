@@ -239,9 +239,16 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
         if v.get("window", 1) > L:
             raise SpecPrefetchError(f"--variant {label}: window {v['window']} is past the model's {L} MoE layers")
     for label, v in knobs.items():
+        if v.get("host") == "python":
+            raise SpecPrefetchError(f"--variant {label}: host=python is every row's own (the variant rows are "
+                                    "host=native)")
         if not any(_takes(p, v) for p in policies) and "reuse_classes" not in v:   # (reuse_classes: below)
             raise SpecPrefetchError(f"--variant {label}: no policy predicts (on-demand, the draft and the oracle "
                                     "take no scheduler setting but host)")
+    if any(v.get("host") == "native" for v in knobs.values()):
+        from toolkit.runtime.native_sched import library
+
+        library()   # built (or its build refused) before anything loads
     dev = Device(device)
     # the predictors and the reuse table first: a policy that cannot run is refused before any loading
     preds = gpu_predictors(spec, {p.predictor for p in policies}, adapter)

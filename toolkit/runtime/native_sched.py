@@ -1,19 +1,21 @@
 """The native runner's scheduler, pool and reuse eviction (android_runner/src: scheduler.cpp, pool.cpp) behind
 the Python scheduler's interface, for the GPU tier's host loop (`host=native`).
 
-The GPU tier's pooled decode is host-bound: on an H100 host the Python scheduler's planning of one MoE layer
-costs about 0.35 ms and its acquire 0.12 ms, against a layer's 0.07 ms replay (docs/benchmarks.md section 9).
-The C++ port makes the same decisions (the native runner's event logs equal the reference's, line for line)
-in microseconds. It is compiled here from the runner's own sources with the system's C++ compiler into
-build/native-sched/ (once per source version, about 20 s) and loaded with ctypes through a C ABI
-(android_runner/src/sched_capi.cpp): no Python headers, so one build serves any interpreter of the machine.
+The GPU tier's pooled decode runs its scheduling on the host between a MoE layer's routing read and the next
+layer's launch; in Python that is a planning call of about 0.35 ms a layer on an H100 host (the planner's
+`plan`, of which the scheduler's `plan_probs` 0.25 ms) and an acquire of 0.12 ms, against a layer's 0.07 ms
+replay (docs/benchmarks.md section 9). The C++ port makes the same decisions (the native runner's event logs
+equal the reference's, line for line) in microseconds. It is compiled from the runner's own sources with the
+machine's C++ compiler into build/native-sched/<key>/ (once per source version, compiler and flags; about
+10 s) and loaded with ctypes through a C ABI (android_runner/src/sched_capi.cpp): no Python headers, so one
+build serves any interpreter of the machine.
 
 Reads stay the caller's: the C++ scheduler calls back into the Python IO (`CudaCopyIO`: submit, landed, wait,
-release, take), so the copies, streams, slots and stall timing are those of the Python scheduler. What the
-GPU tier reads of the scheduler and pool (`acquire`, `release`, `data`, `landed`, `plan*`, `in_flight`,
-`stats`, the pool's membership and counters, the reuse eviction's `set_next_visit`) has the same meaning here.
-No event log (the GPU tier keeps none) and no `compute_order` (the graph decode and the CPU runner's loop
-read `landed` themselves).
+release, take), so the copies, streams, slots and stall timing are those of the Python scheduler, and its pool
+maps no memory of its own. What the GPU tier reads of the scheduler and pool (`acquire`, `release`, `data`,
+`landed`, `plan*`, `in_flight`, `stats`, the pool's membership and counters, the reuse eviction's
+`set_next_visit`) has the same meaning here; `plan`'s scores become probabilities in Python, by the Python
+scheduler's own arithmetic (`window_probs`). No event log (the GPU tier keeps none) and no `compute_order`.
 """
 from __future__ import annotations
 
@@ -21,8 +23,10 @@ import ctypes
 import hashlib
 import itertools
 import os
+import platform
 import shutil
 import subprocess
+import tempfile
 import threading
 from pathlib import Path
 from typing import Any, Sequence
@@ -31,13 +35,17 @@ import torch
 
 from toolkit.errors import SpecPrefetchError
 from toolkit.runtime.pool import Key
-from toolkit.runtime.scheduler import SchedulerConfig, SchedulerStats
+from toolkit.runtime.scheduler import SchedulerConfig, SchedulerStats, window_probs
 
 REPO = Path(__file__).resolve().parents[2]
 SRC = REPO / "android_runner" / "src"
 SOURCES = ("sched_capi.cpp", "scheduler.cpp", "pool.cpp", "events.cpp", "memwatch.cpp", "routing.cpp", "fileio.cpp")
 HEADERS = ("scheduler.h", "pool.h", "events.h", "memwatch.h", "routing.h", "fileio.h", "common.h")
 BUILD = REPO / "build" / "native-sched"
+# libstdc++ linked in and kept private (only the spx_ entry points are exported), so the library needs no C++
+# runtime on the machine and does not clash with the one torch loaded
+FLAGS = ("-std=c++17", "-O2", "-fPIC", "-shared", "-pthread", "-fvisibility=hidden", "-static-libstdc++",
+         "-static-libgcc", "-Wl,--exclude-libs,ALL")
 
 _IO_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int)
 SUBMIT_PREFETCH, SUBMIT_DEMAND, LANDED, WAIT, RELEASE, TAKE = range(6)   # sched_capi.cpp's IoOp
@@ -48,32 +56,48 @@ _lib: ctypes.CDLL | None = None
 _lock = threading.Lock()
 
 
-def _digest() -> str:
-    h = hashlib.sha256()
-    for name in SOURCES + HEADERS:
-        h.update(name.encode() + b"\0" + (SRC / name).read_bytes())
-    return h.hexdigest()[:16]
-
-
-def build(out_dir: Path = BUILD) -> Path:
-    """The shared library for these sources (built if absent: -O2, C++17, libstdc++ static so a carried build
-    needs none on the machine), written to a temp name and renamed."""
-    lib = out_dir / _digest() / "libspxsched.so"
-    if lib.exists():
-        return lib
+def _compiler() -> tuple[str, str]:
+    """The C++ compiler ($CXX, else g++ or c++ on PATH) and its version line."""
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if not cxx:
         raise SpecPrefetchError("host=native: no C++ compiler (g++ or c++ on PATH, or CXX) to build the native "
                                 "scheduler")
-    lib.parent.mkdir(parents=True, exist_ok=True)
-    tmp = lib.with_name(f".{lib.name}.{os.getpid()}.tmp")
-    cmd = [cxx, "-std=c++17", "-O2", "-fPIC", "-shared", "-pthread", "-static-libstdc++", "-static-libgcc",
-           f"-I{SRC}", *(str(SRC / s) for s in SOURCES), "-o", str(tmp)]
-    p = subprocess.run(cmd, capture_output=True, text=True)
-    if p.returncode != 0:
-        tmp.unlink(missing_ok=True)
-        raise SpecPrefetchError(f"host=native: building the native scheduler failed ({cxx}):\n{p.stderr[-3000:]}")
-    os.replace(tmp, lib)
+    try:
+        p = subprocess.run([cxx, "--version"], capture_output=True, text=True)
+    except OSError as e:
+        raise SpecPrefetchError(f"host=native: the C++ compiler {cxx}: {e.strerror or e}") from None
+    return cxx, (p.stdout.splitlines() or [""])[0]
+
+
+def build(out_dir: Path = BUILD) -> Path:
+    """The shared library for these sources, this compiler and these flags (built if absent from a copy of
+    exactly the bytes its key hashes; written to a temp name and renamed; other builds in `out_dir` removed)."""
+    cxx, version = _compiler()
+    files = {name: (SRC / name).read_bytes() for name in SOURCES + HEADERS}
+    h = hashlib.sha256("\0".join((version, platform.machine(), *FLAGS)).encode())
+    for name, data in files.items():
+        h.update(name.encode() + b"\0" + data)
+    lib = out_dir / h.hexdigest()[:16] / "libspxsched.so"
+    if lib.exists():
+        return lib
+    try:
+        lib.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
+            for name, data in files.items():
+                (Path(tmp) / name).write_bytes(data)
+            out = Path(tmp) / lib.name
+            p = subprocess.run([cxx, *FLAGS, f"-I{tmp}", *(str(Path(tmp) / s) for s in SOURCES), "-o", str(out)],
+                               capture_output=True, text=True)
+            if p.returncode != 0:
+                raise SpecPrefetchError(f"host=native: building the native scheduler failed ({cxx}):\n"
+                                        f"{p.stderr[-3000:]}")
+            os.replace(out, lib)
+    except OSError as e:
+        raise SpecPrefetchError(f"host=native: cannot build the native scheduler into {lib.parent}: "
+                                f"{e.strerror or e}") from None
+    for old in out_dir.iterdir():   # earlier builds (another source version or compiler): never loaded again
+        if old != lib.parent and old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
     return lib
 
 
@@ -82,7 +106,11 @@ def library() -> ctypes.CDLL:
     global _lib
     with _lock:
         if _lib is None:
-            lib = ctypes.CDLL(str(build()))
+            path = build()
+            try:
+                lib = ctypes.CDLL(str(path))
+            except OSError as e:
+                raise SpecPrefetchError(f"host=native: cannot load {path}: {e}") from None
             P, I32, I64, F32, F64 = (ctypes.c_void_p, ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int64),
                                      ctypes.POINTER(ctypes.c_float), ctypes.POINTER(ctypes.c_double))
             i, i64 = ctypes.c_int, ctypes.c_int64
@@ -91,10 +119,10 @@ def library() -> ctypes.CDLL:
                                   I64, I32, i, I32, i, _IO_FN],
                 "spx_acquire": [P, i64, I32, i], "spx_release": [P, i64, I32, i, i],
                 "spx_data": [P, i, i], "spx_landed": [P, i, i, ctypes.POINTER(i)],
-                "spx_plan_probs": [P, i64, I64, i, P], "spx_plan": [P, i64, I64, i, P],
+                "spx_plan_probs": [P, i64, I64, i, P],
                 "spx_plan_ranked": [P, i64, I64, i, i, F32, I32], "spx_set_next_visit": [P, i, i64, I32, i],
                 "spx_preload": [P, i, i], "spx_has": [P, i, i, ctypes.POINTER(i)], "spx_settle": [P],
-                "spx_stats": [P, I64, F64], "spx_pool_info": [P, I64],
+                "spx_stats": [P, I64, F64], "spx_pool_info": [P, I64], "spx_unused_prefetches": [P, I64],
             }
             for name, args in sig.items():
                 fn = getattr(lib, name)
@@ -142,7 +170,9 @@ class NativePool:
 
     def unused_prefetches(self) -> int:
         """Slots a prefetch filled that no step has used yet."""
-        return self._info(5)
+        n = ctypes.c_int64()
+        self._s._call("spx_unused_prefetches", ctypes.byref(n))
+        return n.value
 
     def get(self, key: Key) -> bool | None:
         """True where the pool holds `key` (ready or loading), None where not (as ExpertPool.get's slot)."""
@@ -191,15 +221,23 @@ class NativeScheduler:
             if reuse is None:
                 raise SpecPrefetchError("the reuse eviction needs a reuse table")
             bits, v16 = reuse.bits, _ints(list(reuse.visits16), ctypes.c_int64)
+            n = 1 << bits
+            bad = len(reuse.visits16) != n
             if reuse.classes is not None:
                 reuse.layer_tables(num_layers)   # its layer count checked, as ReuseHistory does
-                classes = _ints([c for row in reuse.classes for c in row])
                 n_classes = len(reuse.class_visits16)
+                bad = bad or any(len(r) != num_experts for r in reuse.classes) or any(
+                    len(t) != n for t in reuse.class_visits16)
+                classes = _ints([c for row in reuse.classes for c in row])
                 cv16 = _ints([v for t in reuse.class_visits16 for v in t], ctypes.c_int64)
-        fut, P = None, 0
+            if bad:
+                raise SpecPrefetchError(f"a reuse table whose sizes are not {1 << bits} histories"
+                                        f"{'' if reuse.classes is None else f' and {num_experts} experts a layer'}")
+        fut, P = None, -1   # (P < 0: no recorded routing)
         if future is not None:
             P = len(future)
-            fut = _ints(torch.stack([f.reshape(num_layers, top_k) for f in future]).reshape(-1).tolist()) if P else None
+            fut = _ints(torch.stack([f.reshape(num_layers, top_k) for f in future]).reshape(-1).tolist()
+                        if P else [])
         units_a = _ints(list(units))
         h = ctypes.c_void_p()
         self._handle = None
@@ -209,7 +247,7 @@ class NativeScheduler:
         self._handle = h
         self.pool = NativePool(self, budget_bytes, slot_bytes, policy)
         self.reuse = _Reuse(self) if policy == "reuse" else None
-        self._info = (ctypes.c_int64 * 8)()
+        self._info = (ctypes.c_int64 * 7)()
         self._stats = (ctypes.c_int64 * 11)()
         self._wait = ctypes.c_double()
         self._flag = ctypes.c_int()
@@ -262,7 +300,7 @@ class NativeScheduler:
     # -- WindowScheduler's interface ----------------------------------------------------------------
     @property
     def step(self) -> int:
-        return self._pool_info()[7]
+        return self._pool_info()[6]
 
     @property
     def stats(self) -> SchedulerStats:
@@ -271,7 +309,7 @@ class NativeScheduler:
 
     def in_flight(self) -> int:
         """Prefetches logically in flight (issued, not yet retired)."""
-        return self._pool_info()[6]
+        return self._pool_info()[5]
 
     def acquire(self, step: int, keys: list[Key]) -> None:
         self._call("spx_acquire", step, _keys(keys), len(keys))
@@ -287,31 +325,30 @@ class NativeScheduler:
         self._check(self.lib.spx_landed(self._handle, key[0], key[1], ctypes.byref(self._flag)))
         return bool(self._flag.value)
 
-    def _rows(self, rows: torch.Tensor) -> torch.Tensor:
-        rows = rows.detach().to("cpu", torch.float32).contiguous()
-        if rows.dim() != 2 or rows.shape[1] != self.E:
-            raise SpecPrefetchError(f"native scheduler: rows of shape {tuple(rows.shape)}, not [W, {self.E}]")
-        return rows
-
     def plan_probs(self, step: int, targets: list[int], probs: torch.Tensor | None) -> None:
+        """Queue reads from predicted probabilities [W, E] of the steps `targets`."""
         if probs is None or not targets:
             self._call("spx_plan_probs", step, _ints([], ctypes.c_int64), 0, None)
             return
-        p = self._rows(probs)
+        p = probs.detach().to("cpu", torch.float32).contiguous()
+        if p.dim() != 2 or p.shape != (len(targets), self.E):
+            raise SpecPrefetchError(f"native scheduler: probabilities of shape {tuple(p.shape)} for {len(targets)} "
+                                    f"targets, not [{len(targets)}, {self.E}]")
         self._call("spx_plan_probs", step, _ints(targets, ctypes.c_int64), len(targets), p.data_ptr())
 
     def plan(self, step: int, window: list[tuple[int, torch.Tensor]]) -> None:
-        if not window:
-            self._call("spx_plan", step, _ints([], ctypes.c_int64), 0, None)
-            return
-        s = self._rows(torch.stack([sc.reshape(-1) for _, sc in window]))
-        self._call("spx_plan", step, _ints([t for t, _ in window], ctypes.c_int64), len(window), s.data_ptr())
+        """Queue reads for the predicted steps: window = [(target step, scores [E])], as WindowScheduler.plan."""
+        self.plan_probs(step, *window_probs(window))
 
     def plan_ranked(self, step: int, targets: list[int], confs: list[list[float]], ids: list[list[int]]) -> None:
-        m = max((len(c) for c in confs), default=0)
+        """`plan_probs` with each target's candidates already taken (WindowScheduler.plan_ranked)."""
+        if not len(targets) == len(confs) == len(ids):
+            raise SpecPrefetchError(f"native scheduler: {len(targets)} targets, {len(confs)} rows of confidences "
+                                    f"and {len(ids)} of experts")
+        pairs = [list(zip(c, e)) for c, e in zip(confs, ids)]   # (as the Python scheduler's zip)
+        m = max((len(r) for r in pairs), default=0)
         # rows of m candidates: a shorter one padded with confidence 0 (never queued, as plan_ranked skips it)
-        cs = [list(c) + [0.0] * (m - len(c)) for c in confs]
-        es = [list(e) + [0] * (m - len(e)) for e in ids]
+        rows = [r + [(0.0, 0)] * (m - len(r)) for r in pairs]
         self._call("spx_plan_ranked", step, _ints(targets, ctypes.c_int64), len(targets), m,
-                   (ctypes.c_float * (len(cs) * m))(*itertools.chain.from_iterable(cs)),
-                   _ints(list(itertools.chain.from_iterable(es))))
+                   (ctypes.c_float * (len(rows) * m))(*(c for r in rows for c, _ in r)),
+                   _ints([e for r in rows for _, e in r]))

@@ -528,15 +528,23 @@ def _finite(outs: Sequence[torch.Tensor], graphs: str, step: str, pos: int) -> N
                                     "damaged weights or config (e.g. rms_norm_eps), or a damaged program")
 
 
-def scheduler_config(cfg: RunConfig, *, prefetch: bool, reuse: ReuseTable | None) -> SchedulerConfig:
-    """The scheduler's settings of a run (both schedulers: this one and toolkit/runtime/native_sched.py), its
-    eviction's inputs checked: Belady's needs the run's recorded routing, `reuse` the adapter's table."""
-    if cfg.policy.eviction == "reuse" and reuse is None:
+def scheduler_inputs(cfg: RunConfig, *, prefetch: bool, reuse: ReuseTable | None,
+                     future: list[torch.Tensor] | None) -> tuple[SchedulerConfig, ReuseTable | None]:
+    """A run's scheduler settings and the reuse table its eviction reads (with its frequency classes or the whole
+    table, as the run says; None unless it evicts by reuse), for both schedulers (this one and
+    toolkit/runtime/native_sched.py); Belady's eviction needs the run's recorded routing, `reuse` the adapter's
+    table."""
+    ev = cfg.policy.eviction
+    if ev == "belady" and future is None:
+        raise SpecPrefetchError("belady eviction needs the run's recorded routing (its future)")
+    if ev == "reuse" and reuse is None:
         raise SpecPrefetchError(REUSE_MISSING)
-    return SchedulerConfig(queue_depth=cfg.queue_depth, min_confidence=cfg.min_confidence,
+    scfg = SchedulerConfig(queue_depth=cfg.queue_depth, min_confidence=cfg.min_confidence,
                            candidate_threshold=cfg.candidate_threshold, prefetch=prefetch,
                            step_budget_bytes=cfg.step_budget_kib * 1024 if cfg.step_budget_kib else None,
                            read_budget_bytes=cfg.read_budget_kib * 1024 if cfg.read_budget_kib else None)
+    table = (reuse if cfg.reuse_classes else reuse.whole()) if ev == "reuse" else None
+    return scfg, table
 
 
 def open_pool_and_scheduler(cfg: RunConfig, *, slot_bytes: int, num_layers: int, top_k: int, io,
@@ -547,15 +555,12 @@ def open_pool_and_scheduler(cfg: RunConfig, *, slot_bytes: int, num_layers: int,
     `units`: how the prompt's steps go (its spans, `prefill_spans`), for Belady's step numbering;
     `reuse`: the table the reuse eviction reads (the adapter's, adapters/reuse.py)."""
     ev = cfg.policy.eviction
-    if ev == "belady" and future is None:
-        raise SpecPrefetchError("belady eviction needs the run's recorded routing (its future)")
-    scfg = scheduler_config(cfg, prefetch=prefetch, reuse=reuse)
+    scfg, table = scheduler_inputs(cfg, prefetch=prefetch, reuse=reuse, future=future)
     never = lambda key, now: float("inf")  # noqa: E731 - "prediction" reads the scheduler's table instead
     pool = ExpertPool(cfg.budget_bytes, slot_bytes, policy=ev, min_slots=top_k,
                       next_use=belady_next_use(future, num_layers, units) if ev == "belady" else never)
     sched = WindowScheduler(pool, io, scfg, num_layers=num_layers, top_k=top_k, events=events, clock=clock,
-                            reuse=ReuseHistory(reuse if cfg.reuse_classes else reuse.whole(), num_layers)
-                            if ev == "reuse" else None)
+                            reuse=ReuseHistory(table, num_layers) if table is not None else None)
     if ev == "prediction":
         pool.next_use = sched.next_predicted_use
     return pool, sched

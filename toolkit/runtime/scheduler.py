@@ -88,6 +88,18 @@ class SchedulerStats:
                                  for f in dataclasses.fields(self)})
 
 
+def window_probs(window: list[tuple[int, torch.Tensor]]) -> tuple[list[int], torch.Tensor | None]:
+    """`plan`'s window as `plan_probs` takes it (both schedulers: this one and native_sched.py's): the rows that
+    predict anything (an all-zero row is no prediction), non-negative ones normalised to sum 1, others softmaxed."""
+    window = [(t, sc) for t, sc in window if bool(sc.ne(0).any())]
+    if not window:
+        return [], None
+    s = torch.stack([sc for _, sc in window]).float()             # [W, E]
+    nonneg = (s >= 0).all(-1, keepdim=True) & (s.sum(-1, keepdim=True) > 0)
+    p = torch.where(nonneg, s / s.sum(-1, keepdim=True).clamp_min(1e-20), torch.softmax(s, -1))
+    return [t for t, _ in window], p
+
+
 class WindowScheduler:
     def __init__(self, pool: ExpertPool, io: IOBackend, cfg: SchedulerConfig, *, num_layers: int,
                  top_k: int, events=None, clock: Callable[[], float] = time.perf_counter, reuse=None):
@@ -202,14 +214,7 @@ class WindowScheduler:
         """Queue reads for the predicted steps: window = [(target step, scores [E])]. Scores that
         are non-negative are normalised to sum 1; others go through a softmax. An all-zero row is
         no prediction at all (e.g. previous-token at the first position) and queues nothing."""
-        window = [(t, sc) for t, sc in window if bool(sc.ne(0).any())]
-        if not window:
-            self.plan_probs(step, [], None)
-            return
-        s = torch.stack([sc for _, sc in window]).float()             # [W, E]
-        nonneg = (s >= 0).all(-1, keepdim=True) & (s.sum(-1, keepdim=True) > 0)
-        p = torch.where(nonneg, s / s.sum(-1, keepdim=True).clamp_min(1e-20), torch.softmax(s, -1))
-        self.plan_probs(step, [t for t, _ in window], p)
+        self.plan_probs(step, *window_probs(window))
 
     def plan_probs(self, step: int, targets: list[int], probs: torch.Tensor | None) -> None:
         """Queue reads from predicted probabilities [W, E] of the steps `targets`."""
