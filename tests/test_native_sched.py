@@ -102,11 +102,11 @@ def _state(sched, step, bufs, dims):
             sorted(k for k in ((a, b) for a in range(nl) for b in range(ne)) if k in sched.pool.slots))
 
 
-def _drive(sched, future, seed: int, planner: str, dims=(L, E, K), groups: int = 1) -> list:
+def _drive(sched, future, seed: int, planner: str, dims=(L, E, K), groups: int = 1, one_call: bool = False) -> list:
     """A decode over `future`'s positions: each MoE layer acquires its routed experts (in `groups` groups, the
     earlier ones released without a pump, as a prefill chunk's), queries and reads them, plans the window (random
     probabilities, tied ones, the oracle's ranks, or random scores), sets a predicted next visit (reuse) and
-    releases; the state after every step is recorded."""
+    releases; the state after every step is recorded. `one_call`: acquire and read through `acquire_read`."""
     nl, ne, k = dims
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
@@ -119,9 +119,12 @@ def _drive(sched, future, seed: int, planner: str, dims=(L, E, K), groups: int =
             bufs = []
             for j in range(0, len(keys), size):
                 part = keys[j:j + size]
-                held = sched.pool.slots
-                sched.acquire(step, [x for x in part if x in held] + [x for x in part if x not in held])
-                bufs += [(sched.landed(x), sched.data(x)) for x in part]
+                if one_call:
+                    bufs += sched.acquire_read(step, part)
+                else:
+                    held = sched.pool.slots
+                    sched.acquire(step, [x for x in part if x in held] + [x for x in part if x not in held])
+                    bufs += [(sched.landed(x), sched.data(x)) for x in part]
                 if j + size < len(keys):
                     sched.release(step, part, pump=False)
                     keys_left = keys[j + size:]
@@ -163,13 +166,13 @@ CASES = [
 ]
 
 
-def _compare(policy, slots, planner, cfg, *, dims=(L, E, K), orders_reuse=False, groups=1, n=12):
+def _compare(policy, slots, planner, cfg, *, dims=(L, E, K), orders_reuse=False, groups=1, n=12, one_call=False):
     future = _future(n, seed=slots, dims=dims)
     table = _table(classes=True, dims=dims[:2]) if policy.endswith("+reuse") else None
     (py, io_py), (c, io_c) = _pair(policy, slots, future, table=table, dims=dims,
                                    io=lambda: LogIO(orders_reuse=orders_reuse), **cfg)
-    a = _drive(py, future, 5, planner, dims, groups)
-    b = _drive(c, future, 5, planner, dims, groups)
+    a = _drive(py, future, 5, planner, dims, groups, one_call)
+    b = _drive(c, future, 5, planner, dims, groups, one_call)
     assert a == b
     assert io_py.log == io_c.log
     return a, io_py
@@ -194,11 +197,12 @@ def test_native_scheduler_makes_the_python_schedulers_decisions(policy, slots, p
 @pytest.mark.parametrize("policy,planner", [("next-gate+prediction", "scores"), ("adapter+reuse", "probs"),
                                             ("oracle+belady", "ranked")])
 def test_native_scheduler_in_groups_and_at_many_experts(policy, planner):
-    """A step's experts acquired in groups, the earlier released without a pump (a prefill chunk's), and a
-    model of 128 experts (softmax and normalisation of long rows round alike: `plan` takes the Python
-    scheduler's probabilities)."""
+    """A step's experts acquired in groups, the earlier released without a pump (a prefill chunk's), also through
+    `acquire_read` (acquire and read in one call, the graph decode's), and a model of 128 experts (softmax and
+    normalisation of long rows round alike: `plan` takes the Python scheduler's probabilities)."""
     _compare(policy, 6, planner, {}, groups=2)
     _compare(policy, 40, planner, {}, dims=(3, 128, 8), n=6)
+    _compare(policy, 6, planner, {}, groups=2, one_call=True)   # acquire_read: one call a group
 
 
 def test_native_pool_preloads_and_settles():

@@ -178,6 +178,20 @@ SPX_API int spx_acquire(void* h, int64_t step, const int32_t* keys, int n) {
   return guarded([&] { H(h)->sched->acquire(step, keys_of(H(h), keys, n)); });
 }
 
+// A MoE layer's experts made resident, pinned and read: acquire with the pool's residents first (each group in the
+// given order), then data() of each key in the given order (one crossing for the GPU tier's graph decode)
+SPX_API int spx_acquire_read(void* h, int64_t step, const int32_t* keys, int n) {
+  return guarded([&] {
+    std::vector<Key> ks = keys_of(H(h), keys, n), order;
+    for (const Key& key : ks)
+      if (H(h)->pool->get(key) != nullptr) order.push_back(key);
+    for (const Key& key : ks)
+      if (H(h)->pool->get(key) == nullptr) order.push_back(key);
+    H(h)->sched->acquire(step, order);
+    for (const Key& key : ks) H(h)->sched->data(key);
+  });
+}
+
 SPX_API int spx_release(void* h, int64_t step, const int32_t* keys, int n, int pump) {
   return guarded([&] {
     std::vector<Key> ks = keys_of(H(h), keys, n);

@@ -669,7 +669,6 @@ class GraphRunner:
         L, k = self.eng.L, self.eng.k
         sched, io = seq.sched, seq.io
         planner = seq.planner
-        pooled = sched.pool.slots
         where = io.where
         self.set_position(token, pos)
         self.run_segment(0)
@@ -686,13 +685,9 @@ class GraphRunner:
             # only for the slot's old copy
             io.fenced = True
             try:
-                sched.acquire(step, _resident_first(keys, pooled))
-                slots = []
-                for key in keys:
-                    sched.data(key)              # orders the compute stream after the slot's copy
-                    slots.append(where[key])
+                sched.acquire_read(step, keys)   # (data: orders the compute stream after each slot's copy)
                 st = self.stage_np[li]
-                st[:k] = slots
+                st[:k] = [where[key] for key in keys]
                 st[k:] = order
                 self.sel[li].copy_(self.stage[li], non_blocking=True)
                 self.run_segment(li + 1)

@@ -117,7 +117,8 @@ def library() -> ctypes.CDLL:
             sig = {
                 "spx_sched_new": [ctypes.POINTER(P), i64, i64, ctypes.c_char_p, i, i, i, I64, F64, i, I64, I32, i,
                                   I64, I32, i, I32, i, _IO_FN],
-                "spx_acquire": [P, i64, I32, i], "spx_release": [P, i64, I32, i, i],
+                "spx_acquire": [P, i64, I32, i], "spx_acquire_read": [P, i64, I32, i],
+                "spx_release": [P, i64, I32, i, i],
                 "spx_data": [P, i, i], "spx_landed": [P, i, i, ctypes.POINTER(i)],
                 "spx_plan_probs": [P, i64, I64, i, P],
                 "spx_plan_ranked": [P, i64, I64, i, i, F32, I32], "spx_set_next_visit": [P, i, i64, I32, i],
@@ -313,6 +314,11 @@ class NativeScheduler:
 
     def acquire(self, step: int, keys: list[Key]) -> None:
         self._call("spx_acquire", step, _keys(keys), len(keys))
+
+    def acquire_read(self, step: int, keys: list[Key]) -> list:
+        """WindowScheduler.acquire_read in one call: the layer's experts resident, pinned and read; their bytes."""
+        self._call("spx_acquire_read", step, _keys(keys), len(keys))
+        return [self._buffers[k] for k in keys]
 
     def release(self, step: int, keys: list[Key], *, pump: bool = True) -> None:
         self._call("spx_release", step, _keys(keys), len(keys), int(pump))

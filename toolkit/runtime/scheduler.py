@@ -361,6 +361,13 @@ class WindowScheduler:
                 self._emit("miss", key)
             slot.pins += 1
 
+    def acquire_read(self, step: int, keys: list[Key]) -> list:
+        """A MoE layer's experts made resident, pinned and read: `acquire` with the pool's residents first (each
+        group in the given order), then `data` of each key in the given order; their bytes."""
+        held = self.pool.slots
+        self.acquire(step, [k for k in keys if k in held] + [k for k in keys if k not in held])
+        return [self.data(k) for k in keys]
+
     def release(self, step: int, keys: list[Key], *, pump: bool = True) -> None:
         """Unpin `keys` after step `step` used them, then issue queued reads (`pump`). A prefill
         chunk's MoE layer acquires its experts in groups that fit the pool and pumps only after the
