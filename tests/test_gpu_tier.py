@@ -15,10 +15,12 @@ from toolkit.predictors.registry import build_predictor
 from toolkit.runtime.expert_store import ExpertStore, build_store
 from toolkit.runtime.gpu import GpuEngine, Int4Experts
 from toolkit.runtime.gpu_graph import GraphRunner, StaticDecoder
+from toolkit.runtime.native_sched import has_compiler
 from toolkit.runtime.policy import Policy
 from toolkit.runtime.runner import RunConfig
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+NATIVE = pytest.mark.skipif(not has_compiler(), reason="no C++ compiler to build the native scheduler")
 POLICIES = ["on-demand+lru", "next-gate+prediction", "oracle+belady", "draft+prediction", "draft+lru"]
 
 
@@ -1649,9 +1651,11 @@ def test_a_mismatch_names_its_first_token_and_how_near_a_tie_it_was():
     assert first_difference([1, 2, 3], [1, 2], [0.5, 0.5]) == " (longer: 3 tokens, transformers' 2)"
 
 
+@NATIVE
 @pytest.mark.parametrize("decode,device", [("static", "cpu"), ("modules", "cpu"),
                                            pytest.param("graph", "cuda", marks=CUDA)])
-def test_native_host_scheduler_decides_as_the_python_one(tiny_models, stores, tiny_adapter, decode, device):
+def test_native_host_scheduler_decides_as_the_python_one(tiny_models, stores, tiny_adapter, decode, device,
+                                                         monkeypatch):
     """`configure(host="native")`: the native runner's scheduler and pool (toolkit/runtime/native_sched.py) in the
     GPU tier's loop give the Python scheduler's tokens, counts, copies and evictions for every kind of policy
     (on-demand, a host predictor, the adapter with the reuse eviction and its next-visit heads, the oracle with
@@ -1660,6 +1664,7 @@ def test_native_host_scheduler_decides_as_the_python_one(tiny_models, stores, ti
     evict."""
     from toolkit.runtime.gpu_bench import gpu_predictors, gpu_reuse_table
 
+    opened = _count_native_schedulers(monkeypatch)
     spec = inspect_model_dir(tiny_models["qwen3_moe"])
     names = ["on-demand+lru", "next-gate+prediction", "adapter+reuse", "oracle+belady", "draft+lru"]
     pols = [Policy.parse(n) for n in names]
@@ -1673,7 +1678,9 @@ def test_native_host_scheduler_decides_as_the_python_one(tiny_models, stores, ti
         got = {}
         for host in ("python", "native"):
             eng.configure(policy=pol, pool_mib=_pool_mib(eng, 0.2), host=host)
+            before = len(opened)
             g = eng.run(prompt, 10, k=3)
+            assert (len(opened) > before) == (host == "native"), (pol.name, host)   # that scheduler decided
             j = g.to_json()
             # (wait_s is timing; so is `late` on CUDA, where a hit waits only if its copy has not landed yet)
             got[host] = (g.tokens, g.stats.counts["bytes_read"], j["pcie_bytes_per_token"],
@@ -1686,26 +1693,43 @@ def test_native_host_scheduler_decides_as_the_python_one(tiny_models, stores, ti
         eng.configure(host="c")
 
 
-def test_gpu_bench_runs_every_policy_on_the_native_host(tiny_models, stores):
+def _count_native_schedulers(monkeypatch) -> list:
+    """A list that grows by one for every native scheduler opened from now on."""
+    from toolkit.runtime import native_sched
+
+    opened, init = [], native_sched.NativeScheduler.__init__
+
+    def counted(self, **kw):
+        opened.append(kw["policy"])
+        init(self, **kw)
+
+    monkeypatch.setattr(native_sched.NativeScheduler, "__init__", counted)
+    return opened
+
+
+@NATIVE
+def test_gpu_bench_runs_every_policy_on_the_native_host(tiny_models, stores, monkeypatch):
     """`bench gpu --variant host=native`: every policy (on-demand and the oracle too, which take no other setting)
     gets a row with the native runner's scheduler in the same rounds, its copies and hits the Python row's."""
     from toolkit.runtime.gpu_bench import run_gpu_bench
     from toolkit.runtime.policy import VARIANT_TAG, parse_policies
 
+    opened = _count_native_schedulers(monkeypatch)
     r = run_gpu_bench(tiny_models["qwen3_moe"], store=stores["qwen3_moe"], adapter=None,
                       policies=parse_policies("on-demand+lru,next-gate+prediction,oracle+belady"), fractions=[0.2],
                       prompts=1, prompt_tokens=8, new_tokens=6, repeats=1, ks=(2,), device="cpu",
                       variants=("host=native",), log=lambda s: None)
     rows = {x["policy"]: x for x in r["rows"]}
     assert r["tokens_match_transformers"] and len(rows) == 6
+    assert set(opened) == {"lru", "prediction", "belady"}   # each policy's variant row ran on the native host
     for name in ("on-demand+lru", "next-gate+prediction", "oracle+belady"):
         py, nat = rows[name], rows[f"{name}{VARIANT_TAG}host=native"]
         assert (py["hit_rate"], py["pcie_mib_per_token"]) == (nat["hit_rate"], nat["pcie_mib_per_token"]), name
-    with pytest.raises(SpecPrefetchError, match="host must be python or native"):
+    with pytest.raises(SpecPrefetchError, match="host must be native"):
         run_gpu_bench(tiny_models["qwen3_moe"], store=stores["qwen3_moe"], adapter=None,
                       policies=parse_policies("on-demand+lru"), fractions=[0.2], device="cpu",
                       variants=("host=rust",), log=lambda s: None)
-    with pytest.raises(SpecPrefetchError, match="host=python is every row's own"):
+    with pytest.raises(SpecPrefetchError, match="python is every row's own"):
         run_gpu_bench(tiny_models["qwen3_moe"], store=stores["qwen3_moe"], adapter=None,
                       policies=parse_policies("on-demand+lru"), fractions=[0.2], device="cpu",
                       variants=("host=python",), log=lambda s: None)

@@ -13,13 +13,16 @@ import torch
 
 from adapters.reuse import ReuseTable
 from toolkit.errors import SpecPrefetchError
-from toolkit.runtime.native_sched import NativeScheduler
+from toolkit.runtime.native_sched import NativeScheduler, has_compiler, open_native_scheduler
 from toolkit.runtime.policy import Policy
-from toolkit.runtime.runner import RunConfig, open_pool_and_scheduler, scheduler_inputs
+from toolkit.runtime.runner import RunConfig, open_pool_and_scheduler
 from toolkit.runtime.scheduler import SchedulerConfig
 
 L, E, K = 4, 8, 2
 SLOT = 4096
+
+
+pytestmark = pytest.mark.skipif(not has_compiler(), reason="no C++ compiler to build the native scheduler")
 
 
 class LogIO:
@@ -87,9 +90,8 @@ def _pair(policy: str, slots: int, future, *, table=None, dims=(L, E, K), io=Log
     prefetch = rc.policy.predictor != "on-demand"
     pool, py = open_pool_and_scheduler(rc, slot_bytes=SLOT, num_layers=nl, top_k=k, io=io_py, future=future,
                                        prefetch=prefetch, reuse=table)
-    scfg, chosen = scheduler_inputs(rc, prefetch=prefetch, reuse=table, future=future)
-    c = NativeScheduler(budget_bytes=rc.budget_bytes, slot_bytes=SLOT, policy=rc.policy.eviction, num_layers=nl,
-                        num_experts=ne, top_k=k, io=io_c, future=future, reuse=chosen, cfg=scfg)
+    _, c = open_native_scheduler(rc, slot_bytes=SLOT, num_layers=nl, num_experts=ne, top_k=k, io=io_c,
+                                 future=future, prefetch=prefetch, reuse=table)
     return (py, io_py), (c, io_c)
 
 

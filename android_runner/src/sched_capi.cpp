@@ -15,8 +15,8 @@
 #include "pool.h"
 #include "scheduler.h"
 
-// built with -fvisibility=hidden (libstdc++ linked in statically stays private to the library): only these
-// entry points are exported
+// built with -fvisibility=hidden and a version script (native_sched.py): only these entry points are exported,
+// the libstdc++ linked in statically stays private to the library
 #define SPX_API __attribute__((visibility("default")))
 
 namespace {
@@ -220,10 +220,10 @@ SPX_API int spx_plan_probs(void* h, int64_t step, const int64_t* targets, int W,
 }
 
 // confs / ids: W rows of m candidates each (a confidence of 0: no candidate)
-SPX_API int spx_plan_ranked(void* h, int64_t step, const int64_t* targets, int W, int m, const float* confs,
+SPX_API int spx_plan_ranked(void* h, int64_t step, const int64_t* targets, int W, int m, const double* confs,
                             const int32_t* ids) {
   return guarded([&] {
-    std::vector<std::vector<float>> c(static_cast<size_t>(W));
+    std::vector<std::vector<double>> c(static_cast<size_t>(W));
     std::vector<std::vector<int>> e(static_cast<size_t>(W));
     for (int w = 0; w < W; ++w) {
       c[static_cast<size_t>(w)].assign(confs + static_cast<size_t>(w) * m, confs + static_cast<size_t>(w + 1) * m);

@@ -195,7 +195,7 @@ void WindowScheduler::plan_probs(int64_t step, const std::vector<int64_t>& targe
 }
 
 void WindowScheduler::plan_ranked(int64_t step, const std::vector<int64_t>& targets,
-                                  const std::vector<std::vector<float>>& confs, const std::vector<std::vector<int>>& ids) {
+                                  const std::vector<std::vector<double>>& confs, const std::vector<std::vector<int>>& ids) {
   begin_plan(step);
   if (cfg_.prefetch)
     for (size_t w = 0; w < targets.size(); ++w)

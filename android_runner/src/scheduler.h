@@ -94,7 +94,7 @@ class WindowScheduler {
   // plan_probs with each target's candidates already taken (confidences descending, their experts): what
   // the top-m of its probabilities would give, for a predictor that knows them without [W, E] rows (the
   // oracle: toolkit/runtime/planner.py)
-  void plan_ranked(int64_t step, const std::vector<int64_t>& targets, const std::vector<std::vector<float>>& confs,
+  void plan_ranked(int64_t step, const std::vector<int64_t>& targets, const std::vector<std::vector<double>>& confs,
                    const std::vector<std::vector<int>>& ids);
   int64_t step() const { return step_; }
   size_t in_flight() const { return loading_.size(); }  // prefetches logically in flight

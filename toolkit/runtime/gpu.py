@@ -56,9 +56,9 @@ from toolkit.runtime.planner import PrefetchPlanner, RoutingState
 from toolkit.runtime.pool import ExpertPool, Key
 from toolkit.runtime.policy import HOSTS
 from toolkit.runtime.profiles import check_budget_kib
-from toolkit.runtime.native_sched import NativeScheduler, library as native_library
-from toolkit.runtime.runner import RunConfig, Runner, open_pool_and_scheduler, scheduler_inputs
-from toolkit.runtime.scheduler import WindowScheduler
+from toolkit.runtime.native_sched import library as native_library, open_native_scheduler
+from toolkit.runtime.runner import RunConfig, Runner, open_pool_and_scheduler
+from toolkit.runtime.scheduler import WindowScheduler, resident_first
 from toolkit.runtime.stats import DecodeAccount, RunStats
 
 if TYPE_CHECKING:
@@ -684,8 +684,7 @@ class GpuEngine:
         routes = _routes(ids)
         keys = [(li, e) for e in routes]
         # resident experts first, then the misses (Specter's verification order); chunks that fit
-        resident = [k for k in keys if sched.pool.get(k) is not None]
-        order = resident + [k for k in keys if sched.pool.get(k) is None]
+        order = resident_first(keys, sched.pool.slots)
         index = _index_tensors(routes, hidden.device)
         contrib: dict[int, torch.Tensor] = {}
         first = True
@@ -796,11 +795,9 @@ class GpuEngine:
         depth = max(1, self.capacity - self.k)
         gcfg = dataclasses.replace(cfg, queue_depth=depth if self.copy_depth is None else min(depth, self.copy_depth))
         if self.host_sched == "native":
-            scfg, table = scheduler_inputs(gcfg, prefetch=prefetch, reuse=self.reuse, future=future)
-            sched = NativeScheduler(budget_bytes=gcfg.budget_bytes, slot_bytes=self.store.blob_size,
-                                    policy=gcfg.policy.eviction, num_layers=L, num_experts=self.E, top_k=self.k,
-                                    cfg=scfg, io=io, reuse=table, future=future)
-            pool = sched.pool
+            pool, sched = open_native_scheduler(gcfg, slot_bytes=self.store.blob_size, num_layers=L,
+                                                num_experts=self.E, top_k=self.k, io=io, future=future,
+                                                prefetch=prefetch, reuse=self.reuse)
         else:
             pool, sched = open_pool_and_scheduler(gcfg, slot_bytes=self.store.blob_size, num_layers=L, top_k=self.k,
                                                   io=io, future=future, prefetch=prefetch, reuse=self.reuse)

@@ -239,9 +239,6 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
         if v.get("window", 1) > L:
             raise SpecPrefetchError(f"--variant {label}: window {v['window']} is past the model's {L} MoE layers")
     for label, v in knobs.items():
-        if v.get("host") == "python":
-            raise SpecPrefetchError(f"--variant {label}: host=python is every row's own (the variant rows are "
-                                    "host=native)")
         if not any(_takes(p, v) for p in policies) and "reuse_classes" not in v:   # (reuse_classes: below)
             raise SpecPrefetchError(f"--variant {label}: no policy predicts (on-demand, the draft and the oracle "
                                     "take no scheduler setting but host)")

@@ -56,6 +56,7 @@ import torch
 import torch.nn.functional as F
 
 from toolkit.errors import SpecPrefetchError
+from toolkit.runtime.scheduler import resident_first
 
 SUPPORTED = ("qwen3_moe", "mixtral")
 # torch.compile takes a function's own recompile limit (torch 2.13; not 2.11)
@@ -418,11 +419,6 @@ def _ascending(li: int, row: list[int]) -> tuple[list[int], list[tuple[int, int]
     return order, [(li, row[p]) for p in order]
 
 
-def _resident_first(keys: list, pooled) -> list:
-    """`keys` with the ones the pool holds first (each group in its order): the acquisition order."""
-    return [x for x in keys if x in pooled] + [x for x in keys if x not in pooled]
-
-
 class GraphRunner:
     """The target's one-token decode step as L + 1 segments (CUDA graphs on a GPU, eager on the CPU),
     and the draft's whole step as one graph."""
@@ -748,10 +744,10 @@ class GraphRunner:
             union = list(dict.fromkeys(key for _, keys in keys_of for key in keys))
             cap = self.eng.capacity - sched.in_flight()   # >= k: copies in flight are capped at capacity - k
             if len(union) <= cap:   # the layer's experts for every row at once, resident ones first
-                sched.acquire(step, _resident_first(union, pooled))
+                sched.acquire(step, resident_first(union, pooled))
             for j, (order, keys) in enumerate(keys_of):
                 if len(union) > cap:   # more than fit: a row's experts at a time
-                    sched.acquire(step, _resident_first(keys, pooled))
+                    sched.acquire(step, resident_first(keys, pooled))
                 slots = []
                 for key in keys:
                     sched.data(key)

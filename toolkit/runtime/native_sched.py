@@ -2,32 +2,39 @@
 the Python scheduler's interface, for the GPU tier's host loop (`host=native`).
 
 The GPU tier's pooled decode runs its scheduling on the host between a MoE layer's routing read and the next
-layer's launch; in Python that is a planning call of about 0.35 ms a layer on an H100 host (the planner's
-`plan`, of which the scheduler's `plan_probs` 0.25 ms) and an acquire of 0.12 ms, against a layer's 0.07 ms
-replay (docs/benchmarks.md section 9). The C++ port makes the same decisions (the native runner's event logs
-equal the reference's, line for line) in microseconds. It is compiled from the runner's own sources with the
-machine's C++ compiler into build/native-sched/<key>/ (once per source version, compiler and flags; about
-10 s) and loaded with ctypes through a C ABI (android_runner/src/sched_capi.cpp): no Python headers, so one
-build serves any interpreter of the machine.
+layer's launch; in Python the planning of one MoE layer took about 0.35 ms on an H100 host (the planner's `plan`,
+of which the scheduler's `plan_probs` 0.25 ms) and an acquire 0.12 ms, against a layer's 0.07 ms replay
+(docs/benchmarks.md section 9). The C++ port makes the same decisions (the native runner's event logs equal the
+reference's, line for line); what it saves is measured by `bench gpu --variant host=native` (section 9): every
+crossing into it and every callback out of it costs about a microsecond, so it pays where the decisions are heavy
+(the reuse eviction's victim search) and not for on-demand. It is compiled from the runner's own sources with the
+machine's C++ compiler into build/native-sched/<key>/ (once per source version, compiler and flags; about 10 s)
+and loaded with ctypes through a C ABI (android_runner/src/sched_capi.cpp): no Python headers, so one build serves
+any interpreter of the machine.
 
 Reads stay the caller's: the C++ scheduler calls back into the Python IO (`CudaCopyIO`: submit, landed, wait,
 release, take), so the copies, streams, slots and stall timing are those of the Python scheduler, and its pool
-maps no memory of its own. What the GPU tier reads of the scheduler and pool (`acquire`, `release`, `data`,
-`landed`, `plan*`, `in_flight`, `stats`, the pool's membership and counters, the reuse eviction's
-`set_next_visit`) has the same meaning here; `plan`'s scores become probabilities in Python, by the Python
-scheduler's own arithmetic (`window_probs`). No event log (the GPU tier keeps none) and no `compute_order`.
+maps no memory of its own. What the GPU tier calls (`acquire`, `acquire_read`, `release`, `data`, `plan`,
+`plan_probs`, `plan_ranked`, `in_flight`, `step`, `stats`, the pool's membership, counters, `preload` and
+`settle`, the reuse eviction's `set_next_visit`) has the same meaning here; `plan`'s scores become probabilities
+in Python, by the Python scheduler's own arithmetic (`window_probs`). No event log (the GPU tier keeps none) and
+no `compute_order`.
 """
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import itertools
 import os
 import platform
+import re
+import shlex
 import shutil
 import subprocess
 import tempfile
 import threading
+import weakref
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -35,6 +42,7 @@ import torch
 
 from toolkit.errors import SpecPrefetchError
 from toolkit.runtime.pool import Key
+from toolkit.runtime.runner import scheduler_inputs
 from toolkit.runtime.scheduler import SchedulerConfig, SchedulerStats, window_probs
 
 REPO = Path(__file__).resolve().parents[2]
@@ -42,10 +50,11 @@ SRC = REPO / "android_runner" / "src"
 SOURCES = ("sched_capi.cpp", "scheduler.cpp", "pool.cpp", "events.cpp", "memwatch.cpp", "routing.cpp", "fileio.cpp")
 HEADERS = ("scheduler.h", "pool.h", "events.h", "memwatch.h", "routing.h", "fileio.h", "common.h")
 BUILD = REPO / "build" / "native-sched"
-# libstdc++ linked in and kept private (only the spx_ entry points are exported), so the library needs no C++
-# runtime on the machine and does not clash with the one torch loaded
+# libstdc++ linked in and kept private (a version script exports the spx_ entry points alone), so the library
+# needs no C++ runtime on the machine and does not clash with the one torch loaded
 FLAGS = ("-std=c++17", "-O2", "-fPIC", "-shared", "-pthread", "-fvisibility=hidden", "-static-libstdc++",
          "-static-libgcc", "-Wl,--exclude-libs,ALL")
+EXPORTS = "{ global: spx_*; local: *; };\n"
 
 _IO_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int)
 SUBMIT_PREFETCH, SUBMIT_DEMAND, LANDED, WAIT, RELEASE, TAKE = range(6)   # sched_capi.cpp's IoOp
@@ -56,28 +65,43 @@ _lib: ctypes.CDLL | None = None
 _lock = threading.Lock()
 
 
-def _compiler() -> tuple[str, str]:
-    """The C++ compiler ($CXX, else g++ or c++ on PATH) and its version line."""
-    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+NO_COMPILER = "host=native: no C++ compiler ($CXX, or g++ or c++ on PATH) to build the native scheduler"
+
+
+def _compiler() -> tuple[list[str], str]:
+    """The C++ compiler command ($CXX, which may carry arguments such as `ccache g++`; else g++ or c++ on PATH)
+    and its version line."""
+    env = os.environ.get("CXX")
+    cxx = shlex.split(env) if env else [x for x in (shutil.which("g++") or shutil.which("c++"),) if x]
     if not cxx:
-        raise SpecPrefetchError("host=native: no C++ compiler (g++ or c++ on PATH, or CXX) to build the native "
-                                "scheduler")
+        raise SpecPrefetchError(NO_COMPILER)
     try:
-        p = subprocess.run([cxx, "--version"], capture_output=True, text=True)
+        p = subprocess.run([*cxx, "--version"], capture_output=True, text=True)
     except OSError as e:
-        raise SpecPrefetchError(f"host=native: the C++ compiler {cxx}: {e.strerror or e}") from None
+        raise SpecPrefetchError(f"host=native: the C++ compiler {' '.join(cxx)}: {e.strerror or e}") from None
     return cxx, (p.stdout.splitlines() or [""])[0]
+
+
+def has_compiler() -> bool:
+    """Whether a C++ compiler is there to build the library (a broken $CXX counts as one: its build fails loudly)."""
+    try:
+        _compiler()
+    except SpecPrefetchError as e:
+        return str(e) != NO_COMPILER
+    return True
 
 
 def build(out_dir: Path = BUILD) -> Path:
     """The shared library for these sources, this compiler and these flags (built if absent from a copy of
-    exactly the bytes its key hashes; written to a temp name and renamed; other builds in `out_dir` removed)."""
+    exactly the bytes its key hashes; written to a temp name and renamed; other builds in `out_dir`, directories
+    named by such a key, removed)."""
     cxx, version = _compiler()
     files = {name: (SRC / name).read_bytes() for name in SOURCES + HEADERS}
-    h = hashlib.sha256("\0".join((version, platform.machine(), *FLAGS)).encode())
+    h = hashlib.sha256("\0".join((version, platform.machine(), *FLAGS, EXPORTS)).encode())
     for name, data in files.items():
         h.update(name.encode() + b"\0" + data)
-    lib = out_dir / h.hexdigest()[:16] / "libspxsched.so"
+    key = h.hexdigest()[:16]
+    lib = out_dir / key / "libspxsched.so"
     if lib.exists():
         return lib
     try:
@@ -85,19 +109,20 @@ def build(out_dir: Path = BUILD) -> Path:
         with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
             for name, data in files.items():
                 (Path(tmp) / name).write_bytes(data)
+            (Path(tmp) / "exports.map").write_text(EXPORTS)
             out = Path(tmp) / lib.name
-            p = subprocess.run([cxx, *FLAGS, f"-I{tmp}", *(str(Path(tmp) / s) for s in SOURCES), "-o", str(out)],
-                               capture_output=True, text=True)
+            p = subprocess.run([*cxx, *FLAGS, f"-Wl,--version-script={tmp}/exports.map", f"-I{tmp}",
+                                *(str(Path(tmp) / s) for s in SOURCES), "-o", str(out)], capture_output=True, text=True)
             if p.returncode != 0:
-                raise SpecPrefetchError(f"host=native: building the native scheduler failed ({cxx}):\n"
-                                        f"{p.stderr[-3000:]}")
+                raise SpecPrefetchError(f"host=native: building the native scheduler with {' '.join(cxx)} failed "
+                                        f"(a static libstdc++ is needed: Debian's g++ has it):\n{p.stderr[-3000:]}")
             os.replace(out, lib)
+        for old in out_dir.iterdir():   # earlier builds (another source version or compiler): never loaded again
+            if old != lib.parent and old.is_dir() and re.fullmatch(r"[0-9a-f]{16}", old.name):
+                shutil.rmtree(old, ignore_errors=True)
     except OSError as e:
         raise SpecPrefetchError(f"host=native: cannot build the native scheduler into {lib.parent}: "
                                 f"{e.strerror or e}") from None
-    for old in out_dir.iterdir():   # earlier builds (another source version or compiler): never loaded again
-        if old != lib.parent and old.is_dir():
-            shutil.rmtree(old, ignore_errors=True)
     return lib
 
 
@@ -111,8 +136,8 @@ def library() -> ctypes.CDLL:
                 lib = ctypes.CDLL(str(path))
             except OSError as e:
                 raise SpecPrefetchError(f"host=native: cannot load {path}: {e}") from None
-            P, I32, I64, F32, F64 = (ctypes.c_void_p, ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int64),
-                                     ctypes.POINTER(ctypes.c_float), ctypes.POINTER(ctypes.c_double))
+            P, I32, I64, F64 = (ctypes.c_void_p, ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int64),
+                                ctypes.POINTER(ctypes.c_double))
             i, i64 = ctypes.c_int, ctypes.c_int64
             sig = {
                 "spx_sched_new": [ctypes.POINTER(P), i64, i64, ctypes.c_char_p, i, i, i, I64, F64, i, I64, I32, i,
@@ -121,7 +146,7 @@ def library() -> ctypes.CDLL:
                 "spx_release": [P, i64, I32, i, i],
                 "spx_data": [P, i, i], "spx_landed": [P, i, i, ctypes.POINTER(i)],
                 "spx_plan_probs": [P, i64, I64, i, P],
-                "spx_plan_ranked": [P, i64, I64, i, i, F32, I32], "spx_set_next_visit": [P, i, i64, I32, i],
+                "spx_plan_ranked": [P, i64, I64, i, i, F64, I32], "spx_set_next_visit": [P, i, i64, I32, i],
                 "spx_preload": [P, i, i], "spx_has": [P, i, i, ctypes.POINTER(i)], "spx_settle": [P],
                 "spx_stats": [P, I64, F64], "spx_pool_info": [P, I64], "spx_unused_prefetches": [P, I64],
             }
@@ -146,7 +171,7 @@ class _Slots:
     """The pool's membership (`key in pool.slots`), asked of the C++ pool."""
 
     def __init__(self, sched: "NativeScheduler"):
-        self._s = sched
+        self._s = weakref.proxy(sched)   # (no reference cycle: the scheduler frees its C++ state when dropped)
 
     def __contains__(self, key: Key) -> bool:
         return self._s._has(key)
@@ -156,18 +181,13 @@ class NativePool:
     """What the GPU tier and its figures (stats.DecodeAccount) read of the pool."""
 
     def __init__(self, sched: "NativeScheduler", budget_bytes: int, slot_bytes: int, policy: str):
-        self._s = sched
+        self._s = weakref.proxy(sched)
         self.budget_bytes, self.slot_bytes, self.policy = budget_bytes, slot_bytes, policy
         self.slots = _Slots(sched)
 
-    def _info(self, i: int) -> int:
-        return self._s._pool_info()[i]
-
-    capacity = property(lambda self: self._info(0))
-    evictions = property(lambda self: self._info(1))
-    wasted_prefetches = property(lambda self: self._info(2))
-    peak_bytes = property(lambda self: self._info(3))
-    used_bytes = property(lambda self: self._info(4) * self.slot_bytes)
+    evictions = property(lambda self: self._s._pool_info()[1])
+    wasted_prefetches = property(lambda self: self._s._pool_info()[2])
+    peak_bytes = property(lambda self: self._s._pool_info()[3])
 
     def unused_prefetches(self) -> int:
         """Slots a prefetch filled that no step has used yet."""
@@ -191,36 +211,50 @@ class _Reuse:
     """The reuse eviction's state as the planner reaches it (`sched.reuse.set_next_visit`)."""
 
     def __init__(self, sched: "NativeScheduler"):
-        self._s = sched
+        self._s = weakref.proxy(sched)
 
     def set_next_visit(self, li: int, target: int, experts: Sequence[int]) -> None:
         ex = list(experts)
         self._s._call("spx_set_next_visit", li, target, _ints(ex), len(ex))
 
 
+def _io_trampoline(ref: weakref.ref, op: int, layer: int, expert: int) -> int:
+    sched = ref()
+    return -1 if sched is None else sched._io_call(op, layer, expert)
+
+
+def open_native_scheduler(cfg, *, slot_bytes: int, num_layers: int, num_experts: int, top_k: int, io,
+                          future: list[torch.Tensor] | None, prefetch: bool,
+                          reuse=None) -> tuple[NativePool, "NativeScheduler"]:
+    """runner.open_pool_and_scheduler's pool and scheduler (RunConfig `cfg`) on the native host."""
+    scfg, table = scheduler_inputs(cfg, prefetch=prefetch, reuse=reuse, future=future)
+    sched = NativeScheduler(budget_bytes=cfg.budget_bytes, slot_bytes=slot_bytes, policy=cfg.policy.eviction,
+                            num_layers=num_layers, num_experts=num_experts, top_k=top_k, cfg=scfg, io=io,
+                            reuse=table, future=future)
+    return sched.pool, sched
+
+
 class NativeScheduler:
     """WindowScheduler's interface over the C++ one (the same decisions); reads through `io`."""
 
     def __init__(self, *, budget_bytes: int, slot_bytes: int, policy: str, num_layers: int, num_experts: int,
-                 top_k: int, cfg: SchedulerConfig, io, reuse=None, future: list[torch.Tensor] | None = None,
-                 units: Sequence[int] = ()):
-        """Args as open_pool_and_scheduler's (runner.py): `reuse` the ReuseTable the reuse eviction reads (the
-        one the config chose: with or without its classes), `future` every position's routing [L, k] (Belady)."""
+                 top_k: int, cfg: SchedulerConfig, io, reuse=None, future: list[torch.Tensor] | None = None):
+        """`reuse`: the ReuseTable the reuse eviction reads (the one the run chose: with or without its classes);
+        `future`: every position's routing [L, k] (Belady's). open_native_scheduler takes a RunConfig."""
         lib = library()
         self.lib, self.io, self.cfg = lib, io, cfg
         self.L, self.E, self.k = num_layers, num_experts, top_k
         self._buffers: dict[Key, Any] = {}
         self._error: BaseException | None = None
-        self._cb = _IO_FN(self._io_call)   # kept alive as long as the scheduler
+        # kept alive as long as the C++ scheduler, which calls it; it reaches this object through a weak reference
+        self._cb = _IO_FN(functools.partial(_io_trampoline, weakref.ref(self)))
         cfg_i = _ints([cfg.candidates or 0, cfg.queue_depth,
                        -1 if cfg.step_budget_bytes is None else cfg.step_budget_bytes,
                        -1 if cfg.read_budget_bytes is None else cfg.read_budget_bytes,
                        int(cfg.prefetch), int(getattr(io, "orders_reuse", False))], ctypes.c_int64)
         cfg_d = (ctypes.c_double * 2)(cfg.min_confidence, cfg.candidate_threshold)
         bits, v16, classes, n_classes, cv16 = 0, None, None, 0, None
-        if policy == "reuse":
-            if reuse is None:
-                raise SpecPrefetchError("the reuse eviction needs a reuse table")
+        if policy == "reuse" and reuse is not None:   # (none: the C++ constructor refuses it)
             bits, v16 = reuse.bits, _ints(list(reuse.visits16), ctypes.c_int64)
             n = 1 << bits
             bad = len(reuse.visits16) != n
@@ -234,17 +268,16 @@ class NativeScheduler:
             if bad:
                 raise SpecPrefetchError(f"a reuse table whose sizes are not {1 << bits} histories"
                                         f"{'' if reuse.classes is None else f' and {num_experts} experts a layer'}")
-        fut, P = None, -1   # (P < 0: no recorded routing)
-        if future is not None:
+        fut, P = None, -1   # (P < 0: no recorded routing; only Belady's eviction reads it)
+        if future is not None and policy == "belady":
             P = len(future)
             fut = _ints(torch.stack([f.reshape(num_layers, top_k) for f in future]).reshape(-1).tolist()
                         if P else [])
-        units_a = _ints(list(units))
         h = ctypes.c_void_p()
         self._handle = None
         self._check(lib.spx_sched_new(ctypes.byref(h), budget_bytes, slot_bytes, policy.encode(), num_layers,
                                       num_experts, top_k, cfg_i, cfg_d, bits, v16, classes, n_classes, cv16, fut, P,
-                                      units_a, len(units), self._cb))
+                                      None, 0, self._cb))
         self._handle = h
         self.pool = NativePool(self, budget_bytes, slot_bytes, policy)
         self.reuse = _Reuse(self) if policy == "reuse" else None
@@ -356,5 +389,5 @@ class NativeScheduler:
         # rows of m candidates: a shorter one padded with confidence 0 (never queued, as plan_ranked skips it)
         rows = [r + [(0.0, 0)] * (m - len(r)) for r in pairs]
         self._call("spx_plan_ranked", step, _ints(targets, ctypes.c_int64), len(targets), m,
-                   (ctypes.c_float * (len(rows) * m))(*(c for r in rows for c, _ in r)),
+                   (ctypes.c_double * (len(rows) * m))(*(c for r in rows for c, _ in r)),
                    _ints([e for r in rows for _, e in r]))

@@ -88,6 +88,12 @@ class SchedulerStats:
                                  for f in dataclasses.fields(self)})
 
 
+def resident_first(keys: list[Key], held) -> list[Key]:
+    """`keys` with the ones the pool holds (`held`: its slots) first, each group in its order: the order a step
+    acquires them in, so no read is asked for an expert before every resident one is pinned."""
+    return [k for k in keys if k in held] + [k for k in keys if k not in held]
+
+
 def window_probs(window: list[tuple[int, torch.Tensor]]) -> tuple[list[int], torch.Tensor | None]:
     """`plan`'s window as `plan_probs` takes it (both schedulers: this one and native_sched.py's): the rows that
     predict anything (an all-zero row is no prediction), non-negative ones normalised to sum 1, others softmaxed."""
@@ -364,8 +370,7 @@ class WindowScheduler:
     def acquire_read(self, step: int, keys: list[Key]) -> list:
         """A MoE layer's experts made resident, pinned and read: `acquire` with the pool's residents first (each
         group in the given order), then `data` of each key in the given order; their bytes."""
-        held = self.pool.slots
-        self.acquire(step, [k for k in keys if k in held] + [k for k in keys if k not in held])
+        self.acquire(step, resident_first(keys, self.pool.slots))
         return [self.data(k) for k in keys]
 
     def release(self, step: int, keys: list[Key], *, pump: bool = True) -> None:
