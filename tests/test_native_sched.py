@@ -237,6 +237,26 @@ def test_native_scheduler_raises_the_ios_own_error(op, nth):
             _drive(sched, future, 3, "probs")
 
 
+def test_a_dropped_native_scheduler_is_freed_at_once():
+    """No reference cycle keeps a native scheduler (and its C++ pool) alive: dropped, it is freed without the
+    garbage collector; its pool view then refuses to answer instead of reading freed memory."""
+    import gc
+    import weakref
+
+    future = _future(2, seed=1)
+    (_, _), (c, _) = _pair("adapter+reuse", 4, future, table=_table(True))
+    _drive(c, future, 1, "probs")
+    ref, pool = weakref.ref(c), c.pool
+    gc.disable()
+    try:
+        del c
+        assert ref() is None
+    finally:
+        gc.enable()
+    with pytest.raises(ReferenceError):
+        _ = pool.evictions
+
+
 def test_native_scheduler_refuses_bad_input():
     """Keys outside the model, a key the pool does not hold, rows that do not match their targets, mismatched
     ranked rows and malformed reuse tables: one-line errors, never a crash (each in this process)."""

@@ -119,7 +119,7 @@ SPX_API const char* spx_sched_error() { return g_error.c_str(); }
 // prefetch (0/1), orders_reuse (0/1); cfg_d: min_confidence, candidate_threshold. Reuse table (policy
 // "reuse"; its array sizes checked by the caller): bits, visits16 [2^bits], classes [L*E] or null, n_classes,
 // class_visits16 [n_classes * 2^bits]. Belady (policy "belady"): future [P * L * k] expert ids of P positions
-// (P < 0: none); units [n_units] the prompt's spans. The pool maps no arena: the caller's IO holds the bytes.
+// (P < 0: none); units [n_units] the prompt's spans (the GPU tier passes none: its prompt is one unit). The pool maps no arena: the caller's IO holds the bytes.
 SPX_API int spx_sched_new(void** out, int64_t budget_bytes, int64_t slot_bytes, const char* policy, int L, int E, int k,
                           const int64_t* cfg_i, const double* cfg_d, int bits, const int64_t* visits16,
                           const int32_t* classes, int n_classes, const int64_t* class_visits16, const int32_t* future,

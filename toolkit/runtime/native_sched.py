@@ -6,11 +6,11 @@ layer's launch; in Python the planning of one MoE layer took about 0.35 ms on an
 of which the scheduler's `plan_probs` 0.25 ms) and an acquire 0.12 ms, against a layer's 0.07 ms replay
 (docs/benchmarks.md section 9). The C++ port makes the same decisions (the native runner's event logs equal the
 reference's, line for line); what it saves is measured by `bench gpu --variant host=native` (section 9): every
-crossing into it and every callback out of it costs about a microsecond, so it pays where the decisions are heavy
-(the reuse eviction's victim search) and not for on-demand. It is compiled from the runner's own sources with the
-machine's C++ compiler into build/native-sched/<key>/ (once per source version, compiler and flags; about 10 s)
-and loaded with ctypes through a C ABI (android_runner/src/sched_capi.cpp): no Python headers, so one build serves
-any interpreter of the machine.
+crossing into it and every callback out of it costs something (about a microsecond, an estimate), so it pays
+where the decisions are heavy (the reuse eviction's victim search) and not for on-demand. It is compiled from the
+runner's own sources with the machine's C++ compiler into build/native-sched/<key>/ (once per source version,
+compiler and flags; about 10 s) and loaded with ctypes through a C ABI (android_runner/src/sched_capi.cpp): no
+Python headers, so one build serves any interpreter of the machine.
 
 Reads stay the caller's: the C++ scheduler calls back into the Python IO (`CudaCopyIO`: submit, landed, wait,
 release, take), so the copies, streams, slots and stall timing are those of the Python scheduler, and its pool
@@ -226,7 +226,9 @@ def _io_trampoline(ref: weakref.ref, op: int, layer: int, expert: int) -> int:
 def open_native_scheduler(cfg, *, slot_bytes: int, num_layers: int, num_experts: int, top_k: int, io,
                           future: list[torch.Tensor] | None, prefetch: bool,
                           reuse=None) -> tuple[NativePool, "NativeScheduler"]:
-    """runner.open_pool_and_scheduler's pool and scheduler (RunConfig `cfg`) on the native host."""
+    """runner.open_pool_and_scheduler's pool and scheduler (RunConfig `cfg`) on the native host. The pool (and
+    `sched.reuse`) are views of the scheduler's C++ state, usable while the scheduler is referenced (a sequence
+    keeps both); the C++ state is freed as soon as the scheduler is dropped."""
     scfg, table = scheduler_inputs(cfg, prefetch=prefetch, reuse=reuse, future=future)
     sched = NativeScheduler(budget_bytes=cfg.budget_bytes, slot_bytes=slot_bytes, policy=cfg.policy.eviction,
                             num_layers=num_layers, num_experts=num_experts, top_k=top_k, cfg=scfg, io=io,
