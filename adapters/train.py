@@ -75,11 +75,11 @@ class TrainConfig:
             raise bad("--horizons", ",".join(map(str, self.horizons)) or "''", "each horizon must lie in 1..4")
         if self.reuse_classes > MAX_CLASSES:
             raise bad("--reuse-classes", self.reuse_classes, f"must lie in 1..{MAX_CLASSES}")
-        if not (math.isfinite(self.lr) and self.lr > 0):
+        if not (is_number(self.lr) and self.lr > 0):
             raise bad("--lr", self.lr, "must be a finite number > 0")
-        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+        if not (is_number(self.weight_decay) and self.weight_decay >= 0):
             raise bad("weight_decay", self.weight_decay, "must be a finite number >= 0")
-        if not (math.isfinite(self.topk_weight) and self.topk_weight >= 0):
+        if not (is_number(self.topk_weight) and self.topk_weight >= 0):
             raise bad("--topk-weight", self.topk_weight, "must be a finite number >= 0")
         w = self.next_visit_weight
         if not (is_number(w) and w >= 0):
@@ -90,7 +90,7 @@ class TrainConfig:
             if h not in self.horizons:
                 raise bad("--horizon-weights", f"{h}:{w}", f"horizon {h} is not one of --horizons "
                           f"{','.join(map(str, self.horizons))}")
-            if not (math.isfinite(w) and w >= 0):
+            if not (is_number(w) and w >= 0):
                 raise bad("--horizon-weights", f"{h}:{w}", "weights must be finite numbers >= 0")
         if self.next_visit and not self.cross_token:
             raise SpecPrefetchError("--next-visit: the next visit is the next token's: it needs --cross-token")

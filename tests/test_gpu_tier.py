@@ -721,6 +721,9 @@ def test_gpu_engine_takes_the_read_budget_and_copy_depth(tiny_models, stores):
     assert 0 < run(copy_depth=1)["prefetch_issued"] < free["prefetch_issued"]
     with pytest.raises(SpecPrefetchError, match=r"^--read-budget-kib \d+: below one expert slot"):
         run(read_budget_kib=slot_kib - 1)
+    for bad in (0, True, 1.5):   # (True is an int to isinstance)
+        with pytest.raises(SpecPrefetchError, match=rf"^--queue-depth {bad!r}: prefetch copies a step"):
+            run(copy_depth=bad)
 
 
 # -- the static-cache decoder (toolkit/runtime/gpu_graph.py) ---------------------------------------

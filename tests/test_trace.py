@@ -941,6 +941,9 @@ class TestTrainOnATrace:
         ({"batch_size": 0}, "--batch-size 0: must be a whole number >= 1"),
         ({"val_every": 0}, "--val-every 0: must be a whole number >= 1"),
         ({"lr": float("nan")}, "--lr nan: must be a finite number > 0"),
+        ({"lr": "0.1"}, "--lr 0.1: must be a finite number > 0"),          # (from a file: a string, no traceback)
+        ({"topk_weight": True}, "--topk-weight True: must be a finite number >= 0"),
+        ({"horizon_weights": {1: "x"}}, "--horizon-weights 1:x: weights must be finite numbers >= 0"),
         ({"horizons": (1, 5)}, "--horizons 1,5: each horizon must lie in 1..4"),
         ({"horizon_weights": {3: 1.0}}, "horizon 3 is not one of --horizons 1,2"),
         ({"horizon_weights": {1: 0.0, 2: 0.0}}, "at least one weight must be > 0"),

@@ -48,15 +48,16 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 
 from toolkit.errors import SpecPrefetchError
+from toolkit.jsonvalues import is_int
 from toolkit.models.quant import group_quantize
 from toolkit.predictors.draft import SpecStats, greedy_accept
 from toolkit.runtime.expert_store import ExpertStore
 from toolkit.runtime.gpu_kernels import dequant, int4_gemv
+from toolkit.runtime.native_sched import library as native_library, open_native_scheduler
 from toolkit.runtime.planner import PrefetchPlanner, RoutingState
 from toolkit.runtime.pool import ExpertPool, Key
 from toolkit.runtime.policy import HOSTS
 from toolkit.runtime.profiles import check_budget_kib
-from toolkit.runtime.native_sched import library as native_library, open_native_scheduler
 from toolkit.runtime.runner import RunConfig, Runner, open_pool_and_scheduler
 from toolkit.runtime.scheduler import WindowScheduler, resident_first
 from toolkit.runtime.stats import DecodeAccount, RunStats
@@ -610,7 +611,7 @@ class GpuEngine:
         scheduler and pool decide, "python" (toolkit/runtime/scheduler.py) or "native" (the native runner's,
         toolkit/runtime/native_sched.py: the same decisions off Python; "keep": unchanged)."""
         cfg = dataclasses.replace(self.cfg, **changes)
-        if copy_depth != "keep" and copy_depth is not None and (not isinstance(copy_depth, int) or copy_depth < 1):
+        if copy_depth != "keep" and copy_depth is not None and (not is_int(copy_depth) or copy_depth < 1):
             raise SpecPrefetchError(f"--queue-depth {copy_depth!r}: prefetch copies a step, an integer >= 1")
         if host not in ("keep", *HOSTS):
             raise SpecPrefetchError(f"host {host!r}: choose from {', '.join(HOSTS)}")
