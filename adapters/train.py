@@ -62,6 +62,9 @@ class TrainConfig:
 
     def validate(self) -> None:
         """One-line errors naming the option, before any work."""
+        def shown(v: Any) -> Any:   # a value that is not a number at all, shown as what it is ('0.1' (str))
+            return v if is_number(v) or isinstance(v, float) else f"{v!r} ({type(v).__name__})"
+
         def bad(option: str, value: Any, what: str) -> SpecPrefetchError:
             return SpecPrefetchError(f"{option} {value}: {what}")
 
@@ -71,27 +74,27 @@ class TrainConfig:
                               ("--reuse-classes", self.reuse_classes)):
             if not is_int(value) or value < 1:
                 raise bad(option, value, "must be a whole number >= 1")
-        if not self.horizons or any(not 1 <= h <= 4 for h in self.horizons):
+        if not self.horizons or any(not is_int(h) or not 1 <= h <= 4 for h in self.horizons):
             raise bad("--horizons", ",".join(map(str, self.horizons)) or "''", "each horizon must lie in 1..4")
         if self.reuse_classes > MAX_CLASSES:
             raise bad("--reuse-classes", self.reuse_classes, f"must lie in 1..{MAX_CLASSES}")
         if not (is_number(self.lr) and self.lr > 0):
-            raise bad("--lr", self.lr, "must be a finite number > 0")
+            raise bad("--lr", shown(self.lr), "must be a finite number > 0")
         if not (is_number(self.weight_decay) and self.weight_decay >= 0):
-            raise bad("weight_decay", self.weight_decay, "must be a finite number >= 0")
+            raise bad("weight_decay", shown(self.weight_decay), "must be a finite number >= 0")
         if not (is_number(self.topk_weight) and self.topk_weight >= 0):
-            raise bad("--topk-weight", self.topk_weight, "must be a finite number >= 0")
+            raise bad("--topk-weight", shown(self.topk_weight), "must be a finite number >= 0")
         w = self.next_visit_weight
         if not (is_number(w) and w >= 0):
-            raise bad("--next-visit-weight", w, "must be a finite number >= 0")
+            raise bad("--next-visit-weight", shown(w), "must be a finite number >= 0")
         if not self.next_visit and w != 1.0:
             raise bad("--next-visit-weight", w, "this adapter has no next-visit heads")
         for h, w in (self.horizon_weights or {}).items():
-            if h not in self.horizons:
-                raise bad("--horizon-weights", f"{h}:{w}", f"horizon {h} is not one of --horizons "
+            if not is_int(h) or h not in self.horizons:
+                raise bad("--horizon-weights", f"{shown(h)}:{shown(w)}", f"horizon {shown(h)} is not one of --horizons "
                           f"{','.join(map(str, self.horizons))}")
             if not (is_number(w) and w >= 0):
-                raise bad("--horizon-weights", f"{h}:{w}", "weights must be finite numbers >= 0")
+                raise bad("--horizon-weights", f"{shown(h)}:{shown(w)}", "weights must be finite numbers >= 0")
         if self.next_visit and not self.cross_token:
             raise SpecPrefetchError("--next-visit: the next visit is the next token's: it needs --cross-token")
         if sum(self.weight(h) for h in self.horizons) <= 0:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import resource
 import shutil
 import signal
@@ -941,9 +942,11 @@ class TestTrainOnATrace:
         ({"batch_size": 0}, "--batch-size 0: must be a whole number >= 1"),
         ({"val_every": 0}, "--val-every 0: must be a whole number >= 1"),
         ({"lr": float("nan")}, "--lr nan: must be a finite number > 0"),
-        ({"lr": "0.1"}, "--lr 0.1: must be a finite number > 0"),          # (from a file: a string, no traceback)
-        ({"topk_weight": True}, "--topk-weight True: must be a finite number >= 0"),
-        ({"horizon_weights": {1: "x"}}, "--horizon-weights 1:x: weights must be finite numbers >= 0"),
+        ({"lr": "0.1"}, "--lr '0.1' (str): must be a finite number > 0"),   # (a caller's string: no traceback)
+        ({"topk_weight": True}, "--topk-weight True (bool): must be a finite number >= 0"),
+        ({"horizon_weights": {1: "x"}}, "--horizon-weights 1:'x' (str): weights must be finite numbers >= 0"),
+        ({"horizon_weights": {"1": 1.0}}, "--horizon-weights '1' (str):1.0: horizon '1' (str) is not one of"),
+        ({"horizons": ("1", 2)}, "--horizons 1,2: each horizon must lie in 1..4"),
         ({"horizons": (1, 5)}, "--horizons 1,5: each horizon must lie in 1..4"),
         ({"horizon_weights": {3: 1.0}}, "horizon 3 is not one of --horizons 1,2"),
         ({"horizon_weights": {1: 0.0, 2: 0.0}}, "at least one weight must be > 0"),
@@ -953,7 +956,7 @@ class TestTrainOnATrace:
         ({"reuse_classes": 65}, "--reuse-classes 65: must lie in 1..64"),
     ])
     def test_train_options_are_checked_first(self, work, tmp_path, bad, match):
-        with pytest.raises(SpecPrefetchError, match=match.replace("(", r"\(")):
+        with pytest.raises(SpecPrefetchError, match=re.escape(match)):
             train_adapter(work / "trace", tmp_path / "a", TrainConfig(**{**TRAIN, **bad}), progress=False)
         assert not (tmp_path / "a").exists()
 
