@@ -37,8 +37,6 @@ sources.
 """
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -54,6 +52,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from toolkit.artifacts import read_json
+from toolkit.artifacts.lock import waiting_lock as _locked
 from toolkit.errors import SpecPrefetchError
 
 SRC = Path(__file__).resolve().parent
@@ -85,19 +84,6 @@ def _tool(name: str, hint: str) -> str:
     if not found:
         raise SpecPrefetchError(f"{name} not found: {hint}")
     return found
-
-
-@contextlib.contextmanager
-def _locked(path: Path):
-    """An exclusive lock on `path`.lock (beside it) for the duration: one build or download of a cache
-    entry or output directory at a time, across processes."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.parent / f".{path.name}.lock", "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def config_header(manifest: dict[str, Any]) -> str:

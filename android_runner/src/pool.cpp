@@ -261,6 +261,12 @@ Slot* ExpertPool::reserve(Key key, int64_t now, bool prefetch, const std::set<Ke
   return &ref;
 }
 
+int64_t ExpertPool::unused_prefetches() const {
+  int64_t n = 0;
+  for (const auto& kv : slots_) n += kv.second.prefetched ? 1 : 0;
+  return n;
+}
+
 void ExpertPool::settle() {
   for (auto& kv : slots_) kv.second.prefetched = false;
 }

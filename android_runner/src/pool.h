@@ -103,6 +103,7 @@ class ExpertPool {
   Slot* reserve(Key key, int64_t now, bool prefetch, const std::set<Key>& protect,
                 const std::function<bool(Key)>& keep = nullptr);
   void settle();  // forget which slots came from a prefetch not yet used (decode figures start)
+  int64_t unused_prefetches() const;  // slots a prefetch filled that no step has used yet
   void evict(Key key, const Key* for_key);
   // Lower (evicting, releasing pages) or raise the capacity, within min_slots .. the arena's
   // slots; returns the slots evicted. Slots that cannot be evicted now (pinned) go at later reserves.

@@ -119,11 +119,11 @@ SPX_API const char* spx_sched_error() { return g_error.c_str(); }
 // prefetch (0/1), orders_reuse (0/1); cfg_d: min_confidence, candidate_threshold. Reuse table (policy
 // "reuse"; its array sizes checked by the caller): bits, visits16 [2^bits], classes [L*E] or null, n_classes,
 // class_visits16 [n_classes * 2^bits]. Belady (policy "belady"): future [P * L * k] expert ids of P positions
-// (P < 0: none); units [n_units] the prompt's spans (the GPU tier passes none: its prompt is one unit). The pool maps no arena: the caller's IO holds the bytes.
+// (P < 0: none), the prompt one unit (the GPU tier's prefill is one pass). The pool maps no arena: the caller's IO holds the bytes.
 SPX_API int spx_sched_new(void** out, int64_t budget_bytes, int64_t slot_bytes, const char* policy, int L, int E, int k,
                           const int64_t* cfg_i, const double* cfg_d, int bits, const int64_t* visits16,
                           const int32_t* classes, int n_classes, const int64_t* class_visits16, const int32_t* future,
-                          int P, const int32_t* units, int n_units, IoFn io) {
+                          int P, IoFn io) {
   return guarded([&] {
     if (L < 1 || E < 1 || k < 1 || k > E) throw spx::Error("a model of L >= 1 MoE layers, E >= 1 experts, 1 <= k <= E");
     auto h = std::make_unique<Handle>();
@@ -147,7 +147,7 @@ SPX_API int spx_sched_new(void** out, int64_t budget_bytes, int64_t slot_bytes, 
         fut[static_cast<size_t>(p)].assign(future + static_cast<size_t>(p) * L * k, future + static_cast<size_t>(p + 1) * L * k);
         for (int e : fut[static_cast<size_t>(p)]) check_key(h.get(), 0, e);
       }
-      next_use = spx::belady_next_use(fut, L, k, std::vector<int>(units, units + n_units));
+      next_use = spx::belady_next_use(fut, L, k, {});
     }
     if (pol == "reuse") {
       if (visits16 == nullptr || bits < 1 || bits > 20) throw spx::Error("the reuse eviction needs a reuse table");
@@ -293,11 +293,7 @@ SPX_API int spx_pool_info(void* h, int64_t* out) {
 
 // *out: slots a prefetch filled that no step has used yet (a walk over the slots: the run's figures only)
 SPX_API int spx_unused_prefetches(void* h, int64_t* out) {
-  return guarded([&] {
-    int64_t n = 0;
-    for (const auto& kv : H(h)->pool->slots()) n += kv.second.prefetched ? 1 : 0;
-    *out = n;
-  });
+  return guarded([&] { *out = H(h)->pool->unused_prefetches(); });
 }
 
 }  // extern "C"

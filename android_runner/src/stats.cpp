@@ -174,8 +174,7 @@ json RunStats::to_json() const {
 RunStats DecodeAccount::finish(const std::string& policy, const WindowScheduler& sched, const ExpertPool& pool,
                                const std::vector<double>& t, double ttft_s) const {
   const SchedulerStats d = sched.stats.minus(started_ ? first_ : SchedulerStats{});
-  int64_t unused = 0;
-  for (const auto& kv : pool.slots()) unused += kv.second.prefetched ? 1 : 0;
+  const int64_t unused = pool.unused_prefetches();
   std::vector<double> iv;  // stats.py's tpot_and_intervals
   for (size_t i = 1; i < t.size(); ++i) iv.push_back((t[i] - t[i - 1]) * 1e3);
   std::vector<double> tpots;

@@ -1,6 +1,7 @@
 """The destination lock: while it writes, every writer holds an exclusive lock on its destination
 (a hidden .OUT.lock beside it, removed when done), so a second process writing the same OUT is
-refused with one line instead of sharing the work directory."""
+refused with one line instead of sharing the work directory. `waiting_lock`: the same file's lock, waited for
+(builds and downloads of a cache entry, which a second process should reuse rather than refuse)."""
 from __future__ import annotations
 
 import contextlib
@@ -62,3 +63,16 @@ class _Lock:
             self.path.unlink()  # while still locked: nobody can hold the file we remove
         os.close(self.fd)
         self.fd = -1
+
+
+@contextlib.contextmanager
+def waiting_lock(path: Path):
+    """An exclusive lock on `path`.lock (beside it) for the duration: one build or download of a cache
+    entry or output directory at a time, across processes."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path(path), "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

@@ -56,7 +56,7 @@ import torch
 import torch.nn.functional as F
 
 from toolkit.errors import SpecPrefetchError
-from toolkit.runtime.scheduler import resident_first
+from toolkit.runtime.scheduler import resident_first, stable_topk
 
 SUPPORTED = ("qwen3_moe", "mixtral")
 # torch.compile takes a function's own recompile limit (torch 2.13; not 2.11)
@@ -79,8 +79,7 @@ def topk_by_sort(x: torch.Tensor, k: int, dim: int = -1, largest: bool = True, s
     own handling)."""
     if not largest or x.shape[dim] > 1024:
         return NotImplemented
-    v, i = torch.sort(x, dim=dim, descending=True, stable=True)
-    return v.narrow(dim, 0, k), i.narrow(dim, 0, k)
+    return stable_topk(x, k, dim)
 
 
 def row_times_narrow(a: torch.Tensor, b: torch.Tensor):
@@ -747,12 +746,11 @@ class GraphRunner:
                 sched.acquire(step, resident_first(union, pooled))
             for j, (order, keys) in enumerate(keys_of):
                 if len(union) > cap:   # more than fit: a row's experts at a time
-                    sched.acquire(step, resident_first(keys, pooled))
-                slots = []
-                for key in keys:
-                    sched.data(key)
-                    slots.append(where[key])
-                stage_np[j, :k] = slots
+                    sched.acquire_read(step, keys)
+                else:
+                    for key in keys:
+                        sched.data(key)
+                stage_np[j, :k] = [where[key] for key in keys]
                 stage_np[j, k:] = order
                 self.sel[li].copy_(stage[j], non_blocking=True)
                 self.pos.fill_(pos + j)

@@ -40,6 +40,7 @@ from typing import Any, Sequence
 
 import torch
 
+from toolkit.artifacts.lock import waiting_lock
 from toolkit.errors import SpecPrefetchError
 from toolkit.runtime.pool import Key
 from toolkit.runtime.runner import scheduler_inputs
@@ -105,24 +106,30 @@ def build(out_dir: Path = BUILD) -> Path:
     if lib.exists():
         return lib
     try:
-        lib.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
-            for name, data in files.items():
-                (Path(tmp) / name).write_bytes(data)
-            (Path(tmp) / "exports.map").write_text(EXPORTS)
-            out = Path(tmp) / lib.name
-            p = subprocess.run([*cxx, *FLAGS, f"-Wl,--version-script={tmp}/exports.map", f"-I{tmp}",
-                                *(str(Path(tmp) / s) for s in SOURCES), "-o", str(out)], capture_output=True, text=True)
-            if p.returncode != 0:
-                raise SpecPrefetchError(f"host=native: building the native scheduler with {' '.join(cxx)} failed "
-                                        f"(a static libstdc++ is needed: Debian's g++ has it):\n{p.stderr[-3000:]}")
-            os.replace(out, lib)
-        for old in out_dir.iterdir():   # earlier builds (another source version or compiler): never loaded again
-            if old != lib.parent and old.is_dir() and re.fullmatch(r"[0-9a-f]{16}", old.name):
-                shutil.rmtree(old, ignore_errors=True)
+        with waiting_lock(out_dir):   # one build (and pruning) at a time across processes, as the runner's builds
+            return lib if lib.exists() else _compile(cxx, files, lib, out_dir)
     except OSError as e:
         raise SpecPrefetchError(f"host=native: cannot build the native scheduler into {lib.parent}: "
                                 f"{e.strerror or e}") from None
+
+
+def _compile(cxx: list[str], files: dict[str, bytes], lib: Path, out_dir: Path) -> Path:
+    """Compile `files` (the hashed bytes) into `lib`, then remove the other builds in `out_dir`."""
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
+        for name, data in files.items():
+            (Path(tmp) / name).write_bytes(data)
+        (Path(tmp) / "exports.map").write_text(EXPORTS)
+        out = Path(tmp) / lib.name
+        p = subprocess.run([*cxx, *FLAGS, f"-Wl,--version-script={tmp}/exports.map", f"-I{tmp}",
+                            *(str(Path(tmp) / s) for s in SOURCES), "-o", str(out)], capture_output=True, text=True)
+        if p.returncode != 0:
+            raise SpecPrefetchError(f"host=native: building the native scheduler with {' '.join(cxx)} failed "
+                                    f"(a static libstdc++ is needed: Debian's g++ has it):\n{p.stderr[-3000:]}")
+        os.replace(out, lib)
+    for old in out_dir.iterdir():   # earlier builds (another source version or compiler): never loaded again
+        if old != lib.parent and old.is_dir() and re.fullmatch(r"[0-9a-f]{16}", old.name):
+            shutil.rmtree(old, ignore_errors=True)
     return lib
 
 
@@ -141,7 +148,7 @@ def library() -> ctypes.CDLL:
             i, i64 = ctypes.c_int, ctypes.c_int64
             sig = {
                 "spx_sched_new": [ctypes.POINTER(P), i64, i64, ctypes.c_char_p, i, i, i, I64, F64, i, I64, I32, i,
-                                  I64, I32, i, I32, i, _IO_FN],
+                                  I64, I32, i, _IO_FN],
                 "spx_acquire": [P, i64, I32, i], "spx_acquire_read": [P, i64, I32, i],
                 "spx_release": [P, i64, I32, i, i],
                 "spx_data": [P, i, i], "spx_landed": [P, i, i, ctypes.POINTER(i)],
@@ -163,10 +170,6 @@ def _ints(values: Sequence[int], kind=ctypes.c_int32):
     return (kind * len(values))(*values)
 
 
-def _keys(keys: Sequence[Key]):
-    return _ints(list(itertools.chain.from_iterable(keys)))
-
-
 class _Slots:
     """The pool's membership (`key in pool.slots`), asked of the C++ pool."""
 
@@ -185,19 +188,15 @@ class NativePool:
         self.budget_bytes, self.slot_bytes, self.policy = budget_bytes, slot_bytes, policy
         self.slots = _Slots(sched)
 
-    evictions = property(lambda self: self._s._pool_info()[1])
-    wasted_prefetches = property(lambda self: self._s._pool_info()[2])
-    peak_bytes = property(lambda self: self._s._pool_info()[3])
+    evictions = property(lambda self: self._s._pool_info(1))
+    wasted_prefetches = property(lambda self: self._s._pool_info(2))
+    peak_bytes = property(lambda self: self._s._pool_info(3))
 
     def unused_prefetches(self) -> int:
         """Slots a prefetch filled that no step has used yet."""
         n = ctypes.c_int64()
         self._s._call("spx_unused_prefetches", ctypes.byref(n))
         return n.value
-
-    def get(self, key: Key) -> bool | None:
-        """True where the pool holds `key` (ready or loading), None where not (as ExpertPool.get's slot)."""
-        return True if self._s._has(key) else None
 
     def settle(self) -> None:
         self._s._call("spx_settle")
@@ -279,7 +278,7 @@ class NativeScheduler:
         self._handle = None
         self._check(lib.spx_sched_new(ctypes.byref(h), budget_bytes, slot_bytes, policy.encode(), num_layers,
                                       num_experts, top_k, cfg_i, cfg_d, bits, v16, classes, n_classes, cv16, fut, P,
-                                      None, 0, self._cb))
+                                      self._cb))
         self._handle = h
         self.pool = NativePool(self, budget_bytes, slot_bytes, policy)
         self.reuse = _Reuse(self) if policy == "reuse" else None
@@ -287,6 +286,7 @@ class NativeScheduler:
         self._stats = (ctypes.c_int64 * 11)()
         self._wait = ctypes.c_double()
         self._flag = ctypes.c_int()
+        self._key_buf = (ctypes.c_int32 * (2 * num_layers * num_experts))()   # a step's keys (each at most once)
 
     def __del__(self):
         if getattr(self, "_handle", None) is not None:
@@ -325,18 +325,27 @@ class NativeScheduler:
             self._error = e
             return -1
 
+    def _keys(self, keys: Sequence[Key]):
+        """`keys` as (layer, expert) pairs in the scheduler's one buffer (no array made per call)."""
+        if 2 * len(keys) > len(self._key_buf):
+            self._key_buf = (ctypes.c_int32 * (2 * len(keys)))()
+        self._key_buf[:2 * len(keys)] = list(itertools.chain.from_iterable(keys))
+        return self._key_buf
+
     def _has(self, key: Key) -> bool:
         self._check(self.lib.spx_has(self._handle, key[0], key[1], ctypes.byref(self._flag)))
         return bool(self._flag.value)
 
-    def _pool_info(self) -> list[int]:
+    def _pool_info(self, i: int) -> int:
+        """Field i of spx_pool_info (sched_capi.cpp)."""
         self._check(self.lib.spx_pool_info(self._handle, self._info))
+        return self._info[i]
         return list(self._info)
 
     # -- WindowScheduler's interface ----------------------------------------------------------------
     @property
     def step(self) -> int:
-        return self._pool_info()[6]
+        return self._pool_info(6)
 
     @property
     def stats(self) -> SchedulerStats:
@@ -345,18 +354,18 @@ class NativeScheduler:
 
     def in_flight(self) -> int:
         """Prefetches logically in flight (issued, not yet retired)."""
-        return self._pool_info()[5]
+        return self._pool_info(5)
 
     def acquire(self, step: int, keys: list[Key]) -> None:
-        self._call("spx_acquire", step, _keys(keys), len(keys))
+        self._call("spx_acquire", step, self._keys(keys), len(keys))
 
     def acquire_read(self, step: int, keys: list[Key]) -> list:
         """WindowScheduler.acquire_read in one call: the layer's experts resident, pinned and read; their bytes."""
-        self._call("spx_acquire_read", step, _keys(keys), len(keys))
+        self._call("spx_acquire_read", step, self._keys(keys), len(keys))
         return [self._buffers[k] for k in keys]
 
     def release(self, step: int, keys: list[Key], *, pump: bool = True) -> None:
-        self._call("spx_release", step, _keys(keys), len(keys), int(pump))
+        self._call("spx_release", step, self._keys(keys), len(keys), int(pump))
 
     def data(self, key: Key):
         self._call("spx_data", *key)

@@ -91,7 +91,15 @@ class SchedulerStats:
 def resident_first(keys: list[Key], held) -> list[Key]:
     """`keys` with the ones the pool holds (`held`: its slots) first, each group in its order: the order a step
     acquires them in, so no read is asked for an expert before every resident one is pinned."""
-    return [k for k in keys if k in held] + [k for k in keys if k not in held]
+    inside = [k in held for k in keys]   # (once a key: the native pool answers each across its C ABI)
+    return [k for k, x in zip(keys, inside) if x] + [k for k, x in zip(keys, inside) if not x]
+
+
+def stable_topk(x: torch.Tensor, k: int, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest along `dim`, descending, the lower index first among equal values (as the native runner's
+    topk): a stable sort's first k (`torch.topk` orders ties arbitrarily)."""
+    v, i = torch.sort(x, dim=dim, descending=True, stable=True)
+    return v.narrow(dim, 0, min(k, x.shape[dim])), i.narrow(dim, 0, min(k, x.shape[dim]))
 
 
 def window_probs(window: list[tuple[int, torch.Tensor]]) -> tuple[list[int], torch.Tensor | None]:
@@ -227,11 +235,9 @@ class WindowScheduler:
         if not self.cfg.prefetch or probs is None:
             self.plan_ranked(step, [], [], [])
             return
-        # the top m, the lower expert id first among equal probabilities (as the native runner's topk; torch.topk
-        # orders ties arbitrarily, and the order decides which of equal candidates is queued first)
-        m = self.cfg.candidates or self.k
-        conf, ids = torch.sort(probs, dim=-1, descending=True, stable=True)
-        self.plan_ranked(step, targets, conf[:, :m].tolist(), ids[:, :m].tolist())
+        # (the order among equal probabilities decides which of equal candidates is queued first)
+        conf, ids = stable_topk(probs, self.cfg.candidates or self.k)
+        self.plan_ranked(step, targets, conf.tolist(), ids.tolist())
 
     def plan_ranked(self, step: int, targets: list[int], confs: list[list[float]], ids: list[list[int]]) -> None:
         """`plan_probs` with each target's candidates already taken: per target, what the top-m of its
