@@ -230,7 +230,8 @@ def native_engine(bundle: Path, *, abi: str, policy: str, pool_mib, window, queu
                 r["text"] = decode_text(tok, r["tokens"])
             runs.append(r)
         extra = {"policy": res["policy"], "engine": name}
-        for k in ("peak_rss_bytes", "load_ms", "kernel_isa", "direct_io", "io_note", "tokenizer", "threads"):
+        for k in ("peak_rss_bytes", "load_ms", "kernel_isa", "direct_io", "io_note", "crc32_impl", "tokenizer",
+                  "threads"):
             extra[k] = res[k]
         extra["backend"] = res.get("backend", "executorch")
         if "pool_auto" in res:  # --pool-mib auto: what was measured, the size chosen, each shrink

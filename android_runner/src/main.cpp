@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "bundle.h"
+#include "crc32.h"
 #include "events.h"
 #include "backend.h"
 #include "expert_store.h"
@@ -593,6 +594,7 @@ int main_(int argc, char** argv) {
   if (!tokenizer_note.empty()) out["tokenizer_note"] = tokenizer_note;
   out["direct_io"] = store->direct();
   out["io_note"] = store->io_note();
+  out["crc32_impl"] = crc32_impl();
   out["pool_mib"] = cfg.pool_mib;
   if (watch) out["pool_auto"] = pool_auto_json(sizing, *watch);
   out["arena_bytes"] = std::min<int64_t>(cfg.budget_bytes() / static_cast<int64_t>(store->slot_bytes),

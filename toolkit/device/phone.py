@@ -800,8 +800,8 @@ def _bench_held(lock: PhoneLock, bundle: Path, ids: list[list[int]], *, policies
         for run in res["runs"]:
             row = {"config": cfg["name"], "policy": res["policy"], "performance": cfg["performance"], "prompt": p,
                    "repeat": rep, **{k: v for k, v in run.items() if k not in ("routing", "source")},
-                   **{k: res[k] for k in ("peak_rss_bytes", "load_ms", "kernel_isa", "direct_io", "io_note", "threads",
-                                          "backend") if k in res},
+                   **{k: res[k] for k in ("peak_rss_bytes", "load_ms", "kernel_isa", "direct_io", "io_note",
+                                          "crc32_impl", "threads", "backend") if k in res},
                    "wall_s": round(wall, 3), "cooldown": gate, "before": before, "after": after}
             report["runs"].append(row)
             log(f"  {cfg['name']} prompt {p} #{rep + 1}: TPOT {run['tpot_ms']} ms, stall "
