@@ -378,7 +378,7 @@ def test_report_fields(native, tmp_path):
     assert out["engine"] == "native" and out["kernel_isa"] in ("avx2", "avx_vnni", "avx512_vnni", "portable")
     assert out["peak_rss_bytes"] > out["arena_bytes"] > 0
     assert out["load_ms"] > 0 and isinstance(out["direct_io"], bool) and isinstance(out["io_note"], str)
-    assert out["crc32_impl"] in ("pclmul", "portable")  # tests/test_native_crc32.py: which, and its sums
+    assert out["crc32_impl"] in ("pclmul", "armv8-crc", "portable")  # tests/test_native_crc32.py: which, and its sums
     r = out["runs"][0]
     assert r["ttft_ms"] >= r["prefill_ms"] > 0 and r["first_token_ms"] == pytest.approx(r["ttft_ms"], abs=1e-2)
     assert len(r["routing"]) == len(PROMPTS[0]) + NEW - 1 and len(r["routing"][0]) == 8 * 4
