@@ -226,6 +226,7 @@ def test_list_push_bench_with_the_arm64_runner_under_qemu(native_host, phones, t
     rep = flow(bundle, phones(abi="arm64-v8a"), tmp_path, repeats=1)
     # the best ISA the emulated CPU offers (qemu's default CPU has dotprod and i8mm)
     assert all(x["kernel_isa"] in ("neon", "neon_dotprod", "neon_i8mm") for x in rep["runs"])
+    assert all(x["crc32_impl"] == "armv8-crc" for x in rep["runs"])
 
 
 @pytest.mark.slow  # an ExecuTorch export of the tiny VL model (~40 s), then the flow with an image

@@ -1,7 +1,7 @@
 """The native runner's CRC-32 (android_runner/src/crc32.h), which checks every expert read: its
 hardware paths (x86-64's PCLMULQDQ folding on the host, aarch64's CRC32 instructions in a static
 build under qemu-aarch64) and its table code equal zlib's, whole, from any offset and chained, at
-every length around their block sizes (16, 32, 64 bytes) and at an expert's size; the dispatch
+every length around their block sizes (8, 16 and 64 bytes) and at an expert's size; the dispatch
 takes the hardware path where the CPU has it."""
 from __future__ import annotations
 

@@ -555,6 +555,7 @@ def test_arm64_build_under_qemu_gives_the_same_tokens_and_decisions(native, tmp_
     assert r.returncode == 0, r.stderr
     arm = json.loads(js.read_text())
     assert arm["kernel_isa"].startswith("neon") and arm["runs"][0]["prompt_ids"] == ids
+    assert arm["crc32_impl"] == "armv8-crc"  # every read checked with the CRC32 instructions
     assert arm["runs"][0]["tokens"] == host["runs"][0]["tokens"]
     assert decisions(ev.read_text().splitlines()) == decisions(host_lines)
 

@@ -87,7 +87,7 @@ SPX_TARGET_CRC uint32_t armv8_update(uint32_t c, const uint8_t* p, size_t n) {
 // 32 bits and a Barrett reduction. The constants are x^d mod P as 33-bit bit-reflected values; each
 // pair below is written (high qword, low qword), the order _mm_set_epi64x takes. `n` is a multiple of
 // 16, at least 64; `c` the register-form state.
-#define SPX_TARGET_PCLMUL __attribute__((target("pclmul,sse2")))
+#define SPX_TARGET_PCLMUL __attribute__((target("pclmul")))
 
 SPX_TARGET_PCLMUL inline __m128i load(const uint8_t* q) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(q)); }
 
