@@ -3,9 +3,10 @@
 //
 // Every expert read is checked with it (Reader, `verify`), so it must keep up with the flash: a table
 // CRC (slicing-by-8, about 2 GB/s a core) made the phone-class model's streaming decode 1.13-1.27x
-// slower (docs/benchmarks.md section 21). The CPU's own instructions are used where it has them, chosen once at start-up:
-// aarch64's CRC32 instructions (ARMv8.1-A makes them mandatory: every phone core this targets), or
-// x86-64's carry-less multiply (PCLMULQDQ) folding 64 bytes a step; the table code otherwise.
+// slower (docs/benchmarks.md section 21). The CPU's own instructions are used where it has them,
+// chosen once at start-up: aarch64's CRC32 instructions (ARMv8.1-A makes them mandatory: every phone
+// core this targets), or x86-64's carry-less multiply (PCLMULQDQ) folding 64 bytes a step; the table
+// code otherwise.
 #pragma once
 
 #include <cstddef>

@@ -267,6 +267,13 @@ int64_t ExpertPool::unused_prefetches() const {
   return n;
 }
 
+bool ExpertPool::preload(Key key) {
+  Slot* s = reserve(key, -1, false, {});
+  if (s == nullptr) return false;
+  s->ready = s->demand = true;
+  return true;
+}
+
 void ExpertPool::settle() {
   for (auto& kv : slots_) kv.second.prefetched = false;
 }

@@ -102,6 +102,8 @@ class ExpertPool {
   // keep(victim) vetoes the eviction.
   Slot* reserve(Key key, int64_t now, bool prefetch, const std::set<Key>& protect,
                 const std::function<bool(Key)>& keep = nullptr);
+  // A slot for `key`, ready, as a demand read's (its bytes left to the caller): false when the pool is full.
+  bool preload(Key key);
   void settle();  // forget which slots came from a prefetch not yet used (decode figures start)
   int64_t unused_prefetches() const;  // slots a prefetch filled that no step has used yet
   void evict(Key key, const Key* for_key);

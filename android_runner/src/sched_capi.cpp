@@ -181,15 +181,7 @@ SPX_API int spx_acquire(void* h, int64_t step, const int32_t* keys, int n) {
 // A MoE layer's experts made resident, pinned and read: acquire with the pool's residents first (each group in the
 // given order), then data() of each key in the given order (one crossing for the GPU tier's graph decode)
 SPX_API int spx_acquire_read(void* h, int64_t step, const int32_t* keys, int n) {
-  return guarded([&] {
-    std::vector<Key> ks = keys_of(H(h), keys, n), order;
-    for (const Key& key : ks)
-      if (H(h)->pool->get(key) != nullptr) order.push_back(key);
-    for (const Key& key : ks)
-      if (H(h)->pool->get(key) == nullptr) order.push_back(key);
-    H(h)->sched->acquire(step, order);
-    for (const Key& key : ks) H(h)->sched->data(key);
-  });
+  return guarded([&] { H(h)->sched->acquire_read(step, keys_of(H(h), keys, n)); });
 }
 
 SPX_API int spx_release(void* h, int64_t step, const int32_t* keys, int n, int pump) {
@@ -249,9 +241,7 @@ SPX_API int spx_preload(void* h, int layer, int expert) {
   return guarded([&] {
     check_key(H(h), layer, expert);
     if (H(h)->pool->get({layer, expert}) != nullptr) throw spx::Error("preload: the expert already has a slot");
-    spx::Slot* s = H(h)->pool->reserve({layer, expert}, -1, false, {});
-    if (s == nullptr) throw spx::Error("preload: the pool is full");
-    s->ready = s->demand = true;
+    if (!H(h)->pool->preload({layer, expert})) throw spx::Error("preload: the pool is full");
   });
 }
 
@@ -279,14 +269,12 @@ SPX_API int spx_stats(void* h, int64_t* out, double* wait_s) {
   });
 }
 
-// out[0..5]: capacity, evictions, wasted_prefetches, peak_bytes, slots held, prefetches in flight; out[6]: the
-// scheduler's step
+// out[0..4]: evictions, wasted_prefetches, peak_bytes, prefetches in flight, the scheduler's step
 SPX_API int spx_pool_info(void* h, int64_t* out) {
   return guarded([&] {
     auto* x = H(h);
-    const int64_t v[7] = {x->pool->capacity(), x->pool->evictions, x->pool->wasted_prefetches, x->pool->peak_bytes,
-                          static_cast<int64_t>(x->pool->slots().size()), static_cast<int64_t>(x->sched->in_flight()),
-                          x->sched->step()};
+    const int64_t v[5] = {x->pool->evictions, x->pool->wasted_prefetches, x->pool->peak_bytes,
+                          static_cast<int64_t>(x->sched->in_flight()), x->sched->step()};
     std::memcpy(out, v, sizeof v);
   });
 }

@@ -169,11 +169,11 @@ void WindowScheduler::begin_plan(int64_t step) {
   advance(step);
 }
 
-void WindowScheduler::queue_candidate(int64_t step, int64_t target, int e, double c) {
+void WindowScheduler::queue_candidate(int64_t target, int e, double c) {
   if (c <= 0 || c < cfg_.candidate_threshold) return;
   const Key key{static_cast<int>(target % L_), e};
   auto pn = predicted_next_.find(key);
-  if (pn == predicted_next_.end() || pn->second < step || target < pn->second) predicted_next_[key] = target;
+  if (pn == predicted_next_.end() || pn->second < step_ || target < pn->second) predicted_next_[key] = target;
   if (loading_has(key) || pool_.get(key) != nullptr) return;
   auto old = pending_.find(key);
   if (old != pending_.end() && std::make_pair(old->second.first, -old->second.second) <= std::make_pair(target, -c))
@@ -189,7 +189,7 @@ void WindowScheduler::plan_probs(int64_t step, const std::vector<int64_t>& targe
   if (cfg_.prefetch && !probs.empty()) {
     const int m = cfg_.candidates > 0 ? cfg_.candidates : k_;
     for (size_t w = 0; w < targets.size(); ++w)
-      for (int e : topk(probs[w], m)) queue_candidate(step, targets[w], e, probs[w][static_cast<size_t>(e)]);
+      for (int e : topk(probs[w], m)) queue_candidate(targets[w], e, probs[w][static_cast<size_t>(e)]);
   }
   pump();
 }
@@ -199,7 +199,7 @@ void WindowScheduler::plan_ranked(int64_t step, const std::vector<int64_t>& targ
   begin_plan(step);
   if (cfg_.prefetch)
     for (size_t w = 0; w < targets.size(); ++w)
-      for (size_t j = 0; j < confs[w].size(); ++j) queue_candidate(step, targets[w], ids[w][j], confs[w][j]);
+      for (size_t j = 0; j < confs[w].size(); ++j) queue_candidate(targets[w], ids[w][j], confs[w][j]);
   pump();
 }
 
@@ -281,6 +281,13 @@ void WindowScheduler::advance(int64_t step) {
     backlog_ = std::max<int64_t>(0, backlog_ - cfg_.read_budget_bytes * (step - backlog_step_));
     backlog_step_ = step;
   }
+}
+
+void WindowScheduler::acquire_read(int64_t step, const std::vector<Key>& keys) {
+  std::vector<Key> order(keys);
+  std::stable_partition(order.begin(), order.end(), [this](const Key& k) { return pool_.get(k) != nullptr; });
+  acquire(step, order);
+  for (const Key& key : keys) data(key);
 }
 
 void WindowScheduler::acquire(int64_t step, const std::vector<Key>& keys) {

@@ -80,6 +80,9 @@ class WindowScheduler {
 
   // Make `keys` resident and pinned for `step`; misses are read on demand, first in line.
   void acquire(int64_t step, const std::vector<Key>& keys);
+  // A layer's experts in one call: acquire with the pool's residents first (each group in the given
+  // order, as the Python reference's acquire_read), then data() of each key in the given order.
+  void acquire_read(int64_t step, const std::vector<Key>& keys);
   // Unpin `keys` after `step` used them, then issue queued reads (`pump`: a prefill chunk's earlier
   // expert groups release without it, so no prefetch takes a slot a later group of the step needs).
   void release(int64_t step, const std::vector<Key>& keys, bool pump = true);
@@ -111,7 +114,7 @@ class WindowScheduler {
   void pump(const std::set<Key>& protect = {});
   void drop_weak();
   void begin_plan(int64_t step);
-  void queue_candidate(int64_t step, int64_t target, int e, double c);
+  void queue_candidate(int64_t target, int e, double c);  // after begin_plan (its step_)
   void wait(Key key);
   void evicting(Key key);
   void emit(const char* kind, Key key, const std::string& extra = "");

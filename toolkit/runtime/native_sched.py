@@ -188,9 +188,9 @@ class NativePool:
         self.budget_bytes, self.slot_bytes, self.policy = budget_bytes, slot_bytes, policy
         self.slots = _Slots(sched)
 
-    evictions = property(lambda self: self._s._pool_info(1))
-    wasted_prefetches = property(lambda self: self._s._pool_info(2))
-    peak_bytes = property(lambda self: self._s._pool_info(3))
+    evictions = property(lambda self: self._s._pool_info(0))
+    wasted_prefetches = property(lambda self: self._s._pool_info(1))
+    peak_bytes = property(lambda self: self._s._pool_info(2))
 
     def unused_prefetches(self) -> int:
         """Slots a prefetch filled that no step has used yet."""
@@ -282,7 +282,7 @@ class NativeScheduler:
         self._handle = h
         self.pool = NativePool(self, budget_bytes, slot_bytes, policy)
         self.reuse = _Reuse(self) if policy == "reuse" else None
-        self._info = (ctypes.c_int64 * 7)()
+        self._info = (ctypes.c_int64 * 5)()
         self._stats = (ctypes.c_int64 * 11)()
         self._wait = ctypes.c_double()
         self._flag = ctypes.c_int()
@@ -340,12 +340,11 @@ class NativeScheduler:
         """Field i of spx_pool_info (sched_capi.cpp)."""
         self._check(self.lib.spx_pool_info(self._handle, self._info))
         return self._info[i]
-        return list(self._info)
 
     # -- WindowScheduler's interface ----------------------------------------------------------------
     @property
     def step(self) -> int:
-        return self._pool_info(6)
+        return self._pool_info(4)
 
     @property
     def stats(self) -> SchedulerStats:
@@ -354,7 +353,7 @@ class NativeScheduler:
 
     def in_flight(self) -> int:
         """Prefetches logically in flight (issued, not yet retired)."""
-        return self._pool_info(5)
+        return self._pool_info(3)
 
     def acquire(self, step: int, keys: list[Key]) -> None:
         self._call("spx_acquire", step, self._keys(keys), len(keys))
@@ -381,7 +380,7 @@ class NativeScheduler:
             self._call("spx_plan_probs", step, _ints([], ctypes.c_int64), 0, None)
             return
         p = probs.detach().to("cpu", torch.float32).contiguous()
-        if p.dim() != 2 or p.shape != (len(targets), self.E):
+        if p.shape != (len(targets), self.E):
             raise SpecPrefetchError(f"native scheduler: probabilities of shape {tuple(p.shape)} for {len(targets)} "
                                     f"targets, not [{len(targets)}, {self.E}]")
         self._call("spx_plan_probs", step, _ints(targets, ctypes.c_int64), len(targets), p.data_ptr())
