@@ -117,20 +117,7 @@ def calibrate_native(bundle: Path, prompts: list[list[int]], *, all_mib: float, 
         source="specprefetch runner bench (android_runner/bench.py: calibrate_native)")
 
 
-def auto_read_budget(store, queue_depth: int, step_ms: float, reads: int = 200) -> dict[str, Any]:
-    """The read budget this machine supports, measured: the store's O_DIRECT rate for expert slots at
-    the native runner's read lanes (calibrate's measure_reads) over `step_ms`, one step of the runner's
-    compute (its all-resident TPOT over the layers); toolkit.runtime.profiles.read_budget_kib."""
-    from toolkit.runtime.profiles import read_budget_kib, read_lanes
-    from toolkit.simulate.calibrate import measure_reads
-
-    lanes = read_lanes(queue_depth)
-    mibs, _ = measure_reads(store.path, [e.offset for e in store.entries.values()], store.slot_bytes, lanes, reads,
-                            store=store)
-    return {**read_budget_kib(mibs, step_ms * 1e-3, store.slot_bytes), "lanes": lanes, "reads": reads}
-
-
-# a row of the predictor's policy with a read budget: "<policy> read-budget=<KiB>"
+# the row of the predictor's policy without the streaming rows' read budget: "<policy> read-budget=off"
 READ_BUDGET_TAG = " read-budget="
 # a row of the predictor's reuse policy without the adapter's next-visit heads (run --no-next-visit),
 # where the bundle has them
@@ -166,23 +153,24 @@ def token_check(results: list[dict], reference: list[list[int]]) -> dict[str, An
 
 def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: int = 32, rounds: int = 3,
         pool_fracs: tuple[float, ...] = (0.13, 0.27), threads: int = 1, ablation: bool = False,
-        read_budget_kib: int | str | None = None, images: tuple[Path, ...] = (), prompt_texts: tuple[str, ...] = (),
+        read_budget_kib: int | str | None = "auto", images: tuple[Path, ...] = (), prompt_texts: tuple[str, ...] = (),
         variants: tuple[str, ...] = (), log: Callable[[str], None] = print) -> dict[str, Any]:
     """The native runner against the Python reference runner and the memory floor, then its policies
     streaming from flash, then the simulator recalibrated against it. Both engines run the layer
     graphs on an ExecuTorch thread pool of `threads` (one: a decode step's matrices are too small
     to gain from more on this machine; docs/benchmarks.md). ablation: also the eviction ablation
     (ABLATION_POLICIES: each predictor with the other eviction, in the same interleaved rounds), which
-    separates what prediction and what eviction cost against the oracle. read_budget_kib: also the
-    predictor's policy with that read budget (`run --read-budget-kib`), a row of its own in the same
-    rounds (not simulated); "auto": the budget measured in this run (`auto_read_budget`: the flash's
-    O_DIRECT rate for expert slots at the runner's read lanes, times one step of its all-resident
-    compute). images: every prompt gets these images before its text (a bundle that takes images; both
-    engines run the image prompt; the simulator, which replays text, is left out). prompt_texts: the
-    prompts' texts (then `prompts` and `prompt_tokens` do not apply); default: held-out texts. variants: also
-    the predictor's policy with these scheduler settings (`parse_variants`: window, queue_depth,
-    candidate_threshold, min_confidence instead of the bundle's; reuse_classes=off: the whole reuse table, not
-    its frequency classes), each a row of its own in the same rounds, simulated too."""
+    separates what prediction and what eviction cost against the oracle. read_budget_kib: the streaming
+    runs' read budget (`run --read-budget-kib`): "auto" (the runner's default: each run measures the
+    flash's rate at start-up and each step's compute time as it goes), KiB a step, or None (off); unless
+    off, the predictor's policy also runs without it (a row of its own, `<policy> read-budget=off`), and
+    each row is simulated with the budget its runs had (their decode steps' median). images: every
+    prompt gets these images before its text (a bundle that takes images; both engines run the image
+    prompt; the simulator, which replays text, is left out). prompt_texts: the prompts' texts (then
+    `prompts` and `prompt_tokens` do not apply); default: held-out texts. variants: also the predictor's
+    policy with these scheduler settings (`parse_variants`: window, queue_depth, candidate_threshold,
+    min_confidence instead of the bundle's; reuse_classes=off: the whole reuse table, not its frequency
+    classes), each a row of its own in the same rounds, simulated too."""
     from transformers import AutoTokenizer
 
     from export.executorch_target import set_threads
@@ -294,13 +282,6 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
                        "native_peak_rss_mib": round(max(rss) / MiB, 1), "pool_mib": round(all_mib, 2),
                        "resident_tokens": resident_tokens,
                        "tokens_match_resident": token_check(first_use, resident_tokens)["match"]}
-    if read_budget_kib == "auto":
-        auto = auto_read_budget(store, queue_depth, median(preload_t) / L)
-        read_budget_kib = out["read_budget_auto_kib"] = auto["kib"]
-        out["read_budget_auto"] = auto
-        log(f"read budget (auto): {auto['read_mibs']:.0f} MiB/s of {store.slot_bytes / 2**10:.0f} KiB O_DIRECT reads "
-            f"at {auto['lanes']} lanes x {auto['step_ms']:.3f} ms a step (the resident TPOT / {L} layers) = "
-            f"{auto['kib']} KiB a step ({auto['kib'] * 1024 / store.slot_bytes:.1f} slots)")
     py = token_check([{"runs": [{"tokens": t} for t in python_tokens]}], resident_tokens)
     out["resident"]["python_tokens_match_resident"] = py["match"]
     if not quantised and not py["match"]:
@@ -318,7 +299,7 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
         ([f"{base[2]}{NO_NEXT_VISIT_TAG}"] if next_visit else []) + \
         ([p.format(graph=graph) for p in ABLATION_POLICIES] if ablation else []) + \
         [f"{base[2]}{VARIANT_TAG}{v}" for v in knobs] + \
-        ([f"{base[2]}{READ_BUDGET_TAG}{read_budget_kib}"] if read_budget_kib else [])
+        ([f"{base[2]}{READ_BUDGET_TAG}off"] if read_budget_kib is not None else [])
     out["ablation"] = ablation
     out["read_budget_kib"] = read_budget_kib
     out["predictor_policy"] = base[2]  # what the ratios over "the predictor" are of
@@ -356,7 +337,7 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
                     (("--candidate-threshold", repr(float(kv["candidate_threshold"])))
                      if "candidate_threshold" in kv else ())
                 res = run_native(bundle, ids, max_new_tokens=new_tokens, policy=pol, pool_mib=pool, cold=True,
-                                 read_budget_kib=int(rb) if rb else None, window=kv.get("window"),
+                                 read_budget_kib=None if rb == "off" else read_budget_kib, window=kv.get("window"),
                                  queue_depth=kv.get("queue_depth"), min_confidence=kv.get("min_confidence"),
                                  extra=extra)
                 got[p].append(res)
@@ -371,6 +352,7 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
                                                   "hit_rate", "mib_read_per_token", "prefetch_precision",
                                                   "prefetch_recall"))
             point["policies"][p]["peak_rss_mib"] = round(max(res["peak_rss_bytes"] for res in results) / MiB, 1)
+            point["policies"][p]["read_budget_kib"] = runs_budget_kib(runs)
             point["policies"][p]["direct_io"] = all(res["direct_io"] for res in results)
             chk = token_check(results, resident_tokens)
             point["policies"][p]["tokens_match_resident"] = chk["match"]
@@ -386,8 +368,8 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
         point["on_demand_over_predictor"] = round(od / pr, 3)
         point["temporal_over_predictor"] = round(tmp / pr, 3)
         point["predictor_over_oracle"] = round(pr / orc, 3)
-        if read_budget_kib:  # the predictor's policy without the read budget over with it
-            point["predictor_over_read_budget"] = round(pr / tp[policies[-1]], 3)
+        if read_budget_kib is not None:  # the predictor's policy without the read budget over with it
+            point["no_read_budget_over_predictor"] = round(tp[f"{base[2]}{READ_BUDGET_TAG}off"] / pr, 3)
         for v in knobs:   # each variant's settings over the bundle's: > 1 where the variant is faster
             point.setdefault("predictor_over_variant", {})[v] = round(pr / tp[f"{base[2]}{VARIANT_TAG}{v}"], 3)
         if next_visit:  # the reuse eviction without the next-visit heads over with them
@@ -400,7 +382,8 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
         out["points"].append(point)
         log(f"  on-demand / {base[2]}: {point['on_demand_over_predictor']}, previous-token / {base[2]}: "
             f"{point['temporal_over_predictor']}, {base[2]} / oracle: {point['predictor_over_oracle']}"
-            + (f", without / with the read budget: {point['predictor_over_read_budget']}" if read_budget_kib else "")
+            + (f", without / with the read budget: {point['no_read_budget_over_predictor']}"
+               if read_budget_kib is not None else "")
             + (f", without / with the next-visit heads: {point['no_next_visit_over_predictor']}" if next_visit
                else "")
             + "".join(f", {base[2]} / with {v}: {x}" for v, x in point.get("predictor_over_variant", {}).items()))
@@ -421,18 +404,22 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
         log("the simulator, recalibrated against the native runner (calibrate_native), on the same prompts")
         prof = calibrate_native(bundle, ids, all_mib=all_mib, tokens=new_tokens, threads=threads,
                                 oracle_runs=calib_runs)
-        sim = simulate_same_prompts(src, texts, adapter,
-                                    parse_policies(",".join(p for p in policies if READ_BUDGET_TAG not in p
-                                                            and NO_NEXT_VISIT_TAG not in p and VARIANT_TAG not in p)),
+        rows = [p for p in policies if READ_BUDGET_TAG not in p and NO_NEXT_VISIT_TAG not in p and VARIANT_TAG not in p]
+        variants = {f"{base[2]}{VARIANT_TAG}{v}": (parse_policies(base[2])[0], kv) for v, kv in knobs.items()}
+        if read_budget_kib is not None:
+            variants[f"{base[2]}{READ_BUDGET_TAG}off"] = (parse_policies(base[2])[0], {})
+        # each row replayed with the read budget its runs had (none: the off row, and policies that prefetch nothing)
+        budgets = [{name: {"read_budget_kib": v["read_budget_kib"]} for name, v in pt["policies"].items()}
+                   for pt in out["points"]]
+        sim = simulate_same_prompts(src, texts, adapter, parse_policies(",".join(rows)),
                                     [p["slots"] * store.slot_bytes / MiB for p in out["points"]], new_tokens,
                                     m["runtime"]["scheduler"]["window"], None, profile=prof, dtype=store.dtype,
                                     queue_depth=queue_depth,
                                     runs=[{"tokens": t, "routing": r}
                                           for t, r in zip(resident_tokens, resident_routing)],
                                     prefill_chunks=m["graphs"].get("prefill_chunks") or (),
-                                    variants={f"{base[2]}{VARIANT_TAG}{v}": (parse_policies(base[2])[0], kv)
-                                              for v, kv in knobs.items()},
-                                    settings=scheduler_defaults(m))
+                                    variants=variants, settings=scheduler_defaults(m), row_settings=budgets,
+                                    calib_settings=budgets[calib_point][base[3]] if calib_point is not None else {})
         out["simulated"] = sim
         # the calibration's own runs: where their flash rate was used (flash-bound), their row is fitted to
         # them, not predicted; otherwise the burst table stands and the row is a prediction like the others
@@ -446,7 +433,7 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
                 "the burst read table stands")
         for i, (p, sp) in enumerate(zip(out["points"], sim["points"])):
             for name, v in p["policies"].items():
-                if name not in sp["policies"]:  # a read-budget or next-visit=off row: not simulated
+                if name not in sp["policies"]:  # a next-visit=off row: not simulated
                     continue
                 v["simulated_tpot_ms"] = sp["policies"][name]["tpot_ms"]
                 v["sim_over_measured"] = round(v["simulated_tpot_ms"] / v["tpot_ms"], 3)
@@ -455,6 +442,13 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
     else:
         log(f"no simulator comparison: {source.problem}")
     return out
+
+
+def runs_budget_kib(runs: list[dict]) -> int | None:
+    """The read budget a row's runs had (the runner's report's read_budget): a fixed one's KiB, auto's
+    decode-step medians' lower median over the runs, None without one (or auto with nothing prefetched)."""
+    kib = sorted(b["kib"] for x in runs if (b := x.get("read_budget")) and b.get("kib") is not None)
+    return kib[(len(kib) - 1) // 2] if kib else None
 
 
 def _yes(v: bool | None) -> str:
@@ -489,14 +483,15 @@ def markdown(r: dict[str, Any]) -> str:
              f"{res['dense_program_bytes'] / MiB:.2f} MiB read of the program + "
              f"{res.get('kv_cache_bytes', 0) / MiB:.2f} MiB of KV cache + top-k experts) at "
              f"{res['memory_read_gbps']} GB/s measured.",
-             *([f"Read budget (auto, measured in this run): {a['read_mibs']} MiB/s of O_DIRECT expert reads at "
-                f"{a['lanes']} lanes x {a['step_ms']} ms a step (resident TPOT / layers) = {a['kib']} KiB a step"
-                + (" (raised to one slot)" if a["raised"] else "") + "."]
-               if (a := r.get("read_budget_auto")) else []),
-             "", "Streaming (O_DIRECT, cold page cache):", "",
+             "", "Streaming (O_DIRECT, cold page cache)" + {
+                 "auto": "; read budget: auto, each run's own (the flash's rate measured at its start x each step's "
+                         "compute time, measured as it goes; the column: its decode steps' median)",
+                 None: "; no read budget"}.get(r.get("read_budget_kib"), f"; read budget {r.get('read_budget_kib')} "
+                                                                       "KiB a step") + ":", "",
              "| pool MiB (experts) | policy | TTFT ms | TPOT ms | p95 ms | stall ms/token | hit rate | "
-             "MiB read/token | peak RSS MiB | simulated TPOT ms | sim / measured | tokens = resident |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "MiB read/token | read budget KiB | peak RSS MiB | simulated TPOT ms | sim / measured | "
+             "tokens = resident |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in r["points"]:
         for name, v in p["policies"].items():
             # the ratio from the TPOTs themselves (its JSON field is rounded to 3 places already)
@@ -507,25 +502,26 @@ def markdown(r: dict[str, Any]) -> str:
             lines.append(f"| {p['pool_mib']:.2f} ({p['slots']}) | {name} | {ttft} | {v['tpot_ms']:.3f} | "
                          f"{v['tpot_p95_ms']:.3f} | "
                          f"{v['stall_ms_per_token']:.3f} | {v['hit_rate']:.3f} | {v['mib_read_per_token']:.3f} | "
+                         f"{'-' if v.get('read_budget_kib') is None else v['read_budget_kib']} | "
                          f"{v['peak_rss_mib']} | {sim} | {_yes(v.get('tokens_match_resident'))}"
                          + (f" (Python: {_yes(v['tokens_match_python'])})" if "tokens_match_python" in v else "")
                          + " |")
         lines.append(f"| | on-demand / predictor {p['on_demand_over_predictor']:.3f}, previous-token / predictor "
                      f"{p['temporal_over_predictor']:.3f}, predictor / oracle "
                      f"{p['predictor_over_oracle']:.3f}"
-                     + (f", predictor without / with the read budget {p['predictor_over_read_budget']:.3f}"
-                        if "predictor_over_read_budget" in p else "")
+                     + (f", predictor without / with the read budget {p['no_read_budget_over_predictor']:.3f}"
+                        if "no_read_budget_over_predictor" in p else "")
                      + (f", predictor without / with the next-visit heads {p['no_next_visit_over_predictor']:.3f}"
                         if "no_next_visit_over_predictor" in p else "")
                      + "".join(f", predictor / with {v} {x:.3f}"
                                for v, x in p.get("predictor_over_variant", {}).items())
-                     + " | | | | | | | | | | |")
+                     + " | | | | | | | | | | | |")
         if "predictor_eviction_over_belady" in p:
             lines.append(f"| | eviction ablation: predictor / predictor+belady "
                          f"{p['predictor_eviction_over_belady']:.3f}, "
                          f"oracle+lru / oracle {p['oracle_lru_over_belady']:.3f}, oracle+prediction / oracle "
                          f"{p['oracle_prediction_over_belady']:.3f}, on-demand+belady / oracle "
-                         f"{p['on_demand_belady_over_oracle']:.3f} | | | | | | | | | | |")
+                         f"{p['on_demand_belady_over_oracle']:.3f} | | | | | | | | | | | |")
     if "simulated" in r:
         pr = r["simulated"]["profile"]
         cal = r["simulated"].get("calibrated_on")

@@ -755,14 +755,16 @@ def run_native(bundle: Path | str, prompts: Sequence[str | Sequence[int]], *, ab
                max_new_tokens: int = 32,
                policy: str | None = None, pool_mib: float | None = None, window: int | None = None,
                queue_depth: int | None = None, min_confidence: float | None = None, threads: int | None = None,
-               step_budget_kib: int | None = None, read_budget_kib: int | None = None,
+               step_budget_kib: int | None = None, read_budget_kib: int | str | None = None,
                events: Path | None = None, routing: Path | None = None,
                cold: bool = False, isa: str | None = None, extra: Sequence[str] = (), timeout: float | None = None,
                runner: Path | None = None,
                log: Callable[[str], None] = lambda s: print(s, file=sys.stderr)) -> dict[str, Any]:
     """Run the native runner on `bundle` and return its JSON (building the runner first if needed).
     A prompt is text (the runner's tokenizer encodes it) or token ids. `runner`: a build of it
-    already made (build's result), so repeated runs do not re-check the bundle and the sources."""
+    already made (build's result), so repeated runs do not re-check the bundle and the sources.
+    `read_budget_kib`: KiB, "auto" (the runner's own default: measured in the run) or None, no read budget
+    (RunConfig's None, so that both engines decide alike)."""
     out = Path(runner) if runner is not None else build(bundle, abi, log=log)
     args = [str(bundle)]
     for p in prompts:
@@ -770,7 +772,7 @@ def run_native(bundle: Path | str, prompts: Sequence[str | Sequence[int]], *, ab
     args += ["--max-new-tokens", str(max_new_tokens)]
     opts = {"--policy": policy, "--pool-mib": pool_mib, "--window": window, "--queue-depth": queue_depth,
             "--min-confidence": min_confidence, "--step-budget-kib": step_budget_kib,
-            "--read-budget-kib": read_budget_kib, "--events": events,
+            "--read-budget-kib": "off" if read_budget_kib is None else read_budget_kib, "--events": events,
             "--routing": routing, "--isa": isa, "--threads": threads}
     for k, v in opts.items():
         if v is not None:

@@ -419,7 +419,8 @@ def test_profile_of_a_resident_token(tiny_models, stores):
     eng = GpuEngine(lm, st, RunConfig(policy=Policy("on-demand", "lru"), pool_mib=all_mib), device="cpu")
     r = profile_resident(eng, [5, 6, 7, 8], 8, short=3)
     assert r["what"] == "host ops" and r["tokens"] == 5
-    assert r["ops_per_token"] > st.num_layers and r["device_ms_per_token"] > 0
+    # (the ops' time is a difference of two timed runs: no sign asserted, a busy machine can make it negative)
+    assert r["ops_per_token"] > st.num_layers and isinstance(r["device_ms_per_token"], float)
     assert all(float(x["per_token"]).is_integer() for x in r["top"]), r["top"]
     with pytest.raises(SpecPrefetchError, match="more than 3 new tokens"):
         profile_resident(eng, [5, 6, 7, 8], 3, short=3)

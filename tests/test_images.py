@@ -176,8 +176,9 @@ def _image_runs(bundle: Path, pictures: list[Path], tmp_path: Path):
         for engine in ("python", "native"):
             args = [a for img in imgs for a in ("--image", img)]
             code, out = cli("run", bundle, "--engine", engine, "--prompt", PROMPT, *args, "--max-new-tokens", 6,
-                            "--policy", "next-gate+prediction", "--pool-mib", "0.06", "--check",
-                            "--json", tmp_path / f"{tag}-{engine}.json", "--events", tmp_path / f"{tag}-{engine}.ev")
+                            "--policy", "next-gate+prediction", "--pool-mib", "0.06", "--check", "--read-budget-kib",
+                            "off", "--json", tmp_path / f"{tag}-{engine}.json",
+                            "--events", tmp_path / f"{tag}-{engine}.ev")
             assert code == 0, out
         py, nat = (json.loads((tmp_path / f"{tag}-{e}.json").read_text())["runs"][0] for e in ("python", "native"))
         assert py["tokens"] == nat["tokens"] and nat["matches_unmodified_model"] is True, tag

@@ -55,7 +55,8 @@ def native_qnn_run(runner: Path, bundle: Path, tmp_path: Path, policy: str, *ext
     js, ev = tmp_path / f"{policy}.json", tmp_path / f"{policy}.log"
     args = [a for ids in PROMPTS for a in ("--prompt-ids", ",".join(map(str, ids)))]
     r = subprocess.run([*command(runner, "host"), str(bundle), *args, "--max-new-tokens", str(NEW), "--policy", policy,
-                        "--pool-mib", str(POOL), "--json", str(js), "--events", str(ev), *map(str, extra)],
+                        "--pool-mib", str(POOL), "--json", str(js), "--events", str(ev), "--read-budget-kib", "off",
+                        *map(str, extra)],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     return json.loads(js.read_text()), ev.read_text().splitlines()

@@ -42,9 +42,12 @@ def native(native_host) -> tuple[Path, Path]:
 
 
 def run_native(native, *args, check=True):
+    """The runner on the bundle; without a read budget unless `args` give one (its default, auto, follows the
+    measured compute time: decisions the reference's, with none, can be compared with)."""
     bundle, out = native
-    r = subprocess.run([*command(out, "host"), str(bundle), *map(str, args)], capture_output=True, text=True,
-                       timeout=300)
+    budget = () if "--read-budget-kib" in args else ("--read-budget-kib", "off")
+    r = subprocess.run([*command(out, "host"), str(bundle), *budget, *map(str, args)], capture_output=True,
+                       text=True, timeout=300)
     if check:
         assert r.returncode == 0, r.stderr
     return r
@@ -312,7 +315,7 @@ def test_both_engines_run_a_bundle_with_its_exported_scheduler_settings(native, 
             # in this process (the CLI's own path; a subprocess would pay torch's and ExecuTorch's imports)
             code, out = cli("run", b, "--engine", engine, "--policy", "next-gate+prediction", "--pool-mib", "2",
                             "--prompt", "The kernel's memory", "--max-new-tokens", "3", "--no-check",
-                            "--events", ev, "--json", ev.with_suffix(".json"), *extra)
+                            "--read-budget-kib", "off", "--events", ev, "--json", ev.with_suffix(".json"), *extra)
             assert code == 0, out
             lines = ev.read_text().splitlines()
             headers[engine, len(extra)] = lines[0]
@@ -363,6 +366,68 @@ def test_read_budget_decides_as_the_reference(native, reference, embedded, tmp_p
     refused = run_native(native, "--prompt-ids", "1,2", "--read-budget-kib", max(1, slot_kib - 1), check=False)
     assert refused.returncode != 0 and "--read-budget-kib" in refused.stderr
     assert "below one expert slot" in refused.stderr
+
+
+def test_read_budget_measured_in_the_run(native, reference, embedded, tmp_path):
+    """--read-budget-kib auto, the runner's default: both engines probe the flash's rate at start-up (or take
+    --read-rate-mibs) and report the budget of the decode steps: that rate times their measured compute time, in
+    whole KiB, at least one slot. At 0.001 MiB/s every measured step's budget is one slot, so both engines decide
+    alike (no budget at the first step, one slot after) and drop prefetches as late; at 10^6 MiB/s none is
+    dropped; the unmodified model's tokens every time. A policy that prefetches nothing probes nothing."""
+    ref = reference_tokens(embedded, PROMPTS[0], NEW)
+    slot = reference.runner.store.slot_bytes
+    slot_kib = -(-slot // 1024)
+    policy = "next-gate+prediction"
+    out, _ = native_run(native, tmp_path, policy, POOLS[0], PROMPTS[:1])   # the helper's: off
+    assert out["runs"][0]["read_budget"] == {"mode": "off", "kib": None}
+    bundle, build_dir = native
+    js = tmp_path / "default.json"   # no option: the runner's default
+    subprocess.run([*command(build_dir, "host"), str(bundle), "--prompt-ids", ",".join(map(str, PROMPTS[0])),
+                    "--max-new-tokens", str(NEW), "--policy", policy, "--pool-mib", str(POOLS[0]), "--json", str(js)],
+                   check=True, capture_output=True, timeout=300)
+    r = json.loads(js.read_text())["runs"][0]
+    rb = probed = r["read_budget"]
+    total = 8 * 32
+    assert rb["mode"] == "auto" and rb["rate_from"] == "probe" and rb["read_mibs"] > 0 and rb["probe_ms"] > 0
+    assert rb["probe_reads"] == min(total, max(16, min(64, -(-(64 << 20) // slot)))) and rb["probe_lanes"] == 5
+    assert rb["steps"] == (len(r["tokens"]) - 1) * 8 and rb["step_ms"] > 0 and r["tokens"] == ref
+    want = max(slot_kib, int(rb["read_mibs"] * 2**20 * rb["step_ms"] / 1e3 / 1024))
+    assert abs(rb["kib"] - want) <= 1, (rb, want)   # the lower medians of the steps' budgets and times
+    counts = {}
+    for rate in ("0.001", "1000000"):
+        out, lines = native_run(native, tmp_path, policy, POOLS[0], PROMPTS[:1], "--read-budget-kib", "auto",
+                                "--read-rate-mibs", rate)
+        reference.runner.configure(policy=Policy.parse(policy), pool_mib=POOLS[0], read_budget_kib="auto",
+                                   read_rate_mibs=float(rate))
+        try:
+            log = EventLog()
+            g = reference.runner.run(PROMPTS[0], NEW, events=log)
+        finally:
+            reference.runner.configure(read_budget_kib=None, read_rate_mibs=None)
+        r = out["runs"][0]
+        assert r["tokens"] == g.tokens == ref
+        for rb in (r["read_budget"], g.read_budget):
+            assert rb["mode"] == "auto" and rb["rate_from"] == "given" and rb["read_mibs"] == float(rate)
+            assert "probe_reads" not in rb and rb["steps"] == (len(r["tokens"]) - 1) * 8
+        if rate == "0.001":   # one slot at every measured step: decisions independent of the times
+            assert r["read_budget"]["kib"] == g.read_budget["kib"] == slot_kib
+            assert decisions(lines) == decisions(log.lines)
+        counts[rate] = r["counts"]
+    assert counts["0.001"]["dropped_late"] > 0 == counts["1000000"]["dropped_late"]
+    # the Python engine probes as the runner does (its reads, its lanes)
+    reference.runner.configure(read_budget_kib="auto")
+    try:
+        g = reference.runner.run(PROMPTS[0], 3)
+    finally:
+        reference.runner.configure(read_budget_kib=None)
+    py = g.read_budget
+    assert py["rate_from"] == "probe" and py["read_mibs"] > 0 and py["kib"] >= slot_kib
+    assert (py["probe_reads"], py["probe_lanes"]) == (probed["probe_reads"], probed["probe_lanes"])
+    # on demand: nothing prefetched, nothing probed
+    out, _ = native_run(native, tmp_path, "on-demand+lru", POOLS[0], PROMPTS[:1], "--read-budget-kib", "auto")
+    assert out["runs"][0]["read_budget"] == {"mode": "auto", "kib": None, "read_mibs": None, "rate_from": "unused"}
+    r = run_native(native, "--prompt-ids", "1,2", "--read-rate-mibs", "5", "--read-budget-kib", "off", check=False)
+    assert r.returncode == 1 and "--read-rate-mibs: only with --read-budget-kib auto" in r.stderr
 
 
 def test_policies_differ_and_the_oracle_bounds_them(native, tmp_path):
@@ -424,7 +489,7 @@ def test_cli_run_no_reuse_classes(native, reuse_bundle, tmp_path):
             ev, js = tmp_path / f"{engine}-{name}.log", tmp_path / f"{engine}-{name}.json"
             code, text = cli("run", b, "--engine", engine, "--policy", "next-gate+reuse", "--pool-mib", POOLS[0],
                              "--prompt", "The kernel's memory", "--max-new-tokens", NEW, "--no-check", *flag,
-                             "--events", ev, "--json", js)
+                             "--read-budget-kib", "off", "--events", ev, "--json", js)
             assert code == 0, text
             got[engine, name] = decisions(ev.read_text().splitlines())
         assert got[engine, "off"] == got[engine, "whole"] != got[engine, "classes"], engine
@@ -588,7 +653,8 @@ def test_a_corrupt_prefetched_blob_is_refused(native, tmp_path):
                 f.write(bytes([byte[0] ^ 0xFF]))
     r = subprocess.run([*command(native[1], "host"), str(b), "--prompt-ids", ",".join(map(str, PROMPTS[0])),
                         "--max-new-tokens", str(NEW), "--policy", "oracle+lru", "--pool-mib", str(POOLS[0]),
-                        "--routing", str(routing), "--no-verify-hashes"], capture_output=True, text=True, timeout=300)
+                        "--routing", str(routing), "--no-verify-hashes", "--read-budget-kib", "off"],
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == 1 and "failed its checksum" in r.stderr and "(a prefetched read)" in r.stderr, r.stderr
 
 

@@ -104,11 +104,14 @@ def _state(sched, step, bufs, dims):
             sorted(k for k in ((a, b) for a in range(nl) for b in range(ne)) if k in sched.pool.slots))
 
 
-def _drive(sched, future, seed: int, planner: str, dims=(L, E, K), groups: int = 1, one_call: bool = False) -> list:
+def _drive(sched, future, seed: int, planner: str, dims=(L, E, K), groups: int = 1, one_call: bool = False,
+           budgets=None) -> list:
     """A decode over `future`'s positions: each MoE layer acquires its routed experts (in `groups` groups, the
     earlier ones released without a pump, as a prefill chunk's), queries and reads them, plans the window (random
     probabilities, tied ones, the oracle's ranks, or random scores), sets a predicted next visit (reuse) and
-    releases; the state after every step is recorded. `one_call`: acquire and read through `acquire_read`."""
+    releases; the state after every step is recorded. `one_call`: acquire and read through `acquire_read`.
+    `budgets`: the read budget (bytes a step or None) set before each step's acquire, by step, as a measured
+    budget changes it."""
     nl, ne, k = dims
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
@@ -116,6 +119,8 @@ def _drive(sched, future, seed: int, planner: str, dims=(L, E, K), groups: int =
     for pos, ids in enumerate(future):
         for li in range(nl):
             step = pos * nl + li
+            if budgets is not None:
+                sched.set_read_budget(step, budgets[step % len(budgets)])
             keys = [(li, int(e)) for e in ids[li]]
             size = -(-len(keys) // groups)
             bufs = []
@@ -205,6 +210,56 @@ def test_native_scheduler_in_groups_and_at_many_experts(policy, planner):
     _compare(policy, 6, planner, {}, groups=2)
     _compare(policy, 40, planner, {}, dims=(3, 128, 8), n=6)
     _compare(policy, 6, planner, {}, groups=2, one_call=True)   # acquire_read: one call a group
+
+
+def test_native_scheduler_follows_a_changing_read_budget():
+    """The read budget measured in the run changes step by step (`set_read_budget`): from none, the prefetches in
+    flight become the backlog; from a budget, the backlog drains at the old one up to the step; both schedulers
+    decide alike through every change, and the late drops depend on the budgets."""
+    future = _future(12, seed=6)
+    got = {}
+    for name, budgets in (("tight", [None, SLOT, SLOT, 2 * SLOT, None, SLOT, 3 * SLOT]), ("loose", [None, 64 * SLOT])):
+        (py, io_py), (c, io_c) = _pair("next-gate+lru", 6, future, io=LogIO)
+        a = _drive(py, future, 5, "probs", budgets=budgets)
+        assert a == _drive(c, future, 5, "probs", budgets=budgets) and io_py.log == io_c.log, name
+        got[name] = a[-1]
+    assert got["tight"][10] > 0 == got["loose"][10]   # dropped_late
+    # from none: the prefetches in flight are the backlog, counted from that step
+    (py, _), _ = _pair("next-gate+lru", 6, future)
+    _drive(py, future[:1], 5, "probs")
+    assert py.in_flight() > 0
+    py.set_read_budget(9, SLOT)
+    assert (py.backlog, py.backlog_step) == (py.in_flight() * SLOT, 9)
+
+
+def test_the_read_budget_meter_is_the_same_rule_in_both():
+    """ReadBudgetMeter (toolkit/runtime/scheduler.py) and the runner's (scheduler.h), fed the same steps (spans
+    changing, read waits, steps shorter than their waits): the same budget at every step."""
+    import ctypes
+
+    from toolkit.runtime.native_sched import library
+    from toolkit.runtime.scheduler import ReadBudgetMeter
+
+    rng = random.Random(7)
+    for rate, slot in ((1.5e9, 884736), (2.0e8, 4096), (1.0, 8192)):
+        spans = [64] * 10 + [1] * 120 + [32] * 6 + [1] * 60
+        now, wait, t, w = [], [], 0.0, 0.0
+        for _ in spans:
+            t += rng.uniform(1e-5, 5e-3)
+            if rng.random() < 0.3:
+                d = rng.uniform(0, 6e-3)
+                t, w = t + d * rng.choice((1.0, 0.5)), w + d   # some waits longer than the step's time
+            now.append(t)
+            wait.append(w)
+        n = len(spans)
+        out = (ctypes.c_int64 * n)()
+        assert library().spx_budget_meter(rate, slot, n, (ctypes.c_int32 * n)(*spans), (ctypes.c_double * n)(*now),
+                                          (ctypes.c_double * n)(*wait), out) == 0
+        m = ReadBudgetMeter(rate, slot)
+        want = [m.at(s, a, b) for s, a, b in zip(spans, now, wait)]
+        assert list(out) == [-1 if x is None else x for x in want], rate
+        assert want[0] is None and all(x >= -(-slot // 1024) * 1024 for x in want if x is not None)
+        assert sum(x is None for x in want) < n // 10   # none only until a step of some compute is measured
 
 
 def test_native_pool_preloads_and_settles():

@@ -165,7 +165,8 @@ def _native(native, tmp_path, policy, *extra):
     js, ev = tmp_path / "n.json", tmp_path / "n.log"
     args = [a for ids in (PROMPT, SHORT) for a in ("--prompt-ids", ",".join(map(str, ids)))]
     r = subprocess.run([*command(out, "host"), str(bundle), *args, "--max-new-tokens", str(NEW), "--policy", policy,
-                        "--pool-mib", str(POOL), "--json", str(js), "--events", str(ev), *extra],
+                        "--pool-mib", str(POOL), "--json", str(js), "--events", str(ev), "--read-budget-kib", "off",
+                        *extra],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     return json.loads(js.read_text()), ev.read_text().splitlines()
@@ -228,7 +229,7 @@ def test_a_bundle_without_prefill_methods_runs_one_position_at_a_time(embedded, 
     js, ev = tmp_path / "o.json", tmp_path / "o.log"
     subprocess.run([*command(out, "host"), str(old), "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens",
                     str(NEW), "--policy", "next-gate+prediction", "--pool-mib", str(POOL), "--json", str(js),
-                    "--events", str(ev)], check=True, capture_output=True, timeout=300)
+                    "--events", str(ev), "--read-budget-kib", "off"], check=True, capture_output=True, timeout=300)
     run = json.loads(js.read_text())["runs"][0]
     assert run["tokens"] == g.tokens and run["prefill_chunks"] == [1] * len(PROMPT)
     assert decisions(ev.read_text().splitlines()) == decisions(log.lines)

@@ -227,7 +227,7 @@ def test_cli_run_model_with_events_and_rss(emb_store, emb_trace_adapter, tmp_pat
     out, ev = tmp_path / "r.json", tmp_path / "e.log"
     args = ["run", "embedded", "--store", str(emb_store), "--adapter", str(ad), "--policy", "adapter+prediction",
             "--pool-mib", "1", "--prompt", "The kernel", "--prompt", "To open a file", "--max-new-tokens", "6",
-            "--max-seq", "32", "--json", str(out), "--events", str(ev)]
+            "--max-seq", "32", "--read-budget-kib", "off", "--json", str(out), "--events", str(ev)]
     r = CliRunner().invoke(main, args)
     assert r.exit_code == 0, r.output
     d = json.loads(out.read_text())

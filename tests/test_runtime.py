@@ -302,29 +302,39 @@ def test_simulator_derives_the_read_budget_from_the_profile(sim_trace, tmp_path)
                           "--read-budget-kib", "auto", "--json", tmp_path / "auto.json")
     assert code == 0, out
     assert f"Read budget (auto): {want['read_mibs']} MiB/s" in out and f"= {want['kib']} KiB a step" in out
-    code, out = cli_plain("run", "--read-budget-kib", "auto", "--prompt", "x", "--json", tmp_path / "r.json")
-    assert code == 2 and "--read-budget-kib auto: run takes a number" in out and "runner bench" in out, out
     code, out = cli_plain("run", "--read-budget-kib", "auto", "--device", "cuda", "--prompt", "x",
                           "--json", tmp_path / "r.json")
-    assert code == 2 and "bench gpu --variant read_budget_kib=auto" in out, out
+    assert code == 2 and "the GPU tier takes a number" in out and "bench gpu --variant read_budget_kib=auto" in out, out
     code, out = cli_plain("simulate", sim_trace, "--read-budget-kib", "lots", "--json", tmp_path / "x.json")
-    assert code == 2 and "expected a whole number or auto" in out, out
+    assert code == 2 and "expected a whole number or auto or off" in out, out
+    off = run_simulation(sim_trace, policies=pol, profile=prof, pool_mib=4, window=2)
+    code, out = cli_plain("simulate", sim_trace, "--policies", "next-gate+prediction", "--pool-mib", "4",
+                          "--read-budget-kib", "off", "--json", tmp_path / "off.json")
+    assert code == 0, out
+    assert json.loads((tmp_path / "off.json").read_text())["points"][0]["read_budget_kib"] is None
+    assert off["read_budget_kib"] is None and off["results"][0]["counts"]["dropped_late"] == 0
 
 
-def test_bench_read_budget_is_measured(tiny_models, tmp_path):
-    """`runner bench --read-budget-kib auto`'s measurement: real O_DIRECT reads of the store's slots at
-    the runner's lanes; over a long step many slots, over a tiny step one slot (raised)."""
-    from android_runner.bench import auto_read_budget
-    from toolkit.runtime.expert_store import ExpertStore
+def test_read_budget_meter_measures_each_step():
+    """ReadBudgetMeter (`--read-budget-kib auto`): no budget before a step is measured; a step's compute time
+    is the time since the last MoE step of the same span less the read waits in it, smoothed by 1/8; the first
+    step measured after the span changes replaces the estimate (the span's change itself keeps the budget);
+    the budget is the rate times it in whole KiB, at least one slot."""
+    from toolkit.runtime.scheduler import ReadBudgetMeter
 
-    spec = inspect_model_dir(tiny_models["qwen3_moe"])
-    st = ExpertStore(build_store(spec, tmp_path / "s.spx", "fp16", progress=False), spec)
-    long = auto_read_budget(st, 4, 50.0, reads=64)
-    assert long["lanes"] == 5 and long["read_mibs"] > 0 and long["reads"] == 64
-    assert not long["raised"] and long["kib"] * 1024 > st.slot_bytes
-    assert abs(long["kib"] - long["read_mibs"] * 1024 * 0.05) <= 0.01 * long["kib"] + 1
-    short = auto_read_budget(st, 0, 1e-6, reads=16)
-    assert short["lanes"] == 1 and short["raised"] and short["kib"] == -(-st.slot_bytes // 1024)
+    gib = 2**30
+    m = ReadBudgetMeter(gib, 8192)
+    assert m.at(4, 0.0, 0.0) is None                            # nothing measured yet
+    assert m.at(4, 0.010, 0.002) == int(gib * 0.008 / 1024) * 1024   # 10 ms less 2 ms waited
+    assert m.step_s == pytest.approx(0.008)
+    assert m.at(4, 0.020, 0.002) == int(gib * 0.00825 / 1024) * 1024  # 8 + (10 - 8) / 8 ms
+    assert m.at(1, 0.021, 0.002) == int(gib * 0.00825 / 1024) * 1024  # another span: kept until measured
+    assert m.at(1, 0.022, 0.0025) == int(gib * 0.0005 / 1024) * 1024  # its first step replaces it
+    assert m.step_s == pytest.approx(0.0005)
+    assert m.at(1, 0.0225, 0.0035) == int(gib * 0.0005 * 7 / 8 / 1024) * 1024  # waited longer: a step of 0
+    slow = ReadBudgetMeter(1.0, 8192 + 1)                       # 1 B/s: one slot, rounded up to whole KiB
+    slow.at(1, 0.0, 0.0)
+    assert slow.at(1, 5.0, 0.0) == 9 * 1024
 
 
 def test_simulator_orders_policies(sim_trace, tiny_models):

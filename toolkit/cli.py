@@ -310,6 +310,8 @@ def simulate(traces, policies, adapter, profile, pool_mib, windows, queue_depth,
     from toolkit.runtime.profiles import load_profile
     from toolkit.simulate.report import markdown, sweep, write_sweep
 
+    if read_budget_kib == "off":
+        read_budget_kib = None
     r = sweep(traces, policies=parse_policies(policies), profile=load_profile(profile), pools=pool_mib,
               windows=windows, queue_depth=queue_depth, dtype=dtype, geometry=geometry, adapter=adapter,
               split=split, max_sequences=max_sequences, min_confidence=min_confidence,
@@ -467,10 +469,13 @@ def run(model, policy, adapter, frequency_trace, pool_mib, pool_reserve_mib, poo
         if v != "off" and not (v.isdigit() and int(v) >= 1):
             raise SpecPrefetchError(f"--prefill-chunk {prefill_chunk}: a chunk size (a positive integer) or off")
         chunk = 0 if v == "off" else int(v)
-    if read_budget_kib == "auto":
-        raise SpecPrefetchError("--read-budget-kib auto: run takes a number (KiB a step); " + (
-            "`runner bench --read-budget-kib auto` measures this machine's and prints it" if device == "cpu" else
-            "`bench gpu --variant read_budget_kib=auto` measures this GPU's and prints it"))
+    if read_budget_kib is None:  # the CPU engines measure theirs in the run; the GPU tier has none unless given
+        read_budget_kib = "auto" if device == "cpu" else None
+    elif read_budget_kib == "off":
+        read_budget_kib = None
+    elif read_budget_kib == "auto" and device != "cpu":
+        raise SpecPrefetchError("--read-budget-kib auto: the GPU tier takes a number (KiB a layer step); "
+                                "`bench gpu --variant read_budget_kib=auto` measures this GPU's and prints it")
     if pool_mib == "auto" and (engine != "native" or device != "cpu"):
         raise SpecPrefetchError("--pool-mib auto: only with --engine native (the Python reference runner's pool "
                                 "has a fixed size; give --pool-mib F)")
@@ -604,10 +609,10 @@ def runner_build(bundle, abi, out, force, tokenizer, overwrite) -> None:
 @click.option("--ablation", is_flag=True,
               help="also the eviction ablation: oracle+lru, oracle+prediction, the predictor+belady and "
                    "on-demand+belady in the same rounds (what prediction and what eviction cost)")
-@click.option("--read-budget-kib", type=IntOrAuto(), default=None,
-              help="also the predictor's policy with this read budget (run --read-budget-kib), in the same rounds; "
-                   "auto: what this machine's flash delivers in one step of the runner's resident compute, both "
-                   "measured in this run")
+@click.option("--read-budget-kib", type=IntOrAuto(off=True), default="auto", show_default=True,
+              help="the streaming runs' read budget (run --read-budget-kib): auto, the runner's default (each run "
+                   "measures the flash's rate at its start and each step's compute time as it goes), KiB a step, or "
+                   "off; unless off, the predictor's policy also runs without it, in the same rounds")
 @click.option("--image", "images", type=click.Path(path_type=Path), multiple=True,
               help="PNG, JPEG or PPM before every bench prompt's text (repeatable): image prompts, a bundle that takes "
                    "images (no simulator comparison then)")
@@ -631,7 +636,8 @@ def runner_bench(bundle, prompts, new_tokens, rounds, pool_fracs, threads, ablat
     from android_runner.bench import markdown, run as run_native_bench, write
 
     r = run_native_bench(bundle, prompts=prompts, new_tokens=new_tokens, rounds=rounds, pool_fracs=tuple(pool_fracs),
-                         threads=threads, ablation=ablation, read_budget_kib=read_budget_kib, images=tuple(images),
+                         threads=threads, ablation=ablation,
+                         read_budget_kib=None if read_budget_kib == "off" else read_budget_kib, images=tuple(images),
                          prompt_texts=tuple(prompt_texts), variants=tuple(variants),
                          log=lambda s: click.echo(s, err=True))
     write(r, json_out)

@@ -72,21 +72,22 @@ class ImageSize(click.ParamType):
 
 
 class IntOrAuto(click.ParamType):
-    """A whole number of at least `low`, or the word auto (returned as the string "auto")."""
-    name = "integer|auto"
+    """A whole number of at least `low`, or the word auto (returned as the string "auto"); with `off`,
+    also the word off (returned as "off")."""
 
-    def __init__(self, low: int = 1):
-        self.low = low
+    def __init__(self, low: int = 1, off: bool = False):
+        self.low, self.words = low, ("auto", "off") if off else ("auto",)
+        self.name = "integer|" + "|".join(self.words)
 
     def convert(self, value, param, ctx):
-        if isinstance(value, int) or value == "auto":
+        if isinstance(value, int) or value in self.words:
             return value
         try:
             n = int(str(value))
         except ValueError:
-            self.fail(f"{value!r}: expected a whole number or auto", param, ctx)
+            self.fail(f"{value!r}: expected a whole number or {' or '.join(self.words)}", param, ctx)
         if n < self.low:
-            self.fail(f"{n}: must be at least {self.low} (or auto)", param, ctx)
+            self.fail(f"{n}: must be at least {self.low} (or {' or '.join(self.words)})", param, ctx)
         return n
 
 
@@ -205,11 +206,13 @@ OVERWRITE_REPORT = ("replace an existing report at --json (and its .md/.png) if 
 
 def scheduler_limits(fn):
     """The scheduler's flash-saturation limits, shared by `simulate` and `run`."""
-    fn = click.option("--read-budget-kib", type=IntOrAuto(), default=None,
+    fn = click.option("--read-budget-kib", type=IntOrAuto(off=True), default=None,
                       help="KiB the flash reads in one step's compute time: a prefetch that could not land by its "
-                           "deadline behind the prefetches already asked for is dropped as late; "
-                           "simulate takes auto (the profile's flash rate x its decode step); on the GPU tier the "
-                           "KiB its copies deliver per layer step")(fn)
+                           "deadline behind the prefetches already asked for is dropped as late. run on the CPU: "
+                           "auto by default (the flash's rate measured at start-up x each step's compute time, "
+                           "measured as the run goes; docs/runtime.md); simulate: off by default, auto is the "
+                           "profile's flash rate x its decode step; on the GPU tier (off by default) the KiB its "
+                           "copies deliver per layer step")(fn)
     fn = click.option("--step-budget-kib", type=click.IntRange(min=1), default=None,
                       help="prefetch bytes issued per step at most")(fn)
     return click.option("--min-confidence", type=click.FloatRange(0, 1), default=0.02, show_default=True,

@@ -128,7 +128,21 @@ def _figures(r: dict) -> str:
     return (f"TTFT {fmt(r['ttft_ms'], '.1f')} ms, TPOT {fmt(r['tpot_ms'])} ms (p95 {fmt(r['tpot_p95_ms'])}), "
             f"stall {fmt(r['stall_ms_per_token'])} ms/token, hit rate {fmt(r['hit_rate'], '.3f')}, "
             f"{r['mib_read']:.1f} MiB read, peak pool {r['peak_pool_bytes'] / 2**20:.2f} of "
-            f"{r['budget_bytes'] / 2**20:.2f} MiB")
+            f"{r['budget_bytes'] / 2**20:.2f} MiB{_budget(r.get('read_budget'))}")
+
+
+def _budget(rb: dict | None) -> str:
+    """The read budget a run had, for its summary line (nothing when it had none)."""
+    if not rb or rb["mode"] == "off":
+        return ""
+    if rb["mode"] == "fixed":
+        return f", read budget {rb['kib']} KiB a step"
+    if rb.get("rate_from") == "unused":
+        return ", read budget auto (unused: nothing prefetched)"
+    if rb.get("kib") is None:  # no decode step measured (a single token)
+        return ""
+    return (f", read budget auto {rb['kib']} KiB a step ({rb['read_mibs']:.0f} MiB/s x {rb['step_ms']:.3f} ms, "
+            f"the decode steps' median)")
 
 
 # -- the Python reference runner ---------------------------------------------------------------------

@@ -2,7 +2,7 @@
 //
 //   specprefetch-runner BUNDLE (--prompt TEXT | --prompt-ids 1,2,3) [...] [--max-new-tokens N]
 //       [--policy PREDICTOR+EVICTION] [--pool-mib F|auto] [--window N] [--queue-depth N]
-//       [--min-confidence F] [--candidate-threshold F] [--step-budget-kib N] [--read-budget-kib N] [--no-next-visit]
+//       [--min-confidence F] [--candidate-threshold F] [--step-budget-kib N] [--read-budget-kib N|auto|off] [--no-next-visit]
 //       [--no-reuse-classes] [--lanes N] [--threads N] [--routing FILE]
 //       [--json OUT] [--events OUT] [--no-verify] [--no-verify-hashes] [--cold] [--preload] [--isa NAME]
 //
@@ -46,7 +46,8 @@ using json = nlohmann::ordered_json;
 const char* kUsage =
     "usage: specprefetch-runner BUNDLE (--prompt TEXT | --prompt-ids IDS) [more prompts] [--max-new-tokens N]\n"
     "  [--policy PREDICTOR+EVICTION] [--pool-mib F] [--window N] [--queue-depth N] [--min-confidence F]\n"
-    "  [--candidate-threshold F] [--step-budget-kib N] [--read-budget-kib N] [--no-next-visit] [--lanes N] [--threads N]\n"
+    "  [--candidate-threshold F] [--step-budget-kib N] [--read-budget-kib N|auto|off] [--read-rate-mibs F]\n"
+    "  [--no-next-visit] [--lanes N] [--threads N]\n"
     "  [--no-reuse-classes] [--routing FILE]\n"
     "  [--json OUT] [--events OUT] [--image PATH]... (before every prompt's text; a bundle that takes images)\n"
     "  [--no-verify] [--no-verify-hashes] [--cold] [--preload] [--isa NAME|best] [--prefill-chunk N|off]\n"
@@ -67,7 +68,9 @@ struct Args {
   int window = -1, queue_depth = -1, lanes = 0, threads = 1;
   double min_confidence = NAN, candidate_threshold = NAN;
   int64_t step_budget_kib = -2;
-  int64_t read_budget_kib = -1;
+  int64_t read_budget_kib = -1;  // -1 off
+  bool read_budget_auto = true;   // --read-budget-kib auto, the default
+  double read_rate_mibs = 0;      // --read-rate-mibs (auto: instead of the probe)
   bool next_visit = true;
   bool reuse_classes = true;
   std::string routing, json_out, events_out, isa;
@@ -75,6 +78,28 @@ struct Args {
   int prefill_chunk = -1;  // --prefill-chunk: -1 the bundle's largest, 0 off
   std::vector<std::string> images;  // --image, in order: before every prompt's tokens
 };
+
+// The report's read_budget: {"mode": off|fixed|auto, "kib"}, and for auto what it came from
+// (toolkit/runtime/runner.py's read_budget report, the same keys).
+json read_budget_json(const ReadBudgetReport& rb) {
+  json j;
+  j["mode"] = rb.mode;
+  j["kib"] = rb.kib >= 0 ? json(rb.kib) : json(nullptr);
+  if (rb.mode == "auto") {
+    j["read_mibs"] = rb.rate_from == "unused" ? json(nullptr) : json(rb.read_mibs);
+    j["rate_from"] = rb.rate_from;
+    if (rb.rate_from == "probe") {
+      j["probe_reads"] = rb.probe_reads;
+      j["probe_lanes"] = rb.probe_lanes;
+      j["probe_ms"] = rb.probe_ms;
+    }
+    if (rb.rate_from != "unused") {
+      j["step_ms"] = rb.steps > 0 ? json(rb.step_ms) : json(nullptr);
+      j["steps"] = rb.steps;
+    }
+  }
+  return j;
+}
 
 double to_double(const std::string& opt, const std::string& v) {
   char* end = nullptr;
@@ -193,7 +218,15 @@ Args parse(int argc, char** argv) {
     else if (o == "--candidate-threshold" || o == "--floor")  // --floor: its name before the rename
       a.candidate_threshold = to_probability(o, val());
     else if (o == "--step-budget-kib") a.step_budget_kib = to_int(o, val(), 1);
-    else if (o == "--read-budget-kib") a.read_budget_kib = to_int(o, val(), 1);
+    else if (o == "--read-budget-kib") {
+      const std::string v = val();
+      a.read_budget_auto = v == "auto";
+      a.read_budget_kib = v == "auto" || v == "off" ? -1 : to_int(o, v, 1);
+    }
+    else if (o == "--read-rate-mibs") {
+      a.read_rate_mibs = to_double(o, val());
+      if (!(a.read_rate_mibs > 0)) throw Error("--read-rate-mibs " + std::to_string(a.read_rate_mibs) + ": must be above 0");
+    }
     else if (o == "--no-next-visit") a.next_visit = false;
     else if (o == "--no-reuse-classes") a.reuse_classes = false;
     else if (o == "--routing") a.routing = val();
@@ -493,6 +526,10 @@ int main_(int argc, char** argv) {
   cfg.step_budget_kib = a.step_budget_kib > 0 ? a.step_budget_kib
                         : b.scheduler.step_budget_bytes > 0 ? b.scheduler.step_budget_bytes / 1024 : -1;
   cfg.read_budget_kib = a.read_budget_kib;
+  cfg.read_budget_auto = a.read_budget_auto;
+  cfg.read_rate_mibs = a.read_rate_mibs;
+  if (a.read_rate_mibs > 0 && !a.read_budget_auto)
+    throw Error("--read-rate-mibs: only with --read-budget-kib auto (the rate the budget multiplies)");
   cfg.lanes = a.lanes;
   cfg.verify = a.verify;
   cfg.preload = a.preload;
@@ -563,6 +600,7 @@ int main_(int argc, char** argv) {
     r["plan_ms_per_layer"] = g.plan_ms_per_layer;
     r["reads_done"] = g.reads_done;            // timing-dependent: which prefetches were still queued
     r["reads_cancelled"] = g.reads_cancelled;
+    r["read_budget"] = read_budget_json(g.read_budget);
     if (exec.accelerator_calls() > 0) {  // the HTP's crossings: up to the first token, per decode token
       r["prefill_graph_calls"] = g.prefill_graph_calls;
       r["decode_graph_calls_per_token"] =

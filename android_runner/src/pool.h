@@ -120,6 +120,12 @@ class ExpertPool {
     return arena_ == nullptr ? nullptr : arena_ + static_cast<size_t>(s.index) * slot_bytes_;
   }
   const std::map<Key, Slot>& slots() const { return slots_; }
+  // Slot i of the arena's first `arena_slots()` as scratch before any slot is taken (the read-rate
+  // probe at start-up: the pages the pool fills first), nullptr without an arena.
+  uint8_t* scratch(int64_t i) const {
+    return arena_ == nullptr || i < 0 || i >= arena_slots_ ? nullptr : arena_ + static_cast<size_t>(i) * slot_bytes_;
+  }
+  int64_t arena_slots() const { return arena_slots_; }
 
   int64_t peak_bytes = 0;
   int64_t evictions = 0;

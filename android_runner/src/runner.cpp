@@ -22,6 +22,12 @@ using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
+double lower_median(std::vector<double> v) {  // the middle value, the lower one of an even count
+  auto mid = v.begin() + static_cast<std::ptrdiff_t>((v.size() - 1) / 2);
+  std::nth_element(v.begin(), mid, v.end());
+  return *mid;
+}
+
 // The Reader's pread lanes as the scheduler's IOBackend.
 class ReaderIO : public IOBackend {
  public:
@@ -232,6 +238,44 @@ void ImagePrompt::add_deepstack(int p, int layer, float* h) const {
   for (int i = 0; i < hidden; ++i) h[i] = h[i] + f[i];
 }
 
+const Runner::ReadProbe& Runner::read_probe(const ExpertPool& pool, int lanes) {
+  for (const ReadProbe& p : probes_)
+    if (p.lanes == lanes && p.verify == cfg_.verify) return p;
+  // slot reads spread over the store: about 64 MiB, 16..64 reads, each into its own scratch slot while in
+  // flight (at most two per lane), checked as the run's reads are
+  const int64_t total = static_cast<int64_t>(m_.L()) * m_.routing.num_experts;
+  const int64_t slot = static_cast<int64_t>(store_.slot_bytes);
+  const int64_t n = std::min<int64_t>(total, std::clamp<int64_t>(((64LL << 20) + slot - 1) / slot, 16, 64));
+  const int64_t ring = std::min<int64_t>(pool.arena_slots(), 2LL * lanes);
+  if (ring < 1 || pool.scratch(0) == nullptr) throw Error("--read-budget-kib auto: the pool has no slot to probe with");
+  std::vector<Key> keys;
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t i = j * total / n;
+    keys.emplace_back(static_cast<int>(i / m_.routing.num_experts), static_cast<int>(i % m_.routing.num_experts));
+  }
+  const auto t = Clock::now();
+  try {
+    Reader reader(store_, lanes, cfg_.verify);
+    for (int64_t j = 0; j < n; ++j) {
+      if (j >= ring) {
+        reader.wait(keys[static_cast<size_t>(j - ring)]);
+        reader.forget(keys[static_cast<size_t>(j - ring)]);
+      }
+      reader.submit(keys[static_cast<size_t>(j)], pool.scratch(j % ring), true);
+    }
+    for (int64_t j = std::max<int64_t>(0, n - ring); j < n; ++j) reader.wait(keys[static_cast<size_t>(j)]);
+  } catch (const Error& e) {
+    throw Error(std::string(e.what()) + " (read by --read-budget-kib auto's probe of the flash's rate)");
+  }
+  ReadProbe p;
+  p.lanes = lanes, p.verify = cfg_.verify, p.reads = static_cast<int>(n);
+  p.ms = seconds_since(t) * 1e3;
+  p.mibs = static_cast<double>(n * slot) / 1048576.0 / std::max(p.ms * 1e-3, 1e-9);
+  if (!store_.direct()) store_.drop_cache();  // buffered reads: leave no probed expert in the page cache
+  probes_.push_back(p);
+  return probes_.back();
+}
+
 Generation Runner::run(const std::vector<int>& prompt, int max_new, EventLog* events,
                        const std::vector<std::vector<int>>* recorded) {
   if (!cfg_.needs_future()) return generate(prompt, max_new, nullptr, events);
@@ -280,7 +324,27 @@ Generation Runner::generate(const std::vector<int>& prompt, int max_new,
   // the pool's arena outlives the reader, whose destructor waits for reads still in flight into it
   ExpertPool pool(cfg.budget_bytes(), static_cast<int64_t>(store_.slot_bytes), cfg.eviction, k, total,
                   cfg.eviction == "belady" ? belady_next_use(*future, L, k, spans) : nullptr);
-  Reader reader(store_, cfg.lanes > 0 ? cfg.lanes : std::min(cfg.queue_depth + 1, 64), cfg.verify);
+  const int lanes = cfg.lanes > 0 ? cfg.lanes : std::min(cfg.queue_depth + 1, 64);
+  Generation g;
+  std::unique_ptr<ReadBudgetMeter> meter;  // --read-budget-kib auto
+  std::vector<double> budget_kib, budget_step_ms;  // auto: each decode step's
+  if (cfg.read_budget_auto && !planner.active()) {
+    g.read_budget.mode = "auto", g.read_budget.rate_from = "unused";  // nothing prefetched: nothing to budget
+  } else if (cfg.read_budget_auto) {
+    ReadBudgetReport& rb = g.read_budget;
+    rb.mode = "auto";
+    if (cfg.read_rate_mibs > 0) {
+      rb.read_mibs = cfg.read_rate_mibs, rb.rate_from = "given";
+    } else {
+      const ReadProbe& pr = read_probe(pool, lanes);
+      rb.read_mibs = pr.mibs, rb.rate_from = "probe", rb.probe_reads = pr.reads, rb.probe_lanes = pr.lanes;
+      rb.probe_ms = pr.ms;
+    }
+    meter = std::make_unique<ReadBudgetMeter>(rb.read_mibs * 1048576.0, static_cast<int64_t>(store_.slot_bytes));
+  } else if (cfg.read_budget_kib >= 0) {
+    g.read_budget.mode = "fixed", g.read_budget.kib = cfg.read_budget_kib;
+  }
+  Reader reader(store_, lanes, cfg.verify);
   ReaderIO io(reader);
   SchedulerConfig scfg;
   scfg.queue_depth = cfg.queue_depth;
@@ -295,13 +359,20 @@ Generation Runner::generate(const std::vector<int>& prompt, int max_new,
     reuse = std::make_unique<ReuseHistory>(cfg.reuse_classes ? m_.reuse : m_.reuse.whole(), L);
   }
   WindowScheduler sched(pool, io, scfg, L, k, events, reuse.get());
+  // auto: the budget from this step on, by the compute time measured since the last MoE step
+  auto meter_step = [&](int64_t step, int span, bool decode) {
+    if (!meter) return;
+    const int64_t b = meter->at(span, std::chrono::duration<double>(Clock::now().time_since_epoch()).count(),
+                                sched.stats.wait_s);
+    if (b != sched.read_budget()) sched.set_read_budget(step, b);
+    if (decode && b >= 0) budget_kib.push_back(static_cast<double>(b / 1024)), budget_step_ms.push_back(meter->step_s() * 1e3);
+  };
   if (events != nullptr) {
     events->header(cfg.name(), cfg.budget_bytes(), static_cast<int64_t>(store_.slot_bytes), pool.capacity(),
                    cfg.window, cfg.queue_depth, cfg.min_confidence, L, k);
     events->sequence(static_cast<int>(prompt.size()));
   }
 
-  Generation g;
   if (cfg.preload) {  // every expert resident before the run: no read is left for the decode
     if (pool.capacity() < total)
       throw Error("--preload: the pool holds " + std::to_string(pool.capacity()) + " of the " + std::to_string(total) +
@@ -417,6 +488,7 @@ Generation Runner::generate(const std::vector<int>& prompt, int max_new,
         if (pool.get({li, kv.first}) != nullptr) order.push_back(kv.first);
       for (const auto& kv : users)
         if (pool.get({li, kv.first}) == nullptr) order.push_back(kv.first);
+      meter_step(step, T, false);
       const size_t G = static_cast<size_t>(std::max<int64_t>(1, pool.capacity()));
       for (size_t a = 0; a < order.size(); a += G) {
         const bool last = a + G >= order.size();
@@ -506,6 +578,7 @@ Generation Runner::generate(const std::vector<int>& prompt, int max_new,
         keys.clear();
         for (int e : ids) keys.emplace_back(li, e);
         if (events != nullptr) events->at(step, pos, li);
+        meter_step(step, 1, !g.tokens.empty());
         sched.acquire(step, keys);  // demand reads go out first
         auto tp = Clock::now();
         planner.plan(sched, li, step, state, out.preds, end);
@@ -582,6 +655,11 @@ Generation Runner::generate(const std::vector<int>& prompt, int max_new,
   g.decode_graph_calls = exec_.accelerator_calls() - calls0 - g.prefill_graph_calls;
   g.reads_done = static_cast<int64_t>(reader.reads());
   g.reads_cancelled = static_cast<int64_t>(reader.cancelled());
+  if (!budget_kib.empty()) {  // auto: the decode steps' medians (the budget the simulator replays)
+    g.read_budget.kib = static_cast<int64_t>(lower_median(budget_kib));
+    g.read_budget.step_ms = lower_median(budget_step_ms);
+    g.read_budget.steps = static_cast<int64_t>(budget_kib.size());
+  }
   g.expert_ms_per_call = expert_calls ? expert_s / static_cast<double>(expert_calls) * 1e3 : 0.0;
   g.plan_ms_per_layer = g.routing.empty() ? 0.0 : plan_s / static_cast<double>(g.routing.size() * L) * 1e3;
   if (events != nullptr) events->end(static_cast<int>(g.tokens.size()), seconds_since(t0) * 1e3);

@@ -33,6 +33,7 @@ class EventLog;
 class Backend;
 class ExpertExecutor;
 class ExpertStore;
+class ExpertPool;
 
 struct ModelInfo {
   int num_layers = 0;
@@ -59,6 +60,10 @@ struct RunConfig {
   double candidate_threshold = 0.0;
   int64_t step_budget_kib = -1;
   int64_t read_budget_kib = -1;  // KiB the flash delivers per step (-1: no deadline check)
+  // the read budget measured in the run (--read-budget-kib auto: ReadBudgetMeter): the flash's rate
+  // (read_rate_mibs, or probed at start-up when 0) times the steps' measured compute time
+  bool read_budget_auto = false;
+  double read_rate_mibs = 0;
   int lanes = 0;       // read threads (0: queue_depth + 1)
   bool verify = true;  // CRC every blob read
   bool preload = false;  // read every expert into the pool before the first position (all resident; benchmarks)
@@ -68,6 +73,19 @@ struct RunConfig {
   std::string name() const { return predictor + "+" + eviction; }
   bool needs_future() const { return predictor == "oracle" || eviction == "belady"; }
   int64_t budget_bytes() const { return static_cast<int64_t>(pool_mib * 1048576.0); }
+};
+
+// The read budget a run had (the report's read_budget): off, fixed (--read-budget-kib N) or auto.
+struct ReadBudgetReport {
+  std::string mode = "off";
+  int64_t kib = -1;          // fixed: the option; auto: the median of the decode steps' budgets
+  double read_mibs = 0;      // auto: the flash's rate it multiplied
+  std::string rate_from;     // auto: "probe" (measured at start-up), "given" (--read-rate-mibs) or "unused"
+                             // (the policy prefetches nothing)
+  int probe_reads = 0, probe_lanes = 0;
+  double probe_ms = 0;
+  double step_ms = 0;        // auto: the median of the decode steps' measured compute time
+  int64_t steps = 0;         // auto: decode steps measured
 };
 
 struct Generation {
@@ -87,6 +105,7 @@ struct Generation {
   // graph calls that crossed to an accelerator (the HTP: Backend::accelerator_calls), up to the first
   // token and after it: each crossing costs ~0.3-0.5 ms on a phone, which a phone figure adds
   int64_t prefill_graph_calls = 0, decode_graph_calls = 0;
+  ReadBudgetReport read_budget;
 };
 
 // How a prompt of n positions is fed: greedily the largest chunk of `chunks` that fits in what is
@@ -147,6 +166,17 @@ class Runner {
 
  private:
   Source source_of(const std::string& predictor) const;
+  // The flash's rate for --read-budget-kib auto: given, or measured once (per lane count and checking)
+  // by reading expert slots into the pool's scratch at the run's lanes before anything else is read.
+  struct ReadProbe {
+    int lanes = 0;
+    bool verify = true;
+    double mibs = 0, ms = 0;
+    int reads = 0;
+  };
+  const ReadProbe& read_probe(const ExpertPool& pool, int lanes);
+
+  std::vector<ReadProbe> probes_;
 
   ModelInfo m_;
   Backend& exec_;

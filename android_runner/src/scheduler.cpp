@@ -283,6 +283,34 @@ void WindowScheduler::advance(int64_t step) {
   }
 }
 
+ReadBudgetMeter::ReadBudgetMeter(double read_bytes_per_s, int64_t slot_bytes)
+    : rate_(read_bytes_per_s), slot_kib_((slot_bytes + 1023) / 1024) {}
+
+int64_t ReadBudgetMeter::at(int span, double now_s, double wait_s) {
+  if (span == span_) {
+    const double dt = std::max(0.0, (now_s - last_now_) - (wait_s - last_wait_));
+    est_ = fresh_ ? dt : est_ + (dt - est_) / 8.0;
+    fresh_ = false;
+  } else {  // another span: its first step's time replaces the estimate
+    span_ = span;
+    fresh_ = true;
+  }
+  last_now_ = now_s, last_wait_ = wait_s;
+  if (est_ <= 0) return -1;
+  const auto kib = static_cast<int64_t>(rate_ * est_ / 1024.0);
+  return std::max(kib, slot_kib_) * 1024;
+}
+
+void WindowScheduler::set_read_budget(int64_t step, int64_t bytes) {
+  if (cfg_.read_budget_bytes >= 0) {
+    advance(step);
+  } else {
+    backlog_ = static_cast<int64_t>(loading_.size()) * pool_.slot_bytes();
+    backlog_step_ = step;
+  }
+  cfg_.read_budget_bytes = bytes;
+}
+
 void WindowScheduler::acquire_read(int64_t step, const std::vector<Key>& keys) {
   std::vector<Key> order(keys);
   std::stable_partition(order.begin(), order.end(), [this](const Key& k) { return pool_.get(k) != nullptr; });

@@ -12,7 +12,8 @@
 //
 // Decisions never depend on read timing: a prefetch issued at step s is logically complete from
 // step s+1 (a hit, an eviction candidate, out of the queue's count). Physical completion only
-// decides how long `data()` waits, and that wait is the stall reported.
+// decides how long `data()` waits, and that wait is the stall reported. (A read budget measured in
+// the run, ReadBudgetMeter, is the exception: it follows the compute time of the steps.)
 #pragma once
 
 #include <chrono>
@@ -72,6 +73,28 @@ struct SchedulerStats {
   SchedulerStats minus(const SchedulerStats& o) const;
 };
 
+// The read budget measured in the run (--read-budget-kib auto; toolkit/runtime/scheduler.py's
+// ReadBudgetMeter, the same rule): the flash's rate (measured at start-up) times the compute time of a
+// step, measured as the run goes: the time between two consecutive MoE steps of the same span (a
+// prefill span's positions; 1 for one position) less what the scheduler waited for reads between
+// them, smoothed by 1/8 of each new step; the first step measured after the span changes replaces it.
+// The budget is whole KiB, at least one expert slot; none (-1) before the first step is measured.
+class ReadBudgetMeter {
+ public:
+  ReadBudgetMeter(double read_bytes_per_s, int64_t slot_bytes);
+  // At a MoE step of `span` positions reached at `now_s` seconds with `wait_s` seconds of read waits
+  // so far: the budget in bytes a step from this step on (-1: none yet).
+  int64_t at(int span, double now_s, double wait_s);
+  double step_s() const { return est_; }  // the smoothed compute time of a step (0: none yet)
+
+ private:
+  double rate_;
+  int64_t slot_kib_;
+  int span_ = 0;
+  bool fresh_ = true;
+  double last_now_ = 0, last_wait_ = 0, est_ = 0;
+};
+
 class WindowScheduler {
  public:
   // reuse: the pool's `reuse` eviction state, which every acquire updates (outlives the scheduler)
@@ -101,6 +124,10 @@ class WindowScheduler {
                    const std::vector<std::vector<int>>& ids);
   int64_t step() const { return step_; }
   size_t in_flight() const { return loading_.size(); }  // prefetches logically in flight
+  // The read budget from `step` on (bytes a step; -1: none): the backlog so far drains at the old
+  // rate up to `step`; from none, the prefetches in flight are the backlog (ReadBudgetMeter's).
+  void set_read_budget(int64_t step, int64_t bytes);
+  int64_t read_budget() const { return cfg_.read_budget_bytes; }
 
   double next_predicted_use(Key key, int64_t now) const;
   // the reuse eviction's state (nullptr: the pool evicts otherwise)

@@ -45,7 +45,9 @@ def simulate_same_prompts(model, texts, adapter, policies, pools, new_tokens, wi
                           runs: list[dict[str, Any]] | None = None,
                           prefill_chunks: Sequence[int] | None = None,
                           variants: dict[str, tuple[Any, dict[str, Any]]] | None = None,
-                          settings: dict[str, Any] | None = None) -> dict[str, Any]:
+                          settings: dict[str, Any] | None = None,
+                          row_settings: Sequence[dict[str, dict[str, Any]]] | None = None,
+                          calib_settings: dict[str, Any] | None = None) -> dict[str, Any]:
     """Trace the bench prompts and replay them under a device profile: `profile`, or this machine's
     calibrated for the reference runner; `window` and `queue_depth` the measured runs' scheduler's.
     `runs`, if given, one per prompt: a measured engine's `tokens` (new) and `routing` (per position,
@@ -56,7 +58,9 @@ def simulate_same_prompts(model, texts, adapter, policies, pools, new_tokens, wi
     `settings`: the measured runs' other scheduler settings (run_simulation's min_confidence,
     candidate_threshold, step_budget_kib: a bundle's, export.manifest.scheduler_defaults) for every replay.
     `variants`: more rows, label -> (a policy, scheduler settings laid over `window`, `queue_depth` and
-    `settings` for it: runner bench --variant)."""
+    `settings` for it: runner bench --variant). `row_settings`: per pool, row label -> settings of that row's
+    own runs (runner bench: the read budget each row's runs measured), laid over the rest; `calib_settings`:
+    those of the runs the flash rate is fitted to (their replay's)."""
     from toolkit.runtime.policy import parse_policies
     from toolkit.simulate.calibrate import calibrate, fit_flash_rate
     from toolkit.simulate.replay import run_simulation
@@ -87,7 +91,7 @@ def simulate_same_prompts(model, texts, adapter, policies, pools, new_tokens, wi
 
         def oracle_tpot_ms(p) -> float:  # the calibration's perfect-prefetch run, replayed: its pool, these prompts
             pool = p.measured.get("oracle_pool_mib", p.measured["tiny_pool_mib"])
-            return replay(parse_policies("oracle+belady"), p, pool)[0]["tpot_ms"]
+            return replay(parse_policies("oracle+belady"), p, pool, **(calib_settings or {}))[0]["tpot_ms"]
 
         pm = prof.measured or {}
         # only a profile calibrated on these very prompts (runner bench's calibrate_native records them): the
@@ -99,9 +103,13 @@ def simulate_same_prompts(model, texts, adapter, policies, pools, new_tokens, wi
                else "the model's own greedy decode of the prompts",
                "pool_at_first_token": "as the measured runs' prefill left it" if warm_chunks is not None
                else "empty"}
-        for pool in pools:
-            rows = [(x["policy"], x) for x in replay(policies, prof, pool, adapter=adapter)]
-            rows += [(label, replay([pol], prof, pool, adapter=adapter, **kv)[0])
+        for i, pool in enumerate(pools):
+            own = row_settings[i] if row_settings else {}
+            plain = [q for q in policies if q.name not in own]
+            rows = [(x["policy"], x) for x in (replay(plain, prof, pool, adapter=adapter) if plain else [])]
+            rows += [(q.name, replay([q], prof, pool, adapter=adapter, **own[q.name])[0])
+                     for q in policies if q.name in own]
+            rows += [(label, replay([pol], prof, pool, adapter=adapter, **{**kv, **own.get(label, {})})[0])
                      for label, (pol, kv) in (variants or {}).items()]
             out["points"].append({"pool_mib": pool, "policies": {name: {
                 k: x[k] for k in ("tpot_ms", "stall_ms_per_token", "hit_rate", "mib_read_per_token")}

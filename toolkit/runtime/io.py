@@ -21,13 +21,15 @@ import heapq
 import itertools
 import mmap
 import os
+import random
 import select
 import struct
 import threading
 import time
+from pathlib import Path
 
 from toolkit.errors import SpecPrefetchError
-from toolkit.runtime.expert_store import ExpertStore
+from toolkit.runtime.expert_store import ALIGN, ExpertStore
 from toolkit.runtime.pool import Key
 from toolkit.runtime.profiles import DeviceProfile
 
@@ -303,3 +305,72 @@ def _reader_main(store, fd, arena, req_r, dem_r, done_w, workers, profile, verif
         t.start()
     for t in threads:
         t.join()
+
+
+def measure_reads(path: Path, offsets: list[int], size: int, qd: int, n: int, seed: int = 0, *,
+                  store: ExpertStore | None = None) -> tuple[float, float]:
+    """(MiB/s, mean latency s) of n random O_DIRECT reads of up to `size` bytes at queue depth qd.
+
+    A read never asks past the end of the file (it is clamped there, to a whole 4 KiB block for
+    O_DIRECT), the bandwidth counts the bytes actually read, and an offset at or past the end is
+    refused. A failed read stops the measurement and is raised; the file is closed either way.
+    With `store`, its own open file is read (never `path` again, which may name another file by now)."""
+    path = Path(path)
+    if not offsets:
+        raise SpecPrefetchError(f"{path}: no offsets to read")
+    try:
+        file_end = store.file_size if store is not None else path.stat().st_size
+    except OSError as e:
+        raise SpecPrefetchError(f"{path}: cannot read ({e.strerror or e})") from None
+    past = [o for o in offsets if o >= file_end]
+    if past:
+        raise SpecPrefetchError(f"{path}: read at offset {past[0]} lies past the end of the file ({file_end} bytes)")
+    rng = random.Random(seed)
+    picks = [rng.choice(offsets) for _ in range(n)]
+    lat: list[float] = []
+    done = [0]
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+    it = iter(picks)
+    try:
+        fd, direct = store.open_direct() if store is not None else open_direct(path)
+    except OSError as e:
+        raise SpecPrefetchError(f"{path}: cannot open ({e.strerror or e})") from None
+    try:
+        if not direct:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+        def work():
+            buf = mmap.mmap(-1, size)
+            try:
+                while True:
+                    with lock:
+                        off = None if errors else next(it, None)
+                    if off is None:
+                        return
+                    want = min(size, -(-(file_end - off) // ALIGN) * ALIGN)
+                    t0 = time.perf_counter()
+                    try:
+                        got = os.preadv(fd, [memoryview(buf)[:want]], off)
+                    except OSError as e:
+                        raise SpecPrefetchError(f"{path}: read of {want} bytes at offset {off} failed ({e})") from e
+                    dt = time.perf_counter() - t0
+                    with lock:
+                        lat.append(dt)
+                        done[0] += got
+            except BaseException as e:  # raised on the calling thread once every worker stopped
+                with lock:
+                    errors.append(e)
+
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=work) for _ in range(max(1, qd))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        total = time.perf_counter() - t0
+    finally:
+        os.close(fd)
+    if errors:
+        raise errors[0]
+    return done[0] / max(total, 1e-12) / 2**20, sum(lat) / len(lat) if lat else 0.0

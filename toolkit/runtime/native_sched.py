@@ -23,6 +23,7 @@ no `compute_order`.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import itertools
@@ -156,6 +157,7 @@ def library() -> ctypes.CDLL:
                 "spx_plan_ranked": [P, i64, I64, i, i, F64, I32], "spx_set_next_visit": [P, i, i64, I32, i],
                 "spx_preload": [P, i, i], "spx_has": [P, i, i, ctypes.POINTER(i)], "spx_settle": [P],
                 "spx_stats": [P, I64, F64], "spx_pool_info": [P, I64], "spx_unused_prefetches": [P, I64],
+                "spx_set_read_budget": [P, i64, i64], "spx_budget_meter": [ctypes.c_double, i64, i, I32, F64, F64, I64],
             }
             for name, args in sig.items():
                 fn = getattr(lib, name)
@@ -354,6 +356,10 @@ class NativeScheduler:
     def in_flight(self) -> int:
         """Prefetches logically in flight (issued, not yet retired)."""
         return self._pool_info(3)
+
+    def set_read_budget(self, step: int, nbytes: int | None) -> None:
+        self._call("spx_set_read_budget", step, -1 if nbytes is None else nbytes)
+        self.cfg = dataclasses.replace(self.cfg, read_budget_bytes=nbytes)
 
     def acquire(self, step: int, keys: list[Key]) -> None:
         self._call("spx_acquire", step, self._keys(keys), len(keys))

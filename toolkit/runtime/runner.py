@@ -34,6 +34,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import itertools
+import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
@@ -47,13 +48,13 @@ from toolkit.runtime.backend import Backend, chunk_plan, prefill_spans
 from toolkit.runtime.events import EventLog
 from toolkit.runtime.expert_store import ExpertStore
 from toolkit.runtime.experts import ExpertExecutor
-from toolkit.runtime.io import ThreadReader, ProcessReader
+from toolkit.runtime.io import ThreadReader, ProcessReader, measure_reads
 from toolkit.runtime.planner import ChunkState, PrefetchPlanner, RoutingState
 from toolkit.runtime.policy import Policy
 from toolkit.runtime.pool import ExpertPool
 from toolkit.runtime.profiles import DeviceProfile, check_budget_kib
 from toolkit.runtime.reuse import ReuseHistory
-from toolkit.runtime.scheduler import SchedulerConfig, WindowScheduler
+from toolkit.runtime.scheduler import ReadBudgetMeter, SchedulerConfig, WindowScheduler
 from toolkit.runtime.stats import DecodeAccount, RunStats
 
 
@@ -98,7 +99,10 @@ class RunConfig:
     min_confidence: float = 0.02
     candidate_threshold: float = 0.0
     step_budget_kib: int | None = None
-    read_budget_kib: int | None = None            # KiB the flash delivers per step (None: no deadline check)
+    # KiB the flash delivers per step (None: no deadline check; "auto": measured in the run, ReadBudgetMeter:
+    # the flash's rate, read_rate_mibs or probed at start-up, times the steps' measured compute time)
+    read_budget_kib: int | str | None = None
+    read_rate_mibs: float | None = None
     flash_profile: DeviceProfile | None = None   # pace real reads to this device (emulated flash)
     io: str = "process"                          # reader process (default) or reader threads
     verify: bool = True                          # CRC every blob read
@@ -117,6 +121,11 @@ class RunConfig:
             raise SpecPrefetchError(f"--io {self.io!r}: choose process or threads")
         if self.prefill_chunk is not None and self.prefill_chunk < 0:
             raise SpecPrefetchError(f"--prefill-chunk {self.prefill_chunk}: a chunk size or off")
+        if isinstance(self.read_budget_kib, str) and self.read_budget_kib != "auto":
+            raise SpecPrefetchError(f"--read-budget-kib {self.read_budget_kib}: KiB a step, auto or off")
+        if self.read_rate_mibs is not None and (self.read_budget_kib != "auto" or not self.read_rate_mibs > 0):
+            raise SpecPrefetchError(f"--read-rate-mibs {self.read_rate_mibs}: a rate above 0, only with "
+                                    "--read-budget-kib auto (the rate the budget multiplies)")
 
     @property
     def budget_bytes(self) -> int:
@@ -135,12 +144,13 @@ class Generation:
     logits: torch.Tensor | None = None   # [positions, V] with keep_logits
     fed: list[int] | None = None         # every token fed (prompt + committed, but the last)
     prefill_chunks: list[int] | None = None  # how the prompt was fed: chunk sizes, 1 = one position
+    read_budget: dict[str, Any] | None = None  # the read budget it ran with (ReadBudget.report)
 
     def to_json(self) -> dict[str, Any]:
         n = sum(self.prefill_chunks or [])
         tps = round(n / (self.stats.ttft_ms / 1e3), 2) if n and self.stats.ttft_ms > 0 else None
         return {"tokens": self.tokens, **self.stats.to_json(), "direct_io": self.direct_io,
-                "prefill_tokens_per_s": tps, "prefill_chunks": self.prefill_chunks}
+                "prefill_tokens_per_s": tps, "prefill_chunks": self.prefill_chunks, "read_budget": self.read_budget}
 
 
 class Runner:
@@ -164,6 +174,7 @@ class Runner:
         self.cfg = cfg
         self.progress = False  # a progress bar on stderr for prefills of long prompts (the CLI sets it)
         self.images: "ImagePrompt | None" = None  # the image prompt of the sequence being generated
+        self.probes: dict[tuple[int, bool], dict[str, Any]] = {}  # read_probe's, by (lanes, verify)
         self.configure()
 
     def configure(self, **changes) -> None:
@@ -190,7 +201,8 @@ class Runner:
             raise SpecPrefetchError(f"--prefill-chunk {cfg.prefill_chunk}: the graphs' prefill chunk sizes are "
                                     f"{sizes}; give one of them or off")
         for opt, kib in (("--step-budget-kib", cfg.step_budget_kib), ("--read-budget-kib", cfg.read_budget_kib)):
-            check_budget_kib(kib, self.store.slot_bytes, opt)
+            if kib != "auto":
+                check_budget_kib(kib, self.store.slot_bytes, opt)
         self.cfg = cfg
 
     # -- one prompt --------------------------------------------------------------------
@@ -248,8 +260,11 @@ class Runner:
             if images is not None and list(images.ids) != list(prompt_ids):
                 raise SpecPrefetchError("the image prompt's tokens are not the prompt's")
             self.images = images
-            return self._loop(list(prompt_ids), max_new_tokens, sched, pool, planner, state, events, io,
-                              force_ids, keep_logits, units, spans)
+            budget = ReadBudget(cfg, sched, planner.active, lambda lanes: self.read_probe(lanes))
+            g = self._loop(list(prompt_ids), max_new_tokens, sched, pool, planner, state, events, io,
+                           force_ids, keep_logits, units, spans, budget)
+            g.read_budget = budget.report()
+            return g
         finally:
             io.close()
 
@@ -259,6 +274,23 @@ class Runner:
         if cap == 0:
             return ()
         return tuple(T for T in have if cap is None or T <= cap)
+
+    def read_probe(self, lanes: int) -> dict[str, Any]:
+        """The flash's rate for --read-budget-kib auto, measured once per lane count and checking: slot
+        reads of the store at the run's lanes (as the native runner's probe: about 64 MiB, 16..64 reads),
+        leaving nothing in the page cache."""
+        key = (lanes, self.cfg.verify)
+        if key not in self.probes:
+            st = self.store
+            total = self.model.L * self.model.routing.num_experts
+            n = min(total, min(64, max(16, -(-(64 << 20) // st.slot_bytes))))
+            t = time.perf_counter()
+            mibs, _ = measure_reads(st.path, [e.offset for e in st.entries.values()], st.slot_bytes, lanes, n,
+                                    store=st)
+            self.probes[key] = {"read_mibs": mibs, "probe_reads": n, "probe_lanes": lanes,
+                                "probe_ms": (time.perf_counter() - t) * 1e3}
+            drop_cache(st)
+        return self.probes[key]
 
     def _open_io(self):
         cfg = self.cfg
@@ -271,7 +303,7 @@ class Runner:
     def _loop(self, seq: list[int], max_new: int, sched: WindowScheduler, pool: ExpertPool,
               planner: PrefetchPlanner, state: RoutingState, events: EventLog | None, io,
               force_ids: torch.Tensor | None, keep_logits: bool, units: list[int],
-              spans: list[int]) -> Generation:
+              spans: list[int], budget: "ReadBudget") -> Generation:
         m, backend = self.model, self.backend
         L = m.L
         moe_index = {layer: li for li, layer in enumerate(m.moe_layers)}
@@ -301,7 +333,7 @@ class Runner:
             if T > 1:  # a prefill span: positions pos .. pos + T - 1, layer by layer
                 nxt_T = unit_at.get(pos + T, 1)
                 hs = self._chunk(seq, pos, T, nxt_T, sched, pool, planner, state, events, force_ids, end, graphs,
-                                 moe_index, routing)
+                                 moe_index, routing, budget)
                 last = pos + T - 1
                 for t in range(T):
                     state.next_position()
@@ -352,6 +384,7 @@ class Runner:
                 keys = [(li, int(e)) for e in ids[0]]
                 if events is not None:
                     events.at(step, pos, li)
+                budget.step(step, 1, decode=bool(tokens))
                 sched.acquire(step, keys)          # demand reads go out first
                 planner.plan(sched, li, step, state, preds, end)
                 # compute while loading: resident experts first, each missing one as its read lands;
@@ -405,7 +438,7 @@ class Runner:
     def _chunk(self, seq, p0: int, T: int, T_next: int, sched: WindowScheduler, pool: ExpertPool,
                planner: PrefetchPlanner, state: RoutingState, events: EventLog | None,
                force_ids: torch.Tensor | None, end: int, graphs: str, moe_index: dict[int, int],
-               routing: list[torch.Tensor]) -> torch.Tensor:
+               routing: list[torch.Tensor], budget: "ReadBudget") -> torch.Tensor:
         """Prompt positions p0 .. p0+T-1 (a span: its chunks `chunk_plan(T)`, run in order through
         each layer's prefill_T' methods before the next layer) through every layer; returns their
         hidden states [1, T, H] and appends their routing.
@@ -461,6 +494,7 @@ class Runner:
                 for j, e in enumerate(ids[t].tolist()):
                     users.setdefault(e, []).append((t, j))
             order = sorted(users, key=lambda e: (pool.get((li, e)) is None, e))
+            budget.step(step, T, decode=False)
             G = pool.capacity
             groups = [order[a:a + G] for a in range(0, len(order), G)]
             e_out: dict[tuple[int, int], torch.Tensor] = {}
@@ -519,6 +553,53 @@ class Runner:
         return self.generate(prompt_ids, max_new_tokens, events=events, images=images)
 
 
+class ReadBudget:
+    """A run's read budget: fixed, none, or measured in the run (`auto`: a ReadBudgetMeter fed at every MoE
+    step, which sets the scheduler's budget as it goes; the flash's rate from `probe(lanes)` unless the
+    configuration gives it). `report()`: the report's read_budget (the native runner's, the same keys)."""
+
+    def __init__(self, cfg: RunConfig, sched: WindowScheduler, prefetch: bool, probe):
+        self.sched, self.meter, self.kib, self.step_ms = sched, None, [], []
+        self.info: dict[str, Any] = {"mode": "off", "kib": None}
+        if cfg.read_budget_kib == "auto" and not prefetch:  # nothing prefetched: nothing to budget
+            self.info = {"mode": "auto", "kib": None, "read_mibs": None, "rate_from": "unused"}
+        elif cfg.read_budget_kib == "auto":
+            rate = ({"read_mibs": cfg.read_rate_mibs, "rate_from": "given"} if cfg.read_rate_mibs else
+                    {**probe(cfg.queue_depth + 1), "rate_from": "probe"})
+            self.info = {"mode": "auto", "kib": None, "read_mibs": rate["read_mibs"], "rate_from": rate["rate_from"],
+                         **{k: rate[k] for k in ("probe_reads", "probe_lanes", "probe_ms") if k in rate}}
+            self.meter = ReadBudgetMeter(rate["read_mibs"] * 2**20, sched.pool.slot_bytes)
+        elif cfg.read_budget_kib:
+            self.info = {"mode": "fixed", "kib": cfg.read_budget_kib}
+
+    def step(self, step: int, span: int, *, decode: bool) -> None:
+        """Before MoE step `step` of a span of `span` positions acquires its experts (auto only)."""
+        if self.meter is None:
+            return
+        b = self.meter.at(span, time.perf_counter(), self.sched.stats.wait_s)
+        if b != self.sched.cfg.read_budget_bytes:
+            self.sched.set_read_budget(step, b)
+        if decode and b is not None:
+            self.kib.append(b // 1024)
+            self.step_ms.append(self.meter.step_s * 1e3)
+
+    def report(self) -> dict[str, Any]:
+        if self.info["mode"] != "auto" or self.info["rate_from"] == "unused":
+            return dict(self.info)
+        lower = lambda v: sorted(v)[(len(v) - 1) // 2] if v else None  # noqa: E731 - the lower median
+        return {**self.info, "kib": lower(self.kib), "step_ms": lower(self.step_ms), "steps": len(self.kib)}
+
+
+def drop_cache(store: ExpertStore) -> None:
+    """Leave none of the store's pages in the page cache (a buffered store; O_DIRECT reads leave none)."""
+    fd, direct = store.open_direct()
+    try:
+        if not direct:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
 def _finite(outs: Sequence[torch.Tensor], graphs: str, step: str, pos: int) -> None:
     """NaN or inf out of a graph would decode as some token (often EOS) and end the run "cleanly":
     refused in one line naming the graphs and the step, as the native runner refuses them."""
@@ -539,10 +620,11 @@ def scheduler_inputs(cfg: RunConfig, *, prefetch: bool, reuse: ReuseTable | None
         raise SpecPrefetchError("belady eviction needs the run's recorded routing (its future)")
     if ev == "reuse" and reuse is None:
         raise SpecPrefetchError(REUSE_MISSING)
+    fixed = cfg.read_budget_kib if cfg.read_budget_kib != "auto" else None  # auto: ReadBudget sets it as it goes
     scfg = SchedulerConfig(queue_depth=cfg.queue_depth, min_confidence=cfg.min_confidence,
                            candidate_threshold=cfg.candidate_threshold, prefetch=prefetch,
                            step_budget_bytes=cfg.step_budget_kib * 1024 if cfg.step_budget_kib else None,
-                           read_budget_bytes=cfg.read_budget_kib * 1024 if cfg.read_budget_kib else None)
+                           read_budget_bytes=fixed * 1024 if fixed else None)
     table = (reuse if cfg.reuse_classes else reuse.whole()) if ev == "reuse" else None
     return scfg, table
 

@@ -114,6 +114,34 @@ def window_probs(window: list[tuple[int, torch.Tensor]]) -> tuple[list[int], tor
     return [t for t, _ in window], p
 
 
+class ReadBudgetMeter:
+    """The read budget measured in the run (`--read-budget-kib auto`, both engines: the native runner's
+    ReadBudgetMeter is the same rule): the flash's rate (measured at start-up) times the compute time of
+    a step, measured as the run goes: the time between two consecutive MoE steps of the same span (a
+    prefill span's positions; 1 for one position) less what the scheduler waited for reads between them,
+    smoothed by 1/8 of each new step; the first step measured after the span changes replaces it. The
+    budget is whole KiB, at least one expert slot; None before the first step is measured."""
+
+    def __init__(self, read_bytes_per_s: float, slot_bytes: int):
+        self.rate, self.slot_kib = read_bytes_per_s, -(-slot_bytes // 1024)
+        self.span, self.fresh = 0, True
+        self.last_now = self.last_wait = self.step_s = 0.0
+
+    def at(self, span: int, now_s: float, wait_s: float) -> int | None:
+        """At a MoE step of `span` positions reached at `now_s` seconds with `wait_s` seconds of read
+        waits so far: the budget in bytes a step from this step on (None: none yet)."""
+        if span == self.span:
+            dt = max(0.0, (now_s - self.last_now) - (wait_s - self.last_wait))
+            self.step_s = dt if self.fresh else self.step_s + (dt - self.step_s) / 8.0
+            self.fresh = False
+        else:  # another span: its first step's time replaces the estimate
+            self.span, self.fresh = span, True
+        self.last_now, self.last_wait = now_s, wait_s
+        if self.step_s <= 0:
+            return None
+        return max(int(self.rate * self.step_s / 1024.0), self.slot_kib) * 1024
+
+
 class WindowScheduler:
     def __init__(self, pool: ExpertPool, io: IOBackend, cfg: SchedulerConfig, *, num_layers: int,
                  top_k: int, events=None, clock: Callable[[], float] = time.perf_counter, reuse=None):
@@ -162,6 +190,15 @@ class WindowScheduler:
         if rate is not None and step > self.backlog_step:
             self.backlog = max(0, self.backlog - rate * (step - self.backlog_step))
             self.backlog_step = step
+
+    def set_read_budget(self, step: int, nbytes: int | None) -> None:
+        """The read budget from `step` on (bytes a step; None: none): the backlog so far drains at the
+        old rate up to `step`; from none, the prefetches in flight are the backlog (ReadBudgetMeter's)."""
+        if self.cfg.read_budget_bytes is not None:
+            self._advance(step)
+        else:
+            self.backlog, self.backlog_step = len(self.loading) * self.pool.slot_bytes, step
+        self.cfg = dataclasses.replace(self.cfg, read_budget_bytes=nbytes)
 
     def in_flight(self) -> int:
         """Prefetches logically in flight (issued, not yet retired)."""
