@@ -405,9 +405,9 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
         prof = calibrate_native(bundle, ids, all_mib=all_mib, tokens=new_tokens, threads=threads,
                                 oracle_runs=calib_runs)
         rows = [p for p in policies if READ_BUDGET_TAG not in p and NO_NEXT_VISIT_TAG not in p and VARIANT_TAG not in p]
-        variants = {f"{base[2]}{VARIANT_TAG}{v}": (parse_policies(base[2])[0], kv) for v, kv in knobs.items()}
+        rows_as = {f"{base[2]}{VARIANT_TAG}{v}": (parse_policies(base[2])[0], kv) for v, kv in knobs.items()}
         if read_budget_kib is not None:
-            variants[f"{base[2]}{READ_BUDGET_TAG}off"] = (parse_policies(base[2])[0], {})
+            rows_as[f"{base[2]}{READ_BUDGET_TAG}off"] = (parse_policies(base[2])[0], {})
         # each row replayed with the read budget its runs had (none: the off row, and policies that prefetch nothing)
         budgets = [{name: {"read_budget_kib": v["read_budget_kib"]} for name, v in pt["policies"].items()}
                    for pt in out["points"]]
@@ -418,7 +418,7 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
                                     runs=[{"tokens": t, "routing": r}
                                           for t, r in zip(resident_tokens, resident_routing)],
                                     prefill_chunks=m["graphs"].get("prefill_chunks") or (),
-                                    variants=variants, settings=scheduler_defaults(m), row_settings=budgets,
+                                    variants=rows_as, settings=scheduler_defaults(m), row_settings=budgets,
                                     calib_settings=budgets[calib_point][base[3]] if calib_point is not None else {})
         out["simulated"] = sim
         # the calibration's own runs: where their flash rate was used (flash-bound), their row is fitted to

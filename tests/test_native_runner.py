@@ -374,6 +374,8 @@ def test_read_budget_measured_in_the_run(native, reference, embedded, tmp_path):
     whole KiB, at least one slot. At 0.001 MiB/s every measured step's budget is one slot, so both engines decide
     alike (no budget at the first step, one slot after) and drop prefetches as late; at 10^6 MiB/s none is
     dropped; the unmodified model's tokens every time. A policy that prefetches nothing probes nothing."""
+    from toolkit.errors import SpecPrefetchError
+
     ref = reference_tokens(embedded, PROMPTS[0], NEW)
     slot = reference.runner.store.slot_bytes
     slot_kib = -(-slot // 1024)
@@ -390,6 +392,7 @@ def test_read_budget_measured_in_the_run(native, reference, embedded, tmp_path):
     total = 8 * 32
     assert rb["mode"] == "auto" and rb["rate_from"] == "probe" and rb["read_mibs"] > 0 and rb["probe_ms"] > 0
     assert rb["probe_reads"] == min(total, max(16, min(64, -(-(64 << 20) // slot)))) and rb["probe_lanes"] == 5
+    assert rb["probe_bytes"] == rb["probe_reads"] * slot
     assert rb["steps"] == (len(r["tokens"]) - 1) * 8 and rb["step_ms"] > 0 and r["tokens"] == ref
     want = max(slot_kib, int(rb["read_mibs"] * 2**20 * rb["step_ms"] / 1e3 / 1024))
     assert abs(rb["kib"] - want) <= 1, (rb, want)   # the lower medians of the steps' budgets and times
@@ -412,6 +415,9 @@ def test_read_budget_measured_in_the_run(native, reference, embedded, tmp_path):
         if rate == "0.001":   # one slot at every measured step: decisions independent of the times
             assert r["read_budget"]["kib"] == g.read_budget["kib"] == slot_kib
             assert decisions(lines) == decisions(log.lines)
+            assert lines[0].endswith(" read_budget=auto") and log.lines[0].endswith(" read_budget=auto")
+            # the budget's one change (none, then one slot from the second MoE step on), logged alike
+            assert [ln for ln in lines if " budget " in ln] == [f"1 budget kib={slot_kib}"]
         counts[rate] = r["counts"]
     assert counts["0.001"]["dropped_late"] > 0 == counts["1000000"]["dropped_late"]
     # the Python engine probes as the runner does (its reads, its lanes)
@@ -428,6 +434,15 @@ def test_read_budget_measured_in_the_run(native, reference, embedded, tmp_path):
     assert out["runs"][0]["read_budget"] == {"mode": "auto", "kib": None, "read_mibs": None, "rate_from": "unused"}
     r = run_native(native, "--prompt-ids", "1,2", "--read-rate-mibs", "5", "--read-budget-kib", "off", check=False)
     assert r.returncode == 1 and "--read-rate-mibs: only with --read-budget-kib auto" in r.stderr
+    for args, msg in ((("--read-rate-mibs", "2e9"), "--read-rate-mibs 2e9: MiB/s above 0 and at most 1e9"),
+                      (("--read-rate-mibs", "-1"), "--read-rate-mibs -1: MiB/s above 0"),
+                      (("--read-budget-kib", "lots"), "--read-budget-kib 'lots': KiB a step (a whole number), auto")):
+        r = run_native(native, "--prompt-ids", "1,2", *args, check=False)
+        assert r.returncode == 1 and msg in r.stderr.strip().splitlines()[-1], r.stderr
+    for bad in ({"read_rate_mibs": float("inf")}, {"read_rate_mibs": 5.0, "read_budget_kib": None},
+                {"read_budget_kib": "off"}):
+        with pytest.raises(SpecPrefetchError, match="--read-(rate-mibs|budget-kib)"):
+            RunConfig(**{"read_budget_kib": "auto", **bad})
 
 
 def test_policies_differ_and_the_oracle_bounds_them(native, tmp_path):

@@ -337,6 +337,18 @@ def test_read_budget_meter_measures_each_step():
     assert slow.at(1, 5.0, 0.0) == 9 * 1024
 
 
+def test_runs_budget_kib():
+    """A bench row's read budget from its runs' reports: a fixed one's KiB, auto's runs' lower median, none
+    without one or where nothing was prefetched."""
+    from android_runner.bench import runs_budget_kib
+
+    auto = [{"read_budget": {"mode": "auto", "kib": k}} for k in (900, 1100, 1000, 1200)]
+    assert runs_budget_kib(auto) == 1000
+    assert runs_budget_kib([{"read_budget": {"mode": "fixed", "kib": 601}}] * 2) == 601
+    assert runs_budget_kib([{"read_budget": {"mode": "off", "kib": None}}]) is None
+    assert runs_budget_kib([{"read_budget": {"mode": "auto", "kib": None, "rate_from": "unused"}}, {}]) is None
+
+
 def test_simulator_orders_policies(sim_trace, tiny_models):
     from toolkit.runtime.policy import Policy
     from toolkit.simulate.replay import run_simulation

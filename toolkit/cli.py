@@ -474,8 +474,9 @@ def run(model, policy, adapter, frequency_trace, pool_mib, pool_reserve_mib, poo
     elif read_budget_kib == "off":
         read_budget_kib = None
     elif read_budget_kib == "auto" and device != "cpu":
-        raise SpecPrefetchError("--read-budget-kib auto: the GPU tier takes a number (KiB a layer step); "
-                                "`bench gpu --variant read_budget_kib=auto` measures this GPU's and prints it")
+        from toolkit.runtime.policy import GPU_AUTO_BUDGET
+
+        raise SpecPrefetchError(GPU_AUTO_BUDGET)
     if pool_mib == "auto" and (engine != "native" or device != "cpu"):
         raise SpecPrefetchError("--pool-mib auto: only with --engine native (the Python reference runner's pool "
                                 "has a fixed size; give --pool-mib F)")

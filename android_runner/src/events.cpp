@@ -13,12 +13,18 @@ std::string EventLog::fixed(double v, int digits) {
 }
 
 void EventLog::header(const std::string& policy, int64_t budget_bytes, int64_t slot_bytes, int64_t capacity,
-                      int window, int queue_depth, double min_confidence, int layers, int top_k) {
+                      int window, int queue_depth, double min_confidence, int layers, int top_k,
+                      const std::string& read_budget) {
   lines_.push_back("# specprefetch-events " + std::to_string(kVersion) + " policy=" + policy +
                    " budget_bytes=" + std::to_string(budget_bytes) + " slot_bytes=" + std::to_string(slot_bytes) +
                    " capacity=" + std::to_string(capacity) + " window=" + std::to_string(window) +
                    " queue_depth=" + std::to_string(queue_depth) + " min_confidence=" + fixed(min_confidence, 3) +
-                   " layers=" + std::to_string(layers) + " top_k=" + std::to_string(top_k));
+                   " layers=" + std::to_string(layers) + " top_k=" + std::to_string(top_k) +
+                   " read_budget=" + read_budget);
+}
+
+void EventLog::budget(int64_t step, int64_t kib) {
+  lines_.push_back(std::to_string(step) + " budget kib=" + std::to_string(kib));
 }
 
 void EventLog::sequence(int prompt_tokens) {

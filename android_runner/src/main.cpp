@@ -92,6 +92,7 @@ json read_budget_json(const ReadBudgetReport& rb) {
       j["probe_reads"] = rb.probe_reads;
       j["probe_lanes"] = rb.probe_lanes;
       j["probe_ms"] = rb.probe_ms;
+      j["probe_bytes"] = rb.probe_bytes;
     }
     if (rb.rate_from != "unused") {
       j["step_ms"] = rb.steps > 0 ? json(rb.step_ms) : json(nullptr);
@@ -221,11 +222,15 @@ Args parse(int argc, char** argv) {
     else if (o == "--read-budget-kib") {
       const std::string v = val();
       a.read_budget_auto = v == "auto";
+      if (v != "auto" && v != "off" && (v.empty() || v.find_first_not_of("0123456789") != std::string::npos))
+        throw Error("--read-budget-kib '" + v + "': KiB a step (a whole number), auto or off");
       a.read_budget_kib = v == "auto" || v == "off" ? -1 : to_int(o, v, 1);
     }
     else if (o == "--read-rate-mibs") {
-      a.read_rate_mibs = to_double(o, val());
-      if (!(a.read_rate_mibs > 0)) throw Error("--read-rate-mibs " + std::to_string(a.read_rate_mibs) + ": must be above 0");
+      const std::string v = val();
+      a.read_rate_mibs = to_double(o, v);
+      if (!(a.read_rate_mibs > 0 && a.read_rate_mibs <= 1e9))
+        throw Error("--read-rate-mibs " + v + ": MiB/s above 0 and at most 1e9");
     }
     else if (o == "--no-next-visit") a.next_visit = false;
     else if (o == "--no-reuse-classes") a.reuse_classes = false;

@@ -253,6 +253,7 @@ const Runner::ReadProbe& Runner::read_probe(const ExpertPool& pool, int lanes) {
     const int64_t i = j * total / n;
     keys.emplace_back(static_cast<int>(i / m_.routing.num_experts), static_cast<int>(i % m_.routing.num_experts));
   }
+  if (!store_.direct()) store_.drop_cache();  // buffered reads: from the flash, not the page cache
   const auto t = Clock::now();
   try {
     Reader reader(store_, lanes, cfg_.verify);
@@ -269,6 +270,8 @@ const Runner::ReadProbe& Runner::read_probe(const ExpertPool& pool, int lanes) {
   }
   ReadProbe p;
   p.lanes = lanes, p.verify = cfg_.verify, p.reads = static_cast<int>(n);
+  p.in_flight = static_cast<int>(std::min<int64_t>(lanes, ring));  // reads in flight at most (a small pool: fewer)
+  p.bytes = n * slot;
   p.ms = seconds_since(t) * 1e3;
   p.mibs = static_cast<double>(n * slot) / 1048576.0 / std::max(p.ms * 1e-3, 1e-9);
   if (!store_.direct()) store_.drop_cache();  // buffered reads: leave no probed expert in the page cache
@@ -337,8 +340,8 @@ Generation Runner::generate(const std::vector<int>& prompt, int max_new,
       rb.read_mibs = cfg.read_rate_mibs, rb.rate_from = "given";
     } else {
       const ReadProbe& pr = read_probe(pool, lanes);
-      rb.read_mibs = pr.mibs, rb.rate_from = "probe", rb.probe_reads = pr.reads, rb.probe_lanes = pr.lanes;
-      rb.probe_ms = pr.ms;
+      rb.read_mibs = pr.mibs, rb.rate_from = "probe", rb.probe_reads = pr.reads, rb.probe_lanes = pr.in_flight;
+      rb.probe_ms = pr.ms, rb.probe_bytes = pr.bytes;
     }
     meter = std::make_unique<ReadBudgetMeter>(rb.read_mibs * 1048576.0, static_cast<int64_t>(store_.slot_bytes));
   } else if (cfg.read_budget_kib >= 0) {
@@ -364,12 +367,16 @@ Generation Runner::generate(const std::vector<int>& prompt, int max_new,
     if (!meter) return;
     const int64_t b = meter->at(span, std::chrono::duration<double>(Clock::now().time_since_epoch()).count(),
                                 sched.stats.wait_s);
-    if (b != sched.read_budget()) sched.set_read_budget(step, b);
+    if (b != sched.read_budget()) {
+      sched.set_read_budget(step, b);
+      if (events != nullptr) events->budget(step, b < 0 ? -1 : b / 1024);
+    }
     if (decode && b >= 0) budget_kib.push_back(static_cast<double>(b / 1024)), budget_step_ms.push_back(meter->step_s() * 1e3);
   };
   if (events != nullptr) {
     events->header(cfg.name(), cfg.budget_bytes(), static_cast<int64_t>(store_.slot_bytes), pool.capacity(),
-                   cfg.window, cfg.queue_depth, cfg.min_confidence, L, k);
+                   cfg.window, cfg.queue_depth, cfg.min_confidence, L, k,
+                   cfg.read_budget_auto ? "auto" : cfg.read_budget_kib >= 0 ? std::to_string(cfg.read_budget_kib) : "off");
     events->sequence(static_cast<int>(prompt.size()));
   }
 

@@ -82,8 +82,9 @@ struct ReadBudgetReport {
   double read_mibs = 0;      // auto: the flash's rate it multiplied
   std::string rate_from;     // auto: "probe" (measured at start-up), "given" (--read-rate-mibs) or "unused"
                              // (the policy prefetches nothing)
-  int probe_reads = 0, probe_lanes = 0;
+  int probe_reads = 0, probe_lanes = 0;  // probe_lanes: its reads in flight at most
   double probe_ms = 0;
+  int64_t probe_bytes = 0;
   double step_ms = 0;        // auto: the median of the decode steps' measured compute time
   int64_t steps = 0;         // auto: decode steps measured
 };
@@ -169,10 +170,11 @@ class Runner {
   // The flash's rate for --read-budget-kib auto: given, or measured once (per lane count and checking)
   // by reading expert slots into the pool's scratch at the run's lanes before anything else is read.
   struct ReadProbe {
-    int lanes = 0;
+    int lanes = 0;      // the run's lanes (what the probe is cached by)
     bool verify = true;
     double mibs = 0, ms = 0;
-    int reads = 0;
+    int reads = 0, in_flight = 0;
+    int64_t bytes = 0;
   };
   const ReadProbe& read_probe(const ExpertPool& pool, int lanes);
 

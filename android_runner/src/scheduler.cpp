@@ -297,8 +297,8 @@ int64_t ReadBudgetMeter::at(int span, double now_s, double wait_s) {
   }
   last_now_ = now_s, last_wait_ = wait_s;
   if (est_ <= 0) return -1;
-  const auto kib = static_cast<int64_t>(rate_ * est_ / 1024.0);
-  return std::max(kib, slot_kib_) * 1024;
+  const auto kib = static_cast<int64_t>(std::min(rate_ * est_ / 1024.0, static_cast<double>(kMaxBudgetKib)));
+  return std::min(std::max(kib, slot_kib_), kMaxBudgetKib) * 1024;
 }
 
 void WindowScheduler::set_read_budget(int64_t step, int64_t bytes) {

@@ -78,9 +78,11 @@ struct SchedulerStats {
 // step, measured as the run goes: the time between two consecutive MoE steps of the same span (a
 // prefill span's positions; 1 for one position) less what the scheduler waited for reads between
 // them, smoothed by 1/8 of each new step; the first step measured after the span changes replaces it.
-// The budget is whole KiB, at least one expert slot; none (-1) before the first step is measured.
+// The budget is whole KiB, at least one expert slot and at most kMaxBudgetKib (1 TiB: budget x steps stays in
+// int64); none (-1) before the first step is measured.
 class ReadBudgetMeter {
  public:
+  static constexpr int64_t kMaxBudgetKib = int64_t{1} << 30;
   ReadBudgetMeter(double read_bytes_per_s, int64_t slot_bytes);
   // At a MoE step of `span` positions reached at `now_s` seconds with `wait_s` seconds of read waits
   // so far: the budget in bytes a step from this step on (-1: none yet).

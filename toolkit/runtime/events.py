@@ -1,7 +1,8 @@
 """The decision log (`run --events FILE`): every scheduler and pool decision, one line each.
 
 This is the contract between the Python reference runner and any other implementation (the C++
-runner): for the same bundle, prompt, policy and budget, two runs write the same lines, apart from
+runner): for the same bundle, prompt, policy and budget (a read budget that is off or a number: one
+measured in the run follows the steps' compute time), two runs write the same lines, apart from
 the fields named `t_ms` (timings) and `conf` (probabilities, whose last printed digit another
 backend may round differently), which `decisions()` strips before comparing. docs/runtime.md
 documents every line; in short:
@@ -15,6 +16,7 @@ documents every line; in short:
     13 prefetch 6:30 target=14 conf=0.8125   a read issued for a predicted step
     13 drop 7:1 reason=low_confidence target=15   (reasons: stale, low_confidence, no_slot, late)
     14 ready 6:30                            a prefetch is logically complete (the step after it was issued)
+    14 budget kib=1081                       the read budget measured in the run changed (--read-budget-kib auto)
     token 1 pos=6 id=1234 t_ms=12.345        a committed token
     end tokens=8 t_ms=...
 
@@ -66,6 +68,10 @@ class EventLog:
 
     def token(self, n: int, pos: int, token_id: int, t_ms: float) -> None:
         self._add(f"token {n} pos={pos} id={token_id} t_ms={t_ms:.3f}")
+
+    def budget(self, step: int, kib: int | None) -> None:
+        """The read budget measured in the run changed at `step` (None: none): `STEP budget kib=K` (-1: none)."""
+        self._add(f"{step} budget kib={-1 if kib is None else kib}")
 
     def end(self, **fields) -> None:
         self._add("end " + " ".join(f"{k}={_fmt(v)}" for k, v in fields.items()))

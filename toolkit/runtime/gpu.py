@@ -56,7 +56,7 @@ from toolkit.runtime.gpu_kernels import dequant, int4_gemv
 from toolkit.runtime.native_sched import library as native_library, open_native_scheduler
 from toolkit.runtime.planner import PrefetchPlanner, RoutingState
 from toolkit.runtime.pool import ExpertPool, Key
-from toolkit.runtime.policy import HOSTS
+from toolkit.runtime.policy import GPU_AUTO_BUDGET, HOSTS
 from toolkit.runtime.profiles import check_budget_kib
 from toolkit.runtime.runner import RunConfig, Runner, open_pool_and_scheduler
 from toolkit.runtime.scheduler import WindowScheduler, resident_first
@@ -617,6 +617,8 @@ class GpuEngine:
             raise SpecPrefetchError(f"host {host!r}: choose from {', '.join(HOSTS)}")
         if host == "native":
             native_library()   # built (or its build refused) now, not inside a sequence
+        if cfg.read_budget_kib == "auto":
+            raise SpecPrefetchError(GPU_AUTO_BUDGET)
         check_budget_kib(cfg.read_budget_kib, self.store.blob_size, "--read-budget-kib")
         p = cfg.policy.predictor
         if p not in ("on-demand", "draft") and p not in self.predictors:

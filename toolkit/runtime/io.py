@@ -27,6 +27,7 @@ import struct
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 from toolkit.errors import SpecPrefetchError
 from toolkit.runtime.expert_store import ALIGN, ExpertStore
@@ -308,13 +309,17 @@ def _reader_main(store, fd, arena, req_r, dem_r, done_w, workers, profile, verif
 
 
 def measure_reads(path: Path, offsets: list[int], size: int, qd: int, n: int, seed: int = 0, *,
-                  store: ExpertStore | None = None) -> tuple[float, float]:
-    """(MiB/s, mean latency s) of n random O_DIRECT reads of up to `size` bytes at queue depth qd.
+                  store: ExpertStore | None = None, in_order: bool = False,
+                  check: Callable[[int, memoryview], None] | None = None) -> tuple[float, float]:
+    """(MiB/s, mean latency s) of n random O_DIRECT reads of up to `size` bytes at queue depth qd
+    (`in_order`: each of `offsets` once, in order, n ignored).
 
     A read never asks past the end of the file (it is clamped there, to a whole 4 KiB block for
     O_DIRECT), the bandwidth counts the bytes actually read, and an offset at or past the end is
-    refused. A failed read stops the measurement and is raised; the file is closed either way.
-    With `store`, its own open file is read (never `path` again, which may name another file by now)."""
+    refused. A failed read stops the measurement and is raised, as is what `check(offset, bytes)` raises
+    for a read (e.g. a checksum); the file is closed either way. The page cache is dropped before the
+    reads (a buffered file). With `store`, its own open file is read (never `path` again, which may name
+    another file by now)."""
     path = Path(path)
     if not offsets:
         raise SpecPrefetchError(f"{path}: no offsets to read")
@@ -326,7 +331,7 @@ def measure_reads(path: Path, offsets: list[int], size: int, qd: int, n: int, se
     if past:
         raise SpecPrefetchError(f"{path}: read at offset {past[0]} lies past the end of the file ({file_end} bytes)")
     rng = random.Random(seed)
-    picks = [rng.choice(offsets) for _ in range(n)]
+    picks = list(offsets) if in_order else [rng.choice(offsets) for _ in range(n)]
     lat: list[float] = []
     done = [0]
     errors: list[BaseException] = []
@@ -355,6 +360,8 @@ def measure_reads(path: Path, offsets: list[int], size: int, qd: int, n: int, se
                     except OSError as e:
                         raise SpecPrefetchError(f"{path}: read of {want} bytes at offset {off} failed ({e})") from e
                     dt = time.perf_counter() - t0
+                    if check is not None:
+                        check(off, memoryview(buf)[:got])
                     with lock:
                         lat.append(dt)
                         done[0] += got

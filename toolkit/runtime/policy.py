@@ -61,6 +61,9 @@ VARIANT_KEYS: dict[str, tuple[Callable[[str], Any], Callable[[Any], bool], str]]
 # and whose scheduler and pool decide (`host`: the Python one, or the native runner's through
 # toolkit/runtime/native_sched.py: the same decisions off Python), the one key every policy takes
 HOSTS = ("python", "native")
+# `run --device cuda --read-budget-kib auto`, refused: the GPU tier's budget is a number
+GPU_AUTO_BUDGET = ("--read-budget-kib auto: the GPU tier takes a number (KiB a layer step); "
+                   "`bench gpu --variant read_budget_kib=auto` measures this GPU's and prints it")
 GPU_VARIANT_KEYS = {**VARIANT_KEYS, "read_budget_kib": (lambda s: s if s == "auto" else int(s),
                                                         lambda v: v == "auto" or v >= 1, "an integer >= 1 or auto"),
                     "host": (lambda s: s if s == "native" else None, lambda v: True,

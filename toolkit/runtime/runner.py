@@ -36,6 +36,7 @@ import dataclasses
 import itertools
 import os
 import time
+import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -52,7 +53,7 @@ from toolkit.runtime.io import ThreadReader, ProcessReader, measure_reads
 from toolkit.runtime.planner import ChunkState, PrefetchPlanner, RoutingState
 from toolkit.runtime.policy import Policy
 from toolkit.runtime.pool import ExpertPool
-from toolkit.runtime.profiles import DeviceProfile, check_budget_kib
+from toolkit.runtime.profiles import DeviceProfile, check_budget_kib, read_lanes
 from toolkit.runtime.reuse import ReuseHistory
 from toolkit.runtime.scheduler import ReadBudgetMeter, SchedulerConfig, WindowScheduler
 from toolkit.runtime.stats import DecodeAccount, RunStats
@@ -89,6 +90,10 @@ class ModelInfo:
         return len(self.moe_layers)
 
 
+# --read-rate-mibs at most (the native runner's limit alike): 1 PB/s keeps rate x step x steps within int64
+MAX_READ_RATE_MIBS = 1e9
+
+
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     """How a run streams its experts. Change it through `Runner.configure`, not by mutation."""
@@ -122,10 +127,12 @@ class RunConfig:
         if self.prefill_chunk is not None and self.prefill_chunk < 0:
             raise SpecPrefetchError(f"--prefill-chunk {self.prefill_chunk}: a chunk size or off")
         if isinstance(self.read_budget_kib, str) and self.read_budget_kib != "auto":
-            raise SpecPrefetchError(f"--read-budget-kib {self.read_budget_kib}: KiB a step, auto or off")
-        if self.read_rate_mibs is not None and (self.read_budget_kib != "auto" or not self.read_rate_mibs > 0):
-            raise SpecPrefetchError(f"--read-rate-mibs {self.read_rate_mibs}: a rate above 0, only with "
-                                    "--read-budget-kib auto (the rate the budget multiplies)")
+            raise SpecPrefetchError(f"--read-budget-kib {self.read_budget_kib}: KiB a step, auto, or None (off)")
+        if self.read_rate_mibs is not None and (self.read_budget_kib != "auto"
+                                                or not 0 < self.read_rate_mibs <= MAX_READ_RATE_MIBS):
+            raise SpecPrefetchError(f"--read-rate-mibs {self.read_rate_mibs}: a rate above 0 and at most "
+                                    f"{MAX_READ_RATE_MIBS:g} MiB/s, only with --read-budget-kib auto (the rate the "
+                                    "budget multiplies)")
 
     @property
     def budget_bytes(self) -> int:
@@ -255,12 +262,13 @@ class Runner:
             if events is not None:
                 events.header(policy=cfg.policy.name, budget_bytes=cfg.budget_bytes, slot_bytes=self.store.slot_bytes,
                               capacity=pool.capacity, window=cfg.window, queue_depth=cfg.queue_depth,
-                              min_confidence=cfg.min_confidence, layers=L, top_k=k)
+                              min_confidence=cfg.min_confidence, layers=L, top_k=k,
+                              read_budget="off" if cfg.read_budget_kib is None else cfg.read_budget_kib)
                 events.sequence(prompt_tokens=len(prompt_ids))
             if images is not None and list(images.ids) != list(prompt_ids):
                 raise SpecPrefetchError("the image prompt's tokens are not the prompt's")
             self.images = images
-            budget = ReadBudget(cfg, sched, planner.active, lambda lanes: self.read_probe(lanes))
+            budget = ReadBudget(cfg, sched, planner.active, self.read_probe, events)
             g = self._loop(list(prompt_ids), max_new_tokens, sched, pool, planner, state, events, io,
                            force_ids, keep_logits, units, spans, budget)
             g.read_budget = budget.report()
@@ -276,19 +284,30 @@ class Runner:
         return tuple(T for T in have if cap is None or T <= cap)
 
     def read_probe(self, lanes: int) -> dict[str, Any]:
-        """The flash's rate for --read-budget-kib auto, measured once per lane count and checking: slot
-        reads of the store at the run's lanes (as the native runner's probe: about 64 MiB, 16..64 reads),
-        leaving nothing in the page cache."""
+        """The flash's rate for --read-budget-kib auto, measured once per lane count and checking, as the
+        native runner's probe: about 64 MiB of slot reads (16..64, distinct experts spread evenly over the
+        store), at the run's lanes, each blob's CRC-32 checked (unless the run checks none); nothing is
+        left in the page cache."""
         key = (lanes, self.cfg.verify)
         if key not in self.probes:
             st = self.store
-            total = self.model.L * self.model.routing.num_experts
+            E = self.model.routing.num_experts
+            total = self.model.L * E
             n = min(total, min(64, max(16, -(-(64 << 20) // st.slot_bytes))))
+            at = {st.entries[(j * total // n) // E, (j * total // n) % E].offset: st.entries[
+                (j * total // n) // E, (j * total // n) % E] for j in range(n)}
+
+            def check(off: int, view: memoryview) -> None:
+                e = at[off]
+                if zlib.crc32(view[:e.size]) != e.crc32:
+                    raise SpecPrefetchError(f"{st.path}: expert ({e.layer}, {e.expert}) failed its checksum (corrupt "
+                                            "blob) (read by --read-budget-kib auto's probe of the flash's rate)")
+
             t = time.perf_counter()
-            mibs, _ = measure_reads(st.path, [e.offset for e in st.entries.values()], st.slot_bytes, lanes, n,
-                                    store=st)
+            mibs, _ = measure_reads(st.path, list(at), st.slot_bytes, lanes, n, store=st, in_order=True,
+                                    check=check if self.cfg.verify else None)
             self.probes[key] = {"read_mibs": mibs, "probe_reads": n, "probe_lanes": lanes,
-                                "probe_ms": (time.perf_counter() - t) * 1e3}
+                                "probe_ms": (time.perf_counter() - t) * 1e3, "probe_bytes": n * st.slot_bytes}
             drop_cache(st)
         return self.probes[key]
 
@@ -558,17 +577,25 @@ class ReadBudget:
     step, which sets the scheduler's budget as it goes; the flash's rate from `probe(lanes)` unless the
     configuration gives it). `report()`: the report's read_budget (the native runner's, the same keys)."""
 
-    def __init__(self, cfg: RunConfig, sched: WindowScheduler, prefetch: bool, probe):
-        self.sched, self.meter, self.kib, self.step_ms = sched, None, [], []
+    def __init__(self, cfg: RunConfig, sched: WindowScheduler, prefetch: bool, probe, events: EventLog | None):
+        self.sched, self.events, self.meter, self.kib, self.step_ms = sched, events, None, [], []
         self.info: dict[str, Any] = {"mode": "off", "kib": None}
+        lanes = min(cfg.queue_depth + 1, 64)   # the reader's (the native runner's without --lanes)
         if cfg.read_budget_kib == "auto" and not prefetch:  # nothing prefetched: nothing to budget
             self.info = {"mode": "auto", "kib": None, "read_mibs": None, "rate_from": "unused"}
         elif cfg.read_budget_kib == "auto":
-            rate = ({"read_mibs": cfg.read_rate_mibs, "rate_from": "given"} if cfg.read_rate_mibs else
-                    {**probe(cfg.queue_depth + 1), "rate_from": "probe"})
+            slot = sched.pool.slot_bytes
+            if cfg.read_rate_mibs:
+                rate = {"read_mibs": cfg.read_rate_mibs, "rate_from": "given"}
+            elif cfg.flash_profile is not None:   # reads paced to a device's flash: its rate, not this disk's
+                rate = {"read_mibs": cfg.flash_profile.bandwidth_mibs(slot, read_lanes(cfg.queue_depth)),
+                        "rate_from": "profile"}
+            else:
+                rate = {**probe(lanes), "rate_from": "probe"}
             self.info = {"mode": "auto", "kib": None, "read_mibs": rate["read_mibs"], "rate_from": rate["rate_from"],
-                         **{k: rate[k] for k in ("probe_reads", "probe_lanes", "probe_ms") if k in rate}}
-            self.meter = ReadBudgetMeter(rate["read_mibs"] * 2**20, sched.pool.slot_bytes)
+                         **{k: rate[k] for k in ("probe_reads", "probe_lanes", "probe_ms", "probe_bytes")
+                            if k in rate}}
+            self.meter = ReadBudgetMeter(rate["read_mibs"] * 2**20, slot)
         elif cfg.read_budget_kib:
             self.info = {"mode": "fixed", "kib": cfg.read_budget_kib}
 
@@ -579,6 +606,8 @@ class ReadBudget:
         b = self.meter.at(span, time.perf_counter(), self.sched.stats.wait_s)
         if b != self.sched.cfg.read_budget_bytes:
             self.sched.set_read_budget(step, b)
+            if self.events is not None:
+                self.events.budget(step, None if b is None else b // 1024)
         if decode and b is not None:
             self.kib.append(b // 1024)
             self.step_ms.append(self.meter.step_s * 1e3)

@@ -17,9 +17,10 @@ candidate threshold are what keep prefetch from starving the reads the model is 
 
 Decisions never depend on when a read happens to finish, so the same prompt, policy and budget
 give the same decisions on any machine, in the simulator and in the C++ runner (the event log,
-toolkit/runtime/events.py, is that contract). A prefetch issued at step s is *logically* complete
-from step s+1 on: it is then a hit, an eviction candidate, and no longer counts against the queue.
-Whether its bytes have physically landed matters only when they are used (or their slot is
+toolkit/runtime/events.py, is that contract); a read budget measured in the run (ReadBudgetMeter, set
+through `set_read_budget`) is the exception: it follows the steps' compute time. A prefetch issued at
+step s is *logically* complete from step s+1 on: it is then a hit, an eviction candidate, and no longer
+counts against the queue. Whether its bytes have physically landed matters only when they are used (or their slot is
 reused, unless the IO orders the slot's next read after them itself): then the scheduler waits for
 them, and that wait is the stall it reports.
 
@@ -114,13 +115,17 @@ def window_probs(window: list[tuple[int, torch.Tensor]]) -> tuple[list[int], tor
     return [t for t, _ in window], p
 
 
+MAX_BUDGET_KIB = 1 << 30   # a measured budget at most 1 TiB a step (no overflow of budget x steps in C++)
+
+
 class ReadBudgetMeter:
     """The read budget measured in the run (`--read-budget-kib auto`, both engines: the native runner's
     ReadBudgetMeter is the same rule): the flash's rate (measured at start-up) times the compute time of
     a step, measured as the run goes: the time between two consecutive MoE steps of the same span (a
     prefill span's positions; 1 for one position) less what the scheduler waited for reads between them,
     smoothed by 1/8 of each new step; the first step measured after the span changes replaces it. The
-    budget is whole KiB, at least one expert slot; None before the first step is measured."""
+    budget is whole KiB, at least one expert slot (and at most MAX_BUDGET_KIB); None before the first step
+    is measured."""
 
     def __init__(self, read_bytes_per_s: float, slot_bytes: int):
         self.rate, self.slot_kib = read_bytes_per_s, -(-slot_bytes // 1024)
@@ -139,7 +144,8 @@ class ReadBudgetMeter:
         self.last_now, self.last_wait = now_s, wait_s
         if self.step_s <= 0:
             return None
-        return max(int(self.rate * self.step_s / 1024.0), self.slot_kib) * 1024
+        kib = int(min(self.rate * self.step_s / 1024.0, MAX_BUDGET_KIB))
+        return min(max(kib, self.slot_kib), MAX_BUDGET_KIB) * 1024
 
 
 class WindowScheduler:

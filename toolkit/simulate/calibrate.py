@@ -28,7 +28,7 @@ import torch
 
 from toolkit.errors import SpecPrefetchError
 from toolkit.runtime.expert_store import ALIGN, ExpertStore
-from toolkit.runtime.io import measure_reads, open_direct  # noqa: F401  (measure_reads re-exported)
+from toolkit.runtime.io import measure_reads
 from toolkit.runtime.profiles import DeviceProfile, save_profile
 
 MiB = 2**20
