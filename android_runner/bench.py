@@ -36,7 +36,7 @@ from toolkit.errors import SpecPrefetchError
 from toolkit.bench.common import medians
 from toolkit.runtime.policy import VARIANT_TAG, parse_variants
 from toolkit.runtime.profiles import check_budget_kib
-from toolkit.metrics import median
+from toolkit.metrics import median, median_low
 from toolkit.reporting import figure, save_figure, write_report
 
 MiB = 2**20
@@ -118,7 +118,7 @@ def calibrate_native(bundle: Path, prompts: list[list[int]], *, all_mib: float, 
 
 
 # the row of the predictor's policy without the streaming rows' read budget: "<policy> read-budget=off"
-READ_BUDGET_TAG = " read-budget="
+NO_READ_BUDGET_TAG = " read-budget=off"
 # a row of the predictor's reuse policy without the adapter's next-visit heads (run --no-next-visit),
 # where the bundle has them
 NO_NEXT_VISIT_TAG = " next-visit=off"
@@ -299,7 +299,7 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
         ([f"{base[2]}{NO_NEXT_VISIT_TAG}"] if next_visit else []) + \
         ([p.format(graph=graph) for p in ABLATION_POLICIES] if ablation else []) + \
         [f"{base[2]}{VARIANT_TAG}{v}" for v in knobs] + \
-        ([f"{base[2]}{READ_BUDGET_TAG}off"] if read_budget_kib is not None else [])
+        ([f"{base[2]}{NO_READ_BUDGET_TAG}"] if read_budget_kib is not None else [])
     out["ablation"] = ablation
     out["read_budget_kib"] = read_budget_kib
     out["predictor_policy"] = base[2]  # what the ratios over "the predictor" are of
@@ -328,7 +328,7 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
         order = policies
         for _ in range(rounds):
             for p in order:
-                pol, _, rb = p.partition(READ_BUDGET_TAG)
+                pol, no_budget, _ = p.partition(NO_READ_BUDGET_TAG)
                 pol, off, _ = pol.partition(NO_NEXT_VISIT_TAG)
                 pol, _, var = pol.partition(VARIANT_TAG)
                 kv = knobs.get(var, {})
@@ -337,7 +337,7 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
                     (("--candidate-threshold", repr(float(kv["candidate_threshold"])))
                      if "candidate_threshold" in kv else ())
                 res = run_native(bundle, ids, max_new_tokens=new_tokens, policy=pol, pool_mib=pool, cold=True,
-                                 read_budget_kib=None if rb == "off" else read_budget_kib, window=kv.get("window"),
+                                 read_budget_kib=None if no_budget else read_budget_kib, window=kv.get("window"),
                                  queue_depth=kv.get("queue_depth"), min_confidence=kv.get("min_confidence"),
                                  extra=extra)
                 got[p].append(res)
@@ -369,7 +369,7 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
         point["temporal_over_predictor"] = round(tmp / pr, 3)
         point["predictor_over_oracle"] = round(pr / orc, 3)
         if read_budget_kib is not None:  # the predictor's policy without the read budget over with it
-            point["no_read_budget_over_predictor"] = round(tp[f"{base[2]}{READ_BUDGET_TAG}off"] / pr, 3)
+            point["no_read_budget_over_predictor"] = round(tp[f"{base[2]}{NO_READ_BUDGET_TAG}"] / pr, 3)
         for v in knobs:   # each variant's settings over the bundle's: > 1 where the variant is faster
             point.setdefault("predictor_over_variant", {})[v] = round(pr / tp[f"{base[2]}{VARIANT_TAG}{v}"], 3)
         if next_visit:  # the reuse eviction without the next-visit heads over with them
@@ -404,10 +404,10 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
         log("the simulator, recalibrated against the native runner (calibrate_native), on the same prompts")
         prof = calibrate_native(bundle, ids, all_mib=all_mib, tokens=new_tokens, threads=threads,
                                 oracle_runs=calib_runs)
-        rows = [p for p in policies if READ_BUDGET_TAG not in p and NO_NEXT_VISIT_TAG not in p and VARIANT_TAG not in p]
+        rows = [p for p in policies if not any(t in p for t in (NO_READ_BUDGET_TAG, NO_NEXT_VISIT_TAG, VARIANT_TAG))]
         rows_as = {f"{base[2]}{VARIANT_TAG}{v}": (parse_policies(base[2])[0], kv) for v, kv in knobs.items()}
         if read_budget_kib is not None:
-            rows_as[f"{base[2]}{READ_BUDGET_TAG}off"] = (parse_policies(base[2])[0], {})
+            rows_as[f"{base[2]}{NO_READ_BUDGET_TAG}"] = (parse_policies(base[2])[0], {})
         # each row replayed with the read budget its runs had (none: the off row, and policies that prefetch nothing)
         budgets = [{name: {"read_budget_kib": v["read_budget_kib"]} for name, v in pt["policies"].items()}
                    for pt in out["points"]]
@@ -447,8 +447,7 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
 def runs_budget_kib(runs: list[dict]) -> int | None:
     """The read budget a row's runs had (the runner's report's read_budget): a fixed one's KiB, auto's
     decode-step medians' lower median over the runs, None without one (or auto with nothing prefetched)."""
-    kib = sorted(b["kib"] for x in runs if (b := x.get("read_budget")) and b.get("kib") is not None)
-    return kib[(len(kib) - 1) // 2] if kib else None
+    return median_low([b["kib"] for x in runs if (b := x.get("read_budget")) and b.get("kib") is not None])
 
 
 def _yes(v: bool | None) -> str:

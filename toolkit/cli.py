@@ -39,7 +39,7 @@ from toolkit.cli_errors import Cli, friendly_errors, quiet_libraries, quiet_nati
 from toolkit.cli_params import (MIN_TIMED_TOKENS, NOT_WRITTEN, NOTHING_TO_OUT, OUT_DIR, OUT_FILE, POOL_AUTO_MIB,
                                 POOL_MIB, POOL_MIB_LIST, POOL_MIB_OR_AUTO, WINDOW_HELP, FiniteFloat, FloatList, IntList,
                                 Text, TextFile, bench_runs, ctx_default, cuda_device, device_name, int_tuple,
-                                ImageSize, IntOrAuto, json_report, scheduler_limits)
+                                ImageSize, IntOrAuto, budget_or_none, json_report, scheduler_limits)
 from toolkit.engines import fmt
 from toolkit.errors import SpecPrefetchError
 
@@ -310,13 +310,11 @@ def simulate(traces, policies, adapter, profile, pool_mib, windows, queue_depth,
     from toolkit.runtime.profiles import load_profile
     from toolkit.simulate.report import markdown, sweep, write_sweep
 
-    if read_budget_kib == "off":
-        read_budget_kib = None
     r = sweep(traces, policies=parse_policies(policies), profile=load_profile(profile), pools=pool_mib,
               windows=windows, queue_depth=queue_depth, dtype=dtype, geometry=geometry, adapter=adapter,
               split=split, max_sequences=max_sequences, min_confidence=min_confidence,
-              step_budget_kib=step_budget_kib, read_budget_kib=read_budget_kib, prompt_tokens=prompt_tokens,
-              next_visit=not no_next_visit, reuse_classes=not no_reuse_classes)
+              step_budget_kib=step_budget_kib, read_budget_kib=budget_or_none(read_budget_kib),
+              prompt_tokens=prompt_tokens, next_visit=not no_next_visit, reuse_classes=not no_reuse_classes)
     write_sweep(r, json_out)
     click.echo(markdown(r))
     click.echo(wrote(c))
@@ -471,9 +469,8 @@ def run(model, policy, adapter, frequency_trace, pool_mib, pool_reserve_mib, poo
         chunk = 0 if v == "off" else int(v)
     if read_budget_kib is None:  # the CPU engines measure theirs in the run; the GPU tier has none unless given
         read_budget_kib = "auto" if device == "cpu" else None
-    elif read_budget_kib == "off":
-        read_budget_kib = None
-    elif read_budget_kib == "auto" and device != "cpu":
+    read_budget_kib = budget_or_none(read_budget_kib)
+    if read_budget_kib == "auto" and device != "cpu":
         from toolkit.runtime.policy import GPU_AUTO_BUDGET
 
         raise SpecPrefetchError(GPU_AUTO_BUDGET)
@@ -638,7 +635,7 @@ def runner_bench(bundle, prompts, new_tokens, rounds, pool_fracs, threads, ablat
 
     r = run_native_bench(bundle, prompts=prompts, new_tokens=new_tokens, rounds=rounds, pool_fracs=tuple(pool_fracs),
                          threads=threads, ablation=ablation,
-                         read_budget_kib=None if read_budget_kib == "off" else read_budget_kib, images=tuple(images),
+                         read_budget_kib=budget_or_none(read_budget_kib), images=tuple(images),
                          prompt_texts=tuple(prompt_texts), variants=tuple(variants),
                          log=lambda s: click.echo(s, err=True))
     write(r, json_out)

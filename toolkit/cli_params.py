@@ -204,6 +204,11 @@ OVERWRITE_REPORT = ("replace an existing report at --json (and its .md/.png) if 
                     "nothing else is ever replaced")
 
 
+def budget_or_none(v):
+    """--read-budget-kib's value as the engines take it: off is None (no budget); a number and auto as given."""
+    return None if v == "off" else v
+
+
 def scheduler_limits(fn):
     """The scheduler's flash-saturation limits, shared by `simulate` and `run`."""
     fn = click.option("--read-budget-kib", type=IntOrAuto(off=True), default=None,

@@ -84,6 +84,13 @@ def median(values, ndigits: int | None = 4) -> float | None:
     return v if ndigits is None else round(v, ndigits)
 
 
+def median_low(values):
+    """The middle one of the defined values, the lower of the two middle ones for an even count (a value
+    that occurred, e.g. a whole number of KiB; the native runner's lower_median); None when none is defined."""
+    vals = sorted(_defined(values))
+    return vals[(len(vals) - 1) // 2] if vals else None
+
+
 def percentile(values, q: float, ndigits: int | None = 4) -> float | None:
     """The q-th percentile (0..100) of the defined values by numpy's default linear interpolation,
     rounded to `ndigits` places (None: not rounded); None when no value is defined. The one percentile

@@ -88,7 +88,7 @@ json read_budget_json(const ReadBudgetReport& rb) {
   if (rb.mode == "auto") {
     j["read_mibs"] = rb.rate_from == "unused" ? json(nullptr) : json(rb.read_mibs);
     j["rate_from"] = rb.rate_from;
-    if (rb.rate_from == "probe") {
+    if (rb.rate_from == "probe") {  // the run that probed (later runs of the process: "cached")
       j["probe_reads"] = rb.probe_reads;
       j["probe_lanes"] = rb.probe_lanes;
       j["probe_ms"] = rb.probe_ms;
@@ -256,6 +256,8 @@ Args parse(int argc, char** argv) {
   if (a.bundle.empty()) throw Error("no BUNDLE given (--help shows the usage)");
   if (a.prompts.empty()) throw Error("no prompt: give --prompt TEXT or --prompt-ids 1,2,3");
   if (!(std::isnan(a.pool_mib) || a.pool_mib > 0)) throw Error("--pool-mib: must be a positive number");
+  if (a.read_rate_mibs > 0 && !a.read_budget_auto)
+    throw Error("--read-rate-mibs: only with --read-budget-kib auto (the rate the budget multiplies)");
   if (!a.pool_auto)
     for (int i = 1; i < argc; ++i)
       for (const char* o : {"--pool-reserve-mib", "--pool-low-watermark-mib", "--pool-high-watermark-mib", "--pool-check-ms"})
@@ -533,8 +535,6 @@ int main_(int argc, char** argv) {
   cfg.read_budget_kib = a.read_budget_kib;
   cfg.read_budget_auto = a.read_budget_auto;
   cfg.read_rate_mibs = a.read_rate_mibs;
-  if (a.read_rate_mibs > 0 && !a.read_budget_auto)
-    throw Error("--read-rate-mibs: only with --read-budget-kib auto (the rate the budget multiplies)");
   cfg.lanes = a.lanes;
   cfg.verify = a.verify;
   cfg.preload = a.preload;

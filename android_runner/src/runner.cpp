@@ -241,8 +241,9 @@ void ImagePrompt::add_deepstack(int p, int layer, float* h) const {
 const Runner::ReadProbe& Runner::read_probe(const ExpertPool& pool, int lanes) {
   for (const ReadProbe& p : probes_)
     if (p.lanes == lanes && p.verify == cfg_.verify) return p;
-  // slot reads spread over the store: about 64 MiB, 16..64 reads, each into its own scratch slot while in
-  // flight (at most two per lane), checked as the run's reads are
+  // slot reads spread over the store: 64 MiB's worth, at least 16 and at most 64 reads (probe_reads in
+  // toolkit/runtime/runner.py), each into its own scratch slot while in flight (at most two per lane), checked
+  // as the run's reads are; through the Reader, as the run's (a buffered store's reads leave no page cached)
   const int64_t total = static_cast<int64_t>(m_.L()) * m_.routing.num_experts;
   const int64_t slot = static_cast<int64_t>(store_.slot_bytes);
   const int64_t n = std::min<int64_t>(total, std::clamp<int64_t>(((64LL << 20) + slot - 1) / slot, 16, 64));
@@ -253,7 +254,6 @@ const Runner::ReadProbe& Runner::read_probe(const ExpertPool& pool, int lanes) {
     const int64_t i = j * total / n;
     keys.emplace_back(static_cast<int>(i / m_.routing.num_experts), static_cast<int>(i % m_.routing.num_experts));
   }
-  if (!store_.direct()) store_.drop_cache();  // buffered reads: from the flash, not the page cache
   const auto t = Clock::now();
   try {
     Reader reader(store_, lanes, cfg_.verify);
@@ -274,7 +274,6 @@ const Runner::ReadProbe& Runner::read_probe(const ExpertPool& pool, int lanes) {
   p.bytes = n * slot;
   p.ms = seconds_since(t) * 1e3;
   p.mibs = static_cast<double>(n * slot) / 1048576.0 / std::max(p.ms * 1e-3, 1e-9);
-  if (!store_.direct()) store_.drop_cache();  // buffered reads: leave no probed expert in the page cache
   probes_.push_back(p);
   return probes_.back();
 }
@@ -331,17 +330,24 @@ Generation Runner::generate(const std::vector<int>& prompt, int max_new,
   Generation g;
   std::unique_ptr<ReadBudgetMeter> meter;  // --read-budget-kib auto
   std::vector<double> budget_kib, budget_step_ms;  // auto: each decode step's
-  if (cfg.read_budget_auto && !planner.active()) {
-    g.read_budget.mode = "auto", g.read_budget.rate_from = "unused";  // nothing prefetched: nothing to budget
+  if (cfg.read_budget_auto && (!planner.active() || cfg.preload)) {
+    // nothing prefetched (or every expert read before the run): nothing to budget, nothing probed
+    g.read_budget.mode = "auto", g.read_budget.rate_from = "unused";
   } else if (cfg.read_budget_auto) {
     ReadBudgetReport& rb = g.read_budget;
     rb.mode = "auto";
     if (cfg.read_rate_mibs > 0) {
       rb.read_mibs = cfg.read_rate_mibs, rb.rate_from = "given";
     } else {
+      const size_t had = probes_.size();
       const ReadProbe& pr = read_probe(pool, lanes);
-      rb.read_mibs = pr.mibs, rb.rate_from = "probe", rb.probe_reads = pr.reads, rb.probe_lanes = pr.in_flight;
-      rb.probe_ms = pr.ms, rb.probe_bytes = pr.bytes;
+      rb.read_mibs = pr.mibs;
+      if (probes_.size() > had) {  // probed for this run (its reads, its time: the report's probe_*)
+        rb.rate_from = "probe", rb.probe_reads = pr.reads, rb.probe_lanes = pr.in_flight;
+        rb.probe_ms = pr.ms, rb.probe_bytes = pr.bytes;
+      } else {
+        rb.rate_from = "cached";  // an earlier run of this process probed it
+      }
     }
     meter = std::make_unique<ReadBudgetMeter>(rb.read_mibs * 1048576.0, static_cast<int64_t>(store_.slot_bytes));
   } else if (cfg.read_budget_kib >= 0) {

@@ -80,8 +80,8 @@ struct ReadBudgetReport {
   std::string mode = "off";
   int64_t kib = -1;          // fixed: the option; auto: the median of the decode steps' budgets
   double read_mibs = 0;      // auto: the flash's rate it multiplied
-  std::string rate_from;     // auto: "probe" (measured at start-up), "given" (--read-rate-mibs) or "unused"
-                             // (the policy prefetches nothing)
+  std::string rate_from;     // auto: "probe" (measured at this run's start), "cached" (an earlier run of the
+                             // process probed), "given" (--read-rate-mibs) or "unused" (nothing prefetched)
   int probe_reads = 0, probe_lanes = 0;  // probe_lanes: its reads in flight at most
   double probe_ms = 0;
   int64_t probe_bytes = 0;
@@ -170,7 +170,7 @@ class Runner {
   // The flash's rate for --read-budget-kib auto: given, or measured once (per lane count and checking)
   // by reading expert slots into the pool's scratch at the run's lanes before anything else is read.
   struct ReadProbe {
-    int lanes = 0;      // the run's lanes (what the probe is cached by)
+    int lanes = 0;      // the run's lanes (with verify, what the probe is cached by)
     bool verify = true;
     double mibs = 0, ms = 0;
     int reads = 0, in_flight = 0;

@@ -284,13 +284,15 @@ SPX_API int spx_unused_prefetches(void* h, int64_t* out) {
   return guarded([&] { *out = H(h)->pool->unused_prefetches(); });
 }
 
-// The read budget from `step` on (bytes a step; -1: none): WindowScheduler::set_read_budget
+// The read budget from `step` on (bytes a step; -1: none): WindowScheduler::set_read_budget (the GPU tier sets a
+// fixed one at spx_sched_new; tests/test_native_sched.py drives this against the Python scheduler's)
 SPX_API int spx_set_read_budget(void* h, int64_t step, int64_t bytes) {
   return guarded([&] { H(h)->sched->set_read_budget(step, bytes); });
 }
 
 // ReadBudgetMeter over n MoE steps (spans[i], now_s[i], wait_s[i]): out[i] the budget in bytes from step i on
-// (-1: none yet), as the runner sets it (the Python ReadBudgetMeter's rule, compared in the tests)
+// (-1: none yet), as the runner sets it: for tests/test_native_sched.py, which holds the Python ReadBudgetMeter
+// to the same rule
 SPX_API int spx_budget_meter(double read_bytes_per_s, int64_t slot_bytes, int n, const int32_t* spans,
                              const double* now_s, const double* wait_s, int64_t* out) {
   return guarded([&] {

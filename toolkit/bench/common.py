@@ -105,10 +105,11 @@ def simulate_same_prompts(model, texts, adapter, policies, pools, new_tokens, wi
                else "empty"}
         for i, pool in enumerate(pools):
             own = row_settings[i] if row_settings else {}
-            plain = [q for q in policies if q.name not in own]
-            rows = [(x["policy"], x) for x in (replay(plain, prof, pool, adapter=adapter) if plain else [])]
-            rows += [(q.name, replay([q], prof, pool, adapter=adapter, **own[q.name])[0])
-                     for q in policies if q.name in own]
+            groups: dict[tuple, list] = {}   # policies replayed together: those with the same settings of their own
+            for q in policies:
+                groups.setdefault(tuple(sorted(own.get(q.name, {}).items())), []).append(q)
+            rows = [(x["policy"], x) for kv, qs in groups.items()
+                    for x in replay(qs, prof, pool, adapter=adapter, **dict(kv))]
             rows += [(label, replay([pol], prof, pool, adapter=adapter, **{**kv, **own.get(label, {})})[0])
                      for label, (pol, kv) in (variants or {}).items()]
             out["points"].append({"pool_mib": pool, "policies": {name: {

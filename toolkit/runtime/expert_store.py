@@ -423,6 +423,11 @@ class ExpertStore:
                     f"{self.path} --overwrite`, or build one elsewhere")
 
     # -- access -----------------------------------------------------------------------------
+    def drop_cache(self) -> None:
+        """Give this store's pages in the page cache back (what a buffered read left; O_DIRECT leaves none)."""
+        self._live()
+        os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
     def open_direct(self) -> tuple[int, bool]:
         """(fd, direct): a new descriptor of this store's file (never the path, which may now name
         another file): O_DIRECT where the filesystem allows it, else buffered. The caller closes it."""

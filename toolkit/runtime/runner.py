@@ -34,7 +34,6 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import itertools
-import os
 import time
 import zlib
 from pathlib import Path
@@ -49,11 +48,12 @@ from toolkit.runtime.backend import Backend, chunk_plan, prefill_spans
 from toolkit.runtime.events import EventLog
 from toolkit.runtime.expert_store import ExpertStore
 from toolkit.runtime.experts import ExpertExecutor
+from toolkit.metrics import median_low
 from toolkit.runtime.io import ThreadReader, ProcessReader, measure_reads
 from toolkit.runtime.planner import ChunkState, PrefetchPlanner, RoutingState
 from toolkit.runtime.policy import Policy
 from toolkit.runtime.pool import ExpertPool
-from toolkit.runtime.profiles import DeviceProfile, check_budget_kib, read_lanes
+from toolkit.runtime.profiles import DeviceProfile, check_budget_kib
 from toolkit.runtime.reuse import ReuseHistory
 from toolkit.runtime.scheduler import ReadBudgetMeter, SchedulerConfig, WindowScheduler
 from toolkit.runtime.stats import DecodeAccount, RunStats
@@ -285,31 +285,37 @@ class Runner:
 
     def read_probe(self, lanes: int) -> dict[str, Any]:
         """The flash's rate for --read-budget-kib auto, measured once per lane count and checking, as the
-        native runner's probe: about 64 MiB of slot reads (16..64, distinct experts spread evenly over the
-        store), at the run's lanes, each blob's CRC-32 checked (unless the run checks none); nothing is
-        left in the page cache."""
+        native runner's probe: `probe_reads` slot reads of distinct experts spread evenly over the store, at
+        the run's lanes (fewer in flight where the pool holds fewer slots, as the runner's scratch slots), each
+        blob's CRC-32 checked (unless the run checks none); no probed page is left in the page cache. The
+        first call returns `fresh: True` (what the report's probe_* keys describe)."""
         key = (lanes, self.cfg.verify)
-        if key not in self.probes:
-            st = self.store
-            E = self.model.routing.num_experts
-            total = self.model.L * E
-            n = min(total, min(64, max(16, -(-(64 << 20) // st.slot_bytes))))
-            at = {st.entries[(j * total // n) // E, (j * total // n) % E].offset: st.entries[
-                (j * total // n) // E, (j * total // n) % E] for j in range(n)}
+        if key in self.probes:
+            return {**self.probes[key], "fresh": False}
+        st = self.store
+        E = self.model.routing.num_experts
+        total = self.model.L * E
+        n = probe_reads(total, st.slot_bytes)
+        flight = min(lanes, self.cfg.budget_bytes // st.slot_bytes, total)
+        at = {e.offset: e for e in (st.entries[(j * total // n) // E, (j * total // n) % E] for j in range(n))}
+        why = " (read by --read-budget-kib auto's probe of the flash's rate)"
 
-            def check(off: int, view: memoryview) -> None:
-                e = at[off]
-                if zlib.crc32(view[:e.size]) != e.crc32:
-                    raise SpecPrefetchError(f"{st.path}: expert ({e.layer}, {e.expert}) failed its checksum (corrupt "
-                                            "blob) (read by --read-budget-kib auto's probe of the flash's rate)")
+        def check(off: int, view: memoryview) -> None:
+            e = at[off]
+            if zlib.crc32(view[:e.size]) != e.crc32:
+                raise SpecPrefetchError(f"{st.path}: expert ({e.layer}, {e.expert}) failed its checksum (corrupt blob)")
 
-            t = time.perf_counter()
-            mibs, _ = measure_reads(st.path, list(at), st.slot_bytes, lanes, n, store=st, in_order=True,
+        t = time.perf_counter()
+        try:
+            mibs, _ = measure_reads(st.path, list(at), st.slot_bytes, flight, n, store=st, in_order=True,
                                     check=check if self.cfg.verify else None)
-            self.probes[key] = {"read_mibs": mibs, "probe_reads": n, "probe_lanes": lanes,
-                                "probe_ms": (time.perf_counter() - t) * 1e3, "probe_bytes": n * st.slot_bytes}
-            drop_cache(st)
-        return self.probes[key]
+        except SpecPrefetchError as e:
+            raise SpecPrefetchError(str(e) + why) from None
+        finally:
+            st.drop_cache()
+        self.probes[key] = {"read_mibs": mibs, "probe_reads": n, "probe_lanes": flight,
+                            "probe_ms": (time.perf_counter() - t) * 1e3, "probe_bytes": n * st.slot_bytes}
+        return {**self.probes[key], "fresh": True}
 
     def _open_io(self):
         cfg = self.cfg
@@ -587,11 +593,14 @@ class ReadBudget:
             slot = sched.pool.slot_bytes
             if cfg.read_rate_mibs:
                 rate = {"read_mibs": cfg.read_rate_mibs, "rate_from": "given"}
-            elif cfg.flash_profile is not None:   # reads paced to a device's flash: its rate, not this disk's
-                rate = {"read_mibs": cfg.flash_profile.bandwidth_mibs(slot, read_lanes(cfg.queue_depth)),
-                        "rate_from": "profile"}
+            elif cfg.flash_profile is not None:   # reads paced to a device's flash: its rate, not this disk's,
+                # at the queue depth the pacing charges (the reader process: one transfer at a time)
+                qd = 1 if cfg.io == "process" else cfg.queue_depth
+                rate = {"read_mibs": cfg.flash_profile.bandwidth_mibs(slot, qd), "rate_from": "profile"}
             else:
-                rate = {**probe(lanes), "rate_from": "probe"}
+                p = probe(lanes)   # probed for this run, or by an earlier one of this runner ("cached")
+                rate = {**p, "rate_from": "probe"} if p["fresh"] else {"read_mibs": p["read_mibs"],
+                                                                        "rate_from": "cached"}
             self.info = {"mode": "auto", "kib": None, "read_mibs": rate["read_mibs"], "rate_from": rate["rate_from"],
                          **{k: rate[k] for k in ("probe_reads", "probe_lanes", "probe_ms", "probe_bytes")
                             if k in rate}}
@@ -615,18 +624,13 @@ class ReadBudget:
     def report(self) -> dict[str, Any]:
         if self.info["mode"] != "auto" or self.info["rate_from"] == "unused":
             return dict(self.info)
-        lower = lambda v: sorted(v)[(len(v) - 1) // 2] if v else None  # noqa: E731 - the lower median
-        return {**self.info, "kib": lower(self.kib), "step_ms": lower(self.step_ms), "steps": len(self.kib)}
+        return {**self.info, "kib": median_low(self.kib), "step_ms": median_low(self.step_ms), "steps": len(self.kib)}
 
 
-def drop_cache(store: ExpertStore) -> None:
-    """Leave none of the store's pages in the page cache (a buffered store; O_DIRECT reads leave none)."""
-    fd, direct = store.open_direct()
-    try:
-        if not direct:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+def probe_reads(total: int, slot_bytes: int) -> int:
+    """How many slot reads the read-rate probe makes (both engines: android_runner/src/runner.cpp): 64 MiB's
+    worth, at least 16 and at most 64, and at most every expert once."""
+    return min(total, min(64, max(16, -(-(64 << 20) // slot_bytes))))
 
 
 def _finite(outs: Sequence[torch.Tensor], graphs: str, step: str, pos: int) -> None:
