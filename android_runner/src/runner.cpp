@@ -239,15 +239,15 @@ void ImagePrompt::add_deepstack(int p, int layer, float* h) const {
 }
 
 const Runner::ReadProbe& Runner::read_probe(const ExpertPool& pool, int lanes) {
-  for (const ReadProbe& p : probes_)
-    if (p.lanes == lanes && p.verify == cfg_.verify) return p;
+  const int64_t ring = std::min<int64_t>(pool.arena_slots(), 2LL * lanes);
+  for (const ReadProbe& p : probes_)  // the same lanes, reads in flight and checking: the same measurement
+    if (p.lanes == lanes && p.in_flight == std::min<int64_t>(lanes, ring) && p.verify == cfg_.verify) return p;
   // slot reads spread over the store: 64 MiB's worth, at least 16 and at most 64 reads (probe_reads in
   // toolkit/runtime/runner.py), each into its own scratch slot while in flight (at most two per lane), checked
   // as the run's reads are; through the Reader, as the run's (a buffered store's reads leave no page cached)
   const int64_t total = static_cast<int64_t>(m_.L()) * m_.routing.num_experts;
   const int64_t slot = static_cast<int64_t>(store_.slot_bytes);
   const int64_t n = std::min<int64_t>(total, std::clamp<int64_t>(((64LL << 20) + slot - 1) / slot, 16, 64));
-  const int64_t ring = std::min<int64_t>(pool.arena_slots(), 2LL * lanes);
   if (ring < 1 || pool.scratch(0) == nullptr) throw Error("--read-budget-kib auto: the pool has no slot to probe with");
   std::vector<Key> keys;
   for (int64_t j = 0; j < n; ++j) {

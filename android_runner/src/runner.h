@@ -170,7 +170,7 @@ class Runner {
   // The flash's rate for --read-budget-kib auto: given, or measured once (per lane count and checking)
   // by reading expert slots into the pool's scratch at the run's lanes before anything else is read.
   struct ReadProbe {
-    int lanes = 0;      // the run's lanes (with verify, what the probe is cached by)
+    int lanes = 0;      // the run's lanes (with in_flight and verify, what the probe is cached by)
     bool verify = true;
     double mibs = 0, ms = 0;
     int reads = 0, in_flight = 0;

@@ -32,6 +32,7 @@ budget by construction: the policy decides only what is read when, never what is
 from __future__ import annotations
 
 import bisect
+import contextlib
 import dataclasses
 import itertools
 import time
@@ -289,14 +290,14 @@ class Runner:
         the run's lanes (fewer in flight where the pool holds fewer slots, as the runner's scratch slots), each
         blob's CRC-32 checked (unless the run checks none); no probed page is left in the page cache. The
         first call returns `fresh: True` (what the report's probe_* keys describe)."""
-        key = (lanes, self.cfg.verify)
-        if key in self.probes:
-            return {**self.probes[key], "fresh": False}
         st = self.store
         E = self.model.routing.num_experts
         total = self.model.L * E
-        n = probe_reads(total, st.slot_bytes)
         flight = min(lanes, self.cfg.budget_bytes // st.slot_bytes, total)
+        key = (flight, self.cfg.verify)   # the same reads in flight and checking: the same measurement
+        if key in self.probes:
+            return {**self.probes[key], "fresh": False}
+        n = probe_reads(total, st.slot_bytes)
         at = {e.offset: e for e in (st.entries[(j * total // n) // E, (j * total // n) % E] for j in range(n))}
         why = " (read by --read-budget-kib auto's probe of the flash's rate)"
 
@@ -312,7 +313,8 @@ class Runner:
         except SpecPrefetchError as e:
             raise SpecPrefetchError(str(e) + why) from None
         finally:
-            st.drop_cache()
+            with contextlib.suppress(OSError):   # (never in place of the probe's own error)
+                st.drop_cache()
         self.probes[key] = {"read_mibs": mibs, "probe_reads": n, "probe_lanes": flight,
                             "probe_ms": (time.perf_counter() - t) * 1e3, "probe_bytes": n * st.slot_bytes}
         return {**self.probes[key], "fresh": True}
@@ -586,7 +588,9 @@ class ReadBudget:
     def __init__(self, cfg: RunConfig, sched: WindowScheduler, prefetch: bool, probe, events: EventLog | None):
         self.sched, self.events, self.meter, self.kib, self.step_ms = sched, events, None, [], []
         self.info: dict[str, Any] = {"mode": "off", "kib": None}
-        lanes = min(cfg.queue_depth + 1, 64)   # the reader's (the native runner's without --lanes)
+        # the reader's lanes: the reader process's queue depth + 1 (the native runner's without --lanes), threads'
+        # the queue depth
+        lanes = min(cfg.queue_depth + 1 if cfg.io == "process" else cfg.queue_depth, 64)
         if cfg.read_budget_kib == "auto" and not prefetch:  # nothing prefetched: nothing to budget
             self.info = {"mode": "auto", "kib": None, "read_mibs": None, "rate_from": "unused"}
         elif cfg.read_budget_kib == "auto":
