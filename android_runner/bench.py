@@ -194,8 +194,7 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
         if not x:
             raise SpecPrefetchError(f"--prompt {json.dumps(t)[:60]}: no tokens")
     store = ExpertStore(Path(bundle) / m["runtime"]["expert_store"])
-    if read_budget_kib != "auto":
-        check_budget_kib(read_budget_kib, store.slot_bytes, "--read-budget-kib")
+    check_budget_kib(read_budget_kib, store.slot_bytes, "--read-budget-kib")
     L, E, k = store.num_layers, store.num_experts, m["routing"]["top_k"]
     for label, v in knobs.items():   # the runners' window looks one token ahead at most
         if v.get("window", 1) > L:
@@ -447,7 +446,7 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
 def runs_budget_kib(runs: list[dict]) -> int | None:
     """The read budget a row's runs had (the runner's report's read_budget): a fixed one's KiB, auto's
     decode-step medians' lower median over the runs, None without one (or auto with nothing prefetched)."""
-    return median_low([b["kib"] for x in runs if (b := x.get("read_budget")) and b.get("kib") is not None])
+    return median_low([(x.get("read_budget") or {}).get("kib") for x in runs])
 
 
 def _yes(v: bool | None) -> str:

@@ -262,8 +262,7 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
     else:
         st = ExpertStore(store, spec)
     for label, v in knobs.items():   # as GpuEngine.configure refuses it, before the model loads
-        if v.get("read_budget_kib") != "auto":
-            check_budget_kib(v.get("read_budget_kib"), st.blob_size, f"--variant {label}: read_budget_kib")
+        check_budget_kib(v.get("read_budget_kib"), st.blob_size, f"--variant {label}: read_budget_kib")
     dtype = torch.float16 if dev.cuda else torch.float32
     t_start = time.time()
     bw0 = h2d_bandwidth(dev) if dev.cuda else None

@@ -33,10 +33,11 @@ def read_budget_kib(read_mibs: float, step_s: float, slot_bytes: int) -> dict:
             "step_ms": round(step_s * 1e3, 4)}
 
 
-def check_budget_kib(kib: int | None, slot_bytes: int, option: str) -> None:
+def check_budget_kib(kib: int | str | None, slot_bytes: int, option: str) -> None:
     """A step or read budget is at least one expert slot a step, in every engine (the native runner checks
-    its own alike); refused in one line naming `option`."""
-    if kib is not None and kib * 1024 < slot_bytes:
+    its own alike); refused in one line naming `option`. None (no budget) and "auto" (measured, at least one
+    slot by its rule) pass."""
+    if isinstance(kib, int) and kib * 1024 < slot_bytes:
         raise SpecPrefetchError(f"{option} {kib}: below one expert slot ({-(-slot_bytes // 1024)} KiB); a budget is "
                                 "at least one slot a step")
 

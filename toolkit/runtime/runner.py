@@ -36,7 +36,6 @@ import contextlib
 import dataclasses
 import itertools
 import time
-import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -209,8 +208,7 @@ class Runner:
             raise SpecPrefetchError(f"--prefill-chunk {cfg.prefill_chunk}: the graphs' prefill chunk sizes are "
                                     f"{sizes}; give one of them or off")
         for opt, kib in (("--step-budget-kib", cfg.step_budget_kib), ("--read-budget-kib", cfg.read_budget_kib)):
-            if kib != "auto":
-                check_budget_kib(kib, self.store.slot_bytes, opt)
+            check_budget_kib(kib, self.store.slot_bytes, opt)
         self.cfg = cfg
 
     # -- one prompt --------------------------------------------------------------------
@@ -300,16 +298,10 @@ class Runner:
         n = probe_reads(total, st.slot_bytes)
         at = {e.offset: e for e in (st.entries[(j * total // n) // E, (j * total // n) % E] for j in range(n))}
         why = " (read by --read-budget-kib auto's probe of the flash's rate)"
-
-        def check(off: int, view: memoryview) -> None:
-            e = at[off]
-            if zlib.crc32(view[:e.size]) != e.crc32:
-                raise SpecPrefetchError(f"{st.path}: expert ({e.layer}, {e.expert}) failed its checksum (corrupt blob)")
-
+        check = (lambda off, view: st.check(at[off].layer, at[off].expert, view)) if self.cfg.verify else None
         t = time.perf_counter()
         try:
-            mibs, _ = measure_reads(st.path, list(at), st.slot_bytes, flight, n, store=st, in_order=True,
-                                    check=check if self.cfg.verify else None)
+            mibs, _ = measure_reads(st.path, list(at), st.slot_bytes, flight, n, store=st, in_order=True, check=check)
         except SpecPrefetchError as e:
             raise SpecPrefetchError(str(e) + why) from None
         finally:
@@ -323,9 +315,9 @@ class Runner:
         cfg = self.cfg
         slots = min(cfg.budget_bytes // self.store.slot_bytes, self.model.L * self.model.routing.num_experts)
         if cfg.io == "process":
-            return ProcessReader(self.store, slots=slots, workers=cfg.queue_depth + 1, profile=cfg.flash_profile,
+            return ProcessReader(self.store, slots=slots, workers=reader_workers(cfg), profile=cfg.flash_profile,
                                  verify=cfg.verify)
-        return ThreadReader(self.store, workers=cfg.queue_depth, profile=cfg.flash_profile, verify=cfg.verify)
+        return ThreadReader(self.store, workers=reader_workers(cfg), profile=cfg.flash_profile, verify=cfg.verify)
 
     def _loop(self, seq: list[int], max_new: int, sched: WindowScheduler, pool: ExpertPool,
               planner: PrefetchPlanner, state: RoutingState, events: EventLog | None, io,
@@ -588,9 +580,7 @@ class ReadBudget:
     def __init__(self, cfg: RunConfig, sched: WindowScheduler, prefetch: bool, probe, events: EventLog | None):
         self.sched, self.events, self.meter, self.kib, self.step_ms = sched, events, None, [], []
         self.info: dict[str, Any] = {"mode": "off", "kib": None}
-        # the reader's lanes: the reader process's queue depth + 1 (the native runner's without --lanes), threads'
-        # the queue depth
-        lanes = min(cfg.queue_depth + 1 if cfg.io == "process" else cfg.queue_depth, 64)
+        lanes = min(reader_workers(cfg), 64)   # the reader's lanes (as the native runner's, at most 64)
         if cfg.read_budget_kib == "auto" and not prefetch:  # nothing prefetched: nothing to budget
             self.info = {"mode": "auto", "kib": None, "read_mibs": None, "rate_from": "unused"}
         elif cfg.read_budget_kib == "auto":
@@ -629,6 +619,12 @@ class ReadBudget:
         if self.info["mode"] != "auto" or self.info["rate_from"] == "unused":
             return dict(self.info)
         return {**self.info, "kib": median_low(self.kib), "step_ms": median_low(self.step_ms), "steps": len(self.kib)}
+
+
+def reader_workers(cfg: RunConfig) -> int:
+    """The reader's lanes: the reader process's queue depth + 1 (the native runner's without --lanes), reader
+    threads' the queue depth."""
+    return cfg.queue_depth + 1 if cfg.io == "process" else cfg.queue_depth
 
 
 def probe_reads(total: int, slot_bytes: int) -> int:

@@ -204,7 +204,7 @@ class WindowScheduler:
             self._advance(step)
         else:
             self.backlog, self.backlog_step = len(self.loading) * self.pool.slot_bytes, step
-        self.cfg = dataclasses.replace(self.cfg, read_budget_bytes=nbytes)
+        self.cfg.read_budget_bytes = nbytes   # (the sequence's own config: scheduler_inputs makes one per run)
 
     def in_flight(self) -> int:
         """Prefetches logically in flight (issued, not yet retired)."""
