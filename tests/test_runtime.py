@@ -564,9 +564,25 @@ def test_cli_eviction_bounds(sim_trace, tmp_path):
         rp = p["reads_per_token"]
         assert 0 < rp["belady"] == min(rp.values()), rp
         assert "reuse-freq" in rp and rp["reuse-freq"] <= rp["lru"] + 1, rp
+        assert rp["belady-next-4-tokens"] <= rp["lru"] and "belady-next-2-tokens" in rp, rp
     r = CliRunner().invoke(main, ["eviction-bounds", str(sim_trace), "--pool-frac", "1.5",
                                   "--json", str(tmp_path / "b.json")])
     assert r.exit_code == 2 and "--pool-frac" in r.output and "1.5" in r.output and not (tmp_path / "b.json").exists()
+    # the look-ahead rules: knowing n tokens (the current one counted) of a sequence of n positions is
+    # knowing all of it (Belady's reads); of a longer one, less
+    from adapters.reuse import learn_reuse_table
+    from toolkit.simulate.bounds import HORIZONS, replay
+    from toolkit.traces.format import DECODE
+
+    rng = np.random.default_rng(0)
+    ids = np.stack([np.stack([rng.choice(8, 2, replace=False) for _ in range(2)]) for _ in range(40)])
+    kinds = np.full(40, DECODE)
+    t = learn_reuse_table([ids], 8)
+    for rule, n in (("belady-next-token", 2), ("belady-next-2-tokens", 3), ("belady-next-4-tokens", 5)):
+        assert HORIZONS[rule] == n
+        assert replay(ids[:n], kinds[:n], 4, rule, t) == replay(ids[:n], kinds[:n], 4, "belady", t)
+    whole = [replay(ids, kinds, 4, r, t)[0] for r in ("belady-token", "belady-next-2-tokens", "belady")]
+    assert whole[0] > whole[1] > whole[2], whole
 
 
 def test_reuse_by_frequency_class():

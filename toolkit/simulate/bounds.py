@@ -9,17 +9,19 @@ is one layer of one position; misses read on demand, no prefetch), with these ev
   a quarter never shows taking `reuse`'s entry: adapters/reuse.py), so a hot expert and a cold one
   with the same recent history are told apart (what `train` learns by default);
 - Belady's rule knowing the real routing only so far ahead: `belady-token` (the rest of the current
-  token), `belady-next-token` (and all of the next token), and `belady` (everything); beyond what
-  it knows, each variant scores by the reuse rule.
+  token), `belady-next-token` (and all of the next token), `belady-next-2-tokens` and
+  `belady-next-4-tokens` (and the next 2 or 4 tokens: what a look-ahead of several tokens, a draft's,
+  could know at best), and `belady` (everything); beyond what it knows, each variant scores by the
+  reuse rule.
 
 `belady` is what the oracle policy's eviction knows, and its reads are the fewest any on-demand
 eviction can have (Belady's rule is optimal; counted at decode positions only, that holds in
-practice, not as a theorem). The other two are estimates, neither bounds: what exact knowledge of
-the current token's later layers, or also of the next token's, buys with the reuse rule beyond it
-(a better rule past the horizon could read less; an engine cannot know the next token's routing
-exactly, only predict it). What they say is how much of the oracle's advantage lies in knowledge of
-tokens after the next one, which only a predictor of the longer future (as the reuse table is) can
-recover in part.
+practice, not as a theorem). The partial ones are estimates, not bounds: what exact knowledge of
+the current token's later layers, or also of the next one, two or four tokens', buys with the reuse
+rule beyond it (a better rule past the horizon could read less; an engine cannot know later tokens' routing
+exactly, only predict it, or draft those tokens and read the draft's routing). What they say is how
+much of the oracle's advantage lies in knowledge of tokens after the next one, which only a predictor
+of the longer future (as the reuse table is) can recover in part.
 
 Two more rules know each MoE layer's *next visit* only (the next token's routing at that layer, as seen
 from the layer's latest visit), and past it score by the reuse rule with the history one unused visit
@@ -49,7 +51,10 @@ from toolkit.runtime.reuse import ReuseHistory, next_visit_experts
 from toolkit.runtime.runner import belady_next_use
 from toolkit.traces.format import DECODE, TraceReader, routing_sequences
 
-RULES = ("lru", "reuse", "reuse-freq", "belady-token", "belady-next-token", "belady", "next-visit")
+# Belady's rule knowing the real routing this many tokens ahead (the current token counts as 1); None: all
+HORIZONS = {"belady-token": 1, "belady-next-token": 2, "belady-next-2-tokens": 3, "belady-next-4-tokens": 5,
+            "belady": None}
+RULES = ("lru", "reuse", "reuse-freq", *HORIZONS, "next-visit")
 ADAPTER_RULE = "adapter-next-visit"
 ADAPTER_RULES = (ADAPTER_RULE, "adapter-next-visit-freq")
 CLASS_RULES = ("reuse-freq", "adapter-next-visit-freq")   # read the frequency-class table
@@ -86,7 +91,7 @@ def replay(ids: np.ndarray, kinds: np.ndarray, capacity: int, rule: str, table,
     elif rule not in ("next-visit", *ADAPTER_RULES):
         next_sets = None  # the other rules know no next visit
 
-    horizon = {"belady-token": 1, "belady-next-token": 2, "belady": None}.get(rule)
+    horizon = HORIZONS.get(rule)
 
     def next_use(key, now) -> float:
         """A step (in sixteenths) for the pool's belady rule: exact as far as the rule knows, else the
