@@ -585,6 +585,79 @@ def test_cli_eviction_bounds(sim_trace, tmp_path):
     assert whole[0] > whole[1] > whole[2], whole
 
 
+def test_draft_lookahead(sim_trace, tmp_path):
+    """`eviction-bounds --draft-lookahead D`: the self-draft drafts D positions from each decode position on
+    the held experts. Holding every expert it is the model itself: its predictions are the trace's routing
+    at those positions (the trace's decode tokens are the model's greedy ones); holding a few it computes
+    with those only (every expert the MoE blocks get at a weight above 0 is held) and its predictions are
+    the routers' own choices still; its rule reads from the pool it drafts on, and the option's errors
+    are one line."""
+    from click.testing import CliRunner
+
+    from toolkit.cli import main
+    from toolkit.simulate.bounds import DraftModel, LookaheadDraft, _draft_inputs, replay
+    from toolkit.traces.format import DECODE, TraceReader, routing_sequences, trace_model_spec
+
+    reader = TraceReader(sim_trace)
+    (ids, kinds), = routing_sequences(reader, "heldout", with_kind=True)[:1]
+    (toks, n_prompt), = _draft_inputs(reader, 1)
+    assert len(toks) == len(ids) and 0 < n_prompt < len(ids) and (kinds[n_prompt:] == DECODE).all()
+    m = DraftModel(trace_model_spec(reader, None))
+    L, E, k = m.L, m.E, m.k
+    seen = []   # every (expert ids, weights) the MoE blocks' experts were given while drafting
+    experts = [mod for mod in m.lm.model.modules() if type(mod).__name__.endswith("Experts")]
+    assert len(experts) == L
+    hooks = [e.register_forward_pre_hook(lambda mod, a: seen.append((a[1].clone(), a[2].clone())))
+             for e in experts]
+    everything = np.ones((L, E), bool)
+    d = LookaheadDraft(m, toks, n_prompt, 3)
+    agree = total = 0
+    for p in range(n_prompt, min(n_prompt + 6, len(ids) - 2)):
+        got = d.predict(p, everything)
+        assert d.cache.get_seq_length() == p + 1 == d.done   # the real positions only, p the last
+        assert sorted(got) == [(q, li) for q in range(p, p + 3) for li in range(L)]
+        for (q, li), experts_q in got.items():
+            agree += experts_q == set(ids[q, li].tolist())
+            total += 1
+    assert agree >= 0.95 * total, (agree, total)   # (batched tracing may break a near-tie otherwise)
+    held = np.zeros((L, E), bool)
+    held[:, :k // 2 + 1] = True                        # fewer than k: the rest at weight 0
+    held[0] = False                                    # none: the layer's own choice
+    seen.clear()
+    got = LookaheadDraft(m, toks, n_prompt, 2).predict(n_prompt, held)
+    for i, (e_ids, w) in enumerate(seen[-3 * L:-L]):   # the two drafted steps (the real step after them not)
+        li = i % L
+        used = e_ids[w > 0].reshape(-1)
+        assert li == 0 or bool(held[li, used].all()), (li, e_ids, w)
+    assert any(not held[li][list(got[(n_prompt, li)])].all() for li in range(1, L))   # predictions: unrestricted
+    for h in hooks:
+        h.remove()
+    # the rule: exact with every expert held and a pool of them all (no eviction), and on a small pool it
+    # reads no more than LRU here
+    from adapters.reuse import learn_reuse_table
+
+    t = learn_reuse_table(routing_sequences(reader, "train"), E)
+    for cap in (L * E, 24):
+        r = replay(ids, kinds, cap, "draft-lookahead-2", t, draft=LookaheadDraft(m, toks, n_prompt, 2))
+        if cap == L * E:
+            assert r == replay(ids, kinds, cap, "lru", None)
+        else:
+            assert 0 < r[0] <= replay(ids, kinds, cap, "lru", None)[0], r
+    with pytest.raises(SpecPrefetchError, match="needs the sequence's draft"):
+        replay(ids, kinds, 24, "draft-lookahead-3", t, draft=LookaheadDraft(m, toks, n_prompt, 2))
+    m.close()
+    r = CliRunner().invoke(main, ["eviction-bounds", str(sim_trace), "--pool-frac", "0.2", "--max-sequences", "1",
+                                  "--draft-lookahead", "0", "--json", str(tmp_path / "e.json")])
+    assert r.exit_code == 2 and "--draft-lookahead" in r.output and not (tmp_path / "e.json").exists()
+    r = CliRunner().invoke(main, ["eviction-bounds", str(sim_trace), "--pool-frac", "0.2", "--max-sequences", "1",
+                                  "--draft-lookahead", "1,2", "--json", str(tmp_path / "e.json")])
+    assert r.exit_code == 0, r.output
+    e = json.loads((tmp_path / "e.json").read_text())
+    assert e["draft_lookahead"] == [1, 2] and e["rules"][-2:] == ["draft-lookahead-1", "draft-lookahead-2"]
+    rp = e["points"][0]["reads_per_token"]
+    assert rp["belady"] <= rp["draft-lookahead-2"] and rp["draft-lookahead-1"] > 0, rp
+
+
 def test_reuse_by_frequency_class():
     """Frequency classes (adapters/reuse.py): each layer's experts in quarters by their train-split routing
     count, a reuse table learned from each quarter's samples alone (a history a quarter never shows takes

@@ -330,20 +330,25 @@ def simulate(traces, policies, adapter, profile, pool_mib, windows, queue_depth,
               help="an adapter trained with --next-visit: adds the adapter-next-visit rules (with the whole "
                    "reuse table, and with its frequency classes)")
 @click.option("--model", default=None, help="model directory (default: the one the trace records)")
+@click.option("--draft-lookahead", "draft_lookahead", type=IntList(), default=None,
+              help="comma list of D: adds draft-lookahead-D, Belady's rule on a self-draft's routing D positions "
+                   "ahead, drafted on the pool's experts only (runs the model on the CPU)")
 @json_report
 @friendly_errors(interrupt=NOT_WRITTEN)
-def eviction_bounds_cmd(traces, pool_fracs, max_sequences, adapter, model, json_out, overwrite) -> None:
+def eviction_bounds_cmd(traces, pool_fracs, max_sequences, adapter, model, draft_lookahead, json_out,
+                        overwrite) -> None:
     """Reads per decode token on TRACES' routing for LRU, the reuse eviction (and reuse-freq: its table by
     each expert's frequency class), Belady's rule knowing
-    the future only so far (the current token, the next token, everything), and the reuse eviction
-    knowing each layer's next visit (exactly; with --adapter, as its next-visit heads predict it): how
-    much of the oracle's eviction a causal engine can reach (docs/runtime.md)."""
+    the future only so far (the current token, the next 1, 2 or 4 tokens, everything), and the reuse
+    eviction knowing each layer's next visit (exactly; with --adapter, as its next-visit heads predict
+    it); with --draft-lookahead, Belady's rule on a self-draft's routing: how much of the oracle's
+    eviction a causal engine can reach (docs/runtime.md)."""
     c = claim(json_out, "eviction-bounds", overwrite, inputs=(traces, adapter, model))
     from toolkit.reporting import write_report
     from toolkit.simulate.bounds import eviction_bounds, markdown, plot
 
     r = eviction_bounds(traces, pool_fracs, max_sequences=max_sequences, adapter=adapter, model=model,
-                        progress=lambda m: click.echo(m, err=True))
+                        draft_lookahead=draft_lookahead or (), progress=lambda m: click.echo(m, err=True))
     write_report(r, json_out, markdown, plot)
     click.echo(markdown(r))
     click.echo(wrote(c))

@@ -32,6 +32,16 @@ reuse rule); `adapter-next-visit-freq` the same with `reuse-freq`'s tables (as t
 an adapter trained with the default `--reuse-classes 4`, its tables learned here from the same train
 split). The adapter rules need `--adapter`, trained with those heads.
 
+`draft-lookahead-D` (`--draft-lookahead D,...`) knows what a self-draft tells: at each decode position
+the model drafts D positions from there (the current one and D - 1 more tokens, greedily from the real
+prefix) with every MoE layer computing only the experts the pool holds at that moment (the family's
+selection among them; fewer than k held: the rest at weight 0; none: the layer's own choice), so the
+draft reads nothing, and each drafted layer's own router top-k (unrestricted) is taken as that layer's
+use at that position; Belady's rule on those predictions, the reuse rule past them. It is what a
+draft that costs no memory (the pool's own experts) could buy an eviction; the draft's compute, D model
+steps a token, is not counted. Its model runs in float32 on the CPU (`--model`, default the trace's),
+text traces only.
+
 Reads are counted at decode positions, the prompt's positions filling the pool first one position a
 step (the runners prefill in spans, one step per span and layer, and `simulate` replays decode
 tokens only: these figures compare with each other, not with theirs). Rules are on demand (no
@@ -40,7 +50,7 @@ window predictions: `reuse` is history only). No timing: bytes only (`reads x sl
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -49,12 +59,13 @@ from toolkit.errors import SpecPrefetchError
 from toolkit.runtime.pool import ExpertPool
 from toolkit.runtime.reuse import ReuseHistory, next_visit_experts
 from toolkit.runtime.runner import belady_next_use
-from toolkit.traces.format import DECODE, TraceReader, routing_sequences
+from toolkit.traces.format import DECODE, IMAGE, TraceReader, routing_sequences, trace_model_spec
 
 # Belady's rule knowing the real routing this many tokens ahead (the current token counts as 1); None: all
 HORIZONS = {"belady-token": 1, "belady-next-token": 2, "belady-next-2-tokens": 3, "belady-next-4-tokens": 5,
             "belady": None}
 RULES = ("lru", "reuse", "reuse-freq", *HORIZONS, "next-visit")
+DRAFT_RULE = "draft-lookahead-"   # + D: the self-draft's look-ahead (LookaheadDraft)
 ADAPTER_RULE = "adapter-next-visit"
 ADAPTER_RULES = (ADAPTER_RULE, "adapter-next-visit-freq")
 CLASS_RULES = ("reuse-freq", "adapter-next-visit-freq")   # read the frequency-class table
@@ -69,13 +80,14 @@ def exact_next_sets(ids: np.ndarray) -> dict[tuple[int, int], set[int]]:
 def replay(ids: np.ndarray, kinds: np.ndarray, capacity: int, rule: str, table,
            true_next: Callable[[tuple[int, int], int], float] | None = None,
            reads_out: list | None = None,
-           next_sets: dict[tuple[int, int], set[int]] | None = None) -> tuple[int, int]:
+           next_sets: dict[tuple[int, int], set[int]] | None = None,
+           draft: "LookaheadDraft | None" = None) -> tuple[int, int]:
     """(reads at decode positions, decode positions) of one sequence [positions, L, k] under `rule`.
     `true_next`: the sequence's real next use (belady_next_use of it; built here if not given);
     `reads_out`: gets (layer, [experts read]) of every decode step that reads (`bench reads`);
     `next_sets`: the adapter's next-visit sets for ADAPTER_RULES: {(position, layer): the experts layer
     `layer` routes to at position + 1, as predicted at `position`}; `table`: the reuse table (with
-    frequency classes for CLASS_RULES)."""
+    frequency classes for CLASS_RULES); `draft`: the sequence's LookaheadDraft for `draft-lookahead-D`."""
     N, L, k = ids.shape
     if true_next is None and rule.startswith("belady"):
         true_next = belady_next_use(list(ids), L)
@@ -91,13 +103,29 @@ def replay(ids: np.ndarray, kinds: np.ndarray, capacity: int, rule: str, table,
     elif rule not in ("next-visit", *ADAPTER_RULES):
         next_sets = None  # the other rules know no next visit
 
-    horizon = HORIZONS.get(rule)
+    drafted = rule.startswith(DRAFT_RULE)
+    if drafted and (draft is None or rule != f"{DRAFT_RULE}{draft.D}"):
+        raise SpecPrefetchError(f"eviction rule {rule!r} needs the sequence's draft of that look-ahead")
+    horizon = draft.D if drafted else HORIZONS.get(rule)
+    known: dict[tuple[int, int], set[int]] = {}   # the draft's: (position, layer) -> experts
+
+    def drafted_next(key, now) -> float:
+        li, e = key
+        p = now // L
+        for q in range(p, p + horizon):
+            t = q * L + li
+            if t > now and e in known.get((q, li), ()):
+                return t
+        return float("inf")
 
     def next_use(key, now) -> float:
-        """A step (in sixteenths) for the pool's belady rule: exact as far as the rule knows, else the
-        reuse rule's estimate past that point."""
-        t = true_next(key, now)
+        """A step (in sixteenths) for the pool's belady rule: exact (or as drafted) as far as the rule
+        knows, else the reuse rule's estimate past that point (the draft knows nothing at the prompt's
+        positions)."""
+        t = drafted_next(key, now) if drafted else true_next(key, now)
         lim = None if horizon is None else (now // L + horizon) * L
+        if drafted and kinds[now // L] != DECODE:
+            lim = now - now % L
         if t != float("inf") and (lim is None or t < lim):
             return float(t * SCALE)
         if lim is None:
@@ -117,12 +145,17 @@ def replay(ids: np.ndarray, kinds: np.ndarray, capacity: int, rule: str, table,
         # (the next-visit rules: the runners' ReuseHistory.set_next_visit after the step's acquire, below)
         pool = ExpertPool(capacity, 1, policy="reuse", min_slots=k)
         pool.reuse, pool.predicted = hist, None
-    elif rule in RULES:
+    elif rule in RULES or drafted:
         pool = ExpertPool(capacity, 1, policy="belady", min_slots=k, next_use=next_use)
     else:
         raise SpecPrefetchError(f"eviction rule {rule!r}: choose from {', '.join((*RULES, *ADAPTER_RULES))}")
     reads = decode = 0
     for p in range(N):
+        if drafted and kinds[p] == DECODE:   # the draft from here, on the experts the pool holds now
+            held = np.zeros((L, draft.E), bool)
+            for key in pool.slots:
+                held[key] = True
+            known = draft.predict(p, held)
         for li in range(L):
             now = p * L + li
             keys = [(li, int(e)) for e in ids[p, li]]
@@ -159,7 +192,6 @@ def adapter_next_sets(reader: TraceReader, adapter: Path, seq_ids: list[int],
 
     from adapters.checkpoint import load_adapter
     from toolkit.models.routers import load_router_bank
-    from toolkit.traces.format import trace_model_spec
 
     spec = trace_model_spec(reader, model)
     ad, _ = load_adapter(Path(adapter), spec)
@@ -184,9 +216,115 @@ def adapter_next_sets(reader: TraceReader, adapter: Path, seq_ids: list[int],
     return out
 
 
+class DraftModel:
+    """The model (float32, CPU) with a hook on every MoE router: records each call's own top-k, and, while
+    `held` is set ([L, E] bools), replaces the router's choice by the family's selection among the held
+    experts (weight 0 past those held; a layer holding none keeps its own choice)."""
+
+    def __init__(self, spec):
+        import torch
+
+        from toolkit.models.families import expert_weights
+        from toolkit.models.loader import load_model
+        from toolkit.models.routers import load_router_bank
+
+        self.lm = load_model(spec.path, dtype="float32")
+        self.lm.model.eval()
+        bank = load_router_bank(spec)
+        layers = list(self.lm.geometry.moe_layers)
+        self.L, self.k = len(layers), spec.geometry.routing.top_k
+        self.E = spec.geometry.routing.num_experts
+        self.held: np.ndarray | None = None
+        self.rec: list[list] = [[] for _ in layers]
+
+        def hook(li: int):
+            def h(module, args, out):
+                logits, w, ids = out[:3]
+                self.rec[li].append(ids.detach().reshape(-1, self.k).clone())
+                if self.held is None or not self.held[li].any():
+                    return None
+                lg = logits.detach().reshape(-1, self.E).float()
+                sc = bank.selection_scores(lg, li).masked_fill(~torch.from_numpy(self.held[li]), float("-inf"))
+                top = sc.topk(self.k, -1)
+                ww = expert_weights(lg, top.indices, bank.spec).masked_fill(top.values == float("-inf"), 0.0)
+                return (logits, ww.to(w.dtype).reshape(w.shape), top.indices.to(ids.dtype).reshape(ids.shape),
+                        *out[3:])
+            return h
+
+        self.hooks = [self.lm.family.router(self.lm.model, layer).register_forward_hook(hook(i))
+                      for i, layer in enumerate(layers)]
+
+    def forward(self, cache, tokens: list[int], pos: int, held: np.ndarray | None = None):
+        """(the greedy next token, each position's own top-k per MoE layer [T, L, k]) of `tokens` at
+        positions pos.. into `cache`, computing with the `held` experts only where given."""
+        import torch
+
+        self.held, self.rec = held, [[] for _ in range(self.L)]
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)   # one-token steps of a small model: threads cost more than they give
+        try:
+            with torch.no_grad():
+                out = self.lm.model(input_ids=torch.tensor([tokens]), past_key_values=cache, use_cache=True,
+                                    position_ids=torch.arange(pos, pos + len(tokens))[None])
+        finally:
+            self.held = None
+            torch.set_num_threads(threads)
+        return int(out.logits[0, -1].argmax()), torch.stack([torch.cat(r) for r in self.rec], 1)
+
+    def close(self) -> None:
+        for h in self.hooks:
+            h.remove()
+
+
+class LookaheadDraft:
+    """One sequence's self-draft for `draft-lookahead-D`: its real positions in the model's KV cache, and
+    at each decode position p the D positions p.. drafted on the held experts (the cache rolled back
+    after), then position p itself."""
+
+    def __init__(self, model: DraftModel, tokens: list[int], n_prompt: int, D: int):
+        from transformers import DynamicCache
+
+        self.model, self.tokens, self.n_prompt, self.D, self.E = model, tokens, n_prompt, D, model.E
+        self.cache = DynamicCache()
+        self.done = 0   # positions in the cache
+
+    def predict(self, p: int, held: np.ndarray) -> dict[tuple[int, int], set[int]]:
+        """{(position, layer): the layer's own top-k there} for positions p .. p + D - 1, drafted from
+        the real positions before p on the `held` experts ([L, E] bools)."""
+        m = self.model
+        if self.done < p:   # the prompt (and any position not drafted from) in one pass
+            m.forward(self.cache, self.tokens[self.done:p], self.done)
+            self.done = p
+        out: dict[tuple[int, int], set[int]] = {}
+        tok = self.tokens[p]
+        for j in range(self.D):
+            tok, ids = m.forward(self.cache, [tok], p + j, held)
+            out.update({(p + j, li): set(ids[0, li].tolist()) for li in range(m.L)})
+        self.cache.crop(p - self.cache.get_seq_length())   # (a negative count: the drafted positions off)
+        m.forward(self.cache, [self.tokens[p]], p)
+        self.done = p + 1
+        return out
+
+
+def _draft_inputs(reader: TraceReader, n: int) -> list[tuple[list[int], int]]:
+    """The first n held-out sequences' (token ids by position, prompt positions), in routing_sequences'
+    order (by sequence id)."""
+    a = reader.load("heldout", ("seq", "pos", "token_id", "kind"))
+    if (a["kind"] == IMAGE).any():
+        raise SpecPrefetchError(f"--draft-lookahead: trace {reader.path} holds image positions; the draft "
+                                "replays text prompts only")
+    order = np.lexsort((a["pos"], a["seq"]))
+    seq, tok, kind = a["seq"][order], a["token_id"][order], a["kind"][order]
+    cuts = np.flatnonzero(np.diff(seq)) + 1
+    return [(t.tolist(), int((k != DECODE).sum())) for t, k in zip(np.split(tok, cuts), np.split(kind, cuts))][:n]
+
+
 def eviction_bounds(trace: Path, pool_fracs: list[float], *, max_sequences: int | None = None,
                     adapter: Path | None = None, model: str | Path | None = None,
+                    draft_lookahead: Sequence[int] = (),
                     progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+    """The report: reads per decode token of every rule at every pool; `draft_lookahead`: the look-aheads
+    D of the `draft-lookahead-D` rules (the model's self-draft, above)."""
     reader = TraceReader(trace)
     seqs = routing_sequences(reader, "heldout", with_kind=True)[:max_sequences]
     if not seqs:
@@ -213,6 +351,18 @@ def eviction_bounds(trace: Path, pool_fracs: list[float], *, max_sequences: int 
             raise SpecPrefetchError(f"trace {trace}: its held-out sequences store no router inputs, which the "
                                     "adapter's next-visit heads read")
         rules = (*RULES, *ADAPTER_RULES)
+    draft_model = None
+    if draft_lookahead:
+        if min(draft_lookahead) < 1:
+            raise SpecPrefetchError(f"--draft-lookahead {min(draft_lookahead)}: positions drafted, at least 1")
+        inputs = _draft_inputs(reader, len(seqs))
+        for (ids, _), (toks, _) in zip(seqs, inputs):
+            if len(toks) != len(ids):
+                raise SpecPrefetchError(f"trace {trace}: a held-out sequence has {len(toks)} token ids for "
+                                        f"{len(ids)} routed positions")
+        progress("the draft's model")
+        draft_model = DraftModel(trace_model_spec(reader, model))
+        rules = (*rules, *(f"{DRAFT_RULE}{d}" for d in sorted(set(draft_lookahead))))
     points = []
     for frac in pool_fracs:
         if not 0 < frac <= 1:
@@ -222,8 +372,11 @@ def eviction_bounds(trace: Path, pool_fracs: list[float], *, max_sequences: int 
         for rule in rules:
             progress(f"pool {cap} slots: {rule}")
             r = d = 0
-            for (ids, kinds), nu, ns, ex in zip(seqs, nexts, sets, exact):
-                a, b = replay(ids, kinds, cap, rule, by_class, nu,
+            for i, ((ids, kinds), nu, ns, ex) in enumerate(zip(seqs, nexts, sets, exact)):
+                dr = None
+                if rule.startswith(DRAFT_RULE):
+                    dr = LookaheadDraft(draft_model, *inputs[i], int(rule.removeprefix(DRAFT_RULE)))
+                a, b = replay(ids, kinds, cap, rule, by_class, nu, draft=dr,
                               next_sets=ns if rule in ADAPTER_RULES else {"next-visit": ex}.get(rule))
                 r, d = r + a, d + b
             row["reads_per_token"][rule] = round(r / max(d, 1), 3)
@@ -234,7 +387,8 @@ def eviction_bounds(trace: Path, pool_fracs: list[float], *, max_sequences: int 
         points.append(row)
     return {"trace": str(Path(trace).resolve()), "sequences": len(seqs), "layers": L, "experts": E,
             "top_k": reader.top_k, "rules": list(rules), "points": points,
-            "adapter": str(Path(adapter).resolve()) if adapter is not None else None}
+            "adapter": str(Path(adapter).resolve()) if adapter is not None else None,
+            "draft_lookahead": sorted(set(draft_lookahead))}
 
 
 def markdown(r: dict[str, Any]) -> str:
