@@ -649,6 +649,11 @@ def test_draft_lookahead(sim_trace, tmp_path):
     r = CliRunner().invoke(main, ["eviction-bounds", str(sim_trace), "--pool-frac", "0.2", "--max-sequences", "1",
                                   "--draft-lookahead", "0", "--json", str(tmp_path / "e.json")])
     assert r.exit_code == 2 and "--draft-lookahead" in r.output and not (tmp_path / "e.json").exists()
+    for dev, msg in (("tpu", "expected cpu, cuda or cuda:N"), ("cuda:99", "cuda:99")):
+        r = CliRunner().invoke(main, ["eviction-bounds", str(sim_trace), "--pool-frac", "0.2", "--draft-lookahead", "2",
+                                      "--device", dev, "--json", str(tmp_path / "e.json")])
+        assert r.exit_code == 2 and "--device" in r.output and msg in r.output, r.output
+        assert "Traceback" not in r.output and not (tmp_path / "e.json").exists()
     r = CliRunner().invoke(main, ["eviction-bounds", str(sim_trace), "--pool-frac", "0.2", "--max-sequences", "1",
                                   "--draft-lookahead", "1,2", "--json", str(tmp_path / "e.json")])
     assert r.exit_code == 0, r.output

@@ -332,10 +332,12 @@ def simulate(traces, policies, adapter, profile, pool_mib, windows, queue_depth,
 @click.option("--model", default=None, help="model directory (default: the one the trace records)")
 @click.option("--draft-lookahead", "draft_lookahead", type=IntList(), default=None,
               help="comma list of D: adds draft-lookahead-D, Belady's rule on a self-draft's routing D positions "
-                   "ahead, drafted on the pool's experts only (runs the model on the CPU)")
+                   "ahead, drafted on the pool's experts only (runs the model, float32, on --device)")
+@click.option("--device", default="cpu", show_default=True, callback=lambda c, p, v: device_name(v, p),
+              help="where --draft-lookahead's model runs: cpu, cuda or cuda:N")
 @json_report
 @friendly_errors(interrupt=NOT_WRITTEN)
-def eviction_bounds_cmd(traces, pool_fracs, max_sequences, adapter, model, draft_lookahead, json_out,
+def eviction_bounds_cmd(traces, pool_fracs, max_sequences, adapter, model, draft_lookahead, device, json_out,
                         overwrite) -> None:
     """Reads per decode token on TRACES' routing for LRU, the reuse eviction (and reuse-freq: its table by
     each expert's frequency class), Belady's rule knowing
@@ -348,7 +350,8 @@ def eviction_bounds_cmd(traces, pool_fracs, max_sequences, adapter, model, draft
     from toolkit.simulate.bounds import eviction_bounds, markdown, plot
 
     r = eviction_bounds(traces, pool_fracs, max_sequences=max_sequences, adapter=adapter, model=model,
-                        draft_lookahead=draft_lookahead or (), progress=lambda m: click.echo(m, err=True))
+                        draft_lookahead=draft_lookahead or (), device=device,
+                        progress=lambda m: click.echo(m, err=True))
     write_report(r, json_out, markdown, plot)
     click.echo(markdown(r))
     click.echo(wrote(c))

@@ -26,8 +26,9 @@
 # new tokens, 48), WKS (its draft Ks, 4,8,12), STAGES (default "base wide split tests"), DEV (cuda),
 # POL (the benches' policies), TESTK (the tests stage's pytest -k expression); the batched stage (the
 # base model's draft verified in one pass, after the base stage): VFR (pool fractions, 0.25), VK (its K, 8),
-# VBT (its timeout, 150); the compiled stage (the base bench with --compile inductor): CBT (its timeout,
-# default BT). KS (the base bench's draft Ks, 2,4,6,8,12); PROF=1: each bench also profiles an
+# VBT (its timeout, 150); the lookahead stage (after the base stage: its model's eviction bounds with
+# --draft-lookahead EBD (default 2,5), the draft's model on the GPU; LBT its timeout, 300); the compiled
+# stage (the base bench with --compile inductor): CBT (its timeout, default BT). KS (the base bench's draft Ks, 2,4,6,8,12); PROF=1: each bench also profiles an
 # all-resident decode token (gpu_bench --profile-resident: kernels and their device time per token);
 # BX: more gpu_bench options for every policy bench (base, compiled, wide), e.g.
 # BX="--compile inductor --variant candidate_threshold=0.1 --variant queue_depth=4".
@@ -77,7 +78,7 @@ fi
 mkdir -p "$OUT" || exit 2
 STAGES=${STAGES:-base wide split tests}
 # the stages that need the trained model (and so the corpus); resident and tests need neither
-TRAINED=0; for st in $STAGES; do case $st in base|compiled|wide|batched|split) TRAINED=1 ;; esac; done
+TRAINED=0; for st in $STAGES; do case $st in base|compiled|wide|lookahead|batched|split) TRAINED=1 ;; esac; done
 if [ $TRAINED = 1 ]; then
   for f in train.jsonl.xz trace.jsonl heldout.jsonl; do
     [ -f "$C/$f" ] || { echo "error: $C/$f missing: make CORPUS with --prepare (see the header)" >&2; exit 2; }
@@ -140,7 +141,7 @@ bench() {
   grep -v Loading "$RES/bench-$rep.log" | tail -32 | tee -a "$L"
   if [ -n "${eb:-}" ]; then
     wait "$eb"; echo "$n: eviction-bounds rc=$? after $(( $(date +%s) - t0 )) s" | tee -a "$L"
-    [ -f "$RES/eviction-bounds-$n.md" ] && tee -a "$L" < "$RES/eviction-bounds-$n.md"
+    [ -f "$RES/eviction-bounds-$n.md" ] && { cat "$RES/eviction-bounds-$n.md"; echo; } | tee -a "$L"
   fi
   pack
 }
@@ -159,6 +160,17 @@ for st in $STAGES; do
       echo "wide: widen $(( $(date +%s) - t0 )) s; $(du -sh "$R/wide-model" | cut -f1); disk free $(df -h "$R" | tail -1 | awk '{print $4}')" | tee -a "$L"
       bench wide "$R/wide-model" "$WFR" "${WBT:-420}" $WNT $WKS
       rm -rf "$R"/wide-* "$R/wide.spx" ;;
+    lookahead)
+      # after the base stage: its model's eviction bounds with the self-draft's look-ahead (eviction-bounds
+      # --draft-lookahead, the draft's model on the GPU; alone on it, not beside a bench)
+      [ -d "$R/base-adapter" ] || { fail "lookahead: no $R/base-adapter (run the base stage first)"; continue; }
+      t0=$(date +%s)
+      timeout "${LBT:-300}" $B eviction-bounds "$R/base-trace" --adapter "$R/base-adapter" --pool-frac "$FR" \
+        --max-sequences 10 --draft-lookahead "${EBD:-2,5}" --device "$DEV" \
+        --json "$RES/eviction-bounds-lookahead-base.json" > "$RES/eviction-bounds-lookahead-base.log" 2>&1
+      echo "lookahead: eviction-bounds rc=$? after $(( $(date +%s) - t0 )) s" | tee -a "$L"
+      [ -f "$RES/eviction-bounds-lookahead-base.md" ] && { cat "$RES/eviction-bounds-lookahead-base.md"; echo; } | tee -a "$L"
+      pack ;;
     batched)
       # the base model's draft with Specter's one-pass verification (--verify batched) beside exact, for
       # diagnosis: where its tokens leave transformers', the first differing token and transformers'
@@ -230,7 +242,7 @@ PY
       pack ;;
     tests)
       timeout 240 python -m pytest -q -rf -p no:cacheprovider tests/test_gpu_tier.py tests/test_cuda.py -k "${TESTK:-cuda or triton or compile or reuse or split or fused or resident or lagging}" 2>&1 | tail -20 | tee -a "$L" || fail "tests" ;;
-    *) fail "unknown stage '$st' (base, compiled, wide, batched, split, resident, tests)"; exit 2 ;;
+    *) fail "unknown stage '$st' (base, compiled, wide, lookahead, batched, split, resident, tests)"; exit 2 ;;
   esac
 done
 pack

@@ -39,8 +39,8 @@ selection among them; fewer than k held: the rest at weight 0; none: the layer's
 draft reads nothing, and each drafted layer's own router top-k (unrestricted) is taken as that layer's
 use at that position; Belady's rule on those predictions, the reuse rule past them. It is what a
 draft that costs no memory (the pool's own experts) could buy an eviction; the draft's compute, D model
-steps a token, is not counted. Its model runs in float32 on the CPU (`--model`, default the trace's),
-text traces only.
+steps a token, is not counted. Its model runs in float32 on `--device` (the CPU by default; `--model`,
+default the trace's), text traces only.
 
 Reads are counted at decode positions, the prompt's positions filling the pool first one position a
 step (the runners prefill in spans, one step per span and layer, and `simulate` replays decode
@@ -221,16 +221,18 @@ class DraftModel:
     `held` is set ([L, E] bools), replaces the router's choice by the family's selection among the held
     experts (weight 0 past those held; a layer holding none keeps its own choice)."""
 
-    def __init__(self, spec):
+    def __init__(self, spec, device: str = "cpu"):
         import torch
 
         from toolkit.models.families import expert_weights
         from toolkit.models.loader import load_model
         from toolkit.models.routers import load_router_bank
+        from toolkit.traces.batches import check_device
 
-        self.lm = load_model(spec.path, dtype="float32")
+        self.device = check_device(device)
+        self.lm = load_model(spec.path, device=device, dtype="float32")
         self.lm.model.eval()
-        bank = load_router_bank(spec)
+        bank = load_router_bank(spec)   # (its score bias, if any, on the host: the hook selects there)
         layers = list(self.lm.geometry.moe_layers)
         self.L, self.k = len(layers), spec.geometry.routing.top_k
         self.E = spec.geometry.routing.num_experts
@@ -243,12 +245,12 @@ class DraftModel:
                 self.rec[li].append(ids.detach().reshape(-1, self.k).clone())
                 if self.held is None or not self.held[li].any():
                     return None
-                lg = logits.detach().reshape(-1, self.E).float()
+                lg = logits.detach().reshape(-1, self.E).float().cpu()
                 sc = bank.selection_scores(lg, li).masked_fill(~torch.from_numpy(self.held[li]), float("-inf"))
                 top = sc.topk(self.k, -1)
                 ww = expert_weights(lg, top.indices, bank.spec).masked_fill(top.values == float("-inf"), 0.0)
-                return (logits, ww.to(w.dtype).reshape(w.shape), top.indices.to(ids.dtype).reshape(ids.shape),
-                        *out[3:])
+                return (logits, ww.to(w.device, w.dtype).reshape(w.shape),
+                        top.indices.to(ids.device, ids.dtype).reshape(ids.shape), *out[3:])
             return h
 
         self.hooks = [self.lm.family.router(self.lm.model, layer).register_forward_hook(hook(i))
@@ -264,12 +266,13 @@ class DraftModel:
         torch.set_num_threads(1)   # one-token steps of a small model: threads cost more than they give
         try:
             with torch.no_grad():
-                out = self.lm.model(input_ids=torch.tensor([tokens]), past_key_values=cache, use_cache=True,
-                                    position_ids=torch.arange(pos, pos + len(tokens))[None])
+                dev = self.device
+                out = self.lm.model(input_ids=torch.tensor([tokens], device=dev), past_key_values=cache,
+                                    use_cache=True, position_ids=torch.arange(pos, pos + len(tokens), device=dev)[None])
         finally:
             self.held = None
             torch.set_num_threads(threads)
-        return int(out.logits[0, -1].argmax()), torch.stack([torch.cat(r) for r in self.rec], 1)
+        return int(out.logits[0, -1].argmax()), torch.stack([torch.cat(r) for r in self.rec], 1).cpu()
 
     def close(self) -> None:
         for h in self.hooks:
@@ -321,10 +324,14 @@ def _draft_inputs(reader: TraceReader, n: int) -> list[tuple[list[int], int]]:
 
 def eviction_bounds(trace: Path, pool_fracs: list[float], *, max_sequences: int | None = None,
                     adapter: Path | None = None, model: str | Path | None = None,
-                    draft_lookahead: Sequence[int] = (),
+                    draft_lookahead: Sequence[int] = (), device: str = "cpu",
                     progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """The report: reads per decode token of every rule at every pool; `draft_lookahead`: the look-aheads
-    D of the `draft-lookahead-D` rules (the model's self-draft, above)."""
+    D of the `draft-lookahead-D` rules (the model's self-draft, above), whose model runs on `device`."""
+    if draft_lookahead:
+        from toolkit.traces.batches import check_device
+
+        check_device(device)   # before any work
     reader = TraceReader(trace)
     seqs = routing_sequences(reader, "heldout", with_kind=True)[:max_sequences]
     if not seqs:
@@ -361,7 +368,7 @@ def eviction_bounds(trace: Path, pool_fracs: list[float], *, max_sequences: int 
                 raise SpecPrefetchError(f"trace {trace}: a held-out sequence has {len(toks)} token ids for "
                                         f"{len(ids)} routed positions")
         progress("the draft's model")
-        draft_model = DraftModel(trace_model_spec(reader, model))
+        draft_model = DraftModel(trace_model_spec(reader, model), device)
         rules = (*rules, *(f"{DRAFT_RULE}{d}" for d in sorted(set(draft_lookahead))))
     points = []
     for frac in pool_fracs:
