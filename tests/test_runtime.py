@@ -578,84 +578,108 @@ def test_cli_eviction_bounds(sim_trace, tmp_path):
     ids = np.stack([np.stack([rng.choice(8, 2, replace=False) for _ in range(2)]) for _ in range(40)])
     kinds = np.full(40, DECODE)
     t = learn_reuse_table([ids], 8)
-    for rule, n in (("belady-next-token", 2), ("belady-next-2-tokens", 3), ("belady-next-4-tokens", 5)):
-        assert HORIZONS[rule] == n
+    for rule in ("belady-next-token", "belady-next-2-tokens", "belady-next-4-tokens"):
+        n = HORIZONS[rule]
         assert replay(ids[:n], kinds[:n], 4, rule, t) == replay(ids[:n], kinds[:n], 4, "belady", t)
-    whole = [replay(ids, kinds, 4, r, t)[0] for r in ("belady-token", "belady-next-2-tokens", "belady")]
-    assert whole[0] > whole[1] > whole[2], whole
+    whole = [replay(ids, kinds, 4, r, t)[0] for r in ("belady-token", "belady-next-token", "belady-next-2-tokens",
+                                                      "belady-next-4-tokens", "belady")]
+    assert whole[0] > whole[1] > whole[2] >= whole[3] >= whole[4] and whole[2] > whole[4], whole
 
 
 def test_draft_lookahead(sim_trace, tmp_path):
     """`eviction-bounds --draft-lookahead D`: the self-draft drafts D positions from each decode position on
-    the held experts. Holding every expert it is the model itself: its predictions are the trace's routing
-    at those positions (the trace's decode tokens are the model's greedy ones); holding a few it computes
-    with those only (every expert the MoE blocks get at a weight above 0 is held) and its predictions are
-    the routers' own choices still; its rule reads from the pool it drafts on, and the option's errors
-    are one line."""
+    the held experts. A draft that tells the real routing makes the rule Belady's knowing as far (the
+    horizons to the step); holding every expert the draft is the model itself (its predictions the
+    trace's routing: the trace's decode tokens are the model's greedy ones, its cache the real positions
+    only); holding a few it computes with exactly the family's choice among them, renormalised, and
+    predicts with the routers' own choices still; its hooks leave with it; errors are one line."""
     from click.testing import CliRunner
 
+    from adapters.reuse import learn_reuse_table
     from toolkit.cli import main
-    from toolkit.simulate.bounds import DraftModel, LookaheadDraft, _draft_inputs, replay
+    from toolkit.models.families import expert_weights
+    from toolkit.simulate.bounds import HORIZONS, DraftModel, LookaheadDraft, replay
     from toolkit.traces.format import DECODE, TraceReader, routing_sequences, trace_model_spec
 
     reader = TraceReader(sim_trace)
-    (ids, kinds), = routing_sequences(reader, "heldout", with_kind=True)[:1]
-    (toks, n_prompt), = _draft_inputs(reader, 1)
-    assert len(toks) == len(ids) and 0 < n_prompt < len(ids) and (kinds[n_prompt:] == DECODE).all()
-    m = DraftModel(trace_model_spec(reader, None))
-    L, E, k = m.L, m.E, m.k
-    seen = []   # every (expert ids, weights) the MoE blocks' experts were given while drafting
-    experts = [mod for mod in m.lm.model.modules() if type(mod).__name__.endswith("Experts")]
-    assert len(experts) == L
-    hooks = [e.register_forward_pre_hook(lambda mod, a: seen.append((a[1].clone(), a[2].clone())))
-             for e in experts]
-    everything = np.ones((L, E), bool)
-    d = LookaheadDraft(m, toks, n_prompt, 3)
-    agree = total = 0
-    for p in range(n_prompt, min(n_prompt + 6, len(ids) - 2)):
-        got = d.predict(p, everything)
-        assert d.cache.get_seq_length() == p + 1 == d.done   # the real positions only, p the last
-        assert sorted(got) == [(q, li) for q in range(p, p + 3) for li in range(L)]
-        for (q, li), experts_q in got.items():
-            agree += experts_q == set(ids[q, li].tolist())
-            total += 1
-    assert agree >= 0.95 * total, (agree, total)   # (batched tracing may break a near-tie otherwise)
-    held = np.zeros((L, E), bool)
-    held[:, :k // 2 + 1] = True                        # fewer than k: the rest at weight 0
-    held[0] = False                                    # none: the layer's own choice
-    seen.clear()
-    got = LookaheadDraft(m, toks, n_prompt, 2).predict(n_prompt, held)
-    for i, (e_ids, w) in enumerate(seen[-3 * L:-L]):   # the two drafted steps (the real step after them not)
-        li = i % L
-        used = e_ids[w > 0].reshape(-1)
-        assert li == 0 or bool(held[li, used].all()), (li, e_ids, w)
-    assert any(not held[li][list(got[(n_prompt, li)])].all() for li in range(1, L))   # predictions: unrestricted
-    for h in hooks:
-        h.remove()
-    # the rule: exact with every expert held and a pool of them all (no eviction), and on a small pool it
-    # reads no more than LRU here
-    from adapters.reuse import learn_reuse_table
+    (ids, kinds, toks), = routing_sequences(reader, "heldout", with_tokens=True)[:1]
+    toks = toks.tolist()
+    n_prompt = int((kinds != DECODE).sum())
+    assert 0 < n_prompt < len(ids) and (kinds[n_prompt:] == DECODE).all()
+    t = learn_reuse_table(routing_sequences(reader, "train"), 32)
 
-    t = learn_reuse_table(routing_sequences(reader, "train"), E)
-    for cap in (L * E, 24):
-        r = replay(ids, kinds, cap, "draft-lookahead-2", t, draft=LookaheadDraft(m, toks, n_prompt, 2))
-        if cap == L * E:
-            assert r == replay(ids, kinds, cap, "lru", None)
-        else:
-            assert 0 < r[0] <= replay(ids, kinds, cap, "lru", None)[0], r
+    class Told:   # a draft that tells the real routing of the positions it is asked for
+        def __init__(self, D):
+            self.D, self.E = D, 32
+
+        def predict(self, p, held):
+            return {(q, li): set(ids[q, li].tolist()) for q in range(p, min(p + self.D, len(ids)))
+                    for li in range(ids.shape[1])}
+
+    for rule, D in (("belady-token", 1), ("belady-next-token", 2), ("belady-next-2-tokens", 3),
+                    ("belady-next-4-tokens", 5)):
+        assert HORIZONS[rule] == D
+        for cap in (12, 40):
+            assert replay(ids, kinds, cap, f"draft-lookahead-{D}", t, draft=Told(D)) == replay(ids, kinds, cap, rule, t)
+    spec = trace_model_spec(reader, None)
+    with DraftModel(spec) as m:
+        L, E, k = m.L, m.E, m.k
+        seen, logits = [], []   # the experts' (ids, weights) inputs and the routers' logits, call by call
+        experts = [mod for mod in m.lm.model.modules() if type(mod).__name__.endswith("Experts")]
+        assert len(experts) == L
+        hooks = [e.register_forward_pre_hook(lambda mod, a: seen.append((a[1].clone(), a[2].clone())))
+                 for e in experts]
+        hooks += [m.lm.family.router(m.lm.model, layer).register_forward_hook(
+            lambda mod, a, out: logits.append(out[0].detach().float().clone())) for layer in m.lm.geometry.moe_layers]
+        d = LookaheadDraft(m, toks, 3)
+        agree = total = 0
+        for p in range(n_prompt, min(n_prompt + 6, len(ids) - 2)):
+            got = d.predict(p, np.ones((L, E), bool))
+            assert d.cache.get_seq_length() == p + 1 == d.done   # the real positions only, p the last
+            assert sorted(got) == [(q, li) for q in range(p, p + 3) for li in range(L)]
+            for (q, li), experts_q in got.items():
+                agree += experts_q == set(ids[q, li].tolist())
+                total += 1
+        assert agree >= 0.95 * total, (agree, total)   # (batched tracing may break a near-tie otherwise)
+        held = np.zeros((L, E), bool)
+        held[:, :k - 2] = True                             # fewer than k held: those, renormalised
+        held[1:, 7] = True
+        held[2, :3 * k] = True                             # more: the top k among them
+        held[0] = False                                    # none: the layer's own choice
+        assert (held[1:].sum(1) != k).all()
+        seen.clear()
+        logits.clear()
+        got = LookaheadDraft(m, toks, 2).predict(n_prompt, held)
+        # the calls: the prompt's pass, the two drafted steps, the real step; the drafted ones checked
+        for i, ((e_ids, w), lg) in enumerate(zip(seen[L:3 * L], logits[L:3 * L])):
+            li = i % L
+            if li == 0:
+                continue
+            hk = np.flatnonzero(held[li])
+            sc = lg.reshape(-1, E)[-1].softmax(-1)[hk]
+            want = hk[sc.argsort(descending=True)[:k].numpy()]
+            used = e_ids.reshape(-1)[w.reshape(-1) > 0]
+            assert set(used.tolist()) == set(want.tolist()), (li, used, want)
+            ww = expert_weights(lg.reshape(-1, E)[-1:], torch.from_numpy(want)[None], spec.geometry.routing)
+            assert torch.allclose(w.reshape(-1)[w.reshape(-1) > 0].sort().values, ww[0].sort().values, atol=1e-5)
+        assert any(not held[li][list(got[(n_prompt, li)])].all() for li in range(1, L))   # predictions: unrestricted
+        for h in hooks:
+            h.remove()
+        n = len(m.hooks)
+        assert n == L
+    assert m.hooks == []                                   # removed on leaving
     with pytest.raises(SpecPrefetchError, match="needs the sequence's draft"):
-        replay(ids, kinds, 24, "draft-lookahead-3", t, draft=LookaheadDraft(m, toks, n_prompt, 2))
-    m.close()
-    r = CliRunner().invoke(main, ["eviction-bounds", str(sim_trace), "--pool-frac", "0.2", "--max-sequences", "1",
-                                  "--draft-lookahead", "0", "--json", str(tmp_path / "e.json")])
+        replay(ids, kinds, 24, "draft-lookahead-3", t, draft=Told(2))
+    r = CliRunner().invoke(main, ["eviction-bounds", str(sim_trace), "--pool-frac", "0.2", "--max-sequences",
+                                        "1", "--draft-lookahead", "0", "--json", str(tmp_path / "e.json")])
     assert r.exit_code == 2 and "--draft-lookahead" in r.output and not (tmp_path / "e.json").exists()
     for dev, msg in (("tpu", "expected cpu, cuda or cuda:N"), ("cuda:99", "cuda:99")):
-        r = CliRunner().invoke(main, ["eviction-bounds", str(sim_trace), "--pool-frac", "0.2", "--draft-lookahead", "2",
-                                      "--device", dev, "--json", str(tmp_path / "e.json")])
+        r = CliRunner().invoke(main, ["eviction-bounds", str(sim_trace), "--pool-frac", "0.2", "--draft-lookahead",
+                                            "2", "--device", dev, "--json", str(tmp_path / "e.json")])
         assert r.exit_code == 2 and "--device" in r.output and msg in r.output, r.output
         assert "Traceback" not in r.output and not (tmp_path / "e.json").exists()
     r = CliRunner().invoke(main, ["eviction-bounds", str(sim_trace), "--pool-frac", "0.2", "--max-sequences", "1",
-                                  "--draft-lookahead", "1,2", "--json", str(tmp_path / "e.json")])
+                                        "--draft-lookahead", "1,2", "--json", str(tmp_path / "e.json")])
     assert r.exit_code == 0, r.output
     e = json.loads((tmp_path / "e.json").read_text())
     assert e["draft_lookahead"] == [1, 2] and e["rules"][-2:] == ["draft-lookahead-1", "draft-lookahead-2"]

@@ -45,7 +45,7 @@
 # Output under OUT: log (the whole call's), and all.tgz (re-packed after every stage, so a call cut
 # short still returns what it finished): gpu-bench-STAGE.json/.md/.png and bench-STAGE.log per bench,
 # eviction-bounds-NAME.json/.md/.png per model (`specprefetch eviction-bounds` of its trace and adapter at
-# the bench's pools, 10 held-out sequences, run beside the bench on the host's CPU; EB=0: not run),
+# the bench's pools, 10 held-out sequences, run after the bench on the host's CPU; EB=0: not run),
 # tiny.json, train_log.json, split.json: this call's only (a model trained again also drops the
 # stores, traces and adapters made from the last one); a failed step is logged as FAILED and ends its
 # stage.
@@ -129,18 +129,15 @@ bench() {
   [ -d "$R/$n-trace" ] || $B trace "$m" --data "$C/trace.jsonl" --out "$R/$n-trace" --device "$DEV" --dtype float16 --max-sequences $NSEQ --prompt-tokens 128 --decode-tokens 32 --heldout-frac 0.25 2>&1 | tail -2 | tee -a "$L" || { fail "$n: trace"; return; }
   [ -d "$R/$n-adapter" ] || $B train "$R/$n-trace" --out "$R/$n-adapter" --device "$DEV" --steps $STEPS 2>&1 | tail -3 | tee -a "$L" || { fail "$n: train"; return; }
   echo "$n: store, trace and adapter $(( $(date +%s) - t0 )) s" | tee -a "$L"
-  # the eviction bounds of this model's routing at the bench's pools (host CPU only, beside the bench):
-  # what each amount of knowledge of the future reads, the policies' ceiling
-  local eb
-  if [ "${EB:-1}" = 1 ] && [ ! -f "$RES/eviction-bounds-$n.json" ]; then
-    ( timeout "$bt" $B eviction-bounds "$R/$n-trace" --adapter "$R/$n-adapter" --pool-frac "$fr" --max-sequences 10 \
-        --json "$RES/eviction-bounds-$n.json" > "$RES/eviction-bounds-$n.log" 2>&1 ) &
-    eb=$!
-  fi
   timeout "$bt" python -m toolkit.runtime.gpu_bench "$m" --device "$DEV" --store "$R/$n.spx" --adapter "$R/$n-adapter" --policies "$POL" --fractions "$fr" --prompts $NP --new-tokens $nt --repeats 2 --draft-k $ks --report-mismatches $([ "${PROF:-0}" = 1 ] && echo --profile-resident) $extra ${BX:-} --json "$RES/gpu-bench-$rep.json" > "$RES/bench-$rep.log" 2>&1; echo "$rep: bench rc=$? after $(( $(date +%s) - t0 )) s" | tee -a "$L"
   grep -v Loading "$RES/bench-$rep.log" | tail -32 | tee -a "$L"
-  if [ -n "${eb:-}" ]; then
-    wait "$eb"; echo "$n: eviction-bounds rc=$? after $(( $(date +%s) - t0 )) s" | tee -a "$L"
+  pack
+  # the eviction bounds of this model's routing at the bench's pools (the host's CPU, after the bench: not
+  # beside its timed runs): what each amount of knowledge of the future reads, the policies' ceiling
+  if [ "${EB:-1}" = 1 ] && [ ! -f "$RES/eviction-bounds-$n.json" ]; then
+    timeout "$bt" $B eviction-bounds "$R/$n-trace" --adapter "$R/$n-adapter" --pool-frac "$fr" --max-sequences 10 \
+      --json "$RES/eviction-bounds-$n.json" > "$RES/eviction-bounds-$n.log" 2>&1
+    echo "$n: eviction-bounds rc=$? after $(( $(date +%s) - t0 )) s" | tee -a "$L"
     [ -f "$RES/eviction-bounds-$n.md" ] && { cat "$RES/eviction-bounds-$n.md"; echo; } | tee -a "$L"
   fi
   pack

@@ -35,9 +35,10 @@ split). The adapter rules need `--adapter`, trained with those heads.
 `draft-lookahead-D` (`--draft-lookahead D,...`) knows what a self-draft tells: at each decode position
 the model drafts D positions from there (the current one and D - 1 more tokens, greedily from the real
 prefix) with every MoE layer computing only the experts the pool holds at that moment (the family's
-selection among them; fewer than k held: the rest at weight 0; none: the layer's own choice), so the
-draft reads nothing, and each drafted layer's own router top-k (unrestricted) is taken as that layer's
-use at that position; Belady's rule on those predictions, the reuse rule past them. It is what a
+selection among them; fewer than k held: those; none: the layer's own choice), so the draft reads
+nothing, and each drafted layer's own router top-k (unrestricted) is taken as that layer's
+use at that position; Belady's rule on those predictions, the reuse rule past them (at the prompt's
+positions the real routing, as `belady-*` of the same horizon knows it). It is what a
 draft that costs no memory (the pool's own experts) could buy an eviction; the draft's compute, D model
 steps a token, is not counted. Its model runs in float32 on `--device` (the CPU by default; `--model`,
 default the trace's), text traces only.
@@ -49,6 +50,7 @@ window predictions: `reuse` is history only). No timing: bytes only (`reads x sl
 """
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -89,7 +91,8 @@ def replay(ids: np.ndarray, kinds: np.ndarray, capacity: int, rule: str, table,
     `layer` routes to at position + 1, as predicted at `position`}; `table`: the reuse table (with
     frequency classes for CLASS_RULES); `draft`: the sequence's LookaheadDraft for `draft-lookahead-D`."""
     N, L, k = ids.shape
-    if true_next is None and rule.startswith("belady"):
+    drafted = rule.startswith(DRAFT_RULE)
+    if true_next is None and (rule.startswith("belady") or drafted):
         true_next = belady_next_use(list(ids), L)
     if rule in CLASS_RULES and (table is None or table.classes is None):
         raise SpecPrefetchError(f"eviction rule {rule!r} needs a reuse table with frequency classes")
@@ -103,7 +106,6 @@ def replay(ids: np.ndarray, kinds: np.ndarray, capacity: int, rule: str, table,
     elif rule not in ("next-visit", *ADAPTER_RULES):
         next_sets = None  # the other rules know no next visit
 
-    drafted = rule.startswith(DRAFT_RULE)
     if drafted and (draft is None or rule != f"{DRAFT_RULE}{draft.D}"):
         raise SpecPrefetchError(f"eviction rule {rule!r} needs the sequence's draft of that look-ahead")
     horizon = draft.D if drafted else HORIZONS.get(rule)
@@ -119,13 +121,10 @@ def replay(ids: np.ndarray, kinds: np.ndarray, capacity: int, rule: str, table,
         return float("inf")
 
     def next_use(key, now) -> float:
-        """A step (in sixteenths) for the pool's belady rule: exact (or as drafted) as far as the rule
-        knows, else the reuse rule's estimate past that point (the draft knows nothing at the prompt's
-        positions)."""
-        t = drafted_next(key, now) if drafted else true_next(key, now)
+        """A step (in sixteenths) for the pool's belady rule: exact (the draft's rule: as drafted, at decode
+        positions) as far as the rule knows, else the reuse rule's estimate past that point."""
+        t = drafted_next(key, now) if drafted and kinds[now // L] == DECODE else true_next(key, now)
         lim = None if horizon is None else (now // L + horizon) * L
-        if drafted and kinds[now // L] != DECODE:
-            lim = now - now % L
         if t != float("inf") and (lim is None or t < lim):
             return float(t * SCALE)
         if lim is None:
@@ -148,7 +147,8 @@ def replay(ids: np.ndarray, kinds: np.ndarray, capacity: int, rule: str, table,
     elif rule in RULES or drafted:
         pool = ExpertPool(capacity, 1, policy="belady", min_slots=k, next_use=next_use)
     else:
-        raise SpecPrefetchError(f"eviction rule {rule!r}: choose from {', '.join((*RULES, *ADAPTER_RULES))}")
+        raise SpecPrefetchError(f"eviction rule {rule!r}: choose from {', '.join((*RULES, *ADAPTER_RULES))} "
+                                f"or {DRAFT_RULE}D")
     reads = decode = 0
     for p in range(N):
         if drafted and kinds[p] == DECODE:   # the draft from here, on the experts the pool holds now
@@ -217,9 +217,11 @@ def adapter_next_sets(reader: TraceReader, adapter: Path, seq_ids: list[int],
 
 
 class DraftModel:
-    """The model (float32, CPU) with a hook on every MoE router: records each call's own top-k, and, while
-    `held` is set ([L, E] bools), replaces the router's choice by the family's selection among the held
-    experts (weight 0 past those held; a layer holding none keeps its own choice)."""
+    """The model (float32, on `device`) with a hook on every MoE router: records each call's own top-k,
+    and, while `held` is set ([L, E] bools), replaces the router's choice by the family's selection among
+    the held experts (their scores and weights by the family's rule; fewer than k held: those, the other
+    entries at weight 0; a group-limited router keeps its own groups; a layer holding none keeps its own
+    choice). A context manager: its hooks are removed on leaving."""
 
     def __init__(self, spec, device: str = "cpu"):
         import torch
@@ -248,7 +250,10 @@ class DraftModel:
                 lg = logits.detach().reshape(-1, self.E).float().cpu()
                 sc = bank.selection_scores(lg, li).masked_fill(~torch.from_numpy(self.held[li]), float("-inf"))
                 top = sc.topk(self.k, -1)
-                ww = expert_weights(lg, top.indices, bank.spec).masked_fill(top.values == float("-inf"), 0.0)
+                ww = torch.zeros(top.indices.shape)
+                for r in range(len(lg)):   # the family's weights over the held experts chosen (fewer than k: those)
+                    ok = top.values[r] > float("-inf")
+                    ww[r, ok] = expert_weights(lg[r:r + 1], top.indices[r:r + 1, ok], bank.spec)[0]
                 return (logits, ww.to(w.device, w.dtype).reshape(w.shape),
                         top.indices.to(ids.device, ids.dtype).reshape(ids.shape), *out[3:])
             return h
@@ -277,6 +282,13 @@ class DraftModel:
     def close(self) -> None:
         for h in self.hooks:
             h.remove()
+        self.hooks = []
+
+    def __enter__(self) -> "DraftModel":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 class LookaheadDraft:
@@ -284,10 +296,10 @@ class LookaheadDraft:
     at each decode position p the D positions p.. drafted on the held experts (the cache rolled back
     after), then position p itself."""
 
-    def __init__(self, model: DraftModel, tokens: list[int], n_prompt: int, D: int):
+    def __init__(self, model: DraftModel, tokens: list[int], D: int):
         from transformers import DynamicCache
 
-        self.model, self.tokens, self.n_prompt, self.D, self.E = model, tokens, n_prompt, D, model.E
+        self.model, self.tokens, self.D, self.E = model, tokens, D, model.E
         self.cache = DynamicCache()
         self.done = 0   # positions in the cache
 
@@ -303,23 +315,10 @@ class LookaheadDraft:
         for j in range(self.D):
             tok, ids = m.forward(self.cache, [tok], p + j, held)
             out.update({(p + j, li): set(ids[0, li].tolist()) for li in range(m.L)})
-        self.cache.crop(p - self.cache.get_seq_length())   # (a negative count: the drafted positions off)
+        self.cache.crop(p - self.cache.get_seq_length())   # the drafted positions off (crop(p) is deprecated)
         m.forward(self.cache, [self.tokens[p]], p)
         self.done = p + 1
         return out
-
-
-def _draft_inputs(reader: TraceReader, n: int) -> list[tuple[list[int], int]]:
-    """The first n held-out sequences' (token ids by position, prompt positions), in routing_sequences'
-    order (by sequence id)."""
-    a = reader.load("heldout", ("seq", "pos", "token_id", "kind"))
-    if (a["kind"] == IMAGE).any():
-        raise SpecPrefetchError(f"--draft-lookahead: trace {reader.path} holds image positions; the draft "
-                                "replays text prompts only")
-    order = np.lexsort((a["pos"], a["seq"]))
-    seq, tok, kind = a["seq"][order], a["token_id"][order], a["kind"][order]
-    cuts = np.flatnonzero(np.diff(seq)) + 1
-    return [(t.tolist(), int((k != DECODE).sum())) for t, k in zip(np.split(tok, cuts), np.split(kind, cuts))][:n]
 
 
 def eviction_bounds(trace: Path, pool_fracs: list[float], *, max_sequences: int | None = None,
@@ -328,12 +327,25 @@ def eviction_bounds(trace: Path, pool_fracs: list[float], *, max_sequences: int 
                     progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """The report: reads per decode token of every rule at every pool; `draft_lookahead`: the look-aheads
     D of the `draft-lookahead-D` rules (the model's self-draft, above), whose model runs on `device`."""
-    if draft_lookahead:
+    for frac in pool_fracs:
+        if not 0 < frac <= 1:
+            raise SpecPrefetchError(f"--pool-frac {frac}: a share of the experts in (0, 1]")
+    if draft_lookahead:   # before any work (click's IntList refuses 0 on the command line: the API's check)
         from toolkit.traces.batches import check_device
 
-        check_device(device)   # before any work
+        if min(draft_lookahead) < 1:
+            raise SpecPrefetchError(f"--draft-lookahead {min(draft_lookahead)}: positions drafted, at least 1")
+        check_device(device)
     reader = TraceReader(trace)
-    seqs = routing_sequences(reader, "heldout", with_kind=True)[:max_sequences]
+    tokens: list = []
+    if draft_lookahead:
+        rows = routing_sequences(reader, "heldout", with_tokens=True)[:max_sequences]
+        seqs, tokens = [(ids, kinds) for ids, kinds, _ in rows], [t.tolist() for _, _, t in rows]
+        if any((kinds == IMAGE).any() for _, kinds in seqs):
+            raise SpecPrefetchError(f"--draft-lookahead: trace {trace}'s held-out sequences hold image positions; "
+                                    "the draft replays text prompts only")
+    else:
+        seqs = routing_sequences(reader, "heldout", with_kind=True)[:max_sequences]
     if not seqs:
         raise SpecPrefetchError(f"trace {trace}: no held-out sequences to replay")
     train = routing_sequences(reader, "train")
@@ -358,44 +370,42 @@ def eviction_bounds(trace: Path, pool_fracs: list[float], *, max_sequences: int 
             raise SpecPrefetchError(f"trace {trace}: its held-out sequences store no router inputs, which the "
                                     "adapter's next-visit heads read")
         rules = (*RULES, *ADAPTER_RULES)
-    draft_model = None
+    draft_model = contextlib.nullcontext()
     if draft_lookahead:
-        if min(draft_lookahead) < 1:
-            raise SpecPrefetchError(f"--draft-lookahead {min(draft_lookahead)}: positions drafted, at least 1")
-        inputs = _draft_inputs(reader, len(seqs))
-        for (ids, _), (toks, _) in zip(seqs, inputs):
-            if len(toks) != len(ids):
-                raise SpecPrefetchError(f"trace {trace}: a held-out sequence has {len(toks)} token ids for "
-                                        f"{len(ids)} routed positions")
         progress("the draft's model")
         draft_model = DraftModel(trace_model_spec(reader, model), device)
         rules = (*rules, *(f"{DRAFT_RULE}{d}" for d in sorted(set(draft_lookahead))))
-    points = []
-    for frac in pool_fracs:
-        if not 0 < frac <= 1:
-            raise SpecPrefetchError(f"--pool-frac {frac}: a share of the experts in (0, 1]")
-        cap = max(reader.top_k, int(round(frac * L * E)))
-        row = {"pool_frac": frac, "slots": cap, "reads_per_token": {}}
-        for rule in rules:
-            progress(f"pool {cap} slots: {rule}")
-            r = d = 0
-            for i, ((ids, kinds), nu, ns, ex) in enumerate(zip(seqs, nexts, sets, exact)):
-                dr = None
-                if rule.startswith(DRAFT_RULE):
-                    dr = LookaheadDraft(draft_model, *inputs[i], int(rule.removeprefix(DRAFT_RULE)))
-                a, b = replay(ids, kinds, cap, rule, by_class, nu, draft=dr,
-                              next_sets=ns if rule in ADAPTER_RULES else {"next-visit": ex}.get(rule))
-                r, d = r + a, d + b
-            row["reads_per_token"][rule] = round(r / max(d, 1), 3)
-        rp = row["reads_per_token"]
-        gap = rp["lru"] - rp["belady"]
-        row["share_of_lru_belady_gap"] = {x: round((rp["lru"] - rp[x]) / gap, 3) if gap > 0 else None
-                                          for x in rules if x not in ("lru", "belady")}
-        points.append(row)
+    with draft_model:
+        points = [_point(frac, rules, reader, seqs, nexts, sets, exact, tokens, by_class, draft_model, progress)
+                  for frac in pool_fracs]
     return {"trace": str(Path(trace).resolve()), "sequences": len(seqs), "layers": L, "experts": E,
             "top_k": reader.top_k, "rules": list(rules), "points": points,
             "adapter": str(Path(adapter).resolve()) if adapter is not None else None,
             "draft_lookahead": sorted(set(draft_lookahead))}
+
+
+def _point(frac: float, rules, reader: TraceReader, seqs, nexts, sets, exact, tokens, by_class, draft_model,
+           progress) -> dict[str, Any]:
+    """One pool's row of the report: every rule's reads per decode token over the sequences."""
+    L, E = len(reader.moe_layers), reader.num_experts
+    cap = max(reader.top_k, int(round(frac * L * E)))
+    row = {"pool_frac": frac, "slots": cap, "reads_per_token": {}}
+    for rule in rules:
+        progress(f"pool {cap} slots: {rule}")
+        r = d = 0
+        for i, ((ids, kinds), nu, ns, ex) in enumerate(zip(seqs, nexts, sets, exact)):
+            dr = None
+            if rule.startswith(DRAFT_RULE):
+                dr = LookaheadDraft(draft_model, tokens[i], int(rule.removeprefix(DRAFT_RULE)))
+            a, b = replay(ids, kinds, cap, rule, by_class, nu, draft=dr,
+                          next_sets=ns if rule in ADAPTER_RULES else {"next-visit": ex}.get(rule))
+            r, d = r + a, d + b
+        row["reads_per_token"][rule] = round(r / max(d, 1), 3)
+    rp = row["reads_per_token"]
+    gap = rp["lru"] - rp["belady"]
+    row["share_of_lru_belady_gap"] = {x: round((rp["lru"] - rp[x]) / gap, 3) if gap > 0 else None
+                                      for x in rules if x not in ("lru", "belady")}
+    return row
 
 
 def markdown(r: dict[str, Any]) -> str:
@@ -425,12 +435,12 @@ def plot(r: dict[str, Any], path: Path) -> None:
 
     from toolkit.reporting import save_figure
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(max(7.0, 0.6 * len(r["rules"])), 4.5))
     x = np.arange(len(r["rules"]))
     w = 0.8 / max(len(r["points"]), 1)
     for i, p in enumerate(r["points"]):
         ax.bar(x + i * w, [p["reads_per_token"][q] for q in r["rules"]], w, label=f"pool {p['pool_frac']:.0%}")
-    ax.set_xticks(x + w * (len(r["points"]) - 1) / 2, r["rules"], rotation=15)
+    ax.set_xticks(x + w * (len(r["points"]) - 1) / 2, r["rules"], rotation=45, ha="right")
     ax.set_ylabel("expert reads per decode token")
     ax.set_title("Eviction knowledge vs reads (on demand)")
     ax.legend()

@@ -506,15 +506,20 @@ class TraceReader:
         return {f: (np.concatenate(v) if v else np.zeros((0,), FIELDS[f])) for f, v in parts.items()}
 
 
-def routing_sequences(reader: TraceReader, split: str, *, with_kind: bool = False) -> list:
-    """Each sequence's routed expert ids [positions, L, k] of a split, positions in order; with
-    `with_kind`, (ids, kind [positions]) pairs."""
-    a = reader.load(split, ("seq", "pos", "expert_ids", *(("kind",) if with_kind else ())))
+def routing_sequences(reader: TraceReader, split: str, *, with_kind: bool = False, with_tokens: bool = False) -> list:
+    """Each sequence's routed expert ids [positions, L, k] of a split, positions in order, sequences by
+    id; with `with_kind`, (ids, kind [positions]) pairs; with `with_tokens` too, (ids, kind, token ids
+    [positions]) triples."""
+    with_kind = with_kind or with_tokens
+    a = reader.load(split, ("seq", "pos", "expert_ids", *(("kind",) if with_kind else ()),
+                            *(("token_id",) if with_tokens else ())))
     if not len(a["seq"]):
         return []
     order = np.lexsort((a["pos"], a["seq"]))
     seq, ids = a["seq"][order], a["expert_ids"][order].astype(np.int64)
     cuts = np.flatnonzero(np.diff(seq)) + 1
+    if with_tokens:
+        return list(zip(np.split(ids, cuts), np.split(a["kind"][order], cuts), np.split(a["token_id"][order], cuts)))
     if with_kind:
         return list(zip(np.split(ids, cuts), np.split(a["kind"][order], cuts)))
     return list(np.split(ids, cuts))
