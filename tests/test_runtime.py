@@ -649,11 +649,22 @@ def test_draft_lookahead(sim_trace, tmp_path):
         assert (held[1:].sum(1) != k).all()
         seen.clear()
         logits.clear()
-        got = LookaheadDraft(m, toks, 2).predict(n_prompt, held)
-        # the calls: the prompt's pass, the two drafted steps, the real step; the drafted ones checked
-        for i, ((e_ids, w), lg) in enumerate(zip(seen[L:3 * L], logits[L:3 * L])):
+        steps = []   # each model call's (input tokens, greedy output)
+        hooks.append(m.lm.model.register_forward_hook(
+            lambda mod, a, kw, out: steps.append((kw["input_ids"][0].tolist(), int(out.logits[0, -1].argmax()))),
+            with_kwargs=True))
+        # the sequence's next token changed: the draft goes on from its own token, not the sequence's
+        toks2 = list(toks)
+        toks2[n_prompt + 1] = (toks[n_prompt + 1] + 1) % m.lm.model.config.vocab_size
+        got = LookaheadDraft(m, toks2, 2).predict(n_prompt, held)
+        # the calls: the prompt's pass, the two drafted steps, the real step
+        assert [x for x, _ in steps] == [toks[:n_prompt], [toks[n_prompt]], [steps[1][1]], [toks[n_prompt]]]
+        assert steps[1][1] != toks2[n_prompt + 1]
+        for i, ((e_ids, w), lg) in enumerate(zip(seen[L:], logits[L:])):
             li = i % L
-            if li == 0:
+            if li == 0 or i >= 2 * L:   # a layer holding none, and the real step: the router's own choice
+                assert torch.equal(e_ids.reshape(-1).sort().values,
+                                   lg.reshape(-1, E)[-1].topk(k).indices.sort().values), (i, e_ids)
                 continue
             hk = np.flatnonzero(held[li])
             sc = lg.reshape(-1, E)[-1].softmax(-1)[hk]
@@ -670,6 +681,17 @@ def test_draft_lookahead(sim_trace, tmp_path):
     assert m.hooks == []                                   # removed on leaving
     with pytest.raises(SpecPrefetchError, match="needs the sequence's draft"):
         replay(ids, kinds, 24, "draft-lookahead-3", t, draft=Told(2))
+
+    class Watch(Told):   # what the replay holds when it asks: the pool, full, the last layer's experts in it
+        def predict(self, p, held):
+            assert held.shape == (ids.shape[1], 32) and held.sum() == 24, held.sum()
+            assert held[ids.shape[1] - 1, ids[p - 1, -1]].all()
+            self.asked = getattr(self, "asked", 0) + 1
+            return super().predict(p, held)
+
+    w = Watch(2)
+    assert replay(ids, kinds, 24, "draft-lookahead-2", t, draft=w) == replay(ids, kinds, 24, "belady-next-token", t)
+    assert w.asked == (kinds == DECODE).sum()
     r = CliRunner().invoke(main, ["eviction-bounds", str(sim_trace), "--pool-frac", "0.2", "--max-sequences",
                                         "1", "--draft-lookahead", "0", "--json", str(tmp_path / "e.json")])
     assert r.exit_code == 2 and "--draft-lookahead" in r.output and not (tmp_path / "e.json").exists()

@@ -333,7 +333,7 @@ def simulate(traces, policies, adapter, profile, pool_mib, windows, queue_depth,
 @click.option("--draft-lookahead", "draft_lookahead", type=IntList(), default=None,
               help="comma list of D: adds draft-lookahead-D, Belady's rule on a self-draft's routing of the D "
                    "positions from each decode position on (the current one and D - 1 more), drafted on the "
-                   "pool's experts only (runs the model, float32, on --device)")
+                   "pool's experts only (runs the model, float32, on --device; text traces only)")
 @click.option("--device", default="cpu", show_default=True, callback=lambda c, p, v: device_name(v, p),
               help="where --draft-lookahead's model runs: cpu, cuda or cuda:N")
 @json_report

@@ -28,7 +28,8 @@
 # base model's draft verified in one pass, after the base stage): VFR (pool fractions, 0.25), VK (its K, 8),
 # VBT (its timeout, 150); the lookahead stage (after the base stage: its model's eviction bounds with
 # --draft-lookahead EBD (default 2,5), the draft's model on the GPU; LBT its timeout, 300); the compiled
-# stage (the base bench with --compile inductor): CBT (its timeout, default BT). KS (the base bench's draft Ks, 2,4,6,8,12); PROF=1: each bench also profiles an
+# stage (the base bench with --compile inductor): CBT (its timeout, default BT). KS (the base bench's
+# draft Ks, 2,4,6,8,12); PROF=1: each bench also profiles an
 # all-resident decode token (gpu_bench --profile-resident: kernels and their device time per token);
 # BX: more gpu_bench options for every policy bench (base, compiled, wide), e.g.
 # BX="--compile inductor --variant candidate_threshold=0.1 --variant queue_depth=4".
@@ -45,7 +46,8 @@
 # Output under OUT: log (the whole call's), and all.tgz (re-packed after every stage, so a call cut
 # short still returns what it finished): gpu-bench-STAGE.json/.md/.png and bench-STAGE.log per bench,
 # eviction-bounds-NAME.json/.md/.png per model (`specprefetch eviction-bounds` of its trace and adapter at
-# the bench's pools, 10 held-out sequences, run after the bench on the host's CPU; EB=0: not run),
+# the bench's pools, 10 held-out sequences, run after the bench on the host's CPU; EB=0: not run), the
+# lookahead stage's eviction-bounds-lookahead-base.json/.md/.png,
 # tiny.json, train_log.json, split.json: this call's only (a model trained again also drops the
 # stores, traces and adapters made from the last one); a failed step is logged as FAILED and ends its
 # stage.
@@ -122,6 +124,16 @@ pack
 # adapter (named NAME) and the policies' bench (gpu-bench-REPORT.json, default NAME; EXTRA: more gpu_bench
 # options)
 fail() { echo "FAILED: $*" | tee -a "$L"; return 1; }
+# bounds REPORT TIMEOUT TRACE [eviction-bounds options]: `eviction-bounds` of TRACE, 10 held-out sequences,
+# into REPORT.json/.md/.png and REPORT.log; its table into the call's log
+bounds() {
+  local rep=$1 limit=$2 tr=$3 t1
+  shift 3
+  t1=$(date +%s)
+  timeout "$limit" $B eviction-bounds "$tr" --max-sequences 10 "$@" --json "$RES/$rep.json" > "$RES/$rep.log" 2>&1
+  echo "$rep: rc=$? after $(( $(date +%s) - t1 )) s" | tee -a "$L"
+  [ -f "$RES/$rep.md" ] && { cat "$RES/$rep.md"; echo; } | tee -a "$L"
+}
 bench() {
   local n=$1 m=$2 fr=$3 bt=$4 nt=$5 ks=$6 rep=${7:-$1} extra=${8:-} t0
   t0=$(date +%s)
@@ -135,10 +147,7 @@ bench() {
   # the eviction bounds of this model's routing at the bench's pools (the host's CPU, after the bench: not
   # beside its timed runs): what each amount of knowledge of the future reads, the policies' ceiling
   if [ "${EB:-1}" = 1 ] && [ ! -f "$RES/eviction-bounds-$n.json" ]; then
-    timeout "$bt" $B eviction-bounds "$R/$n-trace" --adapter "$R/$n-adapter" --pool-frac "$fr" --max-sequences 10 \
-      --json "$RES/eviction-bounds-$n.json" > "$RES/eviction-bounds-$n.log" 2>&1
-    echo "$n: eviction-bounds rc=$? after $(( $(date +%s) - t0 )) s" | tee -a "$L"
-    [ -f "$RES/eviction-bounds-$n.md" ] && { cat "$RES/eviction-bounds-$n.md"; echo; } | tee -a "$L"
+    bounds "eviction-bounds-$n" "$bt" "$R/$n-trace" --adapter "$R/$n-adapter" --pool-frac "$fr"
   fi
   pack
 }
@@ -161,12 +170,8 @@ for st in $STAGES; do
       # after the base stage: its model's eviction bounds with the self-draft's look-ahead (eviction-bounds
       # --draft-lookahead, the draft's model on the GPU; alone on it, not beside a bench)
       [ -d "$R/base-adapter" ] || { fail "lookahead: no $R/base-adapter (run the base stage first)"; continue; }
-      t0=$(date +%s)
-      timeout "${LBT:-300}" $B eviction-bounds "$R/base-trace" --adapter "$R/base-adapter" --pool-frac "$FR" \
-        --max-sequences 10 --draft-lookahead "${EBD:-2,5}" --device "$DEV" \
-        --json "$RES/eviction-bounds-lookahead-base.json" > "$RES/eviction-bounds-lookahead-base.log" 2>&1
-      echo "lookahead: eviction-bounds rc=$? after $(( $(date +%s) - t0 )) s" | tee -a "$L"
-      [ -f "$RES/eviction-bounds-lookahead-base.md" ] && { cat "$RES/eviction-bounds-lookahead-base.md"; echo; } | tee -a "$L"
+      bounds eviction-bounds-lookahead-base "${LBT:-300}" "$R/base-trace" --adapter "$R/base-adapter" --pool-frac "$FR" \
+        --draft-lookahead "${EBD:-2,5}" --device "$DEV"
       pack ;;
     batched)
       # the base model's draft with Specter's one-pass verification (--verify batched) beside exact, for

@@ -220,8 +220,9 @@ class DraftModel:
     """The model (float32, on `device`) with a hook on every MoE router: records each call's own top-k,
     and, while `held` is set ([L, E] bools), replaces the router's choice by the family's selection among
     the held experts (their scores and weights by the family's rule; fewer than k held: those, the other
-    entries at weight 0; a group-limited router keeps its own groups; a layer holding none keeps its own
-    choice). A context manager: its hooks are removed on leaving."""
+    entries at weight 0; a group-limited router's groups are its own choice, held experts of other groups
+    filling in where its groups hold fewer than k; a layer holding none keeps its own choice). A context
+    manager: its hooks are removed on leaving."""
 
     def __init__(self, spec, device: str = "cpu"):
         import torch
