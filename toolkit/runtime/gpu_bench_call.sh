@@ -148,8 +148,8 @@ bench() {
   # beside its timed runs): what each amount of knowledge of the future reads, the policies' ceiling
   if [ "${EB:-1}" = 1 ] && [ ! -f "$RES/eviction-bounds-$n.json" ]; then
     bounds "eviction-bounds-$n" "$bt" "$R/$n-trace" --adapter "$R/$n-adapter" --pool-frac "$fr"
+    pack
   fi
-  pack
 }
 
 for st in $STAGES; do

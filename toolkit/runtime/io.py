@@ -54,7 +54,7 @@ class ThreadReader:
         self.store, self.profile, self.verify = store, profile, verify
         self.fd, self.direct = store.open_direct()
         if not self.direct:  # at least keep earlier runs' pages out of the way
-            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            store.drop_cache()
         self.cond = threading.Condition()
         self.heap: list[tuple[int, int, Key, float]] = []
         self.seq = itertools.count()

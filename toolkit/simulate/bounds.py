@@ -183,21 +183,18 @@ def replay(ids: np.ndarray, kinds: np.ndarray, capacity: int, rule: str, table,
     return reads, decode
 
 
-def adapter_next_sets(reader: TraceReader, adapter: Path, seq_ids: list[int],
-                      model: str | Path | None = None) -> list[dict[tuple[int, int], set[int]]]:
+def adapter_next_sets(reader: TraceReader, adapter: Path, seq_ids: list[int], spec,
+                      bank) -> list[dict[tuple[int, int], set[int]]]:
     """Per held-out sequence (in `seq_ids`' order): {(position, layer): the 2k experts the adapter's
     next-visit head scores highest for that layer at position + 1}, at every position whose router
-    input the trace stored."""
+    input the trace stored. `spec`, `bank`: the trace's model (trace_model_spec) and its routers."""
     import torch
 
     from adapters.checkpoint import load_adapter
-    from toolkit.models.routers import load_router_bank
 
-    spec = trace_model_spec(reader, model)
     ad, _ = load_adapter(Path(adapter), spec)
     if not ad.next_visit:
         raise SpecPrefetchError(f"--adapter {adapter}: it has no next-visit heads (train it with --next-visit)")
-    bank = load_router_bank(spec)
     L, M = ad.num_layers, min(ad.num_experts, 2 * reader.top_k)
     where = {q: n for n, q in enumerate(seq_ids)}
     out: list[dict[tuple[int, int], set[int]]] = [{} for _ in seq_ids]
@@ -224,18 +221,20 @@ class DraftModel:
     filling in where its groups hold fewer than k; a layer holding none keeps its own choice). A context
     manager: its hooks are removed on leaving."""
 
-    def __init__(self, spec, device: str = "cpu"):
+    def __init__(self, spec, device: str = "cpu", bank=None):
+        """`device`: cpu, cuda or cuda:N (checked by the caller); `bank`: the model's routers
+        (load_router_bank; loaded here if not given)."""
         import torch
 
         from toolkit.models.families import expert_weights
         from toolkit.models.loader import load_model
         from toolkit.models.routers import load_router_bank
-        from toolkit.traces.batches import check_device
 
-        self.device = check_device(device)
+        self.device = device
         self.lm = load_model(spec.path, device=device, dtype="float32")
         self.lm.model.eval()
-        bank = load_router_bank(spec)   # (its score bias, if any, on the host: the hook selects there)
+        bank = bank or load_router_bank(spec)   # (its score bias, if any, on the host: the hook selects there)
+        self.threads: int | None = None
         layers = list(self.lm.geometry.moe_layers)
         self.L, self.k = len(layers), spec.geometry.routing.top_k
         self.E = spec.geometry.routing.num_experts
@@ -268,8 +267,6 @@ class DraftModel:
         import torch
 
         self.held, self.rec = held, [[] for _ in range(self.L)]
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)   # one-token steps of a small model: threads cost more than they give
         try:
             with torch.no_grad():
                 dev = self.device
@@ -277,15 +274,25 @@ class DraftModel:
                                     use_cache=True, position_ids=torch.arange(pos, pos + len(tokens), device=dev)[None])
         finally:
             self.held = None
-            torch.set_num_threads(threads)
         return int(out.logits[0, -1].argmax()), torch.stack([torch.cat(r) for r in self.rec], 1).cpu()
 
     def close(self) -> None:
         for h in self.hooks:
             h.remove()
         self.hooks = []
+        if self.threads is not None:
+            import torch
+
+            torch.set_num_threads(self.threads)
+            self.threads = None
 
     def __enter__(self) -> "DraftModel":
+        """One compute thread while inside (one-token steps of a small model: threads cost more than they
+        give), the process's again on leaving."""
+        import torch
+
+        self.threads = torch.get_num_threads()
+        torch.set_num_threads(1)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -338,15 +345,12 @@ def eviction_bounds(trace: Path, pool_fracs: list[float], *, max_sequences: int 
             raise SpecPrefetchError(f"--draft-lookahead {min(draft_lookahead)}: positions drafted, at least 1")
         check_device(device)
     reader = TraceReader(trace)
-    tokens: list = []
-    if draft_lookahead:
-        rows = routing_sequences(reader, "heldout", with_tokens=True)[:max_sequences]
-        seqs, tokens = [(ids, kinds) for ids, kinds, _ in rows], [t.tolist() for _, _, t in rows]
-        if any((kinds == IMAGE).any() for _, kinds in seqs):
-            raise SpecPrefetchError(f"--draft-lookahead: trace {trace}'s held-out sequences hold image positions; "
-                                    "the draft replays text prompts only")
-    else:
-        seqs = routing_sequences(reader, "heldout", with_kind=True)[:max_sequences]
+    rows = routing_sequences(reader, "heldout", with_kind=True, with_tokens=bool(draft_lookahead))[:max_sequences]
+    seqs = [(r[0], r[1]) for r in rows]
+    tokens = [r[2].tolist() for r in rows] if draft_lookahead else []
+    if draft_lookahead and any((kinds == IMAGE).any() for _, kinds in seqs):
+        raise SpecPrefetchError(f"--draft-lookahead: trace {trace}'s held-out sequences hold image positions; "
+                                "the draft replays text prompts only")
     if not seqs:
         raise SpecPrefetchError(f"trace {trace}: no held-out sequences to replay")
     train = routing_sequences(reader, "train")
@@ -363,26 +367,33 @@ def eviction_bounds(trace: Path, pool_fracs: list[float], *, max_sequences: int 
     exact = [exact_next_sets(ids) for ids, _ in seqs]              # and its real next visits
     rules = RULES
     sets: list = [None] * len(seqs)
+    lookaheads = sorted(set(draft_lookahead))
+    spec = bank = None
+    if adapter is not None or lookaheads:   # the trace's model and its routers, once
+        from toolkit.models.routers import load_router_bank
+
+        spec = trace_model_spec(reader, model)
+        bank = load_router_bank(spec)
     if adapter is not None:  # routing_sequences orders sequences by id
         seq_ids = sorted({int(q) for q in reader.load("heldout", ("seq",))["seq"]})[:len(seqs)]
         progress("the adapter's next-visit predictions")
-        sets = adapter_next_sets(reader, adapter, seq_ids, model)
+        sets = adapter_next_sets(reader, adapter, seq_ids, spec, bank)
         if not any(sets):
             raise SpecPrefetchError(f"trace {trace}: its held-out sequences store no router inputs, which the "
                                     "adapter's next-visit heads read")
         rules = (*RULES, *ADAPTER_RULES)
     draft_model = contextlib.nullcontext()
-    if draft_lookahead:
+    if lookaheads:
         progress("the draft's model")
-        draft_model = DraftModel(trace_model_spec(reader, model), device)
-        rules = (*rules, *(f"{DRAFT_RULE}{d}" for d in sorted(set(draft_lookahead))))
+        draft_model = DraftModel(spec, device, bank)
+        rules = (*rules, *(f"{DRAFT_RULE}{d}" for d in lookaheads))
     with draft_model:
         points = [_point(frac, rules, reader, seqs, nexts, sets, exact, tokens, by_class, draft_model, progress)
                   for frac in pool_fracs]
     return {"trace": str(Path(trace).resolve()), "sequences": len(seqs), "layers": L, "experts": E,
             "top_k": reader.top_k, "rules": list(rules), "points": points,
             "adapter": str(Path(adapter).resolve()) if adapter is not None else None,
-            "draft_lookahead": sorted(set(draft_lookahead))}
+            "draft_lookahead": lookaheads}
 
 
 def _point(frac: float, rules, reader: TraceReader, seqs, nexts, sets, exact, tokens, by_class, draft_model,

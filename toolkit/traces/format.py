@@ -510,19 +510,16 @@ def routing_sequences(reader: TraceReader, split: str, *, with_kind: bool = Fals
     """Each sequence's routed expert ids [positions, L, k] of a split, positions in order, sequences by
     id; with `with_kind`, (ids, kind [positions]) pairs; with `with_tokens` too, (ids, kind, token ids
     [positions]) triples."""
-    with_kind = with_kind or with_tokens
-    a = reader.load(split, ("seq", "pos", "expert_ids", *(("kind",) if with_kind else ()),
-                            *(("token_id",) if with_tokens else ())))
+    extra = (("kind",) if with_kind or with_tokens else ()) + (("token_id",) if with_tokens else ())
+    a = reader.load(split, ("seq", "pos", "expert_ids", *extra))
     if not len(a["seq"]):
         return []
     order = np.lexsort((a["pos"], a["seq"]))
     seq, ids = a["seq"][order], a["expert_ids"][order].astype(np.int64)
     cuts = np.flatnonzero(np.diff(seq)) + 1
-    if with_tokens:
-        return list(zip(np.split(ids, cuts), np.split(a["kind"][order], cuts), np.split(a["token_id"][order], cuts)))
-    if with_kind:
-        return list(zip(np.split(ids, cuts), np.split(a["kind"][order], cuts)))
-    return list(np.split(ids, cuts))
+    if not extra:
+        return list(np.split(ids, cuts))
+    return list(zip(np.split(ids, cuts), *(np.split(a[f][order], cuts) for f in extra)))
 
 
 def trace_model_spec(reader: TraceReader, model: str | Path | None) -> ModelSpec:
