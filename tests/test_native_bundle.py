@@ -24,16 +24,19 @@ SOURCES = ["bundle.cpp", "expert_store.cpp", "reader.cpp", "safetensors.cpp", "s
 
 
 @pytest.fixture(scope="module")
-def tool(tmp_path_factory) -> Path:
-    """check_bundle, compiled with the host g++ (objects built two at a time). NATIVE_SANITIZE=1
-    builds it with AddressSanitizer and UBSan instead (any report fails the refusal tests)."""
+def tool(request, tmp_path_factory) -> Path:
+    """check_bundle: the one the session's host runner build installs (its bin/, built with the runner by
+    the background build). NATIVE_SANITIZE=1 compiles it here with AddressSanitizer and UBSan instead
+    (objects built two at a time; any report fails the refusal tests)."""
+    if os.environ.get("NATIVE_SANITIZE") != "1":
+        _, build = request.getfixturevalue("native_host")
+        return build / "bin" / "check_bundle"
     if shutil.which("g++") is None or not Path("/usr/include/nlohmann/json.hpp").is_file():
         pytest.skip("needs g++ and nlohmann/json (apt-get install g++ nlohmann-json3-dev)")
     out = tmp_path_factory.mktemp("native")
     units = [SRC / s for s in SOURCES] + [REPO / "android_runner" / "tests" / "check_bundle.cpp"]
-    flags = ["-std=c++17", "-O2", "-pthread", "-Wall", "-Wextra", f"-I{SRC}"]
-    if os.environ.get("NATIVE_SANITIZE") == "1":
-        flags += ["-O1", "-g", "-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer"]
+    flags = ["-std=c++17", "-O1", "-g", "-pthread", "-Wall", "-Wextra", f"-I{SRC}", "-fsanitize=address,undefined",
+             "-fno-sanitize-recover=all", "-fno-omit-frame-pointer"]
 
     def compile_one(src: Path) -> Path:
         obj = out / (src.stem + ".o")
