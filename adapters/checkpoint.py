@@ -14,7 +14,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from adapters.lowrank import PrefetchAdapter
-from adapters.reuse import ReuseTable
+from adapters.reuse import MAX_NEXT_VISITS, ReuseTable
 from toolkit import __version__
 from toolkit.artifacts import atomic_directory, read_json, sha256_file, write_json_atomic
 from toolkit.errors import SpecPrefetchError
@@ -42,7 +42,7 @@ def save_adapter(adapter: PrefetchAdapter, out: Path, spec: ModelSpec, extra: di
                       "moe_layers": list(g.moe_layers), "num_experts": g.routing.num_experts,
                       "hidden_size": g.hidden_size},
             "horizons": list(adapter.horizons), "rank": adapter.rank, "cross_token": adapter.cross_token,
-            "next_visit": adapter.next_visit, "pairs": [list(p) for p in adapter.pairs],
+            "next_visits": adapter.next_visits, "pairs": [list(p) for p in adapter.pairs],
             "params": adapter.params(),
             "weights_sha256": sha256_file(work / "adapter.safetensors"),
             **extra,
@@ -103,10 +103,22 @@ def check_meta(meta: Any, file: Path) -> None:
         if not ok(d[name]):
             raise SpecPrefetchError(f"{file}: malformed adapter config: {key!r} must be {what}, "
                                     f"not {json.dumps(d[name])[:60]}")
-    nv = meta.get("next_visit", False)  # optional: adapters written before it have no such heads
-    if not isinstance(nv, bool) or (nv and not meta["cross_token"]):
-        raise SpecPrefetchError(f"{file}: malformed adapter config: 'next_visit' must be true or false (true "
-                                f"only with cross_token), not {json.dumps(nv)[:60]}")
+    meta_next_visits(meta, file)
+
+
+def meta_next_visits(meta: dict[str, Any], file: Path) -> int:
+    """How many next visits the adapter's heads predict per layer: 'next_visits' (0..MAX_NEXT_VISITS), or an
+    older adapter's 'next_visit' (true: one; neither: none). More than none only with cross_token."""
+    if "next_visits" in meta:
+        nv, key, what = meta["next_visits"], "next_visits", f"an integer in 0..{MAX_NEXT_VISITS}"
+        ok = is_int(nv) and 0 <= nv <= MAX_NEXT_VISITS
+    else:   # written before the heads predicted more than one visit
+        nv, key, what = meta.get("next_visit", False), "next_visit", "true or false"
+        ok = isinstance(nv, bool)
+    if not ok or (nv and not meta["cross_token"]):
+        raise SpecPrefetchError(f"{file}: malformed adapter config: {key!r} must be {what} (more than none only "
+                                f"with cross_token), not {json.dumps(nv)[:60]}")
+    return int(nv)
 
 
 def read_adapter_meta(path: Path) -> dict[str, Any]:
@@ -131,10 +143,10 @@ def _regular_file(f: Path, what: str) -> None:
         raise SpecPrefetchError(f"{f}: not a regular file (the {what} must be one)")
 
 
-def _pairs(num_layers: int, horizons: list[int], cross_token: bool, next_visit: bool) -> int:
+def _pairs(num_layers: int, horizons: list[int], cross_token: bool, next_visits: int) -> int:
     """How many (layer, horizon) pairs an adapter of this shape has (without allocating its weights)."""
     return len(PrefetchAdapter(num_layers=num_layers, hidden_size=1, num_experts=1, horizons=tuple(horizons),
-                               rank=1, cross_token=cross_token, next_visit=next_visit).pairs)
+                               rank=1, cross_token=cross_token, next_visits=next_visits).pairs)
 
 
 def check_model(meta: dict[str, Any], path: Path, spec: ModelSpec) -> None:
@@ -174,7 +186,8 @@ def load_adapter(path: Path, spec: ModelSpec | None = None) -> tuple[PrefetchAda
     if not {"A", "B"} <= set(t):
         raise SpecPrefetchError(f"{weights}: expected tensors A and B, found {sorted(t)}")
     # the shapes adapter.json implies, compared with the file's before anything of that size is allocated
-    P = _pairs(len(m["moe_layers"]), meta["horizons"], meta["cross_token"], meta.get("next_visit", False))
+    nv = meta_next_visits(meta, path / "adapter.json")
+    P = _pairs(len(m["moe_layers"]), meta["horizons"], meta["cross_token"], nv)
     want_a, want_b = (P, meta["rank"], m["hidden_size"]), (P, m["num_experts"], meta["rank"])
     if tuple(t["A"].shape) != want_a or tuple(t["B"].shape) != want_b:
         raise SpecPrefetchError(f"{weights}: tensor shapes {tuple(t['A'].shape)}, {tuple(t['B'].shape)} "
@@ -185,7 +198,7 @@ def load_adapter(path: Path, spec: ModelSpec | None = None) -> tuple[PrefetchAda
     adapter = PrefetchAdapter(num_layers=len(m["moe_layers"]), hidden_size=m["hidden_size"],
                               num_experts=m["num_experts"], horizons=tuple(meta["horizons"]),
                               rank=meta["rank"], cross_token=meta["cross_token"],
-                              next_visit=meta.get("next_visit", False))
+                              next_visits=nv)
     adapter.A.data.copy_(t["A"])
     adapter.B.data.copy_(t["B"])
     adapter.eval()

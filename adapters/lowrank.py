@@ -8,10 +8,10 @@ When j runs past the last MoE layer (and cross-token is on), the target is MoE l
 prefetch window crosses the token boundary. B starts at zero, so an untrained adapter is exactly
 the next-gate baseline; only A and B train, the routers stay frozen.
 
-With `next_visit`, every layer i also gets the pair (i, L): the same MoE layer of the next token, the
-layer's next visit. Those heads are not for the prefetch window (W steps ahead, a few layers) but for
-eviction: which of a layer's resident experts its next visit will route to (toolkit/simulate/bounds.py,
-`adapter-next-visit`).
+With `next_visits` N, every layer i also gets the pairs (i, jL), j = 1..N: the same MoE layer of the
+next N tokens, the layer's next N visits. Those heads are not for the prefetch window (W steps ahead, a
+few layers) but for eviction: which of a layer's resident experts each of its next visits will route to
+(toolkit/runtime/reuse.py; toolkit/simulate/bounds.py, `adapter-next-visit`).
 """
 from __future__ import annotations
 
@@ -20,27 +20,31 @@ import math
 import torch
 from torch import nn
 
+from adapters.reuse import MAX_NEXT_VISITS
 from toolkit.models.routers import RouterBank
 
 
 class PrefetchAdapter(nn.Module):
     def __init__(self, *, num_layers: int, hidden_size: int, num_experts: int,
                  horizons: tuple[int, ...] = (1, 2), rank: int = 64, cross_token: bool = True,
-                 next_visit: bool = False, seed: int = 0):
+                 next_visits: int = 0, seed: int = 0):
         super().__init__()
         if rank < 1:
             raise ValueError("rank must be >= 1")
         if not horizons or min(horizons) < 1 or max(horizons) > 4:
             raise ValueError(f"horizons must lie in 1..4, got {horizons}")
         self.num_layers, self.hidden_size, self.num_experts = num_layers, hidden_size, num_experts
-        if next_visit and not cross_token:
-            raise ValueError("the next visit's heads cross the token boundary: they need cross_token")
+        if not 0 <= next_visits <= MAX_NEXT_VISITS:
+            raise ValueError(f"next_visits must lie in 0..{MAX_NEXT_VISITS}, got {next_visits}")
+        if next_visits and not cross_token:
+            raise ValueError("the next visits' heads cross the token boundary: they need cross_token")
         self.horizons, self.rank, self.cross_token = tuple(sorted(set(horizons))), rank, cross_token
-        self.next_visit = next_visit
-        # the window's horizons, and the next visit's (L) with next_visit
-        self.all_horizons = tuple(sorted(set(self.horizons) | ({num_layers} if next_visit else set())))
+        self.next_visits = next_visits
+        # the next visits' horizons (L, 2L, ...), and all of them with the window's
+        self.visit_horizons = tuple(j * num_layers for j in range(1, next_visits + 1))
+        self.all_horizons = tuple(sorted(set(self.horizons) | set(self.visit_horizons)))
         self.pairs = [(i, h) for i in range(num_layers) for h in self.all_horizons
-                      if i + h < num_layers or (cross_token and i + h < 2 * num_layers)]
+                      if h in self.visit_horizons or i + h < num_layers or (cross_token and i + h < 2 * num_layers)]
         self.pair_index = {p: n for n, p in enumerate(self.pairs)}
         g = torch.Generator().manual_seed(seed)
         P = len(self.pairs)
@@ -51,6 +55,16 @@ class PrefetchAdapter(nn.Module):
         self.register_buffer("src", torch.tensor([i for i, _ in self.pairs], dtype=torch.long), persistent=False)
         self.register_buffer("tgt", torch.tensor([self.target_layer(i, h) for i, h in self.pairs],
                                                  dtype=torch.long), persistent=False)
+
+    @property
+    def next_visit(self) -> bool:
+        """Whether it has next-visit heads at all."""
+        return self.next_visits > 0
+
+    @property
+    def tokens_ahead(self) -> int:
+        """How many tokens on its farthest target lies (a RoutingBatch's `ahead` for its targets; at least 1)."""
+        return max(1, max((i + h) // self.num_layers for i, h in self.pairs))
 
     def target_layer(self, i: int, h: int) -> int:
         return (i + h) % self.num_layers

@@ -31,6 +31,7 @@ CAP = 64            # visits until reuse, at most (not routed to again within CA
 MAX_BITS = 16
 CLASSES = 4         # frequency classes per layer (train --reuse-classes)
 MAX_CLASSES = 64
+MAX_NEXT_VISITS = 4  # the adapter's next-visit heads per layer, at most (train --next-visits)
 
 
 @dataclasses.dataclass(frozen=True)

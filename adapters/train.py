@@ -21,7 +21,7 @@ from tqdm import tqdm
 from adapters.checkpoint import save_adapter
 from adapters.lowrank import PrefetchAdapter
 from adapters.reuse import CLASSES as REUSE_CLASSES
-from adapters.reuse import MAX_CLASSES, learn_class_reuse_table
+from adapters.reuse import MAX_CLASSES, MAX_NEXT_VISITS, learn_class_reuse_table
 from toolkit.errors import SpecPrefetchError
 from toolkit.jsonvalues import is_int, is_number
 from toolkit.metrics import recall, topk_hits
@@ -37,10 +37,11 @@ class TrainConfig:
     rank: int = 64
     horizons: tuple[int, ...] = (1, 2)
     cross_token: bool = True
-    # heads for each layer's next visit (horizon L), for the reuse eviction; None: with cross_token
-    next_visit: bool | None = None
+    # heads for each layer's next N visits (horizons L, 2L, ...), for the reuse eviction; None: 1 with
+    # cross_token, else 0
+    next_visits: int | None = None
     horizon_weights: dict[int, float] | None = None  # default: 2.0 for h=1, 1.0 otherwise
-    # the next-visit heads' loss weight (horizon L, where L is not also one of `horizons`)
+    # the next-visit heads' loss weight (horizons L, 2L, ..., where not also one of `horizons`)
     next_visit_weight: float = 1.0
     topk_weight: float = 0.0
     steps: int = 3000
@@ -57,8 +58,8 @@ class TrainConfig:
     reuse_classes: int = REUSE_CLASSES
 
     def __post_init__(self):
-        if self.next_visit is None:  # the default: the heads cross the token boundary, as cross_token does
-            self.next_visit = self.cross_token
+        if self.next_visits is None:  # the default: one, crossing the token boundary as cross_token does
+            self.next_visits = 1 if self.cross_token else 0
 
     def validate(self) -> None:
         """One-line errors naming the option, before any work."""
@@ -87,7 +88,9 @@ class TrainConfig:
         w = self.next_visit_weight
         if not (is_number(w) and w >= 0):
             raise bad("--next-visit-weight", shown(w), "must be a finite number >= 0")
-        if not self.next_visit and w != 1.0:
+        if not (is_int(self.next_visits) and 0 <= self.next_visits <= MAX_NEXT_VISITS):
+            raise bad("--next-visits", shown(self.next_visits), f"must be a whole number in 0..{MAX_NEXT_VISITS}")
+        if not self.next_visits and w != 1.0:
             raise bad("--next-visit-weight", w, "this adapter has no next-visit heads")
         for h, w in (self.horizon_weights or {}).items():
             if not is_int(h) or h not in self.horizons:
@@ -95,8 +98,9 @@ class TrainConfig:
                           f"{','.join(map(str, self.horizons))}")
             if not (is_number(w) and w >= 0):
                 raise bad("--horizon-weights", f"{shown(h)}:{shown(w)}", "weights must be finite numbers >= 0")
-        if self.next_visit and not self.cross_token:
-            raise SpecPrefetchError("--next-visit: the next visit is the next token's: it needs --cross-token")
+        if self.next_visits and not self.cross_token:
+            raise SpecPrefetchError(f"--next-visits {self.next_visits}: the next visit is the next token's: it needs "
+                                    "--cross-token")
         if sum(self.weight(h) for h in self.horizons) <= 0:
             raise bad("--horizon-weights", self.horizon_weights, "at least one weight must be > 0")
         check_device(self.device)
@@ -107,9 +111,9 @@ class TrainConfig:
         return 2.0 if h == 1 else 1.0
 
     def pair_weight(self, h: int, num_layers: int) -> float:
-        """A pair's loss weight: its horizon's, or the next-visit heads' for horizon L (num_layers) when L
-        is not one of the window's horizons. Validation (early stopping) weighs pairs alike."""
-        if h == num_layers and self.next_visit and h not in self.horizons:
+        """A pair's loss weight: its horizon's, or the next-visit heads' for a horizon jL (num_layers) that is
+        not one of the window's horizons. Validation (early stopping) weighs pairs alike."""
+        if h % num_layers == 0 and h // num_layers <= self.next_visits and h not in self.horizons:
             return float(self.next_visit_weight)
         return self.weight(h)
 
@@ -183,9 +187,11 @@ def train_adapter(trace: Path, out: Path, cfg: TrainConfig, *, model: str | Path
     reader = TraceReader(trace)
     spec = trace_model_spec(reader, model)
     L = len(spec.geometry.moe_layers)
-    if cfg.next_visit and L in cfg.horizons and cfg.next_visit_weight != 1.0:
-        raise SpecPrefetchError(f"--next-visit-weight {cfg.next_visit_weight:g}: this model's next visit (horizon "
-                                f"{L}) is one of --horizons; weigh it with --horizon-weights {L}:W")
+    if cfg.next_visits and cfg.next_visit_weight != 1.0 and all(j * L in cfg.horizons
+                                                                 for j in range(1, cfg.next_visits + 1)):
+        raise SpecPrefetchError(f"--next-visit-weight {cfg.next_visit_weight:g}: this model's next visits (horizons "
+                                f"{L}..{cfg.next_visits * L}) are all among --horizons; weigh them with "
+                                f"--horizon-weights {L}:W")
     inputs = (Path(trace).resolve(), spec.path)
     claim_output(out, kind="adapter", overwrite=overwrite, inputs=inputs)  # before the training, not after
     if not reader.shards("train"):
@@ -202,15 +208,15 @@ def train_adapter(trace: Path, out: Path, cfg: TrainConfig, *, model: str | Path
     g = spec.geometry
     adapter = PrefetchAdapter(num_layers=len(g.moe_layers), hidden_size=g.hidden_size,
                               num_experts=g.routing.num_experts, horizons=cfg.horizons, rank=cfg.rank,
-                              cross_token=cfg.cross_token, next_visit=cfg.next_visit,
+                              cross_token=cfg.cross_token, next_visits=cfg.next_visits,
                               seed=cfg.seed).to(cfg.device)
     weights = torch.tensor([cfg.pair_weight(h, adapter.num_layers) for _, h in adapter.pairs], device=cfg.device)
-    val = [b.to(cfg.device) for b in validation_batches(reader)]
+    val = [b.to(cfg.device) for b in validation_batches(reader, ahead=adapter.tokens_ahead)]
     if not val:
         raise SpecPrefetchError(f"trace {trace}: its validation sequences (5% of the {n_train} train "
                                 "sequences, at least one) store no router inputs; trace more sequences")
     stream = ShardStream(reader, "train", batch_size=cfg.batch_size, seed=cfg.seed,
-                         max_bytes=cfg.max_memory_mb * 2**20)
+                         max_bytes=cfg.max_memory_mb * 2**20, ahead=adapter.tokens_ahead)
     opt = torch.optim.AdamW(adapter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     start = validate(adapter, bank, val, cfg, weights)  # B = 0: the next-gate baseline
     best = {"step": 0, **start}

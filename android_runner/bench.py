@@ -174,7 +174,7 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
     from transformers import AutoTokenizer
 
     from export.executorch_target import set_threads
-    from export.manifest import validate_bundle
+    from export.manifest import manifest_next_visits, validate_bundle
     from export.session import open_session
     from toolkit.bench.common import bench_prompts, torch_threads
     from toolkit.runtime.expert_store import ExpertStore
@@ -292,7 +292,7 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
     # the predictor with the reuse eviction where the bundle has its table (toolkit/runtime/reuse.py),
     # and with the window-only `prediction` eviction beside it
     reuse = m["predictor"].get("reuse") is not None
-    next_visit = reuse and m["predictor"].get("next_visit") is True
+    next_visit = reuse and manifest_next_visits(m, Path(bundle) / "manifest.json") > 0
     base = ["on-demand+lru", "previous-token+lru", f"{graph}+{'reuse' if reuse else 'prediction'}", "oracle+belady"]
     policies = base + ([f"{graph}+prediction"] if reuse else []) + \
         ([f"{base[2]}{NO_NEXT_VISIT_TAG}"] if next_visit else []) + \

@@ -238,10 +238,9 @@ def _assemble(model, work: Path, scratch: Path, cfg: ExportConfig, tgt, quant: s
     horizons = tuple(h for h in ad.horizons if h <= cfg.window)
     if not horizons:
         raise SpecPrefetchError(f"--window {cfg.window}: the adapter predicts horizons {list(ad.horizons)} only")
-    # the adapter's next-visit heads (horizon L) ride in the same preds rows, after the window's: the
-    # reuse eviction reads them (toolkit/runtime/reuse.py), the window planner does not
-    L = len(g.moe_layers)
-    rows = tuple(sorted(set(horizons) | ({L} if ad.next_visit else set())))
+    # the adapter's next-visit heads (horizons L, 2L, ...) ride in the same preds rows, after the window's:
+    # the reuse eviction reads them (toolkit/runtime/reuse.py), the window planner does not
+    rows = tuple(sorted(set(horizons) | set(ad.visit_horizons)))
     heads = adapter_heads(ad, bank, rows)
     from safetensors.torch import save_file
     host = {"router_weight": bank.weight.contiguous()}
@@ -348,8 +347,8 @@ def _assemble(model, work: Path, scratch: Path, cfg: ExportConfig, tgt, quant: s
         "predictor": {"kind": predictor, "horizons": list(horizons), "adapter": "adapter" if ad_meta else None,
                       "preds_rows": {str(g.moe_layers[i]): [h for h in rows if (i, h) in ad.pair_index]
                                      for i in range(len(g.moe_layers))},
-                      # preds rows of horizon L: each layer's next visit (train --next-visit)
-                      "next_visit": bool(ad.next_visit),
+                      # preds rows of horizons L, 2L, ...: each layer's next visits (train --next-visits)
+                      "next_visits": ad.next_visits,
                       # the `reuse` eviction's table (adapters/reuse.py), learned with the adapter
                       "reuse": reuse.to_json() if reuse is not None else None},
         # the store's own record, compared at every open (cheap: no hashing of the store's blobs), so a

@@ -23,7 +23,7 @@ from export.target import Target, bundle_file
 from toolkit import __version__
 from toolkit.artifacts import read_json, sha256_file
 from adapters.checkpoint import check_model, read_adapter_meta
-from adapters.reuse import ReuseTable
+from adapters.reuse import MAX_NEXT_VISITS, ReuseTable
 from toolkit.errors import SpecPrefetchError
 from toolkit.jsonvalues import is_int, is_number
 from toolkit.models.loader import inspect_model_dir
@@ -266,16 +266,31 @@ def _validate(path: Path, mf: Path, m: Any, hash_store: bool = True) -> list[str
     if m["predictor"].get("reuse") is not None:  # the reuse eviction's table, as the runners read it
         ReuseTable.from_json(m["predictor"]["reuse"], f"{mf}: predictor.reuse",
                              shape=(len(g.moe_layers), g.routing.num_experts))
-    nv = m["predictor"].get("next_visit", False)
-    if not isinstance(nv, bool):
-        raise SpecPrefetchError(f"{mf}: predictor.next_visit must be true or false")
+    nv = manifest_next_visits(m, mf)
     rows = m["predictor"].get("preds_rows") or {}
+    L = len(g.moe_layers)
     for layer in (g.moe_layers if nv else ()):
         hs = rows.get(str(layer)) if isinstance(rows, dict) else None
-        if not (isinstance(hs, list) and len(g.moe_layers) in hs):
-            raise SpecPrefetchError(f"{mf}: predictor.next_visit is true but predictor.preds_rows[\"{layer}\"] "
-                                    f"lacks horizon {len(g.moe_layers)} (its next visit)")
+        missing = [j * L for j in range(1, nv + 1) if not (isinstance(hs, list) and j * L in hs)]
+        if missing:
+            raise SpecPrefetchError(f"{mf}: predictor.next_visits is {nv} but predictor.preds_rows[\"{layer}\"] "
+                                    f"lacks horizon {missing[0]} (its next visits' rows: {L}..{nv * L})")
     return notes
+
+
+def manifest_next_visits(m: dict[str, Any], mf: Path) -> int:
+    """How many next visits the bundle's preds rows predict per layer (horizons L, 2L, ...):
+    predictor.next_visits (0..MAX_NEXT_VISITS), or an older bundle's predictor.next_visit (true: one)."""
+    pred = m["predictor"]
+    if "next_visits" in pred:
+        nv = pred["next_visits"]
+        if not (is_int(nv) and 0 <= nv <= MAX_NEXT_VISITS):
+            raise SpecPrefetchError(f"{mf}: predictor.next_visits must be an integer in 0..{MAX_NEXT_VISITS}")
+        return nv
+    nv = pred.get("next_visit", False)   # a bundle exported before the heads predicted more than one visit
+    if not isinstance(nv, bool):
+        raise SpecPrefetchError(f"{mf}: predictor.next_visit must be true or false")
+    return int(nv)
 
 
 def check_store_record(store: ExpertStore, m: dict[str, Any], mf: Path) -> None:

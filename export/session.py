@@ -267,7 +267,7 @@ def _open_model(model, cfg, names, adapter, store, dtype, frequency_trace, max_s
 
         ad, ad_meta = load_adapter(adapter, spec)
         reuse = reuse_table(ad_meta, Path(adapter) / "adapter.json")
-        hs = tuple(ad.all_horizons)  # with next-visit heads, their rows too (horizon L)
+        hs = tuple(ad.all_horizons)  # with next-visit heads, their rows too (horizons L, 2L, ...)
         heads = adapter_heads(ad, bank(), hs)
         horizons = {i: tuple(h for h in hs if (i, h) in ad.pair_index) for i in range(len(g.moe_layers))}
         graph = "adapter"
@@ -290,7 +290,7 @@ def _open_model(model, cfg, names, adapter, store, dtype, frequency_trace, max_s
                      hidden_size=g.hidden_size, expert_roles=tuple(m.role for m in spec.family.expert_matrices(g)),
                      eos_token_ids=eos_token_ids(spec, tok), score_bias=bank().score_bias, preds_horizons=horizons,
                      max_seq=max_seq, label=str(spec.path), text_config=spec.family.text_config(spec.config),
-                     reuse=reuse, next_visit=bool(ad is not None and ad.next_visit))
+                     reuse=reuse, next_visits=ad.next_visits if ad is not None else 0)
     notes = [SequenceDraft.note, "the draft is built from the full model: its weights are in memory"] \
         if "draft" in names else []
     vision = None
@@ -343,7 +343,7 @@ def _bundle_session(path: Path, m: dict, backend, cfg: RunConfig, names: list[st
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
-    from export.manifest import check_store_record
+    from export.manifest import check_store_record, manifest_next_visits
     from export.target import bundle_file
     from toolkit.models.families import RoutingSpec
     from toolkit.models.routers import RouterBank
@@ -379,7 +379,7 @@ def _bundle_session(path: Path, m: dict, backend, cfg: RunConfig, names: list[st
                      reuse=ReuseTable.from_json(m["predictor"]["reuse"], f"{path / 'manifest.json'}: predictor.reuse",
                                                 shape=(len(moe), routing.num_experts))
                      if m["predictor"].get("reuse") is not None else None,
-                     next_visit=m["predictor"].get("next_visit") is True)
+                     next_visits=manifest_next_visits(m, path / "manifest.json"))
     tok = AutoTokenizer.from_pretrained(spec.path, local_files_only=True)
     source = bundle_source(path, m, weights=st.meta["source"])
     if pool_default:  # no --pool-mib: the bundle's own budget

@@ -539,16 +539,16 @@ def test_reuse_eviction_reads_the_adapters_next_visit_heads(tiny_models, stores,
     ad = tiny_adapter
     spec = inspect_model_dir(tiny_models["qwen3_moe"])
     preds = gpu_predictors(spec, {"adapter"}, ad)
-    assert preds["adapter"].next_visit
+    assert preds["adapter"].next_visits == 1
     eng = GpuEngine(load_model(tiny_models["qwen3_moe"], dtype="float32"), ExpertStore(stores["qwen3_moe"], spec),
                     RunConfig(policy=Policy.parse("adapter+reuse"), pool_mib=64.0), device="cpu", predictors=preds,
                     reuse=gpu_reuse_table(spec, ["reuse"], ad))
     eng.configure(pool_mib=_pool_mib(eng, 0.25))
     calls = []
-    real = reuse_mod.ReuseHistory.set_next_visit
-    monkeypatch.setattr(reuse_mod.ReuseHistory, "set_next_visit",
-                        lambda self, li, target, experts: (calls.append((li, target, list(experts))),
-                                                           real(self, li, target, experts))[1])
+    real = reuse_mod.ReuseHistory.set_next_visits
+    monkeypatch.setattr(reuse_mod.ReuseHistory, "set_next_visits",
+                        lambda self, li, target, sets: (calls.append((li, target, [list(e) for e in sets])),
+                                                        real(self, li, target, sets))[1])
     inputs = []
     real_record = RoutingState.record
     monkeypatch.setattr(RoutingState, "record",
@@ -559,12 +559,16 @@ def test_reuse_eviction_reads_the_adapters_next_visit_heads(tiny_models, stores,
     L, k = eng.L, eng.k
     assert len(calls) == L * (len(g.tokens) - 1) == len(inputs)
     ad_pred = preds["adapter"]
-    for (li, _, experts), (li2, x) in zip(calls, inputs):
-        assert li == li2
-        # the 2k largest of the head's logits (the planner computes them folded with its window, in one
+    # the 2k largest, at most the layer's share of the pool (here less than 2k: the share binds)
+    n_set = reuse_mod.next_visit_size(k, eng.E, eng.capacity, L)
+    assert n_set == max(1, eng.capacity // L) < 2 * k
+    for (li, _, sets), (li2, x) in zip(calls, inputs):
+        assert li == li2 and len(sets) == 1   # one visit: the adapter's heads
+        experts = sets[0]
+        # the n_set largest of the head's logits (the planner computes them folded with its window, in one
         # matmul: rounding may differ in the last bit, so the set is checked against a margin)
         logits = ad_pred.next_visit_logits(x[None], li)[0]
-        assert len(set(experts)) == 2 * k
+        assert len(set(experts)) == n_set
         rest = [e for e in range(eng.E) if e not in experts]
         assert logits[experts].min() >= logits[rest].max() - 1e-4, (li, experts)
     # decode position p = len(prompt) + j, layer li: step p * L + li, its next visit L steps later

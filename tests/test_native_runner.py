@@ -175,17 +175,25 @@ def test_reuse_eviction_decides_as_the_reference(native, reuse_bundle, embedded,
         assert decisions(lines_of["off"]) == decisions(lines_of["whole"]), pred
 
 
-@pytest.fixture(scope="module")
-def next_visit_bundle(reuse_bundle, tmp_path_factory) -> Path:
-    """The reuse bundle with its preds rows declared as (1, L): each layer's second row (the next-gate
-    heads of horizon 2) read as its next-visit row. Wrong as a predictor, but both engines must make
-    the same decisions from it, and other decisions than without it."""
+@pytest.fixture(scope="module", params=[1, 2], ids=["one-visit", "two-visits"])
+def next_visit_bundle(reuse_bundle, tmp_path_factory, request) -> Path:
+    """The reuse bundle with its preds rows (the next-gate heads of horizons 1 and 2) declared as (1, L),
+    the second read as each layer's next-visit row (an older bundle's predictor.next_visit: true), or as
+    (L, 2L), both read as its next two visits' rows (predictor.next_visits 2; then no window row).
+    Wrong as a predictor, but both engines must make the same decisions from it, and other decisions
+    than without it."""
     b = tmp_path_factory.mktemp("next-visit") / "bundle"
     shutil.copytree(reuse_bundle, b)
     m = json.loads((b / "manifest.json").read_text())
     L = len(m["model"]["moe_layers"])
-    m["predictor"]["preds_rows"] = {k: [1, L] for k in m["predictor"]["preds_rows"]}
-    m["predictor"]["next_visit"] = True
+    pred = m["predictor"]
+    pred.pop("next_visits", None)
+    if request.param == 1:
+        pred["preds_rows"] = {k: [1, L] for k in pred["preds_rows"]}
+        pred["next_visit"] = True
+    else:
+        pred["preds_rows"] = {k: [L, 2 * L] for k in pred["preds_rows"]}
+        pred["next_visits"] = 2
     (b / "manifest.json").write_text(json.dumps(m))
     return b
 
@@ -214,8 +222,8 @@ def test_next_visit_eviction_decides_as_the_reference(native, next_visit_bundle,
 
 @pytest.mark.slow
 def test_an_exported_next_visit_adapter_decides_alike_in_both_engines(native, embedded, tmp_path):
-    """A real export: an adapter trained with --next-visit gives a bundle whose preds rows hold horizon L
-    (predictor.next_visit); both engines make the same decisions with it, other ones than without."""
+    """A real export: an adapter trained with --next-visits 2 gives a bundle whose preds rows hold horizons
+    L and 2L (predictor.next_visits); both engines make the same decisions with it, other ones than without."""
     from adapters.train import TrainConfig, train_adapter
     from conftest import HELDOUT
     from export.bundle import ExportConfig, export_bundle
@@ -223,14 +231,14 @@ def test_an_exported_next_visit_adapter_decides_alike_in_both_engines(native, em
 
     trace = run_trace(embedded, [HELDOUT], tmp_path / "t", TraceSettings(
         max_sequences=8, prompt_tokens=32, decode_tokens=8, heldout_frac=0.25, hidden_sample=0.5), progress=False)
-    train_adapter(trace, tmp_path / "a", TrainConfig(steps=30, val_every=10, batch_size=64, next_visit=True),
+    train_adapter(trace, tmp_path / "a", TrainConfig(steps=30, val_every=10, batch_size=64, next_visits=2),
                   progress=False)
     b = tmp_path / "bundle"
     m = export_bundle(embedded, b, ExportConfig(target="executorch", max_seq=64, progress=False),
                       adapter=tmp_path / "a")
     L = len(m["model"]["moe_layers"])
-    assert m["predictor"]["next_visit"] is True and m["predictor"]["horizons"] == [1, 2]
-    assert all(hs == [1, 2, L] for hs in m["predictor"]["preds_rows"].values())
+    assert m["predictor"]["next_visits"] == 2 and m["predictor"]["horizons"] == [1, 2]
+    assert all(hs == [1, 2, L, 2 * L] for hs in m["predictor"]["preds_rows"].values())
     pool, policy, prompt = POOLS[0], "adapter+reuse", PROMPTS[0] * 3 + [17]
     evicts = {}
     for on in (True, False):
@@ -248,7 +256,7 @@ def test_an_exported_next_visit_adapter_decides_alike_in_both_engines(native, em
 
 
 def test_next_visit_rows_must_hold_horizon_L(native, next_visit_bundle, tmp_path):
-    """predictor.next_visit with a layer whose preds rows lack horizon L is refused by both engines."""
+    """predictor.next_visit(s) with a layer whose preds rows lack horizon L is refused by both engines."""
     b = tmp_path / "bundle"
     shutil.copytree(next_visit_bundle, b)
     m = json.loads((b / "manifest.json").read_text())

@@ -151,7 +151,9 @@ def _drive(sched, future, seed: int, planner: str, dims=(L, E, K), groups: int =
                 es = [rng.sample(range(ne), 2), rng.sample(range(ne), 2)]
                 sched.plan_ranked(step, targets, conf, es)
             if sched.reuse is not None and rng.random() < 0.5:   # (else the history alone scores the layer)
-                sched.reuse.set_next_visit(li, step + nl, rng.sample(range(ne), 2 * k))
+                visits = rng.randint(1, 3)   # one to three visits' sets, of varied sizes
+                sched.reuse.set_next_visits(li, step + nl, [rng.sample(range(ne), rng.randint(1, 2 * k))
+                                                            for _ in range(visits)])
             sched.release(step, keys_left)
             seen.append(_state(sched, step, bufs, dims))
     return seen
@@ -331,9 +333,9 @@ def test_native_scheduler_refuses_bad_input():
             call()
     (_, _), (r, _) = _pair("next-gate+reuse", 4, future, table=_table(False))
     with pytest.raises(SpecPrefetchError, match="outside the model"):
-        r.reuse.set_next_visit(L + 1000, 5, [0, 1])
+        r.reuse.set_next_visits(L + 1000, 5, [[0, 1]])
     with pytest.raises(SpecPrefetchError, match="outside the model"):
-        r.reuse.set_next_visit(0, 5, [E])
+        r.reuse.set_next_visits(0, 5, [[0], [E]])
     for policy, match in (("reuse", "needs a reuse table"), ("belady", "belady eviction needs")):
         with pytest.raises(SpecPrefetchError, match=match):
             NativeScheduler(budget_bytes=4 * SLOT, slot_bytes=SLOT, policy=policy, num_layers=L, num_experts=E,

@@ -194,31 +194,70 @@ def test_next_visit_prediction_scores_by_hand():
     h.observe(1, [(1, 0)])                  # layer 1 at step 1 routes to expert 0: history 01
     plain = h.score((1, 0), 2, None)
     assert plain == 5 * SCALE + L * (t.visits16[0b01] - SCALE)   # next visit at step 5, table[01]
-    h.set_next_visit(1, 5, [0, 3])
+    h.set_next_visits(1, 5, [[0, 3]])
     assert h.score((1, 0), 2, None) == 5 * SCALE                  # predicted: used at step 5
     assert h.score((1, 2), 2, None) == 9 * SCALE + L * (t.visits16[0] - SCALE)      # not: history 00 one on
     assert h.score((1, 0), 2, {(1, 0): 3}) == 3 * SCALE           # the window's prediction comes first
-    h.set_next_visit(1, 1, [2])             # for a visit already past: stale, the history decides
+    h.set_next_visits(1, 1, [[2]])          # for a visit already past: stale, the history decides
     assert h.score((1, 2), 2, None) == 5 * SCALE + L * (t.visits16[0] - SCALE)
 
 
+def test_next_visits_score_by_the_first_visit_that_predicts_them():
+    """With a layer's next N visits predicted, an expert counts as used at the first of them whose set
+    holds it (a set of a later visit too), and one in none by its history N visits on; the pool's
+    search (`farthest`) ranks as `score` does."""
+    from toolkit.runtime.pool import ExpertPool
+
+    t = ReuseTable(bits=3, cap=8, visits16=tuple(16 * v for v in (8, 2, 3, 1, 5, 6, 7, 4)))
+    L = 4
+    h = ReuseHistory(t, L)
+    h.observe(1, [(1, 0), (1, 1)])          # histories 001
+    h.observe(5, [(1, 0)])                  # expert 0: 011, expert 1: 010
+    h.set_next_visits(1, 9, [[3], [1], [2, 1]])
+    assert h.score((1, 3), 6, None) == 9 * SCALE                   # the next visit's set
+    assert h.score((1, 1), 6, None) == 13 * SCALE                  # the second visit's (and the third's)
+    assert h.score((1, 2), 6, None) == 17 * SCALE                  # the third visit's
+    # in none: the history three unused visits on (011 << 3, masked to three bits: 000)
+    assert h.score((1, 0), 6, None) == 21 * SCALE + L * (t.visits16[0] - SCALE)
+    h.set_next_visits(1, 9, [[3]])          # one visit: the history one on (011 << 1 = 110)
+    assert h.score((1, 0), 6, None) == 13 * SCALE + L * (t.visits16[0b110] - SCALE)
+    h.set_next_visits(1, 9, [[3], [1], [2, 1]])
+    pool = ExpertPool(4, 1, policy="reuse", min_slots=1)
+    pool.reuse, pool.predicted = h, None
+    for e in range(4):
+        pool.reserve((1, e), 6, prefetch=False).ready = True
+    want = max(range(4), key=lambda e: h.score((1, e), 6, None))
+    assert want == 0 and h.farthest(pool.slots.values(), 6, None, set()) == (1, 0)
+    h.set_next_visits(1, 9, [[3], [0, 1], [2]])   # expert 0 now in the second visit's set: 2 the farthest
+    assert h.farthest(pool.slots.values(), 6, None, set()) == (1, 2)
+
+
 def test_adapter_next_visit_heads_train_save_and_load(tmp_path):
-    """--next-visit adds a pair (i, L) per layer; the checkpoint records it and loads it back; without
-    cross-token it is refused."""
+    """--next-visits N adds pairs (i, L), ..., (i, NL) per layer; the checkpoint records them and loads them
+    back (an older checkpoint's next_visit: true as one); without cross-token they are refused."""
     import torch
 
     from adapters.lowrank import PrefetchAdapter
 
-    ad = PrefetchAdapter(num_layers=3, hidden_size=4, num_experts=5, horizons=(1, 2), rank=2, next_visit=True)
+    ad = PrefetchAdapter(num_layers=3, hidden_size=4, num_experts=5, horizons=(1, 2), rank=2, next_visits=1)
     assert ad.all_horizons == (1, 2, 3) and [p for p in ad.pairs if p[1] == 3] == [(0, 3), (1, 3), (2, 3)]
-    assert ad.target_layer(1, 3) == 1 and ad.horizons == (1, 2)
+    assert ad.target_layer(1, 3) == 1 and ad.horizons == (1, 2) and ad.tokens_ahead == 1
+    two = PrefetchAdapter(num_layers=3, hidden_size=4, num_experts=5, horizons=(1, 2), rank=2, next_visits=2)
+    assert two.all_horizons == (1, 2, 3, 6) and [p for p in two.pairs if p[1] == 6] == [(0, 6), (1, 6), (2, 6)]
+    assert two.target_layer(2, 6) == 2 and two.tokens_ahead == 2 and two.visit_horizons == (3, 6)
     with pytest.raises(ValueError, match="cross_token"):
-        PrefetchAdapter(num_layers=3, hidden_size=4, num_experts=5, cross_token=False, next_visit=True)
+        PrefetchAdapter(num_layers=3, hidden_size=4, num_experts=5, cross_token=False, next_visits=1)
+    with pytest.raises(ValueError, match="0..4"):
+        PrefetchAdapter(num_layers=3, hidden_size=4, num_experts=5, next_visits=5)
     from adapters.train import TrainConfig
-    assert TrainConfig().next_visit and not TrainConfig(cross_token=False).next_visit  # the default follows it
+    assert TrainConfig().next_visits == 1 and TrainConfig(cross_token=False).next_visits == 0  # the default
     TrainConfig(cross_token=False).validate()
+    for bad in (5, -1, True, 1.5):
+        with pytest.raises(SpecPrefetchError, match="--next-visits"):
+            TrainConfig(next_visits=bad).validate()
     from adapters.checkpoint import _pairs
-    assert _pairs(3, [1, 2], True, True) == len(ad.pairs) == _pairs(3, [1, 2], True, False) + 3
+    assert _pairs(3, [1, 2], True, 1) == len(ad.pairs) == _pairs(3, [1, 2], True, 0) + 3
+    assert _pairs(3, [1, 2], True, 2) == len(two.pairs) == len(ad.pairs) + 3
     assert torch.equal(ad.tgt[ad.pair_index[(2, 3)]], torch.tensor(2))
 
 
@@ -238,8 +277,10 @@ def test_next_visit_weight_weighs_the_heads(tiny_models, tmp_path, monkeypatch):
     cfg = T.TrainConfig(horizons=(1, 2), next_visit_weight=0.25)
     assert (cfg.pair_weight(1, 3), cfg.pair_weight(2, 3), cfg.pair_weight(3, 3)) == (2.0, 1.0, 0.25)
     assert T.TrainConfig(horizons=(1, 2, 3), next_visit_weight=0.25).pair_weight(3, 3) == 1.0   # a window horizon
+    two = T.TrainConfig(horizons=(1, 2, 3), next_visits=2, next_visit_weight=0.25)
+    assert (two.pair_weight(3, 3), two.pair_weight(6, 3)) == (1.0, 0.25)   # the second visit's: the heads' weight
     for bad in ({"next_visit_weight": float("nan")}, {"next_visit_weight": -1.0}, {"next_visit_weight": True},
-                {"next_visit": False, "next_visit_weight": 0.5}, {"cross_token": False, "next_visit_weight": 2.0}):
+                {"next_visits": 0, "next_visit_weight": 0.5}, {"cross_token": False, "next_visit_weight": 2.0}):
         with pytest.raises(SpecPrefetchError, match="--next-visit-weight"):
             T.TrainConfig(**bad).validate()
     T.TrainConfig(cross_token=False).validate()          # without heads, the default weight is fine
@@ -266,7 +307,8 @@ def test_next_visit_weight_weighs_the_heads(tiny_models, tmp_path, monkeypatch):
             assert [x for (i, h), x in zip(pairs, weights) if h == L] == [w] * L
             assert [x for (i, h), x in zip(pairs, weights) if h != L] == [2.0 if h == 1 else 1.0
                                                                        for i, h in pairs if h != L]
-    for extra in (["--no-next-visit", "--next-visit-weight", "0.5"], ["--no-cross-token", "--next-visit-weight", "1"]):
+    for extra in (["--next-visits", "0", "--next-visit-weight", "0.5"],
+                  ["--no-cross-token", "--next-visit-weight", "1"]):
         r = CliRunner().invoke(main, ["train", str(trace), "--out", str(tmp_path / "x"), *extra])
         assert r.exit_code != 0 and "--next-visit-weight" in r.output and "no next-visit heads" in r.output, extra
         assert not (tmp_path / "x").exists()
@@ -276,7 +318,7 @@ def test_next_visit_weight_weighs_the_heads(tiny_models, tmp_path, monkeypatch):
                                   ",".join(map(str, range(1, L + 1))), "--next-visit-weight", "0.5"])
     assert r.exit_code != 0 and f"--horizon-weights {L}:W" in r.output, r.output
     assert not (tmp_path / "x").exists()
-    r = CliRunner().invoke(main, ["train", str(trace), "--out", str(tmp_path / "y"), "--no-next-visit",
+    r = CliRunner().invoke(main, ["train", str(trace), "--out", str(tmp_path / "y"), "--next-visits", "0",
                                   "--steps", "2", "--val-every", "2", "--batch-size", "32", "--rank", "4",
                                   "--reuse-classes", "1"])
     assert r.exit_code == 0 and (tmp_path / "y" / "adapter.json").exists(), r.output   # no heads: trains

@@ -162,7 +162,8 @@ def test_victim_search_equals_the_full_scan(policy, source):
                 li = rng.randrange(L)
                 pool.reuse.observe(now, [(li, e) for e in rng.sample(range(E), 2)])
                 if rng.random() < 0.5:
-                    pool.reuse.set_next_visit(li, now + rng.randint(1, L), rng.sample(range(E), 2))
+                    pool.reuse.set_next_visits(li, now + rng.randint(1, L),
+                                               [rng.sample(range(E), 2) for _ in range(rng.randint(1, 3))])
     assert checked > 200
     for s in pool.slots.values():   # the last-use groups hold exactly the pool's slots
         assert pool._by_use[s.last_use][s.key] is s
@@ -768,7 +769,7 @@ def test_reuse_by_frequency_class():
         for nv in (False, True):   # history only; a next-visit prediction of neither (their histories one on)
             h = ReuseHistory(t, 1)
             if nv:
-                h.set_next_visit(0, 2, [5 if cold_expert != 5 else 6])
+                h.set_next_visits(0, 2, [[5 if cold_expert != 5 else 6]])
                 for e in (0, cold_expert):   # (x << 1): history 0 stays 0
                     assert h.score((0, e), 1, None) == (2 + 1) * 16 + (t.class_visits16[cls[0, e]][0] - 16)
             pool = ExpertPool(2, 1, policy="reuse", min_slots=1)
@@ -791,9 +792,9 @@ def test_reuse_by_frequency_class():
 
 
 def test_next_visit_heads_in_eval_eviction_bounds_and_the_simulator(sim_trace, embedded, tmp_path):
-    """An adapter trained with --next-visit: its horizon L shows in validation and eval; eviction-bounds
-    adds adapter-next-visit (and refuses an adapter without the heads); the simulator's adapter+reuse
-    reads them (other reads than with next_visit off)."""
+    """An adapter trained with --next-visits 2: its horizons L and 2L show in validation and eval;
+    eviction-bounds adds next-visits-2 and adapter-next-visit (and refuses an adapter without the heads); the
+    simulator's adapter+reuse reads them (other reads than with next_visit off)."""
     import dataclasses
 
     from adapters.train import TrainConfig, train_adapter
@@ -804,17 +805,19 @@ def test_next_visit_heads_in_eval_eviction_bounds_and_the_simulator(sim_trace, e
     from toolkit.simulate.bounds import eviction_bounds
     from toolkit.simulate.replay import run_simulation
 
-    cfg = TrainConfig(steps=40, val_every=20, batch_size=64, next_visit=True)
+    cfg = TrainConfig(steps=40, val_every=20, batch_size=64, next_visits=2)
     r = train_adapter(sim_trace, tmp_path / "a", cfg, progress=False)
     L = 8
-    assert str(L) in r["validation"]["adapter"]["recall_at_k"]
+    assert {str(L), str(2 * L)} <= set(r["validation"]["adapter"]["recall_at_k"])
     ev = evaluate(sim_trace, predictors=["adapter", "previous-token"], adapter=tmp_path / "a", progress=False)
-    assert ev["horizons"] == [1, 2, L] and 0 < ev["predictors"]["adapter"]["recall_at_k"][str(L)] <= 1
+    rec = ev["predictors"]["adapter"]["recall_at_k"]
+    assert ev["horizons"] == [1, 2, L, 2 * L] and 0 < rec[str(2 * L)] <= 1 and 0 < rec[str(L)] <= 1
     e = eviction_bounds(sim_trace, [0.2], max_sequences=3, adapter=tmp_path / "a")
     rp = e["points"][0]["reads_per_token"]
-    assert e["rules"][-2:] == ["adapter-next-visit", "adapter-next-visit-freq"] and rp["belady"] == min(rp.values())
+    assert e["rules"][-3:] == ["next-visits-2", "adapter-next-visit", "adapter-next-visit-freq"]
+    assert rp["belady"] == min(rp.values()) and rp["next-visits-2"] <= rp["next-visit"], rp
     assert rp["adapter-next-visit"] > 0 and rp["adapter-next-visit-freq"] > 0, rp
-    train_adapter(sim_trace, tmp_path / "b", dataclasses.replace(cfg, next_visit=False), progress=False)
+    train_adapter(sim_trace, tmp_path / "b", dataclasses.replace(cfg, next_visits=0), progress=False)
     with pytest.raises(SpecPrefetchError, match="no next-visit heads"):
         eviction_bounds(sim_trace, [0.2], max_sequences=1, adapter=tmp_path / "b")
     reads = {}
@@ -856,7 +859,7 @@ def test_next_visit_heads_in_eval_eviction_bounds_and_the_simulator(sim_trace, e
     assert r.exit_code == 0, r.output
     w = json.loads((tmp_path / "w.json").read_text())["points"][0]
     assert w["results"][0]["counts"]["bytes_read"] == reads["whole"] and w["reuse_classes"] is False
-    # a model directory's session folds the heads into its layer graphs (rows 1, 2, L): the Python engine
+    # a model directory's session folds the heads into its layer graphs (rows 1, 2, L, 2L): the Python engine
     # hands them to the eviction (other evictions than with next_visit off), the tokens the model's
     from export.session import open_session, reference_tokens
     from toolkit.runtime.events import EventLog, decisions
@@ -867,7 +870,8 @@ def test_next_visit_heads_in_eval_eviction_bounds_and_the_simulator(sim_trace, e
     for on in (True, False):
         sess = open_session(embedded, RunConfig(policy=Policy("adapter", "reuse"), pool_mib=2.0, io="threads",
                                                 next_visit=on), adapter=tmp_path / "a", max_seq=64, progress=False)
-        assert sess.runner.model.next_visit and all(L in hs for hs in sess.runner.model.preds_horizons.values())
+        assert sess.runner.model.next_visits == 2
+        assert all(hs == (1, 2, L, 2 * L) for hs in sess.runner.model.preds_horizons.values())
         log = EventLog()
         assert sess.runner.run(prompt, 6, events=log).tokens == ref
         evicts[on] = [ln for ln in decisions(log.lines) if "evict" in str(ln)]

@@ -951,7 +951,8 @@ class TestTrainOnATrace:
         ({"horizon_weights": {3: 1.0}}, "horizon 3 is not one of --horizons 1,2"),
         ({"horizon_weights": {1: 0.0, 2: 0.0}}, "at least one weight must be > 0"),
         ({"device": "gpu"}, "--device 'gpu': expected cpu, cuda, cuda:N"),
-        ({"cross_token": False, "next_visit": True}, "--next-visit: the next visit is the next token's"),
+        ({"cross_token": False, "next_visits": 1}, "--next-visits 1: the next visit is the next token's"),
+        ({"next_visits": 5}, "--next-visits 5: must be a whole number in 0..4"),
         ({"reuse_classes": 0}, "--reuse-classes 0: must be a whole number >= 1"),
         ({"reuse_classes": 65}, "--reuse-classes 65: must lie in 1..64"),
     ])

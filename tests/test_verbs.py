@@ -53,7 +53,7 @@ def test_train_writes_an_adapter_that_loads(adapter, trace, tiny_models):
     assert not list(adapter.parent.glob(adapter.name + ".partial*"))   # no work directory of any process
     ad, meta = load_adapter(adapter, spec)
     assert meta["model"]["config_hash"] == spec.config_hash == TraceReader(trace).manifest["model"]["config_hash"]
-    assert (meta["rank"], meta["horizons"], meta["cross_token"], meta["next_visit"]) == (4, [1, 2], True, True)
+    assert (meta["rank"], meta["horizons"], meta["cross_token"], meta["next_visits"]) == (4, [1, 2], True, 1)
     # 3 MoE layers x (2 horizons + the next visit), crossing into the next token past the last layer
     assert len(ad.pairs) == 9 and ad.params() == meta["params"] == 9 * 4 * (64 + 8)
     assert 0 < meta["training"]["steps_run"] <= 20 and meta["training"]["best_step"] in (10, 20)

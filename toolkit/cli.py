@@ -34,6 +34,7 @@ import click
 
 from adapters.reuse import CLASSES as REUSE_CLASSES
 from adapters.reuse import MAX_CLASSES as MAX_REUSE_CLASSES
+from adapters.reuse import MAX_NEXT_VISITS
 from toolkit import __version__
 from toolkit.cli_errors import Cli, friendly_errors, quiet_libraries, quiet_native_stderr
 from toolkit.cli_params import (MIN_TIMED_TOKENS, NOT_WRITTEN, NOTHING_TO_OUT, OUT_DIR, OUT_FILE, POOL_AUTO_MIB,
@@ -162,15 +163,15 @@ def trace(model, data, out, prompt_tokens, decode_tokens, max_sequences, probs_t
 @click.option("--horizons", default="1,2", show_default=True, help="MoE layers ahead, 1..4")
 @click.option("--cross-token/--no-cross-token", default=True, show_default=True,
               help="let the last layers predict the next token's first layers")
-@click.option("--next-visit/--no-next-visit", default=None,
-              help="also train a head for each MoE layer's next visit (the next token's same layer), which the "
-                   "reuse eviction reads (docs/runtime.md) [default: on with --cross-token, off without]")
+@click.option("--next-visits", type=click.IntRange(0, MAX_NEXT_VISITS), default=None,
+              help="also train heads for each MoE layer's next N visits (the same layer of the next N tokens), which "
+                   "the reuse eviction reads (docs/runtime.md; 0: none) [default: 1 with --cross-token, 0 without]")
 @click.option("--horizon-weights", default=None,
               help="loss weight per horizon, e.g. '1:2,2:1' (default 2 for h=1, 1 otherwise)")
 @click.option("--topk-weight", type=FiniteFloat(0.0, inclusive=True), default=0.0, show_default=True,
               help="weight of the top-k ranking term")
 @click.option("--next-visit-weight", type=FiniteFloat(0.0, inclusive=True), default=1.0, show_default=True,
-              help="loss weight of the next-visit heads (horizon L; in the validation loss too)")
+              help="loss weight of the next-visit heads (horizons L, 2L, ...; in the validation loss too)")
 @click.option("--reuse-classes", type=click.IntRange(1, MAX_REUSE_CLASSES), default=REUSE_CLASSES, show_default=True,
               help="the reuse table's frequency classes: each layer's experts in this many shares by how often "
                    "the train split routes to them, a table per share (docs/runtime.md; 1: one table)")
@@ -188,7 +189,7 @@ def trace(model, data, out, prompt_tokens, decode_tokens, max_sequences, probs_t
 @click.option("--overwrite", is_flag=True,
               help="replace an existing adapter at --out (only once the new one is complete)")
 @friendly_errors(interrupt=NOTHING_TO_OUT)
-def train(traces, out, model, rank, horizons, cross_token, next_visit, horizon_weights, topk_weight,
+def train(traces, out, model, rank, horizons, cross_token, next_visits, horizon_weights, topk_weight,
           next_visit_weight, reuse_classes, steps, batch_size, lr, val_every, patience, seed, device, max_memory_mb,
           overwrite) -> None:
     """Train the prefetch adapter on TRACES (a `trace` directory): a rank-r correction of each
@@ -202,13 +203,13 @@ def train(traces, out, model, rank, horizons, cross_token, next_visit, horizon_w
         except ValueError:
             raise SpecPrefetchError(f"--horizon-weights {horizon_weights!r}: expected H:W,H:W") from None
     cfg = TrainConfig(rank=rank, horizons=int_tuple(horizons, "--horizons"), cross_token=cross_token,
-                      next_visit=next_visit, horizon_weights=hw, topk_weight=topk_weight,
+                      next_visits=next_visits, horizon_weights=hw, topk_weight=topk_weight,
                       next_visit_weight=next_visit_weight, reuse_classes=reuse_classes, steps=steps,
                       batch_size=batch_size, lr=lr, val_every=val_every, patience=patience, seed=seed, device=device,
                       max_memory_mb=max_memory_mb)
-    if not cfg.next_visit and not ctx_default(click.get_current_context(), "next_visit_weight"):
-        raise SpecPrefetchError("--next-visit-weight: this adapter has no next-visit heads (--no-next-visit, or "
-                                "--no-cross-token without --next-visit)")
+    if not cfg.next_visits and not ctx_default(click.get_current_context(), "next_visit_weight"):
+        raise SpecPrefetchError("--next-visit-weight: this adapter has no next-visit heads (--next-visits 0, or "
+                                "--no-cross-token without --next-visits)")
     try:
         r = train_adapter(traces, out, cfg, model=model, overwrite=overwrite)
     except ValueError as e:

@@ -332,17 +332,20 @@ Bundle parse_manifest(const std::string& text, const std::string& where) {
       }
     }
   }
-  if (const json* v = optional(pred, "next_visit", where, "predictor"))
-    b.next_visit = as_bool(*v, where, "predictor.next_visit");
-  if (b.next_visit) {
-    const int L = static_cast<int>(b.moe_layers.size());
-    for (size_t i = 0; i < b.moe_layers.size(); ++i) {
+  if (const json* v = optional(pred, "next_visits", where, "predictor"))
+    b.next_visits = to_int(as_int(*v, where, "predictor.next_visits", 0, Bundle::kMaxNextVisits));
+  else if (const json* old = optional(pred, "next_visit", where, "predictor"))  // exported before next_visits
+    b.next_visits = as_bool(*old, where, "predictor.next_visit") ? 1 : 0;
+  const int L = static_cast<int>(b.moe_layers.size());
+  for (size_t i = 0; i < b.moe_layers.size() && b.next_visits > 0; ++i)
+    for (int jl = L; jl <= b.next_visits * L; jl += L) {
       auto it = b.preds_rows.find(static_cast<int>(i));
-      if (it == b.preds_rows.end() || std::find(it->second.begin(), it->second.end(), L) == it->second.end())
-        fail(where, "predictor.next_visit is true but predictor.preds_rows[" + quote(std::to_string(b.moe_layers[i])) +
-                        "] lacks horizon " + std::to_string(L) + " (its next visit)");
+      if (it == b.preds_rows.end() || std::find(it->second.begin(), it->second.end(), jl) == it->second.end())
+        fail(where, "predictor.next_visits is " + std::to_string(b.next_visits) + " but predictor.preds_rows[" +
+                        quote(std::to_string(b.moe_layers[i])) + "] lacks horizon " + std::to_string(jl) +
+                        " (its next visits' rows: " + std::to_string(L) + ".." + std::to_string(b.next_visits * L) +
+                        ")");
     }
-  }
 
   // runtime
   const json& rt = field(j, "runtime", where, "");

@@ -493,7 +493,7 @@ int main_(int argc, char** argv) {
   m.graph_predictor = b.predictor_kind;
   m.max_seq = b.max_seq;
   m.reuse = b.reuse;
-  m.next_visit = b.next_visit;
+  m.next_visits = b.next_visits;
   // host routers (next-gate, fate) and / or the selection bias: whichever host.safetensors holds
   Runner runner(m, exec, *store, kernel, host.weight.empty() && host.score_bias.empty() ? nullptr : &host);
 

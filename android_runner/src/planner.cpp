@@ -22,12 +22,21 @@ void ChunkState::record(int li, const float* x, const std::vector<int>& chosen) 
 }
 
 PrefetchPlanner::PrefetchPlanner(Source source, int num_layers, int window, const RoutingSpec& routing, const HostRouters* host,
-                 const std::map<int, std::vector<int>>& preds_rows, int hidden, bool next_visit)
+                 const std::map<int, std::vector<int>>& preds_rows, int hidden, int next_visits)
     : source_(source), L_(num_layers), W_(window), H_(hidden), E_(routing.num_experts), routing_(routing),
       host_(host), rows_(preds_rows) {
-  if (next_visit && source == Source::graph)
-    for (const auto& [li, hs] : rows_)
-      if (auto r = std::find(hs.begin(), hs.end(), L_); r != hs.end()) nv_rows_[li] = static_cast<int>(r - hs.begin());
+  if (next_visits > 0 && source == Source::graph)
+    for (const auto& [li, hs] : rows_) {
+      std::vector<int> rows;
+      for (int j = 1; j <= next_visits; ++j) {
+        auto r = std::find(hs.begin(), hs.end(), j * L_);
+        if (r == hs.end())
+          throw Error("the bundle's preds rows of MoE layer " + std::to_string(li) + " lack horizon " +
+                      std::to_string(j * L_) + " (its next visits' rows)");
+        rows.push_back(static_cast<int>(r - hs.begin()));
+      }
+      nv_rows_[li] = std::move(rows);
+    }
   if ((source == Source::next_gate || source == Source::fate) && (host == nullptr || host->weight.empty()))
     throw Error("host next-gate / fate prediction needs the bundle's router weights (host.safetensors)");
 }
@@ -42,26 +51,26 @@ std::vector<float> PrefetchPlanner::host_logits(int src, int j, const RoutingSta
   return router_logits(*host_, E_, H_, state.hidden.data() + static_cast<size_t>(src) * H_, j);
 }
 
-int PrefetchPlanner::next_visit_row(int li) const {
-  auto it = nv_rows_.find(li);
-  return it == nv_rows_.end() ? -1 : it->second;
-}
-
-void PrefetchPlanner::note_next_visit(WindowScheduler& sched, int li, int64_t target, const float* row) const {
-  std::vector<int> order(static_cast<size_t>(E_));
-  for (int e = 0; e < E_; ++e) order[static_cast<size_t>(e)] = e;
-  const int k = std::min(E_, 2 * routing_.top_k);
-  std::partial_sort(order.begin(), order.begin() + k, order.end(),
-                    [row](int a, int b) { return row[a] > row[b] || (row[a] == row[b] && a < b); });
-  order.resize(static_cast<size_t>(k));
-  sched.reuse()->set_next_visit(li, target, std::move(order));
+void PrefetchPlanner::note_next_visits(WindowScheduler& sched, int li, int64_t target, const float* base) const {
+  const std::vector<int>& rows = nv_rows_.at(li);
+  std::vector<std::vector<int>> sets;
+  for (size_t j = 0; j < rows.size(); ++j) {
+    const float* row = base + static_cast<size_t>(rows[j]) * E_;
+    std::vector<int> order(static_cast<size_t>(E_));
+    for (int e = 0; e < E_; ++e) order[static_cast<size_t>(e)] = e;
+    const int n = next_visit_size(routing_.top_k, E_, sched.pool().capacity(), L_);
+    std::partial_sort(order.begin(), order.begin() + n, order.end(),
+                      [row](int a, int b) { return row[a] > row[b] || (row[a] == row[b] && a < b); });
+    order.resize(static_cast<size_t>(n));
+    sets.push_back(std::move(order));
+  }
+  sched.reuse()->set_next_visits(li, target, std::move(sets));
 }
 
 void PrefetchPlanner::plan(WindowScheduler& sched, int li, int64_t step, const RoutingState& state,
                    const std::vector<float>& preds, int64_t end) const {
-  if (const int r = next_visit_row(li); r >= 0 && sched.reuse() != nullptr &&
-                                         preds.size() == rows_.at(li).size() * static_cast<size_t>(E_))
-    note_next_visit(sched, li, step + L_, preds.data() + static_cast<size_t>(r) * E_);
+  if (nv_rows_.count(li) != 0 && sched.reuse() != nullptr && preds.size() == rows_.at(li).size() * static_cast<size_t>(E_))
+    note_next_visits(sched, li, step + L_, preds.data());
   const int W = static_cast<int>(std::min<int64_t>(W_, end - 1 - step));
   if (source_ == Source::none || W < 1) {
     sched.plan_probs(step, {}, {});
@@ -160,10 +169,10 @@ void max_into(std::vector<float>& acc, const std::vector<float>& row) {
 void PrefetchPlanner::plan_chunk(WindowScheduler& sched, int li, int64_t step, int T, int T_next, const ChunkState& chunk,
                          const RoutingState& state, const std::vector<float>& preds, int64_t end) const {
   auto target = [&](int h) { return step + h + (li + h >= L_ ? static_cast<int64_t>(T - 1) * L_ : 0); };
-  if (const int r = next_visit_row(li); r >= 0 && sched.reuse() != nullptr) {  // its last position's row
+  if (nv_rows_.count(li) != 0 && sched.reuse() != nullptr) {  // its last position's rows
     const size_t P = rows_.at(li).size();
     if (preds.size() == static_cast<size_t>(T) * P * E_)
-      note_next_visit(sched, li, target(L_), preds.data() + ((static_cast<size_t>(T) - 1) * P + r) * E_);
+      note_next_visits(sched, li, target(L_), preds.data() + (static_cast<size_t>(T) - 1) * P * E_);
   }
   std::vector<int> hs;
   for (int h = 1; h <= W_; ++h)

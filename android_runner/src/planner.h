@@ -49,10 +49,11 @@ enum class Source { none, graph, next_gate, fate, previous_token, oracle };
 class PrefetchPlanner {
  public:
   // preds_rows: MoE layer position -> the horizons of its preds rows, in row order.
-  // next_visit: hand the reuse eviction each layer's predicted next visit from its preds row of
-  // horizon L (the adapter's next-visit heads; graph source only): planner.py's next_visit.
+  // next_visits: hand the reuse eviction each layer's predicted next N visits from its preds rows of
+  // horizons L, 2L, ..., NL (the adapter's next-visit heads; graph source only; 0: none): planner.py's
+  // next_visits.
   PrefetchPlanner(Source source, int num_layers, int window, const RoutingSpec& routing, const HostRouters* host,
-          const std::map<int, std::vector<int>>& preds_rows, int hidden, bool next_visit = false);
+          const std::map<int, std::vector<int>>& preds_rows, int hidden, int next_visits = 0);
 
   // Queue the window's reads after MoE layer li's graph ran; targets at or past `end` are not planned.
   void plan(WindowScheduler& sched, int li, int64_t step, const RoutingState& state, const std::vector<float>& preds,
@@ -66,9 +67,10 @@ class PrefetchPlanner {
 
  private:
   std::vector<float> host_logits(int src_layer, int j, const RoutingState& state) const;
-  // the 2k largest logits of layer li's row of horizon L at `row_base` (ties: the lower id first)
-  void note_next_visit(WindowScheduler& sched, int li, int64_t target, const float* row) const;
-  int next_visit_row(int li) const;  // the row of horizon L, or -1 (nv_rows_)
+  // each visit's largest logits (next_visit_size of them at the pool's capacity; ties: the lower id first) of
+  // layer li's rows of
+  // horizons L, 2L, ... (nv_rows_), in the preds of one position starting at `base`
+  void note_next_visits(WindowScheduler& sched, int li, int64_t target, const float* base) const;
   const float* score_bias(int j) const;
 
   Source source_;
@@ -76,7 +78,8 @@ class PrefetchPlanner {
   RoutingSpec routing_;
   const HostRouters* host_;
   std::map<int, std::vector<int>> rows_;
-  std::map<int, int> nv_rows_;  // MoE layer -> its preds row of horizon L, where the reuse eviction reads it
+  // MoE layer -> its preds rows of horizons L, 2L, ..., where the reuse eviction reads them
+  std::map<int, std::vector<int>> nv_rows_;
 };
 
 }  // namespace spx

@@ -58,16 +58,20 @@ int64_t ReuseHistory::score(Key key, int64_t now, const std::map<Key, int64_t>* 
   const int64_t v0 = now + d;
   const std::vector<int64_t>& visits16 = table_.of(key.first, key.second);
   const NextVisit& nv = next_visit_[static_cast<size_t>(key.first)];
-  if (nv.target == v0) {  // the next visit is predicted
-    if (std::binary_search(nv.experts.begin(), nv.experts.end(), key.second)) return v0 * 16;
-    return (v0 + L_) * 16 + static_cast<int64_t>(L_) * (visits16[(bits << 1) & mask_] - 16);
+  if (nv.target == v0) {  // the next visits are predicted
+    const int64_t n = static_cast<int64_t>(nv.sets.size());
+    for (int64_t j = 0; j < n; ++j) {
+      const auto& s = nv.sets[static_cast<size_t>(j)];
+      if (std::binary_search(s.begin(), s.end(), key.second)) return (v0 + j * L_) * 16;
+    }
+    return (v0 + n * L_) * 16 + static_cast<int64_t>(L_) * (visits16[(bits << n) & mask_] - 16);
   }
   return v0 * 16 + static_cast<int64_t>(L_) * (visits16[bits] - 16);
 }
 
-void ReuseHistory::set_next_visit(int li, int64_t target, std::vector<int> experts) {
-  std::sort(experts.begin(), experts.end());
-  next_visit_[static_cast<size_t>(li)] = {target, std::move(experts)};
+void ReuseHistory::set_next_visits(int li, int64_t target, std::vector<std::vector<int>> sets) {
+  for (auto& s : sets) std::sort(s.begin(), s.end());
+  next_visit_[static_cast<size_t>(li)] = {target, std::move(sets)};
 }
 
 ExpertPool::ExpertPool(int64_t budget_bytes, int64_t slot_bytes, const std::string& policy, int min_slots,

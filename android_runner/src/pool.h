@@ -15,6 +15,7 @@
 // capacity it started with.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <limits>
@@ -46,22 +47,29 @@ struct Slot {
 // history at its layer (a shift register of its last `bits` visits, bit 0 the latest) and the score
 // of its predicted next use, in sixteenths of a step: 16 * the predicted step inside the prefetch
 // window, else 16 * its layer's next visit + L * (visits16[history] - 16). Integers only, so both
-// engines rank alike. With the adapter's next-visit heads, a layer's predicted next visit (set by
-// the planner after the layer's acquire) decides while it is for that visit: predicted, 16 * the
-// visit; not, 16 * (the visit + L) + L * (visits16[history << 1] - 16). With frequency classes,
-// visits16 is the expert's class's table (ReuseTable::of).
+// engines rank alike. With the adapter's next-visit heads, a layer's predicted next N visits (set by
+// the planner after the layer's acquire; the first at v0, each later one L on) decide while v0 is the
+// layer's next visit: 16 * the first of them whose set holds the expert; none, 16 * (v0 + N L) +
+// L * (visits16[history << N] - 16). With frequency classes, visits16 is the expert's class's table
+// (ReuseTable::of).
+// How many of a next-visit head's largest logits count as its visit's prediction: 2k, at most a layer's
+// share of the pool (capacity / L slots, at least 1) and E (reuse.py: next_visit_size).
+inline int next_visit_size(int top_k, int num_experts, int64_t capacity, int num_layers) {
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({num_experts, 2 * top_k, capacity / num_layers})));
+}
+
 struct ReuseHistory {
   ReuseHistory(ReuseTable table, int num_layers);
   // step routes to `keys`: their layer's history shifts (once per step), then their bit is set
   void observe(int64_t step, const std::vector<Key>& keys);
   int64_t score(Key key, int64_t now, const std::map<Key, int64_t>* predicted) const;
-  // layer li's next visit, at step `target`, is predicted to route to `experts`
-  void set_next_visit(int li, int64_t target, std::vector<int> experts);
+  // layer li's next visits, at steps `target`, `target` + L, ..., are predicted to route to `sets`
+  void set_next_visits(int li, int64_t target, std::vector<std::vector<int>> sets);
 
  private:
   struct NextVisit {
     int64_t target = -1;
-    std::vector<int> experts;  // sorted
+    std::vector<std::vector<int>> sets;  // each visit's experts, sorted
   };
   int L_;
   uint32_t mask_;

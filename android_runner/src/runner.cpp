@@ -315,7 +315,7 @@ Generation Runner::generate(const std::vector<int>& prompt, int max_new,
   const int L = m_.L(), k = m_.routing.top_k, H = m_.hidden_size;
   const Source source = source_of(cfg.predictor);
   PrefetchPlanner planner(source, L, cfg.window, m_.routing, host_, m_.preds_rows, H,
-                          m_.next_visit && cfg.next_visit && cfg.eviction == "reuse");
+                          cfg.next_visit && cfg.eviction == "reuse" ? m_.next_visits : 0);
   RoutingState state(L, H, k);
   state.future = future;
 

@@ -46,7 +46,7 @@ struct ModelInfo {
   std::string graph_predictor;                 // which predictor the preds rows are (adapter / next-gate)
   int max_seq = 0;
   ReuseTable reuse;                            // the reuse eviction's table (Bundle::reuse); empty: none
-  bool next_visit = false;                     // preds rows of horizon L: the adapter's next-visit heads
+  int next_visits = 0;                         // preds rows of horizons L, 2L, ...: the adapter's next-visit heads
   int L() const { return static_cast<int>(moe_layers.size()); }
 };
 

@@ -226,13 +226,19 @@ SPX_API int spx_plan_ranked(void* h, int64_t step, const int64_t* targets, int W
   });
 }
 
-SPX_API int spx_set_next_visit(void* h, int layer, int64_t target, const int32_t* experts, int n) {
+// sizes[j] experts of visit j (target + j * L), one after another in `experts`
+SPX_API int spx_set_next_visits(void* h, int layer, int64_t target, const int32_t* experts, const int32_t* sizes,
+                                int visits) {
   return guarded([&] {
     auto* r = H(h)->sched->reuse();
-    if (r == nullptr) throw spx::Error("set_next_visit: the pool does not evict by reuse");
+    if (r == nullptr) throw spx::Error("set_next_visits: the pool does not evict by reuse");
     check_key(H(h), layer, 0);
-    for (int i = 0; i < n; ++i) check_key(H(h), layer, experts[i]);
-    r->set_next_visit(layer, target, std::vector<int>(experts, experts + n));
+    std::vector<std::vector<int>> sets;
+    for (int j = 0, at = 0; j < visits; at += sizes[j++]) {
+      for (int i = 0; i < sizes[j]; ++i) check_key(H(h), layer, experts[at + i]);
+      sets.emplace_back(experts + at, experts + at + sizes[j]);
+    }
+    r->set_next_visits(layer, target, std::move(sets));
   });
 }
 
@@ -269,12 +275,12 @@ SPX_API int spx_stats(void* h, int64_t* out, double* wait_s) {
   });
 }
 
-// out[0..4]: evictions, wasted_prefetches, peak_bytes, prefetches in flight, the scheduler's step
+// out[0..5]: evictions, wasted_prefetches, peak_bytes, prefetches in flight, the scheduler's step, capacity (slots)
 SPX_API int spx_pool_info(void* h, int64_t* out) {
   return guarded([&] {
     auto* x = H(h);
-    const int64_t v[5] = {x->pool->evictions, x->pool->wasted_prefetches, x->pool->peak_bytes,
-                          static_cast<int64_t>(x->sched->in_flight()), x->sched->step()};
+    const int64_t v[6] = {x->pool->evictions, x->pool->wasted_prefetches, x->pool->peak_bytes,
+                          static_cast<int64_t>(x->sched->in_flight()), x->sched->step(), x->pool->capacity()};
     std::memcpy(out, v, sizeof v);
   });
 }

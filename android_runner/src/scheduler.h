@@ -134,6 +134,7 @@ class WindowScheduler {
   double next_predicted_use(Key key, int64_t now) const;
   // the reuse eviction's state (nullptr: the pool evicts otherwise)
   ReuseHistory* reuse() const { return reuse_; }
+  const ExpertPool& pool() const { return pool_; }
   SchedulerStats stats;
 
  private:

@@ -23,17 +23,18 @@ class Predictor:
     routes_ahead: `prepare(tokens)` must run over the whole sequence before its scores are read (the
         draft), so the run needs a recorded first pass.
     reads_future: its scores are the recorded routing itself (the oracle).
-    next_visit: `next_visit_logits(x, i)` predicts MoE layer i's routing at the next token from layer
-        i's router input (the adapter's next-visit heads), which the reuse eviction reads.
+    next_visits: how many of a layer's next visits `next_visit_logits(x, i, j)` predicts (j = 1..that):
+        MoE layer i's routing j tokens on, from layer i's router input (the adapter's next-visit heads),
+        which the reuse eviction reads; 0: none.
     """
     name: str = "predictor"
     linear: bool = False
     routes_ahead: bool = False
     reads_future: bool = False
-    next_visit: bool = False
+    next_visits: int = 0
 
-    def next_visit_logits(self, x: torch.Tensor, i: int) -> torch.Tensor:
-        """Logits [B, E] of MoE layer i at the next token, from layer i's router input x [B, H]."""
+    def next_visit_logits(self, x: torch.Tensor, i: int, j: int = 1) -> torch.Tensor:
+        """Logits [B, E] of MoE layer i j tokens on, from layer i's router input x [B, H]."""
         raise NotImplementedError
 
     def params(self) -> int:
@@ -106,8 +107,8 @@ class Frequency(Predictor):
 class PreviousToken(Predictor):
     """Previous-token reuse: the experts the most recent token used at the target layer.
 
-    For a same-token target (layer j of token t) that is token t-1's layer j; for a next-token
-    target (layer j of token t+1) it is token t's own layer j, already known by then. Only the k
+    For a same-token target (layer j of token t) that is token t-1's layer j; for a later token's
+    target (layer j of token t+1, t+2, ...) it is token t's own layer j, already known by then. Only the k
     reused experts score, by their router rank (k..1, over k) less a tie-break by ascending id
     (0.5 / E of a rank, as the oracle's), so every engine queues them in one order; the rest are 0."""
     name = "previous-token"
@@ -120,8 +121,8 @@ class PreviousToken(Predictor):
         j = i + h
         if j < L:
             ids, ok = b.prev_ids[:, j], b.has_prev
-        else:
-            ids, ok = b.ids[:, j - L], torch.ones(len(b), dtype=torch.bool, device=b.device)
+        else:   # a later token's layer: this token's own (the latest known)
+            ids, ok = b.ids[:, j % L], torch.ones(len(b), dtype=torch.bool, device=b.device)
         E, k = self.num_experts, ids.shape[-1]
         rank = torch.arange(k, 0, -1, dtype=torch.float32, device=b.device).expand(len(b), -1)
         s = torch.zeros(len(b), E, device=b.device).scatter_(1, ids, rank)
@@ -160,12 +161,12 @@ class AdapterPredictor(Predictor):
         return self.adapter.params()
 
     @property
-    def next_visit(self) -> bool:
-        return bool(getattr(self.adapter, "next_visit", False))
+    def next_visits(self) -> int:
+        return int(getattr(self.adapter, "next_visits", 0))
 
     @torch.no_grad()
-    def next_visit_logits(self, x: torch.Tensor, i: int) -> torch.Tensor:
-        return self.adapter.logits(self.bank, x, i, self.bank.num_layers)
+    def next_visit_logits(self, x: torch.Tensor, i: int, j: int = 1) -> torch.Tensor:
+        return self.adapter.logits(self.bank, x, i, j * self.bank.num_layers)
 
     @torch.no_grad()
     def effective_router(self, i: int, h: int) -> tuple[torch.Tensor, int]:

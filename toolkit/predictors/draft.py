@@ -181,8 +181,7 @@ class DraftPredictor(Predictor):
 
     def scores(self, b: RoutingBatch, i: int, h: int) -> torch.Tensor:
         L = b.num_layers
-        j = i + h
-        tok_off, layer = (0, j) if j < L else (1, j - L)
+        tok_off, layer = divmod(i + h, L)
         out = torch.zeros(len(b), self.bank_spec.num_experts)
         for r in range(len(b)):
             sc = self.scores_by_seq.get(int(b.seq[r]))

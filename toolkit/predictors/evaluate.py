@@ -84,21 +84,22 @@ def evaluate(trace: Path, *, predictors: list[str], adapter: Path | None = None,
         raise SpecPrefetchError(f"--budget {M}: must be between k={k} and E={E}")
     if not reader.shards("heldout"):
         raise SpecPrefetchError(f"trace {trace} has no held-out split (trace with --heldout-frac > 0)")
+    L = len(reader.moe_layers)
+    visit_hs: set[int] = set()   # the next-visit heads' horizons (L, 2L, ...): every source layer has them
     if horizons is None:
         horizons = (1, 2)
         if adapter is not None:
-            from adapters.checkpoint import read_adapter_meta
+            from adapters.checkpoint import meta_next_visits, read_adapter_meta
 
             meta = read_adapter_meta(Path(adapter))
-            # with next-visit heads, their horizon too: L, each layer's next visit
-            horizons = tuple(sorted(set(meta["horizons"]) | ({len(meta["model"]["moe_layers"])}
-                                                                if meta.get("next_visit") else set())))
+            # with next-visit heads, their horizons too: L, 2L, ..., each layer's next visits
+            visit_hs = {j * L for j in range(1, meta_next_visits(meta, Path(adapter) / "adapter.json") + 1)}
+            horizons = tuple(sorted(set(meta["horizons"]) | visit_hs))
     preds, notes = build_predictors(predictors, reader, spec, adapter, draft_bits)
-    L = len(reader.moe_layers)
     batches, image_batches = [], []
     # held-out decode tokens; and, for a vision-language trace, its image tokens (prompt positions, each
     # of whose hidden states the trace sampled), measured apart
-    for b in iter_batches(reader, "heldout", with_probs=False):
+    for b in iter_batches(reader, "heldout", with_probs=False, ahead=max(1, max(horizons) // L)):
         for kind, out in ((DECODE, batches), (IMAGE, image_batches)):
             sel = b.select(b.kind == kind)
             if len(sel):
@@ -112,7 +113,7 @@ def evaluate(trace: Path, *, predictors: list[str], adapter: Path | None = None,
         for b in tqdm(bs, desc=f"eval ({what})", unit="shard", disable=not progress):
             for h in horizons:
                 for i in range(L):
-                    if i + h >= 2 * L:
+                    if i + h >= 2 * L and h not in visit_hs:   # past the next token: the visits' heads only
                         continue
                     ids, ok = b.target_ids(i, h)
                     if not ok.any():

@@ -314,7 +314,7 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
     # next-visit heads also runs without them; each predicting policy with each --variant's settings
     variants = [(pol.name, pol, True, {}) for pol in policies]
     variants += [(pol.name + NO_NEXT_VISIT, pol, False, {}) for pol in policies
-                 if pol.eviction == "reuse" and getattr(preds.get(pol.predictor), "next_visit", False)]
+                 if pol.eviction == "reuse" and getattr(preds.get(pol.predictor), "next_visits", 0)]
     variants += [(f"{pol.name}{VARIANT_TAG}{label}", pol, True, v) for pol in policies
                  for label, v in knobs.items() if _takes(pol, v)]
 

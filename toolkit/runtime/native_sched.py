@@ -16,7 +16,7 @@ Reads stay the caller's: the C++ scheduler calls back into the Python IO (`CudaC
 release, take), so the copies, streams, slots and stall timing are those of the Python scheduler, and its pool
 maps no memory of its own. What the GPU tier calls (`acquire`, `acquire_read`, `release`, `data`, `plan`,
 `plan_probs`, `plan_ranked`, `in_flight`, `step`, `stats`, the pool's membership, counters, `preload` and
-`settle`, the reuse eviction's `set_next_visit`) has the same meaning here; `plan`'s scores become probabilities
+`settle`, the reuse eviction's `set_next_visits`) has the same meaning here; `plan`'s scores become probabilities
 in Python, by the Python scheduler's own arithmetic (`window_probs`). No event log (the GPU tier keeps none) and
 no `compute_order`.
 """
@@ -154,7 +154,7 @@ def library() -> ctypes.CDLL:
                 "spx_release": [P, i64, I32, i, i],
                 "spx_data": [P, i, i], "spx_landed": [P, i, i, ctypes.POINTER(i)],
                 "spx_plan_probs": [P, i64, I64, i, P],
-                "spx_plan_ranked": [P, i64, I64, i, i, F64, I32], "spx_set_next_visit": [P, i, i64, I32, i],
+                "spx_plan_ranked": [P, i64, I64, i, i, F64, I32], "spx_set_next_visits": [P, i, i64, I32, I32, i],
                 "spx_preload": [P, i, i], "spx_has": [P, i, i, ctypes.POINTER(i)], "spx_settle": [P],
                 "spx_stats": [P, I64, F64], "spx_pool_info": [P, I64], "spx_unused_prefetches": [P, I64],
                 "spx_set_read_budget": [P, i64, i64], "spx_budget_meter": [ctypes.c_double, i64, i, I32, F64, F64, I64],
@@ -193,6 +193,7 @@ class NativePool:
     evictions = property(lambda self: self._s._pool_info(0))
     wasted_prefetches = property(lambda self: self._s._pool_info(1))
     peak_bytes = property(lambda self: self._s._pool_info(2))
+    capacity = property(lambda self: self._s._pool_info(5))   # slots (the C++ pool's, which caps it at L x E)
 
     def unused_prefetches(self) -> int:
         """Slots a prefetch filled that no step has used yet."""
@@ -209,14 +210,15 @@ class NativePool:
 
 
 class _Reuse:
-    """The reuse eviction's state as the planner reaches it (`sched.reuse.set_next_visit`)."""
+    """The reuse eviction's state as the planner reaches it (`sched.reuse.set_next_visits`)."""
 
     def __init__(self, sched: "NativeScheduler"):
         self._s = weakref.proxy(sched)
 
-    def set_next_visit(self, li: int, target: int, experts: Sequence[int]) -> None:
-        ex = list(experts)
-        self._s._call("spx_set_next_visit", li, target, _ints(ex), len(ex))
+    def set_next_visits(self, li: int, target: int, sets: Sequence[Sequence[int]]) -> None:
+        sets = [list(e) for e in sets]
+        flat = [e for s in sets for e in s]
+        self._s._call("spx_set_next_visits", li, target, _ints(flat), _ints([len(s) for s in sets]), len(sets))
 
 
 def _io_trampoline(ref: weakref.ref, op: int, layer: int, expert: int) -> int:
@@ -284,7 +286,7 @@ class NativeScheduler:
         self._handle = h
         self.pool = NativePool(self, budget_bytes, slot_bytes, policy)
         self.reuse = _Reuse(self) if policy == "reuse" else None
-        self._info = (ctypes.c_int64 * 5)()
+        self._info = (ctypes.c_int64 * 6)()
         self._stats = (ctypes.c_int64 * 11)()
         self._wait = ctypes.c_double()
         self._flag = ctypes.c_int()

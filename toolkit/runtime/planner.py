@@ -15,12 +15,12 @@ h from layer i targets MoE layer (i + h) of this chunk (i + h < L) or, past the 
 next unit (the next chunk or position, which starts at position p0 + T): target = step + h + (T - 1) * L
 there.
 
-With `next_visit` (the graph's preds rows hold the adapter's next-visit heads, horizon L, or a host
-predictor has them, and the pool evicts by `reuse`), every MoE layer's plan also hands the reuse
-eviction that layer's predicted next visit (toolkit/runtime/reuse.py): the 2k largest logits of the
-row (a host predictor: of `next_visit_logits` on the layer's router input, decode steps only), the
-lower id first among equals (a prefill chunk: its last position's), for the step L later (a chunk: the
-next unit's).
+With `next_visit` (the graph's preds rows hold the adapter's next-visit heads, horizons L, 2L, ..., or
+a host predictor has them, and the pool evicts by `reuse`), every MoE layer's plan also hands the reuse
+eviction that layer's predicted next visits (toolkit/runtime/reuse.py): of each visit's row the
+`next_visit_size` largest logits (2k, at most the layer's share of the pool) (a host predictor: of `next_visit_logits` on the layer's router input,
+decode steps only), the lower id first among equals (a prefill chunk: its last position's), for the
+step L later (a chunk: the next unit's) and each visit L after it.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ import torch
 
 from toolkit.models.families import RoutingSpec, selection_scores
 from toolkit.predictors.base import Oracle, Predictor
-from toolkit.runtime.reuse import next_visit_experts
+from toolkit.runtime.reuse import next_visit_experts, next_visit_size
 from toolkit.runtime.scheduler import WindowScheduler
 from toolkit.traces.batches import RoutingBatch
 
@@ -106,7 +106,7 @@ class ChunkState:
 class PrefetchPlanner:
     def __init__(self, source: Predictor | str | None, *, num_layers: int, window: int, routing: RoutingSpec,
                  score_bias: torch.Tensor | None, preds_horizons: dict[int, Sequence[int]] | None = None,
-                 next_visit: bool = False):
+                 next_visits: int = 0):
         """
         Args:
             source: a registry Predictor, GRAPH (the layer graphs' preds rows), or None (on-demand).
@@ -114,8 +114,9 @@ class PrefetchPlanner:
             window: steps ahead (W).
             routing / score_bias: the family's selection rule and its bias [L, E].
             preds_horizons: MoE layer -> the horizons of its preds rows, in row order (GRAPH only).
-            next_visit: hand the reuse eviction each layer's predicted next visit (GRAPH: rows of horizon
-                L; a host predictor: its `next_visit_logits`, where it has them, in `plan` only).
+            next_visits: hand the reuse eviction each layer's predicted next visits, this many (GRAPH: its
+                rows of horizons L, 2L, ..., which the preds rows must hold; a host predictor: its
+                `next_visit_logits`, at most its `next_visits`, in `plan` only); 0: none.
         """
         self.source, self.L, self.W = source, num_layers, window
         self.routing, self.score_bias = routing, score_bias
@@ -128,26 +129,29 @@ class PrefetchPlanner:
                                and not routing.topk_before_softmax and routing.score_func == "softmax")
         # a host predictor's next-visit heads (the adapter's), read from the layer's router input; a
         # folded window carries them as one more block of rows (the same matmul)
-        self.host_next_visit = next_visit and source != GRAPH and getattr(source, "next_visit", False)
+        self.host_visits = min(next_visits, getattr(source, "next_visits", 0)) if source != GRAPH else 0
+        self.visit_hs = [j * num_layers for j in range(1, self.host_visits + 1)]  # the host heads' horizons
         self.folded = self._fold() if self.softmax_router and getattr(source, "linear", False) else None
         self.graph_rows = {li: [rows.index(h) for h in range(1, window + 1) if h in rows]
                            for li, rows in self.rows.items()}
-        # MoE layer -> its preds row of horizon L (the next-visit heads), where the reuse eviction reads it
-        self.next_visit_rows = ({li: rows.index(num_layers) for li, rows in self.rows.items() if num_layers in rows}
-                                if next_visit and source == GRAPH else {})
+        # MoE layer -> its preds rows of horizons L, 2L, ... (the next-visit heads), where the reuse eviction
+        # reads them
+        self.next_visit_rows = ({li: [rows.index(j * num_layers) for j in range(1, next_visits + 1)]
+                                 for li, rows in self.rows.items()} if next_visits and source == GRAPH else {})
         self._future = None       # (the recorded future, position -> its rows as lists): the oracle's
         self._oracle_conf: dict[int, list[float]] = {}   # k -> the oracle's confidences, rank k first
 
-    def _note_next_visit(self, sched: WindowScheduler, li: int, target: int, row: torch.Tensor) -> None:
-        """The reuse eviction's prediction of layer li's next visit (at step `target`) from its logits row."""
-        k = min(row.shape[-1], 2 * self.routing.top_k)
-        sched.reuse.set_next_visit(li, target, next_visit_experts(row, k).tolist())
+    def _note_next_visit(self, sched: WindowScheduler, li: int, target: int, rows: torch.Tensor) -> None:
+        """The reuse eviction's prediction of layer li's next visits (the first at step `target`) from their
+        logits rows [visits, E]."""
+        n = next_visit_size(self.routing.top_k, rows.shape[-1], sched.pool.capacity, self.L)
+        sched.reuse.set_next_visits(li, target, next_visit_experts(rows, n).tolist())
 
     def _fold(self) -> list[tuple[torch.Tensor, int, torch.Tensor, list[int]]]:
         bank = self.source.bank
         E = bank.weight.shape[1]
         out = []
-        hs = list(range(1, self.W + 1)) + ([self.L] if self.host_next_visit and self.L > self.W else [])
+        hs = list(range(1, self.W + 1)) + [h for h in self.visit_hs if h > self.W]
         for i in range(self.L):
             mats, srcs, biases = [], [], []
             for h in hs:
@@ -302,15 +306,16 @@ class PrefetchPlanner:
         if r is not None and preds is not None and sched.reuse is not None:
             self._note_next_visit(sched, li, step + self.L, preds.reshape(len(self.rows[li]), -1)[r])
         W = self.W if end is None else min(self.W, end - 1 - step)
-        host_nv = self.host_next_visit and sched.reuse is not None
+        host_nv = self.host_visits > 0 and sched.reuse is not None
         folded = None
         if self.folded is not None and (W >= 1 or host_nv):   # the window (and the next visit) in one matmul
             mat, src, bias, fhs = self.folded[li]
             folded = (mat @ state.hidden[0, src] + bias).view(len(fhs), -1), fhs
         if host_nv:
-            row = (folded[0][folded[1].index(self.L)] if folded is not None
-                   else self.source.next_visit_logits(state.hidden[:, li], li)[0])
-            self._note_next_visit(sched, li, step + self.L, row)
+            rows = (folded[0][[folded[1].index(h) for h in self.visit_hs]] if folded is not None
+                    else torch.stack([self.source.next_visit_logits(state.hidden[:, li], li, j)[0]
+                                      for j in range(1, self.host_visits + 1)]))
+            self._note_next_visit(sched, li, step + self.L, rows)
         if self.source is None or W < 1:
             sched.plan_probs(step, [], None)
             return

@@ -24,13 +24,15 @@ it is acquired. Within a span, the next visit is counted one position on, not at
 approximation of prefill only, the same in both engines). A prefetch evicts only a victim whose
 score is past the prefetch's deadline.
 
-With the adapter's next-visit heads (`train --next-visit`; a bundle's preds rows of horizon L), each MoE
-layer's visit also predicts the layer's *next* visit: the 2k largest logits of that row (ties: the
-lower id; for a prefill span, its last position's row), set after the step's acquire
-(`set_next_visit`). An expert scored while that prediction is for its layer's next visit (the
-prediction's target step is that visit) counts as used at that visit if predicted, else its history
-one unused visit on scores it (`16 * (next visit + L) + L * (table[history << 1] - 16)`). Outside the
-window and the prediction, the history alone, as above.
+With the adapter's next-visit heads (`train --next-visits N`; a bundle's preds rows of horizons L, 2L,
+..., NL), each MoE layer's visit also predicts the layer's *next N* visits: for visit j the largest
+logits of the row of horizon jL (`next_visit_size` of them: 2k, at most the layer's share of the pool,
+capacity // L; ties: the lower id; for a prefill span, its
+last position's rows), set after the step's acquire (`set_next_visits`). An expert scored while that
+prediction is for its layer's next visits (the prediction's first target step is the next visit v0)
+counts as used at the first visit v0 + (j - 1) L whose set holds it, and if none does, its history N
+unused visits on scores it (`16 * (v0 + N L) + L * (table[history << N] - 16)`). Outside the window
+and the prediction, the history alone, as above.
 
 A table with frequency classes (adapters/reuse.py) scores each expert with its class's table in both
 places (`table[history]`), the same integers in every engine.
@@ -51,6 +53,15 @@ def next_visit_experts(logits, k: int):
     return (-logits.float()).sort(dim=-1, stable=True).indices[..., :k]
 
 
+def next_visit_size(top_k: int, num_experts: int, capacity: int, num_layers: int) -> int:
+    """How many of a next-visit head's largest logits count as its visit's prediction: 2k, but never more
+    than a layer's share of the pool (capacity // L slots, at least 1), nor E. Sets larger than the experts
+    a layer can keep tell the eviction nothing (at a pool of 13% of the phone-class model's experts, 8 of
+    its 64 per layer, sets of 2k = 16 read 6% more than sets of 8 over four visits; at 27%, 17 per layer,
+    sets of 16 read 11% less than sets of 8: docs/benchmarks.md)."""
+    return max(1, min(num_experts, 2 * top_k, capacity // num_layers))
+
+
 class ReuseHistory:
     """Every expert's recent routing history at its layer, and the `reuse` rule's score."""
 
@@ -60,11 +71,20 @@ class ReuseHistory:
         self.mask = (1 << table.bits) - 1
         self.hist: list[dict[int, int]] = [{} for _ in range(num_layers)]  # layer -> expert -> bits (0s absent)
         self.last_step = [-1] * num_layers
-        self.next_visit: dict[int, tuple[int, frozenset[int]]] = {}  # layer -> (target step, predicted experts)
+        # layer -> (its next visit's step, the predicted experts of that visit and each later one, L apart)
+        self.next_visit: dict[int, tuple[int, tuple[frozenset[int], ...]]] = {}
 
-    def set_next_visit(self, li: int, target: int, experts: Iterable[int]) -> None:
-        """Layer li's next visit, at step `target`, is predicted to route to `experts`."""
-        self.next_visit[li] = (target, frozenset(experts))
+    def set_next_visits(self, li: int, target: int, sets: Iterable[Iterable[int]]) -> None:
+        """Layer li's next visits, at steps `target`, `target` + L, ..., are predicted to route to `sets`."""
+        self.next_visit[li] = (target, tuple(frozenset(e) for e in sets))
+
+    def _beyond(self, v0: int, sets: tuple, e: int, h: int, tab) -> int:
+        """The score of expert e (history h, table tab) of a layer whose next visits from v0 are predicted."""
+        for j, predicted in enumerate(sets):
+            if e in predicted:
+                return (v0 + j * self.L) * SCALE
+        n = len(sets)
+        return (v0 + n * self.L) * SCALE + self.L * (tab[(h << n) & self.mask] - SCALE)
 
     def observe(self, step: int, keys: Iterable[tuple[int, int]]) -> None:
         """Step `step` routes to `keys`: their layer's history shifts (once per step), then their bit is set."""
@@ -91,11 +111,8 @@ class ReuseHistory:
         tab = self.table.visits16 if self.tables[li] is None else self.tables[li][e]
         v0 = now + ((li - now % self.L) % self.L or self.L)
         nv = self.next_visit.get(li)
-        if nv is not None and nv[0] == v0:  # the next visit is predicted
-            if e in nv[1]:
-                return v0 * SCALE
-            h = (self.hist[li].get(e, 0) << 1) & self.mask
-            return (v0 + self.L) * SCALE + self.L * (tab[h] - SCALE)
+        if nv is not None and nv[0] == v0:  # the next visits are predicted
+            return self._beyond(v0, nv[1], e, self.hist[li].get(e, 0), tab)
         return v0 * SCALE + self.L * (tab[self.hist[li].get(e, 0)] - SCALE)
 
     def farthest(self, slots, now: int, predicted: dict | None, protect) -> tuple[int, int] | None:
@@ -103,7 +120,7 @@ class ReuseHistory:
         in `protect`): max (score, -last_use, key), `score` inlined and its per-layer terms (the next
         visit, its prediction) computed once per layer, not per slot (the pool searches at every
         eviction, over every slot)."""
-        L, S, mask, hist, next_visit = self.L, SCALE, self.mask, self.hist, self.next_visit
+        L, S, hist, next_visit, beyond = self.L, SCALE, self.hist, self.next_visit, self._beyond
         whole, tables = self.table.visits16, self.tables
         pred = predicted.get if predicted is not None else None
         layer: dict[int, tuple] = {}
@@ -126,10 +143,10 @@ class ReuseHistory:
                 visits = whole if tabs is None else tabs[e]
                 if nxt is None:
                     v = v0 * S + L * (visits[h.get(e, 0)] - S)
-                elif e in nxt:   # the next visit is predicted to use it
+                elif e in nxt[0]:   # the next visit is predicted to use it
                     v = v0 * S
                 else:
-                    v = (v0 + L) * S + L * (visits[(h.get(e, 0) << 1) & mask] - S)
+                    v = beyond(v0, nxt, e, h.get(e, 0), visits)
             if best is None or v > top or (v == top and (-s.last_use, key) > (-best.last_use, best.key)):
                 best, top = s, v
         return best.key if best is not None else None

@@ -83,7 +83,7 @@ class ModelInfo:
     label: str = ""                      # the model directory or bundle, for reports
     text_config: Any = None              # hidden_act / swiglu_limit: the int8 / int4 experts' activation
     reuse: ReuseTable | None = None      # the adapter's reuse table (the `reuse` eviction)
-    next_visit: bool = False             # preds rows of horizon L: the adapter's next-visit heads
+    next_visits: int = 0                 # preds rows of horizons L, 2L, ...: the adapter's next-visit heads
 
     @property
     def L(self) -> int:
@@ -248,7 +248,7 @@ class Runner:
             source.prepare(list(prompt_ids) + recorded.tokens)
         planner = PrefetchPlanner(source, num_layers=L, window=cfg.window, routing=m.routing,
                                   score_bias=m.score_bias, preds_horizons=m.preds_horizons,
-                                  next_visit=m.next_visit and cfg.next_visit and cfg.policy.eviction == "reuse")
+                                  next_visits=m.next_visits if cfg.next_visit and cfg.policy.eviction == "reuse" else 0)
         state = RoutingState(L, m.hidden_size, k)
         state.future = recorded.routing if recorded is not None else None
         io = self._open_io()

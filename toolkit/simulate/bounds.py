@@ -26,11 +26,14 @@ of the longer future (as the reuse table is) can recover in part.
 Two more rules know each MoE layer's *next visit* only (the next token's routing at that layer, as seen
 from the layer's latest visit), and past it score by the reuse rule with the history one unused visit
 on: `next-visit` knows it exactly (a ceiling), `adapter-next-visit` predicts it with the adapter's
-next-visit heads (`train --next-visit`): the experts among the head's top 2k scores at that layer
-count as used at the next visit (a visit whose router input the trace did not store falls back to the
-reuse rule); `adapter-next-visit-freq` the same with `reuse-freq`'s tables (as the runners do with
-an adapter trained with the default `--reuse-classes 4`, its tables learned here from the same train
-split). The adapter rules need `--adapter`, trained with those heads.
+next-visit heads (`train --next-visits N`): an expert among the heads' largest scores at that layer
+(toolkit/runtime/reuse.py, `next_visit_size`: 2k, at most the layer's share of the pool) counts as
+used at the first of the layer's next N visits that predicts it, else the reuse rule scores it with the
+history N unused visits on (a visit whose router input the trace did not store falls back to the reuse
+rule); `adapter-next-visit-freq` the same with `reuse-freq`'s tables (as the runners do with an adapter
+trained with the default `--reuse-classes 4`, its tables learned here from the same train split). The
+adapter rules need `--adapter`, trained with those heads; with N > 1, `next-visits-N` is their exact
+ceiling (the real routing of the next N visits as the sets).
 
 `draft-lookahead-D` (`--draft-lookahead D,...`) knows what a self-draft tells: at each decode position
 the model drafts D positions from there (the current one and D - 1 more tokens, greedily from the real
@@ -59,7 +62,7 @@ import numpy as np
 from adapters.reuse import SCALE, learn_class_reuse_table
 from toolkit.errors import SpecPrefetchError
 from toolkit.runtime.pool import ExpertPool
-from toolkit.runtime.reuse import ReuseHistory, next_visit_experts
+from toolkit.runtime.reuse import ReuseHistory, next_visit_experts, next_visit_size
 from toolkit.runtime.runner import belady_next_use
 from toolkit.traces.format import DECODE, IMAGE, TraceReader, routing_sequences, trace_model_spec
 
@@ -67,16 +70,19 @@ from toolkit.traces.format import DECODE, IMAGE, TraceReader, routing_sequences,
 HORIZONS = {"belady-token": 1, "belady-next-token": 2, "belady-next-2-tokens": 3, "belady-next-4-tokens": 5,
             "belady": None}
 RULES = ("lru", "reuse", "reuse-freq", *HORIZONS, "next-visit")
+EXACT_VISITS = "next-visits-"   # + N: the exact sets of the next N visits (an adapter with N > 1 heads)
 DRAFT_RULE = "draft-lookahead-"   # + D: the self-draft's look-ahead (LookaheadDraft)
 ADAPTER_RULE = "adapter-next-visit"
 ADAPTER_RULES = (ADAPTER_RULE, "adapter-next-visit-freq")
 CLASS_RULES = ("reuse-freq", "adapter-next-visit-freq")   # read the frequency-class table
 
 
-def exact_next_sets(ids: np.ndarray) -> dict[tuple[int, int], set[int]]:
-    """The real next visit of every (position, layer) of one sequence [positions, L, k]: the `next-visit` rule."""
+def exact_next_sets(ids: np.ndarray, visits: int = 1) -> dict[tuple[int, int], list[set[int]]]:
+    """The real next `visits` visits (as many as the sequence has) of every (position, layer) of one sequence
+    [positions, L, k]: the `next-visit` rule (one), `next-visits-N` (N)."""
     N, L = ids.shape[0], ids.shape[1]
-    return {(p, li): set(ids[p + 1, li].tolist()) for p in range(N - 1) for li in range(L)}
+    return {(p, li): [set(ids[q, li].tolist()) for q in range(p + 1, min(N, p + 1 + visits))]
+            for p in range(N - 1) for li in range(L)}
 
 
 def replay(ids: np.ndarray, kinds: np.ndarray, capacity: int, rule: str, table,
@@ -87,8 +93,9 @@ def replay(ids: np.ndarray, kinds: np.ndarray, capacity: int, rule: str, table,
     """(reads at decode positions, decode positions) of one sequence [positions, L, k] under `rule`.
     `true_next`: the sequence's real next use (belady_next_use of it; built here if not given);
     `reads_out`: gets (layer, [experts read]) of every decode step that reads (`bench reads`);
-    `next_sets`: the adapter's next-visit sets for ADAPTER_RULES: {(position, layer): the experts layer
-    `layer` routes to at position + 1, as predicted at `position`}; `table`: the reuse table (with
+    `next_sets`: the next-visit sets for ADAPTER_RULES (the adapter's) and `next-visit`, `next-visits-N` (the
+    real ones; built here for `next-visit` if not given): {(position, layer): the experts layer `layer`
+    routes to at position + 1, + 2, ..., as predicted at `position`}; `table`: the reuse table (with
     frequency classes for CLASS_RULES); `draft`: the sequence's LookaheadDraft for `draft-lookahead-D`."""
     N, L, k = ids.shape
     drafted = rule.startswith(DRAFT_RULE)
@@ -99,11 +106,14 @@ def replay(ids: np.ndarray, kinds: np.ndarray, capacity: int, rule: str, table,
     if rule not in CLASS_RULES and table is not None:
         table = table.whole()   # the other rules score by the whole table
     hist = ReuseHistory(table, L) if rule != "lru" and rule != "belady" else None  # the rules that read it
+    # the adapter's ranked lists cut as the runners cut them (at most 2k: E does not bind); exact sets whole
+    cut = next_visit_size(k, 2 * k, capacity, L) if rule in ADAPTER_RULES else None
+    exact_visits = rule.startswith(EXACT_VISITS)
     if rule == "next-visit" and next_sets is None:
         next_sets = exact_next_sets(ids)
-    elif rule in ADAPTER_RULES and next_sets is None:
-        raise SpecPrefetchError(f"eviction rule {rule!r} needs the adapter's next-visit sets")
-    elif rule not in ("next-visit", *ADAPTER_RULES):
+    elif (rule in ADAPTER_RULES or exact_visits) and next_sets is None:
+        raise SpecPrefetchError(f"eviction rule {rule!r} needs the next visits' sets")
+    elif rule not in ("next-visit", *ADAPTER_RULES) and not exact_visits:
         next_sets = None  # the other rules know no next visit
 
     if drafted and (draft is None or rule != f"{DRAFT_RULE}{draft.D}"):
@@ -140,8 +150,8 @@ def replay(ids: np.ndarray, kinds: np.ndarray, capacity: int, rule: str, table,
 
     if rule == "lru":
         pool = ExpertPool(capacity, 1, policy="lru", min_slots=k)
-    elif rule in ("reuse", "reuse-freq", "next-visit", *ADAPTER_RULES):
-        # (the next-visit rules: the runners' ReuseHistory.set_next_visit after the step's acquire, below)
+    elif rule in ("reuse", "reuse-freq", "next-visit", *ADAPTER_RULES) or exact_visits:
+        # (the next-visit rules: the runners' ReuseHistory.set_next_visits after the step's acquire, below)
         pool = ExpertPool(capacity, 1, policy="reuse", min_slots=k)
         pool.reuse, pool.predicted = hist, None
     elif rule in RULES or drafted:
@@ -170,7 +180,7 @@ def replay(ids: np.ndarray, kinds: np.ndarray, capacity: int, rule: str, table,
                     missed.append(key[1])
                 s.pins += 1
             if next_sets is not None and (p, li) in next_sets:  # after the step's acquire, as the runners
-                hist.set_next_visit(li, now + L, next_sets[(p, li)])
+                hist.set_next_visits(li, now + L, [s if cut is None else s[:cut] for s in next_sets[(p, li)]])
             if kinds[p] == DECODE:
                 reads += len(missed)
                 if reads_out is not None and missed:
@@ -184,20 +194,21 @@ def replay(ids: np.ndarray, kinds: np.ndarray, capacity: int, rule: str, table,
 
 
 def adapter_next_sets(reader: TraceReader, adapter: Path, seq_ids: list[int], spec,
-                      bank) -> list[dict[tuple[int, int], set[int]]]:
-    """Per held-out sequence (in `seq_ids`' order): {(position, layer): the 2k experts the adapter's
-    next-visit head scores highest for that layer at position + 1}, at every position whose router
-    input the trace stored. `spec`, `bank`: the trace's model (trace_model_spec) and its routers."""
+                      bank) -> tuple[int, list[dict[tuple[int, int], list[set[int]]]]]:
+    """(N, the adapter's next-visit heads; per held-out sequence (in `seq_ids`' order): {(position, layer):
+    for each of the layer's next N visits (positions + 1, ..., + N) the 2k experts its head scores highest,
+    highest first (replay keeps next_visit_size of them)}, at every position whose router input the trace
+    stored). `spec`, `bank`: the trace's model (trace_model_spec) and its routers."""
     import torch
 
     from adapters.checkpoint import load_adapter
 
     ad, _ = load_adapter(Path(adapter), spec)
     if not ad.next_visit:
-        raise SpecPrefetchError(f"--adapter {adapter}: it has no next-visit heads (train it with --next-visit)")
+        raise SpecPrefetchError(f"--adapter {adapter}: it has no next-visit heads (train it with --next-visits N)")
     L, M = ad.num_layers, min(ad.num_experts, 2 * reader.top_k)
     where = {q: n for n, q in enumerate(seq_ids)}
-    out: list[dict[tuple[int, int], set[int]]] = [{} for _ in seq_ids]
+    out: list[dict[tuple[int, int], list[list[int]]]] = [{} for _ in seq_ids]
     with torch.no_grad():
         for a in reader.iter_hidden("heldout"):
             keep = np.array([int(q) in where for q in a["seq"]], bool)
@@ -206,11 +217,11 @@ def adapter_next_sets(reader: TraceReader, adapter: Path, seq_ids: list[int], sp
             x = torch.from_numpy(a["hidden"][keep].astype(np.float32))          # [M, L, H]
             seq, pos = a["seq"][keep], a["pos"][keep]
             for li in range(L):  # ranked by raw logit, the lower id first among equals (as the runners)
-                s = ad.logits(bank, x[:, li], li, L)                              # [M, E]
-                top = next_visit_experts(s, M).numpy()
+                tops = [next_visit_experts(ad.logits(bank, x[:, li], li, j * L), M).numpy()     # [rows, 2k]
+                        for j in range(1, ad.next_visits + 1)]
                 for r in range(len(seq)):
-                    out[where[int(seq[r])]][(int(pos[r]), li)] = set(top[r].tolist())
-    return out
+                    out[where[int(seq[r])]][(int(pos[r]), li)] = [t[r].tolist() for t in tops]
+    return ad.next_visits, out
 
 
 class DraftModel:
@@ -364,7 +375,7 @@ def eviction_bounds(trace: Path, pool_fracs: list[float], *, max_sequences: int 
     # (replay scores by the whole table where the rule takes no classes)
     by_class = learn_class_reuse_table(train, E, where=f"trace {trace}")
     nexts = [belady_next_use(list(ids), L) for ids, _ in seqs]  # each sequence's real next uses, once
-    exact = [exact_next_sets(ids) for ids, _ in seqs]              # and its real next visits
+    exact = {"next-visit": [exact_next_sets(ids) for ids, _ in seqs]}   # and its real next visits
     rules = RULES
     sets: list = [None] * len(seqs)
     lookaheads = sorted(set(draft_lookahead))
@@ -377,11 +388,13 @@ def eviction_bounds(trace: Path, pool_fracs: list[float], *, max_sequences: int 
     if adapter is not None:  # routing_sequences orders sequences by id
         seq_ids = sorted({int(q) for q in reader.load("heldout", ("seq",))["seq"]})[:len(seqs)]
         progress("the adapter's next-visit predictions")
-        sets = adapter_next_sets(reader, adapter, seq_ids, spec, bank)
+        visits, sets = adapter_next_sets(reader, adapter, seq_ids, spec, bank)
         if not any(sets):
             raise SpecPrefetchError(f"trace {trace}: its held-out sequences store no router inputs, which the "
                                     "adapter's next-visit heads read")
-        rules = (*RULES, *ADAPTER_RULES)
+        if visits > 1:   # their exact ceiling
+            exact[f"{EXACT_VISITS}{visits}"] = [exact_next_sets(ids, visits) for ids, _ in seqs]
+        rules = (*RULES, *(r for r in exact if r != "next-visit"), *ADAPTER_RULES)
     draft_model = contextlib.nullcontext()
     if lookaheads:
         progress("the draft's model")
@@ -405,12 +418,12 @@ def _point(frac: float, rules, reader: TraceReader, seqs, nexts, sets, exact, to
     for rule in rules:
         progress(f"pool {cap} slots: {rule}")
         r = d = 0
-        for i, ((ids, kinds), nu, ns, ex) in enumerate(zip(seqs, nexts, sets, exact)):
+        for i, ((ids, kinds), nu, ns) in enumerate(zip(seqs, nexts, sets)):
             dr = None
             if rule.startswith(DRAFT_RULE):
                 dr = LookaheadDraft(draft_model, tokens[i], int(rule.removeprefix(DRAFT_RULE)))
             a, b = replay(ids, kinds, cap, rule, by_class, nu, draft=dr,
-                          next_sets=ns if rule in ADAPTER_RULES else {"next-visit": ex}.get(rule))
+                          next_sets=ns if rule in ADAPTER_RULES else exact[rule][i] if rule in exact else None)
             r, d = r + a, d + b
         row["reads_per_token"][rule] = round(r / max(d, 1), 3)
     rp = row["reads_per_token"]

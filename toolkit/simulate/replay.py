@@ -31,7 +31,7 @@ from toolkit.traces.batches import RoutingBatch, iter_batches
 from toolkit.traces.format import PREFILL
 from toolkit.runtime.backend import PREFILL_SPAN, chunk_plan, prefill_spans
 from toolkit.runtime.policy import Policy
-from toolkit.runtime.reuse import next_visit_experts
+from toolkit.runtime.reuse import next_visit_experts, next_visit_size
 from toolkit.runtime.runner import RunConfig, open_pool_and_scheduler
 from toolkit.runtime.scheduler import SchedulerStats
 from toolkit.runtime.stats import DecodeAccount, RunStats, tpot_and_intervals
@@ -141,19 +141,17 @@ def simulate_policy(batches: list[RoutingBatch], predictor, geo: Geometry, profi
         # predictions of every row: scores[h][i] -> [B, E] for trace layer i (mapped below)
         Lt = b.num_layers
         preds = {}
-        # the adapter's next-visit heads, for the reuse eviction (toolkit/runtime/reuse.py): horizon Lt
-        next_visit = (cfg.next_visit and policy.eviction == "reuse"
-                      and getattr(getattr(predictor, "adapter", None), "next_visit", False))
+        # the adapter's next-visit heads, for the reuse eviction (toolkit/runtime/reuse.py): horizons Lt, 2Lt, ...
+        visits = (getattr(predictor, "next_visits", 0) if cfg.next_visit and policy.eviction == "reuse" else 0)
         if predictor is not None:
             for h in range(1, W + 1):
                 for i in range(Lt):
                     if i + h < 2 * Lt:
                         preds[(i, h)] = predictor.scores(b, i, h)
-        nv_top = {}  # the heads' predictions per trace layer [rows, 2k], ranked as the runners rank the graph's rows
-        if next_visit:
-            with torch.no_grad():
-                nv_top = {i: next_visit_experts(predictor.adapter.logits(predictor.bank, b.hidden[:, i], i, Lt),
-                                                2 * b.ids.shape[-1]) % geo.num_experts for i in range(Lt)}
+        nv_top = {}  # per trace layer, each visit's predictions [rows, 2k], ranked as the runners rank the graph's rows
+        if visits:   # (each set cut to next_visit_size at the pool's capacity, below)
+            nv_top = {i: [next_visit_experts(predictor.next_visit_logits(b.hidden[:, i], i, j), 2 * b.ids.shape[-1])
+                          % geo.num_experts for j in range(1, visits + 1)] for i in range(Lt)}
         for rows in sequences(b):
             ids = b.ids[rows]  # [T, Lt, k]
             T = len(rows)
@@ -193,8 +191,9 @@ def simulate_policy(batches: list[RoutingBatch], predictor, geo: Geometry, profi
                     clock.now += profile.dense_s(geo.dense_bytes_per_layer)
                     keys = list(dict.fromkeys((li, int(e)) for e in future[off + t][li].tolist()))
                     sched.acquire(step, keys)  # demand reads go out first
-                    if next_visit:  # this layer's next visit: the next token's same trace layer
-                        sched.reuse.set_next_visit(li, step + L, nv_top[layer_map[li]][rows[t]].tolist())
+                    if visits:  # this layer's next visits: the next tokens' same trace layer
+                        n = next_visit_size(b.ids.shape[-1], predictor.bank.weight.shape[1], pool.capacity, L)
+                        sched.reuse.set_next_visits(li, step + L, [v[rows[t], :n].tolist() for v in nv_top[layer_map[li]]])
                     if predictor is not None:
                         ti = layer_map[li]
                         window = []

@@ -1,8 +1,10 @@
 """Routing batches from traces: what every predictor and the adapter trainer look at.
 
 A `RoutingBatch` holds the tokens of one shard whose router inputs were stored, with their own,
-previous and next tokens' routing, so a target "MoE layer i + h" that runs past the last layer
-becomes "layer i + h - L of the next token" (the token-boundary horizons). `ShardStream` feeds
+previous and next tokens' routing (and, built with `ahead` > 1, the routing of the tokens after the
+next, up to `ahead` tokens on), so a target "MoE layer i + h" that runs past the last layer becomes
+"layer (i + h) mod L of the token (i + h) // L on" (the token-boundary horizons, and the next-visit
+heads' horizons L, 2L, ...). `ShardStream` feeds
 training with a bounded number of shards in memory at a time.
 """
 from __future__ import annotations
@@ -52,6 +54,10 @@ class RoutingBatch:
     seq: torch.Tensor           # [B]
     pos: torch.Tensor           # [B]
     kind: torch.Tensor          # [B]
+    # built with ahead A > 1: the tokens 2..A on (later_ids[:, d - 2] is token d's, valid where has_later[:, d - 2])
+    later_ids: torch.Tensor | None = None     # [B, A - 1, L, k]
+    has_later: torch.Tensor | None = None     # [B, A - 1] bool
+    later_probs: torch.Tensor | None = None   # [B, A - 1, L, E]
 
     @property
     def num_layers(self) -> int:
@@ -64,18 +70,28 @@ class RoutingBatch:
     def device(self) -> torch.device:
         return self.ids.device
 
+    def _later(self, d: int) -> int:
+        """The index of token d on (d >= 2) in the later_* tensors; a batch built with fewer is an error."""
+        have = 1 + (self.later_ids.shape[1] if self.later_ids is not None else 0)
+        if d > have:
+            raise ValueError(f"a target {d} tokens on: this batch was built with ahead={have}")
+        return d - 2
+
     def target_ids(self, i: int, h: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Real ids of the step h MoE layers after layer i: ([B, k], valid [B]), on the batch's device."""
-        j = i + h
-        L = self.num_layers
-        if j < L:
+        d, j = divmod(i + h, self.num_layers)   # d tokens on, its MoE layer j
+        if d == 0:
             return self.ids[:, j], torch.ones(len(self), dtype=torch.bool, device=self.ids.device)
-        return self.next_ids[:, j - L], self.has_next
+        if d == 1:
+            return self.next_ids[:, j], self.has_next
+        n = self._later(d)
+        return self.later_ids[:, n, j], self.has_later[:, n]
 
     def target_probs(self, i: int, h: int) -> torch.Tensor:
-        j = i + h
-        L = self.num_layers
-        return self.probs[:, j] if j < L else self.next_probs[:, j - L]
+        d, j = divmod(i + h, self.num_layers)
+        if d == 0:
+            return self.probs[:, j]
+        return self.next_probs[:, j] if d == 1 else self.later_probs[:, self._later(d), j]
 
     def select(self, mask: torch.Tensor) -> "RoutingBatch":
         mask = mask.to(self.ids.device)
@@ -101,18 +117,32 @@ def _dense_probs(a: dict[str, np.ndarray], num_experts: int) -> np.ndarray | Non
 
 
 def batch_from_shard(a: dict[str, np.ndarray], num_experts: int, *, decode_only: bool = False,
-                     with_probs: bool = True) -> RoutingBatch | None:
+                     with_probs: bool = True, ahead: int = 1) -> RoutingBatch | None:
+    """The shard's tokens whose router input was stored, with the routing of the tokens up to `ahead` on
+    (the next's always; later ones for heads that predict them: PrefetchAdapter.tokens_ahead)."""
     rows = a.get("hidden_rows")
     if rows is None or len(rows) == 0:
         return None
     n = len(a["seq"])
     seq = a["seq"]
-    nxt = np.minimum(rows + 1, n - 1)
+
+    def on(d: int) -> tuple[np.ndarray, np.ndarray]:  # the rows d tokens on, and whether they are of that sequence
+        r = np.minimum(rows + d, n - 1)
+        return r, (rows + d < n) & (seq[r] == seq[rows])
+
+    nxt, has_next = on(1)
     prv = np.maximum(rows - 1, 0)
-    has_next = (rows + 1 < n) & (seq[nxt] == seq[rows])
     has_prev = (rows >= 1) & (seq[prv] == seq[rows])
     probs = _dense_probs(a, num_experts) if with_probs else None
     t = lambda x: torch.from_numpy(np.ascontiguousarray(x))  # noqa: E731
+    later = [on(d) for d in range(2, ahead + 1)]
+    if later:
+        lr = np.stack([r for r, _ in later], 1)    # [B, ahead - 1]
+        extra = {"later_ids": t(a["expert_ids"][lr].astype(np.int64)),
+                 "has_later": t(np.stack([ok for _, ok in later], 1)),
+                 "later_probs": t(probs[lr].astype(np.float32)) if probs is not None else None}
+    else:
+        extra = {}
     b = RoutingBatch(
         hidden=t(a["hidden"].astype(np.float32)),
         ids=t(a["expert_ids"][rows].astype(np.int64)),
@@ -122,7 +152,7 @@ def batch_from_shard(a: dict[str, np.ndarray], num_experts: int, *, decode_only:
         probs=t(probs[rows].astype(np.float32)) if probs is not None else None,
         next_probs=t(probs[nxt].astype(np.float32)) if probs is not None else None,
         seq=t(seq[rows].astype(np.int64)), pos=t(a["pos"][rows].astype(np.int64)),
-        kind=t(a["kind"][rows].astype(np.int64)),
+        kind=t(a["kind"][rows].astype(np.int64)), **extra,
     )
     if decode_only:
         b = b.select(b.kind == DECODE)
@@ -130,10 +160,10 @@ def batch_from_shard(a: dict[str, np.ndarray], num_experts: int, *, decode_only:
 
 
 def iter_batches(reader: TraceReader, split: str, *, decode_only: bool = False,
-                 with_probs: bool = True) -> Iterator[RoutingBatch]:
+                 with_probs: bool = True, ahead: int = 1) -> Iterator[RoutingBatch]:
     """One batch per shard, in trace order (evaluation)."""
     for a in reader.iter_shards(split):
-        b = batch_from_shard(a, reader.num_experts, decode_only=decode_only, with_probs=with_probs)
+        b = batch_from_shard(a, reader.num_experts, decode_only=decode_only, with_probs=with_probs, ahead=ahead)
         if b is not None:
             yield b
 
@@ -161,8 +191,8 @@ class ShardStream:
     """
 
     def __init__(self, reader: TraceReader, split: str, *, batch_size: int, seed: int,
-                 max_bytes: int = 512 * 2**20, keep: str = "train"):
-        self.reader, self.split, self.batch_size = reader, split, batch_size
+                 max_bytes: int = 512 * 2**20, keep: str = "train", ahead: int = 1):
+        self.reader, self.split, self.batch_size, self.ahead = reader, split, batch_size, ahead
         self.rng = np.random.default_rng(seed)
         self.max_bytes, self.keep = max_bytes, keep
         self.shards = reader.shards(split)
@@ -171,7 +201,7 @@ class ShardStream:
         self.val = validation_seqs(reader)
 
     def _load(self, shard) -> RoutingBatch | None:
-        b = batch_from_shard(self.reader.read_shard(shard), self.reader.num_experts)
+        b = batch_from_shard(self.reader.read_shard(shard), self.reader.num_experts, ahead=self.ahead)
         if b is None:
             return None
         val = in_set(b.seq, self.val)
@@ -221,12 +251,12 @@ class ShardStream:
             self.epochs += 1
 
 
-def validation_batches(reader: TraceReader, max_rows: int = 50_000) -> list[RoutingBatch]:
+def validation_batches(reader: TraceReader, max_rows: int = 50_000, ahead: int = 1) -> list[RoutingBatch]:
     """The validation sequences of the train split (at most `max_rows` tokens)."""
     out, rows = [], 0
     val = validation_seqs(reader)
     for a in reader.iter_shards("train"):
-        b = batch_from_shard(a, reader.num_experts)
+        b = batch_from_shard(a, reader.num_experts, ahead=ahead)
         if b is not None:
             b = b.select(in_set(b.seq, val))
             if len(b):
