@@ -18,9 +18,10 @@ there.
 With `next_visit` (the graph's preds rows hold the adapter's next-visit heads, horizons L, 2L, ..., or
 a host predictor has them, and the pool evicts by `reuse`), every MoE layer's plan also hands the reuse
 eviction that layer's predicted next visits (toolkit/runtime/reuse.py): of each visit's row the
-`next_visit_size` largest logits (2k, at most the layer's share of the pool) (a host predictor: of `next_visit_logits` on the layer's router input,
-decode steps only), the lower id first among equals (a prefill chunk: its last position's), for the
-step L later (a chunk: the next unit's) and each visit L after it.
+`next_visit_size` largest logits (2k, at most the layer's share of the pool; a host predictor: of
+`next_visit_logits` on the layer's router input, decode steps only), the lower id first among equals
+(a prefill chunk: its last position's), for the step L later (a chunk: the next unit's) and each visit L
+after it.
 """
 from __future__ import annotations
 

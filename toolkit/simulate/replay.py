@@ -193,7 +193,8 @@ def simulate_policy(batches: list[RoutingBatch], predictor, geo: Geometry, profi
                     sched.acquire(step, keys)  # demand reads go out first
                     if visits:  # this layer's next visits: the next tokens' same trace layer
                         n = next_visit_size(b.ids.shape[-1], predictor.bank.weight.shape[1], pool.capacity, L)
-                        sched.reuse.set_next_visits(li, step + L, [v[rows[t], :n].tolist() for v in nv_top[layer_map[li]]])
+                        sched.reuse.set_next_visits(li, step + L,
+                                                    [v[rows[t], :n].tolist() for v in nv_top[layer_map[li]]])
                     if predictor is not None:
                         ti = layer_map[li]
                         window = []
