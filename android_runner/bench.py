@@ -206,6 +206,10 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
             if m["predictor"]["reuse"].get("classes") is None:
                 raise SpecPrefetchError(f"--variant {label}: the bundle's reuse table has no frequency classes "
                                         "(an adapter trained with --reuse-classes 1, or before them)")
+        heads = manifest_next_visits(m, Path(bundle) / "manifest.json")
+        if "next_visits" in v and not (m["predictor"].get("reuse") is not None and v["next_visits"] < heads):
+            raise SpecPrefetchError(f"--variant {label}: next_visits must be below the bundle's {heads} next-visit "
+                                    "heads (read by its reuse eviction)")
     queue_depth = m["runtime"]["scheduler"].get("queue_depth", 4)  # the native runs' (the manifest's)
     all_mib = L * E * store.slot_bytes / MiB + 0.01
     graph = m["predictor"]["kind"] if m["predictor"].get("preds_rows") else "next-gate"
@@ -333,6 +337,7 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
                 kv = knobs.get(var, {})
                 extra = (("--no-next-visit",) if off else ()) + \
                     (("--no-reuse-classes",) if kv.get("reuse_classes") is False else ()) + \
+                    (("--next-visits", str(kv["next_visits"])) if "next_visits" in kv else ()) + \
                     (("--candidate-threshold", repr(float(kv["candidate_threshold"])))
                      if "candidate_threshold" in kv else ())
                 res = run_native(bundle, ids, max_new_tokens=new_tokens, policy=pol, pool_mib=pool, cold=True,

@@ -438,6 +438,9 @@ def calibrate(model, store_path, reads, out, overwrite) -> None:
 @click.option("--no-next-visit", "no_next_visit", is_flag=True,
               help="the reuse eviction without the adapter's next-visit heads, where the adapter or bundle has "
                    "them (docs/runtime.md)")
+@click.option("--next-visits", "next_visits", type=click.IntRange(min=0), default=None,
+              help="the reuse eviction reads at most N of the adapter's next-visit heads (the next N visits; "
+                   "default: all it has; 0: as --no-next-visit)")
 @click.option("--no-reuse-classes", "no_reuse_classes", is_flag=True,
               help="the reuse eviction with the whole reuse table, not its frequency classes, where the adapter "
                    "or bundle has them (docs/runtime.md)")
@@ -463,8 +466,8 @@ def calibrate(model, store_path, reads, out, overwrite) -> None:
 @friendly_errors(interrupt=NOT_WRITTEN)
 def run(model, policy, adapter, frequency_trace, pool_mib, pool_reserve_mib, pool_low_watermark_mib, window,
         queue_depth, store_path, dtype, device, flash_profile, draft_k, prompts, images, max_new_tokens, max_seq,
-        threads, no_next_visit, no_reuse_classes, io_mode, prefill_chunk, check, events_out, min_confidence,
-        step_budget_kib, read_budget_kib, engine, abi, json_out, overwrite) -> None:
+        threads, no_next_visit, next_visits, no_reuse_classes, io_mode, prefill_chunk, check, events_out,
+        min_confidence, step_budget_kib, read_budget_kib, engine, abi, json_out, overwrite) -> None:
     """Run MODEL (a model directory, `embedded`, or a bundle) with its experts streamed from the
     expert store through a bounded pool (real O_DIRECT reads); prints each prompt's generated text
     and figures; with --check, compare the tokens with the unmodified model."""
@@ -511,7 +514,7 @@ def run(model, policy, adapter, frequency_trace, pool_mib, pool_reserve_mib, poo
         # --read-budget-kib: the KiB its copies deliver per layer step (docs/gpu-tier.md, "Scheduler settings")
         eng = gpu_engine(model, device=device, policy=policy, adapter=adapter, store_path=store_path, dtype=dtype,
                          pool_mib=pool_mib, window=window, min_confidence=min_confidence, draft_k=draft_k,
-                         next_visit=not no_next_visit, read_budget_kib=read_budget_kib,
+                         next_visit=not no_next_visit, next_visits=next_visits, read_budget_kib=read_budget_kib,
                          reuse_classes=not no_reuse_classes,
                          copy_depth=None if ctx_default(ctx, "queue_depth") else queue_depth)
         run_engine(eng, list(prompts), max_new_tokens, check=check, json_out=json_out, events_out=None)
@@ -534,7 +537,8 @@ def run(model, policy, adapter, frequency_trace, pool_mib, pool_reserve_mib, poo
         eng = native_engine(Path(model), abi=abi, policy=policy, pool_mib=pool_mib, window=window,
                             queue_depth=queue_depth, min_confidence=min_confidence, step_budget_kib=step_budget_kib,
                             threads=threads, prefill_chunk=chunk, read_budget_kib=read_budget_kib,
-                            next_visit=not no_next_visit, reuse_classes=not no_reuse_classes, pool_auto=(
+                            next_visit=not no_next_visit, next_visits=next_visits,
+                            reuse_classes=not no_reuse_classes, pool_auto=(
                                 ("--pool-reserve-mib", pool_reserve_mib),
                                 ("--pool-low-watermark-mib", pool_low_watermark_mib)), images=list(images))
         run_engine(eng, list(prompts), max_new_tokens, check=check, json_out=json_out, events_out=events_out)
@@ -565,7 +569,7 @@ def run(model, policy, adapter, frequency_trace, pool_mib, pool_reserve_mib, poo
                     flash_profile=load_profile(flash_profile, "--flash-profile") if flash_profile else None,
                     io=io_mode, min_confidence=min_confidence, step_budget_kib=step_budget_kib,
                     read_budget_kib=read_budget_kib, prefill_chunk=chunk, next_visit=not no_next_visit,
-                    reuse_classes=not no_reuse_classes)
+                    next_visits=next_visits, reuse_classes=not no_reuse_classes)
     s = open_session(model, cfg, adapter=adapter, store=store_path, dtype=dtype, frequency_trace=frequency_trace,
                      max_seq=max_seq, pool_default=pool_mib is None,
                      scheduler_default=(*not_given, "candidate_threshold"))

@@ -193,7 +193,8 @@ def python_engine(session, policy: str, flash_profile: str | None = None, images
 
 def native_engine(bundle: Path, *, abi: str, policy: str, pool_mib, window, queue_depth, min_confidence,
                   step_budget_kib, threads, prefill_chunk=None, pool_auto=(), read_budget_kib=None,
-                  images: Sequence[Path] = (), next_visit: bool = True, reuse_classes: bool = True) -> Engine:
+                  images: Sequence[Path] = (), next_visit: bool = True, next_visits: int | None = None,
+                  reuse_classes: bool = True) -> Engine:
     """The C++ runner on an ExecuTorch, QNN or QAI Hub bundle (built for it on first use), the Python
     engine's JSON; `images` go before every prompt's text (the runner decodes and preprocesses them)."""
     from transformers import AutoTokenizer
@@ -227,6 +228,7 @@ def native_engine(bundle: Path, *, abi: str, policy: str, pool_mib, window, queu
                              + tuple(a for o, v in pool_auto if v is not None for a in (o, repr(v)))
                              + tuple(a for img in images for a in ("--image", str(img)))
                              + (() if next_visit else ("--no-next-visit",))
+                             + (() if next_visits is None else ("--next-visits", str(next_visits)))
                              + (() if reuse_classes else ("--no-reuse-classes",)))
             events_text = ev.read_text(encoding="utf-8") if ev is not None else None
         res_box.update(res)
@@ -277,7 +279,7 @@ def native_engine(bundle: Path, *, abi: str, policy: str, pool_mib, window, queu
 # -- the GPU tier ------------------------------------------------------------------------------------
 
 def gpu_engine(model, *, device: str, policy: str, adapter, store_path, dtype, pool_mib, window, min_confidence,
-               draft_k, next_visit: bool = True, read_budget_kib: int | None = None,
+               draft_k, next_visit: bool = True, next_visits: int | None = None, read_budget_kib: int | None = None,
                copy_depth: int | None = None, reuse_classes: bool = True) -> Engine:
     """`run --device cuda`: the GPU tier (toolkit/runtime/gpu.py) over a model directory. `read_budget_kib`:
     KiB the copies deliver per layer step (a prefetch that cannot land by its layer is dropped);
@@ -311,6 +313,7 @@ def gpu_engine(model, *, device: str, policy: str, adapter, store_path, dtype, p
     held: dict[str, Any] = {"lm": load_model(spec.path, dtype="float16" if cuda else "float32")}
     held["eng"] = GpuEngine(held["lm"], st, RunConfig(policy=pol, pool_mib=pool_mib or 8.0, window=window,
                                                       min_confidence=min_confidence, next_visit=next_visit,
+                                                      next_visits=next_visits,
                                                       read_budget_kib=read_budget_kib, reuse_classes=reuse_classes),
                             device=device, predictors=preds,
                             reuse=reuse)

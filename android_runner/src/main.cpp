@@ -47,7 +47,7 @@ const char* kUsage =
     "usage: specprefetch-runner BUNDLE (--prompt TEXT | --prompt-ids IDS) [more prompts] [--max-new-tokens N]\n"
     "  [--policy PREDICTOR+EVICTION] [--pool-mib F] [--window N] [--queue-depth N] [--min-confidence F]\n"
     "  [--candidate-threshold F] [--step-budget-kib N] [--read-budget-kib N|auto|off] [--read-rate-mibs F]\n"
-    "  [--no-next-visit] [--lanes N] [--threads N]\n"
+    "  [--no-next-visit] [--next-visits N] [--lanes N] [--threads N]\n"
     "  [--no-reuse-classes] [--routing FILE]\n"
     "  [--json OUT] [--events OUT] [--image PATH]... (before every prompt's text; a bundle that takes images)\n"
     "  [--no-verify] [--no-verify-hashes] [--cold] [--preload] [--isa NAME|best] [--prefill-chunk N|off]\n"
@@ -72,6 +72,7 @@ struct Args {
   bool read_budget_auto = true;   // --read-budget-kib auto, the default
   double read_rate_mibs = 0;      // --read-rate-mibs (auto: instead of the probe)
   bool next_visit = true;
+  int max_next_visits = -1;  // --next-visits N: at most N of the bundle's next-visit heads (-1: all)
   bool reuse_classes = true;
   std::string routing, json_out, events_out, isa;
   bool verify = true, verify_hashes = true, cold = false, preload = false;
@@ -233,6 +234,7 @@ Args parse(int argc, char** argv) {
         throw Error("--read-rate-mibs " + v + ": MiB/s above 0 and at most 1e9");
     }
     else if (o == "--no-next-visit") a.next_visit = false;
+    else if (o == "--next-visits") a.max_next_visits = static_cast<int>(to_int(o, val(), 0));
     else if (o == "--no-reuse-classes") a.reuse_classes = false;
     else if (o == "--routing") a.routing = val();
     else if (o == "--json") a.json_out = val();
@@ -540,6 +542,7 @@ int main_(int argc, char** argv) {
   cfg.preload = a.preload;
   cfg.prefill_chunk = a.prefill_chunk;
   cfg.next_visit = a.next_visit;
+  cfg.max_next_visits = a.max_next_visits;
   cfg.reuse_classes = a.reuse_classes;
   if (cfg.eviction != "lru" && cfg.eviction != "lfu" && cfg.eviction != "prediction" && cfg.eviction != "belady" &&
       cfg.eviction != "reuse")

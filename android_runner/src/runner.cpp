@@ -315,7 +315,9 @@ Generation Runner::generate(const std::vector<int>& prompt, int max_new,
   const int L = m_.L(), k = m_.routing.top_k, H = m_.hidden_size;
   const Source source = source_of(cfg.predictor);
   PrefetchPlanner planner(source, L, cfg.window, m_.routing, host_, m_.preds_rows, H,
-                          cfg.next_visit && cfg.eviction == "reuse" ? m_.next_visits : 0);
+                          cfg.next_visit && cfg.eviction == "reuse"
+                              ? (cfg.max_next_visits < 0 ? m_.next_visits : std::min(m_.next_visits, cfg.max_next_visits))
+                              : 0);
   RoutingState state(L, H, k);
   state.future = future;
 

@@ -69,6 +69,7 @@ struct RunConfig {
   bool preload = false;  // read every expert into the pool before the first position (all resident; benchmarks)
   int prefill_chunk = -1;  // the largest prefill chunk: -1 the bundle's largest, 0 off (one position at a time)
   bool next_visit = true;  // reuse: read the adapter's next-visit heads where the bundle has them
+  int max_next_visits = -1;  // at most this many of them (-1: all the bundle has)
   bool reuse_classes = true;  // reuse: score by the table's frequency classes where it has them
   std::string name() const { return predictor + "+" + eviction; }
   bool needs_future() const { return predictor == "oracle" || eviction == "belady"; }

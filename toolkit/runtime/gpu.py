@@ -786,8 +786,7 @@ class GpuEngine:
         if source is not None and cfg.policy.predictor != "draft":
             # the reuse eviction reads the adapter's next-visit heads where it has them (--no-next-visit: not)
             planner = PrefetchPlanner(source, num_layers=L, window=cfg.window, routing=self.spec.geometry.routing,
-                                      score_bias=None, next_visits=(getattr(source, "next_visits", 0) if cfg.next_visit
-                                                                    and cfg.policy.eviction == "reuse" else 0))
+                                      score_bias=None, next_visits=cfg.visits_read(getattr(source, "next_visits", 0)))
         state = RoutingState(L, self.spec.geometry.hidden_size, self.k)
         state.future = future
         prefetch = planner is not None or cfg.policy.predictor == "draft"

@@ -54,6 +54,8 @@ VARIANT_KEYS: dict[str, tuple[Callable[[str], Any], Callable[[Any], bool], str]]
     # on is every run's default: no variant)
     "reuse_classes": (lambda s: False if s == "off" else None, lambda v: True,   # (None: refused as unparsed)
                       "off (on is every run's default: no variant)"),
+    # the reuse eviction reading at most this many of the adapter's next-visit heads (run --next-visits)
+    "next_visits": (int, lambda v: v >= 0, "an integer >= 0"),
 }
 # the GPU tier's too: its read budget (KiB its copies deliver per layer step, at least one expert; run
 # --read-budget-kib; `auto`: the bench measures it, the pinned-copy rate times a layer's resident step);

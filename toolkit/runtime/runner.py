@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 
 from toolkit.errors import SpecPrefetchError
+from toolkit.jsonvalues import is_int
 from toolkit.models.families import RoutingSpec, expert_weights, select_experts
 from toolkit.predictors.base import Predictor
 from toolkit.runtime.backend import Backend, chunk_plan, prefill_spans
@@ -113,9 +114,18 @@ class RunConfig:
     verify: bool = True                          # CRC every blob read
     prefill_chunk: int | None = None             # largest prefill chunk (None: the graphs' largest; 0: off)
     next_visit: bool = True                      # reuse: read the adapter's next-visit heads where there are any
+    next_visits: int | None = None               # at most this many of them (None: all the adapter has)
     reuse_classes: bool = True                   # reuse: score by the table's frequency classes where it has them
 
+    def visits_read(self, heads: int) -> int:
+        """How many of an adapter's `heads` next-visit heads the reuse eviction reads under this config."""
+        if not self.next_visit or self.policy.eviction != "reuse":
+            return 0
+        return heads if self.next_visits is None else min(heads, self.next_visits)
+
     def __post_init__(self):
+        if self.next_visits is not None and not (is_int(self.next_visits) and self.next_visits >= 0):
+            raise SpecPrefetchError(f"--next-visits {self.next_visits}: a whole number >= 0")
         if not (self.pool_mib > 0 and self.pool_mib < float("inf")):
             raise SpecPrefetchError(f"--pool-mib {self.pool_mib}: must be a positive number")
         if self.window < 1:
@@ -248,7 +258,7 @@ class Runner:
             source.prepare(list(prompt_ids) + recorded.tokens)
         planner = PrefetchPlanner(source, num_layers=L, window=cfg.window, routing=m.routing,
                                   score_bias=m.score_bias, preds_horizons=m.preds_horizons,
-                                  next_visits=m.next_visits if cfg.next_visit and cfg.policy.eviction == "reuse" else 0)
+                                  next_visits=cfg.visits_read(m.next_visits))
         state = RoutingState(L, m.hidden_size, k)
         state.future = recorded.routing if recorded is not None else None
         io = self._open_io()

@@ -142,7 +142,7 @@ def simulate_policy(batches: list[RoutingBatch], predictor, geo: Geometry, profi
         Lt = b.num_layers
         preds = {}
         # the adapter's next-visit heads, for the reuse eviction (toolkit/runtime/reuse.py): horizons Lt, 2Lt, ...
-        visits = (getattr(predictor, "next_visits", 0) if cfg.next_visit and policy.eviction == "reuse" else 0)
+        visits = cfg.visits_read(getattr(predictor, "next_visits", 0))
         if predictor is not None:
             for h in range(1, W + 1):
                 for i in range(Lt):
