@@ -14,7 +14,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from adapters.lowrank import PrefetchAdapter
-from adapters.reuse import MAX_NEXT_VISITS, ReuseTable
+from adapters.reuse import ReuseTable, parse_next_visits
 from toolkit import __version__
 from toolkit.artifacts import atomic_directory, read_json, sha256_file, write_json_atomic
 from toolkit.errors import SpecPrefetchError
@@ -107,18 +107,13 @@ def check_meta(meta: Any, file: Path) -> None:
 
 
 def meta_next_visits(meta: dict[str, Any], file: Path) -> int:
-    """How many next visits the adapter's heads predict per layer: 'next_visits' (0..MAX_NEXT_VISITS), or an
-    older adapter's 'next_visit' (true: one; neither: none). More than none only with cross_token."""
-    if "next_visits" in meta:
-        nv, key, what = meta["next_visits"], "next_visits", f"an integer in 0..{MAX_NEXT_VISITS}"
-        ok = is_int(nv) and 0 <= nv <= MAX_NEXT_VISITS
-    else:   # written before the heads predicted more than one visit
-        nv, key, what = meta.get("next_visit", False), "next_visit", "true or false"
-        ok = isinstance(nv, bool)
-    if not ok or (nv and not meta["cross_token"]):
+    """How many next visits the adapter's heads predict per layer (adapters/reuse.py, parse_next_visits: an
+    older adapter's 'next_visit' true is one). More than none only with cross_token."""
+    nv, key, what = parse_next_visits(meta)
+    if nv is None or (nv and not meta["cross_token"]):
         raise SpecPrefetchError(f"{file}: malformed adapter config: {key!r} must be {what} (more than none only "
-                                f"with cross_token), not {json.dumps(nv)[:60]}")
-    return int(nv)
+                                f"with cross_token), not {json.dumps(meta.get(key))[:60]}")
+    return nv
 
 
 def read_adapter_meta(path: Path) -> dict[str, Any]:

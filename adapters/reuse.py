@@ -34,6 +34,18 @@ MAX_CLASSES = 64
 MAX_NEXT_VISITS = 4  # the adapter's next-visit heads per layer, at most (train --next-visits)
 
 
+def parse_next_visits(d: dict[str, Any]) -> tuple[int | None, str, str]:
+    """(N, the key read, what it must be) of an adapter.json's or a manifest predictor's next-visit heads:
+    'next_visits' (0..MAX_NEXT_VISITS), or, absent or null, an older file's 'next_visit' (true: one; neither:
+    none); N is None where the value is malformed (the caller names its file)."""
+    if d.get("next_visits") is not None:
+        v = d["next_visits"]
+        return (v if is_int(v) and 0 <= v <= MAX_NEXT_VISITS else None), "next_visits", \
+            f"an integer in 0..{MAX_NEXT_VISITS}"
+    v = d.get("next_visit", False)   # written before the heads predicted more than one visit
+    return (int(v) if isinstance(v, bool) else None), "next_visit", "true or false"
+
+
 @dataclasses.dataclass(frozen=True)
 class ReuseTable:
     bits: int

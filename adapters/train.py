@@ -191,7 +191,7 @@ def train_adapter(trace: Path, out: Path, cfg: TrainConfig, *, model: str | Path
                                                                  for j in range(1, cfg.next_visits + 1)):
         raise SpecPrefetchError(f"--next-visit-weight {cfg.next_visit_weight:g}: this model's next visits (horizons "
                                 f"{L}..{cfg.next_visits * L}) are all among --horizons; weigh them with "
-                                f"--horizon-weights {L}:W")
+                                f"--horizon-weights " + ",".join(f"{j * L}:W" for j in range(1, cfg.next_visits + 1)))
     inputs = (Path(trace).resolve(), spec.path)
     claim_output(out, kind="adapter", overwrite=overwrite, inputs=inputs)  # before the training, not after
     if not reader.shards("train"):
@@ -211,7 +211,8 @@ def train_adapter(trace: Path, out: Path, cfg: TrainConfig, *, model: str | Path
                               cross_token=cfg.cross_token, next_visits=cfg.next_visits,
                               seed=cfg.seed).to(cfg.device)
     weights = torch.tensor([cfg.pair_weight(h, adapter.num_layers) for _, h in adapter.pairs], device=cfg.device)
-    val = [b.to(cfg.device) for b in validation_batches(reader, ahead=adapter.tokens_ahead)]
+    val = [b.to(cfg.device) for b in validation_batches(reader, ahead=adapter.tokens_ahead,
+                                                        max_bytes=cfg.max_memory_mb * 2**20)]
     if not val:
         raise SpecPrefetchError(f"trace {trace}: its validation sequences (5% of the {n_train} train "
                                 "sequences, at least one) store no router inputs; trace more sequences")

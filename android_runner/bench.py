@@ -196,6 +196,7 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
     store = ExpertStore(Path(bundle) / m["runtime"]["expert_store"])
     check_budget_kib(read_budget_kib, store.slot_bytes, "--read-budget-kib")
     L, E, k = store.num_layers, store.num_experts, m["routing"]["top_k"]
+    heads = manifest_next_visits(m, Path(bundle) / "manifest.json")   # the bundle's next-visit heads
     for label, v in knobs.items():   # the runners' window looks one token ahead at most
         if v.get("window", 1) > L:
             raise SpecPrefetchError(f"--variant {label}: window must be 1..{L} (the bundle's MoE layers)")
@@ -206,7 +207,6 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
             if m["predictor"]["reuse"].get("classes") is None:
                 raise SpecPrefetchError(f"--variant {label}: the bundle's reuse table has no frequency classes "
                                         "(an adapter trained with --reuse-classes 1, or before them)")
-        heads = manifest_next_visits(m, Path(bundle) / "manifest.json")
         if "next_visits" in v and not (m["predictor"].get("reuse") is not None and v["next_visits"] < heads):
             raise SpecPrefetchError(f"--variant {label}: next_visits must be below the bundle's {heads} next-visit "
                                     "heads (read by its reuse eviction)")
@@ -296,7 +296,7 @@ def run(bundle: Path, *, prompts: int = 4, prompt_tokens: int = 32, new_tokens: 
     # the predictor with the reuse eviction where the bundle has its table (toolkit/runtime/reuse.py),
     # and with the window-only `prediction` eviction beside it
     reuse = m["predictor"].get("reuse") is not None
-    next_visit = reuse and manifest_next_visits(m, Path(bundle) / "manifest.json") > 0
+    next_visit = reuse and heads > 0
     base = ["on-demand+lru", "previous-token+lru", f"{graph}+{'reuse' if reuse else 'prediction'}", "oracle+belady"]
     policies = base + ([f"{graph}+prediction"] if reuse else []) + \
         ([f"{base[2]}{NO_NEXT_VISIT_TAG}"] if next_visit else []) + \

@@ -23,7 +23,7 @@ from export.target import Target, bundle_file
 from toolkit import __version__
 from toolkit.artifacts import read_json, sha256_file
 from adapters.checkpoint import check_model, read_adapter_meta
-from adapters.reuse import MAX_NEXT_VISITS, ReuseTable
+from adapters.reuse import ReuseTable, parse_next_visits
 from toolkit.errors import SpecPrefetchError
 from toolkit.jsonvalues import is_int, is_number
 from toolkit.models.loader import inspect_model_dir
@@ -279,18 +279,12 @@ def _validate(path: Path, mf: Path, m: Any, hash_store: bool = True) -> list[str
 
 
 def manifest_next_visits(m: dict[str, Any], mf: Path) -> int:
-    """How many next visits the bundle's preds rows predict per layer (horizons L, 2L, ...):
-    predictor.next_visits (0..MAX_NEXT_VISITS), or an older bundle's predictor.next_visit (true: one)."""
-    pred = m["predictor"]
-    if "next_visits" in pred:
-        nv = pred["next_visits"]
-        if not (is_int(nv) and 0 <= nv <= MAX_NEXT_VISITS):
-            raise SpecPrefetchError(f"{mf}: predictor.next_visits must be an integer in 0..{MAX_NEXT_VISITS}")
-        return nv
-    nv = pred.get("next_visit", False)   # a bundle exported before the heads predicted more than one visit
-    if not isinstance(nv, bool):
-        raise SpecPrefetchError(f"{mf}: predictor.next_visit must be true or false")
-    return int(nv)
+    """How many next visits the bundle's preds rows predict per layer (horizons L, 2L, ...; adapters/reuse.py,
+    parse_next_visits: an older bundle's predictor.next_visit true is one)."""
+    nv, key, what = parse_next_visits(m["predictor"])
+    if nv is None:
+        raise SpecPrefetchError(f"{mf}: predictor.{key} must be {what}")
+    return nv
 
 
 def check_store_record(store: ExpertStore, m: dict[str, Any], mf: Path) -> None:

@@ -206,11 +206,12 @@ def test_next_visit_eviction_decides_as_the_reference(native, next_visit_bundle,
     prompt = PROMPTS[0] * 3 + [17]
     ref = reference_tokens(embedded, prompt, NEW)
     heads = json.loads((next_visit_bundle / "manifest.json").read_text())["predictor"].get("next_visits", 1)
-    # (name, RunConfig's, the native runner's): all the heads, none, and (two heads) the first only
-    configs = [("all", {}, ()), ("off", {"next_visit": False}, ("--no-next-visit",))] + \
-        ([("one", {"next_visits": 1}, ("--next-visits", "1"))] if heads == 2 else [])
+    # (name, pool, RunConfig's, the native runner's): all the heads, none, and (two heads) the first only; and
+    # (two heads) a pool of 64 slots, 8 a layer, where the sets are 2k (at 16 slots they are the layer's 2)
+    configs = [("all", pool, {}, ()), ("off", pool, {"next_visit": False}, ("--no-next-visit",))] + \
+        ([("one", pool, {"next_visits": 1}, ("--next-visits", "1")), ("wide", 8.0, {}, ())] if heads == 2 else [])
     evicts = {}
-    for name, py, args in configs:
+    for name, pool, py, args in configs:
         session = open_session(next_visit_bundle, RunConfig(policy=Policy.parse(policy), io="threads",
                                                             pool_mib=pool, **py))
         (tmp_path / name).mkdir()
@@ -221,7 +222,7 @@ def test_next_visit_eviction_decides_as_the_reference(native, next_visit_bundle,
         assert decisions(lines) == decisions(log.lines), name
         evicts[name] = [ln for ln in decisions(lines) if "evict" in str(ln)]
     assert evicts["all"] and evicts["all"] != evicts["off"]
-    assert heads == 1 or evicts["one"] not in (evicts["all"], evicts["off"])
+    assert heads == 1 or (evicts["one"] not in (evicts["all"], evicts["off"]) and evicts["wide"])
 
 
 @pytest.mark.slow
@@ -260,19 +261,23 @@ def test_an_exported_next_visit_adapter_decides_alike_in_both_engines(native, em
 
 
 def test_next_visit_rows_must_hold_horizon_L(native, next_visit_bundle, tmp_path):
-    """predictor.next_visit(s) with a layer whose preds rows lack horizon L is refused by both engines."""
+    """predictor.next_visit(s) with a layer whose preds rows lack one of its visits' horizons (L, or 2L with
+    two visits) is refused by both engines, naming the horizon."""
     b = tmp_path / "bundle"
     shutil.copytree(next_visit_bundle, b)
     m = json.loads((b / "manifest.json").read_text())
+    L = len(m["model"]["moe_layers"])
+    two = m["predictor"].get("next_visits") == 2
     first = next(iter(m["predictor"]["preds_rows"]))
-    m["predictor"]["preds_rows"][first] = [1, 2]
+    m["predictor"]["preds_rows"][first] = [L] if two else [1, 2]   # two visits: the second's row missing
     (b / "manifest.json").write_text(json.dumps(m))
+    missing = f"lacks horizon {2 * L if two else L} "
     r = run_native((b, native[1]), "--prompt-ids", "1,2,3", "--max-new-tokens", 2, check=False)
-    assert r.returncode != 0 and "predictor.next_visit" in r.stderr and "lacks horizon" in r.stderr, r.stderr
+    assert r.returncode != 0 and "predictor.next_visit" in r.stderr and missing in r.stderr, r.stderr
     from export.manifest import validate_bundle
     from toolkit.errors import SpecPrefetchError
 
-    with pytest.raises(SpecPrefetchError, match="lacks horizon"):
+    with pytest.raises(SpecPrefetchError, match=missing):
         validate_bundle(b, hash_store=False)
 
 

@@ -22,7 +22,7 @@ from toolkit.models.loader import inspect_model_dir, load_model
 from toolkit.models.routers import load_router_bank
 from toolkit.models.tiny import TINY_FAMILIES
 from toolkit.predictors.base import AdapterPredictor, NextGate
-from toolkit.traces.batches import ShardStream, batch_from_shard, iter_batches
+from toolkit.traces.batches import ShardStream, _dense_probs, batch_from_shard, iter_batches
 from toolkit.predictors.draft import fake_quant, make_draft, speculative_generate
 from toolkit.predictors.evaluate import ALL, evaluate, write_reports
 from toolkit.traces.capture import TraceSettings, run_trace
@@ -70,6 +70,29 @@ def test_cross_token_targets_come_from_the_next_token(emb_trace):
     assert ok2.all() and torch.equal(same, b.ids[:, 3])
     last = a["seq"][rows] != a["seq"][np.minimum(rows + 1, len(a["seq"]) - 1)]
     assert not ok[torch.from_numpy(last)].any()  # a sequence's last token has no next token
+
+
+def test_targets_several_tokens_on_come_from_those_tokens(emb_trace):
+    """Built with ahead=3, a batch's targets 2 and 3 tokens on (the next-visit heads' horizons 2L, 3L and the
+    window's past them) are those tokens' routing, valid only where the sequence (and the shard) has them;
+    a batch built with less refuses such a target."""
+    r = TraceReader(emb_trace)
+    a = next(r.iter_shards("train"))
+    b = batch_from_shard(a, r.num_experts, ahead=3)
+    rows, n, L = a["hidden_rows"], len(a["seq"]), b.num_layers
+    assert b.later_ids.shape[1] == 2 and b.later_probs.shape[1] == 2
+    for d in (2, 3):
+        for i, layer in ((0, 0), (5, 5), (6, 2)):          # (source layer, target layer): horizon dL + layer - i
+            ids, ok = b.target_ids(i, d * L + layer - i)
+            probs = b.target_probs(i, d * L + layer - i)
+            there = (rows + d < n) & (a["seq"][np.minimum(rows + d, n - 1)] == a["seq"][rows])
+            assert torch.equal(ok, torch.from_numpy(there)) and there.any() and not there.all()
+            j = np.nonzero(there)[0]
+            assert torch.equal(ids[j], torch.from_numpy(a["expert_ids"][rows[j] + d, layer].astype(np.int64)))
+            want = torch.from_numpy(_dense_probs(a, r.num_experts)[rows[j] + d, layer].astype(np.float32))
+            assert torch.equal(probs[j], want)
+    with pytest.raises(ValueError, match="ahead=1"):
+        batch_from_shard(a, r.num_experts).target_ids(0, 2 * L)
 
 
 def test_untrained_adapter_is_next_gate(embedded, emb_trace):

@@ -64,6 +64,38 @@ def test_train_writes_an_adapter_that_loads(adapter, trace, tiny_models):
         assert 0.0 <= meta["validation"]["adapter"]["recall_at_k"][h] <= 1.0
 
 
+def test_an_older_adapters_next_visit_is_read_as_one_visit(adapter, tiny_models, tmp_path):
+    """An adapter.json written before `next_visits` ('next_visit': true / false) loads as one / no visit; a
+    malformed value of either key, or more visits than its weights hold, is refused naming the file."""
+    import shutil
+
+    from toolkit.errors import SpecPrefetchError
+
+    spec = inspect_model_dir(tiny_models[FAMILY])
+    old = tmp_path / "old"
+    shutil.copytree(adapter, old)
+    meta = json.loads((old / "adapter.json").read_text())
+    del meta["next_visits"]
+
+    def with_(**kv):
+        (old / "adapter.json").write_text(json.dumps({**meta, **kv}))
+        return old
+
+    ad, _ = load_adapter(with_(next_visit=True), spec)
+    assert ad.next_visits == 1 and len(ad.pairs) == 9
+    ad, _ = load_adapter(with_(next_visits=None, next_visit=True), spec)   # null: as absent
+    assert ad.next_visits == 1
+    with pytest.raises(SpecPrefetchError, match="tensor shapes"):          # no heads: 6 pairs, the weights hold 9
+        load_adapter(with_(next_visit=False), spec)
+    for bad, key in (({"next_visit": 1}, "'next_visit'"), ({"next_visits": 5}, "'next_visits'"),
+                     ({"next_visits": True}, "'next_visits'"),
+                     ({"next_visits": 1, "cross_token": False}, "cross_token")):
+        with pytest.raises(SpecPrefetchError, match=f"adapter.json: malformed adapter config: .*{key}"):
+            load_adapter(with_(**bad), spec)
+    with pytest.raises(SpecPrefetchError, match="tensor shapes"):          # two visits: 12 pairs
+        load_adapter(with_(next_visits=2), spec)
+
+
 def test_eval_writes_json_markdown_and_plot(adapter, trace, tmp_path):
     out = tmp_path / "eval.json"
     r = invoke("eval", trace, "--adapter", adapter, "--json", out)

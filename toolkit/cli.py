@@ -292,6 +292,8 @@ def store(model, out, dtype, overwrite) -> None:
                    "needs a profile with a prefill rate); 0: decode only")
 @click.option("--no-next-visit", "no_next_visit", is_flag=True,
               help="the reuse eviction without the adapter's next-visit heads (as run --no-next-visit)")
+@click.option("--next-visits", "next_visits", type=click.IntRange(min=0), default=None,
+              help="the reuse eviction reads at most N of the adapter's next-visit heads (as run --next-visits)")
 @click.option("--no-reuse-classes", "no_reuse_classes", is_flag=True,
               help="the reuse eviction with the whole reuse table, not its frequency classes (as run "
                    "--no-reuse-classes)")
@@ -299,8 +301,8 @@ def store(model, out, dtype, overwrite) -> None:
 @json_report
 @friendly_errors(interrupt=NOT_WRITTEN)
 def simulate(traces, policies, adapter, profile, pool_mib, windows, queue_depth, dtype, geometry, split,
-             max_sequences, prompt_tokens, no_next_visit, no_reuse_classes, min_confidence, step_budget_kib,
-             read_budget_kib, json_out, overwrite) -> None:
+             max_sequences, prompt_tokens, no_next_visit, next_visits, no_reuse_classes, min_confidence,
+             step_budget_kib, read_budget_kib, json_out, overwrite) -> None:
     """Replay TRACES through the pool and scheduler against a device profile: TPOT, stall, hit
     rate, MiB read and wasted prefetch per policy; sweeps give a table and plots."""
     from toolkit.runtime.profiles import profile_dir
@@ -315,7 +317,8 @@ def simulate(traces, policies, adapter, profile, pool_mib, windows, queue_depth,
               windows=windows, queue_depth=queue_depth, dtype=dtype, geometry=geometry, adapter=adapter,
               split=split, max_sequences=max_sequences, min_confidence=min_confidence,
               step_budget_kib=step_budget_kib, read_budget_kib=budget_or_none(read_budget_kib),
-              prompt_tokens=prompt_tokens, next_visit=not no_next_visit, reuse_classes=not no_reuse_classes)
+              prompt_tokens=prompt_tokens, next_visit=not no_next_visit, next_visits=next_visits,
+              reuse_classes=not no_reuse_classes)
     write_sweep(r, json_out)
     click.echo(markdown(r))
     click.echo(wrote(c))
@@ -634,7 +637,8 @@ def runner_build(bundle, abi, out, force, tokenizer, overwrite) -> None:
 @click.option("--variant", "variants", multiple=True, metavar="KEY=V[,KEY=V]",
               help="also the predictor's policy with these scheduler settings (window, queue_depth, "
                    "candidate_threshold, min_confidence; reuse_classes=off: the whole reuse table, not its frequency "
-                   "classes) instead of the bundle's, in the same rounds and simulated (repeatable)")
+                   "classes; next_visits=N: at most N of its next-visit heads) instead of the bundle's, in the same "
+                   "rounds and simulated (repeatable)")
 @json_report
 @friendly_errors(interrupt=NOT_WRITTEN)
 def runner_bench(bundle, prompts, new_tokens, rounds, pool_fracs, threads, ablation, read_budget_kib, images,

@@ -333,7 +333,7 @@ Bundle parse_manifest(const std::string& text, const std::string& where) {
     }
   }
   if (const json* v = optional(pred, "next_visits", where, "predictor"))
-    b.next_visits = to_int(as_int(*v, where, "predictor.next_visits", 0, Bundle::kMaxNextVisits));
+    b.next_visits = to_int(as_int(*v, where, "predictor.next_visits", 0, kMaxNextVisits));
   else if (const json* old = optional(pred, "next_visit", where, "predictor"))  // exported before next_visits
     b.next_visits = as_bool(*old, where, "predictor.next_visit") ? 1 : 0;
   const int L = static_cast<int>(b.moe_layers.size());

@@ -92,7 +92,6 @@ struct Bundle {
   // hold horizons L, 2L, ..., NL (L = moe_layers.size()), the adapter's next-visit heads, which the reuse
   // eviction reads (pool.h, ReuseHistory)
   int next_visits = 0;
-  static constexpr int kMaxNextVisits = 4;  // adapters/reuse.py: MAX_NEXT_VISITS
   double pool_mib = 0;             // runtime.pool_mib: default expert pool budget (> 0, finite)
   // runtime.expert_store_source / expert_store_index_sha256: the exported store's identity (the
   // digest of the weights it was built from; the sha256 of its header, index and metadata), both

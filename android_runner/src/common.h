@@ -10,6 +10,9 @@
 
 namespace spx {
 
+// the adapter's next-visit heads per MoE layer, at most (adapters/reuse.py: MAX_NEXT_VISITS)
+constexpr int kMaxNextVisits = 4;
+
 // Every refusal is an Error whose message is one line naming the file or option at fault; main()
 // prints "specprefetch-runner: error: <message>" and exits non-zero.
 struct Error : std::runtime_error {

@@ -233,6 +233,11 @@ SPX_API int spx_set_next_visits(void* h, int layer, int64_t target, const int32_
     auto* r = H(h)->sched->reuse();
     if (r == nullptr) throw spx::Error("set_next_visits: the pool does not evict by reuse");
     check_key(H(h), layer, 0);
+    if (visits < 0 || visits > spx::kMaxNextVisits)
+      throw spx::Error("set_next_visits: " + std::to_string(visits) + " visits, not 0.." +
+                       std::to_string(spx::kMaxNextVisits));
+    for (int j = 0; j < visits; ++j)
+      if (sizes[j] < 0) throw spx::Error("set_next_visits: a set of " + std::to_string(sizes[j]) + " experts");
     std::vector<std::vector<int>> sets;
     for (int j = 0, at = 0; j < visits; at += sizes[j++]) {
       for (int i = 0; i < sizes[j]; ++i) check_key(H(h), layer, experts[at + i]);

@@ -2,7 +2,7 @@
 
 A predictor looks at the state at MoE layer i of token t (a `RoutingBatch` row: router inputs up to
 layer i, this and earlier tokens' routing) and scores the experts of a future step: MoE layer i + h,
-which is layer i + h - L of the next token when i + h runs past the last layer. Higher score = more
+which is layer (i + h) mod L of the token (i + h) // L on when i + h runs past the last layer. Higher score = more
 likely. `window(batch, i, W)` gives the scored sets of the next W steps, which is what the
 scheduler consumes. Rankings of router-based predictors go through the family's own selection rule
 (`RouterBank.selection_scores`), so bias and group limits apply.

@@ -86,15 +86,19 @@ def evaluate(trace: Path, *, predictors: list[str], adapter: Path | None = None,
         raise SpecPrefetchError(f"trace {trace} has no held-out split (trace with --heldout-frac > 0)")
     L = len(reader.moe_layers)
     visit_hs: set[int] = set()   # the next-visit heads' horizons (L, 2L, ...): every source layer has them
-    if horizons is None:
-        horizons = (1, 2)
-        if adapter is not None:
-            from adapters.checkpoint import meta_next_visits, read_adapter_meta
+    meta = None
+    if adapter is not None:
+        from adapters.checkpoint import meta_next_visits, read_adapter_meta
 
-            meta = read_adapter_meta(Path(adapter))
-            # with next-visit heads, their horizons too: L, 2L, ..., each layer's next visits
-            visit_hs = {j * L for j in range(1, meta_next_visits(meta, Path(adapter) / "adapter.json") + 1)}
-            horizons = tuple(sorted(set(meta["horizons"]) | visit_hs))
+        meta = read_adapter_meta(Path(adapter))
+        visit_hs = {j * L for j in range(1, meta_next_visits(meta, Path(adapter) / "adapter.json") + 1)}
+    if horizons is None:   # the adapter's (with next-visit heads, theirs too: L, 2L, ..., each layer's next visits)
+        horizons = (1, 2) if meta is None else tuple(sorted(set(meta["horizons"]) | visit_hs))
+    beyond = [h for h in horizons if h >= 2 * L and h not in visit_hs]
+    if beyond:   # past the next token only a next-visit head predicts (the others would be scored on nothing)
+        heads = ", ".join(map(str, sorted(visit_hs))) or "none"
+        raise SpecPrefetchError(f"--horizons {','.join(map(str, horizons))}: horizon {beyond[0]} lies past the next "
+                                f"token; there only the adapter's next-visit heads' horizons ({heads}) are scored")
     preds, notes = build_predictors(predictors, reader, spec, adapter, draft_bits)
     batches, image_batches = [], []
     # held-out decode tokens; and, for a vision-language trace, its image tokens (prompt positions, each

@@ -45,8 +45,10 @@ def _predicting(pol: Policy) -> bool:
 
 def _takes(pol: Policy, v: dict) -> bool:
     """Whether the --variant settings `v` make a row of `pol`: a predicting policy (any policy where `v` sets
-    only `host`, whose scheduler decides), and for reuse_classes one that evicts by the reuse table."""
-    return (set(v) <= {"host"} or _predicting(pol)) and ("reuse_classes" not in v or pol.eviction == "reuse")
+    only `host`, whose scheduler decides), and for reuse_classes and next_visits one that evicts by the reuse
+    table."""
+    return (set(v) <= {"host"} or _predicting(pol)) and (not {"reuse_classes", "next_visits"} & set(v)
+                                                         or pol.eviction == "reuse")
 
 
 def _prompts(tokenizer, n: int, tokens: int, data: Path | None) -> list[list[int]]:
@@ -294,6 +296,7 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
                     candidate_threshold=knob.get("candidate_threshold", defaults.candidate_threshold),
                     read_budget_kib=auto_budget["kib"] if budget == "auto" else budget,
                     reuse_classes=knob.get("reuse_classes", True), copy_depth=knob.get("queue_depth"),
+                    next_visits=knob.get("next_visits"),
                     host=knob.get("host", "python"))
 
     def one(pol: Policy, mib: float, p: int, *, k: int = 8, preload: bool = False, resident_graph: bool = False,
@@ -317,6 +320,11 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
                  if pol.eviction == "reuse" and getattr(preds.get(pol.predictor), "next_visits", 0)]
     variants += [(f"{pol.name}{VARIANT_TAG}{label}", pol, True, v) for pol in policies
                  for label, v in knobs.items() if _takes(pol, v)]
+    for label, pol, _, v in variants:   # a cap that reads fewer heads than the adapter has, or it is no variant
+        heads = getattr(preds.get(pol.predictor), "next_visits", 0)
+        if "next_visits" in v and v["next_visits"] >= heads:
+            raise SpecPrefetchError(f"--variant {label.partition(VARIANT_TAG)[2]}: next_visits must be below the "
+                                    f"{heads} next-visit heads of {pol.predictor} (row {label})")
 
     # the oracle's future: one recorded pass per prompt (routing does not depend on the policy)
     recorded = {p: eng.record(ids[p], new_tokens) for p in range(len(ids))}

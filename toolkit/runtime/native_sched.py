@@ -193,7 +193,7 @@ class NativePool:
     evictions = property(lambda self: self._s._pool_info(0))
     wasted_prefetches = property(lambda self: self._s._pool_info(1))
     peak_bytes = property(lambda self: self._s._pool_info(2))
-    capacity = property(lambda self: self._s._pool_info(5))   # slots (the C++ pool's, which caps it at L x E)
+    capacity = property(lambda self: self._s._pool_info(5))   # slots (budget // slot bytes, as the Python pool's)
 
     def unused_prefetches(self) -> int:
         """Slots a prefetch filled that no step has used yet."""

@@ -142,7 +142,7 @@ class PrefetchPlanner:
         self._future = None       # (the recorded future, position -> its rows as lists): the oracle's
         self._oracle_conf: dict[int, list[float]] = {}   # k -> the oracle's confidences, rank k first
 
-    def _note_next_visit(self, sched: WindowScheduler, li: int, target: int, rows: torch.Tensor) -> None:
+    def _note_next_visits(self, sched: WindowScheduler, li: int, target: int, rows: torch.Tensor) -> None:
         """The reuse eviction's prediction of layer li's next visits (the first at step `target`) from their
         logits rows [visits, E]."""
         n = next_visit_size(self.routing.top_k, rows.shape[-1], sched.pool.capacity, self.L)
@@ -192,7 +192,7 @@ class PrefetchPlanner:
         r = self.next_visit_rows.get(li)
         if r is not None and preds is not None and sched.reuse is not None:
             P = len(self.rows[li])
-            self._note_next_visit(sched, li, self._target(li, step, L, T), preds.reshape(T, P, -1)[T - 1, r])
+            self._note_next_visits(sched, li, self._target(li, step, L, T), preds.reshape(T, P, -1)[T - 1, r])
         hs = [h for h in range(1, self.W + 1) if self._target(li, step, h, T) < end]
         if self.source is None or not hs:
             sched.plan_probs(step, [], None)
@@ -305,7 +305,7 @@ class PrefetchPlanner:
         Targets at or past step `end` (positions the run will not reach) are not planned."""
         r = self.next_visit_rows.get(li)
         if r is not None and preds is not None and sched.reuse is not None:
-            self._note_next_visit(sched, li, step + self.L, preds.reshape(len(self.rows[li]), -1)[r])
+            self._note_next_visits(sched, li, step + self.L, preds.reshape(len(self.rows[li]), -1)[r])
         W = self.W if end is None else min(self.W, end - 1 - step)
         host_nv = self.host_visits > 0 and sched.reuse is not None
         folded = None
@@ -316,7 +316,7 @@ class PrefetchPlanner:
             rows = (folded[0][[folded[1].index(h) for h in self.visit_hs]] if folded is not None
                     else torch.stack([self.source.next_visit_logits(state.hidden[:, li], li, j)[0]
                                       for j in range(1, self.host_visits + 1)]))
-            self._note_next_visit(sched, li, step + self.L, rows)
+            self._note_next_visits(sched, li, step + self.L, rows)
         if self.source is None or W < 1:
             sched.plan_probs(step, [], None)
             return

@@ -32,7 +32,9 @@ last position's rows), set after the step's acquire (`set_next_visits`). An expe
 prediction is for its layer's next visits (the prediction's first target step is the next visit v0)
 counts as used at the first visit v0 + (j - 1) L whose set holds it, and if none does, its history N
 unused visits on scores it (`16 * (v0 + N L) + L * (table[history << N] - 16)`). Outside the window
-and the prediction, the history alone, as above.
+and the prediction, the history alone, as above. (A prefill span's last position predicts its visits as
+if the next unit were one position; where that unit is a chunk of several, its first visits are one step
+in fact: an approximation of prefill only, the same in both engines.)
 
 A table with frequency classes (adapters/reuse.py) scores each expert with its class's table in both
 places (`table[history]`), the same integers in every engine.
@@ -141,7 +143,7 @@ class ReuseHistory:
                     t = layer[li] = (v0, nv[1] if nv is not None and nv[0] == v0 else None, hist[li], tables[li])
                 v0, nxt, h, tabs = t
                 visits = whole if tabs is None else tabs[e]
-                if nxt is None:
+                if not nxt:   # no prediction (or one of no visits: as none, in both engines)
                     v = v0 * S + L * (visits[h.get(e, 0)] - S)
                 elif e in nxt[0]:   # the next visit is predicted to use it
                     v = v0 * S

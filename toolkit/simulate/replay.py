@@ -462,7 +462,8 @@ def run_simulation(trace: Path, *, policies: list[Policy], profile: DeviceProfil
                    max_sequences: int | None = None,
                    split: str = "heldout", candidate_threshold: float = 0.0, prompt_tokens: int = 0,
                    next_visit: bool = True, routing: dict[int, np.ndarray] | None = None,
-                   prefill_chunks: Sequence[int] | None = None, reuse_classes: bool = True) -> dict[str, Any]:
+                   prefill_chunks: Sequence[int] | None = None, reuse_classes: bool = True,
+                   next_visits: int | None = None) -> dict[str, Any]:
     """Replay the trace's `split` decode tokens under each policy. `routing`, if given: per traced
     sequence, the experts [positions, L, k] another engine selected at each position of the same tokens
     (a bundle's, from its runs), replayed instead of the trace's own (whose router inputs the
@@ -527,7 +528,7 @@ def run_simulation(trace: Path, *, policies: list[Policy], profile: DeviceProfil
         rc = RunConfig(policy=p, pool_mib=pool_mib, window=window, queue_depth=queue_depth,
                        min_confidence=min_confidence, candidate_threshold=candidate_threshold,
                        step_budget_kib=step_budget_kib, read_budget_kib=read_budget_kib, next_visit=next_visit,
-                       reuse_classes=reuse_classes)
+                       next_visits=next_visits, reuse_classes=reuse_classes)
         r = simulate_policy(batches, preds.get(p.predictor), geo, profile, rc, layer_map, reuse=reuse, prompts=warm)
         if prompt is not None:
             r.update(simulate_prefill(*prompt, preds.get(p.predictor), geo, profile, rc, layer_map, reuse=reuse))
@@ -549,6 +550,7 @@ def run_simulation(trace: Path, *, policies: list[Policy], profile: DeviceProfil
                                                             * min(geo.num_experts, reader.num_experts)), 4),
         "window": window, "queue_depth": queue_depth, "store_dtype": dtype,
         "next_visit": next_visit,  # whether adapter+reuse read the adapter's next-visit heads (where it has them)
+        "next_visits": next_visits,   # at most this many of them (None: all the adapter has)
         # whether the reuse eviction scored by the table's frequency classes (asked for, and the table has them
         # on this geometry: not where experts fold, replay's onto)
         "reuse_classes": bool(reuse_classes and reuse is not None and reuse.classes is not None),

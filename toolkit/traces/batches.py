@@ -251,17 +251,22 @@ class ShardStream:
             self.epochs += 1
 
 
-def validation_batches(reader: TraceReader, max_rows: int = 50_000, ahead: int = 1) -> list[RoutingBatch]:
-    """The validation sequences of the train split (at most `max_rows` tokens)."""
-    out, rows = [], 0
+def validation_batches(reader: TraceReader, max_rows: int = 50_000, ahead: int = 1,
+                       max_bytes: int | None = None) -> list[RoutingBatch]:
+    """The validation sequences of the train split: at most `max_rows` tokens, and past the first batch at most
+    `max_bytes` (ShardStream.nbytes: the tokens' routing ahead, `ahead` tokens of it, counts)."""
+    out, rows, held = [], 0, 0
     val = validation_seqs(reader)
     for a in reader.iter_shards("train"):
         b = batch_from_shard(a, reader.num_experts, ahead=ahead)
         if b is not None:
             b = b.select(in_set(b.seq, val))
             if len(b):
+                if out and max_bytes is not None and held + ShardStream.nbytes(b) > max_bytes:
+                    break
                 out.append(b)
                 rows += len(b)
+                held += ShardStream.nbytes(b)
                 if rows >= max_rows:
                     break
     return out
