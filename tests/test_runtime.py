@@ -821,14 +821,14 @@ def test_next_visit_heads_in_eval_eviction_bounds_and_the_simulator(sim_trace, e
     with pytest.raises(SpecPrefetchError, match="no next-visit heads"):
         eviction_bounds(sim_trace, [0.2], max_sequences=1, adapter=tmp_path / "b")
     reads = {}
-    for on, classes, visits in ((True, True, None), (False, True, None), ("whole", False, None), (1, True, 1)):
+    for on, classes, visits in ((True, True, None), (False, True, None), ("whole", False, None), ("one", True, 1)):
         s = run_simulation(sim_trace, policies=[Policy("adapter", "reuse")], profile=SNAPDRAGON_8_ELITE,
                            pool_mib=8, window=2, adapter=tmp_path / "a", max_sequences=4, next_visit=on is not False,
                            reuse_classes=classes, next_visits=visits)
         reads[on] = s["results"][0]["counts"]["bytes_read"]
         assert s["next_visits"] == visits
     assert reads[True] != reads[False] and reads[True] != reads["whole"], reads   # the heads; the classes
-    assert reads[1] not in (reads[True], reads[False]), reads   # the first visit's heads only
+    assert reads["one"] not in (reads[True], reads[False]), reads   # the first visit's heads only
     # every runner bench --variant key is a setting the simulator replays a row with (toolkit/bench/common.py)
     import inspect
 
