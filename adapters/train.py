@@ -21,7 +21,7 @@ from tqdm import tqdm
 from adapters.checkpoint import save_adapter
 from adapters.lowrank import PrefetchAdapter
 from adapters.reuse import CLASSES as REUSE_CLASSES
-from adapters.reuse import MAX_CLASSES, MAX_NEXT_VISITS, learn_class_reuse_table
+from adapters.reuse import MAX_CLASSES, MAX_NEXT_VISITS, NEXT_VISITS, learn_class_reuse_table
 from toolkit.errors import SpecPrefetchError
 from toolkit.jsonvalues import is_int, is_number
 from toolkit.metrics import recall, topk_hits
@@ -37,8 +37,8 @@ class TrainConfig:
     rank: int = 64
     horizons: tuple[int, ...] = (1, 2)
     cross_token: bool = True
-    # heads for each layer's next N visits (horizons L, 2L, ...), for the reuse eviction; None: 1 with
-    # cross_token, else 0
+    # heads for each layer's next N visits (horizons L, 2L, ...), for the reuse eviction; None: NEXT_VISITS
+    # (3) with cross_token, else 0
     next_visits: int | None = None
     horizon_weights: dict[int, float] | None = None  # default: 2.0 for h=1, 1.0 otherwise
     # the next-visit heads' loss weight (horizons L, 2L, ..., where not also one of `horizons`)
@@ -58,8 +58,8 @@ class TrainConfig:
     reuse_classes: int = REUSE_CLASSES
 
     def __post_init__(self):
-        if self.next_visits is None:  # the default: one, crossing the token boundary as cross_token does
-            self.next_visits = 1 if self.cross_token else 0
+        if self.next_visits is None:  # the default, crossing the token boundary as cross_token does
+            self.next_visits = NEXT_VISITS if self.cross_token else 0
 
     def validate(self) -> None:
         """One-line errors naming the option, before any work."""

@@ -528,10 +528,11 @@ def test_gpu_engine_takes_no_reuse_classes(tiny_models, stores, tiny_adapter, mo
 
 
 def test_reuse_eviction_reads_the_adapters_next_visit_heads(tiny_models, stores, tiny_adapter, monkeypatch):
-    """adapter+reuse on the GPU tier hands the reuse history each MoE layer's predicted next visit after
-    every decode layer: the 2k largest logits of the adapter's horizon-L head on that layer's router
-    input, for the step L later; --no-next-visit (RunConfig.next_visit) and the prediction eviction
-    hand none; the tokens are the same either way."""
+    """adapter+reuse on the GPU tier hands the reuse history each MoE layer's predicted next visits after
+    every decode layer: of each of the adapter's heads of horizons L, 2L, 3L (train's default: three) on that
+    layer's router input the largest logits, for the step L later; RunConfig.next_visits reads fewer;
+    --no-next-visit (RunConfig.next_visit) and the prediction eviction hand none; the tokens are the same
+    either way."""
     from toolkit.runtime import reuse as reuse_mod
     from toolkit.runtime.gpu_bench import gpu_predictors, gpu_reuse_table
     from toolkit.runtime.planner import RoutingState
@@ -539,7 +540,7 @@ def test_reuse_eviction_reads_the_adapters_next_visit_heads(tiny_models, stores,
     ad = tiny_adapter
     spec = inspect_model_dir(tiny_models["qwen3_moe"])
     preds = gpu_predictors(spec, {"adapter"}, ad)
-    assert preds["adapter"].next_visits == 1
+    assert preds["adapter"].next_visits == 3
     eng = GpuEngine(load_model(tiny_models["qwen3_moe"], dtype="float32"), ExpertStore(stores["qwen3_moe"], spec),
                     RunConfig(policy=Policy.parse("adapter+reuse"), pool_mib=64.0), device="cpu", predictors=preds,
                     reuse=gpu_reuse_table(spec, ["reuse"], ad))
@@ -563,17 +564,23 @@ def test_reuse_eviction_reads_the_adapters_next_visit_heads(tiny_models, stores,
     n_set = reuse_mod.next_visit_size(k, eng.E, eng.capacity, L)
     assert n_set == max(1, eng.capacity // L) < 2 * k
     for (li, _, sets), (li2, x) in zip(calls, inputs):
-        assert li == li2 and len(sets) == 1   # one visit: the adapter's heads
-        experts = sets[0]
-        # the n_set largest of the head's logits (the planner computes them folded with its window, in one
-        # matmul: rounding may differ in the last bit, so the set is checked against a margin)
-        logits = ad_pred.next_visit_logits(x[None], li)[0]
-        assert len(set(experts)) == n_set
-        rest = [e for e in range(eng.E) if e not in experts]
-        assert logits[experts].min() >= logits[rest].max() - 1e-4, (li, experts)
+        assert li == li2 and len(sets) == 3   # three visits: the adapter's heads
+        for j, experts in enumerate(sets, 1):
+            # the n_set largest of visit j's head's logits (the planner computes them folded with its window, in
+            # one matmul: rounding may differ in the last bit, so the set is checked against a margin)
+            logits = ad_pred.next_visit_logits(x[None], li, j)[0]
+            assert len(set(experts)) == n_set
+            rest = [e for e in range(eng.E) if e not in experts]
+            assert logits[experts].min() >= logits[rest].max() - 1e-4, (li, j, experts)
+    assert any(a != b for _, _, sets in calls for a, b in zip(sets, sets[1:]))   # the visits' heads differ
     # decode position p = len(prompt) + j, layer li: step p * L + li, its next visit L steps later
     assert [t for _, t, _ in calls] == [(len(prompt) + j) * L + li + L for j in range(len(g.tokens) - 1)
                                         for li in range(L)]
+    calls.clear()
+    eng.configure(next_visits=1)   # the first visit's head only
+    assert eng.run(prompt, 6).tokens == g.tokens
+    assert calls and all(len(sets) == 1 for _, _, sets in calls)
+    eng.configure(next_visits=None)
     for changes in ({"next_visit": False}, {"policy": Policy.parse("adapter+prediction")}):
         calls.clear()
         eng.configure(**changes)

@@ -116,11 +116,13 @@ def test_adapter_training_beats_next_gate(emb_adapter, emb_trace):
     for h in ("1", "2"):
         assert p["adapter"]["recall_at_k"][h] > p["next-gate"]["recall_at_k"][h]
         assert p["oracle"]["recall_at_k"][h] == 1.0
-    # 8 MoE layers x (2 window horizons + the next visit) pairs of rank 64 over H=256, E=32
-    assert p["adapter"]["params"] == 24 * 64 * (256 + 32) == 442_368 and p["next-gate"]["params"] == 0
-    assert 0.022 < r["share_of_model"] < 0.026
-    # the next-visit heads (horizon L = 8) beat the layer's own router on its own input (next-gate there)
-    assert p["adapter"]["recall_at_k"]["8"] > p["next-gate"]["recall_at_k"]["8"]
+    # 8 MoE layers x (2 window horizons + the next 3 visits) pairs of rank 64 over H=256, E=32
+    assert p["adapter"]["params"] == 40 * 64 * (256 + 32) == 737_280 and p["next-gate"]["params"] == 0
+    assert 0.037 < r["share_of_model"] < 0.043
+    # the next-visit heads (horizons L = 8, 16, 24) beat the layer's own router on its own input (next-gate
+    # there), the farther visits predicted less well than the next
+    rec = {h: (p["adapter"]["recall_at_k"][h], p["next-gate"]["recall_at_k"][h]) for h in ("8", "16", "24")}
+    assert all(a > g for a, g in rec.values()) and rec["8"][0] > rec["24"][0], rec
 
 
 def test_training_is_reproducible(emb_trace, tmp_path):
@@ -180,7 +182,7 @@ def test_eval_report_files(emb_adapter, emb_trace, tmp_path):
     j = json.loads((tmp_path / "e.json").read_text())
     assert j["k"] == 4 and set(j["predictors"]) == set(ALL)
     for _name, p in j["predictors"].items():
-        assert set(p["recall_at_k"]) == {"1", "2", "8"} and isinstance(p["params"], int)
+        assert set(p["recall_at_k"]) == {"1", "2", "8", "16", "24"} and isinstance(p["params"], int)
         assert all(0.0 <= x <= 1.0 for x in p["recall_at_k"].values())
         assert len(p["per_layer_recall_at_k"]["1"]) == 8
     assert j["predictors"]["draft"]["acceptance_rate"] > 0.5
@@ -240,8 +242,8 @@ def test_all_predictors_on_every_family(tiny_models, vl_data, fam, tmp_path):
                                                      horizons=(1, 2, 3)), progress=False)
     res = evaluate(trace, predictors=list(ALL), adapter=tmp_path / "a", progress=False)
     p = res["predictors"]
-    assert res["horizons"] == [1, 2, 3]
-    assert all(p["oracle"]["recall_at_k"][h] == 1.0 for h in ("1", "2", "3"))
+    assert res["horizons"] == [1, 2, 3, 6, 9]   # and the next visits' (L = 3: 3, 6, 9)
+    assert all(p["oracle"]["recall_at_k"][h] == 1.0 for h in ("1", "2", "3", "6", "9"))
     for name in ALL:
         assert all(0.0 <= v <= 1.0 for v in p[name]["recall_at_k"].values()), name
     assert p["draft"]["acceptance_tokens"] > 0

@@ -250,7 +250,7 @@ def test_adapter_next_visit_heads_train_save_and_load(tmp_path):
     with pytest.raises(ValueError, match="0..4"):
         PrefetchAdapter(num_layers=3, hidden_size=4, num_experts=5, next_visits=5)
     from adapters.train import TrainConfig
-    assert TrainConfig().next_visits == 1 and TrainConfig(cross_token=False).next_visits == 0  # the default
+    assert TrainConfig().next_visits == 3 and TrainConfig(cross_token=False).next_visits == 0  # the default
     TrainConfig(cross_token=False).validate()
     for bad in (5, -1, True, 1.5):
         with pytest.raises(SpecPrefetchError, match="--next-visits"):

@@ -53,9 +53,10 @@ def test_train_writes_an_adapter_that_loads(adapter, trace, tiny_models):
     assert not list(adapter.parent.glob(adapter.name + ".partial*"))   # no work directory of any process
     ad, meta = load_adapter(adapter, spec)
     assert meta["model"]["config_hash"] == spec.config_hash == TraceReader(trace).manifest["model"]["config_hash"]
-    assert (meta["rank"], meta["horizons"], meta["cross_token"], meta["next_visits"]) == (4, [1, 2], True, 1)
-    # 3 MoE layers x (2 horizons + the next visit), crossing into the next token past the last layer
-    assert len(ad.pairs) == 9 and ad.params() == meta["params"] == 9 * 4 * (64 + 8)
+    assert (meta["rank"], meta["horizons"], meta["cross_token"], meta["next_visits"]) == (4, [1, 2], True, 3)
+    # 3 MoE layers x (2 horizons + the next 3 visits, horizons 3, 6, 9), crossing into the next tokens
+    assert len(ad.pairs) == 15 and ad.params() == meta["params"] == 15 * 4 * (64 + 8)
+    assert {h for _, h in ad.pairs} == {1, 2, 3, 6, 9}
     assert 0 < meta["training"]["steps_run"] <= 20 and meta["training"]["best_step"] in (10, 20)
     t = load_file(str(adapter / "adapter.safetensors"))
     assert torch.equal(ad.A.data, t["A"]) and torch.equal(ad.B.data, t["B"])
@@ -71,10 +72,19 @@ def test_an_older_adapters_next_visit_is_read_as_one_visit(adapter, tiny_models,
 
     from toolkit.errors import SpecPrefetchError
 
+    from safetensors.torch import save_file
+
+    from toolkit.artifacts import sha256_file
+
     spec = inspect_model_dir(tiny_models[FAMILY])
     old = tmp_path / "old"
     shutil.copytree(adapter, old)
-    meta = json.loads((old / "adapter.json").read_text())
+    full, meta = load_adapter(adapter, spec)
+    # an older adapter: the window's heads and the next visit's (horizons up to L = 3), as it was written
+    keep = [n for n, (_, h) in enumerate(full.pairs) if h <= 3]
+    save_file({"A": full.A.data[keep].contiguous(), "B": full.B.data[keep].contiguous()},
+              str(old / "adapter.safetensors"))
+    meta = {**meta, "weights_sha256": sha256_file(old / "adapter.safetensors")}
     del meta["next_visits"]
 
     def with_(**kv):
@@ -94,6 +104,8 @@ def test_an_older_adapters_next_visit_is_read_as_one_visit(adapter, tiny_models,
             load_adapter(with_(**bad), spec)
     with pytest.raises(SpecPrefetchError, match="tensor shapes"):          # two visits: 12 pairs
         load_adapter(with_(next_visits=2), spec)
+    ad1, _ = load_adapter(with_(next_visit=True), spec)   # the heads it has are the trained adapter's
+    assert torch.equal(ad1.A.data[ad1.pair_index[(2, 3)]], full.A.data[full.pair_index[(2, 3)]])
 
 
 def test_eval_writes_json_markdown_and_plot(adapter, trace, tmp_path):
@@ -106,15 +118,15 @@ def test_eval_writes_json_markdown_and_plot(adapter, trace, tmp_path):
     assert j["decode_tokens"] == TraceReader(trace).manifest["tokens"]["heldout"]["decode"] > 0
     for name, p in j["predictors"].items():
         for key in ("recall_at_k", "recall_at_k_within_token"):
-            assert set(p[key]) == {"1", "2", "3"}  # 3: the next visit, never within the token
-            assert all(0.0 <= v <= 1.0 for h, v in p[key].items() if (h, key) != ("3", "recall_at_k_within_token")), \
-                (name, key, p[key])
-        assert p["recall_at_k_within_token"]["3"] is None
+            assert set(p[key]) == {"1", "2", "3", "6", "9"}  # 3, 6, 9: the next visits, never within the token
+            assert all(0.0 <= v <= 1.0 for h, v in p[key].items()
+                       if key == "recall_at_k" or h in ("1", "2")), (name, key, p[key])
+        assert [p["recall_at_k_within_token"][h] for h in ("3", "6", "9")] == [None] * 3
         assert all(0.0 <= v <= 1.0 for v in p["per_layer_recall_at_k"]["1"])
         assert len(p["per_layer_recall_at_k"]["1"]) == 3
     assert all(v == 1.0 for v in j["predictors"]["oracle"]["recall_at_k"].values())
     assert all(v == 1.0 for v in j["predictors"]["oracle"]["per_layer_recall_at_k"]["1"])
-    assert j["predictors"]["adapter"]["params"] == 9 * 4 * (64 + 8)  # with the next-visit heads
+    assert j["predictors"]["adapter"]["params"] == 15 * 4 * (64 + 8)  # with the next-visit heads
     table = md.read_text()
     assert table in r.output
     for name in ALL:

@@ -165,7 +165,7 @@ def trace(model, data, out, prompt_tokens, decode_tokens, max_sequences, probs_t
               help="let the last layers predict the next token's first layers")
 @click.option("--next-visits", type=click.IntRange(0, MAX_NEXT_VISITS), default=None,
               help="also train heads for each MoE layer's next N visits (the same layer of the next N tokens), which "
-                   "the reuse eviction reads (docs/runtime.md; 0: none) [default: 1 with --cross-token, 0 without]")
+                   "the reuse eviction reads (docs/runtime.md; 0: none) [default: 3 with --cross-token, 0 without]")
 @click.option("--horizon-weights", default=None,
               help="loss weight per horizon, e.g. '1:2,2:1' (default 2 for h=1, 1 otherwise)")
 @click.option("--topk-weight", type=FiniteFloat(0.0, inclusive=True), default=0.0, show_default=True,
