@@ -33,7 +33,7 @@ CLASSES = 4         # frequency classes per layer (train --reuse-classes)
 MAX_CLASSES = 64
 MAX_NEXT_VISITS = 4  # the adapter's next-visit heads per layer, at most (train --next-visits)
 # train's default with --cross-token: on the phone-class model's routing three visits read 4.4% less than one at
-# a 27% pool and 2.3% less at 13%, four no less than three (docs/benchmarks.md section 24)
+# a 27% pool and 0.5% less at 13%, four no less than three (docs/benchmarks.md section 24)
 NEXT_VISITS = 3
 
 

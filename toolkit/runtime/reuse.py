@@ -58,9 +58,9 @@ def next_visit_experts(logits, k: int):
 def next_visit_size(top_k: int, num_experts: int, capacity: int, num_layers: int) -> int:
     """How many of a next-visit head's largest logits count as its visit's prediction: 2k, but never more
     than a layer's share of the pool (capacity // L slots, at least 1), nor E. Sets larger than the experts
-    a layer can keep tell the eviction nothing (at a pool of 13% of the phone-class model's experts, 8 of
-    its 64 per layer, sets of 2k = 16 read 6% more than sets of 8 over four visits; at 27%, 17 per layer,
-    sets of 16 read 11% less than sets of 8: docs/benchmarks.md)."""
+    a layer can keep tell the eviction nothing: at a pool of 13% of the phone-class model's experts (8 of a
+    layer's 64 slots, k = 8) sets of 2k read 5-6% more than sets of 8 over three or four visits, while at
+    27% (17 slots a layer) the 2k = 16 the share allows read least (docs/benchmarks.md section 24)."""
     return max(1, min(num_experts, 2 * top_k, capacity // num_layers))
 
 
