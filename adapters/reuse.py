@@ -33,7 +33,8 @@ CLASSES = 4         # frequency classes per layer (train --reuse-classes)
 MAX_CLASSES = 64
 MAX_NEXT_VISITS = 4  # the adapter's next-visit heads per layer, at most (train --next-visits)
 # train's default with --cross-token: on the phone-class model's routing three visits read 4.4% less than one at
-# a 27% pool and 0.5% less at 13%, four no less than three (docs/benchmarks.md section 24)
+# a 27% pool and 0.5% less at 13%; four read 0.3% less than three at 27%, 0.8% more at 13% (docs/benchmarks.md
+# section 24)
 NEXT_VISITS = 3
 
 
@@ -45,7 +46,8 @@ def parse_next_visits(d: dict[str, Any]) -> tuple[int | None, str, str]:
         v = d["next_visits"]
         return (v if is_int(v) and 0 <= v <= MAX_NEXT_VISITS else None), "next_visits", \
             f"an integer in 0..{MAX_NEXT_VISITS}"
-    v = d.get("next_visit", False)   # written before the heads predicted more than one visit
+    v = d.get("next_visit")   # written before the heads predicted more than one visit (null: as absent)
+    v = False if v is None else v
     return (int(v) if isinstance(v, bool) else None), "next_visit", "true or false"
 
 

@@ -1,7 +1,8 @@
 """The native runner's file-reading half (android_runner/src: bundle, expert store, reader,
-safetensors, sha256, crc32), driven through android_runner/tests/check_bundle.cpp built with the
-host g++: a good ExecuTorch bundle passes with every expert read and CRC-checked, and every kind
-of damage is refused with one line naming the file (exit 1, no crash)."""
+safetensors, sha256, crc32), driven through android_runner/tests/check_bundle.cpp (the one the session's
+host runner build installs; NATIVE_SANITIZE=1: built here with ASan + UBSan): a good ExecuTorch bundle
+passes with every expert read and CRC-checked, and every kind of damage is refused with one line naming
+the file (exit 1, no crash)."""
 from __future__ import annotations
 
 import hashlib
@@ -21,6 +22,9 @@ from toolkit.runtime.expert_store import ExpertStore
 REPO = Path(__file__).resolve().parent.parent
 SRC = REPO / "android_runner" / "src"
 SOURCES = ["bundle.cpp", "expert_store.cpp", "reader.cpp", "safetensors.cpp", "sha256.cpp", "crc32.cpp"]
+SANITIZE = os.environ.get("NATIVE_SANITIZE") == "1"
+# the session's host runner build (which installs check_bundle): named, so the background build makes it
+pytestmark = [] if SANITIZE else [pytest.mark.usefixtures("native_host")]
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +32,7 @@ def tool(request, tmp_path_factory) -> Path:
     """check_bundle: the one the session's host runner build installs (its bin/, built with the runner by
     the background build). NATIVE_SANITIZE=1 compiles it here with AddressSanitizer and UBSan instead
     (objects built two at a time; any report fails the refusal tests)."""
-    if os.environ.get("NATIVE_SANITIZE") != "1":
+    if not SANITIZE:
         _, build = request.getfixturevalue("native_host")
         return build / "bin" / "check_bundle"
     if shutil.which("g++") is None or not Path("/usr/include/nlohmann/json.hpp").is_file():

@@ -303,10 +303,10 @@ def test_next_visit_weight_weighs_the_heads(tiny_models, tmp_path, monkeypatch):
         assert meta["training"]["reuse_classes"] == 4 and len(meta["reuse"]["class_visits16"]) == 4
         assert len(cls) == L and all(sorted(r) == sorted(np.arange(len(r)) * 4 // len(r)) for r in cls), cls
         assert len(seen) > 3                                      # training steps and validation batches
-        for pairs, weights in seen:
-            assert [x for (i, h), x in zip(pairs, weights) if h == L] == [w] * L
-            assert [x for (i, h), x in zip(pairs, weights) if h != L] == [2.0 if h == 1 else 1.0
-                                                                       for i, h in pairs if h != L]
+        for pairs, weights in seen:   # the next visits' heads (horizons L, 2L, 3L: train's default) weigh w
+            assert [x for (i, h), x in zip(pairs, weights) if h % L == 0] == [w] * 3 * L
+            assert [x for (i, h), x in zip(pairs, weights) if h % L] == [2.0 if h == 1 else 1.0
+                                                                      for i, h in pairs if h % L]
     for extra in (["--next-visits", "0", "--next-visit-weight", "0.5"],
                   ["--no-cross-token", "--next-visit-weight", "1"]):
         r = CliRunner().invoke(main, ["train", str(trace), "--out", str(tmp_path / "x"), *extra])
@@ -315,7 +315,8 @@ def test_next_visit_weight_weighs_the_heads(tiny_models, tmp_path, monkeypatch):
     L = len(spec.geometry.moe_layers)
     assert L <= 4    # the tiny model's next visit can be a window horizon: then --horizon-weights weighs it
     r = CliRunner().invoke(main, ["train", str(trace), "--out", str(tmp_path / "x"), "--horizons",
-                                  ",".join(map(str, range(1, L + 1))), "--next-visit-weight", "0.5"])
+                                  ",".join(map(str, range(1, L + 1))), "--next-visits", "1", "--next-visit-weight",
+                                  "0.5"])
     assert r.exit_code != 0 and f"--horizon-weights {L}:W" in r.output, r.output
     assert not (tmp_path / "x").exists()
     r = CliRunner().invoke(main, ["train", str(trace), "--out", str(tmp_path / "y"), "--next-visits", "0",

@@ -114,7 +114,7 @@ def test_eval_writes_json_markdown_and_plot(adapter, trace, tmp_path):
     md, png = out.with_suffix(".md"), out.with_suffix(".png")
     assert f"wrote {out}, {md}, {png}" in r.output
     j = json.loads(out.read_text())
-    assert set(j["predictors"]) == set(ALL) and j["horizons"] == [1, 2, 3] and j["k"] == 2
+    assert set(j["predictors"]) == set(ALL) and j["horizons"] == [1, 2, 3, 6, 9] and j["k"] == 2
     assert j["decode_tokens"] == TraceReader(trace).manifest["tokens"]["heldout"]["decode"] > 0
     for name, p in j["predictors"].items():
         for key in ("recall_at_k", "recall_at_k_within_token"):

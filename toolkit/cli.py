@@ -185,7 +185,7 @@ def trace(model, data, out, prompt_tokens, decode_tokens, max_sequences, probs_t
 @click.option("--seed", default=0, show_default=True)
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda")
 @click.option("--max-memory-mb", type=click.IntRange(min=1), default=512, show_default=True,
-              help="trace shards held in memory at once")
+              help="trace shards held in memory at once (the training stream's, and the validation set's)")
 @click.option("--overwrite", is_flag=True,
               help="replace an existing adapter at --out (only once the new one is complete)")
 @friendly_errors(interrupt=NOTHING_TO_OUT)
@@ -331,8 +331,8 @@ def simulate(traces, policies, adapter, profile, pool_mib, windows, queue_depth,
               help="pools as shares of all experts (comma list)")
 @click.option("--max-sequences", type=click.IntRange(min=1), default=None, help="held-out sequences to replay")
 @click.option("--adapter", type=click.Path(path_type=Path), default=None,
-              help="an adapter trained with --next-visit: adds the adapter-next-visit rules (with the whole "
-                   "reuse table, and with its frequency classes)")
+              help="an adapter with next-visit heads (train --next-visits): adds the adapter-next-visit rules (with "
+                   "the whole reuse table, and with its frequency classes; with N > 1 heads, next-visits-N too)")
 @click.option("--model", default=None, help="model directory (default: the one the trace records)")
 @click.option("--draft-lookahead", "draft_lookahead", type=IntList(), default=None,
               help="comma list of D: adds draft-lookahead-D, Belady's rule on a self-draft's routing of the D "

@@ -3,6 +3,7 @@
 //   specprefetch-runner BUNDLE (--prompt TEXT | --prompt-ids 1,2,3) [...] [--max-new-tokens N]
 //       [--policy PREDICTOR+EVICTION] [--pool-mib F|auto] [--window N] [--queue-depth N]
 //       [--min-confidence F] [--candidate-threshold F] [--step-budget-kib N] [--read-budget-kib N|auto|off] [--no-next-visit]
+//       [--next-visits N]
 //       [--no-reuse-classes] [--lanes N] [--threads N] [--routing FILE]
 //       [--json OUT] [--events OUT] [--no-verify] [--no-verify-hashes] [--cold] [--preload] [--isa NAME]
 //

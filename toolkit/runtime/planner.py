@@ -15,7 +15,7 @@ h from layer i targets MoE layer (i + h) of this chunk (i + h < L) or, past the 
 next unit (the next chunk or position, which starts at position p0 + T): target = step + h + (T - 1) * L
 there.
 
-With `next_visit` (the graph's preds rows hold the adapter's next-visit heads, horizons L, 2L, ..., or
+With `next_visits` (the graph's preds rows hold the adapter's next-visit heads, horizons L, 2L, ..., or
 a host predictor has them, and the pool evicts by `reuse`), every MoE layer's plan also hands the reuse
 eviction that layer's predicted next visits (toolkit/runtime/reuse.py): of each visit's row the
 `next_visit_size` largest logits (2k, at most the layer's share of the pool; a host predictor: of

@@ -58,9 +58,10 @@ def next_visit_experts(logits, k: int):
 def next_visit_size(top_k: int, num_experts: int, capacity: int, num_layers: int) -> int:
     """How many of a next-visit head's largest logits count as its visit's prediction: 2k, but never more
     than a layer's share of the pool (capacity // L slots, at least 1), nor E. Sets larger than the experts
-    a layer can keep tell the eviction nothing: at a pool of 13% of the phone-class model's experts (8 of a
-    layer's 64 slots, k = 8) sets of 2k read 5-6% more than sets of 8 over three or four visits, while at
-    27% (17 slots a layer) the 2k = 16 the share allows read least (docs/benchmarks.md section 24)."""
+    a layer can keep tell the eviction little: at a pool of 13% of the phone-class model's experts (8 slots
+    a layer, of its 64 experts; k = 8) sets of 2k read 5-6% more than sets of 8 over three or four visits,
+    while at 27% (17 slots a layer) the 2k = 16 the share allows read least. (One visit alone reads 1.8%
+    less with sets of 2k at 13%: one rule for every N is kept; docs/benchmarks.md section 24.)"""
     return max(1, min(num_experts, 2 * top_k, capacity // num_layers))
 
 

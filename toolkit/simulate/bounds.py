@@ -23,7 +23,7 @@ exactly, only predict it, or draft those tokens and read the draft's routing). W
 much of the oracle's advantage lies in knowledge of tokens after the next one, which only a predictor
 of the longer future (as the reuse table is) can recover in part.
 
-Two more rules know each MoE layer's *next visit* only (the next token's routing at that layer, as seen
+More rules know each MoE layer's *next visits* only (the next tokens' routing at that layer, as seen
 from the layer's latest visit), and past it score by the reuse rule with the history one unused visit
 on: `next-visit` knows it exactly (a ceiling), `adapter-next-visit` predicts it with the adapter's
 next-visit heads (`train --next-visits N`): an expert among the heads' largest scores at that layer
@@ -194,7 +194,7 @@ def replay(ids: np.ndarray, kinds: np.ndarray, capacity: int, rule: str, table,
 
 
 def adapter_next_sets(reader: TraceReader, adapter: Path, seq_ids: list[int], spec,
-                      bank) -> tuple[int, list[dict[tuple[int, int], list[set[int]]]]]:
+                      bank) -> tuple[int, list[dict[tuple[int, int], list[list[int]]]]]:
     """(N, the adapter's next-visit heads; per held-out sequence (in `seq_ids`' order): {(position, layer):
     for each of the layer's next N visits (positions + 1, ..., + N) the 2k experts its head scores highest,
     highest first (replay keeps next_visit_size of them)}, at every position whose router input the trace
