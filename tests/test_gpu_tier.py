@@ -541,6 +541,13 @@ def test_reuse_eviction_reads_the_adapters_next_visit_heads(tiny_models, stores,
     spec = inspect_model_dir(tiny_models["qwen3_moe"])
     preds = gpu_predictors(spec, {"adapter"}, ad)
     assert preds["adapter"].next_visits == 3
+    # the tiny adapter's heads barely trained (they start as the layer's router): later visits' heads made
+    # different, so a set handed for the wrong visit shows
+    lowrank, L0 = preds["adapter"].adapter, len(spec.geometry.moe_layers)
+    g = torch.Generator().manual_seed(0)
+    for (_, h), p in lowrank.pair_index.items():
+        if h in (2 * L0, 3 * L0):
+            lowrank.B.data[p] = torch.randn(lowrank.B.shape[1:], generator=g) * 3
     eng = GpuEngine(load_model(tiny_models["qwen3_moe"], dtype="float32"), ExpertStore(stores["qwen3_moe"], spec),
                     RunConfig(policy=Policy.parse("adapter+reuse"), pool_mib=64.0), device="cpu", predictors=preds,
                     reuse=gpu_reuse_table(spec, ["reuse"], ad))
@@ -572,6 +579,7 @@ def test_reuse_eviction_reads_the_adapters_next_visit_heads(tiny_models, stores,
             assert len(set(experts)) == n_set
             rest = [e for e in range(eng.E) if e not in experts]
             assert logits[experts].min() >= logits[rest].max() - 1e-4, (li, j, experts)
+    assert sum(sets[0] != sets[1] or sets[1] != sets[2] for _, _, sets in calls) > len(calls) // 2
     # decode position p = len(prompt) + j, layer li: step p * L + li, its next visit L steps later
     assert [t for _, t, _ in calls] == [(len(prompt) + j) * L + li + L for j in range(len(g.tokens) - 1)
                                         for li in range(L)]

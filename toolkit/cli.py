@@ -185,7 +185,7 @@ def trace(model, data, out, prompt_tokens, decode_tokens, max_sequences, probs_t
 @click.option("--seed", default=0, show_default=True)
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda")
 @click.option("--max-memory-mb", type=click.IntRange(min=1), default=512, show_default=True,
-              help="trace shards held in memory at once (the training stream's, and the validation set's)")
+              help="trace shards held in memory at once (the training stream's; the validation set's, each)")
 @click.option("--overwrite", is_flag=True,
               help="replace an existing adapter at --out (only once the new one is complete)")
 @friendly_errors(interrupt=NOTHING_TO_OUT)
