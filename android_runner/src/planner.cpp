@@ -54,11 +54,11 @@ std::vector<float> PrefetchPlanner::host_logits(int src, int j, const RoutingSta
 void PrefetchPlanner::note_next_visits(WindowScheduler& sched, int li, int64_t target, const float* base) const {
   const std::vector<int>& rows = nv_rows_.at(li);
   std::vector<std::vector<int>> sets;
+  const int n = next_visit_size(routing_.top_k, E_, sched.pool().capacity(), L_);  // every visit's set size
   for (size_t j = 0; j < rows.size(); ++j) {
     const float* row = base + static_cast<size_t>(rows[j]) * E_;
     std::vector<int> order(static_cast<size_t>(E_));
     for (int e = 0; e < E_; ++e) order[static_cast<size_t>(e)] = e;
-    const int n = next_visit_size(routing_.top_k, E_, sched.pool().capacity(), L_);
     std::partial_sort(order.begin(), order.begin() + n, order.end(),
                       [row](int a, int b) { return row[a] > row[b] || (row[a] == row[b] && a < b); });
     order.resize(static_cast<size_t>(n));

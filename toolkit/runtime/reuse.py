@@ -146,9 +146,7 @@ class ReuseHistory:
                 visits = whole if tabs is None else tabs[e]
                 if not nxt:   # no prediction (or one of no visits: as none, in both engines)
                     v = v0 * S + L * (visits[h.get(e, 0)] - S)
-                elif e in nxt[0]:   # the next visit is predicted to use it
-                    v = v0 * S
-                else:
+                else:   # the first predicted visit that uses it, else its history past them
                     v = beyond(v0, nxt, e, h.get(e, 0), visits)
             if best is None or v > top or (v == top and (-s.last_use, key) > (-best.last_use, best.key)):
                 best, top = s, v

@@ -175,6 +175,8 @@ def simulate_policy(batches: list[RoutingBatch], predictor, geo: Geometry, profi
                                                   units=warm[1] if warm is not None else ())   # Belady's steps
             if warm is not None:
                 warm_with_prompt(sched, pool, pids, warm[1], L)
+            # each next-visit set's size at this pool (its capacity is fixed in the simulator)
+            n_set = next_visit_size(b.ids.shape[-1], predictor.bank.weight.shape[1], pool.capacity, L) if visits else 0
             account = DecodeAccount()
             t_start, busy0 = clock.now, flash.busy_s   # the decode's figures: not the prompt's reads
             # from a prefilled pool the figures count from the first token (the prefill's), as the
@@ -192,9 +194,8 @@ def simulate_policy(batches: list[RoutingBatch], predictor, geo: Geometry, profi
                     keys = list(dict.fromkeys((li, int(e)) for e in future[off + t][li].tolist()))
                     sched.acquire(step, keys)  # demand reads go out first
                     if visits:  # this layer's next visits: the next tokens' same trace layer
-                        n = next_visit_size(b.ids.shape[-1], predictor.bank.weight.shape[1], pool.capacity, L)
                         sched.reuse.set_next_visits(li, step + L,
-                                                    [v[rows[t], :n].tolist() for v in nv_top[layer_map[li]]])
+                                                    [v[rows[t], :n_set].tolist() for v in nv_top[layer_map[li]]])
                     if predictor is not None:
                         ti = layer_map[li]
                         window = []
