@@ -3,6 +3,7 @@ device, copies on their own stream. Its output must be transformers' greedy outp
 pool. On a machine without CUDA the same code runs on the CPU; the CUDA variants run where a GPU is."""
 from __future__ import annotations
 
+import itertools
 import json
 import math
 
@@ -535,7 +536,6 @@ def test_reuse_eviction_reads_the_adapters_next_visit_heads(tiny_models, stores,
     either way."""
     from toolkit.runtime import reuse as reuse_mod
     from toolkit.runtime.gpu_bench import gpu_predictors, gpu_reuse_table
-    from toolkit.runtime.planner import RoutingState
 
     ad = tiny_adapter
     spec = inspect_model_dir(tiny_models["qwen3_moe"])
@@ -557,11 +557,15 @@ def test_reuse_eviction_reads_the_adapters_next_visit_heads(tiny_models, stores,
     monkeypatch.setattr(reuse_mod.ReuseHistory, "set_next_visits",
                         lambda self, li, target, sets: (calls.append((li, target, [list(e) for e in sets])),
                                                         real(self, li, target, sets))[1])
-    inputs = []
-    real_record = RoutingState.record
-    monkeypatch.setattr(RoutingState, "record",
-                        lambda self, li, x, ids: (inputs.append((li, x.reshape(-1).float().clone())),
-                                                  real_record(self, li, x, ids))[1])
+    inputs = []   # each decode layer's router input (the heads read it; their rows are computed on the device)
+    real_read = GraphRunner.read_routing
+
+    def read_routing(self, li, with_input, plan=None):
+        assert plan is not None and not with_input   # the folded heads on the device: no router input to the host
+        row = real_read(self, li, with_input, plan)
+        inputs.append((li, self.post[li].reshape(-1).float().clone()))
+        return row
+    monkeypatch.setattr(GraphRunner, "read_routing", read_routing)
     prompt = list(range(5, 17))
     g = eng.run(prompt, 6)
     L, k = eng.L, eng.k
@@ -573,8 +577,8 @@ def test_reuse_eviction_reads_the_adapters_next_visit_heads(tiny_models, stores,
     for (li, _, sets), (li2, x) in zip(calls, inputs):
         assert li == li2 and len(sets) == 3   # three visits: the adapter's heads
         for j, experts in enumerate(sets, 1):
-            # the n_set largest of visit j's head's logits (the planner computes them folded with its window, in
-            # one matmul: rounding may differ in the last bit, so the set is checked against a margin)
+            # the n_set largest of visit j's head's logits (computed folded with the window, in one matmul:
+            # rounding may differ in the last bit, so the set is checked against a margin)
             logits = ad_pred.next_visit_logits(x[None], li, j)[0]
             assert len(set(experts)) == n_set
             rest = [e for e in range(eng.E) if e not in experts]
@@ -593,6 +597,52 @@ def test_reuse_eviction_reads_the_adapters_next_visit_heads(tiny_models, stores,
         eng.configure(**changes)
         assert eng.run(prompt, 6).tokens == g.tokens
         assert calls == [], changes
+
+
+def test_planner_rows_from_the_device_decide_as_the_hosts_fold(tiny_models, stores, tiny_adapter, monkeypatch):
+    """A folding planner's rows computed on the device (gpu_graph.DevicePlan: the window's sorted probabilities
+    and the next-visit heads' sorted experts, read back with the routing) plan exactly as the host's fold does
+    (PrefetchPlanner.plan on the router input read back instead): the same tokens, copies, prefetches, drops
+    and evictions for the adapter with the reuse eviction and three, one or no next-visit heads, windows of one
+    and two, the prediction eviction, and next-gate, at a pool that evicts (on the CPU the device is the host:
+    the same arithmetic, so equal decisions)."""
+    from toolkit.runtime import planner as planner_mod
+    from toolkit.runtime.gpu_bench import gpu_predictors, gpu_reuse_table
+
+    spec = inspect_model_dir(tiny_models["qwen3_moe"])
+    preds = gpu_predictors(spec, {"adapter", "next-gate"}, tiny_adapter)
+    lowrank = preds["adapter"].adapter
+    g = torch.Generator().manual_seed(1)
+    for p in lowrank.pair_index.values():   # heads unlike one another, so a row taken for another shows
+        lowrank.B.data[p] = torch.randn(lowrank.B.shape[1:], generator=g) * 3
+    eng = GpuEngine(load_model(tiny_models["qwen3_moe"], dtype="float32"), ExpertStore(stores["qwen3_moe"], spec),
+                    RunConfig(policy=Policy.parse("adapter+reuse"), pool_mib=64.0), device="cpu", predictors=preds,
+                    reuse=gpu_reuse_table(spec, ["reuse"], tiny_adapter))
+    sorted_calls = []
+    real_sorted = planner_mod.PrefetchPlanner.plan_sorted
+    monkeypatch.setattr(planner_mod.PrefetchPlanner, "plan_sorted",
+                        lambda self, *a, **kw: (sorted_calls.append(a[1]), real_sorted(self, *a, **kw))[1])
+    prompt = list(range(5, 17))
+    cases = [dict(policy=Policy.parse("adapter+reuse")), dict(policy=Policy.parse("adapter+reuse"), window=1),
+             dict(policy=Policy.parse("adapter+reuse"), next_visits=1),
+             dict(policy=Policy.parse("adapter+reuse"), next_visit=False),
+             dict(policy=Policy.parse("adapter+prediction")), dict(policy=Policy.parse("next-gate+prediction"))]
+    for frac, changes in itertools.product((0.2, 0.45), cases):
+        eng.configure(pool_mib=_pool_mib(eng, frac), **{**dict(window=2, next_visits=None, next_visit=True), **changes})
+        got = []
+        for on_device in (True, False):
+            sorted_calls.clear()
+            # plan="host": the host's fold, from the router's input read back (PrefetchPlanner.plan)
+            eng.configure(plan="device" if on_device else "host")
+            r = eng.run(prompt, 16)
+            assert bool(sorted_calls) == on_device, changes
+            j = r.to_json()
+            got.append((r.tokens, {k: v for k, v in r.stats.counts.items() if k != "wait_s"}, j["evictions"],
+                        j["wasted_prefetch_mib"], j["pcie_bytes_per_token"]))
+        assert got[0] == got[1], (frac, changes)
+        assert got[0][1]["prefetch_issued"] > 0 and got[0][2] > 0, (frac, changes)   # it planned; the pool evicted
+    with pytest.raises(SpecPrefetchError, match="plan 'gpu': choose from device, host"):
+        eng.configure(plan="gpu")
 
 
 @CUDA
@@ -1054,14 +1104,19 @@ def test_slot_arena_is_the_pools_own(tiny_models, stores):
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
 def test_graph_decode_reads_the_device_once_per_layer(tiny_models, stores, monkeypatch, device):
-    """Decode reads the router's choices (and, with a planner, its input) through one staged copy and
-    one wait per MoE layer, plus one for the token: no other read of the decoder's device buffers
-    (.cpu(), .item(), .tolist(), .numpy() would each be a blocking sync on a GPU)."""
+    """Decode reads the router's choices (and, with a folding planner, its rows computed on the device:
+    DevicePlan, one graph per MoE layer on a GPU) through staged copies and one wait per MoE layer, plus one
+    for the token: no other read of the decoder's device buffers (.cpu(), .item(), .tolist(), .numpy() would
+    each be a blocking sync on a GPU)."""
     prompt = list(range(5, 17))
     dtype = "float16" if device == "cuda" else "float32"
     eng = _engine(tiny_models["qwen3_moe"], stores["qwen3_moe"], "next-gate+prediction", 0.25, device, dtype=dtype)
     runner = eng._graph_runner(len(prompt) + 10 + 8 + 1)
-    owned = {t.untyped_storage().data_ptr() for t in (runner.idx, runner.post, runner.tok, runner.h, runner.sel)}
+    eng.run(prompt, 2)   # (the runner's DevicePlan for next-gate's fold, made by the first sequence, kept after)
+    (dp,) = runner._plans.values()
+    assert (dp.graphs is not None) == (device == "cuda")
+    owned = {t.untyped_storage().data_ptr() for t in (runner.idx, runner.post, runner.tok, runner.h, runner.sel,
+                                                       dp.conf, dp.ids)}
     for name in ("cpu", "item", "tolist", "numpy"):
         real = getattr(torch.Tensor, name)
 
@@ -1090,7 +1145,7 @@ def test_graph_decode_plans_behind_the_replay(tiny_models, stores, monkeypatch):
     prompt = list(range(5, 17))
     eng = _engine(tiny_models["qwen3_moe"], stores["qwen3_moe"], "next-gate+prediction", 0.25, "cpu")
     log = []
-    real_seg, real_plan = GraphRunner.run_segment, planner_mod.PrefetchPlanner.plan
+    real_seg, real_plan = GraphRunner.run_segment, planner_mod.PrefetchPlanner.plan_sorted
     real_release = WindowScheduler.release
     monkeypatch.setattr(GraphRunner, "run_segment", lambda self, s: (log.append(("segment", s)), real_seg(self, s))[1])
 
@@ -1107,7 +1162,9 @@ def test_graph_decode_plans_behind_the_replay(tiny_models, stores, monkeypatch):
     def release(self, step, keys, **kw):
         log.append(("release", self.io.fenced))
         return real_release(self, step, keys, **kw)
-    monkeypatch.setattr(planner_mod.PrefetchPlanner, "plan", plan)
+    # (next-gate folds: its rows come from the device, planned by plan_sorted; plan itself is not called)
+    monkeypatch.setattr(planner_mod.PrefetchPlanner, "plan_sorted", plan)
+    monkeypatch.setattr(planner_mod.PrefetchPlanner, "plan", None)
     monkeypatch.setattr(WindowScheduler, "acquire", acquire)
     monkeypatch.setattr(WindowScheduler, "release", release)
     g = eng.run(prompt, 6)
@@ -1184,16 +1241,17 @@ def test_copy_io_orders_a_slots_reuse_itself(monkeypatch):
 def test_host_timing_counts_the_per_layer_calls(tiny_models, stores, tiny_adapter, tmp_path, capsys):
     """`python -m toolkit.runtime.host_timing` (the GPU bench with the host's per-layer calls timed): the
     bench runs and writes its report, and every timed call is counted where it runs: one routing read and
-    one plan per MoE layer of each decoded token, the eviction's victims, the copies."""
+    one plan per MoE layer of each decoded token (a folding planner's from the device's rows: plan_sorted),
+    the eviction's victims, the copies."""
     from toolkit.runtime import host_timing
 
     with host_timing.installed() as (secs, calls):
         eng = _engine(tiny_models["qwen3_moe"], stores["qwen3_moe"], "next-gate+prediction", 0.25, "cpu")
         g = eng.run(list(range(5, 17)), 6)
-    assert calls["read_routing"] == eng.L * (len(g.tokens) - 1) == calls["plan"] == calls["plan_probs"]
+    assert calls["read_routing"] == eng.L * (len(g.tokens) - 1) == calls["plan_sorted"] and not calls["plan"]
     assert calls["acquire"] == calls["release"] > calls["read_routing"]   # the prefill's steps too
     assert calls["submit"] >= g.stats.counts["prefetch_issued"] + g.stats.counts["misses"] > 0   # (decode counted)
-    assert calls["victim"] > 0 and calls["plan_ranked"] == calls["plan"]   # (plan_probs ranks through it)
+    assert calls["victim"] > 0 and calls["plan_ranked"] == calls["plan_sorted"]   # (it ranks through plan_ranked)
     from toolkit.runtime.scheduler import WindowScheduler
     assert not hasattr(WindowScheduler.acquire, "__wrapped__")   # restored
     out = tmp_path / "b.json"
@@ -1203,7 +1261,7 @@ def test_host_timing_counts_the_per_layer_calls(tiny_models, stores, tiny_adapte
                       out.as_posix()])
     assert json.loads(out.read_text())["rows"][0]["policy"] == "adapter+reuse"
     lines = {ln.split()[0]: ln.split() for ln in capsys.readouterr().out.splitlines() if "us a call" in ln}
-    assert {"acquire", "release", "plan", "plan_probs", "victim", "read_routing", "submit"} <= set(lines)
+    assert {"acquire", "release", "plan_sorted", "plan_ranked", "victim", "read_routing", "submit"} <= set(lines)
     assert all(int(v[1]) > 0 and float(v[3]) > 0 for v in lines.values()), lines
     assert not hasattr(WindowScheduler.acquire, "__wrapped__")
 
@@ -1728,6 +1786,33 @@ def _count_native_schedulers(monkeypatch) -> list:
 
     monkeypatch.setattr(native_sched.NativeScheduler, "__init__", counted)
     return opened
+
+
+def test_gpu_bench_plans_on_the_host_as_a_variant(tiny_models, stores, monkeypatch):
+    """`bench gpu --variant plan=host`: each predicting policy also runs with its rows folded on the host (the
+    router's input read back: PrefetchPlanner.plan) beside the default rows computed on the device, in the same
+    rounds, with the same copies and hits; on-demand and the oracle, which fold nothing, get no such row."""
+    from toolkit.runtime import planner as planner_mod
+    from toolkit.runtime.gpu_bench import run_gpu_bench
+    from toolkit.runtime.policy import VARIANT_TAG, parse_policies
+
+    hosts = []
+    real = planner_mod.PrefetchPlanner.plan
+    monkeypatch.setattr(planner_mod.PrefetchPlanner, "plan",
+                        lambda self, *a, **kw: (hosts.append(self.source), real(self, *a, **kw))[1])
+    r = run_gpu_bench(tiny_models["qwen3_moe"], store=stores["qwen3_moe"], adapter=None,
+                      policies=parse_policies("on-demand+lru,next-gate+prediction,oracle+belady"), fractions=[0.2],
+                      prompts=1, prompt_tokens=8, new_tokens=6, repeats=1, ks=(2,), device="cpu",
+                      variants=("plan=host",), log=lambda s: None)
+    rows = {x["policy"]: x for x in r["rows"]}
+    assert r["tokens_match_transformers"] and len(rows) == 4, list(rows)
+    dev, host = rows["next-gate+prediction"], rows[f"next-gate+prediction{VARIANT_TAG}plan=host"]
+    assert (dev["hit_rate"], dev["pcie_mib_per_token"]) == (host["hit_rate"], host["pcie_mib_per_token"])
+    assert any(getattr(s, "name", None) == "next-gate" for s in hosts)   # the variant's rows planned on the host
+    with pytest.raises(SpecPrefetchError, match="device is every row's own"):
+        run_gpu_bench(tiny_models["qwen3_moe"], store=stores["qwen3_moe"], adapter=None,
+                      policies=parse_policies("next-gate+prediction"), fractions=[0.2], device="cpu",
+                      variants=("plan=device",), log=lambda s: None)
 
 
 @NATIVE

@@ -56,7 +56,7 @@ from toolkit.runtime.gpu_kernels import dequant, int4_gemv
 from toolkit.runtime.native_sched import library as native_library, open_native_scheduler
 from toolkit.runtime.planner import PrefetchPlanner, RoutingState
 from toolkit.runtime.pool import ExpertPool, Key
-from toolkit.runtime.policy import GPU_AUTO_BUDGET, HOSTS
+from toolkit.runtime.policy import GPU_AUTO_BUDGET, HOSTS, PLAN_ROWS
 from toolkit.runtime.profiles import check_budget_kib
 from toolkit.runtime.runner import RunConfig, Runner, open_pool_and_scheduler
 from toolkit.runtime.scheduler import WindowScheduler, resident_first
@@ -433,6 +433,7 @@ class GpuSequence:
     pos: int = 0                     # the first position of the pass running now (its routing is recorded there)
     routing: dict[int, list[list[int]]] = dataclasses.field(default_factory=dict)   # position -> per-layer top-k
     resident: bool = False           # every expert preloaded: decode on the device alone (decode_resident)
+    device_plan: Any = None          # the planner's rows computed on the device (gpu_graph.DevicePlan) or None
     draft_counts: list[list[float]] | None = None   # during a speculative round: the draft's routing [L][E]
     draft_dirty: set[int] = dataclasses.field(default_factory=set)   # layers counted since the last plan
     spec: SpecStats = dataclasses.field(default_factory=SpecStats)  # speculative rounds, proposed, accepted
@@ -572,6 +573,7 @@ class GpuEngine:
         # find a slot); `configure(copy_depth=N)`
         self.copy_depth: int | None = None
         self.host_sched = "python"   # whose scheduler and pool decide (configure(host=...))
+        self.plan_rows = "device"    # where a folding planner's rows are computed (configure(plan=...))
         from toolkit.runtime import gpu_graph
 
         if decode not in (None, "graph", "static", "modules"):
@@ -604,17 +606,23 @@ class GpuEngine:
         self.configure()
 
     # -- configuration ---------------------------------------------------------------------
-    def configure(self, *, copy_depth: int | None | str = "keep", host: str = "keep", **changes) -> None:
+    def configure(self, *, copy_depth: int | None | str = "keep", host: str = "keep", plan: str = "keep",
+                  **changes) -> None:
         """The next sequences' RunConfig with `changes`; `copy_depth`: the scheduler's queue depth here,
         prefetch copies issued per layer step at most (a prefetch counts until the next step; None: the
         pool's free slots, capacity - k, also the cap of any larger value; "keep": unchanged); `host`: whose
         scheduler and pool decide, "python" (toolkit/runtime/scheduler.py) or "native" (the native runner's,
-        toolkit/runtime/native_sched.py: the same decisions off Python; "keep": unchanged)."""
+        toolkit/runtime/native_sched.py: the same decisions off Python; "keep": unchanged); `plan`: where the
+        static decoder computes a folding planner's rows, "device" (gpu_graph.DevicePlan, read back with the
+        routing) or "host" (the router's input read back, PrefetchPlanner.plan folds it: the same decisions;
+        "keep": unchanged)."""
         cfg = dataclasses.replace(self.cfg, **changes)
         if copy_depth != "keep" and copy_depth is not None and (not is_int(copy_depth) or copy_depth < 1):
             raise SpecPrefetchError(f"--queue-depth {copy_depth!r}: prefetch copies a step, an integer >= 1")
         if host not in ("keep", *HOSTS):
             raise SpecPrefetchError(f"host {host!r}: choose from {', '.join(HOSTS)}")
+        if plan not in ("keep", *PLAN_ROWS):
+            raise SpecPrefetchError(f"plan {plan!r}: choose from {', '.join(PLAN_ROWS)}")
         if host == "native":
             native_library()   # built (or its build refused) now, not inside a sequence
         if cfg.read_budget_kib == "auto":
@@ -640,6 +648,8 @@ class GpuEngine:
             self.copy_depth = copy_depth
         if host != "keep":
             self.host_sched = host
+        if plan != "keep":
+            self.plan_rows = plan
 
     @property
     def capacity(self) -> int:
@@ -821,7 +831,9 @@ class GpuEngine:
         return GpuSequence(ids=list(prompt_ids), n_prompt=len(prompt_ids), max_new=max_new_tokens,
                            eos=frozenset(self._eos()), L=L, io=io, pool=pool, sched=sched, planner=planner,
                            state=state, runner=runner, cache=DynamicCache(), account=DecodeAccount(),
-                           resident=resident_graph)
+                           resident=resident_graph,
+                           device_plan=(runner.device_plan(planner) if runner is not None and self.plan_rows == "device"
+                                        else None))
 
     def prefill(self, s: GpuSequence) -> None:
         """The prompt in one pass through transformers' modules (its experts in chunks that fit the

@@ -13,7 +13,9 @@ on-demand, the draft or the oracle) also runs with those scheduler settings (`PO
 window, queue_depth (prefetch copies issued per layer step), candidate_threshold, min_confidence,
 read_budget_kib: a number, or auto, the measured copy rate times a layer's resident step; reuse_classes=off,
 the reuse eviction with the whole table, for `+reuse` policies only; host=native, for every policy: the native
-runner's scheduler and pool decide, the same decisions off Python), rows of their own in the same rounds.
+runner's scheduler and pool decide, the same decisions off Python; plan=host: a folding planner's rows computed
+on the host from the router's input read back, not on the device, the same decisions), rows of their own in the
+same rounds.
 Every run's tokens are checked against transformers' greedy tokens before any time is quoted.
 """
 from __future__ import annotations
@@ -297,7 +299,7 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
                     read_budget_kib=auto_budget["kib"] if budget == "auto" else budget,
                     reuse_classes=knob.get("reuse_classes", True), copy_depth=knob.get("queue_depth"),
                     next_visits=knob.get("next_visits"),
-                    host=knob.get("host", "python"))
+                    host=knob.get("host", "python"), plan=knob.get("plan", "device"))
 
     def one(pol: Policy, mib: float, p: int, *, k: int = 8, preload: bool = False, resident_graph: bool = False,
             recorded=None, next_visit: bool = True, knob: dict[str, Any] | None = None):
@@ -583,7 +585,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="also each predicting policy with these scheduler settings (window, queue_depth, "
                          "candidate_threshold, min_confidence, read_budget_kib: KiB a layer step or auto, "
                          "reuse_classes=off: +reuse policies with the whole reuse table; host=native: every "
-                         "policy with the native runner's scheduler and pool; repeatable)")
+                         "policy with the native runner's scheduler and pool; plan=host: the planner's rows "
+                         "folded on the host, not the device; repeatable)")
     ap.add_argument("--json", type=Path, required=True)
     a = ap.parse_args(argv)
     r = run_gpu_bench(a.model, store=a.store, adapter=a.adapter, policies=parse_policies(a.policies),

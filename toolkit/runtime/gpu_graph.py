@@ -56,6 +56,7 @@ import torch
 import torch.nn.functional as F
 
 from toolkit.errors import SpecPrefetchError
+from toolkit.runtime.reuse import next_visit_experts
 from toolkit.runtime.scheduler import resident_first, stable_topk
 
 SUPPORTED = ("qwen3_moe", "mixtral")
@@ -418,6 +419,82 @@ def _ascending(li: int, row: list[int]) -> tuple[list[int], list[tuple[int, int]
     return order, [(li, row[p]) for p in order]
 
 
+class DevicePlan:
+    """A folding planner's rows on the device (PrefetchPlanner.device_fold): after MoE layer li's router, its
+    window rows' probabilities sorted descending with their experts and its next-visit rows' experts by
+    descending logit, from the router's input, copied into pinned memory with the routing (the layer's one
+    host sync) for `plan_sorted`. The host then plans from small sorted lists instead of computing the fold,
+    its softmax and its sorts (about 0.1 ms a MoE layer of host time on the bench's model, the pooled decode's
+    bottleneck). One graph per MoE layer on a GPU (eager on the CPU), its own, so policies that do not plan
+    replay nothing more; the same arithmetic as the host's fold on the CPU (the same decisions, bit for bit)."""
+
+    def __init__(self, runner: "GraphRunner", fold):
+        layers, W, visit_rows = fold
+        eng = runner.eng
+        dev = eng.dev.device
+        self.runner, self.W, self.visit_rows = runner, W, visit_rows
+        self.layers = [(torch.empty(mat.shape, device=dev), src, torch.empty(bias.shape, device=dev))
+                       for mat, src, bias in layers]
+        self.load(fold)
+        L, E, V, pin = eng.L, eng.E, len(visit_rows), eng.dev.cuda
+        self.conf = torch.zeros(L, W, E, device=dev)
+        self.ids = torch.zeros(L, W + V, E, dtype=torch.long, device=dev)   # the window's, then the visits'
+        self.host_conf = torch.zeros(L, W, E, pin_memory=pin)
+        self.host_ids = torch.zeros(L, W + V, E, dtype=torch.long, pin_memory=pin)
+        self.graphs: list[Any] | None = None
+
+    def load(self, fold) -> None:
+        """A sequence's fold (its planner's; the same shape) into the buffers the graphs read."""
+        for (mat, _, bias), (m, _, b) in zip(self.layers, fold[0]):
+            mat.copy_(m)
+            bias.copy_(b)
+
+    def _compute(self, li: int) -> None:
+        mat, src, bias = self.layers[li]
+        x = self.runner.post[src].reshape(-1).float()
+        logits = (mat @ x + bias).view(-1, self.conf.shape[-1])
+        W = self.W
+        v, i = stable_topk(logits[:W].softmax(-1), logits.shape[-1])
+        self.conf[li].copy_(v)
+        self.ids[li, :W].copy_(i)
+        if self.visit_rows:
+            self.ids[li, W:].copy_(next_visit_experts(logits[self.visit_rows], logits.shape[-1]))
+
+    def _capture(self) -> None:
+        dev = self.runner.eng.dev.device
+        L = len(self.layers)
+        with torch.cuda.device(dev):
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                for li in range(L):
+                    self._compute(li)
+            torch.cuda.current_stream(dev).wait_stream(side)
+            graphs = []
+            for li in range(L):
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    self._compute(li)
+                graphs.append(g)
+            torch.cuda.synchronize(dev)
+        self.graphs = graphs
+
+    def enqueue(self, li: int) -> None:
+        """Layer li's rows computed after its router (enqueued after its segment) and their copies into pinned
+        memory, before the layer's host sync (GraphRunner.read_routing)."""
+        if self.graphs is not None:
+            self.graphs[li].replay()
+        else:
+            self._compute(li)
+        self.host_conf[li].copy_(self.conf[li], non_blocking=True)
+        self.host_ids[li].copy_(self.ids[li], non_blocking=True)
+
+    def rows(self, li: int) -> tuple[list[list[float]], list[list[int]], list[list[int]]]:
+        """After the sync: layer li's (window confidences, their experts, each next visit's experts)."""
+        ids = self.host_ids[li].tolist()
+        return self.host_conf[li].tolist(), ids[:self.W], ids[self.W:]
+
+
 class GraphRunner:
     """The target's one-token decode step as L + 1 segments (CUDA graphs on a GPU, eager on the CPU),
     and the draft's whole step as one graph."""
@@ -458,6 +535,7 @@ class GraphRunner:
         bounds = [-1, *moe, n_layers - 1]
         self.seg_layers = [list(range(bounds[s] + 1, bounds[s + 1] + 1)) for s in range(L + 1)]
         self._g: list[Any] | None = None
+        self._plans: dict[tuple, DevicePlan] = {}   # a folding planner's rows on the device, per layout
         # every expert resident (the pool's upper bound): the device looks the slots up itself, so a
         # whole token is one graph with no host sync per layer (decode_resident)
         self.slot_of = torch.zeros(L, eng.E, dtype=torch.long, device=dev)
@@ -614,6 +692,7 @@ class GraphRunner:
         """Drop the graphs and the device buffers (the slot arena included) now, not at the next GC."""
         self.closed = True
         self._g = self._resident_g = None
+        self._plans = {}
         # the compiled wrappers hold bound methods (a cycle through the runner): drop them so the buffers
         # go now, not at the next cyclic collection
         self._seg = self._token = None
@@ -623,6 +702,24 @@ class GraphRunner:
             self.draft.kv = None
             self.draft = None
         self.slots = self.math = self.kv = None
+
+    def device_plan(self, planner) -> DevicePlan | None:
+        """The planner's rows on the device for a new sequence (its fold loaded into the DevicePlan of that
+        layout, made and captured the first time); None where there is no planner or it does not fold."""
+        self.check_open()
+        fold = planner.device_fold() if planner is not None else None
+        if fold is None:
+            return None
+        layers, W, visit_rows = fold
+        key = (W, tuple(visit_rows), tuple((tuple(m.shape), src) for m, src, _ in layers))
+        dp = self._plans.get(key)
+        if dp is None:
+            dp = self._plans[key] = DevicePlan(self, fold)
+            if self.graphs:
+                dp._capture()
+        else:
+            dp.load(fold)
+        return dp
 
     def ensure(self) -> None:
         self.check_open()
@@ -648,9 +745,12 @@ class GraphRunner:
             ev.synchronize()
         self.host_waits += 1
 
-    def read_routing(self, li: int, with_input: bool) -> list[int]:
-        """MoE layer li's top-k (and its router input into host_post[li] when `with_input`): both
-        copied non-blocking into pinned memory, then one wait."""
+    def read_routing(self, li: int, with_input: bool, plan: DevicePlan | None = None) -> list[int]:
+        """MoE layer li's top-k (and its router input into host_post[li] when `with_input`; the planner's
+        rows computed on the device and copied with `plan`): copied non-blocking into pinned memory, then
+        one wait."""
+        if plan is not None:
+            plan.enqueue(li)
         self.host_idx[li].copy_(self.idx[li], non_blocking=True)
         if with_input:
             self.host_post[li].copy_(self.post[li], non_blocking=True)
@@ -663,15 +763,16 @@ class GraphRunner:
         self.check_open()
         L, k = self.eng.L, self.eng.k
         sched, io = seq.sched, seq.io
-        planner = seq.planner
+        planner, dplan = seq.planner, seq.device_plan
+        host_plan = planner is not None and dplan is None   # (a folding planner's rows come from the device)
         where = io.where
         self.set_position(token, pos)
         self.run_segment(0)
         for li in range(L):
-            row = self.read_routing(li, planner is not None)   # one sync per MoE layer
+            row = self.read_routing(li, host_plan, dplan)   # one sync per MoE layer
             step = pos * L + li
             seq.record_routing(li, [row])
-            if planner is not None:
+            if host_plan:
                 seq.state.record(li, self.host_post[li], row)
             order, keys = _ascending(li, row)
             # The sync above ran every kernel enqueued so far, the last readers of every slot the pool can
@@ -686,10 +787,12 @@ class GraphRunner:
                 st[k:] = order
                 self.sel[li].copy_(self.stage[li], non_blocking=True)
                 self.run_segment(li + 1)
-                if planner is not None:
-                    # the window's planning (its evictions and copies) while the device runs the replay:
-                    # the same decisions in the same order (acquire, plan, release), the host's planning
-                    # off the device's path
+                # the window's planning (its evictions and copies) while the device runs the replay: the
+                # same decisions in the same order (acquire, plan, release), the host's planning off the
+                # device's path
+                if dplan is not None:
+                    planner.plan_sorted(sched, li, step, *dplan.rows(li), seq.end)
+                elif planner is not None:
                     planner.plan(sched, li, step, seq.state, None, seq.end)
             finally:
                 io.fenced = False

@@ -7,7 +7,8 @@ a bench; the timers add about a microsecond a call), then prints each call's cou
   release issues the queued prefetches);
 - `plan`: the planner's window for one MoE layer (the adapter's scores, the queue, the evictions and the
   copies it issues), with `plan_probs` and `plan_ranked` inside it (plan_probs ranks through plan_ranked;
-  the oracle's candidates go to plan_ranked directly);
+  the oracle's candidates go to plan_ranked directly); `plan_sorted` in its place where a folding
+  planner's rows come from the device (the static decoder: gpu_graph.DevicePlan), with plan_ranked inside;
 - `victim`: one eviction's choice (the pool's rule; for the reuse eviction a search over every evictable
   slot);
 - `read_routing`: the graph decode's one sync per MoE layer (it waits for the device, so it is device time
@@ -28,7 +29,7 @@ import sys
 import time
 
 TIMED = (("toolkit.runtime.scheduler", "WindowScheduler", ("acquire", "release", "plan_probs", "plan_ranked")),
-         ("toolkit.runtime.planner", "PrefetchPlanner", ("plan",)),
+         ("toolkit.runtime.planner", "PrefetchPlanner", ("plan", "plan_sorted")),
          ("toolkit.runtime.pool", "ExpertPool", ("_victim",)),
          ("toolkit.runtime.gpu_graph", "GraphRunner", ("read_routing",)),
          ("toolkit.runtime.gpu", "CudaCopyIO", ("submit",)))

@@ -139,14 +139,21 @@ class PrefetchPlanner:
         # reads them
         self.next_visit_rows = ({li: [rows.index(j * num_layers) for j in range(1, next_visits + 1)]
                                  for li, rows in self.rows.items()} if next_visits and source == GRAPH else {})
+        self._visit_n: int | None = None   # a next-visit set's size (_visit_size)
         self._future = None       # (the recorded future, position -> its rows as lists): the oracle's
         self._oracle_conf: dict[int, list[float]] = {}   # k -> the oracle's confidences, rank k first
+
+    def _visit_size(self, sched: WindowScheduler) -> int:
+        """How many of a next-visit row's largest logits make its visit's set (next_visit_size; the pool's
+        capacity is fixed for the planner's sequence, so computed once)."""
+        if self._visit_n is None:
+            self._visit_n = next_visit_size(self.routing.top_k, self.routing.num_experts, sched.pool.capacity, self.L)
+        return self._visit_n
 
     def _note_next_visits(self, sched: WindowScheduler, li: int, target: int, rows: torch.Tensor) -> None:
         """The reuse eviction's prediction of layer li's next visits (the first at step `target`) from their
         logits rows [visits, E]."""
-        n = next_visit_size(self.routing.top_k, rows.shape[-1], sched.pool.capacity, self.L)
-        sched.reuse.set_next_visits(li, target, next_visit_experts(rows, n).tolist())
+        sched.reuse.set_next_visits(li, target, next_visit_experts(rows, self._visit_size(sched)).tolist())
 
     def _fold(self) -> list[tuple[torch.Tensor, int, torch.Tensor, list[int]]]:
         bank = self.source.bank
@@ -293,6 +300,35 @@ class PrefetchPlanner:
             confs.append(conf[:m])
             ids.append(es[:m])
         return confs, ids
+
+    def device_fold(self) -> tuple[list[tuple[torch.Tensor, int, torch.Tensor]], int, list[int]] | None:
+        """What a device computes in place of `plan`'s fold on the host (the GPU tier: gpu_graph.DevicePlan),
+        None where the planner does not fold: (per MoE layer (matrix [R * E, H], its source layer, bias
+        [R * E]); the window's rows, the first W of the R; the next-visit heads' row indices). From the source
+        layer's router input x: logits = (matrix @ x + bias) viewed [R, E]; each window row's softmax sorted
+        descending (the lower expert first among equals: `stable_topk`), and each next-visit row's experts by
+        descending logit (`next_visit_experts`), as `plan_sorted` takes them."""
+        if self.folded is None:
+            return None
+        fhs = self.folded[0][3]
+        return ([(mat, src, bias) for mat, src, bias, _ in self.folded], self.W,
+                [fhs.index(h) for h in self.visit_hs])
+
+    def plan_sorted(self, sched: WindowScheduler, li: int, step: int, confs: list[list[float]],
+                    ids: list[list[int]], visits: list[list[int]], end: int | None = None) -> None:
+        """`plan` of a folding planner from its rows already computed and sorted (`device_fold`): `confs` / `ids`
+        the W window rows' probabilities, descending, and their experts; `visits` each next-visit row's experts
+        by descending logit. The same decisions as `plan` (which computes them on the host)."""
+        W = self.W if end is None else min(self.W, end - 1 - step)
+        if self.host_visits > 0 and sched.reuse is not None:
+            n = self._visit_size(sched)
+            sched.reuse.set_next_visits(li, step + self.L, [row[:n] for row in visits])
+        if W < 1:
+            sched.plan_probs(step, [], None)
+            return
+        m = sched.cfg.candidates or sched.k   # (plan_probs' stable_topk: the first m of the sorted row)
+        sched.plan_ranked(step, [step + h for h in range(1, W + 1)], [c[:m] for c in confs[:W]],
+                          [e[:m] for e in ids[:W]])
 
     def _target(self, li: int, step: int, h: int, T: int) -> int:
         """The step horizon h from MoE layer li targets: this unit's layer li + h, or past the last

@@ -61,15 +61,20 @@ VARIANT_KEYS: dict[str, tuple[Callable[[str], Any], Callable[[Any], bool], str]]
 # --read-budget-kib; `auto`: the bench measures it, the pinned-copy rate times a layer's resident step);
 # there queue_depth is the prefetch copies issued per layer step
 # and whose scheduler and pool decide (`host`: the Python one, or the native runner's through
-# toolkit/runtime/native_sched.py: the same decisions off Python), the one key every policy takes
+# toolkit/runtime/native_sched.py: the same decisions off Python), the one key every policy takes;
+# and where a folding planner's rows are computed (`plan`: on the device, read back with the routing, the
+# default; or `host`: the router's input read back and folded on the host, as before: the same decisions)
 HOSTS = ("python", "native")
+PLAN_ROWS = ("device", "host")
 # `run --device cuda --read-budget-kib auto`, refused: the GPU tier's budget is a number
 GPU_AUTO_BUDGET = ("--read-budget-kib auto: the GPU tier takes a number (KiB a layer step); "
                    "`bench gpu --variant read_budget_kib=auto` measures this GPU's and prints it")
 GPU_VARIANT_KEYS = {**VARIANT_KEYS, "read_budget_kib": (lambda s: s if s == "auto" else int(s),
                                                         lambda v: v == "auto" or v >= 1, "an integer >= 1 or auto"),
                     "host": (lambda s: s if s == "native" else None, lambda v: True,
-                             "native (python is every row's own: no variant)")}
+                             "native (python is every row's own: no variant)"),
+                    "plan": (lambda s: s if s == "host" else None, lambda v: True,
+                             "host (device is every row's own: no variant)")}
 
 
 def parse_variant(spec: str, keys: dict = VARIANT_KEYS) -> dict[str, Any]:
