@@ -433,6 +433,8 @@ class DevicePlan:
         eng = runner.eng
         dev = eng.dev.device
         self.runner, self.W, self.visit_rows = runner, W, visit_rows
+        # (a device index: a list would be copied to the device at every call, which a graph cannot capture)
+        self.visit_idx = torch.tensor(visit_rows, dtype=torch.long, device=dev)
         self.layers = [(torch.empty(mat.shape, device=dev), src, torch.empty(bias.shape, device=dev))
                        for mat, src, bias in layers]
         self.load(fold)
@@ -458,7 +460,7 @@ class DevicePlan:
         self.conf[li].copy_(v)
         self.ids[li, :W].copy_(i)
         if self.visit_rows:
-            self.ids[li, W:].copy_(next_visit_experts(logits[self.visit_rows], logits.shape[-1]))
+            self.ids[li, W:].copy_(next_visit_experts(logits.index_select(0, self.visit_idx), logits.shape[-1]))
 
     def _capture(self) -> None:
         dev = self.runner.eng.dev.device
