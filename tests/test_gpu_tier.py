@@ -1186,8 +1186,6 @@ def test_copy_io_orders_a_slots_reuse_itself(monkeypatch):
     may still be in flight on the other stream, which is why the scheduler need not wait for it:
     orders_reuse) and, unless fenced (GraphRunner.decode between its sync and the release, when every
     reader of such a slot has run), an event recorded at the eviction."""
-    import contextlib
-
     from toolkit.runtime import gpu
 
     class Event:
@@ -1207,6 +1205,7 @@ def test_copy_io_orders_a_slots_reuse_itself(monkeypatch):
     class Dev:
         cuda = True
         device = "cuda:0"
+        index = 0
 
         def __init__(self):
             self.demand_stream, self.copy_stream, self.n = Stream(), Stream(), 0
@@ -1219,7 +1218,9 @@ def test_copy_io_orders_a_slots_reuse_itself(monkeypatch):
         def blob(self, key):
             return torch.full((4,), float(key[1]))
 
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    current = ["compute"]   # the current stream: each copy is issued with its stream current, then restored
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[-1])
+    monkeypatch.setattr(torch.cuda, "set_stream", current.append)
     dev = Dev()
     io = gpu.CudaCopyIO(Host(), 1, dev, slots=torch.zeros(1, 4))
     assert io.orders_reuse
@@ -1236,6 +1237,7 @@ def test_copy_io_orders_a_slots_reuse_itself(monkeypatch):
     io.last_use[0][1].done = True                   # that copy landed: not waited for
     io.submit((0, 3), demand=False)
     assert dev.copy_stream.waits == ["e5"] and torch.equal(io.views[io.where[(0, 3)]], torch.full((4,), 3.0))
+    assert current[1:] == [dev.copy_stream, "compute", dev.demand_stream, "compute", dev.copy_stream, "compute"]
 
 
 def test_host_timing_counts_the_per_layer_calls(tiny_models, stores, tiny_adapter, tmp_path, capsys):

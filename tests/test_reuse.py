@@ -3,6 +3,7 @@ and the simulator's rows for it."""
 from __future__ import annotations
 
 import json
+import random
 
 import numpy as np
 import pytest
@@ -227,9 +228,9 @@ def test_next_visits_score_by_the_first_visit_that_predicts_them():
     for e in range(4):
         pool.reserve((1, e), 6, prefetch=False).ready = True
     want = max(range(4), key=lambda e: h.score((1, e), 6, None))
-    assert want == 0 and h.farthest(pool.slots.values(), 6, None, set()) == (1, 0)
+    assert want == 0 and h.farthest(pool.by_layer, 6, None, set()) == (1, 0)
     h.set_next_visits(1, 9, [[3], [0, 1], [2]])   # expert 0 now in the second visit's set: 2 the farthest
-    assert h.farthest(pool.slots.values(), 6, None, set()) == (1, 2)
+    assert h.farthest(pool.by_layer, 6, None, set()) == (1, 2)
 
 
 def test_adapter_next_visit_heads_train_save_and_load(tmp_path):
@@ -329,3 +330,49 @@ def test_next_visit_weight_weighs_the_heads(tiny_models, tmp_path, monkeypatch):
     assert "classes" not in t and t["visits16"] == meta["reuse"]["visits16"]   # one table: the whole one
     r = CliRunner().invoke(main, ["train", str(trace), "--out", str(tmp_path / "z"), "--reuse-classes", "0"])
     assert r.exit_code == 2 and "--reuse-classes" in r.output and not (tmp_path / "z").exists()
+
+
+@pytest.mark.parametrize("classes", [False, True])
+def test_the_pools_search_is_the_scores_max_on_random_pools(classes):
+    """The reuse search (ReuseHistory.farthest over the pool's slots by layer, its per-layer terms hoisted) picks
+    max (score, -last_use, key) over the evictable slots, `score` the rule by hand, on random pools: histories,
+    frequency classes, next-visit predictions for the layer's next visit, stale ones and ones of no visits, the
+    window's predictions for later, this and earlier steps, pinned, loading and protected slots, ties."""
+    rng = random.Random(7 + classes)
+    L, E, bits = 6, 16, 4
+    for trial in range(150):
+        vis = tuple(rng.choice((16, 24, 40, 64, 64, 100)) for _ in range(1 << bits))   # (repeats: ties)
+        t = ReuseTable(bits=bits, cap=8, visits16=vis)
+        if classes:
+            t = ReuseTable(bits=bits, cap=8, visits16=vis,
+                           classes=tuple(tuple(rng.randrange(3) for _ in range(E)) for _ in range(L)),
+                           class_visits16=tuple(tuple(rng.choice((16, 40, 64, 100)) for _ in range(1 << bits))
+                                                for _ in range(3)))
+        pool = ExpertPool(40 * 4096, 4096, policy="reuse")
+        pool.reuse = h = ReuseHistory(t, L)
+        now = rng.randint(50, 500)
+        keys = rng.sample([(li, e) for li in range(L) for e in range(E)], rng.randint(1, 40))
+        for k in keys:
+            s = pool.reserve(k, now, prefetch=False)
+            pool.touch(s, rng.randint(now - 6, now - 1))   # (last uses repeat: ties of score and last use)
+            s.ready, s.pins = rng.random() < 0.9, int(rng.random() < 0.1)
+        for li in range(L):
+            h.hist[li] = {e: rng.randrange(1, 1 << bits) for e in range(E) if rng.random() < 0.5}
+            v0 = now + ((li - now % L) % L or L)
+            r = rng.random()
+            if r < 0.6:
+                h.set_next_visits(li, v0, [rng.sample(range(E), rng.randint(1, 5)) for _ in range(rng.randint(1, 3))])
+            elif r < 0.7:
+                h.set_next_visits(li, v0 - L, [rng.sample(range(E), 3)])   # stale: for a visit already past
+            elif r < 0.8:
+                h.set_next_visits(li, v0, [])                               # of no visits: as none
+        pool.predicted = {k: now + rng.randint(-2, 2 * L) for k in rng.sample(keys, len(keys) // 3)}
+        protect = set(rng.sample(keys, min(3, len(keys))))
+        for _ in range(2):   # the second search after the first's victim is gone (the pump's next reservation)
+            cands = [(h.score(s.key, now, pool.predicted), -s.last_use, s.key) for s in pool.slots.values()
+                     if s.ready and not s.pins and s.key not in protect]
+            want = max(cands)[2] if cands else None
+            assert pool._victim(now, protect) == want, trial
+            if want is None:
+                break
+            pool.evict(want)

@@ -776,7 +776,7 @@ def test_reuse_by_frequency_class():
             pool.reuse, pool.predicted = h, None
             for e in (0, cold_expert):
                 pool.reserve((0, e), 0, prefetch=False, protect=set()).ready = True
-            assert pool.reuse.farthest(pool.slots.values(), 1, None, set()) == (0, victim)
+            assert pool.reuse.farthest(pool.by_layer, 1, None, set()) == (0, victim)
             assert max((0, cold_expert), key=lambda e: h.score((0, e), 1, None)) == victim
     # every class with the whole table: the same reads as `reuse`, on routing where the rules differ from LRU
     rng = np.random.default_rng(0)

@@ -88,6 +88,9 @@ class Device:
         self.cuda = self.device.type == "cuda"
         if self.cuda and not torch.cuda.is_available():
             raise SpecPrefetchError(f"--device {device}: CUDA is not available on this machine")
+        # the CUDA device's index (cuda: the current one), so per-copy stream lookups need no device lookup
+        self.index = (self.device.index if self.device.index is not None else torch.cuda.current_device()) \
+            if self.cuda else None
         if self.cuda and self.device.index is not None and self.device.index >= torch.cuda.device_count():
             raise SpecPrefetchError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
         # prefetches queue on one stream in the scheduler's order; demand copies go on their own
@@ -197,10 +200,16 @@ class CudaCopyIO:
             for last in self.last_use[idx]:   # the kernels that read the slot's old expert (and its copy)
                 if not last.query():
                     cs.wait_event(last)
-            with torch.cuda.stream(cs):
-                t0 = self.dev.event(cs)
+            t0 = self.dev.event(cs)
+            # the copy on `cs`, made current for it alone (not `with torch.cuda.stream(cs)`, whose context looks
+            # the device up and checks it at every copy: host time on the pooled decode's path)
+            prev = torch.cuda.current_stream(self.dev.index)
+            torch.cuda.set_stream(cs)
+            try:
                 dst.copy_(src, non_blocking=True)
-                t1 = self.dev.event(cs)
+            finally:
+                torch.cuda.set_stream(prev)
+            t1 = self.dev.event(cs)
         else:
             t0 = self.dev.event()
             dst.copy_(src)

@@ -79,6 +79,9 @@ class ExpertPool:
         # writers of a slot's last_use.
         self._by_use: dict[int, dict[Key, Slot]] = {}
         self._uses: list[int] = []
+        # the slots by layer (layer -> key -> slot), kept by reserve / evict: the reuse search's per-layer terms
+        # computed once per layer
+        self.by_layer: dict[int, dict[Key, Slot]] = {}
 
     @property
     def used_bytes(self) -> int:
@@ -130,7 +133,7 @@ class ExpertPool:
             cands = [s for s in self.slots.values() if s.ready and s.pins == 0 and s.key not in protect]
             return min(cands, key=lambda s: (s.uses, s.last_use, s.key)).key if cands else None
         if self.policy == "reuse":   # max (score, -last_use, key), scored in one pass
-            return self.reuse.farthest(self.slots.values(), now, self.predicted, protect)
+            return self.reuse.farthest(self.by_layer, now, self.predicted, protect)
         return self._victim_farthest(now, protect)
 
     def _victim_farthest(self, now: int, protect: set[Key]) -> Key | None:
@@ -184,6 +187,10 @@ class ExpertPool:
         slot = Slot(key, prefetched=prefetch)
         self.slots[key] = slot
         self._list(slot)
+        group = self.by_layer.get(key[0])
+        if group is None:
+            group = self.by_layer[key[0]] = {}
+        group[key] = slot
         self.peak_bytes = max(self.peak_bytes, self.used_bytes)
         return slot
 
@@ -215,6 +222,10 @@ class ExpertPool:
             self.on_evict(key)
         del self.slots[key]
         self._unlist(s)
+        group = self.by_layer[key[0]]
+        del group[key]
+        if not group:
+            del self.by_layer[key[0]]
         self.evictions += 1
         if s.prefetched:
             self.wasted_prefetches += 1

@@ -76,6 +76,7 @@ class ReuseHistory:
         self.last_step = [-1] * num_layers
         # layer -> (its next visit's step, the predicted experts of that visit and each later one, L apart)
         self.next_visit: dict[int, tuple[int, tuple[frozenset[int], ...]]] = {}
+        self._first: dict[int, tuple] = {}   # layer -> (its prediction's sets, expert -> first visit): farthest
 
     def set_next_visits(self, li: int, target: int, sets: Iterable[Iterable[int]]) -> None:
         """Layer li's next visits, at steps `target`, `target` + L, ..., are predicted to route to `sets`."""
@@ -118,36 +119,53 @@ class ReuseHistory:
             return self._beyond(v0, nv[1], e, self.hist[li].get(e, 0), tab)
         return v0 * SCALE + self.L * (tab[self.hist[li].get(e, 0)] - SCALE)
 
-    def farthest(self, slots, now: int, predicted: dict | None, protect) -> tuple[int, int] | None:
-        """The pool's `reuse` victim among `slots` (pool Slots; the evictable ones: ready, unpinned, not
-        in `protect`): max (score, -last_use, key), `score` inlined and its per-layer terms (the next
-        visit, its prediction) computed once per layer, not per slot (the pool searches at every
-        eviction, over every slot)."""
-        L, S, hist, next_visit, beyond = self.L, SCALE, self.hist, self.next_visit, self._beyond
+    def _first_visits(self, li: int, sets: tuple) -> dict[int, int]:
+        """expert -> the first of layer li's predicted visits (0-based) whose set holds it, for the prediction
+        `sets` (made once per prediction: set_next_visits makes a new tuple each time)."""
+        cached = self._first.get(li)
+        if cached is not None and cached[0] is sets:
+            return cached[1]
+        first: dict[int, int] = {}
+        for j, predicted in enumerate(sets):
+            for e in predicted:
+                first.setdefault(e, j)
+        self._first[li] = (sets, first)
+        return first
+
+    def farthest(self, by_layer: dict[int, dict], now: int, predicted: dict | None, protect) -> tuple[int, int] | None:
+        """The pool's `reuse` victim among its slots `by_layer` (layer -> key -> pool Slot; the evictable ones:
+        ready, unpinned, not in `protect`): max (score, -last_use, key), `score` inlined and its per-layer terms
+        (the next visit, its prediction, the layer's history and tables) computed once per layer, not per slot
+        (the pool searches at every eviction, over every slot: the GPU tier's host time)."""
+        L, S, hist, next_visit, mask = self.L, SCALE, self.hist, self.next_visit, self.mask
         whole, tables = self.table.visits16, self.tables
-        pred = predicted.get if predicted is not None else None
-        layer: dict[int, tuple] = {}
+        pred = predicted.get if predicted else None
         best, top = None, None
-        for s in slots:
-            key = s.key
-            if not s.ready or s.pins or key in protect:
-                continue
-            v = pred(key) if pred is not None else None
-            if v is not None and v > now:  # one for this step and not acquired was a wrong guess
-                v *= S
-            else:
-                li, e = key
-                t = layer.get(li)
-                if t is None:
-                    v0 = now + ((li - now % L) % L or L)
-                    nv = next_visit.get(li)
-                    t = layer[li] = (v0, nv[1] if nv is not None and nv[0] == v0 else None, hist[li], tables[li])
-                v0, nxt, h, tabs = t
-                visits = whole if tabs is None else tabs[e]
-                if not nxt:   # no prediction (or one of no visits: as none, in both engines)
-                    v = v0 * S + L * (visits[h.get(e, 0)] - S)
-                else:   # the first predicted visit that uses it, else its history past them
-                    v = beyond(v0, nxt, e, h.get(e, 0), visits)
-            if best is None or v > top or (v == top and (-s.last_use, key) > (-best.last_use, best.key)):
-                best, top = s, v
+        for li, group in by_layer.items():
+            v0 = now + ((li - now % L) % L or L)
+            nv = next_visit.get(li)
+            nxt = nv[1] if nv is not None and nv[0] == v0 else None
+            h, tabs = hist[li], tables[li]
+            if nxt:   # the first predicted visit that uses it, else its history past them (_beyond)
+                first = self._first_visits(li, nxt)
+                n = len(nxt)
+                far, gap = (v0 + n * L) * S, L * S
+            base = v0 * S
+            for key, s in group.items():
+                if not s.ready or s.pins or key in protect:
+                    continue
+                v = pred(key) if pred is not None else None
+                if v is not None and v > now:  # one for this step and not acquired was a wrong guess
+                    v *= S
+                else:   # (no prediction, or one of no visits: as none, in both engines)
+                    e = key[1]
+                    visits = whole if tabs is None else tabs[e]
+                    if nxt:
+                        j = first.get(e)
+                        v = base + j * gap if j is not None else far + L * (visits[(h.get(e, 0) << n) & mask] - S)
+                    else:
+                        v = base + L * (visits[h.get(e, 0)] - S)
+                if top is None or v > top or (v == top and (s.last_use < best.last_use
+                                                           or (s.last_use == best.last_use and key > best.key))):
+                    best, top = s, v
         return best.key if best is not None else None
