@@ -603,9 +603,10 @@ def test_planner_rows_from_the_device_decide_as_the_hosts_fold(tiny_models, stor
     """A folding planner's rows computed on the device (gpu_graph.DevicePlan: the window's sorted probabilities
     and the next-visit heads' sorted experts, read back with the routing) plan exactly as the host's fold does
     (PrefetchPlanner.plan on the router input read back instead): the same tokens, copies, prefetches, drops
-    and evictions for the adapter with the reuse eviction and three, one or no next-visit heads, windows of one
-    and two, the prediction eviction, and next-gate, at a pool that evicts (on the CPU the device is the host:
-    the same arithmetic, so equal decisions)."""
+    and evictions for the adapter with the reuse eviction and three, one or no next-visit heads, windows of one,
+    two and every MoE layer (the first visit's row a window row too), the prediction eviction, next-gate, and the
+    native scheduler, at pools that evict (on the CPU the device is the host: the same arithmetic, so equal
+    decisions)."""
     from toolkit.runtime import planner as planner_mod
     from toolkit.runtime.gpu_bench import gpu_predictors, gpu_reuse_table
 
@@ -624,11 +625,16 @@ def test_planner_rows_from_the_device_decide_as_the_hosts_fold(tiny_models, stor
                         lambda self, *a, **kw: (sorted_calls.append(a[1]), real_sorted(self, *a, **kw))[1])
     prompt = list(range(5, 17))
     cases = [dict(policy=Policy.parse("adapter+reuse")), dict(policy=Policy.parse("adapter+reuse"), window=1),
+             # a window of every MoE layer: the first visit's horizon L is a window row too
+             dict(policy=Policy.parse("adapter+reuse"), window=eng.L),
              dict(policy=Policy.parse("adapter+reuse"), next_visits=1),
              dict(policy=Policy.parse("adapter+reuse"), next_visit=False),
              dict(policy=Policy.parse("adapter+prediction")), dict(policy=Policy.parse("next-gate+prediction"))]
+    if has_compiler():   # the native scheduler takes the rows through its plan_ranked
+        cases.append(dict(policy=Policy.parse("adapter+reuse"), host="native"))
     for frac, changes in itertools.product((0.2, 0.45), cases):
-        eng.configure(pool_mib=_pool_mib(eng, frac), **{**dict(window=2, next_visits=None, next_visit=True), **changes})
+        eng.configure(pool_mib=_pool_mib(eng, frac),
+                      **{**dict(window=2, next_visits=None, next_visit=True, host="python"), **changes})
         got = []
         for on_device in (True, False):
             sorted_calls.clear()
@@ -1238,6 +1244,11 @@ def test_copy_io_orders_a_slots_reuse_itself(monkeypatch):
     io.submit((0, 3), demand=False)
     assert dev.copy_stream.waits == ["e5"] and torch.equal(io.views[io.where[(0, 3)]], torch.full((4,), 3.0))
     assert current[1:] == [dev.copy_stream, "compute", dev.demand_stream, "compute", dev.copy_stream, "compute"]
+    io.host.blob = lambda key: torch.zeros(5)   # a copy that fails: the current stream is restored all the same
+    io.release((0, 3))
+    with pytest.raises(RuntimeError):
+        io.submit((0, 4), demand=False)
+    assert current[-2:] == [dev.copy_stream, "compute"]
 
 
 def test_host_timing_counts_the_per_layer_calls(tiny_models, stores, tiny_adapter, tmp_path, capsys):
@@ -1798,10 +1809,12 @@ def test_gpu_bench_plans_on_the_host_as_a_variant(tiny_models, stores, monkeypat
     from toolkit.runtime.gpu_bench import run_gpu_bench
     from toolkit.runtime.policy import VARIANT_TAG, parse_policies
 
-    hosts = []
-    real = planner_mod.PrefetchPlanner.plan
+    hosts, device = [], []
+    real, real_sorted = planner_mod.PrefetchPlanner.plan, planner_mod.PrefetchPlanner.plan_sorted
     monkeypatch.setattr(planner_mod.PrefetchPlanner, "plan",
                         lambda self, *a, **kw: (hosts.append(self.source), real(self, *a, **kw))[1])
+    monkeypatch.setattr(planner_mod.PrefetchPlanner, "plan_sorted",
+                        lambda self, *a, **kw: (device.append(self.source), real_sorted(self, *a, **kw))[1])
     r = run_gpu_bench(tiny_models["qwen3_moe"], store=stores["qwen3_moe"], adapter=None,
                       policies=parse_policies("on-demand+lru,next-gate+prediction,oracle+belady"), fractions=[0.2],
                       prompts=1, prompt_tokens=8, new_tokens=6, repeats=1, ks=(2,), device="cpu",
@@ -1811,6 +1824,11 @@ def test_gpu_bench_plans_on_the_host_as_a_variant(tiny_models, stores, monkeypat
     dev, host = rows["next-gate+prediction"], rows[f"next-gate+prediction{VARIANT_TAG}plan=host"]
     assert (dev["hit_rate"], dev["pcie_mib_per_token"]) == (host["hit_rate"], host["pcie_mib_per_token"])
     assert any(getattr(s, "name", None) == "next-gate" for s in hosts)   # the variant's rows planned on the host
+    assert any(getattr(s, "name", None) == "next-gate" for s in device)  # and the default rows from the device
+    with pytest.raises(SpecPrefetchError, match="no policy's predictor folds its rows"):
+        run_gpu_bench(tiny_models["qwen3_moe"], store=stores["qwen3_moe"], adapter=None,
+                      policies=parse_policies("previous-token+prediction"), fractions=[0.2], device="cpu",
+                      variants=("plan=host",), log=lambda s: None)
     with pytest.raises(SpecPrefetchError, match="device is every row's own"):
         run_gpu_bench(tiny_models["qwen3_moe"], store=stores["qwen3_moe"], adapter=None,
                       policies=parse_policies("next-gate+prediction"), fractions=[0.2], device="cpu",

@@ -914,8 +914,8 @@ def bench_reads_cmd(traces, store_path, pool_fracs, max_sequences, rounds, lanes
                    "step, at least one expert, or auto: the measured copy rate times a layer's resident step; "
                    "reuse_classes=off: +reuse policies with the whole reuse table; host=native: every policy with "
                    "the native runner's scheduler and pool, the same decisions off Python; plan=host: the "
-                   "planner's rows folded on the host from the router's input, not on the device, the same "
-                   "decisions), in the same rounds (repeatable)")
+                   "planner's rows folded on the host from the router's input, not on the device: the same "
+                   "decisions up to rounding at near-ties), in the same rounds (repeatable)")
 @json_report
 @friendly_errors(interrupt=NOT_WRITTEN)
 def bench_gpu(model, device, adapter, policies, pool_fractions, prompts, new_tokens, rounds, prompt_tokens, window,

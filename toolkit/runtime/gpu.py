@@ -623,8 +623,8 @@ class GpuEngine:
         scheduler and pool decide, "python" (toolkit/runtime/scheduler.py) or "native" (the native runner's,
         toolkit/runtime/native_sched.py: the same decisions off Python; "keep": unchanged); `plan`: where the
         static decoder computes a folding planner's rows, "device" (gpu_graph.DevicePlan, read back with the
-        routing) or "host" (the router's input read back, PrefetchPlanner.plan folds it: the same decisions;
-        "keep": unchanged)."""
+        routing) or "host" (the router's input read back, PrefetchPlanner.plan folds it: the same decisions on
+        the CPU, on a GPU up to rounding at near-ties; "keep": unchanged)."""
         cfg = dataclasses.replace(self.cfg, **changes)
         if copy_depth != "keep" and copy_depth is not None and (not is_int(copy_depth) or copy_depth < 1):
             raise SpecPrefetchError(f"--queue-depth {copy_depth!r}: prefetch copies a step, an integer >= 1")
@@ -887,7 +887,8 @@ class GpuEngine:
         """The target's greedy token after `token` at `pos` (its K, V written there): the one-token
         decode step every policy's tokens come from."""
         s.pos = pos
-        if s.planner is not None:
+        host_state = s.planner is not None and s.device_plan is None   # (a folding planner's rows: the device's)
+        if host_state:
             s.state.pos = pos
         if s.resident:
             nxt = s.runner.decode_resident(s, token, pos)
@@ -895,7 +896,7 @@ class GpuEngine:
             nxt = s.runner.decode(s, token, pos)
         else:
             nxt = int(self._forward(s, s.cache, [token], pos)[-1].argmax())
-        if s.planner is not None:
+        if host_state:
             s.state.next_position()
         return nxt
 

@@ -14,7 +14,7 @@ window, queue_depth (prefetch copies issued per layer step), candidate_threshold
 read_budget_kib: a number, or auto, the measured copy rate times a layer's resident step; reuse_classes=off,
 the reuse eviction with the whole table, for `+reuse` policies only; host=native, for every policy: the native
 runner's scheduler and pool decide, the same decisions off Python; plan=host: a folding planner's rows computed
-on the host from the router's input read back, not on the device, the same decisions), rows of their own in the
+on the host from the router's input read back, not on the device: the same decisions up to rounding at near-ties), rows of their own in the
 same rounds.
 Every run's tokens are checked against transformers' greedy tokens before any time is quoted.
 """
@@ -45,12 +45,14 @@ def _predicting(pol: Policy) -> bool:
     return pol.predictor not in ("on-demand", "draft", "oracle")
 
 
-def _takes(pol: Policy, v: dict) -> bool:
+def _takes(pol: Policy, v: dict, preds: dict | None = None) -> bool:
     """Whether the --variant settings `v` make a row of `pol`: a predicting policy (any policy where `v` sets
-    only `host`, whose scheduler decides), and for reuse_classes and next_visits one that evicts by the reuse
-    table."""
-    return (set(v) <= {"host"} or _predicting(pol)) and (not {"reuse_classes", "next_visits"} & set(v)
-                                                         or pol.eviction == "reuse")
+    only `host`, whose scheduler decides), for reuse_classes and next_visits one that evicts by the reuse
+    table, and for plan one whose predictor folds (`linear`: its rows are computed on the device; `preds`, the
+    bench's predictors, once they are built)."""
+    return ((set(v) <= {"host"} or _predicting(pol))
+            and (not {"reuse_classes", "next_visits"} & set(v) or pol.eviction == "reuse")
+            and ("plan" not in v or preds is None or getattr(preds.get(pol.predictor), "linear", False)))
 
 
 def _prompts(tokenizer, n: int, tokens: int, data: Path | None) -> list[list[int]]:
@@ -255,6 +257,9 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
     preds = gpu_predictors(spec, {p.predictor for p in policies}, adapter)
     reuse = gpu_reuse_table(spec, {p.eviction for p in policies}, adapter)
     for label, v in knobs.items():
+        if "plan" in v and not any(_takes(p, v, preds) for p in policies):
+            raise SpecPrefetchError(f"--variant {label}: no policy's predictor folds its rows (plan=host: the "
+                                    "adapter, next-gate or fate)")
         # (a +reuse policy has its table: gpu_reuse_table refused the run otherwise)
         if "reuse_classes" in v and (not any(_takes(p, v) for p in policies) or reuse.classes is None):
             raise SpecPrefetchError(f"--variant {label}: no predicting +reuse policy whose reuse table has "
@@ -321,7 +326,7 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
     variants += [(pol.name + NO_NEXT_VISIT, pol, False, {}) for pol in policies
                  if pol.eviction == "reuse" and getattr(preds.get(pol.predictor), "next_visits", 0)]
     variants += [(f"{pol.name}{VARIANT_TAG}{label}", pol, True, v) for pol in policies
-                 for label, v in knobs.items() if _takes(pol, v)]
+                 for label, v in knobs.items() if _takes(pol, v, preds)]
     for label, pol, _, v in variants:   # a cap that reads fewer heads than the adapter has, or it is no variant
         heads = getattr(preds.get(pol.predictor), "next_visits", 0)
         if "next_visits" in v and v["next_visits"] >= heads:

@@ -12,8 +12,8 @@ and no prefetching policy can win. This module takes the host out of the per-ker
                    the greedy argmax (the next token stays on the device)
 
 Each segment is one CUDA graph replay. Between two replays the host reads the router's top-k (and,
-when a planner runs, the router's input) through non-blocking copies into pinned memory and one wait
-on them: the one host sync per MoE layer (plus one per token for the next token). It then asks the
+when a planner runs, its rows computed on the device by a graph of their own where it folds: DevicePlan;
+else the router's input) through non-blocking copies into pinned memory and one wait on them: the one host sync per MoE layer (plus one per token for the next token). It then asks the
 scheduler for the experts (acquire: demand copies on their own stream, then the planner's
 prefetches), writes the slot numbers into a device buffer, makes the compute stream wait on the
 copies of those slots (CUDA events: the stall) and replays the next
@@ -472,11 +472,12 @@ class DevicePlan:
                 for li in range(L):
                     self._compute(li)
             torch.cuda.current_stream(dev).wait_stream(side)
-            graphs = []
-            for li in range(L):
+            graphs, pool = [], None
+            for li in range(L):   # (one memory pool for the layers' graphs, as the segments')
                 g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
+                with torch.cuda.graph(g, pool=pool):
                     self._compute(li)
+                pool = g.pool()
                 graphs.append(g)
             torch.cuda.synchronize(dev)
         self.graphs = graphs
@@ -491,15 +492,18 @@ class DevicePlan:
         self.host_conf[li].copy_(self.conf[li], non_blocking=True)
         self.host_ids[li].copy_(self.ids[li], non_blocking=True)
 
-    def rows(self, li: int) -> tuple[list[list[float]], list[list[int]], list[list[int]]]:
-        """After the sync: layer li's (window confidences, their experts, each next visit's experts)."""
-        ids = self.host_ids[li].tolist()
-        return self.host_conf[li].tolist(), ids[:self.W], ids[self.W:]
+    def rows(self, li: int, m: int, n: int) -> tuple[list[list[float]], list[list[int]], list[list[int]]]:
+        """After the sync: layer li's (window confidences, their experts: the first m of each; each next visit's
+        experts: the first n), as lists (PrefetchPlanner.sorted_widths)."""
+        W, ids = self.W, self.host_ids[li]
+        return self.host_conf[li, :, :m].tolist(), ids[:W, :m].tolist(), ids[W:, :n].tolist()
 
 
 class GraphRunner:
     """The target's one-token decode step as L + 1 segments (CUDA graphs on a GPU, eager on the CPU),
     and the draft's whole step as one graph."""
+
+    PLANS = 4   # DevicePlan layouts kept (a bench alternates a few: window, heads on and off)
 
     def __init__(self, eng, slots: torch.Tensor, S: int, *, graphs: bool):
         self.eng = eng
@@ -714,13 +718,16 @@ class GraphRunner:
             return None
         layers, W, visit_rows = fold
         key = (W, tuple(visit_rows), tuple((tuple(m.shape), src) for m, src, _ in layers))
-        dp = self._plans.get(key)
+        dp = self._plans.pop(key, None)
         if dp is None:
-            dp = self._plans[key] = DevicePlan(self, fold)
+            while len(self._plans) >= self.PLANS:   # the oldest layout's buffers and graphs go first
+                self._plans.pop(next(iter(self._plans)))
+            dp = DevicePlan(self, fold)
             if self.graphs:
                 dp._capture()
         else:
             dp.load(fold)
+        self._plans[key] = dp   # most recently used last
         return dp
 
     def ensure(self) -> None:
@@ -767,6 +774,8 @@ class GraphRunner:
         sched, io = seq.sched, seq.io
         planner, dplan = seq.planner, seq.device_plan
         host_plan = planner is not None and dplan is None   # (a folding planner's rows come from the device)
+        if dplan is not None:
+            m, n = planner.sorted_widths(sched)
         where = io.where
         self.set_position(token, pos)
         self.run_segment(0)
@@ -793,7 +802,7 @@ class GraphRunner:
                 # same decisions in the same order (acquire, plan, release), the host's planning off the
                 # device's path
                 if dplan is not None:
-                    planner.plan_sorted(sched, li, step, *dplan.rows(li), seq.end)
+                    planner.plan_sorted(sched, li, step, *dplan.rows(li, m, n), seq.end)
                 elif planner is not None:
                     planner.plan(sched, li, step, seq.state, None, seq.end)
             finally:

@@ -314,19 +314,23 @@ class PrefetchPlanner:
         return ([(mat, src, bias) for mat, src, bias, _ in self.folded], self.W,
                 [fhs.index(h) for h in self.visit_hs])
 
+    def sorted_widths(self, sched: WindowScheduler) -> tuple[int, int]:
+        """How much of each sorted row `plan_sorted` reads for `sched`: a window row's first m (its candidates),
+        a next-visit row's first n (next_visit_size)."""
+        return sched.cfg.candidates or sched.k, self._visit_size(sched)
+
     def plan_sorted(self, sched: WindowScheduler, li: int, step: int, confs: list[list[float]],
                     ids: list[list[int]], visits: list[list[int]], end: int | None = None) -> None:
         """`plan` of a folding planner from its rows already computed and sorted (`device_fold`): `confs` / `ids`
         the W window rows' probabilities, descending, and their experts; `visits` each next-visit row's experts
         by descending logit. The same decisions as `plan` (which computes them on the host)."""
         W = self.W if end is None else min(self.W, end - 1 - step)
+        m, n = self.sorted_widths(sched)   # (plan_probs' stable_topk: the first m of the sorted row)
         if self.host_visits > 0 and sched.reuse is not None:
-            n = self._visit_size(sched)
             sched.reuse.set_next_visits(li, step + self.L, [row[:n] for row in visits])
         if W < 1:
             sched.plan_probs(step, [], None)
             return
-        m = sched.cfg.candidates or sched.k   # (plan_probs' stable_topk: the first m of the sorted row)
         sched.plan_ranked(step, [step + h for h in range(1, W + 1)], [c[:m] for c in confs[:W]],
                           [e[:m] for e in ids[:W]])
 

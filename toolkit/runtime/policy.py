@@ -63,7 +63,8 @@ VARIANT_KEYS: dict[str, tuple[Callable[[str], Any], Callable[[Any], bool], str]]
 # and whose scheduler and pool decide (`host`: the Python one, or the native runner's through
 # toolkit/runtime/native_sched.py: the same decisions off Python), the one key every policy takes;
 # and where a folding planner's rows are computed (`plan`: on the device, read back with the routing, the
-# default; or `host`: the router's input read back and folded on the host, as before: the same decisions)
+# default; or `host`: the router's input read back and folded on the host, as before: the same decisions on the
+# CPU, on a GPU up to rounding at near-ties)
 HOSTS = ("python", "native")
 PLAN_ROWS = ("device", "host")
 # `run --device cuda --read-budget-kib auto`, refused: the GPU tier's budget is a number
