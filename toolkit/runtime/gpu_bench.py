@@ -14,8 +14,8 @@ window, queue_depth (prefetch copies issued per layer step), candidate_threshold
 read_budget_kib: a number, or auto, the measured copy rate times a layer's resident step; reuse_classes=off,
 the reuse eviction with the whole table, for `+reuse` policies only; host=native, for every policy: the native
 runner's scheduler and pool decide, the same decisions off Python; plan=host: a folding planner's rows computed
-on the host from the router's input read back, not on the device: the same decisions up to rounding at near-ties), rows of their own in the
-same rounds.
+on the host from the router's input read back, not on the device: the same decisions up to rounding at
+near-ties), rows of their own in the same rounds.
 Every run's tokens are checked against transformers' greedy tokens before any time is quoted.
 """
 from __future__ import annotations

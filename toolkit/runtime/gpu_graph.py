@@ -13,11 +13,11 @@ and no prefetching policy can win. This module takes the host out of the per-ker
 
 Each segment is one CUDA graph replay. Between two replays the host reads the router's top-k (and,
 when a planner runs, its rows computed on the device by a graph of their own where it folds: DevicePlan;
-else the router's input) through non-blocking copies into pinned memory and one wait on them: the one host sync per MoE layer (plus one per token for the next token). It then asks the
-scheduler for the experts (acquire: demand copies on their own stream, then the planner's
-prefetches), writes the slot numbers into a device buffer, makes the compute stream wait on the
-copies of those slots (CUDA events: the stall) and replays the next
-segment. The graphs compute the k routed experts from the slots by those numbers, one of two ways
+else the router's input) through non-blocking copies into pinned memory and one wait on them: the one
+host sync per MoE layer (plus one per token for the next token). It then asks the scheduler for the
+experts (acquire: demand copies on their own stream, then the planner's prefetches), writes the slot
+numbers into a device buffer, makes the compute stream wait on the copies of those slots (CUDA events:
+the stall) and replays the next segment. The graphs compute the k routed experts from the slots by those numbers, one of two ways
 (`GpuEngine(experts=...)`): `fused` (the default with `graph` on an fp16 model) reads each expert's
 matrices where they lie with a grouped fp16 GEMV (gpu_kernels.slot_gemv), each expert byte read once,
 as the HBM floor counts; `eager` gathers the k experts' weights (a copy: read, written, read again)
