@@ -11,18 +11,18 @@ and no prefetching policy can win. This module takes the host out of the per-ker
     segment L      the last MoE layer's experts, the remaining layers, the final norm, the LM head and
                    the greedy argmax (the next token stays on the device)
 
-Each segment is one CUDA graph replay. Between two replays the host reads the router's top-k (and,
-when a planner runs, its rows computed on the device by a graph of their own where it folds: DevicePlan;
-else the router's input) through non-blocking copies into pinned memory and one wait on them: the one
-host sync per MoE layer (plus one per token for the next token). It then asks the scheduler for the
-experts (acquire: demand copies on their own stream, then the planner's prefetches), writes the slot
-numbers into a device buffer, makes the compute stream wait on the copies of those slots (CUDA events:
-the stall) and replays the next segment. The graphs compute the k routed experts from the slots by those numbers, one of two ways
-(`GpuEngine(experts=...)`): `fused` (the default with `graph` on an fp16 model) reads each expert's
-matrices where they lie with a grouped fp16 GEMV (gpu_kernels.slot_gemv), each expert byte read once,
-as the HBM floor counts; `eager` gathers the k experts' weights (a copy: read, written, read again)
-and runs transformers' eager expert loop on them (the same F.linear calls, ascending expert order,
-index_add_), bitwise transformers' expert arithmetic.
+Each segment is one CUDA graph replay. Between two replays the host reads the router's top-k (and, when a
+planner runs, its rows computed on the device by a graph of their own where it folds: DevicePlan; else the
+router's input) through non-blocking copies into pinned memory and one wait on them: the one host sync per MoE
+layer (plus one per token for the next token). It then asks the scheduler for the experts (acquire: demand
+copies on their own stream, then the planner's prefetches), writes the slot numbers into a device buffer,
+makes the compute stream wait on the copies of those slots (CUDA events: the stall) and replays the next
+segment. The graphs compute the k routed experts from the slots by those numbers, one of two ways
+(`GpuEngine(experts=...)`): `fused` (the default with `graph` on an fp16 model) reads each expert's matrices
+where they lie with a grouped fp16 GEMV (gpu_kernels.slot_gemv), each expert byte read once, as the HBM floor
+counts; `eager` gathers the k experts' weights (a copy: read, written, read again) and runs transformers'
+eager expert loop on them (the same F.linear calls, ascending expert order, index_add_), bitwise transformers'
+expert arithmetic.
 
 With every expert resident (the bench's upper bound) the host has nothing to decide: `decode_resident`
 looks each router's slots up on the device and runs the whole token as one graph, with one host sync
