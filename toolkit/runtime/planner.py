@@ -321,18 +321,17 @@ class PrefetchPlanner:
 
     def plan_sorted(self, sched: WindowScheduler, li: int, step: int, confs: list[list[float]],
                     ids: list[list[int]], visits: list[list[int]], end: int | None = None) -> None:
-        """`plan` of a folding planner from its rows already computed and sorted (`device_fold`): `confs` / `ids`
-        the W window rows' probabilities, descending, and their experts; `visits` each next-visit row's experts
-        by descending logit. The same decisions as `plan` (which computes them on the host)."""
+        """`plan` of a folding planner from its rows already computed, sorted and cut to `sorted_widths`
+        (`device_fold`; gpu_graph.DevicePlan.rows): `confs` / `ids` the W window rows' first m probabilities,
+        descending, and their experts (plan_probs' stable_topk); `visits` each next-visit row's first n experts by
+        descending logit. The same decisions as `plan` (which computes them on the host)."""
         W = self.W if end is None else min(self.W, end - 1 - step)
-        m, n = self.sorted_widths(sched)   # (plan_probs' stable_topk: the first m of the sorted row)
         if self.host_visits > 0 and sched.reuse is not None:
-            sched.reuse.set_next_visits(li, step + self.L, [row[:n] for row in visits])
+            sched.reuse.set_next_visits(li, step + self.L, visits)
         if W < 1:
             sched.plan_probs(step, [], None)
             return
-        sched.plan_ranked(step, [step + h for h in range(1, W + 1)], [c[:m] for c in confs[:W]],
-                          [e[:m] for e in ids[:W]])
+        sched.plan_ranked(step, [step + h for h in range(1, W + 1)], confs[:W], ids[:W])
 
     def _target(self, li: int, step: int, h: int, T: int) -> int:
         """The step horizon h from MoE layer li targets: this unit's layer li + h, or past the last
