@@ -647,7 +647,7 @@ def test_planner_rows_from_the_device_decide_as_the_hosts_fold(tiny_models, stor
                         j["wasted_prefetch_mib"], j["pcie_bytes_per_token"]))
         assert got[0] == got[1], (frac, changes)
         assert got[0][1]["prefetch_issued"] > 0 and got[0][2] > 0, (frac, changes)   # it planned; the pool evicted
-    with pytest.raises(SpecPrefetchError, match="plan 'gpu': choose from device, host"):
+    with pytest.raises(SpecPrefetchError, match="plan 'gpu': choose from device, inline, host"):
         eng.configure(plan="gpu")
 
 
@@ -1131,11 +1131,21 @@ def test_graph_decode_reads_the_device_once_per_layer(tiny_models, stores, monke
                 raise AssertionError(f"{_name}() on the decoder's device buffer: a second host sync")
             return _real(self, *a, **kw)
         monkeypatch.setattr(torch.Tensor, name, guard)
-    runner.host_waits = 0
+    runner.host_waits = dp.waits = 0
     g = eng.run(prompt, 10)
     monkeypatch.undo()
     assert eng._graph_runner(len(prompt) + 10 + 8 + 1) is runner
     assert runner.host_waits == (eng.L + 1) * (len(g.tokens) - 1)
+    # on a GPU the rows come on their own stream: one wait on their event per MoE layer, when planning
+    assert dp.waits == (eng.L * (len(g.tokens) - 1) if device == "cuda" else 0)
+    assert (dp.side is not None) == (device == "cuda")
+    # plan="inline": the same rows on the compute stream, waited for by the layer's sync alone; the same run
+    eng.configure(plan="inline")
+    runner.host_waits = dp.waits = 0
+    gi = eng.run(prompt, 10)
+    assert (gi.tokens, gi.stats.counts["prefetch_issued"], gi.to_json()["evictions"]) == \
+        (g.tokens, g.stats.counts["prefetch_issued"], g.to_json()["evictions"])
+    assert dp.inline and dp.waits == 0 and runner.host_waits == (eng.L + 1) * (len(g.tokens) - 1)
 
 
 def test_graph_decode_plans_behind_the_replay(tiny_models, stores, monkeypatch):

@@ -622,9 +622,10 @@ class GpuEngine:
         pool's free slots, capacity - k, also the cap of any larger value; "keep": unchanged); `host`: whose
         scheduler and pool decide, "python" (toolkit/runtime/scheduler.py) or "native" (the native runner's,
         toolkit/runtime/native_sched.py: the same decisions off Python; "keep": unchanged); `plan`: where the
-        static decoder computes a folding planner's rows, "device" (gpu_graph.DevicePlan, read back with the
-        routing) or "host" (the router's input read back, PrefetchPlanner.plan folds it: the same decisions on
-        the CPU, on a GPU up to rounding at near-ties; "keep": unchanged)."""
+        static decoder computes a folding planner's rows, "device" (gpu_graph.DevicePlan, on a stream of its
+        own beside the next segment), "inline" (the same on the compute stream, waited for by the layer's sync)
+        or "host" (the router's input read back, PrefetchPlanner.plan folds it: the same decisions on the CPU,
+        on a GPU up to rounding at near-ties; "keep": unchanged)."""
         cfg = dataclasses.replace(self.cfg, **changes)
         if copy_depth != "keep" and copy_depth is not None and (not is_int(copy_depth) or copy_depth < 1):
             raise SpecPrefetchError(f"--queue-depth {copy_depth!r}: prefetch copies a step, an integer >= 1")
@@ -841,8 +842,8 @@ class GpuEngine:
                            eos=frozenset(self._eos()), L=L, io=io, pool=pool, sched=sched, planner=planner,
                            state=state, runner=runner, cache=DynamicCache(), account=DecodeAccount(),
                            resident=resident_graph,
-                           device_plan=(runner.device_plan(planner) if runner is not None and self.plan_rows == "device"
-                                        else None))
+                           device_plan=(runner.device_plan(planner, inline=self.plan_rows == "inline")
+                                        if runner is not None and self.plan_rows != "host" else None))
 
     def prefill(self, s: GpuSequence) -> None:
         """The prompt in one pass through transformers' modules (its experts in chunks that fit the

@@ -15,7 +15,8 @@ read_budget_kib: a number, or auto, the measured copy rate times a layer's resid
 the reuse eviction with the whole table, for `+reuse` policies only; host=native, for every policy: the native
 runner's scheduler and pool decide, the same decisions off Python; plan=host: a folding planner's rows computed
 on the host from the router's input read back, not on the device: the same decisions up to rounding at
-near-ties), rows of their own in the same rounds.
+near-ties; plan=inline: on the device but on the compute stream, waited for by the layer's sync, not on a
+stream of their own: the same decisions), rows of their own in the same rounds.
 Every run's tokens are checked against transformers' greedy tokens before any time is quoted.
 """
 from __future__ import annotations
@@ -258,7 +259,7 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
     reuse = gpu_reuse_table(spec, {p.eviction for p in policies}, adapter)
     for label, v in knobs.items():
         if "plan" in v and not any(_takes(p, v, preds) for p in policies):
-            raise SpecPrefetchError(f"--variant {label}: no policy's predictor folds its rows (plan=host: the "
+            raise SpecPrefetchError(f"--variant {label}: no policy's predictor folds its rows (plan=: the "
                                     "adapter, next-gate or fate)")
         # (a +reuse policy has its table: gpu_reuse_table refused the run otherwise)
         if "reuse_classes" in v and (not any(_takes(p, v) for p in policies) or reuse.classes is None):
@@ -591,7 +592,8 @@ def main(argv: list[str] | None = None) -> None:
                          "candidate_threshold, min_confidence, read_budget_kib: KiB a layer step or auto, "
                          "reuse_classes=off: +reuse policies with the whole reuse table; host=native: every "
                          "policy with the native runner's scheduler and pool; plan=host: the planner's rows "
-                         "folded on the host, not the device; repeatable)")
+                         "folded on the host, not the device; plan=inline: on the device, on the compute "
+                         "stream before the layer's sync; repeatable)")
     ap.add_argument("--json", type=Path, required=True)
     a = ap.parse_args(argv)
     r = run_gpu_bench(a.model, store=a.store, adapter=a.adapter, policies=parse_policies(a.policies),

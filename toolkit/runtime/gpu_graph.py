@@ -426,7 +426,13 @@ class DevicePlan:
     host sync) for `plan_sorted`. The host then plans from small sorted lists instead of computing the fold,
     its softmax and its sorts (about 0.1 ms a MoE layer of host time on the bench's model, the pooled decode's
     bottleneck). One graph per MoE layer on a GPU (eager on the CPU), its own, so policies that do not plan
-    replay nothing more; the same arithmetic as the host's fold on the CPU (the same decisions, bit for bit)."""
+    replay nothing more; the same arithmetic as the host's fold on the CPU (the same decisions, bit for bit).
+
+    On a GPU the rows' graph runs on a side stream of its own, after the layer's router (it waits for the
+    compute stream there) and beside the next segment: the layer's sync waits for the routing alone, and the
+    host waits for the rows (an event of theirs) only when it plans, after it has enqueued the next segment,
+    by when they have usually landed (`waits` counts those waits; the rows' graph reads the layer's router
+    input, which only the next token's segment rewrites, after the host has read the rows)."""
 
     def __init__(self, runner: "GraphRunner", fold):
         layers, W, visit_rows = fold
@@ -444,6 +450,11 @@ class DevicePlan:
         self.host_conf = torch.zeros(L, W, E, pin_memory=pin)
         self.host_ids = torch.zeros(L, W + V, E, dtype=torch.long, pin_memory=pin)
         self.graphs: list[Any] | None = None
+        # a GPU's side stream for the rows, and each layer's event: its rows landed in pinned memory
+        self.side = torch.cuda.Stream(dev) if pin else None
+        self.done = [torch.cuda.Event() for _ in range(L)] if pin else None
+        self.waits = 0   # the host's waits on `done` (rows)
+        self.inline = False   # on the compute stream instead, waited for by the layer's sync (plan=inline)
 
     def load(self, fold) -> None:
         """A sequence's fold (its planner's; the same shape) into the buffers the graphs read."""
@@ -484,17 +495,39 @@ class DevicePlan:
 
     def enqueue(self, li: int) -> None:
         """Layer li's rows computed after its router (enqueued after its segment) and their copies into pinned
-        memory, before the layer's host sync (GraphRunner.read_routing)."""
-        if self.graphs is not None:
-            self.graphs[li].replay()
-        else:
-            self._compute(li)
+        memory: on a GPU on the side stream, which waits for the compute stream up to here (the router), the
+        layer's event recorded after the copies; on the CPU in line."""
+        if self.side is None or self.inline:
+            if self.graphs is not None:
+                self.graphs[li].replay()
+            else:
+                self._compute(li)
+            self._copy(li)
+            return
+        main = torch.cuda.current_stream(self.side.device)
+        self.side.wait_stream(main)
+        torch.cuda.set_stream(self.side)
+        try:
+            if self.graphs is not None:
+                self.graphs[li].replay()
+            else:
+                self._compute(li)
+            self._copy(li)
+            self.done[li].record(self.side)
+        finally:
+            torch.cuda.set_stream(main)
+
+    def _copy(self, li: int) -> None:
         self.host_conf[li].copy_(self.conf[li], non_blocking=True)
         self.host_ids[li].copy_(self.ids[li], non_blocking=True)
 
     def rows(self, li: int, m: int, n: int) -> tuple[list[list[float]], list[list[int]], list[list[int]]]:
-        """After the sync: layer li's (window confidences, their experts: the first m of each; each next visit's
-        experts: the first n), as lists (PrefetchPlanner.sorted_widths)."""
+        """Layer li's (window confidences, their experts: the first m of each; each next visit's experts: the
+        first n), as lists (PrefetchPlanner.sorted_widths), once they have landed (on a GPU the host waits for
+        the layer's event)."""
+        if self.done is not None and not self.inline:
+            self.done[li].synchronize()
+            self.waits += 1
         W, ids = self.W, self.host_ids[li]
         return self.host_conf[li, :, :m].tolist(), ids[:W, :m].tolist(), ids[W:, :n].tolist()
 
@@ -709,9 +742,10 @@ class GraphRunner:
             self.draft = None
         self.slots = self.math = self.kv = None
 
-    def device_plan(self, planner) -> DevicePlan | None:
+    def device_plan(self, planner, *, inline: bool = False) -> DevicePlan | None:
         """The planner's rows on the device for a new sequence (its fold loaded into the DevicePlan of that
-        layout, made and captured the first time); None where there is no planner or it does not fold."""
+        layout, made and captured the first time; `inline`: on the compute stream, before the layer's sync, as
+        `plan=inline` measures); None where there is no planner or it does not fold."""
         self.check_open()
         fold = planner.device_fold() if planner is not None else None
         if fold is None:
@@ -727,6 +761,7 @@ class GraphRunner:
                 dp._capture()
         else:
             dp.load(fold)
+        dp.inline = inline
         self._plans[key] = dp   # most recently used last
         return dp
 
@@ -755,9 +790,9 @@ class GraphRunner:
         self.host_waits += 1
 
     def read_routing(self, li: int, with_input: bool, plan: DevicePlan | None = None) -> list[int]:
-        """MoE layer li's top-k (and its router input into host_post[li] when `with_input`; the planner's
-        rows computed on the device and copied with `plan`): copied non-blocking into pinned memory, then
-        one wait."""
+        """MoE layer li's top-k (and its router input into host_post[li] when `with_input`): copied
+        non-blocking into pinned memory, then one wait. With `plan`, the planner's rows are enqueued after the
+        router too (on a GPU on their own stream, not waited for here: DevicePlan.rows waits)."""
         if plan is not None:
             plan.enqueue(li)
         self.host_idx[li].copy_(self.idx[li], non_blocking=True)

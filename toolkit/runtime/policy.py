@@ -62,11 +62,12 @@ VARIANT_KEYS: dict[str, tuple[Callable[[str], Any], Callable[[Any], bool], str]]
 # there queue_depth is the prefetch copies issued per layer step
 # and whose scheduler and pool decide (`host`: the Python one, or the native runner's through
 # toolkit/runtime/native_sched.py: the same decisions off Python), the one key every policy takes;
-# and where a folding planner's rows are computed (`plan`: on the device, read back with the routing, the
-# default; or `host`: the router's input read back and folded on the host, as before: the same decisions on the
-# CPU, on a GPU up to rounding at near-ties)
+# and where a folding planner's rows are computed (`plan`: on the device, on a stream of their own beside the
+# next segment, the default; `inline`: on the device, on the compute stream before the layer's sync, as before;
+# or `host`: the router's input read back and folded on the host: the same decisions on the CPU, on a GPU up
+# to rounding at near-ties)
 HOSTS = ("python", "native")
-PLAN_ROWS = ("device", "host")
+PLAN_ROWS = ("device", "inline", "host")
 # `run --device cuda --read-budget-kib auto`, refused: the GPU tier's budget is a number
 GPU_AUTO_BUDGET = ("--read-budget-kib auto: the GPU tier takes a number (KiB a layer step); "
                    "`bench gpu --variant read_budget_kib=auto` measures this GPU's and prints it")
@@ -74,8 +75,8 @@ GPU_VARIANT_KEYS = {**VARIANT_KEYS, "read_budget_kib": (lambda s: s if s == "aut
                                                         lambda v: v == "auto" or v >= 1, "an integer >= 1 or auto"),
                     "host": (lambda s: s if s == "native" else None, lambda v: True,
                              "native (python is every row's own: no variant)"),
-                    "plan": (lambda s: s if s == "host" else None, lambda v: True,
-                             "host (device is every row's own: no variant)")}
+                    "plan": (lambda s: s if s in ("host", "inline") else None, lambda v: True,
+                             "host or inline (device is every row's own: no variant)")}
 
 
 def parse_variant(spec: str, keys: dict = VARIANT_KEYS) -> dict[str, Any]:
