@@ -915,7 +915,8 @@ def bench_reads_cmd(traces, store_path, pool_fracs, max_sequences, rounds, lanes
                    "reuse_classes=off: +reuse policies with the whole reuse table; host=native: every policy with "
                    "the native runner's scheduler and pool, the same decisions off Python; plan=host: the "
                    "planner's rows folded on the host from the router's input, not on the device: the same "
-                   "decisions up to rounding at near-ties), in the same rounds (repeatable)")
+                   "decisions up to rounding at near-ties; plan=inline: on the device but on the compute stream, "
+                   "before each layer's sync), in the same rounds (repeatable)")
 @json_report
 @friendly_errors(interrupt=NOT_WRITTEN)
 def bench_gpu(model, device, adapter, policies, pool_fractions, prompts, new_tokens, rounds, prompt_tokens, window,
