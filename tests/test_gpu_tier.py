@@ -16,7 +16,7 @@ from toolkit.models.routers import load_router_bank
 from toolkit.predictors.registry import build_predictor
 from toolkit.runtime.expert_store import ExpertStore, build_store
 from toolkit.runtime.gpu import GpuEngine, Int4Experts
-from toolkit.runtime.gpu_graph import GraphRunner, StaticDecoder
+from toolkit.runtime.gpu_graph import DevicePlan, GraphRunner, StaticDecoder
 from toolkit.runtime.native_sched import has_compiler
 from toolkit.runtime.policy import Policy
 from toolkit.runtime.runner import RunConfig
@@ -1138,14 +1138,27 @@ def test_graph_decode_reads_the_device_once_per_layer(tiny_models, stores, monke
     assert runner.host_waits == (eng.L + 1) * (len(g.tokens) - 1)
     # on a GPU the rows come on their own stream: one wait on their event per MoE layer, when planning
     assert dp.waits == (eng.L * (len(g.tokens) - 1) if device == "cuda" else 0)
-    assert (dp.side is not None) == (device == "cuda")
-    # plan="inline": the same rows on the compute stream, waited for by the layer's sync alone; the same run
-    eng.configure(plan="inline")
-    runner.host_waits = dp.waits = 0
-    gi = eng.run(prompt, 10)
-    assert (gi.tokens, gi.stats.counts["prefetch_issued"], gi.to_json()["evictions"]) == \
-        (g.tokens, g.stats.counts["prefetch_issued"], g.to_json()["evictions"])
-    assert dp.inline and dp.waits == 0 and runner.host_waits == (eng.L + 1) * (len(g.tokens) - 1)
+    assert (dp.side is not None) == (device == "cuda") and dp.side is eng.dev.rows_stream
+    # plan="inline": the same rows on the compute stream, waited for by the layer's sync alone; the same run.
+    # Each layer's rows are computed on the rows' stream (on a GPU), else on the compute stream, and read the same
+    where, read = [], []
+    real_run, real_rows = DevicePlan._run, DevicePlan.rows
+    cur = (lambda: torch.cuda.current_stream(dp.index)) if device == "cuda" else (lambda: None)
+    monkeypatch.setattr(DevicePlan, "_run", lambda self, li: (where.append(cur()), real_run(self, li))[1])
+    monkeypatch.setattr(DevicePlan, "rows", lambda self, *a: (read.append(real_rows(self, *a)), read[-1])[1])
+    runs = []
+    for plan in ("device", "inline"):
+        eng.configure(plan=plan)
+        where.clear(), read.clear()
+        runner.host_waits = dp.waits = 0
+        r = eng.run(prompt, 10)
+        runs.append((r.tokens, r.stats.counts["prefetch_issued"], r.to_json()["evictions"], list(read)))
+        assert runner.host_waits == (eng.L + 1) * (len(r.tokens) - 1)
+        apart = device == "cuda" and plan == "device"
+        assert dp.apart == apart and dp.waits == (len(read) if apart else 0) and read
+        assert all(w == (dp.side if apart else cur()) for w in where) and len(where) == len(read)
+    monkeypatch.undo()
+    assert runs[0] == runs[1] and runs[0][0] == g.tokens
 
 
 def test_graph_decode_plans_behind_the_replay(tiny_models, stores, monkeypatch):
@@ -1828,17 +1841,19 @@ def test_gpu_bench_plans_on_the_host_as_a_variant(tiny_models, stores, monkeypat
     r = run_gpu_bench(tiny_models["qwen3_moe"], store=stores["qwen3_moe"], adapter=None,
                       policies=parse_policies("on-demand+lru,next-gate+prediction,oracle+belady"), fractions=[0.2],
                       prompts=1, prompt_tokens=8, new_tokens=6, repeats=1, ks=(2,), device="cpu",
-                      variants=("plan=host",), log=lambda s: None)
+                      variants=("plan=host", "plan=inline"), log=lambda s: None)
     rows = {x["policy"]: x for x in r["rows"]}
-    assert r["tokens_match_transformers"] and len(rows) == 4, list(rows)
-    dev, host = rows["next-gate+prediction"], rows[f"next-gate+prediction{VARIANT_TAG}plan=host"]
-    assert (dev["hit_rate"], dev["pcie_mib_per_token"]) == (host["hit_rate"], host["pcie_mib_per_token"])
+    assert r["tokens_match_transformers"] and len(rows) == 5, list(rows)
+    dev = rows["next-gate+prediction"]
+    for v in ("host", "inline"):
+        x = rows[f"next-gate+prediction{VARIANT_TAG}plan={v}"]
+        assert (dev["hit_rate"], dev["pcie_mib_per_token"]) == (x["hit_rate"], x["pcie_mib_per_token"]), v
     assert any(getattr(s, "name", None) == "next-gate" for s in hosts)   # the variant's rows planned on the host
     assert any(getattr(s, "name", None) == "next-gate" for s in device)  # and the default rows from the device
-    with pytest.raises(SpecPrefetchError, match="no policy's predictor folds its rows"):
+    with pytest.raises(SpecPrefetchError, match=r"no policy's predictor folds its rows \(plan=inline"):
         run_gpu_bench(tiny_models["qwen3_moe"], store=stores["qwen3_moe"], adapter=None,
                       policies=parse_policies("previous-token+prediction"), fractions=[0.2], device="cpu",
-                      variants=("plan=host",), log=lambda s: None)
+                      variants=("plan=inline",), log=lambda s: None)
     with pytest.raises(SpecPrefetchError, match="device is every row's own"):
         run_gpu_bench(tiny_models["qwen3_moe"], store=stores["qwen3_moe"], adapter=None,
                       policies=parse_policies("next-gate+prediction"), fractions=[0.2], device="cpu",

@@ -97,6 +97,10 @@ class Device:
         # high-priority stream, so a miss never waits behind queued prefetches
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.demand_stream = torch.cuda.Stream(self.device, priority=-1) if self.cuda else None
+        # a folding planner's rows (gpu_graph.DevicePlan): their own stream, high priority so they land before
+        # the host plans, made here once (streams come from a small shared set: made per plan, one could be the
+        # copy stream), their graphs captured on it (not on the segments' capture stream)
+        self.rows_stream = torch.cuda.Stream(self.device, priority=-1) if self.cuda else None
 
     def event(self, stream=None):
         if not self.cuda:
@@ -880,8 +884,9 @@ class GpuEngine:
             s.dcache = dcache
 
     def decode_one(self, s: GpuSequence) -> None:
-        """One target token at the next position: the static decoder (one host sync per MoE layer and
-        one for the token) or transformers' modules over the DynamicCache."""
+        """One target token at the next position: the static decoder (one host sync per MoE layer on the compute
+        stream and one for the token; a DevicePlan's rows waited for apart) or transformers' modules over the
+        DynamicCache."""
         s.commit([self._step(s, s.ids[-1], len(s.ids) - 1)], self.dev.event())
 
     def _step(self, s: GpuSequence, token: int, pos: int) -> int:

@@ -259,8 +259,8 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
     reuse = gpu_reuse_table(spec, {p.eviction for p in policies}, adapter)
     for label, v in knobs.items():
         if "plan" in v and not any(_takes(p, v, preds) for p in policies):
-            raise SpecPrefetchError(f"--variant {label}: no policy's predictor folds its rows (plan=: the "
-                                    "adapter, next-gate or fate)")
+            raise SpecPrefetchError(f"--variant {label}: no policy's predictor folds its rows (plan={v['plan']}: "
+                                    "the adapter, next-gate or fate)")
         # (a +reuse policy has its table: gpu_reuse_table refused the run otherwise)
         if "reuse_classes" in v and (not any(_takes(p, v) for p in policies) or reuse.classes is None):
             raise SpecPrefetchError(f"--variant {label}: no predicting +reuse policy whose reuse table has "

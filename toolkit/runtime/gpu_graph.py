@@ -12,9 +12,11 @@ and no prefetching policy can win. This module takes the host out of the per-ker
                    the greedy argmax (the next token stays on the device)
 
 Each segment is one CUDA graph replay. Between two replays the host reads the router's top-k (and, when a
-planner runs, its rows computed on the device by a graph of their own where it folds: DevicePlan; else the
-router's input) through non-blocking copies into pinned memory and one wait on them: the one host sync per MoE
-layer (plus one per token for the next token). It then asks the scheduler for the experts (acquire: demand
+planner runs that does not fold, the router's input) through non-blocking copies into pinned memory and one
+wait on them: the one host sync per MoE layer on the compute stream (plus one per token for the next token). A
+folding planner's rows are computed on the device by a graph of their own (DevicePlan), on a GPU on a stream of
+their own, which the host waits for a second time only when it plans, after it has enqueued the next segment.
+With the routing read, the host asks the scheduler for the experts (acquire: demand
 copies on their own stream, then the planner's prefetches), writes the slot numbers into a device buffer,
 makes the compute stream wait on the copies of those slots (CUDA events: the stall) and replays the next
 segment. The graphs compute the k routed experts from the slots by those numbers, one of two ways
@@ -422,17 +424,19 @@ def _ascending(li: int, row: list[int]) -> tuple[list[int], list[tuple[int, int]
 class DevicePlan:
     """A folding planner's rows on the device (PrefetchPlanner.device_fold): after MoE layer li's router, its
     window rows' probabilities sorted descending with their experts and its next-visit rows' experts by
-    descending logit, from the router's input, copied into pinned memory with the routing (the layer's one
-    host sync) for `plan_sorted`. The host then plans from small sorted lists instead of computing the fold,
+    descending logit, from the router's input (and the fold's matrices), copied into pinned memory for
+    `plan_sorted`. The host then plans from small sorted lists instead of computing the fold,
     its softmax and its sorts (about 0.1 ms a MoE layer of host time on the bench's model, the pooled decode's
     bottleneck). One graph per MoE layer on a GPU (eager on the CPU), its own, so policies that do not plan
     replay nothing more; the same arithmetic as the host's fold on the CPU (the same decisions, bit for bit).
 
-    On a GPU the rows' graph runs on a side stream of its own, after the layer's router (it waits for the
-    compute stream there) and beside the next segment: the layer's sync waits for the routing alone, and the
-    host waits for the rows (an event of theirs) only when it plans, after it has enqueued the next segment,
-    by when they have usually landed (`waits` counts those waits; the rows' graph reads the layer's router
-    input, which only the next token's segment rewrites, after the host has read the rows)."""
+    On a GPU the rows' graph runs on a stream of its own (Device.rows_stream, high priority; its graphs
+    captured there), after the layer's router (an event on the compute stream it waits for) and beside the
+    next segment: the layer's sync waits for the routing alone, and the host waits for the rows (an event of
+    theirs: a second wait a MoE layer, `waits`) only when it plans, after it has enqueued the next segment.
+    The rows' graph reads the layer's router input, which only the next token's segment rewrites, after the
+    host has read the rows; a new sequence's fold is loaded after any rows' work still queued (an interrupted
+    sequence's), and a DevicePlan is dropped only after it."""
 
     def __init__(self, runner: "GraphRunner", fold):
         layers, W, visit_rows = fold
@@ -443,21 +447,25 @@ class DevicePlan:
         self.visit_idx = torch.tensor(visit_rows, dtype=torch.long, device=dev)
         self.layers = [(torch.empty(mat.shape, device=dev), src, torch.empty(bias.shape, device=dev))
                        for mat, src, bias in layers]
-        self.load(fold)
         L, E, V, pin = eng.L, eng.E, len(visit_rows), eng.dev.cuda
+        # a GPU's rows stream, each layer's events (the router reached on the compute stream; the rows landed
+        # in pinned memory)
+        self.side, self.index = eng.dev.rows_stream, eng.dev.index
+        self.reached = [torch.cuda.Event() for _ in range(L)] if pin else None
+        self.done = [torch.cuda.Event() for _ in range(L)] if pin else None
+        self.waits = 0   # the host's waits on `done`
+        self.apart = pin   # the rows on their own stream (False: in line, on the compute stream: plan=inline)
+        self.load(fold)
         self.conf = torch.zeros(L, W, E, device=dev)
         self.ids = torch.zeros(L, W + V, E, dtype=torch.long, device=dev)   # the window's, then the visits'
         self.host_conf = torch.zeros(L, W, E, pin_memory=pin)
         self.host_ids = torch.zeros(L, W + V, E, dtype=torch.long, pin_memory=pin)
         self.graphs: list[Any] | None = None
-        # a GPU's side stream for the rows, and each layer's event: its rows landed in pinned memory
-        self.side = torch.cuda.Stream(dev) if pin else None
-        self.done = [torch.cuda.Event() for _ in range(L)] if pin else None
-        self.waits = 0   # the host's waits on `done` (rows)
-        self.inline = False   # on the compute stream instead, waited for by the layer's sync (plan=inline)
 
     def load(self, fold) -> None:
-        """A sequence's fold (its planner's; the same shape) into the buffers the graphs read."""
+        """A sequence's fold (its planner's; the same shape) into the buffers the graphs read (on the compute
+        stream, after any rows' work still queued)."""
+        self.settle(wait=False)
         for (mat, _, bias), (m, _, b) in zip(self.layers, fold[0]):
             mat.copy_(m)
             bias.copy_(b)
@@ -473,11 +481,20 @@ class DevicePlan:
         if self.visit_rows:
             self.ids[li, W:].copy_(next_visit_experts(logits.index_select(0, self.visit_idx), logits.shape[-1]))
 
+    def settle(self, *, wait: bool) -> None:
+        """On a GPU, the compute stream after the rows' stream (`wait`: the host too, before buffers go)."""
+        if self.side is not None:
+            if wait:
+                self.side.synchronize()
+            else:
+                torch.cuda.current_stream(self.index).wait_stream(self.side)
+
     def _capture(self) -> None:
+        """One graph per layer, warmed up and captured on the rows' stream (the segments' graphs are captured on
+        another: their work, cuBLAS's workspaces included, is not shared with these, which run beside them)."""
         dev = self.runner.eng.dev.device
-        L = len(self.layers)
+        L, side = len(self.layers), self.side
         with torch.cuda.device(dev):
-            side = torch.cuda.Stream(dev)
             side.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.stream(side):
                 for li in range(L):
@@ -486,7 +503,7 @@ class DevicePlan:
             graphs, pool = [], None
             for li in range(L):   # (one memory pool for the layers' graphs, as the segments')
                 g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool):
+                with torch.cuda.graph(g, pool=pool, stream=side):
                     self._compute(li)
                 pool = g.pool()
                 graphs.append(g)
@@ -497,27 +514,25 @@ class DevicePlan:
         """Layer li's rows computed after its router (enqueued after its segment) and their copies into pinned
         memory: on a GPU on the side stream, which waits for the compute stream up to here (the router), the
         layer's event recorded after the copies; on the CPU in line."""
-        if self.side is None or self.inline:
-            if self.graphs is not None:
-                self.graphs[li].replay()
-            else:
-                self._compute(li)
-            self._copy(li)
+        if not self.apart:
+            self._run(li)
             return
-        main = torch.cuda.current_stream(self.side.device)
-        self.side.wait_stream(main)
+        main = torch.cuda.current_stream(self.index)
+        self.reached[li].record(main)
+        self.side.wait_event(self.reached[li])
         torch.cuda.set_stream(self.side)
         try:
-            if self.graphs is not None:
-                self.graphs[li].replay()
-            else:
-                self._compute(li)
-            self._copy(li)
+            self._run(li)
             self.done[li].record(self.side)
         finally:
             torch.cuda.set_stream(main)
 
-    def _copy(self, li: int) -> None:
+    def _run(self, li: int) -> None:
+        """Layer li's rows and their copies into pinned memory, on the current stream."""
+        if self.graphs is not None:
+            self.graphs[li].replay()
+        else:
+            self._compute(li)
         self.host_conf[li].copy_(self.conf[li], non_blocking=True)
         self.host_ids[li].copy_(self.ids[li], non_blocking=True)
 
@@ -525,7 +540,7 @@ class DevicePlan:
         """Layer li's (window confidences, their experts: the first m of each; each next visit's experts: the
         first n), as lists (PrefetchPlanner.sorted_widths), once they have landed (on a GPU the host waits for
         the layer's event)."""
-        if self.done is not None and not self.inline:
+        if self.apart:
             self.done[li].synchronize()
             self.waits += 1
         W, ids = self.W, self.host_ids[li]
@@ -731,6 +746,8 @@ class GraphRunner:
         """Drop the graphs and the device buffers (the slot arena included) now, not at the next GC."""
         self.closed = True
         self._g = self._resident_g = None
+        for dp in self._plans.values():
+            dp.settle(wait=True)
         self._plans = {}
         # the compiled wrappers hold bound methods (a cycle through the runner): drop them so the buffers
         # go now, not at the next cyclic collection
@@ -755,13 +772,13 @@ class GraphRunner:
         dp = self._plans.pop(key, None)
         if dp is None:
             while len(self._plans) >= self.PLANS:   # the oldest layout's buffers and graphs go first
-                self._plans.pop(next(iter(self._plans)))
+                self._plans.pop(next(iter(self._plans))).settle(wait=True)
             dp = DevicePlan(self, fold)
             if self.graphs:
                 dp._capture()
         else:
             dp.load(fold)
-        dp.inline = inline
+        dp.apart = dp.side is not None and not inline
         self._plans[key] = dp   # most recently used last
         return dp
 
@@ -803,7 +820,8 @@ class GraphRunner:
 
     def decode(self, seq, token: int, pos: int) -> int:
         """One target token at `pos` of `seq` (gpu.GpuSequence: its scheduler, IO, planner and routing
-        record): L + 1 host syncs (the routers, the token), the pool's experts."""
+        record): L + 1 host syncs on the compute stream (the routers, the token; with a DevicePlan on a GPU, L
+        more on its rows, at the planning), the pool's experts."""
         self.check_open()
         L, k = self.eng.L, self.eng.k
         sched, io = seq.sched, seq.io
@@ -821,7 +839,8 @@ class GraphRunner:
             if host_plan:
                 seq.state.record(li, self.host_post[li], row)
             order, keys = _ascending(li, row)
-            # The sync above ran every kernel enqueued so far, the last readers of every slot the pool can
+            # The sync above ran every kernel enqueued so far on the compute stream (the rows' stream, which
+            # may still run, reads no slot), the last readers of every slot the pool can
             # evict before the release (the next replay reads this layer's experts, pinned until then): a
             # copy into a slot evicted from here to the release waits for no kernel (CudaCopyIO.fenced),
             # only for the slot's old copy

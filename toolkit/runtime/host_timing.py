@@ -11,8 +11,9 @@ a bench; the timers add about a microsecond a call), then prints each call's cou
   planner's rows come from the device (the static decoder: gpu_graph.DevicePlan), with plan_ranked inside;
 - `victim`: one eviction's choice (the pool's rule; for the reuse eviction a search over every evictable
   slot);
-- `read_routing`: the graph decode's one sync per MoE layer (it waits for the device, so it is device time
-  as much as host time);
+- `read_routing`: the graph decode's one sync per MoE layer on the compute stream (it waits for the device,
+  so it is device time as much as host time);
+- `rows`: a DevicePlan's rows read back (on a GPU its wait for their stream, then the lists);
 - `submit`: one copy issued (CudaCopyIO: its stream waits, events and the copy's launch).
 
 The means are inclusive and the calls nest (`victim` and `submit` run inside acquire, plan and release): do
@@ -32,6 +33,7 @@ TIMED = (("toolkit.runtime.scheduler", "WindowScheduler", ("acquire", "release",
          ("toolkit.runtime.planner", "PrefetchPlanner", ("plan", "plan_sorted")),
          ("toolkit.runtime.pool", "ExpertPool", ("_victim",)),
          ("toolkit.runtime.gpu_graph", "GraphRunner", ("read_routing",)),
+         ("toolkit.runtime.gpu_graph", "DevicePlan", ("rows",)),
          ("toolkit.runtime.gpu", "CudaCopyIO", ("submit",)))
 
 

@@ -75,7 +75,7 @@ GPU_VARIANT_KEYS = {**VARIANT_KEYS, "read_budget_kib": (lambda s: s if s == "aut
                                                         lambda v: v == "auto" or v >= 1, "an integer >= 1 or auto"),
                     "host": (lambda s: s if s == "native" else None, lambda v: True,
                              "native (python is every row's own: no variant)"),
-                    "plan": (lambda s: s if s in ("host", "inline") else None, lambda v: True,
+                    "plan": (lambda s: s if s in PLAN_ROWS[1:] else None, lambda v: True,
                              "host or inline (device is every row's own: no variant)")}
 
 
