@@ -601,7 +601,7 @@ def test_reuse_eviction_reads_the_adapters_next_visit_heads(tiny_models, stores,
 
 def test_planner_rows_from_the_device_decide_as_the_hosts_fold(tiny_models, stores, tiny_adapter, monkeypatch):
     """A folding planner's rows computed on the device (gpu_graph.DevicePlan: the window's sorted probabilities
-    and the next-visit heads' sorted experts, read back with the routing) plan exactly as the host's fold does
+    and the next-visit heads' sorted experts, copied back after the router) plan exactly as the host's fold does
     (PrefetchPlanner.plan on the router input read back instead): the same tokens, copies, prefetches, drops
     and evictions for the adapter with the reuse eviction and three, one or no next-visit heads, windows of one,
     two and every MoE layer (the first visit's row a window row too), the prediction eviction, next-gate, and the
@@ -1141,11 +1141,18 @@ def test_graph_decode_reads_the_device_once_per_layer(tiny_models, stores, monke
     assert (dp.side is not None) == (device == "cuda") and dp.side is eng.dev.rows_stream
     # plan="inline": the same rows on the compute stream, waited for by the layer's sync alone; the same run.
     # Each layer's rows are computed on the rows' stream (on a GPU), else on the compute stream, and read the same
+    # On a GPU each rows' computation and each segment start after a spin on their own streams (about 0.5 ms):
+    # the rows land late, and the router they read too, so a missing wait (the host's on the rows' event, the
+    # rows' stream's on the router's) would read stale rows, and the two runs would differ
     where, read = [], []
     real_run, real_rows = DevicePlan._run, DevicePlan.rows
-    cur = (lambda: torch.cuda.current_stream(dp.index)) if device == "cuda" else (lambda: None)
-    monkeypatch.setattr(DevicePlan, "_run", lambda self, li: (where.append(cur()), real_run(self, li))[1])
+    cuda = device == "cuda"
+    cur = (lambda: torch.cuda.current_stream(dp.index)) if cuda else (lambda: None)
+    spin = (lambda: torch.cuda._sleep(1_000_000)) if cuda else (lambda: None)
+    monkeypatch.setattr(DevicePlan, "_run", lambda self, li: (where.append(cur()), spin(), real_run(self, li))[2])
     monkeypatch.setattr(DevicePlan, "rows", lambda self, *a: (read.append(real_rows(self, *a)), read[-1])[1])
+    monkeypatch.setattr(GraphRunner, "run_segment", lambda self, n, _real=GraphRunner.run_segment: (spin(),
+                                                                                                    _real(self, n))[1])
     runs = []
     for plan in ("device", "inline"):
         eng.configure(plan=plan)

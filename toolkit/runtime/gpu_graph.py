@@ -434,9 +434,9 @@ class DevicePlan:
     captured there), after the layer's router (an event on the compute stream it waits for) and beside the
     next segment: the layer's sync waits for the routing alone, and the host waits for the rows (an event of
     theirs: a second wait a MoE layer, `waits`) only when it plans, after it has enqueued the next segment.
-    The rows' graph reads the layer's router input, which only the next token's segment rewrites, after the
-    host has read the rows; a new sequence's fold is loaded after any rows' work still queued (an interrupted
-    sequence's), and a DevicePlan is dropped only after it."""
+    The rows' graph reads its source layer's router input (the layer's, or the one before it: FATE's), which
+    only the next token's segment rewrites, after the host has read the rows; a new sequence's fold is loaded
+    after any rows' work still queued (an interrupted sequence's), and a DevicePlan is dropped only after it."""
 
     def __init__(self, runner: "GraphRunner", fold):
         layers, W, visit_rows = fold
@@ -746,8 +746,8 @@ class GraphRunner:
         """Drop the graphs and the device buffers (the slot arena included) now, not at the next GC."""
         self.closed = True
         self._g = self._resident_g = None
-        for dp in self._plans.values():
-            dp.settle(wait=True)
+        if self._plans and self.eng.dev.cuda:   # (their buffers go: after the rows' work still queued)
+            self.eng.dev.rows_stream.synchronize()
         self._plans = {}
         # the compiled wrappers hold bound methods (a cycle through the runner): drop them so the buffers
         # go now, not at the next cyclic collection
