@@ -1831,6 +1831,17 @@ def _count_native_schedulers(monkeypatch) -> list:
     return opened
 
 
+def _bench_refuses(tiny_models, stores, policies: str, variant: str, match: str) -> None:
+    """`bench gpu` with `policies` and `--variant variant` refuses before any run, in one line matching `match`."""
+    from toolkit.runtime.gpu_bench import run_gpu_bench
+    from toolkit.runtime.policy import parse_policies
+
+    with pytest.raises(SpecPrefetchError, match=match):
+        run_gpu_bench(tiny_models["qwen3_moe"], store=stores["qwen3_moe"], adapter=None,
+                      policies=parse_policies(policies), fractions=[0.2], device="cpu",
+                      variants=(variant,), log=lambda s: None)
+
+
 def test_gpu_bench_plans_on_the_host_as_a_variant(tiny_models, stores, monkeypatch):
     """`bench gpu --variant plan=host`: each predicting policy also runs with its rows folded on the host (the
     router's input read back: PrefetchPlanner.plan) beside the default rows computed on the device, in the same
@@ -1857,14 +1868,9 @@ def test_gpu_bench_plans_on_the_host_as_a_variant(tiny_models, stores, monkeypat
         assert (dev["hit_rate"], dev["pcie_mib_per_token"]) == (x["hit_rate"], x["pcie_mib_per_token"]), v
     assert any(getattr(s, "name", None) == "next-gate" for s in hosts)   # the variant's rows planned on the host
     assert any(getattr(s, "name", None) == "next-gate" for s in device)  # and the default rows from the device
-    with pytest.raises(SpecPrefetchError, match=r"no policy's predictor folds its rows \(plan=inline"):
-        run_gpu_bench(tiny_models["qwen3_moe"], store=stores["qwen3_moe"], adapter=None,
-                      policies=parse_policies("previous-token+prediction"), fractions=[0.2], device="cpu",
-                      variants=("plan=inline",), log=lambda s: None)
-    with pytest.raises(SpecPrefetchError, match="device is every row's own"):
-        run_gpu_bench(tiny_models["qwen3_moe"], store=stores["qwen3_moe"], adapter=None,
-                      policies=parse_policies("next-gate+prediction"), fractions=[0.2], device="cpu",
-                      variants=("plan=device",), log=lambda s: None)
+    _bench_refuses(tiny_models, stores, "previous-token+prediction", "plan=inline",
+                   r"no policy's predictor folds its rows \(plan=inline")
+    _bench_refuses(tiny_models, stores, "next-gate+prediction", "plan=device", "device is every row's own")
 
 
 @NATIVE
@@ -1885,11 +1891,5 @@ def test_gpu_bench_runs_every_policy_on_the_native_host(tiny_models, stores, mon
     for name in ("on-demand+lru", "next-gate+prediction", "oracle+belady"):
         py, nat = rows[name], rows[f"{name}{VARIANT_TAG}host=native"]
         assert (py["hit_rate"], py["pcie_mib_per_token"]) == (nat["hit_rate"], nat["pcie_mib_per_token"]), name
-    with pytest.raises(SpecPrefetchError, match="host must be native"):
-        run_gpu_bench(tiny_models["qwen3_moe"], store=stores["qwen3_moe"], adapter=None,
-                      policies=parse_policies("on-demand+lru"), fractions=[0.2], device="cpu",
-                      variants=("host=rust",), log=lambda s: None)
-    with pytest.raises(SpecPrefetchError, match="python is every row's own"):
-        run_gpu_bench(tiny_models["qwen3_moe"], store=stores["qwen3_moe"], adapter=None,
-                      policies=parse_policies("on-demand+lru"), fractions=[0.2], device="cpu",
-                      variants=("host=python",), log=lambda s: None)
+    _bench_refuses(tiny_models, stores, "on-demand+lru", "host=rust", "host must be native")
+    _bench_refuses(tiny_models, stores, "on-demand+lru", "host=python", "python is every row's own")
