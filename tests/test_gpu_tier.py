@@ -1207,13 +1207,18 @@ def test_graph_decode_plans_behind_the_replay(tiny_models, stores, monkeypatch):
     monkeypatch.undo()
     plans = [i for i, e in enumerate(log) if e[0] == "plan"]
     assert len(plans) == eng.L * (len(g.tokens) - 1)
+    after = 0   # layers whose experts were all in the pool: acquired after their replay was enqueued
     for i in plans:
         li = log[i][1]
-        assert log[i - 1] == ("segment", li + 1), log[i - 1:i + 1]   # the layer's replay enqueued first
+        seg = max(x for x in range(i) if log[x][0] == "segment")
+        assert log[seg] == ("segment", li + 1), log[seg:i + 1]   # the layer's replay enqueued first
+        assert all(e[0] == "acquire" for e in log[seg + 1:i]), log[seg:i + 1]   # (its all-hit acquire after it)
+        after += seg + 1 < i
         assert log[i][2], "not fenced while planning"
         j = max(x for x in range(i) if log[x][0] == "acquire")
         assert log[j][1], "not fenced from the sync: the layer's acquire"
     assert not any(e[0] == "release" and e[1] for e in log), "the fence outlived the planning"
+    assert 0 < after < len(plans), after   # both orders ran: all hits, and a miss acquired before the replay
 
 
 def test_copy_io_orders_a_slots_reuse_itself(monkeypatch):

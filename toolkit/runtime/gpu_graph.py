@@ -829,7 +829,7 @@ class GraphRunner:
         host_plan = planner is not None and dplan is None   # (a folding planner's rows come from the device)
         if dplan is not None:
             m, n = planner.sorted_widths(sched)
-        where = io.where
+        where, slots = io.where, sched.pool.slots
         self.set_position(token, pos)
         self.run_segment(0)
         for li in range(L):
@@ -846,12 +846,21 @@ class GraphRunner:
             # only for the slot's old copy
             io.fenced = True
             try:
-                sched.acquire_read(step, keys)   # (data: orders the compute stream after each slot's copy)
+                # every expert already in the pool (most layers): the replay is enqueued before the acquire's
+                # bookkeeping, which then evicts and copies nothing, so the device does not wait for it
+                hits = all(key in slots for key in keys)
+                if hits:
+                    for key in keys:
+                        sched.data(key)   # orders the compute stream after a copy still landing
+                else:
+                    sched.acquire_read(step, keys)   # (data: orders the compute stream after each slot's copy)
                 st = self.stage_np[li]
                 st[:k] = [where[key] for key in keys]
                 st[k:] = order
                 self.sel[li].copy_(self.stage[li], non_blocking=True)
                 self.run_segment(li + 1)
+                if hits:
+                    sched.acquire(step, keys)
                 # the window's planning (its evictions and copies) while the device runs the replay: the
                 # same decisions in the same order (acquire, plan, release), the host's planning off the
                 # device's path
