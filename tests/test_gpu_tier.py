@@ -1293,10 +1293,15 @@ def test_host_timing_counts_the_per_layer_calls(tiny_models, stores, tiny_adapte
     the eviction's victims, the copies."""
     from toolkit.runtime import host_timing
 
-    with host_timing.installed() as (secs, calls):
+    with host_timing.installed() as (secs, calls, tl):
         eng = _engine(tiny_models["qwen3_moe"], stores["qwen3_moe"], "next-gate+prediction", 0.25, "cpu")
         g = eng.run(list(range(5, 17)), 6)
     assert calls["read_routing"] == eng.L * (len(g.tokens) - 1) == calls["plan_sorted"] and not calls["plan"]
+    # the timeline: each decoded token of the run (run() also decodes the oracle's recording pass, of the same
+    # kind), each of its MoE layers' syncs followed by a replay's launch
+    c = tl.kinds[f"next-gate+prediction ({eng.capacity} slots)"]
+    assert c["tokens"] % (len(g.tokens) - 1) == 0 and c["idles"] == eng.L * c["tokens"] > 0, c
+    assert c["wall"] >= c["idle"] + c["wait"] and c["idle"] > 0, c
     assert calls["acquire"] == calls["release"] > calls["read_routing"]   # the prefill's steps too
     assert calls["submit"] >= g.stats.counts["prefetch_issued"] + g.stats.counts["misses"] > 0   # (decode counted)
     assert calls["victim"] > 0 and calls["plan_ranked"] == calls["plan_sorted"]   # (it ranks through plan_ranked)
@@ -1308,9 +1313,12 @@ def test_host_timing_counts_the_per_layer_calls(tiny_models, stores, tiny_adapte
                       "--prompts", "1", "--prompt-tokens", "8", "--new-tokens", "4", "--repeats", "1", "--json",
                       out.as_posix()])
     assert json.loads(out.read_text())["rows"][0]["policy"] == "adapter+reuse"
-    lines = {ln.split()[0]: ln.split() for ln in capsys.readouterr().out.splitlines() if "us a call" in ln}
+    printed = capsys.readouterr().out.splitlines()
+    lines = {ln.split()[0]: ln.split() for ln in printed if "us a call" in ln}
     assert {"acquire", "release", "plan_sorted", "plan_ranked", "victim", "read_routing", "submit"} <= set(lines)
     assert all(int(v[1]) > 0 and float(v[3]) > 0 for v in lines.values()), lines
+    tokens = [ln for ln in printed if "us a layer" in ln]
+    assert any(ln.startswith("adapter+reuse (") for ln in tokens) and any(ln.startswith("resident:") for ln in tokens)
     assert not hasattr(WindowScheduler.acquire, "__wrapped__")
 
 
