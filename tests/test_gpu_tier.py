@@ -1185,7 +1185,11 @@ def test_graph_decode_plans_behind_the_replay(tiny_models, stores, monkeypatch):
     real_release = WindowScheduler.release
     monkeypatch.setattr(GraphRunner, "run_segment", lambda self, s: (log.append(("segment", s)), real_seg(self, s))[1])
 
-    real_acquire = WindowScheduler.acquire
+    real_acquire, real_data = WindowScheduler.acquire, WindowScheduler.data
+
+    def data(self, key):
+        log.append(("data", key))
+        return real_data(self, key)
 
     def plan(self, sched, li, step, *a, **kw):
         log.append(("plan", li, sched.io.fenced))
@@ -1203,6 +1207,7 @@ def test_graph_decode_plans_behind_the_replay(tiny_models, stores, monkeypatch):
     monkeypatch.setattr(planner_mod.PrefetchPlanner, "plan", None)
     monkeypatch.setattr(WindowScheduler, "acquire", acquire)
     monkeypatch.setattr(WindowScheduler, "release", release)
+    monkeypatch.setattr(WindowScheduler, "data", data)
     g = eng.run(prompt, 6)
     monkeypatch.undo()
     plans = [i for i, e in enumerate(log) if e[0] == "plan"]
@@ -1212,6 +1217,9 @@ def test_graph_decode_plans_behind_the_replay(tiny_models, stores, monkeypatch):
         li = log[i][1]
         seg = max(x for x in range(i) if log[x][0] == "segment")
         assert log[seg] == ("segment", li + 1), log[seg:i + 1]   # the layer's replay enqueued first
+        # after the layer's experts were read, each (data: the compute stream ordered after a copy still landing)
+        assert [e[0] for e in log[seg - eng.k:seg]] == ["data"] * eng.k, log[seg - eng.k - 1:seg + 1]
+        assert {e[1][0] for e in log[seg - eng.k:seg]} == {li}
         assert all(e[0] == "acquire" for e in log[seg + 1:i]), log[seg:i + 1]   # (its all-hit acquire after it)
         after += seg + 1 < i
         assert log[i][2], "not fenced while planning"
@@ -1286,6 +1294,12 @@ def test_copy_io_orders_a_slots_reuse_itself(monkeypatch):
     assert current[-2:] == [dev.copy_stream, "compute"]
 
 
+def _timed_originals():
+    from toolkit.runtime.scheduler import WindowScheduler
+    return (GraphRunner.decode, GraphRunner.host_wait, GraphRunner.run_segment, GraphRunner.read_routing,
+            GpuEngine.generate, WindowScheduler.acquire)
+
+
 def test_host_timing_counts_the_per_layer_calls(tiny_models, stores, tiny_adapter, tmp_path, capsys):
     """`python -m toolkit.runtime.host_timing` (the GPU bench with the host's per-layer calls timed): the
     bench runs and writes its report, and every timed call is counted where it runs: one routing read and
@@ -1293,20 +1307,21 @@ def test_host_timing_counts_the_per_layer_calls(tiny_models, stores, tiny_adapte
     the eviction's victims, the copies."""
     from toolkit.runtime import host_timing
 
+    originals = _timed_originals()
     with host_timing.installed() as (secs, calls, tl):
+        assert _timed_originals()[0] is not originals[0]
         eng = _engine(tiny_models["qwen3_moe"], stores["qwen3_moe"], "next-gate+prediction", 0.25, "cpu")
         g = eng.run(list(range(5, 17)), 6)
     assert calls["read_routing"] == eng.L * (len(g.tokens) - 1) == calls["plan_sorted"] and not calls["plan"]
-    # the timeline: each decoded token of the run (run() also decodes the oracle's recording pass, of the same
-    # kind), each of its MoE layers' syncs followed by a replay's launch
-    c = tl.kinds[f"next-gate+prediction ({eng.capacity} slots)"]
-    assert c["tokens"] % (len(g.tokens) - 1) == 0 and c["idles"] == eng.L * c["tokens"] > 0, c
-    assert c["wall"] >= c["idle"] + c["wait"] and c["idle"] > 0, c
+    # the timeline: each decoded token of the run (the first comes from the prefill), each of its MoE layers'
+    # syncs followed by a segment's launch, and each token after the first its boundary's
+    (label, c), = tl.kinds.items()
+    assert label == f"next-gate+prediction, {eng.cfg.pool_mib:g} MiB", label
+    assert c["tokens"] == len(g.tokens) - 1 and c["idles"] == eng.L * c["tokens"] and c["edges"] == c["tokens"] - 1
     assert calls["acquire"] == calls["release"] > calls["read_routing"]   # the prefill's steps too
     assert calls["submit"] >= g.stats.counts["prefetch_issued"] + g.stats.counts["misses"] > 0   # (decode counted)
     assert calls["victim"] > 0 and calls["plan_ranked"] == calls["plan_sorted"]   # (it ranks through plan_ranked)
-    from toolkit.runtime.scheduler import WindowScheduler
-    assert not hasattr(WindowScheduler.acquire, "__wrapped__")   # restored
+    assert _timed_originals() == originals   # restored
     out = tmp_path / "b.json"
     host_timing.main([tiny_models["qwen3_moe"].as_posix(), "--store", stores["qwen3_moe"].as_posix(), "--adapter",
                       tiny_adapter.as_posix(), "--device", "cpu", "--policies", "adapter+reuse", "--fractions", "0.25",
@@ -1318,8 +1333,33 @@ def test_host_timing_counts_the_per_layer_calls(tiny_models, stores, tiny_adapte
     assert {"acquire", "release", "plan_sorted", "plan_ranked", "victim", "read_routing", "submit"} <= set(lines)
     assert all(int(v[1]) > 0 and float(v[3]) > 0 for v in lines.values()), lines
     tokens = [ln for ln in printed if "us a layer" in ln]
-    assert any(ln.startswith("adapter+reuse (") for ln in tokens) and any(ln.startswith("resident:") for ln in tokens)
-    assert not hasattr(WindowScheduler.acquire, "__wrapped__")
+    assert any(ln.startswith("adapter+reuse, ") and "(resident)" not in ln for ln in tokens), tokens
+    assert any(ln.startswith("on-demand+lru, ") and ln.split(":")[0].endswith("(resident)") for ln in tokens), tokens
+    assert any(ln.startswith("adapter+reuse, ") and "next_visit=False" in ln for ln in tokens), tokens
+    assert _timed_originals() == originals
+
+
+def test_host_timing_timeline_accounting():
+    """Timeline.token on made-up marks: the syncs' waits, each gap from a sync to the next launch call (the
+    first launch of a token with no sync before it counts nothing), and the token boundary of the same
+    sequence (not of another); report() skips labels without tokens."""
+    from toolkit.runtime.host_timing import Timeline
+
+    tl = Timeline()
+    tl.marks = [("launch", 0.0), ("wait", 1.0), ("waited", 3.0), ("launch", 3.5), ("wait", 4.0), ("waited", 4.25),
+                ("launch", 5.0), ("wait", 6.0), ("waited", 7.0)]
+    tl.token("a", 1, 0.0, 7.5)
+    c = tl.kinds["a"]
+    assert (c["tokens"], c["wall"], c["wait"], c["idle"], c["idles"], c["edges"]) == (1, 7.5, 3.25, 1.25, 2, 0)
+    tl.marks = [("launch", 8.0), ("wait", 9.0), ("waited", 9.5)]
+    tl.token("a", 1, 7.8, 9.6)   # the same sequence: its first launch is 1.0 after the last token's last sync
+    assert (c["edge"], c["edges"], c["idles"]) == (1.0, 1, 2)
+    tl.marks = [("launch", 10.0), ("wait", 11.0), ("waited", 12.0)]
+    tl.token("b", 2, 9.9, 12.1)  # another sequence: no boundary
+    assert tl.kinds["b"]["edges"] == 0 and tl.kinds["b"]["idles"] == 0
+    tl.kinds["empty"]    # (a label read but never filled)
+    lines = tl.report().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("a: 2 tokens") and "625000.0 us a layer" in lines[0], lines
 
 
 @CUDA

@@ -109,7 +109,8 @@ def _drive(sched, future, seed: int, planner: str, dims=(L, E, K), groups: int =
     """A decode over `future`'s positions: each MoE layer acquires its routed experts (in `groups` groups, the
     earlier ones released without a pump, as a prefill chunk's), queries and reads them, plans the window (random
     probabilities, tied ones, the oracle's ranks, or random scores), sets a predicted next visit (reuse) and
-    releases; the state after every step is recorded. `one_call`: acquire and read through `acquire_read`.
+    releases; the state after every step is recorded. `one_call`: acquire and read through `acquire_read`;
+    "resident": as the GPU tier's graph decode, `read_resident` first, then `acquire` where it read them all.
     `budgets`: the read budget (bytes a step or None) set before each step's acquire, by step, as a measured
     budget changes it."""
     nl, ne, k = dims
@@ -126,7 +127,15 @@ def _drive(sched, future, seed: int, planner: str, dims=(L, E, K), groups: int =
             bufs = []
             for j in range(0, len(keys), size):
                 part = keys[j:j + size]
-                if one_call:
+                if one_call == "resident":   # the graph decode's: read first where all are in the pool
+                    n_io = len(sched.io.log)
+                    if sched.read_resident(part):
+                        bufs.append(("resident", len(sched.io.log) - n_io))
+                        sched.acquire(step, part)
+                    else:
+                        assert len(sched.io.log) == n_io, "read_resident refused but asked the IO"
+                        bufs += sched.acquire_read(step, part)
+                elif one_call:
                     bufs += sched.acquire_read(step, part)
                 else:
                     held = sched.pool.slots
@@ -212,6 +221,10 @@ def test_native_scheduler_in_groups_and_at_many_experts(policy, planner):
     _compare(policy, 6, planner, {}, groups=2)
     _compare(policy, 40, planner, {}, dims=(3, 128, 8), n=6)
     _compare(policy, 6, planner, {}, groups=2, one_call=True)   # acquire_read: one call a group
+    a, _ = _compare(policy, 6, planner, {}, one_call="resident")   # read_resident, then acquire
+    reads = [b for st in a for b in st[1] if b[0] == "resident"]
+    assert 0 < len(reads) < len(a), len(reads)   # both branches ran: every expert in the pool, and a miss
+    assert any(n > 0 for _, n in reads)          # a read still in flight: the reads asked the IO (landed, take)
 
 
 def test_native_scheduler_follows_a_changing_read_budget():

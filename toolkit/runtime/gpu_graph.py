@@ -829,7 +829,7 @@ class GraphRunner:
         host_plan = planner is not None and dplan is None   # (a folding planner's rows come from the device)
         if dplan is not None:
             m, n = planner.sorted_widths(sched)
-        where, slots = io.where, sched.pool.slots
+        where = io.where
         self.set_position(token, pos)
         self.run_segment(0)
         for li in range(L):
@@ -846,13 +846,11 @@ class GraphRunner:
             # only for the slot's old copy
             io.fenced = True
             try:
-                # every expert already in the pool (most layers): the replay is enqueued before the acquire's
-                # bookkeeping, which then evicts and copies nothing, so the device does not wait for it
-                hits = all(key in slots for key in keys)
-                if hits:
-                    for key in keys:
-                        sched.data(key)   # orders the compute stream after a copy still landing
-                else:
+                # every expert of the layer already in the pool: their reads (data: the compute stream after a
+                # copy still landing) and the replay come before the acquire's bookkeeping, which then evicts and
+                # copies nothing, so the device does not wait for it (one call each in both schedulers)
+                hits = sched.read_resident(keys)
+                if not hits:
                     sched.acquire_read(step, keys)   # (data: orders the compute stream after each slot's copy)
                 st = self.stage_np[li]
                 st[:k] = [where[key] for key in keys]

@@ -16,12 +16,14 @@ a bench; the timers add about a microsecond a call), then prints each call's cou
 - `rows`: a DevicePlan's rows read back (on a GPU its wait for their stream, then the lists);
 - `submit`: one copy issued (CudaCopyIO: its stream waits, events and the copy's launch).
 
-Then, per graph-decode token of each run kind (the policy, its pool's slots, the scheduler's host and where a
-folding planner's rows are computed; `resident` for the all-resident bound as the policies decode), its wall
-time on the host clock, the time the host waited in the layers' syncs for the device, and the device's certain
-idle time before each replay: from the end of a layer's sync (everything enqueued before it has run) to the
-host's launch of the next segment (acquiring the layer's experts, writing their slots). A host-bound decode
-waits little and leaves the device idle long.
+Then the graph decode's tokens per run (its policy, pool and the settings that differ from the defaults;
+`(resident)` for the all-resident bound as the policies decode; warm-up runs included): the decode calls' wall
+time on the host clock, the host's time in the compute stream's syncs, and the gaps from each MoE layer's sync
+(everything enqueued on the compute stream before it has run) to the host's next segment launch call
+(acquiring the layer's experts, writing their slots), and from a token's last sync to the next token's first
+launch. On a GPU the compute stream is idle through these gaps (copies and the planner's rows stream may run);
+a host-bound decode waits little and leaves them long. On the CPU nothing is asynchronous: the gaps hold the
+segments' own compute.
 
 The means are inclusive and the calls nest (`victim` and `submit` run inside acquire, plan and release): do
 not add the lines. Run one policy at a time for per-policy figures (the counts pool every run of the
@@ -45,66 +47,96 @@ TIMED = (("toolkit.runtime.scheduler", "WindowScheduler", ("acquire", "release",
 
 
 class Timeline:
-    """Per graph-decode token (GraphRunner.decode), by run kind: tokens, wall seconds, seconds the host waited in
-    the syncs (GraphRunner.host_wait), seconds from each sync's end to the next segment's launch and their
-    count (filled while `installed`)."""
+    """The graph decode's tokens (GraphRunner.decode) by run (`label`): per label a Counter of tokens, wall (each
+    decode call's seconds), wait (the host's seconds in the compute stream's syncs, GraphRunner.host_wait), idle
+    and idles (the seconds and count of the gaps from a layer's sync to the next segment's launch call) and edge
+    and edges (from a token's last sync to the launch of the same sequence's next token). Filled while
+    `installed`; a decode that raises is not counted."""
 
     def __init__(self):
         self.kinds: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
         self.marks: list[tuple[str, float]] | None = None   # (what, host time) of the token running now
+        self.preload = False                                # the sequence being generated preloaded every expert
+        self.last: tuple[int, float] | None = None          # (sequence id, its last token's last sync)
 
-    @staticmethod
-    def kind(runner, seq) -> str:
-        eng = runner.eng
-        if seq.pool.capacity >= eng.L * eng.E:
-            return "resident"
-        extra = "" if eng.host_sched == "python" else f", host={eng.host_sched}"
-        extra += "" if seq.device_plan is None or eng.plan_rows == "device" else f", plan={eng.plan_rows}"
-        return f"{eng.cfg.policy.name} ({seq.pool.capacity} slots{extra})"
+    def label(self, eng) -> str:
+        """The run: its policy, pool and the settings that differ from the defaults (RunConfig's, the engine's)."""
+        from toolkit.runtime.runner import RunConfig
+
+        cfg, dflt = eng.cfg, RunConfig()
+        parts = [f"{f}={getattr(cfg, f)}" for f in ("window", "min_confidence", "candidate_threshold",
+                                                      "read_budget_kib", "next_visit", "next_visits", "reuse_classes")
+                 if getattr(cfg, f) != getattr(dflt, f)]
+        parts += [f"{k}={v}" for k, v, d in (("queue_depth", eng.copy_depth, None), ("host", eng.host_sched, "python"),
+                                             ("plan", eng.plan_rows, "device")) if v != d]
+        extra = f", {', '.join(parts)}" if parts else ""
+        return f"{cfg.policy.name}, {cfg.pool_mib:g} MiB{extra}" + (" (resident)" if self.preload else "")
 
     def mark(self, what: str) -> None:
         if self.marks is not None:
             self.marks.append((what, time.perf_counter()))
 
-    def token(self, kind: str, t0: float, t1: float) -> None:
+    def token(self, label: str, seq: int, t0: float, t1: float) -> None:
+        """One decode call of sequence `seq` (an id) from t0 to t1, its marks: ("wait", start), ("waited", end)
+        around each sync, ("launch", t) at each segment's launch call."""
         marks, self.marks = self.marks or [], None
-        c = self.kinds[kind]
+        c = self.kinds[label]
         c["tokens"] += 1
         c["wall"] += t1 - t0
-        synced = None
+        synced = self.last[1] if self.last is not None and self.last[0] == seq else None
+        edge = synced is not None   # the first launch's gap is the token boundary's
         for i, (what, t) in enumerate(marks):
-            if what == "wait":       # (a wait's start, then its end)
+            if what == "wait":
                 c["wait"] += marks[i + 1][1] - t
                 synced = marks[i + 1][1]
-            elif what == "launched" and synced is not None:
-                c["idle"] += t - synced
-                c["idles"] += 1
-                synced = None
+            elif what == "launch" and synced is not None:
+                key = "edge" if edge else "idle"
+                c[key] += t - synced
+                c[key + "s"] += 1
+                synced, edge = None, False
+        self.last = (seq, synced) if synced is not None else None
 
     def report(self) -> str:
         out = []
-        for kind, c in sorted(self.kinds.items()):
+        for label, c in sorted(self.kinds.items()):
             n = c["tokens"]
-            out.append(f"{kind}: {n} tokens, {c['wall'] * 1e6 / n:.1f} us a token; the host waited for the device "
-                       f"{c['wait'] * 1e6 / n:.1f} us a token; the device idle from a sync to the next replay "
-                       f"{c['idle'] * 1e6 / max(1, c['idles']):.1f} us a layer ({c['idle'] * 1e6 / n:.1f} us a token)")
+            if not n:
+                continue
+            out.append(f"{label}: {n} tokens, {c['wall'] * 1e6 / n:.1f} us a decode call; the host waited in the "
+                       f"syncs {c['wait'] * 1e6 / n:.1f} us a token; from a sync to the next launch call "
+                       f"{c['idle'] * 1e6 / max(1, c['idles']):.1f} us a layer, "
+                       f"{c['edge'] * 1e6 / max(1, c['edges']):.1f} us between tokens")
         return "\n".join(out)
 
 
 def _timeline_hooks(tl: Timeline):
-    """GraphRunner's decode, host_wait and run_segment wrapped to feed `tl`; (class, name, original) each."""
+    """GpuEngine's generate and GraphRunner's decode, host_wait and run_segment wrapped to feed `tl`: (class, name,
+    original, wrapper) each."""
+    from toolkit.runtime.gpu import GpuEngine
     from toolkit.runtime.gpu_graph import GraphRunner
 
+    generate = GpuEngine.generate
     decode, wait, segment = GraphRunner.decode, GraphRunner.host_wait, GraphRunner.run_segment
+
+    @functools.wraps(generate)
+    def timed_generate(self, *a, preload: bool = False, **kw):
+        tl.preload, tl.last = preload, None   # (a new sequence: no token boundary with the last one's)
+        try:
+            return generate(self, *a, preload=preload, **kw)
+        finally:
+            tl.preload = False
 
     @functools.wraps(decode)
     def timed_decode(self, seq, token, pos):
         tl.marks = []
         t0 = time.perf_counter()
         try:
-            return decode(self, seq, token, pos)
-        finally:
-            tl.token(Timeline.kind(self, seq), t0, time.perf_counter())
+            out = decode(self, seq, token, pos)
+        except BaseException:
+            tl.marks = None
+            raise
+        tl.token(tl.label(self.eng), id(seq), t0, time.perf_counter())
+        return out
 
     @functools.wraps(wait)
     def timed_wait(self):
@@ -116,13 +148,11 @@ def _timeline_hooks(tl: Timeline):
 
     @functools.wraps(segment)
     def timed_segment(self, s):
-        try:
-            return segment(self, s)
-        finally:
-            tl.mark("launched")
+        tl.mark("launch")
+        return segment(self, s)
 
-    return [(GraphRunner, "decode", decode, timed_decode), (GraphRunner, "host_wait", wait, timed_wait),
-            (GraphRunner, "run_segment", segment, timed_segment)]
+    return [(GpuEngine, "generate", generate, timed_generate), (GraphRunner, "decode", decode, timed_decode),
+            (GraphRunner, "host_wait", wait, timed_wait), (GraphRunner, "run_segment", segment, timed_segment)]
 
 
 @contextlib.contextmanager

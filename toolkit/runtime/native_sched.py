@@ -151,6 +151,7 @@ def library() -> ctypes.CDLL:
                 "spx_sched_new": [ctypes.POINTER(P), i64, i64, ctypes.c_char_p, i, i, i, I64, F64, i, I64, I32, i,
                                   I64, I32, i, _IO_FN],
                 "spx_acquire": [P, i64, I32, i], "spx_acquire_read": [P, i64, I32, i],
+                "spx_read_resident": [P, I32, i, ctypes.POINTER(i)],
                 "spx_release": [P, i64, I32, i, i],
                 "spx_data": [P, i, i], "spx_landed": [P, i, i, ctypes.POINTER(i)],
                 "spx_plan_probs": [P, i64, I64, i, P],
@@ -370,6 +371,11 @@ class NativeScheduler:
         """WindowScheduler.acquire_read in one call: the layer's experts resident, pinned and read; their bytes."""
         self._call("spx_acquire_read", step, self._keys(keys), len(keys))
         return [self._buffers[k] for k in keys]
+
+    def read_resident(self, keys: list[Key]) -> bool:
+        """WindowScheduler.read_resident in one call."""
+        self._call("spx_read_resident", self._keys(keys), len(keys), ctypes.byref(self._flag))
+        return bool(self._flag.value)
 
     def release(self, step: int, keys: list[Key], *, pump: bool = True) -> None:
         self._call("spx_release", step, self._keys(keys), len(keys), int(pump))

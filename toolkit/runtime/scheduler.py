@@ -422,6 +422,17 @@ class WindowScheduler:
         self.acquire(step, resident_first(keys, self.pool.slots))
         return [self.data(k) for k in keys]
 
+    def read_resident(self, keys: list[Key]) -> bool:
+        """If every key has a slot in the pool: `data` of each in the given order (a read still landing waited
+        for), nothing else, and True; the step's `acquire` of the same keys follows (it then evicts and reads
+        nothing). False, and nothing done, if any key has none."""
+        slots = self.pool.slots
+        if not all(key in slots for key in keys):
+            return False
+        for key in keys:
+            self.data(key)
+        return True
+
     def release(self, step: int, keys: list[Key], *, pump: bool = True) -> None:
         """Unpin `keys` after step `step` used them, then issue queued reads (`pump`). A prefill
         chunk's MoE layer acquires its experts in groups that fit the pool and pumps only after the
