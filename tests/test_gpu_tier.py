@@ -1170,7 +1170,9 @@ def test_graph_decode_reads_the_device_once_per_layer(tiny_models, stores, monke
 
 def test_graph_decode_plans_behind_the_replay(tiny_models, stores, monkeypatch):
     """Decode plans a MoE layer's prefetches after it has enqueued the replay that computes that layer's
-    experts (the host's planning overlaps the device), the copy IO fenced from the layer's sync through
+    experts (the host's planning overlaps the device), after reading each of them (data: the compute stream
+    ordered after a copy still landing), and where they were all in the pool after their acquire too (else the
+    acquire comes before the replay), the copy IO fenced from the layer's sync through
     its acquire and planning (a slot evicted then waits for no kernel) and not at the release (whose
     evictions may take this layer's own slots, which the replay reads); the decisions are those of the CPU
     runner's order (acquire, plan, release), as test_decode_modes_give_the_same_tokens_and_counts checks
@@ -1317,6 +1319,8 @@ def test_host_timing_counts_the_per_layer_calls(tiny_models, stores, tiny_adapte
     # syncs followed by a segment's launch, and each token after the first its boundary's
     (label, c), = tl.kinds.items()
     assert label == f"next-gate+prediction, {eng.cfg.pool_mib:g} MiB", label
+    eng.configure(copy_depth=3, plan="inline", window=1)   # (settings apart from the defaults are named)
+    assert tl.label(eng) == f"next-gate+prediction, {eng.cfg.pool_mib:g} MiB, window=1, queue_depth=3, plan=inline"
     assert c["tokens"] == len(g.tokens) - 1 and c["idles"] == eng.L * c["tokens"] and c["edges"] == c["tokens"] - 1
     assert calls["acquire"] == calls["release"] > calls["read_routing"]   # the prefill's steps too
     assert calls["submit"] >= g.stats.counts["prefetch_issued"] + g.stats.counts["misses"] > 0   # (decode counted)

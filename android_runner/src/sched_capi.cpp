@@ -187,9 +187,9 @@ SPX_API int spx_acquire_read(void* h, int64_t step, const int32_t* keys, int n) 
 // *out = 1 when every key has a slot in the pool: data() of each in the given order and nothing else (the acquire's
 // bookkeeping follows: the GPU tier's graph decode enqueues the layer's replay between them); 0: nothing done
 SPX_API int spx_read_resident(void* h, const int32_t* keys, int n, int* out) {
+  *out = 0;
   return guarded([&] {
     std::vector<Key> ks = keys_of(H(h), keys, n);
-    *out = 0;
     for (const Key& key : ks)
       if (H(h)->pool->get(key) == nullptr) return;
     for (const Key& key : ks) H(h)->sched->data(key);

@@ -17,9 +17,11 @@ wait on them: the one host sync per MoE layer on the compute stream (plus one pe
 folding planner's rows are computed on the device by a graph of their own (DevicePlan), on a GPU on a stream of
 their own, which the host waits for a second time only when it plans, after it has enqueued the next segment.
 With the routing read, the host asks the scheduler for the experts (acquire: demand
-copies on their own stream, then the planner's prefetches), writes the slot numbers into a device buffer,
-makes the compute stream wait on the copies of those slots (CUDA events: the stall) and replays the next
-segment. The graphs compute the k routed experts from the slots by those numbers, one of two ways
+copies on their own stream), writes the slot numbers into a device buffer, makes the compute stream wait on the
+copies of those slots (CUDA events: the stall) and replays the next segment, then plans the prefetches; where
+every expert of the layer is already in the pool, the acquire's bookkeeping comes after the replay too
+(read_resident, then the replay, then acquire). The graphs compute the k routed experts from the slots by those
+numbers, one of two ways
 (`GpuEngine(experts=...)`): `fused` (the default with `graph` on an fp16 model) reads each expert's matrices
 where they lie with a grouped fp16 GEMV (gpu_kernels.slot_gemv), each expert byte read once, as the HBM floor
 counts; `eager` gathers the k experts' weights (a copy: read, written, read again) and runs transformers'
@@ -848,7 +850,8 @@ class GraphRunner:
             try:
                 # every expert of the layer already in the pool: their reads (data: the compute stream after a
                 # copy still landing) and the replay come before the acquire's bookkeeping, which then evicts and
-                # copies nothing, so the device does not wait for it (one call each in both schedulers)
+                # copies nothing, so the device does not wait for it (a layer with a miss pays read_resident's
+                # refusal too, a membership check beside its demand copy)
                 hits = sched.read_resident(keys)
                 if not hits:
                     sched.acquire_read(step, keys)   # (data: orders the compute stream after each slot's copy)

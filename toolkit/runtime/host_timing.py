@@ -16,14 +16,17 @@ a bench; the timers add about a microsecond a call), then prints each call's cou
 - `rows`: a DevicePlan's rows read back (on a GPU its wait for their stream, then the lists);
 - `submit`: one copy issued (CudaCopyIO: its stream waits, events and the copy's launch).
 
-Then the graph decode's tokens per run (its policy, pool and the settings that differ from the defaults;
-`(resident)` for the all-resident bound as the policies decode; warm-up runs included): the decode calls' wall
-time on the host clock, the host's time in the compute stream's syncs, and the gaps from each MoE layer's sync
-(everything enqueued on the compute stream before it has run) to the host's next segment launch call
-(acquiring the layer's experts, writing their slots), and from a token's last sync to the next token's first
-launch. On a GPU the compute stream is idle through these gaps (copies and the planner's rows stream may run);
-a host-bound decode waits little and leaves them long. On the CPU nothing is asynchronous: the gaps hold the
-segments' own compute.
+Then the graph decode's tokens per run label (its policy, pool and the settings that differ from the
+defaults; `(resident)` for the all-resident bound as the policies decode; the oracle's recording passes as
+on-demand at the whole model's MiB; warm-up runs included, the means over every run of a label; the draft's
+speculative rounds do not decode token by token and are not listed): the decode calls' wall time on the host
+clock, the host's time in the compute stream's syncs, and the gaps from each MoE layer's sync (everything
+enqueued on the compute stream before it has run) to the host's next segment launch call (reading the layer's
+experts, a miss's acquire and demand copy, writing their slots), and from a token's last sync to the next
+token's first launch. On a GPU the compute stream is idle through these gaps (copies and the planner's rows
+stream may run); a host-bound decode waits little and leaves them long. On the CPU nothing is asynchronous: a
+segment's compute falls between its launch call and the next sync (in the wall time only), and the gaps hold
+the host's work and the demand copies themselves.
 
 The means are inclusive and the calls nest (`victim` and `submit` run inside acquire, plan and release): do
 not add the lines. Run one policy at a time for per-policy figures (the counts pool every run of the
@@ -58,6 +61,7 @@ class Timeline:
         self.marks: list[tuple[str, float]] | None = None   # (what, host time) of the token running now
         self.preload = False                                # the sequence being generated preloaded every expert
         self.last: tuple[int, float] | None = None          # (sequence id, its last token's last sync)
+        self.current: str | None = None                     # the label of the sequence being generated
 
     def label(self, eng) -> str:
         """The run: its policy, pool and the settings that differ from the defaults (RunConfig's, the engine's)."""
@@ -120,7 +124,7 @@ def _timeline_hooks(tl: Timeline):
 
     @functools.wraps(generate)
     def timed_generate(self, *a, preload: bool = False, **kw):
-        tl.preload, tl.last = preload, None   # (a new sequence: no token boundary with the last one's)
+        tl.preload, tl.last, tl.current = preload, None, None   # (a new sequence: no boundary with the last one's)
         try:
             return generate(self, *a, preload=preload, **kw)
         finally:
@@ -135,7 +139,10 @@ def _timeline_hooks(tl: Timeline):
         except BaseException:
             tl.marks = None
             raise
-        tl.token(tl.label(self.eng), id(seq), t0, time.perf_counter())
+        t1 = time.perf_counter()
+        if tl.current is None:   # (once a sequence, after its first token: not inside a measured gap each token)
+            tl.current = tl.label(self.eng)
+        tl.token(tl.current, id(seq), t0, t1)
         return out
 
     @functools.wraps(wait)
@@ -181,10 +188,10 @@ def installed():
                     calls[_n] += 1
             setattr(c, name, timed)
     tl = Timeline()
-    for c, name, f, timed in _timeline_hooks(tl):   # (over read_routing's timer: host_wait runs inside it)
-        saved.append((c, name, f))
-        setattr(c, name, timed)
     try:
+        for c, name, f, timed in _timeline_hooks(tl):   # (over read_routing's timer: host_wait runs inside it)
+            saved.append((c, name, f))
+            setattr(c, name, timed)
         yield secs, calls, tl
     finally:
         for c, name, f in reversed(saved):
