@@ -1319,8 +1319,9 @@ def test_host_timing_counts_the_per_layer_calls(tiny_models, stores, tiny_adapte
     # syncs followed by a segment's launch, and each token after the first its boundary's
     (label, c), = tl.kinds.items()
     assert label == f"next-gate+prediction, {eng.cfg.pool_mib:g} MiB", label
-    eng.configure(copy_depth=3, plan="inline", window=1)   # (settings apart from the defaults are named)
-    assert tl.label(eng) == f"next-gate+prediction, {eng.cfg.pool_mib:g} MiB, window=1, queue_depth=3, plan=inline"
+    eng.configure(copy_depth=3, plan="inline", window=1, launch="torch")   # (settings apart from the defaults)
+    assert tl.label(eng) == (f"next-gate+prediction, {eng.cfg.pool_mib:g} MiB, window=1, queue_depth=3, "
+                             "plan=inline, launch=torch")
     assert c["tokens"] == len(g.tokens) - 1 and c["idles"] == eng.L * c["tokens"] and c["edges"] == c["tokens"] - 1
     assert calls["acquire"] == calls["release"] > calls["read_routing"]   # the prefill's steps too
     assert calls["submit"] >= g.stats.counts["prefetch_issued"] + g.stats.counts["misses"] > 0   # (decode counted)
@@ -1872,6 +1873,69 @@ def test_native_host_scheduler_decides_as_the_python_one(tiny_models, stores, ti
     eng.configure(host="python")
     with pytest.raises(SpecPrefetchError, match="host 'c': choose from python, native"):
         eng.configure(host="c")
+
+
+@CUDA
+def test_driver_launch_decodes_as_torchs_calls_on_cuda(tiny_models, stores, tiny_adapter, monkeypatch):
+    """`configure(launch="driver")` (the default: the per-layer path's graph launches, copies and events through
+    the CUDA driver, toolkit/runtime/cuda_driver.py) decodes transformers' tokens with torch's calls' decisions
+    (`launch="torch"`) for every kind of policy, the device plan's rows and the draft's verification included:
+    the same counts, copies and evictions; the segments' graphs are launched by the driver (torch's replay runs
+    only for the draft's own step), and the copy and stall timings read the driver's events."""
+    from toolkit.runtime.gpu_bench import gpu_predictors, gpu_reuse_table
+
+    replays = []
+    replay = torch.cuda.CUDAGraph.replay
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda g: (replays.append(g), replay(g))[1])
+    spec = inspect_model_dir(tiny_models["qwen3_moe"])
+    names = ["on-demand+lru", "adapter+reuse", "oracle+belady", "draft+lru"]
+    pols = [Policy.parse(n) for n in names]
+    eng = GpuEngine(load_model(tiny_models["qwen3_moe"], dtype="float16"), ExpertStore(stores["qwen3_moe"], spec),
+                    RunConfig(policy=pols[0], pool_mib=64.0), device="cuda", decode="graph", with_draft=True,
+                    predictors=gpu_predictors(spec, [p.predictor for p in pols], tiny_adapter),
+                    reuse=gpu_reuse_table(spec, ["reuse"], tiny_adapter))
+    prompt = list(range(5, 17))
+    want = _reference(tiny_models["qwen3_moe"], prompt, 10, "cuda", "float16")
+    for pol in pols:
+        got = {}
+        for launch in ("torch", "driver"):
+            eng.configure(policy=pol, pool_mib=_pool_mib(eng, 0.2), launch=launch)
+            replays.clear()
+            g = eng.run(prompt, 10, k=3)
+            j = g.to_json()
+            assert g.tokens == want, (pol.name, launch)
+            assert (not replays) == (launch == "driver" and pol.predictor != "draft"), (pol.name, launch)
+            assert j["copy_ms_per_token"] > 0 and g.stats.stall_ms_per_token >= 0, (pol.name, launch)
+            got[launch] = ({k: v for k, v in g.stats.counts.items() if k not in ("wait_s", "late")},
+                           j["pcie_bytes_per_token"], j["evictions"], j["wasted_prefetch_mib"])
+        assert got["torch"] == got["driver"], pol.name
+        assert got["torch"][2] > 0, pol.name   # the pool evicted
+    eng.configure(policy=pols[0], pool_mib=_pool_mib(eng, 1.0), launch="driver")
+    replays.clear()
+    assert eng.generate(prompt, 10, preload=True, resident_graph=True).tokens == want and not replays
+    with pytest.raises(SpecPrefetchError, match="launch 'cuda': choose from driver, torch"):
+        eng.configure(launch="cuda")
+
+
+def test_launch_is_a_setting_and_a_bench_variant(tiny_models, stores):
+    """`launch` on the CPU (no CUDA calls to make: both settings decode alike), refused when unknown; `bench gpu
+    --variant launch=torch` gives every policy a row of its own, refused for its default."""
+    from toolkit.runtime.gpu_bench import run_gpu_bench
+    from toolkit.runtime.policy import VARIANT_TAG, parse_policies
+
+    eng = _engine(tiny_models["qwen3_moe"], stores["qwen3_moe"], "on-demand+lru", 0.25, "cpu")
+    with pytest.raises(SpecPrefetchError, match="launch 'cuda': choose from driver, torch"):
+        eng.configure(launch="cuda")
+    assert eng.launch == "driver"
+    r = run_gpu_bench(tiny_models["qwen3_moe"], store=stores["qwen3_moe"], adapter=None,
+                      policies=parse_policies("on-demand+lru,oracle+belady"), fractions=[0.2], prompts=1,
+                      prompt_tokens=8, new_tokens=4, repeats=1, ks=(2,), device="cpu", variants=("launch=torch",),
+                      log=lambda s: None)
+    rows = {x["policy"]: x for x in r["rows"]}
+    assert r["tokens_match_transformers"] and set(rows) >= {
+        "on-demand+lru", f"on-demand+lru{VARIANT_TAG}launch=torch", "oracle+belady",
+        f"oracle+belady{VARIANT_TAG}launch=torch"}, set(rows)
+    _bench_refuses(tiny_models, stores, "on-demand+lru", "launch=driver", "driver is every row's own")
 
 
 def _count_native_schedulers(monkeypatch) -> list:

@@ -52,11 +52,12 @@ from toolkit.jsonvalues import is_int
 from toolkit.models.quant import group_quantize
 from toolkit.predictors.draft import SpecStats, greedy_accept
 from toolkit.runtime.expert_store import ExpertStore
+from toolkit.runtime.cuda_driver import driver
 from toolkit.runtime.gpu_kernels import dequant, int4_gemv
 from toolkit.runtime.native_sched import library as native_library, open_native_scheduler
 from toolkit.runtime.planner import PrefetchPlanner, RoutingState
 from toolkit.runtime.pool import ExpertPool, Key
-from toolkit.runtime.policy import GPU_AUTO_BUDGET, HOSTS, PLAN_ROWS
+from toolkit.runtime.policy import GPU_AUTO_BUDGET, HOSTS, LAUNCHES, PLAN_ROWS
 from toolkit.runtime.profiles import check_budget_kib
 from toolkit.runtime.runner import RunConfig, Runner, open_pool_and_scheduler
 from toolkit.runtime.scheduler import WindowScheduler, resident_first
@@ -171,14 +172,22 @@ class CudaCopyIO:
 
     orders_reuse = True   # a copy into a slot waits for the slot's old copy itself (release)
 
-    def __init__(self, host: HostExperts, capacity: int, dev: Device, slots: torch.Tensor | None = None):
+    def __init__(self, host: HostExperts, capacity: int, dev: Device, slots: torch.Tensor | None = None,
+                 drv=None):
         """`slots`: the pool's allocation of exactly `capacity` slots to reuse (the graphs read it at a
-        fixed address); none: one is allocated. The allocation is the budget."""
-        self.host, self.dev = host, dev
+        fixed address); none: one is allocated. The allocation is the budget. `drv`: on CUDA, the driver's
+        calls (cuda_driver.Driver: `launch=driver`) for the copies, waits and events, on the streams by handle
+        (the compute stream: the current one now); none: torch's."""
+        self.host, self.dev, self.drv = host, dev, drv
         self.slots = slots if slots is not None else alloc_slots(capacity, host.store.blob_size, dev)
         if self.slots.shape[0] != capacity:
             raise SpecPrefetchError(f"internal: {self.slots.shape[0]} slots allocated for a pool of {capacity}")
         self.views = list(self.slots)   # one view per slot, made once (as HostExperts.rows)
+        if drv is not None:   # the addresses and stream handles the driver's calls take, looked up once
+            self.slot_ptr = [v.data_ptr() for v in self.views]
+            self.nbytes = host.store.blob_size
+            self.streams = (dev.copy_stream.cuda_stream, dev.demand_stream.cuda_stream)
+            self.compute = torch.cuda.current_stream(dev.device).cuda_stream
         self.free = list(range(capacity - 1, -1, -1))
         self.where: dict[Key, int] = {}
         self.done: dict[Key, Any] = {}           # key -> the copy's completion event
@@ -199,7 +208,16 @@ class CudaCopyIO:
         idx = self.free.pop()
         self.where[key] = idx
         src, dst = self.host.blob(key), self.views[idx]
-        if self.dev.cuda:
+        drv = self.drv
+        if drv is not None:
+            cs = self.streams[demand]
+            for last in self.last_use[idx]:
+                if not last.query():
+                    drv.wait(cs, last)
+            t0 = drv.event(cs)
+            drv.copy(self.slot_ptr[idx], src.data_ptr(), self.nbytes, cs)
+            t1 = drv.event(cs)
+        elif self.dev.cuda:
             cs = self.dev.demand_stream if demand else self.dev.copy_stream
             for last in self.last_use[idx]:   # the kernels that read the slot's old expert (and its copy)
                 if not last.query():
@@ -230,13 +248,23 @@ class CudaCopyIO:
         ev = self.done.get(key)
         if ev is None or not self.dev.cuda:
             return
+        drv = self.drv
+        if drv is not None:
+            before = drv.event(self.compute)
+            drv.wait(self.compute, ev)
+            self.stalls.append((before, drv.event(self.compute)))
+            return
         before = self.dev.event()
         torch.cuda.current_stream(self.dev.device).wait_event(ev)
         self.stalls.append((before, self.dev.event()))
 
     def take(self, key: Key) -> torch.Tensor:
-        if self.dev.cuda and key in self.done:  # ordered after the copy, whether or not it was waited for
-            torch.cuda.current_stream(self.dev.device).wait_event(self.done[key])
+        ev = self.done.get(key)
+        if ev is not None and self.dev.cuda:  # ordered after the copy, whether or not it was waited for
+            if self.drv is not None:
+                self.drv.wait(self.compute, ev)
+            else:
+                torch.cuda.current_stream(self.dev.device).wait_event(ev)
         return self.views[self.where[key]]
 
     def release(self, key: Key) -> None:
@@ -247,8 +275,9 @@ class CudaCopyIO:
             # for the old expert's own copy, which may still be in flight on the other stream (a demand
             # copy where a prefetch was): this IO orders a slot's reuse itself (orders_reuse), so the
             # scheduler need not wait for that copy before the eviction
-            self.last_use[idx] = ((() if self.fenced else (self.dev.event(),))
-                                  + (() if copied is None else (copied,)))
+            used = () if self.fenced else (
+                self.dev.event() if self.drv is None else self.drv.event(self.compute, timing=False),)
+            self.last_use[idx] = used + (() if copied is None else (copied,))
         self.free.append(idx)
 
     def close(self) -> None:
@@ -587,6 +616,7 @@ class GpuEngine:
         self.copy_depth: int | None = None
         self.host_sched = "python"   # whose scheduler and pool decide (configure(host=...))
         self.plan_rows = "device"    # where a folding planner's rows are computed (configure(plan=...))
+        self.launch = "driver"       # whose calls launch the per-layer work on CUDA (configure(launch=...))
         from toolkit.runtime import gpu_graph
 
         if decode not in (None, "graph", "static", "modules"):
@@ -620,7 +650,7 @@ class GpuEngine:
 
     # -- configuration ---------------------------------------------------------------------
     def configure(self, *, copy_depth: int | None | str = "keep", host: str = "keep", plan: str = "keep",
-                  **changes) -> None:
+                  launch: str = "keep", **changes) -> None:
         """The next sequences' RunConfig with `changes`; `copy_depth`: the scheduler's queue depth here,
         prefetch copies issued per layer step at most (a prefetch counts until the next step; None: the
         pool's free slots, capacity - k, also the cap of any larger value; "keep": unchanged); `host`: whose
@@ -629,7 +659,10 @@ class GpuEngine:
         static decoder computes a folding planner's rows, "device" (gpu_graph.DevicePlan, on a stream of its
         own beside the next segment), "inline" (the same on the compute stream, waited for by the layer's sync)
         or "host" (the router's input read back, PrefetchPlanner.plan folds it: the same decisions on the CPU,
-        on a GPU up to rounding at near-ties; "keep": unchanged)."""
+        on a GPU up to rounding at near-ties; "keep": unchanged); `launch`: on CUDA, whose calls launch the
+        pooled decode's graphs, copies and events, "driver" (the CUDA driver's, through ctypes:
+        toolkit/runtime/cuda_driver.py) or "torch" (torch's API: the same work, more host time; "keep":
+        unchanged)."""
         cfg = dataclasses.replace(self.cfg, **changes)
         if copy_depth != "keep" and copy_depth is not None and (not is_int(copy_depth) or copy_depth < 1):
             raise SpecPrefetchError(f"--queue-depth {copy_depth!r}: prefetch copies a step, an integer >= 1")
@@ -637,8 +670,13 @@ class GpuEngine:
             raise SpecPrefetchError(f"host {host!r}: choose from {', '.join(HOSTS)}")
         if plan not in ("keep", *PLAN_ROWS):
             raise SpecPrefetchError(f"plan {plan!r}: choose from {', '.join(PLAN_ROWS)}")
+        if launch not in ("keep", *LAUNCHES):
+            raise SpecPrefetchError(f"launch {launch!r}: choose from {', '.join(LAUNCHES)}")
         if host == "native":
             native_library()   # built (or its build refused) now, not inside a sequence
+        if launch == "driver" and self.dev.cuda:
+            with self.dev.scope():
+                driver(self.dev.device)   # loaded (or refused) now, not inside a sequence
         if cfg.read_budget_kib == "auto":
             raise SpecPrefetchError(GPU_AUTO_BUDGET)
         check_budget_kib(cfg.read_budget_kib, self.store.blob_size, "--read-budget-kib")
@@ -664,6 +702,8 @@ class GpuEngine:
             self.host_sched = host
         if plan != "keep":
             self.plan_rows = plan
+        if launch != "keep":
+            self.launch = launch
 
     @property
     def capacity(self) -> int:
@@ -803,7 +843,8 @@ class GpuEngine:
             raise SpecPrefetchError("resident_graph: needs preload, the static decoder and the on-demand policy")
         L = self.L
         runner = self._graph_runner(len(prompt_ids) + max_new_tokens + k + 1) if self.decode != "modules" else None
-        io = CudaCopyIO(self.host, self.capacity, self.dev, slots=runner.slots if runner is not None else None)
+        io = CudaCopyIO(self.host, self.capacity, self.dev, slots=runner.slots if runner is not None else None,
+                        drv=driver(self.dev.device) if self.dev.cuda and self.launch == "driver" else None)
         source = self.predictors.get(cfg.policy.predictor)
         future = recorded.routing if recorded is not None else None
         planner = None
@@ -846,7 +887,7 @@ class GpuEngine:
                            eos=frozenset(self._eos()), L=L, io=io, pool=pool, sched=sched, planner=planner,
                            state=state, runner=runner, cache=DynamicCache(), account=DecodeAccount(),
                            resident=resident_graph,
-                           device_plan=(runner.device_plan(planner, inline=self.plan_rows == "inline")
+                           device_plan=(runner.device_plan(planner, inline=self.plan_rows == "inline", drv=io.drv)
                                         if runner is not None and self.plan_rows != "host" else None))
 
     def prefill(self, s: GpuSequence) -> None:

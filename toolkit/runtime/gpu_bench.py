@@ -16,7 +16,9 @@ the reuse eviction with the whole table, for `+reuse` policies only; host=native
 runner's scheduler and pool decide, the same decisions off Python; plan=host: a folding planner's rows computed
 on the host from the router's input read back, not on the device: the same decisions up to rounding at
 near-ties; plan=inline: on the device but on the compute stream, waited for by the layer's sync, not on a
-stream of their own: the same decisions), rows of their own in the same rounds.
+stream of their own: the same decisions; launch=torch, for every policy: the per-layer path's graph replays,
+copies and events through torch's API, not the CUDA driver's: the same work), rows of their own in the same
+rounds.
 Every run's tokens are checked against transformers' greedy tokens before any time is quoted.
 """
 from __future__ import annotations
@@ -48,10 +50,10 @@ def _predicting(pol: Policy) -> bool:
 
 def _takes(pol: Policy, v: dict, preds: dict | None = None) -> bool:
     """Whether the --variant settings `v` make a row of `pol`: a predicting policy (any policy where `v` sets
-    only `host`, whose scheduler decides), for reuse_classes and next_visits one that evicts by the reuse
-    table, and for plan one whose predictor folds (`linear`: its rows are computed on the device; `preds`, the
-    bench's predictors, once they are built)."""
-    return ((set(v) <= {"host"} or _predicting(pol))
+    only `host` or `launch`, whose scheduler or calls it changes), for reuse_classes and next_visits one that
+    evicts by the reuse table, and for plan one whose predictor folds (`linear`: its rows are computed on the
+    device; `preds`, the bench's predictors, once they are built)."""
+    return ((set(v) <= {"host", "launch"} or _predicting(pol))
             and (not {"reuse_classes", "next_visits"} & set(v) or pol.eviction == "reuse")
             and ("plan" not in v or preds is None or getattr(preds.get(pol.predictor), "linear", False)))
 
@@ -248,7 +250,7 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
     for label, v in knobs.items():
         if not any(_takes(p, v) for p in policies) and "reuse_classes" not in v:   # (reuse_classes: below)
             raise SpecPrefetchError(f"--variant {label}: no policy predicts (on-demand, the draft and the oracle "
-                                    "take no scheduler setting but host)")
+                                    "take no scheduler setting but host and launch)")
     if any(v.get("host") == "native" for v in knobs.values()):
         from toolkit.runtime.native_sched import library
 
@@ -305,7 +307,8 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
                     read_budget_kib=auto_budget["kib"] if budget == "auto" else budget,
                     reuse_classes=knob.get("reuse_classes", True), copy_depth=knob.get("queue_depth"),
                     next_visits=knob.get("next_visits"),
-                    host=knob.get("host", "python"), plan=knob.get("plan", "device"))
+                    host=knob.get("host", "python"), plan=knob.get("plan", "device"),
+                    launch=knob.get("launch", "driver"))
 
     def one(pol: Policy, mib: float, p: int, *, k: int = 8, preload: bool = False, resident_graph: bool = False,
             recorded=None, next_visit: bool = True, knob: dict[str, Any] | None = None):
@@ -593,7 +596,8 @@ def main(argv: list[str] | None = None) -> None:
                          "reuse_classes=off: +reuse policies with the whole reuse table; host=native: every "
                          "policy with the native runner's scheduler and pool; plan=host: the planner's rows "
                          "folded on the host, not the device; plan=inline: on the device, on the compute "
-                         "stream before the layer's sync; repeatable)")
+                         "stream before the layer's sync; launch=torch: every policy with torch's CUDA calls "
+                         "on the per-layer path, not the driver's; repeatable)")
     ap.add_argument("--json", type=Path, required=True)
     a = ap.parse_args(argv)
     r = run_gpu_bench(a.model, store=a.store, adapter=a.adapter, policies=parse_policies(a.policies),

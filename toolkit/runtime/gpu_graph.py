@@ -462,7 +462,15 @@ class DevicePlan:
         self.ids = torch.zeros(L, W + V, E, dtype=torch.long, device=dev)   # the window's, then the visits'
         self.host_conf = torch.zeros(L, W, E, pin_memory=pin)
         self.host_ids = torch.zeros(L, W + V, E, dtype=torch.long, pin_memory=pin)
+        self.host_conf_np, self.host_ids_np = self.host_conf.numpy(), self.host_ids.numpy()
         self.graphs: list[Any] | None = None
+        # launch=driver (set per sequence by GraphRunner.device_plan): the driver's calls, with events of its own
+        # and each layer's graph executable and copy addresses
+        self.drv: Any = None
+        self._exec: list[int] = []
+        self._dev_events: tuple[list, list] | None = None
+        self.copies = [[(hc[li].data_ptr(), dc[li].data_ptr(), dc[li].nbytes)
+                        for hc, dc in ((self.host_conf, self.conf), (self.host_ids, self.ids))] for li in range(L)]
 
     def load(self, fold) -> None:
         """A sequence's fold (its planner's; the same shape) into the buffers the graphs read (on the compute
@@ -511,11 +519,16 @@ class DevicePlan:
                 graphs.append(g)
             torch.cuda.synchronize(dev)
         self.graphs = graphs
+        self._exec = [g.raw_cuda_graph_exec() for g in graphs]
 
     def enqueue(self, li: int) -> None:
         """Layer li's rows computed after its router (enqueued after its segment) and their copies into pinned
         memory: on a GPU on the side stream, which waits for the compute stream up to here (the router), the
         layer's event recorded after the copies; on the CPU in line."""
+        drv = self.drv if self._exec else None
+        if drv is not None:
+            self._enqueue_driver(drv, li)
+            return
         if not self.apart:
             self._run(li)
             return
@@ -528,6 +541,23 @@ class DevicePlan:
             self.done[li].record(self.side)
         finally:
             torch.cuda.set_stream(main)
+
+    def _enqueue_driver(self, drv, li: int) -> None:
+        """`enqueue` through the driver's calls (launch=driver): the same work on the same streams."""
+        cs = self.runner.cs
+        if self._dev_events is None:   # (the layers' reached and done events, made once)
+            self._dev_events = tuple([drv.event(timing=False) for _ in self.layers] for _ in range(2))
+        reached, done = self._dev_events
+        st = cs
+        if self.apart:
+            st = self.side.cuda_stream
+            reached[li].record(cs)
+            drv.wait(st, reached[li])
+        drv.launch(self._exec[li], st)
+        for dst, src, n in self.copies[li]:
+            drv.copy(dst, src, n, st)
+        if self.apart:
+            done[li].record(st)
 
     def _run(self, li: int) -> None:
         """Layer li's rows and their copies into pinned memory, on the current stream."""
@@ -543,10 +573,10 @@ class DevicePlan:
         first n), as lists (PrefetchPlanner.sorted_widths), once they have landed (on a GPU the host waits for
         the layer's event)."""
         if self.apart:
-            self.done[li].synchronize()
+            (self._dev_events[1] if self.drv is not None and self._exec else self.done)[li].synchronize()
             self.waits += 1
-        W, ids = self.W, self.host_ids[li]
-        return self.host_conf[li, :, :m].tolist(), ids[:W, :m].tolist(), ids[W:, :n].tolist()
+        W, ids = self.W, self.host_ids_np[li]
+        return self.host_conf_np[li, :, :m].tolist(), ids[:W, :m].tolist(), ids[W:, :n].tolist()
 
 
 class GraphRunner:
@@ -585,7 +615,20 @@ class GraphRunner:
         self.host_idx = torch.zeros(L, 1, k, dtype=torch.long, pin_memory=pin)
         self.host_post = torch.zeros(L, 1, H, dtype=eng.dtype, pin_memory=pin)
         self.host_tok = torch.zeros(1, dtype=torch.long, pin_memory=pin)
+        self.host_idx_np = self.host_idx.numpy()   # (read through numpy: no tensor made per read)
         self.host_waits = 0                 # waits of the host on the compute stream in decode()
+        # launch=driver (GpuEngine.configure): the driver's calls (cuda_driver.Driver) and the compute stream's
+        # handle, set per decode call from the sequence's IO (`_begin`); none: torch's calls
+        self.drv: Any = None
+        self.cs = 0
+        self._exec: list[int] = []          # each segment graph's executable (the driver launches it)
+        self._sync_ev: Any = None           # host_wait's event (launch=driver)
+        # the addresses the driver's copies take: a layer's routing and router input, its slot numbers, the token
+        self.ptr = {name: [t[li].data_ptr() for li in range(L)]
+                    for name, t in (("idx", self.idx), ("host_idx", self.host_idx), ("post", self.post),
+                                    ("host_post", self.host_post), ("sel", self.sel))}
+        self.ptr["stage"] = [t.data_ptr() for t in self.stage]
+        self.nb = {"idx": self.idx[0].nbytes, "post": self.post[0].nbytes, "sel": self.sel[0].nbytes}
         # which decoder layers each segment runs
         moe = list(eng.spec.geometry.moe_layers)
         bounds = [-1, *moe, n_layers - 1]
@@ -596,6 +639,7 @@ class GraphRunner:
         # whole token is one graph with no host sync per layer (decode_resident)
         self.slot_of = torch.zeros(L, eng.E, dtype=torch.long, device=dev)
         self._resident_g: Any = None
+        self._resident_exec = 0
         self.closed = False
         # the draft
         self.draft = None
@@ -694,6 +738,7 @@ class GraphRunner:
                     self.draft.step()
                 self.draft.graph = g
             self._g = graphs
+            self._exec = [g.raw_cuda_graph_exec() for g in graphs]
             torch.cuda.synchronize(dev)
 
     def _capture_resident(self) -> None:
@@ -709,7 +754,7 @@ class GraphRunner:
             with torch.cuda.graph(g):
                 self._token()
             torch.cuda.synchronize(dev)
-        self._resident_g = g
+        self._resident_g, self._resident_exec = g, g.raw_cuda_graph_exec()
 
     def ensure_resident(self) -> None:
         """The resident token's graph, captured once per runner (GpuEngine.sequence does it before the
@@ -730,10 +775,14 @@ class GraphRunner:
         host sync for the token and the routing, which is recorded; the pool and scheduler are not
         consulted (nothing can miss). The device-bound upper bound of every policy."""
         L = self.eng.L
+        self._begin(seq)
         self.ensure_resident()
         self.set_position(token, pos)
         if self._resident_g is not None:
-            self._resident_g.replay()
+            if self.drv is not None:
+                self.drv.launch(self._resident_exec, self.cs)
+            else:
+                self._resident_g.replay()
         else:
             self._token()
         self.host_idx.copy_(self.idx, non_blocking=True)
@@ -748,6 +797,7 @@ class GraphRunner:
         """Drop the graphs and the device buffers (the slot arena included) now, not at the next GC."""
         self.closed = True
         self._g = self._resident_g = None
+        self._exec, self.drv = [], None
         if self._plans and self.eng.dev.cuda:   # (their buffers go: after the rows' work still queued)
             self.eng.dev.rows_stream.synchronize()
         self._plans = {}
@@ -761,7 +811,7 @@ class GraphRunner:
             self.draft = None
         self.slots = self.math = self.kv = None
 
-    def device_plan(self, planner, *, inline: bool = False) -> DevicePlan | None:
+    def device_plan(self, planner, *, inline: bool = False, drv=None) -> DevicePlan | None:
         """The planner's rows on the device for a new sequence (its fold loaded into the DevicePlan of that
         layout, made and captured the first time; `inline`: on the compute stream, before the layer's sync, as
         `plan=inline` measures); None where there is no planner or it does not fold."""
@@ -781,6 +831,7 @@ class GraphRunner:
         else:
             dp.load(fold)
         dp.apart = dp.side is not None and not inline
+        dp.drv = drv   # (the sequence's launch: the driver's calls or torch's)
         self._plans[key] = dp   # most recently used last
         return dp
 
@@ -789,9 +840,22 @@ class GraphRunner:
         if self.graphs and self._g is None:
             self._capture()
 
+    def _begin(self, seq) -> None:
+        """A decode call's launches: through the driver where the sequence's IO has it (launch=driver), on
+        the compute stream it took (the current one), else through torch."""
+        self.check_open()
+        self.drv = seq.io.drv
+        if self.drv is not None:
+            self.cs = seq.io.compute
+            if self._sync_ev is None:
+                self._sync_ev = self.drv.event(timing=False)
+
     def run_segment(self, s: int) -> None:
         if self._g is not None:
-            self._g[s].replay()
+            if self.drv is not None:
+                self.drv.launch(self._exec[s], self.cs)
+            else:
+                self._g[s].replay()
         else:
             self._seg(s)    # (decode and verify_rows checked the runner is open once)
 
@@ -799,10 +863,21 @@ class GraphRunner:
         self.tok.fill_(token)
         self.pos.fill_(pos)
 
+    def to_host(self, name: str, li: int) -> None:
+        """Layer li's `name` (idx or post) into its pinned host buffer, non-blocking on the compute stream."""
+        if self.drv is not None:
+            self.drv.copy(self.ptr["host_" + name][li], self.ptr[name][li], self.nb[name], self.cs)
+        else:
+            host, dev = (self.host_idx, self.idx) if name == "idx" else (self.host_post, self.post)
+            host[li].copy_(dev[li], non_blocking=True)
+
     def host_wait(self) -> None:
         """The host waits for the compute stream up to here (the copies into pinned memory enqueued
         before it have landed): the one sync of a MoE layer (or of the token)."""
-        if self.eng.dev.cuda:
+        if self.drv is not None:
+            self._sync_ev.record(self.cs)
+            self._sync_ev.synchronize()
+        elif self.eng.dev.cuda:
             ev = torch.cuda.Event()
             ev.record(torch.cuda.current_stream(self.eng.dev.device))
             ev.synchronize()
@@ -814,17 +889,17 @@ class GraphRunner:
         router too (on a GPU on their own stream, not waited for here: DevicePlan.rows waits)."""
         if plan is not None:
             plan.enqueue(li)
-        self.host_idx[li].copy_(self.idx[li], non_blocking=True)
+        self.to_host("idx", li)
         if with_input:
-            self.host_post[li].copy_(self.post[li], non_blocking=True)
+            self.to_host("post", li)
         self.host_wait()
-        return self.host_idx[li, 0].tolist()
+        return self.host_idx_np[li, 0].tolist()
 
     def decode(self, seq, token: int, pos: int) -> int:
         """One target token at `pos` of `seq` (gpu.GpuSequence: its scheduler, IO, planner and routing
         record): L + 1 host syncs on the compute stream (the routers, the token; with a DevicePlan on a GPU, L
         more on its rows, at the planning), the pool's experts."""
-        self.check_open()
+        self._begin(seq)
         L, k = self.eng.L, self.eng.k
         sched, io = seq.sched, seq.io
         planner, dplan = seq.planner, seq.device_plan
@@ -858,7 +933,10 @@ class GraphRunner:
                 st = self.stage_np[li]
                 st[:k] = [where[key] for key in keys]
                 st[k:] = order
-                self.sel[li].copy_(self.stage[li], non_blocking=True)
+                if self.drv is not None:
+                    self.drv.copy(self.ptr["sel"][li], self.ptr["stage"][li], self.nb["sel"], self.cs)
+                else:
+                    self.sel[li].copy_(self.stage[li], non_blocking=True)
                 self.run_segment(li + 1)
                 if hits:
                     sched.acquire(step, keys)
@@ -885,7 +963,7 @@ class GraphRunner:
         them) and, where they fit the pool together, each is copied once for the pass, as a one-pass
         verification copies them (where they do not, a row's experts at a time). Per row the graph's
         state (its hidden state, position, router outputs) is swapped in and out."""
-        self.check_open()
+        self._begin(seq)
         L, k = self.eng.L, self.eng.k
         sched, io = seq.sched, seq.io
         pooled, where = sched.pool.slots, io.where

@@ -72,7 +72,8 @@ class Timeline:
                                                       "read_budget_kib", "next_visit", "next_visits", "reuse_classes")
                  if getattr(cfg, f) != getattr(dflt, f)]
         parts += [f"{k}={v}" for k, v, d in (("queue_depth", eng.copy_depth, None), ("host", eng.host_sched, "python"),
-                                             ("plan", eng.plan_rows, "device")) if v != d]
+                                             ("plan", eng.plan_rows, "device"), ("launch", eng.launch, "driver"))
+                  if v != d]
         extra = f", {', '.join(parts)}" if parts else ""
         return f"{cfg.policy.name}, {cfg.pool_mib:g} MiB{extra}" + (" (resident)" if self.preload else "")
 

@@ -68,6 +68,7 @@ VARIANT_KEYS: dict[str, tuple[Callable[[str], Any], Callable[[Any], bool], str]]
 # to rounding at near-ties)
 HOSTS = ("python", "native")
 PLAN_ROWS = ("device", "inline", "host")
+LAUNCHES = ("driver", "torch")   # whose calls launch the GPU tier's per-layer work (GpuEngine.configure)
 # `run --device cuda --read-budget-kib auto`, refused: the GPU tier's budget is a number
 GPU_AUTO_BUDGET = ("--read-budget-kib auto: the GPU tier takes a number (KiB a layer step); "
                    "`bench gpu --variant read_budget_kib=auto` measures this GPU's and prints it")
@@ -76,7 +77,9 @@ GPU_VARIANT_KEYS = {**VARIANT_KEYS, "read_budget_kib": (lambda s: s if s == "aut
                     "host": (lambda s: s if s == "native" else None, lambda v: True,
                              "native (python is every row's own: no variant)"),
                     "plan": (lambda s: s if s in PLAN_ROWS[1:] else None, lambda v: True,
-                             "host or inline (device is every row's own: no variant)")}
+                             "host or inline (device is every row's own: no variant)"),
+                    "launch": (lambda s: s if s == "torch" else None, lambda v: True,
+                               "torch (driver is every row's own: no variant)")}
 
 
 def parse_variant(spec: str, keys: dict = VARIANT_KEYS) -> dict[str, Any]:

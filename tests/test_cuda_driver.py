@@ -1,0 +1,154 @@
+"""toolkit/runtime/cuda_driver.py on the CPU: its calls against a stand-in for libcuda.so.1 built here (the same C
+entry points, host memory for the device's), so what each wrapper passes and how it reads the driver's answers is
+checked without a GPU. The real driver's path (the pooled decode with launch=driver, tokens equal to
+transformers') is tests/test_gpu_tier.py's CUDA tests."""
+from __future__ import annotations
+
+import ctypes
+import gc
+import subprocess
+
+import numpy as np
+import pytest
+
+from toolkit.errors import SpecPrefetchError
+from toolkit.runtime import cuda_driver
+from toolkit.runtime.native_sched import _compiler, has_compiler
+
+# the driver's entry points as the wrapper declares them; events are structs of the stand-in's, a "stream" any
+# non-null pointer, a graph executable a counter the launch increments (0: an invalid handle)
+STANDIN = r"""
+#include <cstdint>
+#include <cstring>
+#include <cstdlib>
+extern "C" {
+struct Ev { unsigned flags; int recorded; int ready; long at; };
+static long clock_ = 0;
+static int ctx_ = 1, destroyed_ = 0;
+static void* last_stream_ = nullptr;
+int standin_destroyed() { return destroyed_; }
+void standin_context(int on) { ctx_ = on; }
+void* standin_last_stream() { return last_stream_; }
+void standin_land(Ev* e) { e->ready = 1; }
+int cuCtxGetCurrent(void** c) { *c = ctx_ ? (void*)0x1 : nullptr; return 0; }
+int cuGetErrorName(int rc, const char** s) {
+  if (rc == 400) { *s = "CUDA_ERROR_INVALID_HANDLE"; return 0; }
+  if (rc == 1) { *s = "CUDA_ERROR_INVALID_VALUE"; return 0; }
+  return 1;
+}
+int cuGraphLaunch(long* exec, void* stream) {
+  if (!exec || !stream) return 400;
+  ++*exec; last_stream_ = stream; return 0;
+}
+int cuMemcpyAsync(std::uint64_t dst, std::uint64_t src, std::size_t n, void* stream) {
+  if (!stream) return 400;
+  std::memcpy((void*)dst, (const void*)src, n); last_stream_ = stream; return 0;
+}
+int cuStreamWaitEvent(void* stream, Ev* e, unsigned flags) {
+  return (!stream || !e || !e->recorded || flags) ? 400 : 0;
+}
+int cuEventCreate(Ev** e, unsigned flags) {
+  if (flags & ~2u) return 1;
+  *e = (Ev*)std::calloc(1, sizeof(Ev)); (*e)->flags = flags; return 0;
+}
+int cuEventDestroy_v2(Ev* e) { std::free(e); ++destroyed_; return 0; }
+int cuEventRecord(Ev* e, void* stream) {
+  if (!stream) return 400;
+  e->recorded = 1; e->ready = 0; e->at = ++clock_; return 0;
+}
+int cuEventQuery(Ev* e) { return e->ready ? 0 : 600; }
+int cuEventSynchronize(Ev* e) { e->ready = 1; return 0; }
+int cuEventElapsedTime(float* ms, Ev* a, Ev* b) {
+  if ((a->flags | b->flags) & 2u) return 400;
+  if (!a->ready || !b->ready) return 600;
+  *ms = 0.5f * (float)(b->at - a->at); return 0;
+}
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def standin(tmp_path_factory):
+    if not has_compiler():
+        pytest.skip("no C++ compiler")
+    d = tmp_path_factory.mktemp("libcuda")
+    src, lib = d / "standin.cpp", d / "libcuda-standin.so"
+    src.write_text(STANDIN)
+    cxx, _ = _compiler()
+    subprocess.run([*cxx, "-std=c++17", "-shared", "-fPIC", "-O1", str(src), "-o", str(lib)], check=True)
+    so = ctypes.CDLL(str(lib))
+    so.standin_last_stream.restype = ctypes.c_void_p
+    return so, cuda_driver.Driver(so)
+
+
+STREAM = 0x5000
+
+
+def test_copy_passes_addresses_and_size_on_the_stream(standin):
+    so, drv = standin
+    src = np.arange(64, dtype=np.uint8)
+    dst = np.zeros(64, dtype=np.uint8)
+    drv.copy(dst.ctypes.data + 8, src.ctypes.data + 16, 40, STREAM)
+    assert dst[8:48].tolist() == list(range(16, 56)) and not dst[:8].any() and not dst[48:].any()
+    assert so.standin_last_stream() == STREAM
+    with pytest.raises(SpecPrefetchError, match=r"^launch=driver: cuMemcpyAsync failed: CUDA_ERROR_INVALID_HANDLE$"):
+        drv.copy(dst.ctypes.data, src.ctypes.data, 1, 0)
+
+
+def test_launch_runs_the_executable_on_the_stream(standin):
+    so, drv = standin
+    counter = ctypes.c_long(0)
+    drv.launch(ctypes.addressof(counter), STREAM)
+    drv.launch(ctypes.addressof(counter), STREAM + 1)
+    assert counter.value == 2 and so.standin_last_stream() == STREAM + 1
+    with pytest.raises(SpecPrefetchError, match="cuGraphLaunch failed: CUDA_ERROR_INVALID_HANDLE"):
+        drv.launch(0, STREAM)
+
+
+def test_events_as_torch_reads_them(standin):
+    so, drv = standin
+    a = drv.event(STREAM)
+    b = drv.event()                     # made, not recorded: a wait on it is refused
+    with pytest.raises(SpecPrefetchError, match="cuStreamWaitEvent failed"):
+        drv.wait(STREAM, b)
+    b.record(STREAM)
+    drv.wait(STREAM, b)
+    assert not a.query() and not b.query()   # CUDA_ERROR_NOT_READY reads as False, not an error
+    so.standin_land(ctypes.c_void_p(a.h))
+    assert a.query()
+    b.synchronize()
+    assert b.query()
+    assert a.elapsed_time(b) == pytest.approx(0.5)   # the stand-in's clock: one record apart
+    quiet = drv.event(STREAM, timing=False)
+    quiet.synchronize()
+    with pytest.raises(SpecPrefetchError, match="cuEventElapsedTime failed"):
+        a.elapsed_time(quiet)           # an event made without timing has none
+
+
+def test_an_unnamed_error_and_the_events_destroyed(standin):
+    so, drv = standin
+    with pytest.raises(SpecPrefetchError, match=r"^launch=driver: cuEventCreate failed: error 7$"):
+        drv.fail(7, "cuEventCreate")
+    before = so.standin_destroyed()
+    evs = [drv.event(STREAM) for _ in range(5)]
+    del evs
+    gc.collect()
+    assert so.standin_destroyed() == before + 5
+
+
+def test_no_current_context_is_refused(standin):
+    so, drv = standin
+    drv.check_context()
+    so.standin_context(0)
+    try:
+        with pytest.raises(SpecPrefetchError, match="no CUDA context is current"):
+            drv.check_context()
+    finally:
+        so.standin_context(1)
+
+
+def test_no_driver_library_is_one_line(monkeypatch):
+    monkeypatch.setattr(cuda_driver, "LIBRARY", "libcuda-absent.so.404")
+    with pytest.raises(SpecPrefetchError, match=r"^launch=driver: cannot load the CUDA driver \(libcuda-absent"
+                                                r".*--variant launch=torch"):
+        cuda_driver._load()
