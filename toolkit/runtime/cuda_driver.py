@@ -39,6 +39,9 @@ def driver(device) -> "Driver":
     context torch made for it is current (torch has used the device by then: the caller runs under its scope)."""
     import torch
 
+    if not hasattr(torch.cuda.CUDAGraph, "raw_cuda_graph_exec"):
+        raise SpecPrefetchError(f"launch=driver: torch {torch.__version__} does not expose a graph's executable "
+                                "(CUDAGraph.raw_cuda_graph_exec); --variant launch=torch uses torch's calls")
     index = device.index if device.index is not None else torch.cuda.current_device()
     with _lock:
         drv = _drivers.get(index)
