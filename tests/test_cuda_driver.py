@@ -27,25 +27,28 @@ static long clock_ = 0;
 static int ctx_ = 1, destroyed_ = 0;
 static void* last_stream_ = nullptr;
 int standin_destroyed() { return destroyed_; }
-void standin_context(int on) { ctx_ = on; }
+void standin_context(int c) { ctx_ = c; }   // 0: none current, else device c - 1's
 void* standin_last_stream() { return last_stream_; }
 void standin_land(Ev* e) { e->ready = 1; }
 int cuCtxGetCurrent(void** c) { *c = ctx_ ? (void*)0x1 : nullptr; return 0; }
+int cuCtxGetDevice(int* d) { *d = ctx_ - 1; return 0; }
 int cuGetErrorName(int rc, const char** s) {
   if (rc == 400) { *s = "CUDA_ERROR_INVALID_HANDLE"; return 0; }
   if (rc == 1) { *s = "CUDA_ERROR_INVALID_VALUE"; return 0; }
   return 1;
 }
+// a handle of 0xdead is invalid (stream 0 is the legacy default stream, as in the driver)
+#define BAD(p) ((std::uintptr_t)(p) == 0xdead)
 int cuGraphLaunch(long* exec, void* stream) {
-  if (!exec || !stream) return 400;
+  if (!exec || BAD(stream)) return 400;
   ++*exec; last_stream_ = stream; return 0;
 }
 int cuMemcpyAsync(std::uint64_t dst, std::uint64_t src, std::size_t n, void* stream) {
-  if (!stream) return 400;
+  if (BAD(stream)) return 400;
   std::memcpy((void*)dst, (const void*)src, n); last_stream_ = stream; return 0;
 }
 int cuStreamWaitEvent(void* stream, Ev* e, unsigned flags) {
-  return (!stream || !e || !e->recorded || flags) ? 400 : 0;
+  return (BAD(stream) || !e || flags) ? 400 : 0;   // (an event never recorded: a no-op, as the driver's)
 }
 int cuEventCreate(Ev** e, unsigned flags) {
   if (flags & ~2u) return 1;
@@ -53,7 +56,7 @@ int cuEventCreate(Ev** e, unsigned flags) {
 }
 int cuEventDestroy_v2(Ev* e) { std::free(e); ++destroyed_; return 0; }
 int cuEventRecord(Ev* e, void* stream) {
-  if (!stream) return 400;
+  if (BAD(stream)) return 400;
   e->recorded = 1; e->ready = 0; e->at = ++clock_; return 0;
 }
 int cuEventQuery(Ev* e) { return e->ready ? 0 : 600; }
@@ -82,6 +85,7 @@ def standin(tmp_path_factory):
 
 
 STREAM = 0x5000
+BAD = 0xdead   # the stand-in's invalid handle
 
 
 def test_copy_passes_addresses_and_size_on_the_stream(standin):
@@ -91,8 +95,10 @@ def test_copy_passes_addresses_and_size_on_the_stream(standin):
     drv.copy(dst.ctypes.data + 8, src.ctypes.data + 16, 40, STREAM)
     assert dst[8:48].tolist() == list(range(16, 56)) and not dst[:8].any() and not dst[48:].any()
     assert so.standin_last_stream() == STREAM
+    drv.copy(dst.ctypes.data, src.ctypes.data, 2, 0)   # stream 0, the legacy default stream, reaches it as NULL
+    assert dst[:2].tolist() == [0, 1] and so.standin_last_stream() is None
     with pytest.raises(SpecPrefetchError, match=r"^launch=driver: cuMemcpyAsync failed: CUDA_ERROR_INVALID_HANDLE$"):
-        drv.copy(dst.ctypes.data, src.ctypes.data, 1, 0)
+        drv.copy(dst.ctypes.data, src.ctypes.data, 1, BAD)
 
 
 def test_launch_runs_the_executable_on_the_stream(standin):
@@ -102,15 +108,15 @@ def test_launch_runs_the_executable_on_the_stream(standin):
     drv.launch(ctypes.addressof(counter), STREAM + 1)
     assert counter.value == 2 and so.standin_last_stream() == STREAM + 1
     with pytest.raises(SpecPrefetchError, match="cuGraphLaunch failed: CUDA_ERROR_INVALID_HANDLE"):
-        drv.launch(0, STREAM)
+        drv.launch(ctypes.addressof(counter), BAD)
 
 
 def test_events_as_torch_reads_them(standin):
     so, drv = standin
     a = drv.event(STREAM)
-    b = drv.event()                     # made, not recorded: a wait on it is refused
+    b = drv.event()                     # made, not recorded
     with pytest.raises(SpecPrefetchError, match="cuStreamWaitEvent failed"):
-        drv.wait(STREAM, b)
+        drv.wait(BAD, b)
     b.record(STREAM)
     drv.wait(STREAM, b)
     assert not a.query() and not b.query()   # CUDA_ERROR_NOT_READY reads as False, not an error
@@ -136,13 +142,17 @@ def test_an_unnamed_error_and_the_events_destroyed(standin):
     assert so.standin_destroyed() == before + 5
 
 
-def test_no_current_context_is_refused(standin):
+def test_the_current_context_must_be_the_devices(standin):
     so, drv = standin
-    drv.check_context()
-    so.standin_context(0)
+    drv.check_context(0)
     try:
+        so.standin_context(0)
         with pytest.raises(SpecPrefetchError, match="no CUDA context is current"):
-            drv.check_context()
+            drv.check_context(0)
+        so.standin_context(2)
+        drv.check_context(1)
+        with pytest.raises(SpecPrefetchError, match=r"the current CUDA context is device 1's, not cuda:0's"):
+            drv.check_context(0)
     finally:
         so.standin_context(1)
 

@@ -15,7 +15,7 @@ from toolkit.models.loader import inspect_model_dir, load_model
 from toolkit.models.routers import load_router_bank
 from toolkit.predictors.registry import build_predictor
 from toolkit.runtime.expert_store import ExpertStore, build_store
-from toolkit.runtime.gpu import GpuEngine, Int4Experts
+from toolkit.runtime.gpu import CudaCopyIO, GpuEngine, Int4Experts
 from toolkit.runtime.gpu_graph import DevicePlan, GraphRunner, StaticDecoder
 from toolkit.runtime.native_sched import has_compiler
 from toolkit.runtime.policy import Policy
@@ -1150,12 +1150,22 @@ def test_graph_decode_reads_the_device_once_per_layer(tiny_models, stores, monke
     cur = (lambda: torch.cuda.current_stream(dp.index)) if cuda else (lambda: None)
     spin = (lambda: torch.cuda._sleep(1_000_000)) if cuda else (lambda: None)
     monkeypatch.setattr(DevicePlan, "_run", lambda self, li: (where.append(cur()), spin(), real_run(self, li))[2])
+    real_enqueue = DevicePlan._enqueue_driver
+
+    def enqueue_driver(self, drv, li):   # (launch=driver: the same spin, on the stream its rows go to)
+        st = self.side if self.apart else cur()
+        where.append(st)
+        with torch.cuda.stream(st):
+            spin()
+        return real_enqueue(self, drv, li)
+    monkeypatch.setattr(DevicePlan, "_enqueue_driver", enqueue_driver)
     monkeypatch.setattr(DevicePlan, "rows", lambda self, *a: (read.append(real_rows(self, *a)), read[-1])[1])
     monkeypatch.setattr(GraphRunner, "run_segment", lambda self, n, _real=GraphRunner.run_segment: (spin(),
                                                                                                     _real(self, n))[1])
     runs = []
-    for plan in ("device", "inline"):
-        eng.configure(plan=plan)
+    # (on a GPU with torch's calls and the driver's: launch=driver enqueues the rows through _enqueue_driver)
+    for launch, plan in itertools.product(("torch", "driver") if cuda else ("torch",), ("device", "inline")):
+        eng.configure(plan=plan, launch=launch)
         where.clear(), read.clear()
         runner.host_waits = dp.waits = 0
         r = eng.run(prompt, 10)
@@ -1165,7 +1175,7 @@ def test_graph_decode_reads_the_device_once_per_layer(tiny_models, stores, monke
         assert dp.apart == apart and dp.waits == (len(read) if apart else 0) and read
         assert all(w == (dp.side if apart else cur()) for w in where) and len(where) == len(read)
     monkeypatch.undo()
-    assert runs[0] == runs[1] and runs[0][0] == g.tokens
+    assert all(r == runs[0] for r in runs) and runs[0][0] == g.tokens
 
 
 def test_graph_decode_plans_behind_the_replay(tiny_models, stores, monkeypatch):
@@ -1884,9 +1894,13 @@ def test_driver_launch_decodes_as_torchs_calls_on_cuda(tiny_models, stores, tiny
     only for the draft's own step), and the copy and stall timings read the driver's events."""
     from toolkit.runtime.gpu_bench import gpu_predictors, gpu_reuse_table
 
-    replays = []
+    from toolkit.runtime.cuda_driver import DriverEvent
+
+    replays, ios = [], []
     replay = torch.cuda.CUDAGraph.replay
     monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda g: (replays.append(g), replay(g))[1])
+    io_init = CudaCopyIO.__init__
+    monkeypatch.setattr(CudaCopyIO, "__init__", lambda self, *a, **kw: (ios.append(self), io_init(self, *a, **kw))[1])
     spec = inspect_model_dir(tiny_models["qwen3_moe"])
     names = ["on-demand+lru", "adapter+reuse", "oracle+belady", "draft+lru"]
     pols = [Policy.parse(n) for n in names]
@@ -1903,16 +1917,24 @@ def test_driver_launch_decodes_as_torchs_calls_on_cuda(tiny_models, stores, tiny
             replays.clear()
             g = eng.run(prompt, 10, k=3)
             j = g.to_json()
-            assert g.tokens == want, (pol.name, launch)
-            assert (not replays) == (launch == "driver" and pol.predictor != "draft"), (pol.name, launch)
-            assert j["copy_ms_per_token"] > 0 and g.stats.stall_ms_per_token >= 0, (pol.name, launch)
+            assert g.tokens == want and j["launch"] == launch, (pol.name, launch)
+            # under the driver torch replays the draft's own step alone, never a segment
+            draft = eng._runners[eng.capacity].draft.graph
+            assert all(r is draft for r in replays) == (launch == "driver"), (pol.name, launch)
+            assert bool(replays) == (launch == "torch" or pol.predictor == "draft"), (pol.name, launch)
+            # the copy and stall figures read the driver's events
+            io = ios[-1]
+            assert io.copies and all(isinstance(e, DriverEvent) == (launch == "driver") for e in io.copies[-1])
+            assert j["copy_ms_per_token"] > 0, (pol.name, launch)
             got[launch] = ({k: v for k, v in g.stats.counts.items() if k not in ("wait_s", "late")},
                            j["pcie_bytes_per_token"], j["evictions"], j["wasted_prefetch_mib"])
         assert got["torch"] == got["driver"], pol.name
         assert got["torch"][2] > 0, pol.name   # the pool evicted
-    eng.configure(policy=pols[0], pool_mib=_pool_mib(eng, 1.0), launch="driver")
-    replays.clear()
-    assert eng.generate(prompt, 10, preload=True, resident_graph=True).tokens == want and not replays
+    for launch in ("torch", "driver"):   # the resident graph, one launch a token
+        eng.configure(policy=pols[0], pool_mib=_pool_mib(eng, 1.0), launch=launch)
+        replays.clear()
+        assert eng.generate(prompt, 10, preload=True, resident_graph=True).tokens == want, launch
+        assert bool(replays) == (launch == "torch"), launch
     with pytest.raises(SpecPrefetchError, match="launch 'cuda': choose from driver, torch"):
         eng.configure(launch="cuda")
 

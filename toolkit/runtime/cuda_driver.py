@@ -31,24 +31,24 @@ EVENT_DISABLE_TIMING = 2   # CU_EVENT_DISABLE_TIMING: an event only waited on is
 LIBRARY = "libcuda.so.1"
 
 _lock = threading.Lock()
-_drivers: dict[int, "Driver"] = {}
+_driver: "Driver | None" = None
 
 
 def driver(device) -> "Driver":
-    """The driver's calls for the CUDA `device` (a torch.device), made once per device: the first call checks the
-    context torch made for it is current (torch has used the device by then: the caller runs under its scope)."""
+    """The driver's calls (loaded once), after checking the current context is the CUDA `device`'s (a
+    torch.device): the one torch made current for it (the caller runs under the device's scope)."""
     import torch
 
     if not hasattr(torch.cuda.CUDAGraph, "raw_cuda_graph_exec"):
         raise SpecPrefetchError(f"launch=driver: torch {torch.__version__} does not expose a graph's executable "
                                 "(CUDAGraph.raw_cuda_graph_exec); --variant launch=torch uses torch's calls")
+    global _driver
     index = device.index if device.index is not None else torch.cuda.current_device()
     with _lock:
-        drv = _drivers.get(index)
-        if drv is None:
-            drv = _drivers[index] = Driver(_load())
-    drv.check_context()
-    return drv
+        if _driver is None:
+            _driver = Driver(_load())
+    _driver.check_context(index)
+    return _driver
 
 
 def _load() -> ctypes.CDLL:
@@ -82,6 +82,7 @@ class Driver:
         self._sync = fn("cuEventSynchronize", H)
         self._elapsed = fn("cuEventElapsedTime", ctypes.POINTER(ctypes.c_float), H, H)
         self._ctx = fn("cuCtxGetCurrent", ctypes.POINTER(H))
+        self._ctx_device = fn("cuCtxGetDevice", ctypes.POINTER(c))
         self._name = fn("cuGetErrorName", c, ctypes.POINTER(ctypes.c_char_p))
 
     def fail(self, rc: int, what: str):
@@ -89,14 +90,21 @@ class Driver:
         name = s.value.decode() if self._name(rc, ctypes.byref(s)) == 0 and s.value else f"error {rc}"
         raise SpecPrefetchError(f"launch=driver: {what} failed: {name}")
 
-    def check_context(self) -> None:
-        ctx = ctypes.c_void_p()
+    def check_context(self, index: int) -> None:
+        """The current context is CUDA device `index`'s (the events made here belong to it)."""
+        ctx, dev = ctypes.c_void_p(), ctypes.c_int(-1)
         rc = self._ctx(ctypes.byref(ctx))
         if rc:
             self.fail(rc, "cuCtxGetCurrent")
         if not ctx.value:
             raise SpecPrefetchError("launch=driver: no CUDA context is current on this thread (torch has not used "
                                     "the device here)")
+        rc = self._ctx_device(ctypes.byref(dev))
+        if rc:
+            self.fail(rc, "cuCtxGetDevice")
+        if dev.value != index:
+            raise SpecPrefetchError(f"launch=driver: the current CUDA context is device {dev.value}'s, not "
+                                    f"cuda:{index}'s")
 
     # -- the per-layer calls (stream, executable and event handles are ints) ---------------------
     def launch(self, graph_exec: int, stream: int) -> None:

@@ -184,9 +184,13 @@ class CudaCopyIO:
             raise SpecPrefetchError(f"internal: {self.slots.shape[0]} slots allocated for a pool of {capacity}")
         self.views = list(self.slots)   # one view per slot, made once (as HostExperts.rows)
         if drv is not None:   # the addresses and stream handles the driver's calls take, looked up once
+            if not self.slots.is_contiguous() or self.slots.shape[1] * self.slots.element_size() < host.store.blob_size:
+                raise SpecPrefetchError(f"internal: a slot arena of {tuple(self.slots.shape)} {self.slots.dtype} "
+                                        f"for blobs of {host.store.blob_size} bytes")
             self.slot_ptr = [v.data_ptr() for v in self.views]
             self.nbytes = host.store.blob_size
             self.streams = (dev.copy_stream.cuda_stream, dev.demand_stream.cuda_stream)
+            # the compute stream (the current one; GraphRunner reads it again at each decode call)
             self.compute = torch.cuda.current_stream(dev.device).cuda_stream
         self.free = list(range(capacity - 1, -1, -1))
         self.where: dict[Key, int] = {}
@@ -616,7 +620,15 @@ class GpuEngine:
         self.copy_depth: int | None = None
         self.host_sched = "python"   # whose scheduler and pool decide (configure(host=...))
         self.plan_rows = "device"    # where a folding planner's rows are computed (configure(plan=...))
-        self.launch = "driver"       # whose calls launch the per-layer work on CUDA (configure(launch=...))
+        # whose calls launch the per-layer work on CUDA (configure(launch=...)): the driver's where it loads (else
+        # torch's, named in every run's figures: `launch`)
+        self.launch = "driver"
+        if self.dev.cuda:
+            try:
+                with self.dev.scope():
+                    driver(self.dev.device)
+            except SpecPrefetchError:
+                self.launch = "torch"
         from toolkit.runtime import gpu_graph
 
         if decode not in (None, "graph", "static", "modules"):
@@ -1071,7 +1083,7 @@ class GpuEngine:
         # the stall is the compute stream's waits on copies (CUDA events), not host time
         stats = dataclasses.replace(stats, stall_ms_per_token=round(stall / n_dec, 4))
         extra = {
-            "device": str(self.dev.device), "decode": self.decode,
+            "device": str(self.dev.device), "decode": self.decode, "launch": self.launch if self.dev.cuda else None,
             "pool_slots": self.capacity, "expert_bytes": self.store.blob_size,
             # the slot allocation this run read (its pool's capacity), and every arena the engine held
             "slot_arena_bytes": io.slots.numel(),

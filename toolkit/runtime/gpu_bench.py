@@ -296,6 +296,7 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
     mismatches: list[str] = []
 
     defaults = RunConfig()
+    default_launch = eng.launch   # (the driver's calls, or torch's where the driver does not load)
     auto_budget: dict[str, Any] = {}   # read_budget_kib=auto's figures, measured before the rounds
 
     def settings(knob: dict[str, Any]) -> dict[str, Any]:
@@ -308,7 +309,7 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
                     reuse_classes=knob.get("reuse_classes", True), copy_depth=knob.get("queue_depth"),
                     next_visits=knob.get("next_visits"),
                     host=knob.get("host", "python"), plan=knob.get("plan", "device"),
-                    launch=knob.get("launch", "driver"))
+                    launch=knob.get("launch", default_launch))
 
     def one(pol: Policy, mib: float, p: int, *, k: int = 8, preload: bool = False, resident_graph: bool = False,
             recorded=None, next_visit: bool = True, knob: dict[str, Any] | None = None):

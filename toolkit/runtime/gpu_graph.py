@@ -494,8 +494,8 @@ class DevicePlan:
     def settle(self, *, wait: bool) -> None:
         """On a GPU, the compute stream after the rows' stream (`wait`: the host too, before buffers go)."""
         if self.side is not None:
-            if wait:
-                self.side.synchronize()
+            if wait:   # (the whole device: launch=driver's copies into the pinned buffers, inline ones on the
+                torch.cuda.synchronize(self.index)   # compute stream too, are not tracked by torch's host allocator)
             else:
                 torch.cuda.current_stream(self.index).wait_stream(self.side)
 
@@ -796,10 +796,11 @@ class GraphRunner:
     def close(self) -> None:
         """Drop the graphs and the device buffers (the slot arena included) now, not at the next GC."""
         self.closed = True
+        # the buffers go after every copy still queued into them (the rows' stream's, and launch=driver's, which
+        # torch's host allocator does not track)
+        self.eng.dev.sync()
         self._g = self._resident_g = None
-        self._exec, self.drv = [], None
-        if self._plans and self.eng.dev.cuda:   # (their buffers go: after the rows' work still queued)
-            self.eng.dev.rows_stream.synchronize()
+        self._exec, self._resident_exec, self._sync_ev, self.drv = [], 0, None, None
         self._plans = {}
         # the compiled wrappers hold bound methods (a cycle through the runner): drop them so the buffers
         # go now, not at the next cyclic collection
@@ -842,11 +843,12 @@ class GraphRunner:
 
     def _begin(self, seq) -> None:
         """A decode call's launches: through the driver where the sequence's IO has it (launch=driver), on
-        the compute stream it took (the current one), else through torch."""
+        the current stream (the IO's waits and events too), else through torch."""
         self.check_open()
         self.drv = seq.io.drv
         if self.drv is not None:
-            self.cs = seq.io.compute
+            # the stream torch enqueues this call's other work on (the fills, the copies of the verification's rows)
+            self.cs = seq.io.compute = torch.cuda.current_stream(self.eng.dev.index).cuda_stream
             if self._sync_ev is None:
                 self._sync_ev = self.drv.event(timing=False)
 
