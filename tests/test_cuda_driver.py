@@ -162,3 +162,39 @@ def test_no_driver_library_is_one_line(monkeypatch):
     with pytest.raises(SpecPrefetchError, match=r"^launch=driver: cannot load the CUDA driver \(libcuda-absent"
                                                 r".*--variant launch=torch"):
         cuda_driver._load()
+
+
+def test_a_torch_without_graph_executables_and_a_driver_without_a_call_are_one_line(standin, monkeypatch):
+    import torch
+
+    monkeypatch.delattr(torch.cuda.CUDAGraph, "raw_cuda_graph_exec", raising=False)
+    with pytest.raises(SpecPrefetchError, match=r"^launch=driver: torch .* does not expose a graph's executable"):
+        cuda_driver.driver(torch.device("cuda", 0))
+
+    class Partial:   # a library with one entry point missing
+        def __getattr__(self, name):
+            if name == "cuEventElapsedTime":
+                raise AttributeError(name)
+            return getattr(standin[0], name)
+    with pytest.raises(SpecPrefetchError, match=r"^launch=driver: the CUDA driver \(libcuda.so.1\) has no "
+                                                r"cuEventElapsedTime$"):
+        cuda_driver.Driver(Partial())
+
+
+def test_the_call_timing_refuses_in_one_line(tmp_path, capsys):
+    """`python -m toolkit.runtime.cuda_call_timing` (docs/benchmarks.md section 30's micro-timings): a bad option or
+    a machine without CUDA is one line and exit 2, an existing report kept without --overwrite (its CUDA loops run
+    where there is a device)."""
+    import torch
+
+    from toolkit.runtime import cuda_call_timing
+
+    out = tmp_path / "calls.json"
+    out.write_text("kept")
+    assert cuda_call_timing.main(["--calls", "0"]) == 2
+    assert cuda_call_timing.main(["--json", str(out)]) == 2 and out.read_text() == "kept"
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["error: --calls 0: must be >= 1", f"error: {out}: exists (pass --overwrite to replace it)"]
+    if not torch.cuda.is_available():
+        assert cuda_call_timing.main(["--json", str(out), "--overwrite"]) == 2 and out.read_text() == "kept"
+        assert capsys.readouterr().err.strip() == "error: cuda_call_timing: no CUDA device on this machine"

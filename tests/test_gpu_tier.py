@@ -1150,15 +1150,17 @@ def test_graph_decode_reads_the_device_once_per_layer(tiny_models, stores, monke
     cur = (lambda: torch.cuda.current_stream(dp.index)) if cuda else (lambda: None)
     spin = (lambda: torch.cuda._sleep(1_000_000)) if cuda else (lambda: None)
     monkeypatch.setattr(DevicePlan, "_run", lambda self, li: (where.append(cur()), spin(), real_run(self, li))[2])
-    real_enqueue = DevicePlan._enqueue_driver
+    if cuda:   # launch=driver: the rows' graph launched after the same spin, on the stream the driver is given
+        from toolkit.runtime.cuda_driver import Driver
+        real_launch = Driver.launch
 
-    def enqueue_driver(self, drv, li):   # (launch=driver: the same spin, on the stream its rows go to)
-        st = self.side if self.apart else cur()
-        where.append(st)
-        with torch.cuda.stream(st):
-            spin()
-        return real_enqueue(self, drv, li)
-    monkeypatch.setattr(DevicePlan, "_enqueue_driver", enqueue_driver)
+        def launch(self, exe, stream):
+            if exe in dp._exec:
+                where.append(stream)
+                with torch.cuda.stream(torch.cuda.ExternalStream(stream) if stream else torch.cuda.default_stream()):
+                    spin()
+            return real_launch(self, exe, stream)
+        monkeypatch.setattr(Driver, "launch", launch)
     monkeypatch.setattr(DevicePlan, "rows", lambda self, *a: (read.append(real_rows(self, *a)), read[-1])[1])
     monkeypatch.setattr(GraphRunner, "run_segment", lambda self, n, _real=GraphRunner.run_segment: (spin(),
                                                                                                     _real(self, n))[1])
@@ -1173,7 +1175,8 @@ def test_graph_decode_reads_the_device_once_per_layer(tiny_models, stores, monke
         assert runner.host_waits == (eng.L + 1) * (len(r.tokens) - 1)
         apart = device == "cuda" and plan == "device"
         assert dp.apart == apart and dp.waits == (len(read) if apart else 0) and read
-        assert all(w == (dp.side if apart else cur()) for w in where) and len(where) == len(read)
+        handle = (lambda w: getattr(w, "cuda_stream", w))   # (the driver is given stream handles)
+        assert all(handle(w) == handle(dp.side if apart else cur()) for w in where) and len(where) == len(read)
     monkeypatch.undo()
     assert all(r == runs[0] for r in runs) and runs[0][0] == g.tokens
 
@@ -1908,6 +1911,8 @@ def test_driver_launch_decodes_as_torchs_calls_on_cuda(tiny_models, stores, tiny
                     RunConfig(policy=pols[0], pool_mib=64.0), device="cuda", decode="graph", with_draft=True,
                     predictors=gpu_predictors(spec, [p.predictor for p in pols], tiny_adapter),
                     reuse=gpu_reuse_table(spec, ["reuse"], tiny_adapter))
+    if eng.launch_fallback:
+        pytest.skip(f"the driver's calls do not load here: {eng.launch_fallback}")
     prompt = list(range(5, 17))
     want = _reference(tiny_models["qwen3_moe"], prompt, 10, "cuda", "float16")
     for pol in pols:
@@ -1924,7 +1929,8 @@ def test_driver_launch_decodes_as_torchs_calls_on_cuda(tiny_models, stores, tiny
             assert bool(replays) == (launch == "torch" or pol.predictor == "draft"), (pol.name, launch)
             # the copy and stall figures read the driver's events
             io = ios[-1]
-            assert io.copies and all(isinstance(e, DriverEvent) == (launch == "driver") for e in io.copies[-1])
+            events = [e for pair in io.copies + io.stalls for e in pair]
+            assert io.copies and all(isinstance(e, DriverEvent) == (launch == "driver") for e in events)
             assert j["copy_ms_per_token"] > 0, (pol.name, launch)
             got[launch] = ({k: v for k, v in g.stats.counts.items() if k not in ("wait_s", "late")},
                            j["pcie_bytes_per_token"], j["evictions"], j["wasted_prefetch_mib"])
@@ -1937,9 +1943,23 @@ def test_driver_launch_decodes_as_torchs_calls_on_cuda(tiny_models, stores, tiny
         assert bool(replays) == (launch == "torch"), launch
     with pytest.raises(SpecPrefetchError, match="launch 'cuda': choose from driver, torch"):
         eng.configure(launch="cuda")
+    # where the driver's calls do not load, the engine takes torch's, says why, and refuses the driver's
+    from toolkit.runtime import gpu
+
+    def absent(device):
+        raise SpecPrefetchError("launch=driver: cannot load the CUDA driver (a test)")
+    monkeypatch.setattr(gpu, "driver", absent)
+    eng2 = GpuEngine(load_model(tiny_models["qwen3_moe"], dtype="float16"), ExpertStore(stores["qwen3_moe"], spec),
+                     RunConfig(policy=pols[0], pool_mib=64.0), device="cuda", decode="graph")
+    assert (eng2.launch, eng2.launch_fallback) == ("torch", "launch=driver: cannot load the CUDA driver (a test)")
+    replays.clear()
+    g = eng2.run(prompt, 10)
+    assert g.tokens == want and g.to_json()["launch"] == "torch" and replays
+    with pytest.raises(SpecPrefetchError, match="cannot load the CUDA driver"):
+        eng2.configure(launch="driver")
 
 
-def test_launch_is_a_setting_and_a_bench_variant(tiny_models, stores):
+def test_launch_is_a_setting_and_a_bench_variant(tiny_models, stores, monkeypatch):
     """`launch` on the CPU (no CUDA calls to make: both settings decode alike), refused when unknown; `bench gpu
     --variant launch=torch` gives every policy a row of its own, refused for its default."""
     from toolkit.runtime.gpu_bench import run_gpu_bench
@@ -1948,7 +1968,11 @@ def test_launch_is_a_setting_and_a_bench_variant(tiny_models, stores):
     eng = _engine(tiny_models["qwen3_moe"], stores["qwen3_moe"], "on-demand+lru", 0.25, "cpu")
     with pytest.raises(SpecPrefetchError, match="launch 'cuda': choose from driver, torch"):
         eng.configure(launch="cuda")
-    assert eng.launch == "driver"
+    assert eng.launch == "driver" and eng.launch_fallback is None
+    seen = []   # (policy, launch) of every configured run: each row gets its own calls
+    configure = GpuEngine.configure
+    monkeypatch.setattr(GpuEngine, "configure", lambda self, **kw: (
+        seen.append((kw["policy"].name, kw["launch"])) if "launch" in kw else None, configure(self, **kw))[1])
     r = run_gpu_bench(tiny_models["qwen3_moe"], store=stores["qwen3_moe"], adapter=None,
                       policies=parse_policies("on-demand+lru,oracle+belady"), fractions=[0.2], prompts=1,
                       prompt_tokens=8, new_tokens=4, repeats=1, ks=(2,), device="cpu", variants=("launch=torch",),
@@ -1957,6 +1981,9 @@ def test_launch_is_a_setting_and_a_bench_variant(tiny_models, stores):
     assert r["tokens_match_transformers"] and set(rows) >= {
         "on-demand+lru", f"on-demand+lru{VARIANT_TAG}launch=torch", "oracle+belady",
         f"oracle+belady{VARIANT_TAG}launch=torch"}, set(rows)
+    assert {"torch", "driver"} == {c for _, c in seen} and {p for p, c in seen if c == "torch"} == {
+        "on-demand+lru", "oracle+belady"}
+    assert r["launch"] is None and r["launch_fallback"] is None   # (the CPU makes no CUDA calls)
     _bench_refuses(tiny_models, stores, "on-demand+lru", "launch=driver", "driver is every row's own")
 
 

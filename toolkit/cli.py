@@ -916,7 +916,8 @@ def bench_reads_cmd(traces, store_path, pool_fracs, max_sequences, rounds, lanes
                    "the native runner's scheduler and pool, the same decisions off Python; plan=host: the "
                    "planner's rows folded on the host from the router's input, not on the device: the same "
                    "decisions up to rounding at near-ties; plan=inline: on the device but on the compute stream, "
-                   "before each layer's sync), in the same rounds (repeatable)")
+                   "before each layer's sync; launch=torch: every policy with torch's CUDA calls on the per-layer "
+                   "path, not the driver's), in the same rounds (repeatable)")
 @json_report
 @friendly_errors(interrupt=NOT_WRITTEN)
 def bench_gpu(model, device, adapter, policies, pool_fractions, prompts, new_tokens, rounds, prompt_tokens, window,

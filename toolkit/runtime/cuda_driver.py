@@ -13,8 +13,8 @@ tensors' addresses (`data_ptr`), on the context torch made current for the devic
 The same operations, ordered on the same streams, as the torch calls they replace (`launch=torch` keeps those, for
 `bench gpu --variant launch=torch` in the same rounds):
 - `launch`: cuGraphLaunch, without torch's replay prologue (the decode's graphs draw no random numbers);
-- `copy`: cuMemcpyAsync between pinned host memory and the device (or on the device), the copy torch issues for a
-  non-blocking `copy_`;
+- `copy`: cuMemcpyAsync between pinned host memory and the device (unified addressing: the driver reads the
+  direction from the addresses), the copy torch issues for a non-blocking `copy_`;
 - `DriverEvent`: cuEventCreate / Record / Query / Synchronize / ElapsedTime, with torch.cuda.Event's methods
   (`record(stream)`, `query`, `synchronize`, `elapsed_time`), so the IO's copy and stall timings read either kind;
   `wait`: cuStreamWaitEvent.
@@ -68,7 +68,10 @@ class Driver:
         self.lib = lib
 
         def fn(name, *args):
-            f = getattr(lib, name)
+            try:
+                f = getattr(lib, name)
+            except AttributeError:
+                raise SpecPrefetchError(f"launch=driver: the CUDA driver ({LIBRARY}) has no {name}") from None
             f.argtypes, f.restype = list(args), c
             return f
 

@@ -622,13 +622,13 @@ class GpuEngine:
         self.plan_rows = "device"    # where a folding planner's rows are computed (configure(plan=...))
         # whose calls launch the per-layer work on CUDA (configure(launch=...)): the driver's where it loads (else
         # torch's, named in every run's figures: `launch`)
-        self.launch = "driver"
+        self.launch, self.launch_fallback = "driver", None   # (launch_fallback: why torch's calls, where they are)
         if self.dev.cuda:
             try:
                 with self.dev.scope():
                     driver(self.dev.device)
-            except SpecPrefetchError:
-                self.launch = "torch"
+            except SpecPrefetchError as e:
+                self.launch, self.launch_fallback = "torch", str(e)
         from toolkit.runtime import gpu_graph
 
         if decode not in (None, "graph", "static", "modules"):
@@ -899,7 +899,7 @@ class GpuEngine:
                            eos=frozenset(self._eos()), L=L, io=io, pool=pool, sched=sched, planner=planner,
                            state=state, runner=runner, cache=DynamicCache(), account=DecodeAccount(),
                            resident=resident_graph,
-                           device_plan=(runner.device_plan(planner, inline=self.plan_rows == "inline", drv=io.drv)
+                           device_plan=(runner.device_plan(planner, inline=self.plan_rows == "inline")
                                         if runner is not None and self.plan_rows != "host" else None))
 
     def prefill(self, s: GpuSequence) -> None:
@@ -1083,7 +1083,8 @@ class GpuEngine:
         # the stall is the compute stream's waits on copies (CUDA events), not host time
         stats = dataclasses.replace(stats, stall_ms_per_token=round(stall / n_dec, 4))
         extra = {
-            "device": str(self.dev.device), "decode": self.decode, "launch": self.launch if self.dev.cuda else None,
+            "device": str(self.dev.device), "decode": self.decode,
+            "launch": ("driver" if io.drv is not None else "torch") if self.dev.cuda else None,   # (this run's calls)
             "pool_slots": self.capacity, "expert_bytes": self.store.blob_size,
             # the slot allocation this run read (its pool's capacity), and every arena the engine held
             "slot_arena_bytes": io.slots.numel(),

@@ -297,6 +297,8 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
 
     defaults = RunConfig()
     default_launch = eng.launch   # (the driver's calls, or torch's where the driver does not load)
+    if eng.launch_fallback and any(v.get("launch") == "torch" for v in knobs.values()):
+        raise SpecPrefetchError(f"--variant launch=torch: every row takes torch's calls here ({eng.launch_fallback})")
     auto_budget: dict[str, Any] = {}   # read_budget_kib=auto's figures, measured before the rounds
 
     def settings(knob: dict[str, Any]) -> dict[str, Any]:
@@ -461,6 +463,9 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
         "device": torch.cuda.get_device_name(dev.device) if dev.cuda else "cpu",
         "torch": torch.__version__, "prompts": len(ids), "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
         "repeats": repeats, "h2d_gbps": {"start": bw0, "end": bw1},
+        # whose calls the rows without a launch variant made on CUDA (the driver's, or torch's where it did not
+        # load: launch_fallback says why)
+        "launch": default_launch if dev.cuda else None, "launch_fallback": eng.launch_fallback,
         # --variant read_budget_kib=auto's budget and what it came from (None: no such variant)
         "read_budget_auto": auto_budget or None,
         # every expert resident: on the device alone (one graph per token; the policies' path where the
@@ -485,6 +490,8 @@ def markdown(r: dict[str, Any]) -> str:
     alone = (f" {ALONE.get(r.get('decode'), 'on the device alone')}, {r['resident_synced_tpot_ms']} ms with a host "
              "sync per MoE layer" if r.get("resident_device_alone") else "")
     lines = []
+    calls = ("the driver's calls" if r.get("launch") == "driver" else
+             f"torch's calls ({r['launch_fallback']})" if r.get("launch_fallback") else None)
     if not r.get("tokens_match_transformers", True):
         bad = r.get("mismatches") or []
         lines += [f"**TOKENS DIFFER from transformers' greedy decode in {len(bad)} run(s)"
@@ -494,7 +501,8 @@ def markdown(r: dict[str, Any]) -> str:
               f"(top-{m['top_k']}) of {m['expert_mib']} MiB; H2D {_bw(r)} GB/s; all resident "
               f"{r['resident_tpot_ms']} ms/token{alone} (TPOT, interleaved with the policies; HBM floor "
               f"{_f(r.get('hbm_floor_ms'))} ms), decode {r.get('decode', 'modules')}, experts "
-              f"{r.get('experts', 'eager')}{', compiled (' + r['compile'] + ')' if r.get('compile') else ''}, "
+              f"{r.get('experts', 'eager')}{', compiled (' + r['compile'] + ')' if r.get('compile') else ''}"
+              f"{', ' + calls if calls else ''}, "
               f"the draft's verification {r.get('verify', 'batched')}, "
               "transformers generate "
               f"{r['transformers_ms_per_token_wall']} ms per new token (wall clock, prefill included)", "",

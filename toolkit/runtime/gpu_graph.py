@@ -464,9 +464,8 @@ class DevicePlan:
         self.host_ids = torch.zeros(L, W + V, E, dtype=torch.long, pin_memory=pin)
         self.host_conf_np, self.host_ids_np = self.host_conf.numpy(), self.host_ids.numpy()
         self.graphs: list[Any] | None = None
-        # launch=driver (set per sequence by GraphRunner.device_plan): the driver's calls, with events of its own
-        # and each layer's graph executable and copy addresses
-        self.drv: Any = None
+        # launch=driver (the runner's decode call's: runner.drv): events of its own, each layer's graph executable
+        # and copy addresses
         self._exec: list[int] = []
         self._dev_events: tuple[list, list] | None = None
         self.copies = [[(hc[li].data_ptr(), dc[li].data_ptr(), dc[li].nbytes)
@@ -525,7 +524,7 @@ class DevicePlan:
         """Layer li's rows computed after its router (enqueued after its segment) and their copies into pinned
         memory: on a GPU on the side stream, which waits for the compute stream up to here (the router), the
         layer's event recorded after the copies; on the CPU in line."""
-        drv = self.drv if self._exec else None
+        drv = self.runner.drv if self._exec else None
         if drv is not None:
             self._enqueue_driver(drv, li)
             return
@@ -573,7 +572,7 @@ class DevicePlan:
         first n), as lists (PrefetchPlanner.sorted_widths), once they have landed (on a GPU the host waits for
         the layer's event)."""
         if self.apart:
-            (self._dev_events[1] if self.drv is not None and self._exec else self.done)[li].synchronize()
+            (self._dev_events[1] if self.runner.drv is not None and self._exec else self.done)[li].synchronize()
             self.waits += 1
         W, ids = self.W, self.host_ids_np[li]
         return self.host_conf_np[li, :, :m].tolist(), ids[:W, :m].tolist(), ids[W:, :n].tolist()
@@ -812,7 +811,7 @@ class GraphRunner:
             self.draft = None
         self.slots = self.math = self.kv = None
 
-    def device_plan(self, planner, *, inline: bool = False, drv=None) -> DevicePlan | None:
+    def device_plan(self, planner, *, inline: bool = False) -> DevicePlan | None:
         """The planner's rows on the device for a new sequence (its fold loaded into the DevicePlan of that
         layout, made and captured the first time; `inline`: on the compute stream, before the layer's sync, as
         `plan=inline` measures); None where there is no planner or it does not fold."""
@@ -832,7 +831,6 @@ class GraphRunner:
         else:
             dp.load(fold)
         dp.apart = dp.side is not None and not inline
-        dp.drv = drv   # (the sequence's launch: the driver's calls or torch's)
         self._plans[key] = dp   # most recently used last
         return dp
 
