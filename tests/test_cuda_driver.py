@@ -159,18 +159,21 @@ def test_the_current_context_must_be_the_devices(standin):
 
 def test_no_driver_library_is_one_line(monkeypatch):
     monkeypatch.setattr(cuda_driver, "LIBRARY", "libcuda-absent.so.404")
-    with pytest.raises(SpecPrefetchError, match=r"^launch=driver: cannot load the CUDA driver \(libcuda-absent"
-                                                r".*--variant launch=torch"):
+    with pytest.raises(SpecPrefetchError, match=r"^launch=driver: cannot load the CUDA driver \(libcuda-absent"):
         cuda_driver._load()
 
 
-def test_a_torch_without_graph_executables_and_a_driver_without_a_call_are_one_line(standin, monkeypatch):
+def test_a_torch_without_graph_executables_is_one_line(monkeypatch):
     import torch
 
-    monkeypatch.delattr(torch.cuda.CUDAGraph, "raw_cuda_graph_exec", raising=False)
+    class Graph:   # a CUDAGraph without raw_cuda_graph_exec (an older torch)
+        pass
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
     with pytest.raises(SpecPrefetchError, match=r"^launch=driver: torch .* does not expose a graph's executable"):
         cuda_driver.driver(torch.device("cuda", 0))
 
+
+def test_a_driver_without_a_call_is_one_line(standin):
     class Partial:   # a library with one entry point missing
         def __getattr__(self, name):
             if name == "cuEventElapsedTime":
@@ -182,9 +185,11 @@ def test_a_torch_without_graph_executables_and_a_driver_without_a_call_are_one_l
 
 
 def test_the_call_timing_refuses_in_one_line(tmp_path, capsys):
-    """`python -m toolkit.runtime.cuda_call_timing` (docs/benchmarks.md section 30's micro-timings): a bad option or
-    a machine without CUDA is one line and exit 2, an existing report kept without --overwrite (its CUDA loops run
-    where there is a device)."""
+    """`python -m toolkit.runtime.cuda_call_timing` (docs/benchmarks.md section 30's micro-timings): a bad count or
+    a machine without CUDA is one line and exit 2; a file that is not its report is never replaced, --overwrite or
+    not; on CUDA it times every call and writes its report, replaced only with --overwrite."""
+    import json
+
     import torch
 
     from toolkit.runtime import cuda_call_timing
@@ -192,9 +197,18 @@ def test_the_call_timing_refuses_in_one_line(tmp_path, capsys):
     out = tmp_path / "calls.json"
     out.write_text("kept")
     assert cuda_call_timing.main(["--calls", "0"]) == 2
-    assert cuda_call_timing.main(["--json", str(out)]) == 2 and out.read_text() == "kept"
+    assert cuda_call_timing.main(["--json", str(out), "--overwrite"]) == 2 and out.read_text() == "kept"
     err = capsys.readouterr().err.splitlines()
-    assert err == ["error: --calls 0: must be >= 1", f"error: {out}: exists (pass --overwrite to replace it)"]
+    assert err[0] == "error: --calls 0: must be >= 1" and len(err) == 2
+    assert err[1].startswith(f"error: --json {out} is a JSON file that is not a report written by specprefetch")
+    new = tmp_path / "new.json"
     if not torch.cuda.is_available():
-        assert cuda_call_timing.main(["--json", str(out), "--overwrite"]) == 2 and out.read_text() == "kept"
+        assert cuda_call_timing.main(["--json", str(new)]) == 2 and not new.exists()
         assert capsys.readouterr().err.strip() == "error: cuda_call_timing: no CUDA device on this machine"
+        return
+    assert cuda_call_timing.main(["--calls", "4", "--json", str(new)]) == 0
+    r = json.loads(new.read_text())
+    assert r["specprefetch_report"] == "cuda_call_timing" and r["calls"] == 4
+    assert {x["api"] for x in r["rows"]} == {"torch", "driver"} and all(x["us"] > 0 for x in r["rows"])
+    assert cuda_call_timing.main(["--calls", "4", "--json", str(new)]) == 2   # (exists: --overwrite needed)
+    assert cuda_call_timing.main(["--calls", "4", "--json", str(new), "--overwrite"]) == 0

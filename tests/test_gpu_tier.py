@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -1985,6 +1986,19 @@ def test_launch_is_a_setting_and_a_bench_variant(tiny_models, stores, monkeypatc
         "on-demand+lru", "oracle+belady"}
     assert r["launch"] is None and r["launch_fallback"] is None   # (the CPU makes no CUDA calls)
     _bench_refuses(tiny_models, stores, "on-demand+lru", "launch=driver", "driver is every row's own")
+    # the report's header names the calls: the driver's, or torch's and why (nothing on the CPU)
+    from toolkit.runtime import gpu
+    from toolkit.runtime.gpu_bench import markdown
+
+    r = json.loads((Path(__file__).resolve().parents[1] / "docs/img/gpu-bench-h100-driver-1.json").read_text())
+    assert "calls" not in markdown(r).split("\n\n")[0]
+    assert ", compiled (inductor), the driver's calls, the draft's" in markdown({**r, "launch": "driver"})
+    why = "launch=driver: cannot load the CUDA driver (a test)"
+    assert f"torch's calls ({why})," in markdown({**r, "launch": "torch", "launch_fallback": why})
+    # where every row takes torch's calls already, a launch=torch variant is refused before anything loads
+    monkeypatch.setattr(gpu, "launch_fallback", lambda dev: why)
+    _bench_refuses(tiny_models, stores, "next-gate+prediction", "window=1,launch=torch",
+                   r"^--variant launch=torch,window=1: every row takes torch's calls on this machine already")
 
 
 def _count_native_schedulers(monkeypatch) -> list:

@@ -5,11 +5,12 @@ the pooled decode's own figures come from `bench gpu --variant launch=torch`).
 
 Each line is the mean host time of one call over `--calls` calls (a tenth of them for the 9 MiB copies), timed with
 perf_counter after one warm call; the device is synchronized around each loop. The graph lines are bound by the
-device (20 small kernels a launch) and show what a launch plus a sync costs end to end."""
+device (20 small kernels a launch) and show what a launch plus a sync costs end to end; with many calls the copy
+loops fill the stream's queue and then time the device as well. The JSON report (`--json`) follows the toolkit's
+rule for outputs: claimed before any work, replaced only with `--overwrite` and only if it is this command's."""
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -55,12 +56,13 @@ def measure(calls: int = 2000) -> list[tuple[str, str, float]]:
     default = torch.cuda.default_stream(dev)
     t("torch", "set_stream twice", lambda: (torch.cuda.set_stream(cs), torch.cuda.set_stream(default)))
 
-    def copy_on_side():
+    def copy_on_side():   # (as CudaCopyIO's torch path issues a copy on another stream)
         prev = torch.cuda.current_stream(dev.index)
         torch.cuda.set_stream(cs)
         dst.copy_(src, non_blocking=True)
         torch.cuda.set_stream(prev)
-    t("torch", "copy_ 9 MiB pinned -> device (set_stream twice)", copy_on_side, n=max(1, calls // 10))
+    t("torch", "copy_ 9 MiB pinned -> device (current_stream, set_stream twice)", copy_on_side,
+      n=max(1, calls // 10))
     t("torch", "copy_ 64 B pinned -> device", lambda: small_d.copy_(small_h, non_blocking=True))
     t("torch", "copy_ 64 B device -> pinned", lambda: small_h.copy_(small_d, non_blocking=True))
 
@@ -76,12 +78,15 @@ def measure(calls: int = 2000) -> list[tuple[str, str, float]]:
     de = drv.event(side)
     t("driver", "cuMemcpyAsync 9 MiB pinned -> device", lambda: drv.copy(dst.data_ptr(), src.data_ptr(), src.nbytes,
                                                                          side), n=max(1, calls // 10))
+    t("driver", "event made (timing on) and recorded, destroyed", lambda: drv.event(side))
     t("driver", "cuEventRecord", lambda: de.record(side))
     t("driver", "cuStreamWaitEvent", lambda: drv.wait(side, de))
     t("driver", "cuEventQuery", de.query)
     t("driver", "cuMemcpyAsync 64 B pinned -> device", lambda: drv.copy(small_d.data_ptr(), small_h.data_ptr(), 64,
                                                                         side))
-    t("driver", "cuEventCreate + destroy", lambda: drv.event(timing=False))
+    t("driver", "cuMemcpyAsync 64 B device -> pinned", lambda: drv.copy(small_h.data_ptr(), small_d.data_ptr(), 64,
+                                                                        side))
+    t("driver", "event made (timing off) and destroyed", lambda: drv.event(timing=False))
     arr = small_h.numpy()
     t("driver", "numpy view [:4].tolist() (pinned)", lambda: arr[:4].tolist())
 
@@ -107,24 +112,26 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if a.calls < 1:
             raise SpecPrefetchError(f"--calls {a.calls}: must be >= 1")
-        if a.json is not None and a.json.exists() and not a.overwrite:
-            raise SpecPrefetchError(f"{a.json}: exists (pass --overwrite to replace it)")
+        if a.json is not None:   # (before any work: refused unless it may be written)
+            from toolkit.artifacts import claim_report
+
+            claim_report(a.json, kind="cuda_call_timing", overwrite=a.overwrite, siblings=())
         rows = measure(a.calls)
+        import torch
+
+        print(f"host time a call on {torch.cuda.get_device_name()} (torch {torch.__version__}):")
+        print("| API | call | us |\n|---|---|---|")
+        for group, label, us in rows:
+            print(f"| {group} | {label} | {us:.2f} |")
+        if a.json is not None:
+            from toolkit.reporting import write_json_report
+
+            write_json_report(a.json, {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                       "calls": a.calls, "rows": [dict(api=g, call=c, us=round(u, 3))
+                                                                  for g, c, u in rows]})
     except SpecPrefetchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    import torch
-
-    print(f"host time a call on {torch.cuda.get_device_name()} (torch {torch.__version__}):")
-    print("| calls | call | us |\n|---|---|---|")
-    for group, label, us in rows:
-        print(f"| {group} | {label} | {us:.2f} |")
-    if a.json is not None:
-        from toolkit.artifacts.files import atomic_write_text
-
-        atomic_write_text(a.json, json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                              "calls": a.calls, "rows": [dict(calls=g, call=c, us=round(u, 3))
-                                                                         for g, c, u in rows]}, indent=1) + "\n")
     return 0
 
 

@@ -41,7 +41,7 @@ def driver(device) -> "Driver":
 
     if not hasattr(torch.cuda.CUDAGraph, "raw_cuda_graph_exec"):
         raise SpecPrefetchError(f"launch=driver: torch {torch.__version__} does not expose a graph's executable "
-                                "(CUDAGraph.raw_cuda_graph_exec); --variant launch=torch uses torch's calls")
+                                "(CUDAGraph.raw_cuda_graph_exec)")
     global _driver
     index = device.index if device.index is not None else torch.cuda.current_device()
     with _lock:
@@ -55,8 +55,7 @@ def _load() -> ctypes.CDLL:
     try:
         return ctypes.CDLL(LIBRARY)
     except OSError as e:
-        raise SpecPrefetchError(f"launch=driver: cannot load the CUDA driver ({LIBRARY}: {e}); "
-                                "--variant launch=torch uses torch's calls") from None
+        raise SpecPrefetchError(f"launch=driver: cannot load the CUDA driver ({LIBRARY}: {e})") from None
 
 
 class Driver:

@@ -120,6 +120,20 @@ class Device:
         return torch.cuda.device(self.device) if self.cuda else contextlib.nullcontext()
 
 
+def launch_fallback(dev: Device) -> str | None:
+    """Why the GPU tier takes torch's calls on `dev` (the CUDA driver's do not load, or cannot be used there), or
+    None: the driver's calls (`launch=driver`) are the default where they can be made, and on the CPU (none made)."""
+    if not dev.cuda:
+        return None
+    try:
+        with dev.scope():
+            torch.cuda.current_stream(dev.device).synchronize()   # (torch's context for the device, made current)
+            driver(dev.device)
+    except SpecPrefetchError as e:
+        return str(e)
+    return None
+
+
 # -- the host tier and the GPU pool ----------------------------------------------------------------
 class HostExperts:
     """Every expert blob of the store in one (pinned) host buffer, each checked against its CRC."""
@@ -622,13 +636,8 @@ class GpuEngine:
         self.plan_rows = "device"    # where a folding planner's rows are computed (configure(plan=...))
         # whose calls launch the per-layer work on CUDA (configure(launch=...)): the driver's where it loads (else
         # torch's, named in every run's figures: `launch`)
-        self.launch, self.launch_fallback = "driver", None   # (launch_fallback: why torch's calls, where they are)
-        if self.dev.cuda:
-            try:
-                with self.dev.scope():
-                    driver(self.dev.device)
-            except SpecPrefetchError as e:
-                self.launch, self.launch_fallback = "torch", str(e)
+        self.launch_fallback = launch_fallback(self.dev)   # (why torch's calls, where they are)
+        self.launch = "torch" if self.launch_fallback else "driver"
         from toolkit.runtime import gpu_graph
 
         if decode not in (None, "graph", "static", "modules"):
@@ -686,9 +695,10 @@ class GpuEngine:
             raise SpecPrefetchError(f"launch {launch!r}: choose from {', '.join(LAUNCHES)}")
         if host == "native":
             native_library()   # built (or its build refused) now, not inside a sequence
-        if launch == "driver" and self.dev.cuda:
-            with self.dev.scope():
-                driver(self.dev.device)   # loaded (or refused) now, not inside a sequence
+        if launch == "driver" and self.dev.cuda:   # loaded (or refused) now, not inside a sequence
+            why = launch_fallback(self.dev)
+            if why:
+                raise SpecPrefetchError(f"{why} (launch=torch takes torch's calls)")
         if cfg.read_budget_kib == "auto":
             raise SpecPrefetchError(GPU_AUTO_BUDGET)
         check_budget_kib(cfg.read_budget_kib, self.store.blob_size, "--read-budget-kib")

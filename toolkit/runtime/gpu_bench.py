@@ -236,7 +236,7 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
     --variant settings (GPU_VARIANT_KEYS), each a row per predicting policy."""
     from toolkit.models.loader import inspect_model_dir, load_model
     from toolkit.runtime.expert_store import ExpertStore
-    from toolkit.runtime.gpu import Device, GpuEngine, d2d_bandwidth, h2d_bandwidth
+    from toolkit.runtime.gpu import Device, GpuEngine, d2d_bandwidth, h2d_bandwidth, launch_fallback
     from toolkit.runtime.profiles import check_budget_kib, read_budget_kib
     from toolkit.runtime.runner import RunConfig
 
@@ -256,6 +256,11 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
 
         library()   # built (or its build refused) before anything loads
     dev = Device(device)
+    fallback = launch_fallback(dev)
+    for label, v in knobs.items():
+        if fallback and v.get("launch") == "torch":
+            raise SpecPrefetchError(f"--variant {label}: every row takes torch's calls on this machine already "
+                                    f"(the driver's are unavailable: {fallback})")
     # the predictors and the reuse table first: a policy that cannot run is refused before any loading
     preds = gpu_predictors(spec, {p.predictor for p in policies}, adapter)
     reuse = gpu_reuse_table(spec, {p.eviction for p in policies}, adapter)
@@ -297,8 +302,6 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
 
     defaults = RunConfig()
     default_launch = eng.launch   # (the driver's calls, or torch's where the driver does not load)
-    if eng.launch_fallback and any(v.get("launch") == "torch" for v in knobs.values()):
-        raise SpecPrefetchError(f"--variant launch=torch: every row takes torch's calls here ({eng.launch_fallback})")
     auto_budget: dict[str, Any] = {}   # read_budget_kib=auto's figures, measured before the rounds
 
     def settings(knob: dict[str, Any]) -> dict[str, Any]:
