@@ -1155,13 +1155,13 @@ def test_graph_decode_reads_the_device_once_per_layer(tiny_models, stores, monke
         from toolkit.runtime.cuda_driver import Driver
         real_launch = Driver.launch
 
-        def launch(self, exe, stream):
+        def spun_launch(self, exe, stream):
             if exe in dp._exec:
                 where.append(stream)
                 with torch.cuda.stream(torch.cuda.ExternalStream(stream) if stream else torch.cuda.default_stream()):
                     spin()
             return real_launch(self, exe, stream)
-        monkeypatch.setattr(Driver, "launch", launch)
+        monkeypatch.setattr(Driver, "launch", spun_launch)
     monkeypatch.setattr(DevicePlan, "rows", lambda self, *a: (read.append(real_rows(self, *a)), read[-1])[1])
     monkeypatch.setattr(GraphRunner, "run_segment", lambda self, n, _real=GraphRunner.run_segment: (spin(),
                                                                                                     _real(self, n))[1])
@@ -1896,9 +1896,8 @@ def test_driver_launch_decodes_as_torchs_calls_on_cuda(tiny_models, stores, tiny
     (`launch="torch"`) for every kind of policy, the device plan's rows and the draft's verification included:
     the same counts, copies and evictions; the segments' graphs are launched by the driver (torch's replay runs
     only for the draft's own step), and the copy and stall timings read the driver's events."""
-    from toolkit.runtime.gpu_bench import gpu_predictors, gpu_reuse_table
-
     from toolkit.runtime.cuda_driver import DriverEvent
+    from toolkit.runtime.gpu_bench import gpu_predictors, gpu_reuse_table
 
     replays, ios = [], []
     replay = torch.cuda.CUDAGraph.replay
