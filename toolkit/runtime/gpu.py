@@ -695,10 +695,8 @@ class GpuEngine:
             raise SpecPrefetchError(f"launch {launch!r}: choose from {', '.join(LAUNCHES)}")
         if host == "native":
             native_library()   # built (or its build refused) now, not inside a sequence
-        if launch == "driver" and self.dev.cuda:   # loaded (or refused) now, not inside a sequence
-            why = launch_fallback(self.dev)
-            if why:
-                raise SpecPrefetchError(f"{why} (launch=torch takes torch's calls)")
+        if launch == "driver" and self.launch_fallback:   # (probed once, when the engine was made)
+            raise SpecPrefetchError(f"{self.launch_fallback} (launch=torch takes torch's calls)")
         if cfg.read_budget_kib == "auto":
             raise SpecPrefetchError(GPU_AUTO_BUDGET)
         check_budget_kib(cfg.read_budget_kib, self.store.blob_size, "--read-budget-kib")

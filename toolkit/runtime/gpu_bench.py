@@ -256,7 +256,7 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
 
         library()   # built (or its build refused) before anything loads
     dev = Device(device)
-    fallback = launch_fallback(dev)
+    fallback = launch_fallback(dev) if any("launch" in v for v in knobs.values()) else None
     for label, v in knobs.items():
         if fallback and v.get("launch") == "torch":
             raise SpecPrefetchError(f"--variant {label}: every row takes torch's calls on this machine already "

@@ -524,7 +524,7 @@ class DevicePlan:
         """Layer li's rows computed after its router (enqueued after its segment) and their copies into pinned
         memory: on a GPU on the side stream, which waits for the compute stream up to here (the router), the
         layer's event recorded after the copies; on the CPU in line."""
-        drv = self.runner.drv if self._exec else None
+        drv = self._driver()
         if drv is not None:
             self._enqueue_driver(drv, li)
             return
@@ -540,6 +540,10 @@ class DevicePlan:
             self.done[li].record(self.side)
         finally:
             torch.cuda.set_stream(main)
+
+    def _driver(self):
+        """The driver's calls where this decode call makes them (launch=driver) and the rows are graphs; else None."""
+        return self.runner.drv if self._exec else None
 
     def _enqueue_driver(self, drv, li: int) -> None:
         """`enqueue` through the driver's calls (launch=driver): the same work on the same streams."""
@@ -572,7 +576,7 @@ class DevicePlan:
         first n), as lists (PrefetchPlanner.sorted_widths), once they have landed (on a GPU the host waits for
         the layer's event)."""
         if self.apart:
-            (self._dev_events[1] if self.runner.drv is not None and self._exec else self.done)[li].synchronize()
+            (self.done if self._driver() is None else self._dev_events[1])[li].synchronize()
             self.waits += 1
         W, ids = self.W, self.host_ids_np[li]
         return self.host_conf_np[li, :, :m].tolist(), ids[:W, :m].tolist(), ids[W:, :n].tolist()
@@ -622,12 +626,11 @@ class GraphRunner:
         self.cs = 0
         self._exec: list[int] = []          # each segment graph's executable (the driver launches it)
         self._sync_ev: Any = None           # host_wait's event (launch=driver)
-        # the addresses the driver's copies take: a layer's routing and router input, its slot numbers, the token
-        self.ptr = {name: [t[li].data_ptr() for li in range(L)]
-                    for name, t in (("idx", self.idx), ("host_idx", self.host_idx), ("post", self.post),
-                                    ("host_post", self.host_post), ("sel", self.sel))}
-        self.ptr["stage"] = [t.data_ptr() for t in self.stage]
-        self.nb = {"idx": self.idx[0].nbytes, "post": self.post[0].nbytes, "sel": self.sel[0].nbytes}
+        # a layer's copies between the host and the device (`_copy`): its routing and router input back, its slot
+        # numbers out; (destination, source, and for the driver their per-layer addresses and bytes)
+        self._xfer = {name: (dst, src, [d.data_ptr() for d in dst], [x.data_ptr() for x in src], src[0].nbytes)
+                      for name, dst, src in (("idx", self.host_idx, self.idx), ("post", self.host_post, self.post),
+                                             ("sel", self.sel, self.stage))}
         # which decoder layers each segment runs
         moe = list(eng.spec.geometry.moe_layers)
         bounds = [-1, *moe, n_layers - 1]
@@ -863,13 +866,14 @@ class GraphRunner:
         self.tok.fill_(token)
         self.pos.fill_(pos)
 
-    def to_host(self, name: str, li: int) -> None:
-        """Layer li's `name` (idx or post) into its pinned host buffer, non-blocking on the compute stream."""
+    def _copy(self, name: str, li: int) -> None:
+        """Layer li's copy `name` (idx, post: into pinned host memory; sel: its slot numbers from the pinned stage),
+        non-blocking on the compute stream."""
+        dst, src, dst_ptr, src_ptr, nbytes = self._xfer[name]
         if self.drv is not None:
-            self.drv.copy(self.ptr["host_" + name][li], self.ptr[name][li], self.nb[name], self.cs)
+            self.drv.copy(dst_ptr[li], src_ptr[li], nbytes, self.cs)
         else:
-            host, dev = (self.host_idx, self.idx) if name == "idx" else (self.host_post, self.post)
-            host[li].copy_(dev[li], non_blocking=True)
+            dst[li].copy_(src[li], non_blocking=True)
 
     def host_wait(self) -> None:
         """The host waits for the compute stream up to here (the copies into pinned memory enqueued
@@ -889,9 +893,9 @@ class GraphRunner:
         router too (on a GPU on their own stream, not waited for here: DevicePlan.rows waits)."""
         if plan is not None:
             plan.enqueue(li)
-        self.to_host("idx", li)
+        self._copy("idx", li)
         if with_input:
-            self.to_host("post", li)
+            self._copy("post", li)
         self.host_wait()
         return self.host_idx_np[li, 0].tolist()
 
@@ -933,10 +937,7 @@ class GraphRunner:
                 st = self.stage_np[li]
                 st[:k] = [where[key] for key in keys]
                 st[k:] = order
-                if self.drv is not None:
-                    self.drv.copy(self.ptr["sel"][li], self.ptr["stage"][li], self.nb["sel"], self.cs)
-                else:
-                    self.sel[li].copy_(self.stage[li], non_blocking=True)
+                self._copy("sel", li)
                 self.run_segment(li + 1)
                 if hits:
                     sched.acquire(step, keys)
