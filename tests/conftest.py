@@ -31,6 +31,17 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
+def cuda_standin(tmp_path_factory):
+    """A stand-in for the CUDA driver's library, loaded (tests/cuda_standin.py); skips without a C++ compiler."""
+    import cuda_standin as standin   # (tests/cuda_standin.py)
+    from toolkit.runtime.native_sched import _compiler, has_compiler
+
+    if not has_compiler():
+        pytest.skip("no C++ compiler")
+    return standin.load(standin.build(tmp_path_factory.mktemp("libcuda"), _compiler()[0]))
+
+
+@pytest.fixture(scope="session")
 def embedded() -> Path:
     return embedded_model_dir()
 

@@ -1,87 +1,23 @@
-"""toolkit/runtime/cuda_driver.py on the CPU: its calls against a stand-in for libcuda.so.1 built here (the same C
-entry points, host memory for the device's), so what each wrapper passes and how it reads the driver's answers is
-checked without a GPU. The real driver's path (the pooled decode with launch=driver, tokens equal to
-transformers') is tests/test_gpu_tier.py's CUDA tests."""
+"""toolkit/runtime/cuda_driver.py and the native copy IO (toolkit/runtime/native_io.py) on the CPU: their calls
+against a stand-in for libcuda.so.1 (tests/cuda_standin.py: the same C entry points, host memory for the device's),
+so what each passes and how it reads the driver's answers is checked without a GPU. The real driver's path (the
+pooled decode with launch=driver, tokens equal to transformers') is tests/test_gpu_tier.py's CUDA tests."""
 from __future__ import annotations
 
 import ctypes
 import gc
-import subprocess
 
 import numpy as np
 import pytest
 
 from toolkit.errors import SpecPrefetchError
 from toolkit.runtime import cuda_driver
-from toolkit.runtime.native_sched import _compiler, has_compiler
-
-# the driver's entry points as the wrapper declares them; events are structs of the stand-in's, a "stream" any
-# non-null pointer, a graph executable a counter the launch increments (0: an invalid handle)
-STANDIN = r"""
-#include <cstdint>
-#include <cstring>
-#include <cstdlib>
-extern "C" {
-struct Ev { unsigned flags; int recorded; int ready; long at; };
-static long clock_ = 0;
-static int ctx_ = 1, destroyed_ = 0;
-static void* last_stream_ = nullptr;
-int standin_destroyed() { return destroyed_; }
-void standin_context(int c) { ctx_ = c; }   // 0: none current, else device c - 1's
-void* standin_last_stream() { return last_stream_; }
-void standin_land(Ev* e) { e->ready = 1; }
-int cuCtxGetCurrent(void** c) { *c = ctx_ ? (void*)0x1 : nullptr; return 0; }
-int cuCtxGetDevice(int* d) { *d = ctx_ - 1; return 0; }
-int cuGetErrorName(int rc, const char** s) {
-  if (rc == 400) { *s = "CUDA_ERROR_INVALID_HANDLE"; return 0; }
-  if (rc == 1) { *s = "CUDA_ERROR_INVALID_VALUE"; return 0; }
-  return 1;
-}
-// a handle of 0xdead is invalid (stream 0 is the legacy default stream, as in the driver)
-#define BAD(p) ((std::uintptr_t)(p) == 0xdead)
-int cuGraphLaunch(long* exec, void* stream) {
-  if (!exec || BAD(stream)) return 400;
-  ++*exec; last_stream_ = stream; return 0;
-}
-int cuMemcpyAsync(std::uint64_t dst, std::uint64_t src, std::size_t n, void* stream) {
-  if (BAD(stream)) return 400;
-  std::memcpy((void*)dst, (const void*)src, n); last_stream_ = stream; return 0;
-}
-int cuStreamWaitEvent(void* stream, Ev* e, unsigned flags) {
-  return (BAD(stream) || !e || flags) ? 400 : 0;   // (an event never recorded: a no-op, as the driver's)
-}
-int cuEventCreate(Ev** e, unsigned flags) {
-  if (flags & ~2u) return 1;
-  *e = (Ev*)std::calloc(1, sizeof(Ev)); (*e)->flags = flags; return 0;
-}
-int cuEventDestroy_v2(Ev* e) { std::free(e); ++destroyed_; return 0; }
-int cuEventRecord(Ev* e, void* stream) {
-  if (BAD(stream)) return 400;
-  e->recorded = 1; e->ready = 0; e->at = ++clock_; return 0;
-}
-int cuEventQuery(Ev* e) { return e->ready ? 0 : 600; }
-int cuEventSynchronize(Ev* e) { e->ready = 1; return 0; }
-int cuEventElapsedTime(float* ms, Ev* a, Ev* b) {
-  if ((a->flags | b->flags) & 2u) return 400;
-  if (!a->ready || !b->ready) return 600;
-  *ms = 0.5f * (float)(b->at - a->at); return 0;
-}
-}
-"""
 
 
 @pytest.fixture(scope="module")
-def standin(tmp_path_factory):
-    if not has_compiler():
-        pytest.skip("no C++ compiler")
-    d = tmp_path_factory.mktemp("libcuda")
-    src, lib = d / "standin.cpp", d / "libcuda-standin.so"
-    src.write_text(STANDIN)
-    cxx, _ = _compiler()
-    subprocess.run([*cxx, "-std=c++17", "-shared", "-fPIC", "-O1", str(src), "-o", str(lib)], check=True)
-    so = ctypes.CDLL(str(lib))
-    so.standin_last_stream.restype = ctypes.c_void_p
-    return so, cuda_driver.Driver(so)
+def standin(cuda_standin):
+    """(the stand-in's library, a Driver over it): tests/cuda_standin.py"""
+    return cuda_standin, cuda_driver.Driver(cuda_standin)
 
 
 STREAM = 0x5000
@@ -135,6 +71,7 @@ def test_an_unnamed_error_and_the_events_destroyed(standin):
     so, drv = standin
     with pytest.raises(SpecPrefetchError, match=r"^launch=driver: cuEventCreate failed: error 7$"):
         drv.fail(7, "cuEventCreate")
+    gc.collect()   # (the session's other users of the stand-in: their garbage first)
     before = so.standin_destroyed()
     evs = [drv.event(STREAM) for _ in range(5)]
     del evs
@@ -209,6 +146,102 @@ def test_the_call_timing_refuses_in_one_line(tmp_path, capsys):
     assert cuda_call_timing.main(["--calls", "4", "--json", str(new)]) == 0
     r = json.loads(new.read_text())
     assert r["specprefetch_report"] == "cuda_call_timing" and r["calls"] == 4
-    assert {x["api"] for x in r["rows"]} == {"torch", "driver"} and all(x["us"] > 0 for x in r["rows"])
+    assert {x["api"] for x in r["rows"]} == {"torch", "driver", "native IO"} and all(x["us"] > 0 for x in r["rows"])
     assert cuda_call_timing.main(["--calls", "4", "--json", str(new)]) == 2   # (exists: --overwrite needed)
     assert cuda_call_timing.main(["--calls", "4", "--json", str(new), "--overwrite"]) == 0
+
+
+def test_native_copy_io_orders_a_slots_reuse_itself(cuda_standin, monkeypatch):
+    """native_io.NativeCopyIO (android_runner/src/cuda_copy_io.cpp) against the stand-in: a prefetch on the copy
+    stream and a demand copy on the demand stream, each the blob's bytes into the slot; a copy into a slot waits
+    for every incomplete event of the slot's last use (the evicted key's own copy, and unless fenced an event
+    recorded on the compute stream at the eviction), none that has completed; a wait on a copy in flight is a
+    timed stall on the compute stream, on a landed one nothing; errors are one line naming the call or the
+    expert, and leave the IO as it was."""
+    import torch
+
+    from toolkit.runtime.native_io import NativeCopyIO
+    from toolkit.runtime.native_sched import has_compiler
+
+    if not has_compiler():
+        pytest.skip("no C++ compiler")
+    so = cuda_standin
+    so.standin_instant(0)
+    L, E, n = 2, 4, 24
+
+    class Stream:
+        def __init__(self, h):
+            self.cuda_stream = h
+
+    class Dev:   # a CUDA device's streams, by handle
+        cuda, device = True, "cuda:0"
+        copy_stream, demand_stream = Stream(0x5001), Stream(0x5002)
+
+    class Store:
+        blob_size, num_layers, num_experts = n, L, E
+
+    class Host:
+        store = Store()
+        buf = torch.arange(L * E * n, dtype=torch.int64).remainder(251).to(torch.uint8).view(L * E, n)
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream(0x5003))
+    slots = torch.zeros(1, n + 8, dtype=torch.uint8)   # one slot, wider than a blob
+    io = NativeCopyIO(Host(), 1, Dev(), slots, cuda_driver.Driver(so))
+    assert io.orders_reuse and io.compute == 0x5003
+    waits = so.standin_waits
+
+    def blob(key):
+        return Host.buf[key[0] * E + key[1]]
+
+    w = waits()
+    io.submit((0, 1), demand=False)                     # a prefetch, in flight
+    assert so.standin_last_stream() == 0x5001 and torch.equal(slots[0, :n], blob((0, 1))) and not slots[0, n:].any()
+    assert not io.landed((0, 1)) and io.where == {(0, 1): 0}
+    io.fenced = True
+    io.release((0, 1))                                  # evicted while fenced: only its copy is waited for
+    io.submit((1, 2), demand=True)
+    assert so.standin_last_stream() == 0x5002 and waits() == w + 1 and torch.equal(slots[0, :n], blob((1, 2)))
+    io.fenced = False
+    io.release((1, 2))                                  # not fenced: an event on the compute stream too
+    io.submit((0, 3), demand=False)
+    assert waits() == w + 3
+    so.standin_land_all()                               # everything so far has run
+    assert io.landed((0, 3))
+    io.release((0, 3))
+    so.standin_land_all()                               # the kernels that read it too
+    io.submit((1, 0), demand=False)                     # nothing left to wait for
+    assert waits() == w + 3
+    io.wait((1, 0))                                     # in flight: the compute stream waits, timed
+    assert waits() == w + 4 and so.standin_last_stream() == 0x5003 and io.mark() == (4, 1)
+    assert torch.equal(io.take((1, 0))[:n], blob((1, 0))) and io.take_view((1, 0)).data_ptr() == slots.data_ptr()
+    so.standin_land_all()
+    assert io.landed((1, 0))
+    w = waits()
+    io.wait((1, 0))                                     # landed: no stall
+    assert waits() == w and io.mark() == (4, 1)
+    assert io.copy_ms() == pytest.approx(4 * 0.5) and io.stall_ms() == pytest.approx(0.5)   # the stand-in's clock
+    assert io.copy_ms(3) == pytest.approx(0.5) and io.copied_bytes == 4 * n
+    out = np.zeros(4, dtype=np.int64)
+    io.slot_numbers([(1, 0)], out)
+    assert out.tolist() == [0, 0, 0, 0]
+    # errors: one line; the IO unchanged
+    with pytest.raises(SpecPrefetchError, match=r"^internal: a copy with every slot of the arena taken$"):
+        io.submit((0, 0), demand=True)
+    with pytest.raises(SpecPrefetchError, match=r"^expert \(2, 0\) is outside the copy IO's 2 MoE layers x 4 experts$"):
+        io.landed((2, 0))
+    with pytest.raises(SpecPrefetchError, match=r"^internal: expert \(0, 0\) released with no slot$"):
+        io.release((0, 0))
+    with pytest.raises(SpecPrefetchError, match=r"^internal: an expert of \[\(0, 0\)\] has no slot$"):
+        io.slot_numbers([(0, 0)], out)
+    io.release((1, 0))
+    Dev.demand_stream = Stream(BAD)
+    bad = NativeCopyIO(Host(), 1, Dev(), slots, cuda_driver.Driver(so))
+    with pytest.raises(SpecPrefetchError, match=r"^launch=driver: cuEventRecord failed: CUDA_ERROR_INVALID_HANDLE$"):
+        bad.submit((0, 1), demand=True)
+    assert bad.where == {} and bad.mark() == (0, 0)
+    bad.submit((0, 1), demand=False)                    # the slot still free
+    assert bad.where == {(0, 1): 0}
+    drv = cuda_driver.Driver(so)
+    drv.path = "libcuda-absent.so.404"
+    with pytest.raises(SpecPrefetchError, match=r"^launch=driver: cannot load the CUDA driver \(libcuda-absent"):
+        NativeCopyIO(Host(), 1, Dev(), slots, drv)

@@ -3,6 +3,7 @@ device, copies on their own stream. Its output must be transformers' greedy outp
 pool. On a machine without CUDA the same code runs on the CPU; the CUDA variants run where a GPU is."""
 from __future__ import annotations
 
+import ctypes
 import itertools
 import json
 import math
@@ -18,7 +19,7 @@ from toolkit.predictors.registry import build_predictor
 from toolkit.runtime.expert_store import ExpertStore, build_store
 from toolkit.runtime.gpu import CudaCopyIO, GpuEngine, Int4Experts
 from toolkit.runtime.gpu_graph import DevicePlan, GraphRunner, StaticDecoder
-from toolkit.runtime.native_sched import has_compiler
+from toolkit.runtime.native_sched import NO_COMPILER, has_compiler
 from toolkit.runtime.policy import Policy
 from toolkit.runtime.runner import RunConfig
 
@@ -1402,14 +1403,15 @@ def test_graph_decode_plans_behind_a_lagging_stream(tiny_models, stores, monkeyp
             return real_seg(self, s, *a, **kw)
         monkeypatch.setattr(GraphRunner, "_segment", seg)
     else:
-        real_submit = gpu.CudaCopyIO.submit
+        from toolkit.runtime.native_io import NativeCopyIO
 
-        def submit(self, key, *, demand):
-            if not demand:
-                with torch.cuda.stream(self.dev.copy_stream):
-                    torch.cuda._sleep(2_000_000)
-            return real_submit(self, key, demand=demand)
-        monkeypatch.setattr(gpu.CudaCopyIO, "submit", submit)
+        for io in (gpu.CudaCopyIO, NativeCopyIO):   # (torch's calls, the driver's)
+            def submit(self, key, *, demand, _real=io.submit):
+                if not demand:
+                    with torch.cuda.stream(self.dev.copy_stream):
+                        torch.cuda._sleep(2_000_000)
+                return _real(self, key, demand=demand)
+            monkeypatch.setattr(io, "submit", submit)
     eng = _engine(tiny_models["qwen3_moe"], stores["qwen3_moe"], "next-gate+prediction", 0.1, "cuda", dtype="float16")
     for policy in ("next-gate+prediction", "oracle+belady"):
         eng.configure(policy=Policy.parse(policy))
@@ -1889,21 +1891,100 @@ def test_native_host_scheduler_decides_as_the_python_one(tiny_models, stores, ti
         eng.configure(host="c")
 
 
+@NATIVE
+@pytest.mark.parametrize("instant", [True, False], ids=["landed", "in-flight"])
+def test_native_copy_io_decodes_as_the_python_one(tiny_models, stores, tiny_adapter, cuda_standin, instant,
+                                                  monkeypatch):
+    """native_io.NativeCopyIO (the copy IO under the driver's calls: android_runner/src/cuda_copy_io.cpp) on the CPU,
+    through the stand-in driver (tests/cuda_standin.py: its copies real memcpys, its events completing at once
+    or only when the test lands them), under both schedulers (the native one calls it with no crossing into
+    Python): transformers' tokens, and the Python IO's counts, copies and evictions for every kind of policy, the
+    static decoder's graph loop (the slot numbers from the IO, the verification's rows too) and transformers'
+    modules (the slots' bytes read through the scheduler); every slot holds its expert's bytes; each copy is one
+    memcpy; the copy and stall figures read its events, which come from a pool; copies still in flight are waited
+    for (stalls), landed ones not."""
+    from toolkit.runtime import cuda_driver, native_io
+    from toolkit.runtime.gpu_bench import gpu_predictors, gpu_reuse_table
+
+    so = cuda_standin
+    so.standin_instant(int(instant))
+    monkeypatch.setattr(GpuEngine, "_driver", lambda self: cuda_driver.Driver(so))
+    if not instant:   # the "device" has run everything once the run reads its figures
+        real_ms = native_io.NativeCopyIO._ms
+        monkeypatch.setattr(native_io.NativeCopyIO, "_ms",
+                            lambda self, *a: (so.standin_land_all(), real_ms(self, *a))[1])
+    ios = []
+    io_init = native_io.NativeCopyIO.__init__
+    monkeypatch.setattr(native_io.NativeCopyIO, "__init__",
+                        lambda self, *a, **kw: (ios.append(self), io_init(self, *a, **kw))[1])
+    spec = inspect_model_dir(tiny_models["qwen3_moe"])
+    names = ["on-demand+lru", "adapter+reuse", "oracle+belady", "draft+lru"]
+    pols = [Policy.parse(n) for n in names]
+    prompt = list(range(5, 17))
+    want = _reference(tiny_models["qwen3_moe"], prompt, 10, "cpu", "float32")
+    try:
+        for decode in ("static", "modules"):
+            eng = GpuEngine(load_model(tiny_models["qwen3_moe"], dtype="float32"),
+                            ExpertStore(stores["qwen3_moe"], spec), RunConfig(policy=pols[0], pool_mib=64.0),
+                            device="cpu", decode=decode, with_draft=True,
+                            predictors=gpu_predictors(spec, [p.predictor for p in pols], tiny_adapter),
+                            reuse=gpu_reuse_table(spec, ["reuse"], tiny_adapter))
+            for pol in pols if decode == "static" else pols[1:2]:
+                got = {}
+                for host in ("python", "native"):
+                    for io in ("python", "native"):
+                        eng.configure(policy=pol, pool_mib=_pool_mib(eng, 0.2), host=host)
+                        if io == "python":
+                            with monkeypatch.context() as m:
+                                m.setattr(GpuEngine, "_driver", lambda self: None)
+                                g = eng.run(prompt, 10, k=3)
+                            j = g.to_json()
+                            assert j["copy_ms_per_token"] >= 0 and j["stall_ms_per_token"] == 0
+                        else:
+                            before, waits = len(ios), so.standin_waits()
+                            so.standin_count_size(ctypes.c_size_t(eng.store.blob_size))
+                            g = eng.run(prompt, 10, k=3)
+                            j = g.to_json()
+                            assert len(ios) > before, (decode, pol.name, host)   # that IO copied
+                            nio = ios[-1]
+                            # (the record pass's IO too, where the policy has one: the oracle)
+                            assert so.standin_sized_copies() == sum(x.mark()[0] for x in ios[before:]) > 0
+                            assert nio.copied_bytes == nio.mark()[0] * eng.store.blob_size
+                            if instant:   # (events that complete go back to the pool)
+                                assert nio.events_made < nio.mark()[0] / 4, (nio.events_made, nio.mark())
+                            where = nio.where
+                            assert where and all(torch.equal(nio.views[i][:eng.store.blob_size], eng.host.blob(key))
+                                                 for key, i in where.items()), (decode, pol.name, host)
+                            # landed copies are not waited for; in flight, the reads wait (timed as stalls)
+                            assert (so.standin_waits() > waits) == (not instant), (decode, pol.name, host)
+                            assert (j["stall_ms_per_token"] > 0) == (not instant), (decode, pol.name, host)
+                            assert j["copy_ms_per_token"] > 0
+                        assert g.tokens == want, (decode, pol.name, host, io)
+                        counts = {k: v for k, v in g.stats.counts.items() if k not in ("wait_s", "late")}
+                        got[host, io] = (counts, j["pcie_bytes_per_token"], j["evictions"], j["wasted_prefetch_mib"])
+                assert len(set(map(repr, got.values()))) == 1, (decode, pol.name, got)
+                assert got["python", "python"][2] > 0, pol.name   # the pool evicted
+    finally:
+        so.standin_instant(0)
+
+
 @CUDA
 def test_driver_launch_decodes_as_torchs_calls_on_cuda(tiny_models, stores, tiny_adapter, monkeypatch):
     """`configure(launch="driver")` (the default: the per-layer path's graph launches, copies and events through
     the CUDA driver, toolkit/runtime/cuda_driver.py) decodes transformers' tokens with torch's calls' decisions
     (`launch="torch"`) for every kind of policy, the device plan's rows and the draft's verification included:
     the same counts, copies and evictions; the segments' graphs are launched by the driver (torch's replay runs
-    only for the draft's own step), and the copy and stall timings read the driver's events."""
-    from toolkit.runtime.cuda_driver import DriverEvent
+    only for the draft's own step), and the copies, waits and their events are the native copy IO's
+    (native_io.NativeCopyIO), whose events come from a pool."""
     from toolkit.runtime.gpu_bench import gpu_predictors, gpu_reuse_table
+    from toolkit.runtime.native_io import NativeCopyIO
 
     replays, ios = [], []
     replay = torch.cuda.CUDAGraph.replay
     monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda g: (replays.append(g), replay(g))[1])
-    io_init = CudaCopyIO.__init__
-    monkeypatch.setattr(CudaCopyIO, "__init__", lambda self, *a, **kw: (ios.append(self), io_init(self, *a, **kw))[1])
+    for cls in (CudaCopyIO, NativeCopyIO):
+        monkeypatch.setattr(cls, "__init__", lambda self, *a, _init=cls.__init__, **kw: (
+            ios.append(self), _init(self, *a, **kw))[1])
     spec = inspect_model_dir(tiny_models["qwen3_moe"])
     names = ["on-demand+lru", "adapter+reuse", "oracle+belady", "draft+lru"]
     pols = [Policy.parse(n) for n in names]
@@ -1927,10 +2008,14 @@ def test_driver_launch_decodes_as_torchs_calls_on_cuda(tiny_models, stores, tiny
             draft = eng._runners[eng.capacity].draft.graph
             assert all(r is draft for r in replays) == (launch == "driver"), (pol.name, launch)
             assert bool(replays) == (launch == "torch" or pol.predictor == "draft"), (pol.name, launch)
-            # the copy and stall figures read the driver's events
+            # the copies, waits and events: the native library's (native_io.py) under the driver's calls
             io = ios[-1]
-            events = [e for pair in io.copies + io.stalls for e in pair]
-            assert io.copies and all(isinstance(e, DriverEvent) == (launch == "driver") for e in events)
+            assert isinstance(io, NativeCopyIO) == (launch == "driver"), (pol.name, launch)
+            if launch == "driver":
+                assert io.mark()[0] > 0 and io.events_made < io.mark()[0], (pol.name, io.events_made, io.mark())
+            else:
+                assert io.copies and all(isinstance(e, torch.cuda.Event) for pair in io.copies + io.stalls
+                                         for e in pair)
             assert j["copy_ms_per_token"] > 0, (pol.name, launch)
             got[launch] = ({k: v for k, v in g.stats.counts.items() if k not in ("wait_s", "late")},
                            j["pcie_bytes_per_token"], j["evictions"], j["wasted_prefetch_mib"])
@@ -1957,6 +2042,12 @@ def test_driver_launch_decodes_as_torchs_calls_on_cuda(tiny_models, stores, tiny
     assert g.tokens == want and g.to_json()["launch"] == "torch" and replays
     with pytest.raises(SpecPrefetchError, match="cannot load the CUDA driver"):
         eng2.configure(launch="driver")
+    monkeypatch.undo()   # (the driver back) and no native library: torch's calls too, and why
+    monkeypatch.setattr(gpu, "native_library", lambda: (_ for _ in ()).throw(SpecPrefetchError(NO_COMPILER)))
+    eng3 = GpuEngine(load_model(tiny_models["qwen3_moe"], dtype="float16"), ExpertStore(stores["qwen3_moe"], spec),
+                     RunConfig(policy=pols[0], pool_mib=64.0), device="cuda", decode="graph")
+    assert (eng3.launch, eng3.launch_fallback) == ("torch", f"launch=driver: the native copy IO cannot be built "
+                                                            f"({NO_COMPILER})")
 
 
 def test_launch_is_a_setting_and_a_bench_variant(tiny_models, stores, monkeypatch):

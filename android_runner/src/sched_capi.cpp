@@ -1,7 +1,9 @@
 // A C ABI over the runner's scheduler, pool and reuse eviction (scheduler.h, pool.h), for a host loop in
 // Python: the GPU tier's (toolkit/runtime/native_sched.py loads it with ctypes and builds it with the
 // system's C++ compiler). The decisions are the runner's, which are the Python reference's; reads go through
-// one callback into the caller (its copy IO), so the caller keeps its streams, slots and buffers.
+// one callback into the caller (its copy IO), so the caller keeps its streams, slots and buffers, or, under the
+// CUDA driver's calls, through the copy IO of cuda_copy_io.h (spx_cio_*: toolkit/runtime/native_io.py), which the
+// Python scheduler can drive too.
 //
 // Every function returns 0 on success and -1 on failure (a C++ exception, or a failed callback), with the
 // message in spx_sched_error(); a callback reports failure by returning -1 (the caller keeps its own error).
@@ -12,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda_copy_io.h"
 #include "pool.h"
 #include "scheduler.h"
 
@@ -56,8 +59,15 @@ class CallbackIO : public spx::IOBackend {
   bool orders_reuse_;
 };
 
+// a copy IO (spx_cio_new), shared by the caller and any scheduler it is given to
+struct IoHandle {
+  std::shared_ptr<spx::CudaCopyIO> io;
+};
+
+spx::CudaCopyIO& IO(void* h) { return *static_cast<IoHandle*>(h)->io; }
+
 struct Handle {
-  std::unique_ptr<CallbackIO> io;
+  std::shared_ptr<spx::IOBackend> io;
   std::unique_ptr<spx::ReuseHistory> reuse;
   std::unique_ptr<spx::ExpertPool> pool;
   std::unique_ptr<spx::WindowScheduler> sched;
@@ -119,11 +129,13 @@ SPX_API const char* spx_sched_error() { return g_error.c_str(); }
 // prefetch (0/1), orders_reuse (0/1); cfg_d: min_confidence, candidate_threshold. Reuse table (policy
 // "reuse"; its array sizes checked by the caller): bits, visits16 [2^bits], classes [L*E] or null, n_classes,
 // class_visits16 [n_classes * 2^bits]. Belady (policy "belady"): future [P * L * k] expert ids of P positions
-// (P < 0: none), the prompt one unit (the GPU tier's prefill is one pass). The pool maps no arena: the caller's IO holds the bytes.
+// (P < 0: none), the prompt one unit (the GPU tier's prefill is one pass). The pool maps no arena: the caller's IO holds
+// the bytes. Reads: through `native_io` (an spx_cio_new handle, kept alive by the scheduler too) where it is given,
+// else through the callback `io`.
 SPX_API int spx_sched_new(void** out, int64_t budget_bytes, int64_t slot_bytes, const char* policy, int L, int E, int k,
                           const int64_t* cfg_i, const double* cfg_d, int bits, const int64_t* visits16,
                           const int32_t* classes, int n_classes, const int64_t* class_visits16, const int32_t* future,
-                          int P, IoFn io) {
+                          int P, IoFn io, void* native_io) {
   return guarded([&] {
     if (L < 1 || E < 1 || k < 1 || k > E) throw spx::Error("a model of L >= 1 MoE layers, E >= 1 experts, 1 <= k <= E");
     auto h = std::make_unique<Handle>();
@@ -137,7 +149,10 @@ SPX_API int spx_sched_new(void** out, int64_t budget_bytes, int64_t slot_bytes, 
     cfg.prefetch = cfg_i[4] != 0;
     cfg.min_confidence = cfg_d[0];
     cfg.candidate_threshold = cfg_d[1];
-    h->io = std::make_unique<CallbackIO>(io, cfg_i[5] != 0);
+    if (native_io != nullptr)
+      h->io = static_cast<IoHandle*>(native_io)->io;
+    else
+      h->io = std::make_shared<CallbackIO>(io, cfg_i[5] != 0);
     const std::string pol(policy);
     spx::ExpertPool::NextUse next_use;
     if (pol == "belady") {
@@ -323,6 +338,85 @@ SPX_API int spx_budget_meter(double read_bytes_per_s, int64_t slot_bytes, int n,
     spx::ReadBudgetMeter m(read_bytes_per_s, slot_bytes);
     for (int i = 0; i < n; ++i) out[i] = m.at(spans[i], now_s[i], wait_s[i]);
   });
+}
+
+// -- the copy IO through the CUDA driver (cuda_copy_io.h) --------------------------------------------------
+// addr: the slot arena's device address, the pinned host buffer's; dims: capacity, slot stride, blob stride, bytes a
+// copy, L, E; streams: copy, demand, compute (handles; 0: the legacy default stream)
+SPX_API int spx_cio_new(void** out, const char* library, const uint64_t* addr, const int64_t* dims,
+                        const uint64_t* streams) {
+  return guarded([&] {
+    spx::CudaCopyIO::Layout lay;
+    lay.slots = addr[0];
+    lay.host = addr[1];
+    lay.capacity = static_cast<int>(dims[0]);
+    lay.slot_stride = dims[1];
+    lay.blob_stride = dims[2];
+    lay.nbytes = dims[3];
+    lay.L = static_cast<int>(dims[4]);
+    lay.E = static_cast<int>(dims[5]);
+    auto h = std::make_unique<IoHandle>();
+    h->io = std::make_shared<spx::CudaCopyIO>(library, lay, streams[0], streams[1], streams[2]);
+    *out = h.release();
+  });
+}
+
+SPX_API void spx_cio_free(void* h) { delete static_cast<IoHandle*>(h); }
+
+SPX_API int spx_cio_submit(void* h, int layer, int expert, int demand) {
+  return guarded([&] { IO(h).submit({layer, expert}, nullptr, demand != 0); });
+}
+
+SPX_API int spx_cio_landed(void* h, int layer, int expert, int* out) {
+  return guarded([&] { *out = IO(h).landed({layer, expert}) ? 1 : 0; });
+}
+
+SPX_API int spx_cio_wait(void* h, int layer, int expert) {
+  return guarded([&] { IO(h).wait({layer, expert}); });
+}
+
+// *slot: the expert's slot, the compute stream ordered after its copy
+SPX_API int spx_cio_take(void* h, int layer, int expert, int* slot) {
+  return guarded([&] {
+    IO(h).take({layer, expert});
+    *slot = IO(h).slot({layer, expert});
+  });
+}
+
+SPX_API int spx_cio_release(void* h, int layer, int expert) {
+  return guarded([&] { IO(h).release({layer, expert}); });
+}
+
+// what 0: the compute stream (a handle); 1: fenced (0/1)
+SPX_API int spx_cio_set(void* h, int what, uint64_t value) {
+  return guarded([&] {
+    if (what == 0)
+      IO(h).set_compute(value);
+    else if (what == 1)
+      IO(h).set_fenced(value != 0);
+    else
+      throw spx::Error("spx_cio_set: no setting " + std::to_string(what));
+  });
+}
+
+// out[i]: the slot of key i (layer, expert pairs), -1 for none
+SPX_API int spx_cio_slots(void* h, const int32_t* keys, int n, int64_t* out) {
+  return guarded([&] {
+    for (int i = 0; i < n; ++i) out[i] = IO(h).slot({keys[2 * i], keys[2 * i + 1]});
+  });
+}
+
+// out[0..3]: copies, stalls, bytes copied, events made
+SPX_API int spx_cio_counts(void* h, int64_t* out) {
+  return guarded([&] {
+    const int64_t v[4] = {IO(h).copies(), IO(h).stalls(), IO(h).copied_bytes(), IO(h).events_made()};
+    std::memcpy(out, v, sizeof v);
+  });
+}
+
+// *out: milliseconds summed over the copies (which 0) or the stalls (1) from index `since` on
+SPX_API int spx_cio_ms(void* h, int which, int64_t since, double* out) {
+  return guarded([&] { *out = IO(h).ms(which == 0, since); });
 }
 
 }  // extern "C"

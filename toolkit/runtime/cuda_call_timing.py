@@ -1,5 +1,6 @@
 """`python -m toolkit.runtime.cuda_call_timing [--json OUT.json]`: the host time of the CUDA calls on the GPU tier's
-per-layer path, torch's API beside the CUDA driver's through ctypes (toolkit/runtime/cuda_driver.py), each call in a
+per-layer path, torch's API beside the CUDA driver's through ctypes (toolkit/runtime/cuda_driver.py), and a copy
+issued and released through each copy IO (gpu.CudaCopyIO with torch's calls, native_io.NativeCopyIO), each call in a
 loop of its own on one CUDA device (docs/benchmarks.md section 30; a diagnosis of where host time goes, not a bench:
 the pooled decode's own figures come from `bench gpu --variant launch=torch`).
 
@@ -89,6 +90,24 @@ def measure(calls: int = 2000) -> list[tuple[str, str, float]]:
     t("driver", "event made (timing off) and destroyed", lambda: drv.event(timing=False))
     arr = small_h.numpy()
     t("driver", "numpy view [:4].tolist() (pinned)", lambda: arr[:4].tolist())
+
+    # a copy issued and its slot released through each copy IO (a 64 B blob: the host's cost, not the copy's)
+    from toolkit.runtime.gpu import CudaCopyIO, Device
+    from toolkit.runtime.native_io import NativeCopyIO
+
+    class Store:
+        blob_size, num_layers, num_experts = 64, 1, 1
+
+    class Host:
+        store, buf = Store(), torch.zeros(1, 64, dtype=torch.uint8, pin_memory=True)
+
+        def blob(self, key):
+            return self.buf[0]
+    gdev, slots = Device(dev), torch.zeros(1, 64, dtype=torch.uint8, device=dev)
+    for group, io in (("torch", CudaCopyIO(Host(), 1, gdev, slots=slots)),
+                      ("native IO", NativeCopyIO(Host(), 1, gdev, slots, drv))):
+        t(group, "copy IO: a 64 B copy submitted, its slot released",
+          lambda io=io: (io.submit((0, 0), demand=False), io.release((0, 0))))
 
     x = torch.zeros(1024, device=dev)
     g = torch.cuda.CUDAGraph()

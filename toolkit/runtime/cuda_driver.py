@@ -65,6 +65,7 @@ class Driver:
     def __init__(self, lib: ctypes.CDLL):
         H, c = ctypes.c_void_p, ctypes.c_int
         self.lib = lib
+        self.path = lib._name   # (what the native copy IO opens: the same library, already loaded)
 
         def fn(name, *args):
             try:

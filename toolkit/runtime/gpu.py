@@ -54,6 +54,7 @@ from toolkit.predictors.draft import SpecStats, greedy_accept
 from toolkit.runtime.expert_store import ExpertStore
 from toolkit.runtime.cuda_driver import driver
 from toolkit.runtime.gpu_kernels import dequant, int4_gemv
+from toolkit.runtime.native_io import NativeCopyIO
 from toolkit.runtime.native_sched import library as native_library, open_native_scheduler
 from toolkit.runtime.planner import PrefetchPlanner, RoutingState
 from toolkit.runtime.pool import ExpertPool, Key
@@ -131,6 +132,10 @@ def launch_fallback(dev: Device) -> str | None:
             driver(dev.device)
     except SpecPrefetchError as e:
         return str(e)
+    try:   # the copy IO under the driver's calls is the native library's (native_io.py)
+        native_library()
+    except SpecPrefetchError as e:
+        return f"launch=driver: the native copy IO cannot be built ({e})"
     return None
 
 
@@ -181,31 +186,22 @@ def alloc_slots(capacity: int, blob: int, dev: Device) -> torch.Tensor:
 
 
 class CudaCopyIO:
-    """The scheduler's IOBackend for the GPU: `submit` copies a blob into a free slot on the copy
-    stream; `wait` makes the compute stream wait for it (timed: that is the stall)."""
+    """The scheduler's IOBackend for the GPU through torch's calls (`launch=torch`; on the CPU, synchronous
+    copies): `submit` copies a blob into a free slot on the copy stream; `wait` makes the compute stream wait
+    for it (timed: that is the stall). Under the CUDA driver's calls (`launch=driver`, the default) the same
+    operations are native_io.NativeCopyIO's, made by the native library."""
 
     orders_reuse = True   # a copy into a slot waits for the slot's old copy itself (release)
+    drv = None            # (torch's calls: GraphRunner launches through torch too)
 
-    def __init__(self, host: HostExperts, capacity: int, dev: Device, slots: torch.Tensor | None = None,
-                 drv=None):
+    def __init__(self, host: HostExperts, capacity: int, dev: Device, slots: torch.Tensor | None = None):
         """`slots`: the pool's allocation of exactly `capacity` slots to reuse (the graphs read it at a
-        fixed address); none: one is allocated. The allocation is the budget. `drv`: on CUDA, the driver's
-        calls (cuda_driver.Driver: `launch=driver`) for the copies, waits and events, on the streams by handle
-        (the compute stream: the current one now); none: torch's."""
-        self.host, self.dev, self.drv = host, dev, drv
+        fixed address); none: one is allocated. The allocation is the budget."""
+        self.host, self.dev = host, dev
         self.slots = slots if slots is not None else alloc_slots(capacity, host.store.blob_size, dev)
         if self.slots.shape[0] != capacity:
             raise SpecPrefetchError(f"internal: {self.slots.shape[0]} slots allocated for a pool of {capacity}")
         self.views = list(self.slots)   # one view per slot, made once (as HostExperts.rows)
-        if drv is not None:   # the addresses and stream handles the driver's calls take, looked up once
-            if not self.slots.is_contiguous() or self.slots.shape[1] * self.slots.element_size() < host.store.blob_size:
-                raise SpecPrefetchError(f"internal: a slot arena of {tuple(self.slots.shape)} {self.slots.dtype} "
-                                        f"for blobs of {host.store.blob_size} bytes")
-            self.slot_ptr = [v.data_ptr() for v in self.views]
-            self.nbytes = host.store.blob_size
-            self.streams = (dev.copy_stream.cuda_stream, dev.demand_stream.cuda_stream)
-            # the compute stream (the current one; GraphRunner reads it again at each decode call)
-            self.compute = torch.cuda.current_stream(dev.device).cuda_stream
         self.free = list(range(capacity - 1, -1, -1))
         self.where: dict[Key, int] = {}
         self.done: dict[Key, Any] = {}           # key -> the copy's completion event
@@ -226,16 +222,7 @@ class CudaCopyIO:
         idx = self.free.pop()
         self.where[key] = idx
         src, dst = self.host.blob(key), self.views[idx]
-        drv = self.drv
-        if drv is not None:
-            cs = self.streams[demand]
-            for last in self.last_use[idx]:
-                if not last.query():
-                    drv.wait(cs, last)
-            t0 = drv.event(cs)
-            drv.copy(self.slot_ptr[idx], src.data_ptr(), self.nbytes, cs)
-            t1 = drv.event(cs)
-        elif self.dev.cuda:
+        if self.dev.cuda:
             cs = self.dev.demand_stream if demand else self.dev.copy_stream
             for last in self.last_use[idx]:   # the kernels that read the slot's old expert (and its copy)
                 if not last.query():
@@ -266,12 +253,6 @@ class CudaCopyIO:
         ev = self.done.get(key)
         if ev is None or not self.dev.cuda:
             return
-        drv = self.drv
-        if drv is not None:
-            before = drv.event(self.compute)
-            drv.wait(self.compute, ev)
-            self.stalls.append((before, drv.event(self.compute)))
-            return
         before = self.dev.event()
         torch.cuda.current_stream(self.dev.device).wait_event(ev)
         self.stalls.append((before, self.dev.event()))
@@ -279,10 +260,7 @@ class CudaCopyIO:
     def take(self, key: Key) -> torch.Tensor:
         ev = self.done.get(key)
         if ev is not None and self.dev.cuda:  # ordered after the copy, whether or not it was waited for
-            if self.drv is not None:
-                self.drv.wait(self.compute, ev)
-            else:
-                torch.cuda.current_stream(self.dev.device).wait_event(ev)
+            torch.cuda.current_stream(self.dev.device).wait_event(ev)
         return self.views[self.where[key]]
 
     def release(self, key: Key) -> None:
@@ -293,10 +271,12 @@ class CudaCopyIO:
             # for the old expert's own copy, which may still be in flight on the other stream (a demand
             # copy where a prefetch was): this IO orders a slot's reuse itself (orders_reuse), so the
             # scheduler need not wait for that copy before the eviction
-            used = () if self.fenced else (
-                self.dev.event() if self.drv is None else self.drv.event(self.compute, timing=False),)
-            self.last_use[idx] = used + (() if copied is None else (copied,))
+            self.last_use[idx] = (() if self.fenced else (self.dev.event(),)) + (() if copied is None else (copied,))
         self.free.append(idx)
+
+    def slot_numbers(self, keys: Sequence[Key], out) -> None:
+        """out[i] = the slot of keys[i] (each has one)."""
+        out[:len(keys)] = [self.where[key] for key in keys]
 
     def close(self) -> None:
         pass
@@ -476,7 +456,7 @@ class GpuSequence:
     max_new: int
     eos: frozenset[int]
     L: int                           # MoE layers (a step is pos * L + layer)
-    io: CudaCopyIO                   # the slot arena and the copies into it
+    io: CudaCopyIO | NativeCopyIO    # the slot arena and the copies into it
     pool: ExpertPool
     sched: WindowScheduler
     planner: PrefetchPlanner | None  # a host predictor's, one token per step; None: on-demand or the draft
@@ -725,6 +705,10 @@ class GpuEngine:
         if launch != "keep":
             self.launch = launch
 
+    def _driver(self):
+        """The CUDA driver's calls for a run (launch=driver on CUDA), or None: torch's calls (or the CPU's)."""
+        return driver(self.dev.device) if self.dev.cuda and self.launch == "driver" else None
+
     @property
     def capacity(self) -> int:
         return min(self.cfg.budget_bytes // self.store.blob_size, self.L * self.E)
@@ -863,8 +847,13 @@ class GpuEngine:
             raise SpecPrefetchError("resident_graph: needs preload, the static decoder and the on-demand policy")
         L = self.L
         runner = self._graph_runner(len(prompt_ids) + max_new_tokens + k + 1) if self.decode != "modules" else None
-        io = CudaCopyIO(self.host, self.capacity, self.dev, slots=runner.slots if runner is not None else None,
-                        drv=driver(self.dev.device) if self.dev.cuda and self.launch == "driver" else None)
+        drv = self._driver()
+        if drv is not None:   # the copies, waits and events made by the native library (native_io.py)
+            io = NativeCopyIO(self.host, self.capacity, self.dev,
+                              runner.slots if runner is not None else
+                              alloc_slots(self.capacity, self.store.blob_size, self.dev), drv)
+        else:
+            io = CudaCopyIO(self.host, self.capacity, self.dev, slots=runner.slots if runner is not None else None)
         source = self.predictors.get(cfg.policy.predictor)
         future = recorded.routing if recorded is not None else None
         planner = None

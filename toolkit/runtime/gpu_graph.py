@@ -849,7 +849,8 @@ class GraphRunner:
         self.drv = seq.io.drv
         if self.drv is not None:
             # the stream torch enqueues this call's other work on (the fills, the copies of the verification's rows)
-            self.cs = seq.io.compute = torch.cuda.current_stream(self.eng.dev.index).cuda_stream
+            self.cs = seq.io.compute = (torch.cuda.current_stream(self.eng.dev.index).cuda_stream
+                                        if self.eng.dev.cuda else 0)   # (the CPU: a stand-in driver's tests)
             if self._sync_ev is None:
                 self._sync_ev = self.drv.event(timing=False)
 
@@ -910,7 +911,6 @@ class GraphRunner:
         host_plan = planner is not None and dplan is None   # (a folding planner's rows come from the device)
         if dplan is not None:
             m, n = planner.sorted_widths(sched)
-        where = io.where
         self.set_position(token, pos)
         self.run_segment(0)
         for li in range(L):
@@ -935,7 +935,7 @@ class GraphRunner:
                 if not hits:
                     sched.acquire_read(step, keys)   # (data: orders the compute stream after each slot's copy)
                 st = self.stage_np[li]
-                st[:k] = [where[key] for key in keys]
+                io.slot_numbers(keys, st)
                 st[k:] = order
                 self._copy("sel", li)
                 self.run_segment(li + 1)
@@ -967,7 +967,7 @@ class GraphRunner:
         self._begin(seq)
         L, k = self.eng.L, self.eng.k
         sched, io = seq.sched, seq.io
-        pooled, where = sched.pool.slots, io.where
+        pooled = sched.pool.slots
         R = len(tokens)
         dev = self.eng.dev.device
         h = torch.zeros(R, *self.h.shape, device=dev, dtype=self.h.dtype)
@@ -1007,7 +1007,7 @@ class GraphRunner:
                 else:
                     for key in keys:
                         sched.data(key)
-                stage_np[j, :k] = [where[key] for key in keys]
+                io.slot_numbers(keys, stage_np[j])
                 stage_np[j, k:] = order
                 self.sel[li].copy_(stage[j], non_blocking=True)
                 self.pos.fill_(pos + j)

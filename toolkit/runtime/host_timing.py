@@ -14,7 +14,9 @@ a bench; the timers add about a microsecond a call), then prints each call's cou
 - `read_routing`: the graph decode's one sync per MoE layer on the compute stream (it waits for the device,
   so it is device time as much as host time);
 - `rows`: a DevicePlan's rows read back (on a GPU its wait for their stream, then the lists);
-- `submit`: one copy issued (CudaCopyIO: its stream waits, events and the copy's launch).
+- `submit`: one copy issued by the Python scheduler (its stream waits, events and the copy's launch: CudaCopyIO's
+  calls under launch=torch, one call into the native library's copy IO under the driver's; the native
+  scheduler's copies are made in C++ and counted in its callers' figures).
 
 Then the graph decode's tokens per run label (its policy, pool and the settings that differ from the
 defaults; `(resident)` for the all-resident bound as the policies decode; the oracle's recording passes as
@@ -46,7 +48,8 @@ TIMED = (("toolkit.runtime.scheduler", "WindowScheduler", ("acquire", "release",
          ("toolkit.runtime.pool", "ExpertPool", ("_victim",)),
          ("toolkit.runtime.gpu_graph", "GraphRunner", ("read_routing",)),
          ("toolkit.runtime.gpu_graph", "DevicePlan", ("rows",)),
-         ("toolkit.runtime.gpu", "CudaCopyIO", ("submit",)))
+         ("toolkit.runtime.gpu", "CudaCopyIO", ("submit",)),
+         ("toolkit.runtime.native_io", "NativeCopyIO", ("submit",)))
 
 
 class Timeline:

@@ -12,11 +12,13 @@ runner's own sources with the machine's C++ compiler into build/native-sched/<ke
 compiler and flags; about 10 s) and loaded with ctypes through a C ABI (android_runner/src/sched_capi.cpp): no
 Python headers, so one build serves any interpreter of the machine.
 
-Reads stay the caller's: the C++ scheduler calls back into the Python IO (`CudaCopyIO`: submit, landed, wait,
-release, take), so the copies, streams, slots and stall timing are those of the Python scheduler, and its pool
-maps no memory of its own. What the GPU tier calls (`acquire`, `acquire_read`, `release`, `data`, `plan`,
-`plan_probs`, `plan_ranked`, `in_flight`, `step`, `stats`, the pool's membership, counters, `preload` and
-`settle`, the reuse eviction's `set_next_visits`) has the same meaning here; `plan`'s scores become probabilities
+Reads stay the caller's IO's, and the pool maps no memory of its own: under the CUDA driver's calls the IO is the
+library's own (native_io.NativeCopyIO, android_runner/src/cuda_copy_io.cpp), which the C++ scheduler calls with no
+crossing into Python; otherwise the C++ scheduler calls back into the Python IO (gpu.CudaCopyIO: submit, landed,
+wait, release, take). Either way the copies, streams, slots and stall timing are those the Python scheduler gets.
+What the GPU tier calls (`acquire`, `acquire_read`, `release`, `data`, `plan`, `plan_probs`, `plan_ranked`,
+`in_flight`, `step`, `stats`, the pool's membership, counters, `preload` and `settle`, the reuse eviction's
+`set_next_visits`) has the same meaning here; `plan`'s scores become probabilities
 in Python, by the Python scheduler's own arithmetic (`window_probs`). No event log (the GPU tier keeps none) and
 no `compute_order`.
 """
@@ -49,14 +51,16 @@ from toolkit.runtime.scheduler import SchedulerConfig, SchedulerStats, window_pr
 
 REPO = Path(__file__).resolve().parents[2]
 SRC = REPO / "android_runner" / "src"
-SOURCES = ("sched_capi.cpp", "scheduler.cpp", "pool.cpp", "events.cpp", "memwatch.cpp", "routing.cpp", "fileio.cpp")
-HEADERS = ("scheduler.h", "pool.h", "events.h", "memwatch.h", "routing.h", "fileio.h", "common.h")
+SOURCES = ("sched_capi.cpp", "scheduler.cpp", "pool.cpp", "events.cpp", "memwatch.cpp", "routing.cpp", "fileio.cpp",
+           "cuda_copy_io.cpp")
+HEADERS = ("scheduler.h", "pool.h", "events.h", "memwatch.h", "routing.h", "fileio.h", "common.h", "cuda_copy_io.h")
 BUILD = REPO / "build" / "native-sched"
 # libstdc++ linked in and kept private (a version script exports the spx_ entry points alone), so the library
 # needs no C++ runtime on the machine and does not clash with the one torch loaded
 FLAGS = ("-std=c++17", "-O2", "-fPIC", "-shared", "-pthread", "-fvisibility=hidden", "-static-libstdc++",
          "-static-libgcc", "-Wl,--exclude-libs,ALL")
 EXPORTS = "{ global: spx_*; local: *; };\n"
+LIBS = ("-ldl",)   # after the sources: the copy IO opens the CUDA driver with dlopen (cuda_copy_io.cpp)
 
 _IO_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int)
 SUBMIT_PREFETCH, SUBMIT_DEMAND, LANDED, WAIT, RELEASE, TAKE = range(6)   # sched_capi.cpp's IoOp
@@ -99,7 +103,7 @@ def build(out_dir: Path = BUILD) -> Path:
     named by such a key, removed)."""
     cxx, version = _compiler()
     files = {name: (SRC / name).read_bytes() for name in SOURCES + HEADERS}
-    h = hashlib.sha256("\0".join((version, platform.machine(), *FLAGS, EXPORTS)).encode())
+    h = hashlib.sha256("\0".join((version, platform.machine(), *FLAGS, EXPORTS, *LIBS)).encode())
     for name, data in files.items():
         h.update(name.encode() + b"\0" + data)
     key = h.hexdigest()[:16]
@@ -123,7 +127,8 @@ def _compile(cxx: list[str], files: dict[str, bytes], lib: Path, out_dir: Path) 
         (Path(tmp) / "exports.map").write_text(EXPORTS)
         out = Path(tmp) / lib.name
         p = subprocess.run([*cxx, *FLAGS, f"-Wl,--version-script={tmp}/exports.map", f"-I{tmp}",
-                            *(str(Path(tmp) / s) for s in SOURCES), "-o", str(out)], capture_output=True, text=True)
+                            *(str(Path(tmp) / s) for s in SOURCES), *LIBS, "-o", str(out)], capture_output=True,
+                           text=True)
         if p.returncode != 0:
             raise SpecPrefetchError(f"host=native: building the native scheduler with {' '.join(cxx)} failed "
                                     f"(a static libstdc++ is needed: Debian's g++ has it):\n{p.stderr[-3000:]}")
@@ -149,7 +154,7 @@ def library() -> ctypes.CDLL:
             i, i64 = ctypes.c_int, ctypes.c_int64
             sig = {
                 "spx_sched_new": [ctypes.POINTER(P), i64, i64, ctypes.c_char_p, i, i, i, I64, F64, i, I64, I32, i,
-                                  I64, I32, i, _IO_FN],
+                                  I64, I32, i, _IO_FN, P],
                 "spx_acquire": [P, i64, I32, i], "spx_acquire_read": [P, i64, I32, i],
                 "spx_read_resident": [P, I32, i, ctypes.POINTER(i)],
                 "spx_release": [P, i64, I32, i, i],
@@ -159,11 +164,19 @@ def library() -> ctypes.CDLL:
                 "spx_preload": [P, i, i], "spx_has": [P, i, i, ctypes.POINTER(i)], "spx_settle": [P],
                 "spx_stats": [P, I64, F64], "spx_pool_info": [P, I64], "spx_unused_prefetches": [P, I64],
                 "spx_set_read_budget": [P, i64, i64], "spx_budget_meter": [ctypes.c_double, i64, i, I32, F64, F64, I64],
+                # the copy IO through the CUDA driver (native_io.py)
+                "spx_cio_new": [ctypes.POINTER(P), ctypes.c_char_p, ctypes.POINTER(ctypes.c_uint64), I64,
+                                ctypes.POINTER(ctypes.c_uint64)],
+                "spx_cio_submit": [P, i, i, i], "spx_cio_landed": [P, i, i, ctypes.POINTER(i)],
+                "spx_cio_wait": [P, i, i], "spx_cio_take": [P, i, i, ctypes.POINTER(i)], "spx_cio_release": [P, i, i],
+                "spx_cio_set": [P, i, ctypes.c_uint64], "spx_cio_slots": [P, I32, i, I64], "spx_cio_counts": [P, I64],
+                "spx_cio_ms": [P, i, i64, F64],
             }
             for name, args in sig.items():
                 fn = getattr(lib, name)
                 fn.argtypes, fn.restype = args, ctypes.c_int
             lib.spx_sched_free.argtypes, lib.spx_sched_free.restype = [P], None
+            lib.spx_cio_free.argtypes, lib.spx_cio_free.restype = [P], None
             lib.spx_sched_error.argtypes, lib.spx_sched_error.restype = [], ctypes.c_char_p
             _lib = lib
         return _lib
@@ -250,7 +263,9 @@ class NativeScheduler:
         lib = library()
         self.lib, self.io, self.cfg = lib, io, cfg
         self.L, self.E, self.k = num_layers, num_experts, top_k
-        self._buffers: dict[Key, Any] = {}
+        self._buffers: dict[Key, Any] = {}   # (the callback IO's reads, by its take)
+        native_io = getattr(io, "handle", None)   # the library's own IO: called without Python
+        self._view = io.take_view if native_io is not None else self._buffers.__getitem__
         self._error: BaseException | None = None
         # kept alive as long as the C++ scheduler, which calls it; it reaches this object through a weak reference
         self._cb = _IO_FN(functools.partial(_io_trampoline, weakref.ref(self)))
@@ -283,7 +298,7 @@ class NativeScheduler:
         self._handle = None
         self._check(lib.spx_sched_new(ctypes.byref(h), budget_bytes, slot_bytes, policy.encode(), num_layers,
                                       num_experts, top_k, cfg_i, cfg_d, bits, v16, classes, n_classes, cv16, fut, P,
-                                      self._cb))
+                                      self._cb, native_io))
         self._handle = h
         self.pool = NativePool(self, budget_bytes, slot_bytes, policy)
         self.reuse = _Reuse(self) if policy == "reuse" else None
@@ -370,7 +385,7 @@ class NativeScheduler:
     def acquire_read(self, step: int, keys: list[Key]) -> list:
         """WindowScheduler.acquire_read in one call: the layer's experts resident, pinned and read; their bytes."""
         self._call("spx_acquire_read", step, self._keys(keys), len(keys))
-        return [self._buffers[k] for k in keys]
+        return [self._view(k) for k in keys]
 
     def read_resident(self, keys: list[Key]) -> bool:
         """WindowScheduler.read_resident in one call."""
@@ -382,7 +397,7 @@ class NativeScheduler:
 
     def data(self, key: Key):
         self._call("spx_data", *key)
-        return self._buffers[key]
+        return self._view(key)
 
     def landed(self, key: Key) -> bool:
         self._check(self.lib.spx_landed(self._handle, key[0], key[1], ctypes.byref(self._flag)))
