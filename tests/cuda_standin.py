@@ -3,9 +3,10 @@ toolkit/runtime/cuda_driver.py's ctypes and android_runner/src/cuda_copy_io.cpp'
 device's, so what each caller passes and how it reads the driver's answers is checked without a GPU.
 
 Events are structs of the stand-in's, a "stream" any non-null pointer (0: the legacy default stream), a graph
-executable a counter the launch increments (0: an invalid handle), a handle of 0xdead invalid. A copy is a memcpy
-made at once; an event completes when synchronized, when landed (`standin_land`, `standin_land_all`) or, in
-instant mode (`standin_instant(1)`: a device that has run everything by the time the host asks), when recorded.
+executable a counter the launch increments (0: an invalid handle), a handle of 0xdead invalid. A copy is a memcpy made
+at once; an event completes when it or an event recorded after it is synchronized, when landed (`standin_land`,
+`standin_land_all`) or, in instant mode (`standin_instant(1)`: a device that has run everything by the time the host
+asks), when recorded.
 """
 from __future__ import annotations
 
@@ -68,7 +69,11 @@ int cuEventRecord(Ev* e, void* stream) {
 }
 static int done(const Ev* e) { return e->ready || e->at <= landed_upto_; }
 int cuEventQuery(Ev* e) { return done(e) ? 0 : 600; }
-int cuEventSynchronize(Ev* e) { e->ready = 1; return 0; }
+int cuEventSynchronize(Ev* e) {   // everything recorded up to it has run (as one stream's work would have)
+  e->ready = 1;
+  if (e->at > landed_upto_) landed_upto_ = e->at;
+  return 0;
+}
 int cuEventElapsedTime(float* ms, Ev* a, Ev* b) {
   if ((a->flags | b->flags) & 2u) return 400;
   if (!done(a) || !done(b)) return 600;

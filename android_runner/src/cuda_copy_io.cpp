@@ -154,12 +154,19 @@ bool CudaCopyIO::read(Span& s, bool must) {
   return true;
 }
 
-void CudaCopyIO::sweep(std::vector<Span>& spans, size_t& from) {
+void CudaCopyIO::sweep(std::vector<Span>& spans, size_t& from) noexcept {
   // the oldest spans while they have completed (one call where the device is behind), and every 64 spans all of
-  // them (the copy and demand streams' copies complete out of order)
+  // them (the copy and demand streams' copies complete out of order); a span the driver cannot time is left to
+  // ms(), which raises its error (the copy or wait that pushed it has been made)
   const bool all = spans.size() % kSweepEvery == 0;
-  for (size_t i = from; i < spans.size(); ++i)
-    if (!read(spans[i], false) && !all) break;
+  for (size_t i = from; i < spans.size(); ++i) {
+    bool done = false;
+    try {
+      done = read(spans[i], false);
+    } catch (const Error&) {
+    }
+    if (!done && !all) break;
+  }
   while (from < spans.size() && spans[from].a == nullptr) ++from;
 }
 
@@ -185,8 +192,11 @@ void CudaCopyIO::submit(Key key, void*, bool demand) {
   }
   try {
     s.b = recorded(true, cs);
-  } catch (...) {
-    drop(s.a);
+  } catch (...) {   // the copy is queued with no event to order the slot's next copy after it: the slot stays out
+    drop(s.a);       // of use (taken from the free slots, given to no expert)
+    for (Event* e : last) drop(e);
+    last.clear();
+    free_.pop_back();
     throw;
   }
   // (the IO's state changes only once every call has succeeded)

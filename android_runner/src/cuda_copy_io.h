@@ -1,9 +1,10 @@
 // The GPU tier's copy IO in C++ (toolkit/runtime/native_io.py loads it): the scheduler's IOBackend whose reads are
 // copies from pinned host memory into a slot arena on a CUDA device, made through the CUDA driver's C entry points
 // (libcuda.so.1, opened with dlopen: no CUDA headers or toolkit at build time, so the library builds on any
-// machine). It makes the same calls, in the same order and on the same streams, as the Python IO it replaces
-// (toolkit/runtime/gpu.py's CudaCopyIO under launch=driver): the scheduler's copies, waits and releases need no
-// crossing into Python, and its events come from a pool instead of being made and destroyed per copy.
+// machine). It orders the copies, waits and events as the Python IO it replaced (toolkit/runtime/gpu.py's CudaCopyIO
+// under launch=driver, before 2026-12-07), on the same streams, with fewer calls: a copy known to have landed is
+// neither waited for again nor kept in its slot's last use, and its events come from a pool instead of being made and
+// destroyed per copy; the scheduler's copies, waits and releases need no crossing into Python.
 //
 // - submit: a free slot (the last freed first), the compute stream's last use of the slot and the slot's old copy
 //   waited for where they have not completed, then the copy on the copy stream (a prefetch) or the demand stream,
@@ -15,8 +16,9 @@
 //   fenced: every kernel that read the slot has run) and for the old copy's completion (orders_reuse).
 //
 // A copy's and a stall's times are read from their event pairs as soon as they have completed (the oldest pairs at
-// each copy and stall, all of them every 64) or when asked (ms), so their events go back to the pool. Every driver failure throws one line naming the call and the
-// driver's error name.
+// each copy and stall, all of them every 64) or when asked (ms), so their events go back to the pool. Every driver
+// failure throws one line naming the call and the driver's error name, and leaves the IO as it was, except a copy
+// queued whose end event then fails: its slot stays out of use.
 #pragma once
 
 #include <cstdint>
@@ -86,7 +88,7 @@ class CudaCopyIO : public IOBackend {
   bool complete(Event* e);
   void stream_wait(uint64_t stream, Event* e);
   bool read(Span& s, bool must);
-  void sweep(std::vector<Span>& spans, size_t& from);
+  void sweep(std::vector<Span>& spans, size_t& from) noexcept;
   [[noreturn]] void fail(int rc, const char* call) const;
 
   std::unique_ptr<CudaApi> api_;

@@ -134,8 +134,9 @@ def launch_fallback(dev: Device) -> str | None:
         return str(e)
     try:   # the copy IO under the driver's calls is the native library's (native_io.py)
         native_library()
-    except SpecPrefetchError as e:
-        return f"launch=driver: the native copy IO cannot be built ({e})"
+    except SpecPrefetchError as e:   # (one line: the build's first, without the scheduler's setting)
+        why = str(e).splitlines()[0].removeprefix("host=native: ")
+        return f"launch=driver: the native copy IO cannot be built: {why}"
     return None
 
 

@@ -14,9 +14,9 @@ a bench; the timers add about a microsecond a call), then prints each call's cou
 - `read_routing`: the graph decode's one sync per MoE layer on the compute stream (it waits for the device,
   so it is device time as much as host time);
 - `rows`: a DevicePlan's rows read back (on a GPU its wait for their stream, then the lists);
-- `submit`: one copy issued by the Python scheduler (its stream waits, events and the copy's launch: CudaCopyIO's
-  calls under launch=torch, one call into the native library's copy IO under the driver's; the native
-  scheduler's copies are made in C++ and counted in its callers' figures).
+- `submit`: one copy issued by the Python scheduler through CudaCopyIO (torch's calls, launch=torch: its stream
+  waits, events and the copy's launch); `submit (native IO)` the same through the native library's copy IO (under
+  the driver's calls: one call); the native scheduler's copies are made in C++ and counted in its callers' figures.
 
 Then the graph decode's tokens per run label (its policy, pool and the settings that differ from the
 defaults; `(resident)` for the all-resident bound as the policies decode; the oracle's recording passes as
@@ -49,7 +49,7 @@ TIMED = (("toolkit.runtime.scheduler", "WindowScheduler", ("acquire", "release",
          ("toolkit.runtime.gpu_graph", "GraphRunner", ("read_routing",)),
          ("toolkit.runtime.gpu_graph", "DevicePlan", ("rows",)),
          ("toolkit.runtime.gpu", "CudaCopyIO", ("submit",)),
-         ("toolkit.runtime.native_io", "NativeCopyIO", ("submit",)))
+         ("toolkit.runtime.native_io", "NativeCopyIO", (("submit", "submit (native IO)"),)))   # (name, its label)
 
 
 class Timeline:
@@ -177,10 +177,10 @@ def installed():
     saved = []
     for mod, cls, names in TIMED:
         c = getattr(importlib.import_module(mod), cls)
-        for name in names:
+        for entry in names:
+            name, label = entry if isinstance(entry, tuple) else (entry, entry.lstrip("_"))
             f = c.__dict__[name]
             saved.append((c, name, f))
-            label = name.lstrip("_")
 
             @functools.wraps(f)
             def timed(*a, _f=f, _n=label, **kw):

@@ -6,14 +6,16 @@ The pooled decode is host-bound (docs/benchmarks.md sections 29-30) and a MoE la
 about seven operations (copies, completion checks, reads, releases): in Python each cost a crossing into the
 interpreter and a handful of ctypes calls (two events made and recorded, a copy, the slot's waits). Here each is
 one C call from the Python scheduler, and none at all from the native one (`host=native`): its scheduler calls
-this IO directly, so a MoE layer's acquire, planning and release are one crossing each. The events come from a
-pool (made once, recorded again) instead of one made and destroyed per copy and stall.
+this IO directly, so its acquire, planning and release make their copies within their one crossing each (the graph
+decode then reads the layer's slot numbers with one call). The events come from a pool (made once, recorded again)
+instead of one made and destroyed per copy and stall.
 
-Same operations, order and streams as gpu.py's `CudaCopyIO` (which keeps torch's calls, `launch=torch`, and the
-CPU's synchronous copies): a copy on the copy stream (a prefetch) or the high-priority demand stream, after the
-slot's last readers and its old copy where they have not completed; the compute stream's waits timed as stalls;
-`fenced` (gpu_graph.GraphRunner.decode from its sync to the release: a copy into a slot evicted then waits for no
-kernel). The figures (`mark`, `copy_ms`, `stall_ms`, `copied_bytes`) read the same events.
+The same ordering on the same streams as gpu.py's `CudaCopyIO` (which keeps torch's calls, `launch=torch`, and the
+CPU's synchronous copies), with fewer calls (a copy known to have landed is not waited for again): a copy on the
+copy stream (a prefetch) or the high-priority demand stream, after the slot's last readers and its old copy where
+they have not completed; the compute stream's waits timed as stalls; `fenced` (gpu_graph.GraphRunner.decode from its
+sync to the release: a copy into a slot evicted then waits for no kernel). The figures (`mark`, `copy_ms`,
+`stall_ms`, `copied_bytes`) read the same events.
 """
 from __future__ import annotations
 
@@ -102,13 +104,11 @@ class NativeCopyIO:
     def release(self, key: Key) -> None:
         self._check(self.lib.spx_cio_release(self._h, key[0], key[1]))
 
-    def take_view(self, key: Key) -> torch.Tensor:
-        """The slot's bytes of an expert the scheduler has read (take: made by the native scheduler itself)."""
-        self._keys[0], self._keys[1] = key
-        self._check(self.lib.spx_cio_slots(self._h, self._keys, 1, self._slots))
-        if self._slots[0] < 0:
-            raise SpecPrefetchError(f"internal: expert {key} has no slot")
-        return self.views[self._slots[0]]
+    def views_of(self, keys: Sequence[Key]) -> list[torch.Tensor]:
+        """The slots' bytes of experts the scheduler has read (its take, made by the native scheduler itself): one
+        call."""
+        self._slot_of(keys)
+        return [self.views[i] for i in self._slots[:len(keys)]]
 
     def close(self) -> None:
         pass
@@ -133,8 +133,8 @@ class NativeCopyIO:
         self._check(self.lib.spx_cio_set(self._h, COMPUTE, stream))
         self._compute = stream
 
-    def slot_numbers(self, keys: Sequence[Key], out: np.ndarray) -> None:
-        """out[i] = the slot of keys[i] (each has one): one call."""
+    def _slot_of(self, keys: Sequence[Key]) -> None:
+        """self._slots[i] = the slot of keys[i] (each must have one): one call."""
         n = len(keys)
         if n > len(self._slots):
             self._keys, self._slots = (ctypes.c_int32 * (2 * n))(), (ctypes.c_int64 * n)()
@@ -142,7 +142,11 @@ class NativeCopyIO:
         self._check(self.lib.spx_cio_slots(self._h, self._keys, n, self._slots))
         if min(self._slots[:n], default=0) < 0:
             raise SpecPrefetchError(f"internal: an expert of {list(keys)} has no slot")
-        out[:n] = self._slots[:n]
+
+    def slot_numbers(self, keys: Sequence[Key], out: np.ndarray) -> None:
+        """out[i] = the slot of keys[i] (each has one): one call."""
+        self._slot_of(keys)
+        out[:len(keys)] = self._slots[:len(keys)]
 
     @property
     def where(self) -> dict[Key, int]:

@@ -68,6 +68,7 @@ _STATS = ("requests", "hits", "prefetch_hits", "late", "misses", "prefetch_issue
           "dropped_low_conf", "dropped_no_slot", "dropped_late", "bytes_read")
 
 _lib: ctypes.CDLL | None = None
+_failed: str | None = None   # why the build failed (raised again by library())
 _lock = threading.Lock()
 
 
@@ -140,11 +141,17 @@ def _compile(cxx: list[str], files: dict[str, bytes], lib: Path, out_dir: Path) 
 
 
 def library() -> ctypes.CDLL:
-    """The loaded library (built on first use)."""
-    global _lib
+    """The loaded library (built on first use; a build that failed is not tried again in this process)."""
+    global _lib, _failed
     with _lock:
+        if _failed is not None:
+            raise SpecPrefetchError(_failed)
         if _lib is None:
-            path = build()
+            try:
+                path = build()
+            except SpecPrefetchError as e:
+                _failed = str(e)
+                raise
             try:
                 lib = ctypes.CDLL(str(path))
             except OSError as e:
@@ -265,10 +272,10 @@ class NativeScheduler:
         self.L, self.E, self.k = num_layers, num_experts, top_k
         self._buffers: dict[Key, Any] = {}   # (the callback IO's reads, by its take)
         native_io = getattr(io, "handle", None)   # the library's own IO: called without Python
-        self._view = io.take_view if native_io is not None else self._buffers.__getitem__
+        self._native_io = native_io is not None
         self._error: BaseException | None = None
         # kept alive as long as the C++ scheduler, which calls it; it reaches this object through a weak reference
-        self._cb = _IO_FN(functools.partial(_io_trampoline, weakref.ref(self)))
+        self._cb = _IO_FN() if self._native_io else _IO_FN(functools.partial(_io_trampoline, weakref.ref(self)))
         cfg_i = _ints([cfg.candidates or 0, cfg.queue_depth,
                        -1 if cfg.step_budget_bytes is None else cfg.step_budget_bytes,
                        -1 if cfg.read_budget_bytes is None else cfg.read_budget_bytes,
@@ -385,7 +392,7 @@ class NativeScheduler:
     def acquire_read(self, step: int, keys: list[Key]) -> list:
         """WindowScheduler.acquire_read in one call: the layer's experts resident, pinned and read; their bytes."""
         self._call("spx_acquire_read", step, self._keys(keys), len(keys))
-        return [self._view(k) for k in keys]
+        return self.io.views_of(keys) if self._native_io else [self._buffers[k] for k in keys]
 
     def read_resident(self, keys: list[Key]) -> bool:
         """WindowScheduler.read_resident in one call."""
@@ -397,7 +404,7 @@ class NativeScheduler:
 
     def data(self, key: Key):
         self._call("spx_data", *key)
-        return self._view(key)
+        return self.io.views_of([key])[0] if self._native_io else self._buffers[key]
 
     def landed(self, key: Key) -> bool:
         self._check(self.lib.spx_landed(self._handle, key[0], key[1], ctypes.byref(self._flag)))
