@@ -33,6 +33,9 @@ int standin_sized_copies() { return sized_copies_; }
 int standin_waits() { return waits_; }   // stream waits on a recorded event
 void standin_instant(int on) { instant_ = on; }
 void standin_land_all() { landed_upto_ = clock_; }
+static int fail_record_in_ = 0, fail_copy_in_ = 0;
+void standin_fail_record_in(int n) { fail_record_in_ = n; }   // the n-th record from now fails (0: none)
+void standin_fail_copy_in(int n) { fail_copy_in_ = n; }       // the n-th copy from now fails
 void standin_context(int c) { ctx_ = c; }   // 0: none current, else device c - 1's
 void* standin_last_stream() { return last_stream_; }
 void standin_land(Ev* e) { e->ready = 1; }
@@ -51,6 +54,7 @@ int cuGraphLaunch(long* exec, void* stream) {
 }
 int cuMemcpyAsync(std::uint64_t dst, std::uint64_t src, std::size_t n, void* stream) {
   if (BAD(stream)) return 400;
+  if (fail_copy_in_ > 0 && --fail_copy_in_ == 0) return 1;
   std::memcpy((void*)dst, (const void*)src, n); last_stream_ = stream; ++copies_;
   sized_copies_ += n == sized_; return 0;
 }
@@ -65,6 +69,7 @@ int cuEventCreate(Ev** e, unsigned flags) {
 int cuEventDestroy_v2(Ev* e) { std::free(e); ++destroyed_; return 0; }
 int cuEventRecord(Ev* e, void* stream) {
   if (BAD(stream)) return 400;
+  if (fail_record_in_ > 0 && --fail_record_in_ == 0) return 1;
   e->recorded = 1; e->ready = instant_; e->at = ++clock_; return 0;
 }
 static int done(const Ev* e) { return e->ready || e->at <= landed_upto_; }

@@ -238,7 +238,35 @@ def test_native_copy_io_orders_a_slots_reuse_itself(cuda_standin, monkeypatch):
     assert bad.where == {} and bad.mark() == (0, 0)
     bad.submit((0, 1), demand=False)                    # the slot still free
     assert bad.where == {(0, 1): 0}
+    bad.release((0, 1))
+    so.standin_fail_copy_in(1)                          # the copy refused: the IO unchanged
+    with pytest.raises(SpecPrefetchError, match=r"^launch=driver: cuMemcpyAsync failed: CUDA_ERROR_INVALID_VALUE$"):
+        bad.submit((0, 2), demand=False)
+    assert bad.where == {} and bad.mark() == (1, 0)
+    so.standin_fail_record_in(2)                        # the copy queued, its end event refused: the slot out of use
+    with pytest.raises(SpecPrefetchError, match=r"^launch=driver: cuEventRecord failed: CUDA_ERROR_INVALID_VALUE$"):
+        bad.submit((0, 2), demand=False)
+    assert bad.where == {} and bad.mark() == (1, 0)
+    with pytest.raises(SpecPrefetchError, match=r"^internal: a copy with every slot of the arena taken$"):
+        bad.submit((0, 3), demand=False)
     drv = cuda_driver.Driver(so)
     drv.path = "libcuda-absent.so.404"
     with pytest.raises(SpecPrefetchError, match=r"^launch=driver: cannot load the CUDA driver \(libcuda-absent"):
         NativeCopyIO(Host(), 1, Dev(), slots, drv)
+
+
+def test_the_fallback_for_a_library_that_cannot_be_built_is_one_line():
+    """gpu.launch_fallback's reason where the native library (the copy IO's) cannot be built: one line, the build's
+    first and the compiler's last, without the scheduler's setting."""
+    from toolkit.runtime.gpu import no_copy_io
+    from toolkit.runtime.native_sched import NO_COMPILER
+
+    assert no_copy_io(SpecPrefetchError(NO_COMPILER)) == (
+        "launch=driver: the native copy IO cannot be built: no C++ compiler ($CXX, or g++ or c++ on PATH) to build "
+        "the native scheduler")
+    failed = SpecPrefetchError("host=native: building the native scheduler with g++ failed (a static libstdc++ is "
+                               "needed: Debian's g++ has it):\nx.cpp:1:1: error: one\n  2 | two\nfatal: the last\n")
+    assert no_copy_io(failed) == (
+        "launch=driver: the native copy IO cannot be built: building the native scheduler with g++ failed (a static "
+        "libstdc++ is needed: Debian's g++ has it): fatal: the last")
+

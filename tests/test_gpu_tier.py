@@ -1317,7 +1317,7 @@ def _timed_originals():
             GpuEngine.generate, WindowScheduler.acquire)
 
 
-def test_host_timing_counts_the_per_layer_calls(tiny_models, stores, tiny_adapter, tmp_path, capsys, cuda_standin,
+def test_host_timing_counts_the_per_layer_calls(tiny_models, stores, tiny_adapter, tmp_path, capsys, request,
                                                 monkeypatch):
     """`python -m toolkit.runtime.host_timing` (the GPU bench with the host's per-layer calls timed): the
     bench runs and writes its report, and every timed call is counted where it runs: one routing read and
@@ -1329,10 +1329,12 @@ def test_host_timing_counts_the_per_layer_calls(tiny_models, stores, tiny_adapte
     with host_timing.installed() as (secs, calls, tl):
         assert _timed_originals()[0] is not originals[0]
         eng = _engine(tiny_models["qwen3_moe"], stores["qwen3_moe"], "next-gate+prediction", 0.25, "cpu")
-        with monkeypatch.context() as m:   # the native copy IO's copies, labelled apart
-            m.setattr(GpuEngine, "_driver", lambda self: cuda_driver.Driver(cuda_standin))
-            gn = eng.run(list(range(5, 17)), 6)
-            assert calls["submit (native IO)"] >= gn.stats.counts["prefetch_issued"] + gn.stats.counts["misses"] > 0
+        if has_compiler():   # the native copy IO's copies (the stand-in driver's), labelled apart
+            drv = cuda_driver.Driver(request.getfixturevalue("cuda_standin"))
+            with monkeypatch.context() as m:
+                m.setattr(GpuEngine, "_driver", lambda self: drv)
+                gn = eng.run(list(range(5, 17)), 6)
+            assert calls["submit_native"] >= gn.stats.counts["prefetch_issued"] + gn.stats.counts["misses"] > 0
             assert not calls["submit"]
             calls.clear()
             secs.clear()
@@ -2047,16 +2049,18 @@ def test_driver_launch_decodes_as_torchs_calls_on_cuda(tiny_models, stores, tiny
 
     def absent(device):
         raise SpecPrefetchError("launch=driver: cannot load the CUDA driver (a test)")
-    monkeypatch.setattr(gpu, "driver", absent)
-    eng2 = GpuEngine(load_model(tiny_models["qwen3_moe"], dtype="float16"), ExpertStore(stores["qwen3_moe"], spec),
-                     RunConfig(policy=pols[0], pool_mib=64.0), device="cuda", decode="graph")
-    assert (eng2.launch, eng2.launch_fallback) == ("torch", "launch=driver: cannot load the CUDA driver (a test)")
-    replays.clear()
-    g = eng2.run(prompt, 10)
-    assert g.tokens == want and g.to_json()["launch"] == "torch" and replays
-    with pytest.raises(SpecPrefetchError, match="cannot load the CUDA driver"):
-        eng2.configure(launch="driver")
-    monkeypatch.undo()   # (the driver back) and no native library: torch's calls too, and why
+    with monkeypatch.context() as m:
+        m.setattr(gpu, "driver", absent)
+        eng2 = GpuEngine(load_model(tiny_models["qwen3_moe"], dtype="float16"),
+                         ExpertStore(stores["qwen3_moe"], spec), RunConfig(policy=pols[0], pool_mib=64.0),
+                         device="cuda", decode="graph")
+        assert (eng2.launch, eng2.launch_fallback) == ("torch", "launch=driver: cannot load the CUDA driver (a test)")
+        replays.clear()
+        g = eng2.run(prompt, 10)
+        assert g.tokens == want and g.to_json()["launch"] == "torch" and replays
+        with pytest.raises(SpecPrefetchError, match="cannot load the CUDA driver"):
+            eng2.configure(launch="driver")
+    # the driver there, but no native library to build (the copy IO's): torch's calls too, and why in one line
     monkeypatch.setattr(gpu, "native_library", lambda: (_ for _ in ()).throw(SpecPrefetchError(NO_COMPILER)))
     eng3 = GpuEngine(load_model(tiny_models["qwen3_moe"], dtype="float16"), ExpertStore(stores["qwen3_moe"], spec),
                      RunConfig(policy=pols[0], pool_mib=64.0), device="cuda", decode="graph")

@@ -134,10 +134,17 @@ def launch_fallback(dev: Device) -> str | None:
         return str(e)
     try:   # the copy IO under the driver's calls is the native library's (native_io.py)
         native_library()
-    except SpecPrefetchError as e:   # (one line: the build's first, without the scheduler's setting)
-        why = str(e).splitlines()[0].removeprefix("host=native: ")
-        return f"launch=driver: the native copy IO cannot be built: {why}"
+    except SpecPrefetchError as e:
+        return no_copy_io(e)
     return None
+
+
+def no_copy_io(e: SpecPrefetchError) -> str:
+    """launch_fallback's one line for a native library that cannot be built: the build's first line and, for a
+    failed compile, the compiler's last."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    why = lines[0].removeprefix("host=native: ").rstrip(":") + (f": {lines[-1]}" if len(lines) > 1 else "")
+    return f"launch=driver: the native copy IO cannot be built: {why}"
 
 
 # -- the host tier and the GPU pool ----------------------------------------------------------------

@@ -15,7 +15,7 @@ a bench; the timers add about a microsecond a call), then prints each call's cou
   so it is device time as much as host time);
 - `rows`: a DevicePlan's rows read back (on a GPU its wait for their stream, then the lists);
 - `submit`: one copy issued by the Python scheduler through CudaCopyIO (torch's calls, launch=torch: its stream
-  waits, events and the copy's launch); `submit (native IO)` the same through the native library's copy IO (under
+  waits, events and the copy's launch); `submit_native` the same through the native library's copy IO (under
   the driver's calls: one call); the native scheduler's copies are made in C++ and counted in its callers' figures.
 
 Then the graph decode's tokens per run label (its policy, pool and the settings that differ from the
@@ -49,7 +49,7 @@ TIMED = (("toolkit.runtime.scheduler", "WindowScheduler", ("acquire", "release",
          ("toolkit.runtime.gpu_graph", "GraphRunner", ("read_routing",)),
          ("toolkit.runtime.gpu_graph", "DevicePlan", ("rows",)),
          ("toolkit.runtime.gpu", "CudaCopyIO", ("submit",)),
-         ("toolkit.runtime.native_io", "NativeCopyIO", (("submit", "submit (native IO)"),)))   # (name, its label)
+         ("toolkit.runtime.native_io", "NativeCopyIO", (("submit", "submit_native"),)))   # (name, its label)
 
 
 class Timeline:

@@ -34,8 +34,8 @@ COMPUTE, FENCED = 0, 1   # spx_cio_set's settings
 
 
 class NativeCopyIO:
-    """The scheduler's IOBackend for the GPU through the native library (see the module's text); `handle` is what
-    a NativeScheduler is given to call it without Python."""
+    """The scheduler's IOBackend for the GPU through the native library (see the module's text); `native_handle` is
+    what a NativeScheduler is given to call it without Python."""
 
     orders_reuse = True   # a copy into a slot waits for the slot's old copy itself (release)
 
@@ -74,7 +74,7 @@ class NativeCopyIO:
         self._slots = (ctypes.c_int64 * 32)()
 
     @property
-    def handle(self) -> ctypes.c_void_p:
+    def native_handle(self) -> ctypes.c_void_p:
         return self._h
 
     def __del__(self):

@@ -149,13 +149,13 @@ def library() -> ctypes.CDLL:
         if _lib is None:
             try:
                 path = build()
+                try:
+                    lib = ctypes.CDLL(str(path))
+                except OSError as e:
+                    raise SpecPrefetchError(f"host=native: cannot load {path}: {e}") from None
             except SpecPrefetchError as e:
                 _failed = str(e)
                 raise
-            try:
-                lib = ctypes.CDLL(str(path))
-            except OSError as e:
-                raise SpecPrefetchError(f"host=native: cannot load {path}: {e}") from None
             P, I32, I64, F64 = (ctypes.c_void_p, ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int64),
                                 ctypes.POINTER(ctypes.c_double))
             i, i64 = ctypes.c_int, ctypes.c_int64
@@ -271,7 +271,7 @@ class NativeScheduler:
         self.lib, self.io, self.cfg = lib, io, cfg
         self.L, self.E, self.k = num_layers, num_experts, top_k
         self._buffers: dict[Key, Any] = {}   # (the callback IO's reads, by its take)
-        native_io = getattr(io, "handle", None)   # the library's own IO: called without Python
+        native_io = getattr(io, "native_handle", None)   # the library's own IO (NativeCopyIO): called without Python
         self._native_io = native_io is not None
         self._error: BaseException | None = None
         # kept alive as long as the C++ scheduler, which calls it; it reaches this object through a weak reference
