@@ -217,7 +217,7 @@ void WindowScheduler::pump(const std::set<Key>& protect) {
       queue_.pop_back();
       pending_.erase(key);
       stats.dropped_stale += 1;
-      emit("drop", key, " reason=stale target=" + std::to_string(deadline));
+      if (events_ != nullptr) emit("drop", key, " reason=stale target=" + std::to_string(deadline));
       continue;
     }
     const bool budget_left = cfg_.step_budget_bytes < 0 || step_bytes_ + pool_.slot_bytes() <= cfg_.step_budget_bytes;
@@ -231,7 +231,7 @@ void WindowScheduler::pump(const std::set<Key>& protect) {
     if (loading_has(key) || pool_.get(key) != nullptr) continue;
     if (cfg_.read_budget_bytes >= 0 && backlog_ + pool_.slot_bytes() > cfg_.read_budget_bytes * (deadline - step_)) {
       stats.dropped_late += 1;  // it would land after its step: it only delays other reads
-      emit("drop", key, " reason=late target=" + std::to_string(deadline));
+      if (events_ != nullptr) emit("drop", key, " reason=late target=" + std::to_string(deadline));
       continue;
     }
     const int64_t now = step_;
@@ -243,7 +243,7 @@ void WindowScheduler::pump(const std::set<Key>& protect) {
     });
     if (slot == nullptr) {
       stats.dropped_no_slot += 1;
-      emit("drop", key, " reason=no_slot target=" + std::to_string(deadline));
+      if (events_ != nullptr) emit("drop", key, " reason=no_slot target=" + std::to_string(deadline));
       continue;
     }
     loading_.emplace_back(key, step_);
@@ -252,7 +252,8 @@ void WindowScheduler::pump(const std::set<Key>& protect) {
     stats.prefetch_issued += 1;
     stats.bytes_read += pool_.slot_bytes();
     step_bytes_ += pool_.slot_bytes();
-    emit("prefetch", key, " target=" + std::to_string(deadline) + " conf=" + EventLog::fixed(-negc, 4));
+    if (events_ != nullptr)   // (the strings built only where a log is kept: the GPU tier's host keeps none)
+      emit("prefetch", key, " target=" + std::to_string(deadline) + " conf=" + EventLog::fixed(-negc, 4));
   }
 }
 
@@ -267,7 +268,7 @@ void WindowScheduler::drop_weak() {
     if (-negc < cfg_.min_confidence) {
       pending_.erase(pend);
       stats.dropped_low_conf += 1;
-      emit("drop", key, " reason=low_confidence target=" + std::to_string(deadline));
+      if (events_ != nullptr) emit("drop", key, " reason=low_confidence target=" + std::to_string(deadline));
     } else {
       keep.push_back(item);
     }
@@ -334,7 +335,7 @@ void WindowScheduler::acquire(int64_t step, const std::vector<Key>& keys) {
       }
       stats.hits += 1;
       stats.prefetch_hits += slot->prefetched ? 1 : 0;
-      emit("hit", key, std::string(" prefetched=") + (slot->prefetched ? "1" : "0"));
+      if (events_ != nullptr) emit("hit", key, std::string(" prefetched=") + (slot->prefetched ? "1" : "0"));
     } else {
       stats.misses += 1;
       pending_.erase(key);
