@@ -855,13 +855,10 @@ class GpuEngine:
             raise SpecPrefetchError("resident_graph: needs preload, the static decoder and the on-demand policy")
         L = self.L
         runner = self._graph_runner(len(prompt_ids) + max_new_tokens + k + 1) if self.decode != "modules" else None
-        drv = self._driver()
-        if drv is not None:   # the copies, waits and events made by the native library (native_io.py)
-            io = NativeCopyIO(self.host, self.capacity, self.dev,
-                              runner.slots if runner is not None else
-                              alloc_slots(self.capacity, self.store.blob_size, self.dev), drv)
-        else:
-            io = CudaCopyIO(self.host, self.capacity, self.dev, slots=runner.slots if runner is not None else None)
+        slots = runner.slots if runner is not None else alloc_slots(self.capacity, self.store.blob_size, self.dev)
+        drv = self._driver()   # under the driver's calls the copies, waits and events are the native library's
+        io = (NativeCopyIO(self.host, self.capacity, self.dev, slots, drv) if drv is not None
+              else CudaCopyIO(self.host, self.capacity, self.dev, slots=slots))
         source = self.predictors.get(cfg.policy.predictor)
         future = recorded.routing if recorded is not None else None
         planner = None

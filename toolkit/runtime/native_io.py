@@ -20,14 +20,13 @@ sync to the release: a copy into a slot evicted then waits for no kernel). The f
 from __future__ import annotations
 
 import ctypes
-import itertools
 from typing import Sequence
 
 import numpy as np
 import torch
 
 from toolkit.errors import SpecPrefetchError
-from toolkit.runtime.native_sched import library
+from toolkit.runtime.native_sched import key_pairs, library
 from toolkit.runtime.pool import Key
 
 COMPUTE, FENCED = 0, 1   # spx_cio_set's settings
@@ -136,9 +135,9 @@ class NativeCopyIO:
     def _slot_of(self, keys: Sequence[Key]) -> None:
         """self._slots[i] = the slot of keys[i] (each must have one): one call."""
         n = len(keys)
+        self._keys = key_pairs(self._keys, keys)
         if n > len(self._slots):
-            self._keys, self._slots = (ctypes.c_int32 * (2 * n))(), (ctypes.c_int64 * n)()
-        self._keys[:2 * n] = list(itertools.chain.from_iterable(keys))
+            self._slots = (ctypes.c_int64 * n)()
         self._check(self.lib.spx_cio_slots(self._h, self._keys, n, self._slots))
         if min(self._slots[:n], default=0) < 0:
             raise SpecPrefetchError(f"internal: an expert of {list(keys)} has no slot")
@@ -153,8 +152,7 @@ class NativeCopyIO:
         """Every expert with a slot -> its slot (one call; for the resident graph's slot table, made once)."""
         keys = [(li, e) for li in range(self.L) for e in range(self.E)]
         slots = np.empty(len(keys), dtype=np.int64)
-        buf = (ctypes.c_int32 * (2 * len(keys)))(*itertools.chain.from_iterable(keys))
-        self._check(self.lib.spx_cio_slots(self._h, buf, len(keys), slots.ctypes.data_as(
+        self._check(self.lib.spx_cio_slots(self._h, key_pairs(None, keys), len(keys), slots.ctypes.data_as(
             ctypes.POINTER(ctypes.c_int64))))
         return {k: int(s) for k, s in zip(keys, slots) if s >= 0}
 

@@ -189,6 +189,16 @@ def library() -> ctypes.CDLL:
         return _lib
 
 
+def key_pairs(buf, keys: Sequence[Key]):
+    """`keys` as (layer, expert) int32 pairs in `buf`, or in a new buffer where `buf` is None or too small (the
+    buffer holding them is returned): the C calls' key arrays, made once and reused."""
+    n = 2 * len(keys)
+    if buf is None or n > len(buf):
+        buf = (ctypes.c_int32 * n)()
+    buf[:n] = list(itertools.chain.from_iterable(keys))
+    return buf
+
+
 def _ints(values: Sequence[int], kind=ctypes.c_int32):
     return (kind * len(values))(*values)
 
@@ -354,9 +364,7 @@ class NativeScheduler:
 
     def _keys(self, keys: Sequence[Key]):
         """`keys` as (layer, expert) pairs in the scheduler's one buffer (no array made per call)."""
-        if 2 * len(keys) > len(self._key_buf):
-            self._key_buf = (ctypes.c_int32 * (2 * len(keys)))()
-        self._key_buf[:2 * len(keys)] = list(itertools.chain.from_iterable(keys))
+        self._key_buf = key_pairs(self._key_buf, keys)
         return self._key_buf
 
     def _has(self, key: Key) -> bool:
