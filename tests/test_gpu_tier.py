@@ -1060,7 +1060,7 @@ def test_compiled_step_on_cuda(tiny_models, stores, sliding, fam):
     eng = GpuEngine(load_model(d, dtype="float16"), ExpertStore(store, spec),
                     RunConfig(policy=Policy.parse("next-gate+prediction"), pool_mib=64.0), device="cuda",
                     predictors=preds, with_draft=True, compile="inductor")
-    assert eng.decode == "graph" and eng.compile == "inductor"
+    assert eng.decode == "graph" and eng.compile == "inductor" and eng.attention == "fused"
     eng.configure(pool_mib=_pool_mib(eng, 0.25))
     assert eng.run(prompt, 12).tokens == want
     eng.configure(policy=Policy.parse("draft+prediction"))
@@ -1494,14 +1494,16 @@ def test_cli_bench_cuda_options_pass_through(tiny_models, stores, tmp_path, monk
     model = str(tiny_models["qwen3_moe"])
     base = ["bench", "gpu", model, "--store", str(stores["qwen3_moe"]), "--json", str(tmp_path / "b.json")]
     r = CliRunner().invoke(main, base + ["--decode", "static", "--experts", "fused", "--report-mismatches",
-                                         "--profile-resident", "--compile", "aot_eager"])
+                                         "--profile-resident", "--compile", "aot_eager", "--attention", "sdpa"])
     assert r.exit_code == 0, r.output
     assert seen["decode"] == "static" and seen["experts"] == "fused" and seen["strict"] is False
+    assert seen["attention"] == "sdpa"
     assert seen["profile"] is True and seen["compile"] == "aot_eager"
     seen.clear()
     r = CliRunner().invoke(main, base + ["--overwrite"])
     assert r.exit_code == 0, r.output
     assert seen["decode"] is None and seen["experts"] is None and seen["strict"] is True and not seen["profile"]
+    assert seen["attention"] is None
     assert seen["compile"] is None and seen["variants"] == ()
     r = CliRunner().invoke(main, base + ["--variant", "window=1", "--variant", "read_budget_kib=64,queue_depth=2",
                                          "--overwrite"])
@@ -1520,7 +1522,7 @@ def test_cli_bench_cuda_options_pass_through(tiny_models, stores, tmp_path, monk
     r = CliRunner().invoke(main, base + ["--decode", "fast", "--overwrite"])
     assert r.exit_code == 2 and "fast" in r.output
     for extra in (["--decode", "graph"], ["--experts", "fused"], ["--report-mismatches"], ["--profile-resident"],
-                  ["--compile", "inductor"], ["--variant", "window=1"]):
+                  ["--compile", "inductor"], ["--variant", "window=1"], ["--attention", "fused"]):
         r = CliRunner().invoke(main, ["bench", "cpu", model, "--json", str(tmp_path / "c.json"), *extra])
         assert r.exit_code == 2 and "No such option" in r.output and extra[0] in r.output, r.output
 
@@ -1845,6 +1847,131 @@ def test_triton_slot_kernel_matches_the_reference():
             assert err < 2e-3, (C, O, N, rows, "gated", err)
         with pytest.raises(ValueError, match="gated"):
             K.slot_gemv(w, slots, x[:, :N], gated=True, use_triton=True)
+
+
+def _attention_case(dev, g, heads, nkv, D, S, pos, norm):
+    """Random inputs of gpu_attention.decode_attention at one position (fp16): qkv, norms, this position's
+    rotary tables (transformers' default rope), caches."""
+    h = lambda *shape: torch.randn(*shape, device=dev, generator=g).half()   # noqa: E731
+    qkv = h(1, (heads + 2 * nkv) * D)
+    qn, kn = ((1 + 0.1 * h(D)).half(), (1 + 0.1 * h(D)).half()) if norm else (None, None)
+    ang = pos / 10000 ** (torch.arange(0, D, 2, device=dev).float() / D)
+    ang = torch.cat([ang, ang])
+    return qkv, qn, kn, ang.cos().half(), ang.sin().half(), h(1, nkv, S, D), h(1, nkv, S, D)
+
+
+def test_triton_decode_attention_matches_the_reference():
+    """One position's attention kernel (Triton) against its torch reference: on CUDA, or through Triton's
+    interpreter on the CPU. Query heads per K/V head 1, 2, 4 and 8, with and without the Qwen3 q/k norms, a
+    sliding window, position 0, positions in the first block, across blocks and at the cache's end: the
+    caches written bitwise as the reference writes them (the new position only), the output within
+    fp16's rounding."""
+    import os
+
+    from toolkit.runtime import gpu_attention as A
+
+    if A.triton is None:
+        pytest.skip("no triton")
+    cuda = torch.cuda.is_available()
+    if not cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no CUDA device and Triton's interpreter is off")
+    dev = "cuda" if cuda else "cpu"
+    g = torch.Generator(device=dev).manual_seed(4)
+    cases = [(16, 4, 64, 40, 17, 0, True), (8, 8, 32, 20, 0, 0, False), (8, 2, 64, 300, 150, 0, True),
+             (4, 1, 16, 70, 69, 5, False), (32, 4, 128, 130, 129, 0, True), (16, 2, 64, 200, 64, 100, True)]
+    if cuda:
+        cases += [(32, 4, 128, 4096, 3000, 0, True), (16, 4, 64, 256, 255, 0, True)]
+    for heads, nkv, D, S, pos, window, norm in cases:
+        qkv, qn, kn, cos, sin, kc, vc = _attention_case(dev, g, heads, nkv, D, S, pos, norm)
+        kc2, vc2 = kc.clone(), vc.clone()
+        p = torch.tensor([pos], device=dev)
+        args = (qkv, qn, kn, cos, sin)
+        want = A.decode_attention(*args, kc, vc, p, heads, D ** -0.5, 1e-6, window, use_triton=False)
+        got = A.decode_attention(*args, kc2, vc2, p, heads, D ** -0.5, 1e-6, window, use_triton=True)
+        assert got.shape == want.shape == (1, heads * D) and got.dtype == torch.float16
+        assert torch.equal(kc2, kc) and torch.equal(vc2, vc), (heads, nkv, D, S, pos)
+        err = (got.float() - want.float()).abs().max().item()
+        assert err <= 2e-3 * max(1.0, want.abs().max().item()), (heads, nkv, D, S, pos, window, err)
+    # a wrong window is not within that tolerance: the check bites
+    heads, nkv, D, S, pos = 4, 1, 16, 70, 69
+    qkv, qn, kn, cos, sin, kc, vc = _attention_case(dev, g, heads, nkv, D, S, pos, False)
+    p = torch.tensor([pos], device=dev)
+    a = A.decode_attention(qkv, None, None, cos, sin, kc.clone(), vc.clone(), p, heads, 0.25, 0.0, 5, use_triton=True)
+    b = A.decode_attention(qkv, None, None, cos, sin, kc.clone(), vc.clone(), p, heads, 0.25, 0.0, 6, use_triton=False)
+    assert (a.float() - b.float()).abs().max().item() > 1e-2
+    with pytest.raises(ValueError, match="power-of-two head dimension"):
+        qkv, qn, kn, cos, sin, kc, vc = _attention_case(dev, g, 4, 2, 24, 8, 3, False)
+        A.decode_attention(qkv, None, None, cos, sin, kc, vc, p, 4, 0.2, 0.0, 0, use_triton=True)
+
+
+@pytest.mark.parametrize("fam", ["qwen3_moe", "mixtral", "mixtral-sw8"])
+def test_fused_attention_is_the_models_attention(tiny_models, stores, sliding, fam):
+    """The fused attention's reference (the operator's body off CUDA) inside the static decoder of an
+    fp16 model against the model's own norms, rotary and SDPA: one position at a time after a prefill,
+    the first layer's cache rows bitwise the modules' and the logits within fp16's rounding; traced through
+    torch.compile (aot_eager) the operator writes the caches in place the same way."""
+    from toolkit.runtime.gpu_graph import StaticKV
+
+    d, store = sliding if fam == "mixtral-sw8" else (tiny_models[fam], stores[fam])
+    spec = inspect_model_dir(d)
+    engines = {a: GpuEngine(load_model(d, dtype="float16"), ExpertStore(store, spec),
+                            RunConfig(policy=Policy.parse("on-demand+lru"), pool_mib=64.0), device="cpu",
+                            attention=a) for a in ("fused", "sdpa")}
+    assert engines["fused"].attention == "fused" and engines["sdpa"].attention == "sdpa"
+    assert GpuEngine(load_model(d, dtype="float16"), ExpertStore(store, spec),
+                     RunConfig(policy=Policy.parse("on-demand+lru"), pool_mib=64.0), device="cpu").attention == "sdpa"
+    ids = list(range(3, 23))
+    out, caches = {}, {}
+    for a, eng in engines.items():
+        eng.configure(pool_mib=_pool_mib(eng, 1.0))
+        dec = eng._graph_runner(32).dec
+        assert dec.fused_attention == (a == "fused")
+        assert (dec.prelude(torch.tensor([12]), torch.zeros(1, 1, dec.H).half())[0] is None) == (a == "fused")
+        kv = StaticKV(len(dec.layers), dec.kv_heads, dec.S, dec.head_dim, "cpu", torch.float16)
+
+        def experts(li, post, idx, scores, eng=eng):
+            return _ref_moe(eng, li, post, idx, scores)
+        dec.forward_rows(torch.tensor(ids[:12]), 0, kv, experts)
+        out[a] = torch.cat([dec.forward_rows(torch.tensor([t]), 12 + j, kv, experts) for j, t in enumerate(ids[12:])])
+        caches[a] = kv
+    # the first layer's input is the embedding either way: its K/V rows are bitwise the modules'; later layers'
+    # inputs carry the attention's own rounding
+    f, m = caches["fused"], caches["sdpa"]
+    assert torch.equal(f.k[0], m.k[0]) and torch.equal(f.v[0], m.v[0])
+    for i in range(1, len(f.k)):
+        assert torch.allclose(f.k[i].float(), m.k[i].float(), atol=2e-2) and not torch.equal(f.k[i], 0 * f.k[i]), i
+    err = (out["fused"] - out["sdpa"]).abs().max().item()
+    assert err < 2e-2 * out["sdpa"].abs().max().item(), err
+    # through torch.compile: the operator in the trace, the caches written in place
+    from toolkit.runtime.gpu_attention import decode_attention
+
+    dec = engines["fused"]._graph_runner(32).dec
+    sa = dec.layers[0].self_attn
+    heads, nkv, D = dec.heads, dec.kv_heads, dec.head_dim
+    g = torch.Generator().manual_seed(1)
+    qkv, qn, kn, cos, sin, kc, vc = _attention_case("cpu", g, heads, nkv, D, 32, 9, dec.qk_norm)
+    pos = torch.tensor([9])
+    before, kc2, vc2 = kc.clone(), kc.clone(), vc.clone()
+    want = decode_attention(qkv, qn, kn, cos, sin, kc, vc, pos, heads, sa.scaling, 1e-6, dec.window or 0)
+    step = torch.compile(lambda *a: decode_attention(*a), backend="aot_eager", fullgraph=True)
+    got = step(qkv, qn, kn, cos, sin, kc2, vc2, pos, heads, sa.scaling, 1e-6, dec.window or 0)
+    assert torch.equal(got, want) and torch.equal(kc2, kc) and torch.equal(vc2, vc)
+    assert not torch.equal(kc[0, :, 9], before[0, :, 9]) and torch.equal(kc[0, :, 10:], before[0, :, 10:])
+
+
+def test_attention_option_is_validated(tiny_models, stores):
+    spec = inspect_model_dir(tiny_models["qwen3_moe"])
+
+    def engine(dtype="float32", **kw):
+        return GpuEngine(load_model(tiny_models["qwen3_moe"], dtype=dtype), ExpertStore(stores["qwen3_moe"], spec),
+                         RunConfig(policy=Policy("on-demand", "lru"), pool_mib=1.0), device="cpu", **kw)
+    for kw, msg in (({"attention": "flash"}, "expected fused or sdpa"),
+                    ({"attention": "fused", "decode": "modules"}, "only the static decoder"),
+                    ({"attention": "fused"}, "computes in fp16, not float32")):
+        with pytest.raises(SpecPrefetchError, match=msg):
+            engine(**kw)
+    assert engine().attention == "sdpa" and engine(decode="modules").attention == "sdpa"
+    assert engine("float16", attention="fused").attention == "fused"
 
 
 def test_a_mismatch_names_its_first_token_and_how_near_a_tie_it_was():

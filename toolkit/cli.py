@@ -895,6 +895,10 @@ def bench_reads_cmd(traces, store_path, pool_fracs, max_sequences, rounds, lanes
 @click.option("--experts", "experts", type=click.Choice(["fused", "eager"]), default=None,
               help="the static decoder's expert math: fused (slots read in place by one grouped GEMV; the "
                    "default with graph on fp16) or eager (gathered, transformers' loop)")
+@click.option("--attention", "attention", type=click.Choice(["fused", "sdpa"]), default=None,
+              help="the static decoder's one-position attention: fused (norms, rotary, cache write and attention "
+                   "in one kernel a layer; the default with graph on fp16) or sdpa (the model's norms and rotary, "
+                   "torch's scaled_dot_product_attention)")
 @click.option("--verify", type=click.Choice(["exact", "batched"]), default="exact", show_default=True,
               help="the draft's verification: exact (the target's one-token step per position: the model's own "
                    "tokens) or batched (one pass over all K + 1 rows: tokens equal up to near-ties)")
@@ -921,8 +925,8 @@ def bench_reads_cmd(traces, store_path, pool_fracs, max_sequences, rounds, lanes
 @json_report
 @friendly_errors(interrupt=NOT_WRITTEN)
 def bench_gpu(model, device, adapter, policies, pool_fractions, prompts, new_tokens, rounds, prompt_tokens, window,
-              store_path, draft_k, decode, experts, verify, report_mismatches, profile_resident, compile_backend,
-              variants, json_out, overwrite) -> None:
+              store_path, draft_k, decode, experts, attention, verify, report_mismatches, profile_resident,
+              compile_backend, variants, json_out, overwrite) -> None:
     """Measure the GPU tier's policies side by side on MODEL (a model directory or `embedded`): pools as
     fractions of the experts, the all-resident bound and transformers' generate beside them, the
     draft's K profiled per pool; tokens checked against transformers' (docs/gpu-tier.md)."""
@@ -944,7 +948,7 @@ def bench_gpu(model, device, adapter, policies, pool_fractions, prompts, new_tok
     r = gpu_bench.run_gpu_bench(model, store=store_path, adapter=adapter, policies=parse_policies(policies),
                                 fractions=pool_fractions, prompts=prompts, new_tokens=new_tokens, repeats=rounds,
                                 ks=ks, device=device, window=window, prompt_tokens=prompt_tokens, decode=decode,
-                                experts=experts, verify=verify, strict=not report_mismatches,
+                                experts=experts, attention=attention, verify=verify, strict=not report_mismatches,
                                 profile=profile_resident, compile=compile_backend, variants=tuple(variants),
                                 log=lambda m: click.echo(m, err=True))
     _show_report(r, json_out, c, gpu_bench.write, gpu_bench.markdown)

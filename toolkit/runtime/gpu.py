@@ -540,7 +540,8 @@ class GpuEngine:
     def __init__(self, lm, store: ExpertStore, cfg: RunConfig, *, device: str = "cuda",
                  predictors: dict[str, Any] | None = None, reuse: ReuseTable | None = None,
                  with_draft: bool = False, progress=None, decode: str | None = None,
-                 experts: str | None = None, verify: str = "exact", compile: str | None = None):
+                 experts: str | None = None, verify: str = "exact", compile: str | None = None,
+                 attention: str | None = None):
         """
         Args:
             lm: a LoadedModel on the CPU (toolkit.models.loader.load_model); its routed experts are
@@ -559,6 +560,13 @@ class GpuEngine:
                 CUDA; the default with `graph` on an fp16 model) or "eager" (the slots gathered, then
                 transformers' eager expert loop: bitwise transformers' expert arithmetic; the default
                 otherwise).
+            attention: how the static decoder's one-position steps compute attention: "fused" (the q/k
+                norms, rotary embedding, cache write and attention over the cache in one kernel per
+                layer, gpu_attention.decode_attention: Triton on CUDA; the default with `graph` on an
+                fp16 model whose geometry the kernel covers) or "sdpa" (the model's norms and rotary
+                embedding, then torch's scaled_dot_product_attention over the static cache; the default
+                otherwise). Rows of more than one position (the prefill, a batched verification) take
+                "sdpa" either way.
             verify: how the draft policy's target checks a round's proposals: "exact" (every row
                 through the target's own one-token decode step: with the static decoder its segments
                 layer-major over the rows, GraphRunner.verify_rows, each MoE layer's experts acquired
@@ -646,6 +654,7 @@ class GpuEngine:
                                     f"{str(self.dtype).removeprefix('torch.')} model does not compute with "
                                     "(use --experts eager)")
         self.experts = experts or ("fused" if self.decode == "graph" and self.dtype == torch.float16 else "eager")
+        self.attention = self._attention_choice(attention)
         if verify not in ("exact", "batched"):
             raise SpecPrefetchError(f"verify {verify!r}: expected exact or batched")
         self.verify = verify
@@ -656,6 +665,25 @@ class GpuEngine:
         self.compile = compile
         self._runners: dict[int, Any] = {}   # pool capacity -> GraphRunner (its own slot arena)
         self.configure()
+
+    def _attention_choice(self, attention: str | None) -> str:
+        from toolkit.runtime.gpu_attention import usable
+
+        if attention not in (None, "fused", "sdpa"):
+            raise SpecPrefetchError(f"attention {attention!r}: expected fused or sdpa")
+        if attention is not None and self.decode == "modules":
+            raise SpecPrefetchError(f"--attention {attention}: only the static decoder (--decode graph or static) "
+                                    "has a choice of attention")
+        if self.decode == "modules":
+            return "sdpa"
+        sa = self.model.model.layers[0].self_attn
+        why = usable(sa.q_proj.out_features // sa.head_dim, sa.k_proj.out_features // sa.head_dim, sa.head_dim,
+                     self.dtype)
+        if attention == "fused" and why is not None:
+            raise SpecPrefetchError(f"--attention fused: {why} (use --attention sdpa)")
+        if attention is not None:
+            return attention
+        return "fused" if self.decode == "graph" and why is None else "sdpa"
 
     # -- configuration ---------------------------------------------------------------------
     def configure(self, *, copy_depth: int | None | str = "keep", host: str = "keep", plan: str = "keep",

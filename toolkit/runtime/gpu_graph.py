@@ -246,6 +246,10 @@ class StaticDecoder:
         self.dtype = eng.dtype
         self.S = 0
         self.qkv = [_fused_qkv(layer.self_attn) for layer in self.layers]
+        self.heads = sa.q_proj.out_features // self.head_dim
+        # one position's attention in one kernel a layer (gpu_attention; GpuEngine(attention="fused")), where
+        # every layer's q/k/v is one projection
+        self.fused_attention = eng.attention == "fused" and all(f is not None for f in self.qkv)
 
     # -- the dense pieces ------------------------------------------------------------------
     def mask(self, positions: torch.Tensor, S: int) -> torch.Tensor:
@@ -265,6 +269,16 @@ class StaticDecoder:
         x = layer.input_layernorm(h)
         shape = (1, T, -1, self.head_dim)
         fused = self.qkv[i]
+        if T == 1 and self.fused_attention:   # norms, rotary, cache write and attention in one kernel
+            from toolkit.runtime.gpu_attention import decode_attention
+
+            cos, sin = cos_sin
+            qn, kn = (sa.q_norm.weight, sa.k_norm.weight) if self.qk_norm else (None, None)
+            eps = sa.q_norm.variance_epsilon if self.qk_norm else 0.0
+            o = decode_attention(F.linear(x, fused.weight, fused.bias).view(1, -1), qn, kn, cos.view(-1),
+                                 sin.view(-1), kv.k[i], kv.v[i], positions, self.heads, sa.scaling, eps,
+                                 self.window or 0)
+            return h + sa.o_proj(o.view(1, 1, -1))
         if fused is not None:   # one GEMV for the three projections
             q, k, v = F.linear(x, fused.weight, fused.bias).split(fused.sizes, dim=-1)
         else:
@@ -296,13 +310,16 @@ class StaticDecoder:
         return T == 1 and self.groups > 1
 
     def prelude(self, positions: torch.Tensor, h: torch.Tensor):
+        cs = self.inner.rotary_emb(h, positions[None])
+        if positions.numel() == 1 and self.fused_attention:   # (the kernel masks by the position itself)
+            return None, cs
         mask = self.mask(positions, self.S)
         if self._folds(positions.numel()):
             # one position's attention runs a K/V head's query heads as its rows (attention): the mask gets
             # those rows for real (a broadcast over the query rows is a zero stride some fused attention
             # kernels mishandle; a broadcast over heads, as before, stays)
             mask = mask.expand(1, 1, self.groups, mask.shape[-1]).contiguous()
-        return mask, self.inner.rotary_emb(h, positions[None])
+        return mask, cs
 
     def route(self, i: int, h: torch.Tensor):
         """MoE layer i's input (post-attention norm, [T, H]), top-k weights and indices (the model's router)."""

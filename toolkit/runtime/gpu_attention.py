@@ -1,0 +1,215 @@
+"""One decode position's whole attention block but the projections, in one GPU kernel.
+
+For a token at position `pos`, given its fused q/k/v projection row (the layer's one GEMV, `_FusedQKV`):
+
+    q_h  = rope(norm_q(q_h))              for each query head h  (norm_q: the Qwen3 per-head RMS norm,
+    k_g  = rope(norm_k(k_g)), v_g          for each K/V head g     or none: Mixtral)
+    cache_k[g, pos], cache_v[g, pos] = k_g, v_g
+    o_h  = softmax(q_h . cache_k[g(h), j] * scale  for visible j) . cache_v[g(h), j]
+
+where query head h reads K/V head g(h) = h // groups (transformers' repeat_kv layout) and key j is visible
+iff j <= pos and, with a sliding window W, pos - j < W. The compiled step ran this as six device
+operations a layer (the q/k norms, rotary and cache writes fused by inductor, the K/V copy of the new
+position, two kernels preparing cuDNN's SDPA, its workspace memset and the SDPA itself, plus the mask
+built for every token); `decode_attention` is one (`specprefetch::decode_attention`, Triton on CUDA):
+one program per K/V head computes its new K and V, writes them into the cache, and runs its query heads
+over the visible keys as rows of one tile (flash-decoding's online softmax over blocks of positions),
+the new position's key and value taken from registers rather than read back.
+
+Rounding follows transformers' eager modules: the norm's result rounded to the model's dtype and then
+multiplied by its weight, each rotary product and their sum rounded once, as the fp16 ops round; the
+scores and the softmax in float32, the output rounded once. The reference (`decode_attention_torch`, the
+operator's body off CUDA and the tests' oracle) computes that in torch ops; the kernel differs from it
+only in summation order and in rounding a block's unnormalised probabilities to the dtype for the value
+product (as flash attention kernels, cuDNN's among them, do).
+"""
+from __future__ import annotations
+
+import torch
+
+from toolkit.runtime.gpu_kernels import _device, triton
+
+if triton is not None:
+    import triton.language as tl
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """The Qwen3 RMS norm of each row of x (its own dtype): float32 statistics, rounded, times the weight."""
+    if w is None:
+        return x
+    xf = x.float()
+    n = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return w * n
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' apply_rotary_pos_emb on rows of x: x cos + rotate_half(x) sin."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def decode_attention_torch(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, heads: int,
+                           scale: float, eps: float, window: int) -> torch.Tensor:
+    """The reference. qkv [1, (heads + 2 kv heads) x D]; q_norm / k_norm [D] or None; cos, sin [D] (this
+    position's rotary tables, the model's dtype); k_cache, v_cache [1, kv heads, S, D] (written at pos);
+    pos [1] long (a device tensor); window 0: none. -> [1, heads x D] in qkv's dtype."""
+    _, nkv, S, D = k_cache.shape
+    row = qkv.view(-1, D)
+    q = _rope(_rms(row[:heads], q_norm, eps), cos, sin)                        # [heads, D]
+    k = _rope(_rms(row[heads:heads + nkv], k_norm, eps), cos, sin)              # [kv heads, D]
+    v = row[heads + nkv:heads + 2 * nkv]
+    k_cache[0].index_copy_(1, pos, k[:, None].to(k_cache.dtype))
+    v_cache[0].index_copy_(1, pos, v[:, None].to(v_cache.dtype))
+    j = torch.arange(S, device=qkv.device)
+    p = pos.view(())
+    ok = j <= p
+    if window:
+        ok = ok & (p - j < window)
+    qg = q.view(nkv, heads // nkv, D).float()                                   # a K/V head's query heads
+    s = torch.einsum("gqd,gsd->gqs", qg, k_cache[0].float()) * scale
+    probs = torch.softmax(s.masked_fill(~ok, float("-inf")), dim=-1)
+    o = torch.einsum("gqs,gsd->gqd", probs, v_cache[0].float())
+    return o.to(qkv.dtype).reshape(1, heads * D)
+
+
+if triton is not None:
+    @triton.jit
+    def _rms_rope(row_ptr, w_ptr, cos, sin, rows, d, dp, sign, eps, D: tl.constexpr, NORM: tl.constexpr):
+        """Rows of a projection ([R] row offsets, [D] columns) -> rope(norm(x)) in float32, rounded where
+        the eager fp16 ops round."""
+        dt = row_ptr.dtype.element_ty
+        x = tl.load(row_ptr + rows[:, None] + d[None, :]).to(tl.float32)
+        xp = tl.load(row_ptr + rows[:, None] + dp[None, :]).to(tl.float32)     # rotate_half's source column
+        if NORM:
+            r = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
+            w = tl.load(w_ptr + d).to(tl.float32)
+            wp = tl.load(w_ptr + dp).to(tl.float32)
+            x = (w[None, :] * (x * r[:, None]).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+            xp = (wp[None, :] * (xp * r[:, None]).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        a = (x * cos[None, :]).to(dt).to(tl.float32)
+        b = (sign[None, :] * xp * sin[None, :]).to(dt).to(tl.float32)
+        return (a + b).to(dt)
+
+    @triton.jit
+    def _decode_attention_kernel(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pos_ptr, out_ptr,
+                                 S, scale, eps, window,
+                                 G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, NQ: tl.constexpr,
+                                 NKV: tl.constexpr, QK_NORM: tl.constexpr, BLOCK_S: tl.constexpr):
+        g = tl.program_id(0)                                  # this program's K/V head
+        dt = qkv_ptr.dtype.element_ty
+        pos = tl.load(pos_ptr)
+        d = tl.arange(0, D)
+        dp = (d + D // 2) % D
+        sign = tl.where(d < D // 2, -1.0, 1.0)
+        cos = tl.load(cos_ptr + d).to(tl.float32)
+        sin = tl.load(sin_ptr + d).to(tl.float32)
+        one = tl.zeros([1], dtype=tl.int32)
+        k = _rms_rope(qkv_ptr, kw_ptr, cos, sin, (NQ + g) * D + one, d, dp, sign, eps, D, QK_NORM)   # [1, D]
+        v = tl.load(qkv_ptr + (NQ + NKV + g) * D + one[:, None] + d[None, :])                     # [1, D]
+        base = g.to(tl.int64) * S * D
+        tl.store(k_ptr + base + pos * D + d[None, :] + one[:, None], k)
+        tl.store(v_ptr + base + pos * D + d[None, :] + one[:, None], v)
+        # the K/V head's query heads as the rows of a tile (padded to GP >= 16 rows for tl.dot)
+        r = tl.arange(0, GP)
+        live = r < G
+        rr = tl.where(live, r, 0)
+        q = _rms_rope(qkv_ptr, qw_ptr, cos, sin, (g * G + rr) * D, d, dp, sign, eps, D, QK_NORM)     # [GP, D]
+        # the new position first, from registers: the online softmax starts from it
+        kf = k.to(tl.float32)
+        m = tl.sum(q.to(tl.float32) * kf, axis=1) * scale                                         # [GP]
+        den = tl.zeros([GP], dtype=tl.float32) + 1.0
+        acc = tl.zeros([GP, D], dtype=tl.float32) + v.to(dt).to(tl.float32)
+        lo = tl.where(window > 0, tl.maximum(pos - window + 1, 0), 0)
+        for j0 in range(lo, pos, BLOCK_S):                   # the earlier visible positions
+            j = j0 + tl.arange(0, BLOCK_S)
+            ok = j < pos
+            kb = tl.load(k_ptr + base + j[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)   # [BS, D]
+            vb = tl.load(v_ptr + base + j[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(kb)) * scale                                                  # [GP, BS]
+            s = tl.where(ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(s - m_new[:, None])
+            den = den * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(dt), vb).to(tl.float32)
+            m = m_new
+        # (the first term's weight was exp(s_new - m), carried in acc and den from the start)
+        tl.store(out_ptr + (g * G + rr[:, None]) * D + d[None, :], (acc / den[:, None]).to(dt), mask=live[:, None])
+
+
+def _check(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, heads: int) -> None:
+    _, nkv, S, D = k_cache.shape
+    torch._check(qkv.numel() == (heads + 2 * nkv) * D, lambda: "decode_attention: qkv is not q, k and v of one row")
+    torch._check(heads % nkv == 0, lambda: "decode_attention: the query heads are not a multiple of the K/V heads")
+    torch._check(v_cache.shape == k_cache.shape, lambda: "decode_attention: K and V caches differ in shape")
+    torch._check(cos.numel() == D and sin.numel() == D, lambda: "decode_attention: cos/sin are not one position's")
+    torch._check(pos.numel() == 1, lambda: "decode_attention: one position")
+
+
+def decode_attention(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, heads: int, scale: float, eps: float,
+                     window: int = 0, *, use_triton: bool | None = None) -> torch.Tensor:
+    """One position's attention (module docstring): the Triton kernel where Triton and CUDA are present,
+    else the reference; under torch.compile the custom operator `specprefetch::decode_attention` (one
+    opaque call that writes the caches in place). `use_triton` forces a path (tests)."""
+    args = (qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, heads, scale, eps, window)
+    if use_triton is None:
+        if torch.compiler.is_compiling():   # as gpu_kernels.slot_gemv
+            return torch.ops.specprefetch.decode_attention(*args)
+        return _impl(*args)
+    return _decode_attention_triton(*args) if use_triton else decode_attention_torch(*args)
+
+
+def _impl(*args) -> torch.Tensor:
+    if triton is not None and args[0].is_cuda:
+        return _decode_attention_triton(*args)
+    return decode_attention_torch(*args)
+
+
+@torch.library.custom_op("specprefetch::decode_attention", mutates_args=("k_cache", "v_cache"))
+def _decode_attention_op(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
+                         cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         pos: torch.Tensor, heads: int, scale: float, eps: float, window: int) -> torch.Tensor:
+    return _impl(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, heads, scale, eps, window)
+
+
+@_decode_attention_op.register_fake
+def _(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, heads, scale, eps, window):
+    _check(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, heads)
+    return qkv.new_empty(1, heads * k_cache.shape[-1])
+
+
+def usable(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> str | None:
+    """None where the kernel covers this attention geometry, else why not."""
+    if dtype != torch.float16:   # (bf16 would need its own checks: Triton's CPU interpreter truncates bf16)
+        return f"the fused attention computes in fp16, not {str(dtype).removeprefix('torch.')}"
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        return f"the fused attention needs a power-of-two head dimension of at least 16, not {head_dim}"
+    if heads % kv_heads:
+        return f"{heads} query heads are not a multiple of {kv_heads} K/V heads"
+    return None
+
+
+BLOCK_S = 64   # positions per step of a program's loop over the cache
+
+
+def _decode_attention_triton(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, heads: int, scale: float,
+                             eps: float, window: int) -> torch.Tensor:
+    _, nkv, S, D = k_cache.shape
+    _check(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, heads)
+    why = usable(heads, nkv, D, qkv.dtype)
+    if why is not None:
+        raise ValueError(f"decode_attention: {why}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("decode_attention: the K/V caches must be contiguous")
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("decode_attention: both q and k norms or neither")
+    groups = heads // nkv
+    out = torch.empty(1, heads * D, device=qkv.device, dtype=qkv.dtype)
+    qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
+    norm = q_norm is not None
+    qw, kw = (q_norm.contiguous(), k_norm.contiguous()) if norm else (qkv, qkv)   # (unread without norms)
+    with _device(qkv):   # Triton launches on the current device's current stream
+        _decode_attention_kernel[(nkv,)](qkv, qw, kw, cos, sin, k_cache, v_cache, pos, out, S, scale, eps, window,
+                                         G=groups, GP=max(16, triton.next_power_of_2(groups)), D=D, NQ=heads,
+                                         NKV=nkv, QK_NORM=norm, BLOCK_S=BLOCK_S)
+    return out
