@@ -1060,7 +1060,7 @@ def test_compiled_step_on_cuda(tiny_models, stores, sliding, fam):
     eng = GpuEngine(load_model(d, dtype="float16"), ExpertStore(store, spec),
                     RunConfig(policy=Policy.parse("next-gate+prediction"), pool_mib=64.0), device="cuda",
                     predictors=preds, with_draft=True, compile="inductor")
-    assert eng.decode == "graph" and eng.compile == "inductor" and eng.attention == "fused"
+    assert eng.decode == "graph" and eng.compile == "inductor" and (eng.attention, eng.router) == ("fused", "fused")
     eng.configure(pool_mib=_pool_mib(eng, 0.25))
     assert eng.run(prompt, 12).tokens == want
     eng.configure(policy=Policy.parse("draft+prediction"))
@@ -1497,13 +1497,13 @@ def test_cli_bench_cuda_options_pass_through(tiny_models, stores, tmp_path, monk
                                          "--profile-resident", "--compile", "aot_eager", "--attention", "sdpa"])
     assert r.exit_code == 0, r.output
     assert seen["decode"] == "static" and seen["experts"] == "fused" and seen["strict"] is False
-    assert seen["attention"] == "sdpa"
+    assert seen["attention"] == "sdpa" and seen["router"] is None
     assert seen["profile"] is True and seen["compile"] == "aot_eager"
     seen.clear()
     r = CliRunner().invoke(main, base + ["--overwrite"])
     assert r.exit_code == 0, r.output
     assert seen["decode"] is None and seen["experts"] is None and seen["strict"] is True and not seen["profile"]
-    assert seen["attention"] is None
+    assert seen["attention"] is None and seen["router"] is None
     assert seen["compile"] is None and seen["variants"] == ()
     r = CliRunner().invoke(main, base + ["--variant", "window=1", "--variant", "read_budget_kib=64,queue_depth=2",
                                          "--overwrite"])
@@ -1522,7 +1522,8 @@ def test_cli_bench_cuda_options_pass_through(tiny_models, stores, tmp_path, monk
     r = CliRunner().invoke(main, base + ["--decode", "fast", "--overwrite"])
     assert r.exit_code == 2 and "fast" in r.output
     for extra in (["--decode", "graph"], ["--experts", "fused"], ["--report-mismatches"], ["--profile-resident"],
-                  ["--compile", "inductor"], ["--variant", "window=1"], ["--attention", "fused"]):
+                  ["--compile", "inductor"], ["--variant", "window=1"], ["--attention", "fused"],
+                  ["--router", "fused"]):
         r = CliRunner().invoke(main, ["bench", "cpu", model, "--json", str(tmp_path / "c.json"), *extra])
         assert r.exit_code == 2 and "No such option" in r.output and extra[0] in r.output, r.output
 
@@ -1959,19 +1960,121 @@ def test_fused_attention_is_the_models_attention(tiny_models, stores, sliding, f
     assert not torch.equal(kc[0, :, 9], before[0, :, 9]) and torch.equal(kc[0, :, 10:], before[0, :, 10:])
 
 
+def test_triton_router_matches_the_reference():
+    """One position's router kernel (Triton: CUDA or the interpreter) against its torch reference: the
+    residual and the router input bitwise, the same experts in the same order, the scores within a
+    float32 rounding; Qwen3's fp16 scores with and without the normalisation, Mixtral's float32 ones,
+    k = E, and a tie between two experts' logits (the lower index first, as topk_by_sort)."""
+    import os
+
+    from toolkit.runtime import gpu_router as R
+
+    if R.triton is None:
+        pytest.skip("no triton")
+    cuda = torch.cuda.is_available()
+    if not cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no CUDA device and Triton's interpreter is off")
+    dev = "cuda" if cuda else "cpu"
+    g = torch.Generator(device=dev).manual_seed(5)
+    r = lambda *shape: torch.randn(*shape, device=dev, generator=g)   # noqa: E731
+    for H, E, k, norm, sdt, tie in ((64, 8, 2, True, torch.float16, False), (1024, 32, 4, True, torch.float16, True),
+                                    (1024, 32, 4, False, torch.float16, False), (100, 60, 8, True, torch.float32, True),
+                                    (64, 8, 8, True, torch.float32, False)):
+        h, a = r(1, H).half(), r(1, H).half()
+        nw, gw = (1 + 0.1 * r(H)).half(), (0.1 * r(E, H)).half()
+        if tie:   # experts 5 and 2 share a row aligned with the router input: equal logits, high enough to be
+            gw[2] = 0.05 * (h + a).float().sign()[0].half()   # chosen; the lower index ranks first
+            gw[5] = gw[2]
+        outs = []
+        for use in (False, True):
+            post = torch.zeros(1, H, device=dev).half()
+            sc, idx = torch.zeros(1, k, device=dev, dtype=sdt), torch.full((1, k), -1, device=dev, dtype=torch.long)
+            outs.append((R.route(h, a, nw, 1e-6, gw, norm, post, sc, idx, use_triton=use), post, sc, idx))
+        (h0, p0, s0, i0), (h1, p1, s1, i1) = outs
+        assert torch.equal(h0, h1) and torch.equal(h0, h + a) and torch.equal(p0, p1), (H, E, k)
+        assert torch.equal(i0, i1) and sorted(set(i0[0].tolist())) == sorted(i0[0].tolist()), (H, E, k, i0, i1)
+        assert s1.dtype == sdt and torch.allclose(s0.float(), s1.float(), rtol=2e-3, atol=1e-6), (H, E, k, s0, s1)
+        if norm:
+            assert abs(s1.float().sum().item() - 1) < 5e-3
+        if tie:
+            got = i1[0].tolist()
+            assert got[:2] == [2, 5], got
+    with pytest.raises(ValueError, match="top-9 of 8"):
+        z = torch.zeros(1, 64, device=dev).half()
+        R.route(z, z, z[0], 1e-6, torch.zeros(8, 64, device=dev).half(), True, z.clone(), torch.zeros(1, 9, device=dev),
+                torch.zeros(1, 9, dtype=torch.long, device=dev), use_triton=True)
+
+
+@pytest.mark.parametrize("fam", ["qwen3_moe", "mixtral"])
+def test_fused_router_is_the_models_router(tiny_models, stores, fam):
+    """The fused router's reference (the operator's body off CUDA) in the runner's segments of an fp16
+    model against the model's post-attention norm and router module: per MoE layer the same router
+    input, experts and scores in the runner's buffers, the same residual; the engine's tokens equal
+    with either; traced through torch.compile (aot_eager) the buffers are written in place."""
+    d, store = tiny_models[fam], stores[fam]
+    spec = inspect_model_dir(d)
+    engines = {r: GpuEngine(load_model(d, dtype="float16"), ExpertStore(store, spec),
+                            RunConfig(policy=Policy.parse("on-demand+lru"), pool_mib=64.0), device="cpu", router=r)
+               for r in ("fused", "model")}
+    assert [e.router for e in engines.values()] == ["fused", "model"]
+    prompt = list(range(5, 17))
+    runs = {}
+    for r, eng in engines.items():
+        eng.configure(pool_mib=_pool_mib(eng, 0.5))
+        runs[r] = eng.run(prompt, 10)
+        assert eng._graph_runner(32).dec.fused_router == (r == "fused")
+    assert runs["fused"].tokens == runs["model"].tokens
+    assert [x.tolist() for x in runs["fused"].routing] == [x.tolist() for x in runs["model"].routing]
+    # one segment's buffers, from the same state: equal, and really written (they start as NaN / -1)
+    bufs = {}
+    for r, eng in engines.items():
+        gr = eng._graph_runner(32)
+        gr.tok.fill_(7)
+        gr.pos.fill_(3)
+        gr.post.fill_(float("nan"))
+        gr.scores.fill_(float("nan"))
+        gr.idx.fill_(-1)
+        gr.segment(0)
+        bufs[r] = (gr.h.clone(), gr.post[0].clone(), gr.scores[0].clone(), gr.idx[0].clone())
+    (h0, p0, s0, i0), (h1, p1, s1, i1) = bufs["fused"], bufs["model"]
+    assert torch.equal(h0, h1) and torch.equal(p0, p1) and torch.equal(i0, i1) and (i0 >= 0).all()
+    assert torch.allclose(s0.float(), s1.float(), rtol=2e-3, atol=1e-6) and not s0.isnan().any()
+    from toolkit.runtime.gpu_router import route
+
+    dec = engines["fused"]._graph_runner(32).dec
+    li, i = 0, min(dec.moe_at)
+    norm, gate = dec.layers[i].post_attention_layernorm, dec.blocks[i].gate
+    g = torch.Generator().manual_seed(2)
+    h, a = torch.randn(1, 1, dec.H, generator=g).half(), torch.randn(1, 1, dec.H, generator=g).half()
+    outs = []
+    for fn in (route, torch.compile(lambda *x: route(*x), backend="aot_eager", fullgraph=True)):
+        post, sc, idx = torch.zeros(1, dec.H).half(), torch.zeros_like(s0), torch.full_like(i0, -1)
+        with torch.no_grad():   # (as the engine runs it: the weights are parameters)
+            outs.append((fn(h, a, norm.weight, norm.variance_epsilon, gate.weight, dec.norm_topk[i], post, sc, idx),
+                         post, sc, idx))
+    for x, y in zip(*outs):
+        assert torch.equal(x, y)
+    assert (outs[1][3] >= 0).all() and outs[1][1].abs().sum() > 0
+
+
 def test_attention_option_is_validated(tiny_models, stores):
     spec = inspect_model_dir(tiny_models["qwen3_moe"])
 
     def engine(dtype="float32", **kw):
         return GpuEngine(load_model(tiny_models["qwen3_moe"], dtype=dtype), ExpertStore(stores["qwen3_moe"], spec),
                          RunConfig(policy=Policy("on-demand", "lru"), pool_mib=1.0), device="cpu", **kw)
-    for kw, msg in (({"attention": "flash"}, "expected fused or sdpa"),
+    for kw, msg in (({"attention": "flash"}, "attention 'flash': expected fused or sdpa"),
                     ({"attention": "fused", "decode": "modules"}, "only the static decoder"),
-                    ({"attention": "fused"}, "computes in fp16, not float32")):
+                    ({"attention": "fused"}, "--attention fused: the fused attention computes in fp16, not float32"),
+                    ({"router": "flash"}, "router 'flash': expected fused or model"),
+                    ({"router": "model", "decode": "modules"}, "only the static decoder"),
+                    ({"router": "fused"}, "--router fused: the fused router computes in fp16, not float32")):
         with pytest.raises(SpecPrefetchError, match=msg):
             engine(**kw)
-    assert engine().attention == "sdpa" and engine(decode="modules").attention == "sdpa"
-    assert engine("float16", attention="fused").attention == "fused"
+    for e in (engine(), engine(decode="modules"), engine("float16")):   # CPU: static, the model's modules
+        assert (e.attention, e.router) == ("sdpa", "model")
+    e = engine("float16", attention="fused", router="fused")
+    assert (e.attention, e.router) == ("fused", "fused")
 
 
 def test_a_mismatch_names_its_first_token_and_how_near_a_tie_it_was():

@@ -899,6 +899,9 @@ def bench_reads_cmd(traces, store_path, pool_fracs, max_sequences, rounds, lanes
               help="the static decoder's one-position attention: fused (norms, rotary, cache write and attention "
                    "in one kernel a layer; the default with graph on fp16) or sdpa (the model's norms and rotary, "
                    "torch's scaled_dot_product_attention)")
+@click.option("--router", "router", type=click.Choice(["fused", "model"]), default=None,
+              help="the static decoder's one-position routing: fused (residual add, norm, router, softmax and top-k "
+                   "in one kernel a MoE layer; the default with graph on fp16) or model (the model's norm and router)")
 @click.option("--verify", type=click.Choice(["exact", "batched"]), default="exact", show_default=True,
               help="the draft's verification: exact (the target's one-token step per position: the model's own "
                    "tokens) or batched (one pass over all K + 1 rows: tokens equal up to near-ties)")
@@ -925,7 +928,7 @@ def bench_reads_cmd(traces, store_path, pool_fracs, max_sequences, rounds, lanes
 @json_report
 @friendly_errors(interrupt=NOT_WRITTEN)
 def bench_gpu(model, device, adapter, policies, pool_fractions, prompts, new_tokens, rounds, prompt_tokens, window,
-              store_path, draft_k, decode, experts, attention, verify, report_mismatches, profile_resident,
+              store_path, draft_k, decode, experts, attention, router, verify, report_mismatches, profile_resident,
               compile_backend, variants, json_out, overwrite) -> None:
     """Measure the GPU tier's policies side by side on MODEL (a model directory or `embedded`): pools as
     fractions of the experts, the all-resident bound and transformers' generate beside them, the
@@ -948,7 +951,7 @@ def bench_gpu(model, device, adapter, policies, pool_fractions, prompts, new_tok
     r = gpu_bench.run_gpu_bench(model, store=store_path, adapter=adapter, policies=parse_policies(policies),
                                 fractions=pool_fractions, prompts=prompts, new_tokens=new_tokens, repeats=rounds,
                                 ks=ks, device=device, window=window, prompt_tokens=prompt_tokens, decode=decode,
-                                experts=experts, attention=attention, verify=verify, strict=not report_mismatches,
+                                experts=experts, attention=attention, router=router, verify=verify, strict=not report_mismatches,
                                 profile=profile_resident, compile=compile_backend, variants=tuple(variants),
                                 log=lambda m: click.echo(m, err=True))
     _show_report(r, json_out, c, gpu_bench.write, gpu_bench.markdown)

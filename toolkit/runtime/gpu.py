@@ -541,7 +541,7 @@ class GpuEngine:
                  predictors: dict[str, Any] | None = None, reuse: ReuseTable | None = None,
                  with_draft: bool = False, progress=None, decode: str | None = None,
                  experts: str | None = None, verify: str = "exact", compile: str | None = None,
-                 attention: str | None = None):
+                 attention: str | None = None, router: str | None = None):
         """
         Args:
             lm: a LoadedModel on the CPU (toolkit.models.loader.load_model); its routed experts are
@@ -567,6 +567,11 @@ class GpuEngine:
                 embedding, then torch's scaled_dot_product_attention over the static cache; the default
                 otherwise). Rows of more than one position (the prefill, a batched verification) take
                 "sdpa" either way.
+            router: how the static decoder's one-position steps route a MoE layer: "fused" (the residual
+                add, post-attention norm, router GEMV, softmax, top-k and its normalisation in one kernel,
+                written into the runner's buffers: gpu_router.route, Triton on CUDA; the default with
+                `graph` on an fp16 model) or "model" (the model's norm and router module; the default
+                otherwise). Rows of more than one position take "model" either way.
             verify: how the draft policy's target checks a round's proposals: "exact" (every row
                 through the target's own one-token decode step: with the static decoder its segments
                 layer-major over the rows, GraphRunner.verify_rows, each MoE layer's experts acquired
@@ -654,7 +659,7 @@ class GpuEngine:
                                     f"{str(self.dtype).removeprefix('torch.')} model does not compute with "
                                     "(use --experts eager)")
         self.experts = experts or ("fused" if self.decode == "graph" and self.dtype == torch.float16 else "eager")
-        self.attention = self._attention_choice(attention)
+        self.attention, self.router = self._fused_choices(attention, router)
         if verify not in ("exact", "batched"):
             raise SpecPrefetchError(f"verify {verify!r}: expected exact or batched")
         self.verify = verify
@@ -666,24 +671,35 @@ class GpuEngine:
         self._runners: dict[int, Any] = {}   # pool capacity -> GraphRunner (its own slot arena)
         self.configure()
 
-    def _attention_choice(self, attention: str | None) -> str:
-        from toolkit.runtime.gpu_attention import usable
-
-        if attention not in (None, "fused", "sdpa"):
-            raise SpecPrefetchError(f"attention {attention!r}: expected fused or sdpa")
-        if attention is not None and self.decode == "modules":
-            raise SpecPrefetchError(f"--attention {attention}: only the static decoder (--decode graph or static) "
-                                    "has a choice of attention")
+    def _kernel_choice(self, option: str, value: str | None, other: str, why: str | None) -> str:
+        """`--attention` / `--router`: "fused" or `other`; fused by default with `graph` where the kernel
+        covers the model (`why` None), refused in one line where it is asked for and does not."""
+        if value not in (None, "fused", other):
+            raise SpecPrefetchError(f"{option} {value!r}: expected fused or {other}")
+        if value is not None and self.decode == "modules":
+            raise SpecPrefetchError(f"--{option} {value}: only the static decoder (--decode graph or static) "
+                                    f"has a choice of {option}")
         if self.decode == "modules":
-            return "sdpa"
+            return other
+        if value == "fused" and why is not None:
+            raise SpecPrefetchError(f"--{option} fused: {why} (use --{option} {other})")
+        if value is not None:
+            return value
+        return "fused" if self.decode == "graph" and why is None else other
+
+    def _fused_choices(self, attention: str | None, router: str | None) -> tuple[str, str]:
+        from toolkit.runtime.gpu_attention import usable
+        from toolkit.runtime.gpu_router import usable as router_usable
+
+        g = self.spec.geometry
         sa = self.model.model.layers[0].self_attn
-        why = usable(sa.q_proj.out_features // sa.head_dim, sa.k_proj.out_features // sa.head_dim, sa.head_dim,
-                     self.dtype)
-        if attention == "fused" and why is not None:
-            raise SpecPrefetchError(f"--attention fused: {why} (use --attention sdpa)")
-        if attention is not None:
-            return attention
-        return "fused" if self.decode == "graph" and why is None else "sdpa"
+        layers = [self.model.model.layers[i] for i in g.moe_layers]
+        a = self._kernel_choice("attention", attention, "sdpa",
+                                usable(sa.q_proj.out_features // sa.head_dim, sa.k_proj.out_features // sa.head_dim,
+                                       sa.head_dim, self.dtype))
+        why = router_usable([layer.post_attention_layernorm for layer in layers],
+                            [self.spec.family.moe_block(self.model, i).gate for i in g.moe_layers], self.dtype)
+        return a, self._kernel_choice("router", router, "model", why)
 
     # -- configuration ---------------------------------------------------------------------
     def configure(self, *, copy_depth: int | None | str = "keep", host: str = "keep", plan: str = "keep",

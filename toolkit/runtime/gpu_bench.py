@@ -225,12 +225,13 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
                   fractions: list[float], prompts: int = 4, prompt_tokens: int = 64, new_tokens: int = 64,
                   repeats: int = 2, ks: tuple[int, ...] = (2, 4, 6, 8, 12), device: str = "cuda",
                   window: int = 2, data: Path | None = None, decode: str | None = None,
-                  experts: str | None = None, attention: str | None = None, verify: str = "exact",
+                  experts: str | None = None, attention: str | None = None, router: str | None = None,
+                  verify: str = "exact",
                   strict: bool = True,
                   profile: bool = False, compile: str | None = None, variants: tuple[str, ...] = (),
                   log: Callable[[str], None] = print) -> dict[str, Any]:
-    """`decode`, `experts`, `attention`, `verify`: the engine's decode path, expert math, one-position
-    attention and the draft's verification (gpu.GpuEngine). `strict`: refuse to
+    """`decode`, `experts`, `attention`, `router`, `verify`: the engine's decode path, expert math,
+    one-position attention and routing, and the draft's verification (gpu.GpuEngine). `strict`: refuse to
     report when any run's tokens differ from transformers' (the default); False returns the figures
     with `tokens_match_transformers: false` and the differing runs listed, for diagnosis only. `profile`:
     also where an all-resident token's time goes (`profile_resident`, after the timed runs). `variants`:
@@ -294,7 +295,8 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
     eng = GpuEngine(lm, st, RunConfig(policy=Policy("on-demand", "lru"), pool_mib=all_mib, window=window),
                     device=device, predictors=preds, reuse=reuse,
                     with_draft=any(p.predictor == "draft" for p in policies),
-                    decode=decode, experts=experts, attention=attention, verify=verify, compile=compile,
+                    decode=decode, experts=experts, attention=attention, router=router,
+                    verify=verify, compile=compile,
                     progress=lambda i, n: log(f"host tier: layer {i}/{n} read") if i == n else None)
     log(f"model {spec.path}: {L} MoE layers x {E} experts of {st.blob_size / MiB:.2f} MiB "
         f"({all_mib:.0f} MiB of experts), dense {eng.dense_bytes / MiB:.0f} MiB on the GPU")
@@ -478,7 +480,7 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
         "resident_device_alone": alone,
         "resident_synced_tpot_ms": round(synced_tpot, 3), "resident_synced_runs": len(synced_runs),
         "hbm_gbps": hbm, "hbm_floor_bytes": token_bytes, "hbm_floor_ms": hbm_floor, "decode": eng.decode,
-        "experts": eng.experts, "attention": eng.attention, "verify": eng.verify, "compile": eng.compile,
+        "experts": eng.experts, "attention": eng.attention, "router": eng.router, "verify": eng.verify, "compile": eng.compile,
         "resident_vs_floor": round(resident_tpot / floor, 2) if floor else None,
         "resident_synced_vs_floor": round(synced_tpot / floor, 2) if floor else None,
         "transformers_ms_per_token_wall": round(ref_tpot, 3),
@@ -505,7 +507,7 @@ def markdown(r: dict[str, Any]) -> str:
               f"(top-{m['top_k']}) of {m['expert_mib']} MiB; H2D {_bw(r)} GB/s; all resident "
               f"{r['resident_tpot_ms']} ms/token{alone} (TPOT, interleaved with the policies; HBM floor "
               f"{_f(r.get('hbm_floor_ms'))} ms), decode {r.get('decode', 'modules')}, experts "
-              f"{r.get('experts', 'eager')}, attention {r.get('attention', 'sdpa')}"
+              f"{r.get('experts', 'eager')}, attention {r.get('attention', 'sdpa')}, router {r.get('router', 'model')}"
               f"{', compiled (' + r['compile'] + ')' if r.get('compile') else ''}"
               f"{', ' + calls if calls else ''}, "
               f"the draft's verification {r.get('verify', 'batched')}, "
@@ -596,6 +598,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="the static decoder's expert math (default: fused with --decode graph on fp16, else eager)")
     ap.add_argument("--attention", choices=["fused", "sdpa"], default=None,
                     help="the static decoder's one-position attention (default: fused with --decode graph on fp16)")
+    ap.add_argument("--router", choices=["fused", "model"], default=None,
+                    help="the static decoder's one-position routing (default: fused with --decode graph on fp16)")
     ap.add_argument("--data", type=Path, help="prompts: a JSONL of {\"text\"} (default: the embedded held-out text)")
     ap.add_argument("--verify", choices=["exact", "batched"], default="exact",
                     help="the draft's verification (gpu.GpuEngine's verify)")
@@ -620,7 +624,7 @@ def main(argv: list[str] | None = None) -> None:
                       fractions=[float(x) for x in a.fractions.split(",")], prompts=a.prompts,
                       prompt_tokens=a.prompt_tokens, new_tokens=a.new_tokens, repeats=a.repeats, device=a.device,
                       ks=tuple(int(x) for x in a.draft_k.split(",")), decode=a.decode, experts=a.experts,
-                      attention=a.attention, data=a.data, verify=a.verify,
+                      attention=a.attention, router=a.router, data=a.data, verify=a.verify,
                       strict=not a.report_mismatches, profile=a.profile_resident, compile=a.compile,
                       variants=tuple(a.variant))
     md, png = write(r, a.json)

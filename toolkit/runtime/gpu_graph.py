@@ -250,6 +250,10 @@ class StaticDecoder:
         # one position's attention in one kernel a layer (gpu_attention; GpuEngine(attention="fused")), where
         # every layer's q/k/v is one projection
         self.fused_attention = eng.attention == "fused" and all(f is not None for f in self.qkv)
+        # one position's residual add, post-attention norm and router in one kernel a MoE layer (gpu_router;
+        # GpuEngine(router="fused")); whether each router divides its top-k by their sum (Mixtral's always do)
+        self.fused_router = eng.router == "fused"
+        self.norm_topk = {i: bool(getattr(self.blocks[i].gate, "norm_topk_prob", True)) for i in self.blocks}
 
     # -- the dense pieces ------------------------------------------------------------------
     def mask(self, positions: torch.Tensor, S: int) -> torch.Tensor:
@@ -263,6 +267,10 @@ class StaticDecoder:
 
     def attention(self, i: int, h: torch.Tensor, positions: torch.Tensor, kv: StaticKV, mask, cos_sin) -> torch.Tensor:
         """h [1, T, H] -> h + self-attention(h): the new K, V written at `positions` first."""
+        return h + self.attend(i, h, positions, kv, mask, cos_sin)
+
+    def attend(self, i: int, h: torch.Tensor, positions: torch.Tensor, kv: StaticKV, mask, cos_sin) -> torch.Tensor:
+        """h [1, T, H] -> self-attention(h) (after the output projection; the residual not added)."""
         layer = self.layers[i]
         sa = layer.self_attn
         T = h.shape[1]
@@ -278,7 +286,7 @@ class StaticDecoder:
             o = decode_attention(F.linear(x, fused.weight, fused.bias).view(1, -1), qn, kn, cos.view(-1),
                                  sin.view(-1), kv.k[i], kv.v[i], positions, self.heads, sa.scaling, eps,
                                  self.window or 0)
-            return h + sa.o_proj(o.view(1, 1, -1))
+            return sa.o_proj(o.view(1, 1, -1))
         if fused is not None:   # one GEMV for the three projections
             q, k, v = F.linear(x, fused.weight, fused.bias).split(fused.sizes, dim=-1)
         else:
@@ -302,7 +310,7 @@ class StaticDecoder:
             K, V = _repeat_kv(kv.k[i], self.groups), _repeat_kv(kv.v[i], self.groups)
             o = F.scaled_dot_product_attention(q, K, V, attn_mask=mask, scale=sa.scaling)
             o = o.transpose(1, 2).reshape(1, T, -1)
-        return h + sa.o_proj(o)
+        return sa.o_proj(o)
 
     def _folds(self, T: int) -> bool:
         """Whether attention over T positions runs a K/V head's query heads as its rows (the K/V fold,
@@ -327,13 +335,26 @@ class StaticDecoder:
         _, scores, idx = self.blocks[i].gate(post)
         return post, scores, idx
 
-    def layer(self, i: int, h: torch.Tensor, positions: torch.Tensor, kv: "StaticKV", mask, cos_sin):
+    def layer(self, i: int, h: torch.Tensor, positions: torch.Tensor, kv: "StaticKV", mask, cos_sin, out=None):
         """Decoder layer i: attention, then the router of a MoE layer -> (h, post, scores, idx), or the
-        whole of a dense layer -> (h,)."""
-        h = self.attention(i, h, positions, kv, mask, cos_sin)
-        if i in self.moe_at:
-            return (h, *self.route(i, h))
-        return (self.dense_mlp(i, h),)
+        whole of a dense layer -> (h,). `out`: a MoE layer's (post, scores, idx) buffers, which its
+        results are written into (and returned as)."""
+        a = self.attend(i, h, positions, kv, mask, cos_sin)
+        if i not in self.moe_at:
+            return (self.dense_mlp(i, h + a),)
+        if out is not None and h.shape[1] == 1 and self.fused_router:
+            from toolkit.runtime.gpu_router import route
+
+            norm, gate = self.layers[i].post_attention_layernorm, self.blocks[i].gate
+            h = route(h, a, norm.weight, norm.variance_epsilon, gate.weight, self.norm_topk[i], *out).view_as(h)
+            return (h, *out)
+        h = h + a
+        routed = self.route(i, h)
+        if out is None:
+            return (h, *routed)
+        for buf, x in zip(out, routed):
+            buf.copy_(x)
+        return (h, *out)
 
     def dense_mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
         layer = self.layers[i]
@@ -706,13 +727,11 @@ class GraphRunner:
             h = h + self.math(self.post[li], self.scores[li], self.sel[li]).view(1, 1, -1).to(h.dtype)
         mask, cs = pre if pre is not None else dec.prelude(self.pos, h)
         for i in self.seg_layers[s]:
-            h, *routed = dec.layer(i, h, self.pos, self.kv, mask, cs)
-            if routed:
-                li = dec.moe_at[i]
-                post, scores, idx = routed
-                self.post[li].copy_(post)
-                self.idx[li].copy_(idx)
-                self.scores[li].copy_(scores)
+            li = dec.moe_at.get(i)
+            out = None if li is None else (self.post[li], self.scores[li], self.idx[li])
+            h, *routed = dec.layer(i, h, self.pos, self.kv, mask, cs, out=out)
+            if routed:   # (written into the runner's buffers)
+                idx = self.idx[li]
                 if resident:   # the host's choice in decode(): ascending expert, then their top-k positions
                     srt, order = idx[0].sort()
                     self.sel[li, :k].copy_(self.slot_of[li].index_select(0, srt))

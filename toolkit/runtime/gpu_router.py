@@ -1,0 +1,162 @@
+"""A MoE layer's router for one decode position in one GPU kernel.
+
+Given the residual stream h and the attention block's output a (after its output projection):
+
+    h'     = h + a                                    (the residual add, rounded to the model's dtype)
+    post   = w_norm * rms_norm(h')                    (the post-attention RMS norm, as transformers rounds it)
+    logits = W_router post                            (float32 sums, rounded to the dtype as F.linear rounds)
+    top-k of softmax(logits) in float32, the lower expert first among equal values; divided by their sum
+    where the model normalises them (Qwen3's norm_topk_prob, always for Mixtral); cast to the scores' dtype
+
+The compiled step ran this as five device operations a layer (the add, norm and router GEMV fused by
+inductor, three softmax / sort kernels, the normalisation), plus the copies of the results into the
+runner's buffers; `route` is one (`specprefetch::route`, Triton on CUDA): one program reads h, a, the
+norm's weight and the router's [E, H] matrix, writes the layer's router input, scores and expert indices
+into the buffers it is given and returns h'. The top-k is taken over the logits (the softmax is
+monotonic, so the same experts in the same order) by k rounds of a maximum, ties to the lower index as
+`gpu_graph.topk_by_sort`. The reference (`route_torch`) is the operator's body off CUDA and the tests'
+oracle; the kernel differs from it in summation order and the exponential's last bits.
+"""
+from __future__ import annotations
+
+import torch
+
+from toolkit.runtime.gpu_kernels import _device, triton
+
+if triton is not None:
+    import triton.language as tl
+
+
+def usable(norms, gates, dtype: torch.dtype) -> str | None:
+    """None where the kernel covers these MoE layers' post-attention norms and routers, else why not."""
+    if dtype != torch.float16:   # (as gpu_attention.usable)
+        return f"the fused router computes in fp16, not {str(dtype).removeprefix('torch.')}"
+    for norm, gate in zip(norms, gates):
+        if not (hasattr(norm, "variance_epsilon") and getattr(norm, "weight", None) is not None):
+            return f"{type(norm).__name__} is not an RMS norm with a weight"
+        w = getattr(gate, "weight", None)
+        if w is None or w.dim() != 2 or w.dtype != dtype or getattr(gate, "bias", None) is not None:
+            return f"{type(gate).__name__} is not a bias-free linear router in the model's dtype"
+        if w.shape[0] > MAX_EXPERTS:
+            return f"{w.shape[0]} experts: the fused router takes at most {MAX_EXPERTS}"
+    return None
+
+
+MAX_EXPERTS = 512
+
+
+def route_torch(h, a, norm_w, eps: float, gate_w, norm_topk: bool, post, scores, idx) -> torch.Tensor:
+    """The reference: h, a [1, H]; norm_w [H]; gate_w [E, H]; writes post [1, H], scores [1, k] (their dtype),
+    idx [1, k] (long); returns h + a."""
+    k = idx.shape[-1]
+    hn = (h + a).view(1, -1)
+    x = hn.float()
+    p = norm_w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(hn.dtype)
+    logits = (p.float() @ gate_w.float().t()).to(hn.dtype).float()        # [1, E]
+    probs = torch.softmax(logits, dim=-1)
+    order = torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :k]
+    top = probs.gather(1, order)
+    if norm_topk:
+        top = top / top.sum(-1, keepdim=True)
+    post.copy_(p.view_as(post))
+    scores.copy_(top.to(scores.dtype))
+    idx.copy_(order)
+    return hn.view_as(h)
+
+
+if triton is not None:
+    @triton.jit
+    def _route_kernel(h_ptr, a_ptr, nw_ptr, gw_ptr, hout_ptr, post_ptr, sc_ptr, idx_ptr, H, E, eps,
+                      K: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr, BLOCK_H: tl.constexpr,
+                      NORM_TOPK: tl.constexpr):
+        dt = h_ptr.dtype.element_ty
+        ss = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for h0 in range(0, H, BLOCK_H):                      # the residual add, and its sum of squares
+            c = h0 + tl.arange(0, BLOCK_H)
+            mc = c < H
+            x = (tl.load(h_ptr + c, mask=mc, other=0.0) + tl.load(a_ptr + c, mask=mc, other=0.0)).to(dt)
+            tl.store(hout_ptr + c, x, mask=mc)
+            xf = x.to(tl.float32)
+            ss += xf * xf
+        r = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / H + eps)
+        e = tl.arange(0, EP)
+        me = e < E
+        lg = tl.zeros([EP], dtype=tl.float32)
+        for h0 in range(0, H, BLOCK_H):                      # the norm, and the router's rows against it
+            c = h0 + tl.arange(0, BLOCK_H)
+            mc = c < H
+            x = (tl.load(h_ptr + c, mask=mc, other=0.0) + tl.load(a_ptr + c, mask=mc, other=0.0)).to(dt)
+            n = (x.to(tl.float32) * r).to(dt).to(tl.float32)
+            p = (tl.load(nw_ptr + c, mask=mc, other=0.0).to(tl.float32) * n).to(dt)
+            tl.store(post_ptr + c, p, mask=mc)
+            w = tl.load(gw_ptr + e[:, None] * H + c[None, :], mask=me[:, None] & mc[None, :], other=0.0)
+            lg += tl.sum(w.to(tl.float32) * p.to(tl.float32)[None, :], axis=1)
+        lg = tl.where(me, lg.to(dt).to(tl.float32), float("-inf"))
+        ex = tl.exp(lg - tl.max(lg, axis=0))
+        den = tl.sum(ex, axis=0)
+        kk = tl.arange(0, KP)
+        top = tl.zeros([KP], dtype=tl.float32)
+        at = tl.zeros([KP], dtype=tl.int32)
+        left = lg
+        for t in tl.static_range(K):                         # k rounds of a maximum, the lower index on ties
+            m = tl.max(left, axis=0)
+            i = tl.min(tl.where(left == m, e, EP), axis=0)
+            top = tl.where(kk == t, tl.sum(tl.where(e == i, ex, 0.0), axis=0) / den, top)
+            at = tl.where(kk == t, i, at)
+            left = tl.where(e == i, float("-inf"), left)
+        if NORM_TOPK:
+            top = top / tl.sum(tl.where(kk < K, top, 0.0), axis=0)
+        tl.store(sc_ptr + kk, top.to(sc_ptr.dtype.element_ty), mask=kk < K)
+        tl.store(idx_ptr + kk, at.to(tl.int64), mask=kk < K)
+
+
+def route(h, a, norm_w, eps: float, gate_w, norm_topk: bool, post, scores, idx, *,
+          use_triton: bool | None = None) -> torch.Tensor:
+    """One position's router (module docstring): the Triton kernel where Triton and CUDA are present, else
+    the reference; under torch.compile the custom operator `specprefetch::route` (one opaque call writing
+    post, scores and idx in place). `use_triton` forces a path (tests)."""
+    args = (h, a, norm_w, eps, gate_w, norm_topk, post, scores, idx)
+    if use_triton is None:
+        if torch.compiler.is_compiling():   # as gpu_kernels.slot_gemv
+            return torch.ops.specprefetch.route(*args)
+        return _impl(*args)
+    return _route_triton(*args) if use_triton else route_torch(*args)
+
+
+def _impl(*args) -> torch.Tensor:
+    if triton is not None and args[0].is_cuda:
+        return _route_triton(*args)
+    return route_torch(*args)
+
+
+@torch.library.custom_op("specprefetch::route", mutates_args=("post", "scores", "idx"))
+def _route_op(h: torch.Tensor, a: torch.Tensor, norm_w: torch.Tensor, eps: float, gate_w: torch.Tensor,
+              norm_topk: bool, post: torch.Tensor, scores: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    return _impl(h, a, norm_w, eps, gate_w, norm_topk, post, scores, idx)
+
+
+@_route_op.register_fake
+def _(h, a, norm_w, eps, gate_w, norm_topk, post, scores, idx):
+    torch._check(h.numel() == a.numel() == post.numel() == gate_w.shape[1], lambda: "route: one row of the hidden size")
+    torch._check(scores.numel() == idx.numel(), lambda: "route: scores and indices differ in k")
+    return torch.empty_like(h)
+
+
+def _route_triton(h, a, norm_w, eps: float, gate_w, norm_topk: bool, post, scores, idx) -> torch.Tensor:
+    E, H = gate_w.shape
+    k = idx.numel()
+    if h.numel() != H or a.numel() != H or post.numel() != H or scores.numel() != k:
+        raise ValueError(f"route: one row of {H} (h {tuple(h.shape)}, a {tuple(a.shape)}, post {tuple(post.shape)}) "
+                         f"and k = {k} scores ({tuple(scores.shape)})")
+    if idx.dtype != torch.long or not (post.is_contiguous() and scores.is_contiguous() and idx.is_contiguous()):
+        raise ValueError("route: contiguous outputs, long indices")
+    if not 0 < k <= E:
+        raise ValueError(f"route: top-{k} of {E} experts")
+    h, a, norm_w, gate_w = h.contiguous(), a.contiguous(), norm_w.contiguous(), gate_w.contiguous()
+    out = torch.empty_like(h)
+    with _device(h):   # Triton launches on the current device's current stream
+        _route_kernel[(1,)](h, a, norm_w, gate_w, out, post, scores, idx, H, E, eps, K=k,
+                            KP=triton.next_power_of_2(k), EP=max(16, triton.next_power_of_2(E)),
+                            BLOCK_H=max(32, min(256, 8192 // max(16, triton.next_power_of_2(E)))),
+                            NORM_TOPK=norm_topk, num_warps=8)
+    return out
