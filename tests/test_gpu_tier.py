@@ -2042,7 +2042,7 @@ def test_fused_router_is_the_models_router(tiny_models, stores, fam):
     from toolkit.runtime.gpu_router import route
 
     dec = engines["fused"]._graph_runner(32).dec
-    li, i = 0, min(dec.moe_at)
+    i = min(dec.moe_at)
     norm, gate = dec.layers[i].post_attention_layernorm, dec.blocks[i].gate
     g = torch.Generator().manual_seed(2)
     h, a = torch.randn(1, 1, dec.H, generator=g).half(), torch.randn(1, 1, dec.H, generator=g).half()
