@@ -951,7 +951,8 @@ def bench_gpu(model, device, adapter, policies, pool_fractions, prompts, new_tok
     r = gpu_bench.run_gpu_bench(model, store=store_path, adapter=adapter, policies=parse_policies(policies),
                                 fractions=pool_fractions, prompts=prompts, new_tokens=new_tokens, repeats=rounds,
                                 ks=ks, device=device, window=window, prompt_tokens=prompt_tokens, decode=decode,
-                                experts=experts, attention=attention, router=router, verify=verify, strict=not report_mismatches,
+                                experts=experts, attention=attention, router=router, verify=verify,
+                                strict=not report_mismatches,
                                 profile=profile_resident, compile=compile_backend, variants=tuple(variants),
                                 log=lambda m: click.echo(m, err=True))
     _show_report(r, json_out, c, gpu_bench.write, gpu_bench.markdown)

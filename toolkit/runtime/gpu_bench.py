@@ -480,7 +480,8 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
         "resident_device_alone": alone,
         "resident_synced_tpot_ms": round(synced_tpot, 3), "resident_synced_runs": len(synced_runs),
         "hbm_gbps": hbm, "hbm_floor_bytes": token_bytes, "hbm_floor_ms": hbm_floor, "decode": eng.decode,
-        "experts": eng.experts, "attention": eng.attention, "router": eng.router, "verify": eng.verify, "compile": eng.compile,
+        "experts": eng.experts, "attention": eng.attention, "router": eng.router, "verify": eng.verify,
+        "compile": eng.compile,
         "resident_vs_floor": round(resident_tpot / floor, 2) if floor else None,
         "resident_synced_vs_floor": round(synced_tpot / floor, 2) if floor else None,
         "transformers_ms_per_token_wall": round(ref_tpot, 3),
@@ -507,7 +508,8 @@ def markdown(r: dict[str, Any]) -> str:
               f"(top-{m['top_k']}) of {m['expert_mib']} MiB; H2D {_bw(r)} GB/s; all resident "
               f"{r['resident_tpot_ms']} ms/token{alone} (TPOT, interleaved with the policies; HBM floor "
               f"{_f(r.get('hbm_floor_ms'))} ms), decode {r.get('decode', 'modules')}, experts "
-              f"{r.get('experts', 'eager')}, attention {r.get('attention', 'sdpa')}, router {r.get('router', 'model')}"
+              f"{r.get('experts', 'eager')}, attention {r.get('attention', 'sdpa')}, "
+              f"router {r.get('router', 'model')}"
               f"{', compiled (' + r['compile'] + ')' if r.get('compile') else ''}"
               f"{', ' + calls if calls else ''}, "
               f"the draft's verification {r.get('verify', 'batched')}, "
