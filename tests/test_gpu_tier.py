@@ -1909,7 +1909,7 @@ def test_triton_decode_attention_matches_the_reference():
 def test_fused_attention_is_the_models_attention(tiny_models, stores, sliding, fam):
     """The fused attention's reference (the operator's body off CUDA) inside the static decoder of an
     fp16 model against the model's own norms, rotary and SDPA: one position at a time after a prefill,
-    the first layer's cache rows bitwise the modules' and the logits within fp16's rounding; traced through
+    the cache rows it writes and the logits within fp16's rounding; traced through
     torch.compile (aot_eager) the operator writes the caches in place the same way."""
     from toolkit.runtime.gpu_graph import StaticKV
 
@@ -1935,12 +1935,13 @@ def test_fused_attention_is_the_models_attention(tiny_models, stores, sliding, f
         dec.forward_rows(torch.tensor(ids[:12]), 0, kv, experts)
         out[a] = torch.cat([dec.forward_rows(torch.tensor([t]), 12 + j, kv, experts) for j, t in enumerate(ids[12:])])
         caches[a] = kv
-    # the first layer's input is the embedding either way: its K/V rows are bitwise the modules'; later layers'
-    # inputs carry the attention's own rounding
+    # the decoded positions' K/V rows: the first layer's within a rounding of the projection (the slot GEMV's
+    # summation order against F.linear's), later layers' inputs carry the attention's own rounding too
     f, m = caches["fused"], caches["sdpa"]
-    assert torch.equal(f.k[0], m.k[0]) and torch.equal(f.v[0], m.v[0])
-    for i in range(1, len(f.k)):
-        assert torch.allclose(f.k[i].float(), m.k[i].float(), atol=2e-2) and not torch.equal(f.k[i], 0 * f.k[i]), i
+    for i in range(len(f.k)):
+        for a, b in ((f.k[i], m.k[i]), (f.v[i], m.v[i])):
+            a, b = a[0, :, 12:20].float(), b[0, :, 12:20].float()
+            assert b.abs().max() > 0.1 and torch.allclose(a, b, atol=(1 if i else 0.05) * 2e-2), i
     err = (out["fused"] - out["sdpa"]).abs().max().item()
     assert err < 2e-2 * out["sdpa"].abs().max().item(), err
     # through torch.compile: the operator in the trace, the caches written in place

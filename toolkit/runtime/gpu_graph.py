@@ -250,6 +250,7 @@ class StaticDecoder:
         # one position's attention in one kernel a layer (gpu_attention; GpuEngine(attention="fused")), where
         # every layer's q/k/v is one projection
         self.fused_attention = eng.attention == "fused" and all(f is not None for f in self.qkv)
+        self.slot0 = torch.zeros(1, dtype=torch.long, device=eng.dev.device)   # (_gemv's one slot)
         # one position's residual add, post-attention norm and router in one kernel a MoE layer (gpu_router;
         # GpuEngine(router="fused")); whether each router divides its top-k by their sum (Mixtral's always do)
         self.fused_router = eng.router == "fused"
@@ -283,10 +284,9 @@ class StaticDecoder:
             cos, sin = cos_sin
             qn, kn = (sa.q_norm.weight, sa.k_norm.weight) if self.qk_norm else (None, None)
             eps = sa.q_norm.variance_epsilon if self.qk_norm else 0.0
-            o = decode_attention(F.linear(x, fused.weight, fused.bias).view(1, -1), qn, kn, cos.view(-1),
-                                 sin.view(-1), kv.k[i], kv.v[i], positions, self.heads, sa.scaling, eps,
-                                 self.window or 0)
-            return sa.o_proj(o.view(1, 1, -1))
+            o = decode_attention(self._gemv(x, fused.weight, fused.bias), qn, kn, cos.view(-1), sin.view(-1),
+                                 kv.k[i], kv.v[i], positions, self.heads, sa.scaling, eps, self.window or 0)
+            return self._gemv(o, sa.o_proj.weight, sa.o_proj.bias).view(1, 1, -1)
         if fused is not None:   # one GEMV for the three projections
             q, k, v = F.linear(x, fused.weight, fused.bias).split(fused.sizes, dim=-1)
         else:
@@ -311,6 +311,17 @@ class StaticDecoder:
             o = F.scaled_dot_product_attention(q, K, V, attn_mask=mask, scale=sa.scaling)
             o = o.transpose(1, 2).reshape(1, T, -1)
         return sa.o_proj(o)
+
+    def _gemv(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        """One row through a projection -> [1, O]: with the fused attention, the slot GEMV's kernel over the
+        weight as a pool of one slot (gpu_kernels.slot_gemv; Triton on CUDA: where cuBLAS's GEMV took about
+        4 us for these few MiB), else (or with a bias) F.linear."""
+        x = x.reshape(1, -1)
+        if b is not None or not w.is_contiguous():
+            return F.linear(x, w, b)
+        from toolkit.runtime.gpu_kernels import slot_gemv
+
+        return slot_gemv(w.view(1, *w.shape), self.slot0, x)
 
     def _folds(self, T: int) -> bool:
         """Whether attention over T positions runs a K/V head's query heads as its rows (the K/V fold,
