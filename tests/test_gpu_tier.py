@@ -2015,17 +2015,20 @@ def test_fused_router_is_the_models_router(tiny_models, stores, fam):
     d, store = tiny_models[fam], stores[fam]
     spec = inspect_model_dir(d)
     engines = {r: GpuEngine(load_model(d, dtype="float16"), ExpertStore(store, spec),
-                            RunConfig(policy=Policy.parse("on-demand+lru"), pool_mib=64.0), device="cpu", router=r)
+                            RunConfig(policy=Policy.parse("on-demand+lru"), pool_mib=64.0), device="cpu", router=r,
+                            with_draft=True)
                for r in ("fused", "model")}
     assert [e.router for e in engines.values()] == ["fused", "model"]
     prompt = list(range(5, 17))
-    runs = {}
-    for r, eng in engines.items():
-        eng.configure(pool_mib=_pool_mib(eng, 0.5))
-        runs[r] = eng.run(prompt, 10)
-        assert eng._graph_runner(32).dec.fused_router == (r == "fused")
-    assert runs["fused"].tokens == runs["model"].tokens
-    assert [x.tolist() for x in runs["fused"].routing] == [x.tolist() for x in runs["model"].routing]
+    for policy in ("on-demand+lru", "draft+prediction"):   # (the draft's step routes into its own buffers)
+        runs = {}
+        for r, eng in engines.items():
+            eng.configure(policy=Policy.parse(policy), pool_mib=_pool_mib(eng, 0.5))
+            runs[r] = eng.run(prompt, 10, k=3)
+            assert eng._graph_runner(32).dec.fused_router == (r == "fused")
+        assert runs["fused"].tokens == runs["model"].tokens, policy
+        assert [x.tolist() for x in runs["fused"].routing] == [x.tolist() for x in runs["model"].routing], policy
+        assert runs["fused"].stats.counts == runs["model"].stats.counts, policy
     # one segment's buffers, from the same state: equal, and really written (they start as NaN / -1)
     bufs = {}
     for r, eng in engines.items():

@@ -1092,6 +1092,9 @@ class _DraftStep:
         self.tok = torch.zeros(1, dtype=torch.long, device=dev)
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)
         self.ids = torch.zeros(eng.L, eng.k, dtype=torch.long, device=dev)
+        # each MoE layer's router input and scores (its indices go straight into `ids`): the layers' buffers
+        self.post = torch.zeros_like(gr.post)
+        self.scores = torch.zeros_like(gr.scores)
         self.graph = None
         pin = eng.dev.cuda
         self.host_ids = torch.zeros(0, eng.L, eng.k, dtype=torch.long, pin_memory=pin)
@@ -1103,11 +1106,11 @@ class _DraftStep:
         h = dec.inner.embed_tokens(self.tok[None])
         mask, cs = dec.prelude(self.pos, h)
         for i in range(len(dec.layers)):
-            h, *routed = dec.layer(i, h, self.pos, self.kv, mask, cs)
-            if routed:
-                li = dec.moe_at[i]
+            li = dec.moe_at.get(i)
+            out = None if li is None else (self.post[li], self.scores[li], self.ids[li:li + 1])
+            h, *routed = dec.layer(i, h, self.pos, self.kv, mask, cs, out=out)
+            if routed:   # (written into the buffers)
                 post, scores, idx = routed
-                self.ids[li].copy_(idx[0])
                 h = h + eng.drafts[li].fused(post, idx, scores).view(1, 1, -1).to(h.dtype)
         self.tok.copy_(dec.head(h)[0, -1].argmax(-1, keepdim=True))
         self.pos.add_(1)
