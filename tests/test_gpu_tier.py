@@ -919,6 +919,13 @@ def test_decode_option_is_validated(tiny_models, stores):
     eng = GpuEngine(load_model(tiny_models["olmoe"]), ExpertStore(st, spec),
                     RunConfig(policy=Policy("on-demand", "lru"), pool_mib=1.0), device="cpu")
     assert eng.decode == "modules"      # families it does not cover keep transformers' modules
+    assert (eng.attention, eng.router) == ("modules", "modules")
+    for fam in ("deepseek_v2", "qwen3_vl_moe"):   # (modules the fused kernels' checks must not be reached for)
+        spec = inspect_model_dir(tiny_models[fam])
+        st = build_store(spec, stores["qwen3_moe"].parent / f"{fam}.spx", "fp16", progress=False)
+        eng = GpuEngine(load_model(tiny_models[fam]), ExpertStore(st, spec),
+                        RunConfig(policy=Policy("on-demand", "lru"), pool_mib=1.0), device="cpu")
+        assert (eng.decode, eng.attention, eng.router) == ("modules", "modules", "modules"), fam
     if not torch.cuda.is_available():
         spec = inspect_model_dir(tiny_models["qwen3_moe"])
         with pytest.raises(SpecPrefetchError, match="CUDA graphs need"):
@@ -1850,6 +1857,14 @@ def test_triton_slot_kernel_matches_the_reference():
             K.slot_gemv(w, slots, x[:, :N], gated=True, use_triton=True)
 
 
+def _fp16_steps(a: torch.Tensor, b: torch.Tensor) -> int:
+    """How many fp16 values apart two fp16 tensors are at most (their bits as ordered integers)."""
+    def ordered(t):
+        i = t.contiguous().view(torch.int16).int()
+        return torch.where(i < 0, -32768 - i, i)
+    return int((ordered(a) - ordered(b)).abs().max())
+
+
 def _attention_case(dev, g, heads, nkv, D, S, pos, norm):
     """Random inputs of gpu_attention.decode_attention at one position (fp16): qkv, norms, this position's
     rotary tables (transformers' default rope), caches."""
@@ -1859,6 +1874,18 @@ def _attention_case(dev, g, heads, nkv, D, S, pos, norm):
     ang = pos / 10000 ** (torch.arange(0, D, 2, device=dev).float() / D)
     ang = torch.cat([ang, ang])
     return qkv, qn, kn, ang.cos().half(), ang.sin().half(), h(1, nkv, S, D), h(1, nkv, S, D)
+
+
+def _traced(op: str):
+    """A torch.compile backend: aot_eager, after checking that dynamo's graph calls specprefetch::`op`
+    (the custom operator traced, not run eagerly around the trace)."""
+    from torch._dynamo.backends.debugging import aot_eager
+
+    def backend(gm, example_inputs):
+        calls = [n for n in gm.graph.nodes if n.op == "call_function" and f"specprefetch.{op}" in str(n.target)]
+        assert len(calls) == 1, [str(n.target) for n in gm.graph.nodes]
+        return aot_eager(gm, example_inputs)
+    return backend
 
 
 def test_triton_decode_attention_matches_the_reference():
@@ -1890,7 +1917,11 @@ def test_triton_decode_attention_matches_the_reference():
         want = A.decode_attention(*args, kc, vc, p, heads, D ** -0.5, 1e-6, window, use_triton=False)
         got = A.decode_attention(*args, kc2, vc2, p, heads, D ** -0.5, 1e-6, window, use_triton=True)
         assert got.shape == want.shape == (1, heads * D) and got.dtype == torch.float16
-        assert torch.equal(kc2, kc) and torch.equal(vc2, vc), (heads, nkv, D, S, pos)
+        # the new position's K within an fp16 step of the reference's (the GPU's approximate reciprocal square
+        # root), its V and every other row exactly as they were
+        assert torch.equal(vc2, vc) and _fp16_steps(kc2[:, :, pos], kc[:, :, pos]) <= 1, (heads, nkv, D, S, pos)
+        kc2[:, :, pos] = kc[:, :, pos]
+        assert torch.equal(kc2, kc)
         err = (got.float() - want.float()).abs().max().item()
         assert err <= 2e-3 * max(1.0, want.abs().max().item()), (heads, nkv, D, S, pos, window, err)
     # a wrong window is not within that tolerance: the check bites
@@ -1955,7 +1986,7 @@ def test_fused_attention_is_the_models_attention(tiny_models, stores, sliding, f
     pos = torch.tensor([9])
     before, kc2, vc2 = kc.clone(), kc.clone(), vc.clone()
     want = decode_attention(qkv, qn, kn, cos, sin, kc, vc, pos, heads, sa.scaling, 1e-6, dec.window or 0)
-    step = torch.compile(lambda *a: decode_attention(*a), backend="aot_eager", fullgraph=True)
+    step = torch.compile(lambda *a: decode_attention(*a), backend=_traced("decode_attention"), fullgraph=True)
     got = step(qkv, qn, kn, cos, sin, kc2, vc2, pos, heads, sa.scaling, 1e-6, dec.window or 0)
     assert torch.equal(got, want) and torch.equal(kc2, kc) and torch.equal(vc2, vc)
     assert not torch.equal(kc[0, :, 9], before[0, :, 9]) and torch.equal(kc[0, :, 10:], before[0, :, 10:])
@@ -1992,7 +2023,7 @@ def test_triton_router_matches_the_reference():
             sc, idx = torch.zeros(1, k, device=dev, dtype=sdt), torch.full((1, k), -1, device=dev, dtype=torch.long)
             outs.append((R.route(h, a, nw, 1e-6, gw, norm, post, sc, idx, use_triton=use), post, sc, idx))
         (h0, p0, s0, i0), (h1, p1, s1, i1) = outs
-        assert torch.equal(h0, h1) and torch.equal(h0, h + a) and torch.equal(p0, p1), (H, E, k)
+        assert torch.equal(h0, h1) and torch.equal(h0, h + a) and _fp16_steps(p0, p1) <= 1, (H, E, k)
         assert torch.equal(i0, i1) and sorted(set(i0[0].tolist())) == sorted(i0[0].tolist()), (H, E, k, i0, i1)
         assert s1.dtype == sdt and torch.allclose(s0.float(), s1.float(), rtol=2e-3, atol=1e-6), (H, E, k, s0, s1)
         if norm:
@@ -2051,7 +2082,7 @@ def test_fused_router_is_the_models_router(tiny_models, stores, fam):
     g = torch.Generator().manual_seed(2)
     h, a = torch.randn(1, 1, dec.H, generator=g).half(), torch.randn(1, 1, dec.H, generator=g).half()
     outs = []
-    for fn in (route, torch.compile(lambda *x: route(*x), backend="aot_eager", fullgraph=True)):
+    for fn in (route, torch.compile(lambda *x: route(*x), backend=_traced("route"), fullgraph=True)):
         post, sc, idx = torch.zeros(1, dec.H).half(), torch.zeros_like(s0), torch.full_like(i0, -1)
         with torch.no_grad():   # (as the engine runs it: the weights are parameters)
             outs.append((fn(h, a, norm.weight, norm.variance_epsilon, gate.weight, dec.norm_topk[i], post, sc, idx),
@@ -2075,8 +2106,9 @@ def test_attention_option_is_validated(tiny_models, stores):
                     ({"router": "fused"}, "--router fused: the fused router computes in fp16, not float32")):
         with pytest.raises(SpecPrefetchError, match=msg):
             engine(**kw)
-    for e in (engine(), engine(decode="modules"), engine("float16")):   # CPU: static, the model's modules
+    for e in (engine(), engine("float16")):   # CPU: static, the model's modules
         assert (e.attention, e.router) == ("sdpa", "model")
+    assert (engine(decode="modules").attention, engine(decode="modules").router) == ("modules", "modules")
     e = engine("float16", attention="fused", router="fused")
     assert (e.attention, e.router) == ("fused", "fused")
 

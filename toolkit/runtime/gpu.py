@@ -671,35 +671,35 @@ class GpuEngine:
         self._runners: dict[int, Any] = {}   # pool capacity -> GraphRunner (its own slot arena)
         self.configure()
 
-    def _kernel_choice(self, option: str, value: str | None, other: str, why: str | None) -> str:
+    def _kernel_choice(self, option: str, value: str | None, other: str, why) -> str:
         """`--attention` / `--router`: "fused" or `other`; fused by default with `graph` where the kernel
-        covers the model (`why` None), refused in one line where it is asked for and does not."""
+        covers the model (`why()` None), refused in one line where it is asked for and does not; "modules"
+        (transformers' own) under the modules path, where there is no choice."""
         if value not in (None, "fused", other):
             raise SpecPrefetchError(f"{option} {value!r}: expected fused or {other}")
-        if value is not None and self.decode == "modules":
-            raise SpecPrefetchError(f"--{option} {value}: only the static decoder (--decode graph or static) "
-                                    f"has a choice of {option}")
         if self.decode == "modules":
+            if value is not None:
+                raise SpecPrefetchError(f"--{option} {value}: only the static decoder (--decode graph or static) "
+                                        f"has a choice of {option}")
+            return "modules"
+        if value == other or (value is None and self.decode != "graph"):
             return other
-        if value == "fused" and why is not None:
-            raise SpecPrefetchError(f"--{option} fused: {why} (use --{option} {other})")
-        if value is not None:
-            return value
-        return "fused" if self.decode == "graph" and why is None else other
+        reason = why()
+        if value == "fused" and reason is not None:
+            raise SpecPrefetchError(f"--{option} fused: {reason} (use --{option} {other})")
+        return other if reason is not None else "fused"
 
     def _fused_choices(self, attention: str | None, router: str | None) -> tuple[str, str]:
         from toolkit.runtime.gpu_attention import usable
         from toolkit.runtime.gpu_router import usable as router_usable
 
-        g = self.spec.geometry
-        sa = self.model.model.layers[0].self_attn
-        layers = [self.model.model.layers[i] for i in g.moe_layers]
+        g = self.spec.geometry   # (the modules read only where the static decoder runs: families it covers)
         a = self._kernel_choice("attention", attention, "sdpa",
-                                usable(sa.q_proj.out_features // sa.head_dim, sa.k_proj.out_features // sa.head_dim,
-                                       sa.head_dim, self.dtype))
-        why = router_usable([layer.post_attention_layernorm for layer in layers],
-                            [self.spec.family.moe_block(self.model, i).gate for i in g.moe_layers], self.dtype)
-        return a, self._kernel_choice("router", router, "model", why)
+                                lambda: usable([layer.self_attn for layer in self.model.model.layers], self.dtype))
+        r = self._kernel_choice("router", router, "model", lambda: router_usable(
+            [self.model.model.layers[i].post_attention_layernorm for i in g.moe_layers],
+            [self.spec.family.moe_block(self.model, i).gate for i in g.moe_layers], self.dtype))
+        return a, r
 
     # -- configuration ---------------------------------------------------------------------
     def configure(self, *, copy_depth: int | None | str = "keep", host: str = "keep", plan: str = "keep",

@@ -13,33 +13,29 @@ operations a layer (the q/k norms, rotary and cache writes fused by inductor, th
 position, two kernels preparing cuDNN's SDPA, its workspace memset and the SDPA itself, plus the mask
 built for every token); `decode_attention` is one (`specprefetch::decode_attention`, Triton on CUDA):
 one program per K/V head computes its new K and V, writes them into the cache, and runs its query heads
-over the visible keys as rows of one tile (flash-decoding's online softmax over blocks of positions),
-the new position's key and value taken from registers rather than read back.
+over the visible keys as rows of one tile, with an online softmax over blocks of 64 positions, the new
+position's key and value taken from registers rather than read back. One program scans a head's whole
+visible cache, so its time grows with the context on as many SMs as there are K/V heads: right for the
+short contexts the bench decodes (a few hundred positions), not split across programs (flash-decoding)
+for long ones.
 
-Rounding follows transformers' eager modules: the norm's result rounded to the model's dtype and then
-multiplied by its weight, each rotary product and their sum rounded once, as the fp16 ops round; the
-scores and the softmax in float32, the output rounded once. The reference (`decode_attention_torch`, the
-operator's body off CUDA and the tests' oracle) computes that in torch ops; the kernel differs from it
-only in summation order and in rounding a block's unnormalised probabilities to the dtype for the value
-product (as flash attention kernels, cuDNN's among them, do).
+Rounding: the q/k norms and the rotary embedding round where transformers' eager fp16 ops round (the
+norm's result rounded, then times its weight; each rotary product and their sum rounded once), with the
+norm's reciprocal square root and the exponential the GPU's approximate ones (as torch's and inductor's
+CUDA kernels use); the scores, softmax and value sums in float32 with one rounding of the output, where
+SDPA's kernels round the scores or probabilities to fp16 on the way. The reference
+(`decode_attention_torch`, the operator's body off CUDA and the tests' oracle) computes that in torch
+ops; the kernel differs from it in summation order, those approximate functions, and rounding a block's
+unnormalised probabilities to fp16 for the value product (as flash attention kernels do).
 """
 from __future__ import annotations
 
 import torch
 
-from toolkit.runtime.gpu_kernels import _device, triton
+from toolkit.runtime.gpu_kernels import _device, rms_norm_torch, triton
 
 if triton is not None:
     import triton.language as tl
-
-
-def _rms(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """The Qwen3 RMS norm of each row of x (its own dtype): float32 statistics, rounded, times the weight."""
-    if w is None:
-        return x
-    xf = x.float()
-    n = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    return w * n
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -55,8 +51,10 @@ def decode_attention_torch(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos,
     pos [1] long (a device tensor); window 0: none. -> [1, heads x D] in qkv's dtype."""
     _, nkv, S, D = k_cache.shape
     row = qkv.view(-1, D)
-    q = _rope(_rms(row[:heads], q_norm, eps), cos, sin)                        # [heads, D]
-    k = _rope(_rms(row[heads:heads + nkv], k_norm, eps), cos, sin)              # [kv heads, D]
+    q, k = row[:heads], row[heads:heads + nkv]                                  # [heads, D], [kv heads, D]
+    if q_norm is not None:
+        q, k = rms_norm_torch(q, q_norm, eps), rms_norm_torch(k, k_norm, eps)
+    q, k = _rope(q, cos, sin), _rope(k, cos, sin)
     v = row[heads + nkv:heads + 2 * nkv]
     k_cache[0].index_copy_(1, pos, k[:, None].to(k_cache.dtype))
     v_cache[0].index_copy_(1, pos, v[:, None].to(v_cache.dtype))
@@ -81,7 +79,7 @@ if triton is not None:
         x = tl.load(row_ptr + rows[:, None] + d[None, :]).to(tl.float32)
         xp = tl.load(row_ptr + rows[:, None] + dp[None, :]).to(tl.float32)     # rotate_half's source column
         if NORM:
-            r = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
+            r = tl.math.rsqrt(tl.sum(x * x, axis=1) / D + eps)
             w = tl.load(w_ptr + d).to(tl.float32)
             wp = tl.load(w_ptr + dp).to(tl.float32)
             x = (w[None, :] * (x * r[:, None]).to(dt).to(tl.float32)).to(dt).to(tl.float32)
@@ -178,14 +176,25 @@ def _(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, heads, scale, eps, w
     return qkv.new_empty(1, heads * k_cache.shape[-1])
 
 
-def usable(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> str | None:
-    """None where the kernel covers this attention geometry, else why not."""
+def usable(attns, dtype: torch.dtype) -> str | None:
+    """None where the kernel covers these attention modules (transformers' Qwen3-MoE / Mixtral: q/k/v
+    projections the static decoder fuses into one, Qwen3's q/k norms or none), else why not."""
     if dtype != torch.float16:   # (bf16 would need its own checks: Triton's CPU interpreter truncates bf16)
         return f"the fused attention computes in fp16, not {str(dtype).removeprefix('torch.')}"
-    if head_dim < 16 or head_dim & (head_dim - 1):
-        return f"the fused attention needs a power-of-two head dimension of at least 16, not {head_dim}"
-    if heads % kv_heads:
-        return f"{heads} query heads are not a multiple of {kv_heads} K/V heads"
+    for sa in attns:
+        projs = [getattr(sa, n, None) for n in ("q_proj", "k_proj", "v_proj")]
+        D = getattr(sa, "head_dim", None)
+        if None in projs or D is None:
+            return f"{type(sa).__name__} has no q/k/v projections and head dimension"
+        if len({p.weight.dtype for p in projs}) != 1 or len({p.bias is None for p in projs}) != 1:
+            return "the q/k/v projections differ in dtype or bias (they are not one GEMV)"
+        if D < 16 or D & (D - 1):
+            return f"the fused attention needs a power-of-two head dimension of at least 16, not {D}"
+        heads, kv = projs[0].out_features // D, projs[1].out_features // D
+        if heads % kv:
+            return f"{heads} query heads are not a multiple of {kv} K/V heads"
+        if hasattr(sa, "q_norm") != hasattr(sa, "k_norm"):
+            return "a q norm without a k norm (or the reverse)"
     return None
 
 
@@ -196,9 +205,9 @@ def _decode_attention_triton(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, po
                              eps: float, window: int) -> torch.Tensor:
     _, nkv, S, D = k_cache.shape
     _check(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, heads)
-    why = usable(heads, nkv, D, qkv.dtype)
-    if why is not None:
-        raise ValueError(f"decode_attention: {why}")
+    if qkv.dtype != torch.float16 or D < 16 or D & (D - 1):
+        raise ValueError(f"decode_attention: fp16 and a power-of-two head dimension of at least 16, not "
+                         f"{str(qkv.dtype).removeprefix('torch.')} and {D}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("decode_attention: the K/V caches must be contiguous")
     if (q_norm is None) != (k_norm is None):

@@ -45,7 +45,10 @@ fuses the element-wise work and the buffer copies around them, and the routers' 
 are decomposed for inductor (`topk_by_sort`, `row_times_narrow`). Compiled or not, a layer's q/k/v
 projections are one GEMV (`_FusedQKV`), a one-position attention reads the static cache in place (the
 query heads of a K/V head as its rows), and a SiLU expert's activation is computed inside the down
-projection's kernel. docs/gpu-tier.md has the figures.
+projection's kernel. On a GPU a one-position step's attention block and each MoE layer's router are
+one kernel each by default (`GpuEngine(attention="fused", router="fused")`: toolkit/runtime/gpu_attention.py,
+gpu_router.py), the attention's projections the slot GEMV's kernel over a one-slot pool (`_gemv`).
+docs/gpu-tier.md has the figures.
 
 Where CUDA is absent (CI) the same functions run eagerly on the CPU: `decode="static"`.
 """
@@ -117,7 +120,8 @@ def _first_of(mine, theirs, *args, **kwargs):
 def compiled(fns, backend: str, n_layers: int):
     """`fns` through torch.compile (`backend`: "inductor" on a GPU, with the routers' top-k and one-row
     GEMV decomposed (`_inductor`), fuses the norms, rotary embedding, casts, residual adds and buffer
-    copies into a few Triton kernels; the projections stay cuBLAS'), shapes static but for the sizes
+    copies into a few Triton kernels; the projections stay cuBLAS' but under the fused attention), shapes
+    static but for the sizes
     the caller marks dynamic, each function whole (fullgraph: a graph break inside the captured step is an
     error, not a silent eager fallback). A segment's index is a constant of its trace, so every segment,
     and every runner's static cache length, is its own compiled entry: each function's recompile limit
@@ -266,12 +270,9 @@ class StaticDecoder:
         zero = torch.zeros((), device=positions.device, dtype=self.dtype)
         return torch.where(ok, zero, torch.finfo(self.dtype).min)[None, None]
 
-    def attention(self, i: int, h: torch.Tensor, positions: torch.Tensor, kv: StaticKV, mask, cos_sin) -> torch.Tensor:
-        """h [1, T, H] -> h + self-attention(h): the new K, V written at `positions` first."""
-        return h + self.attend(i, h, positions, kv, mask, cos_sin)
-
     def attend(self, i: int, h: torch.Tensor, positions: torch.Tensor, kv: StaticKV, mask, cos_sin) -> torch.Tensor:
-        """h [1, T, H] -> self-attention(h) (after the output projection; the residual not added)."""
+        """h [1, T, H] -> self-attention(h) (after the output projection; the residual not added): the new K, V
+        written at `positions` first."""
         layer = self.layers[i]
         sa = layer.self_attn
         T = h.shape[1]
@@ -282,11 +283,12 @@ class StaticDecoder:
             from toolkit.runtime.gpu_attention import decode_attention
 
             cos, sin = cos_sin
-            qn, kn = (sa.q_norm.weight, sa.k_norm.weight) if self.qk_norm else (None, None)
+            # (the weights detached: the custom operators have no gradient, and the step needs none)
+            qn, kn = (sa.q_norm.weight.detach(), sa.k_norm.weight.detach()) if self.qk_norm else (None, None)
             eps = sa.q_norm.variance_epsilon if self.qk_norm else 0.0
             o = decode_attention(self._gemv(x, fused.weight, fused.bias), qn, kn, cos.view(-1), sin.view(-1),
                                  kv.k[i], kv.v[i], positions, self.heads, sa.scaling, eps, self.window or 0)
-            return self._gemv(o, sa.o_proj.weight, sa.o_proj.bias).view(1, 1, -1)
+            return self._gemv(o, sa.o_proj.weight.detach(), sa.o_proj.bias).view(1, 1, -1)
         if fused is not None:   # one GEMV for the three projections
             q, k, v = F.linear(x, fused.weight, fused.bias).split(fused.sizes, dim=-1)
         else:
@@ -357,7 +359,7 @@ class StaticDecoder:
             from toolkit.runtime.gpu_router import route
 
             norm, gate = self.layers[i].post_attention_layernorm, self.blocks[i].gate
-            h = route(h, a, norm.weight, norm.variance_epsilon, gate.weight, self.norm_topk[i], *out).view_as(h)
+            h = route(h, a, norm.weight.detach(), norm.variance_epsilon, gate.weight.detach(), self.norm_topk[i], *out)
             return (h, *out)
         h = h + a
         routed = self.route(i, h)
@@ -1092,7 +1094,7 @@ class _DraftStep:
         self.tok = torch.zeros(1, dtype=torch.long, device=dev)
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)
         self.ids = torch.zeros(eng.L, eng.k, dtype=torch.long, device=dev)
-        # each MoE layer's router input and scores (its indices go straight into `ids`): the layers' buffers
+        # each MoE layer's router input and scores for the fused router (its indices go straight into `ids`)
         self.post = torch.zeros_like(gr.post)
         self.scores = torch.zeros_like(gr.scores)
         self.graph = None
@@ -1107,10 +1109,13 @@ class _DraftStep:
         mask, cs = dec.prelude(self.pos, h)
         for i in range(len(dec.layers)):
             li = dec.moe_at.get(i)
-            out = None if li is None else (self.post[li], self.scores[li], self.ids[li:li + 1])
+            # the fused router writes into the buffers (its indices straight into ids); the model's returns them
+            out = None if li is None or not dec.fused_router else (self.post[li], self.scores[li], self.ids[li:li + 1])
             h, *routed = dec.layer(i, h, self.pos, self.kv, mask, cs, out=out)
-            if routed:   # (written into the buffers)
+            if routed:
                 post, scores, idx = routed
+                if out is None:
+                    self.ids[li].copy_(idx[0])
                 h = h + eng.drafts[li].fused(post, idx, scores).view(1, 1, -1).to(h.dtype)
         self.tok.copy_(dec.head(h)[0, -1].argmax(-1, keepdim=True))
         self.pos.add_(1)

@@ -83,6 +83,13 @@ def _device(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
+def rms_norm_torch(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' (Qwen3 / Mixtral) RMS norm of each row of x in x's dtype: float32 statistics, the
+    normalised row rounded to the dtype, then times the weight (the fused kernels' reference)."""
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
 def silu_mul(x: torch.Tensor) -> torch.Tensor:
     """[k, 2N] gate | up -> SiLU(gate) x up [k, N], in float32, rounded once to x's dtype (as inductor's
     fused element-wise kernel computes `act(gate) * up`): the down projection's input of a SiLU expert."""
