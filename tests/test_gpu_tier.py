@@ -2092,6 +2092,37 @@ def test_fused_router_is_the_models_router(tiny_models, stores, fam):
     assert (outs[1][3] >= 0).all() and outs[1][1].abs().sum() > 0
 
 
+@pytest.mark.parametrize("fam", ["qwen3_moe", "mixtral", "mixtral-sw8"])
+def test_fused_kernels_decode_the_modules_tokens(tiny_models, stores, sliding, fam, monkeypatch):
+    """The Triton kernels themselves (CUDA, or the interpreter on the CPU) inside the runner's decode of an
+    fp16 model: the fused attention and router give the tokens and routing the model's modules give
+    (the window applied where the model has one)."""
+    import os
+
+    from toolkit.runtime import gpu_attention as A
+    from toolkit.runtime import gpu_router as R
+
+    if A.triton is None:
+        pytest.skip("no triton")
+    cuda = torch.cuda.is_available()
+    if not cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no CUDA device and Triton's interpreter is off")
+    monkeypatch.setattr(A, "_impl", A._decode_attention_triton)   # (the CPU's tensors through Triton too)
+    monkeypatch.setattr(R, "_impl", R._route_triton)
+    dev = "cuda" if cuda else "cpu"
+    d, store = sliding if fam == "mixtral-sw8" else (tiny_models[fam], stores[fam])
+    spec = inspect_model_dir(d)
+    runs = {}
+    for a, r in (("fused", "fused"), ("sdpa", "model")):
+        eng = GpuEngine(load_model(d, dtype="float16"), ExpertStore(store, spec),
+                        RunConfig(policy=Policy.parse("on-demand+lru"), pool_mib=64.0), device=dev, attention=a,
+                        router=r)
+        eng.configure(pool_mib=_pool_mib(eng, 0.5))
+        runs[a] = eng.run(list(range(5, 17)), 16)
+    assert runs["fused"].tokens == runs["sdpa"].tokens
+    assert [x.tolist() for x in runs["fused"].routing] == [x.tolist() for x in runs["sdpa"].routing]
+
+
 def test_attention_option_is_validated(tiny_models, stores):
     spec = inspect_model_dir(tiny_models["qwen3_moe"])
 
