@@ -1052,11 +1052,13 @@ def test_sliding_window_static_decode(sliding, tiny_models):
 
 
 @CUDA
+@pytest.mark.parametrize("kernels", [("sdpa", "model"), ("fused", "fused")])
 @pytest.mark.parametrize("fam", ["qwen3_moe", "mixtral", "mixtral-sw8"])
-def test_compiled_step_on_cuda(tiny_models, stores, sliding, fam):
+def test_compiled_step_on_cuda(tiny_models, stores, sliding, fam, kernels):
     """The static decoder's step through inductor on a GPU (its Triton kernels captured in the CUDA graphs),
-    both families, a Mixtral whose sliding window is shorter than the prompt included: a pooled
-    predictor's, the draft's and the device-resident token's tokens are transformers'."""
+    both families, a Mixtral whose sliding window is shorter than the prompt included, with the model's
+    attention and router and with the fused ones: a pooled predictor's, the draft's and the
+    device-resident token's tokens are transformers'."""
     d, store = sliding if fam == "mixtral-sw8" else (tiny_models[fam], stores[fam])
     prompt = list(range(5, 17))
     want = _reference(d, prompt, 12, "cuda", "float16")
@@ -1066,8 +1068,8 @@ def test_compiled_step_on_cuda(tiny_models, stores, sliding, fam):
                                           bank=lambda: bank)}
     eng = GpuEngine(load_model(d, dtype="float16"), ExpertStore(store, spec),
                     RunConfig(policy=Policy.parse("next-gate+prediction"), pool_mib=64.0), device="cuda",
-                    predictors=preds, with_draft=True, compile="inductor")
-    assert eng.decode == "graph" and eng.compile == "inductor" and (eng.attention, eng.router) == ("fused", "fused")
+                    predictors=preds, with_draft=True, compile="inductor", attention=kernels[0], router=kernels[1])
+    assert eng.decode == "graph" and eng.compile == "inductor" and (eng.attention, eng.router) == kernels
     eng.configure(pool_mib=_pool_mib(eng, 0.25))
     assert eng.run(prompt, 12).tokens == want
     eng.configure(policy=Policy.parse("draft+prediction"))

@@ -562,16 +562,16 @@ class GpuEngine:
                 otherwise).
             attention: how the static decoder's one-position steps compute attention: "fused" (the q/k
                 norms, rotary embedding, cache write and attention over the cache in one kernel per
-                layer, gpu_attention.decode_attention: Triton on CUDA; the default with `graph` on an
-                fp16 model whose geometry the kernel covers) or "sdpa" (the model's norms and rotary
-                embedding, then torch's scaled_dot_product_attention over the static cache; the default
-                otherwise). Rows of more than one position (the prefill, a batched verification) take
-                "sdpa" either way.
+                layer, gpu_attention.decode_attention: Triton on CUDA; fp16 models whose geometry the
+                kernel covers) or "sdpa" (the model's norms and rotary embedding, then torch's
+                scaled_dot_product_attention over the static cache; the default: the fused kernels are
+                opt-in until timed on a GPU, docs/gpu-tier.md). Rows of more than one position (the
+                prefill, a batched verification) take "sdpa" either way.
             router: how the static decoder's one-position steps route a MoE layer: "fused" (the residual
                 add, post-attention norm, router GEMV, softmax, top-k and its normalisation in one kernel,
-                written into the runner's buffers: gpu_router.route, Triton on CUDA; the default with
-                `graph` on an fp16 model) or "model" (the model's norm and router module; the default
-                otherwise). Rows of more than one position take "model" either way.
+                written into the runner's buffers: gpu_router.route, Triton on CUDA; fp16 models) or
+                "model" (the model's norm and router module; the default, as for `attention`). Rows of
+                more than one position take "model" either way.
             verify: how the draft policy's target checks a round's proposals: "exact" (every row
                 through the target's own one-token decode step: with the static decoder its segments
                 layer-major over the rows, GraphRunner.verify_rows, each MoE layer's experts acquired
@@ -672,9 +672,9 @@ class GpuEngine:
         self.configure()
 
     def _kernel_choice(self, option: str, value: str | None, other: str, why) -> str:
-        """`--attention` / `--router`: "fused" or `other`; fused by default with `graph` where the kernel
-        covers the model (`why()` None), refused in one line where it is asked for and does not; "modules"
-        (transformers' own) under the modules path, where there is no choice."""
+        """`--attention` / `--router`: "fused" or `other` (the default), "fused" refused in one line where the
+        kernel does not cover the model (`why()` says why); "modules" (transformers' own) under the modules
+        path, where there is no choice."""
         if value not in (None, "fused", other):
             raise SpecPrefetchError(f"{option} {value!r}: expected fused or {other}")
         if self.decode == "modules":
@@ -682,12 +682,12 @@ class GpuEngine:
                 raise SpecPrefetchError(f"--{option} {value}: only the static decoder (--decode graph or static) "
                                         f"has a choice of {option}")
             return "modules"
-        if value == other or (value is None and self.decode != "graph"):
+        if value == other or value is None:   # (opt-in: see the attention / router arguments)
             return other
         reason = why()
-        if value == "fused" and reason is not None:
+        if reason is not None:
             raise SpecPrefetchError(f"--{option} fused: {reason} (use --{option} {other})")
-        return other if reason is not None else "fused"
+        return "fused"
 
     def _fused_choices(self, attention: str | None, router: str | None) -> tuple[str, str]:
         from toolkit.runtime.gpu_attention import usable

@@ -45,8 +45,8 @@ fuses the element-wise work and the buffer copies around them, and the routers' 
 are decomposed for inductor (`topk_by_sort`, `row_times_narrow`). Compiled or not, a layer's q/k/v
 projections are one GEMV (`_FusedQKV`), a one-position attention reads the static cache in place (the
 query heads of a K/V head as its rows), and a SiLU expert's activation is computed inside the down
-projection's kernel. On a GPU a one-position step's attention block and each MoE layer's router are
-one kernel each by default (`GpuEngine(attention="fused", router="fused")`: toolkit/runtime/gpu_attention.py,
+projection's kernel. With `GpuEngine(attention="fused", router="fused")` (opt-in) a one-position step's
+attention block and each MoE layer's router are one kernel each (toolkit/runtime/gpu_attention.py,
 gpu_router.py), the attention's projections the slot GEMV's kernel over a one-slot pool (`_gemv`).
 docs/gpu-tier.md has the figures.
 
