@@ -1908,7 +1908,7 @@ def test_triton_decode_attention_matches_the_reference():
     dev = "cuda" if cuda else "cpu"
     g = torch.Generator(device=dev).manual_seed(4)
     cases = [(16, 4, 64, 40, 17, 0, True), (8, 8, 32, 20, 0, 0, False), (8, 2, 64, 300, 150, 0, True),
-             (4, 1, 16, 70, 69, 5, False), (32, 4, 128, 130, 129, 0, True), (16, 2, 64, 200, 64, 100, True)]
+             (4, 1, 16, 70, 69, 5, False), (32, 4, 128, 130, 129, 0, True), (16, 2, 64, 200, 199, 100, True)]
     if cuda:
         cases += [(32, 4, 128, 4096, 3000, 0, True), (16, 4, 64, 256, 255, 0, True)]
     for heads, nkv, D, S, pos, window, norm in cases:
@@ -2095,10 +2095,11 @@ def test_fused_router_is_the_models_router(tiny_models, stores, fam):
 
 
 @pytest.mark.parametrize("fam", ["qwen3_moe", "mixtral", "mixtral-sw8"])
-def test_fused_kernels_decode_the_modules_tokens(tiny_models, stores, sliding, fam, monkeypatch):
+def test_fused_kernels_decode_as_the_model_path(tiny_models, stores, sliding, fam, monkeypatch):
     """The Triton kernels themselves (CUDA, or the interpreter on the CPU) inside the runner's decode of an
-    fp16 model: the fused attention and router give the tokens and routing the model's modules give
-    (the window applied where the model has one)."""
+    fp16 model: the fused attention and router give the tokens and routing the static decoder gives with
+    the model's norms, SDPA and router (the window applied where the model has one); each kernel ran
+    once per layer (attention) or MoE layer (router) and decoded token."""
     import os
 
     from toolkit.runtime import gpu_attention as A
@@ -2109,8 +2110,16 @@ def test_fused_kernels_decode_the_modules_tokens(tiny_models, stores, sliding, f
     cuda = torch.cuda.is_available()
     if not cuda and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("no CUDA device and Triton's interpreter is off")
-    monkeypatch.setattr(A, "_impl", A._decode_attention_triton)   # (the CPU's tensors through Triton too)
-    monkeypatch.setattr(R, "_impl", R._route_triton)
+    calls = {"attention": 0, "route": 0}
+
+    def counted(name, fn):
+        def call(*args):
+            calls[name] += 1
+            return fn(*args)
+        return call
+    # (the CPU's tensors through Triton too)
+    monkeypatch.setattr(A, "_impl", counted("attention", A._decode_attention_triton))
+    monkeypatch.setattr(R, "_impl", counted("route", R._route_triton))
     dev = "cuda" if cuda else "cpu"
     d, store = sliding if fam == "mixtral-sw8" else (tiny_models[fam], stores[fam])
     spec = inspect_model_dir(d)
@@ -2121,8 +2130,91 @@ def test_fused_kernels_decode_the_modules_tokens(tiny_models, stores, sliding, f
                         router=r)
         eng.configure(pool_mib=_pool_mib(eng, 0.5))
         runs[a] = eng.run(list(range(5, 17)), 16)
+        dec = eng._graph_runner(32).dec
+        assert (dec.fused_attention, dec.fused_router) == (a == "fused", r == "fused")
+        if a == "fused":   # 15 decoded tokens (the first comes from the prefill), eagerly or captured once
+            n = len(runs[a].tokens) - 1 if not cuda else None
+            if n is not None:
+                assert calls == {"attention": n * len(dec.layers), "route": n * len(dec.moe_at)}, calls
+            assert min(calls.values()) > 0
     assert runs["fused"].tokens == runs["sdpa"].tokens
     assert [x.tolist() for x in runs["fused"].routing] == [x.tolist() for x in runs["sdpa"].routing]
+
+
+@pytest.mark.parametrize("fam", ["qwen3_moe", "mixtral"])
+def test_fused_step_decodes_as_the_model_step_on_the_cpu(tiny_models, stores, fam):
+    """The fused attention and router (their torch references on the CPU) through every way the runner
+    decodes: pooled segments, the draft's step and its exact verification, the all-resident token: the
+    tokens, routing and copies of the model's norms, SDPA and router."""
+    d, store = tiny_models[fam], stores[fam]
+    spec = inspect_model_dir(d)
+    bank = load_router_bank(spec)
+    preds = {"next-gate": build_predictor("next-gate", num_experts=spec.geometry.routing.num_experts,
+                                          bank=lambda: bank)}
+    engines = {a: GpuEngine(load_model(d, dtype="float16"), ExpertStore(store, spec),
+                            RunConfig(policy=Policy.parse("on-demand+lru"), pool_mib=64.0), device="cpu",
+                            predictors=preds, with_draft=True, attention=a, router=r)
+               for a, r in (("fused", "fused"), ("sdpa", "model"))}
+    prompt = list(range(5, 17))
+    for policy, frac in (("on-demand+lru", 0.5), ("next-gate+prediction", 0.25), ("draft+prediction", 0.5)):
+        runs = {}
+        for a, eng in engines.items():
+            eng.configure(policy=Policy.parse(policy), pool_mib=_pool_mib(eng, frac))
+            runs[a] = eng.run(prompt, 12, k=3)
+        assert runs["fused"].tokens == runs["sdpa"].tokens, policy
+        assert [x.tolist() for x in runs["fused"].routing] == [x.tolist() for x in runs["sdpa"].routing], policy
+        assert runs["fused"].stats.counts == runs["sdpa"].stats.counts, policy
+    res = {}
+    for a, eng in engines.items():
+        eng.configure(policy=Policy.parse("on-demand+lru"), pool_mib=_pool_mib(eng, 1.0))
+        res[a] = eng.generate(prompt, 12, preload=True, resident_graph=True)
+        assert eng._graph_runner(32).dec.fused_attention == (a == "fused")
+    assert res["fused"].tokens == res["sdpa"].tokens == runs["sdpa"].tokens
+
+
+def test_fused_kernels_refuse_what_they_do_not_cover():
+    """attention_usable / router_usable: the geometry, dtype and router size the kernels cover."""
+    from torch import nn
+
+    from toolkit.runtime.gpu_attention import attention_usable
+    from toolkit.runtime.gpu_router import router_usable
+
+    class Attn(nn.Module):
+        def __init__(self, heads, kv, D, bias=(False, False, False), norm=(True, True)):
+            super().__init__()
+            self.head_dim = D
+            self.q_proj, self.k_proj, self.v_proj = (nn.Linear(64, n * D, bias=b).half()
+                                                     for n, b in zip((heads, kv, kv), bias))
+            if norm[0]:
+                self.q_norm = nn.Identity()
+            if norm[1]:
+                self.k_norm = nn.Identity()
+
+    fp16 = torch.float16
+    assert attention_usable([Attn(8, 2, 16)], fp16) is None
+    for attn, dtype, msg in ((Attn(8, 2, 16), torch.float32, "fp16, not float32"),
+                             (Attn(8, 2, 24), fp16, "power-of-two head dimension of at least 16, not 24"),
+                             (Attn(8, 2, 8), fp16, "at least 16, not 8"),
+                             (Attn(6, 4, 16), fp16, "6 query heads are not a multiple of 4"),
+                             (Attn(8, 2, 16, bias=(True, False, False)), fp16, "differ in dtype or bias"),
+                             (Attn(8, 2, 16, norm=(True, False)), fp16, "a q norm without a k norm")):
+        assert msg in attention_usable([attn], dtype)
+
+    class Norm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(64).half())
+            self.variance_epsilon = 1e-6
+
+    def gate(E, H):
+        g = nn.Linear(H, E, bias=False).half()
+        return g
+    assert router_usable([Norm()], [gate(32, 1024)], fp16) is None
+    assert router_usable([Norm()], [gate(8, 4096)], fp16) is None                      # Mixtral's: 64 KiB
+    assert "a [128, 2048] router matrix" in router_usable([Norm()], [gate(128, 2048)], fp16)   # Qwen3-30B's
+    assert "not an RMS norm" in router_usable([nn.LayerNorm(64)], [gate(8, 64)], fp16)
+    assert "bias-free linear router" in router_usable([Norm()], [nn.Linear(64, 8).half()], fp16)
+    assert "fp16, not float32" in router_usable([Norm()], [gate(8, 64)], torch.float32)
 
 
 def test_attention_option_is_validated(tiny_models, stores):

@@ -565,13 +565,14 @@ class GpuEngine:
                 layer, gpu_attention.decode_attention: Triton on CUDA; fp16 models whose geometry the
                 kernel covers) or "sdpa" (the model's norms and rotary embedding, then torch's
                 scaled_dot_product_attention over the static cache; the default: the fused kernels are
-                opt-in until timed on a GPU, docs/gpu-tier.md). Rows of more than one position (the
-                prefill, a batched verification) take "sdpa" either way.
+                opt-in until timed on a GPU, docs/gpu-tier.md). A pass over more than one position (a
+                batched verification) takes "sdpa" either way; the prefill is transformers' modules.
             router: how the static decoder's one-position steps route a MoE layer: "fused" (the residual
                 add, post-attention norm, router GEMV, softmax, top-k and its normalisation in one kernel,
                 written into the runner's buffers: gpu_router.route, Triton on CUDA; fp16 models) or
-                "model" (the model's norm and router module; the default, as for `attention`). Rows of
-                more than one position take "model" either way.
+                "model" (the model's norm and router module; the default, as for `attention`). The
+                kernel's one program reads the whole router matrix: one over 128 KiB (Qwen3-30B's) is
+                refused. Rows of more than one position take "model" either way.
             verify: how the draft policy's target checks a round's proposals: "exact" (every row
                 through the target's own one-token decode step: with the static decoder its segments
                 layer-major over the rows, GraphRunner.verify_rows, each MoE layer's experts acquired
@@ -690,12 +691,13 @@ class GpuEngine:
         return "fused"
 
     def _fused_choices(self, attention: str | None, router: str | None) -> tuple[str, str]:
-        from toolkit.runtime.gpu_attention import usable
-        from toolkit.runtime.gpu_router import usable as router_usable
+        from toolkit.runtime.gpu_attention import attention_usable
+        from toolkit.runtime.gpu_router import router_usable
 
         g = self.spec.geometry   # (the modules read only where the static decoder runs: families it covers)
         a = self._kernel_choice("attention", attention, "sdpa",
-                                lambda: usable([layer.self_attn for layer in self.model.model.layers], self.dtype))
+                                lambda: attention_usable([layer.self_attn for layer in self.model.model.layers],
+                                                         self.dtype))
         r = self._kernel_choice("router", router, "model", lambda: router_usable(
             [self.model.model.layers[i].post_attention_layernorm for i in g.moe_layers],
             [self.spec.family.moe_block(self.model, i).gate for i in g.moe_layers], self.dtype))

@@ -37,6 +37,8 @@ from toolkit.runtime.gpu_kernels import _device, rms_norm_torch, triton
 if triton is not None:
     import triton.language as tl
 
+BLOCK_S = 64   # positions per step of a program's loop over the cache
+
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """transformers' apply_rotary_pos_emb on rows of x: x cos + rotate_half(x) sin."""
@@ -105,8 +107,9 @@ if triton is not None:
         k = _rms_rope(qkv_ptr, kw_ptr, cos, sin, (NQ + g) * D + one, d, dp, sign, eps, D, QK_NORM)   # [1, D]
         v = tl.load(qkv_ptr + (NQ + NKV + g) * D + one[:, None] + d[None, :])                     # [1, D]
         base = g.to(tl.int64) * S * D
-        tl.store(k_ptr + base + pos * D + d[None, :] + one[:, None], k)
-        tl.store(v_ptr + base + pos * D + d[None, :] + one[:, None], v)
+        inside = (pos < S) & (one[:, None] == 0)              # (a position past the cache writes nothing)
+        tl.store(k_ptr + base + pos * D + d[None, :] + one[:, None], k, mask=inside)
+        tl.store(v_ptr + base + pos * D + d[None, :] + one[:, None], v, mask=inside)
         # the K/V head's query heads as the rows of a tile (padded to GP >= 16 rows for tl.dot)
         r = tl.arange(0, GP)
         live = r < G
@@ -118,9 +121,10 @@ if triton is not None:
         den = tl.zeros([GP], dtype=tl.float32) + 1.0
         acc = tl.zeros([GP, D], dtype=tl.float32) + v.to(dt).to(tl.float32)
         lo = tl.where(window > 0, tl.maximum(pos - window + 1, 0), 0)
-        for j0 in range(lo, pos, BLOCK_S):                   # the earlier visible positions
+        end = tl.minimum(pos, S)
+        for j0 in range(lo, end, BLOCK_S):                   # the earlier visible positions
             j = j0 + tl.arange(0, BLOCK_S)
-            ok = j < pos
+            ok = j < end
             kb = tl.load(k_ptr + base + j[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)   # [BS, D]
             vb = tl.load(v_ptr + base + j[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
             s = tl.dot(q, tl.trans(kb)) * scale                                                  # [GP, BS]
@@ -135,7 +139,7 @@ if triton is not None:
         tl.store(out_ptr + (g * G + rr[:, None]) * D + d[None, :], (acc / den[:, None]).to(dt), mask=live[:, None])
 
 
-def _check(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, heads: int) -> None:
+def _check(qkv, cos, sin, k_cache, v_cache, pos, heads: int) -> None:
     _, nkv, S, D = k_cache.shape
     torch._check(qkv.numel() == (heads + 2 * nkv) * D, lambda: "decode_attention: qkv is not q, k and v of one row")
     torch._check(heads % nkv == 0, lambda: "decode_attention: the query heads are not a multiple of the K/V heads")
@@ -172,11 +176,11 @@ def _decode_attention_op(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm:
 
 @_decode_attention_op.register_fake
 def _(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, heads, scale, eps, window):
-    _check(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, heads)
+    _check(qkv, cos, sin, k_cache, v_cache, pos, heads)
     return qkv.new_empty(1, heads * k_cache.shape[-1])
 
 
-def usable(attns, dtype: torch.dtype) -> str | None:
+def attention_usable(attns, dtype: torch.dtype) -> str | None:
     """None where the kernel covers these attention modules (transformers' Qwen3-MoE / Mixtral: q/k/v
     projections the static decoder fuses into one, Qwen3's q/k norms or none), else why not."""
     if dtype != torch.float16:   # (bf16 would need its own checks: Triton's CPU interpreter truncates bf16)
@@ -198,13 +202,10 @@ def usable(attns, dtype: torch.dtype) -> str | None:
     return None
 
 
-BLOCK_S = 64   # positions per step of a program's loop over the cache
-
-
 def _decode_attention_triton(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, heads: int, scale: float,
                              eps: float, window: int) -> torch.Tensor:
     _, nkv, S, D = k_cache.shape
-    _check(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, heads)
+    _check(qkv, cos, sin, k_cache, v_cache, pos, heads)
     if qkv.dtype != torch.float16 or D < 16 or D & (D - 1):
         raise ValueError(f"decode_attention: fp16 and a power-of-two head dimension of at least 16, not "
                          f"{str(qkv.dtype).removeprefix('torch.')} and {D}")

@@ -121,12 +121,12 @@ def compiled(fns, backend: str, n_layers: int):
     """`fns` through torch.compile (`backend`: "inductor" on a GPU, with the routers' top-k and one-row
     GEMV decomposed (`_inductor`), fuses the norms, rotary embedding, casts, residual adds and buffer
     copies into a few Triton kernels; the projections stay cuBLAS' but under the fused attention), shapes
-    static but for the sizes
-    the caller marks dynamic, each function whole (fullgraph: a graph break inside the captured step is an
-    error, not a silent eager fallback). A segment's index is a constant of its trace, so every segment,
-    and every runner's static cache length, is its own compiled entry: each function's recompile limit
-    (its own; dynamo's global per-function one untouched) holds 16 x (n_layers + 1) of them, and past it
-    the call fails (fullgraph) instead of running eagerly without a word."""
+    static but for the sizes the caller marks dynamic, each function whole (fullgraph: a graph break inside
+    the captured step is an error, not a silent eager fallback). A segment's index is a constant of its
+    trace, so every segment, and every runner's static cache length, is its own compiled entry: each
+    function's recompile limit (its own; dynamo's global per-function one untouched) holds
+    16 x (n_layers + 1) of them, and past it the call fails (fullgraph) instead of running eagerly
+    without a word."""
     import torch._dynamo.config as dcfg
 
     limit = 16 * (n_layers + 1)
@@ -253,7 +253,10 @@ class StaticDecoder:
         self.heads = sa.q_proj.out_features // self.head_dim
         # one position's attention in one kernel a layer (gpu_attention; GpuEngine(attention="fused")), where
         # every layer's q/k/v is one projection
-        self.fused_attention = eng.attention == "fused" and all(f is not None for f in self.qkv)
+        self.fused_attention = eng.attention == "fused"
+        if self.fused_attention and any(f is None for f in self.qkv):   # (gpu_attention.attention_usable said yes)
+            raise SpecPrefetchError("internal: the fused attention was chosen for q/k/v projections that are not "
+                                    "one GEMV")
         self.slot0 = torch.zeros(1, dtype=torch.long, device=eng.dev.device)   # (_gemv's one slot)
         # one position's residual add, post-attention norm and router in one kernel a MoE layer (gpu_router;
         # GpuEngine(router="fused")); whether each router divides its top-k by their sum (Mixtral's always do)
@@ -315,14 +318,15 @@ class StaticDecoder:
         return sa.o_proj(o)
 
     def _gemv(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-        """One row through a projection -> [1, O]: with the fused attention, the slot GEMV's kernel over the
-        weight as a pool of one slot (gpu_kernels.slot_gemv; Triton on CUDA: where cuBLAS's GEMV took about
-        4 us for these few MiB), else (or with a bias) F.linear."""
-        x = x.reshape(1, -1)
-        if b is not None or not w.is_contiguous():
-            return F.linear(x, w, b)
-        from toolkit.runtime.gpu_kernels import slot_gemv
+        """One row through one of the fused attention's projections -> [1, O]: on CUDA with Triton the slot
+        GEMV's kernel over the weight as a pool of one slot (gpu_kernels.slot_gemv; the resident profile
+        had cuBLAS's GEMV at about 4 us for these few MiB, most of it fixed cost); F.linear with a bias, a
+        non-contiguous weight, or elsewhere (the slot GEMV's torch reference would copy the weight)."""
+        from toolkit.runtime.gpu_kernels import slot_gemv, triton
 
+        x = x.reshape(1, -1)
+        if b is not None or not w.is_contiguous() or triton is None or not w.is_cuda:
+            return F.linear(x, w, b)
         return slot_gemv(w.view(1, *w.shape), self.slot0, x)
 
     def _folds(self, T: int) -> bool:
@@ -356,10 +360,11 @@ class StaticDecoder:
         if i not in self.moe_at:
             return (self.dense_mlp(i, h + a),)
         if out is not None and h.shape[1] == 1 and self.fused_router:
-            from toolkit.runtime.gpu_router import route
+            from toolkit.runtime.gpu_router import route as fused_route
 
             norm, gate = self.layers[i].post_attention_layernorm, self.blocks[i].gate
-            h = route(h, a, norm.weight.detach(), norm.variance_epsilon, gate.weight.detach(), self.norm_topk[i], *out)
+            h = fused_route(h, a, norm.weight.detach(), norm.variance_epsilon, gate.weight.detach(), self.norm_topk[i],
+                            *out)
             return (h, *out)
         h = h + a
         routed = self.route(i, h)
@@ -1095,8 +1100,8 @@ class _DraftStep:
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)
         self.ids = torch.zeros(eng.L, eng.k, dtype=torch.long, device=dev)
         # each MoE layer's router input and scores for the fused router (its indices go straight into `ids`)
-        self.post = torch.zeros_like(gr.post)
-        self.scores = torch.zeros_like(gr.scores)
+        self.post = torch.zeros_like(gr.post) if dec.fused_router else None
+        self.scores = torch.zeros_like(gr.scores) if dec.fused_router else None
         self.graph = None
         pin = eng.dev.cuda
         self.host_ids = torch.zeros(0, eng.L, eng.k, dtype=torch.long, pin_memory=pin)

@@ -14,8 +14,8 @@ runner's buffers; `route` is one (`specprefetch::route`, Triton on CUDA): one pr
 norm's weight and the router's [E, H] matrix, writes the layer's router input, scores and expert indices
 into the buffers it is given and returns h'. The top-k is taken over the logits (the softmax is
 monotonic, so the same experts in the same order) by k rounds of a maximum, ties to the lower index as
-`gpu_graph.topk_by_sort`. One program does it all, so routers of at most 128 KiB (32 x 1024 and
-Mixtral's 8 x 4096 in fp16) take it; larger ones (Qwen3-30B's 128 x 2048) keep the model's. The reference
+`gpu_graph.topk_by_sort`. One program does it all, so it takes routers of at most 128 KiB (32 x 1024 and
+Mixtral's 8 x 4096 in fp16); a larger one (Qwen3-30B's 128 x 2048) is refused (`router_usable`). The reference
 (`route_torch`) is the operator's body off CUDA and the tests' oracle; the kernel differs from it in
 summation order and in the GPU's approximate reciprocal square root and exponential.
 """
@@ -32,7 +32,7 @@ if triton is not None:
 MAX_ROUTER_KIB = 128   # one program reads the whole router matrix: Qwen3-30B's 512 KiB stays on the model's path
 
 
-def usable(norms, gates, dtype: torch.dtype) -> str | None:
+def router_usable(norms, gates, dtype: torch.dtype) -> str | None:
     """None where the kernel covers these MoE layers' post-attention norms and routers, else why not."""
     if dtype != torch.float16:   # (as gpu_attention.usable)
         return f"the fused router computes in fp16, not {str(dtype).removeprefix('torch.')}"
@@ -102,7 +102,7 @@ if triton is not None:
         free = me                                            # experts not yet chosen (real ones only)
         for t in tl.static_range(K):                         # k rounds of a maximum, the lower index on ties
             m = tl.max(tl.where(free, lg, float("-inf")), axis=0)
-            i = tl.min(tl.where(free & (lg == m), e, EP), axis=0)
+            i = tl.minimum(tl.min(tl.where(free & (lg == m), e, EP), axis=0), E - 1)   # (NaN logits: no match)
             top = tl.where(kk == t, tl.sum(tl.where(e == i, ex, 0.0), axis=0) / den, top)
             at = tl.where(kk == t, i, at)
             free = free & (e != i)
