@@ -1819,19 +1819,29 @@ def test_experts_option_is_validated(tiny_models, stores):
                       experts=experts)
 
 
-def test_triton_slot_kernel_matches_the_reference():
-    """The fp16 slot GEMV (Triton) against its torch reference: on CUDA, or through Triton's interpreter
-    on the CPU (TRITON_INTERPRET=1 set before triton is imported) where Triton is installed."""
+def _triton_device() -> str:
+    """Where Triton's kernels run here: "cuda", or "cpu" through Triton's interpreter (TRITON_INTERPRET=1
+    set before triton is imported, where Triton is installed); else the test is skipped."""
     import os
 
     from toolkit.runtime import gpu_kernels as K
 
     if K.triton is None:
         pytest.skip("no triton")
-    cuda = torch.cuda.is_available()
-    if not cuda and os.environ.get("TRITON_INTERPRET") != "1":
+    if torch.cuda.is_available():
+        return "cuda"
+    if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("no CUDA device and Triton's interpreter is off")
-    dev = "cuda" if cuda else "cpu"
+    return "cpu"
+
+
+def test_triton_slot_kernel_matches_the_reference():
+    """The fp16 slot GEMV (Triton) against its torch reference: on CUDA, or through Triton's interpreter
+    on the CPU (TRITON_INTERPRET=1 set before triton is imported) where Triton is installed."""
+    from toolkit.runtime import gpu_kernels as K
+
+    dev = _triton_device()
+    cuda = dev == "cuda"
     g = torch.Generator(device=dev).manual_seed(2)
     shapes = ((6, 96, 64), (8, 3072, 1024), (5, 1024, 1536), (4, 70, 40)) if cuda else ((6, 40, 24), (5, 17, 300))
     for C, O, N in shapes:
@@ -1896,16 +1906,10 @@ def test_triton_decode_attention_matches_the_reference():
     sliding window, position 0, positions in the first block, across blocks and at the cache's end: the
     caches written bitwise as the reference writes them (the new position only), the output within
     fp16's rounding."""
-    import os
-
     from toolkit.runtime import gpu_attention as A
 
-    if A.triton is None:
-        pytest.skip("no triton")
-    cuda = torch.cuda.is_available()
-    if not cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("no CUDA device and Triton's interpreter is off")
-    dev = "cuda" if cuda else "cpu"
+    dev = _triton_device()
+    cuda = dev == "cuda"
     g = torch.Generator(device=dev).manual_seed(4)
     cases = [(16, 4, 64, 40, 17, 0, True), (8, 8, 32, 20, 0, 0, False), (8, 2, 64, 300, 150, 0, True),
              (4, 1, 16, 70, 69, 5, False), (32, 4, 128, 130, 129, 0, True), (16, 2, 64, 200, 199, 100, True)]
@@ -1999,16 +2003,9 @@ def test_triton_router_matches_the_reference():
     residual and the router input bitwise, the same experts in the same order, the scores within a
     float32 rounding; Qwen3's fp16 scores with and without the normalisation, Mixtral's float32 ones,
     k = E, and a tie between two experts' logits (the lower index first, as topk_by_sort)."""
-    import os
-
     from toolkit.runtime import gpu_router as R
 
-    if R.triton is None:
-        pytest.skip("no triton")
-    cuda = torch.cuda.is_available()
-    if not cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("no CUDA device and Triton's interpreter is off")
-    dev = "cuda" if cuda else "cpu"
+    dev = _triton_device()
     g = torch.Generator(device=dev).manual_seed(5)
     r = lambda *shape: torch.randn(*shape, device=dev, generator=g)   # noqa: E731
     for H, E, k, norm, sdt, tie in ((64, 8, 2, True, torch.float16, False), (1024, 32, 4, True, torch.float16, True),
@@ -2100,16 +2097,11 @@ def test_fused_kernels_decode_as_the_model_path(tiny_models, stores, sliding, fa
     fp16 model: the fused attention and router give the tokens and routing the static decoder gives with
     the model's norms, SDPA and router (the window applied where the model has one); each kernel ran
     once per layer (attention) or MoE layer (router) and decoded token."""
-    import os
-
     from toolkit.runtime import gpu_attention as A
     from toolkit.runtime import gpu_router as R
 
-    if A.triton is None:
-        pytest.skip("no triton")
-    cuda = torch.cuda.is_available()
-    if not cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("no CUDA device and Triton's interpreter is off")
+    dev = _triton_device()
+    cuda = dev == "cuda"
     calls = {"attention": 0, "route": 0}
 
     def counted(name, fn):
@@ -2120,7 +2112,6 @@ def test_fused_kernels_decode_as_the_model_path(tiny_models, stores, sliding, fa
     # (the CPU's tensors through Triton too)
     monkeypatch.setattr(A, "_impl", counted("attention", A._decode_attention_triton))
     monkeypatch.setattr(R, "_impl", counted("route", R._route_triton))
-    dev = "cuda" if cuda else "cpu"
     d, store = sliding if fam == "mixtral-sw8" else (tiny_models[fam], stores[fam])
     spec = inspect_model_dir(d)
     runs = {}
