@@ -1912,7 +1912,8 @@ def test_triton_decode_attention_matches_the_reference():
     cuda = dev == "cuda"
     g = torch.Generator(device=dev).manual_seed(4)
     cases = [(16, 4, 64, 40, 17, 0, True), (8, 8, 32, 20, 0, 0, False), (8, 2, 64, 300, 150, 0, True),
-             (4, 1, 16, 70, 69, 5, False), (32, 4, 128, 130, 129, 0, True), (16, 2, 64, 200, 199, 100, True)]
+             (4, 1, 16, 70, 69, 5, False), (32, 4, 128, 130, 129, 0, True), (16, 2, 64, 200, 199, 100, True),
+             (16, 2, 64, 200, 64, 100, True)]
     if cuda:
         cases += [(32, 4, 128, 4096, 3000, 0, True), (16, 4, 64, 256, 255, 0, True)]
     for heads, nkv, D, S, pos, window, norm in cases:
@@ -1930,6 +1931,13 @@ def test_triton_decode_attention_matches_the_reference():
         assert torch.equal(kc2, kc)
         err = (got.float() - want.float()).abs().max().item()
         assert err <= 2e-3 * max(1.0, want.abs().max().item()), (heads, nkv, D, S, pos, window, err)
+    # a position past the cache (the runner never decodes one: its cache is sized first) writes nothing
+    for pos, window in ((70, 0), (90, 0), (75, 10)):
+        qkv, qn, kn, cos, sin, kc, vc = _attention_case(dev, g, 4, 1, 16, 70, pos, False)
+        k0, v0 = kc.clone(), vc.clone()
+        out = A.decode_attention(qkv, None, None, cos, sin, kc, vc, torch.tensor([pos], device=dev), 4, 0.25, 0.0,
+                                 window, use_triton=True)
+        assert torch.equal(kc, k0) and torch.equal(vc, v0) and out.isfinite().all(), pos
     # a wrong window is not within that tolerance: the check bites
     heads, nkv, D, S, pos = 4, 1, 16, 70, 69
     qkv, qn, kn, cos, sin, kc, vc = _attention_case(dev, g, heads, nkv, D, S, pos, False)
@@ -1972,8 +1980,8 @@ def test_fused_attention_is_the_models_attention(tiny_models, stores, sliding, f
         dec.forward_rows(torch.tensor(ids[:12]), 0, kv, experts)
         out[a] = torch.cat([dec.forward_rows(torch.tensor([t]), 12 + j, kv, experts) for j, t in enumerate(ids[12:])])
         caches[a] = kv
-    # the decoded positions' K/V rows: the first layer's within a rounding of the projection (the slot GEMV's
-    # summation order against F.linear's), later layers' inputs carry the attention's own rounding too
+    # the decoded positions' K/V rows: the first layer's within an fp16 rounding (the same projection on the CPU,
+    # the rotary's products rounded alike), later layers' inputs carry the attention's own rounding too
     f, m = caches["fused"], caches["sdpa"]
     for i in range(len(f.k)):
         for a, b in ((f.k[i], m.k[i]), (f.v[i], m.v[i])):
@@ -2030,6 +2038,15 @@ def test_triton_router_matches_the_reference():
         if tie:
             got = i1[0].tolist()
             assert got[:2] == [2, 5], got
+    # NaN logits (a NaN in the residual): k distinct experts, all real ones (torch's top-k would not overrun either)
+    h = r(1, 64).half()
+    h[0, 3] = float("nan")
+    for E, k in ((8, 2), (8, 8), (20, 4)):
+        sc, idx = torch.zeros(1, k, device=dev).half(), torch.full((1, k), -1, device=dev, dtype=torch.long)
+        R.route(h, h, (1 + 0 * r(64)).half(), 1e-6, r(E, 64).half(), True, torch.zeros(1, 64, device=dev).half(),
+                sc, idx, use_triton=True)
+        got = idx[0].tolist()
+        assert len(set(got)) == k and all(0 <= i < E for i in got), (E, k, got)
     with pytest.raises(ValueError, match="top-9 of 8"):
         z = torch.zeros(1, 64, device=dev).half()
         R.route(z, z, z[0], 1e-6, torch.zeros(8, 64, device=dev).half(), True, z.clone(), torch.zeros(1, 9, device=dev),
@@ -2096,7 +2113,8 @@ def test_fused_kernels_decode_as_the_model_path(tiny_models, stores, sliding, fa
     """The Triton kernels themselves (CUDA, or the interpreter on the CPU) inside the runner's decode of an
     fp16 model: the fused attention and router give the tokens and routing the static decoder gives with
     the model's norms, SDPA and router (the window applied where the model has one); each kernel ran
-    once per layer (attention) or MoE layer (router) and decoded token."""
+    (on the CPU exactly once per layer, or MoE layer, and decoded token; on CUDA its calls are the
+    graphs' captures), and not at all on the model's path."""
     from toolkit.runtime import gpu_attention as A
     from toolkit.runtime import gpu_router as R
 
@@ -2124,10 +2142,13 @@ def test_fused_kernels_decode_as_the_model_path(tiny_models, stores, sliding, fa
         dec = eng._graph_runner(32).dec
         assert (dec.fused_attention, dec.fused_router) == (a == "fused", r == "fused")
         if a == "fused":   # 15 decoded tokens (the first comes from the prefill), eagerly or captured once
-            n = len(runs[a].tokens) - 1 if not cuda else None
-            if n is not None:
+            if not cuda:
+                n = len(runs[a].tokens) - 1
                 assert calls == {"attention": n * len(dec.layers), "route": n * len(dec.moe_at)}, calls
             assert min(calls.values()) > 0
+            seen = dict(calls)
+        else:
+            assert calls == seen   # (the model's path calls neither)
     assert runs["fused"].tokens == runs["sdpa"].tokens
     assert [x.tolist() for x in runs["fused"].routing] == [x.tolist() for x in runs["sdpa"].routing]
 
@@ -2159,7 +2180,8 @@ def test_fused_step_decodes_as_the_model_step_on_the_cpu(tiny_models, stores, fa
     for a, eng in engines.items():
         eng.configure(policy=Policy.parse("on-demand+lru"), pool_mib=_pool_mib(eng, 1.0))
         res[a] = eng.generate(prompt, 12, preload=True, resident_graph=True)
-        assert eng._graph_runner(32).dec.fused_attention == (a == "fused")
+        dec = eng._graph_runner(32).dec
+        assert (dec.fused_attention, dec.fused_router) == (a == "fused", a == "fused")
     assert res["fused"].tokens == res["sdpa"].tokens == runs["sdpa"].tokens
 
 
@@ -2183,6 +2205,7 @@ def test_fused_kernels_refuse_what_they_do_not_cover():
 
     fp16 = torch.float16
     assert attention_usable([Attn(8, 2, 16)], fp16) is None
+    assert "has no q/k/v projections" in attention_usable([nn.Linear(4, 4)], fp16)
     for attn, dtype, msg in ((Attn(8, 2, 16), torch.float32, "fp16, not float32"),
                              (Attn(8, 2, 24), fp16, "power-of-two head dimension of at least 16, not 24"),
                              (Attn(8, 2, 8), fp16, "at least 16, not 8"),
@@ -2198,8 +2221,7 @@ def test_fused_kernels_refuse_what_they_do_not_cover():
             self.variance_epsilon = 1e-6
 
     def gate(E, H):
-        g = nn.Linear(H, E, bias=False).half()
-        return g
+        return nn.Linear(H, E, bias=False).half()
     assert router_usable([Norm()], [gate(32, 1024)], fp16) is None
     assert router_usable([Norm()], [gate(8, 4096)], fp16) is None                      # Mixtral's: 64 KiB
     assert "a [128, 2048] router matrix" in router_usable([Norm()], [gate(128, 2048)], fp16)   # Qwen3-30B's

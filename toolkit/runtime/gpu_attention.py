@@ -107,9 +107,8 @@ if triton is not None:
         k = _rms_rope(qkv_ptr, kw_ptr, cos, sin, (NQ + g) * D + one, d, dp, sign, eps, D, QK_NORM)   # [1, D]
         v = tl.load(qkv_ptr + (NQ + NKV + g) * D + one[:, None] + d[None, :])                     # [1, D]
         base = g.to(tl.int64) * S * D
-        inside = (pos < S) & (one[:, None] == 0)              # (a position past the cache writes nothing)
-        tl.store(k_ptr + base + pos * D + d[None, :] + one[:, None], k, mask=inside)
-        tl.store(v_ptr + base + pos * D + d[None, :] + one[:, None], v, mask=inside)
+        tl.store(k_ptr + base + pos * D + d[None, :] + one[:, None], k, mask=pos < S)   # (none past the cache)
+        tl.store(v_ptr + base + pos * D + d[None, :] + one[:, None], v, mask=pos < S)
         # the K/V head's query heads as the rows of a tile (padded to GP >= 16 rows for tl.dot)
         r = tl.arange(0, GP)
         live = r < G

@@ -29,12 +29,12 @@ if triton is not None:
     import triton.language as tl
 
 
-MAX_ROUTER_KIB = 128   # one program reads the whole router matrix: Qwen3-30B's 512 KiB stays on the model's path
+MAX_ROUTER_KIB = 128   # one program reads the whole router matrix: Qwen3-30B's 512 KiB is refused
 
 
 def router_usable(norms, gates, dtype: torch.dtype) -> str | None:
     """None where the kernel covers these MoE layers' post-attention norms and routers, else why not."""
-    if dtype != torch.float16:   # (as gpu_attention.usable)
+    if dtype != torch.float16:   # (as gpu_attention.attention_usable)
         return f"the fused router computes in fp16, not {str(dtype).removeprefix('torch.')}"
     for norm, gate in zip(norms, gates):
         if not (hasattr(norm, "variance_epsilon") and getattr(norm, "weight", None) is not None):
@@ -102,7 +102,8 @@ if triton is not None:
         free = me                                            # experts not yet chosen (real ones only)
         for t in tl.static_range(K):                         # k rounds of a maximum, the lower index on ties
             m = tl.max(tl.where(free, lg, float("-inf")), axis=0)
-            i = tl.minimum(tl.min(tl.where(free & (lg == m), e, EP), axis=0), E - 1)   # (NaN logits: no match)
+            hit = tl.min(tl.where(free & (lg == m), e, EP), axis=0)
+            i = tl.where(hit < EP, hit, tl.min(tl.where(free, e, EP), axis=0))   # (NaN logits: the lowest unchosen)
             top = tl.where(kk == t, tl.sum(tl.where(e == i, ex, 0.0), axis=0) / den, top)
             at = tl.where(kk == t, i, at)
             free = free & (e != i)
