@@ -692,9 +692,8 @@ class GpuEngine:
 
     def _fused_choices(self, attention: str | None, router: str | None) -> tuple[str, str]:
         from toolkit.runtime.gpu_attention import attention_usable
-        from toolkit.runtime.gpu_router import router_usable
-
         from toolkit.runtime.gpu_kernels import triton
+        from toolkit.runtime.gpu_router import router_usable
 
         g = self.spec.geometry   # (the modules read only where the static decoder runs: families it covers)
         # on CUDA the kernels are Triton's (elsewhere their torch references run, as CI checks them)

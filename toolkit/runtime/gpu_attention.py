@@ -179,6 +179,12 @@ def _(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, heads, scale, eps, w
     return qkv.new_empty(1, heads * k_cache.shape[-1])
 
 
+def qkv_fusable(projs) -> bool:
+    """Whether a layer's q, k and v projections can be one GEMV (gpu_graph._FusedQKV): one dtype, and a
+    bias on all or none."""
+    return len({p.weight.dtype for p in projs}) == 1 and len({p.bias is None for p in projs}) == 1
+
+
 def attention_usable(attns, dtype: torch.dtype) -> str | None:
     """None where the kernel covers these attention modules (transformers' Qwen3-MoE / Mixtral: q/k/v
     projections the static decoder fuses into one, Qwen3's q/k norms or none), else why not."""
@@ -189,7 +195,7 @@ def attention_usable(attns, dtype: torch.dtype) -> str | None:
         D = getattr(sa, "head_dim", None)
         if None in projs or D is None:
             return f"{type(sa).__name__} has no q/k/v projections and head dimension"
-        if len({p.weight.dtype for p in projs}) != 1 or len({p.bias is None for p in projs}) != 1:
+        if not qkv_fusable(projs):
             return "the q/k/v projections differ in dtype or bias (they are not one GEMV)"
         if D < 16 or D & (D - 1):
             return f"the fused attention needs a power-of-two head dimension of at least 16, not {D}"

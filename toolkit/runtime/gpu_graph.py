@@ -216,7 +216,9 @@ def _fused_qkv(sa) -> _FusedQKV | None:
     have = getattr(sa, "_specprefetch_qkv", None)
     if have is not None and have.live(sa):
         return have
-    if len({p.weight.dtype for p in projs}) != 1 or len({p.bias is None for p in projs}) != 1:
+    from toolkit.runtime.gpu_attention import qkv_fusable
+
+    if not qkv_fusable(projs):
         sa._specprefetch_qkv = None     # (a stale one would keep a copy of the weights alive)
         return None
     sa._specprefetch_qkv = _FusedQKV(projs)
@@ -257,7 +259,8 @@ class StaticDecoder:
         if self.fused_attention and any(f is None for f in self.qkv):   # (gpu_attention.attention_usable said yes)
             raise SpecPrefetchError("internal: the fused attention was chosen for q/k/v projections that are not "
                                     "one GEMV")
-        self.slot0 = torch.zeros(1, dtype=torch.long, device=eng.dev.device)   # (_gemv's one slot)
+        # (_gemv's one slot)
+        self.slot0 = torch.zeros(1, dtype=torch.long, device=eng.dev.device) if self.fused_attention else None
         # one position's residual add, post-attention norm and router in one kernel a MoE layer (gpu_router;
         # GpuEngine(router="fused")); whether each router divides its top-k by their sum (Mixtral's always do)
         self.fused_router = eng.router == "fused"
