@@ -2024,14 +2024,27 @@ def test_triton_router_matches_the_reference():
         if tie:   # experts 5 and 2 share a row aligned with the router input: equal logits, high enough to be
             gw[2] = 0.05 * (h + a).float().sign()[0].half()   # chosen; the lower index ranks first
             gw[5] = gw[2]
-        outs = []
+        slot_of = torch.randperm(3 * E, device=dev, generator=g)[:E]   # (the resident selection: any slot numbers)
+        outs, sels = [], []
         for use in (False, True):
-            post = torch.zeros(1, H, device=dev).half()
-            sc, idx = torch.zeros(1, k, device=dev, dtype=sdt), torch.full((1, k), -1, device=dev, dtype=torch.long)
-            outs.append((R.route(h, a, nw, 1e-6, gw, norm, post, sc, idx, use_triton=use), post, sc, idx))
+            for slots in (False, True):
+                post = torch.zeros(1, H, device=dev).half()
+                sc, idx = torch.zeros(1, k, device=dev, dtype=sdt), torch.full((1, k), -1, device=dev, dtype=torch.long)
+                sel = torch.full((2 * k,), -1, device=dev, dtype=torch.long)
+                got = R.route(h, a, nw, 1e-6, gw, norm, post, sc, idx, *((slot_of, sel) if slots else ()),
+                              use_triton=use)
+                if slots:
+                    sels.append(sel)
+                    assert torch.equal(got, outs[-1][0]) and torch.equal(idx, outs[-1][3])   # (the same routing)
+                else:
+                    outs.append((got, post, sc, idx))
         (h0, p0, s0, i0), (h1, p1, s1, i1) = outs
         assert torch.equal(h0, h1) and torch.equal(h0, h + a) and _fp16_steps(p0, p1) <= 1, (H, E, k)
         assert torch.equal(i0, i1) and sorted(set(i0[0].tolist())) == sorted(i0[0].tolist()), (H, E, k, i0, i1)
+        chosen = i1[0].tolist()   # the selection: the chosen experts' slots in ascending expert order, then where
+        asc = sorted(chosen)      # each of those experts stands in the top-k order
+        want = [slot_of[e].item() for e in asc] + [chosen.index(e) for e in asc]
+        assert sels[0].tolist() == sels[1].tolist() == want, (H, E, k, sels, want)
         assert s1.dtype == sdt and torch.allclose(s0.float(), s1.float(), rtol=2e-3, atol=1e-6), (H, E, k, s0, s1)
         if norm:
             assert abs(s1.float().sum().item() - 1) < 5e-3
@@ -2047,10 +2060,17 @@ def test_triton_router_matches_the_reference():
                 sc, idx, use_triton=True)
         got = idx[0].tolist()
         assert len(set(got)) == k and all(0 <= i < E for i in got), (E, k, got)
+    z = torch.zeros(1, 64, device=dev).half()
     with pytest.raises(ValueError, match="top-9 of 8"):
-        z = torch.zeros(1, 64, device=dev).half()
         R.route(z, z, z[0], 1e-6, torch.zeros(8, 64, device=dev).half(), True, z.clone(), torch.zeros(1, 9, device=dev),
                 torch.zeros(1, 9, dtype=torch.long, device=dev), use_triton=True)
+    one = (z, z, z[0], 1e-6, torch.zeros(8, 64, device=dev).half(), True, z.clone(), torch.zeros(1, 2, device=dev),
+           torch.zeros(1, 2, dtype=torch.long, device=dev))
+    with pytest.raises(ValueError, match="slot table of 8 and selection of 4"):
+        R.route(*one, torch.zeros(8, dtype=torch.long, device=dev), torch.zeros(3, dtype=torch.long, device=dev),
+                use_triton=True)
+    with pytest.raises(ValueError, match="come together"):
+        R.route(*one, torch.zeros(8, dtype=torch.long, device=dev), use_triton=True)
 
 
 @pytest.mark.parametrize("fam", ["qwen3_moe", "mixtral"])
@@ -2106,6 +2126,20 @@ def test_fused_router_is_the_models_router(tiny_models, stores, fam):
     for x, y in zip(*outs):
         assert torch.equal(x, y)
     assert (outs[1][3] >= 0).all() and outs[1][1].abs().sum() > 0
+    # the resident token's variant (specprefetch::route_resident) writes the slot selection as well, traced too
+    slot_of = torch.arange(dec.eng.E).flip(0) + 100
+    sels = []
+    for fn in (route, torch.compile(lambda *x: route(*x), backend=_traced("route_resident"), fullgraph=True)):
+        post, sc, idx = torch.zeros(1, dec.H).half(), torch.zeros_like(s0), torch.full_like(i0, -1)
+        sel = torch.full((2 * i0.numel(),), -1, dtype=torch.long)
+        with torch.no_grad():
+            fn(h, a, norm.weight, norm.variance_epsilon, gate.weight, dec.norm_topk[i], post, sc, idx, slot_of, sel)
+        assert torch.equal(idx, outs[0][3])
+        sels.append(sel)
+    chosen = outs[0][3][0].tolist()
+    asc = sorted(chosen)
+    want = [100 + dec.eng.E - 1 - e for e in asc] + [chosen.index(e) for e in asc]
+    assert sels[0].tolist() == sels[1].tolist() == want
 
 
 @pytest.mark.parametrize("fam", ["qwen3_moe", "mixtral", "mixtral-sw8"])
@@ -2151,6 +2185,21 @@ def test_fused_kernels_decode_as_the_model_path(tiny_models, stores, sliding, fa
             assert calls == seen   # (the model's path calls neither)
     assert runs["fused"].tokens == runs["sdpa"].tokens
     assert [x.tolist() for x in runs["fused"].routing] == [x.tolist() for x in runs["sdpa"].routing]
+    # every expert resident, the whole token in one graph (on the CPU its eager function): the router kernel
+    # writes the slot selection too (route_resident)
+    before = calls["route"]
+    eng.configure(pool_mib=_pool_mib(eng, 1.0))
+    want = eng.generate(list(range(5, 17)), 12, preload=True, resident_graph=True)
+    assert calls["route"] == before   # (the model's path)
+    fused = GpuEngine(load_model(d, dtype="float16"), ExpertStore(store, spec),
+                      RunConfig(policy=Policy.parse("on-demand+lru"), pool_mib=64.0), device=dev, attention="fused",
+                      router="fused")
+    fused.configure(pool_mib=_pool_mib(fused, 1.0))
+    got = fused.generate(list(range(5, 17)), 12, preload=True, resident_graph=True)
+    assert calls["route"] > before
+    if not cuda:
+        assert calls["route"] - before == (len(got.tokens) - 1) * len(dec.moe_at)
+    assert got.tokens == want.tokens == runs["sdpa"].tokens[:12]
 
 
 @pytest.mark.parametrize("fam", ["qwen3_moe", "mixtral"])

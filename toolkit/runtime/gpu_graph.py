@@ -355,10 +355,13 @@ class StaticDecoder:
         _, scores, idx = self.blocks[i].gate(post)
         return post, scores, idx
 
-    def layer(self, i: int, h: torch.Tensor, positions: torch.Tensor, kv: "StaticKV", mask, cos_sin, out=None):
+    def layer(self, i: int, h: torch.Tensor, positions: torch.Tensor, kv: "StaticKV", mask, cos_sin, out=None,
+              slots=None):
         """Decoder layer i: attention, then the router of a MoE layer -> (h, post, scores, idx), or the
         whole of a dense layer -> (h,). `out`: a MoE layer's (post, scores, idx) buffers, which its
-        results are written into (and returned as)."""
+        results are written into (and returned as). `slots`: the layer's (slot table [E], selection [2k])
+        with every expert resident: the selection is written too (the chosen experts' slots in ascending
+        expert order, then their top-k positions), by the fused router or here."""
         a = self.attend(i, h, positions, kv, mask, cos_sin)
         if i not in self.moe_at:
             return (self.dense_mlp(i, h + a),)
@@ -367,7 +370,7 @@ class StaticDecoder:
 
             norm, gate = self.layers[i].post_attention_layernorm, self.blocks[i].gate
             h = fused_route(h, a, norm.weight.detach(), norm.variance_epsilon, gate.weight.detach(), self.norm_topk[i],
-                            *out)
+                            *out, *(slots or ()))
             return (h, *out)
         h = h + a
         routed = self.route(i, h)
@@ -375,6 +378,10 @@ class StaticDecoder:
             return (h, *routed)
         for buf, x in zip(out, routed):
             buf.copy_(x)
+        if slots is not None:
+            from toolkit.runtime.gpu_router import select_slots_torch
+
+            select_slots_torch(out[2], *slots)
         return (h, *out)
 
     def dense_mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
@@ -739,7 +746,7 @@ class GraphRunner:
         pool, and the slots of each router's choices are looked up on the device (slot_of) instead of
         written by the host. `pre`: the position's mask and rotary tables from an earlier segment of the
         same token (returned on the resident path)."""
-        dec, L, k = self.dec, self.eng.L, self.eng.k
+        dec, L = self.dec, self.eng.L
         h = self.h
         if s == 0:
             h = dec.inner.embed_tokens(self.tok[None])
@@ -750,13 +757,10 @@ class GraphRunner:
         for i in self.seg_layers[s]:
             li = dec.moe_at.get(i)
             out = None if li is None else (self.post[li], self.scores[li], self.idx[li])
-            h, *routed = dec.layer(i, h, self.pos, self.kv, mask, cs, out=out)
-            if routed:   # (written into the runner's buffers)
-                idx = self.idx[li]
-                if resident:   # the host's choice in decode(): ascending expert, then their top-k positions
-                    srt, order = idx[0].sort()
-                    self.sel[li, :k].copy_(self.slot_of[li].index_select(0, srt))
-                    self.sel[li, k:].copy_(order)
+            # resident: the host's choice in decode() made on the device (ascending expert, then their top-k
+            # positions), from the slot table
+            slots = (self.slot_of[li], self.sel[li]) if resident and li is not None else None
+            h, *_ = dec.layer(i, h, self.pos, self.kv, mask, cs, out=out, slots=slots)   # (into the buffers)
         if s == L:
             self.tok.copy_(dec.head(h)[0, -1].argmax(-1, keepdim=True))
         self.h.copy_(h)

@@ -15,8 +15,12 @@ norm's weight and the router's [E, H] matrix, writes the layer's router input, s
 into the buffers it is given and returns h'. The top-k is taken over the logits (the softmax is
 monotonic, so the same experts in the same order) by k rounds of a maximum, ties to the lower index as
 `gpu_graph.topk_by_sort`. One program does it all, so it takes routers of at most 128 KiB (32 x 1024 and
-Mixtral's 8 x 4096 in fp16); a larger one (Qwen3-30B's 128 x 2048) is refused (`router_usable`). The reference
-(`route_torch`) is the operator's body off CUDA and the tests' oracle; the kernel differs from it in
+Mixtral's 8 x 4096 in fp16); a larger one (Qwen3-30B's 128 x 2048) is refused (`router_usable`). With every
+expert resident (the whole-token graph, `gpu_graph.GraphRunner.decode_resident`) it also writes the layer's
+slot selection, as the host writes it elsewhere: the chosen experts' slots in ascending expert order
+(`slot_of[expert]`), then their positions in the top-k order (`specprefetch::route_resident`), where a sort,
+a lookup and two copies ran as a kernel of their own. The references (`route_torch`,
+`select_slots_torch`) are the operators' body off CUDA and the tests' oracle; the kernel differs from it in
 summation order and in the GPU's approximate reciprocal square root and exponential.
 """
 from __future__ import annotations
@@ -66,11 +70,20 @@ def route_torch(h, a, norm_w, eps: float, gate_w, norm_topk: bool, post, scores,
     return hn.view_as(h)
 
 
+def select_slots_torch(idx, slot_of, sel) -> None:
+    """The resident selection (the reference): idx [1, k] in top-k order, slot_of [E] -> sel [2k]: the
+    experts' slots in ascending expert order, then those experts' positions in idx."""
+    k = idx.shape[-1]
+    srt, order = idx.view(-1).sort()
+    sel[:k].copy_(slot_of.index_select(0, srt))
+    sel[k:].copy_(order)
+
+
 if triton is not None:
     @triton.jit
-    def _route_kernel(h_ptr, a_ptr, nw_ptr, gw_ptr, hout_ptr, post_ptr, sc_ptr, idx_ptr, H, E, eps,
+    def _route_kernel(h_ptr, a_ptr, nw_ptr, gw_ptr, hout_ptr, post_ptr, sc_ptr, idx_ptr, slot_ptr, sel_ptr, H, E, eps,
                       K: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr, BLOCK_H: tl.constexpr,
-                      NORM_TOPK: tl.constexpr):
+                      NORM_TOPK: tl.constexpr, SLOTS: tl.constexpr):
         dt = h_ptr.dtype.element_ty
         ss = tl.zeros([BLOCK_H], dtype=tl.float32)
         for h0 in range(0, H, BLOCK_H):                      # the residual add, and its sum of squares
@@ -111,25 +124,43 @@ if triton is not None:
             top = top / tl.sum(tl.where(kk < K, top, 0.0), axis=0)
         tl.store(sc_ptr + kk, top.to(sc_ptr.dtype.element_ty), mask=kk < K)
         tl.store(idx_ptr + kk, at.to(tl.int64), mask=kk < K)
+        if SLOTS:   # the chosen experts in ascending order: each one's rank is how many chosen are lower
+            ko = kk < K
+            rank = tl.sum(((at[None, :] < at[:, None]) & ko[None, :]).to(tl.int32), axis=1)
+            tl.store(sel_ptr + rank, tl.load(slot_ptr + at, mask=ko, other=0), mask=ko)
+            tl.store(sel_ptr + K + rank, kk.to(tl.int64), mask=ko)
 
 
-def route(h, a, norm_w, eps: float, gate_w, norm_topk: bool, post, scores, idx, *,
+def route(h, a, norm_w, eps: float, gate_w, norm_topk: bool, post, scores, idx, slot_of=None, sel=None, *,
           use_triton: bool | None = None) -> torch.Tensor:
     """One position's router (module docstring): the Triton kernel where Triton and CUDA are present, else
     the reference; under torch.compile the custom operator `specprefetch::route` (one opaque call writing
-    post, scores and idx in place). `use_triton` forces a path (tests)."""
+    post, scores and idx in place), or `specprefetch::route_resident` given the layer's slot table slot_of [E]
+    and its selection buffer sel [2k] (written too). `use_triton` forces a path (tests)."""
     args = (h, a, norm_w, eps, gate_w, norm_topk, post, scores, idx)
+    if (slot_of is None) != (sel is None):
+        raise ValueError("route: slot_of and sel come together")
+    if slot_of is not None:
+        args = (*args, slot_of, sel)
     if use_triton is None:
         if torch.compiler.is_compiling():   # as gpu_kernels.slot_gemv
-            return torch.ops.specprefetch.route(*args)
+            op = torch.ops.specprefetch.route if slot_of is None else torch.ops.specprefetch.route_resident
+            return op(*args)
         return _impl(*args)
-    return _route_triton(*args) if use_triton else route_torch(*args)
+    return _route_triton(*args) if use_triton else _route_reference(*args)
+
+
+def _route_reference(h, a, norm_w, eps, gate_w, norm_topk, post, scores, idx, slot_of=None, sel=None):
+    out = route_torch(h, a, norm_w, eps, gate_w, norm_topk, post, scores, idx)
+    if slot_of is not None:
+        select_slots_torch(idx, slot_of, sel)
+    return out
 
 
 def _impl(*args) -> torch.Tensor:
     if triton is not None and args[0].is_cuda:
         return _route_triton(*args)
-    return route_torch(*args)
+    return _route_reference(*args)
 
 
 @torch.library.custom_op("specprefetch::route", mutates_args=("post", "scores", "idx"))
@@ -145,7 +176,23 @@ def _(h, a, norm_w, eps, gate_w, norm_topk, post, scores, idx):
     return torch.empty_like(h)
 
 
-def _route_triton(h, a, norm_w, eps: float, gate_w, norm_topk: bool, post, scores, idx) -> torch.Tensor:
+@torch.library.custom_op("specprefetch::route_resident", mutates_args=("post", "scores", "idx", "sel"))
+def _route_resident_op(h: torch.Tensor, a: torch.Tensor, norm_w: torch.Tensor, eps: float, gate_w: torch.Tensor,
+                       norm_topk: bool, post: torch.Tensor, scores: torch.Tensor, idx: torch.Tensor,
+                       slot_of: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
+    return _impl(h, a, norm_w, eps, gate_w, norm_topk, post, scores, idx, slot_of, sel)
+
+
+@_route_resident_op.register_fake
+def _(h, a, norm_w, eps, gate_w, norm_topk, post, scores, idx, slot_of, sel):
+    torch._check(h.numel() == a.numel() == post.numel() == gate_w.shape[1], lambda: "route: one row of the hidden size")
+    torch._check(scores.numel() == idx.numel() and sel.numel() == 2 * idx.numel(),
+                 lambda: "route: scores, indices and the selection differ in k")
+    return torch.empty_like(h)
+
+
+def _route_triton(h, a, norm_w, eps: float, gate_w, norm_topk: bool, post, scores, idx, slot_of=None,
+                  sel=None) -> torch.Tensor:
     E, H = gate_w.shape
     k = idx.numel()
     if h.numel() != H or a.numel() != H or post.numel() != H or scores.numel() != k:
@@ -155,11 +202,16 @@ def _route_triton(h, a, norm_w, eps: float, gate_w, norm_topk: bool, post, score
         raise ValueError("route: contiguous outputs, long indices")
     if not 0 < k <= E:
         raise ValueError(f"route: top-{k} of {E} experts")
+    slots = slot_of is not None
+    if slots and (slot_of.numel() != E or sel.numel() != 2 * k or slot_of.dtype != torch.long
+                  or sel.dtype != torch.long or not (slot_of.is_contiguous() and sel.is_contiguous())):
+        raise ValueError(f"route: a contiguous long slot table of {E} and selection of {2 * k}")
     h, a, norm_w, gate_w = h.contiguous(), a.contiguous(), norm_w.contiguous(), gate_w.contiguous()
     out = torch.empty_like(h)
     with _device(h):   # Triton launches on the current device's current stream
-        _route_kernel[(1,)](h, a, norm_w, gate_w, out, post, scores, idx, H, E, eps, K=k,
+        _route_kernel[(1,)](h, a, norm_w, gate_w, out, post, scores, idx, slot_of if slots else idx,
+                            sel if slots else idx, H, E, eps, K=k,
                             KP=triton.next_power_of_2(k), EP=max(16, triton.next_power_of_2(E)),
                             BLOCK_H=max(32, min(256, 8192 // max(16, triton.next_power_of_2(E)))),
-                            NORM_TOPK=norm_topk, num_warps=8)
+                            NORM_TOPK=norm_topk, SLOTS=slots, num_warps=8)
     return out
