@@ -2006,6 +2006,39 @@ def test_fused_attention_is_the_models_attention(tiny_models, stores, sliding, f
     assert not torch.equal(kc[0, :, 9], before[0, :, 9]) and torch.equal(kc[0, :, 10:], before[0, :, 10:])
 
 
+def test_triton_norm_gemv_matches_the_reference():
+    """The fused attention's first kernel (Triton: CUDA or the interpreter) against its torch reference: the
+    MoE layer before's weighted expert outputs summed into the residual (bitwise), the input RMS norm and the
+    q/k/v GEMV (within fp16's rounding): k = 0 (no combine), 2, 4 and 8, hidden sizes within one block, not a
+    power of two, and over two blocks; the reference itself is the eager combine + norm + linear."""
+    from toolkit.runtime import gpu_kernels as K
+    from toolkit.runtime.gpu_graph import combine
+
+    dev = _triton_device()
+    g = torch.Generator(device=dev).manual_seed(6)
+    r = lambda *shape: torch.randn(*shape, device=dev, generator=g)   # noqa: E731
+    for H, O, k, sdt in ((64, 48, 0, torch.float16), (1024, 1536, 4, torch.float16), (100, 30, 2, torch.float32),
+                         (2112, 40, 8, torch.float16)):
+        h, ys = r(1, 1, H).half(), r(k, H).half()
+        sc = r(1, k).softmax(-1).to(sdt) if k else torch.zeros(0, device=dev, dtype=sdt)
+        perm = torch.randperm(k, device=dev, generator=g)
+        nw, w = (1 + 0.1 * r(H)).half(), (0.05 * r(O, H)).half()
+        (h0, y0), (h1, y1) = (K.norm_gemv(h, ys, sc, perm, nw, 1e-6, w, use_triton=u) for u in (False, True))
+        assert h0.shape == h1.shape == h.shape and y0.shape == y1.shape == (1, O)
+        assert torch.equal(h0, h1) and _fp16_steps(y0, y1) <= 1, (H, O, k)
+        want_h = combine(h, (ys, sc, perm) if k else None)   # the eager pieces it replaces
+        assert torch.equal(h0, want_h)
+        x = K.rms_norm_torch(want_h.view(1, -1), nw, 1e-6)
+        assert _fp16_steps(y0, (x.float() @ w.float().t()).half()) == 0
+        if k:
+            assert not torch.equal(h0, h)
+    with pytest.raises(ValueError, match="2 expert outputs of 64"):
+        z = torch.zeros(1, 64, device=dev).half()
+        K.norm_gemv(z, torch.zeros(2, 64, device=dev).half(), torch.zeros(1, 2, device=dev).half(),
+                    torch.zeros(3, dtype=torch.long, device=dev), z[0], 1e-6, torch.zeros(8, 64, device=dev).half(),
+                    use_triton=True)
+
+
 def test_triton_router_matches_the_reference():
     """One position's router kernel (Triton: CUDA or the interpreter) against its torch reference: the
     residual and the router input bitwise, the same experts in the same order, the scores within a
@@ -2152,9 +2185,11 @@ def test_fused_kernels_decode_as_the_model_path(tiny_models, stores, sliding, fa
     from toolkit.runtime import gpu_attention as A
     from toolkit.runtime import gpu_router as R
 
+    from toolkit.runtime import gpu_kernels as K
+
     dev = _triton_device()
     cuda = dev == "cuda"
-    calls = {"attention": 0, "route": 0}
+    calls = {"attention": 0, "route": 0, "norm_gemv": 0}
 
     def counted(name, fn):
         def call(*args):
@@ -2164,21 +2199,25 @@ def test_fused_kernels_decode_as_the_model_path(tiny_models, stores, sliding, fa
     # (the CPU's tensors through Triton too)
     monkeypatch.setattr(A, "_impl", counted("attention", A._decode_attention_triton))
     monkeypatch.setattr(R, "_impl", counted("route", R._route_triton))
+    monkeypatch.setattr(K, "_norm_gemv_impl", counted("norm_gemv", K._norm_gemv_triton))
     d, store = sliding if fam == "mixtral-sw8" else (tiny_models[fam], stores[fam])
     spec = inspect_model_dir(d)
     runs = {}
     for a, r in (("fused", "fused"), ("sdpa", "model")):
+        # (the fused expert math: its outputs handed to the next layer's q/k/v GEMV unsummed)
         eng = GpuEngine(load_model(d, dtype="float16"), ExpertStore(store, spec),
                         RunConfig(policy=Policy.parse("on-demand+lru"), pool_mib=64.0), device=dev, attention=a,
-                        router=r)
+                        router=r, experts="fused")
         eng.configure(pool_mib=_pool_mib(eng, 0.5))
         runs[a] = eng.run(list(range(5, 17)), 16)
-        dec = eng._graph_runner(32).dec
-        assert (dec.fused_attention, dec.fused_router) == (a == "fused", r == "fused")
+        gr = eng._graph_runner(32)
+        dec = gr.dec
+        assert (dec.fused_attention, dec.fused_router, gr.fold_combine) == (a == "fused", r == "fused", a == "fused")
         if a == "fused":   # 15 decoded tokens (the first comes from the prefill), eagerly or captured once
             if not cuda:
                 n = len(runs[a].tokens) - 1
-                assert calls == {"attention": n * len(dec.layers), "route": n * len(dec.moe_at)}, calls
+                assert calls == {"attention": n * len(dec.layers), "route": n * len(dec.moe_at),
+                                 "norm_gemv": n * len(dec.layers)}, calls
             assert min(calls.values()) > 0
             seen = dict(calls)
         else:
@@ -2193,7 +2232,7 @@ def test_fused_kernels_decode_as_the_model_path(tiny_models, stores, sliding, fa
     assert calls["route"] == before   # (the model's path)
     fused = GpuEngine(load_model(d, dtype="float16"), ExpertStore(store, spec),
                       RunConfig(policy=Policy.parse("on-demand+lru"), pool_mib=64.0), device=dev, attention="fused",
-                      router="fused")
+                      router="fused", experts="fused")
     fused.configure(pool_mib=_pool_mib(fused, 1.0))
     got = fused.generate(list(range(5, 17)), 12, preload=True, resident_graph=True)
     assert calls["route"] > before
@@ -2202,11 +2241,13 @@ def test_fused_kernels_decode_as_the_model_path(tiny_models, stores, sliding, fa
     assert got.tokens == want.tokens == runs["sdpa"].tokens[:12]
 
 
-@pytest.mark.parametrize("fam", ["qwen3_moe", "mixtral"])
-def test_fused_step_decodes_as_the_model_step_on_the_cpu(tiny_models, stores, fam):
+@pytest.mark.parametrize("fam,experts", [("qwen3_moe", "eager"), ("mixtral", "eager"), ("qwen3_moe", "fused"),
+                                         ("mixtral", "fused")])
+def test_fused_step_decodes_as_the_model_step_on_the_cpu(tiny_models, stores, fam, experts):
     """The fused attention and router (their torch references on the CPU) through every way the runner
     decodes: pooled segments, the draft's step and its exact verification, the all-resident token: the
-    tokens, routing and copies of the model's norms, SDPA and router."""
+    tokens, routing and copies of the model's norms, SDPA and router; with the fused expert math, whose
+    outputs the next layer's q/k/v GEMV sums (gpu_kernels.norm_gemv), as well as the eager one."""
     d, store = tiny_models[fam], stores[fam]
     spec = inspect_model_dir(d)
     bank = load_router_bank(spec)
@@ -2214,7 +2255,7 @@ def test_fused_step_decodes_as_the_model_step_on_the_cpu(tiny_models, stores, fa
                                           bank=lambda: bank)}
     engines = {a: GpuEngine(load_model(d, dtype="float16"), ExpertStore(store, spec),
                             RunConfig(policy=Policy.parse("on-demand+lru"), pool_mib=64.0), device="cpu",
-                            predictors=preds, with_draft=True, attention=a, router=r)
+                            predictors=preds, with_draft=True, attention=a, router=r, experts=experts)
                for a, r in (("fused", "fused"), ("sdpa", "model"))}
     prompt = list(range(5, 17))
     for policy, frac in (("on-demand+lru", 0.5), ("next-gate+prediction", 0.25), ("draft+prediction", 0.5)):
@@ -2229,8 +2270,9 @@ def test_fused_step_decodes_as_the_model_step_on_the_cpu(tiny_models, stores, fa
     for a, eng in engines.items():
         eng.configure(policy=Policy.parse("on-demand+lru"), pool_mib=_pool_mib(eng, 1.0))
         res[a] = eng.generate(prompt, 12, preload=True, resident_graph=True)
-        dec = eng._graph_runner(32).dec
-        assert (dec.fused_attention, dec.fused_router) == (a == "fused", a == "fused")
+        gr = eng._graph_runner(32)
+        assert (gr.dec.fused_attention, gr.dec.fused_router) == (a == "fused", a == "fused")
+        assert gr.fold_combine == (a == "fused" and experts == "fused")
     assert res["fused"].tokens == res["sdpa"].tokens == runs["sdpa"].tokens
 
 
@@ -2277,6 +2319,8 @@ def test_fused_kernels_refuse_what_they_do_not_cover():
     assert "not an RMS norm" in router_usable([nn.LayerNorm(64)], [gate(8, 64)], fp16)
     assert "bias-free linear router" in router_usable([Norm()], [nn.Linear(64, 8).half()], fp16)
     assert "fp16, not float32" in router_usable([Norm()], [gate(8, 64)], torch.float32)
+    assert attention_usable([Attn(8, 2, 16)], fp16, [Norm()]) is None   # the input norms (the q/k/v GEMV's)
+    assert "input norm LayerNorm is not an RMS norm" in attention_usable([Attn(8, 2, 16)], fp16, [nn.LayerNorm(64)])
 
 
 def test_attention_option_is_validated(tiny_models, stores):

@@ -185,11 +185,15 @@ def qkv_fusable(projs) -> bool:
     return len({p.weight.dtype for p in projs}) == 1 and len({p.bias is None for p in projs}) == 1
 
 
-def attention_usable(attns, dtype: torch.dtype) -> str | None:
+def attention_usable(attns, dtype: torch.dtype, norms=()) -> str | None:
     """None where the kernel covers these attention modules (transformers' Qwen3-MoE / Mixtral: q/k/v
-    projections the static decoder fuses into one, Qwen3's q/k norms or none), else why not."""
+    projections the static decoder fuses into one, Qwen3's q/k norms or none) and the layers' input norms
+    (RMS norms with a weight, which the q/k/v GEMV applies: gpu_kernels.norm_gemv), else why not."""
     if dtype != torch.float16:   # (bf16 would need its own checks: Triton's CPU interpreter truncates bf16)
         return f"the fused attention computes in fp16, not {str(dtype).removeprefix('torch.')}"
+    for norm in norms:
+        if not (hasattr(norm, "variance_epsilon") and getattr(norm, "weight", None) is not None):
+            return f"the input norm {type(norm).__name__} is not an RMS norm with a weight"
     for sa in attns:
         projs = [getattr(sa, n, None) for n in ("q_proj", "k_proj", "v_proj")]
         D = getattr(sa, "head_dim", None)

@@ -225,6 +225,16 @@ def _fused_qkv(sa) -> _FusedQKV | None:
     return sa._specprefetch_qkv
 
 
+def combine(h: torch.Tensor, pending) -> torch.Tensor:
+    """h plus a MoE layer's routed outputs handed over unsummed (StaticDecoder.attend's `pending`), as
+    FusedExpertMath sums them; h itself where there are none."""
+    if pending is None:
+        return h
+    ys, scores, perm = pending
+    w = scores.reshape(1, -1).index_select(1, perm)
+    return h + (ys * w[0, :, None]).to(ys.dtype).sum(0, keepdim=True).view(1, 1, -1).to(h.dtype)
+
+
 class StaticDecoder:
     """The model's own modules (norms, projections, rotary embedding, router, LM head) applied over a
     static KV cache; the expert math is supplied per use (pool slots for the target, int4 for the draft)."""
@@ -261,6 +271,12 @@ class StaticDecoder:
                                     "one GEMV")
         # (_gemv's one slot)
         self.slot0 = torch.zeros(1, dtype=torch.long, device=eng.dev.device) if self.fused_attention else None
+        # the fused attention's q/k/v GEMV also takes the layer's input norm (gpu_kernels.norm_gemv), and the
+        # routed experts of the MoE layer before where the runner hands them over (`pending`); none: empty
+        self.no_combine = ((torch.zeros(0, self.H, device=eng.dev.device, dtype=self.dtype),
+                            torch.zeros(0, device=eng.dev.device, dtype=self.dtype),
+                            torch.zeros(0, dtype=torch.long, device=eng.dev.device))
+                           if self.fused_attention else None)
         # one position's residual add, post-attention norm and router in one kernel a MoE layer (gpu_router;
         # GpuEngine(router="fused")); whether each router divides its top-k by their sum (Mixtral's always do)
         self.fused_router = eng.router == "fused"
@@ -276,25 +292,36 @@ class StaticDecoder:
         zero = torch.zeros((), device=positions.device, dtype=self.dtype)
         return torch.where(ok, zero, torch.finfo(self.dtype).min)[None, None]
 
-    def attend(self, i: int, h: torch.Tensor, positions: torch.Tensor, kv: StaticKV, mask, cos_sin) -> torch.Tensor:
-        """h [1, T, H] -> self-attention(h) (after the output projection; the residual not added): the new K, V
-        written at `positions` first."""
+    def attend(self, i: int, h: torch.Tensor, positions: torch.Tensor, kv: StaticKV, mask, cos_sin,
+               pending=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """h [1, T, H] -> (self-attention(h) after the output projection, the residual not added; h): the new
+        K, V written at `positions` first. `pending`: the MoE layer before's routed outputs (ys [k, H], its
+        scores [1, k], their positions perm [k]; FusedExpertMath.parts), added into h first (the h returned)."""
         layer = self.layers[i]
         sa = layer.self_attn
         T = h.shape[1]
-        x = layer.input_layernorm(h)
-        shape = (1, T, -1, self.head_dim)
         fused = self.qkv[i]
         if T == 1 and self.fused_attention:   # norms, rotary, cache write and attention in one kernel
             from toolkit.runtime.gpu_attention import decode_attention
+            from toolkit.runtime.gpu_kernels import norm_gemv
 
             cos, sin = cos_sin
             # (the weights detached: the custom operators have no gradient, and the step needs none)
             qn, kn = (sa.q_norm.weight.detach(), sa.k_norm.weight.detach()) if self.qk_norm else (None, None)
             eps = sa.q_norm.variance_epsilon if self.qk_norm else 0.0
-            o = decode_attention(self._gemv(x, fused.weight, fused.bias), qn, kn, cos.view(-1), sin.view(-1),
-                                 kv.k[i], kv.v[i], positions, self.heads, sa.scaling, eps, self.window or 0)
-            return self._gemv(o, sa.o_proj.weight.detach(), sa.o_proj.bias).view(1, 1, -1)
+            ln = layer.input_layernorm
+            if fused.bias is None:   # the expert combine, the input norm and the q/k/v GEMV in one kernel
+                h, qkv = norm_gemv(h, *(pending or self.no_combine), ln.weight.detach(), ln.variance_epsilon,
+                                   fused.weight.detach())
+            else:
+                h = combine(h, pending)
+                qkv = self._gemv(ln(h), fused.weight, fused.bias)
+            o = decode_attention(qkv, qn, kn, cos.view(-1), sin.view(-1), kv.k[i], kv.v[i], positions, self.heads,
+                                 sa.scaling, eps, self.window or 0)
+            return self._gemv(o, sa.o_proj.weight.detach(), sa.o_proj.bias).view(1, 1, -1), h
+        h = combine(h, pending)
+        x = layer.input_layernorm(h)
+        shape = (1, T, -1, self.head_dim)
         if fused is not None:   # one GEMV for the three projections
             q, k, v = F.linear(x, fused.weight, fused.bias).split(fused.sizes, dim=-1)
         else:
@@ -318,7 +345,7 @@ class StaticDecoder:
             K, V = _repeat_kv(kv.k[i], self.groups), _repeat_kv(kv.v[i], self.groups)
             o = F.scaled_dot_product_attention(q, K, V, attn_mask=mask, scale=sa.scaling)
             o = o.transpose(1, 2).reshape(1, T, -1)
-        return sa.o_proj(o)
+        return sa.o_proj(o), h
 
     def _gemv(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         """One row through one of the fused attention's projections -> [1, O]: on CUDA with Triton the slot
@@ -356,13 +383,13 @@ class StaticDecoder:
         return post, scores, idx
 
     def layer(self, i: int, h: torch.Tensor, positions: torch.Tensor, kv: "StaticKV", mask, cos_sin, out=None,
-              slots=None):
+              slots=None, pending=None):
         """Decoder layer i: attention, then the router of a MoE layer -> (h, post, scores, idx), or the
         whole of a dense layer -> (h,). `out`: a MoE layer's (post, scores, idx) buffers, which its
         results are written into (and returned as). `slots`: the layer's (slot table [E], selection [2k])
         with every expert resident: the selection is written too (the chosen experts' slots in ascending
-        expert order, then their top-k positions), by the fused router or here."""
-        a = self.attend(i, h, positions, kv, mask, cos_sin)
+        expert order, then their top-k positions), by the fused router or here. `pending`: as attend's."""
+        a, h = self.attend(i, h, positions, kv, mask, cos_sin, pending)
         if i not in self.moe_at:
             return (self.dense_mlp(i, h + a),)
         if out is not None and h.shape[1] == 1 and self.fused_router:
@@ -464,7 +491,9 @@ class FusedExpertMath(PooledExpertMath):
         super().__init__(eng, slots)
         self.silu = getattr(eng.model.config, "hidden_act", None) in ("silu", "swish")
 
-    def __call__(self, x: torch.Tensor, scores: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
+    def parts(self, x: torch.Tensor, scores: torch.Tensor, sel: torch.Tensor):
+        """The k experts' outputs unsummed: (y [k, H] in ascending expert order, scores, their top-k positions
+        perm [k]), which `combine` (or the next layer's fused q/k/v GEMV, gpu_kernels.norm_gemv) sums."""
         from toolkit.runtime.gpu_kernels import slot_gemv
 
         k = self.k
@@ -476,6 +505,10 @@ class FusedExpertMath(PooledExpertMath):
         else:
             gate, up = gu.chunk(2, dim=-1)
             y = slot_gemv(self.dn, slots, self.act(gate) * up)               # [k, H]
+        return y.to(x.dtype), scores, perm
+
+    def __call__(self, x: torch.Tensor, scores: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
+        y, scores, perm = self.parts(x, scores, sel)
         w = scores.index_select(1, perm)                                      # [1, k]
         return (y * w[0, :, None]).to(x.dtype).sum(0, keepdim=True)
 
@@ -666,6 +699,8 @@ class GraphRunner:
         self.kv = StaticKV(n_layers, dec.kv_heads, S, dec.head_dim, dev, eng.dtype)
         self.slots = slots                  # this pool's slot arena: exactly its capacity
         self.math = EXPERT_MATH[eng.experts](eng, slots)
+        # a segment hands its MoE layer's expert outputs to the next layer's fused q/k/v GEMV unsummed
+        self.fold_combine = dec.fused_attention and isinstance(self.math, FusedExpertMath)
         L, k, H = eng.L, eng.k, dec.H
         self.tok = torch.zeros(1, dtype=torch.long, device=dev)
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)
@@ -748,8 +783,11 @@ class GraphRunner:
         same token (returned on the resident path)."""
         dec, L = self.dec, self.eng.L
         h = self.h
+        pending = None
         if s == 0:
             h = dec.inner.embed_tokens(self.tok[None])
+        elif self.fold_combine and self.seg_layers[s]:   # summed into h by the next layer's q/k/v GEMV (attend)
+            pending = self.math.parts(self.post[s - 1], self.scores[s - 1], self.sel[s - 1])
         else:
             li = s - 1
             h = h + self.math(self.post[li], self.scores[li], self.sel[li]).view(1, 1, -1).to(h.dtype)
@@ -760,7 +798,9 @@ class GraphRunner:
             # resident: the host's choice in decode() made on the device (ascending expert, then their top-k
             # positions), from the slot table
             slots = (self.slot_of[li], self.sel[li]) if resident and li is not None else None
-            h, *_ = dec.layer(i, h, self.pos, self.kv, mask, cs, out=out, slots=slots)   # (into the buffers)
+            h, *_ = dec.layer(i, h, self.pos, self.kv, mask, cs, out=out, slots=slots,   # (into the buffers)
+                              pending=pending)
+            pending = None
         if s == L:
             self.tok.copy_(dec.head(h)[0, -1].argmax(-1, keepdim=True))
         self.h.copy_(h)

@@ -191,6 +191,117 @@ def _slot_gemv_triton(w: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, blo
     return y
 
 
+def norm_gemv_torch(h, ys, scores, perm, nw, eps: float, w) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference: h [1, H] (the residual stream); ys [k, H], the routed experts' outputs of the MoE layer
+    before (k = 0: none), weighted by scores[0, perm[j]] (as FusedExpertMath combines them: each weighted
+    output rounded to the dtype, their sum rounded once, added to h); then the RMS norm (weight nw) and the
+    GEMV with w [O, H] (fp32 products and sums, rounded once) -> (h', y [1, O])."""
+    hn = h.reshape(1, -1)
+    if ys.shape[0]:
+        wt = scores.reshape(1, -1).index_select(1, perm)
+        hn = hn + (ys * wt[0, :, None]).to(ys.dtype).sum(0, keepdim=True).to(hn.dtype)
+    x = rms_norm_torch(hn, nw, eps)
+    return hn.view_as(h), (x.float() @ w.float().t()).to(w.dtype)
+
+
+if triton is not None:
+    @triton.jit
+    def _combined(h_ptr, y_ptr, sc_ptr, perm_ptr, c, mc, H, K: tl.constexpr):
+        """h [c] plus the k weighted expert outputs (norm_gemv_torch's rounding), in h's dtype."""
+        dt = h_ptr.dtype.element_ty
+        x = tl.load(h_ptr + c, mask=mc, other=0.0)
+        if K > 0:
+            s = tl.zeros(c.shape, dtype=tl.float32)
+            for j in tl.static_range(K):
+                wj = tl.load(sc_ptr + tl.load(perm_ptr + j)).to(tl.float32)
+                yj = tl.load(y_ptr + j * H + c, mask=mc, other=0.0).to(tl.float32)
+                s += (yj * wj).to(dt).to(tl.float32)
+            x = (x.to(tl.float32) + s.to(dt).to(tl.float32)).to(dt)
+        return x
+
+    @triton.jit
+    def _norm_gemv_kernel(h_ptr, y_ptr, sc_ptr, perm_ptr, nw_ptr, w_ptr, hout_ptr, out_ptr, H, O, eps,
+                          K: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_N: tl.constexpr):
+        po = tl.program_id(0)
+        dt = h_ptr.dtype.element_ty
+        ss = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for n0 in range(0, H, BLOCK_N):                    # the combined row (program 0 writes it) and its squares
+            c = n0 + tl.arange(0, BLOCK_N)
+            mc = c < H
+            x = _combined(h_ptr, y_ptr, sc_ptr, perm_ptr, c, mc, H, K)
+            tl.store(hout_ptr + c, x, mask=mc & (po == 0))
+            xf = x.to(tl.float32)
+            ss += xf * xf
+        r = tl.math.rsqrt(tl.sum(ss, axis=0) / H + eps)
+        offs_o = po * BLOCK_O + tl.arange(0, BLOCK_O)
+        mo = offs_o < O
+        acc = tl.zeros([BLOCK_O], dtype=tl.float32)
+        for n0 in range(0, H, BLOCK_N):                    # the norm as transformers rounds it, and the rows
+            c = n0 + tl.arange(0, BLOCK_N)
+            mc = c < H
+            x = _combined(h_ptr, y_ptr, sc_ptr, perm_ptr, c, mc, H, K)
+            n = (x.to(tl.float32) * r).to(dt).to(tl.float32)
+            xn = (tl.load(nw_ptr + c, mask=mc, other=0.0).to(tl.float32) * n).to(dt).to(tl.float32)
+            wv = tl.load(w_ptr + offs_o[:, None] * H + c[None, :], mask=mo[:, None] & mc[None, :], other=0.0)
+            acc += tl.sum(wv.to(tl.float32) * xn[None, :], axis=1)
+        tl.store(out_ptr + offs_o, acc.to(out_ptr.dtype.element_ty), mask=mo)
+
+
+def norm_gemv(h, ys, scores, perm, nw, eps: float, w, *, use_triton: bool | None = None):
+    """A decoder layer's input for one position, in one kernel (Triton on CUDA, else the reference; under
+    torch.compile the custom operator `specprefetch::norm_gemv`): the MoE layer before's expert outputs
+    combined into the residual stream, the input RMS norm, and the first GEMV over it (the fused attention's
+    q/k/v projection) -> (h', y [1, O]). ys [0, H] (and empty scores / perm): no combine, the norm and
+    GEMV only. Each program recomputes the row's norm (a few KiB from the L2) instead of a kernel of its own
+    writing it out. `use_triton` forces a path (tests)."""
+    args = (h, ys, scores, perm, nw, eps, w)
+    if use_triton is None:
+        if torch.compiler.is_compiling():   # as slot_gemv
+            return torch.ops.specprefetch.norm_gemv(*args)
+        return _norm_gemv_impl(*args)
+    return _norm_gemv_triton(*args) if use_triton else norm_gemv_torch(*args)
+
+
+def _norm_gemv_impl(*args):
+    if triton is not None and args[0].is_cuda:
+        return _norm_gemv_triton(*args)
+    return norm_gemv_torch(*args)
+
+
+@torch.library.custom_op("specprefetch::norm_gemv", mutates_args=())
+def _norm_gemv_op(h: torch.Tensor, ys: torch.Tensor, scores: torch.Tensor, perm: torch.Tensor, nw: torch.Tensor,
+                  eps: float, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _norm_gemv_impl(h, ys, scores, perm, nw, eps, w)
+
+
+@_norm_gemv_op.register_fake
+def _(h, ys, scores, perm, nw, eps, w):
+    torch._check(h.numel() == w.shape[1] and (ys.shape[0] == 0 or ys.shape[1] == w.shape[1]),
+                 lambda: "norm_gemv: one row of the matrix's input")
+    return torch.empty_like(h), h.new_empty(1, w.shape[0], dtype=w.dtype)
+
+
+NORM_BLOCK_O = 4   # as the slot GEMV's (SLOT_BLOCK_O): its rows a program
+
+
+def _norm_gemv_triton(h, ys, scores, perm, nw, eps: float, w):
+    O, H = w.shape
+    k = ys.shape[0]
+    if w.dtype != torch.float16 or h.dtype != w.dtype or h.numel() != H or nw.numel() != H:
+        raise ValueError(f"norm_gemv: an fp16 row of {H} and [{O}, {H}] fp16 matrix (h {tuple(h.shape)} "
+                         f"{str(h.dtype).removeprefix('torch.')}, w {str(w.dtype).removeprefix('torch.')})")
+    if k and (tuple(ys.shape) != (k, H) or perm.numel() != k or ys.dtype != h.dtype):
+        raise ValueError(f"norm_gemv: {k} expert outputs of {H} ({tuple(ys.shape)}) and as many positions "
+                         f"({perm.numel()})")
+    h, ys, scores, perm, nw, w = (t.contiguous() for t in (h, ys, scores, perm, nw, w))
+    hout, y = torch.empty_like(h), torch.empty(1, O, device=w.device, dtype=w.dtype)
+    with _device(w):   # Triton launches on the current device's current stream
+        _norm_gemv_kernel[(triton.cdiv(O, NORM_BLOCK_O),)](
+            h, ys if k else h, scores if k else h, perm if k else h, nw, w, hout, y, H, O, eps, K=k,
+            BLOCK_O=NORM_BLOCK_O, BLOCK_N=min(1024, triton.next_power_of_2(H)))
+    return hout, y
+
+
 def int4_gemv(q, scale, ids, x, n: int, *, use_triton: bool | None = None) -> torch.Tensor:
     """The fused kernel where Triton and CUDA are present, else the torch reference (the custom
     operator `specprefetch::int4_gemv`); `use_triton` forces a path (tests)."""
