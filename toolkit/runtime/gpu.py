@@ -698,11 +698,11 @@ class GpuEngine:
         g = self.spec.geometry   # (the modules read only where the static decoder runs: families it covers)
         # on CUDA the kernels are Triton's (elsewhere their torch references run, as CI checks them)
         no_triton = "Triton is not installed" if self.dev.cuda and triton is None else None
-        layers = self.model.model.layers
         a = self._kernel_choice("attention", attention, "sdpa", lambda: no_triton or attention_usable(
-            [layer.self_attn for layer in layers], self.dtype, [layer.input_layernorm for layer in layers]))
+            [layer.self_attn for layer in self.model.model.layers], self.dtype,
+            [layer.input_layernorm for layer in self.model.model.layers]))
         r = self._kernel_choice("router", router, "model", lambda: no_triton or router_usable(
-            [layers[i].post_attention_layernorm for i in g.moe_layers],
+            [self.model.model.layers[i].post_attention_layernorm for i in g.moe_layers],
             [self.spec.family.moe_block(self.model, i).gate for i in g.moe_layers], self.dtype))
         return a, r
 
