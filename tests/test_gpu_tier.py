@@ -2028,10 +2028,15 @@ def test_triton_norm_gemv_matches_the_reference():
         assert torch.equal(h0, h1) and _fp16_steps(y0, y1) <= 1, (H, O, k)
         want_h = combine(h, (ys, sc, perm) if k else None)   # the eager pieces it replaces
         assert torch.equal(h0, want_h)
-        x = K.rms_norm_torch(want_h.view(1, -1), nw, 1e-6)
-        assert _fp16_steps(y0, (x.float() @ w.float().t()).half()) == 0
+        x = K.rms_norm_torch(want_h.view(1, -1), nw, 1e-6)   # (the slot GEMV's arithmetic: fp32 sums, one rounding)
+        slot0 = torch.zeros(1, dtype=torch.long, device=dev)
+        assert torch.equal(y0, K.slot_gemv(w[None], slot0, x, use_triton=False))
         if k:
             assert not torch.equal(h0, h)
+        # traced by torch.compile as one call of the operator (whose output never aliases h, with k = 0 too)
+        fn = torch.compile(lambda *a: K.norm_gemv(*a), backend=_traced("norm_gemv"), fullgraph=True)
+        h2, y2 = fn(h, ys, sc, perm, nw, 1e-6, w)
+        assert torch.equal(h2, h0 if dev == "cpu" else h1) and h2.data_ptr() != h.data_ptr()
     with pytest.raises(ValueError, match="2 expert outputs of 64"):
         z = torch.zeros(1, 64, device=dev).half()
         K.norm_gemv(z, torch.zeros(2, 64, device=dev).half(), torch.zeros(1, 2, device=dev).half(),
@@ -2051,7 +2056,8 @@ def test_triton_router_matches_the_reference():
     r = lambda *shape: torch.randn(*shape, device=dev, generator=g)   # noqa: E731
     for H, E, k, norm, sdt, tie in ((64, 8, 2, True, torch.float16, False), (1024, 32, 4, True, torch.float16, True),
                                     (1024, 32, 4, False, torch.float16, False), (100, 60, 8, True, torch.float32, True),
-                                    (64, 8, 8, True, torch.float32, False)):
+                                    (64, 8, 8, True, torch.float32, False), (64, 8, 3, True, torch.float16, False),
+                                    (100, 60, 6, False, torch.float32, True)):   # (k = 3, 6: padded lanes)
         h, a = r(1, H).half(), r(1, H).half()
         nw, gw = (1 + 0.1 * r(H)).half(), (0.1 * r(E, H)).half()
         if tie:   # experts 5 and 2 share a row aligned with the router input: equal logits, high enough to be
@@ -2189,11 +2195,13 @@ def test_fused_kernels_decode_as_the_model_path(tiny_models, stores, sliding, fa
 
     dev = _triton_device()
     cuda = dev == "cuda"
-    calls = {"attention": 0, "route": 0, "norm_gemv": 0}
+    calls = {"attention": 0, "route": 0, "norm_gemv": 0, "combined": 0}
 
     def counted(name, fn):
         def call(*args):
             calls[name] += 1
+            if name == "norm_gemv" and args[1].shape[0]:   # the MoE layer before's outputs handed over
+                calls["combined"] += 1
             return fn(*args)
         return call
     # (the CPU's tensors through Triton too)
@@ -2216,8 +2224,12 @@ def test_fused_kernels_decode_as_the_model_path(tiny_models, stores, sliding, fa
         if a == "fused":   # 15 decoded tokens (the first comes from the prefill), eagerly or captured once
             if not cuda:
                 n = len(runs[a].tokens) - 1
+                # (a segment after the first with layers: its first takes the MoE layer before's outputs; the
+                # last segment has none where the last layer is a MoE layer, and sums them itself)
+                handed = sum(1 for layers in gr.seg_layers[1:] if layers)
+                assert 0 < handed < len(gr.seg_layers) - 1 or fam != "qwen3_moe"
                 assert calls == {"attention": n * len(dec.layers), "route": n * len(dec.moe_at),
-                                 "norm_gemv": n * len(dec.layers)}, calls
+                                 "norm_gemv": n * len(dec.layers), "combined": n * handed}, calls
             assert min(calls.values()) > 0
             seen = dict(calls)
         else:

@@ -6,7 +6,8 @@ expert copy over PCIe takes 0.17 ms for a 9 MiB expert. With the host that slow 
 and no prefetching policy can win. This module takes the host out of the per-kernel path:
 
     segment 0      embedding, decoder layers up to the first MoE layer's router
-    segment s      the routed experts of MoE layer s-1 (read from the pool's slots) + its residual,
+    segment s      the routed experts of MoE layer s-1 (read from the pool's slots) + its residual
+                   (summed inside the next layer's q/k/v kernel with the fused attention and experts),
                    then the decoder layers up to MoE layer s's router
     segment L      the last MoE layer's experts, the remaining layers, the final norm, the LM head and
                    the greedy argmax (the next token stays on the device)
@@ -47,7 +48,8 @@ projections are one GEMV (`_FusedQKV`), a one-position attention reads the stati
 query heads of a K/V head as its rows), and a SiLU expert's activation is computed inside the down
 projection's kernel. With `GpuEngine(attention="fused", router="fused")` (opt-in) a one-position step's
 attention block and each MoE layer's router are one kernel each (toolkit/runtime/gpu_attention.py,
-gpu_router.py), the attention's projections the slot GEMV's kernel over a one-slot pool (`_gemv`).
+gpu_router.py): the q/k/v projection one kernel with the input norm and the MoE layer before's expert
+combine (gpu_kernels.norm_gemv), the output projection the slot GEMV's kernel over a one-slot pool (`_gemv`).
 docs/gpu-tier.md has the figures.
 
 Where CUDA is absent (CI) the same functions run eagerly on the CPU: `decode="static"`.
@@ -348,7 +350,8 @@ class StaticDecoder:
         return sa.o_proj(o), h
 
     def _gemv(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-        """One row through one of the fused attention's projections -> [1, O]: on CUDA with Triton the slot
+        """One row through the fused attention's output projection (and a q/k/v projection with a bias, which
+        norm_gemv does not take) -> [1, O]: on CUDA with Triton the slot
         GEMV's kernel over the weight as a pool of one slot (gpu_kernels.slot_gemv; the resident profile
         had cuBLAS's GEMV at about 4 us for these few MiB, most of it fixed cost); F.linear with a bias, a
         non-contiguous weight, or elsewhere (the slot GEMV's torch reference would copy the weight)."""

@@ -13,9 +13,13 @@ routes to, reading the weights where they lie, with fp32 accumulation.
 
       y[j, o] = fp16( sum_n  W[slots[j]][o, n] * x[j or 0, n] )
 
+- The fused attention's q/k/v GEMV (`norm_gemv`) takes the layer's input RMS norm and, after a MoE layer,
+  that layer's k weighted expert outputs summed into the residual stream, as its prologue.
+
 On CUDA they are Triton kernels (one program per expert and block of output rows); elsewhere, and as
-the reference in the tests, the same arithmetic in torch ops (`int4_gemv_torch`, `slot_gemv_torch`).
-Both are registered as torch custom operators (`torch.ops.specprefetch.slot_gemv` / `int4_gemv`), so
+the reference in the tests, the same arithmetic in torch ops (`int4_gemv_torch`, `slot_gemv_torch`,
+`norm_gemv_torch`). All are registered as torch custom operators (`torch.ops.specprefetch.slot_gemv` /
+`int4_gemv` / `norm_gemv`), so
 torch.compile traces a whole decode step through them (an opaque call in the compiled graph, inductor
 fusing the element-wise work around it) without a graph break.
 """
@@ -200,6 +204,8 @@ def norm_gemv_torch(h, ys, scores, perm, nw, eps: float, w) -> tuple[torch.Tenso
     if ys.shape[0]:
         wt = scores.reshape(1, -1).index_select(1, perm)
         hn = hn + (ys * wt[0, :, None]).to(ys.dtype).sum(0, keepdim=True).to(hn.dtype)
+    else:
+        hn = hn.clone()   # (a custom operator's output may not alias its input)
     x = rms_norm_torch(hn, nw, eps)
     return hn.view_as(h), (x.float() @ w.float().t()).to(w.dtype)
 
@@ -221,29 +227,41 @@ if triton is not None:
 
     @triton.jit
     def _norm_gemv_kernel(h_ptr, y_ptr, sc_ptr, perm_ptr, nw_ptr, w_ptr, hout_ptr, out_ptr, H, O, eps,
-                          K: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_N: tl.constexpr):
+                          K: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_N: tl.constexpr, ONE: tl.constexpr):
         po = tl.program_id(0)
         dt = h_ptr.dtype.element_ty
-        ss = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for n0 in range(0, H, BLOCK_N):                    # the combined row (program 0 writes it) and its squares
-            c = n0 + tl.arange(0, BLOCK_N)
+        offs_o = po * BLOCK_O + tl.arange(0, BLOCK_O)
+        mo = offs_o < O
+        if ONE:   # the row in one block: combined and normalised once, in registers
+            c = tl.arange(0, BLOCK_N)
             mc = c < H
             x = _combined(h_ptr, y_ptr, sc_ptr, perm_ptr, c, mc, H, K)
             tl.store(hout_ptr + c, x, mask=mc & (po == 0))
             xf = x.to(tl.float32)
-            ss += xf * xf
-        r = tl.math.rsqrt(tl.sum(ss, axis=0) / H + eps)
-        offs_o = po * BLOCK_O + tl.arange(0, BLOCK_O)
-        mo = offs_o < O
-        acc = tl.zeros([BLOCK_O], dtype=tl.float32)
-        for n0 in range(0, H, BLOCK_N):                    # the norm as transformers rounds it, and the rows
-            c = n0 + tl.arange(0, BLOCK_N)
-            mc = c < H
-            x = _combined(h_ptr, y_ptr, sc_ptr, perm_ptr, c, mc, H, K)
-            n = (x.to(tl.float32) * r).to(dt).to(tl.float32)
-            xn = (tl.load(nw_ptr + c, mask=mc, other=0.0).to(tl.float32) * n).to(dt).to(tl.float32)
+            r = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / H + eps)
+            xn = tl.load(nw_ptr + c, mask=mc, other=0.0).to(tl.float32) * (xf * r).to(dt).to(tl.float32)
+            xn = xn.to(dt).to(tl.float32)
             wv = tl.load(w_ptr + offs_o[:, None] * H + c[None, :], mask=mo[:, None] & mc[None, :], other=0.0)
-            acc += tl.sum(wv.to(tl.float32) * xn[None, :], axis=1)
+            acc = tl.sum(wv.to(tl.float32) * xn[None, :], axis=1)
+        else:     # the combined row twice: its sum of squares (program 0 writes it), then the rows' products
+            ss = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for n0 in range(0, H, BLOCK_N):
+                c = n0 + tl.arange(0, BLOCK_N)
+                mc = c < H
+                x = _combined(h_ptr, y_ptr, sc_ptr, perm_ptr, c, mc, H, K)
+                tl.store(hout_ptr + c, x, mask=mc & (po == 0))
+                xf = x.to(tl.float32)
+                ss += xf * xf
+            r = tl.math.rsqrt(tl.sum(ss, axis=0) / H + eps)
+            acc = tl.zeros([BLOCK_O], dtype=tl.float32)
+            for n0 in range(0, H, BLOCK_N):                # the norm as transformers rounds it, and the rows
+                c = n0 + tl.arange(0, BLOCK_N)
+                mc = c < H
+                x = _combined(h_ptr, y_ptr, sc_ptr, perm_ptr, c, mc, H, K)
+                n = (x.to(tl.float32) * r).to(dt).to(tl.float32)
+                xn = (tl.load(nw_ptr + c, mask=mc, other=0.0).to(tl.float32) * n).to(dt).to(tl.float32)
+                wv = tl.load(w_ptr + offs_o[:, None] * H + c[None, :], mask=mo[:, None] & mc[None, :], other=0.0)
+                acc += tl.sum(wv.to(tl.float32) * xn[None, :], axis=1)
         tl.store(out_ptr + offs_o, acc.to(out_ptr.dtype.element_ty), mask=mo)
 
 
@@ -252,8 +270,9 @@ def norm_gemv(h, ys, scores, perm, nw, eps: float, w, *, use_triton: bool | None
     torch.compile the custom operator `specprefetch::norm_gemv`): the MoE layer before's expert outputs
     combined into the residual stream, the input RMS norm, and the first GEMV over it (the fused attention's
     q/k/v projection) -> (h', y [1, O]). ys [0, H] (and empty scores / perm): no combine, the norm and
-    GEMV only. Each program recomputes the row's norm (a few KiB from the L2) instead of a kernel of its own
-    writing it out. `use_triton` forces a path (tests)."""
+    GEMV only. Each program recomputes the combined row and its norm from the k + 1 rows (read from the L2:
+    (k + 1) x H x 2 bytes a program, once up to NORM_ONE_BLOCK inputs, twice above) instead of a kernel of
+    its own writing it out. `use_triton` forces a path (tests)."""
     args = (h, ys, scores, perm, nw, eps, w)
     if use_triton is None:
         if torch.compiler.is_compiling():   # as slot_gemv
@@ -281,7 +300,10 @@ def _(h, ys, scores, perm, nw, eps, w):
     return torch.empty_like(h), h.new_empty(1, w.shape[0], dtype=w.dtype)
 
 
-NORM_BLOCK_O = 4   # as the slot GEMV's (SLOT_BLOCK_O): its rows a program
+# a program's rows: more than the slot GEMV's 4 (SLOT_BLOCK_O), since each program also reads the combine's
+# k + 1 rows (from the L2); hidden sizes up to NORM_ONE_BLOCK are held whole in registers (one read of those
+# rows), larger ones read them twice (the sum of squares, then the rows' products). Not yet tuned on a GPU.
+NORM_BLOCK_O, NORM_ONE_BLOCK, NORM_WARPS = 8, 1024, 8
 
 
 def _norm_gemv_triton(h, ys, scores, perm, nw, eps: float, w):
@@ -298,7 +320,8 @@ def _norm_gemv_triton(h, ys, scores, perm, nw, eps: float, w):
     with _device(w):   # Triton launches on the current device's current stream
         _norm_gemv_kernel[(triton.cdiv(O, NORM_BLOCK_O),)](
             h, ys if k else h, scores if k else h, perm if k else h, nw, w, hout, y, H, O, eps, K=k,
-            BLOCK_O=NORM_BLOCK_O, BLOCK_N=min(1024, triton.next_power_of_2(H)))
+            BLOCK_O=NORM_BLOCK_O, BLOCK_N=min(NORM_ONE_BLOCK, triton.next_power_of_2(H)), ONE=H <= NORM_ONE_BLOCK,
+            num_warps=NORM_WARPS)
     return hout, y
 
 
