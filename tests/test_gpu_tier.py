@@ -1903,26 +1903,37 @@ def _traced(op: str):
 def test_triton_decode_attention_matches_the_reference():
     """One position's attention kernel (Triton) against its torch reference: on CUDA, or through Triton's
     interpreter on the CPU. Query heads per K/V head 1, 2, 4 and 8, with and without the Qwen3 q/k norms, a
-    sliding window, position 0, positions in the first block, across blocks and at the cache's end: the
-    caches written bitwise as the reference writes them (the new position only), the output within
-    fp16's rounding."""
+    sliding window, position 0, positions in the first block, across blocks and at the cache's end, the
+    cache in one program a K/V head and split over programs (the new position in the first chunk, windows
+    starting in a later one, empty chunks past the position) with the combining kernel: the caches written
+    bitwise as the reference writes them (the new position only), the output within fp16's rounding."""
     from toolkit.runtime import gpu_attention as A
 
     dev = _triton_device()
     cuda = dev == "cuda"
     g = torch.Generator(device=dev).manual_seed(4)
-    cases = [(16, 4, 64, 40, 17, 0, True), (8, 8, 32, 20, 0, 0, False), (8, 2, 64, 300, 150, 0, True),
-             (4, 1, 16, 70, 69, 5, False), (32, 4, 128, 130, 129, 0, True), (16, 2, 64, 200, 199, 100, True),
-             (16, 2, 64, 200, 64, 100, True)]
+    # (heads, K/V heads, D, cache, position, window, q/k norms, positions a program: None the default, CHUNK;
+    # smaller ones split these small caches over programs and the combining kernel)
+    cases = [(16, 4, 64, 40, 17, 0, True, None), (8, 8, 32, 20, 0, 0, False, None),
+             (8, 2, 64, 300, 150, 0, True, None), (4, 1, 16, 70, 69, 5, False, None),
+             (32, 4, 128, 130, 129, 0, True, None), (16, 2, 64, 200, 199, 100, True, None),
+             (16, 2, 64, 200, 64, 100, True, None), (8, 2, 64, 600, 599, 0, True, None),
+             (8, 2, 64, 300, 150, 0, True, 64), (8, 2, 64, 300, 10, 0, False, 64), (8, 2, 64, 300, 0, 0, True, 64),
+             (16, 2, 64, 200, 199, 100, True, 64), (4, 1, 16, 200, 130, 70, False, 128),
+             (8, 8, 32, 192, 191, 0, False, 64)]
     if cuda:
-        cases += [(32, 4, 128, 4096, 3000, 0, True), (16, 4, 64, 256, 255, 0, True)]
-    for heads, nkv, D, S, pos, window, norm in cases:
+        cases += [(32, 4, 128, 4096, 3000, 0, True, None), (16, 4, 64, 256, 255, 0, True, None),
+                  (32, 4, 128, 4096, 4095, 1000, True, None)]
+    for heads, nkv, D, S, pos, window, norm, chunk in cases:
         qkv, qn, kn, cos, sin, kc, vc = _attention_case(dev, g, heads, nkv, D, S, pos, norm)
         kc2, vc2 = kc.clone(), vc.clone()
         p = torch.tensor([pos], device=dev)
         args = (qkv, qn, kn, cos, sin)
         want = A.decode_attention(*args, kc, vc, p, heads, D ** -0.5, 1e-6, window, use_triton=False)
-        got = A.decode_attention(*args, kc2, vc2, p, heads, D ** -0.5, 1e-6, window, use_triton=True)
+        if chunk is None:
+            got = A.decode_attention(*args, kc2, vc2, p, heads, D ** -0.5, 1e-6, window, use_triton=True)
+        else:
+            got = A._decode_attention_triton(*args, kc2, vc2, p, heads, D ** -0.5, 1e-6, window, chunk=chunk)
         assert got.shape == want.shape == (1, heads * D) and got.dtype == torch.float16
         # the new position's K within an fp16 step of the reference's (the GPU's approximate reciprocal square
         # root), its V and every other row exactly as they were
@@ -1930,7 +1941,7 @@ def test_triton_decode_attention_matches_the_reference():
         kc2[:, :, pos] = kc[:, :, pos]
         assert torch.equal(kc2, kc)
         err = (got.float() - want.float()).abs().max().item()
-        assert err <= 2e-3 * max(1.0, want.abs().max().item()), (heads, nkv, D, S, pos, window, err)
+        assert err <= 2e-3 * max(1.0, want.abs().max().item()), (heads, nkv, D, S, pos, window, chunk, err)
     # a position past the cache (the runner never decodes one: its cache is sized first) writes nothing
     for pos, window in ((70, 0), (90, 0), (75, 10)):
         qkv, qn, kn, cos, sin, kc, vc = _attention_case(dev, g, 4, 1, 16, 70, pos, False)

@@ -14,10 +14,11 @@ position, two kernels preparing cuDNN's SDPA, its workspace memset and the SDPA 
 built for every token); `decode_attention` is one (`specprefetch::decode_attention`, Triton on CUDA):
 one program per K/V head computes its new K and V, writes them into the cache, and runs its query heads
 over the visible keys as rows of one tile, with an online softmax over blocks of 64 positions, the new
-position's key and value taken from registers rather than read back. One program scans a head's whole
-visible cache, so its time grows with the context on as many SMs as there are K/V heads: right for the
-short contexts the bench decodes (a few hundred positions), not split across programs (flash-decoding)
-for long ones.
+position's key and value taken from registers rather than read back. A cache of at most CHUNK positions
+is one program a K/V head; a longer one is split (flash-decoding): a program per K/V head and CHUNK
+positions, each writing its part's running maximum, denominator and unnormalised output (float32), and a
+second kernel (one program a K/V head) rescales and sums the parts, so the time of a long context is spread
+over its chunks' SMs rather than growing on as many SMs as there are K/V heads.
 
 Rounding: the q/k norms and the rotary embedding round where transformers' eager fp16 ops round (the
 norm's result rounded, then times its weight; each rotary product and their sum rounded once), with the
@@ -38,6 +39,7 @@ if triton is not None:
     import triton.language as tl
 
 BLOCK_S = 64   # positions per step of a program's loop over the cache
+CHUNK = 256    # positions a program at most: a longer cache is split over programs (flash-decoding)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -92,10 +94,12 @@ if triton is not None:
 
     @triton.jit
     def _decode_attention_kernel(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pos_ptr, out_ptr,
-                                 S, scale, eps, window,
+                                 pm_ptr, pl_ptr, pacc_ptr, S, scale, eps, window,
                                  G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, NQ: tl.constexpr,
-                                 NKV: tl.constexpr, QK_NORM: tl.constexpr, BLOCK_S: tl.constexpr):
+                                 NKV: tl.constexpr, QK_NORM: tl.constexpr, BLOCK_S: tl.constexpr,
+                                 CHUNK: tl.constexpr, SPLITS: tl.constexpr):
         g = tl.program_id(0)                                  # this program's K/V head
+        c = tl.program_id(1)                                  # and its chunk of the cache (SPLITS > 1)
         dt = qkv_ptr.dtype.element_ty
         pos = tl.load(pos_ptr)
         d = tl.arange(0, D)
@@ -107,21 +111,23 @@ if triton is not None:
         k = _rms_rope(qkv_ptr, kw_ptr, cos, sin, (NQ + g) * D + one, d, dp, sign, eps, D, QK_NORM)   # [1, D]
         v = tl.load(qkv_ptr + (NQ + NKV + g) * D + one[:, None] + d[None, :])                     # [1, D]
         base = g.to(tl.int64) * S * D
-        tl.store(k_ptr + base + pos * D + d[None, :] + one[:, None], k, mask=pos < S)   # (none past the cache)
-        tl.store(v_ptr + base + pos * D + d[None, :] + one[:, None], v, mask=pos < S)
+        first = c == 0                                        # the chunk that writes the new K/V and starts from it
+        tl.store(k_ptr + base + pos * D + d[None, :] + one[:, None], k, mask=(pos < S) & first)   # (none past
+        tl.store(v_ptr + base + pos * D + d[None, :] + one[:, None], v, mask=(pos < S) & first)   # the cache)
         # the K/V head's query heads as the rows of a tile (padded to GP >= 16 rows for tl.dot)
         r = tl.arange(0, GP)
         live = r < G
         rr = tl.where(live, r, 0)
         q = _rms_rope(qkv_ptr, qw_ptr, cos, sin, (g * G + rr) * D, d, dp, sign, eps, D, QK_NORM)     # [GP, D]
-        # the new position first, from registers: the online softmax starts from it
+        # the new position first, from registers: the first chunk's online softmax starts from it (the others
+        # from nothing: an empty part weighs nothing in the sum)
         kf = k.to(tl.float32)
-        m = tl.sum(q.to(tl.float32) * kf, axis=1) * scale                                         # [GP]
-        den = tl.zeros([GP], dtype=tl.float32) + 1.0
-        acc = tl.zeros([GP, D], dtype=tl.float32) + v.to(dt).to(tl.float32)
-        lo = tl.where(window > 0, tl.maximum(pos - window + 1, 0), 0)
-        end = tl.minimum(pos, S)
-        for j0 in range(lo, end, BLOCK_S):                   # the earlier visible positions
+        m = tl.where(first, tl.sum(q.to(tl.float32) * kf, axis=1) * scale, float("-inf"))           # [GP]
+        den = tl.zeros([GP], dtype=tl.float32) + tl.where(first, 1.0, 0.0)
+        acc = tl.zeros([GP, D], dtype=tl.float32) + tl.where(first, v.to(dt).to(tl.float32), 0.0)
+        lo = tl.maximum(tl.where(window > 0, tl.maximum(pos - window + 1, 0), 0), c * CHUNK)
+        end = tl.minimum(tl.minimum(pos, S), (c + 1) * CHUNK)
+        for j0 in range(lo, end, BLOCK_S):                   # the earlier visible positions (of this chunk)
             j = j0 + tl.arange(0, BLOCK_S)
             ok = j < end
             kb = tl.load(k_ptr + base + j[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)   # [BS, D]
@@ -135,7 +141,35 @@ if triton is not None:
             acc = acc * alpha[:, None] + tl.dot(p.to(dt), vb).to(tl.float32)
             m = m_new
         # (the first term's weight was exp(s_new - m), carried in acc and den from the start)
-        tl.store(out_ptr + (g * G + rr[:, None]) * D + d[None, :], (acc / den[:, None]).to(dt), mask=live[:, None])
+        if SPLITS == 1:
+            tl.store(out_ptr + (g * G + rr[:, None]) * D + d[None, :], (acc / den[:, None]).to(dt),
+                     mask=live[:, None])
+        else:   # this part's maximum, denominator and unnormalised output, for _decode_combine_kernel
+            at = (g * SPLITS + c) * GP + r
+            tl.store(pm_ptr + at, m)
+            tl.store(pl_ptr + at, den)
+            tl.store(pacc_ptr + at[:, None] * D + d[None, :], acc)
+
+    @triton.jit
+    def _decode_combine_kernel(pm_ptr, pl_ptr, pacc_ptr, out_ptr, G: tl.constexpr, GP: tl.constexpr,
+                               D: tl.constexpr, SPLITS: tl.constexpr):
+        """A K/V head's parts, rescaled to their common maximum and summed -> its query heads' outputs."""
+        g = tl.program_id(0)
+        r = tl.arange(0, GP)
+        d = tl.arange(0, D)
+        mx = tl.full([GP], float("-inf"), dtype=tl.float32)
+        for c in range(SPLITS):
+            mx = tl.maximum(mx, tl.load(pm_ptr + (g * SPLITS + c) * GP + r))
+        den = tl.zeros([GP], dtype=tl.float32)
+        acc = tl.zeros([GP, D], dtype=tl.float32)
+        for c in range(SPLITS):   # (the first part always holds the new position: mx is finite)
+            at = (g * SPLITS + c) * GP + r
+            w = tl.exp(tl.load(pm_ptr + at) - mx)
+            den += tl.load(pl_ptr + at) * w
+            acc += tl.load(pacc_ptr + at[:, None] * D + d[None, :]) * w[:, None]
+        rr = tl.where(r < G, r, 0)
+        tl.store(out_ptr + (g * G + rr[:, None]) * D + d[None, :], (acc / den[:, None]).to(out_ptr.dtype.element_ty),
+                 mask=(r < G)[:, None])
 
 
 def _check(qkv, cos, sin, k_cache, v_cache, pos, heads: int) -> None:
@@ -212,7 +246,9 @@ def attention_usable(attns, dtype: torch.dtype, norms=()) -> str | None:
 
 
 def _decode_attention_triton(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, heads: int, scale: float,
-                             eps: float, window: int) -> torch.Tensor:
+                             eps: float, window: int, chunk: int | None = None) -> torch.Tensor:
+    """The kernel(s); `chunk`: positions a program (a multiple of BLOCK_S; default CHUNK: tests split small
+    caches with it)."""
     _, nkv, S, D = k_cache.shape
     _check(qkv, cos, sin, k_cache, v_cache, pos, heads)
     if qkv.dtype != torch.float16 or D < 16 or D & (D - 1):
@@ -227,8 +263,17 @@ def _decode_attention_triton(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, po
     qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
     norm = q_norm is not None
     qw, kw = (q_norm.contiguous(), k_norm.contiguous()) if norm else (qkv, qkv)   # (unread without norms)
+    GP = max(16, triton.next_power_of_2(groups))
+    splits = triton.cdiv(S, chunk or CHUNK)
+    if splits > 1:   # the parts' maxima, denominators and unnormalised outputs (float32)
+        pm = torch.empty(nkv * splits * GP, device=qkv.device, dtype=torch.float32)
+        pl, pacc = torch.empty_like(pm), torch.empty(nkv * splits * GP, D, device=qkv.device, dtype=torch.float32)
+    else:
+        pm = pl = pacc = out   # (unwritten)
     with _device(qkv):   # Triton launches on the current device's current stream
-        _decode_attention_kernel[(nkv,)](qkv, qw, kw, cos, sin, k_cache, v_cache, pos, out, S, scale, eps, window,
-                                         G=groups, GP=max(16, triton.next_power_of_2(groups)), D=D, NQ=heads,
-                                         NKV=nkv, QK_NORM=norm, BLOCK_S=BLOCK_S)
+        _decode_attention_kernel[(nkv, splits)](qkv, qw, kw, cos, sin, k_cache, v_cache, pos, out, pm, pl, pacc, S,
+                                                scale, eps, window, G=groups, GP=GP, D=D, NQ=heads, NKV=nkv,
+                                                QK_NORM=norm, BLOCK_S=BLOCK_S, CHUNK=chunk or CHUNK, SPLITS=splits)
+        if splits > 1:
+            _decode_combine_kernel[(nkv,)](pm, pl, pacc, out, G=groups, GP=GP, D=D, SPLITS=splits)
     return out
