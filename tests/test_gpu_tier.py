@@ -2264,6 +2264,34 @@ def test_fused_kernels_decode_as_the_model_path(tiny_models, stores, sliding, fa
     assert got.tokens == want.tokens == runs["sdpa"].tokens[:12]
 
 
+def test_compiled_fused_step_decodes_as_the_eager_one(tiny_models, stores):
+    """The fused attention, router and q/k/v kernel (their operators' torch bodies on the CPU) through
+    torch.compile's tracing (aot_eager: the custom operators traced, their mutations functionalised): a
+    pooled policy's and the all-resident token's tokens and routing are the uncompiled fused step's and the
+    model path's, with no graph break (fullgraph)."""
+    import torch._dynamo
+
+    d, store = tiny_models["qwen3_moe"], stores["qwen3_moe"]
+    spec = inspect_model_dir(d)
+    bank = load_router_bank(spec)
+    preds = {"next-gate": build_predictor("next-gate", num_experts=spec.geometry.routing.num_experts,
+                                          bank=lambda: bank)}
+    torch._dynamo.reset()
+    prompt, out = list(range(5, 17)), {}
+    for name, c, a in (("eager", None, "fused"), ("traced", "aot_eager", "fused"), ("model", None, "sdpa")):
+        e = GpuEngine(load_model(d, dtype="float16"), ExpertStore(store, spec),
+                      RunConfig(policy=Policy.parse("next-gate+prediction"), pool_mib=64.0), device="cpu",
+                      predictors=preds, compile=c, attention=a, router="fused" if a == "fused" else "model",
+                      experts="fused")
+        e.configure(pool_mib=_pool_mib(e, 0.25))
+        g1 = e.generate(prompt, 10)
+        e.configure(policy=Policy.parse("on-demand+lru"), pool_mib=_pool_mib(e, 1.0))
+        g2 = e.generate(prompt, 10, preload=True, resident_graph=True)
+        assert e._graph_runner(32).fold_combine == (a == "fused")
+        out[name] = [(g.tokens, [x.tolist() for x in g.routing]) for g in (g1, g2)]
+    assert out["traced"] == out["eager"] == out["model"]
+
+
 @pytest.mark.parametrize("fam,experts", [("qwen3_moe", "eager"), ("mixtral", "eager"), ("qwen3_moe", "fused"),
                                          ("mixtral", "fused")])
 def test_fused_step_decodes_as_the_model_step_on_the_cpu(tiny_models, stores, fam, experts):
