@@ -1918,8 +1918,9 @@ def test_triton_decode_attention_matches_the_reference():
              (8, 2, 64, 300, 150, 0, True, None), (4, 1, 16, 70, 69, 5, False, None),
              (32, 4, 128, 130, 129, 0, True, None), (16, 2, 64, 200, 199, 100, True, None),
              (16, 2, 64, 200, 64, 100, True, None), (8, 2, 64, 600, 599, 0, True, None),
-             (8, 2, 64, 300, 150, 0, True, 64), (8, 2, 64, 300, 10, 0, False, 64), (8, 2, 64, 300, 0, 0, True, 64),
-             (16, 2, 64, 200, 199, 100, True, 64), (4, 1, 16, 200, 130, 70, False, 128),
+             (8, 2, 64, 300, 150, 0, True, 64), (8, 2, 64, 300, 10, 0, False, 64),
+             (8, 2, 64, 300, 0, 0, True, 64), (16, 2, 64, 200, 199, 100, True, 64),
+             (4, 1, 16, 200, 130, 70, False, 64), (4, 1, 16, 200, 150, 0, True, 96),
              (8, 8, 32, 192, 191, 0, False, 64)]
     if cuda:
         cases += [(32, 4, 128, 4096, 3000, 0, True, None), (16, 4, 64, 256, 255, 0, True, None),
@@ -1942,13 +1943,14 @@ def test_triton_decode_attention_matches_the_reference():
         assert torch.equal(kc2, kc)
         err = (got.float() - want.float()).abs().max().item()
         assert err <= 2e-3 * max(1.0, want.abs().max().item()), (heads, nkv, D, S, pos, window, chunk, err)
-    # a position past the cache (the runner never decodes one: its cache is sized first) writes nothing
-    for pos, window in ((70, 0), (90, 0), (75, 10)):
+    # a position past the cache (the runner never decodes one: its cache is sized first) writes nothing, split or not
+    for pos, window, chunk in ((70, 0, None), (90, 0, None), (75, 10, None), (200, 0, 16), (75, 30, 16)):
         qkv, qn, kn, cos, sin, kc, vc = _attention_case(dev, g, 4, 1, 16, 70, pos, False)
         k0, v0 = kc.clone(), vc.clone()
-        out = A.decode_attention(qkv, None, None, cos, sin, kc, vc, torch.tensor([pos], device=dev), 4, 0.25, 0.0,
-                                 window, use_triton=True)
+        out = A._decode_attention_triton(qkv, None, None, cos, sin, kc, vc, torch.tensor([pos], device=dev), 4, 0.25,
+                                         0.0, window, chunk=chunk)
         assert torch.equal(kc, k0) and torch.equal(vc, v0) and out.isfinite().all(), pos
+    assert A.split_cache(70, 16) == (64, 2) and A.split_cache(512) == (512, 1) and A.split_cache(600) == (256, 3)
     # a wrong window is not within that tolerance: the check bites
     heads, nkv, D, S, pos = 4, 1, 16, 70, 69
     qkv, qn, kn, cos, sin, kc, vc = _attention_case(dev, g, heads, nkv, D, S, pos, False)
@@ -2217,6 +2219,7 @@ def test_fused_kernels_decode_as_the_model_path(tiny_models, stores, sliding, fa
         return call
     # (the CPU's tensors through Triton too)
     monkeypatch.setattr(A, "_impl", counted("attention", A._decode_attention_triton))
+    monkeypatch.setattr(A, "CHUNK", 32)   # the runner's 128-position cache split over 4 programs a K/V head
     monkeypatch.setattr(R, "_impl", counted("route", R._route_triton))
     monkeypatch.setattr(K, "_norm_gemv_impl", counted("norm_gemv", K._norm_gemv_triton))
     d, store = sliding if fam == "mixtral-sw8" else (tiny_models[fam], stores[fam])
@@ -2232,6 +2235,7 @@ def test_fused_kernels_decode_as_the_model_path(tiny_models, stores, sliding, fa
         gr = eng._graph_runner(32)
         dec = gr.dec
         assert (dec.fused_attention, dec.fused_router, gr.fold_combine) == (a == "fused", r == "fused", a == "fused")
+        assert A.split_cache(gr.S, A.CHUNK)[1] > 1   # (the fused attention's cache split: the combining kernel ran)
         if a == "fused":   # 15 decoded tokens (the first comes from the prefill), eagerly or captured once
             if not cuda:
                 n = len(runs[a].tokens) - 1

@@ -562,14 +562,17 @@ class GpuEngine:
                 otherwise).
             attention: how the static decoder's one-position steps compute attention: "fused" (the q/k
                 norms, rotary embedding, cache write and attention over the cache in one kernel per
-                layer, gpu_attention.decode_attention: Triton on CUDA; fp16 models whose geometry the
-                kernel covers) or "sdpa" (the model's norms and rotary embedding, then torch's
-                scaled_dot_product_attention over the static cache; the default: the fused kernels are
+                layer, two over a cache of more than 512 positions, gpu_attention.decode_attention; the
+                q/k/v GEMV with the input norm and the expert combine before it, gpu_kernels.norm_gemv:
+                Triton on CUDA; fp16 models whose geometry the kernels cover) or "sdpa" (the model's
+                norms and rotary embedding, then torch's scaled_dot_product_attention over the static
+                cache; the default: the fused kernels are
                 opt-in until timed on a GPU, docs/gpu-tier.md). A pass over more than one position (a
                 batched verification) takes "sdpa" either way; the prefill is transformers' modules.
             router: how the static decoder's one-position steps route a MoE layer: "fused" (the residual
                 add, post-attention norm, router GEMV, softmax, top-k and its normalisation in one kernel,
-                written into the runner's buffers: gpu_router.route, Triton on CUDA; fp16 models) or
+                written into the runner's buffers, the all-resident token's slot selection too:
+                gpu_router.route, Triton on CUDA; fp16 models) or
                 "model" (the model's norm and router module; the default, as for `attention`). The
                 kernel's one program reads the whole router matrix: one over 128 KiB (Qwen3-30B's) is
                 refused. Rows of more than one position take "model" either way.

@@ -14,11 +14,13 @@ position, two kernels preparing cuDNN's SDPA, its workspace memset and the SDPA 
 built for every token); `decode_attention` is one (`specprefetch::decode_attention`, Triton on CUDA):
 one program per K/V head computes its new K and V, writes them into the cache, and runs its query heads
 over the visible keys as rows of one tile, with an online softmax over blocks of 64 positions, the new
-position's key and value taken from registers rather than read back. A cache of at most CHUNK positions
-is one program a K/V head; a longer one is split (flash-decoding): a program per K/V head and CHUNK
-positions, each writing its part's running maximum, denominator and unnormalised output (float32), and a
-second kernel (one program a K/V head) rescales and sums the parts, so the time of a long context is spread
-over its chunks' SMs rather than growing on as many SMs as there are K/V heads.
+position's key and value taken from registers rather than read back. A static cache of at most 2 x CHUNK
+positions is that one kernel; a longer one is split (flash-decoding, `split_cache`): a program per K/V
+head and about CHUNK positions (each computes the head's K and queries; the first chunk's writes the
+cache and starts from the new position), each writing its part's running maximum, denominator and
+unnormalised output (float32), and a second kernel (one program a K/V head) rescales and sums the parts,
+so a long context's time is spread over its chunks' SMs rather than growing on as many SMs as there are
+K/V heads. The split follows the cache's size (fixed when a runner is built), not the position reached.
 
 Rounding: the q/k norms and the rotary embedding round where transformers' eager fp16 ops round (the
 norm's result rounded, then times its weight; each rotary product and their sum rounded once), with the
@@ -95,11 +97,11 @@ if triton is not None:
     @triton.jit
     def _decode_attention_kernel(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pos_ptr, out_ptr,
                                  pm_ptr, pl_ptr, pacc_ptr, S, scale, eps, window,
-                                 G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, NQ: tl.constexpr,
-                                 NKV: tl.constexpr, QK_NORM: tl.constexpr, BLOCK_S: tl.constexpr,
-                                 CHUNK: tl.constexpr, SPLITS: tl.constexpr):
+                                 chunk, splits, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                                 NQ: tl.constexpr, NKV: tl.constexpr, QK_NORM: tl.constexpr, BLOCK_S: tl.constexpr,
+                                 SPLIT: tl.constexpr):
         g = tl.program_id(0)                                  # this program's K/V head
-        c = tl.program_id(1)                                  # and its chunk of the cache (SPLITS > 1)
+        c = tl.program_id(1)                                  # and its chunk of the cache (SPLIT: of `splits`)
         dt = qkv_ptr.dtype.element_ty
         pos = tl.load(pos_ptr)
         d = tl.arange(0, D)
@@ -125,8 +127,8 @@ if triton is not None:
         m = tl.where(first, tl.sum(q.to(tl.float32) * kf, axis=1) * scale, float("-inf"))           # [GP]
         den = tl.zeros([GP], dtype=tl.float32) + tl.where(first, 1.0, 0.0)
         acc = tl.zeros([GP, D], dtype=tl.float32) + tl.where(first, v.to(dt).to(tl.float32), 0.0)
-        lo = tl.maximum(tl.where(window > 0, tl.maximum(pos - window + 1, 0), 0), c * CHUNK)
-        end = tl.minimum(tl.minimum(pos, S), (c + 1) * CHUNK)
+        lo = tl.maximum(tl.where(window > 0, tl.maximum(pos - window + 1, 0), 0), c * chunk)
+        end = tl.minimum(tl.minimum(pos, S), (c + 1) * chunk)
         for j0 in range(lo, end, BLOCK_S):                   # the earlier visible positions (of this chunk)
             j = j0 + tl.arange(0, BLOCK_S)
             ok = j < end
@@ -141,35 +143,36 @@ if triton is not None:
             acc = acc * alpha[:, None] + tl.dot(p.to(dt), vb).to(tl.float32)
             m = m_new
         # (the first term's weight was exp(s_new - m), carried in acc and den from the start)
-        if SPLITS == 1:
+        if not SPLIT:
             tl.store(out_ptr + (g * G + rr[:, None]) * D + d[None, :], (acc / den[:, None]).to(dt),
                      mask=live[:, None])
-        else:   # this part's maximum, denominator and unnormalised output, for _decode_combine_kernel
-            at = (g * SPLITS + c) * GP + r
-            tl.store(pm_ptr + at, m)
-            tl.store(pl_ptr + at, den)
-            tl.store(pacc_ptr + at[:, None] * D + d[None, :], acc)
+        else:   # this part's maximum, denominator and unnormalised output (real rows), for _decode_combine_kernel
+            at = (g * splits + c) * G + rr
+            tl.store(pm_ptr + at, m, mask=live)
+            tl.store(pl_ptr + at, den, mask=live)
+            tl.store(pacc_ptr + at[:, None] * D + d[None, :], acc, mask=live[:, None])
 
     @triton.jit
-    def _decode_combine_kernel(pm_ptr, pl_ptr, pacc_ptr, out_ptr, G: tl.constexpr, GP: tl.constexpr,
-                               D: tl.constexpr, SPLITS: tl.constexpr):
+    def _decode_combine_kernel(pm_ptr, pl_ptr, pacc_ptr, out_ptr, splits, G: tl.constexpr, GP: tl.constexpr,
+                               D: tl.constexpr):
         """A K/V head's parts, rescaled to their common maximum and summed -> its query heads' outputs."""
         g = tl.program_id(0)
         r = tl.arange(0, GP)
+        live = r < G
+        rr = tl.where(live, r, 0)
         d = tl.arange(0, D)
         mx = tl.full([GP], float("-inf"), dtype=tl.float32)
-        for c in range(SPLITS):
-            mx = tl.maximum(mx, tl.load(pm_ptr + (g * SPLITS + c) * GP + r))
+        for c in range(splits):
+            mx = tl.maximum(mx, tl.load(pm_ptr + (g * splits + c) * G + rr))
         den = tl.zeros([GP], dtype=tl.float32)
         acc = tl.zeros([GP, D], dtype=tl.float32)
-        for c in range(SPLITS):   # (the first part always holds the new position: mx is finite)
-            at = (g * SPLITS + c) * GP + r
+        for c in range(splits):   # (the first part always holds the new position: mx is finite)
+            at = (g * splits + c) * G + rr
             w = tl.exp(tl.load(pm_ptr + at) - mx)
             den += tl.load(pl_ptr + at) * w
             acc += tl.load(pacc_ptr + at[:, None] * D + d[None, :]) * w[:, None]
-        rr = tl.where(r < G, r, 0)
         tl.store(out_ptr + (g * G + rr[:, None]) * D + d[None, :], (acc / den[:, None]).to(out_ptr.dtype.element_ty),
-                 mask=(r < G)[:, None])
+                 mask=live[:, None])
 
 
 def _check(qkv, cos, sin, k_cache, v_cache, pos, heads: int) -> None:
@@ -247,8 +250,8 @@ def attention_usable(attns, dtype: torch.dtype, norms=()) -> str | None:
 
 def _decode_attention_triton(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, heads: int, scale: float,
                              eps: float, window: int, chunk: int | None = None) -> torch.Tensor:
-    """The kernel(s); `chunk`: positions a program (a multiple of BLOCK_S; default CHUNK: tests split small
-    caches with it)."""
+    """The kernel(s); `chunk`: the split's target positions a program (default CHUNK; split_cache; tests split
+    small caches with it)."""
     _, nkv, S, D = k_cache.shape
     _check(qkv, cos, sin, k_cache, v_cache, pos, heads)
     if qkv.dtype != torch.float16 or D < 16 or D & (D - 1):
@@ -264,16 +267,28 @@ def _decode_attention_triton(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, po
     norm = q_norm is not None
     qw, kw = (q_norm.contiguous(), k_norm.contiguous()) if norm else (qkv, qkv)   # (unread without norms)
     GP = max(16, triton.next_power_of_2(groups))
-    splits = triton.cdiv(S, chunk or CHUNK)
-    if splits > 1:   # the parts' maxima, denominators and unnormalised outputs (float32)
-        pm = torch.empty(nkv * splits * GP, device=qkv.device, dtype=torch.float32)
-        pl, pacc = torch.empty_like(pm), torch.empty(nkv * splits * GP, D, device=qkv.device, dtype=torch.float32)
+    chunk, splits = split_cache(S, chunk or CHUNK)
+    if splits > 1:   # the parts' maxima, denominators and unnormalised outputs (float32, the real rows)
+        pm = torch.empty(nkv * splits * groups, device=qkv.device, dtype=torch.float32)
+        pl, pacc = torch.empty_like(pm), torch.empty(nkv * splits * groups, D, device=qkv.device, dtype=torch.float32)
     else:
         pm = pl = pacc = out   # (unwritten)
     with _device(qkv):   # Triton launches on the current device's current stream
         _decode_attention_kernel[(nkv, splits)](qkv, qw, kw, cos, sin, k_cache, v_cache, pos, out, pm, pl, pacc, S,
-                                                scale, eps, window, G=groups, GP=GP, D=D, NQ=heads, NKV=nkv,
-                                                QK_NORM=norm, BLOCK_S=BLOCK_S, CHUNK=chunk or CHUNK, SPLITS=splits)
+                                                scale, eps, window, chunk, splits, G=groups, GP=GP, D=D, NQ=heads,
+                                                NKV=nkv, QK_NORM=norm, BLOCK_S=BLOCK_S, SPLIT=splits > 1)
         if splits > 1:
-            _decode_combine_kernel[(nkv,)](pm, pl, pacc, out, G=groups, GP=GP, D=D, SPLITS=splits)
+            _decode_combine_kernel[(nkv,)](pm, pl, pacc, out, splits, G=groups, GP=GP, D=D)
     return out
+
+
+def split_cache(S: int, chunk: int = CHUNK) -> tuple[int, int]:
+    """A static cache of S positions -> (positions a program, programs a K/V head): one program up to twice
+    `chunk` (a second kernel and a scratch round trip would cost more than the shorter scan saves), else about
+    `chunk` each, the parts balanced and whole blocks of BLOCK_S."""
+    if S <= 2 * chunk:
+        return S, 1
+    splits = -(-S // chunk)
+    per = -(-S // splits)                      # balanced, then rounded up to whole blocks
+    per = -(-per // BLOCK_S) * BLOCK_S
+    return per, -(-S // per)

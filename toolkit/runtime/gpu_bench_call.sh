@@ -40,7 +40,9 @@
 # The resident stage (STAGES=resident: no corpus, no training, about 4 minutes on a fresh H100): the
 # all-resident bound on random weights of the base model's geometry and of its widening to WFFN, compiled,
 # with the step's kernels profiled (gpu-bench-resident-rand*.json; RBT: each bench's timeout, 200; BX
-# reaches these benches too).
+# reaches these benches too; RWIDE=0: the base geometry only; RK="fused model": the fused attention and router
+# against the model's, interleaved over RR rounds, 2, each bench's files named -fused-rN / -model-rN:
+#   STAGES="resident tests" RK="fused model" RWIDE=0 OUT=... bash toolkit/runtime/gpu_bench_call.sh).
 # SMOKE=1 runs every stage on tiny sizes (a random tiny model, no training, one short prompt) to check
 # the commands before a measuring call.
 # Output under OUT: log (the whole call's), and all.tgz (re-packed after every stage, so a call cut
@@ -232,13 +234,23 @@ PY
       SETS=""; for kv in $GEO vocab_size=4096 tie_word_embeddings=true norm_topk_prob=true 'mlp_only_layers=[]' decoder_sparse_step=1 'dtype="float16"'; do SETS="$SETS --set $kv"; done
       [ -d "$RM" ] || $B tiny qwen3_moe --out "$RM" $SETS 2>&1 | tail -1 | tee -a "$L" || { fail "resident: tiny"; continue; }
       [ -f "$RM.spx" ] || $B store "$RM" --out "$RM.spx" 2>&1 | tail -1 | tee -a "$L" || { fail "resident: store"; continue; }
-      [ -d "$RW" ] || $B widen "$RM" --moe-intermediate-size "$WFFN" --out "$RW" 2>&1 | tail -1 | tee -a "$L" || { fail "resident: widen"; continue; }
-      [ -f "$RW.spx" ] || $B store "$RW" --out "$RW.spx" 2>&1 | tail -1 | tee -a "$L" || { fail "resident: store wide"; continue; }
+      if [ "${RWIDE:-1}" = 1 ]; then
+        [ -d "$RW" ] || $B widen "$RM" --moe-intermediate-size "$WFFN" --out "$RW" 2>&1 | tail -1 | tee -a "$L" || { fail "resident: widen"; continue; }
+        [ -f "$RW.spx" ] || $B store "$RW" --out "$RW.spx" 2>&1 | tail -1 | tee -a "$L" || { fail "resident: store wide"; continue; }
+      fi
       CB=inductor; [ "$DEV" = cpu ] && CB=aot_eager
-      for m in "$RM" "$RW"; do
-        n=$([ "$m" = "$RM" ] && echo rand || echo rand-wide)
-        timeout "${RBT:-200}" python -m toolkit.runtime.gpu_bench "$m" --device "$DEV" --store "$m.spx" --policies on-demand+lru --fractions 0.25 --prompts 1 --prompt-tokens 32 --new-tokens $([ "$SMOKE" = 1 ] && echo 8 || echo 24) --repeats 2 --compile $CB --profile-resident --report-mismatches ${BX:-} --json "$RES/gpu-bench-resident-$n.json" > "$RES/bench-resident-$n.log" 2>&1; echo "resident $n: bench rc=$?" | tee -a "$L"
-        grep -v Loading "$RES/bench-resident-$n.log" | grep -E "all experts resident|profile of|DIFFER" | cut -c1-400 | tee -a "$L"
+      for m in $([ "${RWIDE:-1}" = 1 ] && echo "$RM $RW" || echo "$RM"); do
+        n0=$([ "$m" = "$RM" ] && echo rand || echo rand-wide)
+        # RK: the step's kernels to compare, interleaved over RR rounds (fused: --attention fused --router fused;
+        # model: --attention sdpa --router model), each bench named -KERNELS-rROUND; unset: one bench as it is
+        for r in $(seq 1 $([ -n "${RK:-}" ] && echo "${RR:-2}" || echo 1)); do
+          for kc in ${RK:-default}; do
+            case $kc in fused) ko="--attention fused --router fused"; n=$n0-fused-r$r ;;
+              model) ko="--attention sdpa --router model"; n=$n0-model-r$r ;; *) ko=""; n=$n0 ;; esac
+            timeout "${RBT:-200}" python -m toolkit.runtime.gpu_bench "$m" --device "$DEV" --store "$m.spx" --policies on-demand+lru --fractions 0.25 --prompts 1 --prompt-tokens 32 --new-tokens $([ "$SMOKE" = 1 ] && echo 8 || echo 24) --repeats 2 --compile $CB --profile-resident --report-mismatches $ko ${BX:-} --json "$RES/gpu-bench-resident-$n.json" > "$RES/bench-resident-$n.log" 2>&1; echo "resident $n: bench rc=$?" | tee -a "$L"
+            grep -v Loading "$RES/bench-resident-$n.log" | grep -E "all experts resident|profile of|DIFFER" | cut -c1-400 | tee -a "$L"
+          done
+        done
       done
       rm -rf "$RW" "$RW.spx"   # the widening's 18 GiB (the base geometry's model is kept for the next call)
       pack ;;

@@ -265,8 +265,8 @@ class StaticDecoder:
         self.S = 0
         self.qkv = [_fused_qkv(layer.self_attn) for layer in self.layers]
         self.heads = sa.q_proj.out_features // self.head_dim
-        # one position's attention in one kernel a layer (gpu_attention; GpuEngine(attention="fused")), where
-        # every layer's q/k/v is one projection
+        # one position's attention in one kernel a layer, two over a long cache (gpu_attention;
+        # GpuEngine(attention="fused")), where every layer's q/k/v is one projection
         self.fused_attention = eng.attention == "fused"
         if self.fused_attention and any(f is None for f in self.qkv):   # (gpu_attention.attention_usable said yes)
             raise SpecPrefetchError("internal: the fused attention was chosen for q/k/v projections that are not "
