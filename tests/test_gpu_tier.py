@@ -2061,7 +2061,8 @@ def test_triton_router_matches_the_reference():
     """One position's router kernel (Triton: CUDA or the interpreter) against its torch reference: the
     residual and the router input bitwise, the same experts in the same order, the scores within a
     float32 rounding; Qwen3's fp16 scores with and without the normalisation, Mixtral's float32 ones,
-    k = E, and a tie between two experts' logits (the lower index first, as topk_by_sort)."""
+    k = E, and a tie between two experts' logits (the lower index first, as topk_by_sort); routers over
+    128 KiB (Qwen3-30B's 128 x 2048, and 300 experts) through the two-kernel path."""
     from toolkit.runtime import gpu_router as R
 
     dev = _triton_device()
@@ -2070,7 +2071,9 @@ def test_triton_router_matches_the_reference():
     for H, E, k, norm, sdt, tie in ((64, 8, 2, True, torch.float16, False), (1024, 32, 4, True, torch.float16, True),
                                     (1024, 32, 4, False, torch.float16, False), (100, 60, 8, True, torch.float32, True),
                                     (64, 8, 8, True, torch.float32, False), (64, 8, 3, True, torch.float16, False),
-                                    (100, 60, 6, False, torch.float32, True)):   # (k = 3, 6: padded lanes)
+                                    (100, 60, 6, False, torch.float32, True),    # (k = 3, 6: padded lanes)
+                                    (2048, 128, 8, True, torch.float16, True),   # over 128 KiB: two kernels
+                                    (256, 300, 6, False, torch.float32, False)):
         h, a = r(1, H).half(), r(1, H).half()
         nw, gw = (1 + 0.1 * r(H)).half(), (0.1 * r(E, H)).half()
         if tie:   # experts 5 and 2 share a row aligned with the router input: equal logits, high enough to be
@@ -2370,7 +2373,9 @@ def test_fused_kernels_refuse_what_they_do_not_cover():
         return nn.Linear(H, E, bias=False).half()
     assert router_usable([Norm()], [gate(32, 1024)], fp16) is None
     assert router_usable([Norm()], [gate(8, 4096)], fp16) is None                      # Mixtral's: 64 KiB
-    assert "a [128, 2048] router matrix" in router_usable([Norm()], [gate(128, 2048)], fp16)   # Qwen3-30B's
+    assert router_usable([Norm()], [gate(128, 2048)], fp16) is None                   # Qwen3-30B's: two kernels
+    assert "2048 experts: the fused router's top-k takes at most 1024" in router_usable([Norm()], [gate(2048, 64)],
+                                                                                        fp16)
     assert "not an RMS norm" in router_usable([nn.LayerNorm(64)], [gate(8, 64)], fp16)
     assert "bias-free linear router" in router_usable([Norm()], [nn.Linear(64, 8).half()], fp16)
     assert "fp16, not float32" in router_usable([Norm()], [gate(8, 64)], torch.float32)

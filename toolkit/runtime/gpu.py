@@ -573,9 +573,9 @@ class GpuEngine:
                 add, post-attention norm, router GEMV, softmax, top-k and its normalisation in one kernel,
                 written into the runner's buffers, the all-resident token's slot selection too:
                 gpu_router.route, Triton on CUDA; fp16 models) or
-                "model" (the model's norm and router module; the default, as for `attention`). The
-                kernel's one program reads the whole router matrix: one over 128 KiB (Qwen3-30B's) is
-                refused. Rows of more than one position take "model" either way.
+                "model" (the model's norm and router module; the default, as for `attention`). A
+                router over 128 KiB (Qwen3-30B's) is two kernels; over 1,024 experts it is refused. Rows
+                of more than one position take "model" either way.
             verify: how the draft policy's target checks a round's proposals: "exact" (every row
                 through the target's own one-token decode step: with the static decoder its segments
                 layer-major over the rows, GraphRunner.verify_rows, each MoE layer's experts acquired

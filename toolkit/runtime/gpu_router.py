@@ -1,4 +1,4 @@
-"""A MoE layer's router for one decode position in one GPU kernel.
+"""A MoE layer's router for one decode position in one GPU kernel (two for a large router).
 
 Given the residual stream h and the attention block's output a (after its output projection):
 
@@ -14,8 +14,9 @@ runner's buffers; `route` is one (`specprefetch::route`, Triton on CUDA): one pr
 norm's weight and the router's [E, H] matrix, writes the layer's router input, scores and expert indices
 into the buffers it is given and returns h'. The top-k is taken over the logits (the softmax is
 monotonic, so the same experts in the same order) by k rounds of a maximum, ties to the lower index as
-`gpu_graph.topk_by_sort`. One program does it all, so it takes routers of at most 128 KiB (32 x 1024 and
-Mixtral's 8 x 4096 in fp16); a larger one (Qwen3-30B's 128 x 2048) is refused (`router_usable`). With every
+`gpu_graph.topk_by_sort`. One program does it all for a router of at most 128 KiB (32 x 1024 and Mixtral's
+8 x 4096 in fp16); a larger one (Qwen3-30B's 128 x 2048) is two kernels: the logits over programs of
+ROUTER_BLOCK_E experts (each recomputing the row's norm), then one program's top-k. With every
 expert resident (the whole-token graph, `gpu_graph.GraphRunner.decode_resident`) it also writes the layer's
 slot selection, as the host writes it elsewhere: the chosen experts' slots in ascending expert order
 (`slot_of[expert]`), then their positions in the top-k order (`specprefetch::route_resident`), where a sort,
@@ -33,7 +34,10 @@ if triton is not None:
     import triton.language as tl
 
 
-MAX_ROUTER_KIB = 128   # one program reads the whole router matrix: Qwen3-30B's 512 KiB is refused
+# a router matrix of up to MAX_ROUTER_KIB is read by one program (one kernel); a larger one (Qwen3-30B's 512 KiB)
+# by programs of ROUTER_BLOCK_E experts each, and a second kernel takes the top-k, whose one program holds every
+# expert's logit: at most MAX_EXPERTS
+MAX_ROUTER_KIB, ROUTER_BLOCK_E, MAX_EXPERTS = 128, 8, 1024
 
 
 def router_usable(norms, gates, dtype: torch.dtype) -> str | None:
@@ -46,9 +50,8 @@ def router_usable(norms, gates, dtype: torch.dtype) -> str | None:
         w = getattr(gate, "weight", None)
         if w is None or w.dim() != 2 or w.dtype != dtype or getattr(gate, "bias", None) is not None:
             return f"{type(gate).__name__} is not a bias-free linear router in the model's dtype"
-        if w.numel() * w.element_size() > MAX_ROUTER_KIB * 1024:
-            return (f"a [{w.shape[0]}, {w.shape[1]}] router matrix: the fused router's one program reads at most "
-                    f"{MAX_ROUTER_KIB} KiB")
+        if w.shape[0] > MAX_EXPERTS:
+            return f"{w.shape[0]} experts: the fused router's top-k takes at most {MAX_EXPERTS}"
     return None
 
 
@@ -106,7 +109,14 @@ if triton is not None:
             tl.store(post_ptr + c, p, mask=mc)
             w = tl.load(gw_ptr + e[:, None] * H + c[None, :], mask=me[:, None] & mc[None, :], other=0.0)
             lg += tl.sum(w.to(tl.float32) * p.to(tl.float32)[None, :], axis=1)
-        lg = tl.where(me, lg.to(dt).to(tl.float32), float("-inf"))
+        _topk_store(tl.where(me, lg.to(dt).to(tl.float32), float("-inf")), e, me, sc_ptr, idx_ptr, slot_ptr, sel_ptr,
+                    K, KP, EP, NORM_TOPK, SLOTS)
+
+    @triton.jit
+    def _topk_store(lg, e, me, sc_ptr, idx_ptr, slot_ptr, sel_ptr, K: tl.constexpr, KP: tl.constexpr,
+                    EP: tl.constexpr, NORM_TOPK: tl.constexpr, SLOTS: tl.constexpr):
+        """The softmax of the logits lg [EP] (-inf past the E real experts), its top-k and their normalisation
+        -> scores, indices (and the resident selection)."""
         ex = tl.exp(lg - tl.max(lg, axis=0))
         den = tl.sum(ex, axis=0)
         kk = tl.arange(0, KP)
@@ -129,6 +139,45 @@ if triton is not None:
             rank = tl.sum(((at[None, :] < at[:, None]) & ko[None, :]).to(tl.int32), axis=1)
             tl.store(sel_ptr + rank, tl.load(slot_ptr + at, mask=ko, other=0), mask=ko)
             tl.store(sel_ptr + K + rank, kk.to(tl.int64), mask=ko)
+
+    @triton.jit
+    def _route_logits_kernel(h_ptr, a_ptr, nw_ptr, gw_ptr, hout_ptr, post_ptr, lg_ptr, H, E, eps,
+                             BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
+        """A large router's first kernel: each program the residual add and norm (program 0 writes them out)
+        and the logits of BLOCK_E experts, rounded to the dtype as F.linear rounds, into lg (float32)."""
+        pe = tl.program_id(0)
+        dt = h_ptr.dtype.element_ty
+        ss = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for h0 in range(0, H, BLOCK_H):
+            c = h0 + tl.arange(0, BLOCK_H)
+            mc = c < H
+            x = (tl.load(h_ptr + c, mask=mc, other=0.0) + tl.load(a_ptr + c, mask=mc, other=0.0)).to(dt)
+            tl.store(hout_ptr + c, x, mask=mc & (pe == 0))
+            xf = x.to(tl.float32)
+            ss += xf * xf
+        r = tl.math.rsqrt(tl.sum(ss, axis=0) / H + eps)
+        e = pe * BLOCK_E + tl.arange(0, BLOCK_E)
+        me = e < E
+        lg = tl.zeros([BLOCK_E], dtype=tl.float32)
+        for h0 in range(0, H, BLOCK_H):
+            c = h0 + tl.arange(0, BLOCK_H)
+            mc = c < H
+            x = (tl.load(h_ptr + c, mask=mc, other=0.0) + tl.load(a_ptr + c, mask=mc, other=0.0)).to(dt)
+            n = (x.to(tl.float32) * r).to(dt).to(tl.float32)
+            p = (tl.load(nw_ptr + c, mask=mc, other=0.0).to(tl.float32) * n).to(dt)
+            tl.store(post_ptr + c, p, mask=mc & (pe == 0))
+            w = tl.load(gw_ptr + e[:, None] * H + c[None, :], mask=me[:, None] & mc[None, :], other=0.0)
+            lg += tl.sum(w.to(tl.float32) * p.to(tl.float32)[None, :], axis=1)
+        tl.store(lg_ptr + e, lg.to(dt).to(tl.float32), mask=me)
+
+    @triton.jit
+    def _route_topk_kernel(lg_ptr, sc_ptr, idx_ptr, slot_ptr, sel_ptr, E, K: tl.constexpr, KP: tl.constexpr,
+                           EP: tl.constexpr, NORM_TOPK: tl.constexpr, SLOTS: tl.constexpr):
+        """A large router's second kernel: one program, the top-k of the logits the first wrote."""
+        e = tl.arange(0, EP)
+        me = e < E
+        _topk_store(tl.load(lg_ptr + e, mask=me, other=float("-inf")), e, me, sc_ptr, idx_ptr, slot_ptr, sel_ptr,
+                    K, KP, EP, NORM_TOPK, SLOTS)
 
 
 def route(h, a, norm_w, eps: float, gate_w, norm_topk: bool, post, scores, idx, slot_of=None, sel=None, *,
@@ -206,12 +255,19 @@ def _route_triton(h, a, norm_w, eps: float, gate_w, norm_topk: bool, post, score
     if slots and (slot_of.numel() != E or sel.numel() != 2 * k or slot_of.dtype != torch.long
                   or sel.dtype != torch.long or not (slot_of.is_contiguous() and sel.is_contiguous())):
         raise ValueError(f"route: a contiguous long slot table of {E} and selection of {2 * k}")
+    if E > MAX_EXPERTS:
+        raise ValueError(f"route: {E} experts, at most {MAX_EXPERTS}")
     h, a, norm_w, gate_w = h.contiguous(), a.contiguous(), norm_w.contiguous(), gate_w.contiguous()
     out = torch.empty_like(h)
+    KP, EP = triton.next_power_of_2(k), max(16, triton.next_power_of_2(E))
+    sl, se = (slot_of, sel) if slots else (idx, idx)   # (unread without the selection)
     with _device(h):   # Triton launches on the current device's current stream
-        _route_kernel[(1,)](h, a, norm_w, gate_w, out, post, scores, idx, slot_of if slots else idx,
-                            sel if slots else idx, H, E, eps, K=k,
-                            KP=triton.next_power_of_2(k), EP=max(16, triton.next_power_of_2(E)),
-                            BLOCK_H=max(32, min(256, 8192 // max(16, triton.next_power_of_2(E)))),
-                            NORM_TOPK=norm_topk, SLOTS=slots, num_warps=8)
+        if gate_w.numel() * gate_w.element_size() <= MAX_ROUTER_KIB * 1024:   # one program, one kernel
+            _route_kernel[(1,)](h, a, norm_w, gate_w, out, post, scores, idx, sl, se, H, E, eps, K=k, KP=KP, EP=EP,
+                                BLOCK_H=max(32, min(256, 8192 // EP)), NORM_TOPK=norm_topk, SLOTS=slots, num_warps=8)
+        else:   # the logits over programs of ROUTER_BLOCK_E experts, then the top-k
+            lg = torch.empty(E, device=h.device, dtype=torch.float32)
+            _route_logits_kernel[(triton.cdiv(E, ROUTER_BLOCK_E),)](h, a, norm_w, gate_w, out, post, lg, H, E, eps,
+                                                                    BLOCK_E=ROUTER_BLOCK_E, BLOCK_H=256)
+            _route_topk_kernel[(1,)](lg, scores, idx, sl, se, E, K=k, KP=KP, EP=EP, NORM_TOPK=norm_topk, SLOTS=slots)
     return out
