@@ -2068,6 +2068,20 @@ def test_triton_router_matches_the_reference():
     dev = _triton_device()
     g = torch.Generator(device=dev).manual_seed(5)
     r = lambda *shape: torch.randn(*shape, device=dev, generator=g)   # noqa: E731
+    launched = []
+
+    class Launches:   # the two-kernel path's top-k kernel, its launches counted
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return topk[grid]
+    topk, R._route_topk_kernel = R._route_topk_kernel, Launches()
+    try:
+        _router_cases(R, dev, g, r, launched)
+    finally:
+        R._route_topk_kernel = topk
+
+
+def _router_cases(R, dev, g, r, launched):
     for H, E, k, norm, sdt, tie in ((64, 8, 2, True, torch.float16, False), (1024, 32, 4, True, torch.float16, True),
                                     (1024, 32, 4, False, torch.float16, False), (100, 60, 8, True, torch.float32, True),
                                     (64, 8, 8, True, torch.float32, False), (64, 8, 3, True, torch.float16, False),
@@ -2081,6 +2095,7 @@ def test_triton_router_matches_the_reference():
             gw[5] = gw[2]
         slot_of = torch.randperm(3 * E, device=dev, generator=g)[:E]   # (the resident selection: any slot numbers)
         outs, sels = [], []
+        before = len(launched)
         for use in (False, True):
             for slots in (False, True):
                 post = torch.zeros(1, H, device=dev).half()
@@ -2094,6 +2109,8 @@ def test_triton_router_matches_the_reference():
                 else:
                     outs.append((got, post, sc, idx))
         (h0, p0, s0, i0), (h1, p1, s1, i1) = outs
+        # (routers over 128 KiB through the two kernels: the top-k kernel launched for both Triton calls)
+        assert len(launched) - before == (2 if E * H * 2 > R.MAX_ROUTER_KIB * 1024 else 0), (H, E)
         assert torch.equal(h0, h1) and torch.equal(h0, h + a) and _fp16_steps(p0, p1) <= 1, (H, E, k)
         assert torch.equal(i0, i1) and sorted(set(i0[0].tolist())) == sorted(i0[0].tolist()), (H, E, k, i0, i1)
         chosen = i1[0].tolist()   # the selection: the chosen experts' slots in ascending expert order, then where
@@ -2126,6 +2143,10 @@ def test_triton_router_matches_the_reference():
                 use_triton=True)
     with pytest.raises(ValueError, match="come together"):
         R.route(*one, torch.zeros(8, dtype=torch.long, device=dev), use_triton=True)
+    many = (z, z, z[0], 1e-6, torch.zeros(1025, 64, device=dev).half(), True, z.clone(), torch.zeros(1, 2, device=dev),
+            torch.zeros(1, 2, dtype=torch.long, device=dev))
+    with pytest.raises(ValueError, match="1025 experts, at most 1024"):
+        R.route(*many, use_triton=True)
 
 
 @pytest.mark.parametrize("fam", ["qwen3_moe", "mixtral"])
@@ -2221,8 +2242,22 @@ def test_fused_kernels_decode_as_the_model_path(tiny_models, stores, sliding, fa
             return fn(*args)
         return call
     # (the CPU's tensors through Triton too)
+    class Launches:   # a Triton kernel whose launches are counted
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            launches[self.name] += 1
+            return self.kernel[grid]
+    launches = {"combine": 0, "topk": 0}
     monkeypatch.setattr(A, "_impl", counted("attention", A._decode_attention_triton))
-    monkeypatch.setattr(A, "CHUNK", 32)   # the runner's 128-position cache split over 4 programs a K/V head
+    # the runner's 128-position cache split into 8 programs of 16 positions a K/V head (the decoded positions
+    # reach the second), and the router's two-kernel path: each kernel's second kernel counted
+    monkeypatch.setattr(A, "CHUNK", 8)
+    monkeypatch.setattr(A, "BLOCK_S", 16)
+    monkeypatch.setattr(A, "_decode_combine_kernel", Launches("combine", A._decode_combine_kernel))
+    monkeypatch.setattr(R, "MAX_ROUTER_KIB", 0)
+    monkeypatch.setattr(R, "_route_topk_kernel", Launches("topk", R._route_topk_kernel))
     monkeypatch.setattr(R, "_impl", counted("route", R._route_triton))
     monkeypatch.setattr(K, "_norm_gemv_impl", counted("norm_gemv", K._norm_gemv_triton))
     d, store = sliding if fam == "mixtral-sw8" else (tiny_models[fam], stores[fam])
@@ -2238,7 +2273,7 @@ def test_fused_kernels_decode_as_the_model_path(tiny_models, stores, sliding, fa
         gr = eng._graph_runner(32)
         dec = gr.dec
         assert (dec.fused_attention, dec.fused_router, gr.fold_combine) == (a == "fused", r == "fused", a == "fused")
-        assert A.split_cache(gr.S, A.CHUNK)[1] > 1   # (the fused attention's cache split: the combining kernel ran)
+        assert A.split_cache(gr.S, A.CHUNK) == (16, 8)
         if a == "fused":   # 15 decoded tokens (the first comes from the prefill), eagerly or captured once
             if not cuda:
                 n = len(runs[a].tokens) - 1
@@ -2248,6 +2283,8 @@ def test_fused_kernels_decode_as_the_model_path(tiny_models, stores, sliding, fa
                 assert 0 < handed < len(gr.seg_layers) - 1 or fam != "qwen3_moe"
                 assert calls == {"attention": n * len(dec.layers), "route": n * len(dec.moe_at),
                                  "norm_gemv": n * len(dec.layers), "combined": n * handed}, calls
+                assert launches == {"combine": calls["attention"], "topk": calls["route"]}, launches
+            assert min(launches.values()) > 0
             assert min(calls.values()) > 0
             seen = dict(calls)
         else:

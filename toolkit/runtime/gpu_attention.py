@@ -1,4 +1,4 @@
-"""One decode position's whole attention block but the projections, in one GPU kernel.
+"""One decode position's whole attention block but the projections, in one GPU kernel (two over a long cache).
 
 For a token at position `pos`, given its fused q/k/v projection row (the layer's one GEMV, `_FusedQKV`):
 
@@ -11,7 +11,7 @@ where query head h reads K/V head g(h) = h // groups (transformers' repeat_kv la
 iff j <= pos and, with a sliding window W, pos - j < W. The compiled step ran this as six device
 operations a layer (the q/k norms, rotary and cache writes fused by inductor, the K/V copy of the new
 position, two kernels preparing cuDNN's SDPA, its workspace memset and the SDPA itself, plus the mask
-built for every token); `decode_attention` is one (`specprefetch::decode_attention`, Triton on CUDA):
+built for every token); `decode_attention` is one or two (`specprefetch::decode_attention`, Triton on CUDA):
 one program per K/V head computes its new K and V, writes them into the cache, and runs its query heads
 over the visible keys as rows of one tile, with an online softmax over blocks of 64 positions, the new
 position's key and value taken from registers rather than read back. A static cache of at most 2 x CHUNK
@@ -41,7 +41,7 @@ if triton is not None:
     import triton.language as tl
 
 BLOCK_S = 64   # positions per step of a program's loop over the cache
-CHUNK = 256    # positions a program at most: a longer cache is split over programs (flash-decoding)
+CHUNK = 256    # a cache of more than 2 x CHUNK positions is split over programs of about CHUNK (split_cache)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

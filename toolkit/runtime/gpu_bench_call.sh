@@ -239,7 +239,9 @@ PY
         [ -f "$RW.spx" ] || $B store "$RW" --out "$RW.spx" 2>&1 | tail -1 | tee -a "$L" || { fail "resident: store wide"; continue; }
       fi
       CB=inductor; [ "$DEV" = cpu ] && CB=aot_eager
-      for m in $([ "${RWIDE:-1}" = 1 ] && echo "$RM $RW" || echo "$RM"); do
+      MS=("$RM"); [ "${RWIDE:-1}" = 1 ] && MS+=("$RW")
+      for kc in ${RK:-}; do case $kc in fused|model) ;; *) fail "resident: RK '$kc' (fused or model)"; exit 2 ;; esac; done
+      for m in "${MS[@]}"; do
         n0=$([ "$m" = "$RM" ] && echo rand || echo rand-wide)
         # RK: the step's kernels to compare, interleaved over RR rounds (fused: --attention fused --router fused;
         # model: --attention sdpa --router model), each bench named -KERNELS-rROUND; unset: one bench as it is

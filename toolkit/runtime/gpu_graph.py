@@ -47,9 +47,10 @@ are decomposed for inductor (`topk_by_sort`, `row_times_narrow`). Compiled or no
 projections are one GEMV (`_FusedQKV`), a one-position attention reads the static cache in place (the
 query heads of a K/V head as its rows), and a SiLU expert's activation is computed inside the down
 projection's kernel. With `GpuEngine(attention="fused", router="fused")` (opt-in) a one-position step's
-attention block and each MoE layer's router are one kernel each (toolkit/runtime/gpu_attention.py,
-gpu_router.py): the q/k/v projection one kernel with the input norm and the MoE layer before's expert
-combine (gpu_kernels.norm_gemv), the output projection the slot GEMV's kernel over a one-slot pool (`_gemv`).
+attention block and each MoE layer's router are a kernel or two each (toolkit/runtime/gpu_attention.py,
+gpu_router.py: two over a long cache or for a large router): the q/k/v projection one kernel with the input
+norm and the MoE layer before's expert combine (gpu_kernels.norm_gemv), the output projection the slot GEMV's
+kernel over a one-slot pool (`_gemv`).
 docs/gpu-tier.md has the figures.
 
 Where CUDA is absent (CI) the same functions run eagerly on the CPU: `decode="static"`.
@@ -279,7 +280,8 @@ class StaticDecoder:
                             torch.zeros(0, device=eng.dev.device, dtype=self.dtype),
                             torch.zeros(0, dtype=torch.long, device=eng.dev.device))
                            if self.fused_attention else None)
-        # one position's residual add, post-attention norm and router in one kernel a MoE layer (gpu_router;
+        # one position's residual add, post-attention norm and router in one kernel a MoE layer, two for a large
+        # router (gpu_router;
         # GpuEngine(router="fused")); whether each router divides its top-k by their sum (Mixtral's always do)
         self.fused_router = eng.router == "fused"
         self.norm_topk = {i: bool(getattr(self.blocks[i].gate, "norm_topk_prob", True)) for i in self.blocks}

@@ -8,19 +8,19 @@ Given the residual stream h and the attention block's output a (after its output
     top-k of softmax(logits) in float32, the lower expert first among equal values; divided by their sum
     where the model normalises them (Qwen3's norm_topk_prob, always for Mixtral); cast to the scores' dtype
 
-The compiled step ran this as five device operations a layer (the add, norm and router GEMV fused by
-inductor, three softmax / sort kernels, the normalisation), plus the copies of the results into the
-runner's buffers; `route` is one (`specprefetch::route`, Triton on CUDA): one program reads h, a, the
-norm's weight and the router's [E, H] matrix, writes the layer's router input, scores and expert indices
-into the buffers it is given and returns h'. The top-k is taken over the logits (the softmax is
+The compiled step ran this as five device operations a layer (the add, norm and router GEMV fused by inductor,
+three softmax / sort kernels, the normalisation), plus the copies of the results into the runner's buffers;
+`route` is one (`specprefetch::route`, Triton on CUDA): one program (for a router of at most 128 KiB, below)
+reads h, a, the norm's weight and the router's [E, H] matrix, writes the layer's router input, scores and
+expert indices into the buffers it is given and returns h'. The top-k is taken over the logits (the softmax is
 monotonic, so the same experts in the same order) by k rounds of a maximum, ties to the lower index as
-`gpu_graph.topk_by_sort`. One program does it all for a router of at most 128 KiB (32 x 1024 and Mixtral's
-8 x 4096 in fp16); a larger one (Qwen3-30B's 128 x 2048) is two kernels: the logits over programs of
-ROUTER_BLOCK_E experts (each recomputing the row's norm), then one program's top-k. With every
-expert resident (the whole-token graph, `gpu_graph.GraphRunner.decode_resident`) it also writes the layer's
-slot selection, as the host writes it elsewhere: the chosen experts' slots in ascending expert order
-(`slot_of[expert]`), then their positions in the top-k order (`specprefetch::route_resident`), where a sort,
-a lookup and two copies ran as a kernel of their own. The references (`route_torch`,
+`gpu_graph.topk_by_sort`. One program does it all for a router of at most 128 KiB (32 x 1024 and Mixtral's 8 x
+4096 in fp16); a larger one (Qwen3-30B's 128 x 2048) is two kernels: the logits over programs of
+ROUTER_BLOCK_E experts (each recomputing the row's norm), then one program's top-k. With every expert resident
+(the whole-token graph, `gpu_graph.GraphRunner.decode_resident`) it also writes the layer's slot selection, as
+the host writes it elsewhere: the chosen experts' slots in ascending expert order (`slot_of[expert]`), then
+their positions in the top-k order (`specprefetch::route_resident`), where a sort, a lookup and two copies ran
+as a kernel of their own. The references (`route_torch`,
 `select_slots_torch`) are the operators' body off CUDA and the tests' oracle; the kernel differs from it in
 summation order and in the GPU's approximate reciprocal square root and exponential.
 """
