@@ -896,12 +896,13 @@ def bench_reads_cmd(traces, store_path, pool_fracs, max_sequences, rounds, lanes
               help="the static decoder's expert math: fused (slots read in place by one grouped GEMV; the "
                    "default with graph on fp16) or eager (gathered, transformers' loop)")
 @click.option("--attention", "attention", type=click.Choice(["fused", "sdpa"]), default=None,
-              help="the static decoder's one-position attention: fused (norms, rotary, cache write and attention "
-                   "in one kernel a layer; fp16, opt-in) or sdpa (the default: the model's norms and rotary, "
-                   "torch's scaled_dot_product_attention)")
+              help="the static decoder's one-position attention: fused (the input norm and q/k/v GEMV, then norms, "
+                   "rotary, cache write and attention, as Triton kernels; fp16; the default with graph where they "
+                   "cover the model) or sdpa (the model's norms and rotary, torch's scaled_dot_product_attention)")
 @click.option("--router", "router", type=click.Choice(["fused", "model"]), default=None,
               help="the static decoder's one-position routing: fused (residual add, norm, router, softmax and top-k "
-                   "in one kernel a MoE layer; fp16, opt-in) or model (the default: the model's norm and router)")
+                   "in one kernel a MoE layer; fp16; the default with graph, as --attention) or model (the model's "
+                   "norm and router)")
 @click.option("--verify", type=click.Choice(["exact", "batched"]), default="exact", show_default=True,
               help="the draft's verification: exact (the target's one-token step per position: the model's own "
                    "tokens) or batched (one pass over all K + 1 rows: tokens equal up to near-ties)")

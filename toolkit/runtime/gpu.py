@@ -566,14 +566,14 @@ class GpuEngine:
                 q/k/v GEMV with the input norm and the expert combine before it, gpu_kernels.norm_gemv:
                 Triton on CUDA; fp16 models whose geometry the kernels cover) or "sdpa" (the model's
                 norms and rotary embedding, then torch's scaled_dot_product_attention over the static
-                cache; the default: the fused kernels are
-                opt-in until timed on a GPU, docs/gpu-tier.md). A pass over more than one position (a
+                cache). Default: "fused" with `graph` where the kernels cover the model (an fp16 model, Triton
+                present), else "sdpa". A pass over more than one position (a
                 batched verification) takes "sdpa" either way; the prefill is transformers' modules.
             router: how the static decoder's one-position steps route a MoE layer: "fused" (the residual
                 add, post-attention norm, router GEMV, softmax, top-k and its normalisation in one kernel,
                 written into the runner's buffers, the all-resident token's slot selection too:
                 gpu_router.route, Triton on CUDA; fp16 models) or
-                "model" (the model's norm and router module; the default, as for `attention`). A
+                "model" (the model's norm and router module). Default: as for `attention`. A
                 router over 128 KiB (Qwen3-30B's) is two kernels; over 1,024 experts it is refused. Rows
                 of more than one position take "model" either way.
             verify: how the draft policy's target checks a round's proposals: "exact" (every row
@@ -676,9 +676,10 @@ class GpuEngine:
         self.configure()
 
     def _kernel_choice(self, option: str, value: str | None, other: str, why) -> str:
-        """`--attention` / `--router`: "fused" or `other` (the default), "fused" refused in one line where the
-        kernel does not cover the model (`why()` says why); "modules" (transformers' own) under the modules
-        path, where there is no choice."""
+        """`--attention` / `--router`: "fused" or `other`; unset, "fused" with `graph` where the kernels cover
+        the model, else `other` (on the CPU, `static`, the kernels' torch references would only be slower); an
+        explicit "fused" refused in one line where they do not (`why()` says why); "modules" (transformers'
+        own) under the modules path, where there is no choice."""
         if value not in (None, "fused", other):
             raise SpecPrefetchError(f"{option} {value!r}: expected fused or {other}")
         if self.decode == "modules":
@@ -686,7 +687,9 @@ class GpuEngine:
                 raise SpecPrefetchError(f"--{option} {value}: only the static decoder (--decode graph or static) "
                                         f"has a choice of {option}")
             return "modules"
-        if value == other or value is None:   # (opt-in: see the attention / router arguments)
+        if value is None:   # (measured: docs/benchmarks.md section 32)
+            return "fused" if self.decode == "graph" and why() is None else other
+        if value == other:
             return other
         reason = why()
         if reason is not None:

@@ -599,9 +599,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--experts", choices=["fused", "eager"], default=None,
                     help="the static decoder's expert math (default: fused with --decode graph on fp16, else eager)")
     ap.add_argument("--attention", choices=["fused", "sdpa"], default=None,
-                    help="the static decoder's one-position attention (default sdpa; fused: opt-in)")
+                    help="the static decoder's one-position attention (default: fused with graph where it "
+                         "covers the model)")
     ap.add_argument("--router", choices=["fused", "model"], default=None,
-                    help="the static decoder's one-position routing (default model; fused: opt-in)")
+                    help="the static decoder's one-position routing (default: fused with graph where it "
+                         "covers the model)")
     ap.add_argument("--data", type=Path, help="prompts: a JSONL of {\"text\"} (default: the embedded held-out text)")
     ap.add_argument("--verify", choices=["exact", "batched"], default="exact",
                     help="the draft's verification (gpu.GpuEngine's verify)")
