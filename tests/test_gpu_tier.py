@@ -66,15 +66,16 @@ def _pool_mib(eng, frac):
     return slots * eng.store.blob_size / 2**20 + 1e-9
 
 
-def _engine(model_dir, store, policy, frac, device, dtype="float32"):
-    """One engine (int4 draft included); `configure` switches policy and pool between runs."""
+def _engine(model_dir, store, policy, frac, device, dtype="float32", **kw):
+    """One engine (int4 draft included; `kw`: GpuEngine's options); `configure` switches policy and pool
+    between runs."""
     spec = inspect_model_dir(model_dir)
     st = ExpertStore(store, spec)
     E = spec.geometry.routing.num_experts
     bank = load_router_bank(spec)
     preds = {n: build_predictor(n, num_experts=E, bank=lambda: bank) for n in ("next-gate", "oracle")}
     eng = GpuEngine(load_model(model_dir, dtype=dtype), st, RunConfig(policy=Policy.parse(policy), pool_mib=64.0),
-                    device=device, predictors=preds, with_draft=True)
+                    device=device, predictors=preds, with_draft=True, **kw)
     eng.configure(pool_mib=_pool_mib(eng, frac))
     return eng
 
@@ -979,10 +980,12 @@ TIMING = ("late", "wait_s")   # scheduler counts that depend on when a copy land
 @pytest.mark.parametrize("fam", ["qwen3_moe", "mixtral"])
 def test_graph_decode_equals_eager_static_on_cuda(tiny_models, stores, fam):
     """CUDA graphs replay what the eager static decoder computes: same tokens, same copies, every policy
-    (the graphs' experts by the fused slot kernel, the eager decoder's by transformers' loop)."""
+    (the graphs' experts by the fused slot kernel, the eager decoder's by transformers' loop; both with the
+    model's attention and router, which graph's default replaces with the fused kernels where they cover it)."""
     prompt = list(range(5, 17))
     want = _reference(tiny_models[fam], prompt, 16, "cuda", "float16")
-    eng = _engine(tiny_models[fam], stores[fam], "on-demand+lru", 0.1, "cuda", dtype="float16")
+    eng = _engine(tiny_models[fam], stores[fam], "on-demand+lru", 0.1, "cuda", dtype="float16", attention="sdpa",
+                  router="model")
     spec = inspect_model_dir(tiny_models[fam])
     bank = load_router_bank(spec)
     preds = {n: build_predictor(n, num_experts=spec.geometry.routing.num_experts, bank=lambda: bank)
@@ -1906,7 +1909,8 @@ def test_triton_decode_attention_matches_the_reference():
     sliding window, position 0, positions in the first block, across blocks and at the cache's end, the
     cache in one program a K/V head and split over programs (the new position in the first chunk, windows
     starting in a later one, empty chunks past the position) with the combining kernel: the caches written
-    bitwise as the reference writes them (the new position only), the output within fp16's rounding."""
+    as the reference writes them (the new position only: its V bitwise, its K within an fp16 step through
+    the interpreter and fp16's rounding on a GPU), the output within fp16's rounding."""
     from toolkit.runtime import gpu_attention as A
 
     dev = _triton_device()
@@ -1942,7 +1946,8 @@ def test_triton_decode_attention_matches_the_reference():
         assert torch.equal(vc2, vc), (heads, nkv, D, S, pos)
         kn_, kr_ = kc2[:, :, pos], kc[:, :, pos]
         if cuda:
-            assert (kn_.float() - kr_.float()).abs().max().item() <= 2e-3 * max(1.0, kr_.abs().max().item())
+            assert (kn_.float() - kr_.float()).abs().max().item() <= 2e-3 * max(1.0, kr_.abs().max().item()), \
+                (heads, nkv, D, S, pos)
         else:
             assert _fp16_steps(kn_, kr_) <= 1, (heads, nkv, D, S, pos)
         kc2[:, :, pos] = kc[:, :, pos]

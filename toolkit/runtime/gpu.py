@@ -574,7 +574,8 @@ class GpuEngine:
                 written into the runner's buffers, the all-resident token's slot selection too:
                 gpu_router.route, Triton on CUDA; fp16 models) or
                 "model" (the model's norm and router module). Default: as for `attention`. A
-                router over 128 KiB (Qwen3-30B's) is two kernels; over 1,024 experts it is refused. Rows
+                router over 128 KiB (Qwen3-30B's) is two kernels; over 1,024 experts "model" (asked for, "fused" is
+                refused). Rows
                 of more than one position take "model" either way.
             verify: how the draft policy's target checks a round's proposals: "exact" (every row
                 through the target's own one-token decode step: with the static decoder its segments
