@@ -529,6 +529,27 @@ def test_gpu_engine_takes_no_reuse_classes(tiny_models, stores, tiny_adapter, mo
                                       "--json", str(tmp_path / f"r{len(extra)}.json")])
         assert "stopped here" in r.output, r.output
     assert asked == [True, False]
+    # --attention / --router: through to the engine with --device cuda, refused on the CPU engines
+    kernels = []
+    monkeypatch.setattr(engines, "gpu_engine", lambda model, **kw: (kernels.append((kw["attention"], kw["router"])),
+                                                                    stop(model, **kw))[1])
+    for extra, want in (((), (None, None)), (("--attention", "sdpa", "--router", "model"), ("sdpa", "model"))):
+        r = CliRunner().invoke(main, ["run", str(tiny_models["qwen3_moe"]), "--device", "cuda", "--prompt", "x",
+                                      *extra, "--json", str(tmp_path / "k.json")])
+        assert "stopped here" in r.output and kernels[-1] == want, r.output
+    r = CliRunner().invoke(main, ["run", str(tiny_models["qwen3_moe"]), "--prompt", "x", "--router", "model",
+                                  "--json", str(tmp_path / "c.json")])
+    assert r.exit_code != 0 and "--router: only with --device cuda" in r.output, r.output
+    monkeypatch.undo()   # (the real gpu_engine: the options reach GpuEngine)
+    got = []
+    init = GpuEngine.__init__
+    monkeypatch.setattr(GpuEngine, "__init__", lambda self, lm, st, cfg, **kw: (got.append((kw["attention"],
+                                                                                            kw["router"])),
+                                                                                init(self, lm, st, cfg, **kw))[1])
+    engines.gpu_engine(tiny_models["qwen3_moe"], device="cpu", policy="on-demand+lru", adapter=None,
+                       store_path=stores["qwen3_moe"], dtype=None, pool_mib=8.0, window=2, min_confidence=0.02,
+                       draft_k=4, attention="sdpa", router="model")
+    assert got == [("sdpa", "model")]
 
 
 def test_reuse_eviction_reads_the_adapters_next_visit_heads(tiny_models, stores, tiny_adapter, monkeypatch):

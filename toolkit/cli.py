@@ -425,6 +425,12 @@ def calibrate(model, store_path, reads, out, overwrite) -> None:
 @click.option("--draft-k", type=click.IntRange(min=1), default=8, show_default=True,
               help="--device cuda with the draft policy: tokens the draft proposes per round (`bench gpu` "
                    "picks it by profiling)")
+@click.option("--attention", "attention", type=click.Choice(["fused", "sdpa"]), default=None,
+              help="--device cuda: the one-position attention, fused (Triton kernels; the default where they "
+                   "cover the model) or sdpa (the model's modules; docs/gpu-tier.md)")
+@click.option("--router", "router", type=click.Choice(["fused", "model"]), default=None,
+              help="--device cuda: the one-position router, fused (one Triton kernel; the default where it covers "
+                   "the model) or model (the model's router)")
 @click.option("--prompt", "prompts", type=Text(), multiple=True, required=True,
               help="repeatable; one JSON `runs` entry each")
 @click.option("--image", "images", type=click.Path(path_type=Path), multiple=True,
@@ -468,7 +474,8 @@ def calibrate(model, store_path, reads, out, overwrite) -> None:
                    "is ever replaced")
 @friendly_errors(interrupt=NOT_WRITTEN)
 def run(model, policy, adapter, frequency_trace, pool_mib, pool_reserve_mib, pool_low_watermark_mib, window,
-        queue_depth, store_path, dtype, device, flash_profile, draft_k, prompts, images, max_new_tokens, max_seq,
+        queue_depth, store_path, dtype, device, flash_profile, draft_k, attention, router, prompts, images,
+        max_new_tokens, max_seq,
         threads, no_next_visit, next_visits, no_reuse_classes, io_mode, prefill_chunk, check, events_out,
         min_confidence, step_budget_kib, read_budget_kib, engine, abi, json_out, overwrite) -> None:
     """Run MODEL (a model directory, `embedded`, or a bundle) with its experts streamed from the
@@ -518,13 +525,16 @@ def run(model, policy, adapter, frequency_trace, pool_mib, pool_reserve_mib, poo
         eng = gpu_engine(model, device=device, policy=policy, adapter=adapter, store_path=store_path, dtype=dtype,
                          pool_mib=pool_mib, window=window, min_confidence=min_confidence, draft_k=draft_k,
                          next_visit=not no_next_visit, next_visits=next_visits, read_budget_kib=read_budget_kib,
-                         reuse_classes=not no_reuse_classes,
+                         reuse_classes=not no_reuse_classes, attention=attention, router=router,
                          copy_depth=None if ctx_default(ctx, "queue_depth") else queue_depth)
         run_engine(eng, list(prompts), max_new_tokens, check=check, json_out=json_out, events_out=None)
         return
     if ctx_default(click.get_current_context(), "draft_k") is False:
         raise SpecPrefetchError("--draft-k: only with --device cuda (the CPU engines' draft predicts, "
                                 "it does not decode)")
+    if attention is not None or router is not None:
+        raise SpecPrefetchError(f"--{'attention' if attention is not None else 'router'}: only with --device cuda "
+                                "(the GPU tier's kernels)")
     # a bundle runs with the scheduler settings it was exported with, in both engines, for the options
     # not given here (export.manifest.scheduler_defaults; the native runner reads them itself)
     ctx = click.get_current_context()

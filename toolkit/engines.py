@@ -280,10 +280,12 @@ def native_engine(bundle: Path, *, abi: str, policy: str, pool_mib, window, queu
 
 def gpu_engine(model, *, device: str, policy: str, adapter, store_path, dtype, pool_mib, window, min_confidence,
                draft_k, next_visit: bool = True, next_visits: int | None = None, read_budget_kib: int | None = None,
-               copy_depth: int | None = None, reuse_classes: bool = True) -> Engine:
+               copy_depth: int | None = None, reuse_classes: bool = True, attention: str | None = None,
+               router: str | None = None) -> Engine:
     """`run --device cuda`: the GPU tier (toolkit/runtime/gpu.py) over a model directory. `read_budget_kib`:
     KiB the copies deliver per layer step (a prefetch that cannot land by its layer is dropped);
-    `copy_depth`: prefetch copies issued per layer step at most (None: the pool's free slots)."""
+    `copy_depth`: prefetch copies issued per layer step at most (None: the pool's free slots); `attention` /
+    `router`: GpuEngine's (None: its default)."""
     from export.session import is_bundle
     from toolkit.models.loader import inspect_model_dir, load_model
     from toolkit.runtime.expert_store import ExpertStore
@@ -315,8 +317,7 @@ def gpu_engine(model, *, device: str, policy: str, adapter, store_path, dtype, p
                                                       min_confidence=min_confidence, next_visit=next_visit,
                                                       next_visits=next_visits,
                                                       read_budget_kib=read_budget_kib, reuse_classes=reuse_classes),
-                            device=device, predictors=preds,
-                            reuse=reuse)
+                            device=device, predictors=preds, reuse=reuse, attention=attention, router=router)
     held["eng"].configure(copy_depth=copy_depth)
     tok = held["lm"].tokenizer
 
