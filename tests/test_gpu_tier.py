@@ -537,9 +537,11 @@ def test_gpu_engine_takes_no_reuse_classes(tiny_models, stores, tiny_adapter, mo
         r = CliRunner().invoke(main, ["run", str(tiny_models["qwen3_moe"]), "--device", "cuda", "--prompt", "x",
                                       *extra, "--json", str(tmp_path / "k.json")])
         assert "stopped here" in r.output and kernels[-1] == want, r.output
-    r = CliRunner().invoke(main, ["run", str(tiny_models["qwen3_moe"]), "--prompt", "x", "--router", "model",
-                                  "--json", str(tmp_path / "c.json")])
-    assert r.exit_code != 0 and "--router: only with --device cuda" in r.output, r.output
+    for opt, v in (("--router", "model"), ("--attention", "sdpa")):
+        r = CliRunner().invoke(main, ["run", str(tiny_models["qwen3_moe"]), "--prompt", "x", opt, v,
+                                      "--json", str(tmp_path / "c.json")])
+        assert r.exit_code != 0 and f"{opt}: only with --device cuda" in r.output, r.output
+        assert not (tmp_path / "c.json").exists()
     monkeypatch.undo()   # (the real gpu_engine: the options reach GpuEngine)
     got = []
     init = GpuEngine.__init__

@@ -430,7 +430,7 @@ def calibrate(model, store_path, reads, out, overwrite) -> None:
                    "cover the model) or sdpa (the model's modules; docs/gpu-tier.md)")
 @click.option("--router", "router", type=click.Choice(["fused", "model"]), default=None,
               help="--device cuda: the one-position router, fused (one Triton kernel; the default where it covers "
-                   "the model) or model (the model's router)")
+                   "the model) or model (the model's router; docs/gpu-tier.md)")
 @click.option("--prompt", "prompts", type=Text(), multiple=True, required=True,
               help="repeatable; one JSON `runs` entry each")
 @click.option("--image", "images", type=click.Path(path_type=Path), multiple=True,
