@@ -233,9 +233,9 @@ def combine(h: torch.Tensor, pending) -> torch.Tensor:
     FusedExpertMath sums them; h itself where there are none."""
     if pending is None:
         return h
-    ys, scores, perm = pending
-    w = scores.reshape(1, -1).index_select(1, perm)
-    return h + (ys * w[0, :, None]).to(ys.dtype).sum(0, keepdim=True).view(1, 1, -1).to(h.dtype)
+    from toolkit.runtime.gpu_kernels import expert_sum
+
+    return h + expert_sum(*pending).view(1, 1, -1).to(h.dtype)
 
 
 class StaticDecoder:
@@ -316,7 +316,7 @@ class StaticDecoder:
             ln = layer.input_layernorm
             if fused.bias is None:   # the expert combine, the input norm and the q/k/v GEMV in one kernel
                 h, qkv = norm_gemv(h, *(pending or self.no_combine), ln.weight.detach(), ln.variance_epsilon,
-                                   fused.weight.detach())
+                                   fused.weight)   # (_FusedQKV's weight is built from detached ones)
             else:
                 h = combine(h, pending)
                 qkv = self._gemv(ln(h), fused.weight, fused.bias)
@@ -357,11 +357,13 @@ class StaticDecoder:
         GEMV's kernel over the weight as a pool of one slot (gpu_kernels.slot_gemv; the resident profile
         had cuBLAS's GEMV at about 4 us for these few MiB, most of it fixed cost); F.linear with a bias, a
         non-contiguous weight, or elsewhere (the slot GEMV's torch reference would copy the weight)."""
-        from toolkit.runtime.gpu_kernels import slot_gemv, triton
+        from toolkit.runtime.gpu_kernels import triton
 
         x = x.reshape(1, -1)
         if b is not None or not w.is_contiguous() or triton is None or not w.is_cuda:
             return F.linear(x, w, b)
+        from toolkit.runtime.gpu_kernels import slot_gemv
+
         return slot_gemv(w.view(1, *w.shape), self.slot0, x)
 
     def _folds(self, T: int) -> bool:
@@ -510,12 +512,12 @@ class FusedExpertMath(PooledExpertMath):
         else:
             gate, up = gu.chunk(2, dim=-1)
             y = slot_gemv(self.dn, slots, self.act(gate) * up)               # [k, H]
-        return y.to(x.dtype), scores, perm
+        return y, scores, perm   # (the slot GEMV returns x's dtype)
 
     def __call__(self, x: torch.Tensor, scores: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
-        y, scores, perm = self.parts(x, scores, sel)
-        w = scores.index_select(1, perm)                                      # [1, k]
-        return (y * w[0, :, None]).to(x.dtype).sum(0, keepdim=True)
+        from toolkit.runtime.gpu_kernels import expert_sum
+
+        return expert_sum(*self.parts(x, scores, sel))                       # [1, H]
 
 
 EXPERT_MATH = {"eager": PooledExpertMath, "fused": FusedExpertMath}

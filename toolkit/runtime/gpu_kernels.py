@@ -195,6 +195,14 @@ def _slot_gemv_triton(w: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, blo
     return y
 
 
+def expert_sum(ys, scores, perm) -> torch.Tensor:
+    """A MoE layer's k routed outputs ys [k, H] (ascending expert order) weighted by scores[0, perm[j]] and
+    summed -> [1, H] in ys's dtype: each weighted output rounded to the dtype, their sum rounded once (as
+    FusedExpertMath, the segments' `combine` and norm_gemv's prologue all sum them)."""
+    w = scores.reshape(1, -1).index_select(1, perm)
+    return (ys * w[0, :, None]).to(ys.dtype).sum(0, keepdim=True)
+
+
 def norm_gemv_torch(h, ys, scores, perm, nw, eps: float, w) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference: h [1, H] (the residual stream); ys [k, H], the routed experts' outputs of the MoE layer
     before (k = 0: none), weighted by scores[0, perm[j]] (as FusedExpertMath combines them: each weighted
@@ -202,8 +210,7 @@ def norm_gemv_torch(h, ys, scores, perm, nw, eps: float, w) -> tuple[torch.Tenso
     GEMV with w [O, H] (fp32 products and sums, rounded once) -> (h', y [1, O])."""
     hn = h.reshape(1, -1)
     if ys.shape[0]:
-        wt = scores.reshape(1, -1).index_select(1, perm)
-        hn = hn + (ys * wt[0, :, None]).to(ys.dtype).sum(0, keepdim=True).to(hn.dtype)
+        hn = hn + expert_sum(ys, scores, perm).to(hn.dtype)
     else:
         hn = hn.clone()   # (a custom operator's output may not alias its input)
     x = rms_norm_torch(hn, nw, eps)

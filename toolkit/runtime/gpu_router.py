@@ -84,33 +84,42 @@ def select_slots_torch(idx, slot_of, sel) -> None:
 
 if triton is not None:
     @triton.jit
-    def _route_kernel(h_ptr, a_ptr, nw_ptr, gw_ptr, hout_ptr, post_ptr, sc_ptr, idx_ptr, slot_ptr, sel_ptr, H, E, eps,
-                      K: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr, BLOCK_H: tl.constexpr,
-                      NORM_TOPK: tl.constexpr, SLOTS: tl.constexpr):
+    def _add_norm_logits(h_ptr, a_ptr, nw_ptr, gw_ptr, hout_ptr, post_ptr, e, me, write, H, eps,
+                         BLOCK_H: tl.constexpr):
+        """The residual add and post-attention norm (written out where `write`), and the logits of experts e
+        (masked by me), rounded to the dtype as F.linear rounds: both router paths' first part."""
         dt = h_ptr.dtype.element_ty
         ss = tl.zeros([BLOCK_H], dtype=tl.float32)
         for h0 in range(0, H, BLOCK_H):                      # the residual add, and its sum of squares
             c = h0 + tl.arange(0, BLOCK_H)
             mc = c < H
             x = (tl.load(h_ptr + c, mask=mc, other=0.0) + tl.load(a_ptr + c, mask=mc, other=0.0)).to(dt)
-            tl.store(hout_ptr + c, x, mask=mc)
+            tl.store(hout_ptr + c, x, mask=mc & write)
             xf = x.to(tl.float32)
             ss += xf * xf
         r = tl.math.rsqrt(tl.sum(ss, axis=0) / H + eps)
-        e = tl.arange(0, EP)
-        me = e < E
-        lg = tl.zeros([EP], dtype=tl.float32)
+        lg = tl.zeros(e.shape, dtype=tl.float32)
         for h0 in range(0, H, BLOCK_H):                      # the norm, and the router's rows against it
             c = h0 + tl.arange(0, BLOCK_H)
             mc = c < H
             x = (tl.load(h_ptr + c, mask=mc, other=0.0) + tl.load(a_ptr + c, mask=mc, other=0.0)).to(dt)
             n = (x.to(tl.float32) * r).to(dt).to(tl.float32)
             p = (tl.load(nw_ptr + c, mask=mc, other=0.0).to(tl.float32) * n).to(dt)
-            tl.store(post_ptr + c, p, mask=mc)
+            tl.store(post_ptr + c, p, mask=mc & write)
             w = tl.load(gw_ptr + e[:, None] * H + c[None, :], mask=me[:, None] & mc[None, :], other=0.0)
             lg += tl.sum(w.to(tl.float32) * p.to(tl.float32)[None, :], axis=1)
-        _topk_store(tl.where(me, lg.to(dt).to(tl.float32), float("-inf")), e, me, sc_ptr, idx_ptr, slot_ptr, sel_ptr,
-                    K, KP, EP, NORM_TOPK, SLOTS)
+        return lg.to(dt).to(tl.float32)
+
+    @triton.jit
+    def _route_kernel(h_ptr, a_ptr, nw_ptr, gw_ptr, hout_ptr, post_ptr, sc_ptr, idx_ptr, slot_ptr, sel_ptr, H, E, eps,
+                      K: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr, BLOCK_H: tl.constexpr,
+                      NORM_TOPK: tl.constexpr, SLOTS: tl.constexpr):
+        e = tl.arange(0, EP)
+        me = e < E
+        lg = _add_norm_logits(h_ptr, a_ptr, nw_ptr, gw_ptr, hout_ptr, post_ptr, e, me, tl.program_id(0) == 0, H,
+                              eps, BLOCK_H)   # (one program: it writes them)
+        _topk_store(tl.where(me, lg, float("-inf")), e, me, sc_ptr, idx_ptr, slot_ptr, sel_ptr, K, KP, EP,
+                    NORM_TOPK, SLOTS)
 
     @triton.jit
     def _topk_store(lg, e, me, sc_ptr, idx_ptr, slot_ptr, sel_ptr, K: tl.constexpr, KP: tl.constexpr,
@@ -144,31 +153,12 @@ if triton is not None:
     def _route_logits_kernel(h_ptr, a_ptr, nw_ptr, gw_ptr, hout_ptr, post_ptr, lg_ptr, H, E, eps,
                              BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
         """A large router's first kernel: each program the residual add and norm (program 0 writes them out)
-        and the logits of BLOCK_E experts, rounded to the dtype as F.linear rounds, into lg (float32)."""
+        and the logits of BLOCK_E experts into lg (float32)."""
         pe = tl.program_id(0)
-        dt = h_ptr.dtype.element_ty
-        ss = tl.zeros([BLOCK_H], dtype=tl.float32)
-        for h0 in range(0, H, BLOCK_H):
-            c = h0 + tl.arange(0, BLOCK_H)
-            mc = c < H
-            x = (tl.load(h_ptr + c, mask=mc, other=0.0) + tl.load(a_ptr + c, mask=mc, other=0.0)).to(dt)
-            tl.store(hout_ptr + c, x, mask=mc & (pe == 0))
-            xf = x.to(tl.float32)
-            ss += xf * xf
-        r = tl.math.rsqrt(tl.sum(ss, axis=0) / H + eps)
         e = pe * BLOCK_E + tl.arange(0, BLOCK_E)
         me = e < E
-        lg = tl.zeros([BLOCK_E], dtype=tl.float32)
-        for h0 in range(0, H, BLOCK_H):
-            c = h0 + tl.arange(0, BLOCK_H)
-            mc = c < H
-            x = (tl.load(h_ptr + c, mask=mc, other=0.0) + tl.load(a_ptr + c, mask=mc, other=0.0)).to(dt)
-            n = (x.to(tl.float32) * r).to(dt).to(tl.float32)
-            p = (tl.load(nw_ptr + c, mask=mc, other=0.0).to(tl.float32) * n).to(dt)
-            tl.store(post_ptr + c, p, mask=mc & (pe == 0))
-            w = tl.load(gw_ptr + e[:, None] * H + c[None, :], mask=me[:, None] & mc[None, :], other=0.0)
-            lg += tl.sum(w.to(tl.float32) * p.to(tl.float32)[None, :], axis=1)
-        tl.store(lg_ptr + e, lg.to(dt).to(tl.float32), mask=me)
+        lg = _add_norm_logits(h_ptr, a_ptr, nw_ptr, gw_ptr, hout_ptr, post_ptr, e, me, pe == 0, H, eps, BLOCK_H)
+        tl.store(lg_ptr + e, lg, mask=me)
 
     @triton.jit
     def _route_topk_kernel(lg_ptr, sc_ptr, idx_ptr, slot_ptr, sel_ptr, E, K: tl.constexpr, KP: tl.constexpr,
