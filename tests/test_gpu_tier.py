@@ -2091,28 +2091,44 @@ def test_triton_norm_gemv_matches_the_reference():
                     use_triton=True)
 
 
-def test_triton_router_matches_the_reference():
+@pytest.mark.parametrize("one", [True, False], ids=["one-block", "loops"])
+def test_triton_router_matches_the_reference(one, monkeypatch):
     """One position's router kernel (Triton: CUDA or the interpreter) against its torch reference: the
     residual and the router input bitwise, the same experts in the same order, the scores within a
     float32 rounding; Qwen3's fp16 scores with and without the normalisation, Mixtral's float32 ones,
     k = E, and a tie between two experts' logits (the lower index first, as topk_by_sort); routers over
-    128 KiB (Qwen3-30B's 128 x 2048, and 300 experts) through the two-kernel path."""
+    128 KiB (Qwen3-30B's 128 x 2048, and 300 experts) through the two-kernel path. Every case with the row in
+    one block (the default for these sizes) and through the loop over blocks (ROUTER_TILE = 1), each launch's
+    path checked."""
     from toolkit.runtime import gpu_router as R
 
+    if not one:
+        monkeypatch.setattr(R, "ROUTER_TILE", 1)
     dev = _triton_device()
     g = torch.Generator(device=dev).manual_seed(5)
     r = lambda *shape: torch.randn(*shape, device=dev, generator=g)   # noqa: E731
-    launched = []
+    launched, paths = [], []
 
     class Launches:   # the two-kernel path's top-k kernel, its launches counted
         def __getitem__(self, grid):
             launched.append(grid)
             return topk[grid]
-    topk, R._route_topk_kernel = R._route_topk_kernel, Launches()
-    try:
-        _router_cases(R, dev, g, r, launched)
-    finally:
-        R._route_topk_kernel = topk
+
+    class Paths:   # the logits' kernels: which path each launch took (ONE)
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                paths.append(kw["ONE"])
+                return self.kernel[grid](*args, **kw)
+            return launch
+    topk = R._route_topk_kernel
+    monkeypatch.setattr(R, "_route_topk_kernel", Launches())
+    monkeypatch.setattr(R, "_route_kernel", Paths(R._route_kernel))
+    monkeypatch.setattr(R, "_route_logits_kernel", Paths(R._route_logits_kernel))
+    _router_cases(R, dev, g, r, launched)
+    assert paths and set(paths) == {one}, paths
 
 
 def _router_cases(R, dev, g, r, launched):

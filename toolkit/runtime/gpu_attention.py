@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from toolkit.runtime.gpu_kernels import _device, rms_norm_torch, triton
+from toolkit.runtime.gpu_kernels import _device, launch_opts, pdl, rms_norm_torch, triton
 
 if triton is not None:
     import triton.language as tl
@@ -99,10 +99,13 @@ if triton is not None:
                                  pm_ptr, pl_ptr, pacc_ptr, S, scale, eps, window,
                                  chunk, splits, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                                  NQ: tl.constexpr, NKV: tl.constexpr, QK_NORM: tl.constexpr, BLOCK_S: tl.constexpr,
-                                 SPLIT: tl.constexpr):
+                                 SPLIT: tl.constexpr, PDL: tl.constexpr):
         g = tl.program_id(0)                                  # this program's K/V head
         c = tl.program_id(1)                                  # and its chunk of the cache (SPLIT: of `splits`)
         dt = qkv_ptr.dtype.element_ty
+        if PDL:   # (gpu_kernels.PDL; the position, tables and row may be the kernels' before: read after the wait)
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         pos = tl.load(pos_ptr)
         d = tl.arange(0, D)
         dp = (d + D // 2) % D
@@ -154,8 +157,11 @@ if triton is not None:
 
     @triton.jit
     def _decode_combine_kernel(pm_ptr, pl_ptr, pacc_ptr, out_ptr, splits, G: tl.constexpr, GP: tl.constexpr,
-                               D: tl.constexpr):
+                               D: tl.constexpr, PDL: tl.constexpr):
         """A K/V head's parts, rescaled to their common maximum and summed -> its query heads' outputs."""
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         g = tl.program_id(0)
         r = tl.arange(0, GP)
         live = r < G
@@ -273,12 +279,14 @@ def _decode_attention_triton(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, po
         pl, pacc = torch.empty_like(pm), torch.empty(nkv * splits * groups, D, device=qkv.device, dtype=torch.float32)
     else:
         pm = pl = pacc = out   # (unwritten)
+    on = pdl(qkv)
     with _device(qkv):   # Triton launches on the current device's current stream
         _decode_attention_kernel[(nkv, splits)](qkv, qw, kw, cos, sin, k_cache, v_cache, pos, out, pm, pl, pacc, S,
                                                 scale, eps, window, chunk, splits, G=groups, GP=GP, D=D, NQ=heads,
-                                                NKV=nkv, QK_NORM=norm, BLOCK_S=BLOCK_S, SPLIT=splits > 1)
+                                                NKV=nkv, QK_NORM=norm, BLOCK_S=BLOCK_S, SPLIT=splits > 1, PDL=on,
+                                                **launch_opts(on))
         if splits > 1:
-            _decode_combine_kernel[(nkv,)](pm, pl, pacc, out, splits, G=groups, GP=GP, D=D)
+            _decode_combine_kernel[(nkv,)](pm, pl, pacc, out, splits, G=groups, GP=GP, D=D, PDL=on, **launch_opts(on))
     return out
 
 

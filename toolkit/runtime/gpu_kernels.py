@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 
 import torch
 
@@ -81,6 +82,32 @@ if triton is not None:
         tl.store(y_ptr + j * O + offs_o, acc, mask=mo)
 
 
+# Programmatic dependent launch (Hopper and later GPUs): the fused kernels (the slot GEMV, norm_gemv, the router
+# and the attention) are launched so that the next kernel's programs may start while the one before finishes:
+# each kernel signals at its start (griddepcontrol.launch_dependents) and waits for the kernel before it
+# (griddepcontrol.wait) before it reads anything that kernel may have written or writes anything, so the launch
+# gap between two kernels and, where a kernel reads constant weights first (norm_gemv, the router), those reads
+# overlap the kernel before. SPECPREFETCH_PDL=0 launches them plainly (docs/gpu-tier.md).
+PDL = os.environ.get("SPECPREFETCH_PDL", "1") != "0"
+
+
+@functools.cache
+def _sm90(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def pdl(t: torch.Tensor) -> bool:
+    """Whether the kernels launched for t's device use programmatic dependent launch (PDL, above)."""
+    if not (PDL and t.is_cuda):
+        return False
+    return _sm90(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
+def launch_opts(on: bool) -> dict:
+    """The Triton launch options for a kernel launched with PDL where `on` (pdl())."""
+    return {"launch_pdl": True} if on else {}
+
+
 def _device(t: torch.Tensor):
     """t's CUDA device as the current one (Triton launches there); nothing for CPU tensors (Triton's
     interpreter, TRITON_INTERPRET=1, runs the kernels on them: how the tests check them without a GPU)."""
@@ -115,9 +142,12 @@ def slot_gemv_torch(w: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, gated
 if triton is not None:
     @triton.jit
     def _slot_gemv_kernel(w_ptr, slots_ptr, x_ptr, y_ptr, O, N, slot_stride, row_stride, x_stride,
-                          BLOCK_O: tl.constexpr, BLOCK_N: tl.constexpr, GATED: tl.constexpr):
+                          BLOCK_O: tl.constexpr, BLOCK_N: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr):
         j = tl.program_id(0)
         po = tl.program_id(1)
+        if PDL:   # (the slots and the input are the kernels' before: nothing read ahead of the wait)
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         s = tl.load(slots_ptr + j).to(tl.int64)
         offs_o = po * BLOCK_O + tl.arange(0, BLOCK_O)
         mo = offs_o < O
@@ -176,7 +206,8 @@ def _(w, slots, x, gated):
 
 
 def _slot_gemv_triton(w: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, block_o: int | None = None,
-                      block_n: int | None = None, num_warps: int | None = None, *, gated: bool = False) -> torch.Tensor:
+                      block_n: int | None = None, num_warps: int | None = None, *, gated: bool = False,
+                      num_stages: int | None = None) -> torch.Tensor:
     C, O, N = w.shape
     if w.dtype != torch.float16 or w.stride(2) != 1:
         raise ValueError("slot_gemv: w must be an fp16 view with contiguous rows")
@@ -188,10 +219,11 @@ def _slot_gemv_triton(w: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, blo
     y = torch.empty(k, O, device=w.device, dtype=x.dtype)
     bo, bn = block_o or SLOT_BLOCK_O, block_n or SLOT_BLOCK_N
     grid = (k, triton.cdiv(O, bo))
-    extra = {} if num_warps is None else {"num_warps": num_warps}
+    extra = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None}
+    on = pdl(w)
     with _device(w):   # Triton launches on the current device's current stream
         _slot_gemv_kernel[grid](w, slots, x, y, O, N, w.stride(0), w.stride(1), 0 if x.shape[0] == 1 else x.stride(0),
-                                BLOCK_O=bo, BLOCK_N=bn, GATED=gated, **extra)
+                                BLOCK_O=bo, BLOCK_N=bn, GATED=gated, PDL=on, **extra, **launch_opts(on))
     return y
 
 
@@ -234,23 +266,31 @@ if triton is not None:
 
     @triton.jit
     def _norm_gemv_kernel(h_ptr, y_ptr, sc_ptr, perm_ptr, nw_ptr, w_ptr, hout_ptr, out_ptr, H, O, eps,
-                          K: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_N: tl.constexpr, ONE: tl.constexpr):
+                          K: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_N: tl.constexpr, ONE: tl.constexpr,
+                          PDL: tl.constexpr):
         po = tl.program_id(0)
         dt = h_ptr.dtype.element_ty
         offs_o = po * BLOCK_O + tl.arange(0, BLOCK_O)
         mo = offs_o < O
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
         if ONE:   # the row in one block: combined and normalised once, in registers
             c = tl.arange(0, BLOCK_N)
             mc = c < H
+            # the weights first (constant: read while the kernel before finishes, under PDL), then the row
+            wv = tl.load(w_ptr + offs_o[:, None] * H + c[None, :], mask=mo[:, None] & mc[None, :], other=0.0)
+            nwv = tl.load(nw_ptr + c, mask=mc, other=0.0).to(tl.float32)
+            if PDL:
+                tl.extra.cuda.gdc_wait()
             x = _combined(h_ptr, y_ptr, sc_ptr, perm_ptr, c, mc, H, K)
             tl.store(hout_ptr + c, x, mask=mc & (po == 0))
             xf = x.to(tl.float32)
             r = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / H + eps)
-            xn = tl.load(nw_ptr + c, mask=mc, other=0.0).to(tl.float32) * (xf * r).to(dt).to(tl.float32)
-            xn = xn.to(dt).to(tl.float32)
-            wv = tl.load(w_ptr + offs_o[:, None] * H + c[None, :], mask=mo[:, None] & mc[None, :], other=0.0)
+            xn = (nwv * (xf * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
             acc = tl.sum(wv.to(tl.float32) * xn[None, :], axis=1)
         else:     # the combined row twice: its sum of squares (program 0 writes it), then the rows' products
+            if PDL:
+                tl.extra.cuda.gdc_wait()
             ss = tl.zeros([BLOCK_N], dtype=tl.float32)
             for n0 in range(0, H, BLOCK_N):
                 c = n0 + tl.arange(0, BLOCK_N)
@@ -313,7 +353,9 @@ def _(h, ys, scores, perm, nw, eps, w):
 NORM_BLOCK_O, NORM_ONE_BLOCK, NORM_WARPS = 8, 1024, 8
 
 
-def _norm_gemv_triton(h, ys, scores, perm, nw, eps: float, w):
+def _norm_gemv_triton(h, ys, scores, perm, nw, eps: float, w, *, block_o: int | None = None,
+                      warps: int | None = None):
+    """The kernel's launch; `block_o` / `warps` override NORM_BLOCK_O / NORM_WARPS (the tiling sweep)."""
     O, H = w.shape
     k = ys.shape[0]
     if w.dtype != torch.float16 or h.dtype != w.dtype or h.numel() != H or nw.numel() != H:
@@ -325,10 +367,11 @@ def _norm_gemv_triton(h, ys, scores, perm, nw, eps: float, w):
     h, ys, scores, perm, nw, w = (t.contiguous() for t in (h, ys, scores, perm, nw, w))
     hout, y = torch.empty_like(h), torch.empty(1, O, device=w.device, dtype=w.dtype)
     with _device(w):   # Triton launches on the current device's current stream
-        _norm_gemv_kernel[(triton.cdiv(O, NORM_BLOCK_O),)](
+        bo, on = block_o or NORM_BLOCK_O, pdl(w)
+        _norm_gemv_kernel[(triton.cdiv(O, bo),)](
             h, ys if k else h, scores if k else h, perm if k else h, nw, w, hout, y, H, O, eps, K=k,
-            BLOCK_O=NORM_BLOCK_O, BLOCK_N=min(NORM_ONE_BLOCK, triton.next_power_of_2(H)), ONE=H <= NORM_ONE_BLOCK,
-            num_warps=NORM_WARPS)
+            BLOCK_O=bo, BLOCK_N=min(NORM_ONE_BLOCK, triton.next_power_of_2(H)), ONE=H <= NORM_ONE_BLOCK, PDL=on,
+            num_warps=warps or NORM_WARPS, **launch_opts(on))
     return hout, y
 
 

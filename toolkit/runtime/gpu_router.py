@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from toolkit.runtime.gpu_kernels import _device, rms_norm_torch, triton
+from toolkit.runtime.gpu_kernels import _device, launch_opts, pdl, rms_norm_torch, triton
 
 if triton is not None:
     import triton.language as tl
@@ -38,6 +38,9 @@ if triton is not None:
 # by programs of ROUTER_BLOCK_E experts each, and a second kernel takes the top-k, whose one program holds every
 # expert's logit: at most MAX_EXPERTS
 MAX_ROUTER_KIB, ROUTER_BLOCK_E, MAX_EXPERTS = 128, 8, 1024
+# a program whose router rows and hidden row (padded to powers of two) hold at most ROUTER_TILE elements takes
+# the row in one block, every load issued at once; a wider one loops over blocks of the row
+ROUTER_TILE, ROUTER_WARPS = 32768, 8
 
 
 def router_usable(norms, gates, dtype: torch.dtype) -> str | None:
@@ -85,39 +88,61 @@ def select_slots_torch(idx, slot_of, sel) -> None:
 if triton is not None:
     @triton.jit
     def _add_norm_logits(h_ptr, a_ptr, nw_ptr, gw_ptr, hout_ptr, post_ptr, e, me, write, H, eps,
-                         BLOCK_H: tl.constexpr):
+                         BLOCK_H: tl.constexpr, ONE: tl.constexpr, PDL: tl.constexpr):
         """The residual add and post-attention norm (written out where `write`), and the logits of experts e
-        (masked by me), rounded to the dtype as F.linear rounds: both router paths' first part."""
+        (masked by me), rounded to the dtype as F.linear rounds: both router paths' first part. ONE: the row
+        in one block (BLOCK_H >= H), every load issued before the first reduction, so the program waits on
+        memory once (a loop over blocks waits once a block: the router's latency, docs/benchmarks.md). PDL: the
+        constant weights are read before waiting for the kernel before (gpu_kernels.PDL)."""
         dt = h_ptr.dtype.element_ty
-        ss = tl.zeros([BLOCK_H], dtype=tl.float32)
-        for h0 in range(0, H, BLOCK_H):                      # the residual add, and its sum of squares
-            c = h0 + tl.arange(0, BLOCK_H)
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+        if ONE:
+            c = tl.arange(0, BLOCK_H)
             mc = c < H
+            w = tl.load(gw_ptr + e[:, None] * H + c[None, :], mask=me[:, None] & mc[None, :], other=0.0)
+            nw = tl.load(nw_ptr + c, mask=mc, other=0.0).to(tl.float32)
+            if PDL:
+                tl.extra.cuda.gdc_wait()
             x = (tl.load(h_ptr + c, mask=mc, other=0.0) + tl.load(a_ptr + c, mask=mc, other=0.0)).to(dt)
             tl.store(hout_ptr + c, x, mask=mc & write)
             xf = x.to(tl.float32)
-            ss += xf * xf
-        r = tl.math.rsqrt(tl.sum(ss, axis=0) / H + eps)
-        lg = tl.zeros(e.shape, dtype=tl.float32)
-        for h0 in range(0, H, BLOCK_H):                      # the norm, and the router's rows against it
-            c = h0 + tl.arange(0, BLOCK_H)
-            mc = c < H
-            x = (tl.load(h_ptr + c, mask=mc, other=0.0) + tl.load(a_ptr + c, mask=mc, other=0.0)).to(dt)
-            n = (x.to(tl.float32) * r).to(dt).to(tl.float32)
-            p = (tl.load(nw_ptr + c, mask=mc, other=0.0).to(tl.float32) * n).to(dt)
+            r = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / H + eps)
+            p = (nw * (xf * r).to(dt).to(tl.float32)).to(dt)
             tl.store(post_ptr + c, p, mask=mc & write)
-            w = tl.load(gw_ptr + e[:, None] * H + c[None, :], mask=me[:, None] & mc[None, :], other=0.0)
-            lg += tl.sum(w.to(tl.float32) * p.to(tl.float32)[None, :], axis=1)
+            lg = tl.sum(w.to(tl.float32) * p.to(tl.float32)[None, :], axis=1)
+        else:
+            if PDL:
+                tl.extra.cuda.gdc_wait()
+            ss = tl.zeros([BLOCK_H], dtype=tl.float32)
+            for h0 in range(0, H, BLOCK_H):                      # the residual add, and its sum of squares
+                c = h0 + tl.arange(0, BLOCK_H)
+                mc = c < H
+                x = (tl.load(h_ptr + c, mask=mc, other=0.0) + tl.load(a_ptr + c, mask=mc, other=0.0)).to(dt)
+                tl.store(hout_ptr + c, x, mask=mc & write)
+                xf = x.to(tl.float32)
+                ss += xf * xf
+            r = tl.math.rsqrt(tl.sum(ss, axis=0) / H + eps)
+            lg = tl.zeros(e.shape, dtype=tl.float32)
+            for h0 in range(0, H, BLOCK_H):                      # the norm, and the router's rows against it
+                c = h0 + tl.arange(0, BLOCK_H)
+                mc = c < H
+                x = (tl.load(h_ptr + c, mask=mc, other=0.0) + tl.load(a_ptr + c, mask=mc, other=0.0)).to(dt)
+                n = (x.to(tl.float32) * r).to(dt).to(tl.float32)
+                p = (tl.load(nw_ptr + c, mask=mc, other=0.0).to(tl.float32) * n).to(dt)
+                tl.store(post_ptr + c, p, mask=mc & write)
+                w = tl.load(gw_ptr + e[:, None] * H + c[None, :], mask=me[:, None] & mc[None, :], other=0.0)
+                lg += tl.sum(w.to(tl.float32) * p.to(tl.float32)[None, :], axis=1)
         return lg.to(dt).to(tl.float32)
 
     @triton.jit
     def _route_kernel(h_ptr, a_ptr, nw_ptr, gw_ptr, hout_ptr, post_ptr, sc_ptr, idx_ptr, slot_ptr, sel_ptr, H, E, eps,
                       K: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr, BLOCK_H: tl.constexpr,
-                      NORM_TOPK: tl.constexpr, SLOTS: tl.constexpr):
+                      NORM_TOPK: tl.constexpr, SLOTS: tl.constexpr, ONE: tl.constexpr, PDL: tl.constexpr):
         e = tl.arange(0, EP)
         me = e < E
         lg = _add_norm_logits(h_ptr, a_ptr, nw_ptr, gw_ptr, hout_ptr, post_ptr, e, me, tl.program_id(0) == 0, H,
-                              eps, BLOCK_H)   # (one program: it writes them)
+                              eps, BLOCK_H, ONE, PDL)   # (one program: it writes them)
         _topk_store(tl.where(me, lg, float("-inf")), e, me, sc_ptr, idx_ptr, slot_ptr, sel_ptr, K, KP, EP,
                     NORM_TOPK, SLOTS)
 
@@ -151,19 +176,23 @@ if triton is not None:
 
     @triton.jit
     def _route_logits_kernel(h_ptr, a_ptr, nw_ptr, gw_ptr, hout_ptr, post_ptr, lg_ptr, H, E, eps,
-                             BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
+                             BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, ONE: tl.constexpr, PDL: tl.constexpr):
         """A large router's first kernel: each program the residual add and norm (program 0 writes them out)
         and the logits of BLOCK_E experts into lg (float32)."""
         pe = tl.program_id(0)
         e = pe * BLOCK_E + tl.arange(0, BLOCK_E)
         me = e < E
-        lg = _add_norm_logits(h_ptr, a_ptr, nw_ptr, gw_ptr, hout_ptr, post_ptr, e, me, pe == 0, H, eps, BLOCK_H)
+        lg = _add_norm_logits(h_ptr, a_ptr, nw_ptr, gw_ptr, hout_ptr, post_ptr, e, me, pe == 0, H, eps, BLOCK_H, ONE,
+                              PDL)
         tl.store(lg_ptr + e, lg, mask=me)
 
     @triton.jit
     def _route_topk_kernel(lg_ptr, sc_ptr, idx_ptr, slot_ptr, sel_ptr, E, K: tl.constexpr, KP: tl.constexpr,
-                           EP: tl.constexpr, NORM_TOPK: tl.constexpr, SLOTS: tl.constexpr):
+                           EP: tl.constexpr, NORM_TOPK: tl.constexpr, SLOTS: tl.constexpr, PDL: tl.constexpr):
         """A large router's second kernel: one program, the top-k of the logits the first wrote."""
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         e = tl.arange(0, EP)
         me = e < E
         _topk_store(tl.load(lg_ptr + e, mask=me, other=float("-inf")), e, me, sc_ptr, idx_ptr, slot_ptr, sel_ptr,
@@ -231,7 +260,8 @@ def _(h, a, norm_w, eps, gate_w, norm_topk, post, scores, idx, slot_of, sel):
 
 
 def _route_triton(h, a, norm_w, eps: float, gate_w, norm_topk: bool, post, scores, idx, slot_of=None,
-                  sel=None) -> torch.Tensor:
+                  sel=None, *, tile: int | None = None, warps: int | None = None) -> torch.Tensor:
+    """The kernels' launch; `tile` / `warps` override ROUTER_TILE / ROUTER_WARPS (the tiling sweep, tests)."""
     E, H = gate_w.shape
     k = idx.numel()
     if h.numel() != H or a.numel() != H or post.numel() != H or scores.numel() != k:
@@ -251,13 +281,20 @@ def _route_triton(h, a, norm_w, eps: float, gate_w, norm_topk: bool, post, score
     out = torch.empty_like(h)
     KP, EP = triton.next_power_of_2(k), max(16, triton.next_power_of_2(E))
     sl, se = (slot_of, sel) if slots else (idx, idx)   # (unread without the selection)
+    HP, on = triton.next_power_of_2(H), pdl(h)
     with _device(h):   # Triton launches on the current device's current stream
         if gate_w.numel() * gate_w.element_size() <= MAX_ROUTER_KIB * 1024:   # one program, one kernel
+            one = EP * HP <= (tile or ROUTER_TILE)
             _route_kernel[(1,)](h, a, norm_w, gate_w, out, post, scores, idx, sl, se, H, E, eps, K=k, KP=KP, EP=EP,
-                                BLOCK_H=max(32, min(256, 8192 // EP)), NORM_TOPK=norm_topk, SLOTS=slots, num_warps=8)
+                                BLOCK_H=HP if one else max(32, min(256, 8192 // EP)), NORM_TOPK=norm_topk,
+                                SLOTS=slots, ONE=one, PDL=on, num_warps=warps or ROUTER_WARPS, **launch_opts(on))
         else:   # the logits over programs of ROUTER_BLOCK_E experts, then the top-k
+            one = ROUTER_BLOCK_E * HP <= (tile or ROUTER_TILE)
             lg = torch.empty(E, device=h.device, dtype=torch.float32)
             _route_logits_kernel[(triton.cdiv(E, ROUTER_BLOCK_E),)](h, a, norm_w, gate_w, out, post, lg, H, E, eps,
-                                                                    BLOCK_E=ROUTER_BLOCK_E, BLOCK_H=256)
-            _route_topk_kernel[(1,)](lg, scores, idx, sl, se, E, K=k, KP=KP, EP=EP, NORM_TOPK=norm_topk, SLOTS=slots)
+                                                                    BLOCK_E=ROUTER_BLOCK_E,
+                                                                    BLOCK_H=HP if one else 256, ONE=one, PDL=on,
+                                                                    **launch_opts(on))
+            _route_topk_kernel[(1,)](lg, scores, idx, sl, se, E, K=k, KP=KP, EP=EP, NORM_TOPK=norm_topk, SLOTS=slots,
+                                     PDL=on, **launch_opts(on))
     return out

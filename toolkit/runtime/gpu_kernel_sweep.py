@@ -1,0 +1,217 @@
+"""The GPU tier's fused kernels timed one by one under their tilings, at the shapes of one decoder layer of
+a model (default: the 1.2 B GPU model's, hidden 1024, 16 / 4 heads of 64, 32 experts of FFN 1536, top-4):
+
+    python -m toolkit.runtime.gpu_kernel_sweep --json sweep.json [--hidden 1024 --experts 32 --ffn 1536 ...]
+
+- the router (`gpu_router`): the row in one block (every load at once, ROUTER_WARPS warps) against the loop
+  over blocks, with the resident selection; and a router of Qwen3-30B's size (128 x 2048, top-8: two kernels);
+- the slot GEMV (`gpu_kernels.slot_gemv`) as the experts' gate / up and gated down projections (k experts) and
+  as the attention's output projection (one matrix), over BLOCK_O / BLOCK_N / warps / stages;
+- the q/k/v GEMV with the expert combine and input norm (`gpu_kernels.norm_gemv`) over BLOCK_O / warps;
+- each at its default tiling without programmatic dependent launch too (`gpu_kernels.PDL`), where the GPU has it.
+
+Each row is one CUDA graph of calls, each call reading a different copy of its weights (at least 160 MB of them,
+well past the L2 cache, as a decode token reads each layer's weights once), replayed: microseconds a call and
+its weight bytes a second. The table is printed and written with the rows (JSON) and a plot (each kernel's
+fastest tiling against its default) beside `--json`. Needs CUDA and Triton.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+
+from toolkit.runtime import gpu_kernels as K
+from toolkit.runtime import gpu_router as R
+
+MIN_BYTES = 160e6   # each graph's weights: past the L2 cache (50 MB on an H100)
+
+
+def _time(calls, reps: int) -> float:
+    """Microseconds a call: the calls (closures) captured in one CUDA graph, replayed reps times."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):   # (compiles the kernel, warms the allocator)
+        for c in calls[:2]:
+            c()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for c in calls:
+            c()
+    g.replay()
+    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0.record()
+    for _ in range(reps):
+        g.replay()
+    t1.record()
+    torch.cuda.synchronize()
+    return t0.elapsed_time(t1) * 1e3 / reps / len(calls)
+
+
+def _copies(nbytes: int) -> int:
+    return max(8, math.ceil(MIN_BYTES / nbytes))
+
+
+def router_rows(H: int, E: int, k: int, reps: int, *, tiles=(None, 1), warps=(4, 8, 16)) -> list[dict]:
+    """The router with the resident selection at [E, H], top-k: each tile (None: ROUTER_TILE; 1: the loop over
+    blocks) and warp count (the one-kernel path's)."""
+    n = _copies(E * H * 2)
+    gw = torch.randn(n, E, H, device="cuda", dtype=torch.float16) * 0.05
+    h, a = (torch.randn(1, H, device="cuda", dtype=torch.float16) for _ in range(2))
+    nw = torch.ones(H, device="cuda", dtype=torch.float16)
+    post = torch.empty(1, H, device="cuda", dtype=torch.float16)
+    sc, idx = torch.empty(1, k, device="cuda", dtype=torch.float16), torch.empty(1, k, device="cuda", dtype=torch.long)
+    slot_of, sel = torch.arange(E, device="cuda"), torch.empty(2 * k, device="cuda", dtype=torch.long)
+    rows = []
+    for tile in tiles:
+        for w in (warps if E * H * 2 <= R.MAX_ROUTER_KIB * 1024 else (None,)):
+            calls = [lambda i=i: R._route_triton(h, a, nw, 1e-6, gw[i], True, post, sc, idx, slot_of, sel,
+                                                 tile=tile, warps=w) for i in range(n)]
+            us = _time(calls, reps)
+            default = tile is None and w in (None, R.ROUTER_WARPS)
+            rows.append({"kernel": "router", "shape": f"{E}x{H} top-{k}", "default": default,
+                         "tiling": ("one block" if tile is None else "loops") + (f", {w} warps" if w else ""),
+                         "us": round(us, 2), "gbps": round(E * H * 2 / us / 1e3)})
+    return rows
+
+
+def slot_rows(O: int, N: int, k: int, gated: bool, name: str, reps: int, tilings) -> list[dict]:
+    """k matrices [O, N] of a slot arena (gated: x is [k, 2N], SiLU(gate) x up taken as loaded), each tiling
+    (BLOCK_O, BLOCK_N, warps, stages; None: the default)."""
+    n = _copies(k * O * N * 2)
+    arena = torch.randn(n * k, O, N, device="cuda", dtype=torch.float16) * 0.02
+    x = torch.randn(k if gated else 1, 2 * N if gated else N, device="cuda", dtype=torch.float16)
+    sels = [torch.arange(i * k, (i + 1) * k, device="cuda") for i in range(n)]
+    rows = []
+    for bo, bn, nw, ns in tilings:
+        calls = [lambda s=s: K._slot_gemv_triton(arena, s, x, bo, bn, nw, gated=gated, num_stages=ns) for s in sels]
+        us = _time(calls, reps)
+        rows.append({"kernel": name, "shape": f"{k} x [{O}, {N}]" + (" gated" if gated else ""),
+                     "default": (bo, bn, nw, ns) == (None,) * 4,
+                     "tiling": "/".join("-" if v is None else str(v) for v in (bo, bn, nw, ns)),
+                     "us": round(us, 2), "gbps": round(k * O * N * 2 / us / 1e3)})
+    return rows
+
+
+def norm_rows(H: int, O: int, k: int, reps: int, tilings) -> list[dict]:
+    """norm_gemv at [O, H] with k expert outputs combined (BLOCK_O, warps; None: the default)."""
+    n = _copies(O * H * 2)
+    w = torch.randn(n, O, H, device="cuda", dtype=torch.float16) * 0.02
+    h = torch.randn(1, H, device="cuda", dtype=torch.float16)
+    ys = torch.randn(k, H, device="cuda", dtype=torch.float16)
+    sc = torch.rand(1, k, device="cuda", dtype=torch.float16)
+    perm = torch.arange(k, device="cuda")
+    nw = torch.ones(H, device="cuda", dtype=torch.float16)
+    rows = []
+    for bo, nwarps in tilings:
+        calls = [lambda i=i: K._norm_gemv_triton(h, ys, sc, perm, nw, 1e-6, w[i], block_o=bo, warps=nwarps)
+                 for i in range(n)]
+        us = _time(calls, reps)
+        rows.append({"kernel": "norm_gemv (q/k/v)", "shape": f"[{O}, {H}], combine of {k}",
+                     "default": (bo, nwarps) == (None, None),
+                     "tiling": "/".join("-" if v is None else str(v) for v in (bo, nwarps)),
+                     "us": round(us, 2), "gbps": round(O * H * 2 / us / 1e3)})
+    return rows
+
+
+SLOT_TILINGS = [(None, None, None, None)] + [(bo, bn, w, s) for bo in (2, 4, 8, 16) for bn in (512, 1024)
+                                             for w in (4, 8) for s in (1, 3)]
+NORM_TILINGS = [(None, None)] + [(bo, w) for bo in (2, 4, 8, 16) for w in (4, 8)]
+
+
+def sweep(hidden: int, heads: int, kv_heads: int, head_dim: int, experts: int, ffn: int, k: int, reps: int,
+          quick: bool = False) -> list[dict]:
+    """Every kernel under its tilings (with programmatic dependent launch where the GPU has it: K.PDL), then
+    each at its default tiling launched plainly (the rows marked ", PDL off")."""
+    slot = SLOT_TILINGS[:3] if quick else SLOT_TILINGS
+    norm = NORM_TILINGS[:3] if quick else NORM_TILINGS
+    O = (heads + 2 * kv_heads) * head_dim
+
+    def kernels(slot, norm, tiles, warps):
+        rows = router_rows(hidden, experts, k, reps, tiles=tiles, warps=warps)
+        if not quick:
+            rows += router_rows(2048, 128, 8, reps, tiles=tiles, warps=warps)   # Qwen3-30B's router: two kernels
+        rows += slot_rows(2 * ffn, hidden, k, False, "experts' gate / up", reps, slot)
+        rows += slot_rows(hidden, ffn, k, True, "experts' down", reps, slot)
+        rows += slot_rows(hidden, heads * head_dim, 1, False, "o_proj", reps, slot)
+        return rows + norm_rows(hidden, O, k, reps, norm)
+
+    rows = kernels(slot, norm, (None, 1), (4, 8, 16))
+    if not K.pdl(torch.empty(0, device="cuda")):
+        return rows
+    K.PDL = False
+    try:
+        plain = kernels(SLOT_TILINGS[:1], NORM_TILINGS[:1], (None,), (R.ROUTER_WARPS,))
+    finally:
+        K.PDL = True
+    for r in plain:
+        r["tiling"] += ", PDL off"
+        r["default"] = False
+    return rows + plain
+
+
+def _best(rows: list[dict]) -> dict:
+    best = {}
+    for r in rows:
+        key = (r["kernel"], r["shape"])
+        if key not in best or r["us"] < best[key]["us"]:
+            best[key] = r
+    return best
+
+
+def markdown(result: dict) -> str:
+    best = _best(result["rows"])
+    out = [f"Kernel tilings on {result['device']} (us a call, weight GB/s)", "",
+           "| kernel | shape | tiling | us | GB/s |", "|---|---|---|---|---|"]
+    for r in result["rows"]:
+        mark = " (best)" if best[(r["kernel"], r["shape"])] is r else ""
+        out.append(f"| {r['kernel']} | {r['shape']} | {r['tiling']}{mark} | {r['us']:.2f} | {r['gbps']} |")
+    return "\n".join(out) + "\n"
+
+
+def plot(result: dict, path) -> None:
+    from toolkit.reporting import figure, save_figure
+
+    best = _best(result["rows"])
+    default = {(r["kernel"], r["shape"]): r for r in result["rows"] if r["default"]}
+    keys = list(best)
+    fig, ax = figure((7, 0.5 + 0.45 * len(keys)))
+    ys = range(len(keys))
+    ax.barh([y + 0.2 for y in ys], [default[k]["us"] if k in default else 0 for k in keys], height=0.4,
+            label="the default tiling")
+    ax.barh([y - 0.2 for y in ys], [best[k]["us"] for k in keys], height=0.4, label="the fastest tiling")
+    ax.set_yticks(list(ys), [f"{k[0]}\n{k[1]}" for k in keys], fontsize=7)
+    ax.set_xlabel("us a call")
+    ax.set_title(f"Fused kernels' tilings, {result['device']}")
+    ax.legend(fontsize=8)
+    save_figure(fig, path)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m toolkit.runtime.gpu_kernel_sweep", description=__doc__.split("\n")[0])
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--experts", type=int, default=32)
+    p.add_argument("--ffn", type=int, default=1536)
+    p.add_argument("--top-k", type=int, default=4)
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--quick", action="store_true", help="the defaults and two tilings of each kernel only")
+    p.add_argument("--json", required=True, help="the rows (JSON), with the table (.md) and plot (.png) beside it")
+    a = p.parse_args(argv)
+    if K.triton is None or not torch.cuda.is_available():
+        p.error("the sweep needs CUDA and Triton")
+    rows = sweep(a.hidden, a.heads, a.kv_heads, a.head_dim, a.experts, a.ffn, a.top_k, a.reps, a.quick)
+    from toolkit.reporting import write_report
+
+    result = {"device": torch.cuda.get_device_name(), "args": vars(a), "rows": rows}
+    md, png = write_report(result, a.json, markdown, plot)
+    print(md.read_text())
+    print(f"wrote {a.json}, {md}, {png}")
+
+
+if __name__ == "__main__":
+    main()
