@@ -357,6 +357,7 @@ def test_gpu_bench_report(tiny_models, stores, tmp_path, monkeypatch):
                       log=lambda s: None)
     rows = {x["policy"]: x for x in r["rows"]}
     tag = "next-gate+prediction scheduler="
+    assert r["launch_pdl"] is False   # (the CPU: no programmatic dependent launch)
     assert r["tokens_match_transformers"] and list(rows) == [
         "on-demand+lru", "next-gate+prediction", "draft+prediction", "oracle+belady", tag + "candidate_threshold=1.0",
         tag + budget, tag + "queue_depth=1", tag + "read_budget_kib=auto"]
@@ -2843,3 +2844,41 @@ def test_gpu_bench_runs_every_policy_on_the_native_host(tiny_models, stores, mon
         assert (py["hit_rate"], py["pcie_mib_per_token"]) == (nat["hit_rate"], nat["pcie_mib_per_token"]), name
     _bench_refuses(tiny_models, stores, "on-demand+lru", "host=rust", "host must be native")
     _bench_refuses(tiny_models, stores, "on-demand+lru", "host=python", "python is every row's own")
+
+
+def test_pdl_only_on_cuda_and_where_not_turned_off(monkeypatch):
+    """Programmatic dependent launch (gpu_kernels.PDL): never for CPU tensors (the interpreter's path), and
+    not on a GPU when SPECPREFETCH_PDL=0 turned it off; the launch options follow."""
+    from toolkit.runtime import gpu_kernels as K
+
+    assert K.pdl(torch.zeros(1)) is False
+    assert K.launch_opts(False) == {} and K.launch_opts(True) == {"launch_pdl": True}
+    if torch.cuda.is_available():
+        monkeypatch.setattr(K, "PDL", False)
+        assert K.pdl(torch.zeros(1, device="cuda")) is False
+        monkeypatch.setattr(K, "PDL", True)
+        assert K.pdl(torch.zeros(1, device="cuda")) == (torch.cuda.get_device_capability()[0] >= 9)
+
+
+def test_kernel_sweep_report_and_refusal(tmp_path, capsys):
+    """python -m toolkit.runtime.gpu_kernel_sweep: each kernel's fastest tiling marked in its table (by shape),
+    the default's and the fastest's bars in its plot; without CUDA a one-line refusal and nothing written."""
+    from toolkit.runtime import gpu_kernel_sweep as S
+
+    rows = [{"kernel": "router", "shape": "32x1024 top-4", "tiling": "one block, 8 warps", "default": True,
+             "us": 4.5, "gbps": 15},
+            {"kernel": "router", "shape": "32x1024 top-4", "tiling": "loops, 8 warps", "default": False,
+             "us": 6.9, "gbps": 10},
+            {"kernel": "o_proj", "shape": "1 x [1024, 1024]", "tiling": "-/-/-/-", "default": True, "us": 3.2,
+             "gbps": 664},
+            {"kernel": "o_proj", "shape": "1 x [1024, 1024]", "tiling": "2/1024/4/1", "default": False, "us": 2.4,
+             "gbps": 874}]
+    md = S.markdown({"device": "test", "rows": rows})
+    assert "| one block, 8 warps (best) | 4.50 |" in md and "| 2/1024/4/1 (best) | 2.40 |" in md
+    assert "loops, 8 warps (best)" not in md and "-/-/-/- (best)" not in md
+    S.plot({"device": "test", "rows": rows}, tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 0
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            S.main(["--json", str(tmp_path / "s.json")])
+        assert "needs CUDA and Triton" in capsys.readouterr().err and not (tmp_path / "s.json").exists()

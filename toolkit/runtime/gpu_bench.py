@@ -169,6 +169,15 @@ def token_read_bytes(eng) -> int:
     return dense + eng.L * eng.k * eng.store.blob_size
 
 
+def _pdl(device) -> bool:
+    """Whether the fused kernels launch with programmatic dependent launch on this device (gpu_kernels.PDL)."""
+    import torch
+
+    from toolkit.runtime.gpu_kernels import pdl, triton
+
+    return triton is not None and str(device).startswith("cuda") and pdl(torch.empty(0, device=device))
+
+
 def profile_resident(eng, prompt: list[int], new_tokens: int, *, short: int = 4, top: int = 25) -> dict[str, Any]:
     """Where an all-resident decode token's time goes, by torch.profiler: one resident run of `short`
     new tokens and one of `new_tokens` (the decode path the bench's all-resident bound takes: one graph
@@ -437,7 +446,9 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
         eng.configure(policy=Policy("on-demand", "lru"), pool_mib=all_mib, **settings({}))
         prof = profile_resident(eng, ids[0], new_tokens)
         log(f"profile of an all-resident token: {prof['ops_per_token']} {prof['what']}, "
-            f"{prof['device_ms_per_token']} ms of their time summed; top: "
+            f"{prof['device_ms_per_token']} ms of their time summed"
+            + (" (the fused kernels launched with PDL: each one's time counts its wait for the one before)"
+               if _pdl(device) else "") + "; top: "
             + "; ".join(f"{x['name'][:40]} x{x['per_token']} {x['us_per_token']} us" for x in prof["top"][:6]))
     synced_tpot = median((r.stats.tpot_ms for r in synced_runs), ndigits=None)
     resident_tpot = median((r.stats.tpot_ms for r in resident_runs), ndigits=None) if alone else synced_tpot
@@ -481,7 +492,7 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
         "resident_synced_tpot_ms": round(synced_tpot, 3), "resident_synced_runs": len(synced_runs),
         "hbm_gbps": hbm, "hbm_floor_bytes": token_bytes, "hbm_floor_ms": hbm_floor, "decode": eng.decode,
         "experts": eng.experts, "attention": eng.attention, "router": eng.router, "verify": eng.verify,
-        "compile": eng.compile,
+        "compile": eng.compile, "launch_pdl": _pdl(device),
         "resident_vs_floor": round(resident_tpot / floor, 2) if floor else None,
         "resident_synced_vs_floor": round(synced_tpot / floor, 2) if floor else None,
         "transformers_ms_per_token_wall": round(ref_tpot, 3),
