@@ -29,25 +29,12 @@ MIN_BYTES = 160e6   # each graph's weights: past the L2 cache (50 MB on an H100)
 
 
 def _time(calls, reps: int) -> float:
-    """Microseconds a call: the calls (closures) captured in one CUDA graph, replayed reps times."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):   # (compiles the kernel, warms the allocator)
-        for c in calls[:2]:
-            c()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    """Microseconds a call: the calls (closures) captured in one CUDA graph, replayed reps times (run once
+    before the capture, compiling the kernel)."""
+    def run():
         for c in calls:
             c()
-    g.replay()
-    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t0.record()
-    for _ in range(reps):
-        g.replay()
-    t1.record()
-    torch.cuda.synchronize()
-    return t0.elapsed_time(t1) * 1e3 / reps / len(calls)
+    return K.graph_ms(run, reps, warm=1) * 1e3 / len(calls)
 
 
 def _copies(nbytes: int) -> int:

@@ -415,6 +415,28 @@ def _int4_gemv_triton(q, scale, ids, x, n: int) -> torch.Tensor:
     return y
 
 
+def graph_ms(fn, reps: int, warm: int = 3) -> float:
+    """Milliseconds a call of fn (CUDA work) captured in a CUDA graph and replayed `reps` times: fn runs `warm`
+    times first on a side stream (compiling kernels, warming the allocator), as graph capture wants."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warm):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0.record()
+    for _ in range(reps):
+        g.replay()
+    t1.record()
+    torch.cuda.synchronize()
+    return t0.elapsed_time(t1) / reps
+
+
 def bench(shapes=((1024, 1536), (1024, 6144)), k: int = 4, slots: int = 40, reps: int = 50,
           sels: int = 8, blocks=((None, None, None),)) -> list[dict]:
     """One MoE layer's k experts for one token (gate/up, SiLU, down) as CUDA graphs, the slot GEMV
@@ -456,22 +478,7 @@ def bench(shapes=((1024, 1536), (1024, 6144)), k: int = 4, slots: int = 40, reps
 
         runs = [(label(blk), functools.partial(fused, *blk)) for blk in blocks]
         for name, fn in runs + [("eager", eager)]:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(3):
-                    fn()
-            torch.cuda.current_stream().wait_stream(side)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                fn()
-            t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            t0.record()
-            for _ in range(reps):
-                g.replay()
-            t1.record()
-            torch.cuda.synchronize()
-            ms = t0.elapsed_time(t1) / reps / sels
+            ms = graph_ms(fn, reps) / sels
             out.append({"hidden": H, "moe_intermediate": inter, "k": k, "path": name,
                         "us_per_layer": round(ms * 1e3, 1), "expert_gbps": round(k * blob * 2 / ms / 1e6)})
     return out
