@@ -2853,7 +2853,13 @@ def test_pdl_only_on_cuda_and_where_not_turned_off(monkeypatch):
 
     assert K.pdl(torch.zeros(1)) is False
     assert K.launch_opts(False) == {} and K.launch_opts(True) == {"launch_pdl": True}
+    assert [K.pdl_setting(v) for v in (None, "1", " 0 ", "0", "off", "true", "")] == [True, True, False, False,
+                                                                                      None, None, None]
+    monkeypatch.setattr(K, "PDL", None)   # (an SPECPREFETCH_PDL of neither: refused where it would apply)
+    assert K.pdl(torch.zeros(1)) is False
     if torch.cuda.is_available():
+        with pytest.raises(SpecPrefetchError, match="SPECPREFETCH_PDL=.*0 .plain launches. or 1"):
+            K.pdl(torch.zeros(1, device="cuda"))
         monkeypatch.setattr(K, "PDL", False)
         assert K.pdl(torch.zeros(1, device="cuda")) is False
         monkeypatch.setattr(K, "PDL", True)
@@ -2862,7 +2868,8 @@ def test_pdl_only_on_cuda_and_where_not_turned_off(monkeypatch):
 
 def test_kernel_sweep_report_and_refusal(tmp_path, capsys):
     """python -m toolkit.runtime.gpu_kernel_sweep: each kernel's fastest tiling marked in its table (by shape),
-    the default's and the fastest's bars in its plot; without CUDA a one-line refusal and nothing written."""
+    the default's and the fastest's bars in its plot; bad options, an existing file that is no sweep report and
+    (without CUDA) the machine refused in one line before any work, nothing written."""
     from toolkit.runtime import gpu_kernel_sweep as S
 
     rows = [{"kernel": "router", "shape": "32x1024 top-4", "tiling": "one block, 8 warps", "default": True,
@@ -2878,7 +2885,17 @@ def test_kernel_sweep_report_and_refusal(tmp_path, capsys):
     assert "loops, 8 warps (best)" not in md and "-/-/-/- (best)" not in md
     S.plot({"device": "test", "rows": rows}, tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 0
+    # bad input and an existing file: one line, exit status 2, nothing written or replaced
+    out, other = tmp_path / "s.json", tmp_path / "other.json"
+    other.write_text("{}")
+    for argv, msg in ((["--reps", "0"], "--reps 0: must be at least 1"),
+                      (["--top-k", "40"], "--top-k 40 of --experts 32"),
+                      (["--heads", "16", "--kv-heads", "3"], "--heads 16: not a multiple of --kv-heads 3"),
+                      (["--json", str(other)], "other.json")):
+        assert S.main(["--json", str(out), *argv]) == 2
+        err = capsys.readouterr().err
+        assert msg in err and err.count("\n") == 1, err
+    assert not out.exists() and other.read_text() == "{}"
     if not torch.cuda.is_available():
-        with pytest.raises(SystemExit):
-            S.main(["--json", str(tmp_path / "s.json")])
-        assert "needs CUDA and Triton" in capsys.readouterr().err and not (tmp_path / "s.json").exists()
+        assert S.main(["--json", str(out)]) == 2
+        assert "needs CUDA and Triton" in capsys.readouterr().err and not out.exists()

@@ -169,13 +169,19 @@ def token_read_bytes(eng) -> int:
     return dense + eng.L * eng.k * eng.store.blob_size
 
 
-def _pdl(device) -> bool:
-    """Whether the fused kernels launch with programmatic dependent launch on this device (gpu_kernels.PDL)."""
+PDL_NOTE = (" (the fused kernels launched with programmatic dependent launch: each one's time counts its wait for "
+            "the one before, so the sum is not the device's busy time)")
+
+
+def _pdl(eng, device) -> bool:
+    """Whether the engine's fused kernels (its experts', attention's or router's) launch with programmatic
+    dependent launch on this device (gpu_kernels.PDL)."""
     import torch
 
     from toolkit.runtime.gpu_kernels import pdl, triton
 
-    return triton is not None and str(device).startswith("cuda") and pdl(torch.empty(0, device=device))
+    fused = "fused" in (eng.experts, eng.attention, eng.router)
+    return fused and triton is not None and str(device).startswith("cuda") and pdl(torch.empty(0, device=device))
 
 
 def profile_resident(eng, prompt: list[int], new_tokens: int, *, short: int = 4, top: int = 25) -> dict[str, Any]:
@@ -186,7 +192,9 @@ def profile_resident(eng, prompt: list[int], new_tokens: int, *, short: int = 4,
     operations (kernels and copies; inside a CUDA graph they are the graph's nodes, one launch for all)
     and their device time summed over all of them (over every stream; host ops' time without a GPU),
     against the wall-clock TPOT of the same runs: a sum near the TPOT means many small operations
-    (fusion would pay), far below it means the device idles between them."""
+    (fusion would pay), far below it means the device idles between them. Where the fused kernels launch
+    with programmatic dependent launch (gpu_kernels.PDL) a kernel's time includes its wait for the one before,
+    so the sum can exceed the TPOT and is no longer the device's busy time (the report says so)."""
     from torch.profiler import ProfilerActivity, profile
 
     if new_tokens <= short:
@@ -441,14 +449,13 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
             rows.append(row)
             log(f"pool {frac:.0%} {label}: TPOT {row['tpot_ms']:.3f} ms, hit {row['hit_rate']:.3f}, "
                 f"{row['pcie_mib_per_token']:.1f} MiB/token over PCIe, stall {row['stall_ms_per_token']:.3f} ms/token")
-    prof = None
+    prof, pdl_on = None, _pdl(eng, device)
     if profile:
         eng.configure(policy=Policy("on-demand", "lru"), pool_mib=all_mib, **settings({}))
         prof = profile_resident(eng, ids[0], new_tokens)
         log(f"profile of an all-resident token: {prof['ops_per_token']} {prof['what']}, "
             f"{prof['device_ms_per_token']} ms of their time summed"
-            + (" (the fused kernels launched with PDL: each one's time counts its wait for the one before)"
-               if _pdl(device) else "") + "; top: "
+            + (PDL_NOTE if pdl_on else "") + "; top: "
             + "; ".join(f"{x['name'][:40]} x{x['per_token']} {x['us_per_token']} us" for x in prof["top"][:6]))
     synced_tpot = median((r.stats.tpot_ms for r in synced_runs), ndigits=None)
     resident_tpot = median((r.stats.tpot_ms for r in resident_runs), ndigits=None) if alone else synced_tpot
@@ -492,7 +499,7 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
         "resident_synced_tpot_ms": round(synced_tpot, 3), "resident_synced_runs": len(synced_runs),
         "hbm_gbps": hbm, "hbm_floor_bytes": token_bytes, "hbm_floor_ms": hbm_floor, "decode": eng.decode,
         "experts": eng.experts, "attention": eng.attention, "router": eng.router, "verify": eng.verify,
-        "compile": eng.compile, "launch_pdl": _pdl(device),
+        "compile": eng.compile, "launch_pdl": pdl_on,
         "resident_vs_floor": round(resident_tpot / floor, 2) if floor else None,
         "resident_synced_vs_floor": round(synced_tpot / floor, 2) if floor else None,
         "transformers_ms_per_token_wall": round(ref_tpot, 3),
@@ -550,7 +557,7 @@ def markdown(r: dict[str, Any]) -> str:
         ms = pr.get("device_ms_per_token", pr.get("busy_ms_per_token"))
         lines += ["", f"An all-resident decode token, profiled: {ops} {pr['what']}, {ms} ms of their time "
                       "summed (the profiled wall clock "
-                      f"{pr['wall_ms_per_token_profiled']} ms)", "",
+                      f"{pr['wall_ms_per_token_profiled']} ms)" + (PDL_NOTE if r.get("launch_pdl") else ""), "",
                   "| op | per token | us per token |", "|---|---|---|"]
         lines += [f"| `{x['name'][:80]}` | {x['per_token']} | {x['us_per_token']} |" for x in pr["top"]]
     return "\n".join(lines) + "\n"

@@ -13,12 +13,15 @@ a model (default: the 1.2 B GPU model's, hidden 1024, 16 / 4 heads of 64, 32 exp
 Each row is one CUDA graph of calls, each call reading a different copy of its weights (at least 160 MB of them,
 well past the L2 cache, as a decode token reads each layer's weights once), replayed: microseconds a call and
 its weight bytes a second. The table is printed and written with the rows (JSON) and a plot (each kernel's
-fastest tiling against its default) beside `--json`. Needs CUDA and Triton.
+fastest tiling against its default) beside `--json` (an existing report replaced only with `--overwrite`; bad
+options refused in one line before any work). Needs CUDA and Triton.
 """
 from __future__ import annotations
 
 import argparse
 import math
+import sys
+from pathlib import Path
 
 import torch
 
@@ -51,15 +54,17 @@ def router_rows(H: int, E: int, k: int, reps: int, *, tiles=(None, 1), warps=(4,
     post = torch.empty(1, H, device="cuda", dtype=torch.float16)
     sc, idx = torch.empty(1, k, device="cuda", dtype=torch.float16), torch.empty(1, k, device="cuda", dtype=torch.long)
     slot_of, sel = torch.arange(E, device="cuda"), torch.empty(2 * k, device="cuda", dtype=torch.long)
-    rows = []
+    rows, nbytes = [], E * H * 2
     for tile in tiles:
-        for w in (warps if E * H * 2 <= R.MAX_ROUTER_KIB * 1024 else (None,)):
+        one = R.one_block(E, H, nbytes, tile)
+        for w in (warps if R.one_kernel(nbytes) else (None,)):
             calls = [lambda i=i: R._route_triton(h, a, nw, 1e-6, gw[i], True, post, sc, idx, slot_of, sel,
                                                  tile=tile, warps=w) for i in range(n)]
             us = _time(calls, reps)
             default = tile is None and w in (None, R.ROUTER_WARPS)
             rows.append({"kernel": "router", "shape": f"{E}x{H} top-{k}", "default": default,
-                         "tiling": ("one block" if tile is None else "loops") + (f", {w} warps" if w else ""),
+                         "tiling": ("one block" if one else "loops") + (" (the default tile)" if tile is None else "")
+                         + (f", {w} warps" if w else ""),
                          "us": round(us, 2), "gbps": round(E * H * 2 / us / 1e3)})
     return rows
 
@@ -126,7 +131,7 @@ def sweep(hidden: int, heads: int, kv_heads: int, head_dim: int, experts: int, f
         return rows + norm_rows(hidden, O, k, reps, norm)
 
     rows = kernels(slot, norm, (None, 1), (4, 8, 16))
-    if not K.pdl(torch.empty(0, device="cuda")):
+    if not K.pdl(torch.empty(0, device="cuda")):   # (no PDL here: every row is plain already)
         return rows
     K.PDL = False
     try:
@@ -150,7 +155,10 @@ def _best(rows: list[dict]) -> dict:
 
 def markdown(result: dict) -> str:
     best = _best(result["rows"])
-    out = [f"Kernel tilings on {result['device']} (us a call, weight GB/s)", "",
+    pdl = result.get("launch_pdl")
+    note = ("" if pdl is None else "; programmatic dependent launch but where a row says PDL off" if pdl
+            else "; plain launches")
+    out = [f"Kernel tilings on {result['device']} (us a call, weight GB/s{note})", "",
            "| kernel | shape | tiling | us | GB/s |", "|---|---|---|---|---|"]
     for r in result["rows"]:
         mark = " (best)" if best[(r["kernel"], r["shape"])] is r else ""
@@ -176,7 +184,7 @@ def plot(result: dict, path) -> None:
     save_figure(fig, path)
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m toolkit.runtime.gpu_kernel_sweep", description=__doc__.split("\n")[0])
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--heads", type=int, default=16)
@@ -187,18 +195,40 @@ def main(argv=None) -> None:
     p.add_argument("--top-k", type=int, default=4)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--quick", action="store_true", help="the defaults and two tilings of each kernel only")
-    p.add_argument("--json", required=True, help="the rows (JSON), with the table (.md) and plot (.png) beside it")
+    p.add_argument("--json", type=Path, required=True,
+                   help="the rows (JSON), with the table (.md) and plot (.png) beside it; replaced only with "
+                        "--overwrite")
+    p.add_argument("--overwrite", action="store_true")
     a = p.parse_args(argv)
-    if K.triton is None or not torch.cuda.is_available():
-        p.error("the sweep needs CUDA and Triton")
-    rows = sweep(a.hidden, a.heads, a.kv_heads, a.head_dim, a.experts, a.ffn, a.top_k, a.reps, a.quick)
-    from toolkit.reporting import write_report
+    from toolkit.errors import SpecPrefetchError
 
-    result = {"device": torch.cuda.get_device_name(), "args": vars(a), "rows": rows}
-    md, png = write_report(result, a.json, markdown, plot)
-    print(md.read_text())
-    print(f"wrote {a.json}, {md}, {png}")
+    try:
+        for name in ("hidden", "heads", "kv_heads", "head_dim", "experts", "ffn", "top_k", "reps"):
+            if getattr(a, name) < 1:
+                raise SpecPrefetchError(f"--{name.replace('_', '-')} {getattr(a, name)}: must be at least 1")
+        if a.top_k > a.experts or a.experts > R.MAX_EXPERTS:
+            raise SpecPrefetchError(f"--top-k {a.top_k} of --experts {a.experts}: the router takes k of at most "
+                                    f"{R.MAX_EXPERTS} experts, k <= experts")
+        if a.heads % a.kv_heads:
+            raise SpecPrefetchError(f"--heads {a.heads}: not a multiple of --kv-heads {a.kv_heads}")
+        from toolkit.artifacts import claim_report
+        from toolkit.reporting import write_report
+
+        claim_report(a.json, kind="gpu_kernel_sweep", overwrite=a.overwrite)   # (before any work)
+        if K.triton is None or not torch.cuda.is_available():
+            raise SpecPrefetchError("the sweep needs CUDA and Triton")
+        rows = sweep(a.hidden, a.heads, a.kv_heads, a.head_dim, a.experts, a.ffn, a.top_k, a.reps, a.quick)
+        args = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()}
+        result = {"device": torch.cuda.get_device_name(), "launch_pdl": K.pdl(torch.empty(0, device="cuda")),
+                  "args": args, "rows": rows}
+        md, png = write_report(result, a.json, markdown, plot)
+        print(md.read_text())
+        print(f"wrote {a.json}, {md}, {png}")
+    except SpecPrefetchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

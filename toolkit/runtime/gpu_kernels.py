@@ -82,25 +82,38 @@ if triton is not None:
         tl.store(y_ptr + j * O + offs_o, acc, mask=mo)
 
 
-# Programmatic dependent launch (Hopper and later GPUs): the fused kernels (the slot GEMV, norm_gemv, the router
-# and the attention) are launched so that the next kernel's programs may start while the one before finishes:
-# each kernel signals at its start (griddepcontrol.launch_dependents) and waits for the kernel before it
-# (griddepcontrol.wait) before it reads anything that kernel may have written or writes anything, so the launch
-# gap between two kernels and, where a kernel reads constant weights first (norm_gemv, the router), those reads
-# overlap the kernel before. SPECPREFETCH_PDL=0 launches them plainly (docs/gpu-tier.md).
-PDL = os.environ.get("SPECPREFETCH_PDL", "1") != "0"
+# Programmatic dependent launch (Hopper and later NVIDIA GPUs): the fused kernels (the slot GEMV, norm_gemv, the
+# router and the attention) are launched so that the next kernel's programs may start while the one before
+# finishes: each kernel signals at its start (griddepcontrol.launch_dependents) and waits for the kernel before it
+# (griddepcontrol.wait), in every program, before it reads anything that kernel may have written or writes
+# anything, so the launch gap between two kernels and, where a kernel reads constant weights first (norm_gemv, the
+# router), those reads overlap the kernel before. Those weights must not be written by the kernel launched just
+# before (nothing writes a model's weights while it decodes; code that did, in place, would need a plain launch or
+# a sync in between). SPECPREFETCH_PDL=0 launches them plainly, 1 (the default) as above (docs/gpu-tier.md).
+def pdl_setting(value: str | None) -> bool | None:
+    """SPECPREFETCH_PDL's value -> on (unset or 1), off (0), or None for anything else (refused by pdl())."""
+    return {"1": True, "0": False}.get("1" if value is None else value.strip())
+
+
+_PDL_ENV = os.environ.get("SPECPREFETCH_PDL")
+PDL: bool | None = pdl_setting(_PDL_ENV)
 
 
 @functools.cache
 def _sm90(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
+    return torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def pdl(t: torch.Tensor) -> bool:
-    """Whether the kernels launched for t's device use programmatic dependent launch (PDL, above)."""
-    if not (PDL and t.is_cuda):
+    """Whether the kernels launched for t's device use programmatic dependent launch (PDL, above); an
+    SPECPREFETCH_PDL other than 0 or 1 is refused in one line (on a GPU, where it would apply)."""
+    if not t.is_cuda:
         return False
-    return _sm90(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    if PDL is None:
+        from toolkit.errors import SpecPrefetchError
+
+        raise SpecPrefetchError(f"SPECPREFETCH_PDL={_PDL_ENV!r}: 0 (plain launches) or 1 (the default)")
+    return PDL and _sm90(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 
 def launch_opts(on: bool) -> dict:
@@ -169,7 +182,9 @@ if triton is not None:
         tl.store(y_ptr + j * O + offs_o, acc.to(y_ptr.dtype.element_ty), mask=mo)
 
 
-SLOT_BLOCK_O, SLOT_BLOCK_N = 4, 512   # the best of ten tilings on an H100 at both expert sizes (docs/benchmarks.md)
+# the best of ten tilings on an H100 at both expert sizes (docs/benchmarks.md), and in section 33's sweep for the
+# experts' gate / up (2/1024 was faster for a one-slot [1024, 1024] output projection alone, untimed in the token)
+SLOT_BLOCK_O, SLOT_BLOCK_N = 4, 512
 
 
 def slot_gemv(w: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, *, gated: bool = False,
@@ -349,7 +364,8 @@ def _(h, ys, scores, perm, nw, eps, w):
 
 # a program's rows: more than the slot GEMV's 4 (SLOT_BLOCK_O), since each program also reads the combine's
 # k + 1 rows (from the L2); hidden sizes up to NORM_ONE_BLOCK are held whole in registers (one read of those
-# rows), larger ones read them twice (the sum of squares, then the rows' products). Not yet tuned on a GPU.
+# rows), larger ones read them twice (the sum of squares, then the rows' products). Swept on an H100 (docs/benchmarks.md
+# section 33): 16 rows / 4 warps were faster alone but not in the token, so these stay.
 NORM_BLOCK_O, NORM_ONE_BLOCK, NORM_WARPS = 8, 1024, 8
 
 

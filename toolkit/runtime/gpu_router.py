@@ -43,6 +43,23 @@ MAX_ROUTER_KIB, ROUTER_BLOCK_E, MAX_EXPERTS = 128, 8, 1024
 ROUTER_TILE, ROUTER_WARPS = 32768, 8
 
 
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def one_kernel(nbytes: int) -> bool:
+    """Whether a router of nbytes of weights is one kernel (else two: the module's docstring)."""
+    return nbytes <= MAX_ROUTER_KIB * 1024
+
+
+def one_block(E: int, H: int, nbytes: int, tile: int | None = None) -> bool:
+    """Whether its programs take the hidden row in one block: the rows a program holds (every expert in the
+    one-kernel path, padded to a power of two of at least 16; ROUTER_BLOCK_E in the two-kernel path) times the
+    row padded to a power of two, at most `tile` (default ROUTER_TILE) elements."""
+    rows = max(16, _pow2(E)) if one_kernel(nbytes) else ROUTER_BLOCK_E
+    return rows * _pow2(H) <= (tile or ROUTER_TILE)
+
+
 def router_usable(norms, gates, dtype: torch.dtype) -> str | None:
     """None where the kernel covers these MoE layers' post-attention norms and routers, else why not."""
     if dtype != torch.float16:   # (as gpu_attention.attention_usable)
@@ -261,7 +278,8 @@ def _(h, a, norm_w, eps, gate_w, norm_topk, post, scores, idx, slot_of, sel):
 
 def _route_triton(h, a, norm_w, eps: float, gate_w, norm_topk: bool, post, scores, idx, slot_of=None,
                   sel=None, *, tile: int | None = None, warps: int | None = None) -> torch.Tensor:
-    """The kernels' launch; `tile` / `warps` override ROUTER_TILE / ROUTER_WARPS (the tiling sweep, tests)."""
+    """The kernels' launch; `tile` / `warps` override ROUTER_TILE / ROUTER_WARPS (the tiling sweep, tests; the
+    warps are the one-kernel path's)."""
     E, H = gate_w.shape
     k = idx.numel()
     if h.numel() != H or a.numel() != H or post.numel() != H or scores.numel() != k:
@@ -282,14 +300,14 @@ def _route_triton(h, a, norm_w, eps: float, gate_w, norm_topk: bool, post, score
     KP, EP = triton.next_power_of_2(k), max(16, triton.next_power_of_2(E))
     sl, se = (slot_of, sel) if slots else (idx, idx)   # (unread without the selection)
     HP, on = triton.next_power_of_2(H), pdl(h)
+    nbytes = gate_w.numel() * gate_w.element_size()
+    one = one_block(E, H, nbytes, tile)
     with _device(h):   # Triton launches on the current device's current stream
-        if gate_w.numel() * gate_w.element_size() <= MAX_ROUTER_KIB * 1024:   # one program, one kernel
-            one = EP * HP <= (tile or ROUTER_TILE)
+        if one_kernel(nbytes):   # one program, one kernel
             _route_kernel[(1,)](h, a, norm_w, gate_w, out, post, scores, idx, sl, se, H, E, eps, K=k, KP=KP, EP=EP,
                                 BLOCK_H=HP if one else max(32, min(256, 8192 // EP)), NORM_TOPK=norm_topk,
                                 SLOTS=slots, ONE=one, PDL=on, num_warps=warps or ROUTER_WARPS, **launch_opts(on))
-        else:   # the logits over programs of ROUTER_BLOCK_E experts, then the top-k
-            one = ROUTER_BLOCK_E * HP <= (tile or ROUTER_TILE)
+        else:   # the logits over programs of ROUTER_BLOCK_E experts (Triton's default warps), then the top-k
             lg = torch.empty(E, device=h.device, dtype=torch.float32)
             _route_logits_kernel[(triton.cdiv(E, ROUTER_BLOCK_E),)](h, a, norm_w, gate_w, out, post, lg, H, E, eps,
                                                                     BLOCK_E=ROUTER_BLOCK_E,
