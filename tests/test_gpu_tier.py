@@ -2108,28 +2108,25 @@ def test_triton_router_matches_the_reference(one, monkeypatch):
     dev = _triton_device()
     g = torch.Generator(device=dev).manual_seed(5)
     r = lambda *shape: torch.randn(*shape, device=dev, generator=g)   # noqa: E731
-    launched, paths = [], []
-
-    class Launches:   # the two-kernel path's top-k kernel, its launches counted
-        def __getitem__(self, grid):
-            launched.append(grid)
-            return topk[grid]
-
-    class Paths:   # the logits' kernels: which path each launch took (ONE)
-        def __init__(self, kernel):
-            self.kernel = kernel
-
-        def __getitem__(self, grid):
-            def launch(*args, **kw):
-                paths.append(kw["ONE"])
-                return self.kernel[grid](*args, **kw)
-            return launch
-    topk = R._route_topk_kernel
-    monkeypatch.setattr(R, "_route_topk_kernel", Launches())
-    monkeypatch.setattr(R, "_route_kernel", Paths(R._route_kernel))
-    monkeypatch.setattr(R, "_route_logits_kernel", Paths(R._route_logits_kernel))
+    launched, logits = [], []   # the two-kernel path's top-k launches; the logits' kernels' launches (their path)
+    monkeypatch.setattr(R, "_route_topk_kernel", _KernelSpy(R._route_topk_kernel, launched))
+    monkeypatch.setattr(R, "_route_kernel", _KernelSpy(R._route_kernel, logits))
+    monkeypatch.setattr(R, "_route_logits_kernel", _KernelSpy(R._route_logits_kernel, logits))
     _router_cases(R, dev, g, r, launched)
-    assert paths and set(paths) == {one}, paths
+    assert logits and {kw["ONE"] for _, kw in logits} == {one}, logits
+
+
+class _KernelSpy:
+    """A Triton kernel whose launches are recorded in `seen` as (grid, the launch's keyword arguments)."""
+
+    def __init__(self, kernel, seen: list):
+        self.kernel, self.seen = kernel, seen
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.seen.append((grid, kw))
+            return self.kernel[grid](*args, **kw)
+        return launch
 
 
 def _router_cases(R, dev, g, r, launched):
@@ -2293,22 +2290,15 @@ def test_fused_kernels_decode_as_the_model_path(tiny_models, stores, sliding, fa
             return fn(*args)
         return call
     # (the CPU's tensors through Triton too)
-    class Launches:   # a Triton kernel whose launches are counted
-        def __init__(self, name, kernel):
-            self.name, self.kernel = name, kernel
-
-        def __getitem__(self, grid):
-            launches[self.name] += 1
-            return self.kernel[grid]
-    launches = {"combine": 0, "topk": 0}
+    launches = {"combine": [], "topk": []}   # the second kernels' launches
     monkeypatch.setattr(A, "_impl", counted("attention", A._decode_attention_triton))
     # the runner's 128-position cache split into 8 programs of 16 positions a K/V head (the decoded positions
     # reach the second), and the router's two-kernel path: each kernel's second kernel counted
     monkeypatch.setattr(A, "CHUNK", 8)
     monkeypatch.setattr(A, "BLOCK_S", 16)
-    monkeypatch.setattr(A, "_decode_combine_kernel", Launches("combine", A._decode_combine_kernel))
+    monkeypatch.setattr(A, "_decode_combine_kernel", _KernelSpy(A._decode_combine_kernel, launches["combine"]))
     monkeypatch.setattr(R, "MAX_ROUTER_KIB", 0)
-    monkeypatch.setattr(R, "_route_topk_kernel", Launches("topk", R._route_topk_kernel))
+    monkeypatch.setattr(R, "_route_topk_kernel", _KernelSpy(R._route_topk_kernel, launches["topk"]))
     monkeypatch.setattr(R, "_impl", counted("route", R._route_triton))
     monkeypatch.setattr(K, "_norm_gemv_impl", counted("norm_gemv", K._norm_gemv_triton))
     d, store = sliding if fam == "mixtral-sw8" else (tiny_models[fam], stores[fam])
@@ -2334,8 +2324,9 @@ def test_fused_kernels_decode_as_the_model_path(tiny_models, stores, sliding, fa
                 assert 0 < handed < len(gr.seg_layers) - 1 or fam != "qwen3_moe"
                 assert calls == {"attention": n * len(dec.layers), "route": n * len(dec.moe_at),
                                  "norm_gemv": n * len(dec.layers), "combined": n * handed}, calls
-                assert launches == {"combine": calls["attention"], "topk": calls["route"]}, launches
-            assert min(launches.values()) > 0
+                got = {name: len(seen) for name, seen in launches.items()}
+                assert got == {"combine": calls["attention"], "topk": calls["route"]}, got
+            assert min(len(seen) for seen in launches.values()) > 0
             assert min(calls.values()) > 0
             seen = dict(calls)
         else:
