@@ -2114,6 +2114,9 @@ def test_triton_router_matches_the_reference(one, monkeypatch):
     monkeypatch.setattr(R, "_route_logits_kernel", _KernelSpy(R._route_logits_kernel, logits))
     _router_cases(R, dev, g, r, launched)
     assert logits and {kw["ONE"] for _, kw in logits} == {one}, logits
+    # every launch's PDL flag as launched (the kernels wait only where they were launched with PDL)
+    assert all(kw["PDL"] == ("launch_pdl" in kw) == R.pdl(torch.zeros(1, device=dev))
+               for _, kw in logits + launched), logits + launched
 
 
 class _KernelSpy:
@@ -2839,7 +2842,8 @@ def test_gpu_bench_runs_every_policy_on_the_native_host(tiny_models, stores, mon
 
 def test_pdl_only_on_cuda_and_where_not_turned_off(monkeypatch):
     """Programmatic dependent launch (gpu_kernels.PDL): never for CPU tensors (the interpreter's path), and
-    not on a GPU when SPECPREFETCH_PDL=0 turned it off; the launch options follow."""
+    not on a GPU when SPECPREFETCH_PDL=0 turned it off; a value of neither 0 nor 1 refused in one line (at a
+    launch, and on a GPU when its Device is set up); the launch options follow."""
     from toolkit.runtime import gpu_kernels as K
 
     assert K.pdl(torch.zeros(1)) is False
@@ -2848,19 +2852,25 @@ def test_pdl_only_on_cuda_and_where_not_turned_off(monkeypatch):
                                                                                       None, None, None]
     monkeypatch.setattr(K, "PDL", None)   # (an SPECPREFETCH_PDL of neither: refused where it would apply)
     assert K.pdl(torch.zeros(1)) is False
+    with pytest.raises(SpecPrefetchError, match="SPECPREFETCH_PDL=.*0 .plain launches. or 1"):
+        K.check_pdl_setting()
     if torch.cuda.is_available():
-        with pytest.raises(SpecPrefetchError, match="SPECPREFETCH_PDL=.*0 .plain launches. or 1"):
-            K.pdl(torch.zeros(1, device="cuda"))
+        from toolkit.runtime.gpu import Device
+
+        for refused in (lambda: K.pdl(torch.zeros(1, device="cuda")), lambda: Device("cuda")):
+            with pytest.raises(SpecPrefetchError, match="SPECPREFETCH_PDL=.*0 .plain launches. or 1"):
+                refused()
         monkeypatch.setattr(K, "PDL", False)
         assert K.pdl(torch.zeros(1, device="cuda")) is False
         monkeypatch.setattr(K, "PDL", True)
-        assert K.pdl(torch.zeros(1, device="cuda")) == (torch.cuda.get_device_capability()[0] >= 9)
+        hopper = torch.version.hip is None and torch.cuda.get_device_capability()[0] >= 9
+        assert K.pdl(torch.zeros(1, device="cuda")) == hopper
 
 
 def test_kernel_sweep_report_and_refusal(tmp_path, capsys):
-    """python -m toolkit.runtime.gpu_kernel_sweep: each kernel's fastest tiling marked in its table (by shape),
-    the default's and the fastest's bars in its plot; bad options, an existing file that is no sweep report and
-    (without CUDA) the machine refused in one line before any work, nothing written."""
+    """python -m toolkit.runtime.gpu_kernel_sweep: each kernel's default and fastest tiling marked in its table
+    (by shape), a plot written; bad options, an existing file that is no sweep report and (without CUDA) the
+    machine refused in one line before any work, nothing written."""
     from toolkit.runtime import gpu_kernel_sweep as S
 
     rows = [{"kernel": "router", "shape": "32x1024 top-4", "tiling": "one block, 8 warps", "default": True,
@@ -2872,10 +2882,12 @@ def test_kernel_sweep_report_and_refusal(tmp_path, capsys):
             {"kernel": "o_proj", "shape": "1 x [1024, 1024]", "tiling": "2/1024/4/1", "default": False, "us": 2.4,
              "gbps": 874}]
     md = S.markdown({"device": "test", "rows": rows})
-    assert "| one block, 8 warps (best) | 4.50 |" in md and "| 2/1024/4/1 (best) | 2.40 |" in md
-    assert "loops, 8 warps (best)" not in md and "-/-/-/- (best)" not in md
+    assert "| one block, 8 warps (default, best) | 4.50 |" in md and "| 2/1024/4/1 (best) | 2.40 |" in md
+    assert "| loops, 8 warps | 6.90 |" in md and "| -/-/-/- (default) | 3.20 |" in md
     S.plot({"device": "test", "rows": rows}, tmp_path / "p.png")
-    assert (tmp_path / "p.png").stat().st_size > 0
+    assert (tmp_path / "p.png").stat().st_size > 0   # (its bars: not read back)
+    # a tiling that resolves to the default's own configuration is not timed twice
+    assert S._distinct([(None,) * 4, (4, 512, 4, 3), (2, 512, 4, 3)], (4, 512, 4, 3)) == [(None,) * 4, (2, 512, 4, 3)]
     # bad input and an existing file: one line, exit status 2, nothing written or replaced
     out, other = tmp_path / "s.json", tmp_path / "other.json"
     other.write_text("{}")
@@ -2889,4 +2901,5 @@ def test_kernel_sweep_report_and_refusal(tmp_path, capsys):
     assert not out.exists() and other.read_text() == "{}"
     if not torch.cuda.is_available():
         assert S.main(["--json", str(out)]) == 2
-        assert "needs CUDA and Triton" in capsys.readouterr().err and not out.exists()
+        err = capsys.readouterr().err
+        assert "needs CUDA and Triton" in err and err.count("\n") == 1 and not out.exists()

@@ -40,6 +40,14 @@ def _time(calls, reps: int) -> float:
     return K.graph_ms(run, reps, warm=1) * 1e3 / len(calls)
 
 
+TRITON_WARPS, TRITON_STAGES = 4, 3   # Triton's launch defaults on NVIDIA GPUs (a tiling's None)
+
+
+def _distinct(tilings, default: tuple) -> list[tuple]:
+    """The tilings but those that resolve to the default's own configuration (kept as the all-None row)."""
+    return [t for t in tilings if all(v is None for v in t) or t != default]
+
+
 def _copies(nbytes: int) -> int:
     return max(8, math.ceil(MIN_BYTES / nbytes))
 
@@ -55,6 +63,8 @@ def router_rows(H: int, E: int, k: int, reps: int, *, tiles=(None, 1), warps=(4,
     sc, idx = torch.empty(1, k, device="cuda", dtype=torch.float16), torch.empty(1, k, device="cuda", dtype=torch.long)
     slot_of, sel = torch.arange(E, device="cuda"), torch.empty(2 * k, device="cuda", dtype=torch.long)
     rows, nbytes = [], E * H * 2
+    if not R.one_block(E, H, nbytes):   # (the default loops already: a tile of 1 would time it again)
+        tiles = tuple(t for t in tiles if t is None)
     for tile in tiles:
         one = R.one_block(E, H, nbytes, tile)
         for w in (warps if R.one_kernel(nbytes) else (None,)):
@@ -63,8 +73,7 @@ def router_rows(H: int, E: int, k: int, reps: int, *, tiles=(None, 1), warps=(4,
             us = _time(calls, reps)
             default = tile is None and w in (None, R.ROUTER_WARPS)
             rows.append({"kernel": "router", "shape": f"{E}x{H} top-{k}", "default": default,
-                         "tiling": ("one block" if one else "loops") + (" (the default tile)" if tile is None else "")
-                         + (f", {w} warps" if w else ""),
+                         "tiling": ("one block" if one else "loops") + (f", {w} warps" if w else ""),
                          "us": round(us, 2), "gbps": round(E * H * 2 / us / 1e3)})
     return rows
 
@@ -77,7 +86,7 @@ def slot_rows(O: int, N: int, k: int, gated: bool, name: str, reps: int, tilings
     x = torch.randn(k if gated else 1, 2 * N if gated else N, device="cuda", dtype=torch.float16)
     sels = [torch.arange(i * k, (i + 1) * k, device="cuda") for i in range(n)]
     rows = []
-    for bo, bn, nw, ns in tilings:
+    for bo, bn, nw, ns in _distinct(tilings, (K.SLOT_BLOCK_O, K.SLOT_BLOCK_N, TRITON_WARPS, TRITON_STAGES)):
         calls = [lambda s=s: K._slot_gemv_triton(arena, s, x, bo, bn, nw, gated=gated, num_stages=ns) for s in sels]
         us = _time(calls, reps)
         rows.append({"kernel": name, "shape": f"{k} x [{O}, {N}]" + (" gated" if gated else ""),
@@ -97,7 +106,7 @@ def norm_rows(H: int, O: int, k: int, reps: int, tilings) -> list[dict]:
     perm = torch.arange(k, device="cuda")
     nw = torch.ones(H, device="cuda", dtype=torch.float16)
     rows = []
-    for bo, nwarps in tilings:
+    for bo, nwarps in _distinct(tilings, (K.NORM_BLOCK_O, K.NORM_WARPS)):
         calls = [lambda i=i: K._norm_gemv_triton(h, ys, sc, perm, nw, 1e-6, w[i], block_o=bo, warps=nwarps)
                  for i in range(n)]
         us = _time(calls, reps)
@@ -161,7 +170,8 @@ def markdown(result: dict) -> str:
     out = [f"Kernel tilings on {result['device']} (us a call, weight GB/s{note})", "",
            "| kernel | shape | tiling | us | GB/s |", "|---|---|---|---|---|"]
     for r in result["rows"]:
-        mark = " (best)" if best[(r["kernel"], r["shape"])] is r else ""
+        tags = [t for t, on in (("default", r.get("default")), ("best", best[(r["kernel"], r["shape"])] is r)) if on]
+        mark = f" ({', '.join(tags)})" if tags else ""
         out.append(f"| {r['kernel']} | {r['shape']} | {r['tiling']}{mark} | {r['us']:.2f} | {r['gbps']} |")
     return "\n".join(out) + "\n"
 
@@ -222,8 +232,8 @@ def main(argv=None) -> int:
         result = {"device": torch.cuda.get_device_name(), "launch_pdl": K.pdl(torch.empty(0, device="cuda")),
                   "args": args, "rows": rows}
         md, png = write_report(result, a.json, markdown, plot)
-        print(md.read_text())
-        print(f"wrote {a.json}, {md}, {png}")
+        print(markdown(result))
+        print("wrote " + ", ".join(str(f) for f in (a.json, md, png) if f == a.json or f.exists()))
     except SpecPrefetchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

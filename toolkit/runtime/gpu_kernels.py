@@ -87,9 +87,11 @@ if triton is not None:
 # finishes: each kernel signals at its start (griddepcontrol.launch_dependents) and waits for the kernel before it
 # (griddepcontrol.wait), in every program, before it reads anything that kernel may have written or writes
 # anything, so the launch gap between two kernels and, where a kernel reads constant weights first (norm_gemv, the
-# router), those reads overlap the kernel before. Those weights must not be written by the kernel launched just
-# before (nothing writes a model's weights while it decodes; code that did, in place, would need a plain launch or
-# a sync in between). SPECPREFETCH_PDL=0 launches them plainly, 1 (the default) as above (docs/gpu-tier.md).
+# router, in their one-block paths), those reads overlap the kernel before. As each kernel lets the next start at
+# its own start, a chain of them can be in flight at once: those weights must not be written by any kernel that
+# may still run (nothing writes a model's weights while it decodes; code that did, in place, would need a plain
+# launch or a sync in between). SPECPREFETCH_PDL=0 launches them plainly, 1 (the default) as above
+# (docs/gpu-tier.md).
 def pdl_setting(value: str | None) -> bool | None:
     """SPECPREFETCH_PDL's value -> on (unset or 1), off (0), or None for anything else (refused by pdl())."""
     return {"1": True, "0": False}.get("1" if value is None else value.strip())
@@ -104,15 +106,20 @@ def _sm90(index: int) -> bool:
     return torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def pdl(t: torch.Tensor) -> bool:
-    """Whether the kernels launched for t's device use programmatic dependent launch (PDL, above); an
-    SPECPREFETCH_PDL other than 0 or 1 is refused in one line (on a GPU, where it would apply)."""
-    if not t.is_cuda:
-        return False
+def check_pdl_setting() -> None:
+    """An SPECPREFETCH_PDL other than 0 or 1 refused in one line (gpu.Device checks it for a CUDA device, before
+    any model loads; pdl() at a launch otherwise)."""
     if PDL is None:
         from toolkit.errors import SpecPrefetchError
 
         raise SpecPrefetchError(f"SPECPREFETCH_PDL={_PDL_ENV!r}: 0 (plain launches) or 1 (the default)")
+
+
+def pdl(t: torch.Tensor) -> bool:
+    """Whether the kernels launched for t's device use programmatic dependent launch (PDL, above)."""
+    if not t.is_cuda:
+        return False
+    check_pdl_setting()
     return PDL and _sm90(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 

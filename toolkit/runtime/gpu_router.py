@@ -41,6 +41,9 @@ MAX_ROUTER_KIB, ROUTER_BLOCK_E, MAX_EXPERTS = 128, 8, 1024
 # a program whose router rows and hidden row (padded to powers of two) hold at most ROUTER_TILE elements takes
 # the row in one block, every load issued at once; a wider one loops over blocks of the row
 ROUTER_TILE, ROUTER_WARPS = 32768, 8
+# the two-kernel path's logits programs (Triton's default 4 warps): at most 16,384 in one block (8 x 2048, as
+# measured: docs/benchmarks.md section 33); wider rows loop
+ROUTER_LOGITS_TILE = 16384
 
 
 def _pow2(n: int) -> int:
@@ -55,9 +58,11 @@ def one_kernel(nbytes: int) -> bool:
 def one_block(E: int, H: int, nbytes: int, tile: int | None = None) -> bool:
     """Whether its programs take the hidden row in one block: the rows a program holds (every expert in the
     one-kernel path, padded to a power of two of at least 16; ROUTER_BLOCK_E in the two-kernel path) times the
-    row padded to a power of two, at most `tile` (default ROUTER_TILE) elements."""
-    rows = max(16, _pow2(E)) if one_kernel(nbytes) else ROUTER_BLOCK_E
-    return rows * _pow2(H) <= (tile or ROUTER_TILE)
+    row padded to a power of two, at most `tile` (default ROUTER_TILE; the two-kernel path also at most
+    ROUTER_LOGITS_TILE) elements."""
+    if one_kernel(nbytes):
+        return max(16, _pow2(E)) * _pow2(H) <= (tile or ROUTER_TILE)
+    return ROUTER_BLOCK_E * _pow2(H) <= min(tile or ROUTER_TILE, ROUTER_LOGITS_TILE)
 
 
 def router_usable(norms, gates, dtype: torch.dtype) -> str | None:
@@ -109,8 +114,9 @@ if triton is not None:
         """The residual add and post-attention norm (written out where `write`), and the logits of experts e
         (masked by me), rounded to the dtype as F.linear rounds: both router paths' first part. ONE: the row
         in one block (BLOCK_H >= H), every load issued before the first reduction, so the program waits on
-        memory once (a loop over blocks waits once a block: the router's latency, docs/benchmarks.md). PDL: the
-        constant weights are read before waiting for the kernel before (gpu_kernels.PDL)."""
+        memory once (a loop over blocks waits once a block: the router's latency, docs/benchmarks.md). PDL: in
+        the one-block path the constant weights are read before waiting for the kernel before, the loop path
+        waits first (gpu_kernels.PDL)."""
         dt = h_ptr.dtype.element_ty
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
