@@ -2099,12 +2099,13 @@ def test_triton_router_matches_the_reference(one, monkeypatch):
     float32 rounding; Qwen3's fp16 scores with and without the normalisation, Mixtral's float32 ones,
     k = E, and a tie between two experts' logits (the lower index first, as topk_by_sort); routers over
     128 KiB (Qwen3-30B's 128 x 2048, and 300 experts) through the two-kernel path. Every case with the row in
-    one block (the default for these sizes) and through the loop over blocks (ROUTER_TILE = 1), each launch's
+    one block (the default for these sizes) and through the loop over blocks (both bounds 1), each launch's
     path checked."""
     from toolkit.runtime import gpu_router as R
 
     if not one:
         monkeypatch.setattr(R, "ROUTER_TILE", 1)
+        monkeypatch.setattr(R, "ROUTER_LOGITS_TILE", 1)
     dev = _triton_device()
     g = torch.Generator(device=dev).manual_seed(5)
     r = lambda *shape: torch.randn(*shape, device=dev, generator=g)   # noqa: E731
@@ -2114,6 +2115,12 @@ def test_triton_router_matches_the_reference(one, monkeypatch):
     monkeypatch.setattr(R, "_route_logits_kernel", _KernelSpy(R._route_logits_kernel, logits))
     _router_cases(R, dev, g, r, launched)
     assert logits and {kw["ONE"] for _, kw in logits} == {one}, logits
+    # the one-block bounds: a router of the one kernel up to ROUTER_TILE, the two kernels' programs up to
+    # ROUTER_LOGITS_TILE (8 x 2048 in one block, 8 x 4096 loops), an explicit tile overriding either
+    if one:
+        assert R.one_block(32, 1024, 2 ** 16) and not R.one_block(64, 1024, 2 ** 17)
+        assert R.one_block(128, 2048, 2 ** 19) and not R.one_block(128, 4096, 2 ** 20)
+        assert R.one_block(128, 4096, 2 ** 20, 2 ** 15) and not R.one_block(32, 1024, 2 ** 16, 2 ** 14)
     # every launch's PDL flag as launched (the kernels wait only where they were launched with PDL)
     assert all(kw["PDL"] == ("launch_pdl" in kw) == R.pdl(torch.zeros(1, device=dev))
                for _, kw in logits + launched), logits + launched
@@ -2867,7 +2874,7 @@ def test_pdl_only_on_cuda_and_where_not_turned_off(monkeypatch):
         assert K.pdl(torch.zeros(1, device="cuda")) == hopper
 
 
-def test_kernel_sweep_report_and_refusal(tmp_path, capsys):
+def test_kernel_sweep_report_and_refusal(tmp_path, capsys, monkeypatch):
     """python -m toolkit.runtime.gpu_kernel_sweep: each kernel's default and fastest tiling marked in its table
     (by shape), a plot written; bad options, an existing file that is no sweep report and (without CUDA) the
     machine refused in one line before any work, nothing written."""
@@ -2903,3 +2910,16 @@ def test_kernel_sweep_report_and_refusal(tmp_path, capsys):
         assert S.main(["--json", str(out)]) == 2
         err = capsys.readouterr().err
         assert "needs CUDA and Triton" in err and err.count("\n") == 1 and not out.exists()
+    # the report to /dev/null: the JSON in place, no .md or .png (the table printed from the rows), and the
+    # "wrote" line names what was written (the sweep itself stood in for: no GPU needed)
+    monkeypatch.setattr(S, "sweep", lambda *a, **kw: rows)
+    monkeypatch.setattr(S, "_cuda_pdl", lambda: True)
+    monkeypatch.setattr(S.K, "triton", S.K.triton or object())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "a test GPU")
+    assert S.main(["--json", "/dev/null"]) == 0
+    printed = capsys.readouterr().out
+    assert "| 2/1024/4/1 (best) | 2.40 |" in printed and "programmatic dependent launch" in printed
+    assert printed.rstrip().endswith("wrote /dev/null"), printed
+    assert S.main(["--json", str(out)]) == 0 and out.with_suffix(".md").exists() and out.with_suffix(".png").exists()
+    assert json.loads(out.read_text())["launch_pdl"] is True and f"wrote {out}, " in capsys.readouterr().out

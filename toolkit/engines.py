@@ -300,6 +300,10 @@ def gpu_engine(model, *, device: str, policy: str, adapter, store_path, dtype, p
     if dtype not in (None, "fp16"):
         raise SpecPrefetchError(f"--device {device}: the GPU tier computes from fp16 experts; drop --dtype {dtype}")
     Device(device)  # CUDA present (a one-line error before any loading)
+    if device.startswith("cuda"):   # (a bad SPECPREFETCH_PDL too, rather than at the first kernel)
+        from toolkit.runtime.gpu_kernels import check_pdl_setting
+
+        check_pdl_setting()
     spec = inspect_model_dir(model)
     if store_path is None:
         from toolkit.runtime.store_cache import cached_store

@@ -95,10 +95,6 @@ class Device:
             if self.cuda else None
         if self.cuda and self.device.index is not None and self.device.index >= torch.cuda.device_count():
             raise SpecPrefetchError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-        if self.cuda:   # (SPECPREFETCH_PDL: refused here, before a model loads, rather than at the first kernel)
-            from toolkit.runtime.gpu_kernels import check_pdl_setting
-
-            check_pdl_setting()
         # prefetches queue on one stream in the scheduler's order; demand copies go on their own
         # high-priority stream, so a miss never waits behind queued prefetches
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None

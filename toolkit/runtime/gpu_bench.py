@@ -275,6 +275,10 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
 
         library()   # built (or its build refused) before anything loads
     dev = Device(device)
+    if dev.cuda:   # (a bad SPECPREFETCH_PDL refused before anything loads, rather than at the first kernel)
+        from toolkit.runtime.gpu_kernels import check_pdl_setting
+
+        check_pdl_setting()
     fallback = launch_fallback(dev) if any("launch" in v for v in knobs.values()) else None
     for label, v in knobs.items():
         if fallback and v.get("launch") == "torch":

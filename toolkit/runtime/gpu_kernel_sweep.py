@@ -3,8 +3,8 @@ a model (default: the 1.2 B GPU model's, hidden 1024, 16 / 4 heads of 64, 32 exp
 
     python -m toolkit.runtime.gpu_kernel_sweep --json sweep.json [--hidden 1024 --experts 32 --ffn 1536 ...]
 
-- the router (`gpu_router`): the row in one block (every load at once, ROUTER_WARPS warps) against the loop
-  over blocks, with the resident selection; and a router of Qwen3-30B's size (128 x 2048, top-8: two kernels);
+- the router (`gpu_router`): the row in one block (every load at once) against the loop over blocks, with the
+  resident selection, at 4, 8 and 16 warps; and a router of Qwen3-30B's size (128 x 2048, top-8: two kernels);
 - the slot GEMV (`gpu_kernels.slot_gemv`) as the experts' gate / up and gated down projections (k experts) and
   as the attention's output projection (one matrix), over BLOCK_O / BLOCK_N / warps / stages;
 - the q/k/v GEMV with the expert combine and input norm (`gpu_kernels.norm_gemv`) over BLOCK_O / warps;
@@ -44,8 +44,14 @@ TRITON_WARPS, TRITON_STAGES = 4, 3   # Triton's launch defaults on NVIDIA GPUs (
 
 
 def _distinct(tilings, default: tuple) -> list[tuple]:
-    """The tilings but those that resolve to the default's own configuration (kept as the all-None row)."""
+    """The tilings but those equal to the default's own configuration, written out (`default`: the module's
+    tiling and, for the slot GEMV, Triton's NVIDIA launch defaults); the all-None row stays."""
     return [t for t in tilings if all(v is None for v in t) or t != default]
+
+
+def _cuda_pdl() -> bool:
+    """Whether the kernels launch with programmatic dependent launch on the current CUDA device."""
+    return K.pdl(torch.empty(0, device="cuda"))
 
 
 def _copies(nbytes: int) -> int:
@@ -53,8 +59,9 @@ def _copies(nbytes: int) -> int:
 
 
 def router_rows(H: int, E: int, k: int, reps: int, *, tiles=(None, 1), warps=(4, 8, 16)) -> list[dict]:
-    """The router with the resident selection at [E, H], top-k: each tile (None: ROUTER_TILE; 1: the loop over
-    blocks) and warp count (the one-kernel path's)."""
+    """The router with the resident selection at [E, H], top-k: each tile (None: the default bound, gpu_router's
+    one_block; 1: the loop over blocks, or where the default loops already the row in one block) and warp count
+    (the one-kernel path's)."""
     n = _copies(E * H * 2)
     gw = torch.randn(n, E, H, device="cuda", dtype=torch.float16) * 0.05
     h, a = (torch.randn(1, H, device="cuda", dtype=torch.float16) for _ in range(2))
@@ -63,8 +70,8 @@ def router_rows(H: int, E: int, k: int, reps: int, *, tiles=(None, 1), warps=(4,
     sc, idx = torch.empty(1, k, device="cuda", dtype=torch.float16), torch.empty(1, k, device="cuda", dtype=torch.long)
     slot_of, sel = torch.arange(E, device="cuda"), torch.empty(2 * k, device="cuda", dtype=torch.long)
     rows, nbytes = [], E * H * 2
-    if not R.one_block(E, H, nbytes):   # (the default loops already: a tile of 1 would time it again)
-        tiles = tuple(t for t in tiles if t is None)
+    if not R.one_block(E, H, nbytes):   # (the default loops already: the alternative is the row in one block)
+        tiles = tuple(2 ** 30 if t == 1 else t for t in tiles)
     for tile in tiles:
         one = R.one_block(E, H, nbytes, tile)
         for w in (warps if R.one_kernel(nbytes) else (None,)):
@@ -140,7 +147,7 @@ def sweep(hidden: int, heads: int, kv_heads: int, head_dim: int, experts: int, f
         return rows + norm_rows(hidden, O, k, reps, norm)
 
     rows = kernels(slot, norm, (None, 1), (4, 8, 16))
-    if not K.pdl(torch.empty(0, device="cuda")):   # (no PDL here: every row is plain already)
+    if not _cuda_pdl():   # (no PDL here: every row is plain already)
         return rows
     K.PDL = False
     try:
@@ -224,16 +231,16 @@ def main(argv=None) -> int:
         from toolkit.artifacts import claim_report
         from toolkit.reporting import write_report
 
-        claim_report(a.json, kind="gpu_kernel_sweep", overwrite=a.overwrite)   # (before any work)
+        claim = claim_report(a.json, kind="gpu_kernel_sweep", overwrite=a.overwrite)   # (before any work)
         if K.triton is None or not torch.cuda.is_available():
             raise SpecPrefetchError("the sweep needs CUDA and Triton")
         rows = sweep(a.hidden, a.heads, a.kv_heads, a.head_dim, a.experts, a.ffn, a.top_k, a.reps, a.quick)
         args = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()}
-        result = {"device": torch.cuda.get_device_name(), "launch_pdl": K.pdl(torch.empty(0, device="cuda")),
+        result = {"device": torch.cuda.get_device_name(), "launch_pdl": _cuda_pdl(),
                   "args": args, "rows": rows}
-        md, png = write_report(result, a.json, markdown, plot)
+        write_report(result, a.json, markdown, plot)
         print(markdown(result))
-        print("wrote " + ", ".join(str(f) for f in (a.json, md, png) if f == a.json or f.exists()))
+        print("wrote " + ", ".join(str(f) for f in claim.files()))
     except SpecPrefetchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

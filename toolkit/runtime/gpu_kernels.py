@@ -93,7 +93,7 @@ if triton is not None:
 # launch or a sync in between). SPECPREFETCH_PDL=0 launches them plainly, 1 (the default) as above
 # (docs/gpu-tier.md).
 def pdl_setting(value: str | None) -> bool | None:
-    """SPECPREFETCH_PDL's value -> on (unset or 1), off (0), or None for anything else (refused by pdl())."""
+    """SPECPREFETCH_PDL's value -> on (unset or 1), off (0), or None for anything else (check_pdl_setting)."""
     return {"1": True, "0": False}.get("1" if value is None else value.strip())
 
 
@@ -107,8 +107,8 @@ def _sm90(index: int) -> bool:
 
 
 def check_pdl_setting() -> None:
-    """An SPECPREFETCH_PDL other than 0 or 1 refused in one line (gpu.Device checks it for a CUDA device, before
-    any model loads; pdl() at a launch otherwise)."""
+    """An SPECPREFETCH_PDL other than 0 or 1 refused in one line: by `run --device cuda` and `bench gpu` before
+    anything loads, and by pdl() at a fused kernel's launch."""
     if PDL is None:
         from toolkit.errors import SpecPrefetchError
 

@@ -41,8 +41,8 @@ MAX_ROUTER_KIB, ROUTER_BLOCK_E, MAX_EXPERTS = 128, 8, 1024
 # a program whose router rows and hidden row (padded to powers of two) hold at most ROUTER_TILE elements takes
 # the row in one block, every load issued at once; a wider one loops over blocks of the row
 ROUTER_TILE, ROUTER_WARPS = 32768, 8
-# the two-kernel path's logits programs (Triton's default 4 warps): at most 16,384 in one block (8 x 2048, as
-# measured: docs/benchmarks.md section 33); wider rows loop
+# the two-kernel path's logits programs (Triton's default 4 warps): at most 16,384 in one block (8 x 2048, measured:
+# docs/benchmarks.md section 33; wider rows are untested in one block, so they loop)
 ROUTER_LOGITS_TILE = 16384
 
 
@@ -58,11 +58,11 @@ def one_kernel(nbytes: int) -> bool:
 def one_block(E: int, H: int, nbytes: int, tile: int | None = None) -> bool:
     """Whether its programs take the hidden row in one block: the rows a program holds (every expert in the
     one-kernel path, padded to a power of two of at least 16; ROUTER_BLOCK_E in the two-kernel path) times the
-    row padded to a power of two, at most `tile` (default ROUTER_TILE; the two-kernel path also at most
-    ROUTER_LOGITS_TILE) elements."""
-    if one_kernel(nbytes):
-        return max(16, _pow2(E)) * _pow2(H) <= (tile or ROUTER_TILE)
-    return ROUTER_BLOCK_E * _pow2(H) <= min(tile or ROUTER_TILE, ROUTER_LOGITS_TILE)
+    row padded to a power of two, at most `tile` elements (default ROUTER_TILE, in the two-kernel path
+    ROUTER_LOGITS_TILE)."""
+    if tile is None:
+        tile = ROUTER_TILE if one_kernel(nbytes) else ROUTER_LOGITS_TILE
+    return (max(16, _pow2(E)) if one_kernel(nbytes) else ROUTER_BLOCK_E) * _pow2(H) <= tile
 
 
 def router_usable(norms, gates, dtype: torch.dtype) -> str | None:
@@ -284,8 +284,8 @@ def _(h, a, norm_w, eps, gate_w, norm_topk, post, scores, idx, slot_of, sel):
 
 def _route_triton(h, a, norm_w, eps: float, gate_w, norm_topk: bool, post, scores, idx, slot_of=None,
                   sel=None, *, tile: int | None = None, warps: int | None = None) -> torch.Tensor:
-    """The kernels' launch; `tile` / `warps` override ROUTER_TILE / ROUTER_WARPS (the tiling sweep, tests; the
-    warps are the one-kernel path's)."""
+    """The kernels' launch; `tile` / `warps` override the one-block bound (ROUTER_TILE / ROUTER_LOGITS_TILE:
+    one_block) / ROUTER_WARPS (the tiling sweep, tests; the warps are the one-kernel path's)."""
     E, H = gate_w.shape
     k = idx.numel()
     if h.numel() != H or a.numel() != H or post.numel() != H or scores.numel() != k:
