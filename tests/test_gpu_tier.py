@@ -2115,12 +2115,20 @@ def test_triton_router_matches_the_reference(one, monkeypatch):
     monkeypatch.setattr(R, "_route_logits_kernel", _KernelSpy(R._route_logits_kernel, logits))
     _router_cases(R, dev, g, r, launched)
     assert logits and {kw["ONE"] for _, kw in logits} == {one}, logits
-    # the one-block bounds: a router of the one kernel up to ROUTER_TILE, the two kernels' programs up to
-    # ROUTER_LOGITS_TILE (8 x 2048 in one block, 8 x 4096 loops), an explicit tile overriding either
-    if one:
-        assert R.one_block(32, 1024, 2 ** 16) and not R.one_block(64, 1024, 2 ** 17)
-        assert R.one_block(128, 2048, 2 ** 19) and not R.one_block(128, 4096, 2 ** 20)
-        assert R.one_block(128, 4096, 2 ** 20, 2 ** 15) and not R.one_block(32, 1024, 2 ** 16, 2 ** 14)
+    if not one:   # an explicit tile over the bounds (the sweep's, where a default loops): the row in one block,
+        logits.clear()   # the same routing as the reference, through both router paths
+        for E, H in ((32, 64), (300, 256)):   # (one kernel; two: over 128 KiB)
+            h, a, nw, gw = r(1, H).half(), r(1, H).half(), (1 + 0.1 * r(H)).half(), (0.1 * r(E, H)).half()
+            got = []
+            for use in (False, True):
+                post, sc, idx = torch.zeros(1, H, device=dev).half(), torch.zeros(1, 4, device=dev).half(), \
+                    torch.full((1, 4), -1, device=dev, dtype=torch.long)
+                out = (R._route_triton(h, a, nw, 1e-6, gw, True, post, sc, idx, tile=2 ** 30) if use
+                       else R._route_reference(h, a, nw, 1e-6, gw, True, post, sc, idx))
+                got.append((out, post, idx))
+            assert torch.equal(got[0][0], got[1][0]) and _fp16_steps(got[0][1], got[1][1]) <= 1, (E, H)
+            assert torch.equal(got[0][2], got[1][2]), (E, H, got[0][2], got[1][2])
+        assert logits and all(kw["ONE"] for _, kw in logits), logits
     # every launch's PDL flag as launched (the kernels wait only where they were launched with PDL)
     assert all(kw["PDL"] == ("launch_pdl" in kw) == R.pdl(torch.zeros(1, device=dev))
                for _, kw in logits + launched), logits + launched
@@ -2850,7 +2858,7 @@ def test_gpu_bench_runs_every_policy_on_the_native_host(tiny_models, stores, mon
 def test_pdl_only_on_cuda_and_where_not_turned_off(monkeypatch):
     """Programmatic dependent launch (gpu_kernels.PDL): never for CPU tensors (the interpreter's path), and
     not on a GPU when SPECPREFETCH_PDL=0 turned it off; a value of neither 0 nor 1 refused in one line (at a
-    launch, and on a GPU when its Device is set up); the launch options follow."""
+    launch; `run --device cuda` and `bench gpu` before anything loads: below); the launch options follow."""
     from toolkit.runtime import gpu_kernels as K
 
     assert K.pdl(torch.zeros(1)) is False
@@ -2862,16 +2870,58 @@ def test_pdl_only_on_cuda_and_where_not_turned_off(monkeypatch):
     with pytest.raises(SpecPrefetchError, match="SPECPREFETCH_PDL=.*0 .plain launches. or 1"):
         K.check_pdl_setting()
     if torch.cuda.is_available():
-        from toolkit.runtime.gpu import Device
-
-        for refused in (lambda: K.pdl(torch.zeros(1, device="cuda")), lambda: Device("cuda")):
-            with pytest.raises(SpecPrefetchError, match="SPECPREFETCH_PDL=.*0 .plain launches. or 1"):
-                refused()
+        with pytest.raises(SpecPrefetchError, match="SPECPREFETCH_PDL=.*0 .plain launches. or 1"):
+            K.pdl(torch.zeros(1, device="cuda"))
         monkeypatch.setattr(K, "PDL", False)
         assert K.pdl(torch.zeros(1, device="cuda")) is False
         monkeypatch.setattr(K, "PDL", True)
         hopper = torch.version.hip is None and torch.cuda.get_device_capability()[0] >= 9
         assert K.pdl(torch.zeros(1, device="cuda")) == hopper
+
+
+def test_a_bad_pdl_setting_is_refused_before_anything_loads(monkeypatch, tmp_path):
+    """`run --device cuda` (engines.gpu_engine) and `bench gpu` (run_gpu_bench) refuse an SPECPREFETCH_PDL of
+    neither 0 nor 1 in one line before the model is read (the model loaders fail the test if reached; the CUDA
+    device stood in for, so this runs without a GPU)."""
+    from toolkit import engines
+    from toolkit.models import loader
+    from toolkit.runtime import gpu, gpu_kernels as K
+    from toolkit.runtime.gpu_bench import run_gpu_bench
+    from toolkit.runtime.policy import parse_policies
+
+    def reached(*a, **kw):
+        raise AssertionError("the model was read before the setting was checked")
+
+    monkeypatch.setattr(K, "PDL", None)
+    monkeypatch.setattr(K, "_PDL_ENV", "yes")
+    monkeypatch.setattr(loader, "inspect_model_dir", reached)
+    monkeypatch.setattr(loader, "load_model", reached)
+    monkeypatch.setattr(gpu, "Device", lambda device: None)
+    with pytest.raises(SpecPrefetchError, match="^SPECPREFETCH_PDL='yes': 0 .plain launches. or 1 .the default.$"):
+        engines.gpu_engine(tmp_path, device="cuda", policy="on-demand+lru", adapter=None, store_path=None, dtype=None,
+                           pool_mib=None, window=2, min_confidence=0.0, draft_k=2)
+    with pytest.raises(SpecPrefetchError, match="^SPECPREFETCH_PDL='yes'"):
+        run_gpu_bench(tmp_path, store=None, adapter=None, policies=parse_policies("on-demand+lru"), fractions=[0.5],
+                      device="cuda")
+    monkeypatch.setattr(K, "PDL", True)   # (the same calls get past the check: to the model, here the stub)
+    with pytest.raises(AssertionError, match="the model was read"):
+        run_gpu_bench(tmp_path, store=None, adapter=None, policies=parse_policies("on-demand+lru"), fractions=[0.5],
+                      device="cuda")
+
+
+def test_router_one_block_bounds():
+    """gpu_router.one_block: a one-kernel router (at most MAX_ROUTER_KIB) in one block up to ROUTER_TILE
+    elements (its experts padded to a power of two of at least 16, times the padded row), the two-kernel path's
+    programs (ROUTER_BLOCK_E experts) up to ROUTER_LOGITS_TILE (8 x 2048 in one block, 8 x 4096 loops); an
+    explicit tile overrides either bound."""
+    from toolkit.runtime import gpu_router as R
+
+    assert R.one_block(32, 1024, 2 ** 16) and not R.one_block(64, 1024, 2 ** 17)
+    assert R.one_block(8, 1000, 16000) and R.one_block(20, 1000, 40000)      # (padded: 16 x 1024, 32 x 1024)
+    assert not R.one_block(40, 1000, 80000)                                    # (64 x 1024)
+    assert R.one_block(128, 2048, 2 ** 19) and not R.one_block(128, 4096, 2 ** 20)
+    assert R.one_block(128, 4096, 2 ** 20, 2 ** 15) and not R.one_block(32, 1024, 2 ** 16, 2 ** 14)
+    assert R.one_kernel(128 * 1024) and not R.one_kernel(128 * 1024 + 1)
 
 
 def test_kernel_sweep_report_and_refusal(tmp_path, capsys, monkeypatch):

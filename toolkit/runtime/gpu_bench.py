@@ -259,6 +259,10 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
     from toolkit.runtime.profiles import check_budget_kib, read_budget_kib
     from toolkit.runtime.runner import RunConfig
 
+    if torch.device(device).type == "cuda":   # (a bad SPECPREFETCH_PDL refused before anything is read or built)
+        from toolkit.runtime.gpu_kernels import check_pdl_setting
+
+        check_pdl_setting()
     spec = inspect_model_dir(model)
     g = spec.geometry
     L, E = len(g.moe_layers), g.routing.num_experts
@@ -275,10 +279,6 @@ def run_gpu_bench(model: str | Path, *, store: Path | None, adapter: Path | None
 
         library()   # built (or its build refused) before anything loads
     dev = Device(device)
-    if dev.cuda:   # (a bad SPECPREFETCH_PDL refused before anything loads, rather than at the first kernel)
-        from toolkit.runtime.gpu_kernels import check_pdl_setting
-
-        check_pdl_setting()
     fallback = launch_fallback(dev) if any("launch" in v for v in knobs.values()) else None
     for label, v in knobs.items():
         if fallback and v.get("launch") == "torch":

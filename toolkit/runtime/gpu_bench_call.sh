@@ -43,7 +43,8 @@
 # reaches these benches too; RWIDE=0: the base geometry only; RK="fused model": the fused attention and router
 # against the model's, interleaved over RR rounds, 2, each bench's files named -fused-rN / -model-rN; RK's
 # fused-plain: the fused kernels launched without programmatic dependent launch (SPECPREFETCH_PDL=0), -fused-plain-rN
-# (RK's fused kinds need the GPU's fp16: a DEV=cpu smoke run refuses them in each bench's log):
+# (RK's fused kinds need the GPU's fp16: a DEV=cpu smoke run refuses them in each bench's log; the other kinds take
+# the call's own SPECPREFETCH_PDL, if set):
 #   STAGES="resident tests" RK="fused model" RWIDE=0 OUT=... bash toolkit/runtime/gpu_bench_call.sh
 #   STAGES=resident RK="fused fused-plain" RWIDE=0 OUT=... bash toolkit/runtime/gpu_bench_call.sh   (section 33's A/B)).
 # SMOKE=1 runs every stage on tiny sizes (a random tiny model, no training, one short prompt) to check
@@ -244,6 +245,7 @@ PY
       CB=inductor; [ "$DEV" = cpu ] && CB=aot_eager
       MS=("$RM"); [ "${RWIDE:-1}" = 1 ] && MS+=("$RW")
       for kc in ${RK:-}; do case $kc in fused|fused-plain|model) ;; *) fail "resident: RK '$kc' (fused, fused-plain or model)"; exit 2 ;; esac; done
+      case " ${RK:-} " in *" fused-plain "*) [ "${SPECPREFETCH_PDL-1}" = 0 ] && echo "note: SPECPREFETCH_PDL=0 for the whole call: RK's fused and fused-plain both launch plainly" | tee -a "$L" ;; esac
       for m in "${MS[@]}"; do
         n0=$([ "$m" = "$RM" ] && echo rand || echo rand-wide)
         # RK: the step's kernels to compare, interleaved over RR rounds (fused: --attention fused --router fused;
@@ -251,7 +253,7 @@ PY
         # -KERNELS-rROUND; unset: one bench as it is
         for r in $(seq 1 $([ -n "${RK:-}" ] && echo "${RR:-2}" || echo 1)); do
           for kc in ${RK:-default}; do
-            pdl=${SPECPREFETCH_PDL:-1}
+            pdl=${SPECPREFETCH_PDL-1}   # (the call's own setting, as given, but for fused-plain)
             case $kc in fused) ko="--attention fused --router fused"; n=$n0-fused-r$r ;;
               fused-plain) ko="--attention fused --router fused"; n=$n0-fused-plain-r$r; pdl=0 ;;
               model) ko="--attention sdpa --router model"; n=$n0-model-r$r ;; *) ko=""; n=$n0 ;; esac

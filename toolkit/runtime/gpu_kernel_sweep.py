@@ -4,7 +4,8 @@ a model (default: the 1.2 B GPU model's, hidden 1024, 16 / 4 heads of 64, 32 exp
     python -m toolkit.runtime.gpu_kernel_sweep --json sweep.json [--hidden 1024 --experts 32 --ffn 1536 ...]
 
 - the router (`gpu_router`): the row in one block (every load at once) against the loop over blocks, with the
-  resident selection, at 4, 8 and 16 warps; and a router of Qwen3-30B's size (128 x 2048, top-8: two kernels);
+  resident selection (the one-kernel router at 4, 8 and 16 warps); and a router of Qwen3-30B's size (128 x 2048,
+  top-8: two kernels);
 - the slot GEMV (`gpu_kernels.slot_gemv`) as the experts' gate / up and gated down projections (k experts) and
   as the attention's output projection (one matrix), over BLOCK_O / BLOCK_N / warps / stages;
 - the q/k/v GEMV with the expert combine and input norm (`gpu_kernels.norm_gemv`) over BLOCK_O / warps;
@@ -29,6 +30,7 @@ from toolkit.runtime import gpu_kernels as K
 from toolkit.runtime import gpu_router as R
 
 MIN_BYTES = 160e6   # each graph's weights: past the L2 cache (50 MB on an H100)
+ANY_TILE = 2 ** 30   # a router tile every row fits: the row in one block whatever its size (register spills and all)
 
 
 def _time(calls, reps: int) -> float:
@@ -71,7 +73,7 @@ def router_rows(H: int, E: int, k: int, reps: int, *, tiles=(None, 1), warps=(4,
     slot_of, sel = torch.arange(E, device="cuda"), torch.empty(2 * k, device="cuda", dtype=torch.long)
     rows, nbytes = [], E * H * 2
     if not R.one_block(E, H, nbytes):   # (the default loops already: the alternative is the row in one block)
-        tiles = tuple(2 ** 30 if t == 1 else t for t in tiles)
+        tiles = tuple(ANY_TILE if t == 1 else t for t in tiles)
     for tile in tiles:
         one = R.one_block(E, H, nbytes, tile)
         for w in (warps if R.one_kernel(nbytes) else (None,)):
@@ -234,6 +236,7 @@ def main(argv=None) -> int:
         claim = claim_report(a.json, kind="gpu_kernel_sweep", overwrite=a.overwrite)   # (before any work)
         if K.triton is None or not torch.cuda.is_available():
             raise SpecPrefetchError("the sweep needs CUDA and Triton")
+        K.check_pdl_setting()
         rows = sweep(a.hidden, a.heads, a.kv_heads, a.head_dim, a.experts, a.ffn, a.top_k, a.reps, a.quick)
         args = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()}
         result = {"device": torch.cuda.get_device_name(), "launch_pdl": _cuda_pdl(),
@@ -244,6 +247,10 @@ def main(argv=None) -> int:
     except SpecPrefetchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    finally:
+        from toolkit.artifacts import release_report_claims
+
+        release_report_claims()   # (main may run in-process: its claims end with it)
     return 0
 
 

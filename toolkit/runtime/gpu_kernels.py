@@ -107,8 +107,8 @@ def _sm90(index: int) -> bool:
 
 
 def check_pdl_setting() -> None:
-    """An SPECPREFETCH_PDL other than 0 or 1 refused in one line: by `run --device cuda` and `bench gpu` before
-    anything loads, and by pdl() at a fused kernel's launch."""
+    """An SPECPREFETCH_PDL other than 0 or 1 refused in one line: by `run --device cuda`, `bench gpu` and the
+    kernel sweep before anything loads, and by pdl() at a fused kernel's launch."""
     if PDL is None:
         from toolkit.errors import SpecPrefetchError
 
