@@ -2115,23 +2115,25 @@ def test_triton_router_matches_the_reference(one, monkeypatch):
     monkeypatch.setattr(R, "_route_logits_kernel", _KernelSpy(R._route_logits_kernel, logits))
     _router_cases(R, dev, g, r, launched)
     assert logits and {kw["ONE"] for _, kw in logits} == {one}, logits
+    # every launch's PDL flag as launched (the kernels wait only where they were launched with PDL)
+    assert all(kw["PDL"] == ("launch_pdl" in kw) == R.pdl(torch.zeros(1, device=dev))
+               for _, kw in logits + launched), logits + launched
     if not one:   # an explicit tile over the bounds (the sweep's, where a default loops): the row in one block,
         logits.clear()   # the same routing as the reference, through both router paths
-        for E, H in ((32, 64), (300, 256)):   # (one kernel; two: over 128 KiB)
+        for E, H, kernels in ((32, 64, 1), (300, 256, 2)):   # (one kernel; two: over 128 KiB)
             h, a, nw, gw = r(1, H).half(), r(1, H).half(), (1 + 0.1 * r(H)).half(), (0.1 * r(E, H)).half()
-            got = []
+            got, before = [], len(launched)
             for use in (False, True):
                 post, sc, idx = torch.zeros(1, H, device=dev).half(), torch.zeros(1, 4, device=dev).half(), \
                     torch.full((1, 4), -1, device=dev, dtype=torch.long)
                 out = (R._route_triton(h, a, nw, 1e-6, gw, True, post, sc, idx, tile=2 ** 30) if use
                        else R._route_reference(h, a, nw, 1e-6, gw, True, post, sc, idx))
-                got.append((out, post, idx))
+                got.append((out, post, idx, sc))
+            assert len(launched) - before == kernels - 1, (E, H)   # (the top-k kernel: the two-kernel path's)
             assert torch.equal(got[0][0], got[1][0]) and _fp16_steps(got[0][1], got[1][1]) <= 1, (E, H)
             assert torch.equal(got[0][2], got[1][2]), (E, H, got[0][2], got[1][2])
-        assert logits and all(kw["ONE"] for _, kw in logits), logits
-    # every launch's PDL flag as launched (the kernels wait only where they were launched with PDL)
-    assert all(kw["PDL"] == ("launch_pdl" in kw) == R.pdl(torch.zeros(1, device=dev))
-               for _, kw in logits + launched), logits + launched
+            assert torch.allclose(got[0][3].float(), got[1][3].float(), rtol=2e-3, atol=1e-6), (E, H)
+        assert len(logits) == 2 and all(kw["ONE"] for _, kw in logits), logits
 
 
 class _KernelSpy:
@@ -2919,6 +2921,8 @@ def test_router_one_block_bounds():
     assert R.one_block(32, 1024, 2 ** 16) and not R.one_block(64, 1024, 2 ** 17)
     assert R.one_block(8, 1000, 16000) and R.one_block(20, 1000, 40000)      # (padded: 16 x 1024, 32 x 1024)
     assert not R.one_block(40, 1000, 80000)                                    # (64 x 1024)
+    assert not R.one_block(8, 4096, 2 ** 16)           # (the experts padded to 16: 16 x 4096; unpadded 8 x 4096 fits)
+    assert not R.one_block(24, 1025, 24 * 1025 * 2)    # (32 x 2048; unpadded 24 x 1025 = 24,600 fits)
     assert R.one_block(128, 2048, 2 ** 19) and not R.one_block(128, 4096, 2 ** 20)
     assert R.one_block(128, 4096, 2 ** 20, 2 ** 15) and not R.one_block(32, 1024, 2 ** 16, 2 ** 14)
     assert R.one_kernel(128 * 1024) and not R.one_kernel(128 * 1024 + 1)
@@ -2973,3 +2977,13 @@ def test_kernel_sweep_report_and_refusal(tmp_path, capsys, monkeypatch):
     assert printed.rstrip().endswith("wrote /dev/null"), printed
     assert S.main(["--json", str(out)]) == 0 and out.with_suffix(".md").exists() and out.with_suffix(".png").exists()
     assert json.loads(out.read_text())["launch_pdl"] is True and f"wrote {out}, " in capsys.readouterr().out
+    from toolkit.artifacts.reports import report_claim
+
+    assert report_claim(out) is None   # (its claims end with the in-process main)
+    # a bad SPECPREFETCH_PDL: refused in one line before the sweep's work, nothing written
+    monkeypatch.setattr(S.K, "PDL", None)
+    monkeypatch.setattr(S.K, "_PDL_ENV", "yes")
+    fresh = tmp_path / "fresh.json"
+    assert S.main(["--json", str(fresh)]) == 2 and not fresh.exists()
+    err = capsys.readouterr().err
+    assert "SPECPREFETCH_PDL='yes'" in err and err.count("\n") == 1, err

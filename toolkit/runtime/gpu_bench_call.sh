@@ -43,8 +43,8 @@
 # reaches these benches too; RWIDE=0: the base geometry only; RK="fused model": the fused attention and router
 # against the model's, interleaved over RR rounds, 2, each bench's files named -fused-rN / -model-rN; RK's
 # fused-plain: the fused kernels launched without programmatic dependent launch (SPECPREFETCH_PDL=0), -fused-plain-rN
-# (RK's fused kinds need the GPU's fp16: a DEV=cpu smoke run refuses them in each bench's log; the other kinds take
-# the call's own SPECPREFETCH_PDL, if set):
+# (RK's fused kinds need the GPU's fp16: a DEV=cpu smoke run refuses them in each bench's log; every kind but
+# fused-plain takes the call's own SPECPREFETCH_PDL, if set):
 #   STAGES="resident tests" RK="fused model" RWIDE=0 OUT=... bash toolkit/runtime/gpu_bench_call.sh
 #   STAGES=resident RK="fused fused-plain" RWIDE=0 OUT=... bash toolkit/runtime/gpu_bench_call.sh   (section 33's A/B)).
 # SMOKE=1 runs every stage on tiny sizes (a random tiny model, no training, one short prompt) to check
@@ -83,6 +83,9 @@ EOF
 fi
 
 : "${OUT:?set OUT to the directory the results go to}"
+if [ -n "${SPECPREFETCH_PDL+x}" ]; then   # (as the toolkit reads it: 0 or 1, spaces around allowed)
+  case "$(echo $SPECPREFETCH_PDL)" in 0|1) ;; *) echo "error: SPECPREFETCH_PDL='$SPECPREFETCH_PDL': 0 or 1" >&2; exit 2 ;; esac
+fi
 mkdir -p "$OUT" || exit 2
 STAGES=${STAGES:-base wide split tests}
 # the stages that need the trained model (and so the corpus); resident and tests need neither
@@ -245,7 +248,7 @@ PY
       CB=inductor; [ "$DEV" = cpu ] && CB=aot_eager
       MS=("$RM"); [ "${RWIDE:-1}" = 1 ] && MS+=("$RW")
       for kc in ${RK:-}; do case $kc in fused|fused-plain|model) ;; *) fail "resident: RK '$kc' (fused, fused-plain or model)"; exit 2 ;; esac; done
-      case " ${RK:-} " in *" fused-plain "*) [ "${SPECPREFETCH_PDL-1}" = 0 ] && echo "note: SPECPREFETCH_PDL=0 for the whole call: RK's fused and fused-plain both launch plainly" | tee -a "$L" ;; esac
+      case " $(echo ${RK:-}) " in *" fused-plain "*) [ "$(echo ${SPECPREFETCH_PDL-1})" = 0 ] && echo "note: SPECPREFETCH_PDL=0 for the whole call: RK's fused and fused-plain both launch plainly" | tee -a "$L" ;; esac
       for m in "${MS[@]}"; do
         n0=$([ "$m" = "$RM" ] && echo rand || echo rand-wide)
         # RK: the step's kernels to compare, interleaved over RR rounds (fused: --attention fused --router fused;

@@ -250,7 +250,7 @@ def main(argv=None) -> int:
     finally:
         from toolkit.artifacts import release_report_claims
 
-        release_report_claims()   # (main may run in-process: its claims end with it)
+        release_report_claims()   # (main may run in-process: its claims end with it; nothing else holds one then)
     return 0
 
 
