@@ -2134,6 +2134,8 @@ def test_triton_router_matches_the_reference(one, monkeypatch):
             assert torch.equal(got[0][2], got[1][2]), (E, H, got[0][2], got[1][2])
             assert torch.allclose(got[0][3].float(), got[1][3].float(), rtol=2e-3, atol=1e-6), (E, H)
         assert len(logits) == 2 and all(kw["ONE"] for _, kw in logits), logits
+        assert all(kw["PDL"] == ("launch_pdl" in kw) == R.pdl(torch.zeros(1, device=dev))
+                   for _, kw in logits + launched), logits + launched
 
 
 class _KernelSpy:
@@ -2983,6 +2985,7 @@ def test_kernel_sweep_report_and_refusal(tmp_path, capsys, monkeypatch):
     # a bad SPECPREFETCH_PDL: refused in one line before the sweep's work, nothing written
     monkeypatch.setattr(S.K, "PDL", None)
     monkeypatch.setattr(S.K, "_PDL_ENV", "yes")
+    monkeypatch.setattr(S, "sweep", lambda *a, **kw: pytest.fail("swept before the setting was checked"))
     fresh = tmp_path / "fresh.json"
     assert S.main(["--json", str(fresh)]) == 2 and not fresh.exists()
     err = capsys.readouterr().err

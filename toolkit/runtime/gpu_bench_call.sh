@@ -83,8 +83,10 @@ EOF
 fi
 
 : "${OUT:?set OUT to the directory the results go to}"
-if [ -n "${SPECPREFETCH_PDL+x}" ]; then   # (as the toolkit reads it: 0 or 1, spaces around allowed)
-  case "$(echo $SPECPREFETCH_PDL)" in 0|1) ;; *) echo "error: SPECPREFETCH_PDL='$SPECPREFETCH_PDL': 0 or 1" >&2; exit 2 ;; esac
+PDLV=1   # SPECPREFETCH_PDL as the toolkit reads it: 0 or 1, whitespace around allowed
+if [ -n "${SPECPREFETCH_PDL+x}" ]; then
+  PDLV=$(printf %s "$SPECPREFETCH_PDL" | tr -d '[:space:]')
+  case "$PDLV" in 0|1) ;; *) echo "error: SPECPREFETCH_PDL='$SPECPREFETCH_PDL': 0 or 1" >&2; exit 2 ;; esac
 fi
 mkdir -p "$OUT" || exit 2
 STAGES=${STAGES:-base wide split tests}
@@ -248,7 +250,7 @@ PY
       CB=inductor; [ "$DEV" = cpu ] && CB=aot_eager
       MS=("$RM"); [ "${RWIDE:-1}" = 1 ] && MS+=("$RW")
       for kc in ${RK:-}; do case $kc in fused|fused-plain|model) ;; *) fail "resident: RK '$kc' (fused, fused-plain or model)"; exit 2 ;; esac; done
-      case " $(echo ${RK:-}) " in *" fused-plain "*) [ "$(echo ${SPECPREFETCH_PDL-1})" = 0 ] && echo "note: SPECPREFETCH_PDL=0 for the whole call: RK's fused and fused-plain both launch plainly" | tee -a "$L" ;; esac
+      case " $(echo ${RK:-}) " in *" fused-plain "*) [ "$PDLV" = 0 ] && echo "note: SPECPREFETCH_PDL=0 for the whole call: RK's fused and fused-plain both launch plainly" | tee -a "$L" ;; esac
       for m in "${MS[@]}"; do
         n0=$([ "$m" = "$RM" ] && echo rand || echo rand-wide)
         # RK: the step's kernels to compare, interleaved over RR rounds (fused: --attention fused --router fused;
