@@ -300,7 +300,8 @@ def gpu_engine(model, *, device: str, policy: str, adapter, store_path, dtype, p
     if dtype not in (None, "fp16"):
         raise SpecPrefetchError(f"--device {device}: the GPU tier computes from fp16 experts; drop --dtype {dtype}")
     Device(device)  # CUDA present (a one-line error before any loading)
-    if device.startswith("cuda"):   # (a bad SPECPREFETCH_PDL too, rather than at the first kernel)
+    cuda = device.startswith("cuda")
+    if cuda:   # (a bad SPECPREFETCH_PDL too, rather than at the first kernel)
         from toolkit.runtime.gpu_kernels import check_pdl_setting
 
         check_pdl_setting()
@@ -315,7 +316,6 @@ def gpu_engine(model, *, device: str, policy: str, adapter, store_path, dtype, p
     pol = Policy.parse(policy)
     preds = gpu_predictors(spec, [pol.predictor], adapter)
     reuse = gpu_reuse_table(spec, [pol.eviction], adapter)
-    cuda = device.startswith("cuda")
     held: dict[str, Any] = {"lm": load_model(spec.path, dtype="float16" if cuda else "float32")}
     held["eng"] = GpuEngine(held["lm"], st, RunConfig(policy=pol, pool_mib=pool_mib or 8.0, window=window,
                                                       min_confidence=min_confidence, next_visit=next_visit,

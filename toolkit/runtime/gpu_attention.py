@@ -35,10 +35,12 @@ from __future__ import annotations
 
 import torch
 
-from toolkit.runtime.gpu_kernels import _device, launch_opts, pdl, rms_norm_torch, triton
+from toolkit.runtime.gpu_kernels import _device, is_weighted_rms_norm, pdl, pdl_args, rms_norm_torch, triton
 
 if triton is not None:
     import triton.language as tl
+
+    from toolkit.runtime.gpu_kernels import _rms_apply
 
 BLOCK_S = 64   # positions per step of a program's loop over the cache
 CHUNK = 256    # a cache of more than 2 x CHUNK positions is split over programs of about CHUNK (split_cache)
@@ -88,8 +90,8 @@ if triton is not None:
             r = tl.math.rsqrt(tl.sum(x * x, axis=1) / D + eps)
             w = tl.load(w_ptr + d).to(tl.float32)
             wp = tl.load(w_ptr + dp).to(tl.float32)
-            x = (w[None, :] * (x * r[:, None]).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-            xp = (wp[None, :] * (xp * r[:, None]).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+            x = _rms_apply(x, r[:, None], w[None, :], row_ptr)
+            xp = _rms_apply(xp, r[:, None], wp[None, :], row_ptr)
         a = (x * cos[None, :]).to(dt).to(tl.float32)
         b = (sign[None, :] * xp * sin[None, :]).to(dt).to(tl.float32)
         return (a + b).to(dt)
@@ -235,7 +237,7 @@ def attention_usable(attns, dtype: torch.dtype, norms=()) -> str | None:
     if dtype != torch.float16:   # (bf16 would need its own checks: Triton's CPU interpreter truncates bf16)
         return f"the fused attention computes in fp16, not {str(dtype).removeprefix('torch.')}"
     for norm in norms:
-        if not (hasattr(norm, "variance_epsilon") and getattr(norm, "weight", None) is not None):
+        if not is_weighted_rms_norm(norm):
             return f"the input norm {type(norm).__name__} is not an RMS norm with a weight"
     for sa in attns:
         projs = [getattr(sa, n, None) for n in ("q_proj", "k_proj", "v_proj")]
@@ -283,10 +285,10 @@ def _decode_attention_triton(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, po
     with _device(qkv):   # Triton launches on the current device's current stream
         _decode_attention_kernel[(nkv, splits)](qkv, qw, kw, cos, sin, k_cache, v_cache, pos, out, pm, pl, pacc, S,
                                                 scale, eps, window, chunk, splits, G=groups, GP=GP, D=D, NQ=heads,
-                                                NKV=nkv, QK_NORM=norm, BLOCK_S=BLOCK_S, SPLIT=splits > 1, PDL=on,
-                                                **launch_opts(on))
+                                                NKV=nkv, QK_NORM=norm, BLOCK_S=BLOCK_S, SPLIT=splits > 1,
+                                                **pdl_args(on))
         if splits > 1:
-            _decode_combine_kernel[(nkv,)](pm, pl, pacc, out, splits, G=groups, GP=GP, D=D, PDL=on, **launch_opts(on))
+            _decode_combine_kernel[(nkv,)](pm, pl, pacc, out, splits, G=groups, GP=GP, D=D, **pdl_args(on))
     return out
 
 

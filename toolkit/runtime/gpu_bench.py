@@ -176,12 +176,9 @@ PDL_NOTE = (" (the fused kernels launched with programmatic dependent launch: ea
 def _pdl(eng, device) -> bool:
     """Whether the engine's fused kernels (its experts', attention's or router's) launch with programmatic
     dependent launch on this device (gpu_kernels.PDL)."""
-    import torch
+    from toolkit.runtime.gpu_kernels import pdl_on, triton
 
-    from toolkit.runtime.gpu_kernels import pdl, triton
-
-    fused = "fused" in (eng.experts, eng.attention, eng.router)
-    return fused and triton is not None and str(device).startswith("cuda") and pdl(torch.empty(0, device=device))
+    return "fused" in (eng.experts, eng.attention, eng.router) and triton is not None and pdl_on(device)
 
 
 def profile_resident(eng, prompt: list[int], new_tokens: int, *, short: int = 4, top: int = 25) -> dict[str, Any]:

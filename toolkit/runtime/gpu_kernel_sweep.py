@@ -53,7 +53,7 @@ def _distinct(tilings, default: tuple) -> list[tuple]:
 
 def _cuda_pdl() -> bool:
     """Whether the kernels launch with programmatic dependent launch on the current CUDA device."""
-    return K.pdl(torch.empty(0, device="cuda"))
+    return K.pdl_on("cuda")
 
 
 def _copies(nbytes: int) -> int:
@@ -151,11 +151,11 @@ def sweep(hidden: int, heads: int, kv_heads: int, head_dim: int, experts: int, f
     rows = kernels(slot, norm, (None, 1), (4, 8, 16))
     if not _cuda_pdl():   # (no PDL here: every row is plain already)
         return rows
-    K.PDL = False
+    prev, K.PDL = K.PDL, False
     try:
         plain = kernels(SLOT_TILINGS[:1], NORM_TILINGS[:1], (None,), (R.ROUTER_WARPS,))
     finally:
-        K.PDL = True
+        K.PDL = prev
     for r in plain:
         r["tiling"] += ", PDL off"
         r["default"] = False

@@ -120,12 +120,28 @@ def pdl(t: torch.Tensor) -> bool:
     if not t.is_cuda:
         return False
     check_pdl_setting()
-    return PDL and _sm90(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    return PDL and _sm90(t.device.index)   # (a CUDA tensor's device has its index)
+
+
+def pdl_on(device) -> bool:
+    """pdl() for a device rather than a tensor (reports, the sweep)."""
+    return pdl(torch.empty(0, device=device))
 
 
 def launch_opts(on: bool) -> dict:
     """The Triton launch options for a kernel launched with PDL where `on` (pdl())."""
     return {"launch_pdl": True} if on else {}
+
+
+def pdl_args(on: bool) -> dict:
+    """A fused kernel's PDL constexpr and its launch options, together (every launch passes both)."""
+    return {"PDL": on, **launch_opts(on)}
+
+
+def is_weighted_rms_norm(norm) -> bool:
+    """Whether a norm module is an RMS norm with a weight (transformers' Qwen3 / Mixtral), as the fused
+    kernels apply it (rms_norm_torch)."""
+    return hasattr(norm, "variance_epsilon") and getattr(norm, "weight", None) is not None
 
 
 def _device(t: torch.Tensor):
@@ -245,7 +261,7 @@ def _slot_gemv_triton(w: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, blo
     on = pdl(w)
     with _device(w):   # Triton launches on the current device's current stream
         _slot_gemv_kernel[grid](w, slots, x, y, O, N, w.stride(0), w.stride(1), 0 if x.shape[0] == 1 else x.stride(0),
-                                BLOCK_O=bo, BLOCK_N=bn, GATED=gated, PDL=on, **extra, **launch_opts(on))
+                                BLOCK_O=bo, BLOCK_N=bn, GATED=gated, **extra, **pdl_args(on))
     return y
 
 
@@ -273,6 +289,15 @@ def norm_gemv_torch(h, ys, scores, perm, nw, eps: float, w) -> tuple[torch.Tenso
 
 if triton is not None:
     @triton.jit
+    def _rms_apply(xf, r, w, ref_ptr):
+        """transformers' RMS norm's rounding (rms_norm_torch): the row xf (float32) times its reciprocal RMS r,
+        rounded to the model's dtype (ref_ptr's), times the weight w (float32), rounded again -> float32. The
+        fused kernels' one formula for it (norm_gemv, the router, the attention's q/k norms; r and w broadcast
+        as the caller needs)."""
+        dt = ref_ptr.dtype.element_ty
+        return (w * (xf * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+
+    @triton.jit
     def _combined(h_ptr, y_ptr, sc_ptr, perm_ptr, c, mc, H, K: tl.constexpr):
         """h [c] plus the k weighted expert outputs (norm_gemv_torch's rounding), in h's dtype."""
         dt = h_ptr.dtype.element_ty
@@ -291,7 +316,6 @@ if triton is not None:
                           K: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_N: tl.constexpr, ONE: tl.constexpr,
                           PDL: tl.constexpr):
         po = tl.program_id(0)
-        dt = h_ptr.dtype.element_ty
         offs_o = po * BLOCK_O + tl.arange(0, BLOCK_O)
         mo = offs_o < O
         if PDL:
@@ -308,7 +332,7 @@ if triton is not None:
             tl.store(hout_ptr + c, x, mask=mc & (po == 0))
             xf = x.to(tl.float32)
             r = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / H + eps)
-            xn = (nwv * (xf * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+            xn = _rms_apply(xf, r, nwv, h_ptr)
             acc = tl.sum(wv.to(tl.float32) * xn[None, :], axis=1)
         else:     # the combined row twice: its sum of squares (program 0 writes it), then the rows' products
             if PDL:
@@ -327,8 +351,8 @@ if triton is not None:
                 c = n0 + tl.arange(0, BLOCK_N)
                 mc = c < H
                 x = _combined(h_ptr, y_ptr, sc_ptr, perm_ptr, c, mc, H, K)
-                n = (x.to(tl.float32) * r).to(dt).to(tl.float32)
-                xn = (tl.load(nw_ptr + c, mask=mc, other=0.0).to(tl.float32) * n).to(dt).to(tl.float32)
+                nwc = tl.load(nw_ptr + c, mask=mc, other=0.0).to(tl.float32)
+                xn = _rms_apply(x.to(tl.float32), r, nwc, h_ptr)
                 wv = tl.load(w_ptr + offs_o[:, None] * H + c[None, :], mask=mo[:, None] & mc[None, :], other=0.0)
                 acc += tl.sum(wv.to(tl.float32) * xn[None, :], axis=1)
         tl.store(out_ptr + offs_o, acc.to(out_ptr.dtype.element_ty), mask=mo)
@@ -393,8 +417,8 @@ def _norm_gemv_triton(h, ys, scores, perm, nw, eps: float, w, *, block_o: int | 
         bo, on = block_o or NORM_BLOCK_O, pdl(w)
         _norm_gemv_kernel[(triton.cdiv(O, bo),)](
             h, ys if k else h, scores if k else h, perm if k else h, nw, w, hout, y, H, O, eps, K=k,
-            BLOCK_O=bo, BLOCK_N=min(NORM_ONE_BLOCK, triton.next_power_of_2(H)), ONE=H <= NORM_ONE_BLOCK, PDL=on,
-            num_warps=warps or NORM_WARPS, **launch_opts(on))
+            BLOCK_O=bo, BLOCK_N=min(NORM_ONE_BLOCK, triton.next_power_of_2(H)), ONE=H <= NORM_ONE_BLOCK,
+            num_warps=warps or NORM_WARPS, **pdl_args(on))
     return hout, y
 
 

@@ -28,10 +28,12 @@ from __future__ import annotations
 
 import torch
 
-from toolkit.runtime.gpu_kernels import _device, launch_opts, pdl, rms_norm_torch, triton
+from toolkit.runtime.gpu_kernels import _device, is_weighted_rms_norm, pdl, pdl_args, rms_norm_torch, triton
 
 if triton is not None:
     import triton.language as tl
+
+    from toolkit.runtime.gpu_kernels import _rms_apply
 
 
 # a router matrix of up to MAX_ROUTER_KIB is read by one program (one kernel); a larger one (Qwen3-30B's 512 KiB)
@@ -70,7 +72,7 @@ def router_usable(norms, gates, dtype: torch.dtype) -> str | None:
     if dtype != torch.float16:   # (as gpu_attention.attention_usable)
         return f"the fused router computes in fp16, not {str(dtype).removeprefix('torch.')}"
     for norm, gate in zip(norms, gates):
-        if not (hasattr(norm, "variance_epsilon") and getattr(norm, "weight", None) is not None):
+        if not is_weighted_rms_norm(norm):
             return f"{type(norm).__name__} is not an RMS norm with a weight"
         w = getattr(gate, "weight", None)
         if w is None or w.dim() != 2 or w.dtype != dtype or getattr(gate, "bias", None) is not None:
@@ -131,9 +133,9 @@ if triton is not None:
             tl.store(hout_ptr + c, x, mask=mc & write)
             xf = x.to(tl.float32)
             r = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / H + eps)
-            p = (nw * (xf * r).to(dt).to(tl.float32)).to(dt)
-            tl.store(post_ptr + c, p, mask=mc & write)
-            lg = tl.sum(w.to(tl.float32) * p.to(tl.float32)[None, :], axis=1)
+            p = _rms_apply(xf, r, nw, h_ptr)
+            tl.store(post_ptr + c, p.to(dt), mask=mc & write)
+            lg = tl.sum(w.to(tl.float32) * p[None, :], axis=1)
         else:
             if PDL:
                 tl.extra.cuda.gdc_wait()
@@ -151,11 +153,11 @@ if triton is not None:
                 c = h0 + tl.arange(0, BLOCK_H)
                 mc = c < H
                 x = (tl.load(h_ptr + c, mask=mc, other=0.0) + tl.load(a_ptr + c, mask=mc, other=0.0)).to(dt)
-                n = (x.to(tl.float32) * r).to(dt).to(tl.float32)
-                p = (tl.load(nw_ptr + c, mask=mc, other=0.0).to(tl.float32) * n).to(dt)
-                tl.store(post_ptr + c, p, mask=mc & write)
+                nwc = tl.load(nw_ptr + c, mask=mc, other=0.0).to(tl.float32)
+                p = _rms_apply(x.to(tl.float32), r, nwc, h_ptr)
+                tl.store(post_ptr + c, p.to(dt), mask=mc & write)
                 w = tl.load(gw_ptr + e[:, None] * H + c[None, :], mask=me[:, None] & mc[None, :], other=0.0)
-                lg += tl.sum(w.to(tl.float32) * p.to(tl.float32)[None, :], axis=1)
+                lg += tl.sum(w.to(tl.float32) * p[None, :], axis=1)
         return lg.to(dt).to(tl.float32)
 
     @triton.jit
@@ -312,13 +314,13 @@ def _route_triton(h, a, norm_w, eps: float, gate_w, norm_topk: bool, post, score
         if one_kernel(nbytes):   # one program, one kernel
             _route_kernel[(1,)](h, a, norm_w, gate_w, out, post, scores, idx, sl, se, H, E, eps, K=k, KP=KP, EP=EP,
                                 BLOCK_H=HP if one else max(32, min(256, 8192 // EP)), NORM_TOPK=norm_topk,
-                                SLOTS=slots, ONE=one, PDL=on, num_warps=warps or ROUTER_WARPS, **launch_opts(on))
+                                SLOTS=slots, ONE=one, num_warps=warps or ROUTER_WARPS, **pdl_args(on))
         else:   # the logits over programs of ROUTER_BLOCK_E experts (Triton's default warps), then the top-k
             lg = torch.empty(E, device=h.device, dtype=torch.float32)
             _route_logits_kernel[(triton.cdiv(E, ROUTER_BLOCK_E),)](h, a, norm_w, gate_w, out, post, lg, H, E, eps,
                                                                     BLOCK_E=ROUTER_BLOCK_E,
-                                                                    BLOCK_H=HP if one else 256, ONE=one, PDL=on,
-                                                                    **launch_opts(on))
+                                                                    BLOCK_H=HP if one else 256, ONE=one,
+                                                                    **pdl_args(on))
             _route_topk_kernel[(1,)](lg, scores, idx, sl, se, E, K=k, KP=KP, EP=EP, NORM_TOPK=norm_topk, SLOTS=slots,
-                                     PDL=on, **launch_opts(on))
+                                     **pdl_args(on))
     return out
