@@ -1738,15 +1738,17 @@ def test_the_custom_operators():
     slots = torch.tensor([4, 1, 3])
     for dt in (torch.float16, torch.float32):
         for rows in (1, 3):
-            for gated in (False, True):
+            for gated, glu, pre, late in ((False, False, False, False), (True, False, True, False),
+                                          (False, True, False, True), (False, False, True, True)):
                 x = torch.randn(rows, 32 if gated else 16, generator=g).to(dt)
-                torch.library.opcheck(torch.ops.specprefetch.slot_gemv, (w, slots, x, gated))
+                torch.library.opcheck(torch.ops.specprefetch.slot_gemv, (w, slots, x, gated, glu, pre, late))
+            assert torch.ops.specprefetch.slot_gemv(w, slots, x, False, True, False, True).shape == (3, 6)
     q = torch.randint(0, 256, (5, 8, 16), dtype=torch.uint8, generator=g)
     sc = torch.rand(5, 8, 1, generator=g).half()
     torch.library.opcheck(torch.ops.specprefetch.int4_gemv, (q, sc, torch.tensor([2, 0]), torch.randn(1, 32), 32))
     with FakeTensorMode() as mode, pytest.raises(Exception, match="width"):
         fw, fs, fx = mode.from_tensor(w), mode.from_tensor(slots), mode.from_tensor(torch.randn(1, 17).half())
-        torch.ops.specprefetch.slot_gemv(fw, fs, fx, False)
+        torch.ops.specprefetch.slot_gemv(fw, fs, fx, False, False, False, False)
 
 
 @pytest.mark.slow   # inductor's CPU code generation: about 30 s on a cold cache (make test-all)
@@ -1894,6 +1896,30 @@ def test_triton_slot_kernel_matches_the_reference():
             assert err < 2e-3, (C, O, N, rows, "gated", err)
         with pytest.raises(ValueError, match="gated"):
             K.slot_gemv(w, slots, x[:, :N], gated=True, use_triton=True)
+        # pre / late (the launch under PDL: the rows read ahead of the wait, the next launch after it) change
+        # nothing in the values: the same kernel's arithmetic, bitwise, whether the rows are held whole or looped
+        x = torch.randn(1, N, device=dev, generator=g).half()
+        base = K.slot_gemv(w, slots, x, use_triton=True)
+        for pre, late in ((True, False), (False, True), (True, True)):
+            got = K.slot_gemv(w, slots, x, pre=pre, late=late, use_triton=True)
+            err = ((got.float() - base.float()).norm() / base.float().norm()).item()
+            assert err < 1e-3 and (pre or torch.equal(got, base)), (C, O, N, pre, late, err)
+        # glu: gate rows then up rows, SiLU(gate) x up out of the one kernel, bitwise the two kernels' it
+        # replaces (the plain GEMV, then the gated one's SiLU on load, here through an identity matrix, whose
+        # sums are exact)
+        if O % 2 == 0:
+            eye = torch.eye(O // 2, device=dev).half()[None]
+            for rows in (1, 4):
+                x = torch.randn(rows, N, device=dev, generator=g).half()
+                two = K.slot_gemv(eye, torch.zeros_like(slots), K.slot_gemv(w, slots, x, use_triton=True),
+                                  gated=True, use_triton=True)
+                got = K.slot_gemv(w, slots, x, glu=True, late=True, use_triton=True)
+                assert got.shape == (4, O // 2) and torch.equal(got, two), (C, O, N, rows, "glu")
+                want = K.slot_gemv_ref(w, slots, x, glu=True)
+                err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+                assert err < 2e-3, (C, O, N, rows, "glu", err)
+        with pytest.raises(ValueError, match="glu"):
+            K.slot_gemv(w, slots, x, glu=True, pre=True, use_triton=True)
 
 
 def _fp16_steps(a: torch.Tensor, b: torch.Tensor) -> int:

@@ -97,6 +97,17 @@ if triton is not None:
         return (a + b).to(dt)
 
     @triton.jit
+    def _attend_block(q, kb, vb, ok, m, den, acc, scale, dt: tl.constexpr):
+        """One block of keys and values [BLOCK_S, D] (`ok`: the visible ones) into a K/V head's online softmax
+        (running maximum m, denominator den, unnormalised output acc) -> (m, den, acc)."""
+        s = tl.dot(q, tl.trans(kb)) * scale                                                      # [GP, BS]
+        s = tl.where(ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        return m_new, den * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + tl.dot(p.to(dt), vb).to(tl.float32)
+
+    @triton.jit
     def _decode_attention_kernel(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pos_ptr, out_ptr,
                                  pm_ptr, pl_ptr, pacc_ptr, S, scale, eps, window,
                                  chunk, splits, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
@@ -105,19 +116,31 @@ if triton is not None:
         g = tl.program_id(0)                                  # this program's K/V head
         c = tl.program_id(1)                                  # and its chunk of the cache (SPLIT: of `splits`)
         dt = qkv_ptr.dtype.element_ty
-        if PDL:   # (gpu_kernels.PDL; the position, tables and row may be the kernels' before: read after the wait)
+        if PDL:
             tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
+        # ahead of the wait (gpu_kernels.PDL), what no fused kernel of this step writes: the position and its
+        # rotary tables (a copy's or plain kernels', finished before any later kernel starts), the K/V head's
+        # cache at the earlier positions (the steps before's) and, unsplit, its first block of them; the
+        # q/k/v row after
         pos = tl.load(pos_ptr)
         d = tl.arange(0, D)
         dp = (d + D // 2) % D
         sign = tl.where(d < D // 2, -1.0, 1.0)
         cos = tl.load(cos_ptr + d).to(tl.float32)
         sin = tl.load(sin_ptr + d).to(tl.float32)
+        base = g.to(tl.int64) * S * D
+        lo = tl.maximum(tl.where(window > 0, tl.maximum(pos - window + 1, 0), 0), c * chunk)
+        end = tl.minimum(tl.minimum(pos, S), (c + 1) * chunk)
+        if not SPLIT:
+            j = lo + tl.arange(0, BLOCK_S)
+            ok0 = j < end
+            kb0 = tl.load(k_ptr + base + j[:, None] * D + d[None, :], mask=ok0[:, None], other=0.0)
+            vb0 = tl.load(v_ptr + base + j[:, None] * D + d[None, :], mask=ok0[:, None], other=0.0)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
         one = tl.zeros([1], dtype=tl.int32)
         k = _rms_rope(qkv_ptr, kw_ptr, cos, sin, (NQ + g) * D + one, d, dp, sign, eps, D, QK_NORM)   # [1, D]
         v = tl.load(qkv_ptr + (NQ + NKV + g) * D + one[:, None] + d[None, :])                     # [1, D]
-        base = g.to(tl.int64) * S * D
         first = c == 0                                        # the chunk that writes the new K/V and starts from it
         tl.store(k_ptr + base + pos * D + d[None, :] + one[:, None], k, mask=(pos < S) & first)   # (none past
         tl.store(v_ptr + base + pos * D + d[None, :] + one[:, None], v, mask=(pos < S) & first)   # the cache)
@@ -132,21 +155,16 @@ if triton is not None:
         m = tl.where(first, tl.sum(q.to(tl.float32) * kf, axis=1) * scale, float("-inf"))           # [GP]
         den = tl.zeros([GP], dtype=tl.float32) + tl.where(first, 1.0, 0.0)
         acc = tl.zeros([GP, D], dtype=tl.float32) + tl.where(first, v.to(dt).to(tl.float32), 0.0)
-        lo = tl.maximum(tl.where(window > 0, tl.maximum(pos - window + 1, 0), 0), c * chunk)
-        end = tl.minimum(tl.minimum(pos, S), (c + 1) * chunk)
-        for j0 in range(lo, end, BLOCK_S):                   # the earlier visible positions (of this chunk)
+        start = lo
+        if not SPLIT:   # the block read ahead (all masked where there is none: m is finite, it adds nothing)
+            m, den, acc = _attend_block(q, kb0, vb0, ok0, m, den, acc, scale, dt)
+            start = lo + BLOCK_S
+        for j0 in range(start, end, BLOCK_S):                # the earlier visible positions (of this chunk)
             j = j0 + tl.arange(0, BLOCK_S)
             ok = j < end
             kb = tl.load(k_ptr + base + j[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)   # [BS, D]
             vb = tl.load(v_ptr + base + j[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(kb)) * scale                                                  # [GP, BS]
-            s = tl.where(ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(s - m_new[:, None])
-            den = den * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(dt), vb).to(tl.float32)
-            m = m_new
+            m, den, acc = _attend_block(q, kb, vb, ok, m, den, acc, scale, dt)
         # (the first term's weight was exp(s_new - m), carried in acc and den from the start)
         if not SPLIT:
             tl.store(out_ptr + (g * G + rr[:, None]) * D + d[None, :], (acc / den[:, None]).to(dt),

@@ -364,7 +364,8 @@ class StaticDecoder:
             return F.linear(x, w, b)
         from toolkit.runtime.gpu_kernels import slot_gemv
 
-        return slot_gemv(w.view(1, *w.shape), self.slot0, x)
+        # (`pre`: the one slot and the weight are constants, read while the kernel before finishes under PDL)
+        return slot_gemv(w.view(1, *w.shape), self.slot0, x, pre=True)
 
     def _folds(self, T: int) -> bool:
         """Whether attention over T positions runs a K/V head's query heads as its rows (the K/V fold,
@@ -491,8 +492,10 @@ class FusedExpertMath(PooledExpertMath):
     Accumulation order differs from cuBLAS' (fp32 either way, each projection's output rounded to the
     model's dtype once, as F.linear rounds; the k weighted outputs summed in one reduction), so results
     can differ from transformers' in the last bit: tokens are checked as before. With a SiLU expert (both
-    families here) the down projection's kernel computes SiLU(gate) x up itself as it loads the gate/up
-    output (in float32, rounded once to the model's dtype, as inductor's fused kernel would)."""
+    families here) SiLU(gate) x up (in float32 from the two rounded outputs, rounded once to the model's
+    dtype, as inductor's fused kernel would) is computed by the gate / up kernel itself where gate and up
+    are adjacent in the blob (each program the same rows of both, `glu`), else by the down projection's
+    kernel as it loads the gate/up output."""
 
     def __init__(self, eng, slots: torch.Tensor):
         super().__init__(eng, slots)
@@ -505,6 +508,11 @@ class FusedExpertMath(PooledExpertMath):
 
         k = self.k
         slots, perm = sel[:k], sel[k:]
+        if self.silu and len(self.gu) == 1:   # gate and up adjacent: SiLU(gate) x up out of their kernel, [k, F]
+            # (launched `late`, so the down projection's programs read the slots and their rows ahead of their
+            # wait under PDL: gpu_kernels.slot_gemv)
+            act = slot_gemv(self.gu[0], slots, x, glu=True, late=True)
+            return slot_gemv(self.dn, slots, act, pre=True), scores, perm    # [k, H]
         parts = [slot_gemv(t, slots, x) for t in self.gu]
         gu = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         if self.silu:   # SiLU(gate) x up taken by the down projection's kernel as it loads gu

@@ -6,8 +6,10 @@ a model (default: the 1.2 B GPU model's, hidden 1024, 16 / 4 heads of 64, 32 exp
 - the router (`gpu_router`): the row in one block (every load at once) against the loop over blocks, with the
   resident selection (the one-kernel router at 4, 8 and 16 warps); and a router of Qwen3-30B's size (128 x 2048,
   top-8: two kernels);
-- the slot GEMV (`gpu_kernels.slot_gemv`) as the experts' gate / up and gated down projections (k experts) and
-  as the attention's output projection (one matrix), over BLOCK_O / BLOCK_N / warps / stages;
+- the slot GEMV (`gpu_kernels.slot_gemv`) as the experts' gate / up (SiLU(gate) x up out: `glu`, launched
+  `late`) and down projections (k experts, `pre`) and as the attention's output projection (one matrix, `pre`),
+  over BLOCK_O / BLOCK_N / warps / stages, and each at its default tiling as launched before those options (the
+  down projection `gated`);
 - the q/k/v GEMV with the expert combine and input norm (`gpu_kernels.norm_gemv`) over BLOCK_O / warps;
 - each at its default tiling without programmatic dependent launch too (`gpu_kernels.PDL`), where the GPU has it.
 
@@ -87,19 +89,27 @@ def router_rows(H: int, E: int, k: int, reps: int, *, tiles=(None, 1), warps=(4,
     return rows
 
 
-def slot_rows(O: int, N: int, k: int, gated: bool, name: str, reps: int, tilings) -> list[dict]:
-    """k matrices [O, N] of a slot arena (gated: x is [k, 2N], SiLU(gate) x up taken as loaded), each tiling
-    (BLOCK_O, BLOCK_N, warps, stages; None: the default)."""
+def slot_rows(O: int, N: int, k: int, name: str, reps: int, tilings, *, gated: bool = False, glu: bool = False,
+              pre: bool = False, late: bool = False) -> list[dict]:
+    """k matrices [O, N] of a slot arena launched as slot_gemv's options say (gated: x is [k, 2N], SiLU(gate) x
+    up taken as loaded; glu: SiLU(gate) x up of the output's halves out; pre / late: the launch under PDL), each
+    tiling (BLOCK_O, BLOCK_N, warps, stages; None: the default; with `pre` the rows are whole, BLOCK_N unused)."""
     n = _copies(k * O * N * 2)
     arena = torch.randn(n * k, O, N, device="cuda", dtype=torch.float16) * 0.02
     x = torch.randn(k if gated else 1, 2 * N if gated else N, device="cuda", dtype=torch.float16)
     sels = [torch.arange(i * k, (i + 1) * k, device="cuda") for i in range(n)]
+    whole = pre and N <= K.SLOT_PRE_N
+    default = (K.SLOT_BLOCK_O, None if whole else K.SLOT_BLOCK_N, TRITON_WARPS, TRITON_STAGES)
+    if whole:
+        tilings = list(dict.fromkeys((bo, None, w, st) for bo, _, w, st in tilings))
+    shape = f"{k} x [{O}, {N}]" + "".join(f" {t}" for t, on in (("gated", gated), ("glu", glu), ("pre", pre),
+                                                                  ("late", late)) if on)
     rows = []
-    for bo, bn, nw, ns in _distinct(tilings, (K.SLOT_BLOCK_O, K.SLOT_BLOCK_N, TRITON_WARPS, TRITON_STAGES)):
-        calls = [lambda s=s: K._slot_gemv_triton(arena, s, x, bo, bn, nw, gated=gated, num_stages=ns) for s in sels]
+    for bo, bn, nw, ns in _distinct(tilings, default):
+        calls = [lambda s=s: K._slot_gemv_triton(arena, s, x, bo, bn, nw, gated=gated, glu=glu, pre=pre, late=late,
+                                                 num_stages=ns) for s in sels]
         us = _time(calls, reps)
-        rows.append({"kernel": name, "shape": f"{k} x [{O}, {N}]" + (" gated" if gated else ""),
-                     "default": (bo, bn, nw, ns) == (None,) * 4,
+        rows.append({"kernel": name, "shape": shape, "default": (bo, bn, nw, ns) == (None,) * 4,
                      "tiling": "/".join("-" if v is None else str(v) for v in (bo, bn, nw, ns)),
                      "us": round(us, 2), "gbps": round(k * O * N * 2 / us / 1e3)})
     return rows
@@ -143,12 +153,18 @@ def sweep(hidden: int, heads: int, kv_heads: int, head_dim: int, experts: int, f
         rows = router_rows(hidden, experts, k, reps, tiles=tiles, warps=warps)
         if not quick:
             rows += router_rows(2048, 128, 8, reps, tiles=tiles, warps=warps)   # Qwen3-30B's router: two kernels
-        rows += slot_rows(2 * ffn, hidden, k, False, "experts' gate / up", reps, slot)
-        rows += slot_rows(hidden, ffn, k, True, "experts' down", reps, slot)
-        rows += slot_rows(hidden, heads * head_dim, 1, False, "o_proj", reps, slot)
+        # as the engine launches them (gpu_graph.FusedExpertMath, _gemv)
+        rows += slot_rows(2 * ffn, hidden, k, "experts' gate / up", reps, slot, glu=True, late=True)
+        rows += slot_rows(hidden, ffn, k, "experts' down", reps, slot, pre=True)
+        rows += slot_rows(hidden, heads * head_dim, 1, "o_proj", reps, slot, pre=True)
         return rows + norm_rows(hidden, O, k, reps, norm)
 
     rows = kernels(slot, norm, (None, 1), (4, 8, 16))
+    # the launches before glu / pre / late (docs/benchmarks.md section 33's), at the default tiling: gate / up's
+    # 2F outputs and the down projection's SiLU on load, o_proj reading after its wait
+    rows += slot_rows(2 * ffn, hidden, k, "experts' gate / up", reps, SLOT_TILINGS[:1])
+    rows += slot_rows(hidden, ffn, k, "experts' down", reps, SLOT_TILINGS[:1], gated=True)
+    rows += slot_rows(hidden, heads * head_dim, 1, "o_proj", reps, SLOT_TILINGS[:1])
     if not _cuda_pdl():   # (no PDL here: every row is plain already)
         return rows
     prev, K.PDL = K.PDL, False

@@ -177,74 +177,130 @@ def slot_gemv_torch(w: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, gated
 
 if triton is not None:
     @triton.jit
+    def _gemv_input(xbase, offs_n, mn, N, GATED: tl.constexpr):
+        """The GEMV's input at offs_n in float32; GATED: SiLU(gate) x up of the [2N] row, rounded to its dtype
+        once (silu_mul)."""
+        if GATED:
+            g = tl.load(xbase + offs_n, mask=mn, other=0.0).to(tl.float32)
+            u = tl.load(xbase + N + offs_n, mask=mn, other=0.0).to(tl.float32)
+            return (g / (1.0 + tl.exp(-g)) * u).to(xbase.dtype.element_ty).to(tl.float32)
+        return tl.load(xbase + offs_n, mask=mn, other=0.0).to(tl.float32)
+
+    @triton.jit
     def _slot_gemv_kernel(w_ptr, slots_ptr, x_ptr, y_ptr, O, N, slot_stride, row_stride, x_stride,
-                          BLOCK_O: tl.constexpr, BLOCK_N: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr):
+                          BLOCK_O: tl.constexpr, BLOCK_N: tl.constexpr, GATED: tl.constexpr, GLU: tl.constexpr,
+                          PRE: tl.constexpr, LATE: tl.constexpr, PDL: tl.constexpr):
         j = tl.program_id(0)
         po = tl.program_id(1)
-        if PDL:   # (the slots and the input are the kernels' before: nothing read ahead of the wait)
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
-        s = tl.load(slots_ptr + j).to(tl.int64)
         offs_o = po * BLOCK_O + tl.arange(0, BLOCK_O)
         mo = offs_o < O
-        acc = tl.zeros([BLOCK_O], dtype=tl.float32)
-        wbase = w_ptr + s * slot_stride
         xbase = x_ptr + j * x_stride
-        for n0 in range(0, N, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
+        if PDL and not LATE:
+            tl.extra.cuda.gdc_launch_dependents()
+        if PRE:   # the slot and the program's whole rows (BLOCK_N >= N) read before the wait, the input after
+            s = tl.load(slots_ptr + j).to(tl.int64)
+            offs_n = tl.arange(0, BLOCK_N)
             mn = offs_n < N
-            wv = tl.load(wbase + offs_o[:, None] * row_stride + offs_n[None, :], mask=mo[:, None] & mn[None, :],
-                         other=0.0).to(tl.float32)
-            if GATED:   # the input is SiLU(gate) x up, rounded to x's dtype once (silu_mul)
-                g = tl.load(xbase + offs_n, mask=mn, other=0.0).to(tl.float32)
-                u = tl.load(xbase + N + offs_n, mask=mn, other=0.0).to(tl.float32)
-                xv = (g / (1.0 + tl.exp(-g)) * u).to(x_ptr.dtype.element_ty).to(tl.float32)
-            else:
-                xv = tl.load(xbase + offs_n, mask=mn, other=0.0).to(tl.float32)
-            acc += tl.sum(wv * xv[None, :], axis=1)
+            wv = tl.load(w_ptr + s * slot_stride + offs_o[:, None] * row_stride + offs_n[None, :],
+                         mask=mo[:, None] & mn[None, :], other=0.0)
+            if PDL:
+                tl.extra.cuda.gdc_wait()
+                if LATE:
+                    tl.extra.cuda.gdc_launch_dependents()
+            acc = tl.sum(wv.to(tl.float32) * _gemv_input(xbase, offs_n, mn, N, GATED)[None, :], axis=1)
+        else:     # (the slots and the input may be the kernel before's: nothing read ahead of the wait)
+            if PDL:
+                tl.extra.cuda.gdc_wait()
+                if LATE:   # after the wait: the next kernel starts only once this one's inputs are all written
+                    tl.extra.cuda.gdc_launch_dependents()
+            s = tl.load(slots_ptr + j).to(tl.int64)
+            wbase = w_ptr + s * slot_stride
+            acc = tl.zeros([BLOCK_O], dtype=tl.float32)
+            up = tl.zeros([BLOCK_O], dtype=tl.float32)
+            for n0 in range(0, N, BLOCK_N):
+                offs_n = n0 + tl.arange(0, BLOCK_N)
+                mn = offs_n < N
+                m2 = mo[:, None] & mn[None, :]
+                xv = _gemv_input(xbase, offs_n, mn, N, GATED)[None, :]
+                wv = tl.load(wbase + offs_o[:, None] * row_stride + offs_n[None, :], mask=m2, other=0.0)
+                acc += tl.sum(wv.to(tl.float32) * xv, axis=1)
+                if GLU:   # the same rows of the up half (O rows on)
+                    wu = tl.load(wbase + (O + offs_o[:, None]) * row_stride + offs_n[None, :], mask=m2, other=0.0)
+                    up += tl.sum(wu.to(tl.float32) * xv, axis=1)
+            if GLU:   # SiLU(gate) x up, each rounded to the dtype first and the product once (silu_mul)
+                g = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
+                acc = g / (1.0 + tl.exp(-g)) * up.to(y_ptr.dtype.element_ty).to(tl.float32)
         tl.store(y_ptr + j * O + offs_o, acc.to(y_ptr.dtype.element_ty), mask=mo)
 
 
 # the best of ten tilings on an H100 at both expert sizes (docs/benchmarks.md), and in section 33's sweep for the
 # experts' gate / up (2/1024 was faster for a one-slot [1024, 1024] output projection alone, untimed in the token)
 SLOT_BLOCK_O, SLOT_BLOCK_N = 4, 512
+# `pre`'s bound: a program holds its BLOCK_O rows whole in registers (4 x 4,096 fp16 = 64 registers a thread of
+# its 128); wider matrices take the loop, reading after the wait
+SLOT_PRE_N = 4096
 
 
-def slot_gemv(w: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, *, gated: bool = False,
-              use_triton: bool | None = None) -> torch.Tensor:
+def slot_gemv(w: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, *, gated: bool = False, glu: bool = False,
+              pre: bool = False, late: bool = False, use_triton: bool | None = None) -> torch.Tensor:
     """The fused kernel where Triton and CUDA are present, else the torch reference (under torch.compile
     the custom operator `specprefetch::slot_gemv`, traced as one call; eagerly its body). w is a [C, O, N] view
     of the fp16 slot arena whose rows are contiguous (stride(2) == 1). `gated`: x is [k, 2N] (an
     expert's gate and up outputs) and the kernel takes silu_mul(x) as it loads it (the down projection
-    of a SiLU expert, no separate element-wise kernel). `use_triton` forces a path (tests)."""
+    of a SiLU expert, no separate element-wise kernel). `glu`: w holds a SiLU expert's gate rows then its up
+    rows (O = 2F) and the kernel returns silu_mul of its [k, O] product, [k, F] (each program computes the
+    same rows of both halves), so the down projection's kernel reads F inputs, not 2F.
+
+    Under programmatic dependent launch (pdl()): `pre` lets each program read its slot and its rows of the
+    matrix before it waits for the kernel before (N <= SLOT_PRE_N; the loop over the rows otherwise): only
+    where neither was written by a kernel that may still run, i.e. the weights are the model's (constant while
+    it decodes) and the slots constant (a one-slot projection) or written before a `late` kernel ahead of this
+    one; `late` signals the next kernel's launch only after this one's wait, so every kernel after it starts
+    once everything before this one has finished (the experts' gate / up kernel, so that the down projection
+    may read the slots the router wrote ahead of its wait). Both change launches, never results.
+    `use_triton` forces a path (tests)."""
+    if glu and (gated or pre):
+        raise ValueError("slot_gemv: glu takes neither gated nor pre")
     if use_triton is None:
         if torch.compiler.is_compiling():   # the operator for torch.compile; eagerly its body, without
-            return torch.ops.specprefetch.slot_gemv(w, slots, x, gated)   # the dispatcher's cost
-        return _slot_gemv_impl(w, slots, x, gated)
-    return _slot_gemv_triton(w, slots, x, gated=gated) if use_triton else slot_gemv_torch(w, slots, x, gated)
+            return torch.ops.specprefetch.slot_gemv(w, slots, x, gated, glu, pre, late)   # the dispatcher's cost
+        return _slot_gemv_impl(w, slots, x, gated, glu, pre, late)
+    if use_triton:
+        return _slot_gemv_triton(w, slots, x, gated=gated, glu=glu, pre=pre, late=late)
+    return slot_gemv_ref(w, slots, x, gated, glu)
 
 
-def _slot_gemv_impl(w: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, gated: bool) -> torch.Tensor:
+def slot_gemv_ref(w: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, gated: bool = False,
+                  glu: bool = False) -> torch.Tensor:
+    """slot_gemv's reference, glu included: silu_mul of the [k, 2F] product."""
+    y = slot_gemv_torch(w, slots, x, gated)
+    return silu_mul(y) if glu else y
+
+
+def _slot_gemv_impl(w: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, gated: bool, glu: bool, pre: bool,
+                    late: bool) -> torch.Tensor:
     if triton is not None and w.is_cuda:
-        return _slot_gemv_triton(w, slots, x, gated=gated)
-    return slot_gemv_torch(w, slots, x, gated)
+        return _slot_gemv_triton(w, slots, x, gated=gated, glu=glu, pre=pre, late=late)
+    return slot_gemv_ref(w, slots, x, gated, glu)
 
 
 @torch.library.custom_op("specprefetch::slot_gemv", mutates_args=())
-def _slot_gemv_op(w: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, gated: bool) -> torch.Tensor:
-    return _slot_gemv_impl(w, slots, x, gated)
+def _slot_gemv_op(w: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, gated: bool, glu: bool, pre: bool,
+                  late: bool) -> torch.Tensor:
+    return _slot_gemv_impl(w, slots, x, gated, glu, pre, late)
 
 
 @_slot_gemv_op.register_fake
-def _(w, slots, x, gated):
+def _(w, slots, x, gated, glu, pre, late):
     torch._check(x.shape[-1] == w.shape[2] * (2 if gated else 1),
                  lambda: "slot_gemv: x's width is not the matrix's input")
     torch._check(x.shape[0] == 1 or x.shape[0] == slots.shape[0], lambda: "slot_gemv: x has neither 1 nor k rows")
-    return x.new_empty(slots.shape[0], w.shape[1])
+    return x.new_empty(slots.shape[0], w.shape[1] // 2 if glu else w.shape[1])
 
 
 def _slot_gemv_triton(w: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, block_o: int | None = None,
                       block_n: int | None = None, num_warps: int | None = None, *, gated: bool = False,
+                      glu: bool = False, pre: bool = False, late: bool = False,
                       num_stages: int | None = None) -> torch.Tensor:
     C, O, N = w.shape
     if w.dtype != torch.float16 or w.stride(2) != 1:
@@ -252,16 +308,22 @@ def _slot_gemv_triton(w: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, blo
     if x.shape[-1] != N * (2 if gated else 1) or x.shape[0] not in (1, slots.numel()):
         raise ValueError(f"slot_gemv: x {tuple(x.shape)} for {slots.numel()} experts of [{O}, {N}]"
                          + (" (gated: 2N inputs)" if gated else ""))
+    if glu and (gated or pre or O % 2):
+        raise ValueError(f"slot_gemv: glu needs gate and up rows (an even O, {O}) and neither gated nor pre")
     k = slots.numel()
     slots, x = slots.contiguous(), x.contiguous()
+    if glu:
+        O //= 2
     y = torch.empty(k, O, device=w.device, dtype=x.dtype)
-    bo, bn = block_o or SLOT_BLOCK_O, block_n or SLOT_BLOCK_N
+    pre = pre and N <= SLOT_PRE_N
+    bo, bn = block_o or SLOT_BLOCK_O, triton.next_power_of_2(N) if pre else block_n or SLOT_BLOCK_N
     grid = (k, triton.cdiv(O, bo))
     extra = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None}
     on = pdl(w)
     with _device(w):   # Triton launches on the current device's current stream
         _slot_gemv_kernel[grid](w, slots, x, y, O, N, w.stride(0), w.stride(1), 0 if x.shape[0] == 1 else x.stride(0),
-                                BLOCK_O=bo, BLOCK_N=bn, GATED=gated, **extra, **pdl_args(on))
+                                BLOCK_O=bo, BLOCK_N=bn, GATED=gated, GLU=glu, PRE=pre, LATE=late, **extra,
+                                **pdl_args(on))
     return y
 
 
