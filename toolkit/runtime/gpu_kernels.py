@@ -553,8 +553,8 @@ def bench(shapes=((1024, 1536), (1024, 6144)), k: int = 4, slots: int = 40, reps
     second (docs/benchmarks.md section 9). Each graph runs `sels` different random selections of k of
     the `slots` experts in turn (all `slots` experts, hundreds of MiB, far beyond the L2 cache), so the
     bytes come from device memory. `blocks`: the slot GEMV's tilings (BLOCK_O, BLOCK_N, warps) to try,
-    each a row of its own (path "fused O/N/W"; None values: the default's, path "fused"); the down
-    projection gated, as FusedExpertMath runs it. Needs CUDA and Triton."""
+    each a row of its own (path "fused O/N/W"; None values: the default's, path "fused"); gate / up with
+    SiLU(gate) x up out (`glu`, `late`) and the down projection `pre`, as FusedExpertMath runs them. Needs CUDA and Triton."""
     import torch.nn.functional as F
 
     if triton is None or not torch.cuda.is_available():
@@ -569,9 +569,10 @@ def bench(shapes=((1024, 1536), (1024, 6144)), k: int = 4, slots: int = 40, reps
         picks = [order[i * k:(i + 1) * k] for i in range(sels)]     # every slot read, none twice in a row
         x = torch.randn(1, H, device="cuda", dtype=torch.float16)
 
-        def fused(bo=None, bn=None, nw=None):   # as FusedExpertMath runs it: SiLU x up in the down kernel
+        def fused(bo=None, bn=None, nw=None):   # as FusedExpertMath runs it: SiLU x up out of the gate/up kernel
             for sel in picks:
-                _slot_gemv_triton(dn, sel, _slot_gemv_triton(gu, sel, x, bo, bn, nw), bo, bn, nw, gated=True)
+                act = _slot_gemv_triton(gu, sel, x, bo, bn, nw, glu=True, late=True)
+                _slot_gemv_triton(dn, sel, act, bo, bn, nw, pre=True)
 
         def eager():
             for sel in picks:
