@@ -1864,7 +1864,7 @@ def _triton_device() -> str:
     return "cpu"
 
 
-def test_triton_slot_kernel_matches_the_reference():
+def test_triton_slot_kernel_matches_the_reference(monkeypatch):
     """The fp16 slot GEMV (Triton) against its torch reference: on CUDA, or through Triton's interpreter
     on the CPU (TRITON_INTERPRET=1 set before triton is imported) where Triton is installed."""
     from toolkit.runtime import gpu_kernels as K
@@ -1872,7 +1872,7 @@ def test_triton_slot_kernel_matches_the_reference():
     dev = _triton_device()
     cuda = dev == "cuda"
     g = torch.Generator(device=dev).manual_seed(2)
-    shapes = ((6, 96, 64), (8, 3072, 1024), (5, 1024, 1536), (4, 70, 40)) if cuda else ((6, 40, 24), (5, 17, 300))
+    shapes = ((6, 96, 64), (8, 3072, 1024), (5, 1024, 1536), (4, 70, 40)) if cuda else ((6, 36, 24), (5, 17, 300))
     for C, O, N in shapes:
         pad = 7                                   # the matrix sits inside each slot at an offset
         arena = torch.randn(C, pad + O * N + 3, device=dev, generator=g).half()
@@ -1896,14 +1896,16 @@ def test_triton_slot_kernel_matches_the_reference():
             assert err < 2e-3, (C, O, N, rows, "gated", err)
         with pytest.raises(ValueError, match="gated"):
             K.slot_gemv(w, slots, x[:, :N], gated=True, use_triton=True)
-        # pre / late (the launch under PDL: the rows read ahead of the wait, the next launch after it) change
-        # nothing in the values: the same kernel's arithmetic, bitwise, whether the rows are held whole or looped
-        x = torch.randn(1, N, device=dev, generator=g).half()
-        base = K.slot_gemv(w, slots, x, use_triton=True)
-        for pre, late in ((True, False), (False, True), (True, True)):
-            got = K.slot_gemv(w, slots, x, pre=pre, late=late, use_triton=True)
-            err = ((got.float() - base.float()).norm() / base.float().norm()).item()
-            assert err < 1e-3 and (pre or torch.equal(got, base)), (C, O, N, pre, late, err)
+        # pre / late (the launch under PDL: the rows read ahead of the wait, the next launch after it): late
+        # changes nothing, bitwise; pre's whole rows are one reduction (within rounding of the loop's), with one
+        # or k input rows, gated or not
+        for rows, gated in ((1, False), (4, False), (4, True)):
+            x = torch.randn(rows, 2 * N if gated else N, device=dev, generator=g).half()
+            base = K.slot_gemv(w, slots, x, gated=gated, use_triton=True)
+            for pre, late in ((True, False), (False, True), (True, True)):
+                got = K.slot_gemv(w, slots, x, gated=gated, pre=pre, late=late, use_triton=True)
+                err = ((got.float() - base.float()).norm() / base.float().norm()).item()
+                assert err < 1e-3 and (pre or torch.equal(got, base)), (C, O, N, rows, gated, pre, late, err)
         # glu: gate rows then up rows, SiLU(gate) x up out of the one kernel, bitwise the two kernels' it
         # replaces (the plain GEMV, then the gated one's SiLU on load, here through an identity matrix, whose
         # sums are exact)
@@ -1920,6 +1922,23 @@ def test_triton_slot_kernel_matches_the_reference():
                 assert err < 2e-3, (C, O, N, rows, "glu", err)
         with pytest.raises(ValueError, match="glu"):
             K.slot_gemv(w, slots, x, glu=True, pre=True, use_triton=True)
+    # the launches' flags: pre holds the rows whole (BLOCK_N N's power of two) up to the bound, loops past it
+    # (PRE off, the slot read after the wait); late and glu as asked
+    seen = []
+    monkeypatch.setattr(K, "_slot_gemv_kernel", _KernelSpy(K._slot_gemv_kernel, seen))
+    w = torch.randn(3, 6, 40, device=dev, generator=g).half()
+    x = torch.randn(1, 40, device=dev, generator=g).half()
+    slots = torch.tensor([2, 0], device=dev)
+    K.slot_gemv(w, slots, x, pre=True, use_triton=True)
+    K.slot_gemv(w, slots, x, glu=True, late=True, use_triton=True)
+    wide = torch.randn(2, 4, K.SLOT_PRE_ELEMS // K.SLOT_BLOCK_O + 1, device=dev, generator=g).half()
+    K.slot_gemv(wide, slots[1:], torch.randn(1, wide.shape[2], device=dev, generator=g).half(), pre=True,
+                use_triton=True)
+    flags = [{f: kw[f] for f in ("PRE", "LATE", "GLU", "BLOCK_N")} for _, kw in seen]
+    assert flags == [{"PRE": True, "LATE": False, "GLU": False, "BLOCK_N": 64},
+                     {"PRE": False, "LATE": True, "GLU": True, "BLOCK_N": K.SLOT_BLOCK_N},
+                     {"PRE": False, "LATE": False, "GLU": False, "BLOCK_N": K.SLOT_BLOCK_N}], flags
+    assert [grid for grid, _ in seen] == [(2, 2), (2, 1), (1, 1)]
 
 
 def _fp16_steps(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -2349,6 +2368,11 @@ def test_fused_kernels_decode_as_the_model_path(tiny_models, stores, sliding, fa
     monkeypatch.setattr(R, "_route_topk_kernel", _KernelSpy(R._route_topk_kernel, launches["topk"]))
     monkeypatch.setattr(R, "_impl", counted("route", R._route_triton))
     monkeypatch.setattr(K, "_norm_gemv_impl", counted("norm_gemv", K._norm_gemv_triton))
+    # the slot GEMVs through Triton too, each launch's options recorded (the experts' and the output projection's)
+    slot_launches = []
+    monkeypatch.setattr(K, "_slot_gemv_kernel", _KernelSpy(K._slot_gemv_kernel, slot_launches))
+    monkeypatch.setattr(K, "_slot_gemv_impl", lambda w, slots, x, gated, glu, pre, late: K._slot_gemv_triton(
+        w, slots, x, gated=gated, glu=glu, pre=pre, late=late))
     d, store = sliding if fam == "mixtral-sw8" else (tiny_models[fam], stores[fam])
     spec = inspect_model_dir(d)
     runs = {}
@@ -2358,7 +2382,16 @@ def test_fused_kernels_decode_as_the_model_path(tiny_models, stores, sliding, fa
                         RunConfig(policy=Policy.parse("on-demand+lru"), pool_mib=64.0), device=dev, attention=a,
                         router=r, experts="fused")
         eng.configure(pool_mib=_pool_mib(eng, 0.5))
+        del slot_launches[:]
         runs[a] = eng.run(list(range(5, 17)), 16)
+        # the experts: gate / up with SiLU(gate) x up out, launched late, then the down projection's rows read
+        # ahead (pre), where gate and up are adjacent; else gate and up, then the gated down; the fused
+        # attention's output projection (one slot) pre, on CUDA (elsewhere F.linear: gpu_graph's _gemv)
+        kinds = {(grid[0] == 1, kw["GLU"], kw["PRE"], kw["LATE"], kw["GATED"]) for grid, kw in slot_launches}
+        experts = ({(False, True, False, True, False), (False, False, True, False, False)} if eng.contiguous else
+                   {(False, False, False, False, False), (False, False, False, False, True)})
+        o_proj = {(True, False, True, False, False)} if a == "fused" and cuda else set()
+        assert kinds == experts | o_proj, (fam, a, kinds)
         gr = eng._graph_runner(32)
         dec = gr.dec
         assert (dec.fused_attention, dec.fused_router, gr.fold_combine) == (a == "fused", r == "fused", a == "fused")
@@ -2977,6 +3010,11 @@ def test_kernel_sweep_report_and_refusal(tmp_path, capsys, monkeypatch):
     assert (tmp_path / "p.png").stat().st_size > 0   # (its bars: not read back)
     # a tiling that resolves to the default's own configuration is not timed twice
     assert S._distinct([(None,) * 4, (4, 512, 4, 3), (2, 512, 4, 3)], (4, 512, 4, 3)) == [(None,) * 4, (2, 512, 4, 3)]
+    # where `pre` holds a program's rows whole, BLOCK_N is unused: such tilings timed once, labelled without it
+    # (4 x 2,048 whole; 16 x 2,048 past the bound, looping in blocks)
+    tl = [(None,) * 4, (4, 1024, 4, 3), (4, 512, 4, 3), (16, 512, 4, 3)]
+    assert S.whole_rows(tl, 1536, True) == [(None,) * 4, (4, None, 4, 3), (16, 512, 4, 3)]
+    assert S.whole_rows(tl, 1536, False) == tl and S.whole_rows(tl, 4096, True)[1:] == tl[1:]
     # bad input and an existing file: one line, exit status 2, nothing written or replaced
     out, other = tmp_path / "s.json", tmp_path / "other.json"
     other.write_text("{}")

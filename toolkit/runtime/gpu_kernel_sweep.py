@@ -90,22 +90,21 @@ def router_rows(H: int, E: int, k: int, reps: int, *, tiles=(None, 1), warps=(4,
 
 
 def slot_rows(O: int, N: int, k: int, name: str, reps: int, tilings, *, gated: bool = False, glu: bool = False,
-              pre: bool = False, late: bool = False) -> list[dict]:
+              pre: bool = False, late: bool = False, tag: str = "") -> list[dict]:
     """k matrices [O, N] of a slot arena launched as slot_gemv's options say (gated: x is [k, 2N], SiLU(gate) x
     up taken as loaded; glu: SiLU(gate) x up of the output's halves out; pre / late: the launch under PDL), each
-    tiling (BLOCK_O, BLOCK_N, warps, stages; None: the default; with `pre` the rows are whole, BLOCK_N unused)."""
+    tiling (BLOCK_O, BLOCK_N, warps, stages; None: the default; where `pre` holds the rows whole, BLOCK_N
+    unused). x has k rows where `gated` or `pre` (a down projection's input, as the engine passes it), else one.
+    `tag`: added to the shape (rows of another launch of the same matrices)."""
     n = _copies(k * O * N * 2)
     arena = torch.randn(n * k, O, N, device="cuda", dtype=torch.float16) * 0.02
-    x = torch.randn(k if gated else 1, 2 * N if gated else N, device="cuda", dtype=torch.float16)
+    x = torch.randn(k if gated or pre else 1, 2 * N if gated else N, device="cuda", dtype=torch.float16)
     sels = [torch.arange(i * k, (i + 1) * k, device="cuda") for i in range(n)]
-    whole = pre and N <= K.SLOT_PRE_N
-    default = (K.SLOT_BLOCK_O, None if whole else K.SLOT_BLOCK_N, TRITON_WARPS, TRITON_STAGES)
-    if whole:
-        tilings = list(dict.fromkeys((bo, None, w, st) for bo, _, w, st in tilings))
     shape = f"{k} x [{O}, {N}]" + "".join(f" {t}" for t, on in (("gated", gated), ("glu", glu), ("pre", pre),
-                                                                  ("late", late)) if on)
+                                                                  ("late", late)) if on) + tag
     rows = []
-    for bo, bn, nw, ns in _distinct(tilings, default):
+    for bo, bn, nw, ns in whole_rows(_distinct(tilings, (K.SLOT_BLOCK_O, K.SLOT_BLOCK_N, TRITON_WARPS,
+                                                         TRITON_STAGES)), N, pre):
         calls = [lambda s=s: K._slot_gemv_triton(arena, s, x, bo, bn, nw, gated=gated, glu=glu, pre=pre, late=late,
                                                  num_stages=ns) for s in sels]
         us = _time(calls, reps)
@@ -113,6 +112,14 @@ def slot_rows(O: int, N: int, k: int, name: str, reps: int, tilings, *, gated: b
                      "tiling": "/".join("-" if v is None else str(v) for v in (bo, bn, nw, ns)),
                      "us": round(us, 2), "gbps": round(k * O * N * 2 / us / 1e3)})
     return rows
+
+
+def whole_rows(tilings, N: int, pre: bool) -> list[tuple]:
+    """The slot GEMV's tilings with BLOCK_N dropped (None) where `pre` holds a program's rows of N whole
+    (gpu_kernels.slot_pre_whole: BLOCK_N unused), each tiling once."""
+    if not pre:
+        return list(tilings)
+    return list(dict.fromkeys((bo, None if K.slot_pre_whole(N, bo) else bn, w, st) for bo, bn, w, st in tilings))
 
 
 def norm_rows(H: int, O: int, k: int, reps: int, tilings) -> list[dict]:
@@ -162,9 +169,10 @@ def sweep(hidden: int, heads: int, kv_heads: int, head_dim: int, experts: int, f
     rows = kernels(slot, norm, (None, 1), (4, 8, 16))
     # the launches before glu / pre / late (docs/benchmarks.md section 33's), at the default tiling: gate / up's
     # 2F outputs and the down projection's SiLU on load, o_proj reading after its wait
-    rows += slot_rows(2 * ffn, hidden, k, "experts' gate / up", reps, SLOT_TILINGS[:1])
-    rows += slot_rows(hidden, ffn, k, "experts' down", reps, SLOT_TILINGS[:1], gated=True)
-    rows += slot_rows(hidden, heads * head_dim, 1, "o_proj", reps, SLOT_TILINGS[:1])
+    was = " (section 33's launch)"
+    rows += slot_rows(2 * ffn, hidden, k, "experts' gate / up", reps, SLOT_TILINGS[:1], tag=was)
+    rows += slot_rows(hidden, ffn, k, "experts' down", reps, SLOT_TILINGS[:1], gated=True, tag=was)
+    rows += slot_rows(hidden, heads * head_dim, 1, "o_proj", reps, SLOT_TILINGS[:1], tag=was)
     if not _cuda_pdl():   # (no PDL here: every row is plain already)
         return rows
     prev, K.PDL = K.PDL, False

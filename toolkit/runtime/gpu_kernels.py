@@ -13,6 +13,9 @@ routes to, reading the weights where they lie, with fp32 accumulation.
 
       y[j, o] = fp16( sum_n  W[slots[j]][o, n] * x[j or 0, n] )
 
+  and for a SiLU expert's gate and up rows (`glu`, W [2F, N]): fp16(SiLU(g) x u) with g = y[j, o] and
+  u = y[j, F + o], each rounded to fp16 first.
+
 - The fused attention's q/k/v GEMV (`norm_gemv`) takes the layer's input RMS norm and, after a MoE layer,
   that layer's k weighted expert outputs summed into the residual stream, as its prologue.
 
@@ -84,14 +87,21 @@ if triton is not None:
 
 # Programmatic dependent launch (Hopper and later NVIDIA GPUs): the fused kernels (the slot GEMV, norm_gemv, the
 # router and the attention) are launched so that the next kernel's programs may start while the one before
-# finishes: each kernel signals at its start (griddepcontrol.launch_dependents) and waits for the kernel before it
-# (griddepcontrol.wait), in every program, before it reads anything that kernel may have written or writes
-# anything, so the launch gap between two kernels and, where a kernel reads constant weights first (norm_gemv, the
-# router, in their one-block paths), those reads overlap the kernel before. As each kernel lets the next start at
-# its own start, a chain of them can be in flight at once: those weights must not be written by any kernel that
-# may still run (nothing writes a model's weights while it decodes; code that did, in place, would need a plain
-# launch or a sync in between). SPECPREFETCH_PDL=0 launches them plainly, 1 (the default) as above
-# (docs/gpu-tier.md).
+# finishes: each kernel signals (griddepcontrol.launch_dependents) at its start, or after its own wait where it is
+# launched `late` (the experts' gate / up), and waits for the kernel before it (griddepcontrol.wait), in every
+# program, before it reads anything that kernel may have written or writes anything, so the launch gap between
+# two kernels and the reads that need nothing of the kernels before overlap them: norm_gemv's and the router's
+# constant weights (in their one-block paths), the slot GEMV's slot and rows where launched `pre` (the output
+# projection; the experts' down projection, after a `late` gate / up), the attention's position, rotary tables
+# and earlier cache positions. As each kernel lets the next start at its own start, a chain of them can be in
+# flight at once: what a kernel reads before its wait must not be written by any kernel that may still run.
+# Nothing writes a model's weights while it decodes (code that did, in place, would need a plain launch or a sync
+# in between); the position, the rotary tables and a segment's slots are written by copies or plain kernels,
+# which have exited before any later kernel starts (visibility through their exit, not a wait: what a plain
+# launch's ordering gives); a decode step ends in plain kernels (the token's argmax, the position's increment),
+# so the next step's kernels start after this step's cache writes; and a `late` kernel starts its successors
+# only once every kernel before it has finished. SPECPREFETCH_PDL=0 launches them plainly, 1 (the default) as
+# above (docs/gpu-tier.md).
 def pdl_setting(value: str | None) -> bool | None:
     """SPECPREFETCH_PDL's value -> on (unset or 1), off (0), or None for anything else (check_pdl_setting)."""
     return {"1": True, "0": False}.get("1" if value is None else value.strip())
@@ -236,9 +246,15 @@ if triton is not None:
 # the best of ten tilings on an H100 at both expert sizes (docs/benchmarks.md), and in section 33's sweep for the
 # experts' gate / up (2/1024 was faster for a one-slot [1024, 1024] output projection alone, untimed in the token)
 SLOT_BLOCK_O, SLOT_BLOCK_N = 4, 512
-# `pre`'s bound: a program holds its BLOCK_O rows whole in registers (4 x 4,096 fp16 = 64 registers a thread of
-# its 128); wider matrices take the loop, reading after the wait
-SLOT_PRE_N = 4096
+# `pre`'s bound: a program holds its BLOCK_O rows whole in registers, BLOCK_O x N (N to a power of two) at most
+# SLOT_PRE_ELEMS (4 x 2,048 fp16: 64 a thread of 128, twice that once converted to float32); wider rows take the
+# loop, reading after the wait
+SLOT_PRE_ELEMS = 8192
+
+
+def slot_pre_whole(N: int, block_o: int | None = None) -> bool:
+    """Whether `pre` holds a program's rows of N inputs whole (else the loop, reading after the wait)."""
+    return (block_o or SLOT_BLOCK_O) * (1 << (N - 1).bit_length()) <= SLOT_PRE_ELEMS
 
 
 def slot_gemv(w: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, *, gated: bool = False, glu: bool = False,
@@ -252,12 +268,15 @@ def slot_gemv(w: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, *, gated: b
     same rows of both halves), so the down projection's kernel reads F inputs, not 2F.
 
     Under programmatic dependent launch (pdl()): `pre` lets each program read its slot and its rows of the
-    matrix before it waits for the kernel before (N <= SLOT_PRE_N; the loop over the rows otherwise): only
+    matrix, whole, before it waits for the kernel before (up to SLOT_PRE_ELEMS; the loop over the rows
+    otherwise): only
     where neither was written by a kernel that may still run, i.e. the weights are the model's (constant while
     it decodes) and the slots constant (a one-slot projection) or written before a `late` kernel ahead of this
     one; `late` signals the next kernel's launch only after this one's wait, so every kernel after it starts
     once everything before this one has finished (the experts' gate / up kernel, so that the down projection
-    may read the slots the router wrote ahead of its wait). Both change launches, never results.
+    may read the slots the router wrote ahead of its wait). `late` changes the launch only; `pre`'s whole rows
+    are one reduction rather than the loop's blocks, so its results may differ from the loop's in the last bit
+    (the same with or without PDL).
     `use_triton` forces a path (tests)."""
     if glu and (gated or pre):
         raise ValueError("slot_gemv: glu takes neither gated nor pre")
@@ -273,12 +292,14 @@ def slot_gemv(w: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, *, gated: b
 def slot_gemv_ref(w: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, gated: bool = False,
                   glu: bool = False) -> torch.Tensor:
     """slot_gemv's reference, glu included: silu_mul of the [k, 2F] product."""
+    _check_glu(w, gated, glu, pre=False)
     y = slot_gemv_torch(w, slots, x, gated)
     return silu_mul(y) if glu else y
 
 
 def _slot_gemv_impl(w: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, gated: bool, glu: bool, pre: bool,
                     late: bool) -> torch.Tensor:
+    _check_glu(w, gated, glu, pre)
     if triton is not None and w.is_cuda:
         return _slot_gemv_triton(w, slots, x, gated=gated, glu=glu, pre=pre, late=late)
     return slot_gemv_ref(w, slots, x, gated, glu)
@@ -290,8 +311,14 @@ def _slot_gemv_op(w: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, gated: 
     return _slot_gemv_impl(w, slots, x, gated, glu, pre, late)
 
 
+def _check_glu(w, gated: bool, glu: bool, pre: bool) -> None:
+    torch._check(not glu or (w.shape[1] % 2 == 0 and not gated and not pre),
+                 lambda: "slot_gemv: glu needs gate and up rows (an even O) and neither gated nor pre")
+
+
 @_slot_gemv_op.register_fake
 def _(w, slots, x, gated, glu, pre, late):
+    _check_glu(w, gated, glu, pre)
     torch._check(x.shape[-1] == w.shape[2] * (2 if gated else 1),
                  lambda: "slot_gemv: x's width is not the matrix's input")
     torch._check(x.shape[0] == 1 or x.shape[0] == slots.shape[0], lambda: "slot_gemv: x has neither 1 nor k rows")
@@ -315,7 +342,7 @@ def _slot_gemv_triton(w: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, blo
     if glu:
         O //= 2
     y = torch.empty(k, O, device=w.device, dtype=x.dtype)
-    pre = pre and N <= SLOT_PRE_N
+    pre = pre and slot_pre_whole(N, block_o)
     bo, bn = block_o or SLOT_BLOCK_O, triton.next_power_of_2(N) if pre else block_n or SLOT_BLOCK_N
     grid = (k, triton.cdiv(O, bo))
     extra = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None}
