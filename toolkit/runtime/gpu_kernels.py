@@ -581,7 +581,8 @@ def bench(shapes=((1024, 1536), (1024, 6144)), k: int = 4, slots: int = 40, reps
     the `slots` experts in turn (all `slots` experts, hundreds of MiB, far beyond the L2 cache), so the
     bytes come from device memory. `blocks`: the slot GEMV's tilings (BLOCK_O, BLOCK_N, warps) to try,
     each a row of its own (path "fused O/N/W"; None values: the default's, path "fused"); gate / up with
-    SiLU(gate) x up out (`glu`, `late`) and the down projection `pre`, as FusedExpertMath runs them. Needs CUDA and Triton."""
+    SiLU(gate) x up out (`glu`, `late`) and the down projection `pre` (its BLOCK_N unused where the rows are
+    whole), as FusedExpertMath runs them. Needs CUDA and Triton."""
     import torch.nn.functional as F
 
     if triton is None or not torch.cuda.is_available():
