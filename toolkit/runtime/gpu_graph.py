@@ -47,10 +47,10 @@ are decomposed for inductor (`topk_by_sort`, `row_times_narrow`). Compiled or no
 projections are one GEMV (`_FusedQKV`), a one-position attention reads the static cache in place (the
 query heads of a K/V head as its rows), and a SiLU expert's activation is computed inside the gate / up
 kernel (inside the down projection's where gate and up are not adjacent). With `GpuEngine(attention="fused",
-router="fused")` (the default with `graph`) a one-position step's attention block and each MoE layer's router are a kernel or two each
-(toolkit/runtime/gpu_attention.py, gpu_router.py: two over a long cache or for a large router): the q/k/v
-projection one kernel with the input norm and the MoE layer before's expert combine (gpu_kernels.norm_gemv),
-the output projection the slot GEMV's kernel over a one-slot pool (`_gemv`).
+router="fused")` (the default with `graph`) a one-position step's attention block and each MoE layer's
+router are a kernel or two each (toolkit/runtime/gpu_attention.py, gpu_router.py: two over a long cache or
+for a large router): the q/k/v projection one kernel with the input norm and the MoE layer before's expert
+combine (gpu_kernels.norm_gemv), the output projection the slot GEMV's kernel over a one-slot pool (`_gemv`).
 docs/gpu-tier.md has the figures.
 
 Where CUDA is absent (CI) the same functions run eagerly on the CPU: `decode="static"`.
