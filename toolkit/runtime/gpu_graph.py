@@ -285,6 +285,14 @@ class StaticDecoder:
         # GpuEngine(router="fused")); whether each router divides its top-k by their sum (Mixtral's always do)
         self.fused_router = eng.router == "fused"
         self.norm_topk = {i: bool(getattr(self.blocks[i].gate, "norm_topk_prob", True)) for i in self.blocks}
+        # one position's final norm and LM head (and the last MoE layer's routed outputs, handed over) in one
+        # norm_gemv, with the fused attention, where the head is a plain fp16 matrix after a weighted RMS norm
+        from toolkit.runtime.gpu_kernels import is_weighted_rms_norm
+
+        head = self.lm_head
+        self.fused_head = (self.fused_attention and is_weighted_rms_norm(self.inner.norm)
+                           and getattr(head, "bias", None) is None and head.weight.dtype == torch.float16
+                           and head.weight.is_contiguous())
 
     # -- the dense pieces ------------------------------------------------------------------
     def mask(self, positions: torch.Tensor, S: int) -> torch.Tensor:
@@ -425,6 +433,20 @@ class StaticDecoder:
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.inner.norm(h))
+
+    def head_one(self, h: torch.Tensor, pending=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One position's (h [1, 1, H]) logits [1, 1, V] and h with `pending` (attend's) added: in one kernel
+        (gpu_kernels.norm_gemv: the combine, the final norm and the head's GEMV) where `fused_head`, else
+        combine, then head."""
+        if not self.fused_head:
+            h = combine(h, pending)
+            return self.head(h), h
+        from toolkit.runtime.gpu_kernels import norm_gemv
+
+        norm = self.inner.norm
+        h, logits = norm_gemv(h, *(pending or self.no_combine), norm.weight.detach(), norm.variance_epsilon,
+                              self.lm_head.weight.detach())
+        return logits.view(1, 1, -1), h
 
     # -- a whole pass of T rows, eagerly (verification, and every step on the CPU) ------------
     def forward_rows(self, tokens: torch.Tensor, pos: int, kv: StaticKV, experts) -> torch.Tensor:
@@ -801,7 +823,8 @@ class GraphRunner:
         pending = None
         if s == 0:
             h = dec.inner.embed_tokens(self.tok[None])
-        elif self.fold_combine and self.seg_layers[s]:   # summed into h by the next layer's q/k/v GEMV (attend)
+        elif self.fold_combine and (self.seg_layers[s] or (s == L and dec.fused_head)):
+            # summed into h by the next layer's q/k/v GEMV (attend), or by the head's (head_one)
             pending = self.math.parts(self.post[s - 1], self.scores[s - 1], self.sel[s - 1])
         else:
             li = s - 1
@@ -817,7 +840,8 @@ class GraphRunner:
                               pending=pending)
             pending = None
         if s == L:
-            self.tok.copy_(dec.head(h)[0, -1].argmax(-1, keepdim=True))
+            logits, h = dec.head_one(h, pending)
+            self.tok.copy_(logits[0, -1].argmax(-1, keepdim=True))
         self.h.copy_(h)
         return (mask, cs) if resident else None    # (a segment's graph need not write them out)
 
