@@ -1941,6 +1941,40 @@ def test_triton_slot_kernel_matches_the_reference(monkeypatch):
     assert [grid for grid, _ in seen] == [(2, 2), (2, 1), (1, 1)]
 
 
+def test_the_fused_head_is_the_models_head(tiny_models, stores):
+    """StaticDecoder.head_one: the last MoE layer's routed outputs handed over, the final norm and the LM head in
+    one norm_gemv (its torch reference here; the kernel on a GPU) -> h bitwise the combine's and logits within an
+    fp16 step of the model's head; without fused_head, exactly combine then head; never with the model's
+    attention."""
+    from toolkit.runtime.gpu_graph import combine
+
+    spec = inspect_model_dir(tiny_models["qwen3_moe"])
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(8)
+    for attention in ("fused", "sdpa"):
+        eng = GpuEngine(load_model(tiny_models["qwen3_moe"], dtype="float16"), ExpertStore(stores["qwen3_moe"], spec),
+                        RunConfig(policy=Policy.parse("on-demand+lru"), pool_mib=64.0), device=dev,
+                        attention=attention)
+        dec = eng._graph_runner(32).dec
+        assert dec.fused_head == (attention == "fused")
+        H, k = dec.H, eng.k
+        h = torch.randn(1, 1, H, generator=g).half().to(dev)
+        pending = (torch.randn(k, H, generator=g).half().to(dev), torch.rand(1, k, generator=g).half().to(dev),
+                   torch.randperm(k, generator=g).to(dev))
+        with torch.no_grad():
+            want_h = combine(h, pending)
+            want = dec.head(want_h)
+            for p in (pending, None):
+                logits, h2 = dec.head_one(h, p)
+                ref = want if p is not None else dec.head(h)
+                assert torch.equal(h2.view(1, 1, H), want_h if p is not None else h)
+                assert logits.shape == ref.shape and _fp16_steps(logits, ref) <= 1, (attention, p is None)
+            if dec.fused_head:
+                dec.fused_head = False
+                logits, h2 = dec.head_one(h, pending)
+                assert torch.equal(logits, want) and torch.equal(h2, want_h)
+
+
 def _fp16_steps(a: torch.Tensor, b: torch.Tensor) -> int:
     """How many fp16 values apart two fp16 tensors are at most (their bits as ordered integers)."""
     def ordered(t):
@@ -2402,11 +2436,10 @@ def test_fused_kernels_decode_as_the_model_path(tiny_models, stores, sliding, fa
                 # (a segment after the first with layers: its first takes the MoE layer before's outputs; the
                 # last segment has none where the last layer is a MoE layer, and the head's norm_gemv takes them:
                 # one norm_gemv a layer and one for the head, StaticDecoder.head_one)
-                last = len(gr.seg_layers) - 1
-                handed = sum(1 for s, layers in enumerate(gr.seg_layers) if s and (layers or s == last))
-                assert dec.fused_head and (not gr.seg_layers[last] or fam != "qwen3_moe")
+                # (every MoE layer's outputs handed over: each tiny family ends in a MoE layer)
+                assert dec.fused_head and not gr.seg_layers[-1]
                 assert calls == {"attention": n * len(dec.layers), "route": n * len(dec.moe_at),
-                                 "norm_gemv": n * (len(dec.layers) + 1), "combined": n * handed}, calls
+                                 "norm_gemv": n * (len(dec.layers) + 1), "combined": n * len(dec.moe_at)}, calls
                 got = {name: len(seen) for name, seen in launches.items()}
                 assert got == {"combine": calls["attention"], "topk": calls["route"]}, got
             assert min(len(seen) for seen in launches.values()) > 0
@@ -3017,6 +3050,8 @@ def test_kernel_sweep_report_and_refusal(tmp_path, capsys, monkeypatch):
     tl = [(None,) * 4, (4, 1024, 4, 3), (4, 512, 4, 3), (16, 512, 4, 3)]
     assert S.whole_rows(tl, 1536, True) == [(None,) * 4, (4, None, 4, 3), (16, 512, 4, 3)]
     assert S.whole_rows(tl, 1536, False) == tl and S.whole_rows(tl, 4096, True)[1:] == tl[1:]
+    # (and (4, None, 4, 3) is then the default's own configuration: slot_rows drops it)
+    assert S._distinct(S.whole_rows(tl, 1536, True), (4, None, 4, 3)) == [(None,) * 4, (16, 512, 4, 3)]
     # bad input and an existing file: one line, exit status 2, nothing written or replaced
     out, other = tmp_path / "s.json", tmp_path / "other.json"
     other.write_text("{}")

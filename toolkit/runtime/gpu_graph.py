@@ -10,7 +10,9 @@ and no prefetching policy can win. This module takes the host out of the per-ker
                    (summed inside the next layer's q/k/v kernel with the fused attention and experts),
                    then the decoder layers up to MoE layer s's router
     segment L      the last MoE layer's experts, the remaining layers, the final norm, the LM head and
-                   the greedy argmax (the next token stays on the device)
+                   the greedy argmax (the next token stays on the device); with the fused attention the
+                   final norm and the LM head are one kernel, which also sums the last MoE layer's
+                   experts where no layer follows it (StaticDecoder.head_one)
 
 Each segment is one CUDA graph replay. Between two replays the host reads the router's top-k (and, when a
 planner runs that does not fold, the router's input) through non-blocking copies into pinned memory and one
@@ -228,6 +230,9 @@ def _fused_qkv(sa) -> _FusedQKV | None:
     return sa._specprefetch_qkv
 
 
+FUSED_HEAD_ROWS = 65536   # StaticDecoder.fused_head's vocabulary bound
+
+
 def combine(h: torch.Tensor, pending) -> torch.Tensor:
     """h plus a MoE layer's routed outputs handed over unsummed (StaticDecoder.attend's `pending`), as
     FusedExpertMath sums them; h itself where there are none."""
@@ -286,13 +291,16 @@ class StaticDecoder:
         self.fused_router = eng.router == "fused"
         self.norm_topk = {i: bool(getattr(self.blocks[i].gate, "norm_topk_prob", True)) for i in self.blocks}
         # one position's final norm and LM head (and the last MoE layer's routed outputs, handed over) in one
-        # norm_gemv, with the fused attention, where the head is a plain fp16 matrix after a weighted RMS norm
-        from toolkit.runtime.gpu_kernels import is_weighted_rms_norm
+        # norm_gemv, with the fused attention, where the head is a plain fp16 matrix after a weighted RMS norm,
+        # its row held in one block (the weights read ahead of the PDL wait) and the vocabulary at most
+        # FUSED_HEAD_ROWS (each program re-reads the combine's k + 1 rows from the L2: timed at 4,096 rows only)
+        from toolkit.runtime.gpu_kernels import NORM_ONE_BLOCK, is_weighted_rms_norm
 
         head = self.lm_head
         self.fused_head = (self.fused_attention and is_weighted_rms_norm(self.inner.norm)
                            and getattr(head, "bias", None) is None and head.weight.dtype == torch.float16
-                           and head.weight.is_contiguous())
+                           and head.weight.is_contiguous() and self.H <= NORM_ONE_BLOCK
+                           and head.weight.shape[0] <= FUSED_HEAD_ROWS)
 
     # -- the dense pieces ------------------------------------------------------------------
     def mask(self, positions: torch.Tensor, S: int) -> torch.Tensor:

@@ -103,8 +103,9 @@ def slot_rows(O: int, N: int, k: int, name: str, reps: int, tilings, *, gated: b
     shape = f"{k} x [{O}, {N}]" + "".join(f" {t}" for t, on in (("gated", gated), ("glu", glu), ("pre", pre),
                                                                   ("late", late)) if on) + tag
     rows = []
-    for bo, bn, nw, ns in whole_rows(_distinct(tilings, (K.SLOT_BLOCK_O, K.SLOT_BLOCK_N, TRITON_WARPS,
-                                                         TRITON_STAGES)), N, pre):
+    whole = pre and K.slot_pre_whole(N)
+    default = (K.SLOT_BLOCK_O, None if whole else K.SLOT_BLOCK_N, TRITON_WARPS, TRITON_STAGES)
+    for bo, bn, nw, ns in _distinct(whole_rows(tilings, N, pre), default):
         calls = [lambda s=s: K._slot_gemv_triton(arena, s, x, bo, bn, nw, gated=gated, glu=glu, pre=pre, late=late,
                                                  num_stages=ns) for s in sels]
         us = _time(calls, reps)

@@ -17,7 +17,8 @@ routes to, reading the weights where they lie, with fp32 accumulation.
   u = y[j, F + o], each rounded to fp16 first.
 
 - The fused attention's q/k/v GEMV (`norm_gemv`) takes the layer's input RMS norm and, after a MoE layer,
-  that layer's k weighted expert outputs summed into the residual stream, as its prologue.
+  that layer's k weighted expert outputs summed into the residual stream, as its prologue; the same kernel is
+  one position's final norm and LM head (gpu_graph.StaticDecoder.head_one).
 
 On CUDA they are Triton kernels (one program per expert and block of output rows); elsewhere, and as
 the reference in the tests, the same arithmetic in torch ops (`int4_gemv_torch`, `slot_gemv_torch`,
@@ -451,7 +452,7 @@ def norm_gemv(h, ys, scores, perm, nw, eps: float, w, *, use_triton: bool | None
     """A decoder layer's input for one position, in one kernel (Triton on CUDA, else the reference; under
     torch.compile the custom operator `specprefetch::norm_gemv`): the MoE layer before's expert outputs
     combined into the residual stream, the input RMS norm, and the first GEMV over it (the fused attention's
-    q/k/v projection) -> (h', y [1, O]). ys [0, H] (and empty scores / perm): no combine, the norm and
+    q/k/v projection; or the final norm and the LM head: gpu_graph.StaticDecoder.head_one) -> (h', y [1, O]). ys [0, H] (and empty scores / perm): no combine, the norm and
     GEMV only. Each program recomputes the combined row and its norm from the k + 1 rows (read from the L2:
     (k + 1) x H x 2 bytes a program, once up to NORM_ONE_BLOCK inputs, twice above) instead of a kernel of
     its own writing it out. `use_triton` forces a path (tests)."""
