@@ -453,9 +453,10 @@ def norm_gemv(h, ys, scores, perm, nw, eps: float, w, *, use_triton: bool | None
     torch.compile the custom operator `specprefetch::norm_gemv`): the MoE layer before's expert outputs
     combined into the residual stream, the input RMS norm, and the first GEMV over it (the fused attention's
     q/k/v projection; or the final norm and the LM head: gpu_graph.StaticDecoder.head_one) -> (h', y [1, O]).
-    ys [0, H] (and empty scores / perm): no combine, the norm and GEMV only. Each program recomputes the combined row and its norm from the k + 1 rows (read from the L2:
-    (k + 1) x H x 2 bytes a program, once up to NORM_ONE_BLOCK inputs, twice above) instead of a kernel of
-    its own writing it out. `use_triton` forces a path (tests)."""
+    ys [0, H] (and empty scores / perm): no combine, the norm and GEMV only. Each program recomputes the
+    combined row and its norm from the k + 1 rows (read from the L2: (k + 1) x H x 2 bytes a program, once up
+    to NORM_ONE_BLOCK inputs, twice above) instead of a kernel of its own writing it out. `use_triton` forces
+    a path (tests)."""
     args = (h, ys, scores, perm, nw, eps, w)
     if use_triton is None:
         if torch.compiler.is_compiling():   # as slot_gemv
