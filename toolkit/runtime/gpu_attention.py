@@ -97,7 +97,7 @@ if triton is not None:
         return (a + b).to(dt)
 
     @triton.jit
-    def _attend_block(q, kb, vb, ok, m, den, acc, scale, dt: tl.constexpr):
+    def _attend_block(q, kb, vb, ok, m, den, acc, scale):
         """One block of keys and values [BLOCK_S, D] (`ok`: the visible ones) into a K/V head's online softmax
         (running maximum m, denominator den, unnormalised output acc) -> (m, den, acc)."""
         s = tl.dot(q, tl.trans(kb)) * scale                                                      # [GP, BS]
@@ -105,7 +105,7 @@ if triton is not None:
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])
-        return m_new, den * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + tl.dot(p.to(dt), vb).to(tl.float32)
+        return m_new, den * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb).to(tl.float32)
 
     @triton.jit
     def _decode_attention_kernel(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pos_ptr, out_ptr,
@@ -157,14 +157,14 @@ if triton is not None:
         acc = tl.zeros([GP, D], dtype=tl.float32) + tl.where(first, v.to(dt).to(tl.float32), 0.0)
         start = lo
         if not SPLIT:   # the block read ahead (all masked where there is none: m is finite, it adds nothing)
-            m, den, acc = _attend_block(q, kb0, vb0, ok0, m, den, acc, scale, dt)
+            m, den, acc = _attend_block(q, kb0, vb0, ok0, m, den, acc, scale)
             start = lo + BLOCK_S
         for j0 in range(start, end, BLOCK_S):                # the earlier visible positions (of this chunk)
             j = j0 + tl.arange(0, BLOCK_S)
             ok = j < end
             kb = tl.load(k_ptr + base + j[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)   # [BS, D]
             vb = tl.load(v_ptr + base + j[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
-            m, den, acc = _attend_block(q, kb, vb, ok, m, den, acc, scale, dt)
+            m, den, acc = _attend_block(q, kb, vb, ok, m, den, acc, scale)
         # (the first term's weight was exp(s_new - m), carried in acc and den from the start)
         if not SPLIT:
             tl.store(out_ptr + (g * G + rr[:, None]) * D + d[None, :], (acc / den[:, None]).to(dt),

@@ -206,8 +206,9 @@ if triton is not None:
         offs_o = po * BLOCK_O + tl.arange(0, BLOCK_O)
         mo = offs_o < O
         xbase = x_ptr + j * x_stride
-        if PDL and not LATE:
-            tl.extra.cuda.gdc_launch_dependents()
+        if PDL:
+            if not LATE:
+                tl.extra.cuda.gdc_launch_dependents()
         if PRE:   # the slot and the program's whole rows (BLOCK_N >= N) read before the wait, the input after
             s = tl.load(slots_ptr + j).to(tl.int64)
             offs_n = tl.arange(0, BLOCK_N)
