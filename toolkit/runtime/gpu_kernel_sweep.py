@@ -104,7 +104,8 @@ def slot_rows(O: int, N: int, k: int, name: str, reps: int, tilings, *, gated: b
                                                                   ("late", late)) if on) + tag
     rows = []
     whole = pre and K.slot_pre_whole(N)
-    default = (K.SLOT_BLOCK_O, None if whole else K.SLOT_BLOCK_N, TRITON_WARPS, TRITON_STAGES)
+    warps = (K.slot_pre_warps(K.SLOT_BLOCK_O * (1 << (N - 1).bit_length())) if whole else None) or TRITON_WARPS
+    default = (K.SLOT_BLOCK_O, None if whole else K.SLOT_BLOCK_N, warps, TRITON_STAGES)
     for bo, bn, nw, ns in _distinct(whole_rows(tilings, N, pre), default):
         calls = [lambda s=s: K._slot_gemv_triton(arena, s, x, bo, bn, nw, gated=gated, glu=glu, pre=pre, late=late,
                                                  num_stages=ns) for s in sels]

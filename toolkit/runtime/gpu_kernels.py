@@ -254,6 +254,12 @@ SLOT_BLOCK_O, SLOT_BLOCK_N = 4, 512
 SLOT_PRE_ELEMS = 8192
 
 
+def slot_pre_warps(tile: int) -> int | None:
+    """`pre`'s warps for a whole tile of `tile` elements: 8 above 4,096 (4 x 2,048 spilled registers at 4 warps in
+    ptxas for sm_90), else Triton's default."""
+    return 8 if tile > 4096 else None
+
+
 def slot_pre_whole(N: int, block_o: int | None = None) -> bool:
     """Whether `pre` holds a program's rows of N inputs whole (else the loop, reading after the wait)."""
     return (block_o or SLOT_BLOCK_O) * (1 << (N - 1).bit_length()) <= SLOT_PRE_ELEMS
@@ -346,6 +352,8 @@ def _slot_gemv_triton(w: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, blo
     y = torch.empty(k, O, device=w.device, dtype=x.dtype)
     pre = pre and slot_pre_whole(N, block_o)
     bo, bn = block_o or SLOT_BLOCK_O, triton.next_power_of_2(N) if pre else block_n or SLOT_BLOCK_N
+    if pre and num_warps is None:
+        num_warps = slot_pre_warps(bo * bn)
     grid = (k, triton.cdiv(O, bo))
     extra = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None}
     on = pdl(w)
