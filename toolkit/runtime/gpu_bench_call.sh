@@ -42,11 +42,14 @@
 # with the step's kernels profiled (gpu-bench-resident-rand*.json; RBT: each bench's timeout, 200; BX
 # reaches these benches too; RWIDE=0: the base geometry only; RK="fused model": the fused attention and router
 # against the model's, interleaved over RR rounds, 2, each bench's files named -fused-rN / -model-rN; RK's
-# fused-plain: the fused kernels launched without programmatic dependent launch (SPECPREFETCH_PDL=0), -fused-plain-rN
+# fused-plain: the fused kernels launched without programmatic dependent launch (SPECPREFETCH_PDL=0), -fused-plain-rN;
+# RK's fused-base: the fused kernels as an earlier tree has them, the bench run from BASE (a directory holding that
+# tree: git archive COMMIT | tar -x -C DIR --exclude='*.safetensors'), -fused-base-rN
 # (RK's fused kinds need the GPU's fp16: a DEV=cpu smoke run refuses them in each bench's log; every kind but
 # fused-plain takes the call's own SPECPREFETCH_PDL, if set):
 #   STAGES="resident tests" RK="fused model" RWIDE=0 OUT=... bash toolkit/runtime/gpu_bench_call.sh
-#   STAGES=resident RK="fused fused-plain" RWIDE=0 OUT=... bash toolkit/runtime/gpu_bench_call.sh   (section 33's A/B)).
+#   STAGES=resident RK="fused fused-plain" RWIDE=0 OUT=... bash toolkit/runtime/gpu_bench_call.sh   (section 33's A/B)
+#   STAGES=resident RK="fused fused-base" BASE=runs/base RWIDE=0 OUT=... bash toolkit/runtime/gpu_bench_call.sh).
 # SMOKE=1 runs every stage on tiny sizes (a random tiny model, no training, one short prompt) to check
 # the commands before a measuring call.
 # Output under OUT: log (the whole call's), and all.tgz (re-packed after every stage, so a call cut
@@ -249,7 +252,7 @@ PY
       fi
       CB=inductor; [ "$DEV" = cpu ] && CB=aot_eager
       MS=("$RM"); [ "${RWIDE:-1}" = 1 ] && MS+=("$RW")
-      for kc in ${RK:-}; do case $kc in fused|fused-plain|model) ;; *) fail "resident: RK '$kc' (fused, fused-plain or model)"; exit 2 ;; esac; done
+      for kc in ${RK:-}; do case $kc in fused|fused-plain|model) ;; fused-base) [ -d "${BASE:-}/toolkit" ] || { fail "resident: RK fused-base needs BASE, a directory holding an earlier tree (toolkit/ in it), not '${BASE:-}'"; exit 2; } ;; *) fail "resident: RK '$kc' (fused, fused-plain, fused-base or model)"; exit 2 ;; esac; done
       case " $(echo ${RK:-}) " in *" fused-plain "*) [ "$PDLV" = 0 ] && echo "note: SPECPREFETCH_PDL=0 for the whole call: RK's fused and fused-plain both launch plainly" | tee -a "$L" ;; esac
       for m in "${MS[@]}"; do
         n0=$([ "$m" = "$RM" ] && echo rand || echo rand-wide)
@@ -259,10 +262,13 @@ PY
         for r in $(seq 1 $([ -n "${RK:-}" ] && echo "${RR:-2}" || echo 1)); do
           for kc in ${RK:-default}; do
             pdl=${SPECPREFETCH_PDL-1}   # (the call's own setting, as given, but for fused-plain)
+            dir=.   # (the tree the bench runs from: BASE's for fused-base)
             case $kc in fused) ko="--attention fused --router fused"; n=$n0-fused-r$r ;;
               fused-plain) ko="--attention fused --router fused"; n=$n0-fused-plain-r$r; pdl=0 ;;
+              fused-base) ko="--attention fused --router fused"; n=$n0-fused-base-r$r; dir=$BASE ;;
               model) ko="--attention sdpa --router model"; n=$n0-model-r$r ;; *) ko=""; n=$n0 ;; esac
-            SPECPREFETCH_PDL=$pdl timeout "${RBT:-200}" python -m toolkit.runtime.gpu_bench "$m" --device "$DEV" --store "$m.spx" --policies on-demand+lru --fractions 0.25 --prompts 1 --prompt-tokens 32 --new-tokens $([ "$SMOKE" = 1 ] && echo 8 || echo 24) --repeats 2 --compile $CB --profile-resident --report-mismatches $ko ${BX:-} --json "$RES/gpu-bench-resident-$n.json" > "$RES/bench-resident-$n.log" 2>&1; echo "resident $n: bench rc=$?" | tee -a "$L"
+            am=$(realpath "$m"); ares=$(realpath "$RES")
+            (cd "$dir" && SPECPREFETCH_PDL=$pdl timeout "${RBT:-200}" python -m toolkit.runtime.gpu_bench "$am" --device "$DEV" --store "$am.spx" --policies on-demand+lru --fractions 0.25 --prompts 1 --prompt-tokens 32 --new-tokens $([ "$SMOKE" = 1 ] && echo 8 || echo 24) --repeats 2 --compile $CB --profile-resident --report-mismatches $ko ${BX:-} --json "$ares/gpu-bench-resident-$n.json" > "$ares/bench-resident-$n.log" 2>&1); echo "resident $n: bench rc=$?" | tee -a "$L"
             grep -v Loading "$RES/bench-resident-$n.log" | grep -E "all experts resident|profile of|DIFFER" | cut -c1-400 | tee -a "$L"
           done
         done
