@@ -252,7 +252,7 @@ PY
       fi
       CB=inductor; [ "$DEV" = cpu ] && CB=aot_eager
       MS=("$RM"); [ "${RWIDE:-1}" = 1 ] && MS+=("$RW")
-      for kc in ${RK:-}; do case $kc in fused|fused-plain|model) ;; fused-base) [ -d "${BASE:-}/toolkit" ] || { fail "resident: RK fused-base needs BASE, a directory holding an earlier tree (toolkit/ in it), not '${BASE:-}'"; exit 2; } ;; *) fail "resident: RK '$kc' (fused, fused-plain, fused-base or model)"; exit 2 ;; esac; done
+      for kc in ${RK:-}; do case $kc in fused|fused-plain|model) ;; fused-base) { [ -n "${BASE:-}" ] && [ -d "$BASE/toolkit" ]; } || { fail "resident: RK fused-base needs BASE, a directory holding an earlier tree (toolkit/ in it), not '${BASE:-}'"; exit 2; } ;; *) fail "resident: RK '$kc' (fused, fused-plain, fused-base or model)"; exit 2 ;; esac; done
       case " $(echo ${RK:-}) " in *" fused-plain "*) [ "$PDLV" = 0 ] && echo "note: SPECPREFETCH_PDL=0 for the whole call: RK's fused and fused-plain both launch plainly" | tee -a "$L" ;; esac
       for m in "${MS[@]}"; do
         n0=$([ "$m" = "$RM" ] && echo rand || echo rand-wide)

@@ -11,8 +11,9 @@ and no prefetching policy can win. This module takes the host out of the per-ker
                    then the decoder layers up to MoE layer s's router
     segment L      the last MoE layer's experts, the remaining layers, the final norm, the LM head and
                    the greedy argmax (the next token stays on the device); with the fused attention the
-                   final norm and the LM head are one kernel, which also sums the last MoE layer's
-                   experts where no layer follows it (StaticDecoder.head_one)
+                   final norm and the LM head are one kernel where it fits (`fused_head`),
+                   which also sums the last MoE layer's experts where no layer follows it
+                   (StaticDecoder.head_one)
 
 Each segment is one CUDA graph replay. Between two replays the host reads the router's top-k (and, when a
 planner runs that does not fold, the router's input) through non-blocking copies into pinned memory and one
@@ -293,7 +294,8 @@ class StaticDecoder:
         # one position's final norm and LM head (and the last MoE layer's routed outputs, handed over) in one
         # norm_gemv, with the fused attention, where the head is a plain fp16 matrix after a weighted RMS norm,
         # its row held in one block (the weights read ahead of the PDL wait) and the vocabulary at most
-        # FUSED_HEAD_ROWS (each program re-reads the combine's k + 1 rows from the L2: timed at 4,096 rows only)
+        # FUSED_HEAD_ROWS (each program re-reads the combine's k + 1 rows from the L2; untimed, the bench
+        # model's vocabulary is 4,096: a guess)
         from toolkit.runtime.gpu_kernels import NORM_ONE_BLOCK, is_weighted_rms_norm
 
         head = self.lm_head
@@ -534,14 +536,14 @@ class FusedExpertMath(PooledExpertMath):
     def parts(self, x: torch.Tensor, scores: torch.Tensor, sel: torch.Tensor):
         """The k experts' outputs unsummed: (y [k, H] in ascending expert order, scores, their top-k positions
         perm [k]), which `combine` (or the next layer's fused q/k/v GEMV, gpu_kernels.norm_gemv) sums."""
-        from toolkit.runtime.gpu_kernels import slot_gemv
+        from toolkit.runtime.gpu_kernels import slot_gemv, slot_pre_whole
 
         k = self.k
         slots, perm = sel[:k], sel[k:]
         if self.silu and len(self.gu) == 1:   # gate and up adjacent: SiLU(gate) x up out of their kernel, [k, F]
-            # (launched `late`, so the down projection's programs read the slots and their rows ahead of their
-            # wait under PDL: gpu_kernels.slot_gemv)
-            act = slot_gemv(self.gu[0], slots, x, glu=True, late=True)
+            # (launched `late` where the down projection holds its rows whole, so its programs read the slots
+            # and those rows ahead of their wait under PDL: gpu_kernels.slot_gemv; it loops, reading after, else)
+            act = slot_gemv(self.gu[0], slots, x, glu=True, late=slot_pre_whole(self.dn.shape[2]))
             return slot_gemv(self.dn, slots, act, pre=True), scores, perm    # [k, H]
         parts = [slot_gemv(t, slots, x) for t in self.gu]
         gu = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)

@@ -249,7 +249,7 @@ if triton is not None:
 # experts' gate / up (2/1024 was faster for a one-slot [1024, 1024] output projection alone, untimed in the token)
 SLOT_BLOCK_O, SLOT_BLOCK_N = 4, 512
 # `pre`'s bound: a program holds its BLOCK_O rows whole in registers, BLOCK_O x N (N to a power of two) at most
-# SLOT_PRE_ELEMS (4 x 2,048 fp16: 64 a thread of 128, twice that once converted to float32); wider rows take the
+# SLOT_PRE_ELEMS (4 x 2,048 fp16: 32 a thread at the 8 warps slot_pre_warps gives it); wider rows take the
 # loop, reading after the wait
 SLOT_PRE_ELEMS = 8192
 
